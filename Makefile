@@ -1,0 +1,176 @@
+# memtrain - build, test, demo, bench, install.
+#
+#   make demo    installs missing Debian packages (as root), builds, trains a small model
+#   make test    installs missing Debian packages (as root), builds, runs the test suite
+#
+# Variables: CC (gcc or clang), PREFIX (install), SAN=1 (AddressSanitizer +
+# UndefinedBehaviorSanitizer build in build-san/), NVCC (path to nvcc; empty
+# disables the CUDA kernels), CUDA_ARCHS.
+
+PREFIX ?= /usr/local
+SAN ?=
+ifeq ($(SAN),1)
+BUILD ?= build-san
+else
+BUILD ?= build
+endif
+
+CFLAGS ?= -O2 -g
+CPPFLAGS += -Iinclude -Ilib -D_GNU_SOURCE
+WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
+MT_CFLAGS := -std=c11 $(WARN) -fopenmp -pthread -fno-strict-aliasing
+LDLIBS := -ljemalloc -lopenblas -ldl -lm -lpthread
+MT_LDFLAGS := -fopenmp -pthread
+ifeq ($(SAN),1)
+MT_CFLAGS += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+MT_LDFLAGS += -fsanitize=address,undefined
+endif
+
+# Debian packages the build and the tests need.
+DEB_PKGS := libjemalloc-dev libopenblas-dev pkg-config
+
+# CUDA kernels: built whenever nvcc is found; nothing needs a GPU to build.
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_ARCHS ?= 80 90
+CUDA_SRC := $(wildcard kernels/cuda/*.cu)
+
+LIB_SRC := $(wildcard lib/*.c allocators/*.c kernels/cpu/*.c)
+LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
+ifneq ($(strip $(NVCC)),)
+ifneq ($(strip $(CUDA_SRC)),)
+LIB_OBJ += $(BUILD)/obj/cuda_kernels_blob.o
+CPPFLAGS_CUDA := -DMT_HAVE_CUDA_KERNELS=1
+endif
+endif
+
+LIB := $(BUILD)/libmemtrain.a
+TOOL := $(BUILD)/memtrain
+TEST_SRC := $(wildcard test/*.c)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/examples/custom_allocator_lib.o
+TEST_BIN := $(BUILD)/mt_tests
+FAKE_CUDA := $(BUILD)/libfakecuda.so
+EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator
+BENCH_SRC := $(wildcard bench/bench_*.c)
+BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
+
+.PHONY: all lib test test-long demo bench install uninstall clean deps valgrind check-tests
+.DEFAULT_GOAL := all
+
+all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(BENCH_BIN)
+
+lib: $(LIB)
+
+# ---- dependencies ----
+deps:
+	@missing=""; \
+	for p in $(DEB_PKGS); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  echo "installing:$$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing) || exit 1; \
+	else \
+	  echo "memtrain needs Debian packages that are missing:$$missing"; \
+	  echo "install them with:  sudo apt-get install -y$$missing"; exit 1; \
+	fi
+
+# ---- the library ----
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CPPFLAGS_CUDA) $(CFLAGS) $(MT_CFLAGS) -MMD -MP -c $< -o $@
+
+$(LIB): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+# CUDA kernels: nvcc -> fatbin (cubin per arch + PTX of the newest) -> C array in the library.
+NVCC_GENCODE := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+	-gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
+$(BUILD)/cuda/kernels.fatbin: $(CUDA_SRC)
+	@mkdir -p $(dir $@)
+	$(NVCC) -fatbin -O3 -std=c++17 $(NVCC_GENCODE) -Ikernels/cuda -o $@ kernels/cuda/kernels.cu
+$(BUILD)/bin2c: tools/bin2c.c
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -std=c11 $(WARN) -o $@ $<
+$(BUILD)/cuda/cuda_kernels_blob.c: $(BUILD)/cuda/kernels.fatbin $(BUILD)/bin2c
+	$(BUILD)/bin2c mti_cuda_fatbin $< > $@
+$(BUILD)/obj/cuda_kernels_blob.o: $(BUILD)/cuda/cuda_kernels_blob.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
+
+# ---- the tool, examples, tests, benchmarks ----
+$(TOOL): $(BUILD)/obj/tools/memtrain.o $(LIB)
+	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# the example allocator, without its main, for the conformance suite
+$(BUILD)/obj/examples/custom_allocator_lib.o: examples/custom_allocator.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -DMT_EXAMPLE_NO_MAIN -MMD -MP -c $< -o $@
+
+$(TEST_BIN): $(TEST_OBJ) $(LIB)
+	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# a stand-in CUDA driver over host memory, so the CUDA device layer runs in tests
+$(FAKE_CUDA): test/fake_cuda/fake_libcuda.c lib/cuda_driver.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -fPIC -shared -o $@ $< -ldl
+
+$(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# ---- the README's two commands ----
+test: deps
+	@$(MAKE) --no-print-directory check-tests
+
+check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL)
+	MT_FAKE_CUDA=$(FAKE_CUDA) $(TEST_BIN)
+	$(BUILD)/examples/embed > /dev/null
+	$(BUILD)/examples/custom_allocator > /dev/null
+	./test/tool_test.sh $(TOOL)
+
+# the long randomized stress (10^6 operations per allocator and seed)
+test-long: deps
+	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA)
+	MT_FAKE_CUDA=$(FAKE_CUDA) MT_TEST_LONG=1 $(TEST_BIN) stress
+
+valgrind: deps
+	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES)
+	MT_FAKE_CUDA=$(FAKE_CUDA) valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
+	  --suppressions=test/valgrind.supp $(TEST_BIN)
+	valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
+	  --suppressions=test/valgrind.supp $(BUILD)/examples/embed > /dev/null
+
+demo: deps
+	@$(MAKE) --no-print-directory $(TOOL)
+	$(TOOL) train --model mlp --steps 300 --report
+
+bench: deps
+	@$(MAKE) --no-print-directory $(BENCH_BIN)
+	@for b in $(BENCH_BIN); do echo "== $$b"; $$b || exit 1; done
+
+# ---- install ----
+install: $(LIB) $(TOOL)
+	install -d $(DESTDIR)$(PREFIX)/include/memtrain $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	install -m 644 include/memtrain.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/memtrain/allocator.h $(DESTDIR)$(PREFIX)/include/memtrain/
+	install -m 644 $(LIB) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(TOOL) $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(shell sed -n 's/#define MT_VERSION_STRING "\(.*\)"/\1/p' include/memtrain.h)|g' \
+	  memtrain.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/memtrain.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/include/memtrain.h $(DESTDIR)$(PREFIX)/include/memtrain/allocator.h \
+	  $(DESTDIR)$(PREFIX)/lib/libmemtrain.a $(DESTDIR)$(PREFIX)/lib/pkgconfig/memtrain.pc \
+	  $(DESTDIR)$(PREFIX)/bin/memtrain
+	-rmdir $(DESTDIR)$(PREFIX)/include/memtrain
+
+clean:
+	rm -rf build build-san build-clang
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

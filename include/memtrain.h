@@ -1,0 +1,491 @@
+/*
+ * memtrain.h - train neural networks within a memory budget, from C.
+ *
+ * This header is the manual: every public function is documented where it is
+ * declared. Conventions:
+ *   - Every function that can fail returns an mt_status; MT_OK (0) is success.
+ *   - On failure nothing the caller owns is changed, output pointers are left
+ *     as they were (or set to NULL where the documentation says so), and a
+ *     message saying what was wrong with which argument is kept: read it with
+ *     mt_last_error(ctx).
+ *   - The library never aborts, exits or prints. Logging goes through the
+ *     callback in mt_context_config.
+ *   - Handles are opaque. Configuration structs start with struct_size and
+ *     have an _init function that fills the defaults: always call it first, so
+ *     a program built against an older header keeps working.
+ *
+ * The allocator plug-in contract (for people writing their own allocator) is
+ * in memtrain/allocator.h.
+ */
+#ifndef MEMTRAIN_H
+#define MEMTRAIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MT_VERSION_MAJOR 0
+#define MT_VERSION_MINOR 1
+#define MT_VERSION_PATCH 0
+#define MT_VERSION_STRING "0.1.0"
+
+/* The library's version string, e.g. "0.1.0". */
+const char *mt_version(void);
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef enum mt_status {
+    MT_OK = 0,
+    MT_ERR_INVALID_ARG = 1, /* an argument is NULL, out of range or inconsistent */
+    MT_ERR_OOM = 2,         /* out of memory: an allocator limit, the device or the host */
+    MT_ERR_NO_DEVICE = 3,   /* the device asked for is not there (no driver, no GPU, bad ordinal) */
+    MT_ERR_DEVICE = 4,      /* a call into the device driver failed */
+    MT_ERR_IO = 5,          /* a file could not be opened, read or written */
+    MT_ERR_FORMAT = 6,      /* a file is corrupt, truncated, or of an unknown version */
+    MT_ERR_BAD_BLOCK = 7,   /* free of a block the allocator did not hand out, or already freed */
+    MT_ERR_VERSION = 8,     /* a plug-in table has an ABI version this library does not speak */
+    MT_ERR_UNSUPPORTED = 9, /* a valid request this build or device cannot do */
+    MT_ERR_STATE = 10,      /* the call is not valid in the object's current state */
+    MT_ERR_BUDGET = 11,     /* a memory budget cannot be met */
+    MT_ERR_INTERNAL = 12    /* a bug in memtrain: please report it */
+} mt_status;
+
+/* A short constant description of a status, e.g. "out of memory". Never NULL. */
+const char *mt_status_string(mt_status s);
+
+/* ------------------------------------------------------------------------ */
+/* Memory classes, lifetimes, scopes                                         */
+/* ------------------------------------------------------------------------ */
+
+/* Every allocation carries the class of what it holds. Stats, traces and
+ * budgets are kept per class, and each class can have its own allocator. */
+typedef enum mt_mem_class {
+    MT_MEM_PARAM = 0,  /* weights in compute precision */
+    MT_MEM_MASTER = 1, /* fp32 master weights (mixed precision) */
+    MT_MEM_GRAD = 2,   /* gradients */
+    MT_MEM_OPTIM = 3,  /* optimizer state */
+    MT_MEM_ACT = 4,    /* activations kept for backward */
+    MT_MEM_WORK = 5,   /* temporaries inside one op */
+    MT_MEM_IO = 6,     /* batches, targets, logits */
+    MT_MEM_COUNT = 7
+} mt_mem_class;
+
+/* "PARAM", "MASTER", ... ; "?" for an out-of-range value. */
+const char *mt_mem_class_name(mt_mem_class c);
+
+/* How long a block is expected to live. Ordered: a block dies at a reset of
+ * any scope whose value is <= its lifetime (see mt_scope). */
+typedef enum mt_lifetime {
+    MT_LIFE_PERSISTENT = 0, /* until freed, or a reset of MT_SCOPE_ALL */
+    MT_LIFE_STEP = 1,       /* at most one training step */
+    MT_LIFE_PHASE = 2,      /* at most one phase (an op, or forward / backward) */
+    MT_LIFE_COUNT = 3
+} mt_lifetime;
+
+/* A reset boundary. A reset of scope S frees every live block whose lifetime
+ * is >= S: MT_SCOPE_PHASE frees phase blocks, MT_SCOPE_STEP step and phase
+ * blocks, MT_SCOPE_ALL everything. */
+typedef enum mt_scope {
+    MT_SCOPE_ALL = 0,
+    MT_SCOPE_STEP = 1,
+    MT_SCOPE_PHASE = 2
+} mt_scope;
+
+/* ------------------------------------------------------------------------ */
+/* Devices and logging                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef enum mt_device_kind {
+    MT_DEVICE_AUTO = 0, /* CUDA if a driver and a device are there, else the CPU */
+    MT_DEVICE_CPU = 1,
+    MT_DEVICE_CUDA = 2
+} mt_device_kind;
+
+typedef enum mt_log_level {
+    MT_LOG_ERROR = 0,
+    MT_LOG_WARN = 1,
+    MT_LOG_INFO = 2,
+    MT_LOG_DEBUG = 3
+} mt_log_level;
+
+/* Called for every message at or below the configured level. `msg` is valid
+ * only during the call and has no trailing newline. */
+typedef void (*mt_log_fn)(void *user, mt_log_level level, const char *msg);
+
+/* ------------------------------------------------------------------------ */
+/* Allocator choice                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* The plug-in table; defined in memtrain/allocator.h. */
+typedef struct mt_allocator_vtable mt_allocator_vtable;
+
+/* The allocators that ship with memtrain. See docs/allocators.md. */
+const mt_allocator_vtable *mt_allocator_caching(void);
+const mt_allocator_vtable *mt_allocator_arena(void);
+const mt_allocator_vtable *mt_allocator_pool(void);
+const mt_allocator_vtable *mt_allocator_checkpoint(void);
+/* "caching", "arena", "pool" or "checkpoint"; NULL for any other name. */
+const mt_allocator_vtable *mt_allocator_by_name(const char *name);
+
+/* flags of mt_allocator_config */
+#define MT_ALLOCATOR_THREAD_SAFE 0x1u /* the instance takes a lock on every call */
+
+/* How one allocator instance is made. */
+typedef struct mt_allocator_config {
+    const mt_allocator_vtable *vtable; /* NULL: the library default (caching) */
+    const void *options;  /* the allocator's own options struct (e.g. mt_caching_options), or NULL */
+    size_t limit_bytes;   /* most bytes the instance may reserve; 0 = no limit but the device's */
+    uint32_t flags;       /* MT_ALLOCATOR_* */
+    uint32_t group;       /* see mt_context_config.allocators */
+} mt_allocator_config;
+
+/* Options of the built-in allocators. Each has an _init that sets defaults;
+ * a NULL options pointer means those defaults. Sizes are in bytes. */
+
+typedef struct mt_caching_options {
+    uint32_t struct_size;
+    size_t round_bytes;     /* requests round up to a multiple of this (512) */
+    size_t small_max;       /* requests up to this go to the small pool (1 MiB) */
+    size_t small_segment;   /* segment size of the small pool (2 MiB) */
+    size_t medium_max;      /* requests up to this share large segments (10 MiB) */
+    size_t large_segment;   /* shared segment size for medium requests (20 MiB) */
+    size_t huge_round;      /* larger requests get their own segment rounded to this (2 MiB) */
+    size_t max_split_waste; /* a cached block larger than the request by more than this
+                               is split rather than handed out whole (the remainder
+                               stays cached); always split in the small pool */
+} mt_caching_options;
+void mt_caching_options_init(mt_caching_options *o);
+
+typedef struct mt_arena_options {
+    uint32_t struct_size;
+    size_t chunk_bytes; /* size of each chunk taken from the backing (64 MiB) */
+} mt_arena_options;
+void mt_arena_options_init(mt_arena_options *o);
+
+typedef struct mt_pool_options {
+    uint32_t struct_size;
+    const size_t *class_bytes; /* block sizes of the classes, ascending; NULL: geometric
+                                  classes from min_class to max_class, 4 per power of two */
+    size_t n_classes;
+    size_t min_class;  /* 256 */
+    size_t max_class;  /* 64 MiB; larger requests get their own backing block */
+    size_t slab_bytes; /* a slab holds max(1, slab_bytes / class) blocks (2 MiB) */
+} mt_pool_options;
+void mt_pool_options_init(mt_pool_options *o);
+
+typedef struct mt_checkpoint_options {
+    uint32_t struct_size;
+    int plan_after_steps; /* steps recorded before offsets are planned (1) */
+} mt_checkpoint_options;
+void mt_checkpoint_options_init(mt_checkpoint_options *o);
+
+/* ------------------------------------------------------------------------ */
+/* Context                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mt_context mt_context;
+
+typedef struct mt_context_config {
+    uint32_t struct_size;       /* sizeof(mt_context_config) */
+    mt_device_kind device;      /* MT_DEVICE_AUTO by default */
+    int device_ordinal;         /* which CUDA device (0) */
+    int threads;                /* CPU threads for kernels; 0 = all online CPUs */
+    mt_log_fn log_fn;           /* NULL: no logging */
+    void *log_user;
+    mt_log_level log_level;     /* MT_LOG_WARN */
+    /* The allocator of each memory class. Classes whose configs are equal in
+     * every field (vtable, options, limit, flags, group) share one instance,
+     * so memory freed by one class can serve another; give classes different
+     * groups to keep them apart. All NULL (the default): one caching
+     * allocator for every class. */
+    mt_allocator_config allocators[MT_MEM_COUNT];
+    const char *cuda_driver_path; /* NULL: "libcuda.so.1" from the loader's path */
+    size_t trace_capacity;        /* > 0: record allocation events from creation,
+                                     at most this many (see mt_trace_*) */
+} mt_context_config;
+
+/* Fills cfg with the defaults. */
+void mt_context_config_init(mt_context_config *cfg);
+
+/* Creates a context: opens the device, makes the allocators. On failure *out
+ * is set to NULL and the message is in mt_last_error(NULL). Asking for CUDA
+ * where there is no driver or device gives MT_ERR_NO_DEVICE and says which. */
+mt_status mt_context_create(const mt_context_config *cfg, mt_context **out);
+
+/* Frees everything the context owns. Models and trainers made from it must be
+ * destroyed first (they are counted; MT_ERR_STATE otherwise, and nothing is
+ * freed). NULL is accepted and does nothing. */
+mt_status mt_context_destroy(mt_context *ctx);
+
+/* The message of the last failed call on ctx, or "" if none. With ctx NULL:
+ * the last failure of a call made without a context on this thread (e.g.
+ * mt_context_create). Valid until the next call on the same context/thread. */
+const char *mt_last_error(const mt_context *ctx);
+
+/* The device the context runs on (never MT_DEVICE_AUTO) and its name. */
+mt_device_kind mt_context_device(const mt_context *ctx);
+const char *mt_context_device_name(const mt_context *ctx);
+
+/* ------------------------------------------------------------------------ */
+/* Allocator instances and blocks                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mt_allocator mt_allocator;
+
+/* Request flags */
+#define MT_REQ_RECOMPUTABLE 0x1u /* the contents can be recomputed if dropped */
+
+#define MT_DEFAULT_ALIGNMENT 256u
+#define MT_MAX_ALIGNMENT (1u << 30)
+
+/* What a caller asks of an allocator. */
+typedef struct mt_alloc_request {
+    size_t bytes;           /* 0 gives an empty block (ptr NULL) without calling the allocator */
+    size_t alignment;       /* a power of two <= MT_MAX_ALIGNMENT; 0 = MT_DEFAULT_ALIGNMENT */
+    mt_mem_class mem_class;
+    mt_lifetime lifetime;
+    uint32_t flags;         /* MT_REQ_* */
+    uint64_t tag;           /* free for the caller: the engine puts node << 32 | tensor */
+} mt_alloc_request;
+
+/* A block of memory handed out by an allocator. Pass it back unchanged to
+ * free it. On a CUDA context `ptr` is a device address: never dereference it
+ * on the host. */
+typedef struct mt_block {
+    void *ptr;
+    size_t bytes;           /* as requested */
+    uint64_t handle;        /* the allocator's own */
+    uint64_t id;            /* the instance's sequence number of this allocation (from 1) */
+    mt_mem_class mem_class;
+    mt_lifetime lifetime;
+} mt_block;
+
+/* Per-class part of the stats. Bytes are requested bytes. */
+typedef struct mt_class_stats {
+    uint64_t live_bytes, peak_live_bytes;
+    uint64_t n_alloc, n_free;
+    uint64_t n_oom_failures;
+} mt_class_stats;
+
+/* Stats of one allocator instance. live = bytes requested by live blocks;
+ * reserved = bytes taken from the backing (device) and not yet given back.
+ * Efficiency = peak_reserved_bytes / peak_live_bytes. */
+typedef struct mt_allocator_stats {
+    uint64_t live_bytes, peak_live_bytes;
+    uint64_t reserved_bytes, peak_reserved_bytes;
+    uint64_t n_alloc, n_free;            /* successful allocations and frees (frees by reset included) */
+    uint64_t n_backing_alloc, n_backing_free; /* calls that took or gave back backing memory */
+    uint64_t n_oom_retries;   /* out-of-memory met by releasing cached memory and trying again */
+    uint64_t n_oom_failures;  /* allocations that failed for lack of memory */
+    uint64_t n_resets, n_trims;
+    mt_class_stats per_class[MT_MEM_COUNT];
+} mt_allocator_stats;
+
+/* Makes a standalone allocator instance on the context's device (for
+ * applications that manage their own memory, for replaying traces, for
+ * tests). Its memory is counted in its own stats, not in the context's
+ * classes. Destroy it before the context. */
+mt_status mt_allocator_create(mt_context *ctx, const mt_allocator_config *cfg,
+                              mt_allocator **out);
+/* Frees all the instance's memory, live blocks included. NULL is accepted. */
+void mt_allocator_destroy(mt_allocator *a);
+
+/* The instance serving a memory class of the context. */
+mt_status mt_context_allocator(mt_context *ctx, mt_mem_class c, mt_allocator **out);
+
+/* Allocates. On failure *out is zeroed. MT_ERR_OOM when memory is exhausted
+ * (the instance stays usable), MT_ERR_INVALID_ARG for a bad alignment, class
+ * or lifetime. */
+mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out);
+/* Allocates from the context's allocator for req->mem_class. */
+mt_status mt_context_alloc(mt_context *ctx, const mt_alloc_request *req, mt_block *out);
+
+/* Frees a block. MT_ERR_BAD_BLOCK if the block was not handed out by this
+ * instance or was already freed (detected where the allocator can: see
+ * docs/allocators.md). An empty block (ptr NULL, bytes 0) is accepted. */
+mt_status mt_free(mt_allocator *a, const mt_block *blk);
+mt_status mt_context_free(mt_context *ctx, const mt_block *blk);
+
+/* Frees every live block whose lifetime ends at `scope` (see mt_scope). */
+mt_status mt_allocator_reset(mt_allocator *a, mt_scope scope);
+/* Gives cached, unused memory back to the device. */
+mt_status mt_allocator_trim(mt_allocator *a);
+
+/* Stats as measured by the library (live from requests, reserved from the
+ * backing calls), with the allocator's own counters (retries, trims). */
+mt_status mt_allocator_get_stats(const mt_allocator *a, mt_allocator_stats *out);
+/* The stats the allocator reports of itself (its stats function), for
+ * checking an allocator against the library's measurement.
+ * MT_ERR_UNSUPPORTED if it has none. */
+mt_status mt_allocator_self_stats(const mt_allocator *a, mt_allocator_stats *out);
+/* The allocator's name ("caching", ...) */
+const char *mt_allocator_name(const mt_allocator *a);
+
+/* ------------------------------------------------------------------------ */
+/* Memory stats and report of a context                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mt_memory_stats {
+    mt_class_stats per_class[MT_MEM_COUNT];
+    uint64_t live_bytes, peak_live_bytes;         /* all classes together */
+    uint64_t reserved_bytes, peak_reserved_bytes; /* all the context's instances together */
+    int n_allocators;                             /* instances serving the classes */
+} mt_memory_stats;
+
+mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out);
+
+/* Writes a human-readable memory report (a table per memory class and per
+ * allocator instance) into buf, NUL-terminated and cut to cap bytes. *needed
+ * (if not NULL) gets the length the whole report needs, without the NUL. */
+mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t *needed);
+
+/* Resets the peak counters of the context (and its instances) to the current
+ * values, so the next peak measured is that of what follows. */
+mt_status mt_context_reset_peaks(mt_context *ctx);
+
+/* ------------------------------------------------------------------------ */
+/* Allocation traces                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mt_trace mt_trace;
+
+typedef enum mt_trace_op {
+    MT_TRACE_ALLOC = 1,
+    MT_TRACE_FREE = 2,
+    MT_TRACE_RESET = 3, /* scope in `scope` */
+    MT_TRACE_TRIM = 4,
+    MT_TRACE_FAIL = 5   /* an allocation that failed */
+} mt_trace_op;
+
+typedef struct mt_trace_event {
+    uint64_t t_ns;      /* nanoseconds since the trace started */
+    uint64_t id;        /* the block's id (ALLOC, FREE); 0 otherwise */
+    uint64_t bytes;     /* requested bytes (ALLOC, FAIL) */
+    uint64_t tag;
+    uint32_t alignment;
+    uint8_t op;         /* mt_trace_op */
+    uint8_t mem_class;
+    uint8_t lifetime;
+    uint8_t flags;      /* MT_REQ_* */
+    uint8_t scope;      /* RESET */
+    uint8_t instance;   /* which of the context's instances (0.. n_allocators-1) */
+} mt_trace_event;
+
+/* Starts recording every allocation event of the context's instances,
+ * keeping at most `capacity` events (later ones are counted as dropped).
+ * Replaces a trace already being recorded. */
+mt_status mt_context_trace_start(mt_context *ctx, size_t capacity);
+/* Stops recording; the events stay until the next start or the context's end. */
+mt_status mt_context_trace_stop(mt_context *ctx);
+/* Writes the recorded events to a file (format in docs/formats.md). */
+mt_status mt_context_trace_write(mt_context *ctx, const char *path);
+/* The recorded events (borrowed; valid until the next trace call). */
+mt_status mt_context_trace_events(mt_context *ctx, const mt_trace_event **events,
+                                  size_t *count, uint64_t *dropped);
+
+/* Loads a trace file. Corrupt or truncated files give MT_ERR_FORMAT.
+ * With ctx NULL, the message goes to mt_last_error(NULL). */
+mt_status mt_trace_load(mt_context *ctx, const char *path, mt_trace **out);
+/* Makes a trace from events in memory (copied). */
+mt_status mt_trace_from_events(mt_context *ctx, const mt_trace_event *events, size_t count,
+                               mt_trace **out);
+void mt_trace_free(mt_trace *t);
+mt_status mt_trace_info(const mt_trace *t, size_t *count, uint64_t *dropped);
+/* The events of a loaded trace (borrowed). */
+const mt_trace_event *mt_trace_get_events(const mt_trace *t);
+/* Writes a trace to a file. */
+mt_status mt_trace_save(mt_context *ctx, const mt_trace *t, const char *path);
+
+typedef struct mt_replay_result {
+    uint64_t n_events, n_alloc, n_free, n_failed; /* n_failed: allocations the allocator refused */
+    uint64_t peak_live_bytes, peak_reserved_bytes;
+    double efficiency;    /* peak_reserved / peak_live */
+    double seconds;       /* time spent in the allocator calls */
+} mt_replay_result;
+
+/* Replays a trace through an allocator instance (every event, whatever its
+ * instance number). Blocks still live at the end are freed. The instance's
+ * stats show the effect; `res` sums it up. */
+mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *res);
+
+/* ------------------------------------------------------------------------ */
+/* Models and training                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mt_model mt_model;
+typedef struct mt_trainer mt_trainer;
+
+typedef enum mt_activation {
+    MT_ACT_RELU = 1,
+    MT_ACT_GELU = 2 /* tanh form */
+} mt_activation;
+
+#define MT_MLP_MAX_LAYERS 64
+
+/* A multilayer perceptron: n_layers linear layers (weights stored (out,in),
+ * y = x W^T + b), the activation between them, softmax cross-entropy over
+ * the last layer's outputs. */
+typedef struct mt_mlp_spec {
+    uint32_t struct_size;
+    int n_layers;                      /* 1 .. MT_MLP_MAX_LAYERS */
+    int dims[MT_MLP_MAX_LAYERS + 1];   /* inputs, hidden sizes..., classes */
+    mt_activation activation;
+    uint64_t seed;                     /* weight init */
+} mt_mlp_spec;
+void mt_mlp_spec_init(mt_mlp_spec *s);
+
+/* Makes an MLP on the context; its weights live in class PARAM. */
+mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model **out);
+/* NULL is accepted. MT_ERR_STATE while a trainer uses the model. */
+mt_status mt_model_destroy(mt_model *m);
+/* Number of trainable parameters (elements). */
+size_t mt_model_num_params(const mt_model *m);
+/* Copies the parameters out to / in from host memory as fp32, in the
+ * model's order (layer by layer, weight then bias). n must be
+ * mt_model_num_params(m). */
+mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n);
+mt_status mt_model_set_params(mt_model *m, const float *src, size_t n);
+
+typedef enum mt_optimizer_kind {
+    MT_OPT_SGD = 1 /* with optional momentum */
+} mt_optimizer_kind;
+
+typedef struct mt_trainer_config {
+    uint32_t struct_size;
+    int max_batch;          /* largest batch a step will see (needed to plan; 32) */
+    mt_optimizer_kind optimizer;
+    float lr;               /* 0.1 */
+    float momentum;         /* 0 */
+    float weight_decay;     /* 0; L2 as torch.optim.SGD: g += weight_decay * p */
+} mt_trainer_config;
+void mt_trainer_config_init(mt_trainer_config *c);
+
+/* Makes a trainer for a model: gradients, optimizer state, activations. */
+mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
+void mt_trainer_destroy(mt_trainer *t);
+
+/* A batch in host memory. */
+typedef struct mt_batch {
+    int n;                  /* rows (examples), 1 .. max_batch */
+    const float *inputs;    /* (n, inputs) fp32 */
+    const int32_t *targets; /* (n) class index per row, 0 .. classes-1 */
+} mt_batch;
+
+/* One training step: forward, loss, backward, optimizer update. *loss (if
+ * not NULL) gets the mean cross-entropy of the batch before the update. On
+ * a bad batch (size, NULL data, a target out of range) nothing changes. */
+mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
+/* Mean loss and accuracy of a batch without training. Either output may be NULL. */
+mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *accuracy);
+/* Steps taken so far. */
+uint64_t mt_trainer_steps(const mt_trainer *t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MEMTRAIN_H */

@@ -1,0 +1,655 @@
+/*
+ * allocator.c - the library's wrapper around every allocator instance.
+ *
+ * The wrapper is what makes a plug-in trustworthy: it checks requests before
+ * they reach the allocator, hands the allocator a backing that counts every
+ * byte taken from the device (and enforces the instance's limit), keeps its
+ * own per-class accounting of live bytes, takes the lock of thread-safe
+ * instances, records trace events, and on destroy gives back whatever the
+ * allocator forgot to.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- backing reservations held by an instance --------------------------
+ * A small open-addressing table of (ptr -> granted) so destroy can give back
+ * what a faulty allocator leaked, and release can check its arguments.
+ * Backing calls are rare (segments, not blocks), so this is off the hot path. */
+
+typedef struct resv_slot {
+    uintptr_t ptr; /* 0: empty, 1: deleted */
+    size_t granted;
+} resv_slot;
+
+typedef struct resv_table {
+    resv_slot *slots;
+    size_t cap, used, live;
+} resv_table;
+
+typedef struct va_range {
+    void *base;
+    size_t bytes;
+    size_t committed;
+} va_range;
+
+/* The part of an instance the wrapper alone uses, kept after struct
+ * mt_allocator in the same allocation. */
+typedef struct wrap_extra {
+    resv_table resv;
+    va_range *va;
+    size_t n_va, cap_va;
+    char why[MTI_ERR_LEN]; /* reason of the last backing failure */
+} wrap_extra;
+
+static wrap_extra *extra_of(mt_allocator *a) { return (wrap_extra *)(a + 1); }
+
+static size_t hash_ptr(uintptr_t p, size_t cap)
+{
+    uint64_t x = (uint64_t)p * 0x9E3779B97F4A7C15ull;
+    return (size_t)(x >> 20) & (cap - 1);
+}
+
+static bool resv_grow(resv_table *t)
+{
+    size_t ncap = t->cap ? t->cap * 2 : 64;
+    resv_slot *ns = calloc(ncap, sizeof *ns);
+    if (!ns) return false;
+    for (size_t i = 0; i < t->cap; i++) {
+        if (t->slots[i].ptr <= 1) continue;
+        size_t j = hash_ptr(t->slots[i].ptr, ncap);
+        while (ns[j].ptr) j = (j + 1) & (ncap - 1);
+        ns[j] = t->slots[i];
+    }
+    free(t->slots);
+    t->slots = ns;
+    t->cap = ncap;
+    t->used = t->live;
+    return true;
+}
+
+static bool resv_insert(resv_table *t, uintptr_t p, size_t granted)
+{
+    if ((t->used + 1) * 4 >= t->cap * 3 && !resv_grow(t)) return false;
+    size_t j = hash_ptr(p, t->cap);
+    while (t->slots[j].ptr > 1) j = (j + 1) & (t->cap - 1);
+    if (t->slots[j].ptr == 0) t->used++;
+    t->slots[j].ptr = p;
+    t->slots[j].granted = granted;
+    t->live++;
+    return true;
+}
+
+/* Removes p; returns its granted size, or 0 if p is not held. */
+static size_t resv_remove(resv_table *t, uintptr_t p)
+{
+    if (!t->cap) return 0;
+    size_t j = hash_ptr(p, t->cap);
+    while (t->slots[j].ptr) {
+        if (t->slots[j].ptr == p) {
+            size_t g = t->slots[j].granted;
+            t->slots[j].ptr = 1;
+            t->live--;
+            return g;
+        }
+        j = (j + 1) & (t->cap - 1);
+    }
+    return 0;
+}
+
+/* ---- context-wide totals (all instances of a context together) ---- */
+
+static void ctx_add(_Atomic uint64_t *cur, _Atomic uint64_t *peak, uint64_t n)
+{
+    uint64_t v = atomic_fetch_add(cur, n) + n;
+    uint64_t p = atomic_load(peak);
+    while (v > p && !atomic_compare_exchange_weak(peak, &p, v)) {
+    }
+}
+
+/* ---- the backing handed to the allocator ---- */
+
+static mt_status backing_fail(mt_allocator *a, mt_status s, const char *msg)
+{
+    wrap_extra *x = extra_of(a);
+    strncpy(x->why, msg, sizeof x->why - 1);
+    x->why[sizeof x->why - 1] = 0;
+    return s;
+}
+
+/* Fault injection and the limit, before any device call. */
+static mt_status backing_admit(mt_allocator *a, size_t bytes)
+{
+    if (a->fail_backing_in == 0) {
+        a->fail_backing_in = -1;
+        return backing_fail(a, MT_ERR_OOM, "injected backing failure");
+    }
+    if (a->fail_backing_in > 0) a->fail_backing_in--;
+    if (a->cfg.limit_bytes && (bytes > a->cfg.limit_bytes ||
+                               a->st.reserved_bytes > a->cfg.limit_bytes - bytes)) {
+        char m[256];
+        snprintf(m, sizeof m, "the instance's limit of %zu bytes is reached (%llu reserved)",
+                 a->cfg.limit_bytes, (unsigned long long)a->st.reserved_bytes);
+        return backing_fail(a, MT_ERR_OOM, m);
+    }
+    return MT_OK;
+}
+
+static void note_reserved(mt_allocator *a, size_t bytes)
+{
+    mt_stats_on_reserve(&a->st, bytes);
+    if (a->index >= 0) ctx_add(&a->ctx->reserved_total, &a->ctx->reserved_peak, bytes);
+}
+
+static void note_released(mt_allocator *a, size_t bytes)
+{
+    mt_stats_on_release(&a->st, bytes);
+    if (a->index >= 0) atomic_fetch_sub(&a->ctx->reserved_total, bytes);
+}
+
+static mt_status backing_reserve(void *self, size_t bytes, size_t alignment, void **ptr,
+                                 size_t *granted)
+{
+    mt_allocator *a = self;
+    mti_device *d = a->ctx->dev;
+    if (!ptr || !granted || bytes == 0 || (alignment && !mti_is_pow2(alignment)))
+        return backing_fail(a, MT_ERR_INVALID_ARG, "backing reserve: bad arguments");
+    mt_status s = backing_admit(a, bytes);
+    if (s) return s;
+    void *p = NULL;
+    size_t g = 0;
+    s = d->mem_reserve(d, bytes, alignment ? alignment : d->min_alignment, &p, &g);
+    if (s) return backing_fail(a, s, a->ctx->err);
+    if (a->cfg.limit_bytes && a->st.reserved_bytes + g > a->cfg.limit_bytes) {
+        d->mem_release(d, p, g);
+        return backing_admit(a, g); /* fails with the limit message */
+    }
+    if (!resv_insert(&extra_of(a)->resv, (uintptr_t)p, g)) {
+        d->mem_release(d, p, g);
+        return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
+    }
+    note_reserved(a, g);
+    *ptr = p;
+    *granted = g;
+    return MT_OK;
+}
+
+static void backing_release(void *self, void *ptr, size_t granted)
+{
+    mt_allocator *a = self;
+    size_t g = resv_remove(&extra_of(a)->resv, (uintptr_t)ptr);
+    if (!g) {
+        mti_log(a->ctx, MT_LOG_ERROR, "allocator '%s' released %p, which it does not hold",
+                a->vt->name, ptr);
+        return;
+    }
+    if (g != granted)
+        mti_log(a->ctx, MT_LOG_WARN, "allocator '%s' released %p with size %zu, not %zu",
+                a->vt->name, ptr, granted, g);
+    a->ctx->dev->mem_release(a->ctx->dev, ptr, g);
+    note_released(a, g);
+}
+
+static va_range *va_find(mt_allocator *a, const void *addr, size_t bytes)
+{
+    wrap_extra *x = extra_of(a);
+    uintptr_t p = (uintptr_t)addr;
+    for (size_t i = 0; i < x->n_va; i++) {
+        uintptr_t b = (uintptr_t)x->va[i].base;
+        if (p >= b && p - b <= x->va[i].bytes && bytes <= x->va[i].bytes - (p - b))
+            return &x->va[i];
+    }
+    return NULL;
+}
+
+static mt_status backing_va_reserve(void *self, size_t bytes, void **base)
+{
+    mt_allocator *a = self;
+    wrap_extra *x = extra_of(a);
+    mti_device *d = a->ctx->dev;
+    if (!base || bytes == 0 || bytes % d->granularity)
+        return backing_fail(a, MT_ERR_INVALID_ARG, "va_reserve: size not a granularity multiple");
+    if (x->n_va == x->cap_va) {
+        size_t nc = x->cap_va ? 2 * x->cap_va : 8;
+        va_range *nv = realloc(x->va, nc * sizeof *nv);
+        if (!nv) return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
+        x->va = nv;
+        x->cap_va = nc;
+    }
+    void *b = NULL;
+    mt_status s = d->va_reserve(d, bytes, &b);
+    if (s) return backing_fail(a, s, a->ctx->err);
+    x->va[x->n_va++] = (va_range){b, bytes, 0};
+    *base = b;
+    return MT_OK;
+}
+
+static mt_status backing_va_commit(void *self, void *addr, size_t bytes)
+{
+    mt_allocator *a = self;
+    mti_device *d = a->ctx->dev;
+    va_range *r = va_find(a, addr, bytes);
+    if (!r || bytes == 0 || bytes % d->granularity ||
+        ((uintptr_t)addr - (uintptr_t)r->base) % d->granularity)
+        return backing_fail(a, MT_ERR_INVALID_ARG, "va_commit: range not inside a reservation");
+    mt_status s = backing_admit(a, bytes);
+    if (s) return s;
+    s = d->va_commit(d, addr, bytes);
+    if (s) return backing_fail(a, s, a->ctx->err);
+    r->committed += bytes;
+    note_reserved(a, bytes);
+    return MT_OK;
+}
+
+static void backing_va_decommit(void *self, void *addr, size_t bytes)
+{
+    mt_allocator *a = self;
+    va_range *r = va_find(a, addr, bytes);
+    if (!r || bytes > r->committed) {
+        mti_log(a->ctx, MT_LOG_ERROR, "allocator '%s' decommitted %zu bytes at %p it did not commit",
+                a->vt->name, bytes, addr);
+        return;
+    }
+    a->ctx->dev->va_decommit(a->ctx->dev, addr, bytes);
+    r->committed -= bytes;
+    note_released(a, bytes);
+}
+
+static void va_drop(mt_allocator *a, size_t i)
+{
+    wrap_extra *x = extra_of(a);
+    va_range *r = &x->va[i];
+    if (r->committed) {
+        /* whatever is still committed goes with the range */
+        a->ctx->dev->va_decommit(a->ctx->dev, r->base, r->bytes);
+        note_released(a, r->committed);
+    }
+    a->ctx->dev->va_release(a->ctx->dev, r->base, r->bytes);
+    x->va[i] = x->va[--x->n_va];
+}
+
+static void backing_va_release(void *self, void *base, size_t bytes)
+{
+    mt_allocator *a = self;
+    wrap_extra *x = extra_of(a);
+    for (size_t i = 0; i < x->n_va; i++) {
+        if (x->va[i].base == base && x->va[i].bytes == bytes) {
+            va_drop(a, i);
+            return;
+        }
+    }
+    mti_log(a->ctx, MT_LOG_ERROR, "allocator '%s' released a range at %p it does not hold",
+            a->vt->name, base);
+}
+
+/* ---- instances ---- */
+
+static mt_status check_vtable(mt_context *ctx, const mt_allocator_vtable *vt)
+{
+    if (vt->abi_version != MT_ALLOCATOR_ABI_VERSION)
+        return mti_fail(ctx, MT_ERR_VERSION,
+                        "allocator table '%s' has ABI version %u; this library speaks %u",
+                        vt->name ? vt->name : "?", vt->abi_version, MT_ALLOCATOR_ABI_VERSION);
+    if (vt->struct_size < sizeof(mt_allocator_vtable))
+        return mti_fail(ctx, MT_ERR_VERSION, "allocator table '%s' is %u bytes, expected %zu",
+                        vt->name ? vt->name : "?", vt->struct_size, sizeof(mt_allocator_vtable));
+    if (!vt->name || !vt->create || !vt->alloc || !vt->free || !vt->reset || !vt->destroy)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "allocator table '%s' lacks a name or one of create, alloc, free, "
+                        "reset, destroy",
+                        vt->name ? vt->name : "?");
+    return MT_OK;
+}
+
+mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int index,
+                            mt_allocator **out)
+{
+    mt_allocator_config c = {0};
+    if (cfg) c = *cfg;
+    if (!c.vtable) c.vtable = mt_allocator_caching();
+    if (c.flags & ~MT_ALLOCATOR_THREAD_SAFE)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "allocator config: unknown flags 0x%x",
+                        c.flags & ~MT_ALLOCATOR_THREAD_SAFE);
+    mt_status s = check_vtable(ctx, c.vtable);
+    if (s) return s;
+
+    mt_allocator *a = calloc(1, sizeof *a + sizeof(wrap_extra));
+    if (!a) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    a->ctx = ctx;
+    a->vt = c.vtable;
+    a->cfg = c;
+    a->index = index;
+    a->fail_backing_in = -1;
+    a->locked = (c.flags & MT_ALLOCATOR_THREAD_SAFE) != 0;
+    if (a->locked) pthread_mutex_init(&a->mu, NULL);
+
+    mti_device *d = ctx->dev;
+    a->backing = (mt_backing){
+        .abi_version = MT_ALLOCATOR_ABI_VERSION,
+        .device = d->kind,
+        .min_alignment = d->min_alignment,
+        .granularity = d->granularity,
+        .self = a,
+        .reserve = backing_reserve,
+        .release = backing_release,
+    };
+    if (d->va_reserve && d->va_commit && d->va_decommit && d->va_release) {
+        a->backing.va_reserve = backing_va_reserve;
+        a->backing.va_commit = backing_va_commit;
+        a->backing.va_decommit = backing_va_decommit;
+        a->backing.va_release = backing_va_release;
+    }
+    mt_allocator_params params = {.struct_size = sizeof params,
+                                  .options = c.options,
+                                  .flags = c.flags,
+                                  .limit_bytes = c.limit_bytes};
+    ctx->err[0] = 0;
+    s = c.vtable->create(&params, &a->backing, &a->state);
+    if (s) {
+        char why[MTI_ERR_LEN];
+        snprintf(why, sizeof why, "%s", ctx->err[0] ? ctx->err : extra_of(a)->why);
+        mti_allocator_delete(a);
+        return mti_fail(ctx, s, "allocator '%s' could not be created: %s%s%s", c.vtable->name,
+                        mt_status_string(s), why[0] ? ": " : "", why);
+    }
+    *out = a;
+    return MT_OK;
+}
+
+void mti_allocator_delete(mt_allocator *a)
+{
+    if (!a) return;
+    if (a->state) a->vt->destroy(a->state);
+    a->state = NULL;
+    wrap_extra *x = extra_of(a);
+    /* give back whatever the allocator did not */
+    size_t leaked = 0;
+    for (size_t i = 0; i < x->resv.cap; i++) {
+        resv_slot *sl = &x->resv.slots[i];
+        if (sl->ptr <= 1) continue;
+        a->ctx->dev->mem_release(a->ctx->dev, (void *)sl->ptr, sl->granted);
+        note_released(a, sl->granted);
+        leaked += sl->granted;
+    }
+    while (x->n_va) {
+        leaked += x->va[0].committed;
+        va_drop(a, 0);
+    }
+    if (leaked)
+        mti_log(a->ctx, MT_LOG_WARN, "allocator '%s' kept %zu bytes after destroy; given back",
+                a->vt->name, leaked);
+    if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, a->st.live_bytes);
+    free(x->resv.slots);
+    free(x->va);
+    if (a->locked) pthread_mutex_destroy(&a->mu);
+    free(a);
+}
+
+void mti_allocator_fail_backing_after(mt_allocator *a, long n) { a->fail_backing_in = n; }
+
+static inline void lock(mt_allocator *a)
+{
+    if (a->locked) pthread_mutex_lock(&a->mu);
+}
+static inline void unlock(mt_allocator *a)
+{
+    if (a->locked) pthread_mutex_unlock(&a->mu);
+}
+
+static void trace_event(mt_allocator *a, mt_trace_op op, const mt_alloc_request *req,
+                        const mt_block *blk, int scope)
+{
+    mt_trace *t = a->trace;
+    if (!t || !t->recording) return;
+    mt_trace_event ev = {0};
+    ev.t_ns = mti_now_ns() - t->t0_ns;
+    ev.op = (uint8_t)op;
+    ev.instance = (uint8_t)(a->index < 0 ? 0 : a->index);
+    if (req) {
+        ev.bytes = req->bytes;
+        ev.tag = req->tag;
+        ev.alignment = (uint32_t)req->alignment;
+        ev.mem_class = (uint8_t)req->mem_class;
+        ev.lifetime = (uint8_t)req->lifetime;
+        ev.flags = (uint8_t)req->flags;
+    }
+    if (blk) {
+        ev.id = blk->id;
+        ev.bytes = blk->bytes;
+        ev.mem_class = (uint8_t)blk->mem_class;
+        ev.lifetime = (uint8_t)blk->lifetime;
+    }
+    ev.scope = (uint8_t)scope;
+    mti_trace_record(t, &ev);
+}
+
+/* ---- public API ---- */
+
+mt_status mt_allocator_create(mt_context *ctx, const mt_allocator_config *cfg, mt_allocator **out)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_allocator_create: ctx is NULL");
+    if (!out) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_allocator_create: out is NULL");
+    mt_status s = mti_allocator_new(ctx, cfg, -1, out);
+    if (s == MT_OK) atomic_fetch_add(&ctx->n_children, 1);
+    return s;
+}
+
+void mt_allocator_destroy(mt_allocator *a)
+{
+    if (!a) return;
+    if (a->index >= 0) {
+        mti_log(a->ctx, MT_LOG_ERROR, "mt_allocator_destroy: instance belongs to the context");
+        return;
+    }
+    mt_context *ctx = a->ctx;
+    mti_allocator_delete(a);
+    atomic_fetch_sub(&ctx->n_children, 1);
+}
+
+mt_status mt_context_allocator(mt_context *ctx, mt_mem_class c, mt_allocator **out)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_allocator: ctx is NULL");
+    if (!out) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_allocator: out is NULL");
+    if ((unsigned)c >= MT_MEM_COUNT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_allocator: memory class %d out of range",
+                        (int)c);
+    *out = ctx->by_class[c];
+    return MT_OK;
+}
+
+const char *mt_allocator_name(const mt_allocator *a) { return a ? a->vt->name : "?"; }
+
+mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
+{
+    if (!a) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_alloc: allocator is NULL");
+    mt_context *ctx = a->ctx;
+    if (!req || !out)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: %s is NULL", req ? "out" : "req");
+    memset(out, 0, sizeof *out);
+    mt_alloc_request r = *req;
+    if ((unsigned)r.mem_class >= MT_MEM_COUNT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: memory class %d out of range",
+                        (int)r.mem_class);
+    if ((unsigned)r.lifetime >= MT_LIFE_COUNT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: lifetime %d out of range",
+                        (int)r.lifetime);
+    if (r.alignment == 0) r.alignment = MT_DEFAULT_ALIGNMENT;
+    if (!mti_is_pow2(r.alignment) || r.alignment > MT_MAX_ALIGNMENT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "mt_alloc: alignment %zu is not a power of two up to 2^30", r.alignment);
+    if (r.alignment < MT_DEFAULT_ALIGNMENT) r.alignment = MT_DEFAULT_ALIGNMENT;
+    if (r.flags & ~MT_REQ_RECOMPUTABLE)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: unknown request flags 0x%x",
+                        r.flags & ~MT_REQ_RECOMPUTABLE);
+    out->mem_class = r.mem_class;
+    out->lifetime = r.lifetime;
+    if (r.bytes == 0) return MT_OK;
+
+    lock(a);
+    mt_status s;
+    if (r.bytes > MT_MAX_REQUEST) {
+        s = MT_ERR_OOM;
+        backing_fail(a, s, "larger than any allocation can be (2^50 bytes)");
+    } else {
+        extra_of(a)->why[0] = 0;
+        s = a->vt->alloc(a->state, &r, out);
+    }
+    if (s == MT_OK && ((uintptr_t)out->ptr & (r.alignment - 1))) {
+        /* the allocator broke rule 3: take the block back and say so */
+        mt_block bad = *out;
+        a->vt->free(a->state, &bad);
+        s = MT_ERR_INTERNAL;
+        backing_fail(a, s, "the allocator returned a misaligned address");
+    }
+    if (s != MT_OK) {
+        if (s == MT_ERR_OOM) mt_stats_on_oom(&a->st, r.mem_class);
+        trace_event(a, MT_TRACE_FAIL, &r, NULL, 0);
+        char why[MTI_ERR_LEN];
+        snprintf(why, sizeof why, "%s", extra_of(a)->why[0] ? extra_of(a)->why : mt_status_string(s));
+        unlock(a);
+        memset(out, 0, sizeof *out);
+        return mti_fail(ctx, s, "allocator '%s': %zu bytes of %s: %s", a->vt->name, r.bytes,
+                        mt_mem_class_name(r.mem_class), why);
+    }
+    out->bytes = r.bytes;
+    out->id = ++a->next_id;
+    out->mem_class = r.mem_class;
+    out->lifetime = r.lifetime;
+    mt_stats_on_alloc(&a->st, r.mem_class, r.bytes);
+    a->live_by_life[r.lifetime][r.mem_class] += r.bytes;
+    a->blocks_by_life[r.lifetime][r.mem_class]++;
+    if (a->index >= 0) ctx_add(&ctx->live_total, &ctx->live_peak, r.bytes);
+    trace_event(a, MT_TRACE_ALLOC, &r, out, 0);
+    unlock(a);
+    return MT_OK;
+}
+
+mt_status mt_free(mt_allocator *a, const mt_block *blk)
+{
+    if (!a) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_free: allocator is NULL");
+    if (!blk) return mti_fail(a->ctx, MT_ERR_INVALID_ARG, "mt_free: block is NULL");
+    if (!blk->ptr && blk->bytes == 0) return MT_OK;
+    if ((unsigned)blk->mem_class >= MT_MEM_COUNT || (unsigned)blk->lifetime >= MT_LIFE_COUNT ||
+        !blk->ptr || blk->bytes == 0)
+        return mti_fail(a->ctx, MT_ERR_BAD_BLOCK,
+                        "mt_free: block %p (%zu bytes) was not handed out by allocator '%s'",
+                        blk->ptr, blk->bytes, a->vt->name);
+    lock(a);
+    mt_status s;
+    if (a->blocks_by_life[blk->lifetime][blk->mem_class] == 0 ||
+        a->live_by_life[blk->lifetime][blk->mem_class] < blk->bytes)
+        s = MT_ERR_BAD_BLOCK; /* nothing of that kind is live: cannot be ours */
+    else
+        s = a->vt->free(a->state, blk);
+    if (s == MT_OK) {
+        mt_stats_on_free(&a->st, blk->mem_class, blk->bytes);
+        a->live_by_life[blk->lifetime][blk->mem_class] -= blk->bytes;
+        a->blocks_by_life[blk->lifetime][blk->mem_class]--;
+        if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, blk->bytes);
+        trace_event(a, MT_TRACE_FREE, NULL, blk, 0);
+    }
+    unlock(a);
+    if (s == MT_ERR_BAD_BLOCK)
+        return mti_fail(a->ctx, s,
+                        "mt_free: block %p (%zu bytes of %s) is not live in allocator '%s': "
+                        "foreign or already freed",
+                        blk->ptr, blk->bytes, mt_mem_class_name(blk->mem_class), a->vt->name);
+    if (s) return mti_fail(a->ctx, s, "mt_free: allocator '%s' failed: %s", a->vt->name,
+                           mt_status_string(s));
+    return MT_OK;
+}
+
+mt_status mt_allocator_reset(mt_allocator *a, mt_scope scope)
+{
+    if (!a) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_allocator_reset: allocator is NULL");
+    if ((unsigned)scope > MT_SCOPE_PHASE)
+        return mti_fail(a->ctx, MT_ERR_INVALID_ARG, "mt_allocator_reset: scope %d out of range",
+                        (int)scope);
+    lock(a);
+    mt_status s = a->vt->reset(a->state, scope);
+    if (s == MT_OK) {
+        for (int l = (int)scope; l < MT_LIFE_COUNT; l++) {
+            for (int c = 0; c < MT_MEM_COUNT; c++) {
+                uint64_t b = a->live_by_life[l][c], n = a->blocks_by_life[l][c];
+                a->st.live_bytes -= b;
+                a->st.n_free += n;
+                a->st.per_class[c].live_bytes -= b;
+                a->st.per_class[c].n_free += n;
+                if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, b);
+                a->live_by_life[l][c] = 0;
+                a->blocks_by_life[l][c] = 0;
+            }
+        }
+        a->st.n_resets++;
+        trace_event(a, MT_TRACE_RESET, NULL, NULL, (int)scope);
+    }
+    unlock(a);
+    if (s) return mti_fail(a->ctx, s, "allocator '%s': reset failed: %s", a->vt->name,
+                           mt_status_string(s));
+    return MT_OK;
+}
+
+mt_status mt_allocator_trim(mt_allocator *a)
+{
+    if (!a) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_allocator_trim: allocator is NULL");
+    lock(a);
+    mt_status s = a->vt->trim ? a->vt->trim(a->state) : MT_OK;
+    if (s == MT_OK) {
+        a->st.n_trims++;
+        trace_event(a, MT_TRACE_TRIM, NULL, NULL, 0);
+    }
+    unlock(a);
+    if (s) return mti_fail(a->ctx, s, "allocator '%s': trim failed: %s", a->vt->name,
+                           mt_status_string(s));
+    return MT_OK;
+}
+
+mt_status mt_allocator_self_stats(const mt_allocator *a, mt_allocator_stats *out)
+{
+    if (!a || !out) return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG,
+                                    "mt_allocator_self_stats: NULL argument");
+    if (!a->vt->stats)
+        return mti_fail(a->ctx, MT_ERR_UNSUPPORTED, "allocator '%s' keeps no stats of its own",
+                        a->vt->name);
+    mt_allocator *m = (mt_allocator *)a;
+    memset(out, 0, sizeof *out);
+    lock(m);
+    mt_status s = a->vt->stats(a->state, out);
+    unlock(m);
+    return s ? mti_fail(a->ctx, s, "allocator '%s': stats failed", a->vt->name) : MT_OK;
+}
+
+mt_status mt_allocator_get_stats(const mt_allocator *a, mt_allocator_stats *out)
+{
+    if (!a || !out) return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG,
+                                    "mt_allocator_get_stats: NULL argument");
+    mt_allocator *m = (mt_allocator *)a;
+    mt_allocator_stats self = {0};
+    lock(m);
+    *out = a->st;
+    if (a->vt->stats && a->vt->stats(a->state, &self) == MT_OK)
+        out->n_oom_retries = self.n_oom_retries; /* only the allocator knows */
+    unlock(m);
+    return MT_OK;
+}
+
+void mti_allocator_reset_peak(mt_allocator *a)
+{
+    lock(a);
+    a->st.peak_live_bytes = a->st.live_bytes;
+    a->st.peak_reserved_bytes = a->st.reserved_bytes;
+    for (int c = 0; c < MT_MEM_COUNT; c++)
+        a->st.per_class[c].peak_live_bytes = a->st.per_class[c].live_bytes;
+    unlock(a);
+}
+
+const mt_allocator_vtable *mt_allocator_by_name(const char *name)
+{
+    if (!name) return NULL;
+    if (!strcmp(name, "caching")) return mt_allocator_caching();
+    if (!strcmp(name, "arena")) return mt_allocator_arena();
+    if (!strcmp(name, "pool")) return mt_allocator_pool();
+    if (!strcmp(name, "checkpoint")) return mt_allocator_checkpoint();
+    return NULL;
+}

@@ -1,0 +1,295 @@
+/*
+ * context.c - the context: device, allocator instances per memory class,
+ * memory stats and the memory report.
+ */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "kernels.h"
+
+void mt_context_config_init(mt_context_config *cfg)
+{
+    if (!cfg) return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
+    cfg->device = MT_DEVICE_AUTO;
+    cfg->log_level = MT_LOG_WARN;
+}
+
+static const mt_allocator_vtable *vt_or_default(const mt_allocator_vtable *vt)
+{
+    return vt ? vt : mt_allocator_caching();
+}
+
+static bool same_instance(const mt_allocator_config *a, const mt_allocator_config *b)
+{
+    return vt_or_default(a->vtable) == vt_or_default(b->vtable) && a->options == b->options &&
+           a->limit_bytes == b->limit_bytes && a->flags == b->flags && a->group == b->group;
+}
+
+/* Copies a caller's config, tolerating an older, shorter struct. */
+static mt_status take_config(const mt_context_config *in, mt_context_config *c)
+{
+    mt_context_config_init(c);
+    if (!in) return MT_OK;
+    if (in->struct_size < offsetof(mt_context_config, allocators) ||
+        in->struct_size > sizeof *c)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "mt_context_create: cfg->struct_size %u is not a size this library knows "
+                        "(call mt_context_config_init first)",
+                        in->struct_size);
+    memcpy(c, in, in->struct_size);
+    c->struct_size = sizeof *c;
+    if ((unsigned)c->device > MT_DEVICE_CUDA)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: cfg->device %d is not a device",
+                        (int)c->device);
+    if (c->device_ordinal < 0)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: cfg->device_ordinal %d < 0",
+                        c->device_ordinal);
+    if (c->threads < 0 || c->threads > 4096)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "mt_context_create: cfg->threads %d out of range 0..4096", c->threads);
+    if ((unsigned)c->log_level > MT_LOG_DEBUG)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: cfg->log_level %d out of range",
+                        (int)c->log_level);
+    return MT_OK;
+}
+
+static void context_free(mt_context *ctx)
+{
+    for (int i = 0; i < ctx->n_inst; i++) mti_allocator_delete(ctx->inst[i]);
+    if (ctx->trace) mt_trace_free(ctx->trace);
+    if (ctx->dev) ctx->dev->destroy(ctx->dev);
+    free(ctx);
+}
+
+/* Keeps the failure message for mt_last_error(NULL), then frees ctx. */
+static mt_status create_failed(mt_context *ctx, mt_status s)
+{
+    char msg[MTI_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s", ctx->err);
+    context_free(ctx);
+    return mti_fail(NULL, s, "%s", msg);
+}
+
+mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
+{
+    if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: out is NULL");
+    *out = NULL;
+    mt_context_config c;
+    mt_status s = take_config(cfg, &c);
+    if (s) return s;
+
+    mt_context *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");
+    ctx->cfg = c;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    ctx->threads = c.threads ? c.threads : (ncpu > 0 ? (int)ncpu : 1);
+
+    mt_device_kind kind = c.device;
+    if (kind == MT_DEVICE_AUTO)
+        kind = mti_cuda_available(c.cuda_driver_path) ? MT_DEVICE_CUDA : MT_DEVICE_CPU;
+    if (kind == MT_DEVICE_CUDA)
+        s = mti_device_cuda_open(ctx, c.cuda_driver_path, c.device_ordinal, &ctx->dev);
+    else
+        s = mti_device_cpu_open(ctx, ctx->threads, &ctx->dev);
+    if (s) return create_failed(ctx, s);
+    mti_cpu_set_threads(ctx->threads);
+    ctx->ops = mti_cpu_ops();
+
+    for (int k = 0; k < MT_MEM_COUNT; k++) {
+        int found = -1;
+        for (int j = 0; j < k && found < 0; j++)
+            if (same_instance(&c.allocators[j], &c.allocators[k])) found = j;
+        if (found >= 0) {
+            ctx->by_class[k] = ctx->by_class[found];
+            continue;
+        }
+        mt_allocator *a = NULL;
+        s = mti_allocator_new(ctx, &c.allocators[k], ctx->n_inst, &a);
+        if (s) {
+            char m[MTI_ERR_LEN];
+            snprintf(m, sizeof m, "%s", ctx->err);
+            mti_fail(ctx, s, "allocator of class %s: %s", mt_mem_class_name((mt_mem_class)k), m);
+            return create_failed(ctx, s);
+        }
+        ctx->inst[ctx->n_inst++] = a;
+        ctx->by_class[k] = a;
+    }
+    if (c.trace_capacity) {
+        s = mt_context_trace_start(ctx, c.trace_capacity);
+        if (s) return create_failed(ctx, s);
+    }
+    mti_log(ctx, MT_LOG_INFO, "context on %s, %d allocator instance(s)", ctx->dev->name,
+            ctx->n_inst);
+    ctx->err[0] = 0;
+    *out = ctx;
+    return MT_OK;
+}
+
+mt_status mt_context_destroy(mt_context *ctx)
+{
+    if (!ctx) return MT_OK;
+    int n = atomic_load(&ctx->n_children);
+    if (n)
+        return mti_fail(ctx, MT_ERR_STATE,
+                        "mt_context_destroy: %d model(s), trainer(s) or allocator(s) made from "
+                        "this context are still alive; destroy them first",
+                        n);
+    context_free(ctx);
+    return MT_OK;
+}
+
+mt_device_kind mt_context_device(const mt_context *ctx)
+{
+    return ctx && ctx->dev ? ctx->dev->kind : MT_DEVICE_CPU;
+}
+
+const char *mt_context_device_name(const mt_context *ctx)
+{
+    return ctx && ctx->dev ? ctx->dev->name : "";
+}
+
+mt_status mt_context_alloc(mt_context *ctx, const mt_alloc_request *req, mt_block *out)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_alloc: ctx is NULL");
+    if (!req || !out)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_alloc: %s is NULL",
+                        req ? "out" : "req");
+    if ((unsigned)req->mem_class >= MT_MEM_COUNT) {
+        memset(out, 0, sizeof *out);
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_alloc: memory class %d out of range",
+                        (int)req->mem_class);
+    }
+    return mt_alloc(ctx->by_class[req->mem_class], req, out);
+}
+
+mt_status mt_context_free(mt_context *ctx, const mt_block *blk)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_free: ctx is NULL");
+    if (!blk) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_free: block is NULL");
+    if (!blk->ptr && blk->bytes == 0) return MT_OK;
+    if ((unsigned)blk->mem_class >= MT_MEM_COUNT)
+        return mti_fail(ctx, MT_ERR_BAD_BLOCK, "mt_context_free: block has memory class %d",
+                        (int)blk->mem_class);
+    return mt_free(ctx->by_class[blk->mem_class], blk);
+}
+
+/* ---- stats and report ---- */
+
+mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out)
+{
+    if (!ctx || !out)
+        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG,
+                        "mt_context_memory_stats: NULL argument");
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < ctx->n_inst; i++) {
+        mt_allocator_stats st;
+        mt_allocator_get_stats(ctx->inst[i], &st);
+        for (int c = 0; c < MT_MEM_COUNT; c++) {
+            mt_class_stats *d = &out->per_class[c];
+            const mt_class_stats *s = &st.per_class[c];
+            d->live_bytes += s->live_bytes;
+            d->peak_live_bytes += s->peak_live_bytes; /* one instance per class: exact */
+            d->n_alloc += s->n_alloc;
+            d->n_free += s->n_free;
+            d->n_oom_failures += s->n_oom_failures;
+        }
+    }
+    out->live_bytes = atomic_load(&ctx->live_total);
+    out->peak_live_bytes = atomic_load(&ctx->live_peak);
+    out->reserved_bytes = atomic_load(&ctx->reserved_total);
+    out->peak_reserved_bytes = atomic_load(&ctx->reserved_peak);
+    out->n_allocators = ctx->n_inst;
+    return MT_OK;
+}
+
+mt_status mt_context_reset_peaks(mt_context *ctx)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_reset_peaks: ctx is NULL");
+    for (int i = 0; i < ctx->n_inst; i++) mti_allocator_reset_peak(ctx->inst[i]);
+    atomic_store(&ctx->live_peak, atomic_load(&ctx->live_total));
+    atomic_store(&ctx->reserved_peak, atomic_load(&ctx->reserved_total));
+    return MT_OK;
+}
+
+/* Appends to a bounded buffer, counting what would have been written. */
+typedef struct sbuf {
+    char *buf;
+    size_t cap, len;
+} sbuf;
+
+static void MTI_PRINTF(2, 3) sb_printf(sbuf *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    size_t room = b->len < b->cap ? b->cap - b->len : 0;
+    int n = vsnprintf(room ? b->buf + b->len : NULL, room, fmt, ap);
+    va_end(ap);
+    if (n > 0) b->len += (size_t)n;
+}
+
+/* "12.34 MiB" style, into a caller buffer of >= 16 bytes. */
+static const char *human(uint64_t bytes, char *s, size_t n)
+{
+    static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1024.0 && u < 4) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0) snprintf(s, n, "%llu B", (unsigned long long)bytes);
+    else snprintf(s, n, "%.2f %s", v, unit[u]);
+    return s;
+}
+
+mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t *needed)
+{
+    if (!ctx || (!buf && cap))
+        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG, "mt_memory_report: NULL argument");
+    mt_memory_stats ms;
+    mt_context_memory_stats(ctx, &ms);
+    sbuf b = {buf, cap, 0};
+    char h1[32], h2[32], h3[32], h4[32], h5[32];
+    sb_printf(&b, "memory report: %s, %d allocator instance(s)\n", ctx->dev->name, ctx->n_inst);
+    sb_printf(&b, "%-7s %12s %12s %10s %10s %5s  %s\n", "class", "current", "peak", "allocs",
+              "frees", "oom", "allocator");
+    for (int c = 0; c < MT_MEM_COUNT; c++) {
+        const mt_class_stats *k = &ms.per_class[c];
+        const mt_allocator *a = ctx->by_class[c];
+        sb_printf(&b, "%-7s %12s %12s %10llu %10llu %5llu  %s#%d\n",
+                  mt_mem_class_name((mt_mem_class)c), human(k->live_bytes, h1, sizeof h1),
+                  human(k->peak_live_bytes, h2, sizeof h2), (unsigned long long)k->n_alloc,
+                  (unsigned long long)k->n_free, (unsigned long long)k->n_oom_failures,
+                  a->vt->name, a->index);
+    }
+    sb_printf(&b, "%-7s %12s %12s   (peak of all classes together)\n", "total",
+              human(ms.live_bytes, h1, sizeof h1), human(ms.peak_live_bytes, h2, sizeof h2));
+    sb_printf(&b, "\n%-14s %12s %12s %12s %12s %8s %9s %7s %5s\n", "allocator", "reserved",
+              "peak resv", "live", "waste", "peak r/l", "backing", "retries", "oom");
+    for (int i = 0; i < ctx->n_inst; i++) {
+        mt_allocator_stats st;
+        mt_allocator_get_stats(ctx->inst[i], &st);
+        char name[32];
+        snprintf(name, sizeof name, "%s#%d", ctx->inst[i]->vt->name, i);
+        uint64_t waste = st.reserved_bytes > st.live_bytes ? st.reserved_bytes - st.live_bytes : 0;
+        double eff = st.peak_live_bytes ? (double)st.peak_reserved_bytes / (double)st.peak_live_bytes
+                                        : 0.0;
+        sb_printf(&b, "%-14s %12s %12s %12s %12s %8.3f %9llu %7llu %5llu\n", name,
+                  human(st.reserved_bytes, h1, sizeof h1),
+                  human(st.peak_reserved_bytes, h2, sizeof h2), human(st.live_bytes, h3, sizeof h3),
+                  human(waste, h4, sizeof h4), eff,
+                  (unsigned long long)(st.n_backing_alloc + st.n_backing_free),
+                  (unsigned long long)st.n_oom_retries, (unsigned long long)st.n_oom_failures);
+    }
+    sb_printf(&b, "%-14s %12s %12s\n", "total", human(ms.reserved_bytes, h1, sizeof h1),
+              human(ms.peak_reserved_bytes, h5, sizeof h5));
+    if (needed) *needed = b.len;
+    if (cap) buf[b.len < cap ? b.len : cap - 1] = 0;
+    return MT_OK;
+}

@@ -1,0 +1,68 @@
+/*
+ * device.h - the device layer behind one small internal interface.
+ *
+ * A device gives memory (plain reservations and, where it can, growable
+ * address ranges), copies, memset and synchronisation. Two implementations:
+ * device_cpu.c (host memory from a jemalloc arena of the library's own) and
+ * device_cuda.c (the CUDA Driver API, loaded at run time).
+ *
+ * Device functions report failures through mti_fail on the owning context.
+ */
+#ifndef MT_DEVICE_H
+#define MT_DEVICE_H
+
+#include "memtrain.h"
+
+typedef struct mti_device mti_device;
+
+struct mti_device {
+    mt_device_kind kind;    /* MT_DEVICE_CPU or MT_DEVICE_CUDA */
+    int ordinal;
+    char name[256];         /* e.g. "CPU (2 threads)", "NVIDIA H100 80GB HBM3" */
+    size_t total_bytes;     /* memory the device has (host: physical RAM) */
+    size_t min_alignment;   /* alignment of every reservation (>= 256) */
+    size_t granularity;     /* segment multiple: host page, or CUDA's VMM granularity */
+    mt_context *ctx;        /* for error messages */
+    void *impl;
+
+    /* Memory. reserve returns MT_ERR_OOM when the device has no more. */
+    mt_status (*mem_reserve)(mti_device *d, size_t bytes, size_t alignment, void **ptr,
+                             size_t *granted);
+    void (*mem_release)(mti_device *d, void *ptr, size_t granted);
+
+    /* Growable ranges (NULL where not offered). Sizes are multiples of
+     * granularity; commit maps memory read-write, decommit gives it back and
+     * leaves the addresses reserved. */
+    mt_status (*va_reserve)(mti_device *d, size_t bytes, void **base);
+    mt_status (*va_commit)(mti_device *d, void *addr, size_t bytes);
+    void (*va_decommit)(mti_device *d, void *addr, size_t bytes);
+    void (*va_release)(mti_device *d, void *base, size_t bytes);
+
+    /* Copies and memset, ordered on the device's stream. */
+    mt_status (*copy_h2d)(mti_device *d, void *dst, const void *src, size_t bytes);
+    mt_status (*copy_d2h)(mti_device *d, void *dst, const void *src, size_t bytes);
+    mt_status (*copy_d2d)(mti_device *d, void *dst, const void *src, size_t bytes);
+    mt_status (*memset8)(mti_device *d, void *dst, int value, size_t bytes);
+    /* Waits until everything queued on the device is done. */
+    mt_status (*sync)(mti_device *d);
+    /* Bytes free and total on the device, as the driver reports them
+     * (host: MemAvailable and MemTotal). */
+    mt_status (*mem_info)(mti_device *d, size_t *free_bytes, size_t *total_bytes);
+
+    void (*destroy)(mti_device *d);
+};
+
+/* Opens the host device. */
+mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out);
+
+/* Opens CUDA device `ordinal` through the driver at `driver_path` (NULL:
+ * "libcuda.so.1"). MT_ERR_NO_DEVICE when there is no driver, the driver has
+ * no device, or the ordinal is out of range; the message says which. */
+mt_status mti_device_cuda_open(mt_context *ctx, const char *driver_path, int ordinal,
+                               mti_device **out);
+
+/* True if a CUDA driver with at least one device can be opened (for
+ * MT_DEVICE_AUTO). Never fails loudly. */
+int mti_cuda_available(const char *driver_path);
+
+#endif /* MT_DEVICE_H */

@@ -1,0 +1,117 @@
+/*
+ * fileio.c - whole-file reads and crash-safe writes.
+ *
+ * Writes go to a temporary file beside the target, are fsynced, and are
+ * renamed over the target, so a crash at any moment leaves either the old
+ * file or the new one, never a torn one.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+mt_status mti_read_file(mt_context *ctx, const char *path, size_t max_bytes, unsigned char **data,
+                        size_t *size)
+{
+    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "path is NULL");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return mti_fail(ctx, MT_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return mti_fail(ctx, MT_ERR_IO, "'%s' is not a regular file", path);
+    }
+    if ((uint64_t)sb.st_size > max_bytes) {
+        close(fd);
+        return mti_fail(ctx, MT_ERR_FORMAT, "'%s' is %lld bytes, more than the %zu allowed", path,
+                        (long long)sb.st_size, max_bytes);
+    }
+    size_t n = (size_t)sb.st_size;
+    unsigned char *buf = malloc(n ? n : 1);
+    if (!buf) {
+        close(fd);
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory reading '%s' (%zu bytes)", path, n);
+    }
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            int e = errno;
+            free(buf);
+            close(fd);
+            return mti_fail(ctx, MT_ERR_IO, "reading '%s': %s", path,
+                            r < 0 ? strerror(e) : "file shrank while being read");
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    *data = buf;
+    *size = n;
+    return MT_OK;
+}
+
+static int write_all(int fd, const unsigned char *p, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *data, size_t size)
+{
+    if (!path || (!data && size)) return mti_fail(ctx, MT_ERR_INVALID_ARG, "path or data is NULL");
+    size_t plen = strlen(path);
+    char *tmp = malloc(plen + 32);
+    if (!tmp) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    snprintf(tmp, plen + 32, "%s.tmp.%ld", path, (long)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno));
+        free(tmp);
+        return s;
+    }
+    if (write_all(fd, data, size) != 0 || fsync(fd) != 0) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", path, strerror(e));
+        free(tmp);
+        return s;
+    }
+    if (close(fd) != 0 || rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot put '%s' in place: %s", path, strerror(e));
+        free(tmp);
+        return s;
+    }
+    free(tmp);
+    /* make the rename itself durable */
+    char *dir = strdup(path);
+    if (dir) {
+        char *slash = strrchr(dir, '/');
+        const char *d = ".";
+        if (slash) {
+            *slash = 0;
+            d = slash == dir ? "/" : dir;
+        }
+        int dfd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+            fsync(dfd);
+            close(dfd);
+        }
+        free(dir);
+    }
+    return MT_OK;
+}

@@ -1,0 +1,165 @@
+/*
+ * internal.h - names shared between the library's files (mti_ prefix).
+ */
+#ifndef MT_INTERNAL_H
+#define MT_INTERNAL_H
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "memtrain.h"
+#include "memtrain/allocator.h"
+#include "device.h"
+
+#define MTI_ERR_LEN 1024
+
+#if defined(__GNUC__)
+#define MTI_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define MTI_PRINTF(a, b)
+#endif
+
+/* ---- errors and logging (status.c) ---- */
+
+/* Records a message for `s` on ctx (or on this thread when ctx is NULL),
+ * logs it at debug level, and returns s. */
+mt_status mti_fail(mt_context *ctx, mt_status s, const char *fmt, ...) MTI_PRINTF(3, 4);
+void mti_log(const mt_context *ctx, mt_log_level level, const char *fmt, ...) MTI_PRINTF(3, 4);
+
+/* ---- traces (trace.c) ---- */
+
+struct mt_trace {
+    mt_trace_event *events;
+    size_t capacity;
+    _Atomic size_t n;         /* slots claimed; events kept = min(n, capacity) */
+    _Atomic uint64_t dropped; /* events past capacity */
+    uint64_t t0_ns;
+    bool recording;
+};
+
+uint64_t mti_now_ns(void);
+mt_status mti_trace_new(mt_context *ctx, size_t capacity, mt_trace **out);
+void mti_trace_record(mt_trace *t, const mt_trace_event *ev);
+
+/* ---- allocator instances (allocator.c) ---- */
+
+struct mt_allocator {
+    mt_context *ctx;
+    const mt_allocator_vtable *vt;
+    void *state;
+    mt_backing backing;      /* handed to the allocator; self = this instance */
+    mt_allocator_config cfg; /* as created */
+    int index;               /* instance number in the context, -1 standalone */
+    bool locked;
+    pthread_mutex_t mu;
+
+    mt_allocator_stats st;   /* measured by the library */
+    uint64_t next_id;
+    /* live bytes and blocks by lifetime and class, so a reset can be counted */
+    uint64_t live_by_life[MT_LIFE_COUNT][MT_MEM_COUNT];
+    uint64_t blocks_by_life[MT_LIFE_COUNT][MT_MEM_COUNT];
+
+    mt_trace *trace;          /* the context's trace while recording, else NULL */
+
+    /* fault injection for tests: backing calls left before one fails (-1: never) */
+    long fail_backing_in;
+};
+
+/* Makes an instance on ctx's device. index is its number in the context
+ * (-1 for a standalone one). */
+mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int index,
+                            mt_allocator **out);
+void mti_allocator_delete(mt_allocator *a);
+/* Test hook: make the n-th next backing call of the instance fail with OOM
+ * (n = 0: the very next one; n < 0: never). */
+void mti_allocator_fail_backing_after(mt_allocator *a, long n);
+/* Sets the instance's peaks to the current values. */
+void mti_allocator_reset_peak(mt_allocator *a);
+
+/* ---- context (context.c) ---- */
+
+typedef struct mti_ops mti_ops;
+
+struct mt_context {
+    mt_context_config cfg;
+    mti_device *dev;
+    int threads;
+    mt_allocator *inst[MT_MEM_COUNT]; /* distinct instances, n_inst of them */
+    int n_inst;
+    mt_allocator *by_class[MT_MEM_COUNT];
+    mt_trace *trace;
+    const mti_ops *ops;      /* kernel table of the device */
+    _Atomic int n_children;  /* models, trainers, standalone allocators alive */
+    /* all the context's instances together (standalone ones excluded) */
+    _Atomic uint64_t live_total, live_peak, reserved_total, reserved_peak;
+    char err[MTI_ERR_LEN];
+};
+
+/* ---- tensors (tensor.c) ---- */
+
+typedef enum mti_dtype { MTI_F32 = 0, MTI_F16 = 1, MTI_BF16 = 2, MTI_I32 = 3 } mti_dtype;
+
+#define MTI_MAX_DIMS 4
+
+typedef struct mti_tensor {
+    mt_block blk;
+    mti_dtype dtype;
+    int ndim;
+    int64_t shape[MTI_MAX_DIMS];
+} mti_tensor;
+
+size_t mti_dtype_size(mti_dtype t);
+int64_t mti_tensor_numel(const mti_tensor *t);
+size_t mti_tensor_bytes(const mti_tensor *t);
+/* Allocates t (whose dtype, ndim and shape are set) from the context's
+ * allocator for class c. */
+mt_status mti_tensor_alloc(mt_context *ctx, mti_tensor *t, mt_mem_class c, mt_lifetime life,
+                           uint64_t tag);
+void mti_tensor_free(mt_context *ctx, mti_tensor *t);
+/* Host <-> tensor copies through the device. */
+mt_status mti_tensor_upload(mt_context *ctx, mti_tensor *t, const void *src, size_t bytes);
+mt_status mti_tensor_download(mt_context *ctx, const mti_tensor *t, void *dst, size_t bytes);
+mt_status mti_tensor_zero(mt_context *ctx, mti_tensor *t);
+
+/* ---- files (fileio.c) ---- */
+
+/* Reads a whole regular file of at most max_bytes into a malloc'd buffer. */
+mt_status mti_read_file(mt_context *ctx, const char *path, size_t max_bytes, unsigned char **data,
+                        size_t *size);
+/* Writes a file crash-safely: temporary file, fsync, rename. */
+mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *data, size_t size);
+
+/* ---- small helpers ---- */
+
+/* CRC-32 (IEEE), continuing from crc (start with 0). */
+uint32_t mti_crc32(uint32_t crc, const void *data, size_t n);
+
+/* Little-endian field access for file formats. */
+static inline void mti_put_u32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline void mti_put_u64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static inline uint32_t mti_get_u32(const unsigned char *p)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+static inline uint64_t mti_get_u64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static inline bool mti_is_pow2(size_t x) { return x && !(x & (x - 1)); }
+static inline size_t mti_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
+
+#endif /* MT_INTERNAL_H */

@@ -1,0 +1,505 @@
+/*
+ * trace.c - allocation traces: recording, the file format, and replay.
+ *
+ * Recording is off by default and bounded: a trace keeps at most `capacity`
+ * events and counts the rest as dropped, so the kept events are always a
+ * consistent prefix (every FREE kept has its ALLOC kept).
+ *
+ * File format (little-endian; docs/formats.md):
+ *   header, 40 bytes: "MTTRACE\0", u32 version (1), u32 event size (48),
+ *                     u64 count, u64 dropped, u64 zero
+ *   count events of 48 bytes: u64 t_ns, u64 id, u64 bytes, u64 tag,
+ *                     u32 alignment, u8 op, u8 class, u8 lifetime, u8 flags,
+ *                     u8 scope, u8 instance, 6 zero bytes
+ *   u32 CRC-32 of everything before it.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+
+#define TRACE_MAGIC "MTTRACE\0"
+#define TRACE_VERSION 1u
+#define TRACE_HEADER 40u
+#define TRACE_EVENT 48u
+#define TRACE_MAX_FILE ((size_t)1 << 36) /* 64 GiB: far beyond any bounded trace */
+
+uint64_t mti_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+mt_status mti_trace_new(mt_context *ctx, size_t capacity, mt_trace **out)
+{
+    if (capacity == 0 || capacity > TRACE_MAX_FILE / TRACE_EVENT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "trace capacity %zu out of range 1..%zu",
+                        capacity, TRACE_MAX_FILE / TRACE_EVENT);
+    mt_trace *t = calloc(1, sizeof *t);
+    mt_trace_event *ev = malloc(capacity * sizeof *ev);
+    if (!t || !ev) {
+        free(t);
+        free(ev);
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory for a trace of %zu events", capacity);
+    }
+    t->events = ev;
+    t->capacity = capacity;
+    t->t0_ns = mti_now_ns();
+    *out = t;
+    return MT_OK;
+}
+
+void mti_trace_record(mt_trace *t, const mt_trace_event *ev)
+{
+    size_t i = atomic_fetch_add(&t->n, 1);
+    if (i < t->capacity) t->events[i] = *ev;
+    else atomic_fetch_add(&t->dropped, 1);
+}
+
+static size_t trace_count(const mt_trace *t)
+{
+    size_t n = atomic_load(&((mt_trace *)t)->n);
+    return n < t->capacity ? n : t->capacity;
+}
+
+void mt_trace_free(mt_trace *t)
+{
+    if (!t) return;
+    free(t->events);
+    free(t);
+}
+
+/* ---- the context's trace ---- */
+
+static void attach(mt_context *ctx, mt_trace *t)
+{
+    for (int i = 0; i < ctx->n_inst; i++) ctx->inst[i]->trace = t;
+}
+
+mt_status mt_context_trace_start(mt_context *ctx, size_t capacity)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_trace_start: ctx is NULL");
+    mt_trace *t;
+    mt_status s = mti_trace_new(ctx, capacity, &t);
+    if (s) return s;
+    attach(ctx, NULL);
+    mt_trace_free(ctx->trace);
+    ctx->trace = t;
+    t->recording = true;
+    attach(ctx, t);
+    return MT_OK;
+}
+
+mt_status mt_context_trace_stop(mt_context *ctx)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_trace_stop: ctx is NULL");
+    if (!ctx->trace) return mti_fail(ctx, MT_ERR_STATE, "mt_context_trace_stop: no trace started");
+    ctx->trace->recording = false;
+    attach(ctx, NULL);
+    return MT_OK;
+}
+
+mt_status mt_context_trace_events(mt_context *ctx, const mt_trace_event **events, size_t *count,
+                                  uint64_t *dropped)
+{
+    if (!ctx || !events || !count)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_trace_events: NULL argument");
+    if (!ctx->trace) return mti_fail(ctx, MT_ERR_STATE, "mt_context_trace_events: no trace started");
+    *events = ctx->trace->events;
+    *count = trace_count(ctx->trace);
+    if (dropped) *dropped = atomic_load(&ctx->trace->dropped);
+    return MT_OK;
+}
+
+mt_status mt_context_trace_write(mt_context *ctx, const char *path)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_trace_write: ctx is NULL");
+    if (!ctx->trace) return mti_fail(ctx, MT_ERR_STATE, "mt_context_trace_write: no trace started");
+    return mt_trace_save(ctx, ctx->trace, path);
+}
+
+/* ---- file format ---- */
+
+static void encode_event(unsigned char *p, const mt_trace_event *e)
+{
+    memset(p, 0, TRACE_EVENT);
+    mti_put_u64(p + 0, e->t_ns);
+    mti_put_u64(p + 8, e->id);
+    mti_put_u64(p + 16, e->bytes);
+    mti_put_u64(p + 24, e->tag);
+    mti_put_u32(p + 32, e->alignment);
+    p[36] = e->op;
+    p[37] = e->mem_class;
+    p[38] = e->lifetime;
+    p[39] = e->flags;
+    p[40] = e->scope;
+    p[41] = e->instance;
+}
+
+static void decode_event(const unsigned char *p, mt_trace_event *e)
+{
+    e->t_ns = mti_get_u64(p + 0);
+    e->id = mti_get_u64(p + 8);
+    e->bytes = mti_get_u64(p + 16);
+    e->tag = mti_get_u64(p + 24);
+    e->alignment = mti_get_u32(p + 32);
+    e->op = p[36];
+    e->mem_class = p[37];
+    e->lifetime = p[38];
+    e->flags = p[39];
+    e->scope = p[40];
+    e->instance = p[41];
+}
+
+mt_status mt_trace_save(mt_context *ctx, const mt_trace *t, const char *path)
+{
+    if (!t || !path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_save: NULL argument");
+    size_t n = trace_count(t);
+    size_t size = TRACE_HEADER + n * TRACE_EVENT + 4;
+    unsigned char *buf = malloc(size);
+    if (!buf) return mti_fail(ctx, MT_ERR_OOM, "out of host memory writing a trace");
+    memcpy(buf, TRACE_MAGIC, 8);
+    mti_put_u32(buf + 8, TRACE_VERSION);
+    mti_put_u32(buf + 12, TRACE_EVENT);
+    mti_put_u64(buf + 16, n);
+    mti_put_u64(buf + 24, atomic_load(&((mt_trace *)t)->dropped));
+    mti_put_u64(buf + 32, 0);
+    for (size_t i = 0; i < n; i++) encode_event(buf + TRACE_HEADER + i * TRACE_EVENT, &t->events[i]);
+    mti_put_u32(buf + size - 4, mti_crc32(0, buf, size - 4));
+    mt_status s = mti_write_file_atomic(ctx, path, buf, size);
+    free(buf);
+    return s;
+}
+
+/* ---- a map of live blocks by (instance, id), for validation and replay ---- */
+
+typedef struct live_rec {
+    uint64_t key;     /* instance << 56 | id */
+    uint8_t lifetime;
+    uint8_t instance;
+    bool failed;      /* replay: the allocator refused it */
+    mt_block blk;
+} live_rec;
+
+typedef struct live_map {
+    uint64_t *keys; /* 0 empty, UINT64_MAX deleted */
+    size_t *idx;    /* into recs */
+    size_t cap, used;
+    live_rec *recs;
+    size_t n, cap_recs;
+} live_map;
+
+static uint64_t key_of(const mt_trace_event *e)
+{
+    return ((uint64_t)e->instance << 56) | (e->id & 0x00FFFFFFFFFFFFFFull);
+}
+
+static size_t slot_of(uint64_t k, size_t cap)
+{
+    return (size_t)((k * 0x9E3779B97F4A7C15ull) >> 17) & (cap - 1);
+}
+
+static void map_free(live_map *m)
+{
+    free(m->keys);
+    free(m->idx);
+    free(m->recs);
+}
+
+static bool map_rehash(live_map *m, size_t ncap)
+{
+    uint64_t *nk = calloc(ncap, sizeof *nk);
+    size_t *ni = malloc(ncap * sizeof *ni);
+    if (!nk || !ni) {
+        free(nk);
+        free(ni);
+        return false;
+    }
+    for (size_t r = 0; r < m->n; r++) {
+        size_t j = slot_of(m->recs[r].key, ncap);
+        while (nk[j]) j = (j + 1) & (ncap - 1);
+        nk[j] = m->recs[r].key;
+        ni[j] = r;
+    }
+    free(m->keys);
+    free(m->idx);
+    m->keys = nk;
+    m->idx = ni;
+    m->cap = ncap;
+    m->used = m->n;
+    return true;
+}
+
+static size_t *map_find(live_map *m, uint64_t k)
+{
+    if (!m->cap) return NULL;
+    size_t j = slot_of(k, m->cap);
+    while (m->keys[j]) {
+        if (m->keys[j] == k) return &m->idx[j];
+        j = (j + 1) & (m->cap - 1);
+    }
+    return NULL;
+}
+
+static bool map_insert(live_map *m, const live_rec *r)
+{
+    if ((m->used + 1) * 2 > m->cap) {
+        /* grow for the live records; rehashing also clears deleted slots */
+        size_t ncap = 1024;
+        while ((m->n + 1) * 4 > ncap) ncap *= 2;
+        if (!map_rehash(m, ncap)) return false;
+    }
+    if (m->n == m->cap_recs) {
+        size_t nc = m->cap_recs ? 2 * m->cap_recs : 1024;
+        live_rec *nr = realloc(m->recs, nc * sizeof *nr);
+        if (!nr) return false;
+        m->recs = nr;
+        m->cap_recs = nc;
+    }
+    size_t j = slot_of(r->key, m->cap);
+    while (m->keys[j] && m->keys[j] != UINT64_MAX) j = (j + 1) & (m->cap - 1);
+    if (!m->keys[j]) m->used++;
+    m->keys[j] = r->key;
+    m->idx[j] = m->n;
+    m->recs[m->n++] = *r;
+    return true;
+}
+
+/* Removes record r (swap with the last). */
+static void map_remove_rec(live_map *m, size_t r)
+{
+    size_t *slot = map_find(m, m->recs[r].key);
+    size_t last = m->n - 1;
+    m->keys[slot - m->idx] = UINT64_MAX;
+    if (r != last) {
+        m->recs[r] = m->recs[last];
+        *map_find(m, m->recs[r].key) = r;
+    }
+    m->n--;
+}
+
+/* ---- validation ---- */
+
+static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
+{
+    live_map m = {0};
+    mt_status s = MT_OK;
+    for (size_t i = 0; i < n && !s; i++) {
+        const mt_trace_event *e = &ev[i];
+        switch (e->op) {
+        case MT_TRACE_ALLOC:
+        case MT_TRACE_FAIL:
+            if (e->mem_class >= MT_MEM_COUNT || e->lifetime >= MT_LIFE_COUNT ||
+                (e->alignment && (!mti_is_pow2(e->alignment) || e->alignment > MT_MAX_ALIGNMENT)) ||
+                (e->flags & ~MT_REQ_RECOMPUTABLE)) {
+                s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: bad class, lifetime, "
+                             "alignment or flags", i);
+                break;
+            }
+            if (e->op == MT_TRACE_FAIL) break;
+            if (e->id == 0 || e->bytes == 0 || e->bytes > MT_MAX_REQUEST) {
+                s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: allocation with id %llu of %llu "
+                             "bytes", i, (unsigned long long)e->id, (unsigned long long)e->bytes);
+                break;
+            }
+            if (map_find(&m, key_of(e))) {
+                s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: block %llu allocated twice", i,
+                             (unsigned long long)e->id);
+                break;
+            }
+            if (!map_insert(&m, &(live_rec){.key = key_of(e), .lifetime = e->lifetime,
+                                            .instance = e->instance}))
+                s = mti_fail(ctx, MT_ERR_OOM, "out of host memory checking a trace");
+            break;
+        case MT_TRACE_FREE: {
+            size_t *r = map_find(&m, key_of(e));
+            if (!r) {
+                s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: free of block %llu, which is "
+                             "not live", i, (unsigned long long)e->id);
+                break;
+            }
+            map_remove_rec(&m, *r);
+            break;
+        }
+        case MT_TRACE_RESET:
+            if (e->scope > MT_SCOPE_PHASE) {
+                s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: reset scope %u", i, e->scope);
+                break;
+            }
+            for (size_t r = m.n; r-- > 0;)
+                if (m.recs[r].instance == e->instance && m.recs[r].lifetime >= e->scope)
+                    map_remove_rec(&m, r);
+            break;
+        case MT_TRACE_TRIM: break;
+        default:
+            s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: unknown operation %u", i, e->op);
+        }
+    }
+    map_free(&m);
+    return s;
+}
+
+static mt_status trace_make(mt_context *ctx, size_t n, uint64_t dropped, mt_trace **out)
+{
+    mt_trace *t = calloc(1, sizeof *t);
+    mt_trace_event *ev = malloc((n ? n : 1) * sizeof *ev);
+    if (!t || !ev) {
+        free(t);
+        free(ev);
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory for a trace of %zu events", n);
+    }
+    t->events = ev;
+    t->capacity = n;
+    atomic_store(&t->n, n);
+    atomic_store(&t->dropped, dropped);
+    *out = t;
+    return MT_OK;
+}
+
+mt_status mt_trace_from_events(mt_context *ctx, const mt_trace_event *events, size_t count,
+                               mt_trace **out)
+{
+    if (!out || (!events && count))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_from_events: NULL argument");
+    mt_status s = validate(ctx, events, count);
+    if (s) return s == MT_ERR_FORMAT ? mti_fail(ctx, MT_ERR_INVALID_ARG, "%s", mt_last_error(ctx))
+                                     : s;
+    mt_trace *t;
+    s = trace_make(ctx, count, 0, &t);
+    if (s) return s;
+    if (count) memcpy(t->events, events, count * sizeof *events);
+    *out = t;
+    return MT_OK;
+}
+
+mt_status mt_trace_load(mt_context *ctx, const char *path, mt_trace **out)
+{
+    if (!path || !out) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_load: NULL argument");
+    unsigned char *buf;
+    size_t size;
+    mt_status s = mti_read_file(ctx, path, TRACE_MAX_FILE, &buf, &size);
+    if (s) return s;
+    mt_trace *t = NULL;
+    if (size < TRACE_HEADER + 4 || memcmp(buf, TRACE_MAGIC, 8) != 0) {
+        s = mti_fail(ctx, MT_ERR_FORMAT, "'%s' is not a memtrain trace (bad magic or too short)",
+                     path);
+    } else if (mti_get_u32(buf + 8) != TRACE_VERSION || mti_get_u32(buf + 12) != TRACE_EVENT) {
+        s = mti_fail(ctx, MT_ERR_FORMAT, "'%s': trace version %u (event size %u); this library "
+                     "reads version %u",
+                     path, mti_get_u32(buf + 8), mti_get_u32(buf + 12), TRACE_VERSION);
+    } else {
+        uint64_t n = mti_get_u64(buf + 16);
+        if (n > (size - TRACE_HEADER - 4) / TRACE_EVENT ||
+            size != TRACE_HEADER + n * TRACE_EVENT + 4) {
+            s = mti_fail(ctx, MT_ERR_FORMAT, "'%s': %zu bytes do not hold the %llu events the "
+                         "header announces (truncated or padded)",
+                         path, size, (unsigned long long)n);
+        } else if (mti_crc32(0, buf, size - 4) != mti_get_u32(buf + size - 4)) {
+            s = mti_fail(ctx, MT_ERR_FORMAT, "'%s': checksum mismatch (corrupt file)", path);
+        } else if ((s = trace_make(ctx, (size_t)n, mti_get_u64(buf + 24), &t)) == MT_OK) {
+            for (size_t i = 0; i < n; i++)
+                decode_event(buf + TRACE_HEADER + i * TRACE_EVENT, &t->events[i]);
+            s = validate(ctx, t->events, (size_t)n);
+            if (s) {
+                char m[MTI_ERR_LEN];
+                snprintf(m, sizeof m, "%s", mt_last_error(ctx));
+                s = mti_fail(ctx, s, "'%s': %s", path, m);
+                mt_trace_free(t);
+                t = NULL;
+            }
+        }
+    }
+    free(buf);
+    if (!s) *out = t;
+    return s;
+}
+
+mt_status mt_trace_info(const mt_trace *t, size_t *count, uint64_t *dropped)
+{
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trace_info: trace is NULL");
+    if (count) *count = trace_count(t);
+    if (dropped) *dropped = atomic_load(&((mt_trace *)t)->dropped);
+    return MT_OK;
+}
+
+const mt_trace_event *mt_trace_get_events(const mt_trace *t) { return t ? t->events : NULL; }
+
+/* ---- replay ---- */
+
+static mt_status replay_free(live_map *m, size_t r, mt_allocator *a, mt_replay_result *res)
+{
+    mt_status s = MT_OK;
+    if (!m->recs[r].failed) {
+        s = mt_free(a, &m->recs[r].blk);
+        if (!s) res->n_free++;
+    }
+    map_remove_rec(m, r);
+    return s;
+}
+
+mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *res)
+{
+    if (!t || !a || !res)
+        return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG, "mt_trace_replay: NULL argument");
+    memset(res, 0, sizeof *res);
+    mti_allocator_reset_peak(a);
+    live_map m = {0};
+    size_t n = trace_count(t);
+    mt_status s = MT_OK;
+    uint64_t t0 = mti_now_ns();
+    for (size_t i = 0; i < n && !s; i++) {
+        const mt_trace_event *e = &t->events[i];
+        res->n_events++;
+        switch (e->op) {
+        case MT_TRACE_ALLOC: {
+            mt_alloc_request req = {.bytes = e->bytes,
+                                    .alignment = e->alignment,
+                                    .mem_class = (mt_mem_class)e->mem_class,
+                                    .lifetime = (mt_lifetime)e->lifetime,
+                                    .flags = e->flags,
+                                    .tag = e->tag};
+            live_rec rec = {.key = key_of(e), .lifetime = e->lifetime, .instance = e->instance};
+            mt_status as = mt_alloc(a, &req, &rec.blk);
+            if (as == MT_OK) res->n_alloc++;
+            else if (as == MT_ERR_OOM) rec.failed = true, res->n_failed++;
+            else s = as;
+            if (!s && !map_insert(&m, &rec)) s = mti_fail(a->ctx, MT_ERR_OOM, "replay: out of host memory");
+            break;
+        }
+        case MT_TRACE_FREE: {
+            size_t *r = map_find(&m, key_of(e));
+            if (r) s = replay_free(&m, *r, a, res);
+            break;
+        }
+        case MT_TRACE_RESET: {
+            bool others = false;
+            for (size_t r = m.n; r-- > 0 && !s;) {
+                if (m.recs[r].lifetime < e->scope) continue;
+                if (m.recs[r].instance == e->instance) s = replay_free(&m, r, a, res);
+                else others = true;
+            }
+            /* the allocator sees the boundary unless it would kill blocks
+               of another recorded instance that are still live */
+            if (!s && !others) s = mt_allocator_reset(a, (mt_scope)e->scope);
+            break;
+        }
+        case MT_TRACE_TRIM: s = mt_allocator_trim(a); break;
+        default: break; /* FAIL: the recorded program got nothing */
+        }
+    }
+    for (size_t r = m.n; r-- > 0;) {
+        mt_status fs = replay_free(&m, r, a, res);
+        if (!s) s = fs;
+    }
+    res->seconds = (double)(mti_now_ns() - t0) * 1e-9;
+    map_free(&m);
+    mt_allocator_stats st;
+    mt_allocator_get_stats(a, &st);
+    res->peak_live_bytes = st.peak_live_bytes;
+    res->peak_reserved_bytes = st.peak_reserved_bytes;
+    res->efficiency = st.peak_live_bytes ? (double)st.peak_reserved_bytes / (double)st.peak_live_bytes
+                                         : 0.0;
+    return s;
+}

@@ -1,0 +1,69 @@
+/*
+ * check.h - the test suite's small framework.
+ *
+ * TEST(name) { ... } defines and registers a test. CHECK(cond) ends the
+ * running test on failure; EXPECT(cond) records the failure and goes on (use
+ * it off the main thread). Tests run in registration order; the runner's
+ * arguments pick tests whose names contain any of them.
+ */
+#ifndef MT_TEST_CHECK_H
+#define MT_TEST_CHECK_H
+
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "memtrain.h"
+
+typedef void (*check_fn)(void);
+void check_register(const char *name, check_fn fn);
+void check_fail(const char *file, int line, const char *what);  /* ends the test */
+void check_note(const char *file, int line, const char *what);  /* records and goes on */
+bool check_long(void); /* MT_TEST_LONG=1: the long variants */
+const char *check_fake_cuda(void); /* path of the stand-in driver, or NULL */
+
+#define TEST(name)                                                                          \
+    static void name(void);                                                                 \
+    __attribute__((constructor)) static void name##_register(void) { check_register(#name, name); } \
+    static void name(void)
+
+#define CHECK(c)                                                                            \
+    do {                                                                                    \
+        if (!(c)) check_fail(__FILE__, __LINE__, #c);                                       \
+    } while (0)
+#define EXPECT(c)                                                                           \
+    do {                                                                                    \
+        if (!(c)) check_note(__FILE__, __LINE__, #c);                                       \
+    } while (0)
+#define CHECK_MSG(c, ...)                                                                   \
+    do {                                                                                    \
+        if (!(c)) {                                                                         \
+            char check_buf_[2048];                                                           \
+            snprintf(check_buf_, sizeof check_buf_, __VA_ARGS__);                           \
+            check_fail(__FILE__, __LINE__, check_buf_);                                     \
+        }                                                                                   \
+    } while (0)
+#define CHECK_EQ(a, b)                                                                      \
+    CHECK_MSG((a) == (b), "%s == %s (%lld vs %lld)", #a, #b, (long long)(a), (long long)(b))
+#define CHECK_OK(s)                                                                         \
+    do {                                                                                    \
+        mt_status check_s_ = (s);                                                           \
+        CHECK_MSG(check_s_ == MT_OK, "%s -> %s: %s", #s, mt_status_string(check_s_),       \
+                  mt_last_error(NULL));                                                     \
+    } while (0)
+/* Like CHECK_OK, with the context whose message to print. */
+#define CHECK_OKC(ctx, s)                                                                   \
+    do {                                                                                    \
+        mt_status check_s_ = (s);                                                           \
+        CHECK_MSG(check_s_ == MT_OK, "%s -> %s: %s", #s, mt_status_string(check_s_),       \
+                  mt_last_error(ctx));                                                      \
+    } while (0)
+#define CHECK_ST(expect, s)                                                                 \
+    do {                                                                                    \
+        mt_status check_s_ = (s);                                                           \
+        CHECK_MSG(check_s_ == (expect), "%s -> %s, expected %s", #s,                        \
+                  mt_status_string(check_s_), mt_status_string(expect));                   \
+    } while (0)
+
+#endif /* MT_TEST_CHECK_H */

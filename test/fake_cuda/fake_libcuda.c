@@ -1,0 +1,899 @@
+/*
+ * fake_libcuda.c - a stand-in CUDA driver over host memory, for tests.
+ *
+ * Built as build/libfakecuda.so and handed to the library as
+ * cuda_driver_path (tests find it through the environment variable
+ * MT_FAKE_CUDA), so the CUDA device layer, and the allocators on "device"
+ * memory, run where there is no GPU. It exports every entry point
+ * lib/device_cuda.c looks up, and checks their use as a real driver would
+ * where that is cheap: cuInit first, a current context for the calls that
+ * need one, copies only inside allocated or mapped-and-accessible memory,
+ * unmaps only of whole mappings, handles and streams that exist.
+ *
+ * Device memory is host memory: cuMemAlloc is an aligned malloc, copies are
+ * memmove, and the virtual memory calls are mmap(PROT_NONE) for address
+ * space, mprotect when access is granted, and madvise(MADV_DONTNEED) when a
+ * mapping goes. Launches of the kernels of kernels/cuda that it knows run
+ * on the host; others are only counted.
+ *
+ * Read at every cuInit, so a test can change them between contexts:
+ *   MT_FAKE_CUDA_MEM          total device memory, bytes (default 4 GiB)
+ *   MT_FAKE_CUDA_DEVICES      number of devices (default 1; 0: none)
+ *   MT_FAKE_CUDA_FAIL_INIT    1: cuInit fails with CUDA_ERROR_UNKNOWN;
+ *                             another number: cuInit returns that code
+ *   MT_FAKE_CUDA_NO_VMM       1: the device does not offer cuMemCreate/cuMemMap
+ *   MT_FAKE_CUDA_GRANULARITY  VMM granularity, bytes (default 2 MiB)
+ *
+ * For tests, besides the driver's entry points:
+ *   fake_cuda_fail(call, skip, code)  the named entry point returns `code`
+ *                                     once, after `skip` successful calls
+ *   fake_cuda_stat(name)              counters, see fake_cuda_stat below
+ *   fake_cuda_last_kernel()           name of the last kernel launched ("" if none)
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "cuda_driver.h"
+
+/* ---- the exported entry points (the driver's symbol names) ---- */
+
+CUresult cuInit(unsigned int flags);
+CUresult cuDriverGetVersion(int *version);
+CUresult cuDeviceGetCount(int *count);
+CUresult cuDeviceGet(CUdevice *dev, int ordinal);
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
+CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attr, CUdevice dev);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev);
+CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuCtxPushCurrent_v2(CUcontext ctx);
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx);
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes);
+CUresult cuMemFree_v2(CUdeviceptr dptr);
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream s);
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream s);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream s);
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
+CUresult cuStreamSynchronize(CUstream stream);
+CUresult cuStreamDestroy_v2(CUstream stream);
+CUresult cuModuleLoadData(CUmodule *module, const void *image);
+CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
+CUresult cuModuleUnload(CUmodule module);
+CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigned int gz,
+                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
+                        CUstream stream, void **params, void **extra);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t bytes, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t bytes);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
+                     const CUmemAllocationProp *prop, unsigned long long flags);
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult cuMemMap(CUdeviceptr ptr, size_t bytes, size_t offset, CUmemGenericAllocationHandle h,
+                  unsigned long long flags);
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t bytes);
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t bytes, const CUmemAccessDesc *desc, size_t count);
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                       CUmemAllocationGranularity_flags option);
+CUresult cuGetErrorName(CUresult err, const char **str);
+CUresult cuGetErrorString(CUresult err, const char **str);
+
+void fake_cuda_fail(const char *call, int skip, CUresult code);
+unsigned long long fake_cuda_stat(const char *name);
+const char *fake_cuda_last_kernel(void);
+
+/* ---- state ---- */
+
+#define FAKE_MAX_DEVICES 8
+#define FAKE_CTX_DEPTH 64
+#define FAKE_MAGIC_STREAM 0x57AEA4u
+#define FAKE_MAGIC_MODULE 0x40D01Eu
+#define FAKE_MAGIC_FUNC 0xF00Cu
+
+struct CUctx_st {
+    CUdevice dev;
+    int refs; /* primary context retains */
+};
+struct CUstream_st {
+    unsigned magic;
+};
+struct CUmod_st {
+    unsigned magic;
+};
+struct CUfunc_st {
+    unsigned magic;
+    CUmodule module;
+    char name[128];
+    struct CUfunc_st *next;
+};
+
+typedef struct fake_alloc { /* cuMemAlloc */
+    void *raw;
+    CUdeviceptr p;
+    size_t bytes;
+} fake_alloc;
+
+typedef struct fake_resv { /* cuMemAddressReserve */
+    CUdeviceptr base;
+    size_t bytes;
+} fake_resv;
+
+typedef struct fake_phys { /* cuMemCreate */
+    size_t bytes;
+    int mapped;
+    int released;
+} fake_phys;
+
+typedef struct fake_map { /* cuMemMap */
+    CUdeviceptr at;
+    size_t bytes;
+    fake_phys *h;
+    int access; /* read-write granted */
+} fake_map;
+
+#define VEC(T)                                                                                 \
+    struct {                                                                                   \
+        T *v;                                                                                  \
+        size_t n, cap;                                                                         \
+    }
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    int initialized;
+    int n_devices;
+    int vmm;
+    size_t total, used, gran;
+    struct CUctx_st ctx[FAKE_MAX_DEVICES];
+    VEC(fake_alloc) allocs;
+    VEC(fake_resv) resvs;
+    VEC(fake_map) maps;
+    size_t n_handles, n_streams, n_modules;
+    struct CUfunc_st *funcs;
+    unsigned long long launches, syncs, ctx_pushes;
+    char last_kernel[128];
+    /* fault injection */
+    char fail_call[64];
+    int fail_skip;
+    CUresult fail_code;
+} F = {.n_devices = 1, .vmm = 1};
+
+static _Thread_local CUcontext tls_stack[FAKE_CTX_DEPTH];
+static _Thread_local int tls_depth;
+
+static void *vec_slot(void **v, size_t *n, size_t *cap, size_t elem)
+{
+    if (*n == *cap) {
+        size_t c = *cap ? 2 * *cap : 16;
+        void *t = realloc(*v, c * elem);
+        if (!t) return NULL;
+        *v = t;
+        *cap = c;
+    }
+    return (char *)*v + (*n)++ * elem;
+}
+#define VEC_PUSH(vec) vec_slot((void **)&(vec).v, &(vec).n, &(vec).cap, sizeof *(vec).v)
+#define VEC_DEL(vec, i) ((vec).v[i] = (vec).v[--(vec).n])
+
+static unsigned long long env_ull(const char *name, unsigned long long dflt)
+{
+    const char *s = getenv(name);
+    if (!s || !*s) return dflt;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 0);
+    return *end ? dflt : v;
+}
+
+/* The injected failure for `call`, if it is due now. Called with mu held. */
+static CUresult injected(const char *call)
+{
+    if (!F.fail_call[0] || strcmp(F.fail_call, call) != 0) return CUDA_SUCCESS;
+    if (F.fail_skip > 0) {
+        F.fail_skip--;
+        return CUDA_SUCCESS;
+    }
+    F.fail_call[0] = 0;
+    return F.fail_code;
+}
+
+void fake_cuda_fail(const char *call, int skip, CUresult code)
+{
+    pthread_mutex_lock(&mu);
+    size_t n = call ? strlen(call) : 0;
+    if (n >= sizeof F.fail_call) n = sizeof F.fail_call - 1;
+    memcpy(F.fail_call, call ? call : "", n);
+    F.fail_call[n] = 0;
+    F.fail_skip = skip;
+    F.fail_code = code;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Entry preamble: cuInit done, no failure injected. Takes mu. */
+#define ENTER(call)                                                                            \
+    pthread_mutex_lock(&mu);                                                                   \
+    CUresult rc_ = F.initialized ? injected(call) : CUDA_ERROR_NOT_INITIALIZED;                \
+    if (rc_ != CUDA_SUCCESS) return leave(rc_)
+
+static CUresult leave(CUresult r)
+{
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* A context is current on this thread and still retained. mu held. */
+static int have_ctx(void)
+{
+    return tls_depth > 0 && tls_stack[tls_depth - 1] && tls_stack[tls_depth - 1]->refs > 0;
+}
+
+static int valid_ctx(CUcontext c)
+{
+    for (int i = 0; i < F.n_devices && i < FAKE_MAX_DEVICES; i++)
+        if (c == &F.ctx[i]) return c->refs > 0;
+    return 0;
+}
+
+/* [p, p + n) lies in one cuMemAlloc block or in mapped, accessible
+ * memory. mu held. */
+static int dev_range_ok(CUdeviceptr p, size_t n)
+{
+    if (n == 0) return 1;
+    for (size_t i = 0; i < F.allocs.n; i++) {
+        const fake_alloc *a = &F.allocs.v[i];
+        if (p >= a->p && p - a->p <= a->bytes && n <= a->bytes - (p - a->p)) return 1;
+    }
+    /* a range may run across several adjacent mappings */
+    while (n > 0) {
+        const fake_map *m = NULL;
+        for (size_t i = 0; i < F.maps.n; i++)
+            if (p >= F.maps.v[i].at && p < F.maps.v[i].at + F.maps.v[i].bytes) m = &F.maps.v[i];
+        if (!m || !m->access) return 0;
+        size_t here = (size_t)(m->at + m->bytes - p);
+        if (here >= n) return 1;
+        p += here;
+        n -= here;
+    }
+    return 1;
+}
+
+static int valid_stream(CUstream s)
+{
+    return s == NULL || s->magic == FAKE_MAGIC_STREAM;
+}
+
+/* ---- init, devices, contexts ---- */
+
+CUresult cuInit(unsigned int flags)
+{
+    pthread_mutex_lock(&mu);
+    unsigned long long fail = env_ull("MT_FAKE_CUDA_FAIL_INIT", 0);
+    if (fail) {
+        F.initialized = 0;
+        return leave(fail == 1 ? CUDA_ERROR_UNKNOWN : (CUresult)fail);
+    }
+    if (flags != 0) return leave(CUDA_ERROR_INVALID_VALUE);
+    unsigned long long nd = env_ull("MT_FAKE_CUDA_DEVICES", 1);
+    F.n_devices = nd > FAKE_MAX_DEVICES ? FAKE_MAX_DEVICES : (int)nd;
+    F.total = (size_t)env_ull("MT_FAKE_CUDA_MEM", 4ull << 30);
+    F.vmm = env_ull("MT_FAKE_CUDA_NO_VMM", 0) ? 0 : 1;
+    unsigned long long g = env_ull("MT_FAKE_CUDA_GRANULARITY", 2u << 20);
+    F.gran = (g >= 4096 && !(g & (g - 1))) ? (size_t)g : (2u << 20);
+    for (int i = 0; i < FAKE_MAX_DEVICES; i++) F.ctx[i].dev = i;
+    F.initialized = 1;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDriverGetVersion(int *version)
+{
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    *version = 13000; /* 13.0; answered before cuInit, as the real driver does */
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetCount(int *count)
+{
+    ENTER("cuDeviceGetCount");
+    if (!count) return leave(CUDA_ERROR_INVALID_VALUE);
+    *count = F.n_devices;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGet(CUdevice *dev, int ordinal)
+{
+    ENTER("cuDeviceGet");
+    if (!dev) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (ordinal < 0 || ordinal >= F.n_devices) return leave(CUDA_ERROR_INVALID_DEVICE);
+    *dev = ordinal;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    ENTER("cuDeviceGetName");
+    if (!name || len <= 0) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= F.n_devices) return leave(CUDA_ERROR_INVALID_DEVICE);
+    const char *s = "memtrain fake GPU";
+    size_t n = strlen(s);
+    if (n >= (size_t)len) n = (size_t)len - 1;
+    memcpy(name, s, n);
+    name[n] = 0;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    ENTER("cuDeviceTotalMem_v2");
+    if (!bytes) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= F.n_devices) return leave(CUDA_ERROR_INVALID_DEVICE);
+    *bytes = F.total;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attr, CUdevice dev)
+{
+    ENTER("cuDeviceGetAttribute");
+    if (!value) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= F.n_devices) return leave(CUDA_ERROR_INVALID_DEVICE);
+    switch (attr) {
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = F.vmm; break;
+    default: return leave(CUDA_ERROR_INVALID_VALUE);
+    }
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
+{
+    ENTER("cuDevicePrimaryCtxRetain");
+    if (!ctx) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (dev < 0 || dev >= F.n_devices) return leave(CUDA_ERROR_INVALID_DEVICE);
+    F.ctx[dev].refs++;
+    *ctx = &F.ctx[dev];
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    ENTER("cuDevicePrimaryCtxRelease_v2");
+    if (dev < 0 || dev >= F.n_devices) return leave(CUDA_ERROR_INVALID_DEVICE);
+    if (F.ctx[dev].refs <= 0) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    F.ctx[dev].refs--;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    ENTER("cuCtxSetCurrent");
+    if (ctx && !valid_ctx(ctx)) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (tls_depth == 0) {
+        if (ctx) tls_stack[tls_depth++] = ctx;
+    } else {
+        tls_stack[tls_depth - 1] = ctx;
+        if (!ctx) tls_depth--;
+    }
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    ENTER("cuCtxPushCurrent_v2");
+    if (!valid_ctx(ctx)) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (tls_depth == FAKE_CTX_DEPTH) return leave(CUDA_ERROR_UNKNOWN);
+    tls_stack[tls_depth++] = ctx;
+    F.ctx_pushes++;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
+{
+    ENTER("cuCtxPopCurrent_v2");
+    if (tls_depth == 0) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    CUcontext c = tls_stack[--tls_depth];
+    if (ctx) *ctx = c;
+    return leave(CUDA_SUCCESS);
+}
+
+/* ---- plain memory ---- */
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
+{
+    ENTER("cuMemAlloc_v2");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!dptr || bytes == 0) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (bytes > F.total - F.used) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    /* 256-aligned but never 512-aligned, the weakest the driver promises, so
+     * callers that need more have to do their own aligning */
+    void *raw = malloc(bytes + 512);
+    fake_alloc *a = raw ? VEC_PUSH(F.allocs) : NULL;
+    if (!a) {
+        free(raw);
+        return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    CUdeviceptr p = ((CUdeviceptr)(uintptr_t)raw + 255) & ~(CUdeviceptr)255;
+    if (p % 512 == 0) p += 256;
+    *a = (fake_alloc){raw, p, bytes};
+    F.used += bytes;
+    *dptr = p;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    ENTER("cuMemFree_v2");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (dptr == 0) return leave(CUDA_SUCCESS);
+    for (size_t i = 0; i < F.allocs.n; i++) {
+        if (F.allocs.v[i].p == dptr) {
+            free(F.allocs.v[i].raw);
+            F.used -= F.allocs.v[i].bytes;
+            VEC_DEL(F.allocs, i);
+            return leave(CUDA_SUCCESS);
+        }
+    }
+    return leave(CUDA_ERROR_INVALID_VALUE);
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
+{
+    ENTER("cuMemGetInfo_v2");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!free_bytes || !total_bytes) return leave(CUDA_ERROR_INVALID_VALUE);
+    *free_bytes = F.total - F.used;
+    *total_bytes = F.total;
+    return leave(CUDA_SUCCESS);
+}
+
+/* ---- copies (done at once: the fake's stream never has work pending) ---- */
+
+static CUresult copy_check(CUstream s, int ok_dst, int ok_src, int host_ok)
+{
+    if (!have_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!valid_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!host_ok || !ok_dst || !ok_src) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t bytes, CUstream s)
+{
+    ENTER("cuMemcpyHtoDAsync_v2");
+    CUresult r = copy_check(s, dev_range_ok(dst, bytes), 1, src != NULL || bytes == 0);
+    if (r == CUDA_SUCCESS && bytes) memmove((void *)(uintptr_t)dst, src, bytes);
+    return leave(r);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t bytes, CUstream s)
+{
+    ENTER("cuMemcpyDtoHAsync_v2");
+    CUresult r = copy_check(s, 1, dev_range_ok(src, bytes), dst != NULL || bytes == 0);
+    if (r == CUDA_SUCCESS && bytes) memmove(dst, (const void *)(uintptr_t)src, bytes);
+    return leave(r);
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s)
+{
+    ENTER("cuMemcpyDtoDAsync_v2");
+    CUresult r = copy_check(s, dev_range_ok(dst, bytes), dev_range_ok(src, bytes), 1);
+    if (r == CUDA_SUCCESS && bytes)
+        memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
+    return leave(r);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, CUstream s)
+{
+    ENTER("cuMemsetD8Async");
+    CUresult r = copy_check(s, dev_range_ok(dst, bytes), 1, 1);
+    if (r == CUDA_SUCCESS && bytes) memset((void *)(uintptr_t)dst, value, bytes);
+    return leave(r);
+}
+
+/* ---- streams ---- */
+
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
+{
+    ENTER("cuStreamCreate");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!stream || flags > CU_STREAM_NON_BLOCKING) return leave(CUDA_ERROR_INVALID_VALUE);
+    struct CUstream_st *s = malloc(sizeof *s);
+    if (!s) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    s->magic = FAKE_MAGIC_STREAM;
+    F.n_streams++;
+    *stream = s;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuStreamSynchronize(CUstream stream)
+{
+    ENTER("cuStreamSynchronize");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!valid_stream(stream)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    F.syncs++;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuStreamDestroy_v2(CUstream stream)
+{
+    ENTER("cuStreamDestroy_v2");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!stream || stream->magic != FAKE_MAGIC_STREAM) return leave(CUDA_ERROR_INVALID_HANDLE);
+    stream->magic = 0;
+    free(stream);
+    F.n_streams--;
+    return leave(CUDA_SUCCESS);
+}
+
+/* ---- modules and launches ---- */
+
+/* A fatbin (magic 0xBA55ED50, little-endian), an ELF cubin, or PTX text. */
+static int image_ok(const void *image)
+{
+    const unsigned char *b = image;
+    if (b[0] == 0x50 && b[1] == 0xED && b[2] == 0x55 && b[3] == 0xBA) return 1;
+    if (b[0] == 0x7F && b[1] == 'E' && b[2] == 'L' && b[3] == 'F') return 1;
+    const char *s = image;
+    while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r') s++;
+    return strncmp(s, "//", 2) == 0 || strncmp(s, ".version", 8) == 0;
+}
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    ENTER("cuModuleLoadData");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!module || !image) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (!image_ok(image)) return leave(CUDA_ERROR_INVALID_IMAGE);
+    struct CUmod_st *m = malloc(sizeof *m);
+    if (!m) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    m->magic = FAKE_MAGIC_MODULE;
+    F.n_modules++;
+    *module = m;
+    return leave(CUDA_SUCCESS);
+}
+
+/* Any name is found (the fake does not parse the image); functions are kept
+ * until their module is unloaded. */
+CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name)
+{
+    ENTER("cuModuleGetFunction");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!fn || !name) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (!module || module->magic != FAKE_MAGIC_MODULE) return leave(CUDA_ERROR_INVALID_HANDLE);
+    if (strlen(name) >= sizeof F.funcs->name) return leave(CUDA_ERROR_NOT_FOUND);
+    struct CUfunc_st *f = calloc(1, sizeof *f);
+    if (!f) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    f->magic = FAKE_MAGIC_FUNC;
+    f->module = module;
+    strcpy(f->name, name);
+    f->next = F.funcs;
+    F.funcs = f;
+    *fn = f;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuModuleUnload(CUmodule module)
+{
+    ENTER("cuModuleUnload");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!module || module->magic != FAKE_MAGIC_MODULE) return leave(CUDA_ERROR_INVALID_HANDLE);
+    for (struct CUfunc_st **pp = &F.funcs; *pp;) {
+        struct CUfunc_st *f = *pp;
+        if (f->module == module) {
+            *pp = f->next;
+            f->magic = 0;
+            free(f);
+        } else {
+            pp = &f->next;
+        }
+    }
+    module->magic = 0;
+    free(module);
+    F.n_modules--;
+    return leave(CUDA_SUCCESS);
+}
+
+/* The kernels of kernels/cuda/kernels.cu, run on the host. */
+static CUresult run_known(const struct CUfunc_st *f, void **p)
+{
+    if (strcmp(f->name, "mt_fill_f32") == 0) {
+        if (!p) return CUDA_ERROR_INVALID_VALUE;
+        float *y = *(float **)p[0];
+        float v = *(const float *)p[1];
+        unsigned long long n = *(const unsigned long long *)p[2];
+        if (n > SIZE_MAX / 4 || !dev_range_ok((CUdeviceptr)(uintptr_t)y, n * 4))
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        for (unsigned long long i = 0; i < n; i++) y[i] = v;
+    } else if (strcmp(f->name, "mt_axpy_f32") == 0) {
+        if (!p) return CUDA_ERROR_INVALID_VALUE;
+        float *y = *(float **)p[0];
+        float a = *(const float *)p[1];
+        const float *x = *(const float **)p[2];
+        unsigned long long n = *(const unsigned long long *)p[3];
+        if (n > SIZE_MAX / 4 || !dev_range_ok((CUdeviceptr)(uintptr_t)y, n * 4) ||
+            !dev_range_ok((CUdeviceptr)(uintptr_t)x, n * 4))
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        for (unsigned long long i = 0; i < n; i++) y[i] = a * x[i] + y[i];
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigned int gz,
+                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
+                        CUstream stream, void **params, void **extra)
+{
+    ENTER("cuLaunchKernel");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!fn || fn->magic != FAKE_MAGIC_FUNC || !valid_stream(stream))
+        return leave(CUDA_ERROR_INVALID_HANDLE);
+    if (!gx || !gy || !gz || !bx || !by || !bz || (unsigned long long)bx * by * bz > 1024 ||
+        gy > 65535 || gz > 65535 || shared > 227u * 1024 || (params && extra))
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    CUresult r = run_known(fn, params);
+    if (r == CUDA_SUCCESS) {
+        F.launches++;
+        strcpy(F.last_kernel, fn->name);
+    }
+    return leave(r);
+}
+
+/* ---- virtual memory management ---- */
+
+static int prop_ok(const CUmemAllocationProp *prop)
+{
+    return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+           prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->location.id >= 0 &&
+           prop->location.id < F.n_devices && !prop->win32HandleMetaData;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                       CUmemAllocationGranularity_flags option)
+{
+    ENTER("cuMemGetAllocationGranularity");
+    if (!F.vmm) return leave(CUDA_ERROR_NOT_SUPPORTED);
+    if (!granularity || !prop_ok(prop) || option < 0 || option > 1)
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    *granularity = F.gran;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t bytes, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags)
+{
+    ENTER("cuMemAddressReserve");
+    (void)addr; /* a hint only */
+    if (!F.vmm) return leave(CUDA_ERROR_NOT_SUPPORTED);
+    if (alignment == 0) alignment = F.gran;
+    if (!ptr || bytes == 0 || bytes % F.gran || flags || (alignment & (alignment - 1)))
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    size_t span = bytes + alignment;
+    void *m = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    uintptr_t lo = (uintptr_t)m, base = (lo + alignment - 1) & ~(uintptr_t)(alignment - 1);
+    /* keep [base, base + bytes), give the rest back */
+    if (base > lo) munmap(m, base - lo);
+    if (lo + span > base + bytes) munmap((void *)(base + bytes), lo + span - (base + bytes));
+    fake_resv *v = VEC_PUSH(F.resvs);
+    if (!v) {
+        munmap((void *)base, bytes);
+        return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    *v = (fake_resv){base, bytes};
+    *ptr = base;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t bytes)
+{
+    ENTER("cuMemAddressFree");
+    for (size_t i = 0; i < F.resvs.n; i++) {
+        if (F.resvs.v[i].base != ptr) continue;
+        if (F.resvs.v[i].bytes != bytes) return leave(CUDA_ERROR_INVALID_VALUE);
+        for (size_t k = 0; k < F.maps.n; k++)
+            if (F.maps.v[k].at >= ptr && F.maps.v[k].at < ptr + bytes)
+                return leave(CUDA_ERROR_INVALID_VALUE); /* still mapped */
+        munmap((void *)(uintptr_t)ptr, bytes);
+        VEC_DEL(F.resvs, i);
+        return leave(CUDA_SUCCESS);
+    }
+    return leave(CUDA_ERROR_INVALID_VALUE);
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
+                     const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    ENTER("cuMemCreate");
+    if (!F.vmm) return leave(CUDA_ERROR_NOT_SUPPORTED);
+    if (!handle || !prop_ok(prop) || bytes == 0 || bytes % F.gran || flags)
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    if (bytes > F.total - F.used) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    fake_phys *h = calloc(1, sizeof *h);
+    if (!h) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    h->bytes = bytes;
+    F.used += bytes;
+    F.n_handles++;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    return leave(CUDA_SUCCESS);
+}
+
+/* Whether h is a live handle. mu held. Handles are not kept in a table:
+ * a released-and-unmapped one is freed, so a stale handle is a test bug the
+ * address sanitizer catches. */
+static fake_phys *phys_of(CUmemGenericAllocationHandle handle)
+{
+    fake_phys *h = (fake_phys *)(uintptr_t)handle;
+    return h && !h->released ? h : NULL;
+}
+
+static void phys_drop(fake_phys *h)
+{
+    F.used -= h->bytes;
+    F.n_handles--;
+    free(h);
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    ENTER("cuMemRelease");
+    fake_phys *h = phys_of(handle);
+    if (!h) return leave(CUDA_ERROR_INVALID_VALUE);
+    /* memory still mapped lives on until unmapped, as with the real driver */
+    if (h->mapped) h->released = 1;
+    else phys_drop(h);
+    return leave(CUDA_SUCCESS);
+}
+
+static const fake_resv *resv_holding(CUdeviceptr p, size_t n)
+{
+    for (size_t i = 0; i < F.resvs.n; i++) {
+        const fake_resv *v = &F.resvs.v[i];
+        if (p >= v->base && p - v->base <= v->bytes && n <= v->bytes - (p - v->base)) return v;
+    }
+    return NULL;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t bytes, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags)
+{
+    ENTER("cuMemMap");
+    fake_phys *h = phys_of(handle);
+    if (!h || offset || flags || bytes != h->bytes || ptr % F.gran)
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    if (!resv_holding(ptr, bytes)) return leave(CUDA_ERROR_INVALID_VALUE);
+    for (size_t i = 0; i < F.maps.n; i++) {
+        const fake_map *m = &F.maps.v[i];
+        if (ptr < m->at + m->bytes && m->at < ptr + bytes) return leave(CUDA_ERROR_ALREADY_MAPPED);
+    }
+    if (h->mapped) return leave(CUDA_ERROR_NOT_SUPPORTED); /* host memory cannot alias */
+    fake_map *m = VEC_PUSH(F.maps);
+    if (!m) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    *m = (fake_map){ptr, bytes, h, 0};
+    h->mapped = 1;
+    return leave(CUDA_SUCCESS);
+}
+
+/* The mappings covering [p, p + n) exactly, or 0 if the range has a hole
+ * or cuts a mapping. mu held. */
+static int covered_exactly(CUdeviceptr p, size_t n)
+{
+    CUdeviceptr at = p, end = p + n;
+    while (at < end) {
+        const fake_map *m = NULL;
+        for (size_t i = 0; i < F.maps.n; i++)
+            if (F.maps.v[i].at == at) m = &F.maps.v[i];
+        if (!m || m->at + m->bytes > end) return 0;
+        at += m->bytes;
+    }
+    return 1;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t bytes)
+{
+    ENTER("cuMemUnmap");
+    if (bytes == 0 || !covered_exactly(ptr, bytes)) return leave(CUDA_ERROR_INVALID_VALUE);
+    madvise((void *)(uintptr_t)ptr, bytes, MADV_DONTNEED);
+    mprotect((void *)(uintptr_t)ptr, bytes, PROT_NONE);
+    for (size_t i = 0; i < F.maps.n;) {
+        fake_map *m = &F.maps.v[i];
+        if (m->at >= ptr && m->at < ptr + bytes) {
+            fake_phys *h = m->h;
+            h->mapped = 0;
+            if (h->released) phys_drop(h);
+            VEC_DEL(F.maps, i);
+        } else {
+            i++;
+        }
+    }
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t bytes, const CUmemAccessDesc *desc, size_t count)
+{
+    ENTER("cuMemSetAccess");
+    if (!desc || count == 0 || bytes == 0 || !covered_exactly(ptr, bytes))
+        return leave(CUDA_ERROR_INVALID_VALUE);
+    int rw = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 ||
+            desc[i].location.id >= F.n_devices)
+            return leave(CUDA_ERROR_INVALID_DEVICE);
+        if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) rw = 1;
+        else if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE)
+            return leave(CUDA_ERROR_INVALID_VALUE);
+    }
+    if (mprotect((void *)(uintptr_t)ptr, bytes, rw ? PROT_READ | PROT_WRITE : PROT_NONE) != 0)
+        return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    for (size_t i = 0; i < F.maps.n; i++)
+        if (F.maps.v[i].at >= ptr && F.maps.v[i].at < ptr + bytes) F.maps.v[i].access = rw;
+    return leave(CUDA_SUCCESS);
+}
+
+/* ---- error names ---- */
+
+static const struct {
+    CUresult code;
+    const char *name, *text;
+} fake_errors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_ALREADY_MAPPED, "CUDA_ERROR_ALREADY_MAPPED", "resource already mapped"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
+     "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static CUresult error_lookup(CUresult err, const char **str, int text)
+{
+    if (!str) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof fake_errors / sizeof fake_errors[0]; i++) {
+        if (fake_errors[i].code == err) {
+            *str = text ? fake_errors[i].text : fake_errors[i].name;
+            return CUDA_SUCCESS;
+        }
+    }
+    *str = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuGetErrorName(CUresult err, const char **str) { return error_lookup(err, str, 0); }
+CUresult cuGetErrorString(CUresult err, const char **str) { return error_lookup(err, str, 1); }
+
+/* ---- counters for tests ---- */
+
+/* "used" device bytes taken, "allocs" live cuMemAlloc blocks, "handles" live
+ * cuMemCreate handles, "mappings", "reservations", "streams", "modules",
+ * "launches", "syncs", "ctx_refs" primary context retains of device 0,
+ * "ctx_depth" this thread's context stack depth, "ctx_pushes". Unknown: ~0. */
+unsigned long long fake_cuda_stat(const char *name)
+{
+    unsigned long long v = ~0ull;
+    pthread_mutex_lock(&mu);
+    if (!strcmp(name, "used")) v = F.used;
+    else if (!strcmp(name, "allocs")) v = F.allocs.n;
+    else if (!strcmp(name, "handles")) v = F.n_handles;
+    else if (!strcmp(name, "mappings")) v = F.maps.n;
+    else if (!strcmp(name, "reservations")) v = F.resvs.n;
+    else if (!strcmp(name, "streams")) v = F.n_streams;
+    else if (!strcmp(name, "modules")) v = F.n_modules;
+    else if (!strcmp(name, "launches")) v = F.launches;
+    else if (!strcmp(name, "syncs")) v = F.syncs;
+    else if (!strcmp(name, "ctx_refs")) v = (unsigned long long)F.ctx[0].refs;
+    else if (!strcmp(name, "ctx_depth")) v = (unsigned long long)tls_depth;
+    else if (!strcmp(name, "ctx_pushes")) v = F.ctx_pushes;
+    pthread_mutex_unlock(&mu);
+    return v;
+}
+
+const char *fake_cuda_last_kernel(void) { return F.last_kernel; }

@@ -1,0 +1,85 @@
+/*
+ * test_main.c - runs the registered tests.
+ * Usage: mt_tests [substring ...]   (no argument: every test)
+ */
+#include <setjmp.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <time.h>
+
+#include "check.h"
+
+#define MAX_TESTS 1024
+
+typedef struct test_entry {
+    const char *name;
+    check_fn fn;
+} test_entry;
+static test_entry tests[MAX_TESTS];
+static int n_tests;
+static jmp_buf jump;
+static _Atomic int notes;
+
+void check_register(const char *name, check_fn fn)
+{
+    if (n_tests < MAX_TESTS) tests[n_tests++] = (test_entry){name, fn};
+}
+
+void check_fail(const char *file, int line, const char *what)
+{
+    fprintf(stderr, "    %s:%d: failed: %s\n", file, line, what);
+    longjmp(jump, 1);
+}
+
+void check_note(const char *file, int line, const char *what)
+{
+    fprintf(stderr, "    %s:%d: failed: %s\n", file, line, what);
+    atomic_fetch_add(&notes, 1);
+}
+
+bool check_long(void)
+{
+    const char *v = getenv("MT_TEST_LONG");
+    return v && *v && strcmp(v, "0") != 0;
+}
+
+const char *check_fake_cuda(void)
+{
+    const char *v = getenv("MT_FAKE_CUDA");
+    return v && *v ? v : NULL;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Runs one test; false if a CHECK ended it. */
+static bool run_one(check_fn fn)
+{
+    if (setjmp(jump) != 0) return false;
+    fn();
+    return true;
+}
+
+int main(int argc, char **argv)
+{
+    int run = 0, failed = 0;
+    double t_all = now_s();
+    for (int i = 0; i < n_tests; i++) {
+        bool want = argc < 2;
+        for (int a = 1; a < argc && !want; a++) want = strstr(tests[i].name, argv[a]) != NULL;
+        if (!want) continue;
+        run++;
+        int before = atomic_load(&notes);
+        double t0 = now_s();
+        bool ok = run_one(tests[i].fn) && atomic_load(&notes) == before;
+        printf("%s %-48s %7.3f s\n", ok ? "ok  " : "FAIL", tests[i].name, now_s() - t0);
+        fflush(stdout);
+        if (!ok) failed++;
+    }
+    printf("%d test(s), %d failed, %.1f s\n", run, failed, now_s() - t_all);
+    return failed ? 1 : (run ? 0 : 2);
+}

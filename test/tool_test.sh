@@ -1,0 +1,39 @@
+#!/bin/sh
+# Checks the memtrain command: exit codes, errors on bad input, a short
+# training run, and a trace recorded and replayed through every allocator.
+set -u
+tool="$1"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+expect() { # expect CODE DESCRIPTION -- command...
+    code=$1; what=$2; shift 3
+    "$@" >"$tmp/out" 2>"$tmp/err"; got=$?
+    if [ "$got" != "$code" ]; then
+        echo "FAIL tool: $what: exit $got, expected $code"; cat "$tmp/out" "$tmp/err"; fail=1
+    fi
+}
+expect 0 "version" -- "$tool" --version
+grep -q "^memtrain [0-9]" "$tmp/out" || { echo "FAIL tool: version text"; fail=1; }
+expect 0 "help" -- "$tool" --help
+expect 0 "train help" -- "$tool" train --help
+expect 2 "no command" -- "$tool"
+expect 2 "unknown command" -- "$tool" frobnicate
+expect 2 "unknown option" -- "$tool" train --frob 1
+grep -q "unknown option '--frob'" "$tmp/err" || { echo "FAIL tool: message names the option"; fail=1; }
+expect 2 "bad value" -- "$tool" train --steps many
+grep -q "bad --steps 'many'" "$tmp/err" || { echo "FAIL tool: message names the value"; fail=1; }
+expect 2 "missing value" -- "$tool" train --steps
+expect 2 "unknown allocator" -- "$tool" train --allocator nope
+expect 1 "cuda without a driver" -- "$tool" train --device cuda --steps 1
+grep -qi "cuda\|driver\|device" "$tmp/err" || { echo "FAIL tool: cuda message"; fail=1; }
+expect 0 "short training with a trace" -- "$tool" train --steps 40 --every 20 --trace "$tmp/t.trace" --report
+grep -q "held-out batch" "$tmp/out" && grep -q "memory report" "$tmp/out" || { echo "FAIL tool: train output"; cat "$tmp/out"; fail=1; }
+expect 0 "replay every allocator" -- "$tool" replay "$tmp/t.trace" --allocator all
+[ "$(grep -c efficiency "$tmp/out")" = 4 ] || { echo "FAIL tool: replay output"; cat "$tmp/out"; fail=1; }
+head -c 100 "$tmp/t.trace" > "$tmp/cut.trace"
+expect 1 "truncated trace" -- "$tool" replay "$tmp/cut.trace"
+grep -q "truncated\|not a memtrain trace" "$tmp/err" || { echo "FAIL tool: truncated trace message"; cat "$tmp/err"; fail=1; }
+expect 1 "missing trace" -- "$tool" replay "$tmp/none.trace"
+if [ $fail = 0 ]; then echo "ok   tool tests"; fi
+exit $fail
