@@ -314,7 +314,14 @@ static mt_status ar_new_chunk(arena *a, ar_stack *s, size_t bytes, size_t al, ar
         c->va = true;
         return MT_OK;
     }
-    size_t want = bytes > a->chunk_bytes ? bytes : a->chunk_bytes;
+    size_t want = a->chunk_bytes;
+    if (a->limit) { /* under a limit, chunks of at most 1/8 of it, and what is left */
+        uint64_t room = a->limit > a->st.reserved_bytes ? a->limit - a->st.reserved_bytes : 0;
+        size_t eighth = ar_align_up(a->limit / 8, a->gran);
+        if (want > eighth) want = eighth;
+        if (want > room) want = (size_t)room;
+    }
+    if (want < bytes) want = bytes;
     size_t ask_al = al > bk->min_alignment ? al : 0;
     void *p = NULL;
     size_t granted = 0;

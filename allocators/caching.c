@@ -63,11 +63,19 @@
  * traces it reserved less than PyTorch's 1 MiB rule. */
 #define DEFAULT_SPLIT_WASTE ((size_t)0)
 
+/* A new segment is at most 1/GROWTH_DIV of what its pool holds already
+ * (and at least the request), up to the configured segment size, so the
+ * free tail of a pool's newest segment stays a small part of the pool. */
 #ifndef GROWTH_DIV
-#define GROWTH_DIV 8
+#define GROWTH_DIV 8u
 #endif
 
-enum { POOL_SMALL = 0, POOL_LARGE = 1, N_POOLS = 2 };
+/* The large pool is two: persistent blocks get segments of their own, so
+ * a weight or an optimizer state allocated while activations are free
+ * does not land in the middle of the space the next step's activations
+ * need. The small pool is one: its segments are too small to be worth
+ * doubling their free tails. */
+enum { POOL_SMALL = 0, POOL_LARGE_KEEP = 1, POOL_LARGE_TEMP = 2, N_POOLS = 3 };
 enum { REC_UNUSED = 0, REC_FREE = 1, REC_LIVE = 2, REC_QUICK = 3 };
 
 /* Quick lists: freed small-pool blocks of fewer than N_QUICK granules
@@ -103,6 +111,7 @@ struct seg {
     void *base;       /* as the backing returned it */
     size_t granted;   /* as the backing returned it (all of it counts as reserved) */
     rec *first;       /* the block at base; it keeps this record for the segment's life */
+    uint8_t pool;     /* POOL_* */
     seg *prev, *next; /* every segment of the instance */
 };
 
@@ -121,7 +130,8 @@ typedef struct caching {
     size_t small_max, small_seg, medium_max, large_seg, huge_round, split_waste;
 
     pool pools[N_POOLS];
-    rec *quick[N_QUICK];      /* by size in granules, small pool only */
+    size_t pool_bytes[N_POOLS]; /* reserved for each pool (granted bytes) */
+    rec *quick[N_QUICK];        /* by size in granules, small pool only */
     uint32_t n_quick[N_QUICK];
     size_t quick_total;       /* blocks on all quick lists */
     rec **slabs;        /* slab i holds records i * SLAB_RECS .. */
@@ -370,6 +380,7 @@ static void seg_release(caching *s, seg *g)
     if (g->next) g->next->prev = g->prev;
     s->bk->release(s->bk->self, g->base, g->granted);
     mt_stats_on_release(&s->st, g->granted);
+    s->pool_bytes[g->pool] -= g->granted;
     free(g);
 }
 
@@ -396,14 +407,9 @@ static void release_free_segments(caching *s)
 static mt_status seg_new(caching *s, int pl, size_t rs, size_t align, rec **out)
 {
     size_t want;
-    size_t grow = GROWTH_DIV ? (size_t)s->st.reserved_bytes / GROWTH_DIV : (size_t)-1;
+    size_t grow = s->pool_bytes[pl] / GROWTH_DIV;
     if (pl == POOL_SMALL) {
-#ifdef SMALLGROW
-        want = grow > SMALLGROW * s->small_seg ? SMALLGROW * s->small_seg : grow;
-        if (want < s->small_seg && s->st.reserved_bytes >= 8 * s->small_seg) want = s->small_seg;
-#else
         want = s->small_seg < grow ? s->small_seg : grow;
-#endif
         if (want < rs) want = rs;
         want = mti_align_up(want, s->seg_quantum);
     } else if (rs <= s->medium_max) {
@@ -448,6 +454,8 @@ static mt_status seg_new(caching *s, int pl, size_t rs, size_t align, rec **out)
     r->pool = (uint8_t)pl;
     g->base = p;
     g->granted = granted;
+    g->pool = (uint8_t)pl;
+    s->pool_bytes[pl] += granted;
     g->first = r;
     g->prev = NULL;
     g->next = s->segs;
@@ -492,9 +500,11 @@ static rec *carve(caching *s, rec *b, size_t rs, size_t align)
 /* The slow way to a block of rs rounded bytes aligned to align: best fit
  * in the bins (after merging the quick lists if that fails), else a new
  * segment; then carved. */
-static mt_status take_block(caching *s, size_t rs, size_t align, rec **out)
+static mt_status take_block(caching *s, size_t rs, size_t align, mt_lifetime life, rec **out)
 {
-    int pl = rs <= s->small_max ? POOL_SMALL : POOL_LARGE;
+    int pl = rs <= s->small_max           ? POOL_SMALL
+             : life == MT_LIFE_PERSISTENT ? POOL_LARGE_KEEP
+                                          : POOL_LARGE_TEMP;
     mt_status st = ensure_spare(s);
     if (st != MT_OK) return st;
     /* a block aligned beyond the granule may need up to align - gran in front */
@@ -532,7 +542,7 @@ static mt_status caching_alloc(void *state, const mt_alloc_request *req, mt_bloc
         s->n_quick[u]--;
         s->quick_total--;
     } else {
-        mt_status st = take_block(s, rs, align, &b);
+        mt_status st = take_block(s, rs, align, req->lifetime, &b);
         if (st != MT_OK) {
             if (st == MT_ERR_OOM) mt_stats_on_oom(&s->st, req->mem_class);
             return st;

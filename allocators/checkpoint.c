@@ -43,6 +43,8 @@
 /* Plans past 2^62 bytes cannot be reserved anyway; the bound keeps offset
  * arithmetic (offset + size, aligned up) from overflowing. */
 #define CK_MAX_PLAN ((size_t)1 << 62)
+/* Steps with more requests than this are planned with one ordering only. */
+#define CK_ONE_PASS 8192u
 
 /* A persistent block: its own reservation. */
 typedef struct ck_slot {
@@ -150,7 +152,10 @@ static mt_status bk_reserve(ck_state *s, size_t bytes, size_t align, void **p, s
     size_t got = 0;
     mt_status rc = s->bk->reserve(s->bk->self, bytes, align, &q, &got);
     if (rc != MT_OK) return rc;
-    if (!q || got < bytes) return MT_ERR_INTERNAL; /* a backing breaking its contract */
+    if (!q || got < bytes) { /* a backing breaking its contract */
+        if (q) s->bk->release(s->bk->self, q, got);
+        return MT_ERR_INTERNAL;
+    }
     mt_stats_on_reserve(&s->st, got);
     *p = q;
     *g = got;
@@ -175,6 +180,21 @@ static mt_status region_reserve(ck_state *s)
 {
     if (s->region) return MT_OK;
     return bk_reserve(s, s->plan_bytes, s->plan_align, &s->region, &s->region_granted);
+}
+
+/* A block's own reservation. When the backing is full and the plan region
+ * is held with none of its blocks live (a persistent request between steps,
+ * say), the region goes back and the request is tried again: the next step
+ * reserves the region anew, or records if it cannot. */
+static mt_status reserve_exact(ck_state *s, size_t bytes, size_t align, void **p, size_t *g)
+{
+    mt_status rc = bk_reserve(s, bytes, align, p, g);
+    if (rc == MT_ERR_OOM && s->region && s->live_planned == 0) {
+        region_release(s);
+        s->st.n_oom_retries++;
+        rc = bk_reserve(s, bytes, align, p, g);
+    }
+    return rc;
 }
 
 /* ---- the planner ----
@@ -270,8 +290,10 @@ static mt_status plan_offsets(ck_rec *r, uint32_t n, size_t *total, size_t *lowe
     *lower = plan_lower_bound(r, n, off);
     size_t best = SIZE_MAX;
     /* 0: largest first (ties: longest lived); 1: longest lived first (ties:
-     * largest); 2: request order, as an allocator that knew the future */
-    for (int pass = 0; pass < 3 && best > *lower; pass++) {
+     * largest); 2: request order, as an allocator that knew the future.
+     * Past CK_ONE_PASS blocks a pass costs ~100 ms, so only the first runs. */
+    int passes = n > CK_ONE_PASS ? 1 : 3;
+    for (int pass = 0; pass < passes && best > *lower; pass++) {
         for (uint32_t i = 0; i < n; i++) {
             uint64_t len = r[i].die - i;
             keys[i].k1 = pass == 0 ? r[i].bytes : pass == 1 ? len : 0;
@@ -557,7 +579,7 @@ static mt_status alloc_persistent(ck_state *s, const mt_alloc_request *req, size
         return MT_ERR_OOM;
     void *p;
     size_t g;
-    mt_status rc = bk_reserve(s, req->bytes, align, &p, &g);
+    mt_status rc = reserve_exact(s, req->bytes, align, &p, &g);
     if (rc != MT_OK) return rc;
     uint32_t i = s->free_slot;
     if (i != CK_NONE) {
@@ -599,7 +621,7 @@ static mt_status alloc_step(ck_state *s, const mt_alloc_request *req, size_t ali
         p = (char *)s->region + s->plan[j].off;
         s->live_planned++;
     } else {
-        mt_status rc = bk_reserve(s, req->bytes, align, &p, &g);
+        mt_status rc = reserve_exact(s, req->bytes, align, &p, &g);
         if (rc != MT_OK) return rc;
     }
     ck_ent *e = &s->ent[j];

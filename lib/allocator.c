@@ -113,8 +113,8 @@ static void ctx_add(_Atomic uint64_t *cur, _Atomic uint64_t *peak, uint64_t n)
 static mt_status backing_fail(mt_allocator *a, mt_status s, const char *msg)
 {
     wrap_extra *x = extra_of(a);
-    strncpy(x->why, msg, sizeof x->why - 1);
-    x->why[sizeof x->why - 1] = 0;
+    a->n_backing_fails++;
+    if (msg != x->why) snprintf(x->why, sizeof x->why, "%s", msg);
     return s;
 }
 
@@ -460,58 +460,88 @@ mt_status mt_context_allocator(mt_context *ctx, mt_mem_class c, mt_allocator **o
 
 const char *mt_allocator_name(const mt_allocator *a) { return a ? a->vt->name : "?"; }
 
-mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
+/* The rare paths of mt_alloc and mt_free, kept out of line so the common
+ * path stays a handful of loads and stores around the allocator's call. */
+
+#if defined(__GNUC__)
+#define COLD __attribute__((noinline, cold))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#else
+#define COLD
+#define LIKELY(x) (x)
+#endif
+
+static COLD mt_status alloc_refused(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
 {
+    mt_context *ctx = a ? a->ctx : NULL;
+    if (out) memset(out, 0, sizeof *out);
     if (!a) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_alloc: allocator is NULL");
-    mt_context *ctx = a->ctx;
     if (!req || !out)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: %s is NULL", req ? "out" : "req");
-    memset(out, 0, sizeof *out);
-    mt_alloc_request r = *req;
-    if ((unsigned)r.mem_class >= MT_MEM_COUNT)
+    if ((unsigned)req->mem_class >= MT_MEM_COUNT)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: memory class %d out of range",
-                        (int)r.mem_class);
-    if ((unsigned)r.lifetime >= MT_LIFE_COUNT)
+                        (int)req->mem_class);
+    if ((unsigned)req->lifetime >= MT_LIFE_COUNT)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: lifetime %d out of range",
-                        (int)r.lifetime);
-    if (r.alignment == 0) r.alignment = MT_DEFAULT_ALIGNMENT;
-    if (!mti_is_pow2(r.alignment) || r.alignment > MT_MAX_ALIGNMENT)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                        "mt_alloc: alignment %zu is not a power of two up to 2^30", r.alignment);
-    if (r.alignment < MT_DEFAULT_ALIGNMENT) r.alignment = MT_DEFAULT_ALIGNMENT;
-    if (r.flags & ~MT_REQ_RECOMPUTABLE)
+                        (int)req->lifetime);
+    if (req->flags & ~MT_REQ_RECOMPUTABLE)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_alloc: unknown request flags 0x%x",
-                        r.flags & ~MT_REQ_RECOMPUTABLE);
-    out->mem_class = r.mem_class;
-    out->lifetime = r.lifetime;
-    if (r.bytes == 0) return MT_OK;
-
+                        req->flags & ~MT_REQ_RECOMPUTABLE);
+    if (req->alignment & (req->alignment - 1) || req->alignment > MT_MAX_ALIGNMENT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "mt_alloc: alignment %zu is not a power of two up to 2^30",
+                        req->alignment);
+    /* only a size beyond any device is left */
     lock(a);
-    mt_status s;
-    if (r.bytes > MT_MAX_REQUEST) {
-        s = MT_ERR_OOM;
-        backing_fail(a, s, "larger than any allocation can be (2^50 bytes)");
-    } else {
-        extra_of(a)->why[0] = 0;
-        s = a->vt->alloc(a->state, &r, out);
-    }
-    if (s == MT_OK && ((uintptr_t)out->ptr & (r.alignment - 1))) {
-        /* the allocator broke rule 3: take the block back and say so */
+    mt_stats_on_oom(&a->st, req->mem_class);
+    trace_event(a, MT_TRACE_FAIL, req, NULL, 0);
+    unlock(a);
+    return mti_fail(ctx, MT_ERR_OOM, "allocator '%s': %zu bytes of %s: larger than any "
+                    "allocation can be (2^50 bytes)",
+                    a->vt->name, req->bytes, mt_mem_class_name(req->mem_class));
+}
+
+/* The allocator said no (s != MT_OK), or broke rule 3. Called locked. */
+static COLD mt_status alloc_failed(mt_allocator *a, const mt_alloc_request *r, mt_block *out,
+                                   mt_status s, uint64_t fails_before)
+{
+    if (s == MT_OK) {
+        /* a misaligned address: take the block back and say so */
         mt_block bad = *out;
         a->vt->free(a->state, &bad);
         s = MT_ERR_INTERNAL;
         backing_fail(a, s, "the allocator returned a misaligned address");
     }
-    if (s != MT_OK) {
-        if (s == MT_ERR_OOM) mt_stats_on_oom(&a->st, r.mem_class);
-        trace_event(a, MT_TRACE_FAIL, &r, NULL, 0);
-        char why[MTI_ERR_LEN];
-        snprintf(why, sizeof why, "%s", extra_of(a)->why[0] ? extra_of(a)->why : mt_status_string(s));
-        unlock(a);
-        memset(out, 0, sizeof *out);
-        return mti_fail(ctx, s, "allocator '%s': %zu bytes of %s: %s", a->vt->name, r.bytes,
-                        mt_mem_class_name(r.mem_class), why);
+    if (s == MT_ERR_OOM) mt_stats_on_oom(&a->st, r->mem_class);
+    trace_event(a, MT_TRACE_FAIL, r, NULL, 0);
+    char why[MTI_ERR_LEN];
+    /* the backing's reason, if it failed during this call */
+    snprintf(why, sizeof why, "%s",
+             a->n_backing_fails != fails_before ? extra_of(a)->why : mt_status_string(s));
+    unlock(a);
+    memset(out, 0, sizeof *out);
+    return mti_fail(a->ctx, s, "allocator '%s': %zu bytes of %s: %s", a->vt->name, r->bytes,
+                    mt_mem_class_name(r->mem_class), why);
+}
+
+mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
+{
+    if (!a || !req || !out || (unsigned)req->mem_class >= MT_MEM_COUNT ||
+        (unsigned)req->lifetime >= MT_LIFE_COUNT || (req->flags & ~MT_REQ_RECOMPUTABLE) ||
+        (req->alignment & (req->alignment - 1)) || req->alignment > MT_MAX_ALIGNMENT ||
+        req->bytes > MT_MAX_REQUEST)
+        return alloc_refused(a, req, out);
+    mt_alloc_request r = *req;
+    if (r.alignment < MT_DEFAULT_ALIGNMENT) r.alignment = MT_DEFAULT_ALIGNMENT;
+    if (r.bytes == 0) { /* an empty block; the allocator never sees it */
+        *out = (mt_block){.mem_class = r.mem_class, .lifetime = r.lifetime};
+        return MT_OK;
     }
+    lock(a);
+    uint64_t fails = a->n_backing_fails;
+    mt_status s = a->vt->alloc(a->state, &r, out);
+    if (!LIKELY(s == MT_OK && ((uintptr_t)out->ptr & (r.alignment - 1)) == 0))
+        return alloc_failed(a, &r, out, s, fails);
     out->bytes = r.bytes;
     out->id = ++a->next_id;
     out->mem_class = r.mem_class;
@@ -519,45 +549,47 @@ mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
     mt_stats_on_alloc(&a->st, r.mem_class, r.bytes);
     a->live_by_life[r.lifetime][r.mem_class] += r.bytes;
     a->blocks_by_life[r.lifetime][r.mem_class]++;
-    if (a->index >= 0) ctx_add(&ctx->live_total, &ctx->live_peak, r.bytes);
-    trace_event(a, MT_TRACE_ALLOC, &r, out, 0);
+    if (a->index >= 0) ctx_add(&a->ctx->live_total, &a->ctx->live_peak, r.bytes);
+    if (a->trace) trace_event(a, MT_TRACE_ALLOC, &r, out, 0);
     unlock(a);
     return MT_OK;
 }
 
-mt_status mt_free(mt_allocator *a, const mt_block *blk)
+static COLD mt_status free_refused(mt_allocator *a, const mt_block *blk, mt_status s)
 {
     if (!a) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_free: allocator is NULL");
     if (!blk) return mti_fail(a->ctx, MT_ERR_INVALID_ARG, "mt_free: block is NULL");
-    if (!blk->ptr && blk->bytes == 0) return MT_OK;
-    if ((unsigned)blk->mem_class >= MT_MEM_COUNT || (unsigned)blk->lifetime >= MT_LIFE_COUNT ||
-        !blk->ptr || blk->bytes == 0)
-        return mti_fail(a->ctx, MT_ERR_BAD_BLOCK,
-                        "mt_free: block %p (%zu bytes) was not handed out by allocator '%s'",
-                        blk->ptr, blk->bytes, a->vt->name);
-    lock(a);
-    mt_status s;
-    if (a->blocks_by_life[blk->lifetime][blk->mem_class] == 0 ||
-        a->live_by_life[blk->lifetime][blk->mem_class] < blk->bytes)
-        s = MT_ERR_BAD_BLOCK; /* nothing of that kind is live: cannot be ours */
-    else
-        s = a->vt->free(a->state, blk);
-    if (s == MT_OK) {
-        mt_stats_on_free(&a->st, blk->mem_class, blk->bytes);
-        a->live_by_life[blk->lifetime][blk->mem_class] -= blk->bytes;
-        a->blocks_by_life[blk->lifetime][blk->mem_class]--;
-        if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, blk->bytes);
-        trace_event(a, MT_TRACE_FREE, NULL, blk, 0);
-    }
-    unlock(a);
     if (s == MT_ERR_BAD_BLOCK)
         return mti_fail(a->ctx, s,
                         "mt_free: block %p (%zu bytes of %s) is not live in allocator '%s': "
                         "foreign or already freed",
                         blk->ptr, blk->bytes, mt_mem_class_name(blk->mem_class), a->vt->name);
-    if (s) return mti_fail(a->ctx, s, "mt_free: allocator '%s' failed: %s", a->vt->name,
-                           mt_status_string(s));
-    return MT_OK;
+    return mti_fail(a->ctx, s, "mt_free: allocator '%s' failed: %s", a->vt->name,
+                    mt_status_string(s));
+}
+
+mt_status mt_free(mt_allocator *a, const mt_block *blk)
+{
+    if (!a || !blk) return free_refused(a, blk, MT_ERR_INVALID_ARG);
+    if (!blk->ptr && blk->bytes == 0) return MT_OK;
+    unsigned c = (unsigned)blk->mem_class, l = (unsigned)blk->lifetime;
+    if (c >= MT_MEM_COUNT || l >= MT_LIFE_COUNT || !blk->ptr || blk->bytes == 0)
+        return free_refused(a, blk, MT_ERR_BAD_BLOCK);
+    lock(a);
+    mt_status s;
+    if (a->blocks_by_life[l][c] == 0 || a->live_by_life[l][c] < blk->bytes)
+        s = MT_ERR_BAD_BLOCK; /* nothing of that kind is live: cannot be ours */
+    else
+        s = a->vt->free(a->state, blk);
+    if (LIKELY(s == MT_OK)) {
+        mt_stats_on_free(&a->st, blk->mem_class, blk->bytes);
+        a->live_by_life[l][c] -= blk->bytes;
+        a->blocks_by_life[l][c]--;
+        if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, blk->bytes);
+        if (a->trace) trace_event(a, MT_TRACE_FREE, NULL, blk, 0);
+    }
+    unlock(a);
+    return s == MT_OK ? MT_OK : free_refused(a, blk, s);
 }
 
 mt_status mt_allocator_reset(mt_allocator *a, mt_scope scope)

@@ -64,6 +64,7 @@ struct mt_allocator {
 
     mt_trace *trace;          /* the context's trace while recording, else NULL */
 
+    uint64_t n_backing_fails; /* failed backing calls, to tell whose reason a failure has */
     /* fault injection for tests: backing calls left before one fails (-1: never) */
     long fail_backing_in;
 };
