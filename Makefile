@@ -22,8 +22,9 @@ MT_CFLAGS := -std=c11 $(WARN) -fopenmp -pthread -fno-strict-aliasing
 LDLIBS := -ljemalloc -lopenblas -ldl -lm -lpthread
 MT_LDFLAGS := -fopenmp -pthread
 ifeq ($(SAN),1)
-MT_CFLAGS += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
-MT_LDFLAGS += -fsanitize=address,undefined
+SAN_FLAGS := -fsanitize=address,undefined
+MT_CFLAGS += $(SAN_FLAGS) -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+MT_LDFLAGS += $(SAN_FLAGS)
 endif
 
 # Debian packages the build and the tests need.
@@ -133,6 +134,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL)
 	$(BUILD)/examples/embed > /dev/null
 	$(BUILD)/examples/custom_allocator > /dev/null
 	./test/tool_test.sh $(TOOL)
+	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 
 # the long randomized stress (10^6 operations per allocator and seed)
 test-long: deps

@@ -1,35 +1,48 @@
 /*
  * arena.c - the arena allocator: bump allocation in stacks, freed by scope.
  *
- * Every (lifetime, memory class) pair has its own stack, 21 in all. A block
- * is carved from the top of its stack with one add and one compare. The
- * split by class matters in training: in backward, activations are freed
- * (top of the ACT stack, so it shrinks) while gradients are allocated (top of
- * the GRAD stack); one stack per lifetime would bury the freed activations
- * under the gradients. reset(scope) rewinds the stacks whose lifetime is
- * >= scope and keeps their memory for the next step.
+ * Stacks. Every (lifetime, memory class) pair has its own stack, 21 in all;
+ * a block is carved from the top of its stack with an add, a mask and a
+ * compare. The split by class keeps training's interleavings apart: in
+ * backward, activations are freed (the ACT stack shrinks) while gradients
+ * are allocated (the GRAD stack grows); with one stack per lifetime the
+ * freed activations would stay buried under the gradients. reset(scope)
+ * rewinds the stacks of lifetimes >= scope and keeps their memory.
  *
- * Each stack keeps a host-side record per block (address, bytes, a tag,
- * a freed flag), in allocation order. Freeing the top block pops it and
- * any already-freed records below it, so the stack shrinks as soon as a
- * LIFO run ends; freeing another block only marks it. The handle names the
- * stack, the record and the tag (a count of the stack's allocations), so
- * double frees and frees after a reset find a record with another tag or
- * none, and are refused (MT_ERR_BAD_BLOCK) without touching anything.
+ * Records. Each stack keeps a host record per block (address, bytes, tag,
+ * freed flag) in allocation order, which is also address order. Freeing
+ * the top block pops it and the freed records under it, so a stack shrinks
+ * as soon as a LIFO run ends; freeing another block only marks it, and its
+ * bytes come back when the blocks above it go or at a reset (or, when the
+ * backing is out of memory, a run of marked records wide enough for the
+ * request is reused). The handle holds the stack, the record's index and a
+ * 33-bit tag, the stack's count of allocations: a double free or a free
+ * after a reset meets a record with another tag, or none, and is refused
+ * without a change; a foreign block has no record at its address. (A stale
+ * handle would pass only if a multiple of 2^33 allocations of that stack
+ * later put a block at the same index and address.)
  *
- * Memory: a stack is a list of chunks. Where the backing offers growable
+ * Memory. A stack is a list of chunks. Where the backing offers growable
  * ranges, a chunk is a reserved address range (1 GiB, or the instance's
- * limit if smaller; each further range of a stack twice the last) committed
- * piece by piece as the top grows, by 1/16 of what it holds (at least the
- * granularity, at most chunk_bytes), so there is no tail waste. Memory
- * above the tops (a shrunk stack, empty spare chunks) is kept for reuse,
- * but before a stack commits more, the others give back whole pieces until
- * what they hold above their tops is at most 1/16 of the reserved bytes:
- * memory released by the activations serves the gradients. Without ranges,
- * a chunk is a reservation of chunk_bytes (larger for a larger request);
- * empty chunks move between stacks at no cost. trim gives back everything
- * above the tops. Pieces are decommitted whole, newest first, exactly as
- * they were committed.
+ * limit if smaller; a stack whose range is full gets another twice as
+ * large, up to 64 GiB, or as large as one request needs), committed as the
+ * top grows by at least 1/32 of what it holds (at least the granularity,
+ * at most chunk_bytes): there is no tail waste, and reserved bytes follow
+ * the tops. Memory above the tops (a stack that shrank, spare chunks) is
+ * kept for reuse, but before any stack commits more, the others give back
+ * whole commit pieces, newest first, until what they hold above their tops
+ * is at most 1/16 of the reserved bytes: the memory that activations
+ * release serves the gradients. Pieces are decommitted exactly as they
+ * were committed. Without ranges, a chunk is a reservation: a stack's
+ * chunks double from chunk_bytes / 32 up to chunk_bytes (and at most 1/8
+ * of the instance's limit), a larger request gets its own, and empty
+ * chunks move between stacks at no cost. trim gives back everything above
+ * the tops. When the backing is out of memory, what is cached is given
+ * back and the request tried once more. Alignments above the granularity
+ * are met by padding inside the stack.
+ *
+ * Stats: live bytes and their peaks are kept on every call; the counts of
+ * allocations and frees are kept per stack and summed by stats().
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -42,8 +55,10 @@
 
 #if defined(__GNUC__)
 #define AR_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define AR_COLD __attribute__((noinline, cold)) /* keeps the hot paths small */
 #else
 #define AR_UNLIKELY(x) (x)
+#define AR_COLD
 #endif
 
 #define AR_NSTACK (MT_LIFE_COUNT * MT_MEM_COUNT)
@@ -55,8 +70,9 @@
 #define AR_MAX_REC ((uint32_t)1 << AR_IDX_BITS)
 #define AR_RANGE_MIN ((size_t)1 << 30) /* bytes of address space of a first range */
 #define AR_RANGE_MAX ((size_t)1 << 36) /* ... and at most, unless one request needs more */
-#define AR_GROW_DIV 16                 /* a range grows by >= 1/16 of its commit */
-#define AR_SLACK_DIV 16                /* memory above the tops: <= 1/16 of reserved */
+#define AR_GROW_DIV 32                 /* a range grows by >= 1/32 of the most it held */
+#define AR_SLACK_DIV 64                /* memory above the tops: about 1/64 of reserved */
+#define AR_FIRST_CHUNK_DIV 32          /* first plain chunk of a stack: chunk_bytes / 32 */
 
 typedef struct ar_rec {
     uintptr_t addr;  /* first byte of the block */
@@ -65,25 +81,37 @@ typedef struct ar_rec {
     uint32_t chunk;  /* index of its chunk in the stack's list */
 } ar_rec;
 
+/* A decommitted stretch inside a range: offsets from its base, granule
+ * multiples. */
+typedef struct ar_hole {
+    size_t lo, hi;
+} ar_hole;
+
 typedef struct ar_chunk {
     uintptr_t base;
-    size_t size;      /* bytes of address space (granted size of a reservation) */
-    size_t committed; /* bytes backed from base; == size for a reservation */
-    size_t *pieces;   /* ranges: the size of each commit, oldest first */
-    uint32_t npieces, cap_pieces;
-    bool va;          /* a growable range, else a plain reservation */
+    size_t size;     /* bytes of address space (a reservation's granted size) */
+    size_t end;      /* ranges: committed up to this offset, holes excepted;
+                        reservations: size */
+    size_t held;     /* bytes backed now, counted as reserved */
+    size_t peak;     /* the largest end so far: regrowth steps follow it */
+    ar_hole *holes;  /* ranges: decommitted stretches below end, ascending */
+    uint32_t nholes, cap_holes;
+    bool va;         /* a growable range, else a plain reservation */
 } ar_chunk;
 
 typedef struct ar_stack {
     uintptr_t top;   /* next free byte in the current chunk (0: no chunk) */
-    uintptr_t limit; /* end of the committed bytes of the current chunk */
-    ar_rec *rec;     /* live and freed-but-buried blocks, in allocation order */
+    uintptr_t limit; /* end of the committed bytes from top on */
+    ar_rec *rec;     /* live and freed-but-covered blocks, in allocation order */
     uint32_t nrec, cap;
-    uint32_t cur;    /* chunk of the last record; 0 when there is none */
+    uint32_t cur;     /* chunk of the last record; 0 when there is none */
+    uint32_t nmarked; /* freed records still under a live one */
+    bool holey;       /* the current chunk has holes, which the limit follows */
     uint32_t nchunk, cap_chunk;
     ar_chunk *chunk; /* chunks past cur (all of them when nrec == 0) are spares */
-    uint64_t serial; /* allocations made, the source of tags */
-    uint64_t live_bytes, n_live;
+    uint64_t serial; /* allocations made: the source of tags, and n_alloc */
+    uint64_t nfreed; /* blocks freed, by free or reset: n_free */
+    uint32_t mclass; /* the memory class of the stack's blocks */
 } ar_stack;
 
 typedef struct arena {
@@ -94,7 +122,7 @@ typedef struct arena {
     size_t chunk_bytes; /* plain chunk size; cap of one commit step */
     size_t range_min;   /* first range of a stack (bytes of address space) */
     size_t limit;       /* the instance's limit, 0 = none (for sizing only) */
-    mt_allocator_stats st;
+    mt_allocator_stats st; /* n_alloc and n_free are summed from the stacks */
 } arena;
 
 void mt_arena_options_init(mt_arena_options *o)
@@ -107,19 +135,45 @@ void mt_arena_options_init(mt_arena_options *o)
 
 static size_t ar_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 
+/* Live bytes and their peaks; the counts of allocations and frees are kept
+ * per stack (serial, nfreed) and summed by stats(), so the hot paths do
+ * two additions and two comparisons here. */
+static inline void ar_count_alloc(mt_allocator_stats *st, uint32_t c, size_t bytes)
+{
+    uint64_t v = st->live_bytes += bytes;
+    if (v > st->peak_live_bytes) st->peak_live_bytes = v;
+    mt_class_stats *k = &st->per_class[c];
+    v = k->live_bytes += bytes;
+    if (v > k->peak_live_bytes) k->peak_live_bytes = v;
+}
+
 /* ---- stack position ---- */
 
 static uint32_t ar_spare_from(const ar_stack *s) { return s->nrec ? s->cur + 1 : 0; }
+
+/* Offset of the first hole of c at or above off, else c->end. Holes never
+ * straddle a top: they lie inside runs of freed records. */
+static size_t ar_stop(const ar_chunk *c, size_t off)
+{
+    size_t stop = c->end;
+    for (uint32_t k = c->nholes; k-- > 0 && c->holes[k].lo >= off;) stop = c->holes[k].lo;
+    return stop;
+}
 
 static void ar_set_cur(ar_stack *s, uint32_t cur, uintptr_t top)
 {
     s->cur = cur;
     s->top = top;
-    s->limit = s->nchunk ? s->chunk[cur].base + s->chunk[cur].committed : 0;
+    s->limit = 0;
+    s->holey = false;
+    if (!s->nchunk) return;
+    const ar_chunk *c = &s->chunk[cur];
+    s->limit = c->base + ar_stop(c, top - c->base);
+    s->holey = c->nholes != 0;
 }
 
 /* Puts top right after the last record (or at the start of chunk 0). */
-static void ar_rewind(ar_stack *s)
+AR_COLD static void ar_rewind(ar_stack *s)
 {
     if (s->nrec) {
         const ar_rec *r = &s->rec[s->nrec - 1];
@@ -131,71 +185,166 @@ static void ar_rewind(ar_stack *s)
 
 /* ---- giving memory back ---- */
 
-/* Decommits whole pieces of a range lying at or above offset keep (bytes). */
-static size_t ar_decommit_above(arena *a, ar_chunk *c, size_t keep)
+static bool ar_room(void **arr, uint32_t *cap, uint32_t n, size_t elem)
 {
-    size_t freed = 0;
-    while (c->npieces && c->committed - c->pieces[c->npieces - 1] >= keep) {
-        size_t pz = c->pieces[--c->npieces];
-        c->committed -= pz;
-        a->bk->va_decommit(a->bk->self, (void *)(c->base + c->committed), pz);
-        mt_stats_on_release(&a->st, pz);
-        freed += pz;
-    }
-    return freed;
+    if (n < *cap) return true;
+    uint32_t nc = *cap ? *cap * 2 : 8;
+    void *p = realloc(*arr, (size_t)nc * elem);
+    if (!p) return false;
+    *arr = p;
+    *cap = nc;
+    return true;
+}
+
+static void ar_decommit(arena *a, ar_chunk *c, size_t lo, size_t hi)
+{
+    if (hi <= lo) return;
+    a->bk->va_decommit(a->bk->self, (void *)(c->base + lo), hi - lo);
+    c->held -= hi - lo;
+    mt_stats_on_release(&a->st, hi - lo);
 }
 
 static void ar_chunk_release(arena *a, ar_chunk *c)
 {
     if (c->va) {
-        ar_decommit_above(a, c, 0);
+        size_t at = 0;
+        for (uint32_t k = 0; k < c->nholes; k++) {
+            ar_decommit(a, c, at, c->holes[k].lo);
+            at = c->holes[k].hi;
+        }
+        ar_decommit(a, c, at, c->end);
         a->bk->va_release(a->bk->self, (void *)c->base, c->size);
-        free(c->pieces);
+        free(c->holes);
     } else {
         a->bk->release(a->bk->self, (void *)c->base, c->size);
         mt_stats_on_release(&a->st, c->size);
     }
 }
 
-/* Bytes of the range's pieces lying wholly above offset used. */
-static size_t ar_tail_excess(const arena *a, const ar_chunk *c, size_t used)
+/* Committed bytes of range c above offset floor (a granule multiple at or
+ * above the top). */
+static size_t ar_tail_held(const ar_chunk *c, size_t floor)
 {
-    size_t keep = ar_align_up(used, a->gran), at = c->committed, n = 0;
-    for (uint32_t k = c->npieces; k-- > 0 && at - c->pieces[k] >= keep;) {
-        at -= c->pieces[k];
-        n += c->pieces[k];
-    }
+    if (!c->va || c->end <= floor) return 0;
+    size_t n = c->end - floor;
+    for (uint32_t k = c->nholes; k-- > 0 && c->holes[k].lo >= floor;)
+        n -= c->holes[k].hi - c->holes[k].lo;
     return n;
 }
 
-/* Committed bytes held above the stacks' tops, the chunk skip excepted. */
-static size_t ar_excess(const arena *a, const ar_chunk *skip)
+/* Decommits the committed stretches of range c above offset floor, the
+ * highest first, until want bytes are given back. Returns the bytes. */
+static size_t ar_shed_tail(arena *a, ar_chunk *c, size_t floor, size_t want)
+{
+    size_t got = 0;
+    for (;;) {
+        while (c->nholes && c->holes[c->nholes - 1].hi == c->end &&
+               c->holes[c->nholes - 1].lo >= floor) /* a hole at the end: fold it */
+            c->end = c->holes[--c->nholes].lo;
+        if (got >= want || c->end <= floor) return got;
+        size_t x = c->nholes && c->holes[c->nholes - 1].hi > floor ? c->holes[c->nholes - 1].hi
+                                                                   : floor;
+        size_t take = c->end - x, rest = want - got;
+        if (take > rest) take = ar_align_up(rest, a->gran); /* rest < take: no overflow */
+        ar_decommit(a, c, c->end - take, c->end);
+        c->end -= take;
+        got += take;
+    }
+}
+
+/* The runs of freed records of s in ranges: the whole granules between the
+ * live blocks around each run that are still committed. Counts them, or
+ * with shed set decommits them (until want bytes) and keeps them as holes.
+ * Returns the bytes. */
+static size_t ar_runs(arena *a, ar_stack *s, bool shed, size_t want)
+{
+    size_t n = 0, gran = a->gran;
+    const ar_rec *rec = s->rec;
+    if (!s->nmarked) return 0;
+    for (uint32_t j = 0, k; j < s->nrec && (!shed || n < want); j = k + 1) {
+        k = j;
+        if (!(rec[j].key & 1)) continue;
+        uint32_t ch = rec[j].chunk;
+        while (k + 1 < s->nrec && (rec[k + 1].key & 1) && rec[k + 1].chunk == ch) k++;
+        ar_chunk *c = &s->chunk[ch];
+        if (!c->va) continue;
+        size_t lo = j && rec[j - 1].chunk == ch ? rec[j - 1].addr + rec[j - 1].bytes - c->base : 0;
+        size_t hi = k + 1 < s->nrec && rec[k + 1].chunk == ch ? rec[k + 1].addr - c->base : c->end;
+        lo = ar_align_up(lo, gran);
+        hi = (hi < c->end ? hi : c->end) & ~(gran - 1);
+        if (hi <= lo) continue;
+        uint32_t first = 0, cnt = 0; /* holes inside: they came from parts of this run */
+        size_t held = hi - lo;
+        for (uint32_t q = 0; q < c->nholes; q++) {
+            if (c->holes[q].lo < lo || c->holes[q].hi > hi) continue;
+            if (!cnt++) first = q;
+            held -= c->holes[q].hi - c->holes[q].lo;
+        }
+        if (!held || (shed && !cnt && !ar_room((void **)&c->holes, &c->cap_holes, c->nholes,
+                                               sizeof *c->holes)))
+            continue;
+        n += held;
+        if (!shed) continue;
+        size_t at = lo;
+        for (uint32_t q = first; q < first + cnt; q++) {
+            ar_decommit(a, c, at, c->holes[q].lo);
+            at = c->holes[q].hi;
+        }
+        ar_decommit(a, c, at, hi);
+        if (!cnt) { /* a new hole, in order */
+            first = 0;
+            while (first < c->nholes && c->holes[first].lo < lo) first++;
+            memmove(&c->holes[first + 1], &c->holes[first], (c->nholes - first) * sizeof *c->holes);
+            c->nholes++;
+        } else { /* one hole for the run */
+            memmove(&c->holes[first + 1], &c->holes[first + cnt],
+                    (c->nholes - first - cnt) * sizeof *c->holes);
+            c->nholes -= cnt - 1;
+        }
+        c->holes[first] = (ar_hole){lo, hi};
+        if (hi == c->end) { /* the run reached the end (of a chunk left behind): fold */
+            c->end = lo;
+            c->nholes--;
+        }
+    }
+    if (shed) ar_set_cur(s, s->cur, s->top); /* holes below the top: the limit stays */
+    return n;
+}
+
+/* Committed bytes held above the stacks' tops (spare chunks, tails of the
+ * current ranges, runs of freed records), the chunk skip excepted. */
+static size_t ar_excess(arena *a, const ar_chunk *skip)
 {
     size_t n = 0;
     for (unsigned k = 0; k < AR_NSTACK; k++) {
-        const ar_stack *s = &a->stk[k];
+        ar_stack *s = &a->stk[k];
         for (uint32_t j = ar_spare_from(s); j < s->nchunk; j++)
-            if (&s->chunk[j] != skip) n += s->chunk[j].committed;
-        if (s->nrec && s->chunk[s->cur].va && &s->chunk[s->cur] != skip)
-            n += ar_tail_excess(a, &s->chunk[s->cur], s->top - s->chunk[s->cur].base);
+            if (&s->chunk[j] != skip) n += s->chunk[j].held;
+        if (s->nrec && &s->chunk[s->cur] != skip) {
+            const ar_chunk *c = &s->chunk[s->cur];
+            n += ar_tail_held(c, ar_align_up(s->top - c->base, a->gran));
+        }
+        n += ar_runs(a, s, false, 0);
     }
     return n;
 }
 
-/* Gives back memory above the tops (spare chunks first, then the tails of
- * the current ranges) until at most keep bytes of it are left. skip is a
- * chunk being grown, always the current chunk of its stack, so removing
- * spares never moves it. Returns how many things were given back. */
-static unsigned ar_shed(arena *a, const ar_chunk *skip, size_t keep)
+/* Gives back memory held above the tops until want bytes are back: spare
+ * chunks first, then the tails of the current ranges, then runs of freed
+ * records. skip is a chunk being grown, always the current chunk of its
+ * stack: its tail is left alone (its runs, below the top, are fair game),
+ * and removing spares never moves it. Returns how many things were given
+ * back; *got the bytes. */
+static unsigned ar_shed(arena *a, const ar_chunk *skip, size_t want, size_t *got)
 {
-    size_t excess = ar_excess(a, skip);
     unsigned done = 0;
-    for (unsigned k = 0; k < AR_NSTACK && excess > keep; k++) {
+    size_t n = 0;
+    for (unsigned k = 0; k < AR_NSTACK && n < want; k++) {
         ar_stack *s = &a->stk[k];
         uint32_t from = ar_spare_from(s);
-        for (uint32_t j = s->nchunk; j-- > from && excess > keep;) {
+        for (uint32_t j = s->nchunk; j-- > from && n < want;) {
             if (&s->chunk[j] == skip) continue;
-            excess -= s->chunk[j].committed;
+            n += s->chunk[j].held;
             ar_chunk_release(a, &s->chunk[j]);
             memmove(&s->chunk[j], &s->chunk[j + 1], (s->nchunk - j - 1) * sizeof *s->chunk);
             s->nchunk--;
@@ -203,87 +352,114 @@ static unsigned ar_shed(arena *a, const ar_chunk *skip, size_t keep)
         }
         if (!s->nrec) ar_rewind(s);
     }
-    for (unsigned k = 0; k < AR_NSTACK && excess > keep; k++) {
+    for (unsigned k = 0; k < AR_NSTACK && n < want; k++) {
         ar_stack *s = &a->stk[k];
-        if (!s->nrec || !s->chunk[s->cur].va || &s->chunk[s->cur] == skip) continue;
+        if (!s->nrec || &s->chunk[s->cur] == skip || !s->chunk[s->cur].va) continue;
         ar_chunk *c = &s->chunk[s->cur];
-        size_t freed = ar_decommit_above(a, c, ar_align_up(s->top - c->base, a->gran));
-        if (freed) done++;
-        excess -= freed;
-        s->limit = c->base + c->committed;
+        size_t g = ar_shed_tail(a, c, ar_align_up(s->top - c->base, a->gran), want - n);
+        if (g) done++;
+        n += g;
+        ar_set_cur(s, s->cur, s->top);
     }
+    for (unsigned k = 0; k < AR_NSTACK && n < want; k++) {
+        size_t g = ar_runs(a, &a->stk[k], true, want - n);
+        if (g) done++;
+        n += g;
+    }
+    *got = n;
     return done;
 }
 
-/* Before taking delta more bytes from the backing: if the stacks hold too
- * much above their tops, give the older part of it back first. */
+/* Before taking delta more bytes from the backing: if the stacks hold more
+ * than 1/64 of the reserved bytes above their tops, give back about as much
+ * as is taken (at least half that slack, so this does not happen on every
+ * step of a growing stack), so that memory moves between stacks. */
 static void ar_balance(arena *a, const ar_chunk *skip, size_t delta)
 {
-    size_t budget = (size_t)(a->st.reserved_bytes + delta) / AR_SLACK_DIV;
+    size_t budget = (size_t)(a->st.reserved_bytes + delta) / AR_SLACK_DIV, got;
     if (budget < 4 * a->gran) budget = 4 * a->gran;
-    if (ar_excess(a, skip) > budget) ar_shed(a, skip, budget / 2);
+    size_t ex = ar_excess(a, skip);
+    if (ex <= budget) return;
+    size_t want = delta > budget / 2 ? delta : budget / 2;
+    if (want > ex - budget / 2) want = ex - budget / 2;
+    ar_shed(a, skip, want, &got);
 }
 
 /* ---- taking memory ---- */
 
-static bool ar_reserve_room(size_t *cap, size_t n, size_t elem, void **arr)
+/* Commits [lo, hi) of range c, or at least [lo, least): when the backing
+ * refuses, what the other chunks hold above their tops is given back and
+ * [lo, least) tried once more. *got gets the end committed. */
+static mt_status ar_commit(arena *a, ar_chunk *c, size_t lo, size_t hi, size_t least, size_t *got)
 {
-    if (n < *cap) return true;
-    size_t nc = *cap ? *cap * 2 : 8;
-    void *p = realloc(*arr, nc * elem);
-    if (!p) return false;
-    *arr = p;
-    *cap = nc;
-    return true;
-}
-
-static bool ar_room_u32(uint32_t *cap, uint32_t n, size_t elem, void **arr)
-{
-    size_t c = *cap;
-    if (!ar_reserve_room(&c, n, elem, arr)) return false;
-    *cap = (uint32_t)c;
-    return true;
-}
-
-/* Commits range c up to at least offset need (bytes). */
-static mt_status ar_commit(arena *a, ar_chunk *c, size_t need)
-{
-    size_t gran = a->gran;
-    size_t want = ar_align_up(need, gran);
-    if (want <= c->committed) return MT_OK;
-    if (need > c->size) return MT_ERR_OOM;
-    size_t step = ar_align_up(c->committed / AR_GROW_DIV, gran);
-    if (step > a->chunk_bytes) step = a->chunk_bytes;
-    if (step < gran) step = gran;
-    size_t target = c->committed + step > want ? c->committed + step : want;
-    if (target > c->size) target = c->size;
-    if (a->limit) { /* overshoot only within the limit */
-        uint64_t room = a->limit > a->st.reserved_bytes ? a->limit - a->st.reserved_bytes : 0;
-        if (target - c->committed > room) {
-            size_t t = c->committed + (size_t)room / gran * gran;
-            target = t > want ? t : want;
-        }
-    }
-    if (!ar_room_u32(&c->cap_pieces, c->npieces, sizeof *c->pieces, (void **)&c->pieces))
-        return MT_ERR_OOM;
-    ar_balance(a, c, target - c->committed);
-    void *at = (void *)(c->base + c->committed);
-    mt_status st = a->bk->va_commit(a->bk->self, at, target - c->committed);
+    const mt_backing *bk = a->bk;
+    mt_status st = bk->va_commit(bk->self, (void *)(c->base + lo), hi - lo);
     if (st != MT_OK) {
-        /* release what others hold, then ask for the bare need */
-        bool shed = ar_shed(a, c, 0) > 0;
-        if (shed || target > want) {
-            a->st.n_oom_retries++;
-            target = want;
-            st = a->bk->va_commit(a->bk->self, at, target - c->committed);
-        }
+        size_t freed = 0;
+        ar_shed(a, c, SIZE_MAX, &freed);
+        if (!freed && hi == least) return st;
+        a->st.n_oom_retries++;
+        hi = least;
+        st = bk->va_commit(bk->self, (void *)(c->base + lo), hi - lo);
         if (st != MT_OK) return st;
     }
-    size_t delta = target - c->committed;
-    c->pieces[c->npieces++] = delta;
-    c->committed = target;
-    mt_stats_on_reserve(&a->st, delta);
+    c->held += hi - lo;
+    mt_stats_on_reserve(&a->st, hi - lo);
+    *got = hi;
     return MT_OK;
+}
+
+/* Commits what the current range c of s lacks below offset need: the holes
+ * above the top, and past the end, overshooting by a step. */
+static mt_status ar_grow(arena *a, ar_stack *s, ar_chunk *c, size_t need)
+{
+    size_t gran = a->gran, want = ar_align_up(need, gran), top = s->top - c->base;
+    if (need > c->size) return MT_ERR_OOM;
+    size_t target = c->end;
+    if (want > c->end) {
+        size_t step = ar_align_up((c->peak > c->end ? c->peak : c->end) / AR_GROW_DIV, gran);
+        if (step > a->chunk_bytes) step = a->chunk_bytes;
+        if (step < gran) step = gran;
+        target = c->end + step > want ? c->end + step : want;
+        if (target > c->size) target = c->size;
+        if (a->limit) { /* overshoot only within the limit */
+            uint64_t room = a->limit > a->st.reserved_bytes ? a->limit - a->st.reserved_bytes : 0;
+            if (target - c->end > room) {
+                size_t t = c->end + (size_t)room / gran * gran;
+                target = t > want ? t : want;
+            }
+        }
+    }
+    size_t delta = target - c->end;
+    for (uint32_t k = 0; k < c->nholes; k++)
+        if (c->holes[k].lo >= top && c->holes[k].lo < want)
+            delta += (c->holes[k].hi < want ? c->holes[k].hi : want) - c->holes[k].lo;
+    ar_balance(a, c, delta);
+    mt_status st = MT_OK;
+    for (uint32_t k = 0; k < c->nholes && st == MT_OK;) {
+        size_t lo = c->holes[k].lo, x = c->holes[k].hi < want ? c->holes[k].hi : want, got;
+        if (lo < top || lo >= want) {
+            k++;
+            continue;
+        }
+        st = ar_commit(a, c, lo, x, x, &got);
+        if (st != MT_OK) break;
+        /* a retry may have made holes below the top: find this one again */
+        for (k = 0; c->holes[k].lo != lo; k++) {
+        }
+        c->holes[k].lo = x;
+        if (x < c->holes[k].hi) continue;
+        memmove(&c->holes[k], &c->holes[k + 1], (c->nholes - k - 1) * sizeof *c->holes);
+        c->nholes--;
+    }
+    if (st == MT_OK && target > c->end) {
+        size_t got;
+        st = ar_commit(a, c, c->end, target, want > c->end ? want : c->end, &got);
+        if (st == MT_OK) c->end = got;
+        if (c->end > c->peak) c->peak = c->end;
+    }
+    ar_set_cur(s, s->cur, s->top);
+    return st;
 }
 
 /* A new chunk from the backing, able to hold bytes at alignment al. */
@@ -291,6 +467,7 @@ static mt_status ar_new_chunk(arena *a, ar_stack *s, size_t bytes, size_t al, ar
 {
     memset(c, 0, sizeof *c);
     const mt_backing *bk = a->bk;
+    size_t freed;
     if (a->va) {
         size_t pad = al > a->gran ? al : 0; /* room to align inside the range */
         size_t need = ar_align_up(bytes + pad, a->gran);
@@ -304,7 +481,7 @@ static mt_status ar_new_chunk(arena *a, ar_stack *s, size_t bytes, size_t al, ar
         if (r < need) r = need;
         void *base = NULL;
         mt_status st = bk->va_reserve(bk->self, r, &base);
-        if (st != MT_OK && ar_shed(a, NULL, 0) > 0) { /* spare ranges hold address space */
+        if (st != MT_OK && ar_shed(a, NULL, SIZE_MAX, &freed)) { /* spares hold address space */
             a->st.n_oom_retries++;
             st = bk->va_reserve(bk->self, r, &base);
         }
@@ -314,7 +491,12 @@ static mt_status ar_new_chunk(arena *a, ar_stack *s, size_t bytes, size_t al, ar
         c->va = true;
         return MT_OK;
     }
-    size_t want = a->chunk_bytes;
+    /* a stack's chunks double from chunk_bytes / 32 up to chunk_bytes, so a
+     * small stack does not hold a whole chunk */
+    size_t want = a->chunk_bytes / AR_FIRST_CHUNK_DIV;
+    if (s->nchunk && want < 2 * s->chunk[s->cur].size) want = 2 * s->chunk[s->cur].size;
+    if (want > a->chunk_bytes) want = a->chunk_bytes;
+    want = ar_align_up(want, a->gran);
     if (a->limit) { /* under a limit, chunks of at most 1/8 of it, and what is left */
         uint64_t room = a->limit > a->st.reserved_bytes ? a->limit - a->st.reserved_bytes : 0;
         size_t eighth = ar_align_up(a->limit / 8, a->gran);
@@ -327,13 +509,13 @@ static mt_status ar_new_chunk(arena *a, ar_stack *s, size_t bytes, size_t al, ar
     size_t granted = 0;
     ar_balance(a, NULL, want);
     mt_status st = bk->reserve(bk->self, want, ask_al, &p, &granted);
-    if (st != MT_OK && ar_shed(a, NULL, 0) > 0) {
+    if (st != MT_OK && ar_shed(a, NULL, SIZE_MAX, &freed)) {
         a->st.n_oom_retries++;
         st = bk->reserve(bk->self, want, ask_al, &p, &granted);
     }
     if (st != MT_OK) return st;
     c->base = (uintptr_t)p;
-    c->size = c->committed = granted;
+    c->size = c->end = c->held = c->peak = granted;
     mt_stats_on_reserve(&a->st, granted);
     return MT_OK;
 }
@@ -350,8 +532,8 @@ static mt_status ar_next_chunk(arena *a, ar_stack *s, size_t bytes, size_t al)
 {
     if (s->nrec && s->chunk[s->cur].va) { /* the tail we leave behind */
         ar_chunk *old = &s->chunk[s->cur];
-        ar_decommit_above(a, old, ar_align_up(s->top - old->base, a->gran));
-        s->limit = old->base + old->committed;
+        ar_shed_tail(a, old, ar_align_up(s->top - old->base, a->gran), SIZE_MAX);
+        ar_set_cur(s, s->cur, s->top);
     }
     uint32_t pos = ar_spare_from(s);
     for (uint32_t j = pos; j < s->nchunk; j++) {
@@ -364,7 +546,7 @@ static mt_status ar_next_chunk(arena *a, ar_stack *s, size_t bytes, size_t al)
             return MT_OK;
         }
     }
-    if (!ar_room_u32(&s->cap_chunk, s->nchunk, sizeof *s->chunk, (void **)&s->chunk))
+    if (!ar_room((void **)&s->chunk, &s->cap_chunk, s->nchunk, sizeof *s->chunk))
         return MT_ERR_OOM;
     ar_chunk c;
     bool found = false;
@@ -393,26 +575,28 @@ static mt_status ar_next_chunk(arena *a, ar_stack *s, size_t bytes, size_t al)
 }
 
 /* When the backing has no more: a run of freed records between live ones,
- * in one chunk, wide enough for the request. Its first record is reused
- * (records stay in address order; the others stay freed). */
+ * in one chunk, wide enough for the request and not decommitted. Its first
+ * record is reused (records stay in address order; the others stay freed). */
 static bool ar_fit_hole(const ar_stack *s, size_t bytes, size_t al, uint32_t *ri, uintptr_t *pp)
 {
     const ar_rec *rec = s->rec;
     for (uint32_t j = 0, k; j < s->nrec; j = k + 1) {
         k = j;
         if (!(rec[j].key & 1)) continue;
-        while (k + 1 < s->nrec && (rec[k + 1].key & 1) && rec[k + 1].chunk == rec[j].chunk) k++;
-        const ar_chunk *c = &s->chunk[rec[j].chunk];
-        uintptr_t lo = j && rec[j - 1].chunk == rec[j].chunk ? rec[j - 1].addr + rec[j - 1].bytes
-                                                             : c->base;
-        uintptr_t hi = k + 1 < s->nrec && rec[k + 1].chunk == rec[j].chunk ? rec[k + 1].addr
-                                                                           : c->base + c->committed;
-        uintptr_t p = ar_align_up(lo, al);
-        if (p >= lo && p <= hi && bytes <= hi - p) {
-            *ri = j;
-            *pp = p;
-            return true;
-        }
+        uint32_t ch = rec[j].chunk;
+        while (k + 1 < s->nrec && (rec[k + 1].key & 1) && rec[k + 1].chunk == ch) k++;
+        const ar_chunk *c = &s->chunk[ch];
+        size_t lo = j && rec[j - 1].chunk == ch ? rec[j - 1].addr + rec[j - 1].bytes - c->base : 0;
+        size_t hi = k + 1 < s->nrec && rec[k + 1].chunk == ch ? rec[k + 1].addr - c->base : c->end;
+        size_t p = (size_t)(ar_align_up(c->base + lo, al) - c->base);
+        if (p < lo || p > hi || bytes > hi - p) continue;
+        bool clear = true;
+        for (uint32_t q = 0; q < c->nholes && clear; q++)
+            clear = c->holes[q].hi <= p || c->holes[q].lo >= p + bytes;
+        if (!clear) continue;
+        *ri = j;
+        *pp = c->base + p;
+        return true;
     }
     return false;
 }
@@ -422,10 +606,9 @@ static bool ar_fit_hole(const ar_stack *s, size_t bytes, size_t al, uint32_t *ri
 static mt_status ar_make_room(arena *a, ar_stack *s, size_t bytes, size_t al, uintptr_t *pp)
 {
     if (s->nrec == s->cap) {
-        size_t cap = s->cap;
-        if (s->nrec >= AR_MAX_REC || !ar_reserve_room(&cap, s->nrec, sizeof *s->rec, (void **)&s->rec))
+        if (s->nrec >= AR_MAX_REC || !ar_room((void **)&s->rec, &s->cap, s->nrec, sizeof *s->rec))
             return MT_ERR_OOM;
-        s->cap = cap > AR_MAX_REC ? AR_MAX_REC : (uint32_t)cap;
+        if (s->cap > AR_MAX_REC) s->cap = AR_MAX_REC;
     }
     uintptr_t p = s->nchunk ? ar_align_up(s->top, al) : 0;
     ar_chunk *c = s->nchunk ? &s->chunk[s->cur] : NULL;
@@ -436,18 +619,17 @@ static mt_status ar_make_room(arena *a, ar_stack *s, size_t bytes, size_t al, ui
         p = ar_align_up(s->top, al);
     }
     if (p + bytes > s->limit) {
-        mt_status st = ar_commit(a, c, p + bytes - c->base);
+        mt_status st = ar_grow(a, s, c, p + bytes - c->base);
         if (st != MT_OK) {
             ar_rewind(s); /* a chunk just taken stays as a spare */
             return st;
         }
-        s->limit = c->base + c->committed;
     }
     *pp = p;
     return MT_OK;
 }
 
-static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_request *req, mt_block *out)
+AR_COLD static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_request *req, mt_block *out)
 {
     ar_stack *s = &a->stk[si];
     size_t al = req->alignment > MT_DEFAULT_ALIGNMENT ? req->alignment : MT_DEFAULT_ALIGNMENT;
@@ -461,6 +643,7 @@ static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_request *re
         s->top = p + bytes;
     } else if (st == MT_ERR_OOM && ar_fit_hole(s, bytes, al, &i, &p)) {
         a->st.n_oom_retries++; /* out of memory, met by reusing a hole */
+        s->nmarked--;
     } else {
         /* a size the backing refuses outright is memory it does not have */
         if (st == MT_ERR_INVALID_ARG) st = MT_ERR_OOM;
@@ -472,9 +655,7 @@ static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_request *re
     r->addr = p;
     r->bytes = bytes;
     r->key = tag << 1;
-    s->live_bytes += bytes;
-    s->n_live++;
-    mt_stats_on_alloc(&a->st, req->mem_class, bytes);
+    ar_count_alloc(&a->st, s->mclass, bytes);
     out->ptr = (void *)p;
     out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
     return MT_OK;
@@ -501,9 +682,7 @@ static mt_status arena_alloc(void *state, const mt_alloc_request *req, mt_block 
     r->key = tag << 1;
     r->chunk = s->cur;
     s->top = end;
-    s->live_bytes += req->bytes;
-    s->n_live++;
-    mt_stats_on_alloc(&a->st, req->mem_class, req->bytes);
+    ar_count_alloc(&a->st, s->mclass, req->bytes);
     out->ptr = (void *)p;
     out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
     return MT_OK;
@@ -521,20 +700,32 @@ static mt_status arena_free(void *state, const mt_block *blk)
     ar_rec *r = &s->rec[i];
     if (AR_UNLIKELY(r->key != (h >> AR_TAG_SHIFT) << 1 || r->addr != (uintptr_t)blk->ptr))
         return MT_ERR_BAD_BLOCK;
-    s->live_bytes -= r->bytes;
-    s->n_live--;
-    mt_stats_on_free(&a->st, (mt_mem_class)(si % MT_MEM_COUNT), r->bytes);
+    a->st.live_bytes -= r->bytes;
+    a->st.per_class[s->mclass].live_bytes -= r->bytes;
+    s->nfreed++;
     if (i + 1 == s->nrec) {
         /* pop it and the freed records it was covering */
         uint32_t n = i;
         while (n && (s->rec[n - 1].key & 1)) n--;
+        s->nmarked -= i - n;
         s->nrec = n;
-        if (n && s->rec[n - 1].chunk == s->cur)
-            s->top = s->rec[n - 1].addr + s->rec[n - 1].bytes;
-        else
+        if (AR_UNLIKELY(s->holey)) { /* the limit follows the holes */
             ar_rewind(s);
+            return MT_OK;
+        }
+        if (n) {
+            if (s->rec[n - 1].chunk == s->cur) {
+                s->top = s->rec[n - 1].addr + s->rec[n - 1].bytes;
+                return MT_OK;
+            }
+        } else if (s->cur == 0) {
+            s->top = s->chunk[0].base;
+            return MT_OK;
+        }
+        ar_rewind(s);
     } else {
         r->key |= 1;
+        s->nmarked++;
     }
     return MT_OK;
 }
@@ -546,12 +737,16 @@ static mt_status arena_reset(void *state, mt_scope scope)
     for (unsigned life = (unsigned)scope; life < MT_LIFE_COUNT; life++) {
         for (unsigned c = 0; c < MT_MEM_COUNT; c++) {
             ar_stack *s = &a->stk[life * MT_MEM_COUNT + c];
-            a->st.live_bytes -= s->live_bytes;
-            a->st.n_free += s->n_live;
-            a->st.per_class[c].live_bytes -= s->live_bytes;
-            a->st.per_class[c].n_free += s->n_live;
-            s->live_bytes = s->n_live = 0;
-            s->nrec = 0;
+            uint64_t bytes = 0, n = 0;
+            for (uint32_t i = 0; i < s->nrec; i++) {
+                if (s->rec[i].key & 1) continue;
+                bytes += s->rec[i].bytes;
+                n++;
+            }
+            a->st.live_bytes -= bytes;
+            a->st.per_class[c].live_bytes -= bytes;
+            s->nfreed += n;
+            s->nrec = s->nmarked = 0;
             ar_rewind(s);
         }
     }
@@ -562,7 +757,8 @@ static mt_status arena_reset(void *state, mt_scope scope)
 static mt_status arena_trim(void *state)
 {
     arena *a = state;
-    ar_shed(a, NULL, 0);
+    size_t got;
+    ar_shed(a, NULL, SIZE_MAX, &got);
     a->st.n_trims++;
     return MT_OK;
 }
@@ -572,6 +768,13 @@ static mt_status arena_stats(void *state, mt_allocator_stats *out)
     const arena *a = state;
     if (!out) return MT_ERR_INVALID_ARG;
     *out = a->st;
+    for (unsigned k = 0; k < AR_NSTACK; k++) {
+        const ar_stack *s = &a->stk[k];
+        out->n_alloc += s->serial;
+        out->n_free += s->nfreed;
+        out->per_class[s->mclass].n_alloc += s->serial;
+        out->per_class[s->mclass].n_free += s->nfreed;
+    }
     return MT_OK;
 }
 
@@ -613,6 +816,7 @@ static mt_status arena_create(const mt_allocator_params *params, const mt_backin
     a->chunk_bytes = ar_align_up(o.chunk_bytes, a->gran);
     a->limit = params->limit_bytes;
     a->range_min = AR_RANGE_MIN;
+    for (unsigned k = 0; k < AR_NSTACK; k++) a->stk[k].mclass = k % MT_MEM_COUNT;
     if (a->limit && a->limit < a->range_min) a->range_min = ar_align_up(a->limit, a->gran);
     if (a->range_min < a->gran) a->range_min = a->gran;
     *state = a;

@@ -15,19 +15,28 @@
  * exactly and recorded, and its reset plans again. A request that is not
  * larger than the recorded one replays, so a smaller last batch costs
  * nothing. Persistent blocks are never planned: each has its own exact
- * reservation.
+ * reservation, and so has every request of a step past its first
+ * CK_STEP_MAX, which bounds the planning time and the bookkeeping.
  *
  * Blocks are found again through their handle, never through their memory
  * (it may be on a GPU):
- *   bits 62..63 kind (1 persistent, 2 step or phase), 32..61 generation,
- *   0..31 index.
- * A persistent slot's generation changes when it is freed; a step block's
+ *   bits 62..63 kind (1 own-reservation slot, 2 recorded step or phase
+ *   block), 32..61 generation, 0..31 index.
+ * A slot's generation changes when it is freed; a step block's
  * generation is the step's epoch, which changes at every step boundary, so
  * stale and double frees are told apart from live blocks.
  *
  * The plan is only safe if blocks die where they died when recorded. A block
  * freed later than planned is "overdue"; a request whose planned bytes
  * overlap a live overdue block leaves the plan instead of being served.
+ *
+ * The region is one backing reservation, taken at the reset that plans
+ * (when no step block is live) and replaced only when none of its blocks
+ * is live. If it cannot be had, the instance goes on recording and plans
+ * again at the next step's end. trim gives it back while none of its blocks
+ * is live; the next request the plan serves takes it again. Growable ranges
+ * (va_*) are not used: a re-plan happens at a step boundary, when releasing
+ * the old region before reserving the new one costs no peak.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -36,24 +45,36 @@
 #include "internal.h"
 #include "checkpoint.h"
 
-#define CK_KIND_PERSIST 1u
+#define CK_KIND_SLOT 1u
 #define CK_KIND_STEP 2u
 #define CK_GEN_MASK ((UINT64_C(1) << 30) - 1)
 #define CK_NONE UINT32_MAX
 /* Plans past 2^62 bytes cannot be reserved anyway; the bound keeps offset
  * arithmetic (offset + size, aligned up) from overflowing. */
 #define CK_MAX_PLAN ((size_t)1 << 62)
+/* Requests of a step that are recorded and planned. Planning is O(n^2)
+ * (about 0.2 s for this many), and the per-step bookkeeping is 40 bytes a
+ * request, so later requests of a longer step (or of an application that
+ * never ends a step) get their own reservations, like persistent blocks. */
+#define CK_STEP_MAX 16384u
 /* Steps with more requests than this are planned with one ordering only. */
 #define CK_ONE_PASS 8192u
+/* The planner's local search: at most this many block pairs compared
+ * (about 20 ms), in at most this many trials. */
+#define CK_SEARCH_WORK (UINT64_C(1) << 24)
+#define CK_SEARCH_TRIALS 1024u
+/* A re-plan searches only when the plan it replaces lasted this many steps. */
+#define CK_STABLE_STEPS 8u
 
-/* A persistent block: its own reservation. */
+/* A block with its own reservation outside the step's record: persistent,
+ * or past the first CK_STEP_MAX requests of a step. */
 typedef struct ck_slot {
     void *ptr;
     size_t granted;    /* bytes reserved for it */
     size_t bytes;      /* requested */
     uint32_t gen;      /* bumped at every free */
     uint32_t next_free;
-    uint8_t cls, live;
+    uint8_t cls, life, live;
 } ck_slot;
 
 /* The i-th step or phase request of the step in flight. The array of them
@@ -80,8 +101,9 @@ typedef struct ck_state {
     int plan_after;            /* steps recorded before the first plan */
     mt_allocator_stats st;
 
-    ck_slot *slots;            /* persistent blocks */
+    ck_slot *slots;            /* blocks outside the record (see ck_slot) */
     uint32_t n_slots, cap_slots, free_slot;
+    uint32_t n_slot_step;      /* live slots of step or phase lifetime */
 
     ck_ent *ent;               /* the step in flight, n_ent requests so far */
     uint32_t n_ent, cap_ent;
@@ -108,6 +130,7 @@ typedef struct ck_state {
     uint32_t live_planned;     /* blocks of the step living in the region */
 
     uint64_t n_steps, n_recorded, n_divergences, n_plans, n_plan_failures, last_plan_ns;
+    uint64_t plan_step;        /* n_steps when the plan in force was made */
 } ck_state;
 
 static uint64_t now_ns(void)
@@ -129,19 +152,22 @@ static uint64_t make_handle(unsigned kind, uint64_t gen, uint32_t idx)
     return (uint64_t)kind << 62 | (gen & CK_GEN_MASK) << 32 | idx;
 }
 
-/* Grows *arr (elements of `size` bytes) to hold at least `need`, doubling,
- * so growth costs O(1) amortized and stops once a step's size is known. */
-static mt_status grow(void **arr, uint32_t *cap, uint32_t need, size_t size)
+/* Returns arr grown (elements of `size` bytes) to hold at least `need`,
+ * doubling, so growth costs O(1) amortized and stops once a step's size is
+ * known. On failure returns arr as it was and clears *ok. */
+static void *grow(void *arr, uint32_t *cap, uint32_t need, size_t size, bool *ok)
 {
-    if (need <= *cap) return MT_OK;
+    if (need <= *cap) return arr;
     uint64_t c = *cap ? *cap : 16;
     while (c < need) c *= 2;
     if (c > CK_NONE) c = CK_NONE;
-    void *p = realloc(*arr, (size_t)c * size);
-    if (!p) return MT_ERR_OOM;
-    *arr = p;
+    void *p = realloc(arr, (size_t)c * size);
+    if (!p) {
+        *ok = false;
+        return arr;
+    }
     *cap = (uint32_t)c;
-    return MT_OK;
+    return p;
 }
 
 /* ---- the backing ---- */
@@ -259,41 +285,48 @@ static size_t place_in_order(const ck_rec *r, uint32_t n, const uint32_t *order,
     return total;
 }
 
-/* The most bytes of r live at one time: no plan can be smaller. */
-static size_t plan_lower_bound(const ck_rec *r, uint32_t n, size_t *dead_at)
+/* The most bytes of r live at one time, each block's size rounded up to
+ * `round` bytes: with round 1 no plan can be smaller; with round 256 (every
+ * offset is a multiple of it) no plan can be smaller by 256 bytes or more. */
+static size_t plan_lower_bound(const ck_rec *r, uint32_t n, size_t round, size_t *dead_at)
 {
     memset(dead_at, 0, ((size_t)n + 1) * sizeof *dead_at);
-    for (uint32_t i = 0; i < n; i++) dead_at[r[i].die] += r[i].bytes;
+    for (uint32_t i = 0; i < n; i++) dead_at[r[i].die] += mti_align_up(r[i].bytes, round);
     size_t live = 0, peak = 0;
     for (uint32_t k = 0; k < n; k++) {
         live -= dead_at[k];
-        live += r[k].bytes;
+        live += mti_align_up(r[k].bytes, round);
         if (live > peak) peak = live;
     }
     return peak;
 }
 
 /* Sets r[i].off for the n recorded blocks; *total gets the bytes the plan
- * spans, *lower the lower bound. Deaths are in [i + 1, n]. This is where a
- * memory budget will come in: blocks flagged MT_REQ_RECOMPUTABLE may then
- * be left out when the plan would exceed it. */
-static mt_status plan_offsets(ck_rec *r, uint32_t n, size_t *total, size_t *lower)
+ * spans, *lower the lower bound. Deaths are in [i + 1, n]. Three orders are
+ * tried, then (when `search`) a local search swaps a few blocks of the best
+ * order at a time and keeps the result when the plan is no larger, until
+ * the plan is within 256 bytes of optimal or about CK_SEARCH_WORK block
+ * pairs have been compared (~20 ms). This is where a memory budget will
+ * come in: blocks flagged MT_REQ_RECOMPUTABLE may then be left out when the
+ * plan would exceed it. */
+static mt_status plan_offsets(ck_rec *r, uint32_t n, bool search, size_t *total, size_t *lower)
 {
     ck_key *keys = malloc((size_t)n * sizeof *keys);
     uint32_t *order = malloc((size_t)n * sizeof *order);
+    uint32_t *best_order = malloc((size_t)n * sizeof *best_order);
     uint32_t *by_off = malloc((size_t)n * sizeof *by_off);
     size_t *off = malloc(((size_t)n + 1) * sizeof *off);
     size_t *best_off = malloc(((size_t)n + 1) * sizeof *best_off);
     mt_status rc = MT_ERR_OOM;
-    if (!keys || !order || !by_off || !off || !best_off) goto out;
+    if (!keys || !order || !best_order || !by_off || !off || !best_off) goto out;
 
-    *lower = plan_lower_bound(r, n, off);
+    *lower = plan_lower_bound(r, n, 1, off);
+    size_t good = plan_lower_bound(r, n, MT_DEFAULT_ALIGNMENT, off); /* no need to search on */
     size_t best = SIZE_MAX;
     /* 0: largest first (ties: longest lived); 1: longest lived first (ties:
-     * largest); 2: request order, as an allocator that knew the future.
-     * Past CK_ONE_PASS blocks a pass costs ~100 ms, so only the first runs. */
+     * largest); 2: request order, as an allocator that knew the future */
     int passes = n > CK_ONE_PASS ? 1 : 3;
-    for (int pass = 0; pass < passes && best > *lower; pass++) {
+    for (int pass = 0; pass < passes && best > good; pass++) {
         for (uint32_t i = 0; i < n; i++) {
             uint64_t len = r[i].die - i;
             keys[i].k1 = pass == 0 ? r[i].bytes : pass == 1 ? len : 0;
@@ -306,6 +339,26 @@ static mt_status plan_offsets(ck_rec *r, uint32_t n, size_t *total, size_t *lowe
         if (t < best) {
             best = t;
             memcpy(best_off, off, (size_t)n * sizeof *off);
+            memcpy(best_order, order, (size_t)n * sizeof *order);
+        }
+    }
+    /* a fixed seed keeps plans reproducible from run to run */
+    uint64_t x = UINT64_C(0x9E3779B97F4A7C15);
+    uint64_t trials = search ? CK_SEARCH_WORK / ((uint64_t)n * n + 1) : 0;
+    if (trials > CK_SEARCH_TRIALS) trials = CK_SEARCH_TRIALS;
+    for (uint64_t t = 0; t < trials && best > good && best != SIZE_MAX && n > 1; t++) {
+        memcpy(order, best_order, (size_t)n * sizeof *order);
+        for (int k = 0; k <= (int)(x % 3); k++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            uint32_t i = (uint32_t)(x % n), j = (uint32_t)((x >> 32) % n), o = order[i];
+            order[i] = order[j];
+            order[j] = o;
+        }
+        size_t size = place_in_order(r, n, order, by_off, off);
+        if (size <= best) { /* equal sizes move too, to cross plateaus */
+            best = size;
+            memcpy(best_off, off, (size_t)n * sizeof *off);
+            memcpy(best_order, order, (size_t)n * sizeof *order);
         }
     }
     if (best == SIZE_MAX) {
@@ -318,6 +371,7 @@ static mt_status plan_offsets(ck_rec *r, uint32_t n, size_t *total, size_t *lowe
 out:
     free(keys);
     free(order);
+    free(best_order);
     free(by_off);
     free(off);
     free(best_off);
@@ -351,7 +405,9 @@ static mt_status fold_record(ck_state *s)
     }
     s->rec_steps = 0;
     s->n_rec = 0;
-    if (grow((void **)&s->rec, &s->cap_rec, n, sizeof *s->rec) != MT_OK) return MT_ERR_OOM;
+    bool ok = true;
+    s->rec = grow(s->rec, &s->cap_rec, n, sizeof *s->rec, &ok);
+    if (!ok) return MT_ERR_OOM;
     for (uint32_t i = 0; i < n; i++) {
         const ck_ent *e = &s->ent[i];
         s->rec[i] = (ck_rec){.bytes = e->bytes, .off = 0, .die = e->die,
@@ -382,12 +438,14 @@ static void make_plan(ck_state *s)
     size_t total = 0, lower = 0, align = s->bk->min_alignment;
     for (uint32_t i = 0; i < n; i++) n_phase += s->rec[i].life == MT_LIFE_PHASE;
     /* size the per-step arrays now, so replayed steps never grow them */
-    bool ok = plan && due_start && due_idx && odue &&
-              grow((void **)&s->ent, &s->cap_ent, n, sizeof *s->ent) == MT_OK &&
-              grow((void **)&s->plive, &s->cap_plive, n_phase, sizeof *s->plive) == MT_OK;
+    bool ok = plan && due_start && due_idx && odue;
+    s->ent = grow(s->ent, &s->cap_ent, n, sizeof *s->ent, &ok);
+    s->plive = grow(s->plive, &s->cap_plive, n_phase, sizeof *s->plive, &ok);
     if (ok) {
         memcpy(plan, s->rec, (size_t)n * sizeof *plan);
-        ok = plan_offsets(plan, n, &total, &lower) == MT_OK;
+        /* a sequence that keeps changing gets the quick greedy plans */
+        bool search = s->n_plans == 0 || s->n_steps - s->plan_step >= CK_STABLE_STEPS;
+        ok = plan_offsets(plan, n, search, &total, &lower) == MT_OK;
     }
     if (!ok) {
         free(plan);
@@ -426,6 +484,7 @@ static void make_plan(ck_state *s)
     s->plan_lb = lower;
     s->have_plan = true;
     s->n_plans++;
+    s->plan_step = s->n_steps;
     s->last_plan_ns = now_ns() - t0; /* the planning alone, not the reservation */
     if (region_reserve(s) != MT_OK) {
         drop_plan(s);
@@ -509,6 +568,7 @@ static void kill_ent(ck_state *s, uint32_t i, bool from_reset)
 static void kill_slot(ck_state *s, uint32_t i)
 {
     ck_slot *sl = &s->slots[i];
+    if (sl->life != MT_LIFE_PERSISTENT) s->n_slot_step--;
     bk_release(s, sl->ptr, sl->granted);
     mt_stats_on_free(&s->st, (mt_mem_class)sl->cls, sl->bytes);
     sl->live = 0;
@@ -570,13 +630,15 @@ static mt_status ck_create(const mt_allocator_params *params, const mt_backing *
     return MT_OK;
 }
 
-static mt_status alloc_persistent(ck_state *s, const mt_alloc_request *req, size_t align,
-                                  mt_block *out)
+static mt_status alloc_slot(ck_state *s, const mt_alloc_request *req, size_t align,
+                            mt_block *out)
 {
-    if (s->free_slot == CK_NONE &&
-        (s->n_slots == CK_NONE ||
-         grow((void **)&s->slots, &s->cap_slots, s->n_slots + 1, sizeof *s->slots) != MT_OK))
-        return MT_ERR_OOM;
+    bool ok = true;
+    if (s->free_slot == CK_NONE) {
+        ok = s->n_slots < CK_NONE - 1; /* indices stay below CK_NONE */
+        if (ok) s->slots = grow(s->slots, &s->cap_slots, s->n_slots + 1, sizeof *s->slots, &ok);
+    }
+    if (!ok) return MT_ERR_OOM;
     void *p;
     size_t g;
     mt_status rc = reserve_exact(s, req->bytes, align, &p, &g);
@@ -593,10 +655,12 @@ static mt_status alloc_persistent(ck_state *s, const mt_alloc_request *req, size
     sl->granted = g;
     sl->bytes = req->bytes;
     sl->cls = (uint8_t)req->mem_class;
+    sl->life = (uint8_t)req->lifetime;
     sl->live = 1;
+    if (req->lifetime != MT_LIFE_PERSISTENT) s->n_slot_step++;
     sl->next_free = CK_NONE;
     out->ptr = p;
-    out->handle = make_handle(CK_KIND_PERSIST, sl->gen, i);
+    out->handle = make_handle(CK_KIND_SLOT, sl->gen, i);
     return MT_OK;
 }
 
@@ -604,11 +668,11 @@ static mt_status alloc_step(ck_state *s, const mt_alloc_request *req, size_t ali
                             mt_block *out)
 {
     uint32_t j = s->n_ent;
-    if (j == CK_NONE - 1) return MT_ERR_OOM;
-    if (grow((void **)&s->ent, &s->cap_ent, j + 1, sizeof *s->ent) != MT_OK) return MT_ERR_OOM;
-    if (req->lifetime == MT_LIFE_PHASE &&
-        grow((void **)&s->plive, &s->cap_plive, s->n_plive + 1, sizeof *s->plive) != MT_OK)
-        return MT_ERR_OOM;
+    bool ok = true;
+    s->ent = grow(s->ent, &s->cap_ent, j + 1, sizeof *s->ent, &ok);
+    if (req->lifetime == MT_LIFE_PHASE)
+        s->plive = grow(s->plive, &s->cap_plive, s->n_plive + 1, sizeof *s->plive, &ok);
+    if (!ok) return MT_ERR_OOM;
 
     void *p;
     size_t g = 0;
@@ -647,14 +711,19 @@ static mt_status alloc_step(ck_state *s, const mt_alloc_request *req, size_t ali
 static mt_status ck_alloc(void *state, const mt_alloc_request *req, mt_block *out)
 {
     ck_state *s = state;
-    if (!s || !req || !out || req->bytes == 0 || req->bytes > MT_MAX_REQUEST ||
-        (unsigned)req->mem_class >= MT_MEM_COUNT || (unsigned)req->lifetime >= MT_LIFE_COUNT)
+    if (!s || !req || !out || req->bytes == 0 || (unsigned)req->mem_class >= MT_MEM_COUNT ||
+        (unsigned)req->lifetime >= MT_LIFE_COUNT)
         return MT_ERR_INVALID_ARG;
+    if (req->bytes > MT_MAX_REQUEST) { /* the library stops these; direct callers get OOM */
+        mt_stats_on_oom(&s->st, req->mem_class);
+        return MT_ERR_OOM;
+    }
     size_t align = req->alignment ? req->alignment : MT_DEFAULT_ALIGNMENT;
     if (!mti_is_pow2(align) || align > MT_MAX_ALIGNMENT) return MT_ERR_INVALID_ARG;
     if (align < MT_DEFAULT_ALIGNMENT) align = MT_DEFAULT_ALIGNMENT;
-    mt_status rc = req->lifetime == MT_LIFE_PERSISTENT ? alloc_persistent(s, req, align, out)
-                                                        : alloc_step(s, req, align, out);
+    mt_status rc = req->lifetime == MT_LIFE_PERSISTENT || s->n_ent >= CK_STEP_MAX
+                       ? alloc_slot(s, req, align, out)
+                       : alloc_step(s, req, align, out);
     if (rc == MT_OK) mt_stats_on_alloc(&s->st, req->mem_class, req->bytes);
     else if (rc == MT_ERR_OOM) mt_stats_on_oom(&s->st, req->mem_class);
     return rc;
@@ -667,7 +736,7 @@ static mt_status ck_free(void *state, const mt_block *blk)
     unsigned kind = (unsigned)(blk->handle >> 62);
     uint64_t gen = (blk->handle >> 32) & CK_GEN_MASK;
     uint32_t i = (uint32_t)blk->handle;
-    if (kind == CK_KIND_PERSIST) {
+    if (kind == CK_KIND_SLOT) {
         if (i >= s->n_slots) return MT_ERR_BAD_BLOCK;
         const ck_slot *sl = &s->slots[i];
         if (!sl->live || sl->gen != gen || sl->ptr != blk->ptr || sl->bytes != blk->bytes)
@@ -690,6 +759,9 @@ static mt_status ck_reset(void *state, mt_scope scope)
     ck_state *s = state;
     if (!s || (unsigned)scope > MT_SCOPE_PHASE) return MT_ERR_INVALID_ARG;
     s->st.n_resets++;
+    /* slots of a step past CK_STEP_MAX requests, or everything for ALL */
+    for (uint32_t i = 0; i < s->n_slots && (s->n_slot_step || scope == MT_SCOPE_ALL); i++)
+        if (s->slots[i].live && s->slots[i].life >= (uint8_t)scope) kill_slot(s, i);
     if (scope == MT_SCOPE_PHASE) {
         for (uint32_t q = 0; q < s->n_plive; q++) kill_ent(s, s->plive[q], true);
         s->n_plive = 0;
@@ -698,9 +770,6 @@ static mt_status ck_reset(void *state, mt_scope scope)
     for (uint32_t i = 0; i < s->n_ent; i++)
         if (s->ent[i].live) kill_ent(s, i, true);
     s->n_plive = 0;
-    if (scope == MT_SCOPE_ALL)
-        for (uint32_t i = 0; i < s->n_slots; i++)
-            if (s->slots[i].live) kill_slot(s, i);
     end_step(s);
     return MT_OK;
 }

@@ -23,7 +23,8 @@ typedef struct mti_checkpoint_summary {
     size_t n_planned;            /* blocks in the plan */
     size_t n_recomputable;       /* planned blocks recorded as MT_REQ_RECOMPUTABLE */
     size_t recomputable_bytes;   /* their planned bytes */
-    uint64_t n_steps;            /* steps ended (resets of MT_SCOPE_STEP or MT_SCOPE_ALL) */
+    uint64_t n_steps;            /* steps ended (a reset of MT_SCOPE_STEP or MT_SCOPE_ALL)
+                                    that made at least one step or phase request */
     uint64_t n_recorded_steps;   /* steps served from exact reservations and recorded */
     uint64_t n_divergences;      /* steps that left the plan */
     uint64_t n_plans;            /* plans made: the first one and every re-plan */

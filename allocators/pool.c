@@ -1,32 +1,40 @@
 /*
  * pool.c - the pool allocator: fixed-size classes carved from slabs.
  *
- * A request goes to the smallest class whose block size fits it: the
- * classes the options list (exact tensor sizes, rounded up to 256 bytes), or
- * by default four per power of two from min_class to max_class. A size is
- * mapped to its class through a table indexed by a 1/16-octave bucket of
- * the size (a count of leading zeros, a shift, a load, rarely a step), so
- * the hot path has no search. Each class takes slabs of
- * max(1, slab_bytes / size) blocks from the backing; a slab keeps a free
- * list of its blocks plus a bump index for blocks never used, and the class
- * keeps a list of its slabs that have a free block. Requests above the
- * largest class, or needing more alignment than any fitting class gives,
- * get a reservation of their own ("direct"), given back when freed.
+ * Classes. A request goes to the smallest class whose block size fits it:
+ * the sizes the options list (exact tensor sizes, rounded up to 256
+ * bytes), or by default four per power of two from min_class to
+ * max_class. A size finds its class through a table indexed by a
+ * 1/16-octave bucket of the size (a count of leading zeros, a shift, a
+ * load, rarely a step to the next class): no search. Block addresses are
+ * aligned to the largest power of two dividing the class size, up to the
+ * backing's granularity (slabs are reserved with that alignment); a request
+ * wanting more goes to the next class that gives it, else gets a block of
+ * its own.
  *
- * All state is on the host: per block 16 bytes (live bit, lifetime, memory
- * class, generation, and the requested bytes or the next free block). The
- * handle holds the slab's number and the block's generation (the low 40
- * bits of a count of all allocations); the block's index comes from the
- * pointer by an exact division (a shift and a multiply by the inverse of
- * the odd part of the size), checked by multiplying back. A double free, a
- * free after a reset, or a block from elsewhere finds no live block of that
- * generation at that address and is refused without touching anything.
+ * Slabs. A class takes slabs of max(1, slab_bytes / size) blocks from the
+ * backing (more if the backing grants more). A slab keeps a free list of
+ * its blocks and a bump index for blocks never used; the class keeps a
+ * list of its slabs with a free block. Requests above the largest class,
+ * or needing more alignment than any class that fits gives, get their
+ * own reservation ("direct"), given back when freed. trim gives back the
+ * slabs with no live block and nothing else; when the backing is out of
+ * memory those are given back and the request tried once more.
  *
- * reset(scope) visits only slabs holding live blocks of the lifetimes it
- * frees (counted per slab). trim gives back the slabs with no live block;
- * nothing else is given back before destroy, except when the backing is
- * out of memory, where empty slabs are released and the request tried once
- * more.
+ * State is on the host only: 16 bytes per block (live bit, lifetime,
+ * memory class, generation, and the requested bytes or the next free
+ * block). The handle holds the slab's number and the block's generation,
+ * the low 40 bits of a count of all allocations; the block's index comes
+ * from the pointer by an exact division (a shift, a multiply by the
+ * inverse of the odd part of the size) checked by multiplying back. A
+ * double free, a free after a reset or a block from elsewhere finds no
+ * live block of that generation at that address and is refused without a
+ * change (a stale handle would pass only if a multiple of 2^40 allocations
+ * later put a block at the same address). reset(scope) visits only the
+ * slabs holding live blocks of the lifetimes it frees (counted per slab).
+ *
+ * Stats: live bytes, peaks and per-class counts are kept on every call;
+ * the total counts are summed by stats().
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -39,8 +47,10 @@
 
 #if defined(__GNUC__)
 #define PL_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define PL_COLD __attribute__((noinline, cold)) /* keeps the hot paths small */
 #else
 #define PL_UNLIKELY(x) (x)
+#define PL_COLD
 #endif
 
 /* handle = generation (40 bits) << 24 | slab number (24 bits) */
@@ -90,9 +100,8 @@ typedef struct pool {
     uint32_t nslab, cap_slab;
     uint32_t vacant;    /* first vacant slab number, PL_NONE */
     uint64_t serial;    /* allocations made, the source of generations */
-    uint64_t live_life[MT_LIFE_COUNT]; /* live blocks per lifetime */
     const mt_backing *bk;
-    mt_allocator_stats st;
+    mt_allocator_stats st; /* the totals of n_alloc and n_free are summed by stats() */
 } pool;
 
 void mt_pool_options_init(mt_pool_options *o)
@@ -108,6 +117,25 @@ void mt_pool_options_init(mt_pool_options *o)
 }
 
 static size_t pl_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
+
+/* Live bytes, peaks and per-class counts; the totals of the counts are
+ * summed by stats(), which keeps the hot paths short. */
+static inline void pl_count_alloc(mt_allocator_stats *st, unsigned c, size_t bytes)
+{
+    uint64_t v = st->live_bytes += bytes;
+    if (v > st->peak_live_bytes) st->peak_live_bytes = v;
+    mt_class_stats *k = &st->per_class[c];
+    v = k->live_bytes += bytes;
+    if (v > k->peak_live_bytes) k->peak_live_bytes = v;
+    k->n_alloc++;
+}
+
+static inline void pl_count_free(mt_allocator_stats *st, unsigned c, size_t bytes)
+{
+    st->live_bytes -= bytes;
+    st->per_class[c].live_bytes -= bytes;
+    st->per_class[c].n_free++;
+}
 
 static unsigned pl_log2(uint64_t x) /* x > 0 */
 {
@@ -289,8 +317,7 @@ static inline mt_status pl_take(pool *p, pl_class *c, const mt_alloc_request *re
     m->key = pl_key(gen, req);
     m->word = req->bytes;
     s->live_life[req->lifetime]++;
-    p->live_life[req->lifetime]++;
-    mt_stats_on_alloc(&p->st, req->mem_class, req->bytes);
+    pl_count_alloc(&p->st, req->mem_class, req->bytes);
     out->ptr = (void *)(s->base + (uintptr_t)idx * c->size);
     out->handle = gen << PL_SID_BITS | sid;
     return MT_OK;
@@ -303,12 +330,11 @@ static inline void pl_put(pool *p, uint32_t sid, uint32_t idx)
     pl_meta *m = &s->meta[idx];
     uint64_t key = m->key;
     unsigned life = (unsigned)(key >> 1) & 3u;
-    mt_stats_on_free(&p->st, (mt_mem_class)((key >> 3) & 7u), (size_t)m->word);
+    pl_count_free(&p->st, (unsigned)(key >> 3) & 7u, (size_t)m->word);
     m->key = key & ~(uint64_t)1;
     m->word = s->free_head;
     s->free_head = idx;
     s->live_life[life]--;
-    p->live_life[life]--;
     if (s->nfree++ == 0) pl_link(p, &p->cls[s->cls], sid);
 }
 
@@ -341,23 +367,21 @@ static mt_status pl_alloc_direct(pool *p, const mt_alloc_request *req, size_t al
     s->nfree = 0;
     s->free_head = s->prev = s->next = PL_NONE;
     s->live_life[req->lifetime] = 1;
-    p->live_life[req->lifetime]++;
-    mt_stats_on_alloc(&p->st, req->mem_class, req->bytes);
+    pl_count_alloc(&p->st, req->mem_class, req->bytes);
     out->ptr = ptr;
     out->handle = gen << PL_SID_BITS | sid;
     return MT_OK;
 }
 
-static void pl_free_direct(pool *p, uint32_t sid)
+PL_COLD static void pl_free_direct(pool *p, uint32_t sid)
 {
     pl_slab *s = &p->slab[sid];
     uint64_t key = s->meta[0].key;
-    mt_stats_on_free(&p->st, (mt_mem_class)((key >> 3) & 7u), (size_t)s->meta[0].word);
-    p->live_life[(key >> 1) & 3u]--;
+    pl_count_free(&p->st, (unsigned)(key >> 3) & 7u, (size_t)s->meta[0].word);
     pl_release_slab(p, sid);
 }
 
-static mt_status pl_alloc_slow(pool *p, const mt_alloc_request *req, mt_block *out)
+PL_COLD static mt_status pl_alloc_slow(pool *p, const mt_alloc_request *req, mt_block *out)
 {
     size_t al = req->alignment > PL_UNIT ? req->alignment : PL_UNIT;
     mt_status st;
@@ -424,14 +448,11 @@ static mt_status pool_reset(void *state, mt_scope scope)
 {
     pool *p = state;
     if ((unsigned)scope > MT_SCOPE_PHASE) return MT_ERR_INVALID_ARG;
-    uint64_t want = 0;
-    for (unsigned l = (unsigned)scope; l < MT_LIFE_COUNT; l++) want += p->live_life[l];
-    for (uint32_t sid = 0; sid < p->nslab && want; sid++) {
+    for (uint32_t sid = 0; sid < p->nslab; sid++) {
         pl_slab *s = &p->slab[sid];
         uint32_t here = 0;
         for (unsigned l = (unsigned)scope; l < MT_LIFE_COUNT; l++) here += s->live_life[l];
         if (!here) continue;
-        want -= here;
         if (s->cls == PL_DIRECT) {
             pl_free_direct(p, sid);
             continue;
@@ -461,6 +482,10 @@ static mt_status pool_stats(void *state, mt_allocator_stats *out)
     const pool *p = state;
     if (!out) return MT_ERR_INVALID_ARG;
     *out = p->st;
+    for (unsigned c = 0; c < MT_MEM_COUNT; c++) {
+        out->n_alloc += p->st.per_class[c].n_alloc;
+        out->n_free += p->st.per_class[c].n_free;
+    }
     return MT_OK;
 }
 

@@ -133,6 +133,37 @@ static double lat_window(lat_target *t, int batches)
     return median(v, batches);
 }
 
+/* A training-shaped loop: a step allocates STEP_N blocks of fixed sizes (the
+ * same every step), frees them (the second half in reverse order, the first
+ * half in allocation order) and ends with a step boundary. Median ns per
+ * alloc+free pair. */
+#define STEP_N 64
+
+static void t_reset(lat_target *t)
+{
+    if (t->how == VIA_TABLE) t->a->vt->reset(t->a->state, MT_SCOPE_STEP);
+    else if (t->how == VIA_WRAPPER) mt_allocator_reset(t->a, MT_SCOPE_STEP);
+}
+
+static double lat_steps(lat_target *t, int batches)
+{
+    double v[512];
+    mt_block live[STEP_N];
+    const int steps_per_batch = BATCH / STEP_N + 1;
+    for (int k = -2; k < batches; k++) {
+        double t0 = now_ns();
+        for (int s = 0; s < steps_per_batch; s++) {
+            for (int i = 0; i < STEP_N; i++)
+                if (!t_alloc(t, window_sizes[i], &live[i])) return -1;
+            for (int i = 0; i < STEP_N / 2; i++) t_free(t, &live[i]);
+            for (int i = STEP_N; i-- > STEP_N / 2;) t_free(t, &live[i]);
+            t_reset(t);
+        }
+        if (k >= 0) v[k] = (now_ns() - t0) / (steps_per_batch * STEP_N);
+    }
+    return median(v, batches);
+}
+
 static void latency(mt_context *ctx)
 {
     static const char *const names[] = {"arena", "pool", "caching", "checkpoint"};
@@ -143,15 +174,16 @@ static void latency(mt_context *ctx)
         window_sizes[i] = (size_t)(1ull << (int)lg) + rnd() % (1ull << (int)lg);
     }
     printf("\n## Latency: median ns per alloc+free pair (ratio to jemalloc mallocx/dallocx)\n\n");
-    printf("| allocator | via | 256 B | 4 KiB | 64 KiB | 1 MiB | window of %d, 256 B-1 MiB |\n",
-           WINDOW);
-    printf("|---|---|---|---|---|---|---|\n");
+    printf("| allocator | via | 256 B | 4 KiB | 64 KiB | 1 MiB | window of %d, 256 B-1 MiB | "
+           "steps of %d |\n", WINDOW, STEP_N);
+    printf("|---|---|---|---|---|---|---|---|\n");
     lat_target je = {.how = VIA_JEMALLOC};
-    double base[5];
+    double base[6];
     for (int s = 0; s < 4; s++) base[s] = lat_pairs(&je, sizes[s], batches);
     base[4] = lat_window(&je, batches);
-    printf("| jemalloc | mallocx | %.1f | %.1f | %.1f | %.1f | %.1f |\n", base[0], base[1], base[2],
-           base[3], base[4]);
+    base[5] = lat_steps(&je, batches);
+    printf("| jemalloc | mallocx | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", base[0], base[1],
+           base[2], base[3], base[4], base[5]);
     for (int n = 0; n < 4; n++) {
         for (via how = VIA_TABLE; how <= VIA_WRAPPER; how++) {
             mt_allocator_config ac = {.vtable = mt_allocator_by_name(names[n])};
@@ -166,8 +198,8 @@ static void latency(mt_context *ctx)
                 double v = lat_pairs(&t, sizes[s], batches);
                 printf(" %.1f (%.2fx) |", v, v / base[s]);
             }
-            double w = lat_window(&t, batches);
-            printf(" %.1f (%.2fx) |\n", w, w / base[4]);
+            double w = lat_window(&t, batches), st = lat_steps(&t, batches);
+            printf(" %.1f (%.2fx) | %.1f (%.2fx) |\n", w, w / base[4], st, st / base[5]);
             mt_allocator_destroy(a);
         }
     }
@@ -380,7 +412,7 @@ static void efficiency_row(mt_context *ctx, const char *what, evbuf *e)
         printf(" %.3f%s |", r.efficiency, r.n_failed ? " (failures)" : "");
         mt_allocator_destroy(a);
     }
-    printf(" %.1f MiB |\n", 0.0);
+    printf("\n");
     mt_trace_free(t);
 }
 

@@ -104,7 +104,7 @@ static void h_open(harness *h, const dcase *d, const acase *c, size_t limit, uin
 static void pattern(harness *h, const mt_block *b, bool verify)
 {
     if (!h->host) return;
-    size_t n = b->bytes < 16 ? b->bytes : 16;
+    size_t n = b->bytes / 2 < 16 ? b->bytes / 2 : 16; /* head and tail stamps never overlap */
     unsigned char *p = b->ptr;
     for (size_t i = 0; i < n; i++) {
         unsigned char v = (unsigned char)(b->id * 31 + i);
