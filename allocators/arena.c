@@ -62,6 +62,7 @@
 #endif
 
 #define AR_NSTACK (MT_LIFE_COUNT * MT_MEM_COUNT)
+#define AR_WRAPS (UINTPTR_MAX >> 50 < (1u << 13)) /* an address plus a request may wrap */
 /* handle = tag (33 bits) | stack + 1 (5 bits) | record index (26 bits) */
 #define AR_IDX_BITS 26
 #define AR_STK_BITS 5
@@ -74,12 +75,20 @@
 #define AR_SLACK_DIV 64                /* memory above the tops: about 1/64 of reserved */
 #define AR_FIRST_CHUNK_DIV 32          /* first plain chunk of a stack: chunk_bytes / 32 */
 
+/* A block. Once freed (and still under a live one) it belongs to a run of
+ * freed records: the run's first record keeps the index of its last in
+ * addr, and the links of the stack's list of runs in bytes (next) and aux
+ * (previous); its last keeps the index of its first in addr (a run of one
+ * record does both). Nothing else of a freed record is read. */
 typedef struct ar_rec {
     uintptr_t addr;  /* first byte of the block */
     size_t bytes;    /* as requested */
     uint64_t key;    /* tag << 1 | freed */
     uint32_t chunk;  /* index of its chunk in the stack's list */
+    uint32_t aux;
 } ar_rec;
+
+#define AR_NONE UINT32_MAX
 
 /* A decommitted stretch inside a range: offsets from its base, granule
  * multiples. */
@@ -105,7 +114,7 @@ typedef struct ar_stack {
     ar_rec *rec;     /* live and freed-but-covered blocks, in allocation order */
     uint32_t nrec, cap;
     uint32_t cur;     /* chunk of the last record; 0 when there is none */
-    uint32_t nmarked; /* freed records still under a live one */
+    uint32_t runs;    /* first record of the first run of freed records, AR_NONE */
     bool holey;       /* the current chunk has holes, which the limit follows */
     uint32_t nchunk, cap_chunk;
     ar_chunk *chunk; /* chunks past cur (all of them when nrec == 0) are spares */
@@ -113,6 +122,13 @@ typedef struct ar_stack {
     uint64_t nfreed; /* blocks freed, by free or reset: n_free */
     uint32_t mclass; /* the memory class of the stack's blocks */
 } ar_stack;
+
+/* Bytes allocated and freed (ever) and the peak of their difference: one
+ * addition per call on each side, so alloc and free do not wait on each
+ * other's updates of a live count. */
+typedef struct ar_acct {
+    uint64_t in, out, peak;
+} ar_acct;
 
 typedef struct arena {
     ar_stack stk[AR_NSTACK];
@@ -122,7 +138,8 @@ typedef struct arena {
     size_t chunk_bytes; /* plain chunk size; cap of one commit step */
     size_t range_min;   /* first range of a stack (bytes of address space) */
     size_t limit;       /* the instance's limit, 0 = none (for sizing only) */
-    mt_allocator_stats st; /* n_alloc and n_free are summed from the stacks */
+    ar_acct total, per[MT_MEM_COUNT];
+    mt_allocator_stats st; /* reserved bytes and backing calls; the rest from the above */
 } arena;
 
 void mt_arena_options_init(mt_arena_options *o)
@@ -135,16 +152,21 @@ void mt_arena_options_init(mt_arena_options *o)
 
 static size_t ar_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 
-/* Live bytes and their peaks; the counts of allocations and frees are kept
- * per stack (serial, nfreed) and summed by stats(), so the hot paths do
- * two additions and two comparisons here. */
-static inline void ar_count_alloc(mt_allocator_stats *st, uint32_t c, size_t bytes)
+/* Live bytes and their peaks; the counts of allocations and frees are the
+ * stacks' (serial, nfreed), summed by stats(). */
+static inline void ar_count_alloc(arena *a, uint32_t c, size_t bytes)
 {
-    uint64_t v = st->live_bytes += bytes;
-    if (v > st->peak_live_bytes) st->peak_live_bytes = v;
-    mt_class_stats *k = &st->per_class[c];
-    v = k->live_bytes += bytes;
-    if (v > k->peak_live_bytes) k->peak_live_bytes = v;
+    ar_acct *t = &a->total, *k = &a->per[c];
+    uint64_t v = (t->in += bytes) - t->out;
+    if (v > t->peak) t->peak = v;
+    v = (k->in += bytes) - k->out;
+    if (v > k->peak) k->peak = v;
+}
+
+static inline void ar_count_free(arena *a, uint32_t c, size_t bytes)
+{
+    a->total.out += bytes;
+    a->per[c].out += bytes;
 }
 
 /* ---- stack position ---- */
@@ -181,6 +203,76 @@ AR_COLD static void ar_rewind(ar_stack *s)
     } else {
         ar_set_cur(s, 0, s->nchunk ? s->chunk[0].base : 0);
     }
+}
+
+/* ---- runs of freed records ---- */
+
+static void ar_run_unlink(ar_stack *s, uint32_t h)
+{
+    uint32_t prev = s->rec[h].aux, next = (uint32_t)s->rec[h].bytes;
+    if (prev != AR_NONE) s->rec[prev].bytes = next;
+    else s->runs = next;
+    if (next != AR_NONE) s->rec[next].aux = prev;
+}
+
+static void ar_run_link(ar_stack *s, uint32_t h)
+{
+    s->rec[h].aux = AR_NONE;
+    s->rec[h].bytes = s->runs;
+    if (s->runs != AR_NONE) s->rec[s->runs].aux = h;
+    s->runs = h;
+}
+
+/* Record h takes the place of record old in the list of runs. */
+static void ar_run_move(ar_stack *s, uint32_t old, uint32_t h)
+{
+    uint32_t prev = s->rec[old].aux, next = (uint32_t)s->rec[old].bytes;
+    s->rec[h].aux = prev;
+    s->rec[h].bytes = next;
+    if (prev != AR_NONE) s->rec[prev].bytes = h;
+    else s->runs = h;
+    if (next != AR_NONE) s->rec[next].aux = h;
+}
+
+/* Frees record i, which has a live record above it: it joins the runs of
+ * freed records around it. */
+AR_COLD static void ar_mark(ar_stack *s, uint32_t i)
+{
+    ar_rec *rec = s->rec;
+    bool left = i && (rec[i - 1].key & 1), right = rec[i + 1].key & 1;
+    uint32_t h = left ? (uint32_t)rec[i - 1].addr : i, t = right ? (uint32_t)rec[i + 1].addr : i;
+    rec[i].key |= 1;
+    if (left && right) ar_run_unlink(s, i + 1);
+    else if (right) ar_run_move(s, i + 1, i);
+    else if (!left) ar_run_link(s, i);
+    rec[h].addr = t;
+    rec[t].addr = h;
+}
+
+/* The last record of run [from, t] in the chunk of record from (chunks
+ * never decrease along the records). */
+static uint32_t ar_seg_end(const ar_rec *rec, uint32_t from, uint32_t t)
+{
+    uint32_t ch = rec[from].chunk;
+    if (rec[t].chunk == ch) return t;
+    while (from + 1 < t) {
+        uint32_t mid = from + (t - from) / 2;
+        if (rec[mid].chunk == ch) from = mid;
+        else t = mid;
+    }
+    return from;
+}
+
+/* The free stretch [*lo, *hi) (offsets in its chunk) around records
+ * [from, e] of a run, all in one chunk c. */
+static void ar_seg_span(const ar_stack *s, const ar_chunk *c, uint32_t from, uint32_t e,
+                        size_t *lo, size_t *hi)
+{
+    const ar_rec *rec = s->rec;
+    uint32_t ch = rec[from].chunk;
+    *lo = from && rec[from - 1].chunk == ch ? rec[from - 1].addr + rec[from - 1].bytes - c->base : 0;
+    *hi = e + 1 < s->nrec && rec[e + 1].chunk == ch ? rec[e + 1].addr - c->base : c->end;
+    if (*hi > c->end) *hi = c->end;
 }
 
 /* ---- giving memory back ---- */
@@ -260,51 +352,53 @@ static size_t ar_runs(arena *a, ar_stack *s, bool shed, size_t want)
 {
     size_t n = 0, gran = a->gran;
     const ar_rec *rec = s->rec;
-    if (!s->nmarked) return 0;
-    for (uint32_t j = 0, k; j < s->nrec && (!shed || n < want); j = k + 1) {
-        k = j;
-        if (!(rec[j].key & 1)) continue;
-        uint32_t ch = rec[j].chunk;
-        while (k + 1 < s->nrec && (rec[k + 1].key & 1) && rec[k + 1].chunk == ch) k++;
-        ar_chunk *c = &s->chunk[ch];
-        if (!c->va) continue;
-        size_t lo = j && rec[j - 1].chunk == ch ? rec[j - 1].addr + rec[j - 1].bytes - c->base : 0;
-        size_t hi = k + 1 < s->nrec && rec[k + 1].chunk == ch ? rec[k + 1].addr - c->base : c->end;
-        lo = ar_align_up(lo, gran);
-        hi = (hi < c->end ? hi : c->end) & ~(gran - 1);
-        if (hi <= lo) continue;
-        uint32_t first = 0, cnt = 0; /* holes inside: they came from parts of this run */
-        size_t held = hi - lo;
-        for (uint32_t q = 0; q < c->nholes; q++) {
-            if (c->holes[q].lo < lo || c->holes[q].hi > hi) continue;
-            if (!cnt++) first = q;
-            held -= c->holes[q].hi - c->holes[q].lo;
-        }
-        if (!held || (shed && !cnt && !ar_room((void **)&c->holes, &c->cap_holes, c->nholes,
-                                               sizeof *c->holes)))
-            continue;
-        n += held;
-        if (!shed) continue;
-        size_t at = lo;
-        for (uint32_t q = first; q < first + cnt; q++) {
-            ar_decommit(a, c, at, c->holes[q].lo);
-            at = c->holes[q].hi;
-        }
-        ar_decommit(a, c, at, hi);
-        if (!cnt) { /* a new hole, in order */
-            first = 0;
-            while (first < c->nholes && c->holes[first].lo < lo) first++;
-            memmove(&c->holes[first + 1], &c->holes[first], (c->nholes - first) * sizeof *c->holes);
-            c->nholes++;
-        } else { /* one hole for the run */
-            memmove(&c->holes[first + 1], &c->holes[first + cnt],
-                    (c->nholes - first - cnt) * sizeof *c->holes);
-            c->nholes -= cnt - 1;
-        }
-        c->holes[first] = (ar_hole){lo, hi};
-        if (hi == c->end) { /* the run reached the end (of a chunk left behind): fold */
-            c->end = lo;
-            c->nholes--;
+    for (uint32_t h = s->runs; h != AR_NONE && (!shed || n < want); h = (uint32_t)rec[h].bytes) {
+        for (uint32_t from = h, t = (uint32_t)rec[h].addr, e; from <= t; from = e + 1) {
+            e = ar_seg_end(rec, from, t);
+            ar_chunk *c = &s->chunk[rec[from].chunk];
+            size_t lo, hi;
+            if (!c->va) continue;
+            ar_seg_span(s, c, from, e, &lo, &hi);
+            lo = ar_align_up(lo, gran);
+            hi &= ~(gran - 1);
+            if (hi <= lo) continue;
+            /* holes inside came from parts of this run: find them */
+            uint32_t first = 0, cnt = 0, top = c->nholes;
+            while (first < top) {
+                uint32_t mid = first + (top - first) / 2;
+                if (c->holes[mid].lo < lo) first = mid + 1;
+                else top = mid;
+            }
+            size_t held = hi - lo;
+            while (first + cnt < c->nholes && c->holes[first + cnt].hi <= hi) {
+                held -= c->holes[first + cnt].hi - c->holes[first + cnt].lo;
+                cnt++;
+            }
+            if (!held || (shed && !cnt && !ar_room((void **)&c->holes, &c->cap_holes, c->nholes,
+                                                   sizeof *c->holes)))
+                continue;
+            n += held;
+            if (!shed) continue;
+            size_t at = lo;
+            for (uint32_t q = first; q < first + cnt; q++) {
+                ar_decommit(a, c, at, c->holes[q].lo);
+                at = c->holes[q].hi;
+            }
+            ar_decommit(a, c, at, hi);
+            if (!cnt) { /* a new hole, in order */
+                memmove(&c->holes[first + 1], &c->holes[first],
+                        (c->nholes - first) * sizeof *c->holes);
+                c->nholes++;
+            } else { /* one hole for the run */
+                memmove(&c->holes[first + 1], &c->holes[first + cnt],
+                        (c->nholes - first - cnt) * sizeof *c->holes);
+                c->nholes -= cnt - 1;
+            }
+            c->holes[first] = (ar_hole){lo, hi};
+            if (hi == c->end) { /* the run reached the end (of a chunk left behind): fold */
+                c->end = lo;
+                c->nholes--;
+            }
         }
     }
     if (shed) ar_set_cur(s, s->cur, s->top); /* holes below the top: the limit stays */
@@ -575,26 +669,31 @@ static mt_status ar_next_chunk(arena *a, ar_stack *s, size_t bytes, size_t al)
 }
 
 /* When the backing has no more: a run of freed records between live ones,
- * in one chunk, wide enough for the request and not decommitted. Its first
- * record is reused (records stay in address order; the others stay freed). */
-static bool ar_fit_hole(const ar_stack *s, size_t bytes, size_t al, uint32_t *ri, uintptr_t *pp)
+ * wide enough for the request in the chunk of its first record, and not
+ * decommitted there. That record is reused (records stay in address order;
+ * the rest of the run stays freed). */
+static bool ar_fit_hole(ar_stack *s, size_t bytes, size_t al, uint32_t *ri, uintptr_t *pp)
 {
-    const ar_rec *rec = s->rec;
-    for (uint32_t j = 0, k; j < s->nrec; j = k + 1) {
-        k = j;
-        if (!(rec[j].key & 1)) continue;
-        uint32_t ch = rec[j].chunk;
-        while (k + 1 < s->nrec && (rec[k + 1].key & 1) && rec[k + 1].chunk == ch) k++;
-        const ar_chunk *c = &s->chunk[ch];
-        size_t lo = j && rec[j - 1].chunk == ch ? rec[j - 1].addr + rec[j - 1].bytes - c->base : 0;
-        size_t hi = k + 1 < s->nrec && rec[k + 1].chunk == ch ? rec[k + 1].addr - c->base : c->end;
+    ar_rec *rec = s->rec;
+    for (uint32_t h = s->runs; h != AR_NONE; h = (uint32_t)rec[h].bytes) {
+        uint32_t t = (uint32_t)rec[h].addr, e = ar_seg_end(rec, h, t);
+        const ar_chunk *c = &s->chunk[rec[h].chunk];
+        size_t lo, hi;
+        ar_seg_span(s, c, h, e, &lo, &hi);
         size_t p = (size_t)(ar_align_up(c->base + lo, al) - c->base);
         if (p < lo || p > hi || bytes > hi - p) continue;
         bool clear = true;
         for (uint32_t q = 0; q < c->nholes && clear; q++)
             clear = c->holes[q].hi <= p || c->holes[q].lo >= p + bytes;
         if (!clear) continue;
-        *ri = j;
+        if (t > h) { /* the run goes on from h + 1 */
+            ar_run_move(s, h, h + 1);
+            rec[h + 1].addr = t;
+            rec[t].addr = h + 1;
+        } else {
+            ar_run_unlink(s, h);
+        }
+        *ri = h;
         *pp = c->base + p;
         return true;
     }
@@ -643,7 +742,6 @@ AR_COLD static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_req
         s->top = p + bytes;
     } else if (st == MT_ERR_OOM && ar_fit_hole(s, bytes, al, &i, &p)) {
         a->st.n_oom_retries++; /* out of memory, met by reusing a hole */
-        s->nmarked--;
     } else {
         /* a size the backing refuses outright is memory it does not have */
         if (st == MT_ERR_INVALID_ARG) st = MT_ERR_OOM;
@@ -655,7 +753,7 @@ AR_COLD static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_req
     r->addr = p;
     r->bytes = bytes;
     r->key = tag << 1;
-    ar_count_alloc(&a->st, s->mclass, bytes);
+    ar_count_alloc(a, s->mclass, bytes);
     out->ptr = (void *)p;
     out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
     return MT_OK;
@@ -672,7 +770,8 @@ static mt_status arena_alloc(void *state, const mt_alloc_request *req, mt_block 
                                                                        : MT_DEFAULT_ALIGNMENT) - 1;
     uintptr_t p = (s->top + mask) & ~mask;
     uintptr_t end = p + req->bytes;
-    if (AR_UNLIKELY(end > s->limit || end < p || s->nrec == s->cap))
+    /* (p + bytes cannot wrap where addresses and requests leave 14 bits spare) */
+    if (AR_UNLIKELY(end > s->limit || (AR_WRAPS && end < p) || s->nrec == s->cap))
         return ar_alloc_slow(a, si, req, out);
     uint32_t i = s->nrec++;
     uint64_t tag = s->serial++ & AR_TAG_MASK;
@@ -682,7 +781,7 @@ static mt_status arena_alloc(void *state, const mt_alloc_request *req, mt_block 
     r->key = tag << 1;
     r->chunk = s->cur;
     s->top = end;
-    ar_count_alloc(&a->st, s->mclass, req->bytes);
+    ar_count_alloc(a, s->mclass, req->bytes);
     out->ptr = (void *)p;
     out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
     return MT_OK;
@@ -700,14 +799,13 @@ static mt_status arena_free(void *state, const mt_block *blk)
     ar_rec *r = &s->rec[i];
     if (AR_UNLIKELY(r->key != (h >> AR_TAG_SHIFT) << 1 || r->addr != (uintptr_t)blk->ptr))
         return MT_ERR_BAD_BLOCK;
-    a->st.live_bytes -= r->bytes;
-    a->st.per_class[s->mclass].live_bytes -= r->bytes;
+    ar_count_free(a, s->mclass, r->bytes);
     s->nfreed++;
     if (i + 1 == s->nrec) {
         /* pop it and the freed records it was covering */
         uint32_t n = i;
         while (n && (s->rec[n - 1].key & 1)) n--;
-        s->nmarked -= i - n;
+        if (n < i) ar_run_unlink(s, n); /* the run that was under it */
         s->nrec = n;
         if (AR_UNLIKELY(s->holey)) { /* the limit follows the holes */
             ar_rewind(s);
@@ -724,8 +822,7 @@ static mt_status arena_free(void *state, const mt_block *blk)
         }
         ar_rewind(s);
     } else {
-        r->key |= 1;
-        s->nmarked++;
+        ar_mark(s, i);
     }
     return MT_OK;
 }
@@ -743,10 +840,10 @@ static mt_status arena_reset(void *state, mt_scope scope)
                 bytes += s->rec[i].bytes;
                 n++;
             }
-            a->st.live_bytes -= bytes;
-            a->st.per_class[c].live_bytes -= bytes;
+            ar_count_free(a, c, bytes);
             s->nfreed += n;
-            s->nrec = s->nmarked = 0;
+            s->nrec = 0;
+            s->runs = AR_NONE;
             ar_rewind(s);
         }
     }
@@ -768,6 +865,12 @@ static mt_status arena_stats(void *state, mt_allocator_stats *out)
     const arena *a = state;
     if (!out) return MT_ERR_INVALID_ARG;
     *out = a->st;
+    out->live_bytes = a->total.in - a->total.out;
+    out->peak_live_bytes = a->total.peak;
+    for (unsigned c = 0; c < MT_MEM_COUNT; c++) {
+        out->per_class[c].live_bytes = a->per[c].in - a->per[c].out;
+        out->per_class[c].peak_live_bytes = a->per[c].peak;
+    }
     for (unsigned k = 0; k < AR_NSTACK; k++) {
         const ar_stack *s = &a->stk[k];
         out->n_alloc += s->serial;
@@ -816,7 +919,10 @@ static mt_status arena_create(const mt_allocator_params *params, const mt_backin
     a->chunk_bytes = ar_align_up(o.chunk_bytes, a->gran);
     a->limit = params->limit_bytes;
     a->range_min = AR_RANGE_MIN;
-    for (unsigned k = 0; k < AR_NSTACK; k++) a->stk[k].mclass = k % MT_MEM_COUNT;
+    for (unsigned k = 0; k < AR_NSTACK; k++) {
+        a->stk[k].mclass = k % MT_MEM_COUNT;
+        a->stk[k].runs = AR_NONE;
+    }
     if (a->limit && a->limit < a->range_min) a->range_min = ar_align_up(a->limit, a->gran);
     if (a->range_min < a->gran) a->range_min = a->gran;
     *state = a;

@@ -71,25 +71,43 @@ typedef struct pl_meta {
     uint64_t word; /* live: requested bytes; free: index of the next free block */
 } pl_meta;
 
+/* The first 64 bytes are what alloc and free touch; the array of slabs is
+ * 64-byte aligned and the struct 128 bytes, so they share one cache line. */
 typedef struct pl_slab {
     uintptr_t base;
     pl_meta *meta;       /* [0, bump) are initialised */
+    uint64_t inv;        /* inverse of the odd part of size, mod 2^64 */
+    size_t size;         /* bytes per block */
+    uint32_t shift;      /* trailing zero bits of size */
     uint32_t cls;        /* class index, PL_DIRECT or PL_VACANT */
-    uint32_t nblocks, nfree, bump, free_head;
+    uint32_t nfree, bump, free_head;
+    uint32_t lives;      /* bit l: blocks of lifetime l may be live (reset clears) */
+    uint32_t nblocks;
     uint32_t prev, next; /* the class's list of slabs with a free block; next links vacant numbers */
-    uint32_t live_life[MT_LIFE_COUNT];
     size_t granted;      /* bytes of the reservation */
+    unsigned char pad_[48];
 } pl_slab;
 
 typedef struct pl_class {
     size_t size;        /* bytes per block, a multiple of PL_UNIT */
+    size_t align;       /* every block of the class is aligned to this */
+    uint32_t partial;   /* first slab with a free block, PL_NONE */
+    uint32_t per_slab;  /* blocks wanted per slab */
+    size_t slab_align;  /* alignment asked of the backing per slab (0: its own) */
     uint64_t inv;       /* inverse of the odd part of size, mod 2^64 */
     uint32_t shift;     /* trailing zero bits of size */
-    uint32_t partial;   /* first slab with a free block, PL_NONE */
-    size_t align;       /* every block of the class is aligned to this */
-    size_t slab_align;  /* alignment asked of the backing per slab (0: its own) */
-    uint32_t per_slab;  /* blocks wanted per slab */
+    unsigned char pad_[20];
 } pl_class;
+
+_Static_assert(sizeof(pl_slab) == 128 && sizeof(pl_class) == 64, "cache-line layout");
+
+/* Bytes allocated and freed (ever) and the peak of their difference: one
+ * addition per call on each side, so alloc and free do not wait on each
+ * other's updates of a live count. */
+typedef struct pl_acct {
+    uint64_t in, out, peak;
+    uint64_t n_in, n_out;
+} pl_acct;
 
 typedef struct pool {
     pl_class *cls;
@@ -101,7 +119,8 @@ typedef struct pool {
     uint32_t vacant;    /* first vacant slab number, PL_NONE */
     uint64_t serial;    /* allocations made, the source of generations */
     const mt_backing *bk;
-    mt_allocator_stats st; /* the totals of n_alloc and n_free are summed by stats() */
+    pl_acct total, per[MT_MEM_COUNT];
+    mt_allocator_stats st; /* reserved bytes and backing calls; the rest from the above */
 } pool;
 
 void mt_pool_options_init(mt_pool_options *o)
@@ -118,23 +137,21 @@ void mt_pool_options_init(mt_pool_options *o)
 
 static size_t pl_align_up(size_t x, size_t a) { return (x + a - 1) & ~(a - 1); }
 
-/* Live bytes, peaks and per-class counts; the totals of the counts are
- * summed by stats(), which keeps the hot paths short. */
-static inline void pl_count_alloc(mt_allocator_stats *st, unsigned c, size_t bytes)
+static inline void pl_count_alloc(pool *p, unsigned c, size_t bytes)
 {
-    uint64_t v = st->live_bytes += bytes;
-    if (v > st->peak_live_bytes) st->peak_live_bytes = v;
-    mt_class_stats *k = &st->per_class[c];
-    v = k->live_bytes += bytes;
-    if (v > k->peak_live_bytes) k->peak_live_bytes = v;
-    k->n_alloc++;
+    pl_acct *t = &p->total, *k = &p->per[c];
+    uint64_t v = (t->in += bytes) - t->out;
+    if (v > t->peak) t->peak = v;
+    v = (k->in += bytes) - k->out;
+    if (v > k->peak) k->peak = v;
+    k->n_in++;
 }
 
-static inline void pl_count_free(mt_allocator_stats *st, unsigned c, size_t bytes)
+static inline void pl_count_free(pool *p, unsigned c, size_t bytes)
 {
-    st->live_bytes -= bytes;
-    st->per_class[c].live_bytes -= bytes;
-    st->per_class[c].n_free++;
+    p->total.out += bytes;
+    p->per[c].out += bytes;
+    p->per[c].n_out++;
 }
 
 static unsigned pl_log2(uint64_t x) /* x > 0 */
@@ -197,8 +214,10 @@ static mt_status pl_take_slot(pool *p, uint32_t *sid)
     if (p->nslab == p->cap_slab) {
         if (p->cap_slab >= PL_MAX_SLABS) return MT_ERR_OOM;
         uint32_t nc = p->cap_slab ? p->cap_slab * 2 : 64;
-        pl_slab *ns = realloc(p->slab, (size_t)nc * sizeof *ns);
+        pl_slab *ns = aligned_alloc(64, (size_t)nc * sizeof *ns); /* a cache line per slab */
         if (!ns) return MT_ERR_OOM;
+        if (p->nslab) memcpy(ns, p->slab, (size_t)p->nslab * sizeof *ns);
+        free(p->slab);
         p->slab = ns;
         p->cap_slab = nc;
     }
@@ -279,6 +298,9 @@ static mt_status pl_new_slab(pool *p, uint32_t ci)
     s->base = (uintptr_t)ptr;
     s->granted = granted;
     s->cls = ci;
+    s->size = c->size;
+    s->shift = c->shift;
+    s->inv = c->inv;
     s->nblocks = s->nfree = (uint32_t)nb;
     s->bump = 0;
     s->free_head = PL_NONE;
@@ -316,9 +338,9 @@ static inline mt_status pl_take(pool *p, pl_class *c, const mt_alloc_request *re
     uint64_t gen = p->serial++ & PL_GEN_MASK;
     m->key = pl_key(gen, req);
     m->word = req->bytes;
-    s->live_life[req->lifetime]++;
-    pl_count_alloc(&p->st, req->mem_class, req->bytes);
-    out->ptr = (void *)(s->base + (uintptr_t)idx * c->size);
+    if (PL_UNLIKELY(!(s->lives >> req->lifetime & 1))) s->lives |= 1u << req->lifetime;
+    pl_count_alloc(p, req->mem_class, req->bytes);
+    out->ptr = (void *)(s->base + (uintptr_t)idx * s->size);
     out->handle = gen << PL_SID_BITS | sid;
     return MT_OK;
 }
@@ -329,12 +351,10 @@ static inline void pl_put(pool *p, uint32_t sid, uint32_t idx)
     pl_slab *s = &p->slab[sid];
     pl_meta *m = &s->meta[idx];
     uint64_t key = m->key;
-    unsigned life = (unsigned)(key >> 1) & 3u;
-    pl_count_free(&p->st, (unsigned)(key >> 3) & 7u, (size_t)m->word);
+    pl_count_free(p, (unsigned)(key >> 3) & 7u, (size_t)m->word);
     m->key = key & ~(uint64_t)1;
     m->word = s->free_head;
     s->free_head = idx;
-    s->live_life[life]--;
     if (s->nfree++ == 0) pl_link(p, &p->cls[s->cls], sid);
 }
 
@@ -366,8 +386,8 @@ static mt_status pl_alloc_direct(pool *p, const mt_alloc_request *req, size_t al
     s->nblocks = s->bump = 1;
     s->nfree = 0;
     s->free_head = s->prev = s->next = PL_NONE;
-    s->live_life[req->lifetime] = 1;
-    pl_count_alloc(&p->st, req->mem_class, req->bytes);
+    s->lives = 1u << req->lifetime;
+    pl_count_alloc(p, req->mem_class, req->bytes);
     out->ptr = ptr;
     out->handle = gen << PL_SID_BITS | sid;
     return MT_OK;
@@ -377,7 +397,7 @@ PL_COLD static void pl_free_direct(pool *p, uint32_t sid)
 {
     pl_slab *s = &p->slab[sid];
     uint64_t key = s->meta[0].key;
-    pl_count_free(&p->st, (unsigned)(key >> 3) & 7u, (size_t)s->meta[0].word);
+    pl_count_free(p, (unsigned)(key >> 3) & 7u, (size_t)s->meta[0].word);
     pl_release_slab(p, sid);
 }
 
@@ -432,9 +452,8 @@ static mt_status pool_free(void *state, const mt_block *blk)
         if (s->cls != PL_DIRECT || off != 0) return MT_ERR_BAD_BLOCK;
         idx = 0;
     } else {
-        const pl_class *c = &p->cls[s->cls];
-        idx = (uint64_t)(off >> c->shift) * c->inv;
-        if (PL_UNLIKELY(idx >= s->bump || idx * c->size != (uint64_t)off)) return MT_ERR_BAD_BLOCK;
+        idx = (uint64_t)(off >> s->shift) * s->inv;
+        if (PL_UNLIKELY(idx >= s->bump || idx * s->size != (uint64_t)off)) return MT_ERR_BAD_BLOCK;
     }
     uint64_t key = s->meta[idx].key;
     if (PL_UNLIKELY((key >> PL_KEY_GEN_SHIFT) != h >> PL_SID_BITS || !(key & 1)))
@@ -448,22 +467,23 @@ static mt_status pool_reset(void *state, mt_scope scope)
 {
     pool *p = state;
     if ((unsigned)scope > MT_SCOPE_PHASE) return MT_ERR_INVALID_ARG;
+    uint32_t dying = (1u << MT_LIFE_COUNT) - (1u << scope); /* lifetimes >= scope */
     for (uint32_t sid = 0; sid < p->nslab; sid++) {
         pl_slab *s = &p->slab[sid];
-        uint32_t here = 0;
-        for (unsigned l = (unsigned)scope; l < MT_LIFE_COUNT; l++) here += s->live_life[l];
-        if (!here) continue;
+        if (!(s->lives & dying) || s->cls == PL_VACANT) continue;
         if (s->cls == PL_DIRECT) {
-            pl_free_direct(p, sid);
+            if (s->meta[0].key & 1) pl_free_direct(p, sid);
             continue;
         }
-        for (uint32_t i = 0; i < s->bump && here; i++) {
+        uint32_t lives = 0; /* of the blocks that stay */
+        for (uint32_t i = 0; i < s->bump; i++) {
             uint64_t key = s->meta[i].key;
-            if ((key & 1) && ((key >> 1) & 3u) >= (unsigned)scope) {
-                pl_put(p, sid, i);
-                here--;
-            }
+            if (!(key & 1)) continue;
+            unsigned life = (unsigned)(key >> 1) & 3u;
+            if (dying >> life & 1) pl_put(p, sid, i);
+            else lives |= 1u << life;
         }
+        s->lives = lives;
     }
     p->st.n_resets++;
     return MT_OK;
@@ -482,9 +502,16 @@ static mt_status pool_stats(void *state, mt_allocator_stats *out)
     const pool *p = state;
     if (!out) return MT_ERR_INVALID_ARG;
     *out = p->st;
+    out->live_bytes = p->total.in - p->total.out;
+    out->peak_live_bytes = p->total.peak;
     for (unsigned c = 0; c < MT_MEM_COUNT; c++) {
-        out->n_alloc += p->st.per_class[c].n_alloc;
-        out->n_free += p->st.per_class[c].n_free;
+        const pl_acct *k = &p->per[c];
+        out->per_class[c].live_bytes = k->in - k->out;
+        out->per_class[c].peak_live_bytes = k->peak;
+        out->per_class[c].n_alloc = k->n_in;
+        out->per_class[c].n_free = k->n_out;
+        out->n_alloc += k->n_in;
+        out->n_free += k->n_out;
     }
     return MT_OK;
 }

@@ -151,13 +151,15 @@ typedef struct mt_caching_options {
     uint32_t struct_size;
     size_t round_bytes;     /* requests round up to a multiple of this (512) */
     size_t small_max;       /* requests up to this go to the small pool (1 MiB) */
-    size_t small_segment;   /* segment size of the small pool (2 MiB) */
+    size_t small_segment;   /* largest segment of the small pool (2 MiB); a pool's first
+                               segments are smaller, 1/8 of what it holds */
     size_t medium_max;      /* requests up to this share large segments (10 MiB) */
-    size_t large_segment;   /* shared segment size for medium requests (20 MiB) */
+    size_t large_segment;   /* largest shared segment for medium requests (20 MiB) */
     size_t huge_round;      /* larger requests get their own segment rounded to this (2 MiB) */
-    size_t max_split_waste; /* a cached block larger than the request by more than this
-                               is split rather than handed out whole (the remainder
-                               stays cached); always split in the small pool */
+    size_t max_split_waste; /* in the large pools, a free block larger than the request
+                               by more than this is split and the rest stays cached;
+                               else it is handed out whole. The small pool always
+                               splits. Default 0: always split (it measured best) */
 } mt_caching_options;
 void mt_caching_options_init(mt_caching_options *o);
 
