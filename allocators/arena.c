@@ -12,37 +12,39 @@
  * Records. Each stack keeps a host record per block (address, bytes, tag,
  * freed flag) in allocation order, which is also address order. Freeing
  * the top block pops it and the freed records under it, so a stack shrinks
- * as soon as a LIFO run ends; freeing another block only marks it, and its
- * bytes come back when the blocks above it go or at a reset (or, when the
- * backing is out of memory, a run of marked records wide enough for the
- * request is reused). The handle holds the stack, the record's index and a
- * 33-bit tag, the stack's count of allocations: a double free or a free
- * after a reset meets a record with another tag, or none, and is refused
- * without a change; a foreign block has no record at its address. (A stale
- * handle would pass only if a multiple of 2^33 allocations of that stack
- * later put a block at the same index and address.)
+ * as soon as a LIFO run ends; freeing another block marks it and joins it
+ * to the run of freed records around it (runs are listed, each tagged at
+ * both ends). The handle holds the stack, the record's index and a 33-bit
+ * tag, the stack's count of allocations: a double free or a free after a
+ * reset meets a record with another tag, or none, and is refused without a
+ * change; a foreign block has no record at its address. (A stale handle
+ * would pass only if a multiple of 2^33 allocations of that stack later put
+ * a block at the same index and address.)
  *
  * Memory. A stack is a list of chunks. Where the backing offers growable
  * ranges, a chunk is a reserved address range (1 GiB, or the instance's
  * limit if smaller; a stack whose range is full gets another twice as
  * large, up to 64 GiB, or as large as one request needs), committed as the
- * top grows by at least 1/32 of what it holds (at least the granularity,
- * at most chunk_bytes): there is no tail waste, and reserved bytes follow
- * the tops. Memory above the tops (a stack that shrank, spare chunks) is
- * kept for reuse, but before any stack commits more, the others give back
- * whole commit pieces, newest first, until what they hold above their tops
- * is at most 1/16 of the reserved bytes: the memory that activations
- * release serves the gradients. Pieces are decommitted exactly as they
- * were committed. Without ranges, a chunk is a reservation: a stack's
- * chunks double from chunk_bytes / 32 up to chunk_bytes (and at most 1/8
- * of the instance's limit), a larger request gets its own, and empty
- * chunks move between stacks at no cost. trim gives back everything above
- * the tops. When the backing is out of memory, what is cached is given
- * back and the request tried once more. Alignments above the granularity
- * are met by padding inside the stack.
+ * top grows by at least 1/32 of the most it has held (at least the
+ * granularity, at most chunk_bytes): there is no tail waste. Memory held
+ * but not in use (above a top that came down, in spare chunks, and the
+ * whole granules inside runs of freed records) is kept for reuse, but
+ * before any stack commits more, about as much is given back while it is
+ * over 1/64 of the reserved bytes, so reserved bytes follow what is in use:
+ * the memory that activations release serves the gradients, and a block
+ * freed under a live one does not hold its memory (its granules become a
+ * hole, committed again when the top grows over it). Without ranges, a
+ * chunk is a reservation: a stack's chunks double from chunk_bytes / 32 up
+ * to chunk_bytes (and at most 1/8 of the instance's limit), a larger
+ * request gets its own, and empty chunks move between stacks at no cost;
+ * runs of freed records are reused only when the backing is out of memory.
+ * trim gives back everything not in use. When the backing is out of
+ * memory, what is held is given back and the request tried once more.
+ * Alignments above the granularity are met by padding inside the stack.
  *
- * Stats: live bytes and their peaks are kept on every call; the counts of
- * allocations and frees are kept per stack and summed by stats().
+ * Stats: bytes allocated and freed and their peaks are kept per memory
+ * class on every call; the counts of allocations and frees are kept per
+ * stack; stats() derives the rest.
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -62,7 +64,9 @@
 #endif
 
 #define AR_NSTACK (MT_LIFE_COUNT * MT_MEM_COUNT)
-#define AR_WRAPS (UINTPTR_MAX >> 50 < (1u << 13)) /* an address plus a request may wrap */
+/* whether an address plus a request (< 2^50) may wrap: not where addresses
+ * leave 13 bits spare, as on every 64-bit system */
+#define AR_WRAPS ((uint64_t)UINTPTR_MAX >> 50 < (1u << 13))
 /* handle = tag (33 bits) | stack + 1 (5 bits) | record index (26 bits) */
 #define AR_IDX_BITS 26
 #define AR_STK_BITS 5
@@ -74,6 +78,7 @@
 #define AR_GROW_DIV 32                 /* a range grows by >= 1/32 of the most it held */
 #define AR_SLACK_DIV 64                /* memory above the tops: about 1/64 of reserved */
 #define AR_FIRST_CHUNK_DIV 32          /* first plain chunk of a stack: chunk_bytes / 32 */
+#define AR_RECYCLE_DIV 32              /* ... and by >= 1/32 of what it has given back */
 
 /* A block. Once freed (and still under a live one) it belongs to a run of
  * freed records: the run's first record keeps the index of its last in
@@ -102,7 +107,9 @@ typedef struct ar_chunk {
     size_t end;      /* ranges: committed up to this offset, holes excepted;
                         reservations: size */
     size_t held;     /* bytes backed now, counted as reserved */
-    size_t peak;     /* the largest end so far: regrowth steps follow it */
+    size_t peak;     /* the most held so far: regrowth steps follow it */
+    size_t recycled; /* bytes decommitted so far: a range that keeps recycling
+                        memory grows in larger steps */
     ar_hole *holes;  /* ranges: decommitted stretches below end, ascending */
     uint32_t nholes, cap_holes;
     bool va;         /* a growable range, else a plain reservation */
@@ -169,6 +176,22 @@ static inline void ar_count_free(arena *a, uint32_t c, size_t bytes)
     a->per[c].out += bytes;
 }
 
+/* Record i of stack si now holds the block [p, p + bytes). */
+static inline mt_status ar_fill(arena *a, unsigned si, uint32_t i, uintptr_t p, size_t bytes,
+                                mt_block *out)
+{
+    ar_stack *s = &a->stk[si];
+    uint64_t tag = s->serial++ & AR_TAG_MASK;
+    ar_rec *r = &s->rec[i];
+    r->addr = p;
+    r->bytes = bytes;
+    r->key = tag << 1;
+    ar_count_alloc(a, s->mclass, bytes);
+    out->ptr = (void *)p;
+    out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
+    return MT_OK;
+}
+
 /* ---- stack position ---- */
 
 static uint32_t ar_spare_from(const ar_stack *s) { return s->nrec ? s->cur + 1 : 0; }
@@ -215,18 +238,12 @@ static void ar_run_unlink(ar_stack *s, uint32_t h)
     if (next != AR_NONE) s->rec[next].aux = prev;
 }
 
-static void ar_run_link(ar_stack *s, uint32_t h)
-{
-    s->rec[h].aux = AR_NONE;
-    s->rec[h].bytes = s->runs;
-    if (s->runs != AR_NONE) s->rec[s->runs].aux = h;
-    s->runs = h;
-}
-
-/* Record h takes the place of record old in the list of runs. */
+/* Record h takes the place of record old in the list of runs (or, with old
+ * AR_NONE, goes first). */
 static void ar_run_move(ar_stack *s, uint32_t old, uint32_t h)
 {
-    uint32_t prev = s->rec[old].aux, next = (uint32_t)s->rec[old].bytes;
+    uint32_t prev = old == AR_NONE ? AR_NONE : s->rec[old].aux;
+    uint32_t next = old == AR_NONE ? s->runs : (uint32_t)s->rec[old].bytes;
     s->rec[h].aux = prev;
     s->rec[h].bytes = next;
     if (prev != AR_NONE) s->rec[prev].bytes = h;
@@ -244,7 +261,7 @@ AR_COLD static void ar_mark(ar_stack *s, uint32_t i)
     rec[i].key |= 1;
     if (left && right) ar_run_unlink(s, i + 1);
     else if (right) ar_run_move(s, i + 1, i);
-    else if (!left) ar_run_link(s, i);
+    else if (!left) ar_run_move(s, AR_NONE, i);
     rec[h].addr = t;
     rec[t].addr = h;
 }
@@ -293,6 +310,7 @@ static void ar_decommit(arena *a, ar_chunk *c, size_t lo, size_t hi)
     if (hi <= lo) return;
     a->bk->va_decommit(a->bk->self, (void *)(c->base + lo), hi - lo);
     c->held -= hi - lo;
+    c->recycled += hi - lo;
     mt_stats_on_release(&a->st, hi - lo);
 }
 
@@ -464,13 +482,16 @@ static unsigned ar_shed(arena *a, const ar_chunk *skip, size_t want, size_t *got
     return done;
 }
 
-/* Before taking delta more bytes from the backing: if the stacks hold more
- * than 1/64 of the reserved bytes above their tops, give back about as much
- * as is taken (at least half that slack, so this does not happen on every
- * step of a growing stack), so that memory moves between stacks. */
+/* Before taking delta more bytes from the backing, where that would raise
+ * the peak of reserved bytes: if the stacks hold more than 1/64 of the
+ * reserved bytes not in use, give back about as much as is taken (at least
+ * half that slack, so this does not happen on every step of a growing
+ * stack), so that memory moves between stacks. (Below the peak nothing is
+ * given back: a training step that repeats costs no backing calls.) */
 static void ar_balance(arena *a, const ar_chunk *skip, size_t delta)
 {
     size_t budget = (size_t)(a->st.reserved_bytes + delta) / AR_SLACK_DIV, got;
+    if (a->st.reserved_bytes + delta <= a->st.peak_reserved_bytes) return; /* no new peak */
     if (budget < 4 * a->gran) budget = 4 * a->gran;
     size_t ex = ar_excess(a, skip);
     if (ex <= budget) return;
@@ -511,7 +532,9 @@ static mt_status ar_grow(arena *a, ar_stack *s, ar_chunk *c, size_t need)
     if (need > c->size) return MT_ERR_OOM;
     size_t target = c->end;
     if (want > c->end) {
-        size_t step = ar_align_up((c->peak > c->end ? c->peak : c->end) / AR_GROW_DIV, gran);
+        size_t step = (c->peak > c->held ? c->peak : c->held) / AR_GROW_DIV;
+        if (step < c->recycled / AR_RECYCLE_DIV) step = c->recycled / AR_RECYCLE_DIV;
+        step = ar_align_up(step, gran);
         if (step > a->chunk_bytes) step = a->chunk_bytes;
         if (step < gran) step = gran;
         target = c->end + step > want ? c->end + step : want;
@@ -550,8 +573,8 @@ static mt_status ar_grow(arena *a, ar_stack *s, ar_chunk *c, size_t need)
         size_t got;
         st = ar_commit(a, c, c->end, target, want > c->end ? want : c->end, &got);
         if (st == MT_OK) c->end = got;
-        if (c->end > c->peak) c->peak = c->end;
     }
+    if (c->held > c->peak) c->peak = c->held;
     ar_set_cur(s, s->cur, s->top);
     return st;
 }
@@ -748,15 +771,7 @@ AR_COLD static mt_status ar_alloc_slow(arena *a, unsigned si, const mt_alloc_req
         if (st == MT_ERR_OOM) mt_stats_on_oom(&a->st, req->mem_class);
         return st;
     }
-    uint64_t tag = s->serial++ & AR_TAG_MASK;
-    ar_rec *r = &s->rec[i];
-    r->addr = p;
-    r->bytes = bytes;
-    r->key = tag << 1;
-    ar_count_alloc(a, s->mclass, bytes);
-    out->ptr = (void *)p;
-    out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
-    return MT_OK;
+    return ar_fill(a, si, i, p, bytes, out);
 }
 
 /* ---- the table's functions ---- */
@@ -770,21 +785,12 @@ static mt_status arena_alloc(void *state, const mt_alloc_request *req, mt_block 
                                                                        : MT_DEFAULT_ALIGNMENT) - 1;
     uintptr_t p = (s->top + mask) & ~mask;
     uintptr_t end = p + req->bytes;
-    /* (p + bytes cannot wrap where addresses and requests leave 14 bits spare) */
     if (AR_UNLIKELY(end > s->limit || (AR_WRAPS && end < p) || s->nrec == s->cap))
         return ar_alloc_slow(a, si, req, out);
     uint32_t i = s->nrec++;
-    uint64_t tag = s->serial++ & AR_TAG_MASK;
-    ar_rec *r = &s->rec[i];
-    r->addr = p;
-    r->bytes = req->bytes;
-    r->key = tag << 1;
-    r->chunk = s->cur;
+    s->rec[i].chunk = s->cur;
     s->top = end;
-    ar_count_alloc(a, s->mclass, req->bytes);
-    out->ptr = (void *)p;
-    out->handle = tag << AR_TAG_SHIFT | (uint64_t)(si + 1) << AR_IDX_BITS | i;
-    return MT_OK;
+    return ar_fill(a, si, i, p, req->bytes, out);
 }
 
 static mt_status arena_free(void *state, const mt_block *blk)
@@ -897,7 +903,8 @@ static void arena_destroy(void *state)
 static mt_status arena_create(const mt_allocator_params *params, const mt_backing *bk,
                               void **state)
 {
-    if (!params || !bk || !state) return MT_ERR_INVALID_ARG;
+    if (!params || !bk || !state || params->struct_size < sizeof *params)
+        return MT_ERR_INVALID_ARG;
     if (bk->abi_version != MT_ALLOCATOR_ABI_VERSION) return MT_ERR_VERSION;
     if (!bk->reserve || !bk->release || !mti_is_pow2(bk->min_alignment) ||
         !mti_is_pow2(bk->granularity))
@@ -906,7 +913,7 @@ static mt_status arena_create(const mt_allocator_params *params, const mt_backin
     mt_arena_options_init(&o);
     if (params->options) {
         const mt_arena_options *u = params->options;
-        if (u->struct_size < sizeof o) return MT_ERR_INVALID_ARG;
+        if (u->struct_size != sizeof o) return MT_ERR_INVALID_ARG;
         o.chunk_bytes = u->chunk_bytes;
     }
     if (o.chunk_bytes == 0 || o.chunk_bytes > MT_MAX_REQUEST) return MT_ERR_INVALID_ARG;

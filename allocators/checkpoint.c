@@ -614,10 +614,8 @@ static mt_status ck_create(const mt_allocator_params *params, const mt_backing *
     int plan_after = 1;
     const mt_checkpoint_options *o = params->options;
     if (o) {
-        if (o->struct_size < sizeof o->struct_size) return MT_ERR_INVALID_ARG;
-        if (o->struct_size >= offsetof(mt_checkpoint_options, plan_after_steps) +
-                                  sizeof o->plan_after_steps)
-            plan_after = o->plan_after_steps;
+        if (o->struct_size != sizeof *o) return MT_ERR_INVALID_ARG;
+        plan_after = o->plan_after_steps;
     }
     if (plan_after < 1) return MT_ERR_INVALID_ARG;
     ck_state *s = calloc(1, sizeof *s);

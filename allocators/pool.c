@@ -12,14 +12,19 @@
  * wanting more goes to the next class that gives it, else gets a block of
  * its own.
  *
- * Slabs. A class takes slabs of max(1, slab_bytes / size) blocks from the
- * backing (more if the backing grants more). A slab keeps a free list of
- * its blocks and a bump index for blocks never used; the class keeps a
- * list of its slabs with a free block. Requests above the largest class,
- * or needing more alignment than any class that fits gives, get their
- * own reservation ("direct"), given back when freed. trim gives back the
- * slabs with no live block and nothing else; when the backing is out of
- * memory those are given back and the request tried once more.
+ * Slabs. A class's slabs hold at most max(1, slab_bytes / size) blocks; the
+ * first holds 64 KiB worth (at least one block) and each new one twice as
+ * many, so a class with few blocks does not hold a whole slab. A slab keeps
+ * a free list of its blocks and a bump index for blocks never used; the
+ * class keeps a list of its slabs with a free block. Requests above the
+ * largest class, or needing more alignment than any class that fits gives,
+ * get their own reservation ("direct"), given back when freed. Slabs with
+ * no live block stay for reuse; only when a new slab would raise the peak
+ * of reserved bytes are the large ones (slab_bytes or more) given back,
+ * while they hold more than 1/16 of the reserved bytes, so that memory one
+ * class left can serve another. trim gives back the slabs with no live
+ * block and nothing else; when the backing is out of memory those are
+ * given back and the request tried once more.
  *
  * State is on the host only: 16 bytes per block (live bit, lifetime,
  * memory class, generation, and the requested bytes or the next free
@@ -31,10 +36,11 @@
  * live block of that generation at that address and is refused without a
  * change (a stale handle would pass only if a multiple of 2^40 allocations
  * later put a block at the same address). reset(scope) visits only the
- * slabs holding live blocks of the lifetimes it frees (counted per slab).
+ * slabs that may hold live blocks of the lifetimes it frees (a mask per
+ * slab, set by alloc and recomputed by reset).
  *
- * Stats: live bytes, peaks and per-class counts are kept on every call;
- * the total counts are summed by stats().
+ * Stats: bytes allocated and freed, peaks and counts are kept per memory
+ * class on every call; stats() derives the rest.
  */
 #include <stdbool.h>
 #include <stdint.h>
@@ -65,6 +71,8 @@
 #define PL_MAX_BLOCKS ((uint32_t)1 << 20) /* blocks per slab */
 #define PL_MAX_CLASSES 4096u
 #define PL_UNIT 256u /* class sizes are multiples of this (bytes) */
+#define PL_FIRST_SLAB ((size_t)64 << 10) /* bytes of a class's first slab (or one block) */
+#define PL_IDLE_DIV 16 /* large idle slabs: at most about 1/16 of the reserved bytes */
 
 typedef struct pl_meta {
     uint64_t key;  /* see PL_KEY_GEN_SHIFT; bit 0 = live */
@@ -92,14 +100,16 @@ typedef struct pl_class {
     size_t size;        /* bytes per block, a multiple of PL_UNIT */
     size_t align;       /* every block of the class is aligned to this */
     uint32_t partial;   /* first slab with a free block, PL_NONE */
-    uint32_t per_slab;  /* blocks wanted per slab */
+    uint32_t per_slab;  /* blocks per slab at most: max(1, slab_bytes / size) */
     size_t slab_align;  /* alignment asked of the backing per slab (0: its own) */
     uint64_t inv;       /* inverse of the odd part of size, mod 2^64 */
     uint32_t shift;     /* trailing zero bits of size */
-    unsigned char pad_[20];
+    uint32_t next_blocks; /* blocks of the next slab: doubles up to per_slab */
+    unsigned char pad_[16];
 } pl_class;
 
-_Static_assert(sizeof(pl_slab) == 128 && sizeof(pl_class) == 64, "cache-line layout");
+_Static_assert(sizeof(void *) != 8 || (sizeof(pl_slab) == 128 && sizeof(pl_class) == 64),
+               "cache-line layout");
 
 /* Bytes allocated and freed (ever) and the peak of their difference: one
  * addition per call on each side, so alloc and free do not wait on each
@@ -118,6 +128,7 @@ typedef struct pool {
     uint32_t nslab, cap_slab;
     uint32_t vacant;    /* first vacant slab number, PL_NONE */
     uint64_t serial;    /* allocations made, the source of generations */
+    size_t slab_bytes;  /* the option */
     const mt_backing *bk;
     pl_acct total, per[MT_MEM_COUNT];
     mt_allocator_stats st; /* reserved bytes and backing calls; the rest from the above */
@@ -273,18 +284,47 @@ static mt_status pl_reserve(pool *p, size_t bytes, size_t al, void **ptr, size_t
     return st;
 }
 
+/* Before a new slab that would raise the peak of reserved bytes: if the
+ * large slabs (slab_bytes or more) with no live block hold more than 1/16
+ * of the reserved bytes, give some back, so that memory one class left can
+ * serve another. Smaller slabs cost little and stay, and below the peak
+ * everything stays: a cycle that repeats costs no backing calls. */
+static void pl_balance(pool *p, size_t more)
+{
+    size_t budget = (size_t)p->st.reserved_bytes / PL_IDLE_DIV, idle = 0;
+    if (p->st.reserved_bytes + more <= p->st.peak_reserved_bytes) return; /* no new peak */
+    if (budget < 2 * p->slab_bytes) budget = 2 * p->slab_bytes;
+    if (p->st.reserved_bytes - (p->total.in - p->total.out) <= budget) return; /* a bound */
+    for (uint32_t sid = 0; sid < p->nslab; sid++) {
+        const pl_slab *s = &p->slab[sid];
+        if (s->cls < p->ncls && s->nfree == s->nblocks && s->granted >= p->slab_bytes)
+            idle += s->granted;
+    }
+    if (idle <= budget) return;
+    for (uint32_t sid = 0; sid < p->nslab && idle > budget / 2; sid++) {
+        pl_slab *s = &p->slab[sid];
+        if (s->cls >= p->ncls || s->nfree != s->nblocks || s->granted < p->slab_bytes) continue;
+        idle -= s->granted;
+        pl_unlink(p, &p->cls[s->cls], sid);
+        pl_release_slab(p, sid);
+    }
+}
+
 static mt_status pl_new_slab(pool *p, uint32_t ci)
 {
     uint32_t sid;
+    pl_balance(p, (size_t)p->cls[ci].next_blocks * p->cls[ci].size);
     if (pl_take_slot(p, &sid) != MT_OK) return MT_ERR_OOM;
     pl_class *c = &p->cls[ci];
     void *ptr = NULL;
     size_t granted = 0;
-    mt_status st = pl_reserve(p, (size_t)c->per_slab * c->size, c->slab_align, &ptr, &granted);
+    mt_status st = pl_reserve(p, (size_t)c->next_blocks * c->size, c->slab_align, &ptr, &granted);
     if (st != MT_OK) {
         pl_put_slot(p, sid);
         return st;
     }
+    if (c->next_blocks < c->per_slab) /* a class's slabs grow: few blocks hold little */
+        c->next_blocks = c->next_blocks > c->per_slab / 2 ? c->per_slab : 2 * c->next_blocks;
     size_t nb = granted / c->size; /* use all of what was granted */
     if (nb > PL_MAX_BLOCKS) nb = PL_MAX_BLOCKS;
     pl_slab *s = &p->slab[sid];
@@ -369,6 +409,7 @@ static mt_status pl_alloc_direct(pool *p, const mt_alloc_request *req, size_t al
     }
     void *ptr = NULL;
     size_t granted = 0;
+    pl_balance(p, req->bytes);
     mt_status st = pl_reserve(p, req->bytes, al > p->bk->min_alignment ? al : 0, &ptr, &granted);
     if (st != MT_OK) {
         free(m);
@@ -448,7 +489,7 @@ static mt_status pool_free(void *state, const mt_block *blk)
     pl_slab *s = &p->slab[sid];
     uintptr_t off = (uintptr_t)blk->ptr - s->base;
     uint64_t idx;
-    if (PL_UNLIKELY(s->cls >= p->ncls)) {
+    if (PL_UNLIKELY(s->cls >= PL_VACANT)) { /* direct or vacant */
         if (s->cls != PL_DIRECT || off != 0) return MT_ERR_BAD_BLOCK;
         idx = 0;
     } else {
@@ -606,8 +647,9 @@ static mt_status pl_setup_classes(pool *p, const mt_pool_options *o)
         if (sa < min_al) sa = min_al;
         c->slab_align = sa > min_al ? sa : 0;
         c->align = low < sa ? low : sa;
-        size_t per = o->slab_bytes / size;
+        size_t per = o->slab_bytes / size, first = PL_FIRST_SLAB / size;
         c->per_slab = per < 1 ? 1 : per > PL_MAX_BLOCKS ? PL_MAX_BLOCKS : (uint32_t)per;
+        c->next_blocks = first < 1 ? 1 : first > c->per_slab ? c->per_slab : (uint32_t)first;
     }
     uint32_t ci = 0;
     for (uint32_t b = 0; b < nb; b++) {
@@ -621,7 +663,8 @@ static mt_status pl_setup_classes(pool *p, const mt_pool_options *o)
 
 static mt_status pool_create(const mt_allocator_params *params, const mt_backing *bk, void **state)
 {
-    if (!params || !bk || !state) return MT_ERR_INVALID_ARG;
+    if (!params || !bk || !state || params->struct_size < sizeof *params)
+        return MT_ERR_INVALID_ARG;
     if (bk->abi_version != MT_ALLOCATOR_ABI_VERSION) return MT_ERR_VERSION;
     if (!bk->reserve || !bk->release || !mti_is_pow2(bk->min_alignment) ||
         !mti_is_pow2(bk->granularity))
@@ -630,13 +673,14 @@ static mt_status pool_create(const mt_allocator_params *params, const mt_backing
     mt_pool_options_init(&o);
     if (params->options) {
         const mt_pool_options *u = params->options;
-        if (u->struct_size < sizeof o) return MT_ERR_INVALID_ARG;
+        if (u->struct_size != sizeof o) return MT_ERR_INVALID_ARG;
         o = *u;
     }
     if (o.slab_bytes == 0 || o.slab_bytes > MT_MAX_REQUEST) return MT_ERR_INVALID_ARG;
     pool *p = calloc(1, sizeof *p);
     if (!p) return MT_ERR_OOM;
     p->bk = bk;
+    p->slab_bytes = o.slab_bytes;
     p->vacant = PL_NONE;
     p->serial = 1;
     mt_status st = pl_setup_classes(p, &o);

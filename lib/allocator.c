@@ -350,8 +350,12 @@ mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int
         char why[MTI_ERR_LEN];
         snprintf(why, sizeof why, "%s", ctx->err[0] ? ctx->err : extra_of(a)->why);
         mti_allocator_delete(a);
-        return mti_fail(ctx, s, "allocator '%s' could not be created: %s%s%s", c.vtable->name,
-                        mt_status_string(s), why[0] ? ": " : "", why);
+        return mti_fail(ctx, s, "allocator '%s' could not be created: %s%s%s%s", c.vtable->name,
+                        mt_status_string(s), why[0] ? ": " : "", why,
+                        s == MT_ERR_INVALID_ARG && c.options
+                            ? " (check its options: sizes, and struct_size as set by its "
+                              "_options_init function)"
+                            : "");
     }
     *out = a;
     return MT_OK;

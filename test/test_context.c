@@ -204,6 +204,40 @@ TEST(allocator_table_checks)
     ac.vtable = mt_allocator_caching();
     ac.options = &co;
     CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_create(ctx, &ac, &a));
+    CHECK(strstr(mt_last_error(ctx), "options"));
+    /* every built-in refuses options of another size (not made by its _init) */
+    mt_arena_options ao;
+    mt_arena_options_init(&ao);
+    mt_pool_options po;
+    mt_pool_options_init(&po);
+    mt_checkpoint_options ko;
+    mt_checkpoint_options_init(&ko);
+    mt_caching_options_init(&co);
+    const struct {
+        const mt_allocator_vtable *vt;
+        void *opt;
+        uint32_t *size;
+    } cases[] = {{mt_allocator_caching(), &co, &co.struct_size},
+                 {mt_allocator_arena(), &ao, &ao.struct_size},
+                 {mt_allocator_pool(), &po, &po.struct_size},
+                 {mt_allocator_checkpoint(), &ko, &ko.struct_size}};
+    for (int i = 0; i < 4; i++) {
+        ac.vtable = cases[i].vt;
+        ac.options = cases[i].opt;
+        CHECK_OKC(ctx, mt_allocator_create(ctx, &ac, &a)); /* the defaults, given explicitly */
+        mt_allocator_destroy(a);
+        *cases[i].size -= 4;
+        CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_create(ctx, &ac, &a));
+        *cases[i].size += 4;
+    }
+    ao.chunk_bytes = 0;
+    ac.vtable = mt_allocator_arena();
+    ac.options = &ao;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_create(ctx, &ac, &a));
+    ko.plan_after_steps = 0;
+    ac.vtable = mt_allocator_checkpoint();
+    ac.options = &ko;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_create(ctx, &ac, &a));
     CHECK_OK(mt_context_destroy(ctx));
 }
 
