@@ -143,7 +143,7 @@ test-long: deps
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES)
-	MT_FAKE_CUDA=$(FAKE_CUDA) valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
+	MT_FAKE_CUDA=$(FAKE_CUDA) MT_TEST_LIGHT=1 valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=test/valgrind.supp $(TEST_BIN)
 	valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=test/valgrind.supp $(BUILD)/examples/embed > /dev/null

@@ -20,7 +20,8 @@ typedef void (*check_fn)(void);
 void check_register(const char *name, check_fn fn);
 void check_fail(const char *file, int line, const char *what);  /* ends the test */
 void check_note(const char *file, int line, const char *what);  /* records and goes on */
-bool check_long(void); /* MT_TEST_LONG=1: the long variants */
+bool check_long(void);  /* MT_TEST_LONG=1: the long variants */
+bool check_light(void); /* MT_TEST_LIGHT=1: shorter stress, for slow runs (valgrind) */
 const char *check_fake_cuda(void); /* path of the stand-in driver, or NULL */
 
 #define TEST(name)                                                                          \

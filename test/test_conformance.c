@@ -454,7 +454,7 @@ static void stress(harness *h, long ops)
 
 static void stress_body(harness *h, const dcase *d, const acase *c)
 {
-    long ops = check_long() ? 1000000 : 12000;
+    long ops = check_long() ? 1000000 : check_light() ? 2000 : 12000;
     for (uint64_t seed = 1; seed <= 4; seed++) {
         h_open(h, d, c, 0, 0, 100 + seed);
         stress(h, ops);
@@ -521,7 +521,7 @@ TEST(stress_threads)
     mt_context_config_init(&cfg);
     cfg.device = MT_DEVICE_CPU;
     CHECK_OK(mt_context_create(&cfg, &ctx));
-    long ops = check_long() ? 250000 : 20000;
+    long ops = check_long() ? 250000 : check_light() ? 2000 : 20000;
     for (int c = 0; c < na; c++) {
         mt_allocator *a;
         mt_allocator_config conf = {.vtable = ac[c].vt, .flags = MT_ALLOCATOR_THREAD_SAFE};

@@ -43,6 +43,12 @@ bool check_long(void)
     return v && *v && strcmp(v, "0") != 0;
 }
 
+bool check_light(void)
+{
+    const char *v = getenv("MT_TEST_LIGHT");
+    return v && *v && strcmp(v, "0") != 0;
+}
+
 const char *check_fake_cuda(void)
 {
     const char *v = getenv("MT_FAKE_CUDA");

@@ -368,6 +368,7 @@ TEST(trainer_bad_input_changes_nothing)
     CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_eval(t, &b, NULL, NULL));
     CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_step(t, NULL, NULL));
     CHECK_ST(MT_ERR_INVALID_ARG, mt_model_get_params(m, after, np - 1));
+    memcpy(after, before, np * sizeof *after);
     after[3] = INFINITY;
     CHECK_ST(MT_ERR_INVALID_ARG, mt_model_set_params(m, after, np));
     CHECK_OK(mt_model_get_params(m, after, np));
