@@ -88,56 +88,23 @@ static void t_free(lat_target *t, mt_block *b)
     }
 }
 
-/* Same size again and again: alloc, free. Median ns per pair. */
-static double lat_pairs(lat_target *t, size_t bytes, int batches)
-{
-    double v[512];
-    mt_block b;
-    for (int i = 0; i < 2 * BATCH; i++) { /* warm up */
-        if (!t_alloc(t, bytes, &b)) return -1;
-        t_free(t, &b);
-    }
-    for (int k = 0; k < batches; k++) {
-        double t0 = now_ns();
-        for (int i = 0; i < BATCH; i++) {
-            t_alloc(t, bytes, &b);
-            t_free(t, &b);
-        }
-        v[k] = (now_ns() - t0) / BATCH;
-    }
-    return median(v, batches);
-}
+/* The sequences. Each target keeps its own state, and one call times one
+ * batch of BATCH pairs, so the targets can be measured in turns (see
+ * latency()): whatever else the machine does falls on all of them alike. */
 
-/* A FIFO window of live blocks of random sizes (log-uniform 256 B .. 1 MiB):
- * each pair frees the oldest block and allocates a new one. */
+typedef enum { SEQ_PAIR, SEQ_WINDOW, SEQ_STEPS } seq_kind;
+
+/* Sizes for the window and steps sequences: log-uniform 256 B .. 1 MiB. */
 static size_t window_sizes[1 << 16];
 
-static double lat_window(lat_target *t, int batches)
-{
-    double v[512];
-    mt_block live[WINDOW];
-    size_t si = 0;
-    for (int i = 0; i < WINDOW; i++)
-        if (!t_alloc(t, window_sizes[si++], &live[i])) return -1;
-    int head = 0;
-    for (int k = -2; k < batches; k++) { /* two warm-up batches */
-        double t0 = now_ns();
-        for (int i = 0; i < BATCH; i++) {
-            t_free(t, &live[head]);
-            t_alloc(t, window_sizes[si++ & 0xFFFF], &live[head]);
-            head = (head + 1) % WINDOW;
-        }
-        if (k >= 0) v[k] = (now_ns() - t0) / BATCH;
-    }
-    for (int i = 0; i < WINDOW; i++) t_free(t, &live[i]);
-    return median(v, batches);
-}
+#define STEP_N 64 /* blocks per step */
 
-/* A training-shaped loop: a step allocates STEP_N blocks of fixed sizes (the
- * same every step), frees them (the second half in reverse order, the first
- * half in allocation order) and ends with a step boundary. Median ns per
- * alloc+free pair. */
-#define STEP_N 64
+typedef struct seq_state {
+    mt_block live[WINDOW];
+    size_t next;
+    int head;
+    bool started;
+} seq_state;
 
 static void t_reset(lat_target *t)
 {
@@ -145,64 +112,112 @@ static void t_reset(lat_target *t)
     else if (t->how == VIA_WRAPPER) mt_allocator_reset(t->a, MT_SCOPE_STEP);
 }
 
-static double lat_steps(lat_target *t, int batches)
+/* One batch; returns ns per alloc+free pair.
+ *   SEQ_PAIR: the same size again and again, alloc then free.
+ *   SEQ_WINDOW: a FIFO window of live blocks; each pair frees the oldest and
+ *     allocates a new one.
+ *   SEQ_STEPS: a training-shaped loop: a step allocates STEP_N blocks of fixed
+ *     sizes (the same every step), frees the first half in order and the
+ *     second in reverse, and ends with a step boundary. */
+static double run_batch(lat_target *t, seq_kind k, size_t bytes, seq_state *st)
 {
-    double v[512];
-    mt_block live[STEP_N];
-    const int steps_per_batch = BATCH / STEP_N + 1;
-    for (int k = -2; k < batches; k++) {
-        double t0 = now_ns();
-        for (int s = 0; s < steps_per_batch; s++) {
-            for (int i = 0; i < STEP_N; i++)
-                if (!t_alloc(t, window_sizes[i], &live[i])) return -1;
-            for (int i = 0; i < STEP_N / 2; i++) t_free(t, &live[i]);
-            for (int i = STEP_N; i-- > STEP_N / 2;) t_free(t, &live[i]);
+    mt_block b;
+    double t0 = now_ns();
+    int pairs = BATCH;
+    if (k == SEQ_PAIR) {
+        for (int i = 0; i < BATCH; i++) {
+            t_alloc(t, bytes, &b);
+            t_free(t, &b);
+        }
+    } else if (k == SEQ_WINDOW) {
+        if (!st->started) {
+            for (int i = 0; i < WINDOW; i++) t_alloc(t, window_sizes[st->next++], &st->live[i]);
+            st->started = true;
+            t0 = now_ns();
+        }
+        for (int i = 0; i < BATCH; i++) {
+            t_free(t, &st->live[st->head]);
+            t_alloc(t, window_sizes[st->next++ & 0xFFFF], &st->live[st->head]);
+            st->head = (st->head + 1) % WINDOW;
+        }
+    } else {
+        const int steps = BATCH / STEP_N + 1;
+        pairs = steps * STEP_N;
+        for (int s = 0; s < steps; s++) {
+            for (int i = 0; i < STEP_N; i++) t_alloc(t, window_sizes[i], &st->live[i]);
+            for (int i = 0; i < STEP_N / 2; i++) t_free(t, &st->live[i]);
+            for (int i = STEP_N; i-- > STEP_N / 2;) t_free(t, &st->live[i]);
             t_reset(t);
         }
-        if (k >= 0) v[k] = (now_ns() - t0) / (steps_per_batch * STEP_N);
     }
-    return median(v, batches);
+    return (now_ns() - t0) / pairs;
 }
+
+static void end_sequence(lat_target *t, seq_kind k, seq_state *st)
+{
+    if (k == SEQ_WINDOW && st->started)
+        for (int i = 0; i < WINDOW; i++) t_free(t, &st->live[i]);
+    memset(st, 0, sizeof *st);
+}
+
+#define N_TARGETS 9 /* jemalloc, then each allocator through its table and mt_alloc */
 
 static void latency(mt_context *ctx)
 {
     static const char *const names[] = {"arena", "pool", "caching", "checkpoint"};
     static const size_t sizes[] = {256, 4096, 65536, 1u << 20};
-    const int batches = quick ? 21 : 201;
+    const int batches = quick ? 21 : 301;
     for (size_t i = 0; i < sizeof window_sizes / sizeof *window_sizes; i++) {
         double lg = 8.0 + (double)(rnd() % 12001) / 1000.0; /* 2^8 .. 2^20 */
         window_sizes[i] = (size_t)(1ull << (int)lg) + rnd() % (1ull << (int)lg);
     }
+    lat_target tg[N_TARGETS] = {{.how = VIA_JEMALLOC}};
+    const char *label[N_TARGETS] = {"jemalloc"};
+    for (int n = 0; n < 4; n++) {
+        for (int w = 0; w < 2; w++) {
+            lat_target *t = &tg[1 + 2 * n + w];
+            mt_allocator_config ac = {.vtable = mt_allocator_by_name(names[n])};
+            t->how = w ? VIA_WRAPPER : VIA_TABLE;
+            label[1 + 2 * n + w] = names[n];
+            if (mt_allocator_create(ctx, &ac, &t->a)) {
+                fprintf(stderr, "%s: %s\n", names[n], mt_last_error(ctx));
+                exit(1);
+            }
+        }
+    }
+    /* med[target][column] */
+    static double med[N_TARGETS][6], v[N_TARGETS][512];
+    for (int col = 0; col < 6; col++) {
+        seq_kind k = col < 4 ? SEQ_PAIR : col == 4 ? SEQ_WINDOW : SEQ_STEPS;
+        size_t bytes = col < 4 ? sizes[col] : 0;
+        seq_state st[N_TARGETS];
+        memset(st, 0, sizeof st);
+        for (int b = -3; b < batches; b++) /* three warm-up rounds */
+            for (int t = 0; t < N_TARGETS; t++) {
+                double ns = run_batch(&tg[t], k, bytes, &st[t]);
+                if (b >= 0) v[t][b] = ns;
+            }
+        for (int t = 0; t < N_TARGETS; t++) {
+            med[t][col] = median(v[t], batches);
+            end_sequence(&tg[t], k, &st[t]);
+        }
+    }
     printf("\n## Latency: median ns per alloc+free pair (ratio to jemalloc mallocx/dallocx)\n\n");
+    printf("%d batches of %d pairs per cell, all targets measured in turns, batch by batch.\n\n",
+           batches, BATCH);
     printf("| allocator | via | 256 B | 4 KiB | 64 KiB | 1 MiB | window of %d, 256 B-1 MiB | "
            "steps of %d |\n", WINDOW, STEP_N);
     printf("|---|---|---|---|---|---|---|---|\n");
-    lat_target je = {.how = VIA_JEMALLOC};
-    double base[6];
-    for (int s = 0; s < 4; s++) base[s] = lat_pairs(&je, sizes[s], batches);
-    base[4] = lat_window(&je, batches);
-    base[5] = lat_steps(&je, batches);
-    printf("| jemalloc | mallocx | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", base[0], base[1],
-           base[2], base[3], base[4], base[5]);
-    for (int n = 0; n < 4; n++) {
-        for (via how = VIA_TABLE; how <= VIA_WRAPPER; how++) {
-            mt_allocator_config ac = {.vtable = mt_allocator_by_name(names[n])};
-            mt_allocator *a;
-            if (mt_allocator_create(ctx, &ac, &a)) {
-                printf("| %s | cannot create: %s |\n", names[n], mt_last_error(ctx));
-                continue;
-            }
-            lat_target t = {.how = how, .a = a};
-            printf("| %s | %s |", names[n], how == VIA_TABLE ? "table" : "mt_alloc");
-            for (int s = 0; s < 4; s++) {
-                double v = lat_pairs(&t, sizes[s], batches);
-                printf(" %.1f (%.2fx) |", v, v / base[s]);
-            }
-            double w = lat_window(&t, batches), st = lat_steps(&t, batches);
-            printf(" %.1f (%.2fx) | %.1f (%.2fx) |\n", w, w / base[4], st, st / base[5]);
-            mt_allocator_destroy(a);
+    for (int t = 0; t < N_TARGETS; t++) {
+        printf("| %s | %s |", label[t],
+               tg[t].how == VIA_JEMALLOC ? "mallocx" : tg[t].how == VIA_TABLE ? "table" : "mt_alloc");
+        for (int col = 0; col < 6; col++) {
+            if (t == 0) printf(" %.1f |", med[0][col]);
+            else printf(" %.1f (%.2fx) |", med[t][col], med[t][col] / med[0][col]);
         }
+        printf("\n");
     }
+    for (int t = 1; t < N_TARGETS; t++) mt_allocator_destroy(tg[t].a);
 }
 
 /* ---- efficiency ---- */
@@ -358,6 +373,7 @@ static void engine_trace(evbuf *e, int steps)
     mt_context_config cfg;
     mt_context_config_init(&cfg);
     cfg.device = MT_DEVICE_CPU;
+    cfg.threads = 1;
     cfg.trace_capacity = 1u << 20;
     mt_context *ctx;
     mt_mlp_spec sp;
@@ -453,6 +469,7 @@ int main(int argc, char **argv)
     mt_context_config cfg;
     mt_context_config_init(&cfg);
     cfg.device = MT_DEVICE_CPU;
+    cfg.threads = 1; /* no BLAS thread pool competing for the cores */
     mt_context *ctx;
     if (mt_context_create(&cfg, &ctx)) {
         fprintf(stderr, "%s\n", mt_last_error(NULL));

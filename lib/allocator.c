@@ -535,26 +535,37 @@ mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
         (req->alignment & (req->alignment - 1)) || req->alignment > MT_MAX_ALIGNMENT ||
         req->bytes > MT_MAX_REQUEST)
         return alloc_refused(a, req, out);
-    mt_alloc_request r = *req;
-    if (r.alignment < MT_DEFAULT_ALIGNMENT) r.alignment = MT_DEFAULT_ALIGNMENT;
-    if (r.bytes == 0) { /* an empty block; the allocator never sees it */
-        *out = (mt_block){.mem_class = r.mem_class, .lifetime = r.lifetime};
+    if (req->bytes == 0) { /* an empty block; the allocator never sees it */
+        *out = (mt_block){.mem_class = req->mem_class, .lifetime = req->lifetime};
         return MT_OK;
+    }
+    /* The caller's request goes to the allocator as it is unless its
+     * alignment must be raised: copying it on every call would cost more
+     * (the copy reads what the caller has just written) than the check. */
+    mt_alloc_request raised;
+    const mt_alloc_request *r = req;
+    if (req->alignment < MT_DEFAULT_ALIGNMENT) {
+        raised = *req;
+        raised.alignment = MT_DEFAULT_ALIGNMENT;
+        r = &raised;
     }
     lock(a);
     uint64_t fails = a->n_backing_fails;
-    mt_status s = a->vt->alloc(a->state, &r, out);
-    if (!LIKELY(s == MT_OK && ((uintptr_t)out->ptr & (r.alignment - 1)) == 0))
-        return alloc_failed(a, &r, out, s, fails);
-    out->bytes = r.bytes;
+    mt_status s = a->vt->alloc(a->state, r, out);
+    if (!LIKELY(s == MT_OK && ((uintptr_t)out->ptr & (r->alignment - 1)) == 0))
+        return alloc_failed(a, r, out, s, fails);
+    const size_t bytes = r->bytes;
+    const mt_mem_class c = r->mem_class;
+    const mt_lifetime l = r->lifetime;
+    out->bytes = bytes;
     out->id = ++a->next_id;
-    out->mem_class = r.mem_class;
-    out->lifetime = r.lifetime;
-    mt_stats_on_alloc(&a->st, r.mem_class, r.bytes);
-    a->live_by_life[r.lifetime][r.mem_class] += r.bytes;
-    a->blocks_by_life[r.lifetime][r.mem_class]++;
-    if (a->index >= 0) ctx_add(&a->ctx->live_total, &a->ctx->live_peak, r.bytes);
-    if (a->trace) trace_event(a, MT_TRACE_ALLOC, &r, out, 0);
+    out->mem_class = c;
+    out->lifetime = l;
+    mt_stats_on_alloc(&a->st, c, bytes);
+    a->live_by_life[l][c] += bytes;
+    a->blocks_by_life[l][c]++;
+    if (a->index >= 0) ctx_add(&a->ctx->live_total, &a->ctx->live_peak, bytes);
+    if (a->trace) trace_event(a, MT_TRACE_ALLOC, r, out, 0);
     unlock(a);
     return MT_OK;
 }
