@@ -56,6 +56,7 @@ BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
 .PHONY: all lib test test-long demo bench install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
+.SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
 all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(BENCH_BIN)
 

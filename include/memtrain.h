@@ -196,7 +196,9 @@ typedef struct mt_context_config {
     uint32_t struct_size;       /* sizeof(mt_context_config) */
     mt_device_kind device;      /* MT_DEVICE_AUTO by default */
     int device_ordinal;         /* which CUDA device (0) */
-    int threads;                /* CPU threads for kernels; 0 = all online CPUs */
+    int threads;                /* CPU threads for kernels; 0 = all online CPUs. The CPU
+                                   kernels (OpenMP, OpenBLAS) share one setting per
+                                   process: the context created last sets it */
     mt_log_fn log_fn;           /* NULL: no logging */
     void *log_user;
     mt_log_level log_level;     /* MT_LOG_WARN */
@@ -224,9 +226,11 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out);
  * freed). NULL is accepted and does nothing. */
 mt_status mt_context_destroy(mt_context *ctx);
 
-/* The message of the last failed call on ctx, or "" if none. With ctx NULL:
- * the last failure of a call made without a context on this thread (e.g.
- * mt_context_create). Valid until the next call on the same context/thread. */
+/* The message of the last failed call on ctx, or "" if none: this thread's
+ * last failure on ctx if it had one, else the last of any thread. With ctx
+ * NULL: the last failure of a call made without a context on this thread
+ * (e.g. mt_context_create). Valid until the next call on the same context
+ * from the same thread. */
 const char *mt_last_error(const mt_context *ctx);
 
 /* The device the context runs on (never MT_DEVICE_AUTO) and its name. */
@@ -449,7 +453,9 @@ mt_status mt_model_destroy(mt_model *m);
 size_t mt_model_num_params(const mt_model *m);
 /* Copies the parameters out to / in from host memory as fp32, in the
  * model's order (layer by layer, weight then bias). n must be
- * mt_model_num_params(m). */
+ * mt_model_num_params(m); set_params refuses non-finite values before
+ * changing anything (only a device copy failing part-way, MT_ERR_DEVICE,
+ * can leave the weights partly written). */
 mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n);
 mt_status mt_model_set_params(mt_model *m, const float *src, size_t n);
 

@@ -160,7 +160,7 @@ static mt_status backing_reserve(void *self, size_t bytes, size_t alignment, voi
     void *p = NULL;
     size_t g = 0;
     s = d->mem_reserve(d, bytes, alignment ? alignment : d->min_alignment, &p, &g);
-    if (s) return backing_fail(a, s, a->ctx->err);
+    if (s) return backing_fail(a, s, mt_last_error(a->ctx));
     if (a->cfg.limit_bytes && a->st.reserved_bytes + g > a->cfg.limit_bytes) {
         d->mem_release(d, p, g);
         return backing_admit(a, g); /* fails with the limit message */
@@ -219,7 +219,7 @@ static mt_status backing_va_reserve(void *self, size_t bytes, void **base)
     }
     void *b = NULL;
     mt_status s = d->va_reserve(d, bytes, &b);
-    if (s) return backing_fail(a, s, a->ctx->err);
+    if (s) return backing_fail(a, s, mt_last_error(a->ctx));
     x->va[x->n_va++] = (va_range){b, bytes, 0};
     *base = b;
     return MT_OK;
@@ -236,7 +236,7 @@ static mt_status backing_va_commit(void *self, void *addr, size_t bytes)
     mt_status s = backing_admit(a, bytes);
     if (s) return s;
     s = d->va_commit(d, addr, bytes);
-    if (s) return backing_fail(a, s, a->ctx->err);
+    if (s) return backing_fail(a, s, mt_last_error(a->ctx));
     r->committed += bytes;
     note_reserved(a, bytes);
     return MT_OK;
@@ -344,11 +344,10 @@ mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int
                                   .options = c.options,
                                   .flags = c.flags,
                                   .limit_bytes = c.limit_bytes};
-    ctx->err[0] = 0;
     s = c.vtable->create(&params, &a->backing, &a->state);
     if (s) {
         char why[MTI_ERR_LEN];
-        snprintf(why, sizeof why, "%s", ctx->err[0] ? ctx->err : extra_of(a)->why);
+        snprintf(why, sizeof why, "%s", a->n_backing_fails ? extra_of(a)->why : "");
         mti_allocator_delete(a);
         return mti_fail(ctx, s, "allocator '%s' could not be created: %s%s%s%s", c.vtable->name,
                         mt_status_string(s), why[0] ? ": " : "", why,
@@ -510,11 +509,15 @@ static COLD mt_status alloc_failed(mt_allocator *a, const mt_alloc_request *r, m
                                    mt_status s, uint64_t fails_before)
 {
     if (s == MT_OK) {
-        /* a misaligned address: take the block back and say so */
+        /* a NULL or misaligned address: take the block back and say so */
         mt_block bad = *out;
-        a->vt->free(a->state, &bad);
+        bad.bytes = r->bytes;
+        bad.mem_class = r->mem_class;
+        bad.lifetime = r->lifetime;
+        if (bad.ptr) a->vt->free(a->state, &bad);
         s = MT_ERR_INTERNAL;
-        backing_fail(a, s, "the allocator returned a misaligned address");
+        backing_fail(a, s, bad.ptr ? "the allocator returned a misaligned address"
+                                   : "the allocator returned NULL with success");
     }
     if (s == MT_ERR_OOM) mt_stats_on_oom(&a->st, r->mem_class);
     trace_event(a, MT_TRACE_FAIL, r, NULL, 0);
@@ -552,7 +555,7 @@ mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
     lock(a);
     uint64_t fails = a->n_backing_fails;
     mt_status s = a->vt->alloc(a->state, r, out);
-    if (!LIKELY(s == MT_OK && ((uintptr_t)out->ptr & (r->alignment - 1)) == 0))
+    if (!LIKELY(s == MT_OK && out->ptr && ((uintptr_t)out->ptr & (r->alignment - 1)) == 0))
         return alloc_failed(a, r, out, s, fails);
     const size_t bytes = r->bytes;
     const mt_mem_class c = r->mem_class;
@@ -601,7 +604,7 @@ mt_status mt_free(mt_allocator *a, const mt_block *blk)
         a->live_by_life[l][c] -= blk->bytes;
         a->blocks_by_life[l][c]--;
         if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, blk->bytes);
-        if (a->trace) trace_event(a, MT_TRACE_FREE, NULL, blk, 0);
+        if (a->trace && blk->id >= a->trace_first_id) trace_event(a, MT_TRACE_FREE, NULL, blk, 0);
     }
     unlock(a);
     return s == MT_OK ? MT_OK : free_refused(a, blk, s);
@@ -655,7 +658,7 @@ mt_status mt_allocator_trim(mt_allocator *a)
 mt_status mt_allocator_self_stats(const mt_allocator *a, mt_allocator_stats *out)
 {
     if (!a || !out) return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG,
-                                    "mt_allocator_self_stats: NULL argument");
+                                    "mt_allocator_self_stats: %s is NULL", a ? "out" : "a");
     if (!a->vt->stats)
         return mti_fail(a->ctx, MT_ERR_UNSUPPORTED, "allocator '%s' keeps no stats of its own",
                         a->vt->name);
@@ -670,7 +673,7 @@ mt_status mt_allocator_self_stats(const mt_allocator *a, mt_allocator_stats *out
 mt_status mt_allocator_get_stats(const mt_allocator *a, mt_allocator_stats *out)
 {
     if (!a || !out) return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG,
-                                    "mt_allocator_get_stats: NULL argument");
+                                    "mt_allocator_get_stats: %s is NULL", a ? "out" : "a");
     mt_allocator *m = (mt_allocator *)a;
     mt_allocator_stats self = {0};
     lock(m);
@@ -679,6 +682,16 @@ mt_status mt_allocator_get_stats(const mt_allocator *a, mt_allocator_stats *out)
         out->n_oom_retries = self.n_oom_retries; /* only the allocator knows */
     unlock(m);
     return MT_OK;
+}
+
+void mti_allocator_set_trace(mt_allocator *a, mt_trace *t)
+{
+    lock(a);
+    a->trace = t;
+    /* blocks allocated before the trace began are not in it: their frees
+       are left out too, so the trace stays a possible history */
+    a->trace_first_id = a->next_id + 1;
+    unlock(a);
 }
 
 void mti_allocator_reset_peak(mt_allocator *a)

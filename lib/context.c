@@ -64,6 +64,8 @@ static void context_free(mt_context *ctx)
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_delete(ctx->inst[i]);
     if (ctx->trace) mt_trace_free(ctx->trace);
     if (ctx->dev) ctx->dev->destroy(ctx->dev);
+    mti_clear_error(ctx);
+    pthread_mutex_destroy(&ctx->err_mu);
     free(ctx);
 }
 
@@ -71,7 +73,7 @@ static void context_free(mt_context *ctx)
 static mt_status create_failed(mt_context *ctx, mt_status s)
 {
     char msg[MTI_ERR_LEN];
-    snprintf(msg, sizeof msg, "%s", ctx->err);
+    snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
     context_free(ctx);
     return mti_fail(NULL, s, "%s", msg);
 }
@@ -86,6 +88,8 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
 
     mt_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");
+    pthread_mutex_init(&ctx->err_mu, NULL);
+    mti_clear_error(ctx); /* a context freed before may have had this address */
     ctx->cfg = c;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     ctx->threads = c.threads ? c.threads : (ncpu > 0 ? (int)ncpu : 1);
@@ -113,7 +117,7 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
         s = mti_allocator_new(ctx, &c.allocators[k], ctx->n_inst, &a);
         if (s) {
             char m[MTI_ERR_LEN];
-            snprintf(m, sizeof m, "%s", ctx->err);
+            snprintf(m, sizeof m, "%s", mt_last_error(ctx));
             mti_fail(ctx, s, "allocator of class %s: %s", mt_mem_class_name((mt_mem_class)k), m);
             return create_failed(ctx, s);
         }
@@ -126,7 +130,7 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
     }
     mti_log(ctx, MT_LOG_INFO, "context on %s, %d allocator instance(s)", ctx->dev->name,
             ctx->n_inst);
-    ctx->err[0] = 0;
+    mti_clear_error(ctx);
     *out = ctx;
     return MT_OK;
 }
@@ -184,8 +188,8 @@ mt_status mt_context_free(mt_context *ctx, const mt_block *blk)
 mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out)
 {
     if (!ctx || !out)
-        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG,
-                        "mt_context_memory_stats: NULL argument");
+        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG, "mt_context_memory_stats: %s is NULL",
+                        ctx ? "out" : "ctx");
     memset(out, 0, sizeof *out);
     for (int i = 0; i < ctx->n_inst; i++) {
         mt_allocator_stats st;
@@ -208,12 +212,22 @@ mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out)
     return MT_OK;
 }
 
+/* peak = total, then raised again to the total should another thread have
+ * added in between, so the peak is never below the current value */
+static void reset_peak(_Atomic uint64_t *total, _Atomic uint64_t *peak)
+{
+    atomic_store(peak, atomic_load(total));
+    uint64_t v = atomic_load(total), p = atomic_load(peak);
+    while (v > p && !atomic_compare_exchange_weak(peak, &p, v)) {
+    }
+}
+
 mt_status mt_context_reset_peaks(mt_context *ctx)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_reset_peaks: ctx is NULL");
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_reset_peak(ctx->inst[i]);
-    atomic_store(&ctx->live_peak, atomic_load(&ctx->live_total));
-    atomic_store(&ctx->reserved_peak, atomic_load(&ctx->reserved_total));
+    reset_peak(&ctx->live_total, &ctx->live_peak);
+    reset_peak(&ctx->reserved_total, &ctx->reserved_peak);
     return MT_OK;
 }
 
@@ -251,7 +265,9 @@ static const char *human(uint64_t bytes, char *s, size_t n)
 mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t *needed)
 {
     if (!ctx || (!buf && cap))
-        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG, "mt_memory_report: NULL argument");
+        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG,
+                        ctx ? "mt_memory_report: buf is NULL but cap is not 0"
+                            : "mt_memory_report: ctx is NULL");
     mt_memory_stats ms;
     mt_context_memory_stats(ctx, &ms);
     sbuf b = {buf, cap, 0};

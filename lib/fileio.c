@@ -19,13 +19,15 @@ mt_status mti_read_file(mt_context *ctx, const char *path, size_t max_bytes, uns
                         size_t *size)
 {
     if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "path is NULL");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return mti_fail(ctx, MT_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
         return mti_fail(ctx, MT_ERR_IO, "'%s' is not a regular file", path);
     }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     if ((uint64_t)sb.st_size > max_bytes) {
         close(fd);
         return mti_fail(ctx, MT_ERR_FORMAT, "'%s' is %lld bytes, more than the %zu allowed", path,
@@ -74,8 +76,11 @@ mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *d
     size_t plen = strlen(path);
     char *tmp = malloc(plen + 32);
     if (!tmp) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    snprintf(tmp, plen + 32, "%s.tmp.%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    /* a fresh name beside the target, created exclusively: two writers of
+       the same path never share a temporary, and no link is followed */
+    snprintf(tmp, plen + 32, "%s.tmp.XXXXXX", path);
+    int fd = mkostemp(tmp, O_CLOEXEC);
+    if (fd >= 0) fchmod(fd, 0644);
     if (fd < 0) {
         mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno));
         free(tmp);

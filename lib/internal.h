@@ -28,6 +28,8 @@
  * logs it at debug level, and returns s. */
 mt_status mti_fail(mt_context *ctx, mt_status s, const char *fmt, ...) MTI_PRINTF(3, 4);
 void mti_log(const mt_context *ctx, mt_log_level level, const char *fmt, ...) MTI_PRINTF(3, 4);
+/* Forgets the last failure on ctx (NULL: this thread's context-less one). */
+void mti_clear_error(mt_context *ctx);
 
 /* ---- traces (trace.c) ---- */
 
@@ -63,6 +65,7 @@ struct mt_allocator {
     uint64_t blocks_by_life[MT_LIFE_COUNT][MT_MEM_COUNT];
 
     mt_trace *trace;          /* the context's trace while recording, else NULL */
+    uint64_t trace_first_id;  /* the first block id the trace has seen allocated */
 
     uint64_t n_backing_fails; /* failed backing calls, to tell whose reason a failure has */
     /* fault injection for tests: backing calls left before one fails (-1: never) */
@@ -77,6 +80,8 @@ void mti_allocator_delete(mt_allocator *a);
 /* Test hook: make the n-th next backing call of the instance fail with OOM
  * (n = 0: the very next one; n < 0: never). */
 void mti_allocator_fail_backing_after(mt_allocator *a, long n);
+/* Starts (t) or stops (NULL) recording the instance's events into t. */
+void mti_allocator_set_trace(mt_allocator *a, mt_trace *t);
 /* Sets the instance's peaks to the current values. */
 void mti_allocator_reset_peak(mt_allocator *a);
 
@@ -96,7 +101,8 @@ struct mt_context {
     _Atomic int n_children;  /* models, trainers, standalone allocators alive */
     /* all the context's instances together (standalone ones excluded) */
     _Atomic uint64_t live_total, live_peak, reserved_total, reserved_peak;
-    char err[MTI_ERR_LEN];
+    pthread_mutex_t err_mu;  /* guards err, which every thread may write */
+    char err[MTI_ERR_LEN];   /* the last failure on the context, of any thread */
 };
 
 /* ---- tensors (tensor.c) ---- */

@@ -94,7 +94,7 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
     free(host);
     if (s) {
         char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", ctx->err);
+        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
         free_params(m);
         free(m);
         return mti_fail(ctx, s, "mt_model_mlp_create: %s", msg);

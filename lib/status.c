@@ -10,7 +10,13 @@
 
 #include "internal.h"
 
-static _Thread_local char tls_err[MTI_ERR_LEN];
+/* Messages of this thread: of its last failure without a context, and of
+ * its last failure on a context (tagged with which). A context also keeps
+ * the last message of any thread, under its lock, for readers on other
+ * threads; a thread reading its own failure never sees another's. */
+static _Thread_local char tls_noctx[MTI_ERR_LEN];
+static _Thread_local const mt_context *tls_ctx;
+static _Thread_local char tls_ctx_msg[MTI_ERR_LEN];
 
 const char *mt_version(void) { return MT_VERSION_STRING; }
 
@@ -41,7 +47,23 @@ const char *mt_mem_class_name(mt_mem_class c)
     return (unsigned)c < MT_MEM_COUNT ? names[c] : "?";
 }
 
-const char *mt_last_error(const mt_context *ctx) { return ctx ? ctx->err : tls_err; }
+const char *mt_last_error(const mt_context *ctx)
+{
+    if (!ctx) return tls_noctx;
+    return tls_ctx == ctx ? tls_ctx_msg : ctx->err;
+}
+
+void mti_clear_error(mt_context *ctx)
+{
+    if (!ctx) {
+        tls_noctx[0] = 0;
+        return;
+    }
+    if (tls_ctx == ctx) tls_ctx = NULL;
+    pthread_mutex_lock(&ctx->err_mu);
+    ctx->err[0] = 0;
+    pthread_mutex_unlock(&ctx->err_mu);
+}
 
 static void vlog(const mt_context *ctx, mt_log_level level, const char *fmt, va_list ap)
 {
@@ -61,14 +83,22 @@ void mti_log(const mt_context *ctx, mt_log_level level, const char *fmt, ...)
 
 mt_status mti_fail(mt_context *ctx, mt_status s, const char *fmt, ...)
 {
-    char *dst = ctx ? ctx->err : tls_err;
     va_list ap;
     va_start(ap, fmt);
-    /* format into a scratch buffer first: an argument may point into dst */
+    /* format into a scratch buffer first: an argument may be the old message */
     char msg[MTI_ERR_LEN];
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    memcpy(dst, msg, sizeof msg);
+    size_t n = strlen(msg) + 1;
+    if (!ctx) {
+        memcpy(tls_noctx, msg, n);
+    } else {
+        memcpy(tls_ctx_msg, msg, n);
+        tls_ctx = ctx;
+        pthread_mutex_lock(&ctx->err_mu);
+        memcpy(ctx->err, msg, n);
+        pthread_mutex_unlock(&ctx->err_mu);
+    }
     mti_log(ctx, MT_LOG_DEBUG, "%s: %s", mt_status_string(s), msg);
     return s;
 }

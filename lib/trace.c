@@ -73,9 +73,11 @@ void mt_trace_free(mt_trace *t)
 
 /* ---- the context's trace ---- */
 
+/* Points every instance at t (or at none), each under its lock, so no
+ * thread is left recording into a trace about to be freed. */
 static void attach(mt_context *ctx, mt_trace *t)
 {
-    for (int i = 0; i < ctx->n_inst; i++) ctx->inst[i]->trace = t;
+    for (int i = 0; i < ctx->n_inst; i++) mti_allocator_set_trace(ctx->inst[i], t);
 }
 
 mt_status mt_context_trace_start(mt_context *ctx, size_t capacity)
@@ -96,8 +98,8 @@ mt_status mt_context_trace_stop(mt_context *ctx)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_trace_stop: ctx is NULL");
     if (!ctx->trace) return mti_fail(ctx, MT_ERR_STATE, "mt_context_trace_stop: no trace started");
-    ctx->trace->recording = false;
     attach(ctx, NULL);
+    ctx->trace->recording = false;
     return MT_OK;
 }
 
@@ -105,7 +107,8 @@ mt_status mt_context_trace_events(mt_context *ctx, const mt_trace_event **events
                                   uint64_t *dropped)
 {
     if (!ctx || !events || !count)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_trace_events: NULL argument");
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_trace_events: %s is NULL",
+                        !ctx ? "ctx" : !events ? "events" : "count");
     if (!ctx->trace) return mti_fail(ctx, MT_ERR_STATE, "mt_context_trace_events: no trace started");
     *events = ctx->trace->events;
     *count = trace_count(ctx->trace);
@@ -155,7 +158,8 @@ static void decode_event(const unsigned char *p, mt_trace_event *e)
 
 mt_status mt_trace_save(mt_context *ctx, const mt_trace *t, const char *path)
 {
-    if (!t || !path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_save: NULL argument");
+    if (!t || !path)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_save: %s is NULL", t ? "path" : "t");
     size_t n = trace_count(t);
     size_t size = TRACE_HEADER + n * TRACE_EVENT + 4;
     unsigned char *buf = malloc(size);
@@ -183,17 +187,23 @@ typedef struct live_rec {
     mt_block blk;
 } live_rec;
 
+/* Open addressing; a slot's state is in idx, never in the key, so every
+ * 64-bit key is usable: idx 0 is an empty slot, SLOT_GONE a deleted one,
+ * anything else the record's index + 1. */
+#define SLOT_GONE SIZE_MAX
+
 typedef struct live_map {
-    uint64_t *keys; /* 0 empty, UINT64_MAX deleted */
-    size_t *idx;    /* into recs */
-    size_t cap, used;
+    uint64_t *keys;
+    size_t *idx;
+    size_t cap, used; /* used: slots not empty (deleted ones included) */
     live_rec *recs;
     size_t n, cap_recs;
 } live_map;
 
+/* Ids are checked to be below 2^56 (validate), so the key is unique. */
 static uint64_t key_of(const mt_trace_event *e)
 {
-    return ((uint64_t)e->instance << 56) | (e->id & 0x00FFFFFFFFFFFFFFull);
+    return ((uint64_t)e->instance << 56) | e->id;
 }
 
 static size_t slot_of(uint64_t k, size_t cap)
@@ -210,8 +220,8 @@ static void map_free(live_map *m)
 
 static bool map_rehash(live_map *m, size_t ncap)
 {
-    uint64_t *nk = calloc(ncap, sizeof *nk);
-    size_t *ni = malloc(ncap * sizeof *ni);
+    uint64_t *nk = malloc(ncap * sizeof *nk);
+    size_t *ni = calloc(ncap, sizeof *ni);
     if (!nk || !ni) {
         free(nk);
         free(ni);
@@ -219,9 +229,9 @@ static bool map_rehash(live_map *m, size_t ncap)
     }
     for (size_t r = 0; r < m->n; r++) {
         size_t j = slot_of(m->recs[r].key, ncap);
-        while (nk[j]) j = (j + 1) & (ncap - 1);
+        while (ni[j]) j = (j + 1) & (ncap - 1);
         nk[j] = m->recs[r].key;
-        ni[j] = r;
+        ni[j] = r + 1;
     }
     free(m->keys);
     free(m->idx);
@@ -232,15 +242,23 @@ static bool map_rehash(live_map *m, size_t ncap)
     return true;
 }
 
-static size_t *map_find(live_map *m, uint64_t k)
+/* The slot holding key k, or SIZE_MAX. */
+static size_t map_slot(const live_map *m, uint64_t k)
 {
-    if (!m->cap) return NULL;
+    if (!m->cap) return SIZE_MAX;
     size_t j = slot_of(k, m->cap);
-    while (m->keys[j]) {
-        if (m->keys[j] == k) return &m->idx[j];
+    while (m->idx[j]) {
+        if (m->idx[j] != SLOT_GONE && m->keys[j] == k) return j;
         j = (j + 1) & (m->cap - 1);
     }
-    return NULL;
+    return SIZE_MAX;
+}
+
+/* The index of the live record with key k, or SIZE_MAX. */
+static size_t map_find(const live_map *m, uint64_t k)
+{
+    size_t j = map_slot(m, k);
+    return j == SIZE_MAX ? SIZE_MAX : m->idx[j] - 1;
 }
 
 static bool map_insert(live_map *m, const live_rec *r)
@@ -259,23 +277,22 @@ static bool map_insert(live_map *m, const live_rec *r)
         m->cap_recs = nc;
     }
     size_t j = slot_of(r->key, m->cap);
-    while (m->keys[j] && m->keys[j] != UINT64_MAX) j = (j + 1) & (m->cap - 1);
-    if (!m->keys[j]) m->used++;
+    while (m->idx[j] && m->idx[j] != SLOT_GONE) j = (j + 1) & (m->cap - 1);
+    if (!m->idx[j]) m->used++;
     m->keys[j] = r->key;
-    m->idx[j] = m->n;
+    m->idx[j] = m->n + 1;
     m->recs[m->n++] = *r;
     return true;
 }
 
-/* Removes record r (swap with the last). */
+/* Removes record r, which is live (swap with the last). */
 static void map_remove_rec(live_map *m, size_t r)
 {
-    size_t *slot = map_find(m, m->recs[r].key);
     size_t last = m->n - 1;
-    m->keys[slot - m->idx] = UINT64_MAX;
+    m->idx[map_slot(m, m->recs[r].key)] = SLOT_GONE;
     if (r != last) {
         m->recs[r] = m->recs[last];
-        *map_find(m, m->recs[r].key) = r;
+        m->idx[map_slot(m, m->recs[r].key)] = r + 1;
     }
     m->n--;
 }
@@ -299,12 +316,13 @@ static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
                 break;
             }
             if (e->op == MT_TRACE_FAIL) break;
-            if (e->id == 0 || e->bytes == 0 || e->bytes > MT_MAX_REQUEST) {
+            if (e->id == 0 || e->id >= ((uint64_t)1 << 56) || e->bytes == 0 ||
+                e->bytes > MT_MAX_REQUEST) {
                 s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: allocation with id %llu of %llu "
                              "bytes", i, (unsigned long long)e->id, (unsigned long long)e->bytes);
                 break;
             }
-            if (map_find(&m, key_of(e))) {
+            if (map_find(&m, key_of(e)) != SIZE_MAX) {
                 s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: block %llu allocated twice", i,
                              (unsigned long long)e->id);
                 break;
@@ -314,13 +332,13 @@ static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
                 s = mti_fail(ctx, MT_ERR_OOM, "out of host memory checking a trace");
             break;
         case MT_TRACE_FREE: {
-            size_t *r = map_find(&m, key_of(e));
-            if (!r) {
+            size_t r = e->id < ((uint64_t)1 << 56) ? map_find(&m, key_of(e)) : SIZE_MAX;
+            if (r == SIZE_MAX) {
                 s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: free of block %llu, which is "
                              "not live", i, (unsigned long long)e->id);
                 break;
             }
-            map_remove_rec(&m, *r);
+            map_remove_rec(&m, r);
             break;
         }
         case MT_TRACE_RESET:
@@ -362,7 +380,8 @@ mt_status mt_trace_from_events(mt_context *ctx, const mt_trace_event *events, si
                                mt_trace **out)
 {
     if (!out || (!events && count))
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_from_events: NULL argument");
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_from_events: %s is NULL",
+                        out ? "events (with count > 0)" : "out");
     mt_status s = validate(ctx, events, count);
     if (s) return s == MT_ERR_FORMAT ? mti_fail(ctx, MT_ERR_INVALID_ARG, "%s", mt_last_error(ctx))
                                      : s;
@@ -376,7 +395,8 @@ mt_status mt_trace_from_events(mt_context *ctx, const mt_trace_event *events, si
 
 mt_status mt_trace_load(mt_context *ctx, const char *path, mt_trace **out)
 {
-    if (!path || !out) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_load: NULL argument");
+    if (!path || !out)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_load: %s is NULL", path ? "out" : "path");
     unsigned char *buf;
     size_t size;
     mt_status s = mti_read_file(ctx, path, TRACE_MAX_FILE, &buf, &size);
@@ -442,7 +462,8 @@ static mt_status replay_free(live_map *m, size_t r, mt_allocator *a, mt_replay_r
 mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *res)
 {
     if (!t || !a || !res)
-        return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG, "mt_trace_replay: NULL argument");
+        return mti_fail(a ? a->ctx : NULL, MT_ERR_INVALID_ARG, "mt_trace_replay: %s is NULL",
+                        !t ? "t" : !a ? "a" : "res");
     memset(res, 0, sizeof *res);
     mti_allocator_reset_peak(a);
     live_map m = {0};
@@ -469,8 +490,8 @@ mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *
             break;
         }
         case MT_TRACE_FREE: {
-            size_t *r = map_find(&m, key_of(e));
-            if (r) s = replay_free(&m, *r, a, res);
+            size_t r = map_find(&m, key_of(e));
+            if (r != SIZE_MAX) s = replay_free(&m, r, a, res);
             break;
         }
         case MT_TRACE_RESET: {

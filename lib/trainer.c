@@ -300,7 +300,7 @@ static void optimizer_step(mt_trainer *t, step_state *st)
 static mt_status step_failed(mt_trainer *t, step_state *st, const char *fn, mt_status s)
 {
     char msg[MTI_ERR_LEN];
-    snprintf(msg, sizeof msg, "%s", t->ctx->err);
+    snprintf(msg, sizeof msg, "%s", mt_last_error(t->ctx));
     step_release(t->ctx, st);
     reset_all(t->ctx, MT_SCOPE_STEP);
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg);

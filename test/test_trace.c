@@ -3,8 +3,11 @@
  * format (and its refusal of damaged files), and replay through every
  * allocator.
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -255,5 +258,113 @@ TEST(trace_from_events_checks)
     CHECK_EQ(r.peak_live_bytes, 300);
     mt_allocator_destroy(a);
     mt_trace_free(t);
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* Ids at the edges of the key space must not confuse the checks. */
+TEST(trace_crafted_ids)
+{
+    mt_trace *t;
+    const uint64_t top = ((uint64_t)1 << 56) - 1;
+    mt_trace_event edge[3] = {
+        {.op = MT_TRACE_ALLOC, .id = top, .bytes = 64, .instance = 255},
+        {.op = MT_TRACE_FREE, .id = top, .instance = 255},
+        {.op = MT_TRACE_FREE, .id = top, .instance = 255},
+    };
+    CHECK_OK(mt_trace_from_events(NULL, edge, 2, &t));
+    mt_trace_free(t);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trace_from_events(NULL, edge, 3, &t));
+    mt_trace_event wide[2] = {
+        {.op = MT_TRACE_ALLOC, .id = (uint64_t)1 << 56, .bytes = 64},
+        {.op = MT_TRACE_RESET, .scope = MT_SCOPE_ALL},
+    };
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trace_from_events(NULL, wide, 2, &t));
+    CHECK(strstr(mt_last_error(NULL), "event 0"));
+    wide[1] = (mt_trace_event){.op = MT_TRACE_FREE, .id = 0};
+    wide[0].id = 5;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trace_from_events(NULL, wide, 2, &t));
+}
+
+/* A trace started while blocks are live leaves their frees out, so what it
+ * writes loads again. */
+TEST(trace_started_mid_run)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CPU;
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cfg, &ctx));
+    mt_alloc_request r = {.bytes = 1000, .mem_class = MT_MEM_ACT, .lifetime = MT_LIFE_STEP};
+    mt_block old, young;
+    CHECK_OK(mt_context_alloc(ctx, &r, &old));
+    CHECK_OK(mt_context_trace_start(ctx, 100));
+    CHECK_OK(mt_context_alloc(ctx, &r, &young));
+    CHECK_OK(mt_context_free(ctx, &old));
+    CHECK_OK(mt_context_free(ctx, &young));
+    const mt_trace_event *ev;
+    size_t n;
+    CHECK_OK(mt_context_trace_events(ctx, &ev, &n, NULL));
+    CHECK_EQ(n, 2);
+    char path[256];
+    tmp_path(path, sizeof path, "mid.trace");
+    CHECK_OK(mt_context_trace_write(ctx, path));
+    mt_trace *t;
+    CHECK_OKC(ctx, mt_trace_load(ctx, path, &t));
+    mt_trace_free(t);
+    unlink(path);
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* A FIFO is refused at once, not waited on. */
+TEST(trace_load_not_a_file)
+{
+    char path[256];
+    tmp_path(path, sizeof path, "fifo");
+    unlink(path);
+    CHECK(mkfifo(path, 0600) == 0);
+    mt_trace *t;
+    CHECK_ST(MT_ERR_IO, mt_trace_load(NULL, path, &t));
+    CHECK(strstr(mt_last_error(NULL), "not a regular file"));
+    unlink(path);
+    CHECK_ST(MT_ERR_IO, mt_trace_load(NULL, "/tmp", &t));
+}
+
+/* Starting and stopping traces while threads allocate on a thread-safe
+ * instance: no thread may write into a trace that was freed. */
+typedef struct churn_arg {
+    mt_context *ctx;
+    _Atomic int *stop;
+} churn_arg;
+
+static void *churn(void *p)
+{
+    churn_arg *c = p;
+    mt_alloc_request r = {.bytes = 4096, .mem_class = MT_MEM_WORK, .lifetime = MT_LIFE_STEP};
+    while (!atomic_load(c->stop)) {
+        mt_block b;
+        EXPECT(mt_context_alloc(c->ctx, &r, &b) == MT_OK);
+        EXPECT(mt_context_free(c->ctx, &b) == MT_OK);
+    }
+    return NULL;
+}
+
+TEST(trace_restart_under_threads)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CPU;
+    for (int c = 0; c < MT_MEM_COUNT; c++) cfg.allocators[c].flags = MT_ALLOCATOR_THREAD_SAFE;
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cfg, &ctx));
+    _Atomic int stop = 0;
+    churn_arg arg = {ctx, &stop};
+    pthread_t th[3];
+    for (int i = 0; i < 3; i++) CHECK(pthread_create(&th[i], NULL, churn, &arg) == 0);
+    for (int i = 0; i < 300; i++) {
+        CHECK_OK(mt_context_trace_start(ctx, 64));
+        if (i % 3 == 0) CHECK_OK(mt_context_trace_stop(ctx));
+    }
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 3; i++) pthread_join(th[i], NULL);
     CHECK_OK(mt_context_destroy(ctx));
 }

@@ -283,7 +283,7 @@ static int cmd_train(int argc, char **argv)
         }
         window += loss;
         in_window++;
-        if (step % o.every == 0 || step == o.steps) {
+        if (step == 1 || step % o.every == 0 || step == o.steps) {
             mt_memory_stats ms;
             mt_context_memory_stats(ctx, &ms);
             printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB\n", step, window / in_window,
