@@ -33,7 +33,7 @@ DEB_PKGS := libjemalloc-dev libopenblas-dev pkg-config
 # CUDA kernels: built whenever nvcc is found; nothing needs a GPU to build.
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA_ARCHS ?= 80 90
-CUDA_SRC := $(wildcard kernels/cuda/*.cu)
+CUDA_SRC := $(wildcard kernels/cuda/*.cu kernels/cuda/*.cuh)
 
 LIB_SRC := $(wildcard lib/*.c allocators/*.c kernels/cpu/*.c)
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
@@ -54,7 +54,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib test test-long demo bench install uninstall clean deps valgrind check-tests
+.PHONY: all lib test test-long test-gpu demo bench install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -141,6 +141,14 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL)
 test-long: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA)
 	MT_FAKE_CUDA=$(FAKE_CUDA) MT_TEST_LONG=1 $(TEST_BIN) stress
+
+# the op conformance suite against the CUDA table, on a real GPU (needs nvcc
+# at build time and an NVIDIA driver at run time; the stand-in driver cannot
+# run kernels)
+test-gpu: deps
+	@test -n "$(strip $(NVCC))" || { echo "test-gpu: nvcc not found, so no CUDA kernels to test (set NVCC)"; exit 1; }
+	@$(MAKE) --no-print-directory $(TEST_BIN)
+	MT_TEST_GPU=1 $(TEST_BIN) ops
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES)

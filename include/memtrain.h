@@ -463,6 +463,31 @@ typedef enum mt_optimizer_kind {
     MT_OPT_SGD = 1 /* with optional momentum */
 } mt_optimizer_kind;
 
+/* How a trainer computes. In fp16 and bf16 the model's weights (PARAM) and
+ * the activations are kept in 16 bits, an fp32 master copy of the weights
+ * (MASTER) takes the optimizer's updates and the 16-bit copy is refreshed
+ * from it after every step; gradients of the weights are fp32. fp16 needs
+ * loss scaling (see mt_loss_scale_config); bf16 has fp32's range and does
+ * without. */
+typedef enum mt_precision {
+    MT_PREC_FP32 = 0,
+    MT_PREC_FP16 = 1,
+    MT_PREC_BF16 = 2
+} mt_precision;
+
+/* Loss scaling for fp16, as torch.amp.GradScaler: the loss is multiplied by
+ * the scale before backward, gradients are unscaled and checked before the
+ * optimizer; a step with an inf or NaN gradient is skipped and the scale
+ * multiplied by backoff_factor; after growth_interval clean steps in a row it
+ * is multiplied by growth_factor. */
+typedef struct mt_loss_scale_config {
+    int dynamic;            /* 1 (default): as above; 0: the scale stays init_scale */
+    float init_scale;       /* 65536 */
+    double growth_factor;   /* 2.0 */
+    double backoff_factor;  /* 0.5 */
+    int growth_interval;    /* 2000 */
+} mt_loss_scale_config;
+
 typedef struct mt_trainer_config {
     uint32_t struct_size;
     int max_batch;          /* largest batch a step will see (needed to plan; 32) */
@@ -470,6 +495,8 @@ typedef struct mt_trainer_config {
     float lr;               /* 0.1 */
     float momentum;         /* 0 */
     float weight_decay;     /* 0; L2 as torch.optim.SGD: g += weight_decay * p */
+    mt_precision precision; /* MT_PREC_FP32 */
+    mt_loss_scale_config loss_scale; /* used with MT_PREC_FP16 */
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
@@ -490,8 +517,22 @@ typedef struct mt_batch {
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
 /* Mean loss and accuracy of a batch without training. Either output may be NULL. */
 mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *accuracy);
-/* Steps taken so far. */
+/* Steps taken so far (skipped ones included). */
 uint64_t mt_trainer_steps(const mt_trainer *t);
+
+/* The loss scaler's state, part of the trainer's state. Without fp16 the
+ * scale is 1 and nothing is ever skipped. */
+typedef struct mt_loss_scale_state {
+    float scale;
+    int growth_tracker;      /* clean steps in a row since the scale last changed */
+    uint64_t steps_skipped;  /* optimizer steps skipped for non-finite gradients */
+    int last_step_skipped;   /* whether the last step was one of them */
+} mt_loss_scale_state;
+
+mt_status mt_trainer_get_loss_scale(const mt_trainer *t, mt_loss_scale_state *out);
+/* Restores a saved state (e.g. when resuming). The scale must be finite and
+ * > 0, the tracker in [0, growth_interval). */
+mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in);
 
 #ifdef __cplusplus
 }

@@ -103,7 +103,15 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
         s = mti_device_cpu_open(ctx, ctx->threads, &ctx->dev);
     if (s) return create_failed(ctx, s);
     mti_cpu_set_threads(ctx->threads);
-    ctx->ops = mti_cpu_ops();
+    if (ctx->dev->kind == MT_DEVICE_CUDA) {
+        /* without kernels the device still serves memory and copies */
+        if (mti_cuda_ops(ctx->dev, &ctx->ops) != MT_OK) {
+            ctx->ops = NULL;
+            mti_log(ctx, MT_LOG_WARN, "no CUDA op table: %s", mt_last_error(ctx));
+        }
+    } else {
+        ctx->ops = mti_cpu_ops();
+    }
 
     for (int k = 0; k < MT_MEM_COUNT; k++) {
         int found = -1;

@@ -28,11 +28,58 @@ typedef struct mti_dim3 {
     unsigned int x, y, z;
 } mti_dim3;
 
-/* The kernels of kernels/cuda, by their extern "C" names. */
+/* The kernels of kernels/cuda, by their extern "C" names: X(ID, "name")
+ * for each. A kernel over tensors of a storage dtype comes three times,
+ * NAME_f32, NAME_f16, NAME_bf16, with consecutive ids in mti_dtype order, so
+ * the op table takes the one for dt as ID_F32 + dt. Parameters are listed
+ * beside each kernel in kernels/cuda. */
+#define MTI_CUDA_DT3(X, ID, NAME) X(ID##_F32, NAME "_f32") X(ID##_F16, NAME "_f16") \
+    X(ID##_BF16, NAME "_bf16")
+#define MTI_CUDA_KERNELS(X)                                                                    \
+    X(MTI_CUDA_FILL_F32, "mt_fill_f32") /* (float *y, float value, uint64_t n) */             \
+    X(MTI_CUDA_AXPY_F32, "mt_axpy_f32") /* (float *y, float a, const float *x, uint64_t n) */ \
+    X(MTI_CUDA_CAST, "mt_cast")                                                                \
+    MTI_CUDA_DT3(X, MTI_CUDA_GELU_FWD, "mt_gelu_fwd")                                          \
+    MTI_CUDA_DT3(X, MTI_CUDA_GELU_BWD, "mt_gelu_bwd")                                          \
+    MTI_CUDA_DT3(X, MTI_CUDA_RELU_FWD, "mt_relu_fwd")                                          \
+    MTI_CUDA_DT3(X, MTI_CUDA_RELU_BWD, "mt_relu_bwd")                                          \
+    MTI_CUDA_DT3(X, MTI_CUDA_ADD, "mt_add")                                                    \
+    MTI_CUDA_DT3(X, MTI_CUDA_ACCUMULATE, "mt_accumulate")                                      \
+    MTI_CUDA_DT3(X, MTI_CUDA_EMB_FWD, "mt_emb_fwd")                                            \
+    X(MTI_CUDA_EMB_HASH, "mt_emb_hash")                                                        \
+    X(MTI_CUDA_EMB_SCAN, "mt_emb_scan")                                                        \
+    X(MTI_CUDA_EMB_FILL, "mt_emb_fill")                                                        \
+    X(MTI_CUDA_EMB_RANK, "mt_emb_rank")                                                        \
+    MTI_CUDA_DT3(X, MTI_CUDA_EMB_BWD_WTE, "mt_emb_bwd_wte")                                    \
+    MTI_CUDA_DT3(X, MTI_CUDA_LN_FWD, "mt_ln_fwd")                                              \
+    MTI_CUDA_DT3(X, MTI_CUDA_LN_BWD_DX, "mt_ln_bwd_dx")                                        \
+    MTI_CUDA_DT3(X, MTI_CUDA_LN_BWD_DWDB, "mt_ln_bwd_dwdb")                                    \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_FWD_32, "mt_attn_fwd_32")                                    \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_FWD_64, "mt_attn_fwd_64")                                    \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_FWD_128, "mt_attn_fwd_128")                                  \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_FWD_256, "mt_attn_fwd_256")                                  \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_Q_32, "mt_attn_bwd_q_32")                                \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_Q_64, "mt_attn_bwd_q_64")                                \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_Q_128, "mt_attn_bwd_q_128")                              \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_Q_256, "mt_attn_bwd_q_256")                              \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_32, "mt_attn_bwd_kv_32")                              \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_64, "mt_attn_bwd_kv_64")                              \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_128, "mt_attn_bwd_kv_128")                            \
+    MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_256, "mt_attn_bwd_kv_256")                            \
+    MTI_CUDA_DT3(X, MTI_CUDA_XENT, "mt_xent")                                                  \
+    MTI_CUDA_DT3(X, MTI_CUDA_COLSUM, "mt_colsum")                                              \
+    X(MTI_CUDA_COLSUM_FINISH, "mt_colsum_finish")                                              \
+    X(MTI_CUDA_SUMSQ_PART, "mt_sumsq_part")                                                    \
+    X(MTI_CUDA_SUMSQ_FINISH, "mt_sumsq_finish")                                                \
+    X(MTI_CUDA_UNSCALE_CHECK, "mt_unscale_check")                                              \
+    X(MTI_CUDA_SGD, "mt_sgd")                                                                  \
+    X(MTI_CUDA_ADAMW, "mt_adamw")
+
 typedef enum mti_cuda_kernel_id {
-    MTI_CUDA_FILL_F32 = 0, /* mt_fill_f32(float *y, float value, uint64_t n) */
-    MTI_CUDA_AXPY_F32 = 1, /* mt_axpy_f32(float *y, float a, const float *x, uint64_t n) */
-    MTI_CUDA_KERNEL_COUNT = 2
+#define MTI_CUDA_KERNEL_ENUM(id, name) id,
+    MTI_CUDA_KERNELS(MTI_CUDA_KERNEL_ENUM)
+#undef MTI_CUDA_KERNEL_ENUM
+    MTI_CUDA_KERNEL_COUNT
 } mti_cuda_kernel_id;
 
 /* The extern "C" name of a built-in kernel; NULL for an id out of range. */
@@ -66,6 +113,29 @@ mt_status mti_cuda_module_function(mti_device *d, mti_cuda_module *m, const char
  * pointers are passed as the address of a void * / float * variable). */
 mt_status mti_cuda_launch(mti_device *d, mti_cuda_fn *fn, mti_dim3 grid, mti_dim3 block,
                           unsigned int shared_bytes, void **args);
+
+/* The device's stream (a CUstream), for libraries that queue work on it
+ * themselves (cuBLASLt); NULL on another device. */
+void *mti_cuda_stream(mti_device *d);
+
+/* Makes the device's primary context current on the calling thread until
+ * mti_cuda_leave (calls into CUDA libraries need it current); nests. */
+mt_status mti_cuda_enter(mti_device *d);
+void mti_cuda_leave(mti_device *d);
+
+/* 1 when the device runs on the libcuda.so.1 the process would load by that
+ * name, the driver the CUDA runtime inside CUDA libraries (cuBLASLt) talks
+ * to; 0 for a driver opened from another path (the tests' stand-in). */
+int mti_cuda_is_system_driver(mti_device *d);
+
+/* Host-side state of the op table for one device (a cuBLASLt handle, plans):
+ * attached once, freed by free_fn when the device closes, with the device's
+ * context current and before its stream and memory go. Returns the state
+ * attached after the call: `state` if none was, else the one attached
+ * before (the caller then frees its own). NULL on another device. */
+void *mti_cuda_attach(mti_device *d, void *state, void (*free_fn)(mti_device *d, void *state));
+/* The attached state, or NULL. */
+void *mti_cuda_attached(mti_device *d);
 
 /* Convenience launchers for the built-in kernels, on the device's stream.
  * y and x are device addresses of n floats. */

@@ -242,6 +242,9 @@ typedef struct cuda_dev {
     CUfunction kernels[MTI_CUDA_KERNEL_COUNT];
     char kernel_err[512]; /* why the built-in kernels are missing */
 
+    void *ops_state;     /* the op table's state for this device (mti_cuda_attach) */
+    void (*ops_state_free)(mti_device *d, void *state);
+
     pthread_mutex_t mu;  /* guards the two tables below */
     cuda_aligned *aligned;
     size_t n_aligned, cap_aligned;
@@ -711,6 +714,10 @@ static void cuda_destroy(mti_device *d)
     if (c) {
         if (c->pctx && cuda_enter(d) == MT_OK) {
             if (c->stream) cuda_drain(d);
+            /* the op table's state may hold library handles that want the
+             * context, the stream and their memory still there */
+            if (c->ops_state && c->ops_state_free) c->ops_state_free(d, c->ops_state);
+            c->ops_state = NULL;
             /* memory the allocators did not give back: the ranges here; plain
              * reservations go with the primary context when its last user
              * releases it */
@@ -723,6 +730,7 @@ static void cuda_destroy(mti_device *d)
             if (c->stream) c->api.StreamDestroy(c->stream);
             cuda_leave(d);
         }
+        if (c->ops_state && c->ops_state_free) c->ops_state_free(d, c->ops_state);
         if (c->pctx) c->api.PrimaryCtxRelease(c->dev);
         cuda_api_unload(&c->api);
         pthread_mutex_destroy(&c->mu);
@@ -934,8 +942,9 @@ fail:
 /* ---- kernel issue (cuda_device.h) ---- */
 
 static const char *const kernel_names[MTI_CUDA_KERNEL_COUNT] = {
-    [MTI_CUDA_FILL_F32] = "mt_fill_f32",
-    [MTI_CUDA_AXPY_F32] = "mt_axpy_f32",
+#define KERNEL_NAME(id, name) [id] = name,
+    MTI_CUDA_KERNELS(KERNEL_NAME)
+#undef KERNEL_NAME
 };
 
 const char *mti_cuda_kernel_name(mti_cuda_kernel_id k)
@@ -978,6 +987,57 @@ mt_status mti_cuda_kernel(mti_device *d, mti_cuda_kernel_id k, mti_cuda_fn **out
                         kernel_names[k], c->kernel_err);
     *out = (mti_cuda_fn *)c->kernels[k];
     return MT_OK;
+}
+
+void *mti_cuda_stream(mti_device *d)
+{
+    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return NULL;
+    return ((cuda_dev *)d->impl)->stream;
+}
+
+mt_status mti_cuda_enter(mti_device *d)
+{
+    mt_status st = need_cuda(d, "mti_cuda_enter");
+    return st != MT_OK ? st : cuda_enter(d);
+}
+
+void mti_cuda_leave(mti_device *d)
+{
+    if (d && d->kind == MT_DEVICE_CUDA && d->impl) cuda_leave(d);
+}
+
+int mti_cuda_is_system_driver(mti_device *d)
+{
+    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return 0;
+    cuda_dev *c = d->impl;
+    void *sys = dlopen(CUDA_DEFAULT_DRIVER, RTLD_NOW | RTLD_NOLOAD);
+    int same = sys && sys == c->api.lib;
+    if (sys) dlclose(sys);
+    return same;
+}
+
+void *mti_cuda_attach(mti_device *d, void *state, void (*free_fn)(mti_device *d, void *state))
+{
+    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return NULL;
+    cuda_dev *c = d->impl;
+    pthread_mutex_lock(&c->mu);
+    if (!c->ops_state) {
+        c->ops_state = state;
+        c->ops_state_free = free_fn;
+    }
+    void *now = c->ops_state;
+    pthread_mutex_unlock(&c->mu);
+    return now;
+}
+
+void *mti_cuda_attached(mti_device *d)
+{
+    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return NULL;
+    cuda_dev *c = d->impl;
+    pthread_mutex_lock(&c->mu);
+    void *now = c->ops_state;
+    pthread_mutex_unlock(&c->mu);
+    return now;
 }
 
 mt_status mti_cuda_module_load(mti_device *d, const void *image, mti_cuda_module **out)

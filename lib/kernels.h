@@ -1,8 +1,33 @@
 /*
- * kernels.h - the op table. One table per device with the same names and
- * semantics: kernels/cpu (the reference and the CPU backend) and, as it
- * grows, kernels/cuda. Pointers are device pointers of the table's device.
- * Shapes are given beside each op; all storage here is fp32, row-major.
+ * kernels.h - the op table.
+ *
+ * One table of operations, implemented twice with the same names and
+ * semantics: kernels/cpu (the reference, and the CPU backend) and
+ * kernels/cuda (launched on the context's stream). A context's table is
+ * ctx->ops. One conformance suite (test/test_ops.c) runs the same cases
+ * against both.
+ *
+ * Conventions:
+ *   - Pointers are device pointers of the table's device. Tensors are dense
+ *     and row-major; shapes are written beside each op, e.g. (B,T,C).
+ *   - `dt` is the storage dtype of the tensors marked dt (fp32, fp16 or
+ *     bf16). Everything is computed and accumulated in fp32 (GEMMs,
+ *     reductions, softmax statistics); results are rounded to dt once, to
+ *     nearest even.
+ *   - Parameter gradients are always fp32 and always accumulated (+=): the
+ *     engine zeroes them once per effective batch, so gradient accumulation
+ *     over micro-batches is the same code. Gradients of activations are in
+ *     dt; `accumulate` says whether an op adds into dx (residual streams) or
+ *     overwrites it.
+ *   - Saved statistics (layernorm mean and rstd, attention logsumexp) are
+ *     fp32.
+ *   - On the CPU every reduction runs in a fixed order, so results do not
+ *     depend on the number of threads.
+ *   - Ops return MT_OK or a status (a device launch failing, or workspace
+ *     running out); they never change their inputs unless an output aliases
+ *     one, where the op says it may.
+ *   - Workspace an op needs beyond its arguments comes from the context's
+ *     WORK allocator (mti_work_alloc), so it is counted like everything else.
  */
 #ifndef MT_KERNELS_H
 #define MT_KERNELS_H
@@ -10,37 +35,173 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "internal.h"
+
+/* What every op gets: the context (errors, workspace) and its device. */
+typedef struct mti_kctx {
+    mt_context *ctx;
+    mti_device *dev;
+} mti_kctx;
+
+/* Workspace of `bytes` from the context's WORK allocator, lifetime PHASE,
+ * freed with mti_work_free before the op returns. */
+mt_status mti_work_alloc(const mti_kctx *k, size_t bytes, mt_block *out);
+void mti_work_free(const mti_kctx *k, mt_block *b);
+
+typedef enum mti_rounding {
+    MTI_ROUND_NEAREST = 0,    /* to nearest, ties to even */
+    MTI_ROUND_STOCHASTIC = 1  /* bf16 only: probability proportional to the distance */
+} mti_rounding;
+
+/* SGD as torch.optim.SGD: d = g * grad_scale + wd * p;
+ * m = momentum * m + (1 - dampening) * d, except m = d on the first step;
+ * d = nesterov ? d + momentum * m : m (when momentum > 0); p -= lr * d. */
+typedef struct mti_sgd_args {
+    float lr, momentum, dampening, weight_decay;
+    int nesterov;
+    int first_step;   /* the momentum buffer is uninitialised: m = d */
+    float grad_scale; /* gradients are multiplied by this first (1: none) */
+} mti_sgd_args;
+
+/* AdamW as torch.optim.AdamW (../shared/REFERENCES.md), step t from 1:
+ * g = g * grad_scale; p *= 1 - lr * wd; m = b1 m + (1 - b1) g;
+ * v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). */
+typedef struct mti_adamw_args {
+    float lr, beta1, beta2, eps, weight_decay;
+    int64_t step;
+    float grad_scale;
+} mti_adamw_args;
+
+typedef struct mti_ops mti_ops;
+
 struct mti_ops {
-    const char *name;
-    /* y (N,out) = x (N,in) . W^T + b, with W (out,in) and b (out) or NULL */
-    void (*matmul_fwd)(float *y, const float *x, const float *w, const float *b, int n, int in,
-                       int out);
-    /* dx (N,in) = dy (N,out) . W;  dW (out,in) = dy^T . x;  db (out) = sum over rows of dy.
-     * With accumulate != 0, dW and db are added to instead of overwritten.
-     * dx and db may be NULL (not wanted). */
-    void (*matmul_bwd)(float *dx, float *dw, float *db, const float *dy, const float *x,
-                       const float *w, int n, int in, int out, int accumulate);
-    /* elementwise over n values; the backward's dx may alias dy */
-    void (*relu_fwd)(float *y, const float *x, size_t n);
-    void (*relu_bwd)(float *dx, const float *dy, const float *x, size_t n);
-    /* GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
-    void (*gelu_fwd)(float *y, const float *x, size_t n);
-    void (*gelu_bwd)(float *dx, const float *dy, const float *x, size_t n);
-    /* Softmax cross-entropy over C classes for N rows: losses (N) = -log softmax(logits)[target];
-     * dlogits (N,C) = (softmax - onehot(target)) * dscale. dlogits may alias logits (the
-     * probabilities are never kept). */
-    void (*xent_fwd_bwd)(float *losses, float *dlogits, const float *logits,
-                         const int32_t *targets, int n, int c, float dscale);
-    /* losses only */
-    void (*xent_fwd)(float *losses, const float *logits, const int32_t *targets, int n, int c);
-    /* SGD as torch.optim.SGD (dampening 0, no Nesterov): g' = g + wd p;
-     * m = momentum m + g' (m NULL when momentum is 0); p -= lr (m or g'). */
-    void (*sgd_update)(float *p, const float *g, float *m, size_t n, float lr, float momentum,
-                       float wd);
+    const char *name;     /* "cpu", "cuda" */
+    mt_device_kind device;
+
+    /* ---- casts ---- */
+    /* dst (n) in dst_dt = src (n) in src_dt. Narrowing rounds to nearest even
+     * (fp16: values beyond 65504 round to inf as torch does; NaN stays NaN),
+     * or, for bf16 with MTI_ROUND_STOCHASTIC, up or down with probability
+     * proportional to the distance, from a counter-based generator of (seed,
+     * element index), so the result does not depend on threads. dst may not
+     * alias src unless the dtypes have the same size. */
+    mt_status (*cast)(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
+                      mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
+
+    /* ---- embedding: token + position ---- */
+    /* out (B,T,C) = wte[tok[b,t]] (V,C) + wpe[t] (maxT,C); out, wte, wpe in dt.
+     * Tokens are checked by the caller to be in [0, V). */
+    mt_status (*embedding_fwd)(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
+                               const void *wpe, int B, int T, int C, mti_dtype dt);
+    /* dwte (V,C) += dout rows scattered by token; dwpe (maxT,C) += dout summed
+     * over B; fp32, in a fixed order (deterministic). */
+    mt_status (*embedding_bwd)(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
+                               const int32_t *tok, int B, int T, int C, mti_dtype dt);
+
+    /* ---- matmul with bias: y = x W^T + b ---- */
+    /* y (N,O) = x (N,I) . W (O,I)^T + b (O); all in dt; b may be NULL. */
+    mt_status (*matmul_fwd)(const mti_kctx *k, void *y, const void *x, const void *w, const void *b,
+                            int n, int in, int out, mti_dtype dt);
+    /* dx (N,I) in dt = (or += with accumulate) dy (N,O) . W; dW (O,I) += dy^T . x;
+     * db (O) += sum over rows of dy; dW and db fp32. dx, dw, db may each be NULL. */
+    mt_status (*matmul_bwd)(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
+                            const void *x, const void *w, int n, int in, int out, mti_dtype dt,
+                            int accumulate);
+
+    /* ---- layernorm, eps 1e-5 ---- */
+    /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
+     * (either may be NULL when not needed); x, w, b, out in dt. */
+    mt_status (*layernorm_fwd)(const mti_kctx *k, void *out, float *mean, float *rstd,
+                               const void *x, const void *w, const void *b, int n, int c,
+                               mti_dtype dt);
+    /* dx (N,C) in dt = (or += with accumulate) the input gradient; dw, db (C)
+     * fp32 +=. Uses the saved mean and rstd. */
+    mt_status (*layernorm_bwd)(const mti_kctx *k, void *dx, float *dw, float *db, const void *dout,
+                               const void *x, const void *w, const float *mean, const float *rstd,
+                               int n, int c, mti_dtype dt, int accumulate);
+
+    /* ---- activations (elementwise over n) ---- */
+    /* GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). y may alias x. */
+    mt_status (*gelu_fwd)(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
+    /* dx = dy * gelu'(x); dx may alias dy. */
+    mt_status (*gelu_bwd)(const mti_kctx *k, void *dx, const void *dy, const void *x, size_t n,
+                          mti_dtype dt);
+    /* ReLU; the backward needs only the output's sign: dx = y > 0 ? dy : 0.
+     * y may alias x, dx may alias dy. */
+    mt_status (*relu_fwd)(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
+    mt_status (*relu_bwd)(const mti_kctx *k, void *dx, const void *dy, const void *y, size_t n,
+                          mti_dtype dt);
+
+    /* ---- residual ---- */
+    /* y = a + b (n, dt); y may alias a or b. */
+    mt_status (*add)(const mti_kctx *k, void *y, const void *a, const void *b, size_t n,
+                     mti_dtype dt);
+    /* y += x (n, dt). */
+    mt_status (*accumulate)(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
+
+    /* ---- causal self-attention, memory-efficient ---- */
+    /* qkv (B,T,3C): per token the queries of the H heads (C values, head h at
+     * h*hs), then the keys, then the values, hs = C/H. out (B,T,C) in the same
+     * head layout; lse (B,H,T) = the logsumexp of each query row's scaled
+     * scores (scale 1/sqrt(hs), keys 0..t). The (T,T) scores and
+     * probabilities are never stored: keys are visited in blocks with an
+     * online softmax. */
+    mt_status (*attention_fwd)(const mti_kctx *k, void *out, float *lse, const void *qkv, int B,
+                               int T, int C, int H, mti_dtype dt);
+    /* dqkv (B,T,3C) in dt (overwritten) from dout (B,T,C), the forward's
+     * inputs and outputs; the probabilities are recomputed block by block from
+     * q, k and lse. */
+    mt_status (*attention_bwd)(const mti_kctx *k, void *dqkv, const void *dout, const void *qkv,
+                               const void *out, const float *lse, int B, int T, int C, int H,
+                               mti_dtype dt);
+
+    /* ---- softmax cross-entropy over a vocabulary, fused ---- */
+    /* logits (N,Vp) in dt, of which the first V columns are real. losses (N)
+     * fp32 = logsumexp(logits[:V]) - logits[target]. With dlogits non-NULL:
+     * dlogits (N,Vp) in dt = (softmax(logits[:V]) - onehot(target)) * dloss,
+     * padding columns 0; dlogits may alias logits, so no probability tensor
+     * is ever kept. Targets are checked by the caller to be in [0, V). */
+    mt_status (*xent)(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                      const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt);
+
+    /* ---- mixed precision ---- */
+    /* g (n) fp32 *= inv_scale, and *found_inf (a device int) = 1 if any
+     * element of g is inf or NaN (it is never cleared here). */
+    mt_status (*unscale_check)(const mti_kctx *k, float *g, size_t n, float inv_scale,
+                               int *found_inf);
+    /* *sumsq (a device float) = sum of g^2 over n fp32 values, accumulated in
+     * fp32 over blocks of fixed size and then across blocks in order. */
+    mt_status (*sumsq)(const mti_kctx *k, float *sumsq, const float *g, size_t n);
+
+    /* ---- optimizer updates: fp32 masters p, fp32 gradients g ---- */
+    /* With pc non-NULL, pc (n) in pc_dt = p rounded to nearest even after the
+     * update: the compute copy is refreshed in the same pass. */
+    mt_status (*sgd)(const mti_kctx *k, float *p, const float *g, float *m, void *pc,
+                     mti_dtype pc_dt, size_t n, const mti_sgd_args *a);
+    mt_status (*adamw)(const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
+                       mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
 };
 
-/* The CPU table, and the CPU thread count for its kernels (OpenMP, OpenBLAS). */
-const struct mti_ops *mti_cpu_ops(void);
+/* The CPU table, and the CPU thread count for its kernels (OpenMP and
+ * OpenBLAS share one setting per process). */
+const mti_ops *mti_cpu_ops(void);
 void mti_cpu_set_threads(int threads);
+int mti_cpu_threads(void);
+
+/* The CUDA table (MT_ERR_UNSUPPORTED when the device has no kernels). */
+mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);
+
+/* ---- scalar conversions, the one definition both tables follow ---- */
+
+/* fp32 -> fp16 / bf16 bits, round to nearest even; fp16/bf16 bits -> fp32. */
+uint16_t mti_f32_to_f16(float f);
+uint16_t mti_f32_to_bf16(float f);
+float mti_f16_to_f32(uint16_t h);
+float mti_bf16_to_f32(uint16_t h);
+/* bf16 with stochastic rounding: `rnd` supplies the 16 random low bits. */
+uint16_t mti_f32_to_bf16_sr(float f, uint32_t rnd);
+/* The 32 random bits stochastic rounding uses for element i of a cast
+ * seeded with `seed` (a counter-based hash: the same on every device). */
+uint32_t mti_sr_bits(uint64_t seed, uint64_t i);
 
 #endif /* MT_KERNELS_H */

@@ -16,7 +16,11 @@ struct mt_model {
     mti_model_kind kind;
     mt_mlp_spec mlp;
     int n_tensors;                       /* parameter tensors: W0, b0, W1, b1, ... */
-    mti_tensor params[MTI_MAX_PARAMS];   /* class PARAM, persistent */
+    mti_tensor params[MTI_MAX_PARAMS];   /* class PARAM, persistent; fp32, or the 16-bit
+                                            compute copy while a mixed-precision trainer
+                                            holds the masters */
+    mti_tensor master[MTI_MAX_PARAMS];   /* class MASTER, fp32, while such a trainer lives */
+    bool has_master;
     size_t n_params;                     /* elements in all of them */
     _Atomic int n_trainers;
 };

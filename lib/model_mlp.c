@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "model.h"
 #include "rng.h"
 
@@ -130,12 +131,20 @@ static mt_status check_copy(const mt_model *m, const void *p, size_t n, const ch
     return MT_OK;
 }
 
+/* The fp32 values of the weights: the masters while a mixed-precision
+ * trainer holds them, else the weights themselves. */
+static const mti_tensor *fp32_params(const mt_model *m)
+{
+    return m->has_master ? m->master : m->params;
+}
+
 mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n)
 {
     mt_status s = check_copy(m, dst, n, "mt_model_get_params");
     for (int i = 0; i < (m ? m->n_tensors : 0) && !s; i++) {
-        size_t k = (size_t)mti_tensor_numel(&m->params[i]);
-        s = mti_tensor_download(m->ctx, &m->params[i], dst, k * sizeof *dst);
+        const mti_tensor *t = &fp32_params(m)[i];
+        size_t k = (size_t)mti_tensor_numel(t);
+        s = mti_tensor_download(m->ctx, t, dst, k * sizeof *dst);
         dst += k;
     }
     return s;
@@ -150,10 +159,15 @@ mt_status mt_model_set_params(mt_model *m, const float *src, size_t n)
         if (!isfinite(src[i]))
             return mti_fail(m->ctx, MT_ERR_INVALID_ARG,
                             "mt_model_set_params: value %zu is not finite", i);
+    const mti_kctx k = {m->ctx, m->ctx->dev};
     for (int i = 0; i < m->n_tensors && !s; i++) {
-        size_t k = (size_t)mti_tensor_numel(&m->params[i]);
-        s = mti_tensor_upload(m->ctx, &m->params[i], src, k * sizeof *src);
-        src += k;
+        const mti_tensor *t = &fp32_params(m)[i];
+        size_t e = (size_t)mti_tensor_numel(t);
+        s = mti_tensor_upload(m->ctx, (mti_tensor *)t, src, e * sizeof *src);
+        if (!s && m->has_master) /* refresh the compute copy */
+            s = m->ctx->ops->cast(&k, m->params[i].blk.ptr, m->params[i].dtype, t->blk.ptr, MTI_F32,
+                                  e, MTI_ROUND_NEAREST, 0);
+        src += e;
     }
     return s ? s : m->ctx->dev->sync(m->ctx->dev);
 }

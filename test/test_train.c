@@ -479,3 +479,173 @@ static void step_memory(mt_activation act)
 
 TEST(step_memory_relu) { step_memory(MT_ACT_RELU); }
 TEST(step_memory_gelu) { step_memory(MT_ACT_GELU); }
+
+/* ---- mixed precision ---- */
+
+static mt_trainer *mixed_trainer(mt_context *ctx, mt_model **m, mt_precision p, int interval,
+                                 float init_scale, int dims_in)
+{
+    mt_mlp_spec sp;
+    mt_mlp_spec_init(&sp);
+    sp.n_layers = 3;
+    sp.dims[0] = dims_in, sp.dims[1] = 64, sp.dims[2] = 64, sp.dims[3] = 3;
+    sp.seed = 1;
+    CHECK_OK(mt_model_mlp_create(ctx, &sp, m));
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 64;
+    tc.momentum = 0.9f;
+    tc.precision = p;
+    tc.loss_scale.growth_interval = interval;
+    tc.loss_scale.init_scale = init_scale;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(*m, &tc, &t));
+    return t;
+}
+
+/* fp16 and bf16 learn the spirals like fp32 does; memory classes as promised */
+TEST(mixed_precision_trains)
+{
+    float last[3];
+    for (int p = 0; p < 3; p++) {
+        mt_context *ctx = cpu_context();
+        mt_model *m;
+        mt_trainer *t = mixed_trainer(ctx, &m, (mt_precision)p, 2000, 65536.0f, 2);
+        float x[128];
+        int32_t y[64];
+        uint64_t s = 11;
+        double head = 0, tail = 0;
+        for (int i = 0; i < 300; i++) {
+            spirals(&s, x, y, 64);
+            mt_batch b = {.n = 64, .inputs = x, .targets = y};
+            float l;
+            CHECK_OKC(ctx, mt_trainer_step(t, &b, &l));
+            if (i < 20) head += l;
+            if (i >= 280) tail += l;
+        }
+        last[p] = (float)(tail / 20);
+        CHECK_MSG(tail < 0.5 * head, "precision %d: loss %.3f -> %.3f", p, head / 20, tail / 20);
+        mt_memory_stats ms;
+        CHECK_OK(mt_context_memory_stats(ctx, &ms));
+        uint64_t np = mt_model_num_params(m);
+        CHECK_EQ(ms.per_class[MT_MEM_PARAM].live_bytes, np * (p == MT_PREC_FP32 ? 4 : 2));
+        CHECK_EQ(ms.per_class[MT_MEM_MASTER].live_bytes, p == MT_PREC_FP32 ? 0 : np * 4);
+        CHECK_EQ(ms.per_class[MT_MEM_GRAD].peak_live_bytes, np * 4);
+        mt_loss_scale_state ls;
+        CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
+        CHECK(p == MT_PREC_FP16 ? ls.scale == 65536.0f : ls.scale == 1.0f);
+        mt_trainer_destroy(t);
+        /* without the trainer the model is fp32 again, its masters' values */
+        CHECK_OK(mt_context_memory_stats(ctx, &ms));
+        CHECK_EQ(ms.per_class[MT_MEM_PARAM].live_bytes, np * 4);
+        CHECK_EQ(ms.per_class[MT_MEM_MASTER].live_bytes, 0);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+    /* the same run in lower precision ends near where fp32 does */
+    CHECK_MSG(fabsf(last[1] - last[0]) < 0.1f && fabsf(last[2] - last[0]) < 0.1f,
+              "final losses fp32 %.4f fp16 %.4f bf16 %.4f", last[0], last[1], last[2]);
+}
+
+/* An fp16 overflow: the step is skipped, the scale backs off, the weights
+ * and the optimizer's state do not move; clean steps grow the scale back. */
+TEST(fp16_overflow_skips_the_step)
+{
+    mt_context *ctx = cpu_context();
+    mt_model *m;
+    mt_trainer *t = mixed_trainer(ctx, &m, MT_PREC_FP16, 3, 65536.0f, 4);
+    size_t np = mt_model_num_params(m);
+    float *before = malloc(np * 4), *after = malloc(np * 4);
+    float x[64 * 4];
+    int32_t y[64];
+    for (int i = 0; i < 64 * 4; i++) x[i] = (float)(i % 9) / 9.0f - 0.5f;
+    for (int i = 0; i < 64; i++) y[i] = i % 3;
+    mt_batch b = {.n = 64, .inputs = x, .targets = y};
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL)); /* a clean step first: momentum holds something */
+    mt_loss_scale_state ls;
+    CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
+    CHECK(ls.scale == 65536.0f && ls.growth_tracker == 1 && !ls.last_step_skipped);
+    CHECK_OK(mt_model_get_params(m, before, np));
+    /* inputs far past fp16's range: inf activations, non-finite gradients */
+    float big[64 * 4];
+    for (int i = 0; i < 64 * 4; i++) big[i] = x[i] * 1e6f;
+    mt_batch bb = {.n = 64, .inputs = big, .targets = y};
+    CHECK_OKC(ctx, mt_trainer_step(t, &bb, NULL));
+    CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
+    CHECK(ls.scale == 32768.0f && ls.growth_tracker == 0 && ls.last_step_skipped && ls.steps_skipped == 1);
+    CHECK_OK(mt_model_get_params(m, after, np));
+    CHECK(memcmp(before, after, np * 4) == 0);
+    CHECK_EQ(mt_trainer_steps(t), 2);
+    /* three clean steps in a row double the scale (growth_interval 3) */
+    for (int i = 0; i < 3; i++) CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
+    CHECK(ls.scale == 65536.0f && ls.growth_tracker == 0 && !ls.last_step_skipped);
+    CHECK_OK(mt_model_get_params(m, after, np));
+    CHECK(memcmp(before, after, np * 4) != 0);
+    /* the state can be saved and restored, and is checked */
+    mt_loss_scale_state bad = ls;
+    bad.scale = INFINITY;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_set_loss_scale(t, &bad));
+    bad = ls;
+    bad.growth_tracker = 3;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_set_loss_scale(t, &bad));
+    ls.scale = 1024.0f;
+    ls.growth_tracker = 2;
+    CHECK_OK(mt_trainer_set_loss_scale(t, &ls));
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
+    CHECK(ls.scale == 2048.0f && ls.growth_tracker == 0);
+    free(before), free(after);
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* A model that is very sure and right: the softmax's gradient 1 - p is
+ * about 1.5e-8, times 1/N, far below fp16's smallest subnormal (6e-8).
+ * Unscaled, the fp16 gradient of the logits is 0 and nothing learns; with
+ * the loss scale it survives, and the update follows the fp32 one. */
+TEST(fp16_underflow_needs_the_scale)
+{
+    float upd[3];
+    const float scales[3] = {1.0f, 65536.0f, 1.0f}; /* run 0 is fp32 */
+    for (int r = 0; r < 3; r++) {
+        mt_context *ctx = cpu_context();
+        mt_mlp_spec sp;
+        mt_mlp_spec_init(&sp);
+        sp.n_layers = 1, sp.dims[0] = 8, sp.dims[1] = 2;
+        sp.seed = 3;
+        mt_model *m;
+        CHECK_OK(mt_model_mlp_create(ctx, &sp, &m));
+        float p0[18], p1[18];
+        CHECK_OK(mt_model_get_params(m, p0, 18));
+        /* x along W0 - W1, scaled so that logit 0 leads logit 1 by 18 */
+        double w2 = 0;
+        for (int i = 0; i < 8; i++) w2 += pow(p0[i] - p0[8 + i], 2);
+        double c = (18.0 - (p0[16] - p0[17])) / w2;
+        float x[32];
+        int32_t y[4] = {0, 0, 0, 0};
+        for (int i = 0; i < 32; i++) x[i] = (float)(c * (p0[i % 8] - p0[8 + i % 8]));
+        mt_trainer_config tc;
+        mt_trainer_config_init(&tc);
+        tc.max_batch = 4;
+        tc.lr = 1000.0f;
+        tc.precision = r ? MT_PREC_FP16 : MT_PREC_FP32;
+        tc.loss_scale.init_scale = scales[r];
+        tc.loss_scale.dynamic = 0;
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        CHECK_OK(mt_model_get_params(m, p0, 18)); /* as the masters hold them */
+        mt_batch b = {.n = 4, .inputs = x, .targets = y};
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+        CHECK_OK(mt_model_get_params(m, p1, 18));
+        upd[r] = 0;
+        for (int i = 0; i < 18; i++) upd[r] += fabsf(p1[i] - p0[i]);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+    CHECK_MSG(upd[0] > 0 && fabsf(upd[1] - upd[0]) < 0.05f * upd[0],
+              "scaled fp16 moved the weights by %g, fp32 by %g", upd[1], upd[0]);
+    CHECK_MSG(upd[2] == 0.0f, "unscaled fp16 moved the weights by %g (fp32: %g)", upd[2], upd[0]);
+}

@@ -9,13 +9,23 @@
  *
  * Every kernel is extern "C" so the host finds it by its plain name (see
  * lib/cuda_device.h, which lists them), and takes its parameters by value in
- * the types the host passes: device pointers, float, unsigned long long
+ * the types the host passes: device pointers, float, int, unsigned long long
  * element counts. Elementwise kernels loop with a grid stride, so any grid
- * covers any n.
+ * covers any n. Kernels over tensors of a storage dtype exist once per dtype
+ * (NAME_f32, NAME_f16, NAME_bf16; see MT_EXPORT_DT in common.cuh).
+ *
+ * The op table (lib/ops_cuda.c) launches them:
+ *   elementwise.cu  cast, GELU, ReLU, add, accumulate
+ *   embedding.cu    token + position embedding, forward and backward
+ *   layernorm.cu    layer normalisation, forward and backward
+ *   attention.cu    causal self-attention, forward and backward
+ *   xent.cu         fused softmax cross-entropy
+ *   reduce.cu       column sums and the sum of squares
+ *   optim.cu        unscale + inf check, SGD, AdamW
+ * GEMMs go through cuBLASLt from the host, not through kernels here.
  */
 
-/* Index type for element loops: counts go past 2^32 elements. */
-typedef unsigned long long mt_index;
+#include "common.cuh"
 
 /* y[i] = value for i < n.  y: (n) fp32 */
 extern "C" __global__ void mt_fill_f32(float *__restrict__ y, float value, mt_index n)
@@ -32,3 +42,11 @@ extern "C" __global__ void mt_axpy_f32(float *y, float a, const float *x, mt_ind
     for (mt_index i = (mt_index)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         y[i] = fmaf(a, x[i], y[i]);
 }
+
+#include "elementwise.cu"
+#include "embedding.cu"
+#include "layernorm.cu"
+#include "attention.cu"
+#include "xent.cu"
+#include "reduce.cu"
+#include "optim.cu"

@@ -1,0 +1,74 @@
+/*
+ * cpu_ops.h - the functions of the CPU op table, one file per family
+ * (kernels/cpu/*.c); ops.c assembles the table. Semantics are those of the
+ * table's entries in lib/kernels.h.
+ */
+#ifndef MT_CPU_OPS_H
+#define MT_CPU_OPS_H
+
+#include "kernels.h"
+
+/* below this many elements a parallel region costs more than it saves */
+#define MTI_CPU_PAR_MIN 16384
+
+/* convert.c */
+mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
+                       mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
+/* Loads n values of dt at src (element offset i) into fp32 dst / stores n
+ * fp32 values as dt, rounding to nearest even. For the kernels' inner loops. */
+void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);
+void mti_cpu_store_f32(void *dst, mti_dtype dt, size_t i, const float *src, size_t n);
+
+/* embedding.c */
+mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
+                                const void *wpe, int B, int T, int C, mti_dtype dt);
+mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
+                                const int32_t *tok, int B, int T, int C, mti_dtype dt);
+
+/* matmul.c */
+mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const void *w,
+                             const void *b, int n, int in, int out, mti_dtype dt);
+mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
+                             const void *x, const void *w, int n, int in, int out, mti_dtype dt,
+                             int accumulate);
+
+/* layernorm.c */
+mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,
+                                const void *x, const void *w, const void *b, int n, int c,
+                                mti_dtype dt);
+mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
+                                const void *dout, const void *x, const void *w, const float *mean,
+                                const float *rstd, int n, int c, mti_dtype dt, int accumulate);
+
+/* elementwise.c */
+mt_status mti_cpu_gelu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
+mt_status mti_cpu_gelu_bwd(const mti_kctx *k, void *dx, const void *dy, const void *x, size_t n,
+                           mti_dtype dt);
+mt_status mti_cpu_relu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
+mt_status mti_cpu_relu_bwd(const mti_kctx *k, void *dx, const void *dy, const void *y, size_t n,
+                           mti_dtype dt);
+mt_status mti_cpu_add(const mti_kctx *k, void *y, const void *a, const void *b, size_t n,
+                      mti_dtype dt);
+mt_status mti_cpu_accumulate(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
+
+/* attention.c */
+mt_status mti_cpu_attention_fwd(const mti_kctx *k, void *out, float *lse, const void *qkv, int B,
+                                int T, int C, int H, mti_dtype dt);
+mt_status mti_cpu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout, const void *qkv,
+                                const void *out, const float *lse, int B, int T, int C, int H,
+                                mti_dtype dt);
+
+/* xent.c */
+mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                       const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt);
+
+/* optim.c: unscale, norms, optimizer updates */
+mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,
+                                int *found_inf);
+mt_status mti_cpu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t n);
+mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, void *pc,
+                      mti_dtype pc_dt, size_t n, const mti_sgd_args *a);
+mt_status mti_cpu_adamw(const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
+                        mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
+
+#endif /* MT_CPU_OPS_H */

@@ -1,0 +1,221 @@
+/*
+ * elementwise.c - GELU (tanh form), ReLU, residual add and accumulate, over
+ * n elements of fp32, fp16 or bf16.
+ *
+ * Every op walks its tensors in chunks of CHUNK elements: a chunk in fp16 or
+ * bf16 is widened into an fp32 buffer on the stack, computed on in fp32,
+ * and rounded back once (fp32 tensors are used in place). Chunks are the
+ * unit of the parallel loop, and every element is computed on its own, so
+ * the results do not depend on the thread count. Outputs may alias inputs
+ * element for element (y = x, dx = dy).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_ops.h"
+
+/* elements per chunk: 4 KiB of fp32 per staged stream, in L1 */
+#define CHUNK 1024
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+/* an AVX2 copy of the loops, picked at load time; lanes do the same scalar
+ * operations at any width (no FMA in either), so the bits are the same */
+#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE_CLONES
+#endif
+
+#define GELU_K 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_C 0.044715f
+
+static inline uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* e^x for x <= 0 in straight-line code that vectorises (libm's expf is a
+ * call per element). x = k ln2 + r with |r| <= ln2/2 (ln2 split in two so
+ * k ln2 is exact), e^r by its Taylor series to r^7 (truncation below 1e-8
+ * relative), times 2^k built in the exponent bits; within 2 ulp of e^x.
+ * Below -87 the result would be under 2^-125: it is 0. NaN stays NaN. */
+static inline float exp_le0(float x)
+{
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float t = x * 1.44269504f + magic;
+    float kf = t - magic;
+    uint32_t k = bits_of(t) - bits_of(magic); /* kf as an integer, in [-126, 0] */
+    float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float y = p * float_of((k + 127u) << 23);
+    uint32_t keep = 0u - (uint32_t)!(x < -87.0f);
+    return float_of(bits_of(y) & keep);
+}
+
+/* tanh(u) = sign(u) (1 - e) / (1 + e) with e = e^(-2|u|) <= 1: no overflow,
+ * saturates to +-1; absolute error about 1e-7, which is what GELU needs. */
+static inline float tanh_f(float u)
+{
+    float e = exp_le0(-2.0f * fabsf(u));
+    float t = (1.0f - e) / (1.0f + e);
+    return copysignf(t, u);
+}
+
+WIDE_CLONES static void gelu_fwd_n(float *y, const float *x, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        float t = tanh_f(GELU_K * (v + GELU_C * v * v * v));
+        y[i] = 0.5f * v * (1.0f + t);
+    }
+}
+
+/* d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2), t = tanh(u) */
+WIDE_CLONES static void gelu_bwd_n(float *dx, const float *dy, const float *x, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        float t = tanh_f(GELU_K * (v + GELU_C * v * v * v));
+        float du = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
+        dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    }
+}
+
+/* NaN passes through (x < 0 is false for it), as in torch */
+static void relu_fwd_n(float *y, const float *x, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
+static void relu_bwd_n(float *dx, const float *dy, const float *y, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) {
+        float g = dy[i]; /* read unconditionally, so the select vectorises */
+        dx[i] = y[i] > 0.0f ? g : 0.0f;
+    }
+}
+
+static void add_n(float *y, const float *a, const float *b, size_t n)
+{
+#pragma omp simd
+    for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+}
+
+/* ---- staging ---- */
+
+static int dt_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt == MTI_BF16; }
+
+static mt_status bad_dtype(const mti_kctx *k, const char *op, mti_dtype dt)
+{
+    return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: dtype %d is not fp32, fp16 or bf16", op,
+                    (int)dt);
+}
+
+/* src[i, i+n) as fp32: the tensor itself when fp32, else widened into buf */
+static const float *stage_in(const void *src, mti_dtype dt, size_t i, size_t n, float *buf)
+{
+    if (dt == MTI_F32) return (const float *)src + i;
+    mti_cpu_load_f32(buf, src, dt, i, n);
+    return buf;
+}
+
+/* where dst[i, ...) is computed: in place when fp32, else in buf */
+static float *stage_at(void *dst, mti_dtype dt, size_t i, float *buf)
+{
+    return dt == MTI_F32 ? (float *)dst + i : buf;
+}
+
+/* rounds buf into dst[i, i+n) unless it was computed in place */
+static void stage_out(void *dst, mti_dtype dt, size_t i, const float *buf, size_t n)
+{
+    if (dt != MTI_F32) mti_cpu_store_f32(dst, dt, i, buf, n);
+}
+
+typedef enum { OP_GELU_FWD, OP_GELU_BWD, OP_RELU_FWD, OP_RELU_BWD, OP_ADD, OP_ACC } ew_op;
+
+/* out = op(a, b) over n elements; b is NULL for the one-input ops. */
+static void run(ew_op op, void *out, const void *a, const void *b, size_t n, mti_dtype dt)
+{
+    size_t chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (n > MTI_CPU_PAR_MIN)
+    for (size_t c = 0; c < chunks; c++) {
+        float ab[CHUNK], bb[CHUNK], ob[CHUNK];
+        size_t i = c * CHUNK, m = n - i < CHUNK ? n - i : CHUNK;
+        const float *as = stage_in(a, dt, i, m, ab);
+        const float *bs = b ? stage_in(b, dt, i, m, bb) : NULL;
+        float *os = stage_at(out, dt, i, ob);
+        switch (op) {
+        case OP_GELU_FWD: gelu_fwd_n(os, as, m); break;
+        case OP_GELU_BWD: gelu_bwd_n(os, as, bs, m); break; /* a = dy, b = x */
+        case OP_RELU_FWD: relu_fwd_n(os, as, m); break;
+        case OP_RELU_BWD: relu_bwd_n(os, as, bs, m); break; /* a = dy, b = y */
+        case OP_ADD:
+        case OP_ACC: add_n(os, as, bs, m); break;
+        }
+        stage_out(out, dt, i, os, m);
+    }
+}
+
+mt_status mti_cpu_gelu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "gelu_fwd", dt);
+    run(OP_GELU_FWD, y, x, NULL, n, dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_gelu_bwd(const mti_kctx *k, void *dx, const void *dy, const void *x, size_t n,
+                           mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "gelu_bwd", dt);
+    run(OP_GELU_BWD, dx, dy, x, n, dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_relu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "relu_fwd", dt);
+    run(OP_RELU_FWD, y, x, NULL, n, dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_relu_bwd(const mti_kctx *k, void *dx, const void *dy, const void *y, size_t n,
+                           mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "relu_bwd", dt);
+    run(OP_RELU_BWD, dx, dy, y, n, dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_add(const mti_kctx *k, void *y, const void *a, const void *b, size_t n,
+                      mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "add", dt);
+    run(OP_ADD, y, a, b, n, dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_accumulate(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "accumulate", dt);
+    run(OP_ACC, y, y, x, n, dt);
+    return MT_OK;
+}

@@ -1,0 +1,112 @@
+/*
+ * embedding.c - token plus position embedding, forward and backward.
+ *
+ * Forward: out (B,T,C) = wte[tok] + wpe[t], one row per token, rows in
+ * parallel. Backward: the gradients are fp32 sums over tokens; to keep the
+ * order of every sum fixed without per-thread copies, threads split the
+ * channels and each walks all tokens in order over its block of channels.
+ */
+#include <string.h>
+
+#include "cpu_ops.h"
+
+/* channels staged at a time in the forward: 4 KiB of fp32 per stream */
+#define CHUNK 1024
+/* channels per work item of the backward: 256 B of fp32 (four cache
+ * lines) from every token's row */
+#define CBLOCK 64
+
+static int dt_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt == MTI_BF16; }
+
+static mt_status bad_dtype(const mti_kctx *k, const char *op, mti_dtype dt)
+{
+    return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: dtype %d is not fp32, fp16 or bf16", op,
+                    (int)dt);
+}
+
+/* src[i, i+n) as fp32: the tensor itself when fp32, else widened into buf */
+static const float *stage_in(const void *src, mti_dtype dt, size_t i, size_t n, float *buf)
+{
+    if (dt == MTI_F32) return (const float *)src + i;
+    mti_cpu_load_f32(buf, src, dt, i, n);
+    return buf;
+}
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+/* out row (C) = wte row + wpe row, summed in fp32 and rounded once */
+static void emb_row(void *out, size_t orow, const void *wte, size_t erow, const void *wpe,
+                    size_t prow, size_t c, mti_dtype dt)
+{
+    float eb[CHUNK], pb[CHUNK], ob[CHUNK];
+    for (size_t j = 0; j < c; j += CHUNK) {
+        size_t m = min_sz(CHUNK, c - j);
+        const float *e = stage_in(wte, dt, erow + j, m, eb);
+        const float *p = stage_in(wpe, dt, prow + j, m, pb);
+        float *o = dt == MTI_F32 ? (float *)out + orow + j : ob;
+#pragma omp simd
+        for (size_t i = 0; i < m; i++) o[i] = e[i] + p[i];
+        if (dt != MTI_F32) mti_cpu_store_f32(out, dt, orow + j, ob, m);
+    }
+}
+
+mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
+                                const void *wpe, int B, int T, int C, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "embedding_fwd", dt);
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
+    size_t c = (size_t)C, rows = (size_t)B * (size_t)T;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+    if (rows * c > MTI_CPU_PAR_MIN)
+    for (size_t r = 0; r < rows; r++) {
+        size_t t = r % (size_t)T;
+        emb_row(out, r * c, wte, (size_t)tok[r] * c, wpe, t * c, c, dt);
+    }
+    return MT_OK;
+}
+
+/* Channels [c0, c0 + m) of both gradients, m <= CBLOCK. dwte: each token's
+ * row added in (b, t) order. dwpe: for each t, the B rows summed in b order,
+ * then added once. */
+static void emb_bwd_block(float *dwte, float *dwpe, const void *dout, const int32_t *tok, size_t B,
+                          size_t T, size_t c, size_t c0, size_t m, mti_dtype dt)
+{
+    float gb[CBLOCK], sum[CBLOCK];
+    if (dwte) {
+        for (size_t r = 0; r < B * T; r++) {
+            const float *g = stage_in(dout, dt, r * c + c0, m, gb);
+            float *d = dwte + (size_t)tok[r] * c + c0;
+#pragma omp simd
+            for (size_t j = 0; j < m; j++) d[j] += g[j];
+        }
+    }
+    if (dwpe) {
+        for (size_t t = 0; t < T; t++) {
+            memset(sum, 0, sizeof sum);
+            for (size_t b = 0; b < B; b++) {
+                const float *g = stage_in(dout, dt, (b * T + t) * c + c0, m, gb);
+#pragma omp simd
+                for (size_t j = 0; j < m; j++) sum[j] += g[j];
+            }
+            float *d = dwpe + t * c + c0;
+#pragma omp simd
+            for (size_t j = 0; j < m; j++) d[j] += sum[j];
+        }
+    }
+}
+
+mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
+                                const int32_t *tok, int B, int T, int C, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "embedding_bwd", dt);
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
+    size_t c = (size_t)C, blocks = (c + CBLOCK - 1) / CBLOCK;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+    if ((size_t)B * (size_t)T * c > MTI_CPU_PAR_MIN)
+    for (size_t bi = 0; bi < blocks; bi++) {
+        size_t c0 = bi * CBLOCK;
+        emb_bwd_block(dwte, dwpe, dout, tok, (size_t)B, (size_t)T, c, c0, min_sz(CBLOCK, c - c0),
+                      dt);
+    }
+    return MT_OK;
+}

@@ -1,0 +1,268 @@
+/*
+ * layernorm.c - layer normalisation over the last dimension, eps 1e-5,
+ * forward and backward, for fp32, fp16 and bf16 storage.
+ *
+ * Rows are walked in chunks of up to CHUNK channels; fp16/bf16 chunks are
+ * widened into fp32 buffers on the stack, so a row of any width needs no
+ * workspace. Row sums use LANES partial sums combined in a fixed tree, so
+ * they vectorise and depend only on the row width; the parameter gradients
+ * are summed over rows in row order by channel blocks. Nothing depends on
+ * the thread count.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_ops.h"
+
+#define LN_EPS 1e-5f
+/* channels staged at a time: 4 KiB of fp32 per stream (a multiple of LANES) */
+#define CHUNK 1024
+/* partial sums per row reduction */
+#define LANES 16
+/* channels per work item of the parameter-gradient pass: 256 B of fp32,
+ * four cache lines, read from every row */
+#define CBLOCK 64
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+/* an AVX2 copy of the loops, picked at load time; the same scalar operations
+ * per lane (no FMA in either), so the bits are the same */
+#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE_CLONES
+#endif
+
+static int dt_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt == MTI_BF16; }
+
+/* src[i, i+n) as fp32: the tensor itself when fp32, else widened into buf */
+static const float *stage_in(const void *src, mti_dtype dt, size_t i, size_t n, float *buf)
+{
+    if (dt == MTI_F32) return (const float *)src + i;
+    mti_cpu_load_f32(buf, src, dt, i, n);
+    return buf;
+}
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+/* ---- row sums: acc[l] collects elements l, l + LANES, ... ---- */
+
+static float lanes_total(float acc[LANES])
+{
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* acc += x (n values; chunks other than a row's last are multiples of LANES) */
+WIDE_CLONES static void lanes_sum(float acc[LANES], const float *x, size_t n)
+{
+    size_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) acc[l] += x[j + l];
+    for (int l = 0; j + (size_t)l < n; l++) acc[l] += x[j + l];
+}
+
+/* acc += (x - mean)^2 */
+WIDE_CLONES static void lanes_sqdev(float acc[LANES], const float *x, size_t n, float mean)
+{
+    size_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) {
+            float d = x[j + l] - mean;
+            acc[l] += d * d;
+        }
+    for (int l = 0; j + (size_t)l < n; l++) {
+        float d = x[j + l] - mean;
+        acc[l] += d * d;
+    }
+}
+
+/* a += dout * w, b += dout * w * xhat, with xhat = (x - mean) * rstd */
+WIDE_CLONES static void lanes_bwd(float a[LANES], float b[LANES], const float *dout,
+                                  const float *w, const float *x, size_t n, float mean, float rstd)
+{
+    size_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) {
+            float dn = dout[j + l] * w[j + l];
+            a[l] += dn;
+            b[l] += dn * ((x[j + l] - mean) * rstd);
+        }
+    for (int l = 0; j + (size_t)l < n; l++) {
+        float dn = dout[j + l] * w[j + l];
+        a[l] += dn;
+        b[l] += dn * ((x[j + l] - mean) * rstd);
+    }
+}
+
+/* ---- forward ---- */
+
+WIDE_CLONES static void norm_n(float *y, const float *x, const float *w, const float *b,
+                               size_t n, float mean, float rstd)
+{
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) y[j] = (x[j] - mean) * rstd * w[j] + b[j];
+}
+
+/* One row of c channels starting at element `row`: mean and rstd in fp32
+ * (two passes over x: the mean first, then the squared deviations from it,
+ * which loses nothing to cancellation), then the normalised output. */
+static void ln_fwd_row(void *out, float *mean_out, float *rstd_out, const void *x, const void *w,
+                       const void *b, size_t row, size_t c, mti_dtype dt)
+{
+    float xb[CHUNK], wb[CHUNK], bb[CHUNK], yb[CHUNK];
+    float acc[LANES];
+    /* a row of one chunk is widened once for all three passes */
+    const float *xs = c <= CHUNK ? stage_in(x, dt, row, c, xb) : NULL;
+
+    memset(acc, 0, sizeof acc);
+    for (size_t j = 0; j < c; j += CHUNK) {
+        size_t m = min_sz(CHUNK, c - j);
+        lanes_sum(acc, xs ? xs : stage_in(x, dt, row + j, m, xb), m);
+    }
+    float mean = lanes_total(acc) / (float)c;
+
+    memset(acc, 0, sizeof acc);
+    for (size_t j = 0; j < c; j += CHUNK) {
+        size_t m = min_sz(CHUNK, c - j);
+        lanes_sqdev(acc, xs ? xs : stage_in(x, dt, row + j, m, xb), m, mean);
+    }
+    float rstd = 1.0f / sqrtf(lanes_total(acc) / (float)c + LN_EPS);
+
+    for (size_t j = 0; j < c; j += CHUNK) {
+        size_t m = min_sz(CHUNK, c - j);
+        const float *xj = xs ? xs : stage_in(x, dt, row + j, m, xb);
+        float *y = dt == MTI_F32 ? (float *)out + row + j : yb;
+        norm_n(y, xj, stage_in(w, dt, j, m, wb), stage_in(b, dt, j, m, bb), m, mean, rstd);
+        if (dt != MTI_F32) mti_cpu_store_f32(out, dt, row + j, yb, m);
+    }
+    if (mean_out) *mean_out = mean;
+    if (rstd_out) *rstd_out = rstd;
+}
+
+mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,
+                                const void *x, const void *w, const void *b, int n, int c,
+                                mti_dtype dt)
+{
+    if (!dt_ok(dt))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "layernorm_fwd: dtype %d is not a float",
+                        (int)dt);
+    if (n <= 0 || c <= 0) return MT_OK;
+    size_t cc = (size_t)c;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+    if ((size_t)n * cc > MTI_CPU_PAR_MIN)
+    for (int r = 0; r < n; r++)
+        ln_fwd_row(out, mean ? mean + r : NULL, rstd ? rstd + r : NULL, x, w, b, (size_t)r * cc,
+                   cc, dt);
+    return MT_OK;
+}
+
+/* ---- backward ----
+ * With xhat = (x - mean) rstd and g = dout * w (per channel):
+ *   dx = rstd (g - mean(g) - xhat mean(g xhat))      over the row's channels
+ *   dw += sum over rows of dout xhat,  db += sum over rows of dout        */
+
+WIDE_CLONES static void dx_n(float *dx, const float *dout, const float *w, const float *x,
+                             size_t n, float mean, float rstd, float ga, float gb, int acc)
+{
+    if (acc) {
+#pragma omp simd
+        for (size_t j = 0; j < n; j++) {
+            float xh = (x[j] - mean) * rstd;
+            dx[j] += (dout[j] * w[j] - ga - xh * gb) * rstd;
+        }
+    } else {
+#pragma omp simd
+        for (size_t j = 0; j < n; j++) {
+            float xh = (x[j] - mean) * rstd;
+            dx[j] = (dout[j] * w[j] - ga - xh * gb) * rstd;
+        }
+    }
+}
+
+static void ln_bwd_row(void *dx, const void *dout, const void *x, const void *w, float mean,
+                       float rstd, size_t row, size_t c, mti_dtype dt, int accumulate)
+{
+    float db_[CHUNK], xb[CHUNK], wb[CHUNK], yb[CHUNK];
+    float a[LANES], b[LANES];
+    memset(a, 0, sizeof a);
+    memset(b, 0, sizeof b);
+    for (size_t j = 0; j < c; j += CHUNK) {
+        size_t m = min_sz(CHUNK, c - j);
+        lanes_bwd(a, b, stage_in(dout, dt, row + j, m, db_), stage_in(w, dt, j, m, wb),
+                  stage_in(x, dt, row + j, m, xb), m, mean, rstd);
+    }
+    float ga = lanes_total(a) / (float)c, gb = lanes_total(b) / (float)c;
+    for (size_t j = 0; j < c; j += CHUNK) {
+        size_t m = min_sz(CHUNK, c - j);
+        /* a one-chunk row is still staged from the first pass */
+        const float *ds = c <= CHUNK && dt != MTI_F32 ? db_ : stage_in(dout, dt, row + j, m, db_);
+        const float *ws = c <= CHUNK && dt != MTI_F32 ? wb : stage_in(w, dt, j, m, wb);
+        const float *xs = c <= CHUNK && dt != MTI_F32 ? xb : stage_in(x, dt, row + j, m, xb);
+        float *y = yb;
+        if (dt == MTI_F32)
+            y = (float *)dx + row + j;
+        else if (accumulate)
+            mti_cpu_load_f32(yb, dx, dt, row + j, m);
+        dx_n(y, ds, ws, xs, m, mean, rstd, ga, gb, accumulate);
+        if (dt != MTI_F32) mti_cpu_store_f32(dx, dt, row + j, yb, m);
+    }
+}
+
+/* dw, db for channels [c0, c0 + m), m <= CBLOCK, summed over the n rows in
+ * order, then added to the gradients once. */
+static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
+                          const float *mean, const float *rstd, size_t n, size_t c, size_t c0,
+                          size_t m, mti_dtype dt)
+{
+    float sw[CBLOCK], sb[CBLOCK], gbuf[CBLOCK], xbuf[CBLOCK];
+    memset(sw, 0, sizeof sw);
+    memset(sb, 0, sizeof sb);
+    for (size_t r = 0; r < n; r++) {
+        const float *g = stage_in(dout, dt, r * c + c0, m, gbuf);
+        const float *xs = stage_in(x, dt, r * c + c0, m, xbuf);
+        float mu = mean[r], rs = rstd[r];
+#pragma omp simd
+        for (size_t j = 0; j < m; j++) {
+            sw[j] += g[j] * ((xs[j] - mu) * rs);
+            sb[j] += g[j];
+        }
+    }
+    for (size_t j = 0; j < m; j++) {
+        if (dw) dw[c0 + j] += sw[j];
+        if (db) db[c0 + j] += sb[j];
+    }
+}
+
+mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
+                                const void *dout, const void *x, const void *w, const float *mean,
+                                const float *rstd, int n, int c, mti_dtype dt, int accumulate)
+{
+    if (!dt_ok(dt))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "layernorm_bwd: dtype %d is not a float",
+                        (int)dt);
+    if (!mean || !rstd)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "layernorm_bwd: the forward's mean and rstd are needed");
+    if (n <= 0 || c <= 0) return MT_OK;
+    size_t nn = (size_t)n, cc = (size_t)c;
+    int par = nn * cc > MTI_CPU_PAR_MIN;
+
+    /* the parameter gradients first, so dx may overwrite dout */
+    if (dw || db) {
+        size_t blocks = (cc + CBLOCK - 1) / CBLOCK;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (par)
+        for (size_t bi = 0; bi < blocks; bi++) {
+            size_t c0 = bi * CBLOCK;
+            ln_bwd_params(dw, db, dout, x, mean, rstd, nn, cc, c0, min_sz(CBLOCK, cc - c0), dt);
+        }
+    }
+    if (dx) {
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (par)
+        for (int r = 0; r < n; r++)
+            ln_bwd_row(dx, dout, x, w, mean[r], rstd[r], (size_t)r * cc, cc, dt, accumulate);
+    }
+    return MT_OK;
+}

@@ -1,0 +1,169 @@
+/*
+ * xent.c - softmax cross-entropy over a (padded) vocabulary, fused with its
+ * gradient.
+ *
+ * Row by row in fp32: the max, the sum of exponentials (LANES partial sums
+ * in a fixed tree: independent of threads), the loss, and, when asked, the
+ * gradient written over the row in place. The exponentials are computed
+ * twice rather than kept, so no (N,V) probability tensor and no workspace
+ * exists at any time. Rows are the unit of the parallel loop.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_ops.h"
+
+/* columns staged at a time: 4 KiB of fp32 per stream (a multiple of LANES) */
+#define CHUNK 1024
+#define LANES 16
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+/* an AVX2 copy of the loops, picked at load time; the same scalar operations
+ * per lane (no FMA in either), so the bits are the same */
+#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE_CLONES
+#endif
+
+static inline uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* e^x for x <= 0 in straight-line code that vectorises (libm's expf is a
+ * call per element); the same as in elementwise.c. x = k ln2 + r with
+ * |r| <= ln2/2 (ln2 split in two so k ln2 is exact), e^r by its Taylor
+ * series to r^7, times 2^k built in the exponent bits: within 2 ulp of e^x.
+ * Below -87 the result would be under 2^-125: it is 0. NaN stays NaN. */
+static inline float exp_le0(float x)
+{
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float t = x * 1.44269504f + magic;
+    float kf = t - magic;
+    uint32_t k = bits_of(t) - bits_of(magic); /* kf as an integer, in [-126, 0] */
+    float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float y = p * float_of((k + 127u) << 23);
+    uint32_t keep = 0u - (uint32_t)!(x < -87.0f);
+    return float_of(bits_of(y) & keep);
+}
+
+/* src[i, i+n) as fp32: the tensor itself when fp32, else widened into buf */
+static const float *stage_in(const void *src, mti_dtype dt, size_t i, size_t n, float *buf)
+{
+    if (dt == MTI_F32) return (const float *)src + i;
+    mti_cpu_load_f32(buf, src, dt, i, n);
+    return buf;
+}
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+/* The max ignores NaN, but a NaN still reaches the loss through the sum. */
+WIDE_CLONES static void lanes_max(float acc[LANES], const float *x, size_t n)
+{
+    size_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
+    for (int l = 0; j + (size_t)l < n; l++) acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
+}
+
+/* acc += e^(x - mx) */
+WIDE_CLONES static void lanes_expsum(float acc[LANES], const float *x, size_t n, float mx)
+{
+    size_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) acc[l] += exp_le0(x[j + l] - mx);
+    for (int l = 0; j + (size_t)l < n; l++) acc[l] += exp_le0(x[j + l] - mx);
+}
+
+/* d = softmax * dloss = e^(x - mx) * (dloss / sum) */
+WIDE_CLONES static void softmax_scaled(float *d, const float *x, size_t n, float mx, float scale)
+{
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) d[j] = exp_le0(x[j] - mx) * scale;
+}
+
+/* One row of Vp columns at element `row`. */
+static float xent_row(void *dlogits, const void *logits, int32_t target, size_t row, size_t V,
+                      size_t Vp, float dloss, mti_dtype dt)
+{
+    float xb[CHUNK], db[CHUNK];
+    float acc[LANES];
+
+    for (int l = 0; l < LANES; l++) acc[l] = -INFINITY;
+    for (size_t j = 0; j < V; j += CHUNK) {
+        size_t m = min_sz(CHUNK, V - j);
+        lanes_max(acc, stage_in(logits, dt, row + j, m, xb), m);
+    }
+    float mx = acc[0];
+    for (int l = 1; l < LANES; l++) mx = acc[l] > mx ? acc[l] : mx;
+
+    memset(acc, 0, sizeof acc);
+    for (size_t j = 0; j < V; j += CHUNK) {
+        size_t m = min_sz(CHUNK, V - j);
+        lanes_expsum(acc, stage_in(logits, dt, row + j, m, xb), m, mx);
+    }
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    float sum = acc[0];
+
+    /* read before the gradient may overwrite the row */
+    float xt;
+    mti_cpu_load_f32(&xt, logits, dt, row + (size_t)target, 1);
+    /* logsumexp - x[target], both relative to the max */
+    float loss = logf(sum) - (xt - mx);
+
+    if (dlogits) {
+        float scale = dloss / sum;
+        for (size_t j = 0; j < Vp; j += CHUNK) {
+            size_t m = min_sz(CHUNK, Vp - j);
+            float *d = dt == MTI_F32 ? (float *)dlogits + row + j : db;
+            if (j + m > V) { /* padding columns: 0 */
+                size_t real = j < V ? V - j : 0;
+                if (real) softmax_scaled(d, stage_in(logits, dt, row + j, real, xb), real, mx, scale);
+                memset(d + real, 0, (m - real) * sizeof(float));
+            } else {
+                softmax_scaled(d, stage_in(logits, dt, row + j, m, xb), m, mx, scale);
+            }
+            if ((size_t)target >= j && (size_t)target < j + m) d[(size_t)target - j] -= dloss;
+            if (dt != MTI_F32) mti_cpu_store_f32(dlogits, dt, row + j, db, m);
+        }
+    }
+    return loss;
+}
+
+mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                       const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt)
+{
+    if (dt != MTI_F32 && dt != MTI_F16 && dt != MTI_BF16)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "xent: dtype %d is not a float", (int)dt);
+    if (V <= 0 || Vp < V)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "xent: vocabulary %d of padded %d", V, Vp);
+    if (n <= 0) return MT_OK;
+    size_t vp = (size_t)Vp;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+    if ((size_t)n * vp > MTI_CPU_PAR_MIN)
+    for (int i = 0; i < n; i++) {
+        float l = xent_row(dlogits, logits, targets[i], (size_t)i * vp, (size_t)V, vp, dloss, dt);
+        if (losses) losses[i] = l;
+    }
+    return MT_OK;
+}

@@ -1,0 +1,911 @@
+/*
+ * ops_cuda.c - the CUDA op table: the semantics of lib/kernels.h, with the
+ * kernels of kernels/cuda (embedded in the library, loaded by the device)
+ * and GEMMs through cuBLASLt. Everything is queued on the device's stream;
+ * nothing here waits for the GPU.
+ *
+ * cuBLASLt is opened with dlopen on the first GEMM ("libcublasLt.so.13",
+ * then ".12"), so the table exists, and every other op runs, where the
+ * library is missing; a GEMM then fails with MT_ERR_UNSUPPORTED saying so.
+ * GEMMs accumulate in fp32 (CUBLAS_COMPUTE_32F: no TF32), and an algorithm
+ * that splits the inner dimension may only add its pieces in fp32 (the
+ * compute-type reduction scheme) when the output is 16-bit, so each output
+ * is rounded once. cuBLASLt gives the same bits on every run for the same
+ * problem on the same GPU; it does not promise the same bits on another GPU
+ * model, and neither do we for GEMMs.
+ *
+ * Per device the table keeps (mti_cuda_attach) the cuBLASLt handle and a
+ * small cache of GEMM plans (descriptors and the chosen algorithm) keyed by
+ * shape, types and pointer alignments, so a training step's repeated GEMMs
+ * skip the heuristic. GEMM workspace comes from the WORK allocator per call,
+ * exactly what the chosen algorithm asks for, at most MTI_GEMM_WORKSPACE.
+ *
+ * Determinism of the rest: no float atomics anywhere (see each kernel
+ * file); every reduction's order depends only on the shapes, never on the
+ * GPU's size or timing.
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cublaslt_api.h"
+#include "cuda_device.h"
+#include "kernels.h"
+
+#define MTI_GEMM_WORKSPACE (4u << 20) /* most workspace a GEMM may take, bytes */
+#define MTI_GEMM_PLANS 32             /* GEMM plans kept per device */
+#define MTI_COLSUM_CHUNK 128          /* rows per partial sum of a column sum */
+#define MTI_SUMSQ_CHUNK 4096          /* elements per block of sumsq (reduce.cu) */
+#define MTI_EW_THREADS 256u           /* threads per block, elementwise kernels */
+#define MTI_ATTN_THREADS 256u         /* threads per block, attention (attention.cu) */
+#define MTI_LN_ROWS 8                 /* rows per block of 256, layernorm (layernorm.cu) */
+#define MTI_XENT_THREADS 512u         /* threads per block, cross-entropy (xent.cu) */
+#define MTI_GRID_Y_MAX 65535u
+
+/* ---- cuBLASLt, loaded once per process ---- */
+
+typedef struct lt_api {
+    void *lib;
+    PFN_cublasLtCreate Create;
+    PFN_cublasLtDestroy Destroy;
+    PFN_cublasLtGetVersion GetVersion;
+    PFN_cublasLtGetStatusName GetStatusName;
+    PFN_cublasLtMatmulDescCreate MatmulDescCreate;
+    PFN_cublasLtMatmulDescDestroy MatmulDescDestroy;
+    PFN_cublasLtMatmulDescSetAttribute MatmulDescSetAttribute;
+    PFN_cublasLtMatrixLayoutCreate MatrixLayoutCreate;
+    PFN_cublasLtMatrixLayoutDestroy MatrixLayoutDestroy;
+    PFN_cublasLtMatmulPreferenceCreate MatmulPreferenceCreate;
+    PFN_cublasLtMatmulPreferenceDestroy MatmulPreferenceDestroy;
+    PFN_cublasLtMatmulPreferenceSetAttribute MatmulPreferenceSetAttribute;
+    PFN_cublasLtMatmulAlgoGetHeuristic MatmulAlgoGetHeuristic;
+    PFN_cublasLtMatmul Matmul;
+} lt_api;
+
+static const struct {
+    const char *name;
+    size_t off;
+} lt_syms[] = {
+#define SYM(field) {"cublasLt" #field, offsetof(lt_api, field)}
+    SYM(Create),
+    SYM(Destroy),
+    SYM(GetVersion),
+    SYM(GetStatusName),
+    SYM(MatmulDescCreate),
+    SYM(MatmulDescDestroy),
+    SYM(MatmulDescSetAttribute),
+    SYM(MatrixLayoutCreate),
+    SYM(MatrixLayoutDestroy),
+    SYM(MatmulPreferenceCreate),
+    SYM(MatmulPreferenceDestroy),
+    SYM(MatmulPreferenceSetAttribute),
+    SYM(MatmulAlgoGetHeuristic),
+    SYM(Matmul),
+#undef SYM
+};
+
+static const char *const lt_paths[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
+
+static lt_api g_lt;
+static char g_lt_why[768]; /* why cuBLASLt could not be loaded */
+static pthread_once_t g_lt_once = PTHREAD_ONCE_INIT;
+
+/* Opens the first cuBLASLt that loads and has every entry point. It stays
+ * loaded (RTLD_NODELETE): handles made from it live in device state. */
+static void lt_load(void)
+{
+    size_t used = 0;
+    used += (size_t)snprintf(g_lt_why, sizeof g_lt_why,
+                             "cuBLASLt not found (CUDA GEMMs need it; install the CUDA "
+                             "toolkit's cuBLAS libraries):");
+    for (size_t p = 0; p < sizeof lt_paths / sizeof lt_paths[0]; p++) {
+        memset(&g_lt, 0, sizeof g_lt);
+        dlerror();
+        void *lib = dlopen(lt_paths[p], RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+        if (!lib) {
+            const char *e = dlerror();
+            if (used < sizeof g_lt_why)
+                used += (size_t)snprintf(g_lt_why + used, sizeof g_lt_why - used, " %s: %s;",
+                                         lt_paths[p], e ? e : "cannot load");
+            continue;
+        }
+        size_t i = 0;
+        for (; i < sizeof lt_syms / sizeof lt_syms[0]; i++) {
+            void *fn = dlsym(lib, lt_syms[i].name);
+            if (!fn) break;
+            memcpy((char *)&g_lt + lt_syms[i].off, &fn, sizeof fn);
+        }
+        if (i < sizeof lt_syms / sizeof lt_syms[0]) {
+            if (used < sizeof g_lt_why)
+                used += (size_t)snprintf(g_lt_why + used, sizeof g_lt_why - used,
+                                         " %s has no %s;", lt_paths[p], lt_syms[i].name);
+            dlclose(lib);
+            continue;
+        }
+        g_lt.lib = lib;
+        g_lt_why[0] = 0;
+        return;
+    }
+    memset(&g_lt, 0, sizeof g_lt);
+}
+
+static const char *lt_status_name(cublasStatus_t s)
+{
+    const char *n = g_lt.GetStatusName ? g_lt.GetStatusName(s) : NULL;
+    return n ? n : "unknown cuBLAS status";
+}
+
+/* ---- per-device state ---- */
+
+/* What makes two GEMMs share a plan: all ints, compared as bytes. */
+typedef struct gemm_key {
+    int ta, tb;                  /* CUBLAS_OP_* of A and B */
+    int m, n, k;                 /* D (m,n) = op(A) (m,k) . op(B) (k,n), column-major */
+    int lda, ldb, ldd;
+    int a_type, b_type, d_type;  /* cudaDataType; C has D's */
+    int bias;                    /* 1: bias epilogue (bias in D's type, one per row of D) */
+    int align[4];                /* alignment of A, B, D, bias in bytes (<= 256) */
+} gemm_key;
+
+typedef struct gemm_plan {
+    gemm_key key;
+    int used;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatmulAlgo_t algo;
+    size_t ws;                   /* workspace bytes the algorithm asks for */
+} gemm_plan;
+
+typedef struct ops_state {
+    pthread_mutex_t mu;          /* guards everything below */
+    int lt_tried;                /* the handle was asked for once: lt_status says how it went */
+    mt_status lt_status;
+    char lt_why[768];
+    cublasLtHandle_t lt;
+    gemm_plan plans[MTI_GEMM_PLANS];
+    unsigned next_evict;
+} ops_state;
+
+static void plan_drop(gemm_plan *p)
+{
+    if (!p->used) return;
+    if (p->la) g_lt.MatrixLayoutDestroy(p->la);
+    if (p->lb) g_lt.MatrixLayoutDestroy(p->lb);
+    if (p->ld) g_lt.MatrixLayoutDestroy(p->ld);
+    if (p->desc) g_lt.MatmulDescDestroy(p->desc);
+    memset(p, 0, sizeof *p);
+}
+
+/* Called by the device when it closes, with its context current. */
+static void state_free(mti_device *d, void *arg)
+{
+    ops_state *s = arg;
+    (void)d;
+    for (int i = 0; i < MTI_GEMM_PLANS; i++) plan_drop(&s->plans[i]);
+    if (s->lt) g_lt.Destroy(s->lt);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+static ops_state *state_of(mti_device *d)
+{
+    ops_state *s = mti_cuda_attached(d);
+    if (s) return s;
+    ops_state *mine = calloc(1, sizeof *mine);
+    if (!mine) return NULL;
+    pthread_mutex_init(&mine->mu, NULL);
+    s = mti_cuda_attach(d, mine, state_free);
+    if (s != mine) {
+        pthread_mutex_destroy(&mine->mu);
+        free(mine);
+    }
+    return s;
+}
+
+/* The cuBLASLt handle of the device, made on first use. Called with s->mu
+ * held and the context current. The library's runtime talks to the
+ * process's libcuda.so.1, so the device must be driven by that very driver
+ * (not, say, the test suite's stand-in loaded from another path). */
+static mt_status lt_handle(const mti_kctx *k, ops_state *s)
+{
+    if (s->lt_tried) {
+        if (s->lt_status != MT_OK) return mti_fail(k->ctx, s->lt_status, "%s", s->lt_why);
+        return MT_OK;
+    }
+    s->lt_tried = 1;
+    s->lt_status = MT_OK;
+    pthread_once(&g_lt_once, lt_load);
+    if (!g_lt.lib) {
+        s->lt_status = MT_ERR_UNSUPPORTED;
+        snprintf(s->lt_why, sizeof s->lt_why, "%s", g_lt_why);
+    } else if (!mti_cuda_is_system_driver(k->dev)) {
+        s->lt_status = MT_ERR_UNSUPPORTED;
+        snprintf(s->lt_why, sizeof s->lt_why,
+                 "cuBLASLt drives the GPU through the system's libcuda.so.1, and this device "
+                 "runs on another CUDA driver library: no GEMMs on it");
+    } else {
+        cublasStatus_t r = g_lt.Create(&s->lt);
+        if (r != CUBLAS_STATUS_SUCCESS) {
+            s->lt = NULL;
+            s->lt_status = MT_ERR_DEVICE;
+            snprintf(s->lt_why, sizeof s->lt_why, "cublasLtCreate (cuBLASLt %zu) failed: %s",
+                     g_lt.GetVersion(), lt_status_name(r));
+        } else {
+            mti_log(k->ctx, MT_LOG_INFO, "cuBLASLt %zu ready on %s", g_lt.GetVersion(),
+                    k->dev->name);
+        }
+    }
+    if (s->lt_status != MT_OK) return mti_fail(k->ctx, s->lt_status, "%s", s->lt_why);
+    return MT_OK;
+}
+
+/* ---- helpers ---- */
+
+static int dt_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt == MTI_BF16; }
+
+static const char *dt_name(mti_dtype dt)
+{
+    switch (dt) {
+    case MTI_F32: return "fp32";
+    case MTI_F16: return "fp16";
+    case MTI_BF16: return "bf16";
+    default: return "not a storage dtype";
+    }
+}
+
+static cudaDataType lt_type(mti_dtype dt)
+{
+    return dt == MTI_F16 ? CUDA_R_16F : dt == MTI_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+static mt_status bad_arg(const mti_kctx *k, const char *op, const char *why)
+{
+    return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "CUDA %s: %s", op, why);
+}
+
+static mt_status bad_dt(const mti_kctx *k, const char *op, mti_dtype dt)
+{
+    return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "CUDA %s: dtype %d (%s) is not fp32, fp16 or bf16",
+                    op, (int)dt, dt_name(dt));
+}
+
+/* Queues kernel `id` (for a per-dtype kernel: its fp32 id plus the dtype). */
+static mt_status launch(const mti_kctx *k, int id, mti_dim3 grid, unsigned threads, void **args)
+{
+    mti_cuda_fn *fn;
+    mt_status st = mti_cuda_kernel(k->dev, (mti_cuda_kernel_id)id, &fn);
+    if (st != MT_OK) return st;
+    return mti_cuda_launch(k->dev, fn, grid, (mti_dim3){threads, 1, 1}, 0, args);
+}
+
+/* Elementwise kernels loop with a grid stride: enough blocks to fill any
+ * GPU, capped so huge n does not make huge grids. */
+static mti_dim3 ew_grid(size_t n)
+{
+    size_t blocks = (n + MTI_EW_THREADS - 1) / MTI_EW_THREADS;
+    if (blocks == 0) blocks = 1;
+    if (blocks > 65535) blocks = 65535;
+    return (mti_dim3){(unsigned)blocks, 1, 1};
+}
+
+static size_t cdiv(size_t a, size_t b) { return (a + b - 1) / b; }
+
+/* Workspace carved into 256-byte-aligned pieces of one WORK block. */
+typedef struct carver {
+    mt_block blk;
+    size_t off;
+} carver;
+
+static void *carve(carver *c, size_t bytes)
+{
+    void *p = (char *)c->blk.ptr + c->off;
+    c->off += mti_align_up(bytes, 256);
+    return p;
+}
+
+/* out (cols) fp32 += sum over rows of x (rows, cols) in dt, in row order
+ * per chunk of MTI_COLSUM_CHUNK rows, chunks in order (reduce.cu). */
+static mt_status colsum(const mti_kctx *k, float *out, const void *x, int rows, long long cols,
+                        mti_dtype dt)
+{
+    if (rows <= 0 || cols <= 0) return MT_OK;
+    int chunk = MTI_COLSUM_CHUNK;
+    if (cdiv((size_t)rows, (size_t)chunk) > MTI_GRID_Y_MAX)
+        chunk = (int)cdiv((size_t)rows, MTI_GRID_Y_MAX);
+    int nchunks = (int)cdiv((size_t)rows, (size_t)chunk);
+    carver w = {0};
+    float *part = NULL;
+    mt_status st;
+    if (nchunks > 1) {
+        if ((st = mti_work_alloc(k, (size_t)nchunks * (size_t)cols * sizeof(float), &w.blk)))
+            return st;
+        part = w.blk.ptr;
+    }
+    mti_dim3 grid = {(unsigned)cdiv((size_t)cols, 256), (unsigned)nchunks, 1};
+    void *a1[] = {&out, &part, &x, &rows, &cols, &chunk};
+    st = launch(k, MTI_CUDA_COLSUM_F32 + dt, grid, 256, a1);
+    if (st == MT_OK && part) {
+        const float *cpart = part;
+        void *a2[] = {&out, &cpart, &nchunks, &cols};
+        st = launch(k, MTI_CUDA_COLSUM_FINISH, (mti_dim3){grid.x, 1, 1}, 256, a2);
+    }
+    mti_work_free(k, &w.blk);
+    return st;
+}
+
+/* ---- casts ---- */
+
+static mt_status cu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
+                         mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed)
+{
+    if (!dt_ok(dst_dt)) return bad_dt(k, "cast", dst_dt);
+    if (!dt_ok(src_dt)) return bad_dt(k, "cast", src_dt);
+    if (r != MTI_ROUND_NEAREST && r != MTI_ROUND_STOCHASTIC)
+        return bad_arg(k, "cast", "rounding is neither nearest nor stochastic");
+    if (n == 0) return MT_OK;
+    if (!dst || !src) return bad_arg(k, "cast", "NULL tensor");
+    if (dst_dt == src_dt) /* exact either way: a copy (NaN bits kept) */
+        return dst == src ? MT_OK : k->dev->copy_d2d(k->dev, dst, src, n * mti_dtype_size(dst_dt));
+    int ddt = (int)dst_dt, sdt = (int)src_dt, sr = r == MTI_ROUND_STOCHASTIC;
+    unsigned long long nn = n, sd = seed;
+    void *args[] = {&dst, &ddt, &src, &sdt, &nn, &sr, &sd};
+    return launch(k, MTI_CUDA_CAST, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+/* ---- embedding ---- */
+
+static mt_status cu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok,
+                                  const void *wte, const void *wpe, int B, int T, int C,
+                                  mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "embedding_fwd", dt);
+    if (B < 0 || T < 0 || C < 0) return bad_arg(k, "embedding_fwd", "negative size");
+    unsigned long long n = (unsigned long long)B * T * C;
+    if (n == 0) return MT_OK;
+    void *args[] = {&out, &tok, &wte, &wpe, &T, &C, &n};
+    return launch(k, MTI_CUDA_EMB_FWD_F32 + dt, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+/* dwte through the grouping of embedding.cu (hash, scan, fill, rank, add);
+ * dwpe through a column sum over B of dout viewed as (B, T*C). */
+static mt_status cu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
+                                  const int32_t *tok, int B, int T, int C, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "embedding_bwd", dt);
+    if (B < 0 || T < 0 || C < 0) return bad_arg(k, "embedding_bwd", "negative size");
+    size_t n64 = (size_t)B * (size_t)T;
+    if (n64 == 0 || C == 0) return MT_OK;
+    if (n64 > (1u << 28)) return bad_arg(k, "embedding_bwd", "more than 2^28 tokens");
+    mt_status st = MT_OK;
+    if (dwte) {
+        int n = (int)n64, S = 2;
+        while ((size_t)S < 2 * n64) S <<= 1;
+        carver w = {0};
+        size_t bytes = 2 * mti_align_up((size_t)S * 4, 256) +
+                       mti_align_up((size_t)(S + 1) * 4, 256) + 3 * mti_align_up(n64 * 4, 256);
+        if ((st = mti_work_alloc(k, bytes, &w.blk))) return st;
+        int *keys = carve(&w, (size_t)S * 4), *counts = carve(&w, (size_t)S * 4);
+        int *start = carve(&w, (size_t)(S + 1) * 4), *slot_of = carve(&w, n64 * 4);
+        int *unsorted = carve(&w, n64 * 4), *sorted = carve(&w, n64 * 4);
+        st = k->dev->memset8(k->dev, keys, 0xFF, (size_t)S * 4); /* every key -1: free */
+        if (st == MT_OK) st = k->dev->memset8(k->dev, counts, 0, (size_t)S * 4);
+        if (st == MT_OK) {
+            void *a[] = {&keys, &counts, &slot_of, &tok, &n, &S};
+            st = launch(k, MTI_CUDA_EMB_HASH, ew_grid(n64), MTI_EW_THREADS, a);
+        }
+        if (st == MT_OK) {
+            void *a[] = {&start, &counts, &S};
+            st = launch(k, MTI_CUDA_EMB_SCAN, (mti_dim3){1, 1, 1}, 1024, a);
+        }
+        if (st == MT_OK) {
+            void *a[] = {&unsorted, &counts, &start, &slot_of, &n};
+            st = launch(k, MTI_CUDA_EMB_FILL, ew_grid(n64), MTI_EW_THREADS, a);
+        }
+        if (st == MT_OK) {
+            void *a[] = {&sorted, &unsorted, &start, &slot_of, &n};
+            st = launch(k, MTI_CUDA_EMB_RANK, ew_grid(n64), MTI_EW_THREADS, a);
+        }
+        if (st == MT_OK) {
+            void *a[] = {&dwte, &dout, &sorted, &start, &slot_of, &tok, &C};
+            mti_dim3 grid = {(unsigned)n, (unsigned)cdiv((size_t)C, 256), 1};
+            if (grid.y > MTI_GRID_Y_MAX) st = bad_arg(k, "embedding_bwd", "C too large");
+            else st = launch(k, MTI_CUDA_EMB_BWD_WTE_F32 + dt, grid, 256, a);
+        }
+        mti_work_free(k, &w.blk);
+        if (st != MT_OK) return st;
+    }
+    if (dwpe) st = colsum(k, dwpe, dout, B, (long long)T * C, dt);
+    return st;
+}
+
+/* ---- matmul through cuBLASLt ---- */
+
+static int align_of(const void *p)
+{
+    uintptr_t a = (uintptr_t)p;
+    int al = 256;
+    while (al > 1 && (a & (uintptr_t)(al - 1))) al >>= 1;
+    return al;
+}
+
+/* Makes the plan for `key`: descriptors, preferences and the heuristic's
+ * first choice. Called with s->mu held and the context current. */
+static mt_status plan_make(const mti_kctx *k, ops_state *s, gemm_plan *p, const gemm_key *key,
+                           const void *bias, const char *what)
+{
+    cublasStatus_t r;
+    const char *call = "";
+    cublasLtMatmulPreference_t pref = NULL;
+    memset(p, 0, sizeof *p);
+    p->key = *key;
+    p->used = 1;
+    int32_t ta = key->ta, tb = key->tb;
+    uint32_t epi = key->bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    uint64_t max_ws = MTI_GEMM_WORKSPACE;
+    uint32_t al[4] = {(uint32_t)key->align[0], (uint32_t)key->align[1], (uint32_t)key->align[2],
+                      (uint32_t)key->align[2]};
+#define LT_TRY(c)                                                                              \
+    do {                                                                                       \
+        call = #c;                                                                             \
+        if ((r = (c)) != CUBLAS_STATUS_SUCCESS) goto fail;                                     \
+    } while (0)
+    LT_TRY(g_lt.MatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    if (key->bias) /* the heuristic reads the pointer's alignment */
+        LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                           sizeof bias));
+    /* layouts as stored: op(A) is (m,k), so A is (m,k) or, transposed, (k,m) */
+    LT_TRY(g_lt.MatrixLayoutCreate(&p->la, key->a_type, key->ta == CUBLAS_OP_N ? key->m : key->k,
+                                   key->ta == CUBLAS_OP_N ? key->k : key->m, key->lda));
+    LT_TRY(g_lt.MatrixLayoutCreate(&p->lb, key->b_type, key->tb == CUBLAS_OP_N ? key->k : key->n,
+                                   key->tb == CUBLAS_OP_N ? key->n : key->k, key->ldb));
+    LT_TRY(g_lt.MatrixLayoutCreate(&p->ld, key->d_type, key->m, key->n, key->ldd));
+    LT_TRY(g_lt.MatmulPreferenceCreate(&pref));
+    LT_TRY(g_lt.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &max_ws, sizeof max_ws));
+    for (int i = 0; i < 4; i++)
+        LT_TRY(g_lt.MatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i, &al[i], sizeof al[i]));
+    if (key->d_type != CUDA_R_32F) {
+        /* split-K pieces added in fp32 only: 16-bit outputs are rounded once */
+        uint32_t mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        LT_TRY(g_lt.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                 &mask, sizeof mask));
+    }
+    cublasLtMatmulHeuristicResult_t res;
+    int got = 0;
+    memset(&res, 0, sizeof res);
+    LT_TRY(g_lt.MatmulAlgoGetHeuristic(s->lt, p->desc, p->la, p->lb, p->ld, p->ld, pref, 1, &res,
+                                       &got));
+#undef LT_TRY
+    g_lt.MatmulPreferenceDestroy(pref);
+    if (got < 1 || res.state != CUBLAS_STATUS_SUCCESS) {
+        plan_drop(p);
+        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                        "CUDA %s: cuBLASLt has no algorithm for m=%d n=%d k=%d (types %d,%d->%d, "
+                        "alignments %d,%d,%d)", what, key->m, key->n, key->k, key->a_type,
+                        key->b_type, key->d_type, key->align[0], key->align[1], key->align[2]);
+    }
+    p->algo = res.algo;
+    p->ws = res.workspaceSize;
+    return MT_OK;
+fail:
+    if (pref) g_lt.MatmulPreferenceDestroy(pref);
+    plan_drop(p);
+    return mti_fail(k->ctx, r == CUBLAS_STATUS_ALLOC_FAILED ? MT_ERR_OOM : MT_ERR_DEVICE,
+                    "CUDA %s: %s failed: %s", what, call, lt_status_name(r));
+}
+
+/* D = op(A) . op(B) (+ bias) + beta * D, queued on the device's stream. */
+static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void *B, void *D,
+                      const void *bias, float beta, const char *what)
+{
+    ops_state *s = state_of(k->dev);
+    if (!s) return mti_fail(k->ctx, MT_ERR_OOM, "CUDA %s: out of host memory", what);
+    key.align[0] = align_of(A);
+    key.align[1] = align_of(B);
+    key.align[2] = align_of(D);
+    key.align[3] = bias ? align_of(bias) : 0;
+    key.bias = bias != NULL;
+    mt_status st = mti_cuda_enter(k->dev);
+    if (st != MT_OK) return st;
+    pthread_mutex_lock(&s->mu);
+    carver w = {0};
+    gemm_plan *p = NULL;
+    if ((st = lt_handle(k, s)) != MT_OK) goto out;
+    for (int i = 0; i < MTI_GEMM_PLANS && !p; i++)
+        if (s->plans[i].used && memcmp(&s->plans[i].key, &key, sizeof key) == 0) p = &s->plans[i];
+    if (!p) {
+        int slot = -1;
+        for (int i = 0; i < MTI_GEMM_PLANS && slot < 0; i++)
+            if (!s->plans[i].used) slot = i;
+        if (slot < 0) slot = (int)(s->next_evict++ % MTI_GEMM_PLANS);
+        plan_drop(&s->plans[slot]);
+        if ((st = plan_make(k, s, &s->plans[slot], &key, bias, what)) != MT_OK) goto out;
+        p = &s->plans[slot];
+    } else if (bias) {
+        cublasStatus_t r = g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                       &bias, sizeof bias);
+        if (r != CUBLAS_STATUS_SUCCESS) {
+            st = mti_fail(k->ctx, MT_ERR_DEVICE, "CUDA %s: setting the bias pointer failed: %s",
+                          what, lt_status_name(r));
+            goto out;
+        }
+    }
+    if (p->ws && (st = mti_work_alloc(k, p->ws, &w.blk)) != MT_OK) goto out;
+    const float alpha = 1.0f;
+    cublasStatus_t r = g_lt.Matmul(s->lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, D, p->ld, D,
+                                   p->ld, &p->algo, w.blk.ptr, p->ws, mti_cuda_stream(k->dev));
+    if (r != CUBLAS_STATUS_SUCCESS)
+        st = mti_fail(k->ctx, r == CUBLAS_STATUS_ALLOC_FAILED ? MT_ERR_OOM : MT_ERR_DEVICE,
+                      "CUDA %s: cublasLtMatmul (m=%d n=%d k=%d) failed: %s", what, key.m, key.n,
+                      key.k, lt_status_name(r));
+    /* the stream orders the GEMM before whatever next uses this memory */
+    mti_work_free(k, &w.blk);
+out:
+    pthread_mutex_unlock(&s->mu);
+    mti_cuda_leave(k->dev);
+    return st;
+}
+
+/* Row-major y (N,O) = x (N,I) . W (O,I)^T + b is, column-major,
+ * y^T (O,N) = W^T (O,I) . x^T (I,N): A = W stored (I,O) read transposed,
+ * B = x stored (I,N), D = y (O,N); the bias (O) is one per row of D. */
+static mt_status cu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const void *w,
+                               const void *b, int n, int in, int out, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "matmul_fwd", dt);
+    if (n < 0 || in <= 0 || out <= 0) return bad_arg(k, "matmul_fwd", "bad size");
+    if (n == 0) return MT_OK;
+    int t = lt_type(dt);
+    gemm_key key = {.ta = CUBLAS_OP_T, .tb = CUBLAS_OP_N, .m = out, .n = n, .k = in, .lda = in,
+                    .ldb = in, .ldd = out, .a_type = t, .b_type = t, .d_type = t};
+    return gemm(k, key, w, x, y, b, 0.0f, "matmul_fwd");
+}
+
+/* dx (N,I) = dy (N,O) . W (O,I): column-major dx^T (I,N) = W^T (I,O) . dy^T
+ * (O,N), A = W stored (I,O), B = dy stored (O,N); beta 1 accumulates.
+ * dW (O,I) += dy^T . x: column-major dW^T (I,O) = x^T (I,N) . dy (N,O),
+ * A = x stored (I,N), B = dy stored (O,N) read transposed; D fp32, beta 1.
+ * db (O) += column sums of dy (N,O). */
+static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
+                               const void *x, const void *w, int n, int in, int out, mti_dtype dt,
+                               int accumulate)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "matmul_bwd", dt);
+    if (n < 0 || in <= 0 || out <= 0) return bad_arg(k, "matmul_bwd", "bad size");
+    if (n == 0) return MT_OK;
+    int t = lt_type(dt);
+    mt_status st = MT_OK;
+    if (dx) {
+        gemm_key key = {.ta = CUBLAS_OP_N, .tb = CUBLAS_OP_N, .m = in, .n = n, .k = out,
+                        .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t, .d_type = t};
+        st = gemm(k, key, w, dy, dx, NULL, accumulate ? 1.0f : 0.0f, "matmul_bwd dx");
+        if (st != MT_OK) return st;
+    }
+    if (dw) {
+        gemm_key key = {.ta = CUBLAS_OP_N, .tb = CUBLAS_OP_T, .m = in, .n = out, .k = n,
+                        .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t,
+                        .d_type = CUDA_R_32F};
+        st = gemm(k, key, x, dy, dw, NULL, 1.0f, "matmul_bwd dW");
+        if (st != MT_OK) return st;
+    }
+    if (db) st = colsum(k, db, dy, n, out, dt);
+    return st;
+}
+
+/* ---- layernorm ---- */
+
+static mt_status cu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,
+                                  const void *x, const void *w, const void *b, int n, int c,
+                                  mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "layernorm_fwd", dt);
+    if (n < 0 || c <= 0) return bad_arg(k, "layernorm_fwd", "bad size");
+    if (n == 0) return MT_OK;
+    void *args[] = {&out, &mean, &rstd, &x, &w, &b, &n, &c};
+    mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};
+    return launch(k, MTI_CUDA_LN_FWD_F32 + dt, grid, 32 * MTI_LN_ROWS, args);
+}
+
+static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
+                                  const void *dout, const void *x, const void *w,
+                                  const float *mean, const float *rstd, int n, int c,
+                                  mti_dtype dt, int accumulate)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "layernorm_bwd", dt);
+    if (n < 0 || c <= 0) return bad_arg(k, "layernorm_bwd", "bad size");
+    if (!mean || !rstd) return bad_arg(k, "layernorm_bwd", "the saved mean and rstd are needed");
+    if (n == 0) return MT_OK;
+    mt_status st = MT_OK;
+    if (dx) {
+        void *args[] = {&dx, &dout, &x, &w, &mean, &rstd, &n, &c, &accumulate};
+        mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};
+        if ((st = launch(k, MTI_CUDA_LN_BWD_DX_F32 + dt, grid, 32 * MTI_LN_ROWS, args)))
+            return st;
+    }
+    if (!dw && !db) return MT_OK;
+    int chunk = MTI_COLSUM_CHUNK;
+    if (cdiv((size_t)n, (size_t)chunk) > MTI_GRID_Y_MAX)
+        chunk = (int)cdiv((size_t)n, MTI_GRID_Y_MAX);
+    int nchunks = (int)cdiv((size_t)n, (size_t)chunk);
+    carver wk = {0};
+    float *pw = NULL, *pb = NULL;
+    if (nchunks > 1) {
+        size_t one = (size_t)nchunks * (size_t)c * sizeof(float);
+        if ((st = mti_work_alloc(k, 2 * mti_align_up(one, 256), &wk.blk))) return st;
+        pw = carve(&wk, one);
+        pb = carve(&wk, one);
+    }
+    mti_dim3 grid = {(unsigned)cdiv((size_t)c, 256), (unsigned)nchunks, 1};
+    void *args[] = {&dw, &db, &pw, &pb, &dout, &x, &mean, &rstd, &n, &c, &chunk};
+    st = launch(k, MTI_CUDA_LN_BWD_DWDB_F32 + dt, grid, 256, args);
+    long long cols = c;
+    for (int i = 0; i < 2 && st == MT_OK && pw; i++) {
+        float *o = i ? db : dw;
+        const float *part = i ? pb : pw;
+        if (!o) continue;
+        void *a2[] = {&o, &part, &nchunks, &cols};
+        st = launch(k, MTI_CUDA_COLSUM_FINISH, (mti_dim3){grid.x, 1, 1}, 256, a2);
+    }
+    mti_work_free(k, &wk.blk);
+    return st;
+}
+
+/* ---- activations and residual ---- */
+
+static mt_status ew2(const mti_kctx *k, const char *op, int id0, void *y, const void *x, size_t n,
+                     mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, op, dt);
+    if (n == 0) return MT_OK;
+    unsigned long long nn = n;
+    void *args[] = {&y, &x, &nn};
+    return launch(k, id0 + dt, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+static mt_status ew3(const mti_kctx *k, const char *op, int id0, void *y, const void *a,
+                     const void *b, size_t n, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, op, dt);
+    if (n == 0) return MT_OK;
+    unsigned long long nn = n;
+    void *args[] = {&y, &a, &b, &nn};
+    return launch(k, id0 + dt, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+static mt_status cu_gelu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
+{
+    return ew2(k, "gelu_fwd", MTI_CUDA_GELU_FWD_F32, y, x, n, dt);
+}
+
+static mt_status cu_gelu_bwd(const mti_kctx *k, void *dx, const void *dy, const void *x, size_t n,
+                             mti_dtype dt)
+{
+    return ew3(k, "gelu_bwd", MTI_CUDA_GELU_BWD_F32, dx, dy, x, n, dt);
+}
+
+static mt_status cu_relu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
+{
+    return ew2(k, "relu_fwd", MTI_CUDA_RELU_FWD_F32, y, x, n, dt);
+}
+
+static mt_status cu_relu_bwd(const mti_kctx *k, void *dx, const void *dy, const void *y, size_t n,
+                             mti_dtype dt)
+{
+    return ew3(k, "relu_bwd", MTI_CUDA_RELU_BWD_F32, dx, dy, y, n, dt);
+}
+
+static mt_status cu_add(const mti_kctx *k, void *y, const void *a, const void *b, size_t n,
+                        mti_dtype dt)
+{
+    return ew3(k, "add", MTI_CUDA_ADD_F32, y, a, b, n, dt);
+}
+
+static mt_status cu_accumulate(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
+{
+    return ew2(k, "accumulate", MTI_CUDA_ACCUMULATE_F32, y, x, n, dt);
+}
+
+/* ---- attention ---- */
+
+/* The head-size class of attention.cu: 0..3 for heads up to 32, 64, 128,
+ * 256 dimensions; -1 past that. *rows = queries (or keys) per block. */
+static int attn_class(int hs, unsigned *rows)
+{
+    static const int max_hs[4] = {32, 64, 128, 256};
+    for (int i = 0; i < 4; i++)
+        if (hs <= max_hs[i]) {
+            *rows = MTI_ATTN_THREADS / (unsigned)(max_hs[i] / 16); /* 256 / G */
+            return i;
+        }
+    return -1;
+}
+
+static mt_status attn_check(const mti_kctx *k, const char *op, int B, int T, int C, int H,
+                            mti_dtype dt, int *cls, unsigned *rows)
+{
+    if (!dt_ok(dt)) return bad_dt(k, op, dt);
+    if (B < 0 || T < 0 || C <= 0 || H <= 0 || C % H)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA %s: bad shape B=%d T=%d C=%d H=%d (C must be a multiple of H)", op,
+                        B, T, C, H);
+    *cls = attn_class(C / H, rows);
+    if (*cls < 0)
+        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                        "CUDA %s: head size %d is over 256, the most the CUDA kernels take", op,
+                        C / H);
+    if ((size_t)B * H > 0x7FFFFFFFu || cdiv((size_t)T, *rows) > MTI_GRID_Y_MAX)
+        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED, "CUDA %s: B*H=%lld or T=%d too large", op,
+                        (long long)B * H, T);
+    return MT_OK;
+}
+
+static mt_status cu_attention_fwd(const mti_kctx *k, void *out, float *lse, const void *qkv,
+                                  int B, int T, int C, int H, mti_dtype dt)
+{
+    int cls;
+    unsigned rows;
+    mt_status st = attn_check(k, "attention_fwd", B, T, C, H, dt, &cls, &rows);
+    if (st != MT_OK || B == 0 || T == 0) return st;
+    int hs = C / H;
+    float scale = 1.0f / sqrtf((float)hs);
+    mti_dim3 grid = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, rows), 1};
+    void *args[] = {&out, &lse, &qkv, &T, &C, &H, &hs, &scale};
+    return launch(k, MTI_CUDA_ATTN_FWD_32_F32 + 3 * cls + dt, grid, MTI_ATTN_THREADS, args);
+}
+
+/* The query-side kernel writes dq and the row terms D (B,H,T) to workspace;
+ * the key-side kernel, queued after it, writes dk and dv. */
+static mt_status cu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout,
+                                  const void *qkv, const void *out, const float *lse, int B,
+                                  int T, int C, int H, mti_dtype dt)
+{
+    int cls;
+    unsigned rows;
+    mt_status st = attn_check(k, "attention_bwd", B, T, C, H, dt, &cls, &rows);
+    if (st != MT_OK || B == 0 || T == 0) return st;
+    int hs = C / H;
+    float scale = 1.0f / sqrtf((float)hs);
+    mt_block wk = {0};
+    if ((st = mti_work_alloc(k, (size_t)B * H * T * sizeof(float), &wk))) return st;
+    float *Drow = wk.ptr;
+    mti_dim3 grid = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, rows), 1};
+    void *aq[] = {&dqkv, &Drow, &dout, &qkv, &out, &lse, &T, &C, &H, &hs, &scale};
+    st = launch(k, MTI_CUDA_ATTN_BWD_Q_32_F32 + 3 * cls + dt, grid, MTI_ATTN_THREADS, aq);
+    if (st == MT_OK) {
+        const float *cD = Drow;
+        void *akv[] = {&dqkv, &dout, &qkv, &lse, &cD, &T, &C, &H, &hs, &scale};
+        st = launch(k, MTI_CUDA_ATTN_BWD_KV_32_F32 + 3 * cls + dt, grid, MTI_ATTN_THREADS, akv);
+    }
+    mti_work_free(k, &wk);
+    return st;
+}
+
+/* ---- cross-entropy ---- */
+
+static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                         const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "xent", dt);
+    if (n < 0 || V <= 0 || Vp < V) return bad_arg(k, "xent", "bad size (need 0 < V <= Vp)");
+    if (n == 0) return MT_OK;
+    void *args[] = {&losses, &dlogits, &logits, &targets, &V, &Vp, &dloss};
+    return launch(k, MTI_CUDA_XENT_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS, args);
+}
+
+/* ---- mixed precision ---- */
+
+static mt_status cu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,
+                                  int *found_inf)
+{
+    if (n == 0) return MT_OK;
+    if (!g || !found_inf) return bad_arg(k, "unscale_check", "NULL pointer");
+    unsigned long long nn = n;
+    void *args[] = {&g, &nn, &inv_scale, &found_inf};
+    return launch(k, MTI_CUDA_UNSCALE_CHECK, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+static mt_status cu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t n)
+{
+    if (!sumsq) return bad_arg(k, "sumsq", "NULL result");
+    if (n == 0) return k->dev->memset8(k->dev, sumsq, 0, sizeof(float));
+    size_t nparts = cdiv(n, MTI_SUMSQ_CHUNK);
+    if (nparts > 0x7FFFFFFFu) return bad_arg(k, "sumsq", "too many elements");
+    mt_block wk = {0};
+    mt_status st;
+    if (nparts > 1 && (st = mti_work_alloc(k, nparts * sizeof(float), &wk))) return st;
+    float *part = wk.ptr;
+    unsigned long long nn = n, np = nparts;
+    void *a1[] = {&part, &sumsq, &g, &nn};
+    st = launch(k, MTI_CUDA_SUMSQ_PART, (mti_dim3){(unsigned)nparts, 1, 1}, 256, a1);
+    if (st == MT_OK && nparts > 1) {
+        const float *cpart = part;
+        void *a2[] = {&sumsq, &cpart, &np};
+        st = launch(k, MTI_CUDA_SUMSQ_FINISH, (mti_dim3){1, 1, 1}, 256, a2);
+    }
+    mti_work_free(k, &wk);
+    return st;
+}
+
+/* ---- optimizers ---- */
+
+static mt_status cu_sgd(const mti_kctx *k, float *p, const float *g, float *m, void *pc,
+                        mti_dtype pc_dt, size_t n, const mti_sgd_args *a)
+{
+    if (!a) return bad_arg(k, "sgd", "no arguments");
+    if (pc && !dt_ok(pc_dt)) return bad_dt(k, "sgd", pc_dt);
+    if (n == 0) return MT_OK;
+    if (a->momentum > 0.0f && !m) return bad_arg(k, "sgd", "momentum > 0 needs a buffer");
+    unsigned long long nn = n;
+    int pdt = (int)pc_dt, nesterov = a->nesterov, first = a->first_step;
+    float lr = a->lr, mom = a->momentum, damp = a->dampening, wd = a->weight_decay,
+          gs = a->grad_scale;
+    void *args[] = {&p, &g, &m, &pc, &pdt, &nn, &lr, &mom, &damp, &wd, &nesterov, &first, &gs};
+    return launch(k, MTI_CUDA_SGD, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+static mt_status cu_adamw(const mti_kctx *k, float *p, const float *g, float *m, float *v,
+                          void *pc, mti_dtype pc_dt, size_t n, const mti_adamw_args *a)
+{
+    if (!a) return bad_arg(k, "adamw", "no arguments");
+    if (pc && !dt_ok(pc_dt)) return bad_dt(k, "adamw", pc_dt);
+    if (a->step < 1) return bad_arg(k, "adamw", "step counts from 1");
+    if (n == 0) return MT_OK;
+    unsigned long long nn = n;
+    int pdt = (int)pc_dt;
+    float lr = a->lr, b1 = a->beta1, b2 = a->beta2, eps = a->eps, wd = a->weight_decay,
+          gs = a->grad_scale;
+    /* bias corrections of step t, in double so large t stays exact to fp32 */
+    float bc1 = (float)(1.0 - pow((double)b1, (double)a->step));
+    float sqrt_bc2 = (float)sqrt(1.0 - pow((double)b2, (double)a->step));
+    void *args[] = {&p, &g, &m, &v, &pc, &pdt, &nn, &lr, &b1, &b2, &eps, &wd, &gs, &bc1,
+                    &sqrt_bc2};
+    return launch(k, MTI_CUDA_ADAMW, ew_grid(n), MTI_EW_THREADS, args);
+}
+
+/* ---- the table ---- */
+
+static const mti_ops cuda_ops = {
+    .name = "cuda",
+    .device = MT_DEVICE_CUDA,
+    .cast = cu_cast,
+    .embedding_fwd = cu_embedding_fwd,
+    .embedding_bwd = cu_embedding_bwd,
+    .matmul_fwd = cu_matmul_fwd,
+    .matmul_bwd = cu_matmul_bwd,
+    .layernorm_fwd = cu_layernorm_fwd,
+    .layernorm_bwd = cu_layernorm_bwd,
+    .gelu_fwd = cu_gelu_fwd,
+    .gelu_bwd = cu_gelu_bwd,
+    .relu_fwd = cu_relu_fwd,
+    .relu_bwd = cu_relu_bwd,
+    .add = cu_add,
+    .accumulate = cu_accumulate,
+    .attention_fwd = cu_attention_fwd,
+    .attention_bwd = cu_attention_bwd,
+    .xent = cu_xent,
+    .unscale_check = cu_unscale_check,
+    .sumsq = cu_sumsq,
+    .sgd = cu_sgd,
+    .adamw = cu_adamw,
+};
+
+mt_status mti_cuda_ops(mti_device *d, const mti_ops **out)
+{
+    if (!d || !out) return mti_fail(d ? d->ctx : NULL, MT_ERR_INVALID_ARG, "mti_cuda_ops: NULL");
+    if (d->kind != MT_DEVICE_CUDA)
+        return mti_fail(d->ctx, MT_ERR_INVALID_ARG, "mti_cuda_ops: not a CUDA device");
+    /* every kernel was looked up when the device opened; the first one's
+     * lookup carries the reason when they are missing */
+    mti_cuda_fn *fn;
+    mt_status st = mti_cuda_kernel(d, MTI_CUDA_CAST, &fn);
+    if (st != MT_OK) return st;
+    if (!state_of(d)) return mti_fail(d->ctx, MT_ERR_OOM, "mti_cuda_ops: out of host memory");
+    *out = &cuda_ops;
+    return MT_OK;
+}

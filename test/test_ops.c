@@ -1,0 +1,1086 @@
+/*
+ * test_ops.c - the op table's conformance suite.
+ *
+ * Every case runs against every table the test can open: the CPU table
+ * always, and the CUDA table when MT_TEST_GPU=1 and a real driver and GPU
+ * are there (`make test-gpu`). The checks:
+ *   - every backward against central finite differences of the same op's
+ *     fp32 forward (the loss is sum(out * r) for a fixed random r);
+ *   - fp16 and bf16 against fp32 on the same (rounded) inputs, forward and
+ *     backward, within the tolerances below;
+ *   - the CPU table bit-identical with 1 and 2 threads;
+ *   - another table against the CPU table, per dtype, within the tolerances.
+ * Golden vectors from PyTorch are checked in test_golden.c.
+ *
+ * Tolerances: |got - want| <= atol + rtol * |want|, per output dtype.
+ *   fp32 (rtol 1e-4, atol 1e-5): fp32 results of different summation orders
+ *     (blocked GEMM, per-thread partial sums) differ by a few ulps times the
+ *     reduction length's square root;
+ *   fp16 (rtol 2e-3, atol 2e-3): one rounding of the output to fp16 is half an
+ *     ulp (2^-11 = 4.9e-4 relative), plus the inputs' and intermediates'
+ *     roundings that the fp32 run does not have;
+ *   bf16 (rtol 1.6e-2, atol 1.6e-2): the same with bf16's 8-bit mantissa
+ *     (2^-8 = 3.9e-3 relative per rounding).
+ * Finite differences (fp32 forward, step 1e-2 on inputs of magnitude ~1):
+ *   rtol 2e-2, atol 2e-3, the truncation and fp32 cancellation error.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kernels.h"
+
+typedef struct tol {
+    double rtol, atol;
+} tol;
+
+static tol tol_of(mti_dtype dt)
+{
+    switch (dt) {
+    case MTI_F16: return (tol){2e-3, 2e-3};
+    case MTI_BF16: return (tol){1.6e-2, 1.6e-2};
+    default: return (tol){1e-4, 1e-5};
+    }
+}
+
+static const tol FD_TOL = {2e-2, 2e-3};
+static const mti_dtype DTYPES[3] = {MTI_F32, MTI_F16, MTI_BF16};
+static const char *dt_name(mti_dtype dt) { return dt == MTI_F16 ? "fp16" : dt == MTI_BF16 ? "bf16" : "fp32"; }
+
+/* ---- tables and device buffers ---- */
+
+#define MAX_BUFS 64
+
+typedef struct tab {
+    const char *name;
+    mt_context *ctx;
+    const mti_ops *ops;
+    mti_kctx k;
+    mt_block bufs[MAX_BUFS];
+    int n_bufs;
+} tab;
+
+static tab tabs[2];
+static int n_tabs;
+
+static mt_context *open_ctx(mt_device_kind dev, int threads)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = dev;
+    cfg.threads = threads;
+    mt_context *ctx = NULL;
+    CHECK_OK(mt_context_create(&cfg, &ctx));
+    return ctx;
+}
+
+static void open_tables(void)
+{
+    n_tabs = 0;
+    mt_context *ctx = open_ctx(MT_DEVICE_CPU, 2);
+    tabs[n_tabs++] = (tab){.name = "cpu", .ctx = ctx, .ops = mti_cpu_ops(), .k = {ctx, NULL}};
+    tabs[0].k.dev = NULL;
+    const char *gpu = getenv("MT_TEST_GPU");
+    if (gpu && !strcmp(gpu, "1")) {
+        mt_context *g = open_ctx(MT_DEVICE_CUDA, 0);
+        CHECK_MSG(g && mt_context_device(g) == MT_DEVICE_CUDA, "MT_TEST_GPU=1 but no CUDA context");
+        tab *t = &tabs[n_tabs++];
+        *t = (tab){.name = "cuda", .ctx = g};
+        CHECK_OK(mti_cuda_ops(g->dev, &t->ops));
+        t->k = (mti_kctx){g, g->dev};
+    }
+    /* the CPU context's device, for kctx */
+    tabs[0].k.dev = tabs[0].ctx->dev;
+}
+
+static void free_bufs(tab *t)
+{
+    for (int i = 0; i < t->n_bufs; i++) CHECK_OK(mt_context_free(t->ctx, &t->bufs[i]));
+    t->n_bufs = 0;
+}
+
+static void close_tables(void)
+{
+    for (int i = 0; i < n_tabs; i++) {
+        free_bufs(&tabs[i]);
+        CHECK_OK(mt_context_destroy(tabs[i].ctx));
+    }
+    n_tabs = 0;
+}
+
+/* A device buffer of `bytes`, filled from host (or zeroed when host is NULL). */
+static void *dev_buf(tab *t, const void *host, size_t bytes)
+{
+    CHECK(t->n_bufs < MAX_BUFS);
+    mt_alloc_request r = {.bytes = bytes ? bytes : 4, .mem_class = MT_MEM_IO,
+                          .lifetime = MT_LIFE_PERSISTENT};
+    mt_block *b = &t->bufs[t->n_bufs++];
+    CHECK_OKC(t->ctx, mt_context_alloc(t->ctx, &r, b));
+    mti_device *d = t->ctx->dev;
+    if (host) CHECK_OK(d->copy_h2d(d, b->ptr, host, bytes));
+    else CHECK_OK(d->memset8(d, b->ptr, 0, r.bytes));
+    return b->ptr;
+}
+
+static void dev_get(tab *t, void *host, const void *dev, size_t bytes)
+{
+    mti_device *d = t->ctx->dev;
+    CHECK_OK(d->copy_d2h(d, host, dev, bytes));
+    CHECK_OK(d->sync(d));
+}
+
+/* ---- host-side dtype helpers ---- */
+
+static size_t dsize(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_I32 ? 4 : 2; }
+
+static float round_to(float v, mti_dtype dt)
+{
+    if (dt == MTI_F16) return mti_f16_to_f32(mti_f32_to_f16(v));
+    if (dt == MTI_BF16) return mti_bf16_to_f32(mti_f32_to_bf16(v));
+    return v;
+}
+
+/* host fp32 values -> a host buffer in dt (caller frees) */
+static void *pack(const float *x, size_t n, mti_dtype dt)
+{
+    void *p = malloc(n * dsize(dt) + 4);
+    for (size_t i = 0; i < n; i++) {
+        if (dt == MTI_F32) ((float *)p)[i] = x[i];
+        else if (dt == MTI_F16) ((uint16_t *)p)[i] = mti_f32_to_f16(x[i]);
+        else ((uint16_t *)p)[i] = mti_f32_to_bf16(x[i]);
+    }
+    return p;
+}
+
+static void unpack(float *dst, const void *p, size_t n, mti_dtype dt)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (dt == MTI_F32) dst[i] = ((const float *)p)[i];
+        else if (dt == MTI_F16) dst[i] = mti_f16_to_f32(((const uint16_t *)p)[i]);
+        else dst[i] = mti_bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+}
+
+/* upload fp32 values as dt */
+static void *put(tab *t, const float *x, size_t n, mti_dtype dt)
+{
+    void *h = pack(x, n, dt);
+    void *d = dev_buf(t, h, n * dsize(dt));
+    free(h);
+    return d;
+}
+
+static void get(tab *t, float *dst, const void *dev, size_t n, mti_dtype dt)
+{
+    void *h = malloc(n * dsize(dt) + 4);
+    dev_get(t, h, dev, n * dsize(dt));
+    unpack(dst, h, n, dt);
+    free(h);
+}
+
+static uint64_t rng = 0x1234567;
+static float urand(void) /* uniform in [-1, 1) */
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)(rng >> 40) / 8388608.0f - 1.0f;
+}
+
+static float *randv(size_t n, float scale)
+{
+    float *v = malloc((n ? n : 1) * sizeof *v);
+    for (size_t i = 0; i < n; i++) v[i] = urand() * scale;
+    return v;
+}
+
+static float *rounded(const float *x, size_t n, mti_dtype dt)
+{
+    float *v = malloc((n ? n : 1) * sizeof *v);
+    for (size_t i = 0; i < n; i++) v[i] = round_to(x[i], dt);
+    return v;
+}
+
+/* Every element within tol; says where the worst one is. */
+static void expect_close(const char *what, const float *got, const float *want, size_t n, tol t)
+{
+    double worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        double err = fabs((double)got[i] - want[i]) - (t.atol + t.rtol * fabs((double)want[i]));
+        if (!(err <= worst) || isnan(got[i]) != isnan(want[i])) {
+            worst = isnan(err) ? INFINITY : err;
+            at = i;
+        }
+    }
+    CHECK_MSG(worst <= 0, "%s: element %zu is %.8g, expected %.8g (rtol %g atol %g)", what, at,
+              got[at], want[at], t.rtol, t.atol);
+}
+
+static double dot(const float *a, const float *b, size_t n)
+{
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += (double)a[i] * b[i];
+    return s;
+}
+
+/* Central differences of a scalar loss over `samples` elements of x,
+ * against the analytic gradient g of the same elements. */
+typedef double (*loss_fn)(void *arg);
+
+static void fd_check(const char *what, float *x, size_t n, const float *g, loss_fn f, void *arg,
+                     int samples)
+{
+    for (int s = 0; s < samples; s++) {
+        size_t i = n <= (size_t)samples ? (size_t)s % n : (size_t)((urand() + 1.0f) * 0.5f * (float)n) % n;
+        const float e = 1e-2f, keep = x[i];
+        x[i] = keep + e;
+        double lp = f(arg);
+        x[i] = keep - e;
+        double lm = f(arg);
+        x[i] = keep;
+        float fd = (float)((lp - lm) / (2.0 * e));
+        char w[128];
+        snprintf(w, sizeof w, "%s (element %zu) vs finite differences", what, i);
+        expect_close(w, &g[i], &fd, 1, FD_TOL);
+    }
+}
+
+/* Runs the CPU table with 1 thread: the caller compares with its 2-thread run. */
+static void with_one_thread(void (*body)(void *), void *arg)
+{
+    mti_cpu_set_threads(1);
+    body(arg);
+    mti_cpu_set_threads(2);
+}
+
+static void expect_same_bits(const char *what, const float *a, const float *b, size_t n)
+{
+    CHECK_MSG(memcmp(a, b, n * sizeof *a) == 0, "%s: 1 and 2 threads differ", what);
+}
+
+/* ---- matmul ---- */
+
+typedef struct mm_case {
+    int n, in, out;
+} mm_case;
+
+/* y, and the backward's dx, dw, db for upstream gradient dy, on table t in dt */
+static void run_matmul(tab *t, mti_dtype dt, const mm_case *c, const float *x, const float *w,
+                       const float *b, const float *dy, float *y, float *dx, float *dw, float *db)
+{
+    size_t nx = (size_t)c->n * c->in, nw = (size_t)c->out * c->in, ny = (size_t)c->n * c->out;
+    void *X = put(t, x, nx, dt), *W = put(t, w, nw, dt), *B = put(t, b, (size_t)c->out, dt);
+    void *Y = dev_buf(t, NULL, ny * dsize(dt));
+    CHECK_OKC(t->ctx, t->ops->matmul_fwd(&t->k, Y, X, W, B, c->n, c->in, c->out, dt));
+    get(t, y, Y, ny, dt);
+    if (dy) {
+        void *DY = put(t, dy, ny, dt), *DX = dev_buf(t, NULL, nx * dsize(dt));
+        float *DW = dev_buf(t, NULL, nw * 4), *DB = dev_buf(t, NULL, (size_t)c->out * 4);
+        CHECK_OKC(t->ctx, t->ops->matmul_bwd(&t->k, DX, DW, DB, DY, X, W, c->n, c->in, c->out, dt, 0));
+        get(t, dx, DX, nx, dt);
+        get(t, dw, DW, nw, MTI_F32);
+        get(t, db, DB, (size_t)c->out, MTI_F32);
+    }
+    free_bufs(t);
+}
+
+TEST(ops_matmul)
+{
+    open_tables();
+    static const mm_case cases[] = {{7, 5, 3}, {33, 70, 129}, {64, 300, 96}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const mm_case *c = &cases[ci];
+        size_t nx = (size_t)c->n * c->in, nw = (size_t)c->out * c->in, ny = (size_t)c->n * c->out;
+        float *x = randv(nx, 1), *w = randv(nw, 0.3f), *b = randv((size_t)c->out, 0.5f),
+              *dy = randv(ny, 1);
+        float *y32 = malloc(ny * 4), *dx32 = malloc(nx * 4), *dw32 = malloc(nw * 4),
+              *db32 = malloc((size_t)c->out * 4);
+        /* finite differences of the fp32 forward on the CPU: L = sum(y * dy) */
+        tab *cpu = &tabs[0];
+        run_matmul(cpu, MTI_F32, c, x, w, b, dy, y32, dx32, dw32, db32);
+        float *yp = malloc(ny * 4);
+        for (int s = 0; s < 12; s++) {
+            size_t i = (size_t)(rng % nx), j = (size_t)(rng >> 20) % nw;
+            float e = 1e-2f, keep = x[i];
+            x[i] = keep + e;
+            run_matmul(cpu, MTI_F32, c, x, w, b, NULL, yp, NULL, NULL, NULL);
+            double lp = dot(yp, dy, ny);
+            x[i] = keep - e;
+            run_matmul(cpu, MTI_F32, c, x, w, b, NULL, yp, NULL, NULL, NULL);
+            x[i] = keep;
+            float fd = (float)((lp - dot(yp, dy, ny)) / (2 * e));
+            expect_close("matmul dx vs finite differences", &dx32[i], &fd, 1, FD_TOL);
+            keep = w[j];
+            w[j] = keep + e;
+            run_matmul(cpu, MTI_F32, c, x, w, b, NULL, yp, NULL, NULL, NULL);
+            lp = dot(yp, dy, ny);
+            w[j] = keep - e;
+            run_matmul(cpu, MTI_F32, c, x, w, b, NULL, yp, NULL, NULL, NULL);
+            w[j] = keep;
+            fd = (float)((lp - dot(yp, dy, ny)) / (2 * e));
+            expect_close("matmul dw vs finite differences", &dw32[j], &fd, 1, FD_TOL);
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        }
+        /* db is the column sum of dy */
+        for (int o = 0; o < c->out; o++) {
+            double sdy = 0;
+            for (int r = 0; r < c->n; r++) sdy += dy[(size_t)r * c->out + o];
+            float want = (float)sdy;
+            expect_close("matmul db = column sums of dy", &db32[o], &want, 1, tol_of(MTI_F32));
+        }
+        /* every dtype on every table against fp32 on the CPU with the same rounded inputs */
+        for (int d = 0; d < 3; d++) {
+            mti_dtype dt = DTYPES[d];
+            float *xr = rounded(x, nx, dt), *wr = rounded(w, nw, dt), *br = rounded(b, (size_t)c->out, dt),
+                  *dyr = rounded(dy, ny, dt);
+            float *ry = malloc(ny * 4), *rdx = malloc(nx * 4), *rdw = malloc(nw * 4), *rdb = malloc((size_t)c->out * 4);
+            run_matmul(cpu, MTI_F32, c, xr, wr, br, dyr, ry, rdx, rdw, rdb);
+            for (int ti = 0; ti < n_tabs; ti++) {
+                float *gy = malloc(ny * 4), *gdx = malloc(nx * 4), *gdw = malloc(nw * 4), *gdb = malloc((size_t)c->out * 4);
+                run_matmul(&tabs[ti], dt, c, xr, wr, br, dyr, gy, gdx, gdw, gdb);
+                char what[96];
+                snprintf(what, sizeof what, "matmul %s %s y", tabs[ti].name, dt_name(dt));
+                /* the output is a sum of `in` products: its rounding scales with sqrt(in) */
+                tol ty = tol_of(dt);
+                expect_close(what, gy, ry, ny, ty);
+                snprintf(what, sizeof what, "matmul %s %s dx", tabs[ti].name, dt_name(dt));
+                expect_close(what, gdx, rdx, nx, ty);
+                snprintf(what, sizeof what, "matmul %s %s dw", tabs[ti].name, dt_name(dt));
+                expect_close(what, gdw, rdw, nw, tol_of(MTI_F32));
+                snprintf(what, sizeof what, "matmul %s %s db", tabs[ti].name, dt_name(dt));
+                expect_close(what, gdb, rdb, (size_t)c->out, tol_of(MTI_F32));
+                free(gy), free(gdx), free(gdw), free(gdb);
+            }
+            free(xr), free(wr), free(br), free(dyr), free(ry), free(rdx), free(rdw), free(rdb);
+        }
+        free(x), free(w), free(b), free(dy), free(y32), free(dx32), free(dw32), free(db32), free(yp);
+    }
+    close_tables();
+}
+
+/* ---- layernorm ---- */
+
+typedef struct ln_io {
+    int n, c;
+    mti_dtype dt;
+    float *x, *w, *b, *dout;       /* inputs */
+    float *out, *mean, *rstd, *dx, *dw, *db; /* outputs */
+    tab *t;
+} ln_io;
+
+static void run_ln(ln_io *io)
+{
+    tab *t = io->t;
+    size_t nx = (size_t)io->n * io->c;
+    void *X = put(t, io->x, nx, io->dt), *W = put(t, io->w, (size_t)io->c, io->dt),
+         *B = put(t, io->b, (size_t)io->c, io->dt);
+    void *O = dev_buf(t, NULL, nx * dsize(io->dt));
+    float *M = dev_buf(t, NULL, (size_t)io->n * 4), *R = dev_buf(t, NULL, (size_t)io->n * 4);
+    CHECK_OKC(t->ctx, t->ops->layernorm_fwd(&t->k, O, M, R, X, W, B, io->n, io->c, io->dt));
+    get(t, io->out, O, nx, io->dt);
+    get(t, io->mean, M, (size_t)io->n, MTI_F32);
+    get(t, io->rstd, R, (size_t)io->n, MTI_F32);
+    if (io->dout) {
+        void *DO = put(t, io->dout, nx, io->dt), *DX = dev_buf(t, NULL, nx * dsize(io->dt));
+        float *DW = dev_buf(t, NULL, (size_t)io->c * 4), *DB = dev_buf(t, NULL, (size_t)io->c * 4);
+        CHECK_OKC(t->ctx, t->ops->layernorm_bwd(&t->k, DX, DW, DB, DO, X, W, M, R, io->n, io->c,
+                                                io->dt, 0));
+        get(t, io->dx, DX, nx, io->dt);
+        get(t, io->dw, DW, (size_t)io->c, MTI_F32);
+        get(t, io->db, DB, (size_t)io->c, MTI_F32);
+    }
+    free_bufs(t);
+}
+
+static double ln_loss(void *arg)
+{
+    ln_io io = *(ln_io *)arg;
+    size_t nx = (size_t)io.n * io.c;
+    float *out = malloc(nx * 4), *mean = malloc((size_t)io.n * 4), *rstd = malloc((size_t)io.n * 4);
+    io.out = out, io.mean = mean, io.rstd = rstd;
+    float *dout = io.dout;
+    io.dout = NULL;
+    run_ln(&io);
+    double l = dot(out, dout, nx);
+    free(out), free(mean), free(rstd);
+    return l;
+}
+
+static void ln_one_thread(void *arg) { run_ln(arg); }
+
+static ln_io ln_alloc(tab *t, mti_dtype dt, int n, int c)
+{
+    size_t nx = (size_t)n * c;
+    return (ln_io){.n = n, .c = c, .dt = dt, .t = t, .out = malloc(nx * 4), .mean = malloc((size_t)n * 4),
+                   .rstd = malloc((size_t)n * 4), .dx = malloc(nx * 4), .dw = malloc((size_t)c * 4),
+                   .db = malloc((size_t)c * 4)};
+}
+
+static void ln_free(ln_io *io)
+{
+    free(io->out), free(io->mean), free(io->rstd), free(io->dx), free(io->dw), free(io->db);
+}
+
+TEST(ops_layernorm)
+{
+    open_tables();
+    const int n = 37, c = 96;
+    size_t nx = (size_t)n * c;
+    float *x = randv(nx, 2), *w = randv((size_t)c, 1), *b = randv((size_t)c, 0.5f), *dout = randv(nx, 1);
+    for (int i = 0; i < c; i++) w[i] += 1.0f;
+    ln_io ref = ln_alloc(&tabs[0], MTI_F32, n, c);
+    ref.x = x, ref.w = w, ref.b = b, ref.dout = dout;
+    run_ln(&ref);
+    /* the forward against its definition, in double */
+    for (int r = 0; r < n; r++) {
+        double mu = 0, var = 0;
+        for (int j = 0; j < c; j++) mu += x[(size_t)r * c + j];
+        mu /= c;
+        for (int j = 0; j < c; j++) var += pow(x[(size_t)r * c + j] - mu, 2);
+        var /= c;
+        float m = (float)mu, rs = (float)(1.0 / sqrt(var + 1e-5));
+        expect_close("layernorm mean", &ref.mean[r], &m, 1, tol_of(MTI_F32));
+        expect_close("layernorm rstd", &ref.rstd[r], &rs, 1, tol_of(MTI_F32));
+        for (int j = 0; j < c; j++) {
+            float o = (float)((x[(size_t)r * c + j] - mu) * rs * w[j] + b[j]);
+            expect_close("layernorm out", &ref.out[(size_t)r * c + j], &o, 1, tol_of(MTI_F32));
+        }
+    }
+    fd_check("layernorm dx", x, nx, ref.dx, ln_loss, &ref, 16);
+    fd_check("layernorm dw", w, (size_t)c, ref.dw, ln_loss, &ref, 8);
+    fd_check("layernorm db", b, (size_t)c, ref.db, ln_loss, &ref, 8);
+    for (int d = 0; d < 3; d++) {
+        mti_dtype dt = DTYPES[d];
+        float *xr = rounded(x, nx, dt), *wr = rounded(w, (size_t)c, dt), *br = rounded(b, (size_t)c, dt),
+              *dr = rounded(dout, nx, dt);
+        ln_io want = ln_alloc(&tabs[0], MTI_F32, n, c);
+        want.x = xr, want.w = wr, want.b = br, want.dout = dr;
+        run_ln(&want);
+        for (int ti = 0; ti < n_tabs; ti++) {
+            ln_io got = ln_alloc(&tabs[ti], dt, n, c);
+            got.x = xr, got.w = wr, got.b = br, got.dout = dr;
+            run_ln(&got);
+            char what[64];
+            snprintf(what, sizeof what, "layernorm %s %s", tabs[ti].name, dt_name(dt));
+            expect_close(what, got.out, want.out, nx, tol_of(dt));
+            expect_close(what, got.mean, want.mean, (size_t)n, tol_of(MTI_F32));
+            expect_close(what, got.rstd, want.rstd, (size_t)n, tol_of(MTI_F32));
+            expect_close(what, got.dx, want.dx, nx, tol_of(dt));
+            expect_close(what, got.dw, want.dw, (size_t)c, tol_of(dt));
+            expect_close(what, got.db, want.db, (size_t)c, tol_of(MTI_F32));
+            if (ti == 0) {
+                ln_io one = ln_alloc(&tabs[0], dt, n, c);
+                one.x = xr, one.w = wr, one.b = br, one.dout = dr;
+                with_one_thread(ln_one_thread, &one);
+                expect_same_bits("layernorm dx", one.dx, got.dx, nx);
+                expect_same_bits("layernorm dw", one.dw, got.dw, (size_t)c);
+                ln_free(&one);
+            }
+            ln_free(&got);
+        }
+        ln_free(&want);
+        free(xr), free(wr), free(br), free(dr);
+    }
+    /* accumulate adds into dx */
+    {
+        tab *t = &tabs[0];
+        void *X = put(t, x, nx, MTI_F32), *W = put(t, w, (size_t)c, MTI_F32), *DO = put(t, dout, nx, MTI_F32);
+        float *pre = randv(nx, 1), *got = malloc(nx * 4);
+        void *DX = put(t, pre, nx, MTI_F32);
+        float *DW = dev_buf(t, NULL, (size_t)c * 4), *DB = dev_buf(t, NULL, (size_t)c * 4);
+        float *M = put(t, ref.mean, (size_t)n, MTI_F32), *R = put(t, ref.rstd, (size_t)n, MTI_F32);
+        CHECK_OK(t->ops->layernorm_bwd(&t->k, DX, DW, DB, DO, X, W, M, R, n, c, MTI_F32, 1));
+        get(t, got, DX, nx, MTI_F32);
+        for (size_t i = 0; i < nx; i++) pre[i] += ref.dx[i];
+        expect_close("layernorm dx accumulated", got, pre, nx, tol_of(MTI_F32));
+        free_bufs(t);
+        free(pre), free(got);
+    }
+    ln_free(&ref);
+    free(x), free(w), free(b), free(dout);
+    close_tables();
+}
+
+/* ---- elementwise: GELU, ReLU, add, accumulate ---- */
+
+typedef struct ew_io {
+    int relu;
+    size_t n;
+    mti_dtype dt;
+    float *x, *dy, *y, *dx;
+    tab *t;
+} ew_io;
+
+static void run_ew(ew_io *io)
+{
+    tab *t = io->t;
+    void *X = put(t, io->x, io->n, io->dt), *Y = dev_buf(t, NULL, io->n * dsize(io->dt));
+    if (io->relu) CHECK_OK(t->ops->relu_fwd(&t->k, Y, X, io->n, io->dt));
+    else CHECK_OK(t->ops->gelu_fwd(&t->k, Y, X, io->n, io->dt));
+    get(t, io->y, Y, io->n, io->dt);
+    if (io->dy) {
+        void *D = put(t, io->dy, io->n, io->dt); /* in place: dx aliases dy */
+        if (io->relu) CHECK_OK(t->ops->relu_bwd(&t->k, D, D, Y, io->n, io->dt));
+        else CHECK_OK(t->ops->gelu_bwd(&t->k, D, D, X, io->n, io->dt));
+        get(t, io->dx, D, io->n, io->dt);
+    }
+    free_bufs(t);
+}
+
+static double ew_loss(void *arg)
+{
+    ew_io io = *(ew_io *)arg;
+    float *y = malloc(io.n * 4), *dy = io.dy;
+    io.y = y, io.dy = NULL;
+    run_ew(&io);
+    double l = dot(y, dy, io.n);
+    free(y);
+    return l;
+}
+
+static void ew_one_thread(void *arg) { run_ew(arg); }
+
+TEST(ops_activations)
+{
+    open_tables();
+    const size_t n = 40000; /* large enough to run threaded */
+    float *x = randv(n, 4), *dy = randv(n, 1);
+    for (int relu = 0; relu < 2; relu++) {
+        /* keep ReLU's finite differences away from the kink */
+        if (relu)
+            for (size_t i = 0; i < n; i++)
+                if (fabsf(x[i]) < 0.05f) x[i] = 0.5f;
+        float *y = malloc(n * 4), *dx = malloc(n * 4);
+        ew_io ref = {relu, n, MTI_F32, x, dy, y, dx, &tabs[0]};
+        run_ew(&ref);
+        for (size_t i = 0; i < n; i += 997) {
+            double v = x[i];
+            float want = relu ? (float)(v > 0 ? v : 0)
+                              : (float)(0.5 * v * (1 + tanh(sqrt(2 / M_PI) * (v + 0.044715 * v * v * v))));
+            expect_close(relu ? "relu" : "gelu", &y[i], &want, 1, tol_of(MTI_F32));
+        }
+        fd_check(relu ? "relu dx" : "gelu dx", x, n, dx, ew_loss, &ref, 10);
+        for (int d = 0; d < 3; d++) {
+            mti_dtype dt = DTYPES[d];
+            float *xr = rounded(x, n, dt), *dr = rounded(dy, n, dt);
+            float *wy = malloc(n * 4), *wdx = malloc(n * 4), *gy = malloc(n * 4), *gdx = malloc(n * 4);
+            ew_io want = {relu, n, MTI_F32, xr, dr, wy, wdx, &tabs[0]};
+            run_ew(&want);
+            for (int ti = 0; ti < n_tabs; ti++) {
+                ew_io got = {relu, n, dt, xr, dr, gy, gdx, &tabs[ti]};
+                run_ew(&got);
+                char what[64];
+                snprintf(what, sizeof what, "%s %s %s", relu ? "relu" : "gelu", tabs[ti].name, dt_name(dt));
+                expect_close(what, gy, wy, n, tol_of(dt));
+                expect_close(what, gdx, wdx, n, tol_of(dt));
+                if (ti == 0) {
+                    float *oy = malloc(n * 4), *odx = malloc(n * 4);
+                    ew_io one = {relu, n, dt, xr, dr, oy, odx, &tabs[0]};
+                    with_one_thread(ew_one_thread, &one);
+                    expect_same_bits(what, oy, gy, n);
+                    expect_same_bits(what, odx, gdx, n);
+                    free(oy), free(odx);
+                }
+            }
+            free(xr), free(dr), free(wy), free(wdx), free(gy), free(gdx);
+        }
+        free(y), free(dx);
+    }
+    /* add and accumulate, exact up to one rounding */
+    for (int d = 0; d < 3; d++) {
+        mti_dtype dt = DTYPES[d];
+        float *a = rounded(x, n, dt), *b = rounded(dy, n, dt), *want = malloc(n * 4), *got = malloc(n * 4);
+        for (size_t i = 0; i < n; i++) want[i] = round_to(a[i] + b[i], dt);
+        for (int ti = 0; ti < n_tabs; ti++) {
+            tab *t = &tabs[ti];
+            void *A = put(t, a, n, dt), *B = put(t, b, n, dt), *Y = dev_buf(t, NULL, n * dsize(dt));
+            CHECK_OK(t->ops->add(&t->k, Y, A, B, n, dt));
+            get(t, got, Y, n, dt);
+            CHECK_MSG(memcmp(got, want, n * 4) == 0, "add %s %s", t->name, dt_name(dt));
+            CHECK_OK(t->ops->accumulate(&t->k, A, B, n, dt)); /* a += b */
+            get(t, got, A, n, dt);
+            CHECK_MSG(memcmp(got, want, n * 4) == 0, "accumulate %s %s", t->name, dt_name(dt));
+            free_bufs(t);
+        }
+        free(a), free(b), free(want), free(got);
+    }
+    free(x), free(dy);
+    close_tables();
+}
+
+/* ---- attention ---- */
+
+typedef struct at_io {
+    int B, T, C, H;
+    mti_dtype dt;
+    float *qkv, *dout;
+    float *out, *lse, *dqkv;
+    tab *t;
+} at_io;
+
+static void run_attn(at_io *io)
+{
+    tab *t = io->t;
+    size_t nq = (size_t)io->B * io->T * 3 * io->C, no = (size_t)io->B * io->T * io->C,
+           nl = (size_t)io->B * io->H * io->T;
+    void *Q = put(t, io->qkv, nq, io->dt), *O = dev_buf(t, NULL, no * dsize(io->dt));
+    float *L = dev_buf(t, NULL, nl * 4);
+    CHECK_OKC(t->ctx, t->ops->attention_fwd(&t->k, O, L, Q, io->B, io->T, io->C, io->H, io->dt));
+    get(t, io->out, O, no, io->dt);
+    get(t, io->lse, L, nl, MTI_F32);
+    if (io->dout) {
+        void *DO = put(t, io->dout, no, io->dt), *DQ = dev_buf(t, NULL, nq * dsize(io->dt));
+        CHECK_OKC(t->ctx, t->ops->attention_bwd(&t->k, DQ, DO, Q, O, L, io->B, io->T, io->C, io->H,
+                                                io->dt));
+        get(t, io->dqkv, DQ, nq, io->dt);
+    }
+    free_bufs(t);
+}
+
+static double at_loss(void *arg)
+{
+    at_io io = *(at_io *)arg;
+    size_t no = (size_t)io.B * io.T * io.C;
+    float *out = malloc(no * 4), *lse = malloc((size_t)io.B * io.H * io.T * 4), *dout = io.dout;
+    io.out = out, io.lse = lse, io.dout = NULL;
+    run_attn(&io);
+    double l = dot(out, dout, no);
+    free(out), free(lse);
+    return l;
+}
+
+static void at_one_thread(void *arg) { run_attn(arg); }
+
+/* The definition, in double: softmax over keys 0..t of q.k / sqrt(hs). */
+static void attn_reference(const at_io *io, double *out, double *lse)
+{
+    const int B = io->B, T = io->T, C = io->C, H = io->H, hs = C / H;
+    double *p = malloc((size_t)T * sizeof *p);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                const float *q = io->qkv + ((size_t)b * T + t) * 3 * C + h * hs;
+                double mx = -INFINITY;
+                for (int u = 0; u <= t; u++) {
+                    const float *k = io->qkv + ((size_t)b * T + u) * 3 * C + C + h * hs;
+                    double s = 0;
+                    for (int e = 0; e < hs; e++) s += (double)q[e] * k[e];
+                    p[u] = s / sqrt((double)hs);
+                    if (p[u] > mx) mx = p[u];
+                }
+                double z = 0;
+                for (int u = 0; u <= t; u++) z += exp(p[u] - mx);
+                lse[((size_t)b * H + h) * T + t] = mx + log(z);
+                for (int e = 0; e < hs; e++) {
+                    double o = 0;
+                    for (int u = 0; u <= t; u++)
+                        o += exp(p[u] - mx) / z * io->qkv[((size_t)b * T + u) * 3 * C + 2 * C + h * hs + e];
+                    out[((size_t)b * T + t) * C + h * hs + e] = o;
+                }
+            }
+    free(p);
+}
+
+TEST(ops_attention)
+{
+    open_tables();
+    /* T past one key block, heads of an odd-ish size */
+    static const int shapes[][4] = {{1, 5, 8, 2}, {2, 70, 48, 3}, {1, 160, 64, 2}};
+    for (int si = 0; si < 3; si++) {
+        const int B = shapes[si][0], T = shapes[si][1], C = shapes[si][2], H = shapes[si][3];
+        size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * H * T;
+        float *qkv = randv(nq, 1.5f), *dout = randv(no, 1);
+        at_io ref = {B, T, C, H, MTI_F32, qkv, dout, malloc(no * 4), malloc(nl * 4), malloc(nq * 4), &tabs[0]};
+        run_attn(&ref);
+        double *ro = malloc(no * sizeof *ro), *rl = malloc(nl * sizeof *rl);
+        attn_reference(&ref, ro, rl);
+        float *fo = malloc(no * 4), *fl = malloc(nl * 4);
+        for (size_t i = 0; i < no; i++) fo[i] = (float)ro[i];
+        for (size_t i = 0; i < nl; i++) fl[i] = (float)rl[i];
+        expect_close("attention out vs definition", ref.out, fo, no, tol_of(MTI_F32));
+        expect_close("attention lse vs definition", ref.lse, fl, nl, tol_of(MTI_F32));
+        fd_check("attention dqkv", qkv, nq, ref.dqkv, at_loss, &ref, 24);
+        for (int d = 0; d < 3; d++) {
+            mti_dtype dt = DTYPES[d];
+            float *qr = rounded(qkv, nq, dt), *dr = rounded(dout, no, dt);
+            at_io want = {B, T, C, H, MTI_F32, qr, dr, malloc(no * 4), malloc(nl * 4), malloc(nq * 4), &tabs[0]};
+            run_attn(&want);
+            for (int ti = 0; ti < n_tabs; ti++) {
+                at_io got = {B, T, C, H, dt, qr, dr, malloc(no * 4), malloc(nl * 4), malloc(nq * 4), &tabs[ti]};
+                run_attn(&got);
+                char what[64];
+                snprintf(what, sizeof what, "attention %s %s", tabs[ti].name, dt_name(dt));
+                expect_close(what, got.out, want.out, no, tol_of(dt));
+                expect_close(what, got.lse, want.lse, nl, tol_of(dt));
+                expect_close(what, got.dqkv, want.dqkv, nq, tol_of(dt));
+                if (ti == 0) {
+                    at_io one = {B, T, C, H, dt, qr, dr, malloc(no * 4), malloc(nl * 4), malloc(nq * 4), &tabs[0]};
+                    with_one_thread(at_one_thread, &one);
+                    expect_same_bits(what, one.out, got.out, no);
+                    expect_same_bits(what, one.dqkv, got.dqkv, nq);
+                    free(one.out), free(one.lse), free(one.dqkv);
+                }
+                free(got.out), free(got.lse), free(got.dqkv);
+            }
+            free(want.out), free(want.lse), free(want.dqkv), free(qr), free(dr);
+        }
+        free(ref.out), free(ref.lse), free(ref.dqkv), free(qkv), free(dout), free(ro), free(rl),
+            free(fo), free(fl);
+    }
+    close_tables();
+}
+
+/* ---- softmax cross-entropy ---- */
+
+typedef struct xe_io {
+    int n, V, Vp;
+    float dloss;
+    mti_dtype dt;
+    float *logits;
+    int32_t *targets;
+    float *losses, *dlogits; /* dlogits NULL: forward only */
+    tab *t;
+} xe_io;
+
+static void run_xent(xe_io *io)
+{
+    tab *t = io->t;
+    size_t nl = (size_t)io->n * io->Vp;
+    void *Lg = put(t, io->logits, nl, io->dt);
+    int32_t *Tg = dev_buf(t, io->targets, (size_t)io->n * 4);
+    float *Ls = dev_buf(t, NULL, (size_t)io->n * 4);
+    CHECK_OKC(t->ctx, t->ops->xent(&t->k, Ls, io->dlogits ? Lg : NULL, Lg, Tg, io->n, io->V, io->Vp,
+                                   io->dloss, io->dt)); /* dlogits over the logits */
+    get(t, io->losses, Ls, (size_t)io->n, MTI_F32);
+    if (io->dlogits) get(t, io->dlogits, Lg, nl, io->dt);
+    free_bufs(t);
+}
+
+static double xe_loss(void *arg)
+{
+    xe_io io = *(xe_io *)arg;
+    float *ls = malloc((size_t)io.n * 4);
+    io.losses = ls, io.dlogits = NULL;
+    run_xent(&io);
+    double l = 0;
+    for (int i = 0; i < io.n; i++) l += (double)ls[i] * io.dloss;
+    free(ls);
+    return l;
+}
+
+static void xe_one_thread(void *arg) { run_xent(arg); }
+
+TEST(ops_cross_entropy)
+{
+    open_tables();
+    const int n = 19, V = 1000, Vp = 1024;
+    size_t nl = (size_t)n * Vp;
+    float *logits = randv(nl, 4);
+    int32_t targets[19];
+    for (int i = 0; i < n; i++) targets[i] = (int32_t)((unsigned)(i * 7919) % (unsigned)V);
+    for (int i = 0; i < n; i++) /* padding columns hold junk the op must ignore */
+        for (int j = V; j < Vp; j++) logits[(size_t)i * Vp + j] = 1e4f;
+    float *ls = malloc((size_t)n * 4), *dl = malloc(nl * 4);
+    xe_io ref = {n, V, Vp, 0.25f, MTI_F32, logits, targets, ls, dl, &tabs[0]};
+    run_xent(&ref);
+    for (int i = 0; i < n; i++) {
+        const float *row = logits + (size_t)i * Vp;
+        double mx = row[0], z = 0;
+        for (int j = 1; j < V; j++) mx = row[j] > mx ? row[j] : mx;
+        for (int j = 0; j < V; j++) z += exp(row[j] - mx);
+        float want = (float)(mx + log(z) - row[targets[i]]);
+        expect_close("cross-entropy loss vs definition", &ls[i], &want, 1, tol_of(MTI_F32));
+        for (int j = V; j < Vp; j++) CHECK(dl[(size_t)i * Vp + j] == 0.0f);
+    }
+    fd_check("cross-entropy dlogits", logits, (size_t)V, dl, xe_loss, &ref, 12); /* row 0 */
+    for (int d = 0; d < 3; d++) {
+        mti_dtype dt = DTYPES[d];
+        float *lr = rounded(logits, nl, dt);
+        float *wls = malloc((size_t)n * 4), *wdl = malloc(nl * 4), *gls = malloc((size_t)n * 4),
+              *gdl = malloc(nl * 4);
+        xe_io want = {n, V, Vp, 0.25f, MTI_F32, lr, targets, wls, wdl, &tabs[0]};
+        run_xent(&want);
+        for (int ti = 0; ti < n_tabs; ti++) {
+            xe_io got = {n, V, Vp, 0.25f, dt, lr, targets, gls, gdl, &tabs[ti]};
+            run_xent(&got);
+            char what[64];
+            snprintf(what, sizeof what, "cross-entropy %s %s", tabs[ti].name, dt_name(dt));
+            expect_close(what, gls, wls, (size_t)n, tol_of(MTI_F32));
+            expect_close(what, gdl, wdl, nl, tol_of(dt));
+            if (ti == 0) {
+                float *ol = malloc((size_t)n * 4), *od = malloc(nl * 4);
+                xe_io one = {n, V, Vp, 0.25f, dt, lr, targets, ol, od, &tabs[0]};
+                with_one_thread(xe_one_thread, &one);
+                expect_same_bits(what, ol, gls, (size_t)n);
+                expect_same_bits(what, od, gdl, nl);
+                free(ol), free(od);
+            }
+        }
+        free(lr), free(wls), free(wdl), free(gls), free(gdl);
+    }
+    free(logits), free(ls), free(dl);
+    close_tables();
+}
+
+/* ---- embedding ---- */
+
+TEST(ops_embedding)
+{
+    open_tables();
+    const int B = 3, T = 11, C = 24, V = 50, maxT = 16;
+    size_t no = (size_t)B * T * C;
+    float *wte = randv((size_t)V * C, 1), *wpe = randv((size_t)maxT * C, 1), *dout = randv(no, 1);
+    int32_t tok[33];
+    for (int i = 0; i < B * T; i++) tok[i] = (int32_t)((unsigned)(i * 37 + 5) % 7); /* repeats */
+    for (int d = 0; d < 3; d++) {
+        mti_dtype dt = DTYPES[d];
+        float *er = rounded(wte, (size_t)V * C, dt), *pr = rounded(wpe, (size_t)maxT * C, dt),
+              *dr = rounded(dout, no, dt);
+        /* the definition */
+        float *want = malloc(no * 4), *wdte = calloc((size_t)V * C, 4), *wdpe = calloc((size_t)maxT * C, 4);
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++)
+                for (int c = 0; c < C; c++) {
+                    size_t o = ((size_t)b * T + t) * C + c;
+                    want[o] = round_to(er[(size_t)tok[b * T + t] * C + c] + pr[(size_t)t * C + c], dt);
+                    wdte[(size_t)tok[b * T + t] * C + c] += dr[o];
+                    wdpe[(size_t)t * C + c] += dr[o];
+                }
+        for (int ti = 0; ti < n_tabs; ti++) {
+            tab *t = &tabs[ti];
+            void *E = put(t, er, (size_t)V * C, dt), *P = put(t, pr, (size_t)maxT * C, dt);
+            int32_t *K = dev_buf(t, tok, (size_t)B * T * 4);
+            void *O = dev_buf(t, NULL, no * dsize(dt)), *DO = put(t, dr, no, dt);
+            float *DE = dev_buf(t, NULL, (size_t)V * C * 4), *DP = dev_buf(t, NULL, (size_t)maxT * C * 4);
+            CHECK_OK(t->ops->embedding_fwd(&t->k, O, K, E, P, B, T, C, dt));
+            CHECK_OK(t->ops->embedding_bwd(&t->k, DE, DP, DO, K, B, T, C, dt));
+            CHECK_OK(t->ops->embedding_bwd(&t->k, DE, DP, DO, K, B, T, C, dt)); /* accumulates */
+            float *got = malloc(no * 4), *gde = malloc((size_t)V * C * 4), *gdp = malloc((size_t)maxT * C * 4);
+            get(t, got, O, no, dt);
+            get(t, gde, DE, (size_t)V * C, MTI_F32);
+            get(t, gdp, DP, (size_t)maxT * C, MTI_F32);
+            for (size_t i = 0; i < (size_t)V * C; i++) gde[i] *= 0.5f;
+            for (size_t i = 0; i < (size_t)maxT * C; i++) gdp[i] *= 0.5f;
+            char what[64];
+            snprintf(what, sizeof what, "embedding %s %s", t->name, dt_name(dt));
+            CHECK_MSG(memcmp(got, want, no * 4) == 0, "%s: forward not exact", what);
+            expect_close(what, gde, wdte, (size_t)V * C, tol_of(MTI_F32));
+            expect_close(what, gdp, wdpe, (size_t)maxT * C, tol_of(MTI_F32));
+            free_bufs(t);
+            free(got), free(gde), free(gdp);
+        }
+        free(er), free(pr), free(dr), free(want), free(wdte), free(wdpe);
+    }
+    free(wte), free(wpe), free(dout);
+    close_tables();
+}
+
+/* ---- casts ---- */
+
+TEST(ops_casts)
+{
+    open_tables();
+    /* every fp16 and bf16 bit pattern, and fp32 values around their edges */
+    const size_t n = 65536 + 4096;
+    float *src = malloc(n * 4);
+    for (size_t i = 0; i < 32768; i++) src[i] = mti_f16_to_f32((uint16_t)(i * 2 + 1));
+    for (size_t i = 32768; i < 65536; i++) src[i] = mti_bf16_to_f32((uint16_t)(i * 2));
+    static const float edge[] = {0.0f, -0.0f, 65504.0f, 65519.0f, 65520.0f, -65520.0f, 1e-8f,
+                                 2.9802322e-08f, 2.9802326e-08f, 5.9604645e-08f, 6.1035156e-05f,
+                                 1.00048828125f, 1.0009765625f, 3.4e38f, INFINITY, -INFINITY, NAN};
+    for (size_t i = 65536; i < n; i++)
+        src[i] = i - 65536 < sizeof edge / sizeof *edge ? edge[i - 65536] : urand() * powf(2.0f, (float)(rng % 40) - 20.0f);
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        float *S = put(t, src, n, MTI_F32);
+        for (int d = 1; d < 3; d++) {
+            mti_dtype dt = DTYPES[d];
+            void *D = dev_buf(t, NULL, n * 2);
+            float *B = dev_buf(t, NULL, n * 4);
+            CHECK_OK(t->ops->cast(&t->k, D, dt, S, MTI_F32, n, MTI_ROUND_NEAREST, 0));
+            uint16_t *h = malloc(n * 2);
+            dev_get(t, h, D, n * 2);
+            for (size_t i = 0; i < n; i++) {
+                uint16_t want = dt == MTI_F16 ? mti_f32_to_f16(src[i]) : mti_f32_to_bf16(src[i]);
+                CHECK_MSG(h[i] == want || (isnan(src[i]) && (h[i] & 0x7FFF) > (dt == MTI_F16 ? 0x7C00 : 0x7F80)),
+                          "%s cast to %s of %.9g: %04x, expected %04x", t->name, dt_name(dt), src[i], h[i], want);
+            }
+            /* and back: exact */
+            CHECK_OK(t->ops->cast(&t->k, B, MTI_F32, D, dt, n, MTI_ROUND_NEAREST, 0));
+            float *back = malloc(n * 4);
+            dev_get(t, back, B, n * 4);
+            for (size_t i = 0; i < n; i++) {
+                float want = dt == MTI_F16 ? mti_f16_to_f32(h[i]) : mti_bf16_to_f32(h[i]);
+                CHECK_MSG(memcmp(&back[i], &want, 4) == 0 || (isnan(want) && isnan(back[i])),
+                          "%s cast from %s", t->name, dt_name(dt));
+            }
+            free(h), free(back);
+        }
+        free_bufs(t);
+    }
+    /* stochastic rounding to bf16: unbiased, deterministic for a seed, the
+       same on every table, and the same on 1 or 2 threads */
+    const size_t m = 1 << 16;
+    float *v = malloc(m * 4);
+    for (size_t i = 0; i < m; i++) v[i] = 1.0f + 3.0f / 1024.0f; /* 3/8 of a bf16 ulp above 1 */
+    uint16_t *first = malloc(m * 2), *again = malloc(m * 2);
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        float *S = put(t, v, m, MTI_F32);
+        uint16_t *D = dev_buf(t, NULL, m * 2);
+        CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S, MTI_F32, m, MTI_ROUND_STOCHASTIC, 42));
+        dev_get(t, ti == 0 ? first : again, D, m * 2);
+        if (ti == 0) {
+            double mean = 0;
+            size_t up = 0;
+            for (size_t i = 0; i < m; i++) {
+                mean += mti_bf16_to_f32(first[i]);
+                up += first[i] != 0x3F80;
+                CHECK(first[i] == 0x3F80 || first[i] == 0x3F81);
+                CHECK(first[i] == mti_f32_to_bf16_sr(v[i], mti_sr_bits(42, i)));
+            }
+            mean /= (double)m;
+            /* 3/8 of the values round up; the mean is the value, within 4 sigma */
+            CHECK_MSG(fabs((double)up / (double)m - 0.375) < 4 * sqrt(0.375 * 0.625 / (double)m),
+                      "stochastic rounding rounds up %.4f of the time, not 0.375", (double)up / (double)m);
+            CHECK(fabs(mean - v[0]) < 1e-4);
+            mti_cpu_set_threads(1);
+            CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S, MTI_F32, m, MTI_ROUND_STOCHASTIC, 42));
+            mti_cpu_set_threads(2);
+            dev_get(t, again, D, m * 2);
+            CHECK(memcmp(first, again, m * 2) == 0);
+            CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S, MTI_F32, m, MTI_ROUND_STOCHASTIC, 43));
+            dev_get(t, again, D, m * 2);
+            CHECK(memcmp(first, again, m * 2) != 0); /* another seed, other bits */
+        } else {
+            CHECK_MSG(memcmp(first, again, m * 2) == 0, "%s: stochastic rounding differs from cpu", t->name);
+        }
+        free_bufs(t);
+    }
+    free(src), free(v), free(first), free(again);
+    close_tables();
+}
+
+/* ---- unscale and check, sum of squares ---- */
+
+TEST(ops_unscale_and_norm)
+{
+    open_tables();
+    const size_t n = 100003;
+    float *g = randv(n, 1000), *got = malloc(n * 4);
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        float *G = put(t, g, n, MTI_F32);
+        int32_t zero = 0, flag = -1;
+        int *F = dev_buf(t, &zero, 4);
+        CHECK_OK(t->ops->unscale_check(&t->k, G, n, 1.0f / 1024.0f, F));
+        get(t, got, G, n, MTI_F32);
+        dev_get(t, &flag, F, 4);
+        CHECK_EQ(flag, 0);
+        for (size_t i = 0; i < n; i++) CHECK(got[i] == g[i] * (1.0f / 1024.0f));
+        /* one inf, or one NaN, anywhere: found; the flag is never cleared */
+        static const size_t where[] = {0, 77777, 100002};
+        for (int w = 0; w < 3; w++) {
+            float *h = malloc(n * 4);
+            memcpy(h, g, n * 4);
+            h[where[w]] = w == 1 ? NAN : (w ? -INFINITY : INFINITY);
+            float *H = put(t, h, n, MTI_F32);
+            int *F2 = dev_buf(t, &zero, 4);
+            CHECK_OK(t->ops->unscale_check(&t->k, H, n, 0.5f, F2));
+            dev_get(t, &flag, F2, 4);
+            CHECK_MSG(flag == 1, "%s: a non-finite gradient at %zu was not found", t->name, where[w]);
+            CHECK_OK(t->ops->unscale_check(&t->k, G, n, 1.0f, F2)); /* clean: flag stays */
+            dev_get(t, &flag, F2, 4);
+            CHECK_EQ(flag, 1);
+            free(h);
+        }
+        /* sum of squares against double */
+        float *S = dev_buf(t, NULL, 4), sumsq = 0;
+        CHECK_OK(t->ops->sumsq(&t->k, S, G, n));
+        dev_get(t, &sumsq, S, 4);
+        double want = 0;
+        for (size_t i = 0; i < n; i++) want += (double)got[i] * got[i];
+        CHECK_MSG(fabs(sumsq - want) <= 1e-5 * want, "%s: sumsq %.9g, want %.9g", t->name, sumsq, want);
+        if (ti == 0) {
+            float one = 0;
+            mti_cpu_set_threads(1);
+            CHECK_OK(t->ops->sumsq(&t->k, S, G, n));
+            mti_cpu_set_threads(2);
+            dev_get(t, &one, S, 4);
+            CHECK(memcmp(&one, &sumsq, 4) == 0);
+        }
+        free_bufs(t);
+    }
+    free(g), free(got);
+    close_tables();
+}
+
+/* ---- optimizer updates, against the torch formulas in double ---- */
+
+TEST(ops_optimizers)
+{
+    open_tables();
+    const size_t n = 30011;
+    float *p0 = randv(n, 1);
+    float *grads[3];
+    for (int s = 0; s < 3; s++) grads[s] = randv(n, 0.1f);
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        for (int variant = 0; variant < 3; variant++) { /* SGD, SGD Nesterov + dampening, AdamW */
+            for (int d = 0; d < 3; d++) {
+                mti_dtype dt = DTYPES[d];
+                float *P = put(t, p0, n, MTI_F32), *M = dev_buf(t, NULL, n * 4), *V = dev_buf(t, NULL, n * 4);
+                void *PC = dt == MTI_F32 ? NULL : dev_buf(t, NULL, n * 2);
+                double *p = malloc(n * sizeof *p), *m = calloc(n, sizeof *m), *v = calloc(n, sizeof *v);
+                for (size_t i = 0; i < n; i++) p[i] = p0[i];
+                for (int s = 0; s < 3; s++) {
+                    float *G = put(t, grads[s], n, MTI_F32);
+                    const double gs = 0.5; /* grad_scale */
+                    if (variant < 2) {
+                        mti_sgd_args a = {.lr = 0.1f, .momentum = 0.9f, .dampening = variant ? 0.1f : 0.0f,
+                                          .weight_decay = 0.01f, .nesterov = variant, .first_step = s == 0,
+                                          .grad_scale = (float)gs};
+                        CHECK_OK(t->ops->sgd(&t->k, P, G, M, PC, dt, n, &a));
+                        for (size_t i = 0; i < n; i++) {
+                            double g = grads[s][i] * gs + 0.01 * p[i];
+                            m[i] = s == 0 ? g : 0.9 * m[i] + (1 - a.dampening) * g;
+                            double step = variant ? g + 0.9 * m[i] : m[i];
+                            p[i] -= 0.1 * step;
+                        }
+                    } else {
+                        mti_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                                            .weight_decay = 0.1f, .step = s + 1, .grad_scale = (float)gs};
+                        CHECK_OK(t->ops->adamw(&t->k, P, G, M, V, PC, dt, n, &a));
+                        double b1t = 1 - pow(0.9, s + 1), b2t = 1 - pow(0.999, s + 1);
+                        for (size_t i = 0; i < n; i++) {
+                            double g = grads[s][i] * gs;
+                            p[i] *= 1 - 1e-2 * 0.1;
+                            m[i] = 0.9 * m[i] + 0.1 * g;
+                            v[i] = 0.999 * v[i] + 0.001 * g * g;
+                            p[i] -= 1e-2 / b1t * m[i] / (sqrt(v[i]) / sqrt(b2t) + 1e-8);
+                        }
+                    }
+                }
+                float *got = malloc(n * 4), *want = malloc(n * 4), *pc = malloc(n * 4), *pcw = malloc(n * 4);
+                get(t, got, P, n, MTI_F32);
+                for (size_t i = 0; i < n; i++) want[i] = (float)p[i];
+                char what[64];
+                snprintf(what, sizeof what, "%s %s, refresh %s", variant == 2 ? "adamw" : variant ? "sgd nesterov" : "sgd",
+                         t->name, dt_name(dt));
+                expect_close(what, got, want, n, (tol){2e-5, 2e-6});
+                if (PC) { /* the compute copy is the masters rounded to nearest even */
+                    get(t, pc, PC, n, dt);
+                    for (size_t i = 0; i < n; i++) pcw[i] = round_to(got[i], dt);
+                    CHECK_MSG(memcmp(pc, pcw, n * 4) == 0, "%s: compute copy is not the masters rounded", what);
+                }
+                free(p), free(m), free(v), free(got), free(want), free(pc), free(pcw);
+                free_bufs(t);
+            }
+        }
+    }
+    for (int s = 0; s < 3; s++) free(grads[s]);
+    free(p0);
+    close_tables();
+}
