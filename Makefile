@@ -18,7 +18,7 @@ endif
 CFLAGS ?= -O2 -g
 CPPFLAGS += -Iinclude -Ilib -D_GNU_SOURCE
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
-MT_CFLAGS := -std=c11 $(WARN) -fopenmp -pthread -fno-strict-aliasing
+MT_CFLAGS := -std=c11 $(WARN) -fopenmp -pthread -fno-strict-aliasing -fno-math-errno
 LDLIBS := -ljemalloc -lopenblas -ldl -lm -lpthread
 MT_LDFLAGS := -fopenmp -pthread
 ifeq ($(SAN),1)

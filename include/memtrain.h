@@ -197,8 +197,8 @@ typedef struct mt_context_config {
     mt_device_kind device;      /* MT_DEVICE_AUTO by default */
     int device_ordinal;         /* which CUDA device (0) */
     int threads;                /* CPU threads for kernels; 0 = all online CPUs. The CPU
-                                   kernels (OpenMP, OpenBLAS) share one setting per
-                                   process: the context created last sets it */
+                                   kernels share one setting per process: the context
+                                   created last sets it. Results never depend on it */
     mt_log_fn log_fn;           /* NULL: no logging */
     void *log_user;
     mt_log_level log_level;     /* MT_LOG_WARN */

@@ -45,6 +45,7 @@ typedef struct mti_dim3 {
     MTI_CUDA_DT3(X, MTI_CUDA_RELU_BWD, "mt_relu_bwd")                                          \
     MTI_CUDA_DT3(X, MTI_CUDA_ADD, "mt_add")                                                    \
     MTI_CUDA_DT3(X, MTI_CUDA_ACCUMULATE, "mt_accumulate")                                      \
+    MTI_CUDA_DT3(X, MTI_CUDA_BIAS_ROWS, "mt_bias_rows")                                        \
     MTI_CUDA_DT3(X, MTI_CUDA_EMB_FWD, "mt_emb_fwd")                                            \
     X(MTI_CUDA_EMB_HASH, "mt_emb_hash")                                                        \
     X(MTI_CUDA_EMB_SCAN, "mt_emb_scan")                                                        \
@@ -69,8 +70,9 @@ typedef struct mti_dim3 {
     MTI_CUDA_DT3(X, MTI_CUDA_XENT, "mt_xent")                                                  \
     MTI_CUDA_DT3(X, MTI_CUDA_COLSUM, "mt_colsum")                                              \
     X(MTI_CUDA_COLSUM_FINISH, "mt_colsum_finish")                                              \
-    X(MTI_CUDA_SUMSQ_PART, "mt_sumsq_part")                                                    \
-    X(MTI_CUDA_SUMSQ_FINISH, "mt_sumsq_finish")                                                \
+    X(MTI_CUDA_SUMSQ_BLOCKS, "mt_sumsq_blocks")                                                \
+    X(MTI_CUDA_SUMSQ_ROUNDS, "mt_sumsq_rounds")                                                \
+    X(MTI_CUDA_SUMSQ_TOTAL, "mt_sumsq_total")                                                  \
     X(MTI_CUDA_UNSCALE_CHECK, "mt_unscale_check")                                              \
     X(MTI_CUDA_SGD, "mt_sgd")                                                                  \
     X(MTI_CUDA_ADAMW, "mt_adamw")

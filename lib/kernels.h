@@ -83,8 +83,9 @@ struct mti_ops {
      * (fp16: values beyond 65504 round to inf as torch does; NaN stays NaN),
      * or, for bf16 with MTI_ROUND_STOCHASTIC, up or down with probability
      * proportional to the distance, from a counter-based generator of (seed,
-     * element index), so the result does not depend on threads. dst may not
-     * alias src unless the dtypes have the same size. */
+     * element index), so the result does not depend on threads (stochastic
+     * rounding to another dtype is MT_ERR_INVALID_ARG). dst may not alias
+     * src unless the dtypes have the same size. */
     mt_status (*cast)(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                       mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
 
@@ -94,7 +95,7 @@ struct mti_ops {
     mt_status (*embedding_fwd)(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
                                const void *wpe, int B, int T, int C, mti_dtype dt);
     /* dwte (V,C) += dout rows scattered by token; dwpe (maxT,C) += dout summed
-     * over B; fp32, in a fixed order (deterministic). */
+     * over B; fp32, in a fixed order (deterministic). Either may be NULL. */
     mt_status (*embedding_bwd)(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                const int32_t *tok, int B, int T, int C, mti_dtype dt);
 
@@ -115,7 +116,8 @@ struct mti_ops {
                                const void *x, const void *w, const void *b, int n, int c,
                                mti_dtype dt);
     /* dx (N,C) in dt = (or += with accumulate) the input gradient; dw, db (C)
-     * fp32 +=. Uses the saved mean and rstd. */
+     * fp32 +=. Uses the saved mean and rstd. dx may alias dout; dx, dw and db
+     * may each be NULL. */
     mt_status (*layernorm_bwd)(const mti_kctx *k, void *dx, float *dw, float *db, const void *dout,
                                const void *x, const void *w, const float *mean, const float *rstd,
                                int n, int c, mti_dtype dt, int accumulate);
@@ -126,8 +128,9 @@ struct mti_ops {
     /* dx = dy * gelu'(x); dx may alias dy. */
     mt_status (*gelu_bwd)(const mti_kctx *k, void *dx, const void *dy, const void *x, size_t n,
                           mti_dtype dt);
-    /* ReLU; the backward needs only the output's sign: dx = y > 0 ? dy : 0.
-     * y may alias x, dx may alias dy. */
+    /* ReLU: y = x < 0 ? 0 : x (NaN and -0 pass through); the backward needs
+     * only the output's sign: dx = y > 0 ? dy : 0. y may alias x, dx may
+     * alias dy. */
     mt_status (*relu_fwd)(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);
     mt_status (*relu_bwd)(const mti_kctx *k, void *dx, const void *dy, const void *y, size_t n,
                           mti_dtype dt);
@@ -145,7 +148,8 @@ struct mti_ops {
      * head layout; lse (B,H,T) = the logsumexp of each query row's scaled
      * scores (scale 1/sqrt(hs), keys 0..t). The (T,T) scores and
      * probabilities are never stored: keys are visited in blocks with an
-     * online softmax. */
+     * online softmax. The CUDA table takes head sizes up to 256
+     * (MT_ERR_UNSUPPORTED beyond). */
     mt_status (*attention_fwd)(const mti_kctx *k, void *out, float *lse, const void *qkv, int B,
                                int T, int C, int H, mti_dtype dt);
     /* dqkv (B,T,3C) in dt (overwritten) from dout (B,T,C), the forward's
@@ -157,7 +161,8 @@ struct mti_ops {
 
     /* ---- softmax cross-entropy over a vocabulary, fused ---- */
     /* logits (N,Vp) in dt, of which the first V columns are real. losses (N)
-     * fp32 = logsumexp(logits[:V]) - logits[target]. With dlogits non-NULL:
+     * fp32 = logsumexp(logits[:V]) - logits[target] (losses may be NULL when
+     * only the gradient is wanted). With dlogits non-NULL:
      * dlogits (N,Vp) in dt = (softmax(logits[:V]) - onehot(target)) * dloss,
      * padding columns 0; dlogits may alias logits, so no probability tensor
      * is ever kept. Targets are checked by the caller to be in [0, V). */
@@ -182,8 +187,9 @@ struct mti_ops {
                        mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
 };
 
-/* The CPU table, and the CPU thread count for its kernels (OpenMP and
- * OpenBLAS share one setting per process). */
+/* The CPU table, and the CPU thread count for its kernels (one setting per
+ * process). The parallelism is the library's own (OpenMP); OpenBLAS is kept
+ * single-threaded, so results do not depend on the thread count. */
 const mti_ops *mti_cpu_ops(void);
 void mti_cpu_set_threads(int threads);
 int mti_cpu_threads(void);

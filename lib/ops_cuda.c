@@ -22,7 +22,15 @@
  *
  * Determinism of the rest: no float atomics anywhere (see each kernel
  * file); every reduction's order depends only on the shapes, never on the
- * GPU's size or timing.
+ * GPU's size or timing. Where it costs nothing the kernels also follow the
+ * CPU table's order of operations, so these give the CPU's bits exactly:
+ * casts, add, accumulate, ReLU, the embedding forward, the layernorm
+ * forward and input gradient, the sum of squares, unscaling and the
+ * optimizer updates. GEMMs, attention, cross-entropy, GELU (the CPU has
+ * its own exp) and sums over more than 128 rows agree within rounding.
+ *
+ * Argument checks follow the CPU table's: bad dtypes and negative sizes
+ * are MT_ERR_INVALID_ARG, empty shapes do nothing.
  */
 #include <dlfcn.h>
 #include <math.h>
@@ -37,10 +45,11 @@
 #define MTI_GEMM_WORKSPACE (4u << 20) /* most workspace a GEMM may take, bytes */
 #define MTI_GEMM_PLANS 32             /* GEMM plans kept per device */
 #define MTI_COLSUM_CHUNK 128          /* rows per partial sum of a column sum */
-#define MTI_SUMSQ_CHUNK 4096          /* elements per block of sumsq (reduce.cu) */
+#define MTI_SUMSQ_BLOCK 4096          /* elements per block sum of sumsq (reduce.cu) */
+#define MTI_SUMSQ_ROUND 1024          /* block sums per round of sumsq (reduce.cu) */
 #define MTI_EW_THREADS 256u           /* threads per block, elementwise kernels */
 #define MTI_ATTN_THREADS 256u         /* threads per block, attention (attention.cu) */
-#define MTI_LN_ROWS 8                 /* rows per block of 256, layernorm (layernorm.cu) */
+#define MTI_LN_ROWS 16                /* rows per block of 256, layernorm (layernorm.cu) */
 #define MTI_XENT_THREADS 512u         /* threads per block, cross-entropy (xent.cu) */
 #define MTI_GRID_Y_MAX 65535u
 
@@ -152,6 +161,7 @@ typedef struct gemm_key {
 typedef struct gemm_plan {
     gemm_key key;
     int used;
+    int none;                    /* the heuristic found no algorithm: remembered */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
@@ -260,6 +270,11 @@ static cudaDataType lt_type(mti_dtype dt)
     return dt == MTI_F16 ? CUDA_R_16F : dt == MTI_BF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
 
+static mti_dtype bias_dt(cudaDataType t)
+{
+    return t == CUDA_R_16F ? MTI_F16 : t == CUDA_R_16BF ? MTI_BF16 : MTI_F32;
+}
+
 static mt_status bad_arg(const mti_kctx *k, const char *op, const char *why)
 {
     return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "CUDA %s: %s", op, why);
@@ -340,14 +355,18 @@ static mt_status colsum(const mti_kctx *k, float *out, const void *x, int rows, 
 static mt_status cu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                          mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed)
 {
-    if (!dt_ok(dst_dt)) return bad_dt(k, "cast", dst_dt);
-    if (!dt_ok(src_dt)) return bad_dt(k, "cast", src_dt);
     if (r != MTI_ROUND_NEAREST && r != MTI_ROUND_STOCHASTIC)
         return bad_arg(k, "cast", "rounding is neither nearest nor stochastic");
-    if (n == 0) return MT_OK;
-    if (!dst || !src) return bad_arg(k, "cast", "NULL tensor");
+    /* int32 only to itself (a copy) */
+    if (!(dst_dt == src_dt && dst_dt == MTI_I32)) {
+        if (!dt_ok(dst_dt)) return bad_dt(k, "cast", dst_dt);
+        if (!dt_ok(src_dt)) return bad_dt(k, "cast", src_dt);
+    }
+    if (r == MTI_ROUND_STOCHASTIC && dst_dt != MTI_BF16)
+        return bad_arg(k, "cast", "stochastic rounding is for bf16 destinations only");
+    if (n == 0 || (dst == src && dst_dt == src_dt)) return MT_OK;
     if (dst_dt == src_dt) /* exact either way: a copy (NaN bits kept) */
-        return dst == src ? MT_OK : k->dev->copy_d2d(k->dev, dst, src, n * mti_dtype_size(dst_dt));
+        return k->dev->copy_d2d(k->dev, dst, src, n * mti_dtype_size(dst_dt));
     int ddt = (int)dst_dt, sdt = (int)src_dt, sr = r == MTI_ROUND_STOCHASTIC;
     unsigned long long nn = n, sd = seed;
     void *args[] = {&dst, &ddt, &src, &sdt, &nn, &sr, &sd};
@@ -361,9 +380,8 @@ static mt_status cu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *t
                                   mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dt(k, "embedding_fwd", dt);
-    if (B < 0 || T < 0 || C < 0) return bad_arg(k, "embedding_fwd", "negative size");
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     unsigned long long n = (unsigned long long)B * T * C;
-    if (n == 0) return MT_OK;
     void *args[] = {&out, &tok, &wte, &wpe, &T, &C, &n};
     return launch(k, MTI_CUDA_EMB_FWD_F32 + dt, ew_grid(n), MTI_EW_THREADS, args);
 }
@@ -374,9 +392,8 @@ static mt_status cu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, c
                                   const int32_t *tok, int B, int T, int C, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dt(k, "embedding_bwd", dt);
-    if (B < 0 || T < 0 || C < 0) return bad_arg(k, "embedding_bwd", "negative size");
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     size_t n64 = (size_t)B * (size_t)T;
-    if (n64 == 0 || C == 0) return MT_OK;
     if (n64 > (1u << 28)) return bad_arg(k, "embedding_bwd", "more than 2^28 tokens");
     mt_status st = MT_OK;
     if (dwte) {
@@ -431,7 +448,9 @@ static int align_of(const void *p)
 }
 
 /* Makes the plan for `key`: descriptors, preferences and the heuristic's
- * first choice. Called with s->mu held and the context current. */
+ * first choice. When the heuristic has no algorithm the plan is kept with
+ * `none` set (and MT_OK returned), so the question is not asked again.
+ * Called with s->mu held and the context current. */
 static mt_status plan_make(const mti_kctx *k, ops_state *s, gemm_plan *p, const gemm_key *key,
                            const void *bias, const char *what)
 {
@@ -485,10 +504,10 @@ static mt_status plan_make(const mti_kctx *k, ops_state *s, gemm_plan *p, const 
     g_lt.MatmulPreferenceDestroy(pref);
     if (got < 1 || res.state != CUBLAS_STATUS_SUCCESS) {
         plan_drop(p);
-        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                        "CUDA %s: cuBLASLt has no algorithm for m=%d n=%d k=%d (types %d,%d->%d, "
-                        "alignments %d,%d,%d)", what, key->m, key->n, key->k, key->a_type,
-                        key->b_type, key->d_type, key->align[0], key->align[1], key->align[2]);
+        p->key = *key;
+        p->used = 1;
+        p->none = 1;
+        return MT_OK;
     }
     p->algo = res.algo;
     p->ws = res.workspaceSize;
@@ -500,7 +519,46 @@ fail:
                     "CUDA %s: %s failed: %s", what, call, lt_status_name(r));
 }
 
-/* D = op(A) . op(B) (+ bias) + beta * D, queued on the device's stream. */
+/* Whether GEMMs can run on the device (cuBLASLt loaded, handle made), so a
+ * backward that cannot finish changes nothing. */
+static mt_status gemm_ready(const mti_kctx *k)
+{
+    ops_state *s = state_of(k->dev);
+    if (!s) return mti_fail(k->ctx, MT_ERR_OOM, "CUDA GEMM: out of host memory");
+    mt_status st = mti_cuda_enter(k->dev);
+    if (st != MT_OK) return st;
+    pthread_mutex_lock(&s->mu);
+    st = lt_handle(k, s);
+    pthread_mutex_unlock(&s->mu);
+    mti_cuda_leave(k->dev);
+    return st;
+}
+
+/* The plan for `key`: cached, or made now (evicting round-robin when the
+ * cache is full). Called with s->mu held and the context current. */
+static mt_status plan_for(const mti_kctx *k, ops_state *s, const gemm_key *key, const void *bias,
+                          const char *what, gemm_plan **out)
+{
+    for (int i = 0; i < MTI_GEMM_PLANS; i++)
+        if (s->plans[i].used && memcmp(&s->plans[i].key, key, sizeof *key) == 0) {
+            *out = &s->plans[i];
+            return MT_OK;
+        }
+    int slot = -1;
+    for (int i = 0; i < MTI_GEMM_PLANS && slot < 0; i++)
+        if (!s->plans[i].used) slot = i;
+    if (slot < 0) slot = (int)(s->next_evict++ % MTI_GEMM_PLANS);
+    plan_drop(&s->plans[slot]);
+    mt_status st = plan_make(k, s, &s->plans[slot], key, bias, what);
+    if (st == MT_OK) *out = &s->plans[slot];
+    return st;
+}
+
+/* D = op(A) . op(B) (+ bias) + beta * D, queued on the device's stream.
+ * The bias (one per row of D, in D's type) goes through cuBLASLt's bias
+ * epilogue; where cuBLASLt has no algorithm with it, D is first set to the
+ * bias rows (mt_bias_rows) and the product added with beta 1, which rounds
+ * once all the same. */
 static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void *B, void *D,
                       const void *bias, float beta, const char *what)
 {
@@ -517,17 +575,31 @@ static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void
     carver w = {0};
     gemm_plan *p = NULL;
     if ((st = lt_handle(k, s)) != MT_OK) goto out;
-    for (int i = 0; i < MTI_GEMM_PLANS && !p; i++)
-        if (s->plans[i].used && memcmp(&s->plans[i].key, &key, sizeof key) == 0) p = &s->plans[i];
-    if (!p) {
-        int slot = -1;
-        for (int i = 0; i < MTI_GEMM_PLANS && slot < 0; i++)
-            if (!s->plans[i].used) slot = i;
-        if (slot < 0) slot = (int)(s->next_evict++ % MTI_GEMM_PLANS);
-        plan_drop(&s->plans[slot]);
-        if ((st = plan_make(k, s, &s->plans[slot], &key, bias, what)) != MT_OK) goto out;
-        p = &s->plans[slot];
-    } else if (bias) {
+    if ((st = plan_for(k, s, &key, bias, what, &p)) != MT_OK) goto out;
+    if (p->none && bias) {
+        /* no algorithm with the bias epilogue: bias rows, then beta 1 */
+        key.bias = 0;
+        key.align[3] = 0;
+        if ((st = plan_for(k, s, &key, NULL, what, &p)) != MT_OK) goto out;
+        if (!p->none) {
+            int rows = key.n, cols = key.m; /* D is column-major (m,n): n rows of m */
+            unsigned long long nn = (unsigned long long)rows * (unsigned long long)cols;
+            void *args[] = {&D, &bias, &cols, &nn};
+            if ((st = launch(k, MTI_CUDA_BIAS_ROWS_F32 + bias_dt(key.d_type), ew_grid(nn),
+                             MTI_EW_THREADS, args)) != MT_OK)
+                goto out;
+            beta = 1.0f;
+            bias = NULL;
+        }
+    }
+    if (p->none) {
+        st = mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                      "CUDA %s: cuBLASLt has no algorithm for m=%d n=%d k=%d (types %d,%d->%d, "
+                      "alignments %d,%d,%d bytes)", what, key.m, key.n, key.k, key.a_type,
+                      key.b_type, key.d_type, key.align[0], key.align[1], key.align[2]);
+        goto out;
+    }
+    if (bias) {
         cublasStatus_t r = g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                        &bias, sizeof bias);
         if (r != CUBLAS_STATUS_SUCCESS) {
@@ -559,8 +631,14 @@ static mt_status cu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const 
                                const void *b, int n, int in, int out, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dt(k, "matmul_fwd", dt);
-    if (n < 0 || in <= 0 || out <= 0) return bad_arg(k, "matmul_fwd", "bad size");
-    if (n == 0) return MT_OK;
+    if (n < 0 || in < 0 || out < 0) return bad_arg(k, "matmul_fwd", "negative size");
+    if (n == 0 || out == 0) return MT_OK;
+    if (in == 0) { /* no inputs: every row is the bias (or 0) */
+        unsigned long long nn = (unsigned long long)n * (unsigned long long)out;
+        if (!b) return k->dev->memset8(k->dev, y, 0, nn * mti_dtype_size(dt));
+        void *args[] = {&y, &b, &out, &nn};
+        return launch(k, MTI_CUDA_BIAS_ROWS_F32 + dt, ew_grid(nn), MTI_EW_THREADS, args);
+    }
     int t = lt_type(dt);
     gemm_key key = {.ta = CUBLAS_OP_T, .tb = CUBLAS_OP_N, .m = out, .n = n, .k = in, .lda = in,
                     .ldb = in, .ldd = out, .a_type = t, .b_type = t, .d_type = t};
@@ -577,10 +655,17 @@ static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db
                                int accumulate)
 {
     if (!dt_ok(dt)) return bad_dt(k, "matmul_bwd", dt);
-    if (n < 0 || in <= 0 || out <= 0) return bad_arg(k, "matmul_bwd", "bad size");
-    if (n == 0) return MT_OK;
-    int t = lt_type(dt);
+    if (n < 0 || in < 0 || out < 0) return bad_arg(k, "matmul_bwd", "negative size");
+    if (n == 0 || (in == 0 && out == 0)) return MT_OK;
     mt_status st = MT_OK;
+    if (in > 0 && out > 0 && (dx || dw) && (st = gemm_ready(k)) != MT_OK) return st;
+    if (db && out > 0 && (st = colsum(k, db, dy, n, out, dt)) != MT_OK) return st;
+    if (in == 0) return MT_OK; /* dx and dW are empty */
+    if (out == 0) /* dx = dy . W over an empty sum: 0, or unchanged when accumulating */
+        return dx && !accumulate
+                   ? k->dev->memset8(k->dev, dx, 0, (size_t)n * in * mti_dtype_size(dt))
+                   : MT_OK;
+    int t = lt_type(dt);
     if (dx) {
         gemm_key key = {.ta = CUBLAS_OP_N, .tb = CUBLAS_OP_N, .m = in, .n = n, .k = out,
                         .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t, .d_type = t};
@@ -592,43 +677,20 @@ static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db
                         .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t,
                         .d_type = CUDA_R_32F};
         st = gemm(k, key, x, dy, dw, NULL, 1.0f, "matmul_bwd dW");
-        if (st != MT_OK) return st;
     }
-    if (db) st = colsum(k, db, dy, n, out, dt);
     return st;
 }
 
 /* ---- layernorm ---- */
 
-static mt_status cu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,
-                                  const void *x, const void *w, const void *b, int n, int c,
-                                  mti_dtype dt)
+/* dw, db (C) += sums over rows of dout * xhat and dout, in chunks of rows
+ * (layernorm.cu), then the chunks in order. */
+static mt_status ln_param_grads(const mti_kctx *k, float *dw, float *db, const void *dout,
+                                const void *x, const float *mean, const float *rstd, int n, int c,
+                                mti_dtype dt)
 {
-    if (!dt_ok(dt)) return bad_dt(k, "layernorm_fwd", dt);
-    if (n < 0 || c <= 0) return bad_arg(k, "layernorm_fwd", "bad size");
-    if (n == 0) return MT_OK;
-    void *args[] = {&out, &mean, &rstd, &x, &w, &b, &n, &c};
-    mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};
-    return launch(k, MTI_CUDA_LN_FWD_F32 + dt, grid, 32 * MTI_LN_ROWS, args);
-}
-
-static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
-                                  const void *dout, const void *x, const void *w,
-                                  const float *mean, const float *rstd, int n, int c,
-                                  mti_dtype dt, int accumulate)
-{
-    if (!dt_ok(dt)) return bad_dt(k, "layernorm_bwd", dt);
-    if (n < 0 || c <= 0) return bad_arg(k, "layernorm_bwd", "bad size");
-    if (!mean || !rstd) return bad_arg(k, "layernorm_bwd", "the saved mean and rstd are needed");
-    if (n == 0) return MT_OK;
-    mt_status st = MT_OK;
-    if (dx) {
-        void *args[] = {&dx, &dout, &x, &w, &mean, &rstd, &n, &c, &accumulate};
-        mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};
-        if ((st = launch(k, MTI_CUDA_LN_BWD_DX_F32 + dt, grid, 32 * MTI_LN_ROWS, args)))
-            return st;
-    }
     if (!dw && !db) return MT_OK;
+    mt_status st;
     int chunk = MTI_COLSUM_CHUNK;
     if (cdiv((size_t)n, (size_t)chunk) > MTI_GRID_Y_MAX)
         chunk = (int)cdiv((size_t)n, MTI_GRID_Y_MAX);
@@ -654,6 +716,33 @@ static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float 
     }
     mti_work_free(k, &wk.blk);
     return st;
+}
+
+static mt_status cu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,
+                                  const void *x, const void *w, const void *b, int n, int c,
+                                  mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "layernorm_fwd", dt);
+    if (n <= 0 || c <= 0) return MT_OK;
+    void *args[] = {&out, &mean, &rstd, &x, &w, &b, &n, &c};
+    mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};
+    return launch(k, MTI_CUDA_LN_FWD_F32 + dt, grid, 256, args);
+}
+
+static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
+                                  const void *dout, const void *x, const void *w,
+                                  const float *mean, const float *rstd, int n, int c,
+                                  mti_dtype dt, int accumulate)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "layernorm_bwd", dt);
+    if (!mean || !rstd) return bad_arg(k, "layernorm_bwd", "the saved mean and rstd are needed");
+    if (n <= 0 || c <= 0) return MT_OK;
+    /* the parameter gradients first, so dx may overwrite dout */
+    mt_status st = ln_param_grads(k, dw, db, dout, x, mean, rstd, n, c, dt);
+    if (st != MT_OK || !dx) return st;
+    void *args[] = {&dx, &dout, &x, &w, &mean, &rstd, &n, &c, &accumulate};
+    mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};
+    return launch(k, MTI_CUDA_LN_BWD_DX_F32 + dt, grid, 256, args);
 }
 
 /* ---- activations and residual ---- */
@@ -730,10 +819,11 @@ static mt_status attn_check(const mti_kctx *k, const char *op, int B, int T, int
                             mti_dtype dt, int *cls, unsigned *rows)
 {
     if (!dt_ok(dt)) return bad_dt(k, op, dt);
-    if (B < 0 || T < 0 || C <= 0 || H <= 0 || C % H)
+    if (B < 0 || T < 0 || C < 0 || H <= 0 || C % H)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "CUDA %s: bad shape B=%d T=%d C=%d H=%d (C must be a multiple of H)", op,
                         B, T, C, H);
+    if (C == 0) return MT_OK; /* nothing to do; the callers see B, T or C zero */
     *cls = attn_class(C / H, rows);
     if (*cls < 0)
         return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
@@ -751,7 +841,7 @@ static mt_status cu_attention_fwd(const mti_kctx *k, void *out, float *lse, cons
     int cls;
     unsigned rows;
     mt_status st = attn_check(k, "attention_fwd", B, T, C, H, dt, &cls, &rows);
-    if (st != MT_OK || B == 0 || T == 0) return st;
+    if (st != MT_OK || B == 0 || T == 0 || C == 0) return st;
     int hs = C / H;
     float scale = 1.0f / sqrtf((float)hs);
     mti_dim3 grid = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, rows), 1};
@@ -768,7 +858,7 @@ static mt_status cu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dou
     int cls;
     unsigned rows;
     mt_status st = attn_check(k, "attention_bwd", B, T, C, H, dt, &cls, &rows);
-    if (st != MT_OK || B == 0 || T == 0) return st;
+    if (st != MT_OK || B == 0 || T == 0 || C == 0) return st;
     int hs = C / H;
     float scale = 1.0f / sqrtf((float)hs);
     mt_block wk = {0};
@@ -792,8 +882,8 @@ static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const 
                          const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dt(k, "xent", dt);
-    if (n < 0 || V <= 0 || Vp < V) return bad_arg(k, "xent", "bad size (need 0 < V <= Vp)");
-    if (n == 0) return MT_OK;
+    if (V <= 0 || Vp < V) return bad_arg(k, "xent", "bad size (need 0 < V <= Vp)");
+    if (n <= 0) return MT_OK;
     void *args[] = {&losses, &dlogits, &logits, &targets, &V, &Vp, &dloss};
     return launch(k, MTI_CUDA_XENT_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS, args);
 }
@@ -804,31 +894,38 @@ static mt_status cu_unscale_check(const mti_kctx *k, float *g, size_t n, float i
                                   int *found_inf)
 {
     if (n == 0) return MT_OK;
-    if (!g || !found_inf) return bad_arg(k, "unscale_check", "NULL pointer");
     unsigned long long nn = n;
     void *args[] = {&g, &nn, &inv_scale, &found_inf};
     return launch(k, MTI_CUDA_UNSCALE_CHECK, ew_grid(n), MTI_EW_THREADS, args);
 }
 
+/* Block sums, then rounds of block sums, then the rounds in order: the
+ * CPU table's order (reduce.cu). */
 static mt_status cu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t n)
 {
-    if (!sumsq) return bad_arg(k, "sumsq", "NULL result");
     if (n == 0) return k->dev->memset8(k->dev, sumsq, 0, sizeof(float));
-    size_t nparts = cdiv(n, MTI_SUMSQ_CHUNK);
-    if (nparts > 0x7FFFFFFFu) return bad_arg(k, "sumsq", "too many elements");
-    mt_block wk = {0};
-    mt_status st;
-    if (nparts > 1 && (st = mti_work_alloc(k, nparts * sizeof(float), &wk))) return st;
-    float *part = wk.ptr;
-    unsigned long long nn = n, np = nparts;
-    void *a1[] = {&part, &sumsq, &g, &nn};
-    st = launch(k, MTI_CUDA_SUMSQ_PART, (mti_dim3){(unsigned)nparts, 1, 1}, 256, a1);
-    if (st == MT_OK && nparts > 1) {
-        const float *cpart = part;
-        void *a2[] = {&sumsq, &cpart, &np};
-        st = launch(k, MTI_CUDA_SUMSQ_FINISH, (mti_dim3){1, 1, 1}, 256, a2);
+    size_t nblocks = cdiv(n, MTI_SUMSQ_BLOCK), nrounds = cdiv(nblocks, MTI_SUMSQ_ROUND);
+    if (cdiv(nblocks, 16) > 0x7FFFFFFFu) return bad_arg(k, "sumsq", "too many elements");
+    carver w = {0};
+    mt_status st = mti_work_alloc(
+        k, mti_align_up(nblocks * sizeof(float), 256) + nrounds * sizeof(float), &w.blk);
+    if (st != MT_OK) return st;
+    float *bsum = carve(&w, nblocks * sizeof(float)), *rsum = carve(&w, nrounds * sizeof(float));
+    unsigned long long nn = n, nb = nblocks, nr = nrounds;
+    void *a1[] = {&bsum, &g, &nn};
+    st = launch(k, MTI_CUDA_SUMSQ_BLOCKS, (mti_dim3){(unsigned)cdiv(nblocks, 16), 1, 1}, 256, a1);
+    if (st == MT_OK) {
+        const float *cb = bsum;
+        void *a2[] = {&rsum, &sumsq, &cb, &nb};
+        st = launch(k, MTI_CUDA_SUMSQ_ROUNDS, (mti_dim3){(unsigned)nrounds, 1, 1},
+                    MTI_SUMSQ_ROUND, a2);
     }
-    mti_work_free(k, &wk);
+    if (st == MT_OK && nrounds > 1) {
+        const float *cr = rsum;
+        void *a3[] = {&sumsq, &cr, &nr};
+        st = launch(k, MTI_CUDA_SUMSQ_TOTAL, (mti_dim3){1, 1, 1}, 32, a3);
+    }
+    mti_work_free(k, &w.blk);
     return st;
 }
 
@@ -839,13 +936,14 @@ static mt_status cu_sgd(const mti_kctx *k, float *p, const float *g, float *m, v
 {
     if (!a) return bad_arg(k, "sgd", "no arguments");
     if (pc && !dt_ok(pc_dt)) return bad_dt(k, "sgd", pc_dt);
+    if (a->momentum != 0.0f && !m) return bad_arg(k, "sgd", "momentum needs a momentum buffer");
     if (n == 0) return MT_OK;
-    if (a->momentum > 0.0f && !m) return bad_arg(k, "sgd", "momentum > 0 needs a buffer");
     unsigned long long nn = n;
+    float *mm = a->momentum != 0.0f ? m : NULL; /* no momentum: the buffer is not touched */
     int pdt = (int)pc_dt, nesterov = a->nesterov, first = a->first_step;
-    float lr = a->lr, mom = a->momentum, damp = a->dampening, wd = a->weight_decay,
+    float lr = a->lr, mom = a->momentum, damp1 = 1.0f - a->dampening, wd = a->weight_decay,
           gs = a->grad_scale;
-    void *args[] = {&p, &g, &m, &pc, &pdt, &nn, &lr, &mom, &damp, &wd, &nesterov, &first, &gs};
+    void *args[] = {&p, &g, &mm, &pc, &pdt, &nn, &lr, &mom, &damp1, &wd, &nesterov, &first, &gs};
     return launch(k, MTI_CUDA_SGD, ew_grid(n), MTI_EW_THREADS, args);
 }
 
@@ -858,13 +956,16 @@ static mt_status cu_adamw(const mti_kctx *k, float *p, const float *g, float *m,
     if (n == 0) return MT_OK;
     unsigned long long nn = n;
     int pdt = (int)pc_dt;
-    float lr = a->lr, b1 = a->beta1, b2 = a->beta2, eps = a->eps, wd = a->weight_decay,
-          gs = a->grad_scale;
-    /* bias corrections of step t, in double so large t stays exact to fp32 */
-    float bc1 = (float)(1.0 - pow((double)b1, (double)a->step));
-    float sqrt_bc2 = (float)sqrt(1.0 - pow((double)b2, (double)a->step));
-    void *args[] = {&p, &g, &m, &v, &pc, &pdt, &nn, &lr, &b1, &b2, &eps, &wd, &gs, &bc1,
-                    &sqrt_bc2};
+    float b1 = a->beta1, b2 = a->beta2, eps = a->eps, gs = a->grad_scale;
+    /* the step's scalars as torch (and the CPU table) make them: in double,
+     * then rounded to fp32 */
+    double bc1 = 1.0 - pow((double)a->beta1, (double)a->step);
+    double bc2 = 1.0 - pow((double)a->beta2, (double)a->step);
+    float step_size = (float)((double)a->lr / bc1);
+    float bc2_sqrt = (float)sqrt(bc2);
+    float decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay);
+    void *args[] = {&p, &g, &m, &v, &pc, &pdt, &nn, &b1, &b2, &eps, &gs, &decay, &step_size,
+                    &bc2_sqrt};
     return launch(k, MTI_CUDA_ADAMW, ew_grid(n), MTI_EW_THREADS, args);
 }
 

@@ -29,6 +29,9 @@ expect 1 "cuda without a driver" -- "$tool" train --device cuda --steps 1
 grep -qi "cuda\|driver\|device" "$tmp/err" || { echo "FAIL tool: cuda message"; fail=1; }
 expect 0 "short training with a trace" -- "$tool" train --steps 40 --every 20 --trace "$tmp/t.trace" --report
 grep -q "held-out batch" "$tmp/out" && grep -q "memory report" "$tmp/out" || { echo "FAIL tool: train output"; cat "$tmp/out"; fail=1; }
+expect 0 "fp16 training" -- "$tool" train --steps 40 --every 20 --precision fp16
+grep -q "scale 65536" "$tmp/out" || { echo "FAIL tool: fp16 output"; cat "$tmp/out"; fail=1; }
+expect 2 "bad precision" -- "$tool" train --precision fp8
 expect 0 "replay every allocator" -- "$tool" replay "$tmp/t.trace" --allocator all
 [ "$(grep -c efficiency "$tmp/out")" = 4 ] || { echo "FAIL tool: replay output"; cat "$tmp/out"; fail=1; }
 head -c 100 "$tmp/t.trace" > "$tmp/cut.trace"

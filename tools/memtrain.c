@@ -46,6 +46,7 @@ static void usage_train(FILE *f)
             "  --lr X                 learning rate (0.1)\n"
             "  --momentum X           SGD momentum (0.9)\n"
             "  --weight-decay X       L2 weight decay (0)\n"
+            "  --precision P          fp32, fp16 (fp32 masters, dynamic loss scaling) or bf16 (fp32)\n"
             "  --seed N               data and init seed (1)\n"
             "  --every N              print the loss every N steps (25)\n"
             "  --device cpu|cuda|auto (cpu)\n"
@@ -128,6 +129,7 @@ typedef struct train_opts {
     long steps, batch, seed, every, threads;
     float lr, momentum, wd;
     mt_device_kind device;
+    mt_precision precision;
     const char *allocator, *trace;
     int report;
 } train_opts;
@@ -213,6 +215,11 @@ static int cmd_train(int argc, char **argv)
             if (parse_float(v, &o.wd) || o.wd < 0) return bad_usage("bad --weight-decay '%s'", v);
         } else if (!strcmp(a, "--device")) {
             if (parse_device(v, &o.device)) return bad_usage("bad --device '%s' (cpu, cuda, auto)", v);
+        } else if (!strcmp(a, "--precision")) {
+            if (!strcmp(v, "fp32")) o.precision = MT_PREC_FP32;
+            else if (!strcmp(v, "fp16")) o.precision = MT_PREC_FP16;
+            else if (!strcmp(v, "bf16")) o.precision = MT_PREC_BF16;
+            else return bad_usage("bad --precision '%s' (fp32, fp16, bf16)", v);
         } else if (!strcmp(a, "--allocator")) {
             if (!mt_allocator_by_name(v)) return bad_usage("unknown allocator '%s'", v);
             o.allocator = v;
@@ -249,6 +256,7 @@ static int cmd_train(int argc, char **argv)
     tc.lr = o.lr;
     tc.momentum = o.momentum;
     tc.weight_decay = o.wd;
+    tc.precision = o.precision;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     int rc = 0;
@@ -266,9 +274,10 @@ static int cmd_train(int argc, char **argv)
     }
     printf("training an MLP (2");
     for (int i = 0; i < o.n_hidden; i++) printf("-%d", o.hidden[i]);
-    printf("-3, %s, %zu parameters) on three spirals, %s, allocator %s\n",
+    static const char *const prec[] = {"fp32", "fp16", "bf16"};
+    printf("-3, %s, %zu parameters) on three spirals, %s, %s, allocator %s\n",
            o.act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
-           mt_context_device_name(ctx), o.allocator);
+           mt_context_device_name(ctx), prec[o.precision], o.allocator);
     uint64_t data = (uint64_t)o.seed * 7919u;
     double t0 = now_s(), window = 0.0;
     int in_window = 0;
@@ -286,8 +295,14 @@ static int cmd_train(int argc, char **argv)
         if (step == 1 || step % o.every == 0 || step == o.steps) {
             mt_memory_stats ms;
             mt_context_memory_stats(ctx, &ms);
-            printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB\n", step, window / in_window,
+            mt_loss_scale_state ls;
+            mt_trainer_get_loss_scale(t, &ls);
+            printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB", step, window / in_window,
                    1e3 * (now_s() - t0) / (double)step, (double)ms.peak_live_bytes / 1024.0);
+            if (o.precision == MT_PREC_FP16)
+                printf("  scale %g  skipped %llu", (double)ls.scale,
+                       (unsigned long long)ls.steps_skipped);
+            printf("\n");
             window = 0.0;
             in_window = 0;
         }

@@ -13,25 +13,18 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "vecmath.h"
+
+/* clang warns about every `omp simd` loop it cannot vectorise, which is all
+ * of them under the sanitizers' instrumentation */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 
 /* elements per parallel work item of a cast: 32 KiB of fp32 */
 #define CAST_CHUNK 8192
 /* fp32 staging for fp16 <-> bf16: 4 KiB on the stack */
 #define STAGE 1024
-
-static inline uint32_t bits_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float float_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* c ? a : b with masks: GCC keeps a `?:` next to a floating-point operation
  * as a branch (the operation might trap), and a branch stops vectorisation. */
@@ -94,10 +87,7 @@ static inline uint16_t f2b(float f)
  * width, and an AVX2 clone (picked at load time where the CPU has it) runs
  * the same code twice as wide. */
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define MTI_X86 1
-#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define WIDE_CLONES
+#define X86_PATHS 1
 #endif
 
 WIDE_CLONES static void h2f_n(float *restrict d, const uint16_t *restrict s, size_t n)
@@ -124,29 +114,32 @@ WIDE_CLONES static void f2b_n(uint16_t *restrict d, const float *restrict s, siz
     for (size_t i = 0; i < n; i++) d[i] = f2b(s[i]);
 }
 
-#ifdef MTI_X86
+#ifdef X86_PATHS
 #include <cpuid.h>
 #include <immintrin.h>
 
-/* fp16 has conversion instructions (F16C, on every CPU with AVX2 we know
- * of, but checked apart). They round to nearest even whatever the rounding
- * mode, and agree with the definition except on NaNs: a narrowed NaN keeps
- * part of its payload (the definition gives the one quiet NaN), and a
- * widened signalling NaN comes out quieted (the definition keeps its bits).
- * Those lanes are patched with blends. */
-static int have_f16c(void)
+/* Hand-written AVX2 loops where the compilers' own fall short, used when
+ * the CPU has AVX2 and F16C (both part of x86-64-v3; every CPU with AVX2 we
+ * know of has F16C, but it is checked apart). The answer is cached: cpuid
+ * is slow in virtual machines. (The runtime fills in what
+ * __builtin_cpu_supports reads before main, with the OS's AVX state.) */
+static int have_x86_v3(void)
 {
     static _Atomic int known = -1;
     int v = atomic_load_explicit(&known, memory_order_relaxed);
     if (v < 0) {
         unsigned a, b, c, d;
-        __builtin_cpu_init();
         v = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
         atomic_store_explicit(&known, v, memory_order_relaxed);
     }
     return v;
 }
 
+/* fp16 has conversion instructions (F16C). They round to nearest even
+ * whatever the rounding mode, and agree with the definition except on NaNs:
+ * a narrowed NaN keeps part of its payload (the definition gives the one
+ * quiet NaN), and a widened signalling NaN comes out quieted (the
+ * definition keeps its bits). Those lanes are patched with blends. */
 __attribute__((target("avx2,f16c"))) static void f2h_n_f16c(uint16_t *d, const float *s, size_t n)
 {
     const __m128i sign = _mm_set1_epi16((short)0x8000), qnan = _mm_set1_epi16(0x7E00);
@@ -164,28 +157,6 @@ __attribute__((target("avx2,f16c"))) static void f2h_n_f16c(uint16_t *d, const f
         _mm_storeu_si128((__m128i *)(d + i), h);
     }
     for (; i < n; i++) d[i] = f2h(s[i]);
-}
-
-/* bf16 needs no conversion instruction, but the compilers narrow 32-bit
- * lanes to 16 bits clumsily; this is f2b() eight lanes at a time. */
-__attribute__((target("avx2"))) static void f2b_n_avx2(uint16_t *d, const float *s, size_t n)
-{
-    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
-    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-    const __m256i quiet = _mm256_set1_epi32(0x40);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i u = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m256i hi = _mm256_srli_epi32(u, 16);
-        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, half), _mm256_and_si256(hi, one));
-        r = _mm256_srli_epi32(r, 16);
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet), nan);
-        /* pack 2x4 lanes per 128-bit half, then put the halves in order */
-        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
-    }
-    for (; i < n; i++) d[i] = f2b(s[i]);
 }
 
 __attribute__((target("avx2,f16c"))) static void h2f_n_f16c(float *d, const uint16_t *s, size_t n)
@@ -211,12 +182,34 @@ __attribute__((target("avx2,f16c"))) static void h2f_n_f16c(float *d, const uint
     }
     for (; i < n; i++) d[i] = h2f(s[i]);
 }
+
+/* bf16 needs no conversion instruction, but the compilers narrow 32-bit
+ * lanes to 16 bits clumsily; this is f2b() eight lanes at a time. */
+__attribute__((target("avx2"))) static void f2b_n_avx2(uint16_t *d, const float *s, size_t n)
+{
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i hi = _mm256_srli_epi32(u, 16);
+        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, half), _mm256_and_si256(hi, one));
+        r = _mm256_srli_epi32(r, 16);
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet), nan);
+        /* pack 2x4 lanes per 128-bit half, then put the halves in order */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
+    }
+    for (; i < n; i++) d[i] = f2b(s[i]);
+}
 #endif
 
 static void f16_to_f32(float *d, const uint16_t *s, size_t n)
 {
-#ifdef MTI_X86
-    if (have_f16c()) {
+#ifdef X86_PATHS
+    if (have_x86_v3()) {
         h2f_n_f16c(d, s, n);
         return;
     }
@@ -226,8 +219,8 @@ static void f16_to_f32(float *d, const uint16_t *s, size_t n)
 
 static void f32_to_bf16(uint16_t *d, const float *s, size_t n)
 {
-#ifdef MTI_X86
-    if (have_f16c()) {
+#ifdef X86_PATHS
+    if (have_x86_v3()) {
         f2b_n_avx2(d, s, n);
         return;
     }
@@ -237,8 +230,8 @@ static void f32_to_bf16(uint16_t *d, const float *s, size_t n)
 
 static void f32_to_f16(uint16_t *d, const float *s, size_t n)
 {
-#ifdef MTI_X86
-    if (have_f16c()) {
+#ifdef X86_PATHS
+    if (have_x86_v3()) {
         f2h_n_f16c(d, s, n);
         return;
     }
@@ -290,19 +283,19 @@ static int is_float_dt(mti_dtype t) { return t == MTI_F32 || t == MTI_F16 || t =
 
 static size_t dt_size(mti_dtype t) { return t == MTI_F16 || t == MTI_BF16 ? 2 : 4; }
 
-/* Elements [i, i+n) of the cast. dst may equal src only when the sizes
- * match: fp16 <-> bf16 goes through a stack buffer, one block at a time. */
+/* Elements [i, i+n) of the cast; a copy has dst != src. dst may equal src
+ * only when the sizes match: fp16 <-> bf16 goes through a stack buffer, one
+ * block at a time. */
 static void cast_range(void *dst, mti_dtype dt, const void *src, mti_dtype st, size_t i, size_t n,
                        mti_rounding r, uint64_t seed)
 {
-    size_t esz = dt_size(dt);
     if (dt == st) {
-        if (dst != src) memcpy((char *)dst + i * esz, (const char *)src + i * esz, n * esz);
+        size_t esz = dt_size(dt);
+        memcpy((char *)dst + i * esz, (const char *)src + i * esz, n * esz);
         return;
     }
     if (r == MTI_ROUND_STOCHASTIC) { /* dt is bf16, st fp32 or fp16 */
-        to_bf16_sr((uint16_t *)dst + i, (const char *)src + i * dt_size(st), st, i, n,
-                   seed);
+        to_bf16_sr((uint16_t *)dst + i, (const char *)src + i * dt_size(st), st, i, n, seed);
         return;
     }
     if (st == MTI_F32) {
@@ -327,11 +320,12 @@ mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const voi
 {
     if (r != MTI_ROUND_NEAREST && r != MTI_ROUND_STOCHASTIC)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "cast: unknown rounding %d", (int)r);
-    if (dst_dt != src_dt && (!is_float_dt(dst_dt) || !is_float_dt(src_dt)))
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "cast: no conversion from dtype %d to %d",
+    /* between the float dtypes, or a copy (int32 too) */
+    int ok = dst_dt == src_dt ? is_float_dt(dst_dt) || dst_dt == MTI_I32
+                              : is_float_dt(dst_dt) && is_float_dt(src_dt);
+    if (!ok)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "cast: no cast from dtype %d to dtype %d",
                         (int)src_dt, (int)dst_dt);
-    if (dst_dt == src_dt && dst_dt != MTI_I32 && !is_float_dt(dst_dt))
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "cast: unknown dtype %d", (int)dst_dt);
     if (r == MTI_ROUND_STOCHASTIC && dst_dt != MTI_BF16)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "cast: stochastic rounding is for bf16 only (dtype %d asked)", (int)dst_dt);

@@ -1,6 +1,6 @@
 /*
- * cpu_ops.h - the functions of the CPU op table, one file per family
- * (kernels/cpu/*.c); ops.c assembles the table. Semantics are those of the
+ * cpu_ops.h - the functions of the CPU op table, one file per family of
+ * ops in this folder; ops.c assembles the table. Semantics are those of the
  * table's entries in lib/kernels.h.
  */
 #ifndef MT_CPU_OPS_H

@@ -13,59 +13,19 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "vecmath.h"
+
+/* clang warns about every `omp simd` loop it cannot vectorise, which is all
+ * of them under the sanitizers' instrumentation */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 
 /* elements per chunk: 4 KiB of fp32 per staged stream, in L1 */
 #define CHUNK 1024
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-/* an AVX2 copy of the loops, picked at load time; lanes do the same scalar
- * operations at any width (no FMA in either), so the bits are the same */
-#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define WIDE_CLONES
-#endif
-
 #define GELU_K 0.7978845608028654f /* sqrt(2/pi) */
 #define GELU_C 0.044715f
-
-static inline uint32_t bits_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float float_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* e^x for x <= 0 in straight-line code that vectorises (libm's expf is a
- * call per element). x = k ln2 + r with |r| <= ln2/2 (ln2 split in two so
- * k ln2 is exact), e^r by its Taylor series to r^7 (truncation below 1e-8
- * relative), times 2^k built in the exponent bits; within 2 ulp of e^x.
- * Below -87 the result would be under 2^-125: it is 0. NaN stays NaN. */
-static inline float exp_le0(float x)
-{
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float t = x * 1.44269504f + magic;
-    float kf = t - magic;
-    uint32_t k = bits_of(t) - bits_of(magic); /* kf as an integer, in [-126, 0] */
-    float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    float y = p * float_of((k + 127u) << 23);
-    uint32_t keep = 0u - (uint32_t)!(x < -87.0f);
-    return float_of(bits_of(y) & keep);
-}
 
 /* tanh(u) = sign(u) (1 - e) / (1 + e) with e = e^(-2|u|) <= 1: no overflow,
  * saturates to +-1; absolute error about 1e-7, which is what GELU needs. */
@@ -150,7 +110,7 @@ static void stage_out(void *dst, mti_dtype dt, size_t i, const float *buf, size_
     if (dt != MTI_F32) mti_cpu_store_f32(dst, dt, i, buf, n);
 }
 
-typedef enum { OP_GELU_FWD, OP_GELU_BWD, OP_RELU_FWD, OP_RELU_BWD, OP_ADD, OP_ACC } ew_op;
+typedef enum { OP_GELU_FWD, OP_GELU_BWD, OP_RELU_FWD, OP_RELU_BWD, OP_ADD } ew_op;
 
 /* out = op(a, b) over n elements; b is NULL for the one-input ops. */
 static void run(ew_op op, void *out, const void *a, const void *b, size_t n, mti_dtype dt)
@@ -168,8 +128,7 @@ static void run(ew_op op, void *out, const void *a, const void *b, size_t n, mti
         case OP_GELU_BWD: gelu_bwd_n(os, as, bs, m); break; /* a = dy, b = x */
         case OP_RELU_FWD: relu_fwd_n(os, as, m); break;
         case OP_RELU_BWD: relu_bwd_n(os, as, bs, m); break; /* a = dy, b = y */
-        case OP_ADD:
-        case OP_ACC: add_n(os, as, bs, m); break;
+        case OP_ADD: add_n(os, as, bs, m); break;
         }
         stage_out(out, dt, i, os, m);
     }
@@ -216,6 +175,6 @@ mt_status mti_cpu_add(const mti_kctx *k, void *y, const void *a, const void *b, 
 mt_status mti_cpu_accumulate(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "accumulate", dt);
-    run(OP_ACC, y, y, x, n, dt);
+    run(OP_ADD, y, y, x, n, dt);
     return MT_OK;
 }

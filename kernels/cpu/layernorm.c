@@ -6,30 +6,26 @@
  * widened into fp32 buffers on the stack, so a row of any width needs no
  * workspace. Row sums use LANES partial sums combined in a fixed tree, so
  * they vectorise and depend only on the row width; the parameter gradients
- * are summed over rows in row order by channel blocks. Nothing depends on
- * the thread count.
+ * are summed over rows in row order, threads splitting the channels.
+ * Nothing depends on the thread count.
  */
 #include <math.h>
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "vecmath.h"
+
+/* clang warns about every `omp simd` loop it cannot vectorise, which is all
+ * of them under the sanitizers' instrumentation */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 
 #define LN_EPS 1e-5f
 /* channels staged at a time: 4 KiB of fp32 per stream (a multiple of LANES) */
 #define CHUNK 1024
 /* partial sums per row reduction */
 #define LANES 16
-/* channels per work item of the parameter-gradient pass: 256 B of fp32,
- * four cache lines, read from every row */
-#define CBLOCK 64
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-/* an AVX2 copy of the loops, picked at load time; the same scalar operations
- * per lane (no FMA in either), so the bits are the same */
-#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define WIDE_CLONES
-#endif
 
 static int dt_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt == MTI_BF16; }
 
@@ -52,49 +48,63 @@ static float lanes_total(float acc[LANES])
     return acc[0];
 }
 
+/* The sums below keep their LANES partial sums in locals, which the
+ * compiler holds in registers (the caller's arrays might alias the data). */
+
 /* acc += x (n values; chunks other than a row's last are multiples of LANES) */
 WIDE_CLONES static void lanes_sum(float acc[LANES], const float *x, size_t n)
 {
+    float s[LANES];
+    memcpy(s, acc, sizeof s);
     size_t j = 0;
     for (; j + LANES <= n; j += LANES)
 #pragma omp simd
-        for (int l = 0; l < LANES; l++) acc[l] += x[j + l];
-    for (int l = 0; j + (size_t)l < n; l++) acc[l] += x[j + l];
+        for (int l = 0; l < LANES; l++) s[l] += x[j + l];
+    for (int l = 0; j + (size_t)l < n; l++) s[l] += x[j + l];
+    memcpy(acc, s, sizeof s);
 }
 
 /* acc += (x - mean)^2 */
 WIDE_CLONES static void lanes_sqdev(float acc[LANES], const float *x, size_t n, float mean)
 {
+    float s[LANES];
+    memcpy(s, acc, sizeof s);
     size_t j = 0;
     for (; j + LANES <= n; j += LANES)
 #pragma omp simd
         for (int l = 0; l < LANES; l++) {
             float d = x[j + l] - mean;
-            acc[l] += d * d;
+            s[l] += d * d;
         }
     for (int l = 0; j + (size_t)l < n; l++) {
         float d = x[j + l] - mean;
-        acc[l] += d * d;
+        s[l] += d * d;
     }
+    memcpy(acc, s, sizeof s);
 }
 
 /* a += dout * w, b += dout * w * xhat, with xhat = (x - mean) * rstd */
 WIDE_CLONES static void lanes_bwd(float a[LANES], float b[LANES], const float *dout,
                                   const float *w, const float *x, size_t n, float mean, float rstd)
 {
+    float sa[LANES], sb[LANES];
+    memcpy(sa, a, sizeof sa);
+    memcpy(sb, b, sizeof sb);
     size_t j = 0;
     for (; j + LANES <= n; j += LANES)
 #pragma omp simd
         for (int l = 0; l < LANES; l++) {
             float dn = dout[j + l] * w[j + l];
-            a[l] += dn;
-            b[l] += dn * ((x[j + l] - mean) * rstd);
+            sa[l] += dn;
+            sb[l] += dn * ((x[j + l] - mean) * rstd);
         }
     for (int l = 0; j + (size_t)l < n; l++) {
         float dn = dout[j + l] * w[j + l];
-        a[l] += dn;
-        b[l] += dn * ((x[j + l] - mean) * rstd);
+        sa[l] += dn;
+        sb[l] += dn * ((x[j + l] - mean) * rstd);
     }
+    memcpy(a, sa, sizeof sa);
+    memcpy(b, sb, sizeof sb);
 }
 
 /* ---- forward ---- */
@@ -106,11 +116,24 @@ WIDE_CLONES static void norm_n(float *y, const float *x, const float *w, const f
     for (size_t j = 0; j < n; j++) y[j] = (x[j] - mean) * rstd * w[j] + b[j];
 }
 
+/* w and b as fp32 over the whole row, when that needs no per-row work:
+ * the tensors themselves (fp32), or copies widened once per thread into
+ * buf (a row of one chunk); else NULL, and each chunk is widened as met. */
+static const float *row_params(const void *p, mti_dtype dt, size_t c, float *buf)
+{
+    if (dt == MTI_F32) return p;
+    if (c > CHUNK) return NULL;
+    mti_cpu_load_f32(buf, p, dt, 0, c);
+    return buf;
+}
+
 /* One row of c channels starting at element `row`: mean and rstd in fp32
  * (two passes over x: the mean first, then the squared deviations from it,
- * which loses nothing to cancellation), then the normalised output. */
+ * which loses nothing to cancellation), then the normalised output. wf, bf:
+ * from row_params. */
 static void ln_fwd_row(void *out, float *mean_out, float *rstd_out, const void *x, const void *w,
-                       const void *b, size_t row, size_t c, mti_dtype dt)
+                       const void *b, const float *wf, const float *bf, size_t row, size_t c,
+                       mti_dtype dt)
 {
     float xb[CHUNK], wb[CHUNK], bb[CHUNK], yb[CHUNK];
     float acc[LANES];
@@ -134,8 +157,10 @@ static void ln_fwd_row(void *out, float *mean_out, float *rstd_out, const void *
     for (size_t j = 0; j < c; j += CHUNK) {
         size_t m = min_sz(CHUNK, c - j);
         const float *xj = xs ? xs : stage_in(x, dt, row + j, m, xb);
+        const float *wj = wf ? wf + j : stage_in(w, dt, j, m, wb);
+        const float *bj = bf ? bf + j : stage_in(b, dt, j, m, bb);
         float *y = dt == MTI_F32 ? (float *)out + row + j : yb;
-        norm_n(y, xj, stage_in(w, dt, j, m, wb), stage_in(b, dt, j, m, bb), m, mean, rstd);
+        norm_n(y, xj, wj, bj, m, mean, rstd);
         if (dt != MTI_F32) mti_cpu_store_f32(out, dt, row + j, yb, m);
     }
     if (mean_out) *mean_out = mean;
@@ -151,11 +176,15 @@ mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float
                         (int)dt);
     if (n <= 0 || c <= 0) return MT_OK;
     size_t cc = (size_t)c;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
-    if ((size_t)n * cc > MTI_CPU_PAR_MIN)
-    for (int r = 0; r < n; r++)
-        ln_fwd_row(out, mean ? mean + r : NULL, rstd ? rstd + r : NULL, x, w, b, (size_t)r * cc,
-                   cc, dt);
+#pragma omp parallel num_threads(mti_cpu_threads()) if ((size_t)n * cc > MTI_CPU_PAR_MIN)
+    {
+        float wbuf[CHUNK], bbuf[CHUNK];
+        const float *wf = row_params(w, dt, cc, wbuf), *bf = row_params(b, dt, cc, bbuf);
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++)
+            ln_fwd_row(out, mean ? mean + r : NULL, rstd ? rstd + r : NULL, x, w, b, wf, bf,
+                       (size_t)r * cc, cc, dt);
+    }
     return MT_OK;
 }
 
@@ -182,44 +211,48 @@ WIDE_CLONES static void dx_n(float *dx, const float *dout, const float *w, const
     }
 }
 
-static void ln_bwd_row(void *dx, const void *dout, const void *x, const void *w, float mean,
-                       float rstd, size_t row, size_t c, mti_dtype dt, int accumulate)
+/* dx of one row; wf from row_params */
+static void ln_bwd_row(void *dx, const void *dout, const void *x, const void *w, const float *wf,
+                       float mean, float rstd, size_t row, size_t c, mti_dtype dt, int accumulate)
 {
-    float db_[CHUNK], xb[CHUNK], wb[CHUNK], yb[CHUNK];
+    float gbuf[CHUNK], xbuf[CHUNK], wbuf[CHUNK], ybuf[CHUNK];
     float a[LANES], b[LANES];
+    /* a row of one chunk is widened once for both passes */
+    int once = c <= CHUNK;
     memset(a, 0, sizeof a);
     memset(b, 0, sizeof b);
     for (size_t j = 0; j < c; j += CHUNK) {
         size_t m = min_sz(CHUNK, c - j);
-        lanes_bwd(a, b, stage_in(dout, dt, row + j, m, db_), stage_in(w, dt, j, m, wb),
-                  stage_in(x, dt, row + j, m, xb), m, mean, rstd);
+        lanes_bwd(a, b, stage_in(dout, dt, row + j, m, gbuf),
+                  wf ? wf + j : stage_in(w, dt, j, m, wbuf), stage_in(x, dt, row + j, m, xbuf),
+                  m, mean, rstd);
     }
     float ga = lanes_total(a) / (float)c, gb = lanes_total(b) / (float)c;
     for (size_t j = 0; j < c; j += CHUNK) {
         size_t m = min_sz(CHUNK, c - j);
-        /* a one-chunk row is still staged from the first pass */
-        const float *ds = c <= CHUNK && dt != MTI_F32 ? db_ : stage_in(dout, dt, row + j, m, db_);
-        const float *ws = c <= CHUNK && dt != MTI_F32 ? wb : stage_in(w, dt, j, m, wb);
-        const float *xs = c <= CHUNK && dt != MTI_F32 ? xb : stage_in(x, dt, row + j, m, xb);
-        float *y = yb;
+        const float *gs = once && dt != MTI_F32 ? gbuf : stage_in(dout, dt, row + j, m, gbuf);
+        const float *xs = once && dt != MTI_F32 ? xbuf : stage_in(x, dt, row + j, m, xbuf);
+        const float *ws = wf ? wf + j : stage_in(w, dt, j, m, wbuf);
+        float *y = ybuf;
         if (dt == MTI_F32)
             y = (float *)dx + row + j;
         else if (accumulate)
-            mti_cpu_load_f32(yb, dx, dt, row + j, m);
-        dx_n(y, ds, ws, xs, m, mean, rstd, ga, gb, accumulate);
-        if (dt != MTI_F32) mti_cpu_store_f32(dx, dt, row + j, yb, m);
+            mti_cpu_load_f32(ybuf, dx, dt, row + j, m);
+        dx_n(y, gs, ws, xs, m, mean, rstd, ga, gb, accumulate);
+        if (dt != MTI_F32) mti_cpu_store_f32(dx, dt, row + j, ybuf, m);
     }
 }
 
-/* dw, db for channels [c0, c0 + m), m <= CBLOCK, summed over the n rows in
- * order, then added to the gradients once. */
+/* dw, db for channels [c0, c0 + m), m <= CHUNK: summed over the n rows in
+ * row order, then added to the gradients once. Each element's sum has the
+ * same order however the channels are split between threads. */
 static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
                           const float *mean, const float *rstd, size_t n, size_t c, size_t c0,
                           size_t m, mti_dtype dt)
 {
-    float sw[CBLOCK], sb[CBLOCK], gbuf[CBLOCK], xbuf[CBLOCK];
-    memset(sw, 0, sizeof sw);
-    memset(sb, 0, sizeof sb);
+    float sw[CHUNK], sb[CHUNK], gbuf[CHUNK], xbuf[CHUNK];
+    memset(sw, 0, m * sizeof(float));
+    memset(sb, 0, m * sizeof(float));
     for (size_t r = 0; r < n; r++) {
         const float *g = stage_in(dout, dt, r * c + c0, m, gbuf);
         const float *xs = stage_in(x, dt, r * c + c0, m, xbuf);
@@ -230,10 +263,10 @@ static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
             sb[j] += g[j];
         }
     }
-    for (size_t j = 0; j < m; j++) {
-        if (dw) dw[c0 + j] += sw[j];
-        if (db) db[c0 + j] += sb[j];
-    }
+    if (dw)
+        for (size_t j = 0; j < m; j++) dw[c0 + j] += sw[j];
+    if (db)
+        for (size_t j = 0; j < m; j++) db[c0 + j] += sb[j];
 }
 
 mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
@@ -249,20 +282,33 @@ mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *d
     if (n <= 0 || c <= 0) return MT_OK;
     size_t nn = (size_t)n, cc = (size_t)c;
     int par = nn * cc > MTI_CPU_PAR_MIN;
+    int nth = par ? mti_cpu_threads() : 1;
 
-    /* the parameter gradients first, so dx may overwrite dout */
+    /* the parameter gradients first, so dx may overwrite dout. Each thread
+     * takes a contiguous run of channels (whole cache lines of 16 floats)
+     * and streams through all rows, in chunks of CHUNK channels. */
     if (dw || db) {
-        size_t blocks = (cc + CBLOCK - 1) / CBLOCK;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (par)
-        for (size_t bi = 0; bi < blocks; bi++) {
-            size_t c0 = bi * CBLOCK;
-            ln_bwd_params(dw, db, dout, x, mean, rstd, nn, cc, c0, min_sz(CBLOCK, cc - c0), dt);
+        size_t span = (cc + (size_t)nth - 1) / (size_t)nth;
+        span = (span + 15) / 16 * 16;
+        size_t items = (cc + span - 1) / span;
+#pragma omp parallel for schedule(static) num_threads(nth) if (par)
+        for (size_t it = 0; it < items; it++) {
+            size_t end = min_sz(cc, (it + 1) * span);
+            for (size_t c0 = it * span; c0 < end; c0 += CHUNK)
+                ln_bwd_params(dw, db, dout, x, mean, rstd, nn, cc, c0, min_sz(CHUNK, end - c0),
+                              dt);
         }
     }
     if (dx) {
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (par)
-        for (int r = 0; r < n; r++)
-            ln_bwd_row(dx, dout, x, w, mean[r], rstd[r], (size_t)r * cc, cc, dt, accumulate);
+#pragma omp parallel num_threads(nth) if (par)
+        {
+            float wbuf[CHUNK];
+            const float *wf = row_params(w, dt, cc, wbuf);
+#pragma omp for schedule(static)
+            for (int r = 0; r < n; r++)
+                ln_bwd_row(dx, dout, x, w, wf, mean[r], rstd[r], (size_t)r * cc, cc, dt,
+                           accumulate);
+        }
     }
     return MT_OK;
 }

@@ -8,7 +8,7 @@
  * depending on where the element falls in the pieces a call is cut into (by
  * its own threads, or by us), so letting OpenBLAS thread the call, or cutting
  * by the thread count, would make results depend on the number of threads.
- * OpenBLAS is set to one thread for the length of an op.
+ * OpenBLAS itself always runs single-threaded (see mti_cpu_set_threads).
  *
  * fp32 tiles call sgemm on the tensors themselves. fp16 and bf16 have no GEMM
  * here: a thread keeps an fp32 accumulator tile, and for each chunk of the
@@ -26,14 +26,15 @@
 #include "cpu_ops.h"
 
 /* Largest tile of an output (rows, columns). About where one sgemm call on
- * a tile runs as fast as on the whole matrix (the packing of both operands,
- * redone per tile, costs 2-5%). */
+ * a tile runs as fast as on the whole matrix: the packing of both operands,
+ * redone per tile, costs 2-4% at 256 x 384 and 5-8% at 128 x 256 (one
+ * thread, OpenBLAS 0.3.21, Haswell kernels). */
 #define MM_TILE_M 256
 #define MM_TILE_N 512
-/* Smaller outputs are cut into at least this many tiles, down to MM_TILE_MIN
- * a side, so that more threads find work. */
+/* Smaller outputs are cut into at least this many tiles, so that more
+ * threads find work, but columns no narrower than 128 and rows no shorter
+ * than 256. */
 #define MM_MIN_TILES 8
-#define MM_TILE_MIN 128
 /* Chunk of the reduction dimension per sgemm in fp16/bf16 (elements): one
  * pass of OpenBLAS's own K blocking. */
 #define MM_KC 256
@@ -59,12 +60,12 @@ static int side(int n, int most)
 static mm_plan mm_plan_for(int M, int N)
 {
     mm_plan p = {M, N, side(M, MM_TILE_M), side(N, MM_TILE_N), 0, 0};
-    /* halve the longer side while there are too few tiles */
+    /* halve the columns, then the rows, while there are too few tiles */
     for (;;) {
         p.tm = ceil_div(M, p.mb), p.tn = ceil_div(N, p.nb);
         if (p.tm * p.tn >= MM_MIN_TILES) break;
-        if (p.nb >= p.mb && p.nb >= 2 * MM_TILE_MIN) p.nb = side(N, p.nb / 2);
-        else if (p.mb >= 2 * MM_TILE_MIN) p.mb = side(M, p.mb / 2);
+        if (p.nb >= 256) p.nb = side(N, p.nb / 2);
+        else if (p.mb >= 512) p.mb = side(M, p.mb / 2);
         else break;
     }
     return p;
@@ -82,11 +83,6 @@ static int plan_threads(const mm_plan *p)
 {
     return mini(mti_cpu_threads(), p->tm * p->tn);
 }
-
-/* OpenBLAS single-threaded while an op runs (see the top of the file), then
- * back to the library's setting. */
-static void blas_single(void) { openblas_set_num_threads(1); }
-static void blas_restore(void) { openblas_set_num_threads(mti_cpu_threads()); }
 
 /* ---- fp16 / bf16: a tile through fp32 panels ---- */
 
@@ -226,10 +222,8 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
                         "matmul_fwd: bad shape (%d,%d,%d) or dtype %d", n, in, out, (int)dt);
     if (n == 0 || out == 0) return MT_OK;
     mt_status s = MT_OK;
-    blas_single();
     if (dt == MTI_F32) fwd_f32(y, x, w, b, n, in, out);
     else s = fwd_lowp(k, y, x, w, b, n, in, out, dt);
-    blas_restore();
     return s;
 }
 
@@ -237,7 +231,7 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
 
 /* db (O) += the column sums of dy (N,O), each column summed over the rows in
  * order, in fp32; threads own chunks of columns. */
-#define DB_CHUNK 256
+#define DB_CHUNK 1024
 static void bias_grad(float *db, const void *dy, int n, int out, mti_dtype dt)
 {
     int nchunks = ceil_div(out, DB_CHUNK);
@@ -252,8 +246,10 @@ static void bias_grad(float *db, const void *dy, int n, int out, mti_dtype dt)
             const float *r = row;
             if (dt == MTI_F32) r = (const float *)dy + at;
             else mti_cpu_load_f32(row, dy, dt, at, (size_t)len);
+#pragma omp simd
             for (int j = 0; j < len; j++) sum[j] += r[j];
         }
+#pragma omp simd
         for (int j = 0; j < len; j++) db[j0 + j] += sum[j];
     }
 }
@@ -353,7 +349,6 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
     if (db && out > 0) bias_grad(db, dy, n, out, dt);
     if (in == 0) return MT_OK; /* dx and dW are empty */
     mt_status s = MT_OK;
-    blas_single();
     if (dt == MTI_F32) {
         if (dx) dx_f32(dx, dy, w, n, in, out, accumulate);
         if (dw && out > 0) dw_f32(dw, dy, x, n, in, out);
@@ -361,6 +356,5 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
         if (dx) s = dx_lowp(k, dx, dy, w, n, in, out, dt, accumulate);
         if (!s && dw && out > 0) s = dw_lowp(k, dw, dy, x, n, in, out, dt);
     }
-    blas_restore();
     return s;
 }

@@ -1,8 +1,8 @@
 /*
  * ops.c - the CPU op table: the reference every other table is checked
  * against, and the CPU backend. GEMMs go through OpenBLAS; everything else
- * is loops threaded with OpenMP where the work pays for it. One setting of
- * the thread count serves OpenMP and OpenBLAS.
+ * is loops threaded with OpenMP where the work pays for it; OpenBLAS runs
+ * single-threaded inside the library's own parallel loops.
  */
 #include <cblas.h>
 #include <stdatomic.h>
@@ -11,11 +11,14 @@
 
 static _Atomic int g_threads = 1;
 
+/* The parallelism is ours: OpenMP over tiles, rows, heads. OpenBLAS always
+ * runs single-threaded inside them, because its own threading changes how a
+ * GEMM is cut, and with it the rounding (see matmul.c). */
 void mti_cpu_set_threads(int threads)
 {
     if (threads < 1) threads = 1;
     atomic_store(&g_threads, threads);
-    openblas_set_num_threads(threads);
+    openblas_set_num_threads(1);
 }
 
 int mti_cpu_threads(void) { return atomic_load(&g_threads); }

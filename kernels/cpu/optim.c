@@ -13,6 +13,13 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "vecmath.h"
+
+/* clang warns about every `omp simd` loop it cannot vectorise, which is all
+ * of them under the sanitizers' instrumentation */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 
 /* elements per parallel work item of the updates */
 #define CHUNK 4096
@@ -21,14 +28,6 @@
 #define LANES 16
 /* sumsq: block sums computed per parallel round (4 KiB on the stack) */
 #define ROUND_BLOCKS 1024
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-/* an AVX2 copy of the loops, picked at load time; the same scalar operations
- * per lane (no FMA in either), so the bits are the same */
-#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define WIDE_CLONES
-#endif
 
 static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
@@ -176,10 +175,11 @@ mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, voi
 /* ---- AdamW (torch.optim.AdamW) ---- */
 
 /* Per element, in torch's order of operations: p *= decay; m, v updated;
- * p -= step_size m / (sqrt(v) / bc2_sqrt + eps). (sqrtf may set errno, so
- * compilers keep this loop scalar unless built with -fno-math-errno; it is
- * bound by memory traffic either way.) */
-WIDE_CLONES static void adamw_n(float *p, const float *g, float *m, float *v, size_t n, float b1,
+ * p -= step_size m / (sqrt(v) / bc2_sqrt + eps). sqrtf may set errno, so
+ * compilers keep this loop scalar unless built with -fno-math-errno; split
+ * so the rest vectorises, it measured barely faster (the loop moves 28
+ * bytes per element). */
+static void adamw_n(float *p, const float *g, float *m, float *v, size_t n, float b1,
                                 float b2, float eps, float gs, float decay, float step_size,
                                 float bc2_sqrt)
 {

@@ -12,57 +12,17 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "vecmath.h"
+
+/* clang warns about every `omp simd` loop it cannot vectorise, which is all
+ * of them under the sanitizers' instrumentation */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 
 /* columns staged at a time: 4 KiB of fp32 per stream (a multiple of LANES) */
 #define CHUNK 1024
 #define LANES 16
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-/* an AVX2 copy of the loops, picked at load time; the same scalar operations
- * per lane (no FMA in either), so the bits are the same */
-#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define WIDE_CLONES
-#endif
-
-static inline uint32_t bits_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float float_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* e^x for x <= 0 in straight-line code that vectorises (libm's expf is a
- * call per element); the same as in elementwise.c. x = k ln2 + r with
- * |r| <= ln2/2 (ln2 split in two so k ln2 is exact), e^r by its Taylor
- * series to r^7, times 2^k built in the exponent bits: within 2 ulp of e^x.
- * Below -87 the result would be under 2^-125: it is 0. NaN stays NaN. */
-static inline float exp_le0(float x)
-{
-    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float t = x * 1.44269504f + magic;
-    float kf = t - magic;
-    uint32_t k = bits_of(t) - bits_of(magic); /* kf as an integer, in [-126, 0] */
-    float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    float y = p * float_of((k + 127u) << 23);
-    uint32_t keep = 0u - (uint32_t)!(x < -87.0f);
-    return float_of(bits_of(y) & keep);
-}
 
 /* src[i, i+n) as fp32: the tensor itself when fp32, else widened into buf */
 static const float *stage_in(const void *src, mti_dtype dt, size_t i, size_t n, float *buf)
@@ -74,24 +34,34 @@ static const float *stage_in(const void *src, mti_dtype dt, size_t i, size_t n, 
 
 static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
-/* The max ignores NaN, but a NaN still reaches the loss through the sum. */
+/* The partial sums and maxima below live in locals, which the compiler
+ * holds in registers (the caller's array might alias the data). */
+
+/* acc = max(acc, x) lane by lane. The max skips NaN, but a NaN still
+ * reaches the loss through the sum. */
 WIDE_CLONES static void lanes_max(float acc[LANES], const float *x, size_t n)
 {
+    float s[LANES];
+    memcpy(s, acc, sizeof s);
     size_t j = 0;
     for (; j + LANES <= n; j += LANES)
 #pragma omp simd
-        for (int l = 0; l < LANES; l++) acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
-    for (int l = 0; j + (size_t)l < n; l++) acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
+        for (int l = 0; l < LANES; l++) s[l] = x[j + l] > s[l] ? x[j + l] : s[l];
+    for (int l = 0; j + (size_t)l < n; l++) s[l] = x[j + l] > s[l] ? x[j + l] : s[l];
+    memcpy(acc, s, sizeof s);
 }
 
 /* acc += e^(x - mx) */
 WIDE_CLONES static void lanes_expsum(float acc[LANES], const float *x, size_t n, float mx)
 {
+    float s[LANES];
+    memcpy(s, acc, sizeof s);
     size_t j = 0;
     for (; j + LANES <= n; j += LANES)
 #pragma omp simd
-        for (int l = 0; l < LANES; l++) acc[l] += exp_le0(x[j + l] - mx);
-    for (int l = 0; j + (size_t)l < n; l++) acc[l] += exp_le0(x[j + l] - mx);
+        for (int l = 0; l < LANES; l++) s[l] += exp_le0(x[j + l] - mx);
+    for (int l = 0; j + (size_t)l < n; l++) s[l] += exp_le0(x[j + l] - mx);
+    memcpy(acc, s, sizeof s);
 }
 
 /* d = softmax * dloss = e^(x - mx) * (dloss / sum) */
@@ -136,13 +106,10 @@ static float xent_row(void *dlogits, const void *logits, int32_t target, size_t 
         for (size_t j = 0; j < Vp; j += CHUNK) {
             size_t m = min_sz(CHUNK, Vp - j);
             float *d = dt == MTI_F32 ? (float *)dlogits + row + j : db;
-            if (j + m > V) { /* padding columns: 0 */
-                size_t real = j < V ? V - j : 0;
-                if (real) softmax_scaled(d, stage_in(logits, dt, row + j, real, xb), real, mx, scale);
-                memset(d + real, 0, (m - real) * sizeof(float));
-            } else {
-                softmax_scaled(d, stage_in(logits, dt, row + j, m, xb), m, mx, scale);
-            }
+            /* the real columns of the chunk, then padding columns: 0 */
+            size_t real = j + m <= V ? m : j < V ? V - j : 0;
+            if (real) softmax_scaled(d, stage_in(logits, dt, row + j, real, xb), real, mx, scale);
+            memset(d + real, 0, (m - real) * sizeof(float));
             if ((size_t)target >= j && (size_t)target < j + m) d[(size_t)target - j] -= dloss;
             if (dt != MTI_F32) mti_cpu_store_f32(dlogits, dt, row + j, db, m);
         }

@@ -3,8 +3,10 @@
  *
  * Layout (lib/kernels.h): qkv (B,T,3C), per token the queries of the H
  * heads (head h at h*hs), then the keys, then the values; out (B,T,C);
- * lse (B,H,T) fp32. s(i,j) = scale * q_i . k_j with scale = 1/sqrt(hs),
- * keys j <= i.
+ * lse (B,H,T) fp32. s(i,j) = (scale q_i) . k_j with scale = 1/sqrt(hs),
+ * keys j <= i: as in the CPU table, the queries are scaled (and rounded)
+ * as they are loaded, so the key gradient needs no scaling and the query
+ * gradient is scaled once at the end.
  *
  * Work split, all three kernels: a block is 256 threads; each row it owns
  * (a query, or a key in the key-side backward) belongs to a group of G
@@ -41,7 +43,7 @@
  *                     dq += ds k_j; dq *= scale at the end.
  *   mt_attn_bwd_kv_*  key-major: the block owns 256/G keys and walks the
  *                     query tiles from its first key to T, BQ queries at a
- *                     time: dv += p dout_i, dk += ds q_i; dk *= scale.
+ *                     time: dv += p dout_i, dk += ds (scale q_i).
  * The scores are computed twice in the backward (once per kernel): about a
  * third more arithmetic than one fused kernel with dq atomics, for results
  * that are the same bits on every run and no extra memory beyond D.
@@ -66,30 +68,32 @@ __device__ __forceinline__ float attn_dot(const float (&a)[MT_ATTN_DPT], const f
     return mt_group_sum<G>(part);
 }
 
-/* Loads a lane's 16 dimensions of one head row (NULL row: zeros); row
- * points at dimension 0 of the head. */
+/* Loads a lane's 16 dimensions of one head row, times mul; row points at
+ * dimension 0 of the head. */
 template <typename T, int G>
-__device__ __forceinline__ void attn_load_row(float (&a)[MT_ATTN_DPT], const T *row, int g, int hs)
+__device__ __forceinline__ void attn_load_row(float (&a)[MT_ATTN_DPT], const T *row, int g, int hs,
+                                              float mul)
 {
 #pragma unroll
     for (int i = 0; i < MT_ATTN_DPT; i++) {
         const int d = g + G * i;
-        a[i] = row && d < hs ? mt_ld(row, d) : 0.0f;
+        a[i] = d < hs ? __fmul_rn(mt_ld(row, d), mul) : 0.0f;
     }
 }
 
 /* Stages `rows` head rows starting at token t0 of one (b,h) into a shared
- * tile (rows, 16G) fp32, zero past T and past hs. src points at dimension 0
- * of the head's part (q, k or v) of token 0; stride is the token stride in
- * elements. Coalesced: consecutive threads take consecutive dimensions. */
+ * tile (rows, 16G) fp32, times mul, zero past T and past hs. src points at
+ * dimension 0 of the head's part (q, k or v) of token 0; stride is the token
+ * stride in elements. Coalesced: consecutive threads take consecutive
+ * dimensions. */
 template <typename T, int G>
 __device__ __forceinline__ void attn_stage(float *tile, int rows, const T *src, mt_index stride,
-                                           int t0, int Tn, int hs)
+                                           int t0, int Tn, int hs, float mul)
 {
     constexpr int HSP = G * MT_ATTN_DPT;
     for (int e = threadIdx.x; e < rows * HSP; e += MT_ATTN_THREADS) {
         const int j = e / HSP, d = e - j * HSP, t = t0 + j;
-        tile[e] = t < Tn && d < hs ? mt_ld(src, (mt_index)t * stride + d) : 0.0f;
+        tile[e] = t < Tn && d < hs ? __fmul_rn(mt_ld(src, (mt_index)t * stride + d), mul) : 0.0f;
     }
 }
 
@@ -113,7 +117,7 @@ __device__ __forceinline__ void attn_fwd_k(void *out_, float *lse, const void *q
     const T *head = qkv + (mt_index)b * Tn * stride + (mt_index)h * hs;
 
     float q[MT_ATTN_DPT], acc[MT_ATTN_DPT];
-    attn_load_row<T, G>(q, head + (mt_index)tqc * stride, g, hs);
+    attn_load_row<T, G>(q, head + (mt_index)tqc * stride, g, hs, scale);
 #pragma unroll
     for (int i = 0; i < MT_ATTN_DPT; i++) acc[i] = 0.0f;
     float m = -INFINITY, l = 0.0f;
@@ -121,14 +125,14 @@ __device__ __forceinline__ void attn_fwd_k(void *out_, float *lse, const void *q
     const int last = min(q0 + ROWS, Tn) - 1; /* the block's last query: its last key */
     for (int k0 = 0; k0 <= last; k0 += BK) {
         __syncthreads(); /* the previous tile is no longer read */
-        attn_stage<T, G>(ks, BK, head + C, stride, k0, Tn, hs);
-        attn_stage<T, G>(vs, BK, head + 2 * C, stride, k0, Tn, hs);
+        attn_stage<T, G>(ks, BK, head + C, stride, k0, Tn, hs, 1.0f);
+        attn_stage<T, G>(vs, BK, head + 2 * C, stride, k0, Tn, hs, 1.0f);
         __syncthreads();
         float s[BK];
         float tmax = -INFINITY;
 #pragma unroll
         for (int j = 0; j < BK; j++) {
-            float v = attn_dot<G>(q, ks + j * HSP + g) * scale;
+            float v = attn_dot<G>(q, ks + j * HSP + g);
             s[j] = k0 + j <= tqc ? v : -INFINITY;
             tmax = fmaxf(tmax, s[j]);
         }
@@ -151,12 +155,11 @@ __device__ __forceinline__ void attn_fwd_k(void *out_, float *lse, const void *q
         m = mn;
     }
     if (!live) return;
-    const float inv = 1.0f / l;
     T *orow = out + ((mt_index)b * Tn + tq) * C + (mt_index)h * hs;
 #pragma unroll
     for (int i = 0; i < MT_ATTN_DPT; i++) {
         const int d = g + G * i;
-        if (d < hs) mt_st(orow, d, acc[i] * inv);
+        if (d < hs) mt_st(orow, d, __fdiv_rn(acc[i], l));
     }
     if (g == 0) lse[(mt_index)bh * Tn + tq] = m + logf(l);
 }
@@ -184,12 +187,12 @@ __device__ __forceinline__ void attn_bwd_q_k(void *dqkv_, float *Drow, const voi
     const mt_index orow = ((mt_index)b * Tn + tqc) * C + (mt_index)h * hs;
 
     float q[MT_ATTN_DPT], dO[MT_ATTN_DPT], dq[MT_ATTN_DPT];
-    attn_load_row<T, G>(q, head + (mt_index)tqc * stride, g, hs);
-    attn_load_row<T, G>(dO, dout + orow, g, hs);
+    attn_load_row<T, G>(q, head + (mt_index)tqc * stride, g, hs, scale);
+    attn_load_row<T, G>(dO, dout + orow, g, hs, 1.0f);
     float D;
     {
         float o[MT_ATTN_DPT];
-        attn_load_row<T, G>(o, out + orow, g, hs);
+        attn_load_row<T, G>(o, out + orow, g, hs, 1.0f);
         float part = 0.0f;
 #pragma unroll
         for (int i = 0; i < MT_ATTN_DPT; i++) part = fmaf(dO[i], o[i], part);
@@ -203,8 +206,8 @@ __device__ __forceinline__ void attn_bwd_q_k(void *dqkv_, float *Drow, const voi
     const int last = min(q0 + ROWS, Tn) - 1;
     for (int k0 = 0; k0 <= last; k0 += BK) {
         __syncthreads();
-        attn_stage<T, G>(ks, BK, head + C, stride, k0, Tn, hs);
-        attn_stage<T, G>(vs, BK, head + 2 * C, stride, k0, Tn, hs);
+        attn_stage<T, G>(ks, BK, head + C, stride, k0, Tn, hs, 1.0f);
+        attn_stage<T, G>(vs, BK, head + 2 * C, stride, k0, Tn, hs, 1.0f);
         __syncthreads();
         /* a tile wholly after every query of the warp adds nothing; the
          * test is warp-wide because the dot products shuffle across it */
@@ -212,7 +215,7 @@ __device__ __forceinline__ void attn_bwd_q_k(void *dqkv_, float *Drow, const voi
 #pragma unroll 4
         for (int j = 0; j < BK; j++) {
             const float *kr = ks + j * HSP + g;
-            const float s = attn_dot<G>(q, kr) * scale;
+            const float s = attn_dot<G>(q, kr);
             const float dp = attn_dot<G>(dO, vs + j * HSP + g);
             const float p = k0 + j <= tqc ? expf(s - L) : 0.0f;
             const float ds = p * (dp - D);
@@ -225,7 +228,7 @@ __device__ __forceinline__ void attn_bwd_q_k(void *dqkv_, float *Drow, const voi
 #pragma unroll
     for (int i = 0; i < MT_ATTN_DPT; i++) {
         const int d = g + G * i;
-        if (d < hs) mt_st(dst, d, dq[i] * scale);
+        if (d < hs) mt_st(dst, d, __fmul_rn(dq[i], scale));
     }
 }
 
@@ -252,15 +255,15 @@ __device__ __forceinline__ void attn_bwd_kv_k(void *dqkv_, const void *dout_, co
     const T *dhead = dout + (mt_index)b * Tn * C + (mt_index)h * hs;
 
     float kk[MT_ATTN_DPT], vv[MT_ATTN_DPT], dk[MT_ATTN_DPT], dv[MT_ATTN_DPT];
-    attn_load_row<T, G>(kk, head + (mt_index)tkc * stride + C, g, hs);
-    attn_load_row<T, G>(vv, head + (mt_index)tkc * stride + 2 * C, g, hs);
+    attn_load_row<T, G>(kk, head + (mt_index)tkc * stride + C, g, hs, 1.0f);
+    attn_load_row<T, G>(vv, head + (mt_index)tkc * stride + 2 * C, g, hs, 1.0f);
 #pragma unroll
     for (int i = 0; i < MT_ATTN_DPT; i++) dk[i] = dv[i] = 0.0f;
 
     for (int i0 = k0; i0 < Tn; i0 += BQ) {
         __syncthreads();
-        attn_stage<T, G>(qs, BQ, head, stride, i0, Tn, hs);
-        attn_stage<T, G>(dos, BQ, dhead, (mt_index)C, i0, Tn, hs);
+        attn_stage<T, G>(qs, BQ, head, stride, i0, Tn, hs, scale);
+        attn_stage<T, G>(dos, BQ, dhead, (mt_index)C, i0, Tn, hs, 1.0f);
         for (int e = threadIdx.x; e < BQ; e += MT_ATTN_THREADS) {
             const int t = i0 + e;
             ls[e] = t < Tn ? lse[(mt_index)bh * Tn + t] : 0.0f;
@@ -274,7 +277,7 @@ __device__ __forceinline__ void attn_bwd_kv_k(void *dqkv_, const void *dout_, co
         for (int j = 0; j < BQ; j++) {
             const int t = i0 + j;
             const float *qr = qs + j * HSP + g, *dr = dos + j * HSP + g;
-            const float s = attn_dot<G>(kk, qr) * scale;
+            const float s = attn_dot<G>(kk, qr);
             const float dp = attn_dot<G>(vv, dr);
             const float p = t >= tkc && t < Tn ? expf(s - ls[j]) : 0.0f;
             const float ds = p * (dp - Ds[j]);
@@ -291,7 +294,7 @@ __device__ __forceinline__ void attn_bwd_kv_k(void *dqkv_, const void *dout_, co
     for (int i = 0; i < MT_ATTN_DPT; i++) {
         const int d = g + G * i;
         if (d < hs) {
-            mt_st(dst + C, d, dk[i] * scale);
+            mt_st(dst + C, d, dk[i]);
             mt_st(dst + 2 * C, d, dv[i]);
         }
     }

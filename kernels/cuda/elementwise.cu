@@ -25,7 +25,9 @@ __device__ __forceinline__ void cast_sr_loop(void *dst_, const void *src_, mt_in
     __nv_bfloat16 *dst = (__nv_bfloat16 *)dst_;
     const Ts *src = (const Ts *)src_;
     MT_FOR_EACH(i, n)
-    dst[i] = __ushort_as_bfloat16(mt_f32_to_bf16_sr(mt_ld(src, i), mt_sr_bits(seed, i)));
+    {
+        dst[i] = __ushort_as_bfloat16(mt_f32_to_bf16_sr(mt_ld(src, i), mt_sr_bits(seed, i)));
+    }
 }
 
 template <typename Td>
@@ -102,7 +104,8 @@ MT_EXPORT_DT(mt_gelu_bwd, 256, gelu_bwd_k, (void *dx, const void *dy, const void
 
 /* ---- ReLU ---- */
 
-/* y (n) = max(x, 0); NaN gives 0, as the CPU's comparison does. */
+/* y (n) = x < 0 ? 0 : x: NaN and -0 pass through, as in torch and the CPU
+ * table. */
 template <typename T>
 __device__ __forceinline__ void relu_fwd_k(void *y_, const void *x_, mt_index n)
 {
@@ -111,7 +114,7 @@ __device__ __forceinline__ void relu_fwd_k(void *y_, const void *x_, mt_index n)
     MT_FOR_EACH(i, n)
     {
         float v = mt_ld(x, i);
-        mt_st(y, i, v > 0.0f ? v : 0.0f);
+        mt_st(y, i, v < 0.0f ? 0.0f : v);
     }
 }
 MT_EXPORT_DT(mt_relu_fwd, 256, relu_fwd_k, (void *y, const void *x, mt_index n), (y, x, n))
@@ -135,7 +138,7 @@ __device__ __forceinline__ void add_k(void *y_, const void *a_, const void *b_, 
 {
     T *y = (T *)y_;
     const T *a = (const T *)a_, *b = (const T *)b_;
-    MT_FOR_EACH(i, n) mt_st(y, i, mt_ld(a, i) + mt_ld(b, i));
+    MT_FOR_EACH(i, n) mt_st(y, i, __fadd_rn(mt_ld(a, i), mt_ld(b, i)));
 }
 MT_EXPORT_DT(mt_add, 256, add_k, (void *y, const void *a, const void *b, mt_index n),
              (y, a, b, n))
@@ -146,6 +149,21 @@ __device__ __forceinline__ void accumulate_k(void *y_, const void *x_, mt_index 
 {
     T *y = (T *)y_;
     const T *x = (const T *)x_;
-    MT_FOR_EACH(i, n) mt_st(y, i, mt_ld(y, i) + mt_ld(x, i));
+    MT_FOR_EACH(i, n) mt_st(y, i, __fadd_rn(mt_ld(y, i), mt_ld(x, i)));
 }
 MT_EXPORT_DT(mt_accumulate, 256, accumulate_k, (void *y, const void *x, mt_index n), (y, x, n))
+
+/* ---- bias rows ---- */
+
+/* y (rows, out) = b (out) on every row: exact (same dtype). The GEMM
+ * fallback starts y from the bias and adds the product in with beta 1, so
+ * y = x W^T + b is still rounded once. n = rows * out. */
+template <typename T>
+__device__ __forceinline__ void bias_rows_k(void *y_, const void *b_, int out, mt_index n)
+{
+    T *y = (T *)y_;
+    const T *b = (const T *)b_;
+    MT_FOR_EACH(i, n) y[i] = b[i % (mt_index)out];
+}
+MT_EXPORT_DT(mt_bias_rows, 256, bias_rows_k, (void *y, const void *b, int out, mt_index n),
+             (y, b, out, n))

@@ -15,7 +15,7 @@
  * (NAME_f32, NAME_f16, NAME_bf16; see MT_EXPORT_DT in common.cuh).
  *
  * The op table (lib/ops_cuda.c) launches them:
- *   elementwise.cu  cast, GELU, ReLU, add, accumulate
+ *   elementwise.cu  cast, GELU, ReLU, add, accumulate, bias rows
  *   embedding.cu    token + position embedding, forward and backward
  *   layernorm.cu    layer normalisation, forward and backward
  *   attention.cu    causal self-attention, forward and backward

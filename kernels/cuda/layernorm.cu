@@ -1,48 +1,69 @@
 /*
  * layernorm.cu - layer normalisation over the last dimension, eps 1e-5.
  *
- * Forward and the input gradient: one warp per row (8 rows per block of
- * 256). Lane l takes channels l, l + 32, ... in order and the warp adds the
- * 32 lane sums by butterfly, a fixed order. Mean and variance are two
- * passes (the variance from the centred values, not E[x^2] - mean^2).
+ * Forward and the input gradient: a group of 16 lanes per row (two rows per
+ * warp, 16 rows per block of 256). Row sums are taken in the order the CPU
+ * table (kernels/cpu/layernorm.c) takes them: lane l adds channels l,
+ * l + 16, l + 32, ... in order, then the 16 lane sums are added in the
+ * tree l += l + 8, l += l + 4, l += l + 2, l += l + 1. With every product
+ * and sum rounded on its own (no fused multiply-add, as the CPU code has
+ * none), the forward's mean, rstd and output and the input gradient are the
+ * CPU table's bits. Mean and variance are two passes (the variance from the
+ * centred values).
  *
- * Weight and bias gradients: a column sum over rows, as reduce.cu's (one
- * thread per channel and chunk of rows, rows in order, then the chunks in
- * order by mt_colsum_finish), so they are deterministic without atomics.
+ * Weight and bias gradients: column sums over rows, as reduce.cu's (one
+ * thread per channel and chunk of rows, rows in order from zero; chunks
+ * added in order by mt_colsum_finish; the total added to dw, db once), so
+ * they are deterministic without atomics. With up to 128 rows (one chunk)
+ * that is the CPU's order too.
  */
 
 #define MT_LN_EPS 1e-5f
-#define MT_LN_ROWS_PER_BLOCK 8
+#define MT_LN_LANES 16
+#define MT_LN_ROWS_PER_BLOCK 16 /* 256 threads / 16 lanes */
+
+/* The 16-lane tree of a lane group; the total is returned to every lane of
+ * the group (all 32 lanes of the warp take part). */
+__device__ __forceinline__ float ln_lanes_total(float v)
+{
+#pragma unroll
+    for (int o = MT_LN_LANES / 2; o > 0; o >>= 1)
+        v = __fadd_rn(v, __shfl_down_sync(MT_FULL_MASK, v, o, MT_LN_LANES));
+    return __shfl_sync(MT_FULL_MASK, v, 0, MT_LN_LANES);
+}
 
 /* out (N,C) = (x - mean) * rstd * w + b; mean, rstd (N) fp32, each may be
- * NULL. grid ceil(N / 8), block 256. */
+ * NULL. grid ceil(N / 16), block 256. */
 template <typename T>
 __device__ __forceinline__ void ln_fwd_k(void *out_, float *mean, float *rstd, const void *x_,
                                          const void *w_, const void *b_, int N, int C)
 {
     T *out = (T *)out_;
     const T *x = (const T *)x_, *w = (const T *)w_, *b = (const T *)b_;
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MT_LN_ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (row >= N) return; /* the whole warp leaves together */
-    const mt_index base = (mt_index)row * C;
+    const int l = threadIdx.x % MT_LN_LANES;
+    const int r = blockIdx.x * MT_LN_ROWS_PER_BLOCK + threadIdx.x / MT_LN_LANES;
+    /* a row past N computes a copy of the last (both halves of a warp
+     * shuffle together) and writes nothing */
+    const bool live = r < N;
+    const mt_index base = (mt_index)(live ? r : N - 1) * C;
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += mt_ld(x, base + c);
-    const float m = mt_group_sum<32>(s) / (float)C;
+    for (int c = l; c < C; c += MT_LN_LANES) s = __fadd_rn(s, mt_ld(x, base + c));
+    const float m = __fdiv_rn(ln_lanes_total(s), (float)C);
     float q = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        float d = mt_ld(x, base + c) - m;
-        q = fmaf(d, d, q);
+    for (int c = l; c < C; c += MT_LN_LANES) {
+        float d = __fsub_rn(mt_ld(x, base + c), m);
+        q = __fadd_rn(q, __fmul_rn(d, d));
     }
-    const float var = mt_group_sum<32>(q) / (float)C;
-    const float r = 1.0f / sqrtf(var + MT_LN_EPS);
-    for (int c = lane; c < C; c += 32) {
-        float nrm = (mt_ld(x, base + c) - m) * r;
-        mt_st(out, base + c, nrm * mt_ld(w, c) + mt_ld(b, c));
+    const float var = __fdiv_rn(ln_lanes_total(q), (float)C);
+    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, MT_LN_EPS)));
+    if (!live) return;
+    for (int c = l; c < C; c += MT_LN_LANES) {
+        float nrm = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
+        mt_st(out, base + c, __fadd_rn(__fmul_rn(nrm, mt_ld(w, c)), mt_ld(b, c)));
     }
-    if (lane == 0) {
-        if (mean) mean[row] = m;
-        if (rstd) rstd[row] = r;
+    if (l == 0) {
+        if (mean) mean[r] = m;
+        if (rstd) rstd[r] = rs;
     }
 }
 MT_EXPORT_DT(mt_ln_fwd, 256, ln_fwd_k,
@@ -52,8 +73,8 @@ MT_EXPORT_DT(mt_ln_fwd, 256, ln_fwd_k,
 
 /* dx (N,C) = (or += with accumulate) rstd * (g - mean(g) - xhat * mean(g *
  * xhat)), g = dout * w, xhat = (x - mean) * rstd. Each element is read
- * before its lane writes it, after the whole row's sums, so dx may even
- * alias dout. grid ceil(N / 8), block 256. */
+ * before its lane writes it, after the whole row's sums, so dx may alias
+ * dout. grid ceil(N / 16), block 256. */
 template <typename T>
 __device__ __forceinline__ void ln_bwd_dx_k(void *dx_, const void *dout_, const void *x_,
                                             const void *w_, const float *mean,
@@ -61,25 +82,27 @@ __device__ __forceinline__ void ln_bwd_dx_k(void *dx_, const void *dout_, const 
 {
     T *dx = (T *)dx_;
     const T *dout = (const T *)dout_, *x = (const T *)x_, *w = (const T *)w_;
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MT_LN_ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    if (row >= N) return;
-    const mt_index base = (mt_index)row * C;
-    const float m = mean[row], r = rstd[row];
-    float sg = 0.0f, sgx = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        float g = mt_ld(dout, base + c) * mt_ld(w, c);
-        float xh = (mt_ld(x, base + c) - m) * r;
-        sg += g;
-        sgx = fmaf(g, xh, sgx);
+    const int l = threadIdx.x % MT_LN_LANES;
+    const int r = blockIdx.x * MT_LN_ROWS_PER_BLOCK + threadIdx.x / MT_LN_LANES;
+    const bool live = r < N;
+    const int rc = live ? r : N - 1;
+    const mt_index base = (mt_index)rc * C;
+    const float m = mean[rc], rs = rstd[rc];
+    float sa = 0.0f, sb = 0.0f;
+    for (int c = l; c < C; c += MT_LN_LANES) {
+        float g = __fmul_rn(mt_ld(dout, base + c), mt_ld(w, c));
+        float xh = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
+        sa = __fadd_rn(sa, g);
+        sb = __fadd_rn(sb, __fmul_rn(g, xh));
     }
-    const float mg = mt_group_sum<32>(sg) / (float)C;
-    const float mgx = mt_group_sum<32>(sgx) / (float)C;
-    for (int c = lane; c < C; c += 32) {
-        float g = mt_ld(dout, base + c) * mt_ld(w, c);
-        float xh = (mt_ld(x, base + c) - m) * r;
-        float d = (g - mg - xh * mgx) * r;
-        if (accumulate) d += mt_ld(dx, base + c);
+    const float ga = __fdiv_rn(ln_lanes_total(sa), (float)C);
+    const float gb = __fdiv_rn(ln_lanes_total(sb), (float)C);
+    if (!live) return;
+    for (int c = l; c < C; c += MT_LN_LANES) {
+        float g = __fmul_rn(mt_ld(dout, base + c), mt_ld(w, c));
+        float xh = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
+        float d = __fmul_rn(__fsub_rn(__fsub_rn(g, ga), __fmul_rn(xh, gb)), rs);
+        if (accumulate) d = __fadd_rn(mt_ld(dx, base + c), d);
         mt_st(dx, base + c, d);
     }
 }
@@ -89,10 +112,10 @@ MT_EXPORT_DT(mt_ln_bwd_dx, 256, ln_bwd_dx_k,
              (dx, dout, x, w, mean, rstd, N, C, accumulate))
 
 /* dw (C) += sum over rows of dout * xhat, db (C) += sum over rows of dout,
- * fp32, rows of the block's chunk in order. grid (ceil(C / 256), nchunks),
- * block 256. part_w, part_b: NULL with one chunk (add straight into dw, db,
- * starting from their values), else (nchunks, C) partials for
- * mt_colsum_finish. dw or db may be NULL (not wanted). */
+ * fp32, the rows of the block's chunk in order from zero. grid (ceil(C /
+ * 256), nchunks), block 256. part_w, part_b: NULL with one chunk (the sums
+ * are added to dw, db), else (nchunks, C) partials for mt_colsum_finish.
+ * dw or db may be NULL (not wanted). */
 template <typename T>
 __device__ __forceinline__ void ln_bwd_dwdb_k(float *dw, float *db, float *part_w, float *part_b,
                                               const void *dout_, const void *x_,
@@ -103,18 +126,17 @@ __device__ __forceinline__ void ln_bwd_dwdb_k(float *dw, float *db, float *part_
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int r0 = blockIdx.y * chunk, r1 = min(N, r0 + chunk);
-    const bool direct = part_w == NULL;
-    float aw = direct && dw ? dw[c] : 0.0f, ab = direct && db ? db[c] : 0.0f;
+    float aw = 0.0f, ab = 0.0f;
     for (int r = r0; r < r1; r++) {
         const mt_index i = (mt_index)r * C + c;
         float g = mt_ld(dout, i);
-        float xh = (mt_ld(x, i) - mean[r]) * rstd[r];
-        aw = fmaf(g, xh, aw);
-        ab += g;
+        float xh = __fmul_rn(__fsub_rn(mt_ld(x, i), mean[r]), rstd[r]);
+        aw = __fadd_rn(aw, __fmul_rn(g, xh));
+        ab = __fadd_rn(ab, g);
     }
-    if (direct) {
-        if (dw) dw[c] = aw;
-        if (db) db[c] = ab;
+    if (!part_w) {
+        if (dw) dw[c] = __fadd_rn(dw[c], aw);
+        if (db) db[c] = __fadd_rn(db[c], ab);
     } else {
         part_w[(mt_index)blockIdx.y * C + c] = aw;
         part_b[(mt_index)blockIdx.y * C + c] = ab;

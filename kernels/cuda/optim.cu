@@ -4,6 +4,11 @@
  * (grid-stride), optionally refreshing the compute copy pc in pc_dt in the
  * same pass (rounded to nearest even), so the weights are read once per
  * step.
+ *
+ * The updates are written with explicitly rounded operations (__fmul_rn,
+ * __fadd_rn, ...: the compiler may not fuse them into multiply-adds) in the
+ * order of kernels/cpu/optim.c, and the host passes the same fp32 scalars
+ * the CPU table makes, so both tables step the weights to the same bits.
  */
 
 /* pc[i] = v rounded to pc_dt (the dtype is uniform over the launch). */
@@ -27,56 +32,56 @@ extern "C" __global__ void __launch_bounds__(256)
     MT_FOR_EACH(i, n)
     {
         float v = g[i];
-        bad |= !isfinite(v);
-        g[i] = v * inv_scale;
+        bad |= (__float_as_uint(v) & 0x7F800000u) == 0x7F800000u;
+        g[i] = __fmul_rn(v, inv_scale);
     }
     if (__any_sync(MT_FULL_MASK, bad) && (threadIdx.x & 31) == 0) *found_inf = 1;
 }
 
 /* SGD as torch.optim.SGD (lib/kernels.h): d = g * grad_scale + wd * p;
- * with momentum > 0: m = first_step ? d : momentum m + (1 - dampening) d,
- * d = nesterov ? d + momentum m : m; then p -= lr d. m may be NULL when
- * momentum is 0; pc NULL when there is no compute copy. */
+ * with a momentum buffer m (NULL when momentum is 0): m = first_step ? d :
+ * momentum m + damp1 d (damp1 = 1 - dampening), d = nesterov ? d +
+ * momentum m : m; then p = p - lr d. pc NULL when there is no compute copy. */
 extern "C" __global__ void __launch_bounds__(256)
     mt_sgd(float *p, const float *g, float *m, void *pc, int pc_dt, mt_index n, float lr,
-           float momentum, float dampening, float weight_decay, int nesterov, int first_step,
+           float momentum, float damp1, float weight_decay, int nesterov, int first_step,
            float grad_scale)
 {
     MT_FOR_EACH(i, n)
     {
         float w = p[i];
-        float d = g[i] * grad_scale + weight_decay * w;
-        if (momentum > 0.0f) {
-            float b = first_step ? d : momentum * m[i] + (1.0f - dampening) * d;
+        float d = __fadd_rn(__fmul_rn(g[i], grad_scale), __fmul_rn(weight_decay, w));
+        if (m) {
+            float b = first_step ? d : __fadd_rn(__fmul_rn(momentum, m[i]), __fmul_rn(damp1, d));
             m[i] = b;
-            d = nesterov ? d + momentum * b : b;
+            d = nesterov ? __fadd_rn(d, __fmul_rn(momentum, b)) : b;
         }
-        w -= lr * d;
+        w = __fsub_rn(w, __fmul_rn(lr, d));
         p[i] = w;
         if (pc) store_copy(pc, pc_dt, i, w);
     }
 }
 
-/* AdamW as torch.optim.AdamW (lib/kernels.h). The host passes the bias
- * corrections of step t: bc1 = 1 - beta1^t and sqrt_bc2 = sqrt(1 - beta2^t).
- * g = g * grad_scale; p *= 1 - lr wd; m = b1 m + (1 - b1) g;
- * v = b2 v + (1 - b2) g^2; p -= lr / bc1 * m / (sqrt(v) / sqrt_bc2 + eps). */
+/* AdamW as torch.optim.AdamW (lib/kernels.h), with the step's scalars made
+ * by the host as torch makes them: step_size = lr / (1 - beta1^t),
+ * bc2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr wd. g = g * grad_scale;
+ * m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+ * p = p decay - step_size (m / (sqrt(v) / bc2_sqrt + eps)). */
 extern "C" __global__ void __launch_bounds__(256)
     mt_adamw(float *p, const float *g, float *m, float *v, void *pc, int pc_dt, mt_index n,
-             float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-             float bc1, float sqrt_bc2)
+             float beta1, float beta2, float eps, float grad_scale, float decay, float step_size,
+             float bc2_sqrt)
 {
-    const float step_size = lr / bc1;
-    const float decay = 1.0f - lr * weight_decay;
+    const float c1 = __fsub_rn(1.0f, beta1), c2 = __fsub_rn(1.0f, beta2);
     MT_FOR_EACH(i, n)
     {
-        float gi = g[i] * grad_scale;
-        float w = p[i] * decay;
-        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        w -= step_size * mi / (sqrtf(vi) / sqrt_bc2 + eps);
+        float gv = __fmul_rn(g[i], grad_scale);
+        float mv = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(c1, gv));
+        float vv = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(c2, gv), gv));
+        m[i] = mv;
+        v[i] = vv;
+        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vv), bc2_sqrt), eps);
+        float w = __fsub_rn(__fmul_rn(p[i], decay), __fmul_rn(step_size, __fdiv_rn(mv, denom)));
         p[i] = w;
         if (pc) store_copy(pc, pc_dt, i, w);
     }

@@ -11,7 +11,8 @@
 
 #define MT_XENT_THREADS 512
 
-/* losses (N) fp32 = logsumexp(logits[r, :V]) - logits[r, target];
+/* losses (N) fp32 = logsumexp(logits[r, :V]) - logits[r, target] (losses
+ * may be NULL: only the gradient wanted);
  * dlogits (N,Vp) = (softmax - onehot(target)) * dloss for columns < V, 0 for
  * the padding, when dlogits is not NULL. grid N, block 512. */
 template <typename T>
@@ -34,14 +35,16 @@ __device__ __forceinline__ void xent_k(float *losses, void *dlogits_, const void
     for (int j = t; j < V; j += MT_XENT_THREADS) s += expf(mt_ld(logits, base + j) - mx);
     s = mt_block_sum(s, sh); /* its barriers also publish target_logit */
 
-    if (t == 0) losses[row] = logf(s) - (target_logit - mx);
+    if (t == 0 && losses) losses[row] = logf(s) - (target_logit - mx);
     if (!dlogits) return;
-    const float inv = 1.0f / s;
+    /* as the CPU table forms it: softmax * dloss = e^(x - max) * (dloss /
+     * sum), then dloss taken off at the target */
+    const float scale = dloss / s;
     for (int j = t; j < Vp; j += MT_XENT_THREADS) {
         float d = 0.0f;
         if (j < V) {
-            float p = expf(mt_ld(logits, base + j) - mx) * inv;
-            d = (p - (j == target ? 1.0f : 0.0f)) * dloss;
+            d = __fmul_rn(expf(mt_ld(logits, base + j) - mx), scale);
+            if (j == target) d = __fsub_rn(d, dloss);
         }
         mt_st(dlogits, base + j, d);
     }

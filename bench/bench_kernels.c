@@ -1,0 +1,515 @@
+/*
+ * bench_kernels.c - the CPU op table's GEMMs and attention, side by side with
+ * what they replace, in one run.
+ *
+ * (a) GEMM: matmul_fwd and matmul_bwd through the table on GPT-2-shaped
+ *     linear layers, against direct cblas_sgemm calls on the same shapes
+ *     (OpenBLAS threaded over the same number of threads), and the fp16 and
+ *     bf16 paths against the fp32 one. Targets: fp32 table >= 0.95x direct;
+ *     fp16/bf16 >= 0.8x the fp32 table.
+ * (b) Attention (B 4, C 768, H 12): the table's memory-efficient attention
+ *     against a naive one that materialises the (T,T) scores and
+ *     probabilities: bytes kept from forward to backward (counted from the
+ *     allocations each makes in the ACT class), peak workspace, and the time
+ *     of forward and of forward + backward.
+ *
+ * Times are medians over batches; in each batch every target runs once, in
+ * turns, so whatever else the machine does falls on all of them alike.
+ *
+ * Usage: bench_kernels [--quick] [--threads N]
+ */
+#include <cblas.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "kernels.h"
+
+static bool quick;
+static mt_context *ctx;
+static mti_kctx K;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static float frand(void) /* uniform in [-1, 1) */
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((double)(rng_state >> 11) / 4503599627370496.0 - 1.0);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void die(const char *what, mt_status s)
+{
+    fprintf(stderr, "%s: %s (%s)\n", what, mt_status_string(s), mt_last_error(ctx));
+    exit(1);
+}
+
+/* A buffer from the context's allocator of class c (so the bench's memory
+ * is counted like the engine's). */
+static void *take(mt_block *b, size_t bytes, mt_mem_class c)
+{
+    mt_alloc_request r = {.bytes = bytes, .mem_class = c, .lifetime = MT_LIFE_STEP};
+    mt_status s = mt_context_alloc(ctx, &r, b);
+    if (s) die("alloc", s);
+    return b->ptr;
+}
+
+static void give(mt_block *b) { mt_context_free(ctx, b); }
+
+/* n values, uniform in [-scale, scale), stored as dt. */
+static void fill(void *p, mti_dtype dt, size_t n, float scale)
+{
+    for (size_t i = 0; i < n; i++) {
+        float v = frand() * scale;
+        if (dt == MTI_F32) ((float *)p)[i] = v;
+        else if (dt == MTI_F16) ((uint16_t *)p)[i] = mti_f32_to_f16(v);
+        else ((uint16_t *)p)[i] = mti_f32_to_bf16(v);
+    }
+}
+
+/* ---- (a) GEMM ---- */
+
+typedef struct lin {
+    const char *name;
+    int in, out;
+} lin;
+
+/* The tensors of one linear layer in one dtype. */
+typedef struct lin_bufs {
+    mt_block bx, bw, bb, by, bdy, bdx, bdw, bdb;
+    void *x, *w, *b, *y, *dy, *dx;
+    float *dw, *db;
+} lin_bufs;
+
+static void lin_make(lin_bufs *L, mti_dtype dt, int n, int in, int out)
+{
+    size_t es = mti_dtype_size(dt), nx = (size_t)n * in, nw = (size_t)out * in,
+           ny = (size_t)n * out;
+    L->x = take(&L->bx, nx * es, MT_MEM_ACT);
+    L->w = take(&L->bw, nw * es, MT_MEM_PARAM);
+    L->b = take(&L->bb, (size_t)out * es, MT_MEM_PARAM);
+    L->y = take(&L->by, ny * es, MT_MEM_ACT);
+    L->dy = take(&L->bdy, ny * es, MT_MEM_ACT);
+    L->dx = take(&L->bdx, nx * es, MT_MEM_ACT);
+    L->dw = take(&L->bdw, nw * 4, MT_MEM_GRAD);
+    L->db = take(&L->bdb, (size_t)out * 4, MT_MEM_GRAD);
+    fill(L->x, dt, nx, 1.0f);
+    fill(L->w, dt, nw, 0.05f);
+    fill(L->b, dt, (size_t)out, 0.1f);
+    fill(L->dy, dt, ny, 1.0f);
+    memset(L->dw, 0, nw * 4);
+    memset(L->db, 0, (size_t)out * 4);
+}
+
+static void lin_free(lin_bufs *L)
+{
+    give(&L->bx), give(&L->bw), give(&L->bb), give(&L->by);
+    give(&L->bdy), give(&L->bdx), give(&L->bdw), give(&L->bdb);
+}
+
+/* What a caller without the table would write: bias rows, then one threaded
+ * sgemm; backward two sgemms and a row loop for the bias. */
+static void direct_fwd(lin_bufs *L, int n, int in, int out)
+{
+    float *y = L->y;
+    for (int i = 0; i < n; i++) memcpy(y + (size_t)i * out, L->b, (size_t)out * 4);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, L->x, in, L->w, in,
+                1.0f, y, out);
+}
+
+static void direct_bwd(lin_bufs *L, int n, int in, int out)
+{
+    const float *dy = L->dy;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, in, out, 1.0f, dy, out, L->w, in,
+                0.0f, L->dx, in);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, n, 1.0f, dy, out, L->x, in,
+                1.0f, L->dw, in);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < out; j++) L->db[j] += dy[(size_t)i * out + j];
+}
+
+/* One timed call of target t (0 direct fp32, 1..3 the table in fp32, fp16,
+ * bf16); bwd selects the backward. Returns seconds. */
+static double gemm_once(int t, lin_bufs *L, int bwd, int n, int in, int out)
+{
+    static const mti_dtype dts[4] = {MTI_F32, MTI_F32, MTI_F16, MTI_BF16};
+    const mti_ops *ops = ctx->ops;
+    double t0 = now_s();
+    mt_status s = MT_OK;
+    if (t == 0) {
+        /* OpenBLAS threaded the way a direct caller has it; the library keeps it
+           single-threaded inside its own parallel loops (see kernels/cpu/ops.c) */
+        openblas_set_num_threads(mti_cpu_threads());
+        if (bwd) direct_bwd(L, n, in, out);
+        else direct_fwd(L, n, in, out);
+        openblas_set_num_threads(1);
+    } else if (bwd) {
+        s = ops->matmul_bwd(&K, L->dx, L->dw, L->db, L->dy, L->x, L->w, n, in, out, dts[t], 0);
+    } else {
+        s = ops->matmul_fwd(&K, L->y, L->x, L->w, L->b, n, in, out, dts[t]);
+    }
+    if (s) die("matmul", s);
+    return now_s() - t0;
+}
+
+static void gemm_bench(void)
+{
+    static const lin layers[] = {{"qkv", 768, 2304},   {"attn proj", 768, 768},
+                                 {"fc", 768, 3072},     {"fc proj", 3072, 768},
+                                 {"lm head", 768, 50304}};
+    static const int rows_full[] = {256, 1024}, rows_quick[] = {256};
+    const int *rows = quick ? rows_quick : rows_full;
+    const int n_rows = quick ? 1 : 2, batches = quick ? 5 : 15;
+    printf("\n## (a) GEMM: the table vs direct cblas_sgemm, %d threads\n\n", mti_cpu_threads());
+    printf("Median ms per call over %d batches, the four targets in turns. Forward: y = x W^T + b "
+           "(N,in) -> (N,out). Backward: dx, dW and db. Speed ratios: direct / table time "
+           "(target >= 0.95), fp32 table / fp16 or bf16 table time (target >= 0.8).\n\n",
+           batches);
+    printf("| layer | N x in -> out | pass | direct ms | table fp32 ms | fp16 ms | bf16 ms | "
+           "table fp32 / direct | fp16 / fp32 | bf16 / fp32 | table fp32 GFLOP/s |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    double worst[3] = {1e9, 1e9, 1e9};
+    for (int r = 0; r < n_rows; r++)
+        for (size_t l = 0; l < sizeof layers / sizeof *layers; l++) {
+            int n = rows[r], in = layers[l].in, out = layers[l].out;
+            lin_bufs L[4];
+            lin_make(&L[0], MTI_F32, n, in, out);
+            lin_make(&L[1], MTI_F32, n, in, out);
+            lin_make(&L[2], MTI_F16, n, in, out);
+            lin_make(&L[3], MTI_BF16, n, in, out);
+            double flops = 2.0 * n * in * out;
+            for (int bwd = 0; bwd < 2; bwd++) {
+                /* calls per batch: about 20 ms of work at 100 GFLOP/s */
+                double work = flops * (bwd ? 2 : 1);
+                int reps = (int)fmax(1.0, fmin(50.0, 2e9 / work));
+                static double v[4][64];
+                for (int b = -1; b < batches; b++) /* one warm-up round */
+                    for (int t = 0; t < 4; t++) {
+                        double s = 0;
+                        for (int i = 0; i < reps; i++) s += gemm_once(t, &L[t], bwd, n, in, out);
+                        if (b >= 0) v[t][b] = s / reps;
+                    }
+                double m[4];
+                for (int t = 0; t < 4; t++) m[t] = median(v[t], batches);
+                double r32 = m[0] / m[1], r16 = m[1] / m[2], rb16 = m[1] / m[3];
+                worst[0] = fmin(worst[0], r32);
+                worst[1] = fmin(worst[1], r16);
+                worst[2] = fmin(worst[2], rb16);
+                printf("| %s | %d x %d -> %d | %s | %.3f | %.3f | %.3f | %.3f | %.2fx | %.2fx | "
+                       "%.2fx | %.0f |\n",
+                       layers[l].name, n, in, out, bwd ? "bwd" : "fwd", 1e3 * m[0], 1e3 * m[1],
+                       1e3 * m[2], 1e3 * m[3], r32, r16, rb16, work / m[1] * 1e-9);
+                fflush(stdout);
+            }
+            for (int t = 0; t < 4; t++) lin_free(&L[t]);
+        }
+    printf("\nLowest ratios: table fp32 / direct %.2fx (target 0.95), fp16 / fp32 %.2fx, "
+           "bf16 / fp32 %.2fx (target 0.8).\n",
+           worst[0], worst[1], worst[2]);
+}
+
+/* ---- (b) attention ---- */
+
+/* The naive causal attention, fp32: scores (B,H,T,T) and probabilities
+ * (B,H,T,T) are made in forward and kept for backward, which makes two more
+ * (T,T) tensors (gradients of both). Rows of the upper triangle are never
+ * touched. */
+typedef struct naive_att {
+    mt_block bpre, batt;
+    float *pre, *att; /* (B,H,T,T) */
+} naive_att;
+
+static mt_status naive_fwd(naive_att *na, float *out, const float *qkv, int B, int T, int C,
+                           int H)
+{
+    const int hs = C / H;
+    const float scale = 1.0f / sqrtf((float)hs);
+    const size_t TT = (size_t)T * T, bytes = (size_t)B * H * TT * sizeof(float);
+    na->pre = take(&na->bpre, bytes, MT_MEM_ACT);
+    na->att = take(&na->batt, bytes, MT_MEM_ACT);
+#pragma omp parallel for collapse(2) num_threads(mti_cpu_threads()) schedule(dynamic, 8)
+    for (int bh = 0; bh < B * H; bh++)
+        for (int t = 0; t < T; t++) {
+            const int b = bh / H, h = bh % H;
+            const float *q = qkv + ((size_t)b * T + t) * 3 * C + (size_t)h * hs;
+            float *pre = na->pre + (size_t)bh * TT + (size_t)t * T;
+            float *att = na->att + (size_t)bh * TT + (size_t)t * T;
+            float mx = -INFINITY;
+            for (int j = 0; j <= t; j++) {
+                const float *k = qkv + ((size_t)b * T + j) * 3 * C + C + (size_t)h * hs;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < hs; d++) s += q[d] * k[d];
+                pre[j] = s * scale;
+                mx = pre[j] > mx ? pre[j] : mx;
+            }
+            float sum = 0.0f;
+            for (int j = 0; j <= t; j++) sum += att[j] = expf(pre[j] - mx);
+            float inv = 1.0f / sum;
+            float *o = out + ((size_t)b * T + t) * C + (size_t)h * hs;
+            for (int d = 0; d < hs; d++) o[d] = 0.0f;
+            for (int j = 0; j <= t; j++) {
+                att[j] *= inv;
+                const float *v = qkv + ((size_t)b * T + j) * 3 * C + 2 * C + (size_t)h * hs;
+#pragma omp simd
+                for (int d = 0; d < hs; d++) o[d] += att[j] * v[d];
+            }
+        }
+    return MT_OK;
+}
+
+/* Threads own whole (b,h) pairs so dk, dv never race. Frees the saved
+ * tensors at the end, as an engine would. */
+static void naive_bwd(naive_att *na, float *dqkv, const float *dout, const float *qkv, int B,
+                      int T, int C, int H)
+{
+    const int hs = C / H;
+    const float scale = 1.0f / sqrtf((float)hs);
+    const size_t TT = (size_t)T * T, bytes = (size_t)B * H * TT * sizeof(float);
+    mt_block bdatt, bdpre;
+    float *datt = take(&bdatt, bytes, MT_MEM_WORK), *dpre = take(&bdpre, bytes, MT_MEM_WORK);
+    memset(dqkv, 0, (size_t)B * T * 3 * C * sizeof(float));
+#pragma omp parallel for num_threads(mti_cpu_threads()) schedule(dynamic, 1)
+    for (int bh = 0; bh < B * H; bh++) {
+        const int b = bh / H, h = bh % H;
+        for (int t = 0; t < T; t++) {
+            const float *att = na->att + (size_t)bh * TT + (size_t)t * T;
+            float *da = datt + (size_t)bh * TT + (size_t)t * T;
+            float *dp = dpre + (size_t)bh * TT + (size_t)t * T;
+            const float *g = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
+            const float *q = qkv + ((size_t)b * T + t) * 3 * C + (size_t)h * hs;
+            float *dq = dqkv + ((size_t)b * T + t) * 3 * C + (size_t)h * hs;
+            float dsum = 0.0f;
+            for (int j = 0; j <= t; j++) {
+                const float *v = qkv + ((size_t)b * T + j) * 3 * C + 2 * C + (size_t)h * hs;
+                float *dv = dqkv + ((size_t)b * T + j) * 3 * C + 2 * C + (size_t)h * hs;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < hs; d++) s += g[d] * v[d];
+                da[j] = s;
+                dsum += att[j] * s;
+#pragma omp simd
+                for (int d = 0; d < hs; d++) dv[d] += att[j] * g[d];
+            }
+            for (int j = 0; j <= t; j++) {
+                dp[j] = att[j] * (da[j] - dsum) * scale;
+                const float *k = qkv + ((size_t)b * T + j) * 3 * C + C + (size_t)h * hs;
+                float *dk = dqkv + ((size_t)b * T + j) * 3 * C + C + (size_t)h * hs;
+#pragma omp simd
+                for (int d = 0; d < hs; d++) {
+                    dq[d] += dp[j] * k[d];
+                    dk[d] += dp[j] * q[d];
+                }
+            }
+        }
+    }
+    give(&bdatt), give(&bdpre);
+    give(&na->bpre), give(&na->batt);
+}
+
+static uint64_t class_live(mt_mem_class c)
+{
+    mt_memory_stats st;
+    mt_context_memory_stats(ctx, &st);
+    return st.per_class[c].live_bytes;
+}
+
+static uint64_t class_peak(mt_mem_class c)
+{
+    mt_memory_stats st;
+    mt_context_memory_stats(ctx, &st);
+    return st.per_class[c].peak_live_bytes;
+}
+
+static double mib(uint64_t b) { return (double)b / 1048576.0; }
+
+/* The table's forward, with lse kept in ACT as the engine keeps it. */
+typedef struct ours_att {
+    mt_block blse;
+    float *lse;
+} ours_att;
+
+static void ours_fwd(ours_att *oa, void *out, const void *qkv, int B, int T, int C, int H,
+                     mti_dtype dt)
+{
+    oa->lse = take(&oa->blse, (size_t)B * H * T * sizeof(float), MT_MEM_ACT);
+    mt_status s = ctx->ops->attention_fwd(&K, out, oa->lse, qkv, B, T, C, H, dt);
+    if (s) die("attention_fwd", s);
+}
+
+static void ours_bwd(ours_att *oa, void *dqkv, const void *dout, const void *qkv,
+                     const void *out, int B, int T, int C, int H, mti_dtype dt)
+{
+    mt_status s = ctx->ops->attention_bwd(&K, dqkv, dout, qkv, out, oa->lse, B, T, C, H, dt);
+    if (s) die("attention_bwd", s);
+    give(&oa->blse);
+}
+
+/* Targets: 0 naive fp32, 1 ours fp32, 2 ours bf16. */
+#define N_ATT 3
+typedef struct att_bufs {
+    mt_block bq, bo, bg, bd;
+    void *qkv, *out, *dout, *dqkv;
+    mti_dtype dt;
+} att_bufs;
+
+static double att_once(int t, att_bufs *a, int with_bwd, int B, int T, int C, int H)
+{
+    double t0 = now_s();
+    if (t == 0) {
+        naive_att na;
+        naive_fwd(&na, a->out, a->qkv, B, T, C, H);
+        if (with_bwd) naive_bwd(&na, a->dqkv, a->dout, a->qkv, B, T, C, H);
+        else give(&na.bpre), give(&na.batt);
+    } else {
+        ours_att oa;
+        ours_fwd(&oa, a->out, a->qkv, B, T, C, H, a->dt);
+        if (with_bwd) ours_bwd(&oa, a->dqkv, a->dout, a->qkv, a->out, B, T, C, H, a->dt);
+        else give(&oa.blse);
+    }
+    return now_s() - t0;
+}
+
+static void att_bench(void)
+{
+    static const int Ts[] = {64, 128, 256, 512, 1024};
+    const int B = 4, C = 768, H = 12, n_T = quick ? 4 : 5, batches = quick ? 3 : 7;
+    printf("\n## (b) Attention: memory-efficient (the table) vs naive, B %d C %d H %d, %d "
+           "threads\n\n",
+           B, C, H, mti_cpu_threads());
+    printf("Kept for backward: the bytes the forward allocates in the ACT class beyond its "
+           "output, counted by the context (naive: scores and probabilities, 2 x B H T T fp32; "
+           "ours: lse, B H T fp32). Both also need qkv, and ours the output, which the next "
+           "layer keeps anyway. Work peak: the WORK class peak over forward + backward. "
+           "Times: median ms over %d batches, targets in turns.\n\n",
+           batches);
+    printf("| T | naive kept | ours kept | ratio | naive work peak | ours work peak | naive fwd "
+           "ms | ours fwd ms | naive fwd+bwd ms | ours fwd+bwd ms | ours bf16 fwd+bwd ms | "
+           "speed-up fwd | speed-up fwd+bwd | max abs diff out, dqkv |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int ti = 0; ti < n_T; ti++) {
+        const int T = Ts[ti];
+        const size_t nqkv = (size_t)B * T * 3 * C, no = (size_t)B * T * C;
+        att_bufs a[N_ATT];
+        for (int t = 0; t < N_ATT; t++) {
+            a[t].dt = t == 2 ? MTI_BF16 : MTI_F32;
+            size_t es = mti_dtype_size(a[t].dt);
+            a[t].qkv = take(&a[t].bq, nqkv * es, MT_MEM_ACT);
+            a[t].out = take(&a[t].bo, no * es, MT_MEM_ACT);
+            a[t].dout = take(&a[t].bg, no * es, MT_MEM_ACT);
+            a[t].dqkv = take(&a[t].bd, nqkv * es, MT_MEM_ACT);
+            rng_state = 0x1234567ull + (uint64_t)T;
+            fill(a[t].qkv, a[t].dt, nqkv, 1.0f);
+            fill(a[t].dout, a[t].dt, no, 1.0f);
+        }
+
+        /* bytes kept and workspace: one counted forward + backward each */
+        uint64_t kept[2], work[2];
+        for (int t = 0; t < 2; t++) {
+            uint64_t act0 = class_live(MT_MEM_ACT);
+            mt_context_reset_peaks(ctx);
+            if (t == 0) {
+                naive_att na;
+                naive_fwd(&na, a[0].out, a[0].qkv, B, T, C, H);
+                kept[0] = class_live(MT_MEM_ACT) - act0;
+                naive_bwd(&na, a[0].dqkv, a[0].dout, a[0].qkv, B, T, C, H);
+            } else {
+                ours_att oa;
+                ours_fwd(&oa, a[1].out, a[1].qkv, B, T, C, H, MTI_F32);
+                kept[1] = class_live(MT_MEM_ACT) - act0;
+                ours_bwd(&oa, a[1].dqkv, a[1].dout, a[1].qkv, a[1].out, B, T, C, H, MTI_F32);
+            }
+            work[t] = class_peak(MT_MEM_WORK);
+        }
+        /* agreement of the two fp32 results */
+        double dout_max = 0, dq_max = 0;
+        for (size_t i = 0; i < no; i++)
+            dout_max = fmax(dout_max, fabs(((float *)a[0].out)[i] - ((float *)a[1].out)[i]));
+        for (size_t i = 0; i < nqkv; i++)
+            dq_max = fmax(dq_max, fabs(((float *)a[0].dqkv)[i] - ((float *)a[1].dqkv)[i]));
+
+        static double v[2][N_ATT][64];
+        for (int b = -1; b < batches; b++)
+            for (int wb = 0; wb < 2; wb++)
+                for (int t = 0; t < N_ATT; t++) {
+                    double s = att_once(t, &a[t], wb, B, T, C, H);
+                    if (b >= 0) v[wb][t][b] = s;
+                }
+        double m[2][N_ATT];
+        for (int wb = 0; wb < 2; wb++)
+            for (int t = 0; t < N_ATT; t++) m[wb][t] = median(v[wb][t], batches);
+        printf("| %d | %.2f MiB | %.3f MiB | %.0fx | %.2f MiB | %.2f MiB | %.2f | %.2f | %.2f | "
+               "%.2f | %.2f | %.2fx | %.2fx | %.1e, %.1e |\n",
+               T, mib(kept[0]), mib(kept[1]), (double)kept[0] / (double)kept[1], mib(work[0]),
+               mib(work[1]), 1e3 * m[0][0], 1e3 * m[0][1], 1e3 * m[1][0], 1e3 * m[1][1],
+               1e3 * m[1][2], m[0][0] / m[0][1], m[1][0] / m[1][1], dout_max, dq_max);
+        fflush(stdout);
+        for (int t = 0; t < N_ATT; t++) give(&a[t].bq), give(&a[t].bo), give(&a[t].bg), give(&a[t].bd);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    int threads = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N]\n");
+            return 2;
+        }
+    }
+    /* OpenBLAS's idle threads spin for about 2^28 cycles after a threaded
+     * call, taking cores from whatever runs next (here: the table's turn).
+     * Let them sleep after 2^4 cycles instead; it reads this at load time. */
+    /* Idle threads must not spin while the other side of a comparison runs:
+     * OpenBLAS's workers after a direct sgemm, OpenMP's after a table op, each
+     * would take a core from the next turn. Both are told to sleep at once. */
+    if (!getenv("OPENBLAS_THREAD_TIMEOUT") || !getenv("OMP_WAIT_POLICY")) {
+        setenv("OPENBLAS_THREAD_TIMEOUT", "4", 0);
+        setenv("OMP_WAIT_POLICY", "passive", 0);
+        execv("/proc/self/exe", argv);
+        /* if re-executing fails, run as we are */
+    }
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CPU;
+    cfg.threads = threads; /* 0: every online CPU */
+    mt_status s = mt_context_create(&cfg, &ctx);
+    if (s) {
+        fprintf(stderr, "%s\n", mt_last_error(NULL));
+        return 1;
+    }
+    K.ctx = ctx, K.dev = ctx->dev;
+    printf("# bench_kernels (memtrain %s, %s, OpenBLAS %s, OPENBLAS_THREAD_TIMEOUT=%s, "
+           "OMP_WAIT_POLICY=%s)\n",
+           mt_version(), mt_context_device_name(ctx), openblas_get_config(),
+           getenv("OPENBLAS_THREAD_TIMEOUT"), getenv("OMP_WAIT_POLICY"));
+    gemm_bench();
+    att_bench();
+    mt_context_destroy(ctx);
+    return 0;
+}

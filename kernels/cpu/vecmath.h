@@ -1,0 +1,61 @@
+/*
+ * vecmath.h - what the CPU kernels share to vectorise their inner loops
+ * while giving the same bits on every CPU and thread count.
+ */
+#ifndef MT_CPU_VECMATH_H
+#define MT_CPU_VECMATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* An AVX2 copy of a loop, picked at load time (ifunc: Linux on x86-64 with
+ * gcc or clang; elsewhere the plain loop). The kernels use no FMA in either
+ * copy, so lanes do the same scalar operations at any width and the bits do
+ * not depend on the CPU. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE_CLONES
+#endif
+
+static inline uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* e^x for x <= 0 in straight-line code that vectorises (libm's expf is a
+ * call per element). x = k ln2 + r with |r| <= ln2/2 (ln2 split in two so
+ * k ln2 is exact), e^r by its Taylor series to r^7 (truncation below 1e-8
+ * relative), times 2^k built in the exponent bits: within 1.3 ulp of e^x
+ * (checked on every float in [-87, 0]). Below -87 the result would be under
+ * 2^-125: it is 0. NaN stays NaN. */
+static inline float exp_le0(float x)
+{
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float t = x * 1.44269504f + magic;
+    float kf = t - magic;
+    uint32_t k = bits_of(t) - bits_of(magic); /* kf as an integer, in [-126, 0] */
+    float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float y = p * float_of((k + 127u) << 23);
+    uint32_t keep = 0u - (uint32_t)!(x < -87.0f);
+    return float_of(bits_of(y) & keep);
+}
+
+#endif /* MT_CPU_VECMATH_H */
