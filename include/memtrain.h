@@ -513,7 +513,12 @@ typedef struct mt_batch {
 
 /* One training step: forward, loss, backward, optimizer update. *loss (if
  * not NULL) gets the mean cross-entropy of the batch before the update. On
- * a bad batch (size, NULL data, a target out of range) nothing changes. */
+ * a bad batch (size, NULL data, a target out of range), or a failure before
+ * the update (out of memory, say), the weights, the optimizer state and the
+ * loss scaler are unchanged. Only a device failing during the update itself
+ * (a CUDA launch) can leave the weights partly updated; the error says so.
+ * In fp16, a step whose gradients are not finite is skipped: it returns
+ * MT_OK and mt_trainer_get_loss_scale tells. */
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
 /* Mean loss and accuracy of a batch without training. Either output may be NULL. */
 mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *accuracy);
@@ -531,7 +536,8 @@ typedef struct mt_loss_scale_state {
 
 mt_status mt_trainer_get_loss_scale(const mt_trainer *t, mt_loss_scale_state *out);
 /* Restores a saved state (e.g. when resuming). The scale must be finite and
- * > 0, the tracker in [0, growth_interval). */
+ * > 0, the tracker in [0, growth_interval) (0 with a static scale); without
+ * fp16 the scale must be 1 and no step skipped. */
 mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in);
 
 #ifdef __cplusplus

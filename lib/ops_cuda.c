@@ -242,6 +242,11 @@ static mt_status lt_handle(const mti_kctx *k, ops_state *s)
             s->lt_status = MT_ERR_DEVICE;
             snprintf(s->lt_why, sizeof s->lt_why, "cublasLtCreate (cuBLASLt %zu) failed: %s",
                      g_lt.GetVersion(), lt_status_name(r));
+            /* out of memory may pass: try again next time */
+            if (r == CUBLAS_STATUS_ALLOC_FAILED) {
+                s->lt_tried = 0;
+                s->lt_status = MT_ERR_OOM;
+            }
         } else {
             mti_log(k->ctx, MT_LOG_INFO, "cuBLASLt %zu ready on %s", g_lt.GetVersion(),
                     k->dev->name);
@@ -519,8 +524,10 @@ fail:
                     "CUDA %s: %s failed: %s", what, call, lt_status_name(r));
 }
 
-/* Whether GEMMs can run on the device (cuBLASLt loaded, handle made), so a
- * backward that cannot finish changes nothing. */
+/* Whether GEMMs can run on the device at all (cuBLASLt loaded, handle
+ * made), checked before a backward changes anything. A plan or workspace
+ * failing later (no algorithm for a shape, out of memory) can still leave
+ * db and dx written: the trainer drops a failed step's gradients anyway. */
 static mt_status gemm_ready(const mti_kctx *k)
 {
     ops_state *s = state_of(k->dev);

@@ -301,15 +301,16 @@ mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_set_loss_scale: in->scale %g must be finite and > 0",
                         (double)in->scale);
-    if (in->growth_tracker < 0 ||
-        (t->scaler.dynamic && in->growth_tracker >= t->scaler.growth_interval))
+    int max_tracker = t->scaler.dynamic ? t->scaler.growth_interval - 1 : 0;
+    if (in->growth_tracker < 0 || in->growth_tracker > max_tracker)
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_set_loss_scale: in->growth_tracker %d out of range 0..%d",
-                        in->growth_tracker, t->scaler.growth_interval - 1);
-    if (t->cfg.precision != MT_PREC_FP16 && in->scale != 1.0f)
+                        in->growth_tracker, max_tracker);
+    if (t->cfg.precision != MT_PREC_FP16 &&
+        (in->scale != 1.0f || in->steps_skipped || in->last_step_skipped))
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_set_loss_scale: the trainer does not scale (precision is not "
-                        "fp16), so the scale must be 1");
+                        "fp16): the scale must be 1 and no step skipped");
     t->scaler.scale = in->scale;
     t->scaler.growth_tracker = in->growth_tracker;
     t->steps_skipped = in->steps_skipped;
@@ -486,7 +487,10 @@ static mt_status unscale_and_check(mt_trainer *t, step_state *st, int *found)
     return MT_OK;
 }
 
-static mt_status optimizer_step(mt_trainer *t, step_state *st)
+/* The update, tensor by tensor. *updated counts the tensors already
+ * changed when an op fails part-way (possible only on a device whose
+ * launches can fail). */
+static mt_status optimizer_step(mt_trainer *t, step_state *st, int *updated)
 {
     mt_model *m = t->model;
     const mti_kctx k = {t->ctx, t->ctx->dev};
@@ -495,25 +499,38 @@ static mt_status optimizer_step(mt_trainer *t, step_state *st)
                             .weight_decay = t->cfg.weight_decay,
                             .first_step = t->opt_steps == 0,
                             .grad_scale = 1.0f};
-    mt_status s;
+    *updated = 0;
     for (int i = 0; i < m->n_tensors; i++) {
         mti_tensor *p = m->has_master ? &m->master[i] : &m->params[i];
         void *pc = m->has_master ? m->params[i].blk.ptr : NULL;
         float *mom = t->cfg.momentum > 0.0f ? t->momentum[i].blk.ptr : NULL;
-        TRY(t->ctx->ops->sgd(&k, p->blk.ptr, st->g[i].blk.ptr, mom, pc, t->dt,
-                             (size_t)mti_tensor_numel(p), &a));
+        mt_status s = t->ctx->ops->sgd(&k, p->blk.ptr, st->g[i].blk.ptr, mom, pc, t->dt,
+                                       (size_t)mti_tensor_numel(p), &a);
+        if (s) {
+            /* the momentum of the tensors done is initialised now */
+            if (i) t->opt_steps++;
+            return s;
+        }
+        *updated = i + 1;
         mti_tensor_free(t->ctx, &st->g[i]); /* this gradient is done */
     }
     t->opt_steps++;
     return MT_OK;
 }
 
-static mt_status step_failed(mt_trainer *t, step_state *st, const char *fn, mt_status s)
+/* updated: weight tensors the optimizer had changed before it failed. */
+static mt_status step_failed(mt_trainer *t, step_state *st, const char *fn, mt_status s,
+                             int updated)
 {
     char msg[MTI_ERR_LEN];
     snprintf(msg, sizeof msg, "%s", mt_last_error(t->ctx));
     step_release(t->ctx, st);
     reset_all(t->ctx, MT_SCOPE_STEP);
+    if (updated)
+        return mti_fail(t->ctx, s,
+                        "%s: %s (the update failed part-way: %d of %d weight tensors were "
+                        "updated)",
+                        fn, msg, updated, t->model->n_tensors);
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg);
 }
 
@@ -530,23 +547,25 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     step_state st;
     memset(&st, 0, sizeof st);
 
-    if ((s = forward(t, b, &st))) return step_failed(t, &st, "mt_trainer_step", s);
+    if ((s = forward(t, b, &st))) return step_failed(t, &st, "mt_trainer_step", s, 0);
     /* loss, and dlogits in place of the logits: mean over the batch, times the loss scale */
     void *logits = st.h[L - 1].blk.ptr;
     s = ctx->ops->xent(&k, st.losses.blk.ptr, logits, logits, st.y.blk.ptr, N, C, C,
                        t->scaler.scale / (float)N, t->dt);
     float mean = 0.0f;
     if (!s) mean = mean_loss(t, &st, N, &s);
-    if (s) return step_failed(t, &st, "mt_trainer_step", s);
+    if (s) return step_failed(t, &st, "mt_trainer_step", s, 0);
     reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */
 
-    if ((s = backward(t, N, &st))) return step_failed(t, &st, "mt_trainer_step", s);
+    if ((s = backward(t, N, &st))) return step_failed(t, &st, "mt_trainer_step", s, 0);
     reset_all(ctx, MT_SCOPE_PHASE); /* end of backward */
 
     int found = 0;
     if (scaled && (s = unscale_and_check(t, &st, &found)))
-        return step_failed(t, &st, "mt_trainer_step", s);
-    if (!found && (s = optimizer_step(t, &st))) return step_failed(t, &st, "mt_trainer_step", s);
+        return step_failed(t, &st, "mt_trainer_step", s, 0);
+    int updated = 0;
+    if (!found && (s = optimizer_step(t, &st, &updated)))
+        return step_failed(t, &st, "mt_trainer_step", s, updated);
     if (scaled) mti_scaler_update(&t->scaler, found);
     if (found) t->steps_skipped++;
     t->last_skipped = found;
@@ -568,7 +587,7 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     const int L = m->mlp.n_layers, N = b->n, C = m->mlp.dims[L];
     step_state st;
     memset(&st, 0, sizeof st);
-    if ((s = forward(t, b, &st))) return step_failed(t, &st, "mt_trainer_eval", s);
+    if ((s = forward(t, b, &st))) return step_failed(t, &st, "mt_trainer_eval", s, 0);
     mti_tensor *lg = &st.h[L - 1];
     s = ctx->ops->xent(&k, st.losses.blk.ptr, NULL, lg->blk.ptr, st.y.blk.ptr, N, C, C, 0.0f,
                        t->dt);
@@ -584,7 +603,7 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     }
     if (!s && accuracy)
         s = mti_tensor_download(ctx, lg, t->host_logits, (size_t)N * C * sizeof(float));
-    if (s) return step_failed(t, &st, "mt_trainer_eval", s);
+    if (s) return step_failed(t, &st, "mt_trainer_eval", s, 0);
     if (accuracy) {
         int right = 0;
         for (int i = 0; i < N; i++) {
