@@ -79,8 +79,7 @@ static void open_tables(void)
 {
     n_tabs = 0;
     mt_context *ctx = open_ctx(MT_DEVICE_CPU, 2);
-    tabs[n_tabs++] = (tab){.name = "cpu", .ctx = ctx, .ops = mti_cpu_ops(), .k = {ctx, NULL}};
-    tabs[0].k.dev = NULL;
+    tabs[n_tabs++] = (tab){.name = "cpu", .ctx = ctx, .ops = mti_cpu_ops(), .k = {ctx, ctx->dev}};
     const char *gpu = getenv("MT_TEST_GPU");
     if (gpu && !strcmp(gpu, "1")) {
         mt_context *g = open_ctx(MT_DEVICE_CUDA, 0);
@@ -90,8 +89,6 @@ static void open_tables(void)
         CHECK_OK(mti_cuda_ops(g->dev, &t->ops));
         t->k = (mti_kctx){g, g->dev};
     }
-    /* the CPU context's device, for kctx */
-    tabs[0].k.dev = tabs[0].ctx->dev;
 }
 
 static void free_bufs(tab *t)
