@@ -420,16 +420,92 @@ typedef struct mt_replay_result {
 mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *res);
 
 /* ------------------------------------------------------------------------ */
-/* Models and training                                                       */
+/* Models                                                                    */
 /* ------------------------------------------------------------------------ */
 
 typedef struct mt_model mt_model;
 typedef struct mt_trainer mt_trainer;
 
+/* Every model is a sequence of layers ending in a softmax cross-entropy
+ * over the last layer's outputs. Feature models take (n, features) fp32
+ * rows and one target class per row; token models take (n, seq_len) token
+ * sequences and one target per token. The three ways to make one:
+ * mt_model_create (any sequence of the layers below), mt_model_mlp_create
+ * and mt_model_gpt_create. Every tensor a model and its trainer will use is
+ * known from the spec before the first step. */
+
 typedef enum mt_activation {
     MT_ACT_RELU = 1,
     MT_ACT_GELU = 2 /* tanh form */
 } mt_activation;
+
+typedef enum mt_layer_kind {
+    /* y = x W^T + b: W (units, in), b (units) unless no_bias. */
+    MT_LAYER_LINEAR = 1,
+    MT_LAYER_RELU = 2,
+    MT_LAYER_GELU = 3,      /* tanh form */
+    /* over the features of each row, eps 1e-5, weight and bias */
+    MT_LAYER_LAYERNORM = 4,
+    /* token models, first layer only: a token embedding (padded_vocab, units)
+     * plus, with `positions`, a learned position embedding (max_seq, units).
+     * With `stable` it is a StableEmbedding (bitsandbytes): the token rows go
+     * through a LayerNorm before the positions are added, the table is
+     * Xavier-uniform initialised, and its optimizer state stays 32-bit. */
+    MT_LAYER_EMBEDDING = 5,
+    /* a GPT-2 pre-LayerNorm transformer block of width `in`: LayerNorm,
+     * causal self-attention with `heads` heads (qkv and output projections
+     * with biases), residual add, LayerNorm, MLP (4 * width, GELU), residual
+     * add. In and out widths are equal. */
+    MT_LAYER_BLOCK = 6,
+    /* token models: logits over the vocabulary, x E^T with the token
+     * embedding's table E (tied; no weights of its own, no bias). */
+    MT_LAYER_LM_HEAD = 7
+} mt_layer_kind;
+
+typedef struct mt_layer_spec {
+    mt_layer_kind kind;
+    int units;     /* LINEAR: outputs; EMBEDDING: channels */
+    int no_bias;   /* LINEAR: 1 for no bias */
+    int heads;     /* BLOCK: attention heads; the width must be a multiple */
+    int positions; /* EMBEDDING: 1 to add position embeddings */
+    int stable;    /* EMBEDDING: 1 for a StableEmbedding */
+} mt_layer_spec;
+
+typedef enum mt_input_kind {
+    MT_INPUT_FEATURES = 1, /* (n, features) fp32 */
+    MT_INPUT_TOKENS = 2    /* (n, seq_len) token ids */
+} mt_input_kind;
+
+typedef enum mt_init_kind {
+    MT_INIT_DEFAULT = 0, /* as torch.nn: Linear W, b uniform in +-1/sqrt(in); embeddings
+                            N(0, 1); LayerNorm weight 1, bias 0; blocks as MT_INIT_GPT2 */
+    MT_INIT_GPT2 = 1     /* GPT-2: weights and embeddings N(0, 0.02), the projections that
+                            end a block's attention and MLP N(0, 0.02 / sqrt(2 * blocks)),
+                            biases 0, LayerNorm weight 1 */
+} mt_init_kind;
+
+#define MT_MAX_LAYERS 4096
+
+typedef struct mt_model_spec {
+    uint32_t struct_size;
+    mt_input_kind input;
+    int features;       /* FEATURES: inputs per row */
+    int vocab;          /* TOKENS: token ids and targets are in [0, vocab) */
+    int padded_vocab;   /* TOKENS: rows of the token embedding, >= vocab (0: vocab
+                           rounded up to a multiple of 128); extra rows start at 0 */
+    int max_seq;        /* TOKENS: longest sequence */
+    int n_layers;       /* 1 .. MT_MAX_LAYERS */
+    const mt_layer_spec *layers; /* copied */
+    mt_init_kind init;
+    uint64_t seed;      /* weight init */
+} mt_model_spec;
+void mt_model_spec_init(mt_model_spec *s);
+
+/* Makes a model from a sequence of layers. The last layer's outputs are the
+ * logits: LINEAR (classes = units) or LM_HEAD (classes = vocab). Shapes are
+ * checked layer by layer; the message names the first layer that does not
+ * fit. */
+mt_status mt_model_create(mt_context *ctx, const mt_model_spec *spec, mt_model **out);
 
 #define MT_MLP_MAX_LAYERS 64
 
@@ -447,20 +523,71 @@ void mt_mlp_spec_init(mt_mlp_spec *s);
 
 /* Makes an MLP on the context; its weights live in class PARAM. */
 mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model **out);
+
+/* A GPT-2-style decoder in llm.c's layout: token embedding wte (padded_vocab,
+ * channels) and position embedding wpe (max_seq, channels), `layers` BLOCKs,
+ * a final LayerNorm, the LM head tied to wte. GPT-2 init (MT_INIT_GPT2). */
+typedef struct mt_gpt_spec {
+    uint32_t struct_size;
+    int vocab;            /* 50257 for GPT-2 */
+    int padded_vocab;     /* 0: vocab rounded up to a multiple of 128 (50304) */
+    int max_seq;          /* 1024 */
+    int layers;           /* 12 */
+    int heads;            /* 12 */
+    int channels;         /* 768 */
+    int stable_embedding; /* 1: the token embedding is a StableEmbedding */
+    uint64_t seed;
+} mt_gpt_spec;
+/* Fills the GPT-2 124M shape. */
+void mt_gpt_spec_init(mt_gpt_spec *s);
+
+mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model **out);
+/* Loads an llm.c model checkpoint (fp32, ../shared/REFERENCES.md) into a
+ * new GPT model. Truncated, corrupt or unknown files give MT_ERR_FORMAT. */
+mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out);
+/* Writes a GPT model as an llm.c model checkpoint (fp32), atomically. */
+mt_status mt_model_gpt_save(const mt_model *m, const char *path);
+/* The spec of a GPT model (MT_ERR_INVALID_ARG for another model). */
+mt_status mt_model_gpt_get_spec(const mt_model *m, mt_gpt_spec *out);
+
 /* NULL is accepted. MT_ERR_STATE while a trainer uses the model. */
 mt_status mt_model_destroy(mt_model *m);
 /* Number of trainable parameters (elements). */
 size_t mt_model_num_params(const mt_model *m);
 /* Copies the parameters out to / in from host memory as fp32, in the
- * model's order (layer by layer, weight then bias). n must be
+ * model's order: layer by layer, each layer's tensors in the order of
+ * mt_model_param_info; for GPT models the order of an llm.c checkpoint
+ * (each per-block tensor stacked over the blocks). n must be
  * mt_model_num_params(m); set_params refuses non-finite values before
  * changing anything (only a device copy failing part-way, MT_ERR_DEVICE,
  * can leave the weights partly written). */
 mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n);
 mt_status mt_model_set_params(mt_model *m, const float *src, size_t n);
 
+/* One parameter tensor of a model. Names are dotted paths: "wte", "wpe",
+ * "h.3.qkv.w", "lnf.b" for GPT models; "l<layer>.<w|b>" ("l0.w"),
+ * "l<layer>.emb.tok", "l<layer>.h.qkv.w" ... for others. */
+typedef struct mt_param_info {
+    const char *name;  /* valid while the model lives */
+    int ndim;
+    int64_t shape[4];
+    size_t numel;
+    size_t offset;     /* where its elements start in get/set_params order */
+} mt_param_info;
+int mt_model_num_tensors(const mt_model *m);
+mt_status mt_model_param_info(const mt_model *m, int i, mt_param_info *out);
+
+/* ------------------------------------------------------------------------ */
+/* Training                                                                  */
+/* ------------------------------------------------------------------------ */
+
 typedef enum mt_optimizer_kind {
-    MT_OPT_SGD = 1 /* with optional momentum */
+    MT_OPT_SGD = 1,       /* torch.optim.SGD: momentum, dampening, Nesterov; weight decay as L2 */
+    MT_OPT_ADAMW = 2,     /* torch.optim.AdamW: 8 bytes of state per parameter */
+    MT_OPT_ADAMW8 = 3,    /* bitsandbytes' 8-bit blockwise AdamW: ~2.03 bytes per parameter;
+                             tensors under min_8bit_size elements keep 32-bit state */
+    MT_OPT_ADAFACTOR = 4  /* transformers' Adafactor: factored second moment, rows + cols
+                             floats per matrix */
 } mt_optimizer_kind;
 
 /* How a trainer computes. In fp16 and bf16 the model's weights (PARAM) and
@@ -488,15 +615,85 @@ typedef struct mt_loss_scale_config {
     int growth_interval;    /* 2000 */
 } mt_loss_scale_config;
 
+/* Activation recompute (gradient checkpointing). The units are the model's
+ * blocks: a token model's embedding and each BLOCK; in other models each
+ * LINEAR with the layers after it up to the next LINEAR. */
+typedef enum mt_recompute_policy {
+    MT_RECOMPUTE_NONE = 0,      /* keep every activation backward needs */
+    MT_RECOMPUTE_EVERY_K = 1,   /* segments of recompute_every units: only each segment's
+                                   input is kept through forward; backward recomputes a
+                                   segment's activations just before it needs them */
+    MT_RECOMPUTE_SQRT = 2,      /* EVERY_K with k = ceil(sqrt(units)) */
+    MT_RECOMPUTE_SELECTIVE = 3  /* blocks keep their input, qkv, the attention's residual
+                                   sum and the MLP's pre-activation; the LayerNorm outputs,
+                                   the attention output and GELU are recomputed */
+} mt_recompute_policy;
+
+typedef enum mt_lr_schedule {
+    MT_LR_CONSTANT = 0,
+    MT_LR_WARMUP_COSINE = 1 /* linear from lr/warmup to lr over warmup_steps, then cosine
+                               down to lr * min_lr_ratio at total_steps (held after) */
+} mt_lr_schedule;
+
+/* A per-parameter exception to the trainer's settings; the first override
+ * whose pattern (fnmatch(3) syntax) matches a parameter's name applies. */
+typedef struct mt_param_override {
+    const char *pattern;  /* e.g. "wte", "h.*.ln*", "*.b" (copied at create) */
+    int state_bits;       /* 0: as configured; 32: keep 32-bit optimizer state (ADAMW8) */
+    float weight_decay;   /* < 0: as configured */
+    float lr_scale;       /* 0: 1 */
+} mt_param_override;
+
+/* Adafactor's settings (transformers' defaults). */
+typedef struct mt_adafactor_config {
+    float eps1;            /* 1e-30, added to g^2 */
+    float eps2;            /* 1e-3, floor of the parameter scale */
+    float clip_threshold;  /* 1.0 */
+    float decay_rate;      /* -0.8 */
+    float beta1;           /* 0: no first moment */
+    int scale_parameter;   /* 1 */
+    int relative_step;     /* 1: the step size comes from the step count and lr is unused */
+    int warmup_init;       /* 0 */
+} mt_adafactor_config;
+
 typedef struct mt_trainer_config {
     uint32_t struct_size;
-    int max_batch;          /* largest batch a step will see (needed to plan; 32) */
-    mt_optimizer_kind optimizer;
+    int max_batch;          /* most rows (examples or sequences) a step will see (32) */
+    int micro_batch;        /* rows per forward/backward pass; a step's batch is split
+                               into micro-batches whose gradients accumulate, and the
+                               optimizer steps once per batch (0: the whole batch) */
+    int max_seq;            /* token models: longest sequence a step will see (0: the
+                               model's) */
+    mt_optimizer_kind optimizer; /* MT_OPT_SGD */
     float lr;               /* 0.1 */
-    float momentum;         /* 0 */
-    float weight_decay;     /* 0; L2 as torch.optim.SGD: g += weight_decay * p */
+    float momentum;         /* SGD: 0 */
+    float dampening;        /* SGD: 0 */
+    int nesterov;           /* SGD: 0 */
+    float weight_decay;     /* 0; SGD: L2 (g += wd p); AdamW: decoupled (p *= 1 - lr wd) */
+    int decay_1d;           /* 1 (default): 1-D tensors (biases, LayerNorm) decay too, as
+                               torch does; 0: only tensors of 2 or more dimensions */
+    float beta1, beta2, eps; /* AdamW and 8-bit AdamW: 0.9, 0.999, 1e-8 */
+    int min_8bit_size;      /* 8-bit AdamW: smaller tensors keep 32-bit state (4096) */
+    mt_adafactor_config adafactor;
+    const mt_param_override *overrides; /* n_overrides of them, or NULL */
+    int n_overrides;
+    mt_lr_schedule lr_schedule;         /* MT_LR_CONSTANT */
+    int warmup_steps, total_steps;      /* WARMUP_COSINE */
+    float min_lr_ratio;                 /* WARMUP_COSINE: 0 */
+    float grad_clip;        /* > 0: clip the global gradient norm to this (0: none) */
     mt_precision precision; /* MT_PREC_FP32 */
     mt_loss_scale_config loss_scale; /* used with MT_PREC_FP16 */
+    mt_recompute_policy recompute;   /* MT_RECOMPUTE_NONE */
+    int recompute_every;    /* EVERY_K: units per segment (2) */
+    /* Fused backward + optimizer step: each parameter is updated, and its
+     * gradient freed, as soon as its gradient is final in backward, so the
+     * gradients of the whole model never exist at once. Cannot combine with
+     * accumulation (micro_batch < max_batch: MT_ERR_INVALID_ARG). With
+     * gradient clipping or fp16, backward runs twice: the first pass finds
+     * the global norm and any non-finite gradient, freeing each gradient at
+     * once; the second applies the updates (skipped when the first found an
+     * overflow). Results equal the unfused step. */
+    int fused_step;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
@@ -506,24 +703,42 @@ void mt_trainer_destroy(mt_trainer *t);
 
 /* A batch in host memory. */
 typedef struct mt_batch {
-    int n;                  /* rows (examples), 1 .. max_batch */
-    const float *inputs;    /* (n, inputs) fp32 */
-    const int32_t *targets; /* (n) class index per row, 0 .. classes-1 */
+    int n;                  /* rows: examples or sequences, 1 .. max_batch */
+    const float *inputs;    /* feature models: (n, features) fp32 */
+    const int32_t *targets; /* feature models: (n) classes; token models: (n, seq_len) */
+    const int32_t *tokens;  /* token models: (n, seq_len) token ids */
+    int seq_len;            /* token models: 1 .. max_seq */
 } mt_batch;
 
-/* One training step: forward, loss, backward, optimizer update. *loss (if
- * not NULL) gets the mean cross-entropy of the batch before the update. On
- * a bad batch (size, NULL data, a target out of range), or a failure before
- * the update (out of memory, say), the weights, the optimizer state and the
- * loss scaler are unchanged. Only a device failing during the update itself
- * (a CUDA launch) can leave the weights partly updated; the error says so.
- * In fp16, a step whose gradients are not finite is skipped: it returns
- * MT_OK and mt_trainer_get_loss_scale tells. */
+/* One training step on a batch: forward, loss, backward (per micro-batch),
+ * optimizer update. *loss (if not NULL) gets the mean cross-entropy of the
+ * batch's targets before the update. On a bad batch (size, NULL data, a
+ * token or target out of range), or a failure before the update (out of
+ * memory, say), the weights, the optimizer state and the loss scaler are
+ * unchanged. Only a device failing during the update itself (a CUDA launch)
+ * can leave the weights partly updated; the error says so. In fp16, a step
+ * whose gradients are not finite is skipped: it returns MT_OK and
+ * mt_trainer_get_loss_scale tells; with gradient clipping in any precision,
+ * a non-finite gradient norm skips the step the same way. */
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
-/* Mean loss and accuracy of a batch without training. Either output may be NULL. */
+/* Mean loss and accuracy (argmax == target) of a batch without training.
+ * Either output may be NULL. */
 mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *accuracy);
 /* Steps taken so far (skipped ones included). */
 uint64_t mt_trainer_steps(const mt_trainer *t);
+/* The learning rate the next step will use. */
+float mt_trainer_lr(const mt_trainer *t);
+/* The global gradient norm of the last step (before clipping; unscaled), or
+ * -1 when the last step did not compute it (no clipping). */
+float mt_trainer_last_grad_norm(const mt_trainer *t);
+
+/* The gradients of the batch's mean loss, fp32, in the model's parameter
+ * order (unscaled in fp16), without updating anything: forward and backward
+ * as a step would run them (micro-batches, recompute), then a copy out
+ * instead of the update. *loss gets the batch's mean loss. For tests and
+ * debugging; needs memory for every gradient at once, fused or not. */
+mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
+                               size_t n);
 
 /* The loss scaler's state, part of the trainer's state. Without fp16 the
  * scale is 1 and nothing is ever skipped. */

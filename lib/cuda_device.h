@@ -75,7 +75,14 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_SUMSQ_TOTAL, "mt_sumsq_total")                                                  \
     X(MTI_CUDA_UNSCALE_CHECK, "mt_unscale_check")                                              \
     X(MTI_CUDA_SGD, "mt_sgd")                                                                  \
-    X(MTI_CUDA_ADAMW, "mt_adamw")
+    X(MTI_CUDA_ADAMW, "mt_adamw")                                                              \
+    X(MTI_CUDA_ADAMW8, "mt_adamw8")                                                            \
+    X(MTI_CUDA_AF_PARTIALS, "mt_af_partials")                                                  \
+    X(MTI_CUDA_AF_FINISH, "mt_af_finish")                                                      \
+    X(MTI_CUDA_AF_ROWS, "mt_af_rows")                                                          \
+    X(MTI_CUDA_AF_COLS, "mt_af_cols")                                                          \
+    X(MTI_CUDA_AF_UPD, "mt_af_upd")                                                            \
+    X(MTI_CUDA_AF_APPLY, "mt_af_apply")
 
 typedef enum mti_cuda_kernel_id {
 #define MTI_CUDA_KERNEL_ENUM(id, name) id,

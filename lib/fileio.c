@@ -70,53 +70,97 @@ static int write_all(int fd, const unsigned char *p, size_t n)
     return 0;
 }
 
+mt_status mti_afile_open(mt_context *ctx, const char *path, mti_afile *f)
+{
+    memset(f, 0, sizeof *f);
+    f->fd = -1;
+    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "path is NULL");
+    size_t plen = strlen(path);
+    f->path = strdup(path);
+    f->tmp = malloc(plen + 32);
+    if (!f->path || !f->tmp) {
+        mti_afile_abort(f);
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    }
+    /* a fresh name beside the target, created exclusively: two writers of
+       the same path never share a temporary, and no link is followed */
+    snprintf(f->tmp, plen + 32, "%s.tmp.XXXXXX", path);
+    f->fd = mkostemp(f->tmp, O_CLOEXEC);
+    if (f->fd < 0) {
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot create '%s': %s", f->tmp, strerror(errno));
+        free(f->tmp); /* nothing was created: nothing to unlink */
+        f->tmp = NULL;
+        mti_afile_abort(f);
+        return s;
+    }
+    fchmod(f->fd, 0644);
+    return MT_OK;
+}
+
+mt_status mti_afile_write(mt_context *ctx, mti_afile *f, const void *data, size_t n)
+{
+    if (f->fd < 0) return mti_fail(ctx, MT_ERR_STATE, "write to a closed file");
+    if (write_all(f->fd, data, n) != 0) {
+        int e = errno;
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(e));
+        mti_afile_abort(f);
+        return s;
+    }
+    return MT_OK;
+}
+
+void mti_afile_abort(mti_afile *f)
+{
+    if (f->fd >= 0) close(f->fd);
+    if (f->tmp) unlink(f->tmp);
+    free(f->tmp);
+    free(f->path);
+    memset(f, 0, sizeof *f);
+    f->fd = -1;
+}
+
+mt_status mti_afile_commit(mt_context *ctx, mti_afile *f)
+{
+    if (f->fd < 0) return mti_fail(ctx, MT_ERR_STATE, "commit of a closed file");
+    if (fsync(f->fd) != 0) {
+        int e = errno;
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(e));
+        mti_afile_abort(f);
+        return s;
+    }
+    int rc = close(f->fd);
+    f->fd = -1;
+    if (rc != 0 || rename(f->tmp, f->path) != 0) {
+        int e = errno;
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot put '%s' in place: %s", f->path, strerror(e));
+        mti_afile_abort(f);
+        return s;
+    }
+    free(f->tmp);
+    f->tmp = NULL;
+    /* make the rename itself durable */
+    char *dir = f->path;
+    char *slash = strrchr(dir, '/');
+    const char *d = ".";
+    if (slash) {
+        *slash = 0;
+        d = slash == dir ? "/" : dir;
+    }
+    int dfd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    mti_afile_abort(f);
+    return MT_OK;
+}
+
 mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *data, size_t size)
 {
     if (!path || (!data && size)) return mti_fail(ctx, MT_ERR_INVALID_ARG, "path or data is NULL");
-    size_t plen = strlen(path);
-    char *tmp = malloc(plen + 32);
-    if (!tmp) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    /* a fresh name beside the target, created exclusively: two writers of
-       the same path never share a temporary, and no link is followed */
-    snprintf(tmp, plen + 32, "%s.tmp.XXXXXX", path);
-    int fd = mkostemp(tmp, O_CLOEXEC);
-    if (fd >= 0) fchmod(fd, 0644);
-    if (fd < 0) {
-        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno));
-        free(tmp);
-        return s;
-    }
-    if (write_all(fd, data, size) != 0 || fsync(fd) != 0) {
-        int e = errno;
-        close(fd);
-        unlink(tmp);
-        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", path, strerror(e));
-        free(tmp);
-        return s;
-    }
-    if (close(fd) != 0 || rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot put '%s' in place: %s", path, strerror(e));
-        free(tmp);
-        return s;
-    }
-    free(tmp);
-    /* make the rename itself durable */
-    char *dir = strdup(path);
-    if (dir) {
-        char *slash = strrchr(dir, '/');
-        const char *d = ".";
-        if (slash) {
-            *slash = 0;
-            d = slash == dir ? "/" : dir;
-        }
-        int dfd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            fsync(dfd);
-            close(dfd);
-        }
-        free(dir);
-    }
-    return MT_OK;
+    mti_afile f;
+    mt_status s = mti_afile_open(ctx, path, &f);
+    if (!s) s = mti_afile_write(ctx, &f, data, size);
+    if (!s) s = mti_afile_commit(ctx, &f);
+    return s;
 }

@@ -107,7 +107,7 @@ struct mt_context {
 
 /* ---- tensors (tensor.c) ---- */
 
-typedef enum mti_dtype { MTI_F32 = 0, MTI_F16 = 1, MTI_BF16 = 2, MTI_I32 = 3 } mti_dtype;
+typedef enum mti_dtype { MTI_F32 = 0, MTI_F16 = 1, MTI_BF16 = 2, MTI_I32 = 3, MTI_U8 = 4 } mti_dtype;
 
 #define MTI_MAX_DIMS 4
 
@@ -138,6 +138,17 @@ mt_status mti_read_file(mt_context *ctx, const char *path, size_t max_bytes, uns
                         size_t *size);
 /* Writes a file crash-safely: temporary file, fsync, rename. */
 mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *data, size_t size);
+/* The same, streamed: open a temporary beside path, write, then commit
+ * (fsync, rename over path) or abort (the temporary is removed). A failed
+ * write or commit aborts by itself. */
+typedef struct mti_afile {
+    int fd;
+    char *tmp, *path;
+} mti_afile;
+mt_status mti_afile_open(mt_context *ctx, const char *path, mti_afile *f);
+mt_status mti_afile_write(mt_context *ctx, mti_afile *f, const void *data, size_t n);
+mt_status mti_afile_commit(mt_context *ctx, mti_afile *f);
+void mti_afile_abort(mti_afile *f);
 
 /* ---- small helpers ---- */
 

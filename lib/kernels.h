@@ -72,6 +72,67 @@ typedef struct mti_adamw_args {
     float grad_scale;
 } mti_adamw_args;
 
+/* 8-bit blockwise AdamW as bitsandbytes >= 0.44 (../shared/REFERENCES.md):
+ * its CUDA kernel, kOptimizerStatic8bit2StateBlockwise.
+ * The state of n elements: qm, qv (n) uint8 codes into the signed map (m)
+ * and the unsigned map (v) of mti_q8_map; absmax_m, absmax_v
+ * (ceil(n / MTI_Q8_BLOCK)) fp32, one per block of MTI_Q8_BLOCK elements.
+ * Per element: g = g * grad_scale; m, v dequantized (code value * absmax of
+ * the block); a non-finite g sets m = v = 0 and leaves p unchanged; else
+ * m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
+ * p += -lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps sqrt(1 - b2^t)),
+ * then p *= 1 - lr wd (decoupled, after the step). Each block's new absmax
+ * is max |m| (|v|) over the block, and each value is stored as the code
+ * nearest value / absmax (IEEE division), by bitsandbytes' rule: the
+ * value is compared with the fp32 midpoints (c[k] + c[k+1]) / 2 of
+ * adjacent codes, a value exactly on a midpoint takes the even code of the
+ * two, and NaN takes code 0; then a first moment whose sign bit differs
+ * from its code's (a negative or -0 value that landed on the code of 0)
+ * moves one code toward its sign, so small negative moments stay negative.
+ * A block whose new absmax is 0 (all zeros) stores the zero codes, so it
+ * equals a fresh state (bitsandbytes divides 0 by 0 there and stores code
+ * 255 for m: the same values). The args are those of AdamW. A fresh state
+ * is filled with mti_q8_zero_code and absmax 0 (bitsandbytes zeroes the
+ * bytes: code 0 with absmax 0 decodes to the same zeros). The op quantizes
+ * any n; bitsandbytes' optimizer keeps 32-bit state for tensors under 4096
+ * elements (min_8bit_size), which is the caller's choice. Differences from
+ * the kernel, all within rounding: its divisions are approximate
+ * (__fdividef), it may fuse multiply-adds, and it tests g for finiteness
+ * before grad_scale. */
+#define MTI_Q8_BLOCK 256
+
+/* Adafactor as HuggingFace transformers' Adafactor (../shared/REFERENCES.md;
+ * not torch.optim.Adafactor), step t from 1:
+ *   g = g * grad_scale; rms_p = RMS(p) (before the update);
+ *   lr_t = relative_step ? min(warmup_init ? 1e-6 t : 1e-2, 1/sqrt(t)) : lr;
+ *   if scale_parameter: lr_t *= max(eps2, rms_p);
+ *   beta2t = 1 - t^decay_rate; u = g^2 + eps1;
+ *   factored (a matrix of rows x cols): row = beta2t row + (1 - beta2t) mean_cols(u),
+ *     col = beta2t col + (1 - beta2t) mean_rows(u),
+ *     upd = (rsqrt(row / mean(row)) * rsqrt(col)) * g;
+ *   else: v = beta2t v + (1 - beta2t) u, upd = rsqrt(v) * g;
+ *   upd /= max(1, RMS(upd) / clip_threshold); upd *= lr_t;
+ *   if beta1 > 0: m = beta1 m + (1 - beta1) upd, upd = m;
+ *   if weight_decay: p -= weight_decay * lr_t * p;  p -= upd.
+ * rsqrt(x) is 1 / sqrt(x). transformers factors a tensor of rank > 2 per
+ * trailing matrix, with the RMS over the whole tensor: that is not one call
+ * of this op (a matrix is). clip_threshold must be > 0, and warmup_init
+ * needs relative_step. Reductions (means, RMS) are in fp32 in a fixed
+ * order. No temporaries: the update is recomputed in each pass instead of
+ * stored; the CPU table takes no workspace, the CUDA table 4 KiB (partial
+ * sums and the step's scalars), whatever the shape. */
+typedef struct mti_adafactor_args {
+    float lr;              /* used when relative_step is 0 */
+    float eps1, eps2;      /* 1e-30, 1e-3 */
+    float clip_threshold;  /* 1.0 */
+    float decay_rate;      /* -0.8 */
+    float beta1;           /* <= 0: no first moment (m unused, may be NULL) */
+    float weight_decay;
+    int scale_parameter, relative_step, warmup_init;
+    int64_t step;
+    float grad_scale;
+} mti_adafactor_args;
+
 typedef struct mti_ops mti_ops;
 
 struct mti_ops {
@@ -90,8 +151,9 @@ struct mti_ops {
                       mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
 
     /* ---- embedding: token + position ---- */
-    /* out (B,T,C) = wte[tok[b,t]] (V,C) + wpe[t] (maxT,C); out, wte, wpe in dt.
-     * Tokens are checked by the caller to be in [0, V). */
+    /* out (B,T,C) = wte[tok[b,t]] (V,C) + wpe[t] (maxT,C); out, wte, wpe in dt;
+     * wpe may be NULL (no positions). Tokens are checked by the caller to be
+     * in [0, V). */
     mt_status (*embedding_fwd)(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
                                const void *wpe, int B, int T, int C, mti_dtype dt);
     /* dwte (V,C) += dout rows scattered by token; dwpe (maxT,C) += dout summed
@@ -185,6 +247,17 @@ struct mti_ops {
                      mti_dtype pc_dt, size_t n, const mti_sgd_args *a);
     mt_status (*adamw)(const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
                        mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
+    /* 8-bit blockwise AdamW (see above); pc as for adamw. */
+    mt_status (*adamw8)(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
+                        float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
+                        const mti_adamw_args *a);
+    /* Adafactor (see above) of p viewed as (rows, cols). factored: row (rows) and
+     * col (cols) hold the factored second moment and v is unused (may be NULL);
+     * else v (rows * cols) holds it and row, col are unused. m (rows * cols) is
+     * the first moment when a->beta1 > 0. pc as for adamw. */
+    mt_status (*adafactor)(const mti_kctx *k, float *p, const float *g, float *row, float *col,
+                           float *v, float *m, void *pc, mti_dtype pc_dt, int64_t rows,
+                           int64_t cols, int factored, const mti_adafactor_args *a);
 };
 
 /* The CPU table, and the CPU thread count for its kernels (one setting per
@@ -196,6 +269,13 @@ int mti_cpu_threads(void);
 
 /* The CUDA table (MT_ERR_UNSUPPORTED when the device has no kernels). */
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);
+
+/* The 256-entry quantization maps of 8-bit optimizer states, ascending
+ * (bitsandbytes' dynamic maps, ../shared/REFERENCES.md): signed (first
+ * moments) and unsigned (second moments). Computed once, constant. */
+const float *mti_q8_map(int is_signed);
+/* The code of 0.0 in a map (a fresh state is filled with it). */
+uint8_t mti_q8_zero_code(int is_signed);
 
 /* ---- scalar conversions, the one definition both tables follow ---- */
 

@@ -1,28 +1,94 @@
 /*
- * model.h - models as the trainer sees them: a list of parameter tensors
- * and the spec of the network.
+ * model.h - models as the engine sees them: a sequence of layers, the
+ * parameter tensors they own, and what each layer keeps for backward.
+ *
+ * Every model (MLP, GPT, or built from a list of layers) is the same
+ * structure; the engine (engine.c) runs any of them forward and backward.
  */
 #ifndef MT_MODEL_H
 #define MT_MODEL_H
 
 #include "internal.h"
 
-typedef enum mti_model_kind { MTI_MODEL_MLP = 1 } mti_model_kind;
+typedef enum mti_model_kind { MTI_MODEL_SEQ = 0, MTI_MODEL_MLP = 1, MTI_MODEL_GPT = 2 } mti_model_kind;
 
-#define MTI_MAX_PARAMS (2 * MT_MLP_MAX_LAYERS)
+/* How a parameter is initialised. */
+typedef enum mti_init {
+    MTI_INIT_ZERO = 0,
+    MTI_INIT_ONE,
+    MTI_INIT_UNIFORM,  /* uniform in +-a */
+    MTI_INIT_NORMAL    /* N(0, a) */
+} mti_init;
+
+#define MTI_NAME_LEN 40
+
+typedef struct mti_param {
+    char name[MTI_NAME_LEN];
+    mti_tensor w;        /* PARAM: fp32, or the compute copy in dt while a
+                            mixed-precision trainer holds the masters */
+    mti_tensor master;   /* MASTER: fp32, while such a trainer lives */
+    int ndim;
+    int64_t shape[2];    /* (rows, cols), or (n) */
+    size_t numel;
+    size_t offset;       /* in get/set_params order */
+    int layer;           /* the layer that owns it */
+    int uses;            /* gradient contributions per backward pass (2: tied) */
+    int force32;         /* optimizer state stays 32-bit (StableEmbedding) */
+    mti_init init;
+    float init_a;
+    int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */
+} mti_param;
+
+/* The tensors a layer keeps from forward for backward, by slot. */
+#define MTI_SLOTS 12
+
+typedef struct mti_layer {
+    mt_layer_kind kind;
+    int in, out;         /* features per row in and out */
+    int heads;           /* BLOCK */
+    int p0, np;          /* its parameters: params[p0 .. p0+np) */
+    int tied;            /* LM_HEAD: the parameter index of the table */
+    int positions, stable, bias;
+    int unit;            /* the recompute unit it belongs to */
+    int unit_start;      /* it starts a unit */
+} mti_layer;
 
 struct mt_model {
     mt_context *ctx;
     mti_model_kind kind;
-    mt_mlp_spec mlp;
-    int n_tensors;                       /* parameter tensors: W0, b0, W1, b1, ... */
-    mti_tensor params[MTI_MAX_PARAMS];   /* class PARAM, persistent; fp32, or the 16-bit
-                                            compute copy while a mixed-precision trainer
-                                            holds the masters */
-    mti_tensor master[MTI_MAX_PARAMS];   /* class MASTER, fp32, while such a trainer lives */
+    mt_input_kind input;
+    int features;        /* FEATURES */
+    int vocab, padded_vocab, max_seq; /* TOKENS */
+    int classes;         /* real columns of the logits */
+    int out_width;       /* columns of the logits (padded_vocab for an LM head) */
+    int n_layers;
+    mti_layer *layers;
+    int n_units;
+    int n_param;
+    mti_param *params;
+    size_t n_params;     /* elements in all of them */
     bool has_master;
-    size_t n_params;                     /* elements in all of them */
+    mt_mlp_spec mlp;     /* MLP */
+    mt_gpt_spec gpt;     /* GPT */
     _Atomic int n_trainers;
 };
+
+/* model.c */
+/* Builds a GPT model; without init its weights are left zero for the
+ * caller to fill. */
+mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn, bool init,
+                        mt_model **out);
+/* Uploads all parameters from host fp32 values in get/set_params order
+ * (no checks), refreshing the compute copies. */
+mt_status mti_model_upload(mt_model *m, const float *src);
+/* Parameter indices sorted by offset (get/set_params order); malloc'd. */
+int *mti_param_order(const mt_model *m);
+
+/* The fp32 values of parameter i: its master while a mixed-precision
+ * trainer holds one, else the weights. */
+static inline mti_tensor *mti_param_fp32(mt_model *m, int i)
+{
+    return m->has_master ? &m->params[i].master : &m->params[i].w;
+}
 
 #endif /* MT_MODEL_H */

@@ -26,8 +26,10 @@
  * CPU table's order of operations, so these give the CPU's bits exactly:
  * casts, add, accumulate, ReLU, the embedding forward, the layernorm
  * forward and input gradient, the sum of squares, unscaling and the
- * optimizer updates. GEMMs, attention, cross-entropy, GELU (the CPU has
- * its own exp) and sums over more than 128 rows agree within rounding.
+ * optimizer updates (8-bit AdamW included). GEMMs, attention,
+ * cross-entropy, GELU (the CPU has its own exp), sums over more than 128
+ * rows and Adafactor (its means and RMS sum in another order) agree within
+ * rounding.
  *
  * Argument checks follow the CPU table's: bad dtypes and negative sizes
  * are MT_ERR_INVALID_ARG, empty shapes do nothing.
@@ -192,7 +194,6 @@ static void plan_drop(gemm_plan *p)
 static void state_free(mti_device *d, void *arg)
 {
     ops_state *s = arg;
-    (void)d;
     for (int i = 0; i < MTI_GEMM_PLANS; i++) plan_drop(&s->plans[i]);
     if (s->lt) g_lt.Destroy(s->lt);
     pthread_mutex_destroy(&s->mu);
@@ -976,6 +977,135 @@ static mt_status cu_adamw(const mti_kctx *k, float *p, const float *g, float *m,
     return launch(k, MTI_CUDA_ADAMW, ew_grid(n), MTI_EW_THREADS, args);
 }
 
+/* ---- 8-bit AdamW and Adafactor ---- */
+
+#define MTI_AF_PARTS 1024 /* partial sums of adafactor.cu (MT_AF_PARTS) */
+#define MTI_AF_SEG 1024   /* columns per work item of adafactor.cu (MT_AF_SEG) */
+#define MTI_AF_SCALARS 4  /* scalar slots after the partial sums */
+
+/* The maps, as the kernel's by-value parameter (struct mt_q8_maps). */
+typedef struct q8_maps {
+    float m[256];
+    float v[256];
+} q8_maps;
+
+static mt_status cu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
+                           float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
+                           const mti_adamw_args *a)
+{
+    if (!a) return bad_arg(k, "adamw8", "no arguments");
+    if (pc && !dt_ok(pc_dt)) return bad_dt(k, "adamw8", pc_dt);
+    if (a->step < 1) return bad_arg(k, "adamw8", "step counts from 1");
+    if (n > 0 && (!p || !g || !qm || !qv || !absmax_m || !absmax_v))
+        return bad_arg(k, "adamw8", "NULL parameter, gradient or state");
+    if (n == 0) return MT_OK;
+    q8_maps maps;
+    memcpy(maps.m, mti_q8_map(1), sizeof maps.m);
+    memcpy(maps.v, mti_q8_map(0), sizeof maps.v);
+    /* the CPU table's scalars (kernels/cpu/optim8.c) */
+    double bc1 = 1.0 - pow((double)a->beta1, (double)a->step);
+    double bc2_sqrt = sqrt(1.0 - pow((double)a->beta2, (double)a->step));
+    float b1 = a->beta1, b2 = a->beta2, c1 = 1.0f - a->beta1, c2 = 1.0f - a->beta2;
+    float gs = a->grad_scale;
+    float step_size = (float)(-(double)a->lr * bc2_sqrt / bc1);
+    float eps_c2 = (float)((double)a->eps * bc2_sqrt);
+    float decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay);
+    unsigned long long nn = n;
+    int pdt = (int)pc_dt;
+    size_t blocks = cdiv(n, MTI_Q8_BLOCK);
+    mti_dim3 grid = {(unsigned)(blocks < 65535 ? blocks : 65535), 1, 1};
+    void *args[] = {&p, &g, &qm, &qv, &absmax_m, &absmax_v, &pc, &pdt, &nn, &b1, &b2, &c1, &c2,
+                    &gs, &step_size, &eps_c2, &decay, &maps};
+    return launch(k, MTI_CUDA_ADAMW8, grid, MTI_Q8_BLOCK, args);
+}
+
+static unsigned af_grid(size_t items, size_t cap)
+{
+    if (items == 0) items = 1;
+    return (unsigned)(items < cap ? items : cap);
+}
+
+static mt_status cu_adafactor(const mti_kctx *k, float *p, const float *g, float *row, float *col,
+                              float *v, float *m, void *pc, mti_dtype pc_dt, int64_t rows,
+                              int64_t cols, int factored, const mti_adafactor_args *a)
+{
+    const char *op = "adafactor";
+    if (!a) return bad_arg(k, op, "no arguments");
+    if (a->step < 1) return bad_arg(k, op, "step counts from 1");
+    if (rows < 0 || cols < 0) return bad_arg(k, op, "negative size");
+    if (cols > 0 && (uint64_t)rows > SIZE_MAX / sizeof(float) / (uint64_t)cols)
+        return bad_arg(k, op, "too many elements");
+    if (pc && !dt_ok(pc_dt)) return bad_dt(k, op, pc_dt);
+    if (!(a->clip_threshold > 0.0f)) return bad_arg(k, op, "clip_threshold not > 0");
+    if (a->warmup_init && !a->relative_step)
+        return bad_arg(k, op, "warmup_init without relative_step");
+    if (rows == 0 || cols == 0) return MT_OK;
+    if (!p || !g) return bad_arg(k, op, "NULL p or g");
+    if (factored ? (!row || !col) : !v) return bad_arg(k, op, "NULL second-moment state");
+    if (a->beta1 > 0.0f && !m) return bad_arg(k, op, "beta1 > 0 without m");
+
+    /* the CPU table's scalars (kernels/cpu/adafactor.c) */
+    unsigned long long R = (unsigned long long)rows, C = (unsigned long long)cols, n = R * C;
+    float sqrt_n = (float)sqrt((double)n), gs = a->grad_scale, eps1 = a->eps1, eps2 = a->eps2;
+    double t = (double)a->step, rel = a->lr;
+    if (a->relative_step) rel = fmin(a->warmup_init ? 1e-6 * t : 1e-2, 1.0 / sqrt(t));
+    float rel_f = (float)rel, eps2_rel = (float)(a->eps2 * rel);
+    double beta2t = 1.0 - pow(t, (double)a->decay_rate);
+    float b2t = (float)beta2t, c2t = (float)(1.0 - beta2t);
+    float b1 = a->beta1 > 0.0f ? a->beta1 : 0.0f, c1 = 1.0f - b1, neg_wd = -a->weight_decay;
+    float clip = a->clip_threshold, rows_f = (float)rows;
+    int scale = a->scale_parameter != 0, wd = a->weight_decay != 0.0f, pdt = (int)pc_dt;
+    float *mm = a->beta1 > 0.0f ? m : NULL;
+    const float *crow = factored ? row : NULL, *ccol = factored ? col : NULL;
+    float *vv = factored ? NULL : v;
+    /* the update kernels see an unfactored tensor as one row */
+    unsigned long long ur = factored ? R : 1, uc = factored ? C : n;
+    size_t items = (size_t)ur * cdiv((size_t)uc, MTI_AF_SEG);
+
+    carver w = {0};
+    mt_status st = mti_work_alloc(k, (MTI_AF_PARTS + MTI_AF_SCALARS) * sizeof(float), &w.blk);
+    if (st != MT_OK) return st;
+    float *part = w.blk.ptr, *scal = part + MTI_AF_PARTS;
+    const float *cpart = part, *cscal = scal;
+    int nparts, which, sq = 1;
+    unsigned gp = af_grid(cdiv(n, 1024), MTI_AF_PARTS);
+
+    /* RMS(p) -> lr_t */
+    void *a1[] = {&part, &p, &n, &sq};
+    st = launch(k, MTI_CUDA_AF_PARTIALS, (mti_dim3){gp, 1, 1}, 256, a1);
+    nparts = (int)gp, which = 0;
+    void *a2[] = {&scal, &cpart, &nparts, &which, &sqrt_n, &rows_f, &rel_f, &eps2, &eps2_rel,
+                  &scale, &neg_wd, &clip};
+    if (st == MT_OK) st = launch(k, MTI_CUDA_AF_FINISH, (mti_dim3){1, 1, 1}, 1024, a2);
+    if (factored) {
+        void *a3[] = {&row, &g, &R, &C, &gs, &eps1, &b2t, &c2t};
+        if (st == MT_OK)
+            st = launch(k, MTI_CUDA_AF_ROWS, (mti_dim3){af_grid(R, 65535), 1, 1}, 256, a3);
+        void *a4[] = {&col, &g, &R, &C, &gs, &eps1, &b2t, &c2t};
+        if (st == MT_OK)
+            st = launch(k, MTI_CUDA_AF_COLS, (mti_dim3){af_grid(cdiv(C, 32), 65535), 1, 1}, 256, a4);
+        /* mean(row) */
+        unsigned gr = af_grid(cdiv(R, 1024), MTI_AF_PARTS);
+        int plain = 0;
+        void *a5[] = {&part, &row, &R, &plain};
+        if (st == MT_OK) st = launch(k, MTI_CUDA_AF_PARTIALS, (mti_dim3){gr, 1, 1}, 256, a5);
+        nparts = (int)gr, which = 1;
+        if (st == MT_OK) st = launch(k, MTI_CUDA_AF_FINISH, (mti_dim3){1, 1, 1}, 1024, a2);
+    }
+    /* RMS(update) -> the clip divisor (unfactored: v updated here) */
+    unsigned gu = af_grid(items, MTI_AF_PARTS);
+    void *a6[] = {&part, &cscal, &g, &crow, &ccol, &vv, &ur, &uc, &gs, &eps1, &b2t, &c2t};
+    if (st == MT_OK) st = launch(k, MTI_CUDA_AF_UPD, (mti_dim3){gu, 1, 1}, 256, a6);
+    nparts = (int)gu, which = 2;
+    if (st == MT_OK) st = launch(k, MTI_CUDA_AF_FINISH, (mti_dim3){1, 1, 1}, 1024, a2);
+    /* the step */
+    void *a7[] = {&p, &mm, &pc, &pdt, &cscal, &g, &crow, &ccol, &vv, &ur, &uc, &gs, &b1, &c1, &wd};
+    if (st == MT_OK)
+        st = launch(k, MTI_CUDA_AF_APPLY, (mti_dim3){af_grid(items, 65535), 1, 1}, 256, a7);
+    mti_work_free(k, &w.blk);
+    return st;
+}
+
 /* ---- the table ---- */
 
 static const mti_ops cuda_ops = {
@@ -1001,6 +1131,8 @@ static const mti_ops cuda_ops = {
     .sumsq = cu_sumsq,
     .sgd = cu_sgd,
     .adamw = cu_adamw,
+    .adamw8 = cu_adamw8,
+    .adafactor = cu_adafactor,
 };
 
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out)

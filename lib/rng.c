@@ -1,6 +1,8 @@
 /*
  * rng.c - xoshiro256** (Blackman and Vigna) seeded through splitmix64.
  */
+#include <math.h>
+
 #include "rng.h"
 
 static uint64_t splitmix64(uint64_t *x)
@@ -33,3 +35,11 @@ uint64_t mti_rng_next(mti_rng *r)
 }
 
 float mti_rng_uniform(mti_rng *r) { return (float)(mti_rng_next(r) >> 40) * (1.0f / 16777216.0f); }
+
+double mti_rng_normal(mti_rng *r)
+{
+    /* u1 in (0, 1], u2 in [0, 1) */
+    double u1 = ((double)(mti_rng_next(r) >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+    double u2 = (double)(mti_rng_next(r) >> 11) * (1.0 / 9007199254740992.0);
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}

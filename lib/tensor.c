@@ -13,6 +13,7 @@ size_t mti_dtype_size(mti_dtype t)
     case MTI_F16: return 2;
     case MTI_BF16: return 2;
     case MTI_I32: return 4;
+    case MTI_U8: return 1;
     }
     return 0;
 }

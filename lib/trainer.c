@@ -1,64 +1,78 @@
 /*
- * trainer.c - the training step: forward, loss, backward, loss-scale check,
- * optimizer, in fp32 or mixed precision.
+ * trainer.c - the training step: micro-batches through the engine, loss
+ * scaling, gradient clipping, learning-rate schedules and the optimizers,
+ * unfused or fused into backward.
  *
- * Every tensor of a step comes from the context's allocators with its memory
- * class and lifetime, and is freed as soon as nothing needs it, so the
- * allocators see the real pattern of a training step. dt is the compute
- * dtype (fp32, fp16 or bf16):
+ * A step on a batch of n rows:
+ *   for each micro-batch: forward, loss (dloss = scale / targets in the
+ *     whole batch, so the gradients sum to those of the batch's mean loss),
+ *     backward; parameter gradients (GRAD, fp32) accumulate;
+ *   fp16: unscale every gradient and check it (skip the step on inf/NaN);
+ *   clipping: the global norm from per-tensor sums of squares, added on the
+ *     host in parameter order, and clip = min(1, max_norm / (norm + 1e-6));
+ *   the update, tensor by tensor, each gradient freed after its update.
+ * Fused (cfg.fused_step): the update runs in backward as soon as a
+ * parameter's gradient is final (engine hook). With clipping or fp16 it
+ * takes two backward passes over the same forward: the first computes the
+ * norm and the overflow check, freeing each gradient at once; the second
+ * (only if the step is not skipped) recomputes the gradients and updates
+ * with the same ops in the same order as the unfused step, so the results
+ * are the same bits.
  *
- *   IO     x (N,in) in dt (uploaded as fp32 and cast), targets (N), logits
- *          (N,C) in dt reused in place for dlogits, losses (N) fp32
- *   ACT    per hidden layer l: h_l (N,H_l) pre-activation, a_l (N,H_l) after the
- *          activation, in dt (ReLU works in place, so h_l is a_l; GELU keeps both)
- *   GRAD   dW_l, db_l, fp32, made in backward, freed after the update
- *   WORK   the gradient flowing back, (N,H_l) in dt, one layer at a time
- *   PARAM  the weights in dt; MASTER their fp32 masters when dt is not fp32
- *   OPTIM  momentum buffers, fp32, for the trainer's life
- *
- * fp16 scales the loss before backward (through the cross-entropy's dloss),
- * unscales and checks the fp32 gradients, and skips the update when one is
- * not finite (see scaler.h). A step that fails (out of memory, say) frees
- * what it took and leaves the weights, the optimizer state and the scaler as
- * they were: nothing is updated before the whole backward pass has
- * succeeded.
+ * A step that fails before the update (out of memory, say) frees what it
+ * took and leaves the weights, the optimizer state and the scaler as they
+ * were. A fused step can fail part-way through its updates; the error says
+ * how many tensors were updated.
  */
+#include <fnmatch.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
-#include "model.h"
+#include "engine.h"
 #include "scaler.h"
-
-struct mt_trainer {
-    mt_model *model;
-    mt_context *ctx;
-    mt_trainer_config cfg;
-    mti_dtype dt;                        /* compute dtype */
-    mti_tensor momentum[MTI_MAX_PARAMS]; /* OPTIM, only when cfg.momentum > 0 */
-    mti_tensor found_inf;                /* one device int, fp16 only */
-    mti_scaler scaler;
-    uint64_t steps, opt_steps, steps_skipped;
-    int last_skipped;
-    float *host_losses;                  /* (max_batch) */
-    float *host_logits;                  /* (max_batch, classes), for accuracy */
-};
-
-/* The tensors one step holds; whatever has a block is freed on the way out. */
-typedef struct step_state {
-    mti_tensor x, y, losses;
-    mti_tensor h[MT_MLP_MAX_LAYERS]; /* h[L-1] is the logits */
-    mti_tensor a[MT_MLP_MAX_LAYERS]; /* GELU only */
-    mti_tensor g[MTI_MAX_PARAMS];
-    mti_tensor d;                    /* the gradient flowing back */
-} step_state;
 
 #define TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
 #define TRY(expr)                                                                              \
     do {                                                                                       \
         if ((s = (expr)) != MT_OK) return s;                                                   \
     } while (0)
+
+/* optimizer state of one parameter (class OPTIM) */
+typedef struct pstate {
+    mti_tensor s[4]; /* SGD: m | AdamW: m v | 8-bit: qm qv absmax_m absmax_v |
+                        Adafactor: row col (factored) or v, then m */
+    int bits;        /* 8 or 32 */
+    int factored;
+    float wd, lr_scale;
+} pstate;
+
+struct mt_trainer {
+    mt_model *model;
+    mt_context *ctx;
+    mt_trainer_config cfg;
+    mti_dtype dt;
+    mti_engine E;
+    pstate *ps;
+    char **patterns;         /* copies of the overrides' patterns */
+    mt_param_override *overrides;
+    mti_tensor found_inf;    /* one device int */
+    mti_tensor sumsq;        /* per parameter, device fp32 */
+    mti_scaler scaler;
+    uint64_t steps, opt_steps, steps_skipped;
+    int last_skipped;
+    float last_norm;
+    int micro, max_seq;
+    float *host_losses;      /* (micro * max_seq) */
+    float *host_rows;        /* (ROWS_CHUNK * out_width), eval's argmax */
+    /* the step being taken */
+    float lr, clip, inv;
+    int pass;                /* fused: 1 check pass, 2 update pass */
+    int updated;             /* tensors updated this step */
+    int counted;             /* counted in the model's and context's children */
+};
+
+#define ROWS_CHUNK 16
 
 void mt_trainer_config_init(mt_trainer_config *c)
 {
@@ -68,58 +82,115 @@ void mt_trainer_config_init(mt_trainer_config *c)
     c->max_batch = 32;
     c->optimizer = MT_OPT_SGD;
     c->lr = 0.1f;
+    c->decay_1d = 1;
+    c->beta1 = 0.9f;
+    c->beta2 = 0.999f;
+    c->eps = 1e-8f;
+    c->min_8bit_size = 4096;
+    c->adafactor = (mt_adafactor_config){.eps1 = 1e-30f,
+                                         .eps2 = 1e-3f,
+                                         .clip_threshold = 1.0f,
+                                         .decay_rate = -0.8f,
+                                         .beta1 = 0.0f,
+                                         .scale_parameter = 1,
+                                         .relative_step = 1,
+                                         .warmup_init = 0};
     c->precision = MT_PREC_FP32;
     c->loss_scale.dynamic = 1;
     c->loss_scale.init_scale = 65536.0f;
     c->loss_scale.growth_factor = 2.0;
     c->loss_scale.backoff_factor = 0.5;
     c->loss_scale.growth_interval = 2000;
+    c->recompute_every = 2;
 }
 
-static mt_status check_config(mt_context *ctx, const mt_trainer_config *c)
+static bool in01(float x) { return isfinite(x) && x >= 0.0f && x < 1.0f; }
+
+#define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
+
+static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
 {
     const char *fn = "mt_trainer_create";
     if (c->struct_size != sizeof *c)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                        "%s: cfg->struct_size %u, expected %zu (call mt_trainer_config_init first)",
-                        fn, c->struct_size, sizeof *c);
+        BAD("%s: cfg->struct_size %u, expected %zu (call mt_trainer_config_init first)", fn,
+            c->struct_size, sizeof *c);
     if (c->max_batch < 1 || c->max_batch > (1 << 24))
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->max_batch %d out of range 1..2^24", fn,
-                        c->max_batch);
-    if (c->optimizer != MT_OPT_SGD)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->optimizer %d is not a known optimizer",
-                        fn, (int)c->optimizer);
-    if (!isfinite(c->lr) || c->lr < 0.0f)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->lr %g must be finite and >= 0", fn,
-                        (double)c->lr);
-    if (!isfinite(c->momentum) || c->momentum < 0.0f || c->momentum >= 1.0f)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->momentum %g out of range [0, 1)", fn,
-                        (double)c->momentum);
+        BAD("%s: cfg->max_batch %d out of range 1..2^24", fn, c->max_batch);
+    if (c->micro_batch < 0 || c->micro_batch > c->max_batch)
+        BAD("%s: cfg->micro_batch %d out of range 0..max_batch (%d)", fn, c->micro_batch,
+            c->max_batch);
+    if (m->input == MT_INPUT_TOKENS && (c->max_seq < 0 || c->max_seq > m->max_seq))
+        BAD("%s: cfg->max_seq %d out of range 0..%d (the model's)", fn, c->max_seq, m->max_seq);
+    if (c->optimizer < MT_OPT_SGD || c->optimizer > MT_OPT_ADAFACTOR)
+        BAD("%s: cfg->optimizer %d is not a known optimizer", fn, (int)c->optimizer);
+    if (!isfinite(c->lr) || c->lr < 0.0f) BAD("%s: cfg->lr %g must be finite and >= 0", fn, (double)c->lr);
+    if (!in01(c->momentum)) BAD("%s: cfg->momentum %g out of range [0, 1)", fn, (double)c->momentum);
+    if (!in01(c->dampening)) BAD("%s: cfg->dampening %g out of range [0, 1)", fn, (double)c->dampening);
+    if (c->nesterov && (c->momentum <= 0.0f || c->dampening != 0.0f))
+        BAD("%s: cfg->nesterov needs momentum > 0 and dampening 0", fn);
     if (!isfinite(c->weight_decay) || c->weight_decay < 0.0f)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->weight_decay %g must be finite and >= 0",
-                        fn, (double)c->weight_decay);
+        BAD("%s: cfg->weight_decay %g must be finite and >= 0", fn, (double)c->weight_decay);
+    if (!in01(c->beta1) || !in01(c->beta2))
+        BAD("%s: cfg->beta1 %g and beta2 %g must be in [0, 1)", fn, (double)c->beta1,
+            (double)c->beta2);
+    if (!isfinite(c->eps) || c->eps <= 0.0f) BAD("%s: cfg->eps %g must be > 0", fn, (double)c->eps);
+    if (c->min_8bit_size < 0) BAD("%s: cfg->min_8bit_size %d must be >= 0", fn, c->min_8bit_size);
+    const mt_adafactor_config *af = &c->adafactor;
+    if (c->optimizer == MT_OPT_ADAFACTOR) {
+        if (!(af->eps1 >= 0.0f) || !(af->eps2 >= 0.0f) || !isfinite(af->eps1) || !isfinite(af->eps2))
+            BAD("%s: cfg->adafactor.eps1 and eps2 must be finite and >= 0", fn);
+        if (!(af->clip_threshold > 0.0f) || !isfinite(af->clip_threshold))
+            BAD("%s: cfg->adafactor.clip_threshold %g must be > 0", fn, (double)af->clip_threshold);
+        if (!(af->decay_rate < 0.0f) || !isfinite(af->decay_rate))
+            BAD("%s: cfg->adafactor.decay_rate %g must be < 0", fn, (double)af->decay_rate);
+        if (!in01(af->beta1)) BAD("%s: cfg->adafactor.beta1 %g out of range [0, 1)", fn, (double)af->beta1);
+        if (af->warmup_init && !af->relative_step)
+            BAD("%s: cfg->adafactor.warmup_init needs relative_step", fn);
+    }
+    if (c->n_overrides < 0 || (c->n_overrides > 0 && !c->overrides))
+        BAD("%s: cfg->n_overrides %d with overrides %s", fn, c->n_overrides,
+            c->overrides ? "set" : "NULL");
+    for (int i = 0; i < c->n_overrides; i++) {
+        const mt_param_override *o = &c->overrides[i];
+        if (!o->pattern) BAD("%s: cfg->overrides[%d].pattern is NULL", fn, i);
+        if (o->state_bits != 0 && o->state_bits != 8 && o->state_bits != 32)
+            BAD("%s: cfg->overrides[%d].state_bits %d must be 0, 8 or 32", fn, i, o->state_bits);
+        if (!isfinite(o->weight_decay) || !isfinite(o->lr_scale) || o->lr_scale < 0.0f)
+            BAD("%s: cfg->overrides[%d]: weight_decay and lr_scale must be finite, lr_scale >= 0",
+                fn, i);
+    }
+    if ((unsigned)c->lr_schedule > MT_LR_WARMUP_COSINE)
+        BAD("%s: cfg->lr_schedule %d is not a schedule", fn, (int)c->lr_schedule);
+    if (c->lr_schedule == MT_LR_WARMUP_COSINE &&
+        (c->warmup_steps < 0 || c->total_steps <= c->warmup_steps))
+        BAD("%s: cfg->warmup_steps %d and total_steps %d: need 0 <= warmup < total", fn,
+            c->warmup_steps, c->total_steps);
+    if (!(c->min_lr_ratio >= 0.0f && c->min_lr_ratio <= 1.0f))
+        BAD("%s: cfg->min_lr_ratio %g out of range [0, 1]", fn, (double)c->min_lr_ratio);
+    if (!isfinite(c->grad_clip) || c->grad_clip < 0.0f)
+        BAD("%s: cfg->grad_clip %g must be finite and >= 0", fn, (double)c->grad_clip);
     if ((unsigned)c->precision > MT_PREC_BF16)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->precision %d is not a precision", fn,
-                        (int)c->precision);
+        BAD("%s: cfg->precision %d is not a precision", fn, (int)c->precision);
     const mt_loss_scale_config *ls = &c->loss_scale;
     if (c->precision == MT_PREC_FP16) {
         if (!isfinite(ls->init_scale) || ls->init_scale <= 0.0f)
-            return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                            "%s: cfg->loss_scale.init_scale %g must be finite and > 0", fn,
-                            (double)ls->init_scale);
+            BAD("%s: cfg->loss_scale.init_scale %g must be finite and > 0", fn, (double)ls->init_scale);
         if (ls->dynamic && (!(ls->growth_factor > 1.0) || !isfinite(ls->growth_factor)))
-            return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                            "%s: cfg->loss_scale.growth_factor %g must be > 1", fn,
-                            ls->growth_factor);
+            BAD("%s: cfg->loss_scale.growth_factor %g must be > 1", fn, ls->growth_factor);
         if (ls->dynamic && !(ls->backoff_factor > 0.0 && ls->backoff_factor < 1.0))
-            return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                            "%s: cfg->loss_scale.backoff_factor %g must be in (0, 1)", fn,
-                            ls->backoff_factor);
+            BAD("%s: cfg->loss_scale.backoff_factor %g must be in (0, 1)", fn, ls->backoff_factor);
         if (ls->dynamic && ls->growth_interval < 1)
-            return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                            "%s: cfg->loss_scale.growth_interval %d must be >= 1", fn,
-                            ls->growth_interval);
+            BAD("%s: cfg->loss_scale.growth_interval %d must be >= 1", fn, ls->growth_interval);
     }
+    if ((unsigned)c->recompute > MT_RECOMPUTE_SELECTIVE)
+        BAD("%s: cfg->recompute %d is not a recompute policy", fn, (int)c->recompute);
+    if (c->recompute == MT_RECOMPUTE_EVERY_K && c->recompute_every < 1)
+        BAD("%s: cfg->recompute_every %d must be >= 1", fn, c->recompute_every);
+    if (c->fused_step && c->micro_batch && c->micro_batch < c->max_batch)
+        BAD("%s: cfg->fused_step cannot combine with gradient accumulation (micro_batch %d < "
+            "max_batch %d): the fused step frees each gradient as soon as it is final, and "
+            "accumulation must keep them across micro-batches",
+            fn, c->micro_batch, c->max_batch);
     return MT_OK;
 }
 
@@ -145,34 +216,35 @@ static mt_status to_mixed(mt_trainer *t)
     mt_model *m = t->model;
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
-    mti_tensor master[MTI_MAX_PARAMS], half[MTI_MAX_PARAMS];
-    memset(master, 0, sizeof master);
-    memset(half, 0, sizeof half);
+    mti_tensor *tmp = calloc(2 * (size_t)m->n_param, sizeof *tmp);
+    if (!tmp) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    mti_tensor *master = tmp, *half = tmp + m->n_param;
     mt_status s = MT_OK;
-    for (int i = 0; i < m->n_tensors && !s; i++) {
-        const mti_tensor *p = &m->params[i];
-        master[i] = like(p, MTI_F32);
-        half[i] = like(p, t->dt);
-        size_t n = (size_t)mti_tensor_numel(p);
-        if ((s = mti_tensor_alloc(ctx, &master[i], MT_MEM_MASTER, MT_LIFE_PERSISTENT, TAG(1, 200 + i))) ||
-            (s = ctx->dev->copy_d2d(ctx->dev, master[i].blk.ptr, p->blk.ptr, n * sizeof(float))) ||
-            (s = mti_tensor_alloc(ctx, &half[i], MT_MEM_PARAM, MT_LIFE_PERSISTENT, ((uint64_t)1 << 32) | (uint64_t)i)) ||
-            (s = ctx->ops->cast(&k, half[i].blk.ptr, t->dt, master[i].blk.ptr, MTI_F32, n,
+    for (int i = 0; i < m->n_param && !s; i++) {
+        mti_param *p = &m->params[i];
+        master[i] = like(&p->w, MTI_F32);
+        half[i] = like(&p->w, t->dt);
+        if ((s = mti_tensor_alloc(ctx, &master[i], MT_MEM_MASTER, MT_LIFE_PERSISTENT,
+                                  TAG(1, 200000 + (uint64_t)i))) ||
+            (s = ctx->dev->copy_d2d(ctx->dev, master[i].blk.ptr, p->w.blk.ptr, p->numel * 4)) ||
+            (s = mti_tensor_alloc(ctx, &half[i], MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                  TAG(1, (uint64_t)i))) ||
+            (s = ctx->ops->cast(&k, half[i].blk.ptr, t->dt, master[i].blk.ptr, MTI_F32, p->numel,
                                 MTI_ROUND_NEAREST, 0)))
             break;
     }
     if (s) {
-        for (int i = 0; i < m->n_tensors; i++) {
-            mti_tensor_free(ctx, &master[i]);
-            mti_tensor_free(ctx, &half[i]);
-        }
+        for (int i = 0; i < 2 * m->n_param; i++) mti_tensor_free(ctx, &tmp[i]);
+        free(tmp);
         return s;
     }
-    for (int i = 0; i < m->n_tensors; i++) {
-        mti_tensor_free(ctx, &m->params[i]);
-        m->params[i] = half[i];
-        m->master[i] = master[i];
+    for (int i = 0; i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
+        mti_tensor_free(ctx, &p->w);
+        p->w = half[i];
+        p->master = master[i];
     }
+    free(tmp);
     m->has_master = true;
     return MT_OK;
 }
@@ -183,33 +255,195 @@ static void from_mixed(mt_trainer *t)
 {
     mt_model *m = t->model;
     mt_context *ctx = t->ctx;
-    for (int i = 0; i < m->n_tensors; i++) {
-        mti_tensor_free(ctx, &m->params[i]);
-        mti_tensor p = like(&m->master[i], MTI_F32);
-        size_t bytes = mti_tensor_bytes(&p);
-        if (mti_tensor_alloc(ctx, &p, MT_MEM_PARAM, MT_LIFE_PERSISTENT, ((uint64_t)1 << 32) | (uint64_t)i) == MT_OK &&
-            ctx->dev->copy_d2d(ctx->dev, p.blk.ptr, m->master[i].blk.ptr, bytes) == MT_OK) {
-            mti_tensor_free(ctx, &m->master[i]);
-            m->params[i] = p;
+    for (int i = 0; i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
+        mti_tensor_free(ctx, &p->w);
+        mti_tensor w = like(&p->master, MTI_F32);
+        if (mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i)) == MT_OK &&
+            ctx->dev->copy_d2d(ctx->dev, w.blk.ptr, p->master.blk.ptr, p->numel * 4) == MT_OK) {
+            mti_tensor_free(ctx, &p->master);
+            p->w = w;
         } else {
-            mti_tensor_free(ctx, &p);
-            m->params[i] = m->master[i];
-            memset(&m->master[i], 0, sizeof m->master[i]);
+            mti_tensor_free(ctx, &w);
+            p->w = p->master;
+            memset(&p->master, 0, sizeof p->master);
         }
     }
     m->has_master = false;
 }
 
+/* ---- optimizer state ---- */
+
+static const mt_param_override *override_of(const mt_trainer *t, const char *name)
+{
+    for (int i = 0; i < t->cfg.n_overrides; i++)
+        if (fnmatch(t->overrides[i].pattern, name, 0) == 0) return &t->overrides[i];
+    return NULL;
+}
+
+static mt_status state_tensor(mt_trainer *t, mti_tensor *st, mti_dtype dt, int64_t n, int pi, int j,
+                              int fill)
+{
+    *st = (mti_tensor){.dtype = dt, .ndim = 1, .shape = {n}};
+    mt_status s = mti_tensor_alloc(t->ctx, st, MT_MEM_OPTIM, MT_LIFE_PERSISTENT,
+                                   TAG(1, 100000 + 4 * (uint64_t)pi + (uint64_t)j));
+    if (!s) s = t->ctx->dev->memset8(t->ctx->dev, st->blk.ptr, fill, st->blk.bytes);
+    return s;
+}
+
+static mt_status make_state(mt_trainer *t)
+{
+    const mt_trainer_config *c = &t->cfg;
+    mt_model *m = t->model;
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        const mti_param *p = &m->params[i];
+        pstate *ps = &t->ps[i];
+        const mt_param_override *o = override_of(t, p->name);
+        ps->wd = (c->decay_1d || p->ndim >= 2) ? c->weight_decay : 0.0f;
+        ps->lr_scale = 1.0f;
+        if (o && o->weight_decay >= 0.0f) ps->wd = o->weight_decay;
+        if (o && o->lr_scale > 0.0f) ps->lr_scale = o->lr_scale;
+        ps->bits = 32;
+        int64_t n = (int64_t)p->numel;
+        switch (c->optimizer) {
+        case MT_OPT_SGD:
+            if (c->momentum > 0.0f) s = state_tensor(t, &ps->s[0], MTI_F32, n, i, 0, 0);
+            break;
+        case MT_OPT_ADAMW8:
+        case MT_OPT_ADAMW: {
+            bool eight = c->optimizer == MT_OPT_ADAMW8 && !p->force32 && n >= c->min_8bit_size;
+            if (c->optimizer == MT_OPT_ADAMW8 && o && o->state_bits) eight = o->state_bits == 8;
+            if (eight) {
+                int64_t nb = (n + MTI_Q8_BLOCK - 1) / MTI_Q8_BLOCK;
+                ps->bits = 8;
+                s = state_tensor(t, &ps->s[0], MTI_U8, n, i, 0, mti_q8_zero_code(1));
+                if (!s) s = state_tensor(t, &ps->s[1], MTI_U8, n, i, 1, mti_q8_zero_code(0));
+                if (!s) s = state_tensor(t, &ps->s[2], MTI_F32, nb, i, 2, 0);
+                if (!s) s = state_tensor(t, &ps->s[3], MTI_F32, nb, i, 3, 0);
+            } else {
+                s = state_tensor(t, &ps->s[0], MTI_F32, n, i, 0, 0);
+                if (!s) s = state_tensor(t, &ps->s[1], MTI_F32, n, i, 1, 0);
+            }
+            break;
+        }
+        case MT_OPT_ADAFACTOR:
+            ps->factored = p->ndim == 2;
+            if (ps->factored) {
+                s = state_tensor(t, &ps->s[0], MTI_F32, p->shape[0], i, 0, 0);
+                if (!s) s = state_tensor(t, &ps->s[1], MTI_F32, p->shape[1], i, 1, 0);
+            } else {
+                s = state_tensor(t, &ps->s[2], MTI_F32, n, i, 2, 0);
+            }
+            if (!s && c->adafactor.beta1 > 0.0f) s = state_tensor(t, &ps->s[3], MTI_F32, n, i, 3, 0);
+            break;
+        }
+    }
+    return s;
+}
+
+/* The learning rate of optimizer step `step` (from 0). */
+static float lr_at(const mt_trainer_config *c, uint64_t step)
+{
+    if (c->lr_schedule != MT_LR_WARMUP_COSINE) return c->lr;
+    double lr = c->lr, lo = c->lr * (double)c->min_lr_ratio;
+    if (step < (uint64_t)c->warmup_steps) return (float)(lr * (double)(step + 1) / c->warmup_steps);
+    if (step >= (uint64_t)c->total_steps) return (float)lo;
+    double r = (double)(step - (uint64_t)c->warmup_steps) / (double)(c->total_steps - c->warmup_steps);
+    return (float)(lo + 0.5 * (1.0 + cos(M_PI * r)) * (lr - lo));
+}
+
+/* Updates parameter i from its gradient times grad_scale. */
+static mt_status update_param(mt_trainer *t, int i, float grad_scale)
+{
+    mt_model *m = t->model;
+    const mt_trainer_config *c = &t->cfg;
+    const mti_kctx k = {t->ctx, t->ctx->dev};
+    const mti_ops *op = t->ctx->ops;
+    mti_param *p = &m->params[i];
+    pstate *ps = &t->ps[i];
+    float *w = mti_param_fp32(m, i)->blk.ptr;
+    void *pc = m->has_master ? p->w.blk.ptr : NULL;
+    const float *g = t->E.grad[i].blk.ptr;
+    float lr = t->lr * ps->lr_scale;
+    int64_t step = (int64_t)t->opt_steps + 1;
+    switch (c->optimizer) {
+    case MT_OPT_SGD: {
+        mti_sgd_args a = {.lr = lr,
+                          .momentum = c->momentum,
+                          .dampening = c->dampening,
+                          .weight_decay = ps->wd,
+                          .nesterov = c->nesterov,
+                          .first_step = t->opt_steps == 0,
+                          .grad_scale = grad_scale};
+        return op->sgd(&k, w, g, ps->s[0].blk.ptr, pc, t->dt, p->numel, &a);
+    }
+    case MT_OPT_ADAMW:
+    case MT_OPT_ADAMW8: {
+        mti_adamw_args a = {.lr = lr,
+                            .beta1 = c->beta1,
+                            .beta2 = c->beta2,
+                            .eps = c->eps,
+                            .weight_decay = ps->wd,
+                            .step = step,
+                            .grad_scale = grad_scale};
+        if (ps->bits == 8) {
+            if (!op->adamw8)
+                return mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "8-bit AdamW is not in the %s op table",
+                                op->name);
+            return op->adamw8(&k, w, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
+                              ps->s[3].blk.ptr, pc, t->dt, p->numel, &a);
+        }
+        return op->adamw(&k, w, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, pc, t->dt, p->numel, &a);
+    }
+    case MT_OPT_ADAFACTOR: {
+        if (!op->adafactor)
+            return mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "Adafactor is not in the %s op table",
+                            op->name);
+        const mt_adafactor_config *af = &c->adafactor;
+        mti_adafactor_args a = {.lr = lr,
+                                .eps1 = af->eps1,
+                                .eps2 = af->eps2,
+                                .clip_threshold = af->clip_threshold,
+                                .decay_rate = af->decay_rate,
+                                .beta1 = af->beta1,
+                                .weight_decay = ps->wd,
+                                .scale_parameter = af->scale_parameter,
+                                .relative_step = af->relative_step,
+                                .warmup_init = af->warmup_init,
+                                .step = step,
+                                .grad_scale = grad_scale};
+        int64_t rows = ps->factored ? p->shape[0] : 1, cols = ps->factored ? p->shape[1] : (int64_t)p->numel;
+        return op->adafactor(&k, w, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
+                             ps->s[3].blk.ptr, pc, t->dt, rows, cols, ps->factored, &a);
+    }
+    }
+    return MT_ERR_INTERNAL;
+}
+
+/* ---- create / destroy ---- */
+
 void mt_trainer_destroy(mt_trainer *t)
 {
     if (!t) return;
-    for (int i = 0; i < t->model->n_tensors; i++) mti_tensor_free(t->ctx, &t->momentum[i]);
+    mti_engine_free(&t->E);
+    if (t->ps)
+        for (int i = 0; i < t->model->n_param; i++)
+            for (int j = 0; j < 4; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
     mti_tensor_free(t->ctx, &t->found_inf);
+    mti_tensor_free(t->ctx, &t->sumsq);
     if (t->model->has_master) from_mixed(t);
+    if (t->patterns)
+        for (int i = 0; i < t->cfg.n_overrides; i++) free(t->patterns[i]);
+    free(t->patterns);
+    free(t->overrides);
+    free(t->ps);
     free(t->host_losses);
-    free(t->host_logits);
-    atomic_fetch_sub(&t->model->n_trainers, 1);
-    atomic_fetch_sub(&t->ctx->n_children, 1);
+    free(t->host_rows);
+    if (t->counted) {
+        atomic_fetch_sub(&t->model->n_trainers, 1);
+        atomic_fetch_sub(&t->ctx->n_children, 1);
+    }
     free(t);
 }
 
@@ -220,53 +454,68 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!cfg || !out)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trainer_create: %s is NULL",
                         cfg ? "out" : "cfg");
-    mt_status s = check_config(ctx, cfg);
+    mt_status s = check_config(ctx, m, cfg);
     if (s) return s;
     if (!ctx->ops)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "mt_trainer_create: %s has no kernels in this build or driver",
                         ctx->dev->name);
+    if (cfg->optimizer == MT_OPT_ADAFACTOR && !ctx->ops->adafactor)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED, "mt_trainer_create: Adafactor is not in the %s op table",
+                        ctx->ops->name);
+    if (cfg->optimizer == MT_OPT_ADAMW8 && !ctx->ops->adamw8)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "mt_trainer_create: 8-bit AdamW is not in the %s op table", ctx->ops->name);
     if (atomic_load(&m->n_trainers))
         return mti_fail(ctx, MT_ERR_STATE,
                         "mt_trainer_create: the model already has a trainer; destroy it first");
     mt_trainer *t = calloc(1, sizeof *t);
-    int classes = m->mlp.dims[m->mlp.n_layers];
-    if (t) {
-        t->host_losses = malloc((size_t)cfg->max_batch * sizeof(float));
-        t->host_logits = malloc((size_t)cfg->max_batch * (size_t)classes * sizeof(float));
-    }
-    if (!t || !t->host_losses || !t->host_logits) {
-        if (t) {
-            free(t->host_losses);
-            free(t->host_logits);
-        }
-        free(t);
-        return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
-    }
+    if (!t) return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     t->model = m;
     t->ctx = ctx;
     t->cfg = *cfg;
+    t->cfg.overrides = NULL;
     t->dt = dtype_of(cfg->precision);
+    t->micro = cfg->micro_batch ? cfg->micro_batch : cfg->max_batch;
+    t->max_seq = m->input == MT_INPUT_TOKENS ? (cfg->max_seq ? cfg->max_seq : m->max_seq) : 1;
+    t->last_norm = -1.0f;
+    atomic_fetch_add(&m->n_trainers, 1);
+    atomic_fetch_add(&ctx->n_children, 1);
+    t->counted = 1;
+    bool host_ok = true;
+    t->ps = calloc((size_t)m->n_param, sizeof *t->ps);
+    t->host_losses = malloc((size_t)t->micro * (size_t)t->max_seq * sizeof(float));
+    t->host_rows = malloc((size_t)ROWS_CHUNK * (size_t)m->out_width * sizeof(float));
+    host_ok = t->ps && t->host_losses && t->host_rows;
+    if (host_ok && cfg->n_overrides) {
+        t->overrides = calloc((size_t)cfg->n_overrides, sizeof *t->overrides);
+        t->patterns = calloc((size_t)cfg->n_overrides, sizeof *t->patterns);
+        host_ok = t->overrides && t->patterns;
+        for (int i = 0; host_ok && i < cfg->n_overrides; i++) {
+            t->overrides[i] = cfg->overrides[i];
+            t->patterns[i] = strdup(cfg->overrides[i].pattern);
+            t->overrides[i].pattern = t->patterns[i];
+            host_ok = t->patterns[i] != NULL;
+        }
+        t->cfg.overrides = t->overrides;
+    }
+    if (!host_ok) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     const mt_loss_scale_config *ls = &cfg->loss_scale;
     if (cfg->precision == MT_PREC_FP16)
         mti_scaler_init(&t->scaler, ls->init_scale, ls->growth_factor, ls->backoff_factor,
                         ls->growth_interval, ls->dynamic);
     else
         mti_scaler_init(&t->scaler, 1.0f, 2.0, 0.5, 1, 0);
-    atomic_fetch_add(&m->n_trainers, 1);
-    atomic_fetch_add(&ctx->n_children, 1);
-    if (t->dt != MTI_F32) s = to_mixed(t);
-    if (!s && cfg->momentum > 0.0f) {
-        for (int i = 0; i < m->n_tensors && !s; i++) {
-            mti_tensor *mo = &t->momentum[i];
-            *mo = like(&m->params[i], MTI_F32);
-            s = mti_tensor_alloc(ctx, mo, MT_MEM_OPTIM, MT_LIFE_PERSISTENT, TAG(1, 100 + i));
-            if (!s) s = mti_tensor_zero(ctx, mo);
-        }
-    }
+    if (!s) s = mti_engine_init(&t->E, m, t->dt, cfg->recompute, cfg->recompute_every);
+    if (!s && t->dt != MTI_F32) s = to_mixed(t);
+    if (!s) s = make_state(t);
     if (!s && cfg->precision == MT_PREC_FP16) {
         t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {1}};
         s = mti_tensor_alloc(ctx, &t->found_inf, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 2));
+    }
+    if (!s && cfg->grad_clip > 0.0f) {
+        t->sumsq = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->n_param}};
+        s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 3));
     }
     if (s) {
         char msg[MTI_ERR_LEN];
@@ -279,6 +528,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
 }
 
 uint64_t mt_trainer_steps(const mt_trainer *t) { return t ? t->steps : 0; }
+
+float mt_trainer_lr(const mt_trainer *t) { return t ? lr_at(&t->cfg, t->opt_steps) : 0.0f; }
+
+float mt_trainer_last_grad_norm(const mt_trainer *t) { return t ? t->last_norm : -1.0f; }
 
 mt_status mt_trainer_get_loss_scale(const mt_trainer *t, mt_loss_scale_state *out)
 {
@@ -325,298 +578,312 @@ static void reset_all(mt_context *ctx, mt_scope scope)
     for (int i = 0; i < ctx->n_inst; i++) mt_allocator_reset(ctx->inst[i], scope);
 }
 
-static void step_release(mt_context *ctx, step_state *st)
-{
-    mti_tensor_free(ctx, &st->x);
-    mti_tensor_free(ctx, &st->y);
-    mti_tensor_free(ctx, &st->losses);
-    mti_tensor_free(ctx, &st->d);
-    for (int i = 0; i < MT_MLP_MAX_LAYERS; i++) {
-        mti_tensor_free(ctx, &st->h[i]);
-        mti_tensor_free(ctx, &st->a[i]);
-    }
-    for (int i = 0; i < MTI_MAX_PARAMS; i++) mti_tensor_free(ctx, &st->g[i]);
-}
-
-static mt_status new_tensor(mt_context *ctx, mti_tensor *t, mti_dtype dt, int64_t rows,
-                            int64_t cols, mt_mem_class c, mt_lifetime life, uint64_t tag)
-{
-    *t = (mti_tensor){.dtype = dt, .ndim = cols ? 2 : 1, .shape = {rows, cols}};
-    return mti_tensor_alloc(ctx, t, c, life, tag);
-}
-
 static mt_status check_batch(mt_trainer *t, const mt_batch *b, const char *fn)
 {
     mt_context *ctx = t->ctx;
+    const mt_model *m = t->model;
     if (!b) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch is NULL", fn);
     if (b->n < 1 || b->n > t->cfg.max_batch)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch->n %d out of range 1..%d (max_batch)",
                         fn, b->n, t->cfg.max_batch);
-    if (!b->inputs || !b->targets)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch->%s is NULL", fn,
-                        b->inputs ? "targets" : "inputs");
-    int classes = t->model->mlp.dims[t->model->mlp.n_layers];
-    for (int i = 0; i < b->n; i++)
-        if (b->targets[i] < 0 || b->targets[i] >= classes)
+    if (!b->targets) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch->targets is NULL", fn);
+    size_t T = 1;
+    if (m->input == MT_INPUT_TOKENS) {
+        if (!b->tokens)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch->tokens is NULL (a token model)", fn);
+        if (b->seq_len < 1 || b->seq_len > t->max_seq)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch->seq_len %d out of range 1..%d", fn,
+                            b->seq_len, t->max_seq);
+        T = (size_t)b->seq_len;
+        for (size_t i = 0; i < (size_t)b->n * T; i++)
+            if (b->tokens[i] < 0 || b->tokens[i] >= m->vocab)
+                return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                                "%s: batch->tokens[%zu] = %d out of range 0..%d", fn, i,
+                                (int)b->tokens[i], m->vocab - 1);
+    } else if (!b->inputs) {
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: batch->inputs is NULL", fn);
+    }
+    for (size_t i = 0; i < (size_t)b->n * T; i++)
+        if (b->targets[i] < 0 || b->targets[i] >= m->classes)
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                            "%s: batch->targets[%d] = %d out of range 0..%d", fn, i,
-                            (int)b->targets[i], classes - 1);
+                            "%s: batch->targets[%zu] = %d out of range 0..%d", fn, i,
+                            (int)b->targets[i], m->classes - 1);
     return MT_OK;
 }
 
-/* The output of hidden layer l after its activation. */
-static mti_tensor *act_out(const mt_model *m, step_state *st, int l)
+/* fp16: gradient i unscaled in place and checked (the flag accumulates). */
+static mt_status unscale(mt_trainer *t, int i)
 {
-    return m->mlp.activation == MT_ACT_RELU ? &st->h[l] : &st->a[l];
-}
-
-/* The batch in, forward through every layer; logits in st->h[L-1]. */
-static mt_status forward(mt_trainer *t, const mt_batch *b, step_state *st)
-{
-    mt_context *ctx = t->ctx;
-    const mt_model *m = t->model;
-    const mti_ops *op = ctx->ops;
-    const mti_kctx k = {ctx, ctx->dev};
-    const int L = m->mlp.n_layers, N = b->n;
-    const int *dims = m->mlp.dims;
-    const mti_dtype dt = t->dt;
-    mt_status s;
-    TRY(new_tensor(ctx, &st->x, MTI_F32, N, dims[0], MT_MEM_IO, MT_LIFE_STEP, TAG(0, 0)));
-    TRY(mti_tensor_upload(ctx, &st->x, b->inputs, (size_t)N * dims[0] * sizeof(float)));
-    if (dt != MTI_F32) { /* the inputs in the compute dtype */
-        mti_tensor x32 = st->x;
-        s = new_tensor(ctx, &st->x, dt, N, dims[0], MT_MEM_IO, MT_LIFE_STEP, TAG(0, 2));
-        if (!s)
-            s = op->cast(&k, st->x.blk.ptr, dt, x32.blk.ptr, MTI_F32, (size_t)N * dims[0],
-                         MTI_ROUND_NEAREST, 0);
-        mti_tensor_free(ctx, &x32);
-        if (s) return s;
-    }
-    TRY(new_tensor(ctx, &st->y, MTI_I32, N, 0, MT_MEM_IO, MT_LIFE_STEP, TAG(0, 1)));
-    TRY(mti_tensor_upload(ctx, &st->y, b->targets, (size_t)N * sizeof(int32_t)));
-    for (int l = 0; l < L; l++) {
-        const void *in = l == 0 ? st->x.blk.ptr : act_out(m, st, l - 1)->blk.ptr;
-        mt_mem_class c = l == L - 1 ? MT_MEM_IO : MT_MEM_ACT; /* the logits are IO */
-        TRY(new_tensor(ctx, &st->h[l], dt, N, dims[l + 1], c, MT_LIFE_STEP, TAG(2 + l, 0)));
-        void *h = st->h[l].blk.ptr;
-        TRY(op->matmul_fwd(&k, h, in, m->params[2 * l].blk.ptr, m->params[2 * l + 1].blk.ptr, N,
-                           dims[l], dims[l + 1], dt));
-        if (l == L - 1) break;
-        size_t n = (size_t)N * dims[l + 1];
-        if (m->mlp.activation == MT_ACT_RELU) {
-            TRY(op->relu_fwd(&k, h, h, n, dt)); /* in place: the backward needs only the output */
-        } else {
-            TRY(new_tensor(ctx, &st->a[l], dt, N, dims[l + 1], MT_MEM_ACT, MT_LIFE_STEP,
-                           TAG(2 + l, 1)));
-            TRY(op->gelu_fwd(&k, st->a[l].blk.ptr, h, n, dt));
-        }
-    }
-    return new_tensor(ctx, &st->losses, MTI_F32, N, 0, MT_MEM_IO, MT_LIFE_STEP, TAG(1, 1));
-}
-
-/* Mean of the host copy of the losses, summed in a fixed order. */
-static float mean_loss(mt_trainer *t, const step_state *st, int n, mt_status *s)
-{
-    *s = mti_tensor_download(t->ctx, &st->losses, t->host_losses, (size_t)n * sizeof(float));
-    double sum = 0.0;
-    for (int i = 0; i < n && !*s; i++) sum += t->host_losses[i];
-    return (float)(sum / n);
-}
-
-/* From dlogits (in st->h[L-1]) back to the fp32 gradients of every weight. */
-static mt_status backward(mt_trainer *t, int N, step_state *st)
-{
-    mt_context *ctx = t->ctx;
-    const mt_model *m = t->model;
-    const mti_ops *op = ctx->ops;
-    const mti_kctx k = {ctx, ctx->dev};
-    const int L = m->mlp.n_layers;
-    const int *dims = m->mlp.dims;
-    const mti_dtype dt = t->dt;
-    mt_status s;
-    for (int l = L - 1; l >= 0; l--) {
-        mti_tensor *cur = l == L - 1 ? &st->h[L - 1] : &st->d; /* dy (N, dims[l+1]) */
-        const void *in = l == 0 ? st->x.blk.ptr : act_out(m, st, l - 1)->blk.ptr;
-        const mti_tensor *w = &m->params[2 * l], *bias = &m->params[2 * l + 1];
-        mti_tensor *gw = &st->g[2 * l], *gb = &st->g[2 * l + 1];
-        TRY(new_tensor(ctx, gw, MTI_F32, w->shape[0], w->shape[1], MT_MEM_GRAD, MT_LIFE_STEP,
-                       TAG(2 + l, 10)));
-        TRY(new_tensor(ctx, gb, MTI_F32, bias->shape[0], 0, MT_MEM_GRAD, MT_LIFE_STEP,
-                       TAG(2 + l, 11)));
-        TRY(mti_tensor_zero(ctx, gw)); /* weight gradients accumulate */
-        TRY(mti_tensor_zero(ctx, gb));
-        mti_tensor dx = {0};
-        if (l > 0)
-            TRY(new_tensor(ctx, &dx, dt, N, dims[l], MT_MEM_WORK, MT_LIFE_PHASE, TAG(2 + l, 12)));
-        s = op->matmul_bwd(&k, l > 0 ? dx.blk.ptr : NULL, gw->blk.ptr, gb->blk.ptr, cur->blk.ptr,
-                           in, w->blk.ptr, N, dims[l], dims[l + 1], dt, 0);
-        mti_tensor_free(ctx, cur); /* dy is done */
-        if (s) {
-            mti_tensor_free(ctx, &dx);
-            return s;
-        }
-        if (l == 0) break;
-        st->d = dx;
-        /* through the activation of layer l-1, in place */
-        size_t n = (size_t)N * dims[l];
-        if (m->mlp.activation == MT_ACT_RELU) {
-            TRY(op->relu_bwd(&k, st->d.blk.ptr, st->d.blk.ptr, st->h[l - 1].blk.ptr, n, dt));
-        } else {
-            TRY(op->gelu_bwd(&k, st->d.blk.ptr, st->d.blk.ptr, st->h[l - 1].blk.ptr, n, dt));
-            mti_tensor_free(ctx, &st->a[l - 1]);
-        }
-        mti_tensor_free(ctx, &st->h[l - 1]);
-    }
-    return MT_OK;
-}
-
-/* fp16: unscale every gradient and see whether one is not finite. */
-static mt_status unscale_and_check(mt_trainer *t, step_state *st, int *found)
-{
-    mt_context *ctx = t->ctx;
-    const mti_kctx k = {ctx, ctx->dev};
-    float inv = mti_scaler_inv(&t->scaler);
-    mt_status s;
-    TRY(mti_tensor_zero(ctx, &t->found_inf));
-    for (int i = 0; i < t->model->n_tensors; i++)
-        TRY(ctx->ops->unscale_check(&k, st->g[i].blk.ptr, (size_t)mti_tensor_numel(&st->g[i]), inv,
-                                    t->found_inf.blk.ptr));
-    int32_t flag = 0;
-    TRY(mti_tensor_download(ctx, &t->found_inf, &flag, sizeof flag));
-    *found = flag != 0;
-    return MT_OK;
-}
-
-/* The update, tensor by tensor. *updated counts the tensors already
- * changed when an op fails part-way (possible only on a device whose
- * launches can fail). */
-static mt_status optimizer_step(mt_trainer *t, step_state *st, int *updated)
-{
-    mt_model *m = t->model;
+    if (t->cfg.precision != MT_PREC_FP16) return MT_OK;
     const mti_kctx k = {t->ctx, t->ctx->dev};
-    const mti_sgd_args a = {.lr = t->cfg.lr,
-                            .momentum = t->cfg.momentum,
-                            .weight_decay = t->cfg.weight_decay,
-                            .first_step = t->opt_steps == 0,
-                            .grad_scale = 1.0f};
-    *updated = 0;
-    for (int i = 0; i < m->n_tensors; i++) {
-        mti_tensor *p = m->has_master ? &m->master[i] : &m->params[i];
-        void *pc = m->has_master ? m->params[i].blk.ptr : NULL;
-        float *mom = t->cfg.momentum > 0.0f ? t->momentum[i].blk.ptr : NULL;
-        mt_status s = t->ctx->ops->sgd(&k, p->blk.ptr, st->g[i].blk.ptr, mom, pc, t->dt,
-                                       (size_t)mti_tensor_numel(p), &a);
-        if (s) {
-            /* the momentum of the tensors done is initialised now */
-            if (i) t->opt_steps++;
-            return s;
-        }
-        *updated = i + 1;
-        mti_tensor_free(t->ctx, &st->g[i]); /* this gradient is done */
+    mti_tensor *g = &t->E.grad[i];
+    return t->ctx->ops->unscale_check(&k, g->blk.ptr, (size_t)mti_tensor_numel(g), t->inv,
+                                      t->found_inf.blk.ptr);
+}
+
+/* clipping: the sum of squares of gradient i into its slot */
+static mt_status sumsq(mt_trainer *t, int i)
+{
+    if (!(t->cfg.grad_clip > 0.0f)) return MT_OK;
+    const mti_kctx k = {t->ctx, t->ctx->dev};
+    mti_tensor *g = &t->E.grad[i];
+    return t->ctx->ops->sumsq(&k, (float *)t->sumsq.blk.ptr + i, g->blk.ptr,
+                              (size_t)mti_tensor_numel(g));
+}
+
+/* fused, first of two passes: check and measure each gradient, then drop it */
+static mt_status check_hook(void *user, int i)
+{
+    mt_trainer *t = user;
+    mt_status s = unscale(t, i);
+    if (!s) s = sumsq(t, i);
+    mti_tensor_free(t->ctx, &t->E.grad[i]);
+    return s;
+}
+
+/* fused: update as soon as the gradient is final, then drop it */
+static mt_status update_hook(void *user, int i)
+{
+    mt_trainer *t = user;
+    mt_status s = unscale(t, i);
+    if (!s) s = update_param(t, i, t->clip);
+    if (!s) t->updated++;
+    mti_tensor_free(t->ctx, &t->E.grad[i]);
+    return s;
+}
+
+/* After the checks of a step: found (fp16 overflow), and the clip factor
+ * from the per-tensor sums of squares, added in parameter order. A
+ * non-finite norm skips the step. */
+static mt_status finish_checks(mt_trainer *t, int *found)
+{
+    mt_status s;
+    *found = 0;
+    if (t->cfg.precision == MT_PREC_FP16) {
+        int32_t flag = 0;
+        TRY(mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag));
+        *found = flag != 0;
     }
-    t->opt_steps++;
+    t->clip = 1.0f;
+    t->last_norm = -1.0f;
+    if (t->cfg.grad_clip > 0.0f && !*found) {
+        int n = t->model->n_param;
+        float *h = malloc((size_t)n * sizeof *h);
+        if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+        s = mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h);
+        double sum = 0.0;
+        for (int i = 0; i < n; i++) sum += h[i];
+        free(h);
+        if (s) return s;
+        float norm = (float)sqrt(sum);
+        t->last_norm = norm;
+        if (!isfinite(norm)) {
+            *found = 1;
+        } else {
+            float coef = t->cfg.grad_clip / (norm + 1e-6f);
+            t->clip = coef < 1.0f ? coef : 1.0f;
+        }
+    }
     return MT_OK;
 }
 
-/* updated: weight tensors the optimizer had changed before it failed. */
-static mt_status step_failed(mt_trainer *t, step_state *st, const char *fn, mt_status s,
-                             int updated)
+static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
     char msg[MTI_ERR_LEN];
     snprintf(msg, sizeof msg, "%s", mt_last_error(t->ctx));
-    step_release(t->ctx, st);
+    mti_engine_release(&t->E);
+    mti_engine_free_grads(&t->E);
     reset_all(t->ctx, MT_SCOPE_STEP);
-    if (updated)
+    if (t->updated)
         return mti_fail(t->ctx, s,
                         "%s: %s (the update failed part-way: %d of %d weight tensors were "
                         "updated)",
-                        fn, msg, updated, t->model->n_tensors);
+                        fn, msg, t->updated, t->model->n_param);
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg);
+}
+
+/* Forward and backward of every micro-batch; gradients accumulate. With
+ * fused set, the update runs in backward. *mean gets the batch's loss. */
+static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, int *found, double *mean)
+{
+    mt_context *ctx = t->ctx;
+    mti_engine *E = &t->E;
+    const int T = t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1;
+    const double targets = (double)b->n * T;
+    const float dloss = (float)((double)t->scaler.scale / targets);
+    const bool two_pass = t->cfg.precision == MT_PREC_FP16 || t->cfg.grad_clip > 0.0f;
+    double sum = 0.0;
+    mt_status s;
+    *found = 0;
+    for (int r0 = 0; r0 < b->n; r0 += t->micro) {
+        int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
+        double part = 0.0;
+        TRY(mti_engine_forward(E, b, r0, rows, 0));
+        TRY(mti_engine_loss(E, dloss, 1));
+        TRY(mti_engine_loss_sum(E, t->host_losses, &part));
+        sum += part;
+        reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */
+        mti_engine_arm(E);
+        if (!fused) {
+            TRY(mti_engine_backward(E, 0, NULL, NULL));
+        } else if (!two_pass) {
+            TRY(mti_engine_backward(E, 0, update_hook, t));
+        } else {
+            if (t->cfg.precision == MT_PREC_FP16) TRY(mti_tensor_zero(ctx, &t->found_inf));
+            TRY(mti_engine_backward(E, 1, check_hook, t));
+            reset_all(ctx, MT_SCOPE_PHASE);
+            TRY(finish_checks(t, found));
+            if (!*found) {
+                mti_engine_arm(E);
+                TRY(mti_engine_backward(E, 0, update_hook, t));
+            }
+        }
+        mti_engine_release(E);
+        reset_all(ctx, MT_SCOPE_PHASE); /* end of backward */
+    }
+    *mean = sum / targets;
+    return MT_OK;
 }
 
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
 {
-    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_step: trainer is NULL");
-    mt_status s = check_batch(t, b, "mt_trainer_step");
+    const char *fn = "mt_trainer_step";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_status s = check_batch(t, b, fn);
     if (s) return s;
     mt_context *ctx = t->ctx;
-    const mti_kctx k = {ctx, ctx->dev};
     const mt_model *m = t->model;
-    const int L = m->mlp.n_layers, N = b->n, C = m->mlp.dims[L];
-    const bool scaled = t->cfg.precision == MT_PREC_FP16;
-    step_state st;
-    memset(&st, 0, sizeof st);
-
-    if ((s = forward(t, b, &st))) return step_failed(t, &st, "mt_trainer_step", s, 0);
-    /* loss, and dlogits in place of the logits: mean over the batch, times the loss scale */
-    void *logits = st.h[L - 1].blk.ptr;
-    s = ctx->ops->xent(&k, st.losses.blk.ptr, logits, logits, st.y.blk.ptr, N, C, C,
-                       t->scaler.scale / (float)N, t->dt);
-    float mean = 0.0f;
-    if (!s) mean = mean_loss(t, &st, N, &s);
-    if (s) return step_failed(t, &st, "mt_trainer_step", s, 0);
-    reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */
-
-    if ((s = backward(t, N, &st))) return step_failed(t, &st, "mt_trainer_step", s, 0);
-    reset_all(ctx, MT_SCOPE_PHASE); /* end of backward */
-
+    const bool fused = t->cfg.fused_step != 0;
+    t->lr = lr_at(&t->cfg, t->opt_steps);
+    t->inv = mti_scaler_inv(&t->scaler);
+    t->clip = 1.0f;
+    t->updated = 0;
     int found = 0;
-    if (scaled && (s = unscale_and_check(t, &st, &found)))
-        return step_failed(t, &st, "mt_trainer_step", s, 0);
-    int updated = 0;
-    if (!found && (s = optimizer_step(t, &st, &updated)))
-        return step_failed(t, &st, "mt_trainer_step", s, updated);
-    if (scaled) mti_scaler_update(&t->scaler, found);
+    double mean = 0.0;
+    if ((s = passes(t, b, fused, &found, &mean))) return step_failed(t, fn, s);
+    if (!fused) {
+        if (t->cfg.precision == MT_PREC_FP16 && (s = mti_tensor_zero(ctx, &t->found_inf)))
+            return step_failed(t, fn, s);
+        for (int i = 0; i < m->n_param && !s; i++) s = unscale(t, i);
+        for (int i = 0; i < m->n_param && !s; i++) s = sumsq(t, i);
+        if (!s) s = finish_checks(t, &found);
+        if (s) return step_failed(t, fn, s);
+        for (int i = 0; i < m->n_param && !found; i++) {
+            if ((s = update_param(t, i, t->clip))) {
+                if (t->updated) t->opt_steps++; /* some state has moved a step */
+                return step_failed(t, fn, s);
+            }
+            t->updated++;
+            mti_tensor_free(ctx, &t->E.grad[i]); /* this gradient is done */
+        }
+    }
+    if (t->cfg.precision == MT_PREC_FP16) mti_scaler_update(&t->scaler, found);
     if (found) t->steps_skipped++;
+    else t->opt_steps++;
     t->last_skipped = found;
-    step_release(ctx, &st);
+    mti_engine_free_grads(&t->E);
     reset_all(ctx, MT_SCOPE_STEP);
     t->steps++;
-    if (loss) *loss = mean;
+    if (loss) *loss = (float)mean;
     return MT_OK;
+}
+
+mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
+                               size_t n)
+{
+    const char *fn = "mt_trainer_gradients";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_status s = check_batch(t, b, fn);
+    if (s) return s;
+    mt_model *m = t->model;
+    if (!grads || n != m->n_params)
+        return mti_fail(t->ctx, MT_ERR_INVALID_ARG, "%s: grads is NULL or n %zu is not %zu", fn, n,
+                        m->n_params);
+    int found = 0;
+    double mean = 0.0;
+    t->inv = mti_scaler_inv(&t->scaler);
+    t->updated = 0;
+    if ((s = passes(t, b, false, &found, &mean))) return step_failed(t, fn, s);
+    for (int i = 0; i < m->n_param && !s; i++) {
+        mti_tensor *g;
+        s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
+        if (!s) s = unscale(t, i);
+        if (!s) s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
+                                        m->params[i].numel * sizeof(float));
+    }
+    if (s) return step_failed(t, fn, s);
+    mti_engine_free_grads(&t->E);
+    reset_all(t->ctx, MT_SCOPE_STEP);
+    if (loss) *loss = (float)mean;
+    return MT_OK;
+}
+
+/* Argmax over the real classes of each row of the logits; the rows are
+ * brought to the host ROWS_CHUNK at a time, as fp32. */
+static mt_status count_right(mt_trainer *t, const int32_t *targets, int *right)
+{
+    mt_context *ctx = t->ctx;
+    const mt_model *m = t->model;
+    const mti_kctx k = {ctx, ctx->dev};
+    mti_engine *E = &t->E;
+    const mti_tensor *lg = &E->bnd[m->n_layers];
+    const int W = m->out_width;
+    mt_status s = MT_OK;
+    mti_tensor f32 = {0};
+    if (t->dt != MTI_F32) {
+        f32 = (mti_tensor){.dtype = MTI_F32, .ndim = 2, .shape = {ROWS_CHUNK, W}};
+        TRY(mti_tensor_alloc(ctx, &f32, MT_MEM_IO, MT_LIFE_STEP, TAG(1, 4)));
+    }
+    for (int r0 = 0; r0 < E->N && !s; r0 += ROWS_CHUNK) {
+        int rows = E->N - r0 < ROWS_CHUNK ? E->N - r0 : ROWS_CHUNK;
+        size_t n = (size_t)rows * W;
+        if (t->dt != MTI_F32) {
+            s = ctx->ops->cast(&k, f32.blk.ptr, MTI_F32,
+                               (const char *)lg->blk.ptr + (size_t)r0 * W * mti_dtype_size(t->dt),
+                               t->dt, n, MTI_ROUND_NEAREST, 0);
+            if (!s) s = mti_tensor_download(ctx, &f32, t->host_rows, n * sizeof(float));
+        } else {
+            s = ctx->dev->copy_d2h(ctx->dev, t->host_rows,
+                                   (const float *)lg->blk.ptr + (size_t)r0 * W, n * sizeof(float));
+            if (!s) s = ctx->dev->sync(ctx->dev);
+        }
+        for (int r = 0; r < rows && !s; r++) {
+            const float *row = t->host_rows + (size_t)r * W;
+            int best = 0;
+            for (int j = 1; j < m->classes; j++)
+                if (row[j] > row[best]) best = j;
+            *right += best == targets[r0 + r];
+        }
+    }
+    mti_tensor_free(ctx, &f32);
+    return s;
 }
 
 mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *accuracy)
 {
-    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_eval: trainer is NULL");
-    mt_status s = check_batch(t, b, "mt_trainer_eval");
+    const char *fn = "mt_trainer_eval";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_status s = check_batch(t, b, fn);
     if (s) return s;
-    mt_context *ctx = t->ctx;
-    const mti_kctx k = {ctx, ctx->dev};
-    const mt_model *m = t->model;
-    const int L = m->mlp.n_layers, N = b->n, C = m->mlp.dims[L];
-    step_state st;
-    memset(&st, 0, sizeof st);
-    if ((s = forward(t, b, &st))) return step_failed(t, &st, "mt_trainer_eval", s, 0);
-    mti_tensor *lg = &st.h[L - 1];
-    s = ctx->ops->xent(&k, st.losses.blk.ptr, NULL, lg->blk.ptr, st.y.blk.ptr, N, C, C, 0.0f,
-                       t->dt);
-    float mean = 0.0f;
-    if (!s) mean = mean_loss(t, &st, N, &s);
-    if (!s && accuracy && t->dt != MTI_F32) { /* the logits as fp32, in the losses' stead */
-        mti_tensor_free(ctx, &st.losses);
-        s = new_tensor(ctx, &st.losses, MTI_F32, N, C, MT_MEM_IO, MT_LIFE_STEP, TAG(1, 3));
-        if (!s)
-            s = ctx->ops->cast(&k, st.losses.blk.ptr, MTI_F32, lg->blk.ptr, t->dt, (size_t)N * C,
-                               MTI_ROUND_NEAREST, 0);
-        lg = &st.losses;
+    mti_engine *E = &t->E;
+    const int T = t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1;
+    double sum = 0.0;
+    int right = 0;
+    t->updated = 0;
+    for (int r0 = 0; r0 < b->n && !s; r0 += t->micro) {
+        int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
+        double part = 0.0;
+        s = mti_engine_forward(E, b, r0, rows, 1); /* eval: keeps nothing */
+        if (!s) s = mti_engine_loss(E, 0.0f, 0);
+        if (!s) s = mti_engine_loss_sum(E, t->host_losses, &part);
+        if (!s && accuracy) s = count_right(t, b->targets + (size_t)r0 * T, &right);
+        sum += part;
+        mti_engine_release(E);
+        reset_all(t->ctx, MT_SCOPE_STEP);
     }
-    if (!s && accuracy)
-        s = mti_tensor_download(ctx, lg, t->host_logits, (size_t)N * C * sizeof(float));
-    if (s) return step_failed(t, &st, "mt_trainer_eval", s, 0);
-    if (accuracy) {
-        int right = 0;
-        for (int i = 0; i < N; i++) {
-            const float *row = t->host_logits + (size_t)i * C;
-            int best = 0;
-            for (int j = 1; j < C; j++)
-                if (row[j] > row[best]) best = j;
-            right += best == b->targets[i];
-        }
-        *accuracy = (float)right / (float)N;
-    }
-    if (loss) *loss = mean;
-    step_release(ctx, &st);
-    reset_all(ctx, MT_SCOPE_STEP);
+    if (s) return step_failed(t, fn, s);
+    double targets = (double)b->n * T;
+    if (loss) *loss = (float)(sum / targets);
+    if (accuracy) *accuracy = (float)((double)right / targets);
     return MT_OK;
 }

@@ -1195,3 +1195,113 @@ TEST(ops_optimizers)
     free(p0);
     close_tables();
 }
+
+/* ---- 8-bit AdamW and Adafactor: every table against the CPU's ----
+ * (their golden vectors, threads and edge cases are in test_optim.c).
+ * adamw8: the CUDA kernel makes the CPU's roundings in the CPU's order, so
+ * codes, absmax and parameters must be the same bits. Adafactor: its sums
+ * run in another order on the GPU, so the parameters may differ by a few
+ * fp32 roundings of the update: 2 ulps of the value plus 1e-4 of the
+ * element's total step plus 1e-5 of the largest; the state 1e-5 relative. */
+
+static void expect_near_step(const char *what, const float *got, const float *want,
+                             const float *p0, size_t n)
+{
+    double maxstep = 0;
+    for (size_t i = 0; i < n; i++) maxstep = fmax(maxstep, fabs((double)want[i] - p0[i]));
+    for (size_t i = 0; i < n; i++) {
+        double step = fabs((double)want[i] - p0[i]), w = fabs((double)want[i]);
+        double lim = 2.4e-7 * w + 1e-4 * step + 1e-5 * maxstep;
+        CHECK_MSG(fabs((double)got[i] - want[i]) <= lim, "%s: element %zu is %.9g, expected %.9g",
+                  what, i, got[i], want[i]);
+    }
+}
+
+TEST(ops_optimizers_8bit_adafactor)
+{
+    open_tables();
+    const size_t n = 30011, nb = (n + MTI_Q8_BLOCK - 1) / MTI_Q8_BLOCK;
+    float *p0 = randv(n, 1), *grads[3];
+    for (int s = 0; s < 3; s++) grads[s] = randv(n, 0.1f);
+    const float keep = grads[1][17];
+    grads[1][17] = NAN; /* a non-finite gradient: that element is skipped */
+    /* results of table 0 (the CPU), then of each other table */
+    float *ref_p = malloc(n * 4), *got_p = malloc(n * 4), *ref_am = malloc(nb * 8), *got_am = malloc(nb * 8);
+    uint8_t *ref_q = malloc(2 * n), *got_q = malloc(2 * n);
+    float *pc = malloc(n * 4), *pcw = malloc(n * 4);
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        float *P = put(t, p0, n, MTI_F32), *AM = dev_buf(t, NULL, nb * 4), *AV = dev_buf(t, NULL, nb * 4);
+        uint8_t *Q = dev_buf(t, NULL, 2 * n), *QM = Q, *QV = Q + n;
+        void *PC = dev_buf(t, NULL, n * 2);
+        uint8_t zero_m = mti_q8_zero_code(1);
+        CHECK_OK(t->ctx->dev->memset8(t->ctx->dev, QM, zero_m, n));
+        for (int s = 0; s < 3; s++) {
+            float *G = put(t, grads[s], n, MTI_F32);
+            mti_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                                .weight_decay = 0.1f, .step = s + 1, .grad_scale = 0.5f};
+            CHECK_OKC(t->ctx, t->ops->adamw8(&t->k, P, G, QM, QV, AM, AV, PC, MTI_BF16, n, &a));
+        }
+        float *P_ = ti ? got_p : ref_p, *A_ = ti ? got_am : ref_am;
+        uint8_t *Q_ = ti ? got_q : ref_q;
+        get(t, P_, P, n, MTI_F32);
+        dev_get(t, A_, AM, nb * 4);
+        dev_get(t, A_ + nb, AV, nb * 4);
+        dev_get(t, Q_, Q, 2 * n);
+        get(t, pc, PC, n, MTI_BF16);
+        for (size_t i = 0; i < n; i++) pcw[i] = round_to(P_[i], MTI_BF16);
+        CHECK_MSG(memcmp(pc, pcw, n * 4) == 0, "adamw8 %s: compute copy is not the masters rounded", t->name);
+        if (ti) {
+            CHECK_MSG(memcmp(got_p, ref_p, n * 4) == 0, "adamw8 %s: parameters differ from the CPU's", t->name);
+            CHECK_MSG(memcmp(got_q, ref_q, 2 * n) == 0, "adamw8 %s: codes differ from the CPU's", t->name);
+            CHECK_MSG(memcmp(got_am, ref_am, nb * 8) == 0, "adamw8 %s: absmax differs from the CPU's", t->name);
+        }
+        free_bufs(t);
+    }
+    grads[1][17] = keep;
+    /* Adafactor: factored (a matrix with partial tiles) and not, with a
+     * first moment and weight decay, relative step and parameter scale */
+    static const int64_t shapes[2][2] = {{97, 131}, {1, 5003}};
+    for (int f = 0; f < 2; f++) {
+        int64_t rows = shapes[f][0], cols = shapes[f][1];
+        size_t m = (size_t)(rows * cols);
+        float *ref_s = malloc((m + 4096) * 4), *got_s = malloc((m + 4096) * 4);
+        for (int ti = 0; ti < n_tabs; ti++) {
+            tab *t = &tabs[ti];
+            float *P = put(t, p0, m, MTI_F32), *M = dev_buf(t, NULL, m * 4);
+            float *R = dev_buf(t, NULL, (size_t)rows * 4), *C = dev_buf(t, NULL, (size_t)cols * 4);
+            float *V = dev_buf(t, NULL, m * 4);
+            for (int s = 0; s < 3; s++) {
+                float *G = put(t, grads[s], m, MTI_F32);
+                mti_adafactor_args a = {.eps1 = 1e-30f, .eps2 = 1e-3f, .clip_threshold = 1.0f,
+                                        .decay_rate = -0.8f, .beta1 = 0.9f, .weight_decay = 0.01f,
+                                        .scale_parameter = 1, .relative_step = 1, .step = s + 1,
+                                        .grad_scale = 2.0f};
+                CHECK_OKC(t->ctx, t->ops->adafactor(&t->k, P, G, f ? NULL : R, f ? NULL : C, f ? V : NULL,
+                                                    M, NULL, MTI_F32, rows, cols, !f, &a));
+            }
+            float *P_ = ti ? got_p : ref_p, *S_ = ti ? got_s : ref_s;
+            get(t, P_, P, m, MTI_F32);
+            get(t, S_, M, m, MTI_F32);
+            if (f) get(t, S_ + m, V, m < 4096 ? m : 4096, MTI_F32);
+            else {
+                get(t, S_ + m, R, (size_t)rows, MTI_F32);
+                get(t, S_ + m + (size_t)rows, C, (size_t)cols, MTI_F32);
+            }
+            if (ti) {
+                char what[64];
+                snprintf(what, sizeof what, "adafactor %s, %s", t->name, f ? "unfactored" : "factored");
+                expect_near_step(what, got_p, ref_p, p0, m);
+                size_t ns = f ? (m < 4096 ? m : 4096) : (size_t)(rows + cols);
+                expect_close(what, got_s + m, ref_s + m, ns, (tol){1e-5, 0});
+                expect_close(what, got_s, ref_s, m, (tol){1e-4, 1e-6});
+            }
+            free_bufs(t);
+        }
+        free(ref_s), free(got_s);
+    }
+    for (int s = 0; s < 3; s++) free(grads[s]);
+    free(p0), free(ref_p), free(got_p), free(ref_am), free(got_am), free(ref_q), free(got_q);
+    free(pc), free(pcw);
+    close_tables();
+}

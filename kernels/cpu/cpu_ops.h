@@ -71,4 +71,14 @@ mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, voi
 mt_status mti_cpu_adamw(const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
                         mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
 
+/* optim8.c: 8-bit blockwise AdamW */
+mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
+                         float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
+                         const mti_adamw_args *a);
+
+/* adafactor.c: Adafactor */
+mt_status mti_cpu_adafactor(const mti_kctx *k, float *p, const float *g, float *row, float *col,
+                            float *v, float *m, void *pc, mti_dtype pc_dt, int64_t rows,
+                            int64_t cols, int factored, const mti_adafactor_args *a);
+
 #endif /* MT_CPU_OPS_H */

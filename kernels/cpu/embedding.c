@@ -45,10 +45,14 @@ static void emb_row(void *out, size_t orow, const void *wte, size_t erow, const 
     for (size_t j = 0; j < c; j += CHUNK) {
         size_t m = min_sz(CHUNK, c - j);
         const float *e = stage_in(wte, dt, erow + j, m, eb);
-        const float *p = stage_in(wpe, dt, prow + j, m, pb);
         float *o = dt == MTI_F32 ? (float *)out + orow + j : ob;
+        if (wpe) {
+            const float *p = stage_in(wpe, dt, prow + j, m, pb);
 #pragma omp simd
-        for (size_t i = 0; i < m; i++) o[i] = e[i] + p[i];
+            for (size_t i = 0; i < m; i++) o[i] = e[i] + p[i];
+        } else if (o != e) {
+            memcpy(o, e, m * sizeof *o);
+        }
         if (dt != MTI_F32) mti_cpu_store_f32(out, dt, orow + j, ob, m);
     }
 }

@@ -46,6 +46,8 @@ static const mti_ops cpu_ops = {
     .sumsq = mti_cpu_sumsq,
     .sgd = mti_cpu_sgd,
     .adamw = mti_cpu_adamw,
+    .adamw8 = mti_cpu_adamw8,
+    .adafactor = mti_cpu_adafactor,
 };
 
 const mti_ops *mti_cpu_ops(void) { return &cpu_ops; }

@@ -22,6 +22,8 @@
  *   xent.cu         fused softmax cross-entropy
  *   reduce.cu       column sums and the sum of squares
  *   optim.cu        unscale + inf check, SGD, AdamW
+ *   optim8.cu       8-bit blockwise AdamW
+ *   adafactor.cu    Adafactor
  * GEMMs go through cuBLASLt from the host, not through kernels here.
  */
 
@@ -50,3 +52,5 @@ extern "C" __global__ void mt_axpy_f32(float *y, float a, const float *x, mt_ind
 #include "xent.cu"
 #include "reduce.cu"
 #include "optim.cu"
+#include "optim8.cu"
+#include "adafactor.cu"

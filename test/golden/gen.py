@@ -702,9 +702,31 @@ def case_sgd():
     gv.write()
 
 
+def manifest_sections():
+    """The sections of MANIFEST.txt, each opened by a line "# ..., written by
+    SCRIPT": {script: text}. Other generators (gen_gpt2.py, gen_optim.py)
+    keep their own sections; this script rewrites only its own."""
+    sections, cur = {}, None
+    path = os.path.join(OUT, "MANIFEST.txt")
+    if not os.path.exists(path):
+        return sections
+    with open(path) as fh:
+        for line in fh:
+            if line.startswith("# ") and ", written by " in line:
+                cur = line.rstrip("\n").rsplit(" ", 1)[-1]
+                sections[cur] = ""
+            if cur is not None:
+                sections[cur] += line
+    return sections
+
+
 def main():
-    for f in os.listdir(OUT):
-        if f.endswith(".gv"):
+    others = manifest_sections()
+    mine = others.pop("gen.py", "")
+    # remove the files this script wrote last time (and only those)
+    for line in mine.splitlines():
+        f = line.split(" ", 1)[0]
+        if f.endswith(".gv") and os.path.exists(os.path.join(OUT, f)):
             os.remove(os.path.join(OUT, f))
     case_casts()
     case_layernorm()
@@ -731,6 +753,8 @@ def main():
     lines += native_notes
     with open(os.path.join(OUT, "MANIFEST.txt"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
+        for text in others.values():
+            fh.write("\n" + text.rstrip("\n") + "\n")
     print("\n".join(lines))
     assert total < 1_500_000, total
 

@@ -1,0 +1,640 @@
+/*
+ * engine.c - the layers' forward and backward, and the passes over a
+ * model with activation recompute (see engine.h).
+ *
+ * Memory classes: boundaries and slots are ACT (lifetime STEP), except the
+ * input and the logits (IO); the gradient flowing back and the gradients of
+ * activations inside a block are WORK (lifetime PHASE); parameter
+ * gradients GRAD (STEP). Everything is freed as soon as nothing needs it.
+ *
+ * A BLOCK's slots (N rows of width C, dt unless said):
+ *   0 ln1 (N,C)   1 ln1 mean (N) fp32   2 ln1 rstd (N) fp32   3 qkv (N,3C)
+ *   4 att out (N,C)   5 lse (B,H,T) fp32   6 res2 = x + attproj (N,C)
+ *   7 ln2 (N,C)   8 ln2 mean   9 ln2 rstd   10 fc out (N,4C)   11 gelu (N,4C)
+ * Selective saving keeps 1, 2, 3, 6, 8, 9, 10 and backward recomputes 0,
+ * 4, 5, 7, 11 from them (LayerNorm from its input, attention from qkv,
+ * GELU from the fc output): no GEMM is repeated.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+#define TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
+#define TRY(expr)                                                                              \
+    do {                                                                                       \
+        if ((s = (expr)) != MT_OK) return s;                                                   \
+    } while (0)
+
+enum { LN1, LN1_MEAN, LN1_RSTD, QKV, ATT, LSE, RES2, LN2, LN2_MEAN, LN2_RSTD, FCH, GELU_OUT };
+/* other layers' slots */
+enum { S_MEAN = 0, S_RSTD = 1, S_EMB = 2 };
+
+static const unsigned char sel_keep[MTI_SLOTS] = {[LN1_MEAN] = 1, [LN1_RSTD] = 1, [QKV] = 1,
+                                                  [RES2] = 1,     [LN2_MEAN] = 1, [LN2_RSTD] = 1,
+                                                  [FCH] = 1};
+
+/* ---- setup ---- */
+
+mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute_policy policy,
+                          int every)
+{
+    memset(E, 0, sizeof *E);
+    E->m = m;
+    E->ctx = m->ctx;
+    E->k = (mti_kctx){m->ctx, m->ctx->dev};
+    E->dt = dt;
+    E->policy = policy;
+    int L = m->n_layers, U = m->n_units;
+    E->plan = calloc((size_t)L, 1);
+    E->seg_start = calloc((size_t)L, sizeof *E->seg_start);
+    E->ckpt = calloc((size_t)L + 1, 1);
+    E->bnd = calloc((size_t)L + 1, sizeof *E->bnd);
+    E->slot = calloc((size_t)L, sizeof *E->slot);
+    E->have = calloc((size_t)L, 1);
+    E->redone = calloc((size_t)L, 1);
+    E->grad = calloc((size_t)m->n_param, sizeof *E->grad);
+    E->uses_left = calloc((size_t)m->n_param, sizeof *E->uses_left);
+    if (!E->plan || !E->seg_start || !E->ckpt || !E->bnd || !E->slot || !E->have || !E->redone ||
+        !E->grad || !E->uses_left) {
+        mti_engine_free(E);
+        return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
+    }
+    int k = 0;
+    if (policy == MT_RECOMPUTE_EVERY_K) k = every;
+    if (policy == MT_RECOMPUTE_SQRT) k = (int)ceil(sqrt((double)U));
+    if (k < 1) k = 1;
+    E->seg_k = k;
+    bool segments = policy == MT_RECOMPUTE_EVERY_K || policy == MT_RECOMPUTE_SQRT;
+    int last_seg = (U - 1) / k;
+    int start = 0;
+    for (int i = 0; i < L; i++) {
+        const mti_layer *ly = &m->layers[i];
+        int seg = ly->unit / k;
+        if (ly->unit_start && ly->unit % k == 0) start = i;
+        E->seg_start[i] = start;
+        if (segments)
+            E->plan[i] = seg == last_seg ? MTI_SAVE_ALL : MTI_SAVE_NONE;
+        else
+            E->plan[i] = policy == MT_RECOMPUTE_SELECTIVE ? MTI_SAVE_SEL : MTI_SAVE_ALL;
+        if (i == start) E->ckpt[i] = 1;
+    }
+    E->ckpt[0] = 1;
+    return MT_OK;
+}
+
+void mti_engine_free(mti_engine *E)
+{
+    if (E->bnd && E->slot) mti_engine_release(E);
+    if (E->grad) mti_engine_free_grads(E);
+    free(E->plan);
+    free(E->seg_start);
+    free(E->ckpt);
+    free(E->bnd);
+    free(E->slot);
+    free(E->have);
+    free(E->redone);
+    free(E->grad);
+    free(E->uses_left);
+    memset(E, 0, sizeof *E);
+}
+
+static void free_slots(mti_engine *E, int i)
+{
+    for (int j = 0; j < MTI_SLOTS; j++) mti_tensor_free(E->ctx, &E->slot[i][j]);
+    E->have[i] = 0;
+}
+
+void mti_engine_release(mti_engine *E)
+{
+    mt_context *ctx = E->ctx;
+    for (int i = 0; i < E->m->n_layers; i++) {
+        free_slots(E, i);
+        E->redone[i] = 0;
+    }
+    for (int i = 0; i <= E->m->n_layers; i++) mti_tensor_free(ctx, &E->bnd[i]);
+    mti_tensor_free(ctx, &E->tokens);
+    mti_tensor_free(ctx, &E->targets);
+    mti_tensor_free(ctx, &E->losses);
+    mti_tensor_free(ctx, &E->d);
+}
+
+void mti_engine_free_grads(mti_engine *E)
+{
+    for (int i = 0; i < E->m->n_param; i++) mti_tensor_free(E->ctx, &E->grad[i]);
+}
+
+void mti_engine_arm(mti_engine *E)
+{
+    for (int i = 0; i < E->m->n_param; i++) E->uses_left[i] = E->m->params[i].uses;
+}
+
+mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
+{
+    mti_tensor *g = &E->grad[i];
+    if (!g->blk.ptr) {
+        const mti_param *p = &E->m->params[i];
+        *g = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
+        mt_status s = mti_tensor_alloc(E->ctx, g, MT_MEM_GRAD, MT_LIFE_STEP, TAG(1, 1000 + i));
+        if (!s) s = mti_tensor_zero(E->ctx, g);
+        if (s) {
+            mti_tensor_free(E->ctx, g);
+            return s;
+        }
+    }
+    *out = g;
+    return MT_OK;
+}
+
+/* ---- tensors of a pass ---- */
+
+static mt_status act(mti_engine *E, mti_tensor *t, mti_dtype dt, int64_t rows, int64_t cols,
+                     mt_mem_class c, mt_lifetime life, uint64_t tag)
+{
+    *t = (mti_tensor){.dtype = dt, .ndim = cols ? 2 : 1, .shape = {rows, cols}};
+    return mti_tensor_alloc(E->ctx, t, c, life, tag);
+}
+
+static void *P(mti_engine *E, int param) { return E->m->params[param].w.blk.ptr; }
+
+static mt_status gradp(mti_engine *E, int param, float **out)
+{
+    mti_tensor *g;
+    mt_status s = mti_engine_grad(E, param, &g);
+    if (!s) *out = g->blk.ptr;
+    return s;
+}
+
+/* ---- forward of one layer ---- */
+
+static mt_status block_fwd(mti_engine *E, int i, mti_save save)
+{
+    const mti_layer *ly = &E->m->layers[i];
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N, C = ly->in, H = ly->heads, p = ly->p0;
+    const mti_dtype dt = E->dt;
+    mti_tensor *sl = E->slot[i];
+    const void *x = E->bnd[i].blk.ptr;
+    const uint64_t nd = (uint64_t)i + 2;
+    mt_status s;
+#define KEEP(j) (save == MTI_SAVE_ALL || (save == MTI_SAVE_SEL && sel_keep[j]))
+#define DROP(j)                                                                                \
+    do {                                                                                       \
+        if (!KEEP(j)) mti_tensor_free(E->ctx, &sl[j]);                                         \
+    } while (0)
+    TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1)));
+    if (save != MTI_SAVE_NONE) {
+        TRY(act(E, &sl[LN1_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1_MEAN)));
+        TRY(act(E, &sl[LN1_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1_RSTD)));
+    }
+    TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, x,
+                          P(E, p + 0), P(E, p + 1), N, C, dt));
+    TRY(act(E, &sl[QKV], dt, N, 3 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, QKV)));
+    TRY(op->matmul_fwd(k, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), P(E, p + 3), N, C, 3 * C,
+                       dt));
+    DROP(LN1);
+    TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, ATT)));
+    TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
+            TAG(nd, LSE)));
+    TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
+                          dt));
+    DROP(QKV);
+    DROP(LSE);
+    TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, RES2)));
+    TRY(op->matmul_fwd(k, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 4), P(E, p + 5), N, C, C,
+                       dt));
+    DROP(ATT);
+    TRY(op->add(k, sl[RES2].blk.ptr, sl[RES2].blk.ptr, x, (size_t)N * C, dt));
+    TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2)));
+    if (save != MTI_SAVE_NONE) {
+        TRY(act(E, &sl[LN2_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2_MEAN)));
+        TRY(act(E, &sl[LN2_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2_RSTD)));
+    }
+    TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr,
+                          sl[RES2].blk.ptr, P(E, p + 6), P(E, p + 7), N, C, dt));
+    TRY(act(E, &sl[FCH], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, FCH)));
+    TRY(op->matmul_fwd(k, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), P(E, p + 9), N, C,
+                       4 * C, dt));
+    DROP(LN2);
+    TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, GELU_OUT)));
+    TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
+    DROP(FCH);
+    mti_tensor *y = &E->bnd[i + 1];
+    TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, 100)));
+    TRY(op->matmul_fwd(k, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 10), P(E, p + 11), N, 4 * C,
+                       C, dt));
+    DROP(GELU_OUT);
+    TRY(op->add(k, y->blk.ptr, y->blk.ptr, sl[RES2].blk.ptr, (size_t)N * C, dt));
+    DROP(RES2);
+#undef KEEP
+#undef DROP
+    return MT_OK;
+}
+
+/* Whether layer i's backward needs its output (boundary i+1). */
+static bool needs_output(const mti_layer *ly) { return ly->kind == MT_LAYER_RELU; }
+
+static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
+{
+    mt_model *m = E->m;
+    const mti_layer *ly = &m->layers[i];
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N;
+    const mti_dtype dt = E->dt;
+    const bool last = i == m->n_layers - 1;
+    mti_tensor *x = &E->bnd[i], *y = &E->bnd[i + 1], *sl = E->slot[i];
+    const mt_mem_class yc = last ? MT_MEM_IO : MT_MEM_ACT;
+    const uint64_t nd = (uint64_t)i + 2;
+    const size_t nout = (size_t)N * (size_t)ly->out;
+    mt_status s;
+    switch (ly->kind) {
+    case MT_LAYER_LINEAR:
+        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->p0),
+                           ly->bias ? P(E, ly->p0 + 1) : NULL, N, ly->in, ly->out, dt));
+        break;
+    case MT_LAYER_RELU:
+        if (!E->ckpt[i]) { /* in place: its backward needs only the output */
+            *y = *x;
+            memset(x, 0, sizeof *x);
+        } else {
+            TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        }
+        TRY(op->relu_fwd(k, y->blk.ptr, E->bnd[i].blk.ptr ? E->bnd[i].blk.ptr : y->blk.ptr, nout,
+                         dt));
+        break;
+    case MT_LAYER_GELU:
+        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        TRY(op->gelu_fwd(k, y->blk.ptr, x->blk.ptr, nout, dt));
+        break;
+    case MT_LAYER_LAYERNORM:
+        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        if (save != MTI_SAVE_NONE) {
+            TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_MEAN)));
+            TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_RSTD)));
+        }
+        TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, x->blk.ptr,
+                              P(E, ly->p0), P(E, ly->p0 + 1), N, ly->in, dt));
+        break;
+    case MT_LAYER_EMBEDDING: {
+        const int C = ly->out;
+        const void *wpe = ly->positions ? P(E, ly->p0 + 1) : NULL;
+        TRY(act(E, y, dt, N, C, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        if (!ly->stable) {
+            TRY(op->embedding_fwd(k, y->blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), wpe, E->B, E->T,
+                                  C, dt));
+            break;
+        }
+        int pl = ly->p0 + (ly->positions ? 2 : 1); /* the LayerNorm's weight */
+        TRY(act(E, &sl[S_EMB], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_EMB)));
+        TRY(op->embedding_fwd(k, sl[S_EMB].blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), NULL, E->B,
+                              E->T, C, dt));
+        if (save != MTI_SAVE_NONE) {
+            TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_MEAN)));
+            TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_RSTD)));
+        }
+        TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr,
+                              sl[S_EMB].blk.ptr, P(E, pl), P(E, pl + 1), N, C, dt));
+        if (save == MTI_SAVE_NONE) mti_tensor_free(E->ctx, &sl[S_EMB]);
+        if (wpe) {
+            size_t seq = (size_t)E->T * (size_t)C * mti_dtype_size(dt);
+            for (int b = 0; b < E->B; b++)
+                TRY(op->accumulate(k, (char *)y->blk.ptr + (size_t)b * seq, wpe,
+                                   (size_t)E->T * (size_t)C, dt));
+        }
+        break;
+    }
+    case MT_LAYER_BLOCK: TRY(block_fwd(E, i, save)); break;
+    case MT_LAYER_LM_HEAD:
+        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->tied), NULL, N, ly->in, ly->out,
+                           dt));
+        break;
+    }
+    E->have[i] = save != MTI_SAVE_NONE;
+    return MT_OK;
+}
+
+/* ---- the passes ---- */
+
+static mt_status upload_i32(mti_engine *E, mti_tensor *t, const int32_t *src, int64_t n,
+                            uint64_t tag)
+{
+    mt_status s = act(E, t, MTI_I32, n, 0, MT_MEM_IO, MT_LIFE_STEP, tag);
+    return s ? s : mti_tensor_upload(E->ctx, t, src, (size_t)n * sizeof *src);
+}
+
+/* Runs layers [from, to) forward. The main forward uses the plan; the
+ * recompute of a segment keeps everything. */
+static mt_status run_forward(mti_engine *E, int from, int to, int recompute)
+{
+    mt_status s;
+    for (int i = from; i < to; i++) {
+        mti_save save = recompute ? MTI_SAVE_ALL : (mti_save)E->plan[i];
+        TRY(layer_fwd(E, i, save));
+        if (recompute) {
+            E->redone[i] = 1;
+            E->n_recomputed++;
+        }
+        /* with nothing saved, the input is needed again only if it is a checkpoint */
+        if (save == MTI_SAVE_NONE && i > 0 && !E->ckpt[i]) mti_tensor_free(E->ctx, &E->bnd[i]);
+    }
+    return MT_OK;
+}
+
+mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows, int eval)
+{
+    mt_model *m = E->m;
+    mt_context *ctx = E->ctx;
+    const mti_kctx *k = &E->k;
+    mt_status s;
+    int T = m->input == MT_INPUT_TOKENS ? b->seq_len : 1;
+    E->B = rows;
+    E->T = T;
+    E->N = rows * T;
+    int64_t N = E->N;
+    if (m->input == MT_INPUT_TOKENS) {
+        TRY(upload_i32(E, &E->tokens, b->tokens + (size_t)r0 * T, N, TAG(0, 0)));
+    } else {
+        mti_tensor *x = &E->bnd[0];
+        size_t bytes = (size_t)N * (size_t)m->features * sizeof(float);
+        TRY(act(E, x, MTI_F32, N, m->features, MT_MEM_IO, MT_LIFE_STEP, TAG(0, 0)));
+        TRY(mti_tensor_upload(ctx, x, b->inputs + (size_t)r0 * m->features, bytes));
+        if (E->dt != MTI_F32) { /* the inputs in the compute dtype */
+            mti_tensor x32 = *x;
+            s = act(E, x, E->dt, N, m->features, MT_MEM_IO, MT_LIFE_STEP, TAG(0, 2));
+            if (!s)
+                s = ctx->ops->cast(k, x->blk.ptr, E->dt, x32.blk.ptr, MTI_F32,
+                                   (size_t)N * m->features, MTI_ROUND_NEAREST, 0);
+            mti_tensor_free(ctx, &x32);
+            if (s) return s;
+        }
+    }
+    TRY(upload_i32(E, &E->targets, b->targets + (size_t)r0 * T, N, TAG(0, 1)));
+    if (!eval) return run_forward(E, 0, m->n_layers, 0);
+    /* eval: nothing is kept */
+    for (int i = 0; i < m->n_layers; i++) {
+        TRY(layer_fwd(E, i, MTI_SAVE_NONE));
+        free_slots(E, i);
+        if (i > 0) mti_tensor_free(ctx, &E->bnd[i]);
+    }
+    return MT_OK;
+}
+
+mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad)
+{
+    mt_model *m = E->m;
+    mt_status s;
+    TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, TAG(1, 1)));
+    void *logits = E->bnd[m->n_layers].blk.ptr;
+    return E->ctx->ops->xent(&E->k, E->losses.blk.ptr, want_grad ? logits : NULL, logits,
+                             E->targets.blk.ptr, E->N, m->classes, m->out_width, dloss, E->dt);
+}
+
+mt_status mti_engine_loss_sum(mti_engine *E, float *host, double *sum)
+{
+    mt_status s = mti_tensor_download(E->ctx, &E->losses, host, (size_t)E->N * sizeof(float));
+    double acc = 0.0;
+    for (int i = 0; i < E->N && !s; i++) acc += host[i];
+    *sum = acc;
+    return s;
+}
+
+/* ---- backward of one layer: E->d holds d(output), leaves d(input) ---- */
+
+static mt_status block_redo(mti_engine *E, int i)
+{
+    /* selective saving: recompute what was not kept, from what was */
+    const mti_layer *ly = &E->m->layers[i];
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N, C = ly->in, H = ly->heads, p = ly->p0;
+    const mti_dtype dt = E->dt;
+    mti_tensor *sl = E->slot[i];
+    const uint64_t nd = (uint64_t)i + 2;
+    mt_status s;
+    TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1)));
+    TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, NULL, NULL, E->bnd[i].blk.ptr, P(E, p), P(E, p + 1),
+                          N, C, dt));
+    TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, ATT)));
+    TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
+            TAG(nd, LSE)));
+    TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
+                          dt));
+    TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2)));
+    TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, NULL, NULL, sl[RES2].blk.ptr, P(E, p + 6),
+                          P(E, p + 7), N, C, dt));
+    TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, GELU_OUT)));
+    TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
+    return MT_OK;
+}
+
+static mt_status block_bwd(mti_engine *E, int i, bool keep)
+{
+    const mti_layer *ly = &E->m->layers[i];
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N, C = ly->in, H = ly->heads, p = ly->p0;
+    const mti_dtype dt = E->dt;
+    mti_tensor *sl = E->slot[i];
+    const uint64_t nd = (uint64_t)i + 2;
+    mt_status s;
+    bool sel = !sl[LN1].blk.ptr; /* selective: the dropped slots come back for this backward */
+    if (sel) TRY(block_redo(E, i));
+    /* a slot is freed after its last use, unless the forward's tensors are kept
+       for a second backward (and then only the recomputed ones go) */
+#define DONE(j)                                                                                \
+    do {                                                                                       \
+        if (!keep || (sel && !sel_keep[j])) mti_tensor_free(E->ctx, &sl[j]);                   \
+    } while (0)
+    float *g[12];
+    for (int j = 0; j < 12; j++) TRY(gradp(E, p + j, &g[j]));
+    void *d = E->d.blk.ptr;
+    mti_tensor t4 = {0}, t1 = {0};
+    /* MLP: fcproj, GELU, fc, ln2 */
+    s = act(E, &t4, dt, N, 4 * C, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 200));
+    if (!s)
+        s = op->matmul_bwd(k, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, P(E, p + 10), N,
+                           4 * C, C, dt, 0);
+    if (!s) DONE(GELU_OUT);
+    if (!s) s = op->gelu_bwd(k, t4.blk.ptr, t4.blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt);
+    if (!s) DONE(FCH);
+    if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 201));
+    if (!s)
+        s = op->matmul_bwd(k, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), N,
+                           C, 4 * C, dt, 0);
+    mti_tensor_free(E->ctx, &t4);
+    if (!s) DONE(LN2);
+    if (!s)
+        s = op->layernorm_bwd(k, d, g[6], g[7], t1.blk.ptr, sl[RES2].blk.ptr, P(E, p + 6),
+                              sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr, N, C, dt, 1);
+    if (!s) {
+        DONE(RES2);
+        DONE(LN2_MEAN);
+        DONE(LN2_RSTD);
+    }
+    /* attention: attproj, attention, qkv, ln1 */
+    if (!s)
+        s = op->matmul_bwd(k, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, P(E, p + 4), N, C, C,
+                           dt, 0);
+    mti_tensor t3 = {0};
+    if (!s) s = act(E, &t3, dt, N, 3 * C, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 202));
+    if (!s)
+        s = op->attention_bwd(k, t3.blk.ptr, t1.blk.ptr, sl[QKV].blk.ptr, sl[ATT].blk.ptr,
+                              sl[LSE].blk.ptr, E->B, E->T, C, H, dt);
+    if (!s) {
+        DONE(ATT);
+        DONE(LSE);
+    }
+    if (!s)
+        s = op->matmul_bwd(k, t1.blk.ptr, g[2], g[3], t3.blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), N,
+                           C, 3 * C, dt, 0);
+    mti_tensor_free(E->ctx, &t3);
+    if (!s) {
+        DONE(QKV);
+        DONE(LN1);
+    }
+    if (!s)
+        s = op->layernorm_bwd(k, d, g[0], g[1], t1.blk.ptr, E->bnd[i].blk.ptr, P(E, p),
+                              sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, N, C, dt, 1);
+    mti_tensor_free(E->ctx, &t1);
+    if (!s) {
+        DONE(LN1_MEAN);
+        DONE(LN1_RSTD);
+    }
+#undef DONE
+    return s;
+}
+
+static mt_status layer_bwd(mti_engine *E, int i, bool keep)
+{
+    mt_model *m = E->m;
+    const mti_layer *ly = &m->layers[i];
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N;
+    const mti_dtype dt = E->dt;
+    mti_tensor *x = &E->bnd[i], *sl = E->slot[i];
+    const uint64_t nd = (uint64_t)i + 2;
+    const size_t nout = (size_t)N * (size_t)ly->out;
+    /* the first layer of a feature model needs no input gradient */
+    const bool want_dx = i > 0;
+    mt_status s;
+    float *gw = NULL, *gb = NULL;
+    switch (ly->kind) {
+    case MT_LAYER_LINEAR:
+    case MT_LAYER_LM_HEAD: {
+        int wi = ly->kind == MT_LAYER_LINEAR ? ly->p0 : ly->tied;
+        TRY(gradp(E, wi, &gw));
+        if (ly->kind == MT_LAYER_LINEAR && ly->bias) TRY(gradp(E, ly->p0 + 1, &gb));
+        mti_tensor dx = {0};
+        if (want_dx) TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 200)));
+        s = op->matmul_bwd(k, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, P(E, wi), N, ly->in,
+                           ly->out, dt, 0);
+        if (s) {
+            mti_tensor_free(E->ctx, &dx);
+            return s;
+        }
+        /* dlogits are the logits' block: kept for a second backward */
+        if (!(keep && i == m->n_layers - 1)) mti_tensor_free(E->ctx, &E->d);
+        else memset(&E->d, 0, sizeof E->d);
+        E->d = dx;
+        break;
+    }
+    case MT_LAYER_RELU:
+        TRY(op->relu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, E->bnd[i + 1].blk.ptr, nout, dt));
+        break;
+    case MT_LAYER_GELU:
+        TRY(op->gelu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, x->blk.ptr, nout, dt));
+        break;
+    case MT_LAYER_LAYERNORM:
+        TRY(gradp(E, ly->p0, &gw));
+        TRY(gradp(E, ly->p0 + 1, &gb));
+        TRY(op->layernorm_bwd(k, want_dx ? E->d.blk.ptr : NULL, gw, gb, E->d.blk.ptr, x->blk.ptr,
+                              P(E, ly->p0), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->in, dt,
+                              0));
+        break;
+    case MT_LAYER_EMBEDDING: {
+        float *gpos = NULL;
+        TRY(gradp(E, ly->p0, &gw));
+        if (ly->positions) TRY(gradp(E, ly->p0 + 1, &gpos));
+        if (!ly->stable) {
+            TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T, ly->out,
+                                  dt));
+            break;
+        }
+        int pl = ly->p0 + (ly->positions ? 2 : 1);
+        float *glw, *glb;
+        TRY(gradp(E, pl, &glw));
+        TRY(gradp(E, pl + 1, &glb));
+        if (gpos)
+            TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                                  ly->out, dt));
+        TRY(op->layernorm_bwd(k, E->d.blk.ptr, glw, glb, E->d.blk.ptr, sl[S_EMB].blk.ptr,
+                              P(E, pl), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->out, dt,
+                              0));
+        TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T, ly->out,
+                              dt));
+        break;
+    }
+    case MT_LAYER_BLOCK: TRY(block_bwd(E, i, keep)); break;
+    }
+    return MT_OK;
+}
+
+/* Frees what layer i's forward made, once its backward is done. */
+static void after_bwd(mti_engine *E, int i, bool keep)
+{
+    mt_model *m = E->m;
+    bool gone = !keep || E->redone[i];
+    if (gone) {
+        free_slots(E, i);
+        /* its output, if its own backward needed it (the next layer left it) */
+        if (needs_output(&m->layers[i]) && i + 1 < m->n_layers && !(keep && E->ckpt[i + 1]))
+            mti_tensor_free(E->ctx, &E->bnd[i + 1]);
+        /* its input, unless the layer before needs it as its output, or it is
+           the model's input, or a checkpoint a second pass needs */
+        bool input_kept = (i > 0 && needs_output(&m->layers[i - 1])) || i == 0 ||
+                          (keep && E->ckpt[i]);
+        if (!input_kept) mti_tensor_free(E->ctx, &E->bnd[i]);
+    }
+    E->redone[i] = 0;
+}
+
+mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void *user)
+{
+    mt_model *m = E->m;
+    mt_status s;
+    const int L = m->n_layers;
+    /* d flows back from the dlogits, which live in the logits' block */
+    E->d = E->bnd[L];
+    if (!keep) memset(&E->bnd[L], 0, sizeof E->bnd[L]);
+    for (int i = L - 1; i >= 0; i--) {
+        if (!E->have[i]) { /* recompute the segment up to this layer */
+            int st = E->seg_start[i];
+            /* the segment's output may still be there (a checkpoint kept for a
+               second pass, or an output the layer's backward needs): it stays,
+               and the copy made again (the same values) goes */
+            mti_tensor out = E->bnd[i + 1];
+            memset(&E->bnd[i + 1], 0, sizeof out);
+            s = run_forward(E, st, i + 1, 1);
+            if (out.blk.ptr || !needs_output(&m->layers[i])) mti_tensor_free(E->ctx, &E->bnd[i + 1]);
+            if (out.blk.ptr) E->bnd[i + 1] = out;
+            if (s) return s;
+        }
+        TRY(layer_bwd(E, i, keep));
+        after_bwd(E, i, keep);
+        const mti_layer *ly = &m->layers[i];
+        for (int j = 0; j <= ly->np; j++) {
+            int pi = j < ly->np ? ly->p0 + j : ly->tied;
+            if (pi < 0) continue;
+            if (--E->uses_left[pi] == 0 && hook) TRY(hook(user, pi));
+        }
+    }
+    if (E->d.blk.ptr == E->bnd[L].blk.ptr) memset(&E->d, 0, sizeof E->d); /* kept dlogits */
+    mti_tensor_free(E->ctx, &E->d);
+    return MT_OK;
+}

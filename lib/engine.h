@@ -1,0 +1,79 @@
+/*
+ * engine.h - forward and backward passes of any model over one
+ * micro-batch, with activation recompute.
+ *
+ * The model is a sequence of layers; boundary j is the tensor between layer
+ * j-1 and layer j (boundary 0 the input, boundary n_layers the logits). A
+ * layer keeps what its backward needs in its slots. Recompute works on
+ * units (model.h): with EVERY_K the units are grouped in segments of k;
+ * forward runs every segment but the last without keeping anything except
+ * the segment's input boundary, and backward re-runs a segment's forward
+ * (keeping everything) just before it needs it. Recompute runs the same ops
+ * on the same inputs, so its results are bit-identical to the first run.
+ *
+ * Parameter gradients (fp32, class GRAD) are made on their first
+ * contribution and accumulate across micro-batches; after each layer's
+ * backward, every parameter whose last contribution of the pass that was
+ * gets reported to the hook (the fused optimizer step uses it).
+ */
+#ifndef MT_ENGINE_H
+#define MT_ENGINE_H
+
+#include "kernels.h"
+#include "model.h"
+
+typedef mt_status (*mti_grad_hook)(void *user, int param);
+
+typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
+
+typedef struct mti_engine {
+    mt_model *m;
+    mt_context *ctx;
+    mti_kctx k;
+    mti_dtype dt;
+    mt_recompute_policy policy;
+    int seg_k;             /* units per segment (EVERY_K, SQRT) */
+    /* plan, per layer */
+    unsigned char *plan;   /* mti_save of the main forward */
+    int *seg_start;        /* first layer of the layer's segment */
+    unsigned char *ckpt;   /* per boundary: kept through forward (n_layers + 1) */
+    /* one pass */
+    int B, T, N;           /* sequences (or rows), tokens per sequence (1), rows */
+    mti_tensor *bnd;       /* n_layers + 1 */
+    mti_tensor (*slot)[MTI_SLOTS];
+    unsigned char *have;   /* per layer: its slots hold what its backward needs */
+    unsigned char *redone; /* per layer: made by recompute in backward */
+    mti_tensor tokens, targets, losses;
+    mti_tensor d;          /* the gradient flowing back */
+    /* gradients */
+    mti_tensor *grad;      /* per parameter */
+    int *uses_left;
+    uint64_t n_recomputed; /* layer forwards re-run, for reports */
+} mti_engine;
+
+mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute_policy policy,
+                          int every);
+void mti_engine_free(mti_engine *E);
+
+/* Uploads rows [r0, r0 + rows) of the batch and runs forward; the logits
+ * are in bnd[n_layers] (IO, (N, out_width) in dt). eval: keep nothing for
+ * backward. */
+mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows, int eval);
+/* Losses (N, fp32) and, with dloss != 0 or want_grad, dlogits in place of
+ * the logits, scaled by dloss. */
+mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad);
+/* Sum of the pass's losses, downloaded and summed in order (double). */
+mt_status mti_engine_loss_sum(mti_engine *E, float *host, double *sum);
+/* Backward from dlogits. keep: leave every tensor of the forward in place
+ * (a second backward follows); hook may be NULL. */
+mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void *user);
+/* Frees every tensor of the pass (not the gradients). */
+void mti_engine_release(mti_engine *E);
+/* Frees the gradients. */
+void mti_engine_free_grads(mti_engine *E);
+/* The gradient of parameter i, made (zeroed) if it is not there. */
+mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out);
+/* Sets every parameter's contributions-left count for one backward pass. */
+void mti_engine_arm(mti_engine *E);
+
+#endif /* MT_ENGINE_H */

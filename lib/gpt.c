@@ -1,0 +1,184 @@
+/*
+ * gpt.c - llm.c model checkpoints in and out of GPT models.
+ *
+ * The file (../shared/REFERENCES.md, docs/formats.md): a header of 256
+ * little-endian int32 ([0] 20240326, [1] 3 for fp32, [2] max_seq, [3]
+ * vocab, [4] layers, [5] heads, [6] channels, [7] padded vocab), then every
+ * parameter as fp32 in llm.c's order, which is the model's get/set_params
+ * order. Files are streamed in chunks, so loading or saving never holds a
+ * second copy of the weights in host memory.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "model.h"
+
+#define LLMC_MAGIC 20240326
+#define LLMC_FP32 3
+#define HEADER_INTS 256
+#define CHUNK (1 << 16)
+
+int *mti_param_order(const mt_model *m)
+{
+    int *ord = malloc((size_t)m->n_param * sizeof *ord);
+    if (!ord) return NULL;
+    for (int i = 0; i < m->n_param; i++) ord[i] = i;
+    for (int i = 1; i < m->n_param; i++) /* insertion sort: nearly ordered, few hundred */
+        for (int j = i; j > 0 && m->params[ord[j - 1]].offset > m->params[ord[j]].offset; j--) {
+            int t = ord[j];
+            ord[j] = ord[j - 1];
+            ord[j - 1] = t;
+        }
+    return ord;
+}
+
+static mt_status fmt(mt_context *ctx, const char *path, const char *what)
+{
+    return mti_fail(ctx, MT_ERR_FORMAT, "mt_model_gpt_load: '%s' is not an llm.c fp32 model: %s",
+                    path, what);
+}
+
+mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out)
+{
+    const char *fn = "mt_model_gpt_load";
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: ctx is NULL", fn);
+    if (!path || !out)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, path ? "out" : "path");
+    FILE *f = fopen(path, "rb");
+    if (!f) return mti_fail(ctx, MT_ERR_IO, "%s: cannot open '%s': %s", fn, path, strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return mti_fail(ctx, MT_ERR_IO, "%s: '%s' is not a regular file", fn, path);
+    }
+    unsigned char hb[HEADER_INTS * 4];
+    if (fread(hb, 1, sizeof hb, f) != sizeof hb) {
+        fclose(f);
+        return fmt(ctx, path, "shorter than its 1024-byte header");
+    }
+    int32_t h[HEADER_INTS];
+    for (int i = 0; i < HEADER_INTS; i++) h[i] = (int32_t)mti_get_u32(hb + 4 * i);
+    if (h[0] != LLMC_MAGIC) {
+        fclose(f);
+        return fmt(ctx, path, "bad magic number");
+    }
+    if (h[1] != LLMC_FP32) {
+        fclose(f);
+        return mti_fail(ctx, MT_ERR_FORMAT,
+                        "%s: '%s' has version %d; only version 3 (fp32) is read", fn, path, h[1]);
+    }
+    mt_gpt_spec spec;
+    mt_gpt_spec_init(&spec);
+    spec.max_seq = h[2];
+    spec.vocab = h[3];
+    spec.layers = h[4];
+    spec.heads = h[5];
+    spec.channels = h[6];
+    spec.padded_vocab = h[7];
+    if (h[7] < h[3] || h[7] <= 0) {
+        fclose(f);
+        return fmt(ctx, path, "padded vocab smaller than vocab");
+    }
+    mt_model *m = NULL;
+    mt_status s = mti_gpt_build(ctx, &spec, fn, false, &m);
+    if (s) {
+        fclose(f);
+        char msg[MTI_ERR_LEN];
+        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+        return mti_fail(ctx, MT_ERR_FORMAT, "'%s' has an impossible shape: %s", path, msg);
+    }
+    uint64_t want = (uint64_t)sizeof hb + 4 * (uint64_t)m->n_params;
+    if ((uint64_t)sb.st_size != want) {
+        fclose(f);
+        mt_model_destroy(m);
+        return mti_fail(ctx, MT_ERR_FORMAT,
+                        "%s: '%s' is %lld bytes; its header says %llu (truncated or not this "
+                        "model)",
+                        fn, path, (long long)sb.st_size, (unsigned long long)want);
+    }
+    float *buf = malloc(CHUNK * sizeof *buf);
+    int *ord = mti_param_order(m);
+    if (!buf || !ord) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    for (int oi = 0; oi < m->n_param && !s; oi++) {
+        mti_param *p = &m->params[ord[oi]];
+        for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
+            size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
+            if (fread(buf, sizeof *buf, n, f) != n) {
+                s = mti_fail(ctx, MT_ERR_IO, "%s: reading '%s' failed", fn, path);
+                break;
+            }
+            for (size_t k = 0; k < n; k++)
+                if (!isfinite(buf[k])) {
+                    s = mti_fail(ctx, MT_ERR_FORMAT, "%s: '%s': %s holds a non-finite value", fn,
+                                 path, p->name);
+                    break;
+                }
+            if (!s)
+                s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), buf,
+                                       n * sizeof(float));
+        }
+    }
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    free(buf);
+    free(ord);
+    fclose(f);
+    if (s) {
+        char msg[MTI_ERR_LEN];
+        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+        mt_model_destroy(m);
+        return mti_fail(ctx, s, "%s", msg);
+    }
+    *out = m;
+    return MT_OK;
+}
+
+mt_status mt_model_gpt_save(const mt_model *m, const char *path)
+{
+    const char *fn = "mt_model_gpt_save";
+    if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: model is NULL", fn);
+    mt_context *ctx = m->ctx;
+    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    if (m->kind != MTI_MODEL_GPT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: not a GPT model", fn);
+    if (m->gpt.stable_embedding)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a StableEmbedding's LayerNorm has no place in an llm.c file", fn);
+    unsigned char hb[HEADER_INTS * 4];
+    memset(hb, 0, sizeof hb);
+    const int32_t h[8] = {LLMC_MAGIC, LLMC_FP32, m->gpt.max_seq, m->gpt.vocab, m->gpt.layers,
+                          m->gpt.heads, m->gpt.channels, m->gpt.padded_vocab};
+    for (int i = 0; i < 8; i++) mti_put_u32(hb + 4 * i, (uint32_t)h[i]);
+    float *buf = malloc(CHUNK * sizeof *buf);
+    int *ord = mti_param_order(m);
+    if (!buf || !ord) {
+        free(buf);
+        free(ord);
+        return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    }
+    mti_afile af;
+    mt_status s = mti_afile_open(ctx, path, &af);
+    if (!s) s = mti_afile_write(ctx, &af, hb, sizeof hb);
+    for (int oi = 0; oi < m->n_param && !s; oi++) {
+        const mti_param *p = &m->params[ord[oi]];
+        const mti_tensor *t = m->has_master ? &p->master : &p->w;
+        for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
+            size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
+            s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)t->blk.ptr + at * sizeof(float),
+                                   n * sizeof(float));
+            if (!s) s = ctx->dev->sync(ctx->dev);
+            if (!s) s = mti_afile_write(ctx, &af, buf, n * sizeof(float));
+        }
+    }
+    if (!s) {
+        s = mti_afile_commit(ctx, &af);
+    } else if (af.fd >= 0) {
+        mti_afile_abort(&af);
+    }
+    free(buf);
+    free(ord);
+    return s;
+}
