@@ -908,3 +908,56 @@ TEST(optimizer_memory_is_exact)
     free(tok);
     CHECK_OK(mt_context_destroy(ctx));
 }
+
+/* Out of memory part-way through a GPT step: a clear error, and the
+ * weights and optimizer state as they were (unfused); the fused step says
+ * how far its updates got. A smaller batch then trains. */
+TEST(gpt_step_out_of_memory)
+{
+    for (int fused = 0; fused <= 1; fused++) {
+        mt_context_config cfg;
+        mt_context_config_init(&cfg);
+        cfg.device = MT_DEVICE_CPU;
+        cfg.threads = 2;
+        cfg.allocators[MT_MEM_WORK].vtable = mt_allocator_arena();
+        cfg.allocators[MT_MEM_WORK].limit_bytes = 144u << 10; /* small passes need ~126 KiB */
+        mt_context *ctx;
+        CHECK_OK(mt_context_create(&cfg, &ctx));
+        mt_model *m = tiny_gpt(ctx);
+        int ntok;
+        int32_t *tok = read_tokens(&ntok);
+        mt_trainer_config tc;
+        mt_trainer_config_init(&tc);
+        tc.max_batch = 4;
+        tc.optimizer = MT_OPT_ADAMW;
+        tc.lr = 1e-3f;
+        tc.fused_step = fused;
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        size_t np = mt_model_num_params(m);
+        float *before = malloc(np * 4), *after = malloc(np * 4);
+        mt_batch small = {.n = 1, .tokens = tok, .targets = tok + 1, .seq_len = 4};
+        CHECK_OKC(ctx, mt_trainer_step(t, &small, NULL));
+        CHECK_OK(mt_model_get_params(m, before, np));
+        /* 4 x 16 tokens: the block's backward needs more WORK than the limit */
+        mt_batch big = {.n = 4, .tokens = tok, .targets = tok + 1, .seq_len = 16};
+        CHECK_ST(MT_ERR_OOM, mt_trainer_step(t, &big, NULL));
+        const char *msg = mt_last_error(ctx);
+        CHECK_MSG(strstr(msg, "WORK") && (strstr(msg, "unchanged") || (fused && strstr(msg, "part-way"))),
+                  "%s", msg);
+        CHECK_OK(mt_model_get_params(m, after, np));
+        if (strstr(msg, "unchanged")) CHECK(memcmp(before, after, np * 4) == 0);
+        mt_memory_stats ms;
+        CHECK_OK(mt_context_memory_stats(ctx, &ms));
+        for (int c = MT_MEM_GRAD; c < MT_MEM_COUNT; c++)
+            if (c != MT_MEM_OPTIM) CHECK_EQ(ms.per_class[c].live_bytes, 0);
+        CHECK_OKC(ctx, mt_trainer_step(t, &small, NULL));
+        CHECK_EQ(mt_trainer_steps(t), 2);
+        free(before);
+        free(after);
+        free(tok);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+}
