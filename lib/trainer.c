@@ -209,54 +209,17 @@ static mti_tensor like(const mti_tensor *t, mti_dtype dt)
     return r;
 }
 
-/* The model's fp32 weights become masters (MASTER), and the weights (PARAM)
- * a copy in dt. On failure the model is left as it was. */
-static mt_status to_mixed(mt_trainer *t)
-{
-    mt_model *m = t->model;
-    mt_context *ctx = t->ctx;
-    const mti_kctx k = {ctx, ctx->dev};
-    mti_tensor *tmp = calloc(2 * (size_t)m->n_param, sizeof *tmp);
-    if (!tmp) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    mti_tensor *master = tmp, *half = tmp + m->n_param;
-    mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s; i++) {
-        mti_param *p = &m->params[i];
-        master[i] = like(&p->w, MTI_F32);
-        half[i] = like(&p->w, t->dt);
-        if ((s = mti_tensor_alloc(ctx, &master[i], MT_MEM_MASTER, MT_LIFE_PERSISTENT,
-                                  TAG(1, 200000 + (uint64_t)i))) ||
-            (s = ctx->dev->copy_d2d(ctx->dev, master[i].blk.ptr, p->w.blk.ptr, p->numel * 4)) ||
-            (s = mti_tensor_alloc(ctx, &half[i], MT_MEM_PARAM, MT_LIFE_PERSISTENT,
-                                  TAG(1, (uint64_t)i))) ||
-            (s = ctx->ops->cast(&k, half[i].blk.ptr, t->dt, master[i].blk.ptr, MTI_F32, p->numel,
-                                MTI_ROUND_NEAREST, 0)))
-            break;
-    }
-    if (s) {
-        for (int i = 0; i < 2 * m->n_param; i++) mti_tensor_free(ctx, &tmp[i]);
-        free(tmp);
-        return s;
-    }
-    for (int i = 0; i < m->n_param; i++) {
-        mti_param *p = &m->params[i];
-        mti_tensor_free(ctx, &p->w);
-        p->w = half[i];
-        p->master = master[i];
-    }
-    free(tmp);
-    m->has_master = true;
-    return MT_OK;
-}
-
-/* Back to fp32 weights from the masters. Cannot fail: if an fp32 copy of a
- * weight cannot be had, its master block becomes the weight. */
+/* Back to fp32 weights from the masters, for every parameter that has one.
+ * Cannot fail: if an fp32 copy of a weight cannot be had, its master block
+ * becomes the weight. One tensor at a time, so the transient is one
+ * tensor's fp32 copy. */
 static void from_mixed(mt_trainer *t)
 {
     mt_model *m = t->model;
     mt_context *ctx = t->ctx;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
+        if (!p->master.blk.ptr) continue;
         mti_tensor_free(ctx, &p->w);
         mti_tensor w = like(&p->master, MTI_F32);
         if (mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i)) == MT_OK &&
@@ -270,6 +233,47 @@ static void from_mixed(mt_trainer *t)
         }
     }
     m->has_master = false;
+}
+
+/* The model's fp32 weights become masters (MASTER), and the weights (PARAM)
+ * a copy in dt, one tensor at a time (master, then the fp32 weight goes,
+ * then the copy), so the transient is one tensor's worth above the final
+ * 6 bytes per parameter. On failure the tensors done go back to fp32. */
+static mt_status to_mixed(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    mt_context *ctx = t->ctx;
+    const mti_kctx k = {ctx, ctx->dev};
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        mti_param *p = &m->params[i];
+        mti_tensor master = like(&p->w, MTI_F32), half = like(&p->w, t->dt);
+        s = mti_tensor_alloc(ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
+                             TAG(1, 200000 + (uint64_t)i));
+        if (!s) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, p->w.blk.ptr, p->numel * 4);
+        if (s) {
+            mti_tensor_free(ctx, &master);
+            break;
+        }
+        mti_tensor_free(ctx, &p->w);
+        p->w = master; /* for now the master is the weight */
+        s = mti_tensor_alloc(ctx, &half, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i));
+        if (!s)
+            s = ctx->ops->cast(&k, half.blk.ptr, t->dt, master.blk.ptr, MTI_F32, p->numel,
+                               MTI_ROUND_NEAREST, 0);
+        if (s) { /* this one back to fp32 as well (from_mixed below) */
+            mti_tensor_free(ctx, &half);
+            half = like(&p->w, t->dt);
+        }
+        p->master = master;
+        p->w = half;
+    }
+    if (s) {
+        from_mixed(t);
+        return s;
+    }
+    m->has_master = true;
+    return MT_OK;
 }
 
 /* ---- optimizer state ---- */
