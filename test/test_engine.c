@@ -961,3 +961,74 @@ TEST(gpt_step_out_of_memory)
         CHECK_OK(mt_context_destroy(ctx));
     }
 }
+
+/* ---- the engine on the CUDA table (MT_TEST_GPU=1, make test-gpu) ---- */
+
+/* The GPT reference case on the GPU: gradients against the CPU's, then
+ * every optimizer, precision, recompute policy and the fused step train
+ * the tiny model and end near the CPU's losses. Skipped without
+ * MT_TEST_GPU=1 (the stand-in driver cannot run kernels). */
+TEST(gpu_engine_matches_cpu)
+{
+    const char *gpu = getenv("MT_TEST_GPU");
+    if (!gpu || strcmp(gpu, "1") != 0) return;
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CUDA;
+    mt_context *g;
+    CHECK_OK(mt_context_create(&cfg, &g));
+    mt_context *c = ctx_threads(2);
+    int ntok;
+    int32_t *tok = read_tokens(&ntok);
+    mt_model *mg = tiny_gpt(g), *mc = tiny_gpt(c);
+    size_t np = mt_model_num_params(mc);
+    float *gg = malloc(np * 4), *gc = malloc(np * 4), lg, lc;
+    mt_batch b = tiny_batch(tok, 0, 2, 8);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2;
+    gradients(mg, &tc, &b, gg, &lg);
+    gradients(mc, &tc, &b, gc, &lc);
+    CHECK_MSG(fabsf(lg - lc) <= 1e-5f, "loss gpu %.7f cpu %.7f", (double)lg, (double)lc);
+    for (size_t j = 0; j < np; j++)
+        CHECK_MSG(fabsf(gg[j] - gc[j]) <= 1e-4f, "gradient %zu: gpu %.7g cpu %.7g", j,
+                  (double)gg[j], (double)gc[j]);
+    const mt_optimizer_kind opts[] = {MT_OPT_SGD, MT_OPT_ADAMW, MT_OPT_ADAMW8, MT_OPT_ADAFACTOR};
+    float *init = malloc(np * 4), *pg = malloc(np * 4), *pc = malloc(np * 4);
+    CHECK_OK(mt_model_get_params(mc, init, np));
+    for (int o = 0; o < 4; o++)
+        for (int prec = MT_PREC_FP32; prec <= MT_PREC_BF16; prec++)
+            for (int fused = 0; fused <= 1; fused++) {
+                mt_trainer_config_init(&tc);
+                tc.max_batch = 2;
+                tc.optimizer = opts[o];
+                tc.lr = opts[o] == MT_OPT_SGD ? 0.05f : 1e-3f;
+                tc.adafactor.relative_step = 0;
+                tc.adafactor.scale_parameter = 0;
+                tc.min_8bit_size = 1024;
+                tc.precision = (mt_precision)prec;
+                tc.fused_step = fused;
+                tc.grad_clip = 1.0f;
+                tc.recompute = (mt_recompute_policy)((o + prec) % 4);
+                float lsg[4], lsc[4];
+                CHECK_OK(mt_model_set_params(mg, init, np));
+                CHECK_OK(mt_model_set_params(mc, init, np));
+                train_run(g, mg, &tc, tok, 2, 8, 4, pg, lsg, NULL);
+                train_run(c, mc, &tc, tok, 2, 8, 4, pc, lsc, NULL);
+                float tol = prec == MT_PREC_FP32 ? 1e-4f : 2e-2f;
+                for (int i = 0; i < 4; i++)
+                    CHECK_MSG(fabsf(lsg[i] - lsc[i]) <= tol * (1.0f + fabsf(lsc[i])),
+                              "optimizer %d precision %d fused %d step %d: gpu %.6f cpu %.6f",
+                              (int)opts[o], prec, fused, i, (double)lsg[i], (double)lsc[i]);
+            }
+    free(init);
+    free(pg);
+    free(pc);
+    free(gg);
+    free(gc);
+    free(tok);
+    CHECK_OK(mt_model_destroy(mg));
+    CHECK_OK(mt_model_destroy(mc));
+    CHECK_OK(mt_context_destroy(g));
+    CHECK_OK(mt_context_destroy(c));
+}
