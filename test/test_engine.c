@@ -1032,3 +1032,65 @@ TEST(gpu_engine_matches_cpu)
     CHECK_OK(mt_context_destroy(g));
     CHECK_OK(mt_context_destroy(c));
 }
+
+/* A StableEmbedding's table keeps 32-bit state under 8-bit AdamW, and
+ * overrides set weight decay and learning rate per parameter: tensors given
+ * a vanishing learning rate and no decay stay put while the rest train. */
+TEST(stable_embedding_and_overrides)
+{
+    mt_context *ctx = ctx_threads(2);
+    mt_model *m = builder_model(ctx, 1, 1);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2;
+    tc.optimizer = MT_OPT_ADAMW8;
+    tc.min_8bit_size = 256;
+    tc.lr = 1e-2f;
+    tc.weight_decay = 0.1f;
+    /* the LayerNorms are frozen: no learning rate, no decay */
+    const mt_param_override ov[] = {{.pattern = "*ln*", .lr_scale = 1e-30f, .weight_decay = 0.0f}};
+    tc.overrides = ov;
+    tc.n_overrides = 1;
+    uint64_t want = 0;
+    for (int i = 0; i < mt_model_num_tensors(m); i++) {
+        mt_param_info pi;
+        CHECK_OK(mt_model_param_info(m, i, &pi));
+        bool eight = pi.numel >= 256 && strcmp(pi.name, "l0.tok") != 0;
+        want += eight ? 2 * pi.numel + 8 * ((pi.numel + 255) / 256) : 8 * pi.numel;
+    }
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_memory_stats ms;
+    CHECK_OK(mt_context_memory_stats(ctx, &ms));
+    CHECK_EQ(ms.per_class[MT_MEM_OPTIM].live_bytes, want);
+    size_t np = mt_model_num_params(m);
+    float *p0 = malloc(np * 4), *p1 = malloc(np * 4);
+    CHECK_OK(mt_model_get_params(m, p0, np));
+    int ntok;
+    int32_t *tok = read_tokens(&ntok);
+    for (int i = 0; i < 3; i++) {
+        mt_batch b = tiny_batch(tok, i, 2, 8);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    }
+    CHECK_OK(mt_model_get_params(m, p1, np));
+    for (int i = 0; i < mt_model_num_tensors(m); i++) {
+        mt_param_info pi;
+        CHECK_OK(mt_model_param_info(m, i, &pi));
+        double moved = 0.0;
+        for (size_t j = 0; j < pi.numel; j++) moved += fabs((double)p1[pi.offset + j] - p0[pi.offset + j]);
+        if (strstr(pi.name, "ln"))
+            CHECK_MSG(moved < 1e-20, "%s moved by %g", pi.name, moved);
+        else
+            CHECK_MSG(moved > 0.0, "%s did not train", pi.name);
+    }
+    const mt_param_override badov[] = {{.pattern = "x", .state_bits = 16}};
+    mt_trainer_destroy(t);
+    tc.overrides = badov;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "state_bits"));
+    free(p0);
+    free(p1);
+    free(tok);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
