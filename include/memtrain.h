@@ -682,6 +682,12 @@ typedef struct mt_trainer_config {
     float min_lr_ratio;                 /* WARMUP_COSINE: 0 */
     float grad_clip;        /* > 0: clip the global gradient norm to this (0: none) */
     mt_precision precision; /* MT_PREC_FP32 */
+    /* 1 (default): fp16 and bf16 keep fp32 master weights. 0 (bf16 only): no
+     * masters; the optimizer reads the bf16 weights, updates in fp32 and
+     * writes them back with stochastic rounding, a slice at a time (a 256 KiB
+     * WORK buffer), so weights cost 2 bytes per parameter instead of 6.
+     * SGD, AdamW and 8-bit AdamW; Adafactor needs masters. */
+    int master_weights;
     mt_loss_scale_config loss_scale; /* used with MT_PREC_FP16 */
     mt_recompute_policy recompute;   /* MT_RECOMPUTE_NONE */
     int recompute_every;    /* EVERY_K: units per segment (2) */

@@ -164,12 +164,9 @@ mt_status mt_model_gpt_save(const mt_model *m, const char *path)
     if (!s) s = mti_afile_write(ctx, &af, hb, sizeof hb);
     for (int oi = 0; oi < m->n_param && !s; oi++) {
         const mti_param *p = &m->params[ord[oi]];
-        const mti_tensor *t = m->has_master ? &p->master : &p->w;
         for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
             size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
-            s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)t->blk.ptr + at * sizeof(float),
-                                   n * sizeof(float));
-            if (!s) s = ctx->dev->sync(ctx->dev);
+            s = mti_param_read(m, ord[oi], at, n, buf);
             if (!s) s = mti_afile_write(ctx, &af, buf, n * sizeof(float));
         }
     }

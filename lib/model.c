@@ -592,14 +592,77 @@ static mt_status check_copy(const mt_model *m, const void *p, size_t n, const ch
     return MT_OK;
 }
 
+/* Elements [at, at + n) of parameter i as fp32, to or from host memory.
+ * The fp32 values are the master while there is one, else the weights;
+ * weights kept only in 16 bits (bf16 without masters) go through a small
+ * fp32 staging tensor (IO, at most MTI_STAGE elements). Writes refresh the
+ * compute copy when there is a master. */
+#define MTI_STAGE (1 << 16)
+
+static mt_status stage(mt_model *m, mti_tensor *t, size_t n)
+{
+    *t = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)n}};
+    return mti_tensor_alloc(m->ctx, t, MT_MEM_IO, MT_LIFE_PERSISTENT, ((uint64_t)1 << 32) | 5);
+}
+
+mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
+{
+    mt_context *ctx = m->ctx;
+    const mti_param *p = &m->params[i];
+    const mti_tensor *t = m->has_master ? &p->master : &p->w;
+    if (t->dtype == MTI_F32) {
+        mt_status s = ctx->dev->copy_d2h(ctx->dev, dst, (const float *)t->blk.ptr + at, n * 4);
+        return s ? s : ctx->dev->sync(ctx->dev);
+    }
+    const mti_kctx k = {ctx, ctx->dev};
+    mt_status s = MT_OK;
+    for (size_t d = 0; d < n && !s; d += MTI_STAGE) {
+        size_t c = n - d < MTI_STAGE ? n - d : MTI_STAGE;
+        mti_tensor st;
+        s = stage((mt_model *)m, &st, c);
+        if (!s)
+            s = ctx->ops->cast(&k, st.blk.ptr, MTI_F32,
+                               (const char *)t->blk.ptr + (at + d) * mti_dtype_size(t->dtype),
+                               t->dtype, c, MTI_ROUND_NEAREST, 0);
+        if (!s) s = mti_tensor_download(ctx, &st, dst + d, c * 4);
+        mti_tensor_free(ctx, &st);
+    }
+    return s;
+}
+
+mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src)
+{
+    mt_context *ctx = m->ctx;
+    const mti_kctx k = {ctx, ctx->dev};
+    mti_param *p = &m->params[i];
+    mti_tensor *t = m->has_master ? &p->master : &p->w;
+    size_t es = mti_dtype_size(p->w.dtype);
+    if (t->dtype == MTI_F32) {
+        mt_status s = ctx->dev->copy_h2d(ctx->dev, (float *)t->blk.ptr + at, src, n * 4);
+        if (!s && m->has_master) /* refresh the compute copy */
+            s = ctx->ops->cast(&k, (char *)p->w.blk.ptr + at * es, p->w.dtype,
+                               (float *)t->blk.ptr + at, MTI_F32, n, MTI_ROUND_NEAREST, 0);
+        return s;
+    }
+    mt_status s = MT_OK;
+    for (size_t d = 0; d < n && !s; d += MTI_STAGE) {
+        size_t c = n - d < MTI_STAGE ? n - d : MTI_STAGE;
+        mti_tensor st;
+        s = stage(m, &st, c);
+        if (!s) s = mti_tensor_upload(ctx, &st, src + d, c * 4);
+        if (!s)
+            s = ctx->ops->cast(&k, (char *)t->blk.ptr + (at + d) * es, t->dtype, st.blk.ptr,
+                               MTI_F32, c, MTI_ROUND_NEAREST, 0);
+        mti_tensor_free(ctx, &st);
+    }
+    return s;
+}
+
 mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n)
 {
     mt_status s = check_copy(m, dst, n, "mt_model_get_params");
-    for (int i = 0; i < (m ? m->n_param : 0) && !s; i++) {
-        const mti_param *p = &m->params[i];
-        const mti_tensor *t = m->has_master ? &p->master : &p->w;
-        s = mti_tensor_download(m->ctx, t, dst + p->offset, p->numel * sizeof *dst);
-    }
+    for (int i = 0; i < (m ? m->n_param : 0) && !s; i++)
+        s = mti_param_read(m, i, 0, m->params[i].numel, dst + m->params[i].offset);
     return s;
 }
 
@@ -617,15 +680,8 @@ mt_status mt_model_set_params(mt_model *m, const float *src, size_t n)
 
 mt_status mti_model_upload(mt_model *m, const float *src)
 {
-    const mti_kctx k = {m->ctx, m->ctx->dev};
     mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s; i++) {
-        mti_param *p = &m->params[i];
-        mti_tensor *t = mti_param_fp32(m, i);
-        s = mti_tensor_upload(m->ctx, t, src + p->offset, p->numel * sizeof *src);
-        if (!s && m->has_master) /* refresh the compute copy */
-            s = m->ctx->ops->cast(&k, p->w.blk.ptr, p->w.dtype, t->blk.ptr, MTI_F32, p->numel,
-                                  MTI_ROUND_NEAREST, 0);
-    }
+    for (int i = 0; i < m->n_param && !s; i++)
+        s = mti_param_write(m, i, 0, m->params[i].numel, src + m->params[i].offset);
     return s ? s : m->ctx->dev->sync(m->ctx->dev);
 }

@@ -25,7 +25,8 @@ typedef enum mti_init {
 typedef struct mti_param {
     char name[MTI_NAME_LEN];
     mti_tensor w;        /* PARAM: fp32, or the compute copy in dt while a
-                            mixed-precision trainer holds the masters */
+                            mixed-precision trainer holds the masters, or
+                            bf16 alone under a trainer without masters */
     mti_tensor master;   /* MASTER: fp32, while such a trainer lives */
     int ndim;
     int64_t shape[2];    /* (rows, cols), or (n) */
@@ -81,14 +82,13 @@ mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn
 /* Uploads all parameters from host fp32 values in get/set_params order
  * (no checks), refreshing the compute copies. */
 mt_status mti_model_upload(mt_model *m, const float *src);
+/* Elements [at, at + n) of parameter i's fp32 values to / from host memory,
+ * whatever the weights' storage (fp32, master + compute copy, or 16 bits
+ * alone); a write refreshes the compute copy. */
+mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
+mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */
 int *mti_param_order(const mt_model *m);
 
-/* The fp32 values of parameter i: its master while a mixed-precision
- * trainer holds one, else the weights. */
-static inline mti_tensor *mti_param_fp32(mt_model *m, int i)
-{
-    return m->has_master ? &m->params[i].master : &m->params[i].w;
-}
 
 #endif /* MT_MODEL_H */

@@ -70,6 +70,7 @@ struct mt_trainer {
     int pass;                /* fused: 1 check pass, 2 update pass */
     int updated;             /* tensors updated this step */
     int counted;             /* counted in the model's and context's children */
+    int bare;                /* weights in dt alone, no masters */
 };
 
 #define ROWS_CHUNK 16
@@ -96,6 +97,7 @@ void mt_trainer_config_init(mt_trainer_config *c)
                                          .relative_step = 1,
                                          .warmup_init = 0};
     c->precision = MT_PREC_FP32;
+    c->master_weights = 1;
     c->loss_scale.dynamic = 1;
     c->loss_scale.init_scale = 65536.0f;
     c->loss_scale.growth_factor = 2.0;
@@ -182,6 +184,16 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
         if (ls->dynamic && ls->growth_interval < 1)
             BAD("%s: cfg->loss_scale.growth_interval %d must be >= 1", fn, ls->growth_interval);
     }
+    if (c->master_weights != 0 && c->master_weights != 1)
+        BAD("%s: cfg->master_weights %d must be 0 or 1", fn, c->master_weights);
+    if (!c->master_weights && c->precision != MT_PREC_BF16)
+        BAD("%s: cfg->master_weights 0 needs precision bf16 (fp32 weights are their own "
+            "masters; fp16 is too narrow to update without them)",
+            fn);
+    if (!c->master_weights && c->optimizer == MT_OPT_ADAFACTOR)
+        BAD("%s: cfg->master_weights 0 does not combine with Adafactor, whose update needs the "
+            "whole tensor in fp32",
+            fn);
     if ((unsigned)c->recompute > MT_RECOMPUTE_SELECTIVE)
         BAD("%s: cfg->recompute %d is not a recompute policy", fn, (int)c->recompute);
     if (c->recompute == MT_RECOMPUTE_EVERY_K && c->recompute_every < 1)
@@ -276,6 +288,36 @@ static mt_status to_mixed(mt_trainer *t)
     return MT_OK;
 }
 
+/* Weights stored in dt alone (no masters), or back to fp32, one tensor at
+ * a time. To dt cannot leave a mix: on failure the tensors done go back.
+ * Back to fp32 can fail (out of memory): the tensor then stays in dt, and
+ * the next trainer's create tries again (weights_to_fp32). */
+static mt_status convert_weights(mt_trainer *t, mti_dtype to)
+{
+    mt_model *m = t->model;
+    mt_context *ctx = t->ctx;
+    const mti_kctx k = {ctx, ctx->dev};
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        mti_param *p = &m->params[i];
+        if (p->w.dtype == to) continue;
+        mti_tensor w = like(&p->w, to);
+        s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i));
+        if (!s)
+            s = ctx->ops->cast(&k, w.blk.ptr, to, p->w.blk.ptr, p->w.dtype, p->numel,
+                               MTI_ROUND_NEAREST, 0);
+        if (s) {
+            mti_tensor_free(ctx, &w);
+            break;
+        }
+        mti_tensor_free(ctx, &p->w);
+        p->w = w;
+    }
+    return s;
+}
+
+static mt_status weights_to_fp32(mt_trainer *t) { return convert_weights(t, MTI_F32); }
+
 /* ---- optimizer state ---- */
 
 static const mt_param_override *override_of(const mt_trainer *t, const char *name)
@@ -357,18 +399,19 @@ static float lr_at(const mt_trainer_config *c, uint64_t step)
     return (float)(lo + 0.5 * (1.0 + cos(M_PI * r)) * (lr - lo));
 }
 
-/* Updates parameter i from its gradient times grad_scale. */
-static mt_status update_param(mt_trainer *t, int i, float grad_scale)
+/* The optimizer on elements [at, at + n) of parameter i: w32 points at the
+ * fp32 values of those elements, pc (or NULL) at the compute copy's. */
+static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, size_t at, size_t n,
+                             float grad_scale)
 {
-    mt_model *m = t->model;
     const mt_trainer_config *c = &t->cfg;
     const mti_kctx k = {t->ctx, t->ctx->dev};
     const mti_ops *op = t->ctx->ops;
-    mti_param *p = &m->params[i];
+    const mti_param *p = &t->model->params[i];
     pstate *ps = &t->ps[i];
-    float *w = mti_param_fp32(m, i)->blk.ptr;
-    void *pc = m->has_master ? p->w.blk.ptr : NULL;
-    const float *g = t->E.grad[i].blk.ptr;
+    const float *g = (const float *)t->E.grad[i].blk.ptr + at;
+    float *f0 = ps->s[0].blk.ptr ? (float *)ps->s[0].blk.ptr + at : NULL;
+    float *f1 = ps->s[1].blk.ptr ? (float *)ps->s[1].blk.ptr + at : NULL;
     float lr = t->lr * ps->lr_scale;
     int64_t step = (int64_t)t->opt_steps + 1;
     switch (c->optimizer) {
@@ -380,7 +423,7 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
                           .nesterov = c->nesterov,
                           .first_step = t->opt_steps == 0,
                           .grad_scale = grad_scale};
-        return op->sgd(&k, w, g, ps->s[0].blk.ptr, pc, t->dt, p->numel, &a);
+        return op->sgd(&k, w32, g, f0, pc, t->dt, n, &a);
     }
     case MT_OPT_ADAMW:
     case MT_OPT_ADAMW8: {
@@ -391,19 +434,14 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
                             .weight_decay = ps->wd,
                             .step = step,
                             .grad_scale = grad_scale};
-        if (ps->bits == 8) {
-            if (!op->adamw8)
-                return mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "8-bit AdamW is not in the %s op table",
-                                op->name);
-            return op->adamw8(&k, w, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
-                              ps->s[3].blk.ptr, pc, t->dt, p->numel, &a);
-        }
-        return op->adamw(&k, w, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, pc, t->dt, p->numel, &a);
+        if (ps->bits == 8) /* at is a multiple of the block */
+            return op->adamw8(&k, w32, g, (uint8_t *)ps->s[0].blk.ptr + at,
+                              (uint8_t *)ps->s[1].blk.ptr + at,
+                              (float *)ps->s[2].blk.ptr + at / MTI_Q8_BLOCK,
+                              (float *)ps->s[3].blk.ptr + at / MTI_Q8_BLOCK, pc, t->dt, n, &a);
+        return op->adamw(&k, w32, g, f0, f1, pc, t->dt, n, &a);
     }
     case MT_OPT_ADAFACTOR: {
-        if (!op->adafactor)
-            return mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "Adafactor is not in the %s op table",
-                            op->name);
         const mt_adafactor_config *af = &c->adafactor;
         mti_adafactor_args a = {.lr = lr,
                                 .eps1 = af->eps1,
@@ -417,12 +455,48 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
                                 .warmup_init = af->warmup_init,
                                 .step = step,
                                 .grad_scale = grad_scale};
-        int64_t rows = ps->factored ? p->shape[0] : 1, cols = ps->factored ? p->shape[1] : (int64_t)p->numel;
-        return op->adafactor(&k, w, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
+        int64_t rows = ps->factored ? p->shape[0] : 1;
+        int64_t cols = ps->factored ? p->shape[1] : (int64_t)p->numel;
+        return op->adafactor(&k, w32, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
                              ps->s[3].blk.ptr, pc, t->dt, rows, cols, ps->factored, &a);
     }
     }
     return MT_ERR_INTERNAL;
+}
+
+/* elements per slice of an update without masters (a multiple of the 8-bit block) */
+#define BARE_SLICE (1 << 16)
+
+/* Updates parameter i from its gradient times grad_scale. Without masters
+ * the bf16 weights go through an fp32 slice (WORK) and come back with
+ * stochastic rounding, seeded by the step, the tensor and the slice, so
+ * runs repeat exactly. */
+static mt_status update_param(mt_trainer *t, int i, float grad_scale)
+{
+    mt_model *m = t->model;
+    mti_param *p = &m->params[i];
+    if (!t->bare) {
+        float *w32 = (m->has_master ? p->master : p->w).blk.ptr;
+        return update_span(t, i, w32, m->has_master ? p->w.blk.ptr : NULL, 0, p->numel,
+                           grad_scale);
+    }
+    mt_context *ctx = t->ctx;
+    const mti_kctx k = {ctx, ctx->dev};
+    size_t es = mti_dtype_size(p->w.dtype);
+    mti_tensor sl = {.dtype = MTI_F32, .ndim = 1,
+                     .shape = {(int64_t)(p->numel < BARE_SLICE ? p->numel : BARE_SLICE)}};
+    mt_status s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, TAG(1, 6));
+    for (size_t at = 0; at < p->numel && !s; at += BARE_SLICE) {
+        size_t n = p->numel - at < BARE_SLICE ? p->numel - at : BARE_SLICE;
+        void *w = (char *)p->w.blk.ptr + at * es;
+        uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ at;
+        s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, n, MTI_ROUND_NEAREST, 0);
+        if (!s) s = update_span(t, i, sl.blk.ptr, NULL, at, n, grad_scale);
+        if (!s) s = ctx->ops->cast(&k, w, p->w.dtype, sl.blk.ptr, MTI_F32, n,
+                                   MTI_ROUND_STOCHASTIC, seed);
+    }
+    mti_tensor_free(ctx, &sl);
+    return s;
 }
 
 /* ---- create / destroy ---- */
@@ -437,6 +511,7 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
     if (t->model->has_master) from_mixed(t);
+    if (t->bare) (void)weights_to_fp32(t);
     if (t->patterns)
         for (int i = 0; i < t->cfg.n_overrides; i++) free(t->patterns[i]);
     free(t->patterns);
@@ -511,7 +586,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     else
         mti_scaler_init(&t->scaler, 1.0f, 2.0, 0.5, 1, 0);
     if (!s) s = mti_engine_init(&t->E, m, t->dt, cfg->recompute, cfg->recompute_every);
-    if (!s && t->dt != MTI_F32) s = to_mixed(t);
+    if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
+    if (!s && t->dt != MTI_F32 && cfg->master_weights) s = to_mixed(t);
+    if (!s && t->dt != MTI_F32 && !cfg->master_weights) {
+        t->bare = 1;
+        if ((s = convert_weights(t, t->dt))) (void)weights_to_fp32(t);
+    }
     if (!s) s = make_state(t);
     if (!s && cfg->precision == MT_PREC_FP16) {
         t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {1}};

@@ -1094,3 +1094,61 @@ TEST(stable_embedding_and_overrides)
     CHECK_OK(mt_model_destroy(m));
     CHECK_OK(mt_context_destroy(ctx));
 }
+
+/* bf16 without masters: 2 bytes per weight, updates through stochastic
+ * rounding; learns like the masters do, repeats exactly, and the model is
+ * fp32 again once the trainer is gone. */
+TEST(bf16_without_masters)
+{
+    mt_context *ctx = ctx_threads(2);
+    size_t len;
+    unsigned char *text = text_corpus(&len);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 8;
+    tc.optimizer = MT_OPT_ADAMW8;
+    tc.lr = 3e-3f;
+    tc.min_8bit_size = 1024;
+    tc.grad_clip = 1.0f;
+    tc.precision = MT_PREC_BF16;
+    const int steps = check_light() ? 30 : 60;
+    float first, with_masters = text_run(ctx, text, len, &tc, steps, &first);
+    tc.master_weights = 0;
+    float bare = text_run(ctx, text, len, &tc, steps, &first);
+    float again = text_run(ctx, text, len, &tc, steps, &first);
+    if (getenv("MT_TEST_VERBOSE"))
+        fprintf(stderr, "bf16 adamw8: masters %.6f, none %.6f\n", (double)with_masters, (double)bare);
+    CHECK(memcmp(&bare, &again, 4) == 0);
+    CHECK_MSG(fabsf(bare - with_masters) <= 0.03f * with_masters, "no masters %.4f, masters %.4f",
+              (double)bare, (double)with_masters);
+    /* memory: weights 2 bytes per parameter, no masters; fp32 again afterwards */
+    mt_model *m = tiny_gpt(ctx);
+    size_t np = mt_model_num_params(m);
+    float *p0 = malloc(np * 4), *p1 = malloc(np * 4);
+    CHECK_OK(mt_model_get_params(m, p0, np));
+    tc.max_batch = 2;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_memory_stats ms;
+    CHECK_OK(mt_context_memory_stats(ctx, &ms));
+    CHECK_EQ(ms.per_class[MT_MEM_PARAM].live_bytes, 2 * np);
+    CHECK_EQ(ms.per_class[MT_MEM_MASTER].live_bytes, 0);
+    CHECK_OK(mt_model_get_params(m, p1, np)); /* the bf16 values, as fp32 */
+    for (size_t j = 0; j < np; j++) CHECK(fabsf(p1[j] - p0[j]) <= fabsf(p0[j]) / 256.0f);
+    CHECK_OK(mt_model_set_params(m, p0, np));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_context_memory_stats(ctx, &ms));
+    CHECK_EQ(ms.per_class[MT_MEM_PARAM].live_bytes, 4 * np);
+    /* what cannot be */
+    tc.precision = MT_PREC_FP16;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "master_weights"));
+    tc.precision = MT_PREC_BF16;
+    tc.optimizer = MT_OPT_ADAFACTOR;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    free(p0);
+    free(p1);
+    free(text);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
