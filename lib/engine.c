@@ -118,6 +118,9 @@ void mti_engine_release(mti_engine *E)
     mti_tensor_free(ctx, &E->targets);
     mti_tensor_free(ctx, &E->losses);
     mti_tensor_free(ctx, &E->d);
+    mti_tensor_free(ctx, &E->tied_dy);
+    mti_tensor_free(ctx, &E->tied_x);
+    E->tied_dy_ptr = E->tied_x_ptr = NULL;
 }
 
 void mti_engine_free_grads(mti_engine *E)
@@ -528,7 +531,10 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     case MT_LAYER_LINEAR:
     case MT_LAYER_LM_HEAD: {
         int wi = ly->kind == MT_LAYER_LINEAR ? ly->p0 : ly->tied;
-        TRY(gradp(E, wi, &gw));
+        /* (not when the layer before needs this input as its own output) */
+        const bool defer = ly->kind == MT_LAYER_LM_HEAD && E->defer_tied &&
+                           !(i > 0 && needs_output(&m->layers[i - 1]));
+        if (!defer) TRY(gradp(E, wi, &gw));
         if (ly->kind == MT_LAYER_LINEAR && ly->bias) TRY(gradp(E, ly->p0 + 1, &gb));
         mti_tensor dx = {0};
         if (want_dx) TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 200)));
@@ -538,9 +544,20 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
             mti_tensor_free(E->ctx, &dx);
             return s;
         }
-        /* dlogits are the logits' block: kept for a second backward */
-        if (!(keep && i == m->n_layers - 1)) mti_tensor_free(E->ctx, &E->d);
-        else memset(&E->d, 0, sizeof E->d);
+        if (defer) { /* dlogits and the input wait for the embedding (see engine.h) */
+            E->tied_dy_ptr = E->d.blk.ptr;
+            E->tied_x_ptr = x->blk.ptr;
+            if (!keep) {
+                E->tied_dy = E->d;
+                E->tied_x = *x;
+                memset(x, 0, sizeof *x);
+            }
+            memset(&E->d, 0, sizeof E->d);
+        } else if (!(keep && i == m->n_layers - 1)) {
+            mti_tensor_free(E->ctx, &E->d);
+        } else { /* dlogits are the logits' block: kept for a second backward */
+            memset(&E->d, 0, sizeof E->d);
+        }
         E->d = dx;
         break;
     }
@@ -560,6 +577,14 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     case MT_LAYER_EMBEDDING: {
         float *gpos = NULL;
         TRY(gradp(E, ly->p0, &gw));
+        if (E->tied_dy_ptr) { /* the LM head's part of the table's gradient first */
+            const mti_layer *head = &m->layers[m->n_layers - 1];
+            TRY(op->matmul_bwd(k, NULL, gw, NULL, E->tied_dy_ptr, E->tied_x_ptr, P(E, ly->p0), N,
+                               head->in, head->out, dt, 0));
+            mti_tensor_free(E->ctx, &E->tied_dy);
+            mti_tensor_free(E->ctx, &E->tied_x);
+            E->tied_dy_ptr = E->tied_x_ptr = NULL;
+        }
         if (ly->positions) TRY(gradp(E, ly->p0 + 1, &gpos));
         if (!ly->stable) {
             TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T, ly->out,

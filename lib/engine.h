@@ -49,6 +49,14 @@ typedef struct mti_engine {
     mti_tensor *grad;      /* per parameter */
     int *uses_left;
     uint64_t n_recomputed; /* layer forwards re-run, for reports */
+    /* Deferred tied gradient (the fused step): the LM head's backward makes
+     * only its input gradient and leaves its dlogits and input here; the
+     * table's gradient is formed from them just before the embedding's
+     * backward adds its own, in the same order as without deferring, so the
+     * full-size table gradient exists only at the very end. */
+    int defer_tied;
+    mti_tensor tied_dy, tied_x;   /* owned (moved here) unless keep */
+    const void *tied_dy_ptr, *tied_x_ptr;
 } mti_engine;
 
 mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute_policy policy,

@@ -586,6 +586,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     else
         mti_scaler_init(&t->scaler, 1.0f, 2.0, 0.5, 1, 0);
     if (!s) s = mti_engine_init(&t->E, m, t->dt, cfg->recompute, cfg->recompute_every);
+    t->E.defer_tied = cfg->fused_step != 0;
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s && t->dt != MTI_F32 && cfg->master_weights) s = to_mixed(t);
     if (!s && t->dt != MTI_F32 && !cfg->master_weights) {
