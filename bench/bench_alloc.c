@@ -10,7 +10,9 @@
  *   (a) random traces as RMM's random_allocations benchmark makes them
  *       (73% allocations, sizes uniform in 1..max, a cap on live bytes),
  *   (b) a GPT-2-shaped training trace (llm.c's tensor layout, 5 steps),
- *   (c) a trace recorded from the engine training an MLP (5 steps).
+ *   (c) a trace recorded from the engine training an MLP (5 steps),
+ *   (d, e) traces recorded from the engine training GPT-2 124M (3 steps;
+ *       not with --quick).
  *
  * Usage: bench_alloc [--quick]
  */
@@ -367,6 +369,18 @@ static void gpt2_trace(evbuf *e, int steps, int L, int B, int T, int C, int H, i
     free(act);
 }
 
+/* Copies the context's recorded events into e, then ends the run. */
+static void take_trace(evbuf *e, mt_context *ctx, mt_trainer *t, mt_model *m)
+{
+    const mt_trace_event *ev;
+    size_t n;
+    mt_context_trace_events(ctx, &ev, &n, NULL);
+    for (size_t i = 0; i < n; i++) ev_push(e, ev[i]);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
 /* A trace recorded from the engine: an MLP trained for a few steps. */
 static void engine_trace(evbuf *e, int steps)
 {
@@ -398,14 +412,48 @@ static void engine_trace(evbuf *e, int steps)
     for (int i = 0; i < 256; i++) y[i] = (int32_t)(rnd() % 10);
     mt_batch b = {.n = 256, .inputs = x, .targets = y};
     for (int s = 0; s < steps; s++) mt_trainer_step(t, &b, NULL);
-    const mt_trace_event *ev;
-    size_t n;
-    mt_context_trace_events(ctx, &ev, &n, NULL);
-    for (size_t i = 0; i < n; i++) ev_push(e, ev[i]);
     free(x);
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
+    take_trace(e, ctx, t, m);
+}
+
+/* A trace recorded from the engine training GPT-2 124M (B4 T64) for a few
+ * steps: fp32 AdamW, or bf16 with the fused step and sqrt(n) recompute. */
+static void gpt_engine_trace(evbuf *e, int steps, int lean)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CPU;
+    cfg.trace_capacity = 1u << 22;
+    mt_context *ctx;
+    mt_gpt_spec sp;
+    mt_gpt_spec_init(&sp);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 4;
+    tc.max_seq = 64;
+    tc.optimizer = MT_OPT_ADAMW;
+    tc.lr = 3e-4f;
+    if (lean) {
+        tc.precision = MT_PREC_BF16;
+        tc.fused_step = 1;
+        tc.recompute = MT_RECOMPUTE_SQRT;
+    }
+    mt_model *m;
+    mt_trainer *t;
+    if (mt_context_create(&cfg, &ctx) || mt_model_gpt_create(ctx, &sp, &m) ||
+        mt_trainer_create(m, &tc, &t)) {
+        fprintf(stderr, "gpt engine trace: %s\n", mt_last_error(NULL));
+        exit(1);
+    }
+    int32_t tok[4 * 65];
+    for (int i = 0; i < 4 * 65; i++) tok[i] = (int32_t)(rnd() % 50257);
+    mt_batch b = {.n = 4, .tokens = tok, .targets = tok + 1, .seq_len = 64};
+    for (int s = 0; s < steps; s++)
+        if (mt_trainer_step(t, &b, NULL)) {
+            fprintf(stderr, "gpt engine trace: %s\n", mt_last_error(ctx));
+            exit(1);
+        }
+    take_trace(e, ctx, t, m);
 }
 
 static void efficiency_row(mt_context *ctx, const char *what, evbuf *e)
@@ -455,6 +503,16 @@ static void efficiency(mt_context *ctx)
     engine_trace(&m, 5);
     efficiency_row(ctx, "(c) recorded: MLP 784-1024-1024-512-10, batch 256, 5 steps", &m);
     free(m.v);
+    if (!quick) {
+        evbuf d = {0};
+        gpt_engine_trace(&d, 3, 0);
+        efficiency_row(ctx, "(d) recorded: GPT-2 124M, B4 T64, fp32 AdamW, 3 steps", &d);
+        free(d.v);
+        evbuf d2 = {0};
+        gpt_engine_trace(&d2, 3, 1);
+        efficiency_row(ctx, "(e) recorded: GPT-2 124M, B4 T64, bf16 fused sqrt(n), 3 steps", &d2);
+        free(d2.v);
+    }
 }
 
 int main(int argc, char **argv)
