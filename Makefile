@@ -54,7 +54,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib test test-long test-gpu demo bench install uninstall clean deps valgrind check-tests
+.PHONY: all lib test test-long test-gpu demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -148,7 +148,7 @@ test-long: deps
 test-gpu: deps
 	@test -n "$(strip $(NVCC))" || { echo "test-gpu: nvcc not found, so no CUDA kernels to test (set NVCC)"; exit 1; }
 	@$(MAKE) --no-print-directory $(TEST_BIN)
-	MT_TEST_GPU=1 $(TEST_BIN) ops
+	MT_TEST_GPU=1 $(TEST_BIN) ops gpu_engine
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES)
@@ -161,9 +161,17 @@ demo: deps
 	@$(MAKE) --no-print-directory $(TOOL)
 	$(TOOL) train --model mlp --steps 300 --report
 
+# bench_gpt2 is left to bench-gpt2: it takes minutes and compares with PyTorch
 bench: deps
 	@$(MAKE) --no-print-directory $(BENCH_BIN)
-	@for b in $(BENCH_BIN); do echo "== $$b"; $$b || exit 1; done
+	@for b in $(filter-out %/bench_gpt2,$(BENCH_BIN)); do echo "== $$b"; $$b || exit 1; done
+
+# GPT-2 training against PyTorch on the CPU (about 15 minutes at the 124M shape;
+# GPT2_ARGS=--quick for a small model, GPT2_ARGS=--long for the 200-step loss
+# comparison). PyTorch comes from the virtualenv named by MT_TORCH_VENV.
+bench-gpt2: deps
+	@$(MAKE) --no-print-directory $(BUILD)/bench/bench_gpt2
+	BUILD=$(BUILD) ./bench/gpt2_side_by_side.sh $(GPT2_ARGS)
 
 # ---- install ----
 install: $(LIB) $(TOOL)
