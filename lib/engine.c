@@ -65,7 +65,6 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute
     if (policy == MT_RECOMPUTE_EVERY_K) k = every;
     if (policy == MT_RECOMPUTE_SQRT) k = (int)ceil(sqrt((double)U));
     if (k < 1) k = 1;
-    E->seg_k = k;
     bool segments = policy == MT_RECOMPUTE_EVERY_K || policy == MT_RECOMPUTE_SQRT;
     int last_seg = (U - 1) / k;
     int start = 0;
@@ -338,10 +337,7 @@ static mt_status run_forward(mti_engine *E, int from, int to, int recompute)
     for (int i = from; i < to; i++) {
         mti_save save = recompute ? MTI_SAVE_ALL : (mti_save)E->plan[i];
         TRY(layer_fwd(E, i, save));
-        if (recompute) {
-            E->redone[i] = 1;
-            E->n_recomputed++;
-        }
+        if (recompute) E->redone[i] = 1;
         /* with nothing saved, the input is needed again only if it is a checkpoint */
         if (save == MTI_SAVE_NONE && i > 0 && !E->ckpt[i]) mti_tensor_free(E->ctx, &E->bnd[i]);
     }

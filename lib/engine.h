@@ -32,7 +32,6 @@ typedef struct mti_engine {
     mti_kctx k;
     mti_dtype dt;
     mt_recompute_policy policy;
-    int seg_k;             /* units per segment (EVERY_K, SQRT) */
     /* plan, per layer */
     unsigned char *plan;   /* mti_save of the main forward */
     int *seg_start;        /* first layer of the layer's segment */
@@ -48,7 +47,6 @@ typedef struct mti_engine {
     /* gradients */
     mti_tensor *grad;      /* per parameter */
     int *uses_left;
-    uint64_t n_recomputed; /* layer forwards re-run, for reports */
     /* Deferred tied gradient (the fused step): the LM head's backward makes
      * only its input gradient and leaves its dlogits and input here; the
      * table's gradient is formed from them just before the embedding's

@@ -82,7 +82,6 @@ static mti_param *add_param(builder *b, const char *name, int ndim, int64_t rows
     p->shape[0] = rows;
     p->shape[1] = ndim == 2 ? cols : 0;
     p->numel = (size_t)rows * (size_t)(ndim == 2 ? cols : 1);
-    p->layer = m->n_layers - 1;
     p->uses = 1;
     p->init = init;
     p->init_a = a;

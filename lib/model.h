@@ -32,7 +32,6 @@ typedef struct mti_param {
     int64_t shape[2];    /* (rows, cols), or (n) */
     size_t numel;
     size_t offset;       /* in get/set_params order */
-    int layer;           /* the layer that owns it */
     int uses;            /* gradient contributions per backward pass (2: tied) */
     int force32;         /* optimizer state stays 32-bit (StableEmbedding) */
     mti_init init;

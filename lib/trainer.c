@@ -43,7 +43,6 @@ typedef struct pstate {
     mti_tensor s[4]; /* SGD: m | AdamW: m v | 8-bit: qm qv absmax_m absmax_v |
                         Adafactor: row col (factored) or v, then m */
     int bits;        /* 8 or 32 */
-    int factored;
     float wd, lr_scale;
 } pstate;
 
@@ -374,8 +373,7 @@ static mt_status make_state(mt_trainer *t)
             break;
         }
         case MT_OPT_ADAFACTOR:
-            ps->factored = p->ndim == 2;
-            if (ps->factored) {
+            if (p->ndim == 2) { /* factored */
                 s = state_tensor(t, &ps->s[0], MTI_F32, p->shape[0], i, 0, 0);
                 if (!s) s = state_tensor(t, &ps->s[1], MTI_F32, p->shape[1], i, 1, 0);
             } else {
@@ -455,10 +453,11 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, size_t 
                                 .warmup_init = af->warmup_init,
                                 .step = step,
                                 .grad_scale = grad_scale};
-        int64_t rows = ps->factored ? p->shape[0] : 1;
-        int64_t cols = ps->factored ? p->shape[1] : (int64_t)p->numel;
+        const int factored = p->ndim == 2;
+        int64_t rows = factored ? p->shape[0] : 1;
+        int64_t cols = factored ? p->shape[1] : (int64_t)p->numel;
         return op->adafactor(&k, w32, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
-                             ps->s[3].blk.ptr, pc, t->dt, rows, cols, ps->factored, &a);
+                             ps->s[3].blk.ptr, pc, t->dt, rows, cols, factored, &a);
     }
     }
     return MT_ERR_INTERNAL;
