@@ -508,6 +508,42 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     return s;
 }
 
+/* The LM head's part of rows [r0, r1) of the tied table's gradient (r1 0:
+ * all of it) into g, from the deferred dlogits and head input. */
+static mt_status tied_head_grad(mti_engine *E, float *g, int r0, int r1)
+{
+    const mti_layer *head = &E->m->layers[E->m->n_layers - 1];
+    const mti_ops *op = E->ctx->ops;
+    if (!r1)
+        return op->matmul_bwd(&E->k, NULL, g, NULL, E->tied_dy_ptr, E->tied_x_ptr, NULL, E->N,
+                              head->in, head->out, E->dt, 0);
+    return op->matmul_dw_rows(&E->k, g, E->tied_dy_ptr, E->tied_x_ptr, E->N, head->in, head->out,
+                              r0, r1, E->dt);
+}
+
+/* The tied table's gradient, tied_rows rows at a time: the head's part,
+ * then the tokens' rows (the order of the whole gradient's sums), handed to
+ * the slice hook and dropped. */
+static mt_status tied_slices(mti_engine *E, const mti_layer *ly)
+{
+    const mti_ops *op = E->ctx->ops;
+    const int pi = ly->p0, V = (int)E->m->params[pi].shape[0], C = ly->out;
+    mt_status s = MT_OK;
+    for (int r0 = 0; r0 < V && !s; r0 += E->tied_rows) {
+        int r1 = V - r0 < E->tied_rows ? V : r0 + E->tied_rows;
+        mti_tensor g = {.dtype = MTI_F32, .ndim = 2, .shape = {r1 - r0, C}};
+        s = mti_tensor_alloc(E->ctx, &g, MT_MEM_GRAD, MT_LIFE_PHASE, TAG(1, 1000 + pi));
+        if (!s) s = mti_tensor_zero(E->ctx, &g);
+        if (!s) s = tied_head_grad(E, g.blk.ptr, r0, r1);
+        if (!s)
+            s = op->embedding_dw_rows(&E->k, g.blk.ptr, E->d.blk.ptr, E->tokens.blk.ptr, E->B,
+                                      E->T, C, r0, r1, E->dt);
+        if (!s) s = E->slice_hook(E->user, pi, g.blk.ptr, (size_t)r0 * C, (size_t)(r1 - r0) * C);
+        mti_tensor_free(E->ctx, &g);
+    }
+    return s;
+}
+
 static mt_status layer_bwd(mti_engine *E, int i, bool keep)
 {
     mt_model *m = E->m;
@@ -572,33 +608,39 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         break;
     case MT_LAYER_EMBEDDING: {
         float *gpos = NULL;
-        TRY(gradp(E, ly->p0, &gw));
-        if (E->tied_dy_ptr) { /* the LM head's part of the table's gradient first */
-            const mti_layer *head = &m->layers[m->n_layers - 1];
-            TRY(op->matmul_bwd(k, NULL, gw, NULL, E->tied_dy_ptr, E->tied_x_ptr, P(E, ly->p0), N,
-                               head->in, head->out, dt, 0));
+        const bool sliced = E->tied_dy_ptr && E->tied_rows > 0 && E->slice_hook && E->hook;
+        if (sliced) {
+            gw = NULL; /* made slice by slice at the end */
+        } else {
+            TRY(gradp(E, ly->p0, &gw));
+            if (E->tied_dy_ptr) TRY(tied_head_grad(E, gw, 0, 0)); /* the head's part first */
+        }
+        if (ly->positions) TRY(gradp(E, ly->p0 + 1, &gpos));
+        if (!ly->stable) {
+            if (gw || gpos)
+                TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                                      ly->out, dt));
+        } else {
+            int pl = ly->p0 + (ly->positions ? 2 : 1);
+            float *glw, *glb;
+            TRY(gradp(E, pl, &glw));
+            TRY(gradp(E, pl + 1, &glb));
+            if (gpos)
+                TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                                      ly->out, dt));
+            TRY(op->layernorm_bwd(k, E->d.blk.ptr, glw, glb, E->d.blk.ptr, sl[S_EMB].blk.ptr,
+                                  P(E, pl), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->out, dt,
+                                  0));
+            if (gw)
+                TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                                      ly->out, dt));
+        }
+        if (sliced) TRY(tied_slices(E, ly));
+        if (E->tied_dy_ptr) {
             mti_tensor_free(E->ctx, &E->tied_dy);
             mti_tensor_free(E->ctx, &E->tied_x);
             E->tied_dy_ptr = E->tied_x_ptr = NULL;
         }
-        if (ly->positions) TRY(gradp(E, ly->p0 + 1, &gpos));
-        if (!ly->stable) {
-            TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T, ly->out,
-                                  dt));
-            break;
-        }
-        int pl = ly->p0 + (ly->positions ? 2 : 1);
-        float *glw, *glb;
-        TRY(gradp(E, pl, &glw));
-        TRY(gradp(E, pl + 1, &glb));
-        if (gpos)
-            TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
-                                  ly->out, dt));
-        TRY(op->layernorm_bwd(k, E->d.blk.ptr, glw, glb, E->d.blk.ptr, sl[S_EMB].blk.ptr,
-                              P(E, pl), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->out, dt,
-                              0));
-        TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T, ly->out,
-                              dt));
         break;
     }
     case MT_LAYER_BLOCK: TRY(block_bwd(E, i, keep)); break;
@@ -630,6 +672,8 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
     mt_model *m = E->m;
     mt_status s;
     const int L = m->n_layers;
+    E->hook = hook;
+    E->user = user;
     /* d flows back from the dlogits, which live in the logits' block */
     E->d = E->bnd[L];
     if (!keep) memset(&E->bnd[L], 0, sizeof E->bnd[L]);
@@ -652,7 +696,8 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
         for (int j = 0; j <= ly->np; j++) {
             int pi = j < ly->np ? ly->p0 + j : ly->tied;
             if (pi < 0) continue;
-            if (--E->uses_left[pi] == 0 && hook) TRY(hook(user, pi));
+            /* (a table gradient made in slices went to the slice hook) */
+            if (--E->uses_left[pi] == 0 && hook && E->grad[pi].blk.ptr) TRY(hook(user, pi));
         }
     }
     if (E->d.blk.ptr == E->bnd[L].blk.ptr) memset(&E->d, 0, sizeof E->d); /* kept dlogits */

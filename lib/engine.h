@@ -23,6 +23,8 @@
 #include "model.h"
 
 typedef mt_status (*mti_grad_hook)(void *user, int param);
+/* Elements [at, at + n) of parameter param's gradient, final, in g. */
+typedef mt_status (*mti_slice_hook)(void *user, int param, float *g, size_t at, size_t n);
 
 typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
 
@@ -55,6 +57,16 @@ typedef struct mti_engine {
     int defer_tied;
     mti_tensor tied_dy, tied_x;   /* owned (moved here) unless keep */
     const void *tied_dy_ptr, *tied_x_ptr;
+    /* With tied_rows > 0 and slice_hook set, a deferred table gradient is
+     * made tied_rows rows at a time (GEMM part, then the embedding's part:
+     * each element summed as when made whole), each slice handed to
+     * slice_hook (with backward's user) and dropped; the whole-gradient hook
+     * is not called for the table. tied_rows is a multiple of the op
+     * table's matmul_dw_align. */
+    int tied_rows;
+    mti_slice_hook slice_hook;
+    mti_grad_hook hook;            /* backward's, for its duration */
+    void *user;
 } mti_engine;
 
 mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute_policy policy,

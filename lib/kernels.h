@@ -101,6 +101,9 @@ typedef struct mti_adamw_args {
  * before grad_scale. */
 #define MTI_Q8_BLOCK 256
 
+/* Elements per round of the sumsq op (see there). */
+#define MTI_SUMSQ_ROUND (64 * 4096)
+
 /* Adafactor as HuggingFace transformers' Adafactor (../shared/REFERENCES.md;
  * not torch.optim.Adafactor), step t from 1:
  *   g = g * grad_scale; rms_p = RMS(p) (before the update);
@@ -160,6 +163,12 @@ struct mti_ops {
      * over B; fp32, in a fixed order (deterministic). Either may be NULL. */
     mt_status (*embedding_bwd)(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                const int32_t *tok, int B, int T, int C, mti_dtype dt);
+    /* Rows [v0, v1) of embedding_bwd's dwte, dwte pointing at row v0: the
+     * rows of dout whose token is in the range, added as embedding_bwd adds
+     * them (the same bits). */
+    mt_status (*embedding_dw_rows)(const mti_kctx *k, float *dwte, const void *dout,
+                                   const int32_t *tok, int B, int T, int C, int v0, int v1,
+                                   mti_dtype dt);
 
     /* ---- matmul with bias: y = x W^T + b ---- */
     /* y (N,O) = x (N,I) . W (O,I)^T + b (O); all in dt; b may be NULL. */
@@ -170,6 +179,14 @@ struct mti_ops {
     mt_status (*matmul_bwd)(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
                             const void *x, const void *w, int n, int in, int out, mti_dtype dt,
                             int accumulate);
+    /* Rows [o0, o1) of matmul_bwd's dW (O,I), dw pointing at row o0:
+     * dW[o0:o1] += dy[:, o0:o1]^T . x, with the bits matmul_bwd gives those
+     * rows when o0 and o1 are multiples of matmul_dw_align(out, in) (or o1 =
+     * out); other rows are refused. A row-sliced weight gradient (the fused
+     * step's tied table) is made this way. */
+    int (*matmul_dw_align)(int out, int in);
+    mt_status (*matmul_dw_rows)(const mti_kctx *k, float *dw, const void *dy, const void *x,
+                                int n, int in, int out, int o0, int o1, mti_dtype dt);
 
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
@@ -236,8 +253,11 @@ struct mti_ops {
      * element of g is inf or NaN (it is never cleared here). */
     mt_status (*unscale_check)(const mti_kctx *k, float *g, size_t n, float inv_scale,
                                int *found_inf);
-    /* *sumsq (a device float) = sum of g^2 over n fp32 values, accumulated in
-     * fp32 over blocks of fixed size and then across blocks in order. */
+    /* *sumsq (a device float) += the sum of g^2 over n fp32 values: squares
+     * summed in fp32 over blocks of 4096, block sums in a fixed pairwise tree
+     * per round of MTI_SUMSQ_ROUND elements, and the rounds added onto *sumsq
+     * in order. So a tensor summed in pieces that each start at a multiple
+     * of MTI_SUMSQ_ROUND (of the tensor) gives the bits of one call. */
     mt_status (*sumsq)(const mti_kctx *k, float *sumsq, const float *g, size_t n);
 
     /* ---- optimizer updates: fp32 masters p, fp32 gradients g ---- */

@@ -36,6 +36,7 @@
  */
 #include <dlfcn.h>
 #include <math.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,7 +49,7 @@
 #define MTI_GEMM_PLANS 32             /* GEMM plans kept per device */
 #define MTI_COLSUM_CHUNK 128          /* rows per partial sum of a column sum */
 #define MTI_SUMSQ_BLOCK 4096          /* elements per block sum of sumsq (reduce.cu) */
-#define MTI_SUMSQ_ROUND 1024          /* block sums per round of sumsq (reduce.cu) */
+#define MTI_SUMSQ_ROUND_BLOCKS 64     /* block sums per round of sumsq (reduce.cu) */
 #define MTI_EW_THREADS 256u           /* threads per block, elementwise kernels */
 #define MTI_ATTN_THREADS 256u         /* threads per block, attention (attention.cu) */
 #define MTI_LN_ROWS 16                /* rows per block of 256, layernorm (layernorm.cu) */
@@ -392,55 +393,72 @@ static mt_status cu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *t
     return launch(k, MTI_CUDA_EMB_FWD_F32 + dt, ew_grid(n), MTI_EW_THREADS, args);
 }
 
-/* dwte through the grouping of embedding.cu (hash, scan, fill, rank, add);
- * dwpe through a column sum over B of dout viewed as (B, T*C). */
+/* Rows [v0, v1) of dwte (pointing at row v0) through the grouping of
+ * embedding.cu (hash, scan, fill, rank, add). */
+static mt_status wte_grad(const mti_kctx *k, float *dwte, const void *dout, const int32_t *tok,
+                          size_t n64, int C, int v0, int v1, mti_dtype dt)
+{
+    if (n64 > (1u << 28)) return bad_arg(k, "embedding_bwd", "more than 2^28 tokens");
+    mt_status st;
+    int n = (int)n64, S = 2;
+    while ((size_t)S < 2 * n64) S <<= 1;
+    carver w = {0};
+    size_t bytes = 2 * mti_align_up((size_t)S * 4, 256) +
+                   mti_align_up((size_t)(S + 1) * 4, 256) + 3 * mti_align_up(n64 * 4, 256);
+    if ((st = mti_work_alloc(k, bytes, &w.blk))) return st;
+    int *keys = carve(&w, (size_t)S * 4), *counts = carve(&w, (size_t)S * 4);
+    int *start = carve(&w, (size_t)(S + 1) * 4), *slot_of = carve(&w, n64 * 4);
+    int *unsorted = carve(&w, n64 * 4), *sorted = carve(&w, n64 * 4);
+    st = k->dev->memset8(k->dev, keys, 0xFF, (size_t)S * 4); /* every key -1: free */
+    if (st == MT_OK) st = k->dev->memset8(k->dev, counts, 0, (size_t)S * 4);
+    if (st == MT_OK) {
+        void *a[] = {&keys, &counts, &slot_of, &tok, &n, &S};
+        st = launch(k, MTI_CUDA_EMB_HASH, ew_grid(n64), MTI_EW_THREADS, a);
+    }
+    if (st == MT_OK) {
+        void *a[] = {&start, &counts, &S};
+        st = launch(k, MTI_CUDA_EMB_SCAN, (mti_dim3){1, 1, 1}, 1024, a);
+    }
+    if (st == MT_OK) {
+        void *a[] = {&unsorted, &counts, &start, &slot_of, &n};
+        st = launch(k, MTI_CUDA_EMB_FILL, ew_grid(n64), MTI_EW_THREADS, a);
+    }
+    if (st == MT_OK) {
+        void *a[] = {&sorted, &unsorted, &start, &slot_of, &n};
+        st = launch(k, MTI_CUDA_EMB_RANK, ew_grid(n64), MTI_EW_THREADS, a);
+    }
+    if (st == MT_OK) {
+        void *a[] = {&dwte, &dout, &sorted, &start, &slot_of, &tok, &C, &v0, &v1};
+        mti_dim3 grid = {(unsigned)n, (unsigned)cdiv((size_t)C, 256), 1};
+        if (grid.y > MTI_GRID_Y_MAX) st = bad_arg(k, "embedding_bwd", "C too large");
+        else st = launch(k, MTI_CUDA_EMB_BWD_WTE_F32 + dt, grid, 256, a);
+    }
+    mti_work_free(k, &w.blk);
+    return st;
+}
+
+/* dwte as wte_grad; dwpe through a column sum over B of dout viewed as
+ * (B, T*C). */
 static mt_status cu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                   const int32_t *tok, int B, int T, int C, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dt(k, "embedding_bwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
-    size_t n64 = (size_t)B * (size_t)T;
-    if (n64 > (1u << 28)) return bad_arg(k, "embedding_bwd", "more than 2^28 tokens");
     mt_status st = MT_OK;
-    if (dwte) {
-        int n = (int)n64, S = 2;
-        while ((size_t)S < 2 * n64) S <<= 1;
-        carver w = {0};
-        size_t bytes = 2 * mti_align_up((size_t)S * 4, 256) +
-                       mti_align_up((size_t)(S + 1) * 4, 256) + 3 * mti_align_up(n64 * 4, 256);
-        if ((st = mti_work_alloc(k, bytes, &w.blk))) return st;
-        int *keys = carve(&w, (size_t)S * 4), *counts = carve(&w, (size_t)S * 4);
-        int *start = carve(&w, (size_t)(S + 1) * 4), *slot_of = carve(&w, n64 * 4);
-        int *unsorted = carve(&w, n64 * 4), *sorted = carve(&w, n64 * 4);
-        st = k->dev->memset8(k->dev, keys, 0xFF, (size_t)S * 4); /* every key -1: free */
-        if (st == MT_OK) st = k->dev->memset8(k->dev, counts, 0, (size_t)S * 4);
-        if (st == MT_OK) {
-            void *a[] = {&keys, &counts, &slot_of, &tok, &n, &S};
-            st = launch(k, MTI_CUDA_EMB_HASH, ew_grid(n64), MTI_EW_THREADS, a);
-        }
-        if (st == MT_OK) {
-            void *a[] = {&start, &counts, &S};
-            st = launch(k, MTI_CUDA_EMB_SCAN, (mti_dim3){1, 1, 1}, 1024, a);
-        }
-        if (st == MT_OK) {
-            void *a[] = {&unsorted, &counts, &start, &slot_of, &n};
-            st = launch(k, MTI_CUDA_EMB_FILL, ew_grid(n64), MTI_EW_THREADS, a);
-        }
-        if (st == MT_OK) {
-            void *a[] = {&sorted, &unsorted, &start, &slot_of, &n};
-            st = launch(k, MTI_CUDA_EMB_RANK, ew_grid(n64), MTI_EW_THREADS, a);
-        }
-        if (st == MT_OK) {
-            void *a[] = {&dwte, &dout, &sorted, &start, &slot_of, &tok, &C};
-            mti_dim3 grid = {(unsigned)n, (unsigned)cdiv((size_t)C, 256), 1};
-            if (grid.y > MTI_GRID_Y_MAX) st = bad_arg(k, "embedding_bwd", "C too large");
-            else st = launch(k, MTI_CUDA_EMB_BWD_WTE_F32 + dt, grid, 256, a);
-        }
-        mti_work_free(k, &w.blk);
-        if (st != MT_OK) return st;
-    }
+    if (dwte && (st = wte_grad(k, dwte, dout, tok, (size_t)B * (size_t)T, C, 0, INT_MAX, dt)))
+        return st;
     if (dwpe) st = colsum(k, dwpe, dout, B, (long long)T * C, dt);
     return st;
+}
+
+static mt_status cu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *dout,
+                                      const int32_t *tok, int B, int T, int C, int v0, int v1,
+                                      mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "embedding_dw_rows", dt);
+    if (v0 < 0 || v1 < v0) return bad_arg(k, "embedding_dw_rows", "bad row range");
+    if (B <= 0 || T <= 0 || C <= 0 || v0 == v1) return MT_OK;
+    return wte_grad(k, dwte, dout, tok, (size_t)B * (size_t)T, C, v0, v1, dt);
 }
 
 /* ---- matmul through cuBLASLt ---- */
@@ -689,6 +707,34 @@ static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db
     return st;
 }
 
+/* Any rows: cuBLASLt's result for a row does not depend on the rows around
+ * it being made in the same call (not relied upon: the CUDA table makes no
+ * bit-identity promise between a sliced and a whole weight gradient). */
+static int cu_matmul_dw_align(int out, int in)
+{
+    (void)out, (void)in;
+    return 1;
+}
+
+/* Rows [o0, o1) of dW: as matmul_bwd's dW with B = the columns o0.. of dy
+ * (ld out) and D = the slice. */
+static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
+                                   int n, int in, int out, int o0, int o1, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dt(k, "matmul_dw_rows", dt);
+    if (n < 0 || in < 0 || out < 0 || o0 < 0 || o1 < o0 || o1 > out)
+        return bad_arg(k, "matmul_dw_rows", "bad size or row range");
+    if (n == 0 || in == 0 || o0 == o1) return MT_OK;
+    mt_status st = gemm_ready(k);
+    if (st != MT_OK) return st;
+    int t = lt_type(dt);
+    gemm_key key = {.ta = CUBLAS_OP_N, .tb = CUBLAS_OP_T, .m = in, .n = o1 - o0, .k = n,
+                    .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t,
+                    .d_type = CUDA_R_32F};
+    const void *dy0 = (const char *)dy + (size_t)o0 * mti_dtype_size(dt);
+    return gemm(k, key, x, dy0, dw, NULL, 1.0f, "matmul_dw_rows");
+}
+
 /* ---- layernorm ---- */
 
 /* dw, db (C) += sums over rows of dout * xhat and dout, in chunks of rows
@@ -911,8 +957,8 @@ static mt_status cu_unscale_check(const mti_kctx *k, float *g, size_t n, float i
  * CPU table's order (reduce.cu). */
 static mt_status cu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t n)
 {
-    if (n == 0) return k->dev->memset8(k->dev, sumsq, 0, sizeof(float));
-    size_t nblocks = cdiv(n, MTI_SUMSQ_BLOCK), nrounds = cdiv(nblocks, MTI_SUMSQ_ROUND);
+    if (n == 0) return MT_OK; /* nothing to add */
+    size_t nblocks = cdiv(n, MTI_SUMSQ_BLOCK), nrounds = cdiv(nblocks, MTI_SUMSQ_ROUND_BLOCKS);
     if (cdiv(nblocks, 16) > 0x7FFFFFFFu) return bad_arg(k, "sumsq", "too many elements");
     carver w = {0};
     mt_status st = mti_work_alloc(
@@ -926,7 +972,7 @@ static mt_status cu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_
         const float *cb = bsum;
         void *a2[] = {&rsum, &sumsq, &cb, &nb};
         st = launch(k, MTI_CUDA_SUMSQ_ROUNDS, (mti_dim3){(unsigned)nrounds, 1, 1},
-                    MTI_SUMSQ_ROUND, a2);
+                    MTI_SUMSQ_ROUND_BLOCKS, a2);
     }
     if (st == MT_OK && nrounds > 1) {
         const float *cr = rsum;
@@ -1114,8 +1160,11 @@ static const mti_ops cuda_ops = {
     .cast = cu_cast,
     .embedding_fwd = cu_embedding_fwd,
     .embedding_bwd = cu_embedding_bwd,
+    .embedding_dw_rows = cu_embedding_dw_rows,
     .matmul_fwd = cu_matmul_fwd,
     .matmul_bwd = cu_matmul_bwd,
+    .matmul_dw_align = cu_matmul_dw_align,
+    .matmul_dw_rows = cu_matmul_dw_rows,
     .layernorm_fwd = cu_layernorm_fwd,
     .layernorm_bwd = cu_layernorm_bwd,
     .gelu_fwd = cu_gelu_fwd,

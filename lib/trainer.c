@@ -398,16 +398,16 @@ static float lr_at(const mt_trainer_config *c, uint64_t step)
 }
 
 /* The optimizer on elements [at, at + n) of parameter i: w32 points at the
- * fp32 values of those elements, pc (or NULL) at the compute copy's. */
-static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, size_t at, size_t n,
-                             float grad_scale)
+ * fp32 values of those elements, pc (or NULL) at the compute copy's, g at
+ * their gradients. */
+static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const float *g, size_t at,
+                             size_t n, float grad_scale)
 {
     const mt_trainer_config *c = &t->cfg;
     const mti_kctx k = {t->ctx, t->ctx->dev};
     const mti_ops *op = t->ctx->ops;
     const mti_param *p = &t->model->params[i];
     pstate *ps = &t->ps[i];
-    const float *g = (const float *)t->E.grad[i].blk.ptr + at;
     float *f0 = ps->s[0].blk.ptr ? (float *)ps->s[0].blk.ptr + at : NULL;
     float *f1 = ps->s[1].blk.ptr ? (float *)ps->s[1].blk.ptr + at : NULL;
     float lr = t->lr * ps->lr_scale;
@@ -466,36 +466,77 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, size_t 
 /* elements per slice of an update without masters (a multiple of the 8-bit block) */
 #define BARE_SLICE (1 << 16)
 
-/* Updates parameter i from its gradient times grad_scale. Without masters
- * the bf16 weights go through an fp32 slice (WORK) and come back with
- * stochastic rounding, seeded by the step, the tensor and the slice, so
- * runs repeat exactly. */
-static mt_status update_param(mt_trainer *t, int i, float grad_scale)
+/* Updates elements [at, at + n) of parameter i from their gradients g
+ * times grad_scale (the whole tensor, or a slice of the tied table that
+ * starts at a multiple of the 8-bit block and of BARE_SLICE). Without
+ * masters the bf16 weights go through an fp32 slice (WORK) and come back
+ * with stochastic rounding, seeded by the step, the tensor and the slice's
+ * place, so runs repeat exactly however the tensor is cut. */
+static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, size_t n,
+                              float grad_scale)
 {
     mt_model *m = t->model;
     mti_param *p = &m->params[i];
+    size_t es = mti_dtype_size(p->w.dtype);
     if (!t->bare) {
-        float *w32 = (m->has_master ? p->master : p->w).blk.ptr;
-        return update_span(t, i, w32, m->has_master ? p->w.blk.ptr : NULL, 0, p->numel,
-                           grad_scale);
+        float *w32 = (float *)(m->has_master ? p->master : p->w).blk.ptr + at;
+        void *pc = m->has_master ? (char *)p->w.blk.ptr + at * es : NULL;
+        return update_span(t, i, w32, pc, g, at, n, grad_scale);
     }
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
-    size_t es = mti_dtype_size(p->w.dtype);
-    mti_tensor sl = {.dtype = MTI_F32, .ndim = 1,
-                     .shape = {(int64_t)(p->numel < BARE_SLICE ? p->numel : BARE_SLICE)}};
+    mti_tensor sl = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(n < BARE_SLICE ? n : BARE_SLICE)}};
     mt_status s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, TAG(1, 6));
-    for (size_t at = 0; at < p->numel && !s; at += BARE_SLICE) {
-        size_t n = p->numel - at < BARE_SLICE ? p->numel - at : BARE_SLICE;
-        void *w = (char *)p->w.blk.ptr + at * es;
-        uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ at;
-        s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, n, MTI_ROUND_NEAREST, 0);
-        if (!s) s = update_span(t, i, sl.blk.ptr, NULL, at, n, grad_scale);
-        if (!s) s = ctx->ops->cast(&k, w, p->w.dtype, sl.blk.ptr, MTI_F32, n,
+    for (size_t j = 0; j < n && !s; j += BARE_SLICE) {
+        size_t len = n - j < BARE_SLICE ? n - j : BARE_SLICE, e = at + j;
+        void *w = (char *)p->w.blk.ptr + e * es;
+        uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ e;
+        s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
+        if (!s) s = update_span(t, i, sl.blk.ptr, NULL, g + j, e, len, grad_scale);
+        if (!s) s = ctx->ops->cast(&k, w, p->w.dtype, sl.blk.ptr, MTI_F32, len,
                                    MTI_ROUND_STOCHASTIC, seed);
     }
     mti_tensor_free(ctx, &sl);
     return s;
+}
+
+/* Updates parameter i from its whole gradient times grad_scale. */
+static mt_status update_param(mt_trainer *t, int i, float grad_scale)
+{
+    return update_elems(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, grad_scale);
+}
+
+/* Rows per slice of the tied table's gradient in the fused step (0: made
+ * whole). Slices start on the op table's dW tile rows, and at multiples of
+ * the 8-bit block (8-bit state), of BARE_SLICE (no masters) and of the
+ * sumsq round (clipping), so each slice's update and norm are the bits of
+ * the whole tensor's; about 4 MiB each, and at least 8 of them when those
+ * allow. Adafactor's factored statistics need the whole gradient. */
+static int tied_rows_for(const mt_trainer *t)
+{
+    const mt_model *m = t->model;
+    const mti_ops *op = t->ctx->ops;
+    if (!t->cfg.fused_step || t->cfg.optimizer == MT_OPT_ADAFACTOR || !op->matmul_dw_rows ||
+        !op->embedding_dw_rows || !op->matmul_dw_align || m->n_layers < 1)
+        return 0;
+    const mti_layer *head = &m->layers[m->n_layers - 1];
+    if (head->kind != MT_LAYER_LM_HEAD || head->tied < 0) return 0;
+    const mti_param *p = &m->params[head->tied];
+    const int64_t V = p->shape[0], C = p->shape[1];
+    size_t elems = 1; /* powers of two: the largest is their lcm */
+    if (t->ps[head->tied].bits == 8) elems = MTI_Q8_BLOCK;
+    if (t->bare && elems < BARE_SLICE) elems = BARE_SLICE;
+    if (t->cfg.grad_clip > 0.0f && elems < MTI_SUMSQ_ROUND) elems = MTI_SUMSQ_ROUND;
+    int64_t unit = (int64_t)elems, c = C;
+    while (c % 2 == 0 && unit % 2 == 0) c /= 2, unit /= 2; /* rows: elems / gcd(elems, C) */
+    int64_t a = op->matmul_dw_align((int)V, (int)C), g = a, u = unit;
+    while (u) { int64_t r = g % u; g = u, u = r; }
+    unit = unit / g * a; /* lcm with the GEMM's tile rows */
+    int64_t want = ((int64_t)4 << 20) / (C * 4);
+    if (want > V / 8) want = V / 8;
+    int64_t rows = want / unit * unit;
+    if (rows < unit) rows = unit;
+    return rows < V ? (int)rows : 0;
 }
 
 /* ---- create / destroy ---- */
@@ -593,6 +634,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         if ((s = convert_weights(t, t->dt))) (void)weights_to_fp32(t);
     }
     if (!s) s = make_state(t);
+    if (!s) t->E.tied_rows = tied_rows_for(t);
     if (!s && cfg->precision == MT_PREC_FP16) {
         t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {1}};
         s = mti_tensor_alloc(ctx, &t->found_inf, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 2));
@@ -695,24 +737,33 @@ static mt_status check_batch(mt_trainer *t, const mt_batch *b, const char *fn)
     return MT_OK;
 }
 
-/* fp16: gradient i unscaled in place and checked (the flag accumulates). */
-static mt_status unscale(mt_trainer *t, int i)
+/* fp16: n gradient values of parameter i unscaled in place and checked
+ * (the flag accumulates). */
+static mt_status unscale_g(mt_trainer *t, float *g, size_t n)
 {
     if (t->cfg.precision != MT_PREC_FP16) return MT_OK;
     const mti_kctx k = {t->ctx, t->ctx->dev};
-    mti_tensor *g = &t->E.grad[i];
-    return t->ctx->ops->unscale_check(&k, g->blk.ptr, (size_t)mti_tensor_numel(g), t->inv,
-                                      t->found_inf.blk.ptr);
+    return t->ctx->ops->unscale_check(&k, g, n, t->inv, t->found_inf.blk.ptr);
 }
 
-/* clipping: the sum of squares of gradient i into its slot */
-static mt_status sumsq(mt_trainer *t, int i)
+/* clipping: the sum of squares of n gradient values of parameter i added
+ * onto its slot (pieces in order, each starting at a multiple of
+ * MTI_SUMSQ_ROUND, give the bits of the whole) */
+static mt_status sumsq_g(mt_trainer *t, int i, const float *g, size_t n)
 {
     if (!(t->cfg.grad_clip > 0.0f)) return MT_OK;
     const mti_kctx k = {t->ctx, t->ctx->dev};
-    mti_tensor *g = &t->E.grad[i];
-    return t->ctx->ops->sumsq(&k, (float *)t->sumsq.blk.ptr + i, g->blk.ptr,
-                              (size_t)mti_tensor_numel(g));
+    return t->ctx->ops->sumsq(&k, (float *)t->sumsq.blk.ptr + i, g, n);
+}
+
+static mt_status unscale(mt_trainer *t, int i)
+{
+    return unscale_g(t, t->E.grad[i].blk.ptr, (size_t)mti_tensor_numel(&t->E.grad[i]));
+}
+
+static mt_status sumsq(mt_trainer *t, int i)
+{
+    return sumsq_g(t, i, t->E.grad[i].blk.ptr, (size_t)mti_tensor_numel(&t->E.grad[i]));
 }
 
 /* fused, first of two passes: check and measure each gradient, then drop it */
@@ -725,6 +776,14 @@ static mt_status check_hook(void *user, int i)
     return s;
 }
 
+static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
+{
+    mt_trainer *t = user;
+    (void)at;
+    mt_status s = unscale_g(t, g, n);
+    return s ? s : sumsq_g(t, i, g, n);
+}
+
 /* fused: update as soon as the gradient is final, then drop it */
 static mt_status update_hook(void *user, int i)
 {
@@ -733,6 +792,15 @@ static mt_status update_hook(void *user, int i)
     if (!s) s = update_param(t, i, t->clip);
     if (!s) t->updated++;
     mti_tensor_free(t->ctx, &t->E.grad[i]);
+    return s;
+}
+
+static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
+{
+    mt_trainer *t = user;
+    mt_status s = unscale_g(t, g, n);
+    if (!s) s = update_elems(t, i, g, at, n, t->clip);
+    if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
 }
 
@@ -811,14 +879,18 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, int *found
         if (!fused) {
             TRY(mti_engine_backward(E, 0, NULL, NULL));
         } else if (!two_pass) {
+            E->slice_hook = update_slice;
             TRY(mti_engine_backward(E, 0, update_hook, t));
         } else {
             if (t->cfg.precision == MT_PREC_FP16) TRY(mti_tensor_zero(ctx, &t->found_inf));
+            if (t->cfg.grad_clip > 0.0f) TRY(mti_tensor_zero(ctx, &t->sumsq));
+            E->slice_hook = check_slice;
             TRY(mti_engine_backward(E, 1, check_hook, t));
             reset_all(ctx, MT_SCOPE_PHASE);
             TRY(finish_checks(t, found));
             if (!*found) {
                 mti_engine_arm(E);
+                E->slice_hook = update_slice;
                 TRY(mti_engine_backward(E, 0, update_hook, t));
             }
         }
@@ -849,6 +921,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
         if (t->cfg.precision == MT_PREC_FP16 && (s = mti_tensor_zero(ctx, &t->found_inf)))
             return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s; i++) s = unscale(t, i);
+        if (!s && t->cfg.grad_clip > 0.0f) s = mti_tensor_zero(ctx, &t->sumsq);
         for (int i = 0; i < m->n_param && !s; i++) s = sumsq(t, i);
         if (!s) s = finish_checks(t, &found);
         if (s) return step_failed(t, fn, s);

@@ -1059,12 +1059,75 @@ TEST(ops_casts)
     close_tables();
 }
 
+/* ---- row slices of weight gradients ---- */
+
+/* matmul_dw_rows and embedding_dw_rows: slices made at the table's
+ * alignment, each starting from 0, are the rows of the whole gradient (the
+ * CPU table: the same bits; any table: the CPU's within the GEMM
+ * tolerance); rows off the alignment are refused on the CPU. */
+TEST(ops_weight_gradient_row_slices)
+{
+    open_tables();
+    const int N = 24, I = 64, O = 1200, V = O, B = 3, T = 8;
+    static const mti_dtype dts[] = {MTI_F32, MTI_BF16};
+    float *dy = randv((size_t)N * O, 1.0f), *x = randv((size_t)N * I, 1.0f);
+    float *dout = randv((size_t)B * T * I, 1.0f);
+    int32_t tok[B * T];
+    for (int i = 0; i < B * T; i++) tok[i] = (int32_t)((i * 389) % V);
+    tok[5] = tok[17] = 700; /* a repeated token */
+    float *whole = malloc((size_t)O * I * 4), *sliced = malloc((size_t)O * I * 4);
+    float *cpu = malloc(2 * (size_t)O * I * 4); /* per dtype */
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        for (size_t di = 0; di < sizeof dts / sizeof *dts; di++) {
+            mti_dtype dt = dts[di];
+            void *DY = put(t, dy, (size_t)N * O, dt), *X = put(t, x, (size_t)N * I, dt);
+            void *DO = put(t, dout, (size_t)B * T * I, dt);
+            int32_t *K = dev_buf(t, tok, sizeof tok);
+            float *GW = dev_buf(t, NULL, (size_t)O * I * 4), *GS = dev_buf(t, NULL, (size_t)O * I * 4);
+            CHECK_OK(t->ops->matmul_bwd(&t->k, NULL, GW, NULL, DY, X, NULL, N, I, O, dt, 0));
+            CHECK_OK(t->ops->embedding_bwd(&t->k, GW, NULL, DO, K, B, T, I, dt));
+            get(t, whole, GW, (size_t)O * I, MTI_F32);
+            int a = t->ops->matmul_dw_align(O, I);
+            CHECK(a >= 1 && a < O);
+            int rows = a * ((O / 5 + a - 1) / a); /* about 5 slices */
+            for (int r0 = 0; r0 < O; r0 += rows) {
+                int r1 = O - r0 < rows ? O : r0 + rows;
+                float *g = GS + (size_t)r0 * I;
+                CHECK_OK(t->ops->matmul_dw_rows(&t->k, g, DY, X, N, I, O, r0, r1, dt));
+                CHECK_OK(t->ops->embedding_dw_rows(&t->k, g, DO, K, B, T, I, r0, r1, dt));
+            }
+            get(t, sliced, GS, (size_t)O * I, MTI_F32);
+            if (ti == 0) {
+                CHECK_MSG(memcmp(whole, sliced, (size_t)O * I * 4) == 0,
+                          "cpu %d: sliced rows differ from the whole gradient", (int)dt);
+                memcpy(cpu + di * (size_t)O * I, whole, (size_t)O * I * 4);
+                if (a > 1) {
+                    CHECK_ST(MT_ERR_INVALID_ARG,
+                             t->ops->matmul_dw_rows(&t->k, GS, DY, X, N, I, O, 1, a, dt));
+                    CHECK(strstr(mt_last_error(t->ctx), "multiples of"));
+                }
+            } else {
+                const float *c = cpu + di * (size_t)O * I;
+                for (size_t j = 0; j < (size_t)O * I; j++)
+                    CHECK_MSG(fabsf(sliced[j] - whole[j]) <= 1e-5f * (1.0f + fabsf(whole[j])) &&
+                                  fabsf(whole[j] - c[j]) <= 1e-3f * (1.0f + fabsf(c[j])),
+                              "%s %d: element %zu sliced %g whole %g cpu %g", t->name, (int)dt, j,
+                              (double)sliced[j], (double)whole[j], (double)c[j]);
+            }
+            free_bufs(t);
+        }
+    }
+    free(dy), free(x), free(dout), free(whole), free(sliced), free(cpu);
+    close_tables();
+}
+
 /* ---- unscale and check, sum of squares ---- */
 
 TEST(ops_unscale_and_norm)
 {
     open_tables();
-    const size_t n = ((size_t)4096 * 1024) + 100003; /* more than one round of 1024 blocks */
+    const size_t n = (size_t)MTI_SUMSQ_ROUND * 3 + 100003; /* several rounds and a part */
     float *g = randv(n, 1000), *got = malloc(n * 4);
     for (int ti = 0; ti < n_tabs; ti++) {
         tab *t = &tabs[ti];
@@ -1092,19 +1155,33 @@ TEST(ops_unscale_and_norm)
             CHECK_EQ(flag, 1);
             free(h);
         }
-        /* sum of squares against double */
-        float *S = dev_buf(t, NULL, 4), sumsq = 0;
+        /* sum of squares against double, added onto what *S holds */
+        float base = 0.25f, sumsq = 0;
+        float *S = dev_buf(t, &base, 4);
         CHECK_OK(t->ops->sumsq(&t->k, S, G, n));
         dev_get(t, &sumsq, S, 4);
-        double want = 0;
+        double want = 0.25;
         for (size_t i = 0; i < n; i++) want += (double)got[i] * got[i];
         CHECK_MSG(fabs(sumsq - want) <= 1e-5 * want, "%s: sumsq %.9g, want %.9g", t->name, sumsq, want);
+        /* in pieces starting at round boundaries, onto the same start: the
+           same bits (what a row-sliced gradient relies on) */
+        float pieces = 0;
+        float *P = dev_buf(t, &base, 4);
+        static const size_t cut[] = {MTI_SUMSQ_ROUND, 2 * MTI_SUMSQ_ROUND};
+        CHECK_OK(t->ops->sumsq(&t->k, P, G, cut[0]));
+        CHECK_OK(t->ops->sumsq(&t->k, P, G + cut[0], cut[1] - cut[0]));
+        CHECK_OK(t->ops->sumsq(&t->k, P, G + cut[1], n - cut[1]));
+        CHECK_OK(t->ops->sumsq(&t->k, P, G, 0)); /* nothing: adds nothing */
+        dev_get(t, &pieces, P, 4);
+        CHECK_MSG(memcmp(&pieces, &sumsq, 4) == 0, "%s: pieces %.9g, whole %.9g", t->name,
+                  pieces, sumsq);
         if (ti == 0) {
             float one = 0;
+            float *S1 = dev_buf(t, &base, 4);
             mti_cpu_set_threads(1);
-            CHECK_OK(t->ops->sumsq(&t->k, S, G, n));
+            CHECK_OK(t->ops->sumsq(&t->k, S1, G, n));
             mti_cpu_set_threads(2);
-            dev_get(t, &one, S, 4);
+            dev_get(t, &one, S1, 4);
             CHECK(memcmp(&one, &sumsq, 4) == 0);
         }
         free_bufs(t);

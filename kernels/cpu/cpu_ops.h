@@ -24,6 +24,9 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
                                 const void *wpe, int B, int T, int C, mti_dtype dt);
 mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                 const int32_t *tok, int B, int T, int C, mti_dtype dt);
+mt_status mti_cpu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *dout,
+                                    const int32_t *tok, int B, int T, int C, int v0, int v1,
+                                    mti_dtype dt);
 
 /* matmul.c */
 mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const void *w,
@@ -31,6 +34,9 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
 mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
                              const void *x, const void *w, int n, int in, int out, mti_dtype dt,
                              int accumulate);
+int mti_cpu_matmul_dw_align(int out, int in);
+mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
+                                 int n, int in, int out, int o0, int o1, mti_dtype dt);
 
 /* layernorm.c */
 mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,

@@ -72,18 +72,21 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
     return MT_OK;
 }
 
-/* Channels [c0, c0 + m) of both gradients, m <= CHUNK. dwte: each token's
- * row added in (b, t) order. dwpe: for each t, the B rows summed in b order,
+/* Channels [c0, c0 + m) of both gradients, m <= CHUNK. dwte (rows [v0, v1)
+ * of the table's gradient, pointing at row v0): the row of each token in
+ * that range added in (b, t) order. dwpe: for each t, the B rows summed in b order,
  * then added once. Each element's sum has this order however the channels
  * are split between threads. */
 static void emb_bwd_span(float *dwte, float *dwpe, const void *dout, const int32_t *tok, size_t B,
-                         size_t T, size_t c, size_t c0, size_t m, mti_dtype dt)
+                         size_t T, size_t c, size_t c0, size_t m, int32_t v0, int32_t v1,
+                         mti_dtype dt)
 {
     float gb[CHUNK], sum[CHUNK];
     if (dwte) {
         for (size_t r = 0; r < B * T; r++) {
+            if (tok[r] < v0 || tok[r] >= v1) continue;
             const float *g = stage_in(dout, dt, r * c + c0, m, gb);
-            float *d = dwte + (size_t)tok[r] * c + c0;
+            float *d = dwte + (size_t)(tok[r] - v0) * c + c0;
 #pragma omp simd
             for (size_t j = 0; j < m; j++) d[j] += g[j];
         }
@@ -103,11 +106,11 @@ static void emb_bwd_span(float *dwte, float *dwpe, const void *dout, const int32
     }
 }
 
-mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
-                                const int32_t *tok, int B, int T, int C, mti_dtype dt)
+/* Both gradients, or rows [v0, v1) of dwte's (dwpe NULL), channels split
+ * between threads. */
+static void emb_bwd(float *dwte, float *dwpe, const void *dout, const int32_t *tok, int B, int T,
+                    int C, int32_t v0, int32_t v1, mti_dtype dt)
 {
-    if (!dt_ok(dt)) return bad_dtype(k, "embedding_bwd", dt);
-    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     size_t c = (size_t)C;
     int par = (size_t)B * (size_t)T * c > MTI_CPU_PAR_MIN;
     int nth = par ? mti_cpu_threads() : 1;
@@ -121,7 +124,27 @@ mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, con
         size_t end = min_sz(c, (it + 1) * span);
         for (size_t c0 = it * span; c0 < end; c0 += CHUNK)
             emb_bwd_span(dwte, dwpe, dout, tok, (size_t)B, (size_t)T, c, c0,
-                         min_sz(CHUNK, end - c0), dt);
+                         min_sz(CHUNK, end - c0), v0, v1, dt);
     }
+}
+
+mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
+                                const int32_t *tok, int B, int T, int C, mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "embedding_bwd", dt);
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
+    emb_bwd(dwte, dwpe, dout, tok, B, T, C, 0, INT32_MAX, dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *dout,
+                                    const int32_t *tok, int B, int T, int C, int v0, int v1,
+                                    mti_dtype dt)
+{
+    if (!dt_ok(dt)) return bad_dtype(k, "embedding_dw_rows", dt);
+    if (v0 < 0 || v1 < v0)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "embedding_dw_rows: rows [%d,%d)", v0, v1);
+    if (B <= 0 || T <= 0 || C <= 0 || v0 == v1) return MT_OK;
+    emb_bwd(dwte, NULL, dout, tok, B, T, C, v0, v1, dt);
     return MT_OK;
 }

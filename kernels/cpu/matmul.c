@@ -274,17 +274,21 @@ static void dx_f32(float *dx, const float *dy, const float *w, int n, int in, in
     }
 }
 
-/* dW (O,I) fp32 += dy^T (O,N) . x (N,I). */
-static void dw_f32(float *dw, const float *dy, const float *x, int n, int in, int out)
+/* Rows [o0, o1) of dW (O,I) fp32 += dy^T (O,N) . x (N,I), dw pointing at
+ * row o0; o0 and o1 on tile-row boundaries of the plan of the whole dW, so
+ * every row is made by the same sgemm call as when dW is made whole. */
+static void dw_f32(float *dw, const float *dy, const float *x, int n, int in, int out, int o0,
+                   int o1)
 {
     mm_plan p = mm_plan_for(out, in);
-    int nt = plan_threads(&p);
+    int t0 = o0 / p.mb * p.tn, t1 = ceil_div(o1, p.mb) * p.tn;
+    int nt = mini(mti_cpu_threads(), t1 - t0);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = 0; t < p.tm * p.tn; t++) {
+    for (int t = t0; t < t1; t++) {
         int m0, mc, n0, nc;
         tile_at(&p, t, &m0, &mc, &n0, &nc);
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, mc, nc, n, 1.0f, dy + m0, out,
-                    x + n0, in, 1.0f, dw + (size_t)m0 * (size_t)in + (size_t)n0, in);
+                    x + n0, in, 1.0f, dw + (size_t)(m0 - o0) * (size_t)in + (size_t)n0, in);
     }
 }
 
@@ -315,24 +319,26 @@ static mt_status dx_lowp(const mti_kctx *k, void *dx, const void *dy, const void
     return MT_OK;
 }
 
-/* dW (O,I) fp32 += dy^T x, tile by tile in place. */
+/* Rows [o0, o1) of dW (O,I) fp32 += dy^T x, tile by tile in place (as
+ * dw_f32). */
 static mt_status dw_lowp(const mti_kctx *k, float *dw, const void *dy, const void *x, int n,
-                         int in, int out, mti_dtype dt)
+                         int in, int out, int o0, int o1, mti_dtype dt)
 {
     mm_plan p = mm_plan_for(out, in);
-    int nt = plan_threads(&p);
+    int t0 = o0 / p.mb * p.tn, t1 = ceil_div(o1, p.mb) * p.tn;
+    int nt = mini(plan_threads(&p), t1 - t0);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 0);
     if (s) return s;
     const mm_operand A = {dy, (size_t)out, 1}, B = {x, (size_t)in, 0}; /* op(A) = dy^T (O,N) */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = 0; t < p.tm * p.tn; t++) {
+    for (int t = t0; t < t1; t++) {
         int m0, mc, n0, nc;
         float *pa, *pb;
         mm_work_thread(&wk, &pa, &pb);
         tile_at(&p, t, &m0, &mc, &n0, &nc);
-        mm_tile(dw + (size_t)m0 * (size_t)in + (size_t)n0, in, &A, &B, dt, m0, mc, n0, nc, n,
-                pa, pb);
+        mm_tile(dw + (size_t)(m0 - o0) * (size_t)in + (size_t)n0, in, &A, &B, dt, m0, mc, n0, nc,
+                n, pa, pb);
     }
     mti_work_free(k, &wk.blk);
     return MT_OK;
@@ -351,10 +357,34 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
     mt_status s = MT_OK;
     if (dt == MTI_F32) {
         if (dx) dx_f32(dx, dy, w, n, in, out, accumulate);
-        if (dw && out > 0) dw_f32(dw, dy, x, n, in, out);
+        if (dw && out > 0) dw_f32(dw, dy, x, n, in, out, 0, out);
     } else {
         if (dx) s = dx_lowp(k, dx, dy, w, n, in, out, dt, accumulate);
-        if (!s && dw && out > 0) s = dw_lowp(k, dw, dy, x, n, in, out, dt);
+        if (!s && dw && out > 0) s = dw_lowp(k, dw, dy, x, n, in, out, 0, out, dt);
     }
     return s;
+}
+
+int mti_cpu_matmul_dw_align(int out, int in)
+{
+    if (out <= 0 || in <= 0) return 1;
+    return mm_plan_for(out, in).mb;
+}
+
+mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
+                                 int n, int in, int out, int o0, int o1, mti_dtype dt)
+{
+    int a = mti_cpu_matmul_dw_align(out, in);
+    if (n < 0 || in < 0 || out < 0 || !dtype_ok(dt) || o0 < 0 || o1 < o0 || o1 > out ||
+        o0 % a || (o1 % a && o1 != out))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "matmul_dw_rows: bad shape (%d,%d,%d), rows [%d,%d) (multiples of %d) "
+                        "or dtype %d",
+                        n, in, out, o0, o1, a, (int)dt);
+    if (n == 0 || in == 0 || o0 == o1) return MT_OK;
+    if (dt == MTI_F32) {
+        dw_f32(dw, dy, x, n, in, out, o0, o1);
+        return MT_OK;
+    }
+    return dw_lowp(k, dw, dy, x, n, in, out, o0, o1, dt);
 }

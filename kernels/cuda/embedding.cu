@@ -134,11 +134,13 @@ extern "C" __global__ void __launch_bounds__(256)
 
 /* Step 5. dwte (V,C) fp32 += the dout (n,C) rows of each group, in position
  * order, by the group's leader: block x = a place in `sorted`, which leads
- * if it is its group's first; block y = 256 channels. grid (n, ceil(C/256)). */
+ * if it is its group's first; block y = 256 channels. grid (n, ceil(C/256)).
+ * Only tokens in [v0, v1) are added, dwte pointing at row v0 (the whole
+ * table: 0 and INT_MAX). */
 template <typename T>
 __device__ __forceinline__ void emb_bwd_wte_k(float *dwte, const void *dout_, const int *sorted,
                                               const int *start, const int *slot_of,
-                                              const int *tok, int C)
+                                              const int *tok, int C, int v0, int v1)
 {
     const T *dout = (const T *)dout_;
     const int place = blockIdx.x;
@@ -147,12 +149,14 @@ __device__ __forceinline__ void emb_bwd_wte_k(float *dwte, const void *dout_, co
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int hi = start[s + 1];
-    float *row = dwte + (mt_index)tok[sorted[place]] * C + c;
+    const int v = tok[sorted[place]];
+    if (v < v0 || v >= v1) return;
+    float *row = dwte + (mt_index)(v - v0) * C + c;
     float acc = *row;
     for (int j = place; j < hi; j++) acc += mt_ld(dout, (mt_index)sorted[j] * C + c);
     *row = acc;
 }
 MT_EXPORT_DT(mt_emb_bwd_wte, 256, emb_bwd_wte_k,
              (float *dwte, const void *dout, const int *sorted, const int *start,
-              const int *slot_of, const int *tok, int C),
-             (dwte, dout, sorted, start, slot_of, tok, C))
+              const int *slot_of, const int *tok, int C, int v0, int v1),
+             (dwte, dout, sorted, start, slot_of, tok, C, v0, v1))

@@ -58,9 +58,9 @@ extern "C" __global__ void __launch_bounds__(256)
  * l, l + 16, ... in order (each square rounded, then added: no fused
  * multiply-add), and the 16 lane sums are added in the tree l += l + 8,
  * l += l + 4, l += l + 2, l += l + 1. The block sums are taken in rounds of
- * 1024 blocks; within a round they are added pairwise (w = 1, 2, 4, ...:
+ * 64 blocks; within a round they are added pairwise (w = 1, 2, 4, ...:
  * s[i] += s[i + w] for i a multiple of 2w), and the rounds' sums are added
- * in order, starting from 0.
+ * in order onto the value already in *out.
  *
  *   mt_sumsq_blocks  block sums: 16 threads per block of 4096 elements
  *   mt_sumsq_rounds  one CUDA block per round: the pairwise tree; with a
@@ -69,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(256)
  */
 #define MT_SUMSQ_BLOCK 4096
 #define MT_SUMSQ_LANES 16
-#define MT_SUMSQ_ROUND 1024
+#define MT_SUMSQ_ROUND 64
 
 /* bsum (nblocks) = the block sums of g (n). grid ceil(nblocks / 16),
  * block 256 (16 element blocks per thread block). */
@@ -95,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 /* rsum (nrounds) = each round's pairwise tree of bsum (nblocks); with one
- * round *out = 0 + that sum instead. grid nrounds, block 1024. */
+ * round *out += that sum instead. grid nrounds, block MT_SUMSQ_ROUND. */
 extern "C" __global__ void __launch_bounds__(MT_SUMSQ_ROUND)
     mt_sumsq_rounds(float *rsum, float *out, const float *bsum, mt_index nblocks)
 {
@@ -110,18 +110,18 @@ extern "C" __global__ void __launch_bounds__(MT_SUMSQ_ROUND)
     }
     if (i == 0) {
         if (gridDim.x == 1)
-            *out = __fadd_rn(0.0f, s[0]);
+            *out = __fadd_rn(*out, s[0]);
         else
             rsum[blockIdx.x] = s[0];
     }
 }
 
-/* *out = 0 + rsum[0] + rsum[1] + ... in order. grid 1, block 32. */
+/* *out += rsum[0], then rsum[1], ... in order. grid 1, block 32. */
 extern "C" __global__ void __launch_bounds__(32)
     mt_sumsq_total(float *out, const float *rsum, mt_index nrounds)
 {
     if (threadIdx.x != 0) return;
-    float total = 0.0f;
+    float total = *out;
     for (mt_index r = 0; r < nrounds; r++) total = __fadd_rn(total, rsum[r]);
     *out = total;
 }
