@@ -632,6 +632,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s && t->dt != MTI_F32 && !cfg->master_weights) {
         t->bare = 1;
         if ((s = convert_weights(t, t->dt))) (void)weights_to_fp32(t);
+        /* the fp32 weights are gone: what a caching allocator kept of them
+           goes back, so the state and the steps start from fresh memory
+           rather than from the fragments of tensors twice their size */
+        for (int a = 0; !s && a < ctx->n_inst; a++) (void)mt_allocator_trim(ctx->inst[a]);
     }
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
