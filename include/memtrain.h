@@ -761,6 +761,51 @@ mt_status mt_trainer_get_loss_scale(const mt_trainer *t, mt_loss_scale_state *ou
  * fp16 the scale must be 1 and no step skipped. */
 mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in);
 
+/* ------------------------------------------------------------------------ */
+/* Memory estimate                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* What a training run will hold, per memory class, found before the run and
+ * without allocating: the model and the trainer are made, and two steps of
+ * the largest batch (max_batch rows of max_seq tokens) run, in a dry
+ * context: the configuration's allocators over a device with no memory
+ * behind it, and ops that compute nothing (those that take workspace take
+ * it and give it back). The figures are those the context's accounting
+ * (mt_context_memory_stats) shows for the same run, through the same
+ * allocators: live bytes as the library counts them, and what the
+ * allocators reserve. Assumes no step is skipped (an fp16 overflow skips
+ * the update, which then allocates less). CPU contexts only so far
+ * (MT_ERR_UNSUPPORTED for CUDA). */
+typedef struct mt_estimate_report {
+    /* From the model's creation through the trainer's and two steps: */
+    uint64_t peak;                     /* live bytes of all classes together, at most */
+    uint64_t at_peak[MT_MEM_COUNT];    /* each class's live bytes at that moment */
+    uint64_t class_peak[MT_MEM_COUNT]; /* each class's own highest live bytes */
+    uint64_t peak_reserved;            /* what the allocators held at most */
+    /* Parts of that span: */
+    uint64_t setup_peak;               /* creating the model and the trainer (a trainer
+                                          without master weights converts the weights
+                                          one tensor at a time: it can peak above a step) */
+    uint64_t step_peak;                /* during a step */
+    uint64_t step_at_peak[MT_MEM_COUNT];
+    uint64_t between_steps;            /* live between steps: weights, masters, state */
+    size_t n_params;                   /* the model's parameters (elements) */
+} mt_estimate_report;
+
+/* For a model made with mt_model_create from spec, on a context made from
+ * cc, trained with tc. Bad specs and configs give the errors model and
+ * trainer creation give. */
+mt_status mt_estimate(const mt_context_config *cc, const mt_model_spec *spec,
+                      const mt_trainer_config *tc, mt_estimate_report *out);
+mt_status mt_estimate_mlp(const mt_context_config *cc, const mt_mlp_spec *spec,
+                          const mt_trainer_config *tc, mt_estimate_report *out);
+mt_status mt_estimate_gpt(const mt_context_config *cc, const mt_gpt_spec *spec,
+                          const mt_trainer_config *tc, mt_estimate_report *out);
+/* For an existing model (its kind and shapes) on its context's
+ * configuration; nothing is allocated on that context. */
+mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
+                            mt_estimate_report *out);
+
 #ifdef __cplusplus
 }
 #endif

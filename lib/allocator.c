@@ -100,12 +100,25 @@ static size_t resv_remove(resv_table *t, uintptr_t p)
 
 /* ---- context-wide totals (all instances of a context together) ---- */
 
-static void ctx_add(_Atomic uint64_t *cur, _Atomic uint64_t *peak, uint64_t n)
+/* Adds n to *cur, raising *peak; true when this call set a new peak. */
+static bool ctx_add(_Atomic uint64_t *cur, _Atomic uint64_t *peak, uint64_t n)
 {
     uint64_t v = atomic_fetch_add(cur, n) + n;
     uint64_t p = atomic_load(peak);
-    while (v > p && !atomic_compare_exchange_weak(peak, &p, v)) {
+    while (v > p) {
+        if (atomic_compare_exchange_weak(peak, &p, v)) return true;
     }
+    return false;
+}
+
+/* A dry context (one thread, lib/estimate.c) notes what each class holds
+ * at each new peak, so an estimate can say what the peak is made of. */
+static void note_at_peak(mt_context *ctx)
+{
+    memset(ctx->at_peak, 0, sizeof ctx->at_peak);
+    for (int i = 0; i < ctx->n_inst; i++)
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            ctx->at_peak[c] += ctx->inst[i]->st.per_class[c].live_bytes;
 }
 
 /* ---- the backing handed to the allocator ---- */
@@ -567,7 +580,8 @@ mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
     mt_stats_on_alloc(&a->st, c, bytes);
     a->live_by_life[l][c] += bytes;
     a->blocks_by_life[l][c]++;
-    if (a->index >= 0) ctx_add(&a->ctx->live_total, &a->ctx->live_peak, bytes);
+    if (a->index >= 0 && ctx_add(&a->ctx->live_total, &a->ctx->live_peak, bytes) && a->ctx->dry)
+        note_at_peak(a->ctx);
     if (a->trace) trace_event(a, MT_TRACE_ALLOC, r, out, 0);
     unlock(a);
     return MT_OK;

@@ -78,7 +78,19 @@ static mt_status create_failed(mt_context *ctx, mt_status s)
     return mti_fail(NULL, s, "%s", msg);
 }
 
+static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out);
+
 mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
+{
+    return create(cfg, false, out);
+}
+
+mt_status mti_context_create_dry(const mt_context_config *cfg, mt_context **out)
+{
+    return create(cfg, true, out);
+}
+
+static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out)
 {
     if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: out is NULL");
     *out = NULL;
@@ -91,19 +103,26 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
     pthread_mutex_init(&ctx->err_mu, NULL);
     mti_clear_error(ctx); /* a context freed before may have had this address */
     ctx->cfg = c;
+    ctx->dry = dry;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     ctx->threads = c.threads ? c.threads : (ncpu > 0 ? (int)ncpu : 1);
 
     mt_device_kind kind = c.device;
     if (kind == MT_DEVICE_AUTO)
         kind = mti_cuda_available(c.cuda_driver_path) ? MT_DEVICE_CUDA : MT_DEVICE_CPU;
-    if (kind == MT_DEVICE_CUDA)
+    if (dry && kind == MT_DEVICE_CUDA)
+        s = mti_fail(ctx, MT_ERR_UNSUPPORTED, "estimates are made for CPU contexts only so far");
+    else if (dry)
+        s = mti_device_dry_open(ctx, ctx->threads, &ctx->dev);
+    else if (kind == MT_DEVICE_CUDA)
         s = mti_device_cuda_open(ctx, c.cuda_driver_path, c.device_ordinal, &ctx->dev);
     else
         s = mti_device_cpu_open(ctx, ctx->threads, &ctx->dev);
     if (s) return create_failed(ctx, s);
-    mti_cpu_set_threads(ctx->threads);
-    if (ctx->dev->kind == MT_DEVICE_CUDA) {
+    if (!dry) mti_cpu_set_threads(ctx->threads); /* an estimate sets them while it runs */
+    if (dry) {
+        ctx->ops = mti_dry_ops();
+    } else if (ctx->dev->kind == MT_DEVICE_CUDA) {
         /* without kernels the device still serves memory and copies */
         if (mti_cuda_ops(ctx->dev, &ctx->ops) != MT_OK) {
             ctx->ops = NULL;

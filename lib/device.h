@@ -54,6 +54,13 @@ struct mti_device {
 
 /* Opens the host device. */
 mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out);
+/* What the host device grants for a reservation of bytes at alignment. */
+size_t mti_cpu_granted(size_t bytes, size_t alignment);
+/* A device with no memory behind it, with the geometry of the host device
+ * (for the dry contexts of estimates, lib/estimate.c). */
+mt_status mti_device_dry_open(mt_context *ctx, int threads, mti_device **out);
+/* The op table of a dry context. */
+const struct mti_ops *mti_dry_ops(void);
 
 /* Opens CUDA device `ordinal` through the driver at `driver_path` (NULL:
  * "libcuda.so.1"). MT_ERR_NO_DEVICE when there is no driver, the driver has

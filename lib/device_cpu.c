@@ -38,6 +38,12 @@ static int cpu_flags(const cpu_impl *c, size_t alignment)
     return MALLOCX_ARENA(c->arena) | MALLOCX_TCACHE_NONE | MALLOCX_ALIGN(alignment);
 }
 
+size_t mti_cpu_granted(size_t bytes, size_t alignment)
+{
+    return bytes >= CPU_LARGE_MIN ? mti_align_up(bytes, CPU_PAGE)
+                                  : nallocx(bytes, MALLOCX_TCACHE_NONE | MALLOCX_ALIGN(alignment));
+}
+
 static mt_status cpu_reserve(mti_device *d, size_t bytes, size_t alignment, void **ptr,
                              size_t *granted)
 {
@@ -47,7 +53,7 @@ static mt_status cpu_reserve(mti_device *d, size_t bytes, size_t alignment, void
         return mti_fail(d->ctx, MT_ERR_INVALID_ARG,
                         "host reserve: bad size %zu or alignment %zu", bytes, alignment);
     int flags = cpu_flags(c, alignment);
-    size_t g = bytes >= CPU_LARGE_MIN ? mti_align_up(bytes, CPU_PAGE) : nallocx(bytes, flags);
+    size_t g = mti_cpu_granted(bytes, alignment);
     void *p = mallocx(g, flags);
     if (!p)
         return mti_fail(d->ctx, MT_ERR_OOM, "host reserve: out of memory for %zu bytes", g);

@@ -98,12 +98,20 @@ struct mt_context {
     mt_allocator *by_class[MT_MEM_COUNT];
     mt_trace *trace;
     const mti_ops *ops;      /* kernel table of the device */
+    bool dry;                /* an estimate's context: no memory behind the
+                                blocks, ops that only take their workspace
+                                (lib/estimate.c) */
+    uint64_t at_peak[MT_MEM_COUNT]; /* dry: each class's live bytes at live_peak */
     _Atomic int n_children;  /* models, trainers, standalone allocators alive */
     /* all the context's instances together (standalone ones excluded) */
     _Atomic uint64_t live_total, live_peak, reserved_total, reserved_peak;
     pthread_mutex_t err_mu;  /* guards err, which every thread may write */
     char err[MTI_ERR_LEN];   /* the last failure on the context, of any thread */
 };
+
+/* A dry context (lib/estimate.c): cfg's allocators over a device with no
+ * memory behind it and the dry op table. CPU contexts only. */
+mt_status mti_context_create_dry(const mt_context_config *cfg, mt_context **out);
 
 /* ---- tensors (tensor.c) ---- */
 

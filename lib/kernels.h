@@ -43,6 +43,10 @@ typedef struct mti_kctx {
     mti_device *dev;
 } mti_kctx;
 
+/* A dry run (an estimate, lib/estimate.c): an op that takes workspace takes
+ * and frees it and computes nothing; the dry op table runs no other op. */
+static inline bool mti_dry(const mti_kctx *k) { return k->ctx && k->ctx->dry; }
+
 /* Workspace of `bytes` from the context's WORK allocator, lifetime PHASE,
  * freed with mti_work_free before the op returns. */
 mt_status mti_work_alloc(const mti_kctx *k, size_t bytes, mt_block *out);

@@ -235,6 +235,7 @@ static mt_status init_params(mt_model *m, uint64_t seed, const char *fn)
         s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                              ((uint64_t)1 << 32) | (uint64_t)i);
         if (s) break;
+        if (ctx->dry) continue; /* an estimate: no values to make */
         size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
         size_t live = (size_t)p->init_rows * cols; /* the rest (padding rows) is 0 */
         for (size_t at = 0; at < p->numel && !s; at += CH) {

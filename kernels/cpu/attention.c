@@ -324,6 +324,10 @@ mt_status mti_cpu_attention_fwd(const mti_kctx *k, void *out, float *lse, const 
     mt_block blk;
     s = mti_work_alloc(k, ((size_t)heads * head_f + (size_t)nt * thr_f) * sizeof(float), &blk);
     if (s) return s;
+    if (mti_dry(k)) { /* a dry run: the workspace alone (lib/estimate.c) */
+        mti_work_free(k, &blk);
+        return MT_OK;
+    }
     float *base = blk.ptr, *thr_base = base + (size_t)heads * head_f;
 
     if (!split) {
@@ -528,6 +532,10 @@ mt_status mti_cpu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout,
     mt_block blk;
     s = mti_work_alloc(k, ((size_t)heads * head_f + (size_t)nt * thr_f) * sizeof(float), &blk);
     if (s) return s;
+    if (mti_dry(k)) { /* a dry run: the workspace alone (lib/estimate.c) */
+        mti_work_free(k, &blk);
+        return MT_OK;
+    }
     float *base = blk.ptr, *thr_base = base + (size_t)heads * head_f;
 
     if (!split) {

@@ -148,6 +148,14 @@ static mt_status mm_work_take(const mti_kctx *k, mm_work *w, const mm_plan *p, i
     return mti_work_alloc(k, (size_t)threads * w->per_thread * sizeof(float), &w->blk);
 }
 
+/* A dry run (lib/estimate.c) takes the workspace and gives it back
+ * without computing: returns s, freeing the workspace if it was taken. */
+static mt_status mm_work_give(const mti_kctx *k, mm_work *w, mt_status s)
+{
+    if (!s) mti_work_free(k, &w->blk);
+    return s;
+}
+
 static float *mm_work_thread(const mm_work *w, float **pa, float **pb)
 {
     float *base = (float *)w->blk.ptr + (size_t)omp_get_thread_num() * w->per_thread;
@@ -189,7 +197,7 @@ static mt_status fwd_lowp(const mti_kctx *k, void *y, const void *x, const void 
     int nt = plan_threads(&p);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 1);
-    if (s) return s;
+    if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
     const mm_operand A = {x, (size_t)in, 0}, B = {w, (size_t)in, 1}; /* op(B) = W^T (I,O) */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int t = 0; t < p.tm * p.tn; t++) {
@@ -222,8 +230,11 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
                         "matmul_fwd: bad shape (%d,%d,%d) or dtype %d", n, in, out, (int)dt);
     if (n == 0 || out == 0) return MT_OK;
     mt_status s = MT_OK;
-    if (dt == MTI_F32) fwd_f32(y, x, w, b, n, in, out);
-    else s = fwd_lowp(k, y, x, w, b, n, in, out, dt);
+    if (dt == MTI_F32) {
+        if (!mti_dry(k)) fwd_f32(y, x, w, b, n, in, out);
+    } else {
+        s = fwd_lowp(k, y, x, w, b, n, in, out, dt);
+    }
     return s;
 }
 
@@ -300,7 +311,7 @@ static mt_status dx_lowp(const mti_kctx *k, void *dx, const void *dy, const void
     int nt = plan_threads(&p);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 1);
-    if (s) return s;
+    if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
     const mm_operand A = {dy, (size_t)out, 0}, B = {w, (size_t)in, 0};
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int t = 0; t < p.tm * p.tn; t++) {
@@ -329,7 +340,7 @@ static mt_status dw_lowp(const mti_kctx *k, float *dw, const void *dy, const voi
     int nt = mini(plan_threads(&p), t1 - t0);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 0);
-    if (s) return s;
+    if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
     const mm_operand A = {dy, (size_t)out, 1}, B = {x, (size_t)in, 0}; /* op(A) = dy^T (O,N) */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int t = t0; t < t1; t++) {
@@ -352,10 +363,11 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "matmul_bwd: bad shape (%d,%d,%d) or dtype %d", n, in, out, (int)dt);
     if (n == 0) return MT_OK; /* no rows: dx is empty, dW and db get nothing */
-    if (db && out > 0) bias_grad(db, dy, n, out, dt);
+    if (db && out > 0 && !mti_dry(k)) bias_grad(db, dy, n, out, dt);
     if (in == 0) return MT_OK; /* dx and dW are empty */
     mt_status s = MT_OK;
     if (dt == MTI_F32) {
+        if (mti_dry(k)) return MT_OK; /* no workspace */
         if (dx) dx_f32(dx, dy, w, n, in, out, accumulate);
         if (dw && out > 0) dw_f32(dw, dy, x, n, in, out, 0, out);
     } else {
@@ -383,7 +395,7 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
                         n, in, out, o0, o1, a, (int)dt);
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
     if (dt == MTI_F32) {
-        dw_f32(dw, dy, x, n, in, out, o0, o1);
+        if (!mti_dry(k)) dw_f32(dw, dy, x, n, in, out, o0, o1);
         return MT_OK;
     }
     return dw_lowp(k, dw, dy, x, n, in, out, o0, o1, dt);
