@@ -373,6 +373,13 @@ static int train(const options *o)
         for (size_t i = 0; i < ntok; i++) tok[i] = (int32_t)(rnd() % (uint64_t)sp.vocab);
     }
 
+    /* the estimate, made before the trainer, to set beside the measured run */
+    mt_estimate_report est;
+    double e0 = now_s();
+    s = mt_estimate_model(m, &tc, &est);
+    double est_ms = 1e3 * (now_s() - e0);
+    if (s) die_status(ctx, "mt_estimate_model", s);
+
     mt_trainer *t;
     s = mt_trainer_create(m, &tc, &t);
     if (s) die_status(ctx, "mt_trainer_create", s);
@@ -424,6 +431,10 @@ static int train(const options *o)
                (double)ms_.per_class[c].peak_live_bytes / MiB);
     printf("}, \"mem_peak_live_mib\": %.2f, \"mem_peak_reserved_mib\": %.2f, ",
            (double)ms_.peak_live_bytes / MiB, (double)ms_.peak_reserved_bytes / MiB);
+    printf("\"estimate\": {\"peak_mib\": %.2f, \"reserved_mib\": %.2f, "
+           "\"step_peak_mib\": %.2f, \"ms\": %.1f}, ",
+           (double)est.peak / MiB, (double)est.peak_reserved / MiB, (double)est.step_peak / MiB,
+           est_ms);
     char init[64], data[64];
     snprintf(init, sizeof init, "gpt2 seed=%llu", (unsigned long long)o->seed);
     snprintf(data, sizeof data, "random seed=%llu", (unsigned long long)o->seed);

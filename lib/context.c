@@ -102,6 +102,10 @@ static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out
     if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");
     pthread_mutex_init(&ctx->err_mu, NULL);
     mti_clear_error(ctx); /* a context freed before may have had this address */
+    if (dry) { /* an estimate records and logs nothing */
+        c.trace_capacity = 0;
+        c.log_fn = NULL;
+    }
     ctx->cfg = c;
     ctx->dry = dry;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);

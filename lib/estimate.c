@@ -294,26 +294,6 @@ const mti_ops *mti_dry_ops(void) { return &dry_ops; }
 
 typedef enum spec_kind { SPEC_SEQ, SPEC_MLP, SPEC_GPT } spec_kind;
 
-/* The configuration of the dry context: cc's, without a trace or logging.
- * Instance limits stay (the arena sizes its chunks by its limit): a run
- * that would pass one fails the estimate with MT_ERR_OOM, as it would fail
- * for real. */
-static mt_status dry_config(const mt_context_config *cc, mt_context_config *out)
-{
-    mt_context_config_init(out);
-    if (!cc) return MT_OK;
-    if (cc->struct_size == 0 || cc->struct_size > sizeof *out)
-        return mti_fail(NULL, MT_ERR_INVALID_ARG,
-                        "estimate: cc->struct_size %u is not a size this library knows "
-                        "(call mt_context_config_init first)",
-                        cc->struct_size);
-    memcpy(out, cc, cc->struct_size);
-    out->struct_size = sizeof *out;
-    out->trace_capacity = 0;
-    out->log_fn = NULL;
-    return MT_OK;
-}
-
 /* The model's per-class live bytes now. */
 static void class_live(mt_context *ctx, uint64_t *live)
 {
@@ -363,11 +343,12 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
         return mti_fail(report_to, MT_ERR_INVALID_ARG, "estimate: %s is NULL",
                         !spec ? "the model spec" : !tc ? "the trainer config" : "out");
     memset(out, 0, sizeof *out);
-    mt_context_config c;
-    mt_status s = dry_config(cc, &c);
-    if (s) return s;
+    /* cc as it is: the allocators, their options and limits (the arena sizes
+       its chunks by its limit, so a run that would pass a limit fails the
+       estimate with MT_ERR_OOM, as it would fail for real) */
     mt_context *ctx = NULL;
-    if ((s = mti_context_create_dry(&c, &ctx))) {
+    mt_status s = mti_context_create_dry(cc, &ctx);
+    if (s) {
         char msg[MTI_ERR_LEN];
         snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
         return mti_fail(report_to, s, "estimate: %s", msg);
