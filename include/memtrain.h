@@ -624,10 +624,27 @@ typedef enum mt_recompute_policy {
                                    input is kept through forward; backward recomputes a
                                    segment's activations just before it needs them */
     MT_RECOMPUTE_SQRT = 2,      /* EVERY_K with k = ceil(sqrt(units)) */
-    MT_RECOMPUTE_SELECTIVE = 3  /* blocks keep their input, qkv, the attention's residual
+    MT_RECOMPUTE_SELECTIVE = 3, /* blocks keep their input, qkv, the attention's residual
                                    sum and the MLP's pre-activation; the LayerNorm outputs,
                                    the attention output and GELU are recomputed */
+    MT_RECOMPUTE_CUSTOM = 4,    /* per unit, cfg.recompute_units (mt_recompute_unit);
+                                   runs of recomputed units are cut into segments of
+                                   recompute_every units */
+    MT_RECOMPUTE_BUDGET = 5     /* the plan with the least recompute whose run stays within
+                                   cfg.memory_budget, chosen at create from estimates
+                                   (mt_trainer_recompute_plan tells which) */
 } mt_recompute_policy;
+
+/* What a unit keeps through forward (MT_RECOMPUTE_CUSTOM). The last unit
+ * (it makes the logits) cannot be MT_UNIT_RECOMPUTE. */
+typedef enum mt_recompute_unit {
+    MT_UNIT_KEEP = 0,       /* everything its backward needs */
+    MT_UNIT_SELECTIVE = 1,  /* as MT_RECOMPUTE_SELECTIVE (blocks; other units keep all) */
+    MT_UNIT_RECOMPUTE = 2   /* nothing but a segment's input; recomputed in backward */
+} mt_recompute_unit;
+
+/* Recompute units of a model (see mt_recompute_policy). */
+int mt_model_num_units(const mt_model *m);
 
 typedef enum mt_lr_schedule {
     MT_LR_CONSTANT = 0,
@@ -690,7 +707,15 @@ typedef struct mt_trainer_config {
     int master_weights;
     mt_loss_scale_config loss_scale; /* used with MT_PREC_FP16 */
     mt_recompute_policy recompute;   /* MT_RECOMPUTE_NONE */
-    int recompute_every;    /* EVERY_K: units per segment (2) */
+    int recompute_every;    /* EVERY_K, CUSTOM: units per segment (2) */
+    const unsigned char *recompute_units; /* CUSTOM: mt_model_num_units values (copied) */
+    /* A memory budget (0: none): the most bytes the model and the trainer
+     * may hold, as the context's allocators reserve them (the estimate's
+     * peak_reserved). With MT_RECOMPUTE_BUDGET the recompute plan is chosen
+     * to fit; with any other policy a run that would not fit is refused.
+     * Either way mt_trainer_create gives MT_ERR_BUDGET, naming the smallest
+     * budget that would work and how, when none fits. */
+    uint64_t memory_budget;
     /* Fused backward + optimizer step: each parameter is updated, and its
      * gradient freed, as soon as its gradient is final in backward, so the
      * gradients of the whole model never exist at once. Cannot combine with
@@ -706,6 +731,10 @@ void mt_trainer_config_init(mt_trainer_config *c);
 /* Makes a trainer for a model: gradients, optimizer state, activations. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
+/* The recompute plan in use: n (>= mt_model_num_units) unit modes into
+ * units, and the segment length into *seg_len (either may be NULL). */
+mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, int n,
+                                    int *seg_len);
 
 /* A batch in host memory. */
 typedef struct mt_batch {

@@ -37,16 +37,15 @@ static const unsigned char sel_keep[MTI_SLOTS] = {[LN1_MEAN] = 1, [LN1_RSTD] = 1
 
 /* ---- setup ---- */
 
-mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute_policy policy,
-                          int every)
+mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsigned char *modes,
+                          int seg_len)
 {
     memset(E, 0, sizeof *E);
     E->m = m;
     E->ctx = m->ctx;
     E->k = (mti_kctx){m->ctx, m->ctx->dev};
     E->dt = dt;
-    E->policy = policy;
-    int L = m->n_layers, U = m->n_units;
+    int L = m->n_layers;
     E->plan = calloc((size_t)L, 1);
     E->seg_start = calloc((size_t)L, sizeof *E->seg_start);
     E->ckpt = calloc((size_t)L + 1, 1);
@@ -61,22 +60,22 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute
         mti_engine_free(E);
         return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
     }
-    int k = 0;
-    if (policy == MT_RECOMPUTE_EVERY_K) k = every;
-    if (policy == MT_RECOMPUTE_SQRT) k = (int)ceil(sqrt((double)U));
-    if (k < 1) k = 1;
-    bool segments = policy == MT_RECOMPUTE_EVERY_K || policy == MT_RECOMPUTE_SQRT;
-    int last_seg = (U - 1) / k;
-    int start = 0;
+    if (seg_len < 1) seg_len = 1;
+    /* A kept unit is a segment of its own; a run of recomputed units is cut
+       into segments of seg_len units from its start. A segment's input
+       boundary is kept through forward (a checkpoint). */
+    int start = 0, run = 0;
     for (int i = 0; i < L; i++) {
         const mti_layer *ly = &m->layers[i];
-        int seg = ly->unit / k;
-        if (ly->unit_start && ly->unit % k == 0) start = i;
+        const unsigned char mode = modes[ly->unit];
+        if (ly->unit_start) {
+            if (mode != MT_UNIT_RECOMPUTE) run = 0, start = i;
+            else if (run++ % seg_len == 0) start = i;
+        }
         E->seg_start[i] = start;
-        if (segments)
-            E->plan[i] = seg == last_seg ? MTI_SAVE_ALL : MTI_SAVE_NONE;
-        else
-            E->plan[i] = policy == MT_RECOMPUTE_SELECTIVE ? MTI_SAVE_SEL : MTI_SAVE_ALL;
+        E->plan[i] = mode == MT_UNIT_RECOMPUTE ? MTI_SAVE_NONE
+                     : mode == MT_UNIT_SELECTIVE ? MTI_SAVE_SEL
+                                                 : MTI_SAVE_ALL;
         if (i == start) E->ckpt[i] = 1;
     }
     E->ckpt[0] = 1;

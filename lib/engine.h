@@ -33,7 +33,6 @@ typedef struct mti_engine {
     mt_context *ctx;
     mti_kctx k;
     mti_dtype dt;
-    mt_recompute_policy policy;
     /* plan, per layer */
     unsigned char *plan;   /* mti_save of the main forward */
     int *seg_start;        /* first layer of the layer's segment */
@@ -69,8 +68,11 @@ typedef struct mti_engine {
     void *user;
 } mti_engine;
 
-mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, mt_recompute_policy policy,
-                          int every);
+/* modes: per recompute unit, MT_UNIT_KEEP, _SELECTIVE or _RECOMPUTE (the
+ * last unit, which holds the logits, never _RECOMPUTE); runs of recomputed
+ * units are cut into segments of seg_len units. */
+mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsigned char *modes,
+                          int seg_len);
 void mti_engine_free(mti_engine *E);
 
 /* Uploads rows [r0, r0 + rows) of the batch and runs forward; the logits

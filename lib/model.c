@@ -563,6 +563,8 @@ size_t mt_model_num_params(const mt_model *m) { return m ? m->n_params : 0; }
 
 int mt_model_num_tensors(const mt_model *m) { return m ? m->n_param : 0; }
 
+int mt_model_num_units(const mt_model *m) { return m ? m->n_units : 0; }
+
 mt_status mt_model_param_info(const mt_model *m, int i, mt_param_info *out)
 {
     if (!m || !out)

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "plan.h"
 #include "scaler.h"
 
 #define TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
@@ -70,6 +71,8 @@ struct mt_trainer {
     int updated;             /* tensors updated this step */
     int counted;             /* counted in the model's and context's children */
     int bare;                /* weights in dt alone, no masters */
+    unsigned char *units;    /* the recompute plan: a mode per unit */
+    int seg_len;             /* and the segment length */
 };
 
 #define ROWS_CHUNK 16
@@ -193,10 +196,27 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
         BAD("%s: cfg->master_weights 0 does not combine with Adafactor, whose update needs the "
             "whole tensor in fp32",
             fn);
-    if ((unsigned)c->recompute > MT_RECOMPUTE_SELECTIVE)
+    if ((unsigned)c->recompute > MT_RECOMPUTE_BUDGET)
         BAD("%s: cfg->recompute %d is not a recompute policy", fn, (int)c->recompute);
-    if (c->recompute == MT_RECOMPUTE_EVERY_K && c->recompute_every < 1)
+    if ((c->recompute == MT_RECOMPUTE_EVERY_K || c->recompute == MT_RECOMPUTE_CUSTOM) &&
+        c->recompute_every < 1)
         BAD("%s: cfg->recompute_every %d must be >= 1", fn, c->recompute_every);
+    if (c->recompute == MT_RECOMPUTE_CUSTOM) {
+        if (!c->recompute_units)
+            BAD("%s: cfg->recompute_units is NULL (MT_RECOMPUTE_CUSTOM needs one mode per unit, "
+                "%d here)",
+                fn, m->n_units);
+        for (int u = 0; u < m->n_units; u++)
+            if (c->recompute_units[u] > MT_UNIT_RECOMPUTE)
+                BAD("%s: cfg->recompute_units[%d] %d is not a unit mode", fn, u,
+                    (int)c->recompute_units[u]);
+        if (c->recompute_units[m->n_units - 1] == MT_UNIT_RECOMPUTE)
+            BAD("%s: cfg->recompute_units[%d]: the last unit makes the logits and cannot be "
+                "recomputed",
+                fn, m->n_units - 1);
+    }
+    if (c->recompute == MT_RECOMPUTE_BUDGET && !c->memory_budget)
+        BAD("%s: cfg->recompute MT_RECOMPUTE_BUDGET needs cfg->memory_budget", fn);
     if (c->fused_step && c->micro_batch && c->micro_batch < c->max_batch)
         BAD("%s: cfg->fused_step cannot combine with gradient accumulation (micro_batch %d < "
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
@@ -559,6 +579,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->ps);
     free(t->host_losses);
     free(t->host_rows);
+    free(t->units);
     if (t->counted) {
         atomic_fetch_sub(&t->model->n_trainers, 1);
         atomic_fetch_sub(&t->ctx->n_children, 1);
@@ -625,7 +646,13 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
                         ls->growth_interval, ls->dynamic);
     else
         mti_scaler_init(&t->scaler, 1.0f, 2.0, 0.5, 1, 0);
-    if (!s) s = mti_engine_init(&t->E, m, t->dt, cfg->recompute, cfg->recompute_every);
+    if (!s && !(t->units = malloc((size_t)m->n_units))) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    if (!s && (cfg->memory_budget || cfg->recompute == MT_RECOMPUTE_BUDGET))
+        s = mti_plan_budget(m, cfg, t->units, &t->seg_len, NULL);
+    else if (!s)
+        mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
+    t->cfg.recompute_units = t->units;
+    if (!s) s = mti_engine_init(&t->E, m, t->dt, t->units, t->seg_len);
     t->E.defer_tied = cfg->fused_step != 0;
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s && t->dt != MTI_F32 && cfg->master_weights) s = to_mixed(t);
@@ -1046,5 +1073,18 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     double targets = (double)b->n * T;
     if (loss) *loss = (float)(sum / targets);
     if (accuracy) *accuracy = (float)((double)right / targets);
+    return MT_OK;
+}
+
+mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, int n,
+                                    int *seg_len)
+{
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_recompute_plan: t is NULL");
+    const int U = t->model->n_units;
+    if (units && n < U)
+        return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                        "mt_trainer_recompute_plan: n %d is less than the model's %d units", n, U);
+    if (units) memcpy(units, t->units, (size_t)U);
+    if (seg_len) *seg_len = t->seg_len;
     return MT_OK;
 }

@@ -87,6 +87,9 @@ static void trainer_config(mt_trainer_config *tc, const est_case *e)
     tc->master_weights = e->masters;
     tc->recompute = e->rc;
     tc->recompute_every = 2;
+    static const unsigned char plan[4] = {MT_UNIT_RECOMPUTE, MT_UNIT_SELECTIVE, MT_UNIT_RECOMPUTE,
+                                          MT_UNIT_KEEP}; /* GPT and builder models: 4 units */
+    tc->recompute_units = plan;
     tc->fused_step = e->fused;
     tc->grad_clip = e->clip;
     tc->min_8bit_size = 256; /* so the small models have 8-bit state */
@@ -194,6 +197,7 @@ TEST(estimate_equals_measured_matrix)
                                   .opt = opts[oi]};
                     e.rc = mk == M_MLP ? (v ? MT_RECOMPUTE_EVERY_K : MT_RECOMPUTE_NONE)
                                        : rcs[(oi + v + pi) % 4];
+                    if (mk != M_MLP && oi == 1 && pi != 1) e.rc = MT_RECOMPUTE_CUSTOM;
                     e.fused = v;
                     e.batch = v ? 3 : 4;
                     e.micro = v ? 0 : 2; /* the fused step takes no accumulation */
@@ -241,4 +245,167 @@ TEST(estimate_refuses_bad_specs)
     context_config(&cc, 0);
     for (int c = 0; c < MT_MEM_COUNT; c++) cc.allocators[c].limit_bytes = 64 << 10;
     CHECK_ST(MT_ERR_OOM, mt_estimate_gpt(&cc, &g, &tc, &r));
+}
+
+/* ---- memory budgets ---- */
+
+/* a GPT of 6 blocks (7 units), B 4 T 32, AdamW fp32, on the given allocator */
+static mt_model *budget_model(mt_context **ctx, int alloc)
+{
+    mt_context_config cc;
+    context_config(&cc, alloc);
+    CHECK_OK(mt_context_create(&cc, ctx));
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 200, g.max_seq = 32, g.layers = 6, g.heads = 4, g.channels = 64, g.seed = 3;
+    mt_model *m;
+    CHECK_OKC(*ctx, mt_model_gpt_create(*ctx, &g, &m));
+    return m;
+}
+
+static void budget_config(mt_trainer_config *tc, uint64_t budget)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = 4;
+    tc->max_seq = 32;
+    tc->optimizer = MT_OPT_ADAMW;
+    tc->lr = 1e-3f;
+    tc->recompute = MT_RECOMPUTE_BUDGET;
+    tc->memory_budget = budget;
+}
+
+/* Two steps; the context's peak reserve. */
+static uint64_t run_two(mt_context *ctx, mt_trainer *t, int model_vocab)
+{
+    int32_t ids[4 * 32 + 1];
+    for (int i = 0; i < 4 * 32 + 1; i++) ids[i] = (i * 31 + 7) % model_vocab;
+    mt_batch b = {.n = 4, .tokens = ids, .targets = ids + 1, .seq_len = 32};
+    for (int i = 0; i < 2; i++) CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    return st.peak_reserved_bytes;
+}
+
+static int recomputed_units(const mt_trainer *t, int *sel)
+{
+    unsigned char u[64];
+    int seg, n = 0;
+    CHECK_OK(mt_trainer_recompute_plan(t, u, 64, &seg));
+    *sel = 0;
+    for (int i = 0; i < 7; i++) n += u[i] == MT_UNIT_RECOMPUTE, *sel += u[i] == MT_UNIT_SELECTIVE;
+    return n;
+}
+
+/* Budgets from what no recompute needs down to the least any plan needs:
+   each run stays within its budget, and a smaller budget never gets a plan
+   with fewer recomputed units. Below the least: MT_ERR_BUDGET naming it. */
+TEST(budget_policy_stays_within)
+{
+    for (int alloc = 0; alloc < 4; alloc += 3) { /* caching, checkpoint */
+        mt_context *ctx;
+        mt_model *m = budget_model(&ctx, alloc);
+        CHECK_EQ(mt_model_num_units(m), 7);
+        mt_trainer_config tc;
+        budget_config(&tc, 0);
+        tc.recompute = MT_RECOMPUTE_NONE;
+        mt_estimate_report none;
+        CHECK_OKC(ctx, mt_estimate_model(m, &tc, &none));
+        /* the least: ask for 1 byte and read it from the message */
+        budget_config(&tc, 1);
+        mt_trainer *t = NULL;
+        CHECK_ST(MT_ERR_BUDGET, mt_trainer_create(m, &tc, &t));
+        CHECK(t == NULL);
+        const char *msg = mt_last_error(ctx), *at = strstr(msg, "can take is ");
+        CHECK_MSG(at, "no least need in: %s", msg);
+        uint64_t least = strtoull(at + strlen("can take is "), NULL, 10);
+        CHECK(least > 0 && least < none.peak_reserved);
+        mt_memory_stats st;
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        const uint64_t model_only = st.live_bytes;
+        /* each budget on a fresh context holding only the model, as the
+           estimate assumes (a context's allocators may hold the cache of
+           earlier trainers) */
+        int last_rec = -1;
+        for (int i = 0; i <= 4; i++) {
+            uint64_t budget = none.peak_reserved - (none.peak_reserved - least) * (uint64_t)i / 4;
+            budget_config(&tc, budget);
+            mt_context *c2;
+            mt_model *m2 = budget_model(&c2, alloc);
+            CHECK_OKC(c2, mt_trainer_create(m2, &tc, &t));
+            int sel, rec = recomputed_units(t, &sel);
+            uint64_t peak = run_two(c2, t, 200);
+            CHECK_MSG(peak <= budget, "%s: budget %llu, peak reserved %llu (%d units recomputed)",
+                      alloc ? "checkpoint" : "caching", (unsigned long long)budget,
+                      (unsigned long long)peak, rec);
+            CHECK_MSG(rec >= last_rec, "budget %llu recomputes %d units, a larger one %d",
+                      (unsigned long long)budget, rec, last_rec);
+            if (i == 0) CHECK(rec == 0 && sel == 0); /* no recompute needed */
+            last_rec = rec;
+            mt_trainer_destroy(t);
+            CHECK_OK(mt_model_destroy(m2));
+            CHECK_OK(mt_context_destroy(c2));
+        }
+        CHECK(last_rec > 0);
+        /* a fixed policy over its budget: refused, and the message says what would fit */
+        budget_config(&tc, least);
+        tc.recompute = MT_RECOMPUTE_NONE;
+        CHECK_ST(MT_ERR_BUDGET, mt_trainer_create(m, &tc, &t));
+        CHECK(strstr(mt_last_error(ctx), "configured recompute policy"));
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        CHECK_EQ(st.live_bytes, model_only); /* nothing left behind */
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+}
+
+/* A custom plan: recomputed, selective and kept units mixed. Gradients are
+   those of no recompute, bit for bit, with fewer activation bytes. */
+TEST(custom_recompute_plan_is_exact)
+{
+    mt_context *ctx;
+    mt_model *m = budget_model(&ctx, 0);
+    size_t np = mt_model_num_params(m);
+    float *g0 = malloc(np * 4), *g1 = malloc(np * 4), l0, l1;
+    int32_t ids[4 * 32 + 1];
+    for (int i = 0; i < 4 * 32 + 1; i++) ids[i] = (i * 31 + 7) % 200;
+    mt_batch b = {.n = 4, .tokens = ids, .targets = ids + 1, .seq_len = 32};
+    uint64_t act[2];
+    for (int v = 0; v < 2; v++) {
+        static const unsigned char plan[7] = {MT_UNIT_RECOMPUTE, MT_UNIT_RECOMPUTE,
+                                              MT_UNIT_RECOMPUTE, MT_UNIT_SELECTIVE,
+                                              MT_UNIT_RECOMPUTE, MT_UNIT_KEEP, MT_UNIT_SELECTIVE};
+        mt_trainer_config tc;
+        budget_config(&tc, 0);
+        tc.recompute = v ? MT_RECOMPUTE_CUSTOM : MT_RECOMPUTE_NONE;
+        tc.recompute_units = plan;
+        tc.recompute_every = 2;
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        CHECK_OK(mt_context_reset_peaks(ctx));
+        CHECK_OKC(ctx, mt_trainer_gradients(t, &b, v ? &l1 : &l0, v ? g1 : g0, np));
+        mt_memory_stats st;
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        act[v] = st.per_class[MT_MEM_ACT].peak_live_bytes;
+        unsigned char got[7];
+        int seg;
+        CHECK_OK(mt_trainer_recompute_plan(t, got, 7, &seg));
+        if (v) CHECK(memcmp(got, plan, 7) == 0 && seg == 2);
+        mt_trainer_destroy(t);
+    }
+    CHECK(memcmp(&l0, &l1, 4) == 0);
+    CHECK(memcmp(g0, g1, np * 4) == 0);
+    CHECK_MSG(act[1] < act[0], "ACT peak %llu with the plan, %llu without",
+              (unsigned long long)act[1], (unsigned long long)act[0]);
+    /* the last unit cannot be recomputed */
+    unsigned char bad[7] = {0, 0, 0, 0, 0, 0, MT_UNIT_RECOMPUTE};
+    mt_trainer_config tc;
+    budget_config(&tc, 0);
+    tc.recompute = MT_RECOMPUTE_CUSTOM;
+    tc.recompute_units = bad;
+    mt_trainer *t;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "last unit"));
+    free(g0), free(g1);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
 }
