@@ -731,6 +731,31 @@ void mt_trainer_config_init(mt_trainer_config *c);
 /* Makes a trainer for a model: gradients, optimizer state, activations. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
+/* Auto-fit: fits cfg to cfg->memory_budget for an effective batch of
+ * cfg->max_batch rows (and cfg->max_seq tokens), without running a step:
+ * for each micro-batch size (accumulating over the rest), and with
+ * allow_8bit for 8-bit instead of 32-bit AdamW state, it finds the
+ * cheapest recompute plan that fits (as MT_RECOMPUTE_BUDGET does) and
+ * estimates the step time with a cost model (GEMM FLOPs, recompute,
+ * micro-batch efficiency, the optimizer update's memory traffic;
+ * docs/memory.md); the fastest wins. cfg gets micro_batch, optimizer (with
+ * allow_8bit) and recompute = MT_RECOMPUTE_BUDGET. With the fused step only
+ * whole batches are tried (it cannot accumulate). MT_ERR_BUDGET, with the
+ * least need, when nothing fits; cfg is then unchanged. */
+typedef struct mt_autofit_report {
+    int micro_batch;              /* rows per forward/backward pass */
+    mt_optimizer_kind optimizer;  /* AdamW or 8-bit AdamW when allowed; else cfg's */
+    int units, recomputed_units, selective_units; /* the recompute plan */
+    int seg_len;
+    uint64_t peak_reserved;       /* the chosen run's estimate */
+    double step_seconds;          /* the cost model's step time (for comparison only) */
+    double tokens_per_second;     /* max_batch x max_seq / step_seconds */
+    int candidates;               /* configurations that fit, of those tried */
+    int tried;
+} mt_autofit_report;
+mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,
+                             mt_autofit_report *out);
+
 /* The recompute plan in use: n (>= mt_model_num_units) unit modes into
  * units, and the segment length into *seg_len (either may be NULL). */
 mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, int n,

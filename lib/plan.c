@@ -123,10 +123,73 @@ static int by_cost(const void *a, const void *b)
     return x->cost < y->cost ? -1 : x->cost > y->cost ? 1 : x->r - y->r;
 }
 
+/* The family searched for budget (0: none fits; only the least is found).
+ * fit: the cheapest member within budget (units, seg_len, its estimate and
+ * cost); least: the member that needs the least. */
+typedef struct search {
+    const mt_model *m;
+    bool found;
+    unsigned char *units, *least_units;
+    int seg_len, least_seg;
+    double cost;
+    mt_estimate_report est;
+    uint64_t least;
+} search;
+
+static void search_free(search *q)
+{
+    free(q->units);
+    free(q->least_units);
+}
+
+static mt_status search_family(const mt_model *m, const mt_trainer_config *c, uint64_t budget,
+                               search *q)
+{
+    const int U = m->n_units;
+    memset(q, 0, sizeof *q);
+    q->m = m;
+    q->least = UINT64_MAX;
+    q->units = malloc((size_t)U);
+    q->least_units = malloc((size_t)U);
+    const int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
+    double *full = malloc((size_t)U * sizeof *full), *sel = malloc((size_t)U * sizeof *sel);
+    cand *cs = malloc((size_t)2 * U * sizeof *cs);
+    unsigned char *try = malloc((size_t)U);
+    mt_status s = MT_OK;
+    if (!q->units || !q->least_units || !full || !sel || !cs || !try)
+        s = mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
+    int n = 0;
+    if (!s) {
+        unit_costs(m, T, full, sel);
+        for (int r = 0; r < U; r++)
+            for (int sl = 0; sl < 2; sl++) cs[n++] = (cand){r, sl, cost_of(m, full, sel, r, sl)};
+        qsort(cs, (size_t)n, sizeof *cs, by_cost);
+    }
+    for (int i = 0; i < n && !q->found && !s; i++)
+        for (int k = 1; k <= (cs[i].r ? cs[i].r : 1) && !q->found && !s; k++) {
+            mt_estimate_report r;
+            family(m, cs[i].r, cs[i].sel, try);
+            if ((s = plan_estimate(m, c, try, k, &r))) break;
+            if (r.peak_reserved < q->least) {
+                q->least = r.peak_reserved;
+                memcpy(q->least_units, try, (size_t)U);
+                q->least_seg = k;
+            }
+            if (budget && r.peak_reserved <= budget) {
+                q->found = true;
+                memcpy(q->units, try, (size_t)U);
+                q->seg_len = k;
+                q->est = r;
+                q->cost = cs[i].cost;
+            }
+        }
+    free(full), free(sel), free(cs), free(try);
+    return s;
+}
+
 mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigned char *units,
                           int *seg_len, mt_estimate_report *chosen)
 {
-    const int U = m->n_units;
     const uint64_t budget = c->memory_budget;
     mt_status s;
     mt_estimate_report r;
@@ -139,44 +202,15 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
         if (!budget || r.peak_reserved <= budget) return MT_OK;
         fixed = r.peak_reserved;
     }
-    /* the family, cheapest first; the smallest need is kept for the error */
-    const int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
-    double *full = malloc((size_t)U * sizeof *full), *sel = malloc((size_t)U * sizeof *sel);
-    cand *cs = malloc((size_t)2 * U * sizeof *cs);
-    unsigned char *try = malloc((size_t)U), *best = malloc((size_t)U);
-    if (!full || !sel || !cs || !try || !best) {
-        free(full), free(sel), free(cs), free(try), free(best);
-        return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
-    }
-    unit_costs(m, T, full, sel);
-    int n = 0;
-    for (int rr = 0; rr < U; rr++)
-        for (int sl = 0; sl < 2; sl++) cs[n++] = (cand){rr, sl, cost_of(m, full, sel, rr, sl)};
-    qsort(cs, (size_t)n, sizeof *cs, by_cost);
-    uint64_t least = UINT64_MAX;
-    int best_k = 1;
-    s = MT_OK;
-    bool found = false;
-    for (int i = 0; i < n && !found && !s; i++) {
-        for (int k = 1; k <= (cs[i].r ? cs[i].r : 1) && !found && !s; k++) {
-            family(m, cs[i].r, cs[i].sel, try);
-            if ((s = plan_estimate(m, c, try, k, &r))) break;
-            if (r.peak_reserved < least) {
-                least = r.peak_reserved;
-                memcpy(best, try, (size_t)U);
-                best_k = k;
-            }
-            if (!fixed && r.peak_reserved <= budget) {
-                found = true;
-                memcpy(units, try, (size_t)U);
-                *seg_len = k;
-                if (chosen) *chosen = r;
-            }
-        }
-    }
-    if (!s && !found) {
+    search q;
+    s = search_family(m, c, fixed ? 0 : budget, &q);
+    if (!s && q.found) {
+        memcpy(units, q.units, (size_t)m->n_units);
+        *seg_len = q.seg_len;
+        if (chosen) *chosen = q.est;
+    } else if (!s) {
         char how[160];
-        mti_plan_describe(m, best, best_k, how, sizeof how);
+        mti_plan_describe(m, q.least_units, q.least_seg, how, sizeof how);
         if (fixed)
             s = mti_fail(m->ctx, MT_ERR_BUDGET,
                          "the memory budget of %llu bytes cannot be met with the configured "
@@ -184,16 +218,132 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
                          "can take is %llu bytes (%.1f MiB), with %s (MT_RECOMPUTE_BUDGET "
                          "chooses the cheapest plan that fits)",
                          (unsigned long long)budget, (unsigned long long)fixed,
-                         (unsigned long long)least, (double)least / 1048576.0, how);
+                         (unsigned long long)q.least, (double)q.least / 1048576.0, how);
         else
             s = mti_fail(m->ctx, MT_ERR_BUDGET,
                          "no recompute plan fits the memory budget of %llu bytes; the least "
                          "this model and config can take is %llu bytes (%.1f MiB), with %s; "
                          "below that, fewer rows per micro-batch, shorter sequences, 8-bit "
                          "optimizer state or the fused step take less",
-                         (unsigned long long)budget, (unsigned long long)least,
-                         (double)least / 1048576.0, how);
+                         (unsigned long long)budget, (unsigned long long)q.least,
+                         (double)q.least / 1048576.0, how);
     }
-    free(full), free(sel), free(cs), free(try), free(best);
+    search_free(&q);
     return s;
+}
+
+/* ---- auto-fit ---- */
+
+/* The cost model of a step (seconds on a nominal machine; only comparisons
+ * between candidates mean anything): forward + backward is 3x the forward
+ * FLOPs, recompute adds its forward FLOPs, GEMMs over n rows run at
+ * n / (n + 32) of the peak rate, and the optimizer update moves its bytes
+ * per parameter at the memory bandwidth. Rates: the CPU this was measured
+ * on (docs/benchmarks.md): 200 GFLOP/s sgemm, 40 GB/s; the 8-bit update
+ * is compute-bound at about 8.8x its 16 bytes. */
+#define FIT_FLOPS 200e9
+#define FIT_BW 40e9
+
+static double update_bytes(mt_optimizer_kind o, float momentum)
+{
+    switch (o) {
+    case MT_OPT_SGD: return momentum > 0 ? 20 : 12;
+    case MT_OPT_ADAMW: return 28;
+    case MT_OPT_ADAMW8: return 16 * 8.8;
+    case MT_OPT_ADAFACTOR: return 52;
+    }
+    return 28;
+}
+
+static double step_seconds(const mt_model *m, const mt_trainer_config *c, int micro, double rec_cost)
+{
+    const int U = m->n_units;
+    const int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
+    double *full = malloc((size_t)U * sizeof *full), *sel = malloc((size_t)U * sizeof *sel);
+    if (!full || !sel) {
+        free(full), free(sel);
+        return 0;
+    }
+    unit_costs(m, T, full, sel);
+    double fwd = 0;
+    for (int u = 0; u < U; u++) fwd += full[u];
+    free(full), free(sel);
+    double total = 0;
+    for (int r0 = 0; r0 < c->max_batch; r0 += micro) {
+        int rows = c->max_batch - r0 < micro ? c->max_batch - r0 : micro;
+        double tok = (double)rows * T, eff = tok / (tok + 32.0);
+        total += (3 * fwd + rec_cost) * tok / (FIT_FLOPS * eff);
+    }
+    return total + (double)m->n_params * update_bytes(c->optimizer, c->momentum) / FIT_BW;
+}
+
+mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,
+                             mt_autofit_report *out)
+{
+    if (!m || !cfg || !out)
+        return mti_fail(m ? m->ctx : NULL, MT_ERR_INVALID_ARG, "mt_trainer_autofit: %s is NULL",
+                        !m ? "m" : !cfg ? "cfg" : "out");
+    if (!cfg->memory_budget)
+        return mti_fail(m->ctx, MT_ERR_INVALID_ARG,
+                        "mt_trainer_autofit: cfg->memory_budget is 0 (auto-fit needs a budget)");
+    memset(out, 0, sizeof *out);
+    const bool eight = allow_8bit && cfg->optimizer == MT_OPT_ADAMW;
+    mt_trainer_config best = *cfg;
+    double best_t = 0;
+    uint64_t least = UINT64_MAX;
+    char least_how[256] = "";
+    mt_status s = MT_OK;
+    /* micro-batch sizes: for each number of passes, the smallest size that
+       gives it (the largest batch first) */
+    for (int passes = 1; passes <= cfg->max_batch && !s; passes++) {
+        int micro = (cfg->max_batch + passes - 1) / passes;
+        if (passes > 1 && (cfg->max_batch + micro - 1) / micro != passes) continue;
+        if (cfg->fused_step && micro < cfg->max_batch) break;
+        for (int e8 = 0; e8 <= (eight ? 1 : 0) && !s; e8++) {
+            mt_trainer_config c = *cfg;
+            c.micro_batch = micro == cfg->max_batch ? 0 : micro;
+            c.optimizer = e8 ? MT_OPT_ADAMW8 : cfg->optimizer;
+            c.recompute = MT_RECOMPUTE_BUDGET;
+            search q;
+            out->tried++;
+            s = search_family(m, &c, c.memory_budget, &q);
+            if (!s && q.found) {
+                out->candidates++;
+                double t = step_seconds(m, &c, micro, q.cost);
+                if (!best_t || t < best_t) {
+                    best_t = t;
+                    best = c;
+                    out->micro_batch = micro;
+                    out->optimizer = c.optimizer;
+                    out->units = m->n_units;
+                    out->recomputed_units = out->selective_units = 0;
+                    for (int u = 0; u < m->n_units; u++) {
+                        out->recomputed_units += q.units[u] == MT_UNIT_RECOMPUTE;
+                        out->selective_units += q.units[u] == MT_UNIT_SELECTIVE;
+                    }
+                    out->seg_len = q.seg_len;
+                    out->peak_reserved = q.est.peak_reserved;
+                }
+            } else if (!s && q.least < least) {
+                least = q.least;
+                char how[160];
+                mti_plan_describe(m, q.least_units, q.least_seg, how, sizeof how);
+                snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s, %s", micro,
+                         e8 ? " and 8-bit AdamW" : "", how);
+            }
+            search_free(&q);
+        }
+    }
+    if (s) return s;
+    if (!best_t)
+        return mti_fail(m->ctx, MT_ERR_BUDGET,
+                        "mt_trainer_autofit: nothing fits the memory budget of %llu bytes; the "
+                        "least is %llu bytes (%.1f MiB), with %s",
+                        (unsigned long long)cfg->memory_budget, (unsigned long long)least,
+                        (double)least / 1048576.0, least_how);
+    out->step_seconds = best_t;
+    const int T = m->input == MT_INPUT_TOKENS ? (cfg->max_seq ? cfg->max_seq : m->max_seq) : 1;
+    out->tokens_per_second = (double)cfg->max_batch * T / best_t;
+    *cfg = best;
+    return MT_OK;
 }

@@ -409,3 +409,65 @@ TEST(custom_recompute_plan_is_exact)
     CHECK_OK(mt_model_destroy(m));
     CHECK_OK(mt_context_destroy(ctx));
 }
+
+/* Auto-fit: a roomy budget takes the whole batch with no recompute and
+   32-bit state; tighter ones trade speed for memory (recompute, smaller
+   micro-batches, 8-bit state) and each chosen config runs within its
+   budget; one below anything possible is refused with the least need, the
+   config untouched. */
+TEST(autofit_fits_the_budget)
+{
+    mt_context *ctx;
+    mt_model *m = budget_model(&ctx, 0);
+    mt_trainer_config tc;
+    budget_config(&tc, 0);
+    tc.recompute = MT_RECOMPUTE_NONE;
+    mt_estimate_report none;
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &none));
+    mt_autofit_report r;
+    budget_config(&tc, none.peak_reserved * 2);
+    CHECK_OKC(ctx, mt_trainer_autofit(m, &tc, 1, &r));
+    CHECK(r.micro_batch == 4 && tc.micro_batch == 0 && r.recomputed_units == 0 &&
+          r.selective_units == 0 && r.optimizer == MT_OPT_ADAMW && tc.optimizer == MT_OPT_ADAMW);
+    CHECK(r.candidates > 0 && r.tried >= r.candidates && r.tokens_per_second > 0);
+    double roomy = r.tokens_per_second;
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+
+    uint64_t budget = none.peak_reserved * 2;
+    for (int i = 0; i < 12; i++) {
+        budget = budget * 4 / 5;
+        mt_context *c2;
+        mt_model *m2 = budget_model(&c2, 0);
+        budget_config(&tc, budget);
+        mt_trainer_config before = tc;
+        mt_status s = mt_trainer_autofit(m2, &tc, 1, &r);
+        if (s == MT_ERR_BUDGET) { /* the least is named; cfg as it was */
+            CHECK(strstr(mt_last_error(c2), "the least is"));
+            CHECK(memcmp(&before, &tc, sizeof tc) == 0);
+            CHECK_OK(mt_model_destroy(m2));
+            CHECK_OK(mt_context_destroy(c2));
+            CHECK(i > 0);
+            break;
+        }
+        CHECK_OKC(c2, s);
+        CHECK(r.tokens_per_second <= roomy);
+        CHECK(r.peak_reserved <= budget);
+        mt_trainer *t;
+        CHECK_OKC(c2, mt_trainer_create(m2, &tc, &t));
+        uint64_t peak = run_two(c2, t, 200);
+        CHECK_MSG(peak <= budget, "auto-fit for %llu: peak reserved %llu (micro %d, %d units "
+                  "recomputed, optimizer %d)",
+                  (unsigned long long)budget, (unsigned long long)peak, r.micro_batch,
+                  r.recomputed_units, (int)r.optimizer);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m2));
+        CHECK_OK(mt_context_destroy(c2));
+        if (getenv("MT_TEST_VERBOSE"))
+            printf("    budget %llu: micro %d, optimizer %d, %d/%d units recomputed, %d selective, "
+                   "peak %llu, %.0f tok/s (model)\n",
+                   (unsigned long long)budget, r.micro_batch, (int)r.optimizer,
+                   r.recomputed_units, r.units, r.selective_units,
+                   (unsigned long long)r.peak_reserved, r.tokens_per_second);
+    }
+}
