@@ -856,9 +856,13 @@ mt_status mt_estimate_mlp(const mt_context_config *cc, const mt_mlp_spec *spec,
 mt_status mt_estimate_gpt(const mt_context_config *cc, const mt_gpt_spec *spec,
                           const mt_trainer_config *tc, mt_estimate_report *out);
 /* For an existing model (its kind and shapes) on its context's
- * configuration; nothing is allocated on that context. */
+ * configuration; nothing is allocated on that context. The estimate is
+ * kept with the context for mt_memory_report (as is the chosen plan's of a
+ * trainer made with a memory budget). */
 mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
                             mt_estimate_report *out);
+/* Sets (or with NULL clears) the estimate mt_memory_report shows. */
+mt_status mt_context_set_estimate(mt_context *ctx, const mt_estimate_report *e);
 
 #ifdef __cplusplus
 }

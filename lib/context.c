@@ -253,6 +253,14 @@ static void reset_peak(_Atomic uint64_t *total, _Atomic uint64_t *peak)
     }
 }
 
+mt_status mt_context_set_estimate(mt_context *ctx, const mt_estimate_report *e)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_set_estimate: ctx is NULL");
+    ctx->has_estimate = e != NULL;
+    if (e) ctx->estimate = *e;
+    return MT_OK;
+}
+
 mt_status mt_context_reset_peaks(mt_context *ctx)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_reset_peaks: ctx is NULL");
@@ -304,19 +312,25 @@ mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t 
     sbuf b = {buf, cap, 0};
     char h1[32], h2[32], h3[32], h4[32], h5[32];
     sb_printf(&b, "memory report: %s, %d allocator instance(s)\n", ctx->dev->name, ctx->n_inst);
-    sb_printf(&b, "%-7s %12s %12s %10s %10s %5s  %s\n", "class", "current", "peak", "allocs",
-              "frees", "oom", "allocator");
+    /* the estimate beside the measured figures, when one was made for this
+       context (mt_estimate_model, a budgeted trainer, mt_context_set_estimate) */
+    const mt_estimate_report *e = ctx->has_estimate ? &ctx->estimate : NULL;
+    char he[32];
+    sb_printf(&b, "%-7s %12s %12s %12s %10s %10s %5s  %s\n", "class", "current", "peak",
+              "estimate", "allocs", "frees", "oom", "allocator");
     for (int c = 0; c < MT_MEM_COUNT; c++) {
         const mt_class_stats *k = &ms.per_class[c];
         const mt_allocator *a = ctx->by_class[c];
-        sb_printf(&b, "%-7s %12s %12s %10llu %10llu %5llu  %s#%d\n",
+        sb_printf(&b, "%-7s %12s %12s %12s %10llu %10llu %5llu  %s#%d\n",
                   mt_mem_class_name((mt_mem_class)c), human(k->live_bytes, h1, sizeof h1),
-                  human(k->peak_live_bytes, h2, sizeof h2), (unsigned long long)k->n_alloc,
+                  human(k->peak_live_bytes, h2, sizeof h2),
+                  e ? human(e->class_peak[c], he, sizeof he) : "-", (unsigned long long)k->n_alloc,
                   (unsigned long long)k->n_free, (unsigned long long)k->n_oom_failures,
                   a->vt->name, a->index);
     }
-    sb_printf(&b, "%-7s %12s %12s   (peak of all classes together)\n", "total",
-              human(ms.live_bytes, h1, sizeof h1), human(ms.peak_live_bytes, h2, sizeof h2));
+    sb_printf(&b, "%-7s %12s %12s %12s   (peak of all classes together)\n", "total",
+              human(ms.live_bytes, h1, sizeof h1), human(ms.peak_live_bytes, h2, sizeof h2),
+              e ? human(e->peak, he, sizeof he) : "-");
     sb_printf(&b, "\n%-14s %12s %12s %12s %12s %8s %9s %7s %5s\n", "allocator", "reserved",
               "peak resv", "live", "waste", "peak r/l", "backing", "retries", "oom");
     for (int i = 0; i < ctx->n_inst; i++) {
@@ -336,6 +350,9 @@ mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t 
     }
     sb_printf(&b, "%-14s %12s %12s\n", "total", human(ms.reserved_bytes, h1, sizeof h1),
               human(ms.peak_reserved_bytes, h5, sizeof h5));
+    if (e)
+        sb_printf(&b, "%-14s %12s %12s   (the estimate's peak reserved)\n", "estimate", "",
+                  human(e->peak_reserved, h5, sizeof h5));
     if (needed) *needed = b.len;
     if (cap) buf[b.len < cap ? b.len : cap - 1] = 0;
     return MT_OK;

@@ -102,6 +102,8 @@ struct mt_context {
                                 blocks, ops that only take their workspace
                                 (lib/estimate.c) */
     uint64_t at_peak[MT_MEM_COUNT]; /* dry: each class's live bytes at live_peak */
+    bool has_estimate;       /* the memory report shows it beside the measured figures */
+    mt_estimate_report estimate;
     _Atomic int n_children;  /* models, trainers, standalone allocators alive */
     /* all the context's instances together (standalone ones excluded) */
     _Atomic uint64_t live_total, live_peak, reserved_total, reserved_peak;
@@ -112,6 +114,9 @@ struct mt_context {
 /* A dry context (lib/estimate.c): cfg's allocators over a device with no
  * memory behind it and the dry op table. CPU contexts only. */
 mt_status mti_context_create_dry(const mt_context_config *cfg, mt_context **out);
+/* mt_estimate_model without keeping the estimate with the context. */
+mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
+                             mt_estimate_report *out);
 
 /* ---- tensors (tensor.c) ---- */
 

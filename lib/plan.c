@@ -97,7 +97,7 @@ static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
     d.recompute_units = units;
     d.recompute_every = seg_len;
     d.memory_budget = 0;
-    return mt_estimate_model(m, &d, r);
+    return mti_estimate_model(m, &d, r);
 }
 
 void mti_plan_describe(const mt_model *m, const unsigned char *units, int seg_len, char *buf,

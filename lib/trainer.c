@@ -647,8 +647,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     else
         mti_scaler_init(&t->scaler, 1.0f, 2.0, 0.5, 1, 0);
     if (!s && !(t->units = malloc((size_t)m->n_units))) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    if (!s && (cfg->memory_budget || cfg->recompute == MT_RECOMPUTE_BUDGET))
-        s = mti_plan_budget(m, cfg, t->units, &t->seg_len, NULL);
+    if (!s && (cfg->memory_budget || cfg->recompute == MT_RECOMPUTE_BUDGET)) {
+        mt_estimate_report est;
+        s = mti_plan_budget(m, cfg, t->units, &t->seg_len, &est);
+        if (!s) mt_context_set_estimate(ctx, &est);
+    }
     else if (!s)
         mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
     t->cfg.recompute_units = t->units;

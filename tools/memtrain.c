@@ -267,7 +267,10 @@ static int cmd_train(int argc, char **argv)
         rc = EXIT_FAIL;
         goto done;
     }
-    if (mt_model_mlp_create(ctx, &spec, &m) || mt_trainer_create(m, &tc, &t)) {
+    /* the estimate first: the report sets it beside the measured figures */
+    mt_estimate_report est;
+    if (mt_model_mlp_create(ctx, &spec, &m) || mt_estimate_model(m, &tc, &est) ||
+        mt_trainer_create(m, &tc, &t)) {
         fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
         rc = EXIT_FAIL;
         goto done;
