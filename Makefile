@@ -27,8 +27,10 @@ MT_CFLAGS += $(SAN_FLAGS) -fno-omit-frame-pointer -fno-sanitize-recover=undefine
 MT_LDFLAGS += $(SAN_FLAGS)
 endif
 
-# Debian packages the build and the tests need.
+# Debian packages the build needs, and those the tests need besides
+# (rsvg-convert renders the memory plots the tests write).
 DEB_PKGS := libjemalloc-dev libopenblas-dev pkg-config
+TEST_DEB_PKGS := librsvg2-bin
 
 # CUDA kernels: built whenever nvcc is found; nothing needs a GPU to build.
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
@@ -54,7 +56,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib test test-long test-gpu demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
+.PHONY: test-deps all lib test test-long test-gpu demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -63,9 +65,10 @@ all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(BENCH_BIN)
 lib: $(LIB)
 
 # ---- dependencies ----
-deps:
+# Installs the missing packages of $(1) when run as root; otherwise names them.
+define install_missing
 	@missing=""; \
-	for p in $(DEB_PKGS); do \
+	for p in $(1); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
 	done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
@@ -76,6 +79,13 @@ deps:
 	  echo "memtrain needs Debian packages that are missing:$$missing"; \
 	  echo "install them with:  sudo apt-get install -y$$missing"; exit 1; \
 	fi
+endef
+
+deps:
+	$(call install_missing,$(DEB_PKGS))
+
+test-deps: deps
+	$(call install_missing,$(TEST_DEB_PKGS))
 
 # ---- the library ----
 $(BUILD)/obj/%.o: %.c
@@ -127,7 +137,7 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # ---- the README's two commands ----
-test: deps
+test: test-deps
 	@$(MAKE) --no-print-directory check-tests
 
 check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL)

@@ -864,6 +864,21 @@ mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
 /* Sets (or with NULL clears) the estimate mt_memory_report shows. */
 mt_status mt_context_set_estimate(mt_context *ctx, const mt_estimate_report *e);
 
+/* A trace as Chrome trace JSON (opens in Perfetto and chrome://tracing):
+ * a counter track of live bytes per class after every event, each block as
+ * an async slice from its allocation to its free or reset (one track per
+ * class), resets and failed allocations as instant events, and with est
+ * (may be NULL) the estimate's peak and peak reserve as a flat counter.
+ * Written atomically. Errors go to ctx (may be NULL). */
+mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_estimate_report *est,
+                                 const char *path);
+/* A trace as an SVG plot of live bytes by class over time (stacked areas;
+ * each pixel column shows its busiest moment, so peaks survive), the peak
+ * marked with its value, the classes at the peak in the legend, and with
+ * est the estimate's peak as a dashed line. Written atomically. */
+mt_status mt_trace_export_svg(mt_context *ctx, const mt_trace *t, const mt_estimate_report *est,
+                              const char *path);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "memtrain.h"
@@ -470,4 +471,99 @@ TEST(autofit_fits_the_budget)
                    r.recomputed_units, r.units, r.selective_units,
                    (unsigned long long)r.peak_reserved, r.tokens_per_second);
     }
+}
+
+/* ---- memory over a step, as files people open ---- */
+
+static int run_cmd(const char *fmt, const char *a, const char *b)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, fmt, a, b);
+    return system(cmd);
+}
+
+/* Two steps of a GPT traced from the context's creation: the Chrome JSON
+   parses, its counters peak at the context's peak, every block that ends
+   has begun; the SVG renders (rsvg-convert, from librsvg2-bin, which
+   `make test` installs) and marks the measured peak and the estimate. */
+TEST(memory_trace_chrome_and_svg)
+{
+    mt_context_config cc;
+    context_config(&cc, 0);
+    cc.trace_capacity = 1 << 20;
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_gpt_spec g;
+    mt_mlp_spec ml;
+    mt_model_spec sq;
+    specs(&g, &ml, &sq);
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    mt_trainer_config tc;
+    est_case e = {.model = M_GPT, .prec = MT_PREC_BF16, .masters = 1, .opt = MT_OPT_ADAMW8,
+                  .rc = MT_RECOMPUTE_SQRT, .batch = 4, .seq = 16};
+    trainer_config(&tc, &e);
+    mt_estimate_report est;
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t ids[4 * 16 + 1];
+    for (int i = 0; i < 4 * 16 + 1; i++) ids[i] = (i * 13 + 1) % 500;
+    mt_batch b = {.n = 4, .tokens = ids, .targets = ids + 1, .seq_len = 16};
+    for (int i = 0; i < 2; i++) CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    const mt_trace_event *ev;
+    size_t n;
+    uint64_t dropped;
+    CHECK_OK(mt_context_trace_events(ctx, &ev, &n, &dropped));
+    CHECK(n > 100 && dropped == 0);
+    mt_trace *tr;
+    CHECK_OK(mt_trace_from_events(ctx, ev, n, &tr));
+    char json[256], svg[256], png[256];
+    snprintf(json, sizeof json, "/tmp/mt_test_%ld_mem.json", (long)getpid());
+    snprintf(svg, sizeof svg, "/tmp/mt_test_%ld_mem.svg", (long)getpid());
+    snprintf(png, sizeof png, "/tmp/mt_test_%ld_mem.png", (long)getpid());
+    CHECK_OKC(ctx, mt_trace_export_chrome(ctx, tr, &est, json));
+    CHECK_OKC(ctx, mt_trace_export_svg(ctx, tr, &est, svg));
+
+    /* the JSON: parsed by Python's json module; the counters' highest total
+       is the context's peak; as many ends as begins, less what is live */
+    char want[64];
+    snprintf(want, sizeof want, "%llu", (unsigned long long)st.peak_live_bytes);
+    int rc = run_cmd("python3 -c 'import json,sys\n"
+                     "d=json.load(open(sys.argv[1]))[\"traceEvents\"]\n"
+                     "c=[sum(x[\"args\"].values()) for x in d if x[\"ph\"]==\"C\" and "
+                     "x[\"name\"]==\"live bytes\"]\n"
+                     "b=sum(1 for x in d if x[\"ph\"]==\"b\"); e=sum(1 for x in d if x[\"ph\"]==\"e\")\n"
+                     "assert max(c)==int(sys.argv[2]), (max(c), sys.argv[2])\n"
+                     "assert 0 < e <= b, (b, e)\n"
+                     "assert any(x[\"name\"]==\"estimate\" for x in d)' %s %s",
+                     json, want);
+    CHECK_MSG(rc == 0, "the Chrome trace JSON did not check out (python3 exit %d)", rc);
+
+    /* the SVG: renders, and says the peak and the estimate */
+    rc = run_cmd("rsvg-convert -o %s %s", png, svg);
+    CHECK_MSG(rc == 0, "rsvg-convert could not render %s (exit %d; it comes with librsvg2-bin, "
+              "which make test installs)", svg, rc);
+    FILE *f = fopen(png, "rb");
+    unsigned char magic[8] = {0};
+    CHECK(f && fread(magic, 1, 8, f) == 8 && !memcmp(magic, "\x89PNG\r\n\x1a\n", 8));
+    fclose(f);
+    f = fopen(svg, "rb");
+    CHECK(f);
+    static char text[1 << 20];
+    size_t len = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[len] = 0;
+    char label[64];
+    snprintf(label, sizeof label, "peak %.2f MiB", (double)st.peak_live_bytes / 1048576.0);
+    CHECK_MSG(strstr(text, label), "the SVG does not say \"%s\"", label);
+    snprintf(label, sizeof label, "estimate %.2f MiB", (double)est.peak / 1048576.0);
+    CHECK_MSG(strstr(text, label), "the SVG does not say \"%s\"", label);
+    if (!getenv("MT_TEST_KEEP")) remove(json), remove(svg), remove(png);
+    mt_trace_free(tr);
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
 }

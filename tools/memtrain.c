@@ -53,6 +53,8 @@ static void usage_train(FILE *f)
             "  --threads N            CPU threads, 0 = all (0)\n"
             "  --allocator NAME       caching|arena|pool|checkpoint for every class (caching)\n"
             "  --trace FILE           record every allocation to FILE (replay it later)\n"
+            "  --chrome FILE          the run's memory as Chrome trace JSON (Perfetto)\n"
+            "  --svg FILE             the run's memory by class as an SVG plot, peak and estimate\n"
             "  --report               print the memory report at the end\n"
             "data: three interleaved spirals in the plane, 3 classes, made from the seed.\n");
 }
@@ -130,7 +132,7 @@ typedef struct train_opts {
     float lr, momentum, wd;
     mt_device_kind device;
     mt_precision precision;
-    const char *allocator, *trace;
+    const char *allocator, *trace, *chrome, *svg;
     int report;
 } train_opts;
 
@@ -225,6 +227,10 @@ static int cmd_train(int argc, char **argv)
             o.allocator = v;
         } else if (!strcmp(a, "--trace")) {
             o.trace = v;
+        } else if (!strcmp(a, "--chrome")) {
+            o.chrome = v;
+        } else if (!strcmp(a, "--svg")) {
+            o.svg = v;
         } else {
             return bad_usage("unknown option '%s'", a);
         }
@@ -236,7 +242,7 @@ static int cmd_train(int argc, char **argv)
     cfg.device = o.device;
     cfg.threads = (int)o.threads;
     for (int c = 0; c < MT_MEM_COUNT; c++) cfg.allocators[c].vtable = mt_allocator_by_name(o.allocator);
-    if (o.trace) cfg.trace_capacity = 1u << 22;
+    if (o.trace || o.chrome || o.svg) cfg.trace_capacity = 1u << 22;
     mt_context *ctx;
     if (mt_context_create(&cfg, &ctx)) {
         fprintf(stderr, "%s: %s\n", prog, mt_last_error(NULL));
@@ -328,6 +334,22 @@ static int cmd_train(int argc, char **argv)
             goto done;
         }
         printf("allocation trace written to %s\n", o.trace);
+    }
+    if (o.chrome || o.svg) {
+        const mt_trace_event *ev;
+        size_t n;
+        mt_trace *tr = NULL;
+        if (mt_context_trace_events(ctx, &ev, &n, NULL) || mt_trace_from_events(ctx, ev, n, &tr) ||
+            (o.chrome && mt_trace_export_chrome(ctx, tr, &est, o.chrome)) ||
+            (o.svg && mt_trace_export_svg(ctx, tr, &est, o.svg))) {
+            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+            mt_trace_free(tr);
+            rc = EXIT_FAIL;
+            goto done;
+        }
+        mt_trace_free(tr);
+        if (o.chrome) printf("memory timeline (Chrome trace JSON, opens in Perfetto) written to %s\n", o.chrome);
+        if (o.svg) printf("memory plot (SVG) written to %s\n", o.svg);
     }
     if (o.report) {
         printf("\n");
