@@ -74,18 +74,19 @@ static void unit_costs(const mt_model *m, int T, double *full, double *sel)
     }
 }
 
-/* The recompute cost of the plan family's member (r, selective). */
-static double cost_of(const mt_model *m, const double *full, const double *sel, int r, int selective)
+/* The recompute cost of the family's member (r, q): units [0, r)
+ * recomputed, [r, r + q) selective, the rest kept. */
+static double cost_of(const mt_model *m, const double *full, const double *sel, int r, int q)
 {
     double c = 0;
-    for (int u = 0; u < m->n_units; u++) c += u < r ? full[u] : selective ? sel[u] : 0;
+    for (int u = 0; u < m->n_units; u++) c += u < r ? full[u] : u < r + q ? sel[u] : 0;
     return c;
 }
 
-static void family(const mt_model *m, int r, int selective, unsigned char *units)
+static void family(const mt_model *m, int r, int q, unsigned char *units)
 {
     for (int u = 0; u < m->n_units; u++)
-        units[u] = u < r ? MT_UNIT_RECOMPUTE : selective ? MT_UNIT_SELECTIVE : MT_UNIT_KEEP;
+        units[u] = u < r ? MT_UNIT_RECOMPUTE : u < r + q ? MT_UNIT_SELECTIVE : MT_UNIT_KEEP;
 }
 
 /* The estimate of training m with c and this plan (no budget). */
@@ -112,17 +113,6 @@ void mti_plan_describe(const mt_model *m, const unsigned char *units, int seg_le
                  seg_len, sel ? ", selective recompute in the others" : "");
 }
 
-typedef struct cand {
-    int r, sel;
-    double cost;
-} cand;
-
-static int by_cost(const void *a, const void *b)
-{
-    const cand *x = a, *y = b;
-    return x->cost < y->cost ? -1 : x->cost > y->cost ? 1 : x->r - y->r;
-}
-
 /* The family searched for budget (0: none fits; only the least is found).
  * fit: the cheapest member within budget (units, seg_len, its estimate and
  * cost); least: the member that needs the least. */
@@ -142,6 +132,29 @@ static void search_free(search *q)
     free(q->least_units);
 }
 
+/* Tries one member: its estimate, the least so far, and whether it fits. */
+static mt_status try_member(const mt_model *m, const mt_trainer_config *c, search *q,
+                            unsigned char *units, int r, int sel, int k, uint64_t budget,
+                            bool *fits, mt_estimate_report *est)
+{
+    family(m, r, sel, units);
+    mt_status s = plan_estimate(m, c, units, k, est);
+    if (s) return s;
+    if (est->peak_reserved < q->least) {
+        q->least = est->peak_reserved;
+        memcpy(q->least_units, units, (size_t)m->n_units);
+        q->least_seg = k;
+    }
+    *fits = budget && est->peak_reserved <= budget;
+    return MT_OK;
+}
+
+/* For each r (units recomputed from the first) and segment length k <= r:
+ * the member with every other unit selective takes the least memory of its
+ * (r, k); if it fits, a binary search finds the fewest selective units that
+ * still fit. The cheapest fit wins; since recompute costs more than
+ * selective recompute, once r alone costs more than the best found, no
+ * larger r can win. */
 static mt_status search_family(const mt_model *m, const mt_trainer_config *c, uint64_t budget,
                                search *q)
 {
@@ -153,37 +166,36 @@ static mt_status search_family(const mt_model *m, const mt_trainer_config *c, ui
     q->least_units = malloc((size_t)U);
     const int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
     double *full = malloc((size_t)U * sizeof *full), *sel = malloc((size_t)U * sizeof *sel);
-    cand *cs = malloc((size_t)2 * U * sizeof *cs);
     unsigned char *try = malloc((size_t)U);
     mt_status s = MT_OK;
-    if (!q->units || !q->least_units || !full || !sel || !cs || !try)
+    if (!q->units || !q->least_units || !full || !sel || !try)
         s = mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
-    int n = 0;
-    if (!s) {
-        unit_costs(m, T, full, sel);
-        for (int r = 0; r < U; r++)
-            for (int sl = 0; sl < 2; sl++) cs[n++] = (cand){r, sl, cost_of(m, full, sel, r, sl)};
-        qsort(cs, (size_t)n, sizeof *cs, by_cost);
-    }
-    for (int i = 0; i < n && !q->found && !s; i++)
-        for (int k = 1; k <= (cs[i].r ? cs[i].r : 1) && !q->found && !s; k++) {
-            mt_estimate_report r;
-            family(m, cs[i].r, cs[i].sel, try);
-            if ((s = plan_estimate(m, c, try, k, &r))) break;
-            if (r.peak_reserved < q->least) {
-                q->least = r.peak_reserved;
-                memcpy(q->least_units, try, (size_t)U);
-                q->least_seg = k;
+    if (!s) unit_costs(m, T, full, sel);
+    for (int r = 0; r < U && !s; r++) {
+        if (q->found && cost_of(m, full, sel, r, 0) >= q->cost) break;
+        for (int k = 1; k <= (r ? r : 1) && !s; k++) {
+            mt_estimate_report est;
+            bool fits;
+            if ((s = try_member(m, c, q, try, r, U - r, k, budget, &fits, &est)) || !fits) continue;
+            int lo = 0, hi = U - r; /* hi fits */
+            mt_estimate_report at_hi = est;
+            while (lo < hi && !s) {
+                int mid = (lo + hi) / 2;
+                s = try_member(m, c, q, try, r, mid, k, budget, &fits, &est);
+                if (!s && fits) hi = mid, at_hi = est;
+                else lo = mid + 1;
             }
-            if (budget && r.peak_reserved <= budget) {
+            double cost = cost_of(m, full, sel, r, hi);
+            if (!s && (!q->found || cost < q->cost)) {
                 q->found = true;
-                memcpy(q->units, try, (size_t)U);
+                family(m, r, hi, q->units);
                 q->seg_len = k;
-                q->est = r;
-                q->cost = cs[i].cost;
+                q->est = at_hi;
+                q->cost = cost;
             }
         }
-    free(full), free(sel), free(cs), free(try);
+    }
+    free(full), free(sel), free(try);
     return s;
 }
 
