@@ -800,6 +800,28 @@ float mt_trainer_last_grad_norm(const mt_trainer *t);
 mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
                                size_t n);
 
+/* Training checkpoints (format: docs/formats.md). Saves the trainer's whole
+ * state: the weights as stored (fp32, 16-bit copies, or bf16 alone), fp32
+ * masters, the optimizer state (8-bit codes and their absmax included), the
+ * step counters and the loss scaler, plus user_len bytes of the
+ * application's own (its data position, its RNG; user may be NULL when
+ * user_len is 0). Every section carries a CRC-32. Written atomically
+ * (temporary file, fsync, rename, directory fsync): a crash or kill at any
+ * moment leaves the previous file at path intact. */
+mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
+                          size_t user_len);
+/* Restores a saved state into a trainer of the same model (kind, shapes),
+ * optimizer, precision and master-weight setting; its other settings (the
+ * learning rate, say) are its own. The whole file is checked first
+ * (version, sizes, every CRC, that it fits this trainer): a truncated,
+ * corrupt, other-version (MT_ERR_FORMAT) or other-model (MT_ERR_INVALID_ARG)
+ * file leaves the trainer as it was. user (may be NULL) gets up to user_cap
+ * bytes of the saved user data, *user_len (may be NULL) its full length.
+ * On the CPU, N steps, save, load into a new trainer, M steps give the same
+ * bits as N + M steps. */
+mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
+                          size_t *user_len);
+
 /* The loss scaler's state, part of the trainer's state. Without fp16 the
  * scale is 1 and nothing is ever skipped. */
 typedef struct mt_loss_scale_state {

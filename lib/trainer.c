@@ -29,51 +29,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine.h"
 #include "plan.h"
-#include "scaler.h"
+#include "trainer.h"
 
 #define TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
 #define TRY(expr)                                                                              \
     do {                                                                                       \
         if ((s = (expr)) != MT_OK) return s;                                                   \
     } while (0)
-
-/* optimizer state of one parameter (class OPTIM) */
-typedef struct pstate {
-    mti_tensor s[4]; /* SGD: m | AdamW: m v | 8-bit: qm qv absmax_m absmax_v |
-                        Adafactor: row col (factored) or v, then m */
-    int bits;        /* 8 or 32 */
-    float wd, lr_scale;
-} pstate;
-
-struct mt_trainer {
-    mt_model *model;
-    mt_context *ctx;
-    mt_trainer_config cfg;
-    mti_dtype dt;
-    mti_engine E;
-    pstate *ps;
-    char **patterns;         /* copies of the overrides' patterns */
-    mt_param_override *overrides;
-    mti_tensor found_inf;    /* one device int */
-    mti_tensor sumsq;        /* per parameter, device fp32 */
-    mti_scaler scaler;
-    uint64_t steps, opt_steps, steps_skipped;
-    int last_skipped;
-    float last_norm;
-    int micro, max_seq;
-    float *host_losses;      /* (micro * max_seq) */
-    float *host_rows;        /* (ROWS_CHUNK * out_width), eval's argmax */
-    /* the step being taken */
-    float lr, clip, inv;
-    int pass;                /* fused: 1 check pass, 2 update pass */
-    int updated;             /* tensors updated this step */
-    int counted;             /* counted in the model's and context's children */
-    int bare;                /* weights in dt alone, no masters */
-    unsigned char *units;    /* the recompute plan: a mode per unit */
-    int seg_len;             /* and the segment length */
-};
 
 #define ROWS_CHUNK 16
 

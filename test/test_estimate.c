@@ -430,6 +430,12 @@ TEST(autofit_fits_the_budget)
           r.selective_units == 0 && r.optimizer == MT_OPT_ADAMW && tc.optimizer == MT_OPT_ADAMW);
     CHECK(r.candidates > 0 && r.tried >= r.candidates && r.tokens_per_second > 0);
     double roomy = r.tokens_per_second;
+    /* the fused step cannot accumulate: whole batches only, whatever the budget */
+    budget_config(&tc, none.peak_reserved * 3 / 4);
+    tc.fused_step = 1;
+    mt_status fs = mt_trainer_autofit(m, &tc, 1, &r);
+    CHECK(fs == MT_OK || fs == MT_ERR_BUDGET);
+    if (fs == MT_OK) CHECK(r.micro_batch == 4 && tc.micro_batch == 0 && tc.fused_step == 1);
     CHECK_OK(mt_model_destroy(m));
     CHECK_OK(mt_context_destroy(ctx));
 

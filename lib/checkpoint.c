@@ -1,0 +1,494 @@
+/*
+ * checkpoint.c - training checkpoints: the whole trainer state in one file,
+ * written atomically, read back only once all of it has been checked.
+ *
+ * The format (docs/formats.md), little-endian:
+ *   header, 32 bytes: magic "MTTRAIN\0", u32 version (1), u32 sections,
+ *     u64 payload bytes (all sections, headers included), u32 CRC-32 of
+ *     the first 24 bytes, u32 0;
+ *   sections, each a 32-byte header (u32 kind, u32 index, u64 bytes, u32
+ *     CRC-32 of the payload, u32 dtype, u32 CRC-32 of these first 24 bytes,
+ *     u32 0) and its payload:
+ *     LAYOUT   what the state fits: the model (kind, input, sizes, each
+ *              parameter's name, shape and storage dtype) and the trainer
+ *              (optimizer, precision, masters, each state tensor's dtype
+ *              and size); a trainer loads only a file whose layout is its
+ *              own, byte for byte;
+ *     COUNTERS steps, optimizer steps, skipped steps, the last norm, the
+ *              loss scaler (scale, growth tracker, last skipped);
+ *     TENSOR   one per stored tensor, in layout order: the weights as
+ *              stored (fp32, the 16-bit compute copy, or bf16 alone), the
+ *              fp32 masters, each optimizer state tensor (8-bit codes and
+ *              absmax included), raw bytes;
+ *     USER     the application's bytes (its data position, its RNG);
+ *     END      empty: the file is whole.
+ *
+ * Loading reads the file twice: first every section is checked (sizes,
+ * order, CRCs, the layout) without touching the trainer; only then is the
+ * state copied in, each section's CRC checked again on the way. A file
+ * that is truncated, corrupt, of another version or for another model or
+ * trainer is refused with the trainer as it was.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+#include "trainer.h"
+
+#define CK_MAGIC "MTTRAIN\0"
+#define CK_VERSION 1u
+#define CK_HEADER 32u
+#define CK_SECTION 32u
+#define CK_CHUNK ((size_t)1 << 20)
+
+enum { SEC_LAYOUT = 1, SEC_COUNTERS = 2, SEC_TENSOR = 3, SEC_USER = 4, SEC_END = 5 };
+
+/* ---- little-endian bytes ---- */
+
+static void put32(unsigned char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static void put64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static uint32_t get32(const unsigned char *p)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+static uint64_t get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* A growable byte buffer for the small sections. */
+typedef struct bbuf {
+    unsigned char *p;
+    size_t len, cap;
+    bool oom;
+} bbuf;
+
+static void bb_put(bbuf *b, const void *data, size_t n)
+{
+    if (b->oom) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n) cap *= 2;
+        unsigned char *q = realloc(b->p, cap);
+        if (!q) {
+            b->oom = true;
+            return;
+        }
+        b->p = q, b->cap = cap;
+    }
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+}
+static void bb_u32(bbuf *b, uint32_t v)
+{
+    unsigned char x[4];
+    put32(x, v);
+    bb_put(b, x, 4);
+}
+static void bb_u64(bbuf *b, uint64_t v)
+{
+    unsigned char x[8];
+    put64(x, v);
+    bb_put(b, x, 8);
+}
+
+/* ---- what the state is made of ---- */
+
+/* The stored tensors of a trainer, in file order. */
+typedef struct ck_tensor {
+    mti_tensor *t;
+    int param;     /* its parameter */
+    int what;      /* 0 weights, 1 master, 2.. state s[what - 2] */
+} ck_tensor;
+
+static int list_tensors(mt_trainer *t, ck_tensor *out)
+{
+    mt_model *m = t->model;
+    int n = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
+        if (out) out[n] = (ck_tensor){&p->w, i, 0};
+        n++;
+        if (p->master.blk.ptr) {
+            if (out) out[n] = (ck_tensor){&p->master, i, 1};
+            n++;
+        }
+        for (int j = 0; j < 4; j++)
+            if (t->ps[i].s[j].blk.ptr) {
+                if (out) out[n] = (ck_tensor){&t->ps[i].s[j], i, 2 + j};
+                n++;
+            }
+    }
+    return n;
+}
+
+/* The layout section: the model and the trainer as far as the stored state
+ * depends on them. */
+static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
+{
+    mt_model *m = t->model;
+    bb_u32(b, (uint32_t)m->kind);
+    bb_u32(b, (uint32_t)m->input);
+    bb_u32(b, (uint32_t)m->features);
+    bb_u32(b, (uint32_t)m->vocab);
+    bb_u32(b, (uint32_t)m->padded_vocab);
+    bb_u32(b, (uint32_t)m->max_seq);
+    bb_u32(b, (uint32_t)m->n_layers);
+    bb_u32(b, (uint32_t)m->n_param);
+    for (int i = 0; i < m->n_param; i++) {
+        const mti_param *p = &m->params[i];
+        char name[MTI_NAME_LEN] = {0};
+        snprintf(name, sizeof name, "%s", p->name);
+        bb_put(b, name, sizeof name);
+        bb_u64(b, (uint64_t)p->shape[0]);
+        bb_u64(b, (uint64_t)(p->ndim == 2 ? p->shape[1] : 0));
+        bb_u64(b, p->numel);
+    }
+    bb_u32(b, (uint32_t)t->cfg.optimizer);
+    bb_u32(b, (uint32_t)t->cfg.precision);
+    bb_u32(b, (uint32_t)t->bare);
+    bb_u32(b, (uint32_t)n);
+    for (int k = 0; k < n; k++) {
+        bb_u32(b, (uint32_t)ts[k].param);
+        bb_u32(b, (uint32_t)ts[k].what);
+        bb_u32(b, (uint32_t)ts[k].t->dtype);
+        bb_u64(b, (uint64_t)mti_tensor_bytes(ts[k].t));
+    }
+}
+
+static void counters_of(const mt_trainer *t, bbuf *b)
+{
+    bb_u64(b, t->steps);
+    bb_u64(b, t->opt_steps);
+    bb_u64(b, t->steps_skipped);
+    bb_u32(b, (uint32_t)t->last_skipped);
+    uint32_t f;
+    memcpy(&f, &t->last_norm, 4);
+    bb_u32(b, f);
+    memcpy(&f, &t->scaler.scale, 4);
+    bb_u32(b, f);
+    bb_u32(b, (uint32_t)t->scaler.growth_tracker);
+}
+
+/* ---- save ---- */
+
+static mt_status write_section(mt_context *ctx, mti_afile *f, uint32_t kind, uint32_t index,
+                               uint32_t dtype, const void *data, size_t n)
+{
+    unsigned char h[CK_SECTION] = {0};
+    put32(h, kind);
+    put32(h + 4, index);
+    put64(h + 8, n);
+    put32(h + 16, mti_crc32(0, data, n));
+    put32(h + 20, dtype);
+    put32(h + 24, mti_crc32(0, h, 24));
+    mt_status s = mti_afile_write(ctx, f, h, sizeof h);
+    if (!s && n) s = mti_afile_write(ctx, f, data, n);
+    return s;
+}
+
+/* A device tensor as a section: its CRC first (one pass through a host
+ * buffer), then the header and the bytes (a second pass). */
+static mt_status write_tensor(mt_context *ctx, mti_afile *f, const ck_tensor *c, unsigned char *buf)
+{
+    const size_t n = mti_tensor_bytes(c->t);
+    const char *src = c->t->blk.ptr;
+    mti_device *d = ctx->dev;
+    uint32_t crc = 0;
+    mt_status s = MT_OK;
+    for (size_t at = 0; at < n && !s; at += CK_CHUNK) {
+        size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
+        s = d->copy_d2h(d, buf, src + at, len);
+        if (!s) s = d->sync(d);
+        if (!s) crc = mti_crc32(crc, buf, len);
+    }
+    unsigned char h[CK_SECTION] = {0};
+    put32(h, SEC_TENSOR);
+    put32(h + 4, (uint32_t)c->param);
+    put64(h + 8, n);
+    put32(h + 16, crc);
+    put32(h + 20, (uint32_t)c->t->dtype);
+    put32(h + 24, mti_crc32(0, h, 24));
+    if (!s) s = mti_afile_write(ctx, f, h, sizeof h);
+    for (size_t at = 0; at < n && !s; at += CK_CHUNK) {
+        size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
+        s = d->copy_d2h(d, buf, src + at, len);
+        if (!s) s = d->sync(d);
+        if (!s) s = mti_afile_write(ctx, f, buf, len);
+    }
+    return s;
+}
+
+mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *user, size_t user_len)
+{
+    const char *fn = "mt_trainer_save";
+    if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
+    mt_context *ctx = t->ctx;
+    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    if (!user && user_len)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
+                        user_len);
+    int n = list_tensors(t, NULL);
+    ck_tensor *ts = malloc((size_t)n * sizeof *ts);
+    unsigned char *buf = malloc(CK_CHUNK);
+    bbuf lay = {0}, cnt = {0};
+    if (ts) list_tensors(t, ts);
+    if (ts) layout_of(t, ts, n, &lay);
+    counters_of(t, &cnt);
+    if (!ts || !buf || lay.oom || cnt.oom) {
+        free(ts), free(buf), free(lay.p), free(cnt.p);
+        return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    }
+    uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
+    for (int k = 0; k < n; k++) total += mti_tensor_bytes(ts[k].t);
+    unsigned char h[CK_HEADER] = {0};
+    memcpy(h, CK_MAGIC, 8);
+    put32(h + 8, CK_VERSION);
+    put32(h + 12, (uint32_t)(n + 4));
+    put64(h + 16, total);
+    put32(h + 24, mti_crc32(0, h, 24));
+    mti_afile f;
+    mt_status s = mti_afile_open(ctx, path, &f);
+    if (!s) s = mti_afile_write(ctx, &f, h, sizeof h);
+    if (!s) s = write_section(ctx, &f, SEC_LAYOUT, 0, 0, lay.p, lay.len);
+    if (!s) s = write_section(ctx, &f, SEC_COUNTERS, 0, 0, cnt.p, cnt.len);
+    for (int k = 0; k < n && !s; k++) s = write_tensor(ctx, &f, &ts[k], buf);
+    if (!s) s = write_section(ctx, &f, SEC_USER, 0, 0, user, user_len);
+    if (!s) s = write_section(ctx, &f, SEC_END, 0, 0, NULL, 0);
+    if (!s) s = mti_afile_commit(ctx, &f);
+    else if (f.fd >= 0) mti_afile_abort(&f);
+    free(ts), free(buf), free(lay.p), free(cnt.p);
+    if (s) {
+        char msg[MTI_ERR_LEN];
+        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+        return mti_fail(ctx, s, "%s: %s (the previous file at %s, if any, is intact)", fn, msg,
+                        path);
+    }
+    return MT_OK;
+}
+
+/* ---- load ---- */
+
+typedef struct reader {
+    FILE *f;
+    const char *path;
+    mt_context *ctx;
+    uint64_t size, pos;
+} reader;
+
+static mt_status bad_file(reader *r, const char *what)
+{
+    return mti_fail(r->ctx, MT_ERR_FORMAT, "mt_trainer_load: %s: %s (the trainer is unchanged)",
+                    r->path, what);
+}
+
+static mt_status read_exact(reader *r, void *dst, size_t n, const char *what)
+{
+    if (n > r->size - r->pos) return bad_file(r, what);
+    if (n && fread(dst, 1, n, r->f) != n) return bad_file(r, what);
+    r->pos += n;
+    return MT_OK;
+}
+
+typedef struct sec {
+    uint32_t kind, index, crc, dtype;
+    uint64_t bytes;
+} sec;
+
+static mt_status read_section_header(reader *r, sec *s)
+{
+    unsigned char h[CK_SECTION];
+    mt_status st = read_exact(r, h, sizeof h, "truncated (a section header is cut off)");
+    if (st) return st;
+    if (get32(h + 24) != mti_crc32(0, h, 24) || get32(h + 28))
+        return bad_file(r, "corrupt (a section header's CRC does not match)");
+    s->kind = get32(h), s->index = get32(h + 4), s->bytes = get64(h + 8);
+    s->crc = get32(h + 16), s->dtype = get32(h + 20);
+    if (s->bytes > r->size - r->pos)
+        return bad_file(r, "truncated (a section is longer than what is left of the file)");
+    return MT_OK;
+}
+
+/* Reads a section's payload in chunks, checking its CRC; each chunk goes
+ * to sink (may be NULL) at its offset. */
+typedef mt_status (*sink_fn)(void *user, uint64_t at, const unsigned char *p, size_t n);
+
+static mt_status read_payload(reader *r, const sec *s, unsigned char *buf, sink_fn sink, void *user)
+{
+    uint32_t crc = 0;
+    for (uint64_t at = 0; at < s->bytes;) {
+        size_t len = s->bytes - at < CK_CHUNK ? (size_t)(s->bytes - at) : CK_CHUNK;
+        mt_status st = read_exact(r, buf, len, "truncated");
+        if (st) return st;
+        crc = mti_crc32(crc, buf, len);
+        if (sink && (st = sink(user, at, buf, len))) return st;
+        at += len;
+    }
+    if (crc != s->crc) return bad_file(r, "corrupt (a section's CRC does not match)");
+    return MT_OK;
+}
+
+typedef struct upload {
+    mt_context *ctx;
+    char *dst;
+} upload;
+
+static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
+{
+    upload *u = user;
+    mti_device *d = u->ctx->dev;
+    return d->copy_h2d(d, u->dst + at, p, n);
+}
+
+typedef struct grab {
+    unsigned char *dst;
+    size_t cap;
+} grab;
+
+static mt_status grab_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
+{
+    grab *g = user;
+    if (at < g->cap) memcpy(g->dst + at, p, n < g->cap - at ? n : (size_t)(g->cap - at));
+    return MT_OK;
+}
+
+/* One pass over the file. check: verify everything, change nothing;
+ * else: copy the state in. */
+static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, const bbuf *lay,
+                      unsigned char *buf, bool check, unsigned char *counters, void *user,
+                      size_t user_cap, size_t *user_len)
+{
+    unsigned char h[CK_HEADER];
+    mt_status s = read_exact(r, h, sizeof h, "too short for a training checkpoint");
+    if (s) return s;
+    if (memcmp(h, CK_MAGIC, 8)) return bad_file(r, "not a memtrain training checkpoint");
+    if (get32(h + 24) != mti_crc32(0, h, 24)) return bad_file(r, "corrupt header");
+    if (get32(h + 8) != CK_VERSION) {
+        char m[96];
+        snprintf(m, sizeof m, "format version %u, this library reads version %u", get32(h + 8),
+                 CK_VERSION);
+        return bad_file(r, m);
+    }
+    if (get64(h + 16) + CK_HEADER != r->size)
+        return bad_file(r, get64(h + 16) + CK_HEADER > r->size ? "truncated"
+                                                              : "longer than its header says");
+    const uint32_t nsec = get32(h + 12);
+    sec c;
+    /* layout */
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_LAYOUT) return bad_file(r, "corrupt (no layout section first)");
+    if (c.bytes > ((uint64_t)64 << 20)) return bad_file(r, "corrupt (an absurd layout section)");
+    unsigned char *got = malloc(c.bytes ? (size_t)c.bytes : 1);
+    if (!got) return mti_fail(r->ctx, MT_ERR_OOM, "mt_trainer_load: out of host memory");
+    grab g = {got, (size_t)c.bytes};
+    s = read_payload(r, &c, buf, grab_sink, &g);
+    if (!s && (c.bytes != lay->len || memcmp(got, lay->p, lay->len))) {
+        /* say what differs, as far as the first fields tell */
+        char m[256];
+        const mt_model *md = t->model;
+        if (c.bytes >= 32 && (get32(got + 28) != (uint32_t)md->n_param || get32(got) != (uint32_t)md->kind))
+            snprintf(m, sizeof m, "saved for another model (%u parameter tensors, kind %u; this "
+                     "model has %d, kind %d)", get32(got + 28), get32(got), md->n_param, (int)md->kind);
+        else
+            snprintf(m, sizeof m, "saved for another model shape, optimizer, precision or "
+                     "master-weight setting than this trainer's");
+        s = mti_fail(r->ctx, MT_ERR_INVALID_ARG, "mt_trainer_load: %s: %s (the trainer is "
+                     "unchanged)", r->path, m);
+    }
+    free(got);
+    if (s) return s;
+    if (nsec != (uint32_t)n + 4) return bad_file(r, "corrupt (the section count)");
+    /* counters */
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_COUNTERS || c.bytes != 40) return bad_file(r, "corrupt (counters)");
+    grab gc = {counters, 40};
+    if ((s = read_payload(r, &c, buf, grab_sink, &gc))) return s;
+    /* tensors */
+    for (int k = 0; k < n; k++) {
+        if ((s = read_section_header(r, &c))) return s;
+        if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
+            c.dtype != (uint32_t)ts[k].t->dtype || c.bytes != mti_tensor_bytes(ts[k].t))
+            return bad_file(r, "corrupt (a tensor section does not match the layout)");
+        upload u = {r->ctx, ts[k].t->blk.ptr};
+        if ((s = read_payload(r, &c, buf, check ? NULL : upload_sink, &u))) return s;
+    }
+    /* user bytes */
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_USER) return bad_file(r, "corrupt (no user section)");
+    grab gu = {user, user ? user_cap : 0};
+    if ((s = read_payload(r, &c, buf, check ? NULL : grab_sink, &gu))) return s;
+    if (user_len) *user_len = (size_t)c.bytes;
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_END || c.bytes) return bad_file(r, "corrupt (no end section)");
+    if (r->pos != r->size) return bad_file(r, "corrupt (bytes after the end)");
+    (void)t;
+    return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
+                          size_t *user_len)
+{
+    const char *fn = "mt_trainer_load";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_context *ctx = t->ctx;
+    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    if (!user && user_cap)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_cap is %zu", fn,
+                        user_cap);
+    reader r = {.path = path, .ctx = ctx};
+    r.f = fopen(path, "rb");
+    if (!r.f) return mti_fail(ctx, MT_ERR_IO, "%s: cannot open %s: %s", fn, path, strerror(errno));
+    if (fseek(r.f, 0, SEEK_END) == 0) {
+        long end = ftell(r.f);
+        r.size = end > 0 ? (uint64_t)end : 0;
+    }
+    rewind(r.f);
+    int n = list_tensors(t, NULL);
+    ck_tensor *ts = malloc((size_t)n * sizeof *ts);
+    unsigned char *buf = malloc(CK_CHUNK), counters[40];
+    bbuf lay = {0};
+    if (ts) list_tensors(t, ts), layout_of(t, ts, n, &lay);
+    mt_status s = MT_OK;
+    if (!ts || !buf || lay.oom) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    /* first pass: check everything; second: copy it in */
+    if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
+    if (!s) {
+        rewind(r.f);
+        r.pos = 0;
+        s = pass(&r, t, ts, n, &lay, buf, false, counters, user, user_cap, user_len);
+        if (s) {
+            char msg[MTI_ERR_LEN];
+            snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+            s = mti_fail(ctx, s, "%s: %s changed while it was read; the trainer's state is "
+                         "partly loaded: load a good file again before training (%s)",
+                         fn, path, msg);
+        }
+    }
+    if (!s) {
+        t->steps = get64(counters);
+        t->opt_steps = get64(counters + 8);
+        t->steps_skipped = get64(counters + 16);
+        t->last_skipped = (int)get32(counters + 24);
+        uint32_t f = get32(counters + 28);
+        memcpy(&t->last_norm, &f, 4);
+        f = get32(counters + 32);
+        memcpy(&t->scaler.scale, &f, 4);
+        t->scaler.growth_tracker = (int)get32(counters + 36);
+    }
+    fclose(r.f);
+    free(ts), free(buf), free(lay.p);
+    return s;
+}
