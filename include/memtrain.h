@@ -211,6 +211,13 @@ typedef struct mt_context_config {
     const char *cuda_driver_path; /* NULL: "libcuda.so.1" from the loader's path */
     size_t trace_capacity;        /* > 0: record allocation events from creation,
                                      at most this many (see mt_trace_*) */
+    /* 1: a dry context, for planning: its allocators run over a device with
+     * no memory behind it and its ops compute nothing, so models and
+     * trainers on it cost no memory and steps no time, while every count
+     * (mt_context_memory_stats) is what a real context would show. Models
+     * made on it serve mt_estimate_model and mt_trainer_autofit; their
+     * weights read back as zeros. CPU only so far. */
+    int dry_run;
 } mt_context_config;
 
 /* Fills cfg with the defaults. */

@@ -82,7 +82,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out
 
 mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
 {
-    return create(cfg, false, out);
+    return create(cfg, cfg && cfg->struct_size >= sizeof *cfg && cfg->dry_run, out);
 }
 
 mt_status mti_context_create_dry(const mt_context_config *cfg, mt_context **out)

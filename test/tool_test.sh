@@ -38,5 +38,20 @@ head -c 100 "$tmp/t.trace" > "$tmp/cut.trace"
 expect 1 "truncated trace" -- "$tool" replay "$tmp/cut.trace"
 grep -q "truncated\|not a memtrain trace" "$tmp/err" || { echo "FAIL tool: truncated trace message"; cat "$tmp/err"; fail=1; }
 expect 1 "missing trace" -- "$tool" replay "$tmp/none.trace"
+# estimates, budgets, auto-fit; the estimate matches the run's own report
+expect 0 "estimate help" -- "$tool" estimate --help
+expect 0 "estimate a GPT-2 124M step" -- "$tool" estimate --json --threads 2
+grep -q '"peak": 2005003264' "$tmp/out" || { echo "FAIL tool: estimate of GPT-2 124M fp32 AdamW B4 T64"; cat "$tmp/out"; fail=1; }
+expect 0 "auto-fit" -- "$tool" estimate --budget 1500 --autofit --allow-8bit --seq 256 --batch 8
+grep -q "auto-fit for 1500.0 MiB" "$tmp/out" && grep -q "fits" "$tmp/out" || { echo "FAIL tool: auto-fit"; cat "$tmp/out"; fail=1; }
+expect 3 "impossible budget" -- "$tool" estimate --budget 100 --recompute budget
+grep -q "the least this model and config can take is" "$tmp/err" || { echo "FAIL tool: budget message"; cat "$tmp/err"; fail=1; }
+expect 2 "bad recompute" -- "$tool" estimate --recompute often
+expect 2 "autofit without a budget" -- "$tool" estimate --autofit
+expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
+grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
+# the report's estimate column equals its peak column on every class row
+awk '/^(PARAM|MASTER|GRAD|OPTIM|ACT|WORK|IO|total) / && !done { if ($4 $5 != $6 $7) bad = 1; if ($1 == "total") done = 1 } END { exit bad }' "$tmp/out" || { echo "FAIL tool: estimate column"; cat "$tmp/out"; fail=1; }
+
 if [ $fail = 0 ]; then echo "ok   tool tests"; fi
 exit $fail

@@ -3,9 +3,11 @@
  *
  *   memtrain train  [options]     train a model on built-in data, print progress and memory
  *   memtrain replay TRACE [opts]  replay an allocation trace through an allocator
+ *   memtrain estimate [opts]      the memory of a training run, before it runs
  *   memtrain --version | --help
  *
- * Exit codes: 0 success, 1 a library call failed, 2 bad command line.
+ * Exit codes: 0 success, 1 a library call failed, 2 bad command line, 3 a
+ * memory budget that cannot be met.
  */
 #include <errno.h>
 #include <math.h>
@@ -18,6 +20,7 @@
 
 #define EXIT_FAIL 1
 #define EXIT_USAGE 2
+#define EXIT_BUDGET 3
 
 static const char *prog = "memtrain";
 
@@ -29,6 +32,7 @@ static void usage_main(FILE *f)
             "commands:\n"
             "  train     train a model on built-in data (no download) and report memory\n"
             "  replay    replay an allocation trace through an allocator and print its stats\n"
+            "  estimate  what a training run will hold, per memory class, before it runs\n"
             "\n"
             "  memtrain --version     print the version\n"
             "  memtrain <command> --help\n");
@@ -447,6 +451,215 @@ static int cmd_replay(int argc, char **argv)
     return rc;
 }
 
+/* ---- memtrain estimate ---- */
+
+static void usage_estimate(FILE *f)
+{
+    fprintf(f,
+            "usage: memtrain estimate [options]\n"
+            "What a training run will hold, per memory class, before it runs (nothing is\n"
+            "allocated): the peak of live bytes, each class at that moment and at its own\n"
+            "peak, and what the allocators will reserve. With --budget, whether the run\n"
+            "fits; with --autofit, the fastest micro-batch, recompute plan and optimizer\n"
+            "state that fit.\n"
+            "  --model gpt|mlp        (gpt)\n"
+            "  --layers N --heads N --channels N --vocab N --max-seq N\n"
+            "                         GPT shape (12 12 768 50257 1024: GPT-2 124M)\n"
+            "  --hidden N,N,...       MLP hidden sizes (64,64; 2 inputs, 3 classes)\n"
+            "  --batch N              rows per step (4)\n"
+            "  --seq N                tokens per row (64)\n"
+            "  --micro N              rows per micro-batch, 0 = the whole batch (0)\n"
+            "  --optimizer sgd|adamw|adamw8|adafactor  (adamw)\n"
+            "  --precision fp32|fp16|bf16  (fp32)\n"
+            "  --no-master            bf16 weights without fp32 masters\n"
+            "  --recompute none|selective|sqrt|every:K|budget  (none)\n"
+            "  --fused                the fused backward + optimizer step\n"
+            "  --allocator NAME       caching|arena|pool|checkpoint for every class (caching)\n"
+            "  --threads N            CPU threads, 0 = all (0)\n"
+            "  --budget MIB           a memory budget (MiB, what the allocators reserve)\n"
+            "  --autofit              fit micro-batch, recompute and state to --budget\n"
+            "  --allow-8bit           let --autofit use 8-bit AdamW state\n"
+            "  --json                 one JSON object instead of the table\n");
+}
+
+static int parse_recompute(const char *v, mt_trainer_config *tc)
+{
+    if (!strcmp(v, "none")) tc->recompute = MT_RECOMPUTE_NONE;
+    else if (!strcmp(v, "selective")) tc->recompute = MT_RECOMPUTE_SELECTIVE;
+    else if (!strcmp(v, "sqrt")) tc->recompute = MT_RECOMPUTE_SQRT;
+    else if (!strcmp(v, "budget")) tc->recompute = MT_RECOMPUTE_BUDGET;
+    else if (!strncmp(v, "every:", 6)) {
+        long k;
+        if (parse_long(v + 6, 1, 1 << 20, &k)) return -1;
+        tc->recompute = MT_RECOMPUTE_EVERY_K;
+        tc->recompute_every = (int)k;
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+static int cmd_estimate(int argc, char **argv)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    mt_mlp_spec ml;
+    mt_mlp_spec_init(&ml);
+    ml.n_layers = 3, ml.dims[0] = 2, ml.dims[1] = 64, ml.dims[2] = 64, ml.dims[3] = 3;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 4, tc.max_seq = 64, tc.optimizer = MT_OPT_ADAMW;
+    int gpt = 1, json = 0, autofit = 0, allow8 = 0;
+    long threads = 0;
+    const char *alloc = "caching";
+    double budget_mib = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        long n;
+        int takes = 1;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage_estimate(stdout);
+            return 0;
+        } else if (!strcmp(a, "--no-master")) {
+            tc.master_weights = 0, takes = 0;
+        } else if (!strcmp(a, "--fused")) {
+            tc.fused_step = 1, takes = 0;
+        } else if (!strcmp(a, "--json")) {
+            json = 1, takes = 0;
+        } else if (!strcmp(a, "--autofit")) {
+            autofit = 1, takes = 0;
+        } else if (!strcmp(a, "--allow-8bit")) {
+            allow8 = 1, takes = 0;
+        } else if (!v) {
+            return bad_usage("option '%s' needs a value, or is unknown", a);
+        } else if (!strcmp(a, "--model")) {
+            if (!strcmp(v, "gpt")) gpt = 1;
+            else if (!strcmp(v, "mlp")) gpt = 0;
+            else return bad_usage("unknown model '%s' (gpt, mlp)", v);
+        } else if (!strcmp(a, "--layers") || !strcmp(a, "--heads") || !strcmp(a, "--channels") ||
+                   !strcmp(a, "--vocab") || !strcmp(a, "--max-seq") || !strcmp(a, "--batch") ||
+                   !strcmp(a, "--seq") || !strcmp(a, "--micro") || !strcmp(a, "--threads")) {
+            if (parse_long(v, !strcmp(a, "--micro") || !strcmp(a, "--threads") ? 0 : 1, 1 << 24, &n))
+                return bad_usage("bad value for %s", a);
+            if (!strcmp(a, "--layers")) g.layers = (int)n;
+            else if (!strcmp(a, "--heads")) g.heads = (int)n;
+            else if (!strcmp(a, "--channels")) g.channels = (int)n;
+            else if (!strcmp(a, "--vocab")) g.vocab = (int)n;
+            else if (!strcmp(a, "--max-seq")) g.max_seq = (int)n;
+            else if (!strcmp(a, "--batch")) tc.max_batch = (int)n;
+            else if (!strcmp(a, "--seq")) tc.max_seq = (int)n;
+            else if (!strcmp(a, "--micro")) tc.micro_batch = (int)n;
+            else threads = n;
+        } else if (!strcmp(a, "--hidden")) {
+            train_opts o = {0};
+            if (parse_hidden(v, &o)) return bad_usage("bad --hidden '%s' (sizes like 64,64)", v);
+            ml.n_layers = o.n_hidden + 1;
+            for (int k = 0; k < o.n_hidden; k++) ml.dims[k + 1] = (int)o.hidden[k];
+            ml.dims[o.n_hidden + 1] = 3;
+        } else if (!strcmp(a, "--optimizer")) {
+            if (!strcmp(v, "sgd")) tc.optimizer = MT_OPT_SGD, tc.momentum = 0.9f;
+            else if (!strcmp(v, "adamw")) tc.optimizer = MT_OPT_ADAMW;
+            else if (!strcmp(v, "adamw8")) tc.optimizer = MT_OPT_ADAMW8;
+            else if (!strcmp(v, "adafactor")) tc.optimizer = MT_OPT_ADAFACTOR;
+            else return bad_usage("unknown optimizer '%s' (sgd, adamw, adamw8, adafactor)", v);
+        } else if (!strcmp(a, "--precision")) {
+            if (!strcmp(v, "fp32")) tc.precision = MT_PREC_FP32;
+            else if (!strcmp(v, "fp16")) tc.precision = MT_PREC_FP16;
+            else if (!strcmp(v, "bf16")) tc.precision = MT_PREC_BF16;
+            else return bad_usage("bad --precision '%s' (fp32, fp16, bf16)", v);
+        } else if (!strcmp(a, "--recompute")) {
+            if (parse_recompute(v, &tc))
+                return bad_usage("bad --recompute '%s' (none, selective, sqrt, every:K, budget)", v);
+        } else if (!strcmp(a, "--allocator")) {
+            if (!mt_allocator_by_name(v)) return bad_usage("unknown allocator '%s'", v);
+            alloc = v;
+        } else if (!strcmp(a, "--budget")) {
+            float b;
+            if (parse_float(v, &b) || !(b > 0)) return bad_usage("bad --budget '%s' (MiB > 0)", v);
+            budget_mib = b;
+        } else {
+            return bad_usage("unknown option '%s'", a);
+        }
+        i += takes;
+    }
+    if (!gpt) tc.max_seq = 0;
+    if (autofit && !budget_mib) return bad_usage("%s", "--autofit needs --budget");
+    tc.memory_budget = (uint64_t)(budget_mib * 1048576.0);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = (int)threads;
+    for (int c = 0; c < MT_MEM_COUNT; c++) cc.allocators[c].vtable = mt_allocator_by_name(alloc);
+    /* a dry context: the model costs nothing, and auto-fit and the estimate
+       run on it */
+    mt_context_config dc = cc;
+    dc.dry_run = 1;
+    mt_context *ctx;
+    if (mt_context_create(&dc, &ctx)) {
+        fprintf(stderr, "%s: %s\n", prog, mt_last_error(NULL));
+        return EXIT_FAIL;
+    }
+    mt_model *m = NULL;
+    mt_status s = gpt ? mt_model_gpt_create(ctx, &g, &m) : mt_model_mlp_create(ctx, &ml, &m);
+    mt_autofit_report fit = {0};
+    if (!s && autofit) s = mt_trainer_autofit(m, &tc, allow8, &fit);
+    mt_estimate_report e;
+    if (!s) s = mt_estimate_model(m, &tc, &e);
+    int rc = 0;
+    if (s) {
+        fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+        rc = s == MT_ERR_BUDGET ? EXIT_BUDGET : EXIT_FAIL;
+    } else if (json) {
+        printf("{\"params\": %zu, \"peak\": %llu, \"peak_reserved\": %llu, \"step_peak\": %llu, "
+               "\"setup_peak\": %llu, \"at_peak\": {",
+               e.n_params, (unsigned long long)e.peak, (unsigned long long)e.peak_reserved,
+               (unsigned long long)e.step_peak, (unsigned long long)e.setup_peak);
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
+                   (unsigned long long)e.at_peak[c]);
+        printf("}, \"class_peak\": {");
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
+                   (unsigned long long)e.class_peak[c]);
+        printf("}");
+        if (tc.memory_budget)
+            printf(", \"budget\": %llu, \"fits\": %s", (unsigned long long)tc.memory_budget,
+                   e.peak_reserved <= tc.memory_budget ? "true" : "false");
+        if (autofit)
+            printf(", \"autofit\": {\"micro_batch\": %d, \"optimizer\": \"%s\", "
+                   "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d, "
+                   "\"model_tokens_per_second\": %.1f}",
+                   fit.micro_batch, fit.optimizer == MT_OPT_ADAMW8 ? "adamw8" : "as configured",
+                   fit.recomputed_units, fit.selective_units, fit.units, fit.tokens_per_second);
+        printf("}\n");
+    } else {
+        if (gpt)
+            printf("estimate for a GPT (%zu parameters), batch %d x %d tokens\n", e.n_params,
+                   tc.max_batch, tc.max_seq);
+        else
+            printf("estimate for an MLP (%zu parameters), batch %d\n", e.n_params, tc.max_batch);
+        if (autofit)
+            printf("auto-fit for %.1f MiB: micro-batches of %d rows, %s, %d of %d units "
+                   "recomputed, %d selective (model: %.0f tokens/s)\n",
+                   budget_mib, fit.micro_batch,
+                   fit.optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW" : "the configured optimizer",
+                   fit.recomputed_units, fit.units, fit.selective_units, fit.tokens_per_second);
+        printf("%-7s %14s %14s\n", "class", "at the peak", "own peak");
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            printf("%-7s %10.2f MiB %10.2f MiB\n", mt_mem_class_name((mt_mem_class)c),
+                   (double)e.at_peak[c] / 1048576.0, (double)e.class_peak[c] / 1048576.0);
+        printf("peak %.2f MiB (steps %.2f, setup %.2f); the allocators reserve %.2f MiB at most\n",
+               (double)e.peak / 1048576.0, (double)e.step_peak / 1048576.0,
+               (double)e.setup_peak / 1048576.0, (double)e.peak_reserved / 1048576.0);
+        if (tc.memory_budget)
+            printf("budget %.1f MiB: %s\n", budget_mib,
+                   e.peak_reserved <= tc.memory_budget ? "fits" : "does not fit");
+    }
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -464,5 +677,6 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "replay")) return cmd_replay(argc - 2, argv + 2);
+    if (!strcmp(cmd, "estimate")) return cmd_estimate(argc - 2, argv + 2);
     return bad_usage("unknown command '%s'", cmd);
 }
