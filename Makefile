@@ -145,6 +145,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL)
 	$(BUILD)/examples/embed > /dev/null
 	$(BUILD)/examples/custom_allocator > /dev/null
 	./test/tool_test.sh $(TOOL)
+	./test/api_doc_test.sh
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 
 # the long randomized stress (10^6 operations per allocator and seed)

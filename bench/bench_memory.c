@@ -18,7 +18,7 @@
  *     activations dominate (L 12, C 512, H 8, V 8192, B 8, T 256; --quick:
  *     L 6, C 256, H 4, B 4, T 128).
  *
- * Usage: bench_memory [--quick] [--threads N]
+ * Usage: bench_memory [--quick] [--threads N] [--sections abc]
  */
 #include <math.h>
 #include <stdbool.h>
@@ -34,6 +34,7 @@
 
 static bool quick;
 static int threads = 0;
+static const char *sections = "abc";
 
 static double now_s(void)
 {
@@ -384,14 +385,15 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--sections") && i + 1 < argc) sections = argv[++i];
         else {
-            fprintf(stderr, "usage: bench_memory [--quick] [--threads N]\n");
+            fprintf(stderr, "usage: bench_memory [--quick] [--threads N] [--sections abc]\n");
             return 2;
         }
     }
     printf("# bench_memory (memtrain %s)\n", mt_version());
-    sweep();
-    measured();
-    budget_vs_fixed();
+    if (strchr(sections, 'a')) sweep();
+    if (strchr(sections, 'b')) measured();
+    if (strchr(sections, 'c')) budget_vs_fixed();
     return 0;
 }
