@@ -908,6 +908,63 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
 mt_status mt_trace_export_svg(mt_context *ctx, const mt_trace *t, const mt_estimate_report *est,
                               const char *path);
 
+/* ------------------------------------------------------------------------ */
+/* Training data                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Text (each byte a token, vocabulary 256) or an llm.c token file (uint16
+ * tokens after a 256-int header: ../shared/REFERENCES.md), split into
+ * training and validation (the last val_fraction), cut into windows of
+ * seq_len + 1 tokens (stride seq_len) and served as batches: training
+ * windows in an order shuffled per epoch from the seed, validation windows
+ * in order. With prefetch, the next training batch is made on a background
+ * thread while the caller trains on the current one. The stream's position
+ * (epoch, window) makes a resumed run see the batches an unbroken one
+ * would. */
+typedef struct mt_data mt_data;
+
+typedef enum mt_data_format {
+    MT_DATA_AUTO = 0,   /* an llm.c token file if the magic says so, else text */
+    MT_DATA_TEXT = 1,
+    MT_DATA_TOKENS = 2
+} mt_data_format;
+
+typedef enum mt_data_split { MT_DATA_TRAIN = 0, MT_DATA_VAL = 1 } mt_data_split;
+
+typedef struct mt_data_config {
+    uint32_t struct_size;
+    const char *path;       /* a file, or: */
+    const void *bytes;      /* text (or a token file's bytes) in memory, n_bytes long */
+    size_t n_bytes;
+    mt_data_format format;  /* MT_DATA_AUTO */
+    double val_fraction;    /* of the windows, the last ones (0.1) */
+    int seq_len;            /* tokens per row (64) */
+    int batch;              /* rows per batch (8) */
+    uint64_t seed;          /* the training order (1) */
+    int prefetch;           /* 1: a background thread makes the next batch (1) */
+} mt_data_config;
+void mt_data_config_init(mt_data_config *c);
+
+/* Opens the data. A truncated or corrupt token file gives MT_ERR_FORMAT, a
+ * missing file MT_ERR_IO, too little data for one window of each split
+ * MT_ERR_INVALID_ARG; the message (mt_last_error(NULL)) names the file. */
+mt_status mt_data_open(const mt_data_config *cfg, mt_data **out);
+void mt_data_close(mt_data *d);
+/* The next batch of a split (tokens and targets, valid until the next call
+ * for that split). */
+mt_status mt_data_next(mt_data *d, mt_data_split split, mt_batch *out);
+
+typedef struct mt_data_info {
+    int vocab;                    /* 256 for text; the largest token + 1 for a token file */
+    size_t tokens;
+    size_t train_windows, val_windows;
+    uint64_t epoch, position;     /* the training stream, after the last batch handed out */
+} mt_data_info;
+mt_status mt_data_get_info(const mt_data *d, mt_data_info *out);
+/* Moves the training stream to (epoch, position), as mt_data_get_info gave
+ * them (resuming). */
+mt_status mt_data_seek(mt_data *d, uint64_t epoch, uint64_t position);
+
 #ifdef __cplusplus
 }
 #endif
