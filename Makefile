@@ -112,7 +112,18 @@ $(BUILD)/obj/cuda_kernels_blob.o: $(BUILD)/cuda/cuda_kernels_blob.c
 	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
 
 # ---- the tool, examples, tests, benchmarks ----
-$(TOOL): $(BUILD)/obj/tools/memtrain.o $(LIB)
+# the built-in corpus of `memtrain train --model gpt`: the project's own text
+CORPUS_SRC := README.md $(sort $(wildcard docs/*.md))
+$(BUILD)/corpus/corpus.txt: $(CORPUS_SRC)
+	@mkdir -p $(dir $@)
+	cat $(CORPUS_SRC) > $@
+$(BUILD)/corpus/corpus_blob.c: $(BUILD)/corpus/corpus.txt $(BUILD)/bin2c
+	$(BUILD)/bin2c mt_corpus $< > $@
+$(BUILD)/obj/corpus_blob.o: $(BUILD)/corpus/corpus_blob.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
+
+$(TOOL): $(BUILD)/obj/tools/memtrain.o $(BUILD)/obj/corpus_blob.o $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(LIB)
@@ -170,7 +181,7 @@ valgrind: deps
 
 demo: deps
 	@$(MAKE) --no-print-directory $(TOOL)
-	$(TOOL) train --model mlp --steps 300 --report
+	$(TOOL) train --model gpt --layers 4 --steps 600 --every 100 --report
 
 # bench_gpt2 is left to bench-gpt2: it takes minutes and compares with PyTorch
 bench: deps

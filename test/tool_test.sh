@@ -53,5 +53,22 @@ grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "
 # the report's estimate column equals its peak column on every class row
 awk '/^(PARAM|MASTER|GRAD|OPTIM|ACT|WORK|IO|total) / && !done { if ($4 $5 != $6 $7) bad = 1; if ($1 == "total") done = 1 } END { exit bad }' "$tmp/out" || { echo "FAIL tool: estimate column"; cat "$tmp/out"; fail=1; }
 
+# a GPT on the built-in corpus learns; a run split by a checkpoint equals one run
+expect 0 "gpt learns" -- "$tool" train --model gpt --steps 60 --every 60 --json --schedule constant --threads 2
+first=$(head -n 1 "$tmp/out" | sed 's/.*"loss": \([0-9.]*\).*/\1/')
+last=$(tail -n 1 "$tmp/out" | sed 's/.*"loss": \([0-9.]*\).*/\1/')
+awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.5) }' || { echo "FAIL tool: gpt loss $first -> $last"; fail=1; }
+cp "$tmp/out" "$tmp/straight"
+expect 0 "gpt first half, saved" -- "$tool" train --model gpt --steps 30 --json --schedule constant --threads 2 --save "$tmp/g.ckpt"
+expect 0 "gpt resumed" -- "$tool" train --model gpt --steps 60 --json --schedule constant --threads 2 --resume "$tmp/g.ckpt"
+grep -o '"step": [0-9]*, "loss": [0-9.]*' "$tmp/out" > "$tmp/resumed.l"
+grep -o '"step": [0-9]*, "loss": [0-9.]*' "$tmp/straight" | tail -n 30 > "$tmp/straight.l"
+cmp -s "$tmp/resumed.l" "$tmp/straight.l" || { echo "FAIL tool: resumed losses differ"; diff "$tmp/resumed.l" "$tmp/straight.l" | head; fail=1; }
+head -c 2000 "$tmp/g.ckpt" > "$tmp/cut.ckpt"
+expect 1 "resume from a truncated checkpoint" -- "$tool" train --model gpt --steps 60 --resume "$tmp/cut.ckpt"
+grep -q "truncated" "$tmp/err" || { echo "FAIL tool: truncated checkpoint message"; cat "$tmp/err"; fail=1; }
+expect 1 "missing data file" -- "$tool" train --model gpt --data "$tmp/none.txt"
+expect 2 "data without a gpt" -- "$tool" train --data x
+
 if [ $fail = 0 ]; then echo "ok   tool tests"; fi
 exit $fail

@@ -11,6 +11,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,17 +43,14 @@ static void usage_train(FILE *f)
 {
     fprintf(f,
             "usage: memtrain train [options]\n"
-            "  --model mlp            the model (mlp)\n"
-            "  --hidden N,N,...       hidden layer sizes (64,64)\n"
-            "  --activation relu|gelu (relu)\n"
+            "  --model mlp|gpt        the MLP on spirals, or a GPT on text (mlp)\n"
             "  --steps N              training steps (300)\n"
-            "  --batch N              examples per step (64)\n"
-            "  --lr X                 learning rate (0.1)\n"
-            "  --momentum X           SGD momentum (0.9)\n"
-            "  --weight-decay X       L2 weight decay (0)\n"
+            "  --batch N              rows per step (mlp 64, gpt 8)\n"
+            "  --lr X                 learning rate (sgd 0.1, adamw 3e-3)\n"
+            "  --weight-decay X       (0)\n"
             "  --precision P          fp32, fp16 (fp32 masters, dynamic loss scaling) or bf16 (fp32)\n"
-            "  --seed N               data and init seed (1)\n"
-            "  --every N              print the loss every N steps (25)\n"
+            "  --seed N               data order and initial weights (1)\n"
+            "  --every N              print progress every N steps (25)\n"
             "  --device cpu|cuda|auto (cpu)\n"
             "  --threads N            CPU threads, 0 = all (0)\n"
             "  --allocator NAME       caching|arena|pool|checkpoint for every class (caching)\n"
@@ -60,7 +58,25 @@ static void usage_train(FILE *f)
             "  --chrome FILE          the run's memory as Chrome trace JSON (Perfetto)\n"
             "  --svg FILE             the run's memory by class as an SVG plot, peak and estimate\n"
             "  --report               print the memory report at the end\n"
-            "data: three interleaved spirals in the plane, 3 classes, made from the seed.\n");
+            "MLP: three interleaved spirals in the plane, 3 classes, made from the seed; SGD.\n"
+            "  --hidden N,N,...       hidden layer sizes (64,64)\n"
+            "  --activation relu|gelu (relu)\n"
+            "  --momentum X           SGD momentum (0.9)\n"
+            "GPT: byte-level text or an llm.c token file; 10%% held out for validation.\n"
+            "  --data FILE            text or llm.c tokens (the built-in corpus: this project's docs)\n"
+            "  --layers N --heads N --channels N   (2 4 128)\n"
+            "  --seq N                tokens per row (64)\n"
+            "  --micro N              rows per micro-batch, 0 = the whole batch (0)\n"
+            "  --optimizer sgd|adamw|adamw8|adafactor  (adamw)\n"
+            "  --no-master            bf16 weights without fp32 masters\n"
+            "  --recompute none|selective|sqrt|every:K  (none)\n"
+            "  --fused                the fused backward + optimizer step\n"
+            "  --clip X               global gradient-norm clipping, 0 = none (1)\n"
+            "  --schedule cosine|constant  warmup (10%% of --steps) and cosine to 0.1 lr, or constant\n"
+            "  --eval-every N         validation loss every N steps (4 x --every)\n"
+            "  --json                 one JSON object per step instead of progress lines\n"
+            "  --save FILE            a training checkpoint at the end (and every --save-every N)\n"
+            "  --resume FILE          go on from a checkpoint (same model and settings)\n");
 }
 
 static void usage_replay(FILE *f)
@@ -129,15 +145,24 @@ static void print_report(mt_context *ctx)
 /* ---- train ---- */
 
 typedef struct train_opts {
+    int gpt;                 /* the model: 0 the MLP, 1 a GPT */
     int hidden[MT_MLP_MAX_LAYERS];
     int n_hidden;
     mt_activation act;
     long steps, batch, seed, every, threads;
-    float lr, momentum, wd;
+    float lr, momentum, wd, clip;
+    int lr_set;
     mt_device_kind device;
     mt_precision precision;
     const char *allocator, *trace, *chrome, *svg;
     int report;
+    /* GPT */
+    const char *data;        /* a text or llm.c token file; NULL: the built-in corpus */
+    long layers, heads, channels, seq, micro, eval_every, save_every;
+    mt_optimizer_kind optimizer;
+    int no_master, fused, json, constant_lr;
+    mt_trainer_config rc; /* recompute settings */
+    const char *save, *resume;
 } train_opts;
 
 /* Three spirals: class k's points lie on the arm r -> angle k*2pi/3 + 4r,
@@ -177,25 +202,322 @@ static int parse_hidden(const char *s, train_opts *o)
     return o->n_hidden ? 0 : -1;
 }
 
+/* The built-in corpus: the project's own README and docs, embedded at build
+ * time (Makefile), so the demo needs no download. */
+extern const unsigned char mt_corpus[];
+extern const size_t mt_corpus_size;
+
+static int parse_recompute(const char *v, mt_trainer_config *tc);
+
+/* The end of every run: the trace, the plots, the report. */
+static int finish_run(const train_opts *o, mt_context *ctx, const mt_estimate_report *est)
+{
+    if (o->trace) {
+        if (mt_context_trace_write(ctx, o->trace)) {
+            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+            return EXIT_FAIL;
+        }
+        printf("allocation trace written to %s\n", o->trace);
+    }
+    if (o->chrome || o->svg) {
+        const mt_trace_event *ev;
+        size_t n;
+        mt_trace *tr = NULL;
+        if (mt_context_trace_events(ctx, &ev, &n, NULL) || mt_trace_from_events(ctx, ev, n, &tr) ||
+            (o->chrome && mt_trace_export_chrome(ctx, tr, est, o->chrome)) ||
+            (o->svg && mt_trace_export_svg(ctx, tr, est, o->svg))) {
+            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+            mt_trace_free(tr);
+            return EXIT_FAIL;
+        }
+        mt_trace_free(tr);
+        if (o->chrome)
+            printf("memory timeline (Chrome trace JSON, opens in Perfetto) written to %s\n", o->chrome);
+        if (o->svg) printf("memory plot (SVG) written to %s\n", o->svg);
+    }
+    if (o->report) {
+        printf("\n");
+        print_report(ctx);
+    }
+    return 0;
+}
+
+static const char *const prec_name[] = {"fp32", "fp16", "bf16"};
+
+static int run_mlp(const train_opts *o, mt_context *ctx)
+{
+    mt_mlp_spec spec;
+    mt_mlp_spec_init(&spec);
+    spec.n_layers = o->n_hidden + 1;
+    spec.dims[0] = 2;
+    for (int i = 0; i < o->n_hidden; i++) spec.dims[i + 1] = o->hidden[i];
+    spec.dims[o->n_hidden + 1] = 3;
+    spec.activation = o->act;
+    spec.seed = (uint64_t)o->seed;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = (int)o->batch;
+    tc.lr = o->lr_set ? o->lr : 0.1f;
+    tc.momentum = o->momentum;
+    tc.weight_decay = o->wd;
+    tc.precision = o->precision;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    int rc = 0;
+    float *x = malloc((size_t)o->batch * 2 * sizeof *x);
+    int32_t *y = malloc((size_t)o->batch * sizeof *y);
+    mt_estimate_report est;
+    if (!x || !y) {
+        fprintf(stderr, "%s: out of memory\n", prog);
+        rc = EXIT_FAIL;
+        goto done;
+    }
+    /* the estimate first: the report sets it beside the measured figures */
+    if (mt_model_mlp_create(ctx, &spec, &m) || mt_estimate_model(m, &tc, &est) ||
+        mt_trainer_create(m, &tc, &t)) {
+        fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+        rc = EXIT_FAIL;
+        goto done;
+    }
+    printf("training an MLP (2");
+    for (int i = 0; i < o->n_hidden; i++) printf("-%d", o->hidden[i]);
+    printf("-3, %s, %zu parameters) on three spirals, %s, %s, allocator %s\n",
+           o->act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
+           mt_context_device_name(ctx), prec_name[o->precision], o->allocator);
+    uint64_t data = (uint64_t)o->seed * 7919u;
+    double t0 = now_s(), window = 0.0;
+    int in_window = 0;
+    for (long step = 1; step <= o->steps; step++) {
+        spirals(&data, x, y, (int)o->batch);
+        mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
+        float loss;
+        if (mt_trainer_step(t, &b, &loss)) {
+            fprintf(stderr, "%s: step %ld: %s\n", prog, step, mt_last_error(ctx));
+            rc = EXIT_FAIL;
+            goto done;
+        }
+        window += loss;
+        in_window++;
+        if (step == 1 || step % o->every == 0 || step == o->steps) {
+            mt_memory_stats ms;
+            mt_context_memory_stats(ctx, &ms);
+            mt_loss_scale_state ls;
+            mt_trainer_get_loss_scale(t, &ls);
+            printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB", step, window / in_window,
+                   1e3 * (now_s() - t0) / (double)step, (double)ms.peak_live_bytes / 1024.0);
+            if (o->precision == MT_PREC_FP16)
+                printf("  scale %g  skipped %llu", (double)ls.scale,
+                       (unsigned long long)ls.steps_skipped);
+            printf("\n");
+            window = 0.0;
+            in_window = 0;
+        }
+    }
+    /* held-out points from another part of the data stream */
+    uint64_t test = (uint64_t)o->seed * 104729u + 17;
+    spirals(&test, x, y, (int)o->batch);
+    mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
+    float loss, acc;
+    if (mt_trainer_eval(t, &b, &loss, &acc)) {
+        fprintf(stderr, "%s: eval: %s\n", prog, mt_last_error(ctx));
+        rc = EXIT_FAIL;
+        goto done;
+    }
+    printf("held-out batch: loss %.4f  accuracy %.1f%%\n", loss, 100.0 * acc);
+    rc = finish_run(o, ctx, &est);
+done:
+    free(x);
+    free(y);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    return rc;
+}
+
+/* The mean loss over a few validation batches. */
+static int val_loss(mt_context *ctx, mt_trainer *t, mt_data *d, float *out)
+{
+    double sum = 0;
+    const int k = 4;
+    for (int i = 0; i < k; i++) {
+        mt_batch b;
+        float l;
+        if (mt_data_next(d, MT_DATA_VAL, &b) || mt_trainer_eval(t, &b, &l, NULL)) {
+            fprintf(stderr, "%s: eval: %s\n", prog, mt_last_error(ctx));
+            return EXIT_FAIL;
+        }
+        sum += l;
+    }
+    *out = (float)(sum / k);
+    return 0;
+}
+
+/* What a checkpoint keeps of the run beside the trainer: the data stream's
+ * position. */
+typedef struct run_pos {
+    uint64_t epoch, position;
+} run_pos;
+
+static int run_gpt(const train_opts *o, mt_context *ctx)
+{
+    mt_data_config dc;
+    mt_data_config_init(&dc);
+    if (o->data) dc.path = o->data;
+    else dc.bytes = mt_corpus, dc.n_bytes = mt_corpus_size;
+    dc.seq_len = (int)o->seq, dc.batch = (int)o->batch, dc.seed = (uint64_t)o->seed;
+    mt_data *d = NULL;
+    if (mt_data_open(&dc, &d)) {
+        fprintf(stderr, "%s: %s\n", prog, mt_last_error(NULL));
+        return EXIT_FAIL;
+    }
+    mt_data_info di;
+    mt_data_get_info(d, &di);
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = di.vocab, g.max_seq = (int)o->seq, g.layers = (int)o->layers;
+    g.heads = (int)o->heads, g.channels = (int)o->channels, g.seed = (uint64_t)o->seed;
+    mt_trainer_config tc = o->rc; /* recompute as parsed */
+    tc.max_batch = (int)o->batch;
+    tc.micro_batch = (int)o->micro;
+    tc.max_seq = (int)o->seq;
+    tc.optimizer = o->optimizer;
+    tc.lr = o->lr_set ? o->lr : (o->optimizer == MT_OPT_SGD ? 0.1f : 3e-3f);
+    tc.momentum = o->optimizer == MT_OPT_SGD ? o->momentum : 0.0f;
+    tc.weight_decay = o->wd;
+    tc.precision = o->precision;
+    tc.master_weights = !o->no_master;
+    tc.fused_step = o->fused;
+    tc.grad_clip = o->clip;
+    tc.lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
+    tc.warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);
+    tc.total_steps = (int)(o->steps > tc.warmup_steps ? o->steps : tc.warmup_steps + 1);
+    tc.min_lr_ratio = 0.1f;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_estimate_report est;
+    int rc = 0;
+    if (mt_model_gpt_create(ctx, &g, &m) || mt_estimate_model(m, &tc, &est) ||
+        mt_trainer_create(m, &tc, &t)) {
+        fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+        rc = EXIT_FAIL;
+        goto done;
+    }
+    if (o->resume) {
+        run_pos p;
+        size_t len = 0;
+        if (mt_trainer_load(t, o->resume, &p, sizeof p, &len) || len != sizeof p ||
+            mt_data_seek(d, p.epoch, p.position)) {
+            fprintf(stderr, "%s: resume: %s\n", prog,
+                    len != sizeof p && !mt_last_error(ctx)[0] ? "the file holds no data position"
+                                                               : mt_last_error(ctx));
+            rc = EXIT_FAIL;
+            goto done;
+        }
+    }
+    if (!o->json) {
+        printf("training a GPT (L%d H%d C%d, vocab %d, %zu parameters) on %s (%zu tokens), B%ld "
+               "T%ld, %s, %s, allocator %s\n",
+               g.layers, g.heads, g.channels, g.vocab, mt_model_num_params(m),
+               o->data ? o->data : "the built-in corpus", di.tokens, o->batch, o->seq,
+               mt_context_device_name(ctx), prec_name[o->precision], o->allocator);
+        printf("estimated peak %.2f MiB (allocators reserve %.2f MiB)%s\n",
+               (double)est.peak / 1048576.0, (double)est.peak_reserved / 1048576.0,
+               o->resume ? "; resumed" : "");
+    }
+    const double tokens_per_step = (double)o->batch * (double)o->seq;
+    double window = 0.0, t_window = 0.0;
+    int in_window = 0;
+    for (long step = (long)mt_trainer_steps(t) + 1; step <= o->steps; step++) {
+        mt_batch b;
+        float loss;
+        double t0 = now_s();
+        if (mt_data_next(d, MT_DATA_TRAIN, &b) || mt_trainer_step(t, &b, &loss)) {
+            fprintf(stderr, "%s: step %ld: %s\n", prog, step,
+                    mt_last_error(ctx)[0] ? mt_last_error(ctx) : mt_last_error(NULL));
+            rc = EXIT_FAIL;
+            goto done;
+        }
+        double dt = now_s() - t0;
+        window += loss, t_window += dt, in_window++;
+        bool show = step == 1 || step % o->every == 0 || step == o->steps;
+        bool eval = o->eval_every && (step % o->eval_every == 0 || step == o->steps);
+        float vl = -1;
+        if (eval && (rc = val_loss(ctx, t, d, &vl))) goto done;
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        mt_loss_scale_state ls;
+        mt_trainer_get_loss_scale(t, &ls);
+        if (o->json) {
+            printf("{\"step\": %ld, \"loss\": %.6f, \"lr\": %g, \"ms\": %.3f, "
+                   "\"tokens_per_s\": %.1f, \"live_bytes\": %llu, \"peak_bytes\": %llu, "
+                   "\"loss_scale\": %g, \"skipped\": %llu",
+                   step, loss, (double)mt_trainer_lr(t), 1e3 * dt, tokens_per_step / dt,
+                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes,
+                   (double)ls.scale, (unsigned long long)ls.steps_skipped);
+            if (eval) printf(", \"val_loss\": %.6f", vl);
+            printf("}\n");
+        } else if (show || eval) {
+            printf("step %6ld/%ld  loss %.4f", step, o->steps, window / in_window);
+            if (eval) printf("  val %.4f", vl);
+            printf("  %.0f tok/s  %.1f ms/step  mem %.1f / peak %.1f MiB", tokens_per_step * in_window / t_window,
+                   1e3 * t_window / in_window, (double)ms.live_bytes / 1048576.0,
+                   (double)ms.peak_live_bytes / 1048576.0);
+            if (o->precision == MT_PREC_FP16)
+                printf("  scale %g  skipped %llu", (double)ls.scale,
+                       (unsigned long long)ls.steps_skipped);
+            printf("\n");
+            window = t_window = 0.0, in_window = 0;
+        }
+        fflush(stdout);
+        if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps)) {
+            mt_data_info now;
+            mt_data_get_info(d, &now);
+            run_pos p = {now.epoch, now.position};
+            if (mt_trainer_save(t, o->save, &p, sizeof p)) {
+                fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+                rc = EXIT_FAIL;
+                goto done;
+            }
+        }
+    }
+    if (o->save && !o->json) printf("checkpoint written to %s\n", o->save);
+    rc = finish_run(o, ctx, &est);
+done:
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_data_close(d);
+    return rc;
+}
+
 static int cmd_train(int argc, char **argv)
 {
     train_opts o = {.hidden = {64, 64}, .n_hidden = 2, .act = MT_ACT_RELU, .steps = 300,
                     .batch = 64, .seed = 1, .every = 25, .lr = 0.1f, .momentum = 0.9f,
-                    .device = MT_DEVICE_CPU, .allocator = "caching"};
+                    .device = MT_DEVICE_CPU, .allocator = "caching", .layers = 2, .heads = 4,
+                    .channels = 128, .seq = 64, .optimizer = MT_OPT_ADAMW, .clip = 1.0f};
+    mt_trainer_config_init(&o.rc);
+    long batch = -1;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         int takes = 1;
+        long n;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage_train(stdout);
             return 0;
         } else if (!strcmp(a, "--report")) {
-            o.report = 1;
-            takes = 0;
+            o.report = 1, takes = 0;
+        } else if (!strcmp(a, "--json")) {
+            o.json = 1, takes = 0;
+        } else if (!strcmp(a, "--no-master")) {
+            o.no_master = 1, takes = 0;
+        } else if (!strcmp(a, "--fused")) {
+            o.fused = 1, takes = 0;
         } else if (!v) {
             return bad_usage("option '%s' needs a value, or is unknown", a);
         } else if (!strcmp(a, "--model")) {
-            if (strcmp(v, "mlp")) return bad_usage("unknown model '%s' (mlp)", v);
+            if (!strcmp(v, "mlp")) o.gpt = 0;
+            else if (!strcmp(v, "gpt")) o.gpt = 1;
+            else return bad_usage("unknown model '%s' (mlp, gpt)", v);
         } else if (!strcmp(a, "--hidden")) {
             if (parse_hidden(v, &o)) return bad_usage("bad --hidden '%s' (sizes like 64,64)", v);
         } else if (!strcmp(a, "--activation")) {
@@ -205,7 +527,7 @@ static int cmd_train(int argc, char **argv)
         } else if (!strcmp(a, "--steps")) {
             if (parse_long(v, 0, 100000000, &o.steps)) return bad_usage("bad --steps '%s'", v);
         } else if (!strcmp(a, "--batch")) {
-            if (parse_long(v, 1, 1 << 24, &o.batch)) return bad_usage("bad --batch '%s'", v);
+            if (parse_long(v, 1, 1 << 24, &batch)) return bad_usage("bad --batch '%s'", v);
         } else if (!strcmp(a, "--seed")) {
             if (parse_long(v, 0, 2147483647, &o.seed)) return bad_usage("bad --seed '%s'", v);
         } else if (!strcmp(a, "--every")) {
@@ -214,11 +536,14 @@ static int cmd_train(int argc, char **argv)
             if (parse_long(v, 0, 4096, &o.threads)) return bad_usage("bad --threads '%s'", v);
         } else if (!strcmp(a, "--lr")) {
             if (parse_float(v, &o.lr) || o.lr < 0) return bad_usage("bad --lr '%s'", v);
+            o.lr_set = 1;
         } else if (!strcmp(a, "--momentum")) {
             if (parse_float(v, &o.momentum) || o.momentum < 0 || o.momentum >= 1)
                 return bad_usage("bad --momentum '%s' (0 <= m < 1)", v);
         } else if (!strcmp(a, "--weight-decay")) {
             if (parse_float(v, &o.wd) || o.wd < 0) return bad_usage("bad --weight-decay '%s'", v);
+        } else if (!strcmp(a, "--clip")) {
+            if (parse_float(v, &o.clip) || o.clip < 0) return bad_usage("bad --clip '%s'", v);
         } else if (!strcmp(a, "--device")) {
             if (parse_device(v, &o.device)) return bad_usage("bad --device '%s' (cpu, cuda, auto)", v);
         } else if (!strcmp(a, "--precision")) {
@@ -235,11 +560,46 @@ static int cmd_train(int argc, char **argv)
             o.chrome = v;
         } else if (!strcmp(a, "--svg")) {
             o.svg = v;
+        } else if (!strcmp(a, "--data")) {
+            o.data = v;
+        } else if (!strcmp(a, "--layers") || !strcmp(a, "--heads") || !strcmp(a, "--channels") ||
+                   !strcmp(a, "--seq") || !strcmp(a, "--micro") || !strcmp(a, "--eval-every") ||
+                   !strcmp(a, "--save-every")) {
+            long lo = !strcmp(a, "--micro") || !strcmp(a, "--eval-every") || !strcmp(a, "--save-every") ? 0 : 1;
+            if (parse_long(v, lo, 1 << 24, &n)) return bad_usage("bad value for %s", a);
+            if (!strcmp(a, "--layers")) o.layers = n;
+            else if (!strcmp(a, "--heads")) o.heads = n;
+            else if (!strcmp(a, "--channels")) o.channels = n;
+            else if (!strcmp(a, "--seq")) o.seq = n;
+            else if (!strcmp(a, "--micro")) o.micro = n;
+            else if (!strcmp(a, "--eval-every")) o.eval_every = n;
+            else o.save_every = n;
+        } else if (!strcmp(a, "--optimizer")) {
+            if (!strcmp(v, "sgd")) o.optimizer = MT_OPT_SGD;
+            else if (!strcmp(v, "adamw")) o.optimizer = MT_OPT_ADAMW;
+            else if (!strcmp(v, "adamw8")) o.optimizer = MT_OPT_ADAMW8;
+            else if (!strcmp(v, "adafactor")) o.optimizer = MT_OPT_ADAFACTOR;
+            else return bad_usage("unknown optimizer '%s' (sgd, adamw, adamw8, adafactor)", v);
+        } else if (!strcmp(a, "--recompute")) {
+            if (parse_recompute(v, &o.rc) || o.rc.recompute == MT_RECOMPUTE_BUDGET)
+                return bad_usage("bad --recompute '%s' (none, selective, sqrt, every:K)", v);
+        } else if (!strcmp(a, "--schedule")) {
+            if (!strcmp(v, "cosine")) o.constant_lr = 0;
+            else if (!strcmp(v, "constant")) o.constant_lr = 1;
+            else return bad_usage("bad --schedule '%s' (cosine, constant)", v);
+        } else if (!strcmp(a, "--save")) {
+            o.save = v;
+        } else if (!strcmp(a, "--resume")) {
+            o.resume = v;
         } else {
             return bad_usage("unknown option '%s'", a);
         }
         i += takes;
     }
+    o.batch = batch > 0 ? batch : o.gpt ? 8 : 64;
+    if (!o.gpt && (o.data || o.save || o.resume))
+        return bad_usage("%s", "--data, --save and --resume train a GPT (--model gpt)");
+    if (o.gpt && !o.eval_every) o.eval_every = o.every * 4;
 
     mt_context_config cfg;
     mt_context_config_init(&cfg);
@@ -252,118 +612,7 @@ static int cmd_train(int argc, char **argv)
         fprintf(stderr, "%s: %s\n", prog, mt_last_error(NULL));
         return EXIT_FAIL;
     }
-    mt_mlp_spec spec;
-    mt_mlp_spec_init(&spec);
-    spec.n_layers = o.n_hidden + 1;
-    spec.dims[0] = 2;
-    for (int i = 0; i < o.n_hidden; i++) spec.dims[i + 1] = o.hidden[i];
-    spec.dims[o.n_hidden + 1] = 3;
-    spec.activation = o.act;
-    spec.seed = (uint64_t)o.seed;
-    mt_trainer_config tc;
-    mt_trainer_config_init(&tc);
-    tc.max_batch = (int)o.batch;
-    tc.lr = o.lr;
-    tc.momentum = o.momentum;
-    tc.weight_decay = o.wd;
-    tc.precision = o.precision;
-    mt_model *m = NULL;
-    mt_trainer *t = NULL;
-    int rc = 0;
-    float *x = malloc((size_t)o.batch * 2 * sizeof *x);
-    int32_t *y = malloc((size_t)o.batch * sizeof *y);
-    if (!x || !y) {
-        fprintf(stderr, "%s: out of memory\n", prog);
-        rc = EXIT_FAIL;
-        goto done;
-    }
-    /* the estimate first: the report sets it beside the measured figures */
-    mt_estimate_report est;
-    if (mt_model_mlp_create(ctx, &spec, &m) || mt_estimate_model(m, &tc, &est) ||
-        mt_trainer_create(m, &tc, &t)) {
-        fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
-        rc = EXIT_FAIL;
-        goto done;
-    }
-    printf("training an MLP (2");
-    for (int i = 0; i < o.n_hidden; i++) printf("-%d", o.hidden[i]);
-    static const char *const prec[] = {"fp32", "fp16", "bf16"};
-    printf("-3, %s, %zu parameters) on three spirals, %s, %s, allocator %s\n",
-           o.act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
-           mt_context_device_name(ctx), prec[o.precision], o.allocator);
-    uint64_t data = (uint64_t)o.seed * 7919u;
-    double t0 = now_s(), window = 0.0;
-    int in_window = 0;
-    for (long step = 1; step <= o.steps; step++) {
-        spirals(&data, x, y, (int)o.batch);
-        mt_batch b = {.n = (int)o.batch, .inputs = x, .targets = y};
-        float loss;
-        if (mt_trainer_step(t, &b, &loss)) {
-            fprintf(stderr, "%s: step %ld: %s\n", prog, step, mt_last_error(ctx));
-            rc = EXIT_FAIL;
-            goto done;
-        }
-        window += loss;
-        in_window++;
-        if (step == 1 || step % o.every == 0 || step == o.steps) {
-            mt_memory_stats ms;
-            mt_context_memory_stats(ctx, &ms);
-            mt_loss_scale_state ls;
-            mt_trainer_get_loss_scale(t, &ls);
-            printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB", step, window / in_window,
-                   1e3 * (now_s() - t0) / (double)step, (double)ms.peak_live_bytes / 1024.0);
-            if (o.precision == MT_PREC_FP16)
-                printf("  scale %g  skipped %llu", (double)ls.scale,
-                       (unsigned long long)ls.steps_skipped);
-            printf("\n");
-            window = 0.0;
-            in_window = 0;
-        }
-    }
-    /* held-out points from another part of the data stream */
-    uint64_t test = (uint64_t)o.seed * 104729u + 17;
-    spirals(&test, x, y, (int)o.batch);
-    mt_batch b = {.n = (int)o.batch, .inputs = x, .targets = y};
-    float loss, acc;
-    if (mt_trainer_eval(t, &b, &loss, &acc)) {
-        fprintf(stderr, "%s: eval: %s\n", prog, mt_last_error(ctx));
-        rc = EXIT_FAIL;
-        goto done;
-    }
-    printf("held-out batch: loss %.4f  accuracy %.1f%%\n", loss, 100.0 * acc);
-    if (o.trace) {
-        if (mt_context_trace_write(ctx, o.trace)) {
-            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
-            rc = EXIT_FAIL;
-            goto done;
-        }
-        printf("allocation trace written to %s\n", o.trace);
-    }
-    if (o.chrome || o.svg) {
-        const mt_trace_event *ev;
-        size_t n;
-        mt_trace *tr = NULL;
-        if (mt_context_trace_events(ctx, &ev, &n, NULL) || mt_trace_from_events(ctx, ev, n, &tr) ||
-            (o.chrome && mt_trace_export_chrome(ctx, tr, &est, o.chrome)) ||
-            (o.svg && mt_trace_export_svg(ctx, tr, &est, o.svg))) {
-            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
-            mt_trace_free(tr);
-            rc = EXIT_FAIL;
-            goto done;
-        }
-        mt_trace_free(tr);
-        if (o.chrome) printf("memory timeline (Chrome trace JSON, opens in Perfetto) written to %s\n", o.chrome);
-        if (o.svg) printf("memory plot (SVG) written to %s\n", o.svg);
-    }
-    if (o.report) {
-        printf("\n");
-        print_report(ctx);
-    }
-done:
-    free(x);
-    free(y);
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
+    int rc = o.gpt ? run_gpt(&o, ctx) : run_mlp(&o, ctx);
     mt_context_destroy(ctx);
     return rc;
 }
