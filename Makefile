@@ -56,7 +56,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: test-deps all lib test test-long test-gpu demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-long test-gpu demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -111,6 +111,36 @@ $(BUILD)/obj/cuda_kernels_blob.o: $(BUILD)/cuda/cuda_kernels_blob.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
 
+# ---- fuzzing ----
+# Targets (test/fuzz/fuzz_*.c) for the config parser, the token-file loader,
+# the trace loader and the checkpoint loader. `make fuzz` runs each under
+# libFuzzer (clang, ASan + UBSan) for FUZZ_SECONDS, from the seeds in
+# test/fuzz/<target>/; what it finds goes to build-fuzz/crashes/<target>/.
+# `make test` runs every kept input through each target (the regressions).
+FUZZ_TARGETS := config tokens trace checkpoint
+FUZZ_SECONDS ?= 60
+FUZZ_BUILD := build-fuzz
+FUZZ_REGRESS := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/%)
+$(BUILD)/fuzz/%: test/fuzz/fuzz_%.c test/fuzz/driver.c $(BUILD)/obj/tools/config.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -o $@ test/fuzz/fuzz_$*.c test/fuzz/driver.c \
+	  $(BUILD)/obj/tools/config.o $(LIB) $(MT_LDFLAGS) $(LDLIBS)
+
+fuzz: deps
+	@command -v clang >/dev/null || { echo "fuzz: needs clang (libFuzzer)"; exit 1; }
+	@$(MAKE) --no-print-directory SAN=1 BUILD=$(FUZZ_BUILD) CC=clang \
+	  SAN_FLAGS="-fsanitize=address,undefined,fuzzer-no-link" \
+	  $(FUZZ_BUILD)/libmemtrain.a $(FUZZ_BUILD)/obj/tools/config.o
+	@for t in $(FUZZ_TARGETS); do \
+	  clang $(CPPFLAGS) -O1 -g -fsanitize=fuzzer,address,undefined -fopenmp -pthread \
+	    -o $(FUZZ_BUILD)/fuzz-$$t test/fuzz/fuzz_$$t.c $(FUZZ_BUILD)/obj/tools/config.o \
+	    $(FUZZ_BUILD)/libmemtrain.a $(LDLIBS) || exit 1; \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/crashes/$$t; \
+	  echo "== fuzz $$t for $(FUZZ_SECONDS) s"; \
+	  $(FUZZ_BUILD)/fuzz-$$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_BUILD)/crashes/$$t/ $(FUZZ_BUILD)/corpus/$$t test/fuzz/$$t || exit 1; \
+	done
+
 # ---- the tool, examples, tests, benchmarks ----
 # the built-in corpus of `memtrain train --model gpt`: the project's own text
 CORPUS_SRC := README.md $(sort $(wildcard docs/*.md))
@@ -123,7 +153,7 @@ $(BUILD)/obj/corpus_blob.o: $(BUILD)/corpus/corpus_blob.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
 
-$(TOOL): $(BUILD)/obj/tools/memtrain.o $(BUILD)/obj/corpus_blob.o $(LIB)
+$(TOOL): $(BUILD)/obj/tools/memtrain.o $(BUILD)/obj/tools/config.o $(BUILD)/obj/corpus_blob.o $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(LIB)
@@ -151,8 +181,10 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 test: test-deps
 	@$(MAKE) --no-print-directory check-tests
 
-check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL)
+check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS)
 	MT_FAKE_CUDA=$(FAKE_CUDA) $(TEST_BIN)
+	@for t in $(FUZZ_TARGETS); do printf "fuzz regressions, %s: " $$t; \
+	  $(BUILD)/fuzz/$$t test/fuzz/$$t/* || exit 1; done
 	$(BUILD)/examples/embed > /dev/null
 	$(BUILD)/examples/custom_allocator > /dev/null
 	./test/tool_test.sh $(TOOL)

@@ -70,5 +70,17 @@ grep -q "truncated" "$tmp/err" || { echo "FAIL tool: truncated checkpoint messag
 expect 1 "missing data file" -- "$tool" train --model gpt --data "$tmp/none.txt"
 expect 2 "data without a gpt" -- "$tool" train --data x
 
+# options from a key = value file, the command line overriding it
+printf '# a short run\nmodel = gpt\nsteps = 50\njson = 1\nschedule = constant # no warmup\n' > "$tmp/run.cfg"
+expect 0 "config file" -- "$tool" train --config "$tmp/run.cfg" --steps 3 --threads 2
+[ "$(grep -c '"step"' "$tmp/out")" = 3 ] || { echo "FAIL tool: config file run"; cat "$tmp/out"; fail=1; }
+printf 'model = gpt\nlayer = 3\n' > "$tmp/bad.cfg"
+expect 2 "unknown key in a config file" -- "$tool" train --config "$tmp/bad.cfg"
+grep -q "'--layer'" "$tmp/err" || { echo "FAIL tool: unknown key message"; cat "$tmp/err"; fail=1; }
+printf 'model = gpt\njson = perhaps\n' > "$tmp/bad.cfg"
+expect 2 "bad flag value in a config file" -- "$tool" train --config "$tmp/bad.cfg"
+grep -q "bad.cfg:2" "$tmp/err" || { echo "FAIL tool: config line number"; cat "$tmp/err"; fail=1; }
+expect 1 "missing config file" -- "$tool" train --config "$tmp/none.cfg"
+
 if [ $fail = 0 ]; then echo "ok   tool tests"; fi
 exit $fail

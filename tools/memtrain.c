@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "config.h"
 #include "memtrain.h"
 
 #define EXIT_FAIL 1
@@ -58,6 +59,8 @@ static void usage_train(FILE *f)
             "  --chrome FILE          the run's memory as Chrome trace JSON (Perfetto)\n"
             "  --svg FILE             the run's memory by class as an SVG plot, peak and estimate\n"
             "  --report               print the memory report at the end\n"
+            "  --config FILE          options from FILE, a line 'name = value' each (flags: 1/0);\n"
+            "                         the command line overrides it\n"
             "MLP: three interleaved spirals in the plane, 3 classes, made from the seed; SGD.\n"
             "  --hidden N,N,...       hidden layer sizes (64,64)\n"
             "  --activation relu|gelu (relu)\n"
@@ -728,7 +731,8 @@ static void usage_estimate(FILE *f)
             "  --budget MIB           a memory budget (MiB, what the allocators reserve)\n"
             "  --autofit              fit micro-batch, recompute and state to --budget\n"
             "  --allow-8bit           let --autofit use 8-bit AdamW state\n"
-            "  --json                 one JSON object instead of the table\n");
+            "  --json                 one JSON object instead of the table\n"
+            "  --config FILE          options from FILE, a line 'name = value' each (flags: 1/0)\n");
 }
 
 static int parse_recompute(const char *v, mt_trainer_config *tc)
@@ -909,6 +913,69 @@ static int cmd_estimate(int argc, char **argv)
     return rc;
 }
 
+/* Runs cmd with the options of a --config FILE (key = value lines, the same
+ * names) first and the command line's after them, so the command line
+ * overrides the file. */
+static int with_config(int argc, char **argv, int (*cmd)(int, char **))
+{
+    const char *path = NULL;
+    int at = -1;
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], "--config")) {
+            if (i + 1 >= argc) return bad_usage("%s", "--config needs a file");
+            if (path) return bad_usage("%s", "--config given twice");
+            path = argv[i + 1], at = i;
+        }
+    if (!path) return cmd(argc, argv);
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "%s: cannot open %s: %s\n", prog, path, strerror(errno));
+        return EXIT_FAIL;
+    }
+    char *text = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            cap = cap ? cap * 2 : 4096;
+            if (cap > ((size_t)1 << 24)) {
+                fclose(f);
+                free(text);
+                fprintf(stderr, "%s: %s: larger than 16 MiB\n", prog, path);
+                return EXIT_FAIL;
+            }
+            char *t = realloc(text, cap);
+            if (!t) break;
+            text = t;
+        }
+        size_t got = fread(text + n, 1, cap - n, f);
+        n += got;
+        if (got == 0) break;
+    }
+    fclose(f);
+    cfg_args a;
+    char err[256];
+    int rc = cfg_parse(text ? text : "", n, path, &a, err, sizeof err);
+    free(text);
+    if (rc) {
+        fprintf(stderr, "%s: %s\n(run 'memtrain --help')\n", prog, err);
+        return EXIT_USAGE;
+    }
+    char **all = malloc(((size_t)a.argc + (size_t)argc + 1) * sizeof *all);
+    if (!all) {
+        cfg_args_free(&a);
+        return EXIT_FAIL;
+    }
+    int k = 0;
+    for (int i = 0; i < a.argc; i++) all[k++] = a.argv[i];
+    for (int i = 0; i < argc; i++)
+        if (i != at && i != at + 1) all[k++] = argv[i];
+    all[k] = NULL;
+    rc = cmd(k, all);
+    free(all);
+    cfg_args_free(&a);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -924,8 +991,8 @@ int main(int argc, char **argv)
         usage_main(stdout);
         return 0;
     }
-    if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
+    if (!strcmp(cmd, "train")) return with_config(argc - 2, argv + 2, cmd_train);
     if (!strcmp(cmd, "replay")) return cmd_replay(argc - 2, argv + 2);
-    if (!strcmp(cmd, "estimate")) return cmd_estimate(argc - 2, argv + 2);
+    if (!strcmp(cmd, "estimate")) return with_config(argc - 2, argv + 2, cmd_estimate);
     return bad_usage("unknown command '%s'", cmd);
 }
