@@ -799,6 +799,11 @@ float mt_trainer_lr(const mt_trainer *t);
  * -1 when the last step did not compute it (no clipping). */
 float mt_trainer_last_grad_norm(const mt_trainer *t);
 
+/* The model's outputs (logits over the classes, fp32, before the softmax)
+ * at the last position of each row of the batch: n = batch->n x classes
+ * (the vocabulary for token models). batch->targets may be NULL. For
+ * sampling from a token model. */
+mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t n);
 /* The gradients of the batch's mean loss, fp32, in the model's parameter
  * order (unscaled in fp16), without updating anything: forward and backward
  * as a step would run them (micro-batches, recompute), then a copy out

@@ -1054,3 +1054,65 @@ mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, i
     if (seg_len) *seg_len = t->seg_len;
     return MT_OK;
 }
+
+/* The logits of row `pos` of the pass (N rows) into dst (classes fp32). */
+static mt_status logits_row(mt_trainer *t, int pos, float *dst, mti_tensor *f32)
+{
+    mt_context *ctx = t->ctx;
+    const mt_model *m = t->model;
+    const mti_kctx k = {ctx, ctx->dev};
+    const mti_tensor *lg = &t->E.bnd[m->n_layers];
+    const size_t W = (size_t)m->out_width;
+    mt_status s;
+    if (t->dt == MTI_F32) {
+        s = ctx->dev->copy_d2h(ctx->dev, dst, (const float *)lg->blk.ptr + (size_t)pos * W,
+                               (size_t)m->classes * sizeof(float));
+        return s ? s : ctx->dev->sync(ctx->dev);
+    }
+    s = ctx->ops->cast(&k, f32->blk.ptr, MTI_F32,
+                       (const char *)lg->blk.ptr + (size_t)pos * W * mti_dtype_size(t->dt), t->dt,
+                       W, MTI_ROUND_NEAREST, 0);
+    return s ? s : mti_tensor_download(ctx, f32, dst, (size_t)m->classes * sizeof(float));
+}
+
+mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t n)
+{
+    const char *fn = "mt_trainer_logits";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_context *ctx = t->ctx;
+    const mt_model *m = t->model;
+    if (!b || !out)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, b ? "out" : "batch");
+    if (n != (size_t)b->n * (size_t)m->classes)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: n %zu, expected batch->n x classes = %zu", fn,
+                        n, (size_t)b->n * (size_t)m->classes);
+    /* the targets play no part: zeros where the caller gave none */
+    const int T = m->input == MT_INPUT_TOKENS ? b->seq_len : 1;
+    mt_batch bb = *b;
+    int32_t *zeros = NULL;
+    if (!bb.targets && b->n > 0 && T > 0) {
+        zeros = calloc((size_t)b->n * (size_t)T, sizeof *zeros);
+        if (!zeros) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+        bb.targets = zeros;
+    }
+    mt_status s = check_batch(t, &bb, fn);
+    mti_tensor f32 = {0};
+    if (!s && t->dt != MTI_F32) {
+        f32 = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->out_width}};
+        s = mti_tensor_alloc(ctx, &f32, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 5));
+    }
+    mti_engine *E = &t->E;
+    t->updated = 0;
+    for (int r0 = 0; r0 < bb.n && !s; r0 += t->micro) {
+        int rows = bb.n - r0 < t->micro ? bb.n - r0 : t->micro;
+        s = mti_engine_forward(E, &bb, r0, rows, 1);
+        for (int r = 0; r < rows && !s; r++)
+            s = logits_row(t, r * T + T - 1, out + (size_t)(r0 + r) * m->classes, &f32);
+        mti_engine_release(E);
+        reset_all(ctx, MT_SCOPE_STEP);
+    }
+    mti_tensor_free(ctx, &f32);
+    free(zeros);
+    if (s) return step_failed(t, fn, s);
+    return MT_OK;
+}

@@ -3,6 +3,7 @@
  * files are refused with the trainer untouched, and a save killed at any
  * moment leaves the last good file loadable.
  */
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -359,4 +360,45 @@ TEST(checkpoint_survives_kill_during_save)
         CHECK_OK(mt_context_destroy(ctx));
     }
     remove(path);
+}
+
+/* mt_trainer_logits: with one token per row, the cross-entropy computed
+   from the logits is the loss mt_trainer_eval gives, in fp32 and bf16; no
+   targets needed; bad sizes refused. */
+TEST(trainer_logits_match_eval)
+{
+    make_data();
+    for (int p = 0; p < 2; p++) {
+        mt_context *ctx = cpu_ctx();
+        mt_model *m = gpt(ctx, 3, 32);
+        ck_case c = {MT_OPT_ADAMW, p ? MT_PREC_BF16 : MT_PREC_FP32, 1, 0, 0.0f};
+        mt_trainer_config tc;
+        config(&tc, &c);
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        float loss[4];
+        steps(ctx, t, 0, 2, loss);
+        mt_batch b = {.n = B, .tokens = data + 5, .targets = data + 6, .seq_len = 1};
+        float want, *lg = malloc((size_t)B * V * sizeof *lg);
+        CHECK_OKC(ctx, mt_trainer_eval(t, &b, &want, NULL));
+        mt_batch nb = b;
+        nb.targets = NULL;
+        CHECK_OKC(ctx, mt_trainer_logits(t, &nb, lg, (size_t)B * V));
+        double ce = 0;
+        for (int r = 0; r < B; r++) {
+            const float *row = lg + (size_t)r * V;
+            double mx = row[0], sum = 0;
+            for (int j = 1; j < V; j++) mx = row[j] > mx ? row[j] : mx;
+            for (int j = 0; j < V; j++) sum += exp(row[j] - mx);
+            ce += mx + log(sum) - row[b.targets[r]];
+        }
+        ce /= B;
+        CHECK_MSG(fabs(ce - want) < 1e-4, "precision %d: %.6f from the logits, %.6f from eval", p,
+                  ce, (double)want);
+        CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_logits(t, &nb, lg, (size_t)B * V - 1));
+        free(lg);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
 }

@@ -64,6 +64,13 @@ expect 0 "gpt resumed" -- "$tool" train --model gpt --steps 60 --json --schedule
 grep -o '"step": [0-9]*, "loss": [0-9.]*' "$tmp/out" > "$tmp/resumed.l"
 grep -o '"step": [0-9]*, "loss": [0-9.]*' "$tmp/straight" | tail -n 30 > "$tmp/straight.l"
 cmp -s "$tmp/resumed.l" "$tmp/straight.l" || { echo "FAIL tool: resumed losses differ"; diff "$tmp/resumed.l" "$tmp/straight.l" | head; fail=1; }
+expect 0 "sample" -- "$tool" sample --model gpt --resume "$tmp/g.ckpt" --prompt "The " --length 40 --temperature 0
+cp "$tmp/out" "$tmp/sample1"
+[ "$(head -c 4 "$tmp/sample1")" = "The " ] && [ "$(wc -c < "$tmp/sample1")" -ge 44 ] || { echo "FAIL tool: sample output"; cat "$tmp/sample1"; fail=1; }
+expect 0 "sample again" -- "$tool" sample --model gpt --resume "$tmp/g.ckpt" --prompt "The " --length 40 --temperature 0
+cmp -s "$tmp/out" "$tmp/sample1" || { echo "FAIL tool: greedy sampling is not repeatable"; fail=1; }
+expect 2 "sample without a checkpoint" -- "$tool" sample --model gpt
+expect 1 "sample with another model's checkpoint" -- "$tool" sample --model gpt --layers 3 --resume "$tmp/g.ckpt"
 head -c 2000 "$tmp/g.ckpt" > "$tmp/cut.ckpt"
 expect 1 "resume from a truncated checkpoint" -- "$tool" train --model gpt --steps 60 --resume "$tmp/cut.ckpt"
 grep -q "truncated" "$tmp/err" || { echo "FAIL tool: truncated checkpoint message"; cat "$tmp/err"; fail=1; }

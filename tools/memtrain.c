@@ -35,6 +35,7 @@ static void usage_main(FILE *f)
             "  train     train a model on built-in data (no download) and report memory\n"
             "  replay    replay an allocation trace through an allocator and print its stats\n"
             "  estimate  what a training run will hold, per memory class, before it runs\n"
+            "  sample    text from a GPT trained by 'train --model gpt --save'\n"
             "\n"
             "  memtrain --version     print the version\n"
             "  memtrain <command> --help\n");
@@ -166,6 +167,11 @@ typedef struct train_opts {
     int no_master, fused, json, constant_lr;
     mt_trainer_config rc; /* recompute settings */
     const char *save, *resume;
+    /* sample */
+    int sample;
+    const char *prompt;
+    long length;
+    float temperature;
 } train_opts;
 
 /* Three spirals: class k's points lie on the arm r -> angle k*2pi/3 + 4r,
@@ -360,6 +366,57 @@ typedef struct run_pos {
     uint64_t epoch, position;
 } run_pos;
 
+/* Text from a trained byte-level GPT: the prompt, then each next byte drawn
+ * from the softmax of the logits at the last position (temperature T; 0:
+ * the most likely byte), the model seeing the last max_seq bytes. */
+static int sample_text(const train_opts *o, mt_context *ctx, mt_trainer *t, const mt_gpt_spec *g)
+{
+    const int T = g->max_seq, V = g->vocab;
+    size_t plen = o->prompt ? strlen(o->prompt) : 0, cap = plen + (size_t)o->length + 1;
+    int32_t *tok = malloc(cap * sizeof *tok);
+    float *lg = malloc((size_t)V * sizeof *lg);
+    if (!tok || !lg) {
+        free(tok), free(lg);
+        fprintf(stderr, "%s: out of memory\n", prog);
+        return EXIT_FAIL;
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < plen; i++) tok[n++] = (unsigned char)o->prompt[i] % V;
+    if (!n) tok[n++] = '\n' % V;
+    fwrite(o->prompt ? o->prompt : "", 1, plen, stdout);
+    uint64_t r = (uint64_t)o->seed * 0x9E3779B97F4A7C15ull + 1;
+    for (long k = 0; k < o->length; k++) {
+        size_t from = n > (size_t)T ? n - (size_t)T : 0;
+        mt_batch b = {.n = 1, .tokens = tok + from, .seq_len = (int)(n - from)};
+        if (mt_trainer_logits(t, &b, lg, (size_t)V)) {
+            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+            free(tok), free(lg);
+            return EXIT_FAIL;
+        }
+        int next = 0;
+        if (o->temperature <= 0) {
+            for (int j = 1; j < V; j++)
+                if (lg[j] > lg[next]) next = j;
+        } else {
+            double mx = lg[0], sum = 0;
+            for (int j = 1; j < V; j++) mx = lg[j] > mx ? lg[j] : mx;
+            for (int j = 0; j < V; j++) sum += exp((lg[j] - mx) / o->temperature);
+            r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+            double u = (double)(r >> 11) / 9007199254740992.0 * sum, acc = 0;
+            for (next = 0; next < V - 1; next++) {
+                acc += exp((lg[next] - mx) / o->temperature);
+                if (acc > u) break;
+            }
+        }
+        tok[n++] = next;
+        if (V <= 256) putchar(next);
+        else printf(" %d", next);
+    }
+    printf("\n");
+    free(tok), free(lg);
+    return 0;
+}
+
 static int run_gpt(const train_opts *o, mt_context *ctx)
 {
     mt_data_config dc;
@@ -415,6 +472,10 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
             rc = EXIT_FAIL;
             goto done;
         }
+    }
+    if (o->sample) {
+        rc = sample_text(o, ctx, t, &g);
+        goto done;
     }
     if (!o->json) {
         printf("training a GPT (L%d H%d C%d, vocab %d, %zu parameters) on %s (%zu tokens), B%ld "
@@ -491,9 +552,11 @@ done:
     return rc;
 }
 
+static int sampling; /* cmd_sample runs cmd_train's parser in sample mode */
+
 static int cmd_train(int argc, char **argv)
 {
-    train_opts o = {.hidden = {64, 64}, .n_hidden = 2, .act = MT_ACT_RELU, .steps = 300,
+    train_opts o = {.sample = sampling, .length = 200, .temperature = 0.8f,.hidden = {64, 64}, .n_hidden = 2, .act = MT_ACT_RELU, .steps = 300,
                     .batch = 64, .seed = 1, .every = 25, .lr = 0.1f, .momentum = 0.9f,
                     .device = MT_DEVICE_CPU, .allocator = "caching", .layers = 2, .heads = 4,
                     .channels = 128, .seq = 64, .optimizer = MT_OPT_ADAMW, .clip = 1.0f};
@@ -590,6 +653,13 @@ static int cmd_train(int argc, char **argv)
             if (!strcmp(v, "cosine")) o.constant_lr = 0;
             else if (!strcmp(v, "constant")) o.constant_lr = 1;
             else return bad_usage("bad --schedule '%s' (cosine, constant)", v);
+        } else if (o.sample && !strcmp(a, "--prompt")) {
+            o.prompt = v;
+        } else if (o.sample && !strcmp(a, "--length")) {
+            if (parse_long(v, 0, 1 << 20, &o.length)) return bad_usage("bad --length '%s'", v);
+        } else if (o.sample && !strcmp(a, "--temperature")) {
+            if (parse_float(v, &o.temperature) || o.temperature < 0)
+                return bad_usage("bad --temperature '%s' (>= 0)", v);
         } else if (!strcmp(a, "--save")) {
             o.save = v;
         } else if (!strcmp(a, "--resume")) {
@@ -600,6 +670,8 @@ static int cmd_train(int argc, char **argv)
         i += takes;
     }
     o.batch = batch > 0 ? batch : o.gpt ? 8 : 64;
+    if (o.sample && (!o.gpt || !o.resume))
+        return bad_usage("%s", "sample needs --model gpt and --resume FILE (a checkpoint of it)");
     if (!o.gpt && (o.data || o.save || o.resume))
         return bad_usage("%s", "--data, --save and --resume train a GPT (--model gpt)");
     if (o.gpt && !o.eval_every) o.eval_every = o.every * 4;
@@ -913,6 +985,24 @@ static int cmd_estimate(int argc, char **argv)
     return rc;
 }
 
+static int cmd_sample(int argc, char **argv)
+{
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: memtrain sample --model gpt --resume FILE [train options] [--prompt TEXT]\n"
+                   "                       [--length N] [--temperature X]\n"
+                   "Text from a GPT trained with 'memtrain train --model gpt --save FILE': give\n"
+                   "the same model, data and training options (or the same --config) as the run.\n"
+                   "  --prompt TEXT          the start (a newline)\n"
+                   "  --length N             bytes to write (200)\n"
+                   "  --temperature X        0: the most likely byte each time (0.8)\n"
+                   "  --seed N               the draws (1)\n");
+            return 0;
+        }
+    sampling = 1;
+    return cmd_train(argc, argv);
+}
+
 /* Runs cmd with the options of a --config FILE (key = value lines, the same
  * names) first and the command line's after them, so the command line
  * overrides the file. */
@@ -994,5 +1084,6 @@ int main(int argc, char **argv)
     if (!strcmp(cmd, "train")) return with_config(argc - 2, argv + 2, cmd_train);
     if (!strcmp(cmd, "replay")) return cmd_replay(argc - 2, argv + 2);
     if (!strcmp(cmd, "estimate")) return with_config(argc - 2, argv + 2, cmd_estimate);
+    if (!strcmp(cmd, "sample")) return with_config(argc - 2, argv + 2, cmd_sample);
     return bad_usage("unknown command '%s'", cmd);
 }
