@@ -898,6 +898,20 @@ mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
 /* Sets (or with NULL clears) the estimate mt_memory_report shows. */
 mt_status mt_context_set_estimate(mt_context *ctx, const mt_estimate_report *e);
 
+/* What a trace shows: live bytes per class over its events (frees and
+ * resets applied as the allocators apply them; blocks allocated before the
+ * trace began are not known to it). */
+typedef struct mt_trace_summary {
+    size_t events;
+    uint64_t dropped;                   /* events past the trace's capacity */
+    uint64_t allocs, frees, resets, failed;
+    uint64_t span_ns;                   /* first event to last */
+    uint64_t peak, peak_ns;             /* the most live bytes, and when */
+    uint64_t at_peak[MT_MEM_COUNT];     /* each class then */
+    uint64_t class_peak[MT_MEM_COUNT];  /* each class's own peak */
+} mt_trace_summary;
+mt_status mt_trace_summarize(mt_context *ctx, const mt_trace *t, mt_trace_summary *out);
+
 /* A trace as Chrome trace JSON (opens in Perfetto and chrome://tracing):
  * a counter track of live bytes per class after every event, each block as
  * an async slice from its allocation to its free or reset (one track per

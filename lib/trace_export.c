@@ -416,3 +416,41 @@ mt_status mt_trace_export_svg(mt_context *ctx, const mt_trace *t, const mt_estim
     free(cols);
     return write_out(ctx, path, &o, "mt_trace_export_svg");
 }
+
+/* ---- summary ---- */
+
+mt_status mt_trace_summarize(mt_context *ctx, const mt_trace *t, mt_trace_summary *out)
+{
+    if (!t || !out)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_summarize: %s is NULL",
+                        !t ? "the trace" : "out");
+    memset(out, 0, sizeof *out);
+    const mt_trace_event *ev;
+    size_t n = events_of(t, &ev);
+    walker w = {0};
+    for (size_t i = 0; i < n && !w.oom; i++) {
+        const mt_trace_event *e = &ev[i];
+        apply(&w, e, NULL, NULL);
+        switch (e->op) {
+        case MT_TRACE_ALLOC: out->allocs++; break;
+        case MT_TRACE_FREE: out->frees++; break;
+        case MT_TRACE_RESET: out->resets++; break;
+        case MT_TRACE_FAIL: out->failed++; break;
+        default: break;
+        }
+        uint64_t tot = total_of(w.live);
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            if (w.live[c] > out->class_peak[c]) out->class_peak[c] = w.live[c];
+        if (tot > out->peak) {
+            out->peak = tot;
+            out->peak_ns = e->t_ns - ev[0].t_ns;
+            memcpy(out->at_peak, w.live, sizeof w.live);
+        }
+    }
+    free(w.tab);
+    if (w.oom) return mti_fail(ctx, MT_ERR_OOM, "mt_trace_summarize: out of host memory");
+    out->events = n;
+    out->dropped = (uint64_t)atomic_load(&((mt_trace *)t)->dropped);
+    out->span_ns = n ? ev[n - 1].t_ns - ev[0].t_ns : 0;
+    return MT_OK;
+}

@@ -528,6 +528,12 @@ TEST(memory_trace_chrome_and_svg)
     snprintf(json, sizeof json, "/tmp/mt_test_%ld_mem.json", (long)getpid());
     snprintf(svg, sizeof svg, "/tmp/mt_test_%ld_mem.svg", (long)getpid());
     snprintf(png, sizeof png, "/tmp/mt_test_%ld_mem.png", (long)getpid());
+    mt_trace_summary sm;
+    CHECK_OKC(ctx, mt_trace_summarize(ctx, tr, &sm));
+    CHECK_EQ(sm.peak, st.peak_live_bytes);
+    for (int c = 0; c < MT_MEM_COUNT; c++)
+        CHECK_EQ(sm.class_peak[c], st.per_class[c].peak_live_bytes);
+    CHECK(sm.events == n && sm.allocs > 0 && sm.frees > 0 && sm.resets > 0 && sm.failed == 0);
     CHECK_OKC(ctx, mt_trace_export_chrome(ctx, tr, &est, json));
     CHECK_OKC(ctx, mt_trace_export_svg(ctx, tr, &est, svg));
 

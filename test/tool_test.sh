@@ -89,5 +89,15 @@ expect 2 "bad flag value in a config file" -- "$tool" train --config "$tmp/bad.c
 grep -q "bad.cfg:2" "$tmp/err" || { echo "FAIL tool: config line number"; cat "$tmp/err"; fail=1; }
 expect 1 "missing config file" -- "$tool" train --config "$tmp/none.cfg"
 
+# memtrain report: the trace's peak is the run's
+expect 0 "a traced gpt run" -- "$tool" train --model gpt --steps 3 --report --trace "$tmp/g.trace"
+runpeak=$(awk '/^total/ { print $4 $5; exit }' "$tmp/out")
+expect 0 "report" -- "$tool" report "$tmp/g.trace" --svg "$tmp/r.svg" --chrome "$tmp/r.json"
+tracepeak=$(awk '/^peak/ { print $2 "MiB"; exit }' "$tmp/out")
+[ "$runpeak" = "$tracepeak" ] || { echo "FAIL tool: report peak $tracepeak, run peak $runpeak"; fail=1; }
+[ -s "$tmp/r.svg" ] && [ -s "$tmp/r.json" ] || { echo "FAIL tool: report plots"; fail=1; }
+expect 2 "report without a trace" -- "$tool" report
+expect 1 "report of a damaged trace" -- "$tool" report "$tmp/cut.trace"
+
 if [ $fail = 0 ]; then echo "ok   tool tests"; fi
 exit $fail
