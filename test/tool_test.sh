@@ -99,5 +99,13 @@ tracepeak=$(awk '/^peak/ { print $2 "MiB"; exit }' "$tmp/out")
 expect 2 "report without a trace" -- "$tool" report
 expect 1 "report of a damaged trace" -- "$tool" report "$tmp/cut.trace"
 
+# llm.c model checkpoints: export, import, export again: the same file
+expect 0 "export llm.c" -- "$tool" train --model gpt --steps 5 --no-report --export-llmc "$tmp/a.llmc"
+expect 0 "import and export llm.c" -- "$tool" train --model gpt --steps 0 --no-report --llmc "$tmp/a.llmc" --export-llmc "$tmp/b.llmc"
+cmp -s "$tmp/a.llmc" "$tmp/b.llmc" || { echo "FAIL tool: llm.c round trip"; fail=1; }
+head -c 5000 "$tmp/a.llmc" > "$tmp/cut.llmc"
+expect 1 "truncated llm.c checkpoint" -- "$tool" train --model gpt --steps 1 --llmc "$tmp/cut.llmc"
+grep -qi "truncated\|size" "$tmp/err" || { echo "FAIL tool: llm.c message"; cat "$tmp/err"; fail=1; }
+
 if [ $fail = 0 ]; then echo "ok   tool tests"; fi
 exit $fail

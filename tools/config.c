@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const flags[] = {"report", "json", "no-master", "fused", "autofit", "allow-8bit"};
+static const char *const flags[] = {"report", "no-report", "json", "no-master", "fused", "autofit", "allow-8bit"};
 
 static bool is_flag(const char *name)
 {

@@ -60,7 +60,7 @@ static void usage_train(FILE *f)
             "  --trace FILE           record every allocation to FILE (replay it later)\n"
             "  --chrome FILE          the run's memory as Chrome trace JSON (Perfetto)\n"
             "  --svg FILE             the run's memory by class as an SVG plot, peak and estimate\n"
-            "  --report               print the memory report at the end\n"
+            "  --report, --no-report  the memory report at the end (on, but not with --json)\n"
             "  --config FILE          options from FILE, a line 'name = value' each (flags: 1/0);\n"
             "                         the command line overrides it\n"
             "MLP: three interleaved spirals in the plane, 3 classes, made from the seed; SGD.\n"
@@ -81,7 +81,9 @@ static void usage_train(FILE *f)
             "  --eval-every N         validation loss every N steps (4 x --every)\n"
             "  --json                 one JSON object per step instead of progress lines\n"
             "  --save FILE            a training checkpoint at the end (and every --save-every N)\n"
-            "  --resume FILE          go on from a checkpoint (same model and settings)\n");
+            "  --resume FILE          go on from a checkpoint (same model and settings)\n"
+            "  --llmc FILE            start from an llm.c model checkpoint (fp32; its shape)\n"
+            "  --export-llmc FILE     write the trained weights as an llm.c model checkpoint\n");
 }
 
 static void usage_replay(FILE *f)
@@ -167,7 +169,7 @@ typedef struct train_opts {
     mt_optimizer_kind optimizer;
     int no_master, fused, json, constant_lr;
     mt_trainer_config rc; /* recompute settings */
-    const char *save, *resume;
+    const char *save, *resume, *llmc, *export_llmc;
     /* sample */
     int sample;
     const char *prompt;
@@ -456,8 +458,20 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
     mt_trainer *t = NULL;
     mt_estimate_report est;
     int rc = 0;
-    if (mt_model_gpt_create(ctx, &g, &m) || mt_estimate_model(m, &tc, &est) ||
-        mt_trainer_create(m, &tc, &t)) {
+    mt_status made = MT_OK;
+    if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
+        made = mt_model_gpt_load(ctx, o->llmc, &m);
+        if (!made) made = mt_model_gpt_get_spec(m, &g);
+        if (!made && (g.vocab < di.vocab || g.max_seq < (int)o->seq)) {
+            fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
+                    "at --seq %ld\n", prog, o->llmc, g.vocab, g.max_seq, di.vocab, o->seq);
+            rc = EXIT_FAIL;
+            goto done;
+        }
+    } else {
+        made = mt_model_gpt_create(ctx, &g, &m);
+    }
+    if (made || mt_estimate_model(m, &tc, &est) || mt_trainer_create(m, &tc, &t)) {
         fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
         rc = EXIT_FAIL;
         goto done;
@@ -545,6 +559,16 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
         }
     }
     if (o->save && !o->json) printf("checkpoint written to %s\n", o->save);
+    if (o->export_llmc) {
+        mt_trainer_destroy(t); /* the weights back in fp32 */
+        t = NULL;
+        if (mt_model_gpt_save(m, o->export_llmc)) {
+            fprintf(stderr, "%s: %s\n", prog, mt_last_error(ctx));
+            rc = EXIT_FAIL;
+            goto done;
+        }
+        if (!o->json) printf("llm.c model checkpoint written to %s\n", o->export_llmc);
+    }
     rc = finish_run(o, ctx, &est);
 done:
     mt_trainer_destroy(t);
@@ -557,7 +581,7 @@ static int sampling; /* cmd_sample runs cmd_train's parser in sample mode */
 
 static int cmd_train(int argc, char **argv)
 {
-    train_opts o = {.sample = sampling, .length = 200, .temperature = 0.8f,.hidden = {64, 64}, .n_hidden = 2, .act = MT_ACT_RELU, .steps = 300,
+    train_opts o = {.sample = sampling, .length = 200, .temperature = 0.8f, .report = -1,.hidden = {64, 64}, .n_hidden = 2, .act = MT_ACT_RELU, .steps = 300,
                     .batch = 64, .seed = 1, .every = 25, .lr = 0.1f, .momentum = 0.9f,
                     .device = MT_DEVICE_CPU, .allocator = "caching", .layers = 2, .heads = 4,
                     .channels = 128, .seq = 64, .optimizer = MT_OPT_ADAMW, .clip = 1.0f};
@@ -573,6 +597,8 @@ static int cmd_train(int argc, char **argv)
             return 0;
         } else if (!strcmp(a, "--report")) {
             o.report = 1, takes = 0;
+        } else if (!strcmp(a, "--no-report")) {
+            o.report = 0, takes = 0;
         } else if (!strcmp(a, "--json")) {
             o.json = 1, takes = 0;
         } else if (!strcmp(a, "--no-master")) {
@@ -665,16 +691,22 @@ static int cmd_train(int argc, char **argv)
             o.save = v;
         } else if (!strcmp(a, "--resume")) {
             o.resume = v;
+        } else if (!strcmp(a, "--llmc")) {
+            o.llmc = v;
+        } else if (!strcmp(a, "--export-llmc")) {
+            o.export_llmc = v;
         } else {
             return bad_usage("unknown option '%s'", a);
         }
         i += takes;
     }
     o.batch = batch > 0 ? batch : o.gpt ? 8 : 64;
+    if (o.report < 0) o.report = !o.json; /* the memory report unless JSON only is asked for */
     if (o.sample && (!o.gpt || !o.resume))
         return bad_usage("%s", "sample needs --model gpt and --resume FILE (a checkpoint of it)");
-    if (!o.gpt && (o.data || o.save || o.resume))
-        return bad_usage("%s", "--data, --save and --resume train a GPT (--model gpt)");
+    if (!o.gpt && (o.data || o.save || o.resume || o.llmc || o.export_llmc))
+        return bad_usage("%s", "--data, --save, --resume, --llmc and --export-llmc train a GPT "
+                               "(--model gpt)");
     if (o.gpt && !o.eval_every) o.eval_every = o.every * 4;
 
     mt_context_config cfg;
