@@ -508,8 +508,10 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
     for (long step = (long)mt_trainer_steps(t) + 1; step <= o->steps; step++) {
         mt_batch b;
         float loss;
-        double t0 = now_s();
-        if (mt_data_next(d, MT_DATA_TRAIN, &b) || mt_trainer_step(t, &b, &loss)) {
+        double t0 = now_s(), t_data = 0;
+        mt_status ds = mt_data_next(d, MT_DATA_TRAIN, &b);
+        t_data = now_s() - t0;
+        if (ds || mt_trainer_step(t, &b, &loss)) {
             fprintf(stderr, "%s: step %ld: %s\n", prog, step,
                     mt_last_error(ctx)[0] ? mt_last_error(ctx) : mt_last_error(NULL));
             rc = EXIT_FAIL;
@@ -526,10 +528,10 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
         mt_loss_scale_state ls;
         mt_trainer_get_loss_scale(t, &ls);
         if (o->json) {
-            printf("{\"step\": %ld, \"loss\": %.6f, \"lr\": %g, \"ms\": %.3f, "
+            printf("{\"step\": %ld, \"loss\": %.6f, \"lr\": %g, \"ms\": %.3f, \"data_ms\": %.4f, "
                    "\"tokens_per_s\": %.1f, \"live_bytes\": %llu, \"peak_bytes\": %llu, "
                    "\"loss_scale\": %g, \"skipped\": %llu",
-                   step, loss, (double)mt_trainer_lr(t), 1e3 * dt, tokens_per_step / dt,
+                   step, loss, (double)mt_trainer_lr(t), 1e3 * dt, 1e3 * t_data, tokens_per_step / dt,
                    (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes,
                    (double)ls.scale, (unsigned long long)ls.steps_skipped);
             if (eval) printf(", \"val_loss\": %.6f", vl);
