@@ -310,6 +310,22 @@ static mt_status check_args(const mti_kctx *k, const char *op, int B, int T, int
     return MT_OK;
 }
 
+/* A pass's workspace: per-head and per-thread scratch in one block. A dry
+ * run (lib/estimate.c) takes it and gives it back, and *dry says there is
+ * nothing more to do. */
+static mt_status att_work(const mti_kctx *k, int heads, size_t head_f, int nt, size_t thr_f,
+                          mt_block *blk, bool *dry)
+{
+    *dry = false;
+    mt_status s =
+        mti_work_alloc(k, ((size_t)heads * head_f + (size_t)nt * thr_f) * sizeof(float), blk);
+    if (!s && mti_dry(k)) {
+        mti_work_free(k, blk);
+        *dry = true;
+    }
+    return s;
+}
+
 mt_status mti_cpu_attention_fwd(const mti_kctx *k, void *out, float *lse, const void *qkv, int B,
                                 int T, int C, int H, mti_dtype dt)
 {
@@ -322,12 +338,8 @@ mt_status mti_cpu_attention_fwd(const mti_kctx *k, void *out, float *lse, const 
     const size_t head_f = fwd_head_floats(&a), thr_f = fwd_thread_floats(&a);
 
     mt_block blk;
-    s = mti_work_alloc(k, ((size_t)heads * head_f + (size_t)nt * thr_f) * sizeof(float), &blk);
-    if (s) return s;
-    if (mti_dry(k)) { /* a dry run: the workspace alone (lib/estimate.c) */
-        mti_work_free(k, &blk);
-        return MT_OK;
-    }
+    bool dry;
+    if ((s = att_work(k, heads, head_f, nt, thr_f, &blk, &dry)) || dry) return s;
     float *base = blk.ptr, *thr_base = base + (size_t)heads * head_f;
 
     if (!split) {
@@ -530,12 +542,8 @@ mt_status mti_cpu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout,
     const size_t head_f = bwd_head_floats(&a), thr_f = bwd_thread_floats(&a);
 
     mt_block blk;
-    s = mti_work_alloc(k, ((size_t)heads * head_f + (size_t)nt * thr_f) * sizeof(float), &blk);
-    if (s) return s;
-    if (mti_dry(k)) { /* a dry run: the workspace alone (lib/estimate.c) */
-        mti_work_free(k, &blk);
-        return MT_OK;
-    }
+    bool dry;
+    if ((s = att_work(k, heads, head_f, nt, thr_f, &blk, &dry)) || dry) return s;
     float *base = blk.ptr, *thr_base = base + (size_t)heads * head_f;
 
     if (!split) {
