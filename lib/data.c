@@ -241,12 +241,12 @@ mt_status mt_data_open(const mt_data_config *cfg, mt_data **out)
     if (!s) {
         shuffle(d);
         if (cfg->prefetch) {
-            if (pthread_create(&d->th, NULL, prefetch_main, d) == 0) {
-                d->thread = true;
-                d->want = true; /* the first batch */
-                d->cur = 0;
-                pthread_cond_broadcast(&d->cv);
-            }
+            /* the first batch is wanted before the thread starts, so it
+               cannot miss the request */
+            d->cur = 0;
+            d->want = true;
+            if (pthread_create(&d->th, NULL, prefetch_main, d) == 0) d->thread = true;
+            else d->want = false; /* made on demand instead */
         }
     }
     if (s) {

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "config.h"
 #include "memtrain.h"
@@ -503,6 +504,7 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
                o->resume ? "; resumed" : "");
     }
     const double tokens_per_step = (double)o->batch * (double)o->seq;
+    const bool live = !o->json && isatty(STDOUT_FILENO);
     double window = 0.0, t_window = 0.0;
     int in_window = 0;
     for (long step = (long)mt_trainer_steps(t) + 1; step <= o->steps; step++) {
@@ -536,17 +538,21 @@ static int run_gpt(const train_opts *o, mt_context *ctx)
                    (double)ls.scale, (unsigned long long)ls.steps_skipped);
             if (eval) printf(", \"val_loss\": %.6f", vl);
             printf("}\n");
-        } else if (show || eval) {
-            printf("step %6ld/%ld  loss %.4f", step, o->steps, window / in_window);
+        } else if (show || eval || live) {
+            /* on a terminal every step rewrites the line; every N steps (and
+               at each validation) it stays */
+            bool keep = show || eval;
+            printf("%sstep %6ld/%ld  loss %.4f", live ? "\r" : "", step, o->steps,
+                   window / in_window);
             if (eval) printf("  val %.4f", vl);
-            printf("  %.0f tok/s  %.1f ms/step  mem %.1f / peak %.1f MiB", tokens_per_step * in_window / t_window,
-                   1e3 * t_window / in_window, (double)ms.live_bytes / 1048576.0,
-                   (double)ms.peak_live_bytes / 1048576.0);
+            printf("  %.0f tok/s  %.1f ms/step  mem %.1f / peak %.1f MiB",
+                   tokens_per_step * in_window / t_window, 1e3 * t_window / in_window,
+                   (double)ms.live_bytes / 1048576.0, (double)ms.peak_live_bytes / 1048576.0);
             if (o->precision == MT_PREC_FP16)
                 printf("  scale %g  skipped %llu", (double)ls.scale,
                        (unsigned long long)ls.steps_skipped);
-            printf("\n");
-            window = t_window = 0.0, in_window = 0;
+            printf(keep ? "\n" : "\033[K");
+            if (keep) window = t_window = 0.0, in_window = 0;
         }
         fflush(stdout);
         if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps)) {
