@@ -23,6 +23,12 @@ void check_note(const char *file, int line, const char *what);  /* records and g
 bool check_long(void);  /* MT_TEST_LONG=1: the long variants */
 bool check_light(void); /* MT_TEST_LIGHT=1: shorter stress, for slow runs (valgrind) */
 const char *check_fake_cuda(void); /* path of the stand-in driver, or NULL */
+/* Memory that lives until the running test ends, however it ends (the
+ * runner frees it after each test): zeroed, or a copy. */
+void *check_alloc(size_t bytes);
+void *check_copy(const void *src, size_t bytes);
+/* A CPU context with `threads` kernel threads and the default allocators. */
+mt_context *check_cpu_context(int threads);
 
 #define TEST(name)                                                                          \
     static void name(void);                                                                 \

@@ -17,18 +17,7 @@
 
 enum { B = 2, T = 16, V = 256 };
 
-static mt_context *cpu_ctx_threads(int threads)
-{
-    mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CPU;
-    cc.threads = threads;
-    mt_context *ctx;
-    CHECK_OK(mt_context_create(&cc, &ctx));
-    return ctx;
-}
-
-static mt_context *cpu_ctx(void) { return cpu_ctx_threads(2); }
+static mt_context *cpu_ctx(void) { return check_cpu_context(2); }
 
 static mt_model *gpt(mt_context *ctx, uint64_t seed, int channels)
 {
@@ -327,7 +316,7 @@ TEST(checkpoint_survives_kill_during_save)
         CHECK(pid >= 0);
         if (pid == 0) { /* train and save forever, on one thread (OpenMP's pool does not
                            survive fork) */
-            mt_context *ctx = cpu_ctx_threads(1);
+            mt_context *ctx = check_cpu_context(1);
             mt_model *m = gpt(ctx, 1, 64);
             mt_trainer *t;
             if (mt_trainer_create(m, &tc, &t)) _exit(2);

@@ -14,16 +14,7 @@
 #include "golden.h"
 #include "memtrain.h"
 
-static mt_context *ctx_threads(int threads)
-{
-    mt_context_config cfg;
-    mt_context_config_init(&cfg);
-    cfg.device = MT_DEVICE_CPU;
-    cfg.threads = threads;
-    mt_context *ctx;
-    CHECK_OK(mt_context_create(&cfg, &ctx));
-    return ctx;
-}
+static mt_context *ctx_threads(int threads) { return check_cpu_context(threads); }
 
 static void golden_path(char *buf, size_t n, const char *file)
 {

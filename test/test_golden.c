@@ -86,50 +86,30 @@ _Static_assert((int)GV_F32 == (int)MTI_F32 && (int)GV_F16 == (int)MTI_F16 &&
                "the file's dtype codes are mti_dtype's");
 
 /* ------------------------------------------------------------------------ */
-/* Fixture: a CPU context, golden files, scratch memory                      */
+/* Fixture: a CPU context and golden files                                  */
 /* ------------------------------------------------------------------------ */
 
 /* What a test holds is kept here, so a CHECK that ends a test early leaks
- * nothing: the next test (and the end of this one) releases it. */
-#define MAX_SCRATCH 128
+ * nothing: the next test (and the end of this one) releases it. Scratch
+ * memory comes from check_alloc, which the runner frees after each test. */
 #define MAX_FILES 8
-static void *scratch[MAX_SCRATCH];
-static int n_scratch;
 static gv_file files[MAX_FILES];
 static int n_files;
 static mt_context *g_ctx;
 
 static void release(void)
 {
-    for (int i = 0; i < n_scratch; i++) free(scratch[i]);
-    n_scratch = 0;
     for (int i = 0; i < n_files; i++) gv_free(&files[i]);
     n_files = 0;
     if (g_ctx) mt_context_destroy(g_ctx);
     g_ctx = NULL;
 }
 
-static void *tmalloc(size_t bytes)
-{
-    CHECK(n_scratch < MAX_SCRATCH);
-    void *p = calloc(1, bytes ? bytes : 1);
-    CHECK(p != NULL);
-    scratch[n_scratch++] = p;
-    return p;
-}
-
-static void *tcopy(const void *src, size_t bytes)
-{
-    void *p = tmalloc(bytes);
-    memcpy(p, src, bytes);
-    return p;
-}
-
 /* A buffer whose every byte is 0xFF: a NaN in fp32, fp16 and bf16 alike, so
  * an output an op must overwrite but reads instead shows up. */
 static void *tnan(size_t bytes)
 {
-    void *p = tmalloc(bytes);
+    void *p = check_alloc(bytes);
     memset(p, 0xFF, bytes);
     return p;
 }
@@ -390,7 +370,8 @@ static void w_finish(wbuf *w) { w_u32(w, gv_crc32(0, w->b, w->n)); }
  * past the end is seen by AddressSanitizer or valgrind. */
 static bool try_parse(const unsigned char *b, size_t n, char *err, size_t errlen)
 {
-    unsigned char *copy = tmalloc(n);
+    unsigned char *copy = malloc(n ? n : 1);
+    CHECK(copy != NULL);
     memcpy(copy, b, n);
     gv_file f;
     bool ok = gv_parse(copy, n, &f, err, errlen);
@@ -403,7 +384,6 @@ static bool try_parse(const unsigned char *b, size_t n, char *err, size_t errlen
     }
     gv_free(&f);
     free(copy);
-    n_scratch--; /* copy was the last scratch block */
     return ok;
 }
 
@@ -531,7 +511,7 @@ TEST(golden_reader_refuses_bad_files)
     snprintf(path, sizeof path, "%s/xent_f32.gv", gv_dir());
     fp = fopen(path, "rb");
     CHECK_MSG(fp != NULL, "cannot open %s", path);
-    unsigned char *img = tmalloc(1 << 16);
+    unsigned char *img = check_alloc(1 << 16);
     size_t size = fread(img, 1, 1 << 16, fp);
     fclose(fp);
     CHECK(size > 100 && size < (1 << 16));
@@ -539,7 +519,7 @@ TEST(golden_reader_refuses_bad_files)
     size_t step = check_light() ? 7 : 1;
     for (size_t n = 0; n < size; n += step)
         CHECK_MSG(!try_parse(img, n, err, sizeof err), "truncated to %zu bytes: accepted", n);
-    unsigned char *mod = tmalloc(size);
+    unsigned char *mod = check_alloc(size);
     for (size_t i = 0; i < size - 4; i += step) {
         static const unsigned char flips[] = {0x01, 0x80, 0xFF};
         for (size_t k = 0; k < sizeof flips; k++) {
@@ -614,7 +594,7 @@ TEST(golden_casts)
     size_t n = a->numel;
     const float *in = a->data;
     const uint16_t *h_want = arr(f, "f16_out", GV_F16, n), *b_want = arr(f, "bf16_out", GV_BF16, n);
-    uint16_t *got = tmalloc(n * 2);
+    uint16_t *got = check_alloc(n * 2);
     size_t bad = 0;
 
     /* fp32 -> fp16 / bf16: the scalar definitions, then the op table */
@@ -643,7 +623,7 @@ TEST(golden_casts)
         size_t m = pa->numel;
         const uint16_t *pin = pa->data;
         const float *want = arr(f, up[u].out, GV_F32, m);
-        float *g32 = tmalloc(m * 4);
+        float *g32 = check_alloc(m * 4);
         for (size_t i = 0; i < m; i++) g32[i] = up[u].conv(pin[i]);
         bad += diff32(up[u].what, pin, g32, want, m);
         memset(g32, 0, m * 4);
@@ -653,8 +633,8 @@ TEST(golden_casts)
 
     /* all 65536 patterns, against torch's CRC of its results (NaNs made
      * 0x7FC00000 on both sides) */
-    uint16_t *all = tmalloc(65536 * 2);
-    float *all32 = tmalloc(65536 * 4);
+    uint16_t *all = check_alloc(65536 * 2);
+    float *all32 = check_alloc(65536 * 4);
     for (uint32_t p = 0; p < 65536; p++) all[p] = (uint16_t)p;
     const struct {
         const char *crc;
@@ -728,7 +708,7 @@ TEST(golden_layernorm)
         /* backward from torch's saved statistics; dx is overwritten, dw and
          * db accumulate */
         void *dx = tnan(nc * es);
-        float *dw = tmalloc((size_t)C * 4), *db = tmalloc((size_t)C * 4);
+        float *dw = check_alloc((size_t)C * 4), *db = check_alloc((size_t)C * 4);
         CHECK_OKC(g_ctx,
                   ops->layernorm_bwd(&k, dx, dw, db, dout, x, w, mean_w, rstd_w, N, C, dt, 0));
         ok &= cmp_golden(WHAT("dx"), dt, dx, f, "dx", 1, nc, TOL_OUT[dt]);
@@ -775,10 +755,10 @@ TEST(golden_gelu)
         ok &= cmp_golden(what, dt, dx, f, "dx", 1, n, TOL_OUT[dt]);
 
         /* in place (y over x, dx over dy): the same bits */
-        void *inplace = tcopy(x, n * es);
+        void *inplace = check_copy(x, n * es);
         CHECK_OKC(g_ctx, ops->gelu_fwd(&k, inplace, inplace, n, dt));
         CHECK_MSG(memcmp(inplace, y, n * es) == 0, "%s: gelu_fwd in place differs", name);
-        inplace = tcopy(dy, n * es);
+        inplace = check_copy(dy, n * es);
         CHECK_OKC(g_ctx, ops->gelu_bwd(&k, inplace, inplace, x, n, dt));
         CHECK_MSG(memcmp(inplace, dx, n * es) == 0, "%s: gelu_bwd in place differs", name);
         CHECK_MSG(ok, "%s: results differ from torch beyond tolerance", name);
@@ -857,7 +837,7 @@ TEST(golden_xent)
         ok &= cmp_golden(what, dt, dl, f, "dlogits", 1, nv, TOL_OUT[dt]);
 
         /* dlogits over logits, as the engine calls it */
-        void *inplace = tcopy(logits, nv * es);
+        void *inplace = check_copy(logits, nv * es);
         float *losses2 = tnan((size_t)N * 4);
         CHECK_OKC(g_ctx, ops->xent(&k, losses2, inplace, inplace, targets, N, V, Vp, dloss, dt));
         CHECK_MSG(memcmp(inplace, dl, nv * es) == 0, "%s: dlogits in place differ", name);
@@ -901,7 +881,7 @@ TEST(golden_matmul)
         ok &= cmp_golden(WHAT("y without bias"), dt, y, f, "y_nobias", 1, no, TOL_OUT[dt]);
 
         void *dx = tnan(ni * es);
-        float *dw = tmalloc(oi * 4), *db = tmalloc((size_t)O * 4);
+        float *dw = check_alloc(oi * 4), *db = check_alloc((size_t)O * 4);
         CHECK_OKC(g_ctx, ops->matmul_bwd(&k, dx, dw, db, dy, x, w, N, I, O, dt, 0));
         ok &= cmp_golden(WHAT("dx"), dt, dx, f, "dx", 1, ni, TOL_OUT[dt]);
         ok &= cmp_golden(WHAT("dw"), MTI_F32, dw, f, "dw", 1, oi, TOL_F32_OUT);
@@ -912,7 +892,7 @@ TEST(golden_matmul)
         ok &= cmp_golden(WHAT("db accumulated"), MTI_F32, db, f, "db", 2, (size_t)O, TOL_F32_OUT);
 
         /* each output may be left out */
-        float *dw1 = tmalloc(oi * 4), *db1 = tmalloc((size_t)O * 4);
+        float *dw1 = check_alloc(oi * 4), *db1 = check_alloc((size_t)O * 4);
         void *dx1 = tnan(ni * es);
         CHECK_OKC(g_ctx, ops->matmul_bwd(&k, NULL, dw1, NULL, dy, x, w, N, I, O, dt, 0));
         ok &= cmp_golden(WHAT("dw alone"), MTI_F32, dw1, f, "dw", 1, oi, TOL_F32_OUT);
@@ -961,7 +941,7 @@ TEST(golden_grad_scaler)
         mti_scaler s;
         mti_scaler_init(&s, scalar_f32(f, "init_scale"), scalar_f32(f, "growth_factor"),
                         scalar_f32(f, "backoff_factor"), scalar_i32(f, "growth_interval"), 1);
-        float *g = tmalloc(np * 4), *p = tmalloc(np * 4), *m = tmalloc(np * 4);
+        float *g = check_alloc(np * 4), *p = check_alloc(np * 4), *m = check_alloc(np * 4);
         bool ok = true;
         for (size_t t = 0; t < steps; t++) {
             CHECK_MSG(same_bits(s.scale, scale_used[t]), "%s step %zu: scale %.9g, torch %.9g",
@@ -1049,8 +1029,8 @@ TEST(golden_sgd)
                           .weight_decay = scalar_f32(f, KEY("weight_decay")),
                           .nesterov = scalar_i32(f, KEY("nesterov"))};
 #undef KEY
-        float *p = tmalloc(n * 4), *g = tmalloc(n * 4), *m = tmalloc(n * 4);
-        uint16_t *pc = tmalloc(n * 2);
+        float *p = check_alloc(n * 4), *g = check_alloc(n * 4), *m = check_alloc(n * 4);
+        uint16_t *pc = check_alloc(n * 2);
         for (int pass = 0; pass < 2; pass++) {
             for (size_t t = 0; t < steps; t++) {
                 /* each step from torch's state after the previous one */
@@ -1101,8 +1081,8 @@ TEST(golden_adamw)
                             .eps = scalar_f32(f, KEY("eps")),
                             .weight_decay = scalar_f32(f, KEY("weight_decay"))};
 #undef KEY
-        float *p = tmalloc(n * 4), *g = tmalloc(n * 4), *m = tmalloc(n * 4), *v = tmalloc(n * 4);
-        uint16_t *pc = tmalloc(n * 2);
+        float *p = check_alloc(n * 4), *g = check_alloc(n * 4), *m = check_alloc(n * 4), *v = check_alloc(n * 4);
+        uint16_t *pc = check_alloc(n * 2);
         for (int pass = 0; pass < 2; pass++) {
             for (size_t t = 0; t < steps; t++) {
                 memcpy(p, params + t * n, n * 4);

@@ -62,12 +62,53 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Runs one test; false if a CHECK ended it. */
+/* The running test's scratch memory (check_alloc). */
+static void **held;
+static size_t n_held, cap_held;
+
+void *check_alloc(size_t bytes)
+{
+    if (n_held == cap_held) {
+        size_t cap = cap_held ? cap_held * 2 : 64;
+        void **h = realloc(held, cap * sizeof *h);
+        CHECK(h != NULL);
+        held = h, cap_held = cap;
+    }
+    void *p = calloc(1, bytes ? bytes : 1);
+    CHECK(p != NULL);
+    held[n_held++] = p;
+    return p;
+}
+
+void *check_copy(const void *src, size_t bytes)
+{
+    void *p = check_alloc(bytes);
+    if (bytes) memcpy(p, src, bytes);
+    return p;
+}
+
+mt_context *check_cpu_context(int threads)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CPU;
+    cfg.threads = threads;
+    mt_context *ctx = NULL;
+    CHECK_OK(mt_context_create(&cfg, &ctx));
+    return ctx;
+}
+
+/* Runs one test; false if a CHECK ended it. Its scratch memory goes after. */
 static bool run_one(check_fn fn)
 {
-    if (setjmp(jump) != 0) return false;
-    fn();
-    return true;
+    bool ok = false;
+    if (setjmp(jump) == 0) {
+        fn();
+        ok = true;
+    }
+    for (size_t i = 0; i < n_held; i++) free(held[i]);
+    n_held = 0;
+    return ok;
 }
 
 int main(int argc, char **argv)

@@ -44,38 +44,17 @@
 
 /* ---- per-test resources, released by the next setup ---- */
 
-#define MAX_SCRATCH 64
-static void *scratch[MAX_SCRATCH];
-static int n_scratch;
 static gv_file gfile;
 static int have_file;
 static mt_context *g_ctx;
 
 static void release(void)
 {
-    for (int i = 0; i < n_scratch; i++) free(scratch[i]);
-    n_scratch = 0;
     if (have_file) gv_free(&gfile);
     have_file = 0;
     if (g_ctx) mt_context_destroy(g_ctx);
     g_ctx = NULL;
     mti_cpu_set_threads(2);
-}
-
-static void *tmalloc(size_t bytes)
-{
-    CHECK(n_scratch < MAX_SCRATCH);
-    void *p = calloc(1, bytes ? bytes : 1);
-    CHECK(p != NULL);
-    scratch[n_scratch++] = p;
-    return p;
-}
-
-static void *tcopy(const void *src, size_t bytes)
-{
-    void *p = tmalloc(bytes);
-    memcpy(p, src, bytes);
-    return p;
 }
 
 /* A fresh CPU context (2 threads) and its kernel context. */
@@ -231,8 +210,8 @@ static void a8_load(int c, int steps, a8_case *k)
                             .weight_decay = getf(KEY(c, "wd")), .grad_scale = getf(KEY(c, "gs"))};
     float gscale = getf(KEY(c, "gscale"));
     size_t n = k->n;
-    k->p0 = tmalloc(n * 4);
-    k->grads = tmalloc((size_t)steps * n * 4);
+    k->p0 = check_alloc(n * 4);
+    k->grads = check_alloc((size_t)steps * n * 4);
     urand(k->p0, seed, 0, n);
     for (int s = 0; s < steps; s++) make_grads(k->grads + (size_t)s * n, seed, s, n, gscale);
     const gv_array *zb = arr_any(KEY(c, "zero_blocks"));
@@ -291,8 +270,8 @@ TEST(optim_adamw8_golden)
         /* two fresh states: ours (zero codes) and bitsandbytes' (zeroed
          * bytes); they decode alike, so the runs must agree bit for bit */
         for (int init = 0; init < 2; init++) {
-            float *p = tcopy(cs.p0, n * 4), *am = tmalloc(nb * 4), *av = tmalloc(nb * 4);
-            uint8_t *qm = tmalloc(n), *qv = tmalloc(n);
+            float *p = check_copy(cs.p0, n * 4), *am = check_alloc(nb * 4), *av = check_alloc(nb * 4);
+            uint8_t *qm = check_alloc(n), *qv = check_alloc(n);
             memset(qm, init ? 0 : mti_q8_zero_code(1), n);
             memset(qv, mti_q8_zero_code(0), n);
             size_t si = 0;
@@ -332,7 +311,7 @@ typedef struct a8_state {
 static a8_state a8_fresh(const float *p0, size_t n)
 {
     size_t nb = (n + MTI_Q8_BLOCK - 1) / MTI_Q8_BLOCK;
-    a8_state s = {tcopy(p0, n * 4), tmalloc(nb * 4), tmalloc(nb * 4), tmalloc(n), tmalloc(n)};
+    a8_state s = {check_copy(p0, n * 4), check_alloc(nb * 4), check_alloc(nb * 4), check_alloc(n), check_alloc(n)};
     memset(s.qm, mti_q8_zero_code(1), n);
     memset(s.qv, mti_q8_zero_code(0), n);
     return s;
@@ -359,7 +338,7 @@ TEST(optim_adamw8_behaviour)
     /* more than MTI_CPU_PAR_MIN elements, so the parallel loop runs; a
      * partial last block */
     const size_t n = 3 * 16384 + 77;
-    float *p0 = tmalloc(n * 4), *g = tmalloc(n * 4);
+    float *p0 = check_alloc(n * 4), *g = check_alloc(n * 4);
     urand(p0, 7, 0, n);
     mti_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                         .weight_decay = 0.01f, .grad_scale = 1.0f};
@@ -379,7 +358,7 @@ TEST(optim_adamw8_behaviour)
     /* grad_scale: gradients times a power of two, unscaled by the op, give
      * the same bits; the compute copy is p rounded to nearest even */
     a8_state s3 = a8_fresh(p0, n);
-    uint16_t *pc = tmalloc(n * 2);
+    uint16_t *pc = check_alloc(n * 2);
     for (int t = 1; t <= 3; t++) {
         make_grads(g, 7, t - 1, n, 0.01f);
         for (size_t i = 0; i < n; i++) g[i] *= 4096.0f;
@@ -395,7 +374,7 @@ TEST(optim_adamw8_behaviour)
      * (the zero codes), and the rest of its block steps as usual */
     const size_t m = 600;
     a8_state s4 = a8_fresh(p0, m);
-    float *before = tmalloc(m * 4);
+    float *before = check_alloc(m * 4);
     for (int t = 1; t <= 2; t++) {
         make_grads(g, 9, t - 1, m, 0.1f);
         g[5] = NAN;
@@ -459,9 +438,9 @@ TEST(optim_adafactor_golden)
             .relative_step = geti(KEY(c, "relative_step")),
             .warmup_init = geti(KEY(c, "warmup_init")), .grad_scale = 1.0f};
         const float *want_p = arr(KEY(c, "params"), GV_F32, sv->numel * n);
-        float *p0 = tmalloc(n * 4), *p = tmalloc(n * 4), *g = tmalloc(n * 4);
-        float *row = tmalloc((size_t)rows * 4), *col = tmalloc((size_t)cols * 4);
-        float *v = tmalloc(n * 4), *m = tmalloc(n * 4);
+        float *p0 = check_alloc(n * 4), *p = check_alloc(n * 4), *g = check_alloc(n * 4);
+        float *row = check_alloc((size_t)rows * 4), *col = check_alloc((size_t)cols * 4);
+        float *v = check_alloc(n * 4), *m = check_alloc(n * 4);
         urand(p0, seed, 0, n);
         memcpy(p, p0, n * 4);
         size_t si = 0;
@@ -532,13 +511,13 @@ TEST(optim_adafactor_behaviour)
     /* a matrix past MTI_CPU_PAR_MIN, with partial tiles both ways */
     const int64_t rows = 300, cols = 263;
     const size_t n = (size_t)(rows * cols);
-    float *p0 = tmalloc(n * 4), *g = tmalloc(n * 4);
+    float *p0 = check_alloc(n * 4), *g = check_alloc(n * 4);
     urand(p0, 11, 0, n);
     float *p[2], *row[2], *col[2], *v[2], *m[2];
-    uint16_t *pc = tmalloc(n * 2);
+    uint16_t *pc = check_alloc(n * 2);
     for (int i = 0; i < 2; i++) {
-        p[i] = tmalloc(n * 4), row[i] = tmalloc((size_t)rows * 4), col[i] = tmalloc((size_t)cols * 4);
-        v[i] = tmalloc(n * 4), m[i] = tmalloc(n * 4);
+        p[i] = check_alloc(n * 4), row[i] = check_alloc((size_t)rows * 4), col[i] = check_alloc((size_t)cols * 4);
+        v[i] = check_alloc(n * 4), m[i] = check_alloc(n * 4);
     }
     mti_adafactor_args a = {.eps1 = 1e-30f, .eps2 = 1e-3f, .clip_threshold = 1.0f,
                             .decay_rate = -0.8f, .beta1 = 0.9f, .weight_decay = 0.01f,
