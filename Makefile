@@ -52,7 +52,7 @@ TEST_SRC := $(wildcard test/*.c)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/examples/custom_allocator_lib.o
 TEST_BIN := $(BUILD)/mt_tests
 FAKE_CUDA := $(BUILD)/libfakecuda.so
-EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator
+EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/examples/plan_memory
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
@@ -187,6 +187,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS)
 	  $(BUILD)/fuzz/$$t test/fuzz/$$t/* || exit 1; done
 	$(BUILD)/examples/embed > /dev/null
 	$(BUILD)/examples/custom_allocator > /dev/null
+	$(BUILD)/examples/plan_memory > /dev/null
 	./test/tool_test.sh $(TOOL)
 	./test/api_doc_test.sh
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
