@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "internal.h"
+#include "livemap.h"
 
 #define TRACE_MAGIC "MTTRACE\0"
 #define TRACE_VERSION 1u
@@ -177,131 +178,11 @@ mt_status mt_trace_save(mt_context *ctx, const mt_trace *t, const char *path)
     return s;
 }
 
-/* ---- a map of live blocks by (instance, id), for validation and replay ---- */
-
-typedef struct live_rec {
-    uint64_t key;     /* instance << 56 | id */
-    uint8_t lifetime;
-    uint8_t instance;
-    bool failed;      /* replay: the allocator refused it */
-    mt_block blk;
-} live_rec;
-
-/* Open addressing; a slot's state is in idx, never in the key, so every
- * 64-bit key is usable: idx 0 is an empty slot, SLOT_GONE a deleted one,
- * anything else the record's index + 1. */
-#define SLOT_GONE SIZE_MAX
-
-typedef struct live_map {
-    uint64_t *keys;
-    size_t *idx;
-    size_t cap, used; /* used: slots not empty (deleted ones included) */
-    live_rec *recs;
-    size_t n, cap_recs;
-} live_map;
-
-/* Ids are checked to be below 2^56 (validate), so the key is unique. */
-static uint64_t key_of(const mt_trace_event *e)
-{
-    return ((uint64_t)e->instance << 56) | e->id;
-}
-
-static size_t slot_of(uint64_t k, size_t cap)
-{
-    return (size_t)((k * 0x9E3779B97F4A7C15ull) >> 17) & (cap - 1);
-}
-
-static void map_free(live_map *m)
-{
-    free(m->keys);
-    free(m->idx);
-    free(m->recs);
-}
-
-static bool map_rehash(live_map *m, size_t ncap)
-{
-    uint64_t *nk = malloc(ncap * sizeof *nk);
-    size_t *ni = calloc(ncap, sizeof *ni);
-    if (!nk || !ni) {
-        free(nk);
-        free(ni);
-        return false;
-    }
-    for (size_t r = 0; r < m->n; r++) {
-        size_t j = slot_of(m->recs[r].key, ncap);
-        while (ni[j]) j = (j + 1) & (ncap - 1);
-        nk[j] = m->recs[r].key;
-        ni[j] = r + 1;
-    }
-    free(m->keys);
-    free(m->idx);
-    m->keys = nk;
-    m->idx = ni;
-    m->cap = ncap;
-    m->used = m->n;
-    return true;
-}
-
-/* The slot holding key k, or SIZE_MAX. */
-static size_t map_slot(const live_map *m, uint64_t k)
-{
-    if (!m->cap) return SIZE_MAX;
-    size_t j = slot_of(k, m->cap);
-    while (m->idx[j]) {
-        if (m->idx[j] != SLOT_GONE && m->keys[j] == k) return j;
-        j = (j + 1) & (m->cap - 1);
-    }
-    return SIZE_MAX;
-}
-
-/* The index of the live record with key k, or SIZE_MAX. */
-static size_t map_find(const live_map *m, uint64_t k)
-{
-    size_t j = map_slot(m, k);
-    return j == SIZE_MAX ? SIZE_MAX : m->idx[j] - 1;
-}
-
-static bool map_insert(live_map *m, const live_rec *r)
-{
-    if ((m->used + 1) * 2 > m->cap) {
-        /* grow for the live records; rehashing also clears deleted slots */
-        size_t ncap = 1024;
-        while ((m->n + 1) * 4 > ncap) ncap *= 2;
-        if (!map_rehash(m, ncap)) return false;
-    }
-    if (m->n == m->cap_recs) {
-        size_t nc = m->cap_recs ? 2 * m->cap_recs : 1024;
-        live_rec *nr = realloc(m->recs, nc * sizeof *nr);
-        if (!nr) return false;
-        m->recs = nr;
-        m->cap_recs = nc;
-    }
-    size_t j = slot_of(r->key, m->cap);
-    while (m->idx[j] && m->idx[j] != SLOT_GONE) j = (j + 1) & (m->cap - 1);
-    if (!m->idx[j]) m->used++;
-    m->keys[j] = r->key;
-    m->idx[j] = m->n + 1;
-    m->recs[m->n++] = *r;
-    return true;
-}
-
-/* Removes record r, which is live (swap with the last). */
-static void map_remove_rec(live_map *m, size_t r)
-{
-    size_t last = m->n - 1;
-    m->idx[map_slot(m, m->recs[r].key)] = SLOT_GONE;
-    if (r != last) {
-        m->recs[r] = m->recs[last];
-        m->idx[map_slot(m, m->recs[r].key)] = r + 1;
-    }
-    m->n--;
-}
-
 /* ---- validation ---- */
 
 static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
 {
-    live_map m = {0};
+    mti_live_map m = {0};
     mt_status s = MT_OK;
     for (size_t i = 0; i < n && !s; i++) {
         const mt_trace_event *e = &ev[i];
@@ -322,23 +203,23 @@ static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
                              "bytes", i, (unsigned long long)e->id, (unsigned long long)e->bytes);
                 break;
             }
-            if (map_find(&m, key_of(e)) != SIZE_MAX) {
+            if (mti_live_find(&m, mti_live_key(e)) != SIZE_MAX) {
                 s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: block %llu allocated twice", i,
                              (unsigned long long)e->id);
                 break;
             }
-            if (!map_insert(&m, &(live_rec){.key = key_of(e), .lifetime = e->lifetime,
+            if (!mti_live_insert(&m, &(mti_live_rec){.key = mti_live_key(e), .lifetime = e->lifetime,
                                             .instance = e->instance}))
                 s = mti_fail(ctx, MT_ERR_OOM, "out of host memory checking a trace");
             break;
         case MT_TRACE_FREE: {
-            size_t r = e->id < ((uint64_t)1 << 56) ? map_find(&m, key_of(e)) : SIZE_MAX;
+            size_t r = e->id < ((uint64_t)1 << 56) ? mti_live_find(&m, mti_live_key(e)) : SIZE_MAX;
             if (r == SIZE_MAX) {
                 s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: free of block %llu, which is "
                              "not live", i, (unsigned long long)e->id);
                 break;
             }
-            map_remove_rec(&m, r);
+            mti_live_remove(&m, r);
             break;
         }
         case MT_TRACE_RESET:
@@ -348,14 +229,14 @@ static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
             }
             for (size_t r = m.n; r-- > 0;)
                 if (m.recs[r].instance == e->instance && m.recs[r].lifetime >= e->scope)
-                    map_remove_rec(&m, r);
+                    mti_live_remove(&m, r);
             break;
         case MT_TRACE_TRIM: break;
         default:
             s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: unknown operation %u", i, e->op);
         }
     }
-    map_free(&m);
+    mti_live_free(&m);
     return s;
 }
 
@@ -448,14 +329,14 @@ const mt_trace_event *mt_trace_get_events(const mt_trace *t) { return t ? t->eve
 
 /* ---- replay ---- */
 
-static mt_status replay_free(live_map *m, size_t r, mt_allocator *a, mt_replay_result *res)
+static mt_status replay_free(mti_live_map *m, size_t r, mt_allocator *a, mt_replay_result *res)
 {
     mt_status s = MT_OK;
     if (!m->recs[r].failed) {
         s = mt_free(a, &m->recs[r].blk);
         if (!s) res->n_free++;
     }
-    map_remove_rec(m, r);
+    mti_live_remove(m, r);
     return s;
 }
 
@@ -466,7 +347,7 @@ mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *
                         !t ? "t" : !a ? "a" : "res");
     memset(res, 0, sizeof *res);
     mti_allocator_reset_peak(a);
-    live_map m = {0};
+    mti_live_map m = {0};
     size_t n = trace_count(t);
     mt_status s = MT_OK;
     uint64_t t0 = mti_now_ns();
@@ -481,16 +362,16 @@ mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *
                                     .lifetime = (mt_lifetime)e->lifetime,
                                     .flags = e->flags,
                                     .tag = e->tag};
-            live_rec rec = {.key = key_of(e), .lifetime = e->lifetime, .instance = e->instance};
+            mti_live_rec rec = {.key = mti_live_key(e), .lifetime = e->lifetime, .instance = e->instance};
             mt_status as = mt_alloc(a, &req, &rec.blk);
             if (as == MT_OK) res->n_alloc++;
             else if (as == MT_ERR_OOM) rec.failed = true, res->n_failed++;
             else s = as;
-            if (!s && !map_insert(&m, &rec)) s = mti_fail(a->ctx, MT_ERR_OOM, "replay: out of host memory");
+            if (!s && !mti_live_insert(&m, &rec)) s = mti_fail(a->ctx, MT_ERR_OOM, "replay: out of host memory");
             break;
         }
         case MT_TRACE_FREE: {
-            size_t r = map_find(&m, key_of(e));
+            size_t r = mti_live_find(&m, mti_live_key(e));
             if (r != SIZE_MAX) s = replay_free(&m, r, a, res);
             break;
         }
@@ -515,7 +396,7 @@ mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *
         if (!s) s = fs;
     }
     res->seconds = (double)(mti_now_ns() - t0) * 1e-9;
-    map_free(&m);
+    mti_live_free(&m);
     mt_allocator_stats st;
     mt_allocator_get_stats(a, &st);
     res->peak_live_bytes = st.peak_live_bytes;

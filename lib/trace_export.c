@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "livemap.h"
 
 /* ---- a growable text buffer ---- */
 
@@ -52,95 +53,45 @@ static void MTI_PRINTF(2, 3) tb_printf(tbuf *b, const char *fmt, ...)
 
 /* ---- live blocks and the timeline ---- */
 
-typedef struct live_block {
-    uint64_t key; /* (instance << 56) | id; 0 = empty */
-    uint64_t bytes, t_ns, tag;
-    uint8_t mem_class, lifetime;
-} live_block;
-
+/* The live blocks (the trace map of livemap.h) and each class's live bytes. */
 typedef struct walker {
-    live_block *tab;
-    size_t cap, n;
+    mti_live_map map;
     uint64_t live[MT_MEM_COUNT];
     bool oom;
 } walker;
 
-static uint64_t key_of(const mt_trace_event *e) { return ((uint64_t)e->instance << 56) | e->id; }
-
-static size_t slot_of(const walker *w, uint64_t key)
-{
-    size_t i = (size_t)(key * 0x9E3779B97F4A7C15ull) & (w->cap - 1);
-    while (w->tab[i].key && w->tab[i].key != key) i = (i + 1) & (w->cap - 1);
-    return i;
-}
-
-static bool grow(walker *w)
-{
-    size_t cap = w->cap ? w->cap * 2 : 1024;
-    live_block *old = w->tab;
-    size_t ocap = w->cap;
-    w->tab = calloc(cap, sizeof *w->tab);
-    if (!w->tab) {
-        w->tab = old;
-        return false;
-    }
-    w->cap = cap;
-    for (size_t i = 0; i < ocap; i++)
-        if (old[i].key) w->tab[slot_of(w, old[i].key)] = old[i];
-    free(old);
-    return true;
-}
-
-/* Removes slot i, moving later entries of its probe run back. */
-static void remove_at(walker *w, size_t i)
-{
-    w->tab[i].key = 0;
-    w->n--;
-    for (size_t j = (i + 1) & (w->cap - 1); w->tab[j].key; j = (j + 1) & (w->cap - 1)) {
-        live_block b = w->tab[j];
-        w->tab[j].key = 0;
-        w->tab[slot_of(w, b.key)] = b;
-    }
-}
-
 /* What a block's end calls: the Chrome writer closes its slice. */
-typedef void (*end_fn)(void *user, const live_block *b, uint64_t t_ns);
+typedef void (*end_fn)(void *user, const mti_live_rec *b, uint64_t t_ns);
 
-/* Applies one event; blocks that end go to on_end (may be NULL). Returns
- * the block an ALLOC made (for its start), or NULL. */
-static const live_block *apply(walker *w, const mt_trace_event *e, end_fn on_end, void *user)
+static void end_block(walker *w, size_t r, end_fn on_end, void *user, uint64_t t_ns)
 {
-    if (e->op == MT_TRACE_ALLOC && e->id) {
-        if ((w->n + 1) * 2 > w->cap && !grow(w)) {
+    const mti_live_rec *b = &w->map.recs[r];
+    if (on_end) on_end(user, b, t_ns);
+    w->live[b->blk.mem_class] -= b->blk.bytes;
+    mti_live_remove(&w->map, r);
+}
+
+/* Applies one event (of a validated trace); blocks that end go to on_end
+ * (may be NULL). Returns the block an ALLOC made (for its start), or NULL. */
+static const mti_live_rec *apply(walker *w, const mt_trace_event *e, end_fn on_end, void *user)
+{
+    if (e->op == MT_TRACE_ALLOC) {
+        mti_live_rec r = {.key = mti_live_key(e), .lifetime = e->lifetime, .instance = e->instance,
+                          .blk = {.bytes = e->bytes, .mem_class = (mt_mem_class)e->mem_class}};
+        if (!mti_live_insert(&w->map, &r)) {
             w->oom = true;
             return NULL;
         }
-        size_t i = slot_of(w, key_of(e));
-        if (!w->tab[i].key) w->n++;
-        else w->live[w->tab[i].mem_class] -= w->tab[i].bytes;
-        w->tab[i] = (live_block){key_of(e), e->bytes, e->t_ns, e->tag, e->mem_class, e->lifetime};
-        if (e->mem_class < MT_MEM_COUNT) w->live[e->mem_class] += e->bytes;
-        return &w->tab[i];
+        w->live[e->mem_class] += e->bytes;
+        return &w->map.recs[w->map.n - 1];
     }
-    if (e->op == MT_TRACE_FREE && w->cap) {
-        size_t i = slot_of(w, key_of(e));
-        if (!w->tab[i].key) return NULL; /* allocated before the trace began */
-        if (on_end) on_end(user, &w->tab[i], e->t_ns);
-        w->live[w->tab[i].mem_class] -= w->tab[i].bytes;
-        remove_at(w, i);
-        return NULL;
-    }
-    if (e->op == MT_TRACE_RESET && w->cap) {
-        for (size_t i = 0; i < w->cap;) {
-            live_block *b = &w->tab[i];
-            if (b->key && (b->key >> 56) == e->instance && b->lifetime >= e->scope) {
-                if (on_end) on_end(user, b, e->t_ns);
-                w->live[b->mem_class] -= b->bytes;
-                remove_at(w, i); /* a later entry may have moved here: look again */
-            } else {
-                i++;
-            }
-        }
+    if (e->op == MT_TRACE_FREE) {
+        size_t r = mti_live_find(&w->map, mti_live_key(e));
+        if (r != SIZE_MAX) end_block(w, r, on_end, user, e->t_ns);
+    } else if (e->op == MT_TRACE_RESET) {
+        for (size_t r = w->map.n; r-- > 0;)
+            if (w->map.recs[r].instance == e->instance && w->map.recs[r].lifetime >= e->scope)
+                end_block(w, r, on_end, user, e->t_ns);
     }
     return NULL;
 }
@@ -167,11 +118,12 @@ static mt_status write_out(mt_context *ctx, const char *path, tbuf *b, const cha
     return s;
 }
 
-static size_t events_of(const mt_trace *t, const mt_trace_event **ev)
+static size_t events_of(const mt_trace *t, const mt_trace_event **ev, uint64_t *dropped)
 {
-    size_t n = atomic_load(&((mt_trace *)t)->n);
-    *ev = t->events;
-    return n < t->capacity ? n : t->capacity;
+    size_t n = 0;
+    mt_trace_info(t, &n, dropped);
+    *ev = mt_trace_get_events(t);
+    return n;
 }
 
 /* ---- Chrome trace JSON ---- */
@@ -181,14 +133,14 @@ static const char *life_name(int l)
     return l == MT_LIFE_PERSISTENT ? "persistent" : l == MT_LIFE_STEP ? "step" : "phase";
 }
 
-static void chrome_end(void *user, const live_block *b, uint64_t t_ns)
+static void chrome_end(void *user, const mti_live_rec *b, uint64_t t_ns)
 {
     tbuf *o = user;
     tb_printf(o,
               ",\n{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"e\",\"id\":\"0x%" PRIx64
               "\",\"pid\":1,\"tid\":%d,\"ts\":%.3f}",
-              mt_mem_class_name((mt_mem_class)b->mem_class),
-              mt_mem_class_name((mt_mem_class)b->mem_class), b->key, 2 + b->mem_class,
+              mt_mem_class_name(b->blk.mem_class), mt_mem_class_name(b->blk.mem_class), b->key,
+              2 + (int)b->blk.mem_class,
               (double)t_ns / 1e3);
 }
 
@@ -209,12 +161,13 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_export_chrome: %s is NULL",
                         !t ? "the trace" : "path");
     const mt_trace_event *ev;
-    size_t n = events_of(t, &ev);
+    uint64_t dropped;
+    size_t n = events_of(t, &ev, &dropped);
     tbuf o = {0};
     walker w = {0};
     tb_printf(&o, "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"generator\":\"memtrain %s\","
                   "\"events\":%zu,\"dropped\":%" PRIu64 "},\n\"traceEvents\":[\n",
-              mt_version(), n, (uint64_t)atomic_load(&((mt_trace *)t)->dropped));
+              mt_version(), n, dropped);
     tb_printf(&o, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":1,"
                   "\"args\":{\"name\":\"memtrain memory\"}}");
     for (int c = 0; c < MT_MEM_COUNT; c++)
@@ -225,7 +178,7 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
     chrome_counter(&o, "live bytes", n ? ev[0].t_ns : 0, zero);
     for (size_t i = 0; i < n && !w.oom; i++) {
         const mt_trace_event *e = &ev[i];
-        const live_block *b = apply(&w, e, chrome_end, &o);
+        const mti_live_rec *b = apply(&w, e, chrome_end, &o);
         last_ns = e->t_ns;
         if (b)
             tb_printf(&o,
@@ -260,7 +213,7 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
                       est->peak_reserved);
     }
     tb_printf(&o, "\n]}\n");
-    free(w.tab);
+    mti_live_free(&w.map);
     if (w.oom) o.oom = true;
     return write_out(ctx, path, &o, "mt_trace_export_chrome");
 }
@@ -293,7 +246,7 @@ mt_status mt_trace_export_svg(mt_context *ctx, const mt_trace *t, const mt_estim
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trace_export_svg: %s is NULL",
                         !t ? "the trace" : "path");
     const mt_trace_event *ev;
-    size_t n = events_of(t, &ev);
+    size_t n = events_of(t, &ev, NULL);
     /* per pixel column, the moment with the most live bytes (peaks survive
        the downsampling), and the overall peak */
     enum { COLS = PLOT_X1 - PLOT_X0 };
@@ -321,7 +274,7 @@ mt_status mt_trace_export_svg(mt_context *ctx, const mt_trace *t, const mt_estim
             memcpy(peak_live, w.live, sizeof w.live);
         }
     }
-    free(w.tab);
+    mti_live_free(&w.map);
     if (w.oom) {
         free(cols);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trace_export_svg: out of host memory");
@@ -426,7 +379,7 @@ mt_status mt_trace_summarize(mt_context *ctx, const mt_trace *t, mt_trace_summar
                         !t ? "the trace" : "out");
     memset(out, 0, sizeof *out);
     const mt_trace_event *ev;
-    size_t n = events_of(t, &ev);
+    size_t n = events_of(t, &ev, &out->dropped);
     walker w = {0};
     for (size_t i = 0; i < n && !w.oom; i++) {
         const mt_trace_event *e = &ev[i];
@@ -447,10 +400,9 @@ mt_status mt_trace_summarize(mt_context *ctx, const mt_trace *t, mt_trace_summar
             memcpy(out->at_peak, w.live, sizeof w.live);
         }
     }
-    free(w.tab);
+    mti_live_free(&w.map);
     if (w.oom) return mti_fail(ctx, MT_ERR_OOM, "mt_trace_summarize: out of host memory");
     out->events = n;
-    out->dropped = (uint64_t)atomic_load(&((mt_trace *)t)->dropped);
     out->span_ns = n ? ev[n - 1].t_ns - ev[0].t_ns : 0;
     return MT_OK;
 }
