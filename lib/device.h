@@ -54,6 +54,8 @@ struct mti_device {
 
 /* Opens the host device. */
 mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out);
+/* The host device's alignment and granularity, into d. */
+void mti_cpu_geometry(mti_device *d);
 /* What the host device grants for a reservation of bytes at alignment. */
 size_t mti_cpu_granted(size_t bytes, size_t alignment);
 /* A device with no memory behind it, with the geometry of the host device

@@ -38,6 +38,13 @@ static int cpu_flags(const cpu_impl *c, size_t alignment)
     return MALLOCX_ARENA(c->arena) | MALLOCX_TCACHE_NONE | MALLOCX_ALIGN(alignment);
 }
 
+void mti_cpu_geometry(mti_device *d)
+{
+    d->min_alignment = MT_DEFAULT_ALIGNMENT;
+    long psz = sysconf(_SC_PAGESIZE);
+    d->granularity = psz > 0 ? (size_t)psz : CPU_PAGE;
+}
+
 size_t mti_cpu_granted(size_t bytes, size_t alignment)
 {
     return bytes >= CPU_LARGE_MIN ? mti_align_up(bytes, CPU_PAGE)
@@ -195,9 +202,7 @@ mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out)
     d->kind = MT_DEVICE_CPU;
     d->ordinal = 0;
     snprintf(d->name, sizeof d->name, "CPU (%d threads)", threads);
-    d->min_alignment = MT_DEFAULT_ALIGNMENT;
-    long psz = sysconf(_SC_PAGESIZE);
-    d->granularity = psz > 0 ? (size_t)psz : CPU_PAGE;
+    mti_cpu_geometry(d);
     d->ctx = ctx;
     d->impl = c;
     d->mem_reserve = cpu_reserve;

@@ -24,7 +24,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "../kernels/cpu/cpu_ops.h"
 #include "device.h"
@@ -139,9 +138,7 @@ mt_status mti_device_dry_open(mt_context *ctx, int threads, mti_device **out)
     di->next = DRY_BASE;
     d->kind = MT_DEVICE_CPU;
     snprintf(d->name, sizeof d->name, "CPU (%d threads, estimate)", threads);
-    d->min_alignment = MT_DEFAULT_ALIGNMENT;
-    long psz = sysconf(_SC_PAGESIZE);
-    d->granularity = psz > 0 ? (size_t)psz : 4096;
+    mti_cpu_geometry(d); /* as the host device */
     d->total_bytes = (size_t)1 << 46; /* no limit but the configuration's */
     d->ctx = ctx;
     d->impl = di;
