@@ -62,6 +62,7 @@
 #include <unistd.h>
 
 #include <memtrain.h>
+#include "common.h"
 
 #define TOKENS_MAGIC 20240520
 #define TOKENS_VERSION 1
@@ -99,30 +100,11 @@ static void die_status(mt_context *ctx, const char *what, mt_status s)
     exit(1);
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static double rss_max_mib(void)
 {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return (double)ru.ru_maxrss / 1024.0; /* KiB on Linux */
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static uint64_t rng_state;

@@ -35,17 +35,11 @@
 #include "internal.h"
 #include "kernels.h"
 #include "../kernels/cpu/vecmath.h"
+#include "common.h"
 
 static bool quick;
 static mt_context *ctx;
 static mti_kctx K;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static float frand(void) /* uniform in [-1, 1) */
@@ -54,18 +48,6 @@ static float frand(void) /* uniform in [-1, 1) */
     rng_state ^= rng_state >> 7;
     rng_state ^= rng_state << 17;
     return (float)((double)(rng_state >> 11) / 4503599627370496.0 - 1.0);
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static void die(const char *what, mt_status s)

@@ -31,17 +31,11 @@
 #include <unistd.h>
 
 #include "memtrain.h"
+#include "common.h"
 
 static bool quick;
 static int threads = 0;
 static const char *sections = "abc";
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static double mib(uint64_t b) { return (double)b / 1048576.0; }
 
@@ -249,18 +243,6 @@ static void runner_close(runner *r)
     free(r->ids);
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* One run of cfg (or of the budget policy at budget, when budget > 0)
    beside the baseline, in turns: median ms/step of each. */
 typedef struct side {
@@ -352,8 +334,8 @@ static void budget_vs_fixed(void)
     {
         mt_trainer_config tc = none;
         tc.recompute = MT_RECOMPUTE_BUDGET, tc.memory_budget = 1;
-        mt_context *ctx;
-        mt_model *m;
+        mt_context *ctx = NULL;
+        mt_model *m = NULL;
         mt_trainer *t;
         if ((s = mt_context_create(&cc, &ctx)) || (s = mt_model_gpt_create(ctx, &g, &m)))
             die(NULL, "setup", s);
