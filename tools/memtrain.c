@@ -132,6 +132,42 @@ static int parse_device(const char *s, mt_device_kind *out)
     return 0;
 }
 
+static int parse_recompute(const char *v, mt_trainer_config *tc)
+{
+    if (!strcmp(v, "none")) tc->recompute = MT_RECOMPUTE_NONE;
+    else if (!strcmp(v, "selective")) tc->recompute = MT_RECOMPUTE_SELECTIVE;
+    else if (!strcmp(v, "sqrt")) tc->recompute = MT_RECOMPUTE_SQRT;
+    else if (!strcmp(v, "budget")) tc->recompute = MT_RECOMPUTE_BUDGET;
+    else if (!strncmp(v, "every:", 6)) {
+        long k;
+        if (parse_long(v + 6, 1, 1 << 20, &k)) return -1;
+        tc->recompute = MT_RECOMPUTE_EVERY_K;
+        tc->recompute_every = (int)k;
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_precision(const char *v, mt_precision *out)
+{
+    if (!strcmp(v, "fp32")) *out = MT_PREC_FP32;
+    else if (!strcmp(v, "fp16")) *out = MT_PREC_FP16;
+    else if (!strcmp(v, "bf16")) *out = MT_PREC_BF16;
+    else return -1;
+    return 0;
+}
+
+static int parse_optimizer(const char *v, mt_optimizer_kind *out)
+{
+    if (!strcmp(v, "sgd")) *out = MT_OPT_SGD;
+    else if (!strcmp(v, "adamw")) *out = MT_OPT_ADAMW;
+    else if (!strcmp(v, "adamw8")) *out = MT_OPT_ADAMW8;
+    else if (!strcmp(v, "adafactor")) *out = MT_OPT_ADAFACTOR;
+    else return -1;
+    return 0;
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -219,8 +255,6 @@ static int parse_hidden(const char *s, train_opts *o)
  * time (Makefile), so the demo needs no download. */
 extern const unsigned char mt_corpus[];
 extern const size_t mt_corpus_size;
-
-static int parse_recompute(const char *v, mt_trainer_config *tc);
 
 /* The end of every run: the trace, the plots, the report. */
 static int finish_run(const train_opts *o, mt_context *ctx, const mt_estimate_report *est)
@@ -648,10 +682,8 @@ static int cmd_train(int argc, char **argv)
         } else if (!strcmp(a, "--device")) {
             if (parse_device(v, &o.device)) return bad_usage("bad --device '%s' (cpu, cuda, auto)", v);
         } else if (!strcmp(a, "--precision")) {
-            if (!strcmp(v, "fp32")) o.precision = MT_PREC_FP32;
-            else if (!strcmp(v, "fp16")) o.precision = MT_PREC_FP16;
-            else if (!strcmp(v, "bf16")) o.precision = MT_PREC_BF16;
-            else return bad_usage("bad --precision '%s' (fp32, fp16, bf16)", v);
+            if (parse_precision(v, &o.precision))
+                return bad_usage("bad --precision '%s' (fp32, fp16, bf16)", v);
         } else if (!strcmp(a, "--allocator")) {
             if (!mt_allocator_by_name(v)) return bad_usage("unknown allocator '%s'", v);
             o.allocator = v;
@@ -676,11 +708,8 @@ static int cmd_train(int argc, char **argv)
             else if (!strcmp(a, "--eval-every")) o.eval_every = n;
             else o.save_every = n;
         } else if (!strcmp(a, "--optimizer")) {
-            if (!strcmp(v, "sgd")) o.optimizer = MT_OPT_SGD;
-            else if (!strcmp(v, "adamw")) o.optimizer = MT_OPT_ADAMW;
-            else if (!strcmp(v, "adamw8")) o.optimizer = MT_OPT_ADAMW8;
-            else if (!strcmp(v, "adafactor")) o.optimizer = MT_OPT_ADAFACTOR;
-            else return bad_usage("unknown optimizer '%s' (sgd, adamw, adamw8, adafactor)", v);
+            if (parse_optimizer(v, &o.optimizer))
+                return bad_usage("unknown optimizer '%s' (sgd, adamw, adamw8, adafactor)", v);
         } else if (!strcmp(a, "--recompute")) {
             if (parse_recompute(v, &o.rc) || o.rc.recompute == MT_RECOMPUTE_BUDGET)
                 return bad_usage("bad --recompute '%s' (none, selective, sqrt, every:K)", v);
@@ -848,22 +877,6 @@ static void usage_estimate(FILE *f)
             "  --config FILE          options from FILE, a line 'name = value' each (flags: 1/0)\n");
 }
 
-static int parse_recompute(const char *v, mt_trainer_config *tc)
-{
-    if (!strcmp(v, "none")) tc->recompute = MT_RECOMPUTE_NONE;
-    else if (!strcmp(v, "selective")) tc->recompute = MT_RECOMPUTE_SELECTIVE;
-    else if (!strcmp(v, "sqrt")) tc->recompute = MT_RECOMPUTE_SQRT;
-    else if (!strcmp(v, "budget")) tc->recompute = MT_RECOMPUTE_BUDGET;
-    else if (!strncmp(v, "every:", 6)) {
-        long k;
-        if (parse_long(v + 6, 1, 1 << 20, &k)) return -1;
-        tc->recompute = MT_RECOMPUTE_EVERY_K;
-        tc->recompute_every = (int)k;
-    } else {
-        return -1;
-    }
-    return 0;
-}
 
 static int cmd_estimate(int argc, char **argv)
 {
@@ -923,16 +936,12 @@ static int cmd_estimate(int argc, char **argv)
             for (int k = 0; k < o.n_hidden; k++) ml.dims[k + 1] = (int)o.hidden[k];
             ml.dims[o.n_hidden + 1] = 3;
         } else if (!strcmp(a, "--optimizer")) {
-            if (!strcmp(v, "sgd")) tc.optimizer = MT_OPT_SGD, tc.momentum = 0.9f;
-            else if (!strcmp(v, "adamw")) tc.optimizer = MT_OPT_ADAMW;
-            else if (!strcmp(v, "adamw8")) tc.optimizer = MT_OPT_ADAMW8;
-            else if (!strcmp(v, "adafactor")) tc.optimizer = MT_OPT_ADAFACTOR;
-            else return bad_usage("unknown optimizer '%s' (sgd, adamw, adamw8, adafactor)", v);
+            if (parse_optimizer(v, &tc.optimizer))
+                return bad_usage("unknown optimizer '%s' (sgd, adamw, adamw8, adafactor)", v);
+            tc.momentum = tc.optimizer == MT_OPT_SGD ? 0.9f : 0.0f;
         } else if (!strcmp(a, "--precision")) {
-            if (!strcmp(v, "fp32")) tc.precision = MT_PREC_FP32;
-            else if (!strcmp(v, "fp16")) tc.precision = MT_PREC_FP16;
-            else if (!strcmp(v, "bf16")) tc.precision = MT_PREC_BF16;
-            else return bad_usage("bad --precision '%s' (fp32, fp16, bf16)", v);
+            if (parse_precision(v, &tc.precision))
+                return bad_usage("bad --precision '%s' (fp32, fp16, bf16)", v);
         } else if (!strcmp(a, "--recompute")) {
             if (parse_recompute(v, &tc))
                 return bad_usage("bad --recompute '%s' (none, selective, sqrt, every:K, budget)", v);
