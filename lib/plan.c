@@ -47,6 +47,12 @@ void mti_plan_of_policy(const mt_model *m, const mt_trainer_config *c, unsigned 
     }
 }
 
+/* Tokens per row of a step. */
+static int seq_of(const mt_model *m, const mt_trainer_config *c)
+{
+    return m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
+}
+
 /* Forward FLOPs of each unit, per row of a micro-batch of T tokens (a
  * GEMM's 2 m n k; elementwise work counted once per element), and what
  * selective recompute repeats of a block (its LayerNorms, GELU and the
@@ -122,6 +128,7 @@ typedef struct search {
     unsigned char *units, *least_units;
     int seg_len, least_seg;
     double cost;
+    double fwd;       /* forward FLOPs per token of the whole model (cost model) */
     mt_estimate_report est;
     uint64_t least;
 } search;
@@ -164,13 +171,16 @@ static mt_status search_family(const mt_model *m, const mt_trainer_config *c, ui
     q->least = UINT64_MAX;
     q->units = malloc((size_t)U);
     q->least_units = malloc((size_t)U);
-    const int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
+    const int T = seq_of(m, c);
     double *full = malloc((size_t)U * sizeof *full), *sel = malloc((size_t)U * sizeof *sel);
     unsigned char *try = malloc((size_t)U);
     mt_status s = MT_OK;
     if (!q->units || !q->least_units || !full || !sel || !try)
         s = mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
-    if (!s) unit_costs(m, T, full, sel);
+    if (!s) {
+        unit_costs(m, T, full, sel);
+        for (int u = 0; u < U; u++) q->fwd += full[u];
+    }
     for (int r = 0; r < U && !s; r++) {
         if (q->found && cost_of(m, full, sel, r, 0) >= q->cost) break;
         for (int k = 1; k <= (r ? r : 1) && !s; k++) {
@@ -267,19 +277,11 @@ static double update_bytes(mt_optimizer_kind o, float momentum)
     return 28;
 }
 
-static double step_seconds(const mt_model *m, const mt_trainer_config *c, int micro, double rec_cost)
+/* fwd: the model's forward FLOPs per token; rec_cost: what recompute adds. */
+static double step_seconds(const mt_model *m, const mt_trainer_config *c, int micro, double fwd,
+                           double rec_cost)
 {
-    const int U = m->n_units;
-    const int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
-    double *full = malloc((size_t)U * sizeof *full), *sel = malloc((size_t)U * sizeof *sel);
-    if (!full || !sel) {
-        free(full), free(sel);
-        return 0;
-    }
-    unit_costs(m, T, full, sel);
-    double fwd = 0;
-    for (int u = 0; u < U; u++) fwd += full[u];
-    free(full), free(sel);
+    const int T = seq_of(m, c);
     double total = 0;
     for (int r0 = 0; r0 < c->max_batch; r0 += micro) {
         int rows = c->max_batch - r0 < micro ? c->max_batch - r0 : micro;
@@ -321,7 +323,7 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
             s = search_family(m, &c, c.memory_budget, &q);
             if (!s && q.found) {
                 out->candidates++;
-                double t = step_seconds(m, &c, micro, q.cost);
+                double t = step_seconds(m, &c, micro, q.fwd, q.cost);
                 if (!best_t || t < best_t) {
                     best_t = t;
                     best = c;
@@ -354,7 +356,7 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                         (unsigned long long)cfg->memory_budget, (unsigned long long)least,
                         (double)least / 1048576.0, least_how);
     out->step_seconds = best_t;
-    const int T = m->input == MT_INPUT_TOKENS ? (cfg->max_seq ? cfg->max_seq : m->max_seq) : 1;
+    const int T = seq_of(m, cfg);
     out->tokens_per_second = (double)cfg->max_batch * T / best_t;
     *cfg = best;
     return MT_OK;
