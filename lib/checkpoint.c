@@ -43,30 +43,9 @@
 #define CK_SECTION 32u
 #define CK_CHUNK ((size_t)1 << 20)
 
+#define CK_COUNTERS 40u /* bytes of the counters section (counters_of) */
+
 enum { SEC_LAYOUT = 1, SEC_COUNTERS = 2, SEC_TENSOR = 3, SEC_USER = 4, SEC_END = 5 };
-
-/* ---- little-endian bytes ---- */
-
-static void put32(unsigned char *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static void put64(unsigned char *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static uint32_t get32(const unsigned char *p)
-{
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-    return v;
-}
-static uint64_t get64(const unsigned char *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
 
 /* A growable byte buffer for the small sections. */
 typedef struct bbuf {
@@ -94,13 +73,13 @@ static void bb_put(bbuf *b, const void *data, size_t n)
 static void bb_u32(bbuf *b, uint32_t v)
 {
     unsigned char x[4];
-    put32(x, v);
+    mti_put_u32(x, v);
     bb_put(b, x, 4);
 }
 static void bb_u64(bbuf *b, uint64_t v)
 {
     unsigned char x[8];
-    put64(x, v);
+    mti_put_u64(x, v);
     bb_put(b, x, 8);
 }
 
@@ -182,18 +161,32 @@ static void counters_of(const mt_trainer *t, bbuf *b)
     bb_u32(b, (uint32_t)t->scaler.growth_tracker);
 }
 
+/* The inverse of counters_of. */
+static void counters_set(mt_trainer *t, const unsigned char *p)
+{
+    t->steps = mti_get_u64(p);
+    t->opt_steps = mti_get_u64(p + 8);
+    t->steps_skipped = mti_get_u64(p + 16);
+    t->last_skipped = (int)mti_get_u32(p + 24);
+    uint32_t f = mti_get_u32(p + 28);
+    memcpy(&t->last_norm, &f, 4);
+    f = mti_get_u32(p + 32);
+    memcpy(&t->scaler.scale, &f, 4);
+    t->scaler.growth_tracker = (int)mti_get_u32(p + 36);
+}
+
 /* ---- save ---- */
 
 static mt_status write_section(mt_context *ctx, mti_afile *f, uint32_t kind, uint32_t index,
                                uint32_t dtype, const void *data, size_t n)
 {
     unsigned char h[CK_SECTION] = {0};
-    put32(h, kind);
-    put32(h + 4, index);
-    put64(h + 8, n);
-    put32(h + 16, mti_crc32(0, data, n));
-    put32(h + 20, dtype);
-    put32(h + 24, mti_crc32(0, h, 24));
+    mti_put_u32(h, kind);
+    mti_put_u32(h + 4, index);
+    mti_put_u64(h + 8, n);
+    mti_put_u32(h + 16, mti_crc32(0, data, n));
+    mti_put_u32(h + 20, dtype);
+    mti_put_u32(h + 24, mti_crc32(0, h, 24));
     mt_status s = mti_afile_write(ctx, f, h, sizeof h);
     if (!s && n) s = mti_afile_write(ctx, f, data, n);
     return s;
@@ -215,12 +208,12 @@ static mt_status write_tensor(mt_context *ctx, mti_afile *f, const ck_tensor *c,
         if (!s) crc = mti_crc32(crc, buf, len);
     }
     unsigned char h[CK_SECTION] = {0};
-    put32(h, SEC_TENSOR);
-    put32(h + 4, (uint32_t)c->param);
-    put64(h + 8, n);
-    put32(h + 16, crc);
-    put32(h + 20, (uint32_t)c->t->dtype);
-    put32(h + 24, mti_crc32(0, h, 24));
+    mti_put_u32(h, SEC_TENSOR);
+    mti_put_u32(h + 4, (uint32_t)c->param);
+    mti_put_u64(h + 8, n);
+    mti_put_u32(h + 16, crc);
+    mti_put_u32(h + 20, (uint32_t)c->t->dtype);
+    mti_put_u32(h + 24, mti_crc32(0, h, 24));
     if (!s) s = mti_afile_write(ctx, f, h, sizeof h);
     for (size_t at = 0; at < n && !s; at += CK_CHUNK) {
         size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
@@ -256,10 +249,10 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     for (int k = 0; k < n; k++) total += mti_tensor_bytes(ts[k].t);
     unsigned char h[CK_HEADER] = {0};
     memcpy(h, CK_MAGIC, 8);
-    put32(h + 8, CK_VERSION);
-    put32(h + 12, (uint32_t)(n + 4));
-    put64(h + 16, total);
-    put32(h + 24, mti_crc32(0, h, 24));
+    mti_put_u32(h + 8, CK_VERSION);
+    mti_put_u32(h + 12, (uint32_t)(n + 4));
+    mti_put_u64(h + 16, total);
+    mti_put_u32(h + 24, mti_crc32(0, h, 24));
     mti_afile f;
     mt_status s = mti_afile_open(ctx, path, &f);
     if (!s) s = mti_afile_write(ctx, &f, h, sizeof h);
@@ -313,10 +306,10 @@ static mt_status read_section_header(reader *r, sec *s)
     unsigned char h[CK_SECTION];
     mt_status st = read_exact(r, h, sizeof h, "truncated (a section header is cut off)");
     if (st) return st;
-    if (get32(h + 24) != mti_crc32(0, h, 24) || get32(h + 28))
+    if (mti_get_u32(h + 24) != mti_crc32(0, h, 24) || mti_get_u32(h + 28))
         return bad_file(r, "corrupt (a section header's CRC does not match)");
-    s->kind = get32(h), s->index = get32(h + 4), s->bytes = get64(h + 8);
-    s->crc = get32(h + 16), s->dtype = get32(h + 20);
+    s->kind = mti_get_u32(h), s->index = mti_get_u32(h + 4), s->bytes = mti_get_u64(h + 8);
+    s->crc = mti_get_u32(h + 16), s->dtype = mti_get_u32(h + 20);
     if (s->bytes > r->size - r->pos)
         return bad_file(r, "truncated (a section is longer than what is left of the file)");
     return MT_OK;
@@ -375,17 +368,17 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     mt_status s = read_exact(r, h, sizeof h, "too short for a training checkpoint");
     if (s) return s;
     if (memcmp(h, CK_MAGIC, 8)) return bad_file(r, "not a memtrain training checkpoint");
-    if (get32(h + 24) != mti_crc32(0, h, 24)) return bad_file(r, "corrupt header");
-    if (get32(h + 8) != CK_VERSION) {
+    if (mti_get_u32(h + 24) != mti_crc32(0, h, 24)) return bad_file(r, "corrupt header");
+    if (mti_get_u32(h + 8) != CK_VERSION) {
         char m[96];
-        snprintf(m, sizeof m, "format version %u, this library reads version %u", get32(h + 8),
+        snprintf(m, sizeof m, "format version %u, this library reads version %u", mti_get_u32(h + 8),
                  CK_VERSION);
         return bad_file(r, m);
     }
-    if (get64(h + 16) + CK_HEADER != r->size)
-        return bad_file(r, get64(h + 16) + CK_HEADER > r->size ? "truncated"
+    if (mti_get_u64(h + 16) + CK_HEADER != r->size)
+        return bad_file(r, mti_get_u64(h + 16) + CK_HEADER > r->size ? "truncated"
                                                               : "longer than its header says");
-    const uint32_t nsec = get32(h + 12);
+    const uint32_t nsec = mti_get_u32(h + 12);
     sec c;
     /* layout */
     if ((s = read_section_header(r, &c))) return s;
@@ -399,9 +392,9 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
         /* say what differs, as far as the first fields tell */
         char m[256];
         const mt_model *md = t->model;
-        if (c.bytes >= 32 && (get32(got + 28) != (uint32_t)md->n_param || get32(got) != (uint32_t)md->kind))
+        if (c.bytes >= 32 && (mti_get_u32(got + 28) != (uint32_t)md->n_param || mti_get_u32(got) != (uint32_t)md->kind))
             snprintf(m, sizeof m, "saved for another model (%u parameter tensors, kind %u; this "
-                     "model has %d, kind %d)", get32(got + 28), get32(got), md->n_param, (int)md->kind);
+                     "model has %d, kind %d)", mti_get_u32(got + 28), mti_get_u32(got), md->n_param, (int)md->kind);
         else
             snprintf(m, sizeof m, "saved for another model shape, optimizer, precision or "
                      "master-weight setting than this trainer's");
@@ -413,8 +406,8 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     if (nsec != (uint32_t)n + 4) return bad_file(r, "corrupt (the section count)");
     /* counters */
     if ((s = read_section_header(r, &c))) return s;
-    if (c.kind != SEC_COUNTERS || c.bytes != 40) return bad_file(r, "corrupt (counters)");
-    grab gc = {counters, 40};
+    if (c.kind != SEC_COUNTERS || c.bytes != CK_COUNTERS) return bad_file(r, "corrupt (counters)");
+    grab gc = {counters, CK_COUNTERS};
     if ((s = read_payload(r, &c, buf, grab_sink, &gc))) return s;
     /* tensors */
     for (int k = 0; k < n; k++) {
@@ -434,7 +427,6 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     if ((s = read_section_header(r, &c))) return s;
     if (c.kind != SEC_END || c.bytes) return bad_file(r, "corrupt (no end section)");
     if (r->pos != r->size) return bad_file(r, "corrupt (bytes after the end)");
-    (void)t;
     return MT_OK;
 }
 
@@ -458,7 +450,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     rewind(r.f);
     int n = list_tensors(t, NULL);
     ck_tensor *ts = malloc((size_t)n * sizeof *ts);
-    unsigned char *buf = malloc(CK_CHUNK), counters[40];
+    unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];
     bbuf lay = {0};
     if (ts) list_tensors(t, ts), layout_of(t, ts, n, &lay);
     mt_status s = MT_OK;
@@ -477,17 +469,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
                          fn, path, msg);
         }
     }
-    if (!s) {
-        t->steps = get64(counters);
-        t->opt_steps = get64(counters + 8);
-        t->steps_skipped = get64(counters + 16);
-        t->last_skipped = (int)get32(counters + 24);
-        uint32_t f = get32(counters + 28);
-        memcpy(&t->last_norm, &f, 4);
-        f = get32(counters + 32);
-        memcpy(&t->scaler.scale, &f, 4);
-        t->scaler.growth_tracker = (int)get32(counters + 36);
-    }
+    if (!s) counters_set(t, counters);
     fclose(r.f);
     free(ts), free(buf), free(lay.p);
     return s;

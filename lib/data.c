@@ -61,9 +61,9 @@ void mt_data_config_init(mt_data_config *c)
     c->prefetch = 1;
 }
 
-static mt_status data_fail(mt_status s, const char *fmt, const char *a, const char *b)
+static mt_status bad_tokens(const char *path, const char *what)
 {
-    return mti_fail(NULL, s, fmt, a, b);
+    return mti_fail(NULL, MT_ERR_FORMAT, "mt_data_open: %s: %s", path, what);
 }
 
 /* The shuffled order of an epoch. */
@@ -124,33 +124,21 @@ static void *prefetch_main(void *arg)
     return NULL;
 }
 
-/* Reads a whole file (at most 2^34 bytes). */
-static mt_status slurp(const char *path, unsigned char **out, size_t *n)
-{
-    return mti_read_file(NULL, path, (size_t)1 << 34, out, n);
-}
-
 static mt_status load_tokens(mt_data *d, const unsigned char *p, size_t n, const char *path)
 {
     if (n < LLMC_HEADER_INTS * 4)
-        return data_fail(MT_ERR_FORMAT, "mt_data_open: %s: %s", path,
-                         "too short for an llm.c token file (no 1024-byte header)");
+        return bad_tokens(path, "too short for an llm.c token file (no 1024-byte header)");
     int32_t h[3];
-    for (int i = 0; i < 3; i++)
-        h[i] = (int32_t)((uint32_t)p[4 * i] | (uint32_t)p[4 * i + 1] << 8 |
-                         (uint32_t)p[4 * i + 2] << 16 | (uint32_t)p[4 * i + 3] << 24);
+    for (int i = 0; i < 3; i++) h[i] = (int32_t)mti_get_u32(p + 4 * i);
     if (h[0] != LLMC_TOKENS_MAGIC)
-        return data_fail(MT_ERR_FORMAT, "mt_data_open: %s: %s", path,
-                         "not an llm.c token file (magic)");
+        return bad_tokens(path, "not an llm.c token file (magic)");
     if (h[1] != 1)
-        return data_fail(MT_ERR_FORMAT, "mt_data_open: %s: %s", path,
-                         "llm.c token file version is not 1");
+        return bad_tokens(path, "llm.c token file version is not 1");
     if (h[2] < 0 || (size_t)h[2] != (n - LLMC_HEADER_INTS * 4) / 2 || (n - LLMC_HEADER_INTS * 4) % 2)
-        return data_fail(MT_ERR_FORMAT, "mt_data_open: %s: %s", path,
-                         "truncated or padded: the token count does not match the file size");
+        return bad_tokens(path, "truncated or padded: the token count does not match the file size");
     d->n_tok = (size_t)h[2];
     d->tok = malloc((d->n_tok ? d->n_tok : 1) * sizeof *d->tok);
-    if (!d->tok) return data_fail(MT_ERR_OOM, "mt_data_open: %s%s", "out of host memory", "");
+    if (!d->tok) return mti_fail(NULL, MT_ERR_OOM, "mt_data_open: out of host memory");
     int most = 0;
     for (size_t i = 0; i < d->n_tok; i++) {
         const unsigned char *q = p + LLMC_HEADER_INTS * 4 + 2 * i;
@@ -196,14 +184,13 @@ mt_status mt_data_open(const mt_data_config *cfg, mt_data **out)
     const char *name = cfg->path ? cfg->path : "(bytes)";
     mt_status s = MT_OK;
     if (cfg->path) {
-        s = slurp(cfg->path, &file, &n);
+        s = mti_read_file(NULL, cfg->path, (size_t)1 << 34, &file, &n); /* 16 GiB at most */
         p = file;
     }
     if (!s) {
         bool tokens = cfg->format == MT_DATA_TOKENS ||
                       (cfg->format == MT_DATA_AUTO && n >= 4 &&
-                       ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                        (uint32_t)p[3] << 24) == LLMC_TOKENS_MAGIC);
+                       mti_get_u32(p) == LLMC_TOKENS_MAGIC);
         if (tokens) {
             s = load_tokens(d, p, n, name);
         } else {
