@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "model.h"
 #include "trainer.h"
@@ -177,49 +178,59 @@ static void counters_set(mt_trainer *t, const unsigned char *p)
 
 /* ---- save ---- */
 
-static mt_status write_section(mt_context *ctx, mti_afile *f, uint32_t kind, uint32_t index,
-                               uint32_t dtype, const void *data, size_t n)
+/* A section header, its own CRC included. */
+static void section_header(unsigned char *h, uint32_t kind, uint32_t index, uint64_t n,
+                           uint32_t crc, uint32_t dtype)
 {
-    unsigned char h[CK_SECTION] = {0};
+    memset(h, 0, CK_SECTION);
     mti_put_u32(h, kind);
     mti_put_u32(h + 4, index);
     mti_put_u64(h + 8, n);
-    mti_put_u32(h + 16, mti_crc32(0, data, n));
+    mti_put_u32(h + 16, crc);
     mti_put_u32(h + 20, dtype);
     mti_put_u32(h + 24, mti_crc32(0, h, 24));
+}
+
+static mt_status write_section(mt_context *ctx, mti_afile *f, uint32_t kind, uint32_t index,
+                               uint32_t dtype, const void *data, size_t n)
+{
+    unsigned char h[CK_SECTION];
+    section_header(h, kind, index, n, mti_crc32(0, data, n), dtype);
     mt_status s = mti_afile_write(ctx, f, h, sizeof h);
     if (!s && n) s = mti_afile_write(ctx, f, data, n);
     return s;
 }
 
-/* A device tensor as a section: its CRC first (one pass through a host
- * buffer), then the header and the bytes (a second pass). */
+/* A device tensor as a section, read once through a host buffer: the
+ * header goes first without the payload's CRC, which is written into it
+ * once the payload is out. */
 static mt_status write_tensor(mt_context *ctx, mti_afile *f, const ck_tensor *c, unsigned char *buf)
 {
     const size_t n = mti_tensor_bytes(c->t);
     const char *src = c->t->blk.ptr;
     mti_device *d = ctx->dev;
+    unsigned char h[CK_SECTION];
+    section_header(h, SEC_TENSOR, (uint32_t)c->param, n, 0, (uint32_t)c->t->dtype);
+    off_t at_header = lseek(f->fd, 0, SEEK_CUR);
+    if (at_header < 0) {
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(errno));
+        mti_afile_abort(f);
+        return s;
+    }
     uint32_t crc = 0;
-    mt_status s = MT_OK;
+    mt_status s = mti_afile_write(ctx, f, h, sizeof h);
     for (size_t at = 0; at < n && !s; at += CK_CHUNK) {
         size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
         s = d->copy_d2h(d, buf, src + at, len);
         if (!s) s = d->sync(d);
         if (!s) crc = mti_crc32(crc, buf, len);
-    }
-    unsigned char h[CK_SECTION] = {0};
-    mti_put_u32(h, SEC_TENSOR);
-    mti_put_u32(h + 4, (uint32_t)c->param);
-    mti_put_u64(h + 8, n);
-    mti_put_u32(h + 16, crc);
-    mti_put_u32(h + 20, (uint32_t)c->t->dtype);
-    mti_put_u32(h + 24, mti_crc32(0, h, 24));
-    if (!s) s = mti_afile_write(ctx, f, h, sizeof h);
-    for (size_t at = 0; at < n && !s; at += CK_CHUNK) {
-        size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
-        s = d->copy_d2h(d, buf, src + at, len);
-        if (!s) s = d->sync(d);
         if (!s) s = mti_afile_write(ctx, f, buf, len);
+    }
+    if (s) return s;
+    section_header(h, SEC_TENSOR, (uint32_t)c->param, n, crc, (uint32_t)c->t->dtype);
+    if (pwrite(f->fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
+        s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(errno));
+        mti_afile_abort(f);
     }
     return s;
 }
