@@ -52,6 +52,8 @@ TEST_SRC := $(wildcard test/*.c)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/examples/custom_allocator_lib.o
 TEST_BIN := $(BUILD)/mt_tests
 FAKE_CUDA := $(BUILD)/libfakecuda.so
+FAKE_CUBLASLT := $(BUILD)/libfakecublaslt.so
+FAKE_ENV = MT_FAKE_CUDA=$(FAKE_CUDA) MT_FAKE_CUBLASLT=$(FAKE_CUBLASLT)
 EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/examples/plan_memory
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
@@ -60,7 +62,7 @@ BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
-all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(BENCH_BIN)
+all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES) $(BENCH_BIN)
 
 lib: $(LIB)
 
@@ -173,6 +175,11 @@ $(FAKE_CUDA): test/fake_cuda/fake_libcuda.c lib/cuda_driver.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -fPIC -shared -o $@ $< -ldl
 
+# and a stand-in cuBLASLt for it, so the CUDA op table's GEMMs run there too
+$(FAKE_CUBLASLT): test/fake_cuda/fake_cublaslt.c lib/cublaslt_api.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -Ilib -fPIC -shared -o $@ $<
+
 $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
@@ -181,8 +188,8 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 test: test-deps
 	@$(MAKE) --no-print-directory check-tests
 
-check-tests: $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS)
-	MT_FAKE_CUDA=$(FAKE_CUDA) $(TEST_BIN)
+check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS)
+	$(FAKE_ENV) $(TEST_BIN)
 	@for t in $(FUZZ_TARGETS); do printf "fuzz regressions, %s: " $$t; \
 	  $(BUILD)/fuzz/$$t test/fuzz/$$t/* || exit 1; done
 	$(BUILD)/examples/embed > /dev/null
@@ -206,8 +213,8 @@ test-gpu: deps
 	MT_TEST_GPU=1 $(TEST_BIN) ops gpu_engine
 
 valgrind: deps
-	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(EXAMPLES)
-	MT_FAKE_CUDA=$(FAKE_CUDA) MT_TEST_LIGHT=1 valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
+	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES)
+	$(FAKE_ENV) MT_TEST_LIGHT=1 valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=test/valgrind.supp $(TEST_BIN)
 	valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite \
 	  --suppressions=test/valgrind.supp $(BUILD)/examples/embed > /dev/null

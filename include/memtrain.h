@@ -216,8 +216,16 @@ typedef struct mt_context_config {
      * trainers on it cost no memory and steps no time, while every count
      * (mt_context_memory_stats) is what a real context would show. Models
      * made on it serve mt_estimate_model and mt_trainer_autofit; their
-     * weights read back as zeros. CPU only so far. */
+     * weights read back as zeros. A dry context of MT_DEVICE_CUDA (or AUTO
+     * where a GPU is found) counts as a CUDA context does, with a current
+     * NVIDIA GPU's allocation geometry (256-byte alignment, 2 MiB VMM
+     * granularity); no GPU is needed. */
     int dry_run;
+    /* The cuBLASLt library CUDA GEMMs use. NULL: "libcublasLt.so.13", then
+     * ".so.12", from the loader's path, which must drive the GPU through the
+     * same libcuda as the context. A path given is taken as it is, and is
+     * trusted to drive the context's device. */
+    const char *cublaslt_path;
 } mt_context_config;
 
 /* Fills cfg with the defaults. */

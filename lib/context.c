@@ -78,19 +78,23 @@ static mt_status create_failed(mt_context *ctx, mt_status s)
     return mti_fail(NULL, s, "%s", msg);
 }
 
-static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out);
+static mt_status create(const mt_context_config *cfg, bool dry, const mti_device *like,
+                        mt_context **out);
 
 mt_status mt_context_create(const mt_context_config *cfg, mt_context **out)
 {
-    return create(cfg, cfg && cfg->struct_size >= sizeof *cfg && cfg->dry_run, out);
+    const size_t has_dry = offsetof(mt_context_config, dry_run) + sizeof cfg->dry_run;
+    return create(cfg, cfg && cfg->struct_size >= has_dry && cfg->dry_run, NULL, out);
 }
 
-mt_status mti_context_create_dry(const mt_context_config *cfg, mt_context **out)
+mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device *like,
+                                 mt_context **out)
 {
-    return create(cfg, true, out);
+    return create(cfg, true, like, out);
 }
 
-static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out)
+static mt_status create(const mt_context_config *cfg, bool dry, const mti_device *like,
+                        mt_context **out)
 {
     if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: out is NULL");
     *out = NULL;
@@ -114,10 +118,8 @@ static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out
     mt_device_kind kind = c.device;
     if (kind == MT_DEVICE_AUTO)
         kind = mti_cuda_available(c.cuda_driver_path) ? MT_DEVICE_CUDA : MT_DEVICE_CPU;
-    if (dry && kind == MT_DEVICE_CUDA)
-        s = mti_fail(ctx, MT_ERR_UNSUPPORTED, "estimates are made for CPU contexts only so far");
-    else if (dry)
-        s = mti_device_dry_open(ctx, ctx->threads, &ctx->dev);
+    if (dry)
+        s = mti_device_dry_open(ctx, kind, like, ctx->threads, &ctx->dev);
     else if (kind == MT_DEVICE_CUDA)
         s = mti_device_cuda_open(ctx, c.cuda_driver_path, c.device_ordinal, &ctx->dev);
     else
@@ -125,7 +127,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, mt_context **out
     if (s) return create_failed(ctx, s);
     if (!dry) mti_cpu_set_threads(ctx->threads); /* an estimate sets them while it runs */
     if (dry) {
-        ctx->ops = mti_dry_ops();
+        ctx->ops = kind == MT_DEVICE_CUDA ? mti_cuda_dry_ops() : mti_dry_ops();
     } else if (ctx->dev->kind == MT_DEVICE_CUDA) {
         /* without kernels the device still serves memory and copies */
         if (mti_cuda_ops(ctx->dev, &ctx->ops) != MT_OK) {

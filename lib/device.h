@@ -58,10 +58,14 @@ mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out);
 void mti_cpu_geometry(mti_device *d);
 /* What the host device grants for a reservation of bytes at alignment. */
 size_t mti_cpu_granted(size_t bytes, size_t alignment);
-/* A device with no memory behind it, with the geometry of the host device
- * (for the dry contexts of estimates, lib/estimate.c). */
-mt_status mti_device_dry_open(mt_context *ctx, int threads, mti_device **out);
-/* The op table of a dry context. */
+/* A device with no memory behind it, for the dry contexts of estimates
+ * (lib/estimate.c). kind MT_DEVICE_CPU: the host device's geometry. kind
+ * MT_DEVICE_CUDA: that of `like` when it is a CUDA device (alignment,
+ * granularity, growable ranges or not), else a current NVIDIA GPU's (256-byte
+ * alignment, 2 MiB granularity, growable ranges). */
+mt_status mti_device_dry_open(mt_context *ctx, mt_device_kind kind, const mti_device *like,
+                              int threads, mti_device **out);
+/* The op table of a dry CPU context. */
 const struct mti_ops *mti_dry_ops(void);
 
 /* Opens CUDA device `ordinal` through the driver at `driver_path` (NULL:

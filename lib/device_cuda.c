@@ -380,7 +380,10 @@ static mt_status cuda_reserve(mti_device *d, size_t bytes, size_t alignment, voi
         }
     }
     *ptr = hptr(user);
-    *granted = (size_t)(p + over - user); /* usable to the end of the allocation */
+    /* the bytes asked for, not what the address happened to leave usable:
+     * the accounting (and so an estimate) does not depend on where the
+     * driver put the block; the slack is the driver's, like its rounding */
+    *granted = bytes;
 out:
     cuda_leave(d);
     return st;

@@ -66,11 +66,26 @@ static void dry_release(mti_device *d, void *ptr, size_t granted)
     (void)d, (void)ptr, (void)granted;
 }
 
+/* As the CUDA device grants (lib/device_cuda.c): cuMemAlloc aligns to at
+ * least 256 bytes and to 2 MiB from 2 MiB up, so the bytes asked for, at
+ * the alignments the allocators ask for. */
+static mt_status dry_reserve_cuda(mti_device *d, size_t bytes, size_t alignment, void **ptr,
+                                  size_t *granted)
+{
+    if (alignment < d->min_alignment) alignment = d->min_alignment;
+    if (bytes == 0 || bytes > MT_MAX_REQUEST || !mti_is_pow2(alignment) ||
+        alignment > MT_MAX_ALIGNMENT)
+        return mti_fail(d->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA reserve: bad size %zu or alignment %zu", bytes, alignment);
+    *granted = bytes;
+    return dry_take(d, bytes, alignment, ptr);
+}
+
 static mt_status dry_va_reserve(mti_device *d, size_t bytes, void **base)
 {
-    if (bytes == 0 || bytes % d->granularity)
+    if (bytes == 0 || bytes % d->granularity || bytes > MT_MAX_REQUEST)
         return mti_fail(d->ctx, MT_ERR_INVALID_ARG,
-                        "host va_reserve: size %zu is not a positive multiple of %zu", bytes,
+                        "va_reserve: size %zu is not a positive multiple of %zu", bytes,
                         d->granularity);
     return dry_take(d, bytes, d->granularity, base);
 }
@@ -126,7 +141,12 @@ static void dry_destroy(mti_device *d)
     free(d);
 }
 
-mt_status mti_device_dry_open(mt_context *ctx, int threads, mti_device **out)
+/* A current NVIDIA GPU's geometry, where no device tells it. */
+#define DRY_CUDA_ALIGN 256u
+#define DRY_CUDA_GRAN ((size_t)2 << 20)
+
+mt_status mti_device_dry_open(mt_context *ctx, mt_device_kind kind, const mti_device *like,
+                              int threads, mti_device **out)
 {
     mti_device *d = calloc(1, sizeof *d);
     dry_impl *di = calloc(1, sizeof *di);
@@ -136,18 +156,31 @@ mt_status mti_device_dry_open(mt_context *ctx, int threads, mti_device **out)
         return mti_fail(ctx, MT_ERR_OOM, "estimate: out of host memory");
     }
     di->next = DRY_BASE;
-    d->kind = MT_DEVICE_CPU;
-    snprintf(d->name, sizeof d->name, "CPU (%d threads, estimate)", threads);
-    mti_cpu_geometry(d); /* as the host device */
     d->total_bytes = (size_t)1 << 46; /* no limit but the configuration's */
     d->ctx = ctx;
     d->impl = di;
-    d->mem_reserve = dry_reserve;
+    bool growable = true;
+    if (kind == MT_DEVICE_CUDA) {
+        d->kind = MT_DEVICE_CUDA;
+        const bool real = like && like->kind == MT_DEVICE_CUDA;
+        snprintf(d->name, sizeof d->name, "%.200s (estimate)", real ? like->name : "CUDA GPU");
+        d->min_alignment = real ? like->min_alignment : DRY_CUDA_ALIGN;
+        d->granularity = real ? like->granularity : DRY_CUDA_GRAN;
+        growable = real ? like->va_reserve != NULL : true;
+        d->mem_reserve = dry_reserve_cuda;
+    } else {
+        d->kind = MT_DEVICE_CPU;
+        snprintf(d->name, sizeof d->name, "CPU (%d threads, estimate)", threads);
+        mti_cpu_geometry(d); /* as the host device */
+        d->mem_reserve = dry_reserve;
+    }
     d->mem_release = dry_release;
-    d->va_reserve = dry_va_reserve;
-    d->va_commit = dry_va_commit;
-    d->va_decommit = dry_va_decommit;
-    d->va_release = dry_va_decommit;
+    if (growable) {
+        d->va_reserve = dry_va_reserve;
+        d->va_commit = dry_va_commit;
+        d->va_decommit = dry_va_decommit;
+        d->va_release = dry_va_decommit;
+    }
     d->copy_h2d = dry_copy;
     d->copy_d2h = dry_download;
     d->copy_d2d = dry_copy;
@@ -344,7 +377,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
        its chunks by its limit, so a run that would pass a limit fails the
        estimate with MT_ERR_OOM, as it would fail for real) */
     mt_context *ctx = NULL;
-    mt_status s = mti_context_create_dry(cc, &ctx);
+    mt_status s = mti_context_create_dry(cc, report_to ? report_to->dev : NULL, &ctx);
     if (s) {
         char msg[MTI_ERR_LEN];
         snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
@@ -431,6 +464,7 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_estimate_model: m is NULL");
     mt_context_config cc = m->ctx->cfg;
     cc.threads = m->ctx->threads;
+    cc.device = m->ctx->dev->kind; /* and dry_run takes the device's geometry */
     if (m->kind == MTI_MODEL_GPT) return dry_run(&cc, SPEC_GPT, &m->gpt, tc, m->ctx, out);
     if (m->kind == MTI_MODEL_MLP) return dry_run(&cc, SPEC_MLP, &m->mlp, tc, m->ctx, out);
     /* a built model: its layers, as a spec */

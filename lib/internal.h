@@ -112,8 +112,10 @@ struct mt_context {
 };
 
 /* A dry context (lib/estimate.c): cfg's allocators over a device with no
- * memory behind it and the dry op table. CPU contexts only. */
-mt_status mti_context_create_dry(const mt_context_config *cfg, mt_context **out);
+ * memory behind it and the dry op table of cfg's device kind; a CUDA one
+ * takes the geometry of `like` when that is a CUDA device (may be NULL). */
+mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device *like,
+                                 mt_context **out);
 /* mt_estimate_model without keeping the estimate with the context. */
 mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
                              mt_estimate_report *out);

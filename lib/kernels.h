@@ -293,6 +293,9 @@ int mti_cpu_threads(void);
 
 /* The CUDA table (MT_ERR_UNSUPPORTED when the device has no kernels). */
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);
+/* The same table for a dry CUDA context (an estimate): its ops check their
+ * arguments and take their workspace as on the GPU, and run nothing. */
+const mti_ops *mti_cuda_dry_ops(void);
 
 /* The 256-entry quantization maps of 8-bit optimizer states, ascending
  * (bitsandbytes' dynamic maps, ../shared/REFERENCES.md): signed (first

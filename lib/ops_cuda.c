@@ -17,8 +17,14 @@
  * Per device the table keeps (mti_cuda_attach) the cuBLASLt handle and a
  * small cache of GEMM plans (descriptors and the chosen algorithm) keyed by
  * shape, types and pointer alignments, so a training step's repeated GEMMs
- * skip the heuristic. GEMM workspace comes from the WORK allocator per call,
- * exactly what the chosen algorithm asks for, at most MTI_GEMM_WORKSPACE.
+ * skip the heuristic. Every GEMM takes MTI_GEMM_WORKSPACE of workspace from
+ * the WORK allocator, the most the heuristic may choose an algorithm for, so
+ * the bytes a step takes do not depend on cuBLASLt's choices.
+ *
+ * In a dry context (an estimate, lib/estimate.c) the table runs as it is,
+ * argument checks and workspace included, but launches nothing and makes no
+ * GEMM: launch, gemm and gemm_ready stop there, and the dry device's copies
+ * and memsets do nothing.
  *
  * Determinism of the rest: no float atomics anywhere (see each kernel
  * file); every reduction's order depends only on the shapes, never on the
@@ -100,52 +106,83 @@ static const struct {
 
 static const char *const lt_paths[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
 
-static lt_api g_lt;
-static char g_lt_why[768]; /* why cuBLASLt could not be loaded */
-static pthread_once_t g_lt_once = PTHREAD_ONCE_INIT;
+/* The cuBLASLt libraries loaded so far: the default search's, and one per
+ * path a context named (mt_context_config.cublaslt_path). They stay loaded
+ * (RTLD_NODELETE): handles made from them live in device state. */
+#define LT_LIBS 4
+typedef struct lt_lib {
+    int tried;
+    char path[256];      /* "" for the default search */
+    lt_api api;          /* api.lib NULL: not loadable, see why */
+    char why[768];
+} lt_lib;
 
-/* Opens the first cuBLASLt that loads and has every entry point. It stays
- * loaded (RTLD_NODELETE): handles made from it live in device state. */
-static void lt_load(void)
+static lt_lib g_lt[LT_LIBS];
+static pthread_mutex_t g_lt_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* Opens `path` and takes every entry point, or says in why what failed. */
+static int lt_try(lt_lib *L, const char *path, size_t *used)
 {
-    size_t used = 0;
-    used += (size_t)snprintf(g_lt_why, sizeof g_lt_why,
-                             "cuBLASLt not found (CUDA GEMMs need it; install the CUDA "
-                             "toolkit's cuBLAS libraries):");
-    for (size_t p = 0; p < sizeof lt_paths / sizeof lt_paths[0]; p++) {
-        memset(&g_lt, 0, sizeof g_lt);
-        dlerror();
-        void *lib = dlopen(lt_paths[p], RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
-        if (!lib) {
-            const char *e = dlerror();
-            if (used < sizeof g_lt_why)
-                used += (size_t)snprintf(g_lt_why + used, sizeof g_lt_why - used, " %s: %s;",
-                                         lt_paths[p], e ? e : "cannot load");
-            continue;
-        }
-        size_t i = 0;
-        for (; i < sizeof lt_syms / sizeof lt_syms[0]; i++) {
-            void *fn = dlsym(lib, lt_syms[i].name);
-            if (!fn) break;
-            memcpy((char *)&g_lt + lt_syms[i].off, &fn, sizeof fn);
-        }
-        if (i < sizeof lt_syms / sizeof lt_syms[0]) {
-            if (used < sizeof g_lt_why)
-                used += (size_t)snprintf(g_lt_why + used, sizeof g_lt_why - used,
-                                         " %s has no %s;", lt_paths[p], lt_syms[i].name);
-            dlclose(lib);
-            continue;
-        }
-        g_lt.lib = lib;
-        g_lt_why[0] = 0;
-        return;
+    memset(&L->api, 0, sizeof L->api);
+    dlerror();
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+    if (!lib) {
+        const char *e = dlerror();
+        if (*used < sizeof L->why)
+            *used += (size_t)snprintf(L->why + *used, sizeof L->why - *used, " %s: %s;", path,
+                                      e ? e : "cannot load");
+        return 0;
     }
-    memset(&g_lt, 0, sizeof g_lt);
+    size_t i = 0;
+    for (; i < sizeof lt_syms / sizeof lt_syms[0]; i++) {
+        void *fn = dlsym(lib, lt_syms[i].name);
+        if (!fn) break;
+        memcpy((char *)&L->api + lt_syms[i].off, &fn, sizeof fn);
+    }
+    if (i < sizeof lt_syms / sizeof lt_syms[0]) {
+        if (*used < sizeof L->why)
+            *used += (size_t)snprintf(L->why + *used, sizeof L->why - *used, " %s has no %s;",
+                                      path, lt_syms[i].name);
+        dlclose(lib);
+        memset(&L->api, 0, sizeof L->api);
+        return 0;
+    }
+    L->api.lib = lib;
+    L->why[0] = 0;
+    return 1;
 }
 
-static const char *lt_status_name(cublasStatus_t s)
+/* The cuBLASLt at `path` (NULL: the first of lt_paths that loads with every
+ * entry point), loaded on first use. NULL when too many paths were asked
+ * for; otherwise api.lib is NULL when it cannot be loaded, and why says so. */
+static const lt_lib *lt_open(const char *path)
 {
-    const char *n = g_lt.GetStatusName ? g_lt.GetStatusName(s) : NULL;
+    const char *key = path ? path : "";
+    if (strlen(key) >= sizeof g_lt[0].path) return NULL;
+    pthread_mutex_lock(&g_lt_mu);
+    lt_lib *L = NULL;
+    for (int i = 0; i < LT_LIBS && !L; i++)
+        if (!g_lt[i].tried || strcmp(g_lt[i].path, key) == 0) L = &g_lt[i];
+    if (L && !L->tried) {
+        L->tried = 1;
+        snprintf(L->path, sizeof L->path, "%s", key);
+        size_t used = (size_t)snprintf(L->why, sizeof L->why,
+                                       "cuBLASLt not found (CUDA GEMMs need it; install the CUDA "
+                                       "toolkit's cuBLAS libraries):");
+        if (path) {
+            lt_try(L, path, &used);
+        } else {
+            for (size_t p = 0; p < sizeof lt_paths / sizeof lt_paths[0]; p++)
+                if (lt_try(L, lt_paths[p], &used)) break;
+        }
+    }
+    pthread_mutex_unlock(&g_lt_mu);
+    return L;
+}
+
+static const char *lt_status_name(const lt_api *api, cublasStatus_t s)
+{
+    const char *n = api && api->GetStatusName ? api->GetStatusName(s) : NULL;
     return n ? n : "unknown cuBLAS status";
 }
 
@@ -168,7 +205,6 @@ typedef struct gemm_plan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
-    size_t ws;                   /* workspace bytes the algorithm asks for */
 } gemm_plan;
 
 typedef struct ops_state {
@@ -176,18 +212,19 @@ typedef struct ops_state {
     int lt_tried;                /* the handle was asked for once: lt_status says how it went */
     mt_status lt_status;
     char lt_why[768];
+    const lt_api *api;           /* the cuBLASLt the handle came from */
     cublasLtHandle_t lt;
     gemm_plan plans[MTI_GEMM_PLANS];
     unsigned next_evict;
 } ops_state;
 
-static void plan_drop(gemm_plan *p)
+static void plan_drop(const ops_state *s, gemm_plan *p)
 {
     if (!p->used) return;
-    if (p->la) g_lt.MatrixLayoutDestroy(p->la);
-    if (p->lb) g_lt.MatrixLayoutDestroy(p->lb);
-    if (p->ld) g_lt.MatrixLayoutDestroy(p->ld);
-    if (p->desc) g_lt.MatmulDescDestroy(p->desc);
+    if (p->la) s->api->MatrixLayoutDestroy(p->la);
+    if (p->lb) s->api->MatrixLayoutDestroy(p->lb);
+    if (p->ld) s->api->MatrixLayoutDestroy(p->ld);
+    if (p->desc) s->api->MatmulDescDestroy(p->desc);
     memset(p, 0, sizeof *p);
 }
 
@@ -195,8 +232,8 @@ static void plan_drop(gemm_plan *p)
 static void state_free(mti_device *d, void *arg)
 {
     ops_state *s = arg;
-    for (int i = 0; i < MTI_GEMM_PLANS; i++) plan_drop(&s->plans[i]);
-    if (s->lt) g_lt.Destroy(s->lt);
+    for (int i = 0; i < MTI_GEMM_PLANS; i++) plan_drop(s, &s->plans[i]);
+    if (s->lt) s->api->Destroy(s->lt);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -228,29 +265,37 @@ static mt_status lt_handle(const mti_kctx *k, ops_state *s)
     }
     s->lt_tried = 1;
     s->lt_status = MT_OK;
-    pthread_once(&g_lt_once, lt_load);
-    if (!g_lt.lib) {
+    const char *path = k->ctx->cfg.cublaslt_path;
+    const lt_lib *L = lt_open(path);
+    if (!L) {
         s->lt_status = MT_ERR_UNSUPPORTED;
-        snprintf(s->lt_why, sizeof s->lt_why, "%s", g_lt_why);
-    } else if (!mti_cuda_is_system_driver(k->dev)) {
+        snprintf(s->lt_why, sizeof s->lt_why,
+                 "cuBLASLt: cannot load \"%.200s\" (a path of at most %zu bytes; at most %d "
+                 "libraries per process)", path ? path : "", sizeof L->path - 1, LT_LIBS);
+    } else if (!L->api.lib) {
+        s->lt_status = MT_ERR_UNSUPPORTED;
+        snprintf(s->lt_why, sizeof s->lt_why, "%s", L->why);
+    } else if (!path && !mti_cuda_is_system_driver(k->dev)) {
         s->lt_status = MT_ERR_UNSUPPORTED;
         snprintf(s->lt_why, sizeof s->lt_why,
                  "cuBLASLt drives the GPU through the system's libcuda.so.1, and this device "
-                 "runs on another CUDA driver library: no GEMMs on it");
+                 "runs on another CUDA driver library: no GEMMs on it (unless cublaslt_path "
+                 "names a cuBLASLt that drives it)");
     } else {
-        cublasStatus_t r = g_lt.Create(&s->lt);
+        s->api = &L->api;
+        cublasStatus_t r = s->api->Create(&s->lt);
         if (r != CUBLAS_STATUS_SUCCESS) {
             s->lt = NULL;
             s->lt_status = MT_ERR_DEVICE;
             snprintf(s->lt_why, sizeof s->lt_why, "cublasLtCreate (cuBLASLt %zu) failed: %s",
-                     g_lt.GetVersion(), lt_status_name(r));
+                     s->api->GetVersion(), lt_status_name(s->api, r));
             /* out of memory may pass: try again next time */
             if (r == CUBLAS_STATUS_ALLOC_FAILED) {
                 s->lt_tried = 0;
                 s->lt_status = MT_ERR_OOM;
             }
         } else {
-            mti_log(k->ctx, MT_LOG_INFO, "cuBLASLt %zu ready on %s", g_lt.GetVersion(),
+            mti_log(k->ctx, MT_LOG_INFO, "cuBLASLt %zu ready on %s", s->api->GetVersion(),
                     k->dev->name);
         }
     }
@@ -296,6 +341,7 @@ static mt_status bad_dt(const mti_kctx *k, const char *op, mti_dtype dt)
 /* Queues kernel `id` (for a per-dtype kernel: its fp32 id plus the dtype). */
 static mt_status launch(const mti_kctx *k, int id, mti_dim3 grid, unsigned threads, void **args)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing runs */
     mti_cuda_fn *fn;
     mt_status st = mti_cuda_kernel(k->dev, (mti_cuda_kernel_id)id, &fn);
     if (st != MT_OK) return st;
@@ -494,53 +540,52 @@ static mt_status plan_make(const mti_kctx *k, ops_state *s, gemm_plan *p, const 
         call = #c;                                                                             \
         if ((r = (c)) != CUBLAS_STATUS_SUCCESS) goto fail;                                     \
     } while (0)
-    LT_TRY(g_lt.MatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    LT_TRY(s->api->MatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    LT_TRY(s->api->MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    LT_TRY(s->api->MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    LT_TRY(s->api->MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
     if (key->bias) /* the heuristic reads the pointer's alignment */
-        LT_TRY(g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+        LT_TRY(s->api->MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                            sizeof bias));
     /* layouts as stored: op(A) is (m,k), so A is (m,k) or, transposed, (k,m) */
-    LT_TRY(g_lt.MatrixLayoutCreate(&p->la, key->a_type, key->ta == CUBLAS_OP_N ? key->m : key->k,
+    LT_TRY(s->api->MatrixLayoutCreate(&p->la, key->a_type, key->ta == CUBLAS_OP_N ? key->m : key->k,
                                    key->ta == CUBLAS_OP_N ? key->k : key->m, key->lda));
-    LT_TRY(g_lt.MatrixLayoutCreate(&p->lb, key->b_type, key->tb == CUBLAS_OP_N ? key->k : key->n,
+    LT_TRY(s->api->MatrixLayoutCreate(&p->lb, key->b_type, key->tb == CUBLAS_OP_N ? key->k : key->n,
                                    key->tb == CUBLAS_OP_N ? key->n : key->k, key->ldb));
-    LT_TRY(g_lt.MatrixLayoutCreate(&p->ld, key->d_type, key->m, key->n, key->ldd));
-    LT_TRY(g_lt.MatmulPreferenceCreate(&pref));
-    LT_TRY(g_lt.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+    LT_TRY(s->api->MatrixLayoutCreate(&p->ld, key->d_type, key->m, key->n, key->ldd));
+    LT_TRY(s->api->MatmulPreferenceCreate(&pref));
+    LT_TRY(s->api->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                              &max_ws, sizeof max_ws));
     for (int i = 0; i < 4; i++)
-        LT_TRY(g_lt.MatmulPreferenceSetAttribute(
+        LT_TRY(s->api->MatmulPreferenceSetAttribute(
             pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i, &al[i], sizeof al[i]));
     if (key->d_type != CUDA_R_32F) {
         /* split-K pieces added in fp32 only: 16-bit outputs are rounded once */
         uint32_t mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-        LT_TRY(g_lt.MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+        LT_TRY(s->api->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                                  &mask, sizeof mask));
     }
     cublasLtMatmulHeuristicResult_t res;
     int got = 0;
     memset(&res, 0, sizeof res);
-    LT_TRY(g_lt.MatmulAlgoGetHeuristic(s->lt, p->desc, p->la, p->lb, p->ld, p->ld, pref, 1, &res,
+    LT_TRY(s->api->MatmulAlgoGetHeuristic(s->lt, p->desc, p->la, p->lb, p->ld, p->ld, pref, 1, &res,
                                        &got));
 #undef LT_TRY
-    g_lt.MatmulPreferenceDestroy(pref);
+    s->api->MatmulPreferenceDestroy(pref);
     if (got < 1 || res.state != CUBLAS_STATUS_SUCCESS) {
-        plan_drop(p);
+        plan_drop(s, p);
         p->key = *key;
         p->used = 1;
         p->none = 1;
         return MT_OK;
     }
     p->algo = res.algo;
-    p->ws = res.workspaceSize;
     return MT_OK;
 fail:
-    if (pref) g_lt.MatmulPreferenceDestroy(pref);
-    plan_drop(p);
+    if (pref) s->api->MatmulPreferenceDestroy(pref);
+    plan_drop(s, p);
     return mti_fail(k->ctx, r == CUBLAS_STATUS_ALLOC_FAILED ? MT_ERR_OOM : MT_ERR_DEVICE,
-                    "CUDA %s: %s failed: %s", what, call, lt_status_name(r));
+                    "CUDA %s: %s failed: %s", what, call, lt_status_name(s->api, r));
 }
 
 /* Whether GEMMs can run on the device at all (cuBLASLt loaded, handle
@@ -549,6 +594,7 @@ fail:
  * db and dx written: the trainer drops a failed step's gradients anyway. */
 static mt_status gemm_ready(const mti_kctx *k)
 {
+    if (mti_dry(k)) return MT_OK;
     ops_state *s = state_of(k->dev);
     if (!s) return mti_fail(k->ctx, MT_ERR_OOM, "CUDA GEMM: out of host memory");
     mt_status st = mti_cuda_enter(k->dev);
@@ -574,7 +620,7 @@ static mt_status plan_for(const mti_kctx *k, ops_state *s, const gemm_key *key, 
     for (int i = 0; i < MTI_GEMM_PLANS && slot < 0; i++)
         if (!s->plans[i].used) slot = i;
     if (slot < 0) slot = (int)(s->next_evict++ % MTI_GEMM_PLANS);
-    plan_drop(&s->plans[slot]);
+    plan_drop(s, &s->plans[slot]);
     mt_status st = plan_make(k, s, &s->plans[slot], key, bias, what);
     if (st == MT_OK) *out = &s->plans[slot];
     return st;
@@ -588,6 +634,12 @@ static mt_status plan_for(const mti_kctx *k, ops_state *s, const gemm_key *key, 
 static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void *B, void *D,
                       const void *bias, float beta, const char *what)
 {
+    carver w = {0};
+    mt_status st;
+    if (mti_dry(k)) { /* an estimate: the workspace, and nothing runs */
+        if ((st = mti_work_alloc(k, MTI_GEMM_WORKSPACE, &w.blk)) == MT_OK) mti_work_free(k, &w.blk);
+        return st;
+    }
     ops_state *s = state_of(k->dev);
     if (!s) return mti_fail(k->ctx, MT_ERR_OOM, "CUDA %s: out of host memory", what);
     key.align[0] = align_of(A);
@@ -595,10 +647,8 @@ static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void
     key.align[2] = align_of(D);
     key.align[3] = bias ? align_of(bias) : 0;
     key.bias = bias != NULL;
-    mt_status st = mti_cuda_enter(k->dev);
-    if (st != MT_OK) return st;
+    if ((st = mti_cuda_enter(k->dev)) != MT_OK) return st;
     pthread_mutex_lock(&s->mu);
-    carver w = {0};
     gemm_plan *p = NULL;
     if ((st = lt_handle(k, s)) != MT_OK) goto out;
     if ((st = plan_for(k, s, &key, bias, what, &p)) != MT_OK) goto out;
@@ -626,22 +676,26 @@ static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void
         goto out;
     }
     if (bias) {
-        cublasStatus_t r = g_lt.MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+        cublasStatus_t r = s->api->MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                        &bias, sizeof bias);
         if (r != CUBLAS_STATUS_SUCCESS) {
             st = mti_fail(k->ctx, MT_ERR_DEVICE, "CUDA %s: setting the bias pointer failed: %s",
-                          what, lt_status_name(r));
+                          what, lt_status_name(s->api, r));
             goto out;
         }
     }
-    if (p->ws && (st = mti_work_alloc(k, p->ws, &w.blk)) != MT_OK) goto out;
+    /* every GEMM takes the most workspace any algorithm may ask for, so
+     * the memory a run takes does not depend on cuBLASLt's choice and an
+     * estimate made without the GPU is exact (lib/estimate.c) */
+    if ((st = mti_work_alloc(k, MTI_GEMM_WORKSPACE, &w.blk)) != MT_OK) goto out;
     const float alpha = 1.0f;
-    cublasStatus_t r = g_lt.Matmul(s->lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, D, p->ld, D,
-                                   p->ld, &p->algo, w.blk.ptr, p->ws, mti_cuda_stream(k->dev));
+    cublasStatus_t r = s->api->Matmul(s->lt, p->desc, &alpha, A, p->la, B, p->lb, &beta, D, p->ld,
+                                      D, p->ld, &p->algo, w.blk.ptr, MTI_GEMM_WORKSPACE,
+                                      mti_cuda_stream(k->dev));
     if (r != CUBLAS_STATUS_SUCCESS)
         st = mti_fail(k->ctx, r == CUBLAS_STATUS_ALLOC_FAILED ? MT_ERR_OOM : MT_ERR_DEVICE,
                       "CUDA %s: cublasLtMatmul (m=%d n=%d k=%d) failed: %s", what, key.m, key.n,
-                      key.k, lt_status_name(r));
+                      key.k, lt_status_name(s->api, r));
     /* the stream orders the GEMM before whatever next uses this memory */
     mti_work_free(k, &w.blk);
 out:
@@ -1198,3 +1252,5 @@ mt_status mti_cuda_ops(mti_device *d, const mti_ops **out)
     *out = &cuda_ops;
     return MT_OK;
 }
+
+const mti_ops *mti_cuda_dry_ops(void) { return &cuda_ops; }

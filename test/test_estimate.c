@@ -8,6 +8,7 @@
  * The issue asks for 1%; the dry run repeats every allocation, so the test
  * asks for equality and prints the worst relative gap.
  */
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,10 +33,19 @@ typedef struct est_case {
 
 static const char *alloc_names[] = {"caching", "arena", "pool", "checkpoint", "split"};
 
+/* The device of the contexts below: the CPU, or CUDA (a GPU under
+ * MT_TEST_GPU=1, else the stand-in driver and cuBLASLt, whose memory is
+ * host memory and whose kernels compute nothing: the CUDA path's
+ * allocations, workspace and device geometry, with no GPU). */
+static mt_device_kind g_device = MT_DEVICE_CPU;
+static const char *g_driver, *g_cublaslt;
+
 static void context_config(mt_context_config *cc, int alloc)
 {
     mt_context_config_init(cc);
-    cc->device = MT_DEVICE_CPU;
+    cc->device = g_device;
+    cc->cuda_driver_path = g_driver;
+    cc->cublaslt_path = g_cublaslt;
     cc->threads = 2;
     const mt_allocator_vtable *vt[] = {mt_allocator_caching(), mt_allocator_arena(),
                                        mt_allocator_pool(), mt_allocator_checkpoint()};
@@ -181,7 +191,7 @@ static double check_case(const est_case *e, int idx)
 }
 
 /* At least 50 configurations, crossing every axis; the allocator rotates. */
-TEST(estimate_equals_measured_matrix)
+static void matrix(void)
 {
     static const mt_precision precs[] = {MT_PREC_FP32, MT_PREC_BF16, MT_PREC_FP16};
     static const mt_optimizer_kind opts[] = {MT_OPT_ADAMW, MT_OPT_SGD, MT_OPT_ADAMW8,
@@ -214,7 +224,88 @@ TEST(estimate_equals_measured_matrix)
                 }
     CHECK(n >= 50);
     if (getenv("MT_TEST_VERBOSE"))
-        printf("    %d configurations, worst relative gap of the peak %.3g\n", n, worst);
+        printf("    %d configurations on %s, worst relative gap of the peak %.3g\n", n,
+               g_device == MT_DEVICE_CUDA ? "CUDA" : "the CPU", worst);
+}
+
+TEST(estimate_equals_measured_matrix)
+{
+    g_device = MT_DEVICE_CPU;
+    matrix();
+}
+
+/* Makes the contexts below CUDA ones: on a GPU under MT_TEST_GPU=1, else
+ * over the stand-in driver and cuBLASLt (MT_FAKE_CUDA, MT_FAKE_CUBLASLT).
+ * false (and the CPU kept) where neither is there or the library has no
+ * CUDA kernels (built without nvcc). */
+static bool cuda_begin(void)
+{
+    const char *gpu = getenv("MT_TEST_GPU");
+    g_driver = check_fake_cuda();
+    g_cublaslt = getenv("MT_FAKE_CUBLASLT");
+    if (gpu && strcmp(gpu, "1") == 0) {
+        g_driver = g_cublaslt = NULL;
+    } else if (!g_driver || !g_cublaslt) {
+        if (getenv("MT_TEST_VERBOSE")) printf("    skipped: no MT_FAKE_CUDA and MT_FAKE_CUBLASLT\n");
+        g_driver = g_cublaslt = NULL;
+        return false;
+    }
+    mt_context_config cc;
+    g_device = MT_DEVICE_CUDA;
+    context_config(&cc, 0);
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_gpt_spec g;
+    mt_mlp_spec ml;
+    mt_model_spec sq;
+    specs(&g, &ml, &sq);
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_mlp_create(ctx, &ml, &m));
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    mt_trainer *t = NULL;
+    mt_status s = mt_trainer_create(m, &tc, &t);
+    CHECK_MSG(s == MT_OK || s == MT_ERR_UNSUPPORTED, "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+    if (s == MT_ERR_UNSUPPORTED) {
+        if (getenv("MT_TEST_VERBOSE")) printf("    skipped: the library has no CUDA kernels\n");
+        g_device = MT_DEVICE_CPU;
+        g_driver = g_cublaslt = NULL;
+        return false;
+    }
+    return true;
+}
+
+/* Back to the CPU; with the stand-in cuBLASLt: its GEMMs ran, each with
+ * the fixed workspace, and every handle and descriptor was freed. */
+static void cuda_end(void)
+{
+    if (g_cublaslt) {
+        void *lib = dlopen(g_cublaslt, RTLD_NOW | RTLD_NOLOAD);
+        CHECK(lib);
+        unsigned long long (*stat)(const char *) =
+            (unsigned long long (*)(const char *))dlsym(lib, "fake_cublaslt_stat");
+        CHECK(stat);
+        CHECK(stat("matmuls") > 100);
+        CHECK(stat("max_ws_asked") > 0 && stat("max_ws_asked") <= (4u << 20));
+        CHECK_EQ(stat("max_ws_given"), 4u << 20);
+        CHECK_EQ(stat("live_objects"), 0);
+        dlclose(lib);
+    }
+    g_device = MT_DEVICE_CPU;
+    g_driver = g_cublaslt = NULL;
+}
+
+/* The same matrix on the CUDA path: estimates made with no GPU (a dry CUDA
+ * context: a current GPU's geometry, the CUDA table's workspace) against
+ * the accounting of real CUDA contexts. */
+TEST(estimate_equals_measured_cuda)
+{
+    if (!cuda_begin()) return;
+    matrix();
+    cuda_end();
 }
 
 /* Bad input: the errors model and trainer creation give, on no context. */
@@ -240,8 +331,16 @@ TEST(estimate_refuses_bad_specs)
     CHECK(strstr(mt_last_error(NULL), "accumulation"));
     trainer_config(&tc, &e);
     CHECK_ST(MT_ERR_INVALID_ARG, mt_estimate_gpt(&cc, &g, NULL, &r));
+    /* CUDA needs no GPU: a current GPU's geometry and the CUDA table's
+       workspace (every GEMM takes 4 MiB) */
+    mt_estimate_report cpu;
+    CHECK_OK(mt_estimate_gpt(&cc, &g, &tc, &cpu));
     cc.device = MT_DEVICE_CUDA;
-    CHECK_ST(MT_ERR_UNSUPPORTED, mt_estimate_gpt(&cc, &g, &tc, &r));
+    cc.cuda_driver_path = "/nonexistent/libcuda.so.1";
+    CHECK_OK(mt_estimate_gpt(&cc, &g, &tc, &r));
+    CHECK(r.class_peak[MT_MEM_WORK] >= (4u << 20) && cpu.class_peak[MT_MEM_WORK] < (4u << 20));
+    CHECK_EQ(r.class_peak[MT_MEM_PARAM], cpu.class_peak[MT_MEM_PARAM]);
+    CHECK_EQ(r.peak_reserved % (2u << 20), 0); /* whole granules */
     /* a limit the run passes: the estimate fails as the run would */
     context_config(&cc, 0);
     for (int c = 0; c < MT_MEM_COUNT; c++) cc.allocators[c].limit_bytes = 64 << 10;
@@ -300,7 +399,7 @@ static int recomputed_units(const mt_trainer *t, int *sel)
 /* Budgets from what no recompute needs down to the least any plan needs:
    each run stays within its budget; the roomiest recomputes nothing, the
    tightest something. Below the least: MT_ERR_BUDGET naming it. */
-TEST(budget_policy_stays_within)
+static void budgets(void)
 {
     for (int alloc = 0; alloc < 4; alloc += 3) { /* caching, checkpoint */
         mt_context *ctx;
@@ -355,6 +454,19 @@ TEST(budget_policy_stays_within)
         CHECK_OK(mt_model_destroy(m));
         CHECK_OK(mt_context_destroy(ctx));
     }
+}
+
+TEST(budget_policy_stays_within)
+{
+    budgets();
+}
+
+/* The same on CUDA contexts: the plans come from dry CUDA estimates. */
+TEST(budget_policy_stays_within_cuda)
+{
+    if (!cuda_begin()) return;
+    budgets();
+    cuda_end();
 }
 
 /* A custom plan: recomputed, selective and kept units mixed. Gradients are

@@ -869,6 +869,7 @@ static void usage_estimate(FILE *f)
             "  --recompute none|selective|sqrt|every:K|budget  (none)\n"
             "  --fused                the fused backward + optimizer step\n"
             "  --allocator NAME       caching|arena|pool|checkpoint for every class (caching)\n"
+            "  --device cpu|cuda      the device the run will use (cpu); cuda needs no GPU\n"
             "  --threads N            CPU threads, 0 = all (0)\n"
             "  --budget MIB           a memory budget (MiB, what the allocators reserve)\n"
             "  --autofit              fit micro-batch, recompute and state to --budget\n"
@@ -892,6 +893,7 @@ static int cmd_estimate(int argc, char **argv)
     long threads = 0;
     const char *alloc = "caching";
     double budget_mib = 0;
+    mt_device_kind device = MT_DEVICE_CPU;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         long n;
@@ -948,6 +950,9 @@ static int cmd_estimate(int argc, char **argv)
         } else if (!strcmp(a, "--allocator")) {
             if (!mt_allocator_by_name(v)) return bad_usage("unknown allocator '%s'", v);
             alloc = v;
+        } else if (!strcmp(a, "--device")) {
+            if (parse_device(v, &device) || device == MT_DEVICE_AUTO)
+                return bad_usage("bad --device '%s' (cpu, cuda)", v);
         } else if (!strcmp(a, "--budget")) {
             float b;
             if (parse_float(v, &b) || !(b > 0)) return bad_usage("bad --budget '%s' (MiB > 0)", v);
@@ -962,7 +967,7 @@ static int cmd_estimate(int argc, char **argv)
     tc.memory_budget = (uint64_t)(budget_mib * 1048576.0);
     mt_context_config cc;
     mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CPU;
+    cc.device = device;
     cc.threads = (int)threads;
     for (int c = 0; c < MT_MEM_COUNT; c++) cc.allocators[c].vtable = mt_allocator_by_name(alloc);
     /* a dry context: the model costs nothing, and auto-fit and the estimate
