@@ -204,13 +204,15 @@ test-long: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA)
 	MT_FAKE_CUDA=$(FAKE_CUDA) MT_TEST_LONG=1 $(TEST_BIN) stress
 
-# the op conformance suite against the CUDA table, on a real GPU (needs nvcc
-# at build time and an NVIDIA driver at run time; the stand-in driver cannot
-# run kernels)
+# the op conformance suite against the CUDA table, the engine against the
+# CPU, and the estimates and budgets against CUDA runs and the driver, on a
+# real GPU (needs nvcc at build time and an NVIDIA driver at run time; the
+# stand-in driver cannot run kernels)
 test-gpu: deps
 	@test -n "$(strip $(NVCC))" || { echo "test-gpu: nvcc not found, so no CUDA kernels to test (set NVCC)"; exit 1; }
-	@$(MAKE) --no-print-directory $(TEST_BIN)
-	MT_TEST_GPU=1 $(TEST_BIN) ops gpu_engine
+	@$(MAKE) --no-print-directory $(TEST_BIN) $(BUILD)/bench/bench_memory
+	MT_TEST_GPU=1 $(TEST_BIN) ops gpu_engine _cuda
+	$(BUILD)/bench/bench_memory --sections d
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES)

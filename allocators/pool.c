@@ -642,8 +642,11 @@ static mt_status pl_setup_classes(pool *p, const mt_pool_options *o)
         c->inv = inv;
         c->partial = PL_NONE;
         /* slabs aligned to the size's largest power-of-two factor, up to
-         * the granularity (free for the backing to give) */
-        size_t sa = low < gran ? low : gran;
+         * what the backing gives free: the host page; on CUDA only
+         * min_alignment (cuMemAlloc promises 256 bytes, and more costs an
+         * over-allocation whose slack no accounting sees) */
+        size_t free_al = p->bk->device == MT_DEVICE_CUDA ? min_al : gran;
+        size_t sa = low < free_al ? low : free_al;
         if (sa < min_al) sa = min_al;
         c->slab_align = sa > min_al ? sa : 0;
         c->align = low < sa ? low : sa;

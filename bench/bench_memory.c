@@ -17,8 +17,15 @@
  *     run (median ms/step over a few steps, in turns) on a model whose
  *     activations dominate (L 12, C 512, H 8, V 8192, B 8, T 256; --quick:
  *     L 6, C 256, H 4, B 4, T 128).
+ * (d) On a CUDA device: for a few configurations of the same model, the
+ *     estimate made without the GPU (a dry CUDA context) against the run's
+ *     accounting, and the accounting against the driver: the device memory
+ *     the run took (cuMemGetInfo, from the context's creation to the end of
+ *     two steps) against the allocators' reserve. Skipped without a GPU;
+ *     MT_FAKE_CUDA and MT_FAKE_CUBLASLT (the test suite's stand-ins) run it
+ *     with no GPU, as a check of the section itself.
  *
- * Usage: bench_memory [--quick] [--threads N] [--sections abc]
+ * Usage: bench_memory [--quick] [--threads N] [--sections abcd]
  */
 #include <math.h>
 #include <stdbool.h>
@@ -35,7 +42,7 @@
 
 static bool quick;
 static int threads = 0;
-static const char *sections = "abc";
+static const char *sections = "abcd";
 
 static double mib(uint64_t b) { return (double)b / 1048576.0; }
 
@@ -362,6 +369,77 @@ static void budget_vs_fixed(void)
            mib(en.peak_reserved), mib(least));
 }
 
+/* ---- (d) CUDA: estimate, accounting and driver ---- */
+
+static void on_cuda(void)
+{
+    mt_context_config cc;
+    context_config(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = getenv("MT_FAKE_CUDA");
+    cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT");
+    mt_context *ctx;
+    printf("\n(d) CUDA: estimate (made without the GPU) vs run vs driver, two steps\n");
+    if (mt_context_create(&cc, &ctx)) {
+        printf("    skipped: %s\n", mt_last_error(NULL));
+        return;
+    }
+    printf("    device: %s%s\n", mt_context_device_name(ctx),
+           cc.cublaslt_path ? " (the stand-in driver and cuBLASLt: no GPU)" : "");
+    mt_context_destroy(ctx);
+    static const struct {
+        const char *name;
+        mt_precision prec;
+        int masters;
+        mt_optimizer_kind opt;
+        int pol, fused, B, T;
+    } cfgs[] = {{"fp32 AdamW", MT_PREC_FP32, 1, MT_OPT_ADAMW, 0, 0, 4, 256},
+                {"bf16 AdamW sqrt", MT_PREC_BF16, 1, MT_OPT_ADAMW, 2, 0, 8, 512},
+                {"bf16 AdamW8 fused selective", MT_PREC_BF16, 1, MT_OPT_ADAMW8, 1, 1, 8, 1024},
+                {"bf16 no masters AdamW8 fused sqrt", MT_PREC_BF16, 0, MT_OPT_ADAMW8, 2, 1, 16, 1024}};
+    printf("    %-34s %10s %10s %10s %10s %10s %7s\n", "config", "est peak", "peak", "est resv",
+           "reserved", "driver", "drv/res");
+    for (size_t i = 0; i < sizeof cfgs / sizeof cfgs[0]; i++) {
+        mt_gpt_spec g;
+        mt_gpt_spec_init(&g);
+        int B = cfgs[i].B, T = cfgs[i].T;
+        if (quick) g.layers = 2, g.channels = 256, g.heads = 4, g.vocab = 8192, B = 2, T = 128;
+        mt_trainer_config tc;
+        trainer_config(&tc, B, T, &policies[cfgs[i].pol]);
+        tc.precision = cfgs[i].prec, tc.master_weights = cfgs[i].masters;
+        tc.optimizer = cfgs[i].opt, tc.fused_step = cfgs[i].fused;
+        mt_estimate_report e;
+        mt_status s = mt_estimate_gpt(&cc, &g, &tc, &e);
+        if (s) die(NULL, "mt_estimate_gpt", s);
+        if ((s = mt_context_create(&cc, &ctx))) die(NULL, "mt_context_create", s);
+        uint64_t free0, free1;
+        if ((s = mt_context_device_memory(ctx, &free0, NULL))) die(ctx, "device memory", s);
+        mt_model *m;
+        mt_trainer *t;
+        if ((s = mt_model_gpt_create(ctx, &g, &m))) die(ctx, "mt_model_gpt_create", s);
+        if ((s = mt_trainer_create(m, &tc, &t))) die(ctx, "mt_trainer_create", s);
+        int32_t *ids = malloc(((size_t)B * T + 1) * sizeof *ids);
+        for (size_t k = 0; k <= (size_t)B * T; k++)
+            ids[k] = (int32_t)((k * 2654435761u) % (uint32_t)g.vocab);
+        mt_batch b = {.n = B, .tokens = ids, .targets = ids + 1, .seq_len = T};
+        for (int k = 0; k < 2; k++)
+            if ((s = mt_trainer_step(t, &b, NULL))) die(ctx, "mt_trainer_step", s);
+        if ((s = mt_context_device_memory(ctx, &free1, NULL))) die(ctx, "device memory", s);
+        mt_memory_stats st;
+        mt_context_memory_stats(ctx, &st);
+        double drv = (double)free0 - (double)free1;
+        printf("    %-34s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f\n", cfgs[i].name, mib(e.peak),
+               mib(st.peak_live_bytes), mib(e.peak_reserved), mib(st.peak_reserved_bytes),
+               drv / 1048576.0, drv / (double)st.reserved_bytes);
+        free(ids);
+        mt_trainer_destroy(t);
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+    }
+    printf("    MiB; driver = device memory the run took (cuMemGetInfo), drv/res = that over the\n"
+           "    allocators' reserve at the end (the caching allocator keeps its peak reserve)\n");
+}
+
 int main(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++) {
@@ -369,7 +447,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--sections") && i + 1 < argc) sections = argv[++i];
         else {
-            fprintf(stderr, "usage: bench_memory [--quick] [--threads N] [--sections abc]\n");
+            fprintf(stderr, "usage: bench_memory [--quick] [--threads N] [--sections abcd]\n");
             return 2;
         }
     }
@@ -377,5 +455,6 @@ int main(int argc, char **argv)
     if (strchr(sections, 'a')) sweep();
     if (strchr(sections, 'b')) measured();
     if (strchr(sections, 'c')) budget_vs_fixed();
+    if (strchr(sections, 'd')) on_cuda();
     return 0;
 }

@@ -251,6 +251,13 @@ const char *mt_last_error(const mt_context *ctx);
 /* The device the context runs on (never MT_DEVICE_AUTO) and its name. */
 mt_device_kind mt_context_device(const mt_context *ctx);
 const char *mt_context_device_name(const mt_context *ctx);
+/* The device's memory as its driver reports it now: bytes free and total
+ * (CUDA: cuMemGetInfo, every process's use counted; CPU: MemAvailable and
+ * MemTotal; a dry context: its total, all free). Against the context's own
+ * accounting (mt_context_memory_stats) it shows what the accounting does
+ * not see: the driver's rounding, libraries' own allocations, other users.
+ * Either pointer may be NULL. */
+mt_status mt_context_device_memory(mt_context *ctx, uint64_t *free_bytes, uint64_t *total_bytes);
 
 /* ------------------------------------------------------------------------ */
 /* Allocator instances and blocks                                            */

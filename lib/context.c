@@ -191,6 +191,17 @@ const char *mt_context_device_name(const mt_context *ctx)
     return ctx && ctx->dev ? ctx->dev->name : "";
 }
 
+mt_status mt_context_device_memory(mt_context *ctx, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_device_memory: ctx is NULL");
+    size_t f = 0, t = 0;
+    mt_status s = ctx->dev->mem_info(ctx->dev, &f, &t);
+    if (s) return s;
+    if (free_bytes) *free_bytes = f;
+    if (total_bytes) *total_bytes = t;
+    return MT_OK;
+}
+
 mt_status mt_context_alloc(mt_context *ctx, const mt_alloc_request *req, mt_block *out)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_alloc: ctx is NULL");

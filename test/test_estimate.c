@@ -308,6 +308,63 @@ TEST(estimate_equals_measured_cuda)
     cuda_end();
 }
 
+/* The driver's view of a CUDA run against the accounting: what the device
+ * lost between the context's creation and the end of two steps, per
+ * allocator, next to what the allocators reserve then. The stand-in driver
+ * counts exactly the bytes it hands out (and never aligns to more than 256
+ * bytes), so there the gap is only the slack of the few requests that ask
+ * for more alignment than that; on a GPU it also holds the driver's rounding and cuBLASLt's
+ * own memory, and is printed (MT_TEST_VERBOSE=1; bench_memory section d
+ * measures it). */
+TEST(driver_sees_the_accounting_cuda)
+{
+    if (!cuda_begin()) return;
+    const bool stand_in = g_cublaslt != NULL;
+    for (int alloc = 0; alloc < 5; alloc++) {
+        mt_context_config cc;
+        context_config(&cc, alloc);
+        mt_context *ctx;
+        CHECK_OK(mt_context_create(&cc, &ctx));
+        uint64_t free0, free1, total;
+        CHECK_OKC(ctx, mt_context_device_memory(ctx, &free0, &total));
+        CHECK(free0 <= total && total > 0);
+        mt_gpt_spec g;
+        mt_mlp_spec ml;
+        mt_model_spec sq;
+        specs(&g, &ml, &sq);
+        mt_model *m;
+        CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+        est_case e = {.model = M_GPT, .prec = MT_PREC_BF16, .masters = 1, .opt = MT_OPT_ADAMW,
+                      .rc = MT_RECOMPUTE_SQRT, .batch = 4, .seq = 16, .alloc = alloc};
+        mt_trainer_config tc;
+        trainer_config(&tc, &e);
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        int32_t ids[4 * 16 + 1];
+        for (int i = 0; i < 4 * 16 + 1; i++) ids[i] = (i * 31 + 7) % 500;
+        mt_batch b = {.n = 4, .tokens = ids, .targets = ids + 1, .seq_len = 16};
+        for (int i = 0; i < 2; i++) CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+        CHECK_OKC(ctx, mt_context_device_memory(ctx, &free1, NULL));
+        mt_memory_stats st;
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        int64_t lost = (int64_t)free0 - (int64_t)free1;
+        if (getenv("MT_TEST_VERBOSE"))
+            printf("    %-10s reserved %8.3f MiB, the driver gave %8.3f MiB (%+.3f MiB)\n",
+                   alloc_names[alloc], st.reserved_bytes / 1048576.0, lost / 1048576.0,
+                   (lost - (int64_t)st.reserved_bytes) / 1048576.0);
+        CHECK_MSG(lost >= (int64_t)st.reserved_bytes, "%s: the driver gave %lld, reserved %llu",
+                  alloc_names[alloc], (long long)lost, (unsigned long long)st.reserved_bytes);
+        if (stand_in) /* the slack of the few requests that ask more than 256-byte alignment */
+            CHECK_MSG(lost - (int64_t)st.reserved_bytes <= 4096,
+                      "%s: the driver gave %lld, reserved %llu", alloc_names[alloc],
+                      (long long)lost, (unsigned long long)st.reserved_bytes);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+    cuda_end();
+}
+
 /* Bad input: the errors model and trainer creation give, on no context. */
 TEST(estimate_refuses_bad_specs)
 {

@@ -64,7 +64,10 @@ typedef struct mt_backing {
 
     /* Takes `bytes` (> 0) aligned to `alignment` (a power of two; 0 means
      * min_alignment). On success *ptr is set and *granted to the usable size
-     * (>= bytes; the whole of it counts as reserved). */
+     * (>= bytes; the whole of it counts as reserved). On CUDA, alignment
+     * above min_alignment can cost up to alignment - 256 bytes of the
+     * device that are not counted (cuMemAlloc is over-asked when its address
+     * is not aligned enough), so ask for it only where it is needed. */
     mt_status (*reserve)(void *self, size_t bytes, size_t alignment, void **ptr,
                          size_t *granted);
     /* Gives back a whole reservation: ptr and granted exactly as reserve set them. */
