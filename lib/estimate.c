@@ -17,9 +17,13 @@
  *
  * What it assumes: the batches have max_batch rows of max_seq tokens (the
  * largest a step takes), and no step is skipped (an fp16 overflow skips the
- * update and so allocates less). CPU contexts only so far: a CUDA estimate
- * needs the CUDA table's workspace sizes (cuBLASLt's chosen algorithms), to
- * be taken from the device.
+ * update and so allocates less).
+ *
+ * A CUDA context is estimated without a GPU: the dry device has the CUDA
+ * device layer's geometry (a real device's when the estimate is made for a
+ * model on one, else a current GPU's), and the op table is the CUDA table
+ * run dry (lib/ops_cuda.c: workspace taken, nothing launched; every GEMM
+ * takes the same fixed workspace whatever cuBLASLt would choose).
  */
 #include <stdio.h>
 #include <stdlib.h>

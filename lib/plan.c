@@ -259,19 +259,27 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
 /* The cost model of a step (seconds on a nominal machine; only comparisons
  * between candidates mean anything): forward + backward is 3x the forward
  * FLOPs, recompute adds its forward FLOPs, GEMMs over n rows run at
- * n / (n + 32) of the peak rate, and the optimizer update moves its bytes
- * per parameter at the memory bandwidth. Rates: the CPU this was measured
- * on (docs/benchmarks.md): 200 GFLOP/s sgemm, 40 GB/s; the 8-bit update
- * is compute-bound at about 8.8x its 16 bytes. */
-#define FIT_FLOPS 200e9
-#define FIT_BW 40e9
+ * n / (n + half) of the peak rate, and the optimizer update moves its bytes
+ * per parameter at the memory bandwidth. The rates are the device's:
+ *   CPU: the one this was measured on (docs/benchmarks.md): 200 GFLOP/s
+ *     sgemm (16-bit compute runs through fp32 GEMMs), 40 GB/s, half at 32
+ *     rows; the 8-bit update is compute-bound at about 8.8x its 16 bytes.
+ *   CUDA: a nominal H100-class GPU (not measured here): 50 TFLOP/s in fp32
+ *     (no TF32), 400 in fp16/bf16, 2.5 TB/s, half at 1024 rows (a GEMM
+ *     needs many rows to fill the GPU); the 8-bit update is bandwidth-bound. */
+typedef struct fit_rates {
+    double flops, flops16, bw, half, q8;
+} fit_rates;
 
-static double update_bytes(mt_optimizer_kind o, float momentum)
+static const fit_rates fit_cpu = {200e9, 200e9, 40e9, 32, 8.8};
+static const fit_rates fit_cuda = {50e12, 400e12, 2.5e12, 1024, 1.0};
+
+static double update_bytes(mt_optimizer_kind o, float momentum, const fit_rates *r)
 {
     switch (o) {
     case MT_OPT_SGD: return momentum > 0 ? 20 : 12;
     case MT_OPT_ADAMW: return 28;
-    case MT_OPT_ADAMW8: return 16 * 8.8;
+    case MT_OPT_ADAMW8: return 16 * r->q8;
     case MT_OPT_ADAFACTOR: return 52;
     }
     return 28;
@@ -281,14 +289,16 @@ static double update_bytes(mt_optimizer_kind o, float momentum)
 static double step_seconds(const mt_model *m, const mt_trainer_config *c, int micro, double fwd,
                            double rec_cost)
 {
+    const fit_rates *r = m->ctx->dev->kind == MT_DEVICE_CUDA ? &fit_cuda : &fit_cpu;
+    const double flops = c->precision == MT_PREC_FP32 ? r->flops : r->flops16;
     const int T = seq_of(m, c);
     double total = 0;
     for (int r0 = 0; r0 < c->max_batch; r0 += micro) {
         int rows = c->max_batch - r0 < micro ? c->max_batch - r0 : micro;
-        double tok = (double)rows * T, eff = tok / (tok + 32.0);
-        total += (3 * fwd + rec_cost) * tok / (FIT_FLOPS * eff);
+        double tok = (double)rows * T, eff = tok / (tok + r->half);
+        total += (3 * fwd + rec_cost) * tok / (flops * eff);
     }
-    return total + (double)m->n_params * update_bytes(c->optimizer, c->momentum) / FIT_BW;
+    return total + (double)m->n_params * update_bytes(c->optimizer, c->momentum, r) / r->bw;
 }
 
 mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,
