@@ -877,8 +877,9 @@ mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in
  * (mt_context_memory_stats) shows for the same run, through the same
  * allocators: live bytes as the library counts them, and what the
  * allocators reserve. Assumes no step is skipped (an fp16 overflow skips
- * the update, which then allocates less). CPU contexts only so far
- * (MT_ERR_UNSUPPORTED for CUDA). */
+ * the update, which then allocates less). A CUDA context's run is
+ * estimated without a GPU (a current GPU's allocation geometry, or, for
+ * mt_estimate_model, that of the model's device). */
 typedef struct mt_estimate_report {
     /* From the model's creation through the trainer's and two steps: */
     uint64_t peak;                     /* live bytes of all classes together, at most */
