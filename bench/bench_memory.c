@@ -419,6 +419,7 @@ static void on_cuda(void)
         if ((s = mt_model_gpt_create(ctx, &g, &m))) die(ctx, "mt_model_gpt_create", s);
         if ((s = mt_trainer_create(m, &tc, &t))) die(ctx, "mt_trainer_create", s);
         int32_t *ids = malloc(((size_t)B * T + 1) * sizeof *ids);
+        if (!ids) die(ctx, "tokens", MT_ERR_OOM);
         for (size_t k = 0; k <= (size_t)B * T; k++)
             ids[k] = (int32_t)((k * 2654435761u) % (uint32_t)g.vocab);
         mt_batch b = {.n = B, .tokens = ids, .targets = ids + 1, .seq_len = T};

@@ -221,10 +221,11 @@ typedef struct mt_context_config {
      * NVIDIA GPU's allocation geometry (256-byte alignment, 2 MiB VMM
      * granularity); no GPU is needed. */
     int dry_run;
-    /* The cuBLASLt library CUDA GEMMs use. NULL: "libcublasLt.so.13", then
-     * ".so.12", from the loader's path, which must drive the GPU through the
-     * same libcuda as the context. A path given is taken as it is, and is
-     * trusted to drive the context's device. */
+    /* The cuBLASLt library CUDA GEMMs use (copied; loaded at the first
+     * GEMM). NULL or "": "libcublasLt.so.13", then ".so.12", from the
+     * loader's path, which must drive the GPU through the same libcuda as
+     * the context. A path given is taken as it is, and is trusted to drive
+     * the context's device. A process loads at most 4 different ones. */
     const char *cublaslt_path;
 } mt_context_config;
 
@@ -253,7 +254,8 @@ mt_device_kind mt_context_device(const mt_context *ctx);
 const char *mt_context_device_name(const mt_context *ctx);
 /* The device's memory as its driver reports it now: bytes free and total
  * (CUDA: cuMemGetInfo, every process's use counted; CPU: MemAvailable and
- * MemTotal; a dry context: its total, all free). Against the context's own
+ * MemTotal; a dry context: a placeholder total of 64 TiB, all free, since
+ * it has no memory). Against the context's own
  * accounting (mt_context_memory_stats) it shows what the accounting does
  * not see: the driver's rounding, libraries' own allocations, other users.
  * Either pointer may be NULL. */

@@ -64,6 +64,7 @@ static void context_free(mt_context *ctx)
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_delete(ctx->inst[i]);
     if (ctx->trace) mt_trace_free(ctx->trace);
     if (ctx->dev) ctx->dev->destroy(ctx->dev);
+    free((char *)ctx->cfg.cublaslt_path);
     mti_clear_error(ctx);
     pthread_mutex_destroy(&ctx->err_mu);
     free(ctx);
@@ -111,6 +112,9 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
         c.log_fn = NULL;
     }
     ctx->cfg = c;
+    ctx->cfg.cublaslt_path = NULL; /* the context's own copy: it is read at the first GEMM */
+    if (c.cublaslt_path && c.cublaslt_path[0] && !(ctx->cfg.cublaslt_path = strdup(c.cublaslt_path)))
+        return create_failed(ctx, mti_fail(ctx, MT_ERR_OOM, "mt_context_create: out of host memory"));
     ctx->dry = dry;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     ctx->threads = c.threads ? c.threads : (ncpu > 0 ? (int)ncpu : 1);

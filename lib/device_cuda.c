@@ -955,17 +955,24 @@ const char *mti_cuda_kernel_name(mti_cuda_kernel_id k)
     return (unsigned)k < MTI_CUDA_KERNEL_COUNT ? kernel_names[k] : NULL;
 }
 
+/* A device this file opened: kind CUDA alone is not enough, since the dry
+ * devices of estimates (lib/estimate.c) are CUDA-kind with another impl. */
+static int is_ours(const mti_device *d)
+{
+    return d && d->kind == MT_DEVICE_CUDA && d->impl && d->destroy == cuda_destroy;
+}
+
 static mt_status need_cuda(mti_device *d, const char *fn)
 {
     if (!d) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: no device", fn);
-    if (d->kind != MT_DEVICE_CUDA || !d->impl)
+    if (!is_ours(d))
         return mti_fail(d->ctx, MT_ERR_INVALID_ARG, "%s: not a CUDA device", fn);
     return MT_OK;
 }
 
 int mti_cuda_has_kernels(const mti_device *d)
 {
-    return d && d->kind == MT_DEVICE_CUDA && d->impl && ((const cuda_dev *)d->impl)->module;
+    return is_ours(d) && ((const cuda_dev *)d->impl)->module;
 }
 
 mt_status mti_cuda_compute_capability(mti_device *d, int *major, int *minor)
@@ -994,7 +1001,7 @@ mt_status mti_cuda_kernel(mti_device *d, mti_cuda_kernel_id k, mti_cuda_fn **out
 
 void *mti_cuda_stream(mti_device *d)
 {
-    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return NULL;
+    if (!is_ours(d)) return NULL;
     return ((cuda_dev *)d->impl)->stream;
 }
 
@@ -1006,12 +1013,12 @@ mt_status mti_cuda_enter(mti_device *d)
 
 void mti_cuda_leave(mti_device *d)
 {
-    if (d && d->kind == MT_DEVICE_CUDA && d->impl) cuda_leave(d);
+    if (is_ours(d)) cuda_leave(d);
 }
 
 int mti_cuda_is_system_driver(mti_device *d)
 {
-    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return 0;
+    if (!is_ours(d)) return 0;
     cuda_dev *c = d->impl;
     void *sys = dlopen(CUDA_DEFAULT_DRIVER, RTLD_NOW | RTLD_NOLOAD);
     int same = sys && sys == c->api.lib;
@@ -1021,7 +1028,7 @@ int mti_cuda_is_system_driver(mti_device *d)
 
 void *mti_cuda_attach(mti_device *d, void *state, void (*free_fn)(mti_device *d, void *state))
 {
-    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return NULL;
+    if (!is_ours(d)) return NULL;
     cuda_dev *c = d->impl;
     pthread_mutex_lock(&c->mu);
     if (!c->ops_state) {
@@ -1035,7 +1042,7 @@ void *mti_cuda_attach(mti_device *d, void *state, void (*free_fn)(mti_device *d,
 
 void *mti_cuda_attached(mti_device *d)
 {
-    if (!d || d->kind != MT_DEVICE_CUDA || !d->impl) return NULL;
+    if (!is_ours(d)) return NULL;
     cuda_dev *c = d->impl;
     pthread_mutex_lock(&c->mu);
     void *now = c->ops_state;

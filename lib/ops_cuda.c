@@ -269,9 +269,14 @@ static mt_status lt_handle(const mti_kctx *k, ops_state *s)
     const lt_lib *L = lt_open(path);
     if (!L) {
         s->lt_status = MT_ERR_UNSUPPORTED;
-        snprintf(s->lt_why, sizeof s->lt_why,
-                 "cuBLASLt: cannot load \"%.200s\" (a path of at most %zu bytes; at most %d "
-                 "libraries per process)", path ? path : "", sizeof L->path - 1, LT_LIBS);
+        if (path && strlen(path) >= sizeof L->path)
+            snprintf(s->lt_why, sizeof s->lt_why,
+                     "cuBLASLt: the path \"%.200s...\" is longer than %zu bytes", path,
+                     sizeof L->path - 1);
+        else
+            snprintf(s->lt_why, sizeof s->lt_why,
+                     "cuBLASLt: cannot load \"%.200s\": this process already loaded %d "
+                     "different cuBLASLt libraries", path ? path : "", LT_LIBS);
     } else if (!L->api.lib) {
         s->lt_status = MT_ERR_UNSUPPORTED;
         snprintf(s->lt_why, sizeof s->lt_why, "%s", L->why);
