@@ -132,41 +132,70 @@ static double rss_kib(void)
 }
 
 typedef struct run_result {
-    uint64_t est_peak, est_reserved, peak, reserved;
+    uint64_t est_peak, est_reserved, peak, reserved, reserved_end;
     double rss_growth_mib;
+    double device_mib; /* device memory the run took, as the driver reports it */
     int ok;
 } run_result;
 
-static void measured_child(int B, int T, const policy *p, int fd)
+/* tokens for B rows of T (targets: the next ones), *ids to free */
+static mt_batch token_batch(int B, int T, int vocab, int32_t **ids)
+{
+    size_t n = (size_t)B * T + 1;
+    *ids = malloc(n * sizeof **ids);
+    if (!*ids) die(NULL, "tokens", MT_ERR_OOM);
+    for (size_t i = 0; i < n; i++) (*ids)[i] = (int32_t)((i * 2654435761u) % (unsigned)vocab);
+    return (mt_batch){.n = B, .tokens = *ids, .targets = *ids + 1, .seq_len = T};
+}
+
+/* The estimate, then the run (model, trainer, two steps of the largest
+ * batch) on a context made from cc: its accounting, the process's peak RSS
+ * growth and the device memory it took, from before the context to the end. */
+static run_result measure(const mt_context_config *cc, const mt_gpt_spec *g,
+                          const mt_trainer_config *tc)
 {
     run_result r = {0};
+    mt_estimate_report e;
+    mt_status s = mt_estimate_gpt(cc, g, tc, &e);
+    if (s) die(NULL, "mt_estimate_gpt", s);
+    double rss0 = rss_kib();
+    mt_context *ctx;
+    if ((s = mt_context_create(cc, &ctx))) die(NULL, "mt_context_create", s);
+    uint64_t free0, free1;
+    if ((s = mt_context_device_memory(ctx, &free0, NULL))) die(ctx, "device memory", s);
+    mt_model *m;
+    mt_trainer *t;
+    if ((s = mt_model_gpt_create(ctx, g, &m))) die(ctx, "mt_model_gpt_create", s);
+    if ((s = mt_trainer_create(m, tc, &t))) die(ctx, "mt_trainer_create", s);
+    int32_t *ids;
+    mt_batch b = token_batch(tc->max_batch, tc->max_seq, g->vocab, &ids);
+    for (int i = 0; i < 2; i++)
+        if ((s = mt_trainer_step(t, &b, NULL))) die(ctx, "mt_trainer_step", s);
+    if ((s = mt_context_device_memory(ctx, &free1, NULL))) die(ctx, "device memory", s);
+    mt_memory_stats st;
+    mt_context_memory_stats(ctx, &st);
+    r.est_peak = e.peak, r.est_reserved = e.peak_reserved;
+    r.peak = st.peak_live_bytes, r.reserved = st.peak_reserved_bytes;
+    r.reserved_end = st.reserved_bytes;
+    r.rss_growth_mib = (rss_kib() - rss0) / 1024.0;
+    r.device_mib = ((double)free0 - (double)free1) / 1048576.0;
+    r.ok = 1;
+    free(ids);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    return r;
+}
+
+static void measured_child(int B, int T, const policy *p, int fd)
+{
     mt_context_config cc;
     context_config(&cc);
     mt_gpt_spec g;
     mt_gpt_spec_init(&g);
     mt_trainer_config tc;
     trainer_config(&tc, B, T, p);
-    mt_estimate_report e;
-    mt_status s = mt_estimate_gpt(&cc, &g, &tc, &e);
-    if (s) die(NULL, "mt_estimate_gpt", s);
-    double rss0 = rss_kib();
-    mt_context *ctx;
-    if ((s = mt_context_create(&cc, &ctx))) die(NULL, "mt_context_create", s);
-    mt_model *m;
-    mt_trainer *t;
-    if ((s = mt_model_gpt_create(ctx, &g, &m))) die(ctx, "mt_model_gpt_create", s);
-    if ((s = mt_trainer_create(m, &tc, &t))) die(ctx, "mt_trainer_create", s);
-    int32_t *ids = malloc(((size_t)B * T + 1) * sizeof *ids);
-    for (size_t i = 0; i <= (size_t)B * T; i++) ids[i] = (int32_t)((i * 2654435761u) % 50257);
-    mt_batch b = {.n = B, .tokens = ids, .targets = ids + 1, .seq_len = T};
-    for (int i = 0; i < 2; i++)
-        if ((s = mt_trainer_step(t, &b, NULL))) die(ctx, "mt_trainer_step", s);
-    mt_memory_stats st;
-    mt_context_memory_stats(ctx, &st);
-    r.est_peak = e.peak, r.est_reserved = e.peak_reserved;
-    r.peak = st.peak_live_bytes, r.reserved = st.peak_reserved_bytes;
-    r.rss_growth_mib = (rss_kib() - rss0) / 1024.0;
-    r.ok = 1;
+    run_result r = measure(&cc, &g, &tc);
     if (write(fd, &r, sizeof r) != (ssize_t)sizeof r) _exit(1);
     _exit(0);
 }
@@ -226,11 +255,7 @@ static void runner_open(runner *r, const mt_gpt_spec *g, const mt_trainer_config
     if ((s = mt_context_create(&cc, &r->ctx))) die(NULL, "mt_context_create", s);
     if ((s = mt_model_gpt_create(r->ctx, g, &r->m))) die(r->ctx, "mt_model_gpt_create", s);
     if ((s = mt_trainer_create(r->m, tc, &r->t))) die(r->ctx, "mt_trainer_create", s);
-    size_t n = (size_t)tc->max_batch * tc->max_seq + 1;
-    r->ids = malloc(n * sizeof *r->ids);
-    for (size_t i = 0; i < n; i++) r->ids[i] = (int32_t)((i * 2654435761u) % (unsigned)g->vocab);
-    r->b = (mt_batch){.n = tc->max_batch, .tokens = r->ids, .targets = r->ids + 1,
-                      .seq_len = tc->max_seq};
+    r->b = token_batch(tc->max_batch, tc->max_seq, g->vocab, &r->ids);
     mt_context_reset_peaks(r->ctx);
 }
 
@@ -408,34 +433,10 @@ static void on_cuda(void)
         trainer_config(&tc, B, T, &policies[cfgs[i].pol]);
         tc.precision = cfgs[i].prec, tc.master_weights = cfgs[i].masters;
         tc.optimizer = cfgs[i].opt, tc.fused_step = cfgs[i].fused;
-        mt_estimate_report e;
-        mt_status s = mt_estimate_gpt(&cc, &g, &tc, &e);
-        if (s) die(NULL, "mt_estimate_gpt", s);
-        if ((s = mt_context_create(&cc, &ctx))) die(NULL, "mt_context_create", s);
-        uint64_t free0, free1;
-        if ((s = mt_context_device_memory(ctx, &free0, NULL))) die(ctx, "device memory", s);
-        mt_model *m;
-        mt_trainer *t;
-        if ((s = mt_model_gpt_create(ctx, &g, &m))) die(ctx, "mt_model_gpt_create", s);
-        if ((s = mt_trainer_create(m, &tc, &t))) die(ctx, "mt_trainer_create", s);
-        int32_t *ids = malloc(((size_t)B * T + 1) * sizeof *ids);
-        if (!ids) die(ctx, "tokens", MT_ERR_OOM);
-        for (size_t k = 0; k <= (size_t)B * T; k++)
-            ids[k] = (int32_t)((k * 2654435761u) % (uint32_t)g.vocab);
-        mt_batch b = {.n = B, .tokens = ids, .targets = ids + 1, .seq_len = T};
-        for (int k = 0; k < 2; k++)
-            if ((s = mt_trainer_step(t, &b, NULL))) die(ctx, "mt_trainer_step", s);
-        if ((s = mt_context_device_memory(ctx, &free1, NULL))) die(ctx, "device memory", s);
-        mt_memory_stats st;
-        mt_context_memory_stats(ctx, &st);
-        double drv = (double)free0 - (double)free1;
-        printf("    %-34s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f\n", cfgs[i].name, mib(e.peak),
-               mib(st.peak_live_bytes), mib(e.peak_reserved), mib(st.peak_reserved_bytes),
-               drv / 1048576.0, drv / (double)st.reserved_bytes);
-        free(ids);
-        mt_trainer_destroy(t);
-        mt_model_destroy(m);
-        mt_context_destroy(ctx);
+        run_result r = measure(&cc, &g, &tc);
+        printf("    %-34s %10.2f %10.2f %10.2f %10.2f %10.2f %7.3f\n", cfgs[i].name, mib(r.est_peak),
+               mib(r.peak), mib(r.est_reserved), mib(r.reserved), r.device_mib,
+               r.device_mib / mib(r.reserved_end));
     }
     printf("    MiB; driver = device memory the run took (cuMemGetInfo), drv/res = that over the\n"
            "    allocators' reserve at the end (the caching allocator keeps its peak reserve)\n");
