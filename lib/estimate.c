@@ -54,35 +54,25 @@ static mt_status dry_take(mti_device *d, size_t bytes, size_t alignment, void **
     return MT_OK;
 }
 
+/* As the device it stands for grants: the host device rounds up
+ * (mti_cpu_granted); the CUDA device (lib/device_cuda.c) grants the bytes
+ * asked for and refuses alignments above MT_MAX_ALIGNMENT. */
 static mt_status dry_reserve(mti_device *d, size_t bytes, size_t alignment, void **ptr,
                              size_t *granted)
 {
+    const bool cuda = d->kind == MT_DEVICE_CUDA;
     if (alignment < d->min_alignment) alignment = d->min_alignment;
-    if (bytes == 0 || bytes > MT_MAX_REQUEST || !mti_is_pow2(alignment))
-        return mti_fail(d->ctx, MT_ERR_INVALID_ARG,
-                        "host reserve: bad size %zu or alignment %zu", bytes, alignment);
-    *granted = mti_cpu_granted(bytes, alignment); /* as the host device grants */
+    if (bytes == 0 || bytes > MT_MAX_REQUEST || !mti_is_pow2(alignment) ||
+        (cuda && alignment > MT_MAX_ALIGNMENT))
+        return mti_fail(d->ctx, MT_ERR_INVALID_ARG, "%s reserve: bad size %zu or alignment %zu",
+                        cuda ? "CUDA" : "host", bytes, alignment);
+    *granted = cuda ? bytes : mti_cpu_granted(bytes, alignment);
     return dry_take(d, *granted, alignment, ptr);
 }
 
 static void dry_release(mti_device *d, void *ptr, size_t granted)
 {
     (void)d, (void)ptr, (void)granted;
-}
-
-/* As the CUDA device grants (lib/device_cuda.c): cuMemAlloc aligns to at
- * least 256 bytes and to 2 MiB from 2 MiB up, so the bytes asked for, at
- * the alignments the allocators ask for. */
-static mt_status dry_reserve_cuda(mti_device *d, size_t bytes, size_t alignment, void **ptr,
-                                  size_t *granted)
-{
-    if (alignment < d->min_alignment) alignment = d->min_alignment;
-    if (bytes == 0 || bytes > MT_MAX_REQUEST || !mti_is_pow2(alignment) ||
-        alignment > MT_MAX_ALIGNMENT)
-        return mti_fail(d->ctx, MT_ERR_INVALID_ARG,
-                        "CUDA reserve: bad size %zu or alignment %zu", bytes, alignment);
-    *granted = bytes;
-    return dry_take(d, bytes, alignment, ptr);
 }
 
 static mt_status dry_va_reserve(mti_device *d, size_t bytes, void **base)
@@ -171,13 +161,12 @@ mt_status mti_device_dry_open(mt_context *ctx, mt_device_kind kind, const mti_de
         d->min_alignment = real ? like->min_alignment : DRY_CUDA_ALIGN;
         d->granularity = real ? like->granularity : DRY_CUDA_GRAN;
         growable = real ? like->va_reserve != NULL : true;
-        d->mem_reserve = dry_reserve_cuda;
     } else {
         d->kind = MT_DEVICE_CPU;
         snprintf(d->name, sizeof d->name, "CPU (%d threads, estimate)", threads);
         mti_cpu_geometry(d); /* as the host device */
-        d->mem_reserve = dry_reserve;
     }
+    d->mem_reserve = dry_reserve;
     d->mem_release = dry_release;
     if (growable) {
         d->va_reserve = dry_va_reserve;

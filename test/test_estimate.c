@@ -93,6 +93,22 @@ static void specs(mt_gpt_spec *g, mt_mlp_spec *ml, mt_model_spec *sq)
     sq->layers = seq_layers;
 }
 
+/* A context made from cc and the matrix's model of kind k on it. */
+static mt_model *spec_model(const mt_context_config *cc, model_kind k, mt_context **ctx)
+{
+    CHECK_OK(mt_context_create(cc, ctx));
+    mt_gpt_spec g;
+    mt_mlp_spec ml;
+    mt_model_spec sq;
+    specs(&g, &ml, &sq);
+    mt_model *m;
+    mt_status s = k == M_GPT ? mt_model_gpt_create(*ctx, &g, &m)
+                  : k == M_MLP ? mt_model_mlp_create(*ctx, &ml, &m)
+                               : mt_model_create(*ctx, &sq, &m);
+    CHECK_OKC(*ctx, s);
+    return m;
+}
+
 static void trainer_config(mt_trainer_config *tc, const est_case *e)
 {
     mt_trainer_config_init(tc);
@@ -136,12 +152,7 @@ static double check_case(const est_case *e, int idx)
     CHECK_MSG(s == MT_OK, "case %d: estimate failed: %s", idx, mt_last_error(NULL));
 
     mt_context *ctx;
-    CHECK_OK(mt_context_create(&cc, &ctx));
-    mt_model *m;
-    s = e->model == M_GPT ? mt_model_gpt_create(ctx, &g, &m)
-        : e->model == M_MLP ? mt_model_mlp_create(ctx, &ml, &m)
-                            : mt_model_create(ctx, &sq, &m);
-    CHECK_OKC(ctx, s);
+    mt_model *m = spec_model(&cc, e->model, &ctx);
     mt_estimate_report again;
     CHECK_OKC(ctx, mt_estimate_model(m, &tc, &again));
     CHECK_MSG(memcmp(&again, &est, sizeof est) == 0, "case %d: the model's estimate differs", idx);
@@ -247,14 +258,7 @@ static mt_model *mlp_model(mt_context **ctx)
 {
     mt_context_config cc;
     context_config(&cc, 0);
-    CHECK_OK(mt_context_create(&cc, ctx));
-    mt_gpt_spec g;
-    mt_mlp_spec ml;
-    mt_model_spec sq;
-    specs(&g, &ml, &sq);
-    mt_model *m;
-    CHECK_OKC(*ctx, mt_model_mlp_create(*ctx, &ml, &m));
-    return m;
+    return spec_model(&cc, M_MLP, ctx);
 }
 
 /* Makes the contexts below CUDA ones: on a GPU under MT_TEST_GPU=1, else
@@ -726,13 +730,7 @@ TEST(memory_trace_chrome_and_svg)
     context_config(&cc, 0);
     cc.trace_capacity = 1 << 20;
     mt_context *ctx;
-    CHECK_OK(mt_context_create(&cc, &ctx));
-    mt_gpt_spec g;
-    mt_mlp_spec ml;
-    mt_model_spec sq;
-    specs(&g, &ml, &sq);
-    mt_model *m;
-    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    mt_model *m = spec_model(&cc, M_GPT, &ctx);
     mt_trainer_config tc;
     est_case e = {.model = M_GPT, .prec = MT_PREC_BF16, .masters = 1, .opt = MT_OPT_ADAMW8,
                   .rc = MT_RECOMPUTE_SQRT, .batch = 4, .seq = 16};
