@@ -844,7 +844,8 @@ mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *use
  * learning rate, say) are its own. The whole file is checked first
  * (version, sizes, every CRC, that it fits this trainer): a truncated,
  * corrupt, other-version (MT_ERR_FORMAT) or other-model (MT_ERR_INVALID_ARG)
- * file leaves the trainer as it was. user (may be NULL) gets up to user_cap
+ * file leaves the trainer as it was; for the latter the message names the
+ * first setting that differs and both values. user (may be NULL) gets up to user_cap
  * bytes of the saved user data, *user_len (may be NULL) its full length.
  * On the CPU, N steps, save, load into a new trainer, M steps give the same
  * bits as N + M steps. */

@@ -284,6 +284,161 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     return MT_OK;
 }
 
+/* ---- what differs between a saved layout and this trainer's ---- */
+
+static const char *optimizer_str(uint32_t v)
+{
+    static const char *const names[] = {"?", "SGD", "AdamW", "8-bit AdamW", "Adafactor"};
+    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+}
+
+static const char *precision_str(uint32_t v)
+{
+    static const char *const names[] = {"fp32", "fp16", "bf16"};
+    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+}
+
+static const char *dtype_str(uint32_t v)
+{
+    static const char *const names[] = {"fp32", "fp16", "bf16", "int32", "uint8"};
+    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+}
+
+/* A stored tensor's role (layout_of's `what`). */
+static void role_str(char *b, size_t cap, uint32_t what)
+{
+    if (what == 0) snprintf(b, cap, "weights");
+    else if (what == 1) snprintf(b, cap, "master");
+    else snprintf(b, cap, "state %u", what - 2);
+}
+
+/* A layout section read field by field (layout_of's order); ok is false
+ * once a read would pass its end. */
+typedef struct lay_rd {
+    const unsigned char *p;
+    size_t len, at;
+    bool ok;
+} lay_rd;
+
+static uint32_t lr_u32(lay_rd *r)
+{
+    if (!r->ok || r->len - r->at < 4) return r->ok = false, 0;
+    r->at += 4;
+    return mti_get_u32(r->p + r->at - 4);
+}
+
+static uint64_t lr_u64(lay_rd *r)
+{
+    if (!r->ok || r->len - r->at < 8) return r->ok = false, 0;
+    r->at += 8;
+    return mti_get_u64(r->p + r->at - 8);
+}
+
+/* A parameter's name, shape and elements; name gets MTI_NAME_LEN bytes. */
+static void lr_param(lay_rd *r, char *name, uint64_t *rows, uint64_t *cols, uint64_t *numel)
+{
+    if (!r->ok || r->len - r->at < MTI_NAME_LEN) {
+        r->ok = false;
+        name[0] = 0;
+        return;
+    }
+    memcpy(name, r->p + r->at, MTI_NAME_LEN);
+    name[MTI_NAME_LEN - 1] = 0;
+    r->at += MTI_NAME_LEN;
+    *rows = lr_u64(r), *cols = lr_u64(r), *numel = lr_u64(r);
+}
+
+static void shape_str(char *b, size_t cap, uint64_t rows, uint64_t cols)
+{
+    if (cols) snprintf(b, cap, "(%llu x %llu)", (unsigned long long)rows, (unsigned long long)cols);
+    else snprintf(b, cap, "(%llu)", (unsigned long long)rows);
+}
+
+/* Says in m which setting of the saved layout (f) differs from this
+ * trainer's (o), with both values: the model's sizes, the optimizer, the
+ * precision, the master-weight setting, a parameter's name or shape, or a
+ * stored tensor's dtype or size (8-bit or 32-bit optimizer state). */
+static void layout_diff(const unsigned char *file, size_t flen, const bbuf *mine, char *m,
+                        size_t cap)
+{
+    static const char *const model_fields[8] = {
+        "kind (0 layers, 1 MLP, 2 GPT)", "input kind", "features", "vocabulary",
+        "padded vocabulary", "longest sequence", "layers", "parameter tensors"};
+    lay_rd f = {file, flen, 0, true}, o = {mine->p, mine->len, 0, true};
+    uint32_t fn = 0, on = 0;
+    for (int i = 0; i < 8; i++) {
+        uint32_t a = lr_u32(&f), b = lr_u32(&o);
+        if (f.ok && a != b) {
+            snprintf(m, cap, "saved for another model: its %s is %u in the file, %u in this model",
+                     model_fields[i], a, b);
+            return;
+        }
+        fn = a, on = b;
+    }
+    /* the trainer's settings come after the parameters */
+    lay_rd fs = f, os = o;
+    fs.at += (size_t)fn * (MTI_NAME_LEN + 24);
+    os.at += (size_t)on * (MTI_NAME_LEN + 24);
+    if (fs.at > fs.len) fs.ok = false;
+    uint32_t fo = lr_u32(&fs), oo = lr_u32(&os), fp = lr_u32(&fs), op = lr_u32(&os);
+    uint32_t fb = lr_u32(&fs), ob = lr_u32(&os);
+    if (fs.ok && fo != oo) {
+        snprintf(m, cap, "saved with another optimizer: %s in the file, %s in this trainer",
+                 optimizer_str(fo), optimizer_str(oo));
+        return;
+    }
+    if (fs.ok && fp != op) {
+        snprintf(m, cap, "saved in another precision: %s in the file, %s in this trainer",
+                 precision_str(fp), precision_str(op));
+        return;
+    }
+    if (fs.ok && fb != ob) {
+        snprintf(m, cap, "saved with another master-weight setting: %s in the file, %s in this "
+                 "trainer", fb ? "no master weights" : "master weights",
+                 ob ? "no master weights" : "master weights");
+        return;
+    }
+    char fname[MTI_NAME_LEN], oname[MTI_NAME_LEN], fsh[48], osh[48];
+    for (uint32_t i = 0; i < on && f.ok; i++) {
+        uint64_t fr = 0, fc = 0, fe = 0, orr = 0, oc = 0, oe = 0;
+        lr_param(&f, fname, &fr, &fc, &fe);
+        lr_param(&o, oname, &orr, &oc, &oe);
+        if (!f.ok) break;
+        shape_str(fsh, sizeof fsh, fr, fc);
+        shape_str(osh, sizeof osh, orr, oc);
+        if (strcmp(fname, oname) || fr != orr || fc != oc || fe != oe) {
+            snprintf(m, cap, "saved for another model shape: parameter %u is '%s' %s in the "
+                     "file, '%s' %s in this model", i, fname, fsh, oname, osh);
+            return;
+        }
+    }
+    uint32_t fk = lr_u32(&fs), ok = lr_u32(&os);
+    for (uint32_t k = 0; k < ok && k < fk && fs.ok; k++) {
+        uint32_t fpar = lr_u32(&fs), opar = lr_u32(&os), frole = lr_u32(&fs), orole = lr_u32(&os);
+        uint32_t fdt = lr_u32(&fs), odt = lr_u32(&os);
+        uint64_t fby = lr_u64(&fs), oby = lr_u64(&os);
+        if (!fs.ok) break;
+        if (fpar != opar || frole != orole || fdt != odt || fby != oby) {
+            char fw[24], ow[24];
+            role_str(fw, sizeof fw, frole);
+            role_str(ow, sizeof ow, orole);
+            snprintf(m, cap, "saved with other optimizer state: stored tensor %u is parameter "
+                     "%u's %s, %s, %llu bytes in the file; parameter %u's %s, %s, %llu bytes "
+                     "in this trainer (8-bit or 32-bit state: min_8bit_size, overrides)",
+                     k, fpar, fw, dtype_str(fdt), (unsigned long long)fby, opar, ow,
+                     dtype_str(odt), (unsigned long long)oby);
+            return;
+        }
+    }
+    if (fs.ok && fk != ok) {
+        snprintf(m, cap, "saved with other optimizer state: %u stored tensors in the file, %u "
+                 "in this trainer", fk, ok);
+        return;
+    }
+    snprintf(m, cap, "saved for another trainer layout (the layout section differs from this "
+             "trainer's)");
+}
+
 /* ---- load ---- */
 
 typedef struct reader {
@@ -321,6 +476,8 @@ static mt_status read_section_header(reader *r, sec *s)
         return bad_file(r, "corrupt (a section header's CRC does not match)");
     s->kind = mti_get_u32(h), s->index = mti_get_u32(h + 4), s->bytes = mti_get_u64(h + 8);
     s->crc = mti_get_u32(h + 16), s->dtype = mti_get_u32(h + 20);
+    if (s->kind != SEC_TENSOR && (s->index || s->dtype))
+        return bad_file(r, "corrupt (a section other than a tensor has a nonzero index or dtype)");
     if (s->bytes > r->size - r->pos)
         return bad_file(r, "truncated (a section is longer than what is left of the file)");
     return MT_OK;
@@ -380,6 +537,7 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     if (s) return s;
     if (memcmp(h, CK_MAGIC, 8)) return bad_file(r, "not a memtrain training checkpoint");
     if (mti_get_u32(h + 24) != mti_crc32(0, h, 24)) return bad_file(r, "corrupt header");
+    if (mti_get_u32(h + 28)) return bad_file(r, "corrupt header (bytes 28..31 are not 0)");
     if (mti_get_u32(h + 8) != CK_VERSION) {
         char m[96];
         snprintf(m, sizeof m, "format version %u, this library reads version %u", mti_get_u32(h + 8),
@@ -400,15 +558,8 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     grab g = {got, (size_t)c.bytes};
     s = read_payload(r, &c, buf, grab_sink, &g);
     if (!s && (c.bytes != lay->len || memcmp(got, lay->p, lay->len))) {
-        /* say what differs, as far as the first fields tell */
-        char m[256];
-        const mt_model *md = t->model;
-        if (c.bytes >= 32 && (mti_get_u32(got + 28) != (uint32_t)md->n_param || mti_get_u32(got) != (uint32_t)md->kind))
-            snprintf(m, sizeof m, "saved for another model (%u parameter tensors, kind %u; this "
-                     "model has %d, kind %d)", mti_get_u32(got + 28), mti_get_u32(got), md->n_param, (int)md->kind);
-        else
-            snprintf(m, sizeof m, "saved for another model shape, optimizer, precision or "
-                     "master-weight setting than this trainer's");
+        char m[MTI_ERR_LEN - 128];
+        layout_diff(got, (size_t)c.bytes, lay, m, sizeof m);
         s = mti_fail(r->ctx, MT_ERR_INVALID_ARG, "mt_trainer_load: %s: %s (the trainer is "
                      "unchanged)", r->path, m);
     }

@@ -254,6 +254,28 @@ TEST(checkpoint_refuses_bad_files)
         free(cp);
         refused += 2;
     }
+    /* bytes the format says are 0, with valid CRCs: the header's last four,
+       and a non-tensor section's index and dtype */
+    {
+        extern uint32_t mti_crc32(uint32_t crc, const void *data, size_t n);
+        unsigned char *cp = malloc(n);
+        const size_t at[3] = {28, starts[ns - 2] + 4, starts[ns - 1] + 20};
+        for (int i = 0; i < 3; i++) {
+            memcpy(cp, img, n);
+            cp[at[i]] = 1;
+            if (i) {
+                size_t h = starts[i == 1 ? ns - 2 : ns - 1];
+                uint32_t crc = mti_crc32(0, cp + h, 24);
+                for (int k = 0; k < 4; k++) cp[h + 24 + k] = (unsigned char)(crc >> (8 * k));
+            }
+            spill(bad, cp, n);
+            CHECK_ST(MT_ERR_FORMAT, mt_trainer_load(t, bad, NULL, 0, NULL));
+            CHECK_MSG(strstr(mt_last_error(ctx), i ? "nonzero index or dtype" : "28..31"), "%s",
+                      mt_last_error(ctx));
+            refused++;
+        }
+        free(cp);
+    }
     /* saved by another model, and by another optimizer */
     {
         mt_context *c2 = cpu_ctx();
@@ -263,6 +285,9 @@ TEST(checkpoint_refuses_bad_files)
         CHECK_OKC(c2, mt_trainer_save(t2, bad, NULL, 0));
         CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_load(t, bad, NULL, 0, NULL));
         CHECK(strstr(mt_last_error(ctx), "another model"));
+        CHECK_MSG(strstr(mt_last_error(ctx), "'wte' (256 x 64) in the file, 'wte' (256 x 32) in "
+                                             "this model"),
+                  "%s", mt_last_error(ctx));
         mt_trainer_destroy(t2);
         mt_trainer_config other = tc;
         other.optimizer = MT_OPT_ADAMW;
@@ -270,10 +295,24 @@ TEST(checkpoint_refuses_bad_files)
         mt_trainer_destroy(t2);
         CHECK_OK(mt_model_destroy(m2));
         m2 = gpt(c2, 1, 32);
-        CHECK_OKC(c2, mt_trainer_create(m2, &other, &t2));
-        CHECK_OKC(c2, mt_trainer_save(t2, bad, NULL, 0));
-        CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_load(t, bad, NULL, 0, NULL));
-        mt_trainer_destroy(t2);
+        /* each setting that differs is named, with both values */
+        mt_trainer_config others[4] = {tc, tc, tc, tc};
+        others[0].optimizer = MT_OPT_ADAMW;
+        others[1].precision = MT_PREC_FP32;
+        others[2].master_weights = 0;
+        others[3].min_8bit_size = 4096; /* small tensors keep 32-bit state */
+        const char *says[4] = {"AdamW in the file, 8-bit AdamW in this trainer",
+                               "fp32 in the file, bf16 in this trainer",
+                               "no master weights in the file, master weights in this trainer",
+                               "parameter 1's state 0, fp32, 2048 bytes in the file; parameter 1's "
+                               "state 0, uint8, 512 bytes in this trainer"};
+        for (int i = 0; i < 4; i++) {
+            CHECK_OKC(c2, mt_trainer_create(m2, &others[i], &t2));
+            CHECK_OKC(c2, mt_trainer_save(t2, bad, NULL, 0));
+            CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_load(t, bad, NULL, 0, NULL));
+            CHECK_MSG(strstr(mt_last_error(ctx), says[i]), "%d: %s", i, mt_last_error(ctx));
+            mt_trainer_destroy(t2);
+        }
         CHECK_OK(mt_model_destroy(m2));
         CHECK_OK(mt_context_destroy(c2));
         refused += 2;
