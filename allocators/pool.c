@@ -23,8 +23,10 @@
  * of reserved bytes are the large ones (slab_bytes or more) given back,
  * while they hold more than 1/16 of the reserved bytes, so that memory one
  * class left can serve another. trim gives back the slabs with no live
- * block and nothing else; when the backing is out of memory those are
- * given back and the request tried once more.
+ * block and starts every class's slab growth again from its first size;
+ * when the backing is out of memory the empty slabs are given back and the
+ * request tried once more, then with slabs of half as many blocks, down to
+ * one, so a class whose slabs have grown still serves what fits.
  *
  * State is on the host only: 16 bytes per block (live bit, lifetime,
  * memory class, generation, and the requested bytes or the next free
@@ -105,7 +107,8 @@ typedef struct pl_class {
     uint64_t inv;       /* inverse of the odd part of size, mod 2^64 */
     uint32_t shift;     /* trailing zero bits of size */
     uint32_t next_blocks; /* blocks of the next slab: doubles up to per_slab */
-    unsigned char pad_[16];
+    uint32_t first_blocks; /* blocks of the first slab (trim starts the growth again) */
+    unsigned char pad_[12];
 } pl_class;
 
 _Static_assert(sizeof(void *) != 8 || (sizeof(pl_slab) == 128 && sizeof(pl_class) == 64),
@@ -318,12 +321,19 @@ static mt_status pl_new_slab(pool *p, uint32_t ci)
     pl_class *c = &p->cls[ci];
     void *ptr = NULL;
     size_t granted = 0;
-    mt_status st = pl_reserve(p, (size_t)c->next_blocks * c->size, c->slab_align, &ptr, &granted);
+    /* out of memory: smaller slabs, down to one block, so that a class
+       whose slabs have grown still serves what fits under a limit */
+    uint32_t want = c->next_blocks;
+    mt_status st;
+    while ((st = pl_reserve(p, (size_t)want * c->size, c->slab_align, &ptr, &granted)) != MT_OK &&
+           (st == MT_ERR_OOM || st == MT_ERR_INVALID_ARG) && want > 1)
+        want /= 2;
     if (st != MT_OK) {
         pl_put_slot(p, sid);
         return st;
     }
-    if (c->next_blocks < c->per_slab) /* a class's slabs grow: few blocks hold little */
+    if (want < c->next_blocks) c->next_blocks = want; /* grow again from what fitted */
+    else if (c->next_blocks < c->per_slab) /* a class's slabs grow: few blocks hold little */
         c->next_blocks = c->next_blocks > c->per_slab / 2 ? c->per_slab : 2 * c->next_blocks;
     size_t nb = granted / c->size; /* use all of what was granted */
     if (nb > PL_MAX_BLOCKS) nb = PL_MAX_BLOCKS;
@@ -534,6 +544,7 @@ static mt_status pool_trim(void *state)
 {
     pool *p = state;
     pl_release_empty(p);
+    for (uint32_t ci = 0; ci < p->ncls; ci++) p->cls[ci].next_blocks = p->cls[ci].first_blocks;
     p->st.n_trims++;
     return MT_OK;
 }
@@ -653,6 +664,7 @@ static mt_status pl_setup_classes(pool *p, const mt_pool_options *o)
         size_t per = o->slab_bytes / size, first = PL_FIRST_SLAB / size;
         c->per_slab = per < 1 ? 1 : per > PL_MAX_BLOCKS ? PL_MAX_BLOCKS : (uint32_t)per;
         c->next_blocks = first < 1 ? 1 : first > c->per_slab ? c->per_slab : (uint32_t)first;
+        c->first_blocks = c->next_blocks;
     }
     uint32_t ci = 0;
     for (uint32_t b = 0; b < nb; b++) {

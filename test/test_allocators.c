@@ -2,7 +2,7 @@
  * test_allocators.c - what each built-in allocator promises beyond the
  * common contract: the checkpoint-aware allocator replays a training step at
  * planned offsets in one reservation, the pool with a model's exact sizes
- * wastes nothing, the arena rewinds by scope and keeps its memory, the
+ * wastes nothing and serves what fits under a limit, the arena rewinds by scope and keeps its memory, the
  * caching allocator releases cached memory and retries when out of memory.
  */
 #include <string.h>
@@ -159,6 +159,43 @@ TEST(pool_exact_classes)
     mt_allocator *a2;
     CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_create(ctx, &ac, &a2));
     for (int i = 0; i < 64; i++) CHECK_OK(mt_free(a, &b[i]));
+    mt_allocator_destroy(a);
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* The pool's slabs grow (64 KiB, then twice as many blocks each time, up
+ * to 2 MiB): under a limit a class whose next slab would pass it takes
+ * smaller ones, down to one block, so out of memory means not even one
+ * block fits; and trim starts the growth again. */
+TEST(pool_slabs_shrink_at_the_limit_and_trim_resets_growth)
+{
+    mt_context *ctx = cpu_context();
+    const size_t limit = 3u << 20, size = 16u << 10;
+    mt_allocator_config ac = {.vtable = mt_allocator_pool(), .limit_bytes = limit};
+    mt_allocator *a;
+    CHECK_OKC(ctx, mt_allocator_create(ctx, &ac, &a));
+    static mt_block b[256];
+    mt_alloc_request r = {.bytes = size, .mem_class = MT_MEM_ACT, .lifetime = MT_LIFE_STEP};
+    int n = 0;
+    while (n < 256 && mt_alloc(a, &r, &b[n]) == MT_OK) n++;
+    mt_allocator_stats st;
+    CHECK_OK(mt_allocator_get_stats(a, &st));
+    CHECK_MSG(n < 256 && st.reserved_bytes + size > limit,
+              "out of memory after %d blocks with %llu of %zu bytes reserved", n,
+              (unsigned long long)st.reserved_bytes, limit);
+    for (int i = 0; i < n; i++) CHECK_OK(mt_free(a, &b[i]));
+    mt_allocator_destroy(a);
+    /* without a limit: the slabs grow to 2 MiB; after trim they start again */
+    ac.limit_bytes = 0;
+    CHECK_OKC(ctx, mt_allocator_create(ctx, &ac, &a));
+    for (int i = 0; i < 256; i++) CHECK_OKC(ctx, mt_alloc(a, &r, &b[i]));
+    for (int i = 0; i < 256; i++) CHECK_OK(mt_free(a, &b[i]));
+    CHECK_OK(mt_allocator_trim(a));
+    CHECK_OKC(ctx, mt_alloc(a, &r, &b[0]));
+    CHECK_OK(mt_allocator_get_stats(a, &st));
+    CHECK_MSG(st.reserved_bytes == 64u << 10, "the first slab after trim is %llu bytes",
+              (unsigned long long)st.reserved_bytes);
+    CHECK_OK(mt_free(a, &b[0]));
     mt_allocator_destroy(a);
     CHECK_OK(mt_context_destroy(ctx));
 }

@@ -329,6 +329,39 @@ static void oom_body(harness *h, const dcase *d, const acase *c)
 
 TEST(conformance_oom) { each(oom_body); }
 
+/* Out of memory under a limit, then everything freed and trimmed: the
+ * instance is as good as new. Blocks of one size are taken until the limit
+ * refuses one (an allocator that grows its segments has grown them by
+ * then), all are freed and the instance trimmed, a big block is taken, and
+ * the room left, 1.5 MiB or one segment of the device's granularity (2 MiB
+ * on CUDA), must still serve blocks of the first size and tiny ones of
+ * the same class and lifetime. */
+static void oom_recovers_body(harness *h, const dcase *d, const acase *c)
+{
+    const size_t big = 3u << 19, size = 16u << 10, gran = d->host ? 4096 : 2u << 20;
+    const size_t limit = (big + gran - 1) / gran * gran + (big > gran ? big : gran);
+    h_open(h, d, c, limit, 0, 8);
+    int n = 0;
+    while (n < 1000 && h_alloc(h, size, 0, MT_MEM_ACT, MT_LIFE_STEP) == MT_OK) n++;
+    CHECK_MSG(n < 1000 && n >= 8, "%s: %d blocks of 16 KiB under a limit of %zu", h->name, n,
+              limit);
+    h_free_all(h);
+    h_reset(h, MT_SCOPE_ALL);
+    CHECK_OK(mt_allocator_trim(h->a));
+    CHECK_OKC(h->ctx, h_alloc(h, big, 0, MT_MEM_PARAM, MT_LIFE_PERSISTENT));
+    mt_allocator_stats st;
+    CHECK_OK(mt_allocator_get_stats(h->a, &st));
+    CHECK_MSG(h_alloc(h, size, 0, MT_MEM_ACT, MT_LIFE_STEP) == MT_OK,
+              "%s: 16 KiB refused with %llu of %zu bytes reserved: %s", h->name,
+              (unsigned long long)st.reserved_bytes, limit, mt_last_error(h->ctx));
+    CHECK_MSG(h_alloc(h, 256, 0, MT_MEM_ACT, MT_LIFE_STEP) == MT_OK,
+              "%s: 256 bytes refused: %s", h->name, mt_last_error(h->ctx));
+    h_check_stats(h);
+    h_close(h);
+}
+
+TEST(conformance_oom_recovers) { each(oom_recovers_body); }
+
 static void edge_body(harness *h, const dcase *d, const acase *c)
 {
     h_open(h, d, c, 0, 0, 5);
