@@ -123,19 +123,21 @@ FUZZ_TARGETS := config tokens trace checkpoint
 FUZZ_SECONDS ?= 60
 FUZZ_BUILD := build-fuzz
 FUZZ_REGRESS := $(FUZZ_TARGETS:%=$(BUILD)/fuzz/%)
-$(BUILD)/fuzz/%: test/fuzz/fuzz_%.c test/fuzz/driver.c $(BUILD)/obj/tools/config.o $(LIB)
+# the config parser reads which options are flags from the command's option table
+CFG_OBJ = $(BUILD)/obj/tools/config.o $(BUILD)/obj/tools/cli_options.o
+$(BUILD)/fuzz/%: test/fuzz/fuzz_%.c test/fuzz/driver.c $(CFG_OBJ) $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -o $@ test/fuzz/fuzz_$*.c test/fuzz/driver.c \
-	  $(BUILD)/obj/tools/config.o $(LIB) $(MT_LDFLAGS) $(LDLIBS)
+	  $(CFG_OBJ) $(LIB) $(MT_LDFLAGS) $(LDLIBS)
 
 fuzz: deps
 	@command -v clang >/dev/null || { echo "fuzz: needs clang (libFuzzer)"; exit 1; }
 	@$(MAKE) --no-print-directory SAN=1 BUILD=$(FUZZ_BUILD) CC=clang \
 	  SAN_FLAGS="-fsanitize=address,undefined,fuzzer-no-link" \
-	  $(FUZZ_BUILD)/libmemtrain.a $(FUZZ_BUILD)/obj/tools/config.o
+	  $(FUZZ_BUILD)/libmemtrain.a $(FUZZ_BUILD)/obj/tools/config.o $(FUZZ_BUILD)/obj/tools/cli_options.o
 	@for t in $(FUZZ_TARGETS); do \
 	  clang $(CPPFLAGS) -O1 -g -fsanitize=fuzzer,address,undefined -fopenmp -pthread \
-	    -o $(FUZZ_BUILD)/fuzz-$$t test/fuzz/fuzz_$$t.c $(FUZZ_BUILD)/obj/tools/config.o \
+	    -o $(FUZZ_BUILD)/fuzz-$$t test/fuzz/fuzz_$$t.c $(FUZZ_BUILD)/obj/tools/config.o $(FUZZ_BUILD)/obj/tools/cli_options.o \
 	    $(FUZZ_BUILD)/libmemtrain.a $(LDLIBS) || exit 1; \
 	  mkdir -p $(FUZZ_BUILD)/corpus/$$t $(FUZZ_BUILD)/crashes/$$t; \
 	  echo "== fuzz $$t for $(FUZZ_SECONDS) s"; \
@@ -155,7 +157,8 @@ $(BUILD)/obj/corpus_blob.o: $(BUILD)/corpus/corpus_blob.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
 
-$(TOOL): $(BUILD)/obj/tools/memtrain.o $(BUILD)/obj/tools/config.o $(BUILD)/obj/corpus_blob.o $(LIB)
+TOOL_SRC := $(filter-out tools/bin2c.c,$(wildcard tools/*.c))
+$(TOOL): $(TOOL_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/corpus_blob.o $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 
 $(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(LIB)

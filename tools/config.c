@@ -6,21 +6,13 @@
  * on give the flag, 0, false, no, off leave it out.
  */
 #include "config.h"
+#include "cli.h"
 
 #include <ctype.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static const char *const flags[] = {"report", "no-report", "json", "no-master", "fused", "autofit", "allow-8bit"};
-
-static bool is_flag(const char *name)
-{
-    for (size_t i = 0; i < sizeof flags / sizeof *flags; i++)
-        if (!strcmp(name, flags[i])) return true;
-    return false;
-}
 
 static int fail(char *err, size_t cap, const char *fmt, ...)
 {
@@ -119,7 +111,7 @@ int cfg_parse(const char *text, size_t n, const char *what, cfg_args *out, char 
         }
         char name[80];
         snprintf(name, sizeof name, "--%.*s", (int)(ke - a), text + a);
-        if (is_flag(name + 2)) {
+        if (cli_is_flag(name + 2)) {
             size_t vn = b - vs;
             const char *v = text + vs;
             bool on = (vn == 1 && *v == '1') || (vn == 4 && !strncmp(v, "true", 4)) ||

@@ -1,0 +1,113 @@
+/*
+ * cli.h - what the memtrain command's files share: exit codes, the options
+ * of train, sample and estimate (one table, cli_options.c), and the
+ * commands (one file each: cli_train.c, cli_sample.c, cli_estimate.c,
+ * cli_report.c, cli_replay.c; memtrain.c dispatches).
+ */
+#ifndef MT_TOOLS_CLI_H
+#define MT_TOOLS_CLI_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "memtrain.h"
+
+/* exit codes (docs/cli.md) */
+#define EXIT_FAIL 1
+#define EXIT_USAGE 2
+#define EXIT_BUDGET 3
+
+extern const char *const cli_prog;
+
+/* The commands that take options from the table, as a mask. */
+enum { CLI_TRAIN = 1u, CLI_SAMPLE = 2u, CLI_ESTIMATE = 4u };
+/* The models an option means something for (train and sample), as a mask. */
+enum { CLI_MLP = 1u, CLI_GPT = 2u, CLI_ANY = 3u };
+
+#define CLI_MAX_OPTIONS 64
+
+/* Every option of train, sample and estimate; each command reads the
+ * fields its options set. Defaults come from cli_opts_defaults. */
+typedef struct cli_opts {
+    unsigned cmd;            /* the command: CLI_TRAIN, CLI_SAMPLE or CLI_ESTIMATE */
+    int gpt;                 /* the model: 0 the MLP, 1 a GPT */
+    /* MLP */
+    int hidden[MT_MLP_MAX_LAYERS];
+    int n_hidden;
+    mt_activation act;
+    /* the run */
+    long steps, batch, seed, every, threads;
+    float lr, momentum, wd, clip;
+    int lr_set;
+    mt_device_kind device;
+    mt_precision precision;
+    const char *allocator, *trace, *chrome, *svg;
+    int report;              /* -1: on unless --json */
+    int json, no_master, fused, constant_lr;
+    mt_optimizer_kind optimizer;
+    mt_recompute_policy recompute;
+    int recompute_every;
+    /* GPT */
+    const char *data;        /* a text or llm.c token file; NULL: the built-in corpus */
+    long layers, heads, channels, seq, micro, eval_every, save_every;
+    long vocab, max_seq;     /* estimate: the GPT's vocabulary and positions */
+    const char *save, *resume, *llmc, *export_llmc;
+    /* sample */
+    const char *prompt;
+    long length;
+    float temperature;
+    /* estimate */
+    double budget_mib;
+    int autofit, allow8;
+    /* which table entries the command line (or --config) gave */
+    unsigned char given[CLI_MAX_OPTIONS];
+} cli_opts;
+
+/* Prints "memtrain: <fmt with arg>" and a pointer to --help on stderr;
+ * returns EXIT_USAGE. */
+int cli_bad_usage(const char *fmt, const char *arg);
+/* Prints "memtrain: <the library's last error>" on stderr; returns EXIT_FAIL. */
+int cli_lib_fail(mt_context *ctx, const char *what);
+
+int cli_parse_long(const char *s, long lo, long hi, long *out);
+int cli_parse_device(const char *s, mt_device_kind *out);
+
+/* Parses the options of a command (cmd: CLI_TRAIN, CLI_SAMPLE or
+ * CLI_ESTIMATE) into o: 0, or an exit code. --help prints the usage (head,
+ * then the table's lines), sets *done and gives 0. */
+int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o, bool *done);
+/* The usage text of a command from the table, after its head lines. */
+void cli_usage(FILE *f, unsigned cmd, const char *head);
+/* Whether --name (without dashes) is a flag, taking no value (config.c). */
+bool cli_is_flag(const char *name);
+
+/* The trainer configuration the options give, for the model they name. */
+void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc);
+/* The MLP the options give: 2 inputs, the hidden sizes, 3 classes. */
+void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec);
+/* The context configuration the options give (device, threads, allocators). */
+void cli_context_config(const cli_opts *o, mt_context_config *cc);
+
+/* The memory report of a context on f. */
+void cli_print_report(mt_context *ctx, FILE *f);
+
+int cmd_train(int argc, char **argv);
+int cmd_sample(int argc, char **argv);
+int cmd_estimate(int argc, char **argv);
+int cmd_report(int argc, char **argv);
+int cmd_replay(int argc, char **argv);
+
+/* train's GPT, set up for training or sampling (cli_train.c): the data,
+ * the model, the trainer, resumed from o->resume when given. */
+typedef struct cli_gpt {
+    mt_data *data;
+    mt_data_info info;
+    mt_gpt_spec spec;
+    mt_model *model;
+    mt_trainer *trainer;
+    mt_estimate_report est;
+} cli_gpt;
+int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g);
+void cli_gpt_close(cli_gpt *g);
+
+#endif /* MT_TOOLS_CLI_H */

@@ -1,0 +1,114 @@
+/*
+ * cli_estimate.c - memtrain estimate: what a training run will hold, per
+ * memory class, before it runs (a dry context), with a budget and
+ * auto-fit.
+ */
+#include <stdlib.h>
+
+#include "cli.h"
+
+static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_estimate_report *e,
+                       const mt_autofit_report *fit)
+{
+    printf("{\"params\": %zu, \"peak\": %llu, \"peak_reserved\": %llu, \"step_peak\": %llu, "
+           "\"setup_peak\": %llu, \"at_peak\": {",
+           e->n_params, (unsigned long long)e->peak, (unsigned long long)e->peak_reserved,
+           (unsigned long long)e->step_peak, (unsigned long long)e->setup_peak);
+    for (int c = 0; c < MT_MEM_COUNT; c++)
+        printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
+               (unsigned long long)e->at_peak[c]);
+    printf("}, \"class_peak\": {");
+    for (int c = 0; c < MT_MEM_COUNT; c++)
+        printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
+               (unsigned long long)e->class_peak[c]);
+    printf("}");
+    if (tc->memory_budget)
+        printf(", \"budget\": %llu, \"fits\": %s", (unsigned long long)tc->memory_budget,
+               e->peak_reserved <= tc->memory_budget ? "true" : "false");
+    if (o->autofit)
+        printf(", \"autofit\": {\"micro_batch\": %d, \"optimizer\": \"%s\", "
+               "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d, "
+               "\"model_tokens_per_second\": %.1f}",
+               fit->micro_batch, fit->optimizer == MT_OPT_ADAMW8 ? "adamw8" : "as configured",
+               fit->recomputed_units, fit->selective_units, fit->units, fit->tokens_per_second);
+    printf("}\n");
+}
+
+static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt_estimate_report *e,
+                        const mt_autofit_report *fit)
+{
+    if (o->gpt)
+        printf("estimate for a GPT (%zu parameters), batch %d x %d tokens\n", e->n_params,
+               tc->max_batch, tc->max_seq);
+    else
+        printf("estimate for an MLP (%zu parameters), batch %d\n", e->n_params, tc->max_batch);
+    if (o->autofit)
+        printf("auto-fit for %.1f MiB: micro-batches of %d rows, %s, %d of %d units "
+               "recomputed, %d selective (model: %.0f tokens/s)\n",
+               o->budget_mib, fit->micro_batch,
+               fit->optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW" : "the configured optimizer",
+               fit->recomputed_units, fit->units, fit->selective_units, fit->tokens_per_second);
+    printf("%-7s %14s %14s\n", "class", "at the peak", "own peak");
+    for (int c = 0; c < MT_MEM_COUNT; c++)
+        printf("%-7s %10.2f MiB %10.2f MiB\n", mt_mem_class_name((mt_mem_class)c),
+               (double)e->at_peak[c] / 1048576.0, (double)e->class_peak[c] / 1048576.0);
+    printf("peak %.2f MiB (steps %.2f, setup %.2f); the allocators reserve %.2f MiB at most\n",
+           (double)e->peak / 1048576.0, (double)e->step_peak / 1048576.0,
+           (double)e->setup_peak / 1048576.0, (double)e->peak_reserved / 1048576.0);
+    if (tc->memory_budget)
+        printf("budget %.1f MiB: %s\n", o->budget_mib,
+               e->peak_reserved <= tc->memory_budget ? "fits" : "does not fit");
+}
+
+int cmd_estimate(int argc, char **argv)
+{
+    cli_opts o;
+    bool help;
+    static const char head[] =
+        "usage: memtrain estimate [options]\n"
+        "What a training run will hold, per memory class, before it runs (nothing is\n"
+        "allocated): the peak of live bytes, each class at that moment and at its own\n"
+        "peak, and what the allocators will reserve. With --budget, whether the run\n"
+        "fits; with --autofit, the fastest micro-batch, recompute plan and optimizer\n"
+        "state that fit.\n";
+    int rc = cli_parse(CLI_ESTIMATE, head, argc, argv, &o, &help);
+    if (rc || help) return rc;
+    mt_trainer_config tc;
+    cli_trainer_config(&o, &tc);
+    tc.memory_budget = (uint64_t)(o.budget_mib * 1048576.0);
+    /* a dry context: the model costs nothing, and auto-fit and the estimate
+       run on it */
+    mt_context_config cc;
+    cli_context_config(&o, &cc);
+    cc.dry_run = 1;
+    mt_context *ctx;
+    if (mt_context_create(&cc, &ctx)) return cli_lib_fail(NULL, NULL);
+    mt_model *m = NULL;
+    mt_status s;
+    if (o.gpt) {
+        mt_gpt_spec g;
+        mt_gpt_spec_init(&g);
+        g.layers = (int)o.layers, g.heads = (int)o.heads, g.channels = (int)o.channels;
+        g.vocab = (int)o.vocab, g.max_seq = (int)o.max_seq;
+        s = mt_model_gpt_create(ctx, &g, &m);
+    } else {
+        mt_mlp_spec ml;
+        cli_mlp_spec(&o, &ml);
+        s = mt_model_mlp_create(ctx, &ml, &m);
+    }
+    mt_autofit_report fit = {0};
+    if (!s && o.autofit) s = mt_trainer_autofit(m, &tc, o.allow8, &fit);
+    mt_estimate_report e;
+    if (!s) s = mt_estimate_model(m, &tc, &e);
+    if (s) {
+        cli_lib_fail(ctx, NULL);
+        rc = s == MT_ERR_BUDGET ? EXIT_BUDGET : EXIT_FAIL;
+    } else if (o.json) {
+        print_json(&o, &tc, &e, &fit);
+    } else {
+        print_table(&o, &tc, &e, &fit);
+    }
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    return rc;
+}

@@ -1,0 +1,492 @@
+/*
+ * cli_options.c - the options of memtrain train, sample and estimate: one
+ * table (name, the commands and models it is for, how its value is read,
+ * its help line), the parser over it, the usage text made from it, and the
+ * library configurations the options give.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+const char *const cli_prog = "memtrain";
+
+int cli_bad_usage(const char *fmt, const char *arg)
+{
+    fprintf(stderr, "%s: ", cli_prog);
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n(run '%s --help')\n", cli_prog);
+    return EXIT_USAGE;
+}
+
+int cli_lib_fail(mt_context *ctx, const char *what)
+{
+    const char *msg = mt_last_error(ctx);
+    if (ctx && !msg[0]) msg = mt_last_error(NULL);
+    if (what) fprintf(stderr, "%s: %s: %s\n", cli_prog, what, msg);
+    else fprintf(stderr, "%s: %s\n", cli_prog, msg);
+    return EXIT_FAIL;
+}
+
+int cli_parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_float(const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return -1;
+    *out = v;
+    return 0;
+}
+
+int cli_parse_device(const char *s, mt_device_kind *out)
+{
+    if (!strcmp(s, "cpu")) *out = MT_DEVICE_CPU;
+    else if (!strcmp(s, "cuda")) *out = MT_DEVICE_CUDA;
+    else if (!strcmp(s, "auto")) *out = MT_DEVICE_AUTO;
+    else return -1;
+    return 0;
+}
+
+/* ---- the value readers of the table's custom options: 0, or -1 for a bad value ---- */
+
+static int set_model(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "mlp")) o->gpt = 0;
+    else if (!strcmp(v, "gpt")) o->gpt = 1;
+    else return -1;
+    return 0;
+}
+
+static int set_hidden(cli_opts *o, const char *s)
+{
+    o->n_hidden = 0;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (errno || end == p || v < 1 || v > (1 << 20) || o->n_hidden >= MT_MLP_MAX_LAYERS - 1)
+            return -1;
+        o->hidden[o->n_hidden++] = (int)v;
+        if (*end == ',') end++;
+        else if (*end) return -1;
+        p = end;
+    }
+    return o->n_hidden ? 0 : -1;
+}
+
+static int set_activation(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "relu")) o->act = MT_ACT_RELU;
+    else if (!strcmp(v, "gelu")) o->act = MT_ACT_GELU;
+    else return -1;
+    return 0;
+}
+
+static int set_lr(cli_opts *o, const char *v)
+{
+    o->lr_set = 1;
+    return parse_float(v, &o->lr) || o->lr < 0 ? -1 : 0;
+}
+
+static int set_momentum(cli_opts *o, const char *v)
+{
+    return parse_float(v, &o->momentum) || o->momentum < 0 || o->momentum >= 1 ? -1 : 0;
+}
+
+static int set_device(cli_opts *o, const char *v)
+{
+    if (cli_parse_device(v, &o->device)) return -1;
+    return o->cmd == CLI_ESTIMATE && o->device == MT_DEVICE_AUTO ? -1 : 0;
+}
+
+static int set_precision(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "fp32")) o->precision = MT_PREC_FP32;
+    else if (!strcmp(v, "fp16")) o->precision = MT_PREC_FP16;
+    else if (!strcmp(v, "bf16")) o->precision = MT_PREC_BF16;
+    else return -1;
+    return 0;
+}
+
+static int set_allocator(cli_opts *o, const char *v)
+{
+    if (!mt_allocator_by_name(v)) return -1;
+    o->allocator = v;
+    return 0;
+}
+
+static int set_optimizer(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "sgd")) o->optimizer = MT_OPT_SGD;
+    else if (!strcmp(v, "adamw")) o->optimizer = MT_OPT_ADAMW;
+    else if (!strcmp(v, "adamw8")) o->optimizer = MT_OPT_ADAMW8;
+    else if (!strcmp(v, "adafactor")) o->optimizer = MT_OPT_ADAFACTOR;
+    else return -1;
+    return 0;
+}
+
+static int set_recompute(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "none")) o->recompute = MT_RECOMPUTE_NONE;
+    else if (!strcmp(v, "selective")) o->recompute = MT_RECOMPUTE_SELECTIVE;
+    else if (!strcmp(v, "sqrt")) o->recompute = MT_RECOMPUTE_SQRT;
+    else if (!strcmp(v, "budget") && o->cmd == CLI_ESTIMATE) o->recompute = MT_RECOMPUTE_BUDGET;
+    else if (!strncmp(v, "every:", 6)) {
+        long k;
+        if (cli_parse_long(v + 6, 1, 1 << 20, &k)) return -1;
+        o->recompute = MT_RECOMPUTE_EVERY_K;
+        o->recompute_every = (int)k;
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+static int set_schedule(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "cosine")) o->constant_lr = 0;
+    else if (!strcmp(v, "constant")) o->constant_lr = 1;
+    else return -1;
+    return 0;
+}
+
+static int set_temperature(cli_opts *o, const char *v)
+{
+    return parse_float(v, &o->temperature) || o->temperature < 0 ? -1 : 0;
+}
+
+static int set_budget(cli_opts *o, const char *v)
+{
+    float b;
+    if (parse_float(v, &b) || !(b > 0)) return -1;
+    o->budget_mib = b;
+    return 0;
+}
+
+/* --config is read before the options (memtrain.c); one inside a
+ * configuration file is refused */
+static int set_config(cli_opts *o, const char *v)
+{
+    return -1;
+}
+
+/* ---- the table ---- */
+
+typedef enum opt_kind {
+    K_HEAD,  /* no option: a heading line in the usage text */
+    K_FLAG,  /* takes no value: sets the int at off to lo */
+    K_LONG,  /* the long at off, in lo..hi */
+    K_FLOAT, /* the float at off, >= lo */
+    K_STR,   /* the string at off */
+    K_FN     /* fn reads it */
+} opt_kind;
+
+typedef struct opt {
+    const char *name, *arg; /* "--steps", "N" */
+    unsigned cmds;          /* CLI_TRAIN | CLI_SAMPLE | CLI_ESTIMATE */
+    unsigned models;        /* CLI_MLP | CLI_GPT: what train and sample use it for */
+    opt_kind kind;
+    size_t off;
+    double lo, hi;
+    int (*fn)(cli_opts *o, const char *v);
+    const char *hint;       /* after "bad --name 'value'" */
+    const char *help;       /* the usage line */
+    const char *help_est;   /* estimate's usage line, where it differs */
+} opt;
+
+#define TS (CLI_TRAIN | CLI_SAMPLE)
+#define ALL (TS | CLI_ESTIMATE)
+#define OFF(f) offsetof(cli_opts, f)
+#define FLAG(n, c, m, f, v, h) {n, NULL, c, m, K_FLAG, OFF(f), v, 0, NULL, NULL, h, NULL}
+#define LONG(n, a, c, m, f, lo, hi, h, he) {n, a, c, m, K_LONG, OFF(f), lo, hi, NULL, NULL, h, he}
+#define FLOAT(n, c, m, f, lo, h) {n, "X", c, m, K_FLOAT, OFF(f), lo, 0, NULL, NULL, h, NULL}
+#define STR(n, a, c, m, f, h) {n, a, c, m, K_STR, OFF(f), 0, 0, NULL, NULL, h, NULL}
+#define FN(n, a, c, m, fn, hint, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, hint, h, he}
+#define HEAD(c, h) {NULL, NULL, c, CLI_ANY, K_HEAD, 0, 0, 0, NULL, NULL, h, NULL}
+
+static const opt table[] = {
+    FN("--model", "mlp|gpt", ALL, CLI_ANY, set_model, "(mlp, gpt)",
+       "the MLP on spirals, or a GPT on text (mlp)", "(gpt)"),
+    LONG("--steps", "N", TS, CLI_ANY, steps, 0, 100000000, "training steps (300)", NULL),
+    LONG("--batch", "N", ALL, CLI_ANY, batch, 1, 1 << 24, "rows per step (mlp 64, gpt 8)",
+         "rows per step (4)"),
+    FN("--lr", "X", TS, CLI_ANY, set_lr, NULL, "learning rate (sgd 0.1, adamw 3e-3)", NULL),
+    FLOAT("--weight-decay", TS, CLI_ANY, wd, 0, "(0)"),
+    FN("--precision", "P", ALL, CLI_ANY, set_precision, "(fp32, fp16, bf16)",
+       "fp32, fp16 (fp32 masters, dynamic loss scaling) or bf16 (fp32)", "fp32|fp16|bf16 (fp32)"),
+    LONG("--seed", "N", TS, CLI_ANY, seed, 0, 2147483647, "data order and initial weights (1)",
+         NULL),
+    LONG("--every", "N", TS, CLI_ANY, every, 1, 100000000, "print progress every N steps (25)",
+         NULL),
+    FN("--device", "cpu|cuda|auto", TS, CLI_ANY, set_device, "(cpu, cuda, auto)", "(cpu)", NULL),
+    FN("--device", "cpu|cuda", CLI_ESTIMATE, CLI_ANY, set_device, "(cpu, cuda)", NULL,
+       "the device the run will use (cpu); cuda needs no GPU"),
+    LONG("--threads", "N", ALL, CLI_ANY, threads, 0, 4096, "CPU threads, 0 = all (0)", NULL),
+    FN("--allocator", "NAME", ALL, CLI_ANY, set_allocator, "(caching, arena, pool, checkpoint)",
+       "caching|arena|pool|checkpoint for every class (caching)", NULL),
+    STR("--trace", "FILE", TS, CLI_ANY, trace, "record every allocation to FILE (replay it later)"),
+    STR("--chrome", "FILE", TS, CLI_ANY, chrome, "the run's memory as Chrome trace JSON (Perfetto)"),
+    STR("--svg", "FILE", TS, CLI_ANY, svg, "the run's memory by class as an SVG plot, peak and estimate"),
+    FLAG("--report", TS, CLI_ANY, report, 1, "the memory report at the end (on, but not with --json)"),
+    FLAG("--no-report", TS, CLI_ANY, report, 0, "no memory report"),
+    {"--json", NULL, ALL, CLI_ANY, K_FLAG, OFF(json), 1, 0, NULL, NULL,
+     "one JSON object per step instead of progress lines", "one JSON object instead of the table"},
+    FN("--config", "FILE", ALL, CLI_ANY, set_config, NULL,
+       "options from FILE, a line 'name = value' each (flags: 1/0); the command line overrides it",
+       NULL),
+    HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed; SGD."),
+    FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
+       "hidden layer sizes (64,64; 2 inputs, 3 classes)", NULL),
+    FN("--activation", "relu|gelu", TS, CLI_MLP, set_activation, "(relu or gelu)", "(relu)", NULL),
+    FN("--momentum", "X", TS, CLI_ANY, set_momentum, "(0 <= m < 1)", "SGD momentum (0.9)", NULL),
+    HEAD(TS, "GPT: byte-level text or an llm.c token file; 10% held out for validation."),
+    STR("--data", "FILE", TS, CLI_GPT, data,
+        "text or llm.c tokens (the built-in corpus: this project's docs)"),
+    LONG("--layers", "N", ALL, CLI_GPT, layers, 1, 1 << 24, "transformer blocks (2)",
+         "transformer blocks (12: GPT-2 124M)"),
+    LONG("--heads", "N", ALL, CLI_GPT, heads, 1, 1 << 24, "attention heads (4)", "(12)"),
+    LONG("--channels", "N", ALL, CLI_GPT, channels, 1, 1 << 24, "embedding width (128)", "(768)"),
+    LONG("--vocab", "N", CLI_ESTIMATE, CLI_GPT, vocab, 1, 1 << 24, NULL, "vocabulary (50257)"),
+    LONG("--max-seq", "N", CLI_ESTIMATE, CLI_GPT, max_seq, 1, 1 << 24, NULL, "positions (1024)"),
+    LONG("--seq", "N", ALL, CLI_GPT, seq, 1, 1 << 24, "tokens per row (64)", NULL),
+    LONG("--micro", "N", ALL, CLI_GPT, micro, 0, 1 << 24,
+         "rows per micro-batch, 0 = the whole batch (0)", NULL),
+    FN("--optimizer", "sgd|adamw|adamw8|adafactor", ALL, CLI_GPT, set_optimizer,
+       "(sgd, adamw, adamw8, adafactor)", "(adamw)", NULL),
+    FLAG("--no-master", ALL, CLI_GPT, no_master, 1, "bf16 weights without fp32 masters"),
+    FN("--recompute", "none|selective|sqrt|every:K", TS, CLI_GPT, set_recompute,
+       "(none, selective, sqrt, every:K)", "activation recompute (none)", NULL),
+    FN("--recompute", "none|selective|sqrt|every:K|budget", CLI_ESTIMATE, CLI_GPT, set_recompute,
+       "(none, selective, sqrt, every:K, budget)", NULL,
+       "activation recompute (none); budget: the cheapest plan within --budget"),
+    FLAG("--fused", ALL, CLI_GPT, fused, 1, "the fused backward + optimizer step"),
+    FLOAT("--clip", TS, CLI_GPT, clip, 0, "global gradient-norm clipping, 0 = none (1)"),
+    FN("--schedule", "cosine|constant", TS, CLI_GPT, set_schedule, "(cosine, constant)",
+       "warmup (10% of --steps) and cosine to 0.1 lr, or constant", NULL),
+    LONG("--eval-every", "N", TS, CLI_GPT, eval_every, 0, 1 << 24,
+         "validation loss every N steps (4 x --every)", NULL),
+    STR("--save", "FILE", TS, CLI_GPT, save, "a training checkpoint at the end (and every --save-every N)"),
+    LONG("--save-every", "N", TS, CLI_GPT, save_every, 0, 1 << 24, "a checkpoint every N steps (0: at the end only)", NULL),
+    STR("--resume", "FILE", TS, CLI_GPT, resume, "go on from a checkpoint (same model and settings)"),
+    STR("--llmc", "FILE", TS, CLI_GPT, llmc, "start from an llm.c model checkpoint (fp32; its shape)"),
+    STR("--export-llmc", "FILE", TS, CLI_GPT, export_llmc,
+        "write the trained weights as an llm.c model checkpoint"),
+    HEAD(CLI_SAMPLE, "sample:"),
+    STR("--prompt", "TEXT", CLI_SAMPLE, CLI_GPT, prompt, "the start (a newline)"),
+    LONG("--length", "N", CLI_SAMPLE, CLI_GPT, length, 0, 1 << 20, "bytes to write (200)", NULL),
+    FN("--temperature", "X", CLI_SAMPLE, CLI_GPT, set_temperature, "(>= 0)",
+       "0: the most likely byte each time (0.8)", NULL),
+    FN("--budget", "MIB", CLI_ESTIMATE, CLI_ANY, set_budget, "(MiB > 0)", NULL,
+       "a memory budget (MiB, what the allocators reserve)"),
+    FLAG("--autofit", CLI_ESTIMATE, CLI_ANY, autofit, 1,
+         "fit micro-batch, recompute and state to --budget"),
+    FLAG("--allow-8bit", CLI_ESTIMATE, CLI_ANY, allow8, 1, "let --autofit use 8-bit AdamW state"),
+};
+#define N_OPTS (sizeof table / sizeof *table)
+_Static_assert(N_OPTS <= CLI_MAX_OPTIONS, "cli_opts.given holds a mark per table entry");
+
+static const opt *find(const char *name, unsigned cmd)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (table[i].name && (table[i].cmds & cmd) && !strcmp(table[i].name, name))
+            return &table[i];
+    return NULL;
+}
+
+bool cli_is_flag(const char *name)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (table[i].kind == K_FLAG && !strcmp(table[i].name + 2, name)) return true;
+    return false;
+}
+
+void cli_usage(FILE *f, unsigned cmd, const char *head)
+{
+    fputs(head, f);
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const opt *p = &table[i];
+        if (!(p->cmds & cmd)) continue;
+        const char *help = cmd == CLI_ESTIMATE && p->help_est ? p->help_est : p->help;
+        if (p->kind == K_HEAD) {
+            fprintf(f, "%s\n", p->help);
+            continue;
+        }
+        if (!help) help = "";
+        char name[64];
+        snprintf(name, sizeof name, "%s%s%s", p->name, p->arg ? " " : "", p->arg ? p->arg : "");
+        if (strlen(name) > 22) fprintf(f, "  %s\n  %-22s %s\n", name, "", help);
+        else fprintf(f, "  %-22s %s\n", name, help);
+    }
+}
+
+static void defaults(cli_opts *o, unsigned cmd)
+{
+    memset(o, 0, sizeof *o);
+    o->cmd = cmd;
+    o->gpt = cmd == CLI_ESTIMATE;
+    o->hidden[0] = o->hidden[1] = 64, o->n_hidden = 2;
+    o->act = MT_ACT_RELU;
+    o->steps = 300, o->seed = 1, o->every = 25;
+    o->lr = 0.1f, o->momentum = 0.9f;
+    o->device = MT_DEVICE_CPU;
+    o->allocator = "caching";
+    o->report = -1;
+    o->optimizer = MT_OPT_ADAMW;
+    o->recompute = MT_RECOMPUTE_NONE, o->recompute_every = 2;
+    o->seq = 64;
+    if (cmd == CLI_ESTIMATE) o->layers = 12, o->heads = 12, o->channels = 768;
+    else o->layers = 2, o->heads = 4, o->channels = 128;
+    o->vocab = 50257, o->max_seq = 1024;
+    o->length = 200, o->temperature = 0.8f;
+}
+
+static bool given(const cli_opts *o, const char *name)
+{
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (table[i].name && o->given[i] && !strcmp(table[i].name, name)) return true;
+    return false;
+}
+
+/* One option's value into o. */
+static int set(const opt *p, cli_opts *o, const char *v)
+{
+    char *field = (char *)o + p->off;
+    long n;
+    float x;
+    switch (p->kind) {
+    case K_FLAG: *(int *)field = (int)p->lo; return 0;
+    case K_STR: *(const char **)field = v; return 0;
+    case K_LONG:
+        if (cli_parse_long(v, (long)p->lo, (long)p->hi, &n)) return -1;
+        *(long *)field = n;
+        return 0;
+    case K_FLOAT:
+        if (parse_float(v, &x) || x < p->lo) return -1;
+        *(float *)field = x;
+        return 0;
+    case K_FN: return p->fn(o, v);
+    case K_HEAD: break;
+    }
+    return -1;
+}
+
+/* What the options leave to the model or the command, and what cannot go
+ * together. */
+static int settle(cli_opts *o)
+{
+    const unsigned cmd = o->cmd;
+    if (!given(o, "--batch")) o->batch = cmd == CLI_ESTIMATE ? 4 : o->gpt ? 8 : 64;
+    if (cmd == CLI_ESTIMATE) {
+        if (o->autofit && !o->budget_mib) return cli_bad_usage("%s", "--autofit needs --budget");
+        return 0;
+    }
+    if (!o->gpt) o->optimizer = MT_OPT_SGD;
+    if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;
+    if (o->report < 0) o->report = !o->json; /* the memory report unless JSON only is asked for */
+    if (cmd == CLI_SAMPLE && (!o->gpt || !o->resume))
+        return cli_bad_usage("%s", "sample needs --model gpt and --resume FILE (a checkpoint of it)");
+    if (!o->gpt && (o->data || o->save || o->resume || o->llmc || o->export_llmc))
+        return cli_bad_usage("%s", "--data, --save, --resume, --llmc and --export-llmc train a GPT "
+                                   "(--model gpt)");
+    if (o->gpt && !o->eval_every) o->eval_every = o->every * 4;
+    return 0;
+}
+
+int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o, bool *done)
+{
+    defaults(o, cmd);
+    *done = false;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            cli_usage(stdout, cmd, head);
+            *done = true;
+            return 0;
+        }
+        const opt *p = find(a, cmd);
+        if (!p) return cli_bad_usage("unknown option '%s'", a);
+        if (!strcmp(a, "--config"))
+            return cli_bad_usage("%s", "--config inside a configuration file");
+        const char *v = NULL;
+        if (p->kind != K_FLAG) {
+            if (i + 1 >= argc) return cli_bad_usage("option '%s' needs a value", a);
+            v = argv[++i];
+        }
+        if (set(p, o, v)) {
+            fprintf(stderr, "%s: bad %s '%s'%s%s\n(run '%s --help')\n", cli_prog, a, v,
+                    p->hint ? " " : "", p->hint ? p->hint : "", cli_prog);
+            return EXIT_USAGE;
+        }
+        o->given[p - table] = 1;
+    }
+    return settle(o);
+}
+
+/* ---- what the options give ---- */
+
+void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = (int)o->batch;
+    tc->optimizer = o->optimizer;
+    tc->lr = o->lr_set ? o->lr : (o->optimizer == MT_OPT_SGD ? 0.1f : 3e-3f);
+    tc->momentum = o->optimizer == MT_OPT_SGD ? o->momentum : 0.0f;
+    tc->weight_decay = o->wd;
+    tc->precision = o->precision;
+    tc->max_seq = o->gpt ? (int)o->seq : 0;
+    tc->micro_batch = (int)o->micro;
+    tc->master_weights = !o->no_master;
+    tc->fused_step = o->fused;
+    tc->grad_clip = o->clip;
+    tc->recompute = o->recompute;
+    tc->recompute_every = o->recompute_every;
+    if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
+    tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
+    tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);
+    tc->total_steps = (int)(o->steps > tc->warmup_steps ? o->steps : tc->warmup_steps + 1);
+    tc->min_lr_ratio = 0.1f;
+}
+
+void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec)
+{
+    mt_mlp_spec_init(spec);
+    spec->n_layers = o->n_hidden + 1;
+    spec->dims[0] = 2;
+    for (int i = 0; i < o->n_hidden; i++) spec->dims[i + 1] = o->hidden[i];
+    spec->dims[o->n_hidden + 1] = 3;
+    spec->activation = o->act;
+    spec->seed = (uint64_t)o->seed;
+}
+
+void cli_context_config(const cli_opts *o, mt_context_config *cc)
+{
+    mt_context_config_init(cc);
+    cc->device = o->device;
+    cc->threads = (int)o->threads;
+    for (int c = 0; c < MT_MEM_COUNT; c++) cc->allocators[c].vtable = mt_allocator_by_name(o->allocator);
+}
+
+void cli_print_report(mt_context *ctx, FILE *f)
+{
+    size_t need = 0;
+    mt_memory_report(ctx, NULL, 0, &need);
+    char *buf = malloc(need + 1);
+    if (!buf) return;
+    mt_memory_report(ctx, buf, need + 1, NULL);
+    fputs(buf, f);
+    free(buf);
+}

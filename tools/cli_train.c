@@ -1,0 +1,346 @@
+/*
+ * cli_train.c - memtrain train: the MLP on spirals or a GPT on text,
+ * progress lines or JSON, checkpoints, the trace and plots, the memory
+ * report. The GPT's setup (cli_gpt_open) serves memtrain sample too.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const char *const prec_name[] = {"fp32", "fp16", "bf16"};
+
+/* Three spirals: class k's points lie on the arm r -> angle k*2pi/3 + 4r,
+ * with noise. Features are the two coordinates. */
+static void spirals(uint64_t *state, float *x, int32_t *y, int n)
+{
+    for (int i = 0; i < n; i++) {
+        uint64_t s = (*state += 0x9E3779B97F4A7C15ull);
+        s = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9ull;
+        s = (s ^ (s >> 27)) * 0x94D049BB133111EBull;
+        s ^= s >> 31;
+        int k = (int)(s % 3);
+        float r = (float)((s >> 8) & 0xFFFF) / 65536.0f;
+        float noise = ((float)((s >> 24) & 0xFFFF) / 65536.0f - 0.5f) * 0.3f;
+        float a = (float)k * 2.0943951f + 4.0f * r + noise;
+        x[2 * i] = r * cosf(a);
+        x[2 * i + 1] = r * sinf(a);
+        y[i] = k;
+    }
+}
+
+/* The built-in corpus: the project's own README and docs, embedded at build
+ * time (Makefile), so the demo needs no download. */
+extern const unsigned char mt_corpus[];
+extern const size_t mt_corpus_size;
+
+/* The end of every run: the trace, the plots, the report. */
+static int finish_run(const cli_opts *o, mt_context *ctx, const mt_estimate_report *est)
+{
+    if (o->trace) {
+        if (mt_context_trace_write(ctx, o->trace)) return cli_lib_fail(ctx, NULL);
+        printf("allocation trace written to %s\n", o->trace);
+    }
+    if (o->chrome || o->svg) {
+        const mt_trace_event *ev;
+        size_t n;
+        mt_trace *tr = NULL;
+        if (mt_context_trace_events(ctx, &ev, &n, NULL) || mt_trace_from_events(ctx, ev, n, &tr) ||
+            (o->chrome && mt_trace_export_chrome(ctx, tr, est, o->chrome)) ||
+            (o->svg && mt_trace_export_svg(ctx, tr, est, o->svg))) {
+            mt_trace_free(tr);
+            return cli_lib_fail(ctx, NULL);
+        }
+        mt_trace_free(tr);
+        if (o->chrome)
+            printf("memory timeline (Chrome trace JSON, opens in Perfetto) written to %s\n", o->chrome);
+        if (o->svg) printf("memory plot (SVG) written to %s\n", o->svg);
+    }
+    if (o->report) {
+        printf("\n");
+        cli_print_report(ctx, stdout);
+    }
+    return 0;
+}
+
+static int run_mlp(const cli_opts *o, mt_context *ctx)
+{
+    mt_mlp_spec spec;
+    cli_mlp_spec(o, &spec);
+    mt_trainer_config tc;
+    cli_trainer_config(o, &tc);
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    int rc = 0;
+    float *x = malloc((size_t)o->batch * 2 * sizeof *x);
+    int32_t *y = malloc((size_t)o->batch * sizeof *y);
+    mt_estimate_report est;
+    if (!x || !y) {
+        fprintf(stderr, "%s: out of memory\n", cli_prog);
+        rc = EXIT_FAIL;
+        goto done;
+    }
+    /* the estimate first: the report sets it beside the measured figures */
+    if (mt_model_mlp_create(ctx, &spec, &m) || mt_estimate_model(m, &tc, &est) ||
+        mt_trainer_create(m, &tc, &t)) {
+        rc = cli_lib_fail(ctx, NULL);
+        goto done;
+    }
+    printf("training an MLP (2");
+    for (int i = 0; i < o->n_hidden; i++) printf("-%d", o->hidden[i]);
+    printf("-3, %s, %zu parameters) on three spirals, %s, %s, allocator %s\n",
+           o->act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
+           mt_context_device_name(ctx), prec_name[o->precision], o->allocator);
+    uint64_t data = (uint64_t)o->seed * 7919u;
+    double t0 = now_s(), window = 0.0;
+    int in_window = 0;
+    for (long step = 1; step <= o->steps; step++) {
+        spirals(&data, x, y, (int)o->batch);
+        mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
+        float loss;
+        if (mt_trainer_step(t, &b, &loss)) {
+            fprintf(stderr, "%s: step %ld: %s\n", cli_prog, step, mt_last_error(ctx));
+            rc = EXIT_FAIL;
+            goto done;
+        }
+        window += loss;
+        in_window++;
+        if (step == 1 || step % o->every == 0 || step == o->steps) {
+            mt_memory_stats ms;
+            mt_context_memory_stats(ctx, &ms);
+            mt_loss_scale_state ls;
+            mt_trainer_get_loss_scale(t, &ls);
+            printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB", step, window / in_window,
+                   1e3 * (now_s() - t0) / (double)step, (double)ms.peak_live_bytes / 1024.0);
+            if (o->precision == MT_PREC_FP16)
+                printf("  scale %g  skipped %llu", (double)ls.scale,
+                       (unsigned long long)ls.steps_skipped);
+            printf("\n");
+            window = 0.0;
+            in_window = 0;
+        }
+    }
+    /* held-out points from another part of the data stream */
+    uint64_t test = (uint64_t)o->seed * 104729u + 17;
+    spirals(&test, x, y, (int)o->batch);
+    mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
+    float loss, acc;
+    if (mt_trainer_eval(t, &b, &loss, &acc)) {
+        rc = cli_lib_fail(ctx, "eval");
+        goto done;
+    }
+    printf("held-out batch: loss %.4f  accuracy %.1f%%\n", loss, 100.0 * acc);
+    rc = finish_run(o, ctx, &est);
+done:
+    free(x);
+    free(y);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    return rc;
+}
+
+/* The mean loss over a few validation batches. */
+static int val_loss(mt_context *ctx, mt_trainer *t, mt_data *d, float *out)
+{
+    double sum = 0;
+    const int k = 4;
+    for (int i = 0; i < k; i++) {
+        mt_batch b;
+        float l;
+        if (mt_data_next(d, MT_DATA_VAL, &b) || mt_trainer_eval(t, &b, &l, NULL))
+            return cli_lib_fail(ctx, "eval");
+        sum += l;
+    }
+    *out = (float)(sum / k);
+    return 0;
+}
+
+/* What a checkpoint keeps of the run beside the trainer: the data stream's
+ * position. */
+typedef struct run_pos {
+    uint64_t epoch, position;
+} run_pos;
+
+void cli_gpt_close(cli_gpt *g)
+{
+    mt_trainer_destroy(g->trainer);
+    mt_model_destroy(g->model);
+    mt_data_close(g->data);
+    memset(g, 0, sizeof *g);
+}
+
+int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
+{
+    memset(g, 0, sizeof *g);
+    mt_data_config dc;
+    mt_data_config_init(&dc);
+    if (o->data) dc.path = o->data;
+    else dc.bytes = mt_corpus, dc.n_bytes = mt_corpus_size;
+    dc.seq_len = (int)o->seq, dc.batch = (int)o->batch, dc.seed = (uint64_t)o->seed;
+    if (mt_data_open(&dc, &g->data)) return cli_lib_fail(NULL, NULL);
+    mt_data_get_info(g->data, &g->info);
+    mt_gpt_spec_init(&g->spec);
+    g->spec.vocab = g->info.vocab, g->spec.max_seq = (int)o->seq, g->spec.layers = (int)o->layers;
+    g->spec.heads = (int)o->heads, g->spec.channels = (int)o->channels;
+    g->spec.seed = (uint64_t)o->seed;
+    mt_trainer_config tc;
+    cli_trainer_config(o, &tc);
+    mt_status made = MT_OK;
+    if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
+        made = mt_model_gpt_load(ctx, o->llmc, &g->model);
+        if (!made) made = mt_model_gpt_get_spec(g->model, &g->spec);
+        if (!made && (g->spec.vocab < g->info.vocab || g->spec.max_seq < (int)o->seq)) {
+            fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
+                    "at --seq %ld\n", cli_prog, o->llmc, g->spec.vocab, g->spec.max_seq,
+                    g->info.vocab, o->seq);
+            cli_gpt_close(g);
+            return EXIT_FAIL;
+        }
+    } else {
+        made = mt_model_gpt_create(ctx, &g->spec, &g->model);
+    }
+    if (made || mt_estimate_model(g->model, &tc, &g->est) ||
+        mt_trainer_create(g->model, &tc, &g->trainer)) {
+        cli_gpt_close(g);
+        return cli_lib_fail(ctx, NULL);
+    }
+    if (o->resume) {
+        run_pos p;
+        size_t len = 0;
+        if (mt_trainer_load(g->trainer, o->resume, &p, sizeof p, &len) || len != sizeof p ||
+            mt_data_seek(g->data, p.epoch, p.position)) {
+            fprintf(stderr, "%s: resume: %s\n", cli_prog,
+                    len != sizeof p && !mt_last_error(ctx)[0] ? "the file holds no data position"
+                                                               : mt_last_error(ctx));
+            cli_gpt_close(g);
+            return EXIT_FAIL;
+        }
+    }
+    return 0;
+}
+
+static int save_checkpoint(const cli_opts *o, mt_context *ctx, const cli_gpt *g)
+{
+    mt_data_info now;
+    mt_data_get_info(g->data, &now);
+    run_pos p = {now.epoch, now.position};
+    if (mt_trainer_save(g->trainer, o->save, &p, sizeof p)) return cli_lib_fail(ctx, NULL);
+    return 0;
+}
+
+static int run_gpt(const cli_opts *o, mt_context *ctx)
+{
+    cli_gpt g;
+    int rc = cli_gpt_open(o, ctx, &g);
+    if (rc) return rc;
+    mt_trainer *t = g.trainer;
+    if (!o->json) {
+        printf("training a GPT (L%d H%d C%d, vocab %d, %zu parameters) on %s (%zu tokens), B%ld "
+               "T%ld, %s, %s, allocator %s\n",
+               g.spec.layers, g.spec.heads, g.spec.channels, g.spec.vocab,
+               mt_model_num_params(g.model), o->data ? o->data : "the built-in corpus",
+               g.info.tokens, o->batch, o->seq, mt_context_device_name(ctx),
+               prec_name[o->precision], o->allocator);
+        printf("estimated peak %.2f MiB (allocators reserve %.2f MiB)%s\n",
+               (double)g.est.peak / 1048576.0, (double)g.est.peak_reserved / 1048576.0,
+               o->resume ? "; resumed" : "");
+    }
+    const double tokens_per_step = (double)o->batch * (double)o->seq;
+    const bool live = !o->json && isatty(STDOUT_FILENO);
+    double window = 0.0, t_window = 0.0;
+    int in_window = 0;
+    for (long step = (long)mt_trainer_steps(t) + 1; step <= o->steps; step++) {
+        mt_batch b;
+        float loss;
+        double t0 = now_s(), t_data = 0;
+        mt_status ds = mt_data_next(g.data, MT_DATA_TRAIN, &b);
+        t_data = now_s() - t0;
+        if (ds || mt_trainer_step(t, &b, &loss)) {
+            fprintf(stderr, "%s: step %ld: %s\n", cli_prog, step,
+                    mt_last_error(ctx)[0] ? mt_last_error(ctx) : mt_last_error(NULL));
+            rc = EXIT_FAIL;
+            goto done;
+        }
+        double dt = now_s() - t0;
+        window += loss, t_window += dt, in_window++;
+        bool show = step == 1 || step % o->every == 0 || step == o->steps;
+        bool eval = o->eval_every && (step % o->eval_every == 0 || step == o->steps);
+        float vl = -1;
+        if (eval && (rc = val_loss(ctx, t, g.data, &vl))) goto done;
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        mt_loss_scale_state ls;
+        mt_trainer_get_loss_scale(t, &ls);
+        if (o->json) {
+            printf("{\"step\": %ld, \"loss\": %.6f, \"lr\": %g, \"ms\": %.3f, \"data_ms\": %.4f, "
+                   "\"tokens_per_s\": %.1f, \"live_bytes\": %llu, \"peak_bytes\": %llu, "
+                   "\"loss_scale\": %g, \"skipped\": %llu",
+                   step, loss, (double)mt_trainer_lr(t), 1e3 * dt, 1e3 * t_data, tokens_per_step / dt,
+                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes,
+                   (double)ls.scale, (unsigned long long)ls.steps_skipped);
+            if (eval) printf(", \"val_loss\": %.6f", vl);
+            printf("}\n");
+        } else if (show || eval || live) {
+            /* on a terminal every step rewrites the line; every N steps (and
+               at each validation) it stays */
+            bool keep = show || eval;
+            printf("%sstep %6ld/%ld  loss %.4f", live ? "\r" : "", step, o->steps,
+                   window / in_window);
+            if (eval) printf("  val %.4f", vl);
+            printf("  %.0f tok/s  %.1f ms/step  mem %.1f / peak %.1f MiB",
+                   tokens_per_step * in_window / t_window, 1e3 * t_window / in_window,
+                   (double)ms.live_bytes / 1048576.0, (double)ms.peak_live_bytes / 1048576.0);
+            if (o->precision == MT_PREC_FP16)
+                printf("  scale %g  skipped %llu", (double)ls.scale,
+                       (unsigned long long)ls.steps_skipped);
+            printf(keep ? "\n" : "\033[K");
+            if (keep) window = t_window = 0.0, in_window = 0;
+        }
+        fflush(stdout);
+        if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps) &&
+            (rc = save_checkpoint(o, ctx, &g)))
+            goto done;
+    }
+    if (o->save && !o->json) printf("checkpoint written to %s\n", o->save);
+    if (o->export_llmc) {
+        mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
+        g.trainer = NULL;
+        if (mt_model_gpt_save(g.model, o->export_llmc)) {
+            rc = cli_lib_fail(ctx, NULL);
+            goto done;
+        }
+        if (!o->json) printf("llm.c model checkpoint written to %s\n", o->export_llmc);
+    }
+    rc = finish_run(o, ctx, &g.est);
+done:
+    cli_gpt_close(&g);
+    return rc;
+}
+
+int cmd_train(int argc, char **argv)
+{
+    cli_opts o;
+    bool help;
+    static const char head[] =
+        "usage: memtrain train [options]\n";
+    int rc = cli_parse(CLI_TRAIN, head, argc, argv, &o, &help);
+    if (rc || help) return rc;
+    mt_context_config cfg;
+    cli_context_config(&o, &cfg);
+    if (o.trace || o.chrome || o.svg) cfg.trace_capacity = 1u << 22;
+    mt_context *ctx;
+    if (mt_context_create(&cfg, &ctx)) return cli_lib_fail(NULL, NULL);
+    rc = o.gpt ? run_gpt(&o, ctx) : run_mlp(&o, ctx);
+    mt_context_destroy(ctx);
+    return rc;
+}
