@@ -738,7 +738,10 @@ typedef struct mt_trainer_config {
      * peak_reserved). With MT_RECOMPUTE_BUDGET the recompute plan is chosen
      * to fit; with any other policy a run that would not fit is refused.
      * Either way mt_trainer_create gives MT_ERR_BUDGET, naming the smallest
-     * budget that would work and how, when none fits. */
+     * budget that would work and how, when none fits. A plan whose run
+     * would pass an allocator instance's limit_bytes does not fit either
+     * (the search skips it; docs/memory.md, "Budgets and allocator
+     * limits"). */
     uint64_t memory_budget;
     /* Fused backward + optimizer step: each parameter is updated, and its
      * gradient freed, as soon as its gradient is final in backward, so the
@@ -762,7 +765,8 @@ void mt_trainer_destroy(mt_trainer *t);
  * cheapest recompute plan that fits (as MT_RECOMPUTE_BUDGET does) and
  * estimates the step time with a cost model (GEMM FLOPs, recompute,
  * micro-batch efficiency, the optimizer update's memory traffic;
- * docs/memory.md); the fastest wins. cfg gets micro_batch, optimizer (with
+ * docs/memory.md); the fastest wins. A configuration whose run would pass
+ * an allocator instance's limit_bytes does not fit. cfg gets micro_batch, optimizer (with
  * allow_8bit) and recompute = MT_RECOMPUTE_BUDGET. With the fused step only
  * whole batches are tried (it cannot accumulate). MT_ERR_BUDGET, with the
  * least need, when nothing fits; cfg is then unchanged. */

@@ -131,6 +131,12 @@ static mt_status backing_fail(mt_allocator *a, mt_status s, const char *msg)
     return s;
 }
 
+/* Refusals at an instance's limit on this thread: how the planner
+ * (plan.c) tells a plan whose run passes a limit from other failures. */
+static _Thread_local uint64_t limit_refusals;
+
+uint64_t mti_limit_refusals(void) { return limit_refusals; }
+
 /* Fault injection and the limit, before any device call. */
 static mt_status backing_admit(mt_allocator *a, size_t bytes)
 {
@@ -142,6 +148,7 @@ static mt_status backing_admit(mt_allocator *a, size_t bytes)
     if (a->cfg.limit_bytes && (bytes > a->cfg.limit_bytes ||
                                a->st.reserved_bytes > a->cfg.limit_bytes - bytes)) {
         char m[256];
+        limit_refusals++;
         snprintf(m, sizeof m, "the instance's limit of %zu bytes is reached (%llu reserved)",
                  a->cfg.limit_bytes, (unsigned long long)a->st.reserved_bytes);
         return backing_fail(a, MT_ERR_OOM, m);

@@ -84,6 +84,9 @@ void mti_allocator_fail_backing_after(mt_allocator *a, long n);
 void mti_allocator_set_trace(mt_allocator *a, mt_trace *t);
 /* Sets the instance's peaks to the current values. */
 void mti_allocator_reset_peak(mt_allocator *a);
+/* How many allocations this thread's instances have refused at their
+ * limit_bytes so far (a count that only grows). */
+uint64_t mti_limit_refusals(void);
 
 /* ---- context (context.c) ---- */
 

@@ -10,7 +10,10 @@
  * (estimate.c: exact, and cheap, since nothing is computed); its cost is
  * the forward FLOPs recompute repeats (cost_of). Candidates are tried in
  * order of cost, so the first that fits has the least recompute of the
- * family.
+ * family. A plan fits when its estimate is within the budget and its run
+ * passes no allocator instance's limit_bytes (the estimate then fails at
+ * the limit, as the run would): such a plan is skipped like one over the
+ * budget.
  */
 #include <math.h>
 #include <stdio.h>
@@ -130,7 +133,8 @@ typedef struct search {
     double cost;
     double fwd;       /* forward FLOPs per token of the whole model (cost model) */
     mt_estimate_report est;
-    uint64_t least;
+    uint64_t least;   /* UINT64_MAX: every member tried passes an instance's limit */
+    char over[256];   /* why the first member over a limit failed; "" if none did */
 } search;
 
 static void search_free(search *q)
@@ -145,7 +149,14 @@ static mt_status try_member(const mt_model *m, const mt_trainer_config *c, searc
                             bool *fits, mt_estimate_report *est)
 {
     family(m, r, sel, units);
+    const uint64_t refused = mti_limit_refusals();
     mt_status s = plan_estimate(m, c, units, k, est);
+    if (s == MT_ERR_OOM && mti_limit_refusals() != refused) {
+        /* its run passes an allocator instance's limit_bytes: it does not fit */
+        if (!q->over[0]) snprintf(q->over, sizeof q->over, "%s", mt_last_error(m->ctx));
+        *fits = false;
+        return MT_OK;
+    }
     if (s) return s;
     if (est->peak_reserved < q->least) {
         q->least = est->peak_reserved;
@@ -230,9 +241,19 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
         memcpy(units, q.units, (size_t)m->n_units);
         *seg_len = q.seg_len;
         if (chosen) *chosen = q.est;
+    } else if (!s && q.least == UINT64_MAX) {
+        s = mti_fail(m->ctx, MT_ERR_BUDGET,
+                     "no recompute plan fits the allocators' limits (limit_bytes): every plan "
+                     "tried passes one (%s); raise the limit, or take fewer rows per "
+                     "micro-batch, shorter sequences, 8-bit optimizer state or the fused step",
+                     q.over);
     } else if (!s) {
         char how[160];
         mti_plan_describe(m, q.least_units, q.least_seg, how, sizeof how);
+        if (q.over[0]) {
+            size_t n = strlen(how);
+            snprintf(how + n, sizeof how - n, " (plans needing less pass an allocator's limit)");
+        }
         if (fixed)
             s = mti_fail(m->ctx, MT_ERR_BUDGET,
                          "the memory budget of %llu bytes cannot be met with the configured "
@@ -315,7 +336,7 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     mt_trainer_config best = *cfg;
     double best_t = 0;
     uint64_t least = UINT64_MAX;
-    char least_how[256] = "";
+    char least_how[320] = "", over[256] = "";
     mt_status s = MT_OK;
     /* micro-batch sizes: for each number of passes, the smallest size that
        gives it (the largest batch first) */
@@ -348,17 +369,24 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                     out->seg_len = q.seg_len;
                     out->peak_reserved = q.est.peak_reserved;
                 }
-            } else if (!s && q.least < least) {
+            }
+            if (!s && !q.found && q.over[0] && !over[0]) snprintf(over, sizeof over, "%s", q.over);
+            if (!s && !q.found && q.least < least) {
                 least = q.least;
                 char how[160];
                 mti_plan_describe(m, q.least_units, q.least_seg, how, sizeof how);
-                snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s, %s", micro,
-                         e8 ? " and 8-bit AdamW" : "", how);
+                snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s, %s%s", micro,
+                         e8 ? " and 8-bit AdamW" : "", how,
+                         q.over[0] ? " (plans needing less pass an allocator's limit)" : "");
             }
             search_free(&q);
         }
     }
     if (s) return s;
+    if (!best_t && least == UINT64_MAX)
+        return mti_fail(m->ctx, MT_ERR_BUDGET,
+                        "mt_trainer_autofit: nothing fits the allocators' limits (limit_bytes): "
+                        "every configuration tried passes one (%s)", over);
     if (!best_t)
         return mti_fail(m->ctx, MT_ERR_BUDGET,
                         "mt_trainer_autofit: nothing fits the memory budget of %llu bytes; the "
