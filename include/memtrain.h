@@ -1001,11 +1001,18 @@ typedef struct mt_data_info {
     size_t tokens;
     size_t train_windows, val_windows;
     uint64_t epoch, position;     /* the training stream, after the last batch handed out */
+    uint64_t val_position;        /* the validation stream: the window its next batch
+                                     starts at (0 .. val_windows - 1; it wraps around) */
 } mt_data_info;
 mt_status mt_data_get_info(const mt_data *d, mt_data_info *out);
 /* Moves the training stream to (epoch, position), as mt_data_get_info gave
  * them (resuming). */
 mt_status mt_data_seek(mt_data *d, uint64_t epoch, uint64_t position);
+/* Moves the validation stream to position, as mt_data_get_info gave it in
+ * val_position, so a resumed run measures on the batches an unbroken one
+ * would. A position outside 0 .. val_windows - 1 gives MT_ERR_INVALID_ARG
+ * (0 is the start, also without a validation split). */
+mt_status mt_data_seek_val(mt_data *d, uint64_t position);
 
 #ifdef __cplusplus
 }

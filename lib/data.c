@@ -8,7 +8,9 @@
  * the windows, served in order; the training windows are served in an
  * order shuffled per epoch (Fisher-Yates from a generator seeded by the
  * seed and the epoch), so a position (epoch, window) says exactly what
- * comes next: a resumed run sees the same batches as an unbroken one.
+ * comes next: a resumed run sees the same batches as an unbroken one. The
+ * validation stream's position (the next validation window) is saved and
+ * restored the same way.
  *
  * The prefetch thread makes the batch after the one just handed out while
  * the caller trains on it; mt_data_next hands it over and starts the next.
@@ -317,7 +319,8 @@ mt_status mt_data_get_info(const mt_data *d, mt_data_info *out)
                                     d ? "out" : "d");
     *out = (mt_data_info){.vocab = d->vocab, .tokens = d->n_tok,
                             .train_windows = d->n_train, .val_windows = d->n_val,
-                            .epoch = d->pos_epoch, .position = d->pos_next};
+                            .epoch = d->pos_epoch, .position = d->pos_next,
+                            .val_position = d->val_next};
     return MT_OK;
 }
 
@@ -339,5 +342,16 @@ mt_status mt_data_seek(mt_data *d, uint64_t epoch, uint64_t position)
         pthread_cond_broadcast(&d->cv);
         pthread_mutex_unlock(&d->mu);
     }
+    return MT_OK;
+}
+
+mt_status mt_data_seek_val(mt_data *d, uint64_t position)
+{
+    if (!d) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_data_seek_val: d is NULL");
+    if (position && position >= d->n_val)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "mt_data_seek_val: position %llu past the %zu validation windows",
+                        (unsigned long long)position, d->n_val);
+    d->val_next = position; /* the prefetch thread makes training batches only */
     return MT_OK;
 }

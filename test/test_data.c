@@ -69,7 +69,8 @@ TEST(data_text_windows_and_epochs)
 }
 
 /* The same seed gives the same batches, with or without prefetch; a stream
-   moved to a saved position goes on as the original does. */
+   moved to a saved position goes on as the original does, training and
+   validation. */
 TEST(data_order_is_seeded_and_resumable)
 {
     const size_t n = 32 * 50 + 1;
@@ -104,6 +105,24 @@ TEST(data_order_is_seeded_and_resumable)
         CHECK_MSG(memcmp(x.tokens, y.tokens, 3 * 32 * 4) == 0, "batch %d after resuming", k);
     }
     CHECK_ST(MT_ERR_INVALID_ARG, mt_data_seek(r, 0, 1000));
+    /* the validation stream too: 5 windows, batches of 3 wrap around */
+    mt_data_info vi;
+    for (int k = 0; k < 3; k++) {
+        mt_batch x;
+        CHECK_OK(mt_data_next(ref, MT_DATA_VAL, &x));
+    }
+    CHECK_OK(mt_data_get_info(ref, &vi));
+    CHECK_MSG(vi.val_windows == 5 && vi.val_position == 4, "val position %llu of %zu",
+              (unsigned long long)vi.val_position, vi.val_windows);
+    CHECK_OK(mt_data_seek_val(r, vi.val_position));
+    for (int k = 0; k < 4; k++) {
+        mt_batch x, y;
+        CHECK_OK(mt_data_next(ref, MT_DATA_VAL, &x));
+        CHECK_OK(mt_data_next(r, MT_DATA_VAL, &y));
+        CHECK_MSG(memcmp(x.tokens, y.tokens, 3 * 32 * 4) == 0, "validation batch %d after seeking", k);
+    }
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_data_seek_val(r, 5));
+    CHECK_OK(mt_data_seek_val(r, 0));
     mt_data_close(a), mt_data_close(b), mt_data_close(c), mt_data_close(r), mt_data_close(ref);
     free(t);
 }

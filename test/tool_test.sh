@@ -53,16 +53,20 @@ grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "
 # the report's estimate column equals its peak column on every class row
 awk '/^(PARAM|MASTER|GRAD|OPTIM|ACT|WORK|IO|total) / && !done { if ($4 $5 != $6 $7) bad = 1; if ($1 == "total") done = 1 } END { exit bad }' "$tmp/out" || { echo "FAIL tool: estimate column"; cat "$tmp/out"; fail=1; }
 
-# a GPT on the built-in corpus learns; a run split by a checkpoint equals one run
-expect 0 "gpt learns" -- "$tool" train --model gpt --steps 60 --every 60 --json --schedule constant --threads 2
+# a GPT on the built-in corpus learns; a run split by a checkpoint equals one
+# run, its training and validation losses
+losses() { grep -o '"step": [0-9]*, "loss": [0-9.]*\|"val_loss": [0-9.]*' "$1"; }
+expect 0 "gpt learns" -- "$tool" train --model gpt --steps 60 --every 60 --eval-every 10 --json --schedule constant --threads 2
 first=$(head -n 1 "$tmp/out" | sed 's/.*"loss": \([0-9.]*\).*/\1/')
 last=$(tail -n 1 "$tmp/out" | sed 's/.*"loss": \([0-9.]*\).*/\1/')
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 1.5) }' || { echo "FAIL tool: gpt loss $first -> $last"; fail=1; }
 cp "$tmp/out" "$tmp/straight"
-expect 0 "gpt first half, saved" -- "$tool" train --model gpt --steps 30 --json --schedule constant --threads 2 --save "$tmp/g.ckpt"
-expect 0 "gpt resumed" -- "$tool" train --model gpt --steps 60 --json --schedule constant --threads 2 --resume "$tmp/g.ckpt"
-grep -o '"step": [0-9]*, "loss": [0-9.]*' "$tmp/out" > "$tmp/resumed.l"
-grep -o '"step": [0-9]*, "loss": [0-9.]*' "$tmp/straight" | tail -n 30 > "$tmp/straight.l"
+expect 0 "gpt first half, saved" -- "$tool" train --model gpt --steps 30 --eval-every 10 --json --schedule constant --threads 2 --save "$tmp/g.ckpt"
+expect 0 "gpt resumed" -- "$tool" train --model gpt --steps 60 --eval-every 10 --json --schedule constant --threads 2 --resume "$tmp/g.ckpt"
+losses "$tmp/out" > "$tmp/resumed.l"
+tail -n 30 "$tmp/straight" > "$tmp/straight.tail"
+losses "$tmp/straight.tail" > "$tmp/straight.l"
+[ "$(grep -c val_loss "$tmp/resumed.l")" = 3 ] || { echo "FAIL tool: resumed run's validation"; cat "$tmp/resumed.l"; fail=1; }
 cmp -s "$tmp/resumed.l" "$tmp/straight.l" || { echo "FAIL tool: resumed losses differ"; diff "$tmp/resumed.l" "$tmp/straight.l" | head; fail=1; }
 expect 0 "sample" -- "$tool" sample --model gpt --resume "$tmp/g.ckpt" --prompt "The " --length 40 --temperature 0
 cp "$tmp/out" "$tmp/sample1"

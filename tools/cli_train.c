@@ -165,11 +165,13 @@ static int val_loss(mt_context *ctx, mt_trainer *t, mt_data *d, float *out)
     return 0;
 }
 
-/* What a checkpoint keeps of the run beside the trainer: the data stream's
- * position. */
+/* What a checkpoint keeps of the run beside the trainer: the data streams'
+ * positions. Files written before the validation stream's position was
+ * kept hold the first two (validation then starts over). */
 typedef struct run_pos {
-    uint64_t epoch, position;
+    uint64_t epoch, position, val_position;
 } run_pos;
+#define RUN_POS_OLD (2 * sizeof(uint64_t))
 
 void cli_gpt_close(cli_gpt *g)
 {
@@ -215,13 +217,16 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
         return cli_lib_fail(ctx, NULL);
     }
     if (o->resume) {
-        run_pos p;
+        run_pos p = {0};
         size_t len = 0;
-        if (mt_trainer_load(g->trainer, o->resume, &p, sizeof p, &len) || len != sizeof p ||
-            mt_data_seek(g->data, p.epoch, p.position)) {
+        bool bad_len = false;
+        if (mt_trainer_load(g->trainer, o->resume, &p, sizeof p, &len) ||
+            (bad_len = len != sizeof p && len != RUN_POS_OLD) ||
+            mt_data_seek(g->data, p.epoch, p.position) ||
+            mt_data_seek_val(g->data, p.val_position)) {
             fprintf(stderr, "%s: resume: %s\n", cli_prog,
-                    len != sizeof p && !mt_last_error(ctx)[0] ? "the file holds no data position"
-                                                               : mt_last_error(ctx));
+                    bad_len ? "the file holds no data position"
+                            : mt_last_error(ctx)[0] ? mt_last_error(ctx) : mt_last_error(NULL));
             cli_gpt_close(g);
             return EXIT_FAIL;
         }
@@ -233,7 +238,7 @@ static int save_checkpoint(const cli_opts *o, mt_context *ctx, const cli_gpt *g)
 {
     mt_data_info now;
     mt_data_get_info(g->data, &now);
-    run_pos p = {now.epoch, now.position};
+    run_pos p = {now.epoch, now.position, now.val_position};
     if (mt_trainer_save(g->trainer, o->save, &p, sizeof p)) return cli_lib_fail(ctx, NULL);
     return 0;
 }
