@@ -151,7 +151,7 @@ static double gemm_once(int t, lin_bufs *L, int bwd, int n, int in, int out)
     if (t == 0) {
         /* OpenBLAS threaded the way a direct caller has it; the library keeps it
            single-threaded inside its own parallel loops (see kernels/cpu/ops.c) */
-        openblas_set_num_threads(mti_cpu_threads());
+        openblas_set_num_threads(mti_cpu_threads(&K));
         if (bwd) direct_bwd(L, n, in, out);
         else direct_fwd(L, n, in, out);
         openblas_set_num_threads(1);
@@ -172,7 +172,7 @@ static void gemm_bench(void)
     static const int rows_full[] = {256, 1024}, rows_quick[] = {256};
     const int *rows = quick ? rows_quick : rows_full;
     const int n_rows = quick ? 1 : 2, batches = quick ? 5 : 15;
-    printf("\n## (a) GEMM: the table vs direct cblas_sgemm, %d threads\n\n", mti_cpu_threads());
+    printf("\n## (a) GEMM: the table vs direct cblas_sgemm, %d threads\n\n", mti_cpu_threads(&K));
     printf("Median ms per call over %d batches, the four targets in turns. Forward: y = x W^T + b "
            "(N,in) -> (N,out). Backward: dx, dW and db. Speed ratios: direct / table time "
            "(target >= 0.95), fp32 table / fp16 or bf16 table time (target >= 0.8).\n\n",
@@ -239,7 +239,7 @@ static mt_status naive_fwd(naive_att *na, float *out, const float *qkv, int B, i
     const size_t TT = (size_t)T * T, bytes = (size_t)B * H * TT * sizeof(float);
     na->pre = take(&na->bpre, bytes, MT_MEM_ACT);
     na->att = take(&na->batt, bytes, MT_MEM_ACT);
-#pragma omp parallel for collapse(2) num_threads(mti_cpu_threads()) schedule(dynamic, 8)
+#pragma omp parallel for collapse(2) num_threads(mti_cpu_threads(&K)) schedule(dynamic, 8)
     for (int bh = 0; bh < B * H; bh++)
         for (int t = 0; t < T; t++) {
             const int b = bh / H, h = bh % H;
@@ -281,7 +281,7 @@ static void naive_bwd(naive_att *na, float *dqkv, const float *dout, const float
     mt_block bdatt, bdpre;
     float *datt = take(&bdatt, bytes, MT_MEM_WORK), *dpre = take(&bdpre, bytes, MT_MEM_WORK);
     memset(dqkv, 0, (size_t)B * T * 3 * C * sizeof(float));
-#pragma omp parallel for num_threads(mti_cpu_threads()) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(mti_cpu_threads(&K)) schedule(dynamic, 1)
     for (int bh = 0; bh < B * H; bh++) {
         const int b = bh / H, h = bh % H;
         for (int t = 0; t < T; t++) {
@@ -388,7 +388,7 @@ static void att_bench(void)
     const int B = 4, C = 768, H = 12, n_T = quick ? 4 : 5, batches = quick ? 3 : 7;
     printf("\n## (b) Attention: memory-efficient (the table) vs naive, B %d C %d H %d, %d "
            "threads\n\n",
-           B, C, H, mti_cpu_threads());
+           B, C, H, mti_cpu_threads(&K));
     printf("Kept for backward: the bytes the forward allocates in the ACT class beyond its "
            "output, counted by the context (naive: scores and probabilities, 2 x B H T T fp32; "
            "ours: lse, B H T fp32). Both also need qkv, and ours the output, which the next "
@@ -489,7 +489,7 @@ static void triad_threaded(float *a, const float *b, size_t n)
 {
     const size_t chunk = 1 << 16;
     size_t chunks = (n + chunk - 1) / chunk;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads())
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(&K))
     for (size_t i = 0; i < chunks; i++) {
         size_t o = i * chunk;
         triad_n(a + o, b + o, n - o < chunk ? n - o : chunk, 0.5f);
@@ -505,7 +505,7 @@ static void optim_bench(void)
     const size_t nb = (n + MTI_Q8_BLOCK - 1) / MTI_Q8_BLOCK;
     const int batches = quick ? 3 : 7;
     printf("\n## (c) Optimizer updates over %zu fp32 parameters (%lld x %zu), %d threads\n\n", n,
-           (long long)rows, cols, mti_cpu_threads());
+           (long long)rows, cols, mti_cpu_threads(&K));
     printf("Bytes moved per element: the least each update must read and write (triad: 12; "
            "SGD with momentum 20; AdamW 28; 8-bit AdamW 16; Adafactor factored 12 per pass, and "
            "it makes three passes over g and two over p). Bound: those bytes at the rate of an "

@@ -196,9 +196,9 @@ typedef struct mt_context_config {
     uint32_t struct_size;       /* sizeof(mt_context_config) */
     mt_device_kind device;      /* MT_DEVICE_AUTO by default */
     int device_ordinal;         /* which CUDA device (0) */
-    int threads;                /* CPU threads for kernels; 0 = all online CPUs. The CPU
-                                   kernels share one setting per process: the context
-                                   created last sets it. Results never depend on it */
+    int threads;                /* CPU threads for kernels; 0 = all online CPUs. Each
+                                   context keeps its own (contexts with different counts
+                                   may run at once). Results never depend on it */
     mt_log_fn log_fn;           /* NULL: no logging */
     void *log_user;
     mt_log_level log_level;     /* MT_LOG_WARN */

@@ -129,7 +129,6 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     else
         s = mti_device_cpu_open(ctx, ctx->threads, &ctx->dev);
     if (s) return create_failed(ctx, s);
-    if (!dry) mti_cpu_set_threads(ctx->threads); /* an estimate sets them while it runs */
     if (dry) {
         ctx->ops = kind == MT_DEVICE_CUDA ? mti_cuda_dry_ops() : mti_dry_ops();
     } else if (ctx->dev->kind == MT_DEVICE_CUDA) {

@@ -376,9 +376,6 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
         snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
         return mti_fail(report_to, s, "estimate: %s", msg);
     }
-    /* the ops size their workspace by the thread count of the context */
-    int threads = mti_cpu_threads();
-    mti_cpu_set_threads(ctx->threads);
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     mt_memory_stats st;
@@ -417,7 +414,6 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     mt_trainer_destroy(t);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
-    mti_cpu_set_threads(threads);
     if (s) {
         memset(out, 0, sizeof *out);
         return mti_fail(report_to, s, "estimate: %s", msg);

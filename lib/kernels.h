@@ -284,12 +284,12 @@ struct mti_ops {
                            int64_t cols, int factored, const mti_adafactor_args *a);
 };
 
-/* The CPU table, and the CPU thread count for its kernels (one setting per
- * process). The parallelism is the library's own (OpenMP); OpenBLAS is kept
- * single-threaded, so results do not depend on the thread count. */
+/* The CPU table, and the CPU thread count of its kernels: the context's
+ * (ctx->threads; 1 without a context). The parallelism is the library's own
+ * (OpenMP); the GEMM library runs single-threaded inside it, so results do
+ * not depend on the thread count. */
 const mti_ops *mti_cpu_ops(void);
-void mti_cpu_set_threads(int threads);
-int mti_cpu_threads(void);
+int mti_cpu_threads(const mti_kctx *k);
 
 /* The CUDA table (MT_ERR_UNSUPPORTED when the device has no kernels). */
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);

@@ -247,9 +247,9 @@ static void fd_check(const char *what, float *x, size_t n, const float *g, loss_
 /* Runs the CPU table with 1 thread: the caller compares with its 2-thread run. */
 static void with_one_thread(void (*body)(void *), void *arg)
 {
-    mti_cpu_set_threads(1);
+    tabs[0].ctx->threads = 1;
     body(arg);
-    mti_cpu_set_threads(2);
+    tabs[0].ctx->threads = 2;
 }
 
 static void expect_same_bits(const char *what, const float *a, const float *b, size_t n)
@@ -351,9 +351,9 @@ TEST(ops_matmul)
                 if (ti == 0) { /* 1 and 2 threads: the same bits */
                     float *oy = malloc(ny * 4), *odx = malloc(nx * 4), *odw = malloc(nw * 4),
                           *odb = malloc((size_t)c->out * 4);
-                    mti_cpu_set_threads(1);
+                    tabs[0].ctx->threads = 1;
                     run_matmul(&tabs[0], dt, c, xr, wr, br, dyr, oy, odx, odw, odb);
-                    mti_cpu_set_threads(2);
+                    tabs[0].ctx->threads = 2;
                     expect_same_bits("matmul y", oy, gy, ny);
                     expect_same_bits("matmul dx", odx, gdx, nx);
                     expect_same_bits("matmul dw", odw, gdw, nw);
@@ -951,10 +951,10 @@ TEST(ops_embedding)
                 float *ode = malloc((size_t)V * C * 4), *odp = malloc((size_t)maxT * C * 4);
                 CHECK_OK(t->ctx->dev->memset8(t->ctx->dev, DE, 0, (size_t)V * C * 4));
                 CHECK_OK(t->ctx->dev->memset8(t->ctx->dev, DP, 0, (size_t)maxT * C * 4));
-                mti_cpu_set_threads(1);
+                tabs[0].ctx->threads = 1;
                 CHECK_OK(t->ops->embedding_bwd(&t->k, DE, DP, DO, K, B, T, C, dt));
                 CHECK_OK(t->ops->embedding_bwd(&t->k, DE, DP, DO, K, B, T, C, dt));
-                mti_cpu_set_threads(2);
+                tabs[0].ctx->threads = 2;
                 get(t, ode, DE, (size_t)V * C, MTI_F32);
                 get(t, odp, DP, (size_t)maxT * C, MTI_F32);
                 for (size_t i = 0; i < (size_t)V * C; i++) ode[i] *= 0.5f;
@@ -1042,9 +1042,9 @@ TEST(ops_casts)
             CHECK_MSG(fabs((double)up / (double)m - 0.375) < 4 * sqrt(0.375 * 0.625 / (double)m),
                       "stochastic rounding rounds up %.4f of the time, not 0.375", (double)up / (double)m);
             CHECK(fabs(mean - v[0]) < 1e-4);
-            mti_cpu_set_threads(1);
+            tabs[0].ctx->threads = 1;
             CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S, MTI_F32, m, MTI_ROUND_STOCHASTIC, 42));
-            mti_cpu_set_threads(2);
+            tabs[0].ctx->threads = 2;
             dev_get(t, again, D, m * 2);
             CHECK(memcmp(first, again, m * 2) == 0);
             CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S, MTI_F32, m, MTI_ROUND_STOCHASTIC, 43));
@@ -1178,9 +1178,9 @@ TEST(ops_unscale_and_norm)
         if (ti == 0) {
             float one = 0;
             float *S1 = dev_buf(t, &base, 4);
-            mti_cpu_set_threads(1);
+            tabs[0].ctx->threads = 1;
             CHECK_OK(t->ops->sumsq(&t->k, S1, G, n));
-            mti_cpu_set_threads(2);
+            tabs[0].ctx->threads = 2;
             dev_get(t, &one, S1, 4);
             CHECK(memcmp(&one, &sumsq, 4) == 0);
         }

@@ -54,7 +54,6 @@ static void release(void)
     have_file = 0;
     if (g_ctx) mt_context_destroy(g_ctx);
     g_ctx = NULL;
-    mti_cpu_set_threads(2);
 }
 
 /* A fresh CPU context (2 threads) and its kernel context. */
@@ -66,7 +65,6 @@ static mti_kctx setup(void)
     cfg.device = MT_DEVICE_CPU;
     cfg.threads = 2;
     CHECK_OK(mt_context_create(&cfg, &g_ctx));
-    mti_cpu_set_threads(2);
     return (mti_kctx){g_ctx, g_ctx->dev};
 }
 
@@ -347,9 +345,9 @@ TEST(optim_adamw8_behaviour)
     for (int t = 1; t <= 3; t++) {
         make_grads(g, 7, t - 1, n, 0.01f);
         a.step = t;
-        mti_cpu_set_threads(1);
+        g_ctx->threads = 1;
         CHECK_OK(ops->adamw8(&k, s1.p, g, s1.qm, s1.qv, s1.am, s1.av, NULL, MTI_F32, n, &a));
-        mti_cpu_set_threads(2);
+        g_ctx->threads = 2;
         CHECK_OK(ops->adamw8(&k, s2.p, g, s2.qm, s2.qv, s2.am, s2.av, NULL, MTI_F32, n, &a));
         CHECK_MSG(a8_same(&s1, &s2, n), "adamw8: 1 and 2 threads differ at step %d", t);
     }
@@ -526,9 +524,9 @@ TEST(optim_adafactor_behaviour)
     for (int factored = 0; factored < 2; factored++) {
         /* 1 and 2 threads: the same bits; gradients scaled by a power of
          * two and unscaled by the op: the same bits */
-        mti_cpu_set_threads(1);
+        g_ctx->threads = 1;
         af_run(&k, p[0], p0, g, row[0], col[0], v[0], m[0], NULL, rows, cols, factored, a, 1.0f);
-        mti_cpu_set_threads(2);
+        g_ctx->threads = 2;
         af_run(&k, p[1], p0, g, row[1], col[1], v[1], m[1], pc, rows, cols, factored, a, 256.0f);
         CHECK_MSG(memcmp(p[0], p[1], n * 4) == 0 && memcmp(m[0], m[1], n * 4) == 0,
                   "adafactor (factored %d): 1 and 2 threads, or scaled gradients, differ", factored);

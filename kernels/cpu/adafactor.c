@@ -58,6 +58,7 @@ typedef struct af_ctx {
     size_t rows, cols, n;
     size_t row_tiles, col_tiles; /* tiles down and across (factored) */
     float gs, eps1, b2t, c2t;    /* grad_scale, eps1, beta2t, 1 - beta2t */
+    int threads;                 /* the context's CPU threads */
     float mean_row;              /* mean of the new row state (factored) */
     float den, lr;               /* max(RMS(update) / clip, 1), lr_t */
     float b1, c1, wdl;           /* beta1 (0: none), 1 - beta1, -wd lr_t */
@@ -116,7 +117,7 @@ static float ordered_sum(const af_ctx *c, size_t items, part_fn f, size_t work)
     for (size_t i0 = 0; i0 < items; i0 += ROUND) {
         float part[ROUND];
         size_t nb = min_sz(ROUND, items - i0);
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+#pragma omp parallel for schedule(static) num_threads(c->threads) \
     if (work > MTI_CPU_PAR_MIN && nb > 1)
         for (size_t b = 0; b < nb; b++) part[b] = f(c, i0 + b);
         for (size_t w = 1; w < nb; w *= 2)
@@ -139,7 +140,7 @@ static float row_state_part(const af_ctx *c, size_t item)
 static void row_means(const af_ctx *c)
 {
     const float cols_f = (float)c->cols;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (c->n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(c->threads) if (c->n > MTI_CPU_PAR_MIN)
     for (size_t r = 0; r < c->rows; r++) {
         float mean = u_sum(c->g + r * c->cols, c->cols, c->gs, c->eps1) / cols_f;
         c->row[r] = c->b2t * c->row[r] + c->c2t * mean;
@@ -175,7 +176,7 @@ WIDE_CLONES static void col_strip(const af_ctx *c, size_t c0, size_t w)
 static void col_means(const af_ctx *c)
 {
     size_t strips = (c->cols + STRIP - 1) / STRIP;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (c->n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(c->threads) if (c->n > MTI_CPU_PAR_MIN)
     for (size_t s = 0; s < strips; s++)
         col_strip(c, s * STRIP, min_sz(STRIP, c->cols - s * STRIP));
 }
@@ -363,7 +364,7 @@ mt_status mti_cpu_adafactor(const mti_kctx *k, float *p, const float *g, float *
     if (st != MT_OK || rows == 0 || cols == 0) return st;
     af_ctx c = {.p = p, .g = g, .row = row, .col = col, .v = v, .pc = pc, .pc_dt = pc_dt,
                 .m = a->beta1 > 0.0f ? m : NULL, .rows = (size_t)rows, .cols = (size_t)cols,
-                .gs = a->grad_scale, .eps1 = a->eps1};
+                .gs = a->grad_scale, .eps1 = a->eps1, .threads = mti_cpu_threads(k)};
     c.n = c.rows * c.cols;
     const float sqrt_n = (float)sqrt((double)c.n);
 
@@ -403,11 +404,11 @@ mt_status mti_cpu_adafactor(const mti_kctx *k, float *p, const float *g, float *
     /* 4. the step */
     if (factored) {
         size_t tiles = c.row_tiles * c.col_tiles;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (c.n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(c.threads) if (c.n > MTI_CPU_PAR_MIN)
         for (size_t it = 0; it < tiles; it++) tile_apply(&c, it);
     } else {
         size_t chunks = (c.n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (c.n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(c.threads) if (c.n > MTI_CPU_PAR_MIN)
         for (size_t it = 0; it < chunks; it++) chunk_apply(&c, it);
     }
     return MT_OK;

@@ -332,7 +332,7 @@ mt_status mti_cpu_attention_fwd(const mti_kctx *k, void *out, float *lse, const 
     att_args a;
     mt_status s = check_args(k, "attention_fwd", B, T, C, H, dt, &a);
     if (s || B == 0 || T == 0 || C == 0) return s;
-    const int nt = mti_cpu_threads(), BH = B * H, nqb = a.Tp / ATT_BLK;
+    const int nt = mti_cpu_threads(k), BH = B * H, nqb = a.Tp / ATT_BLK;
     const int split = BH < nt; /* fewer heads than threads: split heads by query block */
     const int heads = split ? BH : nt;
     const size_t head_f = fwd_head_floats(&a), thr_f = fwd_thread_floats(&a);
@@ -536,7 +536,7 @@ mt_status mti_cpu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout,
     att_args a;
     mt_status s = check_args(k, "attention_bwd", B, T, C, H, dt, &a);
     if (s || B == 0 || T == 0 || C == 0) return s;
-    const int nt = mti_cpu_threads(), BH = B * H, nb = a.Tp / ATT_BLK;
+    const int nt = mti_cpu_threads(k), BH = B * H, nb = a.Tp / ATT_BLK;
     const int split = BH < nt;
     const int heads = split ? BH : nt;
     const size_t head_f = bwd_head_floats(&a), thr_f = bwd_thread_floats(&a);

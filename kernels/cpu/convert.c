@@ -331,7 +331,7 @@ mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const voi
                         "cast: stochastic rounding is for bf16 only (dtype %d asked)", (int)dst_dt);
     if (n == 0 || (dst == src && dst_dt == src_dt)) return MT_OK;
     size_t chunks = (n + CAST_CHUNK - 1) / CAST_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
     for (size_t c = 0; c < chunks; c++) {
         size_t i = c * CAST_CHUNK, m = n - i < CAST_CHUNK ? n - i : CAST_CHUNK;
         cast_range(dst, dst_dt, src, src_dt, i, m, r, seed);

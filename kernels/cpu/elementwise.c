@@ -113,10 +113,10 @@ static void stage_out(void *dst, mti_dtype dt, size_t i, const float *buf, size_
 typedef enum { OP_GELU_FWD, OP_GELU_BWD, OP_RELU_FWD, OP_RELU_BWD, OP_ADD } ew_op;
 
 /* out = op(a, b) over n elements; b is NULL for the one-input ops. */
-static void run(ew_op op, void *out, const void *a, const void *b, size_t n, mti_dtype dt)
+static void run(const mti_kctx *k, ew_op op, void *out, const void *a, const void *b, size_t n, mti_dtype dt)
 {
     size_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
     for (size_t c = 0; c < chunks; c++) {
         float ab[CHUNK], bb[CHUNK], ob[CHUNK];
         size_t i = c * CHUNK, m = n - i < CHUNK ? n - i : CHUNK;
@@ -137,7 +137,7 @@ static void run(ew_op op, void *out, const void *a, const void *b, size_t n, mti
 mt_status mti_cpu_gelu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "gelu_fwd", dt);
-    run(OP_GELU_FWD, y, x, NULL, n, dt);
+    run(k, OP_GELU_FWD, y, x, NULL, n, dt);
     return MT_OK;
 }
 
@@ -145,14 +145,14 @@ mt_status mti_cpu_gelu_bwd(const mti_kctx *k, void *dx, const void *dy, const vo
                            mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "gelu_bwd", dt);
-    run(OP_GELU_BWD, dx, dy, x, n, dt);
+    run(k, OP_GELU_BWD, dx, dy, x, n, dt);
     return MT_OK;
 }
 
 mt_status mti_cpu_relu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "relu_fwd", dt);
-    run(OP_RELU_FWD, y, x, NULL, n, dt);
+    run(k, OP_RELU_FWD, y, x, NULL, n, dt);
     return MT_OK;
 }
 
@@ -160,7 +160,7 @@ mt_status mti_cpu_relu_bwd(const mti_kctx *k, void *dx, const void *dy, const vo
                            mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "relu_bwd", dt);
-    run(OP_RELU_BWD, dx, dy, y, n, dt);
+    run(k, OP_RELU_BWD, dx, dy, y, n, dt);
     return MT_OK;
 }
 
@@ -168,13 +168,13 @@ mt_status mti_cpu_add(const mti_kctx *k, void *y, const void *a, const void *b, 
                       mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "add", dt);
-    run(OP_ADD, y, a, b, n, dt);
+    run(k, OP_ADD, y, a, b, n, dt);
     return MT_OK;
 }
 
 mt_status mti_cpu_accumulate(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dtype(k, "accumulate", dt);
-    run(OP_ADD, y, y, x, n, dt);
+    run(k, OP_ADD, y, y, x, n, dt);
     return MT_OK;
 }

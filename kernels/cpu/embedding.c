@@ -63,7 +63,7 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
     if (!dt_ok(dt)) return bad_dtype(k, "embedding_fwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     size_t c = (size_t)C, rows = (size_t)B * (size_t)T;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
     if (rows * c > MTI_CPU_PAR_MIN)
     for (size_t r = 0; r < rows; r++) {
         size_t t = r % (size_t)T;
@@ -108,12 +108,12 @@ static void emb_bwd_span(float *dwte, float *dwpe, const void *dout, const int32
 
 /* Both gradients, or rows [v0, v1) of dwte's (dwpe NULL), channels split
  * between threads. */
-static void emb_bwd(float *dwte, float *dwpe, const void *dout, const int32_t *tok, int B, int T,
+static void emb_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout, const int32_t *tok, int B, int T,
                     int C, int32_t v0, int32_t v1, mti_dtype dt)
 {
     size_t c = (size_t)C;
     int par = (size_t)B * (size_t)T * c > MTI_CPU_PAR_MIN;
-    int nth = par ? mti_cpu_threads() : 1;
+    int nth = par ? mti_cpu_threads(k) : 1;
     /* each thread a contiguous run of channels in whole cache lines (16
      * floats), so rows of dwte are streamed, not picked at by the line */
     size_t span = (c + (size_t)nth - 1) / (size_t)nth;
@@ -133,7 +133,7 @@ mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, con
 {
     if (!dt_ok(dt)) return bad_dtype(k, "embedding_bwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
-    emb_bwd(dwte, dwpe, dout, tok, B, T, C, 0, INT32_MAX, dt);
+    emb_bwd(k, dwte, dwpe, dout, tok, B, T, C, 0, INT32_MAX, dt);
     return MT_OK;
 }
 
@@ -145,6 +145,6 @@ mt_status mti_cpu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *
     if (v0 < 0 || v1 < v0)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "embedding_dw_rows: rows [%d,%d)", v0, v1);
     if (B <= 0 || T <= 0 || C <= 0 || v0 == v1) return MT_OK;
-    emb_bwd(dwte, NULL, dout, tok, B, T, C, v0, v1, dt);
+    emb_bwd(k, dwte, NULL, dout, tok, B, T, C, v0, v1, dt);
     return MT_OK;
 }

@@ -176,7 +176,7 @@ mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float
                         (int)dt);
     if (n <= 0 || c <= 0) return MT_OK;
     size_t cc = (size_t)c;
-#pragma omp parallel num_threads(mti_cpu_threads()) if ((size_t)n * cc > MTI_CPU_PAR_MIN)
+#pragma omp parallel num_threads(mti_cpu_threads(k)) if ((size_t)n * cc > MTI_CPU_PAR_MIN)
     {
         float wbuf[CHUNK], bbuf[CHUNK];
         const float *wf = row_params(w, dt, cc, wbuf), *bf = row_params(b, dt, cc, bbuf);
@@ -282,7 +282,7 @@ mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *d
     if (n <= 0 || c <= 0) return MT_OK;
     size_t nn = (size_t)n, cc = (size_t)c;
     int par = nn * cc > MTI_CPU_PAR_MIN;
-    int nth = par ? mti_cpu_threads() : 1;
+    int nth = par ? mti_cpu_threads(k) : 1;
 
     /* the parameter gradients first, so dx may overwrite dout. Each thread
      * takes a contiguous run of channels (whole cache lines of 16 floats)

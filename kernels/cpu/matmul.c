@@ -79,9 +79,9 @@ static void tile_at(const mm_plan *p, int i, int *m0, int *mc, int *n0, int *nc)
 }
 
 /* Threads for a plan: no more than tiles. */
-static int plan_threads(const mm_plan *p)
+static int plan_threads(const mti_kctx *k, const mm_plan *p)
 {
-    return mini(mti_cpu_threads(), p->tm * p->tn);
+    return mini(mti_cpu_threads(k), p->tm * p->tn);
 }
 
 /* ---- fp16 / bf16: a tile through fp32 panels ---- */
@@ -167,11 +167,11 @@ static float *mm_work_thread(const mm_work *w, float **pa, float **pb)
 /* ---- forward ---- */
 
 /* y (N,O) fp32 = x W^T + b: a tile's rows start as the bias, sgemm adds. */
-static void fwd_f32(float *y, const float *x, const float *w, const float *b, int n, int in,
+static void fwd_f32(const mti_kctx *k, float *y, const float *x, const float *w, const float *b, int n, int in,
                     int out)
 {
     mm_plan p = mm_plan_for(n, out);
-    int nt = plan_threads(&p);
+    int nt = plan_threads(k, &p);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int t = 0; t < p.tm * p.tn; t++) {
         int m0, mc, n0, nc;
@@ -194,7 +194,7 @@ static mt_status fwd_lowp(const mti_kctx *k, void *y, const void *x, const void 
                           const void *b, int n, int in, int out, mti_dtype dt)
 {
     mm_plan p = mm_plan_for(n, out);
-    int nt = plan_threads(&p);
+    int nt = plan_threads(k, &p);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 1);
     if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
@@ -231,7 +231,7 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
     if (n == 0 || out == 0) return MT_OK;
     mt_status s = MT_OK;
     if (dt == MTI_F32) {
-        if (!mti_dry(k)) fwd_f32(y, x, w, b, n, in, out);
+        if (!mti_dry(k)) fwd_f32(k, y, x, w, b, n, in, out);
     } else {
         s = fwd_lowp(k, y, x, w, b, n, in, out, dt);
     }
@@ -243,10 +243,10 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
 /* db (O) += the column sums of dy (N,O), each column summed over the rows in
  * order, in fp32; threads own chunks of columns. */
 #define DB_CHUNK 1024
-static void bias_grad(float *db, const void *dy, int n, int out, mti_dtype dt)
+static void bias_grad(const mti_kctx *k, float *db, const void *dy, int n, int out, mti_dtype dt)
 {
     int nchunks = ceil_div(out, DB_CHUNK);
-#pragma omp parallel for num_threads(mti_cpu_threads()) schedule(static) \
+#pragma omp parallel for num_threads(mti_cpu_threads(k)) schedule(static) \
     if ((size_t)n * (size_t)out > MTI_CPU_PAR_MIN)
     for (int c = 0; c < nchunks; c++) {
         float sum[DB_CHUNK], row[DB_CHUNK];
@@ -266,11 +266,11 @@ static void bias_grad(float *db, const void *dy, int n, int out, mti_dtype dt)
 }
 
 /* dx (N,I) fp32 = (or +=) dy (N,O) . W (O,I). */
-static void dx_f32(float *dx, const float *dy, const float *w, int n, int in, int out,
+static void dx_f32(const mti_kctx *k, float *dx, const float *dy, const float *w, int n, int in, int out,
                    int accumulate)
 {
     mm_plan p = mm_plan_for(n, in);
-    int nt = plan_threads(&p);
+    int nt = plan_threads(k, &p);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int t = 0; t < p.tm * p.tn; t++) {
         int m0, mc, n0, nc;
@@ -288,12 +288,12 @@ static void dx_f32(float *dx, const float *dy, const float *w, int n, int in, in
 /* Rows [o0, o1) of dW (O,I) fp32 += dy^T (O,N) . x (N,I), dw pointing at
  * row o0; o0 and o1 on tile-row boundaries of the plan of the whole dW, so
  * every row is made by the same sgemm call as when dW is made whole. */
-static void dw_f32(float *dw, const float *dy, const float *x, int n, int in, int out, int o0,
+static void dw_f32(const mti_kctx *k, float *dw, const float *dy, const float *x, int n, int in, int out, int o0,
                    int o1)
 {
     mm_plan p = mm_plan_for(out, in);
     int t0 = o0 / p.mb * p.tn, t1 = ceil_div(o1, p.mb) * p.tn;
-    int nt = mini(mti_cpu_threads(), t1 - t0);
+    int nt = mini(mti_cpu_threads(k), t1 - t0);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int t = t0; t < t1; t++) {
         int m0, mc, n0, nc;
@@ -308,7 +308,7 @@ static mt_status dx_lowp(const mti_kctx *k, void *dx, const void *dy, const void
                          int in, int out, mti_dtype dt, int accumulate)
 {
     mm_plan p = mm_plan_for(n, in);
-    int nt = plan_threads(&p);
+    int nt = plan_threads(k, &p);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 1);
     if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
@@ -337,7 +337,7 @@ static mt_status dw_lowp(const mti_kctx *k, float *dw, const void *dy, const voi
 {
     mm_plan p = mm_plan_for(out, in);
     int t0 = o0 / p.mb * p.tn, t1 = ceil_div(o1, p.mb) * p.tn;
-    int nt = mini(plan_threads(&p), t1 - t0);
+    int nt = mini(plan_threads(k, &p), t1 - t0);
     mm_work wk;
     mt_status s = mm_work_take(k, &wk, &p, nt, 0);
     if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
@@ -363,13 +363,13 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "matmul_bwd: bad shape (%d,%d,%d) or dtype %d", n, in, out, (int)dt);
     if (n == 0) return MT_OK; /* no rows: dx is empty, dW and db get nothing */
-    if (db && out > 0 && !mti_dry(k)) bias_grad(db, dy, n, out, dt);
+    if (db && out > 0 && !mti_dry(k)) bias_grad(k, db, dy, n, out, dt);
     if (in == 0) return MT_OK; /* dx and dW are empty */
     mt_status s = MT_OK;
     if (dt == MTI_F32) {
         if (mti_dry(k)) return MT_OK; /* no workspace */
-        if (dx) dx_f32(dx, dy, w, n, in, out, accumulate);
-        if (dw && out > 0) dw_f32(dw, dy, x, n, in, out, 0, out);
+        if (dx) dx_f32(k, dx, dy, w, n, in, out, accumulate);
+        if (dw && out > 0) dw_f32(k, dw, dy, x, n, in, out, 0, out);
     } else {
         if (dx) s = dx_lowp(k, dx, dy, w, n, in, out, dt, accumulate);
         if (!s && dw && out > 0) s = dw_lowp(k, dw, dy, x, n, in, out, 0, out, dt);
@@ -395,7 +395,7 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
                         n, in, out, o0, o1, a, (int)dt);
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
     if (dt == MTI_F32) {
-        if (!mti_dry(k)) dw_f32(dw, dy, x, n, in, out, o0, o1);
+        if (!mti_dry(k)) dw_f32(k, dw, dy, x, n, in, out, o0, o1);
         return MT_OK;
     }
     return dw_lowp(k, dw, dy, x, n, in, out, o0, o1, dt);

@@ -5,23 +5,22 @@
  * single-threaded inside the library's own parallel loops.
  */
 #include <cblas.h>
-#include <stdatomic.h>
+#include <pthread.h>
 
 #include "cpu_ops.h"
 
-static _Atomic int g_threads = 1;
-
-/* The parallelism is ours: OpenMP over tiles, rows, heads. OpenBLAS always
- * runs single-threaded inside them, because its own threading changes how a
- * GEMM is cut, and with it the rounding (see matmul.c). */
-void mti_cpu_set_threads(int threads)
+/* The parallelism is ours: OpenMP over tiles, rows, heads, with the
+ * context's thread count, so two contexts with different counts can run at
+ * once in one process. */
+int mti_cpu_threads(const mti_kctx *k)
 {
-    if (threads < 1) threads = 1;
-    atomic_store(&g_threads, threads);
-    openblas_set_num_threads(1);
+    return k && k->ctx && k->ctx->threads > 0 ? k->ctx->threads : 1;
 }
 
-int mti_cpu_threads(void) { return atomic_load(&g_threads); }
+/* OpenBLAS always runs single-threaded inside our parallel loops, because
+ * its own threading changes how a GEMM is cut, and with it the rounding (see
+ * matmul.c). Set once per process, before the table is first handed out. */
+static void blas_single_threaded(void) { openblas_set_num_threads(1); }
 
 static const mti_ops cpu_ops = {
     .name = "cpu",
@@ -53,4 +52,9 @@ static const mti_ops cpu_ops = {
     .adafactor = mti_cpu_adafactor,
 };
 
-const mti_ops *mti_cpu_ops(void) { return &cpu_ops; }
+const mti_ops *mti_cpu_ops(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, blas_single_threaded);
+    return &cpu_ops;
+}

@@ -56,7 +56,7 @@ mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv
 {
     size_t chunks = (n + CHUNK - 1) / CHUNK;
     unsigned bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(mti_cpu_threads()) \
+#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(mti_cpu_threads(k)) \
     if (n > MTI_CPU_PAR_MIN)
     for (size_t c = 0; c < chunks; c++) {
         size_t i = c * CHUNK;
@@ -95,7 +95,7 @@ mt_status mti_cpu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t 
         float part[ROUND_BLOCKS];
         size_t nb = min_sz(ROUND_BLOCKS, blocks - b0);
         size_t len = min_sz(nb * SUMSQ_BLOCK, n - b0 * SUMSQ_BLOCK);
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
     if (len > MTI_CPU_PAR_MIN)
         for (size_t b = 0; b < nb; b++) {
             size_t i = (b0 + b) * SUMSQ_BLOCK;
@@ -163,7 +163,7 @@ mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, voi
     float *mm = a->momentum != 0.0f ? m : NULL; /* no momentum: the buffer is not touched */
     float damp1 = 1.0f - a->dampening;
     size_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
     for (size_t c = 0; c < chunks; c++) {
         size_t i = c * CHUNK, len = min_sz(CHUNK, n - i);
         sgd_n(p + i, g + i, mm ? mm + i : NULL, len, a->lr, a->momentum, damp1, a->weight_decay,
@@ -213,7 +213,7 @@ mt_status mti_cpu_adamw(const mti_kctx *k, float *p, const float *g, float *m, f
     float bc2_sqrt = (float)sqrt(bc2);
     float decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay);
     size_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
     for (size_t c = 0; c < chunks; c++) {
         size_t i = c * CHUNK, len = min_sz(CHUNK, n - i);
         adamw_n(p + i, g + i, m + i, v + i, len, a->beta1, a->beta2, a->eps, a->grad_scale, decay,

@@ -183,7 +183,7 @@ mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *q
         .decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay),
     };
     size_t blocks = (n + BLK - 1) / BLK, items = (blocks + ITEM_BLOCKS - 1) / ITEM_BLOCKS;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) if (n > MTI_CPU_PAR_MIN)
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
     for (size_t it = 0; it < items; it++) {
         size_t b_end = (it + 1) * ITEM_BLOCKS < blocks ? (it + 1) * ITEM_BLOCKS : blocks;
         for (size_t b = it * ITEM_BLOCKS; b < b_end; b++) {

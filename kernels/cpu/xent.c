@@ -126,7 +126,7 @@ mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const vo
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "xent: vocabulary %d of padded %d", V, Vp);
     if (n <= 0) return MT_OK;
     size_t vp = (size_t)Vp;
-#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads()) \
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
     if ((size_t)n * vp > MTI_CPU_PAR_MIN)
     for (int i = 0; i < n; i++) {
         float l = xent_row(dlogits, logits, targets[i], (size_t)i * vp, (size_t)V, vp, dloss, dt);
