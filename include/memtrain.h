@@ -52,7 +52,10 @@ typedef enum mt_status {
     MT_ERR_UNSUPPORTED = 9, /* a valid request this build or device cannot do */
     MT_ERR_STATE = 10,      /* the call is not valid in the object's current state */
     MT_ERR_BUDGET = 11,     /* a memory budget cannot be met */
-    MT_ERR_INTERNAL = 12    /* a bug in memtrain: please report it */
+    MT_ERR_INTERNAL = 12,   /* a bug in memtrain: please report it */
+    MT_ERR_PLUGIN = 13      /* a plug-in allocator broke its contract (memtrain/allocator.h):
+                               a NULL or misaligned block, or, in checking mode, a block
+                               outside its memory or over a live one; the message says which */
 } mt_status;
 
 /* A short constant description of a status, e.g. "out of memory". Never NULL. */
@@ -134,6 +137,15 @@ const mt_allocator_vtable *mt_allocator_by_name(const char *name);
 
 /* flags of mt_allocator_config */
 #define MT_ALLOCATOR_THREAD_SAFE 0x1u /* the instance takes a lock on every call */
+/* Checking mode, for trying an allocator (your own, say): the library keeps
+ * its own record of the memory the instance holds from its backing and of
+ * the live blocks, and refuses (MT_ERR_PLUGIN, the block given back to the
+ * allocator) a block that is not inside that memory or overlaps a live
+ * block; a free of a block not live as handed out is MT_ERR_BAD_BLOCK
+ * without reaching the allocator; memory the allocator gives back while a
+ * live block is in it stays held (until destroy) and the next allocation
+ * fails with MT_ERR_PLUGIN saying so. Costs a search and a record per call. */
+#define MT_ALLOCATOR_CHECKED 0x2u
 
 /* How one allocator instance is made. */
 typedef struct mt_allocator_config {

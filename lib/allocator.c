@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "alloc_check.h"
 #include "internal.h"
 
 /* ---- backing reservations held by an instance --------------------------
@@ -41,6 +42,8 @@ typedef struct wrap_extra {
     va_range *va;
     size_t n_va, cap_va;
     char why[MTI_ERR_LEN]; /* reason of the last backing failure */
+    mti_checker *check;    /* MT_ALLOCATOR_CHECKED: what the instance holds and hands out */
+    char fault[256];       /* checked: a backing call that was refused, for the next alloc */
 } wrap_extra;
 
 static wrap_extra *extra_of(mt_allocator *a) { return (wrap_extra *)(a + 1); }
@@ -79,6 +82,15 @@ static bool resv_insert(resv_table *t, uintptr_t p, size_t granted)
     t->slots[j].granted = granted;
     t->live++;
     return true;
+}
+
+/* The granted size of p, or 0 if p is not held. */
+static size_t resv_find(const resv_table *t, uintptr_t p)
+{
+    if (!t->cap) return 0;
+    for (size_t j = hash_ptr(p, t->cap); t->slots[j].ptr; j = (j + 1) & (t->cap - 1))
+        if (t->slots[j].ptr == p) return t->slots[j].granted;
+    return 0;
 }
 
 /* Removes p; returns its granted size, or 0 if p is not held. */
@@ -189,15 +201,41 @@ static mt_status backing_reserve(void *self, size_t bytes, size_t alignment, voi
         d->mem_release(d, p, g);
         return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
     }
+    if (extra_of(a)->check && !mti_checker_back(extra_of(a)->check, p, g)) {
+        resv_remove(&extra_of(a)->resv, (uintptr_t)p);
+        d->mem_release(d, p, g);
+        return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
+    }
     note_reserved(a, g);
     *ptr = p;
     *granted = g;
     return MT_OK;
 }
 
+/* Checked instances: memory given back under a live block would leave the
+ * block dangling, so the call is refused (the memory stays until destroy)
+ * and the next allocation says why. */
+static bool refuse_unback(mt_allocator *a, const char *what, const void *p, size_t n)
+{
+    wrap_extra *x = extra_of(a);
+    uint64_t id;
+    if (!x->check) return false;
+    if (!mti_checker_live_within(x->check, p, n, &id)) {
+        mti_checker_unback(x->check, p, n);
+        return false;
+    }
+    snprintf(x->fault, sizeof x->fault,
+             "it %s %zu bytes at %p while block %llu in them was live (kept until destroy)",
+             what, n, p, (unsigned long long)id);
+    mti_log(a->ctx, MT_LOG_ERROR, "allocator '%s': %s", a->vt->name, x->fault);
+    return true;
+}
+
 static void backing_release(void *self, void *ptr, size_t granted)
 {
     mt_allocator *a = self;
+    size_t held = resv_find(&extra_of(a)->resv, (uintptr_t)ptr);
+    if (held && refuse_unback(a, "released", ptr, held)) return;
     size_t g = resv_remove(&extra_of(a)->resv, (uintptr_t)ptr);
     if (!g) {
         mti_log(a->ctx, MT_LOG_ERROR, "allocator '%s' released %p, which it does not hold",
@@ -257,6 +295,10 @@ static mt_status backing_va_commit(void *self, void *addr, size_t bytes)
     if (s) return s;
     s = d->va_commit(d, addr, bytes);
     if (s) return backing_fail(a, s, mt_last_error(a->ctx));
+    if (extra_of(a)->check && !mti_checker_back(extra_of(a)->check, addr, bytes)) {
+        d->va_decommit(d, addr, bytes);
+        return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
+    }
     r->committed += bytes;
     note_reserved(a, bytes);
     return MT_OK;
@@ -271,6 +313,7 @@ static void backing_va_decommit(void *self, void *addr, size_t bytes)
                 a->vt->name, bytes, addr);
         return;
     }
+    if (refuse_unback(a, "decommitted", addr, bytes)) return;
     a->ctx->dev->va_decommit(a->ctx->dev, addr, bytes);
     r->committed -= bytes;
     note_released(a, bytes);
@@ -295,6 +338,7 @@ static void backing_va_release(void *self, void *base, size_t bytes)
     wrap_extra *x = extra_of(a);
     for (size_t i = 0; i < x->n_va; i++) {
         if (x->va[i].base == base && x->va[i].bytes == bytes) {
+            if (refuse_unback(a, "released a range of", base, bytes)) return;
             va_drop(a, i);
             return;
         }
@@ -328,9 +372,10 @@ mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int
     mt_allocator_config c = {0};
     if (cfg) c = *cfg;
     if (!c.vtable) c.vtable = mt_allocator_caching();
-    if (c.flags & ~MT_ALLOCATOR_THREAD_SAFE)
+    const uint32_t known = MT_ALLOCATOR_THREAD_SAFE | MT_ALLOCATOR_CHECKED;
+    if (c.flags & ~known)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "allocator config: unknown flags 0x%x",
-                        c.flags & ~MT_ALLOCATOR_THREAD_SAFE);
+                        c.flags & ~known);
     mt_status s = check_vtable(ctx, c.vtable);
     if (s) return s;
 
@@ -342,6 +387,10 @@ mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int
     a->index = index;
     a->fail_backing_in = -1;
     a->locked = (c.flags & MT_ALLOCATOR_THREAD_SAFE) != 0;
+    if ((c.flags & MT_ALLOCATOR_CHECKED) && !(extra_of(a)->check = mti_checker_new())) {
+        free(a);
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    }
     if (a->locked) pthread_mutex_init(&a->mu, NULL);
 
     mti_device *d = ctx->dev;
@@ -383,6 +432,8 @@ mt_status mti_allocator_new(mt_context *ctx, const mt_allocator_config *cfg, int
 void mti_allocator_delete(mt_allocator *a)
 {
     if (!a) return;
+    /* destroy gives back memory under live blocks: they end here */
+    if (extra_of(a)->check) mti_checker_reset(extra_of(a)->check, MT_SCOPE_ALL);
     if (a->state) a->vt->destroy(a->state);
     a->state = NULL;
     wrap_extra *x = extra_of(a);
@@ -405,6 +456,7 @@ void mti_allocator_delete(mt_allocator *a)
     if (a->index >= 0) atomic_fetch_sub(&a->ctx->live_total, a->st.live_bytes);
     free(x->resv.slots);
     free(x->va);
+    mti_checker_delete(x->check);
     if (a->locked) pthread_mutex_destroy(&a->mu);
     free(a);
 }
@@ -524,20 +576,36 @@ static COLD mt_status alloc_refused(mt_allocator *a, const mt_alloc_request *req
                     a->vt->name, req->bytes, mt_mem_class_name(req->mem_class));
 }
 
-/* The allocator said no (s != MT_OK), or broke rule 3. Called locked. */
+/* The allocator said no (s != MT_OK), or broke rule 3: a NULL or
+ * misaligned address, or in checking mode a block outside the memory it
+ * holds or over a live one (s MT_ERR_PLUGIN); or, in checking mode, it gave
+ * back memory under a live block since the last call. The fault (the
+ * wrapper's fault text, else the address's) is blamed on the plug-in; a
+ * block it handed out is given back to it. Called locked. */
 static COLD mt_status alloc_failed(mt_allocator *a, const mt_alloc_request *r, mt_block *out,
-                                   mt_status s, uint64_t fails_before)
+                                   mt_status s, uint64_t fails_before, bool handed)
 {
-    if (s == MT_OK) {
-        /* a NULL or misaligned address: take the block back and say so */
-        mt_block bad = *out;
+    wrap_extra *x = extra_of(a);
+    mt_block bad = *out;
+    if (handed && bad.ptr) {
         bad.bytes = r->bytes;
         bad.mem_class = r->mem_class;
         bad.lifetime = r->lifetime;
-        if (bad.ptr) a->vt->free(a->state, &bad);
-        s = MT_ERR_INTERNAL;
-        backing_fail(a, s, bad.ptr ? "the allocator returned a misaligned address"
-                                   : "the allocator returned NULL with success");
+        a->vt->free(a->state, &bad);
+    }
+    if ((handed && s == MT_OK) || x->fault[0]) {
+        char m[MTI_ERR_LEN];
+        if (handed && s == MT_ERR_OOM) { /* the checking mode's own records */
+            snprintf(m, sizeof m, "%s", x->fault);
+        } else {
+            snprintf(m, sizeof m, "%s (a fault of the plug-in allocator, not of memtrain)",
+                     x->fault[0] ? x->fault
+                     : bad.ptr   ? "the allocator returned a misaligned address"
+                                 : "the allocator returned NULL with success");
+            s = MT_ERR_PLUGIN;
+        }
+        backing_fail(a, s, m);
+        x->fault[0] = 0;
     }
     if (s == MT_ERR_OOM) mt_stats_on_oom(&a->st, r->mem_class);
     trace_event(a, MT_TRACE_FAIL, r, NULL, 0);
@@ -549,6 +617,18 @@ static COLD mt_status alloc_failed(mt_allocator *a, const mt_alloc_request *r, m
     memset(out, 0, sizeof *out);
     return mti_fail(a->ctx, s, "allocator '%s': %zu bytes of %s: %s", a->vt->name, r->bytes,
                     mt_mem_class_name(r->mem_class), why);
+}
+
+/* Checking mode: the block must lie in held memory and overlap no live
+ * block; a refused release since the last call is reported here too. */
+static COLD mt_status alloc_check(mt_allocator *a, const mt_block *b)
+{
+    wrap_extra *x = extra_of(a);
+    if (x->fault[0]) return MT_ERR_PLUGIN;
+    char why[sizeof x->fault - 8];
+    mt_status s = mti_checker_add_block(x->check, b, why, sizeof why);
+    if (s) snprintf(x->fault, sizeof x->fault, s == MT_ERR_OOM ? "%s" : "it %s", why);
+    return s;
 }
 
 mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
@@ -576,14 +656,17 @@ mt_status mt_alloc(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
     uint64_t fails = a->n_backing_fails;
     mt_status s = a->vt->alloc(a->state, r, out);
     if (!LIKELY(s == MT_OK && out->ptr && ((uintptr_t)out->ptr & (r->alignment - 1)) == 0))
-        return alloc_failed(a, r, out, s, fails);
+        return alloc_failed(a, r, out, s, fails, s == MT_OK);
     const size_t bytes = r->bytes;
     const mt_mem_class c = r->mem_class;
     const mt_lifetime l = r->lifetime;
     out->bytes = bytes;
-    out->id = ++a->next_id;
+    out->id = a->next_id + 1;
     out->mem_class = c;
     out->lifetime = l;
+    if (!LIKELY(extra_of(a)->check == NULL) && (s = alloc_check(a, out)) != MT_OK)
+        return alloc_failed(a, r, out, s, fails, true);
+    a->next_id++;
     mt_stats_on_alloc(&a->st, c, bytes);
     a->live_by_life[l][c] += bytes;
     a->blocks_by_life[l][c]++;
@@ -607,6 +690,23 @@ static COLD mt_status free_refused(mt_allocator *a, const mt_block *blk, mt_stat
                     mt_status_string(s));
 }
 
+/* Checking mode: only a block live as handed out reaches the allocator
+ * (its record goes first: the allocator may give back the memory under
+ * it). Called locked. */
+static COLD mt_status free_checked(mt_allocator *a, const mt_block *blk)
+{
+    mti_checker *k = extra_of(a)->check;
+    size_t i = mti_checker_find(k, blk);
+    if (i == SIZE_MAX) return MT_ERR_BAD_BLOCK;
+    mti_checker_remove(k, i);
+    mt_status s = a->vt->free(a->state, blk);
+    if (s) { /* the allocator keeps it: so do the records */
+        char why[64];
+        mti_checker_add_block(k, blk, why, sizeof why);
+    }
+    return s;
+}
+
 mt_status mt_free(mt_allocator *a, const mt_block *blk)
 {
     if (!a || !blk) return free_refused(a, blk, MT_ERR_INVALID_ARG);
@@ -618,6 +718,8 @@ mt_status mt_free(mt_allocator *a, const mt_block *blk)
     mt_status s;
     if (a->blocks_by_life[l][c] == 0 || a->live_by_life[l][c] < blk->bytes)
         s = MT_ERR_BAD_BLOCK; /* nothing of that kind is live: cannot be ours */
+    else if (!LIKELY(extra_of(a)->check == NULL))
+        s = free_checked(a, blk);
     else
         s = a->vt->free(a->state, blk);
     if (LIKELY(s == MT_OK)) {
@@ -638,6 +740,8 @@ mt_status mt_allocator_reset(mt_allocator *a, mt_scope scope)
         return mti_fail(a->ctx, MT_ERR_INVALID_ARG, "mt_allocator_reset: scope %d out of range",
                         (int)scope);
     lock(a);
+    /* the records first: the allocator may give back memory under them */
+    if (extra_of(a)->check) mti_checker_reset(extra_of(a)->check, scope);
     mt_status s = a->vt->reset(a->state, scope);
     if (s == MT_OK) {
         for (int l = (int)scope; l < MT_LIFE_COUNT; l++) {

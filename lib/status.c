@@ -36,6 +36,7 @@ const char *mt_status_string(mt_status s)
     case MT_ERR_STATE: return "invalid state";
     case MT_ERR_BUDGET: return "memory budget cannot be met";
     case MT_ERR_INTERNAL: return "internal error";
+    case MT_ERR_PLUGIN: return "a plug-in allocator broke its contract";
     }
     return "unknown status";
 }

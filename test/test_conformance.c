@@ -21,16 +21,24 @@ void mti_allocator_fail_backing_after(mt_allocator *a, long n);
 typedef struct acase {
     const char *name;
     const mt_allocator_vtable *vt;
+    uint32_t flags;
 } acase;
 
+/* Every allocator, plain and in checking mode (which must find nothing
+ * wrong with a correct allocator). */
 static int allocator_cases(acase *out)
 {
     int n = 0;
-    out[n++] = (acase){"caching", mt_allocator_caching()};
-    out[n++] = (acase){"arena", mt_allocator_arena()};
-    out[n++] = (acase){"pool", mt_allocator_pool()};
-    out[n++] = (acase){"checkpoint", mt_allocator_checkpoint()};
-    out[n++] = (acase){"custom", example_allocator()};
+    out[n++] = (acase){"caching", mt_allocator_caching(), 0};
+    out[n++] = (acase){"arena", mt_allocator_arena(), 0};
+    out[n++] = (acase){"pool", mt_allocator_pool(), 0};
+    out[n++] = (acase){"checkpoint", mt_allocator_checkpoint(), 0};
+    out[n++] = (acase){"custom", example_allocator(), 0};
+    for (int i = 0; i < 5; i++) {
+        out[n] = out[i];
+        out[n].flags = MT_ALLOCATOR_CHECKED;
+        n++;
+    }
     return n;
 }
 
@@ -88,13 +96,14 @@ static void h_open(harness *h, const dcase *d, const acase *c, size_t limit, uin
                    uint64_t seed)
 {
     memset(h, 0, sizeof *h);
-    snprintf(h->name, sizeof h->name, "%s on %s", c->name, d->name);
+    snprintf(h->name, sizeof h->name, "%s%s on %s", c->name,
+             c->flags & MT_ALLOCATOR_CHECKED ? " (checked)" : "", d->name);
     h->ctx = d->ctx;
     h->vt = c->vt;
     h->host = d->host;
     h->rng = seed * 0x9E3779B97F4A7C15ull + 1;
     shadow_init(&h->sh);
-    mt_allocator_config ac = {.vtable = c->vt, .limit_bytes = limit, .flags = flags};
+    mt_allocator_config ac = {.vtable = c->vt, .limit_bytes = limit, .flags = flags | c->flags};
     mt_status s = mt_allocator_create(d->ctx, &ac, &h->a);
     CHECK_MSG(s == MT_OK, "%s: create: %s", h->name, mt_last_error(d->ctx));
 }
@@ -203,7 +212,7 @@ static void h_close(harness *h)
 /* Runs body(h) for every allocator on every device. */
 static void each(void (*body)(harness *h, const dcase *d, const acase *c))
 {
-    acase ac[8];
+    acase ac[16];
     dcase dc[2];
     int na = allocator_cases(ac), nd = device_cases(dc);
     for (int d = 0; d < nd; d++) {
@@ -547,7 +556,7 @@ static void *thread_main(void *p)
 
 TEST(stress_threads)
 {
-    acase ac[8];
+    acase ac[16];
     int na = allocator_cases(ac);
     mt_context *ctx;
     mt_context_config cfg;
@@ -557,7 +566,8 @@ TEST(stress_threads)
     long ops = check_long() ? 250000 : check_light() ? 2000 : 20000;
     for (int c = 0; c < na; c++) {
         mt_allocator *a;
-        mt_allocator_config conf = {.vtable = ac[c].vt, .flags = MT_ALLOCATOR_THREAD_SAFE};
+        mt_allocator_config conf = {.vtable = ac[c].vt,
+                                    .flags = MT_ALLOCATOR_THREAD_SAFE | ac[c].flags};
         CHECK_OKC(ctx, mt_allocator_create(ctx, &conf, &a));
         enum { T = 4 };
         pthread_t th[T];
@@ -642,7 +652,7 @@ static void context_classes_for(const mt_allocator_vtable *vt, const char *name)
 
 TEST(conformance_context_classes)
 {
-    acase ac[8];
+    acase ac[16];
     int na = allocator_cases(ac);
     for (int c = 0; c < na; c++) context_classes_for(ac[c].vt, ac[c].name);
 }

@@ -26,6 +26,10 @@
  *      usable afterwards.
  *   7. Functions return MT_OK or an mt_status; they never print or abort.
  *
+ * A block that breaks rule 3 (NULL, misaligned, or, with
+ * MT_ALLOCATOR_CHECKED, outside the memory held or over a live block) is
+ * given back through free and the call fails with MT_ERR_PLUGIN.
+ *
  * The library guarantees: alloc is never called with bytes == 0 (empty
  * blocks are handled before), alignment is a power of two between
  * MT_DEFAULT_ALIGNMENT and MT_MAX_ALIGNMENT, mem_class and lifetime are in
