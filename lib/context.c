@@ -129,16 +129,10 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     else
         s = mti_device_cpu_open(ctx, ctx->threads, &ctx->dev);
     if (s) return create_failed(ctx, s);
-    if (dry) {
-        ctx->ops = kind == MT_DEVICE_CUDA ? mti_cuda_dry_ops() : mti_dry_ops();
-    } else if (ctx->dev->kind == MT_DEVICE_CUDA) {
-        /* without kernels the device still serves memory and copies */
-        if (mti_cuda_ops(ctx->dev, &ctx->ops) != MT_OK) {
-            ctx->ops = NULL;
-            mti_log(ctx, MT_LOG_WARN, "no CUDA op table: %s", mt_last_error(ctx));
-        }
-    } else {
-        ctx->ops = mti_cpu_ops();
+    /* without kernels the device still serves memory and copies */
+    if (ctx->dev->op_table(ctx->dev, &ctx->ops) != MT_OK) {
+        ctx->ops = NULL;
+        mti_log(ctx, MT_LOG_WARN, "no %s op table: %s", ctx->dev->name, mt_last_error(ctx));
     }
 
     for (int k = 0; k < MT_MEM_COUNT; k++) {

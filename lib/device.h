@@ -14,6 +14,7 @@
 #include "memtrain.h"
 
 typedef struct mti_device mti_device;
+struct mti_ops; /* lib/kernels.h */
 
 struct mti_device {
     mt_device_kind kind;    /* MT_DEVICE_CPU or MT_DEVICE_CUDA */
@@ -49,6 +50,11 @@ struct mti_device {
      * (host: MemAvailable and MemTotal). */
     mt_status (*mem_info)(mti_device *d, size_t *free_bytes, size_t *total_bytes);
 
+    /* The op table of the device (lib/kernels.h), chosen by the device: a
+     * failure (a CUDA device whose kernels did not load) leaves the device
+     * serving memory and copies without ops. */
+    mt_status (*op_table)(mti_device *d, const struct mti_ops **out);
+
     void (*destroy)(mti_device *d);
 };
 
@@ -59,14 +65,12 @@ void mti_cpu_geometry(mti_device *d);
 /* What the host device grants for a reservation of bytes at alignment. */
 size_t mti_cpu_granted(size_t bytes, size_t alignment);
 /* A device with no memory behind it, for the dry contexts of estimates
- * (lib/estimate.c). kind MT_DEVICE_CPU: the host device's geometry. kind
+ * (lib/device_dry.c). kind MT_DEVICE_CPU: the host device's geometry. kind
  * MT_DEVICE_CUDA: that of `like` when it is a CUDA device (alignment,
  * granularity, growable ranges or not), else a current NVIDIA GPU's (256-byte
  * alignment, 2 MiB granularity, growable ranges). */
 mt_status mti_device_dry_open(mt_context *ctx, mt_device_kind kind, const mti_device *like,
                               int threads, mti_device **out);
-/* The op table of a dry CPU context. */
-const struct mti_ops *mti_dry_ops(void);
 
 /* Opens CUDA device `ordinal` through the driver at `driver_path` (NULL:
  * "libcuda.so.1"). MT_ERR_NO_DEVICE when there is no driver, the driver has

@@ -43,9 +43,10 @@ typedef struct mti_kctx {
     mti_device *dev;
 } mti_kctx;
 
-/* A dry run (an estimate, lib/estimate.c): an op that takes workspace takes
- * and frees it and computes nothing; the dry op table runs no other op. */
-static inline bool mti_dry(const mti_kctx *k) { return k->ctx && k->ctx->dry; }
+/* A dry run (an estimate, lib/estimate.c, on lib/device_dry.c): every op of
+ * every table checks this first; an op that takes workspace takes it and
+ * frees it with its real size, and no op computes anything. */
+static inline bool mti_dry(const mti_kctx *k) { return k && k->ctx && k->ctx->dry; }
 
 /* Workspace of `bytes` from the context's WORK allocator, lifetime PHASE,
  * freed with mti_work_free before the op returns. */

@@ -360,6 +360,7 @@ mt_status mti_cpu_adafactor(const mti_kctx *k, float *p, const float *g, float *
                             float *v, float *m, void *pc, mti_dtype pc_dt, int64_t rows,
                             int64_t cols, int factored, const mti_adafactor_args *a)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     mt_status st = check_args(k, p, g, row, col, v, m, pc, pc_dt, rows, cols, factored, a);
     if (st != MT_OK || rows == 0 || cols == 0) return st;
     af_ctx c = {.p = p, .g = g, .row = row, .col = col, .v = v, .pc = pc, .pc_dt = pc_dt,

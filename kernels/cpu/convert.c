@@ -318,6 +318,7 @@ static void cast_range(void *dst, mti_dtype dt, const void *src, mti_dtype st, s
 mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                        mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (r != MTI_ROUND_NEAREST && r != MTI_ROUND_STOCHASTIC)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "cast: unknown rounding %d", (int)r);
     /* between the float dtypes, or a copy (int32 too) */

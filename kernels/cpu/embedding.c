@@ -60,6 +60,7 @@ static void emb_row(void *out, size_t orow, const void *wte, size_t erow, const 
 mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
                                 const void *wpe, int B, int T, int C, mti_dtype dt)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (!dt_ok(dt)) return bad_dtype(k, "embedding_fwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     size_t c = (size_t)C, rows = (size_t)B * (size_t)T;
@@ -131,6 +132,7 @@ static void emb_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dou
 mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                 const int32_t *tok, int B, int T, int C, mti_dtype dt)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (!dt_ok(dt)) return bad_dtype(k, "embedding_bwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     emb_bwd(k, dwte, dwpe, dout, tok, B, T, C, 0, INT32_MAX, dt);
@@ -141,6 +143,7 @@ mt_status mti_cpu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *
                                     const int32_t *tok, int B, int T, int C, int v0, int v1,
                                     mti_dtype dt)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (!dt_ok(dt)) return bad_dtype(k, "embedding_dw_rows", dt);
     if (v0 < 0 || v1 < v0)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "embedding_dw_rows: rows [%d,%d)", v0, v1);

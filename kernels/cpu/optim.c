@@ -54,6 +54,7 @@ WIDE_CLONES static unsigned unscale_n(float *g, size_t n, float inv)
 mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,
                                 int *found_inf)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     size_t chunks = (n + CHUNK - 1) / CHUNK;
     unsigned bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) num_threads(mti_cpu_threads(k)) \
@@ -89,6 +90,7 @@ WIDE_CLONES static float block_sumsq(const float *g, size_t n)
  * start at round boundaries gives the same bits as summed whole. */
 mt_status mti_cpu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t n)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     size_t blocks = (n + SUMSQ_BLOCK - 1) / SUMSQ_BLOCK;
     float total = *sumsq;
     for (size_t b0 = 0; b0 < blocks; b0 += ROUND_BLOCKS) {
@@ -154,6 +156,7 @@ WIDE_CLONES static void sgd_n(float *p, const float *g, float *m, size_t n, floa
 mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, void *pc,
                       mti_dtype pc_dt, size_t n, const mti_sgd_args *a)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (pc && !pc_dt_ok(pc_dt))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "sgd: compute dtype %d is not a float",
                         (int)pc_dt);
@@ -200,6 +203,7 @@ WIDE_CLONES static void adamw_n(float *restrict p, const float *restrict g, floa
 mt_status mti_cpu_adamw(const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
                         mti_dtype pc_dt, size_t n, const mti_adamw_args *a)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (pc && !pc_dt_ok(pc_dt))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "adamw: compute dtype %d is not a float",
                         (int)pc_dt);

@@ -158,6 +158,7 @@ mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *q
                          float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                          const mti_adamw_args *a)
 {
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     if (!a) return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "adamw8: no arguments");
     if (pc && pc_dt != MTI_F32 && pc_dt != MTI_F16 && pc_dt != MTI_BF16)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "adamw8: compute dtype %d is not a float",
