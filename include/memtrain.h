@@ -626,6 +626,13 @@ typedef enum mt_optimizer_kind {
                              floats per matrix */
 } mt_optimizer_kind;
 
+/* An optimizer's name as the memtrain command spells it ("sgd", "adamw",
+ * "adamw8", "adafactor"), or NULL for a value that is no optimizer. */
+const char *mt_optimizer_name(mt_optimizer_kind kind);
+/* The optimizer of a name as mt_optimizer_name spells it into *out;
+ * MT_ERR_INVALID_ARG, naming those there are, for any other name. */
+mt_status mt_optimizer_by_name(const char *name, mt_optimizer_kind *out);
+
 /* How a trainer computes. In fp16 and bf16 the model's weights (PARAM) and
  * the activations are kept in 16 bits, an fp32 master copy of the weights
  * (MASTER) takes the optimizer's updates and the 16-bit copy is refreshed

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "model.h"
+#include "optim.h"
 #include "plan.h"
 
 void mti_plan_of_policy(const mt_model *m, const mt_trainer_config *c, unsigned char *units,
@@ -295,15 +296,12 @@ typedef struct fit_rates {
 static const fit_rates fit_cpu = {200e9, 200e9, 40e9, 32, 8.8};
 static const fit_rates fit_cuda = {50e12, 400e12, 2.5e12, 1024, 1.0};
 
-static double update_bytes(mt_optimizer_kind o, float momentum, const fit_rates *r)
+static double update_bytes(const mt_trainer_config *c, const fit_rates *r)
 {
-    switch (o) {
-    case MT_OPT_SGD: return momentum > 0 ? 20 : 12;
-    case MT_OPT_ADAMW: return 28;
-    case MT_OPT_ADAMW8: return 16 * r->q8;
-    case MT_OPT_ADAFACTOR: return 52;
-    }
-    return 28;
+    const mti_optim *o = mti_optim_of(c->optimizer); /* checked before (else AdamW's) */
+    int quantized = 0;
+    double bytes = o ? o->traffic(c, &quantized) : 28;
+    return quantized ? bytes * r->q8 : bytes;
 }
 
 /* fwd: the model's forward FLOPs per token; rec_cost: what recompute adds. */
@@ -319,7 +317,7 @@ static double step_seconds(const mt_model *m, const mt_trainer_config *c, int mi
         double tok = (double)rows * T, eff = tok / (tok + r->half);
         total += (3 * fwd + rec_cost) * tok / (flops * eff);
     }
-    return total + (double)m->n_params * update_bytes(c->optimizer, c->momentum, r) / r->bw;
+    return total + (double)m->n_params * update_bytes(c, r) / r->bw;
 }
 
 mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,

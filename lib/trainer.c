@@ -88,8 +88,8 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
             c->max_batch);
     if (m->input == MT_INPUT_TOKENS && (c->max_seq < 0 || c->max_seq > m->max_seq))
         BAD("%s: cfg->max_seq %d out of range 0..%d (the model's)", fn, c->max_seq, m->max_seq);
-    if (c->optimizer < MT_OPT_SGD || c->optimizer > MT_OPT_ADAFACTOR)
-        BAD("%s: cfg->optimizer %d is not a known optimizer", fn, (int)c->optimizer);
+    const mti_optim *opt = mti_optim_of(c->optimizer);
+    if (!opt) BAD("%s: cfg->optimizer %d is not a known optimizer", fn, (int)c->optimizer);
     if (!isfinite(c->lr) || c->lr < 0.0f) BAD("%s: cfg->lr %g must be finite and >= 0", fn, (double)c->lr);
     if (!in01(c->momentum)) BAD("%s: cfg->momentum %g out of range [0, 1)", fn, (double)c->momentum);
     if (!in01(c->dampening)) BAD("%s: cfg->dampening %g out of range [0, 1)", fn, (double)c->dampening);
@@ -102,18 +102,8 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
             (double)c->beta2);
     if (!isfinite(c->eps) || c->eps <= 0.0f) BAD("%s: cfg->eps %g must be > 0", fn, (double)c->eps);
     if (c->min_8bit_size < 0) BAD("%s: cfg->min_8bit_size %d must be >= 0", fn, c->min_8bit_size);
-    const mt_adafactor_config *af = &c->adafactor;
-    if (c->optimizer == MT_OPT_ADAFACTOR) {
-        if (!(af->eps1 >= 0.0f) || !(af->eps2 >= 0.0f) || !isfinite(af->eps1) || !isfinite(af->eps2))
-            BAD("%s: cfg->adafactor.eps1 and eps2 must be finite and >= 0", fn);
-        if (!(af->clip_threshold > 0.0f) || !isfinite(af->clip_threshold))
-            BAD("%s: cfg->adafactor.clip_threshold %g must be > 0", fn, (double)af->clip_threshold);
-        if (!(af->decay_rate < 0.0f) || !isfinite(af->decay_rate))
-            BAD("%s: cfg->adafactor.decay_rate %g must be < 0", fn, (double)af->decay_rate);
-        if (!in01(af->beta1)) BAD("%s: cfg->adafactor.beta1 %g out of range [0, 1)", fn, (double)af->beta1);
-        if (af->warmup_init && !af->relative_step)
-            BAD("%s: cfg->adafactor.warmup_init needs relative_step", fn);
-    }
+    mt_status s = opt->check ? opt->check(ctx, c) : MT_OK; /* its own settings */
+    if (s) return s;
     if (c->n_overrides < 0 || (c->n_overrides > 0 && !c->overrides))
         BAD("%s: cfg->n_overrides %d with overrides %s", fn, c->n_overrides,
             c->overrides ? "set" : "NULL");
@@ -155,10 +145,10 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
         BAD("%s: cfg->master_weights 0 needs precision bf16 (fp32 weights are their own "
             "masters; fp16 is too narrow to update without them)",
             fn);
-    if (!c->master_weights && c->optimizer == MT_OPT_ADAFACTOR)
-        BAD("%s: cfg->master_weights 0 does not combine with Adafactor, whose update needs the "
+    if (!c->master_weights && opt->needs_masters)
+        BAD("%s: cfg->master_weights 0 does not combine with %s, whose update needs the "
             "whole tensor in fp32",
-            fn);
+            fn, opt->title);
     if ((unsigned)c->recompute > MT_RECOMPUTE_BUDGET)
         BAD("%s: cfg->recompute %d is not a recompute policy", fn, (int)c->recompute);
     if ((c->recompute == MT_RECOMPUTE_EVERY_K || c->recompute == MT_RECOMPUTE_CUSTOM) &&
@@ -309,16 +299,16 @@ static const mt_param_override *override_of(const mt_trainer *t, const char *nam
     return NULL;
 }
 
-static mt_status state_tensor(mt_trainer *t, mti_tensor *st, mti_dtype dt, int64_t n, int pi, int j,
-                              int fill)
+static mt_status state_tensor(mt_trainer *t, mti_tensor *st, const mti_opt_state *l, int pi, int j)
 {
-    *st = (mti_tensor){.dtype = dt, .ndim = 1, .shape = {n}};
+    *st = (mti_tensor){.dtype = l->dtype, .ndim = 1, .shape = {l->numel}};
     mt_status s = mti_tensor_alloc(t->ctx, st, MT_MEM_OPTIM, MT_LIFE_PERSISTENT,
                                    TAG(1, 100000 + 4 * (uint64_t)pi + (uint64_t)j));
-    if (!s) s = t->ctx->dev->memset8(t->ctx->dev, st->blk.ptr, fill, st->blk.bytes);
+    if (!s) s = t->ctx->dev->memset8(t->ctx->dev, st->blk.ptr, l->fill, st->blk.bytes);
     return s;
 }
 
+/* Each parameter's settings and the state its optimizer lays out, fresh. */
 static mt_status make_state(mt_trainer *t)
 {
     const mt_trainer_config *c = &t->cfg;
@@ -332,39 +322,9 @@ static mt_status make_state(mt_trainer *t)
         ps->lr_scale = 1.0f;
         if (o && o->weight_decay >= 0.0f) ps->wd = o->weight_decay;
         if (o && o->lr_scale > 0.0f) ps->lr_scale = o->lr_scale;
-        ps->bits = 32;
-        int64_t n = (int64_t)p->numel;
-        switch (c->optimizer) {
-        case MT_OPT_SGD:
-            if (c->momentum > 0.0f) s = state_tensor(t, &ps->s[0], MTI_F32, n, i, 0, 0);
-            break;
-        case MT_OPT_ADAMW8:
-        case MT_OPT_ADAMW: {
-            bool eight = c->optimizer == MT_OPT_ADAMW8 && !p->force32 && n >= c->min_8bit_size;
-            if (c->optimizer == MT_OPT_ADAMW8 && o && o->state_bits) eight = o->state_bits == 8;
-            if (eight) {
-                int64_t nb = (n + MTI_Q8_BLOCK - 1) / MTI_Q8_BLOCK;
-                ps->bits = 8;
-                s = state_tensor(t, &ps->s[0], MTI_U8, n, i, 0, mti_q8_zero_code(1));
-                if (!s) s = state_tensor(t, &ps->s[1], MTI_U8, n, i, 1, mti_q8_zero_code(0));
-                if (!s) s = state_tensor(t, &ps->s[2], MTI_F32, nb, i, 2, 0);
-                if (!s) s = state_tensor(t, &ps->s[3], MTI_F32, nb, i, 3, 0);
-            } else {
-                s = state_tensor(t, &ps->s[0], MTI_F32, n, i, 0, 0);
-                if (!s) s = state_tensor(t, &ps->s[1], MTI_F32, n, i, 1, 0);
-            }
-            break;
-        }
-        case MT_OPT_ADAFACTOR:
-            if (p->ndim == 2) { /* factored */
-                s = state_tensor(t, &ps->s[0], MTI_F32, p->shape[0], i, 0, 0);
-                if (!s) s = state_tensor(t, &ps->s[1], MTI_F32, p->shape[1], i, 1, 0);
-            } else {
-                s = state_tensor(t, &ps->s[2], MTI_F32, n, i, 2, 0);
-            }
-            if (!s && c->adafactor.beta1 > 0.0f) s = state_tensor(t, &ps->s[3], MTI_F32, n, i, 3, 0);
-            break;
-        }
+        t->opt->layout(c, p, o, &ps->lay);
+        for (int j = 0; j < MTI_OPT_SLOTS && !s; j++)
+            if (ps->lay.s[j].numel) s = state_tensor(t, &ps->s[j], &ps->lay.s[j], i, j);
     }
     return s;
 }
@@ -386,64 +346,27 @@ static float lr_at(const mt_trainer_config *c, uint64_t step)
 static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const float *g, size_t at,
                              size_t n, float grad_scale)
 {
-    const mt_trainer_config *c = &t->cfg;
     const mti_kctx k = {t->ctx, t->ctx->dev};
-    const mti_ops *op = t->ctx->ops;
-    const mti_param *p = &t->model->params[i];
     pstate *ps = &t->ps[i];
-    float *f0 = ps->s[0].blk.ptr ? (float *)ps->s[0].blk.ptr + at : NULL;
-    float *f1 = ps->s[1].blk.ptr ? (float *)ps->s[1].blk.ptr + at : NULL;
-    float lr = t->lr * ps->lr_scale;
-    int64_t step = (int64_t)t->opt_steps + 1;
-    switch (c->optimizer) {
-    case MT_OPT_SGD: {
-        mti_sgd_args a = {.lr = lr,
-                          .momentum = c->momentum,
-                          .dampening = c->dampening,
-                          .weight_decay = ps->wd,
-                          .nesterov = c->nesterov,
-                          .first_step = t->opt_steps == 0,
-                          .grad_scale = grad_scale};
-        return op->sgd(&k, w32, g, f0, pc, t->dt, n, &a);
-    }
-    case MT_OPT_ADAMW:
-    case MT_OPT_ADAMW8: {
-        mti_adamw_args a = {.lr = lr,
-                            .beta1 = c->beta1,
-                            .beta2 = c->beta2,
-                            .eps = c->eps,
+    const mti_opt_step a = {.k = &k,
+                            .ops = t->ctx->ops,
+                            .cfg = &t->cfg,
+                            .p = &t->model->params[i],
+                            .layout = &ps->lay,
+                            .lr = t->lr * ps->lr_scale,
                             .weight_decay = ps->wd,
-                            .step = step,
-                            .grad_scale = grad_scale};
-        if (ps->bits == 8) /* at is a multiple of the block */
-            return op->adamw8(&k, w32, g, (uint8_t *)ps->s[0].blk.ptr + at,
-                              (uint8_t *)ps->s[1].blk.ptr + at,
-                              (float *)ps->s[2].blk.ptr + at / MTI_Q8_BLOCK,
-                              (float *)ps->s[3].blk.ptr + at / MTI_Q8_BLOCK, pc, t->dt, n, &a);
-        return op->adamw(&k, w32, g, f0, f1, pc, t->dt, n, &a);
+                            .step = (int64_t)t->opt_steps + 1,
+                            .grad_scale = grad_scale,
+                            .pc_dt = t->dt,
+                            .scratch = NULL};
+    void *st[MTI_OPT_SLOTS] = {0};
+    for (int j = 0; j < MTI_OPT_SLOTS; j++) {
+        const mti_opt_state *l = &ps->lay.s[j];
+        if (!l->numel) continue;
+        size_t off = l->per > 0 ? at / (size_t)l->per : 0;
+        st[j] = (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
     }
-    case MT_OPT_ADAFACTOR: {
-        const mt_adafactor_config *af = &c->adafactor;
-        mti_adafactor_args a = {.lr = lr,
-                                .eps1 = af->eps1,
-                                .eps2 = af->eps2,
-                                .clip_threshold = af->clip_threshold,
-                                .decay_rate = af->decay_rate,
-                                .beta1 = af->beta1,
-                                .weight_decay = ps->wd,
-                                .scale_parameter = af->scale_parameter,
-                                .relative_step = af->relative_step,
-                                .warmup_init = af->warmup_init,
-                                .step = step,
-                                .grad_scale = grad_scale};
-        const int factored = p->ndim == 2;
-        int64_t rows = factored ? p->shape[0] : 1;
-        int64_t cols = factored ? p->shape[1] : (int64_t)p->numel;
-        return op->adafactor(&k, w32, g, ps->s[0].blk.ptr, ps->s[1].blk.ptr, ps->s[2].blk.ptr,
-                             ps->s[3].blk.ptr, pc, t->dt, rows, cols, factored, &a);
-    }
-    }
-    return MT_ERR_INTERNAL;
+    return t->opt->update(&a, st, w32, pc, g, at, n);
 }
 
 /* elements per slice of an update without masters (a multiple of the 8-bit block) */
@@ -499,15 +422,15 @@ static int tied_rows_for(const mt_trainer *t)
 {
     const mt_model *m = t->model;
     const mti_ops *op = t->ctx->ops;
-    if (!t->cfg.fused_step || t->cfg.optimizer == MT_OPT_ADAFACTOR || !op->matmul_dw_rows ||
+    if (!t->cfg.fused_step || !t->opt->sliceable || !op->matmul_dw_rows ||
         !op->embedding_dw_rows || !op->matmul_dw_align || m->n_layers < 1)
         return 0;
     const mti_layer *head = &m->layers[m->n_layers - 1];
     if (head->kind != MT_LAYER_LM_HEAD || head->tied < 0) return 0;
     const mti_param *p = &m->params[head->tied];
     const int64_t V = p->shape[0], C = p->shape[1];
-    size_t elems = 1; /* powers of two: the largest is their lcm */
-    if (t->ps[head->tied].bits == 8) elems = MTI_Q8_BLOCK;
+    /* powers of two: the largest is their lcm */
+    size_t elems = mti_optim_slice_align(&t->ps[head->tied].lay);
     if (t->bare && elems < BARE_SLICE) elems = BARE_SLICE;
     if (t->cfg.grad_clip > 0.0f && elems < MTI_SUMSQ_ROUND) elems = MTI_SUMSQ_ROUND;
     int64_t unit = (int64_t)elems, c = C;
@@ -530,7 +453,7 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_engine_free(&t->E);
     if (t->ps)
         for (int i = 0; i < t->model->n_param; i++)
-            for (int j = 0; j < 4; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
+            for (int j = 0; j < MTI_OPT_SLOTS; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
     if (t->model->has_master) from_mixed(t);
@@ -563,12 +486,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "mt_trainer_create: %s has no kernels in this build or driver",
                         ctx->dev->name);
-    if (cfg->optimizer == MT_OPT_ADAFACTOR && !ctx->ops->adafactor)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED, "mt_trainer_create: Adafactor is not in the %s op table",
-                        ctx->ops->name);
-    if (cfg->optimizer == MT_OPT_ADAMW8 && !ctx->ops->adamw8)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "mt_trainer_create: 8-bit AdamW is not in the %s op table", ctx->ops->name);
+    const mti_optim *opt = mti_optim_of(cfg->optimizer);
+    if (!opt->has_ops(ctx->ops))
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED, "mt_trainer_create: %s is not in the %s op table",
+                        opt->title, ctx->ops->name);
     if (atomic_load(&m->n_trainers))
         return mti_fail(ctx, MT_ERR_STATE,
                         "mt_trainer_create: the model already has a trainer; destroy it first");
@@ -576,6 +497,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!t) return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     t->model = m;
     t->ctx = ctx;
+    t->opt = opt;
     t->cfg = *cfg;
     t->cfg.overrides = NULL;
     t->dt = dtype_of(cfg->precision);

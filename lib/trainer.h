@@ -6,13 +6,14 @@
 #define MT_TRAINER_H
 
 #include "engine.h"
+#include "optim.h"
 #include "scaler.h"
 
-/* optimizer state of one parameter (class OPTIM) */
+/* optimizer state of one parameter (class OPTIM): the tensors of its
+ * layout, slot by slot (lib/optim.h; unused slots empty) */
 typedef struct pstate {
-    mti_tensor s[4]; /* SGD: m | AdamW: m v | 8-bit: qm qv absmax_m absmax_v |
-                        Adafactor: row col (factored) or v, then m */
-    int bits;        /* 8 or 32 */
+    mti_tensor s[MTI_OPT_SLOTS];
+    mti_opt_layout lay;
     float wd, lr_scale;
 } pstate;
 
@@ -22,6 +23,7 @@ struct mt_trainer {
     mt_trainer_config cfg;
     mti_dtype dt;
     mti_engine E;
+    const mti_optim *opt;    /* cfg.optimizer's entry */
     pstate *ps;
     char **patterns;         /* copies of the overrides' patterns */
     mt_param_override *overrides;

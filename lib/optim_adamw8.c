@@ -1,0 +1,57 @@
+/*
+ * optim_adamw8.c - 8-bit blockwise AdamW as bitsandbytes' AdamW8bit
+ * (kernels.h, the adamw8 op): codes into its dynamic maps, one absmax per
+ * block of MTI_Q8_BLOCK elements (about 2.03 bytes per parameter).
+ * Tensors under min_8bit_size elements, those the model marks (a
+ * StableEmbedding's table) and overrides with state_bits 32 keep 32-bit
+ * state, as bitsandbytes does.
+ */
+#include "optim.h"
+
+static double traffic(const mt_trainer_config *c, int *quantized)
+{
+    (void)c;
+    *quantized = 1;
+    return 16; /* p, g read (8), p written (4), codes and absmax (~4) */
+}
+
+static int has_ops(const mti_ops *ops) { return ops->adamw8 != NULL && ops->adamw != NULL; }
+
+static void layout(const mt_trainer_config *c, const mti_param *p, const mt_param_override *o,
+                   mti_opt_layout *out)
+{
+    const int64_t n = (int64_t)p->numel;
+    bool eight = !p->force32 && n >= c->min_8bit_size;
+    if (o && o->state_bits) eight = o->state_bits == 8;
+    if (!eight) {
+        mti_adamw_layout32(p, out);
+        return;
+    }
+    const int64_t nb = (n + MTI_Q8_BLOCK - 1) / MTI_Q8_BLOCK;
+    *out = (mti_opt_layout){.bits = 8};
+    out->s[0] = (mti_opt_state){MTI_U8, n, 1, mti_q8_zero_code(1)};
+    out->s[1] = (mti_opt_state){MTI_U8, n, 1, mti_q8_zero_code(0)};
+    out->s[2] = (mti_opt_state){MTI_F32, nb, MTI_Q8_BLOCK, 0};
+    out->s[3] = (mti_opt_state){MTI_F32, nb, MTI_Q8_BLOCK, 0};
+}
+
+static mt_status update(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], float *w32,
+                        void *pc, const float *g, size_t at, size_t n)
+{
+    (void)at; /* a multiple of the block (mti_optim_slice_align) */
+    mti_adamw_args args = mti_adamw_args_of(a, a->weight_decay);
+    if (a->layout->bits == 8)
+        return a->ops->adamw8(a->k, w32, g, st[0], st[1], st[2], st[3], pc, a->pc_dt, n, &args);
+    return a->ops->adamw(a->k, w32, g, st[0], st[1], pc, a->pc_dt, n, &args);
+}
+
+const mti_optim mti_optim_adamw8 = {
+    .kind = MT_OPT_ADAMW8,
+    .name = "adamw8",
+    .title = "8-bit AdamW",
+    .sliceable = 1,
+    .traffic = traffic,
+    .has_ops = has_ops,
+    .layout = layout,
+    .update = update,
+};
