@@ -29,7 +29,7 @@ endif
 
 # Debian packages the build needs, and those the tests need besides
 # (rsvg-convert renders the memory plots the tests write).
-DEB_PKGS := libjemalloc-dev libopenblas-dev pkg-config
+DEB_PKGS := libjemalloc-dev libopenblas-dev pkg-config libopenmpi-dev openmpi-bin
 TEST_DEB_PKGS := librsvg2-bin
 
 # CUDA kernels: built whenever nvcc is found; nothing needs a GPU to build.
@@ -37,7 +37,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/de
 CUDA_ARCHS ?= 80 90
 CUDA_SRC := $(wildcard kernels/cuda/*.cu kernels/cuda/*.cuh)
 
-LIB_SRC := $(wildcard lib/*.c allocators/*.c kernels/cpu/*.c)
+LIB_SRC := $(wildcard lib/*.c lib/comm/*.c allocators/*.c kernels/cpu/*.c)
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 ifneq ($(strip $(NVCC)),)
 ifneq ($(strip $(CUDA_SRC)),)
@@ -53,7 +53,14 @@ TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/examples/custom_alloca
 TEST_BIN := $(BUILD)/mt_tests
 FAKE_CUDA := $(BUILD)/libfakecuda.so
 FAKE_CUBLASLT := $(BUILD)/libfakecublaslt.so
-FAKE_ENV = MT_FAKE_CUDA=$(FAKE_CUDA) MT_FAKE_CUBLASLT=$(FAKE_CUBLASLT)
+FAKE_NCCL := $(BUILD)/libfakenccl.so
+FAKE_ENV = MT_FAKE_CUDA=$(FAKE_CUDA) MT_FAKE_CUBLASLT=$(FAKE_CUBLASLT) MT_FAKE_NCCL=$(FAKE_NCCL)
+# The MPI communicator: its own archive, built whenever mpicc is found
+MPICC ?= $(shell command -v mpicc 2>/dev/null)
+LIB_MPI := $(BUILD)/libmemtrain_mpi.a
+ifneq ($(strip $(MPICC)),)
+MPI_TARGETS := $(LIB_MPI) $(BUILD)/mpi/comm_mpi_test
+endif
 EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/examples/plan_memory
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
@@ -62,9 +69,9 @@ BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
-all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES) $(BENCH_BIN)
+all: $(LIB) $(TOOL) $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) $(BENCH_BIN) $(MPI_TARGETS)
 
-lib: $(LIB)
+lib: $(LIB) $(MPI_TARGETS)
 
 # ---- dependencies ----
 # Installs the missing packages of $(1) when run as root; otherwise names them.
@@ -95,6 +102,14 @@ $(BUILD)/obj/%.o: %.c
 	$(CC) $(CPPFLAGS) $(CPPFLAGS_CUDA) $(CFLAGS) $(MT_CFLAGS) -MMD -MP -c $< -o $@
 
 $(LIB): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+# the MPI communicator, compiled by mpicc, in libmemtrain_mpi.a
+$(BUILD)/obj-mpi/%.o: lib/comm/mpi/%.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -MMD -MP -c $< -o $@
+$(LIB_MPI): $(BUILD)/obj-mpi/comm_mpi.o
 	@rm -f $@
 	ar rcs $@ $^
 
@@ -183,6 +198,16 @@ $(FAKE_CUBLASLT): test/fake_cuda/fake_cublaslt.c lib/cublaslt_api.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -Ilib -fPIC -shared -o $@ $<
 
+# a stand-in libnccl (threads as ranks), so the NCCL communicator runs in tests
+$(FAKE_NCCL): test/fake_nccl/fake_libnccl.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -std=c11 $(WARN) -D_GNU_SOURCE -fPIC -shared -pthread -o $@ $<
+
+# the MPI tests' program (test/mpi_test.sh runs it under mpirun)
+$(BUILD)/mpi/comm_mpi_test: test/mpi/comm_mpi_test.c $(LIB_MPI) $(LIB)
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -o $@ $< $(LIB_MPI) $(LIB) $(MT_LDFLAGS) $(LDLIBS)
+
 $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
@@ -191,7 +216,7 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 test: test-deps
 	@$(MAKE) --no-print-directory check-tests
 
-check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS)
+check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS) $(MPI_TARGETS)
 	$(FAKE_ENV) $(TEST_BIN)
 	@for t in $(FUZZ_TARGETS); do printf "fuzz regressions, %s: " $$t; \
 	  $(BUILD)/fuzz/$$t test/fuzz/$$t/* || exit 1; done
@@ -199,6 +224,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES) $(TOOL) $(FUZ
 	$(BUILD)/examples/custom_allocator > /dev/null
 	$(BUILD)/examples/plan_memory > /dev/null
 	./test/tool_test.sh $(TOOL)
+	./test/mpi_test.sh $(BUILD)
 	./test/api_doc_test.sh
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 
@@ -241,17 +267,20 @@ bench-gpt2: deps
 	BUILD=$(BUILD) ./bench/gpt2_side_by_side.sh $(GPT2_ARGS)
 
 # ---- install ----
-install: $(LIB) $(TOOL)
+install: $(LIB) $(TOOL) $(MPI_TARGETS)
 	install -d $(DESTDIR)$(PREFIX)/include/memtrain $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
 	install -m 644 include/memtrain.h $(DESTDIR)$(PREFIX)/include/
-	install -m 644 include/memtrain/allocator.h $(DESTDIR)$(PREFIX)/include/memtrain/
+	install -m 644 include/memtrain/allocator.h include/memtrain/comm.h include/memtrain/mpi.h $(DESTDIR)$(PREFIX)/include/memtrain/
 	install -m 644 $(LIB) $(DESTDIR)$(PREFIX)/lib/
+	if [ -f $(LIB_MPI) ]; then install -m 644 $(LIB_MPI) $(DESTDIR)$(PREFIX)/lib/; fi
 	install -m 755 $(TOOL) $(DESTDIR)$(PREFIX)/bin/
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(shell sed -n 's/#define MT_VERSION_STRING "\(.*\)"/\1/p' include/memtrain.h)|g' \
 	  memtrain.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/memtrain.pc
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/include/memtrain.h $(DESTDIR)$(PREFIX)/include/memtrain/allocator.h \
+	  $(DESTDIR)$(PREFIX)/include/memtrain/comm.h $(DESTDIR)$(PREFIX)/include/memtrain/mpi.h \
+	  $(DESTDIR)$(PREFIX)/lib/libmemtrain_mpi.a \
 	  $(DESTDIR)$(PREFIX)/lib/libmemtrain.a $(DESTDIR)$(PREFIX)/lib/pkgconfig/memtrain.pc \
 	  $(DESTDIR)$(PREFIX)/bin/memtrain
 	-rmdir $(DESTDIR)$(PREFIX)/include/memtrain

@@ -15,7 +15,8 @@
  *     a program built against an older header keeps working.
  *
  * The allocator plug-in contract (for people writing their own allocator) is
- * in memtrain/allocator.h.
+ * in memtrain/allocator.h; communicators (data-parallel runs over MPI, NCCL
+ * or the application's own) are in memtrain/comm.h and memtrain/mpi.h.
  */
 #ifndef MEMTRAIN_H
 #define MEMTRAIN_H
@@ -53,9 +54,11 @@ typedef enum mt_status {
     MT_ERR_STATE = 10,      /* the call is not valid in the object's current state */
     MT_ERR_BUDGET = 11,     /* a memory budget cannot be met */
     MT_ERR_INTERNAL = 12,   /* a bug in memtrain: please report it */
-    MT_ERR_PLUGIN = 13      /* a plug-in allocator broke its contract (memtrain/allocator.h):
+    MT_ERR_PLUGIN = 13,     /* a plug-in allocator broke its contract (memtrain/allocator.h):
                                a NULL or misaligned block, or, in checking mode, a block
                                outside its memory or over a live one; the message says which */
+    MT_ERR_COMM = 14        /* a collective failed or timed out (a rank died or stalled),
+                               or the ranks of a run disagree (memtrain/comm.h) */
 } mt_status;
 
 /* A short constant description of a status, e.g. "out of memory". Never NULL. */
@@ -203,6 +206,8 @@ void mt_checkpoint_options_init(mt_checkpoint_options *o);
 /* ------------------------------------------------------------------------ */
 
 typedef struct mt_context mt_context;
+/* A communicator joining the ranks of a data-parallel run (memtrain/comm.h). */
+typedef struct mt_comm mt_comm;
 
 typedef struct mt_context_config {
     uint32_t struct_size;       /* sizeof(mt_context_config) */
@@ -239,6 +244,14 @@ typedef struct mt_context_config {
      * the context. A path given is taken as it is, and is trusted to drive
      * the context's device. A process loads at most 4 different ones. */
     const char *cublaslt_path;
+    /* The ranks this process trains with (memtrain/comm.h), or NULL: a world
+     * of one rank, nothing communicated. Borrowed: it must outlive the
+     * context. A CPU context takes a host communicator (MPI, or a table
+     * without MT_COMM_CAP_DEVICE), a CUDA context a device one (NCCL);
+     * MT_ERR_UNSUPPORTED otherwise. Creation is a collective: every rank
+     * creates its context, and ranks whose device kinds or world sizes
+     * differ get MT_ERR_COMM on every rank. */
+    mt_comm *comm;
 } mt_context_config;
 
 /* Fills cfg with the defaults. */

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "comm/comm.h"
 #include "kernels.h"
 
 void mt_context_config_init(mt_context_config *cfg)
@@ -110,6 +111,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     if (dry) { /* an estimate records and logs nothing */
         c.trace_capacity = 0;
         c.log_fn = NULL;
+        c.comm = NULL; /* and communicates nothing */
     }
     ctx->cfg = c;
     ctx->cfg.cublaslt_path = NULL; /* the context's own copy: it is read at the first GEMM */
@@ -158,6 +160,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
         s = mt_context_trace_start(ctx, c.trace_capacity);
         if (s) return create_failed(ctx, s);
     }
+    if (c.comm && (s = mti_comm_attach(ctx))) return create_failed(ctx, s);
     mti_log(ctx, MT_LOG_INFO, "context on %s, %d allocator instance(s)", ctx->dev->name,
             ctx->n_inst);
     mti_clear_error(ctx);

@@ -37,6 +37,7 @@ const char *mt_status_string(mt_status s)
     case MT_ERR_BUDGET: return "memory budget cannot be met";
     case MT_ERR_INTERNAL: return "internal error";
     case MT_ERR_PLUGIN: return "a plug-in allocator broke its contract";
+    case MT_ERR_COMM: return "communication failed";
     }
     return "unknown status";
 }

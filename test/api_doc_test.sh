@@ -3,7 +3,8 @@
 set -u
 cd "$(dirname "$0")/.."
 fail=0
-for n in $(grep -ohE '^[a-z][a-z0-9_ *]*\bmt_[a-z0-9_]+\(' include/memtrain.h include/memtrain/allocator.h |
+for n in $(grep -ohE '^[a-z][a-z0-9_ *]*\bmt_[a-z0-9_]+\(' include/memtrain.h include/memtrain/allocator.h \
+           include/memtrain/comm.h include/memtrain/mpi.h |
            grep -oE 'mt_[a-z0-9_]+\($' | tr -d '(' | sort -u); do
     grep -q "\`$n\`" docs/api.md || { echo "FAIL api doc: $n is not in docs/api.md"; fail=1; }
 done

@@ -1,0 +1,252 @@
+/*
+ * comm_mpi.c - the MPI communicator (libmemtrain_mpi.a, built with mpicc).
+ *
+ * Each collective is a non-blocking MPI collective on a duplicate of the
+ * application's communicator, polled with MPI_Test until it completes or
+ * the deadline passes. The data go through two staging buffers of the
+ * communicator's own (STAGE bytes each), chunk by chunk: MPI cannot cancel
+ * a collective, so one that timed out keeps its buffers; those are then the
+ * staging buffers, left to MPI (never freed), and never the caller's memory,
+ * which the caller frees after the error. A copy in and out per chunk is
+ * the price (memory bandwidth, small beside the reduction's traffic).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+#include "memtrain/mpi.h"
+
+/* bytes of each staging buffer; a multiple of every element size and of
+ * any rank count's share stays whole because chunks are counted in
+ * elements per rank */
+#define STAGE ((size_t)4 << 20)
+
+typedef struct mpi_state {
+    MPI_Comm comm;
+    int rank, size;
+    double timeout;
+    unsigned char *a, *b; /* staging: what is sent, what is received */
+    int broken;           /* a request is still pending: a and b belong to MPI */
+    char err[256];
+} mpi_state;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static mt_status mpi_fail(mpi_state *st, const char *what, int rc)
+{
+    char s[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, s, &len) != MPI_SUCCESS) snprintf(s, sizeof s, "MPI error %d", rc);
+    snprintf(st->err, sizeof st->err, "%s: %.200s", what, s);
+    st->broken = 1;
+    return MT_ERR_COMM;
+}
+
+/* Polls a started request until it completes or the deadline passes. */
+static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *req)
+{
+    if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
+    const double deadline = now_s() + st->timeout;
+    struct timespec nap = {0, 10000}; /* 10 us, doubling to 1 ms */
+    for (;;) {
+        int done = 0;
+        rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
+        if (done) return MT_OK;
+        if (now_s() > deadline) {
+            st->broken = 1; /* the request, and the staging buffers, stay with MPI */
+            snprintf(st->err, sizeof st->err,
+                     "%s not complete after %g s: a rank died, stalled, or did not make the same "
+                     "call; end the job (MPI_Abort)",
+                     what, st->timeout);
+            return MT_ERR_COMM;
+        }
+        nanosleep(&nap, NULL);
+        if (nap.tv_nsec < 1000000) nap.tv_nsec *= 2;
+    }
+}
+
+static mt_status ready(mpi_state *st)
+{
+    if (st->broken) {
+        snprintf(st->err, sizeof st->err, "an earlier collective did not complete");
+        return MT_ERR_COMM;
+    }
+    if (!st->a) {
+        st->a = malloc(STAGE);
+        st->b = malloc(STAGE);
+        if (!st->a || !st->b) {
+            free(st->a), free(st->b);
+            st->a = st->b = NULL;
+            snprintf(st->err, sizeof st->err, "out of host memory for the staging buffers");
+            return MT_ERR_OOM;
+        }
+    }
+    return MT_OK;
+}
+
+static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : 1; }
+static MPI_Datatype mtype(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? MPI_FLOAT : MPI_BYTE; }
+static MPI_Op mop(mt_comm_op op) { return op == MT_COMM_MAX ? MPI_MAX : MPI_SUM; }
+
+static mt_status m_all_reduce(void *self, const void *send, void *recv, size_t count,
+                              mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    (void)stream;
+    mpi_state *st = self;
+    mt_status s = ready(st);
+    const size_t es = esize(dt), chunk = STAGE / es;
+    for (size_t at = 0; at < count && !s; at += chunk) {
+        size_t n = count - at < chunk ? count - at : chunk;
+        memcpy(st->a, (const char *)send + at * es, n * es);
+        MPI_Request req;
+        int rc = MPI_Iallreduce(st->a, st->b, (int)n, mtype(dt), mop(op), st->comm, &req);
+        s = finish(st, "MPI_Iallreduce", rc, &req);
+        if (!s) memcpy((char *)recv + at * es, st->b, n * es);
+    }
+    return s;
+}
+
+static mt_status m_reduce_scatter(void *self, const void *send, void *recv, size_t count,
+                                  mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    (void)stream;
+    mpi_state *st = self;
+    mt_status s = ready(st);
+    const size_t es = esize(dt), chunk = STAGE / es / (size_t)st->size;
+    for (size_t at = 0; at < count && !s; at += chunk) {
+        size_t n = count - at < chunk ? count - at : chunk;
+        for (int r = 0; r < st->size; r++) /* rank r's part of this chunk */
+            memcpy(st->a + (size_t)r * n * es, (const char *)send + ((size_t)r * count + at) * es,
+                   n * es);
+        MPI_Request req;
+        int rc = MPI_Ireduce_scatter_block(st->a, st->b, (int)n, mtype(dt), mop(op), st->comm, &req);
+        s = finish(st, "MPI_Ireduce_scatter_block", rc, &req);
+        if (!s) memcpy((char *)recv + at * es, st->b, n * es);
+    }
+    return s;
+}
+
+static mt_status m_all_gather(void *self, const void *send, void *recv, size_t count,
+                              mt_comm_dtype dt, void *stream)
+{
+    (void)stream;
+    mpi_state *st = self;
+    mt_status s = ready(st);
+    const size_t es = esize(dt), chunk = STAGE / es / (size_t)st->size;
+    for (size_t at = 0; at < count && !s; at += chunk) {
+        size_t n = count - at < chunk ? count - at : chunk;
+        memcpy(st->a, (const char *)send + at * es, n * es);
+        MPI_Request req;
+        int rc = MPI_Iallgather(st->a, (int)n, mtype(dt), st->b, (int)n, mtype(dt), st->comm, &req);
+        s = finish(st, "MPI_Iallgather", rc, &req);
+        for (int r = 0; r < st->size && !s; r++)
+            memcpy((char *)recv + ((size_t)r * count + at) * es, st->b + (size_t)r * n * es, n * es);
+    }
+    return s;
+}
+
+static mt_status m_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
+                             void *stream)
+{
+    (void)stream;
+    mpi_state *st = self;
+    mt_status s = ready(st);
+    const size_t es = esize(dt), chunk = STAGE / es;
+    for (size_t at = 0; at < count && !s; at += chunk) {
+        size_t n = count - at < chunk ? count - at : chunk;
+        if (st->rank == root) memcpy(st->a, (char *)buf + at * es, n * es);
+        MPI_Request req;
+        int rc = MPI_Ibcast(st->a, (int)n, mtype(dt), root, st->comm, &req);
+        s = finish(st, "MPI_Ibcast", rc, &req);
+        if (!s) memcpy((char *)buf + at * es, st->a, n * es);
+    }
+    return s;
+}
+
+static mt_status m_barrier(void *self)
+{
+    mpi_state *st = self;
+    if (st->broken) return ready(st);
+    MPI_Request req;
+    int rc = MPI_Ibarrier(st->comm, &req);
+    return finish(st, "MPI_Ibarrier", rc, &req);
+}
+
+static const char *m_last_error(void *self) { return ((mpi_state *)self)->err; }
+
+static void m_destroy(void *self)
+{
+    mpi_state *st = self;
+    if (!st->broken) { /* else MPI still holds a request on the duplicate and its buffers */
+        free(st->a);
+        free(st->b);
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (!fin) MPI_Comm_free(&st->comm);
+    }
+    free(st);
+}
+
+static const mt_comm_vtable mpi_vtable = {
+    .abi_version = MT_COMM_ABI_VERSION,
+    .struct_size = sizeof(mt_comm_vtable),
+    .name = "mpi",
+    .caps = 0,
+    .all_reduce = m_all_reduce,
+    .reduce_scatter = m_reduce_scatter,
+    .all_gather = m_all_gather,
+    .broadcast = m_broadcast,
+    .barrier = m_barrier,
+    .last_error = m_last_error,
+    .destroy = m_destroy,
+};
+
+mt_status mt_comm_mpi_create(MPI_Comm comm, double timeout_seconds, mt_comm **out)
+{
+    const char *fn = "mt_comm_mpi_create";
+    if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!(timeout_seconds > 0.0) || timeout_seconds > 1e7)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: timeout_seconds %g out of range (0, 1e7]", fn,
+                        timeout_seconds);
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    if (!init || fin)
+        return mti_fail(NULL, MT_ERR_STATE, "%s: MPI is %s", fn,
+                        fin ? "already finalized" : "not initialized (call MPI_Init first)");
+    if (comm == MPI_COMM_NULL) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: comm is MPI_COMM_NULL", fn);
+    mpi_state *st = calloc(1, sizeof *st);
+    if (!st) return mti_fail(NULL, MT_ERR_OOM, "%s: out of host memory", fn);
+    st->timeout = timeout_seconds;
+    int rc = MPI_Comm_dup(comm, &st->comm);
+    if (rc != MPI_SUCCESS) {
+        mpi_fail(st, "MPI_Comm_dup", rc);
+        mt_status s = mti_fail(NULL, MT_ERR_COMM, "%s: %s", fn, st->err);
+        free(st);
+        return s;
+    }
+    rc = MPI_Comm_set_errhandler(st->comm, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(st->comm, &st->rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(st->comm, &st->size);
+    mt_status s = MT_OK;
+    if (rc != MPI_SUCCESS) {
+        mpi_fail(st, "MPI_Comm_set_errhandler", rc);
+        s = mti_fail(NULL, MT_ERR_COMM, "%s: %s", fn, st->err);
+    } else {
+        s = mt_comm_create(&mpi_vtable, st, st->rank, st->size, out);
+    }
+    if (s) {
+        MPI_Comm_free(&st->comm);
+        free(st);
+    }
+    return s;
+}

@@ -1,0 +1,379 @@
+/*
+ * nccl.c - the NCCL communicator: libnccl.so.2 opened with dlopen at run
+ * time (like the CUDA driver), so nothing needs NCCL to build or link.
+ *
+ * Every collective is queued on the stream it is given and then waited for
+ * on the host, polling the stream (cuStreamQuery) and the communicator's
+ * asynchronous error (ncclCommGetAsyncError) until the deadline: a peer
+ * that died or stalled leaves the stream unfinished, and at the deadline
+ * the communicator is aborted (ncclCommAbort, which frees what NCCL holds
+ * and ends its kernels) and the call gives MT_ERR_COMM. After that the
+ * communicator is broken; every rank should end its run.
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/comm.h"
+
+/* NCCL's C ABI, as far as used here (nccl.h of the 2.x series) */
+typedef int nccl_result;          /* ncclResult_t: 0 success, 7 in progress */
+typedef struct nccl_comm_s *nccl_comm;
+enum { NCCL_UINT8 = 1, NCCL_FLOAT32 = 7, NCCL_BF16 = 9 };
+enum { NCCL_SUM = 0, NCCL_MAX = 2 };
+enum { NCCL_IN_PROGRESS = 7 };
+enum { CU_SUCCESS = 0, CU_NOT_READY = 600 };
+
+typedef struct nccl_api {
+    void *lib, *cuda;
+    nccl_result (*GetVersion)(int *);
+    nccl_result (*GetUniqueId)(mt_nccl_id *);
+    nccl_result (*CommInitRank)(nccl_comm *, int, mt_nccl_id, int);
+    nccl_result (*CommDestroy)(nccl_comm);
+    nccl_result (*CommAbort)(nccl_comm);
+    nccl_result (*CommGetAsyncError)(nccl_comm, nccl_result *);
+    const char *(*GetErrorString)(nccl_result);
+    nccl_result (*AllReduce)(const void *, void *, size_t, int, int, nccl_comm, void *);
+    nccl_result (*ReduceScatter)(const void *, void *, size_t, int, int, nccl_comm, void *);
+    nccl_result (*AllGather)(const void *, void *, size_t, int, nccl_comm, void *);
+    nccl_result (*Broadcast)(const void *, void *, size_t, int, int, nccl_comm, void *);
+    /* from the CUDA driver: waiting with a deadline, the barrier's scratch */
+    int (*StreamQuery)(void *);
+    int (*MemAlloc)(unsigned long long *, size_t);
+    int (*MemFree)(unsigned long long);
+} nccl_api;
+
+typedef struct nccl_state {
+    nccl_api api;
+    nccl_comm comm;
+    double timeout;
+    unsigned long long scratch; /* 4 device bytes the barrier reduces */
+    int aborted;
+    char err[256];
+} nccl_state;
+
+void mt_nccl_config_init(mt_nccl_config *cfg)
+{
+    if (!cfg) return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
+    cfg->timeout_seconds = 600.0;
+}
+
+static mt_status take_config(const char *fn, const mt_nccl_config *in, mt_nccl_config *c)
+{
+    mt_nccl_config_init(c);
+    if (!in) return MT_OK;
+    if (in->struct_size != sizeof *in)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "%s: cfg->struct_size %u, expected %zu (call mt_nccl_config_init first)", fn,
+                        in->struct_size, sizeof *in);
+    *c = *in;
+    if (!(c->timeout_seconds > 0.0) || c->timeout_seconds > 1e7)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: cfg->timeout_seconds %g out of range (0, 1e7]",
+                        fn, c->timeout_seconds);
+    if (c->device_ordinal < 0)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: cfg->device_ordinal %d < 0", fn,
+                        c->device_ordinal);
+    return MT_OK;
+}
+
+static void api_close(nccl_api *a)
+{
+    if (a->lib) dlclose(a->lib);
+    if (a->cuda) dlclose(a->cuda);
+    memset(a, 0, sizeof *a);
+}
+
+#define SYM(lib, field, name)                                                                  \
+    do {                                                                                       \
+        *(void **)&a->field = dlsym(lib, name);                                                \
+        if (!a->field && !missing) missing = name;                                                       \
+    } while (0)
+
+static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
+{
+    memset(a, 0, sizeof *a);
+    const char *path = c->nccl_path && *c->nccl_path ? c->nccl_path : "libnccl.so.2";
+    a->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!a->lib) {
+        const char *e = dlerror();
+        return mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: cannot load NCCL (%s): %s", fn, path,
+                        e ? e : "not found");
+    }
+    const char *cpath = c->cuda_driver_path && *c->cuda_driver_path ? c->cuda_driver_path
+                                                                   : "libcuda.so.1";
+    a->cuda = dlopen(cpath, RTLD_NOW | RTLD_LOCAL);
+    if (!a->cuda) {
+        const char *e = dlerror();
+        mt_status s = mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: cannot load the CUDA driver (%s): %s",
+                               fn, cpath, e ? e : "not found");
+        api_close(a);
+        return s;
+    }
+    const char *missing = NULL;
+    SYM(a->lib, GetVersion, "ncclGetVersion");
+    SYM(a->lib, GetUniqueId, "ncclGetUniqueId");
+    SYM(a->lib, CommInitRank, "ncclCommInitRank");
+    SYM(a->lib, CommDestroy, "ncclCommDestroy");
+    SYM(a->lib, CommAbort, "ncclCommAbort");
+    SYM(a->lib, CommGetAsyncError, "ncclCommGetAsyncError");
+    SYM(a->lib, GetErrorString, "ncclGetErrorString");
+    SYM(a->lib, AllReduce, "ncclAllReduce");
+    SYM(a->lib, ReduceScatter, "ncclReduceScatter");
+    SYM(a->lib, AllGather, "ncclAllGather");
+    SYM(a->lib, Broadcast, "ncclBroadcast");
+    SYM(a->cuda, StreamQuery, "cuStreamQuery");
+    SYM(a->cuda, MemAlloc, "cuMemAlloc_v2");
+    SYM(a->cuda, MemFree, "cuMemFree_v2");
+    if (missing) {
+        api_close(a);
+        return mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: %s is missing from %s", fn, missing,
+                        strncmp(missing, "nccl", 4) ? cpath : path);
+    }
+    int v = 0;
+    if (a->GetVersion(&v) != 0 || v < 20700) {
+        api_close(a);
+        return mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: NCCL %d at %s; 2.7 or newer is needed", fn, v,
+                        path);
+    }
+    return MT_OK;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static mt_status fail(nccl_state *st, const char *what, nccl_result r)
+{
+    snprintf(st->err, sizeof st->err, "%s: %s", what,
+             st->api.GetErrorString ? st->api.GetErrorString(r) : "NCCL error");
+    return MT_ERR_COMM;
+}
+
+/* Aborts the communicator (the deadline passed, or NCCL reported an error
+ * of a peer): frees NCCL's resources, ends its kernels on the stream. */
+static void abort_comm(nccl_state *st)
+{
+    if (st->aborted) return;
+    st->api.CommAbort(st->comm);
+    st->aborted = 1;
+}
+
+/* Waits for what was queued on the stream, until the deadline. */
+static mt_status wait(nccl_state *st, const char *what, void *stream)
+{
+    const double deadline = now_s() + st->timeout;
+    struct timespec nap = {0, 20000}; /* 20 us, doubling to 1 ms */
+    for (;;) {
+        nccl_result ae = 0;
+        nccl_result r = st->api.CommGetAsyncError(st->comm, &ae);
+        if (r != 0 || (ae != 0 && ae != NCCL_IN_PROGRESS)) {
+            abort_comm(st);
+            return fail(st, what, r ? r : ae);
+        }
+        int q = st->api.StreamQuery(stream);
+        if (q == CU_SUCCESS) return MT_OK;
+        if (q != CU_NOT_READY) {
+            abort_comm(st);
+            snprintf(st->err, sizeof st->err, "%s: the stream failed (CUDA error %d)", what, q);
+            return MT_ERR_COMM;
+        }
+        if (now_s() > deadline) {
+            abort_comm(st);
+            snprintf(st->err, sizeof st->err,
+                     "%s: not done after %g s (a rank died or stalled); the NCCL communicator "
+                     "was aborted",
+                     what, st->timeout);
+            return MT_ERR_COMM;
+        }
+        nanosleep(&nap, NULL);
+        if (nap.tv_nsec < 1000000) nap.tv_nsec *= 2;
+    }
+}
+
+static int nccl_type(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? NCCL_FLOAT32 : dt == MT_COMM_BF16 ? NCCL_BF16 : NCCL_UINT8; }
+static int nccl_op(mt_comm_op op) { return op == MT_COMM_MAX ? NCCL_MAX : NCCL_SUM; }
+
+static mt_status issued(nccl_state *st, const char *what, nccl_result r, void *stream)
+{
+    if (st->aborted) {
+        snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
+        return MT_ERR_COMM;
+    }
+    if (r != 0) {
+        abort_comm(st);
+        return fail(st, what, r);
+    }
+    return wait(st, what, stream);
+}
+
+static mt_status n_all_reduce(void *self, const void *send, void *recv, size_t count,
+                              mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    nccl_state *st = self;
+    if (st->aborted) return issued(st, "ncclAllReduce", 0, stream);
+    return issued(st, "ncclAllReduce",
+                  st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op), st->comm, stream),
+                  stream);
+}
+
+static mt_status n_reduce_scatter(void *self, const void *send, void *recv, size_t count,
+                                  mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    nccl_state *st = self;
+    if (st->aborted) return issued(st, "ncclReduceScatter", 0, stream);
+    return issued(st, "ncclReduceScatter",
+                  st->api.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op), st->comm,
+                                        stream),
+                  stream);
+}
+
+static mt_status n_all_gather(void *self, const void *send, void *recv, size_t count,
+                              mt_comm_dtype dt, void *stream)
+{
+    nccl_state *st = self;
+    if (st->aborted) return issued(st, "ncclAllGather", 0, stream);
+    return issued(st, "ncclAllGather",
+                  st->api.AllGather(send, recv, count, nccl_type(dt), st->comm, stream), stream);
+}
+
+static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
+                             void *stream)
+{
+    nccl_state *st = self;
+    if (st->aborted) return issued(st, "ncclBroadcast", 0, stream);
+    return issued(st, "ncclBroadcast",
+                  st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm, stream), stream);
+}
+
+/* NCCL has no barrier: an all-reduce of one float on the default stream,
+ * waited for. */
+static mt_status n_barrier(void *self)
+{
+    nccl_state *st = self;
+    void *p = (void *)(uintptr_t)st->scratch;
+    return n_all_reduce(self, p, p, 1, MT_COMM_F32, MT_COMM_SUM, NULL);
+}
+
+static const char *n_last_error(void *self) { return ((nccl_state *)self)->err; }
+
+static void n_destroy(void *self)
+{
+    nccl_state *st = self;
+    if (st->scratch) st->api.MemFree(st->scratch);
+    if (st->aborted) {
+        /* nothing left: abort freed it */
+    } else {
+        st->api.CommDestroy(st->comm);
+    }
+    api_close(&st->api);
+    free(st);
+}
+
+static const mt_comm_vtable nccl_vtable = {
+    .abi_version = MT_COMM_ABI_VERSION,
+    .struct_size = sizeof(mt_comm_vtable),
+    .name = "nccl",
+    .caps = MT_COMM_CAP_DEVICE | MT_COMM_CAP_BF16,
+    .all_reduce = n_all_reduce,
+    .reduce_scatter = n_reduce_scatter,
+    .all_gather = n_all_gather,
+    .broadcast = n_broadcast,
+    .barrier = n_barrier,
+    .last_error = n_last_error,
+    .destroy = n_destroy,
+};
+
+mt_status mt_nccl_unique_id(const mt_nccl_config *cfg, mt_nccl_id *out)
+{
+    const char *fn = "mt_nccl_unique_id";
+    if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    mt_nccl_config c;
+    nccl_api a;
+    mt_status s = take_config(fn, cfg, &c);
+    if (!s) s = api_open(fn, &c, &a);
+    if (s) return s;
+    nccl_result r = a.GetUniqueId(out);
+    if (r != 0)
+        s = mti_fail(NULL, MT_ERR_COMM, "%s: ncclGetUniqueId: %s", fn, a.GetErrorString(r));
+    api_close(&a);
+    return s;
+}
+
+mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, int rank, int size,
+                              mt_comm **out)
+{
+    const char *fn = "mt_comm_nccl_create";
+    if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!id) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: id is NULL", fn);
+    if (size < 1 || rank < 0 || rank >= size)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: rank %d of size %d", fn, rank, size);
+    mt_nccl_config c;
+    mt_status s = take_config(fn, cfg, &c);
+    if (s) return s;
+    nccl_state *st = calloc(1, sizeof *st);
+    if (!st) return mti_fail(NULL, MT_ERR_OOM, "%s: out of host memory", fn);
+    st->timeout = c.timeout_seconds;
+    if ((s = api_open(fn, &c, &st->api))) {
+        free(st);
+        return s;
+    }
+    nccl_result r = st->api.CommInitRank(&st->comm, size, *id, rank);
+    if (r != 0) {
+        s = mti_fail(NULL, MT_ERR_COMM, "%s: ncclCommInitRank (rank %d of %d): %s", fn, rank, size,
+                     st->api.GetErrorString(r));
+        api_close(&st->api);
+        free(st);
+        return s;
+    }
+    int cr = st->api.MemAlloc(&st->scratch, 4);
+    if (cr != CU_SUCCESS) {
+        st->scratch = 0;
+        n_destroy(st);
+        return mti_fail(NULL, MT_ERR_DEVICE,
+                        "%s: cuMemAlloc of the barrier's 4 bytes failed (CUDA error %d; is the "
+                        "device's primary context current on this thread?)",
+                        fn, cr);
+    }
+    if ((s = mt_comm_create(&nccl_vtable, st, rank, size, out))) n_destroy(st);
+    return s;
+}
+
+mt_status mt_comm_nccl_create_over(const mt_nccl_config *cfg, mt_comm *boot, mt_comm **out)
+{
+    const char *fn = "mt_comm_nccl_create_over";
+    if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    if (!boot) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: boot is NULL", fn);
+    if (boot->vt.caps & MT_COMM_CAP_DEVICE)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "%s: boot must be a host communicator (the id travels in host memory)", fn);
+    /* rank 0 makes the id; a failure there must reach the others, so the
+     * broadcast carries a status word with it */
+    unsigned char msg[4 + sizeof(mt_nccl_id)] = {0};
+    mt_nccl_id id;
+    char why[MTI_ERR_LEN] = "";
+    if (boot->rank == 0) {
+        mt_status s0 = mt_nccl_unique_id(cfg, &id);
+        mti_put_u32(msg, (uint32_t)s0);
+        if (s0) snprintf(why, sizeof why, "%s", mt_last_error(NULL));
+        else memcpy(msg + 4, id.bytes, sizeof id.bytes);
+    }
+    mt_status s = mt_comm_broadcast(boot, msg, sizeof msg, MT_COMM_BYTE, 0, NULL);
+    if (s) return s;
+    mt_status s0 = (mt_status)mti_get_u32(msg);
+    if (s0) {
+        if (boot->rank == 0) return mti_fail(NULL, s0, "%s", why);
+        return mti_fail(NULL, s0, "%s: rank 0 could not make the NCCL unique id (%s)", fn,
+                        mt_status_string(s0));
+    }
+    memcpy(id.bytes, msg + 4, sizeof id.bytes);
+    return mt_comm_nccl_create(cfg, &id, boot->rank, boot->size, out);
+}

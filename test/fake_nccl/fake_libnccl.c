@@ -1,0 +1,314 @@
+/*
+ * fake_libnccl.c - a stand-in libnccl.so.2 over host memory, so the NCCL
+ * communicator's loading, bootstrap, collectives, deadline and abort run in
+ * the test suite without a GPU. Ranks are threads of one process: the ranks
+ * made from one unique id form a clique, and a collective completes when
+ * the last rank queues it (the reduction is done then, in rank order). Like
+ * NCCL, a collective call only queues: completion shows through
+ * cuStreamQuery on the calling thread, which this library also exports
+ * (with cuMemAlloc_v2 and cuMemFree_v2 over malloc), so pass it as the
+ * communicator's CUDA driver as well.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int ncclResult_t;
+enum { OK = 0, SYSTEM_ERROR = 2, INVALID_ARGUMENT = 4, INVALID_USAGE = 5, REMOTE_ERROR = 6 };
+enum { T_U8 = 1, T_F32 = 7, T_BF16 = 9 };
+enum { K_ALLREDUCE, K_REDUCE_SCATTER, K_ALLGATHER, K_BROADCAST };
+#define MAXR 16
+
+typedef struct { char internal[128]; } ncclUniqueId;
+
+typedef struct pend {
+    int kind, type, op, root;
+    size_t count;
+    void *recv;
+    unsigned char *stage; /* a copy of send */
+} pend;
+
+typedef struct clique {
+    char id[128];
+    int n, joined, live, arrived, aborted, bad;
+    uint64_t seq; /* collectives completed */
+    pend p[MAXR];
+    struct clique *next;
+} clique;
+
+typedef struct fake_comm {
+    clique *q;
+    int rank;
+    uint64_t waiting; /* completes when q->seq reaches it */
+} fake_comm;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static clique *cliques;
+static unsigned ids;
+static _Thread_local fake_comm *pending;
+
+/* exported */
+ncclResult_t ncclGetVersion(int *v);
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id);
+ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank);
+ncclResult_t ncclCommDestroy(fake_comm *c);
+ncclResult_t ncclCommAbort(fake_comm *c);
+ncclResult_t ncclCommGetAsyncError(fake_comm *c, ncclResult_t *e);
+const char *ncclGetErrorString(ncclResult_t r);
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st);
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st);
+ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int t, fake_comm *c, void *st);
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, fake_comm *c, void *st);
+int cuStreamQuery(void *stream);
+int cuMemAlloc_v2(unsigned long long *p, size_t bytes);
+int cuMemFree_v2(unsigned long long p);
+
+ncclResult_t ncclGetVersion(int *v)
+{
+    *v = 22800;
+    return OK;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
+{
+    memset(id, 0, sizeof *id);
+    pthread_mutex_lock(&mu);
+    unsigned k = ++ids;
+    pthread_mutex_unlock(&mu);
+    memcpy(id->internal, "fakenccl", 8);
+    memcpy(id->internal + 8, &k, sizeof k);
+    return OK;
+}
+
+const char *ncclGetErrorString(ncclResult_t r)
+{
+    switch (r) {
+    case OK: return "no error";
+    case SYSTEM_ERROR: return "unhandled system error (stand-in)";
+    case INVALID_ARGUMENT: return "invalid argument (stand-in)";
+    case INVALID_USAGE: return "invalid usage (stand-in)";
+    case REMOTE_ERROR: return "remote process exited or there was a network error (stand-in)";
+    }
+    return "unknown result (stand-in)";
+}
+
+ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
+{
+    if (n < 1 || n > MAXR || rank < 0 || rank >= n || memcmp(id.internal, "fakenccl", 8))
+        return INVALID_ARGUMENT;
+    pthread_mutex_lock(&mu);
+    clique *q = cliques;
+    while (q && memcmp(q->id, id.internal, 128)) q = q->next;
+    if (!q) {
+        q = calloc(1, sizeof *q);
+        memcpy(q->id, id.internal, 128);
+        q->n = n;
+        q->next = cliques;
+        cliques = q;
+    }
+    if (q->n != n) {
+        pthread_mutex_unlock(&mu);
+        return INVALID_USAGE;
+    }
+    q->joined++;
+    q->live++;
+    pthread_cond_broadcast(&cv);
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += 30;
+    while (q->joined < q->n)
+        if (pthread_cond_timedwait(&cv, &mu, &dl)) break;
+    int ok = q->joined >= q->n;
+    pthread_mutex_unlock(&mu);
+    if (!ok) return SYSTEM_ERROR;
+    fake_comm *c = calloc(1, sizeof *c);
+    c->q = q;
+    c->rank = rank;
+    *out = c;
+    return OK;
+}
+
+static void leave(fake_comm *c, int abort)
+{
+    pthread_mutex_lock(&mu);
+    clique *q = c->q;
+    if (abort) q->aborted = 1;
+    if (--q->live == 0) {
+        for (clique **pp = &cliques; *pp; pp = &(*pp)->next)
+            if (*pp == q) {
+                *pp = q->next;
+                break;
+            }
+        for (int r = 0; r < MAXR; r++) free(q->p[r].stage);
+        free(q);
+    }
+    pthread_mutex_unlock(&mu);
+    if (pending == c) pending = NULL;
+    free(c);
+}
+
+ncclResult_t ncclCommDestroy(fake_comm *c)
+{
+    leave(c, 0);
+    return OK;
+}
+
+ncclResult_t ncclCommAbort(fake_comm *c)
+{
+    leave(c, 1);
+    return OK;
+}
+
+ncclResult_t ncclCommGetAsyncError(fake_comm *c, ncclResult_t *e)
+{
+    pthread_mutex_lock(&mu);
+    *e = c->q->bad ? INVALID_USAGE : c->q->aborted ? REMOTE_ERROR : OK;
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+static size_t tsize(int t) { return t == T_F32 ? 4 : t == T_BF16 ? 2 : 1; }
+
+static float get(const unsigned char *p, int t, size_t i)
+{
+    if (t == T_F32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void put(unsigned char *p, int t, size_t i, float f)
+{
+    if (t == T_F32) {
+        memcpy(p + 4 * i, &f, 4);
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1); /* round to nearest even */
+    uint16_t h = (uint16_t)(u >> 16);
+    memcpy(p + 2 * i, &h, 2);
+}
+
+/* The last rank in: every rank's result, in rank order. */
+static void complete(clique *q)
+{
+    const pend *p0 = &q->p[0];
+    for (int r = 1; r < q->n; r++) {
+        const pend *p = &q->p[r];
+        if (p->kind != p0->kind || p->type != p0->type || p->count != p0->count ||
+            p->op != p0->op || p->root != p0->root)
+            q->bad = 1;
+    }
+    if (q->bad) return;
+    const size_t es = tsize(p0->type), n = p0->count;
+    for (int r = 0; r < q->n; r++) {
+        pend *p = &q->p[r];
+        unsigned char *out = p->recv;
+        switch (p0->kind) {
+        case K_ALLREDUCE:
+        case K_REDUCE_SCATTER: {
+            size_t at = p0->kind == K_ALLREDUCE ? 0 : (size_t)r * n;
+            for (size_t i = 0; i < n; i++) {
+                float acc = get(q->p[0].stage, p0->type, at + i);
+                for (int k = 1; k < q->n; k++) {
+                    float v = get(q->p[k].stage, p0->type, at + i);
+                    acc = p0->op == 2 ? (v > acc ? v : acc) : acc + v;
+                }
+                put(out, p0->type, i, acc);
+            }
+            break;
+        }
+        case K_ALLGATHER:
+            for (int k = 0; k < q->n; k++) memcpy(out + (size_t)k * n * es, q->p[k].stage, n * es);
+            break;
+        case K_BROADCAST: memcpy(out, q->p[p0->root].stage, n * es); break;
+        }
+    }
+}
+
+static ncclResult_t queue(fake_comm *c, int kind, const void *send, size_t send_elems, void *recv,
+                          size_t count, int type, int op, int root)
+{
+    if (type != T_U8 && type != T_F32 && type != T_BF16) return INVALID_ARGUMENT;
+    pthread_mutex_lock(&mu);
+    clique *q = c->q;
+    if (q->aborted || q->bad) {
+        pthread_mutex_unlock(&mu);
+        return q->bad ? INVALID_USAGE : REMOTE_ERROR;
+    }
+    pend *p = &q->p[c->rank];
+    free(p->stage);
+    *p = (pend){.kind = kind, .type = type, .op = op, .root = root, .count = count, .recv = recv};
+    p->stage = malloc(send_elems * tsize(type) + 1);
+    memcpy(p->stage, send, send_elems * tsize(type));
+    c->waiting = q->seq + 1;
+    if (++q->arrived == q->n) {
+        complete(q);
+        q->arrived = 0;
+        q->seq++;
+    }
+    pthread_mutex_unlock(&mu);
+    pending = c;
+    return OK;
+}
+
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st)
+{
+    (void)st;
+    return queue(c, K_ALLREDUCE, s, n, r, n, t, op, 0);
+}
+
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st)
+{
+    (void)st;
+    return queue(c, K_REDUCE_SCATTER, s, n * (size_t)c->q->n, r, n, t, op, 0);
+}
+
+ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int t, fake_comm *c, void *st)
+{
+    (void)st;
+    return queue(c, K_ALLGATHER, s, n, r, n, t, 0, 0);
+}
+
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, fake_comm *c, void *st)
+{
+    (void)st;
+    return queue(c, K_BROADCAST, s, n, r, n, t, 0, root);
+}
+
+int cuStreamQuery(void *stream)
+{
+    (void)stream;
+    fake_comm *c = pending;
+    if (!c) return 0;
+    pthread_mutex_lock(&mu);
+    int done = c->q->seq >= c->waiting;
+    pthread_mutex_unlock(&mu);
+    if (done) pending = NULL;
+    return done ? 0 : 600; /* CUDA_ERROR_NOT_READY */
+}
+
+int cuMemAlloc_v2(unsigned long long *p, size_t bytes)
+{
+    void *m = calloc(1, bytes);
+    if (!m) return 2;
+    *p = (unsigned long long)(uintptr_t)m;
+    return 0;
+}
+
+int cuMemFree_v2(unsigned long long p)
+{
+    free((void *)(uintptr_t)p);
+    return 0;
+}

@@ -1,0 +1,114 @@
+/*
+ * comm_mpi_test.c - the MPI communicator under mpirun (test/mpi_test.sh).
+ *
+ *   comm_mpi_test collectives   every collective, small and past the staging size
+ *   comm_mpi_test stall         rank 1 sleeps through a barrier: rank 0 gets MT_ERR_COMM
+ *                               at the timeout, then ends the job with MPI_Abort
+ *   comm_mpi_test die           rank 1 exits mid-run: no rank hangs
+ *
+ * Prints "ok <what>" on rank 0 when it passes; exit status 1 on a failure.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "memtrain/mpi.h"
+
+static int rank, size, failed;
+
+#define EXPECT(c)                                                                               \
+    do {                                                                                        \
+        if (!(c)) {                                                                             \
+            fprintf(stderr, "rank %d: %s:%d: failed: %s (%s)\n", rank, __FILE__, __LINE__, #c,  \
+                    mt_last_error(NULL));                                                       \
+            failed = 1;                                                                         \
+        }                                                                                       \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void collectives(mt_comm *c)
+{
+    EXPECT(mt_comm_rank(c) == rank && mt_comm_size(c) == size);
+    EXPECT(strcmp(mt_comm_name(c), "mpi") == 0);
+    /* past the 4 MiB staging buffer, so it goes in chunks; sums exact in fp32 */
+    const size_t n = (size_t)1500 * 1000;
+    float *v = malloc(n * sizeof *v), *g = malloc(n * size * sizeof *g);
+    for (size_t i = 0; i < n; i++) v[i] = (float)(i % 1000) + (float)rank;
+    EXPECT(!mt_comm_all_reduce(c, v, v, n, MT_COMM_F32, MT_COMM_SUM, NULL));
+    for (size_t i = 0; i < n; i += 997)
+        EXPECT(v[i] == (float)(size * (i % 1000)) + (float)(size * (size - 1) / 2));
+    float m = (float)rank;
+    EXPECT(!mt_comm_all_reduce(c, &m, &m, 1, MT_COMM_F32, MT_COMM_MAX, NULL));
+    EXPECT(m == (float)(size - 1));
+    /* reduce-scatter of n per rank, in place */
+    for (size_t i = 0; i < n * size; i++) g[i] = (float)(i / n) + 1.0f;
+    EXPECT(!mt_comm_reduce_scatter(c, g, g + (size_t)rank * n, n, MT_COMM_F32, MT_COMM_SUM, NULL));
+    for (size_t i = 0; i < n; i += 991) EXPECT(g[(size_t)rank * n + i] == (float)(size * (rank + 1)));
+    /* all-gather of n per rank, in place */
+    for (size_t i = 0; i < n; i++) g[(size_t)rank * n + i] = (float)(rank * 7) + (float)(i % 3);
+    EXPECT(!mt_comm_all_gather(c, g + (size_t)rank * n, g, n, MT_COMM_F32, NULL));
+    for (int r = 0; r < size; r++)
+        for (size_t i = 0; i < n; i += 1009) EXPECT(g[(size_t)r * n + i] == (float)(r * 7) + (float)(i % 3));
+    char b[64];
+    snprintf(b, sizeof b, "from rank %d", rank);
+    EXPECT(!mt_comm_broadcast(c, b, sizeof b, MT_COMM_BYTE, size - 1, NULL));
+    char want[64];
+    snprintf(want, sizeof want, "from rank %d", size - 1);
+    EXPECT(strcmp(b, want) == 0);
+    EXPECT(mt_comm_all_reduce(c, b, b, 1, MT_COMM_BF16, MT_COMM_SUM, NULL) == MT_ERR_UNSUPPORTED);
+    EXPECT(!mt_comm_barrier(c));
+    free(v);
+    free(g);
+}
+
+int main(int argc, char **argv)
+{
+    const char *mode = argc > 1 ? argv[1] : "collectives";
+    const double timeout = 1.0;
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    mt_comm *c = NULL;
+    EXPECT(mt_comm_mpi_create(MPI_COMM_WORLD, 0.0, &c) == MT_ERR_INVALID_ARG);
+    EXPECT(!mt_comm_mpi_create(MPI_COMM_WORLD, timeout, &c));
+    if (!c) MPI_Abort(MPI_COMM_WORLD, 1);
+    if (!strcmp(mode, "collectives")) {
+        collectives(c);
+    } else if (!strcmp(mode, "stall") || !strcmp(mode, "die")) {
+        EXPECT(!mt_comm_barrier(c));
+        if (rank == 1) {
+            if (!strcmp(mode, "die")) _exit(3);
+            sleep((unsigned)(timeout + 4)); /* past rank 0's deadline */
+        }
+        double t0 = now_s();
+        float x = 1.0f;
+        mt_status s = mt_comm_all_reduce(c, &x, &x, 1, MT_COMM_F32, MT_COMM_SUM, NULL);
+        double dt = now_s() - t0;
+        if (rank == 0) {
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
+            EXPECT(s == MT_ERR_COMM);
+            EXPECT(dt < timeout + 2.0);
+            EXPECT(mt_comm_broken(c));
+            EXPECT(mt_comm_barrier(c) == MT_ERR_COMM);
+            if (!failed) printf("ok %s: rank 0 got MT_ERR_COMM after %.1f s: %s\n", mode, dt, msg);
+            fflush(stdout);
+            MPI_Abort(MPI_COMM_WORLD, failed ? 1 : 0); /* the documented way out */
+        }
+        return 1;
+    }
+    mt_comm_destroy(c);
+    int bad = failed;
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (rank == 0 && !bad) printf("ok %s over %d ranks\n", mode, size);
+    MPI_Finalize();
+    return bad;
+}

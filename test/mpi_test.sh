@@ -1,0 +1,36 @@
+#!/bin/sh
+# The MPI tests: each starts its own ranks with mpirun, a few seconds each.
+# Usage: test/mpi_test.sh BUILD_DIR
+set -u
+B=${1:-build}
+if [ ! -x "$B/mpi/comm_mpi_test" ]; then
+    echo "skip MPI tests: no mpicc when the library was built (apt-get install libopenmpi-dev openmpi-bin)"
+    exit 0
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+MPIRUN="mpirun --oversubscribe --bind-to none"
+fail=0
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+
+# run NAME NP EXPECT_OK ARGS...: passes when rank 0 printed "ok NAME", within 60 s
+run() {
+    name=$1 np=$2; shift 2
+    timeout 60 $MPIRUN -np "$np" "$@" >"$out" 2>&1
+    rc=$?
+    if [ $rc = 124 ]; then echo "FAIL mpi $name (np $np): hung"; cat "$out"; fail=1; return; fi
+    if grep -q "^ok $name" "$out"; then echo "ok   mpi $(grep "^ok $name" "$out" | head -1 | cut -c4-) (np $np)"
+    else echo "FAIL mpi $name (np $np), exit $rc:"; cat "$out"; fail=1; fi
+}
+
+run collectives 2 "$B/mpi/comm_mpi_test" collectives
+run collectives 3 "$B/mpi/comm_mpi_test" collectives
+run stall 2 "$B/mpi/comm_mpi_test" stall
+
+# a rank that dies: mpirun ends the job (or rank 0 times out first); nothing hangs
+timeout 60 $MPIRUN -np 2 "$B/mpi/comm_mpi_test" die >"$out" 2>&1
+rc=$?
+if [ $rc = 124 ] || [ $rc = 0 ]; then echo "FAIL mpi die: exit $rc"; cat "$out"; fail=1
+else echo "ok   mpi die: a rank exited mid-run, the job ended (exit $rc), no hang"; fi
+exit $fail

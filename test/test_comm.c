@@ -1,0 +1,368 @@
+/*
+ * test_comm.c - communicators: the table's checks, the collectives over the
+ * in-process communicator (threads as ranks), timeouts, contexts on a
+ * communicator, and NCCL over the stand-in libnccl (MT_FAKE_NCCL).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "test_comm.h"
+
+static mt_status no_reduce(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, mt_comm_op o,
+                           void *st)
+{
+    (void)s, (void)a, (void)b, (void)n, (void)d, (void)o, (void)st;
+    return MT_OK;
+}
+static mt_status no_gather(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, void *st)
+{
+    (void)s, (void)a, (void)b, (void)n, (void)d, (void)st;
+    return MT_OK;
+}
+static mt_status no_bcast(void *s, void *b, size_t n, mt_comm_dtype d, int root, void *st)
+{
+    (void)s, (void)b, (void)n, (void)d, (void)root, (void)st;
+    return MT_OK;
+}
+static mt_status no_barrier(void *s)
+{
+    (void)s;
+    return MT_OK;
+}
+static mt_status failing_barrier(void *s)
+{
+    (void)s;
+    return MT_ERR_IO;
+}
+
+static mt_comm_vtable null_table(void)
+{
+    mt_comm_vtable vt = {.abi_version = MT_COMM_ABI_VERSION,
+                         .struct_size = sizeof vt,
+                         .name = "null",
+                         .all_reduce = no_reduce,
+                         .reduce_scatter = no_reduce,
+                         .all_gather = no_gather,
+                         .broadcast = no_bcast,
+                         .barrier = no_barrier};
+    return vt;
+}
+
+TEST(comm_table_checks)
+{
+    CHECK(strcmp(mt_status_string(MT_ERR_COMM), "communication failed") == 0);
+    mt_comm *c = (mt_comm *)1;
+    mt_comm_vtable vt = null_table();
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_create(NULL, NULL, 0, 1, &c));
+    CHECK(c == NULL);
+    vt.abi_version = 99;
+    CHECK_ST(MT_ERR_VERSION, mt_comm_create(&vt, NULL, 0, 1, &c));
+    vt = null_table();
+    vt.barrier = NULL;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_create(&vt, NULL, 0, 1, &c));
+    CHECK(strstr(mt_last_error(NULL), "barrier") != NULL);
+    vt = null_table();
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_create(&vt, NULL, 2, 2, &c));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_create(&vt, NULL, 0, 0, &c));
+    CHECK_OK(mt_comm_create(&vt, NULL, 1, 4, &c));
+    CHECK_EQ(mt_comm_rank(c), 1);
+    CHECK_EQ(mt_comm_size(c), 4);
+    CHECK(strcmp(mt_comm_name(c), "null") == 0);
+    float x[4] = {0};
+    /* checked before the table: bytes are not reduced, bf16 needs the cap, roots in range */
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_reduce(c, x, x, 4, MT_COMM_BYTE, MT_COMM_SUM, NULL));
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_comm_all_reduce(c, x, x, 2, MT_COMM_BF16, MT_COMM_SUM, NULL));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_reduce(c, x, x, 4, MT_COMM_F32, (mt_comm_op)7, NULL));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_broadcast(c, x, 4, MT_COMM_F32, 4, NULL));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_gather(c, NULL, x, 1, MT_COMM_F32, NULL));
+    CHECK(!mt_comm_broken(c));
+    mt_comm_destroy(c);
+    /* NULL: a world of one */
+    CHECK_EQ(mt_comm_rank(NULL), 0);
+    CHECK_EQ(mt_comm_size(NULL), 1);
+    mt_comm_destroy(NULL);
+}
+
+TEST(comm_failure_breaks)
+{
+    mt_comm_vtable vt = null_table();
+    vt.barrier = failing_barrier;
+    mt_comm *c = NULL;
+    CHECK_OK(mt_comm_create(&vt, NULL, 0, 2, &c));
+    float x = 1.0f;
+    CHECK_OK(mt_comm_all_reduce(c, &x, &x, 1, MT_COMM_F32, MT_COMM_SUM, NULL));
+    /* any failure of the table is MT_ERR_COMM, and breaks the communicator */
+    CHECK_ST(MT_ERR_COMM, mt_comm_barrier(c));
+    CHECK(strstr(mt_last_error(NULL), "mt_comm_barrier") != NULL);
+    CHECK(mt_comm_broken(c));
+    CHECK_ST(MT_ERR_COMM, mt_comm_all_reduce(c, &x, &x, 1, MT_COMM_F32, MT_COMM_SUM, NULL));
+    CHECK(strstr(mt_last_error(NULL), "broken") != NULL);
+    mt_comm_destroy(c);
+}
+
+/* ---- the collectives over threads ---- */
+
+typedef struct coll_arg {
+    tcomm_world *w;
+    int n;
+    _Atomic int bad;
+} coll_arg;
+
+#define RANK_EXPECT(c)                                                                          \
+    do {                                                                                        \
+        if (!(c)) {                                                                             \
+            fprintf(stderr, "    rank %d: %s:%d: %s (%s)\n", rank, __FILE__, __LINE__, #c,      \
+                    mt_last_error(NULL));                                                       \
+            a->bad = 1;                                                                         \
+        }                                                                                       \
+    } while (0)
+
+static void collectives_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    const int n = a->n;
+    mt_comm *c = tcomm_make(a->w, rank, n, 0);
+    RANK_EXPECT(c != NULL);
+    if (!c) return;
+    float v[6], out[6 * 8];
+    for (int i = 0; i < 6; i++) v[i] = (float)(rank * 10 + i);
+    RANK_EXPECT(!mt_comm_all_reduce(c, v, out, 6, MT_COMM_F32, MT_COMM_SUM, NULL));
+    for (int i = 0; i < 6; i++) RANK_EXPECT(out[i] == (float)(10 * n * (n - 1) / 2 + n * i));
+    RANK_EXPECT(!mt_comm_all_reduce(c, v, v, 6, MT_COMM_F32, MT_COMM_MAX, NULL)); /* in place */
+    for (int i = 0; i < 6; i++) RANK_EXPECT(v[i] == (float)(10 * (n - 1) + i));
+    /* reduce-scatter: 2 elements per rank */
+    float rs[2 * 8], mine[2];
+    for (int i = 0; i < 2 * n; i++) rs[i] = (float)(i + rank);
+    RANK_EXPECT(!mt_comm_reduce_scatter(c, rs, mine, 2, MT_COMM_F32, MT_COMM_SUM, NULL));
+    for (int j = 0; j < 2; j++)
+        RANK_EXPECT(mine[j] == (float)(n * (2 * rank + j) + n * (n - 1) / 2));
+    /* all-gather of bytes, in place */
+    unsigned char g[3 * 8];
+    memset(g, 0xee, sizeof g);
+    for (int j = 0; j < 3; j++) g[3 * rank + j] = (unsigned char)(rank * 3 + j);
+    RANK_EXPECT(!mt_comm_all_gather(c, g + 3 * rank, g, 3, MT_COMM_BYTE, NULL));
+    for (int i = 0; i < 3 * n; i++) RANK_EXPECT(g[i] == (unsigned char)i);
+    /* broadcast from the last rank */
+    int32_t b[2] = {rank, -rank};
+    RANK_EXPECT(!mt_comm_broadcast(c, b, sizeof b, MT_COMM_BYTE, n - 1, NULL));
+    RANK_EXPECT(b[0] == n - 1 && b[1] == 1 - n);
+    RANK_EXPECT(!mt_comm_barrier(c));
+    mt_comm_destroy(c);
+    (void)out;
+}
+
+TEST(comm_threads_collectives)
+{
+    for (int n = 1; n <= 3; n++) {
+        coll_arg a = {.w = tcomm_world_new(n, 10.0), .n = n};
+        tcomm_run(n, collectives_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK_MSG(!a.bad, "collectives over %d ranks", n);
+    }
+}
+
+/* A rank that never joins: the others get MT_ERR_COMM at the timeout, and
+ * the communicator refuses every later call at once. */
+static void stall_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    RANK_EXPECT(c != NULL);
+    if (rank == 0) {
+        float x = 1.0f;
+        RANK_EXPECT(mt_comm_all_reduce(c, &x, &x, 1, MT_COMM_F32, MT_COMM_SUM, NULL) == MT_ERR_COMM);
+        RANK_EXPECT(strstr(mt_last_error(NULL), "did not join") != NULL);
+        RANK_EXPECT(mt_comm_broken(c));
+        RANK_EXPECT(mt_comm_barrier(c) == MT_ERR_COMM);
+    }
+    mt_comm_destroy(c);
+}
+
+TEST(comm_threads_timeout)
+{
+    coll_arg a = {.w = tcomm_world_new(2, 0.2), .n = 2};
+    tcomm_run(2, stall_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+}
+
+/* ---- contexts on a communicator ---- */
+
+typedef struct ctx_arg {
+    tcomm_world *w;
+    int sizes[4];       /* the size each rank claims */
+    uint32_t caps;
+    mt_status want;
+    const char *msg;    /* a part of the message every rank must get */
+    _Atomic int bad;
+} ctx_arg;
+
+static void context_rank(int rank, void *p)
+{
+    ctx_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, a->sizes[rank], a->caps);
+    if (!c) {
+        a->bad = 1;
+        return;
+    }
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    mt_status s = mt_context_create(&cc, &ctx);
+    if (s != a->want || (a->msg && !strstr(mt_last_error(NULL), a->msg))) {
+        fprintf(stderr, "    rank %d: %s: %s\n", rank, mt_status_string(s), mt_last_error(NULL));
+        a->bad = 1;
+    }
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(comm_context_agree)
+{
+    /* ranks that agree */
+    ctx_arg a = {.w = tcomm_world_new(2, 10.0), .sizes = {2, 2}, .want = MT_OK};
+    tcomm_run(2, context_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+    /* ranks that disagree on the world size: an error on every rank */
+    ctx_arg b = {.w = tcomm_world_new(2, 10.0),
+                 .sizes = {2, 3},
+                 .want = MT_ERR_COMM,
+                 .msg = "rank 1's field world size differs"};
+    tcomm_run(2, context_rank, &b);
+    tcomm_world_free(b.w);
+    CHECK(!b.bad);
+    /* a device communicator on a CPU context */
+    ctx_arg d = {.w = tcomm_world_new(1, 10.0),
+                 .sizes = {1},
+                 .caps = MT_COMM_CAP_DEVICE,
+                 .want = MT_ERR_UNSUPPORTED,
+                 .msg = "host communicator"};
+    tcomm_run(1, context_rank, &d);
+    tcomm_world_free(d.w);
+    CHECK(!d.bad);
+}
+
+/* A dry context (estimates) communicates nothing, whatever the config says. */
+TEST(comm_dry_context_ignores_comm)
+{
+    mt_comm_vtable vt = null_table();
+    vt.barrier = failing_barrier;
+    mt_comm *c = NULL;
+    CHECK_OK(mt_comm_create(&vt, NULL, 0, 2, &c));
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.dry_run = 1;
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* ---- NCCL over the stand-in ---- */
+
+static const char *fake_nccl(void)
+{
+    const char *v = getenv("MT_FAKE_NCCL");
+    return v && *v ? v : NULL;
+}
+
+TEST(comm_nccl_load_errors)
+{
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    CHECK(nc.timeout_seconds == 600.0);
+    nc.nccl_path = "/nonexistent/libnccl.so.2";
+    mt_nccl_id id;
+    CHECK_ST(MT_ERR_NO_DEVICE, mt_nccl_unique_id(&nc, &id));
+    CHECK(strstr(mt_last_error(NULL), "/nonexistent/libnccl.so.2") != NULL);
+    nc.timeout_seconds = 0.0;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_nccl_unique_id(&nc, &id));
+    mt_comm *c = NULL;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_nccl_create(NULL, NULL, 0, 1, &c));
+    if (!fake_nccl()) return;
+    /* a driver without the functions the deadline needs */
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = fake_nccl();
+    nc.cuda_driver_path = "libm.so.6";
+    CHECK_ST(MT_ERR_NO_DEVICE, mt_nccl_unique_id(&nc, &id));
+    CHECK(strstr(mt_last_error(NULL), "cuStreamQuery") != NULL);
+}
+
+typedef struct nccl_arg {
+    tcomm_world *w;
+    int n;
+    double timeout;
+    int stall; /* rank 1 leaves before the second collective */
+    _Atomic int bad;
+} nccl_arg;
+
+static void nccl_rank(int rank, void *p)
+{
+    nccl_arg *a = (nccl_arg *)p;
+    const int n = a->n;
+    mt_comm *boot = tcomm_make(a->w, rank, n, 0), *c = NULL;
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = fake_nccl();
+    nc.cuda_driver_path = fake_nccl();
+    nc.timeout_seconds = a->timeout;
+    RANK_EXPECT(boot && !mt_comm_nccl_create_over(&nc, boot, &c));
+    mt_comm_destroy(boot); /* the NCCL communicator does not need it */
+    if (!c) return;
+    RANK_EXPECT(strcmp(mt_comm_name(c), "nccl") == 0 && mt_comm_rank(c) == rank &&
+                mt_comm_size(c) == n);
+    float v[3] = {(float)rank, 1.0f, (float)(2 * rank)};
+    RANK_EXPECT(!mt_comm_all_reduce(c, v, v, 3, MT_COMM_F32, MT_COMM_SUM, NULL));
+    RANK_EXPECT(v[0] == (float)(n * (n - 1) / 2) && v[1] == (float)n);
+    if (a->stall) {
+        if (rank == 0) {
+            RANK_EXPECT(mt_comm_barrier(c) == MT_ERR_COMM);
+            RANK_EXPECT(strstr(mt_last_error(NULL), "aborted") != NULL);
+            RANK_EXPECT(mt_comm_broken(c));
+        }
+        mt_comm_destroy(c);
+        return;
+    }
+    uint16_t h[2] = {0x3f80, 0x4000}; /* bf16 1, 2 */
+    RANK_EXPECT(!mt_comm_all_reduce(c, h, h, 2, MT_COMM_BF16, MT_COMM_MAX, NULL));
+    RANK_EXPECT(h[0] == 0x3f80 && h[1] == 0x4000);
+    float g[8];
+    float mine = (float)(rank + 1);
+    RANK_EXPECT(!mt_comm_all_gather(c, &mine, g, 1, MT_COMM_F32, NULL));
+    for (int r = 0; r < n; r++) RANK_EXPECT(g[r] == (float)(r + 1));
+    for (int r = 0; r < n; r++) g[r] = (float)(r * (rank + 1));
+    float part = -1.0f;
+    RANK_EXPECT(!mt_comm_reduce_scatter(c, g, &part, 1, MT_COMM_F32, MT_COMM_SUM, NULL));
+    RANK_EXPECT(part == (float)(rank * n * (n + 1) / 2));
+    int32_t b = rank == 0 ? 77 : rank;
+    RANK_EXPECT(!mt_comm_broadcast(c, &b, 4, MT_COMM_BYTE, 0, NULL));
+    RANK_EXPECT(b == 77);
+    RANK_EXPECT(!mt_comm_barrier(c));
+    mt_comm_destroy(c);
+}
+
+TEST(comm_nccl_stand_in)
+{
+    if (!fake_nccl()) {
+        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    for (int n = 1; n <= 3; n++) {
+        nccl_arg a = {.w = tcomm_world_new(n, 10.0), .n = n, .timeout = 10.0};
+        tcomm_run(n, nccl_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK_MSG(!a.bad, "NCCL stand-in over %d ranks", n);
+    }
+    /* a rank that stops: the other's barrier times out and aborts */
+    nccl_arg a = {.w = tcomm_world_new(2, 10.0), .n = 2, .timeout = 0.2, .stall = 1};
+    tcomm_run(2, nccl_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+}

@@ -1,0 +1,259 @@
+/*
+ * test_comm_threads.c - the in-process test communicator (test_comm.h).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "check.h"
+#include "test_comm.h"
+
+struct tcomm_world {
+    int n;
+    double timeout;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int arrived, dead;
+    uint64_t gen;
+    unsigned char **stage; /* each rank's send, copied */
+    size_t *stage_bytes;
+};
+
+typedef struct trank {
+    tcomm_world *w;
+    int rank;
+    char err[128];
+} trank;
+
+tcomm_world *tcomm_world_new(int n, double timeout_seconds)
+{
+    tcomm_world *w = calloc(1, sizeof *w);
+    w->n = n;
+    w->timeout = timeout_seconds;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    w->stage = calloc((size_t)n, sizeof *w->stage);
+    w->stage_bytes = calloc((size_t)n, sizeof *w->stage_bytes);
+    return w;
+}
+
+void tcomm_world_free(tcomm_world *w)
+{
+    if (!w) return;
+    for (int r = 0; r < w->n; r++) free(w->stage[r]);
+    free(w->stage);
+    free(w->stage_bytes);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+}
+
+/* Every rank meets here (the lock held); 0, or -1 when the world died. */
+static int meet(trank *t)
+{
+    tcomm_world *w = t->w;
+    if (w->dead) return -1;
+    uint64_t g = w->gen;
+    if (++w->arrived == w->n) {
+        w->arrived = 0;
+        w->gen++;
+        pthread_cond_broadcast(&w->cv);
+        return 0;
+    }
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    double s = w->timeout;
+    dl.tv_sec += (time_t)s;
+    dl.tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
+    if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+    while (w->gen == g && !w->dead) {
+        if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT && w->gen == g) {
+            w->dead = 1;
+            pthread_cond_broadcast(&w->cv);
+        }
+    }
+    return w->gen == g ? -1 : 0;
+}
+
+static size_t esz(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1; }
+
+static float get(const unsigned char *p, mt_comm_dtype dt, size_t i)
+{
+    float f;
+    if (dt == MT_COMM_F32) {
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    uint32_t u = (uint32_t)h << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void put(unsigned char *p, mt_comm_dtype dt, size_t i, float f)
+{
+    if (dt == MT_COMM_F32) {
+        memcpy(p + 4 * i, &f, 4);
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    uint16_t h = (uint16_t)(u >> 16);
+    memcpy(p + 2 * i, &h, 2);
+}
+
+/* The shared part of every collective: stage `bytes` of send, meet, let
+ * fill() make this rank's result from every rank's stage, meet again. */
+typedef void (*fill_fn)(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int root);
+
+static mt_status collective(trank *t, const char *what, const void *send, size_t bytes, void *recv,
+                            size_t count, mt_comm_dtype dt, int op, int root, fill_fn fill)
+{
+    tcomm_world *w = t->w;
+    pthread_mutex_lock(&w->mu);
+    unsigned char *st = realloc(w->stage[t->rank], bytes + 1);
+    if (st) {
+        w->stage[t->rank] = st;
+        memcpy(st, send, bytes);
+        w->stage_bytes[t->rank] = bytes;
+    }
+    int rc = st ? meet(t) : -1;
+    if (!rc && fill) fill(t, recv, count, dt, op, root);
+    if (!rc) rc = meet(t);
+    pthread_mutex_unlock(&w->mu);
+    if (rc) {
+        snprintf(t->err, sizeof t->err, "%s: a rank did not join within %g s", what, w->timeout);
+        return MT_ERR_COMM;
+    }
+    return MT_OK;
+}
+
+static void fill_reduce(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int scatter)
+{
+    tcomm_world *w = t->w;
+    size_t at = scatter ? (size_t)t->rank * count : 0;
+    for (size_t i = 0; i < count; i++) {
+        float acc = get(w->stage[0], dt, at + i);
+        for (int r = 1; r < w->n; r++) {
+            float v = get(w->stage[r], dt, at + i);
+            acc = op == MT_COMM_MAX ? (v > acc ? v : acc) : acc + v;
+        }
+        put(recv, dt, i, acc);
+    }
+}
+
+static void fill_all_reduce(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int root)
+{
+    (void)root;
+    fill_reduce(t, recv, count, dt, op, 0);
+}
+
+static void fill_scatter(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int root)
+{
+    (void)root;
+    fill_reduce(t, recv, count, dt, op, 1);
+}
+
+static void fill_gather(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int root)
+{
+    (void)op, (void)root;
+    for (int r = 0; r < t->w->n; r++)
+        memcpy((char *)recv + (size_t)r * count * esz(dt), t->w->stage[r], count * esz(dt));
+}
+
+static void fill_bcast(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int root)
+{
+    (void)op;
+    memcpy(recv, t->w->stage[root], count * esz(dt));
+}
+
+static mt_status t_all_reduce(void *self, const void *send, void *recv, size_t count,
+                              mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    (void)stream;
+    return collective(self, "all_reduce", send, count * esz(dt), recv, count, dt, (int)op, 0,
+                      fill_all_reduce);
+}
+
+static mt_status t_reduce_scatter(void *self, const void *send, void *recv, size_t count,
+                                  mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    (void)stream;
+    trank *t = self;
+    return collective(t, "reduce_scatter", send, count * esz(dt) * (size_t)t->w->n, recv, count,
+                      dt, (int)op, 0, fill_scatter);
+}
+
+static mt_status t_all_gather(void *self, const void *send, void *recv, size_t count,
+                              mt_comm_dtype dt, void *stream)
+{
+    (void)stream;
+    return collective(self, "all_gather", send, count * esz(dt), recv, count, dt, 0, 0,
+                      fill_gather);
+}
+
+static mt_status t_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
+                             void *stream)
+{
+    (void)stream;
+    return collective(self, "broadcast", buf, count * esz(dt), buf, count, dt, 0, root, fill_bcast);
+}
+
+static mt_status t_barrier(void *self)
+{
+    return collective(self, "barrier", "", 0, NULL, 0, MT_COMM_BYTE, 0, 0, NULL);
+}
+
+static const char *t_last_error(void *self) { return ((trank *)self)->err; }
+static void t_destroy(void *self) { free(self); }
+
+mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps)
+{
+    mt_comm_vtable vt = {
+        .abi_version = MT_COMM_ABI_VERSION,
+        .struct_size = sizeof vt,
+        .name = "threads",
+        .caps = caps | MT_COMM_CAP_BF16,
+        .all_reduce = t_all_reduce,
+        .reduce_scatter = t_reduce_scatter,
+        .all_gather = t_all_gather,
+        .broadcast = t_broadcast,
+        .barrier = t_barrier,
+        .last_error = t_last_error,
+        .destroy = t_destroy,
+    };
+    trank *t = calloc(1, sizeof *t);
+    t->w = w;
+    t->rank = rank;
+    mt_comm *c = NULL;
+    if (mt_comm_create(&vt, t, rank, claimed_size, &c)) free(t);
+    return c;
+}
+
+typedef struct run_arg {
+    void (*fn)(int, void *);
+    void *arg;
+    int rank;
+} run_arg;
+
+static void *run_one(void *p)
+{
+    run_arg *a = p;
+    a->fn(a->rank, a->arg);
+    return NULL;
+}
+
+void tcomm_run(int n, void (*fn)(int rank, void *arg), void *arg)
+{
+    pthread_t th[64];
+    run_arg ra[64];
+    for (int r = 0; r < n; r++) {
+        ra[r] = (run_arg){fn, arg, r};
+        pthread_create(&th[r], NULL, run_one, &ra[r]);
+    }
+    for (int r = 0; r < n; r++) pthread_join(th[r], NULL);
+}
