@@ -68,6 +68,12 @@ tail -n 30 "$tmp/straight" > "$tmp/straight.tail"
 losses "$tmp/straight.tail" > "$tmp/straight.l"
 [ "$(grep -c val_loss "$tmp/resumed.l")" = 3 ] || { echo "FAIL tool: resumed run's validation"; cat "$tmp/resumed.l"; fail=1; }
 cmp -s "$tmp/resumed.l" "$tmp/straight.l" || { echo "FAIL tool: resumed losses differ"; diff "$tmp/resumed.l" "$tmp/straight.l" | head; fail=1; }
+# a run whose loss stops being finite: null in the JSON (never nan or inf),
+# exit 4, and no checkpoint written over the last good one
+expect 4 "gpt diverges" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 30 --optimizer sgd --lr 1e30 --clip 0 --json --threads 2 --save "$tmp/div.ckpt"
+grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged run"; cat "$tmp/out"; fail=1; }
+grep -q "diverged" "$tmp/err" && [ ! -e "$tmp/div.ckpt" ] || { echo "FAIL tool: diverged run's message or checkpoint"; cat "$tmp/err"; fail=1; }
+expect 4 "mlp diverges" -- "$tool" train --steps 30 --lr 1e30
 expect 0 "sample" -- "$tool" sample --model gpt --resume "$tmp/g.ckpt" --prompt "The " --length 40 --temperature 0
 cp "$tmp/out" "$tmp/sample1"
 [ "$(head -c 4 "$tmp/sample1")" = "The " ] && [ "$(wc -c < "$tmp/sample1")" -ge 44 ] || { echo "FAIL tool: sample output"; cat "$tmp/sample1"; fail=1; }

@@ -16,6 +16,7 @@
 #define EXIT_FAIL 1
 #define EXIT_USAGE 2
 #define EXIT_BUDGET 3
+#define EXIT_DIVERGED 4 /* the training loss was not finite */
 
 extern const char *const cli_prog;
 
@@ -87,6 +88,10 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc);
 void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec);
 /* The context configuration the options give (device, threads, allocators). */
 void cli_context_config(const cli_opts *o, mt_context_config *cc);
+
+/* Prints `, "key": v` to f, v with fmt, or null where v is not finite
+ * (JSON has no NaN or infinity). */
+void cli_json_num(FILE *f, const char *key, const char *fmt, double v);
 
 /* The memory report of a context on f. */
 void cli_print_report(mt_context *ctx, FILE *f);

@@ -25,12 +25,14 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
     if (tc->memory_budget)
         printf(", \"budget\": %llu, \"fits\": %s", (unsigned long long)tc->memory_budget,
                e->peak_reserved <= tc->memory_budget ? "true" : "false");
-    if (o->autofit)
+    if (o->autofit) {
         printf(", \"autofit\": {\"micro_batch\": %d, \"optimizer\": \"%s\", "
-               "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d, "
-               "\"model_tokens_per_second\": %.1f}",
+               "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d",
                fit->micro_batch, fit->optimizer == MT_OPT_ADAMW8 ? "adamw8" : "as configured",
-               fit->recomputed_units, fit->selective_units, fit->units, fit->tokens_per_second);
+               fit->recomputed_units, fit->selective_units, fit->units);
+        cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
+        printf("}");
+    }
     printf("}\n");
 }
 

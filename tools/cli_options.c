@@ -480,6 +480,13 @@ void cli_context_config(const cli_opts *o, mt_context_config *cc)
     for (int c = 0; c < MT_MEM_COUNT; c++) cc->allocators[c].vtable = mt_allocator_by_name(o->allocator);
 }
 
+void cli_json_num(FILE *f, const char *key, const char *fmt, double v)
+{
+    fprintf(f, ", \"%s\": ", key);
+    if (isfinite(v)) fprintf(f, fmt, v);
+    else fputs("null", f);
+}
+
 void cli_print_report(mt_context *ctx, FILE *f)
 {
     size_t need = 0;

@@ -73,6 +73,15 @@ static int finish_run(const cli_opts *o, mt_context *ctx, const mt_estimate_repo
     return 0;
 }
 
+/* A step's loss that is not a number or infinite: the run stops there,
+ * without a checkpoint (the last one saved stays). */
+static int diverged(long step)
+{
+    fprintf(stderr, "%s: step %ld: the training loss is not finite: training diverged (a lower "
+            "--lr, or --clip, may help)\n", cli_prog, step);
+    return EXIT_DIVERGED;
+}
+
 static int run_mlp(const cli_opts *o, mt_context *ctx)
 {
     mt_mlp_spec spec;
@@ -111,6 +120,10 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         if (mt_trainer_step(t, &b, &loss)) {
             fprintf(stderr, "%s: step %ld: %s\n", cli_prog, step, mt_last_error(ctx));
             rc = EXIT_FAIL;
+            goto done;
+        }
+        if (!isfinite(loss)) {
+            rc = diverged(step);
             goto done;
         }
         window += loss;
@@ -287,13 +300,17 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         mt_loss_scale_state ls;
         mt_trainer_get_loss_scale(t, &ls);
         if (o->json) {
-            printf("{\"step\": %ld, \"loss\": %.6f, \"lr\": %g, \"ms\": %.3f, \"data_ms\": %.4f, "
-                   "\"tokens_per_s\": %.1f, \"live_bytes\": %llu, \"peak_bytes\": %llu, "
-                   "\"loss_scale\": %g, \"skipped\": %llu",
-                   step, loss, (double)mt_trainer_lr(t), 1e3 * dt, 1e3 * t_data, tokens_per_step / dt,
-                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes,
-                   (double)ls.scale, (unsigned long long)ls.steps_skipped);
-            if (eval) printf(", \"val_loss\": %.6f", vl);
+            printf("{\"step\": %ld", step);
+            cli_json_num(stdout, "loss", "%.6f", loss);
+            cli_json_num(stdout, "lr", "%g", mt_trainer_lr(t));
+            cli_json_num(stdout, "ms", "%.3f", 1e3 * dt);
+            cli_json_num(stdout, "data_ms", "%.4f", 1e3 * t_data);
+            cli_json_num(stdout, "tokens_per_s", "%.1f", tokens_per_step / dt);
+            printf(", \"live_bytes\": %llu, \"peak_bytes\": %llu",
+                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes);
+            cli_json_num(stdout, "loss_scale", "%g", ls.scale);
+            printf(", \"skipped\": %llu", (unsigned long long)ls.steps_skipped);
+            if (eval) cli_json_num(stdout, "val_loss", "%.6f", vl);
             printf("}\n");
         } else if (show || eval || live) {
             /* on a terminal every step rewrites the line; every N steps (and
@@ -312,6 +329,10 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             if (keep) window = t_window = 0.0, in_window = 0;
         }
         fflush(stdout);
+        if (!isfinite(loss)) {
+            rc = diverged(step);
+            goto done;
+        }
         if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps) &&
             (rc = save_checkpoint(o, ctx, &g)))
             goto done;
