@@ -872,7 +872,10 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
  * application's own (its data position, its RNG; user may be NULL when
  * user_len is 0). Every section carries a CRC-32. Written atomically
  * (temporary file, fsync, rename, directory fsync): a crash or kill at any
- * moment leaves the previous file at path intact. */
+ * moment leaves the previous file at path intact. On Linux file systems with
+ * O_TMPFILE (ext4, xfs, btrfs, tmpfs) the temporary has no name until the
+ * rename, so a killed process leaves no PATH.tmp.* file either; elsewhere a
+ * named one may remain. */
 mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
                           size_t user_len);
 /* Restores a saved state into a trainer of the same model (kind, shapes),

@@ -4,9 +4,17 @@
  * Writes go to a temporary file beside the target, are fsynced, and are
  * renamed over the target, so a crash at any moment leaves either the old
  * file or the new one, never a torn one.
+ *
+ * Where the file system can (Linux O_TMPFILE, with /proc to link it), the
+ * temporary has no name while it is written: a process killed then (a
+ * signal, SIGKILL, a crash) leaves nothing behind. It is linked to a
+ * fresh name beside the target only at commit, and renamed over the
+ * target at once, with the calling thread's signals blocked for those two
+ * calls. Elsewhere it is a named file from the start, removed on failure.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,9 +90,25 @@ mt_status mti_afile_open(mt_context *ctx, const char *path, mti_afile *f)
         mti_afile_abort(f);
         return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     }
+    snprintf(f->tmp, plen + 32, "%s.tmp.XXXXXX", path);
+#ifdef O_TMPFILE
+    if (access("/proc/self/fd", X_OK) == 0) {
+        /* an unnamed file in the target's directory */
+        char *slash = strrchr(f->tmp, '/');
+        char *dir = slash ? strndup(f->tmp, slash == f->tmp ? 1 : (size_t)(slash - f->tmp))
+                          : strdup(".");
+        if (dir) f->fd = open(dir, O_TMPFILE | O_WRONLY | O_CLOEXEC, 0644);
+        free(dir);
+        if (f->fd >= 0) {
+            f->unnamed = 1;
+            fchmod(f->fd, 0644);
+            return MT_OK;
+        }
+        /* a file system without O_TMPFILE: a named temporary */
+    }
+#endif
     /* a fresh name beside the target, created exclusively: two writers of
        the same path never share a temporary, and no link is followed */
-    snprintf(f->tmp, plen + 32, "%s.tmp.XXXXXX", path);
     f->fd = mkostemp(f->tmp, O_CLOEXEC);
     if (f->fd < 0) {
         mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot create '%s': %s", f->tmp, strerror(errno));
@@ -112,33 +136,18 @@ mt_status mti_afile_write(mt_context *ctx, mti_afile *f, const void *data, size_
 void mti_afile_abort(mti_afile *f)
 {
     if (f->fd >= 0) close(f->fd);
-    if (f->tmp) unlink(f->tmp);
+    if (f->tmp && !f->unnamed) unlink(f->tmp);
     free(f->tmp);
     free(f->path);
     memset(f, 0, sizeof *f);
     f->fd = -1;
 }
 
-mt_status mti_afile_commit(mt_context *ctx, mti_afile *f)
+/* Makes the rename itself durable, and frees f. */
+static mt_status synced_dir(mti_afile *f)
 {
-    if (f->fd < 0) return mti_fail(ctx, MT_ERR_STATE, "commit of a closed file");
-    if (fsync(f->fd) != 0) {
-        int e = errno;
-        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(e));
-        mti_afile_abort(f);
-        return s;
-    }
-    int rc = close(f->fd);
-    f->fd = -1;
-    if (rc != 0 || rename(f->tmp, f->path) != 0) {
-        int e = errno;
-        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot put '%s' in place: %s", f->path, strerror(e));
-        mti_afile_abort(f);
-        return s;
-    }
     free(f->tmp);
     f->tmp = NULL;
-    /* make the rename itself durable */
     char *dir = f->path;
     char *slash = strrchr(dir, '/');
     const char *d = ".";
@@ -153,6 +162,65 @@ mt_status mti_afile_commit(mt_context *ctx, mti_afile *f)
     }
     mti_afile_abort(f);
     return MT_OK;
+}
+
+/* An unnamed temporary linked to a fresh name beside the target and renamed
+ * over it, no signal handled in between (a handler that exits or a
+ * default action would leave the name behind). */
+static mt_status commit_unnamed(mt_context *ctx, mti_afile *f)
+{
+    char proc[64];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", f->fd);
+    const size_t X = strlen(f->tmp) - 6; /* the XXXXXX */
+    uint64_t r = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uintptr_t)f;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int rc = -1, e = 0;
+    for (int tries = 0; tries < 64 && rc != 0; tries++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        for (int i = 0; i < 6; i++)
+            f->tmp[X + (size_t)i] = "abcdefghijklmnopqrstuvwxyz0123456789"[(r >> (8 * i + 16)) % 36];
+        rc = linkat(AT_FDCWD, proc, AT_FDCWD, f->tmp, AT_SYMLINK_FOLLOW);
+        e = errno;
+        if (rc != 0 && e != EEXIST) break;
+    }
+    if (rc == 0 && rename(f->tmp, f->path) != 0) {
+        e = errno;
+        unlink(f->tmp);
+        rc = -1;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    int closed = close(f->fd);
+    f->fd = -1;
+    if (rc != 0 || closed != 0) {
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot put '%s' in place: %s", f->path,
+                               strerror(rc != 0 ? e : errno));
+        mti_afile_abort(f);
+        return s;
+    }
+    return synced_dir(f);
+}
+
+mt_status mti_afile_commit(mt_context *ctx, mti_afile *f)
+{
+    if (f->fd < 0) return mti_fail(ctx, MT_ERR_STATE, "commit of a closed file");
+    if (fsync(f->fd) != 0) {
+        int e = errno;
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(e));
+        mti_afile_abort(f);
+        return s;
+    }
+    if (f->unnamed) return commit_unnamed(ctx, f);
+    int rc = close(f->fd);
+    f->fd = -1;
+    if (rc != 0 || rename(f->tmp, f->path) != 0) {
+        int e = errno;
+        mt_status s = mti_fail(ctx, MT_ERR_IO, "cannot put '%s' in place: %s", f->path, strerror(e));
+        mti_afile_abort(f);
+        return s;
+    }
+    return synced_dir(f);
 }
 
 mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *data, size_t size)

@@ -162,6 +162,7 @@ mt_status mti_write_file_atomic(mt_context *ctx, const char *path, const void *d
 typedef struct mti_afile {
     int fd;
     char *tmp, *path;
+    int unnamed; /* fd is an O_TMPFILE: it gets the name tmp only at commit */
 } mti_afile;
 mt_status mti_afile_open(mt_context *ctx, const char *path, mti_afile *f);
 mt_status mti_afile_write(mt_context *ctx, mti_afile *f, const void *data, size_t n);

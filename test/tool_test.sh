@@ -74,6 +74,17 @@ expect 4 "gpt diverges" -- "$tool" train --model gpt --layers 1 --channels 32 --
 grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged run"; cat "$tmp/out"; fail=1; }
 grep -q "diverged" "$tmp/err" && [ ! -e "$tmp/div.ckpt" ] || { echo "FAIL tool: diverged run's message or checkpoint"; cat "$tmp/err"; fail=1; }
 expect 4 "mlp diverges" -- "$tool" train --steps 30 --lr 1e30
+# Ctrl-C: the run stops after the step in progress, writes its checkpoint
+# (saving every step, so the signal often lands in a save), exits 130 and
+# leaves no temporary file; the checkpoint resumes at the step after
+"$tool" train --model gpt --layers 1 --channels 32 --steps 100000 --save-every 1 --save "$tmp/int.ckpt" --json --schedule constant --threads 2 >"$tmp/int.out" 2>"$tmp/int.err" &
+pid=$!
+n=0; while [ ! -e "$tmp/int.ckpt" ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n + 1)); done
+kill -INT $pid; wait $pid; code=$?
+[ $code = 130 ] && grep -q "interrupted" "$tmp/int.err" || { echo "FAIL tool: Ctrl-C exit $code"; cat "$tmp/int.err"; fail=1; }
+last=$(tail -n 1 "$tmp/int.out" | sed 's/{"step": \([0-9]*\),.*/\1/')
+expect 0 "resume after Ctrl-C" -- "$tool" train --model gpt --layers 1 --channels 32 --steps $((last + 1)) --json --schedule constant --threads 2 --resume "$tmp/int.ckpt"
+grep -q "^{\"step\": $((last + 1))," "$tmp/out" || { echo "FAIL tool: resumed after Ctrl-C at step $last"; cat "$tmp/out"; fail=1; }
 expect 0 "sample" -- "$tool" sample --model gpt --resume "$tmp/g.ckpt" --prompt "The " --length 40 --temperature 0
 cp "$tmp/out" "$tmp/sample1"
 [ "$(head -c 4 "$tmp/sample1")" = "The " ] && [ "$(wc -c < "$tmp/sample1")" -ge 44 ] || { echo "FAIL tool: sample output"; cat "$tmp/sample1"; fail=1; }
@@ -116,6 +127,9 @@ cmp -s "$tmp/a.llmc" "$tmp/b.llmc" || { echo "FAIL tool: llm.c round trip"; fail
 head -c 5000 "$tmp/a.llmc" > "$tmp/cut.llmc"
 expect 1 "truncated llm.c checkpoint" -- "$tool" train --model gpt --steps 1 --llmc "$tmp/cut.llmc"
 grep -qi "truncated\|size" "$tmp/err" || { echo "FAIL tool: llm.c message"; cat "$tmp/err"; fail=1; }
+
+# no run left a temporary file beside what it wrote
+if ls "$tmp" | grep '\.tmp\.'; then echo "FAIL tool: temporary files left"; fail=1; fi
 
 if [ $fail = 0 ]; then echo "ok   tool tests"; fi
 exit $fail

@@ -4,6 +4,7 @@
  * report. The GPT's setup (cli_gpt_open) serves memtrain sample too.
  */
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -37,6 +38,35 @@ static void spirals(uint64_t *state, float *x, int32_t *y, int n)
         x[2 * i + 1] = r * sinf(a);
         y[i] = k;
     }
+}
+
+/* SIGINT (Ctrl-C) or SIGTERM: the run stops after the step in progress and
+ * saves its checkpoint (docs/cli.md). The handler goes back to the default
+ * action, so a second signal ends the process at once; a checkpoint being
+ * written then leaves the previous one (lib/fileio.c). */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop(int sig)
+{
+    stop_signal = sig;
+}
+
+static void catch_stop_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+static int interrupted(long step)
+{
+    fprintf(stderr, "%s: %s after step %ld\n", cli_prog,
+            stop_signal == SIGINT ? "interrupted (SIGINT)" : "stopped (SIGTERM)", step);
+    return 128 + stop_signal;
 }
 
 /* The built-in corpus: the project's own README and docs, embedded at build
@@ -124,6 +154,10 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         }
         if (!isfinite(loss)) {
             rc = diverged(step);
+            goto done;
+        }
+        if (stop_signal) {
+            rc = interrupted(step);
             goto done;
         }
         window += loss;
@@ -333,9 +367,16 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             rc = diverged(step);
             goto done;
         }
-        if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps) &&
+        const bool stopping = stop_signal != 0; /* read once: the save and the stop agree */
+        if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps ||
+                        stopping) &&
             (rc = save_checkpoint(o, ctx, &g)))
             goto done;
+        if (stopping) {
+            if (o->save) fprintf(stderr, "%s: checkpoint written to %s\n", cli_prog, o->save);
+            rc = interrupted(step);
+            goto done;
+        }
     }
     if (o->save && !o->json) printf("checkpoint written to %s\n", o->save);
     if (o->export_llmc) {
@@ -366,6 +407,7 @@ int cmd_train(int argc, char **argv)
     if (o.trace || o.chrome || o.svg) cfg.trace_capacity = 1u << 22;
     mt_context *ctx;
     if (mt_context_create(&cfg, &ctx)) return cli_lib_fail(NULL, NULL);
+    catch_stop_signals();
     rc = o.gpt ? run_gpt(&o, ctx) : run_mlp(&o, ctx);
     mt_context_destroy(ctx);
     return rc;
