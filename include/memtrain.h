@@ -381,6 +381,23 @@ mt_status mt_allocator_self_stats(const mt_allocator *a, mt_allocator_stats *out
 /* The allocator's name ("caching", ...) */
 const char *mt_allocator_name(const mt_allocator *a);
 
+/* Runs the allocator conformance suite (docs/allocators.md) against an
+ * allocator, your own say: instances made from cfg (its vtable, options and
+ * flags; the suite sets its own limit_bytes) on ctx's device, each but one
+ * in checking mode (MT_ALLOCATOR_CHECKED), through alignment, resets, trim,
+ * out of memory under a limit, recovery after it, edge-case requests, bad
+ * frees (only if the table claims MT_ALLOCATOR_CAP_DETECTS_BAD_FREE) and
+ * randomized runs, checking every block's alignment, that it lies in
+ * memory the instance holds and overlaps no live block, the per-class
+ * accounting, and the allocator's own stats (if it keeps any) against the
+ * library's; on a CPU context (not a dry one) it also writes the ends of
+ * every block and checks them when the block is freed. MT_OK when every
+ * property holds; else the status of the first that fails (MT_ERR_PLUGIN
+ * for a broken contract, MT_ERR_OOM if the device runs out) and
+ * mt_last_error(ctx) names the property and what went wrong. Nothing is
+ * left allocated. */
+mt_status mt_allocator_conformance(mt_context *ctx, const mt_allocator_config *cfg);
+
 /* ------------------------------------------------------------------------ */
 /* Memory stats and report of a context                                      */
 /* ------------------------------------------------------------------------ */

@@ -650,6 +650,23 @@ static void context_classes_for(const mt_allocator_vtable *vt, const char *name)
     CHECK_OK(mt_context_destroy(ctx));
 }
 
+/* The suite as users run it (mt_allocator_conformance): every allocator
+ * passes on every device. */
+TEST(conformance_public_suite)
+{
+    acase ac[16];
+    dcase dc[2];
+    int na = allocator_cases(ac), nd = device_cases(dc);
+    for (int d = 0; d < nd; d++)
+        for (int c = 0; c < na; c++) {
+            mt_allocator_config cfg = {.vtable = ac[c].vt, .flags = ac[c].flags};
+            mt_status s = mt_allocator_conformance(dc[d].ctx, &cfg);
+            CHECK_MSG(s == MT_OK, "%s on %s: %s", ac[c].name, dc[d].name,
+                      mt_last_error(dc[d].ctx));
+        }
+    close_devices(dc, nd);
+}
+
 TEST(conformance_context_classes)
 {
     acase ac[16];

@@ -5,6 +5,7 @@
  * the memory it holds, blocks over live ones and memory given back under
  * live blocks, instead of handing them to the caller.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
@@ -181,5 +182,67 @@ TEST(plugin_checked_mode_guards_releases_and_frees)
     /* unknown flags are still refused */
     mt_allocator_config ac = {.vtable = &bump_vt, .flags = 0x80};
     CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_create(ctx, &ac, &a));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* ---- the public conformance suite finds faulty allocators ---- */
+
+const mt_allocator_vtable *example_allocator(void);
+
+static const mt_allocator_vtable *example;
+static void *last_ptr; /* the last block the scribbling allocator handed out */
+
+/* The example allocator, but its stats count one byte too many reserved. */
+static mt_status lying_stats(void *state, mt_allocator_stats *out)
+{
+    mt_status s = example->stats(state, out);
+    out->reserved_bytes++;
+    return s;
+}
+
+/* The example allocator, but it writes into the block it handed out last. */
+static mt_status scribbling_alloc(void *state, const mt_alloc_request *req, mt_block *out)
+{
+    if (last_ptr) *(unsigned char *)last_ptr ^= 0xff;
+    mt_status s = example->alloc(state, req, out);
+    last_ptr = s ? NULL : out->ptr;
+    return s;
+}
+
+TEST(plugin_conformance_suite_finds_faults)
+{
+    mt_context *ctx = check_cpu_context(1);
+    static const struct {
+        fault f;
+        const char *says;
+    } cases[] = {
+        {FAULT_NULL, "returned NULL with success"},
+        {FAULT_MISALIGNED, "misaligned"},
+        {FAULT_OVERLAP, "overlaps live block"},
+        {FAULT_STRAY, "not inside memory it holds"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        mt_allocator_config ac = {.vtable = &bump_vt, .options = &cases[i].f};
+        CHECK_ST(MT_ERR_PLUGIN, mt_allocator_conformance(ctx, &ac));
+        const char *e = mt_last_error(ctx);
+        CHECK_MSG(strstr(e, "allocator conformance: 'faulty': alignment") &&
+                      strstr(e, cases[i].says),
+                  "%s", e);
+    }
+    example = example_allocator();
+    mt_allocator_vtable liar = *example, scribbler = *example;
+    liar.stats = lying_stats;
+    scribbler.alloc = scribbling_alloc;
+    mt_allocator_config ac = {.vtable = &liar};
+    CHECK_ST(MT_ERR_PLUGIN, mt_allocator_conformance(ctx, &ac));
+    CHECK_MSG(strstr(mt_last_error(ctx), "its own stats say"), "%s", mt_last_error(ctx));
+    ac.vtable = &scribbler;
+    last_ptr = NULL;
+    CHECK_ST(MT_ERR_PLUGIN, mt_allocator_conformance(ctx, &ac));
+    CHECK_MSG(strstr(mt_last_error(ctx), "overwritten while live"), "%s", mt_last_error(ctx));
+    /* and the example itself passes */
+    ac.vtable = example;
+    CHECK_OKC(ctx, mt_allocator_conformance(ctx, &ac));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_conformance(ctx, NULL));
     CHECK_OK(mt_context_destroy(ctx));
 }
