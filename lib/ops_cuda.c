@@ -53,6 +53,7 @@
 
 #define MTI_GEMM_WORKSPACE (4u << 20) /* most workspace a GEMM may take, bytes */
 #define MTI_GEMM_PLANS 32             /* GEMM plans kept per device */
+#define MTI_GEMM_CANDIDATES 4         /* algorithms asked of the heuristic per plan */
 #define MTI_COLSUM_CHUNK 128          /* rows per partial sum of a column sum */
 #define MTI_SUMSQ_BLOCK 4096          /* elements per block sum of sumsq (reduce.cu) */
 #define MTI_SUMSQ_ROUND_BLOCKS 64     /* block sums per round of sumsq (reduce.cu) */
@@ -523,8 +524,9 @@ static int align_of(const void *p)
 }
 
 /* Makes the plan for `key`: descriptors, preferences and the heuristic's
- * first choice. When the heuristic has no algorithm the plan is kept with
- * `none` set (and MT_OK returned), so the question is not asked again.
+ * first usable choice. When the heuristic has no algorithm (no results, or
+ * CUBLAS_STATUS_NOT_SUPPORTED) the plan is kept with `none` set (and MT_OK
+ * returned), so the question is not asked again.
  * Called with s->mu held and the context current. */
 static mt_status plan_make(const mti_kctx *k, ops_state *s, gemm_plan *p, const gemm_key *key,
                            const void *bias, const char *what)
@@ -570,21 +572,31 @@ static mt_status plan_make(const mti_kctx *k, ops_state *s, gemm_plan *p, const 
         LT_TRY(s->api->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                                  &mask, sizeof mask));
     }
-    cublasLtMatmulHeuristicResult_t res;
-    int got = 0;
-    memset(&res, 0, sizeof res);
-    LT_TRY(s->api->MatmulAlgoGetHeuristic(s->lt, p->desc, p->la, p->lb, p->ld, p->ld, pref, 1, &res,
-                                       &got));
+    /* "no algorithm" comes either as success with no results or as
+     * CUBLAS_STATUS_NOT_SUPPORTED from the call itself: both are an answer
+     * about the problem, remembered in the plan, not a device failure. Of
+     * the candidates, the first valid one within the workspace is taken. */
+    cublasLtMatmulHeuristicResult_t res[MTI_GEMM_CANDIDATES];
+    int got = 0, pick = -1;
+    memset(res, 0, sizeof res);
+    call = "cublasLtMatmulAlgoGetHeuristic";
+    r = s->api->MatmulAlgoGetHeuristic(s->lt, p->desc, p->la, p->lb, p->ld, p->ld, pref,
+                                       MTI_GEMM_CANDIDATES, res, &got);
 #undef LT_TRY
+    if (r != CUBLAS_STATUS_SUCCESS && r != CUBLAS_STATUS_NOT_SUPPORTED) goto fail;
     s->api->MatmulPreferenceDestroy(pref);
-    if (got < 1 || res.state != CUBLAS_STATUS_SUCCESS) {
+    for (int i = 0; r == CUBLAS_STATUS_SUCCESS && i < got && i < MTI_GEMM_CANDIDATES && pick < 0;
+         i++)
+        if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= MTI_GEMM_WORKSPACE)
+            pick = i;
+    if (pick < 0) {
         plan_drop(s, p);
         p->key = *key;
         p->used = 1;
         p->none = 1;
         return MT_OK;
     }
-    p->algo = res.algo;
+    p->algo = res[pick].algo;
     return MT_OK;
 fail:
     if (pref) s->api->MatmulPreferenceDestroy(pref);

@@ -18,9 +18,19 @@
  * for a different workspace per shape (a multiple of 256 KiB up to the
  * limit), so a caller that sized workspace by the algorithm would show it.
  *
+ * The heuristic can refuse, as the real one does for shapes, types,
+ * alignments and epilogues it has no kernel for: it then returns
+ * CUBLAS_STATUS_NOT_SUPPORTED with no results (or, under FAKE_LT_SAY_EMPTY,
+ * success with zero results, the other way cuBLASLt says "none"). What it
+ * refuses is a set of rules (the FAKE_LT_* bits below), 0 by default.
+ * Otherwise it offers up to two algorithms, and Matmul refuses pointers
+ * aligned less than the algorithm was chosen for.
+ *
  * For tests, besides the entry points:
- *   fake_cublaslt_stat(name)  "matmuls", "heuristics", "max_ws_asked",
- *                             "max_ws_given" (bytes), "live_objects"
+ *   fake_cublaslt_stat(name)  "matmuls", "heuristics", "refusals",
+ *                             "max_ws_asked", "max_ws_given" (bytes),
+ *                             "live_objects"
+ *   fake_cublaslt_rules(r)    sets the refusal rules, returns the old ones
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,6 +42,13 @@
 #define LT_MAGIC_DESC 0x4c544445u
 #define LT_MAGIC_LAYOUT 0x4c544c41u
 #define LT_MAGIC_PREF 0x4c545052u
+
+/* Refusal rules of the heuristic (fake_cublaslt_rules). */
+enum {
+    FAKE_LT_REFUSE_ALL = 1u,  /* no algorithm for anything */
+    FAKE_LT_REFUSE_BIAS = 2u, /* none with the bias epilogue */
+    FAKE_LT_SAY_EMPTY = 4u,   /* "none" as success with zero results, not NOT_SUPPORTED */
+};
 
 struct cublasLtContext {
     uint32_t magic;
@@ -51,11 +68,13 @@ struct cublasLtMatrixLayoutOpaque {
 struct cublasLtMatmulPreferenceOpaque {
     uint32_t magic;
     uint64_t max_ws;
+    uint32_t align[4]; /* least alignment of A, B, C, D in bytes (default 256) */
 };
 
 static struct {
-    unsigned long long matmuls, heuristics, max_ws_asked, max_ws_given;
+    unsigned long long matmuls, heuristics, refusals, max_ws_asked, max_ws_given;
     long long live;
+    unsigned rules;
 } S;
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t *handle);
@@ -89,6 +108,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
                               cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t *algo,
                               void *workspace, size_t workspace_bytes, void *stream);
 unsigned long long fake_cublaslt_stat(const char *name);
+unsigned fake_cublaslt_rules(unsigned rules);
 
 static void *obj(size_t bytes, uint32_t magic)
 {
@@ -202,7 +222,9 @@ cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *pref)
 {
     if (!pref) return CUBLAS_STATUS_INVALID_VALUE;
     *pref = obj(sizeof **pref, LT_MAGIC_PREF);
-    return *pref ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_ALLOC_FAILED;
+    if (!*pref) return CUBLAS_STATUS_ALLOC_FAILED;
+    for (int i = 0; i < 4; i++) (*pref)->align[i] = 256;
+    return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref)
@@ -221,11 +243,18 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
         memcpy(&pref->max_ws, value, sizeof pref->max_ws);
         return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK:
+        return bytes == sizeof(uint32_t) ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES:
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES:
     case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
-    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES:
-        return bytes == sizeof(uint32_t) ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES: {
+        uint32_t a;
+        if (bytes != sizeof a) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&a, value, sizeof a);
+        if (!a || (a & (a - 1))) return CUBLAS_STATUS_INVALID_VALUE;
+        pref->align[attr - CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES] = a;
+        return CUBLAS_STATUS_SUCCESS;
+    }
     default:
         return CUBLAS_STATUS_INVALID_VALUE;
     }
@@ -253,6 +282,16 @@ static int problem(const struct cublasLtMatmulDescOpaque *d, const struct cublas
     return 1;
 }
 
+/* Whether the rules refuse the problem. */
+static int refused(const struct cublasLtMatmulDescOpaque *d,
+                   const struct cublasLtMatmulPreferenceOpaque *p)
+{
+    (void)p;
+    if (S.rules & FAKE_LT_REFUSE_ALL) return 1;
+    if ((S.rules & FAKE_LT_REFUSE_BIAS) && d->epilogue == CUBLASLT_EPILOGUE_BIAS) return 1;
+    return 0;
+}
+
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
                                               cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                                               cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
@@ -265,16 +304,26 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtM
         requested < 1 || !results || !returned || !problem(desc, a, b, c, d, mnk))
         return CUBLAS_STATUS_INVALID_VALUE;
     S.heuristics++;
-    memset(results, 0, sizeof *results);
+    int n = requested < 2 ? requested : 2;
+    memset(results, 0, (size_t)n * sizeof *results);
+    *returned = 0;
+    if (refused(desc, pref)) {
+        S.refusals++;
+        return S.rules & FAKE_LT_SAY_EMPTY ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
+    }
     uint64_t ws = ((mnk[0] * 31 + mnk[1] * 17 + mnk[2] * 7) % 17) << 18; /* 0..4 MiB */
     if (ws > pref->max_ws) ws = pref->max_ws / (1u << 18) * (1u << 18);
     if (ws > S.max_ws_asked) S.max_ws_asked = ws;
-    results[0].algo.data[0] = ws;
-    results[0].algo.data[1] = mnk[0] ^ (mnk[1] << 20) ^ (mnk[2] << 40);
-    results[0].workspaceSize = (size_t)ws;
-    results[0].state = CUBLAS_STATUS_SUCCESS;
-    results[0].wavesCount = 1.0f;
-    *returned = 1;
+    for (int i = 0; i < n; i++) {
+        /* data: workspace, an id, the four alignments it was chosen for */
+        results[i].algo.data[0] = i ? 0 : ws;
+        results[i].algo.data[1] = mnk[0] ^ (mnk[1] << 20) ^ (mnk[2] << 40) ^ (uint64_t)i << 63;
+        for (int j = 0; j < 4; j++) results[i].algo.data[2 + j] = pref->align[j];
+        results[i].workspaceSize = i ? 0 : (size_t)ws;
+        results[i].state = CUBLAS_STATUS_SUCCESS;
+        results[i].wavesCount = 1.0f;
+    }
+    *returned = n;
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -303,6 +352,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
         return CUBLAS_STATUS_INVALID_VALUE;
     if (workspace_bytes < algo->data[0] || (workspace_bytes && !workspace))
         return CUBLAS_STATUS_INVALID_VALUE;
+    /* pointers as aligned as the algorithm was chosen for (C is D here) */
+    const void *ptrs[4] = {A, B, C, D};
+    for (int i = 0; i < 4; i++)
+        if (ptrs[i] && (uintptr_t)ptrs[i] % (algo->data[2 + i] ? algo->data[2 + i] : 1))
+            return CUBLAS_STATUS_NOT_SUPPORTED;
     if (mnk[0] && mnk[1] && (!D || !C || (mnk[2] && (!A || !B))))
         return CUBLAS_STATUS_INVALID_VALUE;
     if (mnk[0] && mnk[1]) {
@@ -324,8 +378,16 @@ unsigned long long fake_cublaslt_stat(const char *name)
     if (!name) return 0;
     if (!strcmp(name, "matmuls")) return S.matmuls;
     if (!strcmp(name, "heuristics")) return S.heuristics;
+    if (!strcmp(name, "refusals")) return S.refusals;
     if (!strcmp(name, "max_ws_asked")) return S.max_ws_asked;
     if (!strcmp(name, "max_ws_given")) return S.max_ws_given;
     if (!strcmp(name, "live_objects")) return (unsigned long long)S.live; /* < 0: huge */
     return 0;
+}
+
+unsigned fake_cublaslt_rules(unsigned rules)
+{
+    unsigned old = S.rules;
+    S.rules = rules;
+    return old;
 }

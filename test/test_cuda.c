@@ -1,0 +1,157 @@
+/*
+ * test_cuda.c - the CUDA op table and device layer over the stand-in
+ * driver and cuBLASLt (test/fake_cuda; paths in MT_FAKE_CUDA and
+ * MT_FAKE_CUBLASLT, and these tests pass without checking anything when
+ * they are not set): what cuBLASLt's refusals, the driver's failures and
+ * the debug mode do to the ops, where no GPU is needed to show it. The
+ * stand-in driver runs a few kernels on the host (see fake_libcuda.c); the
+ * rest are counted only, so these tests check the host side: which kernel
+ * and GEMM run, with which arguments, and what status and message come out.
+ */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "cuda_device.h"
+#include "cuda_driver.h"
+#include "internal.h"
+#include "kernels.h"
+
+/* The refusal rules of the stand-in cuBLASLt (fake_cublaslt.c). */
+enum {
+    FAKE_LT_REFUSE_ALL = 1u,
+    FAKE_LT_REFUSE_BIAS = 2u,
+    FAKE_LT_SAY_EMPTY = 4u,
+};
+
+/* The stand-ins' test hooks, from the same libraries the context loads. */
+typedef struct stand_in {
+    void *cuda, *lt;
+    void (*fail)(const char *call, int skip, CUresult code);
+    unsigned long long (*cuda_stat)(const char *name);
+    const char *(*last_kernel)(void);
+    unsigned long long (*lt_stat)(const char *name);
+    unsigned (*lt_rules)(unsigned rules);
+    unsigned old_rules;
+} stand_in;
+
+static void *sym(void *lib, const char *name)
+{
+    void *p = dlsym(lib, name);
+    CHECK_MSG(p, "the stand-in has no %s", name);
+    return p;
+}
+
+/* false (the test then checks nothing) when the stand-ins are not named. */
+static bool stand_in_open(stand_in *s)
+{
+    memset(s, 0, sizeof *s);
+    const char *cu = check_fake_cuda(), *lt = getenv("MT_FAKE_CUBLASLT");
+    if (!cu || !lt || !*lt) return false;
+    s->cuda = dlopen(cu, RTLD_NOW | RTLD_LOCAL);
+    s->lt = dlopen(lt, RTLD_NOW | RTLD_LOCAL);
+    CHECK_MSG(s->cuda && s->lt, "cannot load the stand-ins: %s", dlerror());
+    void *p;
+    /* copied, as ISO C has no object-to-function pointer conversion */
+    p = sym(s->cuda, "fake_cuda_fail"), memcpy(&s->fail, &p, sizeof p);
+    p = sym(s->cuda, "fake_cuda_stat"), memcpy(&s->cuda_stat, &p, sizeof p);
+    p = sym(s->cuda, "fake_cuda_last_kernel"), memcpy(&s->last_kernel, &p, sizeof p);
+    p = sym(s->lt, "fake_cublaslt_stat"), memcpy(&s->lt_stat, &p, sizeof p);
+    p = sym(s->lt, "fake_cublaslt_rules"), memcpy(&s->lt_rules, &p, sizeof p);
+    s->old_rules = s->lt_rules(0);
+    s->lt_rules(s->old_rules);
+    return true;
+}
+
+static void stand_in_close(stand_in *s)
+{
+    s->lt_rules(s->old_rules);
+    s->fail("", 0, 0);
+    dlclose(s->cuda);
+    dlclose(s->lt);
+}
+
+/* A CUDA context over the stand-ins, its op table and kernel context. */
+typedef struct cuda_ctx {
+    mt_context *ctx;
+    const mti_ops *ops;
+    mti_kctx k;
+} cuda_ctx;
+
+static void cuda_open_cfg(cuda_ctx *c, mt_context_config *cfg)
+{
+    cfg->device = MT_DEVICE_CUDA;
+    cfg->cuda_driver_path = check_fake_cuda();
+    cfg->cublaslt_path = getenv("MT_FAKE_CUBLASLT");
+    CHECK_OK(mt_context_create(cfg, &c->ctx));
+    CHECK_OKC(c->ctx, mti_cuda_ops(c->ctx->dev, &c->ops));
+    c->k = (mti_kctx){c->ctx, c->ctx->dev};
+}
+
+static void cuda_open(cuda_ctx *c)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cuda_open_cfg(c, &cfg);
+}
+
+static void *dev_alloc(cuda_ctx *c, mt_block *b, size_t bytes)
+{
+    mt_alloc_request r = {.bytes = bytes, .mem_class = MT_MEM_IO, .lifetime = MT_LIFE_PERSISTENT};
+    CHECK_OKC(c->ctx, mt_context_alloc(c->ctx, &r, b));
+    CHECK_OKC(c->ctx, c->ctx->dev->memset8(c->ctx->dev, b->ptr, 0, bytes));
+    return b->ptr;
+}
+
+/* ---- cuBLASLt's "no algorithm" ---- */
+
+/* y (n, out) = x (n, in) . W^T + b with the bias epilogue refused: the
+ * fallback sets y to the bias rows and adds the product; the answer is kept,
+ * so a second call asks the heuristic nothing. */
+static void bias_fallback(stand_in *s, unsigned rules)
+{
+    cuda_ctx c;
+    cuda_open(&c);
+    enum { N = 16, IN = 32, OUT = 24 };
+    mt_block bx, bw, bb, by;
+    void *x = dev_alloc(&c, &bx, N * IN * 4), *w = dev_alloc(&c, &bw, OUT * IN * 4);
+    void *b = dev_alloc(&c, &bb, OUT * 4), *y = dev_alloc(&c, &by, N * OUT * 4);
+    s->lt_rules(rules);
+    unsigned long long h0 = s->lt_stat("heuristics"), m0 = s->lt_stat("matmuls");
+    unsigned long long r0 = s->lt_stat("refusals");
+    CHECK_OKC(c.ctx, c.ops->matmul_fwd(&c.k, y, x, w, b, N, IN, OUT, MTI_F32));
+    CHECK_MSG(strcmp(s->last_kernel(), "mt_bias_rows_f32") == 0, "last kernel %s",
+              s->last_kernel());
+    CHECK_EQ(s->lt_stat("heuristics"), h0 + 2); /* with the bias, then without */
+    CHECK_EQ(s->lt_stat("refusals"), r0 + 1);
+    CHECK_EQ(s->lt_stat("matmuls"), m0 + 1);
+    CHECK_OKC(c.ctx, c.ops->matmul_fwd(&c.k, y, x, w, b, N, IN, OUT, MTI_F32));
+    CHECK_EQ(s->lt_stat("heuristics"), h0 + 2);
+    CHECK_EQ(s->lt_stat("matmuls"), m0 + 2);
+
+    /* no algorithm at all: UNSUPPORTED naming the problem, asked once */
+    s->lt_rules(rules | FAKE_LT_REFUSE_ALL);
+    h0 = s->lt_stat("heuristics");
+    for (int i = 0; i < 2; i++) {
+        CHECK_ST(MT_ERR_UNSUPPORTED,
+                 c.ops->matmul_bwd(&c.k, x, NULL, NULL, y, x, w, N, IN, OUT, MTI_F32, 0));
+        CHECK_MSG(strstr(mt_last_error(c.ctx), "no algorithm for m=32 n=16 k=24"), "%s",
+                  mt_last_error(c.ctx));
+    }
+    CHECK_EQ(s->lt_stat("heuristics"), h0 + 1);
+    s->lt_rules(s->old_rules);
+    mt_block *all[] = {&bx, &bw, &bb, &by};
+    for (int i = 0; i < 4; i++) CHECK_OKC(c.ctx, mt_context_free(c.ctx, all[i]));
+    CHECK_OK(mt_context_destroy(c.ctx));
+}
+
+TEST(cuda_standin_no_algorithm_is_an_answer)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    bias_fallback(&s, FAKE_LT_REFUSE_BIAS);                     /* CUBLAS_STATUS_NOT_SUPPORTED */
+    bias_fallback(&s, FAKE_LT_REFUSE_BIAS | FAKE_LT_SAY_EMPTY); /* zero results */
+    stand_in_close(&s);
+}
