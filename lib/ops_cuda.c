@@ -778,13 +778,18 @@ static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db
     return st;
 }
 
-/* Any rows: cuBLASLt's result for a row does not depend on the rows around
- * it being made in the same call (not relied upon: the CUDA table makes no
- * bit-identity promise between a sliced and a whole weight gradient). */
+/* Rows in multiples of 8, so a slice's pointers (dy at column o0 in a
+ * 16-bit type, dW at row o0) are 16-byte aligned like whole tensors':
+ * cuBLASLt's fast kernels need that, and it may have none for less (a
+ * 1365-row slice of an fp16 table starts 2 bytes off). The rows' values do
+ * not depend on the slicing; the CUDA table makes no bit-identity promise
+ * between a sliced and a whole weight gradient all the same. */
+#define MTI_DW_ROWS_ALIGN 8
+
 static int cu_matmul_dw_align(int out, int in)
 {
     (void)out, (void)in;
-    return 1;
+    return MTI_DW_ROWS_ALIGN;
 }
 
 /* Rows [o0, o1) of dW: as matmul_bwd's dW with B = the columns o0.. of dy
@@ -793,8 +798,11 @@ static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy,
                                    int n, int in, int out, int o0, int o1, mti_dtype dt)
 {
     if (!dt_ok(dt)) return bad_dt(k, "matmul_dw_rows", dt);
-    if (n < 0 || in < 0 || out < 0 || o0 < 0 || o1 < o0 || o1 > out)
-        return bad_arg(k, "matmul_dw_rows", "bad size or row range");
+    if (n < 0 || in < 0 || out < 0 || o0 < 0 || o1 < o0 || o1 > out ||
+        o0 % MTI_DW_ROWS_ALIGN || (o1 % MTI_DW_ROWS_ALIGN && o1 != out))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA matmul_dw_rows: bad size (%d,%d,%d) or rows [%d,%d) (multiples "
+                        "of %d, or to the end)", n, in, out, o0, o1, MTI_DW_ROWS_ALIGN);
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
     mt_status st = gemm_ready(k);
     if (st != MT_OK) return st;

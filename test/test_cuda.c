@@ -24,6 +24,7 @@ enum {
     FAKE_LT_REFUSE_ALL = 1u,
     FAKE_LT_REFUSE_BIAS = 2u,
     FAKE_LT_SAY_EMPTY = 4u,
+    FAKE_LT_ALIGN16 = 8u,
 };
 
 /* The stand-ins' test hooks, from the same libraries the context loads. */
@@ -153,5 +154,74 @@ TEST(cuda_standin_no_algorithm_is_an_answer)
     if (!stand_in_open(&s)) return;
     bias_fallback(&s, FAKE_LT_REFUSE_BIAS);                     /* CUBLAS_STATUS_NOT_SUPPORTED */
     bias_fallback(&s, FAKE_LT_REFUSE_BIAS | FAKE_LT_SAY_EMPTY); /* zero results */
+    stand_in_close(&s);
+}
+
+/* ---- row slices of the tied table ---- */
+
+/* A training step of a tied-head model on the CUDA path, with the stand-in
+ * cuBLASLt refusing any operand aligned less than 16 bytes (as the real one
+ * may). The fused step makes the tied table's gradient in slices of about 4
+ * MiB: at 768 channels 1365 rows before alignment, so a slice of a 16-bit
+ * dy would start 2 bytes off a 16-byte boundary. 11008 x 768 is the
+ * smallest table (a multiple of 64 rows) cut that way. */
+static const mt_layer_spec tied_layers[] = {
+    {.kind = MT_LAYER_EMBEDDING, .units = 768, .positions = 1},
+    {.kind = MT_LAYER_LAYERNORM},
+    {.kind = MT_LAYER_LM_HEAD},
+};
+
+static void tied_step(stand_in *s, mt_precision prec, int fused, float clip)
+{
+    cuda_ctx c;
+    cuda_open(&c);
+    mt_model_spec sp;
+    mt_model_spec_init(&sp);
+    sp.input = MT_INPUT_TOKENS, sp.vocab = 11008, sp.max_seq = 16;
+    sp.n_layers = (int)(sizeof tied_layers / sizeof *tied_layers), sp.layers = tied_layers;
+    mt_model *m = NULL;
+    CHECK_OKC(c.ctx, mt_model_create(c.ctx, &sp, &m));
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2, tc.max_seq = 16, tc.optimizer = MT_OPT_ADAMW, tc.lr = 1e-3f;
+    tc.precision = prec, tc.fused_step = fused, tc.grad_clip = clip;
+    mt_trainer *t = NULL;
+    CHECK_OKC(c.ctx, mt_trainer_create(m, &tc, &t));
+    int32_t ids[2 * 16 + 1];
+    for (int i = 0; i < 2 * 16 + 1; i++) ids[i] = (i * 337 + 11) % 11008;
+    mt_batch b = {.n = 2, .tokens = ids, .targets = ids + 1, .seq_len = 16};
+    unsigned long long r0 = s->lt_stat("refusals");
+    CHECK_OKC(c.ctx, mt_trainer_step(t, &b, NULL));
+    CHECK_EQ(s->lt_stat("refusals"), r0);
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(c.ctx));
+}
+
+TEST(cuda_standin_tied_slices_are_aligned)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    s.lt_rules(FAKE_LT_ALIGN16);
+    tied_step(&s, MT_PREC_BF16, 1, 0.0f);
+    tied_step(&s, MT_PREC_FP32, 1, 0.0f);
+
+    /* the op itself: slices at its alignment are served, others refused */
+    cuda_ctx c;
+    cuda_open(&c);
+    enum { N = 8, I = 32, O = 500 };
+    mt_block bdy, bx, bw;
+    void *dy = dev_alloc(&c, &bdy, N * O * 2), *x = dev_alloc(&c, &bx, N * I * 2);
+    float *dw = dev_alloc(&c, &bw, O * I * 4);
+    int a = c.ops->matmul_dw_align(O, I);
+    CHECK(a % 8 == 0);
+    CHECK_OKC(c.ctx, c.ops->matmul_dw_rows(&c.k, dw + a * I, dy, x, N, I, O, a, 2 * a, MTI_BF16));
+    CHECK_OKC(c.ctx, c.ops->matmul_dw_rows(&c.k, dw + a * I, dy, x, N, I, O, a, O, MTI_BF16));
+    CHECK_ST(MT_ERR_INVALID_ARG,
+             c.ops->matmul_dw_rows(&c.k, dw + I, dy, x, N, I, O, 1, a, MTI_BF16));
+    CHECK(strstr(mt_last_error(c.ctx), "multiples of 8"));
+    mt_block *all[] = {&bdy, &bx, &bw};
+    for (int i = 0; i < 3; i++) CHECK_OKC(c.ctx, mt_context_free(c.ctx, all[i]));
+    CHECK_OK(mt_context_destroy(c.ctx));
     stand_in_close(&s);
 }

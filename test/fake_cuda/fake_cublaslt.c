@@ -48,6 +48,7 @@ enum {
     FAKE_LT_REFUSE_ALL = 1u,  /* no algorithm for anything */
     FAKE_LT_REFUSE_BIAS = 2u, /* none with the bias epilogue */
     FAKE_LT_SAY_EMPTY = 4u,   /* "none" as success with zero results, not NOT_SUPPORTED */
+    FAKE_LT_ALIGN16 = 8u,     /* none for an operand (or bias) aligned less than 16 bytes */
 };
 
 struct cublasLtContext {
@@ -286,8 +287,12 @@ static int problem(const struct cublasLtMatmulDescOpaque *d, const struct cublas
 static int refused(const struct cublasLtMatmulDescOpaque *d,
                    const struct cublasLtMatmulPreferenceOpaque *p)
 {
-    (void)p;
     if (S.rules & FAKE_LT_REFUSE_ALL) return 1;
+    if (S.rules & FAKE_LT_ALIGN16) {
+        for (int i = 0; i < 4; i++)
+            if (p->align[i] < 16) return 1;
+        if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && (uintptr_t)d->bias % 16) return 1;
+    }
     if ((S.rules & FAKE_LT_REFUSE_BIAS) && d->epilogue == CUBLASLT_EPILOGUE_BIAS) return 1;
     return 0;
 }
