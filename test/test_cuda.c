@@ -225,3 +225,39 @@ TEST(cuda_standin_tied_slices_are_aligned)
     CHECK_OK(mt_context_destroy(c.ctx));
     stand_in_close(&s);
 }
+
+/* ---- the stand-in's default refusals ---- */
+
+/* By default the stand-in cuBLASLt refuses what the real one may (16-bit
+ * operands off 16 bytes, the bias epilogue on some shapes), so ordinary
+ * CUDA runs in the tests take the fallbacks: an MLP step whose layers are
+ * 64, 48 and 10 wide (10: no bias epilogue) runs with refusals. */
+TEST(cuda_standin_refuses_by_default)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    CHECK(s.old_rules != 0);
+    cuda_ctx c;
+    cuda_open(&c);
+    mt_mlp_spec ml;
+    mt_mlp_spec_init(&ml);
+    ml.n_layers = 3, ml.dims[0] = 24, ml.dims[1] = 64, ml.dims[2] = 48, ml.dims[3] = 10;
+    mt_model *m = NULL;
+    CHECK_OKC(c.ctx, mt_model_mlp_create(c.ctx, &ml, &m));
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 4, tc.optimizer = MT_OPT_ADAMW, tc.lr = 1e-3f;
+    mt_trainer *t = NULL;
+    CHECK_OKC(c.ctx, mt_trainer_create(m, &tc, &t));
+    float x[4 * 24] = {0};
+    int32_t y[4] = {1, 2, 3, 4};
+    mt_batch b = {.n = 4, .inputs = x, .targets = y};
+    unsigned long long r0 = s.lt_stat("refusals"), m0 = s.lt_stat("matmuls");
+    for (int i = 0; i < 2; i++) CHECK_OKC(c.ctx, mt_trainer_step(t, &b, NULL));
+    CHECK_EQ(s.lt_stat("refusals"), r0 + 1); /* the 10-wide layer's bias, once */
+    CHECK(s.lt_stat("matmuls") > m0);
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}

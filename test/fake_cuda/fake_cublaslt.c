@@ -22,7 +22,11 @@
  * alignments and epilogues it has no kernel for: it then returns
  * CUBLAS_STATUS_NOT_SUPPORTED with no results (or, under FAKE_LT_SAY_EMPTY,
  * success with zero results, the other way cuBLASLt says "none"). What it
- * refuses is a set of rules (the FAKE_LT_* bits below), 0 by default.
+ * refuses is a set of rules (the FAKE_LT_* bits below); by default
+ * operands or a bias aligned less than 16 bytes, and the bias epilogue
+ * where D's rows are not a multiple of 8, so the callers' fallbacks run in
+ * ordinary tests (MT_FAKE_CUBLASLT_RULES, a number, replaces the default
+ * when the library loads).
  * Otherwise it offers up to two algorithms, and Matmul refuses pointers
  * aligned less than the algorithm was chosen for.
  *
@@ -49,6 +53,9 @@ enum {
     FAKE_LT_REFUSE_BIAS = 2u, /* none with the bias epilogue */
     FAKE_LT_SAY_EMPTY = 4u,   /* "none" as success with zero results, not NOT_SUPPORTED */
     FAKE_LT_ALIGN16 = 8u,     /* none for an operand (or bias) aligned less than 16 bytes */
+    FAKE_LT_BIAS_M8 = 16u,    /* none with the bias epilogue unless D's rows (m) are a
+                                 multiple of 8 */
+    FAKE_LT_DEFAULT = FAKE_LT_ALIGN16 | FAKE_LT_BIAS_M8,
 };
 
 struct cublasLtContext {
@@ -110,6 +117,14 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
                               void *workspace, size_t workspace_bytes, void *stream);
 unsigned long long fake_cublaslt_stat(const char *name);
 unsigned fake_cublaslt_rules(unsigned rules);
+
+__attribute__((constructor)) static void rules_from_env(void)
+{
+    const char *e = getenv("MT_FAKE_CUBLASLT_RULES");
+    char *end = NULL;
+    unsigned long v = e && *e ? strtoul(e, &end, 0) : 0;
+    S.rules = e && *e && end && !*end ? (unsigned)v : FAKE_LT_DEFAULT;
+}
 
 static void *obj(size_t bytes, uint32_t magic)
 {
@@ -285,7 +300,7 @@ static int problem(const struct cublasLtMatmulDescOpaque *d, const struct cublas
 
 /* Whether the rules refuse the problem. */
 static int refused(const struct cublasLtMatmulDescOpaque *d,
-                   const struct cublasLtMatmulPreferenceOpaque *p)
+                   const struct cublasLtMatmulPreferenceOpaque *p, uint64_t m)
 {
     if (S.rules & FAKE_LT_REFUSE_ALL) return 1;
     if (S.rules & FAKE_LT_ALIGN16) {
@@ -294,6 +309,7 @@ static int refused(const struct cublasLtMatmulDescOpaque *d,
         if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && (uintptr_t)d->bias % 16) return 1;
     }
     if ((S.rules & FAKE_LT_REFUSE_BIAS) && d->epilogue == CUBLASLT_EPILOGUE_BIAS) return 1;
+    if ((S.rules & FAKE_LT_BIAS_M8) && d->epilogue == CUBLASLT_EPILOGUE_BIAS && m % 8) return 1;
     return 0;
 }
 
@@ -312,7 +328,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtM
     int n = requested < 2 ? requested : 2;
     memset(results, 0, (size_t)n * sizeof *results);
     *returned = 0;
-    if (refused(desc, pref)) {
+    if (refused(desc, pref, mnk[0])) {
         S.refusals++;
         return S.rules & FAKE_LT_SAY_EMPTY ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
     }
