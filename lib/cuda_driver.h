@@ -31,7 +31,10 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 
 /* ---- result codes (the ones the library tells apart, and the ones the test
- * driver returns; any other value is reported by the driver's own name) ---- */
+ * driver returns; any other value is reported by the driver's own name).
+ * These are the Driver API's CUresult values, which differ from the CUDA
+ * runtime's cudaError_t numbering (there, 35 is an insufficient driver; the
+ * driver says that with 803 or 804 instead). ---- */
 
 enum {
     CUDA_SUCCESS = 0,
@@ -40,7 +43,6 @@ enum {
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_DEINITIALIZED = 4,
     CUDA_ERROR_STUB_LIBRARY = 34,       /* the toolkit's link-time stub, not a driver */
-    CUDA_ERROR_INSUFFICIENT_DRIVER = 35,
     CUDA_ERROR_DEVICE_UNAVAILABLE = 46,
     CUDA_ERROR_NO_DEVICE = 100,
     CUDA_ERROR_INVALID_DEVICE = 101,
@@ -50,14 +52,21 @@ enum {
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
     CUDA_ERROR_NOT_MAPPED = 211,
     CUDA_ERROR_INVALID_PTX = 218,
+    CUDA_ERROR_JIT_COMPILER_NOT_FOUND = 221,
     CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    CUDA_ERROR_LAUNCH_TIMEOUT = 702,
+    CUDA_ERROR_ILLEGAL_INSTRUCTION = 715,
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_SUPPORTED = 801,
-    CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803,
+    CUDA_ERROR_SYSTEM_NOT_READY = 802,
+    CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803,        /* libcuda and the kernel module differ */
+    CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE = 804, /* a forward-compatibility libcuda on a
+                                                        GPU that does not take one */
     CUDA_ERROR_UNKNOWN = 999
 };
 

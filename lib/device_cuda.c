@@ -180,23 +180,55 @@ static const char *cuda_known_name(CUresult r)
     case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
     case CUDA_ERROR_DEINITIALIZED: return "CUDA_ERROR_DEINITIALIZED";
     case CUDA_ERROR_STUB_LIBRARY: return "CUDA_ERROR_STUB_LIBRARY";
-    case CUDA_ERROR_INSUFFICIENT_DRIVER: return "CUDA_ERROR_INSUFFICIENT_DRIVER";
     case CUDA_ERROR_DEVICE_UNAVAILABLE: return "CUDA_ERROR_DEVICE_UNAVAILABLE";
     case CUDA_ERROR_NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
     case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case CUDA_ERROR_INVALID_IMAGE: return "CUDA_ERROR_INVALID_IMAGE";
     case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
     case CUDA_ERROR_NO_BINARY_FOR_GPU: return "CUDA_ERROR_NO_BINARY_FOR_GPU";
+    case CUDA_ERROR_INVALID_PTX: return "CUDA_ERROR_INVALID_PTX";
+    case CUDA_ERROR_JIT_COMPILER_NOT_FOUND: return "CUDA_ERROR_JIT_COMPILER_NOT_FOUND";
     case CUDA_ERROR_UNSUPPORTED_PTX_VERSION: return "CUDA_ERROR_UNSUPPORTED_PTX_VERSION";
     case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
     case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
     case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: return "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES";
+    case CUDA_ERROR_LAUNCH_TIMEOUT: return "CUDA_ERROR_LAUNCH_TIMEOUT";
+    case CUDA_ERROR_ILLEGAL_INSTRUCTION: return "CUDA_ERROR_ILLEGAL_INSTRUCTION";
+    case CUDA_ERROR_MISALIGNED_ADDRESS: return "CUDA_ERROR_MISALIGNED_ADDRESS";
     case CUDA_ERROR_LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
     case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    case CUDA_ERROR_SYSTEM_NOT_READY: return "CUDA_ERROR_SYSTEM_NOT_READY";
     case CUDA_ERROR_SYSTEM_DRIVER_MISMATCH: return "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH";
+    case CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE:
+        return "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE";
     case CUDA_ERROR_UNKNOWN: return "CUDA_ERROR_UNKNOWN";
     }
     return NULL;
+}
+
+/* What to do about a failing cuInit, for the codes that have a usual cause. */
+static const char *cuda_init_hint(CUresult r)
+{
+    switch (r) {
+    case CUDA_ERROR_STUB_LIBRARY:
+        return "; this is the CUDA toolkit's link-time stub, not a driver: is the NVIDIA driver "
+               "installed?";
+    case CUDA_ERROR_NO_DEVICE: return "; the driver sees no GPU (is CUDA_VISIBLE_DEVICES empty?)";
+    case CUDA_ERROR_SYSTEM_NOT_READY:
+        return "; the system is not ready for CUDA (on NVSwitch systems: is nvidia-fabricmanager "
+               "running?)";
+    case CUDA_ERROR_SYSTEM_DRIVER_MISMATCH:
+        return "; the CUDA driver library and the loaded NVIDIA kernel module are different "
+               "versions: after a driver update, reboot (or reload the nvidia module); or a "
+               "CUDA forward-compatibility libcuda on the library path does not match this "
+               "driver: take it off LD_LIBRARY_PATH";
+    case CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE:
+        return "; a CUDA forward-compatibility libcuda (the cuda-compat package) was loaded, and "
+               "this GPU does not support forward compatibility: take it off LD_LIBRARY_PATH so "
+               "the driver's own libcuda is used";
+    }
+    return "";
 }
 
 /* "CUDA_ERROR_OUT_OF_MEMORY (out of memory)" into buf. */
@@ -754,11 +786,7 @@ static mt_status cuda_start(const cuda_api *api, const char *path, int *count, c
     CUresult r = api->Init(0);
     if (r != CUDA_SUCCESS) {
         snprintf(why, cap, "CUDA driver \"%s\": cuInit failed: %s%s", path,
-                 cuda_describe(api, r, desc, sizeof desc),
-                 r == CUDA_ERROR_STUB_LIBRARY
-                     ? "; this is the CUDA toolkit's link-time stub, not a driver: is the "
-                       "NVIDIA driver installed?"
-                     : "");
+                 cuda_describe(api, r, desc, sizeof desc), cuda_init_hint(r));
         return MT_ERR_NO_DEVICE;
     }
     *count = 0;
@@ -779,7 +807,7 @@ int mti_cuda_available(const char *driver_path)
 {
     const char *path = driver_path ? driver_path : CUDA_DEFAULT_DRIVER;
     cuda_api api;
-    char why[512];
+    char why[1024];
     if (cuda_api_load(&api, path, why, sizeof why) != 0) return 0;
     int count = 0;
     mt_status st = cuda_start(&api, path, &count, why, sizeof why);
@@ -845,7 +873,7 @@ mt_status mti_device_cuda_open(mt_context *ctx, const char *driver_path, int ord
     d->destroy = cuda_destroy;
     snprintf(c->path, sizeof c->path, "%s", path);
 
-    char why[512], desc[256];
+    char why[1024], desc[256];
     int count = 0;
     mt_status st;
     if (cuda_api_load(&c->api, path, why, sizeof why) != 0 ||

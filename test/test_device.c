@@ -188,6 +188,16 @@ TEST(device_cuda_fake_init_fails)
     expect_no_device(check_fake_cuda(), 0, "cuInit failed: CUDA_ERROR_UNKNOWN");
     setenv("MT_FAKE_CUDA_FAIL_INIT", "100", 1); /* what a real driver says with no GPU */
     expect_no_device(check_fake_cuda(), 0, "cuInit failed: CUDA_ERROR_NO_DEVICE");
+    /* the driver's codes, named even where its cuGetErrorName is silent, with
+     * what to do for the usual causes; 35 is the runtime's, not a driver code */
+    setenv("MT_FAKE_CUDA_FAIL_INIT", "803", 1);
+    expect_no_device(check_fake_cuda(), 0, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH");
+    expect_no_device(check_fake_cuda(), 0, "different versions");
+    setenv("MT_FAKE_CUDA_FAIL_INIT", "804", 1);
+    expect_no_device(check_fake_cuda(), 0, "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE");
+    expect_no_device(check_fake_cuda(), 0, "forward compatibility");
+    setenv("MT_FAKE_CUDA_FAIL_INIT", "35", 1);
+    expect_no_device(check_fake_cuda(), 0, "cuInit failed: CUresult 35");
     CHECK(!mti_cuda_available(check_fake_cuda()));
     clear_fake_env();
     fake_check_clean(&f);
