@@ -166,6 +166,10 @@ typedef CUresult (*PFN_cuStreamDestroy)(CUstream stream); /* "_v2" */
 typedef CUresult (*PFN_cuModuleLoadData)(CUmodule *module, const void *image);
 typedef CUresult (*PFN_cuModuleGetFunction)(CUfunction *fn, CUmodule module, const char *name);
 typedef CUresult (*PFN_cuModuleUnload)(CUmodule module);
+/* Loads a function's code onto the device now (CUDA 12.4 and later): with
+ * lazy module loading, the driver's default, code is otherwise loaded, and
+ * device memory taken, at the function's first launch. */
+typedef CUresult (*PFN_cuFuncLoad)(CUfunction fn);
 /* params: one pointer per kernel argument, each to the argument's value;
  * extra: NULL (the other way of passing arguments, unused here). */
 typedef CUresult (*PFN_cuLaunchKernel)(CUfunction fn, unsigned int grid_x, unsigned int grid_y,

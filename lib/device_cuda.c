@@ -82,6 +82,7 @@ typedef struct cuda_api {
     PFN_cuMemGetAllocationGranularity MemGetAllocationGranularity;
     PFN_cuGetErrorName GetErrorName;
     PFN_cuGetErrorString GetErrorString;
+    PFN_cuFuncLoad FuncLoad; /* optional: NULL for drivers before CUDA 12.4 */
 } cuda_api;
 
 /* The exported symbol of each entry point: the versioned name where the
@@ -160,6 +161,8 @@ static int cuda_api_load(cuda_api *api, const char *path, char *why, size_t cap)
          * bytes so no object-to-function pointer cast is needed. */
         memcpy((char *)api + cuda_syms[i].off, &fn, sizeof fn);
     }
+    void *fn = dlsym(api->lib, "cuFuncLoad");
+    memcpy(&api->FuncLoad, &fn, sizeof fn);
     return 0;
 }
 
@@ -815,16 +818,24 @@ int mti_cuda_available(const char *driver_path)
     return st == MT_OK && count > 0;
 }
 
-/* Loads the built-in kernels. A failure here (a driver older than the
- * toolkit that built them, a GPU none of the embedded code runs on) leaves
- * the device usable for memory and copies; the reason is kept for
+/* Loads the built-in kernels, every one of them onto the device now
+ * (cuFuncLoad, where the driver has it), so that no launch takes device
+ * memory for code in the middle of a step. Out of device memory fails the
+ * open (MT_ERR_OOM); any other failure (a driver older than the toolkit
+ * that built them, a GPU none of the embedded code runs on) leaves the
+ * device usable for memory and copies, the reason kept for
  * mti_cuda_kernel. Called with the context current. */
-static void cuda_load_kernels(mti_device *d)
+static mt_status cuda_load_kernels(mti_device *d)
 {
     cuda_dev *c = d->impl;
 #if MT_HAVE_CUDA_KERNELS
     char desc[256];
     CUresult r = c->api.ModuleLoadData(&c->module, mti_cuda_fatbin);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+        c->module = NULL;
+        return cuda_fail(d, MT_ERR_OOM, r, "cuModuleLoadData of the built-in kernels (%zu bytes)",
+                         mti_cuda_fatbin_size);
+    }
     if (r != CUDA_SUCCESS) {
         c->module = NULL;
         snprintf(c->kernel_err, sizeof c->kernel_err,
@@ -835,10 +846,21 @@ static void cuda_load_kernels(mti_device *d)
     } else {
         for (int k = 0; k < MTI_CUDA_KERNEL_COUNT; k++) {
             const char *name = mti_cuda_kernel_name((mti_cuda_kernel_id)k);
+            const char *call = "cuModuleGetFunction";
             r = c->api.ModuleGetFunction(&c->kernels[k], c->module, name);
+            if (r == CUDA_SUCCESS && c->api.FuncLoad)
+                call = "cuFuncLoad", r = c->api.FuncLoad(c->kernels[k]);
+            if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+                mt_status st = cuda_fail(d, MT_ERR_OOM, r, "%s(\"%s\") of the built-in kernels",
+                                         call, name);
+                c->api.ModuleUnload(c->module);
+                c->module = NULL;
+                memset(c->kernels, 0, sizeof c->kernels);
+                return st;
+            }
             if (r != CUDA_SUCCESS) {
                 snprintf(c->kernel_err, sizeof c->kernel_err,
-                         "cuModuleGetFunction(\"%s\") in the built-in kernels failed: %s", name,
+                         "%s(\"%s\") in the built-in kernels failed: %s", call, name,
                          cuda_describe(&c->api, r, desc, sizeof desc));
                 c->api.ModuleUnload(c->module);
                 c->module = NULL;
@@ -852,6 +874,7 @@ static void cuda_load_kernels(mti_device *d)
     snprintf(c->kernel_err, sizeof c->kernel_err,
              "this build of memtrain has no CUDA kernels (nvcc was not found when it was built)");
 #endif
+    return MT_OK;
 }
 
 mt_status mti_device_cuda_open(mt_context *ctx, const char *driver_path, int ordinal,
@@ -941,7 +964,10 @@ mt_status mti_device_cuda_open(mt_context *ctx, const char *driver_path, int ord
             d->granularity = g < CUDA_MIN_ALIGN ? CUDA_MIN_ALIGN : g;
         }
     }
-    cuda_load_kernels(d);
+    if ((st = cuda_load_kernels(d)) != MT_OK) {
+        cuda_leave(d);
+        goto fail;
+    }
     cuda_leave(d);
 #undef CU_TRY
 
@@ -1140,8 +1166,10 @@ mt_status mti_cuda_launch(mti_device *d, mti_cuda_fn *fn, mti_dim3 grid, mti_dim
     CUresult r = c->api.LaunchKernel((CUfunction)fn, grid.x, grid.y, grid.z, block.x, block.y,
                                      block.z, shared_bytes, c->stream, args, NULL);
     cuda_leave(d);
+    /* out of memory at a launch (code loaded lazily, a larger local-memory
+     * stack) is MT_ERR_OOM, as from an allocation */
     if (r != CUDA_SUCCESS)
-        return cuda_fail(d, MT_ERR_DEVICE, r,
+        return cuda_fail(d, cuda_mem_status(r), r,
                          "cuLaunchKernel (grid %u,%u,%u block %u,%u,%u, %u shared bytes)", grid.x,
                          grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
     return MT_OK;

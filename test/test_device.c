@@ -565,6 +565,8 @@ TEST(device_cuda_fake_kernels)
 #if MT_HAVE_CUDA_KERNELS
     CHECK(mti_cuda_has_kernels(d));
     CHECK_EQ(fake_stat(&f, "modules"), 1);
+    /* every kernel's code was loaded when the device opened */
+    CHECK(fake_stat(&f, "func_loads") >= MTI_CUDA_KERNEL_COUNT);
     enum { N = 1000 };
     void *x = NULL, *y = NULL;
     size_t gx = 0, gy = 0;
@@ -581,10 +583,14 @@ TEST(device_cuda_fake_kernels)
     CHECK_OKC(ctx, d->copy_d2h(d, h, y, sizeof h));
     for (int i = 0; i < N; i++) CHECK(h[i] == 2.0f + 0.5f * (float)i);
 
-    /* a launch the driver refuses is a DEVICE error naming the call */
+    /* a launch the driver refuses is a DEVICE error naming the call; out of
+     * memory at a launch is OOM */
     f.fail("cuLaunchKernel", 0, CUDA_ERROR_INVALID_VALUE);
     CHECK_ST(MT_ERR_DEVICE, mti_cuda_fill_f32(d, y, 1.0f, N));
     CHECK(strstr(mt_last_error(ctx), "cuLaunchKernel"));
+    f.fail("cuLaunchKernel", 0, CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK_ST(MT_ERR_OOM, mti_cuda_fill_f32(d, y, 1.0f, N));
+    CHECK(strstr(mt_last_error(ctx), "CUDA_ERROR_OUT_OF_MEMORY"));
     /* an empty grid never reaches the driver */
     mti_cuda_fn *fn = NULL;
     CHECK_OKC(ctx, mti_cuda_kernel(d, MTI_CUDA_FILL_F32, &fn));
@@ -612,6 +618,14 @@ TEST(device_cuda_fake_kernels)
 #endif
     CHECK_OK(mt_context_destroy(ctx));
     fake_check_clean(&f);
+
+#if MT_HAVE_CUDA_KERNELS
+    /* no device memory for the kernels' code: the open fails with OOM */
+    f.fail("cuFuncLoad", 3, CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK_ST(MT_ERR_OOM, open_cuda(check_fake_cuda(), 0, &ctx));
+    CHECK(strstr(mt_last_error(NULL), "cuFuncLoad"));
+    fake_check_clean(&f);
+#endif
 
     /* kernels that fail to load leave the device usable for memory */
     f.fail("cuModuleLoadData", 0, CUDA_ERROR_UNSUPPORTED_PTX_VERSION);

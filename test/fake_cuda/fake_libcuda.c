@@ -65,6 +65,7 @@ CUresult cuStreamDestroy_v2(CUstream stream);
 CUresult cuModuleLoadData(CUmodule *module, const void *image);
 CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
 CUresult cuModuleUnload(CUmodule module);
+CUresult cuFuncLoad(CUfunction fn);
 CUresult cuLaunchKernel(CUfunction fn, unsigned int gx, unsigned int gy, unsigned int gz,
                         unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
                         CUstream stream, void **params, void **extra);
@@ -154,7 +155,7 @@ static struct {
     VEC(fake_map) maps;
     size_t n_handles, n_streams, n_modules;
     struct CUfunc_st *funcs;
-    unsigned long long launches, syncs, ctx_pushes;
+    unsigned long long launches, func_loads, syncs, ctx_pushes;
     char last_kernel[128];
     /* fault injection */
     char fail_call[64];
@@ -595,6 +596,15 @@ CUresult cuModuleUnload(CUmodule module)
     return leave(CUDA_SUCCESS);
 }
 
+CUresult cuFuncLoad(CUfunction fn)
+{
+    ENTER("cuFuncLoad");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!fn || fn->magic != FAKE_MAGIC_FUNC) return leave(CUDA_ERROR_INVALID_HANDLE);
+    F.func_loads++;
+    return leave(CUDA_SUCCESS);
+}
+
 /* The kernels of kernels/cuda/kernels.cu, run on the host. */
 static CUresult run_known(const struct CUfunc_st *f, void **p)
 {
@@ -874,7 +884,7 @@ CUresult cuGetErrorString(CUresult err, const char **str) { return error_lookup(
 
 /* "used" device bytes taken, "allocs" live cuMemAlloc blocks, "handles" live
  * cuMemCreate handles, "mappings", "reservations", "streams", "modules",
- * "launches", "syncs", "ctx_refs" primary context retains of device 0,
+ * "launches", "func_loads", "syncs", "ctx_refs" primary context retains of device 0,
  * "ctx_depth" this thread's context stack depth, "ctx_pushes". Unknown: ~0. */
 unsigned long long fake_cuda_stat(const char *name)
 {
@@ -888,6 +898,7 @@ unsigned long long fake_cuda_stat(const char *name)
     else if (!strcmp(name, "streams")) v = F.n_streams;
     else if (!strcmp(name, "modules")) v = F.n_modules;
     else if (!strcmp(name, "launches")) v = F.launches;
+    else if (!strcmp(name, "func_loads")) v = F.func_loads;
     else if (!strcmp(name, "syncs")) v = F.syncs;
     else if (!strcmp(name, "ctx_refs")) v = (unsigned long long)F.ctx[0].refs;
     else if (!strcmp(name, "ctx_depth")) v = (unsigned long long)tls_depth;
