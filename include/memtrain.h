@@ -252,6 +252,14 @@ typedef struct mt_context_config {
      * creates its context, and ranks whose device kinds or world sizes
      * differ get MT_ERR_COMM on every rank. */
     mt_comm *comm;
+    /* 1: CUDA debug mode. After every kernel launch and every GEMM the
+     * context waits for the GPU, so a kernel that faults fails the call that
+     * queued it, with the kernel's name, the op and its shapes in the message
+     * (mt_last_error), instead of a later call failing with a message that
+     * names no kernel. Slow: for finding a failing kernel. The environment
+     * variable MT_CUDA_DEBUG_SYNC=1 turns it on for every CUDA context.
+     * Nothing changes on the CPU. */
+    int cuda_debug_sync;
 } mt_context_config;
 
 /* Fills cfg with the defaults. */

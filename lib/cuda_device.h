@@ -119,9 +119,15 @@ mt_status mti_cuda_module_function(mti_device *d, mti_cuda_module *m, const char
 /* Queues fn on the device's stream: grid blocks of block threads, with
  * shared_bytes of dynamic shared memory per block. args holds one pointer
  * per kernel parameter, to a value of exactly the parameter's type (device
- * pointers are passed as the address of a void * / float * variable). */
+ * pointers are passed as the address of a void * / float * variable). In
+ * debug mode it waits for the kernel and a failure names it. */
 mt_status mti_cuda_launch(mti_device *d, mti_cuda_fn *fn, mti_dim3 grid, mti_dim3 block,
                           unsigned int shared_bytes, void **args);
+
+/* 1 when the device runs in debug mode (mt_context_config.cuda_debug_sync
+ * or MT_CUDA_DEBUG_SYNC=1): mti_cuda_launch then waits for each kernel and
+ * names it in a failure; callers add what they know (the op, its shapes). */
+int mti_cuda_debug_sync(const mti_device *d);
 
 /* The device's stream (a CUstream), for libraries that queue work on it
  * themselves (cuBLASLt); NULL on another device. */

@@ -272,6 +272,7 @@ typedef struct cuda_dev {
     CUstream stream;
     int cc_major, cc_minor;
     int vmm;             /* the device offers cuMemCreate/cuMemMap */
+    int debug_sync;      /* wait for every launch (mti_cuda_debug_sync) */
     CUmemAllocationProp prop; /* pinned memory on this device, for cuMemCreate */
 
     CUmodule module;     /* the built-in kernels, or NULL */
@@ -895,6 +896,8 @@ mt_status mti_device_cuda_open(mt_context *ctx, const char *driver_path, int ord
     d->impl = c;
     d->destroy = cuda_destroy;
     snprintf(c->path, sizeof c->path, "%s", path);
+    const char *dbg = getenv("MT_CUDA_DEBUG_SYNC");
+    c->debug_sync = ctx->cfg.cuda_debug_sync || (dbg && *dbg && strcmp(dbg, "0") != 0);
 
     char why[1024], desc[256];
     int count = 0;
@@ -1055,6 +1058,11 @@ mt_status mti_cuda_kernel(mti_device *d, mti_cuda_kernel_id k, mti_cuda_fn **out
     return MT_OK;
 }
 
+int mti_cuda_debug_sync(const mti_device *d)
+{
+    return is_ours(d) && ((const cuda_dev *)d->impl)->debug_sync;
+}
+
 void *mti_cuda_stream(mti_device *d)
 {
     if (!is_ours(d)) return NULL;
@@ -1165,13 +1173,24 @@ mt_status mti_cuda_launch(mti_device *d, mti_cuda_fn *fn, mti_dim3 grid, mti_dim
     if ((st = cuda_enter(d)) != MT_OK) return st;
     CUresult r = c->api.LaunchKernel((CUfunction)fn, grid.x, grid.y, grid.z, block.x, block.y,
                                      block.z, shared_bytes, c->stream, args, NULL);
-    cuda_leave(d);
+    const char *name = "a kernel of an application's module";
+    for (int k = 0; k < MTI_CUDA_KERNEL_COUNT; k++)
+        if (c->kernels[k] == (CUfunction)fn) name = kernel_names[k];
     /* out of memory at a launch (code loaded lazily, a larger local-memory
      * stack) is MT_ERR_OOM, as from an allocation */
-    if (r != CUDA_SUCCESS)
+    if (r != CUDA_SUCCESS) {
+        cuda_leave(d);
         return cuda_fail(d, cuda_mem_status(r), r,
-                         "cuLaunchKernel (grid %u,%u,%u block %u,%u,%u, %u shared bytes)", grid.x,
-                         grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
+                         "cuLaunchKernel of %s (grid %u,%u,%u block %u,%u,%u, %u shared bytes)",
+                         name, grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
+    }
+    if (c->debug_sync && (r = c->api.StreamSynchronize(c->stream)) != CUDA_SUCCESS) {
+        cuda_leave(d);
+        return cuda_fail(d, MT_ERR_DEVICE, r,
+                         "kernel %s (grid %u,%u,%u block %u,%u,%u; debug sync after its launch)",
+                         name, grid.x, grid.y, grid.z, block.x, block.y, block.z);
+    }
+    cuda_leave(d);
     return MT_OK;
 }
 

@@ -344,6 +344,24 @@ static mt_status bad_dt(const mti_kctx *k, const char *op, mti_dtype dt)
                     op, (int)dt, dt_name(dt));
 }
 
+/* The op running on this thread and its shapes, noted by every op in
+ * debug mode (mti_cuda_debug_sync) for the message of a kernel that fails. */
+static _Thread_local char t_op[200];
+#define OP_NOTE(k, ...)                                                                        \
+    do {                                                                                       \
+        if (!mti_dry(k) && mti_cuda_debug_sync((k)->dev))                                      \
+            snprintf(t_op, sizeof t_op, __VA_ARGS__);                                          \
+    } while (0)
+
+/* In debug mode, a failure st gets the op and its shapes in front. */
+static mt_status op_failed(const mti_kctx *k, mt_status st)
+{
+    if (st == MT_OK || !t_op[0] || !mti_cuda_debug_sync(k->dev)) return st;
+    char m[MTI_ERR_LEN];
+    snprintf(m, sizeof m, "%s", mt_last_error(k->ctx));
+    return mti_fail(k->ctx, st, "CUDA %s: %s", t_op, m);
+}
+
 /* Queues kernel `id` (for a per-dtype kernel: its fp32 id plus the dtype). */
 static mt_status launch(const mti_kctx *k, int id, mti_dim3 grid, unsigned threads, void **args)
 {
@@ -351,7 +369,7 @@ static mt_status launch(const mti_kctx *k, int id, mti_dim3 grid, unsigned threa
     mti_cuda_fn *fn;
     mt_status st = mti_cuda_kernel(k->dev, (mti_cuda_kernel_id)id, &fn);
     if (st != MT_OK) return st;
-    return mti_cuda_launch(k->dev, fn, grid, (mti_dim3){threads, 1, 1}, 0, args);
+    return op_failed(k, mti_cuda_launch(k->dev, fn, grid, (mti_dim3){threads, 1, 1}, 0, args));
 }
 
 /* Elementwise kernels loop with a grid stride: enough blocks to fill any
@@ -414,6 +432,7 @@ static mt_status colsum(const mti_kctx *k, float *out, const void *x, int rows, 
 static mt_status cu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                          mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed)
 {
+    OP_NOTE(k, "cast n=%zu %s -> %s", n, dt_name(src_dt), dt_name(dst_dt));
     if (r != MTI_ROUND_NEAREST && r != MTI_ROUND_STOCHASTIC)
         return bad_arg(k, "cast", "rounding is neither nearest nor stochastic");
     /* int32 only to itself (a copy) */
@@ -438,6 +457,8 @@ static mt_status cu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *t
                                   const void *wte, const void *wpe, int B, int T, int C,
                                   mti_dtype dt)
 {
+    OP_NOTE(k, "embedding_fwd B=%d T=%d C=%d %s%s", B, T, C, dt_name(dt),
+            wpe ? "" : " (no positions)");
     if (!dt_ok(dt)) return bad_dt(k, "embedding_fwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     unsigned long long n = (unsigned long long)B * T * C;
@@ -494,6 +515,7 @@ static mt_status wte_grad(const mti_kctx *k, float *dwte, const void *dout, cons
 static mt_status cu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                   const int32_t *tok, int B, int T, int C, mti_dtype dt)
 {
+    OP_NOTE(k, "embedding_bwd B=%d T=%d C=%d %s", B, T, C, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "embedding_bwd", dt);
     if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
     mt_status st = MT_OK;
@@ -507,6 +529,8 @@ static mt_status cu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void
                                       const int32_t *tok, int B, int T, int C, int v0, int v1,
                                       mti_dtype dt)
 {
+    OP_NOTE(k, "embedding_dw_rows B=%d T=%d C=%d rows [%d,%d) %s", B, T, C, v0, v1,
+            dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "embedding_dw_rows", dt);
     if (v0 < 0 || v1 < v0) return bad_arg(k, "embedding_dw_rows", "bad row range");
     if (B <= 0 || T <= 0 || C <= 0 || v0 == v1) return MT_OK;
@@ -713,6 +737,8 @@ static mt_status gemm(const mti_kctx *k, gemm_key key, const void *A, const void
         st = mti_fail(k->ctx, r == CUBLAS_STATUS_ALLOC_FAILED ? MT_ERR_OOM : MT_ERR_DEVICE,
                       "CUDA %s: cublasLtMatmul (m=%d n=%d k=%d) failed: %s", what, key.m, key.n,
                       key.k, lt_status_name(s->api, r));
+    else if (mti_cuda_debug_sync(k->dev) && (st = k->dev->sync(k->dev)) != MT_OK)
+        st = op_failed(k, st); /* the sync's message names the GEMM's stream wait */
     /* the stream orders the GEMM before whatever next uses this memory */
     mti_work_free(k, &w.blk);
 out:
@@ -727,6 +753,7 @@ out:
 static mt_status cu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const void *w,
                                const void *b, int n, int in, int out, mti_dtype dt)
 {
+    OP_NOTE(k, "matmul_fwd n=%d in=%d out=%d %s", n, in, out, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "matmul_fwd", dt);
     if (n < 0 || in < 0 || out < 0) return bad_arg(k, "matmul_fwd", "negative size");
     if (n == 0 || out == 0) return MT_OK;
@@ -751,6 +778,7 @@ static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db
                                const void *x, const void *w, int n, int in, int out, mti_dtype dt,
                                int accumulate)
 {
+    OP_NOTE(k, "matmul_bwd n=%d in=%d out=%d %s", n, in, out, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "matmul_bwd", dt);
     if (n < 0 || in < 0 || out < 0) return bad_arg(k, "matmul_bwd", "negative size");
     if (n == 0 || (in == 0 && out == 0)) return MT_OK;
@@ -797,6 +825,8 @@ static int cu_matmul_dw_align(int out, int in)
 static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
                                    int n, int in, int out, int o0, int o1, mti_dtype dt)
 {
+    OP_NOTE(k, "matmul_dw_rows n=%d in=%d out=%d rows [%d,%d) %s", n, in, out, o0, o1,
+            dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "matmul_dw_rows", dt);
     if (n < 0 || in < 0 || out < 0 || o0 < 0 || o1 < o0 || o1 > out ||
         o0 % MTI_DW_ROWS_ALIGN || (o1 % MTI_DW_ROWS_ALIGN && o1 != out))
@@ -855,6 +885,7 @@ static mt_status cu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, flo
                                   const void *x, const void *w, const void *b, int n, int c,
                                   mti_dtype dt)
 {
+    OP_NOTE(k, "layernorm_fwd n=%d c=%d %s", n, c, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "layernorm_fwd", dt);
     if (n <= 0 || c <= 0) return MT_OK;
     void *args[] = {&out, &mean, &rstd, &x, &w, &b, &n, &c};
@@ -867,6 +898,7 @@ static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float 
                                   const float *mean, const float *rstd, int n, int c,
                                   mti_dtype dt, int accumulate)
 {
+    OP_NOTE(k, "layernorm_bwd n=%d c=%d %s", n, c, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "layernorm_bwd", dt);
     if (!mean || !rstd) return bad_arg(k, "layernorm_bwd", "the saved mean and rstd are needed");
     if (n <= 0 || c <= 0) return MT_OK;
@@ -883,6 +915,7 @@ static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float 
 static mt_status ew2(const mti_kctx *k, const char *op, int id0, void *y, const void *x, size_t n,
                      mti_dtype dt)
 {
+    OP_NOTE(k, "%s n=%zu %s", op, n, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, op, dt);
     if (n == 0) return MT_OK;
     unsigned long long nn = n;
@@ -893,6 +926,7 @@ static mt_status ew2(const mti_kctx *k, const char *op, int id0, void *y, const 
 static mt_status ew3(const mti_kctx *k, const char *op, int id0, void *y, const void *a,
                      const void *b, size_t n, mti_dtype dt)
 {
+    OP_NOTE(k, "%s n=%zu %s", op, n, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, op, dt);
     if (n == 0) return MT_OK;
     unsigned long long nn = n;
@@ -971,6 +1005,7 @@ static mt_status attn_check(const mti_kctx *k, const char *op, int B, int T, int
 static mt_status cu_attention_fwd(const mti_kctx *k, void *out, float *lse, const void *qkv,
                                   int B, int T, int C, int H, mti_dtype dt)
 {
+    OP_NOTE(k, "attention_fwd B=%d T=%d C=%d H=%d %s", B, T, C, H, dt_name(dt));
     int cls;
     unsigned rows;
     mt_status st = attn_check(k, "attention_fwd", B, T, C, H, dt, &cls, &rows);
@@ -988,6 +1023,7 @@ static mt_status cu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dou
                                   const void *qkv, const void *out, const float *lse, int B,
                                   int T, int C, int H, mti_dtype dt)
 {
+    OP_NOTE(k, "attention_bwd B=%d T=%d C=%d H=%d %s", B, T, C, H, dt_name(dt));
     int cls;
     unsigned rows;
     mt_status st = attn_check(k, "attention_bwd", B, T, C, H, dt, &cls, &rows);
@@ -1014,6 +1050,7 @@ static mt_status cu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dou
 static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
                          const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt)
 {
+    OP_NOTE(k, "xent n=%d V=%d Vp=%d %s", n, V, Vp, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "xent", dt);
     if (V <= 0 || Vp < V) return bad_arg(k, "xent", "bad size (need 0 < V <= Vp)");
     if (n <= 0) return MT_OK;
@@ -1026,6 +1063,7 @@ static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const 
 static mt_status cu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,
                                   int *found_inf)
 {
+    OP_NOTE(k, "unscale_check n=%zu", n);
     if (n == 0) return MT_OK;
     unsigned long long nn = n;
     void *args[] = {&g, &nn, &inv_scale, &found_inf};
@@ -1036,6 +1074,7 @@ static mt_status cu_unscale_check(const mti_kctx *k, float *g, size_t n, float i
  * CPU table's order (reduce.cu). */
 static mt_status cu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_t n)
 {
+    OP_NOTE(k, "sumsq n=%zu", n);
     if (n == 0) return MT_OK; /* nothing to add */
     size_t nblocks = cdiv(n, MTI_SUMSQ_BLOCK), nrounds = cdiv(nblocks, MTI_SUMSQ_ROUND_BLOCKS);
     if (cdiv(nblocks, 16) > 0x7FFFFFFFu) return bad_arg(k, "sumsq", "too many elements");
@@ -1067,6 +1106,7 @@ static mt_status cu_sumsq(const mti_kctx *k, float *sumsq, const float *g, size_
 static mt_status cu_sgd(const mti_kctx *k, float *p, const float *g, float *m, void *pc,
                         mti_dtype pc_dt, size_t n, const mti_sgd_args *a)
 {
+    OP_NOTE(k, "sgd n=%zu", n);
     if (!a) return bad_arg(k, "sgd", "no arguments");
     if (pc && !dt_ok(pc_dt)) return bad_dt(k, "sgd", pc_dt);
     if (a->momentum != 0.0f && !m) return bad_arg(k, "sgd", "momentum needs a momentum buffer");
@@ -1083,6 +1123,7 @@ static mt_status cu_sgd(const mti_kctx *k, float *p, const float *g, float *m, v
 static mt_status cu_adamw(const mti_kctx *k, float *p, const float *g, float *m, float *v,
                           void *pc, mti_dtype pc_dt, size_t n, const mti_adamw_args *a)
 {
+    OP_NOTE(k, "adamw n=%zu", n);
     if (!a) return bad_arg(k, "adamw", "no arguments");
     if (pc && !dt_ok(pc_dt)) return bad_dt(k, "adamw", pc_dt);
     if (a->step < 1) return bad_arg(k, "adamw", "step counts from 1");
@@ -1118,6 +1159,7 @@ static mt_status cu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t 
                            float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                            const mti_adamw_args *a)
 {
+    OP_NOTE(k, "adamw8 n=%zu", n);
     if (!a) return bad_arg(k, "adamw8", "no arguments");
     if (pc && !dt_ok(pc_dt)) return bad_dt(k, "adamw8", pc_dt);
     if (a->step < 1) return bad_arg(k, "adamw8", "step counts from 1");
@@ -1154,6 +1196,7 @@ static mt_status cu_adafactor(const mti_kctx *k, float *p, const float *g, float
                               float *v, float *m, void *pc, mti_dtype pc_dt, int64_t rows,
                               int64_t cols, int factored, const mti_adafactor_args *a)
 {
+    OP_NOTE(k, "adafactor %lld x %lld", (long long)rows, (long long)cols);
     const char *op = "adafactor";
     if (!a) return bad_arg(k, op, "no arguments");
     if (a->step < 1) return bad_arg(k, op, "step counts from 1");

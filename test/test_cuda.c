@@ -261,3 +261,50 @@ TEST(cuda_standin_refuses_by_default)
     CHECK_OK(mt_context_destroy(c.ctx));
     stand_in_close(&s);
 }
+
+/* ---- debug mode ---- */
+
+/* With cuda_debug_sync (or MT_CUDA_DEBUG_SYNC=1) every launch is waited
+ * for, and a kernel that faults fails its op with the kernel, the op and
+ * the shapes named; without it the launch returns at once and the fault
+ * would surface at a later sync that names nothing. The fault is the
+ * stand-in's cuStreamSynchronize failing as a real driver's does after an
+ * illegal address. */
+TEST(cuda_standin_debug_sync_names_the_kernel)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    for (int mode = 0; mode < 3; mode++) {
+        cuda_ctx c;
+        mt_context_config cfg;
+        mt_context_config_init(&cfg);
+        if (mode == 1) cfg.cuda_debug_sync = 1;
+        if (mode == 2) setenv("MT_CUDA_DEBUG_SYNC", "1", 1);
+        cuda_open_cfg(&c, &cfg);
+        unsetenv("MT_CUDA_DEBUG_SYNC");
+        mt_block by, ba;
+        void *y = dev_alloc(&c, &by, 1000 * 2), *a = dev_alloc(&c, &ba, 1000 * 2);
+        unsigned long long syncs = s.cuda_stat("syncs");
+        s.fail("cuStreamSynchronize", 0, CUDA_ERROR_ILLEGAL_ADDRESS);
+        mt_status st = c.ops->add(&c.k, y, a, a, 1000, MTI_BF16);
+        if (mode == 0) {
+            CHECK_OKC(c.ctx, st);
+            CHECK_EQ(s.cuda_stat("syncs"), syncs);
+            s.fail("", 0, 0);
+        } else {
+            CHECK_ST(MT_ERR_DEVICE, st);
+            const char *m = mt_last_error(c.ctx);
+            CHECK_MSG(strstr(m, "mt_add_bf16") && strstr(m, "add n=1000 bf16") &&
+                          strstr(m, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+                      "message: %s", m);
+            /* a GEMM is waited for too */
+            syncs = s.cuda_stat("syncs");
+            CHECK_OKC(c.ctx, c.ops->matmul_fwd(&c.k, y, a, a, NULL, 10, 10, 10, MTI_BF16));
+            CHECK_EQ(s.cuda_stat("syncs"), syncs + 1);
+        }
+        CHECK_OKC(c.ctx, mt_context_free(c.ctx, &by));
+        CHECK_OKC(c.ctx, mt_context_free(c.ctx, &ba));
+        CHECK_OK(mt_context_destroy(c.ctx));
+    }
+    stand_in_close(&s);
+}
