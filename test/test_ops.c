@@ -970,6 +970,43 @@ TEST(ops_embedding)
     }
     free(wte), free(wpe), free(dout);
     }
+
+    /* Without positions the rows are the table's own, nothing added: -0.0
+     * stays -0.0 and a NaN keeps its payload as kctx's conversions keep it
+     * (fp32: the bits; fp16, bf16: to fp32 and back), bit for bit on every
+     * table (an added 0.0f would give +0.0 and the canonical NaN). */
+    enum { NV = 4, NC = 8, NB = 2, NT = 3 };
+    static const int32_t ktok[NB * NT] = {3, 0, 2, 2, 1, 3};
+    static const uint32_t sp32[4] = {0x80000000u, 0x7FC01234u, 0xFFA00001u, 0x3F800001u};
+    static const uint16_t sp16[3][4] = {
+        {0}, {0x8000u, 0xFE01u, 0x7D23u, 0x3C01u}, {0x8000u, 0xFFC1u, 0x7F81u, 0x3F81u}};
+    for (int d = 0; d < 3; d++) {
+        mti_dtype dt = DTYPES[d];
+        size_t es = dsize(dt), no = (size_t)NB * NT * NC;
+        unsigned char tbl[NV * NC * 4], want[NB * NT * NC * 4], got[NB * NT * NC * 4];
+        for (int i = 0; i < NV * NC; i++) {
+            uint32_t b = dt == MTI_F32 ? sp32[i % 4] : sp16[d][i % 4];
+            memcpy(tbl + (size_t)i * es, &b, es); /* little-endian: the low bytes */
+        }
+        for (size_t o = 0; o < no; o++) {
+            const unsigned char *e = tbl + ((size_t)ktok[o / NC] * NC + o % NC) * es;
+            uint16_t h;
+            memcpy(&h, e, 2);
+            if (dt == MTI_F16) h = mti_f32_to_f16(mti_f16_to_f32(h));
+            if (dt == MTI_BF16) h = mti_f32_to_bf16(mti_bf16_to_f32(h));
+            memcpy(want + o * es, dt == MTI_F32 ? (const void *)e : (const void *)&h, es);
+        }
+        for (int ti = 0; ti < n_tabs; ti++) {
+            tab *t = &tabs[ti];
+            void *E = dev_buf(t, tbl, (size_t)NV * NC * es), *O = dev_buf(t, NULL, no * es);
+            int32_t *K = dev_buf(t, ktok, sizeof ktok);
+            CHECK_OK(t->ops->embedding_fwd(&t->k, O, K, E, NULL, NB, NT, NC, dt));
+            dev_get(t, got, O, no * es);
+            CHECK_MSG(memcmp(got, want, no * es) == 0, "embedding %s %s without positions: not "
+                      "the table's bits", t->name, dt_name(dt));
+            free_bufs(t);
+        }
+    }
     close_tables();
 }
 

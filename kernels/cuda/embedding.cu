@@ -35,7 +35,10 @@
 
 #define MT_EMB_EMPTY (-1) /* a free hash slot */
 
-/* out (B,T,C) = wte[tok[b,t]] + wpe[t] (wpe may be NULL), n_out = B*T*C. */
+/* out (B,T,C) = wte[tok[b,t]] + wpe[t], n_out = B*T*C. Without positions
+ * (wpe NULL) the row is loaded and stored, adding nothing, as the CPU table
+ * does: an added 0.0f would turn -0 into +0 and NaN payloads into the
+ * canonical NaN, where the load and store keep kctx's bits. */
 template <typename T>
 __device__ __forceinline__ void emb_fwd_k(void *out_, const int *tok, const void *wte_,
                                           const void *wpe_, int Tn, int C, mt_index n_out)
@@ -47,7 +50,9 @@ __device__ __forceinline__ void emb_fwd_k(void *out_, const int *tok, const void
         mt_index bt = i / (mt_index)C, c = i - bt * (mt_index)C;
         mt_index t = bt % (mt_index)Tn;
         mt_index v = (mt_index)tok[bt];
-        mt_st(out, i, mt_ld(wte, v * C + c) + (wpe ? mt_ld(wpe, t * C + c) : 0.0f));
+        float x = mt_ld(wte, v * C + c);
+        if (wpe) x += mt_ld(wpe, t * C + c);
+        mt_st(out, i, x);
     }
 }
 MT_EXPORT_DT(mt_emb_fwd, 256, emb_fwd_k,
