@@ -239,10 +239,18 @@ typedef struct mt_context_config {
      * granularity); no GPU is needed. */
     int dry_run;
     /* The cuBLASLt library CUDA GEMMs use (copied; loaded at the first
-     * GEMM). NULL or "": "libcublasLt.so.13", then ".so.12", from the
-     * loader's path, which must drive the GPU through the same libcuda as
-     * the context. A path given is taken as it is, and is trusted to drive
-     * the context's device. A process loads at most 4 different ones. */
+     * GEMM). NULL or "": the environment variable MT_CUBLASLT_PATH if set
+     * (read at the first GEMM),
+     * else the first that loads of "libcublasLt.so.13" and ".so.12" on the
+     * loader's path, then in lib64/ and lib/ of $CUDA_HOME, $CUDA_PATH and
+     * /usr/local/cuda, then in the nvidia/cu13/lib and nvidia/cublas/lib
+     * folders of the site-packages of the python3 on PATH (PyTorch's pip
+     * wheels) and of ~/.local; one found so must drive the GPU through the
+     * same libcuda.so.1 as the context. A path given (here or in
+     * MT_CUBLASLT_PATH) is taken as it is, and is trusted to drive the
+     * context's device. A GEMM that finds none fails with
+     * MT_ERR_UNSUPPORTED naming every path tried. A process loads at most
+     * 4 different ones. */
     const char *cublaslt_path;
     /* The ranks this process trains with (memtrain/comm.h), or NULL: a world
      * of one rank, nothing communicated. Borrowed: it must outlive the

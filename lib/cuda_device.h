@@ -138,6 +138,17 @@ void *mti_cuda_stream(mti_device *d);
 mt_status mti_cuda_enter(mti_device *d);
 void mti_cuda_leave(mti_device *d);
 
+/* Where cuBLASLt is looked for when neither mt_context_config.cublaslt_path
+ * nor MT_CUBLASLT_PATH names one (cuda_search.c), in order: the sonames
+ * libcublasLt.so.13 and .12 on the loader's path; then in lib64/ and lib/
+ * of $CUDA_HOME, $CUDA_PATH and /usr/local/cuda; then in the nvidia/cu13/lib
+ * and nvidia/cublas/lib folders of the site-packages of the python3 on PATH
+ * (as found, then with links resolved) and of ~/.local. Writes up to max
+ * paths to out; returns how many. */
+#define MTI_LT_PATH 512
+#define MTI_LT_CANDIDATES 40
+size_t mti_cublaslt_candidates(char (*out)[MTI_LT_PATH], size_t max);
+
 /* 1 when the device runs on the libcuda.so.1 the process would load by that
  * name, the driver the CUDA runtime inside CUDA libraries (cuBLASLt) talks
  * to; 0 for a driver opened from another path (the tests' stand-in). */

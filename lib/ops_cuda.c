@@ -4,9 +4,12 @@
  * and GEMMs through cuBLASLt. Everything is queued on the device's stream;
  * nothing here waits for the GPU.
  *
- * cuBLASLt is opened with dlopen on the first GEMM ("libcublasLt.so.13",
- * then ".12"), so the table exists, and every other op runs, where the
- * library is missing; a GEMM then fails with MT_ERR_UNSUPPORTED saying so.
+ * cuBLASLt is opened with dlopen on the first GEMM: the context's
+ * cublaslt_path, else $MT_CUBLASLT_PATH, else the first of the usual places
+ * that loads (mti_cublaslt_candidates: the loader's path, the CUDA toolkit,
+ * PyTorch's pip wheels). The table exists, and every other op runs, where
+ * the library is missing; a GEMM then fails with MT_ERR_UNSUPPORTED naming
+ * the paths tried.
  * GEMMs accumulate in fp32 (CUBLAS_COMPUTE_32F: no TF32), and an algorithm
  * that splits the inner dimension may only add its pieces in fp32 (the
  * compute-type reduction scheme) when the output is 16-bit, so each output
@@ -42,6 +45,7 @@
  */
 #include <dlfcn.h>
 #include <math.h>
+#include <unistd.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -105,8 +109,6 @@ static const struct {
 #undef SYM
 };
 
-static const char *const lt_paths[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
-
 /* The cuBLASLt libraries loaded so far: the default search's, and one per
  * path a context named (mt_context_config.cublaslt_path). They stay loaded
  * (RTLD_NODELETE): handles made from them live in device state. */
@@ -115,7 +117,7 @@ typedef struct lt_lib {
     int tried;
     char path[256];      /* "" for the default search */
     lt_api api;          /* api.lib NULL: not loadable, see why */
-    char why[768];
+    char why[2048];
 } lt_lib;
 
 static lt_lib g_lt[LT_LIBS];
@@ -125,6 +127,12 @@ static pthread_mutex_t g_lt_mu = PTHREAD_MUTEX_INITIALIZER;
 static int lt_try(lt_lib *L, const char *path, size_t *used)
 {
     memset(&L->api, 0, sizeof L->api);
+    if (strchr(path, '/') && access(path, F_OK) != 0) { /* the common case, said briefly */
+        if (*used < sizeof L->why)
+            *used += (size_t)snprintf(L->why + *used, sizeof L->why - *used, " %s (absent);",
+                                      path);
+        return 0;
+    }
     dlerror();
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (!lib) {
@@ -153,8 +161,8 @@ static int lt_try(lt_lib *L, const char *path, size_t *used)
     return 1;
 }
 
-/* The cuBLASLt at `path` (NULL: the first of lt_paths that loads with every
- * entry point), loaded on first use. NULL when too many paths were asked
+/* The cuBLASLt at `path` (NULL: the first of mti_cublaslt_candidates that
+ * loads with every entry point), loaded on first use. NULL when too many paths were asked
  * for; otherwise api.lib is NULL when it cannot be loaded, and why says so. */
 static const lt_lib *lt_open(const char *path)
 {
@@ -168,13 +176,16 @@ static const lt_lib *lt_open(const char *path)
         L->tried = 1;
         snprintf(L->path, sizeof L->path, "%s", key);
         size_t used = (size_t)snprintf(L->why, sizeof L->why,
-                                       "cuBLASLt not found (CUDA GEMMs need it; install the CUDA "
-                                       "toolkit's cuBLAS libraries):");
+                                       "cuBLASLt not found (CUDA GEMMs need it: install the CUDA "
+                                       "toolkit's cuBLAS, or name the library with "
+                                       "MT_CUBLASLT_PATH or cublaslt_path); tried:");
         if (path) {
             lt_try(L, path, &used);
         } else {
-            for (size_t p = 0; p < sizeof lt_paths / sizeof lt_paths[0]; p++)
-                if (lt_try(L, lt_paths[p], &used)) break;
+            static char cand[MTI_LT_CANDIDATES][MTI_LT_PATH]; /* under g_lt_mu */
+            size_t n = mti_cublaslt_candidates(cand, MTI_LT_CANDIDATES);
+            for (size_t p = 0; p < n; p++)
+                if (lt_try(L, cand[p], &used)) break;
         }
     }
     pthread_mutex_unlock(&g_lt_mu);
@@ -212,7 +223,7 @@ typedef struct ops_state {
     pthread_mutex_t mu;          /* guards everything below */
     int lt_tried;                /* the handle was asked for once: lt_status says how it went */
     mt_status lt_status;
-    char lt_why[768];
+    char lt_why[2048];
     const lt_api *api;           /* the cuBLASLt the handle came from */
     cublasLtHandle_t lt;
     gemm_plan plans[MTI_GEMM_PLANS];
@@ -266,7 +277,11 @@ static mt_status lt_handle(const mti_kctx *k, ops_state *s)
     }
     s->lt_tried = 1;
     s->lt_status = MT_OK;
+    /* a path given (the context's, else the environment's) is taken as it
+     * is and trusted to drive the device */
     const char *path = k->ctx->cfg.cublaslt_path;
+    if (!path || !*path) path = getenv("MT_CUBLASLT_PATH");
+    if (path && !*path) path = NULL;
     const lt_lib *L = lt_open(path);
     if (!L) {
         s->lt_status = MT_ERR_UNSUPPORTED;
@@ -285,8 +300,8 @@ static mt_status lt_handle(const mti_kctx *k, ops_state *s)
         s->lt_status = MT_ERR_UNSUPPORTED;
         snprintf(s->lt_why, sizeof s->lt_why,
                  "cuBLASLt drives the GPU through the system's libcuda.so.1, and this device "
-                 "runs on another CUDA driver library: no GEMMs on it (unless cublaslt_path "
-                 "names a cuBLASLt that drives it)");
+                 "runs on another CUDA driver library: no GEMMs on it (unless cublaslt_path or "
+                 "MT_CUBLASLT_PATH names a cuBLASLt that drives it)");
     } else {
         s->api = &L->api;
         cublasStatus_t r = s->api->Create(&s->lt);

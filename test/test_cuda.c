@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "check.h"
 #include "cuda_device.h"
@@ -304,6 +305,105 @@ TEST(cuda_standin_debug_sync_names_the_kernel)
         }
         CHECK_OKC(c.ctx, mt_context_free(c.ctx, &by));
         CHECK_OKC(c.ctx, mt_context_free(c.ctx, &ba));
+        CHECK_OK(mt_context_destroy(c.ctx));
+    }
+    stand_in_close(&s);
+}
+
+/* ---- where cuBLASLt is looked for ---- */
+
+static void touch_file(const char *path, mode_t mode)
+{
+    FILE *f = fopen(path, "w");
+    CHECK_MSG(f, "cannot create %s", path);
+    fclose(f);
+    CHECK(chmod(path, mode) == 0);
+}
+
+static long find(char (*c)[MTI_LT_PATH], size_t n, const char *path)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(c[i], path)) return (long)i;
+    return -1;
+}
+
+/* The usual places, in order: the loader's path, CUDA_HOME's lib64 and
+ * lib, the toolkit's default prefix, the pip wheels next to the python3 on
+ * PATH (a virtualenv's folder here). */
+TEST(cuda_cublaslt_search_paths)
+{
+    char tmp[] = "/tmp/mt_lt_XXXXXX", p[600], want[600];
+    CHECK(mkdtemp(tmp));
+    const char *dirs[] = {"", "/bin", "/lib", "/lib/python3.11", "/lib/python3.11/site-packages",
+                          "/lib/python3.11/site-packages/nvidia",
+                          "/lib/python3.11/site-packages/nvidia/cublas",
+                          "/lib/python3.11/site-packages/nvidia/cublas/lib"};
+    for (size_t i = 0; i < sizeof dirs / sizeof *dirs; i++) {
+        snprintf(p, sizeof p, "%s/venv%s", tmp, dirs[i]);
+        CHECK(mkdir(p, 0700) == 0);
+    }
+    snprintf(p, sizeof p, "%s/venv/bin/python3", tmp);
+    touch_file(p, 0700);
+    char *old_path = getenv("PATH") ? strdup(getenv("PATH")) : NULL;
+    char *old_home = getenv("CUDA_HOME") ? strdup(getenv("CUDA_HOME")) : NULL;
+    snprintf(p, sizeof p, "%s/venv/bin:%s", tmp, old_path ? old_path : "/usr/bin");
+    setenv("PATH", p, 1);
+    snprintf(p, sizeof p, "%s/cuda", tmp);
+    setenv("CUDA_HOME", p, 1);
+    static char c[MTI_LT_CANDIDATES][MTI_LT_PATH];
+    size_t n = mti_cublaslt_candidates(c, MTI_LT_CANDIDATES);
+    if (old_path) setenv("PATH", old_path, 1);
+    if (old_home) setenv("CUDA_HOME", old_home, 1);
+    else unsetenv("CUDA_HOME");
+    free(old_path), free(old_home);
+    long soname = find(c, n, "libcublasLt.so.13");
+    snprintf(want, sizeof want, "%s/cuda/lib64/libcublasLt.so.13", tmp);
+    long home = find(c, n, want);
+    snprintf(want, sizeof want, "%s/cuda/lib/libcublasLt.so.12", tmp);
+    long home_lib = find(c, n, want);
+    long dflt = find(c, n, "/usr/local/cuda/lib64/libcublasLt.so.12");
+    snprintf(want, sizeof want,
+             "%s/venv/lib/python3.11/site-packages/nvidia/cublas/lib/libcublasLt.so.12", tmp);
+    long wheel = find(c, n, want);
+    CHECK_MSG(soname == 0 && home > soname && home_lib > home && dflt > home_lib && wheel > dflt,
+              "order: soname %ld, CUDA_HOME %ld / %ld, default %ld, wheel %ld of %zu", soname,
+              home, home_lib, dflt, wheel, n);
+    snprintf(p, sizeof p, "rm -rf '%s'", tmp);
+    CHECK(system(p) == 0);
+}
+
+/* MT_CUBLASLT_PATH (read at the first GEMM) names the library when the
+ * context names none; a path that is not there fails the GEMM with the
+ * path in the message. */
+TEST(cuda_standin_cublaslt_from_the_environment)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    for (int bad = 0; bad < 2; bad++) {
+        setenv("MT_CUBLASLT_PATH", bad ? "/nonexistent/libcublasLt.so.13" : getenv("MT_FAKE_CUBLASLT"),
+               1);
+        cuda_ctx c;
+        mt_context_config cfg;
+        mt_context_config_init(&cfg);
+        cfg.device = MT_DEVICE_CUDA;
+        cfg.cuda_driver_path = check_fake_cuda();
+        CHECK_OK(mt_context_create(&cfg, &c.ctx));
+        CHECK_OKC(c.ctx, mti_cuda_ops(c.ctx->dev, &c.ops));
+        c.k = (mti_kctx){c.ctx, c.ctx->dev};
+        mt_block bx;
+        void *x = dev_alloc(&c, &bx, 64 * 64 * 4);
+        unsigned long long m0 = s.lt_stat("matmuls");
+        mt_status st = c.ops->matmul_fwd(&c.k, x, x, x, NULL, 16, 16, 16, MTI_F32);
+        unsetenv("MT_CUBLASLT_PATH"); /* read at the first GEMM */
+        if (bad) {
+            CHECK_ST(MT_ERR_UNSUPPORTED, st);
+            CHECK_MSG(strstr(mt_last_error(c.ctx), "/nonexistent/libcublasLt.so.13 (absent)"),
+                      "message: %s", mt_last_error(c.ctx));
+        } else {
+            CHECK_OKC(c.ctx, st);
+            CHECK_EQ(s.lt_stat("matmuls"), m0 + 1);
+        }
+        CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bx));
         CHECK_OK(mt_context_destroy(c.ctx));
     }
     stand_in_close(&s);
