@@ -19,6 +19,30 @@ mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const voi
 void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);
 void mti_cpu_store_f32(void *dst, mti_dtype dt, size_t i, const float *src, size_t n);
 
+/* gemm.c: one GEMM on the calling thread through a cached oneDNN matmul
+ * primitive. C (M,N) = op(A) (M,K) op(B) (K,N) [+ bias (N)] [+ C], fp32
+ * accumulation, rounded to c_dt once. A is stored (M,K) with leading
+ * dimension lda, or (K,M) when ta; B (K,N), or (N,K) when tb; C (M,N) with
+ * ldc. Leading dimensions in elements. */
+typedef struct mti_gemm_shape {
+    int M, N, K, ta, tb;
+    int64_t lda, ldb, ldc;
+    mti_dtype ab_dt, c_dt, bias_dt;
+    int bias, accumulate;
+} mti_gemm_shape;
+typedef struct mti_gemm_prim mti_gemm_prim;
+/* 1 when oneDNN has a matmul for inputs of dt on this CPU (fp16 needs
+ * AVX512-FP16 or AMX-FP16). */
+int mti_gemm_supported(mti_dtype ab_dt);
+/* The primitive of a shape (made at the first call), its scratchpad size in
+ * bytes, and the call: 0 or -1 (oneDNN failed). mti_gemm_put after the last
+ * call of an op. */
+mt_status mti_gemm_get(const mti_kctx *k, const mti_gemm_shape *shape, mti_gemm_prim **out);
+size_t mti_gemm_scratch(const mti_gemm_prim *p);
+int mti_gemm_run(const mti_gemm_prim *p, const void *a, const void *b, void *c, const void *bias,
+                 void *scratch);
+void mti_gemm_put(mti_gemm_prim *p);
+
 /* embedding.c */
 mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
                                 const void *wpe, int B, int T, int C, mti_dtype dt);

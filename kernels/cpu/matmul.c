@@ -3,44 +3,47 @@
  * nn.Linear and llm.c store it.
  *
  * Every GEMM here is cut into tiles of its output, and OpenMP threads take
- * the tiles, each calling a single-threaded sgemm on its own. The tiling
- * depends on the shape only: OpenBLAS rounds an output element differently
- * depending on where the element falls in the pieces a call is cut into (by
- * its own threads, or by us), so letting OpenBLAS thread the call, or cutting
- * by the thread count, would make results depend on the number of threads.
- * OpenBLAS itself always runs single-threaded (see mti_cpu_set_threads).
+ * the tiles, each running one single-threaded oneDNN matmul on its own
+ * (gemm.c). The tiling depends on the shape only: a GEMM library rounds an
+ * output element differently depending on how a call is cut (by its own
+ * threads, or by us), so letting oneDNN thread the call, or cutting by the
+ * thread count, would make results depend on the number of threads.
  *
- * fp32 tiles call sgemm on the tensors themselves. fp16 and bf16 have no GEMM
- * here: a thread keeps an fp32 accumulator tile, and for each chunk of the
+ * fp32 and bf16 tiles go to oneDNN as they are stored: bf16 inputs run on
+ * the CPU's bf16 instructions (AVX512-BF16, AMX) with fp32 accumulation,
+ * the bias added in fp32, and the tile rounded to bf16 once. fp16 does the
+ * same where oneDNN has an fp16 matmul (AVX512-FP16, AMX-FP16); elsewhere a
+ * thread keeps an fp32 accumulator tile, and for each chunk of the
  * reduction dimension converts the matching panels of both operands to fp32
- * and multiplies them in with sgemm (beta 1); the tile is rounded to the
- * storage dtype once, after the last chunk. The weight gradient is fp32
- * already, so its tiles accumulate in place. Workspace: per thread one tile
- * and two panels, at most (MM_TILE_M * MM_TILE_N + MM_KC * (MM_TILE_M +
- * MM_TILE_N)) floats = 1.25 MiB, whatever the sizes of the matrices.
+ * and multiplies them in (fp32 GEMM, accumulating); the tile is rounded to
+ * fp16 once, after the last chunk. The weight gradient is fp32: its tiles
+ * accumulate in place.
+ *
+ * Workspace, per thread: the largest scratchpad oneDNN asks for among the
+ * op's tile shapes, and in the converted fp16 path one tile and two panels,
+ * at most (MM_TILE_M * MM_TILE_N + MM_KC * (MM_TILE_M + MM_TILE_N)) floats
+ * = 1.25 MiB, whatever the sizes of the matrices.
  */
-#include <cblas.h>
 #include <omp.h>
 #include <string.h>
 
 #include "cpu_ops.h"
 
-/* Largest tile of an output (rows, columns). About where one sgemm call on
- * a tile runs as fast as on the whole matrix: the packing of both operands,
- * redone per tile, costs 2-4% at 256 x 384 and 5-8% at 128 x 256 (one
- * thread, OpenBLAS 0.3.21, Haswell kernels). */
+/* Largest tile of an output (rows, columns). About where one GEMM call on a
+ * tile runs as fast as on the whole matrix: the packing of both operands is
+ * redone per tile (docs/benchmarks.md, GEMM). */
 #define MM_TILE_M 256
 #define MM_TILE_N 512
 /* Smaller outputs are cut into at least this many tiles, so that more
  * threads find work, but columns no narrower than 128 and rows no shorter
  * than 256. */
 #define MM_MIN_TILES 8
-/* Chunk of the reduction dimension per sgemm in fp16/bf16 (elements): one
- * pass of OpenBLAS's own K blocking. */
+/* Chunk of the reduction dimension per converted fp16 GEMM (elements). */
 #define MM_KC 256
 
 static int mini(int a, int b) { return a < b ? a : b; }
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static size_t dt_bytes(mti_dtype dt) { return dt == MTI_F32 ? 4 : 2; }
 
 /* ---- tiling ---- */
 
@@ -78,21 +81,89 @@ static void tile_at(const mm_plan *p, int i, int *m0, int *mc, int *n0, int *nc)
     *mc = mini(p->mb, p->M - *m0), *nc = mini(p->nb, p->N - *n0);
 }
 
-/* Threads for a plan: no more than tiles. */
-static int plan_threads(const mti_kctx *k, const mm_plan *p)
+/* ---- one GEMM, tiled ---- */
+
+/* C (M,N) [+]= op(A) (M,K) . op(B) (K,N) [+ bias], tiles [t0, t1) of the
+ * plan of (M,N); C's first row is row c_row0 of the plan (a range of dW's
+ * rows). Operands as in mti_gemm_shape. */
+typedef struct mm_job {
+    mm_plan p;
+    int K, t0, t1, c_row0;
+    const void *a, *b, *bias;
+    void *c;
+    int ta, tb, accumulate;
+    int64_t lda, ldb, ldc;
+    mti_dtype ab_dt, c_dt;
+} mm_job;
+
+/* The variant of a tile: full or edge rows, full or edge columns. */
+static int tile_kind(const mm_plan *p, int mc, int nc)
 {
-    return mini(mti_cpu_threads(k), p->tm * p->tn);
+    return (mc != p->mb) * 2 + (nc != p->nb);
 }
 
-/* ---- fp16 / bf16: a tile through fp32 panels ---- */
+/* The tile shapes of a job, by variant: (mc, nc), or (0, 0) when no tile
+ * of [t0, t1) has that shape. */
+static void tile_variants(const mm_job *j, int mc_of[4], int nc_of[4])
+{
+    for (int v = 0; v < 4; v++) mc_of[v] = nc_of[v] = 0;
+    for (int t = j->t0; t < j->t1; t++) {
+        int m0, mc, n0, nc;
+        tile_at(&j->p, t, &m0, &mc, &n0, &nc);
+        int v = tile_kind(&j->p, mc, nc);
+        mc_of[v] = mc, nc_of[v] = nc;
+    }
+}
 
-/* One operand of a tiled GEMM: a dt matrix, row-major with leading
- * dimension ld (elements), used as stored (trans 0) or transposed (trans 1). */
-typedef struct mm_operand {
-    const void *p;
-    size_t ld;
-    int trans;
-} mm_operand;
+static mti_gemm_shape tile_shape(const mm_job *j, int mc, int nc)
+{
+    return (mti_gemm_shape){.M = mc, .N = nc, .K = j->K, .ta = j->ta, .tb = j->tb,
+                            .lda = j->lda, .ldb = j->ldb, .ldc = j->ldc, .ab_dt = j->ab_dt,
+                            .c_dt = j->c_dt, .bias_dt = j->ab_dt, .bias = j->bias != NULL,
+                            .accumulate = j->accumulate};
+}
+
+static mt_status direct(const mti_kctx *k, const mm_job *j)
+{
+    const mm_plan *p = &j->p;
+    mti_gemm_prim *prim[4] = {NULL};
+    size_t scratch = 0;
+    mt_status s = MT_OK;
+    /* the primitives of the tile shapes that occur, and the largest scratchpad */
+    int mc_of[4], nc_of[4];
+    tile_variants(j, mc_of, nc_of);
+    for (int v = 0; v < 4 && !s; v++) {
+        if (!mc_of[v]) continue;
+        mti_gemm_shape sh = tile_shape(j, mc_of[v], nc_of[v]);
+        s = mti_gemm_get(k, &sh, &prim[v]);
+        if (!s && mti_gemm_scratch(prim[v]) > scratch) scratch = mti_gemm_scratch(prim[v]);
+    }
+    int nt = mini(mti_cpu_threads(k), j->t1 - j->t0);
+    size_t per = mti_align_up(scratch, 64);
+    mt_block wk = {0};
+    if (!s && per) s = mti_work_alloc(k, (size_t)nt * per, &wk);
+    if (!s && !mti_dry(k)) {
+        const size_t ea = dt_bytes(j->ab_dt), ec = dt_bytes(j->c_dt);
+        int bad = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad) if (nt > 1)
+        for (int t = j->t0; t < j->t1; t++) {
+            int m0, mc, n0, nc;
+            tile_at(p, t, &m0, &mc, &n0, &nc);
+            const char *a = (const char *)j->a + ea * (size_t)(j->ta ? m0 : m0 * j->lda);
+            const char *b = (const char *)j->b + ea * (size_t)(j->tb ? n0 * j->ldb : n0);
+            char *c = (char *)j->c + ec * ((size_t)(m0 - j->c_row0) * (size_t)j->ldc + (size_t)n0);
+            const char *bias = j->bias ? (const char *)j->bias + ea * (size_t)n0 : NULL;
+            char *sp = wk.ptr ? (char *)wk.ptr + (size_t)omp_get_thread_num() * per : NULL;
+            bad |= mti_gemm_run(prim[tile_kind(p, mc, nc)], a, b, c, bias, sp) != 0;
+        }
+        if (bad) s = mti_fail(k->ctx, MT_ERR_DEVICE, "matmul: a oneDNN matmul call failed");
+    }
+    mti_work_free(k, &wk);
+    for (int v = 0; v < 4; v++) mti_gemm_put(prim[v]);
+    return s;
+}
+
+/* ---- fp16 without an fp16 matmul: tiles through fp32 panels ---- */
 
 /* dst (rows,len) fp32, dense = rows of src in dt, row r at element base + r ld. */
 static void load_panel(float *dst, const void *src, mti_dtype dt, size_t base, size_t ld,
@@ -103,122 +174,132 @@ static void load_panel(float *dst, const void *src, mti_dtype dt, size_t base, s
                          (size_t)len);
 }
 
-/* acc (mc,nc) fp32, leading dimension ldacc, += op(A)[m0:m0+mc, :] .
- * op(B)[:, n0:n0+nc], the reduction of length K in chunks of MM_KC. pa and
- * pb (MM_KC * mc and MM_KC * nc floats) take each chunk's panels in the
- * operands' stored orientation, so sgemm does any transposing. */
-static void mm_tile(float *acc, int ldacc, const mm_operand *A, const mm_operand *B,
-                    mti_dtype dt, int m0, int mc, int n0, int nc, int K, float *pa, float *pb)
+/* The fp32 GEMMs of the converted path: per tile variant, a full chunk of
+ * the reduction and the last one (prim[v][0], prim[v][1]). Panels are
+ * dense: a chunk's A panel has leading dimension kc (or mc when ta), B's nc
+ * (or kc when tb); the accumulator tile nc, or j->ldc when it is C itself
+ * (an fp32 C). */
+typedef struct mm_conv {
+    mti_gemm_prim *prim[4][2];
+    size_t scratch; /* bytes per thread, aligned */
+    size_t acc, pa, pb; /* floats per thread: tile (0 when C is fp32), panels */
+} mm_conv;
+
+static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int in_place)
 {
-    for (int k0 = 0; k0 < K; k0 += MM_KC) {
-        int kc = mini(MM_KC, K - k0), lda, ldb;
-        if (!A->trans) { /* A (M,K): mc rows of kc */
-            load_panel(pa, A->p, dt, (size_t)m0 * A->ld + (size_t)k0, A->ld, mc, kc);
-            lda = kc;
-        } else { /* A stored (K,M): kc rows of mc */
-            load_panel(pa, A->p, dt, (size_t)k0 * A->ld + (size_t)m0, A->ld, kc, mc);
-            lda = mc;
+    const mm_plan *p = &j->p;
+    size_t scratch = 0;
+    mt_status s = MT_OK;
+    int mc_of[4], nc_of[4];
+    tile_variants(j, mc_of, nc_of);
+    for (int v = 0; v < 4 && !s; v++) {
+        int mc = mc_of[v], nc = nc_of[v];
+        for (int last = 0; last < 2 && !s && mc; last++) {
+            int kc = last ? j->K - (ceil_div(j->K, MM_KC) - 1) * MM_KC : mini(MM_KC, j->K);
+            mti_gemm_shape sh = {.M = mc, .N = nc, .K = kc, .ta = j->ta, .tb = j->tb,
+                                 .lda = j->ta ? mc : kc, .ldb = j->tb ? kc : nc,
+                                 .ldc = in_place ? j->ldc : nc, .ab_dt = MTI_F32,
+                                 .c_dt = MTI_F32, .accumulate = 1};
+            s = mti_gemm_get(k, &sh, &cv->prim[v][last]);
+            if (!s && mti_gemm_scratch(cv->prim[v][last]) > scratch)
+                scratch = mti_gemm_scratch(cv->prim[v][last]);
         }
-        if (!B->trans) { /* B (K,N): kc rows of nc */
-            load_panel(pb, B->p, dt, (size_t)k0 * B->ld + (size_t)n0, B->ld, kc, nc);
-            ldb = nc;
-        } else { /* B stored (N,K): nc rows of kc */
-            load_panel(pb, B->p, dt, (size_t)n0 * B->ld + (size_t)k0, B->ld, nc, kc);
-            ldb = kc;
-        }
-        cblas_sgemm(CblasRowMajor, A->trans ? CblasTrans : CblasNoTrans,
-                    B->trans ? CblasTrans : CblasNoTrans, mc, nc, kc, 1.0f, pa, lda, pb, ldb,
-                    1.0f, acc, ldacc);
     }
-}
-
-/* Per-thread workspace of the fp16/bf16 GEMMs: an accumulator tile (when
- * with_acc) and two panels, `threads` times over in one block. */
-typedef struct mm_work {
-    mt_block blk;
-    size_t per_thread, acc, pa; /* floats: per thread, then offsets of pa and pb */
-} mm_work;
-
-static mt_status mm_work_take(const mti_kctx *k, mm_work *w, const mm_plan *p, int threads,
-                              int with_acc)
-{
-    w->acc = with_acc ? mti_align_up((size_t)p->mb * (size_t)p->nb, 16) : 0;
-    w->pa = mti_align_up((size_t)MM_KC * (size_t)p->mb, 16);
-    w->per_thread = w->acc + w->pa + mti_align_up((size_t)MM_KC * (size_t)p->nb, 16);
-    return mti_work_alloc(k, (size_t)threads * w->per_thread * sizeof(float), &w->blk);
-}
-
-/* A dry run (lib/estimate.c) takes the workspace and gives it back
- * without computing: returns s, freeing the workspace if it was taken. */
-static mt_status mm_work_give(const mti_kctx *k, mm_work *w, mt_status s)
-{
-    if (!s) mti_work_free(k, &w->blk);
+    cv->scratch = mti_align_up(scratch, 64);
+    cv->acc = in_place ? 0 : mti_align_up((size_t)p->mb * (size_t)p->nb, 16);
+    cv->pa = mti_align_up((size_t)MM_KC * (size_t)p->mb, 16);
+    cv->pb = mti_align_up((size_t)MM_KC * (size_t)p->nb, 16);
     return s;
 }
 
-static float *mm_work_thread(const mm_work *w, float **pa, float **pb)
+/* acc (mc,nc) += op(A)[m0:m0+mc, :] . op(B)[:, n0:n0+nc] in chunks of
+ * MM_KC; pa and pb take each chunk's panels in the operands' stored
+ * orientation. 0, or -1 when a GEMM call fails. */
+static int conv_tile(const mm_job *j, const mm_conv *cv, int v, float *acc, int m0, int mc, int n0,
+                     int nc, float *pa, float *pb, void *sp)
 {
-    float *base = (float *)w->blk.ptr + (size_t)omp_get_thread_num() * w->per_thread;
-    *pa = base + w->acc;
-    *pb = base + w->acc + w->pa;
-    return base;
+    const size_t lda = (size_t)j->lda, ldb = (size_t)j->ldb;
+    int bad = 0;
+    for (int k0 = 0; k0 < j->K; k0 += MM_KC) {
+        int kc = mini(MM_KC, j->K - k0);
+        if (!j->ta) load_panel(pa, j->a, j->ab_dt, (size_t)m0 * lda + (size_t)k0, lda, mc, kc);
+        else load_panel(pa, j->a, j->ab_dt, (size_t)k0 * lda + (size_t)m0, lda, kc, mc);
+        if (!j->tb) load_panel(pb, j->b, j->ab_dt, (size_t)k0 * ldb + (size_t)n0, ldb, kc, nc);
+        else load_panel(pb, j->b, j->ab_dt, (size_t)n0 * ldb + (size_t)k0, ldb, nc, kc);
+        const mti_gemm_prim *g = cv->prim[v][kc != mini(MM_KC, j->K)];
+        bad |= mti_gemm_run(g, pa, pb, acc, NULL, sp);
+    }
+    return bad;
+}
+
+static mt_status converted(const mti_kctx *k, const mm_job *j)
+{
+    const mm_plan *p = &j->p;
+    const int in_place = j->c_dt == MTI_F32; /* dW: tiles accumulate in C */
+    mm_conv cv;
+    memset(&cv, 0, sizeof cv);
+    mt_status s = conv_prims(k, j, &cv, in_place);
+    int nt = mini(mti_cpu_threads(k), j->t1 - j->t0);
+    size_t per = cv.scratch + (cv.acc + cv.pa + cv.pb) * sizeof(float);
+    mt_block wk = {0};
+    if (!s) s = mti_work_alloc(k, (size_t)nt * per, &wk);
+    if (!s && !mti_dry(k)) {
+        int bad = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad) if (nt > 1)
+        for (int t = j->t0; t < j->t1; t++) {
+            int m0, mc, n0, nc;
+            tile_at(p, t, &m0, &mc, &n0, &nc);
+            char *base = (char *)wk.ptr + (size_t)omp_get_thread_num() * per;
+            float *acc = (float *)base, *pa = acc + cv.acc, *pb = pa + cv.pa;
+            void *sp = cv.scratch ? (void *)(pb + cv.pb) : NULL;
+            size_t at = (size_t)(m0 - j->c_row0) * (size_t)j->ldc + (size_t)n0;
+            if (in_place) {
+                acc = (float *)j->c + at;
+            } else if (j->accumulate) {
+                load_panel(acc, j->c, j->c_dt, at, (size_t)j->ldc, mc, nc);
+            } else if (j->bias) {
+                mti_cpu_load_f32(acc, j->bias, j->ab_dt, (size_t)n0, (size_t)nc);
+                for (int i = 1; i < mc; i++)
+                    memcpy(acc + (size_t)i * (size_t)nc, acc, (size_t)nc * sizeof(float));
+            } else {
+                memset(acc, 0, (size_t)mc * (size_t)nc * sizeof(float));
+            }
+            bad |= conv_tile(j, &cv, tile_kind(p, mc, nc), acc, m0, mc, n0, nc, pa, pb, sp) != 0;
+            for (int i = 0; i < mc && !in_place; i++)
+                mti_cpu_store_f32(j->c, j->c_dt, at + (size_t)i * (size_t)j->ldc,
+                                  acc + (size_t)i * (size_t)nc, (size_t)nc);
+        }
+        if (bad) s = mti_fail(k->ctx, MT_ERR_DEVICE, "matmul: a oneDNN matmul call failed");
+    }
+    mti_work_free(k, &wk);
+    for (int v = 0; v < 4; v++)
+        for (int l = 0; l < 2; l++) mti_gemm_put(cv.prim[v][l]);
+    return s;
+}
+
+/* A job with K == 0: C = bias or 0 unless accumulating (dW gets nothing). */
+static void empty_k(const mm_job *j)
+{
+    if (j->accumulate) return;
+    const size_t ec = dt_bytes(j->c_dt);
+    for (int i = 0; i < j->p.M; i++) {
+        char *r = (char *)j->c + ec * (size_t)i * (size_t)j->ldc;
+        if (j->bias) memcpy(r, j->bias, ec * (size_t)j->p.N);
+        else memset(r, 0, ec * (size_t)j->p.N);
+    }
+}
+
+static mt_status mm_run(const mti_kctx *k, const mm_job *j)
+{
+    if (j->t0 >= j->t1) return MT_OK;
+    if (j->K == 0) {
+        if (!mti_dry(k)) empty_k(j);
+        return MT_OK;
+    }
+    return mti_gemm_supported(j->ab_dt) ? direct(k, j) : converted(k, j);
 }
 
 /* ---- forward ---- */
-
-/* y (N,O) fp32 = x W^T + b: a tile's rows start as the bias, sgemm adds. */
-static void fwd_f32(const mti_kctx *k, float *y, const float *x, const float *w, const float *b, int n, int in,
-                    int out)
-{
-    mm_plan p = mm_plan_for(n, out);
-    int nt = plan_threads(k, &p);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = 0; t < p.tm * p.tn; t++) {
-        int m0, mc, n0, nc;
-        tile_at(&p, t, &m0, &mc, &n0, &nc);
-        float *yt = y + (size_t)m0 * (size_t)out + (size_t)n0;
-        for (int i = 0; i < mc && (b || in == 0); i++) {
-            float *r = yt + (size_t)i * (size_t)out;
-            if (b) memcpy(r, b + n0, (size_t)nc * sizeof(float));
-            else memset(r, 0, (size_t)nc * sizeof(float));
-        }
-        if (in > 0)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mc, nc, in, 1.0f,
-                        x + (size_t)m0 * (size_t)in, in, w + (size_t)n0 * (size_t)in, in,
-                        b ? 1.0f : 0.0f, yt, out);
-    }
-}
-
-/* y (N,O) in fp16/bf16: per tile, bias rows, += x W^T in fp32, one rounding. */
-static mt_status fwd_lowp(const mti_kctx *k, void *y, const void *x, const void *w,
-                          const void *b, int n, int in, int out, mti_dtype dt)
-{
-    mm_plan p = mm_plan_for(n, out);
-    int nt = plan_threads(k, &p);
-    mm_work wk;
-    mt_status s = mm_work_take(k, &wk, &p, nt, 1);
-    if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
-    const mm_operand A = {x, (size_t)in, 0}, B = {w, (size_t)in, 1}; /* op(B) = W^T (I,O) */
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = 0; t < p.tm * p.tn; t++) {
-        int m0, mc, n0, nc;
-        float *pa, *pb, *acc = mm_work_thread(&wk, &pa, &pb);
-        tile_at(&p, t, &m0, &mc, &n0, &nc);
-        if (b) {
-            mti_cpu_load_f32(acc, b, dt, (size_t)n0, (size_t)nc);
-            for (int i = 1; i < mc; i++)
-                memcpy(acc + (size_t)i * (size_t)nc, acc, (size_t)nc * sizeof(float));
-        } else {
-            memset(acc, 0, (size_t)mc * (size_t)nc * sizeof(float));
-        }
-        mm_tile(acc, nc, &A, &B, dt, m0, mc, n0, nc, in, pa, pb);
-        for (int i = 0; i < mc; i++)
-            mti_cpu_store_f32(y, dt, (size_t)(m0 + i) * (size_t)out + (size_t)n0,
-                              acc + (size_t)i * (size_t)nc, (size_t)nc);
-    }
-    mti_work_free(k, &wk.blk);
-    return MT_OK;
-}
 
 static int dtype_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt == MTI_BF16; }
 
@@ -229,13 +310,11 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "matmul_fwd: bad shape (%d,%d,%d) or dtype %d", n, in, out, (int)dt);
     if (n == 0 || out == 0) return MT_OK;
-    mt_status s = MT_OK;
-    if (dt == MTI_F32) {
-        if (!mti_dry(k)) fwd_f32(k, y, x, w, b, n, in, out);
-    } else {
-        s = fwd_lowp(k, y, x, w, b, n, in, out, dt);
-    }
-    return s;
+    /* y (N,O) = x (N,I) . W^T, W stored (O,I) */
+    mm_job j = {.p = mm_plan_for(n, out), .K = in, .a = x, .b = w, .bias = b, .c = y, .tb = 1,
+                .lda = in, .ldb = in, .ldc = out, .ab_dt = dt, .c_dt = dt};
+    j.t1 = j.p.tm * j.p.tn;
+    return mm_run(k, &j);
 }
 
 /* ---- backward ---- */
@@ -265,94 +344,17 @@ static void bias_grad(const mti_kctx *k, float *db, const void *dy, int n, int o
     }
 }
 
-/* dx (N,I) fp32 = (or +=) dy (N,O) . W (O,I). */
-static void dx_f32(const mti_kctx *k, float *dx, const float *dy, const float *w, int n, int in, int out,
-                   int accumulate)
-{
-    mm_plan p = mm_plan_for(n, in);
-    int nt = plan_threads(k, &p);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = 0; t < p.tm * p.tn; t++) {
-        int m0, mc, n0, nc;
-        tile_at(&p, t, &m0, &mc, &n0, &nc);
-        float *dxt = dx + (size_t)m0 * (size_t)in + (size_t)n0;
-        if (out > 0)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, mc, nc, out, 1.0f,
-                        dy + (size_t)m0 * (size_t)out, out, w + n0, in,
-                        accumulate ? 1.0f : 0.0f, dxt, in);
-        else if (!accumulate)
-            for (int i = 0; i < mc; i++) memset(dxt + (size_t)i * (size_t)in, 0, (size_t)nc * sizeof(float));
-    }
-}
-
 /* Rows [o0, o1) of dW (O,I) fp32 += dy^T (O,N) . x (N,I), dw pointing at
  * row o0; o0 and o1 on tile-row boundaries of the plan of the whole dW, so
- * every row is made by the same sgemm call as when dW is made whole. */
-static void dw_f32(const mti_kctx *k, float *dw, const float *dy, const float *x, int n, int in, int out, int o0,
-                   int o1)
+ * every row is made by the same GEMM call as when dW is made whole. */
+static mt_status dw_job(const mti_kctx *k, float *dw, const void *dy, const void *x, int n,
+                        int in, int out, int o0, int o1, mti_dtype dt)
 {
-    mm_plan p = mm_plan_for(out, in);
-    int t0 = o0 / p.mb * p.tn, t1 = ceil_div(o1, p.mb) * p.tn;
-    int nt = mini(mti_cpu_threads(k), t1 - t0);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = t0; t < t1; t++) {
-        int m0, mc, n0, nc;
-        tile_at(&p, t, &m0, &mc, &n0, &nc);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, mc, nc, n, 1.0f, dy + m0, out,
-                    x + n0, in, 1.0f, dw + (size_t)(m0 - o0) * (size_t)in + (size_t)n0, in);
-    }
-}
-
-/* dx (N,I) in fp16/bf16 = (or +=) dy W; a tile starts as 0 or as dx. */
-static mt_status dx_lowp(const mti_kctx *k, void *dx, const void *dy, const void *w, int n,
-                         int in, int out, mti_dtype dt, int accumulate)
-{
-    mm_plan p = mm_plan_for(n, in);
-    int nt = plan_threads(k, &p);
-    mm_work wk;
-    mt_status s = mm_work_take(k, &wk, &p, nt, 1);
-    if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
-    const mm_operand A = {dy, (size_t)out, 0}, B = {w, (size_t)in, 0};
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = 0; t < p.tm * p.tn; t++) {
-        int m0, mc, n0, nc;
-        float *pa, *pb, *acc = mm_work_thread(&wk, &pa, &pb);
-        tile_at(&p, t, &m0, &mc, &n0, &nc);
-        size_t at = (size_t)m0 * (size_t)in + (size_t)n0;
-        if (accumulate) load_panel(acc, dx, dt, at, (size_t)in, mc, nc);
-        else memset(acc, 0, (size_t)mc * (size_t)nc * sizeof(float));
-        mm_tile(acc, nc, &A, &B, dt, m0, mc, n0, nc, out, pa, pb);
-        for (int i = 0; i < mc; i++)
-            mti_cpu_store_f32(dx, dt, at + (size_t)i * (size_t)in, acc + (size_t)i * (size_t)nc,
-                              (size_t)nc);
-    }
-    mti_work_free(k, &wk.blk);
-    return MT_OK;
-}
-
-/* Rows [o0, o1) of dW (O,I) fp32 += dy^T x, tile by tile in place (as
- * dw_f32). */
-static mt_status dw_lowp(const mti_kctx *k, float *dw, const void *dy, const void *x, int n,
-                         int in, int out, int o0, int o1, mti_dtype dt)
-{
-    mm_plan p = mm_plan_for(out, in);
-    int t0 = o0 / p.mb * p.tn, t1 = ceil_div(o1, p.mb) * p.tn;
-    int nt = mini(plan_threads(k, &p), t1 - t0);
-    mm_work wk;
-    mt_status s = mm_work_take(k, &wk, &p, nt, 0);
-    if (s || mti_dry(k)) return mm_work_give(k, &wk, s);
-    const mm_operand A = {dy, (size_t)out, 1}, B = {x, (size_t)in, 0}; /* op(A) = dy^T (O,N) */
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int t = t0; t < t1; t++) {
-        int m0, mc, n0, nc;
-        float *pa, *pb;
-        mm_work_thread(&wk, &pa, &pb);
-        tile_at(&p, t, &m0, &mc, &n0, &nc);
-        mm_tile(dw + (size_t)(m0 - o0) * (size_t)in + (size_t)n0, in, &A, &B, dt, m0, mc, n0, nc,
-                n, pa, pb);
-    }
-    mti_work_free(k, &wk.blk);
-    return MT_OK;
+    mm_job j = {.p = mm_plan_for(out, in), .K = n, .a = dy, .b = x, .c = dw, .ta = 1,
+                .accumulate = 1, .lda = out, .ldb = in, .ldc = in, .ab_dt = dt,
+                .c_dt = MTI_F32, .c_row0 = o0};
+    j.t0 = o0 / j.p.mb * j.p.tn, j.t1 = ceil_div(o1, j.p.mb) * j.p.tn;
+    return mm_run(k, &j);
 }
 
 mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
@@ -366,14 +368,14 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
     if (db && out > 0 && !mti_dry(k)) bias_grad(k, db, dy, n, out, dt);
     if (in == 0) return MT_OK; /* dx and dW are empty */
     mt_status s = MT_OK;
-    if (dt == MTI_F32) {
-        if (mti_dry(k)) return MT_OK; /* no workspace */
-        if (dx) dx_f32(k, dx, dy, w, n, in, out, accumulate);
-        if (dw && out > 0) dw_f32(k, dw, dy, x, n, in, out, 0, out);
-    } else {
-        if (dx) s = dx_lowp(k, dx, dy, w, n, in, out, dt, accumulate);
-        if (!s && dw && out > 0) s = dw_lowp(k, dw, dy, x, n, in, out, 0, out, dt);
+    if (dx) { /* dx (N,I) = (or +=) dy (N,O) . W (O,I) */
+        mm_job j = {.p = mm_plan_for(n, in), .K = out, .a = dy, .b = w, .c = dx,
+                    .accumulate = accumulate, .lda = out, .ldb = in, .ldc = in, .ab_dt = dt,
+                    .c_dt = dt};
+        j.t1 = j.p.tm * j.p.tn;
+        s = mm_run(k, &j);
     }
+    if (!s && dw && out > 0) s = dw_job(k, dw, dy, x, n, in, out, 0, out, dt);
     return s;
 }
 
@@ -394,9 +396,5 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
                         "or dtype %d",
                         n, in, out, o0, o1, a, (int)dt);
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
-    if (dt == MTI_F32) {
-        if (!mti_dry(k)) dw_f32(k, dw, dy, x, n, in, out, o0, o1);
-        return MT_OK;
-    }
-    return dw_lowp(k, dw, dy, x, n, in, out, o0, o1, dt);
+    return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt);
 }
