@@ -26,6 +26,7 @@
  */
 #include <cblas.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,8 +35,10 @@
 
 #include "internal.h"
 #include "kernels.h"
+#include "../kernels/cpu/cpu_ops.h"
 #include "../kernels/cpu/vecmath.h"
 #include "common.h"
+#include "dnnl_direct.h"
 
 static bool quick;
 static mt_context *ctx;
@@ -140,25 +143,62 @@ static void direct_bwd(lin_bufs *L, int n, int in, int out)
         for (int j = 0; j < out; j++) L->db[j] += dy[(size_t)i * out + j];
 }
 
-/* One timed call of target t (0 direct fp32, 1..3 the table in fp32, fp16,
- * bf16); bwd selects the backward. Returns seconds. */
-static double gemm_once(int t, lin_bufs *L, int bwd, int n, int in, int out)
+/* A layer's GEMMs through one threaded oneDNN matmul each: forward x W^T +
+ * b, backward dy W and dW += dy^T x (the bias gradient as direct_bwd). */
+typedef struct dd_layer {
+    dd_mm fwd, dx, dw;
+} dd_layer;
+
+static void dd_layer_make(dd_layer *d, dnnl_data_type_t dt, int n, int in, int out)
 {
-    static const mti_dtype dts[4] = {MTI_F32, MTI_F32, MTI_F16, MTI_BF16};
+    dd_make(&d->fwd, n, out, in, 0, 1, dt, dt, 1, 0);
+    dd_make(&d->dx, n, in, out, 0, 0, dt, dt, 0, 0);
+    dd_make(&d->dw, out, in, n, 1, 0, dt, dnnl_f32, 0, 1);
+}
+
+static void dd_layer_free(dd_layer *d) { dd_free(&d->fwd), dd_free(&d->dx), dd_free(&d->dw); }
+
+static void dd_layer_run(const dd_layer *d, lin_bufs *L, int bwd, int n, int out, mti_dtype dt)
+{
+    if (!bwd) {
+        dd_run(&d->fwd, L->x, L->w, L->y, L->b);
+        return;
+    }
+    dd_run(&d->dx, L->dy, L->w, L->dx, NULL);
+    dd_run(&d->dw, L->dy, L->x, L->dw, NULL);
+    float row[4096];
+    for (int i = 0; i < n; i++)
+        for (int j0 = 0; j0 < out; j0 += 4096) {
+            int len = out - j0 < 4096 ? out - j0 : 4096;
+            mti_cpu_load_f32(row, L->dy, dt, (size_t)i * out + j0, (size_t)len);
+            for (int j = 0; j < len; j++) L->db[j0 + j] += row[j];
+        }
+}
+
+/* The targets of (a), in turns. */
+enum { T_BLAS, T_DD32, T_DD16, T_TAB32, T_TAB_F16, T_TAB16, N_TARGETS };
+static const mti_dtype target_dt[N_TARGETS] = {MTI_F32, MTI_F32, MTI_BF16,
+                                               MTI_F32, MTI_F16, MTI_BF16};
+
+/* One timed call of target t; bwd selects the backward. Returns seconds. */
+static double gemm_once(int t, lin_bufs *L, const dd_layer *dd, int bwd, int n, int in, int out)
+{
     const mti_ops *ops = ctx->ops;
     double t0 = now_s();
     mt_status s = MT_OK;
-    if (t == 0) {
-        /* OpenBLAS threaded the way a direct caller has it; the library keeps it
-           single-threaded inside its own parallel loops (see kernels/cpu/ops.c) */
+    if (t == T_BLAS) {
+        /* OpenBLAS threaded the way a direct caller has it */
         openblas_set_num_threads(mti_cpu_threads(&K));
         if (bwd) direct_bwd(L, n, in, out);
         else direct_fwd(L, n, in, out);
         openblas_set_num_threads(1);
+    } else if (t == T_DD32 || t == T_DD16) {
+        dd_layer_run(dd, L, bwd, n, out, target_dt[t]);
     } else if (bwd) {
-        s = ops->matmul_bwd(&K, L->dx, L->dw, L->db, L->dy, L->x, L->w, n, in, out, dts[t], 0);
+        s = ops->matmul_bwd(&K, L->dx, L->dw, L->db, L->dy, L->x, L->w, n, in, out, target_dt[t],
+                            0);
     } else {
-        s = ops->matmul_fwd(&K, L->y, L->x, L->w, L->b, n, in, out, dts[t]);
+        s = ops->matmul_fwd(&K, L->y, L->x, L->w, L->b, n, in, out, target_dt[t]);
     }
     if (s) die("matmul", s);
     return now_s() - t0;
@@ -172,51 +212,59 @@ static void gemm_bench(void)
     static const int rows_full[] = {256, 1024}, rows_quick[] = {256};
     const int *rows = quick ? rows_quick : rows_full;
     const int n_rows = quick ? 1 : 2, batches = quick ? 5 : 15;
-    printf("\n## (a) GEMM: the table vs direct cblas_sgemm, %d threads\n\n", mti_cpu_threads(&K));
-    printf("Median ms per call over %d batches, the four targets in turns. Forward: y = x W^T + b "
-           "(N,in) -> (N,out). Backward: dx, dW and db. Speed ratios: direct / table time "
-           "(target >= 0.95), fp32 table / fp16 or bf16 table time (target >= 0.8).\n\n",
-           batches);
-    printf("| layer | N x in -> out | pass | direct ms | table fp32 ms | fp16 ms | bf16 ms | "
-           "table fp32 / direct | fp16 / fp32 | bf16 / fp32 | table fp32 GFLOP/s |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("\n## (a) GEMM: the table vs direct GEMM calls, %d threads\n\n", mti_cpu_threads(&K));
+    printf("Median GFLOP/s over %d batches, the %d targets in turns. Forward: y = x W^T + b "
+           "(N,in) -> (N,out). Backward: dx, dW and db. \"direct\": one GEMM call per product "
+           "on the whole matrices, threaded by the GEMM library (OpenBLAS cblas_sgemm; oneDNN "
+           "matmul fp32 and bf16). \"table\": the op table (tiles by shape, single-threaded "
+           "oneDNN calls in the library's threads; results independent of the thread count).\n\n",
+           batches, N_TARGETS);
+    printf("| layer | N x in -> out | pass | OpenBLAS fp32 | oneDNN fp32 | oneDNN bf16 | "
+           "table fp32 | table fp16 | table bf16 | table fp32 / OpenBLAS | table fp32 / oneDNN "
+           "fp32 | table bf16 / table fp32 |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     double worst[3] = {1e9, 1e9, 1e9};
     for (int r = 0; r < n_rows; r++)
         for (size_t l = 0; l < sizeof layers / sizeof *layers; l++) {
             int n = rows[r], in = layers[l].in, out = layers[l].out;
-            lin_bufs L[4];
-            lin_make(&L[0], MTI_F32, n, in, out);
-            lin_make(&L[1], MTI_F32, n, in, out);
-            lin_make(&L[2], MTI_F16, n, in, out);
-            lin_make(&L[3], MTI_BF16, n, in, out);
+            lin_bufs L[N_TARGETS];
+            for (int t = 0; t < N_TARGETS; t++) lin_make(&L[t], target_dt[t], n, in, out);
+            dd_layer dd32, dd16;
+            dd_layer_make(&dd32, dnnl_f32, n, in, out);
+            dd_layer_make(&dd16, dnnl_bf16, n, in, out);
             double flops = 2.0 * n * in * out;
             for (int bwd = 0; bwd < 2; bwd++) {
                 /* calls per batch: about 20 ms of work at 100 GFLOP/s */
                 double work = flops * (bwd ? 2 : 1);
                 int reps = (int)fmax(1.0, fmin(50.0, 2e9 / work));
-                static double v[4][64];
+                static double v[N_TARGETS][64];
                 for (int b = -1; b < batches; b++) /* one warm-up round */
-                    for (int t = 0; t < 4; t++) {
+                    for (int t = 0; t < N_TARGETS; t++) {
                         double s = 0;
-                        for (int i = 0; i < reps; i++) s += gemm_once(t, &L[t], bwd, n, in, out);
+                        for (int i = 0; i < reps; i++)
+                            s += gemm_once(t, &L[t], t == T_DD16 ? &dd16 : &dd32, bwd, n, in,
+                                           out);
                         if (b >= 0) v[t][b] = s / reps;
                     }
-                double m[4];
-                for (int t = 0; t < 4; t++) m[t] = median(v[t], batches);
-                double r32 = m[0] / m[1], r16 = m[1] / m[2], rb16 = m[1] / m[3];
-                worst[0] = fmin(worst[0], r32);
-                worst[1] = fmin(worst[1], r16);
-                worst[2] = fmin(worst[2], rb16);
-                printf("| %s | %d x %d -> %d | %s | %.3f | %.3f | %.3f | %.3f | %.2fx | %.2fx | "
-                       "%.2fx | %.0f |\n",
-                       layers[l].name, n, in, out, bwd ? "bwd" : "fwd", 1e3 * m[0], 1e3 * m[1],
-                       1e3 * m[2], 1e3 * m[3], r32, r16, rb16, work / m[1] * 1e-9);
+                double g[N_TARGETS];
+                for (int t = 0; t < N_TARGETS; t++) g[t] = work / median(v[t], batches) * 1e-9;
+                double r0 = g[T_TAB32] / g[T_BLAS], r1 = g[T_TAB32] / g[T_DD32],
+                       r2 = g[T_TAB16] / g[T_TAB32];
+                worst[0] = fmin(worst[0], r0);
+                worst[1] = fmin(worst[1], r1);
+                worst[2] = fmin(worst[2], r2);
+                printf("| %s | %d x %d -> %d | %s |", layers[l].name, n, in, out,
+                       bwd ? "bwd" : "fwd");
+                for (int t = 0; t < N_TARGETS; t++) printf(" %.0f |", g[t]);
+                printf(" %.2fx | %.2fx | %.2fx |\n", r0, r1, r2);
                 fflush(stdout);
             }
-            for (int t = 0; t < 4; t++) lin_free(&L[t]);
+            dd_layer_free(&dd32);
+            dd_layer_free(&dd16);
+            for (int t = 0; t < N_TARGETS; t++) lin_free(&L[t]);
         }
-    printf("\nLowest ratios: table fp32 / direct %.2fx (target 0.95), fp16 / fp32 %.2fx, "
-           "bf16 / fp32 %.2fx (target 0.8).\n",
+    printf("\nLowest ratios: table fp32 / OpenBLAS %.2fx, table fp32 / oneDNN fp32 %.2fx, "
+           "table bf16 / table fp32 %.2fx.\n",
            worst[0], worst[1], worst[2]);
 }
 
@@ -612,6 +660,7 @@ int main(int argc, char **argv)
         return 1;
     }
     K.ctx = ctx, K.dev = ctx->dev;
+    omp_set_num_threads(mti_cpu_threads(&K)); /* oneDNN's threads in the direct calls */
     printf("# bench_kernels (memtrain %s, %s, OpenBLAS %s, OPENBLAS_THREAD_TIMEOUT=%s, "
            "OMP_WAIT_POLICY=%s)\n",
            mt_version(), mt_context_device_name(ctx), openblas_get_config(),
