@@ -13,6 +13,10 @@
  *   - Handles are opaque. Configuration structs start with struct_size and
  *     have an _init function that fills the defaults: always call it first, so
  *     a program built against an older header keeps working.
+ *   - A NULL configuration (mt_context_config, mt_allocator_config,
+ *     mt_trainer_config, and the configs of the estimates) means its
+ *     defaults, as its _init sets them. What says what to build or read (a
+ *     model spec, an mt_data_config) is never NULL: MT_ERR_INVALID_ARG.
  *
  * The allocator plug-in contract (for people writing their own allocator) is
  * in memtrain/allocator.h; communicators (data-parallel runs over MPI, NCCL
@@ -273,9 +277,10 @@ typedef struct mt_context_config {
 /* Fills cfg with the defaults. */
 void mt_context_config_init(mt_context_config *cfg);
 
-/* Creates a context: opens the device, makes the allocators. On failure *out
- * is set to NULL and the message is in mt_last_error(NULL). Asking for CUDA
- * where there is no driver or device gives MT_ERR_NO_DEVICE and says which. */
+/* Creates a context (cfg NULL: the defaults): opens the device, makes the
+ * allocators. On failure *out is set to NULL and the message is in
+ * mt_last_error(NULL). Asking for CUDA where there is no driver or device
+ * gives MT_ERR_NO_DEVICE and says which. */
 mt_status mt_context_create(const mt_context_config *cfg, mt_context **out);
 
 /* Frees everything the context owns. Models and trainers made from it must be
@@ -360,7 +365,8 @@ typedef struct mt_allocator_stats {
 /* Makes a standalone allocator instance on the context's device (for
  * applications that manage their own memory, for replaying traces, for
  * tests). Its memory is counted in its own stats, not in the context's
- * classes. Destroy it before the context. */
+ * classes. cfg NULL: the defaults (a caching allocator, no limit). Destroy
+ * it before the context. */
 mt_status mt_allocator_create(mt_context *ctx, const mt_allocator_config *cfg,
                               mt_allocator **out);
 /* Frees all the instance's memory, live blocks included. NULL is accepted. */
@@ -820,7 +826,8 @@ typedef struct mt_trainer_config {
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
-/* Makes a trainer for a model: gradients, optimizer state, activations. */
+/* Makes a trainer for a model: gradients, optimizer state, activations.
+ * cfg NULL: the defaults (mt_trainer_config_init). */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
 /* Auto-fit: fits cfg to cfg->memory_budget for an effective batch of
@@ -972,8 +979,8 @@ typedef struct mt_estimate_report {
 } mt_estimate_report;
 
 /* For a model made with mt_model_create from spec, on a context made from
- * cc, trained with tc. Bad specs and configs give the errors model and
- * trainer creation give. */
+ * cc, trained with tc (either NULL: its defaults). Bad specs and configs
+ * give the errors model and trainer creation give. */
 mt_status mt_estimate(const mt_context_config *cc, const mt_model_spec *spec,
                       const mt_trainer_config *tc, mt_estimate_report *out);
 mt_status mt_estimate_mlp(const mt_context_config *cc, const mt_mlp_spec *spec,

@@ -83,9 +83,14 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
                          const mt_trainer_config *tc, mt_context *report_to,
                          mt_estimate_report *out)
 {
-    if (!spec || !tc || !out)
+    if (!spec || !out)
         return mti_fail(report_to, MT_ERR_INVALID_ARG, "estimate: %s is NULL",
-                        !spec ? "the model spec" : !tc ? "the trainer config" : "out");
+                        !spec ? "the model spec" : "out");
+    mt_trainer_config defaults;
+    if (!tc) { /* NULL: the defaults */
+        mt_trainer_config_init(&defaults);
+        tc = &defaults;
+    }
     memset(out, 0, sizeof *out);
     /* cc as it is: the allocators, their options and limits (the arena sizes
        its chunks by its limit, so a run that would pass a limit fails the

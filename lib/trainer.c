@@ -477,9 +477,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
 {
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_create: model is NULL");
     mt_context *ctx = m->ctx;
-    if (!cfg || !out)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trainer_create: %s is NULL",
-                        cfg ? "out" : "cfg");
+    if (!out) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_trainer_create: out is NULL");
+    mt_trainer_config defaults;
+    if (!cfg) { /* NULL: the defaults */
+        mt_trainer_config_init(&defaults);
+        cfg = &defaults;
+    }
     mt_status s = check_config(ctx, m, cfg);
     if (s) return s;
     if (!ctx->ops)

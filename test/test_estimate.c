@@ -448,7 +448,7 @@ TEST(estimate_refuses_bad_specs)
     CHECK_ST(MT_ERR_INVALID_ARG, mt_estimate_gpt(&cc, &g, &tc, &r));
     CHECK(strstr(mt_last_error(NULL), "accumulation"));
     trainer_config(&tc, &e);
-    CHECK_ST(MT_ERR_INVALID_ARG, mt_estimate_gpt(&cc, &g, NULL, &r));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_estimate_gpt(&cc, NULL, &tc, &r));
     /* CUDA needs no GPU: a current GPU's geometry and the CUDA table's
        workspace (every GEMM takes 4 MiB) */
     mt_estimate_report cpu;
