@@ -630,7 +630,7 @@ typedef struct mt_gpt_spec {
 void mt_gpt_spec_init(mt_gpt_spec *s);
 
 mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model **out);
-/* Loads an llm.c model checkpoint (fp32, ../shared/REFERENCES.md) into a
+/* Loads an llm.c model checkpoint (fp32; layout in docs/formats.md) into a
  * new GPT model. Truncated, corrupt or unknown files give MT_ERR_FORMAT. */
 mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out);
 /* Writes a GPT model as an llm.c model checkpoint (fp32), atomically. */
@@ -1030,7 +1030,7 @@ mt_status mt_trace_export_svg(mt_context *ctx, const mt_trace *t, const mt_estim
 /* ------------------------------------------------------------------------ */
 
 /* Text (each byte a token, vocabulary 256) or an llm.c token file (uint16
- * tokens after a 256-int header: ../shared/REFERENCES.md), split into
+ * tokens after a 256-int header: docs/formats.md), split into
  * training and validation (the last val_fraction), cut into windows of
  * seq_len + 1 tokens (stride seq_len) and served as batches: training
  * windows in an order shuffled per epoch from the seed, validation windows

@@ -1,7 +1,7 @@
 /*
  * gpt.c - llm.c model checkpoints in and out of GPT models.
  *
- * The file (../shared/REFERENCES.md, docs/formats.md): a header of 256
+ * The file (docs/formats.md): a header of 256
  * little-endian int32 ([0] 20240326, [1] 3 for fp32, [2] max_seq, [3]
  * vocab, [4] layers, [5] heads, [6] channels, [7] padded vocab), then every
  * parameter as fp32 in llm.c's order, which is the model's get/set_params
