@@ -19,7 +19,7 @@ CFLAGS ?= -O2 -g
 CPPFLAGS += -Iinclude -Ilib -D_GNU_SOURCE
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 MT_CFLAGS := -std=c11 $(WARN) -fopenmp -pthread -fno-strict-aliasing -fno-math-errno
-LDLIBS := -ljemalloc -ldnnl -lopenblas -ldl -lm -lpthread
+LDLIBS := -ljemalloc -ldnnl -ldl -lm -lpthread
 MT_LDFLAGS := -fopenmp -pthread
 ifeq ($(SAN),1)
 SAN_FLAGS := -fsanitize=address,undefined
@@ -29,7 +29,7 @@ endif
 
 # Debian packages the build needs, and those the tests need besides
 # (rsvg-convert renders the memory plots the tests write).
-DEB_PKGS := libjemalloc-dev libdnnl-dev libopenblas-dev pkg-config libopenmpi-dev openmpi-bin
+DEB_PKGS := libjemalloc-dev libdnnl-dev pkg-config libopenmpi-dev openmpi-bin
 TEST_DEB_PKGS := librsvg2-bin
 
 # CUDA kernels: built whenever nvcc is found; nothing needs a GPU to build.

@@ -16,7 +16,7 @@
  *              [--lr X] [--wd X] [--fused] [--recompute none|sqrt|selective|every:K]
  *              [--no-master] [--micro N] [--tokens FILE] [--llmc-checkpoint FILE]
  *              [--allocator caching|arena|pool|checkpoint]
- *   bench_gpt2 --sgemm [shape flags] [--batch B] [--seq T] [--threads N]
+ *   bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]
  *
  * A step is one mt_trainer_step (forward, backward, optimizer); times are
  * over --steps steps after --warmup untimed ones; losses holds every step's
@@ -40,18 +40,18 @@
  * --no-master: bf16 without fp32 master weights (mt_trainer_config
  * .master_weights = 0).
  *
- * --sgemm measures OpenBLAS instead: the GEMMs of one training step at the
- * given shape (every linear layer's forward x W^T, backward dY W and
- * dY^T X, L blocks and the LM head), cblas_sgemm threaded over --threads
- * threads, and prints their total FLOP and the rate.
- *
+ * --gemm measures oneDNN's fp32 matmul instead: the GEMMs of one training
+ * step at the given shape (every linear layer's forward x W^T, backward dY W
+ * and dY^T X, L blocks and the LM head), each one whole-matrix matmul
+ * threaded by oneDNN over --threads threads, and prints their total FLOP and
+ * the rate. *
  * Errors print a message and exit 1; an optimizer or precision the library
  * does not have yet gives a message starting "unsupported:".
  */
-#include <cblas.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <omp.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -63,6 +63,7 @@
 
 #include <memtrain.h>
 #include "common.h"
+#include "dnnl_direct.h"
 
 #define TOKENS_MAGIC 20240520
 #define TOKENS_VERSION 1
@@ -73,7 +74,7 @@ typedef struct options {
     int batch, seq, steps, warmup, threads, micro, recompute_every;
     uint64_t seed;
     float lr, wd;
-    int fused, sgemm, no_master;
+    int fused, gemm, no_master;
     const char *precision, *optimizer, *recompute, *tokens, *checkpoint, *allocator;
 } options;
 
@@ -147,7 +148,7 @@ static void usage(void)
           "                  [--fused] [--recompute none|sqrt|selective|every:K] [--no-master]\n"
           "                  [--micro N]"
           " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME]\n"
-          "       bench_gpt2 --sgemm [shape flags] [--batch B] [--seq T] [--threads N]\n",
+          "       bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]\n",
           stderr);
 }
 
@@ -167,8 +168,8 @@ static void parse(int argc, char **argv, options *o)
             o->fused = 1;
             continue;
         }
-        if (!strcmp(a, "--sgemm")) {
-            o->sgemm = 1;
+        if (!strcmp(a, "--gemm")) {
+            o->gemm = 1;
             continue;
         }
         if (!strcmp(a, "--no-master")) {
@@ -436,7 +437,7 @@ static int train(const options *o)
     return 0;
 }
 
-/* ---- OpenBLAS's rate at the step's GEMM shapes ---- */
+/* ---- oneDNN's fp32 rate at the step's GEMM shapes ---- */
 
 typedef struct gemm_shape {
     int in, out, count; /* a linear layer (in -> out) that appears `count` times per step */
@@ -451,43 +452,43 @@ static float *randoms(size_t n)
 }
 
 /* Seconds for one layer's three GEMMs (forward, dX, dW), N rows. */
-static double gemm_layer(int N, int in, int out, const float *x, const float *w,
-                         const float *dy, float *y, float *dx, float *dw)
+static double gemm_layer(const dd_mm *g, const float *x, const float *w, const float *dy, float *y,
+                         float *dx, float *dw)
 {
     double t0 = now_s();
-    /* y (N,out) = x (N,in) W^T, W (out,in) */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, out, in, 1.0f, x, in, w, in, 0.0f, y,
-                out);
-    /* dx (N,in) = dy (N,out) W */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, in, out, 1.0f, dy, out, w, in, 0.0f,
-                dx, in);
-    /* dW (out,in) += dy^T x */
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, N, 1.0f, dy, out, x, in, 1.0f,
-                dw, in);
+    dd_run(&g[0], x, w, y, NULL);   /* y (N,out) = x (N,in) W^T, W (out,in) */
+    dd_run(&g[1], dy, w, dx, NULL); /* dx (N,in) = dy (N,out) W */
+    dd_run(&g[2], dy, x, dw, NULL); /* dW (out,in) += dy^T x */
     return now_s() - t0;
 }
 
-static int sgemm_rate(const options *o)
+static int gemm_rate(const options *o)
 {
     int C = o->channels, L = o->layers, N = o->batch * o->seq;
     int Vp = o->padded_vocab ? o->padded_vocab : (o->vocab + 127) / 128 * 128;
     const gemm_shape shapes[] = {{C, 3 * C, L}, {C, C, L}, {C, 4 * C, L}, {4 * C, C, L},
                                  {C, Vp, 1}};
     const int n_shapes = (int)(sizeof shapes / sizeof *shapes), reps = 5;
-    openblas_set_num_threads(o->threads);
+    omp_set_num_threads(o->threads);
     rng_state = o->seed * 0x9E3779B97F4A7C15ull + 1;
     double flop = 0.0, seconds = 0.0;
-    printf("{\"impl\": \"openblas-sgemm\", \"openblas\": \"%s\", \"threads\": %d, \"N\": %d, "
-           "\"shapes\": [",
-           openblas_get_config(), o->threads, N);
+    const dnnl_version_t *ver = dnnl_version();
+    printf("{\"impl\": \"onednn-gemm\", \"onednn\": \"oneDNN %d.%d.%d\", \"threads\": %d, "
+           "\"N\": %d, \"shapes\": [",
+           ver->major, ver->minor, ver->patch, o->threads, N);
     for (int i = 0; i < n_shapes; i++) {
         int in = shapes[i].in, out = shapes[i].out;
         float *x = randoms((size_t)N * in), *w = randoms((size_t)out * in),
               *dy = randoms((size_t)N * out), *y = randoms((size_t)N * out),
               *dx = randoms((size_t)N * in), *dw = randoms((size_t)out * in);
         double t[8];
-        gemm_layer(N, in, out, x, w, dy, y, dx, dw); /* warm the caches and threads */
-        for (int r = 0; r < reps; r++) t[r] = gemm_layer(N, in, out, x, w, dy, y, dx, dw);
+        dd_mm g[3];
+        dd_make(&g[0], N, out, in, 0, 1, dnnl_f32, dnnl_f32, 0, 0);
+        dd_make(&g[1], N, in, out, 0, 0, dnnl_f32, dnnl_f32, 0, 0);
+        dd_make(&g[2], out, in, N, 1, 0, dnnl_f32, dnnl_f32, 0, 1);
+        gemm_layer(g, x, w, dy, y, dx, dw); /* warm the caches and threads */
+        for (int r = 0; r < reps; r++) t[r] = gemm_layer(g, x, w, dy, y, dx, dw);
+        for (int k = 0; k < 3; k++) dd_free(&g[k]);
         double sec = median(t, reps), f = 6.0 * N * (double)in * out;
         printf("%s{\"in\": %d, \"out\": %d, \"count\": %d, \"ms\": %.3f, \"gflops\": %.1f}",
                i ? ", " : "", in, out, shapes[i].count, 1e3 * sec, 1e-9 * f / sec);
@@ -504,5 +505,5 @@ int main(int argc, char **argv)
 {
     options o;
     parse(argc, argv, &o);
-    return o.sgemm ? sgemm_rate(&o) : train(&o);
+    return o.gemm ? gemm_rate(&o) : train(&o);
 }

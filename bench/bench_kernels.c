@@ -3,10 +3,10 @@
  * what they replace, in one run.
  *
  * (a) GEMM: matmul_fwd and matmul_bwd through the table on GPT-2-shaped
- *     linear layers, against direct cblas_sgemm calls on the same shapes
- *     (OpenBLAS threaded over the same number of threads), and the fp16 and
- *     bf16 paths against the fp32 one. Targets: fp32 table >= 0.95x direct;
- *     fp16/bf16 >= 0.8x the fp32 table.
+ *     linear layers in fp32, fp16 and bf16, against whole-matrix oneDNN
+ *     matmuls on the same shapes threaded by oneDNN over the same number of
+ *     threads (fp32 and bf16), in GFLOP/s. Targets: table fp32 >= 0.9x
+ *     direct fp32; table bf16 no slower than table fp32.
  * (b) Attention (B 4, C 768, H 12): the table's memory-efficient attention
  *     against a naive one that materialises the (T,T) scores and
  *     probabilities: bytes kept from forward to backward (counted from the
@@ -24,7 +24,6 @@
  *
  * Usage: bench_kernels [--quick] [--threads N]
  */
-#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -122,29 +121,9 @@ static void lin_free(lin_bufs *L)
     give(&L->bdy), give(&L->bdx), give(&L->bdw), give(&L->bdb);
 }
 
-/* What a caller without the table would write: bias rows, then one threaded
- * sgemm; backward two sgemms and a row loop for the bias. */
-static void direct_fwd(lin_bufs *L, int n, int in, int out)
-{
-    float *y = L->y;
-    for (int i = 0; i < n; i++) memcpy(y + (size_t)i * out, L->b, (size_t)out * 4);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, L->x, in, L->w, in,
-                1.0f, y, out);
-}
-
-static void direct_bwd(lin_bufs *L, int n, int in, int out)
-{
-    const float *dy = L->dy;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, in, out, 1.0f, dy, out, L->w, in,
-                0.0f, L->dx, in);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, n, 1.0f, dy, out, L->x, in,
-                1.0f, L->dw, in);
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < out; j++) L->db[j] += dy[(size_t)i * out + j];
-}
-
 /* A layer's GEMMs through one threaded oneDNN matmul each: forward x W^T +
- * b, backward dy W and dW += dy^T x (the bias gradient as direct_bwd). */
+ * b, backward dy W and dW += dy^T x, and the bias gradient summed row after
+ * row. What a caller without the table would write. */
 typedef struct dd_layer {
     dd_mm fwd, dx, dw;
 } dd_layer;
@@ -176,9 +155,8 @@ static void dd_layer_run(const dd_layer *d, lin_bufs *L, int bwd, int n, int out
 }
 
 /* The targets of (a), in turns. */
-enum { T_BLAS, T_DD32, T_DD16, T_TAB32, T_TAB_F16, T_TAB16, N_TARGETS };
-static const mti_dtype target_dt[N_TARGETS] = {MTI_F32, MTI_F32, MTI_BF16,
-                                               MTI_F32, MTI_F16, MTI_BF16};
+enum { T_DD32, T_DD16, T_TAB32, T_TAB_F16, T_TAB16, N_TARGETS };
+static const mti_dtype target_dt[N_TARGETS] = {MTI_F32, MTI_BF16, MTI_F32, MTI_F16, MTI_BF16};
 
 /* One timed call of target t; bwd selects the backward. Returns seconds. */
 static double gemm_once(int t, lin_bufs *L, const dd_layer *dd, int bwd, int n, int in, int out)
@@ -186,13 +164,7 @@ static double gemm_once(int t, lin_bufs *L, const dd_layer *dd, int bwd, int n, 
     const mti_ops *ops = ctx->ops;
     double t0 = now_s();
     mt_status s = MT_OK;
-    if (t == T_BLAS) {
-        /* OpenBLAS threaded the way a direct caller has it */
-        openblas_set_num_threads(mti_cpu_threads(&K));
-        if (bwd) direct_bwd(L, n, in, out);
-        else direct_fwd(L, n, in, out);
-        openblas_set_num_threads(1);
-    } else if (t == T_DD32 || t == T_DD16) {
+    if (t == T_DD32 || t == T_DD16) {
         dd_layer_run(dd, L, bwd, n, out, target_dt[t]);
     } else if (bwd) {
         s = ops->matmul_bwd(&K, L->dx, L->dw, L->db, L->dy, L->x, L->w, n, in, out, target_dt[t],
@@ -215,14 +187,13 @@ static void gemm_bench(void)
     printf("\n## (a) GEMM: the table vs direct GEMM calls, %d threads\n\n", mti_cpu_threads(&K));
     printf("Median GFLOP/s over %d batches, the %d targets in turns. Forward: y = x W^T + b "
            "(N,in) -> (N,out). Backward: dx, dW and db. \"direct\": one GEMM call per product "
-           "on the whole matrices, threaded by the GEMM library (OpenBLAS cblas_sgemm; oneDNN "
-           "matmul fp32 and bf16). \"table\": the op table (tiles by shape, single-threaded "
+           "on the whole matrices, one oneDNN matmul each, threaded by oneDNN (fp32, bf16). \"table\": the op table (tiles by shape, single-threaded "
            "oneDNN calls in the library's threads; results independent of the thread count).\n\n",
            batches, N_TARGETS);
-    printf("| layer | N x in -> out | pass | OpenBLAS fp32 | oneDNN fp32 | oneDNN bf16 | "
-           "table fp32 | table fp16 | table bf16 | table fp32 / OpenBLAS | table fp32 / oneDNN "
-           "fp32 | table bf16 / table fp32 |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| layer | N x in -> out | pass | direct fp32 | direct bf16 | table fp32 | table fp16 "
+           "| table bf16 | table fp32 / direct fp32 | table bf16 / direct bf16 | table bf16 / "
+           "table fp32 |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
     double worst[3] = {1e9, 1e9, 1e9};
     for (int r = 0; r < n_rows; r++)
         for (size_t l = 0; l < sizeof layers / sizeof *layers; l++) {
@@ -248,7 +219,7 @@ static void gemm_bench(void)
                     }
                 double g[N_TARGETS];
                 for (int t = 0; t < N_TARGETS; t++) g[t] = work / median(v[t], batches) * 1e-9;
-                double r0 = g[T_TAB32] / g[T_BLAS], r1 = g[T_TAB32] / g[T_DD32],
+                double r0 = g[T_TAB32] / g[T_DD32], r1 = g[T_TAB16] / g[T_DD16],
                        r2 = g[T_TAB16] / g[T_TAB32];
                 worst[0] = fmin(worst[0], r0);
                 worst[1] = fmin(worst[1], r1);
@@ -263,7 +234,7 @@ static void gemm_bench(void)
             dd_layer_free(&dd16);
             for (int t = 0; t < N_TARGETS; t++) lin_free(&L[t]);
         }
-    printf("\nLowest ratios: table fp32 / OpenBLAS %.2fx, table fp32 / oneDNN fp32 %.2fx, "
+    printf("\nLowest ratios: table fp32 / direct fp32 %.2fx, table bf16 / direct bf16 %.2fx, "
            "table bf16 / table fp32 %.2fx.\n",
            worst[0], worst[1], worst[2]);
 }
@@ -638,14 +609,9 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    /* OpenBLAS's idle threads spin for about 2^28 cycles after a threaded
-     * call, taking cores from whatever runs next (here: the table's turn).
-     * Let them sleep after 2^4 cycles instead; it reads this at load time. */
-    /* Idle threads must not spin while the other side of a comparison runs:
-     * OpenBLAS's workers after a direct sgemm, OpenMP's after a table op, each
-     * would take a core from the next turn. Both are told to sleep at once. */
-    if (!getenv("OPENBLAS_THREAD_TIMEOUT") || !getenv("OMP_WAIT_POLICY")) {
-        setenv("OPENBLAS_THREAD_TIMEOUT", "4", 0);
+    /* Idle OpenMP threads must not spin while the other side of a comparison
+     * (the plain one-thread loops of (c)) runs: they sleep at once. */
+    if (!getenv("OMP_WAIT_POLICY")) {
         setenv("OMP_WAIT_POLICY", "passive", 0);
         execv("/proc/self/exe", argv);
         /* if re-executing fails, run as we are */
@@ -661,10 +627,9 @@ int main(int argc, char **argv)
     }
     K.ctx = ctx, K.dev = ctx->dev;
     omp_set_num_threads(mti_cpu_threads(&K)); /* oneDNN's threads in the direct calls */
-    printf("# bench_kernels (memtrain %s, %s, OpenBLAS %s, OPENBLAS_THREAD_TIMEOUT=%s, "
-           "OMP_WAIT_POLICY=%s)\n",
-           mt_version(), mt_context_device_name(ctx), openblas_get_config(),
-           getenv("OPENBLAS_THREAD_TIMEOUT"), getenv("OMP_WAIT_POLICY"));
+    printf("# bench_kernels (memtrain %s, %s, OMP_WAIT_POLICY=%s)\n# ", mt_version(),
+           mt_context_device_name(ctx), getenv("OMP_WAIT_POLICY"));
+    dd_describe(stdout);
     gemm_bench();
     att_bench();
     optim_bench();

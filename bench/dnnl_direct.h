@@ -13,6 +13,7 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct dd_mm {
     dnnl_primitive_t prim;
@@ -23,21 +24,21 @@ typedef struct dd_mm {
 static dnnl_engine_t dd_engine;
 static dnnl_stream_t dd_stream;
 
-static void dd_check(dnnl_status_t s, const char *what)
+static inline void dd_check(dnnl_status_t s, const char *what)
 {
     if (s == dnnl_success) return;
     fprintf(stderr, "oneDNN: %s failed (status %d)\n", what, (int)s);
     exit(1);
 }
 
-static void dd_md(dnnl_memory_desc_t *md, int64_t rows, int64_t cols, int trans,
+static inline void dd_md(dnnl_memory_desc_t *md, int64_t rows, int64_t cols, int trans,
                   dnnl_data_type_t dt)
 {
     dnnl_dims_t dims = {rows, cols};
     dd_check(dnnl_memory_desc_init_by_tag(md, 2, dims, dt, trans ? dnnl_ba : dnnl_ab), "md");
 }
 
-static void dd_make(dd_mm *m, int M, int N, int K, int ta, int tb, dnnl_data_type_t ab,
+static inline void dd_make(dd_mm *m, int M, int N, int K, int ta, int tb, dnnl_data_type_t ab,
                     dnnl_data_type_t c, int bias, int accumulate)
 {
     if (!dd_engine) {
@@ -68,7 +69,7 @@ static void dd_make(dd_mm *m, int M, int N, int K, int ta, int tb, dnnl_data_typ
     dnnl_primitive_attr_destroy(attr);
 }
 
-static void dd_run(const dd_mm *m, const void *a, const void *b, void *c, const void *bias)
+static inline void dd_run(const dd_mm *m, const void *a, const void *b, void *c, const void *bias)
 {
     static const int arg[4] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST, DNNL_ARG_BIAS};
     const void *ptr[4] = {a, b, c, bias};
@@ -84,6 +85,42 @@ static void dd_run(const dd_mm *m, const void *a, const void *b, void *c, const 
     for (int i = 0; i < n; i++) dnnl_memory_destroy(mem[i]);
 }
 
-static void dd_free(dd_mm *m) { dnnl_primitive_destroy(m->prim); }
+static inline void dd_free(dd_mm *m) { dnnl_primitive_destroy(m->prim); }
+
+/* One line: the CPU model, the ISA extensions that matter to the GEMMs, and
+ * oneDNN's version and the ISA it runs on. */
+static inline void dd_describe(FILE *f)
+{
+    static const char *isa[] = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile",
+                                "amx_bf16"};
+    char line[8192], model[256] = "unknown", flags[8192] = "";
+    FILE *ci = fopen("/proc/cpuinfo", "r");
+    while (ci && fgets(line, sizeof line, ci)) {
+        char *v = strchr(line, ':');
+        if (!v) continue;
+        v += 1 + (v[1] == ' ');
+        v[strcspn(v, "\n")] = 0;
+        if (!strncmp(line, "model name", 10) && !strcmp(model, "unknown"))
+            snprintf(model, sizeof model, "%s", v);
+        if (!strncmp(line, "flags", 5) && !flags[0]) snprintf(flags, sizeof flags, " %s ", v);
+    }
+    if (ci) fclose(ci);
+    fprintf(f, "CPU: %s; ISA:", model);
+    for (size_t i = 0; i < sizeof isa / sizeof *isa; i++) {
+        char word[64];
+        snprintf(word, sizeof word, " %s ", isa[i]);
+        fprintf(f, " %s%s", strstr(flags, word) ? "" : "no ", isa[i]);
+    }
+    const dnnl_version_t *v = dnnl_version();
+    dnnl_cpu_isa_t e = dnnl_get_effective_cpu_isa();
+    const char *name = e == dnnl_cpu_isa_avx512_core_amx    ? "avx512_core_amx"
+                       : e == dnnl_cpu_isa_avx512_core_bf16 ? "avx512_core_bf16"
+                       : e == dnnl_cpu_isa_avx512_core_vnni ? "avx512_core_vnni"
+                       : e == dnnl_cpu_isa_avx512_core      ? "avx512_core"
+                       : e == dnnl_cpu_isa_avx2_vnni        ? "avx2_vnni"
+                       : e == dnnl_cpu_isa_avx2             ? "avx2"
+                                                            : "other";
+    fprintf(f, "; oneDNN %d.%d.%d on %s\n", v->major, v->minor, v->patch, name);
+}
 
 #endif /* MT_BENCH_DNNL_DIRECT_H */

@@ -13,8 +13,8 @@
 #         together, and again with bf16 without master weights (--no-master;
 #         PyTorch runs its (c) again). Each run by both sides: ours / PyTorch
 #         for ms/step and peak RSS, and each of ours against our own fp32
-#         AdamW run; then the OpenBLAS sgemm rate at the step's GEMM shapes
-#         (bench_gpt2 --sgemm, at the start and the end of each round) and
+#         AdamW run; then oneDNN's fp32 matmul rate at the step's GEMM shapes
+#         (bench_gpt2 --gemm, at the start and the end of each round) and
 #         our step time against 6 x params x tokens / rate.
 #   ckpt  recompute none / every:1 / sqrt / selective (ours, fp32 AdamW):
 #         ms/step against none and the ACT class peak; PyTorch without and
@@ -146,11 +146,11 @@ pair() {
     fi
 }
 
-sgemm() {
-    local cmd="$BIN --sgemm --vocab $V --layers $L --heads $H --channels $C --batch $B --seq $T --threads $THREADS"
+gemm() {
+    local cmd="$BIN --gemm --vocab $V --layers $L --heads $H --channels $C --batch $B --seq $T --threads $THREADS"
     echo "$cmd" >> "$RUN/commands.txt"
     # shellcheck disable=SC2086
-    $cmd > "$DIR/$1.openblas.r$ROUND.json"
+    $cmd > "$DIR/$1.onednn.r$ROUND.json"
 }
 
 unsupported() { grep -qs '^unsupported:' "$DIR/$1.memtrain.r$ROUND.err"; }
@@ -199,7 +199,7 @@ fi
 case ",$SECTIONS," in *,side,*)
     section side "side by side"
     for ROUND in $(seq 1 "$ROUNDS"); do
-        sgemm sgemm_start
+        gemm gemm_start
         pair 0 a_fp32_adamw "(a) fp32 AdamW" "" ""
         pair 1 b_bf16 "(b) bf16" "--precision bf16" "--bf16"
         pair 2 b_adamw8 "(b) 8-bit AdamW" "--optimizer adamw8" "--adamw8"
@@ -215,7 +215,7 @@ case ",$SECTIONS," in *,side,*)
             pair 8 c_avail "(c') all but 8-bit AdamW" "--precision bf16 --fused --recompute sqrt" \
                 "--bf16 --step-in-backward --checkpointing"
         fi
-        sgemm sgemm_end
+        gemm gemm_end
     done
     report side
     ;;

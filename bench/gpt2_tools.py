@@ -131,10 +131,10 @@ def max_loss_diff(a, b):
     return max(abs(x - y) for x, y in zip(a["losses"][:n], b["losses"][:n]))
 
 
-def sgemm(rundir):
+def gemm_rates(rundir):
     rates = []
-    for tag in ("sgemm_start", "sgemm_end"):
-        rates += [r for r in load_rounds(rundir, tag, "openblas") if r and "gflops" in r]
+    for tag in ("gemm_start", "gemm_end"):
+        rates += [r for r in load_rounds(rundir, tag, "onednn") if r and "gflops" in r]
     return rates
 
 
@@ -193,7 +193,7 @@ def report_side(rundir):
         cells += [f1(pc[c]) for c in ("PARAM", "MASTER", "GRAD", "OPTIM", "ACT", "WORK", "IO")]
         print("| " + " | ".join(cells) + " |")
 
-    rates = sgemm(rundir)
+    rates = gemm_rates(rundir)
     if ok(base) and rates:
         print()
         best = max(rates, key=lambda r: r["gflops"])
@@ -201,18 +201,18 @@ def report_side(rundir):
         P = base["params"]
         N = base["B"] * base["T"]
         ideal_ms = 6.0 * P * N / (rate * 1e9) * 1e3
-        print("Roofline: OpenBLAS cblas_sgemm at this step's GEMM shapes, %d threads "
-              "(`bench_gpt2 --sgemm`, at the start and the end of each round): %s GFLOP/s; "
+        print("Roofline: oneDNN fp32 matmul at this step's GEMM shapes, %d threads "
+              "(`bench_gpt2 --gemm`, at the start and the end of each round): %s GFLOP/s; "
               "the best, %.1f, is used (%s)." % (
                   rates[0]["threads"], ", ".join("%.1f" % r["gflops"] for r in rates), rate,
-                  rates[0]["openblas"]))
+                  rates[0]["onednn"]))
         print()
         print("| quantity | value |")
         print("|---|---|")
         print("| params P | %d |" % P)
         print("| tokens per step N = B x T | %d |" % N)
-        print("| 6 P N / sgemm rate | %.1f ms |" % ideal_ms)
-        print("| OpenBLAS time for this step's GEMMs alone | %.1f ms (%.1f GFLOP) |"
+        print("| 6 P N / GEMM rate | %.1f ms |" % ideal_ms)
+        print("| oneDNN time for this step's GEMMs alone | %.1f ms (%.1f GFLOP) |"
               % (best["step_gemm_ms"], best["step_gemm_gflop"]))
         print("| ours, fp32 AdamW, ms/step | %.1f |" % base["ms_per_step_median"])
         print("| ours / (6 P N / rate) | %.2fx |" % (base["ms_per_step_median"] / ideal_ms))

@@ -1,12 +1,9 @@
 /*
  * ops.c - the CPU op table: the reference every other table is checked
- * against, and the CPU backend. GEMMs go through OpenBLAS; everything else
- * is loops threaded with OpenMP where the work pays for it; OpenBLAS runs
+ * against, and the CPU backend. GEMMs go through oneDNN (gemm.c); everything
+ * else is loops threaded with OpenMP where the work pays for it; oneDNN runs
  * single-threaded inside the library's own parallel loops.
  */
-#include <cblas.h>
-#include <pthread.h>
-
 #include "cpu_ops.h"
 
 /* The parallelism is ours: OpenMP over tiles, rows, heads, with the
@@ -16,11 +13,6 @@ int mti_cpu_threads(const mti_kctx *k)
 {
     return k && k->ctx && k->ctx->threads > 0 ? k->ctx->threads : 1;
 }
-
-/* OpenBLAS always runs single-threaded inside our parallel loops, because
- * its own threading changes how a GEMM is cut, and with it the rounding (see
- * matmul.c). Set once per process, before the table is first handed out. */
-static void blas_single_threaded(void) { openblas_set_num_threads(1); }
 
 static const mti_ops cpu_ops = {
     .name = "cpu",
@@ -52,9 +44,4 @@ static const mti_ops cpu_ops = {
     .adafactor = mti_cpu_adafactor,
 };
 
-const mti_ops *mti_cpu_ops(void)
-{
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, blas_single_threaded);
-    return &cpu_ops;
-}
+const mti_ops *mti_cpu_ops(void) { return &cpu_ops; }
