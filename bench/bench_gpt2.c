@@ -15,7 +15,7 @@
  *              [--precision fp32|bf16|fp16] [--optimizer adamw|adamw8|adafactor|sgd]
  *              [--lr X] [--wd X] [--fused] [--recompute none|sqrt|selective|every:K]
  *              [--no-master] [--micro N] [--tokens FILE] [--llmc-checkpoint FILE]
- *              [--allocator caching|arena|pool|checkpoint]
+ *              [--allocator caching|arena|pool|checkpoint] [--profile]
  *   bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]
  *
  * A step is one mt_trainer_step (forward, backward, optimizer); times are
@@ -45,6 +45,10 @@
  * and dY^T X, L blocks and the LM head), each one whole-matrix matmul
  * threaded by oneDNN over --threads threads, and prints their total FLOP and
  * the rate. *
+ * --profile adds the time of every op of the op table, in ms per measured
+ * step (wall clock around each call: profile_ms_per_step), and their sum
+ * (profile_ops_ms_per_step); the rest of a step is the engine's own work.
+ *
  * Errors print a message and exit 1; an optimizer or precision the library
  * does not have yet gives a message starting "unsupported:".
  */
@@ -64,6 +68,7 @@
 #include <memtrain.h>
 #include "common.h"
 #include "dnnl_direct.h"
+#include "op_profile.h"
 
 #define TOKENS_MAGIC 20240520
 #define TOKENS_VERSION 1
@@ -74,7 +79,7 @@ typedef struct options {
     int batch, seq, steps, warmup, threads, micro, recompute_every;
     uint64_t seed;
     float lr, wd;
-    int fused, gemm, no_master;
+    int fused, gemm, no_master, profile;
     const char *precision, *optimizer, *recompute, *tokens, *checkpoint, *allocator;
 } options;
 
@@ -147,7 +152,7 @@ static void usage(void)
           "                  [--optimizer adamw|adamw8|adafactor|sgd] [--lr X] [--wd X]\n"
           "                  [--fused] [--recompute none|sqrt|selective|every:K] [--no-master]\n"
           "                  [--micro N]"
-          " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME]\n"
+          " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME] [--profile]\n"
           "       bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]\n",
           stderr);
 }
@@ -174,6 +179,10 @@ static void parse(int argc, char **argv, options *o)
         }
         if (!strcmp(a, "--no-master")) {
             o->no_master = 1;
+            continue;
+        }
+        if (!strcmp(a, "--profile")) {
+            o->profile = 1;
             continue;
         }
         if (i + 1 >= argc) {
@@ -315,6 +324,7 @@ static int train(const options *o)
     mt_context *ctx;
     mt_status s = mt_context_create(&cc, &ctx);
     if (s) die_status(NULL, "mt_context_create", s);
+    if (o->profile) prof_install(ctx);
     double rss_before = rss_max_mib();
 
     /* a bad token file is reported before the model is built */
@@ -376,6 +386,7 @@ static int train(const options *o)
         mt_batch b = {.n = o->batch, .tokens = tok + pos, .targets = tok + pos + 1,
                       .seq_len = o->seq};
         pos += per_batch;
+        if (i == o->warmup) prof_reset();
         double t0 = now_s();
         s = mt_trainer_step(t, &b, &loss[i]);
         double t1 = now_s();
@@ -398,7 +409,9 @@ static int train(const options *o)
            mt_version(), o->threads, o->batch, o->seq, mt_model_num_params(m), ms_med, ms_min,
            peak_rss, rss_before);
     print_losses(loss, nsteps);
-    printf(", \"steps\": %d, \"warmup\": %d, \"config\": {\"V\": %d, \"Vp\": %d, \"maxT\": %d, "
+    printf(", ");
+    if (o->profile) prof_print(stdout, o->steps);
+    printf("\"steps\": %d, \"warmup\": %d, \"config\": {\"V\": %d, \"Vp\": %d, \"maxT\": %d, "
            "\"L\": %d, \"H\": %d, \"C\": %d}, ",
            o->steps, o->warmup, sp.vocab, sp.padded_vocab, sp.max_seq, sp.layers, sp.heads,
            sp.channels);

@@ -1,0 +1,141 @@
+/*
+ * op_profile.h - time per op of a context's op table: a table of the same
+ * ops, each timing a call of the context's own table (wall clock, seconds,
+ * summed per op). Installed on a fresh context before a model is made;
+ * bench_gpt2 --profile prints it per step.
+ */
+#ifndef MT_BENCH_OP_PROFILE_H
+#define MT_BENCH_OP_PROFILE_H
+
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+#include "kernels.h"
+#include "common.h"
+
+enum {
+    P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_matmul_fwd, P_matmul_bwd,
+    P_matmul_dw_rows, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
+    P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_unscale_check,
+    P_sumsq, P_sgd, P_adamw, P_adamw8, P_adafactor, P_COUNT
+};
+static const char *const prof_names[P_COUNT] = {
+    "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "matmul_fwd", "matmul_bwd",
+    "matmul_dw_rows", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
+    "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "unscale_check",
+    "sumsq", "sgd", "adamw", "adamw8", "adafactor"};
+
+static const mti_ops *prof_inner;
+static double prof_s[P_COUNT];
+static long prof_calls[P_COUNT];
+
+#define PROF(op, params, args)                                                                 \
+    static mt_status prof_##op params                                                          \
+    {                                                                                          \
+        double t0_ = now_s();                                                                  \
+        mt_status s_ = prof_inner->op args;                                                    \
+        prof_s[P_##op] += now_s() - t0_;                                                       \
+        prof_calls[P_##op]++;                                                                  \
+        return s_;                                                                             \
+    }
+
+PROF(cast, (const mti_kctx *k, void *d, mti_dtype dd, const void *s, mti_dtype sd, size_t n,
+            mti_rounding r, uint64_t seed), (k, d, dd, s, sd, n, r, seed))
+PROF(embedding_fwd, (const mti_kctx *k, void *o, const int32_t *t, const void *wte,
+                     const void *wpe, int B, int T, int C, mti_dtype dt),
+     (k, o, t, wte, wpe, B, T, C, dt))
+PROF(embedding_bwd, (const mti_kctx *k, float *dwte, float *dwpe, const void *d,
+                     const int32_t *t, int B, int T, int C, mti_dtype dt),
+     (k, dwte, dwpe, d, t, B, T, C, dt))
+PROF(embedding_dw_rows, (const mti_kctx *k, float *dwte, const void *d, const int32_t *t, int B,
+                         int T, int C, int v0, int v1, mti_dtype dt),
+     (k, dwte, d, t, B, T, C, v0, v1, dt))
+PROF(matmul_fwd, (const mti_kctx *k, void *y, const void *x, const void *w, const void *b, int n,
+                  int in, int out, mti_dtype dt), (k, y, x, w, b, n, in, out, dt))
+PROF(matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
+                  const void *x, const void *w, int n, int in, int out, mti_dtype dt, int acc),
+     (k, dx, dw, db, dy, x, w, n, in, out, dt, acc))
+PROF(matmul_dw_rows, (const mti_kctx *k, float *dw, const void *dy, const void *x, int n, int in,
+                      int out, int o0, int o1, mti_dtype dt), (k, dw, dy, x, n, in, out, o0, o1, dt))
+PROF(layernorm_fwd, (const mti_kctx *k, void *o, float *mean, float *rstd, const void *x,
+                     const void *w, const void *b, int n, int c, mti_dtype dt),
+     (k, o, mean, rstd, x, w, b, n, c, dt))
+PROF(layernorm_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void *d,
+                     const void *x, const void *w, const float *mean, const float *rstd, int n,
+                     int c, mti_dtype dt, int acc), (k, dx, dw, db, d, x, w, mean, rstd, n, c, dt, acc))
+PROF(gelu_fwd, (const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt), (k, y, x, n, dt))
+PROF(gelu_bwd, (const mti_kctx *k, void *dx, const void *dy, const void *x, size_t n, mti_dtype dt),
+     (k, dx, dy, x, n, dt))
+PROF(relu_fwd, (const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt), (k, y, x, n, dt))
+PROF(relu_bwd, (const mti_kctx *k, void *dx, const void *dy, const void *y, size_t n, mti_dtype dt),
+     (k, dx, dy, y, n, dt))
+PROF(add, (const mti_kctx *k, void *y, const void *a, const void *b, size_t n, mti_dtype dt),
+     (k, y, a, b, n, dt))
+PROF(accumulate, (const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt), (k, y, x, n, dt))
+PROF(attention_fwd, (const mti_kctx *k, void *o, float *lse, const void *qkv, int B, int T, int C,
+                     int H, mti_dtype dt), (k, o, lse, qkv, B, T, C, H, dt))
+PROF(attention_bwd, (const mti_kctx *k, void *dqkv, const void *d, const void *qkv, const void *o,
+                     const float *lse, int B, int T, int C, int H, mti_dtype dt),
+     (k, dqkv, d, qkv, o, lse, B, T, C, H, dt))
+PROF(xent, (const mti_kctx *k, float *l, void *dl, const void *lg, const int32_t *t, int n, int V,
+            int Vp, float dloss, mti_dtype dt), (k, l, dl, lg, t, n, V, Vp, dloss, dt))
+PROF(unscale_check, (const mti_kctx *k, float *g, size_t n, float inv, int *bad), (k, g, n, inv, bad))
+PROF(sumsq, (const mti_kctx *k, float *s, const float *g, size_t n), (k, s, g, n))
+PROF(sgd, (const mti_kctx *k, float *p, const float *g, float *m, void *pc, mti_dtype pd, size_t n,
+           const mti_sgd_args *a), (k, p, g, m, pc, pd, n, a))
+PROF(adamw, (const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
+             mti_dtype pd, size_t n, const mti_adamw_args *a), (k, p, g, m, v, pc, pd, n, a))
+PROF(adamw8, (const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv, float *am,
+              float *av, void *pc, mti_dtype pd, size_t n, const mti_adamw_args *a),
+     (k, p, g, qm, qv, am, av, pc, pd, n, a))
+PROF(adafactor, (const mti_kctx *k, float *p, const float *g, float *row, float *col, float *v,
+                 float *m, void *pc, mti_dtype pd, int64_t rows, int64_t cols, int f,
+                 const mti_adafactor_args *a), (k, p, g, row, col, v, m, pc, pd, rows, cols, f, a))
+
+static int prof_dw_align(int out, int in) { return prof_inner->matmul_dw_align(out, in); }
+
+static mti_ops prof_ops = {
+    .name = "profiled",
+    .cast = prof_cast, .embedding_fwd = prof_embedding_fwd, .embedding_bwd = prof_embedding_bwd,
+    .embedding_dw_rows = prof_embedding_dw_rows, .matmul_fwd = prof_matmul_fwd,
+    .matmul_bwd = prof_matmul_bwd, .matmul_dw_align = prof_dw_align,
+    .matmul_dw_rows = prof_matmul_dw_rows, .layernorm_fwd = prof_layernorm_fwd,
+    .layernorm_bwd = prof_layernorm_bwd, .gelu_fwd = prof_gelu_fwd, .gelu_bwd = prof_gelu_bwd,
+    .relu_fwd = prof_relu_fwd, .relu_bwd = prof_relu_bwd, .add = prof_add,
+    .accumulate = prof_accumulate, .attention_fwd = prof_attention_fwd,
+    .attention_bwd = prof_attention_bwd, .xent = prof_xent, .unscale_check = prof_unscale_check,
+    .sumsq = prof_sumsq, .sgd = prof_sgd, .adamw = prof_adamw, .adamw8 = prof_adamw8,
+    .adafactor = prof_adafactor,
+};
+
+/* Puts the timing table in front of ctx's own (before a model is made). */
+static inline void prof_install(mt_context *ctx)
+{
+    prof_inner = ctx->ops;
+    prof_ops.device = prof_inner->device;
+    ctx->ops = &prof_ops;
+}
+
+static inline void prof_reset(void)
+{
+    memset(prof_s, 0, sizeof prof_s);
+    memset(prof_calls, 0, sizeof prof_calls);
+}
+
+/* JSON: ms per step of each op that ran, and the ops' total. */
+static inline void prof_print(FILE *f, int steps)
+{
+    double total = 0.0;
+    fprintf(f, "\"profile_ms_per_step\": {");
+    int first = 1;
+    for (int i = 0; i < P_COUNT; i++) {
+        if (!prof_calls[i]) continue;
+        fprintf(f, "%s\"%s\": %.2f", first ? "" : ", ", prof_names[i], 1e3 * prof_s[i] / steps);
+        total += prof_s[i];
+        first = 0;
+    }
+    fprintf(f, "}, \"profile_ops_ms_per_step\": %.2f, ", 1e3 * total / steps);
+}
+
+#endif /* MT_BENCH_OP_PROFILE_H */
