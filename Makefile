@@ -59,7 +59,7 @@ FAKE_ENV = MT_FAKE_CUDA=$(FAKE_CUDA) MT_FAKE_CUBLASLT=$(FAKE_CUBLASLT) MT_FAKE_N
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 LIB_MPI := $(BUILD)/libmemtrain_mpi.a
 ifneq ($(strip $(MPICC)),)
-MPI_TARGETS := $(LIB_MPI) $(BUILD)/mpi/comm_mpi_test
+MPI_TARGETS := $(LIB_MPI) $(BUILD)/mpi/comm_mpi_test $(BUILD)/mpi/train_mpi_test
 endif
 EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/examples/plan_memory
 BENCH_SRC := $(wildcard bench/bench_*.c)
@@ -203,8 +203,8 @@ $(FAKE_NCCL): test/fake_nccl/fake_libnccl.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -std=c11 $(WARN) -D_GNU_SOURCE -fPIC -shared -pthread -o $@ $<
 
-# the MPI tests' program (test/mpi_test.sh runs it under mpirun)
-$(BUILD)/mpi/comm_mpi_test: test/mpi/comm_mpi_test.c $(LIB_MPI) $(LIB)
+# the MPI tests' programs (test/mpi_test.sh runs them under mpirun)
+$(BUILD)/mpi/%: test/mpi/%.c $(LIB_MPI) $(LIB)
 	@mkdir -p $(dir $@)
 	$(MPICC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -o $@ $< $(LIB_MPI) $(LIB) $(MT_LDFLAGS) $(LDLIBS)
 

@@ -827,7 +827,12 @@ typedef struct mt_trainer_config {
 void mt_trainer_config_init(mt_trainer_config *c);
 
 /* Makes a trainer for a model: gradients, optimizer state, activations.
- * cfg NULL: the defaults (mt_trainer_config_init). */
+ * cfg NULL: the defaults (mt_trainer_config_init).
+ * On a context with a communicator of more than one rank the trainer is
+ * data parallel (docs/distributed.md): creation is a collective that
+ * checks the ranks' models, settings and weights agree (MT_ERR_COMM on
+ * every rank, naming what differs, when not; likewise when any rank fails
+ * to create), and each step trains on the union of the ranks' batches. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
 /* Auto-fit: fits cfg to cfg->memory_budget for an effective batch of
@@ -880,6 +885,11 @@ typedef struct mt_batch {
  * whose gradients are not finite is skipped: it returns MT_OK and
  * mt_trainer_get_loss_scale tells; with gradient clipping in any precision,
  * a non-finite gradient norm skips the step the same way. */
+/* Data parallel (a communicator of N > 1 ranks): b is this rank's rows of
+ * the global batch; the gradients are summed over the ranks before the
+ * update, *loss is the global batch's mean, and a failure on any rank
+ * (a refused batch included) fails the step on every rank before any
+ * update (MT_ERR_COMM on the others). Every rank must call it. */
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
 /* Mean loss and accuracy (argmax == target) of a batch without training.
  * Either output may be NULL. */

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/dp.h"
 #include "plan.h"
 #include "trainer.h"
 
@@ -483,7 +484,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         mt_trainer_config_init(&defaults);
         cfg = &defaults;
     }
-    mt_status s = check_config(ctx, m, cfg);
+    mt_status s = mti_dp_agree_config(ctx, m, cfg); /* ranks first: they then fail alike */
+    if (!s) s = check_config(ctx, m, cfg);
     if (s) return s;
     if (!ctx->ops)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
@@ -565,6 +567,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         t->sumsq = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->n_param}};
         s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 3));
     }
+    s = mti_dp_created(t, s);
     if (s) {
         char msg[MTI_ERR_LEN];
         snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
@@ -692,7 +695,8 @@ static mt_status sumsq(mt_trainer *t, int i)
 static mt_status check_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    mt_status s = unscale(t, i);
+    mt_status s = mti_dp_reduce_grad(t, i);
+    if (!s) s = unscale(t, i);
     if (!s) s = sumsq(t, i);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     return s;
@@ -702,7 +706,8 @@ static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
     (void)at;
-    mt_status s = unscale_g(t, g, n);
+    mt_status s = mti_dp_reduce(t, i, g, n);
+    if (!s) s = unscale_g(t, g, n);
     return s ? s : sumsq_g(t, i, g, n);
 }
 
@@ -710,7 +715,8 @@ static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
 static mt_status update_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    mt_status s = unscale(t, i);
+    mt_status s = mti_dp_reduce_grad(t, i);
+    if (!s) s = unscale(t, i);
     if (!s) s = update_param(t, i, t->clip);
     if (!s) t->updated++;
     mti_tensor_free(t->ctx, &t->E.grad[i]);
@@ -720,7 +726,8 @@ static mt_status update_hook(void *user, int i)
 static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
-    mt_status s = unscale_g(t, g, n);
+    mt_status s = mti_dp_reduce(t, i, g, n);
+    if (!s) s = unscale_g(t, g, n);
     if (!s) s = update_elems(t, i, g, at, n, t->clip);
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
@@ -776,14 +783,21 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg);
 }
 
+/* The targets (rows x tokens) of a batch. */
+static double targets_of(const mt_trainer *t, const mt_batch *b)
+{
+    return (double)b->n * (t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1);
+}
+
 /* Forward and backward of every micro-batch; gradients accumulate. With
- * fused set, the update runs in backward. *mean gets the batch's loss. */
-static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, int *found, double *mean)
+ * fused set, the update runs in backward. The loss gradient is scaled by
+ * 1 / targets (the whole batch's, over every rank); *sum_out gets the sum
+ * of this rank's losses. */
+static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, double targets, int *found,
+                        double *sum_out)
 {
     mt_context *ctx = t->ctx;
     mti_engine *E = &t->E;
-    const int T = t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1;
-    const double targets = (double)b->n * T;
     const float dloss = (float)((double)t->scaler.scale / targets);
     const bool two_pass = t->cfg.precision == MT_PREC_FP16 || t->cfg.grad_clip > 0.0f;
     double sum = 0.0;
@@ -819,7 +833,7 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, int *found
         mti_engine_release(E);
         reset_all(ctx, MT_SCOPE_PHASE); /* end of backward */
     }
-    *mean = sum / targets;
+    *sum_out = sum;
     return MT_OK;
 }
 
@@ -828,7 +842,8 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     const char *fn = "mt_trainer_step";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
-    if (s) return s;
+    double targets = s ? 0.0 : targets_of(t, b);
+    if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
     const bool fused = t->cfg.fused_step != 0;
@@ -837,9 +852,12 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->clip = 1.0f;
     t->updated = 0;
     int found = 0;
-    double mean = 0.0;
-    if ((s = passes(t, b, fused, &found, &mean))) return step_failed(t, fn, s);
+    double sum = 0.0;
+    s = passes(t, b, fused, targets, &found, &sum);
+    if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
+    const double mean = sum / targets;
     if (!fused) {
+        for (int i = 0; i < m->n_param && !s; i++) s = mti_dp_reduce_grad(t, i);
         if (t->cfg.precision == MT_PREC_FP16 && (s = mti_tensor_zero(ctx, &t->found_inf)))
             return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s; i++) s = unscale(t, i);
@@ -873,19 +891,22 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     const char *fn = "mt_trainer_gradients";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
-    if (s) return s;
     mt_model *m = t->model;
-    if (!grads || n != m->n_params)
-        return mti_fail(t->ctx, MT_ERR_INVALID_ARG, "%s: grads is NULL or n %zu is not %zu", fn, n,
-                        m->n_params);
+    if (!s && (!grads || n != m->n_params))
+        s = mti_fail(t->ctx, MT_ERR_INVALID_ARG, "%s: grads is NULL or n %zu is not %zu", fn, n,
+                     m->n_params);
     int found = 0;
-    double mean = 0.0;
+    double sum = 0.0, targets = s ? 0.0 : targets_of(t, b);
     t->inv = mti_scaler_inv(&t->scaler);
     t->updated = 0;
-    if ((s = passes(t, b, false, &found, &mean))) return step_failed(t, fn, s);
+    if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
+    s = passes(t, b, false, targets, &found, &sum);
+    if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
+    const double mean = sum / targets;
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_tensor *g;
-        s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
+        s = mti_dp_reduce_grad(t, i);
+        if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
         if (!s) s = unscale(t, i);
         if (!s) s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
                                         m->params[i].numel * sizeof(float));

@@ -28,6 +28,11 @@ run collectives 2 "$B/mpi/comm_mpi_test" collectives
 run collectives 3 "$B/mpi/comm_mpi_test" collectives
 run stall 2 "$B/mpi/comm_mpi_test" stall
 
+run train 2 "$B/mpi/train_mpi_test" train
+run train 3 "$B/mpi/train_mpi_test" train
+run disagree 2 "$B/mpi/train_mpi_test" disagree
+run stall 2 "$B/mpi/train_mpi_test" stall
+
 # a rank that dies: mpirun ends the job (or rank 0 times out first); nothing hangs
 timeout 60 $MPIRUN -np 2 "$B/mpi/comm_mpi_test" die >"$out" 2>&1
 rc=$?

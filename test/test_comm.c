@@ -206,13 +206,8 @@ static void context_rank(int rank, void *p)
         a->bad = 1;
         return;
     }
-    mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CPU;
-    cc.threads = 1;
-    cc.comm = c;
     mt_context *ctx = NULL;
-    mt_status s = mt_context_create(&cc, &ctx);
+    mt_status s = tcomm_context(c, &ctx);
     if (s != a->want || (a->msg && !strstr(mt_last_error(NULL), a->msg))) {
         fprintf(stderr, "    rank %d: %s: %s\n", rank, mt_status_string(s), mt_last_error(NULL));
         a->bad = 1;

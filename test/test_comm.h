@@ -18,6 +18,8 @@ void tcomm_world_free(tcomm_world *w);
  * tells the library (the world's n, or another to make ranks disagree);
  * caps as in mt_comm_vtable (0: a host communicator). */
 mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps);
+/* A CPU context of one kernel thread on communicator c (may be NULL). */
+mt_status tcomm_context(mt_comm *c, mt_context **out);
 /* Runs fn(rank, arg) on n threads and joins them. */
 void tcomm_run(int n, void (*fn)(int rank, void *arg), void *arg);
 

@@ -234,6 +234,16 @@ mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps)
     return c;
 }
 
+mt_status tcomm_context(mt_comm *c, mt_context **out)
+{
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.comm = c;
+    return mt_context_create(&cc, out);
+}
+
 typedef struct run_arg {
     void (*fn)(int, void *);
     void *arg;

@@ -1,0 +1,298 @@
+/*
+ * test_comm_train.c - data parallel training over the in-process
+ * communicator (threads as ranks): N ranks with B/N rows each against one
+ * process stepping on all B rows as N micro-batches of accumulation, for
+ * each optimizer and precision, clipping, fp16 overflow, the fused step;
+ * ranks that disagree, and a batch refused on one rank.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "test_comm.h"
+
+#define MAXN 3
+#define STEPS 3
+#define T 8 /* tokens per row */
+
+static void gpt_spec(mt_gpt_spec *g, int channels)
+{
+    mt_gpt_spec_init(g);
+    g->vocab = 50;
+    g->padded_vocab = 64;
+    g->max_seq = T;
+    g->layers = 2;
+    g->heads = 2;
+    g->channels = channels;
+    g->seed = 7;
+}
+
+/* row r of step s's global batch */
+static void make_rows(int step, int r0, int n, int32_t *tok, int32_t *tgt)
+{
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < T; j++) {
+            int row = r0 + r;
+            tok[r * T + j] = (row * 7 + j * 3 + step * 11) % 50;
+            tgt[r * T + j] = (row * 5 + j * 13 + step * 3 + 1) % 50;
+        }
+}
+
+typedef struct dp_run {
+    mt_trainer_config tc;
+    int n, rows;               /* ranks, rows per rank */
+    float loss[MAXN][STEPS];
+    float *w[MAXN];
+    size_t nw;
+    uint64_t skipped[MAXN];
+    tcomm_world *world;
+    _Atomic int bad;
+    char msg[MAXN][512];
+    mt_status st[MAXN];
+    int channels[MAXN];        /* per rank: the model's width (disagreement tests) */
+    float lr[MAXN];
+    int bad_batch_rank;        /* >= 0: that rank's first batch has a bad token */
+} dp_run;
+
+/* One rank's run, or the single process (rank 0 of 1, all rows). */
+static void dp_rank(int rank, void *p)
+{
+    dp_run *a = p;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_gpt_spec g;
+    gpt_spec(&g, a->channels[rank] ? a->channels[rank] : 16);
+    mt_trainer_config tc = a->tc;
+    if (a->lr[rank] > 0.0f) tc.lr = a->lr[rank];
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[64 * T], tgt[64 * T];
+    for (int step = 0; step < STEPS && !s; step++) {
+        make_rows(step, rank * a->rows, a->rows, tok, tgt);
+        if (step == 0 && rank == a->bad_batch_rank) tok[3] = 999;
+        mt_batch b = {.n = a->rows, .tokens = tok, .targets = tgt, .seq_len = T};
+        s = mt_trainer_step(t, &b, &a->loss[rank][step]);
+        if (!s) {
+            mt_loss_scale_state ls;
+            mt_trainer_get_loss_scale(t, &ls);
+            a->skipped[rank] = ls.steps_skipped;
+        }
+    }
+    a->st[rank] = s;
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (!s) {
+        a->nw = mt_model_num_params(m);
+        a->w[rank] = malloc(a->nw * sizeof(float));
+        if (mt_model_get_params(m, a->w[rank], a->nw)) a->bad = 1;
+    }
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void free_run(dp_run *a)
+{
+    for (int r = 0; r < MAXN; r++) free(a->w[r]);
+    memset(a->w, 0, sizeof a->w);
+}
+
+/* N ranks against one process; *bitwise tells whether they are the same
+ * bits, else the largest relative weight difference goes to *rel. */
+static void compare(const mt_trainer_config *tc, int n, int rows, bool *bitwise, double *rel,
+                    float *loss_diff)
+{
+    dp_run one = {.tc = *tc, .n = 1, .rows = rows * n, .bad_batch_rank = -1};
+    one.tc.max_batch = rows * n;
+    one.tc.micro_batch = rows;
+    one.tc.fused_step = 0; /* the fused step cannot accumulate: compare with the unfused one */
+    dp_rank(0, &one);
+    CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
+    dp_run dp = {.tc = *tc, .n = n, .rows = rows, .bad_batch_rank = -1};
+    dp.tc.max_batch = rows;
+    dp.tc.micro_batch = 0;
+    dp.world = tcomm_world_new(n, 30.0);
+    tcomm_run(n, dp_rank, &dp);
+    tcomm_world_free(dp.world);
+    for (int r = 0; r < n; r++) CHECK_MSG(dp.st[r] == MT_OK, "rank %d: %s", r, dp.msg[r]);
+    CHECK(dp.nw == one.nw);
+    /* the ranks hold the same weights, bit for bit */
+    for (int r = 1; r < n; r++) CHECK(memcmp(dp.w[0], dp.w[r], dp.nw * sizeof(float)) == 0);
+    *bitwise = memcmp(dp.w[0], one.w[0], dp.nw * sizeof(float)) == 0;
+    *loss_diff = 0.0f;
+    for (int s = 0; s < STEPS; s++) {
+        for (int r = 1; r < n; r++) CHECK(dp.loss[r][s] == dp.loss[0][s]);
+        float d = fabsf(dp.loss[0][s] - one.loss[0][s]);
+        if (d > *loss_diff) *loss_diff = d;
+        if (d != 0.0f) *bitwise = false;
+    }
+    *rel = 0.0;
+    for (size_t i = 0; i < dp.nw; i++) {
+        double d = fabs((double)dp.w[0][i] - one.w[0][i]) / (fabs(one.w[0][i]) + 1.0);
+        if (d > *rel) *rel = d;
+    }
+    for (int r = 0; r < n; r++) CHECK(dp.skipped[r] == one.skipped[0]);
+    free_run(&one);
+    free_run(&dp);
+}
+
+typedef struct dp_case {
+    const char *name;
+    mt_optimizer_kind opt;
+    mt_precision prec;
+    int masters, fused, clip;
+} dp_case;
+
+static const dp_case cases[] = {
+    {"sgd fp32", MT_OPT_SGD, MT_PREC_FP32, 1, 0, 0},
+    {"adamw fp32 clip", MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 1},
+    {"adamw8 fp32", MT_OPT_ADAMW8, MT_PREC_FP32, 1, 0, 0},
+    {"adafactor fp32", MT_OPT_ADAFACTOR, MT_PREC_FP32, 1, 0, 0},
+    {"adamw bf16", MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0},
+    {"sgd bf16 no masters", MT_OPT_SGD, MT_PREC_BF16, 0, 0, 0},
+    {"adamw fp16 clip", MT_OPT_ADAMW, MT_PREC_FP16, 1, 0, 1},
+    {"adamw fp32 fused", MT_OPT_ADAMW, MT_PREC_FP32, 1, 1, 0},
+    {"adamw8 fp32 fused clip", MT_OPT_ADAMW8, MT_PREC_FP32, 1, 1, 1},
+};
+
+static void case_config(const dp_case *k, mt_trainer_config *tc)
+{
+    mt_trainer_config_init(tc);
+    tc->optimizer = k->opt;
+    tc->lr = k->opt == MT_OPT_SGD ? 0.05f : 0.01f;
+    tc->momentum = k->opt == MT_OPT_SGD ? 0.9f : 0.0f;
+    tc->weight_decay = 0.01f;
+    tc->min_8bit_size = 256;
+    tc->precision = k->prec;
+    tc->master_weights = k->masters;
+    tc->fused_step = k->fused;
+    tc->grad_clip = k->clip ? 0.5f : 0.0f;
+    tc->adafactor.relative_step = 0;
+    tc->loss_scale.init_scale = 1024.0f;
+}
+
+TEST(dp_equals_accumulation)
+{
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        mt_trainer_config tc;
+        case_config(&cases[k], &tc);
+        for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
+            bool bitwise;
+            double rel;
+            float dl;
+            compare(&tc, n, 2, &bitwise, &rel, &dl);
+            /* fp32 sums of N terms in rank order are those of N micro-batches
+             * accumulated in order: expected the same bits; where an op's
+             * blocking differs, within fp32 rounding of the weights */
+            CHECK_MSG(bitwise || (rel < 1e-4 && dl < 1e-5f),
+                      "%s, %d ranks: weights differ by %g (relative), losses by %g", cases[k].name,
+                      n, rel, (double)dl);
+        }
+    }
+}
+
+/* Ranks that disagree get an error at create, every one of them. */
+static void disagree(dp_run *a, const char *want)
+{
+    a->n = 2;
+    a->rows = 2;
+    a->bad_batch_rank = -1;
+    a->tc.max_batch = 2;
+    a->world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, dp_rank, a);
+    tcomm_world_free(a->world);
+    for (int r = 0; r < 2; r++) {
+        CHECK_MSG(a->st[r] == MT_ERR_COMM, "rank %d: %s: %s", r, mt_status_string(a->st[r]),
+                  a->msg[r]);
+        CHECK_MSG(strstr(a->msg[r], want) != NULL, "rank %d: %s", r, a->msg[r]);
+    }
+    free_run(a);
+}
+
+TEST(dp_ranks_disagree)
+{
+    dp_run a = {0};
+    mt_trainer_config_init(&a.tc);
+    a.channels[1] = 24;
+    disagree(&a, "model (layers and shapes)");
+    dp_run b = {0};
+    mt_trainer_config_init(&b.tc);
+    b.lr[1] = 0.5f;
+    disagree(&b, "learning rate");
+}
+
+/* A batch refused on one rank fails the step on every rank, before any
+ * update, and no rank waits for ever. */
+TEST(dp_bad_batch_on_one_rank)
+{
+    dp_run a = {.n = 2, .rows = 2, .bad_batch_rank = 1};
+    mt_trainer_config_init(&a.tc);
+    a.tc.max_batch = 2;
+    a.world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, dp_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK_EQ(a.st[1], MT_ERR_INVALID_ARG);
+    CHECK(strstr(a.msg[1], "tokens[3]") != NULL);
+    CHECK_EQ(a.st[0], MT_ERR_COMM);
+    CHECK_MSG(strstr(a.msg[0], "rank 1 failed") != NULL, "%s", a.msg[0]);
+    free_run(&a);
+}
+
+/* fp16: gradients that overflow on one rank only skip the step on every
+ * rank (the all-reduce carries the inf to all), and the weights stay. */
+static void overflow_rank(int rank, void *p)
+{
+    dp_run *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_mlp_spec ms;
+    mt_mlp_spec_init(&ms);
+    ms.n_layers = 2;
+    ms.dims[0] = 4, ms.dims[1] = 8, ms.dims[2] = 3;
+    ms.seed = 3;
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = mt_model_mlp_create(ctx, &ms, &m);
+    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    float before[4 * 8 + 8 + 8 * 3 + 3], x[8] = {1, 2, 3, 4, 4, 3, 2, 1};
+    int32_t y[2] = {0, 2};
+    if (rank == 1) x[5] = 1e30f; /* beyond fp16: inf in forward, NaN gradients */
+    if (!s) s = mt_model_get_params(m, before, mt_model_num_params(m));
+    mt_batch b = {.n = 2, .inputs = x, .targets = y};
+    float loss;
+    if (!s) s = mt_trainer_step(t, &b, &loss);
+    mt_loss_scale_state ls = {0};
+    if (!s) s = mt_trainer_get_loss_scale(t, &ls);
+    a->st[rank] = s;
+    a->skipped[rank] = ls.steps_skipped;
+    a->w[rank] = calloc(sizeof before / sizeof before[0], sizeof(float));
+    if (!s) s = mt_model_get_params(m, a->w[rank], mt_model_num_params(m));
+    if (s || memcmp(before, a->w[rank], sizeof before)) a->bad = 1;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(dp_fp16_overflow_on_one_rank)
+{
+    dp_run a = {.n = 2};
+    mt_trainer_config_init(&a.tc);
+    a.tc.max_batch = 2;
+    a.tc.precision = MT_PREC_FP16;
+    a.tc.optimizer = MT_OPT_ADAMW;
+    a.world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, overflow_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK_EQ(a.st[0], MT_OK);
+    CHECK_EQ(a.st[1], MT_OK);
+    CHECK_EQ(a.skipped[0], 1);
+    CHECK_EQ(a.skipped[1], 1);
+    CHECK(!a.bad);
+    free_run(&a);
+}
