@@ -53,6 +53,35 @@ grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "
 # the report's estimate column equals its peak column on every class row
 awk '/^(PARAM|MASTER|GRAD|OPTIM|ACT|WORK|IO|total) / && !done { if ($4 $5 != $6 $7) bad = 1; if ($1 == "total") done = 1 } END { exit bad }' "$tmp/out" || { echo "FAIL tool: estimate column"; cat "$tmp/out"; fail=1; }
 
+# the MLP takes the trainer's options, each changing its run (the loss, the
+# peak, or ACT's own peak); options that mean nothing for it are refused, and
+# so are combinations that cannot go together, by their option names
+mlp() { "$tool" train --steps 20 --json "$@" | grep '"step": 20,' | grep -o '"loss": [0-9.]*\|"peak_bytes": [0-9]*' | tr '\n' ' '; }
+mlp_base=$(mlp)
+for opts in "--optimizer adamw" "--clip 0.01" "--micro 16" "--fused" "--precision bf16 --no-master"; do
+    got=$(mlp $opts)
+    [ -n "$got" ] && [ "$got" != "$mlp_base" ] || { echo "FAIL tool: mlp $opts: '$got' against '$mlp_base'"; fail=1; }
+done
+act() { "$tool" train --steps 3 --hidden 256,256,256,256 --batch 128 --report "$@" | grep '^ACT'; }
+[ -n "$(act)" ] && [ "$(act)" != "$(act --recompute sqrt)" ] || { echo "FAIL tool: mlp --recompute sqrt"; act; fail=1; }
+expect 0 "mlp json" -- "$tool" train --steps 5 --json
+[ "$(grep -vc '^{' "$tmp/out")" = 0 ] && grep -q '"held_out_rows": 64, "loss": [0-9.]*, "accuracy"' "$tmp/out" || { echo "FAIL tool: mlp --json"; cat "$tmp/out"; fail=1; }
+expect 2 "mlp refuses --seq" -- "$tool" train --seq 32
+grep -q -- "--seq: not for the MLP" "$tmp/err" || { echo "FAIL tool: mlp --seq message"; cat "$tmp/err"; fail=1; }
+expect 2 "mlp refuses selective recompute" -- "$tool" train --recompute selective
+expect 2 "gpt refuses --hidden" -- "$tool" train --model gpt --hidden 8
+expect 2 "estimate of an mlp refuses --layers" -- "$tool" estimate --model mlp --layers 3
+expect 2 "--no-master without bf16" -- "$tool" train --model gpt --no-master
+grep -q -- "--no-master needs --precision bf16" "$tmp/err" || { echo "FAIL tool: --no-master message"; cat "$tmp/err"; fail=1; }
+expect 2 "heads not dividing channels" -- "$tool" train --model gpt --heads 5
+grep -q -- "--heads must divide --channels" "$tmp/err" || { echo "FAIL tool: --heads message"; cat "$tmp/err"; fail=1; }
+expect 2 "estimate: heads not dividing channels" -- "$tool" estimate --heads 7
+expect 2 "--fused with micro-batches" -- "$tool" train --model gpt --fused --micro 4
+expect 2 "--micro over --batch" -- "$tool" train --micro 100
+expect 2 "--momentum without sgd" -- "$tool" train --model gpt --momentum 0.5
+expect 2 "--save-every without --save" -- "$tool" train --model gpt --save-every 5
+expect 2 "--llmc with a shape" -- "$tool" train --model gpt --llmc x --layers 3
+
 # a GPT on the built-in corpus learns; a run split by a checkpoint equals one
 # run, its training and validation losses
 losses() { grep -o '"step": [0-9]*, "loss": [0-9.]*\|"val_loss": [0-9.]*' "$1"; }

@@ -64,9 +64,9 @@ typedef struct cli_opts {
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;
 
-/* Prints "memtrain: <fmt with arg>" and a pointer to --help on stderr;
- * returns EXIT_USAGE. */
-int cli_bad_usage(const char *fmt, const char *arg);
+/* Prints "memtrain: <fmt with its arguments>" and a pointer to --help on
+ * stderr; returns EXIT_USAGE. */
+int cli_bad_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Prints "memtrain: <the library's last error>" on stderr; returns EXIT_FAIL. */
 int cli_lib_fail(mt_context *ctx, const char *what);
 

@@ -6,6 +6,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,10 +15,13 @@
 
 const char *const cli_prog = "memtrain";
 
-int cli_bad_usage(const char *fmt, const char *arg)
+int cli_bad_usage(const char *fmt, ...)
 {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "%s: ", cli_prog);
-    fprintf(stderr, fmt, arg);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
     fprintf(stderr, "\n(run '%s --help')\n", cli_prog);
     return EXIT_USAGE;
 }
@@ -131,12 +135,7 @@ static int set_allocator(cli_opts *o, const char *v)
 
 static int set_optimizer(cli_opts *o, const char *v)
 {
-    if (!strcmp(v, "sgd")) o->optimizer = MT_OPT_SGD;
-    else if (!strcmp(v, "adamw")) o->optimizer = MT_OPT_ADAMW;
-    else if (!strcmp(v, "adamw8")) o->optimizer = MT_OPT_ADAMW8;
-    else if (!strcmp(v, "adafactor")) o->optimizer = MT_OPT_ADAFACTOR;
-    else return -1;
-    return 0;
+    return mt_optimizer_by_name(v, &o->optimizer) ? -1 : 0;
 }
 
 static int set_recompute(cli_opts *o, const char *v)
@@ -248,7 +247,19 @@ static const opt table[] = {
     FN("--config", "FILE", ALL, CLI_ANY, set_config, NULL,
        "options from FILE, a line 'name = value' each (flags: 1/0); the command line overrides it",
        NULL),
-    HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed; SGD."),
+    LONG("--micro", "N", ALL, CLI_ANY, micro, 0, 1 << 24,
+         "rows per micro-batch, 0 = the whole batch (0)", NULL),
+    FN("--optimizer", "sgd|adamw|adamw8|adafactor", ALL, CLI_ANY, set_optimizer,
+       "(sgd, adamw, adamw8, adafactor)", "(mlp sgd, gpt adamw)", "(adamw)"),
+    FLAG("--no-master", ALL, CLI_ANY, no_master, 1, "bf16 weights without fp32 masters"),
+    FN("--recompute", "none|selective|sqrt|every:K", TS, CLI_ANY, set_recompute,
+       "(none, selective, sqrt, every:K)", "activation recompute (none)", NULL),
+    FN("--recompute", "none|selective|sqrt|every:K|budget", CLI_ESTIMATE, CLI_ANY, set_recompute,
+       "(none, selective, sqrt, every:K, budget)", NULL,
+       "activation recompute (none); budget: the cheapest plan within --budget"),
+    FLAG("--fused", ALL, CLI_ANY, fused, 1, "the fused backward + optimizer step"),
+    FLOAT("--clip", TS, CLI_ANY, clip, 0, "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
+    HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
     FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
        "hidden layer sizes (64,64; 2 inputs, 3 classes)", NULL),
     FN("--activation", "relu|gelu", TS, CLI_MLP, set_activation, "(relu or gelu)", "(relu)", NULL),
@@ -263,18 +274,6 @@ static const opt table[] = {
     LONG("--vocab", "N", CLI_ESTIMATE, CLI_GPT, vocab, 1, 1 << 24, NULL, "vocabulary (50257)"),
     LONG("--max-seq", "N", CLI_ESTIMATE, CLI_GPT, max_seq, 1, 1 << 24, NULL, "positions (1024)"),
     LONG("--seq", "N", ALL, CLI_GPT, seq, 1, 1 << 24, "tokens per row (64)", NULL),
-    LONG("--micro", "N", ALL, CLI_GPT, micro, 0, 1 << 24,
-         "rows per micro-batch, 0 = the whole batch (0)", NULL),
-    FN("--optimizer", "sgd|adamw|adamw8|adafactor", ALL, CLI_GPT, set_optimizer,
-       "(sgd, adamw, adamw8, adafactor)", "(adamw)", NULL),
-    FLAG("--no-master", ALL, CLI_GPT, no_master, 1, "bf16 weights without fp32 masters"),
-    FN("--recompute", "none|selective|sqrt|every:K", TS, CLI_GPT, set_recompute,
-       "(none, selective, sqrt, every:K)", "activation recompute (none)", NULL),
-    FN("--recompute", "none|selective|sqrt|every:K|budget", CLI_ESTIMATE, CLI_GPT, set_recompute,
-       "(none, selective, sqrt, every:K, budget)", NULL,
-       "activation recompute (none); budget: the cheapest plan within --budget"),
-    FLAG("--fused", ALL, CLI_GPT, fused, 1, "the fused backward + optimizer step"),
-    FLOAT("--clip", TS, CLI_GPT, clip, 0, "global gradient-norm clipping, 0 = none (1)"),
     FN("--schedule", "cosine|constant", TS, CLI_GPT, set_schedule, "(cosine, constant)",
        "warmup (10% of --steps) and cosine to 0.1 lr, or constant", NULL),
     LONG("--eval-every", "N", TS, CLI_GPT, eval_every, 0, 1 << 24,
@@ -354,6 +353,18 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->length = 200, o->temperature = 0.8f;
 }
 
+/* The options given that mean nothing for the model: "--a, --b" into buf
+ * (empty when none). */
+static void not_for_model(const cli_opts *o, char *buf, size_t cap)
+{
+    const unsigned model = o->gpt ? CLI_GPT : CLI_MLP;
+    size_t at = 0;
+    buf[0] = 0;
+    for (size_t i = 0; i < N_OPTS && at < cap; i++)
+        if (o->given[i] && !(table[i].models & model))
+            at += (size_t)snprintf(buf + at, cap - at, "%s%s", at ? ", " : "", table[i].name);
+}
+
 static bool given(const cli_opts *o, const char *name)
 {
     for (size_t i = 0; i < N_OPTS; i++)
@@ -389,19 +400,48 @@ static int set(const opt *p, cli_opts *o, const char *v)
 static int settle(cli_opts *o)
 {
     const unsigned cmd = o->cmd;
+    char names[256];
+    not_for_model(o, names, sizeof names);
+    if (names[0]) {
+        fprintf(stderr, "%s: %s: not for %s\n(run '%s %s --help')\n", cli_prog, names,
+                o->gpt ? "a GPT (--model gpt)" : "the MLP (--model mlp)", cli_prog,
+                cmd == CLI_ESTIMATE ? "estimate" : cmd == CLI_SAMPLE ? "sample" : "train");
+        return EXIT_USAGE;
+    }
     if (!given(o, "--batch")) o->batch = cmd == CLI_ESTIMATE ? 4 : o->gpt ? 8 : 64;
+    if (!given(o, "--optimizer") && cmd != CLI_ESTIMATE && !o->gpt) o->optimizer = MT_OPT_SGD;
+    if (o->micro > o->batch)
+        return cli_bad_usage("--micro %ld is more than --batch %ld", o->micro, o->batch);
+    if (o->no_master && o->precision != MT_PREC_BF16)
+        return cli_bad_usage("%s", "--no-master needs --precision bf16 (fp32 weights are their "
+                                   "own masters; fp16 needs fp32 masters)");
+    if (o->no_master && o->optimizer == MT_OPT_ADAFACTOR)
+        return cli_bad_usage("%s", "--no-master does not combine with --optimizer adafactor "
+                                   "(its update needs fp32 masters)");
+    if (o->fused && o->micro && o->micro < o->batch)
+        return cli_bad_usage("%s", "--fused cannot combine with --micro smaller than --batch "
+                                   "(it cannot accumulate gradients)");
+    if (!o->gpt && o->recompute == MT_RECOMPUTE_SELECTIVE)
+        return cli_bad_usage("%s", "--recompute selective keeps parts of a GPT's blocks; the MLP "
+                                   "takes none, sqrt or every:K");
+    if (given(o, "--momentum") && o->optimizer != MT_OPT_SGD)
+        return cli_bad_usage("%s", "--momentum is for --optimizer sgd");
+    if (o->gpt && o->channels % o->heads && !o->llmc)
+        return cli_bad_usage("%s", "--heads must divide --channels");
     if (cmd == CLI_ESTIMATE) {
         if (o->autofit && !o->budget_mib) return cli_bad_usage("%s", "--autofit needs --budget");
+        if (o->allow8 && !o->autofit) return cli_bad_usage("%s", "--allow-8bit is for --autofit");
+        if (o->recompute == MT_RECOMPUTE_BUDGET && !o->budget_mib)
+            return cli_bad_usage("%s", "--recompute budget needs --budget");
         return 0;
     }
-    if (!o->gpt) o->optimizer = MT_OPT_SGD;
+    if (o->llmc && (given(o, "--layers") || given(o, "--heads") || given(o, "--channels")))
+        return cli_bad_usage("%s", "--layers, --heads and --channels come from the --llmc file");
+    if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
     if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;
     if (o->report < 0) o->report = !o->json; /* the memory report unless JSON only is asked for */
     if (cmd == CLI_SAMPLE && (!o->gpt || !o->resume))
         return cli_bad_usage("%s", "sample needs --model gpt and --resume FILE (a checkpoint of it)");
-    if (!o->gpt && (o->data || o->save || o->resume || o->llmc || o->export_llmc))
-        return cli_bad_usage("%s", "--data, --save, --resume, --llmc and --export-llmc train a GPT "
-                                   "(--model gpt)");
     if (o->gpt && !o->eval_every) o->eval_every = o->every * 4;
     return 0;
 }

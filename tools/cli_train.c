@@ -135,11 +135,14 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         rc = cli_lib_fail(ctx, NULL);
         goto done;
     }
-    printf("training an MLP (2");
-    for (int i = 0; i < o->n_hidden; i++) printf("-%d", o->hidden[i]);
-    printf("-3, %s, %zu parameters) on three spirals, %s, %s, allocator %s\n",
-           o->act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
-           mt_context_device_name(ctx), prec_name[o->precision], o->allocator);
+    if (!o->json) {
+        printf("training an MLP (2");
+        for (int i = 0; i < o->n_hidden; i++) printf("-%d", o->hidden[i]);
+        printf("-3, %s, %zu parameters) on three spirals, %s, %s, %s, allocator %s\n",
+               o->act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
+               mt_context_device_name(ctx), prec_name[o->precision],
+               mt_optimizer_name(o->optimizer), o->allocator);
+    }
     uint64_t data = (uint64_t)o->seed * 7919u;
     double t0 = now_s(), window = 0.0;
     int in_window = 0;
@@ -147,6 +150,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         spirals(&data, x, y, (int)o->batch);
         mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
         float loss;
+        const double t_step = now_s();
         if (mt_trainer_step(t, &b, &loss)) {
             fprintf(stderr, "%s: step %ld: %s\n", cli_prog, step, mt_last_error(ctx));
             rc = EXIT_FAIL;
@@ -162,7 +166,20 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         }
         window += loss;
         in_window++;
-        if (step == 1 || step % o->every == 0 || step == o->steps) {
+        if (o->json) {
+            mt_memory_stats ms;
+            mt_context_memory_stats(ctx, &ms);
+            mt_loss_scale_state ls;
+            mt_trainer_get_loss_scale(t, &ls);
+            printf("{\"step\": %ld", step);
+            cli_json_num(stdout, "loss", "%.6f", loss);
+            cli_json_num(stdout, "lr", "%g", mt_trainer_lr(t));
+            cli_json_num(stdout, "ms", "%.4f", 1e3 * (now_s() - t_step));
+            printf(", \"live_bytes\": %llu, \"peak_bytes\": %llu",
+                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes);
+            cli_json_num(stdout, "loss_scale", "%g", ls.scale);
+            printf(", \"skipped\": %llu}\n", (unsigned long long)ls.steps_skipped);
+        } else if (step == 1 || step % o->every == 0 || step == o->steps) {
             mt_memory_stats ms;
             mt_context_memory_stats(ctx, &ms);
             mt_loss_scale_state ls;
@@ -186,7 +203,14 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         rc = cli_lib_fail(ctx, "eval");
         goto done;
     }
-    printf("held-out batch: loss %.4f  accuracy %.1f%%\n", loss, 100.0 * acc);
+    if (o->json) {
+        printf("{\"held_out_rows\": %ld", o->batch);
+        cli_json_num(stdout, "loss", "%.6f", loss);
+        cli_json_num(stdout, "accuracy", "%.4f", acc);
+        printf("}\n");
+    } else {
+        printf("held-out batch: loss %.4f  accuracy %.1f%%\n", loss, 100.0 * acc);
+    }
     rc = finish_run(o, ctx, &est);
 done:
     free(x);
