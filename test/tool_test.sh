@@ -82,6 +82,18 @@ expect 2 "--momentum without sgd" -- "$tool" train --model gpt --momentum 0.5
 expect 2 "--save-every without --save" -- "$tool" train --model gpt --save-every 5
 expect 2 "--llmc with a shape" -- "$tool" train --model gpt --llmc x --layers 3
 
+# output paths are checked before training: a directory, or a path in no
+# directory, is a bad command line, and nothing runs; so is a --config that
+# is a directory
+for o in --save --trace --svg --chrome --export-llmc; do
+    expect 2 "$o a directory" -- "$tool" train --model gpt --steps 2 $o "$tmp"
+    grep -q -- "$o $tmp: a directory" "$tmp/err" && [ ! -s "$tmp/out" ] || { echo "FAIL tool: $o a directory"; cat "$tmp/out" "$tmp/err"; fail=1; }
+    expect 2 "$o in no directory" -- "$tool" train --model gpt --steps 2 $o "$tmp/none/x"
+    grep -q -- "$o $tmp/none/x: no directory" "$tmp/err" && [ ! -s "$tmp/out" ] || { echo "FAIL tool: $o in no directory"; cat "$tmp/out" "$tmp/err"; fail=1; }
+done
+expect 2 "--config a directory" -- "$tool" train --config "$tmp"
+[ ! -s "$tmp/out" ] || { echo "FAIL tool: --config a directory trained"; fail=1; }
+
 # a GPT on the built-in corpus learns; a run split by a checkpoint equals one
 # run, its training and validation losses
 losses() { grep -o '"step": [0-9]*, "loss": [0-9.]*\|"val_loss": [0-9.]*' "$1"; }

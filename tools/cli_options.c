@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -395,6 +397,27 @@ static int set(const opt *p, cli_opts *o, const char *v)
     return -1;
 }
 
+/* An output file's path: not a directory, in a directory that exists and
+ * can be written (files are written beside their target and renamed), so
+ * a run does not fail at its end for a path it could have been refused for
+ * at the start. */
+static int check_output(const char *name, const char *path)
+{
+    struct stat sb;
+    if (!path[0]) return cli_bad_usage("%s: an empty path", name);
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return cli_bad_usage("%s %s: a directory, not a file", name, path);
+    const char *slash = strrchr(path, '/');
+    char dir[4096];
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return cli_bad_usage("%s %s: no directory %s", name, path, dir);
+    if (access(dir, W_OK | X_OK) != 0)
+        return cli_bad_usage("%s %s: cannot write in %s", name, path, dir);
+    return 0;
+}
+
 /* What the options leave to the model or the command, and what cannot go
  * together. */
 static int settle(cli_opts *o)
@@ -438,6 +461,14 @@ static int settle(cli_opts *o)
     if (o->llmc && (given(o, "--layers") || given(o, "--heads") || given(o, "--channels")))
         return cli_bad_usage("%s", "--layers, --heads and --channels come from the --llmc file");
     if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
+    if (cmd == CLI_TRAIN) {
+        const char *const outs[] = {"--save", "--trace", "--svg", "--chrome", "--export-llmc"};
+        const char *const paths[] = {o->save, o->trace, o->svg, o->chrome, o->export_llmc};
+        for (int i = 0; i < 5; i++) {
+            int rc = paths[i] ? check_output(outs[i], paths[i]) : 0;
+            if (rc) return rc;
+        }
+    }
     if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;
     if (o->report < 0) o->report = !o->json; /* the memory report unless JSON only is asked for */
     if (cmd == CLI_SAMPLE && (!o->gpt || !o->resume))

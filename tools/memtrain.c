@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "config.h"
@@ -52,6 +53,11 @@ static int with_config(int argc, char **argv, int (*cmd)(int, char **))
     if (!f) {
         fprintf(stderr, "%s: cannot open %s: %s\n", cli_prog, path, strerror(errno));
         return EXIT_FAIL;
+    }
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        fclose(f);
+        return cli_bad_usage("--config %s: not a file of options", path);
     }
     char *text = NULL;
     size_t n = 0, cap = 0;
