@@ -46,6 +46,11 @@ expect 0 "auto-fit" -- "$tool" estimate --budget 1500 --autofit --allow-8bit --s
 grep -q "auto-fit for 1500.0 MiB" "$tmp/out" && grep -q "fits" "$tmp/out" || { echo "FAIL tool: auto-fit"; cat "$tmp/out"; fail=1; }
 expect 3 "impossible budget" -- "$tool" estimate --budget 100 --recompute budget
 grep -q "the least this model and config can take is" "$tmp/err" || { echo "FAIL tool: budget message"; cat "$tmp/err"; fail=1; }
+# with --json, a budget nothing fits is JSON too: the least the run can take
+expect 3 "impossible budget, JSON" -- "$tool" estimate --budget 100 --recompute budget --json
+grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, "error": ".*least.*"}$' "$tmp/out" || { echo "FAIL tool: budget JSON"; cat "$tmp/out"; fail=1; }
+expect 3 "impossible auto-fit, JSON" -- "$tool" estimate --budget 100 --autofit --json
+grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, ' "$tmp/out" || { echo "FAIL tool: auto-fit budget JSON"; cat "$tmp/out"; fail=1; }
 expect 2 "bad recompute" -- "$tool" estimate --recompute often
 expect 2 "autofit without a budget" -- "$tool" estimate --autofit
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
@@ -64,6 +69,11 @@ for opts in "--optimizer adamw" "--clip 0.01" "--micro 16" "--fused" "--precisio
 done
 act() { "$tool" train --steps 3 --hidden 256,256,256,256 --batch 128 --report "$@" | grep '^ACT'; }
 [ -n "$(act)" ] && [ "$(act)" != "$(act --recompute sqrt)" ] || { echo "FAIL tool: mlp --recompute sqrt"; act; fail=1; }
+# --json with --report, a trace and plots: stdout is JSON alone, the rest on stderr
+expect 0 "json with a report" -- "$tool" train --steps 5 --json --report --trace "$tmp/j.trace" --svg "$tmp/j.svg"
+[ "$(grep -vc '^{' "$tmp/out")" = 0 ] && grep -q "memory report" "$tmp/err" && grep -q "j.svg" "$tmp/err" || { echo "FAIL tool: --json --report output"; cat "$tmp/out"; fail=1; }
+expect 0 "gpt json with a report" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 2 --json --report --save "$tmp/j.ckpt" --threads 2
+[ "$(grep -vc '^{' "$tmp/out")" = 0 ] && grep -q "memory report" "$tmp/err" || { echo "FAIL tool: gpt --json --report output"; cat "$tmp/out"; fail=1; }
 expect 0 "mlp json" -- "$tool" train --steps 5 --json
 [ "$(grep -vc '^{' "$tmp/out")" = 0 ] && grep -q '"held_out_rows": 64, "loss": [0-9.]*, "accuracy"' "$tmp/out" || { echo "FAIL tool: mlp --json"; cat "$tmp/out"; fail=1; }
 expect 2 "mlp refuses --seq" -- "$tool" train --seq 32

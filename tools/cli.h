@@ -93,6 +93,9 @@ void cli_context_config(const cli_opts *o, mt_context_config *cc);
  * (JSON has no NaN or infinity). */
 void cli_json_num(FILE *f, const char *key, const char *fmt, double v);
 
+/* Prints s to f as a JSON string. */
+void cli_json_str(FILE *f, const char *s);
+
 /* The memory report of a context on f. */
 void cli_print_report(mt_context *ctx, FILE *f);
 

@@ -4,6 +4,7 @@
  * auto-fit.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "cli.h"
 
@@ -33,6 +34,25 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
         cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
         printf("}");
     }
+    printf("}\n");
+}
+
+/* A budget nothing fits, as JSON: the budget, the least the run can take
+ * and the message. MT_ERR_BUDGET's message names the least ("the least
+ * ... is N bytes"); null where it names none (every plan passes an
+ * allocator's limit). */
+static void print_json_budget(const mt_trainer_config *tc, const char *msg)
+{
+    const char *at = strstr(msg, "least");
+    at = at ? strstr(at, " is ") : NULL;
+    unsigned long long least = 0;
+    bool known = at && sscanf(at + 4, "%llu bytes", &least) == 1;
+    printf("{\"budget\": %llu, \"fits\": false, \"least\": ",
+           (unsigned long long)tc->memory_budget);
+    if (known) printf("%llu", least);
+    else printf("null");
+    printf(", \"error\": ");
+    cli_json_str(stdout, msg);
     printf("}\n");
 }
 
@@ -103,6 +123,7 @@ int cmd_estimate(int argc, char **argv)
     mt_estimate_report e;
     if (!s) s = mt_estimate_model(m, &tc, &e);
     if (s) {
+        if (s == MT_ERR_BUDGET && o.json) print_json_budget(&tc, mt_last_error(ctx));
         cli_lib_fail(ctx, NULL);
         rc = s == MT_ERR_BUDGET ? EXIT_BUDGET : EXIT_FAIL;
     } else if (o.json) {

@@ -558,6 +558,18 @@ void cli_json_num(FILE *f, const char *key, const char *fmt, double v)
     else fputs("null", f);
 }
 
+void cli_json_str(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
 void cli_print_report(mt_context *ctx, FILE *f)
 {
     size_t need = 0;

@@ -74,12 +74,14 @@ static int interrupted(long step)
 extern const unsigned char mt_corpus[];
 extern const size_t mt_corpus_size;
 
-/* The end of every run: the trace, the plots, the report. */
+/* The end of every run: the trace, the plots, the report; with --json, on
+ * stderr, so that stdout holds JSON alone. */
 static int finish_run(const cli_opts *o, mt_context *ctx, const mt_estimate_report *est)
 {
+    FILE *info = o->json ? stderr : stdout;
     if (o->trace) {
         if (mt_context_trace_write(ctx, o->trace)) return cli_lib_fail(ctx, NULL);
-        printf("allocation trace written to %s\n", o->trace);
+        fprintf(info, "allocation trace written to %s\n", o->trace);
     }
     if (o->chrome || o->svg) {
         const mt_trace_event *ev;
@@ -93,12 +95,13 @@ static int finish_run(const cli_opts *o, mt_context *ctx, const mt_estimate_repo
         }
         mt_trace_free(tr);
         if (o->chrome)
-            printf("memory timeline (Chrome trace JSON, opens in Perfetto) written to %s\n", o->chrome);
-        if (o->svg) printf("memory plot (SVG) written to %s\n", o->svg);
+            fprintf(info, "memory timeline (Chrome trace JSON, opens in Perfetto) written to %s\n",
+                    o->chrome);
+        if (o->svg) fprintf(info, "memory plot (SVG) written to %s\n", o->svg);
     }
     if (o->report) {
-        printf("\n");
-        cli_print_report(ctx, stdout);
+        fprintf(info, "\n");
+        cli_print_report(ctx, info);
     }
     return 0;
 }
@@ -402,7 +405,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             goto done;
         }
     }
-    if (o->save && !o->json) printf("checkpoint written to %s\n", o->save);
+    if (o->save) fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
     if (o->export_llmc) {
         mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
         g.trainer = NULL;
@@ -410,7 +413,8 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             rc = cli_lib_fail(ctx, NULL);
             goto done;
         }
-        if (!o->json) printf("llm.c model checkpoint written to %s\n", o->export_llmc);
+        fprintf(o->json ? stderr : stdout, "llm.c model checkpoint written to %s\n",
+                o->export_llmc);
     }
     rc = finish_run(o, ctx, &g.est);
 done:
