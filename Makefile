@@ -65,7 +65,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: fuzz test-deps all lib test test-long test-gpu demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -216,7 +216,8 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 test: test-deps
 	@$(MAKE) --no-print-directory check-tests
 
-check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS) $(MPI_TARGETS)
+check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS) $(MPI_TARGETS) \
+	gpu-bundle-dir
 	$(FAKE_ENV) $(TEST_BIN)
 	@for t in $(FUZZ_TARGETS); do printf "fuzz regressions, %s: " $$t; \
 	  $(BUILD)/fuzz/$$t test/fuzz/$$t/* || exit 1; done
@@ -227,6 +228,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) 
 	./test/mpi_test.sh $(BUILD)
 	./test/api_doc_test.sh
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
+	$(GPU_BUNDLE)/memtrain-gpu/run.sh --stand-in $(BUILD)/gpu-standin-results
 
 # the long randomized stress (10^6 operations per allocator and seed)
 test-long: deps
@@ -242,6 +244,39 @@ test-gpu: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(BUILD)/bench/bench_memory
 	MT_TEST_GPU=1 $(TEST_BIN) ops gpu_engine _cuda
 	$(BUILD)/bench/bench_memory --sections d
+
+# ---- the offline GPU bundle ----
+# A folder and a tarball (at most 48 MiB) to carry to a GPU machine with no
+# network: the test suite, the benchmarks and the tool, linked with an
+# $$ORIGIN rpath to the shared libraries they need (gpu/bundle.sh), and
+# gpu/run.sh, which runs the GPU validation groups there in one command
+# (docs/gpu-validation.md). `make test` builds the folder and runs it over
+# the stand-ins (run.sh --stand-in), so the bundle is checked everywhere.
+GPU_BUNDLE := $(BUILD)/gpu-bundle
+GPU_BIN := $(BUILD)/gpu/bin
+GPU_PROGS := $(GPU_BIN)/mt_tests $(GPU_BIN)/bench_memory $(GPU_BIN)/bench_gpt2 \
+	$(GPU_BIN)/bench_cuda $(GPU_BIN)/memtrain
+BUNDLE_RPATH := -Wl,--disable-new-dtags,-rpath,'$$ORIGIN/../lib'
+$(GPU_BIN)/mt_tests: $(TEST_OBJ) $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
+$(GPU_BIN)/bench_cuda: $(BUILD)/obj/gpu/bench_cuda.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
+$(GPU_BIN)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
+$(GPU_BIN)/memtrain: $(TOOL_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/corpus_blob.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
+
+gpu-bundle-dir: $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT)
+	BUNDLE_TAR=0 NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT)
+
+gpu-bundle: deps
+	@test -n "$(strip $(NVCC))" || { echo "gpu-bundle: nvcc not found, so no CUDA kernels to carry (set NVCC)"; exit 1; }
+	@$(MAKE) --no-print-directory $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT)
+	NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT)
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES)

@@ -15,7 +15,7 @@
  *              [--precision fp32|bf16|fp16] [--optimizer adamw|adamw8|adafactor|sgd]
  *              [--lr X] [--wd X] [--fused] [--recompute none|sqrt|selective|every:K]
  *              [--no-master] [--micro N] [--tokens FILE] [--llmc-checkpoint FILE]
- *              [--allocator caching|arena|pool|checkpoint] [--profile]
+ *              [--allocator caching|arena|pool|checkpoint] [--profile] [--device cpu|cuda]
  *   bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]
  *
  * A step is one mt_trainer_step (forward, backward, optimizer); times are
@@ -37,6 +37,9 @@
  * --lr, --wd (decoupled); SGD without momentum; Adafactor with
  * transformers' defaults, whose relative step size leaves --lr unused.
  * --allocator puts every memory class on one instance of that allocator.
+ * --device cuda trains on the GPU (the mem_* figures are then device
+ * memory; MT_FAKE_CUDA and MT_FAKE_CUBLASLT, the test suite's stand-ins,
+ * run it without one, computing nothing).
  * --no-master: bf16 without fp32 master weights (mt_trainer_config
  * .master_weights = 0).
  *
@@ -80,7 +83,7 @@ typedef struct options {
     uint64_t seed;
     float lr, wd;
     int fused, gemm, no_master, profile;
-    const char *precision, *optimizer, *recompute, *tokens, *checkpoint, *allocator;
+    const char *precision, *optimizer, *recompute, *tokens, *checkpoint, *allocator, *device;
 } options;
 
 static void die(const char *fmt, ...)
@@ -153,6 +156,7 @@ static void usage(void)
           "                  [--fused] [--recompute none|sqrt|selective|every:K] [--no-master]\n"
           "                  [--micro N]"
           " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME] [--profile]\n"
+          "                  [--device cpu|cuda]\n"
           "       bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]\n",
           stderr);
 }
@@ -211,6 +215,7 @@ static void parse(int argc, char **argv, options *o)
         else if (!strcmp(a, "--tokens")) o->tokens = v;
         else if (!strcmp(a, "--llmc-checkpoint")) o->checkpoint = v;
         else if (!strcmp(a, "--allocator")) o->allocator = v;
+        else if (!strcmp(a, "--device") && (!strcmp(v, "cpu") || !strcmp(v, "cuda"))) o->device = v;
         else {
             usage();
             die("unknown flag '%s'", a);
@@ -312,6 +317,11 @@ static int train(const options *o)
     mt_context_config_init(&cc);
     cc.device = MT_DEVICE_CPU;
     cc.threads = o->threads;
+    if (o->device && !strcmp(o->device, "cuda")) {
+        cc.device = MT_DEVICE_CUDA; /* the test suite's stand-ins where they are named */
+        cc.cuda_driver_path = getenv("MT_FAKE_CUDA");
+        cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT");
+    }
     if (o->allocator) {
         const mt_allocator_vtable *vt = mt_allocator_by_name(o->allocator);
         if (!vt)

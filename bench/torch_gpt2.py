@@ -50,6 +50,11 @@ what it loads counts in peak_rss_mib). --step-in-backward runs each
 parameter's optimizer step in a post-accumulate-grad hook and frees its
 gradient there, so the gradients of the whole model never exist at once
 (one optimizer per parameter; the same updates as the plain step).
+
+--device cuda trains on the GPU instead (weights drawn on the CPU as above,
+then moved; --bf16 autocasts on the GPU); the JSON then adds
+peak_device_mib and peak_device_reserved_mib (torch.cuda's peak allocated
+and reserved bytes), and the step times wait for the GPU.
 """
 
 import argparse
@@ -252,6 +257,8 @@ def parse_args():
     ap.add_argument("--checkpointing", action="store_true", help="recompute each block in backward")
     ap.add_argument("--bf16", action="store_true", help="autocast the forward to bfloat16")
     ap.add_argument("--adamw8", action="store_true", help="bitsandbytes AdamW8bit")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="train on the CPU or the GPU")
     ap.add_argument("--step-in-backward", action="store_true",
                     help="optimizer step per parameter in backward, gradients freed at once")
     a = ap.parse_args()
@@ -281,7 +288,9 @@ def main():
         model.init_gpt2(a.seed)
     if a.write_llmc_checkpoint:
         write_llmc_checkpoint(a.write_llmc_checkpoint, model)
+    model.to(a.device)
     nparams = sum(p.numel() for p in model.parameters())
+    cuda = a.device == "cuda"
 
     if a.tokens:
         tokens = read_tokens(a.tokens)
@@ -322,11 +331,14 @@ def main():
     losses, times = [], []
     for step in range(a.warmup + a.steps):
         x, y = data.next()
+        x, y = x.to(a.device), y.to(a.device)
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         if a.bf16:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(a.device, dtype=torch.bfloat16):
                 loss = model(x, y)
         else:
             loss = model(x, y)
@@ -340,6 +352,11 @@ def main():
             times.append(1e3 * (t1 - t0))
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    extra = {}
+    if cuda:
+        extra = {"device": torch.cuda.get_device_name(),
+                 "peak_device_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+                 "peak_device_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1)}
     print(json.dumps({
         "impl": "pytorch", "torch": torch.__version__, "threads": torch.get_num_threads(),
         "B": a.B, "T": a.T, "params": nparams,
@@ -355,6 +372,7 @@ def main():
         "checkpointing": a.checkpointing, "bf16": a.bf16,
         "init": a.llmc_checkpoint or ("gpt2 seed=%d" % a.seed),
         "data": a.tokens or ("random seed=%d" % (a.seed + 1)),
+        **extra,
     }))
 
 

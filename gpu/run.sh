@@ -1,0 +1,260 @@
+#!/usr/bin/env bash
+# run.sh - memtrain's validation on an NVIDIA GPU, offline, in one command,
+# from the bundle `make gpu-bundle` makes (bin/, lib/, stand-in/, bench/):
+#
+#   ./run.sh RESULTS_DIR              on a machine with an NVIDIA GPU, its
+#                                     driver, and python3 with PyTorch
+#   ./run.sh --stand-in RESULTS_DIR   anywhere: the same groups over the test
+#                                     suite's stand-in driver and cuBLASLt
+#   options: --groups g1,g2 (default: all), --quick (smaller benchmarks)
+#
+# Each group runs in processes of its own, so a fault in one (a kernel that
+# poisons its CUDA context) does not stop the others:
+#   standins   the CUDA device layer and op table over the stand-ins
+#   ops        the op conformance suite: every op of the CUDA table against
+#              the CPU table in fp32, fp16 and bf16 (test/test_ops.c)
+#   engine     the training engine on the GPU against the CPU (gpu_engine_*)
+#   estimate   estimate == measured, to the byte, on the real driver and
+#              cuBLASLt; the budget policy stays within its budget
+#   driver     the driver's view (cuMemGetInfo) against the accounting;
+#              bench_memory section (d) at GPT-2 124M
+#   memcheck   compute-sanitizer memcheck over the op suite (when found)
+#   kernels    bench_cuda: GEMM TFLOP/s per dtype; cast, unscale, AdamW and
+#              8-bit AdamW in GB/s against the device's copy bandwidth
+#   gpt2       GPT-2 124M training, memtrain (bench_gpt2 --device cuda)
+#              and PyTorch (bench/torch_gpt2.py --device cuda) in turns:
+#              fp32; bf16; bf16 + 8-bit AdamW + fused step + recompute sqrt
+# Under --stand-in the groups that need a GPU's arithmetic (ops, engine,
+# memcheck, the PyTorch side) are reported "skipped: needs a GPU"; the
+# others run over the stand-ins (benchmarks then on a tiny shape, and
+# their figures mean nothing).
+#
+# RESULTS_DIR gets results.txt (one line per group: PASS, FAIL or SKIP,
+# seconds, and what failed or why skipped; then the figures), log.txt
+# (everything every command printed, each under a header with the command)
+# and the benchmarks' JSON. The exit status is 1 when a group failed.
+set -uo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+STAND_IN=0 QUICK=0 SEL=standins,ops,engine,estimate,driver,memcheck,kernels,gpt2 OUT=
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --stand-in) STAND_IN=1 ;;
+    --quick) QUICK=1 ;;
+    --groups) SEL=${2:?--groups g1,g2}; shift ;;
+    -h | --help) sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) OUT=$1 ;;
+    esac
+    shift
+done
+[ -n "$OUT" ] || { echo "usage: run.sh [--stand-in] [--quick] [--groups g1,g2] RESULTS_DIR" >&2; exit 2; }
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+RESULTS=$OUT/results.txt LOG=$OUT/log.txt
+: > "$RESULTS"
+: > "$LOG"
+
+BIN=$HERE/bin
+export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# the C++ and GCC runtimes of the build machine, only where this one has none
+for l in libstdc++.so.6 libgcc_s.so.1; do
+    if [ -e "$HERE/lib/fallback/$l" ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q "$l "; then
+        export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$HERE/lib/fallback"
+        break
+    fi
+done
+FAKE_ENV=(MT_FAKE_CUDA="$HERE/stand-in/libfakecuda.so" MT_FAKE_CUBLASLT="$HERE/stand-in/libfakecublaslt.so")
+if [ "$STAND_IN" = 1 ]; then DEV_ENV=("${FAKE_ENV[@]}"); else DEV_ENV=(MT_TEST_GPU=1); fi
+
+FAILED=0
+note() { echo "$*" >> "$RESULTS"; echo "$*"; }
+
+# cmd ARGS...: runs one command into the log, under a header; its status
+cmd() {
+    { echo; echo "\$ $*"; } >> "$LOG"
+    env "$@" >> "$LOG" 2>&1
+}
+
+# json FILE ARGS...: as cmd, the command's last line of output kept in FILE
+# when it is a JSON object (else FILE is removed); its status
+json() {
+    local f=$1 st
+    shift
+    { echo; echo "\$ $*"; } >> "$LOG"
+    env "$@" > "$f.out" 2>> "$LOG"
+    st=$?
+    cat "$f.out" >> "$LOG"
+    tail -n 1 "$f.out" | grep '^{' > "$f" || { rm -f "$f"; [ $st = 0 ] && st=1; }
+    rm -f "$f.out"
+    return $st
+}
+
+# group NAME FN: runs FN in a subshell (it exits 0, 1, or 77 for a skip;
+# skip and why leave the reason) and records the outcome
+group() {
+    case ",$SEL," in *",$1,"*) ;; *) return 0 ;; esac
+    local t0=$SECONDS st
+    { echo; echo "==== group $1"; } >> "$LOG"
+    ( "$2" )
+    st=$?
+    local dt=$((SECONDS - t0)) why
+    why=$(cat "$OUT/.why" 2>/dev/null); rm -f "$OUT/.why"
+    if [ $st = 77 ]; then
+        note "SKIP $1 (${dt} s): skipped: $why"
+    elif [ $st = 0 ]; then
+        note "PASS $1 (${dt} s)${why:+: $why}"
+    else
+        note "FAIL $1 (${dt} s): ${why:-see log.txt}"
+        FAILED=1
+    fi
+}
+skip() { echo "$*" > "$OUT/.why"; exit 77; }
+why() { echo "$*" > "$OUT/.why"; }
+needs_gpu() { [ "$STAND_IN" = 0 ] || skip "needs a GPU"; }
+
+g_standins() {
+    cmd "${FAKE_ENV[@]}" "$BIN/mt_tests" device_cuda cuda_standin || { why "stand-in tests failed"; exit 1; }
+}
+g_ops() {
+    needs_gpu
+    cmd MT_TEST_GPU=1 "$BIN/mt_tests" ops_ || { why "op conformance failed"; exit 1; }
+}
+g_engine() {
+    needs_gpu
+    cmd MT_TEST_GPU=1 "$BIN/mt_tests" gpu_engine || { why "engine on the GPU differs from the CPU"; exit 1; }
+}
+g_estimate() {
+    cmd "${DEV_ENV[@]}" "$BIN/mt_tests" estimate_equals_measured_cuda budget_policy_stays_within_cuda ||
+        { why "estimate != measured, or over budget"; exit 1; }
+}
+g_driver() {
+    local ok=0
+    cmd "${DEV_ENV[@]}" MT_TEST_VERBOSE=1 "$BIN/mt_tests" driver_sees_the_accounting_cuda || ok=1
+    local q=(); [ "$QUICK" = 1 ] || [ "$STAND_IN" = 1 ] && q=(--quick)
+    cmd "${DEV_ENV[@]}" "$BIN/bench_memory" --sections d "${q[@]}" || ok=1
+    [ $ok = 0 ] || why "driver below the accounting, or bench_memory (d) failed"
+    exit $ok
+}
+g_memcheck() {
+    needs_gpu
+    local cs
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null) ||
+        skip "compute-sanitizer not found"
+    cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" ops_ ||
+        { why "memcheck found errors"; exit 1; }
+}
+g_kernels() {
+    local a=(--json "$OUT/bench_cuda.json")
+    [ "$QUICK" = 1 ] && a+=(--quick)
+    if [ "$STAND_IN" = 1 ]; then
+        cmd "${FAKE_ENV[@]}" "$BIN/bench_cuda" --quick --json "$OUT/bench_cuda.json" || exit 1
+        why "stand-in: the figures mean nothing"
+    else
+        cmd "$BIN/bench_cuda" "${a[@]}" || exit 1
+    fi
+    exit 0
+}
+
+# GPT-2: each configuration by both sides, in turns, on the same data and
+# starting weights (both read an llm.c checkpoint and token file made here)
+g_gpt2() {
+    local d=$OUT/gpt2 py=python3 torch=1
+    mkdir -p "$d"
+    local shape=(--layers 12 --heads 12 --channels 768) tshape=(--L 12 --H 12 --C 768)
+    local bt=(--batch 8 --seq 1024) tbt=(--B 8 --T 1024) steps=(--steps 10 --warmup 3)
+    if [ "$STAND_IN" = 1 ] || [ "$QUICK" = 1 ]; then
+        shape=(--layers 2 --heads 2 --channels 64) tshape=(--L 2 --H 2 --C 64)
+        bt=(--batch 2 --seq 64) tbt=(--B 2 --T 64) steps=(--steps 2 --warmup 1)
+    fi
+    if [ "$STAND_IN" = 1 ]; then
+        torch=0
+    elif ! "$py" -c 'import torch, numpy; assert torch.cuda.is_available()' >> "$LOG" 2>&1; then
+        torch=0
+        why "no PyTorch with CUDA in $py: memtrain's side only"
+    fi
+    local data=()
+    if [ $torch = 1 ]; then
+        cmd "$py" "$HERE/bench/gpt2_tools.py" tokens "$d/tokens.bin" --vocab 50257 --seed 1234 || exit 1
+        cmd "$py" "$HERE/bench/torch_gpt2.py" "${tshape[@]}" --B 1 --T 8 --steps 1 --warmup 0 \
+            --write-llmc-checkpoint "$d/init.bin" || exit 1
+        data=(--tokens "$d/tokens.bin" --llmc-checkpoint "$d/init.bin")
+    fi
+    local env=(); [ "$STAND_IN" = 1 ] && env=("${FAKE_ENV[@]}")
+    local ok=0 i=0 tag ours theirs
+    for row in "fp32||" "bf16|--precision bf16|--bf16" \
+        "bf16_adamw8_fused_sqrt|--precision bf16 --optimizer adamw8 --fused --recompute sqrt|--bf16 --adamw8 --step-in-backward --checkpointing"; do
+        IFS='|' read -r tag ours theirs <<< "$row"
+        # shellcheck disable=SC2086 # the flags are words
+        run_ours() {
+            json "$d/$tag.memtrain.json" "${env[@]}" "$BIN/bench_gpt2" --device cuda "${data[@]}" \
+                "${shape[@]}" "${bt[@]}" "${steps[@]}" $ours || ok=1
+        }
+        # shellcheck disable=SC2086
+        run_theirs() {
+            [ $torch = 1 ] || return 0
+            json "$d/$tag.pytorch.json" "$py" "$HERE/bench/torch_gpt2.py" --device cuda \
+                "${data[@]}" "${tbt[@]}" "${steps[@]}" $theirs || true
+        }
+        if [ $((i % 2)) = 0 ]; then run_ours; run_theirs; else run_theirs; run_ours; fi
+        i=$((i + 1))
+    done
+    [ $ok = 0 ] || why "a memtrain run failed"
+    exit $ok
+}
+
+{
+    echo "memtrain GPU validation, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    [ -f "$HERE/MANIFEST" ] && cat "$HERE/MANIFEST"
+    echo "machine: $(uname -srm); glibc $(ldd --version 2>/dev/null | head -n1 | awk '{print $NF}')"
+    if [ "$STAND_IN" = 1 ]; then
+        echo "mode: --stand-in (no GPU: the stand-in driver and cuBLASLt)"
+    else
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 |
+            sed 's/^/gpu: /'
+        (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -n1 |
+            sed 's/^/toolkit: /'
+    fi
+} | tee "$OUT/machine.txt" >> "$LOG"
+
+group standins g_standins
+group ops g_ops
+group engine g_engine
+group estimate g_estimate
+group driver g_driver
+group memcheck g_memcheck
+group kernels g_kernels
+group gpt2 g_gpt2
+
+{
+    echo
+    # GPT-2 side by side: tokens/s and peak device memory (ours: the
+    # allocators' peak reserve; PyTorch: its caching allocator's peak reserve)
+    if [ -d "$OUT/gpt2" ] && command -v python3 > /dev/null; then
+        python3 - "$OUT/gpt2" <<'PY' || true
+import json, os, sys
+d = sys.argv[1]
+def load(tag, impl):
+    try:
+        return json.loads(open(os.path.join(d, "%s.%s.json" % (tag, impl))).read())
+    except (OSError, ValueError):
+        return None
+print("GPT-2 | memtrain tok/s | PyTorch tok/s | ratio | memtrain peak MiB | PyTorch peak MiB")
+for tag in ("fp32", "bf16", "bf16_adamw8_fused_sqrt"):
+    m, t = load(tag, "memtrain"), load(tag, "pytorch")
+    tps = lambda r: r["B"] * r["T"] * 1000.0 / r["ms_per_step_median"] if r else None
+    a, b = tps(m), tps(t)
+    f = lambda x: "%.0f" % x if x is not None else "-"
+    print("%s | %s | %s | %s | %s | %s" % (tag, f(a), f(b), "%.2f" % (a / b) if a and b else "-",
+          f(m["mem_peak_reserved_mib"]) if m else "-",
+          f(t.get("peak_device_reserved_mib")) if t else "-"))
+PY
+    fi
+    echo
+    echo "figures (JSON, one line each):"
+    for f in "$OUT"/bench_cuda.json "$OUT"/gpt2/*.json; do
+        [ -s "$f" ] && sed "s|^|${f#"$OUT"/}: |" "$f"
+    done
+} >> "$RESULTS"
+echo "results: $RESULTS; log: $LOG"
+exit $FAILED
