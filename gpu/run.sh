@@ -56,11 +56,12 @@ RESULTS=$OUT/results.txt LOG=$OUT/log.txt
 : > "$LOG"
 
 BIN=$HERE/bin
-export LD_LIBRARY_PATH="$HERE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# the C++ and GCC runtimes of the build machine, only where this one has none
+# The programs find lib/ through their rpath; LD_LIBRARY_PATH is left alone
+# (PyTorch runs under it too), except for the C++ and GCC runtimes of the
+# build machine, added only where this one has none.
 for l in libstdc++.so.6 libgcc_s.so.1; do
     if [ -e "$HERE/lib/fallback/$l" ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q "$l "; then
-        export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$HERE/lib/fallback"
+        export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$HERE/lib/fallback"
         break
     fi
 done
@@ -216,6 +217,14 @@ g_gpt2() {
             sed 's/^/toolkit: /'
     fi
 } | tee "$OUT/machine.txt" >> "$LOG"
+
+# the bundle's programs want at least the glibc of the machine that built them
+need=$(sed -n 's/^needs glibc: //p' "$HERE/MANIFEST" 2>/dev/null)
+have=$(ldd --version 2>/dev/null | head -n1 | awk '{print $NF}')
+if [ -n "$need" ] && [ -n "$have" ] &&
+    [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -n1)" != "$need" ]; then
+    note "WARNING: this machine's glibc is $have, the bundle's programs need $need: they may not start"
+fi
 
 group standins g_standins
 group ops g_ops
