@@ -13,21 +13,7 @@
 
 #include "alloc_check.h"
 #include "internal.h"
-
-/* ---- backing reservations held by an instance --------------------------
- * A small open-addressing table of (ptr -> granted) so destroy can give back
- * what a faulty allocator leaked, and release can check its arguments.
- * Backing calls are rare (segments, not blocks), so this is off the hot path. */
-
-typedef struct resv_slot {
-    uintptr_t ptr; /* 0: empty, 1: deleted */
-    size_t granted;
-} resv_slot;
-
-typedef struct resv_table {
-    resv_slot *slots;
-    size_t cap, used, live;
-} resv_table;
+#include "resv.h"
 
 typedef struct va_range {
     void *base;
@@ -38,7 +24,7 @@ typedef struct va_range {
 /* The part of an instance the wrapper alone uses, kept after struct
  * mt_allocator in the same allocation. */
 typedef struct wrap_extra {
-    resv_table resv;
+    mti_resv_table resv;
     va_range *va;
     size_t n_va, cap_va;
     char why[MTI_ERR_LEN]; /* reason of the last backing failure */
@@ -47,68 +33,6 @@ typedef struct wrap_extra {
 } wrap_extra;
 
 static wrap_extra *extra_of(mt_allocator *a) { return (wrap_extra *)(a + 1); }
-
-static size_t hash_ptr(uintptr_t p, size_t cap)
-{
-    uint64_t x = (uint64_t)p * 0x9E3779B97F4A7C15ull;
-    return (size_t)(x >> 20) & (cap - 1);
-}
-
-static bool resv_grow(resv_table *t)
-{
-    size_t ncap = t->cap ? t->cap * 2 : 64;
-    resv_slot *ns = calloc(ncap, sizeof *ns);
-    if (!ns) return false;
-    for (size_t i = 0; i < t->cap; i++) {
-        if (t->slots[i].ptr <= 1) continue;
-        size_t j = hash_ptr(t->slots[i].ptr, ncap);
-        while (ns[j].ptr) j = (j + 1) & (ncap - 1);
-        ns[j] = t->slots[i];
-    }
-    free(t->slots);
-    t->slots = ns;
-    t->cap = ncap;
-    t->used = t->live;
-    return true;
-}
-
-static bool resv_insert(resv_table *t, uintptr_t p, size_t granted)
-{
-    if ((t->used + 1) * 4 >= t->cap * 3 && !resv_grow(t)) return false;
-    size_t j = hash_ptr(p, t->cap);
-    while (t->slots[j].ptr > 1) j = (j + 1) & (t->cap - 1);
-    if (t->slots[j].ptr == 0) t->used++;
-    t->slots[j].ptr = p;
-    t->slots[j].granted = granted;
-    t->live++;
-    return true;
-}
-
-/* The granted size of p, or 0 if p is not held. */
-static size_t resv_find(const resv_table *t, uintptr_t p)
-{
-    if (!t->cap) return 0;
-    for (size_t j = hash_ptr(p, t->cap); t->slots[j].ptr; j = (j + 1) & (t->cap - 1))
-        if (t->slots[j].ptr == p) return t->slots[j].granted;
-    return 0;
-}
-
-/* Removes p; returns its granted size, or 0 if p is not held. */
-static size_t resv_remove(resv_table *t, uintptr_t p)
-{
-    if (!t->cap) return 0;
-    size_t j = hash_ptr(p, t->cap);
-    while (t->slots[j].ptr) {
-        if (t->slots[j].ptr == p) {
-            size_t g = t->slots[j].granted;
-            t->slots[j].ptr = 1;
-            t->live--;
-            return g;
-        }
-        j = (j + 1) & (t->cap - 1);
-    }
-    return 0;
-}
 
 /* ---- context-wide totals (all instances of a context together) ---- */
 
@@ -197,12 +121,12 @@ static mt_status backing_reserve(void *self, size_t bytes, size_t alignment, voi
         d->mem_release(d, p, g);
         return backing_admit(a, g); /* fails with the limit message */
     }
-    if (!resv_insert(&extra_of(a)->resv, (uintptr_t)p, g)) {
+    if (!mti_resv_insert(&extra_of(a)->resv, (uintptr_t)p, g)) {
         d->mem_release(d, p, g);
         return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
     }
     if (extra_of(a)->check && !mti_checker_back(extra_of(a)->check, p, g)) {
-        resv_remove(&extra_of(a)->resv, (uintptr_t)p);
+        mti_resv_remove(&extra_of(a)->resv, (uintptr_t)p);
         d->mem_release(d, p, g);
         return backing_fail(a, MT_ERR_OOM, "out of host memory for bookkeeping");
     }
@@ -234,9 +158,9 @@ static bool refuse_unback(mt_allocator *a, const char *what, const void *p, size
 static void backing_release(void *self, void *ptr, size_t granted)
 {
     mt_allocator *a = self;
-    size_t held = resv_find(&extra_of(a)->resv, (uintptr_t)ptr);
+    size_t held = mti_resv_find(&extra_of(a)->resv, (uintptr_t)ptr);
     if (held && refuse_unback(a, "released", ptr, held)) return;
-    size_t g = resv_remove(&extra_of(a)->resv, (uintptr_t)ptr);
+    size_t g = mti_resv_remove(&extra_of(a)->resv, (uintptr_t)ptr);
     if (!g) {
         mti_log(a->ctx, MT_LOG_ERROR, "allocator '%s' released %p, which it does not hold",
                 a->vt->name, ptr);
@@ -440,7 +364,7 @@ void mti_allocator_delete(mt_allocator *a)
     /* give back whatever the allocator did not */
     size_t leaked = 0;
     for (size_t i = 0; i < x->resv.cap; i++) {
-        resv_slot *sl = &x->resv.slots[i];
+        mti_resv_slot *sl = &x->resv.slots[i];
         if (sl->ptr <= 1) continue;
         a->ctx->dev->mem_release(a->ctx->dev, (void *)sl->ptr, sl->granted);
         note_released(a, sl->granted);
