@@ -124,7 +124,8 @@ cmp -s "$tmp/resumed.l" "$tmp/straight.l" || { echo "FAIL tool: resumed losses d
 expect 4 "gpt diverges" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 30 --optimizer sgd --lr 1e30 --clip 0 --json --threads 2 --save "$tmp/div.ckpt"
 grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged run"; cat "$tmp/out"; fail=1; }
 grep -q "diverged" "$tmp/err" && [ ! -e "$tmp/div.ckpt" ] || { echo "FAIL tool: diverged run's message or checkpoint"; cat "$tmp/err"; fail=1; }
-expect 4 "mlp diverges" -- "$tool" train --steps 30 --lr 1e30
+expect 4 "mlp diverges" -- "$tool" train --steps 30 --lr 1e30 --json
+grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged MLP"; cat "$tmp/out"; fail=1; }
 # Ctrl-C: the run stops after the step in progress, writes its checkpoint
 # (saving every step, so the signal often lands in a save), exits 130 and
 # leaves no temporary file; the checkpoint resumes at the step after

@@ -418,21 +418,10 @@ static int check_output(const char *name, const char *path)
     return 0;
 }
 
-/* What the options leave to the model or the command, and what cannot go
- * together. */
-static int settle(cli_opts *o)
+/* Options that cannot go together, named as the command line gives them
+ * (the library would name its fields). */
+static int check_together(const cli_opts *o)
 {
-    const unsigned cmd = o->cmd;
-    char names[256];
-    not_for_model(o, names, sizeof names);
-    if (names[0]) {
-        fprintf(stderr, "%s: %s: not for %s\n(run '%s %s --help')\n", cli_prog, names,
-                o->gpt ? "a GPT (--model gpt)" : "the MLP (--model mlp)", cli_prog,
-                cmd == CLI_ESTIMATE ? "estimate" : cmd == CLI_SAMPLE ? "sample" : "train");
-        return EXIT_USAGE;
-    }
-    if (!given(o, "--batch")) o->batch = cmd == CLI_ESTIMATE ? 4 : o->gpt ? 8 : 64;
-    if (!given(o, "--optimizer") && cmd != CLI_ESTIMATE && !o->gpt) o->optimizer = MT_OPT_SGD;
     if (o->micro > o->batch)
         return cli_bad_usage("--micro %ld is more than --batch %ld", o->micro, o->batch);
     if (o->no_master && o->precision != MT_PREC_BF16)
@@ -451,6 +440,26 @@ static int settle(cli_opts *o)
         return cli_bad_usage("%s", "--momentum is for --optimizer sgd");
     if (o->gpt && o->channels % o->heads && !o->llmc)
         return cli_bad_usage("%s", "--heads must divide --channels");
+    return 0;
+}
+
+/* What the options leave to the model or the command, and what cannot go
+ * together. */
+static int settle(cli_opts *o)
+{
+    const unsigned cmd = o->cmd;
+    char names[256];
+    not_for_model(o, names, sizeof names);
+    if (names[0]) {
+        fprintf(stderr, "%s: %s: not for %s\n(run '%s %s --help')\n", cli_prog, names,
+                o->gpt ? "a GPT (--model gpt)" : "the MLP (--model mlp)", cli_prog,
+                cmd == CLI_ESTIMATE ? "estimate" : cmd == CLI_SAMPLE ? "sample" : "train");
+        return EXIT_USAGE;
+    }
+    if (!given(o, "--batch")) o->batch = cmd == CLI_ESTIMATE ? 4 : o->gpt ? 8 : 64;
+    if (!given(o, "--optimizer") && cmd != CLI_ESTIMATE && !o->gpt) o->optimizer = MT_OPT_SGD;
+    int rc = check_together(o);
+    if (rc) return rc;
     if (cmd == CLI_ESTIMATE) {
         if (o->autofit && !o->budget_mib) return cli_bad_usage("%s", "--autofit needs --budget");
         if (o->allow8 && !o->autofit) return cli_bad_usage("%s", "--allow-8bit is for --autofit");
@@ -464,10 +473,8 @@ static int settle(cli_opts *o)
     if (cmd == CLI_TRAIN) {
         const char *const outs[] = {"--save", "--trace", "--svg", "--chrome", "--export-llmc"};
         const char *const paths[] = {o->save, o->trace, o->svg, o->chrome, o->export_llmc};
-        for (int i = 0; i < 5; i++) {
-            int rc = paths[i] ? check_output(outs[i], paths[i]) : 0;
-            if (rc) return rc;
-        }
+        for (int i = 0; i < 5 && !rc; i++) rc = paths[i] ? check_output(outs[i], paths[i]) : 0;
+        if (rc) return rc;
     }
     if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;
     if (o->report < 0) o->report = !o->json; /* the memory report unless JSON only is asked for */

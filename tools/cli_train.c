@@ -106,6 +106,24 @@ static int finish_run(const cli_opts *o, mt_context *ctx, const mt_estimate_repo
     return 0;
 }
 
+/* The members of a step's JSON object that both models write, the object
+ * left open for more. */
+static void json_step(mt_context *ctx, const mt_trainer *t, long step, float loss, double ms)
+{
+    mt_memory_stats st;
+    mt_context_memory_stats(ctx, &st);
+    mt_loss_scale_state ls;
+    mt_trainer_get_loss_scale(t, &ls);
+    printf("{\"step\": %ld", step);
+    cli_json_num(stdout, "loss", "%.6f", loss);
+    cli_json_num(stdout, "lr", "%g", mt_trainer_lr(t));
+    cli_json_num(stdout, "ms", "%.4f", ms);
+    printf(", \"live_bytes\": %llu, \"peak_bytes\": %llu", (unsigned long long)st.live_bytes,
+           (unsigned long long)st.peak_live_bytes);
+    cli_json_num(stdout, "loss_scale", "%g", ls.scale);
+    printf(", \"skipped\": %llu", (unsigned long long)ls.steps_skipped);
+}
+
 /* A step's loss that is not a number or infinite: the run stops there,
  * without a checkpoint (the last one saved stays). */
 static int diverged(long step)
@@ -159,29 +177,11 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
             rc = EXIT_FAIL;
             goto done;
         }
-        if (!isfinite(loss)) {
-            rc = diverged(step);
-            goto done;
-        }
-        if (stop_signal) {
-            rc = interrupted(step);
-            goto done;
-        }
         window += loss;
         in_window++;
         if (o->json) {
-            mt_memory_stats ms;
-            mt_context_memory_stats(ctx, &ms);
-            mt_loss_scale_state ls;
-            mt_trainer_get_loss_scale(t, &ls);
-            printf("{\"step\": %ld", step);
-            cli_json_num(stdout, "loss", "%.6f", loss);
-            cli_json_num(stdout, "lr", "%g", mt_trainer_lr(t));
-            cli_json_num(stdout, "ms", "%.4f", 1e3 * (now_s() - t_step));
-            printf(", \"live_bytes\": %llu, \"peak_bytes\": %llu",
-                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes);
-            cli_json_num(stdout, "loss_scale", "%g", ls.scale);
-            printf(", \"skipped\": %llu}\n", (unsigned long long)ls.steps_skipped);
+            json_step(ctx, t, step, loss, 1e3 * (now_s() - t_step));
+            printf("}\n");
         } else if (step == 1 || step % o->every == 0 || step == o->steps) {
             mt_memory_stats ms;
             mt_context_memory_stats(ctx, &ms);
@@ -195,6 +195,14 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
             printf("\n");
             window = 0.0;
             in_window = 0;
+        }
+        if (!isfinite(loss)) {
+            rc = diverged(step);
+            goto done;
+        }
+        if (stop_signal) {
+            rc = interrupted(step);
+            goto done;
         }
     }
     /* held-out points from another part of the data stream */
@@ -361,16 +369,9 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         mt_loss_scale_state ls;
         mt_trainer_get_loss_scale(t, &ls);
         if (o->json) {
-            printf("{\"step\": %ld", step);
-            cli_json_num(stdout, "loss", "%.6f", loss);
-            cli_json_num(stdout, "lr", "%g", mt_trainer_lr(t));
-            cli_json_num(stdout, "ms", "%.3f", 1e3 * dt);
+            json_step(ctx, t, step, loss, 1e3 * dt);
             cli_json_num(stdout, "data_ms", "%.4f", 1e3 * t_data);
             cli_json_num(stdout, "tokens_per_s", "%.1f", tokens_per_step / dt);
-            printf(", \"live_bytes\": %llu, \"peak_bytes\": %llu",
-                   (unsigned long long)ms.live_bytes, (unsigned long long)ms.peak_live_bytes);
-            cli_json_num(stdout, "loss_scale", "%g", ls.scale);
-            printf(", \"skipped\": %llu", (unsigned long long)ls.steps_skipped);
             if (eval) cli_json_num(stdout, "val_loss", "%.6f", vl);
             printf("}\n");
         } else if (show || eval || live) {
