@@ -726,7 +726,8 @@ typedef enum mt_recompute_policy {
                                    runs of recomputed units are cut into segments of
                                    recompute_every units */
     MT_RECOMPUTE_BUDGET = 5     /* the plan with the least recompute whose run stays within
-                                   cfg.memory_budget, chosen at create from estimates
+                                   cfg.memory_budget and every allocator instance's
+                                   limit_bytes, chosen at create from estimates
                                    (mt_trainer_recompute_plan tells which) */
 } mt_recompute_policy;
 

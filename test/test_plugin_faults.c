@@ -246,3 +246,46 @@ TEST(plugin_conformance_suite_finds_faults)
     CHECK_ST(MT_ERR_INVALID_ARG, mt_allocator_conformance(ctx, NULL));
     CHECK_OK(mt_context_destroy(ctx));
 }
+
+/* The checking mode finds nothing wrong with the built-in allocators in
+ * training, and changes no result: the same losses, bit for bit. */
+TEST(plugin_checked_mode_trains_with_every_allocator)
+{
+    const mt_allocator_vtable *vts[4] = {mt_allocator_caching(), mt_allocator_arena(),
+                                         mt_allocator_pool(), mt_allocator_checkpoint()};
+    int32_t ids[2 * 16 + 1];
+    for (int i = 0; i < 2 * 16 + 1; i++) ids[i] = (i * 37 + 11) % 64;
+    mt_batch b = {.n = 2, .tokens = ids, .targets = ids + 1, .seq_len = 16};
+    for (int v = 0; v < 4; v++) {
+        float loss[2][3];
+        for (int checked = 0; checked < 2; checked++) {
+            mt_context_config cc;
+            mt_context_config_init(&cc);
+            cc.device = MT_DEVICE_CPU;
+            cc.threads = 1;
+            for (int c = 0; c < MT_MEM_COUNT; c++) {
+                cc.allocators[c].vtable = vts[v];
+                cc.allocators[c].flags = checked ? MT_ALLOCATOR_CHECKED : 0;
+            }
+            mt_context *ctx;
+            CHECK_OK(mt_context_create(&cc, &ctx));
+            mt_gpt_spec g;
+            mt_gpt_spec_init(&g);
+            g.vocab = 64, g.max_seq = 16, g.layers = 2, g.heads = 2, g.channels = 32, g.seed = 5;
+            mt_model *m;
+            CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+            mt_trainer_config tc;
+            mt_trainer_config_init(&tc);
+            tc.max_batch = 2, tc.optimizer = MT_OPT_ADAMW, tc.lr = 1e-3f;
+            tc.recompute = MT_RECOMPUTE_SELECTIVE;
+            mt_trainer *t;
+            CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+            for (int s = 0; s < 3; s++) CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[checked][s]));
+            mt_trainer_destroy(t);
+            CHECK_OK(mt_model_destroy(m));
+            CHECK_OK(mt_context_destroy(ctx));
+        }
+        CHECK_MSG(memcmp(loss[0], loss[1], sizeof loss[0]) == 0, "%s: losses differ when checked",
+                  vts[v]->name);
+    }
+}
