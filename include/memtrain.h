@@ -882,10 +882,18 @@ typedef struct mt_batch {
  * token or target out of range), or a failure before the update (out of
  * memory, say), the weights, the optimizer state and the loss scaler are
  * unchanged. Only a device failing during the update itself (a CUDA launch)
- * can leave the weights partly updated; the error says so. In fp16, a step
- * whose gradients are not finite is skipped: it returns MT_OK and
- * mt_trainer_get_loss_scale tells; with gradient clipping in any precision,
- * a non-finite gradient norm skips the step the same way. */
+ * can leave the weights partly updated; the error says so.
+ * A step whose loss or any gradient is not finite (an inf or NaN input, an
+ * overflow) is skipped, in every precision, with or without clipping, fused
+ * or not: the weights and the optimizer state do not move, it returns MT_OK
+ * with the non-finite *loss, mt_trainer_get_loss_scale tells
+ * (last_step_skipped, steps_skipped), the context's log says so, and in fp16
+ * the scale backs off. The one exception: the fused step without clipping
+ * or fp16 updates during its single backward pass, so a gradient that turns
+ * out non-finite after a finite loss (an overflow inside backward) and after
+ * some tensors were updated stops the step there with MT_ERR_INVALID_ARG,
+ * saying how many tensors were updated; no weight or state ever takes a
+ * non-finite value (docs/engine.md). */
 /* Data parallel (a communicator of N > 1 ranks): b is this rank's rows of
  * the global batch; the gradients are summed over the ranks before the
  * update, *loss is the global batch's mean, and a failure on any rank
@@ -942,19 +950,20 @@ mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *use
 mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
                           size_t *user_len);
 
-/* The loss scaler's state, part of the trainer's state. Without fp16 the
- * scale is 1 and nothing is ever skipped. */
+/* The loss scaler's state, part of the trainer's state, with the count of
+ * skipped steps. Without fp16 the scale is 1. */
 typedef struct mt_loss_scale_state {
     float scale;
     int growth_tracker;      /* clean steps in a row since the scale last changed */
-    uint64_t steps_skipped;  /* optimizer steps skipped for non-finite gradients */
+    uint64_t steps_skipped;  /* steps skipped for a non-finite loss or gradient (any
+                                precision) */
     int last_step_skipped;   /* whether the last step was one of them */
 } mt_loss_scale_state;
 
 mt_status mt_trainer_get_loss_scale(const mt_trainer *t, mt_loss_scale_state *out);
 /* Restores a saved state (e.g. when resuming). The scale must be finite and
  * > 0, the tracker in [0, growth_interval) (0 with a static scale); without
- * fp16 the scale must be 1 and no step skipped. */
+ * fp16 the scale must be 1. */
 mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in);
 
 /* ------------------------------------------------------------------------ */

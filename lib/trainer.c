@@ -359,7 +359,7 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const f
                             .step = (int64_t)t->opt_steps + 1,
                             .grad_scale = grad_scale,
                             .pc_dt = t->dt,
-                            .scratch = NULL};
+                            .scratch = (int *)t->found_inf.blk.ptr + 1};
     void *st[MTI_OPT_SLOTS] = {0};
     for (int j = 0; j < MTI_OPT_SLOTS; j++) {
         const mti_opt_state *l = &ps->lay.s[j];
@@ -559,8 +559,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
-    if (!s && cfg->precision == MT_PREC_FP16) {
-        t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {1}};
+    t->flag_grads = cfg->precision == MT_PREC_FP16 || !(cfg->grad_clip > 0.0f);
+    if (!s) {
+        t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {2}};
         s = mti_tensor_alloc(ctx, &t->found_inf, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 2));
     }
     if (!s && cfg->grad_clip > 0.0f) {
@@ -610,11 +611,10 @@ mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_set_loss_scale: in->growth_tracker %d out of range 0..%d",
                         in->growth_tracker, max_tracker);
-    if (t->cfg.precision != MT_PREC_FP16 &&
-        (in->scale != 1.0f || in->steps_skipped || in->last_step_skipped))
+    if (t->cfg.precision != MT_PREC_FP16 && in->scale != 1.0f)
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_set_loss_scale: the trainer does not scale (precision is not "
-                        "fp16): the scale must be 1 and no step skipped");
+                        "fp16): the scale must be 1");
     t->scaler.scale = in->scale;
     t->scaler.growth_tracker = in->growth_tracker;
     t->steps_skipped = in->steps_skipped;
@@ -662,11 +662,12 @@ static mt_status check_batch(mt_trainer *t, const mt_batch *b, const char *fn)
     return MT_OK;
 }
 
-/* fp16: n gradient values of parameter i unscaled in place and checked
- * (the flag accumulates). */
+/* n gradient values unscaled in place (fp16; else the scale is 1) and
+ * checked for inf and NaN, where the flag checks them (the flag
+ * accumulates). */
 static mt_status unscale_g(mt_trainer *t, float *g, size_t n)
 {
-    if (t->cfg.precision != MT_PREC_FP16) return MT_OK;
+    if (!t->flag_grads) return MT_OK;
     const mti_kctx k = {t->ctx, t->ctx->dev};
     return t->ctx->ops->unscale_check(&k, g, n, t->inv, t->found_inf.blk.ptr);
 }
@@ -711,12 +712,29 @@ static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
     return s ? s : sumsq_g(t, i, g, n);
 }
 
+/* The fused step in one backward pass: the flag is read before each
+ * tensor's update, so a non-finite gradient stops the step before it
+ * reaches a weight (the step is then skipped if nothing was updated). */
+static mt_status halt_if_flagged(mt_trainer *t, int i)
+{
+    if (!t->check_each) return MT_OK;
+    int32_t flag = 0;
+    mt_status s = mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag);
+    if (s || !flag) return s;
+    t->halted = 1;
+    return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                    "the gradient of %s is not finite though the loss is (an overflow in "
+                    "backward); no weight took a non-finite value",
+                    t->model->params[i].name);
+}
+
 /* fused: update as soon as the gradient is final, then drop it */
 static mt_status update_hook(void *user, int i)
 {
     mt_trainer *t = user;
     mt_status s = mti_dp_reduce_grad(t, i);
     if (!s) s = unscale(t, i);
+    if (!s) s = halt_if_flagged(t, i);
     if (!s) s = update_param(t, i, t->clip);
     if (!s) t->updated++;
     mti_tensor_free(t->ctx, &t->E.grad[i]);
@@ -728,6 +746,7 @@ static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
     mt_trainer *t = user;
     mt_status s = mti_dp_reduce(t, i, g, n);
     if (!s) s = unscale_g(t, g, n);
+    if (!s) s = halt_if_flagged(t, i);
     if (!s) s = update_elems(t, i, g, at, n, t->clip);
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
@@ -740,7 +759,7 @@ static mt_status finish_checks(mt_trainer *t, int *found)
 {
     mt_status s;
     *found = 0;
-    if (t->cfg.precision == MT_PREC_FP16) {
+    if (t->flag_grads) {
         int32_t flag = 0;
         TRY(mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag));
         *found = flag != 0;
@@ -789,12 +808,34 @@ static double targets_of(const mt_trainer *t, const mt_batch *b)
     return (double)b->n * (t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1);
 }
 
+/* The fused step's only backward pass, updating as it goes. A non-finite
+ * gradient found before any update skips the step (*found). */
+static mt_status fused_pass(mt_trainer *t, int *found)
+{
+    mti_engine *E = &t->E;
+    mt_status s = mti_tensor_zero(t->ctx, &t->found_inf);
+    if (s) return s;
+    E->slice_hook = update_slice;
+    t->check_each = 1;
+    t->halted = 0;
+    s = mti_engine_backward(E, 0, update_hook, t);
+    t->check_each = 0;
+    if (s && t->halted && !t->updated) {
+        mti_clear_error(t->ctx);
+        *found = 1;
+        return MT_OK;
+    }
+    return s;
+}
+
 /* Forward and backward of every micro-batch; gradients accumulate. With
  * fused set, the update runs in backward. The loss gradient is scaled by
  * 1 / targets (the whole batch's, over every rank); *sum_out gets the sum
- * of this rank's losses. */
-static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, double targets, int *found,
-                        double *sum_out)
+ * of this rank's losses. With skip set and one rank, a micro-batch whose
+ * loss is not finite ends the passes (*found: the step is skipped); with
+ * several, the summed gradients tell every rank alike. */
+static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool skip, double targets,
+                        int *found, double *sum_out)
 {
     mt_context *ctx = t->ctx;
     mti_engine *E = &t->E;
@@ -811,14 +852,19 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, double tar
         TRY(mti_engine_loss_sum(E, t->host_losses, &part));
         sum += part;
         reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */
+        if (skip && !mti_dp_on(t) && !isfinite(part)) { /* no backward, no update */
+            *found = 2;
+            mti_engine_release(E);
+            reset_all(ctx, MT_SCOPE_PHASE);
+            break;
+        }
         mti_engine_arm(E);
         if (!fused) {
             TRY(mti_engine_backward(E, 0, NULL, NULL));
         } else if (!two_pass) {
-            E->slice_hook = update_slice;
-            TRY(mti_engine_backward(E, 0, update_hook, t));
+            TRY(fused_pass(t, found));
         } else {
-            if (t->cfg.precision == MT_PREC_FP16) TRY(mti_tensor_zero(ctx, &t->found_inf));
+            if (t->flag_grads) TRY(mti_tensor_zero(ctx, &t->found_inf));
             if (t->cfg.grad_clip > 0.0f) TRY(mti_tensor_zero(ctx, &t->sumsq));
             E->slice_hook = check_slice;
             TRY(mti_engine_backward(E, 1, check_hook, t));
@@ -853,13 +899,13 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->updated = 0;
     int found = 0;
     double sum = 0.0;
-    s = passes(t, b, fused, targets, &found, &sum);
+    s = passes(t, b, fused, true, targets, &found, &sum);
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
-    if (!fused) {
+    if (!fused && !found) {
         for (int i = 0; i < m->n_param && !s; i++) s = mti_dp_reduce_grad(t, i);
-        if (t->cfg.precision == MT_PREC_FP16 && (s = mti_tensor_zero(ctx, &t->found_inf)))
-            return step_failed(t, fn, s);
+        if (!s && t->flag_grads) s = mti_tensor_zero(ctx, &t->found_inf);
+        if (s) return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s; i++) s = unscale(t, i);
         if (!s && t->cfg.grad_clip > 0.0f) s = mti_tensor_zero(ctx, &t->sumsq);
         for (int i = 0; i < m->n_param && !s; i++) s = sumsq(t, i);
@@ -875,9 +921,14 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
         }
     }
     if (t->cfg.precision == MT_PREC_FP16) mti_scaler_update(&t->scaler, found);
+    if (found)
+        mti_log(ctx, found == 1 && t->cfg.precision == MT_PREC_FP16 ? MT_LOG_INFO : MT_LOG_WARN,
+                "%s: step %llu skipped: the %s is not finite (weights and optimizer state "
+                "unchanged)",
+                fn, (unsigned long long)t->steps, found == 2 ? "loss" : "gradient");
     if (found) t->steps_skipped++;
     else t->opt_steps++;
-    t->last_skipped = found;
+    t->last_skipped = found != 0;
     mti_engine_free_grads(&t->E);
     reset_all(ctx, MT_SCOPE_STEP);
     t->steps++;
@@ -900,14 +951,14 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     t->inv = mti_scaler_inv(&t->scaler);
     t->updated = 0;
     if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
-    s = passes(t, b, false, targets, &found, &sum);
+    s = passes(t, b, false, false, targets, &found, &sum);
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_tensor *g;
         s = mti_dp_reduce_grad(t, i);
         if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
-        if (!s) s = unscale(t, i);
+        if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale(t, i);
         if (!s) s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
                                         m->params[i].numel * sizeof(float));
     }

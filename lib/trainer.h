@@ -27,7 +27,10 @@ struct mt_trainer {
     pstate *ps;
     char **patterns;         /* copies of the overrides' patterns */
     mt_param_override *overrides;
-    mti_tensor found_inf;    /* one device int */
+    mti_tensor found_inf;    /* two device ints: [0] a gradient is not finite (the
+                                unscale op's flag), [1] the optimizers' scratch */
+    int flag_grads;          /* gradients are checked by the flag (fp16, or no
+                                clipping, whose norm finds them otherwise) */
     mti_tensor sumsq;        /* per parameter, device fp32 */
     mti_scaler scaler;
     uint64_t steps, opt_steps, steps_skipped;
@@ -38,7 +41,9 @@ struct mt_trainer {
     float *host_rows;        /* (ROWS_CHUNK * out_width), eval's argmax */
     /* the step being taken */
     float lr, clip, inv;
-    int pass;                /* fused: 1 check pass, 2 update pass */
+    int check_each;          /* fused in one pass: each tensor's check is read
+                                before its update */
+    int halted;              /* that check found a non-finite gradient */
     int updated;             /* tensors updated this step */
     int counted;             /* counted in the model's and context's children */
     int bare;                /* weights in dt alone, no masters */

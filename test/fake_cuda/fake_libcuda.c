@@ -409,8 +409,10 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
     if (!dptr || bytes == 0) return leave(CUDA_ERROR_INVALID_VALUE);
     if (bytes > F.total - F.used) return leave(CUDA_ERROR_OUT_OF_MEMORY);
     /* 256-aligned but never 512-aligned, the weakest the driver promises, so
-     * callers that need more have to do their own aligning */
-    void *raw = malloc(bytes + 512);
+     * callers that need more have to do their own aligning; zeroed, so the
+     * values read back where no kernel ran (losses, norms) are finite and the
+     * same every run */
+    void *raw = calloc(1, bytes + 512);
     fake_alloc *a = raw ? VEC_PUSH(F.allocs) : NULL;
     if (!a) {
         free(raw);
