@@ -672,8 +672,9 @@ mt_status mt_model_param_info(const mt_model *m, int i, mt_param_info *out);
 typedef enum mt_optimizer_kind {
     MT_OPT_SGD = 1,       /* torch.optim.SGD: momentum, dampening, Nesterov; weight decay as L2 */
     MT_OPT_ADAMW = 2,     /* torch.optim.AdamW: 8 bytes of state per parameter */
-    MT_OPT_ADAMW8 = 3,    /* bitsandbytes' 8-bit blockwise AdamW: ~2.03 bytes per parameter;
-                             tensors under min_8bit_size elements keep 32-bit state */
+    MT_OPT_ADAMW8 = 3,    /* bitsandbytes' 8-bit blockwise AdamW, as its CUDA kernels:
+                             ~2.03 bytes per parameter; tensors under min_8bit_size
+                             elements keep 32-bit state; weight decay after the step */
     MT_OPT_ADAFACTOR = 4  /* transformers' Adafactor: factored second moment, rows + cols
                              floats per matrix */
 } mt_optimizer_kind;
@@ -782,7 +783,8 @@ typedef struct mt_trainer_config {
     float momentum;         /* SGD: 0 */
     float dampening;        /* SGD: 0 */
     int nesterov;           /* SGD: 0 */
-    float weight_decay;     /* 0; SGD: L2 (g += wd p); AdamW: decoupled (p *= 1 - lr wd) */
+    float weight_decay;     /* 0; SGD: L2 (g += wd p); AdamW: decoupled (p *= 1 - lr wd,
+                               before the step; 8-bit AdamW: after it) */
     int decay_1d;           /* 1 (default): 1-D tensors (biases, LayerNorm) decay too, as
                                torch does; 0: only tensors of 2 or more dimensions */
     float beta1, beta2, eps; /* AdamW and 8-bit AdamW: 0.9, 0.999, 1e-8 */

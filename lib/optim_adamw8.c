@@ -4,7 +4,10 @@
  * block of MTI_Q8_BLOCK elements (about 2.03 bytes per parameter).
  * Tensors under min_8bit_size elements, those the model marks (a
  * StableEmbedding's table) and overrides with state_bits 32 keep 32-bit
- * state, as bitsandbytes does.
+ * state, as bitsandbytes does, and are updated as its 32-bit kernel
+ * (kOptimizer32bit2State) updates them: the AdamW step, then the decoupled
+ * weight decay p *= 1 - lr wd after it, as in the 8-bit kernel (torch's
+ * AdamW, MT_OPT_ADAMW, decays before the step).
  */
 #include "optim.h"
 
@@ -15,7 +18,10 @@ static double traffic(const mt_trainer_config *c, int *quantized)
     return 16; /* p, g read (8), p written (4), codes and absmax (~4) */
 }
 
-static int has_ops(const mti_ops *ops) { return ops->adamw8 != NULL && ops->adamw != NULL; }
+static int has_ops(const mti_ops *ops)
+{
+    return ops->adamw8 && ops->adamw && ops->unscale_check && ops->cast;
+}
 
 static void layout(const mt_trainer_config *c, const mti_param *p, const mt_param_override *o,
                    mti_opt_layout *out)
@@ -39,10 +45,20 @@ static mt_status update(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], fl
                         void *pc, const float *g, size_t at, size_t n)
 {
     (void)at; /* a multiple of the block (mti_optim_slice_align) */
-    mti_adamw_args args = mti_adamw_args_of(a, a->weight_decay);
-    if (a->layout->bits == 8)
+    if (a->layout->bits == 8) {
+        mti_adamw_args args = mti_adamw_args_of(a, a->weight_decay);
         return a->ops->adamw8(a->k, w32, g, st[0], st[1], st[2], st[3], pc, a->pc_dt, n, &args);
-    return a->ops->adamw(a->k, w32, g, st[0], st[1], pc, a->pc_dt, n, &args);
+    }
+    /* 32-bit state: the step without decay, then p *= 1 - lr wd (the unscale
+       op multiplies in fp32, as the kernel does), then the compute copy */
+    mti_adamw_args args = mti_adamw_args_of(a, 0.0f);
+    const float decay = 1.0f - a->lr * a->weight_decay;
+    const bool decays = a->weight_decay > 0.0f;
+    mt_status s = a->ops->adamw(a->k, w32, g, st[0], st[1], decays ? NULL : pc, a->pc_dt, n, &args);
+    if (!s && decays) s = a->ops->unscale_check(a->k, w32, n, decay, a->scratch);
+    if (!s && decays && pc)
+        s = a->ops->cast(a->k, pc, a->pc_dt, w32, MTI_F32, n, MTI_ROUND_NEAREST, 0);
+    return s;
 }
 
 const mti_optim mti_optim_adamw8 = {

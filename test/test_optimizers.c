@@ -117,3 +117,53 @@ TEST(optimizers_slices_equal_whole)
     }
     mt_context_destroy(ctx);
 }
+
+/* 8-bit AdamW keeps 32-bit state for tensors under min_8bit_size and
+ * updates them as bitsandbytes' 32-bit kernel (kOptimizer32bit2State):
+ * the step, then the weight decay p *= 1 - lr wd. The reference is that
+ * kernel's arithmetic in double; decaying before the step (torch's order)
+ * is off by about lr wd times the step, far outside the tolerance. */
+TEST(optimizers_adamw8_small_tensors_decay_after)
+{
+    mt_context *ctx = check_cpu_context(1);
+    const mti_optim *o = mti_optim_of(MT_OPT_ADAMW8);
+    mt_trainer_config c;
+    mt_trainer_config_init(&c);
+    c.optimizer = MT_OPT_ADAMW8;
+    enum { N = 300 };
+    mti_param prm = {.ndim = 1, .shape = {N}, .numel = N};
+    mti_opt_layout lay;
+    o->layout(&c, &prm, NULL, &lay);
+    CHECK_EQ(lay.bits, 32); /* under min_8bit_size (4096) */
+    float p[N], g[N], m[N] = {0}, v[N] = {0};
+    uint16_t pc[N];
+    double rp[N], rm[N] = {0}, rv[N] = {0};
+    uint32_t seed = 11;
+    for (int i = 0; i < N; i++) p[i] = urand(&seed), rp[i] = p[i];
+    int scratch = 0;
+    const mti_kctx k = {ctx, NULL};
+    const float lr = 0.05f, wd = 0.5f;
+    for (int64_t t = 1; t <= 3; t++) {
+        for (int i = 0; i < N; i++) g[i] = 0.3f * urand(&seed);
+        mti_opt_step a = {.k = &k, .ops = mti_cpu_ops(), .cfg = &c, .p = &prm, .layout = &lay,
+                          .lr = lr, .weight_decay = wd, .step = t, .grad_scale = 1.0f,
+                          .pc_dt = MTI_BF16, .scratch = &scratch};
+        void *st[MTI_OPT_SLOTS] = {m, v};
+        CHECK_OKC(ctx, o->update(&a, st, p, pc, g, 0, N));
+        const double b1 = c.beta1, b2 = c.beta2, eps = c.eps;
+        const double c1 = 1 - pow(b1, (double)t), c2 = sqrt(1 - pow(b2, (double)t));
+        for (int i = 0; i < N; i++) {
+            rm[i] = b1 * rm[i] + (1 - b1) * g[i];
+            rv[i] = b2 * rv[i] + (1 - b2) * (double)g[i] * g[i];
+            rp[i] = (rp[i] - lr * c2 / c1 * rm[i] / (sqrt(rv[i]) + eps * c2)) * (1 - (double)lr * wd);
+        }
+        for (int i = 0; i < N; i++) {
+            CHECK_MSG(fabs(p[i] - rp[i]) <= 4e-7 * (fabs(rp[i]) + lr), /* ulps of p and the step */
+                      "step %d, element %d: %.9g, bitsandbytes' 32-bit kernel %.9g", (int)t, i,
+                      (double)p[i], rp[i]);
+            CHECK_EQ(pc[i], mti_f32_to_bf16(p[i])); /* the compute copy after the decay */
+        }
+    }
+    CHECK_EQ(scratch, 0);
+    mt_context_destroy(ctx);
+}
