@@ -55,13 +55,8 @@
 #include "memtrain/allocator.h"
 #include "internal.h"
 
-#if defined(__GNUC__)
-#define AR_UNLIKELY(x) __builtin_expect(!!(x), 0)
-#define AR_COLD __attribute__((noinline, cold)) /* keeps the hot paths small */
-#else
-#define AR_UNLIKELY(x) (x)
-#define AR_COLD
-#endif
+#define AR_UNLIKELY(x) MTI_UNLIKELY(x)
+#define AR_COLD MTI_COLD
 
 #define AR_NSTACK (MT_LIFE_COUNT * MT_MEM_COUNT)
 /* whether an address plus a request (< 2^50) may wrap: not where addresses

@@ -53,13 +53,8 @@
 #include "memtrain/allocator.h"
 #include "internal.h"
 
-#if defined(__GNUC__)
-#define PL_UNLIKELY(x) __builtin_expect(!!(x), 0)
-#define PL_COLD __attribute__((noinline, cold)) /* keeps the hot paths small */
-#else
-#define PL_UNLIKELY(x) (x)
-#define PL_COLD
-#endif
+#define PL_UNLIKELY(x) MTI_UNLIKELY(x)
+#define PL_COLD MTI_COLD
 
 /* handle = generation (40 bits) << 24 | slab number (24 bits) */
 #define PL_SID_BITS 24

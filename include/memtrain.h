@@ -141,6 +141,10 @@ const mt_allocator_vtable *mt_allocator_pool(void);
 const mt_allocator_vtable *mt_allocator_checkpoint(void);
 /* "caching", "arena", "pool" or "checkpoint"; NULL for any other name. */
 const mt_allocator_vtable *mt_allocator_by_name(const char *name);
+/* The i-th built-in allocator (0, 1, ... in the order above), NULL past the
+ * last: mt_allocator_builtin(i)->name lists the names mt_allocator_by_name
+ * takes. */
+const mt_allocator_vtable *mt_allocator_builtin(int i);
 
 /* flags of mt_allocator_config */
 #define MT_ALLOCATOR_THREAD_SAFE 0x1u /* the instance takes a lock on every call */

@@ -462,13 +462,8 @@ const char *mt_allocator_name(const mt_allocator *a) { return a ? a->vt->name : 
 /* The rare paths of mt_alloc and mt_free, kept out of line so the common
  * path stays a handful of loads and stores around the allocator's call. */
 
-#if defined(__GNUC__)
-#define COLD __attribute__((noinline, cold))
-#define LIKELY(x) __builtin_expect(!!(x), 1)
-#else
-#define COLD
-#define LIKELY(x) (x)
-#endif
+#define COLD MTI_COLD
+#define LIKELY(x) MTI_LIKELY(x)
 
 static COLD mt_status alloc_refused(mt_allocator *a, const mt_alloc_request *req, mt_block *out)
 {
@@ -753,12 +748,3 @@ void mti_allocator_reset_peak(mt_allocator *a)
     unlock(a);
 }
 
-const mt_allocator_vtable *mt_allocator_by_name(const char *name)
-{
-    if (!name) return NULL;
-    if (!strcmp(name, "caching")) return mt_allocator_caching();
-    if (!strcmp(name, "arena")) return mt_allocator_arena();
-    if (!strcmp(name, "pool")) return mt_allocator_pool();
-    if (!strcmp(name, "checkpoint")) return mt_allocator_checkpoint();
-    return NULL;
-}

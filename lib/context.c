@@ -74,10 +74,9 @@ static void context_free(mt_context *ctx)
 /* Keeps the failure message for mt_last_error(NULL), then frees ctx. */
 static mt_status create_failed(mt_context *ctx, mt_status s)
 {
-    char msg[MTI_ERR_LEN];
-    snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+    mti_msg msg = mti_last_msg(ctx);
     context_free(ctx);
-    return mti_fail(NULL, s, "%s", msg);
+    return mti_fail(NULL, s, "%s", msg.s);
 }
 
 static mt_status create(const mt_context_config *cfg, bool dry, const mti_device *like,
@@ -148,9 +147,8 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
         mt_allocator *a = NULL;
         s = mti_allocator_new(ctx, &c.allocators[k], ctx->n_inst, &a);
         if (s) {
-            char m[MTI_ERR_LEN];
-            snprintf(m, sizeof m, "%s", mt_last_error(ctx));
-            mti_fail(ctx, s, "allocator of class %s: %s", mt_mem_class_name((mt_mem_class)k), m);
+            mti_fail(ctx, s, "allocator of class %s: %s", mt_mem_class_name((mt_mem_class)k),
+                     mti_last_msg(ctx).s);
             return create_failed(ctx, s);
         }
         ctx->inst[ctx->n_inst++] = a;

@@ -21,11 +21,6 @@
 
 #include "engine.h"
 
-#define TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
-#define TRY(expr)                                                                              \
-    do {                                                                                       \
-        if ((s = (expr)) != MT_OK) return s;                                                   \
-    } while (0)
 
 enum { LN1, LN1_MEAN, LN1_RSTD, QKV, ATT, LSE, RES2, LN2, LN2_MEAN, LN2_RSTD, FCH, GELU_OUT };
 /* other layers' slots */
@@ -137,7 +132,7 @@ mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
     if (!g->blk.ptr) {
         const mti_param *p = &E->m->params[i];
         *g = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
-        mt_status s = mti_tensor_alloc(E->ctx, g, MT_MEM_GRAD, MT_LIFE_STEP, TAG(1, 1000 + i));
+        mt_status s = mti_tensor_alloc(E->ctx, g, MT_MEM_GRAD, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_GRAD, i));
         if (!s) s = mti_tensor_zero(E->ctx, g);
         if (s) {
             mti_tensor_free(E->ctx, g);
@@ -185,49 +180,49 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     do {                                                                                       \
         if (!KEEP(j)) mti_tensor_free(E->ctx, &sl[j]);                                         \
     } while (0)
-    TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1)));
+    MTI_TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
     if (save != MTI_SAVE_NONE) {
-        TRY(act(E, &sl[LN1_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1_MEAN)));
-        TRY(act(E, &sl[LN1_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1_RSTD)));
+        MTI_TRY(act(E, &sl[LN1_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1_MEAN)));
+        MTI_TRY(act(E, &sl[LN1_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1_RSTD)));
     }
-    TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, x,
+    MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, x,
                           P(E, p + 0), P(E, p + 1), N, C, dt));
-    TRY(act(E, &sl[QKV], dt, N, 3 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, QKV)));
-    TRY(op->matmul_fwd(k, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), P(E, p + 3), N, C, 3 * C,
+    MTI_TRY(act(E, &sl[QKV], dt, N, 3 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, QKV)));
+    MTI_TRY(op->matmul_fwd(k, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), P(E, p + 3), N, C, 3 * C,
                        dt));
     DROP(LN1);
-    TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, ATT)));
-    TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
-            TAG(nd, LSE)));
-    TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
+    MTI_TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
+    MTI_TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
+            MTI_TAG(nd, LSE)));
+    MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
                           dt));
     DROP(QKV);
     DROP(LSE);
-    TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, RES2)));
-    TRY(op->matmul_fwd(k, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 4), P(E, p + 5), N, C, C,
+    MTI_TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, RES2)));
+    MTI_TRY(op->matmul_fwd(k, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 4), P(E, p + 5), N, C, C,
                        dt));
     DROP(ATT);
-    TRY(op->add(k, sl[RES2].blk.ptr, sl[RES2].blk.ptr, x, (size_t)N * C, dt));
-    TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2)));
+    MTI_TRY(op->add(k, sl[RES2].blk.ptr, sl[RES2].blk.ptr, x, (size_t)N * C, dt));
+    MTI_TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
     if (save != MTI_SAVE_NONE) {
-        TRY(act(E, &sl[LN2_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2_MEAN)));
-        TRY(act(E, &sl[LN2_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2_RSTD)));
+        MTI_TRY(act(E, &sl[LN2_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2_MEAN)));
+        MTI_TRY(act(E, &sl[LN2_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2_RSTD)));
     }
-    TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr,
+    MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr,
                           sl[RES2].blk.ptr, P(E, p + 6), P(E, p + 7), N, C, dt));
-    TRY(act(E, &sl[FCH], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, FCH)));
-    TRY(op->matmul_fwd(k, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), P(E, p + 9), N, C,
+    MTI_TRY(act(E, &sl[FCH], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, FCH)));
+    MTI_TRY(op->matmul_fwd(k, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), P(E, p + 9), N, C,
                        4 * C, dt));
     DROP(LN2);
-    TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, GELU_OUT)));
-    TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
+    MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
+    MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
     DROP(FCH);
     mti_tensor *y = &E->bnd[i + 1];
-    TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, 100)));
-    TRY(op->matmul_fwd(k, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 10), P(E, p + 11), N, 4 * C,
+    MTI_TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+    MTI_TRY(op->matmul_fwd(k, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 10), P(E, p + 11), N, 4 * C,
                        C, dt));
     DROP(GELU_OUT);
-    TRY(op->add(k, y->blk.ptr, y->blk.ptr, sl[RES2].blk.ptr, (size_t)N * C, dt));
+    MTI_TRY(op->add(k, y->blk.ptr, y->blk.ptr, sl[RES2].blk.ptr, (size_t)N * C, dt));
     DROP(RES2);
 #undef KEEP
 #undef DROP
@@ -253,8 +248,8 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     mt_status s;
     switch (ly->kind) {
     case MT_LAYER_LINEAR:
-        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
-        TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->p0),
+        MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+        MTI_TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->p0),
                            ly->bias ? P(E, ly->p0 + 1) : NULL, N, ly->in, ly->out, dt));
         break;
     case MT_LAYER_RELU:
@@ -262,56 +257,56 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
             *y = *x;
             memset(x, 0, sizeof *x);
         } else {
-            TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+            MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         }
-        TRY(op->relu_fwd(k, y->blk.ptr, E->bnd[i].blk.ptr ? E->bnd[i].blk.ptr : y->blk.ptr, nout,
+        MTI_TRY(op->relu_fwd(k, y->blk.ptr, E->bnd[i].blk.ptr ? E->bnd[i].blk.ptr : y->blk.ptr, nout,
                          dt));
         break;
     case MT_LAYER_GELU:
-        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
-        TRY(op->gelu_fwd(k, y->blk.ptr, x->blk.ptr, nout, dt));
+        MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+        MTI_TRY(op->gelu_fwd(k, y->blk.ptr, x->blk.ptr, nout, dt));
         break;
     case MT_LAYER_LAYERNORM:
-        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         if (save != MTI_SAVE_NONE) {
-            TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_MEAN)));
-            TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_RSTD)));
+            MTI_TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_MEAN)));
+            MTI_TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_RSTD)));
         }
-        TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, x->blk.ptr,
+        MTI_TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, x->blk.ptr,
                               P(E, ly->p0), P(E, ly->p0 + 1), N, ly->in, dt));
         break;
     case MT_LAYER_EMBEDDING: {
         const int C = ly->out;
         const void *wpe = ly->positions ? P(E, ly->p0 + 1) : NULL;
-        TRY(act(E, y, dt, N, C, yc, MT_LIFE_STEP, TAG(nd, 100)));
+        MTI_TRY(act(E, y, dt, N, C, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         if (!ly->stable) {
-            TRY(op->embedding_fwd(k, y->blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), wpe, E->B, E->T,
+            MTI_TRY(op->embedding_fwd(k, y->blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), wpe, E->B, E->T,
                                   C, dt));
             break;
         }
         int pl = ly->p0 + (ly->positions ? 2 : 1); /* the LayerNorm's weight */
-        TRY(act(E, &sl[S_EMB], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_EMB)));
-        TRY(op->embedding_fwd(k, sl[S_EMB].blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), NULL, E->B,
+        MTI_TRY(act(E, &sl[S_EMB], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_EMB)));
+        MTI_TRY(op->embedding_fwd(k, sl[S_EMB].blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), NULL, E->B,
                               E->T, C, dt));
         if (save != MTI_SAVE_NONE) {
-            TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_MEAN)));
-            TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, S_RSTD)));
+            MTI_TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_MEAN)));
+            MTI_TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_RSTD)));
         }
-        TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr,
+        MTI_TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr,
                               sl[S_EMB].blk.ptr, P(E, pl), P(E, pl + 1), N, C, dt));
         if (save == MTI_SAVE_NONE) mti_tensor_free(E->ctx, &sl[S_EMB]);
         if (wpe) {
             size_t seq = (size_t)E->T * (size_t)C * mti_dtype_size(dt);
             for (int b = 0; b < E->B; b++)
-                TRY(op->accumulate(k, (char *)y->blk.ptr + (size_t)b * seq, wpe,
+                MTI_TRY(op->accumulate(k, (char *)y->blk.ptr + (size_t)b * seq, wpe,
                                    (size_t)E->T * (size_t)C, dt));
         }
         break;
     }
-    case MT_LAYER_BLOCK: TRY(block_fwd(E, i, save)); break;
+    case MT_LAYER_BLOCK: MTI_TRY(block_fwd(E, i, save)); break;
     case MT_LAYER_LM_HEAD:
-        TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, TAG(nd, 100)));
-        TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->tied), NULL, N, ly->in, ly->out,
+        MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+        MTI_TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->tied), NULL, N, ly->in, ly->out,
                            dt));
         break;
     }
@@ -335,7 +330,7 @@ static mt_status run_forward(mti_engine *E, int from, int to, int recompute)
     mt_status s;
     for (int i = from; i < to; i++) {
         mti_save save = recompute ? MTI_SAVE_ALL : (mti_save)E->plan[i];
-        TRY(layer_fwd(E, i, save));
+        MTI_TRY(layer_fwd(E, i, save));
         if (recompute) E->redone[i] = 1;
         /* with nothing saved, the input is needed again only if it is a checkpoint */
         if (save == MTI_SAVE_NONE && i > 0 && !E->ckpt[i]) mti_tensor_free(E->ctx, &E->bnd[i]);
@@ -355,15 +350,15 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
     E->N = rows * T;
     int64_t N = E->N;
     if (m->input == MT_INPUT_TOKENS) {
-        TRY(upload_i32(E, &E->tokens, b->tokens + (size_t)r0 * T, N, TAG(0, 0)));
+        MTI_TRY(upload_i32(E, &E->tokens, b->tokens + (size_t)r0 * T, N, MTI_TAG(0, 0)));
     } else {
         mti_tensor *x = &E->bnd[0];
         size_t bytes = (size_t)N * (size_t)m->features * sizeof(float);
-        TRY(act(E, x, MTI_F32, N, m->features, MT_MEM_IO, MT_LIFE_STEP, TAG(0, 0)));
-        TRY(mti_tensor_upload(ctx, x, b->inputs + (size_t)r0 * m->features, bytes));
+        MTI_TRY(act(E, x, MTI_F32, N, m->features, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 0)));
+        MTI_TRY(mti_tensor_upload(ctx, x, b->inputs + (size_t)r0 * m->features, bytes));
         if (E->dt != MTI_F32) { /* the inputs in the compute dtype */
             mti_tensor x32 = *x;
-            s = act(E, x, E->dt, N, m->features, MT_MEM_IO, MT_LIFE_STEP, TAG(0, 2));
+            s = act(E, x, E->dt, N, m->features, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 2));
             if (!s)
                 s = ctx->ops->cast(k, x->blk.ptr, E->dt, x32.blk.ptr, MTI_F32,
                                    (size_t)N * m->features, MTI_ROUND_NEAREST, 0);
@@ -371,11 +366,11 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
             if (s) return s;
         }
     }
-    TRY(upload_i32(E, &E->targets, b->targets + (size_t)r0 * T, N, TAG(0, 1)));
+    MTI_TRY(upload_i32(E, &E->targets, b->targets + (size_t)r0 * T, N, MTI_TAG(0, 1)));
     if (!eval) return run_forward(E, 0, m->n_layers, 0);
     /* eval: nothing is kept */
     for (int i = 0; i < m->n_layers; i++) {
-        TRY(layer_fwd(E, i, MTI_SAVE_NONE));
+        MTI_TRY(layer_fwd(E, i, MTI_SAVE_NONE));
         free_slots(E, i);
         if (i > 0) mti_tensor_free(ctx, &E->bnd[i]);
     }
@@ -386,7 +381,7 @@ mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad)
 {
     mt_model *m = E->m;
     mt_status s;
-    TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, TAG(1, 1)));
+    MTI_TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 3)));
     void *logits = E->bnd[m->n_layers].blk.ptr;
     return E->ctx->ops->xent(&E->k, E->losses.blk.ptr, want_grad ? logits : NULL, logits,
                              E->targets.blk.ptr, E->N, m->classes, m->out_width, dloss, E->dt);
@@ -414,19 +409,19 @@ static mt_status block_redo(mti_engine *E, int i)
     mti_tensor *sl = E->slot[i];
     const uint64_t nd = (uint64_t)i + 2;
     mt_status s;
-    TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN1)));
-    TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, NULL, NULL, E->bnd[i].blk.ptr, P(E, p), P(E, p + 1),
+    MTI_TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
+    MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, NULL, NULL, E->bnd[i].blk.ptr, P(E, p), P(E, p + 1),
                           N, C, dt));
-    TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, ATT)));
-    TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
-            TAG(nd, LSE)));
-    TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
+    MTI_TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
+    MTI_TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
+            MTI_TAG(nd, LSE)));
+    MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
                           dt));
-    TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, LN2)));
-    TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, NULL, NULL, sl[RES2].blk.ptr, P(E, p + 6),
+    MTI_TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
+    MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, NULL, NULL, sl[RES2].blk.ptr, P(E, p + 6),
                           P(E, p + 7), N, C, dt));
-    TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, TAG(nd, GELU_OUT)));
-    TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
+    MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
+    MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
     return MT_OK;
 }
 
@@ -441,7 +436,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     const uint64_t nd = (uint64_t)i + 2;
     mt_status s;
     bool sel = !sl[LN1].blk.ptr; /* selective: the dropped slots come back for this backward */
-    if (sel) TRY(block_redo(E, i));
+    if (sel) MTI_TRY(block_redo(E, i));
     /* a slot is freed after its last use, unless the forward's tensors are kept
        for a second backward (and then only the recomputed ones go) */
 #define DONE(j)                                                                                \
@@ -449,18 +444,18 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         if (!keep || (sel && !sel_keep[j])) mti_tensor_free(E->ctx, &sl[j]);                   \
     } while (0)
     float *g[12];
-    for (int j = 0; j < 12; j++) TRY(gradp(E, p + j, &g[j]));
+    for (int j = 0; j < 12; j++) MTI_TRY(gradp(E, p + j, &g[j]));
     void *d = E->d.blk.ptr;
     mti_tensor t4 = {0}, t1 = {0};
     /* MLP: fcproj, GELU, fc, ln2 */
-    s = act(E, &t4, dt, N, 4 * C, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 200));
+    s = act(E, &t4, dt, N, 4 * C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
     if (!s)
         s = op->matmul_bwd(k, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, P(E, p + 10), N,
                            4 * C, C, dt, 0);
     if (!s) DONE(GELU_OUT);
     if (!s) s = op->gelu_bwd(k, t4.blk.ptr, t4.blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt);
     if (!s) DONE(FCH);
-    if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 201));
+    if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 201));
     if (!s)
         s = op->matmul_bwd(k, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), N,
                            C, 4 * C, dt, 0);
@@ -479,7 +474,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         s = op->matmul_bwd(k, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, P(E, p + 4), N, C, C,
                            dt, 0);
     mti_tensor t3 = {0};
-    if (!s) s = act(E, &t3, dt, N, 3 * C, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 202));
+    if (!s) s = act(E, &t3, dt, N, 3 * C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 202));
     if (!s)
         s = op->attention_bwd(k, t3.blk.ptr, t1.blk.ptr, sl[QKV].blk.ptr, sl[ATT].blk.ptr,
                               sl[LSE].blk.ptr, E->B, E->T, C, H, dt);
@@ -531,7 +526,7 @@ static mt_status tied_slices(mti_engine *E, const mti_layer *ly)
     for (int r0 = 0; r0 < V && !s; r0 += E->tied_rows) {
         int r1 = V - r0 < E->tied_rows ? V : r0 + E->tied_rows;
         mti_tensor g = {.dtype = MTI_F32, .ndim = 2, .shape = {r1 - r0, C}};
-        s = mti_tensor_alloc(E->ctx, &g, MT_MEM_GRAD, MT_LIFE_PHASE, TAG(1, 1000 + pi));
+        s = mti_tensor_alloc(E->ctx, &g, MT_MEM_GRAD, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_GRAD, pi));
         if (!s) s = mti_tensor_zero(E->ctx, &g);
         if (!s) s = tied_head_grad(E, g.blk.ptr, r0, r1);
         if (!s)
@@ -565,10 +560,10 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         /* (not when the layer before needs this input as its own output) */
         const bool defer = ly->kind == MT_LAYER_LM_HEAD && E->defer_tied &&
                            !(i > 0 && needs_output(&m->layers[i - 1]));
-        if (!defer) TRY(gradp(E, wi, &gw));
-        if (ly->kind == MT_LAYER_LINEAR && ly->bias) TRY(gradp(E, ly->p0 + 1, &gb));
+        if (!defer) MTI_TRY(gradp(E, wi, &gw));
+        if (ly->kind == MT_LAYER_LINEAR && ly->bias) MTI_TRY(gradp(E, ly->p0 + 1, &gb));
         mti_tensor dx = {0};
-        if (want_dx) TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, TAG(nd, 200)));
+        if (want_dx) MTI_TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200)));
         s = op->matmul_bwd(k, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, P(E, wi), N, ly->in,
                            ly->out, dt, 0);
         if (s) {
@@ -593,15 +588,15 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         break;
     }
     case MT_LAYER_RELU:
-        TRY(op->relu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, E->bnd[i + 1].blk.ptr, nout, dt));
+        MTI_TRY(op->relu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, E->bnd[i + 1].blk.ptr, nout, dt));
         break;
     case MT_LAYER_GELU:
-        TRY(op->gelu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, x->blk.ptr, nout, dt));
+        MTI_TRY(op->gelu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, x->blk.ptr, nout, dt));
         break;
     case MT_LAYER_LAYERNORM:
-        TRY(gradp(E, ly->p0, &gw));
-        TRY(gradp(E, ly->p0 + 1, &gb));
-        TRY(op->layernorm_bwd(k, want_dx ? E->d.blk.ptr : NULL, gw, gb, E->d.blk.ptr, x->blk.ptr,
+        MTI_TRY(gradp(E, ly->p0, &gw));
+        MTI_TRY(gradp(E, ly->p0 + 1, &gb));
+        MTI_TRY(op->layernorm_bwd(k, want_dx ? E->d.blk.ptr : NULL, gw, gb, E->d.blk.ptr, x->blk.ptr,
                               P(E, ly->p0), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->in, dt,
                               0));
         break;
@@ -611,30 +606,30 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         if (sliced) {
             gw = NULL; /* made slice by slice at the end */
         } else {
-            TRY(gradp(E, ly->p0, &gw));
-            if (E->tied_dy_ptr) TRY(tied_head_grad(E, gw, 0, 0)); /* the head's part first */
+            MTI_TRY(gradp(E, ly->p0, &gw));
+            if (E->tied_dy_ptr) MTI_TRY(tied_head_grad(E, gw, 0, 0)); /* the head's part first */
         }
-        if (ly->positions) TRY(gradp(E, ly->p0 + 1, &gpos));
+        if (ly->positions) MTI_TRY(gradp(E, ly->p0 + 1, &gpos));
         if (!ly->stable) {
             if (gw || gpos)
-                TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                MTI_TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
         } else {
             int pl = ly->p0 + (ly->positions ? 2 : 1);
             float *glw, *glb;
-            TRY(gradp(E, pl, &glw));
-            TRY(gradp(E, pl + 1, &glb));
+            MTI_TRY(gradp(E, pl, &glw));
+            MTI_TRY(gradp(E, pl + 1, &glb));
             if (gpos)
-                TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                MTI_TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
-            TRY(op->layernorm_bwd(k, E->d.blk.ptr, glw, glb, E->d.blk.ptr, sl[S_EMB].blk.ptr,
+            MTI_TRY(op->layernorm_bwd(k, E->d.blk.ptr, glw, glb, E->d.blk.ptr, sl[S_EMB].blk.ptr,
                                   P(E, pl), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->out, dt,
                                   0));
             if (gw)
-                TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                MTI_TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
         }
-        if (sliced) TRY(tied_slices(E, ly));
+        if (sliced) MTI_TRY(tied_slices(E, ly));
         if (E->tied_dy_ptr) {
             mti_tensor_free(E->ctx, &E->tied_dy);
             mti_tensor_free(E->ctx, &E->tied_x);
@@ -642,7 +637,7 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         }
         break;
     }
-    case MT_LAYER_BLOCK: TRY(block_bwd(E, i, keep)); break;
+    case MT_LAYER_BLOCK: MTI_TRY(block_bwd(E, i, keep)); break;
     }
     return MT_OK;
 }
@@ -689,14 +684,14 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
             if (out.blk.ptr) E->bnd[i + 1] = out;
             if (s) return s;
         }
-        TRY(layer_bwd(E, i, keep));
+        MTI_TRY(layer_bwd(E, i, keep));
         after_bwd(E, i, keep);
         const mti_layer *ly = &m->layers[i];
         for (int j = 0; j <= ly->np; j++) {
             int pi = j < ly->np ? ly->p0 + j : ly->tied;
             if (pi < 0) continue;
             /* (a table gradient made in slices went to the slice hook) */
-            if (--E->uses_left[pi] == 0 && hook && E->grad[pi].blk.ptr) TRY(hook(user, pi));
+            if (--E->uses_left[pi] == 0 && hook && E->grad[pi].blk.ptr) MTI_TRY(hook(user, pi));
         }
     }
     if (E->d.blk.ptr == E->bnd[L].blk.ptr) memset(&E->d, 0, sizeof E->d); /* kept dlogits */

@@ -98,9 +98,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     mt_context *ctx = NULL;
     mt_status s = mti_context_create_dry(cc, report_to ? report_to->dev : NULL, &ctx);
     if (s) {
-        char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
-        return mti_fail(report_to, s, "estimate: %s", msg);
+        return mti_fail(report_to, s, "estimate: %s", mti_last_msg(NULL).s);
     }
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -135,14 +133,13 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
         if (st.peak_reserved_bytes > out->peak_reserved)
             out->peak_reserved = st.peak_reserved_bytes;
     }
-    char msg[MTI_ERR_LEN];
-    if (s) snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+    mti_msg msg = mti_last_msg(ctx);
     mt_trainer_destroy(t);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     if (s) {
         memset(out, 0, sizeof *out);
-        return mti_fail(report_to, s, "estimate: %s", msg);
+        return mti_fail(report_to, s, "estimate: %s", msg.s);
     }
     return MT_OK;
 }

@@ -87,9 +87,8 @@ mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out)
     mt_status s = mti_gpt_build(ctx, &spec, fn, false, &m);
     if (s) {
         fclose(f);
-        char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
-        return mti_fail(ctx, MT_ERR_FORMAT, "'%s' has an impossible shape: %s", path, msg);
+        return mti_fail(ctx, MT_ERR_FORMAT, "'%s' has an impossible shape: %s", path,
+                        mti_last_msg(ctx).s);
     }
     uint64_t want = (uint64_t)sizeof hb + 4 * (uint64_t)m->n_params;
     if ((uint64_t)sb.st_size != want) {
@@ -127,10 +126,9 @@ mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out)
     free(ord);
     fclose(f);
     if (s) {
-        char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+        mti_msg msg = mti_last_msg(ctx);
         mt_model_destroy(m);
-        return mti_fail(ctx, s, "%s", msg);
+        return mti_fail(ctx, s, "%s", msg.s);
     }
     *out = m;
     return MT_OK;

@@ -22,6 +22,40 @@
 #define MTI_PRINTF(a, b)
 #endif
 
+/* Branch hints, for the allocators' hot paths (the one definition). */
+#if defined(__GNUC__)
+#define MTI_LIKELY(x) __builtin_expect(!!(x), 1)
+#define MTI_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define MTI_COLD __attribute__((noinline, cold)) /* keeps rare paths out of hot ones */
+#else
+#define MTI_LIKELY(x) (x)
+#define MTI_UNLIKELY(x) (x)
+#define MTI_COLD
+#endif
+
+/* Returns the status of expr when it fails (s is the caller's mt_status). */
+#define MTI_TRY(expr)                                                                          \
+    do {                                                                                       \
+        if ((s = (expr)) != MT_OK) return s;                                                   \
+    } while (0)
+
+/* ---- allocation tags (mt_alloc_request.tag, the traces' events) ----
+ * node << 32 | tensor. Node 0: a pass's inputs and outputs (features,
+ * tokens, targets, losses); node 1: what belongs to one parameter, with its
+ * kind in the tensor's top 8 bits and the parameter in the low 24, and the
+ * trainer's own tensors (kind MTI_TAG_TRAINER); node 2 + i: layer i's
+ * activations, gradients and workspace (the tensor is the layer's slot). */
+#define MTI_TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
+typedef enum mti_tag_kind {
+    MTI_TAG_WEIGHT = 0,  /* PARAM: the weight */
+    MTI_TAG_MASTER = 1,  /* MASTER: its fp32 master */
+    MTI_TAG_GRAD = 2,    /* GRAD: its gradient */
+    MTI_TAG_STATE = 3,   /* OPTIM: optimizer state slot j is MTI_TAG_STATE + j (3..6) */
+    MTI_TAG_TRAINER = 8, /* the trainer's tensors (the tensor says which) */
+    MTI_TAG_STAGE = 9    /* a model's staging tensor for host reads and writes */
+} mti_tag_kind;
+#define MTI_TAG_PARAM(kind, i) MTI_TAG(1, ((uint64_t)(kind) << 24) | (uint64_t)(i))
+
 /* ---- errors and logging (status.c) ---- */
 
 /* Records a message for `s` on ctx (or on this thread when ctx is NULL),
@@ -30,6 +64,14 @@ mt_status mti_fail(mt_context *ctx, mt_status s, const char *fmt, ...) MTI_PRINT
 void mti_log(const mt_context *ctx, mt_log_level level, const char *fmt, ...) MTI_PRINTF(3, 4);
 /* Forgets the last failure on ctx (NULL: this thread's context-less one). */
 void mti_clear_error(mt_context *ctx);
+/* A copy of the last failure's message on ctx (NULL: this thread's), so
+ * that a failure can quote the one before it in a single call:
+ *     return mti_fail(ctx, s, "%s: %s", fn, mti_last_msg(ctx).s);
+ * (the copy lives to the end of the full expression). */
+typedef struct mti_msg {
+    char s[MTI_ERR_LEN];
+} mti_msg;
+mti_msg mti_last_msg(const mt_context *ctx);
 
 /* ---- traces (trace.c) ---- */
 

@@ -143,6 +143,9 @@ typedef struct mti_adafactor_args {
 
 typedef struct mti_ops mti_ops;
 
+/* Every member after `device` is an op (a function pointer), and both
+ * tables have every one: test/test_registries.c walks the members and
+ * fails on a table that leaves one out. */
 struct mti_ops {
     const char *name;     /* "cpu", "cuda" */
     mt_device_kind device;

@@ -233,7 +233,7 @@ static mt_status init_params(mt_model *m, uint64_t seed, const char *fn)
         p->offset = off;
         off += p->numel;
         s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
-                             ((uint64_t)1 << 32) | (uint64_t)i);
+                             MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
         if (s) break;
         if (ctx->dry) continue; /* an estimate: no values to make */
         size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
@@ -291,10 +291,9 @@ static mt_status finish(builder *b, uint64_t seed, mt_model **out)
     m->classes = last->kind == MT_LAYER_LM_HEAD ? m->vocab : last->out;
     mt_status s = init_params(m, seed, b->fn);
     if (s) {
-        char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+        mti_msg msg = mti_last_msg(ctx);
         free_model(m);
-        return mti_fail(ctx, s, "%s: %s", b->fn, msg);
+        return mti_fail(ctx, s, "%s: %s", b->fn, msg.s);
     }
     atomic_fetch_add(&ctx->n_children, 1);
     *out = m;
@@ -604,7 +603,7 @@ static mt_status check_copy(const mt_model *m, const void *p, size_t n, const ch
 static mt_status stage(mt_model *m, mti_tensor *t, size_t n)
 {
     *t = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)n}};
-    return mti_tensor_alloc(m->ctx, t, MT_MEM_IO, MT_LIFE_PERSISTENT, ((uint64_t)1 << 32) | 5);
+    return mti_tensor_alloc(m->ctx, t, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_STAGE, 0));
 }
 
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)

@@ -55,6 +55,13 @@ const char *mt_last_error(const mt_context *ctx)
     return tls_ctx == ctx ? tls_ctx_msg : ctx->err;
 }
 
+mti_msg mti_last_msg(const mt_context *ctx)
+{
+    mti_msg m;
+    snprintf(m.s, sizeof m.s, "%s", mt_last_error(ctx));
+    return m;
+}
+
 void mti_clear_error(mt_context *ctx)
 {
     if (!ctx) {

@@ -304,9 +304,7 @@ mt_status mt_trace_load(mt_context *ctx, const char *path, mt_trace **out)
                 decode_event(buf + TRACE_HEADER + i * TRACE_EVENT, &t->events[i]);
             s = validate(ctx, t->events, (size_t)n);
             if (s) {
-                char m[MTI_ERR_LEN];
-                snprintf(m, sizeof m, "%s", mt_last_error(ctx));
-                s = mti_fail(ctx, s, "'%s': %s", path, m);
+                s = mti_fail(ctx, s, "'%s': %s", path, mti_last_msg(ctx).s);
                 mt_trace_free(t);
                 t = NULL;
             }

@@ -33,11 +33,6 @@
 #include "plan.h"
 #include "trainer.h"
 
-#define TAG(node, tensor) (((uint64_t)(node) << 32) | (uint64_t)(tensor))
-#define TRY(expr)                                                                              \
-    do {                                                                                       \
-        if ((s = (expr)) != MT_OK) return s;                                                   \
-    } while (0)
 
 #define ROWS_CHUNK 16
 
@@ -207,7 +202,7 @@ static void from_mixed(mt_trainer *t)
         if (!p->master.blk.ptr) continue;
         mti_tensor_free(ctx, &p->w);
         mti_tensor w = like(&p->master, MTI_F32);
-        if (mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i)) == MT_OK &&
+        if (mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i)) == MT_OK &&
             ctx->dev->copy_d2d(ctx->dev, w.blk.ptr, p->master.blk.ptr, p->numel * 4) == MT_OK) {
             mti_tensor_free(ctx, &p->master);
             p->w = w;
@@ -234,7 +229,7 @@ static mt_status to_mixed(mt_trainer *t)
         mti_param *p = &m->params[i];
         mti_tensor master = like(&p->w, MTI_F32), half = like(&p->w, t->dt);
         s = mti_tensor_alloc(ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
-                             TAG(1, 200000 + (uint64_t)i));
+                             MTI_TAG_PARAM(MTI_TAG_MASTER, i));
         if (!s) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, p->w.blk.ptr, p->numel * 4);
         if (s) {
             mti_tensor_free(ctx, &master);
@@ -242,7 +237,7 @@ static mt_status to_mixed(mt_trainer *t)
         }
         mti_tensor_free(ctx, &p->w);
         p->w = master; /* for now the master is the weight */
-        s = mti_tensor_alloc(ctx, &half, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i));
+        s = mti_tensor_alloc(ctx, &half, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
         if (!s)
             s = ctx->ops->cast(&k, half.blk.ptr, t->dt, master.blk.ptr, MTI_F32, p->numel,
                                MTI_ROUND_NEAREST, 0);
@@ -275,7 +270,7 @@ static mt_status convert_weights(mt_trainer *t, mti_dtype to)
         mti_param *p = &m->params[i];
         if (p->w.dtype == to) continue;
         mti_tensor w = like(&p->w, to);
-        s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, TAG(1, (uint64_t)i));
+        s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
         if (!s)
             s = ctx->ops->cast(&k, w.blk.ptr, to, p->w.blk.ptr, p->w.dtype, p->numel,
                                MTI_ROUND_NEAREST, 0);
@@ -304,7 +299,7 @@ static mt_status state_tensor(mt_trainer *t, mti_tensor *st, const mti_opt_state
 {
     *st = (mti_tensor){.dtype = l->dtype, .ndim = 1, .shape = {l->numel}};
     mt_status s = mti_tensor_alloc(t->ctx, st, MT_MEM_OPTIM, MT_LIFE_PERSISTENT,
-                                   TAG(1, 100000 + 4 * (uint64_t)pi + (uint64_t)j));
+                                   MTI_TAG_PARAM(MTI_TAG_STATE + j, pi));
     if (!s) s = t->ctx->dev->memset8(t->ctx->dev, st->blk.ptr, l->fill, st->blk.bytes);
     return s;
 }
@@ -393,7 +388,7 @@ static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, s
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_tensor sl = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(n < BARE_SLICE ? n : BARE_SLICE)}};
-    mt_status s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, TAG(1, 6));
+    mt_status s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_TRAINER, 6));
     for (size_t j = 0; j < n && !s; j += BARE_SLICE) {
         size_t len = n - j < BARE_SLICE ? n - j : BARE_SLICE, e = at + j;
         void *w = (char *)p->w.blk.ptr + e * es;
@@ -562,18 +557,17 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->flag_grads = cfg->precision == MT_PREC_FP16 || !(cfg->grad_clip > 0.0f);
     if (!s) {
         t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {2}};
-        s = mti_tensor_alloc(ctx, &t->found_inf, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 2));
+        s = mti_tensor_alloc(ctx, &t->found_inf, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 2));
     }
     if (!s && cfg->grad_clip > 0.0f) {
         t->sumsq = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->n_param}};
-        s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 3));
+        s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 3));
     }
     s = mti_dp_created(t, s);
     if (s) {
-        char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
+        mti_msg msg = mti_last_msg(ctx);
         mt_trainer_destroy(t);
-        return mti_fail(ctx, s, "mt_trainer_create: %s", msg);
+        return mti_fail(ctx, s, "mt_trainer_create: %s", msg.s);
     }
     *out = t;
     return MT_OK;
@@ -761,7 +755,7 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     *found = 0;
     if (t->flag_grads) {
         int32_t flag = 0;
-        TRY(mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag));
+        MTI_TRY(mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag));
         *found = flag != 0;
     }
     t->clip = 1.0f;
@@ -789,8 +783,7 @@ static mt_status finish_checks(mt_trainer *t, int *found)
 
 static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
-    char msg[MTI_ERR_LEN];
-    snprintf(msg, sizeof msg, "%s", mt_last_error(t->ctx));
+    mti_msg msg = mti_last_msg(t->ctx);
     mti_engine_release(&t->E);
     mti_engine_free_grads(&t->E);
     reset_all(t->ctx, MT_SCOPE_STEP);
@@ -798,8 +791,8 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
         return mti_fail(t->ctx, s,
                         "%s: %s (the update failed part-way: %d of %d weight tensors were "
                         "updated)",
-                        fn, msg, t->updated, t->model->n_param);
-    return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg);
+                        fn, msg.s, t->updated, t->model->n_param);
+    return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg.s);
 }
 
 /* The targets (rows x tokens) of a batch. */
@@ -847,9 +840,9 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool skip,
     for (int r0 = 0; r0 < b->n; r0 += t->micro) {
         int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
         double part = 0.0;
-        TRY(mti_engine_forward(E, b, r0, rows, 0));
-        TRY(mti_engine_loss(E, dloss, 1));
-        TRY(mti_engine_loss_sum(E, t->host_losses, &part));
+        MTI_TRY(mti_engine_forward(E, b, r0, rows, 0));
+        MTI_TRY(mti_engine_loss(E, dloss, 1));
+        MTI_TRY(mti_engine_loss_sum(E, t->host_losses, &part));
         sum += part;
         reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */
         if (skip && !mti_dp_on(t) && !isfinite(part)) { /* no backward, no update */
@@ -860,20 +853,20 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool skip,
         }
         mti_engine_arm(E);
         if (!fused) {
-            TRY(mti_engine_backward(E, 0, NULL, NULL));
+            MTI_TRY(mti_engine_backward(E, 0, NULL, NULL));
         } else if (!two_pass) {
-            TRY(fused_pass(t, found));
+            MTI_TRY(fused_pass(t, found));
         } else {
-            if (t->flag_grads) TRY(mti_tensor_zero(ctx, &t->found_inf));
-            if (t->cfg.grad_clip > 0.0f) TRY(mti_tensor_zero(ctx, &t->sumsq));
+            if (t->flag_grads) MTI_TRY(mti_tensor_zero(ctx, &t->found_inf));
+            if (t->cfg.grad_clip > 0.0f) MTI_TRY(mti_tensor_zero(ctx, &t->sumsq));
             E->slice_hook = check_slice;
-            TRY(mti_engine_backward(E, 1, check_hook, t));
+            MTI_TRY(mti_engine_backward(E, 1, check_hook, t));
             reset_all(ctx, MT_SCOPE_PHASE);
-            TRY(finish_checks(t, found));
+            MTI_TRY(finish_checks(t, found));
             if (!*found) {
                 mti_engine_arm(E);
                 E->slice_hook = update_slice;
-                TRY(mti_engine_backward(E, 0, update_hook, t));
+                MTI_TRY(mti_engine_backward(E, 0, update_hook, t));
             }
         }
         mti_engine_release(E);
@@ -983,7 +976,7 @@ static mt_status count_right(mt_trainer *t, const int32_t *targets, int *right)
     mti_tensor f32 = {0};
     if (t->dt != MTI_F32) {
         f32 = (mti_tensor){.dtype = MTI_F32, .ndim = 2, .shape = {ROWS_CHUNK, W}};
-        TRY(mti_tensor_alloc(ctx, &f32, MT_MEM_IO, MT_LIFE_STEP, TAG(1, 4)));
+        MTI_TRY(mti_tensor_alloc(ctx, &f32, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_TRAINER, 4)));
     }
     for (int r0 = 0; r0 < E->N && !s; r0 += ROWS_CHUNK) {
         int rows = E->N - r0 < ROWS_CHUNK ? E->N - r0 : ROWS_CHUNK;
@@ -1096,7 +1089,7 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
     mti_tensor f32 = {0};
     if (!s && t->dt != MTI_F32) {
         f32 = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->out_width}};
-        s = mti_tensor_alloc(ctx, &f32, MT_MEM_IO, MT_LIFE_PERSISTENT, TAG(1, 5));
+        s = mti_tensor_alloc(ctx, &f32, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 5));
     }
     mti_engine *E = &t->E;
     t->updated = 0;

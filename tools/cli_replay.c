@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "memtrain/allocator.h"
 
 static void usage_replay(FILE *f)
 {
@@ -85,8 +86,8 @@ int cmd_replay(int argc, char **argv)
     }
     int rc = 0;
     if (!strcmp(alloc, "all")) {
-        static const char *const names[] = {"caching", "arena", "pool", "checkpoint"};
-        for (int i = 0; i < 4 && !rc; i++) rc = replay_one(ctx, tr, names[i]);
+        for (int i = 0; mt_allocator_builtin(i) && !rc; i++)
+            rc = replay_one(ctx, tr, mt_allocator_builtin(i)->name);
     } else {
         rc = replay_one(ctx, tr, alloc);
     }
