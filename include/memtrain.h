@@ -138,6 +138,9 @@ typedef struct mt_allocator_vtable mt_allocator_vtable;
 const mt_allocator_vtable *mt_allocator_caching(void);
 const mt_allocator_vtable *mt_allocator_arena(void);
 const mt_allocator_vtable *mt_allocator_pool(void);
+/* The step-planning allocator: it records a training step and plans every
+ * later step's blocks into one region (no relation to training-state
+ * files; the name is historical). */
 const mt_allocator_vtable *mt_allocator_checkpoint(void);
 /* "caching", "arena", "pool" or "checkpoint"; NULL for any other name. */
 const mt_allocator_vtable *mt_allocator_by_name(const char *name);
@@ -634,10 +637,10 @@ typedef struct mt_gpt_spec {
 void mt_gpt_spec_init(mt_gpt_spec *s);
 
 mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model **out);
-/* Loads an llm.c model checkpoint (fp32; layout in docs/formats.md) into a
+/* Loads an llm.c model file (fp32; layout in docs/formats.md) into a
  * new GPT model. Truncated, corrupt or unknown files give MT_ERR_FORMAT. */
 mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out);
-/* Writes a GPT model as an llm.c model checkpoint (fp32), atomically. */
+/* Writes a GPT model as an llm.c model file (fp32), atomically. */
 mt_status mt_model_gpt_save(const mt_model *m, const char *path);
 /* The spec of a GPT model (MT_ERR_INVALID_ARG for another model). */
 mt_status mt_model_gpt_get_spec(const mt_model *m, mt_gpt_spec *out);
@@ -648,7 +651,7 @@ mt_status mt_model_destroy(mt_model *m);
 size_t mt_model_num_params(const mt_model *m);
 /* Copies the parameters out to / in from host memory as fp32, in the
  * model's order: layer by layer, each layer's tensors in the order of
- * mt_model_param_info; for GPT models the order of an llm.c checkpoint
+ * mt_model_param_info; for GPT models the order of an llm.c model file
  * (each per-block tensor stacked over the blocks). n must be
  * mt_model_num_params(m); set_params refuses non-finite values before
  * changing anything (only a device copy failing part-way, MT_ERR_DEVICE,
@@ -930,7 +933,7 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
 mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
                                size_t n);
 
-/* Training checkpoints (format: docs/formats.md). Saves the trainer's whole
+/* Training-state files (format: docs/formats.md). Saves the trainer's whole
  * state: the weights as stored (fp32, 16-bit copies, or bf16 alone), fp32
  * masters, the optimizer state (8-bit codes and their absmax included), the
  * step counters and the loss scaler, plus user_len bytes of the

@@ -43,14 +43,14 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsign
     int L = m->n_layers;
     E->plan = calloc((size_t)L, 1);
     E->seg_start = calloc((size_t)L, sizeof *E->seg_start);
-    E->ckpt = calloc((size_t)L + 1, 1);
+    E->kept = calloc((size_t)L + 1, 1);
     E->bnd = calloc((size_t)L + 1, sizeof *E->bnd);
     E->slot = calloc((size_t)L, sizeof *E->slot);
     E->have = calloc((size_t)L, 1);
     E->redone = calloc((size_t)L, 1);
     E->grad = calloc((size_t)m->n_param, sizeof *E->grad);
     E->uses_left = calloc((size_t)m->n_param, sizeof *E->uses_left);
-    if (!E->plan || !E->seg_start || !E->ckpt || !E->bnd || !E->slot || !E->have || !E->redone ||
+    if (!E->plan || !E->seg_start || !E->kept || !E->bnd || !E->slot || !E->have || !E->redone ||
         !E->grad || !E->uses_left) {
         mti_engine_free(E);
         return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
@@ -58,7 +58,7 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsign
     if (seg_len < 1) seg_len = 1;
     /* A kept unit is a segment of its own; a run of recomputed units is cut
        into segments of seg_len units from its start. A segment's input
-       boundary is kept through forward (a checkpoint). */
+       boundary is kept through forward (a kept boundary). */
     int start = 0, run = 0;
     for (int i = 0; i < L; i++) {
         const mti_layer *ly = &m->layers[i];
@@ -71,9 +71,9 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsign
         E->plan[i] = mode == MT_UNIT_RECOMPUTE ? MTI_SAVE_NONE
                      : mode == MT_UNIT_SELECTIVE ? MTI_SAVE_SEL
                                                  : MTI_SAVE_ALL;
-        if (i == start) E->ckpt[i] = 1;
+        if (i == start) E->kept[i] = 1;
     }
-    E->ckpt[0] = 1;
+    E->kept[0] = 1;
     return MT_OK;
 }
 
@@ -83,7 +83,7 @@ void mti_engine_free(mti_engine *E)
     if (E->grad) mti_engine_free_grads(E);
     free(E->plan);
     free(E->seg_start);
-    free(E->ckpt);
+    free(E->kept);
     free(E->bnd);
     free(E->slot);
     free(E->have);
@@ -253,7 +253,7 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
                            ly->bias ? P(E, ly->p0 + 1) : NULL, N, ly->in, ly->out, dt));
         break;
     case MT_LAYER_RELU:
-        if (!E->ckpt[i]) { /* in place: its backward needs only the output */
+        if (!E->kept[i]) { /* in place: its backward needs only the output */
             *y = *x;
             memset(x, 0, sizeof *x);
         } else {
@@ -332,8 +332,8 @@ static mt_status run_forward(mti_engine *E, int from, int to, int recompute)
         mti_save save = recompute ? MTI_SAVE_ALL : (mti_save)E->plan[i];
         MTI_TRY(layer_fwd(E, i, save));
         if (recompute) E->redone[i] = 1;
-        /* with nothing saved, the input is needed again only if it is a checkpoint */
-        if (save == MTI_SAVE_NONE && i > 0 && !E->ckpt[i]) mti_tensor_free(E->ctx, &E->bnd[i]);
+        /* with nothing saved, the input is needed again only if it is a kept boundary */
+        if (save == MTI_SAVE_NONE && i > 0 && !E->kept[i]) mti_tensor_free(E->ctx, &E->bnd[i]);
     }
     return MT_OK;
 }
@@ -650,12 +650,12 @@ static void after_bwd(mti_engine *E, int i, bool keep)
     if (gone) {
         free_slots(E, i);
         /* its output, if its own backward needed it (the next layer left it) */
-        if (needs_output(&m->layers[i]) && i + 1 < m->n_layers && !(keep && E->ckpt[i + 1]))
+        if (needs_output(&m->layers[i]) && i + 1 < m->n_layers && !(keep && E->kept[i + 1]))
             mti_tensor_free(E->ctx, &E->bnd[i + 1]);
         /* its input, unless the layer before needs it as its output, or it is
-           the model's input, or a checkpoint a second pass needs */
+           the model's input, or a kept boundary a second pass needs */
         bool input_kept = (i > 0 && needs_output(&m->layers[i - 1])) || i == 0 ||
-                          (keep && E->ckpt[i]);
+                          (keep && E->kept[i]);
         if (!input_kept) mti_tensor_free(E->ctx, &E->bnd[i]);
     }
     E->redone[i] = 0;
@@ -674,7 +674,7 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
     for (int i = L - 1; i >= 0; i--) {
         if (!E->have[i]) { /* recompute the segment up to this layer */
             int st = E->seg_start[i];
-            /* the segment's output may still be there (a checkpoint kept for a
+            /* the segment's output may still be there (a kept boundary for a
                second pass, or an output the layer's backward needs): it stays,
                and the copy made again (the same values) goes */
             mti_tensor out = E->bnd[i + 1];

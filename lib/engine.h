@@ -36,7 +36,7 @@ typedef struct mti_engine {
     /* plan, per layer */
     unsigned char *plan;   /* mti_save of the main forward */
     int *seg_start;        /* first layer of the layer's segment */
-    unsigned char *ckpt;   /* per boundary: kept through forward (n_layers + 1) */
+    unsigned char *kept;   /* per boundary: kept through forward (n_layers + 1) */
     /* one pass */
     int B, T, N;           /* sequences (or rows), tokens per sequence (1), rows */
     mti_tensor *bnd;       /* n_layers + 1 */

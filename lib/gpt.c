@@ -1,5 +1,5 @@
 /*
- * gpt.c - llm.c model checkpoints in and out of GPT models.
+ * gpt.c - llm.c model files in and out of GPT models.
  *
  * The file (docs/formats.md): a header of 256
  * little-endian int32 ([0] 20240326, [1] 3 for fp32, [2] max_seq, [3]

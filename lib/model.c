@@ -6,7 +6,7 @@
  * checking that it fits the width before it and creating its parameters
  * (fp32, class PARAM). GPT models are a sequence of EMBEDDING, BLOCKs,
  * LAYERNORM and LM_HEAD whose parameters are named, and ordered for
- * get/set_params, as in an llm.c checkpoint (gpt.c reads and writes those).
+ * get/set_params, as in an llm.c model file (gpt.c reads and writes those).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -447,7 +447,7 @@ void mt_gpt_spec_init(mt_gpt_spec *s)
     s->channels = 768;
 }
 
-/* GPT parameter order in llm.c's checkpoint: the per-block tensors come
+/* GPT parameter order in an llm.c model file: the per-block tensors come
  * grouped by kind, each stacked over the blocks. Block tensor j of block l
  * (of L) has index 2 (+2 stable) + 12 l + j in params. */
 static void gpt_offsets(mt_model *m)
