@@ -730,6 +730,7 @@ static mt_status update_hook(void *user, int i)
     if (!s) s = unscale(t, i);
     if (!s) s = halt_if_flagged(t, i);
     if (!s) s = update_param(t, i, t->clip);
+    if (!s) t->touched = 1;
     if (!s) t->updated++;
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     return s;
@@ -742,6 +743,7 @@ static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
     if (!s) s = unscale_g(t, g, n);
     if (!s) s = halt_if_flagged(t, i);
     if (!s) s = update_elems(t, i, g, at, n, t->clip);
+    if (!s) t->touched = 1;
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
 }
@@ -810,10 +812,10 @@ static mt_status fused_pass(mt_trainer *t, int *found)
     if (s) return s;
     E->slice_hook = update_slice;
     t->check_each = 1;
-    t->halted = 0;
+    t->halted = t->touched = 0;
     s = mti_engine_backward(E, 0, update_hook, t);
     t->check_each = 0;
-    if (s && t->halted && !t->updated) {
+    if (s && t->halted && !t->touched) {
         mti_clear_error(t->ctx);
         *found = 1;
         return MT_OK;

@@ -44,6 +44,8 @@ struct mt_trainer {
     int check_each;          /* fused in one pass: each tensor's check is read
                                 before its update */
     int halted;              /* that check found a non-finite gradient */
+    int touched;             /* some elements were updated this step (the fused
+                                step's slices count before their tensor does) */
     int updated;             /* tensors updated this step */
     int counted;             /* counted in the model's and context's children */
     int bare;                /* weights in dt alone, no masters */
