@@ -276,10 +276,8 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     else if (f.fd >= 0) mti_afile_abort(&f);
     free(ts), free(buf), free(lay.p), free(cnt.p);
     if (s) {
-        char msg[MTI_ERR_LEN];
-        snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
-        return mti_fail(ctx, s, "%s: %s (the previous file at %s, if any, is intact)", fn, msg,
-                        path);
+        return mti_fail(ctx, s, "%s: %s (the previous file at %s, if any, is intact)", fn,
+                        mti_last_msg(ctx).s, path);
     }
     return MT_OK;
 }
@@ -624,11 +622,9 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
         r.pos = 0;
         s = pass(&r, t, ts, n, &lay, buf, false, counters, user, user_cap, user_len);
         if (s) {
-            char msg[MTI_ERR_LEN];
-            snprintf(msg, sizeof msg, "%s", mt_last_error(ctx));
             s = mti_fail(ctx, s, "%s: %s changed while it was read; the trainer's state is "
                          "partly loaded: load a good file again before training (%s)",
-                         fn, path, msg);
+                         fn, path, mti_last_msg(ctx).s);
         }
     }
     if (!s) counters_set(t, counters);

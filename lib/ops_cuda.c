@@ -372,9 +372,7 @@ static _Thread_local char t_op[200];
 static mt_status op_failed(const mti_kctx *k, mt_status st)
 {
     if (st == MT_OK || !t_op[0] || !mti_cuda_debug_sync(k->dev)) return st;
-    char m[MTI_ERR_LEN];
-    snprintf(m, sizeof m, "%s", mt_last_error(k->ctx));
-    return mti_fail(k->ctx, st, "CUDA %s: %s", t_op, m);
+    return mti_fail(k->ctx, st, "CUDA %s: %s", t_op, mti_last_msg(k->ctx).s);
 }
 
 /* Queues kernel `id` (for a per-dtype kernel: its fp32 id plus the dtype). */
