@@ -65,3 +65,33 @@ TEST(registries_tags_apart)
         for (int j = 0; j < i; j++) CHECK_MSG(tags[i] != tags[j], "tags %d and %d meet", i, j);
     CHECK(MTI_TAG_STATE + 3 < MTI_TAG_TRAINER);
 }
+
+/* The device chooses its op table: the host device and the dry device
+ * standing for it give the CPU table, whose every op stops in a dry context
+ * before touching memory (the dry device's addresses fault if touched). */
+TEST(registries_devices_choose_their_tables)
+{
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CPU;
+    cfg.threads = 1;
+    mt_context *real = NULL, *dry = NULL;
+    CHECK_OK(mt_context_create(&cfg, &real));
+    cfg.dry_run = 1;
+    CHECK_OK(mt_context_create(&cfg, &dry));
+    CHECK(real->ops == mti_cpu_ops() && dry->ops == mti_cpu_ops() && dry->dry && !real->dry);
+    mt_block b;
+    mt_alloc_request r = {.bytes = 4096, .alignment = 256, .mem_class = MT_MEM_WORK,
+                          .lifetime = MT_LIFE_STEP};
+    CHECK_OK(mt_context_alloc(dry, &r, &b)); /* an address nothing is behind */
+    const mti_kctx k = {dry, dry->dev};
+    float *p = b.ptr;
+    mti_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .step = 1,
+                        .grad_scale = 1.0f};
+    CHECK_OK(dry->ops->adamw(&k, p, p + 256, p + 512, p + 768, NULL, MTI_F32, 256, &a));
+    CHECK_OK(dry->ops->gelu_fwd(&k, p, p + 256, 256, MTI_F32));
+    CHECK_OK(dry->ops->cast(&k, p, MTI_BF16, p + 256, MTI_F32, 256, MTI_ROUND_NEAREST, 0));
+    CHECK_OK(mt_context_free(dry, &b));
+    CHECK_OK(mt_context_destroy(dry));
+    CHECK_OK(mt_context_destroy(real));
+}
