@@ -1087,6 +1087,24 @@ TEST(ops_casts)
             CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S, MTI_F32, m, MTI_ROUND_STOCHASTIC, 43));
             dev_get(t, again, D, m * 2);
             CHECK(memcmp(first, again, m * 2) != 0); /* another seed, other bits */
+            /* every kind of value (signs, subnormals, the largest finite, inf,
+               NaNs with payloads), at offsets past the vector width: the
+               definition's bits */
+            static const uint32_t special[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x807FFFFFu,
+                                               0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F800000u, 0xFF800000u,
+                                               0x7FC00001u, 0xFF800001u, 0x3F80FFFFu, 0xC0490FDBu};
+            const size_t ns = sizeof special / sizeof *special;
+            for (size_t i = 0; i < m; i++) {
+                uint32_t u = special[i % ns] ^ (uint32_t)(i / ns & 0xFFFFu);
+                memcpy(&v[i], &u, 4);
+            }
+            float *S2 = put(t, v, m, MTI_F32);
+            CHECK_OK(t->ops->cast(&t->k, D, MTI_BF16, S2, MTI_F32, m, MTI_ROUND_STOCHASTIC, 7));
+            dev_get(t, again, D, m * 2);
+            for (size_t i = 0; i < m; i++)
+                CHECK_MSG(again[i] == mti_f32_to_bf16_sr(v[i], mti_sr_bits(7, i)),
+                          "stochastic rounding of %08x at %zu", special[i % ns], i);
+            for (size_t i = 0; i < m; i++) v[i] = 1.0f + 3.0f / 1024.0f;
         } else {
             CHECK_MSG(memcmp(first, again, m * 2) == 0, "%s: stochastic rounding differs from cpu", t->name);
         }

@@ -263,6 +263,35 @@ void mti_cpu_store_f32(void *dst, mti_dtype dt, size_t i, const float *src, size
     }
 }
 
+/* mti_f32_to_bf16_sr(f, mti_sr_bits(seed, i)) of lib/kctx.c, restated
+ * without branches or calls so the loop below vectorises; the same bits
+ * for every input (the op suite checks it against the definition). */
+static inline uint16_t f2b_sr(float f, uint64_t seed, uint64_t i)
+{
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + i * 0xD1B54A32D192ED03ull + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    uint32_t rnd = (uint32_t)((z ^ (z >> 31)) >> 32);
+    uint32_t u = bits_of(f), a = u & 0x7FFFFFFFu;
+    uint32_t nan = (u >> 16) | 0x0040u, inf = u >> 16, r = (u + (rnd & 0xFFFFu)) >> 16;
+    return (uint16_t)sel(a > 0x7F800000u, nan, sel(a == 0x7F800000u, inf, r));
+}
+
+/* fp32 -> bf16 with stochastic rounding, elements i .. i+n of the cast.
+ * Integer arithmetic only, so every copy gives the same bits; AVX512-DQ
+ * multiplies 64-bit lanes natively (the hash's three products). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+WIDE_CLONES
+#endif
+static void f32_to_bf16_sr(uint16_t *d, const float *s, size_t n, uint64_t i,
+                                       uint64_t seed)
+{
+#pragma omp simd
+    for (size_t j = 0; j < n; j++) d[j] = f2b_sr(s[j], seed, i + j);
+}
+
 /* bf16 with stochastic rounding of src[0..n) (fp32, or fp16 widened
  * exactly first); `i` is the element index of src[0] in the whole cast,
  * which seeds each element's random bits. */
@@ -270,8 +299,7 @@ static void to_bf16_sr(uint16_t *d, const void *src, mti_dtype st, size_t i, siz
                        uint64_t seed)
 {
     if (st == MTI_F32) {
-        const float *s = src;
-        for (size_t j = 0; j < n; j++) d[j] = mti_f32_to_bf16_sr(s[j], mti_sr_bits(seed, i + j));
+        f32_to_bf16_sr(d, src, n, i, seed);
     } else {
         const uint16_t *s = src;
         for (size_t j = 0; j < n; j++)
