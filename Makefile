@@ -173,8 +173,24 @@ $(BUILD)/obj/corpus_blob.o: $(BUILD)/corpus/corpus_blob.c
 	$(CC) $(CFLAGS) $(MT_CFLAGS) -c $< -o $@
 
 TOOL_SRC := $(filter-out tools/bin2c.c,$(wildcard tools/*.c))
+# the tool's objects with cli_ranks.c built without MPI (it then refuses a
+# job of several ranks), for copies that must not need libmpi (the GPU bundle)
+TOOL_OBJ_NOMPI := $(filter-out $(BUILD)/obj/tools/cli_ranks.o,$(TOOL_SRC:%.c=$(BUILD)/obj/%.o)) \
+	$(BUILD)/obj-nompi/tools/cli_ranks.o
+$(BUILD)/obj-nompi/tools/cli_ranks.o: tools/cli_ranks.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -MMD -MP -c $< -o $@
+# with mpicc, train runs data parallel under mpirun (tools/cli_ranks.c)
+ifneq ($(strip $(MPICC)),)
+$(BUILD)/obj/tools/cli_ranks.o: tools/cli_ranks.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -DMT_CLI_MPI -MMD -MP -c $< -o $@
+$(TOOL): $(TOOL_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/corpus_blob.o $(LIB_MPI) $(LIB)
+	$(MPICC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+else
 $(TOOL): $(TOOL_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/corpus_blob.o $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+endif
 
 $(BUILD)/examples/%: $(BUILD)/obj/examples/%.o $(LIB)
 	@mkdir -p $(dir $@)
@@ -266,7 +282,7 @@ $(GPU_BIN)/bench_cuda: $(BUILD)/obj/gpu/bench_cuda.o $(LIB)
 $(GPU_BIN)/bench_%: $(BUILD)/obj/bench/bench_%.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
-$(GPU_BIN)/memtrain: $(TOOL_SRC:%.c=$(BUILD)/obj/%.o) $(BUILD)/obj/corpus_blob.o $(LIB)
+$(GPU_BIN)/memtrain: $(TOOL_OBJ_NOMPI) $(BUILD)/obj/corpus_blob.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
 

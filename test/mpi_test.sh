@@ -33,6 +33,27 @@ run train 3 "$B/mpi/train_mpi_test" train
 run disagree 2 "$B/mpi/train_mpi_test" disagree
 run stall 2 "$B/mpi/train_mpi_test" stall
 
+# memtrain train under mpirun: rank 0 prints one JSON object per step, with
+# the losses of one process stepping on the same global batches
+losses() { grep '^{' | sed 's/.*"loss": \([-0-9.e]*\).*/\1/' | tr '\n' ' '; }
+tool() { # NP BATCH MICRO: 2 or 3 ranks against one process
+    np=$1 batch=$2 micro=$3
+    args="train --model gpt --steps 4 --batch $batch --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json"
+    one=$("$B/memtrain" $args --micro "$micro" 2>&1 | losses)
+    many=$(timeout 60 $MPIRUN -np "$np" "$B/memtrain" $args 2>&1 | losses)
+    if [ -n "$one" ] && awk -v a="$one" -v b="$many" 'BEGIN { n = split(a, x); m = split(b, y);
+        if (n != m || n != 4) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
+    then echo "ok   mpi memtrain train: $np ranks, --batch $batch: losses $many equal one process's"
+    else echo "FAIL mpi memtrain train: $np ranks, --batch $batch: losses '$many', one process '$one'"; fail=1; fi
+}
+if [ -x "$B/memtrain" ]; then
+    tool 2 4 2
+    tool 3 4 0   # uneven: 1, 1 and 2 rows
+    out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
+    if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
+    else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi
+fi
+
 # a rank that dies: mpirun ends the job (or rank 0 times out first); nothing hangs
 timeout 60 $MPIRUN -np 2 "$B/mpi/comm_mpi_test" die >"$out" 2>&1
 rc=$?

@@ -60,6 +60,8 @@ typedef struct cli_opts {
     /* estimate */
     double budget_mib;
     int autofit, allow8;
+    /* train under mpirun */
+    long comm_timeout;       /* seconds a collective may wait for the other ranks */
     /* which table entries the command line (or --config) gave */
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;
@@ -98,6 +100,34 @@ void cli_json_str(FILE *f, const char *s);
 
 /* The memory report of a context on f. */
 void cli_print_report(mt_context *ctx, FILE *f);
+
+/* train under mpirun (cli_ranks.c): the job's ranks, one data-parallel run */
+typedef struct cli_ranks {
+    mt_comm *comm;           /* NULL: a world of one */
+    int rank, size;
+    int mpi;                 /* MPI was started here */
+} cli_ranks;
+extern cli_ranks cli_world;
+/* Started by mpirun with more than one rank: MPI, the communicator, and
+ * stdout closed on ranks other than 0. 0, or an exit code. */
+int cli_ranks_open(const cli_opts *o);
+/* MPI's end: MPI_Finalize, or MPI_Abort(rc) after a failure that may be
+ * this rank's alone (not a signal's stop or a diverged loss, which every
+ * rank sees at the same step). */
+void cli_ranks_close(int rc);
+/* Narrows a global batch to this rank's rows (features per row of inputs). */
+void cli_ranks_rows(mt_batch *b, int features);
+/* A trainer configuration for this rank's share of the global batch. */
+void cli_ranks_trainer_config(mt_trainer_config *tc);
+/* The means over the ranks of n (<= 8) values, each rank's weighted by
+ * its rows; a collective. 0, or an exit code. */
+int cli_ranks_mean(float *v, int n, int rows);
+/* Whether flag is set on any rank (every rank gets the same answer); a
+ * collective. */
+bool cli_ranks_any(bool flag);
+/* Every rank's peak live bytes into peaks (cli_world.size of them); a
+ * collective. 0, or an exit code. */
+int cli_ranks_peaks(mt_context *ctx, uint64_t *peaks);
 
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);

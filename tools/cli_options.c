@@ -286,6 +286,8 @@ static const opt table[] = {
     STR("--llmc", "FILE", TS, CLI_GPT, llmc, "start from an llm.c model checkpoint (fp32; its shape)"),
     STR("--export-llmc", "FILE", TS, CLI_GPT, export_llmc,
         "write the trained weights as an llm.c model checkpoint"),
+    LONG("--comm-timeout", "S", CLI_TRAIN, CLI_ANY, comm_timeout, 1, 86400,
+         "under mpirun: seconds a collective waits for the other ranks (300)", NULL),
     HEAD(CLI_SAMPLE, "sample:"),
     STR("--prompt", "TEXT", CLI_SAMPLE, CLI_GPT, prompt, "the start (a newline)"),
     LONG("--length", "N", CLI_SAMPLE, CLI_GPT, length, 0, 1 << 20, "bytes to write (200)", NULL),
@@ -353,6 +355,7 @@ static void defaults(cli_opts *o, unsigned cmd)
     else o->layers = 2, o->heads = 4, o->channels = 128;
     o->vocab = 50257, o->max_seq = 1024;
     o->length = 200, o->temperature = 0.8f;
+    o->comm_timeout = 300;
 }
 
 /* The options given that mean nothing for the model: "--a, --b" into buf

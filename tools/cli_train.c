@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "memtrain/comm.h"
 
 static double now_s(void)
 {
@@ -133,12 +134,32 @@ static int diverged(long step)
     return EXIT_DIVERGED;
 }
 
+/* The end of a run of every rank: each rank's peak, then rank 0 alone
+ * writes the files and the report. */
+static int finish_ranks(const cli_opts *o, mt_context *ctx, const mt_estimate_report *est)
+{
+    if (cli_world.size > 1) {
+        uint64_t *peaks = calloc((size_t)cli_world.size, sizeof *peaks);
+        if (!peaks) return cli_lib_fail(NULL, "out of host memory");
+        int rc = cli_ranks_peaks(ctx, peaks);
+        if (!rc && !o->json) {
+            printf("%d ranks, peak live MiB per rank:", cli_world.size);
+            for (int r = 0; r < cli_world.size; r++) printf(" %.2f", (double)peaks[r] / 1048576.0);
+            printf("\n");
+        }
+        free(peaks);
+        if (rc) return rc;
+    }
+    return cli_world.rank == 0 ? finish_run(o, ctx, est) : 0;
+}
+
 static int run_mlp(const cli_opts *o, mt_context *ctx)
 {
     mt_mlp_spec spec;
     cli_mlp_spec(o, &spec);
     mt_trainer_config tc;
     cli_trainer_config(o, &tc);
+    cli_ranks_trainer_config(&tc);
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     int rc = 0;
@@ -170,6 +191,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
     for (long step = 1; step <= o->steps; step++) {
         spirals(&data, x, y, (int)o->batch);
         mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
+        cli_ranks_rows(&b, 2);
         float loss;
         const double t_step = now_s();
         if (mt_trainer_step(t, &b, &loss)) {
@@ -200,7 +222,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
             rc = diverged(step);
             goto done;
         }
-        if (stop_signal) {
+        if (cli_ranks_any(stop_signal != 0)) { /* under mpirun, every rank */
             rc = interrupted(step);
             goto done;
         }
@@ -209,11 +231,14 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
     uint64_t test = (uint64_t)o->seed * 104729u + 17;
     spirals(&test, x, y, (int)o->batch);
     mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
-    float loss, acc;
-    if (mt_trainer_eval(t, &b, &loss, &acc)) {
+    cli_ranks_rows(&b, 2);
+    float la[2];
+    if (mt_trainer_eval(t, &b, &la[0], &la[1])) {
         rc = cli_lib_fail(ctx, "eval");
         goto done;
     }
+    if ((rc = cli_ranks_mean(la, 2, b.n))) goto done;
+    const float loss = la[0], acc = la[1];
     if (o->json) {
         printf("{\"held_out_rows\": %ld", o->batch);
         cli_json_num(stdout, "loss", "%.6f", loss);
@@ -222,7 +247,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
     } else {
         printf("held-out batch: loss %.4f  accuracy %.1f%%\n", loss, 100.0 * acc);
     }
-    rc = finish_run(o, ctx, &est);
+    rc = finish_ranks(o, ctx, &est);
 done:
     free(x);
     free(y);
@@ -239,8 +264,11 @@ static int val_loss(mt_context *ctx, mt_trainer *t, mt_data *d, float *out)
     for (int i = 0; i < k; i++) {
         mt_batch b;
         float l;
-        if (mt_data_next(d, MT_DATA_VAL, &b) || mt_trainer_eval(t, &b, &l, NULL))
-            return cli_lib_fail(ctx, "eval");
+        if (mt_data_next(d, MT_DATA_VAL, &b)) return cli_lib_fail(ctx, "eval");
+        cli_ranks_rows(&b, 0);
+        if (mt_trainer_eval(t, &b, &l, NULL)) return cli_lib_fail(ctx, "eval");
+        int rc = cli_ranks_mean(&l, 1, b.n);
+        if (rc) return rc;
         sum += l;
     }
     *out = (float)(sum / k);
@@ -279,6 +307,7 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
     g->spec.seed = (uint64_t)o->seed;
     mt_trainer_config tc;
     cli_trainer_config(o, &tc);
+    cli_ranks_trainer_config(&tc);
     mt_status made = MT_OK;
     if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
         made = mt_model_gpt_load(ctx, o->llmc, &g->model);
@@ -341,9 +370,14 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         printf("estimated peak %.2f MiB (allocators reserve %.2f MiB)%s\n",
                (double)g.est.peak / 1048576.0, (double)g.est.peak_reserved / 1048576.0,
                o->resume ? "; resumed" : "");
+        if (cli_world.size > 1)
+            printf("data parallel over %d ranks (%s): each trains on about %ld of the %ld rows of "
+                   "a step; the estimate is a rank's\n",
+                   cli_world.size, mt_comm_name(cli_world.comm),
+                   (o->batch + cli_world.size - 1) / cli_world.size, o->batch);
     }
     const double tokens_per_step = (double)o->batch * (double)o->seq;
-    const bool live = !o->json && isatty(STDOUT_FILENO);
+    const bool live = !o->json && isatty(STDOUT_FILENO) && cli_world.size == 1;
     double window = 0.0, t_window = 0.0;
     int in_window = 0;
     for (long step = (long)mt_trainer_steps(t) + 1; step <= o->steps; step++) {
@@ -352,6 +386,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         double t0 = now_s(), t_data = 0;
         mt_status ds = mt_data_next(g.data, MT_DATA_TRAIN, &b);
         t_data = now_s() - t0;
+        if (!ds) cli_ranks_rows(&b, 0);
         if (ds || mt_trainer_step(t, &b, &loss)) {
             fprintf(stderr, "%s: step %ld: %s\n", cli_prog, step,
                     mt_last_error(ctx)[0] ? mt_last_error(ctx) : mt_last_error(NULL));
@@ -395,19 +430,22 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             rc = diverged(step);
             goto done;
         }
-        const bool stopping = stop_signal != 0; /* read once: the save and the stop agree */
-        if (o->save && ((o->save_every && step % o->save_every == 0) || step == o->steps ||
-                        stopping) &&
+        /* read once: the save and the stop agree; under mpirun, every rank */
+        const bool stopping = cli_ranks_any(stop_signal != 0);
+        if (o->save && cli_world.rank == 0 &&
+            ((o->save_every && step % o->save_every == 0) || step == o->steps || stopping) &&
             (rc = save_checkpoint(o, ctx, &g)))
             goto done;
         if (stopping) {
-            if (o->save) fprintf(stderr, "%s: checkpoint written to %s\n", cli_prog, o->save);
+            if (o->save && cli_world.rank == 0)
+                fprintf(stderr, "%s: checkpoint written to %s\n", cli_prog, o->save);
             rc = interrupted(step);
             goto done;
         }
     }
-    if (o->save) fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
-    if (o->export_llmc) {
+    if (o->save && cli_world.rank == 0)
+        fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
+    if (o->export_llmc && cli_world.rank == 0) {
         mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
         g.trainer = NULL;
         if (mt_model_gpt_save(g.model, o->export_llmc)) {
@@ -417,7 +455,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         fprintf(o->json ? stderr : stdout, "llm.c model checkpoint written to %s\n",
                 o->export_llmc);
     }
-    rc = finish_run(o, ctx, &g.est);
+    rc = finish_ranks(o, ctx, &g.est);
 done:
     cli_gpt_close(&g);
     return rc;
@@ -431,13 +469,22 @@ int cmd_train(int argc, char **argv)
         "usage: memtrain train [options]\n";
     int rc = cli_parse(CLI_TRAIN, head, argc, argv, &o, &help);
     if (rc || help) return rc;
+    if ((rc = cli_ranks_open(&o))) {
+        cli_ranks_close(rc);
+        return rc;
+    }
     mt_context_config cfg;
     cli_context_config(&o, &cfg);
+    cfg.comm = cli_world.comm;
     if (o.trace || o.chrome || o.svg) cfg.trace_capacity = 1u << 22;
     mt_context *ctx;
-    if (mt_context_create(&cfg, &ctx)) return cli_lib_fail(NULL, NULL);
-    catch_stop_signals();
-    rc = o.gpt ? run_gpt(&o, ctx) : run_mlp(&o, ctx);
+    if (mt_context_create(&cfg, &ctx)) {
+        rc = cli_lib_fail(NULL, NULL);
+    } else {
+        catch_stop_signals();
+        rc = o.gpt ? run_gpt(&o, ctx) : run_mlp(&o, ctx);
+    }
     mt_context_destroy(ctx);
+    cli_ranks_close(rc);
     return rc;
 }
