@@ -68,7 +68,7 @@ typedef struct mti_sgd_args {
     float grad_scale; /* gradients are multiplied by this first (1: none) */
 } mti_sgd_args;
 
-/* AdamW as torch.optim.AdamW (../shared/REFERENCES.md), step t from 1:
+/* AdamW as torch.optim.AdamW (docs/engine.md, Optimizers), step t from 1:
  * g = g * grad_scale; p *= 1 - lr * wd; m = b1 m + (1 - b1) g;
  * v = b2 v + (1 - b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). */
 typedef struct mti_adamw_args {
@@ -77,7 +77,7 @@ typedef struct mti_adamw_args {
     float grad_scale;
 } mti_adamw_args;
 
-/* 8-bit blockwise AdamW as bitsandbytes >= 0.44 (../shared/REFERENCES.md):
+/* 8-bit blockwise AdamW as bitsandbytes >= 0.44 (docs/engine.md, Optimizers):
  * its CUDA kernel, kOptimizerStatic8bit2StateBlockwise.
  * The state of n elements: qm, qv (n) uint8 codes into the signed map (m)
  * and the unsigned map (v) of mti_q8_map; absmax_m, absmax_v
@@ -109,7 +109,7 @@ typedef struct mti_adamw_args {
 /* Elements per round of the sumsq op (see there). */
 #define MTI_SUMSQ_ROUND (64 * 4096)
 
-/* Adafactor as HuggingFace transformers' Adafactor (../shared/REFERENCES.md;
+/* Adafactor as HuggingFace transformers' Adafactor (docs/engine.md, Optimizers;
  * not torch.optim.Adafactor), step t from 1:
  *   g = g * grad_scale; rms_p = RMS(p) (before the update);
  *   lr_t = relative_step ? min(warmup_init ? 1e-6 t : 1e-2, 1/sqrt(t)) : lr;
@@ -302,7 +302,7 @@ mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);
 const mti_ops *mti_cuda_dry_ops(void);
 
 /* The 256-entry quantization maps of 8-bit optimizer states, ascending
- * (bitsandbytes' dynamic maps, ../shared/REFERENCES.md): signed (first
+ * (bitsandbytes' dynamic maps, built as lib/q8map.c says): signed (first
  * moments) and unsigned (second moments). Computed once, constant. */
 const float *mti_q8_map(int is_signed);
 /* The code of 0.0 in a map (a fresh state is filled with it). */

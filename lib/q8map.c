@@ -1,7 +1,7 @@
 /*
  * q8map.c - the quantization maps of 8-bit optimizer states: bitsandbytes'
  * "dynamic" maps of 8 bits, signed (first moments) and unsigned (second
- * moments), 256 ascending fp32 values each (../shared/REFERENCES.md).
+ * moments), 256 ascending fp32 values each.
  *
  * Built once per process (pthread_once) by the construction bitsandbytes
  * documents, with its float32 arithmetic reproduced step by step, so the

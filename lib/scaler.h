@@ -1,6 +1,6 @@
 /*
  * scaler.h - the loss scaler of fp16 training, the semantics of
- * torch.amp.GradScaler (../shared/REFERENCES.md):
+ * torch.amp.GradScaler (docs/kernels.md):
  *   the loss is multiplied by `scale` before backward; the gradients are
  *   unscaled by 1/scale (fp32: inv = (float)(1.0 / (double)scale)) and
  *   checked; if any is inf or NaN the optimizer step is skipped and

@@ -29,12 +29,10 @@ typedef struct acase {
 static int allocator_cases(acase *out)
 {
     int n = 0;
-    out[n++] = (acase){"caching", mt_allocator_caching(), 0};
-    out[n++] = (acase){"arena", mt_allocator_arena(), 0};
-    out[n++] = (acase){"pool", mt_allocator_pool(), 0};
-    out[n++] = (acase){"checkpoint", mt_allocator_checkpoint(), 0};
+    for (const mt_allocator_vtable *vt; n < 7 && (vt = mt_allocator_builtin(n)) != NULL;)
+        out[n++] = (acase){vt->name, vt, 0};
     out[n++] = (acase){"custom", example_allocator(), 0};
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0, plain = n; i < plain; i++) {
         out[n] = out[i];
         out[n].flags = MT_ALLOCATOR_CHECKED;
         n++;
