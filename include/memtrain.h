@@ -266,8 +266,9 @@ typedef struct mt_context_config {
     /* The ranks this process trains with (memtrain/comm.h), or NULL: a world
      * of one rank, nothing communicated. Borrowed: it must outlive the
      * context. A CPU context takes a host communicator (MPI, or a table
-     * without MT_COMM_CAP_DEVICE), a CUDA context a device one (NCCL);
-     * MT_ERR_UNSUPPORTED otherwise. Creation is a collective: every rank
+     * without MT_COMM_CAP_DEVICE; MT_ERR_UNSUPPORTED for a device one); a
+     * CUDA context a device one (NCCL), or a host one through host memory
+     * (docs/distributed.md). Creation is a collective: every rank
      * creates its context, and ranks whose device kinds or world sizes
      * differ get MT_ERR_COMM on every rank. */
     mt_comm *comm;

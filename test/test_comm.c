@@ -3,10 +3,12 @@
  * in-process communicator (threads as ranks), timeouts, contexts on a
  * communicator, and NCCL over the stand-in libnccl (MT_FAKE_NCCL).
  */
+#include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
+#include "comm/comm.h"
 #include "test_comm.h"
 
 static mt_status no_reduce(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, mt_comm_op o,
@@ -360,4 +362,86 @@ TEST(comm_nccl_stand_in)
     tcomm_run(2, nccl_rank, &a);
     tcomm_world_free(a.w);
     CHECK(!a.bad);
+}
+
+/* A host communicator on a CUDA context (over the stand-in driver): the
+ * device buffers go through host memory, in chunks. */
+typedef struct cuda_arg {
+    tcomm_world *w;
+    _Atomic int bad;
+} cuda_arg;
+
+static void cuda_rank(int rank, void *p)
+{
+    cuda_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = check_fake_cuda();
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    RANK_EXPECT(!mt_context_create(&cc, &ctx));
+    if (!ctx) {
+        mt_comm_destroy(c);
+        return;
+    }
+    /* past the 4 MiB staging chunk */
+    const size_t n = (size_t)1500 * 1000;
+    float *h = malloc(n * sizeof *h);
+    for (size_t i = 0; i < n; i++) h[i] = (float)(i % 100) + (float)rank;
+    mt_alloc_request req = {.bytes = n * sizeof *h, .mem_class = MT_MEM_GRAD, .lifetime = MT_LIFE_STEP};
+    mt_block b;
+    RANK_EXPECT(!mt_context_alloc(ctx, &req, &b));
+    RANK_EXPECT(!ctx->dev->copy_h2d(ctx->dev, b.ptr, h, n * sizeof *h));
+    RANK_EXPECT(!mti_comm_all_reduce(ctx, "test", b.ptr, b.ptr, n, MT_COMM_F32, MT_COMM_SUM));
+    memset(h, 0, n * sizeof *h);
+    RANK_EXPECT(!ctx->dev->copy_d2h(ctx->dev, h, b.ptr, n * sizeof *h));
+    RANK_EXPECT(!ctx->dev->sync(ctx->dev));
+    for (size_t i = 0; i < n; i += 997) RANK_EXPECT(h[i] == (float)(2 * (i % 100) + 1));
+    mt_context_free(ctx, &b);
+    free(h);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(comm_cuda_host_staging)
+{
+    if (!check_fake_cuda()) {
+        fprintf(stderr, "    (skipped: MT_FAKE_CUDA is not set)\n");
+        return;
+    }
+    cuda_arg a = {.w = tcomm_world_new(2, 30.0)};
+    tcomm_run(2, cuda_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+    /* the data did go through the host: a failing device-to-host copy fails
+       the all-reduce (one rank, so nobody waits) */
+    void *lib = dlopen(check_fake_cuda(), RTLD_NOW | RTLD_LOCAL);
+    CHECK(lib != NULL);
+    void (*fail)(const char *, int, int) = NULL;
+    void *sym = dlsym(lib, "fake_cuda_fail");
+    memcpy(&fail, &sym, sizeof sym);
+    CHECK(fail != NULL);
+    tcomm_world *w = tcomm_world_new(1, 30.0);
+    mt_comm *c = tcomm_make(w, 0, 1, 0);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = check_fake_cuda();
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_alloc_request req = {.bytes = 64, .mem_class = MT_MEM_GRAD, .lifetime = MT_LIFE_STEP};
+    mt_block b;
+    CHECK_OK(mt_context_alloc(ctx, &req, &b));
+    fail("cuMemcpyDtoHAsync_v2", 0, 999);
+    mt_status s = mti_comm_all_reduce(ctx, "test", b.ptr, b.ptr, 16, MT_COMM_F32, MT_COMM_SUM);
+    fail("", 0, 0);
+    CHECK(s != MT_OK);
+    mt_context_free(ctx, &b);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+    tcomm_world_free(w);
+    dlclose(lib);
 }

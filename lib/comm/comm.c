@@ -175,19 +175,42 @@ static mt_status on_ctx(mt_context *ctx, const char *what, mt_status s)
     return mti_fail(ctx, s, "%s: %s", what, msg);
 }
 
+/* A host communicator on a CUDA context: the device buffer goes through
+ * host memory, STAGE_ELEMS at a time (d2h, the collective, h2d). */
+#define STAGE_BYTES ((size_t)4 << 20)
+
+static bool staged(const mt_context *ctx)
+{
+    return ctx->dev->kind == MT_DEVICE_CUDA && !(ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE);
+}
+
+static mt_status all_reduce_staged(mt_context *ctx, const char *what, const void *send, void *recv,
+                                   size_t count, mt_comm_dtype dt, mt_comm_op op)
+{
+    mti_device *d = ctx->dev;
+    const size_t es = dt == MT_COMM_F32 ? 4 : 2, chunk = STAGE_BYTES / es;
+    size_t first = count < chunk ? count : chunk;
+    unsigned char *h = malloc(first * es);
+    if (!h) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", what);
+    mt_status s = MT_OK;
+    for (size_t at = 0; at < count && !s; at += chunk) {
+        size_t n = count - at < chunk ? count - at : chunk;
+        s = d->copy_d2h(d, h, (const char *)send + at * es, n * es);
+        if (!s) s = d->sync(d);
+        if (!s) s = on_ctx(ctx, what, mt_comm_all_reduce(ctx->cfg.comm, h, h, n, dt, op, NULL));
+        if (!s) s = d->copy_h2d(d, (char *)recv + at * es, h, n * es);
+        if (!s) s = d->sync(d); /* h is reused (or freed) next */
+    }
+    free(h);
+    return s;
+}
+
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
+    if (staged(ctx)) return all_reduce_staged(ctx, what, send, recv, count, dt, op);
     return on_ctx(ctx, what,
                   mt_comm_all_reduce(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
-}
-
-mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send,
-                                  void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
-{
-    return on_ctx(ctx, what,
-                  mt_comm_reduce_scatter(ctx->cfg.comm, send, recv, count, dt, op,
-                                         mti_comm_stream(ctx)));
 }
 
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv,
@@ -195,13 +218,6 @@ mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *sen
 {
     return on_ctx(ctx, what,
                   mt_comm_all_gather(ctx->cfg.comm, send, recv, count, dt, mti_comm_stream(ctx)));
-}
-
-mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
-                             mt_comm_dtype dt, int root)
-{
-    return on_ctx(ctx, what,
-                  mt_comm_broadcast(ctx->cfg.comm, buf, count, dt, root, mti_comm_stream(ctx)));
 }
 
 mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv,
@@ -226,14 +242,11 @@ mt_status mti_comm_attach(mt_context *ctx)
 {
     const char *fn = "mt_context_create";
     mt_comm *c = ctx->cfg.comm;
-    const bool dev = (c->vt.caps & MT_COMM_CAP_DEVICE) != 0;
-    if (dev != (ctx->dev->kind == MT_DEVICE_CUDA))
+    if ((c->vt.caps & MT_COMM_CAP_DEVICE) && ctx->dev->kind != MT_DEVICE_CUDA)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->comm is a %s communicator (%s) and the context is on the %s: a "
-                        "CPU context takes a host communicator (MPI), a CUDA context a device one "
-                        "(NCCL)",
-                        fn, dev ? "device" : "host", mt_comm_name(c),
-                        ctx->dev->kind == MT_DEVICE_CUDA ? "GPU" : "CPU");
+                        "%s: cfg->comm is a device communicator (%s) and the context is on the "
+                        "CPU: a CPU context takes a host communicator (MPI)",
+                        fn, mt_comm_name(c));
     static const char *const fields[] = {"device kind", "world size"};
     const uint64_t rec[2] = {(uint64_t)ctx->dev->kind, (uint64_t)c->size};
     return mti_comm_agree(ctx, fn, "context", rec, sizeof rec, fields);

@@ -15,17 +15,15 @@ struct mt_comm {
     _Atomic int broken; /* a call failed: every later one fails at once */
 };
 
-/* The collectives on behalf of a context: as the public ones, with a
- * failure's message (naming `what`, e.g. "gradients of h.3.qkv.w") kept on
- * ctx. */
+/* Collectives on behalf of a context, with a failure's message (naming
+ * `what`, e.g. "the all-reduce of the gradients of h.3.qkv.w") kept on
+ * ctx. all_reduce takes the context's device memory (through host memory
+ * when a CUDA context has a host communicator); all_gather takes memory
+ * the communicator reads (host memory for a host one). */
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt, mt_comm_op op);
-mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send,
-                                  void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op);
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt);
-mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
-                             mt_comm_dtype dt, int root);
 
 /* The stream a device communicator runs the context's collectives on (the
  * CUDA device's), or NULL. */
