@@ -942,9 +942,11 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
  * user_len is 0). Every section carries a CRC-32. Written atomically
  * (temporary file, fsync, rename, directory fsync): a crash or kill at any
  * moment leaves the previous file at path intact. On Linux file systems with
- * O_TMPFILE (ext4, xfs, btrfs, tmpfs) the temporary has no name until the
- * rename, so a killed process leaves no PATH.tmp.* file either; elsewhere a
- * named one may remain. */
+ * O_TMPFILE (ext4, xfs, btrfs, tmpfs) the temporary gets a name only for
+ * the two calls that put it in place (link, rename), with the calling
+ * thread's signals blocked, so a process stopped by a signal leaves no
+ * PATH.tmp.* file (only SIGKILL landing between those two calls can leave
+ * one); elsewhere a named one may remain. */
 mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
                           size_t user_len);
 /* Restores a saved state into a trainer of the same model (kind, shapes),

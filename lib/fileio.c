@@ -10,7 +10,8 @@
  * signal, SIGKILL, a crash) leaves nothing behind. It is linked to a
  * fresh name beside the target only at commit, and renamed over the
  * target at once, with the calling thread's signals blocked for those two
- * calls. Elsewhere it is a named file from the start, removed on failure.
+ * calls (SIGKILL cannot be blocked: landing between them, it leaves that
+ * name). Elsewhere it is a named file from the start, removed on failure.
  */
 #include <errno.h>
 #include <fcntl.h>

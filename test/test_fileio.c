@@ -40,7 +40,8 @@ static size_t file_size(const char *path)
 
 /* A process writing a 4 MiB file over and over is killed (SIGKILL, and
    SIGINT and SIGTERM with their default action) at random moments: the file
-   is always whole, and no temporary is left beside it. */
+   is always whole, and no temporary is left beside it (but the one name a
+   SIGKILL between link and rename can leave). */
 TEST(fileio_killed_writer_leaves_no_temporary)
 {
     char dir[] = "/tmp/mt_test_fileio_XXXXXX", path[64], other[256];
@@ -63,7 +64,7 @@ TEST(fileio_killed_writer_leaves_no_temporary)
                 if (mti_write_file_atomic(NULL, path, buf, n)) _exit(3);
             }
         }
-        for (int w = 0; w < 5000 && access(path, F_OK) != 0; w++) usleep(1000);
+        for (int w = 0; w < 30000 && access(path, F_OK) != 0; w++) usleep(1000);
         r ^= r << 13, r ^= r >> 7, r ^= r << 17;
         usleep((useconds_t)(r % 20000));
         kill(pid, sigs[round % 3]);
@@ -71,9 +72,18 @@ TEST(fileio_killed_writer_leaves_no_temporary)
         waitpid(pid, &status, 0);
         CHECK_MSG(WIFSIGNALED(status), "the writer ended by itself (status %d)", status);
         CHECK_MSG(file_size(path) == n, "round %d: the file has %zu bytes", round, file_size(path));
+        /* SIGINT and SIGTERM are blocked while the temporary has a name;
+           SIGKILL cannot be, and landing in those two calls (link, rename)
+           it leaves that one name behind: at most one, never for a caught
+           signal. */
         int left = others(dir, "f.bin", other, sizeof other);
-        CHECK_MSG(left == 0, "round %d (signal %d): %d files left beside it, e.g. %s", round,
-                  sigs[round % 3], left, other);
+        CHECK_MSG(left <= (sigs[round % 3] == SIGKILL), "round %d (signal %d): %d files left beside it, e.g. %s",
+                  round, sigs[round % 3], left, other);
+        if (left) {
+            char full[512];
+            snprintf(full, sizeof full, "%s/%s", dir, other);
+            CHECK(remove(full) == 0);
+        }
     }
     remove(path);
     CHECK(rmdir(dir) == 0);

@@ -95,7 +95,10 @@ int main(int argc, char **argv)
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     mt_comm *c = NULL;
-    if (mt_comm_mpi_create(MPI_COMM_WORLD, 1.0, &c)) MPI_Abort(MPI_COMM_WORLD, 1);
+    /* 1 s where a rank stalls on purpose; elsewhere a deadline that a
+       loaded machine (sanitizers, more ranks than cores) never reaches */
+    if (mt_comm_mpi_create(MPI_COMM_WORLD, strcmp(mode, "stall") ? 60.0 : 1.0, &c))
+        MPI_Abort(MPI_COMM_WORLD, 1);
     float loss[STEPS], ref_loss[STEPS];
     float *w = NULL, *ref = NULL;
     size_t nw = 0, nref = 0;
