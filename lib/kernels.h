@@ -258,7 +258,8 @@ struct mti_ops {
 
     /* ---- mixed precision ---- */
     /* g (n) fp32 *= inv_scale, and *found_inf (a device int) = 1 if any
-     * element of g is inf or NaN (it is never cleared here). */
+     * element of g is inf or NaN (it is never cleared here). With inv_scale
+     * 1 (the non-finite check of fp32 and bf16 steps) g is only read. */
     mt_status (*unscale_check)(const mti_kctx *k, float *g, size_t n, float inv_scale,
                                int *found_inf);
     /* *sumsq (a device float) += the sum of g^2 over n fp32 values: squares

@@ -51,6 +51,20 @@ WIDE_CLONES static unsigned unscale_n(float *g, size_t n, float inv)
     return bad;
 }
 
+/* The check alone (inv_scale 1: the scaling would store every value back
+ * unchanged, so g is only read). */
+WIDE_CLONES static unsigned check_n(const float *g, size_t n)
+{
+    unsigned bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (size_t j = 0; j < n; j++) {
+        uint32_t u;
+        memcpy(&u, &g[j], sizeof u);
+        bad |= (u & 0x7F800000u) == 0x7F800000u;
+    }
+    return bad;
+}
+
 mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,
                                 int *found_inf)
 {
@@ -61,7 +75,8 @@ mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv
     if (n > MTI_CPU_PAR_MIN)
     for (size_t c = 0; c < chunks; c++) {
         size_t i = c * CHUNK;
-        bad |= unscale_n(g + i, min_sz(CHUNK, n - i), inv_scale);
+        size_t m = min_sz(CHUNK, n - i);
+        bad |= inv_scale == 1.0f ? check_n(g + i, m) : unscale_n(g + i, m, inv_scale);
     }
     if (bad) *found_inf = 1;
     return MT_OK;
