@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "rng.h"
 
 mt_status mti_read_file(mt_context *ctx, const char *path, size_t max_bytes, unsigned char **data,
                         size_t *size)
@@ -173,15 +174,16 @@ static mt_status commit_unnamed(mt_context *ctx, mti_afile *f)
     char proc[64];
     snprintf(proc, sizeof proc, "/proc/self/fd/%d", f->fd);
     const size_t X = strlen(f->tmp) - 6; /* the XXXXXX */
-    uint64_t r = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uintptr_t)f;
+    mti_rng rng;
+    mti_rng_seed(&rng, (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)f ^ mti_now_ns());
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int rc = -1, e = 0;
     for (int tries = 0; tries < 64 && rc != 0; tries++) {
-        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        uint64_t r = mti_rng_next(&rng);
         for (int i = 0; i < 6; i++)
-            f->tmp[X + (size_t)i] = "abcdefghijklmnopqrstuvwxyz0123456789"[(r >> (8 * i + 16)) % 36];
+            f->tmp[X + (size_t)i] = "abcdefghijklmnopqrstuvwxyz0123456789"[(r >> (8 * i)) % 36];
         rc = linkat(AT_FDCWD, proc, AT_FDCWD, f->tmp, AT_SYMLINK_FOLLOW);
         e = errno;
         if (rc != 0 && e != EEXIST) break;
