@@ -371,17 +371,25 @@ typedef struct cuda_arg {
     _Atomic int bad;
 } cuda_arg;
 
-static void cuda_rank(int rank, void *p)
+/* A context on the stand-in CUDA driver with communicator c (NULL on
+ * failure). */
+static mt_context *cuda_comm_context(mt_comm *c)
 {
-    cuda_arg *a = p;
-    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
     mt_context_config cc;
     mt_context_config_init(&cc);
     cc.device = MT_DEVICE_CUDA;
     cc.cuda_driver_path = check_fake_cuda();
     cc.comm = c;
     mt_context *ctx = NULL;
-    RANK_EXPECT(!mt_context_create(&cc, &ctx));
+    return mt_context_create(&cc, &ctx) ? NULL : ctx;
+}
+
+static void cuda_rank(int rank, void *p)
+{
+    cuda_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    mt_context *ctx = cuda_comm_context(c);
+    RANK_EXPECT(ctx != NULL);
     if (!ctx) {
         mt_comm_destroy(c);
         return;
@@ -425,13 +433,8 @@ TEST(comm_cuda_host_staging)
     CHECK(fail != NULL);
     tcomm_world *w = tcomm_world_new(1, 30.0);
     mt_comm *c = tcomm_make(w, 0, 1, 0);
-    mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CUDA;
-    cc.cuda_driver_path = check_fake_cuda();
-    cc.comm = c;
-    mt_context *ctx = NULL;
-    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_context *ctx = cuda_comm_context(c);
+    CHECK(ctx != NULL);
     mt_alloc_request req = {.bytes = 64, .mem_class = MT_MEM_GRAD, .lifetime = MT_LIFE_STEP};
     mt_block b;
     CHECK_OK(mt_context_alloc(ctx, &req, &b));
