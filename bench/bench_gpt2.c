@@ -51,6 +51,9 @@
  * --profile adds the time of every op of the op table, in ms per measured
  * step (wall clock around each call: profile_ms_per_step), and their sum
  * (profile_ops_ms_per_step); the rest of a step is the engine's own work.
+ * On CUDA, --profile turns on cuda_debug_sync (every kernel launch waited
+ * for), so each op's time is its kernels' time, not the launch's; the step
+ * is then slower than without --profile by the waits.
  *
  * Errors print a message and exit 1; an optimizer or precision the library
  * does not have yet gives a message starting "unsupported:".
@@ -328,6 +331,9 @@ static int train(const options *o)
             die("--allocator: '%s' is not caching, arena, pool or checkpoint", o->allocator);
         for (int c = 0; c < MT_MEM_COUNT; c++) cc.allocators[c].vtable = vt;
     }
+    /* kernels run asynchronously: timing an op's call on the host measures
+     * its launch unless every launch is waited for */
+    if (o->profile && cc.device == MT_DEVICE_CUDA) cc.cuda_debug_sync = 1;
     mt_trainer_config tc;
     trainer_config(o, &tc);
 

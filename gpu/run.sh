@@ -23,7 +23,8 @@
 #              8-bit AdamW in GB/s against the device's copy bandwidth
 #   gpt2       GPT-2 124M training, memtrain (bench_gpt2 --device cuda)
 #              and PyTorch (bench/torch_gpt2.py --device cuda) in turns:
-#              fp32; bf16; bf16 + 8-bit AdamW + fused step + recompute sqrt
+#              fp32; bf16; bf16 + 8-bit AdamW + fused step + recompute sqrt;
+#              then memtrain's bf16 step profiled per op (bench_gpt2 --profile)
 # Under --stand-in the groups that need a GPU's arithmetic (ops, engine,
 # memcheck, the PyTorch side) are reported "skipped: needs a GPU"; the
 # others run over the stand-ins (benchmarks then on a tiny shape, and
@@ -200,6 +201,11 @@ g_gpt2() {
         if [ $((i % 2)) = 0 ]; then run_ours; run_theirs; else run_theirs; run_ours; fi
         i=$((i + 1))
     done
+    # where the step's time goes: every op's kernels, each launch waited for
+    json "$d/bf16_profile.memtrain.json" "${env[@]}" "$BIN/bench_gpt2" --device cuda "${data[@]}" \
+        "${shape[@]}" "${bt[@]}" --steps 3 --warmup 1 --precision bf16 --profile || ok=1
+    # the shared weights and tokens are large and made again by each run
+    rm -f "$d/tokens.bin" "$d/init.bin"
     [ $ok = 0 ] || why "a memtrain run failed"
     exit $ok
 }
