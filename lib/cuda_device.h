@@ -67,6 +67,12 @@ typedef struct mti_dim3 {
     MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_64, "mt_attn_bwd_kv_64")                              \
     MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_128, "mt_attn_bwd_kv_128")                            \
     MTI_CUDA_DT3(X, MTI_CUDA_ATTN_BWD_KV_256, "mt_attn_bwd_kv_256")                            \
+    X(MTI_CUDA_ATTN_TC_FWD_F16, "mt_attn_tc_fwd_f16")                                          \
+    X(MTI_CUDA_ATTN_TC_FWD_BF16, "mt_attn_tc_fwd_bf16")                                        \
+    X(MTI_CUDA_ATTN_TC_BWD_Q_F16, "mt_attn_tc_bwd_q_f16")                                      \
+    X(MTI_CUDA_ATTN_TC_BWD_Q_BF16, "mt_attn_tc_bwd_q_bf16")                                    \
+    X(MTI_CUDA_ATTN_TC_BWD_KV_F16, "mt_attn_tc_bwd_kv_f16")                                    \
+    X(MTI_CUDA_ATTN_TC_BWD_KV_BF16, "mt_attn_tc_bwd_kv_bf16")                                  \
     MTI_CUDA_DT3(X, MTI_CUDA_XENT, "mt_xent")                                                  \
     MTI_CUDA_DT3(X, MTI_CUDA_COLSUM, "mt_colsum")                                              \
     X(MTI_CUDA_COLSUM_FINISH, "mt_colsum_finish")                                              \

@@ -63,6 +63,9 @@
 #define MTI_SUMSQ_ROUND_BLOCKS 64     /* block sums per round of sumsq (reduce.cu) */
 #define MTI_EW_THREADS 256u           /* threads per block, elementwise kernels */
 #define MTI_ATTN_THREADS 256u         /* threads per block, attention (attention.cu) */
+#define MTI_ATTN_TC_THREADS 128u      /* threads per block, attention_tc.cu */
+#define MTI_ATTN_TC_ROWS 64u          /* queries (or keys) per block there */
+#define MTI_ATTN_TC_HS 64             /* the one head size it takes */
 #define MTI_LN_ROWS 16                /* rows per block of 256, layernorm (layernorm.cu) */
 #define MTI_XENT_THREADS 512u         /* threads per block, cross-entropy (xent.cu) */
 #define MTI_GRID_Y_MAX 65535u
@@ -1015,6 +1018,22 @@ static mt_status attn_check(const mti_kctx *k, const char *op, int B, int T, int
     return MT_OK;
 }
 
+/* Whether attention_tc.cu's tensor-core kernels take this call: fp16 or
+ * bf16, heads of 64, every operand on a 4-byte boundary (their loads are
+ * of two elements), and MT_CUDA_ATTN_SIMT unset or "0" (set, it keeps
+ * attention.cu's kernels, to compare the two). Returns the kernel id's
+ * offset from the fp16 one (0 or 1), or -1. */
+static int attn_tc(mti_dtype dt, int hs, int T, const void *a, const void *b, const void *c,
+                   const void *d)
+{
+    if ((dt != MTI_F16 && dt != MTI_BF16) || hs != MTI_ATTN_TC_HS) return -1;
+    if ((((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) & 3u) != 0) return -1;
+    if (cdiv((size_t)T, MTI_ATTN_TC_ROWS) > MTI_GRID_Y_MAX) return -1;
+    const char *e = getenv("MT_CUDA_ATTN_SIMT");
+    if (e && *e && strcmp(e, "0") != 0) return -1;
+    return dt == MTI_F16 ? 0 : 1;
+}
+
 static mt_status cu_attention_fwd(const mti_kctx *k, void *out, float *lse, const void *qkv,
                                   int B, int T, int C, int H, mti_dtype dt)
 {
@@ -1025,6 +1044,12 @@ static mt_status cu_attention_fwd(const mti_kctx *k, void *out, float *lse, cons
     if (st != MT_OK || B == 0 || T == 0 || C == 0) return st;
     int hs = C / H;
     float scale = 1.0f / sqrtf((float)hs);
+    int tc = attn_tc(dt, hs, T, out, qkv, NULL, NULL);
+    if (tc >= 0) {
+        mti_dim3 g = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, MTI_ATTN_TC_ROWS), 1};
+        void *a[] = {&out, &lse, &qkv, &T, &C, &H, &scale};
+        return launch(k, MTI_CUDA_ATTN_TC_FWD_F16 + tc, g, MTI_ATTN_TC_THREADS, a);
+    }
     mti_dim3 grid = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, rows), 1};
     void *args[] = {&out, &lse, &qkv, &T, &C, &H, &hs, &scale};
     return launch(k, MTI_CUDA_ATTN_FWD_32_F32 + 3 * cls + dt, grid, MTI_ATTN_THREADS, args);
@@ -1046,6 +1071,19 @@ static mt_status cu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dou
     mt_block wk = {0};
     if ((st = mti_work_alloc(k, (size_t)B * H * T * sizeof(float), &wk))) return st;
     float *Drow = wk.ptr;
+    int tc = attn_tc(dt, hs, T, dqkv, dout, qkv, out);
+    if (tc >= 0) {
+        mti_dim3 g = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, MTI_ATTN_TC_ROWS), 1};
+        void *aq[] = {&dqkv, &Drow, &dout, &qkv, &out, &lse, &T, &C, &H, &scale};
+        st = launch(k, MTI_CUDA_ATTN_TC_BWD_Q_F16 + tc, g, MTI_ATTN_TC_THREADS, aq);
+        if (st == MT_OK) {
+            const float *cD = Drow;
+            void *akv[] = {&dqkv, &dout, &qkv, &lse, &cD, &T, &C, &H, &scale};
+            st = launch(k, MTI_CUDA_ATTN_TC_BWD_KV_F16 + tc, g, MTI_ATTN_TC_THREADS, akv);
+        }
+        mti_work_free(k, &wk);
+        return st;
+    }
     mti_dim3 grid = {(unsigned)(B * H), (unsigned)cdiv((size_t)T, rows), 1};
     void *aq[] = {&dqkv, &Drow, &dout, &qkv, &out, &lse, &T, &C, &H, &hs, &scale};
     st = launch(k, MTI_CUDA_ATTN_BWD_Q_32_F32 + 3 * cls + dt, grid, MTI_ATTN_THREADS, aq);

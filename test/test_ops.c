@@ -744,10 +744,12 @@ TEST(ops_attention)
 {
     open_tables();
     /* T past one key block, heads of an odd-ish size */
-    /* head sizes 4, 16, 32, 64, 128 */
+    /* head sizes 4, 16, 32, 64, 128, then 64 again over two query tiles
+     * of the tensor-core kernels (attention_tc.cu: fp16 and bf16 heads of
+     * 64 on a GPU), the last one partial */
     static const int shapes[][4] = {{1, 5, 8, 2}, {2, 70, 48, 3}, {1, 160, 64, 2}, {1, 70, 128, 2},
-                                    {1, 40, 256, 2}};
-    for (int si = 0; si < 5; si++) {
+                                    {1, 40, 256, 2}, {2, 80, 128, 2}};
+    for (int si = 0; si < 6; si++) {
         const int B = shapes[si][0], T = shapes[si][1], C = shapes[si][2], H = shapes[si][3];
         size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * H * T;
         float *qkv = randv(nq, 1.5f), *dout = randv(no, 1);
@@ -766,11 +768,18 @@ TEST(ops_attention)
             float *qr = rounded(qkv, nq, dt), *dr = rounded(dout, no, dt);
             at_io want = {B, T, C, H, MTI_F32, qr, dr, malloc(no * 4), malloc(nl * 4), malloc(nq * 4), &tabs[0]};
             run_attn(&want);
-            for (int ti = 0; ti < n_tabs; ti++) {
+            /* on a GPU, fp16 and bf16 heads of 64 run twice: on the tensor
+             * cores, then on attention.cu's kernels (MT_CUDA_ATTN_SIMT) */
+            for (int ti = 0; ti < n_tabs; ti++)
+            for (int simt = 0; simt < 2; simt++) {
+                if (simt && (ti == 0 || dt == MTI_F32 || C / H != 64)) continue;
+                if (simt) setenv("MT_CUDA_ATTN_SIMT", "1", 1);
                 at_io got = {B, T, C, H, dt, qr, dr, malloc(no * 4), malloc(nl * 4), malloc(nq * 4), &tabs[ti]};
                 run_attn(&got);
+                if (simt) unsetenv("MT_CUDA_ATTN_SIMT");
                 char what[64];
-                snprintf(what, sizeof what, "attention %s %s", tabs[ti].name, dt_name(dt));
+                snprintf(what, sizeof what, "attention %s %s%s", tabs[ti].name, dt_name(dt),
+                         simt ? " (simt)" : "");
                 expect_close(what, got.out, want.out, no, tol_of(dt));
                 expect_close(what, got.lse, want.lse, nl, tol_of(dt));
                 expect_close(what, got.dqkv, want.dqkv, nq, tol_of(dt));

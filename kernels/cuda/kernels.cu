@@ -19,6 +19,7 @@
  *   embedding.cu    token + position embedding, forward and backward
  *   layernorm.cu    layer normalisation, forward and backward
  *   attention.cu    causal self-attention, forward and backward
+ *   attention_tc.cu the same on the tensor cores (fp16, bf16, heads of 64)
  *   xent.cu         fused softmax cross-entropy
  *   reduce.cu       column sums and the sum of squares
  *   optim.cu        unscale + inf check, SGD, AdamW
@@ -49,6 +50,7 @@ extern "C" __global__ void mt_axpy_f32(float *y, float a, const float *x, mt_ind
 #include "embedding.cu"
 #include "layernorm.cu"
 #include "attention.cu"
+#include "attention_tc.cu"
 #include "xent.cu"
 #include "reduce.cu"
 #include "optim.cu"
