@@ -834,6 +834,19 @@ typedef struct mt_trainer_config {
      * once; the second applies the updates (skipped when the first found an
      * overflow). Results equal the unfused step. */
     int fused_step;
+    /* Frozen parameters (docs/engine.md, "Frozen parameters"):
+     * every parameter whose name matches one of these n_freeze fnmatch(3)
+     * patterns (copied at create) is frozen: it gets no gradient, no
+     * master copy and no optimizer state, backward skips its weight (and
+     * bias) gradient but still passes the input gradient through it, and
+     * it never changes. In fp16 and bf16 a frozen weight is kept in the
+     * compute dtype alone (rounded to nearest once, at create; its fp32
+     * values after the trainer are those 16-bit ones). A frozen token table
+     * is frozen for both its uses (the embedding and the tied LM head). A
+     * pattern that matches no parameter, or a set that leaves nothing to
+     * train, is MT_ERR_INVALID_ARG. */
+    const char *const *freeze;
+    int n_freeze;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
@@ -929,7 +942,7 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
 /* The gradients of the batch's mean loss, fp32, in the model's parameter
  * order (unscaled in fp16), without updating anything: forward and backward
  * as a step would run them (micro-batches, recompute), then a copy out
- * instead of the update. *loss gets the batch's mean loss. For tests and
+ * instead of the update (0 for a frozen parameter). *loss gets the batch's mean loss. For tests and
  * debugging; needs memory for every gradient at once, fused or not. */
 mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
                                size_t n);

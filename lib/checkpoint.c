@@ -6,6 +6,7 @@
  *   header, 32 bytes: magic "MTTRAIN\0", u32 version (1), u32 sections,
  *     u64 payload bytes (all sections, headers included), u32 CRC-32 of
  *     the first 24 bytes, u32 0;
+ *   (the layout ends with the frozen parameters' indices, if any);
  *   sections, each a 32-byte header (u32 kind, u32 index, u64 bytes, u32
  *     CRC-32 of the payload, u32 dtype, u32 CRC-32 of these first 24 bytes,
  *     u32 0) and its payload:
@@ -146,6 +147,13 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
         bb_u32(b, (uint32_t)ts[k].t->dtype);
         bb_u64(b, (uint64_t)mti_tensor_bytes(ts[k].t));
     }
+    /* the frozen parameters, when there are any (so a file without them is
+       as it always was): their count, then their indices */
+    uint32_t nf = 0;
+    for (int i = 0; i < m->n_param; i++) nf += m->params[i].frozen != 0;
+    if (nf) bb_u32(b, nf);
+    for (int i = 0; nf && i < m->n_param; i++)
+        if (m->params[i].frozen) bb_u32(b, (uint32_t)i);
 }
 
 static void counters_of(const mt_trainer *t, bbuf *b)
@@ -352,6 +360,35 @@ static void shape_str(char *b, size_t cap, uint64_t rows, uint64_t cols)
     else snprintf(b, cap, "(%llu)", (unsigned long long)rows);
 }
 
+/* The frozen-parameter lists of two layouts (each reader at its stored
+ * tensors' list, of fk and ok entries): when they differ, says in m the
+ * first parameter frozen in one and not the other (named from this
+ * trainer's layout, mine) and returns true. */
+static bool frozen_diff(lay_rd fs, lay_rd os, uint32_t fk, uint32_t ok, const bbuf *mine,
+                        char *m, size_t cap)
+{
+    fs.at += (size_t)fk * 20, os.at += (size_t)ok * 20;
+    if (fs.at > fs.len || os.at > os.len) return false;
+    uint32_t fnf = fs.at < fs.len ? lr_u32(&fs) : 0, onf = os.at < os.len ? lr_u32(&os) : 0;
+    uint32_t fi = 0, oi = 0, np = mti_get_u32(mine->p + 28);
+    uint32_t fx = fnf ? lr_u32(&fs) : UINT32_MAX, ox = onf ? lr_u32(&os) : UINT32_MAX;
+    while (fs.ok && (fi < fnf || oi < onf)) {
+        if (fx != ox) {
+            uint32_t p = fx < ox ? fx : ox;
+            char name[MTI_NAME_LEN] = "?";
+            if (p < np) snprintf(name, sizeof name, "%s", (const char *)mine->p + 32 +
+                                                            (size_t)p * (MTI_NAME_LEN + 24));
+            snprintf(m, cap, "saved with another frozen set (cfg.freeze, LoRA): parameter %u "
+                     "'%s' is %s in the file, %s in this trainer", p, name,
+                     fx < ox ? "frozen" : "trained", fx < ox ? "trained" : "frozen");
+            return true;
+        }
+        fx = ++fi < fnf ? lr_u32(&fs) : UINT32_MAX;
+        ox = ++oi < onf ? lr_u32(&os) : UINT32_MAX;
+    }
+    return false;
+}
+
 /* Says in m which setting of the saved layout (f) differs from this
  * trainer's (o), with both values: the model's sizes, the optimizer, the
  * precision, the master-weight setting, a parameter's name or shape, or a
@@ -411,6 +448,7 @@ static void layout_diff(const unsigned char *file, size_t flen, const bbuf *mine
         }
     }
     uint32_t fk = lr_u32(&fs), ok = lr_u32(&os);
+    if (frozen_diff(fs, os, fk, ok, mine, m, cap)) return;
     for (uint32_t k = 0; k < ok && k < fk && fs.ok; k++) {
         uint32_t fpar = lr_u32(&fs), opar = lr_u32(&os), frole = lr_u32(&fs), orole = lr_u32(&os);
         uint32_t fdt = lr_u32(&fs), odt = lr_u32(&os);

@@ -121,9 +121,22 @@ void mti_engine_free_grads(mti_engine *E)
     for (int i = 0; i < E->m->n_param; i++) mti_tensor_free(E->ctx, &E->grad[i]);
 }
 
+/* Whether layer i has a parameter to train (the tied table counts for the
+ * LM head). */
+static bool trains(const mt_model *m, int i)
+{
+    const mti_layer *ly = &m->layers[i];
+    for (int j = 0; j < ly->np; j++)
+        if (!m->params[ly->p0 + j].frozen) return true;
+    return ly->tied >= 0 && !m->params[ly->tied].frozen;
+}
+
 void mti_engine_arm(mti_engine *E)
 {
-    for (int i = 0; i < E->m->n_param; i++) E->uses_left[i] = E->m->params[i].uses;
+    mt_model *m = E->m;
+    for (int i = 0; i < m->n_param; i++) E->uses_left[i] = m->params[i].uses;
+    E->train_from = 0;
+    while (E->train_from < m->n_layers - 1 && !trains(m, E->train_from)) E->train_from++;
 }
 
 mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
@@ -154,9 +167,15 @@ static mt_status act(mti_engine *E, mti_tensor *t, mti_dtype dt, int64_t rows, i
 
 static void *P(mti_engine *E, int param) { return E->m->params[param].w.blk.ptr; }
 
+/* The gradient of a parameter (made on its first contribution), or NULL
+ * for a frozen one: the ops then skip that weight gradient. */
 static mt_status gradp(mti_engine *E, int param, float **out)
 {
     mti_tensor *g;
+    if (E->m->params[param].frozen) {
+        *out = NULL;
+        return MT_OK;
+    }
     mt_status s = mti_engine_grad(E, param, &g);
     if (!s) *out = g->blk.ptr;
     return s;
@@ -549,8 +568,9 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     mti_tensor *x = &E->bnd[i], *sl = E->slot[i];
     const uint64_t nd = (uint64_t)i + 2;
     const size_t nout = (size_t)N * (size_t)ly->out;
-    /* the first layer of a feature model needs no input gradient */
-    const bool want_dx = i > 0;
+    /* no input gradient for the first layer backward reaches (the model's
+       first, or the first with something to train) */
+    const bool want_dx = i > E->train_from;
     mt_status s;
     float *gw = NULL, *gb = NULL;
     switch (ly->kind) {
@@ -559,13 +579,15 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         int wi = ly->kind == MT_LAYER_LINEAR ? ly->p0 : ly->tied;
         /* (not when the layer before needs this input as its own output) */
         const bool defer = ly->kind == MT_LAYER_LM_HEAD && E->defer_tied &&
-                           !(i > 0 && needs_output(&m->layers[i - 1]));
+                           !m->params[wi].frozen && !(i > 0 && needs_output(&m->layers[i - 1]));
         if (!defer) MTI_TRY(gradp(E, wi, &gw));
         if (ly->kind == MT_LAYER_LINEAR && ly->bias) MTI_TRY(gradp(E, ly->p0 + 1, &gb));
         mti_tensor dx = {0};
         if (want_dx) MTI_TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200)));
-        s = op->matmul_bwd(k, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, P(E, wi), N, ly->in,
-                           ly->out, dt, 0);
+        s = want_dx || gw || gb || defer
+                ? op->matmul_bwd(k, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, P(E, wi), N,
+                                 ly->in, ly->out, dt, 0)
+                : MT_OK;
         if (s) {
             mti_tensor_free(E->ctx, &dx);
             return s;
@@ -596,6 +618,7 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     case MT_LAYER_LAYERNORM:
         MTI_TRY(gradp(E, ly->p0, &gw));
         MTI_TRY(gradp(E, ly->p0 + 1, &gb));
+        if (!want_dx && !gw && !gb) break;
         MTI_TRY(op->layernorm_bwd(k, want_dx ? E->d.blk.ptr : NULL, gw, gb, E->d.blk.ptr, x->blk.ptr,
                               P(E, ly->p0), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->in, dt,
                               0));
@@ -622,9 +645,11 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
             if (gpos)
                 MTI_TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
-            MTI_TRY(op->layernorm_bwd(k, E->d.blk.ptr, glw, glb, E->d.blk.ptr, sl[S_EMB].blk.ptr,
-                                  P(E, pl), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->out, dt,
-                                  0));
+            const bool table = gw || sliced; /* its gradient needs the LayerNorm's dx */
+            if (table || glw || glb)
+                MTI_TRY(op->layernorm_bwd(k, table ? E->d.blk.ptr : NULL, glw, glb, E->d.blk.ptr,
+                                      sl[S_EMB].blk.ptr, P(E, pl), sl[S_MEAN].blk.ptr,
+                                      sl[S_RSTD].blk.ptr, N, ly->out, dt, 0));
             if (gw)
                 MTI_TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
@@ -671,7 +696,9 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
     /* d flows back from the dlogits, which live in the logits' block */
     E->d = E->bnd[L];
     if (!keep) memset(&E->bnd[L], 0, sizeof E->bnd[L]);
-    for (int i = L - 1; i >= 0; i--) {
+    /* layers before the first with something to train need no backward
+       (their tensors go at release) */
+    for (int i = L - 1; i >= E->train_from; i--) {
         if (!E->have[i]) { /* recompute the segment up to this layer */
             int st = E->seg_start[i];
             /* the segment's output may still be there (a kept boundary for a

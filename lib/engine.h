@@ -48,6 +48,8 @@ typedef struct mti_engine {
     /* gradients */
     mti_tensor *grad;      /* per parameter */
     int *uses_left;
+    int train_from;        /* the first layer with a parameter to train: backward
+                              stops there (mti_engine_arm) */
     /* Deferred tied gradient (the fused step): the LM head's backward makes
      * only its input gradient and leaves its dlogits and input here; the
      * table's gradient is formed from them just before the embedding's

@@ -594,7 +594,7 @@ static mt_status check_copy(const mt_model *m, const void *p, size_t n, const ch
 }
 
 /* Elements [at, at + n) of parameter i as fp32, to or from host memory.
- * The fp32 values are the master while there is one, else the weights;
+ * The fp32 values are the parameter's master while it has one, else the weights;
  * weights kept only in 16 bits (bf16 without masters) go through a small
  * fp32 staging tensor (IO, at most MTI_STAGE elements). Writes refresh the
  * compute copy when there is a master. */
@@ -610,7 +610,7 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
-    const mti_tensor *t = m->has_master ? &p->master : &p->w;
+    const mti_tensor *t = p->master.blk.ptr ? &p->master : &p->w;
     if (t->dtype == MTI_F32) {
         mt_status s = ctx->dev->copy_d2h(ctx->dev, dst, (const float *)t->blk.ptr + at, n * 4);
         return s ? s : ctx->dev->sync(ctx->dev);
@@ -636,11 +636,12 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     mt_context *ctx = m->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &m->params[i];
-    mti_tensor *t = m->has_master ? &p->master : &p->w;
+    const bool master = p->master.blk.ptr != NULL; /* (a frozen weight has none) */
+    mti_tensor *t = master ? &p->master : &p->w;
     size_t es = mti_dtype_size(p->w.dtype);
     if (t->dtype == MTI_F32) {
         mt_status s = ctx->dev->copy_h2d(ctx->dev, (float *)t->blk.ptr + at, src, n * 4);
-        if (!s && m->has_master) /* refresh the compute copy */
+        if (!s && master) /* refresh the compute copy */
             s = ctx->ops->cast(&k, (char *)p->w.blk.ptr + at * es, p->w.dtype,
                                (float *)t->blk.ptr + at, MTI_F32, n, MTI_ROUND_NEAREST, 0);
         return s;

@@ -34,6 +34,8 @@ typedef struct mti_param {
     size_t offset;       /* in get/set_params order */
     int uses;            /* gradient contributions per backward pass (2: tied) */
     int force32;         /* optimizer state stays 32-bit (StableEmbedding) */
+    int frozen;          /* no gradient, master or optimizer state (set by the
+                            trainer from cfg.freeze, for its lifetime) */
     mti_init init;
     float init_a;
     int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */

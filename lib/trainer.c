@@ -112,6 +112,10 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
             BAD("%s: cfg->overrides[%d]: weight_decay and lr_scale must be finite, lr_scale >= 0",
                 fn, i);
     }
+    if (c->n_freeze < 0 || (c->n_freeze > 0 && !c->freeze))
+        BAD("%s: cfg->n_freeze %d with freeze %s", fn, c->n_freeze, c->freeze ? "set" : "NULL");
+    for (int i = 0; i < c->n_freeze; i++)
+        if (!c->freeze[i]) BAD("%s: cfg->freeze[%d] is NULL", fn, i);
     if ((unsigned)c->lr_schedule > MT_LR_WARMUP_COSINE)
         BAD("%s: cfg->lr_schedule %d is not a schedule", fn, (int)c->lr_schedule);
     if (c->lr_schedule == MT_LR_WARMUP_COSINE &&
@@ -189,6 +193,31 @@ static mti_tensor like(const mti_tensor *t, mti_dtype dt)
     return r;
 }
 
+static mt_status convert_weights(mt_trainer *t, mti_dtype to);
+
+/* Parameter i's weights (without a master) in dtype `to` (the new copy,
+ * then the old one goes); unchanged on failure. */
+static mt_status convert_one(mt_trainer *t, int i, mti_dtype to)
+{
+    mt_context *ctx = t->ctx;
+    const mti_kctx k = {ctx, ctx->dev};
+    mti_param *p = &t->model->params[i];
+    if (p->w.dtype == to) return MT_OK;
+    mti_tensor w = like(&p->w, to);
+    mt_status s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                   MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    if (!s)
+        s = ctx->ops->cast(&k, w.blk.ptr, to, p->w.blk.ptr, p->w.dtype, p->numel,
+                           MTI_ROUND_NEAREST, 0);
+    if (s) {
+        mti_tensor_free(ctx, &w);
+        return s;
+    }
+    mti_tensor_free(ctx, &p->w);
+    p->w = w;
+    return MT_OK;
+}
+
 /* Back to fp32 weights from the masters, for every parameter that has one.
  * Cannot fail: if an fp32 copy of a weight cannot be had, its master block
  * becomes the weight. One tensor at a time, so the transient is one
@@ -227,6 +256,10 @@ static mt_status to_mixed(mt_trainer *t)
     mt_status s = MT_OK;
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_param *p = &m->params[i];
+        if (p->frozen) { /* no master: the compute dtype alone */
+            s = convert_one(t, i, t->dt);
+            continue;
+        }
         mti_tensor master = like(&p->w, MTI_F32), half = like(&p->w, t->dt);
         s = mti_tensor_alloc(ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
                              MTI_TAG_PARAM(MTI_TAG_MASTER, i));
@@ -250,6 +283,7 @@ static mt_status to_mixed(mt_trainer *t)
     }
     if (s) {
         from_mixed(t);
+        (void)convert_weights(t, MTI_F32); /* frozen ones */
         return s;
     }
     m->has_master = true;
@@ -263,24 +297,8 @@ static mt_status to_mixed(mt_trainer *t)
 static mt_status convert_weights(mt_trainer *t, mti_dtype to)
 {
     mt_model *m = t->model;
-    mt_context *ctx = t->ctx;
-    const mti_kctx k = {ctx, ctx->dev};
     mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s; i++) {
-        mti_param *p = &m->params[i];
-        if (p->w.dtype == to) continue;
-        mti_tensor w = like(&p->w, to);
-        s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-        if (!s)
-            s = ctx->ops->cast(&k, w.blk.ptr, to, p->w.blk.ptr, p->w.dtype, p->numel,
-                               MTI_ROUND_NEAREST, 0);
-        if (s) {
-            mti_tensor_free(ctx, &w);
-            break;
-        }
-        mti_tensor_free(ctx, &p->w);
-        p->w = w;
-    }
+    for (int i = 0; i < m->n_param && !s; i++) s = convert_one(t, i, to);
     return s;
 }
 
@@ -313,6 +331,7 @@ static mt_status make_state(mt_trainer *t)
     for (int i = 0; i < m->n_param && !s; i++) {
         const mti_param *p = &m->params[i];
         pstate *ps = &t->ps[i];
+        if (p->frozen) continue; /* no state */
         const mt_param_override *o = override_of(t, p->name);
         ps->wd = (c->decay_1d || p->ndim >= 2) ? c->weight_decay : 0.0f;
         ps->lr_scale = 1.0f;
@@ -422,7 +441,7 @@ static int tied_rows_for(const mt_trainer *t)
         !op->embedding_dw_rows || !op->matmul_dw_align || m->n_layers < 1)
         return 0;
     const mti_layer *head = &m->layers[m->n_layers - 1];
-    if (head->kind != MT_LAYER_LM_HEAD || head->tied < 0) return 0;
+    if (head->kind != MT_LAYER_LM_HEAD || head->tied < 0 || m->params[head->tied].frozen) return 0;
     const mti_param *p = &m->params[head->tied];
     const int64_t V = p->shape[0], C = p->shape[1];
     /* powers of two: the largest is their lcm */
@@ -443,6 +462,36 @@ static int tied_rows_for(const mt_trainer *t)
 
 /* ---- create / destroy ---- */
 
+/* Marks the parameters cfg.freeze names frozen (for the trainer's life).
+ * A pattern that matches nothing is a mistake worth saying; so is a model
+ * left with nothing to train. */
+static mt_status mark_frozen(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    const mt_trainer_config *c = &t->cfg;
+    int trainable = m->n_param;
+    for (int k = 0; k < c->n_freeze; k++) {
+        int hits = 0;
+        for (int i = 0; i < m->n_param; i++) {
+            mti_param *p = &m->params[i];
+            if (fnmatch(c->freeze[k], p->name, 0) != 0) continue;
+            hits++;
+            if (!p->frozen) trainable--;
+            p->frozen = 1;
+            t->froze = 1;
+        }
+        if (!hits)
+            return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                            "mt_trainer_create: cfg->freeze[%d] '%s' matches no parameter "
+                            "(names: mt_model_param_info)",
+                            k, c->freeze[k]);
+    }
+    if (!trainable)
+        return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                        "mt_trainer_create: cfg->freeze freezes every parameter: nothing to train");
+    return MT_OK;
+}
+
 void mt_trainer_destroy(mt_trainer *t)
 {
     if (!t) return;
@@ -453,10 +502,15 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
     if (t->model->has_master) from_mixed(t);
-    if (t->bare) (void)weights_to_fp32(t);
+    (void)weights_to_fp32(t); /* no masters, or frozen weights in 16 bits */
+    if (t->froze)
+        for (int i = 0; i < t->model->n_param; i++) t->model->params[i].frozen = 0;
     if (t->patterns)
         for (int i = 0; i < t->cfg.n_overrides; i++) free(t->patterns[i]);
     free(t->patterns);
+    if (t->freeze)
+        for (int i = 0; i < t->cfg.n_freeze; i++) free(t->freeze[i]);
+    free(t->freeze);
     free(t->overrides);
     free(t->ps);
     free(t->host_losses);
@@ -524,7 +578,15 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         }
         t->cfg.overrides = t->overrides;
     }
+    t->cfg.freeze = NULL;
+    if (host_ok && cfg->n_freeze) {
+        host_ok = (t->freeze = calloc((size_t)cfg->n_freeze, sizeof *t->freeze)) != NULL;
+        for (int i = 0; host_ok && i < cfg->n_freeze; i++)
+            host_ok = (t->freeze[i] = strdup(cfg->freeze[i])) != NULL;
+        t->cfg.freeze = (const char *const *)t->freeze;
+    }
     if (!host_ok) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    if (!s) s = mark_frozen(t);
     const mt_loss_scale_config *ls = &cfg->loss_scale;
     if (cfg->precision == MT_PREC_FP16)
         mti_scaler_init(&t->scaler, ls->init_scale, ls->growth_factor, ls->backoff_factor,
@@ -898,15 +960,20 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     if (!fused && !found) {
-        for (int i = 0; i < m->n_param && !s; i++) s = mti_dp_reduce_grad(t, i);
+        /* (frozen parameters have no gradient: they take no part) */
+        for (int i = 0; i < m->n_param && !s; i++)
+            if (!m->params[i].frozen) s = mti_dp_reduce_grad(t, i);
         if (!s && t->flag_grads) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
-        for (int i = 0; i < m->n_param && !s; i++) s = unscale(t, i);
+        for (int i = 0; i < m->n_param && !s; i++)
+            if (!m->params[i].frozen) s = unscale(t, i);
         if (!s && t->cfg.grad_clip > 0.0f) s = mti_tensor_zero(ctx, &t->sumsq);
-        for (int i = 0; i < m->n_param && !s; i++) s = sumsq(t, i);
+        for (int i = 0; i < m->n_param && !s; i++)
+            if (!m->params[i].frozen) s = sumsq(t, i);
         if (!s) s = finish_checks(t, &found);
         if (s) return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !found; i++) {
+            if (m->params[i].frozen) continue;
             if ((s = update_param(t, i, t->clip))) {
                 if (t->updated) t->opt_steps++; /* some state has moved a step */
                 return step_failed(t, fn, s);
@@ -951,6 +1018,10 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     const double mean = sum / targets;
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_tensor *g;
+        if (m->params[i].frozen) { /* no gradient: zeros */
+            memset(grads + m->params[i].offset, 0, m->params[i].numel * sizeof(float));
+            continue;
+        }
         s = mti_dp_reduce_grad(t, i);
         if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
         if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale(t, i);

@@ -27,6 +27,8 @@ struct mt_trainer {
     pstate *ps;
     char **patterns;         /* copies of the overrides' patterns */
     mt_param_override *overrides;
+    char **freeze;           /* copies of cfg.freeze */
+    int froze;               /* some parameter was marked frozen (cleared at destroy) */
     mti_tensor found_inf;    /* two device ints: [0] a gradient is not finite (the
                                 unscale op's flag), [1] the optimizers' scratch */
     int flag_grads;          /* gradients are checked by the flag (fp16, or no

@@ -29,6 +29,7 @@ typedef struct est_case {
     int batch, micro, seq;
     int alloc; /* 0 caching, 1 arena, 2 pool, 3 checkpoint, 4 split by class */
     float clip;
+    int freeze; /* 0: nothing frozen; 1: every bias; 2: the model's first layers */
 } est_case;
 
 static const char *alloc_names[] = {"caching", "arena", "pool", "checkpoint", "split"};
@@ -109,9 +110,19 @@ static mt_model *spec_model(const mt_context_config *cc, model_kind k, mt_contex
     return m;
 }
 
+/* The frozen sets of est_case.freeze, per model kind (set 2 freezes the
+ * GPT's tied table, so both its uses). */
+static const char *const freeze_biases[] = {"*.b"};
+static const char *const freeze_first[3][3] = {
+    {"wte", "wpe", "h.0.*"}, {"fc0.*", "", ""}, {"l0.*", "l1.*", ""}};
+static const int n_freeze_first[3] = {3, 1, 2};
+
 static void trainer_config(mt_trainer_config *tc, const est_case *e)
 {
     mt_trainer_config_init(tc);
+    if (e->freeze == 1) tc->freeze = freeze_biases, tc->n_freeze = 1;
+    if (e->freeze == 2)
+        tc->freeze = freeze_first[e->model], tc->n_freeze = n_freeze_first[e->model];
     tc->max_batch = e->batch;
     tc->micro_batch = e->micro;
     tc->max_seq = e->model == M_MLP ? 0 : e->seq;
@@ -234,6 +245,7 @@ static void matrix(void)
                     e.seq = (mk == M_GPT ? 16 : 8) + 8 * ((oi + pi) % 2);
                     e.alloc = n % 5;
                     e.clip = (oi + mk) % 3 == 0 ? 1.0f : 0.0f;
+                    e.freeze = n % 4 == 1 ? 1 : n % 4 == 3 ? 2 : 0;
                     /* bf16 without masters where the optimizer takes it */
                     if (precs[pi] == MT_PREC_BF16 && v && opts[oi] != MT_OPT_ADAFACTOR)
                         e.masters = 0;

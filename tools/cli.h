@@ -26,6 +26,7 @@ enum { CLI_TRAIN = 1u, CLI_SAMPLE = 2u, CLI_ESTIMATE = 4u };
 enum { CLI_MLP = 1u, CLI_GPT = 2u, CLI_ANY = 3u };
 
 #define CLI_MAX_OPTIONS 64
+#define CLI_MAX_FREEZE 64
 
 /* Every option of train, sample and estimate; each command reads the
  * fields its options set. Defaults come from cli_opts_defaults. */
@@ -60,6 +61,11 @@ typedef struct cli_opts {
     /* estimate */
     double budget_mib;
     int autofit, allow8;
+    /* frozen parameters: --freeze patterns, split at commas into freeze_text */
+    const char *freeze[CLI_MAX_FREEZE];
+    int n_freeze;
+    char freeze_text[1024];
+    size_t freeze_used;
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     /* which table entries the command line (or --config) gave */

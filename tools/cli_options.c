@@ -178,6 +178,23 @@ static int set_budget(cli_opts *o, const char *v)
     return 0;
 }
 
+/* --freeze P[,P...]: each pattern kept (repeatable) */
+static int add_freeze(cli_opts *o, const char *v)
+{
+    size_t n = strlen(v) + 1;
+    if (n > sizeof o->freeze_text - o->freeze_used) return -1;
+    char *at = o->freeze_text + o->freeze_used;
+    memcpy(at, v, n);
+    o->freeze_used += n;
+    for (char *p = at, *next; p; p = next) {
+        next = strchr(p, ',');
+        if (next) *next++ = 0;
+        if (!*p || o->n_freeze == CLI_MAX_FREEZE) return -1;
+        o->freeze[o->n_freeze++] = p;
+    }
+    return 0;
+}
+
 /* --config is read before the options (memtrain.c); one inside a
  * configuration file is refused */
 static int set_config(cli_opts *o, const char *v)
@@ -260,6 +277,9 @@ static const opt table[] = {
        "(none, selective, sqrt, every:K, budget)", NULL,
        "activation recompute (none); budget: the cheapest plan within --budget"),
     FLAG("--fused", ALL, CLI_ANY, fused, 1, "the fused backward + optimizer step"),
+    FN("--freeze", "PATTERN", CLI_TRAIN | CLI_ESTIMATE, CLI_ANY, add_freeze,
+       "(parameter-name patterns, comma-separated)",
+       "freeze the parameters whose names match (fnmatch; repeatable, or P,P,...)", NULL),
     FLOAT("--clip", TS, CLI_ANY, clip, 0, "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
     FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
@@ -535,6 +555,8 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->grad_clip = o->clip;
     tc->recompute = o->recompute;
     tc->recompute_every = o->recompute_every;
+    tc->freeze = o->freeze;
+    tc->n_freeze = o->n_freeze;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
     tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
     tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);

@@ -55,12 +55,13 @@ static uint64_t model_hash(const mt_model *m)
 
 /* The trainer's settings, field by field (never the struct's bytes, whose
  * padding may differ), in groups that a message can name. */
-enum { W_MODEL, W_BATCH, W_OPTIM, W_SCHEDULE, W_PRECISION, W_CLIP, W_RECOMPUTE, W_FUSED, W_N };
+enum { W_MODEL, W_BATCH, W_OPTIM, W_SCHEDULE, W_PRECISION, W_CLIP, W_RECOMPUTE, W_FUSED,
+       W_FREEZE, W_N };
 static const char *const group_names[W_N] = {
     "model (layers and shapes)", "max_batch, micro_batch, max_seq",
     "optimizer settings",        "learning rate and schedule",
     "precision and loss scaling", "grad_clip",
-    "recompute and memory_budget", "fused_step"};
+    "recompute and memory_budget", "fused_step", "frozen parameters (freeze)"};
 
 static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_t rec[W_N])
 {
@@ -122,6 +123,10 @@ static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_
         *h = mti_hash(*h, c->recompute_units, (size_t)m->n_units);
     H(*h, c->memory_budget);
     rec[W_FUSED] = mti_hash(MTI_HASH_START, &c->fused_step, sizeof c->fused_step);
+    h = &rec[W_FREEZE];
+    H(*h, c->n_freeze);
+    for (int i = 0; c->freeze && i < c->n_freeze; i++)
+        if (c->freeze[i]) *h = mti_hash(*h, c->freeze[i], strlen(c->freeze[i]) + 1);
 }
 
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg)
