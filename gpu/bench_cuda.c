@@ -15,6 +15,11 @@
  *     written; the per-block absmax is 1/64 of that); each in GB/s and as
  *     a fraction of the copy's rate.
  *
+ * (c) The layer ops of a GPT-2 124M step at B 8, T 1024 (--quick: B 1, T
+ *     64), C 768, H 12, in fp32, fp16 and bf16, ms per call: layernorm
+ *     forward and backward (whole, dx alone, dw and db alone), GELU
+ *     forward and backward, attention forward and backward.
+ *
  * Each time is the median of 5 batches of calls, the device synchronised
  * before and after each batch. Prints a table, and with --json FILE one JSON
  * line per measurement into FILE. Runs wherever a CUDA context opens:
@@ -212,6 +217,118 @@ static void bench_bandwidth(void)
     for (int i = 0; i < 10; i++) mt_context_free(ctx, &b[i]);
 }
 
+/* ---- (c) the layer ops of a GPT-2 124M step ---- */
+
+typedef struct layer_arg {
+    int B, T, C, H;
+    mti_dtype dt;
+    void *x, *y, *dy, *dx, *w, *b, *qkv, *dqkv, *att;
+    float *mean, *rstd, *dw, *db, *lse;
+} layer_arg;
+
+static mt_status ln_fwd_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->layernorm_fwd(&K, a->y, a->mean, a->rstd, a->x, a->w, a->b, a->B * a->T, a->C,
+                              a->dt);
+}
+static mt_status ln_bwd_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->layernorm_bwd(&K, a->dx, a->dw, a->db, a->dy, a->x, a->w, a->mean, a->rstd,
+                              a->B * a->T, a->C, a->dt, 1);
+}
+static mt_status ln_bwd_dx_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->layernorm_bwd(&K, a->dx, NULL, NULL, a->dy, a->x, a->w, a->mean, a->rstd,
+                              a->B * a->T, a->C, a->dt, 1);
+}
+static mt_status ln_bwd_dwdb_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->layernorm_bwd(&K, NULL, a->dw, a->db, a->dy, a->x, a->w, a->mean, a->rstd,
+                              a->B * a->T, a->C, a->dt, 1);
+}
+static mt_status gelu_fwd_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->gelu_fwd(&K, a->y, a->x, (size_t)a->B * a->T * a->C, a->dt);
+}
+static mt_status gelu_bwd_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->gelu_bwd(&K, a->dx, a->dy, a->x, (size_t)a->B * a->T * a->C, a->dt);
+}
+static mt_status attn_fwd_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->attention_fwd(&K, a->att, a->lse, a->qkv, a->B, a->T, a->C, a->H, a->dt);
+}
+static mt_status attn_bwd_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->attention_bwd(&K, a->dqkv, a->dy, a->qkv, a->att, a->lse, a->B, a->T, a->C,
+                              a->H, a->dt);
+}
+
+/* Each op once per layer call at B 8, T 1024 (--quick: B 1, T 64), C 768,
+ * H 12, in every dtype; bytes are the op's reads and writes of its tensors
+ * (B T C elements each) at the dtype's size, for GB/s. */
+static void bench_layers(void)
+{
+    layer_arg a = {.B = quick ? 1 : 8, .T = quick ? 64 : 1024, .C = 768, .H = 12};
+    const size_t n = (size_t)a.B * a.T * a.C, rows = (size_t)a.B * a.T;
+    const struct {
+        const char *name;
+        op_fn fn;
+        double tensors; /* B T C tensors read and written */
+    } k[] = {{"layernorm forward", ln_fwd_call, 2.0},
+             {"layernorm backward (dx, dw, db)", ln_bwd_call, 5.0},
+             {"layernorm backward (dx alone)", ln_bwd_dx_call, 5.0},
+             {"layernorm backward (dw, db alone)", ln_bwd_dwdb_call, 2.0},
+             {"GELU forward", gelu_fwd_call, 2.0},
+             {"GELU backward", gelu_bwd_call, 3.0},
+             {"attention forward", attn_fwd_call, 5.0},
+             {"attention backward", attn_bwd_call, 9.0}};
+    int reps = quick ? 1 : 10;
+    printf("\n(c) layer ops at B %d, T %d, C %d, H %d (ms per call)\n\n"
+           "| op | fp32 | fp16 | bf16 | GB/s fp32 | GB/s bf16 |\n|---|---|---|---|---|---|\n",
+           a.B, a.T, a.C, a.H);
+    double ms[8][3];
+    for (int d = 0; d < 3; d++) {
+        mt_block blk[16];
+        int nb = 0;
+        a.dt = (mti_dtype)d;
+        size_t es = d == 0 ? 4 : 2;
+        a.x = dev(n * es, &blk[nb++]), a.y = dev(n * es, &blk[nb++]);
+        a.dy = dev(n * es, &blk[nb++]), a.dx = dev(n * es, &blk[nb++]);
+        a.w = dev((size_t)a.C * es, &blk[nb++]), a.b = dev((size_t)a.C * es, &blk[nb++]);
+        a.qkv = dev(3 * n * es, &blk[nb++]), a.dqkv = dev(3 * n * es, &blk[nb++]);
+        a.att = dev(n * es, &blk[nb++]);
+        a.mean = dev(rows * 4, &blk[nb++]), a.rstd = dev(rows * 4, &blk[nb++]);
+        a.dw = dev((size_t)a.C * 4, &blk[nb++]), a.db = dev((size_t)a.C * 4, &blk[nb++]);
+        a.lse = dev(rows * (size_t)a.H * 4, &blk[nb++]);
+        /* the saved statistics and lse the backward ops read */
+        mt_status st = ln_fwd_call(&a);
+        if (!st) st = attn_fwd_call(&a);
+        if (st) die("layer ops", st);
+        for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
+            ms[i][d] = time_op(k[i].fn, &a, reps, k[i].name) * 1e3;
+        for (int i = 0; i < nb; i++) mt_context_free(ctx, &blk[i]);
+    }
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        double g32 = k[i].tensors * (double)n * 4 / (ms[i][0] * 1e-3) / 1e9;
+        double g16 = k[i].tensors * (double)n * 2 / (ms[i][2] * 1e-3) / 1e9;
+        printf("| %s | %.3f | %.3f | %.3f | %.0f | %.0f |\n", k[i].name, ms[i][0], ms[i][1],
+               ms[i][2], g32, g16);
+        for (int d = 0; d < 3 && json; d++)
+            fprintf(json, "{\"bench\": \"layer\", \"op\": \"%s\", \"dtype\": \"%s\", "
+                    "\"B\": %d, \"T\": %d, \"C\": %d, \"H\": %d, \"ms\": %.4f}\n",
+                    k[i].name, dt_name((mti_dtype)d), a.B, a.T, a.C, a.H, ms[i][d]);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const char *json_path = NULL;
@@ -245,6 +362,7 @@ int main(int argc, char **argv)
            cc.cuda_driver_path ? " (the stand-in driver: no GPU, the figures mean nothing)" : "");
     bench_gemm();
     bench_bandwidth();
+    bench_layers();
     if (json) fclose(json);
     mt_context_destroy(ctx);
     return 0;

@@ -20,7 +20,8 @@
 #              bench_memory section (d) at GPT-2 124M
 #   memcheck   compute-sanitizer memcheck over the op suite (when found)
 #   kernels    bench_cuda: GEMM TFLOP/s per dtype; cast, unscale, AdamW and
-#              8-bit AdamW in GB/s against the device's copy bandwidth
+#              8-bit AdamW in GB/s against the device's copy bandwidth; the
+#              layer ops (layernorm, GELU, attention) in ms per dtype
 #   gpt2       GPT-2 124M training, memtrain (bench_gpt2 --device cuda)
 #              and PyTorch (bench/torch_gpt2.py --device cuda) in turns:
 #              fp32; bf16; bf16 + 8-bit AdamW + fused step + recompute sqrt;
