@@ -17,7 +17,8 @@
  *
  * (c) The layer ops of a GPT-2 124M step at B 8, T 1024 (--quick: B 1, T
  *     64), C 768, H 12, in fp32, fp16 and bf16, ms per call: layernorm
- *     forward and backward (whole, dx alone, dw and db alone), GELU
+ *     forward and backward (whole; dx alone added to, written, and over
+ *     dout; dw and db alone), GELU
  *     forward and backward, attention forward and backward.
  *
  * Each time is the median of 5 batches of calls, the device synchronised
@@ -250,6 +251,18 @@ static mt_status ln_bwd_dwdb_call(void *p)
     return ops->layernorm_bwd(&K, NULL, a->dw, a->db, a->dy, a->x, a->w, a->mean, a->rstd,
                               a->B * a->T, a->C, a->dt, 1);
 }
+static mt_status ln_bwd_dx_set_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->layernorm_bwd(&K, a->dx, NULL, NULL, a->dy, a->x, a->w, a->mean, a->rstd,
+                              a->B * a->T, a->C, a->dt, 0);
+}
+static mt_status ln_bwd_dx_inplace_call(void *p)
+{
+    layer_arg *a = p;
+    return ops->layernorm_bwd(&K, a->dy, NULL, NULL, a->dy, a->x, a->w, a->mean, a->rstd,
+                              a->B * a->T, a->C, a->dt, 0);
+}
 static mt_status gelu_fwd_call(void *p)
 {
     layer_arg *a = p;
@@ -285,7 +298,9 @@ static void bench_layers(void)
         double tensors; /* B T C tensors read and written */
     } k[] = {{"layernorm forward", ln_fwd_call, 2.0},
              {"layernorm backward (dx, dw, db)", ln_bwd_call, 5.0},
-             {"layernorm backward (dx alone)", ln_bwd_dx_call, 5.0},
+             {"layernorm backward (dx alone, added)", ln_bwd_dx_call, 5.0},
+             {"layernorm backward (dx alone, written)", ln_bwd_dx_set_call, 4.0},
+             {"layernorm backward (dx alone, over dout)", ln_bwd_dx_inplace_call, 3.0},
              {"layernorm backward (dw, db alone)", ln_bwd_dwdb_call, 2.0},
              {"GELU forward", gelu_fwd_call, 2.0},
              {"GELU backward", gelu_bwd_call, 3.0},
@@ -295,7 +310,7 @@ static void bench_layers(void)
     printf("\n(c) layer ops at B %d, T %d, C %d, H %d (ms per call)\n\n"
            "| op | fp32 | fp16 | bf16 | GB/s fp32 | GB/s bf16 |\n|---|---|---|---|---|---|\n",
            a.B, a.T, a.C, a.H);
-    double ms[8][3];
+    double ms[10][3];
     for (int d = 0; d < 3; d++) {
         mt_block blk[16];
         int nb = 0;
@@ -309,8 +324,32 @@ static void bench_layers(void)
         a.mean = dev(rows * 4, &blk[nb++]), a.rstd = dev(rows * 4, &blk[nb++]);
         a.dw = dev((size_t)a.C * 4, &blk[nb++]), a.db = dev((size_t)a.C * 4, &blk[nb++]);
         a.lse = dev(rows * (size_t)a.H * 4, &blk[nb++]);
+        /* values in [-1, 1) (gradients 1/64 of that): some kernels take
+         * data-dependent time, and zeros would hide it */
+        size_t most = 3 * n;
+        float *h = malloc(most * 4);
+        mt_block tmp;
+        float *d32 = dev(most * 4, &tmp);
+        if (!h) die("host memory", MT_ERR_OOM);
+        uint64_t z = 0x9E3779B97F4A7C15ull;
+        for (size_t i = 0; i < most; i++) {
+            z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+            h[i] = (float)(z >> 40) / (float)(1 << 23) - 1.0f;
+        }
+        mt_status st = ctx->dev->copy_h2d(ctx->dev, d32, h, most * 4);
+        void *fill[] = {a.x, a.qkv, a.w, a.b};
+        size_t len[] = {n, 3 * n, (size_t)a.C, (size_t)a.C};
+        for (int i = 0; i < 4 && !st; i++)
+            st = ops->cast(&K, fill[i], a.dt, d32, MTI_F32, len[i], MTI_ROUND_NEAREST, 0);
+        for (size_t i = 0; i < n; i++) h[i] *= 1.0f / 64.0f;
+        if (!st) st = ctx->dev->copy_h2d(ctx->dev, d32, h, n * 4);
+        if (!st) st = ops->cast(&K, a.dy, a.dt, d32, MTI_F32, n, MTI_ROUND_NEAREST, 0);
+        if (!st) st = ctx->dev->sync(ctx->dev);
+        free(h);
+        mt_context_free(ctx, &tmp);
+        if (st) die("filling the layer ops' inputs", st);
         /* the saved statistics and lse the backward ops read */
-        mt_status st = ln_fwd_call(&a);
+        st = ln_fwd_call(&a);
         if (!st) st = attn_fwd_call(&a);
         if (st) die("layer ops", st);
         for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)

@@ -47,7 +47,6 @@
 
 template <typename T> struct tc_type;
 template <> struct tc_type<__half> {
-    static __device__ __forceinline__ uint16_t bits(float f) { return mt_f32_to_f16(f); }
     static __device__ __forceinline__ float val(uint16_t h) { return mt_f16_to_f32(h); }
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                uint32_t b0, uint32_t b1)
@@ -59,7 +58,6 @@ template <> struct tc_type<__half> {
     }
 };
 template <> struct tc_type<__nv_bfloat16> {
-    static __device__ __forceinline__ uint16_t bits(float f) { return mt_f32_to_bf16(f); }
     static __device__ __forceinline__ float val(uint16_t h) { return mt_bf16_to_f32(h); }
     static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
                                                uint32_t b0, uint32_t b1)
@@ -77,9 +75,19 @@ __device__ __forceinline__ uint32_t tc_pack(uint16_t lo, uint16_t hi)
 {
     return (uint32_t)lo | ((uint32_t)hi << 16);
 }
-template <typename T> __device__ __forceinline__ uint32_t tc_pack_f(float lo, float hi)
+/* Two floats rounded to nearest even into one word, by the hardware's
+ * paired conversion (one instruction; the values here are never NaN, the one
+ * case where its bits differ from common.cuh's conversions). */
+template <typename T> __device__ __forceinline__ uint32_t tc_pack_f(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t tc_pack_f<__half>(float lo, float hi)
 {
-    return tc_pack(tc_type<T>::bits(lo), tc_type<T>::bits(hi));
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+template <> __device__ __forceinline__ uint32_t tc_pack_f<__nv_bfloat16>(float lo, float hi)
+{
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
 }
 __device__ __forceinline__ uint32_t tc_word(const uint16_t *p) { return *(const uint32_t *)p; }
 

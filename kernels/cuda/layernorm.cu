@@ -74,7 +74,14 @@ MT_EXPORT_DT(mt_ln_fwd, 256, ln_fwd_k,
 /* dx (N,C) = (or += with accumulate) rstd * (g - mean(g) - xhat * mean(g *
  * xhat)), g = dout * w, xhat = (x - mean) * rstd. Each element is read
  * before its lane writes it, after the whole row's sums, so dx may alias
- * dout. grid ceil(N / 16), block 256. */
+ * dout. grid ceil(N / 16), block 256.
+ *
+ * A lane takes its channels MT_LN_UNROLL at a time, all of a group's loads
+ * issued before its arithmetic and stores: dx may alias dout, so the
+ * compiler may not move a load above an earlier store, and one element at a
+ * time would wait out a memory latency per element. The sums still add
+ * the channels in order, so the bits are the CPU table's. */
+#define MT_LN_UNROLL 8
 template <typename T>
 __device__ __forceinline__ void ln_bwd_dx_k(void *dx_, const void *dout_, const void *x_,
                                             const void *w_, const float *mean,
@@ -89,21 +96,45 @@ __device__ __forceinline__ void ln_bwd_dx_k(void *dx_, const void *dout_, const 
     const mt_index base = (mt_index)rc * C;
     const float m = mean[rc], rs = rstd[rc];
     float sa = 0.0f, sb = 0.0f;
-    for (int c = l; c < C; c += MT_LN_LANES) {
-        float g = __fmul_rn(mt_ld(dout, base + c), mt_ld(w, c));
-        float xh = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
-        sa = __fadd_rn(sa, g);
-        sb = __fadd_rn(sb, __fmul_rn(g, xh));
+    for (int c0 = l; c0 < C; c0 += MT_LN_LANES * MT_LN_UNROLL) {
+        float g[MT_LN_UNROLL], xh[MT_LN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_LN_UNROLL; u++) {
+            const int c = c0 + MT_LN_LANES * u;
+            g[u] = xh[u] = 0.0f;
+            if (c < C) {
+                g[u] = __fmul_rn(mt_ld(dout, base + c), mt_ld(w, c));
+                xh[u] = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_LN_UNROLL; u++)
+            if (c0 + MT_LN_LANES * u < C) {
+                sa = __fadd_rn(sa, g[u]);
+                sb = __fadd_rn(sb, __fmul_rn(g[u], xh[u]));
+            }
     }
     const float ga = __fdiv_rn(ln_lanes_total(sa), (float)C);
     const float gb = __fdiv_rn(ln_lanes_total(sb), (float)C);
     if (!live) return;
-    for (int c = l; c < C; c += MT_LN_LANES) {
-        float g = __fmul_rn(mt_ld(dout, base + c), mt_ld(w, c));
-        float xh = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
-        float d = __fmul_rn(__fsub_rn(__fsub_rn(g, ga), __fmul_rn(xh, gb)), rs);
-        if (accumulate) d = __fadd_rn(mt_ld(dx, base + c), d);
-        mt_st(dx, base + c, d);
+    for (int c0 = l; c0 < C; c0 += MT_LN_LANES * MT_LN_UNROLL) {
+        float d[MT_LN_UNROLL], old[MT_LN_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MT_LN_UNROLL; u++) {
+            const int c = c0 + MT_LN_LANES * u;
+            d[u] = old[u] = 0.0f;
+            if (c < C) {
+                const float g = __fmul_rn(mt_ld(dout, base + c), mt_ld(w, c));
+                const float xh = __fmul_rn(__fsub_rn(mt_ld(x, base + c), m), rs);
+                d[u] = __fmul_rn(__fsub_rn(__fsub_rn(g, ga), __fmul_rn(xh, gb)), rs);
+                if (accumulate) old[u] = mt_ld(dx, base + c);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MT_LN_UNROLL; u++) {
+            const int c = c0 + MT_LN_LANES * u;
+            if (c < C) mt_st(dx, base + c, accumulate ? __fadd_rn(old[u], d[u]) : d[u]);
+        }
     }
 }
 MT_EXPORT_DT(mt_ln_bwd_dx, 256, ln_bwd_dx_k,
