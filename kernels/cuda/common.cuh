@@ -11,8 +11,11 @@
  * rounding from mti_sr_bits(seed, element index). They are integer code, not
  * the hardware cvt instructions, because those write a canonical NaN
  * (0x7FFF) where kctx keeps the sign and payload; integer work is free in
- * kernels bound by memory. The functions are __host__ __device__ so a host
- * program can check them against kctx.c over every input.
+ * kernels bound by memory. The exception is fp32 -> fp16 on the device,
+ * whose integer code is long enough to slow the fp16 kernels: there the
+ * hardware conversion (the same bits) runs, NaN handled apart. The
+ * functions are __host__ __device__ so a host program can check them
+ * against kctx.c over every input.
  */
 #ifndef MT_CUDA_COMMON_CUH
 #define MT_CUDA_COMMON_CUH
@@ -89,6 +92,12 @@ __host__ __device__ __forceinline__ float mt_bf16_to_f32(uint16_t h)
  * steps of 2^-24; from 65520 up it is inf. */
 __host__ __device__ __forceinline__ uint16_t mt_f32_to_f16(float f)
 {
+#ifdef __CUDA_ARCH__
+    /* on the device, the hardware's conversion (IEEE nearest even, the
+     * same bits) but for NaN, whose payload it does not keep */
+    if (f != f) return (uint16_t)(((mt_bits_of(f) >> 16) & 0x8000u) | 0x7E00u);
+    return __half_as_ushort(__float2half_rn(f));
+#endif
     uint32_t u = mt_bits_of(f);
     uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t a = u & 0x7FFFFFFFu;
