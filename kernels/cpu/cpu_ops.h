@@ -102,6 +102,13 @@ mt_status mti_cpu_adamw(const mti_kctx *k, float *p, const float *g, float *m, f
                         mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
 
 /* optim8.c: 8-bit blockwise AdamW */
+/* The 8-bit code of x (already divided by its block's absmax) in the
+ * signed or unsigned map, as adamw8 quantizes: by its table over the
+ * float's bits, or with by_search by the search over the thresholds (the
+ * two must agree; test_optim.c checks). mti_cpu_q8_lut_ok: whether the
+ * table is in use (it is unless a bucket would hold two thresholds). */
+uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search);
+int mti_cpu_q8_lut_ok(void);
 mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                          float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                          const mti_adamw_args *a);

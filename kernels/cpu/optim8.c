@@ -7,8 +7,8 @@
  *
  * Blocks are independent, so a block is the unit of work and the result
  * does not depend on the thread count. A block's fresh moments wait in two
- * stack arrays (2 KiB) between the update and the quantization: the op
- * takes no memory beyond its arguments.
+ * stack arrays (2 KiB), and its codes in a third (1 KiB), between the update
+ * and the quantization: the op takes no memory beyond its arguments.
  *
  * The nearest code is bitsandbytes' rule (its CUDA kernel's binary search,
  * restated): x = value / absmax is compared with the midpoints
@@ -16,12 +16,15 @@
  * takes the even code of the pair. Then a first moment whose sign bit
  * differs from its code's (a negative or -0 value that landed on the code
  * of 0) moves one code toward its sign, so small negative moments stay
- * negative. The midpoint rule is a search over 255 thresholds, made once
- * per call: bound[k] = the midpoint for even k, and the float just below
+ * negative. The midpoint rule is a count over 255 thresholds, made once
+ * per process: bound[k] = the midpoint for even k, and the float just below
  * it for odd k, so that "x > bound[k]" is the whole rule and NaN lands on
- * code 0, as it does in bitsandbytes.
+ * code 0, as it does in bitsandbytes. The count is read from a table over
+ * the float's bits (below), which gives the search's codes with one
+ * comparison.
  */
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "cpu_ops.h"
@@ -70,6 +73,103 @@ static inline __attribute__((always_inline)) uint32_t q8_search(const float *bou
     return r + (uint32_t)(x > bound[r]);
 }
 
+/* ---- the same count by a table over the float's bits ----
+ * A value x = m / absmax lies in [-1, 1]. Its magnitude's bits, clamped to
+ * [2^-25, 1] (every threshold of both maps is at least 5e-8 > 2^-24 from
+ * zero, so nothing below 2^-25 is told apart) and cut to the exponent and
+ * the top LUT_MB mantissa bits, pick one of LUT_PER_SIGN buckets per sign;
+ * the buckets of both signs, negatives mirrored, are consecutive intervals
+ * of x in increasing order. With 7 mantissa bits no bucket holds more than
+ * one threshold (the closest thresholds, the unsigned map's top decade,
+ * are 0.007 apart; a bucket there is 2^-8 wide), so a bucket's code is the
+ * count of thresholds below all of it, plus one if x is above the one
+ * threshold inside it: one comparison and two table reads instead of
+ * eight comparisons. The tables are built from the thresholds at first use
+ * and checked: should any bucket hold two thresholds the search is used
+ * instead, so the codes are always the search's. */
+#define LUT_EMIN 102u                 /* exponent field of 2^-25 */
+#define LUT_MB 7                      /* mantissa bits kept */
+#define LUT_PER_SIGN ((127u - LUT_EMIN) * (1u << LUT_MB) + 1u)
+#define LUT_N (2u * LUT_PER_SIGN)
+
+typedef struct q8_lut {
+    uint32_t base[LUT_N]; /* thresholds below every x of the bucket */
+    float thr[LUT_N];     /* the threshold inside it, or +inf */
+    int ok;               /* no bucket holds two thresholds */
+} q8_lut;
+
+static q8_table g_tab[2]; /* [0] unsigned, [1] signed */
+static q8_lut g_lut[2];
+static pthread_once_t g_tab_once = PTHREAD_ONCE_INIT;
+
+static inline __attribute__((always_inline)) uint32_t lut_index(float x)
+{
+    const uint32_t lo = LUT_EMIN << 23, hi = 127u << 23; /* 2^-25 and 1.0 */
+    uint32_t u = bits_of(x), mag = u & 0x7FFFFFFFu;
+    mag = mag < lo ? lo : mag;
+    mag = mag > hi ? hi : mag;
+    uint32_t mi = (mag - lo) >> (23 - LUT_MB), neg = u >> 31;
+    /* LUT_PER_SIGN + mi, or LUT_PER_SIGN - 1 - mi for a negative x,
+     * without a branch (so the loops vectorise) */
+    return LUT_PER_SIGN + mi - neg * (2u * mi + 1u);
+}
+
+static void lut_build(q8_lut *l, const float *bound)
+{
+    const uint32_t lo = LUT_EMIN << 23;
+    l->ok = 1;
+    for (uint32_t mi = 0; mi < LUT_PER_SIGN; mi++) {
+        /* the bucket's magnitudes: [mlo, mhi), 0 included in the first */
+        float mlo = mi == 0 ? 0.0f : float_of(lo + (mi << (23 - LUT_MB)));
+        float mhi = float_of(lo + ((mi + 1u) << (23 - LUT_MB)));
+        for (int neg = 0; neg < 2; neg++) {
+            /* x in [mlo, mhi) or in (-mhi, -mlo] */
+            uint32_t below = 0, inside = 0;
+            float thr = INFINITY;
+            for (int k = 0; k < 255; k++) {
+                float b = bound[k];
+                int under = neg ? b <= -mhi : b < mlo;
+                int in = neg ? (b > -mhi && b <= -mlo) : (b >= mlo && b < mhi);
+                below += (uint32_t)under;
+                if (in) inside++, thr = b;
+            }
+            if (inside > 1) l->ok = 0;
+            uint32_t i = neg ? LUT_PER_SIGN - 1u - mi : LUT_PER_SIGN + mi;
+            l->base[i] = below;
+            l->thr[i] = thr;
+        }
+    }
+}
+
+static void tables_init(void)
+{
+    for (int s = 0; s < 2; s++) {
+        table_init(&g_tab[s], s);
+        lut_build(&g_lut[s], g_tab[s].bound);
+    }
+}
+
+uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search)
+{
+    pthread_once(&g_tab_once, tables_init);
+    const q8_table *t = &g_tab[is_signed != 0];
+    const q8_lut *l = &g_lut[is_signed != 0];
+    if (by_search || !l->ok) {
+        float c[15];
+        for (int j = 0; j < 15; j++) c[j] = t->bound[16 * j + 15];
+        return (uint8_t)q8_search(t->bound, c, x);
+    }
+    uint32_t i = lut_index(x);
+    uint32_t r = l->base[i] + (uint32_t)(x > l->thr[i]);
+    return (uint8_t)(x == x ? r : 0u);
+}
+
+int mti_cpu_q8_lut_ok(void)
+{
+    pthread_once(&g_tab_once, tables_init);
+    return g_lut[0].ok && g_lut[1].ok;
+}
+
 /* The step's scalars (made once per call, in double, rounded to fp32). */
 typedef struct adamw8_consts {
     float b1, b2, c1, c2;   /* betas and 1 - betas */
@@ -96,29 +196,46 @@ static inline __attribute__((always_inline)) float absmax_of(const float *x, siz
 /* Codes of x (n) / amax. With `sign_fix` (the signed map) a code whose
  * sign bit differs from the value's moves one step toward the value's sign
  * (255 wraps to 0 and back, as the byte arithmetic of bitsandbytes does).
- * A block whose absmax is 0 is all zeros: the zero code. */
+ * A block whose absmax is 0 is all zeros: the zero code. NaN takes code 0
+ * (no threshold is below it). */
 static inline __attribute__((always_inline)) void
 quantize(uint8_t *q, const float *x, size_t n, float amax, const q8_table *t,
-                            int sign_fix)
+                            const q8_lut *l, int sign_fix)
 {
     if (amax == 0.0f) {
         memset(q, mti_q8_zero_code(sign_fix), n);
         return;
     }
-    const float *bound = t->bound, *code = t->code;
-    float c[15];
-    for (int j = 0; j < 15; j++) c[j] = bound[16 * j + 15];
+    const float *code = t->code;
+    uint32_t r[BLK];
+    if (l->ok) {
+        const uint32_t *base = l->base;
+        const float *thr = l->thr;
+#pragma omp simd
+        for (size_t j = 0; j < n; j++) {
+            float v = x[j] / amax;
+            uint32_t i = lut_index(v);
+            uint32_t c = base[i] + (uint32_t)(v > thr[i]);
+            r[j] = c & (0u - (uint32_t)(v == v)); /* NaN: code 0 */
+        }
+    } else {
+        const float *bound = t->bound;
+        float c[15];
+        for (int j = 0; j < 15; j++) c[j] = bound[16 * j + 15];
+#pragma omp simd
+        for (size_t j = 0; j < n; j++) r[j] = q8_search(bound, c, x[j] / amax);
+    }
 #pragma omp simd
     for (size_t j = 0; j < n; j++) {
-        float v = x[j];
-        uint32_t r = q8_search(bound, c, v / amax);
+        uint32_t c = r[j];
         if (sign_fix) {
+            float v = x[j];
             /* +1 toward a positive value, -1 (255) toward a negative one */
-            uint32_t flip = (bits_of(code[r]) ^ bits_of(v)) >> 31;
+            uint32_t flip = (bits_of(code[c]) ^ bits_of(v)) >> 31;
             uint32_t step = 255u - 254u * (uint32_t)(v > 0.0f);
-            r = (r + flip * step) & 255u;
+            c = (c + flip * step) & 255u;
         }
-        q[j] = (uint8_t)r;
+        q[j] = (uint8_t)c;
     }
 }
 
@@ -126,7 +243,7 @@ quantize(uint8_t *q, const float *x, size_t n, float amax, const q8_table *t,
 WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint8_t *qv,
                                      float *amax_m, float *amax_v, size_t n,
                                      const adamw8_consts *c, const q8_table *tm,
-                                     const q8_table *tv)
+                                     const q8_table *tv, const q8_lut *lm, const q8_lut *lv)
 {
     float m[BLK], v[BLK];
     const float am = *amax_m, av = *amax_v;
@@ -150,8 +267,8 @@ WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint
     float nm = absmax_of(m, n), nv = absmax_of(v, n);
     *amax_m = nm;
     *amax_v = nv;
-    quantize(qm, m, n, nm, tm, 1);
-    quantize(qv, v, n, nv, tv, 0);
+    quantize(qm, m, n, nm, tm, lm, 1);
+    quantize(qv, v, n, nv, tv, lv, 0);
 }
 
 mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
@@ -171,9 +288,9 @@ mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *q
                         "adamw8: NULL %s", !p ? "p" : !g ? "g" : !qm ? "qm" : !qv ? "qv"
                                            : !absmax_m ? "absmax_m" : "absmax_v");
     if (n == 0) return MT_OK;
-    q8_table tm, tv;
-    table_init(&tm, 1);
-    table_init(&tv, 0);
+    pthread_once(&g_tab_once, tables_init);
+    const q8_table *tm = &g_tab[1], *tv = &g_tab[0];
+    const q8_lut *lm = &g_lut[1], *lv = &g_lut[0];
     double bc1 = 1.0 - pow((double)a->beta1, (double)a->step);
     double bc2_sqrt = sqrt(1.0 - pow((double)a->beta2, (double)a->step));
     adamw8_consts c = {
@@ -189,8 +306,8 @@ mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *q
         size_t b_end = (it + 1) * ITEM_BLOCKS < blocks ? (it + 1) * ITEM_BLOCKS : blocks;
         for (size_t b = it * ITEM_BLOCKS; b < b_end; b++) {
             size_t i = b * BLK, len = n - i < BLK ? n - i : BLK;
-            adamw8_block(p + i, g + i, qm + i, qv + i, absmax_m + b, absmax_v + b, len, &c, &tm,
-                         &tv);
+            adamw8_block(p + i, g + i, qm + i, qv + i, absmax_m + b, absmax_v + b, len, &c, tm,
+                         tv, lm, lv);
             if (pc) mti_cpu_store_f32(pc, pc_dt, i, p + i, len);
         }
     }
