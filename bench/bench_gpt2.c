@@ -16,6 +16,7 @@
  *              [--lr X] [--wd X] [--fused] [--recompute none|sqrt|selective|every:K]
  *              [--no-master] [--micro N] [--tokens FILE] [--llmc-checkpoint FILE]
  *              [--allocator caching|arena|pool|checkpoint] [--profile] [--device cpu|cuda]
+ *              [--lora R] [--lora-targets P,P,...]
  *   bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]
  *
  * A step is one mt_trainer_step (forward, backward, optimizer); times are
@@ -42,6 +43,8 @@
  * run it without one, computing nothing).
  * --no-master: bf16 without fp32 master weights (mt_trainer_config
  * .master_weights = 0).
+ * --lora R: LoRA adapters of rank R (alpha 2R) on the weights
+ * --lora-targets names (every linear weight), the base frozen.
  *
  * --gemm measures oneDNN's fp32 matmul instead: the GEMMs of one training
  * step at the given shape (every linear layer's forward x W^T, backward dY W
@@ -85,7 +88,8 @@ typedef struct options {
     int batch, seq, steps, warmup, threads, micro, recompute_every;
     uint64_t seed;
     float lr, wd;
-    int fused, gemm, no_master, profile;
+    int fused, gemm, no_master, profile, lora;
+    const char *lora_targets;
     const char *precision, *optimizer, *recompute, *tokens, *checkpoint, *allocator, *device;
 } options;
 
@@ -159,7 +163,7 @@ static void usage(void)
           "                  [--fused] [--recompute none|sqrt|selective|every:K] [--no-master]\n"
           "                  [--micro N]"
           " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME] [--profile]\n"
-          "                  [--device cpu|cuda]\n"
+          "                  [--device cpu|cuda] [--lora R] [--lora-targets P,P,...]\n"
           "       bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]\n",
           stderr);
 }
@@ -218,6 +222,8 @@ static void parse(int argc, char **argv, options *o)
         else if (!strcmp(a, "--tokens")) o->tokens = v;
         else if (!strcmp(a, "--llmc-checkpoint")) o->checkpoint = v;
         else if (!strcmp(a, "--allocator")) o->allocator = v;
+        else if (!strcmp(a, "--lora")) o->lora = (int)parse_long(a, v, 0, 4096);
+        else if (!strcmp(a, "--lora-targets")) o->lora_targets = v;
         else if (!strcmp(a, "--device") && (!strcmp(v, "cpu") || !strcmp(v, "cuda"))) o->device = v;
         else {
             usage();
@@ -239,6 +245,9 @@ static void trainer_config(const options *o, mt_trainer_config *tc)
     tc->lr = o->lr;
     tc->weight_decay = o->wd;
     tc->fused_step = o->fused;
+    tc->lora.rank = o->lora;
+    tc->lora.alpha = 2.0f * (float)o->lora;
+    tc->lora.targets = o->lora_targets;
     if (o->no_master) tc->master_weights = 0;
     if (!strcmp(o->optimizer, "adamw")) tc->optimizer = MT_OPT_ADAMW;
     else if (!strcmp(o->optimizer, "adamw8")) tc->optimizer = MT_OPT_ADAMW8;
@@ -433,10 +442,10 @@ static int train(const options *o)
            sp.channels);
     printf("\"optimizer\": \"%s\", \"lr\": %g, \"weight_decay\": %g, \"precision\": \"%s\", "
            "\"recompute\": \"%s\", \"fused\": %s, \"master_weights\": %s, \"micro\": %d, "
-           "\"allocator\": \"%s\", ",
+           "\"allocator\": \"%s\", \"lora\": %d, ",
            o->optimizer, (double)o->lr, (double)o->wd, o->precision, o->recompute,
            o->fused ? "true" : "false", tc.master_weights ? "true" : "false", o->micro,
-           o->allocator ? o->allocator : "default");
+           o->allocator ? o->allocator : "default", o->lora);
     printf("\"mem_peak_mib\": {");
     for (int c = 0; c < MT_MEM_COUNT; c++)
         printf("%s\"%s\": %.2f", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),

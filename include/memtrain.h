@@ -766,6 +766,45 @@ typedef struct mt_param_override {
     float lr_scale;       /* 0: 1 */
 } mt_param_override;
 
+/* LoRA adapters (Hu et al. 2021; docs/engine.md, "LoRA"). Each adapted
+ * linear weight W (out, in) gets A (rank, in) and B (rank, out), named
+ * "<weight>.lora_a" and "<weight>.lora_b", and computes
+ * y = x W^T + b + (alpha / rank) (x A^T) B: B (rank, out) is the paper's
+ * B (out, rank) transposed. A is drawn Kaiming-uniform (+-1/sqrt(in), as
+ * PEFT draws it) from seed, B is zero, so the adapted model starts as the
+ * base. A trainer over adapters freezes the whole base (cfg.freeze may
+ * freeze adapters too): only the adapters have gradients, masters and
+ * optimizer state. */
+typedef struct mt_lora_config {
+    int rank;             /* r, 1 .. 4096; 0: no adapters */
+    float alpha;          /* the scale is alpha / rank (0: alpha = rank, scale 1) */
+    const char *targets;  /* comma-separated fnmatch(3) patterns over the linear weights'
+                             names ("h.*.qkv.w,h.*.fc.w"); NULL or "": every linear
+                             weight (LINEAR layers', each block's qkv, attproj, fc and
+                             fcproj). A pattern that matches no linear weight is
+                             MT_ERR_INVALID_ARG */
+    uint64_t seed;        /* A's draw */
+} mt_lora_config;
+
+/* The model's adapters: rank 0 when it has none; targets (borrowed, valid
+ * until the adapters change) the adapted weights' names, comma-separated. */
+mt_status mt_model_lora_get(const mt_model *m, mt_lora_config *out);
+/* Merges the adapters into the weights they adapt, W += (alpha / rank)
+ * B^T A (in fp32, on the host, a row at a time), and removes them: the
+ * model is its base shape again (mt_model_gpt_save exports it). MT_ERR_STATE
+ * while a trainer uses the model, or when it has no adapters. */
+mt_status mt_model_lora_merge(mt_model *m);
+/* Writes the adapters alone (rank, alpha, each adapted weight's name and
+ * shape, A and B in fp32; docs/formats.md), CRC-checked, atomically. */
+mt_status mt_model_lora_save(const mt_model *m, const char *path);
+/* Reads adapters: a model without adapters gets the file's (the weights
+ * they name must be linear weights of the file's shapes); a model with
+ * adapters must have the file's (rank, alpha, weights), whose values are
+ * replaced. The whole file is checked first: truncated or corrupt
+ * (MT_ERR_FORMAT) or for another model (MT_ERR_INVALID_ARG) leaves the
+ * model as it was. MT_ERR_STATE while a trainer uses the model. */
+mt_status mt_model_lora_load(mt_model *m, const char *path);
+
 /* Adafactor's settings (transformers' defaults). */
 typedef struct mt_adafactor_config {
     float eps1;            /* 1e-30, added to g^2 */
@@ -847,6 +886,12 @@ typedef struct mt_trainer_config {
      * train, is MT_ERR_INVALID_ARG. */
     const char *const *freeze;
     int n_freeze;
+    /* LoRA: with lora.rank > 0 the trainer adds these adapters to a model
+     * without any (they stay with the model after the trainer: merge, save
+     * or train them again); a model that has adapters must have these
+     * (MT_ERR_INVALID_ARG otherwise). A model with adapters always trains
+     * them alone, lora.rank 0 included. The estimate counts them. */
+    mt_lora_config lora;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

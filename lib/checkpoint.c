@@ -154,6 +154,11 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
     if (nf) bb_u32(b, nf);
     for (int i = 0; nf && i < m->n_param; i++)
         if (m->params[i].frozen) bb_u32(b, (uint32_t)i);
+    if (m->lora_rank) { /* LoRA's alpha (the rank is in the adapters' shapes) */
+        uint32_t a;
+        memcpy(&a, &m->lora_alpha, 4);
+        bb_u32(b, a);
+    }
 }
 
 static void counters_of(const mt_trainer *t, bbuf *b)

@@ -14,6 +14,9 @@
  * Selective saving keeps 1, 2, 3, 6, 8, 9, 10 and backward recomputes 0,
  * 4, 5, 7, 11 from them (LayerNorm from its input, attention from qkv,
  * GELU from the fc output): no GEMM is repeated.
+ * Slots 12..15 hold (alpha / r) x A^T (N, r) of the LoRA adapters of qkv,
+ * attproj, fc and fcproj (a LINEAR layer's: slot 12), kept by selective
+ * saving too; see lora_fwd.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -22,15 +25,47 @@
 #include "engine.h"
 
 
-enum { LN1, LN1_MEAN, LN1_RSTD, QKV, ATT, LSE, RES2, LN2, LN2_MEAN, LN2_RSTD, FCH, GELU_OUT };
+enum { LN1, LN1_MEAN, LN1_RSTD, QKV, ATT, LSE, RES2, LN2, LN2_MEAN, LN2_RSTD, FCH, GELU_OUT,
+       LORA_QKV, LORA_ATTPROJ, LORA_FC, LORA_FCPROJ };
 /* other layers' slots */
 enum { S_MEAN = 0, S_RSTD = 1, S_EMB = 2 };
 
 static const unsigned char sel_keep[MTI_SLOTS] = {[LN1_MEAN] = 1, [LN1_RSTD] = 1, [QKV] = 1,
                                                   [RES2] = 1,     [LN2_MEAN] = 1, [LN2_RSTD] = 1,
-                                                  [FCH] = 1};
+                                                  [FCH] = 1,      [LORA_QKV] = 1, [LORA_ATTPROJ] = 1,
+                                                  [LORA_FC] = 1,  [LORA_FCPROJ] = 1};
 
 /* ---- setup ---- */
+
+/* The LoRA scale as a matrix: S = (alpha / r) I (r, r) in the compute
+ * dtype (PARAM), so the scaling is a GEMM of the existing ops (x A^T S:
+ * each element multiplied once, rounded once) and no op table needs a
+ * kernel of its own. */
+static mt_status lora_scale(mti_engine *E)
+{
+    mt_context *ctx = E->ctx;
+    const int r = E->m->lora_rank;
+    const float sc = E->m->lora_alpha / (float)r;
+    E->lora_s = (mti_tensor){.dtype = E->dt, .ndim = 2, .shape = {r, r}};
+    mt_status s = mti_tensor_alloc(ctx, &E->lora_s, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                   MTI_TAG_PARAM(MTI_TAG_TRAINER, 7));
+    if (s || ctx->dry) return s;
+    const size_t es = mti_dtype_size(E->dt);
+    unsigned char *h = calloc((size_t)r * r, es);
+    if (!h) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    for (int i = 0; i < r; i++) {
+        size_t at = ((size_t)i * r + i) * es;
+        if (E->dt == MTI_F32) memcpy(h + at, &sc, 4);
+        else {
+            uint16_t v = E->dt == MTI_BF16 ? mti_f32_to_bf16(sc) : mti_f32_to_f16(sc);
+            memcpy(h + at, &v, 2);
+        }
+    }
+    s = ctx->dev->copy_h2d(ctx->dev, E->lora_s.blk.ptr, h, (size_t)r * r * es);
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    free(h);
+    return s;
+}
 
 mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsigned char *modes,
                           int seg_len)
@@ -74,7 +109,7 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsign
         if (i == start) E->kept[i] = 1;
     }
     E->kept[0] = 1;
-    return MT_OK;
+    return m->lora_rank ? lora_scale(E) : MT_OK;
 }
 
 void mti_engine_free(mti_engine *E)
@@ -90,6 +125,7 @@ void mti_engine_free(mti_engine *E)
     free(E->redone);
     free(E->grad);
     free(E->uses_left);
+    mti_tensor_free(E->ctx, &E->lora_s);
     memset(E, 0, sizeof *E);
 }
 
@@ -126,8 +162,12 @@ void mti_engine_free_grads(mti_engine *E)
 static bool trains(const mt_model *m, int i)
 {
     const mti_layer *ly = &m->layers[i];
-    for (int j = 0; j < ly->np; j++)
-        if (!m->params[ly->p0 + j].frozen) return true;
+    for (int j = 0; j < ly->np; j++) {
+        const mti_param *p = &m->params[ly->p0 + j];
+        if (!p->frozen) return true;
+        if (p->lora >= 0 && (!m->params[p->lora].frozen || !m->params[p->lora + 1].frozen))
+            return true;
+    }
     return ly->tied >= 0 && !m->params[ly->tied].frozen;
 }
 
@@ -181,6 +221,60 @@ static mt_status gradp(mti_engine *E, int param, float **out)
     return s;
 }
 
+/* ---- LoRA: y += (alpha / r) (x A^T) B for an adapted weight ---- */
+
+/* Weight wi's adapter on the output y (N, out) of x (N, in): u = x A^T
+ * (WORK), u' = u S (slot `keep`, ACT, (N, r): what backward needs of the
+ * adapter besides x), y += u' B (the input-gradient GEMM, accumulating).
+ * With save 0, u' goes at once. Nothing for a weight without one. */
+static mt_status lora_fwd(mti_engine *E, int wi, void *y, const void *x, int in, int out,
+                          mti_tensor *keep, bool save, uint64_t tag)
+{
+    const mti_param *w = &E->m->params[wi];
+    if (w->lora < 0) return MT_OK;
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N, r = E->m->lora_rank;
+    mti_tensor u = {0};
+    mt_status s = act(E, &u, E->dt, N, r, MT_MEM_WORK, MT_LIFE_PHASE, tag + 1);
+    if (!s) s = op->matmul_fwd(k, u.blk.ptr, x, P(E, w->lora), NULL, N, in, r, E->dt);
+    if (!s) s = act(E, keep, E->dt, N, r, MT_MEM_ACT, MT_LIFE_STEP, tag);
+    if (!s) s = op->matmul_fwd(k, keep->blk.ptr, u.blk.ptr, E->lora_s.blk.ptr, NULL, N, r, r, E->dt);
+    mti_tensor_free(E->ctx, &u);
+    if (!s) s = op->matmul_bwd(k, y, NULL, NULL, keep->blk.ptr, NULL, P(E, w->lora + 1), N, out, r,
+                               E->dt, 1);
+    if (s || !save) mti_tensor_free(E->ctx, keep);
+    return s;
+}
+
+/* Backward of lora_fwd, from dy (N, out): dB += u'^T dy, du' = dy B^T,
+ * du = du' S, dA += du^T x and, with dx, dx += du A (after the weight's own
+ * dx). */
+static mt_status lora_bwd(mti_engine *E, int wi, void *dx, const void *dy, const void *x, int in,
+                          int out, const mti_tensor *u1, uint64_t tag)
+{
+    const mti_param *w = &E->m->params[wi];
+    if (w->lora < 0) return MT_OK;
+    const mti_ops *op = E->ctx->ops;
+    const mti_kctx *k = &E->k;
+    const int N = E->N, r = E->m->lora_rank, a = w->lora;
+    float *ga, *gb;
+    mt_status s;
+    MTI_TRY(gradp(E, a, &ga));
+    MTI_TRY(gradp(E, a + 1, &gb));
+    if (!ga && !gb && !dx) return MT_OK;
+    mti_tensor d1 = {0}, d0 = {0};
+    s = act(E, &d1, E->dt, N, r, MT_MEM_WORK, MT_LIFE_PHASE, tag + 2);
+    if (!s && gb) s = op->matmul_bwd(k, NULL, gb, NULL, u1->blk.ptr, dy, NULL, N, out, r, E->dt, 0);
+    if (!s) s = op->matmul_fwd(k, d1.blk.ptr, dy, P(E, a + 1), NULL, N, out, r, E->dt);
+    if (!s) s = act(E, &d0, E->dt, N, r, MT_MEM_WORK, MT_LIFE_PHASE, tag + 3);
+    if (!s) s = op->matmul_fwd(k, d0.blk.ptr, d1.blk.ptr, E->lora_s.blk.ptr, NULL, N, r, r, E->dt);
+    mti_tensor_free(E->ctx, &d1);
+    if (!s) s = op->matmul_bwd(k, dx, ga, NULL, d0.blk.ptr, x, P(E, a), N, in, r, E->dt, 1);
+    mti_tensor_free(E->ctx, &d0);
+    return s;
+}
+
 /* ---- forward of one layer ---- */
 
 static mt_status block_fwd(mti_engine *E, int i, mti_save save)
@@ -209,6 +303,8 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(act(E, &sl[QKV], dt, N, 3 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, QKV)));
     MTI_TRY(op->matmul_fwd(k, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), P(E, p + 3), N, C, 3 * C,
                        dt));
+    MTI_TRY(lora_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
+                     KEEP(LORA_QKV), MTI_TAG(nd, LORA_QKV)));
     DROP(LN1);
     MTI_TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
     MTI_TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
@@ -220,6 +316,8 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, RES2)));
     MTI_TRY(op->matmul_fwd(k, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 4), P(E, p + 5), N, C, C,
                        dt));
+    MTI_TRY(lora_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
+                     KEEP(LORA_ATTPROJ), MTI_TAG(nd, LORA_ATTPROJ)));
     DROP(ATT);
     MTI_TRY(op->add(k, sl[RES2].blk.ptr, sl[RES2].blk.ptr, x, (size_t)N * C, dt));
     MTI_TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
@@ -232,6 +330,8 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(act(E, &sl[FCH], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, FCH)));
     MTI_TRY(op->matmul_fwd(k, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), P(E, p + 9), N, C,
                        4 * C, dt));
+    MTI_TRY(lora_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
+                     KEEP(LORA_FC), MTI_TAG(nd, LORA_FC)));
     DROP(LN2);
     MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
     MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
@@ -240,6 +340,8 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, 100)));
     MTI_TRY(op->matmul_fwd(k, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 10), P(E, p + 11), N, 4 * C,
                        C, dt));
+    MTI_TRY(lora_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
+                     KEEP(LORA_FCPROJ), MTI_TAG(nd, LORA_FCPROJ)));
     DROP(GELU_OUT);
     MTI_TRY(op->add(k, y->blk.ptr, y->blk.ptr, sl[RES2].blk.ptr, (size_t)N * C, dt));
     DROP(RES2);
@@ -270,6 +372,8 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
         MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         MTI_TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->p0),
                            ly->bias ? P(E, ly->p0 + 1) : NULL, N, ly->in, ly->out, dt));
+        MTI_TRY(lora_fwd(E, ly->p0, y->blk.ptr, x->blk.ptr, ly->in, ly->out, &sl[LORA_QKV],
+                         save != MTI_SAVE_NONE, MTI_TAG(nd, LORA_QKV)));
         break;
     case MT_LAYER_RELU:
         if (!E->kept[i]) { /* in place: its backward needs only the output */
@@ -471,13 +575,21 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     if (!s)
         s = op->matmul_bwd(k, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, P(E, p + 10), N,
                            4 * C, C, dt, 0);
+    if (!s)
+        s = lora_bwd(E, p + 10, t4.blk.ptr, d, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
+                     MTI_TAG(nd, LORA_FCPROJ));
     if (!s) DONE(GELU_OUT);
+    if (!s) DONE(LORA_FCPROJ);
     if (!s) s = op->gelu_bwd(k, t4.blk.ptr, t4.blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt);
     if (!s) DONE(FCH);
     if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 201));
     if (!s)
         s = op->matmul_bwd(k, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), N,
                            C, 4 * C, dt, 0);
+    if (!s)
+        s = lora_bwd(E, p + 8, t1.blk.ptr, t4.blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
+                     MTI_TAG(nd, LORA_FC));
+    if (!s) DONE(LORA_FC);
     mti_tensor_free(E->ctx, &t4);
     if (!s) DONE(LN2);
     if (!s)
@@ -492,6 +604,10 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     if (!s)
         s = op->matmul_bwd(k, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, P(E, p + 4), N, C, C,
                            dt, 0);
+    if (!s)
+        s = lora_bwd(E, p + 4, t1.blk.ptr, d, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
+                     MTI_TAG(nd, LORA_ATTPROJ));
+    if (!s) DONE(LORA_ATTPROJ);
     mti_tensor t3 = {0};
     if (!s) s = act(E, &t3, dt, N, 3 * C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 202));
     if (!s)
@@ -504,6 +620,10 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     if (!s)
         s = op->matmul_bwd(k, t1.blk.ptr, g[2], g[3], t3.blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), N,
                            C, 3 * C, dt, 0);
+    if (!s)
+        s = lora_bwd(E, p + 2, t1.blk.ptr, t3.blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
+                     MTI_TAG(nd, LORA_QKV));
+    if (!s) DONE(LORA_QKV);
     mti_tensor_free(E->ctx, &t3);
     if (!s) {
         DONE(QKV);
@@ -588,6 +708,9 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
                 ? op->matmul_bwd(k, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, P(E, wi), N,
                                  ly->in, ly->out, dt, 0)
                 : MT_OK;
+        if (!s && ly->kind == MT_LAYER_LINEAR)
+            s = lora_bwd(E, wi, dx.blk.ptr, E->d.blk.ptr, x->blk.ptr, ly->in, ly->out,
+                         &sl[LORA_QKV], MTI_TAG(nd, LORA_QKV));
         if (s) {
             mti_tensor_free(E->ctx, &dx);
             return s;
@@ -719,6 +842,9 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
             if (pi < 0) continue;
             /* (a table gradient made in slices went to the slice hook) */
             if (--E->uses_left[pi] == 0 && hook && E->grad[pi].blk.ptr) MTI_TRY(hook(user, pi));
+            const int a = m->params[pi].lora; /* its adapter's, final with it */
+            for (int q = a; j < ly->np && a >= 0 && q <= a + 1; q++)
+                if (--E->uses_left[q] == 0 && hook && E->grad[q].blk.ptr) MTI_TRY(hook(user, q));
         }
     }
     if (E->d.blk.ptr == E->bnd[L].blk.ptr) memset(&E->d, 0, sizeof E->d); /* kept dlogits */

@@ -48,6 +48,7 @@ typedef struct mti_engine {
     /* gradients */
     mti_tensor *grad;      /* per parameter */
     int *uses_left;
+    mti_tensor lora_s;     /* LoRA's scale, (alpha / r) I (r, r) in dt (PARAM) */
     int train_from;        /* the first layer with a parameter to train: backward
                               stops there (mti_engine_arm) */
     /* Deferred tied gradient (the fused step): the LM head's backward makes

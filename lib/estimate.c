@@ -174,6 +174,14 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
                              mt_estimate_report *out)
 {
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_estimate_model: m is NULL");
+    mt_trainer_config with_lora;
+    if (m->lora_rank && !(tc && tc->lora.rank)) { /* the model's adapters, made again */
+        if (tc) with_lora = *tc;
+        else mt_trainer_config_init(&with_lora);
+        with_lora.lora = (mt_lora_config){.rank = m->lora_rank, .alpha = m->lora_alpha,
+                                          .targets = m->lora_targets, .seed = m->lora_seed};
+        tc = &with_lora;
+    }
     mt_context_config cc = m->ctx->cfg;
     cc.threads = m->ctx->threads;
     cc.device = m->ctx->dev->kind; /* and dry_run takes the device's geometry */

@@ -145,6 +145,10 @@ mt_status mt_model_gpt_save(const mt_model *m, const char *path)
     if (m->gpt.stable_embedding)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: a StableEmbedding's LayerNorm has no place in an llm.c file", fn);
+    if (m->lora_rank)
+        return mti_fail(ctx, MT_ERR_STATE,
+                        "%s: the model has LoRA adapters: merge them into the weights first "
+                        "(mt_model_lora_merge), or save them alone (mt_model_lora_save)", fn);
     unsigned char hb[HEADER_INTS * 4];
     memset(hb, 0, sizeof hb);
     const int32_t h[8] = {LLMC_MAGIC, LLMC_FP32, m->gpt.max_seq, m->gpt.vocab, m->gpt.layers,

@@ -83,6 +83,7 @@ static mti_param *add_param(builder *b, const char *name, int ndim, int64_t rows
     p->shape[1] = ndim == 2 ? cols : 0;
     p->numel = (size_t)rows * (size_t)(ndim == 2 ? cols : 1);
     p->uses = 1;
+    p->lora = p->adapter_of = -1;
     p->init = init;
     p->init_a = a;
     p->init_rows = rows;
@@ -139,6 +140,7 @@ static mt_status add_layer(builder *b, const mt_layer_spec *ls, const char *pref
         float bound = 1.0f / sqrtf((float)L->in);
         PARAM("w", 2, L->out, L->in, gpt2 ? MTI_INIT_NORMAL : MTI_INIT_UNIFORM,
               gpt2 ? 0.02f : bound);
+        m->params[m->n_param - 1].linear = 1;
         if (L->bias) PARAM("b", 1, L->out, 0, gpt2 ? MTI_INIT_ZERO : MTI_INIT_UNIFORM, bound);
         break;
     }
@@ -193,6 +195,7 @@ static mt_status add_layer(builder *b, const mt_layer_spec *ls, const char *pref
         PARAM("fc.b", 1, 4 * C, 0, MTI_INIT_ZERO, 0);
         PARAM("fcproj.w", 2, C, 4 * C, MTI_INIT_NORMAL, proj);
         PARAM("fcproj.b", 1, C, 0, MTI_INIT_ZERO, 0);
+        for (int j = 2; j <= 10; j += j == 4 ? 4 : 2) m->params[L->p0 + j].linear = 1;
         break;
     }
     case MT_LAYER_LM_HEAD: {
@@ -270,6 +273,7 @@ static void free_model(mt_model *m)
     }
     free(m->params);
     free(m->layers);
+    free(m->lora_targets);
     free(m);
 }
 

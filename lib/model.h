@@ -36,13 +36,17 @@ typedef struct mti_param {
     int force32;         /* optimizer state stays 32-bit (StableEmbedding) */
     int frozen;          /* no gradient, master or optimizer state (set by the
                             trainer from cfg.freeze, for its lifetime) */
+    int linear;          /* the weight of a linear map (LINEAR, a block's qkv,
+                            attproj, fc, fcproj): LoRA can adapt it */
+    int lora;            /* its LoRA adapter's A (B follows), or -1 */
+    int adapter_of;      /* an adapter (A or B): the weight it adapts, or -1 */
     mti_init init;
     float init_a;
     int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */
 } mti_param;
 
 /* The tensors a layer keeps from forward for backward, by slot. */
-#define MTI_SLOTS 12
+#define MTI_SLOTS 16 /* a block's 12, and its 4 linear maps' LoRA (x A^T) */
 
 typedef struct mti_layer {
     mt_layer_kind kind;
@@ -70,6 +74,14 @@ struct mt_model {
     mti_param *params;
     size_t n_params;     /* elements in all of them */
     bool has_master;
+    /* LoRA adapters (lora.c): params[n_base ..] are, per adapted weight,
+       A (rank, in) and B (rank, out); y += (alpha / rank) (x A^T) B */
+    int lora_rank;       /* 0: none */
+    float lora_alpha;
+    uint64_t lora_seed;
+    int n_base;          /* the base's parameter tensors (with adapters) */
+    size_t n_base_params;
+    char *lora_targets;  /* the adapted weights' names, comma-separated */
     mt_mlp_spec mlp;     /* MLP */
     mt_gpt_spec gpt;     /* GPT */
     _Atomic int n_trainers;
@@ -90,6 +102,13 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
 mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */
 int *mti_param_order(const mt_model *m);
+
+/* lora.c */
+/* Adds LoRA adapters to the linear weights cfg->targets names (A drawn,
+ * B zero), or, when the model has adapters, checks cfg against them. */
+mt_status mti_lora_attach(mt_model *m, const mt_lora_config *cfg, const char *fn);
+/* Removes the adapters (no trainer may use the model). */
+void mti_lora_detach(mt_model *m);
 
 
 #endif /* MT_MODEL_H */

@@ -470,6 +470,11 @@ static mt_status mark_frozen(mt_trainer *t)
     mt_model *m = t->model;
     const mt_trainer_config *c = &t->cfg;
     int trainable = m->n_param;
+    for (int i = 0; m->lora_rank && i < m->n_base; i++) { /* LoRA: the base is frozen */
+        m->params[i].frozen = 1;
+        trainable--;
+        t->froze = 1;
+    }
     for (int k = 0; k < c->n_freeze; k++) {
         int hits = 0;
         for (int i = 0; i < m->n_param; i++) {
@@ -561,6 +566,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     atomic_fetch_add(&m->n_trainers, 1);
     atomic_fetch_add(&ctx->n_children, 1);
     t->counted = 1;
+    if (cfg->lora.rank) { /* the adapters, unless the model has them (then checked) */
+        bool had = m->lora_rank != 0;
+        s = mti_lora_attach(m, &cfg->lora, "mt_trainer_create");
+        t->attached = !s && !had;
+    }
+    t->cfg.lora.targets = NULL; /* (the model's copy is m->lora_targets) */
     bool host_ok = true;
     t->ps = calloc((size_t)m->n_param, sizeof *t->ps);
     t->host_losses = malloc((size_t)t->micro * (size_t)t->max_seq * sizeof(float));
@@ -628,7 +639,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     s = mti_dp_created(t, s);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
+        bool attached = t->attached;
         mt_trainer_destroy(t);
+        if (attached) mti_lora_detach(m); /* the model as it was */
         return mti_fail(ctx, s, "mt_trainer_create: %s", msg.s);
     }
     *out = t;

@@ -29,6 +29,7 @@ struct mt_trainer {
     mt_param_override *overrides;
     char **freeze;           /* copies of cfg.freeze */
     int froze;               /* some parameter was marked frozen (cleared at destroy) */
+    int attached;            /* this trainer added the model's LoRA adapters */
     mti_tensor found_inf;    /* two device ints: [0] a gradient is not finite (the
                                 unscale op's flag), [1] the optimizers' scratch */
     int flag_grads;          /* gradients are checked by the flag (fp16, or no

@@ -29,6 +29,9 @@ void *check_alloc(size_t bytes);
 void *check_copy(const void *src, size_t bytes);
 /* A CPU context with `threads` kernel threads and the default allocators. */
 mt_context *check_cpu_context(int threads);
+/* A token batch of n rows of T tokens below V into tok and tg (n * T
+ * each), different for each step. */
+void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step);
 
 #define TEST(name)                                                                          \
     static void name(void);                                                                 \

@@ -30,6 +30,7 @@ typedef struct est_case {
     int alloc; /* 0 caching, 1 arena, 2 pool, 3 checkpoint, 4 split by class */
     float clip;
     int freeze; /* 0: nothing frozen; 1: every bias; 2: the model's first layers */
+    int lora;   /* LoRA rank on every linear weight (0: none) */
 } est_case;
 
 static const char *alloc_names[] = {"caching", "arena", "pool", "checkpoint", "split"};
@@ -123,6 +124,7 @@ static void trainer_config(mt_trainer_config *tc, const est_case *e)
     if (e->freeze == 1) tc->freeze = freeze_biases, tc->n_freeze = 1;
     if (e->freeze == 2)
         tc->freeze = freeze_first[e->model], tc->n_freeze = n_freeze_first[e->model];
+    tc->lora.rank = e->lora, tc->lora.alpha = 16.0f, tc->lora.seed = 3;
     tc->max_batch = e->batch;
     tc->micro_batch = e->micro;
     tc->max_seq = e->model == M_MLP ? 0 : e->seq;
@@ -246,6 +248,7 @@ static void matrix(void)
                     e.alloc = n % 5;
                     e.clip = (oi + mk) % 3 == 0 ? 1.0f : 0.0f;
                     e.freeze = n % 4 == 1 ? 1 : n % 4 == 3 ? 2 : 0;
+                    e.lora = n % 4 == 2 ? 4 : n % 8 == 1 ? 2 : 0; /* (with frozen biases too) */
                     /* bf16 without masters where the optimizer takes it */
                     if (precs[pi] == MT_PREC_BF16 && v && opts[oi] != MT_OPT_ADAFACTOR)
                         e.masters = 0;

@@ -28,11 +28,7 @@ static mt_model *small_gpt(mt_context *ctx)
 
 static void batch_of(mt_batch *b, int32_t *tok, int32_t *tg, int step)
 {
-    for (int i = 0; i < B * T; i++) {
-        tok[i] = (i * 7 + step * 13 + 3) % V;
-        tg[i] = (i * 11 + step * 5 + 1) % V;
-    }
-    *b = (mt_batch){.n = B, .tokens = tok, .targets = tg, .seq_len = T};
+    check_token_batch(b, tok, tg, B, T, V, step);
 }
 
 static bool is_frozen(const char *name, const char *const *pat, int n)

@@ -98,6 +98,15 @@ mt_context *check_cpu_context(int threads)
     return ctx;
 }
 
+void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step)
+{
+    for (int i = 0; i < n * T; i++) {
+        tok[i] = (i * 7 + step * 13 + 3) % V;
+        tg[i] = (i * 11 + step * 5 + 1) % V;
+    }
+    *b = (mt_batch){.n = n, .tokens = tok, .targets = tg, .seq_len = T};
+}
+
 /* Runs one test; false if a CHECK ended it. Its scratch memory goes after. */
 static bool run_one(check_fn fn)
 {

@@ -66,6 +66,11 @@ typedef struct cli_opts {
     int n_freeze;
     char freeze_text[1024];
     size_t freeze_used;
+    /* LoRA */
+    long lora;               /* rank, 0: none */
+    float lora_alpha;
+    const char *lora_targets;
+    int merge_lora;
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     /* which table entries the command line (or --config) gave */

@@ -280,6 +280,14 @@ static const opt table[] = {
     FN("--freeze", "PATTERN", CLI_TRAIN | CLI_ESTIMATE, CLI_ANY, add_freeze,
        "(parameter-name patterns, comma-separated)",
        "freeze the parameters whose names match (fnmatch; repeatable, or P,P,...)", NULL),
+    LONG("--lora", "R", CLI_TRAIN | CLI_ESTIMATE, CLI_ANY, lora, 0, 4096,
+         "LoRA adapters of rank R on the linear weights; the base is frozen (0: none)", NULL),
+    FLOAT("--lora-alpha", CLI_TRAIN | CLI_ESTIMATE, CLI_ANY, lora_alpha, 0,
+          "LoRA's scale is alpha / R (R)"),
+    STR("--lora-targets", "PATTERN", CLI_TRAIN | CLI_ESTIMATE, CLI_ANY, lora_targets,
+        "the weights LoRA adapts, fnmatch patterns P,P,... (every linear weight)"),
+    FLAG("--merge-lora", CLI_TRAIN, CLI_GPT, merge_lora, 1,
+         "merge the adapters into the weights after training (for --export-llmc)"),
     FLOAT("--clip", TS, CLI_ANY, clip, 0, "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
     FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
@@ -493,6 +501,11 @@ static int settle(cli_opts *o)
     if (o->llmc && (given(o, "--layers") || given(o, "--heads") || given(o, "--channels")))
         return cli_bad_usage("%s", "--layers, --heads and --channels come from the --llmc file");
     if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
+    if (!o->lora && (given(o, "--lora-alpha") || given(o, "--lora-targets") || o->merge_lora))
+        return cli_bad_usage("%s", "--lora-alpha, --lora-targets and --merge-lora need --lora R");
+    if (o->lora && o->export_llmc && !o->merge_lora)
+        return cli_bad_usage("%s", "--export-llmc with --lora needs --merge-lora (the llm.c file "
+                                   "holds the merged weights)");
     if (cmd == CLI_TRAIN) {
         const char *const outs[] = {"--save", "--trace", "--svg", "--chrome", "--export-llmc"};
         const char *const paths[] = {o->save, o->trace, o->svg, o->chrome, o->export_llmc};
@@ -557,6 +570,10 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->recompute_every = o->recompute_every;
     tc->freeze = o->freeze;
     tc->n_freeze = o->n_freeze;
+    tc->lora.rank = (int)o->lora;
+    tc->lora.alpha = o->lora_alpha;
+    tc->lora.targets = o->lora_targets;
+    tc->lora.seed = (uint64_t)o->seed;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
     tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
     tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);

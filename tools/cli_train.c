@@ -445,6 +445,15 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
     }
     if (o->save && cli_world.rank == 0)
         fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
+    if (o->merge_lora && cli_world.rank == 0) {
+        mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
+        g.trainer = NULL;
+        if (mt_model_lora_merge(g.model)) {
+            rc = cli_lib_fail(ctx, NULL);
+            goto done;
+        }
+        fprintf(o->json ? stderr : stdout, "LoRA adapters merged into the weights\n");
+    }
     if (o->export_llmc && cli_world.rank == 0) {
         mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
         g.trainer = NULL;

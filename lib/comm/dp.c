@@ -61,7 +61,7 @@ static const char *const group_names[W_N] = {
     "model (layers and shapes)", "max_batch, micro_batch, max_seq",
     "optimizer settings",        "learning rate and schedule",
     "precision and loss scaling", "grad_clip",
-    "recompute and memory_budget", "fused_step", "frozen parameters (freeze)"};
+    "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA"};
 
 static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_t rec[W_N])
 {
@@ -127,6 +127,10 @@ static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_
     H(*h, c->n_freeze);
     for (int i = 0; c->freeze && i < c->n_freeze; i++)
         if (c->freeze[i]) *h = mti_hash(*h, c->freeze[i], strlen(c->freeze[i]) + 1);
+    H(*h, c->lora.rank);
+    H(*h, c->lora.alpha);
+    H(*h, c->lora.seed);
+    if (c->lora.targets) *h = mti_hash(*h, c->lora.targets, strlen(c->lora.targets) + 1);
 }
 
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg)
