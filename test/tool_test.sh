@@ -189,6 +189,24 @@ head -c 5000 "$tmp/a.llmc" > "$tmp/cut.llmc"
 expect 1 "truncated llm.c checkpoint" -- "$tool" train --model gpt --steps 1 --llmc "$tmp/cut.llmc"
 grep -qi "truncated\|size" "$tmp/err" || { echo "FAIL tool: llm.c message"; cat "$tmp/err"; fail=1; }
 
+# frozen parameters and LoRA: estimates shrink, a typo is refused, a LoRA run
+# samples from its checkpoint, and its merged export loads as a plain model
+expect 0 "estimate, frozen" -- "$tool" estimate --freeze 'wte,wpe' --freeze 'h.0.*' --json
+expect 0 "estimate, LoRA" -- "$tool" estimate --lora 8 --lora-targets '*.qkv.w,*.fc.w' --json
+# GPT-2 124M: AdamW state for the 663552 adapter parameters alone
+grep -q '"OPTIM": 5308416, "ACT"' "$tmp/out" || { echo "FAIL tool: LoRA estimate"; cat "$tmp/out"; fail=1; }
+expect 1 "freeze pattern matching nothing" -- "$tool" estimate --freeze 'h.99.*'
+grep -q "h.99" "$tmp/err" || { echo "FAIL tool: freeze message"; cat "$tmp/err"; fail=1; }
+expect 2 "empty freeze pattern" -- "$tool" train --freeze 'wte,,wpe'
+expect 2 "--lora-targets without --lora" -- "$tool" train --model gpt --lora-targets '*.fc.w'
+expect 2 "LoRA export without merging" -- "$tool" train --model gpt --lora 4 --export-llmc "$tmp/l.llmc"
+expect 0 "gpt with LoRA" -- "$tool" train --model gpt --steps 6 --no-report --threads 2 --lora 4 --freeze 'h.0.*' --save "$tmp/l.ckpt"
+expect 0 "sample a LoRA run" -- "$tool" sample --model gpt --lora 4 --freeze 'h.0.*' --resume "$tmp/l.ckpt" --length 10
+expect 1 "sample a LoRA run without its adapters" -- "$tool" sample --model gpt --resume "$tmp/l.ckpt" --length 10
+expect 0 "LoRA merged and exported" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --lora 4 --merge-lora --export-llmc "$tmp/l.llmc"
+grep -q "merged" "$tmp/out" || { echo "FAIL tool: merge message"; cat "$tmp/out"; fail=1; }
+expect 0 "the merged export loads" -- "$tool" train --model gpt --steps 0 --no-report --llmc "$tmp/l.llmc"
+
 # no run left a temporary file beside what it wrote
 if ls "$tmp" | grep '\.tmp\.'; then echo "FAIL tool: temporary files left"; fail=1; fi
 
