@@ -206,8 +206,16 @@ TEST(freeze_shrinks_the_classes)
     /* between steps: the weights in 16 bits either way, masters and state
        of the trained ones only */
     CHECK_EQ(full.between_steps - fz.between_steps, frozen * 12);
-    /* and the run holds what the estimate says */
+    /* a budget the frozen run fits and the full one does not */
     mt_trainer *t;
+    tc.memory_budget = fz.peak_reserved;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_trainer_destroy(t);
+    tc.n_freeze = 0;
+    CHECK_ST(MT_ERR_BUDGET, mt_trainer_create(m, &tc, &t));
+    tc.n_freeze = NP;
+    tc.memory_budget = 0;
+    /* and the run holds what the estimate says */
     CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
     int32_t tok[B * T], tg[B * T];
     mt_batch b;
