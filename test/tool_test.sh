@@ -206,6 +206,14 @@ expect 1 "sample a LoRA run without its adapters" -- "$tool" sample --model gpt 
 expect 0 "LoRA merged and exported" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --lora 4 --merge-lora --export-llmc "$tmp/l.llmc"
 grep -q "merged" "$tmp/out" || { echo "FAIL tool: merge message"; cat "$tmp/out"; fail=1; }
 expect 0 "the merged export loads" -- "$tool" train --model gpt --steps 0 --no-report --llmc "$tmp/l.llmc"
+expect 0 "LoRA adapters saved alone" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --lora 4 --lora-alpha 8 --save-lora "$tmp/a.lora"
+expect 0 "training goes on from them" -- "$tool" train --model gpt --steps 2 --no-report --threads 2 --load-lora "$tmp/a.lora" --save-lora "$tmp/b.lora" --merge-lora --export-llmc "$tmp/m.llmc"
+[ -s "$tmp/b.lora" ] && [ -s "$tmp/m.llmc" ] || { echo "FAIL tool: adapter files"; fail=1; }
+expect 2 "--load-lora with --lora" -- "$tool" train --model gpt --lora 4 --load-lora "$tmp/a.lora"
+expect 2 "--save-lora without adapters" -- "$tool" train --model gpt --save-lora "$tmp/c.lora"
+head -c 100 "$tmp/a.lora" > "$tmp/cut.lora"
+expect 1 "a truncated adapter file" -- "$tool" train --model gpt --steps 1 --load-lora "$tmp/cut.lora"
+grep -q "truncated" "$tmp/err" || { echo "FAIL tool: adapter file message"; cat "$tmp/err"; fail=1; }
 
 # no run left a temporary file beside what it wrote
 if ls "$tmp" | grep '\.tmp\.'; then echo "FAIL tool: temporary files left"; fail=1; fi

@@ -71,6 +71,7 @@ typedef struct cli_opts {
     float lora_alpha;
     const char *lora_targets;
     int merge_lora;
+    const char *save_lora, *load_lora; /* adapter files */
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     /* which table entries the command line (or --config) gave */

@@ -288,6 +288,10 @@ static const opt table[] = {
         "the weights LoRA adapts, fnmatch patterns P,P,... (every linear weight)"),
     FLAG("--merge-lora", CLI_TRAIN, CLI_GPT, merge_lora, 1,
          "merge the adapters into the weights after training (for --export-llmc)"),
+    STR("--save-lora", "FILE", CLI_TRAIN, CLI_GPT, save_lora,
+        "the LoRA adapters alone at the end (with --lora or --load-lora)"),
+    STR("--load-lora", "FILE", TS, CLI_GPT, load_lora,
+        "start from adapters of --save-lora (their rank and alpha; no --lora)"),
     FLOAT("--clip", TS, CLI_ANY, clip, 0, "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
     FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
@@ -501,15 +505,21 @@ static int settle(cli_opts *o)
     if (o->llmc && (given(o, "--layers") || given(o, "--heads") || given(o, "--channels")))
         return cli_bad_usage("%s", "--layers, --heads and --channels come from the --llmc file");
     if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
-    if (!o->lora && (given(o, "--lora-alpha") || given(o, "--lora-targets") || o->merge_lora))
-        return cli_bad_usage("%s", "--lora-alpha, --lora-targets and --merge-lora need --lora R");
-    if (o->lora && o->export_llmc && !o->merge_lora)
+    if (o->lora && o->load_lora)
+        return cli_bad_usage("%s", "--load-lora gives the adapters (rank, alpha, weights): no --lora");
+    if (!o->lora && (given(o, "--lora-alpha") || given(o, "--lora-targets")))
+        return cli_bad_usage("%s", "--lora-alpha and --lora-targets need --lora R");
+    if (!o->lora && !o->load_lora && (o->merge_lora || o->save_lora))
+        return cli_bad_usage("%s", "--merge-lora and --save-lora need --lora R or --load-lora FILE");
+    if ((o->lora || o->load_lora) && o->export_llmc && !o->merge_lora)
         return cli_bad_usage("%s", "--export-llmc with --lora needs --merge-lora (the llm.c file "
                                    "holds the merged weights)");
     if (cmd == CLI_TRAIN) {
-        const char *const outs[] = {"--save", "--trace", "--svg", "--chrome", "--export-llmc"};
-        const char *const paths[] = {o->save, o->trace, o->svg, o->chrome, o->export_llmc};
-        for (int i = 0; i < 5 && !rc; i++) rc = paths[i] ? check_output(outs[i], paths[i]) : 0;
+        const char *const outs[] = {"--save", "--trace", "--svg", "--chrome", "--export-llmc",
+                                    "--save-lora"};
+        const char *const paths[] = {o->save, o->trace, o->svg, o->chrome, o->export_llmc,
+                                     o->save_lora};
+        for (int i = 0; i < 6 && !rc; i++) rc = paths[i] ? check_output(outs[i], paths[i]) : 0;
         if (rc) return rc;
     }
     if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;

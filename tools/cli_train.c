@@ -322,6 +322,7 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
     } else {
         made = mt_model_gpt_create(ctx, &g->spec, &g->model);
     }
+    if (!made && o->load_lora) made = mt_model_lora_load(g->model, o->load_lora);
     if (made || mt_estimate_model(g->model, &tc, &g->est) ||
         mt_trainer_create(g->model, &tc, &g->trainer)) {
         cli_gpt_close(g);
@@ -445,6 +446,13 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
     }
     if (o->save && cli_world.rank == 0)
         fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
+    if (o->save_lora && cli_world.rank == 0) {
+        if (mt_model_lora_save(g.model, o->save_lora)) {
+            rc = cli_lib_fail(ctx, NULL);
+            goto done;
+        }
+        fprintf(o->json ? stderr : stdout, "LoRA adapters written to %s\n", o->save_lora);
+    }
     if (o->merge_lora && cli_world.rank == 0) {
         mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
         g.trainer = NULL;
