@@ -3,7 +3,8 @@
  *
  *   train_mpi_test train      N ranks with 2 rows each against this process
  *                             alone stepping on the 2N rows as N micro-batches
- *   train_mpi_test disagree   rank 1's model is wider: every rank gets
+ *   train_mpi_test disagree   rank 1's model is wider, then rank 1 alone
+ *                             freezes a parameter: every rank gets
  *                             MT_ERR_COMM at mt_trainer_create
  *   train_mpi_test stall      rank 1 stops before its second step: rank 0 gets
  *                             MT_ERR_COMM within the timeout
@@ -23,6 +24,7 @@
 #define ROWS 2
 
 static int rank, size, failed;
+static int freeze_rank = -1; /* this rank freezes "wte" */
 
 #define EXPECT(c)                                                                               \
     do {                                                                                        \
@@ -63,6 +65,8 @@ static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss,
     tc.grad_clip = 1.0f;
     tc.max_batch = n;
     tc.micro_batch = ROWS;
+    static const char *const frozen[] = {"wte"};
+    if (rank == freeze_rank) tc.freeze = frozen, tc.n_freeze = 1;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -133,6 +137,12 @@ int main(int argc, char **argv)
         mt_status s = train(c, rank == 1 ? 24 : 16, -1, loss, &w, &nw, msg, sizeof msg);
         EXPECT(s == MT_ERR_COMM);
         EXPECT(strstr(msg, "rank 1's field model") != NULL);
+        if (failed) fprintf(stderr, "rank %d: %s\n", rank, msg);
+        freeze_rank = 1;
+        s = train(c, 16, -1, loss, &w, &nw, msg, sizeof msg);
+        freeze_rank = -1;
+        EXPECT(s == MT_ERR_COMM);
+        EXPECT(strstr(msg, "frozen parameters") != NULL);
         if (failed) fprintf(stderr, "rank %d: %s\n", rank, msg);
         int bad = failed;
         MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
