@@ -702,6 +702,48 @@ def case_sgd():
     gv.write()
 
 
+def update_section(mark, versions, extra):
+    """Writes a generator's section of MANIFEST.txt, opened by the line
+    `mark` (a "# ... written by ..." line): in place of an earlier one, else
+    after gen.py's (first) section, ahead of the others. The section lists
+    the files this process wrote (`written`) and then the lines `extra`.
+    Returns the bytes of those files."""
+    mpath = os.path.join(OUT, "MANIFEST.txt")
+    text = open(mpath).read() if os.path.exists(mpath) else ""
+    # where each generator's section starts: a "# ... written by ..." line
+    starts, at = [], 0
+    for line in text.splitlines(keepends=True):
+        if line.startswith("# ") and "written by" in line:
+            starts.append(at)
+        at += len(line)
+    mine = text.find(mark)
+    if mine >= 0:
+        later = [x for x in starts if x > mine]
+        head, tail = text[:mine], text[later[0]:] if later else ""
+    elif len(starts) > 1:
+        head, tail = text[:starts[1]], text[starts[1]:]
+    else:
+        head, tail = text, ""
+    head = head.rstrip("\n") + "\n\n" if head.strip() else ""
+    lines = [mark, "# " + ENV + " " + versions, ""]
+    total = 0
+    for fname, nbytes in written:
+        with open(os.path.join(OUT, fname), "rb") as fh:
+            digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+        lines.append("%-22s %8d bytes  sha256 %s" % (fname, nbytes, digest))
+        total += nbytes
+    lines.append("%-22s %8d bytes" % ("total", total))
+    if extra:
+        lines += [""] + list(extra)
+    section = "\n".join(lines) + "\n"
+    if tail:
+        section += "\n" + tail
+    with open(mpath, "w") as fh:
+        fh.write(head + section)
+    print(section)
+    return total
+
+
 def manifest_sections():
     """The sections of MANIFEST.txt, each opened by a line "# ..., written by
     SCRIPT": {script: text}. Other generators (gen_gpt2.py, gen_optim.py)

@@ -353,44 +353,10 @@ def case_adafactor():
 
 
 def update_manifest():
-    """Writes this script's section of MANIFEST.txt: in place of an earlier
-    one, else after gen.py's (first) section, ahead of the others (other
-    generators replace their sections from their mark to the end)."""
-    mpath = os.path.join(HERE, "MANIFEST.txt")
-    text = open(mpath).read() if os.path.exists(mpath) else ""
-    # where each generator's section starts: a "# ... written by ..." line
-    starts, at = [], 0
-    for line in text.splitlines(keepends=True):
-        if line.startswith("# ") and "written by" in line:
-            starts.append(at)
-        at += len(line)
-    mine = text.find(MANIFEST_MARK)
-    if mine >= 0:
-        later = [x for x in starts if x > mine]
-        head, tail = text[:mine], text[later[0]:] if later else ""
-    elif len(starts) > 1:
-        head, tail = text[:starts[1]], text[starts[1]:]
-    else:
-        head, tail = text, ""
-    head = head.rstrip("\n") + "\n\n" if head.strip() else ""
-    lines = [MANIFEST_MARK, "# " + gen.ENV + " " + VERSIONS, ""]
-    total = 0
-    for fname, nbytes in gen.written:
-        with open(os.path.join(HERE, fname), "rb") as fh:
-            digest = hashlib.sha256(fh.read()).hexdigest()[:16]
-        lines.append("%-22s %8d bytes  sha256 %s" % (fname, nbytes, digest))
-        total += nbytes
-    lines.append("%-22s %8d bytes" % ("total", total))
-    lines += ["", "# adamw8: the reference is a numpy model of bitsandbytes' CUDA kernel",
-              "# (see gen_optim.py); bitsandbytes' CPU backend differs from it thus:", ""]
-    lines += notes
-    section = "\n".join(lines) + "\n"
-    if tail:
-        section += "\n" + tail
-    with open(mpath, "w") as fh:
-        fh.write(head + section)
-    print(section)
-    return total
+    """Writes this script's section of MANIFEST.txt (gen.update_section)."""
+    tail = ["# adamw8: the reference is a numpy model of bitsandbytes' CUDA kernel",
+            "# (see gen_optim.py); bitsandbytes' CPU backend differs from it thus:", ""] + notes
+    return gen.update_section(MANIFEST_MARK, VERSIONS, tail)
 
 
 def main():

@@ -1,0 +1,187 @@
+/*
+ * test_quant.c - the blockwise weight quantizers (lib/quant.h) against
+ * test/golden/quant_nf4.gv (made by bitsandbytes itself: quantize_4bit,
+ * nf4, blocksize 64, compress_statistics) and quant_int8.gv (a numpy model
+ * of the int8 definition); test/golden/gen_quant.py writes both.
+ *
+ * Everything is compared bit for bit: the packed codes, the 8-bit codes of
+ * the absmaxes, the fp32 absmax of each block of 256, the offset, and the
+ * dequantized values in fp32 and bf16, over the whole tensor and over
+ * ranges that start and end inside blocks. Then the byte sizes, the
+ * refusals (non-finite input, bad ranges, unknown formats), and that the
+ * quantizers take no memory.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "check.h"
+#include "golden.h"
+#include "kernels.h"
+#include "quant.h"
+
+static gv_file qfile;
+static int have_qfile;
+
+static void load(const char *name)
+{
+    if (have_qfile) gv_free(&qfile);
+    have_qfile = 0;
+    char path[512], err[512];
+    snprintf(path, sizeof path, "%s/%s.gv", gv_dir(), name);
+    CHECK_MSG(gv_load(path, &qfile, err, sizeof err), "%s", err);
+    have_qfile = 1;
+}
+
+static const gv_array *get(const char *name, gv_dtype dt)
+{
+    const gv_array *a = gv_find(&qfile, name);
+    CHECK_MSG(a != NULL, "golden array '%s' missing", name);
+    CHECK_MSG(a->dtype == dt, "golden array '%s' is %s", name, gv_dtype_name(a->dtype));
+    return a;
+}
+
+static const gv_array *case_arr(const char *c, const char *what, gv_dtype dt)
+{
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", c, what);
+    return get(key, dt);
+}
+
+/* The first index where a and b (n elements of `size` bytes) differ, or -1. */
+static long first_diff(const void *a, const void *b, size_t n, size_t size)
+{
+    for (size_t i = 0; i < n; i++)
+        if (memcmp((const char *)a + i * size, (const char *)b + i * size, size)) return (long)i;
+    return -1;
+}
+
+#define SAME(what, a, b, n, size)                                                            \
+    do {                                                                                     \
+        long d_ = first_diff((a), (b), (n), (size));                                         \
+        CHECK_MSG(d_ < 0, "%s: %s differs first at %ld of %zu", c, (what), d_, (size_t)(n)); \
+    } while (0)
+
+/* Dequantizes q (n elements) in pieces whose bounds cut blocks, and checks
+ * every piece against the reference (fp32 and, where there is one, bf16). */
+static void check_dequant(const char *c, mti_qformat f, const void *q, size_t n, const float *ref,
+                          const uint16_t *ref_bf16)
+{
+    float *out = check_alloc(n * 4 + 4);
+    uint16_t *out16 = check_alloc(n * 2 + 2);
+    CHECK_OK(mti_dequantize(NULL, f, q, n, 0, n, out, MTI_F32));
+    SAME("dequantized fp32", out, ref, n, 4);
+    if (ref_bf16) {
+        CHECK_OK(mti_dequantize(NULL, f, q, n, 0, n, out16, MTI_BF16));
+        SAME("dequantized bf16", out16, ref_bf16, n, 2);
+    }
+    /* ranges: odd starts, lengths that cross blocks, empty ones */
+    const size_t steps[] = {1, 7, 63, 65, 130};
+    for (size_t s = 0; s < sizeof steps / sizeof *steps; s++) {
+        memset(out, 0xFF, n * 4);
+        for (size_t at = 0; at < n; at += steps[s]) {
+            size_t len = n - at < steps[s] ? n - at : steps[s];
+            CHECK_OK(mti_dequantize(NULL, f, q, n, at, len, out + at, MTI_F32));
+        }
+        SAME("dequantized in ranges", out, ref, n, 4);
+    }
+    CHECK_OK(mti_dequantize(NULL, f, q, n, n, 0, out, MTI_F32));
+}
+
+static void nf4_case(const char *c)
+{
+    const gv_array *x = case_arr(c, "x", GV_F32);
+    const size_t n = x->numel;
+    mti_qparts p;
+    CHECK_OK(mti_quant_parts(MTI_QF_NF4, n, &p));
+    CHECK_EQ(p.blocks, (n + 63) / 64);
+    CHECK_EQ(mti_quant_bytes(MTI_QF_NF4, n), (n + 1) / 2 + p.blocks + 4 * ((p.blocks + 255) / 256) + 4);
+    uint8_t *q = check_alloc(p.bytes);
+    CHECK_OK(mti_quantize(NULL, MTI_QF_NF4, x->data, n, q));
+
+    const gv_array *codes = case_arr(c, "codes", GV_U8), *qam = case_arr(c, "qabsmax", GV_U8);
+    const gv_array *am2 = case_arr(c, "absmax2", GV_F32), *off = case_arr(c, "offset", GV_F32);
+    CHECK_EQ(codes->numel, p.codes_n);
+    CHECK_EQ(qam->numel, p.blocks);
+    CHECK_EQ(am2->numel, p.absmax2_n);
+    SAME("offset (mean of the absmaxes)", q + p.offset, off->data, 1, 4);
+    SAME("absmax2", q + p.absmax2, am2->data, p.absmax2_n, 4);
+    SAME("absmax codes", q + p.qabsmax, qam->data, p.blocks, 1);
+    SAME("packed codes", q + p.codes, codes->data, p.codes_n, 1);
+    char key[128];
+    snprintf(key, sizeof key, "%s.deq_bf16", c);
+    const gv_array *b16 = gv_find(&qfile, key);
+    check_dequant(c, MTI_QF_NF4, q, n, case_arr(c, "deq", GV_F32)->data, b16 ? b16->data : NULL);
+}
+
+TEST(quant_nf4_bitsandbytes_golden)
+{
+    load("quant_nf4");
+    const char *c = "tables";
+    const gv_array *code = get("nf4_code", GV_F32), *dyn = get("dynamic_map", GV_F32);
+    CHECK_EQ(code->numel, 16);
+    SAME("NF4 levels", mti_nf4_code(), code->data, 16, 4);
+    CHECK_EQ(dyn->numel, 256);
+    SAME("8-bit dynamic map", mti_q8_map(1), dyn->data, 256, 4);
+    nf4_case("mixed");
+    nf4_case("big");
+    nf4_case("partial_only");
+    gv_free(&qfile);
+    have_qfile = 0;
+}
+
+TEST(quant_int8_golden)
+{
+    load("quant_int8");
+    const char *c = "int8";
+    const gv_array *x = get("x", GV_F32);
+    const size_t n = x->numel;
+    mti_qparts p;
+    CHECK_OK(mti_quant_parts(MTI_QF_INT8, n, &p));
+    CHECK_EQ(mti_quant_bytes(MTI_QF_INT8, n), n + 4 * ((n + 63) / 64));
+    uint8_t *q = check_alloc(p.bytes);
+    CHECK_OK(mti_quantize(NULL, MTI_QF_INT8, x->data, n, q));
+    SAME("scales", q + p.scale, get("scale", GV_F32)->data, p.blocks, 4);
+    SAME("codes", q + p.codes, get("codes", GV_U8)->data, n, 1);
+    check_dequant(c, MTI_QF_INT8, q, n, get("deq", GV_F32)->data, get("deq_bf16", GV_BF16)->data);
+    gv_free(&qfile);
+    have_qfile = 0;
+}
+
+TEST(quant_refusals_and_sizes)
+{
+    float x[130];
+    for (int i = 0; i < 130; i++) x[i] = (float)i - 60.0f;
+    uint8_t q[256];
+    const mti_qformat fs[] = {MTI_QF_INT8, MTI_QF_NF4};
+    for (int k = 0; k < 2; k++) {
+        mti_qformat f = fs[k];
+        CHECK(mti_quant_bytes(f, 130) <= sizeof q);
+        CHECK_OK(mti_quantize(NULL, f, x, 130, q));
+        x[77] = NAN;
+        CHECK_EQ(mti_quantize(NULL, f, x, 130, q), MT_ERR_INVALID_ARG);
+        CHECK(strstr(mt_last_error(NULL), "element 77"));
+        x[77] = INFINITY;
+        CHECK_EQ(mti_quantize(NULL, f, x, 130, q), MT_ERR_INVALID_ARG);
+        x[77] = 17.0f;
+        float out[130];
+        CHECK_EQ(mti_dequantize(NULL, f, q, 130, 100, 31, out, MTI_F32), MT_ERR_INVALID_ARG);
+        CHECK_EQ(mti_dequantize(NULL, f, q, 130, 131, 0, out, MTI_F32), MT_ERR_INVALID_ARG);
+        CHECK_EQ(mti_dequantize(NULL, f, q, 130, 0, 10, out, MTI_F16), MT_ERR_INVALID_ARG);
+        CHECK_EQ(mti_dequantize(NULL, f, NULL, 130, 0, 10, out, MTI_F32), MT_ERR_INVALID_ARG);
+        CHECK_OK(mti_quantize(NULL, f, x, 0, NULL));
+        /* values come back close: within half a level of the block's scale */
+        CHECK_OK(mti_dequantize(NULL, f, q, 130, 0, 130, out, MTI_F32));
+        for (int i = 0; i < 130; i++)
+            CHECK_MSG(fabsf(out[i] - x[i]) <= (f == MTI_QF_INT8 ? 0.01f : 0.2f) * 70.0f,
+                      "%s: %g -> %g", mti_quant_name(f), (double)x[i], (double)out[i]);
+    }
+    CHECK_EQ(mti_quant_bytes((mti_qformat)9, 10), 0);
+    mti_qparts p;
+    CHECK_EQ(mti_quant_parts((mti_qformat)9, 10, &p), MT_ERR_INVALID_ARG);
+    CHECK_EQ(mti_quantize(NULL, (mti_qformat)0, x, 10, q), MT_ERR_INVALID_ARG);
+    CHECK(mti_quant_name(MTI_QF_NF4) && !strcmp(mti_quant_name(MTI_QF_NF4), "nf4"));
+    /* sizes for a GPT-2-sized matrix: NF4 about 0.516 bytes per weight */
+    size_t n = 768 * 3072;
+    CHECK_EQ(mti_quant_bytes(MTI_QF_NF4, n), n / 2 + n / 64 + 4 * ((n / 64 + 255) / 256) + 4);
+    CHECK_EQ(mti_quant_bytes(MTI_QF_INT8, n), n + 4 * (n / 64));
+}
