@@ -683,12 +683,16 @@ typedef enum mt_optimizer_kind {
     MT_OPT_ADAMW8 = 3,    /* bitsandbytes' 8-bit blockwise AdamW, as its CUDA kernels:
                              ~2.03 bytes per parameter; tensors under min_8bit_size
                              elements keep 32-bit state; weight decay after the step */
-    MT_OPT_ADAFACTOR = 4  /* transformers' Adafactor: factored second moment, rows + cols
+    MT_OPT_ADAFACTOR = 4, /* transformers' Adafactor: factored second moment, rows + cols
                              floats per matrix */
+    MT_OPT_ADAMW4 = 5     /* 4-bit AdamW (Li, Chen, Zhu 2023): m blockwise in a dynamic-exponent
+                             map, v rank-1 normalised in a linear map without zero; ~1.03
+                             bytes per parameter; tensors under min_8bit_size elements keep
+                             32-bit state; torch's AdamW arithmetic; whole tensors only */
 } mt_optimizer_kind;
 
 /* An optimizer's name as the memtrain command spells it ("sgd", "adamw",
- * "adamw8", "adafactor"), or NULL for a value that is no optimizer. */
+ * "adamw8", "adafactor", "adamw4"), or NULL for a value that is no optimizer. */
 const char *mt_optimizer_name(mt_optimizer_kind kind);
 /* The optimizer of a name as mt_optimizer_name spells it into *out;
  * MT_ERR_INVALID_ARG, naming those there are, for any other name. */
@@ -761,7 +765,8 @@ typedef enum mt_lr_schedule {
  * whose pattern (fnmatch(3) syntax) matches a parameter's name applies. */
 typedef struct mt_param_override {
     const char *pattern;  /* e.g. "wte", "h.*.ln*", "*.b" (copied at create) */
-    int state_bits;       /* 0: as configured; 32: keep 32-bit optimizer state (ADAMW8) */
+    int state_bits;       /* 0: as configured; 32: keep 32-bit optimizer state; 8: quantized
+                             state even for a small tensor (ADAMW8: 8-bit, ADAMW4: 4-bit) */
     float weight_decay;   /* < 0: as configured */
     float lr_scale;       /* 0: 1 */
 } mt_param_override;
@@ -835,7 +840,7 @@ typedef struct mt_trainer_config {
     int decay_1d;           /* 1 (default): 1-D tensors (biases, LayerNorm) decay too, as
                                torch does; 0: only tensors of 2 or more dimensions */
     float beta1, beta2, eps; /* AdamW and 8-bit AdamW: 0.9, 0.999, 1e-8 */
-    int min_8bit_size;      /* 8-bit AdamW: smaller tensors keep 32-bit state (4096) */
+    int min_8bit_size;      /* 8-bit and 4-bit AdamW: smaller tensors keep 32-bit state (4096) */
     mt_adafactor_config adafactor;
     const mt_param_override *overrides; /* n_overrides of them, or NULL */
     int n_overrides;

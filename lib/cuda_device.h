@@ -83,6 +83,8 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_SGD, "mt_sgd")                                                                  \
     X(MTI_CUDA_ADAMW, "mt_adamw")                                                              \
     X(MTI_CUDA_ADAMW8, "mt_adamw8")                                                            \
+    X(MTI_CUDA_ADAMW4_MAXIMA, "mt_adamw4_maxima")                                              \
+    X(MTI_CUDA_ADAMW4, "mt_adamw4")                                                            \
     X(MTI_CUDA_AF_PARTIALS, "mt_af_partials")                                                  \
     X(MTI_CUDA_AF_FINISH, "mt_af_finish")                                                      \
     X(MTI_CUDA_AF_ROWS, "mt_af_rows")                                                          \

@@ -106,6 +106,46 @@ typedef struct mti_adamw_args {
  * before grad_scale. */
 #define MTI_Q8_BLOCK 256
 
+/* 4-bit AdamW after Li, Chen, Zhu, "Memory Efficient Optimizers with 4-bit
+ * States" (NeurIPS 2023) and its code (lpmm, default configuration; docs/
+ * engine.md, Optimizers). The update is torch's AdamW (as the adamw op:
+ * g = g * grad_scale; p = p * (1 - lr wd) - lr / (1 - b1^t) * m /
+ * (sqrt(v) / sqrt(1 - b2^t) + eps), with m = b1 m + (1 - b1) g and
+ * v = b2 v + (1 - b2) g^2 from the dequantized state), then both moments
+ * are quantized again, to nearest (no stochastic rounding):
+ *   - m: blocks of MTI_Q4_BLOCK elements of the flat tensor, absmax_m (one
+ *     fp32 per block) = max |m|, code = the nearest level of m / absmax
+ *     (IEEE division) in the signed 4-bit dynamic-exponent map
+ *     (mti_q4_map(1): +-{0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625,
+ *     0.8875}, 0 and 1); a block whose absmax is 0 stores the code of 0;
+ *   - v: with `rank1` (a matrix of rows x cols), normalised rank-1: the
+ *     scale of element (r, c) is min(rowmax[r], colmax[c]) of the new v,
+ *     scale_v holding the rows' maxima then the columns'; else (a vector)
+ *     blocks of MTI_Q4_BLOCK with one absmax each in scale_v. The code is
+ *     the nearest level of v / scale in the linear map without zero
+ *     (mti_q4_map(0): k / 16, k = 1..16), so no nonzero second moment
+ *     dequantizes to 0 (the zero-point problem of 8-bit AdamW); a scale of
+ *     0 (v = 0 there) stores code 0;
+ *   - nearest: the count of midpoints fl(c[k] + c[k+1]) * 0.5 strictly
+ *     below the value (a tie takes the lower level), as lpmm's search;
+ *   - codes are packed two to a byte, element 2i in the low nibble of byte
+ *     i and 2i + 1 in the high one (lpmm's order); an odd n pads the last
+ *     high nibble with the fresh state's code (7 for m, 0 for v);
+ *   - a non-finite g sets that element's m = v = 0 and leaves p unchanged
+ *     (as the adamw8 op; lpmm has no such rule).
+ * State: qm, qv (ceil(n / 2)) bytes; absmax_m (ceil(n / MTI_Q4_BLOCK));
+ * scale_v (rows + cols, or ceil(n / MTI_Q4_BLOCK)). A fresh state is qm
+ * filled with 0x77 (the code of 0, twice), everything else 0. The rank-1
+ * update needs the whole matrix: it computes the new maxima first (a pass
+ * that does not write), then updates and quantizes; its workspace is
+ * (rows + threads x cols) floats on the CPU, rows + cols on the GPU. Bits
+ * do not depend on the thread count. n = rows * cols in both cases. */
+#define MTI_Q4_BLOCK 128
+typedef struct mti_adamw4_state {
+    uint8_t *qm, *qv;
+    float *absmax_m, *scale_v;
+} mti_adamw4_state;
+
 /* Elements per round of the sumsq op (see there). */
 #define MTI_SUMSQ_ROUND (64 * 4096)
 
@@ -280,6 +320,11 @@ struct mti_ops {
     mt_status (*adamw8)(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                         float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                         const mti_adamw_args *a);
+    /* 4-bit AdamW (see above) of p viewed as (rows, cols); rank1 selects the
+     * second moment's normalisation. pc as for adamw. */
+    mt_status (*adamw4)(const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st,
+                        void *pc, mti_dtype pc_dt, int64_t rows, int64_t cols, int rank1,
+                        const mti_adamw_args *a);
     /* Adafactor (see above) of p viewed as (rows, cols). factored: row (rows) and
      * col (cols) hold the factored second moment and v is unused (may be NULL);
      * else v (rows * cols) holds it and row, col are unused. m (rows * cols) is
@@ -308,6 +353,12 @@ const mti_ops *mti_cuda_dry_ops(void);
 const float *mti_q8_map(int is_signed);
 /* The code of 0.0 in a map (a fresh state is filled with it). */
 uint8_t mti_q8_zero_code(int is_signed);
+/* The 16-entry maps of 4-bit optimizer states, ascending (lpmm's, built as
+ * lib/q8map.c says): signed, the dynamic-exponent map of first moments
+ * (0 at index MTI_Q4_ZERO); unsigned, the linear map without zero of second
+ * moments (k / 16, k = 1..16). */
+const float *mti_q4_map(int is_signed);
+#define MTI_Q4_ZERO 7
 
 /* ---- scalar conversions, the one definition both tables follow ---- */
 

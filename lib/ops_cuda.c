@@ -1196,6 +1196,67 @@ static mt_status cu_adamw(const mti_kctx *k, float *p, const float *g, float *m,
 
 /* ---- 8-bit AdamW and Adafactor ---- */
 
+/* 4-bit AdamW (kernels/cuda/optim4.cu): the maps by value, as for adamw8. */
+typedef struct q4_maps {
+    float m[16];
+    float v[16];
+} q4_maps;
+
+static mt_status cu_adamw4(const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st,
+                           void *pc, mti_dtype pc_dt, int64_t rows, int64_t cols, int rank1,
+                           const mti_adamw_args *a)
+{
+    OP_NOTE(k, "adamw4 %lld x %lld%s", (long long)rows, (long long)cols, rank1 ? " rank-1" : "");
+    const char *op = "adamw4";
+    if (!a) return bad_arg(k, op, "no arguments");
+    if (rows < 0 || cols < 0) return bad_arg(k, op, "negative size");
+    if (pc && !dt_ok(pc_dt)) return bad_dt(k, op, pc_dt);
+    if (a->step < 1) return bad_arg(k, op, "step counts from 1");
+    const size_t n = (size_t)rows * (size_t)cols, nmax = rank1 ? (size_t)(rows + cols) : 0;
+    carver w = {0};
+    mt_status s = MT_OK;
+    if (nmax) {
+        s = mti_work_alloc(k, nmax * sizeof(float), &w.blk);
+        if (s != MT_OK) return s;
+    }
+    if (mti_dry(k) || n == 0) {
+        if (nmax) mti_work_free(k, &w.blk);
+        return MT_OK;
+    }
+    if (!p || !g || !st || !st->qm || !st->qv || !st->absmax_m || !st->scale_v) {
+        if (nmax) mti_work_free(k, &w.blk);
+        return bad_arg(k, op, "NULL parameter, gradient or state");
+    }
+    q4_maps maps;
+    memcpy(maps.m, mti_q4_map(1), sizeof maps.m);
+    memcpy(maps.v, mti_q4_map(0), sizeof maps.v);
+    /* the CPU table's scalars (kernels/cpu/optim4.c) */
+    float b1 = a->beta1, b2 = a->beta2, c1 = 1.0f - a->beta1, c2 = 1.0f - a->beta2;
+    float gs = a->grad_scale, eps = a->eps;
+    float step_size = (float)((double)a->lr / (1.0 - pow((double)a->beta1, (double)a->step)));
+    float bc2_sqrt = (float)sqrt(1.0 - pow((double)a->beta2, (double)a->step));
+    float decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay);
+    unsigned long long nn = n, R = (unsigned long long)rows, C = (unsigned long long)cols;
+    int pdt = (int)pc_dt, r1 = rank1 != 0;
+    uint8_t *qm = st->qm, *qv = st->qv;
+    float *am = st->absmax_m, *sv = st->scale_v, *nmx = w.blk.ptr;
+    const float *cnmx = nmx;
+    if (nmax) {
+        unsigned *rmax = (unsigned *)nmx, *cmax = rmax + rows;
+        s = k->dev->memset8(k->dev, nmx, 0, nmax * sizeof(float));
+        void *a1[] = {&g, &qv, &sv, &rmax, &cmax, &R, &C, &gs, &b2, &c2, &maps};
+        if (s == MT_OK) s = launch(k, MTI_CUDA_ADAMW4_MAXIMA, ew_grid(n), 256, a1);
+    }
+    size_t blocks = cdiv(n, MTI_Q4_BLOCK);
+    mti_dim3 grid = {(unsigned)(blocks < 65535 ? blocks : 65535), 1, 1};
+    void *a2[] = {&p, &g, &qm, &am, &qv, &sv, &cnmx, &pc, &pdt, &nn, &R, &C, &r1, &b1, &b2, &c1,
+                  &c2, &gs, &eps, &step_size, &bc2_sqrt, &decay, &maps};
+    if (s == MT_OK) s = launch(k, MTI_CUDA_ADAMW4, grid, MTI_Q4_BLOCK, a2);
+    if (s == MT_OK && nmax) s = cu_cast(k, sv, MTI_F32, nmx, MTI_F32, nmax, MTI_ROUND_NEAREST, 0);
+    if (nmax) mti_work_free(k, &w.blk);
+    return s;
+}
+
 #define MTI_AF_PARTS 1024 /* partial sums of adafactor.cu (MT_AF_PARTS) */
 #define MTI_AF_SEG 1024   /* columns per work item of adafactor.cu (MT_AF_SEG) */
 #define MTI_AF_SCALARS 4  /* scalar slots after the partial sums */
@@ -1354,6 +1415,7 @@ static const mti_ops cuda_ops = {
     .sgd = cu_sgd,
     .adamw = cu_adamw,
     .adamw8 = cu_adamw8,
+    .adamw4 = cu_adamw4,
     .adafactor = cu_adafactor,
 };
 

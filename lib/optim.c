@@ -14,6 +14,7 @@ static const mti_optim *const table[] = {
     [MT_OPT_ADAMW] = &mti_optim_adamw,
     [MT_OPT_ADAMW8] = &mti_optim_adamw8,
     [MT_OPT_ADAFACTOR] = &mti_optim_adafactor,
+    [MT_OPT_ADAMW4] = &mti_optim_adamw4,
 };
 #define N_KINDS ((int)(sizeof table / sizeof table[0]))
 

@@ -1,6 +1,7 @@
 /*
  * optim.h - the optimizers: one table (lib/optim.c), one file per optimizer
- * (lib/optim_sgd.c, optim_adamw.c, optim_adamw8.c, optim_adafactor.c).
+ * (lib/optim_sgd.c, optim_adamw.c, optim_adamw8.c, optim_adamw4.c,
+ * optim_adafactor.c).
  *
  * An optimizer works on one parameter at a time and sees only that
  * parameter: its shape, its state tensors, its fp32 values and gradients,
@@ -43,7 +44,8 @@ typedef struct mti_opt_state {
 /* The state of one parameter, as the optimizer lays it out. */
 typedef struct mti_opt_layout {
     mti_opt_state s[MTI_OPT_SLOTS];
-    int bits; /* 8 or 32: how precise the state is (8-bit AdamW's choice per tensor) */
+    int bits; /* 4, 8 or 32: how precise the state is (the quantized AdamWs' choice per
+                 tensor) */
 } mti_opt_layout;
 
 /* What one update call gets besides the tensors. */
@@ -106,6 +108,7 @@ void mti_adamw_layout32(const mti_param *p, mti_opt_layout *out);
 mti_adamw_args mti_adamw_args_of(const mti_opt_step *a, float weight_decay);
 
 /* The entries (one file each). */
-extern const mti_optim mti_optim_sgd, mti_optim_adamw, mti_optim_adamw8, mti_optim_adafactor;
+extern const mti_optim mti_optim_sgd, mti_optim_adamw, mti_optim_adamw8, mti_optim_adamw4,
+    mti_optim_adafactor;
 
 #endif /* MT_OPTIM_H */

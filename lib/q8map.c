@@ -72,6 +72,39 @@ static void build_maps(void)
     }
 }
 
+/* ---- 4-bit maps (lpmm's create_dynamic_map(signed, 3, 4) and
+ * create_pow_map(4, unsigned, 1)) ----
+ * Signed: for i = 0..2, k = 2^i + 1 points b = linspace(0.1, 1, k); each
+ * midpoint (b[j] + b[j+1]) / 2 times 10^(i-2) (the scale rounded to fp32
+ * first, as torch multiplies an fp32 tensor by a Python number), and its
+ * negation; then 0 and 1. Unsigned: linspace(0, 1, 17) without its 0. */
+static float g_map4[2][16];
+static pthread_once_t g_once4 = PTHREAD_ONCE_INIT;
+
+static void build_maps4(void)
+{
+    static const double dec4[3] = {1e-2, 1e-1, 1.0};
+    float pos[7];
+    int np = 0;
+    for (int i = 0; i < 3; i++) {
+        int k = (1 << i) + 1;
+        for (int j = 0; j + 1 < k; j++)
+            pos[np++] = (float)dec4[i] * ((linspace_point(j, k) + linspace_point(j + 1, k)) / 2.0f);
+    }
+    float *m = g_map4[1];
+    for (int j = 0; j < 7; j++) m[j] = -pos[6 - j];
+    m[7] = 0.0f;
+    for (int j = 0; j < 7; j++) m[8 + j] = pos[j];
+    m[15] = 1.0f;
+    for (int j = 0; j < 16; j++) g_map4[0][j] = (float)(j + 1) / 16.0f;
+}
+
+const float *mti_q4_map(int is_signed)
+{
+    pthread_once(&g_once4, build_maps4);
+    return g_map4[is_signed ? 1 : 0];
+}
+
 const float *mti_q8_map(int is_signed)
 {
     pthread_once(&g_once, build_maps);

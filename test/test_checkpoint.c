@@ -88,7 +88,9 @@ TEST(checkpoint_resume_is_bit_identical)
                                     {MT_OPT_ADAMW8, MT_PREC_BF16, 0, 1, 0.0f},
                                     {MT_OPT_SGD, MT_PREC_FP16, 1, 0, 0.5f},
                                     {MT_OPT_ADAFACTOR, MT_PREC_BF16, 1, 0, 0.0f},
-                                    {MT_OPT_ADAMW8, MT_PREC_FP32, 1, 1, 1.0f}};
+                                    {MT_OPT_ADAMW8, MT_PREC_FP32, 1, 1, 1.0f},
+                                    {MT_OPT_ADAMW4, MT_PREC_BF16, 1, 0, 1.0f},
+                                    {MT_OPT_ADAMW4, MT_PREC_FP32, 1, 1, 0.0f}};
     char path[256];
     tmp_path(path, sizeof path, "resume.ckpt");
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {

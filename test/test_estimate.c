@@ -227,14 +227,14 @@ static void matrix(void)
 {
     static const mt_precision precs[] = {MT_PREC_FP32, MT_PREC_BF16, MT_PREC_FP16};
     static const mt_optimizer_kind opts[] = {MT_OPT_ADAMW, MT_OPT_SGD, MT_OPT_ADAMW8,
-                                             MT_OPT_ADAFACTOR};
+                                             MT_OPT_ADAFACTOR, MT_OPT_ADAMW4};
     static const mt_recompute_policy rcs[] = {MT_RECOMPUTE_NONE, MT_RECOMPUTE_SQRT,
                                               MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_EVERY_K};
     int n = 0;
     double worst = 0;
     for (int mk = 0; mk < 3; mk++)
         for (int pi = 0; pi < 3; pi++)
-            for (int oi = 0; oi < 4; oi++)
+            for (int oi = 0; oi < 5; oi++)
                 for (int v = 0; v < 2; v++) {
                     est_case e = {.model = (model_kind)mk, .prec = precs[pi], .masters = 1,
                                   .opt = opts[oi]};
@@ -250,7 +250,8 @@ static void matrix(void)
                     e.freeze = n % 4 == 1 ? 1 : n % 4 == 3 ? 2 : 0;
                     e.lora = n % 4 == 2 ? 4 : n % 8 == 1 ? 2 : 0; /* (with frozen biases too) */
                     /* bf16 without masters where the optimizer takes it */
-                    if (precs[pi] == MT_PREC_BF16 && v && opts[oi] != MT_OPT_ADAFACTOR)
+                    if (precs[pi] == MT_PREC_BF16 && v && opts[oi] != MT_OPT_ADAFACTOR &&
+                        opts[oi] != MT_OPT_ADAMW4) /* these need fp32 masters */
                         e.masters = 0;
                     double gap = check_case(&e, n);
                     if (gap > worst) worst = gap;

@@ -1337,6 +1337,62 @@ TEST(ops_optimizers)
     close_tables();
 }
 
+/* ---- 4-bit AdamW: every table against the CPU's ----
+ * (its golden vectors, threads and edge cases are in test_optim4.c). The
+ * CUDA kernels make the CPU's roundings in the CPU's order and the maxima
+ * are exact, so parameters, codes and scales must be the same bits: a
+ * matrix (rank-1 second moment, a partial last block) and a vector, three
+ * steps, a non-finite gradient at step 2, the compute copy in bf16. */
+TEST(ops_optimizers_4bit)
+{
+    open_tables();
+    static const int64_t shapes[2][3] = {{97, 131, 1}, {1, 5003, 0}};
+    for (int f = 0; f < 2; f++) {
+        const int64_t rows = shapes[f][0], cols = shapes[f][1];
+        const int rank1 = (int)shapes[f][2];
+        const size_t n = (size_t)(rows * cols), nq = (n + 1) / 2, nb = (n + MTI_Q4_BLOCK - 1) / MTI_Q4_BLOCK;
+        const size_t ns = rank1 ? (size_t)(rows + cols) : nb;
+        float *p0 = randv(n, 1), *grads[3];
+        for (int s = 0; s < 3; s++) grads[s] = randv(n, 0.1f);
+        grads[1][17] = NAN;
+        float *ref = malloc((n + nb + ns) * 4), *got = malloc((n + nb + ns) * 4);
+        uint8_t *ref_q = malloc(2 * nq), *got_q = malloc(2 * nq);
+        float *pc = malloc(n * 4), *pcw = malloc(n * 4);
+        for (int ti = 0; ti < n_tabs; ti++) {
+            tab *t = &tabs[ti];
+            float *P = put(t, p0, n, MTI_F32);
+            uint8_t *Q = dev_buf(t, NULL, 2 * nq);
+            float *S = dev_buf(t, NULL, (nb + ns) * 4);
+            void *PC = dev_buf(t, NULL, n * 2);
+            CHECK_OK(t->ctx->dev->memset8(t->ctx->dev, Q, 0x77, nq));
+            mti_adamw4_state st = {.qm = Q, .qv = Q + nq, .absmax_m = S, .scale_v = S + nb};
+            for (int s = 0; s < 3; s++) {
+                float *G = put(t, grads[s], n, MTI_F32);
+                mti_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                                    .weight_decay = 0.1f, .step = s + 1, .grad_scale = 0.5f};
+                CHECK_OKC(t->ctx, t->ops->adamw4(&t->k, P, G, &st, PC, MTI_BF16, rows, cols, rank1, &a));
+            }
+            float *R = ti ? got : ref;
+            uint8_t *RQ = ti ? got_q : ref_q;
+            get(t, R, P, n, MTI_F32);
+            dev_get(t, R + n, S, (nb + ns) * 4);
+            dev_get(t, RQ, Q, 2 * nq);
+            get(t, pc, PC, n, MTI_BF16);
+            for (size_t i = 0; i < n; i++) pcw[i] = round_to(R[i], MTI_BF16);
+            CHECK_MSG(memcmp(pc, pcw, n * 4) == 0, "adamw4 %s: compute copy is not the masters rounded", t->name);
+            if (ti) {
+                CHECK_MSG(memcmp(got, ref, n * 4) == 0, "adamw4 %s %s: parameters differ from the CPU's", t->name, rank1 ? "matrix" : "vector");
+                CHECK_MSG(memcmp(got_q, ref_q, 2 * nq) == 0, "adamw4 %s %s: codes differ from the CPU's", t->name, rank1 ? "matrix" : "vector");
+                CHECK_MSG(memcmp(got + n, ref + n, (nb + ns) * 4) == 0, "adamw4 %s %s: scales differ from the CPU's", t->name, rank1 ? "matrix" : "vector");
+            }
+            free_bufs(t);
+        }
+        for (int s = 0; s < 3; s++) free(grads[s]);
+        free(p0), free(ref), free(got), free(ref_q), free(got_q), free(pc), free(pcw);
+    }
+    close_tables();
+}
+
 /* ---- 8-bit AdamW and Adafactor: every table against the CPU's ----
  * (their golden vectors, threads and edge cases are in test_optim.c).
  * adamw8: the CUDA kernel makes the CPU's roundings in the CPU's order, so

@@ -31,12 +31,13 @@ TEST(optimizers_table_complete)
         CHECK_EQ((int)back, k);
         CHECK(o->has_ops(mti_cpu_ops())); /* the CPU table has every optimizer */
     }
-    CHECK_EQ(n, 4);
+    CHECK_EQ(n, 5);
     CHECK(mti_optim_of(MT_OPT_SGD) && mti_optim_of(MT_OPT_ADAMW) && mti_optim_of(MT_OPT_ADAMW8) &&
-          mti_optim_of(MT_OPT_ADAFACTOR));
+          mti_optim_of(MT_OPT_ADAFACTOR) && mti_optim_of(MT_OPT_ADAMW4));
     mt_optimizer_kind k = MT_OPT_SGD;
     CHECK_ST(MT_ERR_INVALID_ARG, mt_optimizer_by_name("adam", &k));
-    CHECK(strstr(mt_last_error(NULL), "adamw8") && strstr(mt_last_error(NULL), "adafactor"));
+    CHECK(strstr(mt_last_error(NULL), "adamw8") && strstr(mt_last_error(NULL), "adafactor") &&
+          strstr(mt_last_error(NULL), "adamw4"));
     CHECK_EQ((int)k, MT_OPT_SGD);
     CHECK_ST(MT_ERR_INVALID_ARG, mt_optimizer_by_name(NULL, &k));
 }
@@ -93,7 +94,7 @@ TEST(optimizers_slices_equal_whole)
     mt_context *ctx = check_cpu_context(2);
     const int64_t rows = 13, cols = 97; /* 1261 elements: 4 blocks of 256 and a part */
     const size_t n = (size_t)(rows * cols);
-    for (int kind = MT_OPT_SGD; kind <= MT_OPT_ADAFACTOR; kind++) {
+    for (int kind = MT_OPT_SGD; kind <= MT_OPT_ADAMW4; kind++) {
         const mti_optim *o = mti_optim_of((mt_optimizer_kind)kind);
         float *pw = check_alloc(n * 4), *ps = check_alloc(n * 4);
         void *sw[MTI_OPT_SLOTS], *ss[MTI_OPT_SLOTS];

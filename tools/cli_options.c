@@ -268,8 +268,8 @@ static const opt table[] = {
        NULL),
     LONG("--micro", "N", ALL, CLI_ANY, micro, 0, 1 << 24,
          "rows per micro-batch, 0 = the whole batch (0)", NULL),
-    FN("--optimizer", "sgd|adamw|adamw8|adafactor", ALL, CLI_ANY, set_optimizer,
-       "(sgd, adamw, adamw8, adafactor)", "(mlp sgd, gpt adamw)", "(adamw)"),
+    FN("--optimizer", "sgd|adamw|adamw8|adamw4|adafactor", ALL, CLI_ANY, set_optimizer,
+       "(sgd, adamw, adamw8, adamw4, adafactor)", "(mlp sgd, gpt adamw)", "(adamw)"),
     FLAG("--no-master", ALL, CLI_ANY, no_master, 1, "bf16 weights without fp32 masters"),
     FN("--recompute", "none|selective|sqrt|every:K", TS, CLI_ANY, set_recompute,
        "(none, selective, sqrt, every:K)", "activation recompute (none)", NULL),
@@ -462,9 +462,9 @@ static int check_together(const cli_opts *o)
     if (o->no_master && o->precision != MT_PREC_BF16)
         return cli_bad_usage("%s", "--no-master needs --precision bf16 (fp32 weights are their "
                                    "own masters; fp16 needs fp32 masters)");
-    if (o->no_master && o->optimizer == MT_OPT_ADAFACTOR)
-        return cli_bad_usage("%s", "--no-master does not combine with --optimizer adafactor "
-                                   "(its update needs fp32 masters)");
+    if (o->no_master && (o->optimizer == MT_OPT_ADAFACTOR || o->optimizer == MT_OPT_ADAMW4))
+        return cli_bad_usage("--no-master does not combine with --optimizer %s (its update "
+                             "needs fp32 masters)", mt_optimizer_name(o->optimizer));
     if (o->fused && o->micro && o->micro < o->batch)
         return cli_bad_usage("%s", "--fused cannot combine with --micro smaller than --batch "
                                    "(it cannot accumulate gradients)");

@@ -101,7 +101,10 @@ mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, voi
 mt_status mti_cpu_adamw(const mti_kctx *k, float *p, const float *g, float *m, float *v, void *pc,
                         mti_dtype pc_dt, size_t n, const mti_adamw_args *a);
 
-/* optim8.c: 8-bit blockwise AdamW */
+/* optim8.c: 8-bit blockwise AdamW, and the argument checks of the
+ * quantized AdamWs (a status with a message naming op, or MT_OK) */
+mt_status mti_cpu_adam_check(const mti_kctx *k, const char *op, const void *pc, mti_dtype pc_dt,
+                             const mti_adamw_args *a);
 /* The 8-bit code of x (already divided by its block's absmax) in the
  * signed or unsigned map, as adamw8 quantizes: by its table over the
  * float's bits, or with by_search by the search over the thresholds (the
@@ -111,6 +114,11 @@ uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search);
 int mti_cpu_q8_lut_ok(void);
 mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                          float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
+                         const mti_adamw_args *a);
+
+/* optim4.c: 4-bit AdamW */
+mt_status mti_cpu_adamw4(const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st,
+                         void *pc, mti_dtype pc_dt, int64_t rows, int64_t cols, int rank1,
                          const mti_adamw_args *a);
 
 /* adafactor.c: Adafactor */

@@ -271,18 +271,26 @@ WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint
     quantize(qv, v, n, nv, tv, lv, 0);
 }
 
+mt_status mti_cpu_adam_check(const mti_kctx *k, const char *op, const void *pc, mti_dtype pc_dt,
+                             const mti_adamw_args *a)
+{
+    if (!a) return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: no arguments", op);
+    if (pc && pc_dt != MTI_F32 && pc_dt != MTI_F16 && pc_dt != MTI_BF16)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: compute dtype %d is not a float", op,
+                        (int)pc_dt);
+    if (a->step < 1)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: step %lld (steps count from 1)", op,
+                        (long long)a->step);
+    return MT_OK;
+}
+
 mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                          float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                          const mti_adamw_args *a)
 {
     if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
-    if (!a) return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "adamw8: no arguments");
-    if (pc && pc_dt != MTI_F32 && pc_dt != MTI_F16 && pc_dt != MTI_BF16)
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "adamw8: compute dtype %d is not a float",
-                        (int)pc_dt);
-    if (a->step < 1)
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "adamw8: step %lld (steps count from 1)",
-                        (long long)a->step);
+    mt_status s = mti_cpu_adam_check(k, "adamw8", pc, pc_dt, a);
+    if (s) return s;
     if (n > 0 && (!p || !g || !qm || !qv || !absmax_m || !absmax_v))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "adamw8: NULL %s", !p ? "p" : !g ? "g" : !qm ? "qm" : !qv ? "qv"

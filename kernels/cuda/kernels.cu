@@ -24,6 +24,7 @@
  *   reduce.cu       column sums and the sum of squares
  *   optim.cu        unscale + inf check, SGD, AdamW
  *   optim8.cu       8-bit blockwise AdamW
+ *   optim4.cu       4-bit AdamW
  *   adafactor.cu    Adafactor
  * GEMMs go through cuBLASLt from the host, not through kernels here.
  */
@@ -55,4 +56,5 @@ extern "C" __global__ void mt_axpy_f32(float *y, float a, const float *x, mt_ind
 #include "reduce.cu"
 #include "optim.cu"
 #include "optim8.cu"
+#include "optim4.cu"
 #include "adafactor.cu"
