@@ -82,7 +82,9 @@ typedef enum mt_mem_class {
     MT_MEM_ACT = 4,    /* activations kept for backward */
     MT_MEM_WORK = 5,   /* temporaries inside one op */
     MT_MEM_IO = 6,     /* batches, targets, logits */
-    MT_MEM_COUNT = 7
+    MT_MEM_COMM = 7,   /* communication buffers of a run of several ranks: the staging
+                          of collectives, buckets, gather buffers (docs/distributed.md) */
+    MT_MEM_COUNT = 8
 } mt_mem_class;
 
 /* "PARAM", "MASTER", ... ; "?" for an out-of-range value. */
@@ -280,6 +282,18 @@ typedef struct mt_context_config {
      * variable MT_CUDA_DEBUG_SYNC=1 turns it on for every CUDA context.
      * Nothing changes on the CPU. */
     int cuda_debug_sync;
+    /* The rank a dry context plans for, when it has no communicator: rank
+     * `rank` of `world_size` (0 or 1: a world of one). Under ZeRO
+     * (mt_trainer_config.zero_stage) what a rank holds depends on the world
+     * size and on the rank, so an estimate made before any communicator
+     * exists (mt_estimate, `memtrain estimate --ranks N`) names them here.
+     * Only for dry contexts (dry_run, and the contexts of the estimates):
+     * a real context takes both from comm, and world_size > 1 without
+     * dry_run is MT_ERR_INVALID_ARG. A dry context made from a
+     * configuration with a communicator (mt_estimate_model on a data
+     * parallel model) takes the communicator's. */
+    int world_size;
+    int rank;
 } mt_context_config;
 
 /* Fills cfg with the defaults. */

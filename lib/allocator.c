@@ -155,6 +155,17 @@ static bool refuse_unback(mt_allocator *a, const char *what, const void *p, size
     return true;
 }
 
+/* Whether [p, p + n) holds memory a collective that timed out may still
+ * write (mt_context.comm_kept): such a reservation is never given back to
+ * the device, so a late completion writes into memory no one else has. Only
+ * after a failure; the leak is the reservation holding the staging. */
+static bool kept(const mt_allocator *a, const void *p, size_t n)
+{
+    const mt_context *c = a->ctx;
+    const uintptr_t lo = (uintptr_t)c->comm_kept, q = (uintptr_t)p;
+    return c->comm_kept_bytes && q < lo + c->comm_kept_bytes && lo < q + n;
+}
+
 static void backing_release(void *self, void *ptr, size_t granted)
 {
     mt_allocator *a = self;
@@ -169,7 +180,7 @@ static void backing_release(void *self, void *ptr, size_t granted)
     if (g != granted)
         mti_log(a->ctx, MT_LOG_WARN, "allocator '%s' released %p with size %zu, not %zu",
                 a->vt->name, ptr, granted, g);
-    a->ctx->dev->mem_release(a->ctx->dev, ptr, g);
+    if (!kept(a, ptr, g)) a->ctx->dev->mem_release(a->ctx->dev, ptr, g);
     note_released(a, g);
 }
 
@@ -238,7 +249,7 @@ static void backing_va_decommit(void *self, void *addr, size_t bytes)
         return;
     }
     if (refuse_unback(a, "decommitted", addr, bytes)) return;
-    a->ctx->dev->va_decommit(a->ctx->dev, addr, bytes);
+    if (!kept(a, addr, bytes)) a->ctx->dev->va_decommit(a->ctx->dev, addr, bytes);
     r->committed -= bytes;
     note_released(a, bytes);
 }
@@ -247,12 +258,13 @@ static void va_drop(mt_allocator *a, size_t i)
 {
     wrap_extra *x = extra_of(a);
     va_range *r = &x->va[i];
+    const bool keep = kept(a, r->base, r->bytes);
     if (r->committed) {
         /* whatever is still committed goes with the range */
-        a->ctx->dev->va_decommit(a->ctx->dev, r->base, r->bytes);
+        if (!keep) a->ctx->dev->va_decommit(a->ctx->dev, r->base, r->bytes);
         note_released(a, r->committed);
     }
-    a->ctx->dev->va_release(a->ctx->dev, r->base, r->bytes);
+    if (!keep) a->ctx->dev->va_release(a->ctx->dev, r->base, r->bytes);
     x->va[i] = x->va[--x->n_va];
 }
 
@@ -366,7 +378,8 @@ void mti_allocator_delete(mt_allocator *a)
     for (size_t i = 0; i < x->resv.cap; i++) {
         mti_resv_slot *sl = &x->resv.slots[i];
         if (sl->ptr <= 1) continue;
-        a->ctx->dev->mem_release(a->ctx->dev, (void *)sl->ptr, sl->granted);
+        if (!kept(a, (void *)sl->ptr, sl->granted))
+            a->ctx->dev->mem_release(a->ctx->dev, (void *)sl->ptr, sl->granted);
         note_released(a, sl->granted);
         leaked += sl->granted;
     }

@@ -54,6 +54,12 @@ static mt_status take_config(const mt_context_config *in, mt_context_config *c)
     if (c->threads < 0 || c->threads > 4096)
         return mti_fail(NULL, MT_ERR_INVALID_ARG,
                         "mt_context_create: cfg->threads %d out of range 0..4096", c->threads);
+    if (c->world_size < 0 || c->world_size > 65536 || c->rank < 0 ||
+        c->rank >= (c->world_size > 1 ? c->world_size : 1))
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "mt_context_create: cfg->rank %d of cfg->world_size %d (need 0 <= rank < "
+                        "world_size <= 65536; 0: one rank)",
+                        c->rank, c->world_size);
     if ((unsigned)c->log_level > MT_LOG_DEBUG)
         return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: cfg->log_level %d out of range",
                         (int)c->log_level);
@@ -62,6 +68,7 @@ static mt_status take_config(const mt_context_config *in, mt_context_config *c)
 
 static void context_free(mt_context *ctx)
 {
+    mti_comm_free_buffers(ctx);
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_delete(ctx->inst[i]);
     if (ctx->trace) mt_trace_free(ctx->trace);
     if (ctx->dev) ctx->dev->destroy(ctx->dev);
@@ -103,14 +110,27 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     mt_status s = take_config(cfg, &c);
     if (s) return s;
 
+    const bool device_comm = mti_comm_is_device(c.comm);
+
     mt_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");
     pthread_mutex_init(&ctx->err_mu, NULL);
     mti_clear_error(ctx); /* a context freed before may have had this address */
+    if (!dry && c.world_size > 1) {
+        context_free(ctx);
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "mt_context_create: cfg->world_size %d is for dry contexts (estimates); a "
+                        "context that trains takes its world from cfg->comm",
+                        c.world_size);
+    }
+    ctx->world = c.comm ? mt_comm_size(c.comm) : c.world_size > 1 ? c.world_size : 1;
+    ctx->rank = c.comm ? mt_comm_rank(c.comm) : ctx->world > 1 ? c.rank : 0;
     if (dry) { /* an estimate records and logs nothing */
         c.trace_capacity = 0;
         c.log_fn = NULL;
-        c.comm = NULL; /* and communicates nothing */
+        c.comm = NULL; /* and communicates nothing, planning as the rank it was */
+        c.world_size = ctx->world;
+        c.rank = ctx->rank;
     }
     ctx->cfg = c;
     ctx->cfg.cublaslt_path = NULL; /* the context's own copy: it is read at the first GEMM */
@@ -158,6 +178,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
         s = mt_context_trace_start(ctx, c.trace_capacity);
         if (s) return create_failed(ctx, s);
     }
+    if ((s = mti_comm_buffers(ctx, device_comm))) return create_failed(ctx, s);
     if (c.comm && (s = mti_comm_attach(ctx))) return create_failed(ctx, s);
     mti_log(ctx, MT_LOG_INFO, "context on %s, %d allocator instance(s)", ctx->dev->name,
             ctx->n_inst);

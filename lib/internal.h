@@ -52,7 +52,8 @@ typedef enum mti_tag_kind {
     MTI_TAG_GRAD = 2,    /* GRAD: its gradient */
     MTI_TAG_STATE = 3,   /* OPTIM: optimizer state slot j is MTI_TAG_STATE + j (3..6) */
     MTI_TAG_TRAINER = 8, /* the trainer's tensors (the tensor says which) */
-    MTI_TAG_STAGE = 9    /* a model's staging tensor for host reads and writes */
+    MTI_TAG_STAGE = 9,   /* a model's staging tensor for host reads and writes */
+    MTI_TAG_COMM = 10    /* COMM: communication buffers (lib/comm/; the tensor says which) */
 } mti_tag_kind;
 #define MTI_TAG_PARAM(kind, i) MTI_TAG(1, ((uint64_t)(kind) << 24) | (uint64_t)(i))
 
@@ -143,6 +144,8 @@ struct mt_context {
     mt_allocator *by_class[MT_MEM_COUNT];
     mt_trace *trace;
     const mti_ops *ops;      /* kernel table of the device */
+    int world, rank;         /* the ranks of the run (cfg.comm's; a dry context's
+                                planned ones, cfg.world_size and cfg.rank) */
     bool dry;                /* an estimate's context: no memory behind the
                                 blocks, ops that only take their workspace
                                 (lib/estimate.c) */
@@ -152,6 +155,16 @@ struct mt_context {
     _Atomic int n_children;  /* models, trainers, standalone allocators alive */
     /* all the context's instances together (standalone ones excluded) */
     _Atomic uint64_t live_total, live_peak, reserved_total, reserved_peak;
+    /* communication (lib/comm/comm.c): the buffers a run of several ranks
+     * holds from creation to destroy */
+    mt_block comm_stage;     /* COMM: host staging of a host communicator (CPU context) */
+    mt_block comm_records;   /* COMM: device buffer for the records of a device communicator */
+    void *comm_host_stage;   /* a CUDA context's host staging for a host communicator (the
+                                context's allocators hold device memory: malloc'd) */
+    /* memory a collective that never completed may still write: the
+     * allocators never give back the reservation holding it */
+    const void *comm_kept;
+    size_t comm_kept_bytes;
     pthread_mutex_t err_mu;  /* guards err, which every thread may write */
     char err[MTI_ERR_LEN];   /* the last failure on the context, of any thread */
 };

@@ -45,7 +45,7 @@ const char *mt_status_string(mt_status s)
 const char *mt_mem_class_name(mt_mem_class c)
 {
     static const char *const names[MT_MEM_COUNT] = {"PARAM", "MASTER", "GRAD", "OPTIM",
-                                                    "ACT",   "WORK",   "IO"};
+                                                    "ACT",   "WORK",   "IO",     "COMM"};
     return (unsigned)c < MT_MEM_COUNT ? names[c] : "?";
 }
 

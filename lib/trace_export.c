@@ -222,7 +222,7 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
 
 /* One shade per class, in mt_mem_class order. */
 static const char *const class_color[MT_MEM_COUNT] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#e15759",
-                                                      "#59a14f", "#b07aa1", "#9c755f"};
+                                                      "#59a14f", "#b07aa1", "#9c755f", "#edc948"};
 
 #define SVG_W 960
 #define SVG_H 480

@@ -296,9 +296,41 @@ typedef struct nccl_arg {
     tcomm_world *w;
     int n;
     double timeout;
-    int stall; /* rank 1 leaves before the second collective */
+    int stall;   /* rank 1 leaves before the second collective */
+    int context; /* a CUDA context on the communicator: its COMM buffers */
     _Atomic int bad;
 } nccl_arg;
+
+static mt_context *cuda_comm_context(mt_comm *c);
+
+/* A CUDA context of a device communicator holds its record buffer, as its
+ * estimate says; with a host communicator nothing is in COMM (the host
+ * staging is not the device's memory). */
+static void nccl_context(nccl_arg *a, int rank, mt_comm *c)
+{
+    mt_context *ctx = cuda_comm_context(c);
+    RANK_EXPECT(ctx != NULL);
+    if (!ctx) return;
+    mt_memory_stats ms;
+    mt_context_memory_stats(ctx, &ms);
+    RANK_EXPECT(ms.per_class[MT_MEM_COMM].live_bytes == (uint64_t)a->n * MTI_COMM_RECORD);
+    /* records past the buffer's 256 bytes per rank go in pieces */
+    unsigned char rec[600], all[3 * 600];
+    memset(rec, mt_comm_rank(c) + 1, sizeof rec);
+    RANK_EXPECT(!mti_comm_host_gather(ctx, "test", rec, all, sizeof rec));
+    for (int r = 0; r < a->n; r++)
+        for (size_t i = 0; i < sizeof rec; i += 37) RANK_EXPECT(all[r * sizeof rec + i] == r + 1);
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 64, g.max_seq = 8, g.layers = 1, g.heads = 2, g.channels = 16;
+    mt_model *m = NULL;
+    mt_estimate_report e;
+    RANK_EXPECT(!mt_model_gpt_create(ctx, &g, &m));
+    RANK_EXPECT(m && !mt_estimate_model(m, NULL, &e));
+    RANK_EXPECT(e.class_peak[MT_MEM_COMM] == (uint64_t)a->n * MTI_COMM_RECORD);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
 
 static void nccl_rank(int rank, void *p)
 {
@@ -342,6 +374,7 @@ static void nccl_rank(int rank, void *p)
     RANK_EXPECT(!mt_comm_broadcast(c, &b, 4, MT_COMM_BYTE, 0, NULL));
     RANK_EXPECT(b == 77);
     RANK_EXPECT(!mt_comm_barrier(c));
+    if (a->context) nccl_context(a, rank, c);
     mt_comm_destroy(c);
 }
 
@@ -352,7 +385,8 @@ TEST(comm_nccl_stand_in)
         return;
     }
     for (int n = 1; n <= 3; n++) {
-        nccl_arg a = {.w = tcomm_world_new(n, 10.0), .n = n, .timeout = 10.0};
+        nccl_arg a = {.w = tcomm_world_new(n, 10.0), .n = n, .timeout = 10.0,
+                      .context = n > 1 && check_fake_cuda() != NULL};
         tcomm_run(n, nccl_rank, &a);
         tcomm_world_free(a.w);
         CHECK_MSG(!a.bad, "NCCL stand-in over %d ranks", n);
@@ -368,6 +402,7 @@ TEST(comm_nccl_stand_in)
  * device buffers go through host memory, in chunks. */
 typedef struct cuda_arg {
     tcomm_world *w;
+    int failing;    /* every device-to-host copy fails */
     _Atomic int bad;
 } cuda_arg;
 
@@ -391,6 +426,21 @@ static void cuda_rank(int rank, void *p)
     mt_context *ctx = cuda_comm_context(c);
     RANK_EXPECT(ctx != NULL);
     if (!ctx) {
+        mt_comm_destroy(c);
+        return;
+    }
+    mt_memory_stats ms;
+    mt_context_memory_stats(ctx, &ms);
+    RANK_EXPECT(ms.per_class[MT_MEM_COMM].peak_live_bytes == 0);
+    if (a->failing) { /* the data go through the host: the copy out fails the call */
+        mt_alloc_request req = {.bytes = 64, .mem_class = MT_MEM_GRAD, .lifetime = MT_LIFE_STEP};
+        mt_block b;
+        RANK_EXPECT(!mt_context_alloc(ctx, &req, &b));
+        if (rank == 0) /* alone: its copy fails before the collective, so no rank waits */
+            RANK_EXPECT(mti_comm_all_reduce(ctx, "test", b.ptr, b.ptr, 16, MT_COMM_F32,
+                                            MT_COMM_SUM) != MT_OK);
+        mt_context_free(ctx, &b);
+        mt_context_destroy(ctx);
         mt_comm_destroy(c);
         return;
     }
@@ -424,27 +474,18 @@ TEST(comm_cuda_host_staging)
     tcomm_world_free(a.w);
     CHECK(!a.bad);
     /* the data did go through the host: a failing device-to-host copy fails
-       the all-reduce (one rank, so nobody waits) */
+       the all-reduce */
     void *lib = dlopen(check_fake_cuda(), RTLD_NOW | RTLD_LOCAL);
     CHECK(lib != NULL);
     void (*fail)(const char *, int, int) = NULL;
     void *sym = dlsym(lib, "fake_cuda_fail");
     memcpy(&fail, &sym, sizeof sym);
     CHECK(fail != NULL);
-    tcomm_world *w = tcomm_world_new(1, 30.0);
-    mt_comm *c = tcomm_make(w, 0, 1, 0);
-    mt_context *ctx = cuda_comm_context(c);
-    CHECK(ctx != NULL);
-    mt_alloc_request req = {.bytes = 64, .mem_class = MT_MEM_GRAD, .lifetime = MT_LIFE_STEP};
-    mt_block b;
-    CHECK_OK(mt_context_alloc(ctx, &req, &b));
+    cuda_arg f = {.w = tcomm_world_new(2, 30.0), .failing = 1};
     fail("cuMemcpyDtoHAsync_v2", 0, 999);
-    mt_status s = mti_comm_all_reduce(ctx, "test", b.ptr, b.ptr, 16, MT_COMM_F32, MT_COMM_SUM);
+    tcomm_run(2, cuda_rank, &f);
     fail("", 0, 0);
-    CHECK(s != MT_OK);
-    mt_context_free(ctx, &b);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
-    tcomm_world_free(w);
+    tcomm_world_free(f.w);
+    CHECK(!f.bad);
     dlclose(lib);
 }

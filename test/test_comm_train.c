@@ -53,6 +53,7 @@ typedef struct dp_run {
     int channels[MAXN];        /* per rank: the model's width (disagreement tests) */
     float lr[MAXN];
     int bad_batch_rank;        /* >= 0: that rank's first batch has a bad token */
+    mt_memory_stats ms[MAXN];  /* each rank's accounting after its steps */
 } dp_run;
 
 /* One rank's run, or the single process (rank 0 of 1, all rows). */
@@ -84,6 +85,7 @@ static void dp_rank(int rank, void *p)
     }
     a->st[rank] = s;
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (ctx) mt_context_memory_stats(ctx, &a->ms[rank]);
     if (!s) {
         a->nw = mt_model_num_params(m);
         a->w[rank] = malloc(a->nw * sizeof(float));
@@ -193,6 +195,68 @@ TEST(dp_equals_accumulation)
                       n, rel, (double)dl);
         }
     }
+}
+
+/* Each rank's accounting equals the estimate made for its rank without a
+ * communicator, to the byte, the communication staging (COMM) included. */
+TEST(dp_estimate_equals_measured)
+{
+    static const int pick[] = {0, 4, 8}; /* sgd fp32, adamw bf16, adamw8 fused clip */
+    for (size_t k = 0; k < sizeof pick / sizeof pick[0]; k++)
+        for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
+            dp_run dp = {.n = n, .rows = 2, .bad_batch_rank = -1};
+            case_config(&cases[pick[k]], &dp.tc);
+            dp.tc.max_batch = dp.rows;
+            dp.world = tcomm_world_new(n, 30.0);
+            tcomm_run(n, dp_rank, &dp);
+            tcomm_world_free(dp.world);
+            for (int r = 0; r < n; r++) {
+                CHECK_MSG(dp.st[r] == MT_OK, "rank %d: %s", r, dp.msg[r]);
+                mt_context_config cc;
+                mt_context_config_init(&cc);
+                cc.device = MT_DEVICE_CPU;
+                cc.threads = 1;
+                cc.world_size = n;
+                cc.rank = r;
+                mt_gpt_spec g;
+                gpt_spec(&g, 16);
+                mt_estimate_report e;
+                CHECK_OK(mt_estimate_gpt(&cc, &g, &dp.tc, &e));
+                const mt_memory_stats *ms = &dp.ms[r];
+                CHECK_MSG(e.peak == ms->peak_live_bytes && e.peak_reserved == ms->peak_reserved_bytes,
+                          "%s, rank %d of %d: peak %llu (estimate %llu), reserved %llu (%llu)",
+                          cases[pick[k]].name, r, n, (unsigned long long)ms->peak_live_bytes,
+                          (unsigned long long)e.peak, (unsigned long long)ms->peak_reserved_bytes,
+                          (unsigned long long)e.peak_reserved);
+                for (int c = 0; c < MT_MEM_COUNT; c++)
+                    CHECK_MSG(e.class_peak[c] == ms->per_class[c].peak_live_bytes,
+                              "%s, rank %d of %d, %s: %llu, estimate %llu", cases[pick[k]].name, r,
+                              n, mt_mem_class_name((mt_mem_class)c),
+                              (unsigned long long)ms->per_class[c].peak_live_bytes,
+                              (unsigned long long)e.class_peak[c]);
+                CHECK_EQ(ms->per_class[MT_MEM_COMM].peak_live_bytes, (uint64_t)4 << 20);
+            }
+            free_run(&dp);
+        }
+    /* one rank: no communication buffers, in the run or the estimate */
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.world_size = 1;
+    mt_gpt_spec g;
+    gpt_spec(&g, 16);
+    mt_estimate_report e;
+    CHECK_OK(mt_estimate_gpt(&cc, &g, NULL, &e));
+    CHECK_EQ(e.class_peak[MT_MEM_COMM], 0);
+    /* a rank out of range, and ranks without a communicator outside an estimate */
+    cc.world_size = 2;
+    cc.rank = 2;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_estimate_gpt(&cc, &g, NULL, &e));
+    CHECK(strstr(mt_last_error(NULL), "cfg->rank 2") != NULL);
+    cc.rank = 1;
+    mt_context *ctx = NULL;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_context_create(&cc, &ctx));
+    CHECK(strstr(mt_last_error(NULL), "for dry contexts") != NULL);
 }
 
 /* Ranks that disagree get an error at create, every one of them. */

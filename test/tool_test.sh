@@ -65,7 +65,7 @@ expect 2 "autofit without a budget" -- "$tool" estimate --autofit
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
 grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
 # the report's estimate column equals its peak column on every class row
-awk '/^(PARAM|MASTER|GRAD|OPTIM|ACT|WORK|IO|total) / && !done { if ($4 $5 != $6 $7) bad = 1; if ($1 == "total") done = 1 } END { exit bad }' "$tmp/out" || { echo "FAIL tool: estimate column"; cat "$tmp/out"; fail=1; }
+awk '/^(PARAM|MASTER|GRAD|OPTIM|ACT|WORK|IO|COMM|total) / && !done { if ($4 $5 != $6 $7) bad = 1; if ($1 == "total") done = 1 } END { exit bad }' "$tmp/out" || { echo "FAIL tool: estimate column"; cat "$tmp/out"; fail=1; }
 
 # the MLP takes the trainer's options, each changing its run (the loss, the
 # peak, or ACT's own peak); options that mean nothing for it are refused, and

@@ -23,16 +23,19 @@ extern "C" {
  * not fatal). Collective over `comm`: every rank calls it.
  *
  * timeout_seconds (> 0) bounds every collective: each runs as a
- * non-blocking MPI collective (MPI_Iallreduce, ...) polled with MPI_Test,
- * sleeping up to 1 ms between polls, and one not complete by then (a rank
- * died or stalled) gives MT_ERR_COMM. MPI cannot cancel a collective, so
- * after a timeout the communicator is broken: the request stays pending in
- * MPI, with the buffers it was given (the communicator's own staging
- * buffers, never the library's tensors, which are copied through them), and
- * the application should end the job (MPI_Abort) rather than call
- * MPI_Finalize, which may wait for the stalled rank. When a rank dies,
- * Open MPI's mpirun usually ends the whole job itself, often before the
- * timeout.
+ * non-blocking MPI collective (MPI_Iallreduce, ...) on the buffers it is
+ * given, polled with MPI_Test, sleeping up to 1 ms between polls, and one
+ * not complete by then (a rank died or stalled) gives MT_ERR_COMM. MPI
+ * cannot cancel a collective, so after a timeout the communicator is broken
+ * and the request stays pending in MPI with its buffers: the library gives
+ * it only a context's staging buffer (never its tensors), which the context
+ * then keeps even past mt_context_destroy; an application calling the
+ * collectives itself must likewise never free or reuse buffers of a call
+ * that timed out. The application should then end the job (MPI_Abort)
+ * rather than call MPI_Finalize, which may wait for the stalled rank. When
+ * a rank dies, Open MPI's mpirun usually ends the whole job itself, often
+ * before the timeout. A call takes at most 2^30 elements per rank for the
+ * gathers and scatters.
  *
  * MPI has no portable bf16: fp32 and bytes only (no MT_COMM_CAP_BF16). The
  * library calls MPI from the threads that call it; with MPI_THREAD_SINGLE or

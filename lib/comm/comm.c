@@ -175,66 +175,175 @@ static mt_status on_ctx(mt_context *ctx, const char *what, mt_status s)
     return mti_fail(ctx, s, "%s: %s", what, msg);
 }
 
-/* A host communicator on a CUDA context: the device buffer goes through
- * host memory, STAGE_ELEMS at a time (d2h, the collective, h2d). */
-#define STAGE_BYTES ((size_t)4 << 20)
+/* ---- the buffers of a run of several ranks ---- */
 
-static bool staged(const mt_context *ctx)
+bool mti_comm_is_device(const mt_comm *c) { return c && (c->vt.caps & MT_COMM_CAP_DEVICE); }
+
+static mt_status comm_block(mt_context *ctx, size_t bytes, int which, mt_block *out)
 {
-    return ctx->dev->kind == MT_DEVICE_CUDA && !(ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE);
+    mt_alloc_request r = {.bytes = bytes, .mem_class = MT_MEM_COMM, .lifetime = MT_LIFE_PERSISTENT,
+                          .tag = MTI_TAG_PARAM(MTI_TAG_COMM, which)};
+    mt_status s = mt_context_alloc(ctx, &r, out);
+    if (s) return mti_fail(ctx, s, "mt_context_create: the communication buffers: %s",
+                           mti_last_msg(ctx).s);
+    return MT_OK;
 }
 
-static mt_status all_reduce_staged(mt_context *ctx, const char *what, const void *send, void *recv,
-                                   size_t count, mt_comm_dtype dt, mt_comm_op op)
+mt_status mti_comm_buffers(mt_context *ctx, bool device_comm)
 {
-    mti_device *d = ctx->dev;
-    const size_t es = dt == MT_COMM_F32 ? 4 : 2, chunk = STAGE_BYTES / es;
-    size_t first = count < chunk ? count : chunk;
-    unsigned char *h = malloc(first * es);
-    if (!h) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", what);
+    if (ctx->world < 2) return MT_OK;
+    if (ctx->dev->kind != MT_DEVICE_CUDA) return comm_block(ctx, MTI_COMM_STAGE, 0, &ctx->comm_stage);
+    if (device_comm)
+        return comm_block(ctx, (size_t)ctx->world * MTI_COMM_RECORD, 1, &ctx->comm_records);
+    if (ctx->dry) return MT_OK; /* the host staging below is outside the accounting */
+    if (!(ctx->comm_host_stage = malloc(MTI_COMM_STAGE)))
+        return mti_fail(ctx, MT_ERR_OOM, "mt_context_create: out of host memory for the staging");
+    return MT_OK;
+}
+
+void mti_comm_free_buffers(mt_context *ctx)
+{
+    const bool broken = ctx->cfg.comm && mt_comm_broken(ctx->cfg.comm);
+    if (broken && ctx->comm_stage.ptr) { /* a collective may still write it */
+        ctx->comm_kept = ctx->comm_stage.ptr;
+        ctx->comm_kept_bytes = ctx->comm_stage.bytes;
+    }
+    if (ctx->comm_stage.ptr) mt_context_free(ctx, &ctx->comm_stage);
+    if (ctx->comm_records.ptr) mt_context_free(ctx, &ctx->comm_records);
+    if (!broken) free(ctx->comm_host_stage); /* else left to the communicator */
+    memset(&ctx->comm_stage, 0, sizeof ctx->comm_stage);
+    memset(&ctx->comm_records, 0, sizeof ctx->comm_records);
+    ctx->comm_host_stage = NULL;
+}
+
+/* ---- collectives on behalf of a context ---- */
+
+typedef enum coll { ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST } coll;
+
+static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1; }
+
+/* Copies between the staging buffer and the context's memory (host memory
+ * when `host`): memcpy on the host, the device's copies on CUDA. */
+static mt_status stage_in(mt_context *ctx, bool host, void *stage, const void *src, size_t n)
+{
+    if (host || ctx->dev->kind != MT_DEVICE_CUDA) return memcpy(stage, src, n), MT_OK;
+    return ctx->dev->copy_d2h(ctx->dev, stage, src, n);
+}
+
+static mt_status stage_out(mt_context *ctx, bool host, void *dst, const void *stage, size_t n)
+{
+    if (host || ctx->dev->kind != MT_DEVICE_CUDA) return memcpy(dst, stage, n), MT_OK;
+    return ctx->dev->copy_h2d(ctx->dev, dst, stage, n);
+}
+
+static mt_status stage_sync(mt_context *ctx, bool host)
+{
+    return host || ctx->dev->kind != MT_DEVICE_CUDA ? MT_OK : ctx->dev->sync(ctx->dev);
+}
+
+/* One collective of a host communicator through the staging buffer:
+ * chunks of the buffer's size (per rank for the gathers and scatters),
+ * each copied in, reduced or gathered in place, and copied out. */
+static mt_status staged(mt_context *ctx, const char *what, coll k, bool host, const void *send,
+                        void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op, int root)
+{
+    mt_comm *c = ctx->cfg.comm;
+    const size_t es = esize(dt), R = (size_t)c->size, me = (size_t)c->rank;
+    if (R == 1) { /* one rank: every collective is a copy (none without buffers) */
+        if (send == recv || !count) return MT_OK;
+        if (host || ctx->dev->kind != MT_DEVICE_CUDA) return memmove(recv, send, count * es), MT_OK;
+        mt_status s = ctx->dev->copy_d2d(ctx->dev, recv, send, count * es);
+        return s ? s : ctx->dev->sync(ctx->dev);
+    }
+    unsigned char *st = ctx->comm_stage.ptr ? ctx->comm_stage.ptr : ctx->comm_host_stage;
+    if (!st) return mti_fail(ctx, MT_ERR_INTERNAL, "%s: no staging buffer", what);
+    const bool per_rank = k == REDUCE_SCATTER || k == ALL_GATHER;
+    const size_t chunk = MTI_COMM_STAGE / es / (per_rank ? R : 1);
+    const char *in = send;
+    char *out = recv;
     mt_status s = MT_OK;
     for (size_t at = 0; at < count && !s; at += chunk) {
-        size_t n = count - at < chunk ? count - at : chunk;
-        s = d->copy_d2h(d, h, (const char *)send + at * es, n * es);
-        if (!s) s = d->sync(d);
-        if (!s) s = on_ctx(ctx, what, mt_comm_all_reduce(ctx->cfg.comm, h, h, n, dt, op, NULL));
-        if (!s) s = d->copy_h2d(d, (char *)recv + at * es, h, n * es);
-        if (!s) s = d->sync(d); /* h is reused (or freed) next */
+        const size_t n = count - at < chunk ? count - at : chunk, nb = n * es;
+        if (k == REDUCE_SCATTER)
+            for (size_t r = 0; r < R && !s; r++) s = stage_in(ctx, host, st + r * nb, in + (r * count + at) * es, nb);
+        else
+            s = stage_in(ctx, host, st + (k == ALL_GATHER ? me * nb : 0), in + at * es, nb);
+        if (!s) s = stage_sync(ctx, host);
+        if (s) break;
+        switch (k) {
+        case ALL_REDUCE: s = mt_comm_all_reduce(c, st, st, n, dt, op, NULL); break;
+        case REDUCE_SCATTER: s = mt_comm_reduce_scatter(c, st, st + me * nb, n, dt, op, NULL); break;
+        case ALL_GATHER: s = mt_comm_all_gather(c, st + me * nb, st, n, dt, NULL); break;
+        case BROADCAST: s = mt_comm_broadcast(c, st, n, dt, root, NULL); break;
+        }
+        if ((s = on_ctx(ctx, what, s))) break;
+        if (k == ALL_GATHER)
+            for (size_t r = 0; r < R && !s; r++) s = stage_out(ctx, host, out + (r * count + at) * es, st + r * nb, nb);
+        else
+            s = stage_out(ctx, host, out + at * es, st + (k == REDUCE_SCATTER ? me * nb : 0), nb);
+        if (!s) s = stage_sync(ctx, host); /* the staging is reused next */
     }
-    free(h);
     return s;
+}
+
+static bool device_table(const mt_context *ctx)
+{
+    return ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE;
 }
 
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    if (staged(ctx)) return all_reduce_staged(ctx, what, send, recv, count, dt, op);
+    if (!device_table(ctx)) return staged(ctx, what, ALL_REDUCE, false, send, recv, count, dt, op, 0);
     return on_ctx(ctx, what,
                   mt_comm_all_reduce(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
+}
+
+mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv,
+                                  size_t count, mt_comm_dtype dt, mt_comm_op op)
+{
+    if (!device_table(ctx))
+        return staged(ctx, what, REDUCE_SCATTER, false, send, recv, count, dt, op, 0);
+    return on_ctx(ctx, what,
+                  mt_comm_reduce_scatter(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
 }
 
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt)
 {
+    if (!device_table(ctx))
+        return staged(ctx, what, ALL_GATHER, false, send, recv, count, dt, MT_COMM_SUM, 0);
     return on_ctx(ctx, what,
                   mt_comm_all_gather(ctx->cfg.comm, send, recv, count, dt, mti_comm_stream(ctx)));
+}
+
+mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
+                             mt_comm_dtype dt, int root)
+{
+    if (!device_table(ctx)) return staged(ctx, what, BROADCAST, false, buf, buf, count, dt, MT_COMM_SUM, root);
+    return on_ctx(ctx, what,
+                  mt_comm_broadcast(ctx->cfg.comm, buf, count, dt, root, mti_comm_stream(ctx)));
 }
 
 mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv,
                                size_t len)
 {
     mt_comm *c = ctx->cfg.comm;
-    if (!(c->vt.caps & MT_COMM_CAP_DEVICE)) return mti_comm_all_gather(ctx, what, send, recv, len, MT_COMM_BYTE);
+    if (!device_table(ctx)) return staged(ctx, what, ALL_GATHER, true, send, recv, len, MT_COMM_BYTE, MT_COMM_SUM, 0);
+    /* a device table: through the record buffer, MTI_COMM_RECORD bytes per
+       rank at a time */
     mti_device *d = ctx->dev;
-    const size_t all = len * (size_t)c->size;
-    void *buf = NULL;
-    size_t granted = 0;
-    mt_status s = d->mem_reserve(d, all, 0, &buf, &granted);
-    if (!s) s = d->copy_h2d(d, (char *)buf + (size_t)c->rank * len, send, len);
-    if (!s) s = mti_comm_all_gather(ctx, what, (char *)buf + (size_t)c->rank * len, buf, len, MT_COMM_BYTE);
-    if (!s) s = d->copy_d2h(d, recv, buf, all);
-    if (!s) s = d->sync(d);
-    if (buf) d->mem_release(d, buf, granted);
+    unsigned char *buf = ctx->comm_records.ptr;
+    const size_t R = (size_t)c->size, me = (size_t)c->rank;
+    mt_status s = buf ? MT_OK : mti_fail(ctx, MT_ERR_INTERNAL, "%s: no record buffer", what);
+    for (size_t at = 0; at < len && !s; at += MTI_COMM_RECORD) {
+        const size_t n = len - at < MTI_COMM_RECORD ? len - at : MTI_COMM_RECORD;
+        s = d->copy_h2d(d, buf + me * n, (const char *)send + at, n);
+        if (!s) s = on_ctx(ctx, what, mt_comm_all_gather(c, buf + me * n, buf, n, MT_COMM_BYTE,
+                                                         mti_comm_stream(ctx)));
+        for (size_t r = 0; r < R && !s; r++) s = d->copy_d2h(d, (char *)recv + r * len + at, buf + r * n, n);
+        if (!s) s = d->sync(d);
+    }
     return s;
 }
 

@@ -15,15 +15,26 @@ struct mt_comm {
     _Atomic int broken; /* a call failed: every later one fails at once */
 };
 
-/* Collectives on behalf of a context, with a failure's message (naming
- * `what`, e.g. "the all-reduce of the gradients of h.3.qkv.w") kept on
- * ctx. all_reduce takes the context's device memory (through host memory
- * when a CUDA context has a host communicator); all_gather takes memory
- * the communicator reads (host memory for a host one). */
+/* Collectives on behalf of a context, on the context's memory (device
+ * memory on CUDA), with a failure's message (naming `what`, e.g. "the
+ * all-reduce of the gradients of h.3.qkv.w") kept on ctx. Arguments and
+ * in-place forms as in memtrain/comm.h. A device communicator works on the
+ * buffers themselves, on the device's stream; a host one never sees the
+ * library's memory: each call goes through the context's staging buffer
+ * (COMM class), MTI_COMM_STAGE bytes at a time (a copy in, the collective
+ * in place, a copy out), so a collective that times out leaves MPI only
+ * the staging buffer, which the context then never gives back. */
+#define MTI_COMM_STAGE ((size_t)4 << 20)
+/* Bytes per rank of a device communicator's record buffer (COMM). */
+#define MTI_COMM_RECORD 256
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt, mt_comm_op op);
+mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv,
+                                  size_t count, mt_comm_dtype dt, mt_comm_op op);
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt);
+mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
+                             mt_comm_dtype dt, int root);
 
 /* The stream a device communicator runs the context's collectives on (the
  * CUDA device's), or NULL. */
@@ -45,6 +56,17 @@ mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, cons
 #define MTI_HASH_START 0xcbf29ce484222325ull
 uint64_t mti_hash(uint64_t h, const void *data, size_t n);
 
+/* Whether c (may be NULL) works on device memory (MT_COMM_CAP_DEVICE). */
+bool mti_comm_is_device(const mt_comm *c);
+/* At context create, once the allocators are made: the buffers a run of
+ * several ranks holds until destroy (dry contexts too, so estimates count
+ * them): a CPU context's staging (MTI_COMM_STAGE bytes of COMM), a CUDA
+ * context's record buffer for a device communicator (MTI_COMM_RECORD bytes
+ * per rank of COMM) or its host staging for a host one (malloc'd). */
+mt_status mti_comm_buffers(mt_context *ctx, bool device_comm);
+/* At context destroy: frees them, except staging a broken communicator may
+ * still hold (kept: see mt_context.comm_kept). */
+void mti_comm_free_buffers(mt_context *ctx);
 /* At context create: checks the communicator fits the device and the ranks
  * agree on the device kind and world size. */
 mt_status mti_comm_attach(mt_context *ctx);

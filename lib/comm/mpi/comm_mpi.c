@@ -2,13 +2,12 @@
  * comm_mpi.c - the MPI communicator (libmemtrain_mpi.a, built with mpicc).
  *
  * Each collective is a non-blocking MPI collective on a duplicate of the
- * application's communicator, polled with MPI_Test until it completes or
- * the deadline passes. The data go through two staging buffers of the
- * communicator's own (STAGE bytes each), chunk by chunk: MPI cannot cancel
- * a collective, so one that timed out keeps its buffers; those are then the
- * staging buffers, left to MPI (never freed), and never the caller's memory,
- * which the caller frees after the error. A copy in and out per chunk is
- * the price (memory bandwidth, small beside the reduction's traffic).
+ * application's communicator, on the buffers it is given, polled with
+ * MPI_Test until it completes or the deadline passes. MPI cannot cancel a
+ * collective, so one that timed out keeps those buffers: the library only
+ * ever gives its staging buffer (lib/comm/comm.c), which a context with a
+ * broken communicator never gives back; an application calling the
+ * collectives itself must keep its buffers too (memtrain/mpi.h).
  */
 #include <sched.h>
 #include <stdio.h>
@@ -19,17 +18,11 @@
 #include "internal.h"
 #include "memtrain/mpi.h"
 
-/* bytes of each staging buffer; a multiple of every element size and of
- * any rank count's share stays whole because chunks are counted in
- * elements per rank */
-#define STAGE ((size_t)4 << 20)
-
 typedef struct mpi_state {
     MPI_Comm comm;
     int rank, size;
     double timeout;
-    unsigned char *a, *b; /* staging: what is sent, what is received */
-    int broken;           /* a request is still pending: a and b belong to MPI */
+    int broken;           /* a request is still pending on the duplicate */
     char err[256];
 } mpi_state;
 
@@ -87,16 +80,6 @@ static mt_status ready(mpi_state *st)
         snprintf(st->err, sizeof st->err, "an earlier collective did not complete");
         return MT_ERR_COMM;
     }
-    if (!st->a) {
-        st->a = malloc(STAGE);
-        st->b = malloc(STAGE);
-        if (!st->a || !st->b) {
-            free(st->a), free(st->b);
-            st->a = st->b = NULL;
-            snprintf(st->err, sizeof st->err, "out of host memory for the staging buffers");
-            return MT_ERR_OOM;
-        }
-    }
     return MT_OK;
 }
 
@@ -104,20 +87,31 @@ static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : 1; }
 static MPI_Datatype mtype(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? MPI_FLOAT : MPI_BYTE; }
 static MPI_Op mop(mt_comm_op op) { return op == MT_COMM_MAX ? MPI_MAX : MPI_SUM; }
 
+/* MPI counts are ints: contiguous collectives go in pieces of at most this
+ * many elements; the gathers and scatters take at most this many per rank. */
+#define MAX_COUNT ((size_t)1 << 30)
+
+static mt_status too_many(mpi_state *st, size_t count)
+{
+    snprintf(st->err, sizeof st->err, "%zu elements per rank: MPI takes at most %zu per call",
+             count, MAX_COUNT);
+    return MT_ERR_INVALID_ARG;
+}
+
 static mt_status m_all_reduce(void *self, const void *send, void *recv, size_t count,
                               mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
     (void)stream;
     mpi_state *st = self;
     mt_status s = ready(st);
-    const size_t es = esize(dt), chunk = STAGE / es;
-    for (size_t at = 0; at < count && !s; at += chunk) {
-        size_t n = count - at < chunk ? count - at : chunk;
-        memcpy(st->a, (const char *)send + at * es, n * es);
+    const size_t es = esize(dt);
+    for (size_t at = 0; at < count && !s; at += MAX_COUNT) {
+        size_t n = count - at < MAX_COUNT ? count - at : MAX_COUNT;
+        char *r = (char *)recv + at * es;
+        const void *in = send == recv ? MPI_IN_PLACE : (const char *)send + at * es;
         MPI_Request req;
-        int rc = MPI_Iallreduce(st->a, st->b, (int)n, mtype(dt), mop(op), st->comm, &req);
+        int rc = MPI_Iallreduce(in, r, (int)n, mtype(dt), mop(op), st->comm, &req);
         s = finish(st, "MPI_Iallreduce", rc, &req);
-        if (!s) memcpy((char *)recv + at * es, st->b, n * es);
     }
     return s;
 }
@@ -128,18 +122,21 @@ static mt_status m_reduce_scatter(void *self, const void *send, void *recv, size
     (void)stream;
     mpi_state *st = self;
     mt_status s = ready(st);
-    const size_t es = esize(dt), chunk = STAGE / es / (size_t)st->size;
-    for (size_t at = 0; at < count && !s; at += chunk) {
-        size_t n = count - at < chunk ? count - at : chunk;
-        for (int r = 0; r < st->size; r++) /* rank r's part of this chunk */
-            memcpy(st->a + (size_t)r * n * es, (const char *)send + ((size_t)r * count + at) * es,
-                   n * es);
-        MPI_Request req;
-        int rc = MPI_Ireduce_scatter_block(st->a, st->b, (int)n, mtype(dt), mop(op), st->comm, &req);
+    if (s) return s;
+    if (count > MAX_COUNT) return too_many(st, count);
+    const size_t es = esize(dt), mine = (size_t)st->rank * count * es;
+    MPI_Request req;
+    if ((const char *)send + mine == (const char *)recv) {
+        /* in place, MPI's way: the input is the whole of send, and the
+           result lands at its start; then moved to this rank's part */
+        int rc = MPI_Ireduce_scatter_block(MPI_IN_PLACE, (void *)send, (int)count, mtype(dt),
+                                           mop(op), st->comm, &req);
         s = finish(st, "MPI_Ireduce_scatter_block", rc, &req);
-        if (!s) memcpy((char *)recv + at * es, st->b, n * es);
+        if (!s && mine) memmove(recv, send, count * es);
+        return s;
     }
-    return s;
+    int rc = MPI_Ireduce_scatter_block(send, recv, (int)count, mtype(dt), mop(op), st->comm, &req);
+    return finish(st, "MPI_Ireduce_scatter_block", rc, &req);
 }
 
 static mt_status m_all_gather(void *self, const void *send, void *recv, size_t count,
@@ -148,17 +145,15 @@ static mt_status m_all_gather(void *self, const void *send, void *recv, size_t c
     (void)stream;
     mpi_state *st = self;
     mt_status s = ready(st);
-    const size_t es = esize(dt), chunk = STAGE / es / (size_t)st->size;
-    for (size_t at = 0; at < count && !s; at += chunk) {
-        size_t n = count - at < chunk ? count - at : chunk;
-        memcpy(st->a, (const char *)send + at * es, n * es);
-        MPI_Request req;
-        int rc = MPI_Iallgather(st->a, (int)n, mtype(dt), st->b, (int)n, mtype(dt), st->comm, &req);
-        s = finish(st, "MPI_Iallgather", rc, &req);
-        for (int r = 0; r < st->size && !s; r++)
-            memcpy((char *)recv + ((size_t)r * count + at) * es, st->b + (size_t)r * n * es, n * es);
-    }
-    return s;
+    if (s) return s;
+    if (count > MAX_COUNT) return too_many(st, count);
+    const size_t es = esize(dt);
+    const void *in = (const char *)recv + (size_t)st->rank * count * es == (const char *)send
+                         ? MPI_IN_PLACE
+                         : send;
+    MPI_Request req;
+    int rc = MPI_Iallgather(in, (int)count, mtype(dt), recv, (int)count, mtype(dt), st->comm, &req);
+    return finish(st, "MPI_Iallgather", rc, &req);
 }
 
 static mt_status m_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
@@ -167,14 +162,12 @@ static mt_status m_broadcast(void *self, void *buf, size_t count, mt_comm_dtype 
     (void)stream;
     mpi_state *st = self;
     mt_status s = ready(st);
-    const size_t es = esize(dt), chunk = STAGE / es;
-    for (size_t at = 0; at < count && !s; at += chunk) {
-        size_t n = count - at < chunk ? count - at : chunk;
-        if (st->rank == root) memcpy(st->a, (char *)buf + at * es, n * es);
+    const size_t es = esize(dt);
+    for (size_t at = 0; at < count && !s; at += MAX_COUNT) {
+        size_t n = count - at < MAX_COUNT ? count - at : MAX_COUNT;
         MPI_Request req;
-        int rc = MPI_Ibcast(st->a, (int)n, mtype(dt), root, st->comm, &req);
+        int rc = MPI_Ibcast((char *)buf + at * es, (int)n, mtype(dt), root, st->comm, &req);
         s = finish(st, "MPI_Ibcast", rc, &req);
-        if (!s) memcpy((char *)buf + at * es, st->a, n * es);
     }
     return s;
 }
@@ -193,9 +186,7 @@ static const char *m_last_error(void *self) { return ((mpi_state *)self)->err; }
 static void m_destroy(void *self)
 {
     mpi_state *st = self;
-    if (!st->broken) { /* else MPI still holds a request on the duplicate and its buffers */
-        free(st->a);
-        free(st->b);
+    if (!st->broken) { /* else MPI still holds a request on the duplicate */
         int fin = 0;
         MPI_Finalized(&fin);
         if (!fin) MPI_Comm_free(&st->comm);
