@@ -911,6 +911,15 @@ typedef struct mt_trainer_config {
      * (MT_ERR_INVALID_ARG otherwise). A model with adapters always trains
      * them alone, lora.rank 0 included. The estimate counts them. */
     mt_lora_config lora;
+    /* Local SGD, the asynchronous-update mode of a data-parallel run (0:
+     * off, the default): with H > 0 each rank steps on its own rows alone,
+     * with no gradient communication (mt_trainer_step's loss and
+     * mt_trainer_gradients' gradients are its rows' own), and after every
+     * H-th step (skipped ones counted) the ranks' weights become their mean
+     * (the fp32 masters where there are, the compute copy rounded from
+     * them); each rank keeps its own optimizer state. Every rank must use
+     * the same H. Nothing changes on one rank (docs/distributed.md). */
+    int local_sgd_every;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "comm/dp.h"
+#include "comm/local_sgd.h"
 #include "plan.h"
 #include "trainer.h"
 
@@ -149,6 +150,8 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
         BAD("%s: cfg->master_weights 0 does not combine with %s, whose update needs the "
             "whole tensor in fp32",
             fn, opt->title);
+    if (c->local_sgd_every < 0)
+        BAD("%s: cfg->local_sgd_every %d must be >= 0 (0: off)", fn, c->local_sgd_every);
     if ((unsigned)c->recompute > MT_RECOMPUTE_BUDGET)
         BAD("%s: cfg->recompute %d is not a recompute policy", fn, (int)c->recompute);
     if ((c->recompute == MT_RECOMPUTE_EVERY_K || c->recompute == MT_RECOMPUTE_CUSTOM) &&
@@ -1007,6 +1010,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     mti_engine_free_grads(&t->E);
     reset_all(ctx, MT_SCOPE_STEP);
     t->steps++;
+    if ((s = mti_local_sgd_after_step(t, fn))) return s;
     if (loss) *loss = (float)mean;
     return MT_OK;
 }

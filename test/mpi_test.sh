@@ -30,6 +30,8 @@ run stall 2 "$B/mpi/comm_mpi_test" stall
 
 run train 2 "$B/mpi/train_mpi_test" train
 run train 3 "$B/mpi/train_mpi_test" train
+run local 2 "$B/mpi/train_mpi_test" local
+run local 3 "$B/mpi/train_mpi_test" local
 run disagree 2 "$B/mpi/train_mpi_test" disagree
 run stall 2 "$B/mpi/train_mpi_test" stall
 
@@ -49,6 +51,15 @@ tool() { # NP BATCH MICRO: 2 or 3 ranks against one process
 if [ -x "$B/memtrain" ]; then
     tool 2 4 2
     tool 3 4 0   # uneven: 1, 1 and 2 rows
+    # local SGD averaging every step: plain SGD, no clipping, equal rows is
+    # the data-parallel step (within rounding); the loss shown is the global batch's
+    args="train --model gpt --steps 4 --batch 4 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --optimizer sgd --momentum 0 --clip 0"
+    one=$("$B/memtrain" $args --micro 2 2>&1 | losses)
+    many=$(timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --local-sgd 1 2>&1 | losses)
+    if [ -n "$one" ] && awk -v a="$one" -v b="$many" 'BEGIN { n = split(a, x); m = split(b, y);
+        if (n != m || n != 4) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
+    then echo "ok   mpi memtrain train --local-sgd 1: 2 ranks, losses $many equal one process's"
+    else echo "FAIL mpi memtrain train --local-sgd 1: losses '$many', one process '$one'"; fail=1; fi
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

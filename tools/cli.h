@@ -74,6 +74,7 @@ typedef struct cli_opts {
     const char *save_lora, *load_lora; /* adapter files */
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
+    long local_sgd;          /* local SGD: average the weights every this many steps */
     /* which table entries the command line (or --config) gave */
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;

@@ -320,6 +320,9 @@ static const opt table[] = {
         "write the trained weights as an llm.c model checkpoint"),
     LONG("--comm-timeout", "S", CLI_TRAIN, CLI_ANY, comm_timeout, 1, 86400,
          "under mpirun: seconds a collective waits for the other ranks (300)", NULL),
+    LONG("--local-sgd", "H", CLI_TRAIN, CLI_ANY, local_sgd, 0, 1 << 24,
+         "under mpirun: local SGD, each rank steps alone and the weights are averaged every H "
+         "steps (0: off)", NULL),
     HEAD(CLI_SAMPLE, "sample:"),
     STR("--prompt", "TEXT", CLI_SAMPLE, CLI_GPT, prompt, "the start (a newline)"),
     LONG("--length", "N", CLI_SAMPLE, CLI_GPT, length, 0, 1 << 20, "bytes to write (200)", NULL),
@@ -575,6 +578,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->micro_batch = (int)o->micro;
     tc->master_weights = !o->no_master;
     tc->fused_step = o->fused;
+    tc->local_sgd_every = (int)o->local_sgd;
     tc->grad_clip = o->clip;
     tc->recompute = o->recompute;
     tc->recompute_every = o->recompute_every;

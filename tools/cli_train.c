@@ -199,6 +199,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
             rc = EXIT_FAIL;
             goto done;
         }
+        if (o->local_sgd && (rc = cli_ranks_mean(&loss, 1, b.n))) goto done;
         window += loss;
         in_window++;
         if (o->json) {
@@ -394,6 +395,8 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             rc = EXIT_FAIL;
             goto done;
         }
+        /* local SGD: each rank's loss is its rows' own; the line shows the global batch's */
+        if (o->local_sgd && (rc = cli_ranks_mean(&loss, 1, b.n))) goto done;
         double dt = now_s() - t0;
         window += loss, t_window += dt, in_window++;
         bool show = step == 1 || step % o->every == 0 || step == o->steps;

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "comm/dp.h"
+#include "comm/local_sgd.h"
 #include "trainer.h"
 
 bool mti_dp_on(const mt_trainer *t) { return mt_comm_size(t->ctx->cfg.comm) > 1; }
@@ -59,7 +60,7 @@ enum { W_MODEL, W_BATCH, W_OPTIM, W_SCHEDULE, W_PRECISION, W_CLIP, W_RECOMPUTE, 
        W_FREEZE, W_N };
 static const char *const group_names[W_N] = {
     "model (layers and shapes)", "max_batch, micro_batch, max_seq",
-    "optimizer settings",        "learning rate and schedule",
+    "optimizer settings",        "learning rate, schedule and local_sgd_every",
     "precision and loss scaling", "grad_clip",
     "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA"};
 
@@ -106,6 +107,7 @@ static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_
     H(*h, c->warmup_steps);
     H(*h, c->total_steps);
     H(*h, c->min_lr_ratio);
+    H(*h, c->local_sgd_every);
     h = &rec[W_PRECISION];
     H(*h, c->precision);
     H(*h, c->master_weights);
@@ -227,21 +229,29 @@ mt_status mti_dp_created(mt_trainer *t, mt_status s)
     return mti_comm_agree(t->ctx, fn, "weights", rec, sizeof rec, names);
 }
 
+/* With local SGD (local_sgd.c) the ranks still fail a step together, but
+ * each keeps its own targets, loss sum and gradients. */
 mt_status mti_dp_begin(mt_trainer *t, const char *fn, mt_status s, double *targets)
 {
     if (!mti_dp_on(t)) return s;
-    return exchange(t, fn, "the batch's checks", s, *targets, targets);
+    double all;
+    s = exchange(t, fn, "the batch's checks", s, *targets, &all);
+    if (!s && !mti_local_sgd(t)) *targets = all;
+    return s;
 }
 
 mt_status mti_dp_end(mt_trainer *t, const char *fn, mt_status s, double *loss_sum)
 {
     if (!mti_dp_on(t)) return s;
-    return exchange(t, fn, "forward and backward", s, *loss_sum, loss_sum);
+    double all;
+    s = exchange(t, fn, "forward and backward", s, *loss_sum, &all);
+    if (!s && !mti_local_sgd(t)) *loss_sum = all;
+    return s;
 }
 
 mt_status mti_dp_reduce(mt_trainer *t, int i, float *g, size_t n)
 {
-    if (!mti_dp_on(t)) return MT_OK;
+    if (!mti_dp_on(t) || mti_local_sgd(t)) return MT_OK;
     char what[96];
     snprintf(what, sizeof what, "the all-reduce of the gradients of %s", t->model->params[i].name);
     return mti_comm_all_reduce(t->ctx, what, g, g, n, MT_COMM_F32, MT_COMM_SUM);
@@ -249,7 +259,7 @@ mt_status mti_dp_reduce(mt_trainer *t, int i, float *g, size_t n)
 
 mt_status mti_dp_reduce_grad(mt_trainer *t, int i)
 {
-    if (!mti_dp_on(t)) return MT_OK;
+    if (!mti_dp_on(t) || mti_local_sgd(t)) return MT_OK;
     mti_tensor *g;
     mt_status s = mti_engine_grad(&t->E, i, &g); /* one the batch did not reach: zeros */
     return s ? s : mti_dp_reduce(t, i, g->blk.ptr, t->model->params[i].numel);

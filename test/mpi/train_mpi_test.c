@@ -8,6 +8,9 @@
  *                             MT_ERR_COMM at mt_trainer_create
  *   train_mpi_test stall      rank 1 stops before its second step: rank 0 gets
  *                             MT_ERR_COMM within the timeout
+ *   train_mpi_test local      local SGD (every 2 steps): after 2 steps every
+ *                             rank holds the mean of what each rank computes
+ *                             alone on its rows
  *
  * Prints "ok <what>" on rank 0 when it passes.
  */
@@ -43,9 +46,15 @@ static void rows(int step, int r0, int n, int32_t *tok, int32_t *tgt)
         }
 }
 
+/* How train() runs: local SGD every `local` steps (0: off); `alone`: this
+ * rank's rows without a communicator; `steps` (0: STEPS). */
+typedef struct how {
+    int local, alone, steps;
+} how;
+
 /* Trains STEPS steps; with comm, on this rank's rows; without, on all. */
-static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss, float **w,
-                       size_t *nw, char *msg, size_t cap)
+static mt_status train_how(mt_comm *comm, int channels, int stall_rank, const how *hw, float *loss,
+                           float **w, size_t *nw, char *msg, size_t cap)
 {
     mt_context_config cc;
     mt_context_config_init(&cc);
@@ -56,7 +65,7 @@ static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss,
     mt_gpt_spec_init(&g);
     g.vocab = 50, g.padded_vocab = 64, g.max_seq = T, g.layers = 2, g.heads = 2;
     g.channels = channels, g.seed = 7;
-    const int n = comm ? ROWS : ROWS * size;
+    const int n = comm || hw->alone ? ROWS : ROWS * size;
     mt_trainer_config tc;
     mt_trainer_config_init(&tc);
     tc.optimizer = MT_OPT_SGD;
@@ -67,6 +76,7 @@ static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss,
     tc.micro_batch = ROWS;
     static const char *const frozen[] = {"wte"};
     if (rank == freeze_rank) tc.freeze = frozen, tc.n_freeze = 1;
+    tc.local_sgd_every = hw->local;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -74,9 +84,9 @@ static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss,
     if (!s) s = mt_model_gpt_create(ctx, &g, &m);
     if (!s) s = mt_trainer_create(m, &tc, &t);
     int32_t tok[64 * T], tgt[64 * T];
-    for (int step = 0; step < STEPS && !s; step++) {
+    for (int step = 0; step < (hw->steps ? hw->steps : STEPS) && !s; step++) {
         if (step == 1 && rank == stall_rank) sleep(5); /* past the others' 1 s timeout */
-        rows(step, comm ? rank * ROWS : 0, n, tok, tgt);
+        rows(step, comm || hw->alone ? rank * ROWS : 0, n, tok, tgt);
         mt_batch b = {.n = n, .tokens = tok, .targets = tgt, .seq_len = T};
         s = mt_trainer_step(t, &b, &loss[step]);
     }
@@ -90,6 +100,64 @@ static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss,
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     return s;
+}
+
+static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss, float **w,
+                       size_t *nw, char *msg, size_t cap)
+{
+    const how plain = {0, 0, 0};
+    return train_how(comm, channels, stall_rank, &plain, loss, w, nw, msg, cap);
+}
+
+/* Local SGD: 2 steps apart, then the average; against each rank alone. */
+static void local_sgd(mt_comm *c)
+{
+    const how ls = {2, 0, 2}, alone = {0, 1, 2};
+    float loss[STEPS], ref_loss[STEPS];
+    float *w = NULL, *ref = NULL;
+    size_t nw = 0, nref = 0;
+    char msg[1024] = "";
+    mt_status s = train_how(c, 16, -1, &ls, loss, &w, &nw, msg, sizeof msg);
+    EXPECT(s == MT_OK);
+    if (s) fprintf(stderr, "rank %d: %s\n", rank, msg);
+    EXPECT(train_how(NULL, 16, -1, &alone, ref_loss, &ref, &nref, msg, sizeof msg) == MT_OK);
+    if (!w || !ref || nw != nref) {
+        failed = 1;
+        return;
+    }
+    /* each rank's losses are its rows' own; the weights are the mean of the
+       ranks alone: summed in rank order, times 1/N */
+    for (int k = 0; k < 2; k++) EXPECT(loss[k] == ref_loss[k]);
+    float *all = malloc(nw * (size_t)size * sizeof *all);
+    MPI_Allgather(ref, (int)nw, MPI_FLOAT, all, (int)nw, MPI_FLOAT, MPI_COMM_WORLD);
+    double worst = 0.0;
+    size_t differ = 0;
+    for (size_t i = 0; i < nw; i++) {
+        float sum = 0.0f;
+        for (int r = 0; r < size; r++) sum += all[(size_t)r * nw + i];
+        const float want = sum * (1.0f / (float)size);
+        differ += w[i] != want;
+        double d = fabs((double)w[i] - want) / (fabs(want) + 1.0);
+        if (d > worst) worst = d;
+    }
+    /* two ranks: a sum of two is the same bits in any order; with more, MPI
+       chooses the order */
+    EXPECT(size == 2 ? differ == 0 : worst < 1e-6);
+    float *w0 = malloc(nw * sizeof *w0);
+    memcpy(w0, w, nw * sizeof *w0);
+    MPI_Bcast(w0, (int)nw, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    EXPECT(!memcmp(w0, w, nw * sizeof *w0)); /* and the ranks agree, bit for bit */
+    int bad = failed;
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (rank == 0 && !bad)
+        printf("ok local: %d ranks, local SGD every 2 steps: the weights are the mean of the "
+               "ranks alone (%zu of %zu differ, by %.1e at most)\n",
+               size, differ, nw, worst);
+    failed = bad;
+    free(all);
+    free(w0);
+    free(w);
+    free(ref);
 }
 
 int main(int argc, char **argv)
@@ -148,6 +216,8 @@ int main(int argc, char **argv)
         MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
         if (rank == 0 && !bad) printf("ok disagree: every rank refused: %s\n", msg);
         failed = bad;
+    } else if (!strcmp(mode, "local")) {
+        local_sgd(c);
     } else if (!strcmp(mode, "stall")) {
         mt_status s = train(c, 16, 1, loss, &w, &nw, msg, sizeof msg);
         if (rank == 0) {
