@@ -286,13 +286,13 @@ $(GPU_BIN)/memtrain: $(TOOL_OBJ_NOMPI) $(BUILD)/obj/corpus_blob.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
 
-gpu-bundle-dir: $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT)
-	BUNDLE_TAR=0 NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT)
+gpu-bundle-dir: $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+	BUNDLE_TAR=0 NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
 
 gpu-bundle: deps
 	@test -n "$(strip $(NVCC))" || { echo "gpu-bundle: nvcc not found, so no CUDA kernels to carry (set NVCC)"; exit 1; }
-	@$(MAKE) --no-print-directory $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT)
-	NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT)
+	@$(MAKE) --no-print-directory $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+	NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES)

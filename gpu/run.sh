@@ -19,6 +19,10 @@
 #   driver     the driver's view (cuMemGetInfo) against the accounting;
 #              bench_memory section (d) at GPT-2 124M
 #   memcheck   compute-sanitizer memcheck over the op suite (when found)
+#   nccl       a one-rank NCCL communicator on a CUDA context: every
+#              collective on device memory, checked, and a few steps of a
+#              tiny GPT (the libnccl.so.2 the library finds: the CUDA
+#              toolkit's, or PyTorch's nvidia/nccl/lib; skipped when none)
 #   kernels    bench_cuda: GEMM TFLOP/s per dtype; cast, unscale, AdamW and
 #              8-bit AdamW in GB/s against the device's copy bandwidth; the
 #              layer ops (layernorm, GELU, attention) in ms per dtype
@@ -28,8 +32,8 @@
 #              then memtrain's bf16 step profiled per op (bench_gpt2 --profile)
 # Under --stand-in the groups that need a GPU's arithmetic (ops, engine,
 # memcheck, the PyTorch side) are reported "skipped: needs a GPU"; the
-# others run over the stand-ins (benchmarks then on a tiny shape, and
-# their figures mean nothing).
+# others run over the stand-ins (nccl over the stand-in libnccl; benchmarks
+# then on a tiny shape, and their figures mean nothing).
 #
 # RESULTS_DIR gets results.txt (one line per group: PASS, FAIL or SKIP,
 # seconds, and what failed or why skipped; then the figures), log.txt
@@ -38,7 +42,7 @@
 set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-STAND_IN=0 QUICK=0 SEL=standins,ops,engine,estimate,driver,memcheck,kernels,gpt2 OUT=
+STAND_IN=0 QUICK=0 SEL=standins,ops,engine,estimate,driver,memcheck,nccl,kernels,gpt2 OUT=
 while [ $# -gt 0 ]; do
     case "$1" in
     --stand-in) STAND_IN=1 ;;
@@ -147,6 +151,22 @@ g_memcheck() {
     cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" ops_ ||
         { why "memcheck found errors"; exit 1; }
 }
+g_nccl() {
+    local env=("${DEV_ENV[@]}") out=$OUT/.nccl.out st
+    [ "$STAND_IN" = 1 ] && env+=(MT_FAKE_NCCL="$HERE/stand-in/libfakenccl.so")
+    { echo; echo "\$ ${env[*]} $BIN/mt_tests comm_nccl_one_rank"; } >> "$LOG"
+    env "${env[@]}" "$BIN/mt_tests" comm_nccl_one_rank > "$out" 2>&1
+    st=$?
+    cat "$out" >> "$LOG"
+    # the test says why when it skips (no libnccl.so.2 found: the paths tried)
+    local skipped
+    skipped=$(sed -n 's/^ *(skipped: \(.*\))$/\1/p' "$out" | tail -n 1)
+    rm -f "$out"
+    [ $st = 0 ] || { why "the one-rank NCCL test failed"; exit 1; }
+    [ -z "$skipped" ] || skip "$skipped"
+    [ "$STAND_IN" = 1 ] && why "over the stand-in libnccl"
+    exit 0
+}
 g_kernels() {
     local a=(--json "$OUT/bench_cuda.json")
     [ "$QUICK" = 1 ] && a+=(--quick)
@@ -239,6 +259,7 @@ group engine g_engine
 group estimate g_estimate
 group driver g_driver
 group memcheck g_memcheck
+group nccl g_nccl
 group kernels g_kernels
 group gpt2 g_gpt2
 

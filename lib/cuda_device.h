@@ -156,6 +156,9 @@ void mti_cuda_leave(mti_device *d);
 #define MTI_LT_PATH 512
 #define MTI_LT_CANDIDATES 40
 size_t mti_cublaslt_candidates(char (*out)[MTI_LT_PATH], size_t max);
+/* The same for NCCL (lib/comm/nccl.c): libnccl.so.2 on the loader's path,
+ * in the toolkit's lib64/ and lib/, and in the wheels' nvidia/nccl/lib. */
+size_t mti_nccl_candidates(char (*out)[MTI_LT_PATH], size_t max);
 
 /* 1 when the device runs on the libcuda.so.1 the process would load by that
  * name, the driver the CUDA runtime inside CUDA libraries (cuBLASLt) talks

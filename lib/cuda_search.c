@@ -1,13 +1,15 @@
 /*
- * cuda_search.c - where cuBLASLt is looked for when no path is configured.
+ * cuda_search.c - where cuBLASLt and NCCL are looked for when no path is
+ * configured.
  *
- * The GPU machines this library meets keep cuBLASLt in one of three places,
+ * The GPU machines this library meets keep them in one of three places,
  * not always on the loader's path: the CUDA toolkit (CUDA_HOME, CUDA_PATH,
  * or its default prefix /usr/local/cuda; lib64 up to CUDA 12, lib on some
- * CUDA 13 installs), or PyTorch's pip wheels (site-packages/nvidia/cublas/lib
- * for CUDA 12, nvidia/cu13/lib for CUDA 13) of the python3 on PATH, in a
- * virtualenv or not, or in the user's site-packages. The list below is
- * tried in order; the first that loads with every entry point is used.
+ * CUDA 13 installs), or PyTorch's pip wheels of the python3 on PATH, in a
+ * virtualenv or not, or in the user's site-packages (cuBLASLt in
+ * site-packages/nvidia/cublas/lib for CUDA 12 and nvidia/cu13/lib for CUDA
+ * 13; NCCL in nvidia/nccl/lib). The list below is tried in order; the first
+ * that loads with every entry point is used.
  */
 #include <glob.h>
 #include <limits.h>
@@ -18,10 +20,21 @@
 
 #include "cuda_device.h"
 
+/* What is looked for: its sonames, and its folders in the wheels. */
+typedef struct lib_kind {
+    const char *const *names;
+    size_t n_names;
+    const char *const *wheels;
+    size_t n_wheels;
+} lib_kind;
+
 static const char *const lt_names[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
-#define N_NAMES (sizeof lt_names / sizeof lt_names[0])
+static const char *const lt_wheels[] = {"nvidia/cu13/lib", "nvidia/cublas/lib"};
+static const char *const nccl_names[] = {"libnccl.so.2"};
+static const char *const nccl_wheels[] = {"nvidia/nccl/lib"};
 
 typedef struct list {
+    const lib_kind *kind;
     char (*out)[MTI_LT_PATH];
     size_t n, max;
 } list;
@@ -29,10 +42,10 @@ typedef struct list {
 /* dir/name for each soname, once each; dir NULL: the bare sonames. */
 static void add_dir(list *L, const char *dir)
 {
-    for (size_t i = 0; i < N_NAMES; i++) {
+    for (size_t i = 0; i < L->kind->n_names; i++) {
+        const char *name = L->kind->names[i];
         char p[MTI_LT_PATH];
-        int w = dir ? snprintf(p, sizeof p, "%s/%s", dir, lt_names[i])
-                    : snprintf(p, sizeof p, "%s", lt_names[i]);
+        int w = dir ? snprintf(p, sizeof p, "%s/%s", dir, name) : snprintf(p, sizeof p, "%s", name);
         if (w < 0 || (size_t)w >= sizeof p || L->n >= L->max) continue;
         int seen = 0;
         for (size_t j = 0; j < L->n && !seen; j++) seen = !strcmp(L->out[j], p);
@@ -54,11 +67,10 @@ static void add_toolkit(list *L, const char *root)
 /* The nvidia wheels' folders under a Python prefix (prefix/lib/python3.X). */
 static void add_wheels(list *L, const char *prefix)
 {
-    static const char *const sub[] = {"nvidia/cu13/lib", "nvidia/cublas/lib"};
-    for (size_t s = 0; s < sizeof sub / sizeof sub[0]; s++) {
+    for (size_t s = 0; s < L->kind->n_wheels; s++) {
         char pat[MTI_LT_PATH];
         glob_t g;
-        snprintf(pat, sizeof pat, "%s/lib/python3*/site-packages/%s", prefix, sub[s]);
+        snprintf(pat, sizeof pat, "%s/lib/python3*/site-packages/%s", prefix, L->kind->wheels[s]);
         if (glob(pat, GLOB_ONLYDIR | GLOB_NOSORT, NULL, &g) == 0) {
             for (size_t i = 0; i < g.gl_pathc; i++) add_dir(L, g.gl_pathv[i]);
         }
@@ -99,9 +111,9 @@ static void add_python(list *L)
     }
 }
 
-size_t mti_cublaslt_candidates(char (*out)[MTI_LT_PATH], size_t max)
+static size_t candidates(const lib_kind *kind, char (*out)[MTI_LT_PATH], size_t max)
 {
-    list L = {out, 0, max};
+    list L = {kind, out, 0, max};
     add_dir(&L, NULL); /* the loader's path */
     add_toolkit(&L, getenv("CUDA_HOME"));
     add_toolkit(&L, getenv("CUDA_PATH"));
@@ -114,4 +126,16 @@ size_t mti_cublaslt_candidates(char (*out)[MTI_LT_PATH], size_t max)
         add_wheels(&L, d);
     }
     return L.n;
+}
+
+size_t mti_cublaslt_candidates(char (*out)[MTI_LT_PATH], size_t max)
+{
+    static const lib_kind lt = {lt_names, 2, lt_wheels, 2};
+    return candidates(&lt, out, max);
+}
+
+size_t mti_nccl_candidates(char (*out)[MTI_LT_PATH], size_t max)
+{
+    static const lib_kind nccl = {nccl_names, 1, nccl_wheels, 1};
+    return candidates(&nccl, out, max);
 }

@@ -4,11 +4,13 @@
  * communicator, and NCCL over the stand-in libnccl (MT_FAKE_NCCL).
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "comm/comm.h"
+#include "cuda_device.h"
 #include "test_comm.h"
 
 static mt_status no_reduce(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, mt_comm_op o,
@@ -292,6 +294,44 @@ TEST(comm_nccl_load_errors)
     CHECK(strstr(mt_last_error(NULL), "cuStreamQuery") != NULL);
 }
 
+/* Where NCCL is looked for without a path: the soname, the toolkit, then
+ * PyTorch's wheel; MT_NCCL_PATH names it outright. */
+TEST(comm_nccl_search)
+{
+    char tmp[] = "/tmp/mt_nccl_XXXXXX", p[600], want[600];
+    CHECK(mkdtemp(tmp) != NULL);
+    snprintf(p, sizeof p, "mkdir -p '%s/venv/bin' '%s/venv/lib/python3.12/site-packages/nvidia/nccl/lib' "
+                          "&& touch '%s/venv/bin/python3' && chmod +x '%s/venv/bin/python3'",
+             tmp, tmp, tmp, tmp);
+    CHECK(system(p) == 0);
+    static char c[MTI_LT_CANDIDATES][MTI_LT_PATH];
+    size_t n = check_search_in(tmp, mti_nccl_candidates, c, MTI_LT_CANDIDATES);
+    long soname = check_find_path(c, n, "libnccl.so.2");
+    snprintf(want, sizeof want, "%s/cuda/lib64/libnccl.so.2", tmp);
+    long home = check_find_path(c, n, want);
+    long dflt = check_find_path(c, n, "/usr/local/cuda/lib64/libnccl.so.2");
+    snprintf(want, sizeof want, "%s/venv/lib/python3.12/site-packages/nvidia/nccl/lib/libnccl.so.2", tmp);
+    long wheel = check_find_path(c, n, want);
+    CHECK_MSG(soname == 0 && home > soname && dflt > home && wheel > dflt,
+              "order: soname %ld, CUDA_HOME %ld, default %ld, wheel %ld of %zu", soname, home, dflt,
+              wheel, n);
+    snprintf(p, sizeof p, "rm -rf '%s'", tmp);
+    CHECK(system(p) == 0);
+    /* MT_NCCL_PATH, when the config names none */
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    mt_nccl_id id;
+    setenv("MT_NCCL_PATH", "/nonexistent/nccl-from-env.so", 1);
+    CHECK_ST(MT_ERR_NO_DEVICE, mt_nccl_unique_id(&nc, &id));
+    CHECK(strstr(mt_last_error(NULL), "/nonexistent/nccl-from-env.so") != NULL);
+    if (fake_nccl()) {
+        setenv("MT_NCCL_PATH", fake_nccl(), 1);
+        nc.cuda_driver_path = fake_nccl();
+        CHECK_OK(mt_nccl_unique_id(&nc, &id));
+    }
+    unsetenv("MT_NCCL_PATH");
+}
+
 typedef struct nccl_arg {
     tcomm_world *w;
     int n;
@@ -396,6 +436,115 @@ TEST(comm_nccl_stand_in)
     tcomm_run(2, nccl_rank, &a);
     tcomm_world_free(a.w);
     CHECK(!a.bad);
+}
+
+/* One rank of NCCL on a CUDA context, the GPU bundle's smoke test (group
+ * nccl of gpu/run.sh): on a GPU (MT_TEST_GPU=1) the real driver and the
+ * libnccl.so.2 the library finds itself (mti_nccl_candidates), else the
+ * stand-ins. Each collective on device memory, out of place so the data
+ * must move, checked; then a few steps of a tiny GPT on a context with the
+ * communicator (on a GPU the loss must fall). */
+TEST(comm_nccl_one_rank)
+{
+    const char *g = getenv("MT_TEST_GPU");
+    const bool gpu = g && !strcmp(g, "1");
+    if (!gpu && (!fake_nccl() || !check_fake_cuda() || !getenv("MT_FAKE_CUBLASLT"))) {
+        fprintf(stderr, "    (skipped: needs MT_TEST_GPU=1, or MT_FAKE_NCCL, MT_FAKE_CUDA and "
+                        "MT_FAKE_CUBLASLT)\n");
+        return;
+    }
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = gpu ? NULL : check_fake_cuda();
+    cc.cublaslt_path = gpu ? NULL : getenv("MT_FAKE_CUBLASLT");
+    mt_context *first = NULL;
+    CHECK_OK(mt_context_create(&cc, &first)); /* the primary context, current */
+    if (!first) return;
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.timeout_seconds = 60.0;
+    if (!gpu) nc.nccl_path = nc.cuda_driver_path = fake_nccl();
+    mt_nccl_id id;
+    mt_status s = mt_nccl_unique_id(&nc, &id);
+    if (gpu && s == MT_ERR_NO_DEVICE && strstr(mt_last_error(NULL), "cannot load NCCL")) {
+        fprintf(stderr, "    (skipped: %s)\n", mt_last_error(NULL));
+        mt_context_destroy(first);
+        return;
+    }
+    CHECK_MSG(s == MT_OK, "%s", mt_last_error(NULL));
+    mt_comm *c = NULL;
+    if (!s) CHECK_OK(mt_comm_nccl_create(&nc, &id, 0, 1, &c));
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    if (c) CHECK_OK(mt_context_create(&cc, &ctx));
+    if (!ctx) {
+        mt_comm_destroy(c);
+        mt_context_destroy(first);
+        return;
+    }
+    mti_device *d = ctx->dev;
+    void *stream = mti_comm_stream(ctx);
+    enum { N = 1000 };
+    float h[N], back[N];
+    for (int i = 0; i < N; i++) h[i] = (float)(i % 97) - 40.0f;
+    mt_alloc_request req = {.bytes = N * sizeof(float), .mem_class = MT_MEM_IO,
+                            .lifetime = MT_LIFE_PERSISTENT};
+    mt_block a, b;
+    CHECK_OK(mt_context_alloc(ctx, &req, &a));
+    CHECK_OK(mt_context_alloc(ctx, &req, &b));
+    CHECK_OK(d->copy_h2d(d, a.ptr, h, sizeof h));
+    CHECK_OK(d->sync(d));
+#define MOVED(what, call)                                                                        \
+    do {                                                                                         \
+        CHECK_OK(d->memset8(d, b.ptr, 0, sizeof h));                                             \
+        CHECK_OK(d->sync(d));                                                                    \
+        CHECK_MSG((call) == MT_OK, "%s: %s", what, mt_last_error(NULL));                        \
+        CHECK_OK(d->copy_d2h(d, back, b.ptr, sizeof back));                                      \
+        CHECK_OK(d->sync(d));                                                                    \
+        CHECK_MSG(!gpu || !memcmp(back, h, sizeof h), "%s: the result differs", what);           \
+    } while (0)
+    /* the stand-in copies what it is asked to; on a GPU the values are checked */
+    MOVED("all-reduce", mt_comm_all_reduce(c, a.ptr, b.ptr, N, MT_COMM_F32, MT_COMM_SUM, stream));
+    MOVED("reduce-scatter", mt_comm_reduce_scatter(c, a.ptr, b.ptr, N, MT_COMM_F32, MT_COMM_SUM, stream));
+    MOVED("all-gather", mt_comm_all_gather(c, a.ptr, b.ptr, N, MT_COMM_F32, stream));
+    MOVED("bf16 all-reduce", mt_comm_all_reduce(c, a.ptr, b.ptr, 2 * N, MT_COMM_BF16, MT_COMM_MAX, stream));
+#undef MOVED
+    CHECK_OK(mt_comm_broadcast(c, a.ptr, N, MT_COMM_F32, 0, stream));
+    CHECK_OK(d->copy_d2h(d, back, a.ptr, sizeof back));
+    CHECK_OK(d->sync(d));
+    CHECK(!memcmp(back, h, sizeof h));
+    CHECK_OK(mt_comm_barrier(c));
+    mt_context_free(ctx, &a);
+    mt_context_free(ctx, &b);
+    /* a few steps of a tiny GPT */
+    mt_gpt_spec gs;
+    mt_gpt_spec_init(&gs);
+    gs.vocab = 64, gs.max_seq = 8, gs.layers = 1, gs.heads = 2, gs.channels = 32, gs.seed = 5;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 4;
+    tc.lr = 0.1f;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    CHECK_OK(mt_model_gpt_create(ctx, &gs, &m));
+    if (m) CHECK_OK(mt_trainer_create(m, &tc, &t));
+    int32_t tok[4 * 8], tgt[4 * 8];
+    for (int i = 0; i < 4 * 8; i++) tok[i] = (i * 7) % 64, tgt[i] = (i * 7 + 3) % 64;
+    mt_batch bt = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = 8};
+    float loss[4] = {0};
+    for (int k = 0; t && k < 4; k++)
+        CHECK_MSG(mt_trainer_step(t, &bt, &loss[k]) == MT_OK, "step %d: %s", k, mt_last_error(ctx));
+    if (gpu) CHECK_MSG(isfinite(loss[3]) && loss[3] < loss[0], "loss %g, then %g", (double)loss[0],
+                       (double)loss[3]);
+    mt_memory_stats ms;
+    mt_context_memory_stats(ctx, &ms);
+    CHECK_EQ(ms.per_class[MT_MEM_COMM].peak_live_bytes, 0); /* one rank: no buffers */
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+    mt_context_destroy(first);
 }
 
 /* A host communicator on a CUDA context (over the stand-in driver): the

@@ -320,13 +320,6 @@ static void touch_file(const char *path, mode_t mode)
     CHECK(chmod(path, mode) == 0);
 }
 
-static long find(char (*c)[MTI_LT_PATH], size_t n, const char *path)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!strcmp(c[i], path)) return (long)i;
-    return -1;
-}
-
 /* The usual places, in order: the loader's path, CUDA_HOME's lib64 and
  * lib, the toolkit's default prefix, the pip wheels next to the python3 on
  * PATH (a virtualenv's folder here). */
@@ -344,27 +337,17 @@ TEST(cuda_cublaslt_search_paths)
     }
     snprintf(p, sizeof p, "%s/venv/bin/python3", tmp);
     touch_file(p, 0700);
-    char *old_path = getenv("PATH") ? strdup(getenv("PATH")) : NULL;
-    char *old_home = getenv("CUDA_HOME") ? strdup(getenv("CUDA_HOME")) : NULL;
-    snprintf(p, sizeof p, "%s/venv/bin:%s", tmp, old_path ? old_path : "/usr/bin");
-    setenv("PATH", p, 1);
-    snprintf(p, sizeof p, "%s/cuda", tmp);
-    setenv("CUDA_HOME", p, 1);
     static char c[MTI_LT_CANDIDATES][MTI_LT_PATH];
-    size_t n = mti_cublaslt_candidates(c, MTI_LT_CANDIDATES);
-    if (old_path) setenv("PATH", old_path, 1);
-    if (old_home) setenv("CUDA_HOME", old_home, 1);
-    else unsetenv("CUDA_HOME");
-    free(old_path), free(old_home);
-    long soname = find(c, n, "libcublasLt.so.13");
+    size_t n = check_search_in(tmp, mti_cublaslt_candidates, c, MTI_LT_CANDIDATES);
+    long soname = check_find_path(c, n, "libcublasLt.so.13");
     snprintf(want, sizeof want, "%s/cuda/lib64/libcublasLt.so.13", tmp);
-    long home = find(c, n, want);
+    long home = check_find_path(c, n, want);
     snprintf(want, sizeof want, "%s/cuda/lib/libcublasLt.so.12", tmp);
-    long home_lib = find(c, n, want);
-    long dflt = find(c, n, "/usr/local/cuda/lib64/libcublasLt.so.12");
+    long home_lib = check_find_path(c, n, want);
+    long dflt = check_find_path(c, n, "/usr/local/cuda/lib64/libcublasLt.so.12");
     snprintf(want, sizeof want,
              "%s/venv/lib/python3.11/site-packages/nvidia/cublas/lib/libcublasLt.so.12", tmp);
-    long wheel = find(c, n, want);
+    long wheel = check_find_path(c, n, want);
     CHECK_MSG(soname == 0 && home > soname && home_lib > home && dflt > home_lib && wheel > dflt,
               "order: soname %ld, CUDA_HOME %ld / %ld, default %ld, wheel %ld of %zu", soname,
               home, home_lib, dflt, wheel, n);

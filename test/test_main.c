@@ -55,6 +55,31 @@ const char *check_fake_cuda(void)
     return v && *v ? v : NULL;
 }
 
+size_t check_search_in(const char *dir, size_t (*list)(char (*)[512], size_t), char (*out)[512],
+                       size_t max)
+{
+    char p[600];
+    char *old_path = getenv("PATH") ? strdup(getenv("PATH")) : NULL;
+    char *old_home = getenv("CUDA_HOME") ? strdup(getenv("CUDA_HOME")) : NULL;
+    snprintf(p, sizeof p, "%s/venv/bin:%s", dir, old_path ? old_path : "/usr/bin");
+    setenv("PATH", p, 1);
+    snprintf(p, sizeof p, "%s/cuda", dir);
+    setenv("CUDA_HOME", p, 1);
+    size_t n = list(out, max);
+    if (old_path) setenv("PATH", old_path, 1);
+    if (old_home) setenv("CUDA_HOME", old_home, 1);
+    else unsetenv("CUDA_HOME");
+    free(old_path), free(old_home);
+    return n;
+}
+
+long check_find_path(char (*list)[512], size_t n, const char *path)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(list[i], path)) return (long)i;
+    return -1;
+}
+
 static double now_s(void)
 {
     struct timespec ts;

@@ -135,7 +135,13 @@ typedef struct mt_nccl_id {
 
 typedef struct mt_nccl_config {
     uint32_t struct_size;
-    const char *nccl_path;   /* NULL: "libnccl.so.2" from the loader's path */
+    const char *nccl_path;   /* NULL: the environment variable MT_NCCL_PATH if set, else
+                                the first libnccl.so.2 that loads: on the loader's path,
+                                in lib64/ and lib/ of $CUDA_HOME, $CUDA_PATH and
+                                /usr/local/cuda, then in nvidia/nccl/lib of the
+                                site-packages of the python3 on PATH (PyTorch's pip
+                                wheel) and of ~/.local; MT_ERR_NO_DEVICE naming every
+                                path tried when none does */
     const char *cuda_driver_path; /* NULL: "libcuda.so.1"; used to poll streams */
     double timeout_seconds;  /* a collective not done by then aborts the NCCL
                                 communicator and gives MT_ERR_COMM (600) */

@@ -11,12 +11,14 @@
  * communicator is broken; every rank should end its run.
  */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "comm/comm.h"
+#include "cuda_device.h"
 
 /* NCCL's C ABI, as far as used here (nccl.h of the 2.x series) */
 typedef int nccl_result;          /* ncclResult_t: 0 success, 7 in progress */
@@ -93,16 +95,52 @@ static void api_close(nccl_api *a)
         if (!a->field && !missing) missing = name;                                                       \
     } while (0)
 
+/* NCCL at the configured path (or MT_NCCL_PATH's), as it is; else the
+ * first of mti_nccl_candidates that loads and has ncclGetVersion. On
+ * failure the message names every path tried. */
+static mt_status nccl_load(const char *fn, const mt_nccl_config *c, nccl_api *a, char *path,
+                           size_t cap)
+{
+    const char *given = c->nccl_path && *c->nccl_path ? c->nccl_path : getenv("MT_NCCL_PATH");
+    if (given && *given) {
+        snprintf(path, cap, "%s", given);
+        a->lib = dlopen(given, RTLD_NOW | RTLD_LOCAL);
+        if (a->lib) return MT_OK;
+        const char *e = dlerror();
+        return mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: cannot load NCCL (%s): %s", fn, given,
+                        e ? e : "not found");
+    }
+    static char cand[MTI_LT_CANDIDATES][MTI_LT_PATH];
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    char tried[1024] = "";
+    size_t used = 0;
+    pthread_mutex_lock(&mu); /* cand is shared */
+    const size_t n = mti_nccl_candidates(cand, MTI_LT_CANDIDATES);
+    for (size_t i = 0; i < n && !a->lib; i++) {
+        void *h = dlopen(cand[i], RTLD_NOW | RTLD_LOCAL);
+        if (h && dlsym(h, "ncclGetVersion")) {
+            a->lib = h;
+            snprintf(path, cap, "%s", cand[i]);
+            break;
+        }
+        if (h) dlclose(h);
+        int w = snprintf(tried + used, sizeof tried - used, "%s%s", used ? ", " : "", cand[i]);
+        if (w > 0 && (size_t)w < sizeof tried - used) used += (size_t)w;
+    }
+    pthread_mutex_unlock(&mu);
+    if (a->lib) return MT_OK;
+    return mti_fail(NULL, MT_ERR_NO_DEVICE,
+                    "%s: cannot load NCCL: no libnccl.so.2 loads (tried %s); name one in "
+                    "mt_nccl_config.nccl_path or MT_NCCL_PATH",
+                    fn, tried);
+}
+
 static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
 {
     memset(a, 0, sizeof *a);
-    const char *path = c->nccl_path && *c->nccl_path ? c->nccl_path : "libnccl.so.2";
-    a->lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!a->lib) {
-        const char *e = dlerror();
-        return mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: cannot load NCCL (%s): %s", fn, path,
-                        e ? e : "not found");
-    }
+    char path[MTI_LT_PATH];
+    mt_status ls = nccl_load(fn, c, a, path, sizeof path);
+    if (ls) return ls;
     const char *cpath = c->cuda_driver_path && *c->cuda_driver_path ? c->cuda_driver_path
                                                                    : "libcuda.so.1";
     a->cuda = dlopen(cpath, RTLD_NOW | RTLD_LOCAL);
