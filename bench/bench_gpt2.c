@@ -12,7 +12,7 @@
  *   bench_gpt2 [--vocab V] [--padded-vocab Vp] [--max-seq T] [--layers L]
  *              [--heads H] [--channels C] [--batch B] [--seq T]
  *              [--steps N] [--warmup N] [--threads N] [--seed S]
- *              [--precision fp32|bf16|fp16] [--optimizer adamw|adamw8|adafactor|sgd]
+ *              [--precision fp32|bf16|fp16] [--optimizer adamw|adamw8|adamw4|adafactor|sgd]
  *              [--lr X] [--wd X] [--fused] [--recompute none|sqrt|selective|every:K]
  *              [--no-master] [--micro N] [--tokens FILE] [--llmc-checkpoint FILE]
  *              [--allocator caching|arena|pool|checkpoint] [--profile] [--device cpu|cuda]
@@ -159,7 +159,7 @@ static void usage(void)
     fputs("usage: bench_gpt2 [--vocab V] [--padded-vocab Vp] [--max-seq T] [--layers L]\n"
           "                  [--heads H] [--channels C] [--batch B] [--seq T] [--steps N]\n"
           "                  [--warmup N] [--threads N] [--seed S] [--precision fp32|bf16|fp16]\n"
-          "                  [--optimizer adamw|adamw8|adafactor|sgd] [--lr X] [--wd X]\n"
+          "                  [--optimizer adamw|adamw8|adamw4|adafactor|sgd] [--lr X] [--wd X]\n"
           "                  [--fused] [--recompute none|sqrt|selective|every:K] [--no-master]\n"
           "                  [--micro N]"
           " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME] [--profile]\n"
@@ -249,11 +249,8 @@ static void trainer_config(const options *o, mt_trainer_config *tc)
     tc->lora.alpha = 2.0f * (float)o->lora;
     tc->lora.targets = o->lora_targets;
     if (o->no_master) tc->master_weights = 0;
-    if (!strcmp(o->optimizer, "adamw")) tc->optimizer = MT_OPT_ADAMW;
-    else if (!strcmp(o->optimizer, "adamw8")) tc->optimizer = MT_OPT_ADAMW8;
-    else if (!strcmp(o->optimizer, "adafactor")) tc->optimizer = MT_OPT_ADAFACTOR;
-    else if (!strcmp(o->optimizer, "sgd")) tc->optimizer = MT_OPT_SGD;
-    else die("--optimizer: '%s' is not adamw, adamw8, adafactor or sgd", o->optimizer);
+    if (mt_optimizer_by_name(o->optimizer, &tc->optimizer))
+        die("--optimizer: %s", mt_last_error(NULL));
     if (!strcmp(o->precision, "fp32")) tc->precision = MT_PREC_FP32;
     else if (!strcmp(o->precision, "bf16")) tc->precision = MT_PREC_BF16;
     else if (!strcmp(o->precision, "fp16")) tc->precision = MT_PREC_FP16;

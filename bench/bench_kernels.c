@@ -13,8 +13,8 @@
  *     allocations each makes in the ACT class), peak workspace, and the time
  *     of forward and of forward + backward.
  * (c) Optimizer updates over a GPT-2 124M-sized parameter (124M fp32
- *     elements; --quick 16M): SGD with momentum, AdamW, 8-bit AdamW and
- *     Adafactor through the table, each against the memory-bandwidth bound
+ *     elements; --quick 16M): SGD with momentum, AdamW, 8-bit AdamW, 4-bit
+ *     AdamW (rank-1 over the matrix) and Adafactor through the table, each against the memory-bandwidth bound
  *     (its bytes moved at the rate of an in-place triad, a += s b,
  *     threaded, measured in the same turns), and AdamW against the same loop written plainly (scalar, one
  *     thread: what the update costs without the table).
@@ -22,7 +22,7 @@
  * Times are medians over batches; in each batch every target runs once, in
  * turns, so whatever else the machine does falls on all of them alike.
  *
- * Usage: bench_kernels [--quick] [--threads N]
+ * Usage: bench_kernels [--quick] [--threads N] [--optim]   (--optim: (c) alone)
  */
 #include <math.h>
 #include <omp.h>
@@ -39,7 +39,7 @@
 #include "common.h"
 #include "dnnl_direct.h"
 
-static bool quick;
+static bool quick, optim_only;
 static mt_context *ctx;
 static mti_kctx K;
 
@@ -515,7 +515,7 @@ static void triad_threaded(float *a, const float *b, size_t n)
     }
 }
 
-enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW8, OPT_ADAFACTOR, OPT_PLAIN, N_OPT };
+enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW8, OPT_ADAMW4, OPT_ADAFACTOR, OPT_PLAIN, N_OPT };
 
 static void optim_bench(void)
 {
@@ -526,12 +526,14 @@ static void optim_bench(void)
     printf("\n## (c) Optimizer updates over %zu fp32 parameters (%lld x %zu), %d threads\n\n", n,
            (long long)rows, cols, mti_cpu_threads(&K));
     printf("Bytes moved per element: the least each update must read and write (triad: 12; "
-           "SGD with momentum 20; AdamW 28; 8-bit AdamW 16; Adafactor factored 12 per pass, and "
-           "it makes three passes over g and two over p). Bound: those bytes at the rate of an "
+           "SGD with momentum 20; AdamW 28; 8-bit AdamW 16; 4-bit AdamW 14, rank-1 over the "
+           "matrix, which reads g and v's codes twice: 18.5 moved; Adafactor factored 12 per "
+           "pass, and it makes three passes over g and two over p). Bound: those bytes at the "
+           "rate of an "
            "in-place triad (a += s b), threaded. Median ms over %d batches, targets in "
            "turns.\n\n",
            batches);
-    mt_block bp, bg, bm, bv, bqm, bqv, bam, bav, brow, bcol, bscr;
+    mt_block bp, bg, bm, bv, bqm, bqv, bam, bav, brow, bcol, bscr, bq4, bs4;
     float *p = take(&bp, n * 4, MT_MEM_PARAM), *g = take(&bg, n * 4, MT_MEM_GRAD);
     float *m = take(&bm, n * 4, MT_MEM_OPTIM), *v = take(&bv, n * 4, MT_MEM_OPTIM);
     float *scr = take(&bscr, n * 4, MT_MEM_WORK);
@@ -545,11 +547,18 @@ static void optim_bench(void)
     memset(m, 0, n * 4), memset(v, 0, n * 4), memset(row, 0, (size_t)rows * 4);
     memset(col, 0, cols * 4), memset(am, 0, nb * 4), memset(av, 0, nb * 4);
     memset(qm, mti_q8_zero_code(1), n), memset(qv, mti_q8_zero_code(0), n);
+    /* 4-bit state: codes of m and v (n / 2 bytes each), m's block absmax, v's
+       row and column maxima */
+    const size_t nb4 = (n + MTI_Q4_BLOCK - 1) / MTI_Q4_BLOCK, ns4 = nb4 + (size_t)rows + cols;
+    uint8_t *q4 = take(&bq4, n, MT_MEM_OPTIM);
+    float *s4 = take(&bs4, ns4 * 4, MT_MEM_OPTIM);
+    memset(q4, 0x77, n / 2), memset(q4 + n / 2, 0, n / 2), memset(s4, 0, ns4 * 4);
+    const mti_adamw4_state st4 = {.qm = q4, .qv = q4 + n / 2, .absmax_m = s4, .scale_v = s4 + nb4};
 
     const mti_ops *ops = ctx->ops;
     static const char *names[N_OPT] = {"triad in place (a += s b)", "SGD momentum", "AdamW", "8-bit AdamW",
-                                       "Adafactor", "AdamW, plain loop"};
-    static const double bytes[N_OPT] = {12, 20, 28, 16, 12 * 3 + 8 * 2, 28};
+                                       "4-bit AdamW (rank-1)", "Adafactor", "AdamW, plain loop"};
+    static const double bytes[N_OPT] = {12, 20, 28, 16, 14, 12 * 3 + 8 * 2, 28};
     static double t[N_OPT][64];
     mti_adamw_args aa = {.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                          .weight_decay = 0.1f, .step = 1, .grad_scale = 1.0f};
@@ -566,6 +575,9 @@ static void optim_bench(void)
             case OPT_ADAMW: s = ops->adamw(&K, p, g, m, v, NULL, MTI_F32, n, &aa); break;
             case OPT_ADAMW8:
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
+                break;
+            case OPT_ADAMW4:
+                s = ops->adamw4(&K, p, g, &st4, NULL, MTI_F32, rows, (int64_t)cols, 1, &aa);
                 break;
             case OPT_ADAFACTOR:
                 s = ops->adafactor(&K, p, g, row, col, NULL, NULL, NULL, MTI_F32, rows,
@@ -593,9 +605,13 @@ static void optim_bench(void)
     }
     printf("\nAdamW through the table vs the plain loop: %.2fx the time.\n",
            med[OPT_ADAMW] / med[OPT_PLAIN]);
+    printf("\nState bytes of this matrix: AdamW %zu (8 per element), 8-bit AdamW %zu (%.4f), "
+           "4-bit AdamW %zu (%.4f).\n",
+           8 * n, 2 * n + 8 * nb, (double)(2 * n + 8 * nb) / (double)n, n + 4 * ns4,
+           (double)(n + 4 * ns4) / (double)n);
     fflush(stdout);
     give(&bp), give(&bg), give(&bm), give(&bv), give(&bscr), give(&bqm), give(&bqv);
-    give(&bam), give(&bav), give(&brow), give(&bcol);
+    give(&bam), give(&bav), give(&brow), give(&bcol), give(&bq4), give(&bs4);
 }
 
 int main(int argc, char **argv)
@@ -603,9 +619,10 @@ int main(int argc, char **argv)
     int threads = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--optim")) optim_only = true;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N]\n");
+            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N] [--optim]\n");
             return 2;
         }
     }
@@ -630,8 +647,10 @@ int main(int argc, char **argv)
     printf("# bench_kernels (memtrain %s, %s, OMP_WAIT_POLICY=%s)\n# ", mt_version(),
            mt_context_device_name(ctx), getenv("OMP_WAIT_POLICY"));
     dd_describe(stdout);
-    gemm_bench();
-    att_bench();
+    if (!optim_only) {
+        gemm_bench();
+        att_bench();
+    }
     optim_bench();
     mt_context_destroy(ctx);
     return 0;

@@ -37,116 +37,153 @@ typedef struct q4_consts {
     const float *code_m, *code_v;
 } q4_consts;
 
-static inline unsigned nib(const uint8_t *q, size_t i)
+/* Code of element j of a block whose first element is even. */
+static inline unsigned nib(const uint8_t *q, size_t j)
 {
-    return i & 1 ? q[i >> 1] >> 4 : q[i >> 1] & 15u;
+    return (q[j >> 1] >> ((j & 1) << 2)) & 15u;
 }
 
-/* The nearest level: the count of midpoints strictly below x. */
-static inline unsigned q4_code(const float *mid, float x)
+/* The nearest level: the count of midpoints strictly below x. Written
+ * out so that the loops around it vectorise. */
+static inline __attribute__((always_inline)) uint32_t q4_code(const float *mid, float x)
 {
-    unsigned r = 0;
-    for (int k = 0; k < 15; k++) r += x > mid[k];
-    return r;
+    return (uint32_t)(x > mid[0]) + (uint32_t)(x > mid[1]) + (uint32_t)(x > mid[2]) +
+           (uint32_t)(x > mid[3]) + (uint32_t)(x > mid[4]) + (uint32_t)(x > mid[5]) +
+           (uint32_t)(x > mid[6]) + (uint32_t)(x > mid[7]) + (uint32_t)(x > mid[8]) +
+           (uint32_t)(x > mid[9]) + (uint32_t)(x > mid[10]) + (uint32_t)(x > mid[11]) +
+           (uint32_t)(x > mid[12]) + (uint32_t)(x > mid[13]) + (uint32_t)(x > mid[14]);
 }
 
-/* g scaled, or 0 with keep = 0 where it is not finite. */
-static inline float grad_of(const float *g, size_t i, float gs, int *keep)
+/* All ones where gv is finite (masks vectorise where branches do not). */
+static inline uint32_t finite_mask(float gv)
 {
-    float gv = g[i] * gs;
-    *keep = isfinite(gv);
-    return gv;
+    return 0u - (uint32_t)((bits_of(gv) & 0x7F800000u) != 0x7F800000u);
 }
 
-/* The new v of element i from its code, its old scale and g. */
-static inline float v_new(const q4_consts *c, unsigned code, float scale, float gv, int keep)
+/* The new v of an element from its code's value, its old scale and g
+ * (0 where g is not finite: keep is the mask). */
+static inline float v_new(float b2, float c2, float code, float scale, float gv, uint32_t keep)
 {
-    float vv = c->b2 * (c->code_v[code] * scale) + c->c2 * gv * gv;
-    return keep ? vv : 0.0f;
+    float vv = b2 * (code * scale) + c2 * gv * gv;
+    return float_of(bits_of(vv) & keep);
 }
 
-/* The old rank-1 scale of element (r, col) (state as it was). */
-static inline float rank1_scale(const float *rowmax, const float *colmax, int64_t r, int64_t col)
-{
-    float a = rowmax[r], b = colmax[col];
-    return a < b ? a : b;
-}
-
-/* One block [i0, i0 + len) (len <= BLK, i0 a multiple of BLK): updates m
- * and p, codes m; v: the old scale of each element comes from old_scale(),
- * the new one from new_scale(); v codes written. For a blockwise v,
- * new_v_block is NULL and the block's new absmax is computed here into
- * *vblock_out. */
+/* Where the rank-1 scales are: the state's (old) and this step's (new). */
 typedef struct q4_view {
-    const float *rowmax_old, *colmax_old; /* rank-1: the state's scales */
-    const float *rowmax_new, *colmax_new; /* rank-1: this step's */
+    const float *rowmax_old, *colmax_old;
+    const float *rowmax_new, *colmax_new;
     int64_t cols;
     int rank1;
 } q4_view;
 
-static void q4_block(const q4_consts *c, const q4_view *w, float *p, const float *g,
-                     const mti_adamw4_state *st, size_t i0, size_t len)
+/* One block [i0, i0 + len) (len <= BLK, i0 a multiple of BLK): m, v and p
+ * updated, the block's new absmax of m (and of v for a vector), codes. */
+WIDE_CLONES static void q4_block(const q4_consts *c, const q4_view *w, float *p, const float *g,
+                                 const mti_adamw4_state *st, size_t i0, size_t len)
 {
-    float m[BLK], v[BLK];
-    int keep[BLK];
+    float m[BLK], v[BLK], so[BLK], sn[BLK];
+    uint8_t cm[BLK + 1], cv[BLK + 1];
     const size_t b = i0 / BLK;
+    const uint8_t *qm = st->qm + (i0 >> 1), *qv = st->qv + (i0 >> 1);
     const float am_old = st->absmax_m[b];
-    const float sv_old = w->rank1 ? 0.0f : st->scale_v[b];
-    for (size_t j = 0; j < len; j++) {
-        const size_t i = i0 + j;
-        float gv = grad_of(g, i, c->gs, &keep[j]);
-        float scale = w->rank1 ? rank1_scale(w->rowmax_old, w->colmax_old, (int64_t)i / w->cols,
-                                             (int64_t)i % w->cols)
-                               : sv_old;
-        float mv = c->b1 * (c->code_m[nib(st->qm, i)] * am_old) + c->c1 * gv;
-        m[j] = keep[j] ? mv : 0.0f;
-        v[j] = v_new(c, nib(st->qv, i), scale, gv, keep[j]);
-        if (keep[j]) {
-            float denom = sqrtf(v[j]) / c->bc2_sqrt + c->eps;
-            p[i] = p[i] * c->decay - c->step_size * (m[j] / denom);
+    if (w->rank1) { /* the old and new scales, row and column stepped, not divided */
+        int64_t r = (int64_t)i0 / w->cols, col = (int64_t)i0 % w->cols;
+        for (size_t j = 0; j < len; j++) {
+            float a = w->rowmax_old[r], bb = w->colmax_old[col];
+            float an = w->rowmax_new[r], bn = w->colmax_new[col];
+            so[j] = a < bb ? a : bb;
+            sn[j] = an < bn ? an : bn;
+            if (++col == w->cols) col = 0, r++;
         }
+    } else {
+        const float sv_old = st->scale_v[b];
+        for (size_t j = 0; j < len; j++) so[j] = sv_old;
     }
-    /* the new scales */
-    float am = 0.0f, avb = 0.0f;
-    for (size_t j = 0; j < len; j++) am = fmaxf(am, fabsf(m[j]));
-    if (!w->rank1)
-        for (size_t j = 0; j < len; j++) avb = fmaxf(avb, v[j]);
+    const float *code_m = c->code_m, *code_v = c->code_v;
+    const float b1 = c->b1, c1 = c->c1, b2 = c->b2, c2 = c->c2, gs = c->gs, eps = c->eps;
+    const float bc2_sqrt = c->bc2_sqrt;
+    const float decay = c->decay, step_size = c->step_size;
+    float *pp = p + i0;
+    const float *gg = g + i0;
+#pragma omp simd
+    for (size_t j = 0; j < len; j++) {
+        float gv = gg[j] * gs;
+        uint32_t keep = finite_mask(gv);
+        float mv = b1 * (code_m[nib(qm, j)] * am_old) + c1 * gv;
+        mv = float_of(bits_of(mv) & keep);
+        float vv = v_new(b2, c2, code_v[nib(qv, j)], so[j], gv, keep);
+        m[j] = mv;
+        v[j] = vv;
+        float denom = sqrtf(vv) / bc2_sqrt + eps;
+        float pn = pp[j] * decay - step_size * (mv / denom);
+        pp[j] = float_of((bits_of(pn) & keep) | (bits_of(pp[j]) & ~keep));
+    }
+    /* the new scales (exact maxima) */
+    uint32_t am_b = 0, av_b = 0;
+#pragma omp simd reduction(max : am_b, av_b)
+    for (size_t j = 0; j < len; j++) {
+        uint32_t a = bits_of(m[j]) & 0x7FFFFFFFu, vb = bits_of(v[j]) & 0x7FFFFFFFu;
+        a = a > 0x7F800000u ? 0u : a; /* NaN left out, as fmaxf does */
+        vb = vb > 0x7F800000u ? 0u : vb;
+        am_b = a > am_b ? a : am_b;
+        av_b = vb > av_b ? vb : av_b;
+    }
+    const float am = float_of(am_b);
     st->absmax_m[b] = am;
-    if (!w->rank1) st->scale_v[b] = avb;
-    /* codes, two to a byte (len is even but for a tensor's odd last block) */
+    if (!w->rank1) {
+        const float avb = float_of(av_b);
+        st->scale_v[b] = avb;
+        for (size_t j = 0; j < len; j++) sn[j] = avb;
+    }
+    float mid_m[15], mid_v[15];
+    memcpy(mid_m, c->mid_m, sizeof mid_m);
+    memcpy(mid_v, c->mid_v, sizeof mid_v);
+    if (am == 0.0f) {
+        memset(cm, MTI_Q4_ZERO, len);
+    } else {
+#pragma omp simd
+        for (size_t j = 0; j < len; j++) cm[j] = (uint8_t)q4_code(mid_m, m[j] / am);
+    }
+    /* a scale of 0 has v = 0 there: 0 / 0 is NaN, below every midpoint, code 0 */
+#pragma omp simd
+    for (size_t j = 0; j < len; j++) cv[j] = (uint8_t)q4_code(mid_v, v[j] / sn[j]);
+    cm[len] = MTI_Q4_ZERO, cv[len] = 0; /* an odd tensor's pads: the fresh state's codes */
+    uint8_t *om = st->qm + (i0 >> 1), *ov = st->qv + (i0 >> 1);
     for (size_t j = 0; j < len; j += 2) {
-        unsigned cm[2] = {MTI_Q4_ZERO, MTI_Q4_ZERO}, cv[2] = {0, 0}; /* the fill's pads */
-        for (size_t h = 0; h < 2 && j + h < len; h++) {
-            const size_t i = i0 + j + h;
-            cm[h] = am == 0.0f ? MTI_Q4_ZERO : q4_code(c->mid_m, m[j + h] / am);
-            float s = w->rank1 ? rank1_scale(w->rowmax_new, w->colmax_new, (int64_t)i / w->cols,
-                                             (int64_t)i % w->cols)
-                               : avb;
-            cv[h] = s == 0.0f ? 0u : q4_code(c->mid_v, v[j + h] / s);
-        }
-        st->qm[(i0 + j) >> 1] = (uint8_t)(cm[0] | cm[1] << 4);
-        st->qv[(i0 + j) >> 1] = (uint8_t)(cv[0] | cv[1] << 4);
+        om[j >> 1] = (uint8_t)(cm[j] | cm[j + 1] << 4);
+        ov[j >> 1] = (uint8_t)(cv[j] | cv[j + 1] << 4);
     }
 }
 
 /* Pass 1 of a matrix: the maxima of the new v over rows [r0, r1), the
  * columns' into colmax (cols floats, max-accumulated). */
-static void rank1_maxima(const q4_consts *c, const float *g, const mti_adamw4_state *st,
-                         int64_t r0, int64_t r1, int64_t cols, const float *rowmax_old,
-                         const float *colmax_old, float *rowmax, float *colmax)
+WIDE_CLONES static void rank1_maxima(const q4_consts *c, const float *g,
+                                     const mti_adamw4_state *st, int64_t r0, int64_t r1,
+                                     int64_t cols, const float *rowmax_old,
+                                     const float *colmax_old, float *rowmax, float *colmax)
 {
+    const float *code_v = c->code_v;
+    const float gs = c->gs, b2 = c->b2, c2 = c->c2;
     for (int64_t r = r0; r < r1; r++) {
-        float rm = 0.0f;
+        const float ro = rowmax_old[r];
+        const size_t i0 = (size_t)(r * cols);
+        const float *gg = g + i0;
+        /* a row may start on an odd element: read its codes by absolute index */
+        const uint8_t *qv = st->qv;
+        uint32_t rm = 0;
+#pragma omp simd reduction(max : rm)
         for (int64_t col = 0; col < cols; col++) {
-            const size_t i = (size_t)(r * cols + col);
-            int keep;
-            float gv = grad_of(g, i, c->gs, &keep);
-            float vv = v_new(c, nib(st->qv, i), rank1_scale(rowmax_old, colmax_old, r, col), gv,
-                             keep);
-            rm = fmaxf(rm, vv);
-            colmax[col] = fmaxf(colmax[col], vv);
+            const size_t i = i0 + (size_t)col;
+            float gv = gg[col] * gs;
+            uint32_t keep = finite_mask(gv);
+            float co = colmax_old[col], so = ro < co ? ro : co;
+            float vv = v_new(b2, c2, code_v[(qv[i >> 1] >> ((i & 1) << 2)) & 15u], so, gv, keep);
+            uint32_t vb = bits_of(vv) & 0x7FFFFFFFu;
+            vb = vb > 0x7F800000u ? 0u : vb; /* NaN left out, as fmaxf does */
+            rm = vb > rm ? vb : rm;
+            colmax[col] = vv > colmax[col] ? vv : colmax[col];
         }
-        rowmax[r] = rm;
+        rowmax[r] = float_of(rm);
     }
 }
 

@@ -51,7 +51,6 @@ fp32 first (the op takes floats).
 File format: see gen.py.
 """
 
-import hashlib
 import math
 import os
 import sys
