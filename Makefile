@@ -65,7 +65,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-dp install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -316,6 +316,12 @@ bench: deps
 bench-gpt2: deps
 	@$(MAKE) --no-print-directory $(BUILD)/bench/bench_gpt2
 	BUILD=$(BUILD) ./bench/gpt2_side_by_side.sh $(GPT2_ARGS)
+
+# data parallel on this machine: 1 rank x 2 threads against 2 ranks x 1
+# thread, with and without the communication thread (docs/benchmarks.md)
+bench-dp: deps
+	@$(MAKE) --no-print-directory $(TOOL)
+	BUILD=$(BUILD) ./bench/dp_overlap.sh
 
 # ---- install ----
 install: $(LIB) $(TOOL) $(MPI_TARGETS)

@@ -165,6 +165,8 @@ struct mt_context {
      * allocators never give back the reservation holding it */
     const void *comm_kept;
     size_t comm_kept_bytes;
+    /* what the context's collectives took (mt_context_comm_stats) */
+    _Atomic uint64_t comm_calls, comm_ns, comm_wait_ns;
     pthread_mutex_t err_mu;  /* guards err, which every thread may write */
     char err[MTI_ERR_LEN];   /* the last failure on the context, of any thread */
 };

@@ -31,6 +31,7 @@
 
 #include "comm/dp.h"
 #include "comm/local_sgd.h"
+#include "comm/overlap.h"
 #include "plan.h"
 #include "trainer.h"
 
@@ -509,6 +510,7 @@ void mt_trainer_destroy(mt_trainer *t)
             for (int j = 0; j < MTI_OPT_SLOTS; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
+    mti_overlap_free(t->ov);
     if (t->model->has_master) from_mixed(t);
     (void)weights_to_fp32(t); /* no masters, or frozen weights in 16 bits */
     if (t->froze)
@@ -529,6 +531,18 @@ void mt_trainer_destroy(mt_trainer *t)
         atomic_fetch_sub(&t->ctx->n_children, 1);
     }
     free(t);
+}
+
+/* The communication thread (comm/overlap.c), for the parameters that train. */
+static mt_status overlap_start(mt_trainer *t)
+{
+    const mt_model *m = t->model;
+    size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
+    if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
+    for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
+    mt_status s = mti_overlap_new(t->ctx, m->n_param, numel, &t->ov);
+    free(numel);
+    return s;
 }
 
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out)
@@ -639,6 +653,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         t->sumsq = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->n_param}};
         s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 3));
     }
+    /* the gradients' all-reduce overlapping backward, where it can: a CPU
+       step without the fused update, which reduces in its own hooks */
+    if (!s && !cfg->fused_step && !mti_local_sgd(t) && mti_overlap_possible(ctx))
+        s = overlap_start(t);
     s = mti_dp_created(t, s);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
@@ -875,6 +893,36 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg.s);
 }
 
+/* Overlap (comm/overlap.c): a gradient final in the last micro-batch's
+ * backward goes to the communication thread at once. */
+static mt_status give_hook(void *user, int i)
+{
+    mt_trainer *t = user;
+    const mti_param *p = &t->model->params[i];
+    return mti_overlap_push(t->ov, i, p->name, t->E.grad[i].blk.ptr);
+}
+
+/* After the passes (status s): every tensor not given yet goes to the
+ * thread (a parameter the batch did not reach as zeros; a frozen one as
+ * nothing; all of them as zeros to drop when the passes failed, so the
+ * ranks still make the same collectives), then the step waits for them. */
+static mt_status give_rest(mt_trainer *t, mt_status s)
+{
+    const mt_model *m = t->model;
+    for (int i = m->n_param - 1; i >= 0; i--) {
+        if (mti_overlap_pushed(t->ov, i)) continue;
+        const mti_param *p = &m->params[i];
+        mti_tensor *g = NULL;
+        if (!s && !p->frozen) s = mti_engine_grad(&t->E, i, &g);
+        mt_status e = mti_overlap_push(t->ov, i, p->name, g ? g->blk.ptr : NULL);
+        if (!s) s = e;
+    }
+    if (!s) return mti_overlap_wait(t->ov);
+    mti_msg msg = mti_last_msg(t->ctx);
+    (void)mti_overlap_wait(t->ov);
+    return mti_fail(t->ctx, s, "%s", msg.s);
+}
+
 /* The targets (rows x tokens) of a batch. */
 static double targets_of(const mt_trainer *t, const mt_batch *b)
 {
@@ -933,7 +981,8 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool skip,
         }
         mti_engine_arm(E);
         if (!fused) {
-            MTI_TRY(mti_engine_backward(E, 0, NULL, NULL));
+            const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
+            MTI_TRY(mti_engine_backward(E, 0, t->overlap_now && last ? give_hook : NULL, t));
         } else if (!two_pass) {
             MTI_TRY(fused_pass(t, found));
         } else {
@@ -972,12 +1021,15 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->updated = 0;
     int found = 0;
     double sum = 0.0;
+    t->overlap_now = t->ov && !fused;
+    if (t->overlap_now) mti_overlap_begin(t->ov);
     s = passes(t, b, fused, true, targets, &found, &sum);
+    if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     if (!fused && !found) {
         /* (frozen parameters have no gradient: they take no part) */
-        for (int i = 0; i < m->n_param && !s; i++)
+        for (int i = 0; i < m->n_param && !s && !t->overlap_now; i++)
             if (!m->params[i].frozen) s = mti_dp_reduce_grad(t, i);
         if (!s && t->flag_grads) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
@@ -1029,6 +1081,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     double sum = 0.0, targets = s ? 0.0 : targets_of(t, b);
     t->inv = mti_scaler_inv(&t->scaler);
     t->updated = 0;
+    t->overlap_now = 0; /* the gradients are summed below, blocking */
     if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
     s = passes(t, b, false, false, targets, &found, &sum);
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);

@@ -52,6 +52,8 @@ struct mt_trainer {
     int updated;             /* tensors updated this step */
     int counted;             /* counted in the model's and context's children */
     int bare;                /* weights in dt alone, no masters */
+    struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
+    int overlap_now;         /* this step's gradients go to it as backward makes them */
     unsigned char *units;    /* the recompute plan: a mode per unit */
     int seg_len;             /* and the segment length */
 };

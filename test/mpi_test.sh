@@ -42,15 +42,16 @@ tool() { # NP BATCH MICRO: 2 or 3 ranks against one process
     np=$1 batch=$2 micro=$3
     args="train --model gpt --steps 4 --batch $batch --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json"
     one=$("$B/memtrain" $args --micro "$micro" 2>&1 | losses)
-    many=$(timeout 60 $MPIRUN -np "$np" "$B/memtrain" $args 2>&1 | losses)
+    many=$(timeout 60 $MPIRUN -np "$np" "$B/memtrain" $args ${OVERLAP:-} 2>&1 | losses)
     if [ -n "$one" ] && awk -v a="$one" -v b="$many" 'BEGIN { n = split(a, x); m = split(b, y);
         if (n != m || n != 4) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
-    then echo "ok   mpi memtrain train: $np ranks, --batch $batch: losses $many equal one process's"
+    then echo "ok   mpi memtrain train: $np ranks, --batch $batch ${OVERLAP:-}: losses $many equal one process's"
     else echo "FAIL mpi memtrain train: $np ranks, --batch $batch: losses '$many', one process '$one'"; fail=1; fi
 }
 if [ -x "$B/memtrain" ]; then
     tool 2 4 2
     tool 3 4 0   # uneven: 1, 1 and 2 rows
+    OVERLAP=--overlap tool 2 4 2 # the gradients summed on a thread during backward
     # local SGD averaging every step: plain SGD, no clipping, equal rows is
     # the data-parallel step (within rounding); the loss shown is the global batch's
     args="train --model gpt --steps 4 --batch 4 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --optimizer sgd --momentum 0 --clip 0"

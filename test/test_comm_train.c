@@ -57,13 +57,15 @@ typedef struct dp_run {
     int row0;                  /* one process: the first row of its batches (a rank's alone) */
     int bad_batch_rank;        /* >= 0: that rank's first batch has a bad token */
     mt_memory_stats ms[MAXN];  /* each rank's accounting after its steps */
+    mt_comm_stats cs[MAXN];    /* and its communication */
+    uint32_t caps;             /* of the ranks' communicators (MT_COMM_CAP_THREADS: overlap) */
 } dp_run;
 
 /* One rank's run, or the single process (rank 0 of 1, all rows). */
 static void dp_rank(int rank, void *p)
 {
     dp_run *a = p;
-    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, a->caps) : NULL;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -90,6 +92,7 @@ static void dp_rank(int rank, void *p)
     a->st[rank] = s;
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
     if (ctx) mt_context_memory_stats(ctx, &a->ms[rank]);
+    if (ctx) mt_context_comm_stats(ctx, &a->cs[rank]);
     if (!s) {
         a->nw = mt_model_num_params(m);
         a->w[rank] = malloc(a->nw * sizeof(float));
@@ -271,6 +274,48 @@ TEST(dp_estimate_equals_measured)
     mt_context *ctx = NULL;
     CHECK_ST(MT_ERR_INVALID_ARG, mt_context_create(&cc, &ctx));
     CHECK(strstr(mt_last_error(NULL), "for dry contexts") != NULL);
+}
+
+/* With a communicator that takes calls from any thread, a step sums its
+ * gradients on a communication thread while backward goes on: the same
+ * bits as summing them after backward, and the communication figures say
+ * how much of it the step waited for. */
+TEST(dp_overlap_equals_blocking)
+{
+    static const int pick[] = {0, 1, 4, 5, 6}; /* sgd, adamw clip, adamw bf16, sgd bf16 bare, fp16 */
+    for (size_t k = 0; k < sizeof pick / sizeof pick[0]; k++)
+        for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
+            dp_run run[2];
+            for (int o = 0; o < 2; o++) {
+                dp_run *a = &run[o];
+                *a = (dp_run){.n = n, .rows = 4, .bad_batch_rank = -1};
+                case_config(&cases[pick[k]], &a->tc);
+                a->tc.max_batch = 4;
+                a->tc.micro_batch = 2; /* accumulation: the last micro-batch's backward gives them */
+                a->caps = o ? MT_COMM_CAP_THREADS : 0;
+                a->world = tcomm_world_new(n, 30.0);
+                tcomm_run(n, dp_rank, a);
+                tcomm_world_free(a->world);
+                for (int r = 0; r < n; r++)
+                    CHECK_MSG(a->st[r] == MT_OK, "%s, overlap %d, rank %d: %s", cases[pick[k]].name, o,
+                              r, a->msg[r]);
+            }
+            if (run[0].w[0] && run[1].w[0])
+                CHECK_MSG(!memcmp(run[0].w[0], run[1].w[0], run[0].nw * sizeof(float)),
+                          "%s, %d ranks: overlap changed the weights", cases[pick[k]].name, n);
+            CHECK(!memcmp(run[0].loss, run[1].loss, sizeof run[0].loss));
+            for (int r = 0; r < n; r++) {
+                const mt_comm_stats *b = &run[0].cs[r], *v = &run[1].cs[r];
+                /* blocking: every collective waited for, one per tensor; on
+                   the thread: one per bucket of tensors */
+                CHECK(b->collectives > 0 && b->exposed_seconds == b->seconds);
+                CHECK_MSG(v->collectives > 0 && v->collectives < b->collectives, "%llu, blocking %llu",
+                          (unsigned long long)v->collectives, (unsigned long long)b->collectives);
+                CHECK(v->exposed_seconds <= v->seconds + 0.5);
+            }
+            free_run(&run[0]);
+            free_run(&run[1]);
+        }
 }
 
 /* Ranks that disagree get an error at create, every one of them. */

@@ -75,6 +75,7 @@ typedef struct cli_opts {
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     long local_sgd;          /* local SGD: average the weights every this many steps */
+    int overlap;             /* MPI serialized: the gradients summed on a thread */
     /* which table entries the command line (or --config) gave */
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;

@@ -36,8 +36,13 @@ int cli_ranks_open(const cli_opts *o)
 #ifdef MT_CLI_MPI
     int argc = 0;
     char **argv = NULL;
-    if (MPI_Init(&argc, &argv) != MPI_SUCCESS) {
-        fprintf(stderr, "%s: MPI_Init failed\n", cli_prog);
+    /* --overlap: serialized, so the gradients' collectives can run on a
+       thread of their own (single otherwise: the communicator then says it
+       cannot, and they run after backward) */
+    int level = 0;
+    const int want = o->overlap ? MPI_THREAD_SERIALIZED : MPI_THREAD_SINGLE;
+    if (MPI_Init_thread(&argc, &argv, want, &level) != MPI_SUCCESS) {
+        fprintf(stderr, "%s: MPI_Init_thread failed\n", cli_prog);
         return EXIT_FAIL;
     }
     cli_world.mpi = 1;

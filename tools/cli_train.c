@@ -146,6 +146,11 @@ static int finish_ranks(const cli_opts *o, mt_context *ctx, const mt_estimate_re
             printf("%d ranks, peak live MiB per rank:", cli_world.size);
             for (int r = 0; r < cli_world.size; r++) printf(" %.2f", (double)peaks[r] / 1048576.0);
             printf("\n");
+            mt_comm_stats cs;
+            mt_context_comm_stats(ctx, &cs);
+            printf("communication (rank 0): %llu collectives, %.3f s, %.3f s of it exposed (%.0f%%)\n",
+                   (unsigned long long)cs.collectives, cs.seconds, cs.exposed_seconds,
+                   cs.seconds > 0.0 ? 100.0 * cs.exposed_seconds / cs.seconds : 0.0);
         }
         free(peaks);
         if (rc) return rc;

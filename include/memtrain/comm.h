@@ -61,6 +61,11 @@ typedef enum mt_comm_op {
 /* Capability flags of a vtable */
 #define MT_COMM_CAP_DEVICE 0x1u /* buffers are CUDA device memory; calls run on `stream` */
 #define MT_COMM_CAP_BF16 0x2u   /* reduces MT_COMM_BF16 */
+/* Calls may come from any thread (still one at a time): the library then
+ * sums a CPU step's gradients on a thread of its own while backward goes
+ * on (docs/distributed.md). The MPI communicator says so when MPI runs at
+ * MPI_THREAD_SERIALIZED or more. */
+#define MT_COMM_CAP_THREADS 0x4u
 
 typedef struct mt_comm_vtable {
     uint32_t abi_version; /* MT_COMM_ABI_VERSION */
@@ -124,6 +129,18 @@ mt_status mt_comm_all_gather(mt_comm *c, const void *send, void *recv, size_t co
 mt_status mt_comm_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root,
                             void *stream);
 mt_status mt_comm_barrier(mt_comm *c);
+
+/* What a context's communication took, since its creation. */
+typedef struct mt_comm_stats {
+    uint64_t collectives;   /* collectives the library issued for the context */
+    double seconds;         /* the time they took, wherever they ran */
+    double exposed_seconds; /* the time the context's callers waited for them: all of a
+                               collective run in the call, and only the wait at the end of
+                               backward for the gradients' collectives a communication
+                               thread ran during it (overlap) */
+} mt_comm_stats;
+/* The context's communication figures (all 0 without a communicator). */
+mt_status mt_context_comm_stats(const mt_context *ctx, mt_comm_stats *out);
 
 /* ---- NCCL (CUDA contexts) ---- */
 

@@ -24,7 +24,9 @@ extern "C" {
  *
  * timeout_seconds (> 0) bounds every collective: each runs as a
  * non-blocking MPI collective (MPI_Iallreduce, ...) on the buffers it is
- * given, polled with MPI_Test, sleeping up to 1 ms between polls, and one
+ * given, polled with MPI_Test (yielding for 200 us, then sleeping up to 1 ms
+ * between polls; on a thread other than MPI's main one, the library's
+ * communication thread, sleeping at most 20 us), and one
  * not complete by then (a rank died or stalled) gives MT_ERR_COMM. MPI
  * cannot cancel a collective, so after a timeout the communicator is broken
  * and the request stays pending in MPI with its buffers: the library gives
@@ -39,7 +41,10 @@ extern "C" {
  *
  * MPI has no portable bf16: fp32 and bytes only (no MT_COMM_CAP_BF16). The
  * library calls MPI from the threads that call it; with MPI_THREAD_SINGLE or
- * FUNNELED that must be the thread that initialised MPI. */
+ * FUNNELED that must be the thread that initialised MPI. With MPI
+ * initialised at MPI_THREAD_SERIALIZED or more (MPI_Init_thread) the
+ * communicator takes calls from any thread (MT_COMM_CAP_THREADS), and a CPU
+ * step sums its gradients on a thread of its own while backward goes on. */
 mt_status mt_comm_mpi_create(MPI_Comm comm, double timeout_seconds, mt_comm **out);
 
 #ifdef __cplusplus

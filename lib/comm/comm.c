@@ -47,7 +47,7 @@ mt_status mt_comm_create(const mt_comm_vtable *vt, void *self, int rank, int siz
                         : !vt->all_gather     ? "all_gather"
                         : !vt->broadcast      ? "broadcast"
                                               : "barrier");
-    if (vt->caps & ~(MT_COMM_CAP_DEVICE | MT_COMM_CAP_BF16))
+    if (vt->caps & ~(MT_COMM_CAP_DEVICE | MT_COMM_CAP_BF16 | MT_COMM_CAP_THREADS))
         return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: the table's caps 0x%x has unknown flags", fn,
                         vt->caps);
     if (size < 1 || size > MAX_RANKS || rank < 0 || rank >= size)
@@ -291,7 +291,7 @@ static bool device_table(const mt_context *ctx)
     return ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE;
 }
 
-mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_all_reduce_run(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
     if (!device_table(ctx)) return staged(ctx, what, ALL_REDUCE, false, send, recv, count, dt, op, 0);
@@ -299,7 +299,7 @@ mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *sen
                   mt_comm_all_reduce(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
 }
 
-mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_reduce_scatter_run(mt_context *ctx, const char *what, const void *send, void *recv,
                                   size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
     if (!device_table(ctx))
@@ -308,7 +308,7 @@ mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void 
                   mt_comm_reduce_scatter(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
 }
 
-mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_all_gather_run(mt_context *ctx, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt)
 {
     if (!device_table(ctx))
@@ -317,7 +317,7 @@ mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *sen
                   mt_comm_all_gather(ctx->cfg.comm, send, recv, count, dt, mti_comm_stream(ctx)));
 }
 
-mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
+static mt_status comm_broadcast_run(mt_context *ctx, const char *what, void *buf, size_t count,
                              mt_comm_dtype dt, int root)
 {
     if (!device_table(ctx)) return staged(ctx, what, BROADCAST, false, buf, buf, count, dt, MT_COMM_SUM, root);
@@ -325,7 +325,7 @@ mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_
                   mt_comm_broadcast(ctx->cfg.comm, buf, count, dt, root, mti_comm_stream(ctx)));
 }
 
-mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_host_gather_run(mt_context *ctx, const char *what, const void *send, void *recv,
                                size_t len)
 {
     mt_comm *c = ctx->cfg.comm;
@@ -345,6 +345,96 @@ mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *se
         if (!s) s = d->sync(d);
     }
     return s;
+}
+
+/* ---- what the collectives take ---- */
+
+static _Thread_local bool comm_thread;
+
+void mti_comm_on_thread(void) { comm_thread = true; }
+
+void mti_comm_waited(mt_context *ctx, uint64_t ns) { atomic_fetch_add(&ctx->comm_wait_ns, ns); }
+
+/* A collective of the context took from t0 until now. */
+static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
+{
+    const uint64_t ns = mti_now_ns() - t0;
+    atomic_fetch_add(&ctx->comm_calls, 1);
+    atomic_fetch_add(&ctx->comm_ns, ns);
+    if (!comm_thread) atomic_fetch_add(&ctx->comm_wait_ns, ns);
+    return s;
+}
+
+mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
+{
+    const uint64_t t0 = mti_now_ns();
+    return timed(ctx, t0, comm_all_reduce_run(ctx, what, send, recv, count, dt, op));
+}
+
+mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
+{
+    const uint64_t t0 = mti_now_ns();
+    return timed(ctx, t0, comm_reduce_scatter_run(ctx, what, send, recv, count, dt, op));
+}
+
+mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt)
+{
+    const uint64_t t0 = mti_now_ns();
+    return timed(ctx, t0, comm_all_gather_run(ctx, what, send, recv, count, dt));
+}
+
+mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count, mt_comm_dtype dt, int root)
+{
+    const uint64_t t0 = mti_now_ns();
+    return timed(ctx, t0, comm_broadcast_run(ctx, what, buf, count, dt, root));
+}
+
+mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t len)
+{
+    const uint64_t t0 = mti_now_ns();
+    return timed(ctx, t0, comm_host_gather_run(ctx, what, send, recv, len));
+}
+
+mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *const *p,
+                                     const size_t *n, int k)
+{
+    const uint64_t t0 = mti_now_ns();
+    mt_comm *c = ctx->cfg.comm;
+    float *st = ctx->comm_stage.ptr;
+    size_t total = 0;
+    for (int j = 0; j < k; j++) total += n[j];
+    if (!st || (c->vt.caps & MT_COMM_CAP_DEVICE) || ctx->dev->kind != MT_DEVICE_CPU ||
+        (k > 1 && total > MTI_COMM_STAGE / sizeof(float)))
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: pieces need a CPU context's staging", what);
+    const size_t chunk = MTI_COMM_STAGE / sizeof(float);
+    mt_status s = MT_OK;
+    /* one piece past the buffer goes in chunks; else all of them at once */
+    for (size_t at = 0; at < total && !s; at += chunk) {
+        const size_t len = total - at < chunk ? total - at : chunk;
+        size_t off = 0;
+        for (int j = 0; j < k; j++, off += n[j - 1]) {
+            const size_t m = k > 1 ? n[j] : len;
+            const float *src = p[j] ? p[j] + (k > 1 ? 0 : at) : NULL;
+            if (src) memcpy(st + off, src, m * sizeof(float));
+            else memset(st + off, 0, m * sizeof(float));
+        }
+        s = on_ctx(ctx, what, mt_comm_all_reduce(c, st, st, len, MT_COMM_F32, MT_COMM_SUM, NULL));
+        off = 0;
+        for (int j = 0; j < k && !s; j++, off += n[j - 1])
+            if (p[j]) memcpy(p[j] + (k > 1 ? 0 : at), st + off, (k > 1 ? n[j] : len) * sizeof(float));
+    }
+    return timed(ctx, t0, s);
+}
+
+mt_status mt_context_comm_stats(const mt_context *ctx, mt_comm_stats *out)
+{
+    if (!ctx || !out)
+        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG, "mt_context_comm_stats: %s is NULL",
+                        ctx ? "out" : "ctx");
+    out->collectives = atomic_load(&ctx->comm_calls);
+    out->seconds = 1e-9 * (double)atomic_load(&ctx->comm_ns);
+    out->exposed_seconds = 1e-9 * (double)atomic_load(&ctx->comm_wait_ns);
+    return MT_OK;
 }
 
 mt_status mti_comm_attach(mt_context *ctx)

@@ -35,6 +35,18 @@ mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *sen
                               size_t count, mt_comm_dtype dt);
 mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
                              mt_comm_dtype dt, int root);
+/* One all-reduce (sum, fp32, in place) of k pieces of host memory together,
+ * through the staging buffer of a CPU context's host communicator: piece j
+ * is n[j] values at p[j], or zeros whose sums are dropped when p[j] is NULL.
+ * The pieces together fit in MTI_COMM_STAGE bytes, or there is one piece
+ * (then it goes in chunks). */
+mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *const *p,
+                                     const size_t *n, int k);
+/* The calling thread runs collectives nobody waits for (overlap.c): their
+ * time is not exposed. */
+void mti_comm_on_thread(void);
+/* ns spent waiting for collectives that ran elsewhere: exposed time. */
+void mti_comm_waited(mt_context *ctx, uint64_t ns);
 
 /* The stream a device communicator runs the context's collectives on (the
  * CUDA device's), or NULL. */

@@ -49,6 +49,11 @@ static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *re
     if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
     const double start = now_s(), deadline = start + st->timeout;
     struct timespec nap = {0, 10000}; /* 10 us, doubling to 1 ms */
+    /* a thread other than MPI's main one is the library's communication
+       thread, which runs beside backward: it sleeps from the start rather
+       than take the core from the computation */
+    int main_thread = 1;
+    MPI_Is_thread_main(&main_thread);
     for (;;) {
         int done = 0;
         rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
@@ -65,12 +70,12 @@ static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *re
         /* most collectives of a step are small and done within a few tens of
            microseconds: poll (yielding the core) for the first 200 us, then
            sleep, so a rank that waits long leaves the core to the others */
-        if (now_s() - start < 200e-6) {
+        if (main_thread && now_s() - start < 200e-6) {
             sched_yield();
             continue;
         }
         nanosleep(&nap, NULL);
-        if (nap.tv_nsec < 1000000) nap.tv_nsec *= 2;
+        if (nap.tv_nsec < (main_thread ? 1000000 : 20000)) nap.tv_nsec *= 2;
     }
 }
 
@@ -241,7 +246,12 @@ mt_status mt_comm_mpi_create(MPI_Comm comm, double timeout_seconds, mt_comm **ou
         mpi_fail(st, "MPI_Comm_set_errhandler", rc);
         s = mti_fail(NULL, MT_ERR_COMM, "%s: %s", fn, st->err);
     } else {
-        s = mt_comm_create(&mpi_vtable, st, st->rank, st->size, out);
+        /* calls from any thread, one at a time, where MPI allows it */
+        int level = MPI_THREAD_SINGLE;
+        MPI_Query_thread(&level);
+        mt_comm_vtable vt = mpi_vtable;
+        if (level >= MPI_THREAD_SERIALIZED) vt.caps |= MT_COMM_CAP_THREADS;
+        s = mt_comm_create(&vt, st, st->rank, st->size, out);
     }
     if (s) {
         MPI_Comm_free(&st->comm);
