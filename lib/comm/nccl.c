@@ -82,12 +82,13 @@ static mt_status take_config(const char *fn, const mt_nccl_config *in, mt_nccl_c
     return MT_OK;
 }
 
-static void api_close(nccl_api *a)
-{
-    if (a->lib) dlclose(a->lib);
-    if (a->cuda) dlclose(a->cuda);
-    memset(a, 0, sizeof *a);
-}
+/* NCCL is never unloaded: it starts threads that outlive the call that
+ * made them (ncclGetUniqueId's bootstrap root, which waits for the ranks to
+ * join; a communicator's proxy threads), and unloading it under them would
+ * leave them running in unmapped code. The driver it uses stays too. The
+ * handles are dropped; the loader keeps one copy of each library however
+ * often it is opened. */
+static void api_close(nccl_api *a) { memset(a, 0, sizeof *a); }
 
 #define SYM(lib, field, name)                                                                  \
     do {                                                                                       \

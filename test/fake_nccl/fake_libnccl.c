@@ -72,8 +72,20 @@ ncclResult_t ncclGetVersion(int *v)
     return OK;
 }
 
+/* Like NCCL's bootstrap root, a thread that outlives ncclGetUniqueId (a
+ * while, here): a library unloaded under it makes it fault when it wakes. */
+static void *bootstrap_root(void *arg)
+{
+    (void)arg;
+    struct timespec nap = {0, 200 * 1000 * 1000};
+    nanosleep(&nap, NULL);
+    return NULL;
+}
+
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
 {
+    pthread_t th;
+    if (pthread_create(&th, NULL, bootstrap_root, NULL) == 0) pthread_detach(th);
     memset(id, 0, sizeof *id);
     pthread_mutex_lock(&mu);
     unsigned k = ++ids;
