@@ -920,6 +920,22 @@ typedef struct mt_trainer_config {
      * them); each rank keeps its own optimizer state. Every rank must use
      * the same H. Nothing changes on one rank (docs/distributed.md). */
     int local_sgd_every;
+    /* ZeRO on a data-parallel run of N > 1 ranks (docs/distributed.md); on
+     * one rank every stage is stage 0. 0 (default): every rank holds
+     * everything and the gradients are all-reduced. 1: the fp32 master
+     * weights (MASTER) and the optimizer state (OPTIM) are sharded: each
+     * rank holds and updates its slice of every tensor (an optimizer that
+     * cannot update a slice, Adafactor, gets whole tensors spread over the
+     * ranks), the gradients are reduce-scattered to the slices' owners,
+     * and the updated weights are all-gathered. 2: the gradients (GRAD) are
+     * sharded too: each tensor's gradient is reduce-scattered as soon as it
+     * is final in backward, so a rank keeps only its slices (and the full
+     * gradients of about one layer at a time). The ranks' weights stay
+     * equal bit for bit. With sharded masters, the model's fp32 values
+     * (mt_model_get_params, and the weights after mt_trainer_destroy) are
+     * the 16-bit compute copy's; the training-state file
+     * (mt_trainer_save, then a collective) holds the masters whole. */
+    int zero_stage;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
@@ -1032,7 +1048,11 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
  * the two calls that put it in place (link, rename), with the calling
  * thread's signals blocked, so a process stopped by a signal leaves no
  * PATH.tmp.* file (only SIGKILL landing between those two calls can leave
- * one); elsewhere a named one may remain. */
+ * one); elsewhere a named one may remain.
+ * Under ZeRO (zero_stage >= 1 on several ranks) saving is a collective:
+ * every rank calls it, rank 0 writes the same whole file with every rank's
+ * slices, and it succeeds on every rank or on none (the previous file then
+ * stays intact); path and user are rank 0's. */
 mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
                           size_t user_len);
 /* Restores a saved state into a trainer of the same model (kind, shapes),
@@ -1044,7 +1064,10 @@ mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *use
  * first setting that differs and both values. user (may be NULL) gets up to user_cap
  * bytes of the saved user data, *user_len (may be NULL) its full length.
  * On the CPU, N steps, save, load into a new trainer, M steps give the same
- * bits as N + M steps. */
+ * bits as N + M steps. On several ranks loading is a collective (every
+ * rank loads the same file; a rank whose check fails fails every rank
+ * before any state changes), and each rank keeps the part a ZeRO trainer
+ * holds: a file saved at any world size and stage loads at any other. */
 mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
                           size_t *user_len);
 

@@ -36,6 +36,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "comm/dp.h"
 #include "model.h"
 #include "trainer.h"
 
@@ -87,11 +88,14 @@ static void bb_u64(bbuf *b, uint64_t v)
 
 /* ---- what the state is made of ---- */
 
-/* The stored tensors of a trainer, in file order. */
+/* The stored tensors of a trainer, in file order: whole tensors, whatever
+ * part of them this rank holds under ZeRO (see held). */
 typedef struct ck_tensor {
-    mti_tensor *t;
+    mti_tensor *t; /* this rank's (its part; no memory when it holds none) */
     int param;     /* its parameter */
     int what;      /* 0 weights, 1 master, 2.. state s[what - 2] */
+    mti_dtype dtype;
+    uint64_t bytes; /* of the whole tensor */
 } ck_tensor;
 
 static int list_tensors(mt_trainer *t, ck_tensor *out)
@@ -100,19 +104,43 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
     int n = 0;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
-        if (out) out[n] = (ck_tensor){&p->w, i, 0};
+        if (out) out[n] = (ck_tensor){&p->w, i, 0, p->w.dtype, mti_tensor_bytes(&p->w)};
         n++;
-        if (p->master.blk.ptr) {
-            if (out) out[n] = (ck_tensor){&p->master, i, 1};
+        if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
+            if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, (uint64_t)p->numel * 4};
             n++;
         }
-        for (int j = 0; j < 4; j++)
-            if (t->ps[i].s[j].blk.ptr) {
-                if (out) out[n] = (ck_tensor){&t->ps[i].s[j], i, 2 + j};
-                n++;
-            }
+        for (int j = 0; j < 4; j++) {
+            const mti_opt_state *l = &t->ps[i].lay.s[j];
+            if (!l->numel) continue;
+            if (out)
+                out[n] = (ck_tensor){&t->ps[i].s[j], i, 2 + j, l->dtype,
+                                     (uint64_t)l->numel * mti_dtype_size(l->dtype)};
+            n++;
+        }
     }
     return n;
+}
+
+/* The bytes [*off, *off + *len) of a stored tensor that rank r holds: the
+ * weights whole on every rank; under ZeRO a master or state tensor's part
+ * for the rank's elements of the parameter (lib/comm/zero.c), else whole. */
+static void held(const mt_trainer *t, const ck_tensor *c, int r, uint64_t *off, uint64_t *len)
+{
+    *off = 0;
+    *len = c->bytes;
+    if (c->what == 0 || !t->zero) return;
+    size_t lo, hi;
+    mti_zero_range(t, c->param, r, &lo, &hi);
+    const size_t es = mti_dtype_size(c->dtype);
+    if (c->what == 1) {
+        *off = lo * es, *len = (hi - lo) * es;
+        return;
+    }
+    const mti_opt_state *l = &t->ps[c->param].lay.s[c->what - 2];
+    if (hi == lo) *len = 0;
+    else if (l->per > 0)
+        *off = lo / (size_t)l->per * es, *len = (uint64_t)mti_optim_state_numel(l, lo, hi - lo) * es;
 }
 
 /* The layout section: the model and the trainer as far as the stored state
@@ -144,8 +172,8 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
     for (int k = 0; k < n; k++) {
         bb_u32(b, (uint32_t)ts[k].param);
         bb_u32(b, (uint32_t)ts[k].what);
-        bb_u32(b, (uint32_t)ts[k].t->dtype);
-        bb_u64(b, (uint64_t)mti_tensor_bytes(ts[k].t));
+        bb_u32(b, (uint32_t)ts[k].dtype);
+        bb_u64(b, ts[k].bytes);
     }
     /* the frozen parameters, when there are any (so a file without them is
        as it always was): their count, then their indices */
@@ -204,48 +232,107 @@ static void section_header(unsigned char *h, uint32_t kind, uint32_t index, uint
     mti_put_u32(h + 24, mti_crc32(0, h, 24));
 }
 
-static mt_status write_section(mt_context *ctx, mti_afile *f, uint32_t kind, uint32_t index,
-                               uint32_t dtype, const void *data, size_t n)
+/* Saving: rank 0 writes the file; under ZeRO the other ranks send it
+ * their parts of the sharded tensors (one broadcast per chunk, in rank
+ * order, so the file is the whole tensor in order). A failure to write
+ * (rank 0's) or to read a part (any rank's) is kept in *ws while every rank
+ * goes on making the same collectives; only a failed collective stops. */
+typedef struct saver {
+    mt_trainer *t;
+    mti_afile f;
+    unsigned char *buf;  /* CK_CHUNK, host */
+    mti_tensor bk;       /* a device communicator's bounce buffer (CK_CHUNK) */
+    bool collective;     /* ZeRO on more than one rank */
+    mt_status ws;        /* this rank's first local failure */
+} saver;
+
+static bool writer(const saver *v) { return v->t->rank == 0 || !v->collective; }
+
+static void sv_write(saver *v, const void *data, size_t n)
 {
-    unsigned char h[CK_SECTION];
-    section_header(h, kind, index, n, mti_crc32(0, data, n), dtype);
-    mt_status s = mti_afile_write(ctx, f, h, sizeof h);
-    if (!s && n) s = mti_afile_write(ctx, f, data, n);
-    return s;
+    if (writer(v) && !v->ws && n) v->ws = mti_afile_write(v->t->ctx, &v->f, data, n);
 }
 
-/* A device tensor as a section, read once through a host buffer: the
- * header goes first without the payload's CRC, which is written into it
- * once the payload is out. */
-static mt_status write_tensor(mt_context *ctx, mti_afile *f, const ck_tensor *c, unsigned char *buf)
+static void sv_section(saver *v, uint32_t kind, const void *data, size_t n)
 {
-    const size_t n = mti_tensor_bytes(c->t);
-    const char *src = c->t->blk.ptr;
-    mti_device *d = ctx->dev;
     unsigned char h[CK_SECTION];
-    section_header(h, SEC_TENSOR, (uint32_t)c->param, n, 0, (uint32_t)c->t->dtype);
-    off_t at_header = lseek(f->fd, 0, SEEK_CUR);
-    if (at_header < 0) {
-        mt_status s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(errno));
-        mti_afile_abort(f);
-        return s;
+    section_header(h, kind, 0, n, mti_crc32(0, data, n), 0);
+    sv_write(v, h, sizeof h);
+    sv_write(v, data, n);
+}
+
+/* Bytes [at, at + n) of rank r's part (src: its local memory, on rank r)
+ * into v->buf on the writer. Returns a communication failure. */
+static mt_status fetch(saver *v, int r, const char *src, size_t n)
+{
+    mt_context *ctx = v->t->ctx;
+    mti_device *d = ctx->dev;
+    const bool mine = !v->collective || v->t->rank == r, to_me = writer(v);
+    mt_status ls = MT_OK;
+    if (r == 0 || !v->collective) { /* the writer's own */
+        if (mine) {
+            ls = d->copy_d2h(d, v->buf, src, n);
+            if (!ls) ls = d->sync(d);
+        }
+        if (ls && !v->ws) v->ws = ls;
+        return MT_OK;
     }
+    char what[64];
+    snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", r);
+    mt_status cs;
+    if (v->bk.blk.ptr) { /* a device communicator: through device memory */
+        if (mine) ls = d->copy_d2d(d, v->bk.blk.ptr, src, n);
+        cs = mti_comm_broadcast(ctx, what, v->bk.blk.ptr, n, MT_COMM_BYTE, r);
+        if (!cs && to_me) ls = d->copy_d2h(d, v->buf, v->bk.blk.ptr, n);
+        if (!cs && to_me && !ls) ls = d->sync(d);
+    } else { /* a host one: host memory, through the context's staging */
+        if (mine) ls = d->copy_d2h(d, v->buf, src, n);
+        if (mine && !ls) ls = d->sync(d);
+        cs = mti_comm_broadcast(ctx, what, v->buf, n, MT_COMM_BYTE, r);
+    }
+    if (ls && !v->ws) v->ws = ls;
+    return cs;
+}
+
+/* A stored tensor as a section: the header goes first without the
+ * payload's CRC, which is written into it once the payload is out. */
+static mt_status write_tensor(saver *v, const ck_tensor *c)
+{
+    mt_trainer *t = v->t;
+    mt_context *ctx = t->ctx;
+    unsigned char h[CK_SECTION];
+    section_header(h, SEC_TENSOR, (uint32_t)c->param, c->bytes, 0, (uint32_t)c->dtype);
+    off_t at_header = -1;
+    if (writer(v) && !v->ws && (at_header = lseek(v->f.fd, 0, SEEK_CUR)) < 0) {
+        v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
+        mti_afile_abort(&v->f);
+    }
+    sv_write(v, h, sizeof h);
     uint32_t crc = 0;
-    mt_status s = mti_afile_write(ctx, f, h, sizeof h);
-    for (size_t at = 0; at < n && !s; at += CK_CHUNK) {
-        size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
-        s = d->copy_d2h(d, buf, src + at, len);
-        if (!s) s = d->sync(d);
-        if (!s) crc = mti_crc32(crc, buf, len);
-        if (!s) s = mti_afile_write(ctx, f, buf, len);
+    uint64_t done = 0;
+    const int ranks = v->collective && c->what != 0 ? t->world : 1;
+    for (int r = 0; r < ranks; r++) {
+        uint64_t off, len;
+        if (ranks > 1) held(t, c, r, &off, &len);
+        else off = 0, len = c->bytes;
+        if (len && off != done)
+            return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts out of order");
+        for (uint64_t at = 0; at < len; at += CK_CHUNK) {
+            size_t n = len - at < CK_CHUNK ? (size_t)(len - at) : CK_CHUNK;
+            mt_status cs = fetch(v, r, (const char *)c->t->blk.ptr + at, n);
+            if (cs) return cs;
+            if (writer(v) && !v->ws) crc = mti_crc32(crc, v->buf, n);
+            sv_write(v, v->buf, n);
+        }
+        done += len;
     }
-    if (s) return s;
-    section_header(h, SEC_TENSOR, (uint32_t)c->param, n, crc, (uint32_t)c->t->dtype);
-    if (pwrite(f->fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
-        s = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", f->path, strerror(errno));
-        mti_afile_abort(f);
+    if (done != c->bytes) return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts missing");
+    section_header(h, SEC_TENSOR, (uint32_t)c->param, c->bytes, crc, (uint32_t)c->dtype);
+    if (writer(v) && !v->ws && pwrite(v->f.fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
+        v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
+        mti_afile_abort(&v->f);
     }
-    return s;
+    return MT_OK;
 }
 
 mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *user, size_t user_len)
@@ -258,36 +345,49 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!user && user_len)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
                         user_len);
+    saver v = {.t = t, .collective = t->zero != 0, .f = {.fd = -1}};
+    if (v.collective && !mti_dp_on(t))
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a dry context's sharded trainer has no state to save", fn);
     int n = list_tensors(t, NULL);
     ck_tensor *ts = malloc((size_t)n * sizeof *ts);
-    unsigned char *buf = malloc(CK_CHUNK);
+    v.buf = malloc(CK_CHUNK);
     bbuf lay = {0}, cnt = {0};
     if (ts) list_tensors(t, ts);
     if (ts) layout_of(t, ts, n, &lay);
     counters_of(t, &cnt);
-    if (!ts || !buf || lay.oom || cnt.oom) {
-        free(ts), free(buf), free(lay.p), free(cnt.p);
-        return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    if (!ts || !v.buf || lay.oom || cnt.oom) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    mt_status cs = MT_OK;
+    if (!v.ws && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
+        cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
+    if (v.ws && !v.collective) cs = v.ws; /* alone: nothing to keep in step with */
+    if (!v.ws && !cs) {
+        uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
+        for (int k = 0; k < n; k++) total += ts[k].bytes;
+        unsigned char h[CK_HEADER] = {0};
+        memcpy(h, CK_MAGIC, 8);
+        mti_put_u32(h + 8, CK_VERSION);
+        mti_put_u32(h + 12, (uint32_t)(n + 4));
+        mti_put_u64(h + 16, total);
+        mti_put_u32(h + 24, mti_crc32(0, h, 24));
+        if (writer(&v)) v.ws = mti_afile_open(ctx, path, &v.f);
+        sv_write(&v, h, sizeof h);
+        sv_section(&v, SEC_LAYOUT, lay.p, lay.len);
+        sv_section(&v, SEC_COUNTERS, cnt.p, cnt.len);
+        for (int k = 0; k < n && !cs && (v.collective || !v.ws); k++) cs = write_tensor(&v, &ts[k]);
+        sv_section(&v, SEC_USER, user, user_len);
+        sv_section(&v, SEC_END, NULL, 0);
+    } else if (!cs) {
+        cs = v.ws;
     }
-    uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
-    for (int k = 0; k < n; k++) total += mti_tensor_bytes(ts[k].t);
-    unsigned char h[CK_HEADER] = {0};
-    memcpy(h, CK_MAGIC, 8);
-    mti_put_u32(h + 8, CK_VERSION);
-    mti_put_u32(h + 12, (uint32_t)(n + 4));
-    mti_put_u64(h + 16, total);
-    mti_put_u32(h + 24, mti_crc32(0, h, 24));
-    mti_afile f;
-    mt_status s = mti_afile_open(ctx, path, &f);
-    if (!s) s = mti_afile_write(ctx, &f, h, sizeof h);
-    if (!s) s = write_section(ctx, &f, SEC_LAYOUT, 0, 0, lay.p, lay.len);
-    if (!s) s = write_section(ctx, &f, SEC_COUNTERS, 0, 0, cnt.p, cnt.len);
-    for (int k = 0; k < n && !s; k++) s = write_tensor(ctx, &f, &ts[k], buf);
-    if (!s) s = write_section(ctx, &f, SEC_USER, 0, 0, user, user_len);
-    if (!s) s = write_section(ctx, &f, SEC_END, 0, 0, NULL, 0);
-    if (!s) s = mti_afile_commit(ctx, &f);
-    else if (f.fd >= 0) mti_afile_abort(&f);
-    free(ts), free(buf), free(lay.p), free(cnt.p);
+    mt_status s = cs ? cs : v.ws;
+    if (!cs && v.collective) /* every rank learns whether every part was read and written */
+        s = mti_dp_agree_status(t, fn, "writing the training-state file", v.ws);
+    if (!s && writer(&v)) s = mti_afile_commit(ctx, &v.f);
+    else if (v.f.fd >= 0) mti_afile_abort(&v.f);
+    if (!cs && v.collective) s = mti_dp_agree_status(t, fn, "putting the training-state file in place", s);
+    mti_tensor_free(ctx, &v.bk);
+    free(ts), free(v.buf), free(lay.p), free(cnt.p);
     if (s) {
         return mti_fail(ctx, s, "%s: %s (the previous file at %s, if any, is intact)", fn,
                         mti_last_msg(ctx).s, path);
@@ -543,16 +643,20 @@ static mt_status read_payload(reader *r, const sec *s, unsigned char *buf, sink_
     return MT_OK;
 }
 
+/* A section's bytes [off, off + len) into dst (this rank's part of a
+ * stored tensor). */
 typedef struct upload {
     mt_context *ctx;
     char *dst;
+    uint64_t off, len;
 } upload;
 
 static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
 {
     upload *u = user;
     mti_device *d = u->ctx->dev;
-    return d->copy_h2d(d, u->dst + at, p, n);
+    uint64_t lo = at > u->off ? at : u->off, hi = at + n < u->off + u->len ? at + n : u->off + u->len;
+    return lo < hi ? d->copy_h2d(d, u->dst + (lo - u->off), p + (lo - at), (size_t)(hi - lo)) : MT_OK;
 }
 
 typedef struct grab {
@@ -616,9 +720,10 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     for (int k = 0; k < n; k++) {
         if ((s = read_section_header(r, &c))) return s;
         if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
-            c.dtype != (uint32_t)ts[k].t->dtype || c.bytes != mti_tensor_bytes(ts[k].t))
+            c.dtype != (uint32_t)ts[k].dtype || c.bytes != ts[k].bytes)
             return bad_file(r, "corrupt (a tensor section does not match the layout)");
-        upload u = {r->ctx, ts[k].t->blk.ptr};
+        upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0};
+        held(t, &ts[k], t->rank, &u.off, &u.len);
         if ((s = read_payload(r, &c, buf, check ? NULL : upload_sink, &u))) return s;
     }
     /* user bytes */
@@ -658,8 +763,11 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     if (ts) list_tensors(t, ts), layout_of(t, ts, n, &lay);
     mt_status s = MT_OK;
     if (!ts || !buf || lay.oom) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
-    /* first pass: check everything; second: copy it in */
+    /* first pass: check everything; second: copy it in (each rank its part);
+       on several ranks, any rank's failure fails every rank, before any
+       rank changes anything */
     if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
+    s = mti_dp_agree_status(t, fn, "checking the training-state file", s);
     if (!s) {
         rewind(r.f);
         r.pos = 0;
@@ -670,6 +778,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
                          fn, path, mti_last_msg(ctx).s);
         }
     }
+    s = mti_dp_agree_status(t, fn, "loading the training-state file", s);
     if (!s) counters_set(t, counters);
     fclose(r.f);
     free(ts), free(buf), free(lay.p);

@@ -110,3 +110,14 @@ uint32_t mti_sr_bits(uint64_t seed, uint64_t i)
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return (uint32_t)((z ^ (z >> 31)) >> 32);
 }
+
+/* The hash starts from seed K1 + i K2 (mod 2^64), so moving the index by
+ * `offset` is moving the seed by offset K2 / K1; K1 is odd, so it has an
+ * inverse mod 2^64 (Newton's iteration doubles the good bits each time). */
+uint64_t mti_sr_seed_at(uint64_t seed, uint64_t offset)
+{
+    const uint64_t k1 = 0x9E3779B97F4A7C15ull, k2 = 0xD1B54A32D192ED03ull;
+    uint64_t inv = k1; /* right to 3 bits: k1 k1 = 1 mod 8 for odd k1 */
+    for (int it = 0; it < 5; it++) inv *= 2 - k1 * inv;
+    return seed + offset * k2 * inv;
+}

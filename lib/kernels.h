@@ -372,5 +372,10 @@ uint16_t mti_f32_to_bf16_sr(float f, uint32_t rnd);
 /* The 32 random bits stochastic rounding uses for element i of a cast
  * seeded with `seed` (a counter-based hash: the same on every device). */
 uint32_t mti_sr_bits(uint64_t seed, uint64_t i);
+/* The seed under which element i gets the bits element i + offset gets
+ * under `seed`: mti_sr_bits(mti_sr_seed_at(seed, o), i) ==
+ * mti_sr_bits(seed, i + o), so a cast of a piece that starts o elements
+ * into a range rounds as the cast of the whole range does. */
+uint64_t mti_sr_seed_at(uint64_t seed, uint64_t offset);
 
 #endif /* MT_KERNELS_H */

@@ -601,7 +601,9 @@ static mt_status check_copy(const mt_model *m, const void *p, size_t n, const ch
  * The fp32 values are the parameter's master while it has one, else the weights;
  * weights kept only in 16 bits (bf16 without masters) go through a small
  * fp32 staging tensor (IO, at most MTI_STAGE elements). Writes refresh the
- * compute copy when there is a master. */
+ * compute copy when there is a master. Masters sharded by ZeRO hold a
+ * slice each: reads take the compute copy (the same on every rank), and
+ * writes go to the compute copy and to the master's slice. */
 #define MTI_STAGE (1 << 16)
 
 static mt_status stage(mt_model *m, mti_tensor *t, size_t n)
@@ -614,7 +616,8 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
-    const mti_tensor *t = p->master.blk.ptr ? &p->master : &p->w;
+    /* (a frozen weight has no master; a ZeRO master is a slice) */
+    const mti_tensor *t = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
     if (t->dtype == MTI_F32) {
         mt_status s = ctx->dev->copy_d2h(ctx->dev, dst, (const float *)t->blk.ptr + at, n * 4);
         return s ? s : ctx->dev->sync(ctx->dev);
@@ -640,9 +643,19 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     mt_context *ctx = m->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &m->params[i];
-    const bool master = p->master.blk.ptr != NULL; /* (a frozen weight has none) */
+    const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
     mti_tensor *t = master ? &p->master : &p->w;
     size_t es = mti_dtype_size(p->w.dtype);
+    if (m->master_sliced && p->master.blk.ptr) { /* the master's slice of [at, at + n), then the copy below */
+        size_t lo = p->master_lo, hi = lo + (size_t)mti_tensor_numel(&p->master);
+        if (lo < at) lo = at;
+        if (hi > at + n) hi = at + n;
+        if (lo < hi) {
+            mt_status s = ctx->dev->copy_h2d(ctx->dev, (float *)p->master.blk.ptr + (lo - p->master_lo),
+                                             src + (lo - at), (hi - lo) * 4);
+            if (s) return s;
+        }
+    }
     if (t->dtype == MTI_F32) {
         mt_status s = ctx->dev->copy_h2d(ctx->dev, (float *)t->blk.ptr + at, src, n * 4);
         if (!s && master) /* refresh the compute copy */

@@ -27,7 +27,9 @@ typedef struct mti_param {
     mti_tensor w;        /* PARAM: fp32, or the compute copy in dt while a
                             mixed-precision trainer holds the masters, or
                             bf16 alone under a trainer without masters */
-    mti_tensor master;   /* MASTER: fp32, while such a trainer lives */
+    mti_tensor master;   /* MASTER: fp32, while such a trainer lives; under ZeRO
+                            only elements [master_lo, master_lo + its numel) */
+    size_t master_lo;
     int ndim;
     int64_t shape[2];    /* (rows, cols), or (n) */
     size_t numel;
@@ -82,6 +84,8 @@ struct mt_model {
     int n_base;          /* the base's parameter tensors (with adapters) */
     size_t n_base_params;
     char *lora_targets;  /* the adapted weights' names, comma-separated */
+    bool master_sliced;  /* the masters are ZeRO slices: the fp32 values read
+                            are the compute copy's */
     mt_mlp_spec mlp;     /* MLP */
     mt_gpt_spec gpt;     /* GPT */
     _Atomic int n_trainers;

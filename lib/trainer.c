@@ -174,6 +174,8 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
     }
     if (c->recompute == MT_RECOMPUTE_BUDGET && !c->memory_budget)
         BAD("%s: cfg->recompute MT_RECOMPUTE_BUDGET needs cfg->memory_budget", fn);
+    if (c->zero_stage < 0 || c->zero_stage > 2)
+        BAD("%s: cfg->zero_stage %d out of range 0..2", fn, c->zero_stage);
     if (c->fused_step && c->micro_batch && c->micro_batch < c->max_batch)
         BAD("%s: cfg->fused_step cannot combine with gradient accumulation (micro_batch %d < "
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
@@ -230,6 +232,12 @@ static void from_mixed(mt_trainer *t)
 {
     mt_model *m = t->model;
     mt_context *ctx = t->ctx;
+    if (m->master_sliced) { /* each rank has a slice: the compute copy widened */
+        for (int i = 0; i < m->n_param; i++) mti_tensor_free(ctx, &m->params[i].master);
+        (void)convert_weights(t, MTI_F32); /* what stays 16-bit, the next trainer widens */
+        m->has_master = m->master_sliced = false;
+        return;
+    }
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
         if (!p->master.blk.ptr) continue;
@@ -258,7 +266,35 @@ static mt_status to_mixed(mt_trainer *t)
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s; i++) {
+    m->master_sliced = t->zero != 0;
+    for (int i = 0; i < m->n_param && !s && t->zero; i++) {
+        /* ZeRO: the master is this rank's slice, the copy is whole */
+        mti_param *p = &m->params[i];
+        if (p->frozen) { /* no master: the compute dtype alone */
+            s = convert_one(t, i, t->dt);
+            continue;
+        }
+        const size_t lo = t->sh[i].lo, nm = t->sh[i].hi - lo;
+        mti_tensor master = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)nm}};
+        mti_tensor half = like(&p->w, t->dt);
+        if (nm) s = mti_tensor_alloc(ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
+                                     MTI_TAG_PARAM(MTI_TAG_MASTER, i));
+        if (!s && nm) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, (float *)p->w.blk.ptr + lo, nm * 4);
+        if (!s) s = mti_tensor_alloc(ctx, &half, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+        if (!s)
+            s = ctx->ops->cast(&k, half.blk.ptr, t->dt, p->w.blk.ptr, MTI_F32, p->numel,
+                               MTI_ROUND_NEAREST, 0);
+        if (s) {
+            mti_tensor_free(ctx, &master);
+            mti_tensor_free(ctx, &half);
+            break;
+        }
+        mti_tensor_free(ctx, &p->w);
+        p->w = half;
+        p->master = master;
+        p->master_lo = lo;
+    }
+    for (int i = 0; i < m->n_param && !s && !t->zero; i++) {
         mti_param *p = &m->params[i];
         if (p->frozen) { /* no master: the compute dtype alone */
             s = convert_one(t, i, t->dt);
@@ -326,13 +362,14 @@ static mt_status state_tensor(mt_trainer *t, mti_tensor *st, const mti_opt_state
     return s;
 }
 
-/* Each parameter's settings and the state its optimizer lays out, fresh. */
-static mt_status make_state(mt_trainer *t)
+/* Each parameter's settings and the state its optimizer lays out for the
+ * whole tensor, then the shards (which follow the layout); nothing is
+ * allocated. */
+static mt_status plan_state(mt_trainer *t)
 {
     const mt_trainer_config *c = &t->cfg;
     mt_model *m = t->model;
-    mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s; i++) {
+    for (int i = 0; i < m->n_param; i++) {
         const mti_param *p = &m->params[i];
         pstate *ps = &t->ps[i];
         if (p->frozen) continue; /* no state */
@@ -342,8 +379,25 @@ static mt_status make_state(mt_trainer *t)
         if (o && o->weight_decay >= 0.0f) ps->wd = o->weight_decay;
         if (o && o->lr_scale > 0.0f) ps->lr_scale = o->lr_scale;
         t->opt->layout(c, p, o, &ps->lay);
-        for (int j = 0; j < MTI_OPT_SLOTS && !s; j++)
-            if (ps->lay.s[j].numel) s = state_tensor(t, &ps->s[j], &ps->lay.s[j], i, j);
+    }
+    return mti_zero_layout(t);
+}
+
+/* The state of this rank's elements of each parameter, fresh (all of it
+ * without sharding). */
+static mt_status make_state(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        pstate *ps = &t->ps[i];
+        const size_t lo = t->sh[i].lo, n = t->sh[i].hi - lo;
+        if (!n) continue; /* another rank's */
+        for (int j = 0; j < MTI_OPT_SLOTS && !s; j++) {
+            mti_opt_state l = ps->lay.s[j];
+            l.numel = mti_optim_state_numel(&l, lo, n);
+            if (l.numel) s = state_tensor(t, &ps->s[j], &l, i, j);
+        }
     }
     return s;
 }
@@ -382,7 +436,8 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const f
     for (int j = 0; j < MTI_OPT_SLOTS; j++) {
         const mti_opt_state *l = &ps->lay.s[j];
         if (!l->numel) continue;
-        size_t off = l->per > 0 ? at / (size_t)l->per : 0;
+        /* the state holds this rank's elements, from t->sh[i].lo */
+        size_t off = l->per > 0 ? (at - t->sh[i].lo) / (size_t)l->per : 0;
         st[j] = (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
     }
     return t->opt->update(&a, st, w32, pc, g, at, n);
@@ -392,11 +447,14 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const f
 #define BARE_SLICE (1 << 16)
 
 /* Updates elements [at, at + n) of parameter i from their gradients g
- * times grad_scale (the whole tensor, or a slice of the tied table that
- * starts at a multiple of the 8-bit block and of BARE_SLICE). Without
+ * times grad_scale (the whole tensor, a slice of the tied table that
+ * starts at a multiple of the 8-bit block and of BARE_SLICE, or this
+ * rank's shard, which starts at a multiple of the 8-bit block). Without
  * masters the bf16 weights go through an fp32 slice (WORK) and come back
- * with stochastic rounding, seeded by the step, the tensor and the slice's
- * place, so runs repeat exactly however the tensor is cut. */
+ * with stochastic rounding: element e's random bits are those of element
+ * e mod BARE_SLICE of a cast seeded by the step, the tensor and e's
+ * BARE_SLICE-aligned piece, so runs repeat exactly however the tensor is
+ * cut (slices, shards, ranks). */
 static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, size_t n,
                               float grad_scale)
 {
@@ -404,7 +462,8 @@ static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, s
     mti_param *p = &m->params[i];
     size_t es = mti_dtype_size(p->w.dtype);
     if (!t->bare) {
-        float *w32 = (float *)(m->has_master ? p->master : p->w).blk.ptr + at;
+        float *w32 = m->has_master ? (float *)p->master.blk.ptr + (at - p->master_lo)
+                                   : (float *)p->w.blk.ptr + at;
         void *pc = m->has_master ? (char *)p->w.blk.ptr + at * es : NULL;
         return update_span(t, i, w32, pc, g, at, n, grad_scale);
     }
@@ -412,10 +471,12 @@ static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, s
     const mti_kctx k = {ctx, ctx->dev};
     mti_tensor sl = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(n < BARE_SLICE ? n : BARE_SLICE)}};
     mt_status s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_TRAINER, 6));
-    for (size_t j = 0; j < n && !s; j += BARE_SLICE) {
-        size_t len = n - j < BARE_SLICE ? n - j : BARE_SLICE, e = at + j;
+    for (size_t j = 0, len; j < n && !s; j += len) {
+        const size_t e = at + j, piece = e - e % BARE_SLICE;
+        len = n - j < piece + BARE_SLICE - e ? n - j : piece + BARE_SLICE - e;
         void *w = (char *)p->w.blk.ptr + e * es;
-        uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ e;
+        uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ piece;
+        seed = mti_sr_seed_at(seed, e - piece);
         s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
         if (!s) s = update_span(t, i, sl.blk.ptr, NULL, g + j, e, len, grad_scale);
         if (!s) s = ctx->ops->cast(&k, w, p->w.dtype, sl.blk.ptr, MTI_F32, len,
@@ -425,10 +486,26 @@ static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, s
     return s;
 }
 
-/* Updates parameter i from its whole gradient times grad_scale. */
+/* The gradient of this rank's elements [*at, *at + *n) of parameter i
+ * (all of them without sharding): the slice kept by stage 2's unfused
+ * step, else the reduced part of the whole gradient. */
+static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
+{
+    *at = t->sh[i].lo;
+    *n = t->sh[i].hi - t->sh[i].lo;
+    if (t->zero == 2 && !t->cfg.fused_step) return t->gs[i].blk.ptr;
+    return t->E.grad[i].blk.ptr ? (float *)t->E.grad[i].blk.ptr + *at : NULL;
+}
+
+/* Updates parameter i (this rank's elements) from its gradient times
+ * grad_scale; under ZeRO the weights are then gathered from every rank. */
 static mt_status update_param(mt_trainer *t, int i, float grad_scale)
 {
-    return update_elems(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, grad_scale);
+    size_t at, n;
+    float *g = own_grad(t, i, &at, &n);
+    mt_status s = n ? update_elems(t, i, g, at, n, grad_scale) : MT_OK;
+    if (!s && t->zero) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
+    return s;
 }
 
 /* Rows per slice of the tied table's gradient in the fused step (0: made
@@ -441,7 +518,7 @@ static int tied_rows_for(const mt_trainer *t)
 {
     const mt_model *m = t->model;
     const mti_ops *op = t->ctx->ops;
-    if (!t->cfg.fused_step || !t->opt->sliceable || !op->matmul_dw_rows ||
+    if (!(t->cfg.fused_step || t->zero == 2) || !t->opt->sliceable || !op->matmul_dw_rows ||
         !op->embedding_dw_rows || !op->matmul_dw_align || m->n_layers < 1)
         return 0;
     const mti_layer *head = &m->layers[m->n_layers - 1];
@@ -511,6 +588,8 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
     mti_overlap_free(t->ov);
+    if (t->gs)
+        for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->gs[i]);
     if (t->model->has_master) from_mixed(t);
     (void)weights_to_fp32(t); /* no masters, or frozen weights in 16 bits */
     if (t->froze)
@@ -523,6 +602,8 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->freeze);
     free(t->overrides);
     free(t->ps);
+    free(t->sh);
+    free(t->gs);
     free(t->host_losses);
     free(t->host_rows);
     free(t->units);
@@ -558,6 +639,13 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     mt_status s = mti_dp_agree_config(ctx, m, cfg); /* ranks first: they then fail alike */
     if (!s) s = check_config(ctx, m, cfg);
     if (s) return s;
+    const int zero = ctx->world > 1 ? cfg->zero_stage : 0;
+    if (zero && ctx->dev->kind == MT_DEVICE_CUDA && ctx->cfg.comm &&
+        !(ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "mt_trainer_create: cfg->zero_stage %d on a CUDA context needs a device "
+                        "communicator (NCCL), not the %s communicator",
+                        zero, mt_comm_name(ctx->cfg.comm));
     if (!ctx->ops)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "mt_trainer_create: %s has no kernels in this build or driver",
@@ -580,6 +668,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->micro = cfg->micro_batch ? cfg->micro_batch : cfg->max_batch;
     t->max_seq = m->input == MT_INPUT_TOKENS ? (cfg->max_seq ? cfg->max_seq : m->max_seq) : 1;
     t->last_norm = -1.0f;
+    t->zero = zero;
+    t->world = ctx->world;
+    t->rank = ctx->rank;
     atomic_fetch_add(&m->n_trainers, 1);
     atomic_fetch_add(&ctx->n_children, 1);
     t->counted = 1;
@@ -591,9 +682,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->cfg.lora.targets = NULL; /* (the model's copy is m->lora_targets) */
     bool host_ok = true;
     t->ps = calloc((size_t)m->n_param, sizeof *t->ps);
+    t->sh = calloc((size_t)m->n_param, sizeof *t->sh);
+    if (zero == 2) t->gs = calloc((size_t)m->n_param, sizeof *t->gs);
     t->host_losses = malloc((size_t)t->micro * (size_t)t->max_seq * sizeof(float));
     t->host_rows = malloc((size_t)ROWS_CHUNK * (size_t)m->out_width * sizeof(float));
-    host_ok = t->ps && t->host_losses && t->host_rows;
+    host_ok = t->ps && t->sh && (zero != 2 || t->gs) && t->host_losses && t->host_rows;
     if (host_ok && cfg->n_overrides) {
         t->overrides = calloc((size_t)cfg->n_overrides, sizeof *t->overrides);
         t->patterns = calloc((size_t)cfg->n_overrides, sizeof *t->patterns);
@@ -631,7 +724,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
     t->cfg.recompute_units = t->units;
     if (!s) s = mti_engine_init(&t->E, m, t->dt, t->units, t->seg_len);
-    t->E.defer_tied = cfg->fused_step != 0;
+    t->E.defer_tied = cfg->fused_step != 0 || zero == 2;
+    if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s && t->dt != MTI_F32 && cfg->master_weights) s = to_mixed(t);
     if (!s && t->dt != MTI_F32 && !cfg->master_weights) {
@@ -772,21 +866,52 @@ static mt_status sumsq_g(mt_trainer *t, int i, const float *g, size_t n)
     return t->ctx->ops->sumsq(&k, (float *)t->sumsq.blk.ptr + i, g, n);
 }
 
+/* this rank's part of parameter i's gradient (all of it without ZeRO) */
 static mt_status unscale(mt_trainer *t, int i)
 {
-    return unscale_g(t, t->E.grad[i].blk.ptr, (size_t)mti_tensor_numel(&t->E.grad[i]));
+    size_t at, n;
+    float *g = own_grad(t, i, &at, &n);
+    return n ? unscale_g(t, g, n) : MT_OK;
 }
 
 static mt_status sumsq(mt_trainer *t, int i)
 {
-    return sumsq_g(t, i, t->E.grad[i].blk.ptr, (size_t)mti_tensor_numel(&t->E.grad[i]));
+    size_t at, n;
+    float *g = own_grad(t, i, &at, &n);
+    return n ? sumsq_g(t, i, g, n) : MT_OK;
+}
+
+/* Parameter i's whole gradient summed over the ranks where this rank
+ * needs it: all of it (stage 0), or this rank's elements, in place. Stage
+ * 2's unfused step has reduced it into the slices during backward. */
+static mt_status reduce_grad(mt_trainer *t, int i)
+{
+    if (!t->zero) return mti_dp_reduce_grad(t, i);
+    if (t->zero == 2 && !t->cfg.fused_step) return MT_OK;
+    mti_tensor *g;
+    mt_status s = mti_engine_grad(&t->E, i, &g); /* one the batch did not reach: zeros */
+    float *p = g->blk.ptr;
+    return s ? s : mti_zero_reduce(t, i, p, 0, t->model->params[i].numel, p + t->sh[i].lo, 0);
+}
+
+/* Elements [at, at + n) of parameter i's gradient in g summed over the
+ * ranks where this rank needs them; *own and *own_n get this rank's part
+ * of the range (where its elements start in g, how many). */
+static mt_status reduce_range(mt_trainer *t, int i, float *g, size_t at, size_t n, size_t *own,
+                              size_t *own_n)
+{
+    size_t lo = t->sh[i].lo > at ? t->sh[i].lo : at, hi = t->sh[i].hi < at + n ? t->sh[i].hi : at + n;
+    *own = lo - at;
+    *own_n = hi > lo ? hi - lo : 0;
+    if (!t->zero) return mti_dp_reduce(t, i, g, n);
+    return mti_zero_reduce(t, i, g, at, n, *own_n ? g + *own : NULL, 0);
 }
 
 /* fused, first of two passes: check and measure each gradient, then drop it */
 static mt_status check_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    mt_status s = mti_dp_reduce_grad(t, i);
+    mt_status s = reduce_grad(t, i);
     if (!s) s = unscale(t, i);
     if (!s) s = sumsq(t, i);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
@@ -796,10 +921,64 @@ static mt_status check_hook(void *user, int i)
 static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
-    (void)at;
-    mt_status s = mti_dp_reduce(t, i, g, n);
-    if (!s) s = unscale_g(t, g, n);
-    return s ? s : sumsq_g(t, i, g, n);
+    size_t own, on;
+    mt_status s = reduce_range(t, i, g, at, n, &own, &on);
+    if (!s && on) s = unscale_g(t, g + own, on);
+    return s || !on ? s : sumsq_g(t, i, g + own, on);
+}
+
+/* Stage 2, unfused: a gradient final in this pass (whole, or a slice of
+ * the tied table) goes to the slices' owners at once, each adding it onto
+ * its slice (made zero at the step's first), and the whole is dropped. */
+static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n)
+{
+    const size_t lo = t->sh[i].lo, hi = t->sh[i].hi;
+    mti_tensor *gs = &t->gs[i];
+    mt_status s = MT_OK;
+    if (hi > lo && !gs->blk.ptr) {
+        *gs = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(hi - lo)}};
+        s = mti_tensor_alloc(t->ctx, gs, MT_MEM_GRAD, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_GRAD, i));
+        if (!s) s = mti_tensor_zero(t->ctx, gs);
+    }
+    const size_t a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
+    float *dst = a < b ? (float *)gs->blk.ptr + (a - lo) : NULL;
+    return s ? s : mti_zero_reduce(t, i, g, at, n, dst, 1);
+}
+
+static mt_status shard_hook(void *user, int i)
+{
+    mt_trainer *t = user;
+    mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel);
+    mti_tensor_free(t->ctx, &t->E.grad[i]);
+    t->E.uses_left[i] = -1; /* reduced in this pass */
+    return s;
+}
+
+static mt_status shard_slice(void *user, int i, float *g, size_t at, size_t n)
+{
+    mt_trainer *t = user;
+    if (at + n == t->model->params[i].numel) t->E.uses_left[i] = -1;
+    return shard_range(t, i, g, at, n);
+}
+
+/* After a pass of stage 2's unfused step: a parameter the pass gave no
+ * gradient still takes part (zeros), in parameter order on every rank. */
+static mt_status shard_rest(mt_trainer *t)
+{
+    mt_status s = MT_OK;
+    for (int i = 0; i < t->model->n_param && !s; i++) {
+        if (t->E.uses_left[i] < 0 || t->model->params[i].frozen) continue;
+        mti_tensor *g;
+        s = mti_engine_grad(&t->E, i, &g);
+        if (!s) s = shard_hook(t, i);
+    }
+    return s;
+}
+
+static void free_slices(mt_trainer *t)
+{
+    if (t->gs)
+        for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->gs[i]);
 }
 
 /* The fused step in one backward pass: the flag is read before each
@@ -810,7 +989,9 @@ static mt_status halt_if_flagged(mt_trainer *t, int i)
     if (!t->check_each) return MT_OK;
     int32_t flag = 0;
     mt_status s = mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag);
-    if (s || !flag) return s;
+    int any = flag != 0;
+    if (!s && t->zero) s = mti_zero_any(t, &any); /* each rank checked its own slice */
+    if (s || !any) return s;
     t->halted = 1;
     return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                     "the gradient of %s is not finite though the loss is (an overflow in "
@@ -822,7 +1003,7 @@ static mt_status halt_if_flagged(mt_trainer *t, int i)
 static mt_status update_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    mt_status s = mti_dp_reduce_grad(t, i);
+    mt_status s = reduce_grad(t, i);
     if (!s) s = unscale(t, i);
     if (!s) s = halt_if_flagged(t, i);
     if (!s) s = update_param(t, i, t->clip);
@@ -835,10 +1016,12 @@ static mt_status update_hook(void *user, int i)
 static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
-    mt_status s = mti_dp_reduce(t, i, g, n);
-    if (!s) s = unscale_g(t, g, n);
+    size_t own, on;
+    mt_status s = reduce_range(t, i, g, at, n, &own, &on);
+    if (!s && on) s = unscale_g(t, g + own, on);
     if (!s) s = halt_if_flagged(t, i);
-    if (!s) s = update_elems(t, i, g, at, n, t->clip);
+    if (!s && on) s = update_elems(t, i, g + own, at + own, on, t->clip);
+    if (!s && t->zero) s = mti_zero_gather(t, i, at, n);
     if (!s) t->touched = 1;
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
@@ -858,23 +1041,26 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     }
     t->clip = 1.0f;
     t->last_norm = -1.0f;
-    if (t->cfg.grad_clip > 0.0f && !*found) {
-        int n = t->model->n_param;
-        float *h = malloc((size_t)n * sizeof *h);
-        if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
-        s = mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h);
-        double sum = 0.0;
-        for (int i = 0; i < n; i++) sum += h[i];
-        free(h);
-        if (s) return s;
-        float norm = (float)sqrt(sum);
-        t->last_norm = norm;
-        if (!isfinite(norm)) {
-            *found = 1;
-        } else {
-            float coef = t->cfg.grad_clip / (norm + 1e-6f);
-            t->clip = coef < 1.0f ? coef : 1.0f;
-        }
+    const bool clip = t->cfg.grad_clip > 0.0f;
+    /* under ZeRO each rank checked and measured its own slices: every rank
+       makes the exchange, whatever it found */
+    const int n = clip && (t->zero || !*found) ? t->model->n_param : 0;
+    if (!n && !t->zero) return MT_OK;
+    float *h = malloc(((size_t)n + 1) * sizeof *h);
+    if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    s = n ? mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h) : MT_OK;
+    double sum = 0.0;
+    if (!s && t->zero) s = mti_zero_checks(t, h, n, found, &sum);
+    for (int i = 0; i < n && !t->zero; i++) sum += h[i];
+    free(h);
+    if (s || !clip || *found) return s;
+    float norm = (float)sqrt(sum);
+    t->last_norm = norm;
+    if (!isfinite(norm)) {
+        *found = 1;
+    } else {
+        float coef = t->cfg.grad_clip / (norm + 1e-6f);
+        t->clip = coef < 1.0f ? coef : 1.0f;
     }
     return MT_OK;
 }
@@ -884,6 +1070,7 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     mti_msg msg = mti_last_msg(t->ctx);
     mti_engine_release(&t->E);
     mti_engine_free_grads(&t->E);
+    free_slices(t);
     reset_all(t->ctx, MT_SCOPE_STEP);
     if (t->updated)
         return mti_fail(t->ctx, s,
@@ -949,14 +1136,15 @@ static mt_status fused_pass(mt_trainer *t, int *found)
     return s;
 }
 
-/* Forward and backward of every micro-batch; gradients accumulate. With
- * fused set, the update runs in backward. The loss gradient is scaled by
+/* Forward and backward of every micro-batch; gradients accumulate (with
+ * shard set, in stage 2's slices, each reduce-scattered in backward as
+ * soon as it is final). With fused set, the update runs in backward. The loss gradient is scaled by
  * 1 / targets (the whole batch's, over every rank); *sum_out gets the sum
  * of this rank's losses. With skip set and one rank, a micro-batch whose
  * loss is not finite ends the passes (*found: the step is skipped); with
  * several, the summed gradients tell every rank alike. */
-static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool skip, double targets,
-                        int *found, double *sum_out)
+static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard, bool skip,
+                        double targets, int *found, double *sum_out)
 {
     mt_context *ctx = t->ctx;
     mti_engine *E = &t->E;
@@ -980,7 +1168,11 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool skip,
             break;
         }
         mti_engine_arm(E);
-        if (!fused) {
+        if (!fused && shard) {
+            E->slice_hook = shard_slice;
+            MTI_TRY(mti_engine_backward(E, 0, shard_hook, t));
+            MTI_TRY(shard_rest(t));
+        } else if (!fused) {
             const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
             MTI_TRY(mti_engine_backward(E, 0, t->overlap_now && last ? give_hook : NULL, t));
         } else if (!two_pass) {
@@ -1021,16 +1213,16 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->updated = 0;
     int found = 0;
     double sum = 0.0;
-    t->overlap_now = t->ov && !fused;
+    t->overlap_now = t->ov && !fused && !t->zero; /* (ZeRO reduces to the slices' owners) */
     if (t->overlap_now) mti_overlap_begin(t->ov);
-    s = passes(t, b, fused, true, targets, &found, &sum);
+    s = passes(t, b, fused, t->zero == 2, true, targets, &found, &sum);
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     if (!fused && !found) {
         /* (frozen parameters have no gradient: they take no part) */
         for (int i = 0; i < m->n_param && !s && !t->overlap_now; i++)
-            if (!m->params[i].frozen) s = mti_dp_reduce_grad(t, i);
+            if (!m->params[i].frozen) s = reduce_grad(t, i);
         if (!s && t->flag_grads) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s; i++)
@@ -1048,6 +1240,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             }
             t->updated++;
             mti_tensor_free(ctx, &t->E.grad[i]); /* this gradient is done */
+            if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
     }
     if (t->cfg.precision == MT_PREC_FP16) mti_scaler_update(&t->scaler, found);
@@ -1060,6 +1253,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     else t->opt_steps++;
     t->last_skipped = found != 0;
     mti_engine_free_grads(&t->E);
+    free_slices(t);
     reset_all(ctx, MT_SCOPE_STEP);
     t->steps++;
     if ((s = mti_local_sgd_after_step(t, fn))) return s;
@@ -1083,7 +1277,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     t->updated = 0;
     t->overlap_now = 0; /* the gradients are summed below, blocking */
     if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
-    s = passes(t, b, false, false, targets, &found, &sum);
+    s = passes(t, b, false, false, false, targets, &found, &sum); /* every gradient whole */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     for (int i = 0; i < m->n_param && !s; i++) {
@@ -1094,7 +1288,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
         }
         s = mti_dp_reduce_grad(t, i);
         if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
-        if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale(t, i);
+        if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale_g(t, g->blk.ptr, m->params[i].numel);
         if (!s) s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
                                         m->params[i].numel * sizeof(float));
     }

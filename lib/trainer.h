@@ -17,6 +17,17 @@ typedef struct pstate {
     float wd, lr_scale;
 } pstate;
 
+/* A parameter's shard under ZeRO (lib/comm/zero.c): this rank's elements
+ * [lo, hi) of it (lo == hi: none). Sliced: rank r holds [r per, (r + 1)
+ * per) cut at numel (owner -1); a whole-tensor owner (optimizers that
+ * cannot update a slice): only rank `owner` holds it, whole. Without
+ * sharding every rank holds [0, numel). */
+typedef struct mti_shard {
+    size_t lo, hi;
+    size_t per;
+    int owner;
+} mti_shard;
+
 struct mt_trainer {
     mt_model *model;
     mt_context *ctx;
@@ -54,6 +65,12 @@ struct mt_trainer {
     int bare;                /* weights in dt alone, no masters */
     struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
     int overlap_now;         /* this step's gradients go to it as backward makes them */
+    /* ZeRO (cfg.zero_stage on more than one rank; docs/distributed.md) */
+    int zero;                /* the stage in force: 0 without sharding */
+    int world, rank;         /* the context's (a dry context's planned ones) */
+    mti_shard *sh;           /* per parameter */
+    mti_tensor *gs;          /* stage 2: per parameter, the gradient of its shard
+                                (GRAD), summed over the ranks */
     unsigned char *units;    /* the recompute plan: a mode per unit */
     int seg_len;             /* and the segment length */
 };

@@ -563,6 +563,7 @@ static mt_context *cuda_comm_context(mt_comm *c)
     mt_context_config_init(&cc);
     cc.device = MT_DEVICE_CUDA;
     cc.cuda_driver_path = check_fake_cuda();
+    cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT"); /* for GEMMs (ZeRO's steps) */
     cc.comm = c;
     mt_context *ctx = NULL;
     return mt_context_create(&cc, &ctx) ? NULL : ctx;
@@ -637,4 +638,86 @@ TEST(comm_cuda_host_staging)
     tcomm_world_free(f.w);
     CHECK(!f.bad);
     dlclose(lib);
+}
+
+/* ZeRO on CUDA contexts over the stand-in driver: with a device
+ * communicator (a table with MT_COMM_CAP_DEVICE: the stand-in's device
+ * memory is host memory) stages 1 and 2 run their buckets, gathers and
+ * exchanges on device memory, and each rank's per-class peaks equal its
+ * estimate made without a GPU; with a host communicator (MPI's kind) they
+ * are refused. */
+typedef struct zc_arg {
+    tcomm_world *w;
+    uint32_t caps;
+    int stage;
+    mt_status st[2];
+    char msg[2][256];
+} zc_arg;
+
+static void zero_cuda_rank(int rank, void *p)
+{
+    zc_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, a->caps);
+    mt_context *ctx = cuda_comm_context(c);
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = 8, g.layers = 2, g.heads = 2, g.channels = 16;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2;
+    tc.optimizer = MT_OPT_ADAMW8;
+    tc.min_8bit_size = 256;
+    tc.precision = MT_PREC_BF16;
+    tc.grad_clip = 1.0f;
+    tc.zero_stage = a->stage;
+    mt_status s = ctx ? MT_OK : MT_ERR_NO_DEVICE;
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[2 * 8] = {0};
+    mt_batch b = {.n = 2, .tokens = tok, .targets = tok, .seq_len = 8};
+    for (int k = 0; k < 2 && !s; k++) s = mt_trainer_step(t, &b, NULL);
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", ctx ? mt_last_error(ctx) : "no context");
+    mt_estimate_report e;
+    mt_memory_stats ms;
+    if (!s) s = mt_estimate_model(m, &tc, &e);
+    if (!s) {
+        mt_context_memory_stats(ctx, &ms);
+        for (int k = 0; k < MT_MEM_COUNT; k++)
+            if (e.class_peak[k] != ms.per_class[k].peak_live_bytes && !a->msg[rank][0]) {
+                snprintf(a->msg[rank], sizeof a->msg[rank], "%s peak %llu, estimate %llu",
+                         mt_mem_class_name((mt_mem_class)k),
+                         (unsigned long long)ms.per_class[k].peak_live_bytes,
+                         (unsigned long long)e.class_peak[k]);
+                s = MT_ERR_INTERNAL;
+            }
+    }
+    a->st[rank] = s;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(zero_cuda_stand_in)
+{
+    if (!check_fake_cuda() || !getenv("MT_FAKE_CUBLASLT")) {
+        fprintf(stderr, "    (skipped: MT_FAKE_CUDA or MT_FAKE_CUBLASLT is not set)\n");
+        return;
+    }
+    for (int stage = 1; stage <= 2; stage++) {
+        zc_arg a = {.w = tcomm_world_new(2, 30.0), .caps = MT_COMM_CAP_DEVICE, .stage = stage};
+        tcomm_run(2, zero_cuda_rank, &a);
+        tcomm_world_free(a.w);
+        for (int r = 0; r < 2; r++)
+            CHECK_MSG(a.st[r] == MT_OK, "stage %d, rank %d: %s", stage, r, a.msg[r]);
+    }
+    zc_arg h = {.w = tcomm_world_new(2, 30.0), .caps = 0, .stage = 1};
+    tcomm_run(2, zero_cuda_rank, &h);
+    tcomm_world_free(h.w);
+    for (int r = 0; r < 2; r++) {
+        CHECK_EQ(h.st[r], MT_ERR_UNSUPPORTED);
+        CHECK(strstr(h.msg[r], "device communicator") != NULL);
+    }
 }

@@ -6,10 +6,13 @@
  * ranks that disagree, and a batch refused on one rank.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
+#include "kernels.h"
 #include "test_comm.h"
 
 #define MAXN 3
@@ -59,6 +62,9 @@ typedef struct dp_run {
     mt_memory_stats ms[MAXN];  /* each rank's accounting after its steps */
     mt_comm_stats cs[MAXN];    /* and its communication */
     uint32_t caps;             /* of the ranks' communicators (MT_COMM_CAP_THREADS: overlap) */
+    int check_est;             /* each rank's peaks against its estimate */
+    char est_msg[MAXN][256];   /* where they differ */
+    uint64_t peak[MAXN][MT_MEM_COUNT]; /* each rank's per-class peaks */
 } dp_run;
 
 /* One rank's run, or the single process (rank 0 of 1, all rows). */
@@ -93,6 +99,24 @@ static void dp_rank(int rank, void *p)
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
     if (ctx) mt_context_memory_stats(ctx, &a->ms[rank]);
     if (ctx) mt_context_comm_stats(ctx, &a->cs[rank]);
+    if (!s && a->check_est && !a->skipped[rank]) { /* the estimate of this rank, to the byte */
+        mt_estimate_report e;
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        mt_status es = mt_estimate_model(m, &tc, &e);
+        for (int k = 0; k < MT_MEM_COUNT; k++) a->peak[rank][k] = ms.per_class[k].peak_live_bytes;
+        if (es)
+            snprintf(a->est_msg[rank], sizeof a->est_msg[rank], "estimate: %s", mt_last_error(ctx));
+        else if (e.peak != ms.peak_live_bytes)
+            snprintf(a->est_msg[rank], sizeof a->est_msg[rank], "peak %llu, estimate %llu",
+                     (unsigned long long)ms.peak_live_bytes, (unsigned long long)e.peak);
+        for (int k = 0; k < MT_MEM_COUNT && !es; k++)
+            if (e.class_peak[k] != ms.per_class[k].peak_live_bytes && !a->est_msg[rank][0])
+                snprintf(a->est_msg[rank], sizeof a->est_msg[rank], "%s peak %llu, estimate %llu",
+                         mt_mem_class_name((mt_mem_class)k),
+                         (unsigned long long)ms.per_class[k].peak_live_bytes,
+                         (unsigned long long)e.class_peak[k]);
+    }
     if (!s) {
         a->nw = mt_model_num_params(m);
         a->w[rank] = malloc(a->nw * sizeof(float));
@@ -509,13 +533,14 @@ static void overflow_rank(int rank, void *p)
     mt_comm_destroy(c);
 }
 
-TEST(dp_fp16_overflow_on_one_rank)
+static void overflow_case(int stage)
 {
     dp_run a = {.n = 2};
     mt_trainer_config_init(&a.tc);
     a.tc.max_batch = 2;
     a.tc.precision = MT_PREC_FP16;
     a.tc.optimizer = MT_OPT_ADAMW;
+    a.tc.zero_stage = stage;
     a.world = tcomm_world_new(2, 30.0);
     tcomm_run(2, overflow_rank, &a);
     tcomm_world_free(a.world);
@@ -525,4 +550,314 @@ TEST(dp_fp16_overflow_on_one_rank)
     CHECK_EQ(a.skipped[1], 1);
     CHECK(!a.bad);
     free_run(&a);
+}
+
+TEST(dp_fp16_overflow_on_one_rank) { overflow_case(0); }
+
+/* ---- ZeRO ---- */
+
+/* The weights as the compute copy holds them (what a sharded trainer's
+ * model reads back with masters): values rounded to the 16-bit dtype. */
+static void as_compute(float *w, size_t n, mt_precision p)
+{
+    for (size_t i = 0; i < n && p != MT_PREC_FP32; i++)
+        w[i] = p == MT_PREC_BF16 ? mti_bf16_to_f32(mti_f32_to_bf16(w[i]))
+                                 : mti_f16_to_f32(mti_f32_to_f16(w[i]));
+}
+
+/* N ranks at a stage: every rank's weights and losses the same bits, and
+ * each rank's per-class peaks equal to its estimate. */
+static void zero_run(const mt_trainer_config *tc, int n, int rows, int stage, dp_run *dp)
+{
+    memset(dp, 0, sizeof *dp);
+    dp->tc = *tc;
+    dp->n = n;
+    dp->rows = rows;
+    dp->bad_batch_rank = -1;
+    dp->check_est = 1;
+    dp->tc.max_batch = rows;
+    dp->tc.micro_batch = 0;
+    dp->tc.zero_stage = stage;
+    dp->world = tcomm_world_new(n, 30.0);
+    tcomm_run(n, dp_rank, dp);
+    tcomm_world_free(dp->world);
+    for (int r = 0; r < n; r++) {
+        CHECK_MSG(dp->st[r] == MT_OK, "stage %d, rank %d: %s", stage, r, dp->msg[r]);
+        CHECK_MSG(!dp->est_msg[r][0], "stage %d, rank %d of %d: %s", stage, r, n, dp->est_msg[r]);
+    }
+    for (int r = 1; r < n; r++) {
+        CHECK(memcmp(dp->w[0], dp->w[r], dp->nw * sizeof(float)) == 0);
+        for (int k = 0; k < STEPS; k++) CHECK(dp->loss[r][k] == dp->loss[0][k]);
+    }
+}
+
+/* Stages 1 and 2 against stage 0 on the same ranks, and against one
+ * process accumulating the same rows. Stage 1 and stage 2 sum the same
+ * values the same way: the same bits. Against stage 0: sums of two ranks
+ * are the same bits in any order, so on 2 ranks without clipping the same
+ * bits (the global norm adds the ranks' slices' sums, so with clipping
+ * within fp32 rounding); on 3 ranks the reduce-scatter's order may differ
+ * from the all-reduce's: within fp32 rounding. */
+TEST(zero_equals_stage0)
+{
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        mt_trainer_config tc;
+        case_config(&cases[k], &tc);
+        const bool masters16 = cases[k].prec != MT_PREC_FP32 && cases[k].masters;
+        for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
+            dp_run d0, d[3];
+            zero_run(&tc, n, 2, 0, &d0);
+            if (masters16) as_compute(d0.w[0], d0.nw, cases[k].prec);
+            for (int st = 1; st <= 2; st++) zero_run(&tc, n, 2, st, &d[st]);
+            CHECK_MSG(memcmp(d[1].w[0], d[2].w[0], d0.nw * sizeof(float)) == 0,
+                      "%s, %d ranks: stage 1 and stage 2 differ", cases[k].name, n);
+            double rel = 0.0;
+            for (size_t i = 0; i < d0.nw; i++) {
+                double x = fabs((double)d[2].w[0][i] - d0.w[0][i]) / (fabs(d0.w[0][i]) + 1.0);
+                if (x > rel) rel = x;
+            }
+            const bool same = memcmp(d[2].w[0], d0.w[0], d0.nw * sizeof(float)) == 0;
+            if (n == 2 && !cases[k].clip)
+                CHECK_MSG(same, "%s, 2 ranks: stage 2 differs from stage 0 by %g", cases[k].name, rel);
+            /* 16-bit copies of masters within rounding may round apart: a step of the dtype */
+            double tol = masters16 ? 1e-2 : 1e-4;
+            CHECK_MSG(rel < tol, "%s, %d ranks: stage 2 differs from stage 0 by %g", cases[k].name,
+                      n, rel);
+            for (int s = 0; s < STEPS; s++)
+                CHECK(fabsf(d[2].loss[0][s] - d0.loss[0][s]) < 1e-5f);
+            /* what each rank holds: OPTIM (and MASTER) a slice from stage 1,
+               GRAD from stage 2 (the fused step never holds them all) */
+            for (int r = 0; r < n; r++) {
+                const uint64_t *p0 = d0.peak[r], *p1 = d[1].peak[r], *p2 = d[2].peak[r];
+                if (d0.skipped[r]) continue;
+                CHECK_MSG(p1[MT_MEM_OPTIM] < p0[MT_MEM_OPTIM] && p2[MT_MEM_OPTIM] == p1[MT_MEM_OPTIM],
+                          "%s, rank %d of %d: OPTIM %llu %llu %llu", cases[k].name, r, n,
+                          (unsigned long long)p0[MT_MEM_OPTIM], (unsigned long long)p1[MT_MEM_OPTIM],
+                          (unsigned long long)p2[MT_MEM_OPTIM]);
+                if (masters16) CHECK(p1[MT_MEM_MASTER] < p0[MT_MEM_MASTER]);
+                if (!cases[k].fused) CHECK(p2[MT_MEM_GRAD] < p1[MT_MEM_GRAD]);
+            }
+            free_run(&d0);
+            for (int st = 1; st <= 2; st++) free_run(&d[st]);
+        }
+    }
+}
+
+/* fp16 under ZeRO: gradients that overflow on one rank only land in some
+ * rank's slice; every rank skips the step. */
+TEST(zero_fp16_overflow_on_one_rank)
+{
+    overflow_case(1);
+    overflow_case(2);
+}
+
+/* The bare update's stochastic rounding is the same bits however the
+ * tensor is cut: moving the seed moves the element index. */
+TEST(zero_sr_seed_at)
+{
+    const uint64_t seeds[] = {0, 1, 0x123456789abcdefull, ~0ull};
+    for (int k = 0; k < 4; k++)
+        for (uint64_t o = 0; o < 70000; o += 977)
+            for (uint64_t i = 0; i < 5; i++)
+                CHECK(mti_sr_bits(mti_sr_seed_at(seeds[k], o), i) == mti_sr_bits(seeds[k], i + o));
+}
+
+/* ---- ZeRO's training-state files ---- */
+
+typedef struct ck_run {
+    mt_trainer_config tc;
+    int n, stage, rows;        /* ranks, stage, rows per rank */
+    const char *load;          /* resume from this file first (or NULL) */
+    int steps_mid;             /* steps, then save_mid (if set) */
+    const char *save_mid;
+    int steps_end;             /* more steps, then save_end (if set) */
+    const char *save_end;
+    tcomm_world *world;
+    mt_status st[MAXN];
+    char msg[MAXN][512];
+} ck_run;
+
+static mt_status ck_steps(mt_trainer *t, int rank, int rows, int steps)
+{
+    int32_t tok[64 * T], tgt[64 * T];
+    mt_status s = MT_OK;
+    for (int k = 0; k < steps && !s; k++) {
+        make_rows((int)mt_trainer_steps(t), rank * rows, rows, tok, tgt);
+        mt_batch b = {.n = rows, .tokens = tok, .targets = tgt, .seq_len = T};
+        s = mt_trainer_step(t, &b, NULL);
+    }
+    return s;
+}
+
+static void ck_rank(int rank, void *p)
+{
+    ck_run *a = p;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_gpt_spec g;
+    gpt_spec(&g, 16);
+    mt_trainer_config tc = a->tc;
+    tc.max_batch = a->rows;
+    tc.zero_stage = a->stage;
+    const char user[] = "position";
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    if (!s && a->load) s = mt_trainer_load(t, a->load, NULL, 0, NULL);
+    if (!s) s = ck_steps(t, rank, a->rows, a->steps_mid);
+    if (!s && a->save_mid) s = mt_trainer_save(t, a->save_mid, user, sizeof user);
+    if (!s) s = ck_steps(t, rank, a->rows, a->steps_end);
+    if (!s && a->save_end) s = mt_trainer_save(t, a->save_end, user, sizeof user);
+    a->st[rank] = s;
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void ck_go(ck_run *a)
+{
+    a->world = a->n > 1 ? tcomm_world_new(a->n, 30.0) : NULL;
+    if (a->n > 1) tcomm_run(a->n, ck_rank, a);
+    else ck_rank(0, a);
+    if (a->world) tcomm_world_free(a->world);
+    for (int r = 0; r < a->n; r++)
+        CHECK_MSG(a->st[r] == MT_OK, "%d ranks, stage %d, rank %d: %s", a->n, a->stage, r, a->msg[r]);
+}
+
+static unsigned char *slurp(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    unsigned char *b = NULL;
+    *n = 0;
+    if (!f) return NULL;
+    if (!fseek(f, 0, SEEK_END)) {
+        long e = ftell(f);
+        rewind(f);
+        b = e > 0 ? malloc((size_t)e) : NULL;
+        if (b && fread(b, 1, (size_t)e, f) == (size_t)e) *n = (size_t)e;
+    }
+    fclose(f);
+    return b;
+}
+
+static bool same_file(const char *x, const char *y)
+{
+    size_t nx, ny;
+    unsigned char *a = slurp(x, &nx), *b = slurp(y, &ny);
+    bool same = a && b && nx == ny && !memcmp(a, b, nx);
+    free(a), free(b);
+    return same;
+}
+
+/* A save from 2 ranks at stage 2 is the whole state: loaded at 1 rank, at
+ * 3 ranks at stage 1 and at 2 ranks at stage 2, and saved again at once,
+ * it gives the same file, byte for byte; resumed on the same 2 ranks, a
+ * step gives the state the unbroken run had. */
+TEST(zero_checkpoint_reshards)
+{
+    static const dp_case ck_cases[] = {
+        {"adamw8 bf16", MT_OPT_ADAMW8, MT_PREC_BF16, 1, 0, 1},
+        {"adafactor fp32 fused", MT_OPT_ADAFACTOR, MT_PREC_FP32, 1, 1, 0},
+    };
+    char a[128], a3[128], b3[128], again[128];
+    snprintf(a, sizeof a, "/tmp/mt_test_%ld_zero_a.ckpt", (long)getpid());
+    snprintf(a3, sizeof a3, "/tmp/mt_test_%ld_zero_a3.ckpt", (long)getpid());
+    snprintf(b3, sizeof b3, "/tmp/mt_test_%ld_zero_b3.ckpt", (long)getpid());
+    snprintf(again, sizeof again, "/tmp/mt_test_%ld_zero_again.ckpt", (long)getpid());
+    for (size_t k = 0; k < sizeof ck_cases / sizeof ck_cases[0]; k++) {
+        mt_trainer_config tc;
+        case_config(&ck_cases[k], &tc);
+        ck_run run = {.tc = tc, .n = 2, .stage = 2, .rows = 3, .steps_mid = 2, .save_mid = a,
+                      .steps_end = 1, .save_end = a3};
+        ck_go(&run);
+        ck_run resume = {.tc = tc, .n = 2, .stage = 2, .rows = 3, .load = a, .steps_end = 1,
+                         .save_end = b3};
+        ck_go(&resume);
+        CHECK_MSG(same_file(a3, b3), "%s: a resumed run differs from the unbroken one",
+                  ck_cases[k].name);
+        const int worlds[3][2] = {{1, 0}, {3, 1}, {2, 2}};
+        for (int w = 0; w < 3; w++) {
+            ck_run re = {.tc = tc, .n = worlds[w][0], .stage = worlds[w][1], .rows = 6 / worlds[w][0],
+                         .load = a, .save_mid = again, .steps_end = 1};
+            ck_go(&re);
+            CHECK_MSG(same_file(a, again), "%s: loaded at %d ranks, stage %d, the state differs",
+                      ck_cases[k].name, worlds[w][0], worlds[w][1]);
+        }
+    }
+    unlink(a), unlink(a3), unlink(b3), unlink(again);
+}
+
+/* Accumulation under ZeRO: stage 1 sums each rank's accumulated gradient
+ * once (stage 0's bits on 2 ranks), stage 2 reduces every micro-batch onto
+ * the slices (within fp32 rounding); each rank's peaks equal its estimate.
+ * And a budget is a rank's: one that stage 2 meets and stage 0 does not
+ * is refused at stage 0 on every rank and met at stage 2. */
+TEST(zero_accumulation_and_budget)
+{
+    mt_trainer_config tc;
+    const dp_case k = {"adamw fp32", MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0};
+    case_config(&k, &tc);
+    tc.micro_batch = 2;
+    dp_run d[3];
+    for (int st = 0; st <= 2; st++) {
+        memset(&d[st], 0, sizeof d[st]);
+        d[st].tc = tc;
+        d[st].n = 2, d[st].rows = 4, d[st].bad_batch_rank = -1, d[st].check_est = 1;
+        d[st].tc.max_batch = 4;
+        d[st].tc.zero_stage = st;
+        d[st].world = tcomm_world_new(2, 30.0);
+        tcomm_run(2, dp_rank, &d[st]);
+        tcomm_world_free(d[st].world);
+        for (int r = 0; r < 2; r++) {
+            CHECK_MSG(d[st].st[r] == MT_OK, "stage %d rank %d: %s", st, r, d[st].msg[r]);
+            CHECK_MSG(!d[st].est_msg[r][0], "stage %d rank %d: %s", st, r, d[st].est_msg[r]);
+        }
+        CHECK(memcmp(d[st].w[0], d[st].w[1], d[st].nw * sizeof(float)) == 0);
+    }
+    CHECK(memcmp(d[0].w[0], d[1].w[0], d[0].nw * sizeof(float)) == 0);
+    double rel = 0.0;
+    for (size_t i = 0; i < d[0].nw; i++) {
+        double x = fabs((double)d[2].w[0][i] - d[0].w[0][i]) / (fabs(d[0].w[0][i]) + 1.0);
+        if (x > rel) rel = x;
+    }
+    CHECK_MSG(rel < 1e-4, "stage 2 with accumulation differs from stage 0 by %g", rel);
+    for (int st = 0; st <= 2; st++) free_run(&d[st]);
+
+    /* the budget: stage 2's own estimate (rank 0 holds the most) */
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.world_size = 2;
+    mt_gpt_spec g;
+    gpt_spec(&g, 16);
+    mt_trainer_config bt = tc;
+    bt.micro_batch = 0;
+    bt.max_batch = 2;
+    mt_estimate_report e0, e2;
+    bt.zero_stage = 0;
+    CHECK_EQ(mt_estimate_gpt(&cc, &g, &bt, &e0), MT_OK);
+    bt.zero_stage = 2;
+    CHECK_EQ(mt_estimate_gpt(&cc, &g, &bt, &e2), MT_OK);
+    CHECK(e2.peak_reserved < e0.peak_reserved);
+    CHECK(e2.class_peak[MT_MEM_OPTIM] < e0.class_peak[MT_MEM_OPTIM]);
+    for (int st = 0; st <= 2; st += 2) {
+        dp_run a = {.tc = bt, .n = 2, .rows = 2, .bad_batch_rank = -1};
+        a.tc.zero_stage = st;
+        a.tc.memory_budget = e2.peak_reserved;
+        a.world = tcomm_world_new(2, 30.0);
+        tcomm_run(2, dp_rank, &a);
+        tcomm_world_free(a.world);
+        if (st == 2) {
+            CHECK_MSG(a.st[0] == MT_OK && a.st[1] == MT_OK, "%s / %s", a.msg[0], a.msg[1]);
+        } else {
+            CHECK_MSG(a.st[0] == MT_ERR_BUDGET, "rank 0: %s", a.msg[0]);
+            CHECK(a.st[1] != MT_OK);
+        }
+        free_run(&a);
+    }
 }

@@ -57,12 +57,13 @@ static uint64_t model_hash(const mt_model *m)
 /* The trainer's settings, field by field (never the struct's bytes, whose
  * padding may differ), in groups that a message can name. */
 enum { W_MODEL, W_BATCH, W_OPTIM, W_SCHEDULE, W_PRECISION, W_CLIP, W_RECOMPUTE, W_FUSED,
-       W_FREEZE, W_N };
+       W_FREEZE, W_ZERO, W_N };
 static const char *const group_names[W_N] = {
     "model (layers and shapes)", "max_batch, micro_batch, max_seq",
     "optimizer settings",        "learning rate, schedule and local_sgd_every",
     "precision and loss scaling", "grad_clip",
-    "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA"};
+    "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA",
+    "zero_stage"};
 
 static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_t rec[W_N])
 {
@@ -133,6 +134,7 @@ static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_
     H(*h, c->lora.alpha);
     H(*h, c->lora.seed);
     if (c->lora.targets) *h = mti_hash(*h, c->lora.targets, strlen(c->lora.targets) + 1);
+    rec[W_ZERO] = mti_hash(MTI_HASH_START, &c->zero_stage, sizeof c->zero_stage);
 }
 
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg)
@@ -143,29 +145,27 @@ mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_train
     return mti_comm_agree(ctx, "mt_trainer_create", "trainer", rec, sizeof rec, group_names);
 }
 
-/* A hash of the weights' fp32 values (masters where there are), read a
- * tensor at a time. */
+/* A hash of the weights as stored: the fp32 masters where every rank
+ * holds them whole, else the weights (fp32, or the 16-bit copy every rank
+ * holds whole also when ZeRO shards the masters), read to the host a chunk
+ * at a time: nothing is allocated on the device, so a dry run's accounting
+ * (which never gets here) is the real run's. */
 static mt_status weights_hash(const mt_model *m, uint64_t *out)
 {
+    mt_context *ctx = m->ctx;
     uint64_t h = MTI_HASH_START;
-    size_t cap = 0;
-    float *buf = NULL;
-    mt_status s = MT_OK;
+    const size_t chunk = (size_t)1 << 22;
+    unsigned char *buf = malloc(chunk);
+    mt_status s = buf ? MT_OK : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     for (int i = 0; i < m->n_param && !s; i++) {
         const mti_param *p = &m->params[i];
-        const size_t chunk = 1 << 20;
-        for (size_t at = 0; at < p->numel && !s; at += chunk) {
-            size_t n = p->numel - at < chunk ? p->numel - at : chunk;
-            if (n > cap) {
-                float *nb = realloc(buf, n * sizeof *buf);
-                if (!nb) {
-                    s = mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
-                    break;
-                }
-                buf = nb, cap = n;
-            }
-            s = mti_param_read(m, i, at, n, buf);
-            if (!s) h = mti_hash(h, buf, n * sizeof *buf);
+        const mti_tensor *w = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
+        const size_t bytes = mti_tensor_bytes(w);
+        for (size_t at = 0; at < bytes && !s; at += chunk) {
+            size_t n = bytes - at < chunk ? bytes - at : chunk;
+            s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
+            if (!s) s = ctx->dev->sync(ctx->dev);
+            if (!s) h = mti_hash(h, buf, n);
         }
     }
     free(buf);
@@ -247,6 +247,12 @@ mt_status mti_dp_end(mt_trainer *t, const char *fn, mt_status s, double *loss_su
     s = exchange(t, fn, "forward and backward", s, *loss_sum, &all);
     if (!s && !mti_local_sgd(t)) *loss_sum = all;
     return s;
+}
+
+mt_status mti_dp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s)
+{
+    if (!mti_dp_on(t)) return s;
+    return exchange(t, fn, what, s, 0.0, NULL);
 }
 
 mt_status mti_dp_reduce(mt_trainer *t, int i, float *g, size_t n)

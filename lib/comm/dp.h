@@ -27,10 +27,40 @@ mt_status mti_dp_begin(mt_trainer *t, const char *fn, mt_status s, double *targe
 /* A step, after forward and backward (status s): fails on every rank when
  * any rank failed; *loss_sum (this rank's) becomes the global batch's. */
 mt_status mti_dp_end(mt_trainer *t, const char *fn, mt_status s, double *loss_sum);
+/* A step of a collective (saving, loading), with this rank's status s:
+ * fails on every rank when any rank failed (this rank's own message, or
+ * MT_ERR_COMM naming the first rank that failed). One all-gather. */
+mt_status mti_dp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s);
 /* Sums n gradient values of parameter i over the ranks, in place. */
 mt_status mti_dp_reduce(mt_trainer *t, int i, float *g, size_t n);
 /* The same for parameter i's whole gradient (made zero where the batch did
  * not reach the parameter, so every rank makes the same calls). */
 mt_status mti_dp_reduce_grad(mt_trainer *t, int i);
+
+/* ---- ZeRO (zero.c) ---- */
+
+/* A communication buffer of `bytes` (a phase's, class COMM): every bucket
+ * and gather buffer ZeRO makes goes through here. */
+mt_status mti_comm_buffer(mt_context *ctx, mti_tensor *buf, size_t bytes);
+/* The shard of every parameter (t->sh) for t->zero, t->world and t->rank;
+ * the optimizer layouts (t->ps[i].lay) must be made. */
+mt_status mti_zero_layout(mt_trainer *t);
+/* Rank r's elements [*lo, *hi) of parameter i. */
+void mti_zero_range(const mt_trainer *t, int i, int r, size_t *lo, size_t *hi);
+/* g holds this rank's gradient of elements [at, at + n) of parameter i
+ * (every rank passes the same range); afterwards dst gets (acc: adds) the
+ * sum over the ranks of the elements of that range this rank holds, from
+ * the first of them. A collective. */
+mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc);
+/* Elements [at, at + n) of parameter i's weights (PARAM), each held up to
+ * date by its owner, to every rank. A collective. */
+mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n);
+/* The ranks' checks of their slices together: *found (this rank's) becomes
+ * whether any rank found a non-finite gradient, and *total the sum over
+ * ranks and tensors of the n sums of squares (this rank's alone on one
+ * rank or in a dry run). A collective. */
+mt_status mti_zero_checks(mt_trainer *t, const float *sumsq, int n, int *found, double *total);
+/* *flag becomes whether it is set on any rank. A collective. */
+mt_status mti_zero_any(mt_trainer *t, int *flag);
 
 #endif /* MT_COMM_DP_H */

@@ -1,0 +1,254 @@
+/*
+ * zero.c - ZeRO stages 1 and 2: the shard layout, and the collectives that
+ * move slices of a tensor between the ranks (docs/distributed.md, "ZeRO",
+ * and docs/design.md for why the layout is what it is).
+ *
+ * The layout. Each parameter tensor is cut on its own, never through a
+ * flat buffer of all parameters: with an optimizer that updates slices
+ * (SGD, AdamW, 8-bit AdamW) it is cut into N contiguous slices of `per`
+ * elements, per = ceil(units / N) x align, where align is
+ * mti_optim_slice_align of the tensor's optimizer layout (1 for 32-bit
+ * state, 256 for 8-bit state: a block never straddles two ranks) and units
+ * = ceil(numel / align); rank r holds [r per, (r + 1) per) cut at numel
+ * (the last ranks may hold less, or nothing). The optimizer's layout is
+ * made for the whole tensor first, so sharding never changes which tensors
+ * get 8-bit state or where blocks fall. An optimizer that cannot update a
+ * slice (Adafactor: factored row and column statistics and the update's
+ * RMS need the whole tensor) gets whole tensors: each goes to the rank
+ * holding the fewest elements so far, in parameter order (ties: the lower
+ * rank). Frozen parameters (cfg.freeze) have nothing to shard: only their
+ * weights, whole on every rank. Everything is a function of the shapes,
+ * the optimizer layout and N, so every rank (and a dry run) computes the
+ * same layout alone.
+ *
+ * Moving slices. The communicator's reduce-scatter and all-gather take
+ * equal counts per rank, and a range of a tensor (a whole tensor, or a
+ * slice of the tied table in the fused step) meets the ranks' slices in
+ * unequal pieces; so each goes through a bucket of N x K elements: piece
+ * r at r K (zero-padded), the collective, then the piece back, K at a
+ * time. A whole-tensor owner's gradient is all-reduced in place and its
+ * weights broadcast in place. Buckets come from one helper
+ * (mti_comm_buffer): class COMM, with the communication buffers. A dry context (estimates) allocates exactly as a real one and
+ * communicates nothing.
+ *
+ * The functions take a trainer and touch nothing but the tensors named,
+ * so a communication thread can call them for one tensor while backward
+ * computes the next.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/dp.h"
+#include "trainer.h"
+
+/* bytes of a bucket, at most */
+#define BUCKET_BYTES ((size_t)4 << 20)
+
+/* Whether collectives run (a dry context plans and communicates nothing). */
+static bool live(const mt_trainer *t)
+{
+    return t->ctx->cfg.comm && mt_comm_size(t->ctx->cfg.comm) > 1;
+}
+
+mt_status mti_comm_buffer(mt_context *ctx, mti_tensor *buf, size_t bytes)
+{
+    *buf = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)bytes}};
+    return mti_tensor_alloc(ctx, buf, MT_MEM_COMM, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_TRAINER, 7));
+}
+
+/* ---- the layout ---- */
+
+mt_status mti_zero_layout(mt_trainer *t)
+{
+    const mt_model *m = t->model;
+    const int N = t->world;
+    uint64_t *held = calloc((size_t)N, sizeof *held);
+    if (!held) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    for (int i = 0; i < m->n_param; i++) {
+        const size_t n = m->params[i].numel;
+        mti_shard *sh = &t->sh[i];
+        *sh = (mti_shard){.lo = 0, .hi = n, .per = n, .owner = -1};
+        if (m->params[i].frozen) sh->hi = 0; /* no master, state or gradient anywhere */
+        if (!t->zero || m->params[i].frozen) continue;
+        if (t->opt->sliceable) {
+            const size_t a = mti_optim_slice_align(&t->ps[i].lay), units = (n + a - 1) / a;
+            sh->per = (units + (size_t)N - 1) / (size_t)N * a;
+        } else {
+            int best = 0;
+            for (int r = 1; r < N; r++)
+                if (held[r] < held[best]) best = r;
+            held[best] += n;
+            sh->owner = best;
+            sh->per = 0;
+        }
+        mti_zero_range(t, i, t->rank, &sh->lo, &sh->hi);
+    }
+    free(held);
+    return MT_OK;
+}
+
+void mti_zero_range(const mt_trainer *t, int i, int r, size_t *lo, size_t *hi)
+{
+    const mti_shard *sh = &t->sh[i];
+    const size_t n = t->model->params[i].numel;
+    if (t->model->params[i].frozen) {
+        *lo = *hi = 0;
+    } else if (!t->zero) {
+        *lo = 0, *hi = n;
+    } else if (sh->owner >= 0) {
+        *lo = 0, *hi = r == sh->owner ? n : 0;
+    } else {
+        size_t a = (size_t)r * sh->per, b = a + sh->per;
+        *lo = a < n ? a : n;
+        *hi = b < n ? b : n;
+    }
+}
+
+/* The pieces of elements [at, at + n) of parameter i that each rank holds:
+ * piece r is [from[r], from[r] + len[r]); returns the longest. */
+static size_t pieces(const mt_trainer *t, int i, size_t at, size_t n, size_t *from, size_t *len)
+{
+    size_t most = 0;
+    for (int r = 0; r < t->world; r++) {
+        size_t lo, hi;
+        mti_zero_range(t, i, r, &lo, &hi);
+        if (lo < at) lo = at;
+        if (hi > at + n) hi = at + n;
+        from[r] = lo;
+        len[r] = hi > lo ? hi - lo : 0;
+        if (len[r] > most) most = len[r];
+    }
+    return most;
+}
+
+/* ---- gradients to their owners ---- */
+
+mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc)
+{
+    mt_context *ctx = t->ctx;
+    mti_device *d = ctx->dev;
+    const mti_kctx k = {ctx, d};
+    const int N = t->world, me = t->rank;
+    const mti_shard *sh = &t->sh[i];
+    char what[112];
+    snprintf(what, sizeof what, "the reduce-scatter of the gradients of %s", t->model->params[i].name);
+    mt_status s = MT_OK;
+    if (sh->owner >= 0) { /* a whole-tensor owner: summed in place, the owner takes it */
+        if (live(t)) s = mti_comm_all_reduce(ctx, what, g, g, n, MT_COMM_F32, MT_COMM_SUM);
+        if (s || me != sh->owner || !dst) return s;
+        if (acc) return ctx->ops->accumulate(&k, dst, g, n, MTI_F32);
+        return dst == g ? MT_OK : d->copy_d2d(d, dst, g, n * 4);
+    }
+    size_t *from = malloc(2 * (size_t)N * sizeof *from);
+    if (!from) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    size_t *len = from + N;
+    const size_t most = pieces(t, i, at, n, from, len);
+    size_t K = BUCKET_BYTES / 4 / (size_t)N;
+    if (K > most) K = most;
+    if (K < 1) K = 1;
+    mti_tensor bk;
+    if (most) s = mti_comm_buffer(ctx, &bk, (size_t)N * K * 4);
+    for (size_t o = 0; o < most && !s; o += K) {
+        float *b = bk.blk.ptr;
+        for (int r = 0; r < N && !s; r++) {
+            size_t l = len[r] > o ? len[r] - o : 0;
+            if (l > K) l = K;
+            if (l) s = d->copy_d2d(d, b + (size_t)r * K, g + (from[r] - at) + o, l * 4);
+            if (!s && l < K) s = d->memset8(d, b + (size_t)r * K + l, 0, (K - l) * 4);
+        }
+        if (!s && live(t))
+            s = mti_comm_reduce_scatter(ctx, what, b, b + (size_t)me * K, K, MT_COMM_F32,
+                                        MT_COMM_SUM);
+        size_t l = len[me] > o ? len[me] - o : 0;
+        if (l > K) l = K;
+        if (!s && l && dst) {
+            if (acc) s = ctx->ops->accumulate(&k, dst + o, b + (size_t)me * K, l, MTI_F32);
+            else s = d->copy_d2d(d, dst + o, b + (size_t)me * K, l * 4);
+        }
+    }
+    if (most) mti_tensor_free(ctx, &bk);
+    free(from);
+    return s;
+}
+
+/* ---- weights to every rank ---- */
+
+mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n)
+{
+    mt_context *ctx = t->ctx;
+    mti_device *d = ctx->dev;
+    const int N = t->world, me = t->rank;
+    const mti_param *p = &t->model->params[i];
+    const mti_shard *sh = &t->sh[i];
+    const size_t es = mti_dtype_size(p->w.dtype);
+    char *w = p->w.blk.ptr;
+    char what[112];
+    snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
+    if (sh->owner >= 0) {
+        if (!live(t)) return MT_OK;
+        return mti_comm_broadcast(ctx, what, w + at * es, n * es, MT_COMM_BYTE, sh->owner);
+    }
+    size_t *from = malloc(2 * (size_t)N * sizeof *from);
+    if (!from) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    size_t *len = from + N;
+    const size_t most = pieces(t, i, at, n, from, len);
+    size_t K = BUCKET_BYTES / es / (size_t)N;
+    if (K > most) K = most;
+    if (K < 1) K = 1;
+    const size_t kb = K * es;
+    mti_tensor bk;
+    mt_status s = most ? mti_comm_buffer(ctx, &bk, (size_t)N * kb) : MT_OK;
+    for (size_t o = 0; o < most && !s; o += K) {
+        char *b = bk.blk.ptr;
+        size_t l = len[me] > o ? len[me] - o : 0;
+        if (l > K) l = K;
+        if (l) s = d->copy_d2d(d, b + (size_t)me * kb, w + (from[me] + o) * es, l * es);
+        if (!s && live(t))
+            s = mti_comm_all_gather(ctx, what, b + (size_t)me * kb, b, kb, MT_COMM_BYTE);
+        for (int r = 0; r < N && !s; r++) {
+            size_t lr = len[r] > o ? len[r] - o : 0;
+            if (lr > K) lr = K;
+            if (r != me && lr) s = d->copy_d2d(d, w + (from[r] + o) * es, b + (size_t)r * kb, lr * es);
+        }
+    }
+    if (most) mti_tensor_free(ctx, &bk);
+    free(from);
+    return s;
+}
+
+/* ---- what the ranks' slices say together ---- */
+
+mt_status mti_zero_checks(mt_trainer *t, const float *sumsq, int n, int *found, double *total)
+{
+    *total = 0.0;
+    for (int i = 0; i < n; i++) *total += sumsq[i];
+    if (!live(t)) return MT_OK;
+    mt_context *ctx = t->ctx;
+    const int N = t->world;
+    const size_t len = ((size_t)n + 1) * sizeof(float);
+    float *mine = malloc(len), *all = malloc(len * (size_t)N);
+    mt_status s = mine && all ? MT_OK : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    if (!s) {
+        mine[0] = *found ? 1.0f : 0.0f;
+        if (n) memcpy(mine + 1, sumsq, (size_t)n * sizeof(float));
+        s = mti_comm_host_gather(ctx, "exchanging the gradients' checks and norms", mine, all, len);
+    }
+    if (!s) {
+        double sum = 0.0;
+        int any = 0;
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < N; r++) sum += all[(size_t)r * (n + 1) + 1 + i];
+        for (int r = 0; r < N; r++) any |= all[(size_t)r * (n + 1)] != 0.0f;
+        *found = any;
+        *total = sum;
+    }
+    free(mine), free(all);
+    return s;
+}
+
+mt_status mti_zero_any(mt_trainer *t, int *flag)
+{
+    if (!live(t)) return MT_OK;
+    double ignored;
+    return mti_zero_checks(t, NULL, 0, flag, &ignored);
+}
