@@ -24,8 +24,14 @@
  *     two steps) against the allocators' reserve. Skipped without a GPU;
  *     MT_FAKE_CUDA and MT_FAKE_CUBLASLT (the test suite's stand-ins) run it
  *     with no GPU, as a check of the section itself.
+ * (e) ZeRO: GPT-2 124M, B4 T64 per rank, AdamW in fp32 and in bf16 with
+ *     masters, 8-bit AdamW in bf16 without masters, on N = 1, 2, 4 ranks at
+ *     stages 0, 1, 2: each class's peak on
+ *     rank 0 and on the last rank (estimates of each rank, which equal its
+ *     run to the byte), and OPTIM + MASTER per rank against 1/N of one
+ *     rank's (docs/memory.md has the per-rank formulas).
  *
- * Usage: bench_memory [--quick] [--threads N] [--sections abcd]
+ * Usage: bench_memory [--quick] [--threads N] [--sections abcde]
  */
 #include <math.h>
 #include <stdbool.h>
@@ -42,7 +48,7 @@
 
 static bool quick;
 static int threads = 0;
-static const char *sections = "abcd";
+static const char *sections = "abcde";
 
 static double mib(uint64_t b) { return (double)b / 1048576.0; }
 
@@ -442,6 +448,55 @@ static void on_cuda(void)
            "    allocators' reserve at the end (the caching allocator keeps its peak reserve)\n");
 }
 
+/* ---- (e) ZeRO, per rank ---- */
+
+static void zero_ranks(void)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    printf("\n## (e) ZeRO: each rank's memory, GPT-2 124M, B4 T64 per rank\n\n");
+    printf("Per-class peaks of one rank (MiB; estimates, which equal the rank's run to the\n"
+           "byte), rank 0 and the last rank; om - 1/N: the rank's OPTIM + MASTER less 1/N of\n"
+           "one rank's, in bytes (the padding of the slices).\n\n");
+    printf("| run | N | stage | rank | PARAM | MASTER | GRAD | OPTIM | ACT | WORK | IO | "
+           "peak | om - 1/N |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    static const struct {
+        const char *name;
+        mt_precision prec;
+        mt_optimizer_kind opt;
+        int masters;
+    } runs[] = {{"fp32 AdamW", MT_PREC_FP32, MT_OPT_ADAMW, 1},
+                {"bf16 AdamW, masters", MT_PREC_BF16, MT_OPT_ADAMW, 1},
+                {"bf16 8-bit AdamW, no masters", MT_PREC_BF16, MT_OPT_ADAMW8, 0}};
+    for (int pi = 0; pi < 3; pi++) {
+        uint64_t om1 = 0;
+        for (int n = 1; n <= 4; n *= 2)
+            for (int st = 0; st <= (n > 1 ? 2 : 0); st++)
+                for (int r = 0; r < n; r += n > 1 ? n - 1 : 1) {
+                    mt_context_config cc;
+                    context_config(&cc);
+                    cc.world_size = n;
+                    cc.rank = r;
+                    mt_trainer_config tc;
+                    trainer_config(&tc, 4, 64, &policies[0]);
+                    tc.precision = runs[pi].prec;
+                    tc.optimizer = runs[pi].opt;
+                    tc.master_weights = runs[pi].masters;
+                    tc.zero_stage = st;
+                    mt_estimate_report e;
+                    mt_status s = mt_estimate_gpt(&cc, &g, &tc, &e);
+                    if (s) die(NULL, "mt_estimate_gpt", s);
+                    const uint64_t *c = e.class_peak;
+                    uint64_t om = c[MT_MEM_OPTIM] + c[MT_MEM_MASTER];
+                    if (n == 1) om1 = om;
+                    printf("| %s | %d | %d | %d |", runs[pi].name, n, st, r);
+                    for (int k = 0; k < MT_MEM_COUNT; k++) printf(" %.1f |", mib(c[k]));
+                    printf(" %.1f | %lld |\n", mib(e.peak), (long long)om - (long long)(om1 / (uint64_t)n));
+                    fflush(stdout);
+                }
+    }
+}
+
 int main(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++) {
@@ -449,7 +504,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--sections") && i + 1 < argc) sections = argv[++i];
         else {
-            fprintf(stderr, "usage: bench_memory [--quick] [--threads N] [--sections abcd]\n");
+            fprintf(stderr, "usage: bench_memory [--quick] [--threads N] [--sections abcde]\n");
             return 2;
         }
     }
@@ -458,5 +513,6 @@ int main(int argc, char **argv)
     if (strchr(sections, 'b')) measured();
     if (strchr(sections, 'c')) budget_vs_fixed();
     if (strchr(sections, 'd')) on_cuda();
+    if (strchr(sections, 'e')) zero_ranks();
     return 0;
 }

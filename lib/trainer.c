@@ -153,6 +153,10 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
             fn, opt->title);
     if (c->local_sgd_every < 0)
         BAD("%s: cfg->local_sgd_every %d must be >= 0 (0: off)", fn, c->local_sgd_every);
+    if (c->local_sgd_every > 0 && c->zero_stage > 0)
+        BAD("%s: cfg->zero_stage %d does not combine with cfg->local_sgd_every %d (local SGD "
+            "keeps each rank's own optimizer state; ZeRO shards one state over the ranks)",
+            fn, c->zero_stage, c->local_sgd_every);
     if ((unsigned)c->recompute > MT_RECOMPUTE_BUDGET)
         BAD("%s: cfg->recompute %d is not a recompute policy", fn, (int)c->recompute);
     if ((c->recompute == MT_RECOMPUTE_EVERY_K || c->recompute == MT_RECOMPUTE_CUSTOM) &&

@@ -38,15 +38,29 @@ run stall 2 "$B/mpi/train_mpi_test" stall
 # memtrain train under mpirun: rank 0 prints one JSON object per step, with
 # the losses of one process stepping on the same global batches
 losses() { grep '^{' | sed 's/.*"loss": \([-0-9.e]*\).*/\1/' | tr '\n' ' '; }
-tool() { # NP BATCH MICRO: 2 or 3 ranks against one process
-    np=$1 batch=$2 micro=$3
+tool() { # NP BATCH MICRO [ZERO]: 2 or 3 ranks (at a ZeRO stage) against one process
+    np=$1 batch=$2 micro=$3 zero=${4:-0}
     args="train --model gpt --steps 4 --batch $batch --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json"
     one=$("$B/memtrain" $args --micro "$micro" 2>&1 | losses)
-    many=$(timeout 60 $MPIRUN -np "$np" "$B/memtrain" $args ${OVERLAP:-} 2>&1 | losses)
+    many=$(timeout 60 $MPIRUN -np "$np" "$B/memtrain" $args ${OVERLAP:-} --zero "$zero" 2>&1 | losses)
     if [ -n "$one" ] && awk -v a="$one" -v b="$many" 'BEGIN { n = split(a, x); m = split(b, y);
         if (n != m || n != 4) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
-    then echo "ok   mpi memtrain train: $np ranks, --batch $batch ${OVERLAP:-}: losses $many equal one process's"
-    else echo "FAIL mpi memtrain train: $np ranks, --batch $batch: losses '$many', one process '$one'"; fail=1; fi
+    then echo "ok   mpi memtrain train: $np ranks, --batch $batch ${OVERLAP:-} --zero $zero: losses $many equal one process's"
+    else echo "FAIL mpi memtrain train: $np ranks, --batch $batch, --zero $zero: losses '$many', one process '$one'"; fail=1; fi
+}
+# a training-state file saved by 2 ranks at ZeRO stage 2, resumed by one
+# process and by 3 ranks at stage 1: the same next losses
+reshard() {
+    ck=$(mktemp)
+    args="train --model gpt --batch 6 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --optimizer adamw8"
+    timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --steps 2 --zero 2 --save "$ck" >/dev/null 2>&1
+    one=$("$B/memtrain" $args --steps 4 --resume "$ck" 2>&1 | losses)
+    three=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" $args --steps 4 --zero 1 --resume "$ck" 2>&1 | losses)
+    rm -f "$ck"
+    if [ -n "$one" ] && awk -v a="$one" -v b="$three" 'BEGIN { n = split(a, x); m = split(b, y);
+        if (n != m || n != 2) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
+    then echo "ok   mpi memtrain train: saved by 2 ranks at --zero 2, resumed by 1 and by 3 at --zero 1: losses $three"
+    else echo "FAIL mpi memtrain train: resharding: one process '$one', 3 ranks '$three'"; fail=1; fi
 }
 if [ -x "$B/memtrain" ]; then
     tool 2 4 2
@@ -61,6 +75,11 @@ if [ -x "$B/memtrain" ]; then
         if (n != m || n != 4) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
     then echo "ok   mpi memtrain train --local-sgd 1: 2 ranks, losses $many equal one process's"
     else echo "FAIL mpi memtrain train --local-sgd 1: losses '$many', one process '$one'"; fail=1; fi
+    tool 2 4 2 1
+    tool 2 4 2 2
+    tool 3 6 2 1
+    tool 3 6 2 2
+    reshard
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

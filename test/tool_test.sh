@@ -51,6 +51,14 @@ expect 1 "missing trace" -- "$tool" replay "$tmp/none.trace"
 expect 0 "estimate help" -- "$tool" estimate --help
 expect 0 "estimate a GPT-2 124M step" -- "$tool" estimate --json --threads 2
 grep -q '"peak": 2005003272' "$tmp/out" || { echo "FAIL tool: estimate of GPT-2 124M fp32 AdamW B4 T64"; cat "$tmp/out"; fail=1; }
+# one rank of 4 at ZeRO stage 2: a quarter of one rank's optimizer state
+# (8 bytes x 124475904 parameters), within a block per tensor
+expect 0 "estimate a rank under ZeRO" -- "$tool" estimate --json --threads 2 --ranks 4 --rank 3 --zero 2 --batch 16
+sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
+    awk '{ if ($1 < 995807232 / 4 - 4096 || $1 > 995807232 / 4 + 4096) exit 1 }' ||
+    { echo "FAIL tool: the OPTIM of a rank of 4 at ZeRO stage 2"; cat "$tmp/out"; fail=1; }
+grep -q '"ranks": 4, "rank": 3, "zero": 2' "$tmp/out" || { echo "FAIL tool: estimate --ranks JSON"; fail=1; }
+expect 2 "estimate: a rank beyond --ranks" -- "$tool" estimate --ranks 2 --rank 2
 expect 0 "auto-fit" -- "$tool" estimate --budget 1500 --autofit --allow-8bit --seq 256 --batch 8
 grep -q "auto-fit for 1500.0 MiB" "$tmp/out" && grep -q "fits" "$tmp/out" || { echo "FAIL tool: auto-fit"; cat "$tmp/out"; fail=1; }
 expect 3 "impossible budget" -- "$tool" estimate --budget 100 --recompute budget

@@ -76,6 +76,8 @@ typedef struct cli_opts {
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     long local_sgd;          /* local SGD: average the weights every this many steps */
     int overlap;             /* MPI serialized: the gradients summed on a thread */
+    long zero;               /* the ZeRO stage (train under mpirun, estimate) */
+    long ranks, rank;        /* estimate: one rank of a data-parallel run */
     /* which table entries the command line (or --config) gave */
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;
@@ -133,6 +135,8 @@ void cli_ranks_close(int rc);
 void cli_ranks_rows(mt_batch *b, int features);
 /* A trainer configuration for this rank's share of the global batch. */
 void cli_ranks_trainer_config(mt_trainer_config *tc);
+/* The same for a rank of `ranks` (the largest share: ceil(batch / ranks)). */
+void cli_ranks_batch(mt_trainer_config *tc, int ranks);
 /* The means over the ranks of n (<= 8) values, each rank's weighted by
  * its rows; a collective. 0, or an exit code. */
 int cli_ranks_mean(float *v, int n, int rows);

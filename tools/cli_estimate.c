@@ -11,7 +11,8 @@
 static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_estimate_report *e,
                        const mt_autofit_report *fit)
 {
-    printf("{\"params\": %zu, \"peak\": %llu, \"peak_reserved\": %llu, \"step_peak\": %llu, "
+    printf("{\"ranks\": %ld, \"rank\": %ld, \"zero\": %ld, ", o->ranks, o->rank, o->zero);
+    printf("\"params\": %zu, \"peak\": %llu, \"peak_reserved\": %llu, \"step_peak\": %llu, "
            "\"setup_peak\": %llu, \"at_peak\": {",
            e->n_params, (unsigned long long)e->peak, (unsigned long long)e->peak_reserved,
            (unsigned long long)e->step_peak, (unsigned long long)e->setup_peak);
@@ -60,10 +61,14 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
                         const mt_autofit_report *fit)
 {
     if (o->gpt)
-        printf("estimate for a GPT (%zu parameters), batch %d x %d tokens\n", e->n_params,
+        printf("estimate for a GPT (%zu parameters), batch %d x %d tokens", e->n_params,
                tc->max_batch, tc->max_seq);
     else
-        printf("estimate for an MLP (%zu parameters), batch %d\n", e->n_params, tc->max_batch);
+        printf("estimate for an MLP (%zu parameters), batch %d", e->n_params, tc->max_batch);
+    if (o->ranks > 1)
+        printf(", rank %ld of %ld (its rows of a global batch of %ld), ZeRO stage %ld", o->rank,
+               o->ranks, o->batch, o->zero);
+    printf("\n");
     if (o->autofit)
         printf("auto-fit for %.1f MiB: micro-batches of %d rows, %s, %d of %d units "
                "recomputed, %d selective (model: %.0f tokens/s)\n",
@@ -92,17 +97,21 @@ int cmd_estimate(int argc, char **argv)
         "allocated): the peak of live bytes, each class at that moment and at its own\n"
         "peak, and what the allocators will reserve. With --budget, whether the run\n"
         "fits; with --autofit, the fastest micro-batch, recompute plan and optimizer\n"
-        "state that fit.\n";
+        "state that fit. With --ranks, one rank of a data-parallel run (--zero: its\n"
+        "ZeRO stage).\n";
     int rc = cli_parse(CLI_ESTIMATE, head, argc, argv, &o, &help);
     if (rc || help) return rc;
     mt_trainer_config tc;
     cli_trainer_config(&o, &tc);
+    cli_ranks_batch(&tc, (int)o.ranks); /* --batch is the global batch */
     tc.memory_budget = (uint64_t)(o.budget_mib * 1048576.0);
     /* a dry context: the model costs nothing, and auto-fit and the estimate
        run on it */
     mt_context_config cc;
     cli_context_config(&o, &cc);
     cc.dry_run = 1;
+    cc.world_size = (int)o.ranks; /* the rank the estimate is for */
+    cc.rank = (int)o.rank;
     mt_context *ctx;
     if (mt_context_create(&cc, &ctx)) return cli_lib_fail(NULL, NULL);
     mt_model *m = NULL;

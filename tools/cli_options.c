@@ -325,6 +325,12 @@ static const opt table[] = {
     LONG("--local-sgd", "H", CLI_TRAIN, CLI_ANY, local_sgd, 0, 1 << 24,
          "under mpirun: local SGD, each rank steps alone and the weights are averaged every H "
          "steps (0: off)", NULL),
+    LONG("--zero", "S", ALL, CLI_ANY, zero, 0, 2,
+         "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too (0)",
+         "the ZeRO stage of the run (0; with --ranks)"),
+    LONG("--ranks", "N", CLI_ESTIMATE, CLI_ANY, ranks, 1, 65536, NULL,
+         "one rank of N data-parallel ranks; --batch is the global batch (1)"),
+    LONG("--rank", "R", CLI_ESTIMATE, CLI_ANY, rank, 0, 65535, NULL, "which rank (0)"),
     HEAD(CLI_SAMPLE, "sample:"),
     STR("--prompt", "TEXT", CLI_SAMPLE, CLI_GPT, prompt, "the start (a newline)"),
     LONG("--length", "N", CLI_SAMPLE, CLI_GPT, length, 0, 1 << 20, "bytes to write (200)", NULL),
@@ -393,6 +399,7 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->vocab = 50257, o->max_seq = 1024;
     o->length = 200, o->temperature = 0.8f;
     o->comm_timeout = 300;
+    o->ranks = 1;
 }
 
 /* The options given that mean nothing for the model: "--a, --b" into buf
@@ -480,6 +487,14 @@ static int check_together(const cli_opts *o)
         return cli_bad_usage("%s", "--momentum is for --optimizer sgd");
     if (o->gpt && o->channels % o->heads && !o->llmc)
         return cli_bad_usage("%s", "--heads must divide --channels");
+    if (o->zero && o->local_sgd)
+        return cli_bad_usage("%s", "--zero does not combine with --local-sgd (local SGD keeps each "
+                                   "rank's own optimizer state)");
+    if (o->rank >= o->ranks)
+        return cli_bad_usage("--rank %ld is not a rank of --ranks %ld", o->rank, o->ranks);
+    if (o->ranks > o->batch)
+        return cli_bad_usage("--batch %ld is less than --ranks %ld (every rank needs a row)",
+                             o->batch, o->ranks);
     return 0;
 }
 
@@ -581,6 +596,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->master_weights = !o->no_master;
     tc->fused_step = o->fused;
     tc->local_sgd_every = (int)o->local_sgd;
+    tc->zero_stage = (int)o->zero;
     tc->grad_clip = o->clip;
     tc->recompute = o->recompute;
     tc->recompute_every = o->recompute_every;

@@ -98,10 +98,12 @@ void cli_ranks_rows(mt_batch *b, int features)
     b->n = r1 - r0;
 }
 
-void cli_ranks_trainer_config(mt_trainer_config *tc)
+void cli_ranks_trainer_config(mt_trainer_config *tc) { cli_ranks_batch(tc, cli_world.size); }
+
+void cli_ranks_batch(mt_trainer_config *tc, int ranks)
 {
-    if (cli_world.size <= 1) return;
-    const int rows = (tc->max_batch + cli_world.size - 1) / cli_world.size;
+    if (ranks <= 1) return;
+    const int rows = (tc->max_batch + ranks - 1) / ranks;
     tc->max_batch = rows;
     if (tc->micro_batch > rows) tc->micro_batch = 0;
 }

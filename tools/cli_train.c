@@ -378,9 +378,9 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
                (double)g.est.peak / 1048576.0, (double)g.est.peak_reserved / 1048576.0,
                o->resume ? "; resumed" : "");
         if (cli_world.size > 1)
-            printf("data parallel over %d ranks (%s): each trains on about %ld of the %ld rows of "
-                   "a step; the estimate is a rank's\n",
-                   cli_world.size, mt_comm_name(cli_world.comm),
+            printf("data parallel over %d ranks (%s), ZeRO stage %ld: each trains on about %ld "
+                   "of the %ld rows of a step; the estimate is rank 0's\n",
+                   cli_world.size, mt_comm_name(cli_world.comm), o->zero,
                    (o->batch + cli_world.size - 1) / cli_world.size, o->batch);
     }
     const double tokens_per_step = (double)o->batch * (double)o->seq;
@@ -441,7 +441,8 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         }
         /* read once: the save and the stop agree; under mpirun, every rank */
         const bool stopping = cli_ranks_any(stop_signal != 0);
-        if (o->save && cli_world.rank == 0 &&
+        /* under ZeRO saving is a collective: every rank sends its slices */
+        if (o->save && (cli_world.rank == 0 || o->zero) &&
             ((o->save_every && step % o->save_every == 0) || step == o->steps || stopping) &&
             (rc = save_checkpoint(o, ctx, &g)))
             goto done;
