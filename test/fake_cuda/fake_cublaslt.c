@@ -131,7 +131,7 @@ static void *obj(size_t bytes, uint32_t magic)
     uint32_t *p = calloc(1, bytes);
     if (p) {
         *p = magic;
-        S.live++;
+        __atomic_add_fetch(&S.live, 1, __ATOMIC_RELAXED); /* threads as ranks make GEMMs at once */
     }
     return p;
 }
@@ -141,7 +141,7 @@ static cublasStatus_t drop(void *p, uint32_t magic)
     if (!p || *(uint32_t *)p != magic) return CUBLAS_STATUS_INVALID_VALUE;
     *(uint32_t *)p = 0;
     free(p);
-    S.live--;
+    __atomic_sub_fetch(&S.live, 1, __ATOMIC_RELAXED);
     return CUBLAS_STATUS_SUCCESS;
 }
 
