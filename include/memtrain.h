@@ -925,8 +925,8 @@ typedef struct mt_trainer_config {
      * everything and the gradients are all-reduced. 1: the fp32 master
      * weights (MASTER) and the optimizer state (OPTIM) are sharded: each
      * rank holds and updates its slice of every tensor (an optimizer that
-     * cannot update a slice, Adafactor, gets whole tensors spread over the
-     * ranks), the gradients are reduce-scattered to the slices' owners,
+     * cannot update a slice, Adafactor or 4-bit AdamW, gets whole tensors
+     * spread over the ranks), the gradients are reduce-scattered to the slices' owners,
      * and the updated weights are all-gathered. 2: the gradients (GRAD) are
      * sharded too: each tensor's gradient is reduce-scattered as soon as it
      * is final in backward, so a rank keeps only its slices (and the full

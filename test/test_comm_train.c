@@ -862,6 +862,22 @@ TEST(zero_accumulation_and_budget)
     }
 }
 
+/* 4-bit AdamW updates whole tensors only: under ZeRO each tensor has one
+ * owner, its gradient all-reduced, so stage 2 is stage 0's bits. */
+TEST(zero_adamw4_whole_tensors)
+{
+    const dp_case k = {"adamw4 fp32", MT_OPT_ADAMW4, MT_PREC_FP32, 1, 0, 0};
+    mt_trainer_config tc;
+    case_config(&k, &tc);
+    dp_run d0, d2;
+    zero_run(&tc, 2, 2, 0, &d0);
+    zero_run(&tc, 2, 2, 2, &d2);
+    CHECK(d0.nw && memcmp(d0.w[0], d2.w[0], d0.nw * sizeof(float)) == 0);
+    for (int r = 0; r < 2; r++) CHECK(d2.peak[r][MT_MEM_OPTIM] < d0.peak[r][MT_MEM_OPTIM]);
+    free_run(&d0);
+    free_run(&d2);
+}
+
 /* Frozen parameters under ZeRO hold only their weights, on every rank:
  * nothing of theirs is sharded, reduced or gathered. Stage 2 gives stage
  * 0's bits on 2 ranks, each rank's peaks equal its estimate, and a file
