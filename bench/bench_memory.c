@@ -458,8 +458,11 @@ static void zero_ranks(void)
     printf("Per-class peaks of one rank (MiB; estimates, which equal the rank's run to the\n"
            "byte), rank 0 and the last rank; om - 1/N: the rank's OPTIM + MASTER less 1/N of\n"
            "one rank's, in bytes (the padding of the slices).\n\n");
-    printf("| run | N | stage | rank | PARAM | MASTER | GRAD | OPTIM | ACT | WORK | IO | "
-           "peak | om - 1/N |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| run | N | stage | rank |");
+    for (int k = 0; k < MT_MEM_COUNT; k++) printf(" %s |", mt_mem_class_name((mt_mem_class)k));
+    printf(" peak | om - 1/N |\n|---|---|---|---|");
+    for (int k = 0; k < MT_MEM_COUNT; k++) printf("---|");
+    printf("---|---|\n");
     static const struct {
         const char *name;
         mt_precision prec;
