@@ -25,7 +25,7 @@ enum { CLI_TRAIN = 1u, CLI_SAMPLE = 2u, CLI_ESTIMATE = 4u };
 /* The models an option means something for (train and sample), as a mask. */
 enum { CLI_MLP = 1u, CLI_GPT = 2u, CLI_ANY = 3u };
 
-#define CLI_MAX_OPTIONS 64
+#define CLI_MAX_OPTIONS 80
 #define CLI_MAX_FREEZE 64
 
 /* Every option of train, sample and estimate; each command reads the
