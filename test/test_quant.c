@@ -18,6 +18,7 @@
 #include "golden.h"
 #include "kernels.h"
 #include "quant.h"
+#include "../kernels/cpu/cpu_ops.h"
 
 static gv_file qfile;
 static int have_qfile;
@@ -184,4 +185,77 @@ TEST(quant_refusals_and_sizes)
     size_t n = 768 * 3072;
     CHECK_EQ(mti_quant_bytes(MTI_QF_NF4, n), n / 2 + n / 64 + 4 * ((n / 64 + 255) / 256) + 4);
     CHECK_EQ(mti_quant_bytes(MTI_QF_INT8, n), n + 4 * (n / 64));
+}
+
+/* ---- the dequantizing GEMMs (kernels/cpu/matmul.c) ---- */
+
+/* x with values spread over a few decades and of both signs, deterministic. */
+static void fill(float *x, size_t n, uint32_t seed)
+{
+    for (size_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        x[i] = ((float)(seed >> 8) / 16777216.0f - 0.5f) * (float)(1 + (i % 7));
+    }
+}
+
+/* Forward and input gradient on a quantized W equal the dense ops on the
+ * dequantized W bit for bit (fp32 and bf16, both formats, shapes with edge
+ * tiles and several tiles per side, dx overwritten and accumulated), and
+ * their WORK comes back; fp16 is refused. */
+TEST(quant_matmul_dequantizing_gemm)
+{
+    mt_context *ctx = check_cpu_context(2);
+    const mti_kctx k = {ctx, ctx->dev};
+    const mti_ops *ops = mti_cpu_ops();
+    const int shapes[][3] = {{37, 200, 300}, {5, 64, 1100}, {300, 1030, 70}, {1, 3, 1}};
+    const mti_qformat fs[] = {MTI_QF_INT8, MTI_QF_NF4};
+    const mti_dtype dts[] = {MTI_F32, MTI_BF16};
+    for (size_t sh = 0; sh < sizeof shapes / sizeof *shapes; sh++) {
+        const int N = shapes[sh][0], I = shapes[sh][1], O = shapes[sh][2];
+        const size_t nw = (size_t)I * (size_t)O;
+        float *w = check_alloc(nw * 4), *x = check_alloc((size_t)N * I * 4);
+        float *dy = check_alloc((size_t)N * O * 4), *bias = check_alloc((size_t)O * 4);
+        fill(w, nw, 1u + (uint32_t)sh), fill(x, (size_t)N * I, 7u), fill(dy, (size_t)N * O, 9u);
+        fill(bias, (size_t)O, 11u);
+        for (int fi = 0; fi < 2; fi++) {
+            void *q = check_alloc(mti_quant_bytes(fs[fi], nw));
+            CHECK_OK(mti_quantize(NULL, fs[fi], w, nw, q));
+            for (int di = 0; di < 2; di++) {
+                const mti_dtype dt = dts[di];
+                const size_t e = dt == MTI_F32 ? 4 : 2;
+                char c[96];
+                snprintf(c, sizeof c, "%s %s (%d,%d,%d)", mti_quant_name(fs[fi]),
+                         dt == MTI_F32 ? "fp32" : "bf16", N, I, O);
+                void *wd = check_alloc(nw * e), *xd = check_alloc((size_t)N * I * e);
+                void *dyd = check_alloc((size_t)N * O * e), *bd = check_alloc((size_t)O * e);
+                CHECK_OK(mti_dequantize(NULL, fs[fi], q, nw, 0, nw, wd, dt));
+                CHECK_OK(ops->cast(&k, xd, dt, x, MTI_F32, (size_t)N * I, MTI_ROUND_NEAREST, 0));
+                CHECK_OK(ops->cast(&k, dyd, dt, dy, MTI_F32, (size_t)N * O, MTI_ROUND_NEAREST, 0));
+                CHECK_OK(ops->cast(&k, bd, dt, bias, MTI_F32, (size_t)O, MTI_ROUND_NEAREST, 0));
+                void *y1 = check_alloc((size_t)N * O * e), *y2 = check_alloc((size_t)N * O * e);
+                CHECK_OK(ops->matmul_fwd(&k, y1, xd, wd, bd, N, I, O, dt));
+                CHECK_OK(mti_cpu_matmul_fwd_q(&k, y2, xd, q, fs[fi], bd, N, I, O, dt));
+                SAME("forward", y2, y1, (size_t)N * O, e);
+                CHECK_OK(ops->matmul_fwd(&k, y1, xd, wd, NULL, N, I, O, dt));
+                CHECK_OK(mti_cpu_matmul_fwd_q(&k, y2, xd, q, fs[fi], NULL, N, I, O, dt));
+                SAME("forward without bias", y2, y1, (size_t)N * O, e);
+                void *d1 = check_alloc((size_t)N * I * e), *d2 = check_alloc((size_t)N * I * e);
+                for (int acc = 0; acc < 2; acc++) {
+                    memcpy(d1, xd, (size_t)N * I * e), memcpy(d2, xd, (size_t)N * I * e);
+                    CHECK_OK(ops->matmul_bwd(&k, d1, NULL, NULL, dyd, xd, wd, N, I, O, dt, acc));
+                    CHECK_OK(mti_cpu_matmul_dx_q(&k, d2, dyd, q, fs[fi], N, I, O, dt, acc));
+                    SAME(acc ? "dx accumulated" : "dx", d2, d1, (size_t)N * I, e);
+                }
+            }
+            CHECK_EQ(mti_cpu_matmul_fwd_q(&k, x, x, q, fs[fi], NULL, 1, 1, 1, MTI_F16),
+                     MT_ERR_UNSUPPORTED);
+            CHECK(strstr(mt_last_error(ctx), "fp32 or bf16"));
+            CHECK_EQ(mti_cpu_matmul_dx_q(&k, x, x, q, 7, 1, 1, 1, MTI_F32, 0), MT_ERR_INVALID_ARG);
+        }
+    }
+    mt_memory_stats ms;
+    CHECK_OK(mt_context_memory_stats(ctx, &ms));
+    CHECK_EQ(ms.per_class[MT_MEM_WORK].live_bytes, 0);
+    CHECK(ms.per_class[MT_MEM_WORK].peak_live_bytes > 0);
+    mt_context_destroy(ctx);
 }

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "quant.h"
 
 /* Largest tile of an output (rows, columns). About where one GEMM call on a
  * tile runs as fast as on the whole matrix: the packing of both operands is
@@ -94,6 +95,13 @@ typedef struct mm_job {
     int ta, tb, accumulate;
     int64_t lda, ldb, ldc;
     mti_dtype ab_dt, c_dt;
+    /* a quantized B (lib/quant.h) of qn elements, stored (N,K) when tb or
+     * (K,N), with row length qld; each tile dequantizes its panel of B into
+     * a per-thread buffer, which the GEMM reads with leading dimension ldb */
+    const void *bq;
+    mti_qformat qf;
+    size_t qn;
+    int64_t qld;
 } mm_job;
 
 /* The variant of a tile: full or edge rows, full or edge columns. */
@@ -123,6 +131,23 @@ static mti_gemm_shape tile_shape(const mm_job *j, int mc, int nc)
                             .accumulate = j->accumulate};
 }
 
+/* Columns [n0, n0 + nc) of a quantized B into panel, as the tile's GEMM
+ * reads them: rows [n0, n0 + nc) of an (N,K) B whole (leading dimension
+ * ldb = K, as the dense B's), or of a (K,N) B the nc elements of each of
+ * its K rows (leading dimension ldb). */
+static mt_status dequant_panel(const mm_job *j, char *panel, int n0, int nc)
+{
+    const size_t ea = dt_bytes(j->ab_dt);
+    if (j->tb)
+        return mti_dequantize(NULL, j->qf, j->bq, j->qn, (size_t)n0 * (size_t)j->qld,
+                              (size_t)nc * (size_t)j->qld, panel, j->ab_dt);
+    mt_status s = MT_OK;
+    for (int r = 0; r < j->K && !s; r++)
+        s = mti_dequantize(NULL, j->qf, j->bq, j->qn, (size_t)r * (size_t)j->qld + (size_t)n0,
+                           (size_t)nc, panel + ea * (size_t)r * (size_t)j->ldb, j->ab_dt);
+    return s;
+}
+
 static mt_status direct(const mti_kctx *k, const mm_job *j)
 {
     const mm_plan *p = &j->p;
@@ -139,11 +164,12 @@ static mt_status direct(const mti_kctx *k, const mm_job *j)
         if (!s && mti_gemm_scratch(prim[v]) > scratch) scratch = mti_gemm_scratch(prim[v]);
     }
     int nt = mini(mti_cpu_threads(k), j->t1 - j->t0);
-    size_t per = mti_align_up(scratch, 64);
+    const size_t ea = dt_bytes(j->ab_dt), ec = dt_bytes(j->c_dt);
+    size_t sp_bytes = mti_align_up(scratch, 64);
+    size_t per = sp_bytes + (j->bq ? mti_align_up(ea * (size_t)p->nb * (size_t)j->K, 64) : 0);
     mt_block wk = {0};
     if (!s && per) s = mti_work_alloc(k, (size_t)nt * per, &wk);
     if (!s && !mti_dry(k)) {
-        const size_t ea = dt_bytes(j->ab_dt), ec = dt_bytes(j->c_dt);
         int bad = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad) if (nt > 1)
         for (int t = j->t0; t < j->t1; t++) {
@@ -154,6 +180,12 @@ static mt_status direct(const mti_kctx *k, const mm_job *j)
             char *c = (char *)j->c + ec * ((size_t)(m0 - j->c_row0) * (size_t)j->ldc + (size_t)n0);
             const char *bias = j->bias ? (const char *)j->bias + ea * (size_t)n0 : NULL;
             char *sp = wk.ptr ? (char *)wk.ptr + (size_t)omp_get_thread_num() * per : NULL;
+            if (j->bq) {
+                char *panel = sp + sp_bytes;
+                bad |= dequant_panel(j, panel, n0, nc) != MT_OK;
+                b = panel;
+            }
+            if (!sp_bytes) sp = NULL;
             bad |= mti_gemm_run(prim[tile_kind(p, mc, nc)], a, b, c, bias, sp) != 0;
         }
         if (bad) s = mti_fail(k->ctx, MT_ERR_DEVICE, "matmul: a oneDNN matmul call failed");
@@ -397,4 +429,48 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
                         n, in, out, o0, o1, a, (int)dt);
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
     return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt);
+}
+
+/* ---- a quantized weight (lib/quant.h): dequantized a tile at a time ---- */
+
+static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int qf, int n, int in,
+                         int out, mti_dtype dt)
+{
+    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name((mti_qformat)qf))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "%s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
+    if ((dt != MTI_F32 && dt != MTI_BF16) || !mti_gemm_supported(dt))
+        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a quantized weight needs fp32 or bf16 activations with a oneDNN "
+                        "matmul for them (dtype %d)",
+                        op, (int)dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
+                               const void *b, int n, int in, int out, mti_dtype dt)
+{
+    mt_status s = q_check(k, "matmul_fwd_q", wq, qf, n, in, out, dt);
+    if (s || n == 0 || out == 0) return s;
+    /* as mti_cpu_matmul_fwd: a tile of y's columns reads those rows of W */
+    mm_job j = {.p = mm_plan_for(n, out), .K = in, .a = x, .bias = b, .c = y, .tb = 1,
+                .lda = in, .ldb = in, .ldc = out, .ab_dt = dt, .c_dt = dt, .bq = wq,
+                .qf = (mti_qformat)qf, .qn = (size_t)in * (size_t)out, .qld = in};
+    j.t1 = j.p.tm * j.p.tn;
+    return mm_run(k, &j);
+}
+
+mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
+                              int n, int in, int out, mti_dtype dt, int accumulate)
+{
+    mt_status s = q_check(k, "matmul_dx_q", wq, qf, n, in, out, dt);
+    if (s || n == 0 || in == 0) return s;
+    /* as mti_cpu_matmul_bwd's dx: a tile of dx's columns reads those columns
+     * of W, all its rows, packed with the tile width as leading dimension */
+    mm_job j = {.p = mm_plan_for(n, in), .K = out, .a = dy, .c = dx, .accumulate = accumulate,
+                .lda = out, .ldc = in, .ab_dt = dt, .c_dt = dt, .bq = wq,
+                .qf = (mti_qformat)qf, .qn = (size_t)in * (size_t)out, .qld = in};
+    j.ldb = j.p.nb;
+    j.t1 = j.p.tm * j.p.tn;
+    return mm_run(k, &j);
 }
