@@ -936,6 +936,22 @@ typedef struct mt_trainer_config {
      * the 16-bit compute copy's; the training-state file
      * (mt_trainer_save, then a collective) holds the masters whole. */
     int zero_stage;
+    /* Knowledge distillation (docs/engine.md, "Distillation"): with a
+     * teacher (NULL: none), each micro-batch first runs the teacher's
+     * forward (fp32, keeping nothing but its logits), and the student's loss
+     * is (1 - distill_alpha) cross-entropy + distill_alpha T^2
+     * KL(softmax(teacher/T) || softmax(student/T)), T = distill_temp, fused
+     * over the vocabulary row by row. The teacher: a model on the same
+     * context with the same input (vocabulary, or features) and classes, at
+     * least the student's context length, no adapters (merge them first),
+     * not the student and without a trainer of its own; it is never changed
+     * and is held (mt_model_destroy refuses it) while the trainer lives.
+     * alpha in [0, 1] (0.5), T > 0 (2). The step's loss is this loss;
+     * mt_trainer_eval stays the cross-entropy. CPU only for now (CUDA:
+     * MT_ERR_UNSUPPORTED). */
+    mt_model *teacher;
+    float distill_alpha;
+    float distill_temp;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

@@ -510,6 +510,19 @@ mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad)
                              E->targets.blk.ptr, E->N, m->classes, m->out_width, dloss, E->dt);
 }
 
+mt_status mti_engine_loss_kd(mti_engine *E, const mti_engine *teacher, float alpha, float temp,
+                            float dloss)
+{
+    mt_model *m = E->m;
+    mt_status s;
+    MTI_TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 3)));
+    void *logits = E->bnd[m->n_layers].blk.ptr;
+    return E->ctx->ops->xent_kd(&E->k, E->losses.blk.ptr, logits, logits,
+                                teacher->bnd[teacher->m->n_layers].blk.ptr, E->targets.blk.ptr,
+                                E->N, m->classes, m->out_width, teacher->m->out_width, alpha, temp,
+                                dloss, E->dt);
+}
+
 mt_status mti_engine_loss_sum(mti_engine *E, float *host, double *sum)
 {
     mt_status s = mti_tensor_download(E->ctx, &E->losses, host, (size_t)E->N * sizeof(float));

@@ -85,6 +85,12 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
 /* Losses (N, fp32) and, with dloss != 0 or want_grad, dlogits in place of
  * the logits, scaled by dloss. */
 mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad);
+/* mti_engine_loss's distillation form (dlogits always made): the loss
+ * (1 - alpha) xent + alpha T^2 KL(teacher || student) against the logits
+ * that teacher's forward left in its last boundary (fp32, an engine of
+ * MTI_F32 over the same rows). */
+mt_status mti_engine_loss_kd(mti_engine *E, const mti_engine *teacher, float alpha, float temp,
+                            float dloss);
 /* Sum of the pass's losses, downloaded and summed in order (double). */
 mt_status mti_engine_loss_sum(mti_engine *E, float *host, double *sum);
 /* Backward from dlogits. keep: leave every tensor of the forward in place

@@ -56,6 +56,49 @@ static mt_status dry_model(mt_context *ctx, spec_kind kind, const void *spec, mt
     return MT_ERR_INTERNAL;
 }
 
+/* A model's spec: its GPT or MLP spec, or its layers as a sequential spec
+ * in *seq (layers in *ls, the caller's to free). */
+static mt_status spec_of(const mt_model *m, spec_kind *kind, const void **spec,
+                         mt_model_spec *seq, mt_layer_spec **ls)
+{
+    *ls = NULL;
+    if (m->kind == MTI_MODEL_GPT) return *kind = SPEC_GPT, *spec = &m->gpt, MT_OK;
+    if (m->kind == MTI_MODEL_MLP) return *kind = SPEC_MLP, *spec = &m->mlp, MT_OK;
+    mt_layer_spec *l = calloc((size_t)m->n_layers, sizeof *l);
+    if (!l) return mti_fail(m->ctx, MT_ERR_OOM, "estimate: out of host memory");
+    for (int i = 0; i < m->n_layers; i++) {
+        const mti_layer *ly = &m->layers[i];
+        l[i] = (mt_layer_spec){.kind = ly->kind, .units = ly->out, .no_bias = !ly->bias,
+                               .heads = ly->heads, .positions = ly->positions,
+                               .stable = ly->stable};
+    }
+    mt_model_spec_init(seq);
+    seq->input = m->input;
+    seq->features = m->features;
+    seq->vocab = m->vocab;
+    seq->padded_vocab = m->padded_vocab;
+    seq->max_seq = m->max_seq;
+    seq->n_layers = m->n_layers;
+    seq->layers = l;
+    *ls = l;
+    *kind = SPEC_SEQ;
+    *spec = seq;
+    return MT_OK;
+}
+
+/* A model of src's shape in the dry context (a teacher's stand-in). */
+static mt_status dry_copy(mt_context *ctx, const mt_model *src, mt_model **out)
+{
+    spec_kind kind;
+    const void *spec;
+    mt_model_spec seq;
+    mt_layer_spec *ls = NULL;
+    mt_status s = spec_of(src, &kind, &spec, &seq, &ls);
+    if (!s) s = dry_model(ctx, kind, spec, out);
+    free(ls);
+    return s;
+}
+
 /* One step of the largest batch: max_batch rows, zeros for inputs, tokens
  * and targets (valid for any model). */
 static mt_status dry_steps(mt_trainer *t, const mt_model *m, const mt_trainer_config *tc, int steps)
@@ -103,7 +146,15 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     mt_memory_stats st;
+    mt_model *teacher = NULL;
+    mt_trainer_config with_teacher;
     s = dry_model(ctx, kind, spec, &m);
+    if (!s && tc->teacher) { /* its stand-in, made after the student as a run makes it */
+        s = dry_copy(ctx, tc->teacher, &teacher);
+        with_teacher = *tc;
+        with_teacher.teacher = teacher;
+        tc = &with_teacher;
+    }
     if (!s) s = mt_trainer_create(m, tc, &t);
     if (!s) {
         mt_context_memory_stats(ctx, &st);
@@ -135,6 +186,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     }
     mti_msg msg = mti_last_msg(ctx);
     mt_trainer_destroy(t);
+    mt_model_destroy(teacher);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     if (s) {
@@ -185,27 +237,12 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
     mt_context_config cc = m->ctx->cfg;
     cc.threads = m->ctx->threads;
     cc.device = m->ctx->dev->kind; /* and dry_run takes the device's geometry */
-    if (m->kind == MTI_MODEL_GPT) return dry_run(&cc, SPEC_GPT, &m->gpt, tc, m->ctx, out);
-    if (m->kind == MTI_MODEL_MLP) return dry_run(&cc, SPEC_MLP, &m->mlp, tc, m->ctx, out);
-    /* a built model: its layers, as a spec */
-    mt_layer_spec *ls = calloc((size_t)m->n_layers, sizeof *ls);
-    if (!ls) return mti_fail(m->ctx, MT_ERR_OOM, "mt_estimate_model: out of host memory");
-    for (int i = 0; i < m->n_layers; i++) {
-        const mti_layer *ly = &m->layers[i];
-        ls[i] = (mt_layer_spec){.kind = ly->kind, .units = ly->out, .no_bias = !ly->bias,
-                                .heads = ly->heads, .positions = ly->positions,
-                                .stable = ly->stable};
-    }
-    mt_model_spec spec;
-    mt_model_spec_init(&spec);
-    spec.input = m->input;
-    spec.features = m->features;
-    spec.vocab = m->vocab;
-    spec.padded_vocab = m->padded_vocab;
-    spec.max_seq = m->max_seq;
-    spec.n_layers = m->n_layers;
-    spec.layers = ls;
-    mt_status s = dry_run(&cc, SPEC_SEQ, &spec, tc, m->ctx, out);
+    spec_kind kind;
+    const void *spec;
+    mt_model_spec seq;
+    mt_layer_spec *ls = NULL;
+    mt_status s = spec_of(m, &kind, &spec, &seq, &ls);
+    if (!s) s = dry_run(&cc, kind, spec, tc, m->ctx, out);
     free(ls);
     return s;
 }

@@ -295,6 +295,18 @@ struct mti_ops {
      * is ever kept. Targets are checked by the caller to be in [0, V). */
     mt_status (*xent)(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
                       const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt);
+    /* Distillation, fused the same way: with student logits s (N,Vp) in dt
+     * and teacher logits t (N,tVp) fp32 (V real columns each), losses (N)
+     * fp32 = (1 - alpha) xent(s, target) + alpha T^2 KL(softmax(t/T) ||
+     * softmax(s/T)), and with dlogits non-NULL dlogits (N,Vp) in dt =
+     * dloss ((1 - alpha)(softmax(s) - onehot(target)) + alpha T
+     * (softmax(s/T) - softmax(t/T))), padding columns 0; dlogits may alias
+     * logits. Row by row: no probability tensor is kept. alpha in [0, 1],
+     * T > 0 (else MT_ERR_INVALID_ARG); with alpha 0 the result is xent's,
+     * bit for bit, and t is not read. */
+    mt_status (*xent_kd)(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                         const float *tlogits, const int32_t *targets, int n, int V, int Vp,
+                         int tVp, float alpha, float temp, float dloss, mti_dtype dt);
 
     /* ---- mixed precision ---- */
     /* g (n) fp32 *= inv_scale, and *found_inf (a device int) = 1 if any

@@ -1109,6 +1109,19 @@ static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const 
     return launch(k, MTI_CUDA_XENT_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS, args);
 }
 
+/* Distillation has no CUDA kernel yet: refused with a clear status rather
+ * than computed on the host behind the caller's back. */
+static mt_status cu_xent_kd(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                            const float *tlogits, const int32_t *targets, int n, int V, int Vp,
+                            int tVp, float alpha, float temp, float dloss, mti_dtype dt)
+{
+    (void)losses, (void)dlogits, (void)logits, (void)tlogits, (void)targets, (void)n, (void)V;
+    (void)Vp, (void)tVp, (void)alpha, (void)temp, (void)dloss, (void)dt;
+    return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                    "xent_kd: distillation (a teacher) has no CUDA kernel in this build; "
+                    "distill on the CPU");
+}
+
 /* ---- mixed precision ---- */
 
 static mt_status cu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,
@@ -1410,6 +1423,7 @@ static const mti_ops cuda_ops = {
     .attention_fwd = cu_attention_fwd,
     .attention_bwd = cu_attention_bwd,
     .xent = cu_xent,
+    .xent_kd = cu_xent_kd,
     .unscale_check = cu_unscale_check,
     .sumsq = cu_sumsq,
     .sgd = cu_sgd,

@@ -67,11 +67,47 @@ void mt_trainer_config_init(mt_trainer_config *c)
     c->loss_scale.backoff_factor = 0.5;
     c->loss_scale.growth_interval = 2000;
     c->recompute_every = 2;
+    c->distill_alpha = 0.5f;
+    c->distill_temp = 2.0f;
 }
 
 static bool in01(float x) { return isfinite(x) && x >= 0.0f && x < 1.0f; }
 
 #define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
+
+/* Distillation's settings (cfg->teacher NULL: none, and alpha and T unread). */
+static mt_status check_teacher(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
+{
+    const char *fn = "mt_trainer_create";
+    const mt_model *te = c->teacher;
+    if (!te) return MT_OK;
+    if (!(c->distill_alpha >= 0.0f && c->distill_alpha <= 1.0f))
+        BAD("%s: cfg->distill_alpha %g must be in [0, 1]", fn, (double)c->distill_alpha);
+    if (!(c->distill_temp > 0.0f) || !isfinite(c->distill_temp))
+        BAD("%s: cfg->distill_temp %g must be a finite number > 0", fn, (double)c->distill_temp);
+    if (te == m) BAD("%s: cfg->teacher is the student model itself", fn);
+    if (te->ctx != m->ctx) BAD("%s: cfg->teacher is on another context than the student", fn);
+    if (te->input != m->input)
+        BAD("%s: cfg->teacher takes %s, the student %s", fn,
+            te->input == MT_INPUT_TOKENS ? "tokens" : "features",
+            m->input == MT_INPUT_TOKENS ? "tokens" : "features");
+    if (m->input == MT_INPUT_TOKENS && te->vocab != m->vocab)
+        BAD("%s: cfg->teacher's vocabulary is %d tokens, the student's %d", fn, te->vocab,
+            m->vocab);
+    if (m->input == MT_INPUT_FEATURES && te->features != m->features)
+        BAD("%s: cfg->teacher takes %d features, the student %d", fn, te->features, m->features);
+    if (te->classes != m->classes)
+        BAD("%s: cfg->teacher gives %d classes, the student %d", fn, te->classes, m->classes);
+    int T = m->input == MT_INPUT_TOKENS ? (c->max_seq ? c->max_seq : m->max_seq) : 1;
+    if (m->input == MT_INPUT_TOKENS && te->max_seq < T)
+        BAD("%s: cfg->teacher's context is %d tokens, shorter than the student's %d", fn,
+            te->max_seq, T);
+    if (te->lora_rank)
+        BAD("%s: cfg->teacher has LoRA adapters: merge them first (mt_model_lora_merge)", fn);
+    if (atomic_load(&((mt_model *)te)->n_trainers))
+        BAD("%s: cfg->teacher has a trainer of its own, or teaches another trainer", fn);
+    return MT_OK;
+}
 
 static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
 {
@@ -185,7 +221,7 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
             "accumulation must keep them across micro-batches",
             fn, c->micro_batch, c->max_batch);
-    return MT_OK;
+    return check_teacher(ctx, m, c);
 }
 
 static mti_dtype dtype_of(mt_precision p)
@@ -586,6 +622,10 @@ void mt_trainer_destroy(mt_trainer *t)
 {
     if (!t) return;
     mti_engine_free(&t->E);
+    if (t->teaching) {
+        mti_engine_free(&t->TE);
+        atomic_fetch_sub(&t->cfg.teacher->n_trainers, 1);
+    }
     if (t->ps)
         for (int i = 0; i < t->model->n_param; i++)
             for (int j = 0; j < MTI_OPT_SLOTS; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
@@ -728,6 +768,16 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
     t->cfg.recompute_units = t->units;
     if (!s) s = mti_engine_init(&t->E, m, t->dt, t->units, t->seg_len);
+    if (!s && cfg->teacher) { /* forward only, fp32, keeping nothing (the plan is unread) */
+        unsigned char *keep = calloc((size_t)cfg->teacher->n_units, 1);
+        s = keep ? mti_engine_init(&t->TE, cfg->teacher, MTI_F32, keep, 1)
+                 : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+        free(keep);
+        if (!s) {
+            t->teaching = 1;
+            atomic_fetch_add(&cfg->teacher->n_trainers, 1);
+        }
+    }
     t->E.defer_tied = cfg->fused_step != 0 || zero == 2;
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
@@ -1160,8 +1210,19 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
     for (int r0 = 0; r0 < b->n; r0 += t->micro) {
         int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
         double part = 0.0;
-        MTI_TRY(mti_engine_forward(E, b, r0, rows, 0));
-        MTI_TRY(mti_engine_loss(E, dloss, 1));
+        if (t->teaching) { /* the teacher's logits, then the student's pass */
+            s = mti_engine_forward(&t->TE, b, r0, rows, 1);
+            mti_tensor_free(ctx, &t->TE.tokens);
+            mti_tensor_free(ctx, &t->TE.targets);
+            if (!s) s = mti_engine_forward(E, b, r0, rows, 0);
+            if (!s) s = mti_engine_loss_kd(E, &t->TE, t->cfg.distill_alpha, t->cfg.distill_temp,
+                                           dloss);
+            mti_engine_release(&t->TE);
+            if (s) return s;
+        } else {
+            MTI_TRY(mti_engine_forward(E, b, r0, rows, 0));
+            MTI_TRY(mti_engine_loss(E, dloss, 1));
+        }
         MTI_TRY(mti_engine_loss_sum(E, t->host_losses, &part));
         sum += part;
         reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */

@@ -34,6 +34,8 @@ struct mt_trainer {
     mt_trainer_config cfg;
     mti_dtype dt;
     mti_engine E;
+    mti_engine TE;           /* the teacher's (cfg.teacher), forward only */
+    int teaching;            /* TE is made and the teacher held */
     const mti_optim *opt;    /* cfg.optimizer's entry */
     pstate *ps;
     char **patterns;         /* copies of the overrides' patterns */

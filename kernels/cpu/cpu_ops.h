@@ -102,6 +102,9 @@ mt_status mti_cpu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout,
 /* xent.c */
 mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
                        const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt);
+mt_status mti_cpu_xent_kd(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                          const float *tlogits, const int32_t *targets, int n, int V, int Vp,
+                          int tVp, float alpha, float temp, float dloss, mti_dtype dt);
 
 /* optim.c: unscale, norms, optimizer updates */
 mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv_scale,

@@ -36,6 +36,7 @@ static const mti_ops cpu_ops = {
     .attention_fwd = mti_cpu_attention_fwd,
     .attention_bwd = mti_cpu_attention_bwd,
     .xent = mti_cpu_xent,
+    .xent_kd = mti_cpu_xent_kd,
     .unscale_check = mti_cpu_unscale_check,
     .sumsq = mti_cpu_sumsq,
     .sgd = mti_cpu_sgd,

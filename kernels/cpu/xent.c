@@ -71,20 +71,27 @@ WIDE_CLONES static void softmax_scaled(float *d, const float *x, size_t n, float
     for (size_t j = 0; j < n; j++) d[j] = exp_le0(x[j] - mx) * scale;
 }
 
+/* The max over the first V columns of a row (staged CHUNK at a time). */
+static float row_max(const void *x, mti_dtype dt, size_t row, size_t V, float *buf)
+{
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = -INFINITY;
+    for (size_t j = 0; j < V; j += CHUNK) {
+        size_t m = min_sz(CHUNK, V - j);
+        lanes_max(acc, stage_in(x, dt, row + j, m, buf), m);
+    }
+    float mx = acc[0];
+    for (int l = 1; l < LANES; l++) mx = acc[l] > mx ? acc[l] : mx;
+    return mx;
+}
+
 /* One row of Vp columns at element `row`. */
 static float xent_row(void *dlogits, const void *logits, int32_t target, size_t row, size_t V,
                       size_t Vp, float dloss, mti_dtype dt)
 {
     float xb[CHUNK], db[CHUNK];
     float acc[LANES];
-
-    for (int l = 0; l < LANES; l++) acc[l] = -INFINITY;
-    for (size_t j = 0; j < V; j += CHUNK) {
-        size_t m = min_sz(CHUNK, V - j);
-        lanes_max(acc, stage_in(logits, dt, row + j, m, xb), m);
-    }
-    float mx = acc[0];
-    for (int l = 1; l < LANES; l++) mx = acc[l] > mx ? acc[l] : mx;
+    const float mx = row_max(logits, dt, row, V, xb);
 
     memset(acc, 0, sizeof acc);
     for (size_t j = 0; j < V; j += CHUNK) {
@@ -131,6 +138,94 @@ mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const vo
     if ((size_t)n * vp > MTI_CPU_PAR_MIN)
     for (int i = 0; i < n; i++) {
         float l = xent_row(dlogits, logits, targets[i], (size_t)i * vp, (size_t)V, vp, dloss, dt);
+        if (losses) losses[i] = l;
+    }
+    return MT_OK;
+}
+
+/* ---- distillation: cross-entropy fused with KL to a teacher ---- */
+
+/* One row: student s at element `row` (Vp columns, dt), teacher t at
+ * element `trow` (fp32). Three sweeps over the columns: the maxima, the
+ * sums (double), then the gradient; nothing of the row is kept. */
+static float kd_row(void *dlogits, const void *logits, const float *tl, int32_t target,
+                    size_t row, size_t trow, size_t V, size_t Vp, float alpha, float temp,
+                    float dloss, mti_dtype dt)
+{
+    float xb[CHUNK], db[CHUNK];
+    const float *t = tl + trow;
+    const float ms = row_max(logits, dt, row, V, xb);
+    const float mt = row_max(tl, MTI_F32, trow, V, xb);
+    const float inv = 1.0f / temp;
+    /* z1: sum e^(s - ms); zs: sum e^((s - ms)/T); zt: sum e^((t - mt)/T);
+       a: sum e^((t - mt)/T) ((t - mt) - (s - ms))/T */
+    double z1 = 0.0, zs = 0.0, zt = 0.0, a = 0.0;
+    for (size_t j = 0; j < V; j += CHUNK) {
+        size_t m = min_sz(CHUNK, V - j);
+        const float *x = stage_in(logits, dt, row + j, m, xb);
+        for (size_t c = 0; c < m; c++) {
+            float us = x[c] - ms, ut = (t[j + c] - mt) * inv;
+            float et = exp_le0(ut);
+            z1 += exp_le0(us);
+            zs += exp_le0(us * inv);
+            zt += et;
+            a += (double)et * (double)(ut - us * inv);
+        }
+    }
+    float xt;
+    mti_cpu_load_f32(&xt, logits, dt, row + (size_t)target, 1);
+    const double ce = log(z1) - (double)(xt - ms);
+    const double kl = a / zt - log(zt) + log(zs);
+    const double loss = (1.0 - alpha) * ce + (double)alpha * temp * temp * kl;
+    if (dlogits) {
+        /* d = dloss ((1 - alpha) p1 + alpha T (ps - pt)) - dloss (1 - alpha) [target] */
+        const float c1 = (float)((1.0 - alpha) * dloss / z1);
+        const float cs = (float)((double)alpha * temp * dloss / zs);
+        const float ct = (float)((double)alpha * temp * dloss / zt);
+        for (size_t j = 0; j < Vp; j += CHUNK) {
+            size_t m = min_sz(CHUNK, Vp - j);
+            float *d = dt == MTI_F32 ? (float *)dlogits + row + j : db;
+            size_t real = j + m <= V ? m : j < V ? V - j : 0;
+            if (real) {
+                const float *x = stage_in(logits, dt, row + j, real, xb);
+                for (size_t c = 0; c < real; c++) {
+                    float us = x[c] - ms;
+                    d[c] = c1 * exp_le0(us) + cs * exp_le0(us * inv) -
+                           ct * exp_le0((t[j + c] - mt) * inv);
+                }
+            }
+            memset(d + real, 0, (m - real) * sizeof(float));
+            if ((size_t)target >= j && (size_t)target < j + m)
+                d[(size_t)target - j] -= (1.0f - alpha) * dloss;
+            if (dt != MTI_F32) mti_cpu_store_f32(dlogits, dt, row + j, db, m);
+        }
+    }
+    return (float)loss;
+}
+
+mt_status mti_cpu_xent_kd(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
+                          const float *tlogits, const int32_t *targets, int n, int V, int Vp,
+                          int tVp, float alpha, float temp, float dloss, mti_dtype dt)
+{
+    if (!(alpha >= 0.0f && alpha <= 1.0f) || !(temp > 0.0f) || !isfinite(temp))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "xent_kd: alpha %g (need [0, 1]) and temperature %g (need > 0)",
+                        (double)alpha, (double)temp);
+    if (alpha == 0.0f) /* plain cross-entropy, bit for bit */
+        return mti_cpu_xent(k, losses, dlogits, logits, targets, n, V, Vp, dloss, dt);
+    if (mti_dry(k)) return MT_OK;
+    if (dt != MTI_F32 && dt != MTI_F16 && dt != MTI_BF16)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "xent_kd: dtype %d is not a float", (int)dt);
+    if (V <= 0 || Vp < V || tVp < V)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "xent_kd: vocabulary %d of padded %d (teacher's padded %d)", V, Vp, tVp);
+    if (n <= 0) return MT_OK;
+    size_t vp = (size_t)Vp, tvp = (size_t)tVp;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
+    if ((size_t)n * vp > MTI_CPU_PAR_MIN)
+    for (int i = 0; i < n; i++) {
+        float l = kd_row(dlogits, logits, tlogits, targets[i], (size_t)i * vp, (size_t)i * tvp,
+                         (size_t)V, vp, alpha, temp, dloss, dt);
         if (losses) losses[i] = l;
     }
     return MT_OK;

@@ -1,0 +1,341 @@
+/*
+ * test_distill.c - knowledge distillation (cfg.teacher; the xent_kd op):
+ * the fused loss and gradient against a direct double-precision formula
+ * and central differences; alpha 0 is plain training bit for bit; bad
+ * settings are refused; the estimate equals the run; a small student
+ * distilled from a larger teacher against the same student on labels.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kernels.h"
+#include "memtrain.h"
+
+/* The loss of one row in double, straight from the definition. */
+static double kd_ref(const float *s, const float *t, int tgt, int V, double alpha, double T,
+                     double *grad)
+{
+    double ms = -INFINITY, mt = -INFINITY;
+    for (int j = 0; j < V; j++) ms = fmax(ms, s[j]), mt = fmax(mt, t[j]);
+    double z1 = 0, zs = 0, zt = 0;
+    for (int j = 0; j < V; j++)
+        z1 += exp(s[j] - ms), zs += exp((s[j] - ms) / T), zt += exp((t[j] - mt) / T);
+    double ce = log(z1) + ms - s[tgt], kl = 0;
+    for (int j = 0; j < V; j++) {
+        double pt = exp((t[j] - mt) / T) / zt, ps = exp((s[j] - ms) / T) / zs;
+        kl += pt * (log(pt) - log(ps));
+        if (grad)
+            grad[j] = (1 - alpha) * (exp(s[j] - ms) / z1 - (j == tgt)) + alpha * T * (ps - pt);
+    }
+    return (1 - alpha) * ce + alpha * T * T * kl;
+}
+
+enum { KN = 5, KV = 37, KVP = 40, KTVP = 48 };
+
+TEST(distill_op_matches_formula_and_finite_differences)
+{
+    mt_context *ctx = check_cpu_context(2);
+    const mti_ops *op = mti_cpu_ops();
+    const mti_kctx k = {ctx, ctx->dev};
+    float s[KN * KVP], t[KN * KTVP], d[KN * KVP], loss[KN], l2[KN];
+    int32_t tg[KN];
+    uint64_t r = 5;
+    for (int i = 0; i < KN * KTVP; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        float u = (float)((r >> 40) & 0xffff) / 65536.0f;
+        if (i < KN * KVP) s[i] = 4.0f * u - 2.0f;
+        t[i] = 6.0f * u - 3.0f + (float)(i % 7) * 0.3f;
+    }
+    for (int i = 0; i < KN; i++) tg[i] = (i * 11) % KV;
+    const float alphas[] = {0.3f, 1.0f}, temps[] = {2.5f, 0.7f};
+    for (int c = 0; c < 2; c++) {
+        const float a = alphas[c], T = temps[c], dloss = 0.5f;
+        CHECK_OKC(ctx, op->xent_kd(&k, loss, d, s, t, tg, KN, KV, KVP, KTVP, a, T, dloss, MTI_F32));
+        for (int i = 0; i < KN; i++) {
+            double g[KV];
+            double ref = kd_ref(s + i * KVP, t + i * KTVP, tg[i], KV, a, T, g);
+            CHECK_MSG(fabs(loss[i] - ref) <= 1e-5 * (1 + fabs(ref)), "row %d: loss %.9g, formula %.9g",
+                      i, (double)loss[i], ref);
+            for (int j = 0; j < KVP; j++) {
+                double want = j < KV ? dloss * g[j] : 0.0;
+                CHECK_MSG(fabs(d[i * KVP + j] - want) <= 1e-6, "row %d col %d: %.9g, formula %.9g",
+                          i, j, (double)d[i * KVP + j], want);
+            }
+            /* central differences of the kernel's own loss */
+            for (int j = 0; j < KV; j += 3) {
+                float keep = s[i * KVP + j], h = 1e-2f;
+                s[i * KVP + j] = keep + h;
+                CHECK_OKC(ctx, op->xent_kd(&k, l2, NULL, s, t, tg, KN, KV, KVP, KTVP, a, T, 1, MTI_F32));
+                double up = l2[i];
+                s[i * KVP + j] = keep - h;
+                CHECK_OKC(ctx, op->xent_kd(&k, l2, NULL, s, t, tg, KN, KV, KVP, KTVP, a, T, 1, MTI_F32));
+                s[i * KVP + j] = keep;
+                double fd = (up - l2[i]) / (2.0 * h);
+                CHECK_MSG(fabs(fd - d[i * KVP + j] / dloss) <= 2e-3,
+                          "row %d col %d: gradient %.6g, finite differences %.6g", i, j,
+                          (double)(d[i * KVP + j] / dloss), fd);
+            }
+        }
+    }
+    /* alpha 0 is the cross-entropy, bit for bit; bad settings are refused */
+    float dx[KN * KVP], lx[KN];
+    CHECK_OKC(ctx, op->xent_kd(&k, loss, d, s, t, tg, KN, KV, KVP, KTVP, 0.0f, 3.0f, 0.25f, MTI_F32));
+    CHECK_OKC(ctx, op->xent(&k, lx, dx, s, tg, KN, KV, KVP, 0.25f, MTI_F32));
+    CHECK(!memcmp(loss, lx, sizeof lx) && !memcmp(d, dx, sizeof dx));
+    CHECK_ST(MT_ERR_INVALID_ARG, op->xent_kd(&k, loss, d, s, t, tg, KN, KV, KVP, KTVP, 1.5f, 1, 1, MTI_F32));
+    CHECK_ST(MT_ERR_INVALID_ARG, op->xent_kd(&k, loss, d, s, t, tg, KN, KV, KVP, KTVP, 0.5f, 0, 1, MTI_F32));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* ---- the trainer ---- */
+
+enum { B = 4, T = 8, V = 64 };
+
+static mt_model *gpt(mt_context *ctx, int layers, int channels, uint64_t seed)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = layers, g.heads = 2, g.channels = channels, g.seed = seed;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    return m;
+}
+
+static void kd_config(mt_trainer_config *tc, mt_model *teacher, float alpha)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = B, tc->max_seq = T, tc->optimizer = MT_OPT_ADAMW, tc->lr = 1e-2f;
+    tc->teacher = teacher, tc->distill_alpha = alpha, tc->distill_temp = 2.0f;
+}
+
+/* Steps the student, returning its weights (held by the test). */
+static float *trained(mt_context *ctx, mt_model *m, const mt_trainer_config *tc, int steps)
+{
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    for (int s = 0; s < steps; s++) {
+        check_token_batch(&b, tok, tg, B, T, V, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    }
+    mt_trainer_destroy(t);
+    size_t n = mt_model_num_params(m);
+    float *w = check_alloc(n * 4);
+    CHECK_OK(mt_model_get_params(m, w, n));
+    return w;
+}
+
+/* alpha 0: the teacher runs, and the student's weights are those of plain
+ * training, bit for bit, in fp32 and in bf16 with accumulation and
+ * recompute. Alpha 0.5 moves them elsewhere. */
+TEST(distill_alpha0_is_plain_training)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *teacher = gpt(ctx, 3, 32, 99);
+    for (int c = 0; c < 2; c++) {
+        mt_trainer_config tc;
+        kd_config(&tc, NULL, 0.0f);
+        if (c) tc.precision = MT_PREC_BF16, tc.micro_batch = 2, tc.recompute = MT_RECOMPUTE_SQRT;
+        mt_model *m = gpt(ctx, 2, 16, 4);
+        float *plain = trained(ctx, m, &tc, 3);
+        CHECK_OK(mt_model_destroy(m));
+        m = gpt(ctx, 2, 16, 4);
+        tc.teacher = teacher;
+        float *kd0 = trained(ctx, m, &tc, 3);
+        size_t n = mt_model_num_params(m);
+        CHECK_MSG(!memcmp(plain, kd0, n * 4), "case %d: alpha 0 differs from plain training", c);
+        CHECK_OK(mt_model_destroy(m));
+        m = gpt(ctx, 2, 16, 4);
+        tc.distill_alpha = 0.5f;
+        float *kd = trained(ctx, m, &tc, 3);
+        CHECK(memcmp(plain, kd, n * 4) != 0);
+        CHECK_OK(mt_model_destroy(m));
+    }
+    CHECK_OK(mt_model_destroy(teacher));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+TEST(distill_refuses_bad_settings)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *m = gpt(ctx, 2, 16, 4), *te = gpt(ctx, 1, 16, 5), *t;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V + 1, g.max_seq = T, g.layers = 1, g.heads = 2, g.channels = 16;
+    mt_model *other;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &other));
+    g.vocab = V, g.max_seq = T / 2;
+    mt_model *shorter;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &shorter));
+    struct {
+        mt_model *teacher;
+        float alpha, temp;
+        const char *says;
+    } bad[] = {
+        {te, 1.5f, 2.0f, "distill_alpha"}, {te, -0.1f, 2.0f, "distill_alpha"},
+        {te, 0.5f, 0.0f, "distill_temp"}, {te, 0.5f, NAN, "distill_temp"},
+        {m, 0.5f, 2.0f, "student model itself"}, {other, 0.5f, 2.0f, "vocabulary"},
+        {shorter, 0.5f, 2.0f, "context"},
+    };
+    mt_trainer *tr;
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        mt_trainer_config tc;
+        kd_config(&tc, bad[i].teacher, bad[i].alpha);
+        tc.distill_temp = bad[i].temp;
+        CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &tr));
+        CHECK_MSG(strstr(mt_last_error(ctx), bad[i].says), "case %zu: %s", i, mt_last_error(ctx));
+    }
+    /* a teaching teacher is held: no trainer of its own, no destroy */
+    mt_trainer_config tc;
+    kd_config(&tc, te, 0.5f);
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &tr));
+    CHECK_ST(MT_ERR_STATE, mt_trainer_create(te, NULL, &(mt_trainer *){NULL}));
+    CHECK_ST(MT_ERR_STATE, mt_model_destroy(te));
+    mt_trainer_destroy(tr);
+    t = te;
+    CHECK_OK(mt_model_destroy(t));
+    CHECK_OK(mt_model_destroy(other));
+    CHECK_OK(mt_model_destroy(shorter));
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* The estimate of a distilling run (teacher included) equals the run,
+ * class by class, over precisions, the fused step, accumulation, recompute
+ * and LoRA. */
+TEST(distill_estimate_equals_run)
+{
+    for (int c = 0; c < 4; c++) {
+        mt_context *ctx = check_cpu_context(2);
+        mt_model *m = gpt(ctx, 2, 16, 4), *te = gpt(ctx, 3, 32, 5);
+        mt_trainer_config tc;
+        kd_config(&tc, te, 0.7f);
+        if (c == 0) tc.fused_step = 1;
+        if (c == 1) tc.precision = MT_PREC_BF16, tc.micro_batch = 2;
+        if (c == 2) tc.recompute = MT_RECOMPUTE_EVERY_K, tc.recompute_every = 1, tc.precision = MT_PREC_FP16;
+        if (c == 3) tc.lora.rank = 2, tc.lora.alpha = 4, tc.lora.targets = "*.qkv.w";
+        mt_estimate_report est;
+        CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        int32_t tok[B * T], tg[B * T];
+        mt_batch b;
+        for (int s = 0; s < 2; s++) {
+            check_token_batch(&b, tok, tg, B, T, V, s);
+            CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+        }
+        mt_memory_stats st;
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        CHECK_MSG(st.peak_live_bytes == est.peak, "case %d: peak %llu measured, %llu estimated", c,
+                  (unsigned long long)st.peak_live_bytes, (unsigned long long)est.peak);
+        for (int k = 0; k < MT_MEM_COUNT; k++)
+            CHECK_MSG(st.per_class[k].peak_live_bytes == est.class_peak[k],
+                      "case %d: class %s peak %llu measured, %llu estimated", c,
+                      mt_mem_class_name((mt_mem_class)k),
+                      (unsigned long long)st.per_class[k].peak_live_bytes,
+                      (unsigned long long)est.class_peak[k]);
+        CHECK(st.peak_reserved_bytes == est.peak_reserved);
+        mt_trainer_destroy(t);
+        if (c == 3) CHECK_OK(mt_model_lora_merge(m));
+        CHECK_OK(mt_model_destroy(te));
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+}
+
+/* ---- learning: a small student from a larger teacher ---- */
+
+enum { LB = 8, LT = 32 };
+
+/* Windows of the text in [from, to) as a batch; *rng a fixed LCG. */
+static void windows(const unsigned char *text, size_t from, size_t to, uint64_t *rng,
+                    int32_t *tok, int32_t *tg, mt_batch *b)
+{
+    for (int r = 0; r < LB; r++) {
+        *rng = *rng * 2862933555777941757ull + 3037000493ull;
+        size_t at = from + (size_t)(*rng >> 35) % (to - from - LT - 1);
+        for (int j = 0; j < LT; j++) tok[r * LT + j] = text[at + j], tg[r * LT + j] = text[at + j + 1];
+    }
+    *b = (mt_batch){.n = LB, .tokens = tok, .targets = tg, .seq_len = LT};
+}
+
+static mt_model *byte_gpt(mt_context *ctx, int layers, int channels)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 256, g.max_seq = LT, g.layers = layers, g.heads = 4, g.channels = channels, g.seed = 7;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    return m;
+}
+
+/* Trains m for `steps` batches of the first 90% of the text (teacher:
+ * cfg.teacher), then returns the mean cross-entropy on 8 batches of the
+ * last 10%. */
+static double train_eval(mt_context *ctx, mt_model *m, mt_model *teacher, float alpha,
+                         const unsigned char *text, size_t n, int steps)
+{
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = LB, tc.max_seq = LT, tc.optimizer = MT_OPT_ADAMW, tc.lr = 3e-3f;
+    tc.grad_clip = 1.0f, tc.teacher = teacher, tc.distill_alpha = alpha, tc.distill_temp = 2.0f;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[LB * LT], tg[LB * LT];
+    mt_batch b;
+    uint64_t rng = 1;
+    size_t split = n / 10 * 9;
+    for (int s = 0; s < steps; s++) {
+        windows(text, 0, split, &rng, tok, tg, &b);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    }
+    double sum = 0;
+    rng = 99;
+    for (int i = 0; i < 8; i++) {
+        float l;
+        windows(text, split, n, &rng, tok, tg, &b);
+        CHECK_OKC(ctx, mt_trainer_eval(t, &b, &l, NULL));
+        sum += l;
+    }
+    mt_trainer_destroy(t);
+    return sum / 8;
+}
+
+/* A 2-layer, 64-channel byte GPT trained briefly on the project's text
+ * corpus teaches a 1-layer, 32-channel student; the same student trained
+ * on the labels alone for as many steps (same batches) is the baseline.
+ * Both must learn; which is better is printed with MT_TEST_VERBOSE and
+ * recorded in docs/benchmarks.md ("Distillation"). */
+TEST(distill_small_student_from_larger_teacher)
+{
+    FILE *f = fopen("test/data/text_corpus.txt", "rb");
+    CHECK_MSG(f, "cannot open test/data/text_corpus.txt");
+    unsigned char *text = check_alloc(1 << 20);
+    size_t n = fread(text, 1, 1 << 20, f);
+    fclose(f);
+    CHECK(n > 4096);
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *teacher = byte_gpt(ctx, 2, 64);
+    const int teach_steps = 80, steps = 40;
+    const float alpha = 0.5f;
+    double tl = train_eval(ctx, teacher, NULL, 0.0f, text, n, teach_steps);
+    mt_model *labels = byte_gpt(ctx, 1, 32), *distilled = byte_gpt(ctx, 1, 32);
+    double l0 = train_eval(ctx, labels, NULL, 0.0f, text, n, 0);
+    double ll = train_eval(ctx, labels, NULL, 0.0f, text, n, steps);
+    double ld = train_eval(ctx, distilled, teacher, alpha, text, n, steps);
+    if (getenv("MT_TEST_VERBOSE"))
+        printf("    held-out loss: teacher %.4f (%d steps); student untrained %.4f, labels %.4f, "
+               "distilled %.4f (%d steps)\n",
+               tl, teach_steps, l0, ll, ld, steps);
+    CHECK_MSG(ll < 0.9 * l0 && ld < 0.9 * l0, "untrained %.4f, labels %.4f, distilled %.4f", l0,
+              ll, ld);
+    CHECK(isfinite(tl) && tl < l0);
+    CHECK_OK(mt_model_destroy(labels));
+    CHECK_OK(mt_model_destroy(distilled));
+    CHECK_OK(mt_model_destroy(teacher));
+    CHECK_OK(mt_context_destroy(ctx));
+}
