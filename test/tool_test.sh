@@ -219,6 +219,14 @@ expect 0 "training goes on from them" -- "$tool" train --model gpt --steps 2 --n
 [ -s "$tmp/b.lora" ] && [ -s "$tmp/m.llmc" ] || { echo "FAIL tool: adapter files"; fail=1; }
 expect 2 "--load-lora with --lora" -- "$tool" train --model gpt --lora 4 --load-lora "$tmp/a.lora"
 expect 2 "--save-lora without adapters" -- "$tool" train --model gpt --save-lora "$tmp/c.lora"
+# distillation: the merged model above (2 blocks, width 128) teaches a smaller student
+expect 0 "distilled from a teacher" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --layers 1 --channels 32 --teacher "$tmp/m.llmc" --distill-alpha 0.7 --distill-temp 1.5
+expect 0 "estimate with a teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
+expect 2 "--distill-alpha without --teacher" -- "$tool" train --model gpt --distill-alpha 0.5
+expect 1 "--distill-alpha outside [0, 1]" -- "$tool" train --model gpt --steps 1 --teacher "$tmp/m.llmc" --distill-alpha 1.5
+grep -q "distill_alpha" "$tmp/err" || { echo "FAIL tool: distillation message"; cat "$tmp/err"; fail=1; }
+expect 1 "a teacher of another vocabulary" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --teacher "$tmp/m.llmc"
+grep -q "vocabulary" "$tmp/err" || { echo "FAIL tool: teacher vocabulary message"; cat "$tmp/err"; fail=1; }
 head -c 100 "$tmp/a.lora" > "$tmp/cut.lora"
 expect 1 "a truncated adapter file" -- "$tool" train --model gpt --steps 1 --load-lora "$tmp/cut.lora"
 grep -q "truncated" "$tmp/err" || { echo "FAIL tool: adapter file message"; cat "$tmp/err"; fail=1; }

@@ -72,6 +72,9 @@ typedef struct cli_opts {
     const char *lora_targets;
     int merge_lora;
     const char *save_lora, *load_lora; /* adapter files */
+    /* distillation: the teacher's llm.c file, alpha, temperature */
+    const char *teacher;
+    float distill_alpha, distill_temp;
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     long local_sgd;          /* local SGD: average the weights every this many steps */
@@ -160,6 +163,7 @@ typedef struct cli_gpt {
     mt_data_info info;
     mt_gpt_spec spec;
     mt_model *model;
+    mt_model *teacher;       /* --teacher, or NULL */
     mt_trainer *trainer;
     mt_estimate_report est;
 } cli_gpt;

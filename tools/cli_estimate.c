@@ -127,6 +127,8 @@ int cmd_estimate(int argc, char **argv)
         cli_mlp_spec(&o, &ml);
         s = mt_model_mlp_create(ctx, &ml, &m);
     }
+    mt_model *teacher = NULL; /* its shape (a dry context holds no weights) */
+    if (!s && o.teacher && !(s = mt_model_gpt_load(ctx, o.teacher, &teacher))) tc.teacher = teacher;
     mt_autofit_report fit = {0};
     if (!s && o.autofit) s = mt_trainer_autofit(m, &tc, o.allow8, &fit);
     mt_estimate_report e;
@@ -141,6 +143,7 @@ int cmd_estimate(int argc, char **argv)
         print_table(&o, &tc, &e, &fit);
     }
     mt_model_destroy(m);
+    mt_model_destroy(teacher);
     mt_context_destroy(ctx);
     return rc;
 }

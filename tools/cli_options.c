@@ -228,6 +228,7 @@ typedef struct opt {
 
 #define TS (CLI_TRAIN | CLI_SAMPLE)
 #define ALL (TS | CLI_ESTIMATE)
+#define TE (CLI_TRAIN | CLI_ESTIMATE)
 #define OFF(f) offsetof(cli_opts, f)
 #define FLAG(n, c, m, f, v, h) {n, NULL, c, m, K_FLAG, OFF(f), v, 0, NULL, NULL, h, NULL}
 #define LONG(n, a, c, m, f, lo, hi, h, he) {n, a, c, m, K_LONG, OFF(f), lo, hi, NULL, NULL, h, he}
@@ -292,6 +293,11 @@ static const opt table[] = {
         "the LoRA adapters alone at the end (with --lora or --load-lora)"),
     STR("--load-lora", "FILE", TS, CLI_GPT, load_lora,
         "start from adapters of --save-lora (their rank and alpha; no --lora)"),
+    STR("--teacher", "FILE", TE, CLI_GPT, teacher,
+        "distil from this llm.c model file (a GPT of the same vocabulary)"),
+    FLOAT("--distill-alpha", TE, CLI_GPT, distill_alpha, 0,
+          "the KL's weight, in [0, 1]; the cross-entropy's is 1 - X (0.5)"),
+    FLOAT("--distill-temp", TE, CLI_GPT, distill_temp, 0, "the distillation temperature, > 0 (2)"),
     FLOAT("--clip", TS, CLI_ANY, clip, 0, "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
     FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
@@ -400,6 +406,7 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->length = 200, o->temperature = 0.8f;
     o->comm_timeout = 300;
     o->ranks = 1;
+    o->distill_alpha = 0.5f, o->distill_temp = 2.0f;
 }
 
 /* The options given that mean nothing for the model: "--a, --b" into buf
@@ -527,6 +534,8 @@ static int settle(cli_opts *o)
     if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
     if (o->lora && o->load_lora)
         return cli_bad_usage("%s", "--load-lora gives the adapters (rank, alpha, weights): no --lora");
+    if (!o->teacher && (given(o, "--distill-alpha") || given(o, "--distill-temp")))
+        return cli_bad_usage("%s", "--distill-alpha and --distill-temp need --teacher FILE");
     if (!o->lora && (given(o, "--lora-alpha") || given(o, "--lora-targets")))
         return cli_bad_usage("%s", "--lora-alpha and --lora-targets need --lora R");
     if (!o->lora && !o->load_lora && (o->merge_lora || o->save_lora))
@@ -606,6 +615,8 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->lora.alpha = o->lora_alpha;
     tc->lora.targets = o->lora_targets;
     tc->lora.seed = (uint64_t)o->seed;
+    tc->distill_alpha = o->distill_alpha; /* (the teacher: the caller's, from o->teacher) */
+    tc->distill_temp = o->distill_temp;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
     tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
     tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);

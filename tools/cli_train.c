@@ -293,6 +293,7 @@ void cli_gpt_close(cli_gpt *g)
 {
     mt_trainer_destroy(g->trainer);
     mt_model_destroy(g->model);
+    mt_model_destroy(g->teacher);
     mt_data_close(g->data);
     memset(g, 0, sizeof *g);
 }
@@ -329,6 +330,10 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
         made = mt_model_gpt_create(ctx, &g->spec, &g->model);
     }
     if (!made && o->load_lora) made = mt_model_lora_load(g->model, o->load_lora);
+    if (!made && o->teacher) { /* after the student, as the estimate makes it */
+        made = mt_model_gpt_load(ctx, o->teacher, &g->teacher);
+        tc.teacher = g->teacher;
+    }
     if (made || mt_estimate_model(g->model, &tc, &g->est) ||
         mt_trainer_create(g->model, &tc, &g->trainer)) {
         cli_gpt_close(g);
