@@ -45,28 +45,24 @@
 #define MT_TC_DT (MT_TC_HS / 8)     /* n tiles over the head dimensions */
 #define MT_TC_KC (MT_TC_ROWS / 16)  /* k steps over a tile's rows */
 
+/* One warp-wide D += A B of the storage type TY ("f16" or "bf16"). */
+#define MT_TC_MMA(TY)                                                                          \
+    static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],          \
+                                               uint32_t b0, uint32_t b1)                       \
+    {                                                                                          \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 "                 \
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                  \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));          \
+    }
 template <typename T> struct tc_type;
 template <> struct tc_type<__half> {
     static __device__ __forceinline__ float val(uint16_t h) { return mt_f16_to_f32(h); }
-    static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
-                                               uint32_t b0, uint32_t b1)
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    MT_TC_MMA("f16")
 };
 template <> struct tc_type<__nv_bfloat16> {
     static __device__ __forceinline__ float val(uint16_t h) { return mt_bf16_to_f32(h); }
-    static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4],
-                                               uint32_t b0, uint32_t b1)
-    {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
+    MT_TC_MMA("bf16")
 };
 
 /* Two 16-bit values in one word, the first in the low half (the element of
