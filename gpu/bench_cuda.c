@@ -233,36 +233,18 @@ static mt_status ln_fwd_call(void *p)
     return ops->layernorm_fwd(&K, a->y, a->mean, a->rstd, a->x, a->w, a->b, a->B * a->T, a->C,
                               a->dt);
 }
-static mt_status ln_bwd_call(void *p)
+/* layernorm_bwd into dx (NULL: none; may be dy itself), with or without
+ * dw and db, added to dx or written */
+static mt_status ln_bwd(layer_arg *a, void *dx, bool params, int acc)
 {
-    layer_arg *a = p;
-    return ops->layernorm_bwd(&K, a->dx, a->dw, a->db, a->dy, a->x, a->w, a->mean, a->rstd,
-                              a->B * a->T, a->C, a->dt, 1);
+    return ops->layernorm_bwd(&K, dx, params ? a->dw : NULL, params ? a->db : NULL, a->dy, a->x,
+                              a->w, a->mean, a->rstd, a->B * a->T, a->C, a->dt, acc);
 }
-static mt_status ln_bwd_dx_call(void *p)
-{
-    layer_arg *a = p;
-    return ops->layernorm_bwd(&K, a->dx, NULL, NULL, a->dy, a->x, a->w, a->mean, a->rstd,
-                              a->B * a->T, a->C, a->dt, 1);
-}
-static mt_status ln_bwd_dwdb_call(void *p)
-{
-    layer_arg *a = p;
-    return ops->layernorm_bwd(&K, NULL, a->dw, a->db, a->dy, a->x, a->w, a->mean, a->rstd,
-                              a->B * a->T, a->C, a->dt, 1);
-}
-static mt_status ln_bwd_dx_set_call(void *p)
-{
-    layer_arg *a = p;
-    return ops->layernorm_bwd(&K, a->dx, NULL, NULL, a->dy, a->x, a->w, a->mean, a->rstd,
-                              a->B * a->T, a->C, a->dt, 0);
-}
-static mt_status ln_bwd_dx_inplace_call(void *p)
-{
-    layer_arg *a = p;
-    return ops->layernorm_bwd(&K, a->dy, NULL, NULL, a->dy, a->x, a->w, a->mean, a->rstd,
-                              a->B * a->T, a->C, a->dt, 0);
-}
+static mt_status ln_bwd_call(void *p) { return ln_bwd(p, ((layer_arg *)p)->dx, true, 1); }
+static mt_status ln_bwd_dx_call(void *p) { return ln_bwd(p, ((layer_arg *)p)->dx, false, 1); }
+static mt_status ln_bwd_dwdb_call(void *p) { return ln_bwd(p, NULL, true, 1); }
+static mt_status ln_bwd_dx_set_call(void *p) { return ln_bwd(p, ((layer_arg *)p)->dx, false, 0); }
+static mt_status ln_bwd_dx_inplace_call(void *p) { return ln_bwd(p, ((layer_arg *)p)->dy, false, 0); }
 static mt_status gelu_fwd_call(void *p)
 {
     layer_arg *a = p;
