@@ -114,6 +114,15 @@ static inline __attribute__((always_inline)) uint32_t lut_index(float x)
     return LUT_PER_SIGN + mi - neg * (2u * mi + 1u);
 }
 
+/* The code of x by the table (NaN: code 0); the same count as q8_search. */
+static inline __attribute__((always_inline)) uint32_t lut_code(const uint32_t *base,
+                                                              const float *thr, float x)
+{
+    uint32_t i = lut_index(x);
+    uint32_t c = base[i] + (uint32_t)(x > thr[i]);
+    return c & (0u - (uint32_t)(x == x));
+}
+
 static void lut_build(q8_lut *l, const float *bound)
 {
     const uint32_t lo = LUT_EMIN << 23;
@@ -159,9 +168,7 @@ uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search)
         for (int j = 0; j < 15; j++) c[j] = t->bound[16 * j + 15];
         return (uint8_t)q8_search(t->bound, c, x);
     }
-    uint32_t i = lut_index(x);
-    uint32_t r = l->base[i] + (uint32_t)(x > l->thr[i]);
-    return (uint8_t)(x == x ? r : 0u);
+    return (uint8_t)lut_code(l->base, l->thr, x);
 }
 
 int mti_cpu_q8_lut_ok(void)
@@ -212,12 +219,7 @@ quantize(uint8_t *q, const float *x, size_t n, float amax, const q8_table *t,
         const uint32_t *base = l->base;
         const float *thr = l->thr;
 #pragma omp simd
-        for (size_t j = 0; j < n; j++) {
-            float v = x[j] / amax;
-            uint32_t i = lut_index(v);
-            uint32_t c = base[i] + (uint32_t)(v > thr[i]);
-            r[j] = c & (0u - (uint32_t)(v == v)); /* NaN: code 0 */
-        }
+        for (size_t j = 0; j < n; j++) r[j] = lut_code(base, thr, x[j] / amax);
     } else {
         const float *bound = t->bound;
         float c[15];
