@@ -236,6 +236,25 @@ struct mti_ops {
     mt_status (*matmul_dw_rows)(const mti_kctx *k, float *dw, const void *dy, const void *x,
                                 int n, int in, int out, int o0, int o1, mti_dtype dt);
 
+    /* ---- matmul with a quantized, frozen weight ---- */
+    /* W (O,I) is a quantized tensor of O*I elements (lib/quant.h): format qf
+     * (an mti_qformat: MTI_QF_INT8 or MTI_QF_NF4), one buffer of
+     * mti_quant_bytes(qf, O*I) bytes on the table's device laid out as
+     * mti_quant_parts says. A quantized weight is frozen, so there is a
+     * forward and an input gradient, and no weight gradient. Both give the
+     * bits of matmul_fwd / matmul_bwd's dx on the dequantized W (as
+     * mti_dequantize makes it in dt); W is never dequantized whole: the
+     * op dequantizes the parts it reads into WORK (per tile, or inside the
+     * GEMM's operand load). dt is fp32 or bf16 (fp16, or a device without
+     * the kernels: MT_ERR_UNSUPPORTED); an unknown qf is
+     * MT_ERR_INVALID_ARG.
+     * y (N,O) = x (N,I) . deq(W)^T + b (O); b may be NULL. */
+    mt_status (*matmul_fwd_q)(const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
+                              const void *b, int n, int in, int out, mti_dtype dt);
+    /* dx (N,I) = (or += with accumulate) dy (N,O) . deq(W). */
+    mt_status (*matmul_dx_q)(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
+                             int n, int in, int out, mti_dtype dt, int accumulate);
+
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
      * (either may be NULL when not needed); x, w, b, out in dt. */

@@ -860,6 +860,31 @@ static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy,
     return gemm(k, key, x, dy0, dw, NULL, 1.0f, "matmul_dw_rows");
 }
 
+/* A quantized frozen weight (lib/quant.h) has no CUDA GEMM yet: refused
+ * with a clear status rather than dequantized whole behind the caller's
+ * back. */
+static mt_status cu_matmul_q_refused(const mti_kctx *k, const char *op, int qf)
+{
+    return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                    "%s: a quantized weight (format %d) has no CUDA kernel in this build; "
+                    "train a quantized base on the CPU",
+                    op, qf);
+}
+
+static mt_status cu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq,
+                                 int qf, const void *b, int n, int in, int out, mti_dtype dt)
+{
+    (void)y, (void)x, (void)wq, (void)b, (void)n, (void)in, (void)out, (void)dt;
+    return cu_matmul_q_refused(k, "matmul_fwd_q", qf);
+}
+
+static mt_status cu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq,
+                                int qf, int n, int in, int out, mti_dtype dt, int accumulate)
+{
+    (void)dx, (void)dy, (void)wq, (void)n, (void)in, (void)out, (void)dt, (void)accumulate;
+    return cu_matmul_q_refused(k, "matmul_dx_q", qf);
+}
+
 /* ---- layernorm ---- */
 
 /* dw, db (C) += sums over rows of dout * xhat and dout, in chunks of rows
@@ -1412,6 +1437,8 @@ static const mti_ops cuda_ops = {
     .matmul_bwd = cu_matmul_bwd,
     .matmul_dw_align = cu_matmul_dw_align,
     .matmul_dw_rows = cu_matmul_dw_rows,
+    .matmul_fwd_q = cu_matmul_fwd_q,
+    .matmul_dx_q = cu_matmul_dx_q,
     .layernorm_fwd = cu_layernorm_fwd,
     .layernorm_bwd = cu_layernorm_bwd,
     .gelu_fwd = cu_gelu_fwd,

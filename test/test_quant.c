@@ -234,23 +234,29 @@ TEST(quant_matmul_dequantizing_gemm)
                 CHECK_OK(ops->cast(&k, bd, dt, bias, MTI_F32, (size_t)O, MTI_ROUND_NEAREST, 0));
                 void *y1 = check_alloc((size_t)N * O * e), *y2 = check_alloc((size_t)N * O * e);
                 CHECK_OK(ops->matmul_fwd(&k, y1, xd, wd, bd, N, I, O, dt));
-                CHECK_OK(mti_cpu_matmul_fwd_q(&k, y2, xd, q, fs[fi], bd, N, I, O, dt));
+                CHECK_OK(ops->matmul_fwd_q(&k, y2, xd, q, fs[fi], bd, N, I, O, dt));
                 SAME("forward", y2, y1, (size_t)N * O, e);
                 CHECK_OK(ops->matmul_fwd(&k, y1, xd, wd, NULL, N, I, O, dt));
-                CHECK_OK(mti_cpu_matmul_fwd_q(&k, y2, xd, q, fs[fi], NULL, N, I, O, dt));
+                CHECK_OK(ops->matmul_fwd_q(&k, y2, xd, q, fs[fi], NULL, N, I, O, dt));
                 SAME("forward without bias", y2, y1, (size_t)N * O, e);
                 void *d1 = check_alloc((size_t)N * I * e), *d2 = check_alloc((size_t)N * I * e);
                 for (int acc = 0; acc < 2; acc++) {
                     memcpy(d1, xd, (size_t)N * I * e), memcpy(d2, xd, (size_t)N * I * e);
                     CHECK_OK(ops->matmul_bwd(&k, d1, NULL, NULL, dyd, xd, wd, N, I, O, dt, acc));
-                    CHECK_OK(mti_cpu_matmul_dx_q(&k, d2, dyd, q, fs[fi], N, I, O, dt, acc));
+                    CHECK_OK(ops->matmul_dx_q(&k, d2, dyd, q, fs[fi], N, I, O, dt, acc));
                     SAME(acc ? "dx accumulated" : "dx", d2, d1, (size_t)N * I, e);
                 }
             }
-            CHECK_EQ(mti_cpu_matmul_fwd_q(&k, x, x, q, fs[fi], NULL, 1, 1, 1, MTI_F16),
+            CHECK_EQ(ops->matmul_fwd_q(&k, x, x, q, fs[fi], NULL, 1, 1, 1, MTI_F16),
                      MT_ERR_UNSUPPORTED);
             CHECK(strstr(mt_last_error(ctx), "fp32 or bf16"));
-            CHECK_EQ(mti_cpu_matmul_dx_q(&k, x, x, q, 7, 1, 1, 1, MTI_F32, 0), MT_ERR_INVALID_ARG);
+            CHECK_EQ(ops->matmul_dx_q(&k, x, x, q, 7, 1, 1, 1, MTI_F32, 0), MT_ERR_INVALID_ARG);
+            /* the CUDA table has the entries and refuses them, saying why */
+            CHECK_EQ(mti_cuda_dry_ops()->matmul_fwd_q(&k, x, x, q, fs[fi], NULL, 1, 1, 1, MTI_F32),
+                     MT_ERR_UNSUPPORTED);
+            CHECK(strstr(mt_last_error(ctx), "no CUDA kernel"));
+            CHECK_EQ(mti_cuda_dry_ops()->matmul_dx_q(&k, x, x, q, fs[fi], 1, 1, 1, MTI_F32, 0),
+                     MT_ERR_UNSUPPORTED);
         }
     }
     mt_memory_stats ms;
