@@ -52,8 +52,10 @@
  * threaded by oneDNN over --threads threads, and prints their total FLOP and
  * the rate. *
  * --profile adds the time of every op of the op table, in ms per measured
- * step (wall clock around each call: profile_ms_per_step), and their sum
- * (profile_ops_ms_per_step); the rest of a step is the engine's own work.
+ * step (wall clock around each call: profile_ms_per_step), its calls per
+ * step (profile_calls_per_step) and their sum (profile_ops_ms_per_step);
+ * the rest of a step is the engine's own work. It also prints to stderr a
+ * table of op families, each with its share of the mean step.
  * On CUDA, --profile turns on cuda_debug_sync (every kernel launch waited
  * for), so each op's time is its kernels' time, not the launch's; the step
  * is then slower than without --profile by the waits.
@@ -462,6 +464,16 @@ static int train(const options *o)
     print_json_string(o->tokens ? o->tokens : data);
     printf("}\n");
     fflush(stdout);
+    if (o->profile) {
+        double mean = 0.0;
+        for (int i = 0; i < o->steps; i++) mean += ms[i] / o->steps;
+        char title[256];
+        snprintf(title, sizeof title, "%s, %s%s%s%s%s, B%d T%d, %d threads", o->precision,
+                 o->optimizer, o->no_master ? ", no masters" : "", o->fused ? ", fused" : "",
+                 strcmp(o->recompute, "none") ? ", recompute " : "",
+                 strcmp(o->recompute, "none") ? o->recompute : "", o->batch, o->seq, o->threads);
+        prof_table(stderr, o->steps, mean, title);
+    }
 
     free(loss);
     free(ms);

@@ -17,12 +17,20 @@
  *     AdamW (rank-1 over the matrix) and Adafactor through the table, each against the memory-bandwidth bound
  *     (its bytes moved at the rate of an in-place triad, a += s b,
  *     threaded, measured in the same turns), and AdamW against the same loop written plainly (scalar, one
- *     thread: what the update costs without the table).
+ *     thread: what the update costs without the table). Also the passes
+ *     over the gradients around the update (the non-finite check, the
+ *     unscale, the sum of squares of clipping) and the casts of an update
+ *     without master weights, against the same bound.
+ * (d) The step's other ops: every op of a GPT-2 124M step (B 4, T 64) but
+ *     the GEMMs and the update, at the step's shapes, fp32 and bf16 in
+ *     turns: ms per call and per step (times its calls per step), bf16
+ *     against fp32, and the rate of the memory-bound ones.
  *
  * Times are medians over batches; in each batch every target runs once, in
  * turns, so whatever else the machine does falls on all of them alike.
  *
- * Usage: bench_kernels [--quick] [--threads N] [--optim]   (--optim: (c) alone)
+ * Usage: bench_kernels [--quick] [--threads N] [--optim] [--ops]
+ *        (--optim: (c) alone; --ops: (d) alone)
  */
 #include <math.h>
 #include <omp.h>
@@ -39,7 +47,7 @@
 #include "common.h"
 #include "dnnl_direct.h"
 
-static bool quick, optim_only;
+static bool quick, optim_only, ops_only;
 static mt_context *ctx;
 static mti_kctx K;
 
@@ -515,7 +523,31 @@ static void triad_threaded(float *a, const float *b, size_t n)
     }
 }
 
-enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW8, OPT_ADAMW4, OPT_ADAFACTOR, OPT_PLAIN, N_OPT };
+enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW_PC, OPT_ADAMW8, OPT_ADAMW8_BARE, OPT_ADAMW4,
+       OPT_ADAFACTOR, OPT_PLAIN, OPT_CHECK, OPT_UNSCALE, OPT_SUMSQ, OPT_CAST_SR, N_OPT };
+
+/* elements per slice of an update without master weights (lib/trainer.c's
+   BARE_SLICE) */
+#define BARE 65536
+
+/* 8-bit AdamW on bf16 weights without masters, as the trainer runs it: per
+ * slice, the weights widened into an fp32 buffer, the update, and the
+ * result rounded back stochastically. */
+static mt_status adamw8_bare(uint16_t *w, float *w32, const float *g, uint8_t *qm, uint8_t *qv,
+                             float *am, float *av, size_t n, const mti_adamw_args *a)
+{
+    const mti_ops *ops = ctx->ops;
+    mt_status s = MT_OK;
+    for (size_t i = 0; i < n && !s; i += BARE) {
+        size_t len = n - i < BARE ? n - i : BARE;
+        s = ops->cast(&K, w32, MTI_F32, w + i, MTI_BF16, len, MTI_ROUND_NEAREST, 0);
+        if (!s)
+            s = ops->adamw8(&K, w32, g + i, qm + i, qv + i, am + i / MTI_Q8_BLOCK,
+                            av + i / MTI_Q8_BLOCK, NULL, MTI_F32, len, a);
+        if (!s) s = ops->cast(&K, w + i, MTI_BF16, w32, MTI_F32, len, MTI_ROUND_STOCHASTIC, i);
+    }
+    return s;
+}
 
 static void optim_bench(void)
 {
@@ -526,17 +558,27 @@ static void optim_bench(void)
     printf("\n## (c) Optimizer updates over %zu fp32 parameters (%lld x %zu), %d threads\n\n", n,
            (long long)rows, cols, mti_cpu_threads(&K));
     printf("Bytes moved per element: the least each update must read and write (triad: 12; "
-           "SGD with momentum 20; AdamW 28; 8-bit AdamW 16; 4-bit AdamW 14, rank-1 over the "
+           "SGD with momentum 20; AdamW 28, and 30 refreshing a bf16 compute copy; 8-bit "
+           "AdamW 16, and 12 on bf16 weights without masters (the weights read and written "
+           "in bf16; the trainer's way, through an fp32 slice of %d elements and two casts, "
+           "moves more); 4-bit AdamW 14, rank-1 over the "
            "matrix, which reads g and v's codes twice: 18.5 moved; Adafactor factored 12 per "
-           "pass, and it makes three passes over g and two over p). Bound: those bytes at the "
-           "rate of an "
+           "pass, and it makes three passes over g and two over p; the passes over the "
+           "gradients before an update: the non-finite check reads 4, the unscale (fp16) "
+           "reads and writes 8, clipping's sum of squares reads 4; the stochastic rounding "
+           "to bf16 reads 4 and writes 2). Bound: those bytes at the rate of an "
            "in-place triad (a += s b), threaded. Median ms over %d batches, targets in "
            "turns.\n\n",
-           batches);
+           BARE, batches);
     mt_block bp, bg, bm, bv, bqm, bqv, bam, bav, brow, bcol, bscr, bq4, bs4;
     float *p = take(&bp, n * 4, MT_MEM_PARAM), *g = take(&bg, n * 4, MT_MEM_GRAD);
     float *m = take(&bm, n * 4, MT_MEM_OPTIM), *v = take(&bv, n * 4, MT_MEM_OPTIM);
     float *scr = take(&bscr, n * 4, MT_MEM_WORK);
+    mt_block bw16, bw32, bpc;
+    uint16_t *w16 = take(&bw16, n * 2, MT_MEM_PARAM), *pc16 = take(&bpc, n * 2, MT_MEM_PARAM);
+    float *w32 = take(&bw32, BARE * 4, MT_MEM_WORK);
+    float sq = 0.0f;
+    int bad = 0;
     memset(scr, 0, n * 4);
     uint8_t *qm = take(&bqm, n, MT_MEM_OPTIM), *qv = take(&bqv, n, MT_MEM_OPTIM);
     float *am = take(&bam, nb * 4, MT_MEM_OPTIM), *av = take(&bav, nb * 4, MT_MEM_OPTIM);
@@ -544,6 +586,7 @@ static void optim_bench(void)
     rng_state = 0xABCDEFull;
     fill(p, MTI_F32, n, 0.05f);
     fill(g, MTI_F32, n, 0.01f);
+    fill(w16, MTI_BF16, n, 0.05f);
     memset(m, 0, n * 4), memset(v, 0, n * 4), memset(row, 0, (size_t)rows * 4);
     memset(col, 0, cols * 4), memset(am, 0, nb * 4), memset(av, 0, nb * 4);
     memset(qm, mti_q8_zero_code(1), n), memset(qv, mti_q8_zero_code(0), n);
@@ -556,9 +599,13 @@ static void optim_bench(void)
     const mti_adamw4_state st4 = {.qm = q4, .qv = q4 + n / 2, .absmax_m = s4, .scale_v = s4 + nb4};
 
     const mti_ops *ops = ctx->ops;
-    static const char *names[N_OPT] = {"triad in place (a += s b)", "SGD momentum", "AdamW", "8-bit AdamW",
-                                       "4-bit AdamW (rank-1)", "Adafactor", "AdamW, plain loop"};
-    static const double bytes[N_OPT] = {12, 20, 28, 16, 14, 12 * 3 + 8 * 2, 28};
+    static const char *names[N_OPT] = {
+        "triad in place (a += s b)", "SGD momentum", "AdamW", "AdamW, bf16 compute copy",
+        "8-bit AdamW", "8-bit AdamW, bf16 weights, no masters", "4-bit AdamW (rank-1)",
+        "Adafactor", "AdamW, plain loop", "gradient check (non-finite)", "gradient unscale (fp16)",
+        "sum of squares (clipping)", "cast fp32 -> bf16, stochastic rounding"};
+    static const double bytes[N_OPT] = {12, 20, 28, 30, 16, 12, 14, 12 * 3 + 8 * 2, 28,
+                                        4, 8, 4, 6};
     static double t[N_OPT][64];
     mti_adamw_args aa = {.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                          .weight_decay = 0.1f, .step = 1, .grad_scale = 1.0f};
@@ -573,8 +620,18 @@ static void optim_bench(void)
             case OPT_COPY: triad_threaded(scr, g, n); break;
             case OPT_SGD: s = ops->sgd(&K, p, g, m, NULL, MTI_F32, n, &sa); break;
             case OPT_ADAMW: s = ops->adamw(&K, p, g, m, v, NULL, MTI_F32, n, &aa); break;
+            case OPT_ADAMW_PC: s = ops->adamw(&K, p, g, m, v, pc16, MTI_BF16, n, &aa); break;
             case OPT_ADAMW8:
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
+                break;
+            case OPT_ADAMW8_BARE: s = adamw8_bare(w16, w32, g, qm, qv, am, av, n, &aa); break;
+            case OPT_CHECK: s = ops->unscale_check(&K, g, n, 1.0f, &bad); break;
+            case OPT_UNSCALE: /* exact, and undone by the next batch's 2 */
+                s = ops->unscale_check(&K, g, n, (b & 1) ? 2.0f : 0.5f, &bad);
+                break;
+            case OPT_SUMSQ: sq = 0.0f, s = ops->sumsq(&K, &sq, g, n); break;
+            case OPT_CAST_SR:
+                s = ops->cast(&K, pc16, MTI_BF16, p, MTI_F32, n, MTI_ROUND_STOCHASTIC, (uint64_t)b);
                 break;
             case OPT_ADAMW4:
                 s = ops->adamw4(&K, p, g, &st4, NULL, MTI_F32, rows, (int64_t)cols, 1, &aa);
@@ -612,6 +669,161 @@ static void optim_bench(void)
     fflush(stdout);
     give(&bp), give(&bg), give(&bm), give(&bv), give(&bscr), give(&bqm), give(&bqv);
     give(&bam), give(&bav), give(&brow), give(&bcol), give(&bq4), give(&bs4);
+    give(&bw16), give(&bpc), give(&bw32);
+}
+
+/* ---- (d) the step's other ops ---- */
+
+enum { SO_LN_FWD, SO_LN_BWD, SO_GELU_FWD, SO_GELU_BWD, SO_ADD, SO_ATT_FWD, SO_ATT_BWD, SO_XENT,
+       SO_COUNT };
+
+/* GPT-2 124M, B 4, T 64: the tensors of one block's ops and the loss, in
+ * one dtype */
+typedef struct so_bufs {
+    mt_block b[16];
+    int nb;
+    void *x, *y, *dy, *dx, *h, *dh, *qkv, *dqkv, *att, *datt, *logits;
+    float *w, *bias, *dw, *db, *mean, *rstd, *lse, *losses;
+    int32_t *tgt;
+} so_bufs;
+
+#define SO_B 4
+#define SO_T 64
+#define SO_C 768
+#define SO_H 12
+#define SO_V 50257
+#define SO_VP 50304
+
+static void *so_take(so_bufs *S, size_t bytes, mt_mem_class c)
+{
+    return take(&S->b[S->nb++], bytes, c);
+}
+
+static void so_make(so_bufs *S, mti_dtype dt)
+{
+    const size_t N = SO_B * SO_T, es = mti_dtype_size(dt);
+    S->nb = 0;
+    S->x = so_take(S, N * SO_C * es, MT_MEM_ACT);
+    S->y = so_take(S, N * SO_C * es, MT_MEM_ACT);
+    S->dy = so_take(S, N * SO_C * es, MT_MEM_ACT);
+    S->dx = so_take(S, N * SO_C * es, MT_MEM_ACT);
+    S->h = so_take(S, N * 4 * SO_C * es, MT_MEM_ACT);
+    S->dh = so_take(S, N * 4 * SO_C * es, MT_MEM_ACT);
+    S->qkv = so_take(S, N * 3 * SO_C * es, MT_MEM_ACT);
+    S->dqkv = so_take(S, N * 3 * SO_C * es, MT_MEM_ACT);
+    S->logits = so_take(S, N * SO_VP * es, MT_MEM_ACT);
+    /* layernorm's parameters are in the compute dtype, its gradients fp32 */
+    S->w = so_take(S, SO_C * es, MT_MEM_PARAM);
+    S->bias = so_take(S, SO_C * es, MT_MEM_PARAM);
+    S->dw = so_take(S, SO_C * 4, MT_MEM_GRAD);
+    S->db = so_take(S, SO_C * 4, MT_MEM_GRAD);
+    S->mean = so_take(S, N * 2 * 4 + N * 4, MT_MEM_ACT);
+    S->rstd = S->mean + N;
+    S->losses = S->mean + 2 * N;
+    S->lse = so_take(S, (size_t)SO_B * SO_H * SO_T * 4, MT_MEM_ACT);
+    S->tgt = so_take(S, N * 4, MT_MEM_IO);
+    fill(S->x, dt, N * SO_C, 1.0f);
+    fill(S->dy, dt, N * SO_C, 1.0f);
+    fill(S->h, dt, N * 4 * SO_C, 2.0f);
+    fill(S->dh, dt, N * 4 * SO_C, 1.0f);
+    fill(S->qkv, dt, N * 3 * SO_C, 1.0f);
+    fill(S->logits, dt, N * SO_VP, 3.0f);
+    fill(S->w, dt, SO_C, 1.0f);
+    fill(S->bias, dt, SO_C, 0.1f);
+    memset(S->dw, 0, SO_C * 4), memset(S->db, 0, SO_C * 4);
+    for (size_t i = 0; i < N; i++) S->tgt[i] = (int32_t)(i * 7919 % SO_V);
+}
+
+static void so_free(so_bufs *S)
+{
+    for (int i = 0; i < S->nb; i++) give(&S->b[i]);
+}
+
+static double so_run(int op, so_bufs *S, mti_dtype dt, int reps)
+{
+    const mti_ops *o = ctx->ops;
+    const int N = SO_B * SO_T;
+    mt_status s = MT_OK;
+    double t0 = now_s();
+    for (int r = 0; r < reps && !s; r++) {
+        switch (op) {
+        case SO_LN_FWD:
+            s = o->layernorm_fwd(&K, S->y, S->mean, S->rstd, S->x, S->w, S->bias, N, SO_C, dt);
+            break;
+        case SO_LN_BWD:
+            s = o->layernorm_bwd(&K, S->dx, S->dw, S->db, S->dy, S->x, S->w, S->mean, S->rstd, N,
+                                 SO_C, dt, 1);
+            break;
+        case SO_GELU_FWD: s = o->gelu_fwd(&K, S->dqkv, S->h, (size_t)N * 4 * SO_C, dt); break;
+        case SO_GELU_BWD:
+            s = o->gelu_bwd(&K, S->logits, S->dh, S->h, (size_t)N * 4 * SO_C, dt);
+            break;
+        case SO_ADD: s = o->add(&K, S->y, S->x, S->dy, (size_t)N * SO_C, dt); break;
+        case SO_ATT_FWD:
+            s = o->attention_fwd(&K, S->y, S->lse, S->qkv, SO_B, SO_T, SO_C, SO_H, dt);
+            break;
+        case SO_ATT_BWD:
+            s = o->attention_bwd(&K, S->dqkv, S->dy, S->qkv, S->y, S->lse, SO_B, SO_T, SO_C, SO_H,
+                                 dt);
+            break;
+        case SO_XENT:
+            s = o->xent(&K, S->losses, S->logits, S->logits, S->tgt, N, SO_V, SO_VP, 1.0f / N, dt);
+            break;
+        }
+    }
+    if (s) die("step op", s);
+    return (now_s() - t0) / reps;
+}
+
+static void step_ops_bench(void)
+{
+    static const char *names[SO_COUNT] = {"layernorm fwd", "layernorm bwd", "GELU fwd",
+                                          "GELU bwd",      "residual add",  "attention fwd",
+                                          "attention bwd", "cross-entropy (fwd + bwd)"};
+    /* calls in a step of GPT-2 124M (12 blocks) */
+    static const int calls[SO_COUNT] = {25, 25, 12, 12, 24, 12, 12, 1};
+    /* elements each call reads and writes in the tensors' dtype (the rate
+       of the memory-bound ops) */
+    const double N = SO_B * SO_T;
+    const double elems[SO_COUNT] = {2 * N * SO_C, 3 * N * SO_C, 2 * N * 4 * SO_C, 3 * N * 4 * SO_C,
+                                    3 * N * SO_C, 4 * N * SO_C, 8 * N * SO_C, N * SO_VP};
+    static const int reps[SO_COUNT] = {20, 20, 10, 10, 20, 4, 4, 2};
+    const int batches = quick ? 5 : 11;
+    static double t[SO_COUNT][2][32];
+    so_bufs S[2];
+    so_make(&S[0], MTI_F32);
+    so_make(&S[1], MTI_BF16);
+    const mti_dtype dts[2] = {MTI_F32, MTI_BF16};
+    for (int b = -1; b < batches; b++)
+        for (int op = 0; op < SO_COUNT; op++)
+            for (int d = 0; d < 2; d++) {
+                double x = so_run(op, &S[d], dts[d], reps[op]);
+                if (b >= 0) t[op][d][b] = x;
+            }
+    printf("\n## (d) The step's other ops, GPT-2 124M B%d T%d, %d threads\n\n", SO_B, SO_T,
+           mti_cpu_threads(&K));
+    printf("Median over %d batches, fp32 and bf16 in turns. ms/step = ms/call x calls per "
+           "step (12 blocks). GB/s: the elements each call reads and writes, at the dtype's "
+           "size.\n\n",
+           batches);
+    printf("| op | calls/step | fp32 ms/call | bf16 ms/call | bf16 / fp32 | fp32 ms/step | "
+           "bf16 ms/step | fp32 GB/s | bf16 GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
+    double tot[2] = {0, 0};
+    for (int op = 0; op < SO_COUNT; op++) {
+        double m[2];
+        for (int d = 0; d < 2; d++) {
+            m[d] = median(t[op][d], batches);
+            tot[d] += m[d] * calls[op];
+        }
+        printf("| %s | %d | %.3f | %.3f | %.2fx | %.2f | %.2f | %.1f | %.1f |\n", names[op],
+               calls[op], 1e3 * m[0], 1e3 * m[1], m[1] / m[0], 1e3 * m[0] * calls[op],
+               1e3 * m[1] * calls[op], elems[op] * 4 / m[0] / 1e9, elems[op] * 2 / m[1] / 1e9);
+    }
+    printf("| all of them | | | | %.2fx | %.2f | %.2f | | |\n", tot[1] / tot[0], 1e3 * tot[0],
+           1e3 * tot[1]);
+    fflush(stdout);
+    so_free(&S[1]);
+    so_free(&S[0]);
 }
 
 int main(int argc, char **argv)
@@ -620,9 +832,10 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--optim")) optim_only = true;
+        else if (!strcmp(argv[i], "--ops")) ops_only = true;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N] [--optim]\n");
+            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N] [--optim] [--ops]\n");
             return 2;
         }
     }
@@ -647,11 +860,12 @@ int main(int argc, char **argv)
     printf("# bench_kernels (memtrain %s, %s, OMP_WAIT_POLICY=%s)\n# ", mt_version(),
            mt_context_device_name(ctx), getenv("OMP_WAIT_POLICY"));
     dd_describe(stdout);
-    if (!optim_only) {
+    if (!optim_only && !ops_only) {
         gemm_bench();
         att_bench();
     }
-    optim_bench();
+    if (!ops_only) optim_bench();
+    if (!optim_only) step_ops_bench();
     mt_context_destroy(ctx);
     return 0;
 }

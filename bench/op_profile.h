@@ -2,7 +2,8 @@
  * op_profile.h - time per op of a context's op table: a table of the same
  * ops, each timing a call of the context's own table (wall clock, seconds,
  * summed per op). Installed on a fresh context before a model is made;
- * bench_gpt2 --profile prints it per step.
+ * bench_gpt2 --profile prints it per step, as JSON and as a table of op
+ * families with each one's share of the step.
  */
 #ifndef MT_BENCH_OP_PROFILE_H
 #define MT_BENCH_OP_PROFILE_H
@@ -17,14 +18,26 @@
 enum {
     P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_matmul_fwd, P_matmul_bwd,
     P_matmul_dw_rows, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
-    P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_unscale_check,
-    P_sumsq, P_sgd, P_adamw, P_adamw8, P_adafactor, P_COUNT
+    P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
+    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw4, P_adafactor, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
-    "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "unscale_check",
-    "sumsq", "sgd", "adamw", "adamw8", "adafactor"};
+    "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
+    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw4", "adafactor"};
+
+/* Op families of the table printed with the profile; each op belongs to one. */
+enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
+static const char *const prof_family_names[F_COUNT] = {
+    "GEMM (matmul fwd, bwd, dW rows)", "attention (fwd, bwd)", "layernorm (fwd, bwd)",
+    "GELU / ReLU (fwd, bwd)", "residual add, accumulate", "cross-entropy",
+    "embedding", "casts (incl. stochastic rounding)", "gradient check, sum of squares",
+    "optimizer update"};
+static const unsigned char prof_family[P_COUNT] = {
+    F_CAST, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT, F_ACT, F_ACT,
+    F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
+    F_OPT, F_OPT, F_OPT};
 
 static const mti_ops *prof_inner;
 static double prof_s[P_COUNT];
@@ -80,6 +93,9 @@ PROF(attention_bwd, (const mti_kctx *k, void *dqkv, const void *d, const void *q
      (k, dqkv, d, qkv, o, lse, B, T, C, H, dt))
 PROF(xent, (const mti_kctx *k, float *l, void *dl, const void *lg, const int32_t *t, int n, int V,
             int Vp, float dloss, mti_dtype dt), (k, l, dl, lg, t, n, V, Vp, dloss, dt))
+PROF(xent_kd, (const mti_kctx *k, float *l, void *dl, const void *lg, const float *tl,
+               const int32_t *t, int n, int V, int Vp, int tVp, float alpha, float temp,
+               float dloss, mti_dtype dt), (k, l, dl, lg, tl, t, n, V, Vp, tVp, alpha, temp, dloss, dt))
 PROF(unscale_check, (const mti_kctx *k, float *g, size_t n, float inv, int *bad), (k, g, n, inv, bad))
 PROF(sumsq, (const mti_kctx *k, float *s, const float *g, size_t n), (k, s, g, n))
 PROF(sgd, (const mti_kctx *k, float *p, const float *g, float *m, void *pc, mti_dtype pd, size_t n,
@@ -89,6 +105,9 @@ PROF(adamw, (const mti_kctx *k, float *p, const float *g, float *m, float *v, vo
 PROF(adamw8, (const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv, float *am,
               float *av, void *pc, mti_dtype pd, size_t n, const mti_adamw_args *a),
      (k, p, g, qm, qv, am, av, pc, pd, n, a))
+PROF(adamw4, (const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st, void *pc,
+              mti_dtype pd, int64_t rows, int64_t cols, int r1, const mti_adamw_args *a),
+     (k, p, g, st, pc, pd, rows, cols, r1, a))
 PROF(adafactor, (const mti_kctx *k, float *p, const float *g, float *row, float *col, float *v,
                  float *m, void *pc, mti_dtype pd, int64_t rows, int64_t cols, int f,
                  const mti_adafactor_args *a), (k, p, g, row, col, v, m, pc, pd, rows, cols, f, a))
@@ -104,8 +123,9 @@ static mti_ops prof_ops = {
     .layernorm_bwd = prof_layernorm_bwd, .gelu_fwd = prof_gelu_fwd, .gelu_bwd = prof_gelu_bwd,
     .relu_fwd = prof_relu_fwd, .relu_bwd = prof_relu_bwd, .add = prof_add,
     .accumulate = prof_accumulate, .attention_fwd = prof_attention_fwd,
-    .attention_bwd = prof_attention_bwd, .xent = prof_xent, .unscale_check = prof_unscale_check,
-    .sumsq = prof_sumsq, .sgd = prof_sgd, .adamw = prof_adamw, .adamw8 = prof_adamw8,
+    .attention_bwd = prof_attention_bwd, .xent = prof_xent, .xent_kd = prof_xent_kd,
+    .unscale_check = prof_unscale_check, .sumsq = prof_sumsq, .sgd = prof_sgd,
+    .adamw = prof_adamw, .adamw8 = prof_adamw8, .adamw4 = prof_adamw4,
     .adafactor = prof_adafactor,
 };
 
@@ -123,7 +143,7 @@ static inline void prof_reset(void)
     memset(prof_calls, 0, sizeof prof_calls);
 }
 
-/* JSON: ms per step of each op that ran, and the ops' total. */
+/* JSON: ms and calls per step of each op that ran, and the ops' total. */
 static inline void prof_print(FILE *f, int steps)
 {
     double total = 0.0;
@@ -135,7 +155,52 @@ static inline void prof_print(FILE *f, int steps)
         total += prof_s[i];
         first = 0;
     }
+    fprintf(f, "}, \"profile_calls_per_step\": {");
+    first = 1;
+    for (int i = 0; i < P_COUNT; i++) {
+        if (!prof_calls[i]) continue;
+        fprintf(f, "%s\"%s\": %.1f", first ? "" : ", ", prof_names[i],
+                (double)prof_calls[i] / steps);
+        first = 0;
+    }
     fprintf(f, "}, \"profile_ops_ms_per_step\": %.2f, ", 1e3 * total / steps);
+}
+
+/* A table of op families: ms per step, calls per step and share of the
+ * step (step_ms, the mean step), the ops of each family beneath it, and
+ * the rest of the step (the engine's own work: allocation, bookkeeping,
+ * the host side of the checks). */
+static inline void prof_table(FILE *f, int steps, double step_ms, const char *title)
+{
+    double fam[F_COUNT] = {0}, total = 0.0;
+    long calls[F_COUNT] = {0};
+    for (int i = 0; i < P_COUNT; i++) {
+        fam[prof_family[i]] += 1e3 * prof_s[i] / steps;
+        calls[prof_family[i]] += prof_calls[i];
+        total += 1e3 * prof_s[i] / steps;
+    }
+    fprintf(f, "\n%s: profile of a step, %.1f ms (mean of %d)\n\n", title, step_ms, steps);
+    fprintf(f, "| op family | ms/step | share of the step | calls/step | ops (ms/step) |\n");
+    fprintf(f, "|---|---|---|---|---|\n");
+    for (;;) { /* families by time, largest first */
+        int best = -1;
+        for (int c = 0; c < F_COUNT; c++)
+            if (calls[c] && (best < 0 || fam[c] > fam[best])) best = c;
+        if (best < 0) break;
+        fprintf(f, "| %s | %.1f | %.1f%% | %.0f | ", prof_family_names[best], fam[best],
+                100.0 * fam[best] / step_ms, (double)calls[best] / steps);
+        int first = 1;
+        for (int i = 0; i < P_COUNT; i++)
+            if (prof_family[i] == best && prof_calls[i]) {
+                fprintf(f, "%s%s %.1f", first ? "" : ", ", prof_names[i], 1e3 * prof_s[i] / steps);
+                first = 0;
+            }
+        fprintf(f, " |\n");
+        calls[best] = 0;
+    }
+    fprintf(f, "| rest of the step (engine) | %.1f | %.1f%% | | |\n", step_ms - total,
+            100.0 * (step_ms - total) / step_ms);
+    fprintf(f, "| **step** | %.1f | 100%% | | |\n", step_ms);
 }
 
 #endif /* MT_BENCH_OP_PROFILE_H */

@@ -8,11 +8,14 @@
 #include <stdint.h>
 #include <string.h>
 
-/* An AVX2 copy of a loop, picked at load time (ifunc: Linux on x86-64 with
- * gcc or clang; elsewhere the plain loop). The kernels use no FMA in either
- * copy, so lanes do the same scalar operations at any width and the bits do
- * not depend on the CPU. */
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+/* AVX-512 and AVX2 copies of a loop, picked at load time (ifunc: Linux on
+ * x86-64 with gcc or clang; elsewhere the plain loop). The kernels use no
+ * FMA in any copy (ISO C mode: gcc contracts nothing; clang, which would,
+ * gets no copy whose ISA has FMA), so lanes do the same scalar operations
+ * at any width and the bits do not depend on the CPU. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define WIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__linux__) && defined(__clang__)
 #define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define WIDE_CLONES
