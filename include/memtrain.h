@@ -947,8 +947,7 @@ typedef struct mt_trainer_config {
      * not the student and without a trainer of its own; it is never changed
      * and is held (mt_model_destroy refuses it) while the trainer lives.
      * alpha in [0, 1] (0.5), T > 0 (2). The step's loss is this loss;
-     * mt_trainer_eval stays the cross-entropy. CPU only for now (CUDA:
-     * MT_ERR_UNSUPPORTED). */
+     * mt_trainer_eval stays the cross-entropy. CPU and CUDA contexts. */
     mt_model *teacher;
     float distill_alpha;
     float distill_temp;

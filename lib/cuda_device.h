@@ -74,6 +74,7 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_ATTN_TC_BWD_KV_F16, "mt_attn_tc_bwd_kv_f16")                                    \
     X(MTI_CUDA_ATTN_TC_BWD_KV_BF16, "mt_attn_tc_bwd_kv_bf16")                                  \
     MTI_CUDA_DT3(X, MTI_CUDA_XENT, "mt_xent")                                                  \
+    MTI_CUDA_DT3(X, MTI_CUDA_XENT_KD, "mt_xent_kd")                                            \
     MTI_CUDA_DT3(X, MTI_CUDA_COLSUM, "mt_colsum")                                              \
     X(MTI_CUDA_COLSUM_FINISH, "mt_colsum_finish")                                              \
     X(MTI_CUDA_SUMSQ_BLOCKS, "mt_sumsq_blocks")                                                \

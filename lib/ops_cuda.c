@@ -36,9 +36,9 @@
  * casts, add, accumulate, ReLU, the embedding forward, the layernorm
  * forward and input gradient, the sum of squares, unscaling and the
  * optimizer updates (8-bit AdamW included). GEMMs, attention,
- * cross-entropy, GELU (the CPU has its own exp), sums over more than 128
- * rows and Adafactor (its means and RMS sum in another order) agree within
- * rounding.
+ * cross-entropy and distillation's loss, GELU (the CPU has its own exp),
+ * sums over more than 128 rows and Adafactor (its means and RMS sum in
+ * another order) agree within rounding.
  *
  * Argument checks follow the CPU table's: bad dtypes and negative sizes
  * are MT_ERR_INVALID_ARG, empty shapes do nothing.
@@ -1134,17 +1134,29 @@ static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const 
     return launch(k, MTI_CUDA_XENT_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS, args);
 }
 
-/* Distillation has no CUDA kernel yet: refused with a clear status rather
- * than computed on the host behind the caller's back. */
+/* Distillation (xent.cu's mt_xent_kd): the CPU table's checks in its
+ * order (alpha and T first, so an estimate refuses what a run refuses),
+ * alpha 0 as xent itself, then one block per row. */
 static mt_status cu_xent_kd(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
                             const float *tlogits, const int32_t *targets, int n, int V, int Vp,
                             int tVp, float alpha, float temp, float dloss, mti_dtype dt)
 {
-    (void)losses, (void)dlogits, (void)logits, (void)tlogits, (void)targets, (void)n, (void)V;
-    (void)Vp, (void)tVp, (void)alpha, (void)temp, (void)dloss, (void)dt;
-    return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                    "xent_kd: distillation (a teacher) has no CUDA kernel in this build; "
-                    "distill on the CPU");
+    OP_NOTE(k, "xent_kd n=%d V=%d Vp=%d tVp=%d alpha=%g T=%g %s", n, V, Vp, tVp, (double)alpha,
+            (double)temp, dt_name(dt));
+    if (!(alpha >= 0.0f && alpha <= 1.0f) || !(temp > 0.0f) || !isfinite(temp))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA xent_kd: alpha %g (need [0, 1]) and temperature %g (need > 0)",
+                        (double)alpha, (double)temp);
+    if (alpha == 0.0f) /* plain cross-entropy, bit for bit */
+        return cu_xent(k, losses, dlogits, logits, targets, n, V, Vp, dloss, dt);
+    if (!dt_ok(dt)) return bad_dt(k, "xent_kd", dt);
+    if (V <= 0 || Vp < V || tVp < V)
+        return bad_arg(k, "xent_kd", "bad size (need 0 < V <= Vp and V <= the teacher's tVp)");
+    if (n <= 0) return MT_OK;
+    void *args[] = {&losses, &dlogits, &logits, &tlogits, &targets, &V, &Vp, &tVp,
+                    &alpha, &temp, &dloss};
+    return launch(k, MTI_CUDA_XENT_KD_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS,
+                  args);
 }
 
 /* ---- mixed precision ---- */

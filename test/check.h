@@ -35,6 +35,14 @@ void *check_alloc(size_t bytes);
 void *check_copy(const void *src, size_t bytes);
 /* A CPU context with `threads` kernel threads and the default allocators. */
 mt_context *check_cpu_context(int threads);
+/* Under MT_TEST_GPU=1, a CUDA context on the system's driver (the test
+ * fails if none opens); otherwise NULL, and the caller's GPU test skips. */
+mt_context *check_gpu_context(void);
+/* A GPU run against the CPU's: n gradients within 1e-4, and four step
+ * losses, the first two (fp32) within 1e-4 (1 + loss), the last two
+ * (16-bit) within 2e-2 (1 + loss). */
+void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const float *l_gpu,
+                        const float *l_cpu);
 /* A token batch of n rows of T tokens below V into tok and tg (n * T
  * each), different for each step. */
 void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step);

@@ -263,6 +263,47 @@ TEST(cuda_standin_refuses_by_default)
     stand_in_close(&s);
 }
 
+/* ---- distillation ---- */
+
+/* xent_kd runs its own kernel (per dtype), alpha 0 runs xent's, nothing
+ * runs for no rows, and bad settings are refused before any launch. */
+TEST(cuda_standin_distillation_kernel)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    cuda_ctx c;
+    cuda_open(&c);
+    enum { N = 3, V = 50, VP = 64, TVP = 56 };
+    mt_block bl, bs, bt, bg;
+    float *L = dev_alloc(&c, &bl, N * 4), *S = dev_alloc(&c, &bs, N * VP * 4);
+    float *Tl = dev_alloc(&c, &bt, N * TVP * 4);
+    int32_t *G = dev_alloc(&c, &bg, N * 4);
+    static const char *const names[3] = {"mt_xent_kd_f32", "mt_xent_kd_f16", "mt_xent_kd_bf16"};
+    for (int dt = 0; dt < 3; dt++) {
+        CHECK_OKC(c.ctx, c.ops->xent_kd(&c.k, L, S, S, Tl, G, N, V, VP, TVP, 0.5f, 2.0f, 1.0f,
+                                        (mti_dtype)dt));
+        CHECK_MSG(!strcmp(s.last_kernel(), names[dt]), "ran %s", s.last_kernel());
+    }
+    CHECK_OKC(c.ctx, c.ops->xent_kd(&c.k, L, S, S, Tl, G, N, V, VP, TVP, 0.0f, 2.0f, 1.0f, MTI_BF16));
+    CHECK_MSG(!strcmp(s.last_kernel(), "mt_xent_bf16"), "ran %s", s.last_kernel());
+    unsigned long long launches = s.cuda_stat("launches");
+    CHECK_OKC(c.ctx, c.ops->xent_kd(&c.k, L, S, S, Tl, G, 0, V, VP, TVP, 0.5f, 2.0f, 1.0f, MTI_F32));
+    CHECK_ST(MT_ERR_INVALID_ARG,
+             c.ops->xent_kd(&c.k, L, S, S, Tl, G, N, V, VP, TVP, 0.5f, 0.0f, 1.0f, MTI_F32));
+    CHECK(strstr(mt_last_error(c.ctx), "temperature"));
+    CHECK_ST(MT_ERR_INVALID_ARG,
+             c.ops->xent_kd(&c.k, L, S, S, Tl, G, N, V, VP, V - 1, 0.5f, 1.0f, 1.0f, MTI_F32));
+    CHECK_ST(MT_ERR_INVALID_ARG,
+             c.ops->xent_kd(&c.k, L, S, S, Tl, G, N, V, VP, TVP, 0.5f, 1.0f, 1.0f, MTI_I32));
+    CHECK_EQ(s.cuda_stat("launches"), launches);
+    CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bl));
+    CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bs));
+    CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bt));
+    CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bg));
+    CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}
+
 /* ---- debug mode ---- */
 
 /* With cuda_debug_sync (or MT_CUDA_DEBUG_SYNC=1) every launch is waited

@@ -206,11 +206,23 @@ TEST(distill_refuses_bad_settings)
 
 /* The estimate of a distilling run (teacher included) equals the run,
  * class by class, over precisions, the fused step, accumulation, recompute
- * and LoRA. */
+ * and LoRA, on the CPU and on a CUDA context (over the stand-in driver and
+ * cuBLASLt, whose kernels compute nothing: the accounting is what counts). */
 TEST(distill_estimate_equals_run)
 {
-    for (int c = 0; c < 4; c++) {
-        mt_context *ctx = check_cpu_context(2);
+    for (int c = 0; c < 6; c++) {
+        mt_context *ctx;
+        if (c >= 4) { /* a CUDA context over the stand-ins: the CUDA table's kernel and checks */
+            if (!check_fake_cuda() || !getenv("MT_FAKE_CUBLASLT")) continue;
+            mt_context_config cc;
+            mt_context_config_init(&cc);
+            cc.device = MT_DEVICE_CUDA;
+            cc.cuda_driver_path = check_fake_cuda();
+            cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT");
+            CHECK_OK(mt_context_create(&cc, &ctx));
+        } else {
+            ctx = check_cpu_context(2);
+        }
         mt_model *m = gpt(ctx, 2, 16, 4), *te = gpt(ctx, 3, 32, 5);
         mt_trainer_config tc;
         kd_config(&tc, te, 0.7f);
@@ -218,6 +230,7 @@ TEST(distill_estimate_equals_run)
         if (c == 1) tc.precision = MT_PREC_BF16, tc.micro_batch = 2;
         if (c == 2) tc.recompute = MT_RECOMPUTE_EVERY_K, tc.recompute_every = 1, tc.precision = MT_PREC_FP16;
         if (c == 3) tc.lora.rank = 2, tc.lora.alpha = 4, tc.lora.targets = "*.qkv.w";
+        if (c == 5) tc.precision = MT_PREC_BF16, tc.micro_batch = 2, tc.recompute = MT_RECOMPUTE_SQRT;
         mt_estimate_report est;
         CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
         mt_trainer *t;
@@ -245,6 +258,50 @@ TEST(distill_estimate_equals_run)
         CHECK_OK(mt_model_destroy(m));
         CHECK_OK(mt_context_destroy(ctx));
     }
+}
+
+/* Distillation on the CUDA table (MT_TEST_GPU=1; the engine group of the
+ * GPU bundle): the student's gradients of a distilled batch against the
+ * CPU's, and two steps each of fp32 and bf16 (with accumulation) near the
+ * CPU's losses. */
+TEST(gpu_engine_distill_matches_cpu)
+{
+    mt_context *ctx[2] = {check_gpu_context(), NULL};
+    if (!ctx[0]) return;
+    ctx[1] = check_cpu_context(2);
+    float *g[2], loss[2][4];
+    size_t n = 0;
+    for (int d = 0; d < 2; d++) {
+        mt_model *m = gpt(ctx[d], 2, 16, 4), *te = gpt(ctx[d], 3, 32, 5);
+        mt_trainer_config tc;
+        kd_config(&tc, te, 0.7f);
+        mt_trainer *t;
+        CHECK_OKC(ctx[d], mt_trainer_create(m, &tc, &t));
+        n = mt_model_num_params(m);
+        g[d] = check_alloc(n * 4);
+        int32_t tok[B * T], tg[B * T];
+        mt_batch b;
+        check_token_batch(&b, tok, tg, B, T, V, 0);
+        CHECK_OKC(ctx[d], mt_trainer_gradients(t, &b, NULL, g[d], n));
+        mt_trainer_destroy(t);
+        for (int prec = 0; prec < 2; prec++) {
+            kd_config(&tc, te, prec ? 1.0f : 0.5f);
+            tc.precision = prec ? MT_PREC_BF16 : MT_PREC_FP32;
+            tc.micro_batch = prec ? 2 : 0;
+            CHECK_OKC(ctx[d], mt_trainer_create(m, &tc, &t));
+            for (int s = 0; s < 2; s++) {
+                check_token_batch(&b, tok, tg, B, T, V, s + 1);
+                CHECK_OKC(ctx[d], mt_trainer_step(t, &b, &loss[d][2 * prec + s]));
+            }
+            mt_trainer_destroy(t);
+        }
+        CHECK_OK(mt_model_destroy(te));
+        CHECK_OK(mt_model_destroy(m));
+    }
+    check_gpu_near_cpu(g[0], g[1], n, loss[0], loss[1]);
+    free(g[0]), free(g[1]);
+    CHECK_OK(mt_context_destroy(ctx[0]));
+    CHECK_OK(mt_context_destroy(ctx[1]));
 }
 
 /* ---- learning: a small student from a larger teacher ---- */

@@ -1025,13 +1025,8 @@ TEST(gpt_step_out_of_memory)
  * MT_TEST_GPU=1 (the stand-in driver cannot run kernels). */
 TEST(gpu_engine_matches_cpu)
 {
-    const char *gpu = getenv("MT_TEST_GPU");
-    if (!gpu || strcmp(gpu, "1") != 0) return;
-    mt_context_config cfg;
-    mt_context_config_init(&cfg);
-    cfg.device = MT_DEVICE_CUDA;
-    mt_context *g;
-    CHECK_OK(mt_context_create(&cfg, &g));
+    mt_context *g = check_gpu_context();
+    if (!g) return;
     mt_context *c = ctx_threads(2);
     int ntok;
     int32_t *tok = read_tokens(&ntok);

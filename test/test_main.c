@@ -2,6 +2,7 @@
  * test_main.c - runs the registered tests.
  * Usage: mt_tests [substring ...]   (no argument: every test)
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -121,6 +122,29 @@ mt_context *check_cpu_context(int threads)
     mt_context *ctx = NULL;
     CHECK_OK(mt_context_create(&cfg, &ctx));
     return ctx;
+}
+
+mt_context *check_gpu_context(void)
+{
+    const char *gpu = getenv("MT_TEST_GPU");
+    if (!gpu || strcmp(gpu, "1") != 0) return NULL;
+    mt_context_config cfg;
+    mt_context_config_init(&cfg);
+    cfg.device = MT_DEVICE_CUDA;
+    mt_context *ctx = NULL;
+    CHECK_OK(mt_context_create(&cfg, &ctx));
+    return ctx;
+}
+
+void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const float *l_gpu,
+                        const float *l_cpu)
+{
+    for (size_t j = 0; j < n; j++)
+        CHECK_MSG(fabsf(g_gpu[j] - g_cpu[j]) <= 1e-4f, "gradient %zu: gpu %.7g cpu %.7g", j,
+                  (double)g_gpu[j], (double)g_cpu[j]);
+    for (int i = 0; i < 4; i++)
+        CHECK_MSG(fabsf(l_gpu[i] - l_cpu[i]) <= (i < 2 ? 1e-4f : 2e-2f) * (1 + l_cpu[i]),
+                  "step %d: gpu %.6f cpu %.6f", i, (double)l_gpu[i], (double)l_cpu[i]);
 }
 
 void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step)

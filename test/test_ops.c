@@ -800,7 +800,13 @@ TEST(ops_attention)
     close_tables();
 }
 
-/* ---- softmax cross-entropy ---- */
+/* ---- softmax cross-entropy, and distillation's ---- */
+
+typedef struct kd_args {
+    const float *tlogits; /* (n, tVp) fp32 */
+    int tVp;
+    float alpha, temp;
+} kd_args;
 
 typedef struct xe_io {
     int n, V, Vp;
@@ -810,17 +816,41 @@ typedef struct xe_io {
     int32_t *targets;
     float *losses, *dlogits; /* dlogits NULL: forward only */
     tab *t;
+    const kd_args *kd; /* non-NULL: xent_kd with this teacher */
 } xe_io;
+
+/* io's op on its table, on device buffers: xent, or xent_kd with the
+ * teacher's logits at Tl. */
+static mt_status xe_op(const xe_io *io, float *Ls, void *D, const void *Lg, const float *Tl,
+                       const int32_t *Tg)
+{
+    tab *t = io->t;
+    if (!io->kd) return t->ops->xent(&t->k, Ls, D, Lg, Tg, io->n, io->V, io->Vp, io->dloss, io->dt);
+    const kd_args *a = io->kd;
+    return t->ops->xent_kd(&t->k, Ls, D, Lg, Tl, Tg, io->n, io->V, io->Vp, a->tVp, a->alpha,
+                           a->temp, io->dloss, io->dt);
+}
+
+/* io's inputs on its table: logits, teacher logits (or NULL), targets. */
+static void xe_put(const xe_io *io, void **Lg, float **Tl, int32_t **Tg)
+{
+    tab *t = io->t;
+    *Lg = put(t, io->logits, (size_t)io->n * io->Vp, io->dt);
+    *Tl = io->kd ? dev_buf(t, io->kd->tlogits, (size_t)io->n * io->kd->tVp * 4) : NULL;
+    *Tg = dev_buf(t, io->targets, (size_t)io->n * 4);
+}
 
 static void run_xent(xe_io *io)
 {
     tab *t = io->t;
     size_t nl = (size_t)io->n * io->Vp;
-    void *Lg = put(t, io->logits, nl, io->dt);
-    int32_t *Tg = dev_buf(t, io->targets, (size_t)io->n * 4);
+    void *Lg;
+    float *Tl;
+    int32_t *Tg;
+    xe_put(io, &Lg, &Tl, &Tg);
     float *Ls = dev_buf(t, NULL, (size_t)io->n * 4);
-    CHECK_OKC(t->ctx, t->ops->xent(&t->k, Ls, io->dlogits ? Lg : NULL, Lg, Tg, io->n, io->V, io->Vp,
-                                   io->dloss, io->dt)); /* dlogits over the logits */
+    /* dlogits over the logits */
+    CHECK_OKC(t->ctx, xe_op(io, Ls, io->dlogits ? Lg : NULL, Lg, Tl, Tg));
     get(t, io->losses, Ls, (size_t)io->n, MTI_F32);
     if (io->dlogits) get(t, io->dlogits, Lg, nl, io->dt);
     free_bufs(t);
@@ -840,6 +870,73 @@ static double xe_loss(void *arg)
 
 static void xe_one_thread(void *arg) { run_xent(arg); }
 
+/* ref's op (its fp32 setting) in every dtype on every table against the
+ * CPU in fp32 on the same rounded logits, and the CPU with 1 and 2
+ * threads. */
+static void xe_dtypes(const xe_io *ref, const char *label)
+{
+    const size_t n = (size_t)ref->n, nl = n * ref->Vp;
+    for (int d = 0; d < 3; d++) {
+        mti_dtype dt = DTYPES[d];
+        float *lr = rounded(ref->logits, nl, dt);
+        float *wls = malloc(n * 4), *wdl = malloc(nl * 4), *gls = malloc(n * 4),
+              *gdl = malloc(nl * 4);
+        xe_io want = *ref;
+        want.dt = MTI_F32, want.t = &tabs[0], want.logits = lr, want.losses = wls,
+        want.dlogits = wdl;
+        run_xent(&want);
+        for (int ti = 0; ti < n_tabs; ti++) {
+            xe_io got = want;
+            got.dt = dt, got.losses = gls, got.dlogits = gdl, got.t = &tabs[ti];
+            run_xent(&got);
+            char what[96];
+            snprintf(what, sizeof what, "%s %s %s", label, tabs[ti].name, dt_name(dt));
+            expect_close(what, gls, wls, n, tol_of(MTI_F32));
+            expect_close(what, gdl, wdl, nl, tol_of(dt));
+            if (ti == 0) {
+                float *ol = malloc(n * 4), *od = malloc(nl * 4);
+                xe_io one = got;
+                one.losses = ol, one.dlogits = od;
+                with_one_thread(xe_one_thread, &one);
+                expect_same_bits(what, ol, gls, n);
+                expect_same_bits(what, od, gdl, nl);
+                free(ol), free(od);
+            }
+        }
+        free(lr), free(wls), free(wdl), free(gls), free(gdl);
+    }
+}
+
+/* ref's op (fp32) on every table with the gradient into a buffer of its
+ * own (the logits left as they were) and without the losses, against dl. */
+static void xe_other_buffer(const xe_io *ref, const float *dl, const char *label)
+{
+    const size_t nl = (size_t)ref->n * ref->Vp;
+    for (int ti = 0; ti < n_tabs; ti++) {
+        xe_io io = *ref;
+        tab *t = io.t = &tabs[ti];
+        void *Lg;
+        float *Tl;
+        int32_t *Tg;
+        xe_put(&io, &Lg, &Tl, &Tg);
+        float *Ls = dev_buf(t, NULL, (size_t)io.n * 4), *D = dev_buf(t, NULL, nl * 4);
+        float *got = malloc(nl * 4), *keep = malloc(nl * 4);
+        char what[96];
+        CHECK_OK(xe_op(&io, Ls, D, Lg, Tl, Tg));
+        get(t, got, D, nl, MTI_F32);
+        get(t, keep, Lg, nl, MTI_F32);
+        snprintf(what, sizeof what, "%s %s into another buffer", label, t->name);
+        expect_close(what, got, dl, nl, tol_of(MTI_F32));
+        CHECK_MSG(memcmp(keep, io.logits, nl * 4) == 0, "%s: the logits changed", what);
+        CHECK_OK(xe_op(&io, NULL, D, Lg, Tl, Tg));
+        get(t, got, D, nl, MTI_F32);
+        snprintf(what, sizeof what, "%s %s without losses", label, t->name);
+        expect_close(what, got, dl, nl, tol_of(MTI_F32));
+        free_bufs(t);
+        free(got), free(keep);
+    }
+}
+
 TEST(ops_cross_entropy)
 {
     open_tables();
@@ -851,7 +948,7 @@ TEST(ops_cross_entropy)
     for (int i = 0; i < n; i++) /* padding columns hold junk the op must ignore */
         for (int j = V; j < Vp; j++) logits[(size_t)i * Vp + j] = 1e4f;
     float *ls = malloc((size_t)n * 4), *dl = malloc(nl * 4);
-    xe_io ref = {n, V, Vp, 0.25f, MTI_F32, logits, targets, ls, dl, &tabs[0]};
+    xe_io ref = {n, V, Vp, 0.25f, MTI_F32, logits, targets, ls, dl, &tabs[0], NULL};
     run_xent(&ref);
     for (int i = 0; i < n; i++) {
         const float *row = logits + (size_t)i * Vp;
@@ -863,50 +960,69 @@ TEST(ops_cross_entropy)
         for (int j = V; j < Vp; j++) CHECK(dl[(size_t)i * Vp + j] == 0.0f);
     }
     fd_check("cross-entropy dlogits", logits, (size_t)V, dl, xe_loss, &ref, 12); /* row 0 */
-    for (int d = 0; d < 3; d++) {
-        mti_dtype dt = DTYPES[d];
-        float *lr = rounded(logits, nl, dt);
-        float *wls = malloc((size_t)n * 4), *wdl = malloc(nl * 4), *gls = malloc((size_t)n * 4),
-              *gdl = malloc(nl * 4);
-        xe_io want = {n, V, Vp, 0.25f, MTI_F32, lr, targets, wls, wdl, &tabs[0]};
-        run_xent(&want);
-        for (int ti = 0; ti < n_tabs; ti++) {
-            xe_io got = {n, V, Vp, 0.25f, dt, lr, targets, gls, gdl, &tabs[ti]};
-            run_xent(&got);
-            char what[64];
-            snprintf(what, sizeof what, "cross-entropy %s %s", tabs[ti].name, dt_name(dt));
-            expect_close(what, gls, wls, (size_t)n, tol_of(MTI_F32));
-            expect_close(what, gdl, wdl, nl, tol_of(dt));
-            if (ti == 0) {
-                float *ol = malloc((size_t)n * 4), *od = malloc(nl * 4);
-                xe_io one = {n, V, Vp, 0.25f, dt, lr, targets, ol, od, &tabs[0]};
-                with_one_thread(xe_one_thread, &one);
-                expect_same_bits(what, ol, gls, (size_t)n);
-                expect_same_bits(what, od, gdl, nl);
-                free(ol), free(od);
-            }
-        }
-        free(lr), free(wls), free(wdl), free(gls), free(gdl);
+    xe_dtypes(&ref, "cross-entropy");
+    xe_other_buffer(&ref, dl, "cross-entropy");
+    free(logits), free(ls), free(dl);
+    close_tables();
+}
+
+/* Distillation's fused loss (xent_kd), for alpha 0.6 and 1, T 2.5 and 0.7:
+ * every table in every dtype against the CPU in fp32 on the same rounded
+ * inputs, the CPU with 1 and 2 threads, the gradient into another buffer
+ * and without the losses; alpha 0 gives xent's bits on each table; bad
+ * settings are refused (the CPU op against the formula in double and
+ * finite differences: test_distill.c). The teacher is padded differently
+ * from the student (its logits are fp32 in every dtype), and both paddings
+ * hold junk the op must ignore. */
+TEST(ops_distillation)
+{
+    open_tables();
+    const int n = 13, V = 1000, Vp = 1024, tVp = 1008;
+    const size_t nl = (size_t)n * Vp, nt = (size_t)n * tVp;
+    float *logits = randv(nl, 4), *teacher = randv(nt, 5);
+    int32_t targets[13];
+    for (int i = 0; i < n; i++) {
+        targets[i] = (int32_t)((unsigned)(i * 7919 + 3) % (unsigned)V);
+        for (int j = V; j < Vp; j++) logits[(size_t)i * Vp + j] = 1e4f;
+        for (int j = V; j < tVp; j++) teacher[(size_t)i * tVp + j] = -1e4f;
     }
-    /* the gradient into its own buffer, and the gradient without the losses */
+    static const float alphas[2] = {0.6f, 1.0f}, temps[2] = {2.5f, 0.7f};
+    float *ls = malloc((size_t)n * 4), *dl = malloc(nl * 4);
+    for (int c = 0; c < 2; c++) {
+        const kd_args kd = {teacher, tVp, alphas[c], temps[c]};
+        xe_io ref = {n, V, Vp, 0.25f, MTI_F32, logits, targets, ls, dl, &tabs[0], &kd};
+        run_xent(&ref);
+        for (int i = 0; i < n; i++)
+            for (int j = V; j < Vp; j++) CHECK(dl[(size_t)i * Vp + j] == 0.0f);
+        char label[64];
+        snprintf(label, sizeof label, "distillation alpha %g T %g", (double)kd.alpha,
+                 (double)kd.temp);
+        xe_dtypes(&ref, label);
+        xe_other_buffer(&ref, dl, label);
+    }
+    /* alpha 0 is xent bit for bit; bad settings */
     for (int ti = 0; ti < n_tabs; ti++) {
         tab *t = &tabs[ti];
-        void *Lg = put(t, logits, nl, MTI_F32);
-        int32_t *Tg = dev_buf(t, targets, (size_t)n * 4);
-        float *Ls = dev_buf(t, NULL, (size_t)n * 4), *D = dev_buf(t, NULL, nl * 4);
-        float *got = malloc(nl * 4), *keep = malloc(nl * 4);
-        CHECK_OK(t->ops->xent(&t->k, Ls, D, Lg, Tg, n, V, Vp, 0.25f, MTI_F32));
-        get(t, got, D, nl, MTI_F32);
-        get(t, keep, Lg, nl, MTI_F32);
-        expect_close("cross-entropy into another buffer", got, dl, nl, tol_of(MTI_F32));
-        CHECK_MSG(memcmp(keep, logits, nl * 4) == 0, "%s: the logits changed", t->name);
-        CHECK_OK(t->ops->xent(&t->k, NULL, D, Lg, Tg, n, V, Vp, 0.25f, MTI_F32));
-        get(t, got, D, nl, MTI_F32);
-        expect_close("cross-entropy without losses", got, dl, nl, tol_of(MTI_F32));
+        float *want = malloc(nl * 4), *got = malloc(nl * 4), wl[13], gl[13];
+        const kd_args kd0 = {teacher, tVp, 0.0f, 0.7f};
+        xe_io io = {n, V, Vp, 0.25f, MTI_F32, logits, targets, wl, want, t, NULL};
+        run_xent(&io);
+        io.kd = &kd0, io.losses = gl, io.dlogits = got;
+        run_xent(&io);
+        CHECK_MSG(memcmp(got, want, nl * 4) == 0 && memcmp(gl, wl, sizeof gl) == 0,
+                  "%s: distillation with alpha 0 is not xent's bits", t->name);
+        void *Lg;
+        float *Tl;
+        int32_t *Tg;
+        xe_put(&io, &Lg, &Tl, &Tg);
+        CHECK_ST(MT_ERR_INVALID_ARG, t->ops->xent_kd(&t->k, NULL, Lg, Lg, Tl, Tg, n, V, Vp, tVp,
+                                                     1.5f, 1.0f, 1.0f, MTI_F32));
+        CHECK_ST(MT_ERR_INVALID_ARG, t->ops->xent_kd(&t->k, NULL, Lg, Lg, Tl, Tg, n, V, Vp, V - 1,
+                                                     0.5f, 1.0f, 1.0f, MTI_F32));
         free_bufs(t);
-        free(got), free(keep);
+        free(want), free(got);
     }
-    free(logits), free(ls), free(dl);
+    free(logits), free(teacher), free(ls), free(dl);
     close_tables();
 }
 

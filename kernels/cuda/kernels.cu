@@ -20,7 +20,7 @@
  *   layernorm.cu    layer normalisation, forward and backward
  *   attention.cu    causal self-attention, forward and backward
  *   attention_tc.cu the same on the tensor cores (fp16, bf16, heads of 64)
- *   xent.cu         fused softmax cross-entropy
+ *   xent.cu         fused softmax cross-entropy, and distillation's loss
  *   reduce.cu       column sums and the sum of squares
  *   optim.cu        unscale + inf check, SGD, AdamW
  *   optim8.cu       8-bit blockwise AdamW
