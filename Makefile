@@ -65,7 +65,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-dp install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-dp install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -305,10 +305,19 @@ demo: deps
 	@$(MAKE) --no-print-directory $(TOOL)
 	$(TOOL) train --model gpt --layers 4 --steps 600 --every 100 --report
 
-# bench_gpt2 is left to bench-gpt2: it takes minutes and compares with PyTorch
+# bench_gpt2 is left to bench-gpt2: it takes minutes and compares with PyTorch;
+# bench_offload to bench-offload (GPT-2 124M twice, and a GiB through the disk)
 bench: deps
 	@$(MAKE) --no-print-directory $(BENCH_BIN)
-	@for b in $(filter-out %/bench_gpt2,$(BENCH_BIN)); do echo "== $$b"; $$b || exit 1; done
+	@for b in $(filter-out %/bench_gpt2 %/bench_offload,$(BENCH_BIN)); do echo "== $$b"; $$b || exit 1; done
+
+# disk offload of the optimizer state against the resident run, GPT-2 124M fp32
+# AdamW (fused step): peak RSS, step time, the disk's O_DIRECT bandwidth.
+# OFFLOAD_DIR is where the scratch files go (a directory on the disk to measure).
+OFFLOAD_DIR ?= /tmp
+bench-offload: deps
+	@$(MAKE) --no-print-directory $(BUILD)/bench/bench_offload
+	$(BUILD)/bench/bench_offload --dir $(OFFLOAD_DIR) $(OFFLOAD_ARGS)
 
 # GPT-2 training against PyTorch on the CPU (about 15 minutes at the 124M shape;
 # GPT2_ARGS=--quick for a small model, GPT2_ARGS=--long for the 200-step loss

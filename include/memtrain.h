@@ -455,6 +455,30 @@ typedef struct mt_memory_stats {
 
 mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out);
 
+/* Where bytes are held. Every class's bytes have a place: the allocators'
+ * are the device's; a trainer that offloads state (mt_trainer_config.offload)
+ * holds it in scratch files on disk, and brings a piece at a time into
+ * buffers on the device for its update (docs/memory.md, "Places"). */
+typedef enum mt_place {
+    MT_PLACE_DEVICE = 0, /* the context's device memory, from its allocators (on a CPU
+                            context that is host memory): what budgets bound */
+    MT_PLACE_HOST = 1,   /* host memory held beside a device that is not the host (a
+                            CUDA context's pinned buffers); nothing on a CPU context */
+    MT_PLACE_DISK = 2,   /* scratch files (mt_trainer_config.offload_dir) */
+    MT_PLACE_COUNT = 3
+} mt_place;
+
+/* "device", "host", "disk"; "?" for an out-of-range value. */
+const char *mt_place_name(mt_place p);
+
+/* The stats of one place: per class live bytes and their peak, the place's
+ * total and its peak, and n_alloc / n_free (blocks; for disk, the ranges
+ * of scratch files made and removed). For MT_PLACE_DEVICE this is
+ * mt_context_memory_stats; for the others reserved equals live (a scratch
+ * file's bytes are its size) and n_allocators is 0. mt_context_reset_peaks
+ * resets every place's peaks. */
+mt_status mt_context_place_stats(const mt_context *ctx, mt_place p, mt_memory_stats *out);
+
 /* Writes a human-readable memory report (a table per memory class and per
  * allocator instance) into buf, NUL-terminated and cut to cap bytes. *needed
  * (if not NULL) gets the length the whole report needs, without the NUL. */
@@ -490,6 +514,11 @@ typedef struct mt_trace_event {
     uint8_t flags;      /* MT_REQ_* */
     uint8_t scope;      /* RESET */
     uint8_t instance;   /* which of the context's instances (0.. n_allocators-1) */
+    uint8_t place;      /* mt_place: MT_PLACE_DEVICE (0) for the allocators' blocks; a
+                           block held elsewhere (a scratch file's bytes on disk) is an
+                           ALLOC and a FREE of its place, both with its bytes, which
+                           replay, summaries and the SVG plot leave out (they are of
+                           the device) and the Chrome export shows as its own counter */
 } mt_trace_event;
 
 /* Starts recording every allocation event of the context's instances,
@@ -951,6 +980,26 @@ typedef struct mt_trainer_config {
     mt_model *teacher;
     float distill_alpha;
     float distill_temp;
+    /* Where the optimizer state (OPTIM) and the fp32 master weights
+     * (MASTER, where there are) live between their updates (docs/memory.md,
+     * "Places and offload"). MT_PLACE_DEVICE (default): resident.
+     * MT_PLACE_DISK (CPU contexts): in scratch files in a directory of its
+     * own, offload_dir/memtrain-scratch (made with exclusive access and a
+     * lock file naming the process; removed at destroy and on every
+     * failure; one a dead process left is cleaned, one a live process holds
+     * is refused with MT_ERR_IO). The update brings each tensor's state in,
+     * a piece at a time, into a few buffers on the device (counted in OPTIM
+     * and MASTER), reading the next piece and writing the last one on I/O
+     * threads while it computes; results are bit-identical to a resident
+     * run. An I/O failure (disk full, an I/O error, a scratch file removed
+     * or truncated) is MT_ERR_IO naming the file; the scratch files are then
+     * removed and the trainer refuses further steps (load a training-state
+     * file into a new one). The masters being on disk, mt_model_get_params
+     * and set_params read and write them there. Not yet on a run of
+     * several ranks, on CUDA contexts, or with MT_PLACE_HOST
+     * (MT_ERR_UNSUPPORTED). */
+    mt_place offload;
+    const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
@@ -1132,6 +1181,11 @@ typedef struct mt_estimate_report {
     uint64_t step_at_peak[MT_MEM_COUNT];
     uint64_t between_steps;            /* live between steps: weights, masters, state */
     size_t n_params;                   /* the model's parameters (elements) */
+    /* Per place (mt_place): each class's own peak there, and the place's
+     * peak (all classes together). The device's are class_peak and peak;
+     * disk holds what the trainer offloads (mt_trainer_config.offload). */
+    uint64_t place_class_peak[MT_PLACE_COUNT][MT_MEM_COUNT];
+    uint64_t place_peak[MT_PLACE_COUNT];
 } mt_estimate_report;
 
 /* For a model made with mt_model_create from spec, on a context made from

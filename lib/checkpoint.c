@@ -38,6 +38,7 @@
 
 #include "comm/dp.h"
 #include "model.h"
+#include "offload.h"
 #include "trainer.h"
 
 #define CK_MAGIC "MTTRAIN\0"
@@ -319,8 +320,13 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
             return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts out of order");
         for (uint64_t at = 0; at < len; at += CK_CHUNK) {
             size_t n = len - at < CK_CHUNK ? (size_t)(len - at) : CK_CHUNK;
-            mt_status cs = fetch(v, r, (const char *)c->t->blk.ptr + at, n);
-            if (cs) return cs;
+            if (t->off && c->what) { /* at home on disk (lib/offload.c) */
+                mt_status ls = v->ws ? MT_OK : mti_offload_read(t->off, c->param, c->what, at, v->buf, n);
+                if (ls) v->ws = ls;
+            } else {
+                mt_status cs = fetch(v, r, (const char *)c->t->blk.ptr + at, n);
+                if (cs) return cs;
+            }
             if (writer(v) && !v->ws) crc = mti_crc32(crc, v->buf, n);
             sv_write(v, v->buf, n);
         }
@@ -649,6 +655,8 @@ typedef struct upload {
     mt_context *ctx;
     char *dst;
     uint64_t off, len;
+    struct mti_offload *off_home; /* or the tensor's home on disk: */
+    int param, what;
 } upload;
 
 static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
@@ -656,6 +664,8 @@ static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, si
     upload *u = user;
     mti_device *d = u->ctx->dev;
     uint64_t lo = at > u->off ? at : u->off, hi = at + n < u->off + u->len ? at + n : u->off + u->len;
+    if (lo < hi && u->off_home)
+        return mti_offload_write(u->off_home, u->param, u->what, lo, p + (lo - at), (size_t)(hi - lo));
     return lo < hi ? d->copy_h2d(d, u->dst + (lo - u->off), p + (lo - at), (size_t)(hi - lo)) : MT_OK;
 }
 
@@ -722,7 +732,8 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
         if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
             c.dtype != (uint32_t)ts[k].dtype || c.bytes != ts[k].bytes)
             return bad_file(r, "corrupt (a tensor section does not match the layout)");
-        upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0};
+        upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0, ts[k].what ? t->off : NULL, ts[k].param,
+                    ts[k].what};
         held(t, &ts[k], t->rank, &u.off, &u.len);
         if ((s = read_payload(r, &c, buf, check ? NULL : upload_sink, &u))) return s;
     }

@@ -299,6 +299,7 @@ mt_status mt_context_reset_peaks(mt_context *ctx)
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_reset_peak(ctx->inst[i]);
     reset_peak(&ctx->live_total, &ctx->live_peak);
     reset_peak(&ctx->reserved_total, &ctx->reserved_peak);
+    mti_place_reset_peaks(ctx);
     return MT_OK;
 }
 
@@ -331,6 +332,30 @@ static const char *human(uint64_t bytes, char *s, size_t n)
     if (u == 0) snprintf(s, n, "%llu B", (unsigned long long)bytes);
     else snprintf(s, n, "%.2f %s", v, unit[u]);
     return s;
+}
+
+/* The places other than the device, class by class, when anything is or
+ * was there (or the estimate puts something there). */
+static void place_report(const mt_context *ctx, const mt_estimate_report *e, sbuf *b)
+{
+    char h1[32], h2[32], he[32];
+    for (int p = MT_PLACE_HOST; p < MT_PLACE_COUNT; p++) {
+        mt_memory_stats ps;
+        mt_context_place_stats(ctx, (mt_place)p, &ps);
+        if (!ps.peak_live_bytes && !(e && e->place_peak[p])) continue;
+        sb_printf(b, "\n%-7s %12s %12s %12s   (held on %s)\n", mt_place_name((mt_place)p),
+                  "current", "peak", "estimate", p == MT_PLACE_DISK ? "disk: scratch files" : "the host");
+        for (int c = 0; c < MT_MEM_COUNT; c++) {
+            const mt_class_stats *k = &ps.per_class[c];
+            if (!k->peak_live_bytes && !(e && e->place_class_peak[p][c])) continue;
+            sb_printf(b, "%-7s %12s %12s %12s\n", mt_mem_class_name((mt_mem_class)c),
+                      human(k->live_bytes, h1, sizeof h1), human(k->peak_live_bytes, h2, sizeof h2),
+                      e ? human(e->place_class_peak[p][c], he, sizeof he) : "-");
+        }
+        sb_printf(b, "%-7s %12s %12s %12s\n", "total", human(ps.live_bytes, h1, sizeof h1),
+                  human(ps.peak_live_bytes, h2, sizeof h2),
+                  e ? human(e->place_peak[p], he, sizeof he) : "-");
+    }
 }
 
 mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t *needed)
@@ -385,6 +410,7 @@ mt_status mt_memory_report(const mt_context *ctx, char *buf, size_t cap, size_t 
     if (e)
         sb_printf(&b, "%-14s %12s %12s   (the estimate's peak reserved)\n", "estimate", "",
                   human(e->peak_reserved, h5, sizeof h5));
+    place_report(ctx, e, &b);
     if (needed) *needed = b.len;
     if (cap) buf[b.len < cap ? b.len : cap - 1] = 0;
     return MT_OK;

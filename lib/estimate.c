@@ -121,6 +121,21 @@ static mt_status dry_steps(mt_trainer *t, const mt_model *m, const mt_trainer_co
     return s;
 }
 
+/* The figures per place so far (called after setup and after the steps,
+ * keeping the higher): the device's are the classes' (already in out), the
+ * others the context's own counts. */
+static void place_figures(mt_context *ctx, mt_estimate_report *out)
+{
+    memcpy(out->place_class_peak[MT_PLACE_DEVICE], out->class_peak, sizeof out->class_peak);
+    out->place_peak[MT_PLACE_DEVICE] = out->peak;
+    for (int p = MT_PLACE_HOST; p < MT_PLACE_COUNT; p++) {
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            if (ctx->place_peak[p][c] > out->place_class_peak[p][c])
+                out->place_class_peak[p][c] = ctx->place_peak[p][c];
+        if (ctx->place_total_peak[p] > out->place_peak[p]) out->place_peak[p] = ctx->place_total_peak[p];
+    }
+}
+
 /* Makes the model and the trainer in a dry context and runs two steps. */
 static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void *spec,
                          const mt_trainer_config *tc, mt_context *report_to,
@@ -165,6 +180,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
         out->peak_reserved = st.peak_reserved_bytes;
         out->between_steps = st.live_bytes;
         out->n_params = m->n_params;
+        place_figures(ctx, out);
         /* the steps' own peak from here */
         mt_context_reset_peaks(ctx);
         class_live(ctx, ctx->at_peak);
@@ -183,6 +199,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
                 out->class_peak[k] = st.per_class[k].peak_live_bytes;
         if (st.peak_reserved_bytes > out->peak_reserved)
             out->peak_reserved = st.peak_reserved_bytes;
+        place_figures(ctx, out);
     }
     mti_msg msg = mti_last_msg(ctx);
     mt_trainer_destroy(t);

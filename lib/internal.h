@@ -167,6 +167,12 @@ struct mt_context {
     size_t comm_kept_bytes;
     /* what the context's collectives took (mt_context_comm_stats) */
     _Atomic uint64_t comm_calls, comm_ns, comm_wait_ns;
+    /* places other than the device (lib/place.c; the device's bytes are the
+     * allocators'): live bytes per class, peaks, blocks made and removed;
+     * changed on the thread that makes and destroys trainers */
+    uint64_t place_live[MT_PLACE_COUNT][MT_MEM_COUNT], place_peak[MT_PLACE_COUNT][MT_MEM_COUNT];
+    uint64_t place_total[MT_PLACE_COUNT], place_total_peak[MT_PLACE_COUNT];
+    uint64_t place_n[MT_PLACE_COUNT][MT_MEM_COUNT][2];
     pthread_mutex_t err_mu;  /* guards err, which every thread may write */
     char err[MTI_ERR_LEN];   /* the last failure on the context, of any thread */
 };
@@ -179,6 +185,15 @@ mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device 
 /* mt_estimate_model without keeping the estimate with the context. */
 mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
                              mt_estimate_report *out);
+
+/* ---- places (place.c) ---- */
+
+/* Counts bytes of class c held at place p (not the device's, which the
+ * allocators count): add them, or give them back. */
+void mti_place_add(mt_context *ctx, mt_place p, mt_mem_class c, uint64_t bytes);
+void mti_place_sub(mt_context *ctx, mt_place p, mt_mem_class c, uint64_t bytes);
+/* The places' peaks back to their current values (mt_context_reset_peaks). */
+void mti_place_reset_peaks(mt_context *ctx);
 
 /* ---- tensors (tensor.c) ---- */
 

@@ -14,6 +14,7 @@
 
 #include "kernels.h"
 #include "model.h"
+#include "offload.h"
 #include "rng.h"
 
 #define MAX_DIM (1 << 24)
@@ -616,6 +617,8 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
+    if (m->master_home && !p->frozen) /* the master, from its file */
+        return mti_offload_read(m->master_home, i, 1, (uint64_t)at * 4, dst, n * 4);
     /* (a frozen weight has no master; a ZeRO master is a slice) */
     const mti_tensor *t = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
     if (t->dtype == MTI_F32) {
@@ -646,6 +649,10 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
     mti_tensor *t = master ? &p->master : &p->w;
     size_t es = mti_dtype_size(p->w.dtype);
+    if (m->master_home && !p->frozen) { /* the master in its file, then the copy below */
+        mt_status s = mti_offload_write(m->master_home, i, 1, (uint64_t)at * 4, src, n * 4);
+        if (s) return s;
+    }
     if (m->master_sliced && p->master.blk.ptr) { /* the master's slice of [at, at + n), then the copy below */
         size_t lo = p->master_lo, hi = lo + (size_t)mti_tensor_numel(&p->master);
         if (lo < at) lo = at;

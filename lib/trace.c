@@ -6,11 +6,11 @@
  * consistent prefix (every FREE kept has its ALLOC kept).
  *
  * File format (little-endian; docs/formats.md):
- *   header, 40 bytes: "MTTRACE\0", u32 version (1), u32 event size (48),
+ *   header, 40 bytes: "MTTRACE\0", u32 version (2; 1 is read too), u32 event size (48),
  *                     u64 count, u64 dropped, u64 zero
  *   count events of 48 bytes: u64 t_ns, u64 id, u64 bytes, u64 tag,
  *                     u32 alignment, u8 op, u8 class, u8 lifetime, u8 flags,
- *                     u8 scope, u8 instance, 6 zero bytes
+ *                     u8 scope, u8 instance, u8 place (version 1: 0), 5 zero bytes
  *   u32 CRC-32 of everything before it.
  */
 #include <stdlib.h>
@@ -21,7 +21,7 @@
 #include "livemap.h"
 
 #define TRACE_MAGIC "MTTRACE\0"
-#define TRACE_VERSION 1u
+#define TRACE_VERSION 2u /* 2: events have a place (byte 42, zero in version 1) */
 #define TRACE_HEADER 40u
 #define TRACE_EVENT 48u
 #define TRACE_MAX_FILE ((size_t)1 << 36) /* 64 GiB: far beyond any bounded trace */
@@ -140,6 +140,7 @@ static void encode_event(unsigned char *p, const mt_trace_event *e)
     p[39] = e->flags;
     p[40] = e->scope;
     p[41] = e->instance;
+    p[42] = e->place;
 }
 
 static void decode_event(const unsigned char *p, mt_trace_event *e)
@@ -155,6 +156,7 @@ static void decode_event(const unsigned char *p, mt_trace_event *e)
     e->flags = p[39];
     e->scope = p[40];
     e->instance = p[41];
+    e->place = p[42];
 }
 
 mt_status mt_trace_save(mt_context *ctx, const mt_trace *t, const char *path)
@@ -186,6 +188,13 @@ static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
     mt_status s = MT_OK;
     for (size_t i = 0; i < n && !s; i++) {
         const mt_trace_event *e = &ev[i];
+        if (e->place) { /* bytes held off the device: an ALLOC or FREE of its place */
+            if (e->place >= MT_PLACE_COUNT || e->mem_class >= MT_MEM_COUNT ||
+                (e->op != MT_TRACE_ALLOC && e->op != MT_TRACE_FREE))
+                s = mti_fail(ctx, MT_ERR_FORMAT, "trace event %zu: place %u, class %u, operation "
+                             "%u", i, e->place, e->mem_class, e->op);
+            continue;
+        }
         switch (e->op) {
         case MT_TRACE_ALLOC:
         case MT_TRACE_FAIL:
@@ -286,9 +295,10 @@ mt_status mt_trace_load(mt_context *ctx, const char *path, mt_trace **out)
     if (size < TRACE_HEADER + 4 || memcmp(buf, TRACE_MAGIC, 8) != 0) {
         s = mti_fail(ctx, MT_ERR_FORMAT, "'%s' is not a memtrain trace (bad magic or too short)",
                      path);
-    } else if (mti_get_u32(buf + 8) != TRACE_VERSION || mti_get_u32(buf + 12) != TRACE_EVENT) {
+    } else if ((mti_get_u32(buf + 8) != TRACE_VERSION && mti_get_u32(buf + 8) != 1) ||
+               mti_get_u32(buf + 12) != TRACE_EVENT) {
         s = mti_fail(ctx, MT_ERR_FORMAT, "'%s': trace version %u (event size %u); this library "
-                     "reads version %u",
+                     "reads versions 1 and %u",
                      path, mti_get_u32(buf + 8), mti_get_u32(buf + 12), TRACE_VERSION);
     } else {
         uint64_t n = mti_get_u64(buf + 16);
@@ -351,6 +361,7 @@ mt_status mt_trace_replay(const mt_trace *t, mt_allocator *a, mt_replay_result *
     uint64_t t0 = mti_now_ns();
     for (size_t i = 0; i < n && !s; i++) {
         const mt_trace_event *e = &t->events[i];
+        if (e->place) continue; /* not the device's: nothing for an allocator */
         res->n_events++;
         switch (e->op) {
         case MT_TRACE_ALLOC: {

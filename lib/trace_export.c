@@ -57,6 +57,7 @@ static void MTI_PRINTF(2, 3) tb_printf(tbuf *b, const char *fmt, ...)
 typedef struct walker {
     mti_live_map map;
     uint64_t live[MT_MEM_COUNT];
+    uint64_t place_live[MT_PLACE_COUNT][MT_MEM_COUNT]; /* other places' bytes (not in live) */
     bool oom;
 } walker;
 
@@ -75,6 +76,11 @@ static void end_block(walker *w, size_t r, end_fn on_end, void *user, uint64_t t
  * (may be NULL). Returns the block an ALLOC made (for its start), or NULL. */
 static const mti_live_rec *apply(walker *w, const mt_trace_event *e, end_fn on_end, void *user)
 {
+    if (e->place) { /* held off the device: counted apart */
+        uint64_t *v = &w->place_live[e->place][e->mem_class];
+        *v = e->op == MT_TRACE_ALLOC ? *v + e->bytes : *v > e->bytes ? *v - e->bytes : 0;
+        return NULL;
+    }
     if (e->op == MT_TRACE_ALLOC) {
         mti_live_rec r = {.key = mti_live_key(e), .lifetime = e->lifetime, .instance = e->instance,
                           .blk = {.bytes = e->bytes, .mem_class = (mt_mem_class)e->mem_class}};
@@ -201,8 +207,13 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
                       "\"pid\":1,\"tid\":1,\"ts\":%.3f}",
                       mt_mem_class_name((mt_mem_class)e->mem_class), e->bytes,
                       (double)e->t_ns / 1e3);
-        if (e->op == MT_TRACE_ALLOC || e->op == MT_TRACE_FREE || e->op == MT_TRACE_RESET)
+        if (e->place) {
+            char name[32];
+            snprintf(name, sizeof name, "%s bytes", mt_place_name((mt_place)e->place));
+            chrome_counter(&o, name, e->t_ns, w.place_live[e->place]);
+        } else if (e->op == MT_TRACE_ALLOC || e->op == MT_TRACE_FREE || e->op == MT_TRACE_RESET) {
             chrome_counter(&o, "live bytes", e->t_ns, w.live);
+        }
     }
     if (est) { /* the estimate as a flat counter over the whole trace */
         for (int k = 0; k < 2; k++)
@@ -384,6 +395,7 @@ mt_status mt_trace_summarize(mt_context *ctx, const mt_trace *t, mt_trace_summar
     for (size_t i = 0; i < n && !w.oom; i++) {
         const mt_trace_event *e = &ev[i];
         apply(&w, e, NULL, NULL);
+        if (e->place) continue; /* the summary is of the device */
         switch (e->op) {
         case MT_TRACE_ALLOC: out->allocs++; break;
         case MT_TRACE_FREE: out->frees++; break;

@@ -34,6 +34,7 @@
 #include "comm/overlap.h"
 #include "plan.h"
 #include "trainer.h"
+#include "offload.h"
 
 
 #define ROWS_CHUNK 16
@@ -278,8 +279,13 @@ static void from_mixed(mt_trainer *t)
         m->has_master = m->master_sliced = false;
         return;
     }
+    m->master_home = NULL;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
+        if (!p->master.blk.ptr && t->off && !p->frozen && p->w.dtype != MTI_F32 &&
+            mti_offload_get_master(t->off, i))
+            mti_log(ctx, MT_LOG_ERROR, "%s: its master could not be read back; its weights are "
+                    "the %s compute copy's", p->name, t->dt == MTI_BF16 ? "bf16" : "fp16");
         if (!p->master.blk.ptr) continue;
         mti_tensor_free(ctx, &p->w);
         mti_tensor w = like(&p->master, MTI_F32);
@@ -360,6 +366,7 @@ static mt_status to_mixed(mt_trainer *t)
         }
         p->master = master;
         p->w = half;
+        if (!s && t->off) s = mti_offload_put_master(t->off, i); /* its home is the disk */
     }
     if (s) {
         from_mixed(t);
@@ -367,6 +374,7 @@ static mt_status to_mixed(mt_trainer *t)
         return s;
     }
     m->has_master = true;
+    if (t->off) m->master_home = t->off;
     return MT_OK;
 }
 
@@ -429,7 +437,7 @@ static mt_status make_state(mt_trainer *t)
 {
     mt_model *m = t->model;
     mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s; i++) {
+    for (int i = 0; i < m->n_param && !s && !t->off; i++) { /* (offloaded: on disk) */
         pstate *ps = &t->ps[i];
         const size_t lo = t->sh[i].lo, n = t->sh[i].hi - lo;
         if (!n) continue; /* another rank's */
@@ -476,9 +484,11 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const f
     for (int j = 0; j < MTI_OPT_SLOTS; j++) {
         const mti_opt_state *l = &ps->lay.s[j];
         if (!l->numel) continue;
-        /* the state holds this rank's elements, from t->sh[i].lo */
+        /* the state holds this rank's elements, from t->sh[i].lo (offloaded:
+           the piece brought in holds them) */
         size_t off = l->per > 0 ? (at - t->sh[i].lo) / (size_t)l->per : 0;
-        st[j] = (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
+        st[j] = t->off ? mti_offload_state(t->off, j, at)
+                       : (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
     }
     return t->opt->update(&a, st, w32, pc, g, at, n);
 }
@@ -495,15 +505,16 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const f
  * e mod BARE_SLICE of a cast seeded by the step, the tensor and e's
  * BARE_SLICE-aligned piece, so runs repeat exactly however the tensor is
  * cut (slices, shards, ranks). */
-static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, size_t n,
+static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, size_t n,
                               float grad_scale)
 {
     mt_model *m = t->model;
     mti_param *p = &m->params[i];
     size_t es = mti_dtype_size(p->w.dtype);
     if (!t->bare) {
-        float *w32 = m->has_master ? (float *)p->master.blk.ptr + (at - p->master_lo)
-                                   : (float *)p->w.blk.ptr + at;
+        float *w32 = !m->has_master ? (float *)p->w.blk.ptr + at
+                     : t->off       ? mti_offload_master(t->off, at)
+                                    : (float *)p->master.blk.ptr + (at - p->master_lo);
         void *pc = m->has_master ? (char *)p->w.blk.ptr + at * es : NULL;
         return update_span(t, i, w32, pc, g, at, n, grad_scale);
     }
@@ -523,6 +534,24 @@ static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, s
                                    MTI_ROUND_STOCHASTIC, seed);
     }
     mti_tensor_free(ctx, &sl);
+    return s;
+}
+
+/* The same, for state and masters at home on disk: piece by piece on the
+ * offload's grid, each brought in first (its update is the bits of the
+ * whole tensor's: the grid is a multiple of every slice alignment). */
+static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, size_t n,
+                              float grad_scale)
+{
+    if (!t->off) return update_piece(t, i, g, at, n, grad_scale);
+    const size_t piece = mti_offload_piece(t->off, i);
+    mt_status s = MT_OK;
+    for (size_t e = at, len; e < at + n && !s; e += len) {
+        len = (e / piece + 1) * piece - e;
+        if (len > at + n - e) len = at + n - e;
+        s = mti_offload_acquire(t->off, i, e);
+        if (!s) s = update_piece(t, i, g + (e - at), e, len, grad_scale);
+    }
     return s;
 }
 
@@ -635,6 +664,8 @@ void mt_trainer_destroy(mt_trainer *t)
     if (t->gs)
         for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->gs[i]);
     if (t->model->has_master) from_mixed(t);
+    mti_offload_destroy(t->off); /* (after the masters came back) */
+    free(t->offload_dir);
     (void)weights_to_fp32(t); /* no masters, or frozen weights in 16 bits */
     if (t->froze)
         for (int i = 0; i < t->model->n_param; i++) t->model->params[i].frozen = 0;
@@ -701,6 +732,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (atomic_load(&m->n_trainers))
         return mti_fail(ctx, MT_ERR_STATE,
                         "mt_trainer_create: the model already has a trainer; destroy it first");
+    if ((s = mti_offload_check(ctx, m, cfg))) return s;
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     t->model = m;
@@ -781,6 +813,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->E.defer_tied = cfg->fused_step != 0 || zero == 2;
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
+    if (!s && cfg->offload == MT_PLACE_DISK) { /* the state's (and masters') home */
+        t->offload_dir = cfg->offload_dir ? strdup(cfg->offload_dir) : NULL;
+        t->cfg.offload_dir = t->offload_dir;
+        s = cfg->offload_dir && !t->offload_dir ? mti_fail(ctx, MT_ERR_OOM, "out of host memory")
+                                                : mti_offload_create(t, t->dt != MTI_F32 && cfg->master_weights, &t->off);
+    }
     if (!s && t->dt != MTI_F32 && cfg->master_weights) s = to_mixed(t);
     if (!s && t->dt != MTI_F32 && !cfg->master_weights) {
         t->bare = 1;
@@ -1122,6 +1160,7 @@ static mt_status finish_checks(mt_trainer *t, int *found)
 static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
     mti_msg msg = mti_last_msg(t->ctx);
+    if (t->off) (void)mti_offload_end(t->off); /* what was updated goes home */
     mti_engine_release(&t->E);
     mti_engine_free_grads(&t->E);
     free_slices(t);
@@ -1267,6 +1306,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     const char *fn = "mt_trainer_step";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
+    if (!s && t->off) s = mti_offload_begin(t->off); /* the files are there */
     double targets = s ? 0.0 : targets_of(t, b);
     if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
     mt_context *ctx = t->ctx;
@@ -1307,6 +1347,10 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             mti_tensor_free(ctx, &t->E.grad[i]); /* this gradient is done */
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
+    }
+    if (t->off && (s = mti_offload_end(t->off))) { /* every piece home */
+        if (t->updated || t->touched) t->opt_steps++;
+        return step_failed(t, fn, s);
     }
     if (t->cfg.precision == MT_PREC_FP16) mti_scaler_update(&t->scaler, found);
     if (found)

@@ -73,6 +73,8 @@ struct mt_trainer {
     mti_shard *sh;           /* per parameter */
     mti_tensor *gs;          /* stage 2: per parameter, the gradient of its shard
                                 (GRAD), summed over the ranks */
+    struct mti_offload *off; /* state and masters at home on disk (lib/offload.c), or NULL */
+    char *offload_dir;       /* cfg.offload_dir's copy */
     unsigned char *units;    /* the recompute plan: a mode per unit */
     int seg_len;             /* and the segment length */
 };

@@ -194,12 +194,12 @@ TEST(trace_file_damage)
     expect_refused(ctx, bad, MT_ERR_FORMAT, "not a memtrain trace");
     buf[0] = 'M';
     /* a future version, with a valid checksum */
-    buf[8] = 2;
+    buf[8] = 3;
     uint32_t crc = mti_crc32(0, buf, n - 4);
     for (int i = 0; i < 4; i++) buf[n - 4 + (size_t)i] = (unsigned char)(crc >> (8 * i));
     write_bytes(bad, buf, n);
-    expect_refused(ctx, bad, MT_ERR_FORMAT, "version 2");
-    buf[8] = 1;
+    expect_refused(ctx, bad, MT_ERR_FORMAT, "version 3");
+    buf[8] = 2;
     /* well-formed bytes, impossible events: a free of a block never allocated */
     unsigned char *ev2 = buf + 40 + 2 * 48; /* event 2 is a FREE */
     CHECK(ev2[36] == MT_TRACE_FREE);

@@ -223,6 +223,20 @@ expect 2 "--save-lora without adapters" -- "$tool" train --model gpt --save-lora
 expect 0 "distilled from a teacher" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --layers 1 --channels 32 --teacher "$tmp/m.llmc" --distill-alpha 0.7 --distill-temp 1.5
 expect 0 "estimate with a teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
 expect 2 "--distill-alpha without --teacher" -- "$tool" train --model gpt --distill-alpha 0.5
+# disk offload: a short run leaves no scratch; the estimate shows the disk's bytes
+mkdir "$tmp/off"
+expect 0 "train with disk offload" -- "$tool" train --model gpt --steps 3 --threads 2 --layers 1 --channels 32 --optimizer adamw --precision bf16 --offload disk --offload-dir "$tmp/off"
+grep -q "^disk" "$tmp/out" || { echo "FAIL tool: the report has no disk table"; cat "$tmp/out"; fail=1; }
+[ -z "$(ls -A "$tmp/off")" ] || { echo "FAIL tool: scratch left in --offload-dir"; ls -la "$tmp/off"; fail=1; }
+expect 0 "estimate with disk offload" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk --json
+grep -q '"disk_class_peak": {"PARAM": 0, "MASTER": 0, "GRAD": 0, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: estimate's disk bytes"; cat "$tmp/out"; fail=1; }
+expect 0 "estimate table with disk offload" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk
+grep -q "disk .* MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: estimate table's disk"; cat "$tmp/out"; fail=1; }
+expect 2 "--offload disk without a directory" -- "$tool" train --model gpt --offload disk
+expect 2 "--offload-dir without --offload disk" -- "$tool" train --model gpt --offload-dir "$tmp/off"
+expect 2 "--offload host" -- "$tool" train --model gpt --offload host
+expect 1 "--offload-dir that is not a directory" -- "$tool" train --model gpt --steps 1 --offload disk --offload-dir "$tmp/nope"
+grep -q "nope" "$tmp/err" || { echo "FAIL tool: offload dir message"; cat "$tmp/err"; fail=1; }
 expect 1 "--distill-alpha outside [0, 1]" -- "$tool" train --model gpt --steps 1 --teacher "$tmp/m.llmc" --distill-alpha 1.5
 grep -q "distill_alpha" "$tmp/err" || { echo "FAIL tool: distillation message"; cat "$tmp/err"; fail=1; }
 expect 1 "a teacher of another vocabulary" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --teacher "$tmp/m.llmc"

@@ -81,6 +81,9 @@ typedef struct cli_opts {
     int overlap;             /* MPI serialized: the gradients summed on a thread */
     long zero;               /* the ZeRO stage (train under mpirun, estimate) */
     long ranks, rank;        /* estimate: one rank of a data-parallel run */
+    /* where the optimizer state and masters live: --offload, --offload-dir */
+    mt_place offload;
+    const char *offload_dir;
     /* which table entries the command line (or --config) gave */
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;

@@ -8,22 +8,32 @@
 
 #include "cli.h"
 
+/* "key": {"PARAM": n, ...} (with the comma before it) */
+static void json_classes(const char *key, const uint64_t *v)
+{
+    printf(", \"%s\": {", key);
+    for (int c = 0; c < MT_MEM_COUNT; c++)
+        printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
+               (unsigned long long)v[c]);
+    printf("}");
+}
+
 static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_estimate_report *e,
                        const mt_autofit_report *fit)
 {
     printf("{\"ranks\": %ld, \"rank\": %ld, \"zero\": %ld, ", o->ranks, o->rank, o->zero);
     printf("\"params\": %zu, \"peak\": %llu, \"peak_reserved\": %llu, \"step_peak\": %llu, "
-           "\"setup_peak\": %llu, \"at_peak\": {",
+           "\"setup_peak\": %llu",
            e->n_params, (unsigned long long)e->peak, (unsigned long long)e->peak_reserved,
            (unsigned long long)e->step_peak, (unsigned long long)e->setup_peak);
-    for (int c = 0; c < MT_MEM_COUNT; c++)
-        printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
-               (unsigned long long)e->at_peak[c]);
-    printf("}, \"class_peak\": {");
-    for (int c = 0; c < MT_MEM_COUNT; c++)
-        printf("%s\"%s\": %llu", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
-               (unsigned long long)e->class_peak[c]);
+    json_classes("at_peak", e->at_peak);
+    json_classes("class_peak", e->class_peak);
+    printf(", \"place_peak\": {");
+    for (int p = 0; p < MT_PLACE_COUNT; p++)
+        printf("%s\"%s\": %llu", p ? ", " : "", mt_place_name((mt_place)p),
+               (unsigned long long)e->place_peak[p]);
     printf("}");
+    json_classes("disk_class_peak", e->place_class_peak[MT_PLACE_DISK]);
     if (tc->memory_budget)
         printf(", \"budget\": %llu, \"fits\": %s", (unsigned long long)tc->memory_budget,
                e->peak_reserved <= tc->memory_budget ? "true" : "false");
@@ -75,10 +85,22 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
                o->budget_mib, fit->micro_batch,
                fit->optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW" : "the configured optimizer",
                fit->recomputed_units, fit->units, fit->selective_units, fit->tokens_per_second);
-    printf("%-7s %14s %14s\n", "class", "at the peak", "own peak");
-    for (int c = 0; c < MT_MEM_COUNT; c++)
-        printf("%-7s %10.2f MiB %10.2f MiB\n", mt_mem_class_name((mt_mem_class)c),
+    const bool off = e->place_peak[MT_PLACE_HOST] || e->place_peak[MT_PLACE_DISK];
+    printf("%-7s %14s %14s", "class", "at the peak", "own peak");
+    if (off) printf(" %14s %14s", "host", "disk");
+    printf("\n");
+    for (int c = 0; c < MT_MEM_COUNT; c++) {
+        printf("%-7s %10.2f MiB %10.2f MiB", mt_mem_class_name((mt_mem_class)c),
                (double)e->at_peak[c] / 1048576.0, (double)e->class_peak[c] / 1048576.0);
+        for (int p = MT_PLACE_HOST; off && p < MT_PLACE_COUNT; p++)
+            printf(" %10.2f MiB", (double)e->place_class_peak[p][c] / 1048576.0);
+        printf("\n");
+    }
+    if (off)
+        printf("device peak %.2f MiB; host %.2f MiB; disk %.2f MiB (scratch files)\n",
+               (double)e->place_peak[MT_PLACE_DEVICE] / 1048576.0,
+               (double)e->place_peak[MT_PLACE_HOST] / 1048576.0,
+               (double)e->place_peak[MT_PLACE_DISK] / 1048576.0);
     printf("peak %.2f MiB (steps %.2f, setup %.2f); the allocators reserve %.2f MiB at most\n",
            (double)e->peak / 1048576.0, (double)e->step_peak / 1048576.0,
            (double)e->setup_peak / 1048576.0, (double)e->peak_reserved / 1048576.0);

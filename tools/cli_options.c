@@ -165,6 +165,14 @@ static int set_schedule(cli_opts *o, const char *v)
     return 0;
 }
 
+static int set_offload(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "none")) o->offload = MT_PLACE_DEVICE;
+    else if (!strcmp(v, "disk")) o->offload = MT_PLACE_DISK;
+    else return -1;
+    return 0;
+}
+
 static int set_temperature(cli_opts *o, const char *v)
 {
     return parse_float(v, &o->temperature) || o->temperature < 0 ? -1 : 0;
@@ -334,6 +342,12 @@ static const opt table[] = {
     LONG("--zero", "S", ALL, CLI_ANY, zero, 0, 2,
          "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too (0)",
          "the ZeRO stage of the run (0; with --ranks)"),
+    FN("--offload", "none|disk", TE, CLI_ANY, set_offload, "(none, disk)",
+       "optimizer state and fp32 masters resident, or in scratch files on disk, brought in "
+       "piece by piece for the update (none)",
+       "the same, the disk's bytes shown apart (none)"),
+    STR("--offload-dir", "DIR", CLI_TRAIN, CLI_ANY, offload_dir,
+        "the directory --offload disk makes its scratch directory in"),
     LONG("--ranks", "N", CLI_ESTIMATE, CLI_ANY, ranks, 1, 65536, NULL,
          "one rank of N data-parallel ranks; --batch is the global batch (1)"),
     LONG("--rank", "R", CLI_ESTIMATE, CLI_ANY, rank, 0, 65535, NULL, "which rank (0)"),
@@ -534,6 +548,11 @@ static int settle(cli_opts *o)
     if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
     if (o->lora && o->load_lora)
         return cli_bad_usage("%s", "--load-lora gives the adapters (rank, alpha, weights): no --lora");
+    if (o->offload_dir && o->offload != MT_PLACE_DISK)
+        return cli_bad_usage("%s", "--offload-dir needs --offload disk");
+    if (o->cmd == CLI_TRAIN && o->offload == MT_PLACE_DISK && !o->offload_dir)
+        return cli_bad_usage("%s", "--offload disk needs --offload-dir DIR (where the scratch "
+                                   "files go)");
     if (!o->teacher && (given(o, "--distill-alpha") || given(o, "--distill-temp")))
         return cli_bad_usage("%s", "--distill-alpha and --distill-temp need --teacher FILE");
     if (!o->lora && (given(o, "--lora-alpha") || given(o, "--lora-targets")))
@@ -617,6 +636,8 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->lora.seed = (uint64_t)o->seed;
     tc->distill_alpha = o->distill_alpha; /* (the teacher: the caller's, from o->teacher) */
     tc->distill_temp = o->distill_temp;
+    tc->offload = o->offload;
+    tc->offload_dir = o->offload_dir;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
     tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
     tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);

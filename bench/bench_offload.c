@@ -1,0 +1,220 @@
+/*
+ * bench_offload.c - disk offload of the optimizer state and masters
+ * against the resident run: peak RSS and step time of GPT-2 124M (fp32
+ * AdamW by default, the fused step), each run in a child process, with the
+ * disk's own O_DIRECT bandwidth measured beside it.
+ *
+ *   bench_offload --dir DIR [--steps N] [--batch B] [--seq T] [--threads N]
+ *                 [--precision fp32|bf16] [--optimizer NAME] [--unfused]
+ *                 [--layers L --heads H --channels C]
+ *
+ * (make bench-offload; docs/benchmarks.md, "Disk offload")
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "memtrain.h"
+
+typedef struct opts {
+    const char *dir;
+    int steps, batch, seq, threads, fused;
+    mt_precision prec;
+    mt_optimizer_kind opt;
+    mt_gpt_spec spec;
+} opts;
+
+typedef struct result {
+    int ok;
+    double step_s, last_loss;
+    long rss_kib;
+    uint64_t device_peak, disk_peak, optim_dev, master_dev;
+    char err[256];
+} result;
+
+/* One run (in a child): the model, the trainer, a warm-up step and the timed ones. */
+static void run(const opts *o, mt_place place, result *r)
+{
+    memset(r, 0, sizeof *r);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = o->threads;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = mt_context_create(&cc, &ctx);
+    if (!s) s = mt_model_gpt_create(ctx, &o->spec, &m);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = o->batch;
+    tc.max_seq = o->seq;
+    tc.optimizer = o->opt;
+    tc.lr = 1e-4f;
+    tc.precision = o->prec;
+    tc.fused_step = o->fused;
+    tc.offload = place;
+    tc.offload_dir = o->dir;
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t *tok = malloc((size_t)o->batch * o->seq * 4), *tg = malloc((size_t)o->batch * o->seq * 4);
+    double *dt = malloc((size_t)(o->steps + 1) * sizeof *dt);
+    uint64_t x = 88172645463325252ull;
+    for (int k = 0; !s && k <= o->steps; k++) {
+        for (int i = 0; i < o->batch * o->seq; i++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            tok[i] = (int32_t)(x % 50257);
+            tg[i] = (int32_t)((x >> 20) % 50257);
+        }
+        mt_batch b = {.n = o->batch, .tokens = tok, .targets = tg, .seq_len = o->seq};
+        float loss;
+        double t0 = now_s();
+        s = mt_trainer_step(t, &b, &loss);
+        dt[k] = now_s() - t0;
+        r->last_loss = loss;
+    }
+    if (!s) {
+        r->step_s = median(dt + 1, o->steps);
+        mt_memory_stats st, disk;
+        mt_context_memory_stats(ctx, &st);
+        mt_context_place_stats(ctx, MT_PLACE_DISK, &disk);
+        r->device_peak = st.peak_live_bytes;
+        r->optim_dev = st.per_class[MT_MEM_OPTIM].peak_live_bytes;
+        r->master_dev = st.per_class[MT_MEM_MASTER].peak_live_bytes;
+        r->disk_peak = disk.peak_live_bytes;
+        struct rusage ru;
+        getrusage(RUSAGE_SELF, &ru);
+        r->rss_kib = ru.ru_maxrss;
+        r->ok = 1;
+    } else {
+        snprintf(r->err, sizeof r->err, "%s: %s", mt_status_string(s), mt_last_error(ctx));
+    }
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    free(tok), free(tg), free(dt);
+}
+
+static int in_child(const opts *o, mt_place place, result *r)
+{
+    int fd[2];
+    if (pipe(fd)) return -1;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        close(fd[0]);
+        result c;
+        run(o, place, &c);
+        ssize_t w = write(fd[1], &c, sizeof c);
+        _exit(w == (ssize_t)sizeof c ? 0 : 1);
+    }
+    close(fd[1]);
+    ssize_t got = read(fd[0], r, sizeof *r);
+    close(fd[0]);
+    int st;
+    waitpid(pid, &st, 0);
+    return got == (ssize_t)sizeof *r ? 0 : -1;
+}
+
+/* The disk's O_DIRECT bandwidth: 1 GiB written in 8 MiB calls (then
+ * fsync), then read back, in a file in dir. */
+static void disk_bandwidth(const char *dir, double *wr, double *rd)
+{
+    *wr = *rd = 0.0;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/bench_offload.%ld", dir, (long)getpid());
+    const size_t chunk = (size_t)8 << 20, total = (size_t)1 << 30;
+    void *buf = NULL;
+    if (posix_memalign(&buf, 4096, chunk)) return;
+    memset(buf, 0x5a, chunk);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT, 0600);
+    if (fd < 0) {
+        free(buf);
+        return;
+    }
+    double t0 = now_s();
+    size_t done = 0;
+    for (; done < total; done += chunk)
+        if (pwrite(fd, buf, chunk, (off_t)done) != (ssize_t)chunk) break;
+    fsync(fd);
+    if (done == total) *wr = (double)total / (now_s() - t0) / 1e9;
+    t0 = now_s();
+    for (done = 0; done < total; done += chunk)
+        if (pread(fd, buf, chunk, (off_t)done) != (ssize_t)chunk) break;
+    if (done == total) *rd = (double)total / (now_s() - t0) / 1e9;
+    close(fd);
+    unlink(path);
+    free(buf);
+}
+
+int main(int argc, char **argv)
+{
+    opts o = {.dir = NULL, .steps = 5, .batch = 4, .seq = 64, .threads = 0, .fused = 1,
+              .prec = MT_PREC_FP32, .opt = MT_OPT_ADAMW};
+    mt_gpt_spec_init(&o.spec);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--unfused")) {
+            o.fused = 0;
+            continue;
+        }
+        if (!v) {
+            fprintf(stderr, "bench_offload: %s needs a value (or is unknown)\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--dir")) o.dir = v;
+        else if (!strcmp(a, "--steps")) o.steps = atoi(v);
+        else if (!strcmp(a, "--batch")) o.batch = atoi(v);
+        else if (!strcmp(a, "--seq")) o.seq = atoi(v);
+        else if (!strcmp(a, "--threads")) o.threads = atoi(v);
+        else if (!strcmp(a, "--layers")) o.spec.layers = atoi(v);
+        else if (!strcmp(a, "--heads")) o.spec.heads = atoi(v);
+        else if (!strcmp(a, "--channels")) o.spec.channels = atoi(v);
+        else if (!strcmp(a, "--precision")) o.prec = !strcmp(v, "bf16") ? MT_PREC_BF16 : MT_PREC_FP32;
+        else if (!strcmp(a, "--optimizer")) {
+            if (mt_optimizer_by_name(v, &o.opt)) {
+                fprintf(stderr, "bench_offload: %s\n", mt_last_error(NULL));
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "bench_offload: unknown option %s\n", a);
+            return 2;
+        }
+    }
+    if (!o.dir || o.steps < 1) {
+        fprintf(stderr, "usage: bench_offload --dir DIR [--steps N] [--batch B] [--seq T] "
+                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] "
+                        "[--layers L --heads H --channels C]\n");
+        return 2;
+    }
+    double wr, rd;
+    disk_bandwidth(o.dir, &wr, &rd);
+    printf("disk (%s): O_DIRECT 8 MiB calls, 1 GiB: write %.2f GB/s, read %.2f GB/s\n", o.dir, wr, rd);
+    printf("GPT L%d H%d C%d, B%d T%d, %s %s%s, %d timed steps (median)\n", o.spec.layers,
+           o.spec.heads, o.spec.channels, o.batch, o.seq, o.prec == MT_PREC_BF16 ? "bf16" : "fp32",
+           mt_optimizer_name(o.opt), o.fused ? ", fused step" : "", o.steps);
+    printf("%-9s %10s %12s %14s %12s %12s %12s %10s\n", "state", "step s", "peak RSS MiB",
+           "device peak MiB", "OPTIM dev", "MASTER dev", "disk MiB", "loss");
+    result r[2];
+    const mt_place where[2] = {MT_PLACE_DEVICE, MT_PLACE_DISK};
+    for (int k = 0; k < 2; k++) {
+        if (in_child(&o, where[k], &r[k]) || !r[k].ok) {
+            printf("%-9s failed: %s\n", k ? "disk" : "resident", r[k].err);
+            return 1;
+        }
+        printf("%-9s %10.3f %12.1f %14.1f %12.1f %12.1f %12.1f %10.4f\n", k ? "disk" : "resident",
+               r[k].step_s, r[k].rss_kib / 1024.0, r[k].device_peak / 1048576.0,
+               r[k].optim_dev / 1048576.0, r[k].master_dev / 1048576.0, r[k].disk_peak / 1048576.0,
+               r[k].last_loss);
+    }
+    printf("disk / resident: peak RSS %.3fx, step time %.3fx\n",
+           (double)r[1].rss_kib / (double)r[0].rss_kib, r[1].step_s / r[0].step_s);
+    return 0;
+}

@@ -1,0 +1,790 @@
+/*
+ * offload.c - optimizer state and master weights at home on disk.
+ *
+ * Each trained parameter's state tensors (its optimizer's layout, lib/optim.h)
+ * and, in mixed precision, its fp32 master live in two scratch files,
+ * optim.bin (OPTIM) and master.bin (MASTER), in a directory of their own,
+ * offload_dir/memtrain-scratch, beside a lock file naming the process that
+ * owns it. Every tensor has a region of its file starting at a multiple of
+ * ALIGN, so pieces can be moved with O_DIRECT.
+ *
+ * The update is cut into pieces on a fixed grid: PIECE elements of a
+ * parameter whose optimizer updates slices (a multiple of every slice
+ * alignment, so each piece's update is the bits of the whole tensor's), the
+ * whole tensor otherwise. SLOTS piece buffers on the device (OPTIM for the
+ * state, MASTER for the master) hold the piece being updated, the next one
+ * being read, and the last one being written back; two I/O threads move
+ * them with pread/pwrite while the update computes. The order of the pieces
+ * is learned: each piece remembers the piece that came after it last time
+ * (the next step asks for them in the same order), and the first step
+ * guesses the next piece in storage order.
+ *
+ * The buffers are made when the trainer is made and live as long, so the
+ * device's figures do not depend on the order or the timing of the I/O; a
+ * dry context makes them and counts the files' bytes on disk (mt_place)
+ * without touching a file, which keeps the estimate exact per place.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "offload.h"
+
+#define ALIGN 4096u               /* O_DIRECT's offsets, lengths and addresses */
+#define PIECE ((size_t)1 << 20)   /* elements per piece of a sliceable update */
+
+size_t mti_offload_piece_elems = PIECE;
+#define SLOTS 3                   /* updated, being read, being written back */
+#define THREADS 2
+#define DIRNAME "memtrain-scratch"
+
+int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n) = NULL;
+
+enum { F_OPTIM = 0, F_MASTER = 1, F_COUNT = 2 };
+static const char *const file_name[F_COUNT] = {"optim.bin", "master.bin"};
+static const mt_mem_class file_class[F_COUNT] = {MT_MEM_OPTIM, MT_MEM_MASTER};
+
+/* A slot's life: FREE -> READING -> CLEAN -> (acquired) DIRTY -> WRITING ->
+ * CLEAN ... ; the I/O threads own a slot while it is READING or WRITING. */
+enum { S_FREE, S_READING, S_CLEAN, S_DIRTY, S_WRITING };
+
+typedef struct off_param {
+    size_t piece;                  /* elements per piece; 0: nothing offloaded */
+    int first, count;              /* its pieces in the global numbering */
+    uint64_t st_off[MTI_OPT_SLOTS]; /* its state's regions in optim.bin */
+    uint64_t m_off;                /* its master's region in master.bin */
+} off_param;
+
+typedef struct off_slot {
+    mt_block stb, msb; /* OPTIM: a piece's state tensors, MASTER: its master (the
+                          blocks: ALIGN more than they hold, at the default alignment,
+                          so that their place does not depend on the addresses) */
+    char *st, *ms;     /* where they start: a multiple of ALIGN in the blocks, each
+                          state tensor at a multiple of ALIGN after st */
+    int piece;        /* -1: none */
+    int state;
+    uint64_t used;    /* when it was last acquired (least recently used goes first) */
+    int err;          /* the last I/O's errno; -1 the file was removed, -2 truncated,
+                         -3 it ended early */
+    int err_file, err_write;
+} off_slot;
+
+struct mti_offload {
+    mt_trainer *t;
+    mt_context *ctx;
+    int masters;            /* the masters live here too */
+    int dry;                /* no files: bytes counted, nothing moved */
+    char dir[PATH_MAX], lock[PATH_MAX + 16], path[F_COUNT][PATH_MAX + 16];
+    int fd[F_COUNT];        /* O_DIRECT where the file system takes it */
+    int fdb[F_COUNT];       /* buffered: unaligned transfers */
+    int made_dir, made_lock, made[F_COUNT], counted[F_COUNT];
+    uint64_t bytes[F_COUNT]; /* each file's size, counted on disk */
+    off_param *pp;
+    int n_pieces;
+    int *param_of;          /* piece -> parameter */
+    int *next;              /* piece -> the piece acquired after it last time (-1: none) */
+    int last;               /* the piece acquired last */
+    off_slot slot[SLOTS];
+    int cur;                /* the slot acquired last (-1: none) */
+    uint64_t tick;
+    /* where the acquired piece's tensors are in its slot */
+    size_t cur_at, cur_boff[MTI_OPT_SLOTS], cur_es[MTI_OPT_SLOTS];
+    int64_t cur_per[MTI_OPT_SLOTS], cur_start[MTI_OPT_SLOTS];
+    /* the I/O threads and their queue (slots whose I/O is to start) */
+    pthread_t th[THREADS];
+    int n_th, stop;
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    int queue[SLOTS], qn;
+    int io_err, io_file, io_wr; /* the first failed I/O (kept until it is reported) */
+    mt_status failed;       /* MT_ERR_IO once the files are lost */
+    char why[600];
+};
+
+static uint64_t up(uint64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+/* ---- geometry ---- */
+
+/* The bytes of slot j's state for elements [at, at + n) of parameter i, and
+ * where they start in its state tensor (elements). */
+static uint64_t state_part(const mti_offload *o, int i, int j, size_t at, size_t n, int64_t *start)
+{
+    const mti_opt_state *l = &o->t->ps[i].lay.s[j];
+    *start = l->per > 0 ? (int64_t)at / l->per : 0;
+    return (uint64_t)mti_optim_state_numel(l, at, n) * mti_dtype_size(l->dtype);
+}
+
+static void piece_range(const mti_offload *o, int p, int *i, size_t *at, size_t *n)
+{
+    *i = o->param_of[p];
+    const off_param *q = &o->pp[*i];
+    const size_t numel = o->t->model->params[*i].numel;
+    *at = (size_t)(p - q->first) * q->piece;
+    *n = numel - *at < q->piece ? numel - *at : q->piece;
+}
+
+/* Lays out the files and the pieces; sizes the slots. */
+static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes)
+{
+    mt_trainer *t = o->t;
+    const mt_model *m = t->model;
+    o->pp = calloc((size_t)m->n_param, sizeof *o->pp);
+    if (!o->pp) return mti_fail(o->ctx, MT_ERR_OOM, "out of host memory");
+    int np = 0;
+    *st_bytes = *m_bytes = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        uint64_t fo[F_COUNT] = {0};
+        np = 0;
+        for (int i = 0; i < m->n_param; i++) {
+            const mti_param *p = &m->params[i];
+            off_param *q = &o->pp[i];
+            if (p->frozen) continue;
+            const size_t piece = t->opt->sliceable ? mti_offload_piece_elems : p->numel;
+            q->piece = piece < p->numel ? piece : p->numel;
+            q->first = np;
+            q->count = (int)((p->numel + q->piece - 1) / q->piece);
+            for (int j = 0; j < MTI_OPT_SLOTS; j++) {
+                const mti_opt_state *l = &t->ps[i].lay.s[j];
+                q->st_off[j] = fo[F_OPTIM];
+                fo[F_OPTIM] += up((uint64_t)l->numel * mti_dtype_size(l->dtype));
+            }
+            q->m_off = fo[F_MASTER];
+            if (o->masters) fo[F_MASTER] += up((uint64_t)p->numel * 4);
+            for (int k = 0; k < q->count; k++, np++) {
+                if (pass) o->param_of[np] = i;
+                const size_t at = (size_t)k * q->piece;
+                const size_t n = p->numel - at < q->piece ? p->numel - at : q->piece;
+                uint64_t b = 0;
+                for (int j = 0; j < MTI_OPT_SLOTS; j++) {
+                    int64_t s0;
+                    b += up(state_part(o, i, j, at, n, &s0));
+                }
+                if (b > *st_bytes) *st_bytes = b;
+                if (o->masters && up((uint64_t)n * 4) > *m_bytes) *m_bytes = up((uint64_t)n * 4);
+            }
+        }
+        o->bytes[F_OPTIM] = fo[F_OPTIM];
+        o->bytes[F_MASTER] = fo[F_MASTER];
+        if (!pass) {
+            o->param_of = malloc((size_t)np * sizeof *o->param_of + 1);
+            o->next = malloc((size_t)np * sizeof *o->next + 1);
+            if (!o->param_of || !o->next) return mti_fail(o->ctx, MT_ERR_OOM, "out of host memory");
+        }
+    }
+    o->n_pieces = np;
+    for (int p = 0; p < np; p++) o->next[p] = p + 1 < np ? p + 1 : -1; /* storage order first */
+    return MT_OK;
+}
+
+/* ---- the scratch directory ---- */
+
+/* The process named in a scratch directory's lock file (0: none readable). */
+static long owner_of(const char *lock)
+{
+    FILE *f = fopen(lock, "r");
+    if (!f) return 0;
+    long pid = 0;
+    if (fscanf(f, "memtrain scratch directory of process %ld", &pid) != 1) pid = 0;
+    fclose(f);
+    return pid;
+}
+
+/* Removes what this library puts in a scratch directory, then the directory. */
+static int clean_dir(const char *dir)
+{
+    char p[PATH_MAX + 16];
+    for (int f = 0; f < F_COUNT; f++) {
+        snprintf(p, sizeof p, "%s/%s", dir, file_name[f]);
+        unlink(p);
+    }
+    snprintf(p, sizeof p, "%s/lock", dir);
+    unlink(p);
+    return rmdir(dir);
+}
+
+static mt_status make_dir(mti_offload *o, const char *base)
+{
+    mt_context *ctx = o->ctx;
+    if (snprintf(o->dir, sizeof o->dir, "%s/%s", base, DIRNAME) >= (int)sizeof o->dir)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "offload: the directory name '%s' is too long", base);
+    snprintf(o->lock, sizeof o->lock, "%s/lock", o->dir);
+    struct stat sb;
+    if (stat(base, &sb) != 0)
+        return mti_fail(ctx, MT_ERR_IO, "offload: the directory '%s': %s", base, strerror(errno));
+    if (!S_ISDIR(sb.st_mode))
+        return mti_fail(ctx, MT_ERR_IO, "offload: '%s' is not a directory", base);
+    for (int tries = 0; mkdir(o->dir, 0700) != 0; tries++) {
+        if (errno != EEXIST || tries)
+            return mti_fail(ctx, MT_ERR_IO, "offload: cannot make the scratch directory '%s': %s",
+                            o->dir, strerror(errno));
+        long pid = owner_of(o->lock);
+        if (pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM))
+            return mti_fail(ctx, MT_ERR_IO,
+                            "offload: the scratch directory '%s' belongs to process %ld, which "
+                            "is running; give each trainer a directory of its own",
+                            o->dir, pid);
+        if (clean_dir(o->dir) != 0)
+            return mti_fail(ctx, MT_ERR_IO,
+                            "offload: '%s' was left by %s but holds files memtrain did not make "
+                            "(%s); remove it",
+                            o->dir, pid ? "a process that has ended" : "an unknown process",
+                            strerror(errno));
+        mti_log(ctx, MT_LOG_WARN, "offload: removed the scratch directory '%s' left by %s%ld",
+                o->dir, pid ? "process " : "an unknown process ", pid);
+    }
+    o->made_dir = 1;
+    int fd = open(o->lock, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return mti_fail(ctx, MT_ERR_IO, "offload: cannot make '%s': %s", o->lock, strerror(errno));
+    o->made_lock = 1;
+    char line[64];
+    int n = snprintf(line, sizeof line, "memtrain scratch directory of process %ld\n", (long)getpid());
+    int ok = write(fd, line, (size_t)n) == n;
+    close(fd);
+    if (!ok) return mti_fail(ctx, MT_ERR_IO, "offload: cannot write '%s'", o->lock);
+    return MT_OK;
+}
+
+/* Closes and removes the files and the directory, and gives their bytes
+ * back (on disk). */
+static void remove_files(mti_offload *o)
+{
+    for (int f = 0; f < F_COUNT; f++) {
+        if (o->fd[f] >= 0) close(o->fd[f]);
+        if (o->fdb[f] >= 0) close(o->fdb[f]);
+        o->fd[f] = o->fdb[f] = -1;
+        if (o->made[f]) unlink(o->path[f]);
+        if (o->counted[f]) mti_place_sub(o->ctx, MT_PLACE_DISK, file_class[f], o->bytes[f]);
+        o->made[f] = o->counted[f] = 0;
+    }
+    if (o->made_lock) unlink(o->lock);
+    if (o->made_dir) rmdir(o->dir);
+    o->made_lock = o->made_dir = 0;
+}
+
+static mt_status make_file(mti_offload *o, int f)
+{
+    mt_context *ctx = o->ctx;
+    snprintf(o->path[f], sizeof o->path[f], "%s/%s", o->dir, file_name[f]);
+    int fd = open(o->path[f], O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);
+    if (fd < 0 && errno == EINVAL) /* no O_DIRECT on this file system */
+        fd = open(o->path[f], O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return mti_fail(ctx, MT_ERR_IO, "offload: cannot make '%s': %s", o->path[f], strerror(errno));
+    o->fd[f] = fd;
+    o->made[f] = o->counted[f] = 1;
+    mti_place_add(ctx, MT_PLACE_DISK, file_class[f], o->bytes[f]);
+    o->fdb[f] = open(o->path[f], O_RDWR | O_CLOEXEC);
+    if (o->fdb[f] < 0)
+        return mti_fail(ctx, MT_ERR_IO, "offload: cannot open '%s': %s", o->path[f], strerror(errno));
+    /* the whole file's blocks now: a disk too small fails here, not mid-run */
+    int e = o->bytes[f] ? posix_fallocate(fd, 0, (off_t)o->bytes[f]) : 0;
+    if (e == EOPNOTSUPP || e == EINVAL) e = ftruncate(fd, (off_t)o->bytes[f]) ? errno : 0;
+    if (e)
+        return mti_fail(ctx, MT_ERR_IO, "offload: cannot give '%s' its %llu bytes: %s", o->path[f],
+                        (unsigned long long)o->bytes[f], strerror(e));
+    return MT_OK;
+}
+
+/* ---- moving bytes ---- */
+
+/* n bytes at off of file f, from or to buf: on the O_DIRECT descriptor
+ * while the transfer is aligned, else the buffered one. Returns 0 or an
+ * errno (-3: the file ended early). */
+static int move(mti_offload *o, int f, int wr, void *buf, size_t n, uint64_t off)
+{
+    const int aligned = (uintptr_t)buf % ALIGN == 0 && n % ALIGN == 0 && off % ALIGN == 0;
+    int fd = aligned ? o->fd[f] : o->fdb[f];
+    size_t done = 0;
+    while (done < n) {
+        size_t len = n - done;
+        int e = mti_offload_fault ? mti_offload_fault(wr, o->path[f], off + done, &len) : 0;
+        ssize_t r;
+        if (e) {
+            errno = e;
+            r = -1;
+        } else if (wr) {
+            r = pwrite(fd, (char *)buf + done, len, (off_t)(off + done));
+        } else {
+            r = pread(fd, (char *)buf + done, len, (off_t)(off + done));
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) return wr ? ENOSPC : -3;
+        done += (size_t)r;
+        if ((size_t)r % ALIGN || (uintptr_t)buf % ALIGN) fd = o->fdb[f]; /* the rest, unaligned */
+    }
+    return 0;
+}
+
+/* The scratch file is there, as large as it was made (0), or -1 (removed)
+ * or -2 (truncated); the errno of fstat otherwise. */
+static int file_ok(const mti_offload *o, int f)
+{
+    struct stat sb;
+    if (fstat(o->fd[f], &sb) != 0) return errno;
+    if (sb.st_nlink == 0) return -1;
+    if ((uint64_t)sb.st_size < o->bytes[f]) return -2;
+    return 0;
+}
+
+/* A slot's piece in or out (an I/O thread, or the caller in tests). */
+static void slot_io(mti_offload *o, off_slot *sl, int wr)
+{
+    int i;
+    size_t at, n;
+    piece_range(o, sl->piece, &i, &at, &n);
+    const off_param *q = &o->pp[i];
+    sl->err = 0;
+    for (int f = 0; f < F_COUNT && !sl->err; f++)
+        if (o->bytes[f] && (sl->err = file_ok(o, f))) sl->err_file = f;
+    /* the tensor's last piece moves up to its region's end (aligned); the
+       others their own bytes (aligned at the library's piece size) */
+    const int last = at + n == o->t->model->params[i].numel;
+    uint64_t boff = 0;
+    for (int j = 0; j < MTI_OPT_SLOTS && !sl->err; j++) {
+        int64_t s0;
+        const uint64_t b = state_part(o, i, j, at, n, &s0);
+        if (!b) continue;
+        const size_t es = mti_dtype_size(o->t->ps[i].lay.s[j].dtype);
+        const uint64_t fo = q->st_off[j] + (uint64_t)s0 * es;
+        sl->err = move(o, F_OPTIM, wr, sl->st + boff, last && fo % ALIGN == 0 ? up(b) : b, fo);
+        sl->err_file = F_OPTIM;
+        boff += up(b);
+    }
+    if (!sl->err && o->masters) {
+        const uint64_t fo = q->m_off + (uint64_t)at * 4;
+        sl->err = move(o, F_MASTER, wr, sl->ms, last && fo % ALIGN == 0 ? up((uint64_t)n * 4) : (uint64_t)n * 4, fo);
+        sl->err_file = F_MASTER;
+    }
+    sl->err_write = wr;
+}
+
+static void *io_thread(void *arg)
+{
+    mti_offload *o = arg;
+    pthread_mutex_lock(&o->mu);
+    for (;;) {
+        while (!o->stop && !o->qn) pthread_cond_wait(&o->work, &o->mu);
+        if (!o->qn) break; /* stopping, nothing queued */
+        off_slot *sl = &o->slot[o->queue[0]];
+        memmove(o->queue, o->queue + 1, (size_t)--o->qn * sizeof *o->queue);
+        const int wr = sl->state == S_WRITING;
+        pthread_mutex_unlock(&o->mu);
+        slot_io(o, sl, wr);
+        pthread_mutex_lock(&o->mu);
+        /* a failed read leaves nothing; a failed write leaves the piece dirty */
+        sl->state = sl->err ? (wr ? S_DIRTY : S_FREE) : S_CLEAN;
+        if (sl->err && !wr) sl->piece = -1;
+        if (sl->err && !o->io_err) o->io_err = sl->err, o->io_file = sl->err_file, o->io_wr = wr;
+        pthread_cond_broadcast(&o->done);
+    }
+    pthread_mutex_unlock(&o->mu);
+    return NULL;
+}
+
+/* Starts a slot's read (of piece p) or write. Called unlocked. */
+static void submit(mti_offload *o, int s, int wr, int p)
+{
+    off_slot *sl = &o->slot[s];
+    pthread_mutex_lock(&o->mu);
+    if (!wr) sl->piece = p;
+    sl->state = wr ? S_WRITING : S_READING;
+    if (o->dry) { /* nothing to move */
+        sl->state = S_CLEAN;
+        sl->err = 0;
+    } else {
+        o->queue[o->qn++] = s;
+        pthread_cond_signal(&o->work);
+    }
+    pthread_mutex_unlock(&o->mu);
+}
+
+/* Waits for a slot's I/O; returns its errno (0: done well). */
+static int wait_slot(mti_offload *o, int s, int *state)
+{
+    off_slot *sl = &o->slot[s];
+    pthread_mutex_lock(&o->mu);
+    while (sl->state == S_READING || sl->state == S_WRITING) pthread_cond_wait(&o->done, &o->mu);
+    int e = sl->err;
+    sl->err = 0;
+    if (state) *state = sl->state;
+    pthread_mutex_unlock(&o->mu);
+    return e;
+}
+
+static int state_of(mti_offload *o, int s)
+{
+    pthread_mutex_lock(&o->mu);
+    int st = o->slot[s].state;
+    pthread_mutex_unlock(&o->mu);
+    return st;
+}
+
+/* The files are lost: every I/O waited for, the files removed, and the
+ * trainer told. Returns MT_ERR_IO with the message. */
+static mt_status lose(mti_offload *o, int f, int wr, int e)
+{
+    char what[300];
+    if (e == -1) snprintf(what, sizeof what, "the scratch file '%s' was removed", o->path[f]);
+    else if (e == -2 || e == -3)
+        snprintf(what, sizeof what, "the scratch file '%s' was truncated", o->path[f]);
+    else snprintf(what, sizeof what, "%s '%s': %s", wr ? "writing" : "reading", o->path[f], strerror(e));
+    for (int s = 0; s < SLOTS; s++) {
+        (void)wait_slot(o, s, NULL);
+        o->slot[s].piece = -1;
+        o->slot[s].state = S_FREE;
+    }
+    o->cur = -1;
+    remove_files(o);
+    o->failed = MT_ERR_IO;
+    snprintf(o->why, sizeof o->why,
+             "offload: %s; the offloaded optimizer state%s is lost and the scratch directory "
+             "removed (load the last training-state file into a new trainer)",
+             what, o->masters ? " and master weights" : "");
+    return mti_fail(o->ctx, MT_ERR_IO, "%s", o->why);
+}
+
+static mt_status lost(mti_offload *o) { return mti_fail(o->ctx, MT_ERR_IO, "%s", o->why); }
+
+/* Waits for a slot and turns a failure (of any I/O so far) into MT_ERR_IO. */
+static mt_status settle(mti_offload *o, int s)
+{
+    (void)wait_slot(o, s, NULL);
+    pthread_mutex_lock(&o->mu);
+    const int e = o->io_err, f = o->io_file, wr = o->io_wr;
+    pthread_mutex_unlock(&o->mu);
+    return e ? lose(o, f, wr, e) : MT_OK;
+}
+
+/* ---- create / destroy ---- */
+
+mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
+{
+    const char *fn = "mt_trainer_create";
+    if (c->offload == MT_PLACE_DEVICE) return MT_OK;
+    if ((unsigned)c->offload >= MT_PLACE_COUNT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: cfg->offload %d is not a place (device, host or disk)", fn, (int)c->offload);
+    if (c->offload == MT_PLACE_HOST)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->offload host is not supported yet (on a CPU context the device's "
+                        "memory is the host's: offload to disk)",
+                        fn);
+    if (ctx->dev->kind != MT_DEVICE_CPU)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->offload disk is supported on CPU contexts only, for now", fn);
+    if (ctx->world > 1)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->offload disk on a run of %d ranks is not supported yet (one rank "
+                        "only)",
+                        fn, ctx->world);
+    if (!ctx->dry && (!c->offload_dir || !*c->offload_dir))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: cfg->offload disk needs cfg->offload_dir, the directory for the "
+                        "scratch files",
+                        fn);
+    (void)m;
+    return MT_OK;
+}
+
+static mt_status slot_alloc(mt_context *ctx, mt_block *b, char **at, uint64_t bytes, mt_mem_class c,
+                            int k)
+{
+    const mt_alloc_request req = {.bytes = bytes ? (size_t)bytes + ALIGN : 0,
+                                  .alignment = MT_DEFAULT_ALIGNMENT,
+                                  .mem_class = c,
+                                  .lifetime = MT_LIFE_PERSISTENT,
+                                  .tag = MTI_TAG_PARAM(MTI_TAG_TRAINER, 16 + k)};
+    mt_status s = mt_context_alloc(ctx, &req, b);
+    if (!s && bytes) s = ctx->dev->memset8(ctx->dev, b->ptr, 0, b->bytes);
+    *at = bytes ? (char *)(((uintptr_t)b->ptr + ALIGN - 1) / ALIGN * ALIGN) : NULL;
+    return s;
+}
+
+/* The fresh state (its layout's fill byte) in every region of optim.bin,
+ * through slot 0's buffer. */
+static mt_status write_fresh(mti_offload *o)
+{
+    mt_trainer *t = o->t;
+    off_slot *sl = &o->slot[0];
+    const size_t cap = sl->stb.bytes ? sl->stb.bytes - ALIGN : 0;
+    for (int i = 0; i < t->model->n_param; i++) {
+        if (!o->pp[i].piece) continue;
+        for (int j = 0; j < MTI_OPT_SLOTS; j++) {
+            const mti_opt_state *l = &t->ps[i].lay.s[j];
+            const uint64_t b = up((uint64_t)l->numel * mti_dtype_size(l->dtype));
+            if (b) memset(sl->st, l->fill, cap);
+            for (uint64_t d = 0; d < b; d += cap) {
+                const size_t n = b - d < cap ? (size_t)(b - d) : cap;
+                int e = move(o, F_OPTIM, 1, sl->st, n, o->pp[i].st_off[j] + d);
+                if (e) return lose(o, F_OPTIM, 1, e);
+            }
+        }
+    }
+    return MT_OK;
+}
+
+mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
+{
+    mt_context *ctx = t->ctx;
+    mti_offload *o = calloc(1, sizeof *o);
+    if (!o) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    o->t = t;
+    o->ctx = ctx;
+    o->masters = masters;
+    o->dry = ctx->dry;
+    o->cur = o->last = -1;
+    for (int f = 0; f < F_COUNT; f++) o->fd[f] = o->fdb[f] = -1;
+    for (int s = 0; s < SLOTS; s++) o->slot[s].piece = -1;
+    pthread_mutex_init(&o->mu, NULL);
+    pthread_cond_init(&o->work, NULL);
+    pthread_cond_init(&o->done, NULL);
+    *out = o; /* (destroyed by the trainer on failure) */
+    uint64_t st_bytes = 0, m_bytes = 0;
+    mt_status s = plan(o, &st_bytes, &m_bytes);
+    for (int k = 0; k < SLOTS && !s; k++) {
+        off_slot *sl = &o->slot[k];
+        s = slot_alloc(ctx, &sl->stb, &sl->st, st_bytes, MT_MEM_OPTIM, 2 * k);
+        if (!s) s = slot_alloc(ctx, &sl->msb, &sl->ms, m_bytes, MT_MEM_MASTER, 2 * k + 1);
+    }
+    if (s) return s;
+    if (o->dry) { /* the files' bytes, without the files */
+        for (int f = 0; f < F_COUNT; f++) {
+            mti_place_add(ctx, MT_PLACE_DISK, file_class[f], o->bytes[f]);
+            o->counted[f] = 1;
+        }
+        return MT_OK;
+    }
+    s = make_dir(o, t->cfg.offload_dir);
+    for (int f = 0; f < F_COUNT && !s; f++) s = make_file(o, f);
+    if (!s) s = write_fresh(o);
+    for (int k = 0; k < THREADS && !s; k++) {
+        if (pthread_create(&o->th[k], NULL, io_thread, o) != 0)
+            s = mti_fail(ctx, MT_ERR_OOM, "offload: cannot start an I/O thread");
+        else o->n_th++;
+    }
+    return s;
+}
+
+void mti_offload_destroy(mti_offload *o)
+{
+    if (!o) return;
+    if (!o->failed) (void)mti_offload_end(o);
+    pthread_mutex_lock(&o->mu);
+    o->stop = 1;
+    pthread_cond_broadcast(&o->work);
+    pthread_mutex_unlock(&o->mu);
+    for (int k = 0; k < o->n_th; k++) pthread_join(o->th[k], NULL);
+    remove_files(o);
+    for (int s = 0; s < SLOTS; s++) {
+        if (o->slot[s].stb.ptr) mt_context_free(o->ctx, &o->slot[s].stb);
+        if (o->slot[s].msb.ptr) mt_context_free(o->ctx, &o->slot[s].msb);
+    }
+    pthread_mutex_destroy(&o->mu);
+    pthread_cond_destroy(&o->work);
+    pthread_cond_destroy(&o->done);
+    free(o->pp);
+    free(o->param_of);
+    free(o->next);
+    free(o);
+}
+
+/* ---- the update's pieces ---- */
+
+size_t mti_offload_piece(const mti_offload *o, int i) { return o->pp[i].piece; }
+
+static int find(const mti_offload *o, int p)
+{
+    for (int s = 0; s < SLOTS; s++)
+        if (o->slot[s].piece == p) return s;
+    return -1;
+}
+
+/* A slot for a new piece, other than `keep`: a free one, else the least
+ * recently used clean one; with `wait`, else one being written (waited
+ * for), else a dirty one (written, waited for), else one being read.
+ * -1 when none without waiting (wait 0), or on an I/O failure (*s set). */
+static int victim(mti_offload *o, int keep, int wait, mt_status *s)
+{
+    static const int pref[] = {S_FREE, S_CLEAN, S_WRITING, S_DIRTY, S_READING};
+    for (int k = 0; k < (wait ? 5 : 2); k++) {
+        int best = -1;
+        for (int v = 0; v < SLOTS; v++) {
+            if (v == keep || state_of(o, v) != pref[k]) continue;
+            if (best < 0 || o->slot[v].used < o->slot[best].used) best = v;
+        }
+        if (best < 0) continue;
+        if (pref[k] == S_DIRTY) submit(o, best, 1, -1);
+        if (pref[k] != S_FREE && pref[k] != S_CLEAN && (*s = settle(o, best))) return -1;
+        return best;
+    }
+    return -1;
+}
+
+/* Starts reading piece p into a slot that needs no waiting, if there is one. */
+static void prefetch(mti_offload *o, int p, int keep)
+{
+    mt_status s = MT_OK;
+    if (p < 0 || find(o, p) >= 0) return;
+    const int v = victim(o, keep, 0, &s);
+    if (v >= 0) submit(o, v, 0, p);
+}
+
+mt_status mti_offload_acquire(mti_offload *o, int i, size_t at)
+{
+    if (o->failed) return lost(o);
+    const off_param *q = &o->pp[i];
+    const int p = q->first + (int)(at / q->piece);
+    mt_status s = MT_OK;
+    int v = find(o, p);
+    if (v < 0) {
+        if ((v = victim(o, -1, 1, &s)) < 0) return s;
+        submit(o, v, 0, p);
+    }
+    if ((s = settle(o, v))) return s;
+    if (o->slot[v].piece != p) { /* (its read failed and was cleared) */
+        return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: piece %d lost its slot", p);
+    }
+    /* the pieces updated before this one go back to disk now */
+    for (int w = 0; w < SLOTS; w++)
+        if (w != v && state_of(o, w) == S_DIRTY) submit(o, w, 1, -1);
+    if (o->last >= 0 && o->last != p) o->next[o->last] = p;
+    o->last = p;
+    prefetch(o, o->next[p], v);
+    off_slot *sl = &o->slot[v];
+    pthread_mutex_lock(&o->mu);
+    sl->state = S_DIRTY;
+    pthread_mutex_unlock(&o->mu);
+    sl->used = ++o->tick;
+    o->cur = v;
+    /* where its tensors are in the slot */
+    int pi;
+    size_t pat, n;
+    piece_range(o, p, &pi, &pat, &n);
+    o->cur_at = pat;
+    uint64_t boff = 0;
+    for (int j = 0; j < MTI_OPT_SLOTS; j++) {
+        const mti_opt_state *l = &o->t->ps[i].lay.s[j];
+        int64_t s0;
+        const uint64_t b = state_part(o, i, j, pat, n, &s0);
+        o->cur_boff[j] = (size_t)boff;
+        o->cur_es[j] = mti_dtype_size(l->dtype);
+        o->cur_per[j] = l->per;
+        o->cur_start[j] = s0;
+        boff += up(b);
+    }
+    return MT_OK;
+}
+
+void *mti_offload_state(const mti_offload *o, int j, size_t e)
+{
+    const int64_t el = o->cur_per[j] > 0 ? (int64_t)e / o->cur_per[j] : 0;
+    return o->slot[o->cur].st + o->cur_boff[j] +
+           (size_t)(el - o->cur_start[j]) * o->cur_es[j];
+}
+
+float *mti_offload_master(const mti_offload *o, size_t e)
+{
+    return (float *)o->slot[o->cur].ms + (e - o->cur_at);
+}
+
+mt_status mti_offload_begin(mti_offload *o)
+{
+    if (o->failed) return lost(o);
+    if (o->dry) return MT_OK;
+    for (int f = 0; f < F_COUNT; f++) {
+        int e = o->bytes[f] ? file_ok(o, f) : 0;
+        if (e) return lose(o, f, 0, e);
+    }
+    if (o->last >= 0) prefetch(o, o->next[o->last], -1);
+    return MT_OK;
+}
+
+mt_status mti_offload_end(mti_offload *o)
+{
+    if (o->failed) return lost(o);
+    for (int s = 0; s < SLOTS; s++)
+        if (state_of(o, s) == S_DIRTY) submit(o, s, 1, -1);
+    mt_status st = MT_OK;
+    for (int s = 0; s < SLOTS && !st; s++) st = settle(o, s);
+    o->cur = -1;
+    return st;
+}
+
+/* ---- whole tensors: masters, training-state files, get/set_params ---- */
+
+/* Every piece written and every slot emptied: what follows reads or writes
+ * the files directly. */
+static mt_status drop_slots(mti_offload *o)
+{
+    mt_status s = mti_offload_end(o);
+    for (int k = 0; k < SLOTS && !s; k++) o->slot[k].piece = -1, o->slot[k].state = S_FREE;
+    return s;
+}
+
+static mt_status region(mti_offload *o, int i, int what, uint64_t off, size_t n, int *f,
+                        uint64_t *at)
+{
+    const mti_opt_state *l = what >= 2 ? &o->t->ps[i].lay.s[what - 2] : NULL;
+    const uint64_t size = l ? (uint64_t)l->numel * mti_dtype_size(l->dtype)
+                            : (uint64_t)o->t->model->params[i].numel * 4;
+    if ((what == 1 && !o->masters) || what < 1 || what >= 2 + MTI_OPT_SLOTS || !o->pp[i].piece ||
+        off + n > size)
+        return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: no bytes [%llu, +%zu) of tensor %d.%d",
+                        (unsigned long long)off, n, i, what);
+    *f = l ? F_OPTIM : F_MASTER;
+    *at = (l ? o->pp[i].st_off[what - 2] : o->pp[i].m_off) + off;
+    return MT_OK;
+}
+
+static mt_status whole(mti_offload *o, int i, int what, uint64_t off, void *buf, size_t n, int wr)
+{
+    if (o->failed) return lost(o);
+    int f = F_OPTIM;
+    uint64_t at = 0;
+    mt_status s = region(o, i, what, off, n, &f, &at);
+    if (!s) s = drop_slots(o);
+    if (s || o->dry || !n) return s; /* (a dry context moves nothing) */
+    int e = file_ok(o, f);
+    if (!e) e = move(o, f, wr, buf, n, at);
+    return e ? lose(o, f, wr, e) : MT_OK;
+}
+
+mt_status mti_offload_read(mti_offload *o, int i, int what, uint64_t off, void *dst, size_t n)
+{
+    return whole(o, i, what, off, dst, n, 0);
+}
+
+mt_status mti_offload_write(mti_offload *o, int i, int what, uint64_t off, const void *src, size_t n)
+{
+    return whole(o, i, what, off, (void *)src, n, 1);
+}
+
+mt_status mti_offload_put_master(mti_offload *o, int i)
+{
+    mti_param *p = &o->t->model->params[i];
+    mt_status s = mti_offload_write(o, i, 1, 0, p->master.blk.ptr, p->numel * 4);
+    if (!s) mti_tensor_free(o->ctx, &p->master);
+    return s;
+}
+
+mt_status mti_offload_get_master(mti_offload *o, int i)
+{
+    mti_param *p = &o->t->model->params[i];
+    mti_tensor master = {.dtype = MTI_F32, .ndim = p->w.ndim};
+    memcpy(master.shape, p->w.shape, sizeof master.shape);
+    mt_status s = mti_tensor_alloc(o->ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
+                                   MTI_TAG_PARAM(MTI_TAG_MASTER, i));
+    if (!s) s = mti_offload_read(o, i, 1, 0, master.blk.ptr, p->numel * 4);
+    if (s) mti_tensor_free(o->ctx, &master);
+    else p->master = master;
+    return s;
+}

@@ -1,0 +1,69 @@
+/*
+ * offload.h - a trainer's optimizer state and master weights kept off the
+ * device (lib/offload.c): their home is a place (mt_place), and the update
+ * brings each piece in just before it runs, prefetches the next and writes
+ * the last one back while it computes.
+ *
+ * Today's setting: MT_PLACE_DISK on a CPU context (scratch files). The
+ * trainer sees three things: where a piece's state and master are while it
+ * is being updated (mti_offload_acquire), the step's start and end (files
+ * checked, writes finished), and reads and writes of whole tensors for the
+ * training-state files and the model's get/set_params.
+ */
+#ifndef MT_OFFLOAD_H
+#define MT_OFFLOAD_H
+
+#include "trainer.h"
+
+typedef struct mti_offload mti_offload;
+
+/* Test hook: called before every scratch-file read and write (write 1)
+ * with the file's path, offset and length; a nonzero return is the errno
+ * the call fails with, and *n may be lowered to make it a short transfer.
+ * NULL (the default) in the library. */
+extern int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n);
+/* Elements per piece of an optimizer that updates slices (a multiple of
+ * 256; 2^20 in the library; tests lower it to cut small tensors). */
+extern size_t mti_offload_piece_elems;
+
+/* Checks the offload settings of cfg for a trainer of m (MT_OK when
+ * cfg->offload is MT_PLACE_DEVICE). */
+mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg);
+/* Makes the offload of t (after plan_state; before to_mixed, which hands
+ * it each master with mti_offload_put_master): the scratch directory and
+ * files (none in a dry context, whose bytes are counted all the same), the
+ * fresh optimizer state written, the piece buffers, the I/O threads. */
+mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out);
+/* Writes what is dirty, stops the threads, removes the scratch files and
+ * directory, frees the buffers. NULL is accepted. */
+void mti_offload_destroy(mti_offload *o);
+
+/* Parameter i's master (t's model, p->master) moves to its file and is freed. */
+mt_status mti_offload_put_master(mti_offload *o, int i);
+/* Parameter i's master back into p->master (a new MASTER tensor), from its file. */
+mt_status mti_offload_get_master(mti_offload *o, int i);
+
+/* Elements per piece of parameter i: the grid its updates are cut on. */
+size_t mti_offload_piece(const mti_offload *o, int i);
+/* Brings the piece of parameter i holding element `at` in (waiting for its
+ * read), starts writing back the pieces updated before it and reading the
+ * one expected next; then the state of slot j for element e of that piece
+ * is at mti_offload_state(o, j, e), its master at mti_offload_master(o, e).
+ * The piece counts as updated (to be written back). */
+mt_status mti_offload_acquire(mti_offload *o, int i, size_t at);
+void *mti_offload_state(const mti_offload *o, int j, size_t e);
+float *mti_offload_master(const mti_offload *o, size_t e);
+
+/* A step begins: the scratch files are checked (there, of their size) and
+ * the first piece's read starts. */
+mt_status mti_offload_begin(mti_offload *o);
+/* A step ends (or failed): every updated piece written, every I/O done. */
+mt_status mti_offload_end(mti_offload *o);
+
+/* Bytes [off, off + n) of parameter i's stored tensor `what` (1 the
+ * master, 2 + j state slot j), to or from host memory. */
+mt_status mti_offload_read(mti_offload *o, int i, int what, uint64_t off, void *dst, size_t n);
+mt_status mti_offload_write(mti_offload *o, int i, int what, uint64_t off, const void *src,
+                            size_t n);
+
+#endif /* MT_OFFLOAD_H */

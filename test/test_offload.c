@@ -1,0 +1,541 @@
+/*
+ * test_offload.c - optimizer state and master weights at home on disk
+ * (cfg.offload = MT_PLACE_DISK, lib/offload.c): every optimizer and
+ * precision trains to the resident run's bits, the estimate equals the run
+ * per class and per place, scratch files never outlive their trainer (a
+ * failure, a kill), and I/O faults give MT_ERR_IO with nothing else lost.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "offload.h"
+
+enum { B = 2, T = 16, V = 256, STEPS = 3 };
+
+static mt_model *gpt(mt_context *ctx)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 11;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    return m;
+}
+
+typedef struct ocase {
+    mt_optimizer_kind opt;
+    mt_precision prec;
+    int masters, fused;
+    float clip;
+} ocase;
+
+static void config(mt_trainer_config *tc, const ocase *c, mt_place place, const char *dir)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = B;
+    tc->optimizer = c->opt;
+    tc->lr = c->opt == MT_OPT_SGD ? 0.05f : 2e-3f;
+    tc->momentum = c->opt == MT_OPT_SGD ? 0.9f : 0.0f;
+    tc->weight_decay = 0.01f;
+    tc->precision = c->prec;
+    tc->master_weights = c->masters;
+    tc->fused_step = c->fused;
+    tc->grad_clip = c->clip;
+    tc->min_8bit_size = 256;
+    tc->offload = place;
+    tc->offload_dir = dir;
+}
+
+static void batch(mt_batch *b, int32_t *tok, int32_t *tg, int step)
+{
+    check_token_batch(b, tok, tg, B, T, V, step);
+}
+
+/* A scratch parent directory for this test (removed by the caller). */
+static const char *tmp_dir(void)
+{
+    char *d = check_alloc(64);
+    snprintf(d, 64, "/tmp/mt_offload_%ld_XXXXXX", (long)getpid());
+    CHECK(mkdtemp(d) != NULL);
+    return d;
+}
+
+static bool scratch_gone(const char *dir)
+{
+    char p[512];
+    snprintf(p, sizeof p, "%s/memtrain-scratch", dir);
+    struct stat sb;
+    return stat(p, &sb) != 0 && errno == ENOENT;
+}
+
+/* Trains STEPS steps; the weights (while the trainer lives, and after it)
+ * and the losses come back. With check_est the measured peaks per class and
+ * per place must equal the estimate to the byte. */
+static void train(const ocase *c, mt_place place, const char *dir, float *w, float *w_after,
+                  float *loss, bool check_est)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    config(&tc, c, place, dir);
+    mt_estimate_report est;
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    for (int s = 0; s < STEPS; s++) {
+        mt_batch b;
+        batch(&b, tok, tg, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[s]));
+    }
+    const size_t n = mt_model_num_params(m);
+    if (check_est) {
+        mt_memory_stats st, disk;
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_DISK, &disk));
+        for (int k = 0; k < MT_MEM_COUNT; k++) {
+            CHECK_MSG(st.per_class[k].peak_live_bytes == est.class_peak[k],
+                      "%s %s: class %s peak %llu, estimate %llu", mt_place_name(place), mt_optimizer_name(c->opt),
+                      mt_mem_class_name(k), (unsigned long long)st.per_class[k].peak_live_bytes,
+                      (unsigned long long)est.class_peak[k]);
+            CHECK_EQ(disk.per_class[k].peak_live_bytes, est.place_class_peak[MT_PLACE_DISK][k]);
+            CHECK_EQ(est.place_class_peak[MT_PLACE_DEVICE][k], est.class_peak[k]);
+        }
+        CHECK_EQ(st.peak_live_bytes, est.peak);
+        CHECK_EQ(disk.peak_live_bytes, est.place_peak[MT_PLACE_DISK]);
+        CHECK_EQ(st.peak_reserved_bytes, est.peak_reserved);
+        if (place == MT_PLACE_DISK) {
+            CHECK(disk.per_class[MT_MEM_OPTIM].live_bytes > 0 || c->opt == MT_OPT_SGD);
+            CHECK_EQ(disk.per_class[MT_MEM_MASTER].live_bytes > 0,
+                     c->prec != MT_PREC_FP32 && c->masters);
+            char rep[8192];
+            CHECK_OK(mt_memory_report(ctx, rep, sizeof rep, NULL));
+            CHECK(strstr(rep, "disk") != NULL);
+        } else {
+            CHECK_EQ(disk.peak_live_bytes, 0);
+        }
+    }
+    CHECK_OKC(ctx, mt_model_get_params(m, w, n)); /* (after: it may stage through IO) */
+    mt_trainer_destroy(t);
+    CHECK_OKC(ctx, mt_model_get_params(m, w_after, n));
+    mt_memory_stats disk;
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_DISK, &disk));
+    CHECK_EQ(disk.live_bytes, 0);
+    if (dir) CHECK(scratch_gone(dir));
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+static void compare(const ocase *c, const char *dir)
+{
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    const size_t n = mt_model_num_params(m);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4), *a0 = check_alloc(n * 4),
+          *a1 = check_alloc(n * 4), l0[STEPS], l1[STEPS];
+    train(c, MT_PLACE_DEVICE, NULL, w0, a0, l0, true);
+    train(c, MT_PLACE_DISK, dir, w1, a1, l1, true);
+    for (int s = 0; s < STEPS; s++)
+        CHECK_MSG(memcmp(&l0[s], &l1[s], 4) == 0, "%s prec %d: step %d loss %.9g vs %.9g",
+                  mt_optimizer_name(c->opt), (int)c->prec, s, l0[s], l1[s]);
+    CHECK_MSG(memcmp(w0, w1, n * 4) == 0, "%s prec %d fused %d: weights differ",
+              mt_optimizer_name(c->opt), (int)c->prec, c->fused);
+    CHECK_MSG(memcmp(a0, a1, n * 4) == 0, "%s prec %d: weights after the trainer differ",
+              mt_optimizer_name(c->opt), (int)c->prec);
+}
+
+static const ocase cases[] = {
+    {MT_OPT_SGD, MT_PREC_FP32, 1, 0, 0.0f},
+    {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f},
+    {MT_OPT_ADAMW, MT_PREC_FP32, 1, 1, 0.0f},
+    {MT_OPT_ADAMW8, MT_PREC_FP32, 1, 1, 1.0f},
+    {MT_OPT_ADAMW4, MT_PREC_FP32, 1, 0, 0.0f},
+    {MT_OPT_ADAFACTOR, MT_PREC_FP32, 1, 0, 0.0f},
+    {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 1.0f},
+    {MT_OPT_ADAMW, MT_PREC_FP16, 1, 1, 0.0f},
+    {MT_OPT_SGD, MT_PREC_BF16, 1, 1, 0.0f},
+    {MT_OPT_ADAMW8, MT_PREC_BF16, 0, 1, 0.0f},
+    {MT_OPT_ADAMW8, MT_PREC_BF16, 1, 0, 0.0f},
+    {MT_OPT_ADAMW4, MT_PREC_BF16, 1, 1, 0.0f},
+    {MT_OPT_ADAFACTOR, MT_PREC_FP16, 1, 0, 0.0f},
+    {MT_OPT_ADAMW, MT_PREC_BF16, 0, 0, 0.0f},
+};
+
+TEST(offload_disk_equals_resident_each_optimizer)
+{
+    const char *dir = tmp_dir();
+    /* small pieces, so tensors are cut (the tied table's slices too) */
+    const size_t keep = mti_offload_piece_elems;
+    for (int k = 0; k < 2; k++) {
+        mti_offload_piece_elems = k ? keep : 4096;
+        for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+            if (!k || i % 4 == 1) compare(&cases[i], dir); /* (whole pieces: a few) */
+    }
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0); /* nothing left in it */
+}
+
+TEST(offload_places_in_stats_and_estimate)
+{
+    mt_context *ctx = check_cpu_context(1);
+    CHECK(!strcmp(mt_place_name(MT_PLACE_DEVICE), "device") &&
+          !strcmp(mt_place_name(MT_PLACE_HOST), "host") &&
+          !strcmp(mt_place_name(MT_PLACE_DISK), "disk") && !strcmp(mt_place_name(3), "?"));
+    mt_memory_stats a, b;
+    CHECK_OK(mt_context_memory_stats(ctx, &a));
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_DEVICE, &b));
+    CHECK(memcmp(&a, &b, sizeof a) == 0);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_context_place_stats(ctx, (mt_place)3, &b));
+    CHECK(strstr(mt_last_error(ctx), "place 3"));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_context_place_stats(ctx, MT_PLACE_DISK, NULL));
+    /* the settings refused */
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f};
+    mt_trainer *t = NULL;
+    config(&tc, &c, MT_PLACE_DISK, NULL);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "offload_dir"));
+    config(&tc, &c, MT_PLACE_HOST, "/tmp");
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    config(&tc, &c, MT_PLACE_DISK, "/nonexistent/dir");
+    CHECK_ST(MT_ERR_IO, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "/nonexistent/dir"));
+    config(&tc, &c, (mt_place)7, "/tmp");
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    /* an estimate needs no directory; disk holds 8 bytes of AdamW state per
+       parameter (each tensor's region rounded up to 4 KiB) */
+    config(&tc, &c, MT_PLACE_DISK, NULL);
+    mt_estimate_report est;
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+    const uint64_t P = mt_model_num_params(m);
+    CHECK(est.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM] >= 8 * P);
+    CHECK(est.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM] < 8 * P + 64 * 4096);
+    CHECK_EQ(est.place_class_peak[MT_PLACE_DISK][MT_MEM_MASTER], 0);
+    CHECK_EQ(est.place_peak[MT_PLACE_HOST], 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+/* ---- faults ---- */
+
+static int fault_write_at = -1, fault_read_at = -1, fault_errno, fault_short, fault_calls[2];
+
+static int inject(int write, const char *path, uint64_t off, size_t *n)
+{
+    (void)path, (void)off;
+    int k = fault_calls[write]++;
+    if (fault_short && write && *n > 4096) { /* every large write goes half at a time */
+        *n = *n / 2;
+        return 0;
+    }
+    if ((write && k == fault_write_at) || (!write && k == fault_read_at)) return fault_errno;
+    return 0;
+}
+
+/* Trains with a fault after `after` steps: the step fails with MT_ERR_IO
+ * naming the scratch file, the scratch directory is gone, later steps are
+ * refused, and the model's weights stay finite. */
+static void fault_run(const char *dir, int wr, int err)
+{
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
+    config(&tc, &c, MT_PLACE_DISK, dir);
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    float loss;
+    batch(&b, tok, tg, 0);
+    fault_calls[0] = fault_calls[1] = 0;
+    mti_offload_fault = inject;
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    CHECK(fault_calls[0] > 4 && fault_calls[1] > 4);
+    const int per_step = fault_calls[wr];
+    fault_calls[0] = fault_calls[1] = 0;
+    fault_errno = err;
+    if (wr) fault_write_at = per_step / 2;
+    else fault_read_at = per_step / 2;
+    mt_status fs = mt_trainer_step(t, &b, &loss);
+    CHECK_MSG(fs == MT_ERR_IO, "%s: %d writes and %d reads in step 1, then %d and %d", mt_status_string(fs), wr ? per_step : -1, wr ? -1 : per_step, fault_calls[1], fault_calls[0]);
+    mti_offload_fault = NULL;
+    fault_write_at = fault_read_at = -1;
+    const char *msg = mt_last_error(ctx);
+    CHECK_MSG(strstr(msg, dir) && strstr(msg, strerror(err)), "%s", msg);
+    CHECK(scratch_gone(dir));
+    CHECK_ST(MT_ERR_IO, mt_trainer_step(t, &b, &loss));
+    CHECK(strstr(mt_last_error(ctx), "lost"));
+    mt_trainer_destroy(t);
+    const size_t n = mt_model_num_params(m);
+    float *w = check_alloc(n * 4);
+    CHECK_OKC(ctx, mt_model_get_params(m, w, n));
+    for (size_t i = 0; i < n; i++) CHECK(w[i] == w[i] && w[i] - w[i] == 0.0f);
+    mt_memory_stats disk;
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_DISK, &disk));
+    CHECK_EQ(disk.live_bytes, 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+TEST(offload_io_faults_are_clear_errors)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    fault_run(dir, 1, ENOSPC);
+    fault_run(dir, 1, EIO);
+    fault_run(dir, 0, EIO);
+    /* short writes are finished, not failed: the bits of a resident run */
+    fault_short = 1;
+    mti_offload_fault = inject;
+    compare(&cases[6], dir);
+    mti_offload_fault = NULL;
+    fault_short = 0;
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* A scratch file removed or truncated between steps: the next step fails
+ * before changing anything. */
+TEST(offload_removed_or_truncated_scratch)
+{
+    const char *dir = tmp_dir();
+    char path[512];
+    for (int k = 0; k < 2; k++) {
+        mt_context *ctx = check_cpu_context(1);
+        mt_model *m = gpt(ctx);
+        mt_trainer_config tc;
+        const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 1, 0.0f};
+        config(&tc, &c, MT_PLACE_DISK, dir);
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        int32_t tok[B * T], tg[B * T];
+        mt_batch b;
+        float loss;
+        batch(&b, tok, tg, 0);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+        const size_t n = mt_model_num_params(m);
+        float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
+        /* the masters on disk are what get and set_params see */
+        for (size_t i = 0; i < n; i++) w1[i] = w0[i] * 0.5f + 1e-3f;
+        CHECK_OKC(ctx, mt_model_set_params(m, w1, n));
+        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
+        CHECK(memcmp(w0, w1, n * 4) == 0);
+        snprintf(path, sizeof path, "%s/memtrain-scratch/%s", dir, k ? "optim.bin" : "master.bin");
+        if (k) CHECK(truncate(path, 4096) == 0);
+        else CHECK(unlink(path) == 0);
+        CHECK_ST(MT_ERR_IO, mt_trainer_step(t, &b, &loss));
+        CHECK_MSG(strstr(mt_last_error(ctx), path) &&
+                      strstr(mt_last_error(ctx), k ? "truncated" : "removed"),
+                  "%s", mt_last_error(ctx));
+        CHECK(scratch_gone(dir));
+        CHECK_EQ(mt_trainer_steps(t), 1);
+        mt_trainer_destroy(t); /* (the masters are lost: the compute copy stays) */
+        CHECK_OKC(ctx, mt_model_get_params(m, w1, n));
+        for (size_t i = 0; i < n; i++) CHECK(w1[i] == w1[i]);
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+    }
+    CHECK(rmdir(dir) == 0);
+}
+
+/* A directory a dead process left is cleaned; one a live process holds is
+ * refused and left alone; a killed run's directory is cleaned next time. */
+TEST(offload_scratch_directory_ownership)
+{
+    const char *dir = tmp_dir();
+    char sd[512], lock[600], other[600];
+    snprintf(sd, sizeof sd, "%s/memtrain-scratch", dir);
+    snprintf(lock, sizeof lock, "%s/lock", sd);
+    snprintf(other, sizeof other, "%s/mine.txt", sd);
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f};
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    config(&tc, &c, MT_PLACE_DISK, dir);
+    mt_trainer *t = NULL, *t2 = NULL;
+    /* a live owner (this process: a second trainer in the same directory) */
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_model *m2 = gpt(ctx);
+    CHECK_ST(MT_ERR_IO, mt_trainer_create(m2, &tc, &t2));
+    CHECK(strstr(mt_last_error(ctx), "belongs to process") && strstr(mt_last_error(ctx), sd));
+    struct stat sb;
+    CHECK(stat(lock, &sb) == 0); /* left alone */
+    mt_trainer_destroy(t);
+    CHECK(scratch_gone(dir));
+    /* a dead owner: a child that made its trainer and was killed */
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        mt_trainer *tk;
+        if (mt_trainer_create(m, &tc, &tk) != MT_OK) _exit(3);
+        raise(SIGKILL);
+        _exit(4);
+    }
+    int status;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    CHECK(stat(lock, &sb) == 0); /* the killed run's directory, recognisable */
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_trainer_destroy(t);
+    CHECK(scratch_gone(dir));
+    /* a directory with files memtrain did not make is refused */
+    CHECK(mkdir(sd, 0700) == 0);
+    FILE *f = fopen(other, "w");
+    CHECK(f && fputs("x", f) >= 0 && fclose(f) == 0);
+    CHECK_ST(MT_ERR_IO, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "did not make"));
+    CHECK(stat(other, &sb) == 0);
+    CHECK(unlink(other) == 0 && rmdir(sd) == 0);
+    mt_model_destroy(m2);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    CHECK(rmdir(dir) == 0);
+}
+
+/* Training-state files: an offloaded trainer saves the file a resident
+ * one does; either loads the other's and trains on to the same bits. */
+static void run_ck(mt_place save_at, mt_place load_at, const char *dir, const char *file, float *w)
+{
+    const ocase c = {MT_OPT_ADAMW8, MT_PREC_BF16, 1, 0, 0.0f};
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    float loss;
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    config(&tc, &c, save_at, dir);
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    for (int s = 0; s < 2; s++) {
+        batch(&b, tok, tg, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    }
+    CHECK_OKC(ctx, mt_trainer_save(t, file, "u", 1));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    ctx = check_cpu_context(1);
+    m = gpt(ctx);
+    config(&tc, &c, load_at, dir);
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    CHECK_OKC(ctx, mt_trainer_load(t, file, NULL, 0, NULL));
+    for (int s = 2; s < 4; s++) {
+        batch(&b, tok, tg, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    }
+    CHECK_OKC(ctx, mt_model_get_params(m, w, mt_model_num_params(m)));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    CHECK(unlink(file) == 0);
+}
+
+TEST(offload_training_state_files)
+{
+    const char *dir = tmp_dir();
+    char file[256];
+    snprintf(file, sizeof file, "%s.state", dir);
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    const size_t n = mt_model_num_params(m);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    float *w[4];
+    for (int k = 0; k < 4; k++) {
+        w[k] = check_alloc(n * 4);
+        run_ck(k & 1 ? MT_PLACE_DISK : MT_PLACE_DEVICE, k & 2 ? MT_PLACE_DISK : MT_PLACE_DEVICE, dir,
+               file, w[k]);
+    }
+    mti_offload_piece_elems = keep;
+    for (int k = 1; k < 4; k++) CHECK_MSG(memcmp(w[0], w[k], n * 4) == 0, "case %d differs", k);
+    CHECK(rmdir(dir) == 0);
+}
+
+/* The trace: the scratch files' bytes are events of the disk place, which
+ * the Chrome export shows as their own counter and replay leaves out. */
+TEST(offload_trace_has_the_disk)
+{
+    const char *dir = tmp_dir();
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.trace_capacity = 1 << 16;
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
+    config(&tc, &c, MT_PLACE_DISK, dir);
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    float loss;
+    batch(&b, tok, tg, 0);
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    mt_trainer_destroy(t);
+    const mt_trace_event *ev;
+    size_t n;
+    uint64_t dropped;
+    CHECK_OK(mt_context_trace_events(ctx, &ev, &n, &dropped));
+    uint64_t disk[2][MT_MEM_COUNT] = {{0}};
+    for (size_t i = 0; i < n; i++)
+        if (ev[i].place == MT_PLACE_DISK) disk[ev[i].op == MT_TRACE_FREE][ev[i].mem_class] += ev[i].bytes;
+    CHECK(disk[0][MT_MEM_OPTIM] > 0 && disk[0][MT_MEM_MASTER] > 0);
+    CHECK(memcmp(disk[0], disk[1], sizeof disk[0]) == 0); /* made and removed */
+    char path[256], json[256];
+    snprintf(path, sizeof path, "%s.trace", dir);
+    snprintf(json, sizeof json, "%s.json", dir);
+    CHECK_OK(mt_context_trace_write(ctx, path));
+    mt_trace *tr;
+    CHECK_OKC(ctx, mt_trace_load(ctx, path, &tr));
+    size_t n2;
+    CHECK_OK(mt_trace_info(tr, &n2, &dropped));
+    CHECK_EQ(n2, n);
+    const mt_trace_event *back = mt_trace_get_events(tr);
+    for (size_t i = 0; i < n; i++)
+        CHECK(back[i].place == ev[i].place && back[i].op == ev[i].op &&
+              back[i].bytes == ev[i].bytes && back[i].mem_class == ev[i].mem_class);
+    mt_trace_summary sum;
+    CHECK_OKC(ctx, mt_trace_summarize(ctx, tr, &sum));
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    CHECK_EQ(sum.peak, st.peak_live_bytes); /* the device's, the disk left out */
+    CHECK_OKC(ctx, mt_trace_export_chrome(ctx, tr, NULL, json));
+    unsigned char *text;
+    size_t len;
+    FILE *f = fopen(json, "rb");
+    CHECK(f);
+    text = check_alloc(1 << 24);
+    len = fread(text, 1, (1 << 24) - 1, f);
+    fclose(f);
+    text[len] = 0;
+    CHECK(strstr((char *)text, "\"disk bytes\"") != NULL);
+    mt_allocator *a;
+    CHECK_OK(mt_allocator_create(ctx, NULL, &a));
+    mt_replay_result rr;
+    CHECK_OKC(ctx, mt_trace_replay(tr, a, &rr));
+    CHECK_EQ(rr.peak_live_bytes, st.peak_live_bytes);
+    mt_allocator_destroy(a);
+    mt_trace_free(tr);
+    CHECK(unlink(path) == 0 && unlink(json) == 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    CHECK(rmdir(dir) == 0);
+}
