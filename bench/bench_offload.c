@@ -5,7 +5,7 @@
  * disk's own O_DIRECT bandwidth measured beside it.
  *
  *   bench_offload --dir DIR [--steps N] [--batch B] [--seq T] [--threads N]
- *                 [--precision fp32|bf16] [--optimizer NAME] [--unfused]
+ *                 [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt]
  *                 [--layers L --heads H --channels C]
  *
  * (make bench-offload; docs/benchmarks.md, "Disk offload")
@@ -25,7 +25,7 @@
 
 typedef struct opts {
     const char *dir;
-    int steps, batch, seq, threads, fused;
+    int steps, batch, seq, threads, fused, sqrt_recompute;
     mt_precision prec;
     mt_optimizer_kind opt;
     mt_gpt_spec spec;
@@ -60,6 +60,7 @@ static void run(const opts *o, mt_place place, result *r)
     tc.lr = 1e-4f;
     tc.precision = o->prec;
     tc.fused_step = o->fused;
+    tc.recompute = o->sqrt_recompute ? MT_RECOMPUTE_SQRT : MT_RECOMPUTE_NONE;
     tc.offload = place;
     tc.offload_dir = o->dir;
     if (!s) s = mt_trainer_create(m, &tc, &t);
@@ -160,8 +161,9 @@ int main(int argc, char **argv)
     mt_gpt_spec_init(&o.spec);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--unfused")) {
-            o.fused = 0;
+        if (!strcmp(a, "--unfused") || !strcmp(a, "--sqrt")) {
+            if (a[2] == 'u') o.fused = 0;
+            else o.sqrt_recompute = 1;
             continue;
         }
         if (!v) {
@@ -190,16 +192,17 @@ int main(int argc, char **argv)
     }
     if (!o.dir || o.steps < 1) {
         fprintf(stderr, "usage: bench_offload --dir DIR [--steps N] [--batch B] [--seq T] "
-                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] "
+                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt] "
                         "[--layers L --heads H --channels C]\n");
         return 2;
     }
     double wr, rd;
     disk_bandwidth(o.dir, &wr, &rd);
     printf("disk (%s): O_DIRECT 8 MiB calls, 1 GiB: write %.2f GB/s, read %.2f GB/s\n", o.dir, wr, rd);
-    printf("GPT L%d H%d C%d, B%d T%d, %s %s%s, %d timed steps (median)\n", o.spec.layers,
+    printf("GPT L%d H%d C%d, B%d T%d, %s %s%s%s, %d timed steps (median)\n", o.spec.layers,
            o.spec.heads, o.spec.channels, o.batch, o.seq, o.prec == MT_PREC_BF16 ? "bf16" : "fp32",
-           mt_optimizer_name(o.opt), o.fused ? ", fused step" : "", o.steps);
+           mt_optimizer_name(o.opt), o.fused ? ", fused step" : "",
+           o.sqrt_recompute ? ", sqrt(n) recompute" : "", o.steps);
     printf("%-9s %10s %12s %14s %12s %12s %12s %10s\n", "state", "step s", "peak RSS MiB",
            "device peak MiB", "OPTIM dev", "MASTER dev", "disk MiB", "loss");
     result r[2];

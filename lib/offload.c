@@ -12,9 +12,10 @@
  * parameter whose optimizer updates slices (a multiple of every slice
  * alignment, so each piece's update is the bits of the whole tensor's), the
  * whole tensor otherwise. SLOTS piece buffers on the device (OPTIM for the
- * state, MASTER for the master) hold the piece being updated, the next one
- * being read, and the last one being written back; two I/O threads move
- * them with pread/pwrite while the update computes. The order of the pieces
+ * state, MASTER for the master; SLOTS_WHOLE of whole tensors) hold the piece
+ * being updated, the last one being written back and the next ones being
+ * read; two I/O threads move them with pread/pwrite while the update and
+ * backward compute. The order of the pieces
  * is learned: each piece remembers the piece that came after it last time
  * (the next step asks for them in the same order), and the first step
  * guesses the next piece in storage order.
@@ -38,10 +39,11 @@
 #include "offload.h"
 
 #define ALIGN 4096u               /* O_DIRECT's offsets, lengths and addresses */
-#define PIECE ((size_t)1 << 20)   /* elements per piece of a sliceable update */
+#define PIECE ((size_t)1 << 19)   /* elements per piece of a sliceable update */
 
 size_t mti_offload_piece_elems = PIECE;
-#define SLOTS 3                   /* updated, being read, being written back */
+#define SLOTS 6      /* piece buffers at most: updated, written back, read ahead */
+#define SLOTS_WHOLE 3 /* with whole-tensor pieces: updated, written back, the next */
 #define THREADS 2
 #define DIRNAME "memtrain-scratch"
 
@@ -92,6 +94,7 @@ struct mti_offload {
     int *next;              /* piece -> the piece acquired after it last time (-1: none) */
     int last;               /* the piece acquired last */
     off_slot slot[SLOTS];
+    int n_slots;            /* SLOTS, or SLOTS_WHOLE when pieces are whole tensors */
     int cur;                /* the slot acquired last (-1: none) */
     uint64_t tick;
     /* where the acquired piece's tensors are in its slot */
@@ -437,7 +440,7 @@ static mt_status lose(mti_offload *o, int f, int wr, int e)
     else if (e == -2 || e == -3)
         snprintf(what, sizeof what, "the scratch file '%s' was truncated", o->path[f]);
     else snprintf(what, sizeof what, "%s '%s': %s", wr ? "writing" : "reading", o->path[f], strerror(e));
-    for (int s = 0; s < SLOTS; s++) {
+    for (int s = 0; s < o->n_slots; s++) {
         (void)wait_slot(o, s, NULL);
         o->slot[s].piece = -1;
         o->slot[s].state = S_FREE;
@@ -542,15 +545,16 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
     o->masters = masters;
     o->dry = ctx->dry;
     o->cur = o->last = -1;
+    o->n_slots = t->opt->sliceable ? SLOTS : SLOTS_WHOLE;
     for (int f = 0; f < F_COUNT; f++) o->fd[f] = o->fdb[f] = -1;
-    for (int s = 0; s < SLOTS; s++) o->slot[s].piece = -1;
+    for (int s = 0; s < SLOTS; s++) o->slot[s].piece = -1; /* (all of them: find) */
     pthread_mutex_init(&o->mu, NULL);
     pthread_cond_init(&o->work, NULL);
     pthread_cond_init(&o->done, NULL);
     *out = o; /* (destroyed by the trainer on failure) */
     uint64_t st_bytes = 0, m_bytes = 0;
     mt_status s = plan(o, &st_bytes, &m_bytes);
-    for (int k = 0; k < SLOTS && !s; k++) {
+    for (int k = 0; k < o->n_slots && !s; k++) {
         off_slot *sl = &o->slot[k];
         s = slot_alloc(ctx, &sl->stb, &sl->st, st_bytes, MT_MEM_OPTIM, 2 * k);
         if (!s) s = slot_alloc(ctx, &sl->msb, &sl->ms, m_bytes, MT_MEM_MASTER, 2 * k + 1);
@@ -584,7 +588,7 @@ void mti_offload_destroy(mti_offload *o)
     pthread_mutex_unlock(&o->mu);
     for (int k = 0; k < o->n_th; k++) pthread_join(o->th[k], NULL);
     remove_files(o);
-    for (int s = 0; s < SLOTS; s++) {
+    for (int s = 0; s < o->n_slots; s++) {
         if (o->slot[s].stb.ptr) mt_context_free(o->ctx, &o->slot[s].stb);
         if (o->slot[s].msb.ptr) mt_context_free(o->ctx, &o->slot[s].msb);
     }
@@ -603,7 +607,7 @@ size_t mti_offload_piece(const mti_offload *o, int i) { return o->pp[i].piece; }
 
 static int find(const mti_offload *o, int p)
 {
-    for (int s = 0; s < SLOTS; s++)
+    for (int s = 0; s < o->n_slots; s++)
         if (o->slot[s].piece == p) return s;
     return -1;
 }
@@ -612,13 +616,13 @@ static int find(const mti_offload *o, int p)
  * recently used clean one; with `wait`, else one being written (waited
  * for), else a dirty one (written, waited for), else one being read.
  * -1 when none without waiting (wait 0), or on an I/O failure (*s set). */
-static int victim(mti_offload *o, int keep, int wait, mt_status *s)
+static int victim(mti_offload *o, unsigned keep, int wait, mt_status *s)
 {
     static const int pref[] = {S_FREE, S_CLEAN, S_WRITING, S_DIRTY, S_READING};
     for (int k = 0; k < (wait ? 5 : 2); k++) {
         int best = -1;
-        for (int v = 0; v < SLOTS; v++) {
-            if (v == keep || state_of(o, v) != pref[k]) continue;
+        for (int v = 0; v < o->n_slots; v++) {
+            if ((keep >> v & 1u) || state_of(o, v) != pref[k]) continue;
             if (best < 0 || o->slot[v].used < o->slot[best].used) best = v;
         }
         if (best < 0) continue;
@@ -629,13 +633,23 @@ static int victim(mti_offload *o, int keep, int wait, mt_status *s)
     return -1;
 }
 
-/* Starts reading piece p into a slot that needs no waiting, if there is one. */
+/* Starts reading the pieces expected after piece p (up to all the slots
+ * but the current one and one being written back), each into a slot that
+ * needs no waiting, keeping the slot `keep` and those holding the pieces
+ * expected before it. */
 static void prefetch(mti_offload *o, int p, int keep)
 {
     mt_status s = MT_OK;
-    if (p < 0 || find(o, p) >= 0) return;
-    const int v = victim(o, keep, 0, &s);
-    if (v >= 0) submit(o, v, 0, p);
+    unsigned held = keep >= 0 ? 1u << keep : 0u;
+    for (int d = 0; d < o->n_slots - 2 && p >= 0; d++, p = o->next[p]) {
+        int v = find(o, p);
+        if (v < 0 && (v = victim(o, held, 0, &s)) >= 0) {
+            submit(o, v, 0, p);
+            o->slot[v].used = ++o->tick;
+        }
+        if (v < 0) return;
+        held |= 1u << v;
+    }
 }
 
 mt_status mti_offload_acquire(mti_offload *o, int i, size_t at)
@@ -646,7 +660,7 @@ mt_status mti_offload_acquire(mti_offload *o, int i, size_t at)
     mt_status s = MT_OK;
     int v = find(o, p);
     if (v < 0) {
-        if ((v = victim(o, -1, 1, &s)) < 0) return s;
+        if ((v = victim(o, 0u, 1, &s)) < 0) return s;
         submit(o, v, 0, p);
     }
     if ((s = settle(o, v))) return s;
@@ -654,7 +668,7 @@ mt_status mti_offload_acquire(mti_offload *o, int i, size_t at)
         return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: piece %d lost its slot", p);
     }
     /* the pieces updated before this one go back to disk now */
-    for (int w = 0; w < SLOTS; w++)
+    for (int w = 0; w < o->n_slots; w++)
         if (w != v && state_of(o, w) == S_DIRTY) submit(o, w, 1, -1);
     if (o->last >= 0 && o->last != p) o->next[o->last] = p;
     o->last = p;
@@ -711,10 +725,10 @@ mt_status mti_offload_begin(mti_offload *o)
 mt_status mti_offload_end(mti_offload *o)
 {
     if (o->failed) return lost(o);
-    for (int s = 0; s < SLOTS; s++)
+    for (int s = 0; s < o->n_slots; s++)
         if (state_of(o, s) == S_DIRTY) submit(o, s, 1, -1);
     mt_status st = MT_OK;
-    for (int s = 0; s < SLOTS && !st; s++) st = settle(o, s);
+    for (int s = 0; s < o->n_slots && !st; s++) st = settle(o, s);
     o->cur = -1;
     return st;
 }
@@ -726,7 +740,7 @@ mt_status mti_offload_end(mti_offload *o)
 static mt_status drop_slots(mti_offload *o)
 {
     mt_status s = mti_offload_end(o);
-    for (int k = 0; k < SLOTS && !s; k++) o->slot[k].piece = -1, o->slot[k].state = S_FREE;
+    for (int k = 0; k < o->n_slots && !s; k++) o->slot[k].piece = -1, o->slot[k].state = S_FREE;
     return s;
 }
 
