@@ -6,6 +6,7 @@
  *
  *   bench_offload --dir DIR [--steps N] [--batch B] [--seq T] [--threads N]
  *                 [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt]
+ *                 [--disk-only] (a model the resident run would not fit)
  *                 [--layers L --heads H --channels C]
  *
  * (make bench-offload; docs/benchmarks.md, "Disk offload")
@@ -25,7 +26,7 @@
 
 typedef struct opts {
     const char *dir;
-    int steps, batch, seq, threads, fused, sqrt_recompute;
+    int steps, batch, seq, threads, fused, sqrt_recompute, disk_only;
     mt_precision prec;
     mt_optimizer_kind opt;
     mt_gpt_spec spec;
@@ -161,9 +162,10 @@ int main(int argc, char **argv)
     mt_gpt_spec_init(&o.spec);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--unfused") || !strcmp(a, "--sqrt")) {
+        if (!strcmp(a, "--unfused") || !strcmp(a, "--sqrt") || !strcmp(a, "--disk-only")) {
             if (a[2] == 'u') o.fused = 0;
-            else o.sqrt_recompute = 1;
+            else if (a[2] == 's') o.sqrt_recompute = 1;
+            else o.disk_only = 1;
             continue;
         }
         if (!v) {
@@ -192,7 +194,7 @@ int main(int argc, char **argv)
     }
     if (!o.dir || o.steps < 1) {
         fprintf(stderr, "usage: bench_offload --dir DIR [--steps N] [--batch B] [--seq T] "
-                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt] "
+                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt] [--disk-only] "
                         "[--layers L --heads H --channels C]\n");
         return 2;
     }
@@ -207,7 +209,7 @@ int main(int argc, char **argv)
            "device peak MiB", "OPTIM dev", "MASTER dev", "disk MiB", "loss");
     result r[2];
     const mt_place where[2] = {MT_PLACE_DEVICE, MT_PLACE_DISK};
-    for (int k = 0; k < 2; k++) {
+    for (int k = o.disk_only; k < 2; k++) {
         if (in_child(&o, where[k], &r[k]) || !r[k].ok) {
             printf("%-9s failed: %s\n", k ? "disk" : "resident", r[k].err);
             return 1;
@@ -217,7 +219,8 @@ int main(int argc, char **argv)
                r[k].optim_dev / 1048576.0, r[k].master_dev / 1048576.0, r[k].disk_peak / 1048576.0,
                r[k].last_loss);
     }
-    printf("disk / resident: peak RSS %.3fx, step time %.3fx\n",
+    if (!o.disk_only)
+        printf("disk / resident: peak RSS %.3fx, step time %.3fx\n",
            (double)r[1].rss_kib / (double)r[0].rss_kib, r[1].step_s / r[0].step_s);
     return 0;
 }
