@@ -1015,13 +1015,16 @@ void mt_trainer_destroy(mt_trainer *t);
 /* Auto-fit: fits cfg to cfg->memory_budget for an effective batch of
  * cfg->max_batch rows (and cfg->max_seq tokens), without running a step:
  * for each micro-batch size (accumulating over the rest), and with
- * allow_8bit for 8-bit instead of 32-bit AdamW state, it finds the
+ * allow_8bit for 8-bit instead of 32-bit AdamW state (and, when none of
+ * those fits and cfg->offload_dir names a directory on a CPU context of
+ * one rank, each of them again with the state on disk, cfg->offload =
+ * MT_PLACE_DISK, saying so in the log), it finds the
  * cheapest recompute plan that fits (as MT_RECOMPUTE_BUDGET does) and
  * estimates the step time with a cost model (GEMM FLOPs, recompute,
  * micro-batch efficiency, the optimizer update's memory traffic;
  * docs/memory.md); the fastest wins. A configuration whose run would pass
  * an allocator instance's limit_bytes does not fit. cfg gets micro_batch, optimizer (with
- * allow_8bit) and recompute = MT_RECOMPUTE_BUDGET. With the fused step only
+ * allow_8bit), recompute = MT_RECOMPUTE_BUDGET and offload. With the fused step only
  * whole batches are tried (it cannot accumulate). MT_ERR_BUDGET, with the
  * least need, when nothing fits; cfg is then unchanged. */
 typedef struct mt_autofit_report {
@@ -1034,6 +1037,7 @@ typedef struct mt_autofit_report {
     double tokens_per_second;     /* max_batch x max_seq / step_seconds */
     int candidates;               /* configurations that fit, of those tried */
     int tried;
+    mt_place offload;             /* MT_PLACE_DISK when only the state on disk fits */
 } mt_autofit_report;
 mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,
                              mt_autofit_report *out);

@@ -331,13 +331,18 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                         "mt_trainer_autofit: cfg->memory_budget is 0 (auto-fit needs a budget)");
     memset(out, 0, sizeof *out);
     const bool eight = allow_8bit && cfg->optimizer == MT_OPT_ADAMW;
+    /* when nothing fits resident, the state on disk, where it can go */
+    const bool may_offload = cfg->offload == MT_PLACE_DEVICE && cfg->offload_dir &&
+                             *cfg->offload_dir && m->ctx->dev->kind == MT_DEVICE_CPU &&
+                             m->ctx->world == 1;
     mt_trainer_config best = *cfg;
     double best_t = 0;
     uint64_t least = UINT64_MAX;
     char least_how[320] = "", over[256] = "";
     mt_status s = MT_OK;
     /* micro-batch sizes: for each number of passes, the smallest size that
-       gives it (the largest batch first) */
+       gives it (the largest batch first); resident first, then offloaded */
+    for (int off = 0; off < (may_offload ? 2 : 1) && !s && !best_t; off++)
     for (int passes = 1; passes <= cfg->max_batch && !s; passes++) {
         int micro = (cfg->max_batch + passes - 1) / passes;
         if (passes > 1 && (cfg->max_batch + micro - 1) / micro != passes) continue;
@@ -347,17 +352,22 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
             c.micro_batch = micro == cfg->max_batch ? 0 : micro;
             c.optimizer = e8 ? MT_OPT_ADAMW8 : cfg->optimizer;
             c.recompute = MT_RECOMPUTE_BUDGET;
+            if (off) c.offload = MT_PLACE_DISK;
             search q;
             out->tried++;
             s = search_family(m, &c, c.memory_budget, &q);
             if (!s && q.found) {
                 out->candidates++;
-                double t = step_seconds(m, &c, micro, q.fwd, q.cost);
+                /* offloaded: the state read and written once a step, at a
+                   nominal 1.5 GB/s (this machine's disk, docs/benchmarks.md) */
+                double t = step_seconds(m, &c, micro, q.fwd, q.cost) +
+                           2.0 * (double)q.est.place_peak[MT_PLACE_DISK] / 1.5e9;
                 if (!best_t || t < best_t) {
                     best_t = t;
                     best = c;
                     out->micro_batch = micro;
                     out->optimizer = c.optimizer;
+                    out->offload = c.offload;
                     out->units = m->n_units;
                     out->recomputed_units = out->selective_units = 0;
                     for (int u = 0; u < m->n_units; u++) {
@@ -373,8 +383,8 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                 least = q.least;
                 char how[160];
                 mti_plan_describe(m, q.least_units, q.least_seg, how, sizeof how);
-                snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s, %s%s", micro,
-                         e8 ? " and 8-bit AdamW" : "", how,
+                snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s%s, %s%s", micro,
+                         e8 ? " and 8-bit AdamW" : "", off ? ", the state on disk" : "", how,
                          q.over[0] ? " (plans needing less pass an allocator's limit)" : "");
             }
             search_free(&q);
@@ -391,6 +401,13 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                         "least is %llu bytes (%.1f MiB), with %s",
                         (unsigned long long)cfg->memory_budget, (unsigned long long)least,
                         (double)least / 1048576.0, least_how);
+    if (best.offload != cfg->offload)
+        mti_log(m->ctx, MT_LOG_INFO,
+                "mt_trainer_autofit: nothing fits %llu bytes with the state on the device; with "
+                "the optimizer state%s on disk (in %s) it fits",
+                (unsigned long long)cfg->memory_budget,
+                cfg->precision != MT_PREC_FP32 && cfg->master_weights ? " and masters" : "",
+                cfg->offload_dir);
     out->step_seconds = best_t;
     const int T = seq_of(m, cfg);
     out->tokens_per_second = (double)cfg->max_batch * T / best_t;

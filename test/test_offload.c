@@ -19,15 +19,17 @@
 
 enum { B = 2, T = 16, V = 256, STEPS = 3 };
 
-static mt_model *gpt(mt_context *ctx)
+static mt_model *gpt_of(mt_context *ctx, int channels, uint64_t seed)
 {
     mt_gpt_spec g;
     mt_gpt_spec_init(&g);
-    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 11;
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = channels, g.seed = seed;
     mt_model *m;
     CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
     return m;
 }
+
+static mt_model *gpt(mt_context *ctx) { return gpt_of(ctx, 64, 11); }
 
 typedef struct ocase {
     mt_optimizer_kind opt;
@@ -537,5 +539,63 @@ TEST(offload_trace_has_the_disk)
     CHECK(unlink(path) == 0 && unlink(json) == 0);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
+    CHECK(rmdir(dir) == 0);
+}
+
+/* The least a budget needs, from auto-fit's MT_ERR_BUDGET message. */
+static uint64_t least_of(const mt_model *m, mt_context *ctx, const mt_trainer_config *base)
+{
+    mt_trainer_config c = *base;
+    c.memory_budget = 1;
+    mt_autofit_report r;
+    CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &c, 0, &r));
+    const char *at = strstr(mt_last_error(ctx), "the least is ");
+    unsigned long long least = 0;
+    CHECK(at && sscanf(at, "the least is %llu", &least) == 1);
+    return least;
+}
+
+/* Auto-fit puts the state on disk when nothing else fits, given a directory. */
+TEST(offload_autofit_chooses_the_disk)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt_of(ctx, 128, 3);
+    mt_trainer_config tc;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f};
+    config(&tc, &c, MT_PLACE_DEVICE, NULL);
+    const uint64_t resident = least_of(m, ctx, &tc);
+    tc.offload_dir = dir;
+    const uint64_t offloaded = least_of(m, ctx, &tc);
+    CHECK(strstr(mt_last_error(ctx), "the state on disk"));
+    CHECK_MSG(offloaded < resident, "%llu vs %llu", (unsigned long long)offloaded,
+              (unsigned long long)resident);
+    tc.memory_budget = (resident + offloaded) / 2;
+    mt_trainer_config without = tc;
+    without.offload_dir = NULL;
+    mt_autofit_report r;
+    CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &without, 0, &r));
+    CHECK_OKC(ctx, mt_trainer_autofit(m, &tc, 0, &r));
+    CHECK_EQ(r.offload, MT_PLACE_DISK);
+    CHECK_EQ(tc.offload, MT_PLACE_DISK);
+    CHECK(r.peak_reserved <= tc.memory_budget);
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    float loss;
+    for (int s = 0; s < 2; s++) {
+        batch(&b, tok, tg, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    }
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    CHECK(st.peak_reserved_bytes <= tc.memory_budget);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0);
 }
