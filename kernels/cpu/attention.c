@@ -108,38 +108,40 @@ static ATT_INLINE float att_exp(float x)
  * A(i,k) B(k,:), in order of k, one multiply and one add per term; A(i,k) is
  * a[i ra + k ca], row k of B is at b + k ldb. */
 #if defined(__GNUC__) || defined(__clang__)
-typedef float v8 __attribute__((vector_size(32)));
-/* (macros, not functions: a function returning v8 has a different ABI in
- * the AVX2 and baseline builds) */
-#define LD8(v, p) memcpy(&(v), (p), sizeof(v8))
-#define ST8(p, v) memcpy((p), &(v), sizeof(v8))
-#define BC8(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
+/* a row of the (4,16) piece: one register of the AVX-512 copy, two of the
+ * AVX2 one, four of the baseline's (the compiler splits the vector); each
+ * lane does the same multiply and add whatever the split */
+typedef float v16 __attribute__((vector_size(64)));
+/* (macros, not functions: a function returning v16 has a different ABI in
+ * the AVX-512, AVX2 and baseline builds) */
+#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
+#define ST16(p, v) memcpy((p), &(v), sizeof(v16))
+#define BC16(x) ((v16){(x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x)})
 
 static ATT_INLINE void mk4x16(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
                               const float *b, size_t ldb, int K, int zero)
 {
-    v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
+    v16 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
     if (!zero) {
-        LD8(c00, c), LD8(c01, c + 8);
-        LD8(c10, c + ldc), LD8(c11, c + ldc + 8);
-        LD8(c20, c + 2 * ldc), LD8(c21, c + 2 * ldc + 8);
-        LD8(c30, c + 3 * ldc), LD8(c31, c + 3 * ldc + 8);
+        LD16(c0, c);
+        LD16(c1, c + ldc);
+        LD16(c2, c + 2 * ldc);
+        LD16(c3, c + 3 * ldc);
     }
     for (int k = 0; k < K; k++) {
-        const float *ak = a + (size_t)k * ca, *bk = b + (size_t)k * ldb;
+        const float *ak = a + (size_t)k * ca;
         const float x0 = ak[0], x1 = ak[ra], x2 = ak[2 * ra], x3 = ak[3 * ra];
-        v8 b0, b1;
-        LD8(b0, bk), LD8(b1, bk + 8);
-        const v8 a0 = BC8(x0), a1 = BC8(x1), a2 = BC8(x2), a3 = BC8(x3);
-        c00 += a0 * b0, c01 += a0 * b1;
-        c10 += a1 * b0, c11 += a1 * b1;
-        c20 += a2 * b0, c21 += a2 * b1;
-        c30 += a3 * b0, c31 += a3 * b1;
+        v16 bk;
+        LD16(bk, b + (size_t)k * ldb);
+        c0 += BC16(x0) * bk;
+        c1 += BC16(x1) * bk;
+        c2 += BC16(x2) * bk;
+        c3 += BC16(x3) * bk;
     }
-    ST8(c, c00), ST8(c + 8, c01);
-    ST8(c + ldc, c10), ST8(c + ldc + 8, c11);
-    ST8(c + 2 * ldc, c20), ST8(c + 2 * ldc + 8, c21);
-    ST8(c + 3 * ldc, c30), ST8(c + 3 * ldc + 8, c31);
+    ST16(c, c0);
+    ST16(c + ldc, c1);
+    ST16(c + 2 * ldc, c2);
+    ST16(c + 3 * ldc, c3);
 }
 #else
 static ATT_INLINE void mk4x16(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
@@ -252,7 +254,9 @@ ATT_CLONES static void fwd_block(void *out, float *lse, const void *qkv, const a
     for (int r = 0; r < nq; r++) {
         float *qr = q + (size_t)r * hsp;
         mti_cpu_load_f32(qr, qkv, a->dt, row_at(a, b, i0 + r, h, 3 * a->C, 0), (size_t)hs);
-        for (int d = 0; d < hs; d++) qr[d] *= a->scale;
+        const float scale = a->scale; /* (held: qr might alias *a) */
+#pragma omp simd
+        for (int d = 0; d < hs; d++) qr[d] *= scale;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
@@ -288,8 +292,9 @@ ATT_CLONES static void fwd_block(void *out, float *lse, const void *qkv, const a
 
     float *lrow = lse + ((size_t)b * (size_t)a->H + (size_t)h) * (size_t)T;
     for (int r = 0; r < nq; r++) {
-        const float *orow = o + (size_t)r * hsp;
-        for (int d = 0; d < hs; d++) row[d] = orow[d] / l[r];
+        const float *orow = o + (size_t)r * hsp, lr = l[r]; /* (held: row might alias l) */
+#pragma omp simd
+        for (int d = 0; d < hs; d++) row[d] = orow[d] / lr;
         mti_cpu_store_f32(out, a->dt, row_at(a, b, i0 + r, h, a->C, 0), row, (size_t)hs);
         lrow[i0 + r] = m[r] + logf(l[r]);
     }
@@ -435,9 +440,11 @@ static void bwd_load(const bwd_head *hd, float *row, float *row2, const void *do
 static void bwd_store(void *dqkv, const bwd_head *hd, float *row, const att_args *a, int b, int h)
 {
     const int hs = a->hs, w3 = 3 * a->C;
+    const float scale = a->scale, *dq = hd->dq; /* (held: row might alias them) */
     for (int t = 0; t < a->T; t++) {
         size_t r = (size_t)t * (size_t)a->hsp;
-        for (int d = 0; d < hs; d++) row[d] = hd->dq[r + d] * a->scale;
+#pragma omp simd
+        for (int d = 0; d < hs; d++) row[d] = dq[r + d] * scale;
         mti_cpu_store_f32(dqkv, a->dt, row_at(a, b, t, h, w3, 0), row, (size_t)hs);
         mti_cpu_store_f32(dqkv, a->dt, row_at(a, b, t, h, w3, 1), hd->dk + r, (size_t)hs);
         mti_cpu_store_f32(dqkv, a->dt, row_at(a, b, t, h, w3, 2), hd->dv + r, (size_t)hs);

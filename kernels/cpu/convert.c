@@ -204,7 +204,72 @@ __attribute__((target("avx2"))) static void f2b_n_avx2(uint16_t *d, const float 
     }
     for (; i < n; i++) d[i] = f2b(s[i]);
 }
+
+/* AVX-512 F (with VL for the 128-bit tail masks): f2b() and b2f() sixteen
+ * lanes at a time, the partial vector at the end under a mask. The same
+ * integer operations as the definitions, so the same bits. */
+static int have_avx512(void)
+{
+    static _Atomic int known = -1;
+    int v = atomic_load_explicit(&known, memory_order_relaxed);
+    if (v < 0) {
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512bw");
+        atomic_store_explicit(&known, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+#define A512 __attribute__((target("avx512f,avx512vl,avx512bw")))
+
+A512 static inline __m256i f2b16(__m512i u)
+{
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                 _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+A512 static void f2b_n_avx512(uint16_t *d, const float *s, size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i), f2b16(_mm512_loadu_si512(s + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        _mm256_mask_storeu_epi16(d + i, m, f2b16(_mm512_maskz_loadu_epi32(m, s + i)));
+    }
+}
+
+A512 static void b2f_n_avx512(float *d, const uint16_t *s, size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + i)));
+        _mm512_storeu_si512(d + i, _mm512_slli_epi32(w, 16));
+    }
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, s + i));
+        _mm512_mask_storeu_epi32(d + i, m, _mm512_slli_epi32(w, 16));
+    }
+}
 #endif
+
+static void bf16_to_f32(float *d, const uint16_t *s, size_t n)
+{
+#ifdef X86_PATHS
+    if (have_avx512()) {
+        b2f_n_avx512(d, s, n);
+        return;
+    }
+#endif
+    b2f_n(d, s, n);
+}
 
 static void f16_to_f32(float *d, const uint16_t *s, size_t n)
 {
@@ -220,6 +285,10 @@ static void f16_to_f32(float *d, const uint16_t *s, size_t n)
 static void f32_to_bf16(uint16_t *d, const float *s, size_t n)
 {
 #ifdef X86_PATHS
+    if (have_avx512()) {
+        f2b_n_avx512(d, s, n);
+        return;
+    }
     if (have_x86_v3()) {
         f2b_n_avx2(d, s, n);
         return;
@@ -246,7 +315,7 @@ void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_
         if (dst != (const float *)src + i) memcpy(dst, (const float *)src + i, n * sizeof(float));
         break;
     case MTI_F16: f16_to_f32(dst, (const uint16_t *)src + i, n); break;
-    case MTI_BF16: b2f_n(dst, (const uint16_t *)src + i, n); break;
+    case MTI_BF16: bf16_to_f32(dst, (const uint16_t *)src + i, n); break;
     default: break; /* callers check dtypes before their loops */
     }
 }
