@@ -205,7 +205,7 @@ $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # a stand-in CUDA driver over host memory, so the CUDA device layer runs in tests
-$(FAKE_CUDA): test/fake_cuda/fake_libcuda.c lib/cuda_driver.h
+$(FAKE_CUDA): test/fake_cuda/fake_libcuda.c lib/cuda_driver.h kernels/cuda/dequant.cuh kernels/cuda/scalar.cuh
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -fPIC -shared -o $@ $< -ldl
 

@@ -91,7 +91,9 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_AF_ROWS, "mt_af_rows")                                                          \
     X(MTI_CUDA_AF_COLS, "mt_af_cols")                                                          \
     X(MTI_CUDA_AF_UPD, "mt_af_upd")                                                            \
-    X(MTI_CUDA_AF_APPLY, "mt_af_apply")
+    X(MTI_CUDA_AF_APPLY, "mt_af_apply")                                                        \
+    X(MTI_CUDA_DEQUANT_INT8, "mt_dequant_int8")                                                \
+    X(MTI_CUDA_DEQUANT_NF4, "mt_dequant_nf4")
 
 typedef enum mti_cuda_kernel_id {
 #define MTI_CUDA_KERNEL_ENUM(id, name) id,

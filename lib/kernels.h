@@ -377,6 +377,15 @@ mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);
 /* The same table for a dry CUDA context (an estimate): its ops check their
  * arguments and take their workspace as on the GPU, and run nothing. */
 const mti_ops *mti_cuda_dry_ops(void);
+/* The CUDA table's dequantizing kernels (kernels/cuda/dequant.cu), which
+ * its quantized matmuls run a tile at a time: rows [r0, r0 + rows) x
+ * columns [c0, c0 + cols) of the (R, I) weight quantized in wq (format qf,
+ * lib/quant.h; device memory) into out (rows x cols, leading dimension ld)
+ * in dt (fp32, fp16 or bf16), each value mti_dequantize's bits (fp16: its
+ * fp32 value rounded to nearest even). Queued on the device's stream. */
+mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t R, size_t I,
+                              size_t r0, size_t rows, size_t c0, size_t cols, void *out,
+                              size_t ld, mti_dtype dt);
 
 /* The 256-entry quantization maps of 8-bit optimizer states, ascending
  * (bitsandbytes' dynamic maps, built as lib/q8map.c says): signed (first

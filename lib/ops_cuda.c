@@ -54,6 +54,8 @@
 #include "cublaslt_api.h"
 #include "cuda_device.h"
 #include "kernels.h"
+#include "quant.h"
+#include "../kernels/cuda/dequant.cuh"
 
 #define MTI_GEMM_WORKSPACE (4u << 20) /* most workspace a GEMM may take, bytes */
 #define MTI_GEMM_PLANS 32             /* GEMM plans kept per device */
@@ -860,29 +862,154 @@ static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy,
     return gemm(k, key, x, dy0, dw, NULL, 1.0f, "matmul_dw_rows");
 }
 
-/* A quantized frozen weight (lib/quant.h) has no CUDA GEMM yet: refused
- * with a clear status rather than dequantized whole behind the caller's
- * back. */
-static mt_status cu_matmul_q_refused(const mti_kctx *k, const char *op, int qf)
+/* ---- a quantized frozen weight (lib/quant.h): dequantized a tile at a time ---- */
+
+/* The most elements of a weight dequantized at once: the tile buffer is
+ * this many values of the compute dtype in WORK (8 MiB in fp32, 4 MiB in
+ * bf16), whatever the weight's size. Tiles are whole rows (forward) or
+ * whole columns (input gradient) in multiples of MTI_DQ_ALIGN, so every
+ * tile's GEMM operands start 16-byte aligned. */
+#define MTI_DQ_TILE (1u << 21)
+#define MTI_DQ_ALIGN 8
+#define MTI_DQ_THREADS 256u /* threads per block, dequant.cu */
+
+mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t R, size_t I,
+                              size_t r0, size_t rows, size_t c0, size_t cols, void *out,
+                              size_t ld, mti_dtype dt)
 {
-    return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                    "%s: a quantized weight (format %d) has no CUDA kernel in this build; "
-                    "train a quantized base on the CPU",
-                    op, qf);
+    OP_NOTE(k, "dequantize %s %zu x %zu, rows [%zu,%zu) columns [%zu,%zu) %s",
+            mti_quant_name((mti_qformat)qf) ? mti_quant_name((mti_qformat)qf) : "?", R, I, r0,
+            r0 + rows, c0, c0 + cols, dt_name(dt));
+    mti_qparts p;
+    if (!mti_quant_name((mti_qformat)qf) || (I && R > SIZE_MAX / I))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA dequantize: format %d (need int8 or nf4) or size %zu x %zu", qf, R,
+                        I);
+    if (!dt_ok(dt)) return bad_dt(k, "dequantize", dt);
+    if (r0 > R || rows > R - r0 || c0 > I || cols > I - c0 || ld < cols || rows > UINT_MAX ||
+        cols > UINT_MAX)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA dequantize: rows [%zu,%zu) x columns [%zu,%zu) (leading dimension "
+                        "%zu) outside a %zu x %zu weight",
+                        r0, r0 + rows, c0, c0 + cols, ld, R, I);
+    if (rows == 0 || cols == 0) return MT_OK;
+    if (!wq || !out) return bad_arg(k, "dequantize", "NULL weight or output");
+    mti_quant_parts((mti_qformat)qf, R * I, &p);
+    const uint8_t *q = wq;
+    mti_dim3 grid = {(unsigned)cdiv(cols, MTI_DQ_THREADS),
+                     (unsigned)(rows < MTI_GRID_Y_MAX ? rows : MTI_GRID_Y_MAX), 1};
+    int idt = (int)dt;
+    unsigned long long LD = ld, II = I, R0 = r0, C0 = c0;
+    unsigned nr = (unsigned)rows, nc = (unsigned)cols;
+    if (qf == MTI_QF_INT8) {
+        const void *codes = q + p.codes, *scale = q + p.scale;
+        void *args[] = {&out, &idt, &LD, &codes, &scale, &II, &R0, &nr, &C0, &nc};
+        return launch(k, MTI_CUDA_DEQUANT_INT8, grid, MTI_DQ_THREADS, args);
+    }
+    mt_dq_maps maps;
+    memcpy(maps.q8, mti_q8_map(1), sizeof maps.q8);
+    memcpy(maps.nf4, mti_nf4_code(), sizeof maps.nf4);
+    const void *codes = q + p.codes, *qabsmax = q + p.qabsmax, *absmax2 = q + p.absmax2,
+               *offset = q + p.offset;
+    void *args[] = {&out,     &idt, &LD, &codes, &qabsmax, &absmax2, &offset,
+                    &II,      &R0,  &nr, &C0,    &nc,      &maps};
+    return launch(k, MTI_CUDA_DEQUANT_NF4, grid, MTI_DQ_THREADS, args);
 }
 
+/* The checks of the CPU table's quantized matmuls, in its order. */
+static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int qf, int n, int in,
+                         int out, mti_dtype dt)
+{
+    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name((mti_qformat)qf))
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA %s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
+    if (dt != MTI_F32 && dt != MTI_BF16)
+        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                        "CUDA %s: a quantized weight needs fp32 or bf16 activations (dtype %d, %s)",
+                        op, (int)dt, dt_name(dt));
+    return MT_OK;
+}
+
+/* Tile width (rows or columns) of a tile of `len` elements per row or
+ * column, and the WORK the tile buffer takes. */
+static int dq_tile(size_t len, int total)
+{
+    size_t w = MTI_DQ_TILE / (len ? len : 1);
+    w = w / MTI_DQ_ALIGN * MTI_DQ_ALIGN;
+    if (w < MTI_DQ_ALIGN) w = MTI_DQ_ALIGN;
+    return w < (size_t)total ? (int)w : total;
+}
+
+/* y (N,O) = x (N,I) . deq(W)^T + b, O rows of W at a time: each tile of
+ * rows [o0, o0 + t) dequantized into WORK, then matmul_fwd's GEMM on it
+ * for columns [o0, o0 + t) of y (ldd O). One tile takes the bias in the
+ * GEMM, as matmul_fwd; several add their products to y set to the bias
+ * rows (rounded once all the same: the bias is exact in fp32). */
 static mt_status cu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq,
                                  int qf, const void *b, int n, int in, int out, mti_dtype dt)
 {
-    (void)y, (void)x, (void)wq, (void)b, (void)n, (void)in, (void)out, (void)dt;
-    return cu_matmul_q_refused(k, "matmul_fwd_q", qf);
+    OP_NOTE(k, "matmul_fwd_q n=%d in=%d out=%d format %d %s", n, in, out, qf, dt_name(dt));
+    mt_status st = q_check(k, "matmul_fwd_q", wq, qf, n, in, out, dt);
+    if (st || n == 0 || out == 0) return st;
+    if (in == 0) return cu_matmul_fwd(k, y, x, NULL, b, n, in, out, dt); /* the bias rows */
+    const int tile = dq_tile((size_t)in, out);
+    const size_t es = mti_dtype_size(dt);
+    mt_block w;
+    if ((st = mti_work_alloc(k, (size_t)tile * (size_t)in * es, &w)) != MT_OK) return st;
+    const int t = lt_type(dt);
+    const void *bias = b;
+    if (b && tile < out) { /* y set to the bias rows first, each tile's product added once */
+        unsigned long long nn = (unsigned long long)n * (unsigned long long)out;
+        void *args[] = {&y, &b, &out, &nn};
+        st = launch(k, MTI_CUDA_BIAS_ROWS_F32 + dt, ew_grid(nn), MTI_EW_THREADS, args);
+        bias = NULL;
+    }
+    for (int o0 = 0; o0 < out && st == MT_OK; o0 += tile) {
+        const int rows = out - o0 < tile ? out - o0 : tile;
+        st = mti_cuda_dequantize(k, qf, wq, (size_t)out, (size_t)in, (size_t)o0, (size_t)rows, 0,
+                                 (size_t)in, w.ptr, (size_t)in, dt);
+        gemm_key key = {.ta = CUBLAS_OP_T, .tb = CUBLAS_OP_N, .m = rows, .n = n, .k = in,
+                        .lda = in, .ldb = in, .ldd = out, .a_type = t, .b_type = t, .d_type = t};
+        if (st == MT_OK)
+            st = gemm(k, key, w.ptr, x, (char *)y + (size_t)o0 * es, bias, b && !bias ? 1.0f : 0.0f,
+                      "matmul_fwd_q");
+    }
+    mti_work_free(k, &w);
+    return st;
 }
 
+/* dx (N,I) = (or +=) dy (N,O) . deq(W), I columns of W at a time: each
+ * tile of columns [i0, i0 + t) (all O rows, leading dimension t)
+ * dequantized into WORK, then matmul_bwd's dx GEMM on it for columns
+ * [i0, i0 + t) of dx (ldd I). The whole inner dimension O is in every
+ * GEMM, so each output is rounded once, as in matmul_bwd. */
 static mt_status cu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq,
                                 int qf, int n, int in, int out, mti_dtype dt, int accumulate)
 {
-    (void)dx, (void)dy, (void)wq, (void)n, (void)in, (void)out, (void)dt, (void)accumulate;
-    return cu_matmul_q_refused(k, "matmul_dx_q", qf);
+    OP_NOTE(k, "matmul_dx_q n=%d in=%d out=%d format %d %s", n, in, out, qf, dt_name(dt));
+    mt_status st = q_check(k, "matmul_dx_q", wq, qf, n, in, out, dt);
+    if (st || n == 0 || in == 0) return st;
+    const size_t es = mti_dtype_size(dt);
+    if (out == 0) /* an empty sum: 0, or dx unchanged when accumulating */
+        return accumulate ? MT_OK : k->dev->memset8(k->dev, dx, 0, (size_t)n * in * es);
+    if ((st = gemm_ready(k)) != MT_OK) return st;
+    const int tile = dq_tile((size_t)out, in);
+    mt_block w;
+    if ((st = mti_work_alloc(k, (size_t)tile * (size_t)out * es, &w)) != MT_OK) return st;
+    const int t = lt_type(dt);
+    for (int i0 = 0; i0 < in && st == MT_OK; i0 += tile) {
+        const int cols = in - i0 < tile ? in - i0 : tile;
+        st = mti_cuda_dequantize(k, qf, wq, (size_t)out, (size_t)in, 0, (size_t)out, (size_t)i0,
+                                 (size_t)cols, w.ptr, (size_t)cols, dt);
+        gemm_key key = {.ta = CUBLAS_OP_N, .tb = CUBLAS_OP_N, .m = cols, .n = n, .k = out,
+                        .lda = cols, .ldb = out, .ldd = in, .a_type = t, .b_type = t,
+                        .d_type = t};
+        if (st == MT_OK)
+            st = gemm(k, key, w.ptr, dy, (char *)dx + (size_t)i0 * es, NULL,
+                      accumulate ? 1.0f : 0.0f, "matmul_dx_q");
+    }
+    mti_work_free(k, &w);
+    return st;
 }
 
 /* ---- layernorm ---- */

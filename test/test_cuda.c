@@ -19,6 +19,7 @@
 #include "cuda_driver.h"
 #include "internal.h"
 #include "kernels.h"
+#include "quant.h"
 
 /* The refusal rules of the stand-in cuBLASLt (fake_cublaslt.c). */
 enum {
@@ -301,6 +302,180 @@ TEST(cuda_standin_distillation_kernel)
     CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bt));
     CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bg));
     CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}
+
+/* ---- the dequantizing kernels and the quantized matmuls ---- */
+
+/* A weight of R x I values with blocks of every kind: mixed magnitudes, a
+ * row of zeros, values on NF4's midpoints, a partial last block. */
+static float *dq_weight(size_t R, size_t I)
+{
+    float *w = check_alloc(R * I * 4);
+    uint64_t s = 0x5EED;
+    for (size_t i = 0; i < R * I; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        float u = (float)(s >> 40) / 8388608.0f - 1.0f;
+        w[i] = u * (i % 7 == 0 ? 40.0f : i % 5 == 0 ? 1e-3f : 1.0f);
+    }
+    for (size_t c = 0; c < I; c++) w[I + c] = 0.0f; /* row 1 */
+    return w;
+}
+
+/* Tiles of the (R, I) weight quantized in fq (format f) on the device,
+ * dequantized by mti_cuda_dequantize in every dtype, against lib/quant.c's
+ * dequantizer bit for bit (fp16: its fp32 value rounded to nearest even);
+ * the columns between a tile's width and its leading dimension are left
+ * alone. */
+static void dq_tiles(cuda_ctx *c, int f, const void *fq, const void *hq, size_t R, size_t I)
+{
+    const size_t tiles[][5] = {/* r0, rows, c0, cols, ld */
+                               {0, R, 0, I, I},
+                               {3, 7, 0, I, I},
+                               {0, R, 5, 130, 130},
+                               {1, 3, 63, 67, 70},
+                               {R - 1, 1, I - 9, 9, 16}};
+    for (size_t t = 0; t < sizeof tiles / sizeof tiles[0]; t++) {
+        const size_t r0 = tiles[t][0], rows = tiles[t][1], c0 = tiles[t][2], cols = tiles[t][3],
+                     ld = tiles[t][4];
+        for (int dt = 0; dt < 3; dt++) {
+            const size_t es = dt ? 2 : 4, bytes = rows * ld * es;
+            mt_block bo;
+            unsigned char *o = dev_alloc(c, &bo, bytes);
+            CHECK_OK(c->ctx->dev->memset8(c->ctx->dev, o, 0xA5, bytes));
+            CHECK_OKC(c->ctx, mti_cuda_dequantize(&c->k, f, fq, R, I, r0, rows, c0, cols, o, ld,
+                                                  (mti_dtype)dt));
+            unsigned char *got = check_alloc(bytes), *want = check_alloc(bytes);
+            CHECK_OK(c->ctx->dev->copy_d2h(c->ctx->dev, got, o, bytes));
+            CHECK_OK(c->ctx->dev->sync(c->ctx->dev));
+            memset(want, 0xA5, bytes);
+            float *row = check_alloc(cols * 4);
+            for (size_t r = 0; r < rows; r++) {
+                unsigned char *w = want + r * ld * es;
+                size_t at = (r0 + r) * I + c0;
+                if (dt == MTI_BF16) {
+                    CHECK_OK(mti_dequantize(NULL, (mti_qformat)f, hq, R * I, at, cols, w, MTI_BF16));
+                    continue;
+                }
+                CHECK_OK(mti_dequantize(NULL, (mti_qformat)f, hq, R * I, at, cols, row, MTI_F32));
+                if (dt == MTI_F32) memcpy(w, row, cols * 4);
+                else
+                    for (size_t j = 0; j < cols; j++) {
+                        uint16_t h = mti_f32_to_f16(row[j]);
+                        memcpy(w + 2 * j, &h, 2);
+                    }
+            }
+            CHECK_MSG(!memcmp(got, want, bytes),
+                      "%s tile %zu (rows [%zu,%zu) x columns [%zu,%zu)) dtype %d: not "
+                      "lib/quant.c's bits",
+                      mti_quant_name((mti_qformat)f), t, r0, r0 + rows, c0, c0 + cols, dt);
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bo));
+        }
+    }
+}
+
+/* Both formats, on a weight with two absmax scale blocks and an odd one
+ * with a partial last block; then the refusals. */
+static void dq_checks(cuda_ctx *c)
+{
+    const size_t shapes[2][2] = {{37, 448}, {11, 4103}};
+    for (int f = MTI_QF_INT8; f <= MTI_QF_NF4; f++)
+        for (int s = 0; s < 2; s++) {
+            const size_t R = shapes[s][0], I = shapes[s][1], qb = mti_quant_bytes(f, R * I);
+            void *hq = check_alloc(qb);
+            CHECK_OK(mti_quantize(NULL, (mti_qformat)f, dq_weight(R, I), R * I, hq));
+            mt_block bq;
+            void *fq = dev_alloc(c, &bq, qb);
+            CHECK_OK(c->ctx->dev->copy_h2d(c->ctx->dev, fq, hq, qb));
+            dq_tiles(c, f, fq, hq, R, I);
+            mt_block bo;
+            void *o = dev_alloc(c, &bo, 64 * 4);
+            CHECK_ST(MT_ERR_INVALID_ARG, mti_cuda_dequantize(&c->k, f, fq, R, I, R - 1, 2, 0, 8, o,
+                                                             8, MTI_F32));
+            CHECK(strstr(mt_last_error(c->ctx), "outside"));
+            CHECK_ST(MT_ERR_INVALID_ARG,
+                     mti_cuda_dequantize(&c->k, f, fq, R, I, 0, 1, 0, 8, o, 4, MTI_F32));
+            CHECK_ST(MT_ERR_INVALID_ARG,
+                     mti_cuda_dequantize(&c->k, 3, fq, R, I, 0, 1, 0, 8, o, 8, MTI_F32));
+            CHECK_ST(MT_ERR_INVALID_ARG,
+                     mti_cuda_dequantize(&c->k, f, fq, R, I, 0, 1, 0, 8, o, 8, MTI_I32));
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bo));
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bq));
+        }
+}
+
+/* Over the stand-in driver, whose twins of dequant.cu's kernels run
+ * dequant.cuh's arithmetic on the host: the host side's arguments (parts,
+ * tile, leading dimension, dtype) and that arithmetic, bit for bit. */
+TEST(cuda_standin_dequantize_matches_quant_c)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    cuda_ctx c;
+    cuda_open(&c);
+    dq_checks(&c);
+    CHECK_MSG(!strcmp(s.last_kernel(), "mt_dequant_nf4"), "ran %s", s.last_kernel());
+    CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}
+
+/* The same on a GPU (MT_TEST_GPU=1; the ops group of the GPU bundle): the
+ * kernels themselves, bit for bit. */
+TEST(ops_dequantize_matches_quant_c)
+{
+    mt_context *g = check_gpu_context();
+    if (!g) return;
+    cuda_ctx c = {.ctx = g};
+    CHECK_OKC(g, mti_cuda_ops(g->dev, &c.ops));
+    c.k = (mti_kctx){g, g->dev};
+    dq_checks(&c);
+    CHECK_OK(mt_context_destroy(g));
+}
+
+/* matmul_fwd_q and matmul_dx_q over the stand-ins: a weight of 2056 x
+ * 1024 takes two tiles of rows forward (2048 + 8: 2^21 / 1024) and two of
+ * columns for dx (1016 + 8: 2^21 / 2056 rounded down to a multiple of 8),
+ * each one dequantizing kernel and one GEMM; with several tiles the bias
+ * goes in first as bias rows. The WORK peak is one tile of the compute dtype and a
+ * GEMM's 4 MiB workspace, and all of it comes back. fp16 is refused. */
+TEST(cuda_standin_quantized_matmul_tiles)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    enum { N = 16, IN = 1024, OUT = 2056 };
+    const size_t nw = (size_t)IN * OUT, qb = mti_quant_bytes(MTI_QF_NF4, nw);
+    void *hq = check_alloc(qb);
+    CHECK_OK(mti_quantize(NULL, MTI_QF_NF4, dq_weight(OUT, IN), nw, hq));
+    for (int dt = 0; dt < 3; dt += 2) {
+        cuda_ctx c;
+        cuda_open(&c);
+        const size_t es = dt ? 2 : 4;
+        mt_block bq, bx, by, bb;
+        void *q = dev_alloc(&c, &bq, qb), *x = dev_alloc(&c, &bx, (size_t)N * OUT * es);
+        void *y = dev_alloc(&c, &by, (size_t)N * OUT * es), *b = dev_alloc(&c, &bb, OUT * es);
+        CHECK_OK(c.ctx->dev->copy_h2d(c.ctx->dev, q, hq, qb));
+        unsigned long long l0 = s.cuda_stat("launches"), m0 = s.lt_stat("matmuls");
+        CHECK_OKC(c.ctx, c.ops->matmul_fwd_q(&c.k, y, x, q, MTI_QF_NF4, b, N, IN, OUT, (mti_dtype)dt));
+        CHECK_EQ(s.cuda_stat("launches") - l0, 3); /* bias rows, two tiles */
+        CHECK_EQ(s.lt_stat("matmuls") - m0, 2);
+        mt_memory_stats ms;
+        CHECK_OK(mt_context_memory_stats(c.ctx, &ms));
+        CHECK_EQ(ms.per_class[MT_MEM_WORK].peak_live_bytes, 2048 * IN * es + (4u << 20));
+        l0 = s.cuda_stat("launches"), m0 = s.lt_stat("matmuls");
+        CHECK_OKC(c.ctx, c.ops->matmul_dx_q(&c.k, x, y, q, MTI_QF_NF4, N, IN, OUT, (mti_dtype)dt, 1));
+        CHECK_EQ(s.cuda_stat("launches") - l0, 2); /* 1016 + 8 columns */
+        CHECK_EQ(s.lt_stat("matmuls") - m0, 2);
+        CHECK_MSG(!strcmp(s.last_kernel(), "mt_dequant_nf4"), "ran %s", s.last_kernel());
+        CHECK_OK(mt_context_memory_stats(c.ctx, &ms));
+        CHECK_EQ(ms.per_class[MT_MEM_WORK].live_bytes, 0);
+        CHECK_EQ(ms.per_class[MT_MEM_WORK].peak_live_bytes, 2048 * IN * es + (4u << 20));
+        CHECK_ST(MT_ERR_UNSUPPORTED,
+                 c.ops->matmul_fwd_q(&c.k, y, x, q, MTI_QF_NF4, b, N, IN, OUT, MTI_F16));
+        CHECK(strstr(mt_last_error(c.ctx), "fp32 or bf16"));
+        CHECK_ST(MT_ERR_INVALID_ARG,
+                 c.ops->matmul_dx_q(&c.k, x, y, q, 7, N, IN, OUT, (mti_dtype)dt, 0));
+        CHECK_OK(mt_context_destroy(c.ctx));
+    }
     stand_in_close(&s);
 }
 

@@ -30,6 +30,7 @@
 
 #include "check.h"
 #include "kernels.h"
+#include "quant.h"
 
 typedef struct tol {
     double rtol, atol;
@@ -409,6 +410,80 @@ TEST(ops_matmul)
                 free(rdw), free(rdb), free(zero);
         }
         free(x), free(w), free(b), free(dy), free(y32), free(dx32), free(dw32), free(db32), free(yp);
+    }
+    close_tables();
+}
+
+/* ---- matmul through a quantized frozen weight ---- */
+
+/* y = x deq(W)^T + b and dx = (or +=) dy deq(W) with W quantized (int8,
+ * NF4) on every table, fp32 and bf16, against the CPU table within the
+ * dtype's tolerance and against the same table's dense matmul on the
+ * dequantized weight (the CPU: bit for bit, test_quant.c; CUDA, whose
+ * tiles are GEMMs of other shapes: within the tolerance). The second shape
+ * takes several tiles of rows (forward) and of columns (dx) on CUDA. */
+TEST(ops_matmul_quantized)
+{
+    open_tables();
+    static const mm_case cases[] = {{33, 200, 136}, {16, 1024, 2056}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+        const mm_case *c = &cases[ci];
+        const size_t nx = (size_t)c->n * c->in, nw = (size_t)c->out * c->in,
+                     ny = (size_t)c->n * c->out;
+        float *x = randv(nx, 1), *w = randv(nw, 0.3f), *b = randv((size_t)c->out, 0.5f),
+              *dy = randv(ny, 1), *wd = malloc(nw * 4);
+        for (int f = MTI_QF_INT8; f <= MTI_QF_NF4; f++) {
+            const size_t qb = mti_quant_bytes((mti_qformat)f, nw);
+            void *q = malloc(qb);
+            CHECK_OK(mti_quantize(NULL, (mti_qformat)f, w, nw, q));
+            CHECK_OK(mti_dequantize(NULL, (mti_qformat)f, q, nw, 0, nw, wd, MTI_F32));
+            for (int d = 0; d < 3; d += 2) {
+                const mti_dtype dt = DTYPES[d];
+                float *want[3] = {malloc(ny * 4), malloc(nx * 4), malloc(nx * 4)};
+                for (int ti = 0; ti < n_tabs; ti++) {
+                    tab *t = &tabs[ti];
+                    float *got[3] = {malloc(ny * 4), malloc(nx * 4), malloc(nx * 4)};
+                    float *dense[2] = {malloc(ny * 4), malloc(nx * 4)};
+                    void *X = put(t, x, nx, dt), *B = put(t, b, (size_t)c->out, dt);
+                    void *DY = put(t, dy, ny, dt), *Q = dev_buf(t, q, qb);
+                    void *W = put(t, wd, nw, dt); /* rounded as mti_dequantize rounds */
+                    void *Y = dev_buf(t, NULL, ny * dsize(dt)), *DX = put(t, x, nx, dt);
+                    CHECK_OKC(t->ctx, t->ops->matmul_fwd_q(&t->k, Y, X, Q, f, B, c->n, c->in,
+                                                           c->out, dt));
+                    get(t, got[0], Y, ny, dt);
+                    CHECK_OKC(t->ctx, t->ops->matmul_dx_q(&t->k, DX, DY, Q, f, c->n, c->in,
+                                                          c->out, dt, 1));
+                    get(t, got[2], DX, nx, dt);
+                    CHECK_OKC(t->ctx, t->ops->matmul_dx_q(&t->k, DX, DY, Q, f, c->n, c->in,
+                                                          c->out, dt, 0));
+                    get(t, got[1], DX, nx, dt);
+                    CHECK_OKC(t->ctx, t->ops->matmul_fwd(&t->k, Y, X, W, B, c->n, c->in, c->out,
+                                                         dt));
+                    get(t, dense[0], Y, ny, dt);
+                    CHECK_OKC(t->ctx, t->ops->matmul_bwd(&t->k, DX, NULL, NULL, DY, X, W, c->n,
+                                                         c->in, c->out, dt, 0));
+                    get(t, dense[1], DX, nx, dt);
+                    CHECK_ST(MT_ERR_UNSUPPORTED, t->ops->matmul_fwd_q(&t->k, Y, X, Q, f, NULL, c->n,
+                                                                      c->in, c->out, MTI_F16));
+                    free_bufs(t);
+                    char what[96];
+                    snprintf(what, sizeof what, "%s matmul_q %s %s (%d,%d,%d)", t->name,
+                             mti_quant_name((mti_qformat)f), dt_name(dt), c->n, c->in, c->out);
+                    if (ti == 0)
+                        for (int o = 0; o < 3; o++) memcpy(want[o], got[o], (o ? nx : ny) * 4);
+                    expect_close(what, got[0], want[0], ny, tol_of(dt));
+                    expect_close(what, got[1], want[1], nx, tol_of(dt));
+                    expect_close(what, got[2], want[2], nx, tol_of(dt));
+                    expect_close(what, got[0], dense[0], ny, tol_of(dt));
+                    expect_close(what, got[1], dense[1], nx, tol_of(dt));
+                    for (int o = 0; o < 3; o++) free(got[o]);
+                    free(dense[0]), free(dense[1]);
+                }
+                for (int o = 0; o < 3; o++) free(want[o]);
+            }
+            free(q);
+        }
+        free(x), free(w), free(b), free(dy), free(wd);
     }
     close_tables();
 }

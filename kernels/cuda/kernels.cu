@@ -26,6 +26,7 @@
  *   optim8.cu       8-bit blockwise AdamW
  *   optim4.cu       4-bit AdamW
  *   adafactor.cu    Adafactor
+ *   dequant.cu      tiles of int8 / NF4 quantized weights, for the quantized matmuls
  * GEMMs go through cuBLASLt from the host, not through kernels here.
  */
 
@@ -58,3 +59,4 @@ extern "C" __global__ void mt_axpy_f32(float *y, float a, const float *x, mt_ind
 #include "optim8.cu"
 #include "optim4.cu"
 #include "adafactor.cu"
+#include "dequant.cu"

@@ -14,7 +14,10 @@
  * memmove, and the virtual memory calls are mmap(PROT_NONE) for address
  * space, mprotect when access is granted, and madvise(MADV_DONTNEED) when a
  * mapping goes. Launches of the kernels of kernels/cuda that it knows run
- * on the host; others are only counted.
+ * on the host; others are only counted. It knows mt_fill_f32, mt_axpy_f32
+ * and the dequantizing kernels of dequant.cu, whose twins here run that
+ * file's own arithmetic (kernels/cuda/dequant.cuh, plain C as well as
+ * CUDA), so the stand-in tests check it bit for bit against lib/quant.c.
  *
  * Read at every cuInit, so a test can change them between contexts:
  *   MT_FAKE_CUDA_MEM          total device memory, bytes (default 4 GiB)
@@ -37,6 +40,7 @@
 #include <sys/mman.h>
 
 #include "cuda_driver.h"
+#include "../../kernels/cuda/dequant.cuh"
 
 /* ---- the exported entry points (the driver's symbol names) ---- */
 
@@ -607,9 +611,63 @@ CUresult cuFuncLoad(CUfunction fn)
     return leave(CUDA_SUCCESS);
 }
 
-/* The kernels of kernels/cuda/kernels.cu, run on the host. */
+/* The tile [r0, r0 + rows) x [c0, c0 + cols) of dequant.cu's kernels, run
+ * with dequant.cuh's own arithmetic; the reads and the writes must lie in
+ * device memory, as on a GPU. mu held. */
+static CUresult run_dequant(int nf4, void **p)
+{
+    void *out = *(void **)p[0];
+    int dt = *(const int *)p[1];
+    unsigned long long ld = *(const unsigned long long *)p[2];
+    const void *codes = *(const void **)p[3];
+    int a = nf4 ? 7 : 5; /* where I, r0, rows, c0, cols start */
+    unsigned long long I = *(const unsigned long long *)p[a];
+    unsigned long long r0 = *(const unsigned long long *)p[a + 1];
+    unsigned rows = *(const unsigned *)p[a + 2];
+    unsigned long long c0 = *(const unsigned long long *)p[a + 3];
+    unsigned cols = *(const unsigned *)p[a + 4];
+    if (dt < 0 || dt > 2 || !rows || !cols || cols > ld) return CUDA_ERROR_INVALID_VALUE;
+    size_t es = dt == 0 ? 4 : 2;
+    unsigned long long last = (r0 + rows - 1) * I + c0 + cols; /* elements read: [0, last) */
+    unsigned long long blocks = (last + MT_DQ_BLOCK - 1) / MT_DQ_BLOCK;
+    if (!dev_range_ok((CUdeviceptr)(uintptr_t)out, ((rows - 1) * ld + cols) * es))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (!nf4) {
+        const float *scale = *(const float **)p[4];
+        if (!dev_range_ok((CUdeviceptr)(uintptr_t)codes, last) ||
+            !dev_range_ok((CUdeviceptr)(uintptr_t)scale, blocks * 4))
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        for (unsigned r = 0; r < rows; r++)
+            for (unsigned c = 0; c < cols; c++)
+                mt_dq_store(out, dt, r * ld + c,
+                            mt_dq_int8(codes, scale, (r0 + r) * I + c0 + c));
+        return CUDA_SUCCESS;
+    }
+    const uint8_t *qabsmax = *(const uint8_t **)p[4];
+    const float *absmax2 = *(const float **)p[5], *offset = *(const float **)p[6];
+    const mt_dq_maps *maps = p[12];
+    if (!dev_range_ok((CUdeviceptr)(uintptr_t)codes, (last + 1) / 2) ||
+        !dev_range_ok((CUdeviceptr)(uintptr_t)qabsmax, blocks) ||
+        !dev_range_ok((CUdeviceptr)(uintptr_t)absmax2,
+                      (blocks + MT_DQ_STAT_BLOCK - 1) / MT_DQ_STAT_BLOCK * 4) ||
+        !dev_range_ok((CUdeviceptr)(uintptr_t)offset, 4))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    for (unsigned r = 0; r < rows; r++)
+        for (unsigned c = 0; c < cols; c++) {
+            unsigned long long i = (r0 + r) * I + c0 + c;
+            float am = mt_dq_nf4_absmax(qabsmax, absmax2, *offset, maps->q8, i / MT_DQ_BLOCK);
+            mt_dq_store(out, dt, r * ld + c, mt_dq_nf4(codes, maps->nf4, am, i));
+        }
+    return CUDA_SUCCESS;
+}
+
+/* The kernels of kernels/cuda/kernels.cu it knows, run on the host. */
 static CUresult run_known(const struct CUfunc_st *f, void **p)
 {
+    if (strcmp(f->name, "mt_dequant_int8") == 0 || strcmp(f->name, "mt_dequant_nf4") == 0) {
+        if (!p) return CUDA_ERROR_INVALID_VALUE;
+        return run_dequant(f->name[11] == 'n', p);
+    }
     if (strcmp(f->name, "mt_fill_f32") == 0) {
         if (!p) return CUDA_ERROR_INVALID_VALUE;
         float *y = *(float **)p[0];
