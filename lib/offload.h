@@ -23,7 +23,7 @@ typedef struct mti_offload mti_offload;
  * NULL (the default) in the library. */
 extern int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n);
 /* Elements per piece of an optimizer that updates slices (a multiple of
- * 256; 2^20 in the library; tests lower it to cut small tensors). */
+ * 256; 2^19 in the library; tests lower it to cut small tensors). */
 extern size_t mti_offload_piece_elems;
 
 /* Checks the offload settings of cfg for a trainer of m (MT_OK when
