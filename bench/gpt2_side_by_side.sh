@@ -4,7 +4,7 @@
 # on the same data, from the same weights, with the same thread count.
 #
 #   bench/gpt2_side_by_side.sh [--quick] [--threads N] [--steps N] [--warmup N]
-#                              [--rounds R] [--sections side,ckpt] [--work DIR]
+#                              [--rounds R] [--sections side,ckpt,cpu] [--work DIR]
 #   bench/gpt2_side_by_side.sh --long [--threads N] [--work DIR]
 #
 # Sections (all by default):
@@ -16,6 +16,13 @@
 #         AdamW run; then oneDNN's fp32 matmul rate at the step's GEMM shapes
 #         (bench_gpt2 --gemm, at the start and the end of each round) and
 #         our step time against 6 x params x tokens / rate.
+#   cpu   (with --sections cpu; not in the default) the CPU-speed table:
+#         PyTorch fp32 AdamW and bf16 autocast, ours fp32 AdamW, bf16 with
+#         master weights and the lean configuration (bf16 without masters,
+#         8-bit AdamW, fused step, recompute sqrt), ours with --profile;
+#         each against our fp32 step of the same round, every op family's
+#         share of our steps, and our fp32 step against the step's GEMMs
+#         at oneDNN's fp32 rate. The CPU's model and ISA are printed.
 #   ckpt  recompute none / every:1 / sqrt / selective (ours, fp32 AdamW):
 #         ms/step against none and the ACT class peak; PyTorch without and
 #         with per-block checkpointing for reference.
@@ -218,6 +225,23 @@ case ",$SECTIONS," in *,side,*)
         gemm gemm_end
     done
     report side
+    ;;
+esac
+
+case ",$SECTIONS," in *,cpu,*)
+    section cpu "CPU speed"
+    echo "ISA: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')" | tee -a "$RUN/machine.txt" >&2
+    LEAN="--precision bf16 --no-master --optimizer adamw8 --fused --recompute sqrt"
+    for ROUND in $(seq 1 "$ROUNDS"); do
+        gemm gemm_start
+        pair 0 cpu_fp32 "fp32 AdamW" "--profile" ""
+        pair 1 cpu_bf16 "bf16 (ours with fp32 masters; PyTorch autocast)" \
+            "--precision bf16 --profile" "--bf16"
+        row cpu_lean "lean: bf16 without masters + 8-bit AdamW + fused + sqrt" "$LEAN --profile" ""
+        run memtrain cpu_lean "$LEAN --profile"
+        gemm gemm_end
+    done
+    report cpu
     ;;
 esac
 

@@ -3,7 +3,7 @@
 gpt2_tools.py - the helpers of bench/gpt2_side_by_side.sh.
 
     python bench/gpt2_tools.py tokens FILE [--n N] [--vocab V] [--seed S]
-    python bench/gpt2_tools.py report RUNDIR --mode side|ckpt|long [--md]
+    python bench/gpt2_tools.py report RUNDIR --mode side|ckpt|long|cpu [--md]
 
 tokens: writes an llm.c token file (256 int32 header [0] 20240520, [1] 1,
 [2] N, then N uint16 tokens) of synthetic text with structure a model can
@@ -277,6 +277,85 @@ def report_long(rundir):
             r["peak_rss_mib"], r["ms_per_step_median"]))
 
 
+# ---- the CPU-speed section ----
+
+# bench/op_profile.h's families, by op name
+FAMILIES = [
+    ("GEMM", ("matmul_fwd", "matmul_bwd", "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q")),
+    ("optimizer update", ("sgd", "adamw", "adamw8", "adamw4", "adafactor")),
+    ("casts", ("cast",)),
+    ("attention", ("attention_fwd", "attention_bwd")),
+    ("GELU", ("gelu_fwd", "gelu_bwd", "relu_fwd", "relu_bwd")),
+    ("layernorm", ("layernorm_fwd", "layernorm_bwd")),
+    ("residual add", ("add", "accumulate")),
+    ("cross-entropy", ("xent", "xent_kd")),
+    ("gradient check, sum of squares", ("unscale_check", "sumsq")),
+    ("embedding", ("embedding_fwd", "embedding_bwd", "embedding_dw_rows")),
+]
+
+
+def report_cpu(rundir):
+    rows = runs_order(rundir)
+    ok = lambda r: r is not None and "error" not in r
+    base_rounds = load_rounds(rundir, "cpu_fp32", "memtrain")
+    runs = []  # (label, impl, tag)
+    for tag, label, _, torch_flags in rows:
+        if tag != "cpu_lean":
+            runs.append(("PyTorch, " + ("fp32 AdamW" if tag == "cpu_fp32" else "bf16 autocast"),
+                         "pytorch", tag))
+    for tag, label, _, _ in rows:
+        runs.append(("memtrain, " + label, "memtrain", tag))
+    print("| run | ms/step (best round) | per round | / our fp32 step, per round | "
+          "peak RSS MiB | last loss |")
+    print("|---|---|---|---|---|---|")
+    for label, impl, tag in runs:
+        rs = load_rounds(rundir, tag, impl)
+        b = load(rundir, tag, impl)
+        if not ok(b):
+            print("| %s | %s | | | | |" % (label, cell_err(b)))
+            continue
+        per = ", ".join(f1(r["ms_per_step_median"]) if ok(r) else "-" for r in rs)
+        rat = ", ".join(ratio(r["ms_per_step_median"], o["ms_per_step_median"])
+                        if ok(r) and ok(o) else "-" for r, o in zip(rs, base_rounds))
+        print("| %s | %s | %s | %s | %s | %.4f |" % (label, f1(b["ms_per_step_median"]), per, rat,
+                                                     f1(b["peak_rss_mib"]), b["losses"][-1]))
+    print()
+    print("Our steps by op family (`--profile`, the best round; ms/step and share of the step):")
+    print()
+    ours = [(label, load(rundir, tag, "memtrain")) for tag, label, _, _ in rows]
+    print("| op family | " + " | ".join(l for l, _ in ours) + " |")
+    print("|---|" + "---|" * len(ours))
+    for fam, ops in FAMILIES:
+        cells = []
+        for _, r in ours:
+            if not ok(r) or "profile_ms_per_step" not in r:
+                cells.append("-")
+                continue
+            ms = sum(r["profile_ms_per_step"].get(o, 0.0) for o in ops)
+            cells.append("%.1f (%.1f%%)" % (ms, 100.0 * ms / r["ms_per_step_median"]))
+        print("| %s | %s |" % (fam, " | ".join(cells)))
+    cells = []
+    for _, r in ours:
+        if ok(r) and "profile_ops_ms_per_step" in r:
+            rest = r["ms_per_step_median"] - r["profile_ops_ms_per_step"]
+            cells.append("%.1f (%.1f%%)" % (rest, 100.0 * rest / r["ms_per_step_median"]))
+        else:
+            cells.append("-")
+    print("| rest (engine) | %s |" % " | ".join(cells))
+    print("| step | %s |" % " | ".join(f1(r["ms_per_step_median"]) if ok(r) else "-"
+                                     for _, r in ours))
+    rates = gemm_rates(rundir)
+    base = load(rundir, "cpu_fp32", "memtrain")
+    if rates and ok(base):
+        best = max(rates, key=lambda r: r["gflops"])
+        print()
+        print("oneDNN fp32 matmul at this step's GEMM shapes (`bench_gpt2 --gemm`, start and "
+              "end of each round): %s GFLOP/s; at the best, the step's GEMMs take %.1f ms; our "
+              "fp32 step is %.2fx that." % (", ".join("%.1f" % r["gflops"] for r in rates),
+                                            best["step_gemm_ms"],
+                                            base["ms_per_step_median"] / best["step_gemm_ms"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -287,14 +366,15 @@ def main():
     t.add_argument("--seed", type=int, default=1234)
     r = sub.add_parser("report")
     r.add_argument("rundir")
-    r.add_argument("--mode", choices=("side", "ckpt", "long"), required=True)
+    r.add_argument("--mode", choices=("side", "ckpt", "long", "cpu"), required=True)
     a = ap.parse_args()
     if a.cmd == "tokens":
         if not 1 < a.vocab <= 65536 or a.n < 2:
             sys.exit("need 1 < --vocab <= 65536 and --n >= 2")
         make_tokens(a)
     else:
-        {"side": report_side, "ckpt": report_ckpt, "long": report_long}[a.mode](a.rundir)
+        {"side": report_side, "ckpt": report_ckpt, "long": report_long,
+         "cpu": report_cpu}[a.mode](a.rundir)
 
 
 if __name__ == "__main__":

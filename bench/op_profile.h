@@ -17,26 +17,26 @@
 
 enum {
     P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_matmul_fwd, P_matmul_bwd,
-    P_matmul_dw_rows, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
+    P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
     P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw4, P_adafactor, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "matmul_fwd", "matmul_bwd",
-    "matmul_dw_rows", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
+    "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
     "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw4", "adafactor"};
 
 /* Op families of the table printed with the profile; each op belongs to one. */
 enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
 static const char *const prof_family_names[F_COUNT] = {
-    "GEMM (matmul fwd, bwd, dW rows)", "attention (fwd, bwd)", "layernorm (fwd, bwd)",
+    "GEMM (matmul fwd, bwd, dW rows, quantized)", "attention (fwd, bwd)", "layernorm (fwd, bwd)",
     "GELU / ReLU (fwd, bwd)", "residual add, accumulate", "cross-entropy",
     "embedding", "casts (incl. stochastic rounding)", "gradient check, sum of squares",
     "optimizer update"};
 static const unsigned char prof_family[P_COUNT] = {
-    F_CAST, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT, F_ACT, F_ACT,
-    F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
+    F_CAST, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
+    F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
     F_OPT, F_OPT, F_OPT};
 
 static const mti_ops *prof_inner;
@@ -71,6 +71,11 @@ PROF(matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void 
      (k, dx, dw, db, dy, x, w, n, in, out, dt, acc))
 PROF(matmul_dw_rows, (const mti_kctx *k, float *dw, const void *dy, const void *x, int n, int in,
                       int out, int o0, int o1, mti_dtype dt), (k, dw, dy, x, n, in, out, o0, o1, dt))
+PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
+                    const void *b, int n, int in, int out, mti_dtype dt),
+     (k, y, x, wq, qf, b, n, in, out, dt))
+PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf, int n,
+                   int in, int out, mti_dtype dt, int acc), (k, dx, dy, wq, qf, n, in, out, dt, acc))
 PROF(layernorm_fwd, (const mti_kctx *k, void *o, float *mean, float *rstd, const void *x,
                      const void *w, const void *b, int n, int c, mti_dtype dt),
      (k, o, mean, rstd, x, w, b, n, c, dt))
@@ -119,7 +124,8 @@ static mti_ops prof_ops = {
     .cast = prof_cast, .embedding_fwd = prof_embedding_fwd, .embedding_bwd = prof_embedding_bwd,
     .embedding_dw_rows = prof_embedding_dw_rows, .matmul_fwd = prof_matmul_fwd,
     .matmul_bwd = prof_matmul_bwd, .matmul_dw_align = prof_dw_align,
-    .matmul_dw_rows = prof_matmul_dw_rows, .layernorm_fwd = prof_layernorm_fwd,
+    .matmul_dw_rows = prof_matmul_dw_rows, .matmul_fwd_q = prof_matmul_fwd_q,
+    .matmul_dx_q = prof_matmul_dx_q, .layernorm_fwd = prof_layernorm_fwd,
     .layernorm_bwd = prof_layernorm_bwd, .gelu_fwd = prof_gelu_fwd, .gelu_bwd = prof_gelu_bwd,
     .relu_fwd = prof_relu_fwd, .relu_bwd = prof_relu_bwd, .add = prof_add,
     .accumulate = prof_accumulate, .attention_fwd = prof_attention_fwd,
