@@ -54,7 +54,8 @@
  * --profile adds the time of every op of the op table, in ms per measured
  * step (wall clock around each call: profile_ms_per_step), its calls per
  * step (profile_calls_per_step) and their sum (profile_ops_ms_per_step);
- * the rest of a step is the engine's own work. It also prints to stderr a
+ * the rest of a step is the engine's own work (against ms_per_step_mean,
+ * the mean step: the profile is a mean too). It also prints to stderr a
  * table of op families, each with its share of the mean step.
  * On CUDA, --profile turns on cuda_debug_sync (every kernel launch waited
  * for), so each op's time is its kernels' time, not the launch's; the step
@@ -424,14 +425,16 @@ static int train(const options *o)
 
     double ms_min = ms[0];
     for (int i = 1; i < o->steps; i++) ms_min = ms[i] < ms_min ? ms[i] : ms_min;
+    double ms_mean = 0.0;
+    for (int i = 0; i < o->steps; i++) ms_mean += ms[i] / o->steps;
     double ms_med = median(ms, o->steps);
     const double MiB = 1024.0 * 1024.0;
 
     printf("{\"impl\": \"memtrain\", \"memtrain\": \"%s\", \"threads\": %d, \"B\": %d, "
            "\"T\": %d, \"params\": %zu, \"ms_per_step_median\": %.3f, \"ms_per_step_min\": %.3f, "
-           "\"peak_rss_mib\": %.1f, \"rss_before_model_mib\": %.1f, ",
+           "\"ms_per_step_mean\": %.3f, \"peak_rss_mib\": %.1f, \"rss_before_model_mib\": %.1f, ",
            mt_version(), o->threads, o->batch, o->seq, mt_model_num_params(m), ms_med, ms_min,
-           peak_rss, rss_before);
+           ms_mean, peak_rss, rss_before);
     print_losses(loss, nsteps);
     printf(", ");
     if (o->profile) prof_print(stdout, o->steps);
@@ -465,14 +468,12 @@ static int train(const options *o)
     printf("}\n");
     fflush(stdout);
     if (o->profile) {
-        double mean = 0.0;
-        for (int i = 0; i < o->steps; i++) mean += ms[i] / o->steps;
         char title[256];
         snprintf(title, sizeof title, "%s, %s%s%s%s%s, B%d T%d, %d threads", o->precision,
                  o->optimizer, o->no_master ? ", no masters" : "", o->fused ? ", fused" : "",
                  strcmp(o->recompute, "none") ? ", recompute " : "",
                  strcmp(o->recompute, "none") ? o->recompute : "", o->batch, o->seq, o->threads);
-        prof_table(stderr, o->steps, mean, title);
+        prof_table(stderr, o->steps, ms_mean, title);
     }
 
     free(loss);
