@@ -666,6 +666,25 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
 /* A GPT-2-style decoder in llm.c's layout: token embedding wte (padded_vocab,
  * channels) and position embedding wpe (max_seq, channels), `layers` BLOCKs,
  * a final LayerNorm, the LM head tied to wte. GPT-2 init (MT_INIT_GPT2). */
+/* How the frozen linear weights of a base model are stored (docs/engine.md,
+ * "Quantized frozen base"): as they are (fp32, or the compute dtype), or
+ * quantized and never whole in fp32 or 16 bits again: int8 (blocks of 64
+ * with one fp32 scale, 1.0625 bytes per weight) or NF4 (QLoRA's 4-bit
+ * NormalFloat, blocks of 64, double-quantized absmax, bitsandbytes' bits:
+ * about 0.52 bytes per weight). A quantized weight is frozen for good: the
+ * forward and the input gradient run through GEMMs that dequantize it a
+ * tile at a time. Only linear weights are quantized (LINEAR layers' and
+ * blocks' qkv, attproj, fc, fcproj); embeddings, LayerNorms and biases stay
+ * as they are. CPU only for now (the CUDA op table refuses with
+ * MT_ERR_UNSUPPORTED); compute in fp32 or bf16 (fp16: MT_ERR_UNSUPPORTED). */
+typedef enum mt_base_format {
+    MT_BASE_FULL = 0, /* not quantized */
+    MT_BASE_INT8 = 1,
+    MT_BASE_NF4 = 2
+} mt_base_format;
+/* "full", "int8", "nf4", or NULL for another value. */
+const char *mt_base_format_name(mt_base_format f);
+
 typedef struct mt_gpt_spec {
     uint32_t struct_size;
     int vocab;            /* 50257 for GPT-2 */
@@ -676,6 +695,12 @@ typedef struct mt_gpt_spec {
     int channels;         /* 768 */
     int stable_embedding; /* 1: the token embedding is a StableEmbedding */
     uint64_t seed;
+    /* The blocks' linear weights (qkv, attproj, fc, fcproj) quantized as
+     * they are made, one tensor at a time (each made in fp32, quantized,
+     * its fp32 freed), so the model never holds them whole in fp32: a
+     * quantized base for LoRA or frozen fine-tuning (mt_base_format).
+     * MT_BASE_FULL (0): fp32, as always. */
+    mt_base_format base;
 } mt_gpt_spec;
 /* Fills the GPT-2 124M shape. */
 void mt_gpt_spec_init(mt_gpt_spec *s);
@@ -684,6 +709,11 @@ mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model
 /* Loads an llm.c model file (fp32; layout in docs/formats.md) into a
  * new GPT model. Truncated, corrupt or unknown files give MT_ERR_FORMAT. */
 mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out);
+/* mt_model_gpt_load with the blocks' linear weights quantized as they are
+ * read, one tensor at a time (as mt_gpt_spec.base; the spec of the model
+ * has base set). MT_BASE_FULL: mt_model_gpt_load. */
+mt_status mt_model_gpt_load_base(mt_context *ctx, const char *path, mt_base_format base,
+                                 mt_model **out);
 /* Writes a GPT model as an llm.c model file (fp32), atomically. */
 mt_status mt_model_gpt_save(const mt_model *m, const char *path);
 /* The spec of a GPT model (MT_ERR_INVALID_ARG for another model). */
@@ -1000,6 +1030,20 @@ typedef struct mt_trainer_config {
      * (MT_ERR_UNSUPPORTED). */
     mt_place offload;
     const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
+    /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
+     * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear
+     * weight (frozen by cfg.freeze, or the base under LoRA) is quantized
+     * from fp32 at create, one tensor at a time, unless the model holds it
+     * quantized already (mt_gpt_spec.base, mt_model_gpt_load_base): PARAM
+     * then holds the quantized bytes alone. The quantization is the
+     * model's from then on (after the trainer too: mt_model_get_params
+     * reads the dequantized values, mt_model_set_params quantizes again,
+     * mt_model_lora_merge makes a merged weight fp32 again). Trainable and
+     * non-linear parameters stay as they are. MT_ERR_INVALID_ARG: no frozen
+     * linear weight to quantize, a model quantized in another format, or
+     * a model with quantized weights and base MT_BASE_FULL, or one of them
+     * not frozen; MT_ERR_UNSUPPORTED: fp16 compute, or a CUDA context. */
+    mt_base_format base;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

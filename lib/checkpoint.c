@@ -6,7 +6,8 @@
  *   header, 32 bytes: magic "MTTRAIN\0", u32 version (1), u32 sections,
  *     u64 payload bytes (all sections, headers included), u32 CRC-32 of
  *     the first 24 bytes, u32 0;
- *   (the layout ends with the frozen parameters' indices, if any);
+ *   (the layout ends with the frozen parameters' indices, if any, LoRA's
+ *   alpha, if any, and the quantized weights' indices and formats, if any);
  *   sections, each a 32-byte header (u32 kind, u32 index, u64 bytes, u32
  *     CRC-32 of the payload, u32 dtype, u32 CRC-32 of these first 24 bytes,
  *     u32 0) and its payload:
@@ -18,7 +19,8 @@
  *     COUNTERS steps, optimizer steps, skipped steps, the last norm, the
  *              loss scaler (scale, growth tracker, last skipped);
  *     TENSOR   one per stored tensor, in layout order: the weights as
- *              stored (fp32, the 16-bit compute copy, or bf16 alone), the
+ *              stored (fp32, the 16-bit compute copy, bf16 alone, or the
+ *              bytes of a quantized weight, lib/quant.h), the
  *              fp32 masters, each optimizer state tensor (8-bit codes and
  *              absmax included), raw bytes;
  *     USER     the application's bytes (its data position, its RNG);
@@ -188,6 +190,13 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
         memcpy(&a, &m->lora_alpha, 4);
         bb_u32(b, a);
     }
+    /* the quantized weights (cfg.base), when there are any: their count,
+       then each one's index and format (1 int8, 2 NF4) */
+    uint32_t nq = 0;
+    for (int i = 0; i < m->n_param; i++) nq += m->params[i].qf != 0;
+    if (nq) bb_u32(b, nq);
+    for (int i = 0; nq && i < m->n_param; i++)
+        if (m->params[i].qf) bb_u32(b, (uint32_t)i), bb_u32(b, (uint32_t)m->params[i].qf);
 }
 
 static void counters_of(const mt_trainer *t, bbuf *b)
@@ -565,6 +574,14 @@ static void layout_diff(const unsigned char *file, size_t flen, const bbuf *mine
         uint32_t fdt = lr_u32(&fs), odt = lr_u32(&os);
         uint64_t fby = lr_u64(&fs), oby = lr_u64(&os);
         if (!fs.ok) break;
+        if (fpar == opar && frole == 0 && orole == 0 && (fdt != odt || fby != oby)) {
+            snprintf(m, cap, "saved with other weights' storage: parameter %u's weights are %s, "
+                     "%llu bytes in the file; %s, %llu bytes in this trainer (a quantized base, "
+                     "cfg.base: its weights are uint8 bytes, int8 and NF4 of different sizes)",
+                     fpar, dtype_str(fdt), (unsigned long long)fby, dtype_str(odt),
+                     (unsigned long long)oby);
+            return;
+        }
         if (fpar != opar || frole != orole || fdt != odt || fby != oby) {
             char fw[24], ow[24];
             role_str(fw, sizeof fw, frole);

@@ -221,6 +221,36 @@ static mt_status gradp(mti_engine *E, int param, float **out)
     return s;
 }
 
+/* ---- a linear map's weight: dense, or quantized (lib/quant.h) ---- */
+
+/* y (N, out) = x W^T + b with W parameter wi: a quantized W through the
+ * dequantizing GEMM. */
+static mt_status lin_fwd(mti_engine *E, int wi, void *y, const void *x, const void *b, int in,
+                         int out)
+{
+    const mti_param *w = &E->m->params[wi];
+    const mti_ops *op = E->ctx->ops;
+    if (w->qf) return op->matmul_fwd_q(&E->k, y, x, w->w.blk.ptr, w->qf, b, E->N, in, out, E->dt);
+    return op->matmul_fwd(&E->k, y, x, w->w.blk.ptr, b, E->N, in, out, E->dt);
+}
+
+/* matmul_bwd with W parameter wi. A quantized W is frozen (gw NULL): db
+ * from dy, then dx through the dequantizing GEMM. */
+static mt_status lin_bwd(mti_engine *E, int wi, void *dx, float *gw, float *gb, const void *dy,
+                         const void *x, int in, int out, int accumulate)
+{
+    const mti_param *w = &E->m->params[wi];
+    const mti_ops *op = E->ctx->ops;
+    if (!w->qf)
+        return op->matmul_bwd(&E->k, dx, gw, gb, dy, x, w->w.blk.ptr, E->N, in, out, E->dt,
+                              accumulate);
+    mt_status s = gb ? op->matmul_bwd(&E->k, NULL, NULL, gb, dy, x, NULL, E->N, in, out, E->dt, 0)
+                     : MT_OK;
+    if (!s && dx)
+        s = op->matmul_dx_q(&E->k, dx, dy, w->w.blk.ptr, w->qf, E->N, in, out, E->dt, accumulate);
+    return s;
+}
+
 /* ---- LoRA: y += (alpha / r) (x A^T) B for an adapted weight ---- */
 
 /* Weight wi's adapter on the output y (N, out) of x (N, in): u = x A^T
@@ -301,8 +331,7 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, x,
                           P(E, p + 0), P(E, p + 1), N, C, dt));
     MTI_TRY(act(E, &sl[QKV], dt, N, 3 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, QKV)));
-    MTI_TRY(op->matmul_fwd(k, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), P(E, p + 3), N, C, 3 * C,
-                       dt));
+    MTI_TRY(lin_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 3), C, 3 * C));
     MTI_TRY(lora_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
                      KEEP(LORA_QKV), MTI_TAG(nd, LORA_QKV)));
     DROP(LN1);
@@ -314,8 +343,7 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     DROP(QKV);
     DROP(LSE);
     MTI_TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, RES2)));
-    MTI_TRY(op->matmul_fwd(k, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 4), P(E, p + 5), N, C, C,
-                       dt));
+    MTI_TRY(lin_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 5), C, C));
     MTI_TRY(lora_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
                      KEEP(LORA_ATTPROJ), MTI_TAG(nd, LORA_ATTPROJ)));
     DROP(ATT);
@@ -328,8 +356,7 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr,
                           sl[RES2].blk.ptr, P(E, p + 6), P(E, p + 7), N, C, dt));
     MTI_TRY(act(E, &sl[FCH], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, FCH)));
-    MTI_TRY(op->matmul_fwd(k, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), P(E, p + 9), N, C,
-                       4 * C, dt));
+    MTI_TRY(lin_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 9), C, 4 * C));
     MTI_TRY(lora_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
                      KEEP(LORA_FC), MTI_TAG(nd, LORA_FC)));
     DROP(LN2);
@@ -338,8 +365,7 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     DROP(FCH);
     mti_tensor *y = &E->bnd[i + 1];
     MTI_TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-    MTI_TRY(op->matmul_fwd(k, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 10), P(E, p + 11), N, 4 * C,
-                       C, dt));
+    MTI_TRY(lin_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 11), 4 * C, C));
     MTI_TRY(lora_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
                      KEEP(LORA_FCPROJ), MTI_TAG(nd, LORA_FCPROJ)));
     DROP(GELU_OUT);
@@ -370,8 +396,8 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     switch (ly->kind) {
     case MT_LAYER_LINEAR:
         MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-        MTI_TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->p0),
-                           ly->bias ? P(E, ly->p0 + 1) : NULL, N, ly->in, ly->out, dt));
+        MTI_TRY(lin_fwd(E, ly->p0, y->blk.ptr, x->blk.ptr, ly->bias ? P(E, ly->p0 + 1) : NULL, ly->in,
+                        ly->out));
         MTI_TRY(lora_fwd(E, ly->p0, y->blk.ptr, x->blk.ptr, ly->in, ly->out, &sl[LORA_QKV],
                          save != MTI_SAVE_NONE, MTI_TAG(nd, LORA_QKV)));
         break;
@@ -586,8 +612,8 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     /* MLP: fcproj, GELU, fc, ln2 */
     s = act(E, &t4, dt, N, 4 * C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
     if (!s)
-        s = op->matmul_bwd(k, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, P(E, p + 10), N,
-                           4 * C, C, dt, 0);
+        s = lin_bwd(E, p + 10, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, 4 * C,
+                        C, 0);
     if (!s)
         s = lora_bwd(E, p + 10, t4.blk.ptr, d, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
                      MTI_TAG(nd, LORA_FCPROJ));
@@ -597,8 +623,8 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     if (!s) DONE(FCH);
     if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 201));
     if (!s)
-        s = op->matmul_bwd(k, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, P(E, p + 8), N,
-                           C, 4 * C, dt, 0);
+        s = lin_bwd(E, p + 8, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, C,
+                        4 * C, 0);
     if (!s)
         s = lora_bwd(E, p + 8, t1.blk.ptr, t4.blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
                      MTI_TAG(nd, LORA_FC));
@@ -615,8 +641,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     }
     /* attention: attproj, attention, qkv, ln1 */
     if (!s)
-        s = op->matmul_bwd(k, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, P(E, p + 4), N, C, C,
-                           dt, 0);
+        s = lin_bwd(E, p + 4, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, C, C, 0);
     if (!s)
         s = lora_bwd(E, p + 4, t1.blk.ptr, d, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
                      MTI_TAG(nd, LORA_ATTPROJ));
@@ -631,8 +656,8 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         DONE(LSE);
     }
     if (!s)
-        s = op->matmul_bwd(k, t1.blk.ptr, g[2], g[3], t3.blk.ptr, sl[LN1].blk.ptr, P(E, p + 2), N,
-                           C, 3 * C, dt, 0);
+        s = lin_bwd(E, p + 2, t1.blk.ptr, g[2], g[3], t3.blk.ptr, sl[LN1].blk.ptr, C,
+                        3 * C, 0);
     if (!s)
         s = lora_bwd(E, p + 2, t1.blk.ptr, t3.blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
                      MTI_TAG(nd, LORA_QKV));
@@ -718,8 +743,7 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         mti_tensor dx = {0};
         if (want_dx) MTI_TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200)));
         s = want_dx || gw || gb || defer
-                ? op->matmul_bwd(k, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, P(E, wi), N,
-                                 ly->in, ly->out, dt, 0)
+                ? lin_bwd(E, wi, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, ly->in, ly->out, 0)
                 : MT_OK;
         if (!s && ly->kind == MT_LAYER_LINEAR)
             s = lora_bwd(E, wi, dx.blk.ptr, E->d.blk.ptr, x->blk.ptr, ly->in, ly->out,

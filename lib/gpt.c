@@ -42,12 +42,62 @@ static mt_status fmt(mt_context *ctx, const char *path, const char *what)
                     path, what);
 }
 
+/* The loader's fill (mti_gpt_build_filled): i = -1 checks the file's size
+ * against the model's; then parameter i is read from its place in the
+ * file (its get/set_params offset), a chunk at a time. */
+typedef struct loading {
+    FILE *f;
+    const char *path;
+    long long size;
+    float *buf;
+} loading;
+
+static mt_status load_fill(void *user, mt_model *m, int i)
+{
+    loading *l = user;
+    mt_context *ctx = m->ctx;
+    if (i < 0) {
+        uint64_t want = (uint64_t)HEADER_INTS * 4 + 4 * (uint64_t)m->n_params;
+        if ((uint64_t)l->size != want)
+            return mti_fail(ctx, MT_ERR_FORMAT,
+                            "'%s' is %lld bytes; its header says %llu (truncated or not this "
+                            "model)",
+                            l->path, l->size, (unsigned long long)want);
+        return MT_OK;
+    }
+    mti_param *p = &m->params[i];
+    if (fseeko(l->f, (off_t)HEADER_INTS * 4 + (off_t)p->offset * 4, SEEK_SET) != 0)
+        return mti_fail(ctx, MT_ERR_IO, "seeking in '%s' failed", l->path);
+    mt_status s = MT_OK;
+    for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
+        size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
+        if (fread(l->buf, sizeof *l->buf, n, l->f) != n)
+            return mti_fail(ctx, MT_ERR_IO, "reading '%s' failed", l->path);
+        for (size_t k = 0; k < n; k++)
+            if (!isfinite(l->buf[k]))
+                return mti_fail(ctx, MT_ERR_FORMAT, "'%s': %s holds a non-finite value", l->path,
+                                p->name);
+        s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), l->buf,
+                               n * sizeof(float));
+    }
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    return s;
+}
+
 mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out)
 {
-    const char *fn = "mt_model_gpt_load";
+    return mt_model_gpt_load_base(ctx, path, MT_BASE_FULL, out);
+}
+
+mt_status mt_model_gpt_load_base(mt_context *ctx, const char *path, mt_base_format base,
+                                 mt_model **out)
+{
+    const char *fn = base ? "mt_model_gpt_load_base" : "mt_model_gpt_load";
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: ctx is NULL", fn);
     if (!path || !out)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, path ? "out" : "path");
+    if (!mt_base_format_name(base))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: base %d is not a base format", fn, (int)base);
     FILE *f = fopen(path, "rb");
     if (!f) return mti_fail(ctx, MT_ERR_IO, "%s: cannot open '%s': %s", fn, path, strerror(errno));
     struct stat sb;
@@ -79,57 +129,21 @@ mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out)
     spec.heads = h[5];
     spec.channels = h[6];
     spec.padded_vocab = h[7];
+    spec.base = base;
     if (h[7] < h[3] || h[7] <= 0) {
         fclose(f);
         return fmt(ctx, path, "padded vocab smaller than vocab");
     }
+    loading l = {f, path, (long long)sb.st_size, malloc(CHUNK * sizeof(float))};
     mt_model *m = NULL;
-    mt_status s = mti_gpt_build(ctx, &spec, fn, false, &m);
-    if (s) {
-        fclose(f);
+    mt_status s = l.buf ? mti_gpt_build_filled(ctx, &spec, fn, load_fill, &l, &m)
+                        : mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    free(l.buf);
+    fclose(f);
+    if (s == MT_ERR_INVALID_ARG) /* the header's shape */
         return mti_fail(ctx, MT_ERR_FORMAT, "'%s' has an impossible shape: %s", path,
                         mti_last_msg(ctx).s);
-    }
-    uint64_t want = (uint64_t)sizeof hb + 4 * (uint64_t)m->n_params;
-    if ((uint64_t)sb.st_size != want) {
-        fclose(f);
-        mt_model_destroy(m);
-        return mti_fail(ctx, MT_ERR_FORMAT,
-                        "%s: '%s' is %lld bytes; its header says %llu (truncated or not this "
-                        "model)",
-                        fn, path, (long long)sb.st_size, (unsigned long long)want);
-    }
-    float *buf = malloc(CHUNK * sizeof *buf);
-    int *ord = mti_param_order(m);
-    if (!buf || !ord) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
-    for (int oi = 0; oi < m->n_param && !s; oi++) {
-        mti_param *p = &m->params[ord[oi]];
-        for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
-            size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
-            if (fread(buf, sizeof *buf, n, f) != n) {
-                s = mti_fail(ctx, MT_ERR_IO, "%s: reading '%s' failed", fn, path);
-                break;
-            }
-            for (size_t k = 0; k < n; k++)
-                if (!isfinite(buf[k])) {
-                    s = mti_fail(ctx, MT_ERR_FORMAT, "%s: '%s': %s holds a non-finite value", fn,
-                                 path, p->name);
-                    break;
-                }
-            if (!s)
-                s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), buf,
-                                       n * sizeof(float));
-        }
-    }
-    if (!s) s = ctx->dev->sync(ctx->dev);
-    free(buf);
-    free(ord);
-    fclose(f);
-    if (s) {
-        mti_msg msg = mti_last_msg(ctx);
-        mt_model_destroy(m);
-        return mti_fail(ctx, s, "%s", msg.s);
-    }
+    if (s) return s;
     *out = m;
     return MT_OK;
 }

@@ -252,6 +252,7 @@ mt_status mt_model_lora_merge(mt_model *m)
         float *a = malloc((size_t)r * in * sizeof *a), *b = malloc((size_t)r * out * sizeof *b);
         float *row = malloc(in * sizeof *row);
         if (!a || !b || !row) s = mti_fail(m->ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+        if (!s) s = mti_param_dequantize(m, i); /* a quantized base: fp32 from here on */
         if (!s) s = mti_param_read(m, w->lora, 0, (size_t)r * in, a);
         if (!s) s = mti_param_read(m, w->lora + 1, 0, (size_t)r * out, b);
         /* row o of W += scale * sum_k B[k][o] A[k] */

@@ -15,6 +15,7 @@
 #include "kernels.h"
 #include "model.h"
 #include "offload.h"
+#include "quant.h"
 #include "rng.h"
 
 #define MAX_DIM (1 << 24)
@@ -220,48 +221,64 @@ static mt_status add_layer(builder *b, const mt_layer_spec *ls, const char *pref
     return MT_OK;
 }
 
-/* Allocates and initialises every parameter, drawing from one generator in
- * parameter order. */
-static mt_status init_params(mt_model *m, uint64_t seed, const char *fn)
+static void gpt_offsets(mt_model *m);
+
+/* Parameter p's values drawn from rng as its init says (the rows past
+ * init_rows stay 0), through host, onto the device. */
+static mt_status draw(mt_model *m, mti_param *p, mti_rng *rng, float *host, size_t ch)
+{
+    mt_context *ctx = m->ctx;
+    size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+    size_t live = (size_t)p->init_rows * cols; /* the rest (padding rows) is 0 */
+    mt_status s = MT_OK;
+    for (size_t at = 0; at < p->numel && !s; at += ch) {
+        size_t n = p->numel - at < ch ? p->numel - at : ch;
+        for (size_t k = 0; k < n; k++) {
+            float v = 0.0f;
+            if (at + k < live) switch (p->init) {
+                case MTI_INIT_ZERO: v = 0.0f; break;
+                case MTI_INIT_ONE: v = 1.0f; break;
+                case MTI_INIT_UNIFORM: v = (2.0f * mti_rng_uniform(rng) - 1.0f) * p->init_a; break;
+                case MTI_INIT_NORMAL: v = (float)(mti_rng_normal(rng) * p->init_a); break;
+                }
+            host[k] = v;
+        }
+        s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), host,
+                               n * sizeof(float));
+    }
+    return s;
+}
+
+/* Allocates and fills every parameter in parameter order: drawn from one
+ * generator (fill NULL), or by fill; a GPT spec's base quantizes each
+ * linear weight as soon as it is filled. */
+static mt_status init_params(mt_model *m, uint64_t seed, const char *fn, mti_fill_fn fill,
+                             void *user)
 {
     mt_context *ctx = m->ctx;
     enum { CH = 1 << 16 };
-    float *host = malloc(CH * sizeof *host);
-    if (!host) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    size_t off = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        m->params[i].offset = off;
+        off += m->params[i].numel;
+    }
+    m->n_params = off;
+    if (m->kind == MTI_MODEL_GPT) gpt_offsets(m);
+    const int qf = m->kind == MTI_MODEL_GPT ? (int)m->gpt.base : 0;
+    mt_status s = fill ? fill(user, m, -1) : MT_OK;
+    if (s) return s;
+    float *host = fill ? NULL : malloc(CH * sizeof *host);
+    if (!fill && !host) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     mti_rng rng;
     mti_rng_seed(&rng, seed);
-    mt_status s = MT_OK;
-    size_t off = 0;
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_param *p = &m->params[i];
-        p->offset = off;
-        off += p->numel;
         s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                              MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-        if (s) break;
-        if (ctx->dry) continue; /* an estimate: no values to make */
-        size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-        size_t live = (size_t)p->init_rows * cols; /* the rest (padding rows) is 0 */
-        for (size_t at = 0; at < p->numel && !s; at += CH) {
-            size_t n = p->numel - at < CH ? p->numel - at : CH;
-            for (size_t k = 0; k < n; k++) {
-                float v = 0.0f;
-                if (at + k < live) switch (p->init) {
-                    case MTI_INIT_ZERO: v = 0.0f; break;
-                    case MTI_INIT_ONE: v = 1.0f; break;
-                    case MTI_INIT_UNIFORM:
-                        v = (2.0f * mti_rng_uniform(&rng) - 1.0f) * p->init_a;
-                        break;
-                    case MTI_INIT_NORMAL: v = (float)(mti_rng_normal(&rng) * p->init_a); break;
-                    }
-                host[k] = v;
-            }
-            s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), host,
-                                   n * sizeof(float));
-        }
+        if (!s && !ctx->dry) s = fill ? fill(user, m, i) : draw(m, p, &rng, host, CH);
+        if (!s && qf && mti_param_quantizable(m, i)) s = mti_param_quantize(m, i, qf);
     }
     free(host);
-    m->n_params = off;
     return s;
 }
 
@@ -279,7 +296,7 @@ static void free_model(mt_model *m)
 }
 
 /* The common end of every constructor: last-layer checks, parameters. */
-static mt_status finish(builder *b, uint64_t seed, mt_model **out)
+static mt_status finish(builder *b, uint64_t seed, mti_fill_fn fill, void *user, mt_model **out)
 {
     mt_model *m = b->m;
     mt_context *ctx = m->ctx;
@@ -294,7 +311,7 @@ static mt_status finish(builder *b, uint64_t seed, mt_model **out)
     }
     m->out_width = last->out;
     m->classes = last->kind == MT_LAYER_LM_HEAD ? m->vocab : last->out;
-    mt_status s = init_params(m, seed, b->fn);
+    mt_status s = init_params(m, seed, b->fn, fill, user);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         free_model(m);
@@ -380,7 +397,7 @@ mt_status mt_model_create(mt_context *ctx, const mt_model_spec *spec, mt_model *
         free_model(m);
         return s;
     }
-    return finish(&b, spec->seed, out);
+    return finish(&b, spec->seed, NULL, NULL, out);
 }
 
 static mt_status check_mlp(mt_context *ctx, const mt_mlp_spec *s)
@@ -437,7 +454,7 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
         free_model(b.m);
         return s;
     }
-    return finish(&b, spec->seed, out);
+    return finish(&b, spec->seed, NULL, NULL, out);
 }
 
 void mt_gpt_spec_init(mt_gpt_spec *s)
@@ -478,8 +495,8 @@ static void gpt_offsets(mt_model *m)
     }
 }
 
-mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn, bool init,
-                        mt_model **out)
+mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
+                               mti_fill_fn fill, void *user, mt_model **out)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: ctx is NULL", fn);
     if (!spec || !out)
@@ -491,6 +508,15 @@ mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn
     int padded = spec->padded_vocab;
     mt_status s = check_tokens(ctx, fn, spec->vocab, &padded, spec->max_seq);
     if (s) return s;
+    if (!mt_base_format_name(spec->base))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: spec->base %d is not a base format (MT_BASE_FULL, MT_BASE_INT8, "
+                        "MT_BASE_NF4)",
+                        fn, (int)spec->base);
+    if (spec->base && ctx->dev->kind != MT_DEVICE_CPU)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: spec->base %s: a quantized base is CPU-only in this build", fn,
+                        mt_base_format_name(spec->base));
     if (spec->layers < 1 || spec->layers > MT_MAX_LAYERS - 3)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: spec->layers %d out of range 1..%d", fn,
                         spec->layers, MT_MAX_LAYERS - 3);
@@ -526,17 +552,12 @@ mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn
         free_model(m);
         return s;
     }
-    if (!init) { /* the caller fills the weights: allocate only */
-        for (int i = 0; i < m->n_param; i++) m->params[i].init = MTI_INIT_ZERO;
-    }
-    s = finish(&b, spec->seed, out);
-    if (!s) gpt_offsets(*out);
-    return s;
+    return finish(&b, spec->seed, fill, user, out);
 }
 
 mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model **out)
 {
-    return mti_gpt_build(ctx, spec, "mt_model_gpt_create", true, out);
+    return mti_gpt_build_filled(ctx, spec, "mt_model_gpt_create", NULL, NULL, out);
 }
 
 mt_status mt_model_gpt_get_spec(const mt_model *m, mt_gpt_spec *out)
@@ -617,6 +638,8 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
+    if (p->qf) /* quantized (on the CPU): dequantized straight into dst */
+        return mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, at, n, dst, MTI_F32);
     if (m->master_home && !p->frozen) /* the master, from its file */
         return mti_offload_read(m->master_home, i, 1, (uint64_t)at * 4, dst, n * 4);
     /* (a frozen weight has no master; a ZeRO master is a slice) */
@@ -646,6 +669,13 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     mt_context *ctx = m->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &m->params[i];
+    if (p->qf) { /* quantized again from the new values, whole */
+        if (at != 0 || n != p->numel)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                            "%s is quantized (%s): it is written whole or not at all", p->name,
+                            mti_quant_name((mti_qformat)p->qf));
+        return mti_quantize(ctx, (mti_qformat)p->qf, src, n, p->w.blk.ptr);
+    }
     const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
     mti_tensor *t = master ? &p->master : &p->w;
     size_t es = mti_dtype_size(p->w.dtype);
@@ -710,4 +740,74 @@ mt_status mti_model_upload(mt_model *m, const float *src)
     for (int i = 0; i < m->n_param && !s; i++)
         s = mti_param_write(m, i, 0, m->params[i].numel, src + m->params[i].offset);
     return s ? s : m->ctx->dev->sync(m->ctx->dev);
+}
+
+/* ---- quantized weights ---- */
+
+const char *mt_base_format_name(mt_base_format f)
+{
+    switch (f) {
+    case MT_BASE_FULL: return "full";
+    case MT_BASE_INT8: return "int8";
+    case MT_BASE_NF4: return "nf4";
+    }
+    return NULL;
+}
+
+int mti_param_quantizable(const mt_model *m, int i)
+{
+    return m->params[i].linear && m->params[i].adapter_of < 0;
+}
+
+/* The quantized tensor of parameter i in format qf: a flat byte tensor. */
+static mti_tensor quant_tensor(const mti_param *p, int qf)
+{
+    size_t bytes = mti_quant_bytes((mti_qformat)qf, p->numel);
+    return (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)bytes}};
+}
+
+mt_status mti_param_quantize(mt_model *m, int i, int qf)
+{
+    mt_context *ctx = m->ctx;
+    mti_param *p = &m->params[i];
+    if (p->qf == qf) return MT_OK;
+    if (p->qf || p->w.dtype != MTI_F32 || !mti_quant_name((mti_qformat)qf))
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: cannot be quantized from its storage", p->name);
+    if (ctx->dev->kind != MT_DEVICE_CPU)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "a quantized base (%s) is CPU-only in this build (%s is on %s)",
+                        mti_quant_name((mti_qformat)qf), p->name, ctx->dev->name);
+    mti_tensor q = quant_tensor(p, qf);
+    mt_status s = mti_tensor_alloc(ctx, &q, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                   MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    if (!s && !ctx->dry) s = mti_quantize(ctx, (mti_qformat)qf, p->w.blk.ptr, p->numel, q.blk.ptr);
+    if (s) {
+        mti_tensor_free(ctx, &q);
+        return s;
+    }
+    mti_tensor_free(ctx, &p->w);
+    p->w = q;
+    p->qf = qf;
+    return MT_OK;
+}
+
+mt_status mti_param_dequantize(mt_model *m, int i)
+{
+    mt_context *ctx = m->ctx;
+    mti_param *p = &m->params[i];
+    if (!p->qf) return MT_OK;
+    mti_tensor w = {.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
+    mt_status s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                   MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    if (!s && !ctx->dry)
+        s = mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, 0, p->numel,
+                           w.blk.ptr, MTI_F32);
+    if (s) {
+        mti_tensor_free(ctx, &w);
+        return s;
+    }
+    mti_tensor_free(ctx, &p->w);
+    p->w = w;
+    p->qf = 0;
+    return MT_OK;
 }

@@ -42,6 +42,9 @@ typedef struct mti_param {
                             attproj, fc, fcproj): LoRA can adapt it */
     int lora;            /* its LoRA adapter's A (B follows), or -1 */
     int adapter_of;      /* an adapter (A or B): the weight it adapts, or -1 */
+    int qf;              /* 0, or the mti_qformat (lib/quant.h) of a quantized
+                            frozen weight: w is then its quantized bytes (MTI_U8,
+                            mti_quant_bytes(qf, numel)), kept across trainers */
     mti_init init;
     float init_a;
     int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */
@@ -94,10 +97,6 @@ struct mt_model {
 };
 
 /* model.c */
-/* Builds a GPT model; without init its weights are left zero for the
- * caller to fill. */
-mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn, bool init,
-                        mt_model **out);
 /* Uploads all parameters from host fp32 values in get/set_params order
  * (no checks), refreshing the compute copies. */
 mt_status mti_model_upload(mt_model *m, const float *src);
@@ -106,6 +105,22 @@ mt_status mti_model_upload(mt_model *m, const float *src);
  * alone); a write refreshes the compute copy. */
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
 mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
+/* Parameter i (fp32 weights, on a CPU context or a dry one) quantized in
+ * format qf (lib/quant.h): the quantized bytes are made, then the fp32
+ * tensor goes (PARAM holds one tensor's fp32 beside the rest at most).
+ * mti_param_dequantize: back to fp32 weights (the dequantized values). */
+mt_status mti_param_quantize(mt_model *m, int i, int qf);
+mt_status mti_param_dequantize(mt_model *m, int i);
+/* Whether parameter i of the model is one a base format quantizes: a linear
+ * weight of the base (not an adapter). */
+int mti_param_quantizable(const mt_model *m, int i);
+/* Builds a GPT model whose parameters `fill` writes (fp32, one at a time,
+ * in parameter order, right after each is allocated; before any, it is
+ * called once with i = -1 and the model's sizes and offsets set, to check
+ * them); spec->base quantizes each linear weight once filled. */
+typedef mt_status (*mti_fill_fn)(void *user, mt_model *m, int i);
+mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
+                               mti_fill_fn fill, void *user, mt_model **out);
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */
 int *mti_param_order(const mt_model *m);
 

@@ -222,6 +222,21 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
             "accumulation must keep them across micro-batches",
             fn, c->micro_batch, c->max_batch);
+    if (!mt_base_format_name(c->base))
+        BAD("%s: cfg->base %d is not a base format (MT_BASE_FULL, MT_BASE_INT8, MT_BASE_NF4)",
+            fn, (int)c->base);
+    int quantized = c->base != MT_BASE_FULL;
+    for (int i = 0; i < m->n_param; i++) quantized |= m->params[i].qf != 0;
+    if (quantized && c->precision == MT_PREC_FP16)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a quantized base computes in fp32 or bf16, not fp16 (its GEMMs "
+                        "dequantize into the compute dtype)",
+                        fn);
+    if (quantized && ctx->dev->kind != MT_DEVICE_CPU)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a quantized base (cfg->base, or a model loaded quantized) is "
+                        "CPU-only in this build",
+                        fn);
     return check_teacher(ctx, m, c);
 }
 
@@ -249,7 +264,7 @@ static mt_status convert_one(mt_trainer *t, int i, mti_dtype to)
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &t->model->params[i];
-    if (p->w.dtype == to) return MT_OK;
+    if (p->w.dtype == to || p->qf) return MT_OK; /* (quantized: stays so) */
     mti_tensor w = like(&p->w, to);
     mt_status s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                    MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
@@ -647,6 +662,54 @@ static mt_status mark_frozen(mt_trainer *t)
     return MT_OK;
 }
 
+/* The quantized base (cfg.base): the model's quantized weights must be
+ * frozen and in cfg.base's format; with a format, the frozen linear
+ * weights that are not quantized yet are (quantize_base, once the weights
+ * are fp32), and there must be at least one. */
+static mt_status check_base(mt_trainer *t)
+{
+    const mt_model *m = t->model;
+    const int qf = (int)t->cfg.base;
+    const char *want = mt_base_format_name(t->cfg.base);
+    int n = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        const mti_param *p = &m->params[i];
+        const char *has = p->qf ? mt_base_format_name((mt_base_format)p->qf) : NULL;
+        if (p->qf && !qf)
+            return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                            "mt_trainer_create: the model's %s is quantized (%s): set cfg->base "
+                            "to %s",
+                            p->name, has, has);
+        if (p->qf && p->qf != qf)
+            return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                            "mt_trainer_create: the model's %s is quantized as %s, and cfg->base "
+                            "asks for %s (a quantized weight is not quantized again)",
+                            p->name, has, want);
+        if (p->qf && !p->frozen)
+            return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                            "mt_trainer_create: %s is quantized (%s) and cannot train: freeze "
+                            "it (cfg->freeze) or train LoRA adapters on the base",
+                            p->name, has);
+        n += p->qf || (qf && p->frozen && mti_param_quantizable(m, i));
+    }
+    if (qf && !n)
+        return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                        "mt_trainer_create: cfg->base %s quantizes frozen linear weights, and "
+                        "none is frozen (freeze some with cfg->freeze, or train LoRA adapters)",
+                        want);
+    return MT_OK;
+}
+
+static mt_status quantize_base(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s && t->cfg.base; i++)
+        if (m->params[i].frozen && mti_param_quantizable(m, i))
+            s = mti_param_quantize(m, i, (int)t->cfg.base);
+    return s;
+}
+
 void mt_trainer_destroy(mt_trainer *t)
 {
     if (!t) return;
@@ -784,6 +847,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     if (!host_ok) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     if (!s) s = mark_frozen(t);
+    if (!s) s = check_base(t);
     const mt_loss_scale_config *ls = &cfg->loss_scale;
     if (cfg->precision == MT_PREC_FP16)
         mti_scaler_init(&t->scaler, ls->init_scale, ls->growth_factor, ls->backoff_factor,
@@ -813,6 +877,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->E.defer_tied = cfg->fused_step != 0 || zero == 2;
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
+    if (!s) s = quantize_base(t); /* the frozen linear weights, one tensor at a time */
     if (!s && cfg->offload == MT_PLACE_DISK) { /* the state's (and masters') home */
         t->offload_dir = cfg->offload_dir ? strdup(cfg->offload_dir) : NULL;
         t->cfg.offload_dir = t->offload_dir;

@@ -46,6 +46,13 @@ void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const 
 /* A token batch of n rows of T tokens below V into tok and tg (n * T
  * each), different for each step. */
 void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step);
+/* Steps [from, to) of t on check_token_batch's batches of n rows of T
+ * tokens below V. */
+void check_token_steps(mt_context *ctx, mt_trainer *t, int n, int T, int V, int from, int to);
+/* The context's accounting equals the estimate: the peak of live bytes,
+ * every class's peak and the allocators' peak reserve (what names the case
+ * in a failure). */
+void check_estimate_matches(mt_context *ctx, const mt_estimate_report *est, const char *what);
 
 #define TEST(name)                                                                          \
     static void name(void);                                                                 \

@@ -235,23 +235,10 @@ TEST(distill_estimate_equals_run)
         CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
         mt_trainer *t;
         CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
-        int32_t tok[B * T], tg[B * T];
-        mt_batch b;
-        for (int s = 0; s < 2; s++) {
-            check_token_batch(&b, tok, tg, B, T, V, s);
-            CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
-        }
-        mt_memory_stats st;
-        CHECK_OK(mt_context_memory_stats(ctx, &st));
-        CHECK_MSG(st.peak_live_bytes == est.peak, "case %d: peak %llu measured, %llu estimated", c,
-                  (unsigned long long)st.peak_live_bytes, (unsigned long long)est.peak);
-        for (int k = 0; k < MT_MEM_COUNT; k++)
-            CHECK_MSG(st.per_class[k].peak_live_bytes == est.class_peak[k],
-                      "case %d: class %s peak %llu measured, %llu estimated", c,
-                      mt_mem_class_name((mt_mem_class)k),
-                      (unsigned long long)st.per_class[k].peak_live_bytes,
-                      (unsigned long long)est.class_peak[k]);
-        CHECK(st.peak_reserved_bytes == est.peak_reserved);
+        check_token_steps(ctx, t, B, T, V, 0, 2);
+        char what[16];
+        snprintf(what, sizeof what, "case %d", c);
+        check_estimate_matches(ctx, &est, what);
         mt_trainer_destroy(t);
         if (c == 3) CHECK_OK(mt_model_lora_merge(m));
         CHECK_OK(mt_model_destroy(te));

@@ -1,7 +1,8 @@
 /*
  * test_estimate.c - mt_estimate against the measured run: for a matrix of
  * configurations (model kind x precision x optimizer x recompute policy x
- * fused step x accumulation x batch and sequence size x allocator), the
+ * fused step x accumulation x batch and sequence size x allocator x frozen
+ * set, LoRA and a quantized base), the
  * estimate made before the run equals what the context's accounting shows
  * after creating the model and the trainer and running two steps: the peak
  * of live bytes, every class's peak, and the allocators' peak reserve.
@@ -31,6 +32,7 @@ typedef struct est_case {
     float clip;
     int freeze; /* 0: nothing frozen; 1: every bias; 2: the model's first layers */
     int lora;   /* LoRA rank on every linear weight (0: none) */
+    mt_base_format base; /* the frozen linear weights quantized (the GPT's as it is made) */
 } est_case;
 
 static const char *alloc_names[] = {"caching", "arena", "pool", "checkpoint", "split"};
@@ -96,13 +98,22 @@ static void specs(mt_gpt_spec *g, mt_mlp_spec *ml, mt_model_spec *sq)
 }
 
 /* A context made from cc and the matrix's model of kind k on it. */
-static mt_model *spec_model(const mt_context_config *cc, model_kind k, mt_context **ctx)
+/* A GPT under LoRA is made quantized (its whole base is frozen); other
+ * models' frozen linear weights are quantized by the trainer. */
+static mt_base_format spec_base(const est_case *e)
+{
+    return e && e->model == M_GPT && e->lora ? e->base : MT_BASE_FULL;
+}
+
+static mt_model *spec_model(const mt_context_config *cc, model_kind k, mt_context **ctx,
+                            const est_case *e)
 {
     CHECK_OK(mt_context_create(cc, ctx));
     mt_gpt_spec g;
     mt_mlp_spec ml;
     mt_model_spec sq;
     specs(&g, &ml, &sq);
+    g.base = spec_base(e);
     mt_model *m;
     mt_status s = k == M_GPT ? mt_model_gpt_create(*ctx, &g, &m)
                   : k == M_MLP ? mt_model_mlp_create(*ctx, &ml, &m)
@@ -125,6 +136,7 @@ static void trainer_config(mt_trainer_config *tc, const est_case *e)
     if (e->freeze == 2)
         tc->freeze = freeze_first[e->model], tc->n_freeze = n_freeze_first[e->model];
     tc->lora.rank = e->lora, tc->lora.alpha = 16.0f, tc->lora.seed = 3;
+    tc->base = e->base;
     tc->max_batch = e->batch;
     tc->micro_batch = e->micro;
     tc->max_seq = e->model == M_MLP ? 0 : e->seq;
@@ -155,6 +167,7 @@ static double check_case(const est_case *e, int idx)
     mt_mlp_spec ml;
     mt_model_spec sq;
     specs(&g, &ml, &sq);
+    g.base = spec_base(e);
     mt_trainer_config tc;
     trainer_config(&tc, e);
 
@@ -165,7 +178,7 @@ static double check_case(const est_case *e, int idx)
     CHECK_MSG(s == MT_OK, "case %d: estimate failed: %s", idx, mt_last_error(NULL));
 
     mt_context *ctx;
-    mt_model *m = spec_model(&cc, e->model, &ctx);
+    mt_model *m = spec_model(&cc, e->model, &ctx, e);
     mt_estimate_report again;
     CHECK_OKC(ctx, mt_estimate_model(m, &tc, &again));
     CHECK_MSG(memcmp(&again, &est, sizeof est) == 0, "case %d: the model's estimate differs", idx);
@@ -230,7 +243,7 @@ static void matrix(void)
                                              MT_OPT_ADAFACTOR, MT_OPT_ADAMW4};
     static const mt_recompute_policy rcs[] = {MT_RECOMPUTE_NONE, MT_RECOMPUTE_SQRT,
                                               MT_RECOMPUTE_SELECTIVE, MT_RECOMPUTE_EVERY_K};
-    int n = 0;
+    int n = 0, nbase = 0;
     double worst = 0;
     for (int mk = 0; mk < 3; mk++)
         for (int pi = 0; pi < 3; pi++)
@@ -253,14 +266,21 @@ static void matrix(void)
                     if (precs[pi] == MT_PREC_BF16 && v && opts[oi] != MT_OPT_ADAFACTOR &&
                         opts[oi] != MT_OPT_ADAMW4) /* these need fp32 masters */
                         e.masters = 0;
+                    /* a quantized frozen base (CPU, fp32 or bf16), int8 and NF4 in turn */
+                    if (g_device == MT_DEVICE_CPU && precs[pi] != MT_PREC_FP16 &&
+                        (e.lora || e.freeze == 2) && n % 3 != 1)
+                        e.base = n % 2 ? MT_BASE_INT8 : MT_BASE_NF4;
+                    nbase += e.base != MT_BASE_FULL;
                     double gap = check_case(&e, n);
                     if (gap > worst) worst = gap;
                     n++;
                 }
     CHECK(n >= 50);
+    CHECK(g_device != MT_DEVICE_CPU || nbase >= 10);
     if (getenv("MT_TEST_VERBOSE"))
-        printf("    %d configurations on %s, worst relative gap of the peak %.3g\n", n,
-               g_device == MT_DEVICE_CUDA ? "CUDA" : "the CPU", worst);
+        printf("    %d configurations on %s (%d on a quantized base), worst relative gap of the "
+               "peak %.3g\n",
+               n, g_device == MT_DEVICE_CUDA ? "CUDA" : "the CPU", nbase, worst);
 }
 
 TEST(estimate_equals_measured_matrix)
@@ -274,7 +294,7 @@ static mt_model *mlp_model(mt_context **ctx)
 {
     mt_context_config cc;
     context_config(&cc, 0);
-    return spec_model(&cc, M_MLP, ctx);
+    return spec_model(&cc, M_MLP, ctx, NULL);
 }
 
 /* Makes the contexts below CUDA ones: on a GPU under MT_TEST_GPU=1, else
@@ -746,7 +766,7 @@ TEST(memory_trace_chrome_and_svg)
     context_config(&cc, 0);
     cc.trace_capacity = 1 << 20;
     mt_context *ctx;
-    mt_model *m = spec_model(&cc, M_GPT, &ctx);
+    mt_model *m = spec_model(&cc, M_GPT, &ctx, NULL);
     mt_trainer_config tc;
     est_case e = {.model = M_GPT, .prec = MT_PREC_BF16, .masters = 1, .opt = MT_OPT_ADAMW8,
                   .rc = MT_RECOMPUTE_SQRT, .batch = 4, .seq = 16};

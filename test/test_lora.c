@@ -13,6 +13,7 @@
 
 #include "check.h"
 #include "memtrain.h"
+#include "textfit.h"
 
 enum { B = 4, T = 8, V = 64 };
 
@@ -294,85 +295,24 @@ TEST(lora_merge_export_and_adapter_files)
     CHECK_OK(mt_context_destroy(ctx));
 }
 
-static unsigned char *slurp(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    CHECK_MSG(f, "cannot open %s", path);
-    unsigned char *p = check_alloc(1 << 20);
-    *n = fread(p, 1, 1 << 20, f);
-    fclose(f);
-    return p;
-}
-
-/* Windows of text as a batch (rows of T + 1 bytes from positions drawn
- * by a fixed LCG over the first `span` bytes). */
-enum { FB = 8, FT = 32 };
-static void text_batch(const unsigned char *text, size_t span, uint64_t *rng, int32_t *tok,
-                       int32_t *tg, mt_batch *b)
-{
-    for (int r = 0; r < FB; r++) {
-        *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
-        size_t at = (size_t)(*rng >> 33) % (span - FT - 1);
-        for (int j = 0; j < FT; j++) tok[r * FT + j] = text[at + j], tg[r * FT + j] = text[at + j + 1];
-    }
-    *b = (mt_batch){.n = FB, .tokens = tok, .targets = tg, .seq_len = FT};
-}
-
-static float mean_loss(mt_context *ctx, mt_trainer *t, const unsigned char *text, size_t n)
-{
-    uint64_t rng = 77;
-    double sum = 0;
-    for (int i = 0; i < 4; i++) {
-        int32_t tok[FB * FT], tg[FB * FT];
-        mt_batch b;
-        text_batch(text, n, &rng, tok, tg, &b);
-        float l;
-        CHECK_OKC(ctx, mt_trainer_eval(t, &b, &l, NULL));
-        sum += l;
-    }
-    return (float)(sum / 4);
-}
-
-static void train_on(mt_context *ctx, mt_trainer *t, const unsigned char *text, size_t n,
-                     uint64_t *rng, int steps)
-{
-    for (int s = 0; s < steps; s++) {
-        int32_t tok[FB * FT], tg[FB * FT];
-        mt_batch b;
-        text_batch(text, n, rng, tok, tg, &b);
-        CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
-    }
-}
-
 /* A byte-level GPT pretrained on the project's docs (test/data), then
  * LoRA-fine-tuned (rank 8 on qkv and fc) on C source: the loss on the
  * source falls, and the base does not move. */
 TEST(lora_fine_tunes_a_pretrained_base)
 {
-    size_t nd, nc;
-    const unsigned char *docs = slurp("test/data/text_corpus.txt", &nd);
-    const unsigned char *code = slurp("lib/engine.c", &nc);
+    size_t nc;
+    const unsigned char *code = tf_slurp("lib/engine.c", &nc);
     mt_context *ctx = check_cpu_context(2);
-    mt_gpt_spec g;
-    mt_gpt_spec_init(&g);
-    g.vocab = 256, g.max_seq = FT, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 1;
-    mt_model *m;
-    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
     mt_trainer_config tc;
-    mt_trainer_config_init(&tc);
-    tc.max_batch = FB, tc.max_seq = FT, tc.optimizer = MT_OPT_ADAMW, tc.lr = 3e-3f;
-    tc.grad_clip = 1.0f;
-    mt_trainer *t;
-    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
     uint64_t rng = 1;
-    train_on(ctx, t, docs, nd, &rng, 40);
-    float docs_loss = mean_loss(ctx, t, docs, nd);
-    mt_trainer_destroy(t);
+    float docs_loss;
+    mt_model *m = tf_pretrained(ctx, &tc, &rng, &docs_loss);
+    mt_trainer *t;
     tc.lora.rank = 8, tc.lora.alpha = 16.0f, tc.lora.targets = "*.qkv.w,*.fc.w", tc.lr = 1e-2f;
     CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
-    float before = mean_loss(ctx, t, code, nc);
-    train_on(ctx, t, code, nc, &rng, 40);
-    float after = mean_loss(ctx, t, code, nc);
+    float before = tf_mean_loss(ctx, t, code, nc);
+    tf_train(ctx, t, code, nc, &rng, 40);
+    float after = tf_mean_loss(ctx, t, code, nc);
     if (getenv("MT_TEST_VERBOSE"))
         printf("    pretrained: docs loss %.3f; source loss %.3f before LoRA, %.3f after\n",
                (double)docs_loss, (double)before, (double)after);

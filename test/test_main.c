@@ -156,6 +156,34 @@ void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int
     *b = (mt_batch){.n = n, .tokens = tok, .targets = tg, .seq_len = T};
 }
 
+void check_token_steps(mt_context *ctx, mt_trainer *t, int n, int T, int V, int from, int to)
+{
+    int32_t *tok = check_alloc((size_t)n * T * sizeof *tok);
+    int32_t *tg = check_alloc((size_t)n * T * sizeof *tg);
+    mt_batch b;
+    for (int s = from; s < to; s++) {
+        check_token_batch(&b, tok, tg, n, T, V, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    }
+}
+
+void check_estimate_matches(mt_context *ctx, const mt_estimate_report *est, const char *what)
+{
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    CHECK_MSG(st.peak_live_bytes == est->peak, "%s: peak %llu measured, %llu estimated", what,
+              (unsigned long long)st.peak_live_bytes, (unsigned long long)est->peak);
+    for (int k = 0; k < MT_MEM_COUNT; k++)
+        CHECK_MSG(st.per_class[k].peak_live_bytes == est->class_peak[k],
+                  "%s: class %s peak %llu measured, %llu estimated", what,
+                  mt_mem_class_name((mt_mem_class)k),
+                  (unsigned long long)st.per_class[k].peak_live_bytes,
+                  (unsigned long long)est->class_peak[k]);
+    CHECK_MSG(st.peak_reserved_bytes == est->peak_reserved,
+              "%s: peak reserved %llu measured, %llu estimated", what,
+              (unsigned long long)st.peak_reserved_bytes, (unsigned long long)est->peak_reserved);
+}
+
 /* Runs one test; false if a CHECK ended it. Its scratch memory goes after. */
 static bool run_one(check_fn fn)
 {

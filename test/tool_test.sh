@@ -245,6 +245,26 @@ head -c 100 "$tmp/a.lora" > "$tmp/cut.lora"
 expect 1 "a truncated adapter file" -- "$tool" train --model gpt --steps 1 --load-lora "$tmp/cut.lora"
 grep -q "truncated" "$tmp/err" || { echo "FAIL tool: adapter file message"; cat "$tmp/err"; fail=1; }
 
+# a quantized frozen base: the estimate's PARAM shrinks, a run resumes only
+# with its base, its merged export loads, and bad settings are refused
+expect 0 "estimate, LoRA on an NF4 base" -- "$tool" estimate --lora 8 --lora-targets '*.qkv.w,*.fc.w' --base nf4 --json
+# GPT-2 124M: the fp32 embeddings, LayerNorms and biases, and 85M linear weights in NF4
+grep -q '"at_peak": {"PARAM": 204634816,' "$tmp/out" || { echo "FAIL tool: NF4 estimate"; cat "$tmp/out"; fail=1; }
+expect 0 "gpt with LoRA on an int8 base" -- "$tool" train --model gpt --steps 4 --no-report --threads 2 --lora 4 --base int8 --save "$tmp/q.ckpt"
+expect 0 "sample it with its base" -- "$tool" sample --model gpt --lora 4 --base int8 --resume "$tmp/q.ckpt" --length 10
+expect 1 "sample it without its base" -- "$tool" sample --model gpt --lora 4 --resume "$tmp/q.ckpt" --length 10
+grep -q "weights' storage" "$tmp/err" || { echo "FAIL tool: base message"; cat "$tmp/err"; fail=1; }
+expect 0 "NF4 base merged and exported" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --lora 4 --base nf4 --merge-lora --export-llmc "$tmp/q.llmc"
+expect 0 "the merged export loads" -- "$tool" train --model gpt --steps 0 --no-report --llmc "$tmp/q.llmc"
+expect 0 "it loads as an NF4 base" -- "$tool" train --model gpt --steps 2 --no-report --threads 2 --llmc "$tmp/q.llmc" --lora 2 --base nf4
+expect 0 "mlp with frozen int8 weights" -- "$tool" train --steps 5 --no-report --freeze 'fc0.w' --base int8
+expect 2 "--base of an unknown format" -- "$tool" train --model gpt --lora 4 --base q3
+grep -q "full, int8, nf4" "$tmp/err" || { echo "FAIL tool: --base values"; cat "$tmp/err"; fail=1; }
+expect 2 "--base without frozen weights" -- "$tool" estimate --base nf4
+expect 2 "--base with fp16" -- "$tool" train --model gpt --lora 4 --base int8 --precision fp16
+expect 1 "--base freezing no linear weight" -- "$tool" train --model gpt --steps 1 --freeze '*.b' --base nf4
+grep -q "none is frozen" "$tmp/err" || { echo "FAIL tool: --base frozen message"; cat "$tmp/err"; fail=1; }
+
 # no run left a temporary file beside what it wrote
 if ls "$tmp" | grep '\.tmp\.'; then echo "FAIL tool: temporary files left"; fail=1; fi
 

@@ -72,6 +72,7 @@ typedef struct cli_opts {
     const char *lora_targets;
     int merge_lora;
     const char *save_lora, *load_lora; /* adapter files */
+    mt_base_format base;     /* --base: the frozen linear weights quantized */
     /* distillation: the teacher's llm.c file, alpha, temperature */
     const char *teacher;
     float distill_alpha, distill_temp;
@@ -108,6 +109,10 @@ bool cli_is_flag(const char *name);
 
 /* The trainer configuration the options give, for the model they name. */
 void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc);
+/* The base format a GPT is made or loaded in: --base's under LoRA (its
+ * whole base is frozen, so every linear weight is quantized as it is made),
+ * else full (the trainer quantizes the frozen weights it is given). */
+mt_base_format cli_spec_base(const cli_opts *o);
 /* The MLP the options give: 2 inputs, the hidden sizes, 3 classes. */
 void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec);
 /* The context configuration the options give (device, threads, allocators). */

@@ -143,6 +143,7 @@ int cmd_estimate(int argc, char **argv)
         mt_gpt_spec_init(&g);
         g.layers = (int)o.layers, g.heads = (int)o.heads, g.channels = (int)o.channels;
         g.vocab = (int)o.vocab, g.max_seq = (int)o.max_seq;
+        g.base = cli_spec_base(&o);
         s = mt_model_gpt_create(ctx, &g, &m);
     } else {
         mt_mlp_spec ml;

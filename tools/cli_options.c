@@ -135,6 +135,16 @@ static int set_allocator(cli_opts *o, const char *v)
     return 0;
 }
 
+static int set_base(cli_opts *o, const char *v)
+{
+    for (int f = MT_BASE_FULL; f <= MT_BASE_NF4; f++)
+        if (!strcmp(v, mt_base_format_name((mt_base_format)f))) {
+            o->base = (mt_base_format)f;
+            return 0;
+        }
+    return -1;
+}
+
 static int set_optimizer(cli_opts *o, const char *v)
 {
     return mt_optimizer_by_name(v, &o->optimizer) ? -1 : 0;
@@ -301,6 +311,10 @@ static const opt table[] = {
         "the LoRA adapters alone at the end (with --lora or --load-lora)"),
     STR("--load-lora", "FILE", TS, CLI_GPT, load_lora,
         "start from adapters of --save-lora (their rank and alpha; no --lora)"),
+    FN("--base", "full|int8|nf4", ALL, CLI_ANY, set_base, "(full, int8, nf4)",
+       "store the frozen linear weights quantized, int8 or NF4 (with --lora, --load-lora or "
+       "--freeze; full)",
+       NULL),
     STR("--teacher", "FILE", TE, CLI_GPT, teacher,
         "distil from this llm.c model file (a GPT of the same vocabulary)"),
     FLOAT("--distill-alpha", TE, CLI_GPT, distill_alpha, 0,
@@ -511,6 +525,13 @@ static int check_together(const cli_opts *o)
     if (o->zero && o->local_sgd)
         return cli_bad_usage("%s", "--zero does not combine with --local-sgd (local SGD keeps each "
                                    "rank's own optimizer state)");
+    if (o->base && !o->lora && !o->load_lora && !o->n_freeze)
+        return cli_bad_usage("--base %s quantizes frozen weights: it needs --lora R, --load-lora "
+                             "FILE or --freeze PATTERN",
+                             mt_base_format_name(o->base));
+    if (o->base && o->precision == MT_PREC_FP16)
+        return cli_bad_usage("--base %s computes in fp32 or bf16: not with --precision fp16",
+                             mt_base_format_name(o->base));
     if (o->rank >= o->ranks)
         return cli_bad_usage("--rank %ld is not a rank of --ranks %ld", o->rank, o->ranks);
     if (o->ranks > o->batch)
@@ -610,6 +631,11 @@ int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o
 
 /* ---- what the options give ---- */
 
+mt_base_format cli_spec_base(const cli_opts *o)
+{
+    return o->lora || o->load_lora ? o->base : MT_BASE_FULL;
+}
+
 void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
 {
     mt_trainer_config_init(tc);
@@ -634,6 +660,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->lora.alpha = o->lora_alpha;
     tc->lora.targets = o->lora_targets;
     tc->lora.seed = (uint64_t)o->seed;
+    tc->base = o->base;
     tc->distill_alpha = o->distill_alpha; /* (the teacher: the caller's, from o->teacher) */
     tc->distill_temp = o->distill_temp;
     tc->offload = o->offload;

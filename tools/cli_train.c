@@ -312,12 +312,13 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
     g->spec.vocab = g->info.vocab, g->spec.max_seq = (int)o->seq, g->spec.layers = (int)o->layers;
     g->spec.heads = (int)o->heads, g->spec.channels = (int)o->channels;
     g->spec.seed = (uint64_t)o->seed;
+    g->spec.base = cli_spec_base(o);
     mt_trainer_config tc;
     cli_trainer_config(o, &tc);
     cli_ranks_trainer_config(&tc);
     mt_status made = MT_OK;
     if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
-        made = mt_model_gpt_load(ctx, o->llmc, &g->model);
+        made = mt_model_gpt_load_base(ctx, o->llmc, cli_spec_base(o), &g->model);
         if (!made) made = mt_model_gpt_get_spec(g->model, &g->spec);
         if (!made && (g->spec.vocab < g->info.vocab || g->spec.max_seq < (int)o->seq)) {
             fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "

@@ -1,0 +1,375 @@
+/*
+ * test_qbase.c - a quantized frozen base (cfg.base, mt_gpt_spec.base;
+ * docs/engine.md "Quantized frozen base"): the adapters' gradients through
+ * the dequantizing GEMMs against finite differences; LoRA on an int8 and
+ * an NF4 base learns, ends near LoRA on the fp32 base, and never changes
+ * the quantized weights; PARAM holds the quantized bytes; the estimate
+ * equals the run; a training-state file resumes bit for bit and refuses
+ * another base; merging gives fp32 weights; bad settings are refused.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "memtrain.h"
+#include "textfit.h"
+#include "model.h"
+
+enum { B = 4, T = 8, V = 64 };
+
+static mt_model *tiny_gpt(mt_context *ctx, uint64_t seed, mt_base_format base)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 2, g.channels = 64, g.seed = seed;
+    g.base = base;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    return m;
+}
+
+static void lora_config(mt_trainer_config *tc, int rank, mt_base_format base)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = B, tc->max_seq = T;
+    tc->optimizer = MT_OPT_ADAMW, tc->lr = 1e-2f;
+    tc->lora.rank = rank, tc->lora.alpha = 2.0f * rank, tc->lora.seed = 9;
+    tc->base = base;
+}
+
+static uint64_t class_live(mt_context *ctx, mt_mem_class c)
+{
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    return st.per_class[c].live_bytes;
+}
+
+/* Three LINEAR layers (70 -> 80 -> 70 -> 5, GELU between), whole blocks of
+ * 64 and a partial one in each weight. */
+static mt_model *three_linear(mt_context *ctx)
+{
+    static const mt_layer_spec ls[] = {
+        {.kind = MT_LAYER_LINEAR, .units = 80}, {.kind = MT_LAYER_GELU},
+        {.kind = MT_LAYER_LINEAR, .units = 70}, {.kind = MT_LAYER_GELU},
+        {.kind = MT_LAYER_LINEAR, .units = 5}};
+    mt_model_spec sp;
+    mt_model_spec_init(&sp);
+    sp.features = 70, sp.n_layers = 5, sp.layers = ls, sp.seed = 4;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_create(ctx, &sp, &m));
+    return m;
+}
+
+/* The adapters' gradients on a quantized base (the input gradient of every
+ * later layer goes through matmul_dx_q) against central differences of the
+ * loss; the adapters are written alone (mti_param_write), so the base's
+ * bytes never change. A GPT quantized as it is made, and a builder model
+ * whose LINEAR weights the trainer quantizes (frozen by pattern). */
+TEST(qbase_adapter_gradients_match_finite_differences)
+{
+    for (int f = MT_BASE_INT8; f <= MT_BASE_NF4; f++)
+        for (int kind = 0; kind < 2; kind++) {
+            mt_context *ctx = check_cpu_context(1); /* (many tiny ops) */
+            mt_model *m;
+            mt_batch b;
+            int32_t tok[B * T], tg[B * T];
+            float x[B * 70];
+            mt_trainer_config tc;
+            lora_config(&tc, 3, (mt_base_format)f);
+            static const char *const frz[] = {"l*.w"};
+            if (kind == 0) {
+                m = tiny_gpt(ctx, 5, (mt_base_format)f);
+                check_token_batch(&b, tok, tg, B, T, V, 1);
+            } else {
+                m = three_linear(ctx);
+                for (int i = 0; i < B * 70; i++) x[i] = sinf((float)i);
+                for (int i = 0; i < B; i++) tg[i] = i % 5;
+                b = (mt_batch){.n = B, .inputs = x, .targets = tg};
+                /* the first layer's adapter alone: its gradient comes
+                   through both later quantized weights */
+                tc.lora.targets = "l0.w";
+                tc.freeze = frz, tc.n_freeze = 1; /* and the biases train */
+            }
+            mt_trainer *t;
+            CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+            int nq = 0;
+            for (int i = 0; i < m->n_param; i++) nq += m->params[i].qf == f;
+            CHECK(nq == (kind == 0 ? 8 : 3));
+            const size_t n = mt_model_num_params(m);
+            float *g = check_alloc(n * 4);
+            for (int i = 0; i < m->n_param; i++) { /* B drawn too */
+                mti_param *p = &m->params[i];
+                if (p->adapter_of < 0 || !strstr(p->name, ".lora_b")) continue;
+                float *v = check_alloc(p->numel * 4);
+                for (size_t j = 0; j < p->numel; j++) v[j] = 0.3f * sinf((float)(p->offset + j));
+                CHECK_OK(mti_param_write(m, i, 0, p->numel, v));
+            }
+            float loss;
+            CHECK_OKC(ctx, mt_trainer_gradients(t, &b, &loss, g, n));
+            int checked = 0;
+            for (int i = 0; i < m->n_param; i++) {
+                mti_param *p = &m->params[i];
+                if (p->adapter_of < 0) {
+                    if (p->qf)
+                        for (size_t j = 0; j < p->numel; j++) CHECK(g[p->offset + j] == 0.0f);
+                    continue;
+                }
+                for (size_t j = 0; j < p->numel; j += 1 + p->numel / 2) {
+                    float keep, v, lp, lm;
+                    const float h = 2e-3f;
+                    CHECK_OK(mti_param_read(m, i, j, 1, &keep));
+                    v = keep + h;
+                    CHECK_OK(mti_param_write(m, i, j, 1, &v));
+                    CHECK_OKC(ctx, mt_trainer_eval(t, &b, &lp, NULL));
+                    v = keep - h;
+                    CHECK_OK(mti_param_write(m, i, j, 1, &v));
+                    CHECK_OKC(ctx, mt_trainer_eval(t, &b, &lm, NULL));
+                    CHECK_OK(mti_param_write(m, i, j, 1, &keep));
+                    double fd = ((double)lp - lm) / (2.0 * h), an = g[p->offset + j];
+                    CHECK_MSG(fabs(fd - an) <= 3e-4 + 2e-2 * fabs(an),
+                              "%s model %d %s[%zu]: backward %.6g, finite differences %.6g",
+                              mt_base_format_name((mt_base_format)f), kind, p->name, j, an, fd);
+                    checked++;
+                }
+            }
+            CHECK(checked >= (kind == 0 ? 32 : 4));
+            mt_trainer_destroy(t);
+            CHECK_OK(mt_model_destroy(m));
+            CHECK_OK(mt_context_destroy(ctx));
+        }
+}
+
+/* ---- LoRA on a pretrained base: fp32, int8, NF4 ---- */
+
+
+/* The tolerance of the docs (docs/engine.md, "Quantized frozen base"): the
+ * loss after LoRA on a quantized base within this fraction of LoRA's on the
+ * fp32 base, and the loss before LoRA too. */
+#define QBASE_INT8_TOL 0.01f
+#define QBASE_NF4_TOL 0.05f
+
+/* A byte-level GPT pretrained on the project's docs, then LoRA (rank 8 on
+ * qkv and fc, 40 steps) on C source over its fp32, int8 and NF4 base: the
+ * loss on the source falls by 5% each time, the quantized runs end within
+ * the documented tolerance of the fp32 one, their quantized weights do not
+ * change, and PARAM holds less. */
+TEST(qbase_lora_fine_tunes_int8_and_nf4_bases)
+{
+    size_t nc;
+    const unsigned char *code = tf_slurp("lib/engine.c", &nc);
+    mt_context *ctx = check_cpu_context(2);
+    mt_trainer_config tc;
+    uint64_t rng = 1;
+    mt_model *m = tf_pretrained(ctx, &tc, &rng, NULL);
+    mt_trainer *t;
+    mt_gpt_spec g;
+    CHECK_OK(mt_model_gpt_get_spec(m, &g));
+    const size_t n = mt_model_num_params(m);
+    float *pre = check_alloc(n * 4);
+    CHECK_OK(mt_model_get_params(m, pre, n));
+    CHECK_OK(mt_model_destroy(m));
+    float before[3], after[3];
+    uint64_t param[3];
+    for (int f = 0; f < 3; f++) {
+        mt_gpt_spec gq = g;
+        gq.base = (mt_base_format)f;
+        CHECK_OKC(ctx, mt_model_gpt_create(ctx, &gq, &m));
+        CHECK_OK(mt_model_set_params(m, pre, n)); /* quantized from the pretrained fp32 */
+        tc.lora.rank = 8, tc.lora.alpha = 16.0f, tc.lora.targets = "*.qkv.w,*.fc.w";
+        tc.lr = 1e-2f, tc.base = (mt_base_format)f;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        param[f] = class_live(ctx, MT_MEM_PARAM);
+        float *w0 = check_alloc(n * 4), *w1 = check_alloc(mt_model_num_params(m) * 4);
+        CHECK_OK(mt_model_get_params(m, w1, mt_model_num_params(m)));
+        memcpy(w0, w1, n * 4); /* the base comes first */
+        uint64_t r2 = 5;
+        before[f] = tf_mean_loss(ctx, t, code, nc);
+        tf_train(ctx, t, code, nc, &r2, 40);
+        after[f] = tf_mean_loss(ctx, t, code, nc);
+        CHECK_OK(mt_model_get_params(m, w1, mt_model_num_params(m)));
+        CHECK_MSG(!memcmp(w0, w1, n * 4), "%s: the frozen base changed",
+                  mt_base_format_name((mt_base_format)f));
+        CHECK_MSG(after[f] < 0.95f * before[f], "%s base: the loss went from %.4f to %.4f",
+                  mt_base_format_name((mt_base_format)f), (double)before[f], (double)after[f]);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+    }
+    if (getenv("MT_TEST_VERBOSE"))
+        for (int f = 0; f < 3; f++)
+            printf("    %s base: PARAM %llu bytes, source loss %.4f before LoRA, %.4f after\n",
+                   mt_base_format_name((mt_base_format)f), (unsigned long long)param[f],
+                   (double)before[f], (double)after[f]);
+    const float tol[3] = {0, QBASE_INT8_TOL, QBASE_NF4_TOL};
+    for (int f = 1; f < 3; f++) {
+        CHECK_MSG(fabsf(after[f] - after[0]) <= tol[f] * after[0],
+                  "%s: %.4f after LoRA, fp32 base %.4f", mt_base_format_name((mt_base_format)f),
+                  (double)after[f], (double)after[0]);
+        CHECK_MSG(fabsf(before[f] - before[0]) <= tol[f] * before[0],
+                  "%s: %.4f before LoRA, fp32 base %.4f", mt_base_format_name((mt_base_format)f),
+                  (double)before[f], (double)before[0]);
+        CHECK(param[f] < param[f - 1]);
+    }
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* A bf16 trainer of LoRA rank 4 on a tiny GPT made with base f. */
+static mt_trainer *bf16_lora(mt_context *ctx, uint64_t seed, mt_base_format f, mt_model **m)
+{
+    *m = tiny_gpt(ctx, seed, f);
+    mt_trainer_config tc;
+    lora_config(&tc, 4, f);
+    tc.precision = MT_PREC_BF16;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(*m, &tc, &t));
+    return t;
+}
+
+/* The estimate of a quantized base equals the run (the quantized bytes,
+ * the dequantizing GEMMs' panels); a state file resumes bit for bit into a
+ * model of other weights (the quantized bytes come from the file), and a
+ * trainer of another base refuses it. */
+TEST(qbase_estimate_and_resume)
+{
+    for (int f = MT_BASE_INT8; f <= MT_BASE_NF4; f++)
+        for (int prec = 0; prec < 2; prec++) { /* (a context each: the model's creation counts) */
+            mt_context *ctx = check_cpu_context(2);
+            mt_model *m = tiny_gpt(ctx, 3, (mt_base_format)f);
+            mt_trainer_config tc;
+            mt_trainer *t;
+            mt_estimate_report est;
+            lora_config(&tc, 4, (mt_base_format)f);
+            if (prec) tc.precision = MT_PREC_BF16, tc.recompute = MT_RECOMPUTE_SELECTIVE;
+            CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+            CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+            check_token_steps(ctx, t, B, T, V, 0, 2);
+            char what[32];
+            snprintf(what, sizeof what, "%s, precision %d", mt_base_format_name((mt_base_format)f),
+                     prec);
+            check_estimate_matches(ctx, &est, what);
+            mt_trainer_destroy(t);
+            CHECK_OK(mt_model_destroy(m));
+            CHECK_OK(mt_context_destroy(ctx));
+        }
+    /* resume */
+    mt_context *ctx = check_cpu_context(2);
+    char path[512];
+    snprintf(path, sizeof path, "%s/mt_qbase_%d_state", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp",
+             (int)getpid());
+    float *w[2];
+    size_t n = 0;
+    mt_model *m;
+    mt_trainer *t;
+    for (int k = 0; k < 2; k++) {
+        t = bf16_lora(ctx, 23 + (uint64_t)k, MT_BASE_NF4, &m);
+        if (k == 0) check_token_steps(ctx, t, B, T, V, 0, 2);
+        CHECK_OKC(ctx, k ? mt_trainer_load(t, path, NULL, 0, NULL) : mt_trainer_save(t, path, NULL, 0));
+        check_token_steps(ctx, t, B, T, V, 2, 4);
+        n = mt_model_num_params(m);
+        w[k] = check_alloc(n * 4);
+        CHECK_OK(mt_model_get_params(m, w[k], n));
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+    }
+    CHECK_MSG(!memcmp(w[0], w[1], n * 4), "the resumed run differs");
+    t = bf16_lora(ctx, 23, MT_BASE_INT8, &m); /* another base refuses the file */
+    mt_status s = mt_trainer_load(t, path, NULL, 0, NULL);
+    unlink(path);
+    CHECK_EQ(s, MT_ERR_INVALID_ARG);
+    CHECK(strstr(mt_last_error(ctx), "weights' storage"));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* Merging LoRA into a quantized base: the merged weights are fp32 (the
+ * dequantized base plus the adapters), and the model then gives the
+ * adapted model's logits. */
+TEST(qbase_merge_gives_fp32_weights)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *m = tiny_gpt(ctx, 7, MT_BASE_NF4);
+    mt_trainer_config tc;
+    lora_config(&tc, 4, MT_BASE_NF4);
+    tc.lora.targets = "*.fc.w";
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    check_token_steps(ctx, t, B, T, V, 0, 3);
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    float *adapted = check_alloc((size_t)B * V * 4), *merged = check_alloc((size_t)B * V * 4);
+    check_token_batch(&b, tok, tg, B, T, V, 9);
+    CHECK_OKC(ctx, mt_trainer_logits(t, &b, adapted, (size_t)B * V));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_lora_merge(m));
+    int fp32 = 0, q = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        fp32 += strstr(m->params[i].name, ".fc.w") && !m->params[i].qf;
+        q += m->params[i].qf != 0;
+    }
+    CHECK(fp32 == 2 && q == 6); /* the other linear weights stay NF4 */
+    /* the merged model's logits: the NF4 weights frozen (cfg.base), the
+       fp32 fc weights left to train, so nothing is quantized again */
+    mt_trainer_config_init(&tc);
+    tc.max_batch = B, tc.max_seq = T, tc.base = MT_BASE_NF4;
+    static const char *const qs[] = {"*.qkv.w", "*.attproj.w", "*.fcproj.w"};
+    tc.freeze = qs, tc.n_freeze = 3;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    check_token_batch(&b, tok, tg, B, T, V, 9);
+    CHECK_OKC(ctx, mt_trainer_logits(t, &b, merged, (size_t)B * V));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+    for (int i = 0; i < B * V; i++)
+        CHECK_MSG(fabsf(merged[i] - adapted[i]) <= 1e-4f + 1e-4f * fabsf(adapted[i]),
+                  "logit %d: merged %.7g, adapted %.7g", i, (double)merged[i], (double)adapted[i]);
+}
+
+/* Bad settings: each refused with a status and a message that names it. */
+TEST(qbase_refuses_bad_settings)
+{
+    mt_context *ctx = check_cpu_context(1);
+    mt_trainer_config tc;
+    mt_trainer *t;
+    mt_model *m = tiny_gpt(ctx, 1, MT_BASE_FULL);
+    lora_config(&tc, 0, (mt_base_format)7);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "cfg->base 7"));
+    lora_config(&tc, 0, MT_BASE_NF4); /* nothing frozen */
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "none is frozen"));
+    static const char *const frz[] = {"*.b"};
+    tc.freeze = frz, tc.n_freeze = 1; /* biases alone: no linear weight */
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "none is frozen"));
+    lora_config(&tc, 2, MT_BASE_NF4);
+    tc.precision = MT_PREC_FP16;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "fp16"));
+    CHECK_OK(mt_model_destroy(m));
+    m = tiny_gpt(ctx, 1, MT_BASE_INT8);
+    lora_config(&tc, 2, MT_BASE_FULL);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "set cfg->base to int8"));
+    lora_config(&tc, 2, MT_BASE_NF4);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "quantized as int8"));
+    lora_config(&tc, 0, MT_BASE_INT8);
+    static const char *const emb[] = {"wte"};
+    tc.freeze = emb, tc.n_freeze = 1; /* the quantized weights would train */
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "cannot train"));
+    CHECK_EQ(mt_model_num_tensors(m), 2 + 24 + 2); /* no adapters left behind */
+    CHECK_OK(mt_model_destroy(m));
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 1, g.heads = 2, g.channels = 16;
+    g.base = (mt_base_format)3;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_model_gpt_create(ctx, &g, &m));
+    CHECK(strstr(mt_last_error(ctx), "spec->base 3"));
+    CHECK(mt_base_format_name((mt_base_format)3) == NULL);
+    CHECK(!strcmp(mt_base_format_name(MT_BASE_NF4), "nf4"));
+    CHECK_OK(mt_context_destroy(ctx));
+}
