@@ -16,7 +16,7 @@
  *              [--lr X] [--wd X] [--fused] [--recompute none|sqrt|selective|every:K]
  *              [--no-master] [--micro N] [--tokens FILE] [--llmc-checkpoint FILE]
  *              [--allocator caching|arena|pool|checkpoint] [--profile] [--device cpu|cuda]
- *              [--lora R] [--lora-targets P,P,...]
+ *              [--lora R] [--lora-targets P,P,...] [--base full|int8|nf4]
  *   bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]
  *
  * A step is one mt_trainer_step (forward, backward, optimizer); times are
@@ -45,6 +45,9 @@
  * .master_weights = 0).
  * --lora R: LoRA adapters of rank R (alpha 2R) on the weights
  * --lora-targets names (every linear weight), the base frozen.
+ * --base int8|nf4 (with --lora): the base's linear weights quantized as the
+ * model is made or loaded, one tensor at a time (mt_gpt_spec.base,
+ * mt_model_gpt_load_base), and the trainer's cfg.base to match.
  *
  * --gemm measures oneDNN's fp32 matmul instead: the GEMMs of one training
  * step at the given shape (every linear layer's forward x W^T, backward dY W
@@ -93,6 +96,7 @@ typedef struct options {
     float lr, wd;
     int fused, gemm, no_master, profile, lora;
     const char *lora_targets;
+    mt_base_format base;
     const char *precision, *optimizer, *recompute, *tokens, *checkpoint, *allocator, *device;
 } options;
 
@@ -167,6 +171,7 @@ static void usage(void)
           "                  [--micro N]"
           " [--tokens FILE] [--llmc-checkpoint FILE] [--allocator NAME] [--profile]\n"
           "                  [--device cpu|cuda] [--lora R] [--lora-targets P,P,...]\n"
+          "                  [--base full|int8|nf4]\n"
           "       bench_gpt2 --gemm [shape flags] [--batch B] [--seq T] [--threads N]\n",
           stderr);
 }
@@ -227,6 +232,11 @@ static void parse(int argc, char **argv, options *o)
         else if (!strcmp(a, "--allocator")) o->allocator = v;
         else if (!strcmp(a, "--lora")) o->lora = (int)parse_long(a, v, 0, 4096);
         else if (!strcmp(a, "--lora-targets")) o->lora_targets = v;
+        else if (!strcmp(a, "--base")) {
+            o->base = !strcmp(v, "int8") ? MT_BASE_INT8 : !strcmp(v, "nf4") ? MT_BASE_NF4
+                                                                            : MT_BASE_FULL;
+            if (strcmp(v, mt_base_format_name(o->base))) die("--base: full, int8 or nf4, not %s", v);
+        }
         else if (!strcmp(a, "--device") && (!strcmp(v, "cpu") || !strcmp(v, "cuda"))) o->device = v;
         else {
             usage();
@@ -251,6 +261,7 @@ static void trainer_config(const options *o, mt_trainer_config *tc)
     tc->lora.rank = o->lora;
     tc->lora.alpha = 2.0f * (float)o->lora;
     tc->lora.targets = o->lora_targets;
+    tc->base = o->base;
     if (o->no_master) tc->master_weights = 0;
     if (mt_optimizer_by_name(o->optimizer, &tc->optimizer))
         die("--optimizer: %s", mt_last_error(NULL));
@@ -363,14 +374,14 @@ static int train(const options *o)
 
     mt_model *m;
     if (o->checkpoint) {
-        s = mt_model_gpt_load(ctx, o->checkpoint, &m);
+        s = mt_model_gpt_load_base(ctx, o->checkpoint, o->base, &m);
         if (s) die_status(ctx, "mt_model_gpt_load", s);
     } else {
         mt_gpt_spec sp;
         mt_gpt_spec_init(&sp);
         sp.vocab = o->vocab, sp.padded_vocab = o->padded_vocab, sp.max_seq = o->max_seq;
         sp.layers = o->layers, sp.heads = o->heads, sp.channels = o->channels;
-        sp.seed = o->seed;
+        sp.seed = o->seed, sp.base = o->base;
         s = mt_model_gpt_create(ctx, &sp, &m);
         if (s) die_status(ctx, "mt_model_gpt_create", s);
     }
@@ -444,10 +455,10 @@ static int train(const options *o)
            sp.channels);
     printf("\"optimizer\": \"%s\", \"lr\": %g, \"weight_decay\": %g, \"precision\": \"%s\", "
            "\"recompute\": \"%s\", \"fused\": %s, \"master_weights\": %s, \"micro\": %d, "
-           "\"allocator\": \"%s\", \"lora\": %d, ",
+           "\"allocator\": \"%s\", \"lora\": %d, \"base\": \"%s\", ",
            o->optimizer, (double)o->lr, (double)o->wd, o->precision, o->recompute,
            o->fused ? "true" : "false", tc.master_weights ? "true" : "false", o->micro,
-           o->allocator ? o->allocator : "default", o->lora);
+           o->allocator ? o->allocator : "default", o->lora, mt_base_format_name(o->base));
     printf("\"mem_peak_mib\": {");
     for (int c = 0; c < MT_MEM_COUNT; c++)
         printf("%s\"%s\": %.2f", c ? ", " : "", mt_mem_class_name((mt_mem_class)c),
