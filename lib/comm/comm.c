@@ -355,6 +355,12 @@ void mti_comm_on_thread(void) { comm_thread = true; }
 
 void mti_comm_waited(mt_context *ctx, uint64_t ns) { atomic_fetch_add(&ctx->comm_wait_ns, ns); }
 
+static _Atomic int comm_hurry;
+
+void mti_comm_hurry(int delta) { atomic_fetch_add(&comm_hurry, delta); }
+
+int mti_comm_urgent(void) { return atomic_load(&comm_hurry) > 0; }
+
 /* A collective of the context took from t0 until now. */
 static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
 {

@@ -47,6 +47,13 @@ mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *c
 void mti_comm_on_thread(void);
 /* ns spent waiting for collectives that ran elsewhere: exposed time. */
 void mti_comm_waited(mt_context *ctx, uint64_t ns);
+/* A thread of the process starts (+1) or ends (-1) waiting for a
+ * communication thread's collectives (mti_overlap_wait); while one waits,
+ * mti_comm_urgent() is true: the collectives are exposed, and a host
+ * communicator's thread should finish them as fast as it can rather than
+ * leave the core to computation (comm_mpi.c's polling). */
+void mti_comm_hurry(int delta);
+int mti_comm_urgent(void);
 
 /* The stream a device communicator runs the context's collectives on (the
  * CUDA device's), or NULL. */

@@ -214,7 +214,9 @@ mt_status mti_overlap_wait(mti_overlap *ov)
         return mti_fail(ov->ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication thread",
                         ov->given, ov->n);
     }
+    mti_comm_hurry(1);
     while (ov->next >= 0) pthread_cond_wait(&ov->done, &ov->mu);
+    mti_comm_hurry(-1);
     mti_comm_waited(ov->ctx, mti_now_ns() - t0);
     const mt_status s = ov->failed;
     char msg[MTI_ERR_LEN];

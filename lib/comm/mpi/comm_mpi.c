@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "internal.h"
+#include "comm/comm.h"
 #include "memtrain/mpi.h"
 
 typedef struct mpi_state {
@@ -43,23 +43,52 @@ static mt_status mpi_fail(mpi_state *st, const char *what, int rc)
     return MT_ERR_COMM;
 }
 
-/* Polls a started request until it completes or the deadline passes. */
+/* Tests a request again and again for `burst` seconds (0: once). */
+static int test_for(MPI_Request *req, double burst, int *rc)
+{
+    const double b0 = burst > 0.0 ? now_s() : 0.0;
+    for (;;) {
+        int done = 0;
+        *rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        if (*rc != MPI_SUCCESS || done) return done;
+        if (!(burst > 0.0) || now_s() - b0 >= burst) return 0;
+    }
+}
+
+/* Polls a started request until it completes or the deadline passes.
+ *
+ * Open MPI moves a large message over shared memory a fragment at a time,
+ * and only inside MPI calls: a 4 MiB all-reduce of 2 ranks takes about 90
+ * tests without single copy, so a waiter that sleeps between single tests
+ * turns 0.4 ms of copying into 9 ms (docs/benchmarks.md). So a waiter
+ * tests in bursts of 50 us, and sleeps between them (10 us doubling to a
+ * cap) only once spinning stops paying:
+ * - a thread whose collective is exposed (the main thread, or the
+ *   communication thread while the step waits for it, mti_comm_urgent)
+ *   first spins for 5 ms, yielding the core on each test (the ranks of a
+ *   step arrive within that, and a rank's core has nothing else to do then;
+ *   yielding leaves it to other processes when there are more than cores),
+ *   then sleeps up to 1 ms between bursts: a rank long in coming (saving, a
+ *   stalled rank) costs the waiter about 5% of a core;
+ * - the communication thread while backward computes on the rank's core
+ *   never spins: it sleeps up to 200 us between bursts, so it takes the core
+ *   from the computation only for the bursts. */
 static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *req)
 {
     if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
     const double start = now_s(), deadline = start + st->timeout;
-    struct timespec nap = {0, 10000}; /* 10 us, doubling to 1 ms */
-    /* a thread other than MPI's main one is the library's communication
-       thread, which runs beside backward: it sleeps from the start rather
-       than take the core from the computation */
     int main_thread = 1;
     MPI_Is_thread_main(&main_thread);
-    for (;;) {
-        int done = 0;
-        rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    const int urgent = main_thread || mti_comm_urgent();
+    const double spin = urgent ? 5e-3 : 0.0, burst = 50e-6;
+    const long cap = urgent ? 1000000 : 200000; /* ns */
+    struct timespec nap = {0, 10000};
+    for (int first = 1;; first = 0) {
+        const int done = test_for(req, first ? 0.0 : burst, &rc);
         if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
         if (done) return MT_OK;
-        if (now_s() > deadline) {
+        const double t = now_s();
+        if (t > deadline) {
             st->broken = 1; /* the request, and the staging buffers, stay with MPI */
             snprintf(st->err, sizeof st->err,
                      "%s not complete after %g s: a rank died, stalled, or did not make the same "
@@ -67,15 +96,12 @@ static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *re
                      what, st->timeout);
             return MT_ERR_COMM;
         }
-        /* most collectives of a step are small and done within a few tens of
-           microseconds: poll (yielding the core) for the first 200 us, then
-           sleep, so a rank that waits long leaves the core to the others */
-        if (main_thread && now_s() - start < 200e-6) {
+        if (t - start < spin) {
             sched_yield();
             continue;
         }
         nanosleep(&nap, NULL);
-        if (nap.tv_nsec < (main_thread ? 1000000 : 20000)) nap.tv_nsec *= 2;
+        nap.tv_nsec = nap.tv_nsec * 2 < cap ? nap.tv_nsec * 2 : cap;
     }
 }
 
