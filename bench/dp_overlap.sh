@@ -21,12 +21,13 @@ command -v mpirun > /dev/null || { echo "dp_overlap.sh: no mpirun (make deps ins
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 # Open MPI's default single copy (CMA) where this machine allows it, else
 # copies through the shared-memory queues (containers without ptrace)
-export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-cma}
+export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-cma}"
 MPIRUN="mpirun --oversubscribe --bind-to none"
 ARGS="train --model gpt --layers 4 --heads 4 --channels 256 --seq 128 --batch 8 --optimizer adamw
       --steps $STEPS --every $HALF --eval-every 0 --schedule constant $*"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
+# shellcheck disable=SC2086
 if [ "$OMPI_MCA_btl_vader_single_copy_mechanism" = cma ] &&
     ! timeout 120 $MPIRUN -np 2 "$B/memtrain" $ARGS --steps 1 --threads 1 < /dev/null > "$dir/probe" 2>&1; then
     export OMPI_MCA_btl_vader_single_copy_mechanism=none
