@@ -35,6 +35,8 @@ void *check_alloc(size_t bytes);
 void *check_copy(const void *src, size_t bytes);
 /* A CPU context with `threads` kernel threads and the default allocators. */
 mt_context *check_cpu_context(int threads);
+/* A 2-block, 4-head GPT on ctx (vocab, max_seq, channels, seed as given). */
+mt_model *check_small_gpt(mt_context *ctx, int vocab, int max_seq, int channels, uint64_t seed);
 /* Under MT_TEST_GPU=1, a CUDA context on the system's driver (the test
  * fails if none opens); otherwise NULL, and the caller's GPU test skips. */
 mt_context *check_gpu_context(void);

@@ -21,12 +21,7 @@ static mt_context *cpu_ctx(void) { return check_cpu_context(2); }
 
 static mt_model *gpt(mt_context *ctx, uint64_t seed, int channels)
 {
-    mt_gpt_spec g;
-    mt_gpt_spec_init(&g);
-    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = channels, g.seed = seed;
-    mt_model *m;
-    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
-    return m;
+    return check_small_gpt(ctx, V, T, channels, seed);
 }
 
 typedef struct ck_case {

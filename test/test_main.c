@@ -124,6 +124,17 @@ mt_context *check_cpu_context(int threads)
     return ctx;
 }
 
+mt_model *check_small_gpt(mt_context *ctx, int vocab, int max_seq, int channels, uint64_t seed)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = vocab, g.max_seq = max_seq, g.layers = 2, g.heads = 4, g.channels = channels;
+    g.seed = seed;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    return m;
+}
+
 mt_context *check_gpu_context(void)
 {
     const char *gpu = getenv("MT_TEST_GPU");

@@ -21,12 +21,7 @@ enum { B = 2, T = 16, V = 256, STEPS = 3 };
 
 static mt_model *gpt_of(mt_context *ctx, int channels, uint64_t seed)
 {
-    mt_gpt_spec g;
-    mt_gpt_spec_init(&g);
-    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = channels, g.seed = seed;
-    mt_model *m;
-    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
-    return m;
+    return check_small_gpt(ctx, V, T, channels, seed);
 }
 
 static mt_model *gpt(mt_context *ctx) { return gpt_of(ctx, 64, 11); }
@@ -244,22 +239,38 @@ static int inject(int write, const char *path, uint64_t off, size_t *n)
     return 0;
 }
 
+/* A trainer with its state on disk under `dir`, and batch 0 for it. */
+typedef struct disk_run {
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+} disk_run;
+
+static void disk_run_open(disk_run *r, const char *dir, const ocase *c)
+{
+    r->ctx = check_cpu_context(1);
+    r->m = gpt(r->ctx);
+    mt_trainer_config tc;
+    config(&tc, c, MT_PLACE_DISK, dir);
+    CHECK_OKC(r->ctx, mt_trainer_create(r->m, &tc, &r->t));
+    batch(&r->b, r->tok, r->tg, 0);
+}
+
 /* Trains with a fault after `after` steps: the step fails with MT_ERR_IO
  * naming the scratch file, the scratch directory is gone, later steps are
  * refused, and the model's weights stay finite. */
 static void fault_run(const char *dir, int wr, int err)
 {
-    mt_context *ctx = check_cpu_context(1);
-    mt_model *m = gpt(ctx);
-    mt_trainer_config tc;
     const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
-    config(&tc, &c, MT_PLACE_DISK, dir);
-    mt_trainer *t;
-    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
-    int32_t tok[B * T], tg[B * T];
-    mt_batch b;
+    disk_run r;
+    disk_run_open(&r, dir, &c);
+    mt_context *ctx = r.ctx;
+    mt_model *m = r.m;
+    mt_trainer *t = r.t;
+    const mt_batch b = r.b;
     float loss;
-    batch(&b, tok, tg, 0);
     fault_calls[0] = fault_calls[1] = 0;
     mti_offload_fault = inject;
     CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
@@ -315,17 +326,14 @@ TEST(offload_removed_or_truncated_scratch)
     const char *dir = tmp_dir();
     char path[512];
     for (int k = 0; k < 2; k++) {
-        mt_context *ctx = check_cpu_context(1);
-        mt_model *m = gpt(ctx);
-        mt_trainer_config tc;
         const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 1, 0.0f};
-        config(&tc, &c, MT_PLACE_DISK, dir);
-        mt_trainer *t;
-        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
-        int32_t tok[B * T], tg[B * T];
-        mt_batch b;
+        disk_run r;
+        disk_run_open(&r, dir, &c);
+        mt_context *ctx = r.ctx;
+        mt_model *m = r.m;
+        mt_trainer *t = r.t;
+        const mt_batch b = r.b;
         float loss;
-        batch(&b, tok, tg, 0);
         CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
         const size_t n = mt_model_num_params(m);
         float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
