@@ -673,9 +673,11 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
  * NormalFloat, blocks of 64, double-quantized absmax, bitsandbytes' bits:
  * about 0.52 bytes per weight). A quantized weight is frozen for good: the
  * forward and the input gradient run through GEMMs that dequantize it a
- * tile at a time. Only linear weights are quantized (LINEAR layers' and
- * blocks' qkv, attproj, fc, fcproj); embeddings, LayerNorms and biases stay
- * as they are. CPU only for now (the CUDA op table refuses with
+ * tile at a time. Only linear weights (LINEAR layers' and blocks' qkv,
+ * attproj, fc, fcproj) and a trainer's frozen token table (its lookup
+ * dequantizes the rows it reads; it is the tied LM head's W) are
+ * quantized; the positions, LayerNorms and biases stay as they are. CPU
+ * only for now (the CUDA op table refuses with
  * MT_ERR_UNSUPPORTED); compute in fp32 or bf16 (fp16: MT_ERR_UNSUPPORTED). */
 typedef enum mt_base_format {
     MT_BASE_FULL = 0, /* not quantized */
@@ -699,7 +701,8 @@ typedef struct mt_gpt_spec {
      * they are made, one tensor at a time (each made in fp32, quantized,
      * its fp32 freed), so the model never holds them whole in fp32: a
      * quantized base for LoRA or frozen fine-tuning (mt_base_format).
-     * MT_BASE_FULL (0): fp32, as always. */
+     * The token table stays fp32 (it may train): a trainer's cfg.base
+     * quantizes it once it is frozen. MT_BASE_FULL (0): fp32, as always. */
     mt_base_format base;
 } mt_gpt_spec;
 /* Fills the GPT-2 124M shape. */
@@ -1032,15 +1035,17 @@ typedef struct mt_trainer_config {
     const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
      * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear
-     * weight (frozen by cfg.freeze, or the base under LoRA) is quantized
-     * from fp32 at create, one tensor at a time, unless the model holds it
-     * quantized already (mt_gpt_spec.base, mt_model_gpt_load_base): PARAM
-     * then holds the quantized bytes alone. The quantization is the
-     * model's from then on (after the trainer too: mt_model_get_params
-     * reads the dequantized values, mt_model_set_params quantizes again,
-     * mt_model_lora_merge makes a merged weight fp32 again). Trainable and
-     * non-linear parameters stay as they are. MT_ERR_INVALID_ARG: no frozen
-     * linear weight to quantize, a model quantized in another format, or
+     * weight and a frozen token table (frozen by cfg.freeze, or the base
+     * under LoRA) is quantized from fp32 at create, one tensor at a time,
+     * unless the model holds it quantized already (mt_gpt_spec.base,
+     * mt_model_gpt_load_base): PARAM then holds the quantized bytes alone.
+     * The quantization is the model's from then on (after the trainer
+     * too: mt_model_get_params reads the dequantized values,
+     * mt_model_set_params quantizes again, mt_model_lora_merge makes a
+     * merged weight fp32 again; a later trainer must keep the quantized
+     * table frozen). Trainable parameters, positions, LayerNorms and
+     * biases stay as they are. MT_ERR_INVALID_ARG: no frozen linear weight
+     * or token table to quantize, a model quantized in another format, or
      * a model with quantized weights and base MT_BASE_FULL, or one of them
      * not frozen; MT_ERR_UNSUPPORTED: fp16 compute, or a CUDA context. */
     mt_base_format base;

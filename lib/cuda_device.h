@@ -93,7 +93,9 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_AF_UPD, "mt_af_upd")                                                            \
     X(MTI_CUDA_AF_APPLY, "mt_af_apply")                                                        \
     X(MTI_CUDA_DEQUANT_INT8, "mt_dequant_int8")                                                \
-    X(MTI_CUDA_DEQUANT_NF4, "mt_dequant_nf4")
+    X(MTI_CUDA_DEQUANT_NF4, "mt_dequant_nf4")                                                  \
+    X(MTI_CUDA_EMB_FWD_Q_INT8, "mt_emb_fwd_q_int8")                                            \
+    X(MTI_CUDA_EMB_FWD_Q_NF4, "mt_emb_fwd_q_nf4")
 
 typedef enum mti_cuda_kernel_id {
 #define MTI_CUDA_KERNEL_ENUM(id, name) id,

@@ -234,6 +234,19 @@ static mt_status lin_fwd(mti_engine *E, int wi, void *y, const void *x, const vo
     return op->matmul_fwd(&E->k, y, x, w->w.blk.ptr, b, E->N, in, out, E->dt);
 }
 
+/* embedding_fwd of the token table parameter ti into out: a quantized
+ * table through embedding_fwd_q (its rows dequantized as they are read). */
+static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int C)
+{
+    const mti_param *w = &E->m->params[ti];
+    const mti_ops *op = E->ctx->ops;
+    if (w->qf)
+        return op->embedding_fwd_q(&E->k, out, E->tokens.blk.ptr, w->w.blk.ptr, w->qf,
+                                   (int)w->shape[0], wpe, E->B, E->T, C, E->dt);
+    return op->embedding_fwd(&E->k, out, E->tokens.blk.ptr, w->w.blk.ptr, wpe, E->B, E->T, C,
+                             E->dt);
+}
+
 /* matmul_bwd with W parameter wi. A quantized W is frozen (gw NULL): db
  * from dy, then dx through the dequantizing GEMM. */
 static mt_status lin_bwd(mti_engine *E, int wi, void *dx, float *gw, float *gb, const void *dy,
@@ -429,14 +442,12 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
         const void *wpe = ly->positions ? P(E, ly->p0 + 1) : NULL;
         MTI_TRY(act(E, y, dt, N, C, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         if (!ly->stable) {
-            MTI_TRY(op->embedding_fwd(k, y->blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), wpe, E->B, E->T,
-                                  C, dt));
+            MTI_TRY(emb_fwd(E, ly->p0, y->blk.ptr, wpe, C));
             break;
         }
         int pl = ly->p0 + (ly->positions ? 2 : 1); /* the LayerNorm's weight */
         MTI_TRY(act(E, &sl[S_EMB], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_EMB)));
-        MTI_TRY(op->embedding_fwd(k, sl[S_EMB].blk.ptr, E->tokens.blk.ptr, P(E, ly->p0), NULL, E->B,
-                              E->T, C, dt));
+        MTI_TRY(emb_fwd(E, ly->p0, sl[S_EMB].blk.ptr, NULL, C));
         if (save != MTI_SAVE_NONE) {
             MTI_TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_MEAN)));
             MTI_TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_RSTD)));
@@ -455,8 +466,7 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     case MT_LAYER_BLOCK: MTI_TRY(block_fwd(E, i, save)); break;
     case MT_LAYER_LM_HEAD:
         MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-        MTI_TRY(op->matmul_fwd(k, y->blk.ptr, x->blk.ptr, P(E, ly->tied), NULL, N, ly->in, ly->out,
-                           dt));
+        MTI_TRY(lin_fwd(E, ly->tied, y->blk.ptr, x->blk.ptr, NULL, ly->in, ly->out));
         break;
     }
     E->have[i] = save != MTI_SAVE_NONE;

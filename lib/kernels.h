@@ -254,6 +254,15 @@ struct mti_ops {
     /* dx (N,I) = (or += with accumulate) dy (N,O) . deq(W). */
     mt_status (*matmul_dx_q)(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
                              int n, int in, int out, mti_dtype dt, int accumulate);
+    /* embedding_fwd with the token table (V,C) quantized as a (V,C)
+     * weight (the frozen table of a quantized base, which is also the tied
+     * LM head's W): each looked-up row dequantized in dt as mti_dequantize
+     * makes it, then embedding_fwd's sum with wpe, so the result equals
+     * embedding_fwd on the dequantized table bit for bit. The table is never
+     * dequantized whole (no WORK). dt fp32 or bf16 (else
+     * MT_ERR_UNSUPPORTED); an unknown qf is MT_ERR_INVALID_ARG. */
+    mt_status (*embedding_fwd_q)(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
+                                 int qf, int V, const void *wpe, int B, int T, int C, mti_dtype dt);
 
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved

@@ -759,6 +759,12 @@ int mti_param_quantizable(const mt_model *m, int i)
     return m->params[i].linear && m->params[i].adapter_of < 0;
 }
 
+int mti_param_is_table(const mt_model *m, int i)
+{
+    return m->input == MT_INPUT_TOKENS && m->n_layers > 0 &&
+           m->layers[0].kind == MT_LAYER_EMBEDDING && m->layers[0].p0 == i;
+}
+
 /* The quantized tensor of parameter i in format qf: a flat byte tensor. */
 static mti_tensor quant_tensor(const mti_param *p, int qf)
 {

@@ -114,6 +114,11 @@ mt_status mti_param_dequantize(mt_model *m, int i);
 /* Whether parameter i of the model is one a base format quantizes: a linear
  * weight of the base (not an adapter). */
 int mti_param_quantizable(const mt_model *m, int i);
+/* Whether parameter i is a token model's token table (the EMBEDDING
+ * layer's first parameter, the tied LM head's W). A trainer's cfg.base
+ * quantizes it when it is frozen; a model's spec.base does not (it may
+ * still train). */
+int mti_param_is_table(const mt_model *m, int i);
 /* Builds a GPT model whose parameters `fill` writes (fp32, one at a time,
  * in parameter order, right after each is allocated; before any, it is
  * called once with i = -1 and the model's sizes and offsets set, to check

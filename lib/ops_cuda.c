@@ -916,6 +916,37 @@ mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t 
     return launch(k, MTI_CUDA_DEQUANT_NF4, grid, MTI_DQ_THREADS, args);
 }
 
+/* embedding_fwd from a quantized table (V,C): dequant.cu's lookup, each
+ * element dequantized as mti_dequantize makes it in dt, then the sum with
+ * wpe as embedding_fwd's. */
+static mt_status cu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok,
+                                    const void *wq, int qf, int V, const void *wpe, int B, int T,
+                                    int C, mti_dtype dt)
+{
+    OP_NOTE(k, "embedding_fwd_q B=%d T=%d C=%d V=%d format %d %s%s", B, T, C, V, qf, dt_name(dt),
+            wpe ? "" : " (no positions)");
+    mt_status st = mti_quant_emb_check(k->ctx, "CUDA embedding_fwd_q", wq, qf, V, B, T, C, dt);
+    if (st) return st;
+    if (B == 0 || T == 0 || C == 0) return MT_OK;
+    mti_qparts p;
+    mti_quant_parts((mti_qformat)qf, (size_t)V * (size_t)C, &p);
+    const uint8_t *q = wq;
+    int idt = (int)dt;
+    unsigned long long n = (unsigned long long)B * T * C;
+    const void *codes = q + p.codes;
+    if (qf == MTI_QF_INT8) {
+        const void *scale = q + p.scale;
+        void *args[] = {&out, &idt, &tok, &codes, &scale, &wpe, &T, &C, &n};
+        return launch(k, MTI_CUDA_EMB_FWD_Q_INT8, ew_grid(n), MTI_DQ_THREADS, args);
+    }
+    mt_dq_maps maps;
+    memcpy(maps.q8, mti_q8_map(1), sizeof maps.q8);
+    memcpy(maps.nf4, mti_nf4_code(), sizeof maps.nf4);
+    const void *qabsmax = q + p.qabsmax, *absmax2 = q + p.absmax2, *offset = q + p.offset;
+    void *args[] = {&out, &idt, &tok, &codes, &qabsmax, &absmax2, &offset, &wpe, &T, &C, &n, &maps};
+    return launch(k, MTI_CUDA_EMB_FWD_Q_NF4, ew_grid(n), MTI_DQ_THREADS, args);
+}
+
 /* The checks of the CPU table's quantized matmuls, in its order. */
 static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int qf, int n, int in,
                          int out, mti_dtype dt)
@@ -1570,6 +1601,7 @@ static const mti_ops cuda_ops = {
     .device = MT_DEVICE_CUDA,
     .cast = cu_cast,
     .embedding_fwd = cu_embedding_fwd,
+    .embedding_fwd_q = cu_embedding_fwd_q,
     .embedding_bwd = cu_embedding_bwd,
     .embedding_dw_rows = cu_embedding_dw_rows,
     .matmul_fwd = cu_matmul_fwd,

@@ -288,3 +288,17 @@ mt_status mti_dequantize(mt_context *ctx, mti_qformat f, const void *q, size_t n
     }
     return MT_OK;
 }
+
+mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, int qf, int V, int B,
+                              int T, int C, mti_dtype dt)
+{
+    if (B < 0 || T < 0 || C < 0 || V < 0 || !wq || !mti_quant_name((mti_qformat)qf))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: bad shape (B %d, T %d, C %d, V %d), table or format %d", op, B, T, C,
+                        V, qf);
+    if (dt != MTI_F32 && dt != MTI_BF16)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a quantized table needs fp32 or bf16 activations (dtype %d)", op,
+                        (int)dt);
+    return MT_OK;
+}

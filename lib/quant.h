@@ -93,6 +93,12 @@ mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n,
 mt_status mti_dequantize(mt_context *ctx, mti_qformat f, const void *q, size_t n, size_t at,
                          size_t len, void *out, mti_dtype dt);
 
+/* The argument checks of an op table's embedding_fwd_q (op names it in the
+ * message): MT_ERR_INVALID_ARG for a negative size, a NULL table or an
+ * unknown format; MT_ERR_UNSUPPORTED for a dt other than fp32 or bf16. */
+mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, int qf, int V, int B,
+                              int T, int C, mti_dtype dt);
+
 /* The 16 NF4 levels, ascending, -1 to 1 with an exact 0 at index 7. */
 const float *mti_nf4_code(void);
 

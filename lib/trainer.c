@@ -662,6 +662,15 @@ static mt_status mark_frozen(mt_trainer *t)
     return MT_OK;
 }
 
+/* Whether cfg.base quantizes parameter i once it is frozen: a linear
+ * weight, or the token table (which is also the tied LM head's W: the
+ * lookup dequantizes the rows it reads, the head runs through the
+ * quantized matmuls). */
+static int base_member(const mt_model *m, int i)
+{
+    return mti_param_quantizable(m, i) || mti_param_is_table(m, i);
+}
+
 /* The quantized base (cfg.base): the model's quantized weights must be
  * frozen and in cfg.base's format; with a format, the frozen linear
  * weights that are not quantized yet are (quantize_base, once the weights
@@ -690,7 +699,7 @@ static mt_status check_base(mt_trainer *t)
                             "mt_trainer_create: %s is quantized (%s) and cannot train: freeze "
                             "it (cfg->freeze) or train LoRA adapters on the base",
                             p->name, has);
-        n += p->qf || (qf && p->frozen && mti_param_quantizable(m, i));
+        n += p->qf || (qf && p->frozen && base_member(m, i));
     }
     if (qf && !n)
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
@@ -705,7 +714,7 @@ static mt_status quantize_base(mt_trainer *t)
     mt_model *m = t->model;
     mt_status s = MT_OK;
     for (int i = 0; i < m->n_param && !s && t->cfg.base; i++)
-        if (m->params[i].frozen && mti_param_quantizable(m, i))
+        if (m->params[i].frozen && base_member(m, i))
             s = mti_param_quantize(m, i, (int)t->cfg.base);
     return s;
 }

@@ -432,6 +432,88 @@ TEST(ops_dequantize_matches_quant_c)
     CHECK_OK(mt_context_destroy(g));
 }
 
+/* embedding_fwd_q on a CUDA table against the CPU table's, bit for bit:
+ * int8 and NF4, fp32 and bf16, with and without positions, a table whose
+ * last block is partial and rows that do not start on a block. */
+static void emb_q_checks(cuda_ctx *c)
+{
+    enum { B = 3, T = 5, C = 200, V = 37 };
+    const size_t nw = (size_t)V * C, no = (size_t)B * T * C;
+    const float *w = dq_weight(V, C);
+    int32_t tok[B * T];
+    for (int i = 0; i < B * T; i++) tok[i] = (int32_t)((i * 11 + 3) % V);
+    mt_context *cpu = check_cpu_context(1);
+    const mti_kctx hk = {cpu, cpu->dev};
+    float pos[T * C];
+    for (int i = 0; i < T * C; i++) pos[i] = 0.01f * (float)(i % 97) - 0.4f;
+    for (int f = MTI_QF_INT8; f <= MTI_QF_NF4; f++) {
+        const size_t qb = mti_quant_bytes((mti_qformat)f, nw);
+        void *hq = check_alloc(qb);
+        CHECK_OK(mti_quantize(NULL, (mti_qformat)f, w, nw, hq));
+        for (int dt = 0; dt < 3; dt += 2) {
+            const size_t es = dt ? 2 : 4;
+            uint16_t hpos16[T * C];
+            for (int i = 0; i < T * C; i++) hpos16[i] = mti_f32_to_bf16(pos[i]);
+            const void *hpos = dt ? (const void *)hpos16 : (const void *)pos;
+            mt_block bq, bt, bp, bo;
+            void *q = dev_alloc(c, &bq, qb), *k = dev_alloc(c, &bt, sizeof tok);
+            void *p = dev_alloc(c, &bp, (size_t)T * C * es), *o = dev_alloc(c, &bo, no * es);
+            CHECK_OK(c->ctx->dev->copy_h2d(c->ctx->dev, q, hq, qb));
+            CHECK_OK(c->ctx->dev->copy_h2d(c->ctx->dev, k, tok, sizeof tok));
+            CHECK_OK(c->ctx->dev->copy_h2d(c->ctx->dev, p, hpos, (size_t)T * C * es));
+            void *want = check_alloc(no * es), *got = check_alloc(no * es);
+            for (int wp = 0; wp < 2; wp++) {
+                CHECK_OKC(cpu, mti_cpu_ops()->embedding_fwd_q(&hk, want, tok, hq, f, V,
+                                                              wp ? hpos : NULL, B, T, C,
+                                                              (mti_dtype)dt));
+                CHECK_OKC(c->ctx, c->ops->embedding_fwd_q(&c->k, o, k, q, f, V, wp ? p : NULL, B,
+                                                          T, C, (mti_dtype)dt));
+                CHECK_OK(c->ctx->dev->copy_d2h(c->ctx->dev, got, o, no * es));
+                CHECK_OK(c->ctx->dev->sync(c->ctx->dev));
+                CHECK_MSG(memcmp(got, want, no * es) == 0,
+                          "embedding_fwd_q %s dtype %d%s: not the CPU table's bits",
+                          f == MTI_QF_NF4 ? "nf4" : "int8", dt, wp ? "" : " (no positions)");
+            }
+            CHECK_ST(MT_ERR_UNSUPPORTED, c->ops->embedding_fwd_q(&c->k, o, k, q, f, V, p, B, T, C,
+                                                                 MTI_F16));
+            CHECK(strstr(mt_last_error(c->ctx), "fp32 or bf16"));
+            CHECK_ST(MT_ERR_INVALID_ARG, c->ops->embedding_fwd_q(&c->k, o, k, q, 9, V, p, B, T, C,
+                                                                 (mti_dtype)dt));
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bo));
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bp));
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bt));
+            CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bq));
+        }
+    }
+    CHECK_OK(mt_context_destroy(cpu));
+}
+
+/* Over the stand-ins, whose twins of dequant.cu's lookup kernels run
+ * dequant.cuh's arithmetic on the host. */
+TEST(cuda_standin_embedding_quantized)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    cuda_ctx c;
+    cuda_open(&c);
+    emb_q_checks(&c);
+    CHECK_MSG(!strcmp(s.last_kernel(), "mt_emb_fwd_q_nf4"), "ran %s", s.last_kernel());
+    CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}
+
+/* The same on a GPU (MT_TEST_GPU=1; the ops group of the GPU bundle). */
+TEST(ops_embedding_quantized_matches_cpu)
+{
+    mt_context *g = check_gpu_context();
+    if (!g) return;
+    cuda_ctx c = {.ctx = g};
+    CHECK_OKC(g, mti_cuda_ops(g->dev, &c.ops));
+    c.k = (mti_kctx){g, g->dev};
+    emb_q_checks(&c);
+    CHECK_OK(mt_context_destroy(g));
+}
+
 /* matmul_fwd_q and matmul_dx_q over the stand-ins: a weight of 2056 x
  * 1024 takes two tiles of rows forward (2048 + 8: 2^21 / 1024) and two of
  * columns for dx (1016 + 8: 2^21 / 2056 rounded down to a multiple of 8),

@@ -301,7 +301,7 @@ TEST(lora_merge_export_and_adapter_files)
 TEST(lora_fine_tunes_a_pretrained_base)
 {
     size_t nc;
-    const unsigned char *code = tf_slurp("lib/engine.c", &nc);
+    const unsigned char *code = tf_slurp("test/data/c_source.txt", &nc);
     mt_context *ctx = check_cpu_context(2);
     mt_trainer_config tc;
     uint64_t rng = 1;

@@ -488,6 +488,71 @@ TEST(ops_matmul_quantized)
     close_tables();
 }
 
+/* ---- embedding from a quantized token table ---- */
+
+/* embedding_fwd_q on every table (CPU; CUDA with MT_TEST_GPU=1), int8 and
+ * NF4, fp32 and bf16, with and without positions: the same bits as the
+ * table's embedding_fwd on the dequantized table (mti_dequantize rounds
+ * it to dt), and as the CPU table's. The second shape's rows are longer
+ * than the CPU's staging chunk and the table ends in a partial block. */
+TEST(ops_embedding_quantized)
+{
+    open_tables();
+    static const int shapes[2][4] = {{3, 11, 24, 50}, {2, 3, 1500, 7}}; /* B, T, C, V */
+    for (int si = 0; si < 2; si++) {
+        const int B = shapes[si][0], T = shapes[si][1], C = shapes[si][2], V = shapes[si][3];
+        const size_t nw = (size_t)V * C, no = (size_t)B * T * C, np = (size_t)T * C;
+        float *wte = randv(nw, 0.5f), *wpe = randv(np, 1), *wd = malloc(nw * 4);
+        int32_t tok[64];
+        for (int i = 0; i < B * T; i++) tok[i] = (int32_t)((unsigned)(i * 37 + 5) % (unsigned)V);
+        tok[0] = V - 1; /* the last row, in the partial block */
+        for (int f = MTI_QF_INT8; f <= MTI_QF_NF4; f++) {
+            const size_t qb = mti_quant_bytes((mti_qformat)f, nw);
+            void *q = malloc(qb);
+            CHECK_OK(mti_quantize(NULL, (mti_qformat)f, wte, nw, q));
+            for (int d = 0; d < 3; d += 2) {
+                const mti_dtype dt = DTYPES[d];
+                CHECK_OK(mti_dequantize(NULL, (mti_qformat)f, q, nw, 0, nw, wd, MTI_F32));
+                float *want[2] = {malloc(no * 4), malloc(no * 4)};
+                for (int ti = 0; ti < n_tabs; ti++) {
+                    tab *t = &tabs[ti];
+                    void *Q = dev_buf(t, q, qb), *W = put(t, wd, nw, dt), *P = put(t, wpe, np, dt);
+                    int32_t *K = dev_buf(t, tok, (size_t)B * T * 4);
+                    void *O = dev_buf(t, NULL, no * dsize(dt));
+                    float *got = malloc(no * 4), *dense = malloc(no * 4);
+                    for (int pos = 0; pos < 2; pos++) {
+                        char what[96];
+                        snprintf(what, sizeof what, "%s embedding_fwd_q %s %s C %d%s", t->name,
+                                 mti_quant_name((mti_qformat)f), dt_name(dt), C,
+                                 pos ? "" : " (no positions)");
+                        CHECK_OKC(t->ctx, t->ops->embedding_fwd_q(&t->k, O, K, Q, f, V,
+                                                                  pos ? P : NULL, B, T, C, dt));
+                        get(t, got, O, no, dt);
+                        CHECK_OKC(t->ctx, t->ops->embedding_fwd(&t->k, O, K, W, pos ? P : NULL, B,
+                                                                T, C, dt));
+                        get(t, dense, O, no, dt);
+                        CHECK_MSG(memcmp(got, dense, no * 4) == 0, "%s: not embedding_fwd's bits",
+                                  what);
+                        if (ti == 0) memcpy(want[pos], got, no * 4);
+                        CHECK_MSG(memcmp(got, want[pos], no * 4) == 0, "%s: not the CPU's bits",
+                                  what);
+                    }
+                    CHECK_ST(MT_ERR_UNSUPPORTED, t->ops->embedding_fwd_q(&t->k, O, K, Q, f, V, P, B,
+                                                                         T, C, MTI_F16));
+                    CHECK_ST(MT_ERR_INVALID_ARG, t->ops->embedding_fwd_q(&t->k, O, K, Q, 5, V, P, B,
+                                                                         T, C, dt));
+                    free_bufs(t);
+                    free(got), free(dense);
+                }
+                free(want[0]), free(want[1]);
+            }
+            free(q);
+        }
+        free(wte), free(wpe), free(wd);
+    }
+    close_tables();
+}
+
 /* ---- layernorm ---- */
 
 typedef struct ln_io {

@@ -207,7 +207,10 @@ TEST(quant_matmul_dequantizing_gemm)
     mt_context *ctx = check_cpu_context(2);
     const mti_kctx k = {ctx, ctx->dev};
     const mti_ops *ops = mti_cpu_ops();
-    const int shapes[][3] = {{37, 200, 300}, {5, 64, 1100}, {300, 1030, 70}, {1, 3, 1}};
+    /* (33, 300, 9000): a reduction long enough that dx's tiles are narrower
+       than the dense path's (an LM head's vocabulary) */
+    const int shapes[][3] = {{37, 200, 300}, {5, 64, 1100}, {300, 1030, 70}, {1, 3, 1},
+                             {33, 300, 9000}};
     const mti_qformat fs[] = {MTI_QF_INT8, MTI_QF_NF4};
     const mti_dtype dts[] = {MTI_F32, MTI_BF16};
     for (size_t sh = 0; sh < sizeof shapes / sizeof *shapes; sh++) {

@@ -312,8 +312,8 @@ static const opt table[] = {
     STR("--load-lora", "FILE", TS, CLI_GPT, load_lora,
         "start from adapters of --save-lora (their rank and alpha; no --lora)"),
     FN("--base", "full|int8|nf4", ALL, CLI_ANY, set_base, "(full, int8, nf4)",
-       "store the frozen linear weights quantized, int8 or NF4 (with --lora, --load-lora or "
-       "--freeze; full)",
+       "store the frozen linear weights and token table quantized, int8 or NF4 (with --lora, "
+       "--load-lora or --freeze; full)",
        NULL),
     STR("--teacher", "FILE", TE, CLI_GPT, teacher,
         "distil from this llm.c model file (a GPT of the same vocabulary)"),

@@ -46,6 +46,12 @@ void mti_gemm_put(mti_gemm_prim *p);
 /* embedding.c */
 mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
                                 const void *wpe, int B, int T, int C, mti_dtype dt);
+/* embedding_fwd from a quantized table (V,C; lib/quant.h format qf): each
+ * row dequantized in dt a chunk at a time on the stack, then embedding_fwd's
+ * sum. */
+mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
+                                  int qf, int V, const void *wpe, int B, int T, int C,
+                                  mti_dtype dt);
 mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                 const int32_t *tok, int B, int T, int C, mti_dtype dt);
 mt_status mti_cpu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *dout,

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cpu_ops.h"
+#include "quant.h"
 
 /* clang warns about every `omp simd` loop it cannot vectorise, which is all
  * of them under the sanitizers' instrumentation */
@@ -69,6 +70,38 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
     for (size_t r = 0; r < rows; r++) {
         size_t t = r % (size_t)T;
         emb_row(out, r * c, wte, (size_t)tok[r] * c, wpe, t * c, c, dt);
+    }
+    return MT_OK;
+}
+
+/* The table quantized (the frozen token table of a quantized base): each
+ * row dequantized in dt, CHUNK values at a time into a stack buffer, then
+ * emb_row's sum with the position row, so the bits are embedding_fwd's on
+ * the table mti_dequantize makes in dt. */
+mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
+                                  int qf, int V, const void *wpe, int B, int T, int C,
+                                  mti_dtype dt)
+{
+    mt_status s = mti_quant_emb_check(k->ctx, "embedding_fwd_q", wq, qf, V, B, T, C, dt);
+    if (s) return s;
+    if (mti_dry(k) || B == 0 || T == 0 || C == 0) return MT_OK;
+    const size_t c = (size_t)C, rows = (size_t)B * (size_t)T, n = (size_t)V * c;
+    for (size_t r = 0; r < rows; r++)
+        if (tok[r] < 0 || tok[r] >= V)
+            return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                            "embedding_fwd_q: token %d at %zu outside the table's %d rows",
+                            (int)tok[r], r, V);
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
+    if (rows * c > MTI_CPU_PAR_MIN)
+    for (size_t r = 0; r < rows; r++) {
+        float eb[CHUNK]; /* CHUNK values of dt (fp32 or bf16) */
+        const size_t t = r % (size_t)T, e0 = (size_t)tok[r] * c;
+        for (size_t j = 0; j < c; j += CHUNK) {
+            const size_t m = min_sz(CHUNK, c - j);
+            /* in range by the checks above: cannot fail */
+            (void)mti_dequantize(NULL, (mti_qformat)qf, wq, n, e0 + j, m, eb, dt);
+            emb_row(out, r * c + j, eb, 0, wpe, t * c + j, m, dt);
+        }
     }
     return MT_OK;
 }

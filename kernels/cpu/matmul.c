@@ -39,6 +39,9 @@
  * threads find work, but columns no narrower than 128 and rows no shorter
  * than 256. */
 #define MM_MIN_TILES 8
+/* The most bytes of a quantized weight's dequantized panel per thread in
+ * matmul_dx_q, unless a tile of 16 columns takes more. */
+#define MM_Q_PANEL ((size_t)4 << 20)
 /* Chunk of the reduction dimension per converted fp16 GEMM (elements). */
 #define MM_KC 256
 
@@ -470,6 +473,15 @@ mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const
     mm_job j = {.p = mm_plan_for(n, in), .K = out, .a = dy, .c = dx, .accumulate = accumulate,
                 .lda = out, .ldc = in, .ab_dt = dt, .c_dt = dt, .bq = wq,
                 .qf = (mti_qformat)qf, .qn = (size_t)in * (size_t)out, .qld = in};
+    /* a long reduction (the tied LM head's: the vocabulary) would make each
+       thread's panel (tile width x out) large: narrower tiles keep it near
+       MM_Q_PANEL bytes (each output is still one GEMM over all of out) */
+    const size_t col = (size_t)out * dt_bytes(dt);
+    if ((size_t)j.p.nb * col > MM_Q_PANEL) {
+        int nb = (int)(MM_Q_PANEL / col) & ~15;
+        j.p.nb = mini(j.p.nb, nb < 16 ? 16 : nb);
+        j.p.tn = ceil_div(j.p.N, j.p.nb);
+    }
     j.ldb = j.p.nb;
     j.t1 = j.p.tm * j.p.tn;
     return mm_run(k, &j);

@@ -19,6 +19,7 @@ static const mti_ops cpu_ops = {
     .device = MT_DEVICE_CPU,
     .cast = mti_cpu_cast,
     .embedding_fwd = mti_cpu_embedding_fwd,
+    .embedding_fwd_q = mti_cpu_embedding_fwd_q,
     .embedding_bwd = mti_cpu_embedding_bwd,
     .embedding_dw_rows = mti_cpu_embedding_dw_rows,
     .matmul_fwd = mti_cpu_matmul_fwd,

@@ -56,3 +56,39 @@ extern "C" __global__ void __launch_bounds__(MT_DQ_THREADS)
         mt_dq_store(out, dt, (mt_index)r * ld + c, mt_dq_nf4(codes, nf4, am, i));
     }
 }
+
+/* The embedding from a quantized token table (embedding_fwd_q): out (B,T,C)
+ * in dt = the table's row tok[b,t] (a (V,C) weight quantized in row-major
+ * order, dequantized as above and rounded to dt) + wpe[t] (dt; NULL: no
+ * positions), n = B T C elements, one per thread (grid-strided). */
+extern "C" __global__ void __launch_bounds__(MT_DQ_THREADS)
+    mt_emb_fwd_q_int8(void *out, int dt, const int *tok, const int8_t *codes, const float *scale,
+                      const void *wpe, int T, int C, mt_index n)
+{
+    for (mt_index o = (mt_index)blockIdx.x * blockDim.x + threadIdx.x; o < n;
+         o += (mt_index)gridDim.x * blockDim.x) {
+        const mt_index r = o / (mt_index)C, c = o - r * (mt_index)C, t = r % (mt_index)T;
+        const mt_index i = (mt_index)tok[r] * (mt_index)C + c;
+        mt_dq_emb_store(out, dt, o, mt_dq_int8(codes, scale, i), wpe, t * (mt_index)C + c);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MT_DQ_THREADS)
+    mt_emb_fwd_q_nf4(void *out, int dt, const int *tok, const uint8_t *codes,
+                     const uint8_t *qabsmax, const float *absmax2, const float *offset,
+                     const void *wpe, int T, int C, mt_index n,
+                     const __grid_constant__ mt_dq_maps maps)
+{
+    __shared__ float q8[256], nf4[16];
+    for (unsigned t = threadIdx.x; t < 256; t += blockDim.x) q8[t] = maps.q8[t];
+    if (threadIdx.x < 16) nf4[threadIdx.x] = maps.nf4[threadIdx.x];
+    __syncthreads();
+    const float off = *offset;
+    for (mt_index o = (mt_index)blockIdx.x * blockDim.x + threadIdx.x; o < n;
+         o += (mt_index)gridDim.x * blockDim.x) {
+        const mt_index r = o / (mt_index)C, c = o - r * (mt_index)C, t = r % (mt_index)T;
+        const mt_index i = (mt_index)tok[r] * (mt_index)C + c;
+        const float am = mt_dq_nf4_absmax(qabsmax, absmax2, off, q8, i / MT_DQ_BLOCK);
+        mt_dq_emb_store(out, dt, o, mt_dq_nf4(codes, nf4, am, i), wpe, t * (mt_index)C + c);
+    }
+}

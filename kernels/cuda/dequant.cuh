@@ -64,4 +64,27 @@ MT_HD void mt_dq_store(void *out, int dt, unsigned long long j, float v)
     else ((uint16_t *)out)[j] = dt == 1 ? mt_f32_to_f16(v) : mt_f32_to_bf16(v);
 }
 
+/* v as stored in dt and read back (fp32 unchanged). */
+MT_HD float mt_dq_round(int dt, float v)
+{
+    return dt == 0 ? v : dt == 1 ? mt_f16_to_f32(mt_f32_to_f16(v)) : mt_bf16_to_f32(mt_f32_to_bf16(v));
+}
+
+/* Element j of the embedding from a quantized table (embedding_fwd_q):
+ * the table's value v (fp32, as mt_dq_int8 / mt_dq_nf4 give it) rounded
+ * to dt as the dequantizer stores it, plus the position's value p (read
+ * from dt; has_p 0: nothing added, so -0 stays -0), stored in dt. */
+MT_HD void mt_dq_emb_store(void *out, int dt, unsigned long long j, float v, const void *wpe,
+                           unsigned long long pj)
+{
+    float x = mt_dq_round(dt, v);
+    if (wpe) {
+        const float p = dt == 0 ? ((const float *)wpe)[pj]
+                        : dt == 1 ? mt_f16_to_f32(((const uint16_t *)wpe)[pj])
+                                  : mt_bf16_to_f32(((const uint16_t *)wpe)[pj]);
+        x = MT_DQ_ADD(x, p);
+    }
+    mt_dq_store(out, dt, j, x);
+}
+
 #endif /* MT_CUDA_DEQUANT_CUH */

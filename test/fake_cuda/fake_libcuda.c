@@ -661,12 +661,71 @@ static CUresult run_dequant(int nf4, void **p)
     return CUDA_SUCCESS;
 }
 
+/* dequant.cu's embedding from a quantized table (mt_emb_fwd_q_int8 /
+ * _nf4) with dequant.cuh's arithmetic; the table's reads are checked
+ * token by token, the rest whole. mu held. */
+static CUresult run_emb_q(int nf4, void **p)
+{
+    void *out = *(void **)p[0];
+    int dt = *(const int *)p[1];
+    const int *tok = *(const int **)p[2];
+    const void *codes = *(const void **)p[3];
+    int a = nf4 ? 7 : 5; /* where wpe, T, C, n start */
+    const void *wpe = *(const void **)p[a];
+    int T = *(const int *)p[a + 1], C = *(const int *)p[a + 2];
+    unsigned long long n = *(const unsigned long long *)p[a + 3];
+    if (dt < 0 || dt > 2 || T <= 0 || C <= 0 || n % (unsigned long long)C)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t es = dt == 0 ? 4 : 2;
+    unsigned long long rows = n / (unsigned long long)C;
+    if (!dev_range_ok((CUdeviceptr)(uintptr_t)out, n * es) ||
+        !dev_range_ok((CUdeviceptr)(uintptr_t)tok, rows * 4) ||
+        (wpe && !dev_range_ok((CUdeviceptr)(uintptr_t)wpe,
+                              (rows < (unsigned long long)T ? rows : (unsigned long long)T) *
+                                  (unsigned long long)C * es)))
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    const uint8_t *qabsmax = nf4 ? *(const uint8_t **)p[4] : NULL;
+    const float *scale = nf4 ? NULL : *(const float **)p[4];
+    const float *absmax2 = nf4 ? *(const float **)p[5] : NULL;
+    const float *offset = nf4 ? *(const float **)p[6] : NULL;
+    const mt_dq_maps *maps = nf4 ? p[11] : NULL;
+    if (nf4 && !dev_range_ok((CUdeviceptr)(uintptr_t)offset, 4)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    for (unsigned long long r = 0; r < rows; r++) {
+        if (tok[r] < 0) return CUDA_ERROR_ILLEGAL_ADDRESS;
+        unsigned long long e0 = (unsigned long long)tok[r] * (unsigned long long)C, last = e0 + C;
+        unsigned long long blocks = (last + MT_DQ_BLOCK - 1) / MT_DQ_BLOCK;
+        if (nf4 ? !dev_range_ok((CUdeviceptr)(uintptr_t)codes, (last + 1) / 2) ||
+                      !dev_range_ok((CUdeviceptr)(uintptr_t)qabsmax, blocks) ||
+                      !dev_range_ok((CUdeviceptr)(uintptr_t)absmax2,
+                                    (blocks + MT_DQ_STAT_BLOCK - 1) / MT_DQ_STAT_BLOCK * 4)
+                : !dev_range_ok((CUdeviceptr)(uintptr_t)codes, last) ||
+                      !dev_range_ok((CUdeviceptr)(uintptr_t)scale, blocks * 4))
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        unsigned long long t = r % (unsigned long long)T;
+        for (int c = 0; c < C; c++) {
+            unsigned long long i = e0 + (unsigned long long)c;
+            float v = nf4 ? mt_dq_nf4(codes, maps->nf4,
+                                      mt_dq_nf4_absmax(qabsmax, absmax2, *offset, maps->q8,
+                                                       i / MT_DQ_BLOCK),
+                                      i)
+                          : mt_dq_int8(codes, scale, i);
+            mt_dq_emb_store(out, dt, r * (unsigned long long)C + (unsigned long long)c, v, wpe,
+                            t * (unsigned long long)C + (unsigned long long)c);
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
 /* The kernels of kernels/cuda/kernels.cu it knows, run on the host. */
 static CUresult run_known(const struct CUfunc_st *f, void **p)
 {
     if (strcmp(f->name, "mt_dequant_int8") == 0 || strcmp(f->name, "mt_dequant_nf4") == 0) {
         if (!p) return CUDA_ERROR_INVALID_VALUE;
         return run_dequant(f->name[11] == 'n', p);
+    }
+    if (strcmp(f->name, "mt_emb_fwd_q_int8") == 0 || strcmp(f->name, "mt_emb_fwd_q_nf4") == 0) {
+        if (!p) return CUDA_ERROR_INVALID_VALUE;
+        return run_emb_q(f->name[13] == 'n', p);
     }
     if (strcmp(f->name, "mt_fill_f32") == 0) {
         if (!p) return CUDA_ERROR_INVALID_VALUE;
