@@ -245,6 +245,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) 
 	./test/api_doc_test.sh
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 	$(GPU_BUNDLE)/memtrain-gpu/run.sh --stand-in $(BUILD)/gpu-standin-results
+	./test/gpu_bundle_test.sh $(GPU_BUNDLE)/memtrain-gpu
 
 # the long randomized stress (10^6 operations per allocator and seed)
 test-long: deps

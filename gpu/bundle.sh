@@ -9,7 +9,8 @@
 # glibc nor the NVIDIA driver, found with ldd), lib/fallback/ (the
 # compiler's C++ and GCC runtimes: used only where the machine has none,
 # since ours may want a newer glibc than the machine's), run.sh, the Python
-# side of the GPT-2 comparison, and MANIFEST (what was built, from which
+# side of the GPT-2 comparison, golden/ (the test suite's golden files, which
+# the engine tests read; run.sh sets MT_GOLDEN_DIR to them), and MANIFEST (what was built, from which
 # commit, the newest glibc symbol version anything needs). Then, unless
 # BUNDLE_TAR=0, OUT_DIR/memtrain-gpu.tar.gz, which must stay within
 # BUNDLE_MAX_MIB (48).
@@ -21,7 +22,7 @@ NAME=memtrain-gpu
 DIR=$OUT/$NAME
 MAX_MIB=${BUNDLE_MAX_MIB:-48}
 rm -rf "$DIR" "$OUT/$NAME.tar.gz"
-mkdir -p "$DIR/bin" "$DIR/lib/fallback" "$DIR/bench" "$DIR/stand-in"
+mkdir -p "$DIR/bin" "$DIR/lib/fallback" "$DIR/bench" "$DIR/stand-in" "$DIR/golden"
 BINS=()
 while [ $# -gt 0 ] && [ "$1" != -- ]; do BINS+=("$1"); shift; done
 [ $# -gt 0 ] && shift
@@ -61,6 +62,7 @@ strip --strip-debug "$DIR"/bin/* "$DIR"/stand-in/* 2>/dev/null || true
 
 cp gpu/run.sh "$DIR/run.sh"
 cp bench/torch_gpt2.py bench/gpt2_tools.py "$DIR/bench/"
+cp test/golden/*.gv test/golden/*.bin test/golden/MANIFEST.txt "$DIR/golden/"
 chmod +x "$DIR/run.sh"
 
 glibc=$(objdump -T "$DIR"/bin/* "$DIR"/lib/*.so* 2>/dev/null | grep -o 'GLIBC_[0-9][0-9.]*' |

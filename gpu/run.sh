@@ -6,19 +6,29 @@
 #                                     driver, and python3 with PyTorch
 #   ./run.sh --stand-in RESULTS_DIR   anywhere: the same groups over the test
 #                                     suite's stand-in driver and cuBLASLt
-#   options: --groups g1,g2 (default: all), --quick (smaller benchmarks)
+#   options: --groups g1,g2 (default: all), --quick (smaller benchmarks),
+#            --timeout N (seconds a test command may take, default 120),
+#            --bench-timeout N (a benchmark or compute-sanitizer command,
+#            default 900)
 #
-# Each group runs in processes of its own, so a fault in one (a kernel that
-# poisons its CUDA context) does not stop the others:
+# It runs from any directory: the test suite's golden files travel in
+# golden/ (MT_GOLDEN_DIR points there unless already set). Every command
+# runs under a time limit (timeout(1): TERM, then KILL 10 s later); one
+# that runs out fails its group with "timed out after N s" and the other
+# groups still run. Each group runs in processes of its own, so a fault in
+# one (a kernel that poisons its CUDA context) does not stop the others:
 #   standins   the CUDA device layer and op table over the stand-ins
 #   ops        the op conformance suite: every op of the CUDA table against
 #              the CPU table in fp32, fp16 and bf16 (test/test_ops.c)
-#   engine     the training engine on the GPU against the CPU (gpu_engine_*)
+#   engine     the training engine on the GPU against the CPU (gpu_engine_*),
+#              each test in a process of its own; one that fails is run
+#              again with MT_CUDA_DEBUG_SYNC=1, which names a failing kernel
 #   estimate   estimate == measured, to the byte, on the real driver and
 #              cuBLASLt; the budget policy stays within its budget
 #   driver     the driver's view (cuMemGetInfo) against the accounting;
 #              bench_memory section (d) at GPT-2 124M
-#   memcheck   compute-sanitizer memcheck over the op suite (when found)
+#   memcheck   compute-sanitizer memcheck over the op suite and each engine
+#              test (when found)
 #   nccl       a one-rank NCCL communicator on a CUDA context: every
 #              collective on device memory, checked, and a few steps of a
 #              tiny GPT (the libnccl.so.2 the library finds: the CUDA
@@ -43,25 +53,34 @@ set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 STAND_IN=0 QUICK=0 SEL=standins,ops,engine,estimate,driver,memcheck,nccl,kernels,gpt2 OUT=
+TEST_TMO=120 LONG_TMO=900
 while [ $# -gt 0 ]; do
     case "$1" in
     --stand-in) STAND_IN=1 ;;
     --quick) QUICK=1 ;;
     --groups) SEL=${2:?--groups g1,g2}; shift ;;
+    --timeout) TEST_TMO=${2:?--timeout SECONDS}; shift ;;
+    --bench-timeout) LONG_TMO=${2:?--bench-timeout SECONDS}; shift ;;
     -h | --help) sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     *) OUT=$1 ;;
     esac
     shift
 done
-[ -n "$OUT" ] || { echo "usage: run.sh [--stand-in] [--quick] [--groups g1,g2] RESULTS_DIR" >&2; exit 2; }
+[ -n "$OUT" ] || { echo "usage: run.sh [--stand-in] [--quick] [--groups g1,g2] [--timeout N] [--bench-timeout N] RESULTS_DIR" >&2; exit 2; }
+for n in "$TEST_TMO" "$LONG_TMO"; do
+    case "$n" in '' | *[!0-9]* | 0) echo "run.sh: a timeout is a whole number of seconds, not '$n'" >&2; exit 2 ;; esac
+done
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 RESULTS=$OUT/results.txt LOG=$OUT/log.txt
 : > "$RESULTS"
 : > "$LOG"
+rm -f "$OUT/.why" "$OUT/.timeouts"
 
 BIN=$HERE/bin
+# the golden files the engine tests read, wherever run.sh is started from
+export MT_GOLDEN_DIR="${MT_GOLDEN_DIR:-$HERE/golden}"
 # The programs find lib/ through their rpath; LD_LIBRARY_PATH is left alone
 # (PyTorch runs under it too), except for the C++ and GCC runtimes of the
 # build machine, added only where this one has none.
@@ -77,10 +96,34 @@ if [ "$STAND_IN" = 1 ]; then DEV_ENV=("${FAKE_ENV[@]}"); else DEV_ENV=(MT_TEST_G
 FAILED=0
 note() { echo "$*" >> "$RESULTS"; echo "$*"; }
 
+HAVE_TIMEOUT=0
+command -v timeout > /dev/null 2>&1 && HAVE_TIMEOUT=1
+TMO=$TEST_TMO # the limit of the commands run now; a group may set its own
+
+# limited ARGS...: env ARGS... within TMO seconds; the status, 124 when the
+# time ran out (noted in the output and in $OUT/.timeouts for the group)
+limited() {
+    local st w
+    if [ $HAVE_TIMEOUT = 0 ]; then
+        env "$@"
+        return
+    fi
+    timeout -k 10 "$TMO" env "$@"
+    st=$?
+    [ $st = 124 ] || [ $st = 137 ] || return $st
+    # the command's name and arguments, without the environment settings
+    while [ $# -gt 1 ] && [[ "$1" == *=* ]]; do shift; done
+    w="${1##*/}"; shift
+    w="$w${*:+ $*}"
+    echo "(timed out after $TMO s: $w)"
+    echo "after $TMO s: $w" >> "$OUT/.timeouts"
+    return 124
+}
+
 # cmd ARGS...: runs one command into the log, under a header; its status
 cmd() {
     { echo; echo "\$ $*"; } >> "$LOG"
-    env "$@" >> "$LOG" 2>&1
+    limited "$@" >> "$LOG" 2>&1
 }
 
 # json FILE ARGS...: as cmd, the command's last line of output kept in FILE
@@ -89,7 +132,7 @@ json() {
     local f=$1 st
     shift
     { echo; echo "\$ $*"; } >> "$LOG"
-    env "$@" > "$f.out" 2>> "$LOG"
+    limited "$@" > "$f.out" 2>> "$LOG"
     st=$?
     cat "$f.out" >> "$LOG"
     tail -n 1 "$f.out" | grep '^{' > "$f" || { rm -f "$f"; [ $st = 0 ] && st=1; }
@@ -105,8 +148,13 @@ group() {
     { echo; echo "==== group $1"; } >> "$LOG"
     ( "$2" )
     st=$?
-    local dt=$((SECONDS - t0)) why
+    local dt=$((SECONDS - t0)) why late
     why=$(cat "$OUT/.why" 2>/dev/null); rm -f "$OUT/.why"
+    late=$(paste -sd ';' "$OUT/.timeouts" 2>/dev/null | sed 's/;/; /g'); rm -f "$OUT/.timeouts"
+    if [ -n "$late" ]; then # a command that ran out of time fails its group
+        [ $st = 0 ] || [ $st = 77 ] && st=1
+        why="timed out $late${why:+; $why}"
+    fi
     if [ $st = 77 ]; then
         note "SKIP $1 (${dt} s): skipped: $why"
     elif [ $st = 0 ]; then
@@ -127,16 +175,39 @@ g_ops() {
     needs_gpu
     cmd MT_TEST_GPU=1 "$BIN/mt_tests" ops_ || { why "op conformance failed"; exit 1; }
 }
+# the engine tests' names, one a line
+engine_tests() { limited "$BIN/mt_tests" --list gpu_engine; }
+
 g_engine() {
     needs_gpu
-    cmd MT_TEST_GPU=1 "$BIN/mt_tests" gpu_engine || { why "engine on the GPU differs from the CPU"; exit 1; }
+    local names t out=$OUT/.engine.out bad=() hung=()
+    names=$(engine_tests) && [ -n "$names" ] || { why "cannot list the engine tests"; exit 1; }
+    for t in $names; do # each in a process of its own: a fault or hang stays there
+        { echo; echo "\$ MT_TEST_GPU=1 $BIN/mt_tests $t"; } >> "$LOG"
+        limited MT_TEST_GPU=1 "$BIN/mt_tests" "$t" > "$out" 2>&1
+        local st=$?
+        cat "$out" >> "$LOG"
+        [ $st = 0 ] && continue
+        if [ $st = 124 ] && grep -q "^ok  *$t " "$out"; then
+            hung+=("$t") # its checks passed; the process did not end
+            continue
+        fi
+        bad+=("$t")
+        # again, every launch waited for: a kernel that fails is named
+        cmd MT_TEST_GPU=1 MT_CUDA_DEBUG_SYNC=1 "$BIN/mt_tests" "$t"
+    done
+    rm -f "$out"
+    local w=""
+    [ ${#bad[@]} = 0 ] || w="failed: ${bad[*]} (see log.txt; each was run again with MT_CUDA_DEBUG_SYNC=1)"
+    [ ${#hung[@]} = 0 ] || w="${w:+$w; }printed ok, then did not exit: ${hung[*]}"
+    [ -z "$w" ] || { why "$w"; exit 1; }
 }
 g_estimate() {
     cmd "${DEV_ENV[@]}" "$BIN/mt_tests" estimate_equals_measured_cuda budget_policy_stays_within_cuda ||
         { why "estimate != measured, or over budget"; exit 1; }
 }
 g_driver() {
-    local ok=0
+    local ok=0 TMO=$LONG_TMO
     cmd "${DEV_ENV[@]}" MT_TEST_VERBOSE=1 "$BIN/mt_tests" driver_sees_the_accounting_cuda || ok=1
     local q=(); [ "$QUICK" = 1 ] || [ "$STAND_IN" = 1 ] && q=(--quick)
     cmd "${DEV_ENV[@]}" "$BIN/bench_memory" --sections d "${q[@]}" || ok=1
@@ -145,17 +216,22 @@ g_driver() {
 }
 g_memcheck() {
     needs_gpu
-    local cs
+    local cs ok=0 names t TMO=$LONG_TMO
     cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null) ||
         skip "compute-sanitizer not found"
-    cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" ops_ ||
-        { why "memcheck found errors"; exit 1; }
+    cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" ops_ || ok=1
+    names=$(TMO=$TEST_TMO engine_tests) || ok=1
+    for t in $names; do
+        cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" "$t" || ok=1
+    done
+    [ $ok = 0 ] || why "memcheck found errors, or a test failed under it"
+    exit $ok
 }
 g_nccl() {
     local env=("${DEV_ENV[@]}") out=$OUT/.nccl.out st
     [ "$STAND_IN" = 1 ] && env+=(MT_FAKE_NCCL="$HERE/stand-in/libfakenccl.so")
     { echo; echo "\$ ${env[*]} $BIN/mt_tests comm_nccl_one_rank"; } >> "$LOG"
-    env "${env[@]}" "$BIN/mt_tests" comm_nccl_one_rank > "$out" 2>&1
+    limited "${env[@]}" "$BIN/mt_tests" comm_nccl_one_rank > "$out" 2>&1
     st=$?
     cat "$out" >> "$LOG"
     # the test says why when it skips (no libnccl.so.2 found: the paths tried)
@@ -168,7 +244,7 @@ g_nccl() {
     exit 0
 }
 g_kernels() {
-    local a=(--json "$OUT/bench_cuda.json")
+    local a=(--json "$OUT/bench_cuda.json") TMO=$LONG_TMO
     [ "$QUICK" = 1 ] && a+=(--quick)
     if [ "$STAND_IN" = 1 ]; then
         cmd "${FAKE_ENV[@]}" "$BIN/bench_cuda" --quick --json "$OUT/bench_cuda.json" || exit 1
@@ -182,7 +258,7 @@ g_kernels() {
 # GPT-2: each configuration by both sides, in turns, on the same data and
 # starting weights (both read an llm.c checkpoint and token file made here)
 g_gpt2() {
-    local d=$OUT/gpt2 py=python3 torch=1
+    local d=$OUT/gpt2 py=python3 torch=1 TMO=$LONG_TMO
     mkdir -p "$d"
     local shape=(--layers 12 --heads 12 --channels 768) tshape=(--L 12 --H 12 --C 768)
     local bt=(--batch 8 --seq 1024) tbt=(--B 8 --T 1024) steps=(--steps 10 --warmup 3)
@@ -192,7 +268,7 @@ g_gpt2() {
     fi
     if [ "$STAND_IN" = 1 ]; then
         torch=0
-    elif ! "$py" -c 'import torch, numpy; assert torch.cuda.is_available()' >> "$LOG" 2>&1; then
+    elif ! TMO=$TEST_TMO limited "$py" -c 'import torch, numpy; assert torch.cuda.is_available()' >> "$LOG" 2>&1; then
         torch=0
         why "no PyTorch with CUDA in $py: memtrain's side only"
     fi
@@ -238,12 +314,13 @@ g_gpt2() {
     if [ "$STAND_IN" = 1 ]; then
         echo "mode: --stand-in (no GPU: the stand-in driver and cuBLASLt)"
     else
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 |
+        limited nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 |
             sed 's/^/gpu: /'
         (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -n1 |
             sed 's/^/toolkit: /'
     fi
 } | tee "$OUT/machine.txt" >> "$LOG"
+rm -f "$OUT/.timeouts" # (nvidia-smi's, already in machine.txt)
 
 # the bundle's programs want at least the glibc of the machine that built them
 need=$(sed -n 's/^needs glibc: //p' "$HERE/MANIFEST" 2>/dev/null)

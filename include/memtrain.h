@@ -307,7 +307,11 @@ mt_status mt_context_create(const mt_context_config *cfg, mt_context **out);
 
 /* Frees everything the context owns. Models and trainers made from it must be
  * destroyed first (they are counted; MT_ERR_STATE otherwise, and nothing is
- * freed). NULL is accepted and does nothing. */
+ * freed). Work still queued on the device ends first; where the device
+ * reports a failure of it (a GPU kernel that faulted after the last call
+ * that waited), everything is freed all the same and that status
+ * (MT_ERR_DEVICE) is returned, its message in mt_last_error(NULL). NULL is
+ * accepted and does nothing. */
 mt_status mt_context_destroy(mt_context *ctx);
 
 /* The message of the last failed call on ctx, or "" if none: this thread's

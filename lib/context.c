@@ -196,7 +196,17 @@ mt_status mt_context_destroy(mt_context *ctx)
                         "mt_context_destroy: %d model(s), trainer(s) or allocator(s) made from "
                         "this context are still alive; destroy them first",
                         n);
+    /* Work still queued on the device ends first. A failure it reports (a
+     * kernel that faulted after the last call that waited for the device)
+     * is returned, once everything is released all the same: a fault no
+     * call saw would otherwise go unnoticed, and the GPU's driver may not
+     * recover from it at exit. */
+    mt_status s = ctx->dev ? ctx->dev->sync(ctx->dev) : MT_OK;
+    mti_msg why = mti_last_msg(ctx);
     context_free(ctx);
+    if (s)
+        return mti_fail(NULL, s, "mt_context_destroy: the device reported a failure of earlier "
+                        "work: %s (the context was released all the same)", why.s);
     return MT_OK;
 }
 

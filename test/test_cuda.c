@@ -689,3 +689,36 @@ TEST(cuda_standin_cublaslt_from_the_environment)
     }
     stand_in_close(&s);
 }
+
+/* ---- a fault no call waited for ---- */
+
+/* A kernel that faults after the last call that waited for the device
+ * (the driver then fails every wait with its sticky error): closing the
+ * context says so, with the driver's code, and still releases everything
+ * (memory, stream, module, the primary context). Silent before, so a
+ * training run on a GPU could pass its checks and leave a faulted context
+ * behind. */
+TEST(cuda_standin_destroy_reports_a_late_fault)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    cuda_ctx c;
+    cuda_open(&c);
+    mt_block b;
+    float *x = dev_alloc(&c, &b, 4096);
+    CHECK_OKC(c.ctx, mti_cuda_fill_f32(c.ctx->dev, x, 1.0f, 1024));
+    CHECK_OKC(c.ctx, mt_context_free(c.ctx, &b));
+    s.fail("cuStreamSynchronize", 0, CUDA_ERROR_ILLEGAL_ADDRESS);
+    CHECK_ST(MT_ERR_DEVICE, mt_context_destroy(c.ctx));
+    const char *msg = mt_last_error(NULL);
+    CHECK_MSG(strstr(msg, "CUDA_ERROR_ILLEGAL_ADDRESS") && strstr(msg, "released all the same"),
+              "%s", msg);
+    const char *gone[] = {"allocs", "mappings", "reservations", "streams", "modules", "ctx_refs",
+                          "ctx_depth"};
+    for (size_t i = 0; i < sizeof gone / sizeof gone[0]; i++)
+        CHECK_MSG(s.cuda_stat(gone[i]) == 0, "%s: %llu left", gone[i], s.cuda_stat(gone[i]));
+    /* a clean close still says nothing */
+    cuda_open(&c);
+    CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}

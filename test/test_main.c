@@ -1,6 +1,7 @@
 /*
  * test_main.c - runs the registered tests.
- * Usage: mt_tests [substring ...]   (no argument: every test)
+ * Usage: mt_tests [substring ...]          (no argument: every test)
+ *        mt_tests --list [substring ...]   the names it would run, one a line
  */
 #include <math.h>
 #include <setjmp.h>
@@ -212,10 +213,16 @@ int main(int argc, char **argv)
 {
     int run = 0, failed = 0;
     double t_all = now_s();
+    bool list = argc > 1 && !strcmp(argv[1], "--list");
+    if (list) argc--, argv++;
     for (int i = 0; i < n_tests; i++) {
         bool want = argc < 2;
         for (int a = 1; a < argc && !want; a++) want = strstr(tests[i].name, argv[a]) != NULL;
         if (!want) continue;
+        if (list) {
+            printf("%s\n", tests[i].name);
+            continue;
+        }
         run++;
         int before = atomic_load(&notes);
         double t0 = now_s();
@@ -224,6 +231,10 @@ int main(int argc, char **argv)
         fflush(stdout);
         if (!ok) failed++;
     }
+    if (list) return 0;
     printf("%d test(s), %d failed, %.1f s\n", run, failed, now_s() - t_all);
+    /* out before exit's handlers run: a library's exit-time teardown that
+     * never returns must not take the summary with it */
+    fflush(stdout);
     return failed ? 1 : (run ? 0 : 2);
 }
