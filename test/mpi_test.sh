@@ -34,6 +34,16 @@ run local 2 "$B/mpi/train_mpi_test" local
 run local 3 "$B/mpi/train_mpi_test" local
 run disagree 2 "$B/mpi/train_mpi_test" disagree
 run stall 2 "$B/mpi/train_mpi_test" stall
+# ZeRO stages 0-2 with bf16, fp16 (loss scaling) and other optimizers
+run zero 2 "$B/mpi/train_mpi_test" zero
+run zero 3 "$B/mpi/train_mpi_test" zero
+run overflow 2 "$B/mpi/train_mpi_test" overflow
+run overflow 3 "$B/mpi/train_mpi_test" overflow
+# a rank killed: mpirun (Open MPI 4's ORTE) is told not to end the job when
+# a rank dies, so rank 0 must find it out itself, from its deadline
+MPIRUN="mpirun --oversubscribe --bind-to none --mca orte_abort_on_non_zero_status 0"
+run kill 2 "$B/mpi/train_mpi_test" kill
+MPIRUN="mpirun --oversubscribe --bind-to none"
 
 # memtrain train under mpirun: rank 0 prints one JSON object per step, with
 # the losses of one process stepping on the same global batches

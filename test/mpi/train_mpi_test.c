@@ -8,6 +8,21 @@
  *                             MT_ERR_COMM at mt_trainer_create
  *   train_mpi_test stall      rank 1 stops before its second step: rank 0 gets
  *                             MT_ERR_COMM within the timeout
+ *   train_mpi_test kill       rank 1 is killed (SIGKILL) as its second step
+ *                             begins (mpirun told not to end the job): rank 0,
+ *                             inside that step, gets MT_ERR_COMM within the
+ *                             1 s timeout, saying a rank died or stalled, and
+ *                             the communicator is broken
+ *   train_mpi_test zero       ZeRO stages 0, 1 and 2, each with AdamW in bf16
+ *                             (fp32 masters, clipping), 8-bit AdamW in fp16
+ *                             with dynamic loss scaling, Adafactor in fp32
+ *                             and the fused step (AdamW, clipping): N ranks
+ *                             against this process alone accumulating N
+ *                             micro-batches; each rank's per-class peaks
+ *                             equal its estimate to the byte
+ *   train_mpi_test overflow   fp16 at stages 0, 1 and 2: rank 1's input
+ *                             overflows, so every rank skips the step and
+ *                             keeps its weights
  *   train_mpi_test local      local SGD (every 2 steps): after 2 steps every
  *                             rank holds the mean of what each rank computes
  *                             alone on its rows
@@ -15,9 +30,13 @@
  * Prints "ok <what>" on rank 0 when it passes.
  */
 #include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "memtrain/mpi.h"
@@ -46,21 +65,92 @@ static void rows(int step, int r0, int n, int32_t *tok, int32_t *tgt)
         }
 }
 
+/* A trainer configuration of the "zero" mode, at every stage. */
+typedef struct zcase {
+    const char *name;
+    mt_optimizer_kind opt;
+    mt_precision prec;
+    float clip;
+    int fused;
+} zcase;
+
+static const zcase zcases[] = {
+    {"adamw bf16 clip", MT_OPT_ADAMW, MT_PREC_BF16, 0.5f, 0},
+    {"adamw8 fp16", MT_OPT_ADAMW8, MT_PREC_FP16, 0.0f, 0},
+    {"adafactor fp32", MT_OPT_ADAFACTOR, MT_PREC_FP32, 0.0f, 0},
+    {"adamw fp32 fused clip", MT_OPT_ADAMW, MT_PREC_FP32, 0.5f, 1},
+};
+
 /* How train() runs: local SGD every `local` steps (0: off); `alone`: this
- * rank's rows without a communicator; `steps` (0: STEPS). */
+ * rank's rows without a communicator; `steps` (0: STEPS); `zc` (NULL:
+ * SGD with momentum in fp32) at ZeRO stage `stage` (with a communicator);
+ * `kill`: the stalling rank is killed instead. `step_s` gets how long the
+ * last step that ran took. */
 typedef struct how {
     int local, alone, steps;
+    const zcase *zc;
+    int stage, kill;
+    double step_s;
 } how;
 
-/* Trains STEPS steps; with comm, on this rank's rows; without, on all. */
-static mt_status train_how(mt_comm *comm, int channels, int stall_rank, const how *hw, float *loss,
-                           float **w, size_t *nw, char *msg, size_t cap)
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A one-thread CPU context on comm (NULL: alone), the GPT g (NULL: the
+ * MLP ms) on it and its trainer; what was made is set even on failure. */
+static mt_status open_trainer(mt_comm *comm, const mt_gpt_spec *g, const mt_mlp_spec *ms,
+                              const mt_trainer_config *tc, mt_context **ctx, mt_model **m,
+                              mt_trainer **t)
 {
     mt_context_config cc;
     mt_context_config_init(&cc);
     cc.device = MT_DEVICE_CPU;
     cc.threads = 1;
     cc.comm = comm;
+    *ctx = NULL, *m = NULL, *t = NULL;
+    mt_status s = mt_context_create(&cc, ctx);
+    if (!s) s = g ? mt_model_gpt_create(*ctx, g, m) : mt_model_mlp_create(*ctx, ms, m);
+    if (!s) s = mt_trainer_create(*m, tc, t);
+    return s;
+}
+
+static void close_trainer(mt_context *ctx, mt_model *m, mt_trainer *t)
+{
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+/* Whether this rank's per-class peaks equal its estimate (made without
+ * communicating, for the communicator's world size and rank), to the
+ * byte; else msg says the first that differs. */
+static bool estimate_matches(mt_context *ctx, mt_model *m, const mt_trainer_config *tc, char *msg,
+                             size_t cap)
+{
+    mt_estimate_report e;
+    mt_memory_stats ms;
+    if (mt_estimate_model(m, tc, &e) || mt_context_memory_stats(ctx, &ms)) {
+        snprintf(msg, cap, "estimate: %s", mt_last_error(ctx));
+        return false;
+    }
+    for (int k = 0; k < MT_MEM_COUNT; k++)
+        if (e.class_peak[k] != ms.per_class[k].peak_live_bytes) {
+            snprintf(msg, cap, "%s peak %llu, estimate %llu", mt_mem_class_name((mt_mem_class)k),
+                     (unsigned long long)ms.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.class_peak[k]);
+            return false;
+        }
+    return e.peak == ms.peak_live_bytes;
+}
+
+/* Trains STEPS steps; with comm, on this rank's rows; without, on all. */
+static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw, float *loss,
+                           float **w, size_t *nw, char *msg, size_t cap)
+{
     mt_gpt_spec g;
     mt_gpt_spec_init(&g);
     g.vocab = 50, g.padded_vocab = 64, g.max_seq = T, g.layers = 2, g.heads = 2;
@@ -77,18 +167,39 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, const ho
     static const char *const frozen[] = {"wte"};
     if (rank == freeze_rank) tc.freeze = frozen, tc.n_freeze = 1;
     tc.local_sgd_every = hw->local;
-    mt_context *ctx = NULL;
-    mt_model *m = NULL;
-    mt_trainer *t = NULL;
-    mt_status s = mt_context_create(&cc, &ctx);
-    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
-    if (!s) s = mt_trainer_create(m, &tc, &t);
+    if (hw->zc) {
+        tc.optimizer = hw->zc->opt;
+        tc.precision = hw->zc->prec;
+        tc.momentum = 0.0f;
+        tc.lr = 0.01f;
+        tc.weight_decay = 0.01f;
+        tc.grad_clip = hw->zc->clip;
+        tc.min_8bit_size = 256; /* so the small tensors get 8-bit state too */
+        tc.adafactor.relative_step = 0;
+        tc.loss_scale.init_scale = 1024.0f;
+        tc.fused_step = hw->zc->fused;
+        if (tc.fused_step) tc.micro_batch = n; /* alone: the whole batch at once */
+        tc.zero_stage = comm ? hw->stage : 0;
+    }
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+    mt_status s = open_trainer(comm, &g, NULL, &tc, &ctx, &m, &t);
     int32_t tok[64 * T], tgt[64 * T];
     for (int step = 0; step < (hw->steps ? hw->steps : STEPS) && !s; step++) {
-        if (step == 1 && rank == stall_rank) sleep(5); /* past the others' 1 s timeout */
+        if (step == 1 && rank == stall_rank) {
+            if (hw->kill) raise(SIGKILL);
+            sleep(5); /* past the others' 1 s timeout */
+        }
         rows(step, comm || hw->alone ? rank * ROWS : 0, n, tok, tgt);
         mt_batch b = {.n = n, .tokens = tok, .targets = tgt, .seq_len = T};
+        double t0 = now_s();
         s = mt_trainer_step(t, &b, &loss[step]);
+        hw->step_s = now_s() - t0;
+    }
+    if (!s && hw->zc && comm && !estimate_matches(ctx, m, &tc, msg, cap)) {
+        fprintf(stderr, "rank %d: %s, stage %d: %s\n", rank, hw->zc->name, hw->stage, msg);
+        failed = 1;
     }
     if (s) snprintf(msg, cap, "%s", mt_last_error(ctx ? ctx : NULL));
     if (!s) {
@@ -96,23 +207,163 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, const ho
         *w = malloc(*nw * sizeof(float));
         s = mt_model_get_params(m, *w, *nw);
     }
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
+    close_trainer(ctx, m, t);
     return s;
 }
 
 static mt_status train(mt_comm *comm, int channels, int stall_rank, float *loss, float **w,
                        size_t *nw, char *msg, size_t cap)
 {
-    const how plain = {0, 0, 0};
+    how plain = {0};
     return train_how(comm, channels, stall_rank, &plain, loss, w, nw, msg, cap);
+}
+
+/* The largest difference of a and b relative to 1 + |b|. */
+static double worst_rel(const float *a, const float *b, size_t n)
+{
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]) / (fabs(b[i]) + 1.0);
+        if (d > worst) worst = d;
+    }
+    return worst;
+}
+
+/* Every rank holds rank 0's weights, bit for bit. */
+static void same_on_every_rank(const float *w, size_t nw)
+{
+    float *w0 = malloc(nw * sizeof *w0);
+    memcpy(w0, w, nw * sizeof *w0);
+    MPI_Bcast(w0, (int)nw, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    EXPECT(!memcmp(w0, w, nw * sizeof *w0));
+    free(w0);
+}
+
+/* Whether every rank passed, told on every rank. */
+static int all_passed(void)
+{
+    int bad = failed;
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    failed = bad;
+    return !bad;
+}
+
+/* x rounded to the nearest 16-bit value of dtype p (ties to even). */
+static float as_16(float x, mt_precision p)
+{
+    if (p == MT_PREC_FP16) return (float)(_Float16)x;
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* Each case of zcases at stages 0, 1 and 2 against one process
+ * accumulating the ranks' rows as micro-batches: the weights within 1e-4
+ * (relative to 1 + |w|: Adafactor's sums, and with 3 ranks MPI's, run in
+ * another order) and the losses within 1e-5. Stages 1 and 2 shard the
+ * fp32 masters, so their model reads back the 16-bit compute copy: the
+ * reference is rounded to it. */
+static void zero_stages(mt_comm *c)
+{
+    const double tol = 1e-4, ltol = 1e-5;
+    double worst_all = 0.0;
+    for (size_t k = 0; k < sizeof zcases / sizeof zcases[0]; k++) {
+        how alone = {.zc = &zcases[k]};
+        float ref_loss[STEPS], loss[STEPS];
+        float *ref = NULL;
+        size_t nref = 0;
+        char msg[1024] = "";
+        mt_status s = train_how(NULL, 16, -1, &alone, ref_loss, &ref, &nref, msg, sizeof msg);
+        EXPECT(s == MT_OK);
+        if (s) fprintf(stderr, "rank %d: %s alone: %s\n", rank, zcases[k].name, msg);
+        for (int stage = 0; stage <= 2; stage++) {
+            how hw = {.zc = &zcases[k], .stage = stage};
+            float *w = NULL;
+            size_t nw = 0;
+            s = train_how(c, 16, -1, &hw, loss, &w, &nw, msg, sizeof msg);
+            EXPECT(s == MT_OK);
+            if (s) fprintf(stderr, "rank %d: %s, stage %d: %s\n", rank, zcases[k].name, stage, msg);
+            if (!w || !ref || nw != nref) {
+                failed = 1;
+                free(w);
+                continue;
+            }
+            float *want = malloc(nw * sizeof *want);
+            for (size_t i = 0; i < nw; i++)
+                want[i] = stage && zcases[k].prec != MT_PREC_FP32 ? as_16(ref[i], zcases[k].prec)
+                                                                 : ref[i];
+            double worst = worst_rel(w, want, nw), lworst = 0.0;
+            free(want);
+            for (int i = 0; i < STEPS; i++) {
+                double d = fabs((double)loss[i] - ref_loss[i]);
+                if (d > lworst) lworst = d;
+            }
+            if (worst >= tol || lworst >= ltol)
+                fprintf(stderr, "rank %d: %s, stage %d: weights differ from one process's by "
+                        "%.2e, losses by %.2e\n", rank, zcases[k].name, stage, worst, lworst);
+            EXPECT(worst < tol && lworst < ltol);
+            if (worst > worst_all) worst_all = worst;
+            if (lworst > worst_all) worst_all = lworst;
+            same_on_every_rank(w, nw);
+            free(w);
+        }
+        free(ref);
+    }
+    if (all_passed() && rank == 0)
+        printf("ok zero: %d ranks at ZeRO stages 0, 1 and 2, AdamW bf16 with clipping, 8-bit "
+               "AdamW fp16 with loss scaling, Adafactor fp32, the fused step: each equals one "
+               "process accumulating (within %.1e), each rank's peaks its estimate\n", size,
+               worst_all);
+}
+
+/* fp16 on an MLP of features: rank 1's input is beyond fp16, so its
+ * gradients are not finite; at every stage every rank skips the step and
+ * keeps its weights. */
+static void overflow(mt_comm *c)
+{
+    for (int stage = 0; stage <= 2; stage++) {
+        mt_mlp_spec ms;
+        mt_mlp_spec_init(&ms);
+        ms.n_layers = 2;
+        ms.dims[0] = 4, ms.dims[1] = 8, ms.dims[2] = 3;
+        ms.seed = 3;
+        mt_trainer_config tc;
+        mt_trainer_config_init(&tc);
+        tc.max_batch = 2;
+        tc.precision = MT_PREC_FP16;
+        tc.optimizer = MT_OPT_ADAMW;
+        tc.zero_stage = stage;
+        mt_context *ctx;
+        mt_model *m;
+        mt_trainer *t;
+        mt_status s = open_trainer(c, NULL, &ms, &tc, &ctx, &m, &t);
+        enum { NP = 4 * 8 + 8 + 8 * 3 + 3 };
+        float before[NP], after[NP], x[8] = {1, 2, 3, 4, 4, 3, 2, 1}, loss;
+        int32_t y[2] = {0, 2};
+        if (rank == 1) x[5] = 1e30f;
+        mt_batch b = {.n = 2, .inputs = x, .targets = y};
+        mt_loss_scale_state ls = {0};
+        if (!s) s = mt_model_get_params(m, before, NP);
+        if (!s) s = mt_trainer_step(t, &b, &loss);
+        if (!s) s = mt_trainer_get_loss_scale(t, &ls);
+        if (!s) s = mt_model_get_params(m, after, NP);
+        if (s) fprintf(stderr, "rank %d, stage %d: %s\n", rank, stage, mt_last_error(ctx));
+        EXPECT(s == MT_OK);
+        EXPECT(ls.steps_skipped == 1);
+        EXPECT(!memcmp(before, after, sizeof before));
+        close_trainer(ctx, m, t);
+    }
+    if (all_passed() && rank == 0)
+        printf("ok overflow: fp16, rank 1's input overflows: at stages 0, 1 and 2 all %d ranks "
+               "skipped the step and kept their weights\n", size);
 }
 
 /* Local SGD: 2 steps apart, then the average; against each rank alone. */
 static void local_sgd(mt_comm *c)
 {
-    const how ls = {2, 0, 2}, alone = {0, 1, 2};
+    how ls = {.local = 2, .steps = 2}, alone = {.alone = 1, .steps = 2};
     float loss[STEPS], ref_loss[STEPS];
     float *w = NULL, *ref = NULL;
     size_t nw = 0, nref = 0;
@@ -169,7 +420,8 @@ int main(int argc, char **argv)
     mt_comm *c = NULL;
     /* 1 s where a rank stalls on purpose; elsewhere a deadline that a
        loaded machine (sanitizers, more ranks than cores) never reaches */
-    if (mt_comm_mpi_create(MPI_COMM_WORLD, strcmp(mode, "stall") ? 60.0 : 1.0, &c))
+    const bool short_deadline = !strcmp(mode, "stall") || !strcmp(mode, "kill");
+    if (mt_comm_mpi_create(MPI_COMM_WORLD, short_deadline ? 1.0 : 60.0, &c))
         MPI_Abort(MPI_COMM_WORLD, 1);
     float loss[STEPS], ref_loss[STEPS];
     float *w = NULL, *ref = NULL;
@@ -180,27 +432,14 @@ int main(int argc, char **argv)
         EXPECT(s == MT_OK);
         if (s) fprintf(stderr, "rank %d: %s\n", rank, msg);
         EXPECT(train(NULL, 16, -1, ref_loss, &ref, &nref, msg, sizeof msg) == MT_OK);
-        double worst = 0.0;
-        for (size_t i = 0; w && ref && i < nw; i++) {
-            double d = fabs((double)w[i] - ref[i]) / (fabs(ref[i]) + 1.0);
-            if (d > worst) worst = d;
-        }
-        EXPECT(w && ref && nw == nref && worst < 1e-5);
+        double worst = w && ref && nw == nref ? worst_rel(w, ref, nw) : 1.0;
+        EXPECT(worst < 1e-5);
         for (int k = 0; k < STEPS; k++) EXPECT(fabsf(loss[k] - ref_loss[k]) < 1e-5f);
         /* and every rank holds rank 0's weights, bit for bit */
-        if (w) {
-            float *w0 = malloc(nw * sizeof *w0);
-            memcpy(w0, w, nw * sizeof *w0);
-            MPI_Bcast(w0, (int)nw, MPI_FLOAT, 0, MPI_COMM_WORLD);
-            EXPECT(!memcmp(w0, w, nw * sizeof *w0));
-            free(w0);
-        }
-        int bad = failed;
-        MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-        if (rank == 0 && !bad)
+        if (w) same_on_every_rank(w, nw);
+        if (all_passed() && rank == 0)
             printf("ok train: %d ranks equal one process accumulating %d micro-batches (within %.1e)\n",
                    size, size, worst);
-        failed = bad;
     } else if (!strcmp(mode, "disagree")) {
         mt_status s = train(c, rank == 1 ? 24 : 16, -1, loss, &w, &nw, msg, sizeof msg);
         EXPECT(s == MT_ERR_COMM);
@@ -229,6 +468,26 @@ int main(int argc, char **argv)
         }
         sleep(30); /* rank 0 ends the job */
         return 1;
+    } else if (!strcmp(mode, "kill")) {
+        how hw = {.kill = 1};
+        mt_status s = train_how(c, 16, 1, &hw, loss, &w, &nw, msg, sizeof msg);
+        /* (rank 1 is gone) */
+        EXPECT(s == MT_ERR_COMM);
+        EXPECT(strstr(msg, "died") != NULL);
+        EXPECT(hw.step_s < 1.0 + 2.0);
+        EXPECT(mt_comm_broken(c));
+        if (rank == 0 && !failed)
+            printf("ok kill: rank 1 killed, rank 0 stopped with MT_ERR_COMM after %.1f s of its "
+                   "step: %s\n", hw.step_s, msg);
+        else
+            fprintf(stderr, "rank %d: %s after %.1f s: %s\n", rank, mt_status_string(s),
+                    hw.step_s, msg);
+        fflush(stdout);
+        MPI_Abort(MPI_COMM_WORLD, failed); /* the documented way out */
+    } else if (!strcmp(mode, "zero")) {
+        zero_stages(c);
+    } else if (!strcmp(mode, "overflow")) {
+        overflow(c);
     }
     free(w);
     free(ref);
