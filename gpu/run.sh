@@ -22,7 +22,9 @@
 #              the CPU table in fp32, fp16 and bf16 (test/test_ops.c)
 #   engine     the training engine on the GPU against the CPU (gpu_engine_*),
 #              each test in a process of its own; one that fails is run
-#              again with MT_CUDA_DEBUG_SYNC=1, which names a failing kernel
+#              again with MT_CUDA_DEBUG_SYNC=1, which names a failing kernel;
+#              one that runs out of time has its threads' states (and, with
+#              gdb, their stacks) written to the log before it is ended
 #   estimate   estimate == measured, to the byte, on the real driver and
 #              cuBLASLt; the budget policy stays within its budget
 #   driver     the driver's view (cuMemGetInfo) against the accounting;
@@ -103,7 +105,7 @@ TMO=$TEST_TMO # the limit of the commands run now; a group may set its own
 # limited ARGS...: env ARGS... within TMO seconds; the status, 124 when the
 # time ran out (noted in the output and in $OUT/.timeouts for the group)
 limited() {
-    local st w
+    local st
     if [ $HAVE_TIMEOUT = 0 ]; then
         env "$@"
         return
@@ -111,13 +113,56 @@ limited() {
     timeout -k 10 "$TMO" env "$@"
     st=$?
     [ $st = 124 ] || [ $st = 137 ] || return $st
-    # the command's name and arguments, without the environment settings
+    late "" "$@"
+}
+
+# late NOTE ARGS...: says that the command ARGS... ran out of time (in its
+# output and in $OUT/.timeouts, by its name and arguments without the
+# environment settings); status 124
+late() {
+    local note=$1 w
+    shift
     while [ $# -gt 1 ] && [[ "$1" == *=* ]]; do shift; done
     w="${1##*/}"; shift
     w="$w${*:+ $*}"
-    echo "(timed out after $TMO s: $w)"
+    echo "(timed out after $TMO s: $w$note)"
     echo "after $TMO s: $w" >> "$OUT/.timeouts"
     return 124
+}
+
+# threads PID: each thread of PID, its state, where it waits and its system
+# call, then (where gdb is found) every thread's stack
+threads() {
+    local t g
+    echo "(threads of process $1: name, state, wait channel, system call)"
+    for t in /proc/"$1"/task/*; do
+        echo "  $(cat "$t/comm" 2>/dev/null) $(awk '{print $3}' "$t/stat" 2>/dev/null)" \
+            "wchan=$(cat "$t/wchan" 2>/dev/null) syscall=$(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
+    done
+    g=$(command -v gdb) && [ $HAVE_TIMEOUT = 1 ] || return 0
+    echo "(their stacks, gdb)"
+    timeout 60 "$g" -batch -nx -p "$1" -ex "thread apply all bt" 2>&1 | grep -v '^\[New LWP' | head -n 300
+}
+
+# watched ARGS...: as limited, but a command still running at the limit has
+# its threads written out (threads) before it is ended
+watched() {
+    env "$@" &
+    local pid=$! n=0
+    while kill -0 "$pid" 2>/dev/null && [ $n -lt $((TMO * 10)) ]; do
+        sleep 0.1
+        n=$((n + 1))
+    done
+    if ! kill -0 "$pid" 2>/dev/null; then
+        wait "$pid"
+        return
+    fi
+    threads "$pid"
+    kill -TERM "$pid" 2>/dev/null
+    for n in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null
+    wait "$pid"
+    late "; exit status $? once ended" "$@"
 }
 
 # cmd ARGS...: runs one command into the log, under a header; its status
@@ -184,7 +229,7 @@ g_engine() {
     names=$(engine_tests) && [ -n "$names" ] || { why "cannot list the engine tests"; exit 1; }
     for t in $names; do # each in a process of its own: a fault or hang stays there
         { echo; echo "\$ MT_TEST_GPU=1 $BIN/mt_tests $t"; } >> "$LOG"
-        limited MT_TEST_GPU=1 "$BIN/mt_tests" "$t" > "$out" 2>&1
+        watched MT_TEST_GPU=1 "$BIN/mt_tests" "$t" > "$out" 2>&1
         local st=$?
         cat "$out" >> "$LOG"
         [ $st = 0 ] && continue

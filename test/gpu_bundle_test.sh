@@ -5,7 +5,8 @@
 # GPU machine, from another directory, with a short --timeout. It checks
 # that the golden files are found (MT_GOLDEN_DIR), that each engine test
 # runs in a process of its own, that a test that printed ok and then never
-# exited fails the group as "timed out" within the limit, that a failing
+# exited fails the group as "timed out" within the limit, with its
+# threads written to the log first, that a failing
 # one is run again with MT_CUDA_DEBUG_SYNC=1, and that the groups after a
 # hang still run.
 set -u
@@ -63,6 +64,8 @@ grep -q "^FAIL engine .*printed ok, then did not exit: gpu_engine_distill_matche
 grep -q "^FAIL engine .*failed: gpu_engine_lora_matches_cpu" "$res" ||
     bad "the failing test is not named"
 grep -q "^PASS nccl" "$res" || bad "the group after the hang did not run, or failed"
+grep -q "^(threads of process" "$tmp/res/log.txt" && grep -q "^  sleep S" "$tmp/res/log.txt" ||
+    bad "the hung test's threads are not in the log"
 calls=$b/calls.txt
 for t in gpu_engine_distill_matches_cpu gpu_engine_matches_cpu gpu_engine_lora_matches_cpu; do
     grep -q "^$t | $b/golden | 0$" "$calls" ||
