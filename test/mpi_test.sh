@@ -39,6 +39,8 @@ run zero 2 "$B/mpi/train_mpi_test" zero
 run zero 3 "$B/mpi/train_mpi_test" zero
 run overflow 2 "$B/mpi/train_mpi_test" overflow
 run overflow 3 "$B/mpi/train_mpi_test" overflow
+run alone 2 "$B/mpi/train_mpi_test" alone
+run alone 3 "$B/mpi/train_mpi_test" alone
 # a rank killed: mpirun (Open MPI 4's ORTE) is told not to end the job when
 # a rank dies, so rank 0 must find it out itself, from its deadline
 MPIRUN="mpirun --oversubscribe --bind-to none --mca orte_abort_on_non_zero_status 0"
