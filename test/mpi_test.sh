@@ -45,6 +45,7 @@ run alone 3 "$B/mpi/train_mpi_test" alone
 # a rank dies, so rank 0 must find it out itself, from its deadline
 MPIRUN="mpirun --oversubscribe --bind-to none --mca orte_abort_on_non_zero_status 0"
 run kill 2 "$B/mpi/train_mpi_test" kill
+run killmid 2 "$B/mpi/train_mpi_test" killmid
 MPIRUN="mpirun --oversubscribe --bind-to none"
 
 # memtrain train under mpirun: rank 0 prints one JSON object per step, with

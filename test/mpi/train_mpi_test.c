@@ -13,6 +13,11 @@
  *                             inside that step, gets MT_ERR_COMM within the
  *                             1 s timeout, saying a rank died or stalled, and
  *                             the communicator is broken
+ *   train_mpi_test killmid    the same at ZeRO stage 2 (bf16), rank 1 killed
+ *                             by a thread of its own half a step's time after
+ *                             its second step began, so inside a step, the
+ *                             others inside its collectives wherever it fell
+ *                             (backward's reduce-scatters among them)
  *   train_mpi_test zero       ZeRO stages 0, 1 and 2, each with AdamW in bf16
  *                             (fp32 masters, clipping), 8-bit AdamW in fp16
  *                             with dynamic loss scaling, Adafactor in fp32
@@ -34,9 +39,10 @@
  * Prints "ok <what>" on rank 0 when it passes.
  */
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,7 +99,7 @@ static const zcase zcases[] = {
 typedef struct how {
     int local, alone, steps;
     const zcase *zc;
-    int stage, kill;
+    int stage, kill; /* kill: 1 before its second step, 2 half way through it */
     int lone;       /* rank 0 alone evaluates (and at stage 0 saves) after step 0 */
     double step_s;  /* out: the last step's seconds */
     double lone_s;  /* out: the seconds rank 0's lone calls took */
@@ -151,6 +157,16 @@ static bool estimate_matches(mt_context *ctx, mt_model *m, const mt_trainer_conf
             return false;
         }
     return e.peak == ms.peak_live_bytes;
+}
+
+/* Kills this process after half of *(double *)arg seconds. */
+static void *kill_later(void *arg)
+{
+    double half = *(const double *)arg / 2;
+    struct timespec ts = {(time_t)half, (long)((half - (double)(time_t)half) * 1e9)};
+    nanosleep(&ts, NULL);
+    kill(getpid(), SIGKILL);
+    return NULL;
 }
 
 /* What a rank may do alone: evaluate (its own rows, no communication)
@@ -213,8 +229,11 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
     int32_t tok[64 * T], tgt[64 * T];
     for (int step = 0; step < (hw->steps ? hw->steps : STEPS) && !s; step++) {
         if (step == 1 && rank == stall_rank) {
-            if (hw->kill) raise(SIGKILL);
-            sleep(5); /* past the others' 1 s timeout */
+            if (hw->kill == 1) raise(SIGKILL);
+            pthread_t th;
+            if (hw->kill == 2 && !pthread_create(&th, NULL, kill_later, &hw->step_s))
+                pthread_detach(th);
+            if (!hw->kill) sleep(5); /* past the others' 1 s timeout */
         }
         rows(step, comm || hw->alone ? rank * ROWS : 0, n, tok, tgt);
         mt_batch b = {.n = n, .tokens = tok, .targets = tgt, .seq_len = T};
@@ -475,7 +494,7 @@ int main(int argc, char **argv)
     mt_comm *c = NULL;
     /* 1 s where a rank stalls on purpose; elsewhere a deadline that a
        loaded machine (sanitizers, more ranks than cores) never reaches */
-    const bool short_deadline = !strcmp(mode, "stall") || !strcmp(mode, "kill");
+    const bool short_deadline = !strcmp(mode, "stall") || !strncmp(mode, "kill", 4);
     if (mt_comm_mpi_create(MPI_COMM_WORLD, short_deadline ? 1.0 : 60.0, &c))
         MPI_Abort(MPI_COMM_WORLD, 1);
     float loss[STEPS], ref_loss[STEPS];
@@ -523,21 +542,27 @@ int main(int argc, char **argv)
         }
         sleep(30); /* rank 0 ends the job */
         return 1;
-    } else if (!strcmp(mode, "kill")) {
+    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid")) {
+        /* killmid: up to 200 steps, so that the kill, half a step after the
+           second began, falls inside some step of rank 1's */
         how hw = {.kill = 1};
-        mt_status s = train_how(c, 16, 1, &hw, loss, &w, &nw, msg, sizeof msg);
+        float losses[200];
+        if (!strcmp(mode, "killmid"))
+            hw = (how){.kill = 2, .zc = &zcases[0], .stage = 2, .steps = 200};
+        mt_status s = train_how(c, 16, 1, &hw, losses, &w, &nw, msg, sizeof msg);
         /* (rank 1 is gone) */
         EXPECT(s == MT_ERR_COMM);
         EXPECT(strstr(msg, "died") != NULL);
         EXPECT(hw.step_s < 1.0 + 2.0);
         EXPECT(mt_comm_broken(c));
         if (rank == 0 && !failed)
-            printf("ok kill: rank 1 killed, rank 0 stopped with MT_ERR_COMM after %.1f s of its "
-                   "step: %s\n", hw.step_s, msg);
+            printf("ok %s: rank 1 killed, rank 0 stopped with MT_ERR_COMM after %.1f s of its "
+                   "step: %s\n", mode, hw.step_s, msg);
         else
             fprintf(stderr, "rank %d: %s after %.1f s: %s\n", rank, mt_status_string(s),
                     hw.step_s, msg);
         fflush(stdout);
+        usleep(200000); /* for mpirun to forward the line before the abort */
         MPI_Abort(MPI_COMM_WORLD, failed); /* the documented way out */
     } else if (!strcmp(mode, "zero")) {
         zero_stages(c);
