@@ -75,6 +75,21 @@ reshard() {
     then echo "ok   mpi memtrain train: saved by 2 ranks at --zero 2, resumed by 1 and by 3 at --zero 1: losses $three"
     else echo "FAIL mpi memtrain train: resharding: one process '$one', 3 ranks '$three'"; fail=1; fi
 }
+# 2 ranks at ZeRO stage 2 stopped after 2 steps and resumed from their
+# training-state file: the same losses as the run that did not stop (the
+# data order goes on where it was), to the last digit printed
+resume() {
+    ck=$(mktemp)
+    args="train --model gpt --batch 4 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --zero 2"
+    whole=$(timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --steps 4 2>&1 | losses)
+    timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --steps 2 --save "$ck" >/dev/null 2>&1
+    again=$(timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --steps 4 --resume "$ck" 2>&1 | losses)
+    rm -f "$ck"
+    tail2=$(echo "$whole" | awk '{ print $3, $4 }')
+    if [ -n "$again" ] && [ "$(echo $again)" = "$tail2" ]; then
+        echo "ok   mpi memtrain train: 2 ranks at --zero 2 resumed after 2 steps: losses $again as without the stop"
+    else echo "FAIL mpi memtrain train: resumed at --zero 2: '$again', the whole run's last two '$tail2'"; fail=1; fi
+}
 if [ -x "$B/memtrain" ]; then
     tool 2 4 2
     tool 3 4 0   # uneven: 1, 1 and 2 rows
@@ -93,6 +108,7 @@ if [ -x "$B/memtrain" ]; then
     tool 3 6 2 1
     tool 3 6 2 2
     reshard
+    resume
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi
