@@ -1000,7 +1000,19 @@ typedef struct mt_trainer_config {
      * equal bit for bit. With sharded masters, the model's fp32 values
      * (mt_model_get_params, and the weights after mt_trainer_destroy) are
      * the 16-bit compute copy's; the training-state file
-     * (mt_trainer_save, then a collective) holds the masters whole. */
+     * (mt_trainer_save, then a collective) holds the masters whole.
+     * 3: the weights (PARAM) are sharded too: each rank keeps its slice of
+     * every trained tensor, and each layer's weights are all-gathered into
+     * communication buffers (COMM) just before its forward and again
+     * before its backward (and a recomputed layer's forward), then let go;
+     * the update writes the rank's slice. While a stage-3 trainer lives,
+     * the model's trained weights are nowhere whole: mt_model_get_params,
+     * mt_model_set_params and mt_model_gpt_save give MT_ERR_UNSUPPORTED,
+     * mt_trainer_eval and mt_trainer_logits are collectives (every rank
+     * calls them), and mt_trainer_destroy gathers the weights back into the
+     * model (a collective: every rank destroys its trainer). Stage 3 runs
+     * on CPU contexts without LoRA, a quantized base or offload
+     * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"). */
     int zero_stage;
     /* Knowledge distillation (docs/engine.md, "Distillation"): with a
      * teacher (NULL: none), each micro-batch first runs the teacher's

@@ -107,7 +107,8 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
     int n = 0;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
-        if (out) out[n] = (ck_tensor){&p->w, i, 0, p->w.dtype, mti_tensor_bytes(&p->w)};
+        mti_tensor *w = t->zero == 3 && !p->frozen ? &t->pw[i] : &p->w; /* (ZeRO-3: a slice) */
+        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, mti_tensor_bytes(&p->w)};
         n++;
         if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
             if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, (uint64_t)p->numel * 4};
@@ -126,17 +127,22 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
 }
 
 /* The bytes [*off, *off + *len) of a stored tensor that rank r holds: the
- * weights whole on every rank; under ZeRO a master or state tensor's part
+ * weights whole on every rank (ZeRO-3: a slice, as a master); under ZeRO a master or state tensor's part
  * for the rank's elements of the parameter (lib/comm/zero.c), else whole. */
+static bool sharded(const mt_trainer *t, const ck_tensor *c)
+{
+    return t->zero && (c->what != 0 || (t->zero == 3 && !t->model->params[c->param].frozen));
+}
+
 static void held(const mt_trainer *t, const ck_tensor *c, int r, uint64_t *off, uint64_t *len)
 {
     *off = 0;
     *len = c->bytes;
-    if (c->what == 0 || !t->zero) return;
+    if (!sharded(t, c)) return;
     size_t lo, hi;
     mti_zero_range(t, c->param, r, &lo, &hi);
     const size_t es = mti_dtype_size(c->dtype);
-    if (c->what == 1) {
+    if (c->what <= 1) { /* a master's or (ZeRO-3) the weights' slice */
         *off = lo * es, *len = (hi - lo) * es;
         return;
     }
@@ -320,7 +326,7 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
     sv_write(v, h, sizeof h);
     uint32_t crc = 0;
     uint64_t done = 0;
-    const int ranks = v->collective && c->what != 0 ? t->world : 1;
+    const int ranks = v->collective && sharded(t, c) ? t->world : 1;
     for (int r = 0; r < ranks; r++) {
         uint64_t off, len;
         if (ranks > 1) held(t, c, r, &off, &len);

@@ -482,6 +482,17 @@ static mt_status upload_i32(mti_engine *E, mti_tensor *t, const int32_t *src, in
     return s ? s : mti_tensor_upload(E->ctx, t, src, (size_t)n * sizeof *src);
 }
 
+static mt_status layer_bwd(mti_engine *E, int i, bool keep);
+
+/* Layer i's forward or backward between its weights' in and out. */
+static mt_status with_params(mti_engine *E, int i, int bwd, mti_save save, bool keep)
+{
+    mt_status s = E->params_hook ? E->params_hook(E->params_user, i, bwd, 1) : MT_OK;
+    if (!s) s = bwd ? layer_bwd(E, i, keep) : layer_fwd(E, i, save);
+    if (E->params_hook) (void)E->params_hook(E->params_user, i, bwd, 0);
+    return s;
+}
+
 /* Runs layers [from, to) forward. The main forward uses the plan; the
  * recompute of a segment keeps everything. */
 static mt_status run_forward(mti_engine *E, int from, int to, int recompute)
@@ -489,7 +500,7 @@ static mt_status run_forward(mti_engine *E, int from, int to, int recompute)
     mt_status s;
     for (int i = from; i < to; i++) {
         mti_save save = recompute ? MTI_SAVE_ALL : (mti_save)E->plan[i];
-        MTI_TRY(layer_fwd(E, i, save));
+        MTI_TRY(with_params(E, i, 0, save, false));
         if (recompute) E->redone[i] = 1;
         /* with nothing saved, the input is needed again only if it is a kept boundary */
         if (save == MTI_SAVE_NONE && i > 0 && !E->kept[i]) mti_tensor_free(E->ctx, &E->bnd[i]);
@@ -529,7 +540,7 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
     if (!eval) return run_forward(E, 0, m->n_layers, 0);
     /* eval: nothing is kept */
     for (int i = 0; i < m->n_layers; i++) {
-        MTI_TRY(layer_fwd(E, i, MTI_SAVE_NONE));
+        MTI_TRY(with_params(E, i, 0, MTI_SAVE_NONE, false));
         free_slots(E, i);
         if (i > 0) mti_tensor_free(ctx, &E->bnd[i]);
     }
@@ -881,7 +892,7 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
             if (out.blk.ptr) E->bnd[i + 1] = out;
             if (s) return s;
         }
-        MTI_TRY(layer_bwd(E, i, keep));
+        MTI_TRY(with_params(E, i, 1, MTI_SAVE_NONE, keep));
         after_bwd(E, i, keep);
         const mti_layer *ly = &m->layers[i];
         for (int j = 0; j <= ly->np; j++) {

@@ -26,6 +26,14 @@ typedef mt_status (*mti_grad_hook)(void *user, int param);
 /* Elements [at, at + n) of parameter param's gradient, final, in g. */
 typedef mt_status (*mti_slice_hook)(void *user, int param, float *g, size_t at, size_t n);
 
+/* Before a layer's forward or backward (bwd 0 or 1) with in 1, after it
+ * with in 0: ZeRO-3 brings the layer's weights in (each parameter's
+ * p->w.blk points at a gathered copy while it is in) and lets them go. A
+ * recomputed layer runs its forward again, so it asks again. The call with
+ * in 0 follows every call with in 1, also when the layer failed; its
+ * status is ignored. */
+typedef mt_status (*mti_layer_hook)(void *user, int layer, int bwd, int in);
+
 typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
 
 typedef struct mti_engine {
@@ -67,6 +75,8 @@ typedef struct mti_engine {
      * table's matmul_dw_align. */
     int tied_rows;
     mti_slice_hook slice_hook;
+    mti_layer_hook params_hook;    /* where the weights come from (NULL: resident) */
+    void *params_user;
     mti_grad_hook hook;            /* backward's, for its duration */
     void *user;
 } mti_engine;

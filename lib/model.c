@@ -634,10 +634,23 @@ static mt_status stage(mt_model *m, mti_tensor *t, size_t n)
     return mti_tensor_alloc(m->ctx, t, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_STAGE, 0));
 }
 
+/* Weights a ZeRO-3 trainer holds as slices over the ranks are nowhere
+ * whole: refused (the trainer's destroy gathers them back). */
+static mt_status sharded_refused(const mt_model *m, const mti_param *p)
+{
+    if (!m->params_sharded || p->frozen) return MT_OK;
+    return mti_fail(m->ctx, MT_ERR_UNSUPPORTED,
+                    "%s: the weights are sharded over the ranks by a ZeRO-3 trainer (zero_stage "
+                    "3): save a training-state file (mt_trainer_save), or destroy the trainer on "
+                    "every rank to gather them",
+                    p->name);
+}
+
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
+    if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
     if (p->qf) /* quantized (on the CPU): dequantized straight into dst */
         return mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, at, n, dst, MTI_F32);
     if (m->master_home && !p->frozen) /* the master, from its file */
@@ -669,6 +682,7 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     mt_context *ctx = m->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &m->params[i];
+    if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
     if (p->qf) { /* quantized again from the new values, whole */
         if (at != 0 || n != p->numel)
             return mti_fail(ctx, MT_ERR_INVALID_ARG,

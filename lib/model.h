@@ -89,6 +89,8 @@ struct mt_model {
     char *lora_targets;  /* the adapted weights' names, comma-separated */
     bool master_sliced;  /* the masters are ZeRO slices: the fp32 values read
                             are the compute copy's */
+    bool params_sharded; /* a ZeRO-3 trainer holds the weights as slices over
+                            the ranks: p->w is whole only while a layer runs */
     struct mti_offload *master_home; /* the masters live on disk (lib/offload.c): the
                             fp32 values are read and written there */
     mt_mlp_spec mlp;     /* MLP */

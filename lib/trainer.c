@@ -215,8 +215,8 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
     }
     if (c->recompute == MT_RECOMPUTE_BUDGET && !c->memory_budget)
         BAD("%s: cfg->recompute MT_RECOMPUTE_BUDGET needs cfg->memory_budget", fn);
-    if (c->zero_stage < 0 || c->zero_stage > 2)
-        BAD("%s: cfg->zero_stage %d out of range 0..2", fn, c->zero_stage);
+    if (c->zero_stage < 0 || c->zero_stage > 3)
+        BAD("%s: cfg->zero_stage %d out of range 0..3", fn, c->zero_stage);
     if (c->fused_step && c->micro_batch && c->micro_batch < c->max_batch)
         BAD("%s: cfg->fused_step cannot combine with gradient accumulation (micro_batch %d < "
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
@@ -525,12 +525,11 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
 {
     mt_model *m = t->model;
     mti_param *p = &m->params[i];
-    size_t es = mti_dtype_size(p->w.dtype);
     if (!t->bare) {
-        float *w32 = !m->has_master ? (float *)p->w.blk.ptr + at
+        float *w32 = !m->has_master ? (float *)mti_zero3_weights(t, i, at)
                      : t->off       ? mti_offload_master(t->off, at)
                                     : (float *)p->master.blk.ptr + (at - p->master_lo);
-        void *pc = m->has_master ? (char *)p->w.blk.ptr + at * es : NULL;
+        void *pc = m->has_master ? mti_zero3_weights(t, i, at) : NULL;
         return update_span(t, i, w32, pc, g, at, n, grad_scale);
     }
     mt_context *ctx = t->ctx;
@@ -540,7 +539,7 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
     for (size_t j = 0, len; j < n && !s; j += len) {
         const size_t e = at + j, piece = e - e % BARE_SLICE;
         len = n - j < piece + BARE_SLICE - e ? n - j : piece + BARE_SLICE - e;
-        void *w = (char *)p->w.blk.ptr + e * es;
+        void *w = mti_zero3_weights(t, i, e);
         uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ piece;
         seed = mti_sr_seed_at(seed, e - piece);
         s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
@@ -577,7 +576,7 @@ static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
 {
     *at = t->sh[i].lo;
     *n = t->sh[i].hi - t->sh[i].lo;
-    if (t->zero == 2 && !t->cfg.fused_step) return t->gs[i].blk.ptr;
+    if (t->zero >= 2 && !t->cfg.fused_step) return t->gs[i].blk.ptr;
     return t->E.grad[i].blk.ptr ? (float *)t->E.grad[i].blk.ptr + *at : NULL;
 }
 
@@ -588,7 +587,7 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
     size_t at, n;
     float *g = own_grad(t, i, &at, &n);
     mt_status s = n ? update_elems(t, i, g, at, n, grad_scale) : MT_OK;
-    if (!s && t->zero) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
+    if (!s && t->zero && t->zero < 3) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
     return s;
 }
 
@@ -602,7 +601,7 @@ static int tied_rows_for(const mt_trainer *t)
 {
     const mt_model *m = t->model;
     const mti_ops *op = t->ctx->ops;
-    if (!(t->cfg.fused_step || t->zero == 2) || !t->opt->sliceable || !op->matmul_dw_rows ||
+    if (!(t->cfg.fused_step || t->zero >= 2) || !t->opt->sliceable || !op->matmul_dw_rows ||
         !op->embedding_dw_rows || !op->matmul_dw_align || m->n_layers < 1)
         return 0;
     const mti_layer *head = &m->layers[m->n_layers - 1];
@@ -733,6 +732,11 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
     mti_overlap_free(t->ov);
+    if (mti_zero3_unshard(t)) /* (a collective: every rank destroys its trainer) */
+        mti_log(t->ctx, MT_LOG_ERROR, "mt_trainer_destroy: the weights could not be gathered "
+                "from the ranks' slices (%s); the model's weights are zeros",
+                mti_last_msg(t->ctx).s);
+    mti_zero3_free(t);
     if (t->gs)
         for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->gs[i]);
     if (t->model->has_master) from_mixed(t);
@@ -793,6 +797,21 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
                         "mt_trainer_create: cfg->zero_stage %d on a CUDA context needs a device "
                         "communicator (NCCL), not the %s communicator",
                         zero, mt_comm_name(ctx->cfg.comm));
+    if (zero == 3) { /* what the gathers are not built for yet (docs/distributed.md) */
+        bool quantized = cfg->base != MT_BASE_FULL;
+        for (int i = 0; i < m->n_param; i++) quantized |= m->params[i].qf != 0;
+        const char *why = ctx->dev->kind == MT_DEVICE_CUDA ? "a CUDA context"
+                          : cfg->lora.rank || m->lora_rank ? "LoRA adapters"
+                          : quantized                      ? "a quantized base"
+                          : cfg->offload                   ? "offload"
+                                                           : NULL;
+        if (why)
+            return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                            "mt_trainer_create: cfg->zero_stage 3 does not combine with %s yet "
+                            "(ZeRO-3 runs on CPU contexts, full-precision bases without "
+                            "adapters, state resident); use stage 2",
+                            why);
+    }
     if (!ctx->ops)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "mt_trainer_create: %s has no kernels in this build or driver",
@@ -831,10 +850,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     bool host_ok = true;
     t->ps = calloc((size_t)m->n_param, sizeof *t->ps);
     t->sh = calloc((size_t)m->n_param, sizeof *t->sh);
-    if (zero == 2) t->gs = calloc((size_t)m->n_param, sizeof *t->gs);
+    if (zero >= 2) t->gs = calloc((size_t)m->n_param, sizeof *t->gs);
     t->host_losses = malloc((size_t)t->micro * (size_t)t->max_seq * sizeof(float));
     t->host_rows = malloc((size_t)ROWS_CHUNK * (size_t)m->out_width * sizeof(float));
-    host_ok = t->ps && t->sh && (zero != 2 || t->gs) && t->host_losses && t->host_rows;
+    host_ok = t->ps && t->sh && (zero < 2 || t->gs) && t->host_losses && t->host_rows;
     if (host_ok && cfg->n_overrides) {
         t->overrides = calloc((size_t)cfg->n_overrides, sizeof *t->overrides);
         t->patterns = calloc((size_t)cfg->n_overrides, sizeof *t->patterns);
@@ -883,7 +902,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
             atomic_fetch_add(&cfg->teacher->n_trainers, 1);
         }
     }
-    t->E.defer_tied = cfg->fused_step != 0 || zero == 2;
+    t->E.defer_tied = cfg->fused_step != 0 || zero >= 2;
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s) s = quantize_base(t); /* the frozen linear weights, one tensor at a time */
@@ -902,6 +921,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
            rather than from the fragments of tensors twice their size */
         for (int a = 0; !s && a < ctx->n_inst; a++) (void)mt_allocator_trim(ctx->inst[a]);
     }
+    if (zero == 3) s = mti_zero3_shard(t, s); /* the weights' home: this rank's slices (every rank) */
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
     t->flag_grads = cfg->precision == MT_PREC_FP16 || !(cfg->grad_clip > 0.0f);
@@ -1053,7 +1073,7 @@ static mt_status sumsq(mt_trainer *t, int i)
 static mt_status reduce_grad(mt_trainer *t, int i)
 {
     if (!t->zero) return mti_dp_reduce_grad(t, i);
-    if (t->zero == 2 && !t->cfg.fused_step) return MT_OK;
+    if (t->zero >= 2 && !t->cfg.fused_step) return MT_OK;
     mti_tensor *g;
     mt_status s = mti_engine_grad(&t->E, i, &g); /* one the batch did not reach: zeros */
     float *p = g->blk.ptr;
@@ -1187,7 +1207,7 @@ static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
     if (!s && on) s = unscale_g(t, g + own, on);
     if (!s) s = halt_if_flagged(t, i);
     if (!s && on) s = update_elems(t, i, g + own, at + own, on, t->clip);
-    if (!s && t->zero) s = mti_zero_gather(t, i, at, n);
+    if (!s && t->zero && t->zero < 3) s = mti_zero_gather(t, i, at, n);
     if (!s) t->touched = 1;
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
@@ -1394,7 +1414,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     double sum = 0.0;
     t->overlap_now = t->ov && !fused && !t->zero; /* (ZeRO reduces to the slices' owners) */
     if (t->overlap_now) mti_overlap_begin(t->ov);
-    s = passes(t, b, fused, t->zero == 2, true, targets, &found, &sum);
+    s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;

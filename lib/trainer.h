@@ -73,6 +73,11 @@ struct mt_trainer {
     mti_shard *sh;           /* per parameter */
     mti_tensor *gs;          /* stage 2: per parameter, the gradient of its shard
                                 (GRAD), summed over the ranks */
+    mti_tensor *pw;          /* stage 3: per parameter, this rank's slice of the
+                                weights (PARAM; lib/comm/zero3.c) */
+    mti_tensor *gb;          /* stage 3: per parameter, its gather buffer (COMM)
+                                while a layer holds it in */
+    int *gref;               /* stage 3: per parameter, the layers holding it in */
     struct mti_offload *off; /* state and masters at home on disk (lib/offload.c), or NULL */
     char *offload_dir;       /* cfg.offload_dir's copy */
     unsigned char *units;    /* the recompute plan: a mode per unit */

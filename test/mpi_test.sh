@@ -66,14 +66,14 @@ tool() { # NP BATCH MICRO [ZERO]: 2 or 3 ranks (at a ZeRO stage) against one pro
 reshard() {
     ck=$(mktemp)
     args="train --model gpt --batch 6 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --optimizer adamw8"
-    timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --steps 2 --zero 2 --save "$ck" >/dev/null 2>&1
+    timeout 60 $MPIRUN -np 2 "$B/memtrain" $args --steps 2 --zero "${ZSAVE:-2}" --save "$ck" >/dev/null 2>&1
     one=$("$B/memtrain" $args --steps 4 --resume "$ck" 2>&1 | losses)
-    three=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" $args --steps 4 --zero 1 --resume "$ck" 2>&1 | losses)
+    three=$(timeout 60 $MPIRUN -np "${NLOAD:-3}" "$B/memtrain" $args --steps 4 --zero "${ZLOAD:-1}" --resume "$ck" 2>&1 | losses)
     rm -f "$ck"
     if [ -n "$one" ] && awk -v a="$one" -v b="$three" 'BEGIN { n = split(a, x); m = split(b, y);
         if (n != m || n != 2) exit 1; for (i = 1; i <= n; i++) if (x[i] - y[i] > 1e-5 || y[i] - x[i] > 1e-5) exit 1 }'
-    then echo "ok   mpi memtrain train: saved by 2 ranks at --zero 2, resumed by 1 and by 3 at --zero 1: losses $three"
-    else echo "FAIL mpi memtrain train: resharding: one process '$one', 3 ranks '$three'"; fail=1; fi
+    then echo "ok   mpi memtrain train: saved by 2 ranks at --zero ${ZSAVE:-2}, resumed by 1 and by ${NLOAD:-3} at --zero ${ZLOAD:-1}: losses $three"
+    else echo "FAIL mpi memtrain train: resharding from --zero ${ZSAVE:-2}: one process '$one', ${NLOAD:-3} ranks '$three'"; fail=1; fi
 }
 # 2 ranks at ZeRO stage 2 stopped after 2 steps and resumed from their
 # training-state file: the same losses as the run that did not stop (the
@@ -107,8 +107,11 @@ if [ -x "$B/memtrain" ]; then
     tool 2 4 2 2
     tool 3 6 2 1
     tool 3 6 2 2
+    tool 2 4 2 3 # ZeRO-3: the weights sharded, gathered per layer
+    tool 3 6 2 3
     reshard
     resume
+    ZSAVE=3 ZLOAD=3 reshard # saved at stage 3, resumed by one process and by 3 ranks at stage 3
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

@@ -353,8 +353,9 @@ static const opt table[] = {
     LONG("--local-sgd", "H", CLI_TRAIN, CLI_ANY, local_sgd, 0, 1 << 24,
          "under mpirun: local SGD, each rank steps alone and the weights are averaged every H "
          "steps (0: off)", NULL),
-    LONG("--zero", "S", ALL, CLI_ANY, zero, 0, 2,
-         "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too (0)",
+    LONG("--zero", "S", ALL, CLI_ANY, zero, 0, 3,
+         "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too, 3 "
+         "weights too (0)",
          "the ZeRO stage of the run (0; with --ranks)"),
     FN("--offload", "none|disk", TE, CLI_ANY, set_offload, "(none, disk)",
        "optimizer state and fp32 masters resident, or in scratch files on disk, brought in "

@@ -477,9 +477,11 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         }
         fprintf(o->json ? stderr : stdout, "LoRA adapters merged into the weights\n");
     }
-    if (o->export_llmc && cli_world.rank == 0) {
-        mt_trainer_destroy(g.trainer); /* the weights back in fp32 */
+    if (o->export_llmc && (cli_world.rank == 0 || o->zero == 3)) {
+        mt_trainer_destroy(g.trainer); /* the weights back in fp32 (ZeRO-3: gathered, every rank) */
         g.trainer = NULL;
+    }
+    if (o->export_llmc && cli_world.rank == 0) {
         if (mt_model_gpt_save(g.model, o->export_llmc)) {
             rc = cli_lib_fail(ctx, NULL);
             goto done;

@@ -159,6 +159,7 @@ static mt_status weights_hash(const mt_model *m, uint64_t *out)
     mt_status s = buf ? MT_OK : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     for (int i = 0; i < m->n_param && !s; i++) {
         const mti_param *p = &m->params[i];
+        if (m->params_sharded && !p->frozen) continue; /* (ZeRO-3 hashed them before: zero3.c) */
         const mti_tensor *w = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
         const size_t bytes = mti_tensor_bytes(w);
         for (size_t at = 0; at < bytes && !s; at += chunk) {

@@ -63,4 +63,27 @@ mt_status mti_zero_checks(mt_trainer *t, const float *sumsq, int n, int *found, 
 /* *flag becomes whether it is set on any rank. A collective. */
 mt_status mti_zero_any(mt_trainer *t, int *flag);
 
+/* ---- ZeRO-3 (zero3.c) ---- */
+
+/* Stage 3, at create, with the status so far (s), once the weights are
+ * in their final dtype: each trained parameter's whole weights become this
+ * rank's slice (t->pw), tensor by tensor, and the engine then brings each
+ * layer's weights in (mti_zero3_layer). A collective (two all-gathers):
+ * the ranks first agree on their statuses and weights (a hash; changing
+ * nothing when they differ), then on how far each got; if any rank failed,
+ * every rank puts the whole weights back and fails (MT_ERR_COMM naming the
+ * rank, or its own error). */
+mt_status mti_zero3_shard(mt_trainer *t, mt_status s);
+/* The engine's params_hook (engine.h): layer's weights in (all-gathered
+ * into COMM gather buffers, counted per parameter) or out. A collective. */
+mt_status mti_zero3_layer(void *user, int layer, int bwd, int in);
+/* Where element `at` of parameter i's weights (this rank's) is stored: in
+ * the slice at stage 3, else in the whole tensor. */
+void *mti_zero3_weights(const mt_trainer *t, int i, size_t at);
+/* At destroy: the whole weights back in the model (a collective; on
+ * failure the weights lost are zeros and the status says so). */
+mt_status mti_zero3_unshard(mt_trainer *t);
+/* Frees the slices and buffers (after unshard, or on a failed create). */
+void mti_zero3_free(mt_trainer *t);
+
 #endif /* MT_COMM_DP_H */

@@ -1,0 +1,330 @@
+/*
+ * zero3.c - ZeRO stage 3: the weights (PARAM) sharded over the ranks, and
+ * brought in for each layer that uses them (docs/distributed.md, "ZeRO-3",
+ * and docs/design.md for why it is built this way).
+ *
+ * Home. Each trained parameter's weights live as this rank's slice of the
+ * stage 1/2 layout (zero.c): a PARAM tensor of `per` elements, the rank's
+ * [lo, hi) at its start and zeros after (the last ranks' slices are short
+ * or empty, so every rank holds the same padded count and one all-gather of
+ * equal parts assembles the tensor); a whole-tensor owner (Adafactor,
+ * 4-bit AdamW) holds the tensor whole and the others nothing. Frozen
+ * parameters are not trained and stay whole on every rank. The update
+ * writes the slice; nothing is gathered after the step.
+ *
+ * Bringing in. The engine calls mti_zero3_layer before and after each
+ * layer's forward and backward (and a recomputed layer's forward again).
+ * Before: each of the layer's parameters that is not in yet gets a gather
+ * buffer (COMM, N x per elements in the weights' dtype, whole for an owner's
+ * tensor) filled by one all-gather of the ranks' slices (a broadcast from
+ * an owner), and the model's p->w.blk points at it; after: the buffer goes
+ * and p->w.blk is empty again. A count per parameter lets two layers hold
+ * one copy: the tied table is the embedding's and the LM head's, and while
+ * either runs it is in once. Backward of the embedding needs neither the
+ * table nor the positions (their gradients come from the tokens), so they
+ * are not gathered for it; every other backward gathers its layer's
+ * weights.
+ *
+ * Every rank runs the same layers in the same order, so the collectives
+ * match; a dry context (estimates) allocates the same buffers and
+ * communicates nothing.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/dp.h"
+#include "trainer.h"
+
+static bool live(const mt_trainer *t)
+{
+    return t->ctx->cfg.comm && mt_comm_size(t->ctx->cfg.comm) > 1;
+}
+
+/* Whether parameter i's weights are sharded (stage 3, trained). */
+static bool sharded(const mt_trainer *t, int i)
+{
+    return t->zero == 3 && !t->model->params[i].frozen;
+}
+
+/* Elements of parameter i's slice tensor on rank r: the padded `per`, or
+ * the whole tensor on its owner. */
+static size_t slice_elems(const mt_trainer *t, int i, int r)
+{
+    const mti_shard *sh = &t->sh[i];
+    if (sh->owner >= 0) return r == sh->owner ? t->model->params[i].numel : 0;
+    return sh->per;
+}
+
+/* Elements of parameter i's gather buffer. */
+static size_t gather_elems(const mt_trainer *t, int i)
+{
+    const mti_shard *sh = &t->sh[i];
+    return sh->owner >= 0 ? t->model->params[i].numel : sh->per * (size_t)t->world;
+}
+
+void *mti_zero3_weights(const mt_trainer *t, int i, size_t at)
+{
+    const mti_param *p = &t->model->params[i];
+    const size_t es = mti_dtype_size(p->w.dtype);
+    if (!sharded(t, i)) return (char *)p->w.blk.ptr + at * es;
+    return (char *)t->pw[i].blk.ptr + (at - t->sh[i].lo) * es;
+}
+
+static mt_status gather_in(mt_trainer *t, int i);
+static void gather_out(mt_trainer *t, int i);
+
+/* Parameter i's whole weights back in the model: from the ranks' slices
+ * (root < 0), or broadcast from rank root, which still holds them whole
+ * (a create that failed part way). A collective. */
+static mt_status unshard_one(mt_trainer *t, int i, int root)
+{
+    mt_context *ctx = t->ctx;
+    mti_param *p = &t->model->params[i];
+    mt_status s = MT_OK;
+    if (root >= 0) {
+        if (!p->w.blk.ptr)
+            s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+        char what[112];
+        snprintf(what, sizeof what, "restoring the weights of %s", p->name);
+        if (!s && live(t)) s = mti_comm_broadcast(ctx, what, p->w.blk.ptr, mti_tensor_bytes(&p->w), MT_COMM_BYTE, root);
+        mti_tensor_free(ctx, &t->pw[i]);
+        return s;
+    }
+    t->gref[i] = 0; /* (a layer that failed may have left it in) */
+    mti_tensor_free(ctx, &t->gb[i]);
+    memset(&p->w.blk, 0, sizeof(mt_block));
+    s = gather_in(t, i);
+    mti_tensor w = p->w;
+    memset(&w.blk, 0, sizeof w.blk);
+    if (!s) s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    if (!s) s = ctx->dev->copy_d2d(ctx->dev, w.blk.ptr, t->gb[i].blk.ptr, mti_tensor_bytes(&w));
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    gather_out(t, i);
+    if (s) { /* the weights are gone with the slices: zeros, and said */
+        mti_tensor_free(ctx, &w);
+        if (!mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i)))
+            (void)mti_tensor_zero(ctx, &w);
+    }
+    p->w = w;
+    mti_tensor_free(ctx, &t->pw[i]);
+    return s;
+}
+
+/* This rank's slice of parameter i made from the whole weights, which go. */
+static mt_status shard_one(mt_trainer *t, int i)
+{
+    mt_context *ctx = t->ctx;
+    mti_param *p = &t->model->params[i];
+    const size_t n = slice_elems(t, i, t->rank), lo = t->sh[i].lo, held = t->sh[i].hi - lo;
+    const size_t es = mti_dtype_size(p->w.dtype);
+    mt_status s = MT_OK;
+    if (n) {
+        t->pw[i] = (mti_tensor){.dtype = p->w.dtype, .ndim = 1, .shape = {(int64_t)n}};
+        s = mti_tensor_alloc(ctx, &t->pw[i], MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                             MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+        if (!s) s = ctx->dev->memset8(ctx->dev, t->pw[i].blk.ptr, 0, t->pw[i].blk.bytes);
+        if (!s && held) s = ctx->dev->copy_d2d(ctx->dev, t->pw[i].blk.ptr, (char *)p->w.blk.ptr + lo * es, held * es);
+        if (!s) s = ctx->dev->sync(ctx->dev);
+        if (s) {
+            mti_tensor_free(ctx, &t->pw[i]);
+            return s;
+        }
+    }
+    mti_tensor_free(ctx, &p->w); /* (its dtype and shape stay) */
+    return MT_OK;
+}
+
+/* A hash of parameter i's whole weights (this rank's, before sharding). */
+static mt_status weights_hash(mt_trainer *t, int i, uint64_t *h)
+{
+    mt_context *ctx = t->ctx;
+    const mti_tensor *w = &t->model->params[i].w;
+    const size_t bytes = mti_tensor_bytes(w), chunk = (size_t)1 << 20;
+    unsigned char *buf = ctx->dry ? NULL : malloc(chunk);
+    mt_status s = ctx->dry || buf ? MT_OK : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    for (size_t at = 0; at < bytes && buf && !s; at += chunk) {
+        const size_t n = bytes - at < chunk ? bytes - at : chunk;
+        s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
+        if (!s) s = ctx->dev->sync(ctx->dev);
+        if (!s) *h = mti_hash(*h, buf, n);
+    }
+    free(buf);
+    return s;
+}
+
+/* Every rank's pair of values (one all-gather; a dry run's are its own). */
+static mt_status exchange(mt_trainer *t, const char *what, const int64_t rec[2], int64_t *all)
+{
+    if (live(t)) return mti_comm_host_gather(t->ctx, what, rec, all, 2 * sizeof *rec);
+    for (int r = 0; r < t->world; r++) all[2 * r] = rec[0], all[2 * r + 1] = rec[1];
+    return MT_OK;
+}
+
+mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
+{
+    mt_model *m = t->model;
+    mt_context *ctx = t->ctx;
+    const int N = t->world;
+    t->pw = calloc((size_t)m->n_param, sizeof *t->pw);
+    t->gb = calloc((size_t)m->n_param, sizeof *t->gb);
+    t->gref = calloc((size_t)m->n_param, sizeof *t->gref);
+    int64_t *all = malloc((size_t)N * 2 * sizeof *all);
+    if (!(t->pw && t->gb && t->gref && all)) { /* (host memory: the exchange cannot go on) */
+        free(all);
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    }
+    /* first the ranks agree they all got here with the same weights */
+    uint64_t h = MTI_HASH_START;
+    for (int i = 0; i < m->n_param && !s; i++)
+        if (sharded(t, i)) s = weights_hash(t, i, &h);
+    int64_t rec[2] = {s ? 1 : 0, (int64_t)h};
+    const mti_msg own = mti_last_msg(ctx);
+    mt_status c = exchange(t, "exchanging the ranks' statuses and weights", rec, all);
+    int bad = -1, differs = -1;
+    for (int r = 0; r < N && !c; r++) {
+        if (bad < 0 && all[2 * r]) bad = r;
+        if (differs < 0 && all[2 * r + 1] != all[1]) differs = r;
+    }
+    if (!c && (s || bad >= 0 || differs >= 0)) c = s ? mti_fail(ctx, s, "%s", own.s)
+        : bad >= 0 ? mti_fail(ctx, MT_ERR_COMM, "rank %d failed", bad)
+                   : mti_fail(ctx, MT_ERR_COMM, "rank %d's weights differ from rank 0's (make "
+                              "every rank's model from the same seed or file)", differs);
+    if (c) {
+        free(all);
+        return c;
+    }
+    /* tensor by tensor, so the weights never cost more than whole plus one slice */
+    rec[0] = 0;
+    while (!s && rec[0] < m->n_param) {
+        if (sharded(t, (int)rec[0])) s = shard_one(t, (int)rec[0]);
+        if (!s) rec[0]++;
+    }
+    const mti_msg own2 = mti_last_msg(ctx);
+    if ((c = exchange(t, "exchanging how far the weights were sharded", rec, all))) {
+        free(all);
+        return c;
+    }
+    int64_t least = rec[0];
+    int first = t->rank;
+    for (int r = 0; r < N; r++)
+        if (all[2 * r] < least) least = all[2 * r], first = r;
+    if (least == m->n_param) {
+        free(all);
+        m->params_sharded = true;
+        t->E.params_hook = mti_zero3_layer;
+        t->E.params_user = t;
+        return MT_OK;
+    }
+    /* some rank stopped early: every rank puts the weights back, those all
+       ranks sharded from the slices, the others from a rank that still
+       holds them whole */
+    for (int i = 0; i < m->n_param; i++) {
+        if (!sharded(t, i)) continue;
+        int root = -1;
+        for (int r = 0; r < N && root < 0; r++)
+            if (all[2 * r] <= i) root = r;
+        (void)unshard_one(t, i, root);
+    }
+    free(all);
+    if (s) return mti_fail(ctx, s, "%s", own2.s);
+    return mti_fail(ctx, MT_ERR_COMM, "rank %d failed making its slices of the weights (at %s)",
+                    first, m->params[least].name);
+}
+
+/* Brings parameter i in (one more holder). */
+static mt_status gather_in(mt_trainer *t, int i)
+{
+    if (t->gref[i]++) return MT_OK;
+    mt_context *ctx = t->ctx;
+    mti_param *p = &t->model->params[i];
+    const mti_shard *sh = &t->sh[i];
+    const size_t es = mti_dtype_size(p->w.dtype);
+    mti_tensor *g = &t->gb[i];
+    *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)(gather_elems(t, i) * es)}};
+    mt_status s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
+    char what[112];
+    snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
+    if (!s && sh->owner >= 0) {
+        if (t->rank == sh->owner)
+            s = ctx->dev->copy_d2d(ctx->dev, g->blk.ptr, t->pw[i].blk.ptr, p->numel * es);
+        if (!s && live(t))
+            s = mti_comm_broadcast(ctx, what, g->blk.ptr, p->numel * es, MT_COMM_BYTE, sh->owner);
+    } else if (!s) {
+        const size_t part = sh->per * es;
+        if (live(t)) s = mti_comm_all_gather(ctx, what, t->pw[i].blk.ptr, g->blk.ptr, part, MT_COMM_BYTE);
+        else s = ctx->dev->copy_d2d(ctx->dev, (char *)g->blk.ptr + (size_t)t->rank * part,
+                                    t->pw[i].blk.ptr, part);
+    }
+    if (s) {
+        mti_tensor_free(ctx, g);
+        t->gref[i]--;
+        return s;
+    }
+    p->w.blk = g->blk;
+    return MT_OK;
+}
+
+/* Lets parameter i go (one holder fewer). */
+static void gather_out(mt_trainer *t, int i)
+{
+    if (!t->gref[i] || --t->gref[i]) return;
+    memset(&t->model->params[i].w.blk, 0, sizeof(mt_block));
+    mti_tensor_free(t->ctx, &t->gb[i]);
+}
+
+/* The parameters layer `layer` needs for its forward or backward: *n of
+ * them into idx (at most np + 1). */
+static int layer_params(const mt_trainer *t, int layer, int bwd, int *idx)
+{
+    const mti_layer *ly = &t->model->layers[layer];
+    int n = 0;
+    for (int j = 0; j < ly->np; j++) {
+        if (bwd && ly->kind == MT_LAYER_EMBEDDING && (j == 0 || (ly->positions && j == 1)))
+            continue; /* the table's and positions' gradients need no weights */
+        idx[n++] = ly->p0 + j;
+    }
+    if (ly->tied >= 0) idx[n++] = ly->tied;
+    return n;
+}
+
+mt_status mti_zero3_layer(void *user, int layer, int bwd, int in)
+{
+    mt_trainer *t = user;
+    int idx[MTI_SLOTS + 2];
+    const int n = layer_params(t, layer, bwd, idx);
+    mt_status s = MT_OK;
+    for (int j = 0; j < n; j++) {
+        if (!sharded(t, idx[j])) continue;
+        if (!in) gather_out(t, idx[j]);
+        else if (!s && (s = gather_in(t, idx[j]))) /* undo this layer's */
+            for (int q = 0; q < j; q++)
+                if (sharded(t, idx[q])) gather_out(t, idx[q]);
+    }
+    return s;
+}
+
+mt_status mti_zero3_unshard(mt_trainer *t)
+{
+    mt_model *m = t->model;
+    mt_status s = MT_OK;
+    if (!t->pw || !m->params_sharded) return MT_OK;
+    t->E.params_hook = NULL;
+    for (int i = 0; i < m->n_param; i++) {
+        mt_status g = sharded(t, i) ? unshard_one(t, i, -1) : MT_OK;
+        if (!s) s = g;
+    }
+    m->params_sharded = false;
+    return s;
+}
+
+void mti_zero3_free(mt_trainer *t)
+{
+    if (t->pw)
+        for (int i = 0; i < t->model->n_param; i++) {
+            mti_tensor_free(t->ctx, &t->gb[i]);
+            mti_tensor_free(t->ctx, &t->pw[i]);
+        }
+    free(t->pw), free(t->gb), free(t->gref);
+    t->pw = t->gb = NULL;
+    t->gref = NULL;
+}
