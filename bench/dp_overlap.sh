@@ -1,7 +1,7 @@
 #!/bin/sh
 # dp_overlap.sh - data parallel on this machine's cores: one process of 2
 # threads against 2 ranks of 1 thread (memtrain train under mpirun) at the
-# same global batch: ZeRO stages 0, 1 and 2, and stage 0 with the
+# same global batch: ZeRO stages 0 to 3, and stage 0 with the
 # gradients' all-reduce on a communication thread during backward
 # (--overlap) rather than after it. Each round runs every line back to
 # back; a line's ratio is its ms per step over the one process's in the
@@ -38,7 +38,8 @@ LINES="base|--threads 2
 s0|--threads 1 --zero 0
 s0o|--threads 1 --zero 0 --overlap
 s1|--threads 1 --zero 1
-s2|--threads 1 --zero 2"
+s2|--threads 1 --zero 2
+s3|--threads 1 --zero 3"
 label() {
     case $1 in
     base) echo "1 rank x 2 threads" ;;
@@ -46,6 +47,7 @@ label() {
     s0o) echo "2 ranks x 1 thread, stage 0, all-reduce during backward (--overlap)" ;;
     s1) echo "2 ranks x 1 thread, stage 1" ;;
     s2) echo "2 ranks x 1 thread, stage 2" ;;
+    s3) echo "2 ranks x 1 thread, stage 3" ;;
     esac
 }
 

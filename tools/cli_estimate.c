@@ -27,6 +27,7 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
            e->n_params, (unsigned long long)e->peak, (unsigned long long)e->peak_reserved,
            (unsigned long long)e->step_peak, (unsigned long long)e->setup_peak);
     json_classes("at_peak", e->at_peak);
+    json_classes("step_at_peak", e->step_at_peak);
     json_classes("class_peak", e->class_peak);
     printf(", \"place_peak\": {");
     for (int p = 0; p < MT_PLACE_COUNT; p++)
