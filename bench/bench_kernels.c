@@ -523,16 +523,18 @@ static void triad_threaded(float *a, const float *b, size_t n)
     }
 }
 
-enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW_PC, OPT_ADAMW8, OPT_ADAMW8_BARE, OPT_ADAMW4,
+enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW_PC, OPT_ADAMW8, OPT_ADAMW8_PORTABLE,
+       OPT_ADAMW8_BARE, OPT_ADAMW8_BF16, OPT_ADAMW4,
        OPT_ADAFACTOR, OPT_PLAIN, OPT_CHECK, OPT_UNSCALE, OPT_SUMSQ, OPT_CAST_SR, N_OPT };
 
 /* elements per slice of an update without master weights (lib/trainer.c's
    BARE_SLICE) */
-#define BARE 65536
+#define BARE MTI_SR_PIECE
 
-/* 8-bit AdamW on bf16 weights without masters, as the trainer runs it: per
- * slice, the weights widened into an fp32 buffer, the update, and the
- * result rounded back stochastically. */
+/* 8-bit AdamW on bf16 weights without masters, as the trainer ran it before
+ * the one-pass op (and still runs the other optimizers): per slice, the
+ * weights widened into an fp32 buffer, the update, and the result rounded
+ * back stochastically; three parallel sections a slice. */
 static mt_status adamw8_bare(uint16_t *w, float *w32, const float *g, uint8_t *qm, uint8_t *qv,
                              float *am, float *av, size_t n, const mti_adamw_args *a)
 {
@@ -560,8 +562,8 @@ static void optim_bench(void)
     printf("Bytes moved per element: the least each update must read and write (triad: 12; "
            "SGD with momentum 20; AdamW 28, and 30 refreshing a bf16 compute copy; 8-bit "
            "AdamW 16, and 12 on bf16 weights without masters (the weights read and written "
-           "in bf16; the trainer's way, through an fp32 slice of %d elements and two casts, "
-           "moves more); 4-bit AdamW 14, rank-1 over the "
+           "in bf16: the one-pass op; through an fp32 slice of %d elements and two casts, "
+           "as before it, moves more); 4-bit AdamW 14, rank-1 over the "
            "matrix, which reads g and v's codes twice: 18.5 moved; Adafactor factored 12 per "
            "pass, and it makes three passes over g and two over p; the passes over the "
            "gradients before an update: the non-finite check reads 4, the unscale (fp16) "
@@ -569,7 +571,7 @@ static void optim_bench(void)
            "to bf16 reads 4 and writes 2). Bound: those bytes at the rate of an "
            "in-place triad (a += s b), threaded. Median ms over %d batches, targets in "
            "turns.\n\n",
-           BARE, batches);
+           (int)BARE, batches);
     mt_block bp, bg, bm, bv, bqm, bqv, bam, bav, brow, bcol, bscr, bq4, bs4;
     float *p = take(&bp, n * 4, MT_MEM_PARAM), *g = take(&bg, n * 4, MT_MEM_GRAD);
     float *m = take(&bm, n * 4, MT_MEM_OPTIM), *v = take(&bv, n * 4, MT_MEM_OPTIM);
@@ -601,10 +603,12 @@ static void optim_bench(void)
     const mti_ops *ops = ctx->ops;
     static const char *names[N_OPT] = {
         "triad in place (a += s b)", "SGD momentum", "AdamW", "AdamW, bf16 compute copy",
-        "8-bit AdamW", "8-bit AdamW, bf16 weights, no masters", "4-bit AdamW (rank-1)",
+        "8-bit AdamW", "8-bit AdamW, portable loops (no AVX-512 block)",
+        "8-bit AdamW, bf16 weights, no masters, fp32 slices and casts",
+        "8-bit AdamW, bf16 weights, no masters, one pass (adamw8_bf16)", "4-bit AdamW (rank-1)",
         "Adafactor", "AdamW, plain loop", "gradient check (non-finite)", "gradient unscale (fp16)",
         "sum of squares (clipping)", "cast fp32 -> bf16, stochastic rounding"};
-    static const double bytes[N_OPT] = {12, 20, 28, 30, 16, 12, 14, 12 * 3 + 8 * 2, 28,
+    static const double bytes[N_OPT] = {12, 20, 28, 30, 16, 16, 12, 12, 14, 12 * 3 + 8 * 2, 28,
                                         4, 8, 4, 6};
     static double t[N_OPT][64];
     mti_adamw_args aa = {.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
@@ -624,7 +628,16 @@ static void optim_bench(void)
             case OPT_ADAMW8:
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
                 break;
+            case OPT_ADAMW8_PORTABLE: { /* the loops gcc vectorises, without the AVX-512 block */
+                int was = mti_cpu_q8_vector(0);
+                s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
+                mti_cpu_q8_vector(was);
+                break;
+            }
             case OPT_ADAMW8_BARE: s = adamw8_bare(w16, w32, g, qm, qv, am, av, n, &aa); break;
+            case OPT_ADAMW8_BF16:
+                s = ops->adamw8_bf16(&K, w16, g, qm, qv, am, av, n, 0, (uint64_t)b, &aa);
+                break;
             case OPT_CHECK: s = ops->unscale_check(&K, g, n, 1.0f, &bad); break;
             case OPT_UNSCALE: /* exact, and undone by the next batch's 2 */
                 s = ops->unscale_check(&K, g, n, (b & 1) ? 2.0f : 0.5f, &bad);

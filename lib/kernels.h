@@ -105,6 +105,9 @@ typedef struct mti_adamw_args {
  * (__fdividef), it may fuse multiply-adds, and it tests g for finiteness
  * before grad_scale. */
 #define MTI_Q8_BLOCK 256
+/* Elements per piece of a stochastic rounding seeded per piece (adamw8_bf16,
+ * and the trainer's update of weights without masters). */
+#define MTI_SR_PIECE ((size_t)1 << 16)
 
 /* 4-bit AdamW after Li, Chen, Zhu, "Memory Efficient Optimizers with 4-bit
  * States" (NeurIPS 2023) and its code (lpmm, default configuration; docs/
@@ -360,6 +363,19 @@ struct mti_ops {
     mt_status (*adamw8)(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                         float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                         const mti_adamw_args *a);
+    /* 8-bit AdamW of weights held in bf16 alone (no fp32 masters), in one
+     * pass: each weight widened (exactly), updated as adamw8 updates p, and
+     * rounded back to bf16 stochastically. Element j of w is element
+     * e = at + j of its tensor (at a multiple of MTI_Q8_BLOCK; g and the
+     * state point at element at, as for adamw8); its random bits are those
+     * of element e mod MTI_SR_PIECE of a cast seeded with
+     * seed ^ (e - e mod MTI_SR_PIECE). So the result is the bits of, for
+     * each MTI_SR_PIECE-aligned piece, cast to fp32, adamw8, and cast to
+     * bf16 with stochastic rounding under that seed; and a tensor updated
+     * in pieces rounds as one call. */
+    mt_status (*adamw8_bf16)(const mti_kctx *k, uint16_t *w, const float *g, uint8_t *qm,
+                             uint8_t *qv, float *absmax_m, float *absmax_v, size_t n, size_t at,
+                             uint64_t seed, const mti_adamw_args *a);
     /* 4-bit AdamW (see above) of p viewed as (rows, cols); rank1 selects the
      * second moment's normalisation. pc as for adamw. */
     mt_status (*adamw4)(const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st,

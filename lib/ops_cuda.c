@@ -1506,6 +1506,41 @@ static mt_status cu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t 
     return launch(k, MTI_CUDA_ADAMW8, grid, MTI_Q8_BLOCK, args);
 }
 
+/* 8-bit AdamW of bf16 weights without masters: a piece of MTI_SR_PIECE
+ * weights at a time widened into an fp32 buffer (WORK), adamw8 on it, and
+ * the stochastic cast back under the piece's seed, which is the op's
+ * definition (kernels.h); on the GPU these are three launches a piece. */
+static mt_status cu_adamw8_bf16(const mti_kctx *k, uint16_t *w, const float *g, uint8_t *qm,
+                                uint8_t *qv, float *absmax_m, float *absmax_v, size_t n, size_t at,
+                                uint64_t seed, const mti_adamw_args *a)
+{
+    OP_NOTE(k, "adamw8_bf16 n=%zu at=%zu", n, at);
+    if (!a) return bad_arg(k, "adamw8_bf16", "no arguments");
+    if (a->step < 1) return bad_arg(k, "adamw8_bf16", "step counts from 1");
+    if (at % MTI_Q8_BLOCK) return bad_arg(k, "adamw8_bf16", "first element not on a block");
+    if (n > 0 && (!w || !g || !qm || !qv || !absmax_m || !absmax_v))
+        return bad_arg(k, "adamw8_bf16", "NULL weights, gradient or state");
+    if (n == 0) return MT_OK;
+    mt_block buf;
+    mt_status st = mti_work_alloc(k, (n < MTI_SR_PIECE ? n : MTI_SR_PIECE) * sizeof(float), &buf);
+    if (st) return st;
+    float *w32 = buf.ptr;
+    for (size_t j = 0, len; j < n && !st; j += len) {
+        const size_t e = at + j, piece = e - e % MTI_SR_PIECE;
+        len = n - j < piece + MTI_SR_PIECE - e ? n - j : piece + MTI_SR_PIECE - e;
+        const size_t b = j / MTI_Q8_BLOCK;
+        st = cu_cast(k, w32, MTI_F32, w + j, MTI_BF16, len, MTI_ROUND_NEAREST, 0);
+        if (!st)
+            st = cu_adamw8(k, w32, g + j, qm + j, qv + j, absmax_m + b, absmax_v + b, NULL,
+                           MTI_F32, len, a);
+        if (!st)
+            st = cu_cast(k, w + j, MTI_BF16, w32, MTI_F32, len, MTI_ROUND_STOCHASTIC,
+                         mti_sr_seed_at(seed ^ (uint64_t)piece, e - piece));
+    }
+    mti_work_free(k, &buf);
+    return st;
+}
+
 static unsigned af_grid(size_t items, size_t cap)
 {
     if (items == 0) items = 1;
@@ -1627,6 +1662,7 @@ static const mti_ops cuda_ops = {
     .sgd = cu_sgd,
     .adamw = cu_adamw,
     .adamw8 = cu_adamw8,
+    .adamw8_bf16 = cu_adamw8_bf16,
     .adamw4 = cu_adamw4,
     .adafactor = cu_adafactor,
 };

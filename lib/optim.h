@@ -92,6 +92,14 @@ typedef struct mti_optim {
      * tensor (0, numel) unless the entry is sliceable. */
     mt_status (*update)(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], float *w32,
                         void *pc, const float *g, size_t at, size_t n);
+    /* Elements [at, at + n) of a parameter held in bf16 alone (no masters),
+     * in one pass: w (n) the bf16 weights, rounded back stochastically as
+     * the adamw8_bf16 op rounds under `seed` (kernels.h); st and g as for
+     * update. Sets *done to 1 when it updated, or leaves it 0 and touches
+     * nothing where this parameter's layout has no such pass (the caller
+     * then goes through an fp32 slice and update). NULL: never. */
+    mt_status (*update_bf16)(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], uint16_t *w,
+                             const float *g, size_t at, size_t n, uint64_t seed, int *done);
 } mti_optim;
 
 /* The entry of an optimizer kind, or NULL when there is none. */

@@ -20,7 +20,7 @@ static double traffic(const mt_trainer_config *c, int *quantized)
 
 static int has_ops(const mti_ops *ops)
 {
-    return ops->adamw8 && ops->adamw && ops->unscale_check && ops->cast;
+    return ops->adamw8 && ops->adamw8_bf16 && ops->adamw && ops->unscale_check && ops->cast;
 }
 
 static void layout(const mt_trainer_config *c, const mti_param *p, const mt_param_override *o,
@@ -61,6 +61,17 @@ static mt_status update(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], fl
     return s;
 }
 
+/* bf16 weights without masters: the 8-bit state's one-pass op; the
+ * 32-bit state of small tensors has none */
+static mt_status update_bf16(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], uint16_t *w,
+                             const float *g, size_t at, size_t n, uint64_t seed, int *done)
+{
+    if (a->layout->bits != 8) return MT_OK;
+    *done = 1;
+    mti_adamw_args args = mti_adamw_args_of(a, a->weight_decay);
+    return a->ops->adamw8_bf16(a->k, w, g, st[0], st[1], st[2], st[3], n, at, seed, &args);
+}
+
 const mti_optim mti_optim_adamw8 = {
     .kind = MT_OPT_ADAMW8,
     .name = "adamw8",
@@ -70,4 +81,5 @@ const mti_optim mti_optim_adamw8 = {
     .has_ops = has_ops,
     .layout = layout,
     .update = update,
+    .update_bf16 = update_bf16,
 };

@@ -478,9 +478,12 @@ static float lr_at(const mt_trainer_config *c, uint64_t step)
 
 /* The optimizer on elements [at, at + n) of parameter i: w32 points at the
  * fp32 values of those elements, pc (or NULL) at the compute copy's, g at
- * their gradients. */
-static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const float *g, size_t at,
-                             size_t n, float grad_scale)
+ * their gradients. With w16 (bf16 weights without masters, w32 NULL) the
+ * optimizer's one-pass bf16 update runs where it has one, rounding under
+ * `seed`; *done says whether it did. */
+static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, uint16_t *w16,
+                             uint64_t seed, int *done, const float *g, size_t at, size_t n,
+                             float grad_scale)
 {
     const mti_kctx k = {t->ctx, t->ctx->dev};
     pstate *ps = &t->ps[i];
@@ -505,21 +508,27 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, const f
         st[j] = t->off ? mti_offload_state(t->off, j, at)
                        : (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
     }
+    if (w16) {
+        *done = 0;
+        return t->opt->update_bf16 ? t->opt->update_bf16(&a, st, w16, g, at, n, seed, done)
+                                   : MT_OK;
+    }
     return t->opt->update(&a, st, w32, pc, g, at, n);
 }
 
 /* elements per slice of an update without masters (a multiple of the 8-bit block) */
-#define BARE_SLICE (1 << 16)
+#define BARE_SLICE MTI_SR_PIECE
 
 /* Updates elements [at, at + n) of parameter i from their gradients g
  * times grad_scale (the whole tensor, a slice of the tied table that
  * starts at a multiple of the 8-bit block and of BARE_SLICE, or this
  * rank's shard, which starts at a multiple of the 8-bit block). Without
- * masters the bf16 weights go through an fp32 slice (WORK) and come back
- * with stochastic rounding: element e's random bits are those of element
- * e mod BARE_SLICE of a cast seeded by the step, the tensor and e's
- * BARE_SLICE-aligned piece, so runs repeat exactly however the tensor is
- * cut (slices, shards, ranks). */
+ * masters the bf16 weights are updated in one pass where the optimizer
+ * has one (8-bit AdamW), else they go through an fp32 slice (WORK) and
+ * come back with stochastic rounding; either way element e's random bits
+ * are those of element e mod BARE_SLICE of a cast seeded by the step, the
+ * tensor and e's BARE_SLICE-aligned piece, so runs repeat exactly however
+ * the tensor is cut (slices, shards, ranks). */
 static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, size_t n,
                               float grad_scale)
 {
@@ -530,20 +539,27 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
                      : t->off       ? mti_offload_master(t->off, at)
                                     : (float *)p->master.blk.ptr + (at - p->master_lo);
         void *pc = m->has_master ? mti_zero3_weights(t, i, at) : NULL;
-        return update_span(t, i, w32, pc, g, at, n, grad_scale);
+        return update_span(t, i, w32, pc, NULL, 0, NULL, g, at, n, grad_scale);
     }
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
+    /* the seed of the tensor at this step; a piece's is it ^ the piece's first element */
+    const uint64_t seed0 = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32);
+    int done = 0;
+    mt_status s = MT_OK;
+    if (p->w.dtype == MTI_BF16)
+        s = update_span(t, i, NULL, NULL, mti_zero3_weights(t, i, at), seed0, &done, g, at, n,
+                        grad_scale);
+    if (s || done) return s;
     mti_tensor sl = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(n < BARE_SLICE ? n : BARE_SLICE)}};
-    mt_status s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_TRAINER, 6));
+    s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_TRAINER, 6));
     for (size_t j = 0, len; j < n && !s; j += len) {
         const size_t e = at + j, piece = e - e % BARE_SLICE;
         len = n - j < piece + BARE_SLICE - e ? n - j : piece + BARE_SLICE - e;
         void *w = mti_zero3_weights(t, i, e);
-        uint64_t seed = (t->opt_steps + 1) * 0x9E3779B97F4A7C15ull ^ ((uint64_t)i << 32) ^ piece;
-        seed = mti_sr_seed_at(seed, e - piece);
+        uint64_t seed = mti_sr_seed_at(seed0 ^ piece, e - piece);
         s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
-        if (!s) s = update_span(t, i, sl.blk.ptr, NULL, g + j, e, len, grad_scale);
+        if (!s) s = update_span(t, i, sl.blk.ptr, NULL, NULL, 0, NULL, g + j, e, len, grad_scale);
         if (!s) s = ctx->ops->cast(&k, w, p->w.dtype, sl.blk.ptr, MTI_F32, len,
                                    MTI_ROUND_STOCHASTIC, seed);
     }

@@ -1711,6 +1711,40 @@ TEST(ops_optimizers_8bit_adafactor)
         }
         free_bufs(t);
     }
+    /* bf16 weights without masters, in one pass: the weights rounded back
+     * stochastically, starting 40 blocks before the end of a piece and
+     * crossing into the next, so both pieces' seeds are used; in two calls
+     * cut at a block inside the first piece */
+    const size_t at = MTI_SR_PIECE - 40 * MTI_Q8_BLOCK, nw = 20 * MTI_Q8_BLOCK;
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        uint16_t *W = put(t, p0, n, MTI_BF16);
+        float *AM = dev_buf(t, NULL, nb * 4), *AV = dev_buf(t, NULL, nb * 4);
+        uint8_t *Q = dev_buf(t, NULL, 2 * n), *QM = Q, *QV = Q + n;
+        CHECK_OK(t->ctx->dev->memset8(t->ctx->dev, QM, mti_q8_zero_code(1), n));
+        for (int s = 0; s < 3; s++) {
+            float *G = put(t, grads[s], n, MTI_F32);
+            mti_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                                .weight_decay = 0.1f, .step = s + 1, .grad_scale = 0.5f};
+            /* two calls, the second from the first's end (a block, not a piece) */
+            CHECK_OKC(t->ctx, t->ops->adamw8_bf16(&t->k, W, G, QM, QV, AM, AV, nw, at, 77 + s, &a));
+            CHECK_OKC(t->ctx, t->ops->adamw8_bf16(&t->k, W + nw, G + nw, QM + nw, QV + nw,
+                                                  AM + nw / MTI_Q8_BLOCK, AV + nw / MTI_Q8_BLOCK,
+                                                  n - nw, at + nw, 77 + s, &a));
+        }
+        float *P_ = ti ? got_p : ref_p, *A_ = ti ? got_am : ref_am;
+        uint8_t *Q_ = ti ? got_q : ref_q;
+        get(t, P_, W, n, MTI_BF16);
+        dev_get(t, A_, AM, nb * 4);
+        dev_get(t, A_ + nb, AV, nb * 4);
+        dev_get(t, Q_, Q, 2 * n);
+        if (ti) {
+            CHECK_MSG(memcmp(got_p, ref_p, n * 4) == 0, "adamw8_bf16 %s: weights differ from the CPU's", t->name);
+            CHECK_MSG(memcmp(got_q, ref_q, 2 * n) == 0, "adamw8_bf16 %s: codes differ from the CPU's", t->name);
+            CHECK_MSG(memcmp(got_am, ref_am, nb * 8) == 0, "adamw8_bf16 %s: absmax differs from the CPU's", t->name);
+        }
+        free_bufs(t);
+    }
     grads[1][17] = keep;
     /* Adafactor: factored (a matrix with partial tiles) and not, with a
      * first moment and weight decay, relative step and parameter scale */

@@ -38,6 +38,7 @@
 #include "check.h"
 #include "golden.h"
 #include "kernels.h"
+#include "../kernels/cpu/cpu_ops.h"
 
 #define TOL_CODE_FRAC 0.002 /* codes one off (adamw8 vs its model) */
 #define TOL_BNB 0.01        /* of the largest total step (adamw8 vs bnb's CPU backend) */
@@ -410,6 +411,127 @@ TEST(optim_adamw8_behaviour)
     release();
 }
 
+/* adamw8's AVX-512 path for full blocks gives the portable loops' bits:
+ * gradients over many scales, non-finite ones, a block of zeros, blocks of
+ * tiny moments of both signs, over several steps. */
+TEST(optim_adamw8_vector_same_bits)
+{
+    mti_kctx k = setup();
+    const mti_ops *ops = mti_cpu_ops();
+    const size_t n = 40 * 256 + 77;
+    float *p0 = check_alloc(n * 4), *g = check_alloc(n * 4);
+    urand(p0, 13, 0, n);
+    a8_state sv = a8_fresh(p0, n), ss = a8_fresh(p0, n);
+    mti_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                        .weight_decay = 0.01f, .grad_scale = 1.0f};
+    int had = mti_cpu_q8_vector(1);
+    for (int t = 1; t <= 4; t++) {
+        make_grads(g, 13, t - 1, n, 0.01f);
+        for (size_t i = 0; i < n; i++) /* scales from 1e-12 to 1e3 by block */
+            g[i] *= powf(10.0f, (float)((int)(i / 256) % 16) - 12.0f + (float)(t & 1));
+        for (size_t i = 2 * 256; i < 3 * 256; i++) g[i] = (i & 1) ? 1e-30f : -1e-30f;
+        g[2 * 256] = 1.0f;
+        for (size_t i = 5 * 256; i < 6 * 256; i++) g[i] = 0.0f;
+        g[7] = NAN, g[300] = INFINITY, g[9 * 256 + 1] = -INFINITY;
+        a.step = t;
+        mti_cpu_q8_vector(1);
+        CHECK_OK(ops->adamw8(&k, sv.p, g, sv.qm, sv.qv, sv.am, sv.av, NULL, MTI_F32, n, &a));
+        mti_cpu_q8_vector(0);
+        CHECK_OK(ops->adamw8(&k, ss.p, g, ss.qm, ss.qv, ss.am, ss.av, NULL, MTI_F32, n, &a));
+        CHECK_MSG(a8_same(&sv, &ss, n), "adamw8: the vector path differs at step %d", t);
+    }
+    mti_cpu_q8_vector(had);
+    if (!had) fprintf(stderr, "(adamw8's vector path is not in use on this CPU)\n");
+    release();
+}
+
+/* adamw8_bf16 as its definition: for each MTI_SR_PIECE-aligned piece of
+ * the tensor, widen, adamw8, round back stochastically under the piece's
+ * seed; the rounding by the scalar definition of lib/kctx.c. */
+static void a8_bf16_reference(const mti_kctx *k, uint16_t *w, const float *g, a8_state *s,
+                              size_t n, size_t at, uint64_t seed, const mti_adamw_args *a)
+{
+    float *w32 = check_alloc(MTI_SR_PIECE * 4);
+    for (size_t j = 0, len; j < n; j += len) {
+        const size_t e = at + j, piece = e - e % MTI_SR_PIECE;
+        len = n - j < piece + MTI_SR_PIECE - e ? n - j : piece + MTI_SR_PIECE - e;
+        for (size_t i = 0; i < len; i++) w32[i] = mti_bf16_to_f32(w[j + i]);
+        const size_t b = j / MTI_Q8_BLOCK;
+        CHECK_OK(mti_cpu_ops()->adamw8(k, w32, g + j, s->qm + j, s->qv + j, s->am + b, s->av + b,
+                                       NULL, MTI_F32, len, a));
+        for (size_t i = 0; i < len; i++)
+            w[j + i] = mti_f32_to_bf16_sr(w32[i], mti_sr_bits(seed ^ piece, e - piece + i));
+    }
+}
+
+/* The one-pass update of bf16 weights without masters gives the bits of
+ * the unfused definition, on every thread count, however it is cut. */
+TEST(optim_adamw8_bf16)
+{
+    mti_kctx k = setup();
+    const mti_ops *ops = mti_cpu_ops();
+    /* starts 512 elements before a piece boundary, crosses two, ends in a
+     * partial block */
+    const size_t at = MTI_SR_PIECE - 512, n = 2 * MTI_SR_PIECE + 3 * 256 + 77;
+    const uint64_t seed = 0x1234ABCDull;
+    float *p0 = check_alloc(n * 4), *g = check_alloc(n * 4);
+    urand(p0, 11, 0, n);
+    uint16_t *w0 = check_alloc(n * 2), *wr = check_alloc(n * 2), *w1 = check_alloc(n * 2);
+    uint16_t *w2 = check_alloc(n * 2), *w3 = check_alloc(n * 2);
+    for (size_t i = 0; i < n; i++) w0[i] = mti_f32_to_bf16(p0[i]);
+    memcpy(wr, w0, n * 2), memcpy(w1, w0, n * 2), memcpy(w2, w0, n * 2), memcpy(w3, w0, n * 2);
+    /* the state's p is unused here: the weights are w */
+    a8_state sr = a8_fresh(p0, n), s1 = a8_fresh(p0, n), s2 = a8_fresh(p0, n), s3 = a8_fresh(p0, n);
+    mti_adamw_args a = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                        .weight_decay = 0.01f, .grad_scale = 1.0f};
+    uint64_t w_allocs = work_allocs();
+    for (int t = 1; t <= 3; t++) {
+        make_grads(g, 11, t - 1, n, 0.01f);
+        g[3] = NAN, g[n - 1] = INFINITY;
+        a.step = t;
+        a8_bf16_reference(&k, wr, g, &sr, n, at, seed + (uint64_t)t, &a);
+        g_ctx->threads = 1;
+        CHECK_OK(ops->adamw8_bf16(&k, w1, g, s1.qm, s1.qv, s1.am, s1.av, n, at,
+                                  seed + (uint64_t)t, &a));
+        g_ctx->threads = 2;
+        CHECK_OK(ops->adamw8_bf16(&k, w2, g, s2.qm, s2.qv, s2.am, s2.av, n, at,
+                                  seed + (uint64_t)t, &a));
+        /* in two calls, cut at a block that is not on a piece boundary */
+        const size_t cut = 300 * 256, cb = cut / 256;
+        CHECK_OK(ops->adamw8_bf16(&k, w3, g, s3.qm, s3.qv, s3.am, s3.av, cut, at,
+                                  seed + (uint64_t)t, &a));
+        CHECK_OK(ops->adamw8_bf16(&k, w3 + cut, g + cut, s3.qm + cut, s3.qv + cut, s3.am + cb,
+                                  s3.av + cb, n - cut, at + cut, seed + (uint64_t)t, &a));
+        size_t diff = 0;
+        for (size_t i = 0; i < n; i++) diff += wr[i] != w1[i];
+        CHECK_MSG(diff == 0, "step %d: %zu weights differ from the unfused update", t, diff);
+        CHECK_MSG(!memcmp(w1, w2, n * 2) && !memcmp(w1, w3, n * 2),
+                  "step %d: threads or cuts change the weights", t);
+        size_t nb = (n + 255) / 256;
+        for (const a8_state *o = &s1; o; o = o == &s1 ? &s2 : o == &s2 ? &s3 : NULL)
+            CHECK_MSG(!memcmp(sr.qm, o->qm, n) && !memcmp(sr.qv, o->qv, n) &&
+                          !memcmp(sr.am, o->am, nb * 4) && !memcmp(sr.av, o->av, nb * 4),
+                      "step %d: the state differs from the unfused update", t);
+    }
+    CHECK_MSG(w0[3] == w1[3], "a non-finite gradient moved its weight");
+    size_t moved = 0;
+    for (size_t i = 0; i < n; i++) moved += w0[i] != w1[i];
+    CHECK_MSG(moved > n / 2, "only %zu of %zu weights moved", moved, n);
+    CHECK_MSG(work_allocs() == w_allocs, "adamw8_bf16 took workspace");
+
+    const mt_status BAD = MT_ERR_INVALID_ARG;
+    CHECK_ST(BAD, ops->adamw8_bf16(&k, w1, g, s1.qm, s1.qv, s1.am, s1.av, 300, 100, 1, &a));
+    CHECK(strstr(mt_last_error(g_ctx), "adamw8_bf16") != NULL);
+    CHECK_ST(BAD, ops->adamw8_bf16(&k, NULL, g, s1.qm, s1.qv, s1.am, s1.av, 300, 0, 1, &a));
+    CHECK_ST(BAD, ops->adamw8_bf16(&k, w1, g, s1.qm, s1.qv, NULL, s1.av, 300, 0, 1, &a));
+    CHECK_ST(BAD, ops->adamw8_bf16(&k, w1, g, s1.qm, s1.qv, s1.am, s1.av, 300, 0, 1, NULL));
+    a.step = 0;
+    CHECK_ST(BAD, ops->adamw8_bf16(&k, w1, g, s1.qm, s1.qv, s1.am, s1.av, 300, 0, 1, &a));
+    a.step = 1;
+    CHECK_OK(ops->adamw8_bf16(&k, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 1, &a));
+    release();
+}
+
 /* ------------------------------------------------------------------------ */
 /* Adafactor                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -682,6 +804,12 @@ TEST(optim_cuda_host_side)
     CHECK_ST(MT_ERR_INVALID_ARG, ops->adamw8(&k, p, g, qm, qv, am, av, NULL, MTI_F32, n, &a));
     a.step = 1;
     CHECK_ST(MT_ERR_INVALID_ARG, ops->adamw8(&k, p, NULL, qm, qv, am, av, NULL, MTI_F32, n, &a));
+    /* bf16 weights without masters: widen, adamw8, round, three launches */
+    unsigned long long l0 = stat("launches");
+    CHECK_OKC(g_ctx, ops->adamw8_bf16(&k, (uint16_t *)m, g, qm, qv, am, av, n, 0, 5, &a));
+    CHECK(strcmp(last_kernel(), "mt_cast") == 0);
+    CHECK_EQ(stat("launches") - l0, 3);
+    CHECK_ST(MT_ERR_INVALID_ARG, ops->adamw8_bf16(&k, (uint16_t *)m, g, qm, qv, am, av, n, 7, 5, &a));
 
     mti_adafactor_args f = {.eps1 = 1e-30f, .eps2 = 1e-3f, .clip_threshold = 1.0f,
                             .decay_rate = -0.8f, .beta1 = 0.9f, .weight_decay = 0.01f,

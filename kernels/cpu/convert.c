@@ -354,8 +354,7 @@ __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 WIDE_CLONES
 #endif
-static void f32_to_bf16_sr(uint16_t *d, const float *s, size_t n, uint64_t i,
-                                       uint64_t seed)
+void mti_cpu_store_bf16_sr(uint16_t *d, const float *s, size_t n, uint64_t i, uint64_t seed)
 {
 #pragma omp simd
     for (size_t j = 0; j < n; j++) d[j] = f2b_sr(s[j], seed, i + j);
@@ -368,7 +367,7 @@ static void to_bf16_sr(uint16_t *d, const void *src, mti_dtype st, size_t i, siz
                        uint64_t seed)
 {
     if (st == MTI_F32) {
-        f32_to_bf16_sr(d, src, n, i, seed);
+        mti_cpu_store_bf16_sr(d, src, n, i, seed);
     } else {
         const uint16_t *s = src;
         for (size_t j = 0; j < n; j++)

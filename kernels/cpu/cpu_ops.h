@@ -18,6 +18,9 @@ mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const voi
  * fp32 values as dt, rounding to nearest even. For the kernels' inner loops. */
 void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);
 void mti_cpu_store_f32(void *dst, mti_dtype dt, size_t i, const float *src, size_t n);
+/* n fp32 values into bf16 with stochastic rounding, as elements i .. i+n
+ * of a cast seeded with seed (the cast's bits). */
+void mti_cpu_store_bf16_sr(uint16_t *dst, const float *src, size_t n, uint64_t i, uint64_t seed);
 
 /* gemm.c: one GEMM on the calling thread through a cached oneDNN matmul
  * primitive. C (M,N) = op(A) (M,K) op(B) (K,N) [+ bias (N)] [+ C], fp32
@@ -132,9 +135,16 @@ mt_status mti_cpu_adam_check(const mti_kctx *k, const char *op, const void *pc, 
  * table is in use (it is unless a bucket would hold two thresholds). */
 uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search);
 int mti_cpu_q8_lut_ok(void);
+/* Turns adamw8's AVX-512 path for full blocks on (where the CPU has it) or
+ * off (the portable loops); returns whether it was on. The same bits either
+ * way: the tests compare the two. */
+int mti_cpu_q8_vector(int on);
 mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                          float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
                          const mti_adamw_args *a);
+mt_status mti_cpu_adamw8_bf16(const mti_kctx *k, uint16_t *w, const float *g, uint8_t *qm,
+                              uint8_t *qv, float *absmax_m, float *absmax_v, size_t n, size_t at,
+                              uint64_t seed, const mti_adamw_args *a);
 
 /* optim4.c: 4-bit AdamW */
 mt_status mti_cpu_adamw4(const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st,

@@ -45,6 +45,7 @@ static const mti_ops cpu_ops = {
     .sgd = mti_cpu_sgd,
     .adamw = mti_cpu_adamw,
     .adamw8 = mti_cpu_adamw8,
+    .adamw8_bf16 = mti_cpu_adamw8_bf16,
     .adamw4 = mti_cpu_adamw4,
     .adafactor = mti_cpu_adafactor,
 };

@@ -41,7 +41,8 @@
 /* A map and its decision thresholds. */
 typedef struct q8_table {
     const float *code;  /* 256 values, ascending */
-    float bound[255];   /* the code of x is the number of k with x > bound[k] */
+    float bound[256];   /* the code of x is the number of k < 255 with x > bound[k];
+                           bound[255] = +inf */
 } q8_table;
 
 static void table_init(q8_table *t, int is_signed)
@@ -51,6 +52,7 @@ static void table_init(q8_table *t, int is_signed)
         float mid = (t->code[k] + t->code[k + 1]) * 0.5f;
         t->bound[k] = (k & 1) ? nextafterf(mid, -INFINITY) : mid;
     }
+    t->bound[255] = INFINITY;
 }
 
 /* The count of thresholds below x. Its top four bits count the fifteen
@@ -95,6 +97,10 @@ static inline __attribute__((always_inline)) uint32_t q8_search(const float *bou
 typedef struct q8_lut {
     uint32_t base[LUT_N]; /* thresholds below every x of the bucket */
     float thr[LUT_N];     /* the threshold inside it, or +inf */
+    /* base again in bytes, for the vector path: the threshold inside a
+     * bucket, if any, is bound[base] (the thresholds are ascending), so
+     * one small table does; 3 bytes of padding for 4-byte gathers */
+    uint8_t base8[LUT_N + 3];
     int ok;               /* no bucket holds two thresholds */
 } q8_lut;
 
@@ -145,10 +151,17 @@ static void lut_build(q8_lut *l, const float *bound)
             if (inside > 1) l->ok = 0;
             uint32_t i = neg ? LUT_PER_SIGN - 1u - mi : LUT_PER_SIGN + mi;
             l->base[i] = below;
+            l->base8[i] = (uint8_t)below;
             l->thr[i] = thr;
+            if (inside && thr != bound[below]) l->ok = 0;
         }
     }
 }
+
+/* The vector path (below) is in use: the CPU has it, the tables allow it,
+ * and the tests have not turned it off. */
+static int g_vec;
+static int vec_supported(void);
 
 static void tables_init(void)
 {
@@ -156,6 +169,7 @@ static void tables_init(void)
         table_init(&g_tab[s], s);
         lut_build(&g_lut[s], g_tab[s].bound);
     }
+    g_vec = vec_supported();
 }
 
 uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search)
@@ -273,6 +287,141 @@ WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint
     quantize(qv, v, n, nv, tv, lv, 0);
 }
 
+/* ---- the block in AVX-512, written out ----
+ * gcc does not gather for Zen (it loads lane by lane), which made the block
+ * above several times its memory's time. This is the same arithmetic, one
+ * operation for each of the scalar code's, in its order and without FMA,
+ * so the bits are the same: a full block at a time, 16 lanes; the map
+ * lookups are gathers from the 1 KiB maps and the 6 KiB byte tables.
+ * The signed map's negative codes are its first ones (checked at first
+ * use), so a code's sign bit is a comparison of the code. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#include <immintrin.h>
+#define Q8_VEC 1
+#define VEC_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+
+static uint32_t g_negc; /* the signed map's negative codes: 0 .. g_negc - 1 */
+
+static int vec_supported(void)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
+        return 0;
+    if (!g_lut[0].ok || !g_lut[1].ok) return 0;
+    const float *code = g_tab[1].code;
+    uint32_t negc = 0;
+    while (negc < 256 && (bits_of(code[negc]) >> 31)) negc++;
+    for (uint32_t c = negc; c < 256; c++)
+        if (bits_of(code[c]) >> 31) return 0;
+    g_negc = negc;
+    return 1;
+}
+
+static inline VEC_FN __m512i v32(uint32_t x) { return _mm512_set1_epi32((int)x); }
+
+/* lut_code of 16 values */
+static inline VEC_FN __m512i vec_code(const q8_lut *l, const float *bound, __m512 x)
+{
+    const uint32_t lo = LUT_EMIN << 23, hi = 127u << 23;
+    __m512i u = _mm512_castps_si512(x);
+    __m512i mag = _mm512_and_si512(u, v32(0x7FFFFFFFu));
+    mag = _mm512_min_epu32(_mm512_max_epu32(mag, v32(lo)), v32(hi));
+    __m512i mi = _mm512_srli_epi32(_mm512_sub_epi32(mag, v32(lo)), 23 - LUT_MB);
+    __m512i pos = _mm512_add_epi32(v32(LUT_PER_SIGN), mi);
+    __m512i neg = _mm512_sub_epi32(v32(LUT_PER_SIGN - 1u), mi);
+    __m512i idx = _mm512_mask_blend_epi32(_mm512_movepi32_mask(u), pos, neg);
+    __m512i base = _mm512_and_si512(_mm512_i32gather_epi32(idx, l->base8, 1), v32(0xFFu));
+    __m512 thr = _mm512_i32gather_ps(base, bound, 4);
+    base = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(x, thr, _CMP_GT_OQ), base, v32(1));
+    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), base);
+}
+
+/* absmax_of's integer maximum, 16 lanes folded into one */
+static inline VEC_FN __m512i vec_absbits(__m512 x)
+{
+    __m512i u = _mm512_and_si512(_mm512_castps_si512(x), v32(0x7FFFFFFFu));
+    return _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(u, v32(0x7F800000u)), u);
+}
+
+/* quantize() of a full block */
+static inline VEC_FN void vec_quantize(uint8_t *q, const float *x, float amax, int is_signed)
+{
+    if (amax == 0.0f) {
+        memset(q, mti_q8_zero_code(is_signed), BLK);
+        return;
+    }
+    const q8_lut *l = &g_lut[is_signed];
+    const float *bound = g_tab[is_signed].bound;
+    const __m512 a = _mm512_set1_ps(amax);
+    for (size_t j = 0; j < BLK; j += 16) {
+        __m512 xv = _mm512_loadu_ps(x + j);
+        __m512i c = vec_code(l, bound, _mm512_div_ps(xv, a));
+        if (is_signed) {
+            /* +1 toward a positive value, -1 (255) toward a negative one,
+               where the code's sign bit differs from the value's */
+            __mmask16 cneg = _mm512_cmplt_epu32_mask(c, v32(g_negc));
+            __mmask16 flip = cneg ^ _mm512_movepi32_mask(_mm512_castps_si512(xv));
+            __mmask16 up = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_GT_OQ);
+            __m512i step = _mm512_mask_blend_epi32(up, v32(255u), v32(1u));
+            c = _mm512_and_si512(_mm512_mask_add_epi32(c, flip, c, step), v32(255u));
+        }
+        _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(c));
+    }
+}
+
+/* adamw8_block of a full block */
+static VEC_FN void vec_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
+                             float *amax_v, const adamw8_consts *c)
+{
+    float m[BLK] __attribute__((aligned(64))), v[BLK] __attribute__((aligned(64)));
+    const float *cm = g_tab[1].code, *cv = g_tab[0].code;
+    const __m512 am = _mm512_set1_ps(*amax_m), av = _mm512_set1_ps(*amax_v);
+    const __m512 b1 = _mm512_set1_ps(c->b1), b2 = _mm512_set1_ps(c->b2);
+    const __m512 c1 = _mm512_set1_ps(c->c1), c2 = _mm512_set1_ps(c->c2);
+    const __m512 gs = _mm512_set1_ps(c->gs), step_size = _mm512_set1_ps(c->step_size);
+    const __m512 eps_c2 = _mm512_set1_ps(c->eps_c2), decay = _mm512_set1_ps(c->decay);
+    __m512i mxm = _mm512_setzero_si512(), mxv = _mm512_setzero_si512();
+    for (size_t j = 0; j < BLK; j += 16) {
+        __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + j)));
+        __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + j)));
+        __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + j), gs);
+        __mmask16 keep = _mm512_cmpneq_epi32_mask(
+            _mm512_and_si512(_mm512_castps_si512(gv), v32(0x7F800000u)), v32(0x7F800000u));
+        __m512 mv = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_mul_ps(_mm512_i32gather_ps(im, cm, 4), am)),
+                                  _mm512_mul_ps(c1, gv));
+        __m512 vv = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_mul_ps(_mm512_i32gather_ps(iv, cv, 4), av)),
+                                  _mm512_mul_ps(_mm512_mul_ps(c2, gv), gv));
+        mv = _mm512_maskz_mov_ps(keep, mv);
+        vv = _mm512_maskz_mov_ps(keep, vv);
+        _mm512_store_ps(m + j, mv);
+        _mm512_store_ps(v + j, vv);
+        __m512 pj = _mm512_loadu_ps(p + j);
+        __m512 d = _mm512_div_ps(mv, _mm512_add_ps(_mm512_sqrt_ps(vv), eps_c2));
+        __m512 w = _mm512_mul_ps(_mm512_add_ps(pj, _mm512_mul_ps(step_size, d)), decay);
+        _mm512_storeu_ps(p + j, _mm512_mask_blend_ps(keep, pj, w));
+        mxm = _mm512_max_epu32(mxm, vec_absbits(mv));
+        mxv = _mm512_max_epu32(mxv, vec_absbits(vv));
+    }
+    float nm = float_of((uint32_t)_mm512_reduce_max_epu32(mxm));
+    float nv = float_of((uint32_t)_mm512_reduce_max_epu32(mxv));
+    *amax_m = nm;
+    *amax_v = nv;
+    vec_quantize(qm, m, nm, 1);
+    vec_quantize(qv, v, nv, 0);
+}
+#else
+static int vec_supported(void) { return 0; }
+#endif
+
+int mti_cpu_q8_vector(int on)
+{
+    pthread_once(&g_tab_once, tables_init);
+    int was = g_vec;
+    g_vec = on && vec_supported();
+    return was;
+}
+
 mt_status mti_cpu_adam_check(const mti_kctx *k, const char *op, const void *pc, mti_dtype pc_dt,
                              const mti_adamw_args *a)
 {
@@ -286,39 +435,102 @@ mt_status mti_cpu_adam_check(const mti_kctx *k, const char *op, const void *pc, 
     return MT_OK;
 }
 
-mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
-                         float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
-                         const mti_adamw_args *a)
+/* The step's scalars, and the maps, made once per call (pthread_once). */
+static adamw8_consts consts_of(const mti_adamw_args *a)
 {
-    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
-    mt_status s = mti_cpu_adam_check(k, "adamw8", pc, pc_dt, a);
-    if (s) return s;
-    if (n > 0 && (!p || !g || !qm || !qv || !absmax_m || !absmax_v))
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
-                        "adamw8: NULL %s", !p ? "p" : !g ? "g" : !qm ? "qm" : !qv ? "qv"
-                                           : !absmax_m ? "absmax_m" : "absmax_v");
-    if (n == 0) return MT_OK;
     pthread_once(&g_tab_once, tables_init);
-    const q8_table *tm = &g_tab[1], *tv = &g_tab[0];
-    const q8_lut *lm = &g_lut[1], *lv = &g_lut[0];
     double bc1 = 1.0 - pow((double)a->beta1, (double)a->step);
     double bc2_sqrt = sqrt(1.0 - pow((double)a->beta2, (double)a->step));
-    adamw8_consts c = {
+    return (adamw8_consts){
         .b1 = a->beta1, .b2 = a->beta2, .c1 = 1.0f - a->beta1, .c2 = 1.0f - a->beta2,
         .gs = a->grad_scale,
         .step_size = (float)(-(double)a->lr * bc2_sqrt / bc1),
         .eps_c2 = (float)((double)a->eps * bc2_sqrt),
         .decay = (float)(1.0 - (double)a->lr * (double)a->weight_decay),
     };
+}
+
+/* Block b of a call over n elements (its first element, its length). */
+static inline size_t block_len(size_t b, size_t n)
+{
+    return n - b * BLK < BLK ? n - b * BLK : BLK;
+}
+
+static void update_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *am, float *av,
+                         size_t b, size_t n, const adamw8_consts *c)
+{
+    size_t i = b * BLK, len = block_len(b, n);
+#ifdef Q8_VEC
+    if (g_vec && len == BLK) {
+        vec_block(p, g + i, qm + i, qv + i, am + b, av + b, c);
+        return;
+    }
+#endif
+    adamw8_block(p, g + i, qm + i, qv + i, am + b, av + b, len, c, &g_tab[1], &g_tab[0],
+                 &g_lut[1], &g_lut[0]);
+}
+
+/* The tensors of a call of n elements: none NULL unless n is 0. */
+static mt_status args_check(const mti_kctx *k, const char *op, const void *p, const float *g,
+                            const uint8_t *qm, const uint8_t *qv, const float *am,
+                            const float *av, size_t n)
+{
+    if (n == 0 || (p && g && qm && qv && am && av)) return MT_OK;
+    return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: NULL %s", op,
+                    !p ? "weights" : !g ? "g" : !qm ? "qm" : !qv ? "qv" : !am ? "absmax_m" : "absmax_v");
+}
+
+mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
+                         float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,
+                         const mti_adamw_args *a)
+{
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
+    mt_status s = mti_cpu_adam_check(k, "adamw8", pc, pc_dt, a);
+    if (!s) s = args_check(k, "adamw8", p, g, qm, qv, absmax_m, absmax_v, n);
+    if (s || n == 0) return s;
+    const adamw8_consts c = consts_of(a);
     size_t blocks = (n + BLK - 1) / BLK, items = (blocks + ITEM_BLOCKS - 1) / ITEM_BLOCKS;
 #pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
     for (size_t it = 0; it < items; it++) {
         size_t b_end = (it + 1) * ITEM_BLOCKS < blocks ? (it + 1) * ITEM_BLOCKS : blocks;
         for (size_t b = it * ITEM_BLOCKS; b < b_end; b++) {
-            size_t i = b * BLK, len = n - i < BLK ? n - i : BLK;
-            adamw8_block(p + i, g + i, qm + i, qv + i, absmax_m + b, absmax_v + b, len, &c, tm,
-                         tv, lm, lv);
-            if (pc) mti_cpu_store_f32(pc, pc_dt, i, p + i, len);
+            size_t i = b * BLK;
+            update_block(p + i, g, qm, qv, absmax_m, absmax_v, b, n, &c);
+            if (pc) mti_cpu_store_f32(pc, pc_dt, i, p + i, block_len(b, n));
+        }
+    }
+    return MT_OK;
+}
+
+/* The weights of a block go through a stack buffer of fp32 (1 KiB): the
+ * op takes no memory beyond its arguments, and the block is in cache from
+ * its widening to its rounding. */
+mt_status mti_cpu_adamw8_bf16(const mti_kctx *k, uint16_t *w, const float *g, uint8_t *qm,
+                              uint8_t *qv, float *absmax_m, float *absmax_v, size_t n, size_t at,
+                              uint64_t seed, const mti_adamw_args *a)
+{
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
+    mt_status s = mti_cpu_adam_check(k, "adamw8_bf16", NULL, MTI_F32, a);
+    if (!s) s = args_check(k, "adamw8_bf16", w, g, qm, qv, absmax_m, absmax_v, n);
+    if (s) return s;
+    if (at % BLK)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "adamw8_bf16: first element %zu is not a multiple of the block (%d)", at,
+                        BLK);
+    if (n == 0) return MT_OK;
+    const adamw8_consts c = consts_of(a);
+    size_t blocks = (n + BLK - 1) / BLK, items = (blocks + ITEM_BLOCKS - 1) / ITEM_BLOCKS;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (n > MTI_CPU_PAR_MIN)
+    for (size_t it = 0; it < items; it++) {
+        size_t b_end = (it + 1) * ITEM_BLOCKS < blocks ? (it + 1) * ITEM_BLOCKS : blocks;
+        float p[BLK];
+        for (size_t b = it * ITEM_BLOCKS; b < b_end; b++) {
+            size_t i = b * BLK, len = block_len(b, n);
+            mti_cpu_load_f32(p, w, MTI_BF16, i, len);
+            update_block(p, g, qm, qv, absmax_m, absmax_v, b, n, &c);
+            /* a block lies in one piece: the piece's seed, the offset in it */
+            size_t e = at + i, piece = e - e % MTI_SR_PIECE;
+            mti_cpu_store_bf16_sr(w + i, p, len, e - piece, seed ^ (uint64_t)piece);
         }
     }
     return MT_OK;
