@@ -41,8 +41,7 @@
 /* A map and its decision thresholds. */
 typedef struct q8_table {
     const float *code;  /* 256 values, ascending */
-    float bound[256];   /* the code of x is the number of k < 255 with x > bound[k];
-                           bound[255] = +inf */
+    float bound[255];   /* the code of x is the number of k with x > bound[k] */
 } q8_table;
 
 static void table_init(q8_table *t, int is_signed)
@@ -52,7 +51,6 @@ static void table_init(q8_table *t, int is_signed)
         float mid = (t->code[k] + t->code[k + 1]) * 0.5f;
         t->bound[k] = (k & 1) ? nextafterf(mid, -INFINITY) : mid;
     }
-    t->bound[255] = INFINITY;
 }
 
 /* The count of thresholds below x. Its top four bits count the fifteen
@@ -97,11 +95,14 @@ static inline __attribute__((always_inline)) uint32_t q8_search(const float *bou
 typedef struct q8_lut {
     uint32_t base[LUT_N]; /* thresholds below every x of the bucket */
     float thr[LUT_N];     /* the threshold inside it, or +inf */
-    /* base again in bytes, for the vector path: the threshold inside a
-     * bucket, if any, is bound[base] (the thresholds are ascending), so
-     * one small table does; 3 bytes of padding for 4-byte gathers */
-    uint8_t base8[LUT_N + 3];
+    /* the same in one word, for the vector path: base in bits 0-7, bit 8
+     * set when a threshold is inside, and that threshold's low 16 bits of
+     * magnitude in bits 16-31. A bucket's magnitudes share their exponent
+     * and top LUT_MB mantissa bits, so the comparison with the threshold
+     * is one of the low 16 bits (reversed for negatives): one read */
+    uint32_t word[LUT_N];
     int ok;               /* no bucket holds two thresholds */
+    int word_ok;          /* and the words hold (no threshold at the clamped ends) */
 } q8_lut;
 
 static q8_table g_tab[2]; /* [0] unsigned, [1] signed */
@@ -132,7 +133,7 @@ static inline __attribute__((always_inline)) uint32_t lut_code(const uint32_t *b
 static void lut_build(q8_lut *l, const float *bound)
 {
     const uint32_t lo = LUT_EMIN << 23;
-    l->ok = 1;
+    l->ok = l->word_ok = 1;
     for (uint32_t mi = 0; mi < LUT_PER_SIGN; mi++) {
         /* the bucket's magnitudes: [mlo, mhi), 0 included in the first */
         float mlo = mi == 0 ? 0.0f : float_of(lo + (mi << (23 - LUT_MB)));
@@ -151,9 +152,16 @@ static void lut_build(q8_lut *l, const float *bound)
             if (inside > 1) l->ok = 0;
             uint32_t i = neg ? LUT_PER_SIGN - 1u - mi : LUT_PER_SIGN + mi;
             l->base[i] = below;
-            l->base8[i] = (uint8_t)below;
             l->thr[i] = thr;
-            if (inside && thr != bound[below]) l->ok = 0;
+            uint32_t tm = bits_of(thr) & 0x7FFFFFFFu;
+            l->word[i] = below;
+            if (inside) {
+                l->word[i] |= 0x100u | (tm & 0xFFFFu) << 16;
+                /* the threshold's magnitude in this bucket, unclamped */
+                if (mi == 0 || mi == LUT_PER_SIGN - 1u || tm < lo ||
+                    (tm - lo) >> (23 - LUT_MB) != mi)
+                    l->word_ok = 0;
+            }
         }
     }
 }
@@ -292,7 +300,8 @@ WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint
  * above several times its memory's time. This is the same arithmetic, one
  * operation for each of the scalar code's, in its order and without FMA,
  * so the bits are the same: a full block at a time, 16 lanes; the map
- * lookups are gathers from the 1 KiB maps and the 6 KiB byte tables.
+ * lookups are gathers: dequantizing from the 1 KiB maps, quantizing one
+ * word a value from the bucket tables (q8_lut.word).
  * The signed map's negative codes are its first ones (checked at first
  * use), so a code's sign bit is a comparison of the code. */
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
@@ -308,7 +317,7 @@ static int vec_supported(void)
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
         !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
         return 0;
-    if (!g_lut[0].ok || !g_lut[1].ok) return 0;
+    if (!g_lut[0].ok || !g_lut[1].ok || !g_lut[0].word_ok || !g_lut[1].word_ok) return 0;
     const float *code = g_tab[1].code;
     uint32_t negc = 0;
     while (negc < 256 && (bits_of(code[negc]) >> 31)) negc++;
@@ -320,8 +329,8 @@ static int vec_supported(void)
 
 static inline VEC_FN __m512i v32(uint32_t x) { return _mm512_set1_epi32((int)x); }
 
-/* lut_code of 16 values */
-static inline VEC_FN __m512i vec_code(const q8_lut *l, const float *bound, __m512 x)
+/* lut_code of 16 values, from the bucket's word */
+static inline VEC_FN __m512i vec_code(const q8_lut *l, __m512 x)
 {
     const uint32_t lo = LUT_EMIN << 23, hi = 127u << 23;
     __m512i u = _mm512_castps_si512(x);
@@ -330,10 +339,16 @@ static inline VEC_FN __m512i vec_code(const q8_lut *l, const float *bound, __m51
     __m512i mi = _mm512_srli_epi32(_mm512_sub_epi32(mag, v32(lo)), 23 - LUT_MB);
     __m512i pos = _mm512_add_epi32(v32(LUT_PER_SIGN), mi);
     __m512i neg = _mm512_sub_epi32(v32(LUT_PER_SIGN - 1u), mi);
-    __m512i idx = _mm512_mask_blend_epi32(_mm512_movepi32_mask(u), pos, neg);
-    __m512i base = _mm512_and_si512(_mm512_i32gather_epi32(idx, l->base8, 1), v32(0xFFu));
-    __m512 thr = _mm512_i32gather_ps(base, bound, 4);
-    base = _mm512_mask_add_epi32(base, _mm512_cmp_ps_mask(x, thr, _CMP_GT_OQ), base, v32(1));
+    __mmask16 is_neg = _mm512_movepi32_mask(u);
+    __m512i word = _mm512_i32gather_epi32(_mm512_mask_blend_epi32(is_neg, pos, neg), l->word, 4);
+    __m512i base = _mm512_and_si512(word, v32(0xFFu));
+    /* above the threshold inside: a larger magnitude for a positive x, a
+       smaller one for a negative x */
+    __m512i xl = _mm512_and_si512(mag, v32(0xFFFFu)), tl = _mm512_srli_epi32(word, 16);
+    __mmask16 above = (_mm512_cmpgt_epu32_mask(xl, tl) & ~is_neg) |
+                      (_mm512_cmplt_epu32_mask(xl, tl) & is_neg);
+    above &= _mm512_test_epi32_mask(word, v32(0x100u));
+    base = _mm512_mask_add_epi32(base, above, base, v32(1));
     return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), base);
 }
 
@@ -352,11 +367,10 @@ static inline VEC_FN void vec_quantize(uint8_t *q, const float *x, float amax, i
         return;
     }
     const q8_lut *l = &g_lut[is_signed];
-    const float *bound = g_tab[is_signed].bound;
     const __m512 a = _mm512_set1_ps(amax);
     for (size_t j = 0; j < BLK; j += 16) {
         __m512 xv = _mm512_loadu_ps(x + j);
-        __m512i c = vec_code(l, bound, _mm512_div_ps(xv, a));
+        __m512i c = vec_code(l, _mm512_div_ps(xv, a));
         if (is_signed) {
             /* +1 toward a positive value, -1 (255) toward a negative one,
                where the code's sign bit differs from the value's */
