@@ -19,13 +19,13 @@ enum {
     P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_matmul_fwd, P_matmul_bwd,
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
-    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw4, P_adafactor, P_COUNT
+    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
-    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw4", "adafactor"};
+    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor"};
 
 /* Op families of the table printed with the profile; each op belongs to one. */
 enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
@@ -37,7 +37,7 @@ static const char *const prof_family_names[F_COUNT] = {
 static const unsigned char prof_family[P_COUNT] = {
     F_CAST, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
     F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
-    F_OPT, F_OPT, F_OPT};
+    F_OPT, F_OPT, F_OPT, F_OPT};
 
 static const mti_ops *prof_inner;
 static double prof_s[P_COUNT];
@@ -110,6 +110,9 @@ PROF(adamw, (const mti_kctx *k, float *p, const float *g, float *m, float *v, vo
 PROF(adamw8, (const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv, float *am,
               float *av, void *pc, mti_dtype pd, size_t n, const mti_adamw_args *a),
      (k, p, g, qm, qv, am, av, pc, pd, n, a))
+PROF(adamw8_bf16, (const mti_kctx *k, uint16_t *w, const float *g, uint8_t *qm, uint8_t *qv,
+                   float *am, float *av, size_t n, size_t at, uint64_t seed,
+                   const mti_adamw_args *a), (k, w, g, qm, qv, am, av, n, at, seed, a))
 PROF(adamw4, (const mti_kctx *k, float *p, const float *g, const mti_adamw4_state *st, void *pc,
               mti_dtype pd, int64_t rows, int64_t cols, int r1, const mti_adamw_args *a),
      (k, p, g, st, pc, pd, rows, cols, r1, a))
@@ -131,7 +134,8 @@ static mti_ops prof_ops = {
     .accumulate = prof_accumulate, .attention_fwd = prof_attention_fwd,
     .attention_bwd = prof_attention_bwd, .xent = prof_xent, .xent_kd = prof_xent_kd,
     .unscale_check = prof_unscale_check, .sumsq = prof_sumsq, .sgd = prof_sgd,
-    .adamw = prof_adamw, .adamw8 = prof_adamw8, .adamw4 = prof_adamw4,
+    .adamw = prof_adamw, .adamw8 = prof_adamw8, .adamw8_bf16 = prof_adamw8_bf16,
+    .adamw4 = prof_adamw4,
     .adafactor = prof_adafactor,
 };
 
