@@ -8,7 +8,9 @@
 #ifndef MT_BENCH_OP_PROFILE_H
 #define MT_BENCH_OP_PROFILE_H
 
+#include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -16,13 +18,13 @@
 #include "common.h"
 
 enum {
-    P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_matmul_fwd, P_matmul_bwd,
+    P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_embedding_fwd_q, P_matmul_fwd, P_matmul_bwd,
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
     P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
-    "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "matmul_fwd", "matmul_bwd",
+    "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
     "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor"};
@@ -35,7 +37,7 @@ static const char *const prof_family_names[F_COUNT] = {
     "embedding", "casts (incl. stochastic rounding)", "gradient check, sum of squares",
     "optimizer update"};
 static const unsigned char prof_family[P_COUNT] = {
-    F_CAST, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
+    F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
     F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
     F_OPT, F_OPT, F_OPT, F_OPT};
 
@@ -64,6 +66,9 @@ PROF(embedding_bwd, (const mti_kctx *k, float *dwte, float *dwpe, const void *d,
 PROF(embedding_dw_rows, (const mti_kctx *k, float *dwte, const void *d, const int32_t *t, int B,
                          int T, int C, int v0, int v1, mti_dtype dt),
      (k, dwte, d, t, B, T, C, v0, v1, dt))
+PROF(embedding_fwd_q, (const mti_kctx *k, void *o, const int32_t *t, const void *wq, int qf,
+                       int V, const void *wpe, int B, int T, int C, mti_dtype dt),
+     (k, o, t, wq, qf, V, wpe, B, T, C, dt))
 PROF(matmul_fwd, (const mti_kctx *k, void *y, const void *x, const void *w, const void *b, int n,
                   int in, int out, mti_dtype dt), (k, y, x, w, b, n, in, out, dt))
 PROF(matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
@@ -125,7 +130,7 @@ static int prof_dw_align(int out, int in) { return prof_inner->matmul_dw_align(o
 static mti_ops prof_ops = {
     .name = "profiled",
     .cast = prof_cast, .embedding_fwd = prof_embedding_fwd, .embedding_bwd = prof_embedding_bwd,
-    .embedding_dw_rows = prof_embedding_dw_rows, .matmul_fwd = prof_matmul_fwd,
+    .embedding_dw_rows = prof_embedding_dw_rows, .embedding_fwd_q = prof_embedding_fwd_q, .matmul_fwd = prof_matmul_fwd,
     .matmul_bwd = prof_matmul_bwd, .matmul_dw_align = prof_dw_align,
     .matmul_dw_rows = prof_matmul_dw_rows, .matmul_fwd_q = prof_matmul_fwd_q,
     .matmul_dx_q = prof_matmul_dx_q, .layernorm_fwd = prof_layernorm_fwd,
@@ -139,9 +144,23 @@ static mti_ops prof_ops = {
     .adafactor = prof_adafactor,
 };
 
-/* Puts the timing table in front of ctx's own (before a model is made). */
+/* Puts the timing table in front of ctx's own (before a model is made).
+ * Every member from `cast` on is an op: one this table lacks (an op added
+ * to lib/kernels.h and not here) stops the benchmark rather than leaving
+ * the trainer to refuse, or the profile to miss it. */
 static inline void prof_install(mt_context *ctx)
 {
+    typedef void (*any_fn)(void);
+    for (size_t off = offsetof(mti_ops, cast); off + sizeof(any_fn) <= sizeof(mti_ops);
+         off += sizeof(any_fn)) {
+        any_fn fn;
+        memcpy(&fn, (const char *)&prof_ops + off, sizeof fn);
+        if (!fn) {
+            fprintf(stderr, "op_profile.h: the profiled op table has no op at byte %zu of mti_ops\n",
+                    off);
+            exit(1);
+        }
+    }
     prof_inner = ctx->ops;
     prof_ops.device = prof_inner->device;
     ctx->ops = &prof_ops;

@@ -664,6 +664,15 @@ TEST(ops_layernorm)
             expect_close(what, got.dw, want.dw, (size_t)c, tol_of(dt));
             expect_close(what, got.db, want.db, (size_t)c, tol_of(MTI_F32));
             if (ti == 0) {
+                /* the CPU computes in fp32 and rounds once, staged or read
+                   in place: its fp32 results on the rounded inputs, rounded */
+                float *r = rounded(want.out, nx, dt), *rdx = rounded(want.dx, nx, dt);
+                expect_same_bits("layernorm out, fp32 rounded", got.out, r, nx);
+                expect_same_bits("layernorm dx, fp32 rounded", got.dx, rdx, nx);
+                expect_same_bits("layernorm dw, as fp32", got.dw, want.dw, (size_t)c);
+                expect_same_bits("layernorm db, as fp32", got.db, want.db, (size_t)c);
+                expect_same_bits("layernorm rstd, as fp32", got.rstd, want.rstd, (size_t)n);
+                free(r), free(rdx);
                 ln_io one = ln_alloc(&tabs[0], dt, n, c);
                 one.x = xr, one.w = wr, one.b = br, one.dout = dr;
                 with_one_thread(ln_one_thread, &one);
@@ -772,7 +781,11 @@ TEST(ops_activations)
                 snprintf(what, sizeof what, "%s %s %s", relu ? "relu" : "gelu", tabs[ti].name, dt_name(dt));
                 expect_close(what, gy, wy, n, tol_of(dt));
                 expect_close(what, gdx, wdx, n, tol_of(dt));
-                if (ti == 0) {
+                if (ti == 0) { /* the CPU: its fp32 results on the rounded inputs, rounded */
+                    float *r = rounded(wy, n, dt), *rdx = rounded(wdx, n, dt);
+                    expect_same_bits(what, gy, r, n);
+                    expect_same_bits(what, gdx, rdx, n);
+                    free(r), free(rdx);
                     float *oy = malloc(n * 4), *odx = malloc(n * 4);
                     ew_io one = {relu, n, dt, xr, dr, oy, odx, &tabs[0]};
                     with_one_thread(ew_one_thread, &one);

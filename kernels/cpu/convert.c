@@ -26,14 +26,6 @@
 /* fp32 staging for fp16 <-> bf16: 4 KiB on the stack */
 #define STAGE 1024
 
-/* c ? a : b with masks: GCC keeps a `?:` next to a floating-point operation
- * as a branch (the operation might trap), and a branch stops vectorisation. */
-static inline uint32_t sel(int c, uint32_t a, uint32_t b)
-{
-    uint32_t m = 0u - (uint32_t)(c != 0);
-    return (a & m) | (b & ~m);
-}
-
 /* fp16 bits -> fp32, exact. Normal numbers move their exponent from bias
  * 15 to bias 127; inf/NaN keep their payload under an all-ones exponent;
  * subnormals (m * 2^-24) come out of one exact subtraction:
@@ -68,17 +60,6 @@ static inline uint16_t f2h(float f)
     r = sel(a >= 0x477FF000u, 0x7C00u, r); /* from 65520 up: inf */
     r = sel(a > 0x7F800000u, 0x7E00u, r);  /* NaN: the quiet NaN */
     return (uint16_t)(sign | r);
-}
-
-static inline float b2f(uint16_t h) { return float_of((uint32_t)h << 16); }
-
-/* fp32 -> bf16 bits, to nearest even; NaN stays a quiet NaN. */
-static inline uint16_t f2b(float f)
-{
-    uint32_t u = bits_of(f);
-    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    uint32_t nan = (u >> 16) | 0x40u;
-    return (uint16_t)sel((u & 0x7FFFFFFFu) > 0x7F800000u, nan, r);
 }
 
 /* The loops below are the hot ones of every kernel. `omp simd` lets GCC

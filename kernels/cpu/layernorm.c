@@ -244,6 +244,29 @@ static void ln_bwd_row(void *dx, const void *dout, const void *x, const void *w,
     }
 }
 
+/* sw += g xhat and sb += g over m channels of one row; in bf16 read in
+ * place (each value widened exactly: the same bits as staged) */
+WIDE_CLONES static void params_row(float *sw, float *sb, const float *g, const float *x, size_t m,
+                                   float mu, float rs)
+{
+#pragma omp simd
+    for (size_t j = 0; j < m; j++) {
+        sw[j] += g[j] * ((x[j] - mu) * rs);
+        sb[j] += g[j];
+    }
+}
+
+WIDE_CLONES static void params_row_b16(float *sw, float *sb, const uint16_t *g, const uint16_t *x,
+                                       size_t m, float mu, float rs)
+{
+#pragma omp simd
+    for (size_t j = 0; j < m; j++) {
+        float gj = b2f(g[j]);
+        sw[j] += gj * ((b2f(x[j]) - mu) * rs);
+        sb[j] += gj;
+    }
+}
+
 /* dw, db for channels [c0, c0 + m), m <= CHUNK: summed over the n rows in
  * row order, then added to the gradients once. Each element's sum has the
  * same order however the channels are split between threads. */
@@ -255,14 +278,14 @@ static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
     memset(sw, 0, m * sizeof(float));
     memset(sb, 0, m * sizeof(float));
     for (size_t r = 0; r < n; r++) {
-        const float *g = stage_in(dout, dt, r * c + c0, m, gbuf);
-        const float *xs = stage_in(x, dt, r * c + c0, m, xbuf);
-        float mu = mean[r], rs = rstd[r];
-#pragma omp simd
-        for (size_t j = 0; j < m; j++) {
-            sw[j] += g[j] * ((xs[j] - mu) * rs);
-            sb[j] += g[j];
+        size_t at = r * c + c0;
+        if (dt == MTI_BF16) { /* read in place, not staged */
+            params_row_b16(sw, sb, (const uint16_t *)dout + at, (const uint16_t *)x + at, m,
+                           mean[r], rstd[r]);
+            continue;
         }
+        params_row(sw, sb, stage_in(dout, dt, at, m, gbuf), stage_in(x, dt, at, m, xbuf), m,
+                   mean[r], rstd[r]);
     }
     if (dw)
         for (size_t j = 0; j < m; j++) dw[c0 + j] += sw[j];

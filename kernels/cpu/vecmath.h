@@ -35,6 +35,27 @@ static inline float float_of(uint32_t u)
     return f;
 }
 
+/* c ? a : b with masks: GCC keeps a `?:` next to a floating-point operation
+ * as a branch (the operation might trap), and a branch stops vectorisation. */
+static inline uint32_t sel(int c, uint32_t a, uint32_t b)
+{
+    uint32_t m = 0u - (uint32_t)(c != 0);
+    return (a & m) | (b & ~m);
+}
+
+/* bf16 bits -> fp32 (exact), and fp32 -> bf16 bits to nearest even (NaN
+ * stays a quiet NaN): lib/kctx.c's definitions without branches, for the
+ * loops that read or write bf16 in place of staging it. */
+static inline float b2f(uint16_t h) { return float_of((uint32_t)h << 16); }
+
+static inline uint16_t f2b(float f)
+{
+    uint32_t u = bits_of(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)sel((u & 0x7FFFFFFFu) > 0x7F800000u, nan, r);
+}
+
 /* e^x for x <= 0 in straight-line code that vectorises (libm's expf is a
  * call per element). x = k ln2 + r with |r| <= ln2/2 (ln2 split in two so
  * k ln2 is exact), e^r by its Taylor series to r^7 (truncation below 1e-8
