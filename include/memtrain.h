@@ -461,13 +461,15 @@ mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out);
 
 /* Where bytes are held. Every class's bytes have a place: the allocators'
  * are the device's; a trainer that offloads state (mt_trainer_config.offload)
- * holds it in scratch files on disk, and brings a piece at a time into
- * buffers on the device for its update (docs/memory.md, "Places"). */
+ * holds it in page-locked host memory beside a CUDA device, or in scratch
+ * files on disk, bringing a piece at a time into buffers on the device for
+ * its update (docs/memory.md, "Places"). */
 typedef enum mt_place {
     MT_PLACE_DEVICE = 0, /* the context's device memory, from its allocators (on a CPU
                             context that is host memory): what budgets bound */
     MT_PLACE_HOST = 1,   /* host memory held beside a device that is not the host (a
-                            CUDA context's pinned buffers); nothing on a CPU context */
+                            CUDA context's page-locked memory, for host offload); nothing
+                            on a CPU context */
     MT_PLACE_DISK = 2,   /* scratch files (mt_trainer_config.offload_dir) */
     MT_PLACE_COUNT = 3
 } mt_place;
@@ -1045,8 +1047,17 @@ typedef struct mt_trainer_config {
      * removed and the trainer refuses further steps (load a training-state
      * file into a new one). The masters being on disk, mt_model_get_params
      * and set_params read and write them there. Not yet on a run of
-     * several ranks, on CUDA contexts, or with MT_PLACE_HOST
-     * (MT_ERR_UNSUPPORTED). */
+     * several ranks or on CUDA contexts (MT_ERR_UNSUPPORTED).
+     * MT_PLACE_HOST (CUDA contexts of one rank): in page-locked host memory
+     * (cuMemHostAlloc; place host). Each gradient goes down to the host as
+     * backward finishes it (a piece at a time, through a few staging buffers
+     * counted at place host: GRAD and PARAM), the CPU op table updates the
+     * state and masters there on a thread of the trainer's while the GPU goes
+     * on, and the updated weights go back up; the step ends when all of them
+     * are up. fp32 weights come down with their gradients (no copy is kept
+     * on the host). Needs master weights in fp16/bf16, and takes every
+     * optimizer but 4-bit AdamW (MT_ERR_UNSUPPORTED); pinned memory refused
+     * is MT_ERR_OOM naming the amount. */
     mt_place offload;
     const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized

@@ -179,6 +179,23 @@ void *mti_cuda_attach(mti_device *d, void *state, void (*free_fn)(mti_device *d,
 /* The attached state, or NULL. */
 void *mti_cuda_attached(mti_device *d);
 
+/* Page-locked host memory (cuMemHostAlloc): bytes the host and the device
+ * both reach at the same address (unified addressing), so every copy of
+ * the device layer takes it. Refused: MT_ERR_OOM naming the amount. */
+mt_status mti_cuda_host_alloc(mti_device *d, size_t bytes, void **out);
+void mti_cuda_host_free(mti_device *d, void *p);
+/* Events (no timing) to know from the host when queued work is done. */
+mt_status mti_cuda_event_new(mti_device *d, void **ev);
+void mti_cuda_event_free(mti_device *d, void *ev);
+/* Queues a copy of bytes from src to dst (device or page-locked host
+ * addresses) on the main stream (side 0: ordered with the kernels) or on a
+ * second stream (side 1: beside them), then records ev (NULL: none) there. */
+mt_status mti_cuda_copy_async(mti_device *d, int side, void *dst, const void *src, size_t bytes,
+                              void *ev);
+/* Waits on the host for an event, or for everything on the second stream. */
+mt_status mti_cuda_event_wait(mti_device *d, void *ev);
+mt_status mti_cuda_side_sync(mti_device *d);
+
 /* Convenience launchers for the built-in kernels, on the device's stream.
  * y and x are device addresses of n floats. */
 mt_status mti_cuda_fill_f32(mti_device *d, float *y, float value, uint64_t n);

@@ -29,6 +29,7 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
+typedef struct CUevent_st *CUevent;
 
 /* ---- result codes (the ones the library tells apart, and the ones the test
  * driver returns; any other value is reported by the driver's own name).
@@ -162,6 +163,24 @@ typedef CUresult (*PFN_cuMemsetD8Async)(CUdeviceptr dst, unsigned char value, si
 typedef CUresult (*PFN_cuStreamCreate)(CUstream *stream, unsigned int flags);
 typedef CUresult (*PFN_cuStreamSynchronize)(CUstream stream);
 typedef CUresult (*PFN_cuStreamDestroy)(CUstream stream); /* "_v2" */
+
+/* Page-locked host memory: with unified addressing (every 64-bit Linux
+ * system) it is accessible from the device at the same address, so copies
+ * to and from it may name it as device memory too. flags: 0 here. */
+/* A copy between any two addresses of the unified address space (the
+ * driver infers the direction). */
+typedef CUresult (*PFN_cuMemcpyAsync)(CUdeviceptr dst, CUdeviceptr src, size_t bytes,
+                                      CUstream stream);
+typedef CUresult (*PFN_cuMemHostAlloc)(void **ptr, size_t bytes, unsigned int flags);
+typedef CUresult (*PFN_cuMemFreeHost)(void *ptr);
+
+/* Events: recorded on a stream, waited for by the host. flags: 0 or
+ * CU_EVENT_DISABLE_TIMING. */
+enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_DISABLE_TIMING = 0x2 };
+typedef CUresult (*PFN_cuEventCreate)(CUevent *event, unsigned int flags);
+typedef CUresult (*PFN_cuEventRecord)(CUevent event, CUstream stream);
+typedef CUresult (*PFN_cuEventSynchronize)(CUevent event);
+typedef CUresult (*PFN_cuEventDestroy)(CUevent event); /* "_v2" */
 
 typedef CUresult (*PFN_cuModuleLoadData)(CUmodule *module, const void *image);
 typedef CUresult (*PFN_cuModuleGetFunction)(CUfunction *fn, CUmodule module, const char *name);

@@ -68,6 +68,13 @@ typedef struct cuda_api {
     PFN_cuStreamCreate StreamCreate;
     PFN_cuStreamSynchronize StreamSynchronize;
     PFN_cuStreamDestroy StreamDestroy;
+    PFN_cuMemcpyAsync MemcpyAsync;
+    PFN_cuMemHostAlloc MemHostAlloc;
+    PFN_cuMemFreeHost MemFreeHost;
+    PFN_cuEventCreate EventCreate;
+    PFN_cuEventRecord EventRecord;
+    PFN_cuEventSynchronize EventSynchronize;
+    PFN_cuEventDestroy EventDestroy;
     PFN_cuModuleLoadData ModuleLoadData;
     PFN_cuModuleGetFunction ModuleGetFunction;
     PFN_cuModuleUnload ModuleUnload;
@@ -114,6 +121,13 @@ static const struct {
     SYM(StreamCreate, "cuStreamCreate"),
     SYM(StreamSynchronize, "cuStreamSynchronize"),
     SYM(StreamDestroy, "cuStreamDestroy_v2"),
+    SYM(MemcpyAsync, "cuMemcpyAsync"),
+    SYM(MemHostAlloc, "cuMemHostAlloc"),
+    SYM(MemFreeHost, "cuMemFreeHost"),
+    SYM(EventCreate, "cuEventCreate"),
+    SYM(EventRecord, "cuEventRecord"),
+    SYM(EventSynchronize, "cuEventSynchronize"),
+    SYM(EventDestroy, "cuEventDestroy_v2"),
     SYM(ModuleLoadData, "cuModuleLoadData"),
     SYM(ModuleGetFunction, "cuModuleGetFunction"),
     SYM(ModuleUnload, "cuModuleUnload"),
@@ -270,6 +284,7 @@ typedef struct cuda_dev {
     CUdevice dev;
     CUcontext pctx;      /* the primary context, retained */
     CUstream stream;
+    CUstream side;       /* the second stream (mti_cuda_copy_async), made at first use */
     int cc_major, cc_minor;
     int vmm;             /* the device offers cuMemCreate/cuMemMap */
     int debug_sync;      /* wait for every launch (mti_cuda_debug_sync) */
@@ -767,6 +782,8 @@ static void cuda_destroy(mti_device *d)
             c->n_aligned = 0;
             pthread_mutex_unlock(&c->mu);
             if (c->module) c->api.ModuleUnload(c->module);
+            if (c->side) c->api.StreamSynchronize(c->side);
+            if (c->side) c->api.StreamDestroy(c->side);
             if (c->stream) c->api.StreamDestroy(c->stream);
             cuda_leave(d);
         }
@@ -1223,4 +1240,115 @@ mt_status mti_cuda_axpy_f32(mti_device *d, float *y, float a, const float *x, ui
     unsigned long long nn = n;
     void *args[] = {&y, &a, &x, &nn};
     return mti_cuda_launch(d, fn, grid_for(n), (mti_dim3){256, 1, 1}, 0, args);
+}
+
+/* ---- page-locked host memory, events, the second stream ---- */
+
+mt_status mti_cuda_host_alloc(mti_device *d, size_t bytes, void **out)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_host_alloc"));
+    cuda_dev *c = d->impl;
+    *out = NULL;
+    if (!bytes) return MT_OK;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.MemHostAlloc(out, bytes, 0);
+    cuda_leave(d);
+    if (r == CUDA_SUCCESS) return MT_OK;
+    *out = NULL;
+    return cuda_fail(d, cuda_mem_status(r), r, "cuMemHostAlloc of %zu bytes (%.1f MiB) of pinned host memory",
+                     bytes, (double)bytes / 1048576.0);
+}
+
+void mti_cuda_host_free(mti_device *d, void *p)
+{
+    if (!p || !is_ours(d)) return;
+    cuda_dev *c = d->impl;
+    if (cuda_enter(d) != MT_OK) return;
+    CUresult r = c->api.MemFreeHost(p);
+    cuda_leave(d);
+    if (r != CUDA_SUCCESS) {
+        char desc[256];
+        mti_log(d->ctx, MT_LOG_ERROR, "cuMemFreeHost(%p) failed: %s", p,
+                cuda_describe(&c->api, r, desc, sizeof desc));
+    }
+}
+
+mt_status mti_cuda_event_new(mti_device *d, void **ev)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_event_new"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUevent e = NULL;
+    CUresult r = c->api.EventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    cuda_leave(d);
+    *ev = r == CUDA_SUCCESS ? e : NULL;
+    return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventCreate");
+}
+
+void mti_cuda_event_free(mti_device *d, void *ev)
+{
+    if (!ev || !is_ours(d)) return;
+    cuda_dev *c = d->impl;
+    if (cuda_enter(d) != MT_OK) return;
+    c->api.EventDestroy(ev);
+    cuda_leave(d);
+}
+
+/* The second stream, made at first use (c->mu held by the caller). */
+static CUresult side_stream(cuda_dev *c)
+{
+    return c->side ? CUDA_SUCCESS : c->api.StreamCreate(&c->side, CU_STREAM_NON_BLOCKING);
+}
+
+mt_status mti_cuda_copy_async(mti_device *d, int side, void *dst, const void *src, size_t bytes,
+                              void *ev)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_copy_async"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    pthread_mutex_lock(&c->mu);
+    CUresult r = side ? side_stream(c) : CUDA_SUCCESS;
+    pthread_mutex_unlock(&c->mu);
+    CUstream q = side ? c->side : c->stream;
+    const char *what = "cuStreamCreate";
+    /* both ends are addresses the device can reach (unified addressing) */
+    if (r == CUDA_SUCCESS && bytes) {
+        what = "cuMemcpyAsync";
+        r = c->api.MemcpyAsync(dptr(dst), dptr(src), bytes, q);
+    }
+    if (r == CUDA_SUCCESS && ev) {
+        what = "cuEventRecord";
+        r = c->api.EventRecord(ev, q);
+    }
+    cuda_leave(d);
+    return r == CUDA_SUCCESS ? MT_OK
+                             : cuda_fail(d, MT_ERR_DEVICE, r, "%s (%zu bytes from %p to %p, %s stream)",
+                                         what, bytes, src, dst, side ? "second" : "main");
+}
+
+mt_status mti_cuda_event_wait(mti_device *d, void *ev)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_event_wait"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.EventSynchronize(ev);
+    cuda_leave(d);
+    return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventSynchronize");
+}
+
+mt_status mti_cuda_side_sync(mti_device *d)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_side_sync"));
+    cuda_dev *c = d->impl;
+    if (!c->side) return MT_OK;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.StreamSynchronize(c->side);
+    cuda_leave(d);
+    return r == CUDA_SUCCESS ? MT_OK
+                             : cuda_fail(d, MT_ERR_DEVICE, r, "cuStreamSynchronize (the second stream)");
 }

@@ -192,6 +192,14 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
  * allocators count): add them, or give them back. */
 void mti_place_add(mt_context *ctx, mt_place p, mt_mem_class c, uint64_t bytes);
 void mti_place_sub(mt_context *ctx, mt_place p, mt_mem_class c, uint64_t bytes);
+/* A block of page-locked host memory beside a CUDA device (place host, class
+ * c; a dry context's bytes are counted at an address that holds nothing):
+ * an mt_block whose handle is MTI_HOST_HANDLE, which mti_tensor_free hands
+ * to mti_host_block_free. Refused: MT_ERR_OOM naming the amount. */
+#define MTI_HOST_HANDLE 0x686F7374506C6365ull
+mt_status mti_host_block_alloc(mt_context *ctx, size_t bytes, mt_mem_class c, uint64_t tag,
+                               mt_block *out);
+void mti_host_block_free(mt_context *ctx, mt_block *b);
 /* The places' peaks back to their current values (mt_context_reset_peaks). */
 void mti_place_reset_peaks(mt_context *ctx);
 

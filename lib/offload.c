@@ -476,11 +476,7 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
     if ((unsigned)c->offload >= MT_PLACE_COUNT)
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "%s: cfg->offload %d is not a place (device, host or disk)", fn, (int)c->offload);
-    if (c->offload == MT_PLACE_HOST)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload host is not supported yet (on a CPU context the device's "
-                        "memory is the host's: offload to disk)",
-                        fn);
+    if (c->offload == MT_PLACE_HOST) return mti_hostoff_check(ctx, m, c); /* (offload_host.c) */
     if (ctx->dev->kind != MT_DEVICE_CPU)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload disk is supported on CPU contexts only, for now", fn);

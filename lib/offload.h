@@ -66,4 +66,32 @@ mt_status mti_offload_read(mti_offload *o, int i, int what, uint64_t off, void *
 mt_status mti_offload_write(mti_offload *o, int i, int what, uint64_t off, const void *src,
                             size_t n);
 
+/* ---- host offload (lib/offload_host.c): a CUDA context's optimizer state
+ * and masters in page-locked host memory, updated by the CPU op table ---- */
+
+typedef struct mti_hostoff mti_hostoff;
+
+/* Checks cfg->offload host for a trainer of m (MT_OK when it is not host). */
+mt_status mti_hostoff_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg);
+/* The staging buffers (place host), the events and the update thread;
+ * after plan_state, before to_mixed and make_state, which put the masters
+ * and the state at home with mti_hostoff_tensor. */
+mt_status mti_hostoff_create(mt_trainer *t, mti_hostoff **out);
+/* Waits for every update, stops the thread, frees the staging buffers. NULL
+ * is accepted. The state and masters are the trainer's tensors (freed with
+ * mti_tensor_free, which knows host blocks). */
+void mti_hostoff_destroy(mti_hostoff *h);
+/* Allocates x (its dtype and shape set) in page-locked host memory. */
+mt_status mti_hostoff_tensor(mti_hostoff *h, mti_tensor *x, mt_mem_class c, uint64_t tag);
+/* Queues the update of elements [at, at + n) of parameter i from its
+ * gradient g (on the device; it may be freed or reused by work queued
+ * after this call): the gradient goes down on the main stream, the update
+ * thread runs the optimizer on the host and sends the weights back up on
+ * the second stream. Returns once the gradient's copy is queued. */
+mt_status mti_hostoff_update(mti_hostoff *h, int i, const float *g, size_t at, size_t n,
+                             float grad_scale);
+/* Every queued update done and its weights on the device; the first
+ * failure of any of them. */
+mt_status mti_hostoff_end(mti_hostoff *h);
+
 #endif /* MT_OFFLOAD_H */

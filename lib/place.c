@@ -10,6 +10,7 @@
  */
 #include <string.h>
 
+#include "cuda_device.h"
 #include "internal.h"
 
 const char *mt_place_name(mt_place p)
@@ -75,4 +76,28 @@ mt_status mt_context_place_stats(const mt_context *ctx, mt_place p, mt_memory_st
     out->live_bytes = out->reserved_bytes = ctx->place_total[p];
     out->peak_live_bytes = out->peak_reserved_bytes = ctx->place_total_peak[p];
     return MT_OK;
+}
+
+mt_status mti_host_block_alloc(mt_context *ctx, size_t bytes, mt_mem_class c, uint64_t tag,
+                               mt_block *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!bytes) return MT_OK;
+    void *p = NULL;
+    size_t granted = 0;
+    mt_status s = ctx->dry ? ctx->dev->mem_reserve(ctx->dev, bytes, 4096, &p, &granted)
+                           : mti_cuda_host_alloc(ctx->dev, bytes, &p);
+    if (s) return s;
+    *out = (mt_block){.ptr = p, .bytes = bytes, .handle = MTI_HOST_HANDLE, .id = tag,
+                      .mem_class = c, .lifetime = MT_LIFE_PERSISTENT};
+    mti_place_add(ctx, MT_PLACE_HOST, c, bytes);
+    return MT_OK;
+}
+
+void mti_host_block_free(mt_context *ctx, mt_block *b)
+{
+    if (!b->ptr) return;
+    if (!ctx->dry) mti_cuda_host_free(ctx->dev, b->ptr);
+    mti_place_sub(ctx, MT_PLACE_HOST, b->mem_class, b->bytes);
+    memset(b, 0, sizeof *b);
 }

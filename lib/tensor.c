@@ -44,7 +44,8 @@ mt_status mti_tensor_alloc(mt_context *ctx, mti_tensor *t, mt_mem_class c, mt_li
 void mti_tensor_free(mt_context *ctx, mti_tensor *t)
 {
     if (!t->blk.ptr) return;
-    mt_context_free(ctx, &t->blk);
+    if (t->blk.handle == MTI_HOST_HANDLE) mti_host_block_free(ctx, &t->blk); /* (place host) */
+    else mt_context_free(ctx, &t->blk);
     memset(&t->blk, 0, sizeof t->blk);
 }
 

@@ -256,6 +256,7 @@ static mti_tensor like(const mti_tensor *t, mti_dtype dt)
 }
 
 static mt_status convert_weights(mt_trainer *t, mti_dtype to);
+static mt_status home_alloc(mt_trainer *t, mti_tensor *x, mt_mem_class c, uint64_t tag);
 
 /* Parameter i's weights (without a master) in dtype `to` (the new copy,
  * then the old one goes); unchanged on failure. */
@@ -362,8 +363,7 @@ static mt_status to_mixed(mt_trainer *t)
             continue;
         }
         mti_tensor master = like(&p->w, MTI_F32), half = like(&p->w, t->dt);
-        s = mti_tensor_alloc(ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
-                             MTI_TAG_PARAM(MTI_TAG_MASTER, i));
+        s = home_alloc(t, &master, MT_MEM_MASTER, MTI_TAG_PARAM(MTI_TAG_MASTER, i));
         if (!s) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, p->w.blk.ptr, p->numel * 4);
         if (s) {
             mti_tensor_free(ctx, &master);
@@ -416,12 +416,20 @@ static const mt_param_override *override_of(const mt_trainer *t, const char *nam
     return NULL;
 }
 
+/* A persistent tensor of the state or the masters: on the device, or in
+ * page-locked host memory with host offload. */
+static mt_status home_alloc(mt_trainer *t, mti_tensor *x, mt_mem_class c, uint64_t tag)
+{
+    if (t->hoff) return mti_hostoff_tensor(t->hoff, x, c, tag);
+    return mti_tensor_alloc(t->ctx, x, c, MT_LIFE_PERSISTENT, tag);
+}
+
 static mt_status state_tensor(mt_trainer *t, mti_tensor *st, const mti_opt_state *l, int pi, int j)
 {
     *st = (mti_tensor){.dtype = l->dtype, .ndim = 1, .shape = {l->numel}};
-    mt_status s = mti_tensor_alloc(t->ctx, st, MT_MEM_OPTIM, MT_LIFE_PERSISTENT,
-                                   MTI_TAG_PARAM(MTI_TAG_STATE + j, pi));
-    if (!s) s = t->ctx->dev->memset8(t->ctx->dev, st->blk.ptr, l->fill, st->blk.bytes);
+    mt_status s = home_alloc(t, st, MT_MEM_OPTIM, MTI_TAG_PARAM(MTI_TAG_STATE + j, pi));
+    if (!s && t->hoff && !t->ctx->dry) memset(st->blk.ptr, l->fill, st->blk.bytes);
+    else if (!s) s = t->ctx->dev->memset8(t->ctx->dev, st->blk.ptr, l->fill, st->blk.bytes);
     return s;
 }
 
@@ -573,6 +581,7 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
 static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, size_t n,
                               float grad_scale)
 {
+    if (t->hoff) return mti_hostoff_update(t->hoff, i, g, at, n, grad_scale); /* queued */
     if (!t->off) return update_piece(t, i, g, at, n, grad_scale);
     const size_t piece = mti_offload_piece(t->off, i);
     mt_status s = MT_OK;
@@ -737,6 +746,8 @@ static mt_status quantize_base(mt_trainer *t)
 void mt_trainer_destroy(mt_trainer *t)
 {
     if (!t) return;
+    mti_hostoff_destroy(t->hoff); /* (its updates done; the state and masters stay) */
+    t->hoff = NULL;
     mti_engine_free(&t->E);
     if (t->teaching) {
         mti_engine_free(&t->TE);
@@ -922,6 +933,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s) s = quantize_base(t); /* the frozen linear weights, one tensor at a time */
+    if (!s && cfg->offload == MT_PLACE_HOST) s = mti_hostoff_create(t, &t->hoff);
     if (!s && cfg->offload == MT_PLACE_DISK) { /* the state's (and masters') home */
         t->offload_dir = cfg->offload_dir ? strdup(cfg->offload_dir) : NULL;
         t->cfg.offload_dir = t->offload_dir;
@@ -1271,6 +1283,7 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
     mti_msg msg = mti_last_msg(t->ctx);
     if (t->off) (void)mti_offload_end(t->off); /* what was updated goes home */
+    if (t->hoff) (void)mti_hostoff_end(t->hoff); /* the updates queued land */
     mti_engine_release(&t->E);
     mti_engine_free_grads(&t->E);
     free_slices(t);
@@ -1457,6 +1470,10 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             mti_tensor_free(ctx, &t->E.grad[i]); /* this gradient is done */
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
+    }
+    if (t->hoff && (s = mti_hostoff_end(t->hoff))) { /* every update done, weights up */
+        if (t->updated || t->touched) t->opt_steps++;
+        return step_failed(t, fn, s);
     }
     if (t->off && (s = mti_offload_end(t->off))) { /* every piece home */
         if (t->updated || t->touched) t->opt_steps++;

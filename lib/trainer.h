@@ -79,6 +79,7 @@ struct mt_trainer {
                                 while a layer holds it in */
     int *gref;               /* stage 3: per parameter, the layers holding it in */
     struct mti_offload *off; /* state and masters at home on disk (lib/offload.c), or NULL */
+    struct mti_hostoff *hoff; /* ... in page-locked host memory (lib/offload_host.c), or NULL */
     char *offload_dir;       /* cfg.offload_dir's copy */
     unsigned char *units;    /* the recompute plan: a mode per unit */
     int seg_len;             /* and the segment length */

@@ -34,6 +34,7 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
         printf("%s\"%s\": %llu", p ? ", " : "", mt_place_name((mt_place)p),
                (unsigned long long)e->place_peak[p]);
     printf("}");
+    json_classes("host_class_peak", e->place_class_peak[MT_PLACE_HOST]);
     json_classes("disk_class_peak", e->place_class_peak[MT_PLACE_DISK]);
     if (tc->memory_budget)
         printf(", \"budget\": %llu, \"fits\": %s", (unsigned long long)tc->memory_budget,

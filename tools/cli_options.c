@@ -178,6 +178,7 @@ static int set_schedule(cli_opts *o, const char *v)
 static int set_offload(cli_opts *o, const char *v)
 {
     if (!strcmp(v, "none")) o->offload = MT_PLACE_DEVICE;
+    else if (!strcmp(v, "host")) o->offload = MT_PLACE_HOST;
     else if (!strcmp(v, "disk")) o->offload = MT_PLACE_DISK;
     else return -1;
     return 0;
@@ -357,9 +358,10 @@ static const opt table[] = {
          "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too, 3 "
          "weights too (0)",
          "the ZeRO stage of the run (0; with --ranks)"),
-    FN("--offload", "none|disk", TE, CLI_ANY, set_offload, "(none, disk)",
-       "optimizer state and fp32 masters resident, or in scratch files on disk, brought in "
-       "piece by piece for the update (none)",
+    FN("--offload", "none|host|disk", TE, CLI_ANY, set_offload, "(none, host, disk)",
+       "optimizer state and fp32 masters resident, in pinned host memory updated by the CPU "
+       "(host: CUDA), or in scratch files on disk, brought in piece by piece for the update "
+       "(disk: CPU) (none)",
        "the same, the disk's bytes shown apart (none)"),
     STR("--offload-dir", "DIR", CLI_TRAIN, CLI_ANY, offload_dir,
         "the directory --offload disk makes its scratch directory in"),

@@ -26,15 +26,25 @@
  *                             another number: cuInit returns that code
  *   MT_FAKE_CUDA_NO_VMM       1: the device does not offer cuMemCreate/cuMemMap
  *   MT_FAKE_CUDA_GRANULARITY  VMM granularity, bytes (default 2 MiB)
+ *   MT_FAKE_CUDA_PINNED       page-locked host memory cuMemHostAlloc grants in
+ *                             all, bytes (default 64 GiB)
  *
  * For tests, besides the driver's entry points:
  *   fake_cuda_fail(call, skip, code)  the named entry point returns `code`
  *                                     once, after `skip` successful calls
  *   fake_cuda_stat(name)              counters, see fake_cuda_stat below
  *   fake_cuda_last_kernel()           name of the last kernel launched ("" if none)
+ *   fake_cuda_log(reset, main)        the copies and events since the last reset
+ *                                     (which names the main stream, tagged m:, the
+ *                                     others s:), one word each (see fake_log)
+ *
+ * Page-locked host memory (cuMemHostAlloc) is reachable from the device at
+ * its host address, as under unified addressing: copies may name it as
+ * device memory, and cuMemcpyAsync takes any two such addresses.
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -66,6 +76,13 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, CUs
 CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
 CUresult cuStreamSynchronize(CUstream stream);
 CUresult cuStreamDestroy_v2(CUstream stream);
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
+CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags);
+CUresult cuMemFreeHost(void *ptr);
+CUresult cuEventCreate(CUevent *event, unsigned int flags);
+CUresult cuEventRecord(CUevent event, CUstream stream);
+CUresult cuEventSynchronize(CUevent event);
+CUresult cuEventDestroy_v2(CUevent event);
 CUresult cuModuleLoadData(CUmodule *module, const void *image);
 CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
 CUresult cuModuleUnload(CUmodule module);
@@ -91,6 +108,7 @@ CUresult cuGetErrorString(CUresult err, const char **str);
 void fake_cuda_fail(const char *call, int skip, CUresult code);
 unsigned long long fake_cuda_stat(const char *name);
 const char *fake_cuda_last_kernel(void);
+const char *fake_cuda_log(int reset, void *main_stream);
 
 /* ---- state ---- */
 
@@ -99,6 +117,7 @@ const char *fake_cuda_last_kernel(void);
 #define FAKE_MAGIC_STREAM 0x57AEA4u
 #define FAKE_MAGIC_MODULE 0x40D01Eu
 #define FAKE_MAGIC_FUNC 0xF00Cu
+#define FAKE_MAGIC_EVENT 0xE7E4u
 
 struct CUctx_st {
     CUdevice dev;
@@ -109,6 +128,10 @@ struct CUstream_st {
 };
 struct CUmod_st {
     unsigned magic;
+};
+struct CUevent_st {
+    unsigned magic;
+    int recorded;
 };
 struct CUfunc_st {
     unsigned magic;
@@ -157,6 +180,11 @@ static struct {
     VEC(fake_alloc) allocs;
     VEC(fake_resv) resvs;
     VEC(fake_map) maps;
+    VEC(fake_alloc) pinned; /* cuMemHostAlloc */
+    size_t pinned_used, pinned_max, n_events;
+    CUstream first_stream; /* the stream the log calls main */
+    char log[1 << 16];
+    size_t log_n;
     size_t n_handles, n_streams, n_modules;
     struct CUfunc_st *funcs;
     unsigned long long launches, func_loads, syncs, ctx_pushes;
@@ -251,6 +279,10 @@ static int dev_range_ok(CUdeviceptr p, size_t n)
         const fake_alloc *a = &F.allocs.v[i];
         if (p >= a->p && p - a->p <= a->bytes && n <= a->bytes - (p - a->p)) return 1;
     }
+    for (size_t i = 0; i < F.pinned.n; i++) { /* unified addressing */
+        const fake_alloc *a = &F.pinned.v[i];
+        if (p >= a->p && p - a->p <= a->bytes && n <= a->bytes - (p - a->p)) return 1;
+    }
     /* a range may run across several adjacent mappings */
     while (n > 0) {
         const fake_map *m = NULL;
@@ -286,6 +318,7 @@ CUresult cuInit(unsigned int flags)
     F.total = (size_t)env_ull("MT_FAKE_CUDA_MEM", 4ull << 30);
     F.vmm = env_ull("MT_FAKE_CUDA_NO_VMM", 0) ? 0 : 1;
     unsigned long long g = env_ull("MT_FAKE_CUDA_GRANULARITY", 2u << 20);
+    F.pinned_max = (size_t)env_ull("MT_FAKE_CUDA_PINNED", 64ull << 30);
     F.gran = (g >= 4096 && !(g & (g - 1))) ? (size_t)g : (2u << 20);
     for (int i = 0; i < FAKE_MAX_DEVICES; i++) F.ctx[i].dev = i;
     F.initialized = 1;
@@ -499,6 +532,8 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t bytes, CUs
     return leave(r);
 }
 
+static void fake_log(CUstream s, const char *what);
+
 /* ---- streams ---- */
 
 CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
@@ -520,6 +555,7 @@ CUresult cuStreamSynchronize(CUstream stream)
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (!valid_stream(stream)) return leave(CUDA_ERROR_INVALID_HANDLE);
     F.syncs++;
+    fake_log(stream, "sync");
     return leave(CUDA_SUCCESS);
 }
 
@@ -531,6 +567,131 @@ CUresult cuStreamDestroy_v2(CUstream stream)
     stream->magic = 0;
     free(stream);
     F.n_streams--;
+    return leave(CUDA_SUCCESS);
+}
+
+/* ---- unified copies, page-locked host memory, events ---- */
+
+/* One word of the log: "m:" or "s:" (main or second stream) and what,
+ * e.g. "m:D>H", "s:H>D", "m:rec", "sync", "host+", "host-". mu held. */
+static void fake_log(CUstream s, const char *what)
+{
+    size_t n = strlen(what) + 4;
+    if (F.log_n + n >= sizeof F.log) return;
+    F.log_n += (size_t)snprintf(F.log + F.log_n, sizeof F.log - F.log_n, "%s%s ",
+                                s ? (s == F.first_stream ? "m:" : "s:") : "", what);
+}
+
+const char *fake_cuda_log(int reset, void *main_stream)
+{
+    pthread_mutex_lock(&mu);
+    if (reset) F.log_n = 0;
+    if (reset) F.first_stream = main_stream;
+    F.log[F.log_n] = 0;
+    pthread_mutex_unlock(&mu);
+    return F.log;
+}
+
+/* Device (1), page-locked host (2) or neither (0). mu held. */
+static int where(CUdeviceptr p, size_t n)
+{
+    for (size_t i = 0; i < F.pinned.n; i++) {
+        const fake_alloc *a = &F.pinned.v[i];
+        if (p >= a->p && p - a->p <= a->bytes && n <= a->bytes - (p - a->p)) return 2;
+    }
+    return dev_range_ok(p, n) ? 1 : 0;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s)
+{
+    ENTER("cuMemcpyAsync");
+    int wd = where(dst, bytes), ws = where(src, bytes);
+    CUresult r = copy_check(s, wd != 0, ws != 0, 1);
+    if (r == CUDA_SUCCESS && bytes) {
+        memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
+        fake_log(s, ws == 2 && wd == 1 ? "H>D" : ws == 1 && wd == 2 ? "D>H" : ws == 1 ? "D>D" : "H>H");
+    }
+    return leave(r);
+}
+
+CUresult cuMemHostAlloc(void **ptr, size_t bytes, unsigned int flags)
+{
+    ENTER("cuMemHostAlloc");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!ptr || bytes == 0 || flags > 0xF) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (bytes > F.pinned_max || F.pinned_used > F.pinned_max - bytes) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    void *raw = NULL;
+    if (posix_memalign(&raw, 4096, bytes) != 0) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    fake_alloc *a = VEC_PUSH(F.pinned);
+    if (!a) {
+        free(raw);
+        return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    *a = (fake_alloc){raw, (CUdeviceptr)(uintptr_t)raw, bytes};
+    F.pinned_used += bytes;
+    fake_log(NULL, "host+");
+    *ptr = raw;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuMemFreeHost(void *ptr)
+{
+    ENTER("cuMemFreeHost");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    for (size_t i = 0; i < F.pinned.n; i++) {
+        if (F.pinned.v[i].raw == ptr) {
+            free(ptr);
+            F.pinned_used -= F.pinned.v[i].bytes;
+            VEC_DEL(F.pinned, i);
+            fake_log(NULL, "host-");
+            return leave(CUDA_SUCCESS);
+        }
+    }
+    return leave(CUDA_ERROR_INVALID_VALUE);
+}
+
+static int valid_event(CUevent e) { return e && e->magic == FAKE_MAGIC_EVENT; }
+
+CUresult cuEventCreate(CUevent *event, unsigned int flags)
+{
+    ENTER("cuEventCreate");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!event || (flags & ~0xFu)) return leave(CUDA_ERROR_INVALID_VALUE);
+    struct CUevent_st *e = calloc(1, sizeof *e);
+    if (!e) return leave(CUDA_ERROR_OUT_OF_MEMORY);
+    e->magic = FAKE_MAGIC_EVENT;
+    F.n_events++;
+    *event = e;
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuEventRecord(CUevent event, CUstream stream)
+{
+    ENTER("cuEventRecord");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!valid_event(event) || !valid_stream(stream)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    event->recorded = 1;
+    fake_log(stream, "rec");
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuEventSynchronize(CUevent event)
+{
+    ENTER("cuEventSynchronize");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    fake_log(NULL, event->recorded ? "wait" : "wait0");
+    return leave(CUDA_SUCCESS);
+}
+
+CUresult cuEventDestroy_v2(CUevent event)
+{
+    ENTER("cuEventDestroy_v2");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    event->magic = 0;
+    free(event);
+    F.n_events--;
     return leave(CUDA_SUCCESS);
 }
 
@@ -1004,7 +1165,8 @@ CUresult cuGetErrorString(CUresult err, const char **str) { return error_lookup(
 /* "used" device bytes taken, "allocs" live cuMemAlloc blocks, "handles" live
  * cuMemCreate handles, "mappings", "reservations", "streams", "modules",
  * "launches", "func_loads", "syncs", "ctx_refs" primary context retains of device 0,
- * "ctx_depth" this thread's context stack depth, "ctx_pushes". Unknown: ~0. */
+ * "ctx_depth" this thread's context stack depth, "ctx_pushes", "pinned" page-locked
+ * host bytes held, "pinned_allocs" their blocks, "events" live events. Unknown: ~0. */
 unsigned long long fake_cuda_stat(const char *name)
 {
     unsigned long long v = ~0ull;
@@ -1022,6 +1184,9 @@ unsigned long long fake_cuda_stat(const char *name)
     else if (!strcmp(name, "ctx_refs")) v = (unsigned long long)F.ctx[0].refs;
     else if (!strcmp(name, "ctx_depth")) v = (unsigned long long)tls_depth;
     else if (!strcmp(name, "ctx_pushes")) v = F.ctx_pushes;
+    else if (!strcmp(name, "pinned")) v = F.pinned_used;
+    else if (!strcmp(name, "pinned_allocs")) v = F.pinned.n;
+    else if (!strcmp(name, "events")) v = F.n_events;
     pthread_mutex_unlock(&mu);
     return v;
 }

@@ -1,0 +1,416 @@
+/*
+ * test_offload_host.c - a CUDA context's optimizer state and masters in
+ * page-locked host memory (cfg.offload = MT_PLACE_HOST, lib/offload_host.c),
+ * over the stand-in driver (MT_FAKE_CUDA, MT_FAKE_CUBLASLT; without them
+ * these tests check nothing). The stand-in's kernels compute nothing, so
+ * what is checked is what runs on the host: the accounting per class and
+ * per place against the estimate, the copies and events in their order,
+ * the CPU update's numbers on gradients the test puts on the device (against
+ * AdamW's formula), and the failures. With MT_TEST_GPU=1 the contexts are
+ * real GPUs and host offload is compared with the resident run.
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "cuda_device.h"
+#include "internal.h"
+#include "offload.h"
+
+enum { B = 2, T = 16, V = 256 };
+
+typedef struct standin {
+    void *lib;
+    unsigned long long (*stat)(const char *name);
+    const char *(*log)(int reset, void *main_stream);
+    void (*fail)(const char *call, int skip, int code);
+} standin;
+
+static bool on_gpu(void)
+{
+    const char *g = getenv("MT_TEST_GPU");
+    return g && !strcmp(g, "1");
+}
+
+/* false where neither the stand-ins nor a GPU (MT_TEST_GPU=1) are there. */
+static bool standin_open(standin *s)
+{
+    memset(s, 0, sizeof *s);
+    if (on_gpu()) return true;
+    const char *cu = check_fake_cuda(), *lt = getenv("MT_FAKE_CUBLASLT");
+    if (!cu || !lt || !*lt) return false;
+    s->lib = dlopen(cu, RTLD_NOW | RTLD_LOCAL);
+    CHECK_MSG(s->lib, "cannot load %s: %s", cu, dlerror());
+    void *p;
+    p = dlsym(s->lib, "fake_cuda_stat"), memcpy(&s->stat, &p, sizeof p);
+    p = dlsym(s->lib, "fake_cuda_log"), memcpy(&s->log, &p, sizeof p);
+    p = dlsym(s->lib, "fake_cuda_fail"), memcpy(&s->fail, &p, sizeof p);
+    CHECK(s->stat && s->log && s->fail);
+    return true;
+}
+
+static void standin_close(standin *s)
+{
+    if (s->fail) s->fail("", 0, 0);
+    if (s->lib) dlclose(s->lib);
+}
+
+/* A CUDA context (NULL: the library has no CUDA kernels). */
+static mt_context *cuda_context(void)
+{
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    if (!on_gpu()) {
+        cc.cuda_driver_path = check_fake_cuda();
+        cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT");
+    }
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    if (!ctx->ops) {
+        mt_context_destroy(ctx);
+        return NULL;
+    }
+    return ctx;
+}
+
+static void config(mt_trainer_config *tc, mt_optimizer_kind opt, mt_precision prec, int fused,
+                   mt_place place)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = B;
+    tc->optimizer = opt;
+    tc->lr = opt == MT_OPT_SGD ? 0.05f : 2e-3f;
+    tc->momentum = opt == MT_OPT_SGD ? 0.9f : 0.0f;
+    tc->weight_decay = 0.01f;
+    tc->precision = prec;
+    tc->master_weights = 1;
+    tc->fused_step = fused;
+    tc->min_8bit_size = 256;
+    tc->offload = place;
+}
+
+/* The small GPT's trainer with tc, estimated first, after `steps` steps
+ * (their losses into loss, NULL: none). */
+static mt_trainer *trained(mt_context *ctx, mt_model *m, const mt_trainer_config *tc,
+                           mt_estimate_report *est, int steps, float *loss)
+{
+    CHECK_OKC(ctx, mt_estimate_model(m, tc, est));
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    for (int s = 0; s < steps; s++) {
+        mt_batch b;
+        check_token_batch(&b, tok, tg, B, T, V, s);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, loss ? &loss[s] : NULL));
+    }
+    return t;
+}
+
+/* A few steps; the peaks per class and per place equal the estimate. */
+static void accounting(mt_optimizer_kind opt, mt_precision prec, int fused)
+{
+    mt_context *ctx = cuda_context();
+    if (!ctx) return;
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    mt_trainer_config tc;
+    config(&tc, opt, prec, fused, MT_PLACE_HOST);
+    mt_estimate_report est;
+    mt_trainer *t = trained(ctx, m, &tc, &est, 2, NULL);
+    mt_memory_stats st, host;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_HOST, &host));
+    for (int k = 0; k < MT_MEM_COUNT; k++) {
+        CHECK_MSG(st.per_class[k].peak_live_bytes == est.class_peak[k],
+                  "%s: device %s peak %llu, estimate %llu", mt_optimizer_name(opt),
+                  mt_mem_class_name(k), (unsigned long long)st.per_class[k].peak_live_bytes,
+                  (unsigned long long)est.class_peak[k]);
+        CHECK_MSG(host.per_class[k].peak_live_bytes == est.place_class_peak[MT_PLACE_HOST][k],
+                  "%s: host %s peak %llu, estimate %llu", mt_optimizer_name(opt),
+                  mt_mem_class_name(k), (unsigned long long)host.per_class[k].peak_live_bytes,
+                  (unsigned long long)est.place_class_peak[MT_PLACE_HOST][k]);
+    }
+    CHECK_EQ(st.peak_live_bytes, est.peak);
+    CHECK_EQ(st.peak_reserved_bytes, est.peak_reserved);
+    CHECK_EQ(host.peak_live_bytes, est.place_peak[MT_PLACE_HOST]);
+    /* nothing of the state or the masters on the device; all of it on the host */
+    CHECK_EQ(st.per_class[MT_MEM_OPTIM].peak_live_bytes, 0);
+    CHECK_EQ(st.per_class[MT_MEM_MASTER].peak_live_bytes, 0);
+    const uint64_t P = mt_model_num_params(m);
+    if (opt == MT_OPT_ADAMW) CHECK_EQ(host.per_class[MT_MEM_OPTIM].live_bytes, 8 * P);
+    CHECK_EQ(host.per_class[MT_MEM_MASTER].live_bytes, prec == MT_PREC_FP32 ? 0 : 4 * P);
+    CHECK(host.per_class[MT_MEM_GRAD].live_bytes > 0 && host.per_class[MT_MEM_PARAM].live_bytes > 0);
+    char rep[16384];
+    CHECK_OK(mt_memory_report(ctx, rep, sizeof rep, NULL));
+    CHECK(strstr(rep, "host") != NULL);
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_HOST, &host));
+    CHECK_EQ(host.live_bytes, 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+TEST(offload_host_estimate_equals_run)
+{
+    standin s;
+    if (!standin_open(&s) || on_gpu()) return standin_close(&s);
+    const unsigned long long pinned0 = s.stat("pinned"), events0 = s.stat("events");
+    accounting(MT_OPT_ADAMW, MT_PREC_FP32, 0);
+    accounting(MT_OPT_ADAMW, MT_PREC_BF16, 1);
+    accounting(MT_OPT_ADAMW8, MT_PREC_FP16, 0);
+    accounting(MT_OPT_SGD, MT_PREC_FP32, 1);
+    accounting(MT_OPT_ADAFACTOR, MT_PREC_BF16, 0);
+    CHECK_EQ(s.stat("pinned"), pinned0); /* every page-locked byte given back */
+    CHECK_EQ(s.stat("events"), events0);
+    standin_close(&s);
+}
+
+/* The update on gradients the test puts on the device: AdamW's first two
+ * steps with the same gradient g from zero state move each weight by
+ * lr * (g / (|g| + eps) + wd * w), whatever the piece it lies in (pieces
+ * of 4096 elements cut every tensor); bf16 weights are the masters rounded. */
+static void numbers(mt_precision prec)
+{
+    mt_context *ctx = cuda_context();
+    if (!ctx) return;
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    mt_trainer_config tc;
+    config(&tc, MT_OPT_ADAMW, prec, 0, MT_PLACE_HOST);
+    tc.lr = 1e-2f;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    const size_t P = mt_model_num_params(m);
+    float *w0 = check_alloc(P * 4), *w = check_alloc(P * 4), *g = check_alloc(P * 4);
+    CHECK_OKC(ctx, mt_model_get_params(m, w0, P));
+    for (size_t e = 0; e < P; e++) g[e] = (float)((int)(e * 7919 % 2001) - 1000) * 1e-4f;
+    mt_block gb;
+    mt_alloc_request r = {.bytes = P * 4, .mem_class = MT_MEM_IO, .lifetime = MT_LIFE_PERSISTENT};
+    CHECK_OKC(ctx, mt_context_alloc(ctx, &r, &gb));
+    CHECK_OKC(ctx, ctx->dev->copy_h2d(ctx->dev, gb.ptr, g, P * 4));
+    double expect_w = 0;
+    for (int step = 0; step < 2; step++) {
+        t->lr = tc.lr;
+        for (int i = 0; i < m->n_param; i++) {
+            const mti_param *p = &m->params[i];
+            CHECK_OKC(ctx, mti_hostoff_update(t->hoff, i, (float *)gb.ptr + p->offset, 0, p->numel, 1.0f));
+        }
+        CHECK_OKC(ctx, mti_hostoff_end(t->hoff));
+        t->opt_steps++;
+    }
+    CHECK_OKC(ctx, mt_model_get_params(m, w, P)); /* (the masters in bf16) */
+    double worst = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        const mti_param *p = &m->params[i];
+        const size_t off = p->offset;
+        const float wd = tc.weight_decay; /* (decay_1d: every tensor) */
+        for (size_t e = off; e < off + p->numel; e++) {
+            double x = w0[e];
+            for (int k = 0; k < 2; k++) {
+                const double gg = g[e], u = gg / (fabs(gg) / sqrt(1.0) + tc.eps);
+                x = x - tc.lr * wd * x - tc.lr * u;
+            }
+            const double d = fabs(x - w[e]) / (fabs(x) + 1e-3);
+            if (d > worst) worst = d, expect_w = x;
+        }
+    }
+    CHECK_MSG(worst < 1e-5, "worst relative error %g (weight %g)", worst, expect_w);
+    if (prec == MT_PREC_BF16) { /* the compute copy on the device: the masters rounded */
+        const mti_param *p = &m->params[1];
+        uint16_t *h = check_alloc(p->numel * 2);
+        float *ms = check_alloc(p->numel * 4);
+        CHECK_OKC(ctx, ctx->dev->copy_d2h(ctx->dev, h, p->w.blk.ptr, p->numel * 2));
+        CHECK_OKC(ctx, ctx->dev->copy_d2h(ctx->dev, ms, p->master.blk.ptr, p->numel * 4));
+        for (size_t e = 0; e < p->numel; e++) CHECK_EQ(h[e], mti_f32_to_bf16(ms[e]));
+            }
+    mt_context_free(ctx, &gb);
+    mt_trainer_destroy(t);
+    mti_offload_piece_elems = keep;
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+TEST(offload_host_update_numbers)
+{
+    standin s;
+    if (!standin_open(&s) || on_gpu()) return standin_close(&s);
+    numbers(MT_PREC_FP32);
+    numbers(MT_PREC_BF16);
+    standin_close(&s);
+}
+
+/* Each piece: its gradient down on the main stream with an event, the
+ * update thread waiting for that event, the weights up on the second
+ * stream with an event; the step's end waits for the second stream. */
+TEST(offload_host_copy_sequence)
+{
+    standin s;
+    if (!standin_open(&s) || on_gpu()) return standin_close(&s);
+    mt_context *ctx = cuda_context();
+    if (!ctx) return standin_close(&s);
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    mt_trainer_config tc;
+    config(&tc, MT_OPT_ADAMW, MT_PREC_BF16, 1, MT_PLACE_HOST);
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    check_token_batch(&b, tok, tg, B, T, V, 0);
+    s.log(1, mti_cuda_stream(ctx->dev));
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    const char *log = s.log(0, NULL);
+    int pieces = 0, ups = 0;
+    for (const char *q = log; (q = strstr(q, "m:D>H m:rec")); q++) pieces++;
+    for (const char *q = log; (q = strstr(q, "wait s:H>D s:rec")); q++) ups++;
+    int trained = 0;
+    for (int i = 0; i < m->n_param; i++) trained += !m->params[i].frozen;
+    CHECK_MSG(pieces >= trained && ups == pieces, "%d pieces down, %d up, %d tensors: %.400s",
+              pieces, ups, trained, log);
+    /* the step's end: the second stream drained after the last upload */
+    const char *last_up = NULL;
+    for (const char *q = log; (q = strstr(q, "s:rec")); q++) last_up = q;
+    CHECK(last_up && strstr(last_up, "s:sync"));
+    /* nothing comes up before its gradient went down */
+    CHECK(strstr(log, "m:D>H") < strstr(log, "s:H>D"));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    standin_close(&s);
+}
+
+TEST(offload_host_refusals_and_faults)
+{
+    standin s;
+    if (!standin_open(&s) || on_gpu()) return standin_close(&s);
+    /* pinned memory refused: MT_ERR_OOM naming the amount, nothing held */
+    setenv("MT_FAKE_CUDA_PINNED", "65536", 1);
+    mt_context *ctx = cuda_context();
+    if (!ctx) {
+        unsetenv("MT_FAKE_CUDA_PINNED");
+        return standin_close(&s);
+    }
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    mt_trainer_config tc;
+    config(&tc, MT_OPT_ADAMW, MT_PREC_FP32, 0, MT_PLACE_HOST);
+    mt_trainer *t = NULL;
+    const unsigned long long pinned0 = s.stat("pinned");
+    CHECK_ST(MT_ERR_OOM, mt_trainer_create(m, &tc, &t));
+    CHECK_MSG(strstr(mt_last_error(ctx), "cuMemHostAlloc of ") &&
+                  strstr(mt_last_error(ctx), "pinned host memory"),
+              "%s", mt_last_error(ctx));
+    CHECK_EQ(s.stat("pinned"), pinned0);
+    mt_memory_stats host;
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_HOST, &host));
+    CHECK_EQ(host.live_bytes, 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    unsetenv("MT_FAKE_CUDA_PINNED");
+
+    ctx = cuda_context();
+    m = check_small_gpt(ctx, V, T, 64, 11);
+    /* settings it does not take */
+    config(&tc, MT_OPT_ADAMW, MT_PREC_BF16, 0, MT_PLACE_HOST);
+    tc.master_weights = 0;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "master weights"));
+    config(&tc, MT_OPT_ADAMW4, MT_PREC_FP32, 0, MT_PLACE_HOST);
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "4-bit"));
+    /* a failed copy down: the step fails with the driver's word, the next one runs */
+    config(&tc, MT_OPT_ADAMW, MT_PREC_BF16, 0, MT_PLACE_HOST);
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    check_token_batch(&b, tok, tg, B, T, V, 0);
+    s.fail("cuMemcpyAsync", 3, 700 /* CUDA_ERROR_ILLEGAL_ADDRESS */);
+    CHECK_ST(MT_ERR_DEVICE, mt_trainer_step(t, &b, NULL));
+    CHECK_MSG(strstr(mt_last_error(ctx), "cuMemcpyAsync"), "%s", mt_last_error(ctx));
+    /* a failed upload (on the update thread): reported by the step */
+    s.fail("cuEventRecord", 9, 700);
+    CHECK_ST(MT_ERR_DEVICE, mt_trainer_step(t, &b, NULL));
+    CHECK_MSG(strstr(mt_last_error(ctx), "host offload") || strstr(mt_last_error(ctx), "cuEventRecord"),
+              "%s", mt_last_error(ctx));
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    /* the masters in host memory through the model's parameters */
+    const size_t P = mt_model_num_params(m);
+    float *w = check_alloc(P * 4), *w2 = check_alloc(P * 4);
+    for (size_t e = 0; e < P; e++) w[e] = (float)e * 1e-6f;
+    CHECK_OKC(ctx, mt_model_set_params(m, w, P));
+    CHECK_OKC(ctx, mt_model_get_params(m, w2, P));
+    CHECK(memcmp(w, w2, P * 4) == 0);
+    mt_trainer_destroy(t);
+    CHECK_OKC(ctx, mt_model_get_params(m, w2, P)); /* back on the device, in fp32 */
+    CHECK(memcmp(w, w2, P * 4) == 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    /* a CPU context: host offload is the device's own memory */
+    ctx = check_cpu_context(1);
+    m = check_small_gpt(ctx, V, T, 64, 11);
+    config(&tc, MT_OPT_ADAMW, MT_PREC_FP32, 0, MT_PLACE_HOST);
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "CUDA context"));
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    standin_close(&s);
+}
+
+/* ---- on a GPU (MT_TEST_GPU=1; the GPU bundle's engine group) ---- */
+
+/* Four steps of the small GPT; the losses and the weights come back, and
+ * the peaks per class and per place equal the estimate. */
+static void gpu_train(mt_context *ctx, mt_optimizer_kind opt, mt_precision prec, int fused,
+                      mt_place place, float *loss, float *w)
+{
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    mt_trainer_config tc;
+    config(&tc, opt, prec, fused, place);
+    mt_estimate_report est;
+    mt_trainer *t = trained(ctx, m, &tc, &est, 4, loss);
+    mt_memory_stats host;
+    CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_HOST, &host));
+    for (int k = 0; k < MT_MEM_COUNT; k++)
+        CHECK_EQ(host.per_class[k].peak_live_bytes, est.place_class_peak[MT_PLACE_HOST][k]);
+    CHECK_OKC(ctx, mt_model_get_params(m, w, mt_model_num_params(m)));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+}
+
+/* Host offload (the CPU op table's update) against the resident run (the
+ * CUDA table's): the same losses and weights but for the two tables'
+ * rounding, for each optimizer it takes, fp32 and mixed, fused or not. */
+TEST(gpu_engine_host_offload_matches_resident)
+{
+    mt_context *ctx = check_gpu_context();
+    if (!ctx) return;
+    static const struct {
+        mt_optimizer_kind opt;
+        mt_precision prec;
+        int fused;
+    } cases[] = {{MT_OPT_ADAMW, MT_PREC_FP32, 0},    {MT_OPT_ADAMW, MT_PREC_BF16, 1},
+                 {MT_OPT_ADAMW8, MT_PREC_FP16, 0},   {MT_OPT_SGD, MT_PREC_FP32, 1},
+                 {MT_OPT_ADAFACTOR, MT_PREC_BF16, 0}};
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    const size_t P = mt_model_num_params(m);
+    mt_model_destroy(m);
+    float *w0 = check_alloc(P * 4), *w1 = check_alloc(P * 4), l0[4], l1[4];
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        gpu_train(ctx, cases[c].opt, cases[c].prec, cases[c].fused, MT_PLACE_DEVICE, l0, w0);
+        gpu_train(ctx, cases[c].opt, cases[c].prec, cases[c].fused, MT_PLACE_HOST, l1, w1);
+        const double tol = cases[c].prec == MT_PREC_FP32 ? 1e-4 : 2e-2;
+        for (int s = 0; s < 4; s++)
+            CHECK_MSG(fabs(l0[s] - l1[s]) <= tol * fabs(l0[s]), "%s: step %d loss %g resident, %g host",
+                      mt_optimizer_name(cases[c].opt), s, l0[s], l1[s]);
+        double worst = 0;
+        for (size_t e = 0; e < P; e++) {
+            const double d = fabs(w0[e] - w1[e]) / (fabs(w0[e]) + 1e-2);
+            if (d > worst) worst = d;
+        }
+        CHECK_MSG(worst <= tol, "%s prec %d: weights differ by %g (relative)",
+                  mt_optimizer_name(cases[c].opt), (int)cases[c].prec, worst);
+    }
+    mt_context_destroy(ctx);
+}
