@@ -234,7 +234,16 @@ expect 0 "estimate table with disk offload" -- "$tool" estimate --layers 1 --hea
 grep -q "disk .* MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: estimate table's disk"; cat "$tmp/out"; fail=1; }
 expect 2 "--offload disk without a directory" -- "$tool" train --model gpt --offload disk
 expect 2 "--offload-dir without --offload disk" -- "$tool" train --model gpt --offload-dir "$tmp/off"
-expect 2 "--offload host" -- "$tool" train --model gpt --offload host
+expect 1 "--offload host on the CPU" -- "$tool" train --model gpt --steps 1 --offload host
+grep -q "CUDA context" "$tmp/err" || { echo "FAIL tool: --offload host on the CPU message"; cat "$tmp/err"; fail=1; }
+expect 0 "estimate with host offload" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --json
+grep -q '"host_class_peak": {"PARAM": [1-9][0-9]*, "MASTER": [1-9][0-9]*, "GRAD": [1-9][0-9]*, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: host offload estimate"; cat "$tmp/out"; fail=1; }
+# auto-fit may put the state on disk when --offload-dir names a place for it
+expect 0 "estimate --autofit --offload-dir" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp"
+grep -q "the optimizer state on disk" "$tmp/out" && grep -q "disk .*MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: autofit offload choice"; cat "$tmp/out"; fail=1; }
+expect 0 "estimate --autofit --offload-dir, json" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp" --json
+grep -q '"offload": "disk"' "$tmp/out" || { echo "FAIL tool: autofit offload json"; cat "$tmp/out"; fail=1; }
+expect 2 "estimate --offload-dir without --autofit" -- "$tool" estimate --offload-dir "$tmp"
 expect 1 "--offload-dir that is not a directory" -- "$tool" train --model gpt --steps 1 --offload disk --offload-dir "$tmp/nope"
 grep -q "nope" "$tmp/err" || { echo "FAIL tool: offload dir message"; cat "$tmp/err"; fail=1; }
 expect 1 "--distill-alpha outside [0, 1]" -- "$tool" train --model gpt --steps 1 --teacher "$tmp/m.llmc" --distill-alpha 1.5

@@ -44,6 +44,7 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
                "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d",
                fit->micro_batch, fit->optimizer == MT_OPT_ADAMW8 ? "adamw8" : "as configured",
                fit->recomputed_units, fit->selective_units, fit->units);
+        printf(", \"offload\": \"%s\"", fit->offload == MT_PLACE_DISK ? "disk" : "none");
         cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
         printf("}");
     }
@@ -83,10 +84,12 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
     printf("\n");
     if (o->autofit)
         printf("auto-fit for %.1f MiB: micro-batches of %d rows, %s, %d of %d units "
-               "recomputed, %d selective (model: %.0f tokens/s)\n",
+               "recomputed, %d selective%s (model: %.0f tokens/s)\n",
                o->budget_mib, fit->micro_batch,
                fit->optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW" : "the configured optimizer",
-               fit->recomputed_units, fit->units, fit->selective_units, fit->tokens_per_second);
+               fit->recomputed_units, fit->units, fit->selective_units,
+               fit->offload == MT_PLACE_DISK ? ", the optimizer state on disk" : "",
+               fit->tokens_per_second);
     const bool off = e->place_peak[MT_PLACE_HOST] || e->place_peak[MT_PLACE_DISK];
     printf("%-7s %14s %14s", "class", "at the peak", "own peak");
     if (off) printf(" %14s %14s", "host", "disk");

@@ -363,8 +363,10 @@ static const opt table[] = {
        "(host: CUDA), or in scratch files on disk, brought in piece by piece for the update "
        "(disk: CPU) (none)",
        "the same, the disk's bytes shown apart (none)"),
-    STR("--offload-dir", "DIR", CLI_TRAIN, CLI_ANY, offload_dir,
-        "the directory --offload disk makes its scratch directory in"),
+    {"--offload-dir", "DIR", TE, CLI_ANY, K_STR, OFF(offload_dir), 0, 0, NULL, NULL,
+     "the directory --offload disk makes its scratch directory in",
+     "with --autofit: auto-fit may put the state on disk there when nothing fits on the "
+     "device (CPU; nothing is made)"},
     LONG("--ranks", "N", CLI_ESTIMATE, CLI_ANY, ranks, 1, 65536, NULL,
          "one rank of N data-parallel ranks; --batch is the global batch (1)"),
     LONG("--rank", "R", CLI_ESTIMATE, CLI_ANY, rank, 0, 65535, NULL, "which rank (0)"),
@@ -563,6 +565,8 @@ static int settle(cli_opts *o)
     if (cmd == CLI_ESTIMATE) {
         if (o->autofit && !o->budget_mib) return cli_bad_usage("%s", "--autofit needs --budget");
         if (o->allow8 && !o->autofit) return cli_bad_usage("%s", "--allow-8bit is for --autofit");
+        if (o->offload_dir && !o->autofit && o->offload != MT_PLACE_DISK)
+            return cli_bad_usage("%s", "--offload-dir is for --autofit (or --offload disk)");
         if (o->recompute == MT_RECOMPUTE_BUDGET && !o->budget_mib)
             return cli_bad_usage("%s", "--recompute budget needs --budget");
         return 0;
