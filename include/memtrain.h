@@ -1046,8 +1046,11 @@ typedef struct mt_trainer_config {
      * or truncated) is MT_ERR_IO naming the file; the scratch files are then
      * removed and the trainer refuses further steps (load a training-state
      * file into a new one). The masters being on disk, mt_model_get_params
-     * and set_params read and write them there. Not yet on a run of
-     * several ranks or on CUDA contexts (MT_ERR_UNSUPPORTED).
+     * and set_params read and write them there. On a run of several ranks
+     * (ZeRO stages 0, 1 and 2) each rank keeps its own part (its shard at
+     * stages 1 and 2) in offload_dir/memtrain-scratch.rankR, and
+     * training-state files are the resident run's; fp16/bf16 masters at
+     * stages 1 and 2, stage 3 and CUDA contexts are MT_ERR_UNSUPPORTED.
      * MT_PLACE_HOST (CUDA contexts of one rank): in page-locked host memory
      * (cuMemHostAlloc; place host). Each gradient goes down to the host as
      * backward finishes it (a piece at a time, through a few staging buffers

@@ -277,6 +277,22 @@ static void sv_section(saver *v, uint32_t kind, const void *data, size_t n)
     sv_write(v, data, n);
 }
 
+/* Bytes [at, at + n) of rank r's part of an offloaded tensor (at home on
+ * disk, lib/offload.c: read there on rank r) into v->buf on the writer.
+ * Returns a communication failure. */
+static mt_status fetch_home(saver *v, const ck_tensor *c, int r, uint64_t at, size_t n)
+{
+    mt_trainer *t = v->t;
+    mt_status ls = MT_OK;
+    if ((!v->collective || t->rank == r) && !v->ws)
+        ls = mti_offload_read(t->off, c->param, c->what, at, v->buf, n);
+    if (ls && !v->ws) v->ws = ls;
+    if (!v->collective || r == 0) return MT_OK; /* (the writer's own) */
+    char what[64];
+    snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", r);
+    return mti_comm_broadcast(t->ctx, what, v->buf, n, MT_COMM_BYTE, r);
+}
+
 /* Bytes [at, at + n) of rank r's part (src: its local memory, on rank r)
  * into v->buf on the writer. Returns a communication failure. */
 static mt_status fetch(saver *v, int r, const char *src, size_t n)
@@ -335,9 +351,9 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
             return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts out of order");
         for (uint64_t at = 0; at < len; at += CK_CHUNK) {
             size_t n = len - at < CK_CHUNK ? (size_t)(len - at) : CK_CHUNK;
-            if (t->off && c->what) { /* at home on disk (lib/offload.c) */
-                mt_status ls = v->ws ? MT_OK : mti_offload_read(t->off, c->param, c->what, at, v->buf, n);
-                if (ls) v->ws = ls;
+            if (t->off && c->what) { /* at home on disk (lib/offload.c): rank r's part */
+                mt_status cs = fetch_home(v, c, r, at, n);
+                if (cs) return cs;
             } else {
                 mt_status cs = fetch(v, r, (const char *)c->t->blk.ptr + at, n);
                 if (cs) return cs;
@@ -688,7 +704,8 @@ static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, si
     mti_device *d = u->ctx->dev;
     uint64_t lo = at > u->off ? at : u->off, hi = at + n < u->off + u->len ? at + n : u->off + u->len;
     if (lo < hi && u->off_home)
-        return mti_offload_write(u->off_home, u->param, u->what, lo, p + (lo - at), (size_t)(hi - lo));
+        return mti_offload_write(u->off_home, u->param, u->what, lo - u->off, p + (lo - at),
+                                 (size_t)(hi - lo)); /* (the rank's part, from its start) */
     return lo < hi ? d->copy_h2d(d, u->dst + (lo - u->off), p + (lo - at), (size_t)(hi - lo)) : MT_OK;
 }
 

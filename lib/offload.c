@@ -59,8 +59,12 @@ enum { S_FREE, S_READING, S_CLEAN, S_DIRTY, S_WRITING };
 
 typedef struct off_param {
     size_t piece;                  /* elements per piece; 0: nothing offloaded */
+    size_t lo, hi;                 /* this rank's elements (ZeRO 1 and 2: its shard) */
+    size_t k0;                     /* the grid's piece holding element lo */
     int first, count;              /* its pieces in the global numbering */
-    uint64_t st_off[MTI_OPT_SLOTS]; /* its state's regions in optim.bin */
+    uint64_t st_off[MTI_OPT_SLOTS]; /* its state's regions in optim.bin (this rank's
+                                      elements' state) */
+    int64_t st0[MTI_OPT_SLOTS];    /* the state element of element lo */
     uint64_t m_off;                /* its master's region in master.bin */
 } off_param;
 
@@ -124,13 +128,29 @@ static uint64_t state_part(const mti_offload *o, int i, int j, size_t at, size_t
     return (uint64_t)mti_optim_state_numel(l, at, n) * mti_dtype_size(l->dtype);
 }
 
+/* Piece k of the grid of parameter i, cut to this rank's elements. */
+static void grid_piece(const off_param *q, size_t k, size_t *at, size_t *n)
+{
+    const size_t a = k * q->piece, b = a + q->piece < q->hi ? a + q->piece : q->hi;
+    *at = a > q->lo ? a : q->lo;
+    *n = b - *at;
+}
+
 static void piece_range(const mti_offload *o, int p, int *i, size_t *at, size_t *n)
 {
     *i = o->param_of[p];
     const off_param *q = &o->pp[*i];
-    const size_t numel = o->t->model->params[*i].numel;
-    *at = (size_t)(p - q->first) * q->piece;
-    *n = numel - *at < q->piece ? numel - *at : q->piece;
+    grid_piece(q, q->k0 + (size_t)(p - q->first), at, n);
+}
+
+/* Bytes of slot j's state (j >= 0) or of the master (-1) of this rank's
+ * elements of parameter i. */
+static uint64_t region_bytes(const mti_offload *o, int i, int j)
+{
+    const off_param *q = &o->pp[i];
+    if (j < 0) return (uint64_t)(q->hi - q->lo) * 4;
+    const mti_opt_state *l = &o->t->ps[i].lay.s[j];
+    return (uint64_t)mti_optim_state_numel(l, q->lo, q->hi - q->lo) * mti_dtype_size(l->dtype);
 }
 
 /* Lays out the files and the pieces; sizes the slots. */
@@ -148,22 +168,25 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes)
         for (int i = 0; i < m->n_param; i++) {
             const mti_param *p = &m->params[i];
             off_param *q = &o->pp[i];
-            if (p->frozen) continue;
+            q->lo = t->sh[i].lo, q->hi = t->sh[i].hi; /* (all of it on one rank) */
+            if (p->frozen || q->hi == q->lo) continue; /* no state, or another rank's */
             const size_t piece = t->opt->sliceable ? mti_offload_piece_elems : p->numel;
             q->piece = piece < p->numel ? piece : p->numel;
             q->first = np;
-            q->count = (int)((p->numel + q->piece - 1) / q->piece);
+            q->k0 = q->lo / q->piece;
+            q->count = (int)((q->hi - 1) / q->piece - q->k0 + 1);
             for (int j = 0; j < MTI_OPT_SLOTS; j++) {
                 const mti_opt_state *l = &t->ps[i].lay.s[j];
                 q->st_off[j] = fo[F_OPTIM];
-                fo[F_OPTIM] += up((uint64_t)l->numel * mti_dtype_size(l->dtype));
+                q->st0[j] = l->per > 0 ? (int64_t)q->lo / l->per : 0;
+                fo[F_OPTIM] += up(region_bytes(o, i, j));
             }
             q->m_off = fo[F_MASTER];
-            if (o->masters) fo[F_MASTER] += up((uint64_t)p->numel * 4);
+            if (o->masters) fo[F_MASTER] += up(region_bytes(o, i, -1));
             for (int k = 0; k < q->count; k++, np++) {
                 if (pass) o->param_of[np] = i;
-                const size_t at = (size_t)k * q->piece;
-                const size_t n = p->numel - at < q->piece ? p->numel - at : q->piece;
+                size_t at, n;
+                grid_piece(q, q->k0 + (size_t)k, &at, &n);
                 uint64_t b = 0;
                 for (int j = 0; j < MTI_OPT_SLOTS; j++) {
                     int64_t s0;
@@ -215,7 +238,10 @@ static int clean_dir(const char *dir)
 static mt_status make_dir(mti_offload *o, const char *base)
 {
     mt_context *ctx = o->ctx;
-    if (snprintf(o->dir, sizeof o->dir, "%s/%s", base, DIRNAME) >= (int)sizeof o->dir)
+    char name[64]; /* one directory per rank of a run of several */
+    if (ctx->world > 1) snprintf(name, sizeof name, "%s.rank%d", DIRNAME, ctx->rank);
+    else snprintf(name, sizeof name, "%s", DIRNAME);
+    if (snprintf(o->dir, sizeof o->dir, "%s/%s", base, name) >= (int)sizeof o->dir)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "offload: the directory name '%s' is too long", base);
     snprintf(o->lock, sizeof o->lock, "%s/lock", o->dir);
     struct stat sb;
@@ -350,20 +376,20 @@ static void slot_io(mti_offload *o, off_slot *sl, int wr)
         if (o->bytes[f] && (sl->err = file_ok(o, f))) sl->err_file = f;
     /* the tensor's last piece moves up to its region's end (aligned); the
        others their own bytes (aligned at the library's piece size) */
-    const int last = at + n == o->t->model->params[i].numel;
+    const int last = at + n == q->hi;
     uint64_t boff = 0;
     for (int j = 0; j < MTI_OPT_SLOTS && !sl->err; j++) {
         int64_t s0;
         const uint64_t b = state_part(o, i, j, at, n, &s0);
         if (!b) continue;
         const size_t es = mti_dtype_size(o->t->ps[i].lay.s[j].dtype);
-        const uint64_t fo = q->st_off[j] + (uint64_t)s0 * es;
+        const uint64_t fo = q->st_off[j] + (uint64_t)(s0 - q->st0[j]) * es;
         sl->err = move(o, F_OPTIM, wr, sl->st + boff, last && fo % ALIGN == 0 ? up(b) : b, fo);
         sl->err_file = F_OPTIM;
         boff += up(b);
     }
     if (!sl->err && o->masters) {
-        const uint64_t fo = q->m_off + (uint64_t)at * 4;
+        const uint64_t fo = q->m_off + (uint64_t)(at - q->lo) * 4;
         sl->err = move(o, F_MASTER, wr, sl->ms, last && fo % ALIGN == 0 ? up((uint64_t)n * 4) : (uint64_t)n * 4, fo);
         sl->err_file = F_MASTER;
     }
@@ -480,11 +506,16 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
     if (ctx->dev->kind != MT_DEVICE_CPU)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload disk is supported on CPU contexts only, for now", fn);
-    if (ctx->world > 1)
+    if (ctx->world > 1 && c->zero_stage > 2)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload disk on a run of %d ranks is not supported yet (one rank "
-                        "only)",
-                        fn, ctx->world);
+                        "%s: cfg->offload disk with ZeRO stage %d is not supported (stages 0, 1 "
+                        "and 2 are)",
+                        fn, c->zero_stage);
+    if (ctx->world > 1 && c->zero_stage && c->precision != MT_PREC_FP32 && c->master_weights)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->offload disk with ZeRO stage %d keeps no fp32 master slices "
+                        "on disk yet: train in fp32, in bf16 without masters, or at stage 0",
+                        fn, c->zero_stage);
     if (!ctx->dry && (!c->offload_dir || !*c->offload_dir))
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "%s: cfg->offload disk needs cfg->offload_dir, the directory for the "
@@ -519,7 +550,7 @@ static mt_status write_fresh(mti_offload *o)
         if (!o->pp[i].piece) continue;
         for (int j = 0; j < MTI_OPT_SLOTS; j++) {
             const mti_opt_state *l = &t->ps[i].lay.s[j];
-            const uint64_t b = up((uint64_t)l->numel * mti_dtype_size(l->dtype));
+            const uint64_t b = up(region_bytes(o, i, j));
             if (b) memset(sl->st, l->fill, cap);
             for (uint64_t d = 0; d < b; d += cap) {
                 const size_t n = b - d < cap ? (size_t)(b - d) : cap;
@@ -652,7 +683,7 @@ mt_status mti_offload_acquire(mti_offload *o, int i, size_t at)
 {
     if (o->failed) return lost(o);
     const off_param *q = &o->pp[i];
-    const int p = q->first + (int)(at / q->piece);
+    const int p = q->first + (int)(at / q->piece - q->k0);
     mt_status s = MT_OK;
     int v = find(o, p);
     if (v < 0) {
@@ -743,11 +774,9 @@ static mt_status drop_slots(mti_offload *o)
 static mt_status region(mti_offload *o, int i, int what, uint64_t off, size_t n, int *f,
                         uint64_t *at)
 {
-    const mti_opt_state *l = what >= 2 ? &o->t->ps[i].lay.s[what - 2] : NULL;
-    const uint64_t size = l ? (uint64_t)l->numel * mti_dtype_size(l->dtype)
-                            : (uint64_t)o->t->model->params[i].numel * 4;
+    const int l = what >= 2;
     if ((what == 1 && !o->masters) || what < 1 || what >= 2 + MTI_OPT_SLOTS || !o->pp[i].piece ||
-        off + n > size)
+        off + n > region_bytes(o, i, what - 2 >= 0 ? what - 2 : -1))
         return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: no bytes [%llu, +%zu) of tensor %d.%d",
                         (unsigned long long)off, n, i, what);
     *f = l ? F_OPTIM : F_MASTER;

@@ -32,6 +32,8 @@ run train 2 "$B/mpi/train_mpi_test" train
 run train 3 "$B/mpi/train_mpi_test" train
 run local 2 "$B/mpi/train_mpi_test" local
 run local 3 "$B/mpi/train_mpi_test" local
+run offload 2 "$B/mpi/train_mpi_test" offload
+run offload 3 "$B/mpi/train_mpi_test" offload
 run disagree 2 "$B/mpi/train_mpi_test" disagree
 run stall 2 "$B/mpi/train_mpi_test" stall
 # ZeRO stages 0-2 with bf16, fp16 (loss scaling) and other optimizers

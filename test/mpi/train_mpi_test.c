@@ -35,6 +35,12 @@
  *   train_mpi_test local      local SGD (every 2 steps): after 2 steps every
  *                             rank holds the mean of what each rank computes
  *                             alone on its rows
+ *   train_mpi_test offload    ZeRO stages 0, 1 and 2 with the optimizer state
+ *                             on disk (each rank its part's): the resident
+ *                             run's losses, weights and training-state file
+ *                             bit for bit; the file loads into an offloaded
+ *                             trainer and saves the same bytes again; each
+ *                             rank's peaks (device, disk) equal its estimate
  *
  * Prints "ok <what>" on rank 0 when it passes.
  */
@@ -46,6 +52,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -103,6 +110,9 @@ typedef struct how {
     int lone;       /* rank 0 alone evaluates (and at stage 0 saves) after step 0 */
     double step_s;  /* out: the last step's seconds */
     double lone_s;  /* out: the seconds rank 0's lone calls took */
+    const char *offload; /* the state on disk in this directory (NULL: resident) */
+    const char *save;    /* a training-state file saved after the steps */
+    const char *load;    /* ... loaded before them */
 } how;
 
 static double now_s(void)
@@ -169,6 +179,36 @@ static void *kill_later(void *arg)
     return NULL;
 }
 
+/* Whether this rank's bytes on disk (its part of the offloaded state) are
+ * its estimate's, per class, and some. */
+static bool disk_matches(mt_context *ctx, mt_model *m, const mt_trainer_config *tc)
+{
+    mt_estimate_report e;
+    mt_memory_stats disk;
+    if (mt_estimate_model(m, tc, &e) || mt_context_place_stats(ctx, MT_PLACE_DISK, &disk))
+        return false;
+    bool ok = disk.peak_live_bytes == e.place_peak[MT_PLACE_DISK] && disk.peak_live_bytes > 0;
+    for (int k = 0; k < MT_MEM_COUNT; k++)
+        ok = ok && disk.per_class[k].peak_live_bytes == e.place_class_peak[MT_PLACE_DISK][k];
+    if (!ok) fprintf(stderr, "rank %d: disk peak %llu, estimate %llu\n", rank,
+                     (unsigned long long)disk.peak_live_bytes,
+                     (unsigned long long)e.place_peak[MT_PLACE_DISK]);
+    return ok;
+}
+
+static bool same_file(const char *a, const char *b)
+{
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    bool same = fa && fb;
+    for (int x = 0, y = 0; same && (x != EOF || y != EOF);) {
+        x = fgetc(fa), y = fgetc(fb);
+        same = x == y;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
 /* What a rank may do alone: evaluate (its own rows, no communication)
  * and, at stage 0, save (every rank holds the whole state). */
 static mt_status lone_calls(mt_trainer *t, const mt_batch *b, how *hw)
@@ -222,10 +262,12 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
         if (tc.fused_step) tc.micro_batch = n; /* alone: the whole batch at once */
         tc.zero_stage = comm ? hw->stage : 0;
     }
+    if (hw->offload) tc.offload = MT_PLACE_DISK, tc.offload_dir = hw->offload;
     mt_context *ctx;
     mt_model *m;
     mt_trainer *t;
     mt_status s = open_trainer(comm, &g, NULL, &tc, &ctx, &m, &t);
+    if (!s && hw->load) s = mt_trainer_load(t, hw->load, NULL, 0, NULL);
     int32_t tok[64 * T], tgt[64 * T];
     for (int step = 0; step < (hw->steps ? hw->steps : STEPS) && !s; step++) {
         if (step == 1 && rank == stall_rank) {
@@ -242,7 +284,9 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
         hw->step_s = now_s() - t0;
         if (!s && step == 0 && hw->lone && rank == 0) s = lone_calls(t, &b, hw);
     }
-    if (!s && hw->zc && comm && !estimate_matches(ctx, m, &tc, msg, cap)) {
+    if (!s && hw->offload && !hw->load && !disk_matches(ctx, m, &tc)) failed = 1;
+    if (!s && hw->save) s = mt_trainer_save(t, hw->save, NULL, 0);
+    if (!s && hw->zc && comm && !hw->load && !estimate_matches(ctx, m, &tc, msg, cap)) {
         fprintf(stderr, "rank %d: %s, stage %d: %s\n", rank, hw->zc->name, hw->stage, msg);
         failed = 1;
     }
@@ -485,6 +529,60 @@ static void local_sgd(mt_comm *c)
     free(ref);
 }
 
+/* ZeRO 0, 1 and 2 (AdamW in fp32, clipping) with the state on disk
+ * against the same ranks resident. */
+static void offload(mt_comm *c)
+{
+    static const zcase zc = {"adamw fp32 clip", MT_OPT_ADAMW, MT_PREC_FP32, 0.5f, 0};
+    char dir[64], f0[96], f1[96], f2[96], msg[1024] = "";
+    snprintf(dir, sizeof dir, "/tmp/mt_mpi_off_%d", (int)getppid());
+    if (rank == 0) mkdir(dir, 0700);
+    MPI_Barrier(MPI_COMM_WORLD);
+    snprintf(f0, sizeof f0, "%s/resident.mtt", dir);
+    snprintf(f1, sizeof f1, "%s/offloaded.mtt", dir);
+    snprintf(f2, sizeof f2, "%s/again.mtt", dir);
+    for (int stage = 0; stage <= 2 && !failed; stage++) {
+        how res = {.zc = &zc, .stage = stage, .save = f0};
+        how off = {.zc = &zc, .stage = stage, .offload = dir, .save = f1};
+        how again = {.zc = &zc, .stage = stage, .offload = dir, .load = f1, .steps = 1, .save = f2};
+        how again_res = {.zc = &zc, .stage = stage, .load = f0, .steps = 1, .save = f0};
+        float l0[STEPS], l1[STEPS];
+        float *w0 = NULL, *w1 = NULL;
+        size_t n0 = 0, n1 = 0;
+        mt_status s = train_how(c, 16, -1, &res, l0, &w0, &n0, msg, sizeof msg);
+        if (!s) s = train_how(c, 16, -1, &off, l1, &w1, &n1, msg, sizeof msg);
+        EXPECT(s == MT_OK);
+        if (s) fprintf(stderr, "rank %d: stage %d: %s\n", rank, stage, msg);
+        EXPECT(w0 && w1 && n0 == n1 && !memcmp(w0, w1, n0 * sizeof *w0));
+        EXPECT(!memcmp(l0, l1, sizeof l0));
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (rank == 0) EXPECT(same_file(f0, f1));
+        /* a step more from each file: the same bytes again */
+        free(w0), free(w1), w0 = w1 = NULL;
+        s = train_how(c, 16, -1, &again, l1, &w1, &n1, msg, sizeof msg);
+        if (!s) s = train_how(c, 16, -1, &again_res, l0, &w0, &n0, msg, sizeof msg);
+        EXPECT(s == MT_OK);
+        if (s) fprintf(stderr, "rank %d: stage %d, loaded: %s\n", rank, stage, msg);
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (rank == 0) EXPECT(same_file(f0, f2));
+        free(w0), free(w1);
+        int bad = failed;
+        MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        failed = bad;
+        MPI_Barrier(MPI_COMM_WORLD);
+    }
+    if (rank == 0) {
+        unlink(f0), unlink(f1), unlink(f2);
+        EXPECT(rmdir(dir) == 0); /* no rank's scratch directory is left */
+        if (!failed)
+            printf("ok offload: %d ranks, ZeRO 0, 1 and 2 with the state on disk: the resident "
+                   "run's losses, weights and files, bit for bit; each rank's peaks, device "
+                   "and disk, its estimate's\n",
+                   size);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "train";
@@ -529,6 +627,8 @@ int main(int argc, char **argv)
         MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
         if (rank == 0 && !bad) printf("ok disagree: every rank refused: %s\n", msg);
         failed = bad;
+    } else if (!strcmp(mode, "offload")) {
+        offload(c);
     } else if (!strcmp(mode, "local")) {
         local_sgd(c);
     } else if (!strcmp(mode, "stall")) {
