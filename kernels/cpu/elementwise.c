@@ -36,46 +36,26 @@ static inline float tanh_f(float u)
     return copysignf(t, u);
 }
 
-/* GELU and its derivative at v (the gradient times dy) */
-static inline float gelu_of(float v)
-{
-    float t = tanh_f(GELU_K * (v + GELU_C * v * v * v));
-    return 0.5f * v * (1.0f + t);
-}
-
-static inline float gelu_grad_of(float dy, float v)
-{
-    float t = tanh_f(GELU_K * (v + GELU_C * v * v * v));
-    float du = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
-    return dy * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
-}
-
 WIDE_CLONES static void gelu_fwd_n(float *y, const float *x, size_t n)
 {
 #pragma omp simd
-    for (size_t i = 0; i < n; i++) y[i] = gelu_of(x[i]);
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        float t = tanh_f(GELU_K * (v + GELU_C * v * v * v));
+        y[i] = 0.5f * v * (1.0f + t);
+    }
 }
 
 /* d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2), t = tanh(u) */
 WIDE_CLONES static void gelu_bwd_n(float *dx, const float *dy, const float *x, size_t n)
 {
 #pragma omp simd
-    for (size_t i = 0; i < n; i++) dx[i] = gelu_grad_of(dy[i], x[i]);
-}
-
-/* The same two in bf16, read and written in place: the fp32 loops' bits
- * (each value widened exactly, computed as above, rounded once), without
- * the staging buffers' extra passes. */
-WIDE_CLONES static void gelu_fwd_b16(uint16_t *y, const uint16_t *x, size_t n)
-{
-#pragma omp simd
-    for (size_t i = 0; i < n; i++) y[i] = f2b(gelu_of(b2f(x[i])));
-}
-
-WIDE_CLONES static void gelu_bwd_b16(uint16_t *dx, const uint16_t *dy, const uint16_t *x, size_t n)
-{
-#pragma omp simd
-    for (size_t i = 0; i < n; i++) dx[i] = f2b(gelu_grad_of(b2f(dy[i]), b2f(x[i])));
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i];
+        float t = tanh_f(GELU_K * (v + GELU_C * v * v * v));
+        float du = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
+        dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    }
 }
 
 /* NaN passes through (x < 0 is false for it), as in torch */
@@ -140,14 +120,6 @@ static void run(const mti_kctx *k, ew_op op, void *out, const void *a, const voi
     for (size_t c = 0; c < chunks; c++) {
         float ab[CHUNK], bb[CHUNK], ob[CHUNK];
         size_t i = c * CHUNK, m = n - i < CHUNK ? n - i : CHUNK;
-        if (dt == MTI_BF16 && op == OP_GELU_FWD) {
-            gelu_fwd_b16((uint16_t *)out + i, (const uint16_t *)a + i, m);
-            continue;
-        }
-        if (dt == MTI_BF16 && op == OP_GELU_BWD) {
-            gelu_bwd_b16((uint16_t *)out + i, (const uint16_t *)a + i, (const uint16_t *)b + i, m);
-            continue;
-        }
         const float *as = stage_in(a, dt, i, m, ab);
         const float *bs = b ? stage_in(b, dt, i, m, bb) : NULL;
         float *os = stage_at(out, dt, i, ob);
