@@ -282,7 +282,7 @@ def report_long(rundir):
 # bench/op_profile.h's families, by op name
 FAMILIES = [
     ("GEMM", ("matmul_fwd", "matmul_bwd", "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q")),
-    ("optimizer update", ("sgd", "adamw", "adamw8", "adamw4", "adafactor")),
+    ("optimizer update", ("sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor")),
     ("casts", ("cast",)),
     ("attention", ("attention_fwd", "attention_bwd")),
     ("GELU", ("gelu_fwd", "gelu_bwd", "relu_fwd", "relu_bwd")),
@@ -290,7 +290,7 @@ FAMILIES = [
     ("residual add", ("add", "accumulate")),
     ("cross-entropy", ("xent", "xent_kd")),
     ("gradient check, sum of squares", ("unscale_check", "sumsq")),
-    ("embedding", ("embedding_fwd", "embedding_bwd", "embedding_dw_rows")),
+    ("embedding", ("embedding_fwd", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q")),
 ]
 
 
@@ -331,7 +331,11 @@ def report_cpu(rundir):
     ours = [(label, load(rundir, tag, "memtrain")) for tag, label, _, _ in rows]
     print("| op family | " + " | ".join(l for l, _ in ours) + " |")
     print("|---|" + "---|" * len(ours))
-    for fam, ops in FAMILIES:
+    # an op no family names (one added since) gets a row of its own, so the
+    # families always add up to the ops' total
+    known = {o for _, ops in FAMILIES for o in ops}
+    extra = sorted({o for _, r in ours if ok(r) for o in r.get("profile_ms_per_step", {})} - known)
+    for fam, ops in FAMILIES + [(o, (o,)) for o in extra]:
         cells = []
         for _, r in ours:
             if not ok(r) or "profile_ms_per_step" not in r:
