@@ -20,7 +20,10 @@
  *     thread: what the update costs without the table). Also the passes
  *     over the gradients around the update (the non-finite check, the
  *     unscale, the sum of squares of clipping) and the casts of an update
- *     without master weights, against the same bound.
+ *     without master weights, against the same bound; 8-bit AdamW also
+ *     through its portable loops (the AVX-512 block off), and on bf16
+ *     weights without masters both ways: an fp32 slice and two casts, and
+ *     the one-pass adamw8_bf16.
  * (d) The step's other ops: every op of a GPT-2 124M step (B 4, T 64) but
  *     the GEMMs and the update, at the step's shapes, fp32 and bf16 in
  *     turns: ms per call and per step (times its calls per step), bf16
