@@ -33,6 +33,8 @@ static const z3_case z3_cases[] = {
     {"adafactor fp32", MT_OPT_ADAFACTOR, MT_PREC_FP32, 0},
     {"adamw bf16", MT_OPT_ADAMW, MT_PREC_BF16, 0},
     {"sgd bf16 no masters", MT_OPT_SGD, MT_PREC_BF16, Z3_NO_MASTERS},
+    {"adamw fp16 clip", MT_OPT_ADAMW, MT_PREC_FP16, Z3_CLIP},
+    {"adamw8 fp32 fused clip", MT_OPT_ADAMW8, MT_PREC_FP32, Z3_FUSED | Z3_CLIP},
 };
 
 static mt_trainer_config z3_config(const z3_case *k)
