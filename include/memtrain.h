@@ -1026,6 +1026,8 @@ typedef struct mt_trainer_config {
      * least the student's context length, no adapters (merge them first),
      * not the student and without a trainer of its own; it is never changed
      * and is held (mt_model_destroy refuses it) while the trainer lives.
+     * It may be quantized (mt_model_gpt_load_base: its forward runs
+     * through the dequantizing GEMMs, its PARAM is the quantized bytes).
      * alpha in [0, 1] (0.5), T > 0 (2). The step's loss is this loss;
      * mt_trainer_eval stays the cross-entropy. CPU and CUDA contexts. */
     mt_model *teacher;

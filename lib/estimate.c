@@ -96,6 +96,10 @@ static mt_status dry_copy(mt_context *ctx, const mt_model *src, mt_model **out)
     mt_status s = spec_of(src, &kind, &spec, &seq, &ls);
     if (!s) s = dry_model(ctx, kind, spec, out);
     free(ls);
+    /* weights quantized after the model was made (a trainer's cfg.base
+       quantized them while it was a student) */
+    for (int i = 0; !s && i < src->n_param; i++)
+        if (src->params[i].qf) s = mti_param_quantize(*out, i, src->params[i].qf);
     return s;
 }
 

@@ -223,6 +223,14 @@ expect 2 "--save-lora without adapters" -- "$tool" train --model gpt --save-lora
 expect 0 "distilled from a teacher" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --layers 1 --channels 32 --teacher "$tmp/m.llmc" --distill-alpha 0.7 --distill-temp 1.5
 expect 0 "estimate with a teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
 expect 2 "--distill-alpha without --teacher" -- "$tool" train --model gpt --distill-alpha 0.5
+# a quantized teacher: its linear weights NF4 as read, so the estimate's PARAM shrinks
+expect 0 "distilled from an NF4 teacher" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --layers 1 --channels 32 --teacher "$tmp/m.llmc" --teacher-base nf4
+expect 0 "estimate with the fp32 teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
+p32=$(grep -o '"class_peak": {"PARAM": [0-9]*' "$tmp/out" | grep -o '[0-9]*$')
+expect 0 "estimate with an NF4 teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --teacher-base nf4 --json
+pq=$(grep -o '"class_peak": {"PARAM": [0-9]*' "$tmp/out" | grep -o '[0-9]*$')
+[ -n "$p32" ] && [ -n "$pq" ] && [ "$pq" -lt "$p32" ] || { echo "FAIL tool: NF4 teacher's PARAM $pq, fp32 $p32"; fail=1; }
+expect 2 "--teacher-base without --teacher" -- "$tool" train --model gpt --teacher-base nf4
 # disk offload: a short run leaves no scratch; the estimate shows the disk's bytes
 mkdir "$tmp/off"
 expect 0 "train with disk offload" -- "$tool" train --model gpt --steps 3 --threads 2 --layers 1 --channels 32 --optimizer adamw --precision bf16 --offload disk --offload-dir "$tmp/off"

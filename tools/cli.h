@@ -75,6 +75,7 @@ typedef struct cli_opts {
     mt_base_format base;     /* --base: the frozen linear weights quantized */
     /* distillation: the teacher's llm.c file, alpha, temperature */
     const char *teacher;
+    mt_base_format teacher_base; /* --teacher-base: its linear weights quantized as read */
     float distill_alpha, distill_temp;
     /* train under mpirun */
     long comm_timeout;       /* seconds a collective may wait for the other ranks */

@@ -156,7 +156,7 @@ int cmd_estimate(int argc, char **argv)
         s = mt_model_mlp_create(ctx, &ml, &m);
     }
     mt_model *teacher = NULL; /* its shape (a dry context holds no weights) */
-    if (!s && o.teacher && !(s = mt_model_gpt_load(ctx, o.teacher, &teacher))) tc.teacher = teacher;
+    if (!s && o.teacher && !(s = mt_model_gpt_load_base(ctx, o.teacher, o.teacher_base, &teacher))) tc.teacher = teacher;
     mt_autofit_report fit = {0};
     if (!s && o.autofit) s = mt_trainer_autofit(m, &tc, o.allow8, &fit);
     mt_estimate_report e;

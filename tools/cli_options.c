@@ -135,15 +135,19 @@ static int set_allocator(cli_opts *o, const char *v)
     return 0;
 }
 
-static int set_base(cli_opts *o, const char *v)
+static int base_named(const char *v, mt_base_format *out)
 {
     for (int f = MT_BASE_FULL; f <= MT_BASE_NF4; f++)
         if (!strcmp(v, mt_base_format_name((mt_base_format)f))) {
-            o->base = (mt_base_format)f;
+            *out = (mt_base_format)f;
             return 0;
         }
     return -1;
 }
+
+static int set_base(cli_opts *o, const char *v) { return base_named(v, &o->base); }
+
+static int set_teacher_base(cli_opts *o, const char *v) { return base_named(v, &o->teacher_base); }
 
 static int set_optimizer(cli_opts *o, const char *v)
 {
@@ -318,6 +322,8 @@ static const opt table[] = {
        NULL),
     STR("--teacher", "FILE", TE, CLI_GPT, teacher,
         "distil from this llm.c model file (a GPT of the same vocabulary)"),
+    FN("--teacher-base", "full|int8|nf4", TE, CLI_GPT, set_teacher_base, "(full, int8, nf4)",
+       "the teacher's linear weights quantized as they are read, int8 or NF4 (full)", NULL),
     FLOAT("--distill-alpha", TE, CLI_GPT, distill_alpha, 0,
           "the KL's weight, in [0, 1]; the cross-entropy's is 1 - X (0.5)"),
     FLOAT("--distill-temp", TE, CLI_GPT, distill_temp, 0, "the distillation temperature, > 0 (2)"),
@@ -581,8 +587,10 @@ static int settle(cli_opts *o)
     if (o->cmd == CLI_TRAIN && o->offload == MT_PLACE_DISK && !o->offload_dir)
         return cli_bad_usage("%s", "--offload disk needs --offload-dir DIR (where the scratch "
                                    "files go)");
-    if (!o->teacher && (given(o, "--distill-alpha") || given(o, "--distill-temp")))
-        return cli_bad_usage("%s", "--distill-alpha and --distill-temp need --teacher FILE");
+    if (!o->teacher && (given(o, "--distill-alpha") || given(o, "--distill-temp") ||
+                        given(o, "--teacher-base")))
+        return cli_bad_usage("%s", "--distill-alpha, --distill-temp and --teacher-base need "
+                                   "--teacher FILE");
     if (!o->lora && (given(o, "--lora-alpha") || given(o, "--lora-targets")))
         return cli_bad_usage("%s", "--lora-alpha and --lora-targets need --lora R");
     if (!o->lora && !o->load_lora && (o->merge_lora || o->save_lora))

@@ -332,7 +332,7 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
     }
     if (!made && o->load_lora) made = mt_model_lora_load(g->model, o->load_lora);
     if (!made && o->teacher) { /* after the student, as the estimate makes it */
-        made = mt_model_gpt_load(ctx, o->teacher, &g->teacher);
+        made = mt_model_gpt_load_base(ctx, o->teacher, o->teacher_base, &g->teacher);
         tc.teacher = g->teacher;
     }
     if (made || mt_estimate_model(g->model, &tc, &g->est) ||
