@@ -1093,10 +1093,19 @@ void mt_trainer_config_init(mt_trainer_config *c);
  * to create), and each step trains on the union of the ranks' batches. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
+/* What mt_trainer_autofit may choose in place of cfg's AdamW (its allow
+ * argument: 0, or these or'ed): 8-bit AdamW state (MT_OPT_ADAMW8), 4-bit
+ * AdamW state (MT_OPT_ADAMW4; tried only with fp32 masters, as it needs
+ * them, and where the op table has its kernel). Opt-in because they change
+ * the numerics (docs/engine.md). */
+#define MT_AUTOFIT_ALLOW_8BIT 1
+#define MT_AUTOFIT_ALLOW_4BIT 2
+
 /* Auto-fit: fits cfg to cfg->memory_budget for an effective batch of
  * cfg->max_batch rows (and cfg->max_seq tokens), without running a step:
- * for each micro-batch size (accumulating over the rest), and with
- * allow_8bit for 8-bit instead of 32-bit AdamW state (and, when none of
+ * for each micro-batch size (accumulating over the rest), and when cfg's
+ * optimizer is AdamW for each optimizer state allow permits instead of its
+ * 32-bit state (and, when none of
  * those fits and cfg->offload_dir names a directory on a CPU context of
  * one rank, each of them again with the state on disk, cfg->offload =
  * MT_PLACE_DISK, saying so in the log), it finds the
@@ -1105,12 +1114,13 @@ void mt_trainer_destroy(mt_trainer *t);
  * micro-batch efficiency, the optimizer update's memory traffic;
  * docs/memory.md); the fastest wins. A configuration whose run would pass
  * an allocator instance's limit_bytes does not fit. cfg gets micro_batch, optimizer (with
- * allow_8bit), recompute = MT_RECOMPUTE_BUDGET and offload. With the fused step only
+ * allow), recompute = MT_RECOMPUTE_BUDGET and offload. With the fused step only
  * whole batches are tried (it cannot accumulate). MT_ERR_BUDGET, with the
- * least need, when nothing fits; cfg is then unchanged. */
+ * least need, when nothing fits; cfg is then unchanged; MT_ERR_INVALID_ARG
+ * for other bits in allow. */
 typedef struct mt_autofit_report {
     int micro_batch;              /* rows per forward/backward pass */
-    mt_optimizer_kind optimizer;  /* AdamW or 8-bit AdamW when allowed; else cfg's */
+    mt_optimizer_kind optimizer;  /* AdamW, or 8-bit or 4-bit AdamW when allowed; else cfg's */
     int units, recomputed_units, selective_units; /* the recompute plan */
     int seg_len;
     uint64_t peak_reserved;       /* the chosen run's estimate */
@@ -1120,7 +1130,7 @@ typedef struct mt_autofit_report {
     int tried;
     mt_place offload;             /* MT_PLACE_DISK when only the state on disk fits */
 } mt_autofit_report;
-mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,
+mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow,
                              mt_autofit_report *out);
 
 /* The recompute plan in use: n (>= mt_model_num_units) unit modes into

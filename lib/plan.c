@@ -320,7 +320,25 @@ static double step_seconds(const mt_model *m, const mt_trainer_config *c, int mi
     return total + (double)m->n_params * update_bytes(c, r) / r->bw;
 }
 
-mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow_8bit,
+/* The optimizers auto-fit tries for cfg (allow: MT_AUTOFIT_ALLOW_* flags):
+ * cfg's own, then 8-bit and 4-bit AdamW state in place of AdamW's where
+ * allowed and possible (4-bit needs fp32 masters and the op table's
+ * kernel). Returns how many. */
+static int fit_optimizers(const mt_model *m, const mt_trainer_config *cfg, int allow,
+                          mt_optimizer_kind out[3])
+{
+    int n = 0;
+    out[n++] = cfg->optimizer;
+    if (cfg->optimizer != MT_OPT_ADAMW) return n;
+    if (allow & MT_AUTOFIT_ALLOW_8BIT) out[n++] = MT_OPT_ADAMW8;
+    const mti_optim *o4 = mti_optim_of(MT_OPT_ADAMW4);
+    if ((allow & MT_AUTOFIT_ALLOW_4BIT) && o4->has_ops(m->ctx->ops) &&
+        (cfg->master_weights || !o4->needs_masters))
+        out[n++] = MT_OPT_ADAMW4;
+    return n;
+}
+
+mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow,
                              mt_autofit_report *out)
 {
     if (!m || !cfg || !out)
@@ -329,8 +347,14 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     if (!cfg->memory_budget)
         return mti_fail(m->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_autofit: cfg->memory_budget is 0 (auto-fit needs a budget)");
+    if (allow & ~(MT_AUTOFIT_ALLOW_8BIT | MT_AUTOFIT_ALLOW_4BIT))
+        return mti_fail(m->ctx, MT_ERR_INVALID_ARG,
+                        "mt_trainer_autofit: allow %d has bits other than MT_AUTOFIT_ALLOW_8BIT "
+                        "(1) and MT_AUTOFIT_ALLOW_4BIT (2)",
+                        allow);
     memset(out, 0, sizeof *out);
-    const bool eight = allow_8bit && cfg->optimizer == MT_OPT_ADAMW;
+    mt_optimizer_kind opts[3];
+    const int n_opts = fit_optimizers(m, cfg, allow, opts);
     /* when nothing fits resident, the state on disk, where it can go */
     const bool may_offload = cfg->offload == MT_PLACE_DEVICE && cfg->offload_dir &&
                              *cfg->offload_dir && m->ctx->dev->kind == MT_DEVICE_CPU &&
@@ -347,10 +371,10 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
         int micro = (cfg->max_batch + passes - 1) / passes;
         if (passes > 1 && (cfg->max_batch + micro - 1) / micro != passes) continue;
         if (cfg->fused_step && micro < cfg->max_batch) break;
-        for (int e8 = 0; e8 <= (eight ? 1 : 0) && !s; e8++) {
+        for (int e = 0; e < n_opts && !s; e++) {
             mt_trainer_config c = *cfg;
             c.micro_batch = micro == cfg->max_batch ? 0 : micro;
-            c.optimizer = e8 ? MT_OPT_ADAMW8 : cfg->optimizer;
+            c.optimizer = opts[e];
             c.recompute = MT_RECOMPUTE_BUDGET;
             if (off) c.offload = MT_PLACE_DISK;
             search q;
@@ -384,7 +408,9 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                 char how[160];
                 mti_plan_describe(m, q.least_units, q.least_seg, how, sizeof how);
                 snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s%s, %s%s", micro,
-                         e8 ? " and 8-bit AdamW" : "", off ? ", the state on disk" : "", how,
+                         !e ? "" : opts[e] == MT_OPT_ADAMW8 ? " and 8-bit AdamW"
+                                                            : " and 4-bit AdamW",
+                         off ? ", the state on disk" : "", how,
                          q.over[0] ? " (plans needing less pass an allocator's limit)" : "");
             }
             search_free(&q);

@@ -682,6 +682,63 @@ TEST(custom_recompute_plan_is_exact)
    micro-batches, 8-bit state) and each chosen config runs within its
    budget; one below anything possible is refused with the least need, the
    config untouched. */
+/* The least auto-fit needs for the budget model with these allow flags,
+ * from its MT_ERR_BUDGET message at a budget nothing meets. */
+static uint64_t autofit_least(int allow)
+{
+    mt_context *ctx;
+    mt_model *m = budget_model(&ctx, 0);
+    mt_trainer_config tc;
+    budget_config(&tc, 1 << 20);
+    mt_autofit_report r;
+    CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &tc, allow, &r));
+    const char *at = strstr(mt_last_error(ctx), "the least is ");
+    CHECK(at != NULL);
+    unsigned long long least = at ? strtoull(at + 13, NULL, 10) : 0;
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+    return least;
+}
+
+/* 4-bit AdamW state is an opt-in of its own (MT_AUTOFIT_ALLOW_4BIT): at a
+ * budget just under the least that 8-bit state needs, auto-fit with 8-bit
+ * allowed finds nothing, and with 4-bit allowed too picks 4-bit AdamW (and
+ * says so in its report), and the run stays within the budget. A roomy
+ * budget keeps 32-bit AdamW (faster by the cost model); other bits in
+ * allow are refused. */
+TEST(autofit_chooses_4bit_state_when_allowed)
+{
+    on_cpu();
+    const uint64_t least8 = autofit_least(MT_AUTOFIT_ALLOW_8BIT);
+    const uint64_t least4 = autofit_least(MT_AUTOFIT_ALLOW_8BIT | MT_AUTOFIT_ALLOW_4BIT);
+    const uint64_t least32 = autofit_least(0);
+    CHECK_MSG(least4 < least8 && least8 < least32, "least: 4-bit %llu, 8-bit %llu, 32-bit %llu",
+              (unsigned long long)least4, (unsigned long long)least8, (unsigned long long)least32);
+    mt_context *ctx;
+    mt_model *m = budget_model(&ctx, 0);
+    mt_trainer_config tc;
+    mt_autofit_report r;
+    const uint64_t budget = least8 - 1;
+    budget_config(&tc, budget);
+    CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &tc, MT_AUTOFIT_ALLOW_8BIT, &r));
+    CHECK_OKC(ctx, mt_trainer_autofit(m, &tc, MT_AUTOFIT_ALLOW_8BIT | MT_AUTOFIT_ALLOW_4BIT, &r));
+    CHECK(r.optimizer == MT_OPT_ADAMW4 && tc.optimizer == MT_OPT_ADAMW4 && r.peak_reserved <= budget);
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    uint64_t peak = run_two(ctx, t, 200);
+    CHECK_MSG(peak <= budget, "peak reserved %llu over the budget %llu", (unsigned long long)peak,
+              (unsigned long long)budget);
+    mt_trainer_destroy(t);
+    budget_config(&tc, least32 * 4);
+    CHECK_OKC(ctx, mt_trainer_autofit(m, &tc, MT_AUTOFIT_ALLOW_4BIT, &r));
+    CHECK(r.optimizer == MT_OPT_ADAMW && tc.optimizer == MT_OPT_ADAMW);
+    budget_config(&tc, least32 * 4);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_autofit(m, &tc, 4, &r));
+    CHECK(strstr(mt_last_error(ctx), "MT_AUTOFIT_ALLOW_4BIT"));
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
 TEST(autofit_fits_the_budget)
 {
     on_cpu();

@@ -70,6 +70,18 @@ expect 3 "impossible auto-fit, JSON" -- "$tool" estimate --budget 100 --autofit 
 grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, ' "$tmp/out" || { echo "FAIL tool: auto-fit budget JSON"; cat "$tmp/out"; fail=1; }
 expect 2 "bad recompute" -- "$tool" estimate --recompute often
 expect 2 "autofit without a budget" -- "$tool" estimate --autofit
+# 4-bit state is its own opt-in: 1.7 MiB is under what 8-bit state needs
+# (1.84 MiB) for this model and over what 4-bit state needs (1.64 MiB)
+small="--layers 2 --heads 4 --channels 64 --vocab 256 --max-seq 64 --batch 4 --seq 64 --budget 1.7 --autofit"
+# shellcheck disable=SC2086
+expect 3 "auto-fit, 8-bit state too much" -- "$tool" estimate $small --allow-8bit
+# shellcheck disable=SC2086
+expect 0 "auto-fit choosing 4-bit state" -- "$tool" estimate $small --allow-8bit --allow-4bit --json
+grep -q '"autofit": {"micro_batch": [0-9]*, "optimizer": "adamw4"' "$tmp/out" || { echo "FAIL tool: auto-fit 4-bit"; cat "$tmp/out"; fail=1; }
+# shellcheck disable=SC2086
+expect 0 "auto-fit choosing 4-bit state, table" -- "$tool" estimate $small --allow-4bit
+grep -q "4-bit AdamW" "$tmp/out" || { echo "FAIL tool: auto-fit 4-bit report"; cat "$tmp/out"; fail=1; }
+expect 2 "--allow-4bit without --autofit" -- "$tool" estimate --allow-4bit
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
 grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
 # the report's estimate column equals its peak column on every class row

@@ -60,7 +60,7 @@ typedef struct cli_opts {
     float temperature;
     /* estimate */
     double budget_mib;
-    int autofit, allow8;
+    int autofit, allow8, allow4;
     /* frozen parameters: --freeze patterns, split at commas into freeze_text */
     const char *freeze[CLI_MAX_FREEZE];
     int n_freeze;

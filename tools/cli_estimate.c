@@ -42,7 +42,10 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
     if (o->autofit) {
         printf(", \"autofit\": {\"micro_batch\": %d, \"optimizer\": \"%s\", "
                "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d",
-               fit->micro_batch, fit->optimizer == MT_OPT_ADAMW8 ? "adamw8" : "as configured",
+               fit->micro_batch,
+               fit->optimizer == MT_OPT_ADAMW8   ? "adamw8"
+               : fit->optimizer == MT_OPT_ADAMW4 ? "adamw4"
+                                                 : "as configured",
                fit->recomputed_units, fit->selective_units, fit->units);
         printf(", \"offload\": \"%s\"", fit->offload == MT_PLACE_DISK ? "disk" : "none");
         cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
@@ -86,7 +89,9 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
         printf("auto-fit for %.1f MiB: micro-batches of %d rows, %s, %d of %d units "
                "recomputed, %d selective%s (model: %.0f tokens/s)\n",
                o->budget_mib, fit->micro_batch,
-               fit->optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW" : "the configured optimizer",
+               fit->optimizer == MT_OPT_ADAMW8   ? "8-bit AdamW"
+               : fit->optimizer == MT_OPT_ADAMW4 ? "4-bit AdamW"
+                                                 : "the configured optimizer",
                fit->recomputed_units, fit->units, fit->selective_units,
                fit->offload == MT_PLACE_DISK ? ", the optimizer state on disk" : "",
                fit->tokens_per_second);
@@ -158,7 +163,10 @@ int cmd_estimate(int argc, char **argv)
     mt_model *teacher = NULL; /* its shape (a dry context holds no weights) */
     if (!s && o.teacher && !(s = mt_model_gpt_load_base(ctx, o.teacher, o.teacher_base, &teacher))) tc.teacher = teacher;
     mt_autofit_report fit = {0};
-    if (!s && o.autofit) s = mt_trainer_autofit(m, &tc, o.allow8, &fit);
+    if (!s && o.autofit) s = mt_trainer_autofit(m, &tc,
+                                                   (o.allow8 ? MT_AUTOFIT_ALLOW_8BIT : 0) |
+                                                       (o.allow4 ? MT_AUTOFIT_ALLOW_4BIT : 0),
+                                                   &fit);
     mt_estimate_report e;
     if (!s) s = mt_estimate_model(m, &tc, &e);
     if (s) {

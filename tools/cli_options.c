@@ -386,6 +386,7 @@ static const opt table[] = {
     FLAG("--autofit", CLI_ESTIMATE, CLI_ANY, autofit, 1,
          "fit micro-batch, recompute and state to --budget"),
     FLAG("--allow-8bit", CLI_ESTIMATE, CLI_ANY, allow8, 1, "let --autofit use 8-bit AdamW state"),
+    FLAG("--allow-4bit", CLI_ESTIMATE, CLI_ANY, allow4, 1, "let --autofit use 4-bit AdamW state"),
 };
 #define N_OPTS (sizeof table / sizeof *table)
 _Static_assert(N_OPTS <= CLI_MAX_OPTIONS, "cli_opts.given holds a mark per table entry");
@@ -573,6 +574,7 @@ static int settle(cli_opts *o)
         if (o->allow8 && !o->autofit) return cli_bad_usage("%s", "--allow-8bit is for --autofit");
         if (o->offload_dir && !o->autofit && o->offload != MT_PLACE_DISK)
             return cli_bad_usage("%s", "--offload-dir is for --autofit (or --offload disk)");
+        if (o->allow4 && !o->autofit) return cli_bad_usage("%s", "--allow-4bit is for --autofit");
         if (o->recompute == MT_RECOMPUTE_BUDGET && !o->budget_mib)
             return cli_bad_usage("%s", "--recompute budget needs --budget");
         return 0;
