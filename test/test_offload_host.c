@@ -4,7 +4,7 @@
  * over the stand-in driver (MT_FAKE_CUDA, MT_FAKE_CUBLASLT; without them
  * these tests check nothing). The stand-in's kernels compute nothing, so
  * what is checked is what runs on the host: the accounting per class and
- * per place against the estimate, the copies and events in their order,
+ * per place against the estimate and in the trace, the copies and events in their order,
  * the CPU update's numbers on gradients the test puts on the device (against
  * AdamW's formula), and the failures. With MT_TEST_GPU=1 the contexts are
  * real GPUs and host offload is compared with the resident run.
@@ -64,6 +64,7 @@ static mt_context *cuda_context(void)
     mt_context_config cc;
     mt_context_config_init(&cc);
     cc.device = MT_DEVICE_CUDA;
+    cc.trace_capacity = 1 << 16;
     if (!on_gpu()) {
         cc.cuda_driver_path = check_fake_cuda();
         cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT");
@@ -146,9 +147,20 @@ static void accounting(mt_optimizer_kind opt, mt_precision prec, int fused)
     char rep[16384];
     CHECK_OK(mt_memory_report(ctx, rep, sizeof rep, NULL));
     CHECK(strstr(rep, "host") != NULL);
+    const uint64_t optim_host = host.per_class[MT_MEM_OPTIM].live_bytes;
     mt_trainer_destroy(t);
     CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_HOST, &host));
     CHECK_EQ(host.live_bytes, 0);
+    /* the trace has every pinned block, made and given back, at place host */
+    const mt_trace_event *ev;
+    size_t n;
+    uint64_t dropped, sums[2][MT_MEM_COUNT] = {{0}};
+    CHECK_OK(mt_context_trace_events(ctx, &ev, &n, &dropped));
+    CHECK_EQ(dropped, 0);
+    for (size_t i = 0; i < n; i++)
+        if (ev[i].place == MT_PLACE_HOST) sums[ev[i].op == MT_TRACE_FREE][ev[i].mem_class] += ev[i].bytes;
+    CHECK_EQ(sums[0][MT_MEM_OPTIM], optim_host);
+    CHECK(memcmp(sums[0], sums[1], sizeof sums[0]) == 0);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
 }
