@@ -7,9 +7,9 @@
 #   ./run.sh --stand-in RESULTS_DIR   anywhere: the same groups over the test
 #                                     suite's stand-in driver and cuBLASLt
 #   options: --groups g1,g2 (default: all), --quick (smaller benchmarks),
-#            --timeout N (seconds a test command may take, default 120),
-#            --bench-timeout N (a benchmark or compute-sanitizer command,
-#            default 900)
+#            --timeout N (seconds a test command may take, default 120;
+#            compute-sanitizer over one engine test too), --bench-timeout N
+#            (a benchmark, or compute-sanitizer over the op suite; 900)
 #
 # It runs from any directory: the test suite's golden files travel in
 # golden/ (MT_GOLDEN_DIR points there unless already set). Every command
@@ -266,6 +266,10 @@ g_memcheck() {
         skip "compute-sanitizer not found"
     cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" ops_ || ok=1
     names=$(TMO=$TEST_TMO engine_tests) || ok=1
+    # each engine test within a test's limit: they are small, and one that
+    # hangs (memcheck reports an error as it finds it) must not take the
+    # benchmark limit
+    TMO=$TEST_TMO
     for t in $names; do
         cmd MT_TEST_GPU=1 "$cs" --tool memcheck --error-exitcode 1 "$BIN/mt_tests" "$t" || ok=1
     done
