@@ -683,8 +683,10 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
  * attproj, fc, fcproj) and a trainer's frozen token table (its lookup
  * dequantizes the rows it reads; it is the tied LM head's W) are
  * quantized; the positions, LayerNorms and biases stay as they are. CPU
- * only for now (the CUDA op table refuses with
- * MT_ERR_UNSUPPORTED); compute in fp32 or bf16 (fp16: MT_ERR_UNSUPPORTED). */
+ * contexts only for now: making or loading a model with a quantized base
+ * on a CUDA context gives MT_ERR_UNSUPPORTED (the CUDA op table has the
+ * dequantizing GEMMs and lookup, but nothing quantizes into device memory
+ * yet); compute in fp32 or bf16 (fp16: MT_ERR_UNSUPPORTED). */
 typedef enum mt_base_format {
     MT_BASE_FULL = 0, /* not quantized */
     MT_BASE_INT8 = 1,
@@ -1027,9 +1029,10 @@ typedef struct mt_trainer_config {
      * not the student and without a trainer of its own; it is never changed
      * and is held (mt_model_destroy refuses it) while the trainer lives.
      * It may be quantized (mt_model_gpt_load_base: its forward runs
-     * through the dequantizing GEMMs, its PARAM is the quantized bytes).
-     * alpha in [0, 1] (0.5), T > 0 (2). The step's loss is this loss;
-     * mt_trainer_eval stays the cross-entropy. CPU and CUDA contexts. */
+     * through the dequantizing GEMMs, its PARAM is the quantized bytes;
+     * CPU contexts only, as every quantized base). alpha in [0, 1] (0.5),
+     * T > 0 (2). The step's loss is this loss; mt_trainer_eval stays the
+     * cross-entropy. CPU and CUDA contexts. */
     mt_model *teacher;
     float distill_alpha;
     float distill_temp;
@@ -1095,9 +1098,13 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
 void mt_trainer_destroy(mt_trainer *t);
 /* What mt_trainer_autofit may choose in place of cfg's AdamW (its allow
  * argument: 0, or these or'ed): 8-bit AdamW state (MT_OPT_ADAMW8), 4-bit
- * AdamW state (MT_OPT_ADAMW4; tried only with fp32 masters, as it needs
- * them, and where the op table has its kernel). Opt-in because they change
- * the numerics (docs/engine.md). */
+ * AdamW state (MT_OPT_ADAMW4; tried only where its weights have fp32
+ * masters, i.e. fp32 compute or cfg.master_weights = 1, and where the op
+ * table has its kernel). Opt-in because they change the numerics
+ * (docs/engine.md). The argument was a boolean "allow 8-bit" before 4-bit
+ * state existed: 1 keeps that meaning, but other non-zero values are no
+ * longer "yes" (2 allows 4-bit and not 8-bit; bits outside these two are
+ * MT_ERR_INVALID_ARG). */
 #define MT_AUTOFIT_ALLOW_8BIT 1
 #define MT_AUTOFIT_ALLOW_4BIT 2
 

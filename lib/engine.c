@@ -488,7 +488,8 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep);
 static mt_status with_params(mti_engine *E, int i, int bwd, mti_save save, bool keep)
 {
     mt_status s = E->params_hook ? E->params_hook(E->params_user, i, bwd, 1) : MT_OK;
-    if (!s) s = bwd ? layer_bwd(E, i, keep) : layer_fwd(E, i, save);
+    if (s) return s; /* the hook undid what it brought in before failing */
+    s = bwd ? layer_bwd(E, i, keep) : layer_fwd(E, i, save);
     if (E->params_hook) (void)E->params_hook(E->params_user, i, bwd, 0);
     return s;
 }

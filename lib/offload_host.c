@@ -259,7 +259,9 @@ static int take_slot(mti_hostoff *h, mt_status *s)
             const int up = h->slot[best].state == H_UP;
             pthread_mutex_unlock(&h->mu);
             *s = up ? mti_cuda_event_wait(h->ctx->dev, h->slot[best].up) : MT_OK;
+            pthread_mutex_lock(&h->mu);
             h->slot[best].state = H_FREE;
+            pthread_mutex_unlock(&h->mu);
             return *s ? -1 : best;
         }
         pthread_cond_wait(&h->done, &h->mu);

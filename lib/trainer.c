@@ -1290,9 +1290,9 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     reset_all(t->ctx, MT_SCOPE_STEP);
     if (t->updated)
         return mti_fail(t->ctx, s,
-                        "%s: %s (the update failed part-way: %d of %d weight tensors were "
+                        "%s: %s (the update failed part-way: %s%d of %d weight tensors were "
                         "updated)",
-                        fn, msg.s, t->updated, t->model->n_param);
+                        fn, msg.s, t->hoff ? "at most " : "", t->updated, t->model->n_param);
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg.s);
 }
 
