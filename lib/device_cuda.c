@@ -345,12 +345,14 @@ static void cuda_leave(mti_device *d)
     c->api.CtxPopCurrent(&prev);
 }
 
-/* Waits for the stream, logging a failure (for the void paths that must
- * not free memory still in use by queued work). */
+/* Waits for the streams (the main one, then the second), logging a
+ * failure (for the void paths that must not free memory still in use by
+ * queued work). */
 static CUresult cuda_drain(mti_device *d)
 {
     cuda_dev *c = d->impl;
     CUresult r = c->api.StreamSynchronize(c->stream);
+    if (r == CUDA_SUCCESS && c->side) r = c->api.StreamSynchronize(c->side);
     if (r != CUDA_SUCCESS) {
         char desc[256];
         mti_log(d->ctx, MT_LOG_ERROR, "cuStreamSynchronize failed: %s",
@@ -782,7 +784,6 @@ static void cuda_destroy(mti_device *d)
             c->n_aligned = 0;
             pthread_mutex_unlock(&c->mu);
             if (c->module) c->api.ModuleUnload(c->module);
-            if (c->side) c->api.StreamSynchronize(c->side);
             if (c->side) c->api.StreamDestroy(c->side);
             if (c->stream) c->api.StreamDestroy(c->stream);
             cuda_leave(d);

@@ -161,16 +161,24 @@ static mt_status weights_hash(const mt_model *m, uint64_t *out)
         const mti_param *p = &m->params[i];
         if (m->params_sharded && !p->frozen) continue; /* (ZeRO-3 hashed them before: zero3.c) */
         const mti_tensor *w = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
-        const size_t bytes = mti_tensor_bytes(w);
-        for (size_t at = 0; at < bytes && !s; at += chunk) {
-            size_t n = bytes - at < chunk ? bytes - at : chunk;
-            s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
-            if (!s) s = ctx->dev->sync(ctx->dev);
-            if (!s) h = mti_hash(h, buf, n);
-        }
+        s = mti_tensor_hash(ctx, w, buf, chunk, &h);
     }
     free(buf);
     *out = h;
+    return s;
+}
+
+mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_t chunk,
+                          uint64_t *h)
+{
+    const size_t bytes = mti_tensor_bytes(w);
+    mt_status s = MT_OK;
+    for (size_t at = 0; at < bytes && !s; at += chunk) {
+        const size_t n = bytes - at < chunk ? bytes - at : chunk;
+        s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
+        if (!s) s = ctx->dev->sync(ctx->dev);
+        if (!s) *h = mti_hash(*h, buf, n);
+    }
     return s;
 }
 

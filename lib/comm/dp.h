@@ -65,6 +65,10 @@ mt_status mti_zero_any(mt_trainer *t, int *flag);
 
 /* ---- ZeRO-3 (zero3.c) ---- */
 
+/* Adds tensor w's bytes to the hash *h, read to the host chunk bytes at a
+ * time through buf (dp.c). */
+mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_t chunk,
+                          uint64_t *h);
 /* Stage 3, at create, with the status so far (s), once the weights are
  * in their final dtype: each trained parameter's whole weights become this
  * rank's slice (t->pw), tensor by tensor, and the engine then brings each

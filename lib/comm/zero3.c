@@ -138,16 +138,11 @@ static mt_status shard_one(mt_trainer *t, int i)
 static mt_status weights_hash(mt_trainer *t, int i, uint64_t *h)
 {
     mt_context *ctx = t->ctx;
-    const mti_tensor *w = &t->model->params[i].w;
-    const size_t bytes = mti_tensor_bytes(w), chunk = (size_t)1 << 20;
-    unsigned char *buf = ctx->dry ? NULL : malloc(chunk);
-    mt_status s = ctx->dry || buf ? MT_OK : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    for (size_t at = 0; at < bytes && buf && !s; at += chunk) {
-        const size_t n = bytes - at < chunk ? bytes - at : chunk;
-        s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
-        if (!s) s = ctx->dev->sync(ctx->dev);
-        if (!s) *h = mti_hash(*h, buf, n);
-    }
+    if (ctx->dry) return MT_OK;
+    const size_t chunk = (size_t)1 << 20;
+    void *buf = malloc(chunk);
+    mt_status s = buf ? mti_tensor_hash(ctx, &t->model->params[i].w, buf, chunk, h)
+                      : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     free(buf);
     return s;
 }
