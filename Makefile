@@ -235,6 +235,7 @@ test: test-deps
 check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) $(TOOL) $(FUZZ_REGRESS) $(MPI_TARGETS) \
 	gpu-bundle-dir
 	$(FAKE_ENV) $(TEST_BIN)
+	$(FAKE_ENV) MT_TEST_GPU=standin $(TEST_BIN) gpu_engine_
 	@for t in $(FUZZ_TARGETS); do printf "fuzz regressions, %s: " $$t; \
 	  $(BUILD)/fuzz/$$t test/fuzz/$$t/* || exit 1; done
 	$(BUILD)/examples/embed > /dev/null

@@ -38,11 +38,18 @@ mt_context *check_cpu_context(int threads);
 /* A 2-block, 4-head GPT on ctx (vocab, max_seq, channels, seed as given). */
 mt_model *check_small_gpt(mt_context *ctx, int vocab, int max_seq, int channels, uint64_t seed);
 /* Under MT_TEST_GPU=1, a CUDA context on the system's driver (the test
- * fails if none opens); otherwise NULL, and the caller's GPU test skips. */
+ * fails if none opens); under MT_TEST_GPU=standin, one on the stand-in
+ * driver and cuBLASLt (MT_FAKE_CUDA, MT_FAKE_CUBLASLT), whose kernels
+ * compute nothing: the GPU tests' host side then runs in `make test`, under
+ * the sanitizers with SAN=1, and their checks of values are skipped
+ * (check_gpu_values); otherwise NULL, and the caller's GPU test skips. */
 mt_context *check_gpu_context(void);
+/* Whether a GPU test's values mean anything: false under
+ * MT_TEST_GPU=standin. */
+bool check_gpu_values(void);
 /* A GPU run against the CPU's: n gradients within 1e-4, and four step
  * losses, the first two (fp32) within 1e-4 (1 + loss), the last two
- * (16-bit) within 2e-2 (1 + loss). */
+ * (16-bit) within 2e-2 (1 + loss); nothing under the stand-ins. */
 void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const float *l_gpu,
                         const float *l_cpu);
 /* A token batch of n rows of T tokens below V into tok and tg (n * T

@@ -378,7 +378,6 @@ TEST(gpu_engine_distill_matches_cpu)
         CHECK_OK(mt_model_destroy(m));
     }
     check_gpu_near_cpu(g[0], g[1], n, loss[0], loss[1]);
-    free(g[0]), free(g[1]);
     CHECK_OK(mt_context_destroy(ctx[0]));
     CHECK_OK(mt_context_destroy(ctx[1]));
 }

@@ -1022,11 +1022,12 @@ TEST(gpt_step_out_of_memory)
 /* The GPT reference case on the GPU: gradients against the CPU's, then
  * every optimizer, precision, recompute policy and the fused step train
  * the tiny model and end near the CPU's losses. Skipped without
- * MT_TEST_GPU=1 (the stand-in driver cannot run kernels). */
+ * MT_TEST_GPU=1; under MT_TEST_GPU=standin only its host side runs (the
+ * stand-in driver cannot run kernels). */
 TEST(gpu_engine_matches_cpu)
 {
     const char *gpu = getenv("MT_TEST_GPU");
-    if (!gpu || strcmp(gpu, "1") != 0) return;
+    if (!gpu || (strcmp(gpu, "1") != 0 && strcmp(gpu, "standin") != 0)) return;
     int ntok; /* the golden tokens first: a missing file then leaves no context open */
     int32_t *tok = read_tokens(&ntok);
     mt_context *g = check_gpu_context();
@@ -1040,9 +1041,10 @@ TEST(gpu_engine_matches_cpu)
     tc.max_batch = 2;
     gradients(mg, &tc, &b, gg, &lg);
     gradients(mc, &tc, &b, gc, &lc);
-    CHECK_MSG(fabsf(lg - lc) <= 1e-5f, "loss gpu %.7f cpu %.7f", (double)lg, (double)lc);
+    const bool values = check_gpu_values(); /* not over the stand-ins */
+    CHECK_MSG(!values || fabsf(lg - lc) <= 1e-5f, "loss gpu %.7f cpu %.7f", (double)lg, (double)lc);
     for (size_t j = 0; j < np; j++)
-        CHECK_MSG(fabsf(gg[j] - gc[j]) <= 1e-4f, "gradient %zu: gpu %.7g cpu %.7g", j,
+        CHECK_MSG(!values || fabsf(gg[j] - gc[j]) <= 1e-4f, "gradient %zu: gpu %.7g cpu %.7g", j,
                   (double)gg[j], (double)gc[j]);
     const mt_optimizer_kind opts[] = {MT_OPT_SGD, MT_OPT_ADAMW, MT_OPT_ADAMW8, MT_OPT_ADAFACTOR};
     float *init = malloc(np * 4), *pg = malloc(np * 4), *pc = malloc(np * 4);
@@ -1068,7 +1070,7 @@ TEST(gpu_engine_matches_cpu)
                 train_run(c, mc, &tc, tok, 2, 8, 4, pc, lsc, NULL);
                 float tol = prec == MT_PREC_FP32 ? 1e-4f : 2e-2f;
                 for (int i = 0; i < 4; i++)
-                    CHECK_MSG(fabsf(lsg[i] - lsc[i]) <= tol * (1.0f + fabsf(lsc[i])),
+                    CHECK_MSG(!values || fabsf(lsg[i] - lsc[i]) <= tol * (1.0f + fabsf(lsc[i])),
                               "optimizer %d precision %d fused %d step %d: gpu %.6f cpu %.6f",
                               (int)opts[o], prec, fused, i, (double)lsg[i], (double)lsc[i]);
             }
