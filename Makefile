@@ -288,13 +288,20 @@ $(GPU_BIN)/memtrain: $(TOOL_OBJ_NOMPI) $(BUILD)/obj/corpus_blob.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) $(BUNDLE_RPATH) -o $@ $^ $(LDLIBS)
 
-gpu-bundle-dir: $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
-	BUNDLE_TAR=0 NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+# the bundle's stack sampler for machines without gdb: static, libc only,
+# no sanitizers (it runs before the bundle's libraries are found)
+GPU_STACKS := $(GPU_BIN)/mt_stacks
+$(GPU_STACKS): gpu/stacks.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -O2 -Wall -Wextra -D_GNU_SOURCE -static -o $@ $<
+
+gpu-bundle-dir: $(GPU_PROGS) $(GPU_STACKS) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+	STACKS=$(GPU_STACKS) BUNDLE_TAR=0 NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
 
 gpu-bundle: deps
 	@test -n "$(strip $(NVCC))" || { echo "gpu-bundle: nvcc not found, so no CUDA kernels to carry (set NVCC)"; exit 1; }
-	@$(MAKE) --no-print-directory $(GPU_PROGS) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
-	NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+	@$(MAKE) --no-print-directory $(GPU_PROGS) $(GPU_STACKS) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+	STACKS=$(GPU_STACKS) NVCC="$(NVCC)" ./gpu/bundle.sh $(GPU_BUNDLE) $(GPU_PROGS) -- $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
 
 valgrind: deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(EXAMPLES)

@@ -4,7 +4,8 @@
 #   gpu/bundle.sh OUT_DIR BIN... -- STAND_IN...
 #
 # OUT_DIR/memtrain-gpu/ gets bin/ (the programs BIN..., linked with an
-# $ORIGIN rpath), stand-in/ (the test suite's stand-in driver and cuBLASLt,
+# $ORIGIN rpath, and with STACKS=PATH the static stack sampler
+# gpu/stacks.c as bin/mt_stacks), stand-in/ (the test suite's stand-in driver and cuBLASLt,
 # for run.sh --stand-in), lib/ (every shared library they need that is neither
 # glibc nor the NVIDIA driver, found with ldd), lib/fallback/ (the
 # compiler's C++ and GCC runtimes: used only where the machine has none,
@@ -59,13 +60,16 @@ for b in "${BINS[@]}" "$DIR"/stand-in/*; do
     fi
 done
 strip --strip-debug "$DIR"/bin/* "$DIR"/stand-in/* 2>/dev/null || true
+# the stack sampler run.sh uses where gdb is missing: static, so no ldd
+if [ -n "${STACKS:-}" ]; then cp "$STACKS" "$DIR/bin/mt_stacks"; fi
 
 cp gpu/run.sh "$DIR/run.sh"
 cp bench/torch_gpt2.py bench/gpt2_tools.py "$DIR/bench/"
 cp test/golden/*.gv test/golden/*.bin test/golden/MANIFEST.txt "$DIR/golden/"
 chmod +x "$DIR/run.sh"
 
-glibc=$(objdump -T "$DIR"/bin/* "$DIR"/lib/*.so* 2>/dev/null | grep -o 'GLIBC_[0-9][0-9.]*' |
+# (objdump fails on the static mt_stacks, which needs no glibc of the machine's)
+glibc=$({ objdump -T "$DIR"/bin/* "$DIR"/lib/*.so* 2>/dev/null || true; } | grep -o 'GLIBC_[0-9][0-9.]*' |
     sed 's/GLIBC_//' | sort -uV | tail -n1)
 {
     echo "memtrain GPU bundle"

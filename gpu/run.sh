@@ -23,8 +23,9 @@
 #   engine     the training engine on the GPU against the CPU (gpu_engine_*),
 #              each test in a process of its own; one that fails is run
 #              again with MT_CUDA_DEBUG_SYNC=1, which names a failing kernel;
-#              one that runs out of time has its threads' states (and, with
-#              gdb, their stacks) written to the log before it is ended
+#              one that runs out of time has its threads' states and
+#              stacks (gdb's, else bin/mt_stacks') written to the log
+#              before it is ended
 #   estimate   estimate == measured, to the byte, on the real driver and
 #              cuBLASLt; the budget policy stays within its budget
 #   driver     the driver's view (cuMemGetInfo) against the accounting;
@@ -131,7 +132,10 @@ late() {
 }
 
 # threads PID: each thread of PID, its state, where it waits and its system
-# call, then (where gdb is found) every thread's stack
+# call, then every thread's stack: with gdb where it is found ($GDB, else
+# gdb on the PATH), else with the bundle's bin/mt_stacks (each thread's
+# instruction pointer and the code addresses on its stack, named by the
+# nearest symbol)
 threads() {
     local t g
     echo "(threads of process $1: name, state, wait channel, system call)"
@@ -139,9 +143,14 @@ threads() {
         echo "  $(cat "$t/comm" 2>/dev/null) $(awk '{print $3}' "$t/stat" 2>/dev/null)" \
             "wchan=$(cat "$t/wchan" 2>/dev/null) syscall=$(cut -d' ' -f1 "$t/syscall" 2>/dev/null)"
     done
-    g=$(command -v gdb) && [ $HAVE_TIMEOUT = 1 ] || return 0
-    echo "(their stacks, gdb)"
-    timeout 60 "$g" -batch -nx -p "$1" -ex "thread apply all bt" 2>&1 | grep -v '^\[New LWP' | head -n 300
+    [ $HAVE_TIMEOUT = 1 ] || return 0
+    if g=$(command -v "${GDB:-gdb}"); then
+        echo "(their stacks, gdb)"
+        timeout 60 "$g" -batch -nx -p "$1" -ex "thread apply all bt" 2>&1 | grep -v '^\[New LWP' | head -n 300
+    elif [ -x "$BIN/mt_stacks" ]; then
+        echo "(their stacks, mt_stacks: the instruction pointer, then the stack's words that point into code, innermost first)"
+        timeout 30 "$BIN/mt_stacks" "$1" 2>&1 | head -n 400
+    fi
 }
 
 # watched ARGS...: as limited, but a command still running at the limit has

@@ -6,7 +6,8 @@
 # that the golden files are found (MT_GOLDEN_DIR), that each engine test
 # runs in a process of its own, that a test that printed ok and then never
 # exited fails the group as "timed out" within the limit, with its
-# threads written to the log first, that a failing
+# threads and (without gdb, by the bundle's mt_stacks) their stacks written
+# to the log first, that a failing
 # one is run again with MT_CUDA_DEBUG_SYNC=1, and that the groups after a
 # hang still run.
 set -u
@@ -23,6 +24,7 @@ bad() { echo "FAIL gpu bundle: $*"; fail=1; }
 b=$tmp/memtrain-gpu
 mkdir -p "$b/bin" "$b/lib" "$tmp/elsewhere"
 cp "$bundle/run.sh" "$b/"
+cp "$bundle/bin/mt_stacks" "$b/bin/" || bad "the bundle carries no stack sampler (bin/mt_stacks)"
 ln -s "$bundle/golden" "$b/golden"
 ln -s "$bundle/stand-in" "$b/stand-in"
 # the pretend test suite: each call appended to calls.txt with the
@@ -50,7 +52,7 @@ EOF
 chmod +x "$b/bin/mt_tests"
 
 t0=$SECONDS
-(cd "$tmp/elsewhere" && env -u MT_GOLDEN_DIR "$b/run.sh" --groups engine,nccl --timeout 3 \
+(cd "$tmp/elsewhere" && env -u MT_GOLDEN_DIR GDB=no-gdb-here "$b/run.sh" --groups engine,nccl --timeout 3 \
     "$tmp/res" > "$tmp/out" 2>&1)
 st=$?
 took=$((SECONDS - t0))
@@ -66,6 +68,10 @@ grep -q "^FAIL engine .*failed: gpu_engine_lora_matches_cpu" "$res" ||
 grep -q "^PASS nccl" "$res" || bad "the group after the hang did not run, or failed"
 grep -q "^(threads of process" "$tmp/res/log.txt" && grep -q "^  sleep S" "$tmp/res/log.txt" ||
     bad "the hung test's threads are not in the log"
+# without gdb, the sampler's stacks: sleep's thread waits in libc's sleep call
+grep -q "^(their stacks, mt_stacks" "$tmp/res/log.txt" &&
+    grep -q "^thread [0-9]* (sleep): at 0x[0-9a-f]* libc[.a-z0-9-]*+0x[0-9a-f]*  [_a-z]*sleep" "$tmp/res/log.txt" ||
+    bad "the hung test's stacks (mt_stacks, no gdb) are not in the log"
 calls=$b/calls.txt
 for t in gpu_engine_distill_matches_cpu gpu_engine_matches_cpu gpu_engine_lora_matches_cpu; do
     grep -q "^$t | $b/golden | 0$" "$calls" ||
