@@ -526,8 +526,8 @@ static void triad_threaded(float *a, const float *b, size_t n)
     }
 }
 
-enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW_PC, OPT_ADAMW8, OPT_ADAMW8_PORTABLE,
-       OPT_ADAMW8_BARE, OPT_ADAMW8_BF16, OPT_ADAMW4,
+enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW_PC, OPT_ADAMW8, OPT_ADAMW8_GATHER, OPT_ADAMW8_PORTABLE,
+       OPT_ADAMW8_BARE, OPT_ADAMW8_BF16, OPT_ADAMW8_BF16_GATHER, OPT_ADAMW8_BF16_PORTABLE, OPT_ADAMW4,
        OPT_ADAFACTOR, OPT_PLAIN, OPT_CHECK, OPT_UNSCALE, OPT_SUMSQ, OPT_CAST_SR, N_OPT };
 
 /* elements per slice of an update without master weights (lib/trainer.c's
@@ -606,12 +606,15 @@ static void optim_bench(void)
     const mti_ops *ops = ctx->ops;
     static const char *names[N_OPT] = {
         "triad in place (a += s b)", "SGD momentum", "AdamW", "AdamW, bf16 compute copy",
-        "8-bit AdamW", "8-bit AdamW, portable loops (no AVX-512 block)",
+        "8-bit AdamW", "8-bit AdamW, AVX-512 block with gathers (no permutes)",
+        "8-bit AdamW, portable loops (no AVX-512 block)",
         "8-bit AdamW, bf16 weights, no masters, fp32 slices and casts",
-        "8-bit AdamW, bf16 weights, no masters, one pass (adamw8_bf16)", "4-bit AdamW (rank-1)",
+        "8-bit AdamW, bf16 weights, no masters, one pass (adamw8_bf16)",
+        "the same, AVX-512 block with gathers (no permutes)",
+        "the same, portable loops (no AVX-512 block)", "4-bit AdamW (rank-1)",
         "Adafactor", "AdamW, plain loop", "gradient check (non-finite)", "gradient unscale (fp16)",
         "sum of squares (clipping)", "cast fp32 -> bf16, stochastic rounding"};
-    static const double bytes[N_OPT] = {12, 20, 28, 30, 16, 16, 12, 12, 14, 12 * 3 + 8 * 2, 28,
+    static const double bytes[N_OPT] = {12, 20, 28, 30, 16, 16, 16, 12, 12, 12, 12, 14, 12 * 3 + 8 * 2, 28,
                                         4, 8, 4, 6};
     static double t[N_OPT][64];
     mti_adamw_args aa = {.lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
@@ -631,8 +634,9 @@ static void optim_bench(void)
             case OPT_ADAMW8:
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
                 break;
+            case OPT_ADAMW8_GATHER: /* the map lookups as gathers */
             case OPT_ADAMW8_PORTABLE: { /* the loops gcc vectorises, without the AVX-512 block */
-                int was = mti_cpu_q8_vector(0);
+                int was = mti_cpu_q8_vector(o == OPT_ADAMW8_GATHER ? 1 : 0);
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
                 mti_cpu_q8_vector(was);
                 break;
@@ -641,6 +645,13 @@ static void optim_bench(void)
             case OPT_ADAMW8_BF16:
                 s = ops->adamw8_bf16(&K, w16, g, qm, qv, am, av, n, 0, (uint64_t)b, &aa);
                 break;
+            case OPT_ADAMW8_BF16_GATHER:
+            case OPT_ADAMW8_BF16_PORTABLE: {
+                int was = mti_cpu_q8_vector(o == OPT_ADAMW8_BF16_GATHER ? 1 : 0);
+                s = ops->adamw8_bf16(&K, w16, g, qm, qv, am, av, n, 0, (uint64_t)b, &aa);
+                mti_cpu_q8_vector(was);
+                break;
+            }
             case OPT_CHECK: s = ops->unscale_check(&K, g, n, 1.0f, &bad); break;
             case OPT_UNSCALE: /* exact, and undone by the next batch's 2 */
                 s = ops->unscale_check(&K, g, n, (b & 1) ? 2.0f : 0.5f, &bad);

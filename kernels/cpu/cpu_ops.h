@@ -135,9 +135,10 @@ mt_status mti_cpu_adam_check(const mti_kctx *k, const char *op, const void *pc, 
  * table is in use (it is unless a bucket would hold two thresholds). */
 uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search);
 int mti_cpu_q8_lut_ok(void);
-/* Turns adamw8's AVX-512 path for full blocks on (where the CPU has it) or
- * off (the portable loops); returns whether it was on. The same bits either
- * way: the tests compare the two. */
+/* Chooses adamw8's path for full blocks: 0 the portable loops, 1 AVX-512
+ * with gathers for the map lookups, 2 AVX-512 with permutes instead (needs
+ * AVX512-VBMI); a level the CPU lacks gives the most it has. Returns the
+ * level before. The same bits at every level: the tests compare them. */
 int mti_cpu_q8_vector(int on);
 mt_status mti_cpu_adamw8(const mti_kctx *k, float *p, const float *g, uint8_t *qm, uint8_t *qv,
                          float *absmax_m, float *absmax_v, void *pc, mti_dtype pc_dt, size_t n,

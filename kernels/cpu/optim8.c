@@ -166,9 +166,11 @@ static void lut_build(q8_lut *l, const float *bound)
     }
 }
 
-/* The vector path (below) is in use: the CPU has it, the tables allow it,
- * and the tests have not turned it off. */
-static int g_vec;
+/* The vector path (below) in use: 0 none (the portable loops), 1 AVX-512
+ * with gathers, 2 AVX-512 with permutes for the lookups (VBMI); the most
+ * the CPU and the tables allow, unless the tests or the benchmark chose
+ * less. */
+static int g_vec, g_vec_most;
 static int vec_supported(void);
 
 static void tables_init(void)
@@ -177,7 +179,7 @@ static void tables_init(void)
         table_init(&g_tab[s], s);
         lut_build(&g_lut[s], g_tab[s].bound);
     }
-    g_vec = vec_supported();
+    g_vec = g_vec_most = vec_supported();
 }
 
 uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search)
@@ -311,6 +313,8 @@ WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint
 
 static uint32_t g_negc; /* the signed map's negative codes: 0 .. g_negc - 1 */
 
+static int perm_supported(void);
+
 static int vec_supported(void)
 {
     __builtin_cpu_init();
@@ -324,7 +328,7 @@ static int vec_supported(void)
     for (uint32_t c = negc; c < 256; c++)
         if (bits_of(code[c]) >> 31) return 0;
     g_negc = negc;
-    return 1;
+    return 1 + perm_supported();
 }
 
 static inline VEC_FN __m512i v32(uint32_t x) { return _mm512_set1_epi32((int)x); }
@@ -384,12 +388,86 @@ static inline VEC_FN void vec_quantize(uint8_t *q, const float *x, float amax, i
     }
 }
 
-/* adamw8_block of a full block */
+/* ---- the maps' values by permutes (level 2) ----
+ * AMD's gathers are slow (on the family-26 EPYC a 16-lane gather takes
+ * about as long as 30 permutes), so where the CPU has AVX512-VBMI the
+ * dequantizing makes none: a map's 256 codes are four tables of bytes (byte
+ * b of each code's bits, four registers each); 64 codes at a time, two
+ * two-register byte permutes and a blend on the code's top bit give byte b
+ * of each code, and two rounds of unpacking put the four bytes of each code
+ * together. The codes are shuffled first so that the unpacking, which works
+ * within 128-bit lanes, leaves them in order. The values are the map's
+ * (a table read either way). Quantizing keeps its gather from the bucket
+ * table: a binary search over the thresholds by permutes, tried instead,
+ * was slower (eight dependent levels). */
+#define VBMI_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
+
+typedef struct q8_perm {
+    uint8_t plane[4][256]; /* byte b of each code's bits */
+} q8_perm;
+
+static q8_perm g_perm[2] __attribute__((aligned(64)));
+static uint8_t g_deq_shuf[64] __attribute__((aligned(64)));
+
+static int perm_supported(void)
+{
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512vbmi")) return 0;
+    for (int t = 0; t < 2; t++) {
+        q8_perm *P = &g_perm[t];
+        const float *code = g_tab[t].code;
+        for (int c = 0; c < 256; c++)
+            for (int b = 0; b < 4; b++) P->plane[b][c] = (uint8_t)(bits_of(code[c]) >> (8 * b));
+    }
+    /* output register j, 128-bit lane L, dword p holds code 16 j + 4 L + p
+       after the unpacking when the shuffled codes have it at 16 L + 4 j + p */
+    for (int j = 0; j < 4; j++)
+        for (int L = 0; L < 4; L++)
+            for (int p = 0; p < 4; p++) g_deq_shuf[16 * L + 4 * j + p] = (uint8_t)(16 * j + 4 * L + p);
+    return 1;
+}
+
+/* The map values of n (a multiple of 64) codes into out. */
+static VBMI_FN void perm_dequant(float *out, const uint8_t *q, size_t n, const q8_perm *P)
+{
+    const __m512i shuf = _mm512_load_si512(g_deq_shuf);
+    for (size_t j = 0; j < n; j += 64) {
+        __m512i idx = _mm512_permutexvar_epi8(shuf, _mm512_loadu_si512(q + j));
+        __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i B[4];
+        for (int b = 0; b < 4; b++) {
+            const __m512i *t = (const __m512i *)P->plane[b];
+            __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 1));
+            __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t + 2), idx, _mm512_load_si512(t + 3));
+            B[b] = _mm512_mask_blend_epi8(top, lo, hi);
+        }
+        __m512i w01l = _mm512_unpacklo_epi8(B[0], B[1]), w01h = _mm512_unpackhi_epi8(B[0], B[1]);
+        __m512i w23l = _mm512_unpacklo_epi8(B[2], B[3]), w23h = _mm512_unpackhi_epi8(B[2], B[3]);
+        _mm512_store_si512(out + j, _mm512_unpacklo_epi16(w01l, w23l));
+        _mm512_store_si512(out + j + 16, _mm512_unpackhi_epi16(w01l, w23l));
+        _mm512_store_si512(out + j + 32, _mm512_unpacklo_epi16(w01h, w23h));
+        _mm512_store_si512(out + j + 48, _mm512_unpackhi_epi16(w01h, w23h));
+    }
+}
+
+/* adamw8_block of a full block: the codes' map values first (gathers, or
+ * permutes at level 2), into two stack arrays */
 static VEC_FN void vec_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
-                             float *amax_v, const adamw8_consts *c)
+                             float *amax_v, const adamw8_consts *c, int level)
 {
     float m[BLK] __attribute__((aligned(64))), v[BLK] __attribute__((aligned(64)));
-    const float *cm = g_tab[1].code, *cv = g_tab[0].code;
+    if (level >= 2) {
+        perm_dequant(m, qm, BLK, &g_perm[1]);
+        perm_dequant(v, qv, BLK, &g_perm[0]);
+    } else {
+        const float *cm = g_tab[1].code, *cv = g_tab[0].code;
+        for (size_t j = 0; j < BLK; j += 16) {
+            __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + j)));
+            __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + j)));
+            _mm512_store_ps(m + j, _mm512_i32gather_ps(im, cm, 4));
+            _mm512_store_ps(v + j, _mm512_i32gather_ps(iv, cv, 4));
+        }
+    }
     const __m512 am = _mm512_set1_ps(*amax_m), av = _mm512_set1_ps(*amax_v);
     const __m512 b1 = _mm512_set1_ps(c->b1), b2 = _mm512_set1_ps(c->b2);
     const __m512 c1 = _mm512_set1_ps(c->c1), c2 = _mm512_set1_ps(c->c2);
@@ -397,14 +475,12 @@ static VEC_FN void vec_block(float *p, const float *g, uint8_t *qm, uint8_t *qv,
     const __m512 eps_c2 = _mm512_set1_ps(c->eps_c2), decay = _mm512_set1_ps(c->decay);
     __m512i mxm = _mm512_setzero_si512(), mxv = _mm512_setzero_si512();
     for (size_t j = 0; j < BLK; j += 16) {
-        __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + j)));
-        __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + j)));
         __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + j), gs);
         __mmask16 keep = _mm512_cmpneq_epi32_mask(
             _mm512_and_si512(_mm512_castps_si512(gv), v32(0x7F800000u)), v32(0x7F800000u));
-        __m512 mv = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_mul_ps(_mm512_i32gather_ps(im, cm, 4), am)),
+        __m512 mv = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_mul_ps(_mm512_load_ps(m + j), am)),
                                   _mm512_mul_ps(c1, gv));
-        __m512 vv = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_mul_ps(_mm512_i32gather_ps(iv, cv, 4), av)),
+        __m512 vv = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_mul_ps(_mm512_load_ps(v + j), av)),
                                   _mm512_mul_ps(_mm512_mul_ps(c2, gv), gv));
         mv = _mm512_maskz_mov_ps(keep, mv);
         vv = _mm512_maskz_mov_ps(keep, vv);
@@ -432,7 +508,7 @@ int mti_cpu_q8_vector(int on)
 {
     pthread_once(&g_tab_once, tables_init);
     int was = g_vec;
-    g_vec = on && vec_supported();
+    g_vec = on < 0 ? 0 : on < g_vec_most ? on : g_vec_most;
     return was;
 }
 
@@ -476,7 +552,7 @@ static void update_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, flo
     size_t i = b * BLK, len = block_len(b, n);
 #ifdef Q8_VEC
     if (g_vec && len == BLK) {
-        vec_block(p, g + i, qm + i, qv + i, am + b, av + b, c);
+        vec_block(p, g + i, qm + i, qv + i, am + b, av + b, c, g_vec);
         return;
     }
 #endif
