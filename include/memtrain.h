@@ -683,10 +683,10 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
  * attproj, fc, fcproj) and a trainer's frozen token table (its lookup
  * dequantizes the rows it reads; it is the tied LM head's W) are
  * quantized; the positions, LayerNorms and biases stay as they are. CPU
- * contexts only for now: making or loading a model with a quantized base
- * on a CUDA context gives MT_ERR_UNSUPPORTED (the CUDA op table has the
- * dequantizing GEMMs and lookup, but nothing quantizes into device memory
- * yet); compute in fp32 or bf16 (fp16: MT_ERR_UNSUPPORTED). */
+ * and CUDA contexts alike: on CUDA each weight is quantized on the host
+ * (its fp32 in a host buffer of one tensor) and only the quantized bytes
+ * go into device memory, the same bytes as on the CPU; compute in fp32 or
+ * bf16 (fp16: MT_ERR_UNSUPPORTED). */
 typedef enum mt_base_format {
     MT_BASE_FULL = 0, /* not quantized */
     MT_BASE_INT8 = 1,
@@ -707,7 +707,9 @@ typedef struct mt_gpt_spec {
     uint64_t seed;
     /* The blocks' linear weights (qkv, attproj, fc, fcproj) quantized as
      * they are made, one tensor at a time (each made in fp32, quantized,
-     * its fp32 freed), so the model never holds them whole in fp32: a
+     * its fp32 freed; on a CUDA context its fp32 is made in a host buffer
+     * and only the quantized bytes are allocated and uploaded), so the
+     * model never holds them whole in fp32: a
      * quantized base for LoRA or frozen fine-tuning (mt_base_format).
      * The token table stays fp32 (it may train): a trainer's cfg.base
      * quantizes it once it is frozen. MT_BASE_FULL (0): fp32, as always. */
@@ -1030,7 +1032,7 @@ typedef struct mt_trainer_config {
      * and is held (mt_model_destroy refuses it) while the trainer lives.
      * It may be quantized (mt_model_gpt_load_base: its forward runs
      * through the dequantizing GEMMs, its PARAM is the quantized bytes;
-     * CPU contexts only, as every quantized base). alpha in [0, 1] (0.5),
+     * CPU and CUDA contexts, as every quantized base). alpha in [0, 1] (0.5),
      * T > 0 (2). The step's loss is this loss; mt_trainer_eval stays the
      * cross-entropy. CPU and CUDA contexts. */
     mt_model *teacher;
@@ -1082,7 +1084,9 @@ typedef struct mt_trainer_config {
      * biases stay as they are. MT_ERR_INVALID_ARG: no frozen linear weight
      * or token table to quantize, a model quantized in another format, or
      * a model with quantized weights and base MT_BASE_FULL, or one of them
-     * not frozen; MT_ERR_UNSUPPORTED: fp16 compute, or a CUDA context. */
+     * not frozen; MT_ERR_UNSUPPORTED: fp16 compute. On a CUDA context the
+     * fp32 of the tensor being quantized comes down into a host buffer,
+     * is quantized there and the quantized bytes go up. */
     mt_base_format base;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);

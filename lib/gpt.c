@@ -77,8 +77,7 @@ static mt_status load_fill(void *user, mt_model *m, int i)
             if (!isfinite(l->buf[k]))
                 return mti_fail(ctx, MT_ERR_FORMAT, "'%s': %s holds a non-finite value", l->path,
                                 p->name);
-        s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), l->buf,
-                               n * sizeof(float));
+        s = mti_param_fill(m, i, at, l->buf, n);
     }
     if (!s) s = ctx->dev->sync(ctx->dev);
     return s;

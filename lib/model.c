@@ -223,11 +223,21 @@ static mt_status add_layer(builder *b, const mt_layer_spec *ls, const char *pref
 
 static void gpt_offsets(mt_model *m);
 
-/* Parameter p's values drawn from rng as its init says (the rows past
- * init_rows stay 0), through host, onto the device. */
-static mt_status draw(mt_model *m, mti_param *p, mti_rng *rng, float *host, size_t ch)
+mt_status mti_param_fill(mt_model *m, int i, size_t at, const float *src, size_t n)
 {
-    mt_context *ctx = m->ctx;
+    if (m->fill_host) {
+        memcpy(m->fill_host + at, src, n * sizeof(float));
+        return MT_OK;
+    }
+    return m->ctx->dev->copy_h2d(m->ctx->dev, (float *)m->params[i].w.blk.ptr + at, src,
+                                 n * sizeof(float));
+}
+
+/* Parameter i's values drawn from rng as its init says (the rows past
+ * init_rows stay 0), through host, onto the device. */
+static mt_status draw(mt_model *m, int i, mti_rng *rng, float *host, size_t ch)
+{
+    const mti_param *p = &m->params[i];
     size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
     size_t live = (size_t)p->init_rows * cols; /* the rest (padding rows) is 0 */
     mt_status s = MT_OK;
@@ -243,9 +253,29 @@ static mt_status draw(mt_model *m, mti_param *p, mti_rng *rng, float *host, size
                 }
             host[k] = v;
         }
-        s = ctx->dev->copy_h2d(ctx->dev, (char *)p->w.blk.ptr + at * sizeof(float), host,
-                               n * sizeof(float));
+        s = mti_param_fill(m, i, at, host, n);
     }
+    return s;
+}
+
+static mt_status quantize_from(mt_model *m, int i, int qf, const float *x);
+
+/* Parameter i quantized as it is made on a device context: filled into a
+ * host staging buffer of its fp32 values, quantized there, and only the
+ * quantized bytes allocated (PARAM) and uploaded. */
+static mt_status fill_quantized(mt_model *m, int i, int qf, mti_fill_fn fill, void *user,
+                                mti_rng *rng, float *host, size_t ch)
+{
+    mt_context *ctx = m->ctx;
+    if (ctx->dry) return quantize_from(m, i, qf, NULL);
+    float *x = malloc(m->params[i].numel * sizeof *x);
+    if (!x) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory (its fp32 staging)",
+                            m->params[i].name);
+    m->fill_host = x;
+    mt_status s = fill ? fill(user, m, i) : draw(m, i, rng, host, ch);
+    m->fill_host = NULL;
+    if (!s) s = quantize_from(m, i, qf, x);
+    free(x);
     return s;
 }
 
@@ -273,10 +303,15 @@ static mt_status init_params(mt_model *m, uint64_t seed, const char *fn, mti_fil
     mti_rng_seed(&rng, seed);
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_param *p = &m->params[i];
+        const bool q = qf && mti_param_quantizable(m, i);
+        if (q && ctx->dev->kind != MT_DEVICE_CPU) { /* its fp32 only on the host */
+            s = fill_quantized(m, i, qf, fill, user, &rng, host, CH);
+            continue;
+        }
         s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                              MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-        if (!s && !ctx->dry) s = fill ? fill(user, m, i) : draw(m, p, &rng, host, CH);
-        if (!s && qf && mti_param_quantizable(m, i)) s = mti_param_quantize(m, i, qf);
+        if (!s && !ctx->dry) s = fill ? fill(user, m, i) : draw(m, i, &rng, host, CH);
+        if (!s && q) s = mti_param_quantize(m, i, qf);
     }
     free(host);
     return s;
@@ -513,10 +548,6 @@ mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const c
                         "%s: spec->base %d is not a base format (MT_BASE_FULL, MT_BASE_INT8, "
                         "MT_BASE_NF4)",
                         fn, (int)spec->base);
-    if (spec->base && ctx->dev->kind != MT_DEVICE_CPU)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: spec->base %s: a quantized base is CPU-only in this build", fn,
-                        mt_base_format_name(spec->base));
     if (spec->layers < 1 || spec->layers > MT_MAX_LAYERS - 3)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: spec->layers %d out of range 1..%d", fn,
                         spec->layers, MT_MAX_LAYERS - 3);
@@ -646,18 +677,33 @@ static mt_status sharded_refused(const mt_model *m, const mti_param *p)
                     p->name);
 }
 
+/* Elements [at, at + n) of quantized parameter p as fp32 into out (memory
+ * of the context's device): lib/quant.c on the CPU, on CUDA its
+ * dequantizing kernel (the same bits), queued on the stream. */
+static mt_status dequantize_range(const mt_model *m, const mti_param *p, size_t at, size_t n,
+                                  float *out)
+{
+    mt_context *ctx = m->ctx;
+    if (ctx->dev->kind == MT_DEVICE_CPU)
+        return mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, at, n, out, MTI_F32);
+    const mti_kctx k = {ctx, ctx->dev};
+    return mti_cuda_dequantize(&k, p->qf, p->w.blk.ptr, 1, p->numel, 0, 1, at, n, out, n, MTI_F32);
+}
+
+static mt_status quantize_into(mt_context *ctx, int qf, const float *x, size_t n, mti_tensor *q);
+
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
     if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
-    if (p->qf) /* quantized (on the CPU): dequantized straight into dst */
-        return mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, at, n, dst, MTI_F32);
+    if (p->qf && ctx->dev->kind == MT_DEVICE_CPU) /* dequantized straight into dst */
+        return dequantize_range(m, p, at, n, dst);
     if (m->master_home && !p->frozen) /* the master, from its file */
         return mti_offload_read(m->master_home, i, 1, (uint64_t)at * 4, dst, n * 4);
     /* (a frozen weight has no master; a ZeRO master is a slice) */
     const mti_tensor *t = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
-    if (t->dtype == MTI_F32) {
+    if (t->dtype == MTI_F32 && !p->qf) {
         mt_status s = ctx->dev->copy_d2h(ctx->dev, dst, (const float *)t->blk.ptr + at, n * 4);
         return s ? s : ctx->dev->sync(ctx->dev);
     }
@@ -667,7 +713,9 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
         size_t c = n - d < MTI_STAGE ? n - d : MTI_STAGE;
         mti_tensor st;
         s = stage((mt_model *)m, &st, c);
-        if (!s)
+        if (!s && p->qf) /* quantized on a device: dequantized there */
+            s = dequantize_range(m, p, at + d, c, st.blk.ptr);
+        else if (!s)
             s = ctx->ops->cast(&k, st.blk.ptr, MTI_F32,
                                (const char *)t->blk.ptr + (at + d) * mti_dtype_size(t->dtype),
                                t->dtype, c, MTI_ROUND_NEAREST, 0);
@@ -688,7 +736,7 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
                             "%s is quantized (%s): it is written whole or not at all", p->name,
                             mti_quant_name((mti_qformat)p->qf));
-        return mti_quantize(ctx, (mti_qformat)p->qf, src, n, p->w.blk.ptr);
+        return quantize_into(ctx, p->qf, src, n, &p->w);
     }
     const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
     mti_tensor *t = master ? &p->master : &p->w;
@@ -786,21 +834,34 @@ static mti_tensor quant_tensor(const mti_param *p, int qf)
     return (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)bytes}};
 }
 
-mt_status mti_param_quantize(mt_model *m, int i, int qf)
+/* x (n fp32 values on the host) quantized in format qf into q (a quantized
+ * tensor on the context's device): on the CPU straight into it, on a
+ * device into a host buffer whose bytes then go up. */
+static mt_status quantize_into(mt_context *ctx, int qf, const float *x, size_t n, mti_tensor *q)
+{
+    if (ctx->dev->kind == MT_DEVICE_CPU) return mti_quantize(ctx, (mti_qformat)qf, x, n, q->blk.ptr);
+    const size_t bytes = mti_quant_bytes((mti_qformat)qf, n);
+    void *h = malloc(bytes ? bytes : 1);
+    if (!h) return mti_fail(ctx, MT_ERR_OOM, "quantize: out of host memory (%zu bytes)", bytes);
+    mt_status s = mti_quantize(ctx, (mti_qformat)qf, x, n, h);
+    if (!s) s = mti_tensor_upload(ctx, q, h, bytes);
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    free(h);
+    return s;
+}
+
+/* Parameter i becomes its quantized tensor in format qf made from x (its
+ * fp32 values; NULL in a dry context): on the CPU quantized straight into
+ * PARAM, on a device through a host buffer of the quantized bytes, which
+ * then go up. Its old weights (if any) go after. */
+static mt_status quantize_from(mt_model *m, int i, int qf, const float *x)
 {
     mt_context *ctx = m->ctx;
     mti_param *p = &m->params[i];
-    if (p->qf == qf) return MT_OK;
-    if (p->qf || p->w.dtype != MTI_F32 || !mti_quant_name((mti_qformat)qf))
-        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: cannot be quantized from its storage", p->name);
-    if (ctx->dev->kind != MT_DEVICE_CPU)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "a quantized base (%s) is CPU-only in this build (%s is on %s)",
-                        mti_quant_name((mti_qformat)qf), p->name, ctx->dev->name);
     mti_tensor q = quant_tensor(p, qf);
     mt_status s = mti_tensor_alloc(ctx, &q, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                    MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-    if (!s && !ctx->dry) s = mti_quantize(ctx, (mti_qformat)qf, p->w.blk.ptr, p->numel, q.blk.ptr);
+    if (!s && !ctx->dry) s = quantize_into(ctx, qf, x, p->numel, &q);
     if (s) {
         mti_tensor_free(ctx, &q);
         return s;
@@ -811,6 +872,25 @@ mt_status mti_param_quantize(mt_model *m, int i, int qf)
     return MT_OK;
 }
 
+mt_status mti_param_quantize(mt_model *m, int i, int qf)
+{
+    mt_context *ctx = m->ctx;
+    mti_param *p = &m->params[i];
+    if (p->qf == qf) return MT_OK;
+    if (p->qf || p->w.dtype != MTI_F32 || !mti_quant_name((mti_qformat)qf))
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: cannot be quantized from its storage", p->name);
+    if (ctx->dev->kind == MT_DEVICE_CPU || ctx->dry)
+        return quantize_from(m, i, qf, p->w.blk.ptr);
+    /* on a device: the fp32 down into one tensor's host buffer, quantized there */
+    float *x = malloc(p->numel * sizeof *x);
+    if (!x)
+        return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory (its fp32 staging)", p->name);
+    mt_status s = mti_tensor_download(ctx, &p->w, x, p->numel * sizeof *x);
+    if (!s) s = quantize_from(m, i, qf, x);
+    free(x);
+    return s;
+}
+
 mt_status mti_param_dequantize(mt_model *m, int i)
 {
     mt_context *ctx = m->ctx;
@@ -819,9 +899,8 @@ mt_status mti_param_dequantize(mt_model *m, int i)
     mti_tensor w = {.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
     mt_status s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                    MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-    if (!s && !ctx->dry)
-        s = mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, 0, p->numel,
-                           w.blk.ptr, MTI_F32);
+    if (!s && !ctx->dry) s = dequantize_range(m, p, 0, p->numel, w.blk.ptr);
+    if (!s && !ctx->dry) s = ctx->dev->sync(ctx->dev);
     if (s) {
         mti_tensor_free(ctx, &w);
         return s;

@@ -93,6 +93,9 @@ struct mt_model {
                             the ranks: p->w is whole only while a layer runs */
     struct mti_offload *master_home; /* the masters live on disk (lib/offload.c): the
                             fp32 values are read and written there */
+    float *fill_host;    /* while a weight quantized as it is made is filled on a
+                            device context: its fp32 values' host staging
+                            (mti_param_fill writes there, not to the device) */
     mt_mlp_spec mlp;     /* MLP */
     mt_gpt_spec gpt;     /* GPT */
     _Atomic int n_trainers;
@@ -107,10 +110,13 @@ mt_status mti_model_upload(mt_model *m, const float *src);
  * alone); a write refreshes the compute copy. */
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
 mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
-/* Parameter i (fp32 weights, on a CPU context or a dry one) quantized in
- * format qf (lib/quant.h): the quantized bytes are made, then the fp32
- * tensor goes (PARAM holds one tensor's fp32 beside the rest at most).
- * mti_param_dequantize: back to fp32 weights (the dequantized values). */
+/* Parameter i (fp32 weights) quantized in format qf (lib/quant.h): the
+ * quantized bytes are made, then the fp32 tensor goes (PARAM holds one
+ * tensor's fp32 beside the rest at most). On a CUDA context the fp32 comes
+ * down into a host buffer of one tensor, is quantized there by lib/quant.c
+ * and the quantized bytes go up. mti_param_dequantize: back to fp32
+ * weights (the dequantized values; on CUDA by the dequantizing kernel,
+ * lib/quant.c's bits, into the new fp32 tensor). */
 mt_status mti_param_quantize(mt_model *m, int i, int qf);
 mt_status mti_param_dequantize(mt_model *m, int i);
 /* Whether parameter i of the model is one a base format quantizes: a linear
@@ -124,8 +130,14 @@ int mti_param_is_table(const mt_model *m, int i);
 /* Builds a GPT model whose parameters `fill` writes (fp32, one at a time,
  * in parameter order, right after each is allocated; before any, it is
  * called once with i = -1 and the model's sizes and offsets set, to check
- * them); spec->base quantizes each linear weight once filled. */
+ * them); spec->base quantizes each linear weight once filled. A fill
+ * writes through mti_param_fill. */
 typedef mt_status (*mti_fill_fn)(void *user, mt_model *m, int i);
+/* Elements [at, at + n) of parameter i's fp32 values from host memory while
+ * the model is made: into its weights, or, for a weight quantized as it is
+ * made on a device context, into the host staging (m->fill_host) from
+ * which it is quantized, so its fp32 never exists in device memory. */
+mt_status mti_param_fill(mt_model *m, int i, size_t at, const float *src, size_t n);
 mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
                                mti_fill_fn fill, void *user, mt_model **out);
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */

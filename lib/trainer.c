@@ -232,11 +232,6 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
                         "%s: a quantized base computes in fp32 or bf16, not fp16 (its GEMMs "
                         "dequantize into the compute dtype)",
                         fn);
-    if (quantized && ctx->dev->kind != MT_DEVICE_CPU)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a quantized base (cfg->base, or a model loaded quantized) is "
-                        "CPU-only in this build",
-                        fn);
     return check_teacher(ctx, m, c);
 }
 

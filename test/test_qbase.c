@@ -442,3 +442,225 @@ TEST(qbase_refuses_bad_settings)
     CHECK(!strcmp(mt_base_format_name(MT_BASE_NF4), "nf4"));
     CHECK_OK(mt_context_destroy(ctx));
 }
+
+/* ---- CUDA contexts ---- */
+
+/* A CUDA context over the stand-in driver and cuBLASLt (NULL where the
+ * suite has none): allocation, copies, accounting and the dequantizing
+ * kernels' twins are real, the other kernels compute nothing. */
+static mt_context *standin_cuda(void)
+{
+    const char *cu = getenv("MT_FAKE_CUDA"), *lt = getenv("MT_FAKE_CUBLASLT");
+    if (!cu || !*cu || !lt || !*lt) return NULL;
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = cu, cc.cublaslt_path = lt;
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    return ctx;
+}
+
+/* Every parameter of a (on a CUDA context) stored as b's (on the CPU):
+ * the same format, and the same bytes, copied back from the device; with
+ * quantized_only, the quantized weights alone. */
+static void check_same_storage(const mt_model *a, const mt_model *b, const char *what,
+                               bool quantized_only)
+{
+    CHECK_EQ(a->n_param, b->n_param);
+    for (int i = 0; i < a->n_param; i++) {
+        const mti_param *p = &a->params[i], *q = &b->params[i];
+        if (quantized_only && !p->qf && !q->qf) continue;
+        const size_t n = mti_tensor_bytes(&p->w);
+        CHECK_MSG(p->qf == q->qf && p->w.dtype == q->w.dtype && n == mti_tensor_bytes(&q->w),
+                  "%s: %s is stored as format %d dtype %d (%zu bytes), on the CPU as %d, %d (%zu)",
+                  what, p->name, p->qf, (int)p->w.dtype, n, q->qf, (int)q->w.dtype,
+                  mti_tensor_bytes(&q->w));
+        unsigned char *x = check_alloc(n), *y = check_alloc(n);
+        CHECK_OKC(a->ctx, mti_tensor_download(a->ctx, &p->w, x, n));
+        CHECK_OKC(b->ctx, mti_tensor_download(b->ctx, &q->w, y, n));
+        CHECK_MSG(!memcmp(x, y, n), "%s: %s's bytes differ from the CPU's", what, p->name);
+    }
+}
+
+static bool same_file(const char *a, const char *b)
+{
+    FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
+    bool same = f && g;
+    for (int c = 0; same;) {
+        c = fgetc(f);
+        same = c == fgetc(g);
+        if (c == EOF) break;
+    }
+    if (f) fclose(f);
+    if (g) fclose(g);
+    return same;
+}
+
+/* A quantized base on a CUDA context over the stand-ins: a GPT quantized as
+ * it is made, the trainer's quantized token table, set_params quantizing
+ * again, a model loaded quantized from a file (a teacher) hold the CPU
+ * context's quantized bytes in device memory; the estimate (model, LoRA
+ * trainer, steps; a quantized teacher's distillation) equals the run; a
+ * training-state file saved there loads back into other weights and saves
+ * the same file again; merging dequantizes on the device to the CPU's
+ * merged weights. */
+TEST(qbase_cuda_standin_quantized_in_device_memory)
+{
+    if (!getenv("MT_FAKE_CUDA") || !getenv("MT_FAKE_CUBLASLT")) return;
+    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    char path[3][512];
+    for (int k = 0; k < 3; k++)
+        snprintf(path[k], sizeof path[k], "%s/mt_qbase_cuda_%d_%d", tmp, (int)getpid(), k);
+    for (int f = MT_BASE_INT8; f <= MT_BASE_NF4; f++) {
+        const char *fname = mt_base_format_name((mt_base_format)f);
+        mt_context *gpu = standin_cuda(), *cpu = check_cpu_context(1);
+        mt_model *mg = tiny_gpt(gpu, 3, (mt_base_format)f), *mc = tiny_gpt(cpu, 3, (mt_base_format)f);
+        check_same_storage(mg, mc, fname, false);
+        mt_trainer_config tc;
+        lora_config(&tc, 4, (mt_base_format)f);
+        mt_estimate_report est;
+        CHECK_OKC(gpu, mt_estimate_model(mg, &tc, &est));
+        mt_trainer *tg, *tcpu;
+        CHECK_OKC(gpu, mt_trainer_create(mg, &tc, &tg));
+        CHECK_OKC(cpu, mt_trainer_create(mc, &tc, &tcpu));
+        CHECK(mg->params[0].qf == f); /* the token table, quantized by the trainer */
+        check_same_storage(mg, mc, fname, false);
+        check_token_steps(gpu, tg, B, T, V, 0, 2);
+        check_estimate_matches(gpu, &est, fname);
+        /* a training-state file: into a model of other weights, then saved again */
+        CHECK_OKC(gpu, mt_trainer_save(tg, path[0], NULL, 0));
+        mt_model *m2 = tiny_gpt(gpu, 4, (mt_base_format)f);
+        mt_trainer *t2;
+        CHECK_OKC(gpu, mt_trainer_create(m2, &tc, &t2));
+        CHECK_OKC(gpu, mt_trainer_load(t2, path[0], NULL, 0, NULL));
+        CHECK_OKC(gpu, mt_trainer_save(t2, path[1], NULL, 0));
+        CHECK_MSG(same_file(path[0], path[1]), "%s: the state file loaded and saved differs", fname);
+        mt_trainer_destroy(t2);
+        CHECK_OK(mt_model_destroy(m2));
+        mt_trainer_destroy(tg);
+        mt_trainer_destroy(tcpu);
+        /* the same values in both (quantized again), adapters of nonzero B, merged */
+        const size_t n = mt_model_num_params(mc);
+        float *w = check_alloc(n * 4), *wg = check_alloc(n * 4);
+        CHECK_OK(mt_model_get_params(mc, w, n));
+        CHECK_OK(mt_model_get_params(mg, wg, n));
+        for (int i = 0; i < mc->n_base; i++) /* the base: dequantized on the device, the same */
+            CHECK_MSG(!memcmp(w + mc->params[i].offset, wg + mc->params[i].offset,
+                              mc->params[i].numel * 4),
+                      "%s: %s reads back otherwise than on the CPU", fname, mc->params[i].name);
+        for (int i = mc->n_base + 1; i < mc->n_param; i += 2)
+            for (size_t j = 0; j < mc->params[i].numel; j++)
+                w[mc->params[i].offset + j] = 0.1f * sinf((float)j);
+        CHECK_OK(mt_model_set_params(mc, w, n));
+        CHECK_OK(mt_model_set_params(mg, w, n));
+        check_same_storage(mg, mc, fname, false);
+        CHECK_OK(mt_model_lora_merge(mc));
+        CHECK_OK(mt_model_lora_merge(mg));
+        check_same_storage(mg, mc, fname, false);
+        /* a quantized teacher loaded from the merged model's file */
+        CHECK_OK(mt_model_gpt_save(mc, path[2]));
+        CHECK_OK(mt_model_destroy(mg));
+        CHECK_OK(mt_model_destroy(mc));
+        CHECK_OK(mt_context_destroy(gpu));
+        gpu = standin_cuda();
+        mt_model *te, *tec, *st = tiny_gpt(gpu, 5, MT_BASE_FULL);
+        CHECK_OKC(gpu, mt_model_gpt_load_base(gpu, path[2], (mt_base_format)f, &te));
+        CHECK_OKC(cpu, mt_model_gpt_load_base(cpu, path[2], (mt_base_format)f, &tec));
+        check_same_storage(te, tec, fname, false);
+        mt_trainer_config_init(&tc);
+        tc.max_batch = B, tc.max_seq = T, tc.teacher = te, tc.distill_alpha = 0.5f;
+        tc.precision = MT_PREC_BF16;
+        CHECK_OKC(gpu, mt_estimate_model(st, &tc, &est));
+        CHECK_OKC(gpu, mt_trainer_create(st, &tc, &tg));
+        check_token_steps(gpu, tg, B, T, V, 0, 2);
+        check_estimate_matches(gpu, &est, "a quantized teacher");
+        mt_trainer_destroy(tg);
+        CHECK_OK(mt_model_destroy(st));
+        CHECK_OK(mt_model_destroy(te));
+        CHECK_OK(mt_model_destroy(tec));
+        CHECK_OK(mt_context_destroy(gpu));
+        CHECK_OK(mt_context_destroy(cpu));
+    }
+    for (int k = 0; k < 3; k++) unlink(path[k]);
+}
+
+/* The gradients of t (of n parameters) on the first token batch; t is
+ * destroyed. */
+static float *first_gradients(mt_trainer *t, size_t n)
+{
+    float *g = check_alloc(n * 4);
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    check_token_batch(&b, tok, tg, B, T, V, 0);
+    CHECK_OK(mt_trainer_gradients(t, &b, NULL, g, n));
+    mt_trainer_destroy(t);
+    return g;
+}
+
+/* LoRA on an int8 and an NF4 base on the CUDA table (MT_TEST_GPU=1; the
+ * engine group of the GPU bundle) against the same on the CPU: the
+ * adapters' gradients, two fp32 and two bf16 steps' losses, the quantized
+ * bytes in PARAM the same; then a student distilled from a quantized
+ * teacher. */
+TEST(gpu_engine_qbase_matches_cpu)
+{
+    mt_context *ctx[2] = {check_gpu_context(), NULL};
+    if (!ctx[0]) return;
+    ctx[1] = check_cpu_context(2);
+    for (int f = MT_BASE_INT8; f <= MT_BASE_NF4 + 1; f++) {
+        const bool teach = f > MT_BASE_NF4; /* last: a student of an NF4 teacher */
+        float *g[2], loss[2][4];
+        size_t n = 0;
+        mt_model *m[2], *te[2] = {NULL, NULL};
+        for (int d = 0; d < 2; d++) {
+            mt_trainer_config tc;
+            if (teach) {
+                te[d] = tiny_gpt(ctx[d], 41, MT_BASE_NF4);
+                m[d] = tiny_gpt(ctx[d], 43, MT_BASE_FULL);
+                mt_trainer_config_init(&tc);
+                tc.max_batch = B, tc.max_seq = T, tc.optimizer = MT_OPT_ADAMW, tc.lr = 1e-2f;
+                tc.teacher = te[d], tc.distill_alpha = 0.7f, tc.distill_temp = 2.0f;
+            } else {
+                m[d] = tiny_gpt(ctx[d], 31, (mt_base_format)f);
+                lora_config(&tc, 8, (mt_base_format)f);
+                tc.lora.targets = "*.qkv.w,*.fc.w,*.fcproj.w";
+            }
+            mt_trainer *t;
+            CHECK_OKC(ctx[d], mt_trainer_create(m[d], &tc, &t));
+            n = mt_model_num_params(m[d]);
+            float *w = check_alloc(n * 4);
+            CHECK_OK(mt_model_get_params(m[d], w, n));
+            for (int i = 0; i < m[d]->n_param; i++)
+                if (strstr(m[d]->params[i].name, ".lora_b"))
+                    for (size_t j = 0; j < m[d]->params[i].numel; j++)
+                        w[m[d]->params[i].offset + j] = 0.2f * cosf((float)j);
+            CHECK_OK(mt_model_set_params(m[d], w, n));
+            g[d] = first_gradients(t, n); /* (t goes) */
+            for (int prec = 0; prec < 2; prec++) {
+                if (!teach) lora_config(&tc, 0, (mt_base_format)f);
+                tc.precision = prec ? MT_PREC_BF16 : MT_PREC_FP32;
+                tc.recompute = prec ? MT_RECOMPUTE_SELECTIVE : MT_RECOMPUTE_NONE;
+                tc.fused_step = prec && !teach;
+                tc.micro_batch = prec && teach ? 2 : 0;
+                CHECK_OKC(ctx[d], mt_trainer_create(m[d], &tc, &t));
+                int32_t tok[B * T], tg[B * T];
+                mt_batch b;
+                for (int s = 0; s < 2; s++) {
+                    check_token_batch(&b, tok, tg, B, T, V, s + 1);
+                    CHECK_OKC(ctx[d], mt_trainer_step(t, &b, &loss[d][2 * prec + s]));
+                }
+                mt_trainer_destroy(t);
+            }
+        }
+        check_same_storage(teach ? te[0] : m[0], teach ? te[1] : m[1],
+                           teach ? "the teacher" : mt_base_format_name((mt_base_format)f), true);
+        check_gpu_near_cpu(g[0], g[1], n, loss[0], loss[1]);
+        for (int d = 0; d < 2; d++) {
+            CHECK_OK(mt_model_destroy(m[d]));
+            CHECK_OK(mt_model_destroy(te[d]));
+        }
+    }
+    CHECK_OK(mt_context_destroy(ctx[0]));
+    CHECK_OK(mt_context_destroy(ctx[1]));
+}
