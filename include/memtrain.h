@@ -1070,6 +1070,23 @@ typedef struct mt_trainer_config {
      * is MT_ERR_OOM naming the amount. */
     mt_place offload;
     const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
+    /* With offload MT_PLACE_DISK (and only then: MT_ERR_INVALID_ARG
+     * otherwise), the trained weights (PARAM) live on disk too, in the
+     * compute dtype, in param.bin beside the state (ZeRO-Infinity's
+     * parameter offload; docs/memory.md, "Places and offload"). Before a
+     * layer's forward, backward or recomputed forward its weights are read
+     * into one of two buffers (PARAM at place device, each the largest
+     * layer's weights: the tied token table's layers, at both ends of the
+     * model, read it each time), the next layer's are read into the other
+     * meanwhile, and the update's pieces carry the weights with the state
+     * (PARAM buffers as large as a piece's weights). Frozen weights stay
+     * resident. Results are bit-identical to a resident run;
+     * mt_model_get_params / set_params, training-state files and the
+     * weights after the trainer read and write them on disk; an I/O
+     * failure loses them with the state (MT_ERR_IO: load the last
+     * training-state file). One rank, without LoRA (MT_ERR_UNSUPPORTED
+     * otherwise). */
+    int offload_params; /* 0 or 1 */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
      * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear
      * weight and a frozen token table (frozen by cfg.freeze, or the base

@@ -351,7 +351,8 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
             return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts out of order");
         for (uint64_t at = 0; at < len; at += CK_CHUNK) {
             size_t n = len - at < CK_CHUNK ? (size_t)(len - at) : CK_CHUNK;
-            if (t->off && c->what) { /* at home on disk (lib/offload.c): rank r's part */
+            if (t->off && (c->what || mti_offload_has_weights(t->off, c->param))) {
+                /* at home on disk (lib/offload.c): rank r's part */
                 mt_status cs = fetch_home(v, c, r, at, n);
                 if (cs) return cs;
             } else {
@@ -772,8 +773,8 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
         if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
             c.dtype != (uint32_t)ts[k].dtype || c.bytes != ts[k].bytes)
             return bad_file(r, "corrupt (a tensor section does not match the layout)");
-        upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0, ts[k].what ? t->off : NULL, ts[k].param,
-                    ts[k].what};
+        const bool home = ts[k].what || mti_offload_has_weights(t->off, ts[k].param);
+        upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0, home ? t->off : NULL, ts[k].param, ts[k].what};
         held(t, &ts[k], t->rank, &u.off, &u.len);
         if ((s = read_payload(r, &c, buf, check ? NULL : upload_sink, &u))) return s;
     }

@@ -697,6 +697,8 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
     if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
+    if (m->params_home && mti_offload_has_weights(m->params_home, i)) /* on disk */
+        return mti_offload_param_read(m->params_home, i, at, n, dst);
     if (p->qf && ctx->dev->kind == MT_DEVICE_CPU) /* dequantized straight into dst */
         return dequantize_range(m, p, at, n, dst);
     if (m->master_home && !p->frozen) /* the master, from its file */
@@ -731,6 +733,8 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &m->params[i];
     if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
+    if (m->params_home && mti_offload_has_weights(m->params_home, i)) /* on disk */
+        return mti_offload_param_write(m->params_home, i, at, n, src);
     if (p->qf) { /* quantized again from the new values, whole */
         if (at != 0 || n != p->numel)
             return mti_fail(ctx, MT_ERR_INVALID_ARG,

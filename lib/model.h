@@ -96,6 +96,8 @@ struct mt_model {
     float *fill_host;    /* while a weight quantized as it is made is filled on a
                             device context: its fp32 values' host staging
                             (mti_param_fill writes there, not to the device) */
+    struct mti_offload *params_home; /* the trained weights live on disk too
+                            (offload_params): p->w is there only while a layer runs */
     mt_mlp_spec mlp;     /* MLP */
     mt_gpt_spec gpt;     /* GPT */
     _Atomic int n_trainers;

@@ -49,9 +49,10 @@ size_t mti_offload_piece_elems = PIECE;
 
 int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n) = NULL;
 
-enum { F_OPTIM = 0, F_MASTER = 1, F_COUNT = 2 };
-static const char *const file_name[F_COUNT] = {"optim.bin", "master.bin"};
-static const mt_mem_class file_class[F_COUNT] = {MT_MEM_OPTIM, MT_MEM_MASTER};
+enum { F_OPTIM = 0, F_MASTER = 1, F_PARAM = 2, F_COUNT = 3 };
+static const char *const file_name[F_COUNT] = {"optim.bin", "master.bin", "param.bin"};
+static const mt_mem_class file_class[F_COUNT] = {MT_MEM_OPTIM, MT_MEM_MASTER, MT_MEM_PARAM};
+#define LSLOTS 2 /* a layer's weights (offload_params): the one running, the next */
 
 /* A slot's life: FREE -> READING -> CLEAN -> (acquired) DIRTY -> WRITING ->
  * CLEAN ... ; the I/O threads own a slot while it is READING or WRITING. */
@@ -66,13 +67,16 @@ typedef struct off_param {
                                       elements' state) */
     int64_t st0[MTI_OPT_SLOTS];    /* the state element of element lo */
     uint64_t m_off;                /* its master's region in master.bin */
+    uint64_t w_off;                /* its weights' region in param.bin (offload_params) */
+    int home;                      /* its weights live in param.bin */
 } off_param;
 
 typedef struct off_slot {
-    mt_block stb, msb; /* OPTIM: a piece's state tensors, MASTER: its master (the
+    mt_block stb, msb, pwb; /* OPTIM: a piece's state tensors, MASTER: its master,
+                          PARAM: its weights (offload_params) (the
                           blocks: ALIGN more than they hold, at the default alignment,
                           so that their place does not depend on the addresses) */
-    char *st, *ms;     /* where they start: a multiple of ALIGN in the blocks, each
+    char *st, *ms, *pw; /* where they start: a multiple of ALIGN in the blocks, each
                           state tensor at a multiple of ALIGN after st */
     int piece;        /* -1: none */
     int state;
@@ -82,10 +86,24 @@ typedef struct off_slot {
     int err_file, err_write;
 } off_slot;
 
+/* A layer's weights brought in for its forward or backward (offload_params):
+ * FREE -> READING -> CLEAN (holding `layer`'s weights until dropped). */
+typedef struct lay_slot {
+    mt_block b;
+    char *p;        /* a multiple of ALIGN in b */
+    uint64_t cap;   /* bytes it holds */
+    int layer;      /* -1: none */
+    int state;
+    uint64_t used;
+    int err;
+} lay_slot;
+
 struct mti_offload {
     mt_trainer *t;
     mt_context *ctx;
     int masters;            /* the masters live here too */
+    int params;             /* and the trained weights (offload_params) */
+    uint64_t w_bytes;       /* a piece's weights (the update slots' PARAM buffers) */
     int dry;                /* no files: bytes counted, nothing moved */
     char dir[PATH_MAX], lock[PATH_MAX + 16], path[F_COUNT][PATH_MAX + 16];
     int fd[F_COUNT];        /* O_DIRECT where the file system takes it */
@@ -109,13 +127,20 @@ struct mti_offload {
     int n_th, stop;
     pthread_mutex_t mu;
     pthread_cond_t work, done;
-    int queue[SLOTS], qn;
+    int queue[SLOTS + LSLOTS], qn; /* (SLOTS + k: layer slot k) */
+    /* offload_params: the layers' weights */
+    lay_slot ls[LSLOTS];
+    int *lnext;             /* (layer, bwd) -> the one brought in after it last time */
+    int lkey_last, lkey_first; /* this step's last and first (-1: none yet) */
     int io_err, io_file, io_wr; /* the first failed I/O (kept until it is reported) */
     mt_status failed;       /* MT_ERR_IO once the files are lost */
     char why[600];
 };
 
 static uint64_t up(uint64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+static void lay_submit(mti_offload *o, int k, int layer);
+static int lay_victim(mti_offload *o, int keep, int wait, int layer);
 
 /* ---- geometry ---- */
 
@@ -154,14 +179,15 @@ static uint64_t region_bytes(const mti_offload *o, int i, int j)
 }
 
 /* Lays out the files and the pieces; sizes the slots. */
-static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes)
+static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes, uint64_t *w_bytes)
 {
     mt_trainer *t = o->t;
     const mt_model *m = t->model;
+    const size_t wes = mti_dtype_size(t->dt); /* the trained weights' dtype */
     o->pp = calloc((size_t)m->n_param, sizeof *o->pp);
     if (!o->pp) return mti_fail(o->ctx, MT_ERR_OOM, "out of host memory");
     int np = 0;
-    *st_bytes = *m_bytes = 0;
+    *st_bytes = *m_bytes = *w_bytes = 0;
     for (int pass = 0; pass < 2; pass++) {
         uint64_t fo[F_COUNT] = {0};
         np = 0;
@@ -183,6 +209,9 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes)
             }
             q->m_off = fo[F_MASTER];
             if (o->masters) fo[F_MASTER] += up(region_bytes(o, i, -1));
+            q->home = o->params;
+            q->w_off = fo[F_PARAM];
+            if (o->params) fo[F_PARAM] += up((uint64_t)p->numel * wes);
             for (int k = 0; k < q->count; k++, np++) {
                 if (pass) o->param_of[np] = i;
                 size_t at, n;
@@ -194,10 +223,12 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes)
                 }
                 if (b > *st_bytes) *st_bytes = b;
                 if (o->masters && up((uint64_t)n * 4) > *m_bytes) *m_bytes = up((uint64_t)n * 4);
+                if (o->params && up((uint64_t)n * wes) > *w_bytes) *w_bytes = up((uint64_t)n * wes);
             }
         }
         o->bytes[F_OPTIM] = fo[F_OPTIM];
         o->bytes[F_MASTER] = fo[F_MASTER];
+        o->bytes[F_PARAM] = fo[F_PARAM];
         if (!pass) {
             o->param_of = malloc((size_t)np * sizeof *o->param_of + 1);
             o->next = malloc((size_t)np * sizeof *o->next + 1);
@@ -393,7 +424,46 @@ static void slot_io(mti_offload *o, off_slot *sl, int wr)
         sl->err = move(o, F_MASTER, wr, sl->ms, last && fo % ALIGN == 0 ? up((uint64_t)n * 4) : (uint64_t)n * 4, fo);
         sl->err_file = F_MASTER;
     }
+    if (!sl->err && q->home) {
+        const size_t wes = mti_dtype_size(o->t->dt);
+        const uint64_t fo = q->w_off + (uint64_t)at * wes;
+        sl->err = move(o, F_PARAM, wr, sl->pw, last && fo % ALIGN == 0 ? up((uint64_t)n * wes) : (uint64_t)n * wes, fo);
+        sl->err_file = F_PARAM;
+    }
     sl->err_write = wr;
+}
+
+/* The parameters of layer `layer` whose weights live in param.bin (the
+ * tied table at the LM head too), in the order they sit in its slot: *n
+ * of them into idx (at most np + 1). */
+static int lay_params(const mti_offload *o, int layer, int *idx)
+{
+    const mti_layer *ly = &o->t->model->layers[layer];
+    int n = 0;
+    for (int j = 0; j <= ly->np; j++) {
+        const int i = j < ly->np ? ly->p0 + j : ly->tied;
+        if (i >= 0 && o->pp[i].home) idx[n++] = i;
+    }
+    return n;
+}
+
+static uint64_t weight_bytes(const mti_offload *o, int i)
+{
+    return (uint64_t)o->t->model->params[i].numel * mti_dtype_size(o->t->dt);
+}
+
+/* A layer slot's weights read from param.bin (an I/O thread). Returns 0 or an errno. */
+static int lay_io(mti_offload *o, lay_slot *l)
+{
+    int idx[MTI_SLOTS + 2], e = o->bytes[F_PARAM] ? file_ok(o, F_PARAM) : 0;
+    const int n = lay_params(o, l->layer, idx);
+    uint64_t off = 0;
+    for (int k = 0; k < n && !e; k++) {
+        const uint64_t b = up(weight_bytes(o, idx[k]));
+        e = move(o, F_PARAM, 0, l->p + off, b, o->pp[idx[k]].w_off);
+        off += b;
+    }
+    return e;
 }
 
 static void *io_thread(void *arg)
@@ -403,8 +473,21 @@ static void *io_thread(void *arg)
     for (;;) {
         while (!o->stop && !o->qn) pthread_cond_wait(&o->work, &o->mu);
         if (!o->qn) break; /* stopping, nothing queued */
-        off_slot *sl = &o->slot[o->queue[0]];
+        const int qs = o->queue[0];
         memmove(o->queue, o->queue + 1, (size_t)--o->qn * sizeof *o->queue);
+        if (qs >= SLOTS) { /* a layer's weights in */
+            lay_slot *l = &o->ls[qs - SLOTS];
+            pthread_mutex_unlock(&o->mu);
+            const int e = lay_io(o, l);
+            pthread_mutex_lock(&o->mu);
+            l->err = e;
+            l->state = e ? S_FREE : S_CLEAN;
+            if (e) l->layer = -1;
+            if (e && !o->io_err) o->io_err = e, o->io_file = F_PARAM, o->io_wr = 0;
+            pthread_cond_broadcast(&o->done);
+            continue;
+        }
+        off_slot *sl = &o->slot[qs];
         const int wr = sl->state == S_WRITING;
         pthread_mutex_unlock(&o->mu);
         slot_io(o, sl, wr);
@@ -457,6 +540,26 @@ static int state_of(mti_offload *o, int s)
     return st;
 }
 
+/* Waits for layer slot k's read. */
+static void lay_wait(mti_offload *o, int k)
+{
+    pthread_mutex_lock(&o->mu);
+    while (o->ls[k].state == S_READING) pthread_cond_wait(&o->done, &o->mu);
+    pthread_mutex_unlock(&o->mu);
+}
+
+/* Every layer slot emptied (its read waited for): the weights in param.bin
+ * are about to change, or have. */
+static void lay_drop(mti_offload *o)
+{
+    for (int k = 0; k < LSLOTS; k++) {
+        lay_wait(o, k);
+        o->ls[k].layer = -1;
+        o->ls[k].state = S_FREE;
+    }
+    o->lkey_last = -1;
+}
+
 /* The files are lost: every I/O waited for, the files removed, and the
  * trainer told. Returns MT_ERR_IO with the message. */
 static mt_status lose(mti_offload *o, int f, int wr, int e)
@@ -471,13 +574,14 @@ static mt_status lose(mti_offload *o, int f, int wr, int e)
         o->slot[s].piece = -1;
         o->slot[s].state = S_FREE;
     }
+    lay_drop(o);
     o->cur = -1;
     remove_files(o);
     o->failed = MT_ERR_IO;
     snprintf(o->why, sizeof o->why,
-             "offload: %s; the offloaded optimizer state%s is lost and the scratch directory "
+             "offload: %s; the offloaded optimizer state%s%s is lost and the scratch directory "
              "removed (load the last training-state file into a new trainer)",
-             what, o->masters ? " and master weights" : "");
+             what, o->masters ? ", master weights" : "", o->params ? " and weights" : "");
     return mti_fail(o->ctx, MT_ERR_IO, "%s", o->why);
 }
 
@@ -498,6 +602,10 @@ static mt_status settle(mti_offload *o, int s)
 mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
 {
     const char *fn = "mt_trainer_create";
+    if (c->offload_params && c->offload != MT_PLACE_DISK)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: cfg->offload_params needs cfg->offload disk (the weights' file "
+                        "lives beside the optimizer state's)", fn);
     if (c->offload == MT_PLACE_DEVICE) return MT_OK;
     if ((unsigned)c->offload >= MT_PLACE_COUNT)
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
@@ -516,12 +624,18 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
                         "%s: cfg->offload disk with ZeRO stage %d keeps no fp32 master slices "
                         "on disk yet: train in fp32, in bf16 without masters, or at stage 0",
                         fn, c->zero_stage);
+    if (c->offload_params && ctx->world > 1)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->offload_params runs on one rank only, for now", fn);
+    if (c->offload_params && (c->lora.rank || m->lora_rank))
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->offload_params with LoRA is not supported (the adapters are "
+                        "small: offload the state alone)", fn);
     if (!ctx->dry && (!c->offload_dir || !*c->offload_dir))
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "%s: cfg->offload disk needs cfg->offload_dir, the directory for the "
                         "scratch files",
                         fn);
-    (void)m;
     return MT_OK;
 }
 
@@ -562,6 +676,48 @@ static mt_status write_fresh(mti_offload *o)
     return MT_OK;
 }
 
+/* The bytes of layer `layer`'s weights in a layer slot. */
+static uint64_t lay_bytes(const mti_offload *o, int layer)
+{
+    int idx[MTI_SLOTS + 2];
+    const int n = lay_params(o, layer, idx);
+    uint64_t b = 0;
+    for (int k = 0; k < n; k++) b += up(weight_bytes(o, idx[k]));
+    return b;
+}
+
+/* offload_params: the layer slots (PARAM): one as large as the largest
+ * layer's weights, the other as the largest layer's without a token table
+ * (the blocks': the table's layers, at the two ends, are never next to
+ * each other and go in the first); and the first guess of the layers'
+ * order: forward up, backward down. */
+static mt_status lay_create(mti_offload *o)
+{
+    const mt_model *m = o->t->model;
+    const int L = m->n_layers;
+    uint64_t most = 0, other = 0;
+    for (int l = 0; l < L; l++) {
+        const mti_layer *ly = &m->layers[l];
+        const uint64_t b = lay_bytes(o, l);
+        if (b > most) most = b;
+        if (ly->kind != MT_LAYER_EMBEDDING && ly->tied < 0 && b > other) other = b;
+    }
+    if (!(o->lnext = malloc((size_t)(2 * L) * sizeof *o->lnext + 1)))
+        return mti_fail(o->ctx, MT_ERR_OOM, "out of host memory");
+    for (int l = 0; l < L; l++) {
+        o->lnext[2 * l] = l + 1 < L ? 2 * (l + 1) : 2 * l + 1;
+        o->lnext[2 * l + 1] = l > 0 ? 2 * (l - 1) + 1 : -1;
+    }
+    o->ls[0].cap = most;
+    o->ls[1].cap = other ? other : most;
+    mt_status s = MT_OK;
+    for (int k = 0; k < LSLOTS && !s; k++)
+        s = slot_alloc(o->ctx, &o->ls[k].b, &o->ls[k].p, o->ls[k].cap, MT_MEM_PARAM, 3 * SLOTS + k);
+    for (int k = 0; k < o->n_slots && !s; k++)
+        s = slot_alloc(o->ctx, &o->slot[k].pwb, &o->slot[k].pw, o->w_bytes, MT_MEM_PARAM, 2 * SLOTS + k);
+    return s;
+}
+
 mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
 {
     mt_context *ctx = t->ctx;
@@ -570,8 +726,11 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
     o->t = t;
     o->ctx = ctx;
     o->masters = masters;
+    o->params = t->cfg.offload_params != 0;
     o->dry = ctx->dry;
     o->cur = o->last = -1;
+    o->lkey_last = o->lkey_first = -1;
+    for (int k = 0; k < LSLOTS; k++) o->ls[k].layer = -1;
     o->n_slots = t->opt->sliceable ? SLOTS : SLOTS_WHOLE;
     for (int f = 0; f < F_COUNT; f++) o->fd[f] = o->fdb[f] = -1;
     for (int s = 0; s < SLOTS; s++) o->slot[s].piece = -1; /* (all of them: find) */
@@ -580,7 +739,7 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
     pthread_cond_init(&o->done, NULL);
     *out = o; /* (destroyed by the trainer on failure) */
     uint64_t st_bytes = 0, m_bytes = 0;
-    mt_status s = plan(o, &st_bytes, &m_bytes);
+    mt_status s = plan(o, &st_bytes, &m_bytes, &o->w_bytes);
     for (int k = 0; k < o->n_slots && !s; k++) {
         off_slot *sl = &o->slot[k];
         s = slot_alloc(ctx, &sl->stb, &sl->st, st_bytes, MT_MEM_OPTIM, 2 * k);
@@ -618,7 +777,11 @@ void mti_offload_destroy(mti_offload *o)
     for (int s = 0; s < o->n_slots; s++) {
         if (o->slot[s].stb.ptr) mt_context_free(o->ctx, &o->slot[s].stb);
         if (o->slot[s].msb.ptr) mt_context_free(o->ctx, &o->slot[s].msb);
+        if (o->slot[s].pwb.ptr) mt_context_free(o->ctx, &o->slot[s].pwb);
     }
+    for (int k = 0; k < LSLOTS; k++)
+        if (o->ls[k].b.ptr) mt_context_free(o->ctx, &o->ls[k].b);
+    free(o->lnext);
     pthread_mutex_destroy(&o->mu);
     pthread_cond_destroy(&o->work);
     pthread_cond_destroy(&o->done);
@@ -746,6 +909,12 @@ mt_status mti_offload_begin(mti_offload *o)
         if (e) return lose(o, f, 0, e);
     }
     if (o->last >= 0) prefetch(o, o->next[o->last], -1);
+    if (o->params) { /* the first layer's weights */
+        const int first = o->lkey_first;
+        o->lkey_last = o->lkey_first = -1;
+        const int k = first >= 0 ? lay_victim(o, -1, 0, first / 2) : -1;
+        if (k >= 0) lay_submit(o, k, first / 2);
+    }
     return MT_OK;
 }
 
@@ -757,6 +926,7 @@ mt_status mti_offload_end(mti_offload *o)
     mt_status st = MT_OK;
     for (int s = 0; s < o->n_slots && !st; s++) st = settle(o, s);
     o->cur = -1;
+    if (o->params) lay_drop(o); /* (the weights the update wrote are read again) */
     return st;
 }
 
@@ -775,12 +945,13 @@ static mt_status region(mti_offload *o, int i, int what, uint64_t off, size_t n,
                         uint64_t *at)
 {
     const int l = what >= 2;
-    if ((what == 1 && !o->masters) || what < 1 || what >= 2 + MTI_OPT_SLOTS || !o->pp[i].piece ||
-        off + n > region_bytes(o, i, what - 2 >= 0 ? what - 2 : -1))
+    if ((what == 1 && !o->masters) || (what == 0 && !o->pp[i].home) || what < 0 ||
+        what >= 2 + MTI_OPT_SLOTS || !o->pp[i].piece ||
+        off + n > (what ? region_bytes(o, i, what - 2 >= 0 ? what - 2 : -1) : weight_bytes(o, i)))
         return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: no bytes [%llu, +%zu) of tensor %d.%d",
                         (unsigned long long)off, n, i, what);
-    *f = l ? F_OPTIM : F_MASTER;
-    *at = (l ? o->pp[i].st_off[what - 2] : o->pp[i].m_off) + off;
+    *f = l ? F_OPTIM : what ? F_MASTER : F_PARAM;
+    *at = (l ? o->pp[i].st_off[what - 2] : what ? o->pp[i].m_off : o->pp[i].w_off) + off;
     return MT_OK;
 }
 
@@ -825,5 +996,196 @@ mt_status mti_offload_get_master(mti_offload *o, int i)
     if (!s) s = mti_offload_read(o, i, 1, 0, master.blk.ptr, p->numel * 4);
     if (s) mti_tensor_free(o->ctx, &master);
     else p->master = master;
+    return s;
+}
+
+/* ---- offload_params: the trained weights at home in param.bin ---- */
+
+void *mti_offload_weights(const mti_offload *o, size_t e)
+{
+    return o->slot[o->cur].pw + (e - o->cur_at) * mti_dtype_size(o->t->dt);
+}
+
+bool mti_offload_has_weights(const mti_offload *o, int i) { return o && o->pp[i].home; }
+
+/* Starts reading layer `layer`'s weights into layer slot k. */
+static void lay_submit(mti_offload *o, int k, int layer)
+{
+    lay_slot *l = &o->ls[k];
+    pthread_mutex_lock(&o->mu);
+    l->layer = layer;
+    l->used = ++o->tick;
+    l->err = 0;
+    if (o->dry) {
+        l->state = S_CLEAN;
+    } else {
+        l->state = S_READING;
+        o->queue[o->qn++] = SLOTS + k;
+        pthread_cond_signal(&o->work);
+    }
+    pthread_mutex_unlock(&o->mu);
+}
+
+static int lay_state(mti_offload *o, int k)
+{
+    pthread_mutex_lock(&o->mu);
+    const int st = o->ls[k].state;
+    pthread_mutex_unlock(&o->mu);
+    return st;
+}
+
+/* A layer slot other than `keep` large enough for layer `layer`: a free
+ * one, else the least recently used clean one; with `wait`, else one being
+ * read (waited for). -1 when none. */
+static int lay_victim(mti_offload *o, int keep, int wait, int layer)
+{
+    const uint64_t need = lay_bytes(o, layer);
+    int best = -1;
+    for (int pass = 0; pass < 2 && best < 0; pass++)
+        for (int k = 0; k < LSLOTS; k++) {
+            const int st = lay_state(o, k);
+            if (k == keep || o->ls[k].cap < need || !(st == S_FREE || (pass && st == S_CLEAN)))
+                continue;
+            if (best < 0 || o->ls[k].used < o->ls[best].used) best = k;
+        }
+    for (int k = 0; k < LSLOTS && best < 0 && wait; k++)
+        if (k != keep && o->ls[k].cap >= need) lay_wait(o, best = k);
+    return best;
+}
+
+mt_status mti_offload_layer(void *user, int layer, int bwd, int in)
+{
+    mti_offload *o = user;
+    mt_model *m = o->t->model;
+    const mti_layer *ly = &m->layers[layer];
+    int idx[MTI_SLOTS + 2];
+    const int n = lay_params(o, layer, idx);
+    if (!in) {
+        for (int k = 0; k < n; k++) memset(&m->params[idx[k]].w.blk, 0, sizeof(mt_block));
+        return MT_OK;
+    }
+    /* the embedding's backward needs neither the table nor the positions */
+    int need = 0;
+    for (int k = 0; k < n; k++)
+        need += !(bwd && ly->kind == MT_LAYER_EMBEDDING &&
+                  (idx[k] == ly->p0 || (ly->positions && idx[k] == ly->p0 + 1)));
+    if (!need) return MT_OK;
+    if (o->failed) return lost(o);
+    const int key = 2 * layer + bwd;
+    if (o->lkey_last >= 0 && o->lkey_last != key) o->lnext[o->lkey_last] = key;
+    if (o->lkey_first < 0) o->lkey_first = key;
+    o->lkey_last = key;
+    int v = -1;
+    for (int k = 0; k < LSLOTS && v < 0; k++)
+        if (o->ls[k].layer == layer) v = k;
+    if (v < 0) lay_submit(o, v = lay_victim(o, -1, 1, layer), layer);
+    lay_wait(o, v);
+    pthread_mutex_lock(&o->mu);
+    const int e = o->io_err, f = o->io_file, wr = o->io_wr;
+    pthread_mutex_unlock(&o->mu);
+    if (e) return lose(o, f, wr, e);
+    o->ls[v].used = ++o->tick;
+    /* the next layer's weights are read while this one computes */
+    const int nk = o->lnext[key];
+    int nidx[MTI_SLOTS + 2];
+    if (nk >= 0 && nk / 2 != layer && lay_params(o, nk / 2, nidx)) {
+        int w = -1;
+        for (int k = 0; k < LSLOTS && w < 0; k++)
+            if (o->ls[k].layer == nk / 2) w = k;
+        if (w < 0 && (w = lay_victim(o, v, 0, nk / 2)) >= 0) lay_submit(o, w, nk / 2);
+    }
+    uint64_t off = 0;
+    for (int k = 0; k < n; k++) {
+        mti_param *p = &m->params[idx[k]];
+        const uint64_t b = weight_bytes(o, idx[k]);
+        p->w.blk = (mt_block){.ptr = o->ls[v].p + off, .bytes = (size_t)b,
+                              .mem_class = MT_MEM_PARAM, .lifetime = MT_LIFE_PERSISTENT};
+        off += up(b);
+    }
+    return MT_OK;
+}
+
+mt_status mti_offload_put_params(mti_offload *o)
+{
+    mt_trainer *t = o->t;
+    mt_model *m = t->model;
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        mti_param *p = &m->params[i];
+        if (!o->pp[i].home || !p->w.blk.ptr) continue;
+        if (p->w.dtype != t->dt)
+            return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: %s is not in the compute dtype", p->name);
+        s = mti_offload_write(o, i, 0, 0, p->w.blk.ptr, (size_t)weight_bytes(o, i));
+        if (!s) mti_tensor_free(o->ctx, &p->w); /* (its dtype and shape stay) */
+    }
+    if (!s) s = lay_create(o); /* (once the weights are gone) */
+    m->params_home = o;
+    t->E.params_hook = mti_offload_layer;
+    t->E.params_user = o;
+    return s;
+}
+
+void mti_offload_get_params(mti_offload *o)
+{
+    if (!o) return;
+    mt_trainer *t = o->t;
+    mt_model *m = t->model;
+    if (m->params_home == o) m->params_home = NULL;
+    if (t->E.params_user == o) t->E.params_hook = NULL, t->E.params_user = NULL;
+    for (int i = 0; i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
+        if (!o->pp || !o->pp[i].home || p->w.blk.ptr) continue;
+        mt_status s = mti_tensor_alloc(o->ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                       MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+        if (!s) s = mti_offload_read(o, i, 0, 0, p->w.blk.ptr, (size_t)weight_bytes(o, i));
+        if (s && p->w.blk.ptr) {
+            mti_log(o->ctx, MT_LOG_ERROR, "%s: its weights could not be read back from disk (%s); "
+                    "they are zeros", p->name, mti_last_msg(o->ctx).s);
+            (void)mti_tensor_zero(o->ctx, &p->w);
+        } else if (s) {
+            mti_log(o->ctx, MT_LOG_ERROR, "%s: no memory for its weights coming back from disk",
+                    p->name);
+        }
+    }
+}
+
+/* Host staging for the values of [at, at + n) in the weights' dtype. */
+#define STAGE_ELEMS ((size_t)1 << 18)
+
+mt_status mti_offload_param_read(mti_offload *o, int i, size_t at, size_t n, float *dst)
+{
+    if (o->masters) return mti_offload_read(o, i, 1, (uint64_t)at * 4, dst, n * 4);
+    const mti_dtype dt = o->t->dt;
+    const size_t es = mti_dtype_size(dt);
+    if (dt == MTI_F32) return mti_offload_read(o, i, 0, (uint64_t)at * 4, dst, n * 4);
+    void *buf = malloc(STAGE_ELEMS * es);
+    if (!buf) return mti_fail(o->ctx, MT_ERR_OOM, "out of host memory");
+    const mti_kctx k = {o->ctx, o->ctx->dev};
+    mt_status s = MT_OK;
+    for (size_t d = 0, c; d < n && !s; d += c) {
+        c = n - d < STAGE_ELEMS ? n - d : STAGE_ELEMS;
+        s = mti_offload_read(o, i, 0, (uint64_t)(at + d) * es, buf, c * es);
+        if (!s) s = o->ctx->ops->cast(&k, dst + d, MTI_F32, buf, dt, c, MTI_ROUND_NEAREST, 0);
+    }
+    free(buf);
+    return s;
+}
+
+mt_status mti_offload_param_write(mti_offload *o, int i, size_t at, size_t n, const float *src)
+{
+    mt_status s = MT_OK;
+    if (o->masters) s = mti_offload_write(o, i, 1, (uint64_t)at * 4, src, n * 4);
+    const mti_dtype dt = o->t->dt;
+    const size_t es = mti_dtype_size(dt);
+    if (s || dt == MTI_F32) return s ? s : mti_offload_write(o, i, 0, (uint64_t)at * 4, src, n * 4);
+    void *buf = malloc(STAGE_ELEMS * es);
+    if (!buf) return mti_fail(o->ctx, MT_ERR_OOM, "out of host memory");
+    const mti_kctx k = {o->ctx, o->ctx->dev};
+    for (size_t d = 0, c; d < n && !s; d += c) { /* the compute copy, rounded to nearest */
+        c = n - d < STAGE_ELEMS ? n - d : STAGE_ELEMS;
+        s = o->ctx->ops->cast(&k, buf, dt, src + d, MTI_F32, c, MTI_ROUND_NEAREST, 0);
+        if (!s) s = mti_offload_write(o, i, 0, (uint64_t)(at + d) * es, buf, c * es);
+    }
+    free(buf);
     return s;
 }

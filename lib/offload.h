@@ -60,11 +60,36 @@ mt_status mti_offload_begin(mti_offload *o);
 /* A step ends (or failed): every updated piece written, every I/O done. */
 mt_status mti_offload_end(mti_offload *o);
 
-/* Bytes [off, off + n) of parameter i's stored tensor `what` (1 the
- * master, 2 + j state slot j), to or from host memory. */
+/* Bytes [off, off + n) of parameter i's stored tensor `what` (0 its
+ * weights with offload_params, 1 the master, 2 + j state slot j), to or from host memory. */
 mt_status mti_offload_read(mti_offload *o, int i, int what, uint64_t off, void *dst, size_t n);
 mt_status mti_offload_write(mti_offload *o, int i, int what, uint64_t off, const void *src,
                             size_t n);
+
+/* ---- offload_params: the trained weights (PARAM) at home in param.bin too.
+ * The engine's params hook (mti_offload_layer, set by put_params) brings a
+ * layer's weights into one of two layer buffers before its forward or
+ * backward (p->w.blk points there while it runs) and reads the next
+ * layer's into the other meanwhile; the update's pieces carry the weights
+ * with the state and masters (mti_offload_weights). ---- */
+
+/* Every trained weight (in the compute dtype) to param.bin and freed; the
+ * engine's hook and the model's params_home set. */
+mt_status mti_offload_put_params(mti_offload *o);
+/* The weights back into the model (zeros, and said, where they cannot be
+ * read); the hook cleared. NULL is accepted. */
+void mti_offload_get_params(mti_offload *o);
+/* Whether parameter i's weights live in param.bin (o may be NULL). */
+bool mti_offload_has_weights(const mti_offload *o, int i);
+/* The acquired piece's weights at element e (compute dtype). */
+void *mti_offload_weights(const mti_offload *o, size_t e);
+/* The engine's params hook (mti_layer_hook) with user o. */
+mt_status mti_offload_layer(void *user, int layer, int bwd, int in);
+/* fp32 values [at, at + n) of parameter i (its master where there is one,
+ * else its weights widened) / written (the master, and the weights
+ * rounded to nearest). */
+mt_status mti_offload_param_read(mti_offload *o, int i, size_t at, size_t n, float *dst);
+mt_status mti_offload_param_write(mti_offload *o, int i, size_t at, size_t n, const float *src);
 
 /* ---- host offload (lib/offload_host.c): a CUDA context's optimizer state
  * and masters in page-locked host memory, updated by the CPU op table ---- */

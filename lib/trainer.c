@@ -519,6 +519,14 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, uint16_
     return t->opt->update(&a, st, w32, pc, g, at, n);
 }
 
+/* Where element `at` of parameter i's weights is for its update: the
+ * acquired piece's (offload_params), else the model's (ZeRO-3: the slice). */
+static void *weights_at(const mt_trainer *t, int i, size_t at)
+{
+    if (t->off && mti_offload_has_weights(t->off, i)) return mti_offload_weights(t->off, at);
+    return mti_zero3_weights(t, i, at);
+}
+
 /* elements per slice of an update without masters (a multiple of the 8-bit block) */
 #define BARE_SLICE MTI_SR_PIECE
 
@@ -538,10 +546,10 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
     mt_model *m = t->model;
     mti_param *p = &m->params[i];
     if (!t->bare) {
-        float *w32 = !m->has_master ? (float *)mti_zero3_weights(t, i, at)
+        float *w32 = !m->has_master ? (float *)weights_at(t, i, at)
                      : t->off       ? mti_offload_master(t->off, at)
                                     : (float *)p->master.blk.ptr + (at - p->master_lo);
-        void *pc = m->has_master ? mti_zero3_weights(t, i, at) : NULL;
+        void *pc = m->has_master ? weights_at(t, i, at) : NULL;
         return update_span(t, i, w32, pc, NULL, 0, NULL, g, at, n, grad_scale);
     }
     mt_context *ctx = t->ctx;
@@ -551,7 +559,7 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
     int done = 0;
     mt_status s = MT_OK;
     if (p->w.dtype == MTI_BF16)
-        s = update_span(t, i, NULL, NULL, mti_zero3_weights(t, i, at), seed0, &done, g, at, n,
+        s = update_span(t, i, NULL, NULL, weights_at(t, i, at), seed0, &done, g, at, n,
                         grad_scale);
     if (s || done) return s;
     mti_tensor sl = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(n < BARE_SLICE ? n : BARE_SLICE)}};
@@ -559,7 +567,7 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
     for (size_t j = 0, len; j < n && !s; j += len) {
         const size_t e = at + j, piece = e - e % BARE_SLICE;
         len = n - j < piece + BARE_SLICE - e ? n - j : piece + BARE_SLICE - e;
-        void *w = mti_zero3_weights(t, i, e);
+        void *w = weights_at(t, i, e);
         uint64_t seed = mti_sr_seed_at(seed0 ^ piece, e - piece);
         s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
         if (!s) s = update_span(t, i, sl.blk.ptr, NULL, NULL, 0, NULL, g + j, e, len, grad_scale);
@@ -761,6 +769,7 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_zero3_free(t);
     if (t->gs)
         for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->gs[i]);
+    mti_offload_get_params(t->off); /* the weights from disk (offload_params) */
     if (t->model->has_master) from_mixed(t);
     mti_offload_destroy(t->off); /* (after the masters came back) */
     free(t->offload_dir);
@@ -944,6 +953,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
            rather than from the fragments of tensors twice their size */
         for (int a = 0; !s && a < ctx->n_inst; a++) (void)mt_allocator_trim(ctx->inst[a]);
     }
+    if (!s && t->off && cfg->offload_params) s = mti_offload_put_params(t->off); /* their home: disk */
     if (zero == 3) s = mti_zero3_shard(t, s); /* the weights' home: this rank's slices (every rank) */
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);

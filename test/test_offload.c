@@ -33,6 +33,11 @@ typedef struct ocase {
     float clip;
 } ocase;
 
+/* offload_params with the disk (the weights there too), and the recompute
+ * policy of every run (the parameters' order then has recomputed layers) */
+static int params_too;
+static mt_recompute_policy recompute_as = MT_RECOMPUTE_NONE;
+
 static void config(mt_trainer_config *tc, const ocase *c, mt_place place, const char *dir)
 {
     mt_trainer_config_init(tc);
@@ -48,6 +53,9 @@ static void config(mt_trainer_config *tc, const ocase *c, mt_place place, const 
     tc->min_8bit_size = 256;
     tc->offload = place;
     tc->offload_dir = dir;
+    tc->offload_params = place == MT_PLACE_DISK && params_too;
+    tc->recompute = recompute_as;
+    tc->recompute_every = 2;
 }
 
 static void batch(mt_batch *b, int32_t *tok, int32_t *tg, int step)
@@ -112,6 +120,7 @@ static void train(const ocase *c, mt_place place, const char *dir, float *w, flo
             CHECK(disk.per_class[MT_MEM_OPTIM].live_bytes > 0 || c->opt == MT_OPT_SGD);
             CHECK_EQ(disk.per_class[MT_MEM_MASTER].live_bytes > 0,
                      c->prec != MT_PREC_FP32 && c->masters);
+            CHECK_EQ(disk.per_class[MT_MEM_PARAM].live_bytes > 0, params_too);
             char rep[8192];
             CHECK_OK(mt_memory_report(ctx, rep, sizeof rep, NULL));
             CHECK(strstr(rep, "disk") != NULL);
@@ -605,5 +614,156 @@ TEST(offload_autofit_chooses_the_disk)
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* ---- offload_params: the trained weights on disk too ---- */
+
+/* Every optimizer and precision trains to the resident run's bits with the
+ * weights on disk, cut in small pieces and whole, with and without
+ * recompute (a recomputed layer brings its weights in again); the peaks
+ * per class and place equal the estimate. */
+TEST(offload_params_equal_resident_each_optimizer)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    params_too = 1;
+    for (int k = 0; k < 3; k++) {
+        mti_offload_piece_elems = k == 1 ? keep : 4096;
+        recompute_as = k == 2 ? MT_RECOMPUTE_EVERY_K : MT_RECOMPUTE_NONE;
+        for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+            if (!k || i % 4 == (size_t)k) compare(&cases[i], dir);
+    }
+    params_too = 0;
+    recompute_as = MT_RECOMPUTE_NONE;
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+TEST(offload_params_refusals_and_estimate)
+{
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    mt_trainer_config tc;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 0, 0, 0.0f};
+    mt_trainer *t = NULL;
+    config(&tc, &c, MT_PLACE_DEVICE, NULL);
+    tc.offload_params = 1;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "offload_params needs cfg->offload disk"));
+    config(&tc, &c, MT_PLACE_DISK, "/tmp");
+    tc.offload_params = 1;
+    tc.lora.rank = 4;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "LoRA"));
+    /* the estimate: bf16 weights (2 bytes a parameter, each tensor's region
+       rounded up to 4 KiB) on disk, and on the device two layers' worth
+       (the token table's) and a piece's per update buffer */
+    params_too = 1;
+    config(&tc, &c, MT_PLACE_DISK, NULL);
+    mt_estimate_report est, res;
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+    config(&tc, &c, MT_PLACE_DEVICE, NULL);
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &res));
+    params_too = 0;
+    const uint64_t P = mt_model_num_params(m);
+    const uint64_t on_disk = est.place_class_peak[MT_PLACE_DISK][MT_MEM_PARAM];
+    CHECK(on_disk >= 2 * P && on_disk < 2 * P + 64 * 4096);
+    CHECK_EQ(est.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM],
+             res.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM]); /* (resident: none) */
+    CHECK(est.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM] > 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+}
+
+/* I/O faults with the weights on disk: MT_ERR_IO naming the file, the
+ * scratch directory gone; the weights after the trainer are finite (zeros
+ * where they could not be read back). */
+TEST(offload_params_io_faults)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    params_too = 1;
+    fault_run(dir, 1, ENOSPC);
+    fault_run(dir, 0, EIO);
+    fault_short = 1;
+    mti_offload_fault = inject;
+    compare(&cases[10], dir);
+    mti_offload_fault = NULL;
+    fault_short = 0;
+    params_too = 0;
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* param.bin removed or truncated between steps: the next step fails before
+ * changing anything, naming it; get/set_params see the weights on disk. */
+TEST(offload_params_removed_or_truncated)
+{
+    const char *dir = tmp_dir();
+    char path[512];
+    params_too = 1;
+    for (int k = 0; k < 2; k++) {
+        const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, k, 0.0f};
+        disk_run r;
+        disk_run_open(&r, dir, &c);
+        mt_context *ctx = r.ctx;
+        mt_model *m = r.m;
+        mt_trainer *t = r.t;
+        const mt_batch b = r.b;
+        float loss;
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+        const size_t n = mt_model_num_params(m);
+        float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
+        for (size_t i = 0; i < n; i++) w1[i] = w0[i] * 0.5f + 1e-3f;
+        CHECK_OKC(ctx, mt_model_set_params(m, w1, n));
+        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
+        CHECK(memcmp(w0, w1, n * 4) == 0);
+        snprintf(path, sizeof path, "%s/memtrain-scratch/param.bin", dir);
+        if (k) CHECK(truncate(path, 4096) == 0);
+        else CHECK(unlink(path) == 0);
+        CHECK_ST(MT_ERR_IO, mt_trainer_step(t, &b, &loss));
+        CHECK_MSG(strstr(mt_last_error(ctx), path) &&
+                      strstr(mt_last_error(ctx), k ? "truncated" : "removed"),
+                  "%s", mt_last_error(ctx));
+        CHECK(scratch_gone(dir));
+        CHECK_EQ(mt_trainer_steps(t), 1);
+        CHECK_ST(MT_ERR_IO, mt_model_get_params(m, w0, n));
+        mt_trainer_destroy(t); /* (the weights are lost: zeros) */
+        CHECK_OKC(ctx, mt_model_get_params(m, w1, n));
+        for (size_t i = 0; i < n; i++) CHECK(w1[i] == w1[i]);
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+    }
+    params_too = 0;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* Training-state files with the weights on disk: the resident run's file,
+ * loaded either way, training on to the same bits. */
+TEST(offload_params_training_state_files)
+{
+    const char *dir = tmp_dir();
+    char file[256];
+    snprintf(file, sizeof file, "%s.state", dir);
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt(ctx);
+    const size_t n = mt_model_num_params(m);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    float *w[4];
+    params_too = 1;
+    for (int k = 0; k < 4; k++) {
+        w[k] = check_alloc(n * 4);
+        run_ck(k & 1 ? MT_PLACE_DISK : MT_PLACE_DEVICE, k & 2 ? MT_PLACE_DISK : MT_PLACE_DEVICE, dir,
+               file, w[k]);
+    }
+    params_too = 0;
+    mti_offload_piece_elems = keep;
+    for (int k = 1; k < 4; k++) CHECK_MSG(memcmp(w[0], w[k], n * 4) == 0, "case %d differs", k);
     CHECK(rmdir(dir) == 0);
 }

@@ -252,6 +252,14 @@ expect 0 "estimate with disk offload" -- "$tool" estimate --layers 1 --heads 4 -
 grep -q '"disk_class_peak": {"PARAM": 0, "MASTER": 0, "GRAD": 0, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: estimate's disk bytes"; cat "$tmp/out"; fail=1; }
 expect 0 "estimate table with disk offload" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk
 grep -q "disk .* MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: estimate table's disk"; cat "$tmp/out"; fail=1; }
+# the weights on disk too: trained and removed; the estimate has PARAM on disk
+expect 0 "train with --offload-params" -- "$tool" train --model gpt --steps 2 --threads 2 --layers 1 --channels 32 --optimizer adamw --precision bf16 --offload disk --offload-dir "$tmp/off" --offload-params
+awk '/^disk/ {d = 1} d && /^PARAM/ {print; exit}' "$tmp/out" | grep -q "^PARAM  *[1-9][0-9.]* [KM]iB" || { echo "FAIL tool: no PARAM on disk in the report"; cat "$tmp/out"; fail=1; }
+[ -z "$(ls -A "$tmp/off")" ] || { echo "FAIL tool: scratch left by --offload-params"; ls -la "$tmp/off"; fail=1; }
+expect 0 "estimate with --offload-params" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk --offload-params --json
+grep -q '"disk_class_peak": {"PARAM": [1-9][0-9]*, "MASTER": 0, "GRAD": 0, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: estimate's disk PARAM"; cat "$tmp/out"; fail=1; }
+expect 2 "--offload-params without --offload disk" -- "$tool" train --model gpt --offload-params
+grep -q "needs --offload disk" "$tmp/err" || { echo "FAIL tool: --offload-params message"; cat "$tmp/err"; fail=1; }
 expect 2 "--offload disk without a directory" -- "$tool" train --model gpt --offload disk
 expect 2 "--offload-dir without --offload disk" -- "$tool" train --model gpt --offload-dir "$tmp/off"
 expect 1 "--offload host on the CPU" -- "$tool" train --model gpt --steps 1 --offload host

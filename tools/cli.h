@@ -86,6 +86,7 @@ typedef struct cli_opts {
     /* where the optimizer state and masters live: --offload, --offload-dir */
     mt_place offload;
     const char *offload_dir;
+    int offload_params;      /* --offload-params: the weights on disk too */
     /* which table entries the command line (or --config) gave */
     unsigned char given[CLI_MAX_OPTIONS];
 } cli_opts;

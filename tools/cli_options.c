@@ -373,6 +373,10 @@ static const opt table[] = {
      "the directory --offload disk makes its scratch directory in",
      "with --autofit: auto-fit may put the state on disk there when nothing fits on the "
      "device (CPU; nothing is made)"},
+    {"--offload-params", NULL, TE, CLI_ANY, K_FLAG, OFF(offload_params), 1, 0, NULL, NULL,
+     "with --offload disk: the trained weights in the scratch files too, each layer's read in "
+     "just before it runs (the next one's while it runs) and let go after",
+     "with --offload disk: the weights' bytes on disk too"},
     LONG("--ranks", "N", CLI_ESTIMATE, CLI_ANY, ranks, 1, 65536, NULL,
          "one rank of N data-parallel ranks; --batch is the global batch (1)"),
     LONG("--rank", "R", CLI_ESTIMATE, CLI_ANY, rank, 0, 65535, NULL, "which rank (0)"),
@@ -575,6 +579,8 @@ static int settle(cli_opts *o)
         if (o->offload_dir && !o->autofit && o->offload != MT_PLACE_DISK)
             return cli_bad_usage("%s", "--offload-dir is for --autofit (or --offload disk)");
         if (o->allow4 && !o->autofit) return cli_bad_usage("%s", "--allow-4bit is for --autofit");
+        if (o->offload_params && o->offload != MT_PLACE_DISK)
+            return cli_bad_usage("%s", "--offload-params needs --offload disk");
         if (o->recompute == MT_RECOMPUTE_BUDGET && !o->budget_mib)
             return cli_bad_usage("%s", "--recompute budget needs --budget");
         return 0;
@@ -586,6 +592,8 @@ static int settle(cli_opts *o)
         return cli_bad_usage("%s", "--load-lora gives the adapters (rank, alpha, weights): no --lora");
     if (o->offload_dir && o->offload != MT_PLACE_DISK)
         return cli_bad_usage("%s", "--offload-dir needs --offload disk");
+    if (o->offload_params && o->offload != MT_PLACE_DISK)
+        return cli_bad_usage("%s", "--offload-params needs --offload disk");
     if (o->cmd == CLI_TRAIN && o->offload == MT_PLACE_DISK && !o->offload_dir)
         return cli_bad_usage("%s", "--offload disk needs --offload-dir DIR (where the scratch "
                                    "files go)");
@@ -682,6 +690,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->distill_temp = o->distill_temp;
     tc->offload = o->offload;
     tc->offload_dir = o->offload_dir;
+    tc->offload_params = o->offload_params;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
     tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
     tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);
