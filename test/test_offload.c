@@ -663,14 +663,15 @@ TEST(offload_params_refusals_and_estimate)
     config(&tc, &c, MT_PLACE_DISK, NULL);
     mt_estimate_report est, res;
     CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
-    config(&tc, &c, MT_PLACE_DEVICE, NULL);
-    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &res));
     params_too = 0;
+    config(&tc, &c, MT_PLACE_DISK, NULL); /* the state alone on disk */
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &res));
+    CHECK_EQ(res.place_class_peak[MT_PLACE_DISK][MT_MEM_PARAM], 0);
     const uint64_t P = mt_model_num_params(m);
     const uint64_t on_disk = est.place_class_peak[MT_PLACE_DISK][MT_MEM_PARAM];
     CHECK(on_disk >= 2 * P && on_disk < 2 * P + 64 * 4096);
     CHECK_EQ(est.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM],
-             res.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM]); /* (resident: none) */
+             res.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM]);
     CHECK(est.place_class_peak[MT_PLACE_DISK][MT_MEM_OPTIM] > 0);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
