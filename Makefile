@@ -65,7 +65,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-dp install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -227,6 +227,11 @@ $(BUILD)/mpi/%: test/mpi/%.c $(LIB_MPI) $(LIB)
 $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
+# the offload I/O benchmark measures io_uring too where liburing is installed
+# (Debian: liburing-dev; the library itself never needs it)
+URING_LIBS := $(shell pkg-config --libs liburing 2>/dev/null)
+$(BUILD)/obj/bench/bench_offload_io.o: MT_CFLAGS += $(if $(URING_LIBS),,-DMT_NO_URING)
+$(BUILD)/bench/bench_offload_io: LDLIBS += $(URING_LIBS)
 
 # ---- the README's two commands ----
 test: test-deps
@@ -315,10 +320,11 @@ demo: deps
 	$(TOOL) train --model gpt --layers 4 --steps 600 --every 100 --report
 
 # bench_gpt2 is left to bench-gpt2: it takes minutes and compares with PyTorch;
-# bench_offload to bench-offload (GPT-2 124M twice, and a GiB through the disk)
+# bench_offload to bench-offload (GPT-2 124M twice, and a GiB through the disk),
+# bench_offload_io to bench-offload-io (a disk's worth of pieces)
 bench: deps
 	@$(MAKE) --no-print-directory $(BENCH_BIN)
-	@for b in $(filter-out %/bench_gpt2 %/bench_offload,$(BENCH_BIN)); do echo "== $$b"; $$b || exit 1; done
+	@for b in $(filter-out %/bench_gpt2 %/bench_offload %/bench_offload_io,$(BENCH_BIN)); do echo "== $$b"; $$b || exit 1; done
 
 # disk offload of the optimizer state against the resident run, GPT-2 124M fp32
 # AdamW (fused step): peak RSS, step time, the disk's O_DIRECT bandwidth.
@@ -327,6 +333,12 @@ OFFLOAD_DIR ?= /tmp
 bench-offload: deps
 	@$(MAKE) --no-print-directory $(BUILD)/bench/bench_offload
 	$(BUILD)/bench/bench_offload --dir $(OFFLOAD_DIR) $(OFFLOAD_ARGS)
+
+# the disk offload's I/O: a thread pool's pread/pwrite against io_uring (where
+# liburing is installed), O_DIRECT, at offload's piece sizes and depths
+bench-offload-io: deps
+	@$(MAKE) --no-print-directory $(BUILD)/bench/bench_offload_io
+	$(BUILD)/bench/bench_offload_io --dir $(OFFLOAD_DIR) $(OFFLOAD_IO_ARGS)
 
 # GPT-2 training against PyTorch on the CPU (about 15 minutes at the 124M shape;
 # GPT2_ARGS=--quick for a small model, GPT2_ARGS=--long for the 200-step loss
