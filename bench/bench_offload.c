@@ -7,6 +7,7 @@
  *   bench_offload --dir DIR [--steps N] [--batch B] [--seq T] [--threads N]
  *                 [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt]
  *                 [--disk-only] (a model the resident run would not fit)
+ *                 [--params] (a third run: the weights on disk too, offload_params)
  *                 [--layers L --heads H --channels C]
  *
  * (make bench-offload; docs/benchmarks.md, "Disk offload")
@@ -26,7 +27,7 @@
 
 typedef struct opts {
     const char *dir;
-    int steps, batch, seq, threads, fused, sqrt_recompute, disk_only;
+    int steps, batch, seq, threads, fused, sqrt_recompute, disk_only, params;
     mt_precision prec;
     mt_optimizer_kind opt;
     mt_gpt_spec spec;
@@ -36,12 +37,12 @@ typedef struct result {
     int ok;
     double step_s, last_loss;
     long rss_kib;
-    uint64_t device_peak, disk_peak, optim_dev, master_dev;
+    uint64_t device_peak, disk_peak, optim_dev, master_dev, param_dev;
     char err[256];
 } result;
 
 /* One run (in a child): the model, the trainer, a warm-up step and the timed ones. */
-static void run(const opts *o, mt_place place, result *r)
+static void run(const opts *o, mt_place place, int params, result *r)
 {
     memset(r, 0, sizeof *r);
     mt_context_config cc;
@@ -64,6 +65,7 @@ static void run(const opts *o, mt_place place, result *r)
     tc.recompute = o->sqrt_recompute ? MT_RECOMPUTE_SQRT : MT_RECOMPUTE_NONE;
     tc.offload = place;
     tc.offload_dir = o->dir;
+    tc.offload_params = params;
     if (!s) s = mt_trainer_create(m, &tc, &t);
     int32_t *tok = malloc((size_t)o->batch * o->seq * 4), *tg = malloc((size_t)o->batch * o->seq * 4);
     double *dt = malloc((size_t)(o->steps + 1) * sizeof *dt);
@@ -89,6 +91,7 @@ static void run(const opts *o, mt_place place, result *r)
         r->device_peak = st.peak_live_bytes;
         r->optim_dev = st.per_class[MT_MEM_OPTIM].peak_live_bytes;
         r->master_dev = st.per_class[MT_MEM_MASTER].peak_live_bytes;
+        r->param_dev = st.per_class[MT_MEM_PARAM].peak_live_bytes;
         r->disk_peak = disk.peak_live_bytes;
         struct rusage ru;
         getrusage(RUSAGE_SELF, &ru);
@@ -103,7 +106,7 @@ static void run(const opts *o, mt_place place, result *r)
     free(tok), free(tg), free(dt);
 }
 
-static int in_child(const opts *o, mt_place place, result *r)
+static int in_child(const opts *o, mt_place place, int params, result *r)
 {
     int fd[2];
     if (pipe(fd)) return -1;
@@ -112,7 +115,7 @@ static int in_child(const opts *o, mt_place place, result *r)
     if (pid == 0) {
         close(fd[0]);
         result c;
-        run(o, place, &c);
+        run(o, place, params, &c);
         ssize_t w = write(fd[1], &c, sizeof c);
         _exit(w == (ssize_t)sizeof c ? 0 : 1);
     }
@@ -162,9 +165,11 @@ int main(int argc, char **argv)
     mt_gpt_spec_init(&o.spec);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--unfused") || !strcmp(a, "--sqrt") || !strcmp(a, "--disk-only")) {
+        if (!strcmp(a, "--unfused") || !strcmp(a, "--sqrt") || !strcmp(a, "--disk-only") ||
+            !strcmp(a, "--params")) {
             if (a[2] == 'u') o.fused = 0;
             else if (a[2] == 's') o.sqrt_recompute = 1;
+            else if (a[2] == 'p') o.params = 1;
             else o.disk_only = 1;
             continue;
         }
@@ -194,7 +199,7 @@ int main(int argc, char **argv)
     }
     if (!o.dir || o.steps < 1) {
         fprintf(stderr, "usage: bench_offload --dir DIR [--steps N] [--batch B] [--seq T] "
-                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt] [--disk-only] "
+                        "[--threads N] [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt] [--disk-only] [--params] "
                         "[--layers L --heads H --channels C]\n");
         return 2;
     }
@@ -205,19 +210,20 @@ int main(int argc, char **argv)
            o.spec.heads, o.spec.channels, o.batch, o.seq, o.prec == MT_PREC_BF16 ? "bf16" : "fp32",
            mt_optimizer_name(o.opt), o.fused ? ", fused step" : "",
            o.sqrt_recompute ? ", sqrt(n) recompute" : "", o.steps);
-    printf("%-9s %10s %12s %14s %12s %12s %12s %10s\n", "state", "step s", "peak RSS MiB",
-           "device peak MiB", "OPTIM dev", "MASTER dev", "disk MiB", "loss");
-    result r[2];
-    const mt_place where[2] = {MT_PLACE_DEVICE, MT_PLACE_DISK};
-    for (int k = o.disk_only; k < 2; k++) {
-        if (in_child(&o, where[k], &r[k]) || !r[k].ok) {
-            printf("%-9s failed: %s\n", k ? "disk" : "resident", r[k].err);
+    printf("%-9s %10s %12s %14s %12s %12s %12s %12s %10s\n", "state", "step s", "peak RSS MiB",
+           "device peak MiB", "PARAM dev", "OPTIM dev", "MASTER dev", "disk MiB", "loss");
+    result r[3];
+    const mt_place where[3] = {MT_PLACE_DEVICE, MT_PLACE_DISK, MT_PLACE_DISK};
+    static const char *const name[3] = {"resident", "disk", "+params"};
+    for (int k = o.disk_only; k < 2 + o.params; k++) {
+        if (in_child(&o, where[k], k == 2, &r[k]) || !r[k].ok) {
+            printf("%-9s failed: %s\n", name[k], r[k].err);
             return 1;
         }
-        printf("%-9s %10.3f %12.1f %14.1f %12.1f %12.1f %12.1f %10.4f\n", k ? "disk" : "resident",
+        printf("%-9s %10.3f %12.1f %14.1f %12.1f %12.1f %12.1f %12.1f %10.4f\n", name[k],
                r[k].step_s, r[k].rss_kib / 1024.0, r[k].device_peak / 1048576.0,
-               r[k].optim_dev / 1048576.0, r[k].master_dev / 1048576.0, r[k].disk_peak / 1048576.0,
-               r[k].last_loss);
+               r[k].param_dev / 1048576.0, r[k].optim_dev / 1048576.0, r[k].master_dev / 1048576.0,
+               r[k].disk_peak / 1048576.0, r[k].last_loss);
     }
     if (!o.disk_only)
         printf("disk / resident: peak RSS %.3fx, step time %.3fx\n",
