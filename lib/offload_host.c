@@ -19,7 +19,9 @@
  *     piece's gradient (fp32 without masters: and its weights) down on the
  *     main stream, after the kernels that made it, and an event after them;
  *   - the update thread waits for the event, runs the optimizer with the
- *     CPU op table on the host's state and master, and queues the updated
+ *     CPU op table on the host's state and master (its kernels split the
+ *     piece over the context's threads, ctx->threads, as every CPU op
+ *     does: k carries the context), and queues the updated
  *     weights (the compute copy) up on the second stream, with an event;
  *   - the slot is free again once that event has passed.
  * So the GPU goes on with backward while the CPU updates, and the copies
