@@ -37,6 +37,7 @@ typedef struct ocase {
  * policy of every run (the parameters' order then has recomputed layers) */
 static int params_too;
 static mt_recompute_policy recompute_as = MT_RECOMPUTE_NONE;
+static int freeze_some; /* the positions and block 0's weights frozen (resident) */
 
 static void config(mt_trainer_config *tc, const ocase *c, mt_place place, const char *dir)
 {
@@ -56,6 +57,8 @@ static void config(mt_trainer_config *tc, const ocase *c, mt_place place, const 
     tc->offload_params = place == MT_PLACE_DISK && params_too;
     tc->recompute = recompute_as;
     tc->recompute_every = 2;
+    static const char *const frozen[] = {"wpe", "h.0.*"};
+    if (freeze_some) tc->freeze = frozen, tc->n_freeze = 2;
 }
 
 static void batch(mt_batch *b, int32_t *tok, int32_t *tg, int step)
@@ -634,6 +637,12 @@ TEST(offload_params_equal_resident_each_optimizer)
         for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
             if (!k || i % 4 == (size_t)k) compare(&cases[i], dir);
     }
+    /* frozen weights stay on the device, beside the trained ones on disk in
+       the same layers */
+    freeze_some = 1;
+    compare(&cases[1], dir);
+    compare(&cases[6], dir);
+    freeze_some = 0;
     params_too = 0;
     recompute_as = MT_RECOMPUTE_NONE;
     mti_offload_piece_elems = keep;
