@@ -465,6 +465,7 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     }
     case MT_LAYER_BLOCK: MTI_TRY(block_fwd(E, i, save)); break;
     case MT_LAYER_LM_HEAD:
+        if (E->head_fused) break; /* the loss runs it (head_loss) */
         MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         MTI_TRY(lin_fwd(E, ly->tied, y->blk.ptr, x->blk.ptr, NULL, ly->in, ly->out));
         break;
@@ -519,6 +520,7 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
     E->B = rows;
     E->T = T;
     E->N = rows * T;
+    E->head_fused = !eval && E->head_rows > 0 && !E->params_hook;
     int64_t N = E->N;
     if (m->input == MT_INPUT_TOKENS) {
         MTI_TRY(upload_i32(E, &E->tokens, b->tokens + (size_t)r0 * T, N, MTI_TAG(0, 0)));
@@ -548,11 +550,59 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
     return MT_OK;
 }
 
+int mti_engine_head_rows(const mti_engine *E)
+{
+    const mt_model *m = E->m;
+    const mti_layer *h = &m->layers[m->n_layers - 1];
+    if (h->kind != MT_LAYER_LM_HEAD || !m->params[h->tied].frozen) return 0;
+    /* a multiple of 8 rows, so every block's rows start 16-byte aligned */
+    const size_t r = (MTI_HEAD_BLOCK / ((size_t)h->out * mti_dtype_size(E->dt)) + 7) / 8 * 8;
+    return r > (1 << 24) ? 1 << 24 : (int)r;
+}
+
+/* The LM head fused with the loss (head_rows): per block of rows, the
+ * logits (IO), the losses and dlogits in their place (xent, or xent_kd
+ * against the teacher's logits tl, which has tw columns), and the head's
+ * input gradient of those rows into the last boundary, then the block
+ * goes. */
+static mt_status head_loss(mti_engine *E, const float *tl, int tw, float alpha, float temp,
+                           float dloss)
+{
+    const mt_model *m = E->m;
+    const int L = m->n_layers, N = E->N, C = m->layers[L - 1].in, W = m->out_width;
+    const int wi = m->layers[L - 1].tied;
+    const mti_ops *op = E->ctx->ops;
+    const size_t es = mti_dtype_size(E->dt);
+    const char *x = E->bnd[L - 1].blk.ptr;
+    mt_status s = act(E, &E->bnd[L], E->dt, N, C, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(L + 1, 100));
+    for (int r0 = 0; r0 < N && !s; r0 += E->head_rows) {
+        const int n = N - r0 < E->head_rows ? N - r0 : E->head_rows;
+        mti_tensor y;
+        s = act(E, &y, E->dt, n, W, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(L + 1, 101));
+        E->N = n; /* (lin_fwd and lin_bwd take their rows from it) */
+        if (!s) s = lin_fwd(E, wi, y.blk.ptr, x + (size_t)r0 * C * es, NULL, C, W);
+        if (!s && tl)
+            s = op->xent_kd(&E->k, (float *)E->losses.blk.ptr + r0, y.blk.ptr, y.blk.ptr,
+                            tl + (size_t)r0 * tw, (const int32_t *)E->targets.blk.ptr + r0, n,
+                            m->classes, W, tw, alpha, temp, dloss, E->dt);
+        else if (!s)
+            s = op->xent(&E->k, (float *)E->losses.blk.ptr + r0, y.blk.ptr, y.blk.ptr,
+                         (const int32_t *)E->targets.blk.ptr + r0, n, m->classes, W, dloss, E->dt);
+        if (!s)
+            s = lin_bwd(E, wi, (char *)E->bnd[L].blk.ptr + (size_t)r0 * C * es, NULL, NULL,
+                        y.blk.ptr, x + (size_t)r0 * C * es, C, W, 0);
+        E->N = N;
+        mti_tensor_free(E->ctx, &y);
+    }
+    return s;
+}
+
 mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad)
 {
     mt_model *m = E->m;
     mt_status s;
     MTI_TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 3)));
+    if (E->head_fused) return head_loss(E, NULL, 0, 0.0f, 1.0f, dloss);
     void *logits = E->bnd[m->n_layers].blk.ptr;
     return E->ctx->ops->xent(&E->k, E->losses.blk.ptr, want_grad ? logits : NULL, logits,
                              E->targets.blk.ptr, E->N, m->classes, m->out_width, dloss, E->dt);
@@ -564,6 +614,9 @@ mt_status mti_engine_loss_kd(mti_engine *E, const mti_engine *teacher, float alp
     mt_model *m = E->m;
     mt_status s;
     MTI_TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 3)));
+    if (E->head_fused)
+        return head_loss(E, teacher->bnd[teacher->m->n_layers].blk.ptr, teacher->m->out_width,
+                         alpha, temp, dloss);
     void *logits = E->bnd[m->n_layers].blk.ptr;
     return E->ctx->ops->xent_kd(&E->k, E->losses.blk.ptr, logits, logits,
                                 teacher->bnd[teacher->m->n_layers].blk.ptr, E->targets.blk.ptr,
@@ -753,6 +806,21 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     const bool want_dx = i > E->train_from;
     mt_status s;
     float *gw = NULL, *gb = NULL;
+    if (ly->kind == MT_LAYER_LM_HEAD && E->head_fused) {
+        /* d is already its input gradient (head_loss), which a second
+           backward needs again: a copy flows back */
+        if (!keep) return MT_OK;
+        mti_tensor dx;
+        MTI_TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200)));
+        s = E->ctx->dev->copy_d2d(E->ctx->dev, dx.blk.ptr, E->d.blk.ptr, mti_tensor_bytes(&dx));
+        if (s) {
+            mti_tensor_free(E->ctx, &dx);
+            return s;
+        }
+        memset(&E->d, 0, sizeof E->d); /* (the boundary's, kept) */
+        E->d = dx;
+        return MT_OK;
+    }
     switch (ly->kind) {
     case MT_LAYER_LINEAR:
     case MT_LAYER_LM_HEAD: {

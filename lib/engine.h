@@ -74,6 +74,16 @@ typedef struct mti_engine {
      * is not called for the table. tied_rows is a multiple of the op
      * table's matmul_dw_align. */
     int tied_rows;
+    /* With head_rows > 0 (mti_engine_head_rows) a training forward (not
+     * eval) leaves the LM head to the loss, which runs it head_rows rows at
+     * a time: each block's logits are made, its losses and dlogits
+     * computed, the head's input gradient for its rows made from them, and
+     * the block freed, so the (N, out_width) logits never exist whole; the
+     * last boundary then holds the head's input gradient (N, in) in place
+     * of the dlogits. The same ops on the same rows as the whole head: the
+     * same bits. Not with a params_hook (the weights must be resident). */
+    int head_rows;
+    int head_fused;                /* this pass's forward left the head to the loss */
     mti_slice_hook slice_hook;
     mti_layer_hook params_hook;    /* where the weights come from (NULL: resident) */
     void *params_user;
@@ -106,6 +116,12 @@ mt_status mti_engine_loss_sum(mti_engine *E, float *host, double *sum);
 /* Backward from dlogits. keep: leave every tensor of the forward in place
  * (a second backward follows); hook may be NULL. */
 mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void *user);
+/* The rows of the LM head's blocks fused with the loss (head_rows): about
+ * MTI_HEAD_BLOCK bytes of logits, the rows rounded up to a multiple of 8
+ * (so every block's rows start 16-byte aligned), for a model whose last
+ * layer is an LM head with a frozen (tied) weight; 0 otherwise. */
+#define MTI_HEAD_BLOCK ((size_t)16 << 20)
+int mti_engine_head_rows(const mti_engine *E);
 /* Frees every tensor of the pass (not the gradients). */
 void mti_engine_release(mti_engine *E);
 /* Frees the gradients. */

@@ -957,6 +957,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (zero == 3) s = mti_zero3_shard(t, s); /* the weights' home: this rank's slices (every rank) */
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
+    if (!s) t->E.head_rows = mti_engine_head_rows(&t->E); /* (a frozen head: fused with the loss) */
     t->flag_grads = cfg->precision == MT_PREC_FP16 || !(cfg->grad_clip > 0.0f);
     if (!s) {
         t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {2}};

@@ -18,6 +18,7 @@
 #include "textfit.h"
 #include "model.h"
 #include "quant.h"
+#include "trainer.h"
 
 enum { B = 4, T = 8, V = 64 };
 
@@ -441,6 +442,62 @@ TEST(qbase_refuses_bad_settings)
     CHECK(mt_base_format_name((mt_base_format)3) == NULL);
     CHECK(!strcmp(mt_base_format_name(MT_BASE_NF4), "nf4"));
     CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* The LM head fused with the loss (a frozen head, mti_engine_head_rows):
+ * run a block of rows at a time, it gives the whole head's bits. LoRA on
+ * an NF4 base (fp32; bf16 with the fused step and clipping, whose two
+ * backward passes keep the head's input gradient), a frozen fp32 table,
+ * and distillation from a quantized teacher: blocks of 5 rows (the last
+ * partial) and of the default size against the unfused head, losses,
+ * gradients and weights after three steps bit for bit. */
+TEST(qbase_fused_head_same_bits)
+{
+    static const char *const frz[] = {"wte", "*.qkv.w"};
+    for (int c = 0; c < 4; c++) {
+        mt_context *ctx = check_cpu_context(2);
+        mt_model *m[3], *te = c == 3 ? tiny_gpt(ctx, 8, MT_BASE_NF4) : NULL;
+        float *w[3], *gr[3], loss[3][3];
+        size_t n = 0;
+        for (int k = 0; k < 3; k++) {
+            m[k] = tiny_gpt(ctx, 5, c == 0 || c == 1 ? MT_BASE_NF4 : MT_BASE_FULL);
+            mt_trainer_config tc;
+            lora_config(&tc, c < 2 ? 4 : 0, c < 2 ? MT_BASE_NF4 : MT_BASE_FULL);
+            if (c == 1)
+                tc.precision = MT_PREC_BF16, tc.fused_step = 1, tc.grad_clip = 1.0f;
+            if (c >= 2) tc.freeze = frz, tc.n_freeze = 2;
+            if (c == 3) tc.teacher = te, tc.distill_alpha = 0.6f;
+            mt_trainer *t;
+            CHECK_OKC(ctx, mt_trainer_create(m[k], &tc, &t));
+            CHECK(t->E.head_rows > 0);
+            if (k < 2) t->E.head_rows = k ? 5 : 0; /* unfused; blocks of 5 rows */
+            int32_t tok[B * T], tg[B * T];
+            mt_batch b;
+            for (int st = 0; st < 3; st++) {
+                check_token_batch(&b, tok, tg, B, T, V, st);
+                CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[k][st]));
+            }
+            n = mt_model_num_params(m[k]);
+            w[k] = check_alloc(n * 4);
+            gr[k] = check_alloc(n * 4);
+            check_token_batch(&b, tok, tg, B, T, V, 7);
+            CHECK_OKC(ctx, mt_trainer_gradients(t, &b, NULL, gr[k], n));
+            CHECK_OK(mt_model_get_params(m[k], w[k], n));
+            mt_trainer_destroy(t);
+            if (k) {
+                CHECK_MSG(!memcmp(loss[k], loss[0], sizeof loss[0]),
+                          "case %d, blocks %d: losses %.9g %.9g %.9g, unfused %.9g %.9g %.9g", c, k,
+                          (double)loss[k][0], (double)loss[k][1], (double)loss[k][2],
+                          (double)loss[0][0], (double)loss[0][1], (double)loss[0][2]);
+                CHECK_MSG(!memcmp(w[k], w[0], n * 4), "case %d, blocks %d: the weights differ", c, k);
+                CHECK_MSG(!memcmp(gr[k], gr[0], n * 4), "case %d, blocks %d: the gradients differ",
+                          c, k);
+            }
+        }
+        for (int k = 0; k < 3; k++) CHECK_OK(mt_model_destroy(m[k]));
+        CHECK_OK(mt_model_destroy(te));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
 }
 
 /* ---- CUDA contexts ---- */
