@@ -659,7 +659,8 @@ static float *first_gradients(mt_trainer *t, size_t n)
  * engine group of the GPU bundle) against the same on the CPU: the
  * adapters' gradients, two fp32 and two bf16 steps' losses, the quantized
  * bytes in PARAM the same; then a student distilled from a quantized
- * teacher. */
+ * teacher. The GPU's frozen head runs with the loss in blocks of 8 rows
+ * (the CPU's in one). */
 TEST(gpu_engine_qbase_matches_cpu)
 {
     mt_context *ctx[2] = {check_gpu_context(), NULL};
@@ -678,6 +679,8 @@ TEST(gpu_engine_qbase_matches_cpu)
                 mt_trainer_config_init(&tc);
                 tc.max_batch = B, tc.max_seq = T, tc.optimizer = MT_OPT_ADAMW, tc.lr = 1e-2f;
                 tc.teacher = te[d], tc.distill_alpha = 0.7f, tc.distill_temp = 2.0f;
+                static const char *const fw[] = {"wte"}; /* (a frozen head: fused) */
+                tc.freeze = fw, tc.n_freeze = 1;
             } else {
                 m[d] = tiny_gpt(ctx[d], 31, (mt_base_format)f);
                 lora_config(&tc, 8, (mt_base_format)f);
@@ -685,6 +688,7 @@ TEST(gpu_engine_qbase_matches_cpu)
             }
             mt_trainer *t;
             CHECK_OKC(ctx[d], mt_trainer_create(m[d], &tc, &t));
+            if (d == 0 && t->E.head_rows) t->E.head_rows = 8; /* the fused head in 4 blocks on the GPU */
             n = mt_model_num_params(m[d]);
             float *w = check_alloc(n * 4);
             CHECK_OK(mt_model_get_params(m[d], w, n));
@@ -701,6 +705,7 @@ TEST(gpu_engine_qbase_matches_cpu)
                 tc.fused_step = prec && !teach;
                 tc.micro_batch = prec && teach ? 2 : 0;
                 CHECK_OKC(ctx[d], mt_trainer_create(m[d], &tc, &t));
+                if (d == 0 && t->E.head_rows) t->E.head_rows = 8;
                 int32_t tok[B * T], tg[B * T];
                 mt_batch b;
                 for (int s = 0; s < 2; s++) {
