@@ -1,9 +1,9 @@
 #!/bin/sh
 # dp_overlap.sh - data parallel on this machine's cores: one process of 2
 # threads against 2 ranks of 1 thread (memtrain train under mpirun) at the
-# same global batch: ZeRO stages 0 to 3, and stage 0 with the
-# gradients' all-reduce on a communication thread during backward
-# (--overlap) rather than after it. Each round runs every line back to
+# same global batch: ZeRO stages 0 to 3, and stages 0 and 1 with the
+# gradients' all-reduce (reduce-scatter) on a communication thread during
+# backward (--overlap) rather than after it. Each round runs every line back to
 # back; a line's ratio is its ms per step over the one process's in the
 # same round, so a load that changes between rounds cancels out. Prints,
 # per line, the median over the rounds of ms per step and of the ratio,
@@ -38,6 +38,7 @@ LINES="base|--threads 2
 s0|--threads 1 --zero 0
 s0o|--threads 1 --zero 0 --overlap
 s1|--threads 1 --zero 1
+s1o|--threads 1 --zero 1 --overlap
 s2|--threads 1 --zero 2
 s3|--threads 1 --zero 3"
 label() {
@@ -46,6 +47,7 @@ label() {
     s0) echo "2 ranks x 1 thread, stage 0, all-reduce after backward" ;;
     s0o) echo "2 ranks x 1 thread, stage 0, all-reduce during backward (--overlap)" ;;
     s1) echo "2 ranks x 1 thread, stage 1" ;;
+    s1o) echo "2 ranks x 1 thread, stage 1, reduce-scatter during backward (--overlap)" ;;
     s2) echo "2 ranks x 1 thread, stage 2" ;;
     s3) echo "2 ranks x 1 thread, stage 3" ;;
     esac

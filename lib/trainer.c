@@ -796,14 +796,24 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t);
 }
 
-/* The communication thread (comm/overlap.c), for the parameters that train. */
+/* ZeRO-1 on the communication thread: a gradient final in backward goes
+ * to its slices' owners, each rank's part in place (reduce_grad's
+ * collective, on the same values). */
+static mt_status zero1_job(void *user, int i, float *g)
+{
+    mt_trainer *t = user;
+    return mti_zero_reduce(t, i, g, 0, t->model->params[i].numel, g ? g + t->sh[i].lo : NULL, 0);
+}
+
+/* The communication thread (comm/overlap.c), for the parameters that
+ * train: it sums them (stage 0) or reduce-scatters them (stage 1). */
 static mt_status overlap_start(mt_trainer *t)
 {
     const mt_model *m = t->model;
     size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
     if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
-    mt_status s = mti_overlap_new(t->ctx, m->n_param, numel, &t->ov);
+    mt_status s = mti_overlap_new(t->ctx, m->n_param, numel, t->zero ? zero1_job : NULL, t, &t->ov);
     free(numel);
     return s;
 }
@@ -967,9 +977,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         t->sumsq = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->n_param}};
         s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 3));
     }
-    /* the gradients' all-reduce overlapping backward, where it can: a CPU
-       step without the fused update, which reduces in its own hooks */
-    if (!s && !cfg->fused_step && !mti_local_sgd(t) && mti_overlap_possible(ctx))
+    /* the gradients' all-reduce (stage 1: reduce-scatter) overlapping
+       backward, where it can: a CPU step without the fused update, which
+       reduces in its own hooks; stage 2 reduces in backward itself */
+    if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero < 2 && mti_overlap_possible(ctx))
         s = overlap_start(t);
     s = mti_dp_created(t, s);
     if (s) {
@@ -1447,7 +1458,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->updated = 0;
     int found = 0;
     double sum = 0.0;
-    t->overlap_now = t->ov && !fused && !t->zero; /* (ZeRO reduces to the slices' owners) */
+    t->overlap_now = t->ov && !fused; /* (stage 1: reduce-scattered to the slices' owners) */
     if (t->overlap_now) mti_overlap_begin(t->ov);
     s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */

@@ -432,6 +432,23 @@ mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *c
     return timed(ctx, t0, s);
 }
 
+void *mti_comm_stage(const mt_context *ctx)
+{
+    return ctx->dev->kind == MT_DEVICE_CPU ? ctx->comm_stage.ptr : NULL;
+}
+
+mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count)
+{
+    const uint64_t t0 = mti_now_ns();
+    mt_comm *c = ctx->cfg.comm;
+    char *st = mti_comm_stage(ctx);
+    if (!st || (c->vt.caps & MT_COMM_CAP_DEVICE) || count * (size_t)c->size > MTI_COMM_STAGE / 4)
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: %zu values per rank do not fit the staging", what,
+                        count);
+    return timed(ctx, t0, on_ctx(ctx, what, mt_comm_reduce_scatter(c, st, st + (size_t)c->rank * count * 4,
+                                                                   count, MT_COMM_F32, MT_COMM_SUM, NULL)));
+}
+
 mt_status mt_context_comm_stats(const mt_context *ctx, mt_comm_stats *out)
 {
     if (!ctx || !out)

@@ -42,6 +42,13 @@ mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_
  * (then it goes in chunks). */
 mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *const *p,
                                      const size_t *n, int k);
+/* A CPU context's host staging buffer (MTI_COMM_STAGE bytes of COMM, a dry
+ * context's too, whose address is never touched), or NULL: ZeRO packs a
+ * gradient's pieces into it directly (zero.c), no bucket between. */
+void *mti_comm_stage(const mt_context *ctx);
+/* The reduce-scatter (sum, fp32) of the staging buffer in place: count
+ * values per rank, rank r's at r count; this rank's sums land at its own. */
+mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count);
 /* The calling thread runs collectives nobody waits for (overlap.c): their
  * time is not exposed. */
 void mti_comm_on_thread(void);

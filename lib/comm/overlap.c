@@ -1,6 +1,8 @@
 /*
  * overlap.c - the gradients' all-reduce on a thread of its own (CPU path),
- * so a gradient's communication runs while backward computes the next.
+ * so a gradient's communication runs while backward computes the next;
+ * at ZeRO stage 1 their reduce-scatter to the slices' owners (a job the
+ * trainer gives).
  *
  * Backward gives each gradient as soon as it is final (mti_overlap_push)
  * and goes on; the thread runs the collectives blocking, through the
@@ -29,6 +31,7 @@
 #include "comm/overlap.h"
 
 typedef struct job {
+    int i;
     const char *name;
     float *g;
     size_t n;
@@ -36,12 +39,15 @@ typedef struct job {
 } job;
 
 /* Tensors are summed in buckets: runs of consecutive tensors (from the
- * last down) whose values fit in the staging buffer together, a tensor
- * larger than it alone; one collective per bucket, so small tensors do not
- * each pay a collective's latency. The buckets come from the tensors'
- * sizes alone, so they are the same on every rank. */
+ * last down) whose values fit in MTI_OVERLAP_BUCKET bytes together, a
+ * tensor larger than it alone; one collective per bucket, so small tensors
+ * do not each pay a collective's latency. The buckets come from the
+ * tensors' sizes alone, so they are the same on every rank. With a job
+ * (ZeRO-1) every tensor is a bucket of its own, given to the job. */
 struct mti_overlap {
     mt_context *ctx;
+    mti_overlap_job job;
+    void *user;
     pthread_t th;
     pthread_mutex_t mu;
     pthread_cond_t more, done; /* a tensor was given (or the end); the step's are done */
@@ -63,7 +69,8 @@ bool mti_overlap_possible(const mt_context *ctx)
            !(c->vt.caps & MT_COMM_CAP_DEVICE) && (c->vt.caps & MT_COMM_CAP_THREADS);
 }
 
-/* Sums a bucket (k jobs, its highest tensor first) in one collective. */
+/* Sums a bucket (k jobs, its highest tensor first) in one collective, or
+ * gives its one tensor to the job. */
 static void run(mti_overlap *ov, const job *b, int k)
 {
     float *p[k];
@@ -72,10 +79,16 @@ static void run(mti_overlap *ov, const job *b, int k)
     for (int j = 0; j < k; j++)
         if (b[j].n) p[used] = b[j].g, n[used++] = b[j].n;
     if (!used) return;
-    char what[200];
-    snprintf(what, sizeof what, "the all-reduce of the gradients of %s%s%s (on the communication thread)",
-             b[0].name, k > 1 ? " .. " : "", k > 1 ? b[k - 1].name : "");
-    mt_status s = mti_comm_all_reduce_pieces(ov->ctx, what, p, n, used);
+    mt_status s;
+    if (ov->job) {
+        s = ov->job(ov->user, b[0].i, b[0].g);
+    } else {
+        char what[200];
+        snprintf(what, sizeof what,
+                 "the all-reduce of the gradients of %s%s%s (on the communication thread)", b[0].name,
+                 k > 1 ? " .. " : "", k > 1 ? b[k - 1].name : "");
+        s = mti_comm_all_reduce_pieces(ov->ctx, what, p, n, used);
+    }
     if (!s) return;
     pthread_mutex_lock(&ov->mu);
     if (!ov->failed) {
@@ -115,7 +128,8 @@ static void *thread_main(void *p)
     return NULL;
 }
 
-mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap **out)
+mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job work,
+                          void *user, mti_overlap **out)
 {
     *out = NULL;
     const size_t cnt = (size_t)(n > 0 ? n : 1);
@@ -126,7 +140,7 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
         free(ov), free(slot), free(bucket), free(low);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     }
-    const size_t fit = MTI_COMM_STAGE / sizeof(float);
+    const size_t fit = work ? 0 : MTI_OVERLAP_BUCKET / sizeof(float);
     for (int hi = n - 1; hi >= 0;) { /* the buckets, from the last tensor down */
         int lo = hi;
         size_t sum = numel[hi];
@@ -134,8 +148,10 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
         for (int i = lo; i <= hi; i++) low[i] = lo;
         hi = lo - 1;
     }
-    for (int i = 0; i < n; i++) slot[i].n = numel[i];
+    for (int i = 0; i < n; i++) slot[i].n = numel[i], slot[i].i = i;
     ov->ctx = ctx;
+    ov->job = work;
+    ov->user = user;
     ov->slot = slot;
     ov->bucket = bucket;
     ov->low = low;

@@ -13,18 +13,31 @@ typedef struct mti_overlap mti_overlap;
  * own: a host communicator of several ranks that takes calls from any
  * thread (MT_COMM_CAP_THREADS), on a CPU context. */
 bool mti_overlap_possible(const mt_context *ctx);
+/* Bytes of gradients summed together in one collective, at most (a larger
+ * tensor alone). Small enough that little is left to sum when backward
+ * ends (the first layers' gradients and the embeddings, final last), large
+ * enough that a step makes few collectives (docs/benchmarks.md). */
+#define MTI_OVERLAP_BUCKET ((size_t)512 << 10)
+/* What the thread does with tensor i's gradient g instead of summing it in
+ * a bucket (ZeRO-1: the reduce-scatter to the slices' owners), a
+ * collective; g NULL: zeros whose results are dropped. It runs on the
+ * thread: it must allocate nothing (the accounting's peaks stay those of
+ * the step without the thread) and touch nothing backward touches. */
+typedef mt_status (*mti_overlap_job)(void *user, int i, float *g);
 /* Starts the thread, for n tensors (0 .. n - 1) of numel[i] fp32 values
- * each (0: a tensor that never takes part, a frozen one). */
-mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap **out);
+ * each (0: a tensor that never takes part, a frozen one); job NULL: the
+ * tensors are summed over the ranks in place, in buckets. */
+mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job job,
+                          void *user, mti_overlap **out);
 /* Ends the thread (its step must be finished). NULL is accepted. */
 void mti_overlap_free(mti_overlap *ov);
 /* A step begins: the thread will sum tensors n - 1 down to 0 in buckets
- * (runs of tensors that fit in the staging buffer together), each bucket
+ * (or give them to the job one by one), each bucket
  * once all its tensors are given, in that order on every rank whatever
  * order they come in. */
 void mti_overlap_begin(mti_overlap *ov);
 /* Gives tensor i: the sum over the ranks of its numel fp32 values at g, in
- * place (name: for messages). g NULL: zeros whose sums are dropped (a rank
+ * place, or the job's work on them (name: for messages). g NULL: zeros whose sums are dropped (a rank
  * that has no gradient to give still makes the collectives the others
  * make). Never waits for a collective. */
 mt_status mti_overlap_push(mti_overlap *ov, int i, const char *name, float *g);

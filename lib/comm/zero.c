@@ -28,12 +28,17 @@
  * r at r K (zero-padded), the collective, then the piece back, K at a
  * time. A whole-tensor owner's gradient is all-reduced in place and its
  * weights broadcast in place. Buckets come from one helper
- * (mti_comm_buffer): class COMM, with the communication buffers. A dry context (estimates) allocates exactly as a real one and
- * communicates nothing.
+ * (mti_comm_buffer): class COMM, with the communication buffers. On a CPU
+ * context a gradient's pieces go straight into the context's staging
+ * buffer (which a host communicator's collective runs in anyway), so its
+ * reduce-scatter holds no bucket: the same collective on the same values,
+ * one copy and up to 4 MiB of COMM fewer. A dry context (estimates)
+ * allocates exactly as a real one and communicates nothing.
  *
- * The functions take a trainer and touch nothing but the tensors named,
- * so a communication thread can call them for one tensor while backward
- * computes the next.
+ * The reduce-scatter takes a trainer and touches nothing but the tensors
+ * named and, on a CPU context, the staging buffer, and allocates nothing
+ * there, so the communication thread (overlap.c) runs it for one tensor
+ * while backward computes the next.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -41,8 +46,9 @@
 #include "comm/dp.h"
 #include "trainer.h"
 
-/* bytes of a bucket, at most */
-#define BUCKET_BYTES ((size_t)4 << 20)
+/* bytes of a bucket, at most: the staging buffer's, which a CPU context's
+ * reduce-scatter packs into directly */
+#define BUCKET_BYTES MTI_COMM_STAGE
 
 /* Whether collectives run (a dry context plans and communicates nothing). */
 static bool live(const mt_trainer *t)
@@ -134,8 +140,10 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
     snprintf(what, sizeof what, "the reduce-scatter of the gradients of %s", t->model->params[i].name);
     mt_status s = MT_OK;
     if (sh->owner >= 0) { /* a whole-tensor owner: summed in place, the owner takes it */
-        if (live(t)) s = mti_comm_all_reduce(ctx, what, g, g, n, MT_COMM_F32, MT_COMM_SUM);
-        if (s || me != sh->owner || !dst) return s;
+        float *const none[1] = {NULL};
+        if (live(t)) s = g ? mti_comm_all_reduce(ctx, what, g, g, n, MT_COMM_F32, MT_COMM_SUM)
+                           : mti_comm_all_reduce_pieces(ctx, what, none, &n, 1);
+        if (s || me != sh->owner || !dst || !g) return s;
         if (acc) return ctx->ops->accumulate(&k, dst, g, n, MTI_F32);
         return dst == g ? MT_OK : d->copy_d2d(d, dst, g, n * 4);
     }
@@ -146,19 +154,24 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
     size_t K = BUCKET_BYTES / 4 / (size_t)N;
     if (K > most) K = most;
     if (K < 1) K = 1;
+    /* a CPU context packs the pieces straight into its staging buffer,
+       which the collective works on anyway; elsewhere through a bucket */
+    float *stage = mti_comm_stage(ctx);
     mti_tensor bk;
-    if (most) s = mti_comm_buffer(ctx, &bk, (size_t)N * K * 4);
+    if (most && !stage) s = mti_comm_buffer(ctx, &bk, (size_t)N * K * 4);
     for (size_t o = 0; o < most && !s; o += K) {
-        float *b = bk.blk.ptr;
+        float *b = stage ? stage : bk.blk.ptr;
         for (int r = 0; r < N && !s; r++) {
             size_t l = len[r] > o ? len[r] - o : 0;
             if (l > K) l = K;
-            if (l) s = d->copy_d2d(d, b + (size_t)r * K, g + (from[r] - at) + o, l * 4);
-            if (!s && l < K) s = d->memset8(d, b + (size_t)r * K + l, 0, (K - l) * 4);
+            if (l && g) s = d->copy_d2d(d, b + (size_t)r * K, g + (from[r] - at) + o, l * 4);
+            const size_t z = g ? l : 0; /* no gradient: zeros */
+            if (!s && z < K) s = d->memset8(d, b + (size_t)r * K + z, 0, (K - z) * 4);
         }
         if (!s && live(t))
-            s = mti_comm_reduce_scatter(ctx, what, b, b + (size_t)me * K, K, MT_COMM_F32,
-                                        MT_COMM_SUM);
+            s = stage ? mti_comm_reduce_scatter_stage(ctx, what, K)
+                      : mti_comm_reduce_scatter(ctx, what, b, b + (size_t)me * K, K, MT_COMM_F32,
+                                                MT_COMM_SUM);
         size_t l = len[me] > o ? len[me] - o : 0;
         if (l > K) l = K;
         if (!s && l && dst) {
@@ -166,7 +179,7 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
             else s = d->copy_d2d(d, dst + o, b + (size_t)me * K, l * 4);
         }
     }
-    if (most) mti_tensor_free(ctx, &bk);
+    if (most && !stage) mti_tensor_free(ctx, &bk);
     free(from);
     return s;
 }

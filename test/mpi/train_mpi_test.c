@@ -25,6 +25,18 @@
  *                             against this process alone accumulating N
  *                             micro-batches; each rank's per-class peaks
  *                             equal its estimate to the byte
+ *   train_mpi_test overlap    (MPI at MPI_THREAD_SERIALIZED) stages 0 and 1
+ *                             with the gradients' collectives on the
+ *                             communication thread during backward, for
+ *                             each unfused case of "zero": the weights and
+ *                             losses of the same run without the thread
+ *                             (its communicator wrapped in a table that
+ *                             does not take calls from other threads), bit
+ *                             for bit; each rank's peaks its estimate's
+ *   train_mpi_test killover   as killmid, at stage 1 with the thread
+ *                             (MPI_THREAD_SERIALIZED): rank 0 stops with
+ *                             MT_ERR_COMM within the timeout wherever it
+ *                             was (the thread's reduce-scatters among them)
  *   train_mpi_test overflow   fp16 at stages 0, 1 and 2: rank 1's input
  *                             overflows, so every rank skips the step and
  *                             keeps its weights
@@ -583,10 +595,85 @@ static void offload(mt_comm *c)
     MPI_Barrier(MPI_COMM_WORLD);
 }
 
+/* A table forwarding to another communicator, without
+ * MT_COMM_CAP_THREADS: the same MPI collectives, none on a thread. */
+static mt_status fw_all_reduce(void *self, const void *send, void *recv, size_t count,
+                               mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    return mt_comm_all_reduce(self, send, recv, count, dt, op, stream);
+}
+static mt_status fw_reduce_scatter(void *self, const void *send, void *recv, size_t count,
+                                   mt_comm_dtype dt, mt_comm_op op, void *stream)
+{
+    return mt_comm_reduce_scatter(self, send, recv, count, dt, op, stream);
+}
+static mt_status fw_all_gather(void *self, const void *send, void *recv, size_t count,
+                               mt_comm_dtype dt, void *stream)
+{
+    return mt_comm_all_gather(self, send, recv, count, dt, stream);
+}
+static mt_status fw_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
+                              void *stream)
+{
+    return mt_comm_broadcast(self, buf, count, dt, root, stream);
+}
+static mt_status fw_barrier(void *self) { return mt_comm_barrier(self); }
+
+/* Stages 0 and 1, each unfused case of zcases, with the communication
+ * thread (c takes calls from any thread) and without (a table forwarding
+ * to c without saying so): the same bits. */
+static void overlap(mt_comm *c)
+{
+    const mt_comm_vtable vt = {.abi_version = MT_COMM_ABI_VERSION, .struct_size = sizeof vt,
+                               .name = "forward", .all_reduce = fw_all_reduce,
+                               .reduce_scatter = fw_reduce_scatter, .all_gather = fw_all_gather,
+                               .broadcast = fw_broadcast, .barrier = fw_barrier};
+    mt_comm *plain = NULL;
+    EXPECT(mt_comm_create(&vt, c, rank, size, &plain) == MT_OK);
+    int runs = 0;
+    for (size_t k = 0; k < sizeof zcases / sizeof zcases[0] && plain; k++) {
+        if (zcases[k].fused) continue; /* (the fused step reduces in its own hooks) */
+        for (int stage = 0; stage <= 1; stage++) {
+            float loss[2][STEPS];
+            float *w[2] = {NULL, NULL};
+            size_t nw[2] = {0, 0};
+            char msg[1024] = "";
+            for (int o = 0; o < 2; o++) {
+                how hw = {.zc = &zcases[k], .stage = stage};
+                mt_status s = train_how(o ? c : plain, 16, -1, &hw, loss[o], &w[o], &nw[o], msg,
+                                        sizeof msg);
+                EXPECT(s == MT_OK);
+                if (s) fprintf(stderr, "rank %d: %s, stage %d, thread %d: %s\n", rank,
+                               zcases[k].name, stage, o, msg);
+            }
+            EXPECT(w[0] && w[1] && nw[0] == nw[1] && !memcmp(w[0], w[1], nw[0] * sizeof(float)));
+            EXPECT(!memcmp(loss[0], loss[1], sizeof loss[0]));
+            if (failed) fprintf(stderr, "rank %d: %s, stage %d: the thread changed the bits\n", rank,
+                                zcases[k].name, stage);
+            free(w[0]), free(w[1]);
+            runs++;
+        }
+    }
+    mt_comm_destroy(plain);
+    if (all_passed() && rank == 0)
+        printf("ok overlap: %d ranks, stages 0 and 1, %d runs with the gradients' collectives on "
+               "the communication thread: the bits of the runs without it, each rank's peaks "
+               "its estimate\n", size, runs);
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "train";
-    MPI_Init(&argc, &argv);
+    if (!strcmp(mode, "overlap") || !strcmp(mode, "killover")) { /* the communication thread */
+        int level = MPI_THREAD_SINGLE;
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &level);
+        if (level < MPI_THREAD_SERIALIZED) {
+            fprintf(stderr, "MPI gives thread level %d, not MPI_THREAD_SERIALIZED\n", level);
+            failed = 1;
+        }
+    } else {
+        MPI_Init(&argc, &argv);
+    }
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     mt_comm *c = NULL;
@@ -642,13 +729,17 @@ int main(int argc, char **argv)
         }
         sleep(30); /* rank 0 ends the job */
         return 1;
-    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid")) {
+    } else if (!strcmp(mode, "overlap")) {
+        overlap(c);
+    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid") || !strcmp(mode, "killover")) {
         /* killmid: up to 200 steps, so that the kill, half a step after the
            second began, falls inside some step of rank 1's */
         how hw = {.kill = 1};
         float losses[200];
         if (!strcmp(mode, "killmid"))
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = 2, .steps = 200};
+        if (!strcmp(mode, "killover")) /* on the thread: MPI serialized, stage 1 */
+            hw = (how){.kill = 2, .zc = &zcases[0], .stage = 1, .steps = 200};
         mt_status s = train_how(c, 16, 1, &hw, losses, &w, &nw, msg, sizeof msg);
         /* (rank 1 is gone) */
         EXPECT(s == MT_ERR_COMM);
