@@ -125,6 +125,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     }
     ctx->world = c.comm ? mt_comm_size(c.comm) : c.world_size > 1 ? c.world_size : 1;
     ctx->rank = c.comm ? mt_comm_rank(c.comm) : ctx->world > 1 ? c.rank : 0;
+    ctx->comm_threads = c.comm && (c.comm->vt.caps & MT_COMM_CAP_THREADS);
     if (dry) { /* an estimate records and logs nothing */
         c.trace_capacity = 0;
         c.log_fn = NULL;

@@ -167,6 +167,10 @@ struct mt_context {
     size_t comm_kept_bytes;
     /* what the context's collectives took (mt_context_comm_stats) */
     _Atomic uint64_t comm_calls, comm_ns, comm_wait_ns;
+    /* the communicator takes calls from any thread (MT_COMM_CAP_THREADS),
+     * kept by a dry context, which drops the communicator, so that an
+     * estimate plans the communication thread's memory (ZeRO-2) */
+    bool comm_threads;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */

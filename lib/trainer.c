@@ -786,6 +786,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->ps);
     free(t->sh);
     free(t->gs);
+    free(t->s2q);
     free(t->host_losses);
     free(t->host_rows);
     free(t->units);
@@ -795,6 +796,8 @@ void mt_trainer_destroy(mt_trainer *t)
     }
     free(t);
 }
+
+static mt_status zero2_job(void *user, int i, float *g);
 
 /* ZeRO-1 on the communication thread: a gradient final in backward goes
  * to its slices' owners, each rank's part in place (reduce_grad's
@@ -813,7 +816,9 @@ static mt_status overlap_start(mt_trainer *t)
     size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
     if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
-    mt_status s = mti_overlap_new(t->ctx, m->n_param, numel, t->zero ? zero1_job : NULL, t, &t->ov);
+    mt_status s = mti_overlap_new(t->ctx, m->n_param, numel,
+                                  t->zero == 2 ? zero2_job : t->zero ? zero1_job : NULL, t,
+                                  t->zero == 2, &t->ov);
     free(numel);
     return s;
 }
@@ -982,6 +987,13 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
        reduces in its own hooks; stage 2 reduces in backward itself */
     if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero < 2 && mti_overlap_possible(ctx))
         s = overlap_start(t);
+    /* stage 2's reduce-scatters on it (an estimate plans their memory) */
+    if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero == 2 && mti_overlap_planned(ctx)) {
+        t->s2 = 1;
+        if (!(t->s2q = malloc((size_t)m->n_param * sizeof *t->s2q + 1)))
+            s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+        if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
+    }
     s = mti_dp_created(t, s);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
@@ -1161,7 +1173,7 @@ static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
 /* Stage 2, unfused: a gradient final in this pass (whole, or a slice of
  * the tied table) goes to the slices' owners at once, each adding it onto
  * its slice (made zero at the step's first), and the whole is dropped. */
-static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n)
+static mt_status grad_slice(mt_trainer *t, int i)
 {
     const size_t lo = t->sh[i].lo, hi = t->sh[i].hi;
     mti_tensor *gs = &t->gs[i];
@@ -1171,14 +1183,70 @@ static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n
         s = mti_tensor_alloc(t->ctx, gs, MT_MEM_GRAD, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_GRAD, i));
         if (!s) s = mti_tensor_zero(t->ctx, gs);
     }
+    return s;
+}
+
+static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n)
+{
+    const size_t lo = t->sh[i].lo, hi = t->sh[i].hi;
+    mti_tensor *gs = &t->gs[i];
+    mt_status s = grad_slice(t, i);
     const size_t a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
     float *dst = a < b ? (float *)gs->blk.ptr + (a - lo) : NULL;
     return s ? s : mti_zero_reduce(t, i, g, at, n, dst, 1);
 }
 
+/* Stage 2 on the communication thread (t->s2): a whole gradient final in
+ * this pass goes to the thread, which reduce-scatters it onto the slices
+ * (added, as shard_range) while backward goes on; the main thread lets the
+ * whole gradients go, oldest first, once more than S2_HELD bytes of them
+ * besides the newest are held, waiting for their collectives if it must.
+ * Where they are let go depends only on the order backward finishes them
+ * and their sizes, never on the thread's timing, so the peaks are the same
+ * in every run and in the estimate, which runs this without a thread (the
+ * collectives then run, dry, at once). */
+#define S2_HELD MTI_COMM_STAGE
+
+static mt_status zero2_job(void *user, int i, float *g)
+{
+    mt_trainer *t = user;
+    return mti_zero_reduce(t, i, g, 0, t->model->params[i].numel, t->gs[i].blk.ptr, 1);
+}
+
+/* Lets the oldest whole gradients go: all of them, or while more than
+ * S2_HELD bytes besides the newest are held. */
+static mt_status s2_retire(mt_trainer *t, bool all)
+{
+    mt_status s = MT_OK;
+    while (t->s2_head < t->s2_tail &&
+           (all || (t->s2_tail - t->s2_head > 1 && t->s2_bytes > S2_HELD))) {
+        const int i = t->s2q[t->s2_head];
+        mt_status e = t->ov ? mti_overlap_wait_first(t->ov, t->s2_head + 1) : MT_OK;
+        if (!s) s = e;
+        t->s2_bytes -= t->model->params[i].numel * sizeof(float);
+        mti_tensor_free(t->ctx, &t->E.grad[i]);
+        t->s2_head++;
+        if (s && !all) break;
+    }
+    return s;
+}
+
+static mt_status s2_give(mt_trainer *t, int i)
+{
+    mt_status s = grad_slice(t, i);
+    t->E.uses_left[i] = -1; /* reduced in this pass */
+    if (s) return s;
+    float *g = t->E.grad[i].blk.ptr;
+    t->s2q[t->s2_tail++] = i;
+    t->s2_bytes += t->model->params[i].numel * sizeof(float);
+    s = t->ov ? mti_overlap_push(t->ov, i, t->model->params[i].name, g) : zero2_job(t, i, g);
+    return s ? s : s2_retire(t, false);
+}
+
 static mt_status shard_hook(void *user, int i)
 {
     mt_trainer *t = user;
+    if (t->s2) return s2_give(t, i);
     mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     t->E.uses_left[i] = -1; /* reduced in this pass */
@@ -1188,6 +1256,10 @@ static mt_status shard_hook(void *user, int i)
 static mt_status shard_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
+    /* (on the thread's stage 2: its work done first, so the communicator is
+       this thread's; the slice is the engine's, let go on return) */
+    mt_status s = t->s2 ? s2_retire(t, true) : MT_OK;
+    if (s) return s;
     if (at + n == t->model->params[i].numel) t->E.uses_left[i] = -1;
     return shard_range(t, i, g, at, n);
 }
@@ -1414,7 +1486,15 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
         mti_engine_arm(E);
         if (!fused && shard) {
             E->slice_hook = shard_slice;
-            MTI_TRY(mti_engine_backward(E, 0, shard_hook, t));
+            t->s2_head = t->s2_tail = 0;
+            t->s2_bytes = 0;
+            if (t->s2 && t->ov) mti_overlap_begin(t->ov);
+            s = mti_engine_backward(E, 0, shard_hook, t);
+            if (t->s2) { /* the thread's work done, whatever happened */
+                mt_status e = s2_retire(t, true);
+                if (!s) s = e;
+            }
+            MTI_TRY(s);
             MTI_TRY(shard_rest(t));
         } else if (!fused) {
             const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
@@ -1458,7 +1538,8 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->updated = 0;
     int found = 0;
     double sum = 0.0;
-    t->overlap_now = t->ov && !fused; /* (stage 1: reduce-scattered to the slices' owners) */
+    /* (stage 1: reduce-scattered to the slices' owners; stage 2's go in its hooks) */
+    t->overlap_now = t->ov && !fused && t->zero < 2;
     if (t->overlap_now) mti_overlap_begin(t->ov);
     s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */

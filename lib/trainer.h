@@ -67,6 +67,11 @@ struct mt_trainer {
     int bare;                /* weights in dt alone, no masters */
     struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
     int overlap_now;         /* this step's gradients go to it as backward makes them */
+    int s2;                  /* ZeRO-2's reduce-scatters on it (trainer.c, s2_give), or
+                                planned so in an estimate */
+    int *s2q;                /* the tensors given in this pass, in order */
+    int s2_head, s2_tail;    /* let go up to head, given up to tail */
+    size_t s2_bytes;         /* whole gradients held, given and not let go */
     /* ZeRO (cfg.zero_stage on more than one rank; docs/distributed.md) */
     int zero;                /* the stage in force: 0 without sharding */
     int world, rank;         /* the context's (a dry context's planned ones) */

@@ -39,7 +39,7 @@ run stall 2 "$B/mpi/train_mpi_test" stall
 # ZeRO stages 0-2 with bf16, fp16 (loss scaling) and other optimizers
 run zero 2 "$B/mpi/train_mpi_test" zero
 run zero 3 "$B/mpi/train_mpi_test" zero
-# stages 0 and 1 with the gradients' collectives on a thread during backward
+# stages 0 to 2 with the gradients' collectives on a thread during backward
 run overlap 2 "$B/mpi/train_mpi_test" overlap
 run overlap 3 "$B/mpi/train_mpi_test" overlap
 run overflow 2 "$B/mpi/train_mpi_test" overflow
@@ -52,6 +52,7 @@ MPIRUN="mpirun --oversubscribe --bind-to none --mca orte_abort_on_non_zero_statu
 run kill 2 "$B/mpi/train_mpi_test" kill
 run killmid 2 "$B/mpi/train_mpi_test" killmid
 run killover 2 "$B/mpi/train_mpi_test" killover
+run killover2 2 "$B/mpi/train_mpi_test" killover2
 MPIRUN="mpirun --oversubscribe --bind-to none"
 
 # memtrain train under mpirun: rank 0 prints one JSON object per step, with
@@ -102,6 +103,7 @@ if [ -x "$B/memtrain" ]; then
     OVERLAP=--overlap tool 2 4 2 # the gradients summed on a thread during backward
     OVERLAP=--overlap tool 2 4 2 1 # stage 1: reduce-scattered on the thread
     OVERLAP=--overlap tool 3 6 2 1
+    OVERLAP=--overlap tool 2 4 2 2 # stage 2: reduce-scattered on the thread in backward
     # local SGD averaging every step: plain SGD, no clipping, equal rows is
     # the data-parallel step (within rounding); the loss shown is the global batch's
     args="train --model gpt --steps 4 --batch 4 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --optimizer sgd --momentum 0 --clip 0"

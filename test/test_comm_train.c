@@ -310,7 +310,7 @@ TEST(dp_overlap_equals_blocking)
     /* sgd, adamw clip, adafactor (whole-tensor owners at stage 1), adamw
        bf16, sgd bf16 bare, fp16 */
     static const int pick[] = {0, 1, 3, 4, 5, 6};
-    for (int zero = 0; zero <= 1; zero++)
+    for (int zero = 0; zero <= 2; zero++) /* stage 2: each reduce-scatter in arrival order */
     for (size_t k = 0; k < sizeof pick / sizeof pick[0]; k++)
         for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
             dp_run run[2];
@@ -349,8 +349,17 @@ TEST(dp_overlap_equals_blocking)
                           (unsigned long long)b->collectives);
                 CHECK(v->exposed_seconds <= v->seconds + 0.5);
             }
-            for (int r = 0; r < n; r++) /* the same memory, class by class */
-                CHECK(!memcmp(run[0].peak[r], run[1].peak[r], sizeof run[0].peak[r]));
+            /* the same memory, class by class; at stage 2 the thread's whole
+               gradients are held until their collective is done (the
+               estimate, made with the communicator, says so too) */
+            for (int r = 0; r < n; r++)
+                for (int c = 0; c < MT_MEM_COUNT; c++)
+                    CHECK_MSG(zero == 2 && c == MT_MEM_GRAD ? run[1].peak[r][c] >= run[0].peak[r][c]
+                                                           : run[1].peak[r][c] == run[0].peak[r][c],
+                              "stage %d, rank %d: %s peak %llu, blocking %llu", zero, r,
+                              mt_mem_class_name((mt_mem_class)c),
+                              (unsigned long long)run[1].peak[r][c],
+                              (unsigned long long)run[0].peak[r][c]);
             free_run(&run[0]);
             free_run(&run[1]);
         }

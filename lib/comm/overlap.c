@@ -43,11 +43,16 @@ typedef struct job {
  * tensor larger than it alone; one collective per bucket, so small tensors
  * do not each pay a collective's latency. The buckets come from the
  * tensors' sizes alone, so they are the same on every rank. With a job
- * (ZeRO-1) every tensor is a bucket of its own, given to the job. */
+ * (ZeRO-1) every tensor is a bucket of its own, given to the job. In
+ * arrival order (ZeRO-2) the tensors go to the job in the order they are
+ * given, each as it comes. */
 struct mti_overlap {
     mt_context *ctx;
     mti_overlap_job job;
     void *user;
+    bool fifo;         /* in the order given (order[], taken up to `taken`) */
+    int *order;
+    int taken;
     pthread_t th;
     pthread_mutex_t mu;
     pthread_cond_t more, done; /* a tensor was given (or the end); the step's are done */
@@ -67,6 +72,12 @@ bool mti_overlap_possible(const mt_context *ctx)
     const mt_comm *c = ctx->cfg.comm;
     return c && c->size > 1 && !ctx->dry && ctx->dev->kind == MT_DEVICE_CPU &&
            !(c->vt.caps & MT_COMM_CAP_DEVICE) && (c->vt.caps & MT_COMM_CAP_THREADS);
+}
+
+bool mti_overlap_planned(const mt_context *ctx)
+{
+    if (!ctx->dry) return mti_overlap_possible(ctx);
+    return ctx->world > 1 && ctx->comm_threads && ctx->dev->kind == MT_DEVICE_CPU;
 }
 
 /* Sums a bucket (k jobs, its highest tensor first) in one collective, or
@@ -101,6 +112,7 @@ static void run(mti_overlap *ov, const job *b, int k)
 /* Whether every tensor of the next bucket was given. */
 static bool bucket_given(const mti_overlap *ov)
 {
+    if (ov->fifo) return ov->taken < ov->given;
     if (ov->next < 0) return false;
     for (int i = ov->next; i >= ov->low[ov->next]; i--)
         if (!ov->slot[i].given) return false;
@@ -115,6 +127,16 @@ static void *thread_main(void *p)
     for (;;) {
         while (!ov->quit && !bucket_given(ov)) pthread_cond_wait(&ov->more, &ov->mu);
         if (ov->quit) break;
+        if (ov->fifo) { /* the next in arrival order, alone */
+            ov->bucket[0] = ov->slot[ov->order[ov->taken]];
+            const bool skip = ov->failed != MT_OK;
+            pthread_mutex_unlock(&ov->mu);
+            if (!skip) run(ov, ov->bucket, 1);
+            pthread_mutex_lock(&ov->mu);
+            ov->taken++;
+            pthread_cond_broadcast(&ov->done);
+            continue;
+        }
         const int hi = ov->next, lo = ov->low[hi];
         for (int i = hi; i >= lo; i--) ov->bucket[hi - i] = ov->slot[i];
         const bool drop = ov->failed != MT_OK;
@@ -129,15 +151,15 @@ static void *thread_main(void *p)
 }
 
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job work,
-                          void *user, mti_overlap **out)
+                          void *user, bool fifo, mti_overlap **out)
 {
     *out = NULL;
     const size_t cnt = (size_t)(n > 0 ? n : 1);
     mti_overlap *ov = calloc(1, sizeof *ov);
     job *slot = calloc(cnt, sizeof *slot), *bucket = calloc(cnt, sizeof *bucket);
-    int *low = calloc(cnt, sizeof *low);
-    if (!ov || !slot || !bucket || !low) {
-        free(ov), free(slot), free(bucket), free(low);
+    int *low = calloc(cnt, sizeof *low), *order = calloc(cnt, sizeof *order);
+    if (!ov || !slot || !bucket || !low || !order) {
+        free(ov), free(slot), free(bucket), free(low), free(order);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     }
     const size_t fit = work ? 0 : MTI_OVERLAP_BUCKET / sizeof(float);
@@ -152,6 +174,8 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
     ov->ctx = ctx;
     ov->job = work;
     ov->user = user;
+    ov->fifo = fifo && work;
+    ov->order = order;
     ov->slot = slot;
     ov->bucket = bucket;
     ov->low = low;
@@ -164,7 +188,7 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
         pthread_cond_destroy(&ov->done);
         pthread_cond_destroy(&ov->more);
         pthread_mutex_destroy(&ov->mu);
-        free(slot), free(bucket), free(low), free(ov);
+        free(slot), free(bucket), free(low), free(order), free(ov);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: cannot start the communication thread");
     }
     *out = ov;
@@ -185,6 +209,7 @@ void mti_overlap_free(mti_overlap *ov)
     free(ov->slot);
     free(ov->bucket);
     free(ov->low);
+    free(ov->order);
     free(ov);
 }
 
@@ -193,6 +218,8 @@ void mti_overlap_begin(mti_overlap *ov)
     pthread_mutex_lock(&ov->mu);
     for (int i = 0; i < ov->n; i++) ov->slot[i].given = false, ov->slot[i].g = NULL;
     ov->given = 0;
+    ov->taken = 0;
+    ov->failed = MT_OK; /* (a failure has broken the communicator: the next fail at once) */
     ov->next = ov->n - 1;
     pthread_mutex_unlock(&ov->mu);
 }
@@ -207,7 +234,7 @@ mt_status mti_overlap_push(mti_overlap *ov, int i, const char *name, float *g)
     ov->slot[i].name = name;
     ov->slot[i].g = g;
     ov->slot[i].given = true;
-    ov->given++;
+    ov->order[ov->given++] = i;
     pthread_cond_signal(&ov->more);
     pthread_mutex_unlock(&ov->mu);
     return MT_OK;
@@ -221,17 +248,11 @@ bool mti_overlap_pushed(const mti_overlap *ov, int i)
     return g;
 }
 
-mt_status mti_overlap_wait(mti_overlap *ov)
+/* Waits (ov->mu held) until the first k given are done, as exposed time. */
+static mt_status wait_until(mti_overlap *ov, int k, uint64_t t0)
 {
-    const uint64_t t0 = mti_now_ns();
-    pthread_mutex_lock(&ov->mu);
-    if (ov->given != ov->n) {
-        pthread_mutex_unlock(&ov->mu);
-        return mti_fail(ov->ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication thread",
-                        ov->given, ov->n);
-    }
     mti_comm_hurry(1);
-    while (ov->next >= 0) pthread_cond_wait(&ov->done, &ov->mu);
+    while (ov->fifo ? ov->taken < k : ov->next >= 0) pthread_cond_wait(&ov->done, &ov->mu);
     mti_comm_hurry(-1);
     mti_comm_waited(ov->ctx, mti_now_ns() - t0);
     const mt_status s = ov->failed;
@@ -239,4 +260,27 @@ mt_status mti_overlap_wait(mti_overlap *ov)
     snprintf(msg, sizeof msg, "%s", ov->msg);
     pthread_mutex_unlock(&ov->mu);
     return s ? mti_fail(ov->ctx, s, "%s", msg) : MT_OK;
+}
+
+mt_status mti_overlap_wait(mti_overlap *ov)
+{
+    const uint64_t t0 = mti_now_ns();
+    pthread_mutex_lock(&ov->mu);
+    if (!ov->fifo && ov->given != ov->n) {
+        pthread_mutex_unlock(&ov->mu);
+        return mti_fail(ov->ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication thread",
+                        ov->given, ov->n);
+    }
+    return wait_until(ov, ov->given, t0);
+}
+
+mt_status mti_overlap_wait_first(mti_overlap *ov, int k)
+{
+    const uint64_t t0 = mti_now_ns();
+    pthread_mutex_lock(&ov->mu);
+    if (!ov->fifo || k > ov->given) {
+        pthread_mutex_unlock(&ov->mu);
+        return mti_fail(ov->ctx, MT_ERR_INTERNAL, "waiting for %d of the %d tensors given", k, ov->given);
+    }
+    return wait_until(ov, k, t0);
 }

@@ -25,7 +25,7 @@
  *                             against this process alone accumulating N
  *                             micro-batches; each rank's per-class peaks
  *                             equal its estimate to the byte
- *   train_mpi_test overlap    (MPI at MPI_THREAD_SERIALIZED) stages 0 and 1
+ *   train_mpi_test overlap    (MPI at MPI_THREAD_SERIALIZED) stages 0 to 2
  *                             with the gradients' collectives on the
  *                             communication thread during backward, for
  *                             each unfused case of "zero": the weights and
@@ -34,7 +34,8 @@
  *                             does not take calls from other threads), bit
  *                             for bit; each rank's peaks its estimate's
  *   train_mpi_test killover   as killmid, at stage 1 with the thread
- *                             (MPI_THREAD_SERIALIZED): rank 0 stops with
+ *                             (MPI_THREAD_SERIALIZED; killover2: stage 2),
+ *                             rank 0 stops with
  *                             MT_ERR_COMM within the timeout wherever it
  *                             was (the thread's reduce-scatters among them)
  *   train_mpi_test overflow   fp16 at stages 0, 1 and 2: rank 1's input
@@ -619,7 +620,7 @@ static mt_status fw_broadcast(void *self, void *buf, size_t count, mt_comm_dtype
 }
 static mt_status fw_barrier(void *self) { return mt_comm_barrier(self); }
 
-/* Stages 0 and 1, each unfused case of zcases, with the communication
+/* Stages 0 to 2, each unfused case of zcases, with the communication
  * thread (c takes calls from any thread) and without (a table forwarding
  * to c without saying so): the same bits. */
 static void overlap(mt_comm *c)
@@ -633,7 +634,7 @@ static void overlap(mt_comm *c)
     int runs = 0;
     for (size_t k = 0; k < sizeof zcases / sizeof zcases[0] && plain; k++) {
         if (zcases[k].fused) continue; /* (the fused step reduces in its own hooks) */
-        for (int stage = 0; stage <= 1; stage++) {
+        for (int stage = 0; stage <= 2; stage++) {
             float loss[2][STEPS];
             float *w[2] = {NULL, NULL};
             size_t nw[2] = {0, 0};
@@ -656,7 +657,7 @@ static void overlap(mt_comm *c)
     }
     mt_comm_destroy(plain);
     if (all_passed() && rank == 0)
-        printf("ok overlap: %d ranks, stages 0 and 1, %d runs with the gradients' collectives on "
+        printf("ok overlap: %d ranks, stages 0 to 2, %d runs with the gradients' collectives on "
                "the communication thread: the bits of the runs without it, each rank's peaks "
                "its estimate\n", size, runs);
 }
@@ -664,7 +665,7 @@ static void overlap(mt_comm *c)
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "train";
-    if (!strcmp(mode, "overlap") || !strcmp(mode, "killover")) { /* the communication thread */
+    if (!strcmp(mode, "overlap") || !strncmp(mode, "killover", 8)) { /* the communication thread */
         int level = MPI_THREAD_SINGLE;
         MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &level);
         if (level < MPI_THREAD_SERIALIZED) {
@@ -731,15 +732,15 @@ int main(int argc, char **argv)
         return 1;
     } else if (!strcmp(mode, "overlap")) {
         overlap(c);
-    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid") || !strcmp(mode, "killover")) {
+    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid") || !strncmp(mode, "killover", 8)) {
         /* killmid: up to 200 steps, so that the kill, half a step after the
            second began, falls inside some step of rank 1's */
         how hw = {.kill = 1};
         float losses[200];
         if (!strcmp(mode, "killmid"))
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = 2, .steps = 200};
-        if (!strcmp(mode, "killover")) /* on the thread: MPI serialized, stage 1 */
-            hw = (how){.kill = 2, .zc = &zcases[0], .stage = 1, .steps = 200};
+        if (!strncmp(mode, "killover", 8)) /* on the thread: MPI serialized, stage 1 or 2 */
+            hw = (how){.kill = 2, .zc = &zcases[0], .stage = mode[8] == '2' ? 2 : 1, .steps = 200};
         mt_status s = train_how(c, 16, 1, &hw, losses, &w, &nw, msg, sizeof msg);
         /* (rank 1 is gone) */
         EXPECT(s == MT_ERR_COMM);
