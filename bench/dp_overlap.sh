@@ -1,7 +1,7 @@
 #!/bin/sh
 # dp_overlap.sh - data parallel on this machine's cores: one process of 2
 # threads against 2 ranks of 1 thread (memtrain train under mpirun) at the
-# same global batch: ZeRO stages 0 to 3, and stages 0 and 1 with the
+# same global batch: ZeRO stages 0 to 3, and stages 0 to 2 with the
 # gradients' all-reduce (reduce-scatter) on a communication thread during
 # backward (--overlap) rather than after it. Each round runs every line back to
 # back; a line's ratio is its ms per step over the one process's in the
@@ -40,6 +40,7 @@ s0o|--threads 1 --zero 0 --overlap
 s1|--threads 1 --zero 1
 s1o|--threads 1 --zero 1 --overlap
 s2|--threads 1 --zero 2
+s2o|--threads 1 --zero 2 --overlap
 s3|--threads 1 --zero 3"
 label() {
     case $1 in
@@ -49,6 +50,7 @@ label() {
     s1) echo "2 ranks x 1 thread, stage 1" ;;
     s1o) echo "2 ranks x 1 thread, stage 1, reduce-scatter during backward (--overlap)" ;;
     s2) echo "2 ranks x 1 thread, stage 2" ;;
+    s2o) echo "2 ranks x 1 thread, stage 2, reduce-scatter during backward (--overlap)" ;;
     s3) echo "2 ranks x 1 thread, stage 3" ;;
     esac
 }
