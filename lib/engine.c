@@ -555,8 +555,11 @@ int mti_engine_head_rows(const mti_engine *E)
     const mt_model *m = E->m;
     const mti_layer *h = &m->layers[m->n_layers - 1];
     if (h->kind != MT_LAYER_LM_HEAD || !m->params[h->tied].frozen) return 0;
-    /* a multiple of 8 rows, so every block's rows start 16-byte aligned */
-    const size_t r = (MTI_HEAD_BLOCK / ((size_t)h->out * mti_dtype_size(E->dt)) + 7) / 8 * 8;
+    /* a multiple of 8 rows, so every block's rows start 16-byte aligned;
+       larger on a GPU, where each block's pass over the whole head weight
+       (a quantized one dequantized again) costs more than the memory */
+    const size_t block = mt_context_device(E->ctx) == MT_DEVICE_CUDA ? MTI_HEAD_BLOCK_GPU : MTI_HEAD_BLOCK;
+    const size_t r = (block / ((size_t)h->out * mti_dtype_size(E->dt)) + 7) / 8 * 8;
     return r > (1 << 24) ? 1 << 24 : (int)r;
 }
 

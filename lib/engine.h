@@ -117,10 +117,12 @@ mt_status mti_engine_loss_sum(mti_engine *E, float *host, double *sum);
  * (a second backward follows); hook may be NULL. */
 mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void *user);
 /* The rows of the LM head's blocks fused with the loss (head_rows): about
- * MTI_HEAD_BLOCK bytes of logits, the rows rounded up to a multiple of 8
- * (so every block's rows start 16-byte aligned), for a model whose last
- * layer is an LM head with a frozen (tied) weight; 0 otherwise. */
+ * MTI_HEAD_BLOCK bytes of logits (MTI_HEAD_BLOCK_GPU on a CUDA context),
+ * the rows rounded up to a multiple of 8 (so every block's rows start
+ * 16-byte aligned), for a model whose last layer is an LM head with a
+ * frozen (tied) weight; 0 otherwise. */
 #define MTI_HEAD_BLOCK ((size_t)16 << 20)
+#define MTI_HEAD_BLOCK_GPU ((size_t)256 << 20)
 int mti_engine_head_rows(const mti_engine *E);
 /* Frees every tensor of the pass (not the gradients). */
 void mti_engine_release(mti_engine *E);
