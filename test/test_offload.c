@@ -313,22 +313,69 @@ static void fault_run(const char *dir, int wr, int err)
     mt_context_destroy(ctx);
 }
 
-TEST(offload_io_faults_are_clear_errors)
+/* Disk full and I/O errors (writing, when write_eio, and reading) give
+ * clear errors; short writes are finished, not failed: case c's run gives
+ * the bits of a resident one. */
+static void io_faults(bool write_eio, const ocase *c)
 {
     const char *dir = tmp_dir();
     const size_t keep = mti_offload_piece_elems;
     mti_offload_piece_elems = 4096;
     fault_run(dir, 1, ENOSPC);
-    fault_run(dir, 1, EIO);
+    if (write_eio) fault_run(dir, 1, EIO);
     fault_run(dir, 0, EIO);
-    /* short writes are finished, not failed: the bits of a resident run */
     fault_short = 1;
     mti_offload_fault = inject;
-    compare(&cases[6], dir);
+    compare(c, dir);
     mti_offload_fault = NULL;
     fault_short = 0;
     mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0);
+}
+
+TEST(offload_io_faults_are_clear_errors)
+{
+    io_faults(true, &cases[6]);
+}
+
+/* Scratch file `name` removed (cut 0) or truncated (cut 1) after a step of
+ * case c: set/get_params see the values on disk; the next step then fails
+ * before changing anything, naming the file, and the scratch directory
+ * goes; after the trainer the weights are finite. weights: the file holds
+ * the weights, so get_params fails too while the trainer lives (after it,
+ * the weights lost are zeros; the masters lost leave the compute copy). */
+static void lose_scratch_file(const char *dir, const ocase *c, int cut, const char *name, bool weights)
+{
+    char path[512];
+    disk_run r;
+    disk_run_open(&r, dir, c);
+    mt_context *ctx = r.ctx;
+    mt_model *m = r.m;
+    mt_trainer *t = r.t;
+    const mt_batch b = r.b;
+    float loss;
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    const size_t n = mt_model_num_params(m);
+    float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+    CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
+    for (size_t i = 0; i < n; i++) w1[i] = w0[i] * 0.5f + 1e-3f;
+    CHECK_OKC(ctx, mt_model_set_params(m, w1, n));
+    CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
+    CHECK(memcmp(w0, w1, n * 4) == 0);
+    snprintf(path, sizeof path, "%s/memtrain-scratch/%s", dir, name);
+    if (cut) CHECK(truncate(path, 4096) == 0);
+    else CHECK(unlink(path) == 0);
+    CHECK_ST(MT_ERR_IO, mt_trainer_step(t, &b, &loss));
+    CHECK_MSG(strstr(mt_last_error(ctx), path) && strstr(mt_last_error(ctx), cut ? "truncated" : "removed"),
+              "%s", mt_last_error(ctx));
+    CHECK(scratch_gone(dir));
+    CHECK_EQ(mt_trainer_steps(t), 1);
+    if (weights) CHECK_ST(MT_ERR_IO, mt_model_get_params(m, w0, n));
+    mt_trainer_destroy(t);
+    CHECK_OKC(ctx, mt_model_get_params(m, w1, n));
+    for (size_t i = 0; i < n; i++) CHECK(w1[i] == w1[i]);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
 }
 
 /* A scratch file removed or truncated between steps: the next step fails
@@ -336,40 +383,9 @@ TEST(offload_io_faults_are_clear_errors)
 TEST(offload_removed_or_truncated_scratch)
 {
     const char *dir = tmp_dir();
-    char path[512];
-    for (int k = 0; k < 2; k++) {
-        const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 1, 0.0f};
-        disk_run r;
-        disk_run_open(&r, dir, &c);
-        mt_context *ctx = r.ctx;
-        mt_model *m = r.m;
-        mt_trainer *t = r.t;
-        const mt_batch b = r.b;
-        float loss;
-        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
-        const size_t n = mt_model_num_params(m);
-        float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
-        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
-        /* the masters on disk are what get and set_params see */
-        for (size_t i = 0; i < n; i++) w1[i] = w0[i] * 0.5f + 1e-3f;
-        CHECK_OKC(ctx, mt_model_set_params(m, w1, n));
-        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
-        CHECK(memcmp(w0, w1, n * 4) == 0);
-        snprintf(path, sizeof path, "%s/memtrain-scratch/%s", dir, k ? "optim.bin" : "master.bin");
-        if (k) CHECK(truncate(path, 4096) == 0);
-        else CHECK(unlink(path) == 0);
-        CHECK_ST(MT_ERR_IO, mt_trainer_step(t, &b, &loss));
-        CHECK_MSG(strstr(mt_last_error(ctx), path) &&
-                      strstr(mt_last_error(ctx), k ? "truncated" : "removed"),
-                  "%s", mt_last_error(ctx));
-        CHECK(scratch_gone(dir));
-        CHECK_EQ(mt_trainer_steps(t), 1);
-        mt_trainer_destroy(t); /* (the masters are lost: the compute copy stays) */
-        CHECK_OKC(ctx, mt_model_get_params(m, w1, n));
-        for (size_t i = 0; i < n; i++) CHECK(w1[i] == w1[i]);
-        mt_model_destroy(m);
-        mt_context_destroy(ctx);
-    }
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 1, 0.0f};
+    lose_scratch_file(dir, &c, 0, "master.bin", false);
+    lose_scratch_file(dir, &c, 1, "optim.bin", false);
     CHECK(rmdir(dir) == 0);
 }
 
@@ -691,20 +707,9 @@ TEST(offload_params_refusals_and_estimate)
  * where they could not be read back). */
 TEST(offload_params_io_faults)
 {
-    const char *dir = tmp_dir();
-    const size_t keep = mti_offload_piece_elems;
-    mti_offload_piece_elems = 4096;
     params_too = 1;
-    fault_run(dir, 1, ENOSPC);
-    fault_run(dir, 0, EIO);
-    fault_short = 1;
-    mti_offload_fault = inject;
-    compare(&cases[10], dir);
-    mti_offload_fault = NULL;
-    fault_short = 0;
+    io_faults(false, &cases[10]);
     params_too = 0;
-    mti_offload_piece_elems = keep;
-    CHECK(rmdir(dir) == 0);
 }
 
 /* param.bin removed or truncated between steps: the next step fails before
@@ -712,40 +717,10 @@ TEST(offload_params_io_faults)
 TEST(offload_params_removed_or_truncated)
 {
     const char *dir = tmp_dir();
-    char path[512];
     params_too = 1;
     for (int k = 0; k < 2; k++) {
         const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, k, 0.0f};
-        disk_run r;
-        disk_run_open(&r, dir, &c);
-        mt_context *ctx = r.ctx;
-        mt_model *m = r.m;
-        mt_trainer *t = r.t;
-        const mt_batch b = r.b;
-        float loss;
-        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
-        const size_t n = mt_model_num_params(m);
-        float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
-        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
-        for (size_t i = 0; i < n; i++) w1[i] = w0[i] * 0.5f + 1e-3f;
-        CHECK_OKC(ctx, mt_model_set_params(m, w1, n));
-        CHECK_OKC(ctx, mt_model_get_params(m, w0, n));
-        CHECK(memcmp(w0, w1, n * 4) == 0);
-        snprintf(path, sizeof path, "%s/memtrain-scratch/param.bin", dir);
-        if (k) CHECK(truncate(path, 4096) == 0);
-        else CHECK(unlink(path) == 0);
-        CHECK_ST(MT_ERR_IO, mt_trainer_step(t, &b, &loss));
-        CHECK_MSG(strstr(mt_last_error(ctx), path) &&
-                      strstr(mt_last_error(ctx), k ? "truncated" : "removed"),
-                  "%s", mt_last_error(ctx));
-        CHECK(scratch_gone(dir));
-        CHECK_EQ(mt_trainer_steps(t), 1);
-        CHECK_ST(MT_ERR_IO, mt_model_get_params(m, w0, n));
-        mt_trainer_destroy(t); /* (the weights are lost: zeros) */
-        CHECK_OKC(ctx, mt_model_get_params(m, w1, n));
-        for (size_t i = 0; i < n; i++) CHECK(w1[i] == w1[i]);
-        mt_model_destroy(m);
-        mt_context_destroy(ctx);
+        lose_scratch_file(dir, &c, k, "param.bin", true);
     }
     params_too = 0;
     CHECK(rmdir(dir) == 0);
