@@ -820,8 +820,7 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
             mti_tensor_free(E->ctx, &dx);
             return s;
         }
-        memset(&E->d, 0, sizeof E->d); /* (the boundary's, kept) */
-        E->d = dx;
+        E->d = dx; /* (the boundary keeps its own) */
         return MT_OK;
     }
     switch (ly->kind) {
