@@ -167,6 +167,10 @@ struct mt_context {
     size_t comm_kept_bytes;
     /* what the context's collectives took (mt_context_comm_stats) */
     _Atomic uint64_t comm_calls, comm_ns, comm_wait_ns;
+    /* a communication thread running queued calls (lib/comm/overlap.c,
+     * ZeRO-3's gathers), or NULL: a collective of another thread first
+     * waits until its queue is empty */
+    struct mti_overlap *comm_queue;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */

@@ -68,6 +68,7 @@ void mt_trainer_config_init(mt_trainer_config *c)
     c->loss_scale.backoff_factor = 0.5;
     c->loss_scale.growth_interval = 2000;
     c->recompute_every = 2;
+    c->zero3_prefetch = 1;
     c->distill_alpha = 0.5f;
     c->distill_temp = 2.0f;
 }
@@ -217,6 +218,13 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
         BAD("%s: cfg->recompute MT_RECOMPUTE_BUDGET needs cfg->memory_budget", fn);
     if (c->zero_stage < 0 || c->zero_stage > 3)
         BAD("%s: cfg->zero_stage %d out of range 0..3", fn, c->zero_stage);
+    if (c->zero3_prefetch < 0 || c->zero3_prefetch > 64)
+        BAD("%s: cfg->zero3_prefetch %d out of range 0..64 (layers gathered ahead)", fn,
+            c->zero3_prefetch);
+    if (c->zero3_keep < -1)
+        BAD("%s: cfg->zero3_keep %d must be >= -1 (layers kept from forward to backward; -1: "
+            "every layer)",
+            fn, c->zero3_keep);
     if (c->fused_step && c->micro_batch && c->micro_batch < c->max_batch)
         BAD("%s: cfg->fused_step cannot combine with gradient accumulation (micro_batch %d < "
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
@@ -761,7 +769,9 @@ void mt_trainer_destroy(mt_trainer *t)
             for (int j = 0; j < MTI_OPT_SLOTS; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
+    if (t->ctx->comm_queue == t->ov) t->ctx->comm_queue = NULL;
     mti_overlap_free(t->ov);
+    t->ov = NULL; /* (the gathers below run on this thread) */
     if (mti_zero3_unshard(t)) /* (a collective: every rank destroys its trainer) */
         mti_log(t->ctx, MT_LOG_ERROR, "mt_trainer_destroy: the weights could not be gathered "
                 "from the ranks' slices (%s); the model's weights are zeros",
@@ -968,9 +978,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 3));
     }
     /* the gradients' all-reduce overlapping backward, where it can: a CPU
-       step without the fused update, which reduces in its own hooks */
-    if (!s && !cfg->fused_step && !mti_local_sgd(t) && mti_overlap_possible(ctx))
+       step without the fused update, which reduces in its own hooks; and
+       stage 3's gathers ahead of the layers, with either step */
+    const bool ahead = zero == 3 && cfg->zero3_prefetch > 0;
+    if (!s && (!cfg->fused_step || ahead) && !mti_local_sgd(t) && mti_overlap_possible(ctx))
         s = overlap_start(t);
+    if (!s && ahead && t->ov && !ctx->comm_queue) ctx->comm_queue = t->ov;
     s = mti_dp_created(t, s);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);

@@ -39,6 +39,9 @@ run stall 2 "$B/mpi/train_mpi_test" stall
 # ZeRO stages 0-2 with bf16, fp16 (loss scaling) and other optimizers
 run zero 2 "$B/mpi/train_mpi_test" zero
 run zero 3 "$B/mpi/train_mpi_test" zero
+# ZeRO-3's gathers on a thread ahead of the layers: stage 2's bits
+run zero3 2 "$B/mpi/train_mpi_test" zero3
+run zero3 3 "$B/mpi/train_mpi_test" zero3
 run overflow 2 "$B/mpi/train_mpi_test" overflow
 run overflow 3 "$B/mpi/train_mpi_test" overflow
 run alone 2 "$B/mpi/train_mpi_test" alone
@@ -48,6 +51,7 @@ run alone 3 "$B/mpi/train_mpi_test" alone
 MPIRUN="mpirun --oversubscribe --bind-to none --mca orte_abort_on_non_zero_status 0"
 run kill 2 "$B/mpi/train_mpi_test" kill
 run killmid 2 "$B/mpi/train_mpi_test" killmid
+run killmid3 2 "$B/mpi/train_mpi_test" killmid3
 MPIRUN="mpirun --oversubscribe --bind-to none"
 
 # memtrain train under mpirun: rank 0 prints one JSON object per step, with
@@ -111,6 +115,8 @@ if [ -x "$B/memtrain" ]; then
     tool 3 6 2 2
     tool 2 4 2 3 # ZeRO-3: the weights sharded, gathered per layer
     tool 3 6 2 3
+    OVERLAP="--zero3-prefetch 0" tool 2 4 2 3 # the gathers when each layer starts
+    OVERLAP="--zero3-prefetch 2 --zero3-keep -1" tool 3 6 2 3 # deeper, every layer kept
     reshard
     resume
     ZSAVE=3 ZLOAD=3 reshard # saved at stage 3, resumed by one process and by 3 ranks at stage 3

@@ -20,6 +20,15 @@
  * mti_overlap_wait), so it is still used by one thread at a time, as
  * memtrain/comm.h asks; the table must take calls from any thread
  * (MT_COMM_CAP_THREADS; MPI at MPI_THREAD_SERIALIZED or more).
+ *
+ * The thread also runs calls queued in order (mti_overlap_call: ZeRO-3's
+ * gathers of the layers to come, zero3.c), each once the calls before it
+ * are done, in a step that gives it no gradients. Every rank queues the
+ * same calls in the same order, so their collectives match; a collective
+ * the stepping thread makes meanwhile first waits until the queue is empty
+ * (mti_overlap_quiet, from comm.c), so the two threads never call the
+ * communicator, or use the staging buffer, at once, and the collectives
+ * keep one order on every rank.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -34,6 +43,12 @@ typedef struct job {
     size_t n;
     bool given;
 } job;
+
+typedef struct call {
+    mti_overlap_fn fn;
+    void *user;
+    int i;
+} call;
 
 /* Tensors are summed in buckets: runs of consecutive tensors (from the
  * last down) whose values fit in the staging buffer together, a tensor
@@ -54,6 +69,14 @@ struct mti_overlap {
     int quit;
     mt_status failed;  /* the first failure; the later collectives are dropped */
     char msg[MTI_ERR_LEN];
+    /* queued calls: a ring of cap; calls numbered from 1, `queued` of them
+       so far, `finished` done (run, or dropped after a failure) */
+    call *calls;
+    size_t cap;
+    uint64_t queued, finished;
+    mt_status call_failed; /* the first failed call's status, its number, message */
+    uint64_t failed_at;
+    char call_msg[MTI_ERR_LEN];
 };
 
 bool mti_overlap_possible(const mt_context *ctx)
@@ -94,14 +117,36 @@ static bool bucket_given(const mti_overlap *ov)
     return true;
 }
 
+/* Runs the oldest queued call (the lock held on entry and on return). */
+static void run_call(mti_overlap *ov)
+{
+    const call c = ov->calls[ov->finished % ov->cap];
+    const bool drop = ov->call_failed != MT_OK;
+    pthread_mutex_unlock(&ov->mu);
+    const mt_status s = drop ? MT_OK : c.fn(c.user, c.i);
+    pthread_mutex_lock(&ov->mu);
+    if (s && !ov->call_failed) {
+        ov->call_failed = s;
+        ov->failed_at = ov->finished + 1;
+        snprintf(ov->call_msg, sizeof ov->call_msg, "%s", mt_last_error(ov->ctx));
+    }
+    ov->finished++;
+    pthread_cond_broadcast(&ov->done);
+}
+
 static void *thread_main(void *p)
 {
     mti_overlap *ov = p;
     mti_comm_on_thread(); /* its collectives are hidden behind backward, not waited for */
     pthread_mutex_lock(&ov->mu);
     for (;;) {
-        while (!ov->quit && !bucket_given(ov)) pthread_cond_wait(&ov->more, &ov->mu);
+        while (!ov->quit && !bucket_given(ov) && ov->finished == ov->queued)
+            pthread_cond_wait(&ov->more, &ov->mu);
         if (ov->quit) break;
+        if (ov->finished < ov->queued) {
+            run_call(ov);
+            continue;
+        }
         const int hi = ov->next, lo = ov->low[hi];
         for (int i = hi; i >= lo; i--) ov->bucket[hi - i] = ov->slot[i];
         const bool drop = ov->failed != MT_OK;
@@ -169,6 +214,7 @@ void mti_overlap_free(mti_overlap *ov)
     free(ov->slot);
     free(ov->bucket);
     free(ov->low);
+    free(ov->calls);
     free(ov);
 }
 
@@ -223,4 +269,66 @@ mt_status mti_overlap_wait(mti_overlap *ov)
     snprintf(msg, sizeof msg, "%s", ov->msg);
     pthread_mutex_unlock(&ov->mu);
     return s ? mti_fail(ov->ctx, s, "%s", msg) : MT_OK;
+}
+
+mt_status mti_overlap_call(mti_overlap *ov, mti_overlap_fn fn, void *user, int i, uint64_t *ticket)
+{
+    pthread_mutex_lock(&ov->mu);
+    const size_t pending = (size_t)(ov->queued - ov->finished);
+    if (pending == ov->cap) { /* full: a ring twice the size, the pending calls in order */
+        const size_t cap = ov->cap ? 2 * ov->cap : 64;
+        call *c = malloc(cap * sizeof *c);
+        if (!c) {
+            pthread_mutex_unlock(&ov->mu);
+            return mti_fail(ov->ctx, MT_ERR_OOM, "out of host memory queueing a collective");
+        }
+        for (size_t k = 0; k < pending; k++) c[(ov->finished + k) % cap] = ov->calls[(ov->finished + k) % ov->cap];
+        free(ov->calls);
+        ov->calls = c;
+        ov->cap = cap;
+    }
+    ov->calls[ov->queued % ov->cap] = (call){fn, user, i};
+    *ticket = ++ov->queued;
+    pthread_cond_signal(&ov->more);
+    pthread_mutex_unlock(&ov->mu);
+    return MT_OK;
+}
+
+/* Waits (the lock held) until call `upto` is done; the wait is exposed. */
+static void wait_calls(mti_overlap *ov, uint64_t upto)
+{
+    if (ov->finished >= upto) return;
+    const uint64_t t0 = mti_now_ns();
+    mti_comm_hurry(1);
+    while (ov->finished < upto) pthread_cond_wait(&ov->done, &ov->mu);
+    mti_comm_hurry(-1);
+    mti_comm_waited(ov->ctx, mti_now_ns() - t0);
+}
+
+mt_status mti_overlap_done(mti_overlap *ov, uint64_t ticket)
+{
+    pthread_mutex_lock(&ov->mu);
+    wait_calls(ov, ticket);
+    const mt_status s = ov->call_failed && ov->failed_at <= ticket ? ov->call_failed
+                        : ov->call_failed ? MT_ERR_COMM : MT_OK;
+    char msg[MTI_ERR_LEN];
+    if (ov->call_failed && ov->failed_at <= ticket) snprintf(msg, sizeof msg, "%s", ov->call_msg);
+    else snprintf(msg, sizeof msg, "an earlier collective on the communication thread failed: %.900s",
+                  ov->call_msg);
+    pthread_mutex_unlock(&ov->mu);
+    return s ? mti_fail(ov->ctx, s, "%s", msg) : MT_OK;
+}
+
+mt_status mti_overlap_quiet(mti_overlap *ov, bool reset, const char *what)
+{
+    pthread_mutex_lock(&ov->mu);
+    wait_calls(ov, ov->queued);
+    const mt_status s = reset ? MT_OK : ov->call_failed;
+    char msg[MTI_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s", ov->call_msg);
+    if (reset) ov->call_failed = MT_OK, ov->failed_at = 0, ov->call_msg[0] = 0;
+    pthread_mutex_unlock(&ov->mu);
+    if (!s || !what) return s;
+    return mti_fail(ov->ctx, s, "%s: an earlier collective on the communication thread failed: %.800s",
+                    what, msg);
 }

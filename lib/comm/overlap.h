@@ -36,4 +36,21 @@ bool mti_overlap_pushed(const mti_overlap *ov, int i);
  * communication time (mt_context_comm_stats). */
 mt_status mti_overlap_wait(mti_overlap *ov);
 
+/* A call the thread runs for a caller (fn(user, i)), after every call
+ * queued before it: in a step where no gradient is given, and every rank
+ * queuing the same calls in the same order. */
+typedef mt_status (*mti_overlap_fn)(void *user, int i);
+/* Queues fn(user, i); *ticket names it for mti_overlap_done. Never waits
+ * for a collective. After a call fails, the later ones are dropped. */
+mt_status mti_overlap_call(mti_overlap *ov, mti_overlap_fn fn, void *user, int i, uint64_t *ticket);
+/* Waits until call `ticket` is done: MT_OK, its failure (its message on
+ * ctx), or MT_ERR_COMM when an earlier call failed (and this one was
+ * dropped). The wait counts as exposed communication time. */
+mt_status mti_overlap_done(mti_overlap *ov, uint64_t ticket);
+/* Waits until every queued call is done (exposed time): MT_OK, or the
+ * status of a call that failed (with `what`, the message "WHAT: an earlier
+ * collective on the communication thread failed: ..." on ctx). With reset,
+ * a failure is forgotten (MT_OK; the next calls run again). */
+mt_status mti_overlap_quiet(mti_overlap *ov, bool reset, const char *what);
+
 #endif /* MT_COMM_OVERLAP_H */
