@@ -1028,7 +1028,9 @@ typedef struct mt_trainer_config {
      * thread needs a CPU context and a communicator that takes calls from
      * any thread (MT_COMM_CAP_THREADS: MPI at MPI_THREAD_SERIALIZED);
      * without one the gathers run when their buffers are made, with the
-     * same memory. Results are the same bits at every depth. */
+     * same memory. With a depth above 0, backward's reduce-scatters are
+     * queued on that thread too, each gradient kept until the next layer's
+     * are final. Results are the same bits at every depth. */
     int zero3_prefetch;
     /* Stage 3: the last zero3_keep layers of forward (the LM head first)
      * keep their weights from their forward to their backward (through

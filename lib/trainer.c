@@ -1163,7 +1163,7 @@ static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
 /* Stage 2, unfused: a gradient final in this pass (whole, or a slice of
  * the tied table) goes to the slices' owners at once, each adding it onto
  * its slice (made zero at the step's first), and the whole is dropped. */
-static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n)
+static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n, bool later)
 {
     const size_t lo = t->sh[i].lo, hi = t->sh[i].hi;
     mti_tensor *gs = &t->gs[i];
@@ -1175,14 +1175,15 @@ static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n
     }
     const size_t a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
     float *dst = a < b ? (float *)gs->blk.ptr + (a - lo) : NULL;
-    return s ? s : mti_zero_reduce(t, i, g, at, n, dst, 1);
+    return s ? s : later ? mti_zero3_reduce(t, i, dst) : mti_zero_reduce(t, i, g, at, n, dst, 1);
 }
 
 static mt_status shard_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel);
-    mti_tensor_free(t->ctx, &t->E.grad[i]);
+    const bool later = mti_zero3_later(t); /* (then the gradient goes once it is reduced) */
+    mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, later);
+    if (!later) mti_tensor_free(t->ctx, &t->E.grad[i]);
     t->E.uses_left[i] = -1; /* reduced in this pass */
     return s;
 }
@@ -1191,7 +1192,7 @@ static mt_status shard_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
     if (at + n == t->model->params[i].numel) t->E.uses_left[i] = -1;
-    return shard_range(t, i, g, at, n);
+    return shard_range(t, i, g, at, n, false);
 }
 
 /* After a pass of stage 2's unfused step: a parameter the pass gave no
@@ -1416,8 +1417,9 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
         mti_engine_arm(E);
         if (!fused && shard) {
             E->slice_hook = shard_slice;
-            MTI_TRY(mti_engine_backward(E, 0, shard_hook, t));
-            MTI_TRY(shard_rest(t));
+            s = mti_engine_backward(E, 0, shard_hook, t);
+            if (!s) s = shard_rest(t);
+            MTI_TRY(mti_zero3_settle(t, s)); /* (stage 3's queued reduce-scatters done) */
         } else if (!fused) {
             const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
             MTI_TRY(mti_engine_backward(E, 0, t->overlap_now && last ? give_hook : NULL, t));

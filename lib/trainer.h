@@ -85,6 +85,8 @@ struct mt_trainer {
     int z3_prefetch;         /* stage 3: entries brought in ahead (cfg.zero3_prefetch) */
     int z3_keep_from;        /* stage 3: layers from this one on are kept from
                                 forward to backward (cfg.zero3_keep) */
+    struct mti_z3_rs *z3_rs; /* stage 3: per parameter, its reduce-scatter queued
+                                in backward (lib/comm/zero3.c) */
     struct mti_offload *off; /* state and masters at home on disk (lib/offload.c), or NULL */
     struct mti_hostoff *hoff; /* ... in page-locked host memory (lib/offload_host.c), or NULL */
     char *offload_dir;       /* cfg.offload_dir's copy */

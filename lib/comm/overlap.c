@@ -309,10 +309,11 @@ mt_status mti_overlap_done(mti_overlap *ov, uint64_t ticket)
 {
     pthread_mutex_lock(&ov->mu);
     wait_calls(ov, ticket);
-    const mt_status s = ov->call_failed && ov->failed_at <= ticket ? ov->call_failed
-                        : ov->call_failed ? MT_ERR_COMM : MT_OK;
+    /* (a call after a failed one was dropped; one before it ran) */
+    const bool hit = ov->call_failed && ov->failed_at <= ticket;
+    const mt_status s = !hit ? MT_OK : ov->failed_at == ticket ? ov->call_failed : MT_ERR_COMM;
     char msg[MTI_ERR_LEN];
-    if (ov->call_failed && ov->failed_at <= ticket) snprintf(msg, sizeof msg, "%s", ov->call_msg);
+    if (hit && ov->failed_at == ticket) snprintf(msg, sizeof msg, "%s", ov->call_msg);
     else snprintf(msg, sizeof msg, "an earlier collective on the communication thread failed: %.900s",
                   ov->call_msg);
     pthread_mutex_unlock(&ov->mu);

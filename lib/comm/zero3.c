@@ -42,12 +42,25 @@
  * without the thread (one rank, a communicator that takes one thread, a
  * depth of 0) each gather runs when its buffer is made.
  */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "comm/dp.h"
 #include "comm/overlap.h"
 #include "trainer.h"
+
+/* Parameter i's reduce-scatter queued in backward: its bucket (COMM) and
+ * the gradient stay until it is retired, once the next layer's gradients
+ * are final (or the pass ends), at the same point with or without the
+ * thread, so the estimate stays exact. */
+struct mti_z3_rs {
+    mti_tensor bucket;
+    float *dst;      /* the rank's shard of the gradient (accumulated into) */
+    uint64_t ticket; /* on the thread (0: ran at once, or none) */
+    int tag;         /* the engine's schedule entry after the layer that made it */
+    bool pending;
+};
 
 static bool live(const mt_trainer *t)
 {
@@ -179,11 +192,12 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     t->gref = calloc((size_t)m->n_param, sizeof *t->gref);
     t->z3_ticket = calloc((size_t)m->n_param, sizeof *t->z3_ticket);
     t->z3_held = calloc((size_t)m->n_layers * 3 + 1, 1);
+    t->z3_rs = calloc((size_t)m->n_param, sizeof *t->z3_rs);
     const int keep = t->cfg.zero3_keep;
     t->z3_prefetch = t->cfg.zero3_prefetch;
     t->z3_keep_from = keep < 0 || keep > m->n_layers ? 0 : m->n_layers - keep;
     int64_t *all = malloc((size_t)N * 2 * sizeof *all);
-    if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && all)) { /* (host memory) */
+    if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && t->z3_rs && all)) { /* (host memory) */
         free(all);
         return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     }
@@ -331,6 +345,56 @@ static int layer_params(const mt_trainer *t, int layer, int bwd, int *idx)
     return n;
 }
 
+/* ---- gradients reduce-scattered on the communication thread ---- */
+
+bool mti_zero3_later(const mt_trainer *t) { return t->zero == 3 && t->z3_prefetch > 0 && t->z3_rs; }
+
+static mt_status reduce_run(void *user, int i)
+{
+    mt_trainer *t = user;
+    struct mti_z3_rs *r = &t->z3_rs[i];
+    return mti_zero_reduce_in(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, r->dst, 1,
+                              r->bucket.blk.ptr);
+}
+
+/* Retires the reduce-scatters queued before schedule entry `before` (all:
+ * INT_MAX): each waited for, its bucket and gradient freed. s: the status
+ * so far; a failure of theirs is returned only where s is MT_OK. */
+static mt_status retire(mt_trainer *t, int before, mt_status s)
+{
+    for (int i = t->model->n_param - 1; i >= 0; i--) {
+        struct mti_z3_rs *r = &t->z3_rs[i];
+        if (!r->pending || r->tag >= before) continue;
+        if (r->ticket) {
+            if (!s) s = mti_overlap_done(t->ov, r->ticket);
+            else (void)mti_overlap_quiet(t->ov, false, NULL);
+            r->ticket = 0;
+        }
+        mti_tensor_free(t->ctx, &r->bucket);
+        mti_tensor_free(t->ctx, &t->E.grad[i]);
+        r->pending = false;
+    }
+    return s;
+}
+
+mt_status mti_zero3_reduce(mt_trainer *t, int i, float *dst)
+{
+    struct mti_z3_rs *r = &t->z3_rs[i];
+    mt_status s = retire(t, t->E.at, MT_OK); /* the layer before this one's */
+    if (s) return s;
+    const size_t bytes = mti_zero_reduce_bytes(t, i, 0, t->model->params[i].numel);
+    if (bytes && (s = mti_comm_buffer(t->ctx, &r->bucket, bytes))) return s;
+    r->dst = dst;
+    r->tag = t->E.at;
+    r->pending = true;
+    return queued(t) ? mti_overlap_call(t->ov, reduce_run, t, i, &r->ticket) : reduce_run(t, i);
+}
+
+mt_status mti_zero3_settle(mt_trainer *t, mt_status s)
+{
+    return t->z3_rs ? retire(t, INT_MAX, s) : s;
+}
+
 /* Schedule entry p's parameters (sharded ones) into idx: how many. */
 static int entry_params(const mt_trainer *t, int p, int *idx)
 {
@@ -372,6 +436,7 @@ static void give(mt_trainer *t, int p)
  * belonged to a gather nobody used; a broken communicator fails again). */
 static void drop_all(mt_trainer *t)
 {
+    (void)mti_zero3_settle(t, MT_ERR_STATE); /* (a pass that failed part way) */
     if (queued(t)) (void)mti_overlap_quiet(t->ov, true, NULL);
     for (int p = 0; p < 3 * t->model->n_layers + 1; p++) give(t, p);
 }
@@ -426,7 +491,9 @@ void mti_zero3_free(mt_trainer *t)
             mti_tensor_free(t->ctx, &t->gb[i]);
             mti_tensor_free(t->ctx, &t->pw[i]);
         }
-    free(t->pw), free(t->gb), free(t->gref), free(t->z3_ticket), free(t->z3_held);
+    if (t->z3_rs) (void)mti_zero3_settle(t, MT_ERR_STATE); /* (the pass's end did it) */
+    free(t->pw), free(t->gb), free(t->gref), free(t->z3_ticket), free(t->z3_held), free(t->z3_rs);
+    t->z3_rs = NULL;
     t->pw = t->gb = NULL;
     t->gref = NULL;
     t->z3_ticket = NULL;
