@@ -63,7 +63,7 @@ echo "$LINES" | while IFS='|' read -r name opts; do
     awk -v n="$name" -v o="$opts" '$1 == n { printf "| %s | `%s` | %d | %.1f | %.1f | %.2fx |\n", n, o, $2, $3, $4, $4 / $3 }' "$dir/rows"
 done
 echo
-echo "| line | median stage 0 / stage 3 ratio | rank 0's communication (last round) |"
+echo "| line | median stage 3 / stage 0 ratio | rank 0's communication (last round) |"
 echo "|---|---|---|"
 echo "$LINES" | while IFS='|' read -r name opts; do
     med=$(awk -v n="$name" '$1 == n { print $4 / $3 }' "$dir/rows" | sort -g |
