@@ -1020,6 +1020,24 @@ typedef struct mt_trainer_config {
      * on CPU contexts without LoRA, a quantized base or offload
      * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"). */
     int zero_stage;
+    /* Stage 3's prefetch depth: while a layer computes, the weights of the
+     * next zero3_prefetch layers to run (in forward's order, backward's,
+     * and a recompute's) are gathered on a communication thread, each into
+     * a buffer of its own (COMM, counted by the estimate). 1 (default);
+     * 0 to 64; 0: each layer's gather runs when the layer starts. The
+     * thread needs a CPU context and a communicator that takes calls from
+     * any thread (MT_COMM_CAP_THREADS: MPI at MPI_THREAD_SERIALIZED);
+     * without one the gathers run when their buffers are made, with the
+     * same memory. With a depth above 0, backward's reduce-scatters are
+     * queued on that thread too, each gradient kept until the next layer's
+     * are final. Results are the same bits at every depth. */
+    int zero3_prefetch;
+    /* Stage 3: the last zero3_keep layers of forward (the LM head first)
+     * keep their weights from their forward to their backward (through
+     * their recompute) rather than gathering them again: fewer gathers,
+     * more memory. 0 (default): none; -1: every layer (stage 2's PARAM at
+     * the end of forward, in COMM). */
+    int zero3_keep;
     /* Knowledge distillation (docs/engine.md, "Distillation"): with a
      * teacher (NULL: none), each micro-batch first runs the teacher's
      * forward (fp32, keeping nothing but its logits), and the student's loss

@@ -85,8 +85,11 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsign
     E->redone = calloc((size_t)L, 1);
     E->grad = calloc((size_t)m->n_param, sizeof *E->grad);
     E->uses_left = calloc((size_t)m->n_param, sizeof *E->uses_left);
+    E->sched = calloc((size_t)L * 3 + 1, sizeof *E->sched);
+    E->sched_new = calloc((size_t)L * 3 + 1, sizeof *E->sched_new);
+    E->sched_have = calloc((size_t)L + 1, 1);
     if (!E->plan || !E->seg_start || !E->kept || !E->bnd || !E->slot || !E->have || !E->redone ||
-        !E->grad || !E->uses_left) {
+        !E->grad || !E->uses_left || !E->sched || !E->sched_new || !E->sched_have) {
         mti_engine_free(E);
         return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
     }
@@ -125,6 +128,9 @@ void mti_engine_free(mti_engine *E)
     free(E->redone);
     free(E->grad);
     free(E->uses_left);
+    free(E->sched);
+    free(E->sched_new);
+    free(E->sched_have);
     mti_tensor_free(E->ctx, &E->lora_s);
     memset(E, 0, sizeof *E);
 }
@@ -135,9 +141,17 @@ static void free_slots(mti_engine *E, int i)
     E->have[i] = 0;
 }
 
+/* The schedule is over or replaced: what the hook brought in ahead goes. */
+static void sched_drop(mti_engine *E)
+{
+    if (E->params_hook && E->n_sched) (void)E->params_hook(E->params_user, -1, 0, 0);
+    E->n_sched = E->at = 0;
+}
+
 void mti_engine_release(mti_engine *E)
 {
     mt_context *ctx = E->ctx;
+    sched_drop(E);
     for (int i = 0; i < E->m->n_layers; i++) {
         free_slots(E, i);
         E->redone[i] = 0;
@@ -171,12 +185,31 @@ static bool trains(const mt_model *m, int i)
     return ly->tied >= 0 && !m->params[ly->tied].frozen;
 }
 
+static int first_trained(const mt_model *m)
+{
+    int i = 0;
+    while (i < m->n_layers - 1 && !trains(m, i)) i++;
+    return i;
+}
+
 void mti_engine_arm(mti_engine *E)
 {
     mt_model *m = E->m;
     for (int i = 0; i < m->n_param; i++) E->uses_left[i] = m->params[i].uses;
-    E->train_from = 0;
-    while (E->train_from < m->n_layers - 1 && !trains(m, E->train_from)) E->train_from++;
+    E->train_from = first_trained(m);
+}
+
+/* The hook's calls of a backward whose layers hold what their backward
+ * needs where have[] says (copied to h, which it changes), appended to
+ * out from n: a layer without it has its segment recomputed first. */
+static int sched_backward(const mti_engine *E, unsigned char *h, int *out, int n)
+{
+    for (int i = E->m->n_layers - 1; i >= first_trained(E->m); i--) {
+        if (!h[i])
+            for (int j = E->seg_start[i]; j <= i; j++) out[n++] = MTI_SCHED(j, 0), h[j] = 1;
+        out[n++] = MTI_SCHED(i, 1);
+    }
+    return n;
 }
 
 mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
@@ -488,11 +521,33 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep);
 /* Layer i's forward or backward between its weights' in and out. */
 static mt_status with_params(mti_engine *E, int i, int bwd, mti_save save, bool keep)
 {
-    mt_status s = E->params_hook ? E->params_hook(E->params_user, i, bwd, 1) : MT_OK;
-    if (s) return s; /* the hook undid what it brought in before failing */
-    s = bwd ? layer_bwd(E, i, keep) : layer_fwd(E, i, save);
-    if (E->params_hook) (void)E->params_hook(E->params_user, i, bwd, 0);
+    if (!E->params_hook) return bwd ? layer_bwd(E, i, keep) : layer_fwd(E, i, save);
+    if (E->at >= E->n_sched || E->sched[E->at] != MTI_SCHED(i, bwd)) {
+        sched_drop(E); /* (not the call foreseen: this one alone) */
+        E->sched[0] = MTI_SCHED(i, bwd);
+        E->n_sched = 1;
+    }
+    mt_status s = E->params_hook(E->params_user, i, bwd, 1);
+    if (!s) { /* (else the hook undid what it brought in for this call) */
+        s = bwd ? layer_bwd(E, i, keep) : layer_fwd(E, i, save);
+        (void)E->params_hook(E->params_user, i, bwd, 0);
+    }
+    E->at++;
     return s;
+}
+
+/* The schedule of a forward (eval: alone; else with the backward that
+ * follows, predicted from the plan, as layer_fwd sets have[]). */
+static void sched_forward(mti_engine *E, int eval)
+{
+    const int L = E->m->n_layers;
+    if (!E->params_hook) return;
+    sched_drop(E);
+    for (int i = 0; i < L; i++) E->sched[i] = MTI_SCHED(i, 0);
+    E->n_sched = L;
+    if (eval) return;
+    for (int i = 0; i < L; i++) E->sched_have[i] = E->plan[i] != MTI_SAVE_NONE;
+    E->n_sched = sched_backward(E, E->sched_have, E->sched, L);
 }
 
 /* Runs layers [from, to) forward. The main forward uses the plan; the
@@ -540,6 +595,7 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
         }
     }
     MTI_TRY(upload_i32(E, &E->targets, b->targets + (size_t)r0 * T, N, MTI_TAG(0, 1)));
+    sched_forward(E, eval);
     if (!eval) return run_forward(E, 0, m->n_layers, 0);
     /* eval: nothing is kept */
     for (int i = 0; i < m->n_layers; i++) {
@@ -948,6 +1004,16 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
     /* d flows back from the dlogits, which live in the logits' block */
     E->d = E->bnd[L];
     if (!keep) memset(&E->bnd[L], 0, sizeof E->bnd[L]);
+    if (E->params_hook) { /* the schedule's rest, or this backward's own */
+        memcpy(E->sched_have, E->have, (size_t)L);
+        const int n = sched_backward(E, E->sched_have, E->sched_new, 0);
+        if (n != E->n_sched - E->at ||
+            memcmp(E->sched_new, E->sched + E->at, (size_t)n * sizeof *E->sched)) {
+            sched_drop(E);
+            memcpy(E->sched, E->sched_new, (size_t)n * sizeof *E->sched);
+            E->n_sched = n;
+        }
+    }
     /* layers before the first with something to train need no backward
        (their tensors go at release) */
     for (int i = L - 1; i >= E->train_from; i--) {

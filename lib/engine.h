@@ -31,8 +31,13 @@ typedef mt_status (*mti_slice_hook)(void *user, int param, float *g, size_t at, 
  * p->w.blk points at a gathered copy while it is in) and lets them go. A
  * recomputed layer runs its forward again, so it asks again. The call with
  * in 0 follows every call with in 1, also when the layer failed; its
- * status is ignored. */
+ * status is ignored. The call is entry `at` of the engine's schedule (the
+ * calls to come: sched[at + 1 ..], for prefetching). layer -1: the
+ * schedule is over or replaced, let go of whatever was brought in ahead
+ * (no layer runs then; its status is ignored). */
 typedef mt_status (*mti_layer_hook)(void *user, int layer, int bwd, int in);
+/* An entry of the schedule: layer * 2 + bwd. */
+#define MTI_SCHED(layer, bwd) ((layer) * 2 + (bwd))
 
 typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
 
@@ -87,6 +92,15 @@ typedef struct mti_engine {
     mti_slice_hook slice_hook;
     mti_layer_hook params_hook;    /* where the weights come from (NULL: resident) */
     void *params_user;
+    /* With params_hook: the order of its calls (MTI_SCHED) from this
+     * forward on, through the backward that follows (its recomputes
+     * included; predicted from the plan at forward, checked at backward's
+     * start), or of this backward alone; the call running or next is
+     * sched[at]. */
+    int *sched;
+    int n_sched, at;
+    int *sched_new;             /* scratch: a backward's own (3 n_layers) */
+    unsigned char *sched_have;  /* scratch: have[] as it will be (n_layers) */
     mti_grad_hook hook;            /* backward's, for its duration */
     void *user;
 } mti_engine;

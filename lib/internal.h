@@ -171,6 +171,10 @@ struct mt_context {
      * kept by a dry context, which drops the communicator, so that an
      * estimate plans the communication thread's memory (ZeRO-2) */
     bool comm_threads;
+    /* the communication thread's queue of collectives (lib/comm/overlap.c:
+     * the gradients' collectives, ZeRO-3's gathers), or NULL: a collective
+     * of another thread first waits until the queue is empty */
+    struct mti_overlap *comm_queue;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */

@@ -1055,6 +1055,7 @@ static int lay_victim(mti_offload *o, int keep, int wait, int layer)
 
 mt_status mti_offload_layer(void *user, int layer, int bwd, int in)
 {
+    if (layer < 0) return MT_OK; /* (the engine dropped its schedule: nothing is held ahead here) */
     mti_offload *o = user;
     mt_model *m = o->t->model;
     const mti_layer *ly = &m->layers[layer];

@@ -68,6 +68,7 @@ void mt_trainer_config_init(mt_trainer_config *c)
     c->loss_scale.backoff_factor = 0.5;
     c->loss_scale.growth_interval = 2000;
     c->recompute_every = 2;
+    c->zero3_prefetch = 1;
     c->distill_alpha = 0.5f;
     c->distill_temp = 2.0f;
 }
@@ -217,6 +218,13 @@ static mt_status check_config(mt_context *ctx, const mt_model *m, const mt_train
         BAD("%s: cfg->recompute MT_RECOMPUTE_BUDGET needs cfg->memory_budget", fn);
     if (c->zero_stage < 0 || c->zero_stage > 3)
         BAD("%s: cfg->zero_stage %d out of range 0..3", fn, c->zero_stage);
+    if (c->zero3_prefetch < 0 || c->zero3_prefetch > 64)
+        BAD("%s: cfg->zero3_prefetch %d out of range 0..64 (layers gathered ahead)", fn,
+            c->zero3_prefetch);
+    if (c->zero3_keep < -1)
+        BAD("%s: cfg->zero3_keep %d must be >= -1 (layers kept from forward to backward; -1: "
+            "every layer)",
+            fn, c->zero3_keep);
     if (c->fused_step && c->micro_batch && c->micro_batch < c->max_batch)
         BAD("%s: cfg->fused_step cannot combine with gradient accumulation (micro_batch %d < "
             "max_batch %d): the fused step frees each gradient as soon as it is final, and "
@@ -761,7 +769,8 @@ void mt_trainer_destroy(mt_trainer *t)
             for (int j = 0; j < MTI_OPT_SLOTS; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
-    mti_overlap_free(t->ov);
+    mti_overlap_free(t->ov); /* (its queue done) */
+    t->ov = NULL; /* (the gathers below run on this thread) */
     if (mti_zero3_unshard(t)) /* (a collective: every rank destroys its trainer) */
         mti_log(t->ctx, MT_LOG_ERROR, "mt_trainer_destroy: the weights could not be gathered "
                 "from the ranks' slices (%s); the model's weights are zeros",
@@ -809,14 +818,16 @@ static mt_status zero1_job(void *user, int i, float *g)
 }
 
 /* The communication thread (comm/overlap.c), for the parameters that
- * train: it sums them (stage 0) or reduce-scatters them (stage 1). */
+ * train: it sums them (stage 0) or reduce-scatters them (stages 1 and 2);
+ * at stage 3 it runs the calls queued (comm/zero3.c), no gradients given. */
 static mt_status overlap_start(mt_trainer *t)
 {
     const mt_model *m = t->model;
-    size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
+    const int n = t->zero == 3 ? 0 : m->n_param;
+    size_t *numel = malloc((size_t)n * sizeof *numel + 1);
     if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
-    for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
-    mt_status s = mti_overlap_new(t->ctx, m->n_param, numel,
+    for (int i = 0; i < n; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
+    mt_status s = mti_overlap_new(t->ctx, n, numel,
                                   t->zero == 2 ? zero2_job : t->zero ? zero1_job : NULL, t,
                                   t->zero == 2, &t->ov);
     free(numel);
@@ -982,10 +993,14 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         t->sumsq = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->n_param}};
         s = mti_tensor_alloc(ctx, &t->sumsq, MT_MEM_IO, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_TRAINER, 3));
     }
-    /* the gradients' all-reduce (stage 1: reduce-scatter) overlapping
-       backward, where it can: a CPU step without the fused update, which
-       reduces in its own hooks; stage 2 reduces in backward itself */
-    if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero < 2 && mti_overlap_possible(ctx))
+    /* the communication thread, where it can (a CPU context whose
+       communicator takes calls from any thread): the gradients' all-reduce
+       (stage 1: reduce-scatter) overlapping backward, without the fused
+       update, which reduces in its own hooks; stage 3's gathers ahead of
+       the layers and its reduce-scatters, with either step */
+    const bool ahead = zero == 3 && cfg->zero3_prefetch > 0;
+    if (!s && !mti_local_sgd(t) && (ahead || (!cfg->fused_step && zero < 2)) &&
+        mti_overlap_possible(ctx))
         s = overlap_start(t);
     /* stage 2's reduce-scatters on it (an estimate plans their memory) */
     if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero == 2 && mti_overlap_planned(ctx)) {
@@ -1186,14 +1201,14 @@ static mt_status grad_slice(mt_trainer *t, int i)
     return s;
 }
 
-static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n)
+static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n, bool later)
 {
     const size_t lo = t->sh[i].lo, hi = t->sh[i].hi;
     mti_tensor *gs = &t->gs[i];
     mt_status s = grad_slice(t, i);
     const size_t a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
     float *dst = a < b ? (float *)gs->blk.ptr + (a - lo) : NULL;
-    return s ? s : mti_zero_reduce(t, i, g, at, n, dst, 1);
+    return s ? s : later ? mti_zero3_reduce(t, i, dst) : mti_zero_reduce(t, i, g, at, n, dst, 1);
 }
 
 /* Stage 2 on the communication thread (t->s2): a whole gradient final in
@@ -1247,8 +1262,9 @@ static mt_status shard_hook(void *user, int i)
 {
     mt_trainer *t = user;
     if (t->s2) return s2_give(t, i);
-    mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel);
-    mti_tensor_free(t->ctx, &t->E.grad[i]);
+    const bool later = mti_zero3_later(t); /* (then the gradient goes once it is reduced) */
+    mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, later);
+    if (!later) mti_tensor_free(t->ctx, &t->E.grad[i]);
     t->E.uses_left[i] = -1; /* reduced in this pass */
     return s;
 }
@@ -1261,7 +1277,7 @@ static mt_status shard_slice(void *user, int i, float *g, size_t at, size_t n)
     mt_status s = t->s2 ? s2_retire(t, true) : MT_OK;
     if (s) return s;
     if (at + n == t->model->params[i].numel) t->E.uses_left[i] = -1;
-    return shard_range(t, i, g, at, n);
+    return shard_range(t, i, g, at, n, false);
 }
 
 /* After a pass of stage 2's unfused step: a parameter the pass gave no
@@ -1490,12 +1506,12 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
             t->s2_bytes = 0;
             if (t->s2 && t->ov) mti_overlap_begin(t->ov);
             s = mti_engine_backward(E, 0, shard_hook, t);
+            if (!s) s = shard_rest(t);
             if (t->s2) { /* the thread's work done, whatever happened */
                 mt_status e = s2_retire(t, true);
                 if (!s) s = e;
             }
-            MTI_TRY(s);
-            MTI_TRY(shard_rest(t));
+            MTI_TRY(mti_zero3_settle(t, s)); /* (stage 3's queued reduce-scatters done) */
         } else if (!fused) {
             const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
             MTI_TRY(mti_engine_backward(E, 0, t->overlap_now && last ? give_hook : NULL, t));

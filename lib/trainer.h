@@ -83,6 +83,15 @@ struct mt_trainer {
     mti_tensor *gb;          /* stage 3: per parameter, its gather buffer (COMM)
                                 while a layer holds it in */
     int *gref;               /* stage 3: per parameter, the layers holding it in */
+    uint64_t *z3_ticket;     /* stage 3: per parameter, its gather queued on the
+                                communication thread, not waited for yet (0: none) */
+    unsigned char *z3_held;  /* stage 3: per entry of the engine's schedule, its
+                                weights are brought in */
+    int z3_prefetch;         /* stage 3: entries brought in ahead (cfg.zero3_prefetch) */
+    int z3_keep_from;        /* stage 3: layers from this one on are kept from
+                                forward to backward (cfg.zero3_keep) */
+    struct mti_z3_rs *z3_rs; /* stage 3: per parameter, its reduce-scatter queued
+                                in backward (lib/comm/zero3.c) */
     struct mti_offload *off; /* state and masters at home on disk (lib/offload.c), or NULL */
     struct mti_hostoff *hoff; /* ... in page-locked host memory (lib/offload_host.c), or NULL */
     char *offload_dir;       /* cfg.offload_dir's copy */

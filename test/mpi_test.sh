@@ -42,6 +42,9 @@ run zero 3 "$B/mpi/train_mpi_test" zero
 # stages 0 to 2 with the gradients' collectives on a thread during backward
 run overlap 2 "$B/mpi/train_mpi_test" overlap
 run overlap 3 "$B/mpi/train_mpi_test" overlap
+# ZeRO-3's gathers on a thread ahead of the layers: stage 2's bits
+run zero3 2 "$B/mpi/train_mpi_test" zero3
+run zero3 3 "$B/mpi/train_mpi_test" zero3
 run overflow 2 "$B/mpi/train_mpi_test" overflow
 run overflow 3 "$B/mpi/train_mpi_test" overflow
 run alone 2 "$B/mpi/train_mpi_test" alone
@@ -53,6 +56,7 @@ run kill 2 "$B/mpi/train_mpi_test" kill
 run killmid 2 "$B/mpi/train_mpi_test" killmid
 run killover 2 "$B/mpi/train_mpi_test" killover
 run killover2 2 "$B/mpi/train_mpi_test" killover2
+run killmid3 2 "$B/mpi/train_mpi_test" killmid3
 MPIRUN="mpirun --oversubscribe --bind-to none"
 
 # memtrain train under mpirun: rank 0 prints one JSON object per step, with
@@ -119,6 +123,8 @@ if [ -x "$B/memtrain" ]; then
     tool 3 6 2 2
     tool 2 4 2 3 # ZeRO-3: the weights sharded, gathered per layer
     tool 3 6 2 3
+    OVERLAP="--zero3-prefetch 0" tool 2 4 2 3 # the gathers when each layer starts
+    OVERLAP="--zero3-prefetch 2 --zero3-keep -1" tool 3 6 2 3 # deeper, every layer kept
     reshard
     resume
     ZSAVE=3 ZLOAD=3 reshard # saved at stage 3, resumed by one process and by 3 ranks at stage 3

@@ -7,9 +7,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "comm/comm.h"
+#include "comm/overlap.h"
 #include "cuda_device.h"
 #include "test_comm.h"
 
@@ -183,15 +185,112 @@ static void stall_rank(int rank, void *p)
     mt_comm_destroy(c);
 }
 
-TEST(comm_threads_timeout)
+/* Runs fn on n threads as the ranks of a world with that timeout: whether
+ * every rank's expectations held. */
+static bool ranks_pass(int n, double timeout, void (*fn)(int rank, void *arg))
 {
-    coll_arg a = {.w = tcomm_world_new(2, 0.2), .n = 2};
-    tcomm_run(2, stall_rank, &a);
+    coll_arg a = {.w = tcomm_world_new(n, timeout), .n = n};
+    tcomm_run(n, fn, &a);
     tcomm_world_free(a.w);
-    CHECK(!a.bad);
+    return !a.bad;
 }
 
+TEST(comm_threads_timeout) { CHECK(ranks_pass(2, 0.2, stall_rank)); }
+
 /* ---- contexts on a communicator ---- */
+
+/* ---- the communication thread's one queue ---- */
+
+/* A rank's record of what its communication thread ran, in order. */
+typedef struct queue_log {
+    mt_context *ctx;
+    int rank, fail_at; /* the job fails (without a collective) on tensor fail_at */
+    int ran[16], n;
+    int bad;
+} queue_log;
+
+/* Each entry makes a collective whose sum says which entry every rank ran:
+ * mismatched orders give a wrong sum. */
+static mt_status queue_sum(queue_log *l, int what)
+{
+    float v = (float)(what * (l->rank + 1));
+    mt_status s = mti_comm_all_reduce(l->ctx, "a queued entry", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM);
+    if (!s && v != (float)(3 * what)) l->bad = 1; /* (2 ranks: 1 + 2) */
+    l->ran[l->n++] = what;
+    return s;
+}
+
+static mt_status queue_job(void *user, int i, float *g)
+{
+    queue_log *l = user;
+    if (g[0] != (float)i) l->bad = 1;
+    if (i == l->fail_at) return mti_fail(l->ctx, MT_ERR_INTERNAL, "tensor %d fails on purpose", i);
+    return queue_sum(l, 10 + i);
+}
+
+static mt_status queue_call(void *user, int i) { return queue_sum(user, 100 + i); }
+
+static void queue_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, MT_COMM_CAP_THREADS);
+    mt_context *ctx = NULL;
+    RANK_EXPECT(c && !tcomm_context(c, &ctx));
+    if (!ctx) return;
+    const size_t numel[4] = {1, 1, 1, 1};
+    float g[4] = {0, 1, 2, 3};
+    queue_log l = {.ctx = ctx, .rank = rank, .fail_at = -1};
+    mti_overlap *ov = NULL;
+    RANK_EXPECT(!mti_overlap_new(ctx, 4, numel, queue_job, &l, false, &ov));
+    if (!ov) return;
+    RANK_EXPECT(ctx->comm_queue == ov);
+    /* tensor 2 first: it waits for 3 (the fixed order, last first); a call
+       queued meanwhile goes ahead of both; timing differs by rank */
+    mti_overlap_begin(ov);
+    uint64_t t1 = 0;
+    RANK_EXPECT(!mti_overlap_push(ov, 2, "t2", &g[2]));
+    RANK_EXPECT(!mti_overlap_call(ov, queue_call, &l, 1, &t1));
+    if (rank) usleep(20000);
+    RANK_EXPECT(!mti_overlap_push(ov, 3, "t3", &g[3]));
+    RANK_EXPECT(!mti_overlap_push(ov, 1, "t1", &g[1]));
+    /* a collective of this thread waits for everything queued */
+    float v = 1.0f;
+    RANK_EXPECT(!mti_comm_all_reduce(ctx, "the stepping thread's", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM));
+    RANK_EXPECT(v == 2.0f && l.n == 4);
+    RANK_EXPECT(!mti_overlap_push(ov, 0, "t0", &g[0]));
+    RANK_EXPECT(!mti_overlap_wait(ov));
+    const int want[5] = {101, 13, 12, 11, 10};
+    RANK_EXPECT(l.n == 5 && !memcmp(l.ran, want, sizeof want));
+    RANK_EXPECT(!mti_overlap_done(ov, t1));
+    /* a failure: what was queued after it is dropped (its collectives never
+       made), and so is the stepping thread's next collective, until reset */
+    l.n = 0;
+    l.fail_at = 2;
+    mti_overlap_begin(ov);
+    uint64_t t2 = 0;
+    for (int i = 3; i >= 0; i--) RANK_EXPECT(!mti_overlap_push(ov, i, "t", &g[i]));
+    RANK_EXPECT(!mti_overlap_call(ov, queue_call, &l, 2, &t2));
+    RANK_EXPECT(mti_overlap_done(ov, t2) == MT_ERR_COMM);
+    RANK_EXPECT(strstr(mt_last_error(ctx), "tensor 2 fails on purpose") != NULL);
+    RANK_EXPECT(mti_overlap_wait(ov) == MT_ERR_INTERNAL);
+    RANK_EXPECT(mti_comm_all_reduce(ctx, "the checks", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM) ==
+                MT_ERR_INTERNAL);
+    RANK_EXPECT(strstr(mt_last_error(ctx), "the checks: an earlier collective") != NULL);
+    RANK_EXPECT(l.n == 1 && l.ran[0] == 13);
+    RANK_EXPECT(!mti_overlap_quiet(ov, true, NULL));
+    v = 1.0f;
+    RANK_EXPECT(!mti_comm_all_reduce(ctx, "after", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM) && v == 2.0f);
+    RANK_EXPECT(!l.bad);
+    mti_overlap_free(ov);
+    RANK_EXPECT(ctx->comm_queue == NULL);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* Gradients given out of the fixed order and calls queued in between run
+ * in one order on every rank; the stepping thread's collectives wait for
+ * the queue; a failure drops what follows it until reset. */
+TEST(comm_queue_one_order) { CHECK(ranks_pass(2, 10.0, queue_rank)); }
 
 typedef struct ctx_arg {
     tcomm_world *w;

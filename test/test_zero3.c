@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -66,6 +67,8 @@ static mt_status z3_open(mt_comm *c, int layers, mt_context **ctx, mt_model **m)
 typedef struct z3_run {
     mt_trainer_config tc;
     int n, rows, stage, micro;
+    uint32_t caps;            /* of the communicators (MT_COMM_CAP_THREADS: prefetch on a thread) */
+    uint64_t calls[Z3_MAXN];  /* collectives each rank made */
     const char *load, *save;  /* load before the steps, save after */
     int steps;
     tcomm_world *world;
@@ -122,7 +125,7 @@ static void z3_rank(int rank, void *p)
     z3_run *a = p;
     mt_trainer_config tc = a->tc;
     tc.zero_stage = a->stage;
-    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, a->caps) : NULL;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -143,6 +146,8 @@ static void z3_rank(int rank, void *p)
     a->st[rank] = s;
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
     if (!s && !a->load) z3_estimate(ctx, m, &tc, a, rank);
+    mt_comm_stats cs = {0};
+    if (ctx && !mt_context_comm_stats(ctx, &cs)) a->calls[rank] = cs.collectives;
     mt_trainer_destroy(t); /* (stage 3: the weights gathered back, on every rank) */
     if (m && !a->st[rank]) {
         a->nw = mt_model_num_params(m);
@@ -248,6 +253,171 @@ TEST(zero3_with_recompute)
         z3_free(&r);
     }
     z3_free(&base);
+}
+
+/* Prefetch and keep change when the weights are gathered, never what they
+ * are: on 2 and 3 ranks, every depth (the gathers on each rank's
+ * communication thread, or, without MT_COMM_CAP_THREADS, when their
+ * buffers are made), keeping the last layer or every layer from forward to
+ * backward, with and without recompute, the fused step, accumulation and
+ * bf16, gives the bits of the synchronous gathers; every rank's peaks
+ * equal its estimate (z3_rank), and keeping every layer makes fewer
+ * collectives and holds more COMM than keeping none. */
+TEST(zero3_prefetch_and_keep)
+{
+    static const struct {
+        int prefetch, keep, threads;
+    } v[] = {{1, 0, 1}, {2, 0, 1}, {1, 0, 0}, {1, 1, 1}, {3, -1, 1}, {0, -1, 0}, {64, 2, 1}};
+    const int which[4] = {1, 2, 4, 0}; /* adamw clip, adamw8 fused, adamw bf16, sgd (accumulating) */
+    for (int k = 0; k < 4; k++) {
+        for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
+            for (int rc = 0; rc < 2; rc++) {
+                mt_trainer_config tc = z3_config(&z3_cases[which[k]]);
+                tc.zero3_prefetch = 0;
+                if (rc) tc.recompute = MT_RECOMPUTE_EVERY_K, tc.recompute_every = 1;
+                z3_run base = {.tc = tc, .n = n, .rows = 6 / n, .stage = 3,
+                               .micro = k == 3 ? 1 : 0};
+                z3_go(&base);
+                for (size_t j = 0; j < sizeof v / sizeof v[0]; j++) {
+                    z3_run r = base;
+                    memset(r.w, 0, sizeof r.w);
+                    r.tc.zero3_prefetch = v[j].prefetch, r.tc.zero3_keep = v[j].keep;
+                    r.caps = v[j].threads ? MT_COMM_CAP_THREADS : 0;
+                    z3_go(&r);
+                    CHECK_MSG(z3_same(&r, &base),
+                              "%s, %d ranks, recompute %d, prefetch %d keep %d threads %d: differs "
+                              "by %g",
+                              z3_cases[which[k]].name, n, rc, v[j].prefetch, v[j].keep,
+                              v[j].threads, z3_rel(&r, &base));
+                    CHECK(memcmp(r.loss, base.loss, sizeof r.loss) == 0);
+                    if (v[j].keep < 0) /* every layer kept: no gather for backward */
+                        for (int q = 0; q < n; q++) {
+                            CHECK(r.calls[q] < base.calls[q]);
+                            CHECK(r.peak[q][MT_MEM_COMM] > base.peak[q][MT_MEM_COMM]);
+                        }
+                    z3_free(&r);
+                }
+                z3_free(&base);
+            }
+        }
+    }
+}
+
+/* A communicator around the test one whose rank stops taking part at its
+ * `die_at`-th all-gather once armed (it returns at once, failing, as if the
+ * rank had died there): the other ranks' gathers, on their communication
+ * threads, wait for it until the world's timeout. */
+typedef struct z3_dying {
+    mt_comm *inner;
+    int die_at, gathers;
+    _Atomic int armed;
+} z3_dying;
+
+static mt_status zd_reduce(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, mt_comm_op o,
+                           void *st)
+{
+    return mt_comm_all_reduce(((z3_dying *)s)->inner, a, b, n, d, o, st);
+}
+
+static mt_status zd_scatter(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, mt_comm_op o,
+                            void *st)
+{
+    return mt_comm_reduce_scatter(((z3_dying *)s)->inner, a, b, n, d, o, st);
+}
+
+static mt_status zd_gather(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, void *st)
+{
+    z3_dying *z = s;
+    if (z->armed && ++z->gathers == z->die_at) return MT_ERR_COMM;
+    return mt_comm_all_gather(z->inner, a, b, n, d, st);
+}
+
+static mt_status zd_bcast(void *s, void *b, size_t n, mt_comm_dtype d, int root, void *st)
+{
+    return mt_comm_broadcast(((z3_dying *)s)->inner, b, n, d, root, st);
+}
+
+static mt_status zd_barrier(void *s) { return mt_comm_barrier(((z3_dying *)s)->inner); }
+
+static const char *zd_error(void *s)
+{
+    (void)s;
+    return "this rank stopped taking part";
+}
+
+typedef struct z3_death {
+    tcomm_world *world;
+    z3_dying dying[2];
+    mt_status st[2];
+    double seconds[2];
+    char msg[2][512];
+} z3_death;
+
+static double z3_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void z3_death_rank(int rank, void *p)
+{
+    z3_death *a = p;
+    z3_dying *z = &a->dying[rank];
+    z->inner = tcomm_make(a->world, rank, 2, MT_COMM_CAP_THREADS);
+    const mt_comm_vtable vt = {.abi_version = MT_COMM_ABI_VERSION, .struct_size = sizeof vt,
+                               .name = "dying", .caps = MT_COMM_CAP_THREADS,
+                               .all_reduce = zd_reduce, .reduce_scatter = zd_scatter,
+                               .all_gather = zd_gather, .broadcast = zd_bcast,
+                               .barrier = zd_barrier, .last_error = zd_error};
+    mt_comm *c = NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_trainer_config tc = z3_config(&z3_cases[1]);
+    tc.zero_stage = 3;
+    tc.zero3_prefetch = 2;
+    tc.max_batch = 3;
+    mt_status s = mt_comm_create(&vt, z, rank, 2, &c);
+    if (!s) s = z3_open(c, 2, &ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[3 * Z3_T], tgt[3 * Z3_T];
+    for (int k = 0; k < 2 && !s; k++) {
+        if (k == 1 && rank == 1) z->armed = 1; /* rank 1 dies in its second step */
+        z3_rows(k, rank * 3, 3, tok, tgt);
+        mt_batch b = {.n = 3, .tokens = tok, .targets = tgt, .seq_len = Z3_T};
+        const double t0 = z3_now();
+        s = mt_trainer_step(t, &b, NULL);
+        a->seconds[rank] = z3_now() - t0;
+    }
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t); /* (the gathers back fail at once: logged, zeros) */
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+    mt_comm_destroy(z->inner);
+}
+
+/* A rank that dies while the others' gathers of the layers to come run on
+ * their communication threads (in forward, and in backward between the
+ * reduce-scatters): the others' step fails with MT_ERR_COMM naming the
+ * gather, at the timeout, never hanging; destroy then ends too. */
+TEST(zero3_prefetch_rank_dies)
+{
+    const int at[2] = {6, 40}; /* a gather queued ahead in forward; one in backward */
+    for (int k = 0; k < 2; k++) {
+        z3_death a = {.world = tcomm_world_new(2, 1.0)};
+        a.dying[1].die_at = at[k];
+        tcomm_run(2, z3_death_rank, &a);
+        tcomm_world_free(a.world);
+        CHECK_MSG(a.st[0] == MT_ERR_COMM, "gather %d: rank 0: %s: %s", at[k],
+                  mt_status_string(a.st[0]), a.msg[0]);
+        CHECK_MSG(strstr(a.msg[0], "all-gather of the weights") != NULL, "%s", a.msg[0]);
+        CHECK_MSG(a.seconds[0] > 0.9 && a.seconds[0] < 1.0 + 3.0, "rank 0 failed after %.2f s",
+                  a.seconds[0]);
+        CHECK(a.st[1] == MT_ERR_COMM);
+    }
 }
 
 /* A training-state file saved at stage 3 on 2 ranks is the whole state:

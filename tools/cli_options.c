@@ -365,6 +365,12 @@ static const opt table[] = {
          "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too, 3 "
          "weights too (0)",
          "the ZeRO stage of the run (0; with --ranks)"),
+    LONG("--zero3-prefetch", "N", TE, CLI_ANY, zero3_prefetch, 0, 64,
+         "with --zero 3: the next N layers' weights gathered on a thread while a layer "
+         "computes, 0 = when each starts (1)", NULL),
+    LONG("--zero3-keep", "N", TE, CLI_ANY, zero3_keep, -1, 1 << 24,
+         "with --zero 3: the last N layers keep their weights from forward to backward, "
+         "-1 = every layer (0)", NULL),
     FN("--offload", "none|host|disk", TE, CLI_ANY, set_offload, "(none, host, disk)",
        "optimizer state and fp32 masters resident, in pinned host memory updated by the CPU "
        "(host: CUDA), or in scratch files on disk, brought in piece by piece for the update "
@@ -451,6 +457,7 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->length = 200, o->temperature = 0.8f;
     o->comm_timeout = 300;
     o->ranks = 1;
+    o->zero3_prefetch = 1;
     o->distill_alpha = 0.5f, o->distill_temp = 2.0f;
 }
 
@@ -539,6 +546,8 @@ static int check_together(const cli_opts *o)
         return cli_bad_usage("%s", "--momentum is for --optimizer sgd");
     if (o->gpt && o->channels % o->heads && !o->llmc)
         return cli_bad_usage("%s", "--heads must divide --channels");
+    if (o->zero != 3 && (given(o, "--zero3-prefetch") || given(o, "--zero3-keep")))
+        return cli_bad_usage("%s", "--zero3-prefetch and --zero3-keep are for --zero 3");
     if (o->zero && o->local_sgd)
         return cli_bad_usage("%s", "--zero does not combine with --local-sgd (local SGD keeps each "
                                    "rank's own optimizer state)");
@@ -677,6 +686,8 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->fused_step = o->fused;
     tc->local_sgd_every = (int)o->local_sgd;
     tc->zero_stage = (int)o->zero;
+    tc->zero3_prefetch = (int)o->zero3_prefetch;
+    tc->zero3_keep = (int)o->zero3_keep;
     tc->grad_clip = o->clip;
     tc->recompute = o->recompute;
     tc->recompute_every = o->recompute_every;

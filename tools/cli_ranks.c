@@ -36,11 +36,13 @@ int cli_ranks_open(const cli_opts *o)
 #ifdef MT_CLI_MPI
     int argc = 0;
     char **argv = NULL;
-    /* --overlap: serialized, so the gradients' collectives can run on a
-       thread of their own (single otherwise: the communicator then says it
-       cannot, and they run after backward) */
+    /* --overlap, and --zero 3 with prefetch: serialized, so the gradients'
+       collectives or the gathers of the layers to come can run on a thread
+       of their own (single otherwise: the communicator then says it
+       cannot, and they run on the main thread) */
     int level = 0;
-    const int want = o->overlap ? MPI_THREAD_SERIALIZED : MPI_THREAD_SINGLE;
+    const bool thread = o->overlap || (o->zero == 3 && o->zero3_prefetch > 0);
+    const int want = thread ? MPI_THREAD_SERIALIZED : MPI_THREAD_SINGLE;
     if (MPI_Init_thread(&argc, &argv, want, &level) != MPI_SUCCESS) {
         fprintf(stderr, "%s: MPI_Init_thread failed\n", cli_prog);
         return EXIT_FAIL;

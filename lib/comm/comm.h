@@ -47,8 +47,18 @@ mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *c
  * gradient's pieces into it directly (zero.c), no bucket between. */
 void *mti_comm_stage(const mt_context *ctx);
 /* The reduce-scatter (sum, fp32) of the staging buffer in place: count
- * values per rank, rank r's at r count; this rank's sums land at its own. */
+ * values per rank, rank r's at r count; this rank's sums land at its own.
+ * A thread other than the communication thread calls mti_comm_turn before
+ * it packs the buffer. */
 mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count);
+/* A collective of a thread other than the communication thread is about
+ * to start (or to pack the staging buffer): what the communication
+ * thread's queue holds goes first (ctx->comm_queue; exposed time), so the
+ * two never call the communicator at once and every rank makes the
+ * collectives in one order. MT_OK, or the failure of something queued
+ * (MT_ERR_COMM and the like, "WHAT: an earlier collective on the
+ * communication thread failed: ..."). Every collective below calls it. */
+mt_status mti_comm_turn(mt_context *ctx, const char *what);
 /* The calling thread runs collectives nobody waits for (overlap.c): their
  * time is not exposed. */
 void mti_comm_on_thread(void);

@@ -63,7 +63,7 @@ static const char *const group_names[W_N] = {
     "optimizer settings",        "learning rate, schedule and local_sgd_every",
     "precision and loss scaling", "grad_clip",
     "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA",
-    "zero_stage"};
+    "zero_stage, zero3_prefetch and zero3_keep"};
 
 static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_t rec[W_N])
 {
@@ -134,7 +134,10 @@ static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_
     H(*h, c->lora.alpha);
     H(*h, c->lora.seed);
     if (c->lora.targets) *h = mti_hash(*h, c->lora.targets, strlen(c->lora.targets) + 1);
-    rec[W_ZERO] = mti_hash(MTI_HASH_START, &c->zero_stage, sizeof c->zero_stage);
+    h = &rec[W_ZERO];
+    H(*h, c->zero_stage);
+    H(*h, c->zero3_prefetch);
+    H(*h, c->zero3_keep);
 }
 
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg)

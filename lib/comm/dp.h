@@ -52,6 +52,12 @@ void mti_zero_range(const mt_trainer *t, int i, int r, size_t *lo, size_t *hi);
  * sum over the ranks of the elements of that range this rank holds, from
  * the first of them. A collective. */
 mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc);
+/* mti_zero_reduce through a bucket the caller made (NULL: made and freed
+ * here) of mti_zero_reduce_bytes(t, i, at, n) bytes (0: none needed), so a
+ * communication thread can run it without allocating. */
+mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc,
+                             void *bucket);
+size_t mti_zero_reduce_bytes(const mt_trainer *t, int i, size_t at, size_t n);
 /* Elements [at, at + n) of parameter i's weights (PARAM), each held up to
  * date by its owner, to every rank. A collective. */
 mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n);
@@ -89,5 +95,14 @@ void *mti_zero3_weights(const mt_trainer *t, int i, size_t at);
 mt_status mti_zero3_unshard(mt_trainer *t);
 /* Frees the slices and buffers (after unshard, or on a failed create). */
 void mti_zero3_free(mt_trainer *t);
+/* Whether stage 3 reduce-scatters a final gradient later (with prefetch
+ * on): mti_zero3_reduce queues it (the thread runs it, or it runs at once)
+ * and keeps the gradient and its bucket until the next layer's gradients
+ * are final; mti_zero3_settle, at the pass's end, waits for every one and
+ * frees them (status s so far: a failure of theirs returned only where s
+ * is MT_OK). */
+bool mti_zero3_later(const mt_trainer *t);
+mt_status mti_zero3_reduce(mt_trainer *t, int i, float *dst);
+mt_status mti_zero3_settle(mt_trainer *t, mt_status s);
 
 #endif /* MT_COMM_DP_H */

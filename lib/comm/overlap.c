@@ -1,27 +1,39 @@
 /*
- * overlap.c - the gradients' all-reduce on a thread of its own (CPU path),
- * so a gradient's communication runs while backward computes the next;
- * at ZeRO stage 1 their reduce-scatter to the slices' owners (a job the
- * trainer gives).
+ * overlap.c - the communication thread (CPU path): one queue of
+ * collectives per rank, run in order while the stepping thread computes.
+ * Gradients go on it as backward makes them final: summed in buckets
+ * (stage 0), or reduce-scattered to the slices' owners (stages 1 and 2, a
+ * job the trainer gives); and calls a caller queues (stage 3's gathers of
+ * the layers to come and its reduce-scatters, zero3.c).
  *
- * Backward gives each gradient as soon as it is final (mti_overlap_push)
- * and goes on; the thread runs the collectives blocking, through the
- * context's staging buffer (comm.c). A blocking call on a thread of its own
- * is what keeps a collective moving: Open MPI progresses a non-blocking
- * collective only inside MPI calls, so one started and left while backward
- * computes would not advance until backward ended.
+ * The thread runs the collectives blocking, through the context's staging
+ * buffer (comm.c). A blocking call on a thread of its own is what keeps a
+ * collective moving: Open MPI progresses a non-blocking collective only
+ * inside MPI calls, so one started and left while backward computes would
+ * not advance until backward ended.
  *
- * Every rank must make the same collectives in the same order, and the
- * order gradients become final may differ between ranks (a rank whose
- * backward failed gives the rest at once, as zeros), so the thread takes
- * the tensors in a fixed order, the last parameter first: the order
- * backward makes them final, about, so little waiting is lost to it.
- *
- * The communicator is the thread's alone while a step's collectives run
- * (the step's other collectives come before backward and after
- * mti_overlap_wait), so it is still used by one thread at a time, as
+ * Every rank must make the same collectives in the same order. The queue
+ * is that order: the stepping thread queues in its program order, which is
+ * the same on every rank, and the thread runs the queue front to back. A
+ * gradient given out of the fixed order is held until it can go in it: at
+ * stages 0 and 1 the order gradients become final may differ between
+ * ranks (a rank whose backward failed gives the rest at once, as zeros),
+ * so a bucket is queued once all its tensors are given and every bucket
+ * above it was queued, the last parameter first (about the order backward
+ * makes them final, so little waiting is lost to it). At stage 2 a
+ * gradient is queued as it is given (every rank gives them in one order).
+ * A collective the stepping thread makes itself first waits until the
+ * queue is empty (mti_overlap_quiet, from comm.c: ctx->comm_queue), so the
+ * two threads never call the communicator, or use the staging buffer, at
+ * once, and the collectives keep one order on every rank, as
  * memtrain/comm.h asks; the table must take calls from any thread
  * (MT_COMM_CAP_THREADS; MPI at MPI_THREAD_SERIALIZED or more).
+ *
+ * After something queued fails, what is queued after it is dropped (its
+ * collectives not made) until a new round begins or the failure is
+ * forgotten (mti_overlap_quiet with reset): a broken communicator fails
+ * every later collective anyway, and a rank whose order went wrong must
+ * not make the collectives the others wait for in another order.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -35,8 +47,16 @@ typedef struct job {
     const char *name;
     float *g;
     size_t n;
+    uint64_t ticket; /* the queue entry that carries it (0: not queued yet) */
     bool given;
 } job;
+
+/* An entry of the queue: a call, or a bucket of the round's tensors. */
+typedef struct entry {
+    mti_overlap_fn fn; /* NULL: the bucket of tensors hi down to lo */
+    void *user;
+    int hi, lo;
+} entry;
 
 /* Tensors are summed in buckets: runs of consecutive tensors (from the
  * last down) whose values fit in MTI_OVERLAP_BUCKET bytes together, a
@@ -50,20 +70,25 @@ struct mti_overlap {
     mt_context *ctx;
     mti_overlap_job job;
     void *user;
-    bool fifo;         /* in the order given (order[], taken up to `taken`) */
-    int *order;
-    int taken;
+    bool fifo;         /* the round's tensors in the order given */
+    int *order;        /* the round's tensors in the order given */
     pthread_t th;
     pthread_mutex_t mu;
-    pthread_cond_t more, done; /* a tensor was given (or the end); the step's are done */
+    pthread_cond_t more, done; /* something was queued (or the end); something finished */
     job *slot;
     int *low;          /* per tensor: the lowest tensor of its bucket */
-    job *bucket;       /* the thread's copy of the bucket it sums */
+    job *bucket;       /* the thread's copy of the bucket it runs */
     int n;
-    int next;          /* the highest tensor not summed yet; -1: the step's are done */
-    int given;         /* tensors given this step */
+    int next;          /* the highest tensor not queued yet this round; -1: none left */
+    int given;         /* tensors given this round */
     int quit;
-    mt_status failed;  /* the first failure; the later collectives are dropped */
+    /* the queue: a ring of cap entries; entries numbered from 1, `queued`
+       of them so far, `finished` done (run, or dropped after a failure) */
+    entry *ring;
+    size_t cap;
+    uint64_t queued, finished;
+    mt_status failed;  /* the first failure, the entry's number, its message */
+    uint64_t failed_at;
     char msg[MTI_ERR_LEN];
 };
 
@@ -80,86 +105,91 @@ bool mti_overlap_planned(const mt_context *ctx)
     return ctx->world > 1 && ctx->comm_threads && ctx->dev->kind == MT_DEVICE_CPU;
 }
 
-/* Sums a bucket (k jobs, its highest tensor first) in one collective, or
- * gives its one tensor to the job. */
-static void run(mti_overlap *ov, const job *b, int k)
+/* Sums a bucket (k tensors, its highest first) in one collective, or gives
+ * its one tensor to the job. */
+static mt_status run_bucket(mti_overlap *ov, const job *b, int k)
 {
     float *p[k];
     size_t n[k];
     int used = 0;
     for (int j = 0; j < k; j++)
         if (b[j].n) p[used] = b[j].g, n[used++] = b[j].n;
-    if (!used) return;
-    mt_status s;
-    if (ov->job) {
-        s = ov->job(ov->user, b[0].i, b[0].g);
-    } else {
-        char what[200];
-        snprintf(what, sizeof what,
-                 "the all-reduce of the gradients of %s%s%s (on the communication thread)", b[0].name,
-                 k > 1 ? " .. " : "", k > 1 ? b[k - 1].name : "");
-        s = mti_comm_all_reduce_pieces(ov->ctx, what, p, n, used);
-    }
-    if (!s) return;
-    pthread_mutex_lock(&ov->mu);
-    if (!ov->failed) {
-        ov->failed = s;
-        snprintf(ov->msg, sizeof ov->msg, "%s", mt_last_error(ov->ctx));
-    }
-    pthread_mutex_unlock(&ov->mu);
-}
-
-/* Whether every tensor of the next bucket was given. */
-static bool bucket_given(const mti_overlap *ov)
-{
-    if (ov->fifo) return ov->taken < ov->given;
-    if (ov->next < 0) return false;
-    for (int i = ov->next; i >= ov->low[ov->next]; i--)
-        if (!ov->slot[i].given) return false;
-    return true;
+    if (!used) return MT_OK;
+    if (ov->job) return ov->job(ov->user, b[0].i, b[0].g);
+    char what[200];
+    snprintf(what, sizeof what, "the all-reduce of the gradients of %s%s%s (on the communication thread)",
+             b[0].name, k > 1 ? " .. " : "", k > 1 ? b[k - 1].name : "");
+    return mti_comm_all_reduce_pieces(ov->ctx, what, p, n, used);
 }
 
 static void *thread_main(void *p)
 {
     mti_overlap *ov = p;
-    mti_comm_on_thread(); /* its collectives are hidden behind backward, not waited for */
+    mti_comm_on_thread(); /* its collectives are hidden behind the step, not waited for */
     pthread_mutex_lock(&ov->mu);
     for (;;) {
-        while (!ov->quit && !bucket_given(ov)) pthread_cond_wait(&ov->more, &ov->mu);
-        if (ov->quit) break;
-        if (ov->fifo) { /* the next in arrival order, alone */
-            ov->bucket[0] = ov->slot[ov->order[ov->taken]];
-            const bool skip = ov->failed != MT_OK;
-            pthread_mutex_unlock(&ov->mu);
-            if (!skip) run(ov, ov->bucket, 1);
-            pthread_mutex_lock(&ov->mu);
-            ov->taken++;
-            pthread_cond_broadcast(&ov->done);
-            continue;
-        }
-        const int hi = ov->next, lo = ov->low[hi];
-        for (int i = hi; i >= lo; i--) ov->bucket[hi - i] = ov->slot[i];
+        while (!ov->quit && ov->finished == ov->queued) pthread_cond_wait(&ov->more, &ov->mu);
+        if (ov->finished == ov->queued) break; /* (the end, the queue empty) */
+        const entry e = ov->ring[ov->finished % ov->cap];
+        int k = 0;
+        if (!e.fn)
+            for (int i = e.hi; i >= e.lo; i--) ov->bucket[k++] = ov->slot[i];
         const bool drop = ov->failed != MT_OK;
         pthread_mutex_unlock(&ov->mu);
-        if (!drop) run(ov, ov->bucket, hi - lo + 1);
+        const mt_status s = drop ? MT_OK : e.fn ? e.fn(e.user, e.hi) : run_bucket(ov, ov->bucket, k);
         pthread_mutex_lock(&ov->mu);
-        ov->next = lo - 1;
-        if (ov->next < 0) pthread_cond_broadcast(&ov->done);
+        if (s && !ov->failed) {
+            ov->failed = s;
+            ov->failed_at = ov->finished + 1;
+            snprintf(ov->msg, sizeof ov->msg, "%s", mt_last_error(ov->ctx));
+        }
+        ov->finished++;
+        pthread_cond_broadcast(&ov->done);
     }
     pthread_mutex_unlock(&ov->mu);
     return NULL;
+}
+
+/* Queues e (the lock held): its number, or 0 when out of host memory. */
+static uint64_t enqueue(mti_overlap *ov, entry e)
+{
+    const size_t pending = (size_t)(ov->queued - ov->finished);
+    if (pending == ov->cap) { /* full: a ring twice the size, the pending entries in order */
+        const size_t cap = 2 * ov->cap;
+        entry *r = malloc(cap * sizeof *r);
+        if (!r) return 0;
+        for (uint64_t k = ov->finished; k < ov->queued; k++) r[k % cap] = ov->ring[k % ov->cap];
+        free(ov->ring);
+        ov->ring = r;
+        ov->cap = cap;
+    }
+    ov->ring[ov->queued % ov->cap] = e;
+    pthread_cond_signal(&ov->more);
+    return ++ov->queued;
+}
+
+/* Waits (the lock held) until entry `upto` is done; the wait is exposed. */
+static void wait_for(mti_overlap *ov, uint64_t upto)
+{
+    if (ov->finished >= upto) return;
+    const uint64_t t0 = mti_now_ns();
+    mti_comm_hurry(1);
+    while (ov->finished < upto) pthread_cond_wait(&ov->done, &ov->mu);
+    mti_comm_hurry(-1);
+    mti_comm_waited(ov->ctx, mti_now_ns() - t0);
 }
 
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job work,
                           void *user, bool fifo, mti_overlap **out)
 {
     *out = NULL;
-    const size_t cnt = (size_t)(n > 0 ? n : 1);
+    const size_t cnt = (size_t)(n > 0 ? n : 1), cap = cnt + 64;
     mti_overlap *ov = calloc(1, sizeof *ov);
     job *slot = calloc(cnt, sizeof *slot), *bucket = calloc(cnt, sizeof *bucket);
     int *low = calloc(cnt, sizeof *low), *order = calloc(cnt, sizeof *order);
-    if (!ov || !slot || !bucket || !low || !order) {
-        free(ov), free(slot), free(bucket), free(low), free(order);
+    entry *ring = calloc(cap, sizeof *ring);
+    if (!ov || !slot || !bucket || !low || !order || !ring) {
+        free(ov), free(slot), free(bucket), free(low), free(order), free(ring);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     }
     const size_t fit = work ? 0 : MTI_OVERLAP_BUCKET / sizeof(float);
@@ -181,6 +211,8 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
     ov->low = low;
     ov->n = n;
     ov->next = -1;
+    ov->ring = ring;
+    ov->cap = cap;
     pthread_mutex_init(&ov->mu, NULL);
     pthread_cond_init(&ov->more, NULL);
     pthread_cond_init(&ov->done, NULL);
@@ -188,9 +220,10 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
         pthread_cond_destroy(&ov->done);
         pthread_cond_destroy(&ov->more);
         pthread_mutex_destroy(&ov->mu);
-        free(slot), free(bucket), free(low), free(order), free(ov);
+        free(slot), free(bucket), free(low), free(order), free(ring), free(ov);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: cannot start the communication thread");
     }
+    if (!ctx->comm_queue) ctx->comm_queue = ov;
     *out = ov;
     return MT_OK;
 }
@@ -199,10 +232,11 @@ void mti_overlap_free(mti_overlap *ov)
 {
     if (!ov) return;
     pthread_mutex_lock(&ov->mu);
-    ov->quit = 1;
+    ov->quit = 1; /* (the thread ends once the queue is empty) */
     pthread_cond_signal(&ov->more);
     pthread_mutex_unlock(&ov->mu);
     pthread_join(ov->th, NULL);
+    if (ov->ctx->comm_queue == ov) ov->ctx->comm_queue = NULL;
     pthread_cond_destroy(&ov->done);
     pthread_cond_destroy(&ov->more);
     pthread_mutex_destroy(&ov->mu);
@@ -210,18 +244,41 @@ void mti_overlap_free(mti_overlap *ov)
     free(ov->bucket);
     free(ov->low);
     free(ov->order);
+    free(ov->ring);
     free(ov);
 }
 
 void mti_overlap_begin(mti_overlap *ov)
 {
     pthread_mutex_lock(&ov->mu);
-    for (int i = 0; i < ov->n; i++) ov->slot[i].given = false, ov->slot[i].g = NULL;
+    wait_for(ov, ov->queued); /* (the last round waited for its own: nothing is left) */
+    for (int i = 0; i < ov->n; i++) ov->slot[i].given = false, ov->slot[i].g = NULL, ov->slot[i].ticket = 0;
     ov->given = 0;
-    ov->taken = 0;
     ov->failed = MT_OK; /* (a failure has broken the communicator: the next fail at once) */
+    ov->failed_at = 0;
+    ov->msg[0] = 0;
     ov->next = ov->n - 1;
     pthread_mutex_unlock(&ov->mu);
+}
+
+/* Queues the buckets whose tensors are all given, from `next` down, and
+ * every tensor given in fifo mode (the lock held). */
+static mt_status queue_given(mti_overlap *ov, int i)
+{
+    if (ov->fifo) {
+        if (!(ov->slot[i].ticket = enqueue(ov, (entry){.hi = i, .lo = i}))) return MT_ERR_OOM;
+        return MT_OK;
+    }
+    while (ov->next >= 0) {
+        const int hi = ov->next, lo = ov->low[hi];
+        for (int j = hi; j >= lo; j--)
+            if (!ov->slot[j].given) return MT_OK;
+        const uint64_t t = enqueue(ov, (entry){.hi = hi, .lo = lo});
+        if (!t) return MT_ERR_OOM;
+        for (int j = hi; j >= lo; j--) ov->slot[j].ticket = t;
+        ov->next = lo - 1;
+    }
+    return MT_OK;
 }
 
 mt_status mti_overlap_push(mti_overlap *ov, int i, const char *name, float *g)
@@ -235,9 +292,9 @@ mt_status mti_overlap_push(mti_overlap *ov, int i, const char *name, float *g)
     ov->slot[i].g = g;
     ov->slot[i].given = true;
     ov->order[ov->given++] = i;
-    pthread_cond_signal(&ov->more);
+    const mt_status s = queue_given(ov, i);
     pthread_mutex_unlock(&ov->mu);
-    return MT_OK;
+    return s ? mti_fail(ov->ctx, s, "out of host memory queueing a collective") : MT_OK;
 }
 
 bool mti_overlap_pushed(const mti_overlap *ov, int i)
@@ -248,39 +305,67 @@ bool mti_overlap_pushed(const mti_overlap *ov, int i)
     return g;
 }
 
-/* Waits (ov->mu held) until the first k given are done, as exposed time. */
-static mt_status wait_until(mti_overlap *ov, int k, uint64_t t0)
+/* Waits (the lock held, released here) until entry `upto` is done: MT_OK,
+ * its failure or that of an entry before it (its own message), or with
+ * `dropped` MT_ERR_COMM naming the earlier failure. */
+static mt_status finish(mti_overlap *ov, uint64_t upto, bool dropped)
 {
-    mti_comm_hurry(1);
-    while (ov->fifo ? ov->taken < k : ov->next >= 0) pthread_cond_wait(&ov->done, &ov->mu);
-    mti_comm_hurry(-1);
-    mti_comm_waited(ov->ctx, mti_now_ns() - t0);
-    const mt_status s = ov->failed;
+    wait_for(ov, upto);
+    const bool hit = ov->failed && ov->failed_at <= upto;
+    const bool own = !dropped || ov->failed_at == upto;
+    const mt_status s = !hit ? MT_OK : own ? ov->failed : MT_ERR_COMM;
     char msg[MTI_ERR_LEN];
-    snprintf(msg, sizeof msg, "%s", ov->msg);
+    if (own) snprintf(msg, sizeof msg, "%s", ov->msg);
+    else snprintf(msg, sizeof msg, "an earlier collective on the communication thread failed: %.900s", ov->msg);
     pthread_mutex_unlock(&ov->mu);
     return s ? mti_fail(ov->ctx, s, "%s", msg) : MT_OK;
 }
 
 mt_status mti_overlap_wait(mti_overlap *ov)
 {
-    const uint64_t t0 = mti_now_ns();
     pthread_mutex_lock(&ov->mu);
     if (!ov->fifo && ov->given != ov->n) {
         pthread_mutex_unlock(&ov->mu);
         return mti_fail(ov->ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication thread",
                         ov->given, ov->n);
     }
-    return wait_until(ov, ov->given, t0);
+    return finish(ov, ov->queued, false);
 }
 
 mt_status mti_overlap_wait_first(mti_overlap *ov, int k)
 {
-    const uint64_t t0 = mti_now_ns();
     pthread_mutex_lock(&ov->mu);
-    if (!ov->fifo || k > ov->given) {
+    if (!ov->fifo || k < 1 || k > ov->given) {
         pthread_mutex_unlock(&ov->mu);
         return mti_fail(ov->ctx, MT_ERR_INTERNAL, "waiting for %d of the %d tensors given", k, ov->given);
     }
-    return wait_until(ov, k, t0);
+    return finish(ov, ov->slot[ov->order[k - 1]].ticket, false);
+}
+
+mt_status mti_overlap_call(mti_overlap *ov, mti_overlap_fn fn, void *user, int i, uint64_t *ticket)
+{
+    pthread_mutex_lock(&ov->mu);
+    *ticket = enqueue(ov, (entry){.fn = fn, .user = user, .hi = i, .lo = i});
+    pthread_mutex_unlock(&ov->mu);
+    return *ticket ? MT_OK : mti_fail(ov->ctx, MT_ERR_OOM, "out of host memory queueing a collective");
+}
+
+mt_status mti_overlap_done(mti_overlap *ov, uint64_t ticket)
+{
+    pthread_mutex_lock(&ov->mu);
+    return finish(ov, ticket, true);
+}
+
+mt_status mti_overlap_quiet(mti_overlap *ov, bool reset, const char *what)
+{
+    pthread_mutex_lock(&ov->mu);
+    wait_for(ov, ov->queued);
+    const mt_status s = reset ? MT_OK : ov->failed;
+    char msg[MTI_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s", ov->msg);
+    if (reset) ov->failed = MT_OK, ov->failed_at = 0, ov->msg[0] = 0;
+    pthread_mutex_unlock(&ov->mu);
+    if (!s || !what) return s;
+    return mti_fail(ov->ctx, s, "%s: an earlier collective on the communication thread failed: %.800s",
+                    what, msg);
 }

@@ -1,6 +1,9 @@
 /*
- * comm/overlap.h - a communication thread that sums gradients over the
- * ranks while backward goes on (overlap.c).
+ * comm/overlap.h - the communication thread (overlap.c): one queue of
+ * collectives per rank, run in the order they were queued, while the
+ * stepping thread computes: the gradients' all-reduce in buckets (stage
+ * 0), their reduce-scatter to the slices' owners (stages 1 and 2), and
+ * calls queued for a caller (stage 3's gathers and reduce-scatters).
  */
 #ifndef MT_COMM_OVERLAP_H
 #define MT_COMM_OVERLAP_H
@@ -23,41 +26,67 @@ bool mti_overlap_planned(const mt_context *ctx);
  * enough that a step makes few collectives (docs/benchmarks.md). */
 #define MTI_OVERLAP_BUCKET ((size_t)512 << 10)
 /* What the thread does with tensor i's gradient g instead of summing it in
- * a bucket (ZeRO-1: the reduce-scatter to the slices' owners), a
+ * a bucket (ZeRO-1 and 2: the reduce-scatter to the slices' owners), a
  * collective; g NULL: zeros whose results are dropped. It runs on the
  * thread: it must allocate nothing (the accounting's peaks stay those of
  * the step without the thread) and touch nothing backward touches. */
 typedef mt_status (*mti_overlap_job)(void *user, int i, float *g);
 /* Starts the thread, for n tensors (0 .. n - 1) of numel[i] fp32 values
- * each (0: a tensor that never takes part, a frozen one); job NULL: the
- * tensors are summed over the ranks in place, in buckets. fifo (with a
- * job): the tensors go to the job in the order they are given, not in the
- * fixed order (ZeRO-2, whose every rank gives them in the same order
- * unless its backward fails, which the blocking step cannot survive
- * either), and any number of them may be given in a round. */
+ * each (0: a tensor that never takes part, a frozen one; n 0: none, the
+ * queue takes calls alone); job NULL: the tensors are summed over the
+ * ranks in place, in buckets. fifo (with a job): the tensors go to the
+ * job in the order they are given, not in the fixed order (ZeRO-2, whose
+ * every rank gives them in the same order unless its backward fails,
+ * which the blocking step cannot survive either), and any number of them
+ * may be given in a round. The context's collectives from other threads
+ * wait for the queue from now on (ctx->comm_queue) until
+ * mti_overlap_free. */
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job job,
                           void *user, bool fifo, mti_overlap **out);
-/* Ends the thread (its step must be finished). NULL is accepted. */
+/* Waits for the queue, ends the thread. NULL is accepted. */
 void mti_overlap_free(mti_overlap *ov);
-/* A step (a round) begins: the thread will sum tensors n - 1 down to 0 in
- * buckets (or give them to the job one by one; fifo: in the order given), each bucket
- * once all its tensors are given, in that order on every rank whatever
- * order they come in. */
+/* A round of gradients (a step) begins, once the queue is empty: the
+ * thread will sum tensors n - 1 down to 0 in buckets (or give them to the
+ * job one by one; fifo: in the order given), each bucket queued once all
+ * its tensors are given, in that order on every rank whatever order they
+ * come in. A failure of an earlier round is forgotten (a broken
+ * communicator fails again at once). */
 void mti_overlap_begin(mti_overlap *ov);
 /* Gives tensor i: the sum over the ranks of its numel fp32 values at g, in
- * place, or the job's work on them (name: for messages). g NULL: zeros whose sums are dropped (a rank
- * that has no gradient to give still makes the collectives the others
- * make). Never waits for a collective. */
+ * place, or the job's work on them (name: for messages). g NULL: zeros
+ * whose sums are dropped (a rank that has no gradient to give still makes
+ * the collectives the others make). Never waits for a collective. */
 mt_status mti_overlap_push(mti_overlap *ov, int i, const char *name, float *g);
-/* Whether tensor i was given this step. */
+/* Whether tensor i was given this round. */
 bool mti_overlap_pushed(const mti_overlap *ov, int i);
-/* Waits until the step's collectives are done (every tensor must have been
- * given, unless fifo: those given): MT_OK, or the first one's failure (its message on ctx), after
- * which the later ones were dropped. The wait counts as exposed
- * communication time (mt_context_comm_stats). */
+/* Waits until the round's collectives and every call queued before this
+ * are done (every tensor must have been given, unless fifo: those given):
+ * MT_OK, or the first failure (its message on ctx), after which the later
+ * ones were dropped. The wait counts as exposed communication time
+ * (mt_context_comm_stats). */
 mt_status mti_overlap_wait(mti_overlap *ov);
 /* fifo: waits until the first k tensors given this round are done (as
- * exposed time): MT_OK, or the first failure so far. */
+ * exposed time): MT_OK, or the failure of one of them or of something
+ * queued before. */
 mt_status mti_overlap_wait_first(mti_overlap *ov, int k);
+
+/* A call the thread runs for a caller (fn(user, i)), in the queue's order:
+ * after everything queued before it, every rank queuing the same calls in
+ * the same order. */
+typedef mt_status (*mti_overlap_fn)(void *user, int i);
+/* Queues fn(user, i); *ticket names it for mti_overlap_done. Never waits
+ * for a collective. After anything queued fails, the later ones are
+ * dropped. */
+mt_status mti_overlap_call(mti_overlap *ov, mti_overlap_fn fn, void *user, int i, uint64_t *ticket);
+/* Waits until call `ticket` is done: MT_OK, its failure (its message on
+ * ctx), or MT_ERR_COMM when something queued earlier failed (and this one
+ * was dropped). The wait counts as exposed communication time. */
+mt_status mti_overlap_done(mti_overlap *ov, uint64_t ticket);
+/* Waits until the queue is empty (exposed time): MT_OK, or the status of
+ * something queued that failed (with `what`, the message "WHAT: an
+ * earlier collective on the communication thread failed: ..." on ctx).
+ * With reset, a failure is forgotten (MT_OK; what is queued next runs
+ * again). */
+mt_status mti_overlap_quiet(mti_overlap *ov, bool reset, const char *what);
 
 #endif /* MT_COMM_OVERLAP_H */

@@ -129,7 +129,32 @@ static size_t pieces(const mt_trainer *t, int i, size_t at, size_t n, size_t *fr
 
 /* ---- gradients to their owners ---- */
 
+/* Elements per rank of the bucket reducing [at, at + n) of parameter i,
+ * whose longest piece is `most`. */
+static size_t bucket_k(const mt_trainer *t, size_t most)
+{
+    size_t K = BUCKET_BYTES / 4 / (size_t)t->world;
+    if (K > most) K = most;
+    return K < 1 ? 1 : K;
+}
+
+size_t mti_zero_reduce_bytes(const mt_trainer *t, int i, size_t at, size_t n)
+{
+    if (t->sh[i].owner >= 0 || mti_comm_stage(t->ctx)) return 0; /* (none: in place, or the staging) */
+    size_t *from = malloc(2 * (size_t)t->world * sizeof *from);
+    if (!from) return BUCKET_BYTES; /* (the reduce then fails for want of host memory) */
+    const size_t most = pieces(t, i, at, n, from, from + t->world);
+    free(from);
+    return most ? (size_t)t->world * bucket_k(t, most) * 4 : 0;
+}
+
 mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc)
+{
+    return mti_zero_reduce_in(t, i, g, at, n, dst, acc, NULL);
+}
+
+mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc,
+                             void *bucket)
 {
     mt_context *ctx = t->ctx;
     mti_device *d = ctx->dev;
@@ -151,16 +176,18 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
     if (!from) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     size_t *len = from + N;
     const size_t most = pieces(t, i, at, n, from, len);
-    size_t K = BUCKET_BYTES / 4 / (size_t)N;
-    if (K > most) K = most;
-    if (K < 1) K = 1;
+    const size_t K = bucket_k(t, most);
     /* a CPU context packs the pieces straight into its staging buffer,
-       which the collective works on anyway; elsewhere through a bucket */
+       which the collective works on anyway (once the communication
+       thread's queue is done with it); elsewhere through a bucket, the
+       caller's or one made here */
     float *stage = mti_comm_stage(ctx);
-    mti_tensor bk;
-    if (most && !stage) s = mti_comm_buffer(ctx, &bk, (size_t)N * K * 4);
+    mti_tensor bk = {0};
+    if (most && stage && live(t)) s = mti_comm_turn(ctx, what);
+    const bool made = most && !stage && !bucket;
+    if (made && !s) s = mti_comm_buffer(ctx, &bk, (size_t)N * K * 4);
     for (size_t o = 0; o < most && !s; o += K) {
-        float *b = stage ? stage : bk.blk.ptr;
+        float *b = stage ? stage : bucket ? bucket : bk.blk.ptr;
         for (int r = 0; r < N && !s; r++) {
             size_t l = len[r] > o ? len[r] - o : 0;
             if (l > K) l = K;
@@ -179,7 +206,7 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
             else s = d->copy_d2d(d, dst + o, b + (size_t)me * K, l * 4);
         }
     }
-    if (most && !stage) mti_tensor_free(ctx, &bk);
+    if (made) mti_tensor_free(ctx, &bk);
     free(from);
     return s;
 }

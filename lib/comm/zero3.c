@@ -25,15 +25,42 @@
  * are not gathered for it; every other backward gathers its layer's
  * weights.
  *
+ * Prefetch. The engine says the order of its calls (its schedule: the
+ * forward, then the backward with its recomputes); when entry `at` comes
+ * in, entries at + 1 .. at + prefetch are brought in too (their buffers
+ * made, their gathers queued), so while this layer computes, the
+ * communication thread (overlap.c) gathers the next layers' weights, one
+ * collective at a time in the schedule's order. Kept: a layer among the
+ * last `zero3_keep` of forward, let go after its forward, first brings in
+ * its next entry (its recompute or backward), which then needs no gather.
+ * What was brought in ahead and not used (a failed pass, a skipped
+ * backward) goes when the engine drops the schedule.
+ *
  * Every rank runs the same layers in the same order, so the collectives
- * match; a dry context (estimates) allocates the same buffers and
- * communicates nothing.
+ * match; a dry context (estimates) allocates the same buffers at the same
+ * points (always on the stepping thread) and communicates nothing, and
+ * without the thread (one rank, a communicator that takes one thread, a
+ * depth of 0) each gather runs when its buffer is made.
  */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "comm/dp.h"
+#include "comm/overlap.h"
 #include "trainer.h"
+
+/* Parameter i's reduce-scatter queued in backward: its bucket (COMM) and
+ * the gradient stay until it is retired, once the next layer's gradients
+ * are final (or the pass ends), at the same point with or without the
+ * thread, so the estimate stays exact. */
+struct mti_z3_rs {
+    mti_tensor bucket;
+    float *dst;      /* the rank's shard of the gradient (accumulated into) */
+    uint64_t ticket; /* on the thread (0: ran at once, or none) */
+    int tag;         /* the engine's schedule entry after the layer that made it */
+    bool pending;
+};
 
 static bool live(const mt_trainer *t)
 {
@@ -163,8 +190,14 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     t->pw = calloc((size_t)m->n_param, sizeof *t->pw);
     t->gb = calloc((size_t)m->n_param, sizeof *t->gb);
     t->gref = calloc((size_t)m->n_param, sizeof *t->gref);
+    t->z3_ticket = calloc((size_t)m->n_param, sizeof *t->z3_ticket);
+    t->z3_held = calloc((size_t)m->n_layers * 3 + 1, 1);
+    t->z3_rs = calloc((size_t)m->n_param, sizeof *t->z3_rs);
+    const int keep = t->cfg.zero3_keep;
+    t->z3_prefetch = t->cfg.zero3_prefetch;
+    t->z3_keep_from = keep < 0 || keep > m->n_layers ? 0 : m->n_layers - keep;
     int64_t *all = malloc((size_t)N * 2 * sizeof *all);
-    if (!(t->pw && t->gb && t->gref && all)) { /* (host memory: the exchange cannot go on) */
+    if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && t->z3_rs && all)) { /* (host memory) */
         free(all);
         return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     }
@@ -226,30 +259,47 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
                     first, m->params[least].name);
 }
 
-/* Brings parameter i in (one more holder). */
+/* Fills parameter i's gather buffer from the ranks' slices (on the
+ * communication thread when the gathers are queued). */
+static mt_status gather_run(void *user, int i)
+{
+    mt_trainer *t = user;
+    mt_context *ctx = t->ctx;
+    const mti_param *p = &t->model->params[i];
+    const mti_shard *sh = &t->sh[i];
+    const size_t es = mti_dtype_size(p->w.dtype);
+    mti_tensor *g = &t->gb[i];
+    char what[112];
+    snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
+    mt_status s = MT_OK;
+    if (sh->owner >= 0) {
+        if (t->rank == sh->owner)
+            s = ctx->dev->copy_d2d(ctx->dev, g->blk.ptr, t->pw[i].blk.ptr, p->numel * es);
+        if (!s && live(t))
+            s = mti_comm_broadcast(ctx, what, g->blk.ptr, p->numel * es, MT_COMM_BYTE, sh->owner);
+        return s;
+    }
+    const size_t part = sh->per * es;
+    if (live(t)) return mti_comm_all_gather(ctx, what, t->pw[i].blk.ptr, g->blk.ptr, part, MT_COMM_BYTE);
+    return ctx->dev->copy_d2d(ctx->dev, (char *)g->blk.ptr + (size_t)t->rank * part, t->pw[i].blk.ptr,
+                              part);
+}
+
+/* Whether gathers go to the communication thread. */
+static bool queued(const mt_trainer *t) { return t->ov && t->z3_prefetch > 0 && live(t); }
+
+/* Brings parameter i in (one more holder): its buffer made and its gather
+ * run, or queued (then z3_ticket[i] names it until it is waited for). */
 static mt_status gather_in(mt_trainer *t, int i)
 {
     if (t->gref[i]++) return MT_OK;
     mt_context *ctx = t->ctx;
     mti_param *p = &t->model->params[i];
-    const mti_shard *sh = &t->sh[i];
     const size_t es = mti_dtype_size(p->w.dtype);
     mti_tensor *g = &t->gb[i];
     *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)(gather_elems(t, i) * es)}};
     mt_status s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
-    char what[112];
-    snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
-    if (!s && sh->owner >= 0) {
-        if (t->rank == sh->owner)
-            s = ctx->dev->copy_d2d(ctx->dev, g->blk.ptr, t->pw[i].blk.ptr, p->numel * es);
-        if (!s && live(t))
-            s = mti_comm_broadcast(ctx, what, g->blk.ptr, p->numel * es, MT_COMM_BYTE, sh->owner);
-    } else if (!s) {
-        const size_t part = sh->per * es;
-        if (live(t)) s = mti_comm_all_gather(ctx, what, t->pw[i].blk.ptr, g->blk.ptr, part, MT_COMM_BYTE);
-        else s = ctx->dev->copy_d2d(ctx->dev, (char *)g->blk.ptr + (size_t)t->rank * part,
-                                    t->pw[i].blk.ptr, part);
-    }
+    if (!s) s = queued(t) ? mti_overlap_call(t->ov, gather_run, t, i, &t->z3_ticket[i]) : gather_run(t, i);
     if (s) {
         mti_tensor_free(ctx, g);
         t->gref[i]--;
@@ -259,10 +309,23 @@ static mt_status gather_in(mt_trainer *t, int i)
     return MT_OK;
 }
 
+/* Waits for parameter i's queued gather, if any. */
+static mt_status gather_wait(mt_trainer *t, int i)
+{
+    if (!t->z3_ticket || !t->z3_ticket[i]) return MT_OK;
+    const mt_status s = mti_overlap_done(t->ov, t->z3_ticket[i]);
+    t->z3_ticket[i] = 0;
+    return s;
+}
+
 /* Lets parameter i go (one holder fewer). */
 static void gather_out(mt_trainer *t, int i)
 {
     if (!t->gref[i] || --t->gref[i]) return;
+    if (t->z3_ticket && t->z3_ticket[i]) { /* (never freed under the thread's feet) */
+        (void)mti_overlap_quiet(t->ov, false, NULL);
+        t->z3_ticket[i] = 0;
+    }
     memset(&t->model->params[i].w.blk, 0, sizeof(mt_block));
     mti_tensor_free(t->ctx, &t->gb[i]);
 }
@@ -282,19 +345,128 @@ static int layer_params(const mt_trainer *t, int layer, int bwd, int *idx)
     return n;
 }
 
+/* ---- gradients reduce-scattered on the communication thread ---- */
+
+bool mti_zero3_later(const mt_trainer *t) { return t->zero == 3 && t->z3_prefetch > 0 && t->z3_rs; }
+
+static mt_status reduce_run(void *user, int i)
+{
+    mt_trainer *t = user;
+    struct mti_z3_rs *r = &t->z3_rs[i];
+    return mti_zero_reduce_in(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, r->dst, 1,
+                              r->bucket.blk.ptr);
+}
+
+/* Retires the reduce-scatters queued before schedule entry `before` (all:
+ * INT_MAX): each waited for, its bucket and gradient freed. s: the status
+ * so far; a failure of theirs is returned only where s is MT_OK. */
+static mt_status retire(mt_trainer *t, int before, mt_status s)
+{
+    for (int i = t->model->n_param - 1; i >= 0; i--) {
+        struct mti_z3_rs *r = &t->z3_rs[i];
+        if (!r->pending || r->tag >= before) continue;
+        if (r->ticket) {
+            if (!s) s = mti_overlap_done(t->ov, r->ticket);
+            else (void)mti_overlap_quiet(t->ov, false, NULL);
+            r->ticket = 0;
+        }
+        mti_tensor_free(t->ctx, &r->bucket);
+        mti_tensor_free(t->ctx, &t->E.grad[i]);
+        r->pending = false;
+    }
+    return s;
+}
+
+mt_status mti_zero3_reduce(mt_trainer *t, int i, float *dst)
+{
+    struct mti_z3_rs *r = &t->z3_rs[i];
+    mt_status s = retire(t, t->E.at, MT_OK); /* the layer before this one's */
+    if (s) return s;
+    const size_t bytes = mti_zero_reduce_bytes(t, i, 0, t->model->params[i].numel);
+    if (bytes && (s = mti_comm_buffer(t->ctx, &r->bucket, bytes))) return s;
+    r->dst = dst;
+    r->tag = t->E.at;
+    r->pending = true;
+    return queued(t) ? mti_overlap_call(t->ov, reduce_run, t, i, &r->ticket) : reduce_run(t, i);
+}
+
+mt_status mti_zero3_settle(mt_trainer *t, mt_status s)
+{
+    return t->z3_rs ? retire(t, INT_MAX, s) : s;
+}
+
+/* Schedule entry p's parameters (sharded ones) into idx: how many. */
+static int entry_params(const mt_trainer *t, int p, int *idx)
+{
+    const int e = t->E.sched[p];
+    int all[MTI_SLOTS + 2], n = 0;
+    const int k = layer_params(t, e / 2, e % 2, all);
+    for (int j = 0; j < k; j++)
+        if (sharded(t, all[j])) idx[n++] = all[j];
+    return n;
+}
+
+/* Brings in entry p's weights (each parameter one holder more). */
+static mt_status take(mt_trainer *t, int p)
+{
+    int idx[MTI_SLOTS + 2];
+    const int n = entry_params(t, p, idx);
+    for (int j = 0; j < n; j++) {
+        const mt_status s = gather_in(t, idx[j]);
+        if (!s) continue;
+        while (j-- > 0) gather_out(t, idx[j]); /* undo this entry's */
+        return s;
+    }
+    t->z3_held[p] = 1;
+    return MT_OK;
+}
+
+/* Lets entry p's weights go, if it holds them. */
+static void give(mt_trainer *t, int p)
+{
+    if (!t->z3_held[p]) return;
+    int idx[MTI_SLOTS + 2];
+    const int n = entry_params(t, p, idx);
+    for (int j = 0; j < n; j++) gather_out(t, idx[j]);
+    t->z3_held[p] = 0;
+}
+
+/* The engine's schedule is over or replaced: what was brought in ahead
+ * goes, and a failure on the thread is forgotten (it was reported, or
+ * belonged to a gather nobody used; a broken communicator fails again). */
+static void drop_all(mt_trainer *t)
+{
+    (void)mti_zero3_settle(t, MT_ERR_STATE); /* (a pass that failed part way) */
+    if (queued(t)) (void)mti_overlap_quiet(t->ov, true, NULL);
+    for (int p = 0; p < 3 * t->model->n_layers + 1; p++) give(t, p);
+}
+
 mt_status mti_zero3_layer(void *user, int layer, int bwd, int in)
 {
     mt_trainer *t = user;
-    int idx[MTI_SLOTS + 2];
-    const int n = layer_params(t, layer, bwd, idx);
-    mt_status s = MT_OK;
-    for (int j = 0; j < n; j++) {
-        if (!sharded(t, idx[j])) continue;
-        if (!in) gather_out(t, idx[j]);
-        else if (!s && (s = gather_in(t, idx[j]))) /* undo this layer's */
-            for (int q = 0; q < j; q++)
-                if (sharded(t, idx[q])) gather_out(t, idx[q]);
+    const mti_engine *E = &t->E;
+    if (layer < 0) {
+        drop_all(t);
+        return MT_OK;
     }
+    const int at = E->at;
+    if (!in) {
+        if (!bwd && layer >= t->z3_keep_from) /* kept: its next entry holds it from now */
+            for (int q = at + 1; q < E->n_sched; q++) {
+                if (E->sched[q] / 2 != layer) continue;
+                if (!t->z3_held[q]) (void)take(t, q); /* (no gather: its weights are in) */
+                break;
+            }
+        give(t, at);
+        return MT_OK;
+    }
+    mt_status s = t->z3_held[at] ? MT_OK : take(t, at);
+    for (int q = at + 1; q <= at + t->z3_prefetch && q < E->n_sched && !s; q++)
+        if (!t->z3_held[q]) s = take(t, q);
+    int idx[MTI_SLOTS + 2];
+    const int n = s ? 0 : entry_params(t, at, idx);
+    for (int j = 0; j < n && !s; j++) s = gather_wait(t, idx[j]);
+    if (s) give(t, at);
     return s;
 }
 
@@ -319,7 +491,11 @@ void mti_zero3_free(mt_trainer *t)
             mti_tensor_free(t->ctx, &t->gb[i]);
             mti_tensor_free(t->ctx, &t->pw[i]);
         }
-    free(t->pw), free(t->gb), free(t->gref);
+    if (t->z3_rs) (void)mti_zero3_settle(t, MT_ERR_STATE); /* (the pass's end did it) */
+    free(t->pw), free(t->gb), free(t->gref), free(t->z3_ticket), free(t->z3_held), free(t->z3_rs);
+    t->z3_rs = NULL;
     t->pw = t->gb = NULL;
     t->gref = NULL;
+    t->z3_ticket = NULL;
+    t->z3_held = NULL;
 }

@@ -18,6 +18,15 @@
  *                             its second step began, so inside a step, the
  *                             others inside its collectives wherever it fell
  *                             (backward's reduce-scatters among them)
+ *   train_mpi_test killmid3   the same at ZeRO stage 3 (MPI serialized), the
+ *                             others' gathers of the layers to come running
+ *                             on their communication threads
+ *   train_mpi_test zero3      ZeRO stage 3 (MPI serialized, the gathers on a
+ *                             communication thread) at prefetch depths 0 to 2,
+ *                             keeping no layer, the last one or every one
+ *                             from forward to backward: each stage 2's bits,
+ *                             losses and weights, for every case of "zero";
+ *                             each rank's peaks equal its estimate
  *   train_mpi_test zero       ZeRO stages 0, 1 and 2, each with AdamW in bf16
  *                             (fp32 masters, clipping), 8-bit AdamW in fp16
  *                             with dynamic loss scaling, Adafactor in fp32
@@ -126,6 +135,7 @@ typedef struct how {
     const char *offload; /* the state on disk in this directory (NULL: resident) */
     const char *save;    /* a training-state file saved after the steps */
     const char *load;    /* ... loaded before them */
+    int z3set, prefetch, keep; /* z3set: zero3_prefetch and zero3_keep these (else defaults) */
 } how;
 
 static double now_s(void)
@@ -274,6 +284,7 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
         tc.fused_step = hw->zc->fused;
         if (tc.fused_step) tc.micro_batch = n; /* alone: the whole batch at once */
         tc.zero_stage = comm ? hw->stage : 0;
+        if (hw->z3set) tc.zero3_prefetch = hw->prefetch, tc.zero3_keep = hw->keep;
     }
     if (hw->offload) tc.offload = MT_PLACE_DISK, tc.offload_dir = hw->offload;
     mt_context *ctx;
@@ -304,6 +315,10 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
         failed = 1;
     }
     if (s) snprintf(msg, cap, "%s", mt_last_error(ctx ? ctx : NULL));
+    if (hw->stage == 3 && comm) { /* (its destroy gathers the weights back into the model) */
+        mt_trainer_destroy(t);
+        t = NULL;
+    }
     if (!s) {
         *nw = mt_model_num_params(m);
         *w = malloc(*nw * sizeof(float));
@@ -418,6 +433,44 @@ static void zero_stages(mt_comm *c)
                "AdamW fp16 with loss scaling, Adafactor fp32, the fused step: each equals one "
                "process accumulating (within %.1e), each rank's peaks its estimate\n", size,
                worst_all);
+}
+
+/* Stage 3 with its gathers on each rank's communication thread, at
+ * several prefetch depths and keep settings: stage 2's bits (the same
+ * reduce-scatters and updates), losses and weights, on every rank. */
+static void zero3_prefetch(mt_comm *c)
+{
+    static const int v[][2] = {{0, 0}, {1, 0}, {2, 1}, {1, -1}};
+    for (size_t k = 0; k < sizeof zcases / sizeof zcases[0]; k++) {
+        how h2 = {.zc = &zcases[k], .stage = 2};
+        float l2[STEPS], l3[STEPS];
+        float *w2 = NULL;
+        size_t n2 = 0;
+        char msg[1024] = "";
+        mt_status s = train_how(c, 16, -1, &h2, l2, &w2, &n2, msg, sizeof msg);
+        EXPECT(s == MT_OK);
+        for (size_t j = 0; j < sizeof v / sizeof v[0] && !s; j++) {
+            how h3 = {.zc = &zcases[k], .stage = 3, .z3set = 1, .prefetch = v[j][0], .keep = v[j][1]};
+            float *w3 = NULL;
+            size_t n3 = 0;
+            s = train_how(c, 16, -1, &h3, l3, &w3, &n3, msg, sizeof msg);
+            EXPECT(s == MT_OK);
+            if (s) fprintf(stderr, "rank %d: %s, prefetch %d keep %d: %s\n", rank, zcases[k].name,
+                           v[j][0], v[j][1], msg);
+            const bool same = w3 && n3 == n2 && !memcmp(w3, w2, n2 * sizeof *w2) &&
+                              !memcmp(l3, l2, sizeof l2);
+            if (!s && !same)
+                fprintf(stderr, "rank %d: %s, prefetch %d keep %d: not stage 2's bits\n", rank,
+                        zcases[k].name, v[j][0], v[j][1]);
+            EXPECT(s || same);
+            free(w3);
+        }
+        free(w2);
+    }
+    if (all_passed() && rank == 0)
+        printf("ok zero3: %d ranks at ZeRO stage 3, the gathers on a thread at prefetch 0 to 2, "
+               "keeping none, the last or every layer: stage 2's losses and weights bit for bit in "
+               "every case of zero, each rank's peaks its estimate\n", size);
 }
 
 /* fp16 on an MLP of features: rank 1's input is beyond fp16, so its
@@ -665,12 +718,16 @@ static void overlap(mt_comm *c)
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "train";
-    if (!strcmp(mode, "overlap") || !strncmp(mode, "killover", 8)) { /* the communication thread */
+    /* the communication thread's modes (the gradients' collectives, stage
+       3's gathers): serialized */
+    const bool serialized = !strcmp(mode, "overlap") || !strncmp(mode, "killover", 8) ||
+                            !strcmp(mode, "zero3") || !strcmp(mode, "killmid3");
+    if (serialized) {
         int level = MPI_THREAD_SINGLE;
         MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &level);
         if (level < MPI_THREAD_SERIALIZED) {
             fprintf(stderr, "MPI gives thread level %d, not MPI_THREAD_SERIALIZED\n", level);
-            failed = 1;
+            MPI_Abort(MPI_COMM_WORLD, 1);
         }
     } else {
         MPI_Init(&argc, &argv);
@@ -732,7 +789,8 @@ int main(int argc, char **argv)
         return 1;
     } else if (!strcmp(mode, "overlap")) {
         overlap(c);
-    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid") || !strncmp(mode, "killover", 8)) {
+    } else if (!strcmp(mode, "kill") || !strcmp(mode, "killmid") || !strcmp(mode, "killmid3") ||
+               !strncmp(mode, "killover", 8)) {
         /* killmid: up to 200 steps, so that the kill, half a step after the
            second began, falls inside some step of rank 1's */
         how hw = {.kill = 1};
@@ -741,6 +799,8 @@ int main(int argc, char **argv)
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = 2, .steps = 200};
         if (!strncmp(mode, "killover", 8)) /* on the thread: MPI serialized, stage 1 or 2 */
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = mode[8] == '2' ? 2 : 1, .steps = 200};
+        if (!strcmp(mode, "killmid3"))
+            hw = (how){.kill = 2, .zc = &zcases[0], .stage = 3, .steps = 200};
         mt_status s = train_how(c, 16, 1, &hw, losses, &w, &nw, msg, sizeof msg);
         /* (rank 1 is gone) */
         EXPECT(s == MT_ERR_COMM);
@@ -758,6 +818,8 @@ int main(int argc, char **argv)
         MPI_Abort(MPI_COMM_WORLD, failed); /* the documented way out */
     } else if (!strcmp(mode, "zero")) {
         zero_stages(c);
+    } else if (!strcmp(mode, "zero3")) {
+        zero3_prefetch(c);
     } else if (!strcmp(mode, "overflow")) {
         overflow(c);
     } else if (!strcmp(mode, "alone")) {
