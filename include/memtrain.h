@@ -1154,13 +1154,15 @@ void mt_trainer_destroy(mt_trainer *t);
  * 32-bit state (and, when none of
  * those fits and cfg->offload_dir names a directory on a CPU context of
  * one rank, each of them again with the state on disk, cfg->offload =
- * MT_PLACE_DISK, saying so in the log), it finds the
+ * MT_PLACE_DISK; when none fits even so and the model has no LoRA
+ * adapters, each again with the weights on disk too, cfg->offload_params
+ * = 1; saying so in the log), it finds the
  * cheapest recompute plan that fits (as MT_RECOMPUTE_BUDGET does) and
  * estimates the step time with a cost model (GEMM FLOPs, recompute,
  * micro-batch efficiency, the optimizer update's memory traffic;
  * docs/memory.md); the fastest wins. A configuration whose run would pass
  * an allocator instance's limit_bytes does not fit. cfg gets micro_batch, optimizer (with
- * allow), recompute = MT_RECOMPUTE_BUDGET and offload. With the fused step only
+ * allow), recompute = MT_RECOMPUTE_BUDGET, offload and offload_params. With the fused step only
  * whole batches are tried (it cannot accumulate). MT_ERR_BUDGET, with the
  * least need, when nothing fits; cfg is then unchanged; MT_ERR_INVALID_ARG
  * for other bits in allow. */
@@ -1175,6 +1177,7 @@ typedef struct mt_autofit_report {
     int candidates;               /* configurations that fit, of those tried */
     int tried;
     mt_place offload;             /* MT_PLACE_DISK when only the state on disk fits */
+    int offload_params;           /* 1 when only the state and the weights on disk fit */
 } mt_autofit_report;
 mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow,
                              mt_autofit_report *out);

@@ -355,10 +355,22 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     memset(out, 0, sizeof *out);
     mt_optimizer_kind opts[3];
     const int n_opts = fit_optimizers(m, cfg, allow, opts);
-    /* when nothing fits resident, the state on disk, where it can go */
-    const bool may_offload = cfg->offload == MT_PLACE_DEVICE && cfg->offload_dir &&
-                             *cfg->offload_dir && m->ctx->dev->kind == MT_DEVICE_CPU &&
-                             m->ctx->world == 1;
+    /* The tiers tried in turn, each only when nothing fitted before it:
+       cfg's own places; then, where a directory is named on a CPU context of
+       one rank, the state on disk; then the weights on disk too (not with
+       LoRA, whose adapters are small: the state alone is offloaded then) */
+    const bool may_offload = cfg->offload_dir && *cfg->offload_dir &&
+                             m->ctx->dev->kind == MT_DEVICE_CPU && m->ctx->world == 1;
+    struct fit_tier {
+        mt_place place;
+        int params;
+    } tier[3] = {{cfg->offload, cfg->offload_params}};
+    int n_tiers = 1;
+    if (may_offload && cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params)
+        tier[n_tiers++] = (struct fit_tier){MT_PLACE_DISK, 0};
+    if (may_offload && (cfg->offload == MT_PLACE_DEVICE || cfg->offload == MT_PLACE_DISK) &&
+        !cfg->offload_params && !cfg->lora.rank && !m->lora_rank)
+        tier[n_tiers++] = (struct fit_tier){MT_PLACE_DISK, 1};
     mt_trainer_config best = *cfg;
     double best_t = 0;
     uint64_t least = UINT64_MAX;
@@ -366,7 +378,7 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     mt_status s = MT_OK;
     /* micro-batch sizes: for each number of passes, the smallest size that
        gives it (the largest batch first); resident first, then offloaded */
-    for (int off = 0; off < (may_offload ? 2 : 1) && !s && !best_t; off++)
+    for (int off = 0; off < n_tiers && !s && !best_t; off++)
     for (int passes = 1; passes <= cfg->max_batch && !s; passes++) {
         int micro = (cfg->max_batch + passes - 1) / passes;
         if (passes > 1 && (cfg->max_batch + micro - 1) / micro != passes) continue;
@@ -376,22 +388,26 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
             c.micro_batch = micro == cfg->max_batch ? 0 : micro;
             c.optimizer = opts[e];
             c.recompute = MT_RECOMPUTE_BUDGET;
-            if (off) c.offload = MT_PLACE_DISK;
+            c.offload = tier[off].place;
+            c.offload_params = tier[off].params;
             search q;
             out->tried++;
             s = search_family(m, &c, c.memory_budget, &q);
             if (!s && q.found) {
                 out->candidates++;
-                /* offloaded: the state read and written once a step, at a
-                   nominal 1.5 GB/s (this machine's disk, docs/benchmarks.md) */
+                /* offloaded: the state (and weights) read and written once a
+                   step, the weights read once more (forward and backward), at
+                   a nominal 1.5 GB/s (this machine's disk, docs/benchmarks.md) */
                 double t = step_seconds(m, &c, micro, q.fwd, q.cost) +
-                           2.0 * (double)q.est.place_peak[MT_PLACE_DISK] / 1.5e9;
+                           (2.0 * (double)q.est.place_peak[MT_PLACE_DISK] +
+                            (double)q.est.place_class_peak[MT_PLACE_DISK][MT_MEM_PARAM]) / 1.5e9;
                 if (!best_t || t < best_t) {
                     best_t = t;
                     best = c;
                     out->micro_batch = micro;
                     out->optimizer = c.optimizer;
                     out->offload = c.offload;
+                    out->offload_params = c.offload_params;
                     out->units = m->n_units;
                     out->recomputed_units = out->selective_units = 0;
                     for (int u = 0; u < m->n_units; u++) {
@@ -410,7 +426,10 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                 snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s%s, %s%s", micro,
                          !e ? "" : opts[e] == MT_OPT_ADAMW8 ? " and 8-bit AdamW"
                                                             : " and 4-bit AdamW",
-                         off ? ", the state on disk" : "", how,
+                         tier[off].params               ? ", the state and the weights on disk"
+                         : tier[off].place == MT_PLACE_DISK ? ", the state on disk"
+                                                            : "",
+                         how,
                          q.over[0] ? " (plans needing less pass an allocator's limit)" : "");
             }
             search_free(&q);
@@ -427,12 +446,17 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                         "least is %llu bytes (%.1f MiB), with %s",
                         (unsigned long long)cfg->memory_budget, (unsigned long long)least,
                         (double)least / 1048576.0, least_how);
-    if (best.offload != cfg->offload)
+    if (best.offload != cfg->offload || best.offload_params != cfg->offload_params)
         mti_log(m->ctx, MT_LOG_INFO,
-                "mt_trainer_autofit: nothing fits %llu bytes with the state on the device; with "
-                "the optimizer state%s on disk (in %s) it fits",
+                "mt_trainer_autofit: nothing fits %llu bytes with %s on the device; with the "
+                "optimizer state%s on disk (in %s) it fits",
                 (unsigned long long)cfg->memory_budget,
-                cfg->precision != MT_PREC_FP32 && cfg->master_weights ? " and masters" : "",
+                best.offload_params ? "the weights" : "the state",
+                best.offload_params ? (cfg->precision != MT_PREC_FP32 && cfg->master_weights
+                                           ? ", the masters and the weights"
+                                           : " and the weights")
+                : cfg->precision != MT_PREC_FP32 && cfg->master_weights ? " and masters"
+                                                                        : "",
                 cfg->offload_dir);
     out->step_seconds = best_t;
     const int T = seq_of(m, cfg);

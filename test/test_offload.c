@@ -591,47 +591,113 @@ static uint64_t least_of(const mt_model *m, mt_context *ctx, const mt_trainer_co
     return least;
 }
 
-/* Auto-fit puts the state on disk when nothing else fits, given a directory. */
+/* The last INFO line of a context's log. */
+static void last_info(void *user, mt_log_level level, const char *msg)
+{
+    if (level == MT_LOG_INFO) snprintf((char *)user, 512, "%s", msg);
+}
+
+/* rows and tokens enough that the activations outweigh the weights' layer
+ * buffers (else the weights on disk save nothing) */
+enum { FB = 8, FT = 64 };
+
+/* A context logging INFO lines into said, and auto-fit's model on it. */
+static void fit_model(char *said, mt_context **ctx, mt_model **m)
+{
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.log_fn = last_info;
+    cc.log_user = said;
+    cc.log_level = MT_LOG_INFO;
+    CHECK_OK(mt_context_create(&cc, ctx));
+    *m = check_small_gpt(*ctx, V, FT, 128, 3);
+}
+
+/* Auto-fit, given a directory, puts the state on disk when nothing else
+ * fits, and the weights too when even that does not fit (not with LoRA),
+ * saying so; each chosen run stays within its budget and equals its
+ * estimate per class and place to the byte. */
 TEST(offload_autofit_chooses_the_disk)
 {
     const char *dir = tmp_dir();
     const size_t keep = mti_offload_piece_elems;
     mti_offload_piece_elems = 4096;
-    mt_context *ctx = check_cpu_context(1);
-    mt_model *m = gpt_of(ctx, 128, 3);
+    static char said[512];
+    mt_context *ctx;
+    mt_model *m;
+    fit_model(said, &ctx, &m);
     mt_trainer_config tc;
     const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f};
     config(&tc, &c, MT_PLACE_DEVICE, NULL);
+    tc.max_batch = FB;
+    tc.max_seq = FT;
     const uint64_t resident = least_of(m, ctx, &tc);
-    tc.offload_dir = dir;
-    const uint64_t offloaded = least_of(m, ctx, &tc);
+    mt_trainer_config state = tc; /* the state on disk, as asked (the weights stay) */
+    state.offload = MT_PLACE_DISK;
+    const uint64_t on_disk = least_of(m, ctx, &state);
     CHECK(strstr(mt_last_error(ctx), "the state on disk"));
-    CHECK_MSG(offloaded < resident, "%llu vs %llu", (unsigned long long)offloaded,
+    tc.offload_dir = dir;
+    const uint64_t weights_too = least_of(m, ctx, &tc);
+    CHECK_MSG(strstr(mt_last_error(ctx), "the state and the weights on disk"), "%s", mt_last_error(ctx));
+    CHECK_MSG(weights_too < on_disk && on_disk < resident, "%llu, %llu, %llu",
+              (unsigned long long)weights_too, (unsigned long long)on_disk,
               (unsigned long long)resident);
-    tc.memory_budget = (resident + offloaded) / 2;
-    mt_trainer_config without = tc;
-    without.offload_dir = NULL;
-    mt_autofit_report r;
-    CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &without, 0, &r));
-    CHECK_OKC(ctx, mt_trainer_autofit(m, &tc, 0, &r));
-    CHECK_EQ(r.offload, MT_PLACE_DISK);
-    CHECK_EQ(tc.offload, MT_PLACE_DISK);
-    CHECK(r.peak_reserved <= tc.memory_budget);
-    mt_trainer *t;
-    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
-    int32_t tok[B * T], tg[B * T];
-    mt_batch b;
-    float loss;
-    for (int s = 0; s < 2; s++) {
-        batch(&b, tok, tg, s);
-        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    /* LoRA: never the weights (the state alone, small, goes to disk) */
+    mt_trainer_config lora = tc;
+    lora.lora.rank = 4;
+    (void)least_of(m, ctx, &lora);
+    CHECK_MSG(!strstr(mt_last_error(ctx), "weights"), "%s", mt_last_error(ctx));
+    for (int k = 0; k < 2; k++) {
+        if (k) fit_model(said, &ctx, &m); /* (a fresh context: its peaks are the run's) */
+        mt_trainer_config f = tc;
+        f.memory_budget = k ? (weights_too + on_disk) / 2 : (on_disk + resident) / 2;
+        mt_trainer_config without = f;
+        without.offload_dir = NULL;
+        mt_autofit_report r;
+        CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &without, 0, &r));
+        if (k) { /* the state on disk, as asked, and no more: nothing fits */
+            without.offload = MT_PLACE_DISK;
+            CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &without, 0, &r));
+        }
+        said[0] = 0;
+        CHECK_OKC(ctx, mt_trainer_autofit(m, &f, 0, &r));
+        CHECK_EQ(r.offload, MT_PLACE_DISK);
+        CHECK_EQ(f.offload, MT_PLACE_DISK);
+        CHECK_EQ(r.offload_params, k);
+        CHECK_EQ(f.offload_params, k);
+        CHECK_MSG(strstr(said, k ? "the optimizer state and the weights on disk"
+                                 : "the optimizer state on disk") != NULL, "%s", said);
+        CHECK(r.peak_reserved <= f.memory_budget);
+        mt_estimate_report est;
+        CHECK_OKC(ctx, mt_estimate_model(m, &f, &est));
+        CHECK_EQ(est.peak_reserved, r.peak_reserved);
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &f, &t));
+        int32_t tok[FB * FT], tg[FB * FT];
+        mt_batch b;
+        float loss;
+        for (int s = 0; s < 2; s++) {
+            check_token_batch(&b, tok, tg, FB, FT, V, s);
+            CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+        }
+        mt_memory_stats st, disk;
+        CHECK_OK(mt_context_memory_stats(ctx, &st));
+        CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_DISK, &disk));
+        CHECK(st.peak_reserved_bytes <= f.memory_budget);
+        CHECK_EQ(st.peak_reserved_bytes, est.peak_reserved);
+        CHECK_EQ(st.peak_live_bytes, est.peak);
+        for (int j = 0; j < MT_MEM_COUNT; j++) {
+            CHECK_EQ(st.per_class[j].peak_live_bytes, est.class_peak[j]);
+            CHECK_EQ(disk.per_class[j].peak_live_bytes, est.place_class_peak[MT_PLACE_DISK][j]);
+        }
+        CHECK_EQ(disk.per_class[MT_MEM_PARAM].peak_live_bytes > 0, k);
+        mt_trainer_destroy(t);
+        CHECK(scratch_gone(dir));
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
     }
-    mt_memory_stats st;
-    CHECK_OK(mt_context_memory_stats(ctx, &st));
-    CHECK(st.peak_reserved_bytes <= tc.memory_budget);
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
     mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0);
 }

@@ -270,7 +270,12 @@ grep -q '"host_class_peak": {"PARAM": [1-9][0-9]*, "MASTER": [1-9][0-9]*, "GRAD"
 expect 0 "estimate --autofit --offload-dir" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp"
 grep -q "the optimizer state on disk" "$tmp/out" && grep -q "disk .*MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: autofit offload choice"; cat "$tmp/out"; fail=1; }
 expect 0 "estimate --autofit --offload-dir, json" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp" --json
-grep -q '"offload": "disk"' "$tmp/out" || { echo "FAIL tool: autofit offload json"; cat "$tmp/out"; fail=1; }
+grep -q '"offload": "disk", "offload_params": false' "$tmp/out" || { echo "FAIL tool: autofit offload json"; cat "$tmp/out"; fail=1; }
+# and the weights too when the state on disk is not enough
+expect 0 "estimate --autofit, the weights on disk" -- "$tool" estimate --budget 700 --autofit --fused --batch 4 --seq 256 --offload-dir "$tmp"
+grep -q "the optimizer state and the weights on disk" "$tmp/out" || { echo "FAIL tool: autofit offload-params choice"; cat "$tmp/out"; fail=1; }
+expect 0 "estimate --autofit, the weights on disk, json" -- "$tool" estimate --budget 700 --autofit --fused --batch 4 --seq 256 --offload-dir "$tmp" --json
+grep -q '"offload": "disk", "offload_params": true' "$tmp/out" || { echo "FAIL tool: autofit offload-params json"; cat "$tmp/out"; fail=1; }
 expect 2 "estimate --offload-dir without --autofit" -- "$tool" estimate --offload-dir "$tmp"
 expect 1 "--offload-dir that is not a directory" -- "$tool" train --model gpt --steps 1 --offload disk --offload-dir "$tmp/nope"
 grep -q "nope" "$tmp/err" || { echo "FAIL tool: offload dir message"; cat "$tmp/err"; fail=1; }

@@ -47,7 +47,9 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
                : fit->optimizer == MT_OPT_ADAMW4 ? "adamw4"
                                                  : "as configured",
                fit->recomputed_units, fit->selective_units, fit->units);
-        printf(", \"offload\": \"%s\"", fit->offload == MT_PLACE_DISK ? "disk" : "none");
+        printf(", \"offload\": \"%s\", \"offload_params\": %s",
+               fit->offload == MT_PLACE_DISK ? "disk" : "none",
+               fit->offload_params ? "true" : "false");
         cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
         printf("}");
     }
@@ -93,7 +95,9 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
                : fit->optimizer == MT_OPT_ADAMW4 ? "4-bit AdamW"
                                                  : "the configured optimizer",
                fit->recomputed_units, fit->units, fit->selective_units,
-               fit->offload == MT_PLACE_DISK ? ", the optimizer state on disk" : "",
+               fit->offload_params            ? ", the optimizer state and the weights on disk"
+               : fit->offload == MT_PLACE_DISK ? ", the optimizer state on disk"
+                                               : "",
                fit->tokens_per_second);
     const bool off = e->place_peak[MT_PLACE_HOST] || e->place_peak[MT_PLACE_DISK];
     printf("%-7s %14s %14s", "class", "at the peak", "own peak");

@@ -379,7 +379,7 @@ static const opt table[] = {
     {"--offload-dir", "DIR", TE, CLI_ANY, K_STR, OFF(offload_dir), 0, 0, NULL, NULL,
      "the directory --offload disk makes its scratch directory in",
      "with --autofit: auto-fit may put the state on disk there when nothing fits on the "
-     "device (CPU; nothing is made)"},
+     "device, and the weights too when even that does not fit (CPU; nothing is made)"},
     {"--offload-params", NULL, TE, CLI_ANY, K_FLAG, OFF(offload_params), 1, 0, NULL, NULL,
      "with --offload disk: the trained weights in the scratch files too, each layer's read in "
      "just before it runs (the next one's while it runs) and let go after",
