@@ -1074,8 +1074,9 @@ typedef struct mt_trainer_config {
      * and set_params read and write them there. On a run of several ranks
      * (ZeRO stages 0, 1 and 2) each rank keeps its own part (its shard at
      * stages 1 and 2) in offload_dir/memtrain-scratch.rankR, and
-     * training-state files are the resident run's; fp16/bf16 masters at
-     * stages 1 and 2, stage 3 and CUDA contexts are MT_ERR_UNSUPPORTED.
+     * training-state files are the resident run's (fp16/bf16 masters: each
+     * rank's master slice); stage 3 and CUDA contexts are
+     * MT_ERR_UNSUPPORTED.
      * MT_PLACE_HOST (CUDA contexts of one rank): in page-locked host memory
      * (cuMemHostAlloc; place host). Each gradient goes down to the host as
      * backward finishes it (a piece at a time, through a few staging buffers

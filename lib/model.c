@@ -701,7 +701,7 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
         return mti_offload_param_read(m->params_home, i, at, n, dst);
     if (p->qf && ctx->dev->kind == MT_DEVICE_CPU) /* dequantized straight into dst */
         return dequantize_range(m, p, at, n, dst);
-    if (m->master_home && !p->frozen) /* the master, from its file */
+    if (m->master_home && !p->frozen && !m->master_sliced) /* the master, from its file */
         return mti_offload_read(m->master_home, i, 1, (uint64_t)at * 4, dst, n * 4);
     /* (a frozen weight has no master; a ZeRO master is a slice) */
     const mti_tensor *t = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
@@ -745,19 +745,24 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
     mti_tensor *t = master ? &p->master : &p->w;
     size_t es = mti_dtype_size(p->w.dtype);
-    if (m->master_home && !p->frozen) { /* the master in its file, then the copy below */
+    if (m->master_home && !p->frozen && !m->master_sliced) { /* the master in its file, then the copy below */
         mt_status s = mti_offload_write(m->master_home, i, 1, (uint64_t)at * 4, src, n * 4);
         if (s) return s;
     }
-    if (m->master_sliced && p->master.blk.ptr) { /* the master's slice of [at, at + n), then the copy below */
+    if (m->master_sliced && !p->frozen) { /* the master's slice of [at, at + n), then the copy below */
+        /* (a master at home on disk keeps its shape: the slice's length) */
         size_t lo = p->master_lo, hi = lo + (size_t)mti_tensor_numel(&p->master);
+        const size_t l0 = lo;
         if (lo < at) lo = at;
         if (hi > at + n) hi = at + n;
-        if (lo < hi) {
-            mt_status s = ctx->dev->copy_h2d(ctx->dev, (float *)p->master.blk.ptr + (lo - p->master_lo),
-                                             src + (lo - at), (hi - lo) * 4);
-            if (s) return s;
-        }
+        mt_status s = MT_OK;
+        if (lo < hi && m->master_home) /* (its file holds this rank's slice, from l0) */
+            s = mti_offload_write(m->master_home, i, 1, (uint64_t)(lo - l0) * 4, src + (lo - at),
+                                  (hi - lo) * 4);
+        else if (lo < hi)
+            s = ctx->dev->copy_h2d(ctx->dev, (float *)p->master.blk.ptr + (lo - l0),
+                                   src + (lo - at), (hi - lo) * 4);
+        if (s) return s;
     }
     if (t->dtype == MTI_F32) {
         mt_status s = ctx->dev->copy_h2d(ctx->dev, (float *)t->blk.ptr + at, src, n * 4);

@@ -619,11 +619,6 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
                         "%s: cfg->offload disk with ZeRO stage %d is not supported (stages 0, 1 "
                         "and 2 are)",
                         fn, c->zero_stage);
-    if (ctx->world > 1 && c->zero_stage && c->precision != MT_PREC_FP32 && c->master_weights)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload disk with ZeRO stage %d keeps no fp32 master slices "
-                        "on disk yet: train in fp32, in bf16 without masters, or at stage 0",
-                        fn, c->zero_stage);
     if (c->offload_params && ctx->world > 1)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload_params runs on one rank only, for now", fn);
@@ -980,8 +975,9 @@ mt_status mti_offload_write(mti_offload *o, int i, int what, uint64_t off, const
 
 mt_status mti_offload_put_master(mti_offload *o, int i)
 {
-    mti_param *p = &o->t->model->params[i];
-    mt_status s = mti_offload_write(o, i, 1, 0, p->master.blk.ptr, p->numel * 4);
+    mti_param *p = &o->t->model->params[i]; /* (ZeRO: the master is this rank's slice) */
+    mt_status s = mti_offload_write(o, i, 1, 0, p->master.blk.ptr,
+                                    (size_t)mti_tensor_numel(&p->master) * 4);
     if (!s) mti_tensor_free(o->ctx, &p->master);
     return s;
 }

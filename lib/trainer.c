@@ -292,13 +292,13 @@ static void from_mixed(mt_trainer *t)
 {
     mt_model *m = t->model;
     mt_context *ctx = t->ctx;
-    if (m->master_sliced) { /* each rank has a slice: the compute copy widened */
+    m->master_home = NULL;
+    if (m->master_sliced) { /* each rank has a slice (or its file): the compute copy widened */
         for (int i = 0; i < m->n_param; i++) mti_tensor_free(ctx, &m->params[i].master);
         (void)convert_weights(t, MTI_F32); /* what stays 16-bit, the next trainer widens */
         m->has_master = m->master_sliced = false;
         return;
     }
-    m->master_home = NULL;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
         if (!p->master.blk.ptr && t->off && !p->frozen && p->w.dtype != MTI_F32 &&
@@ -358,6 +358,7 @@ static mt_status to_mixed(mt_trainer *t)
         p->w = half;
         p->master = master;
         p->master_lo = lo;
+        if (nm && t->off) s = mti_offload_put_master(t->off, i); /* the slice's home: disk */
     }
     for (int i = 0; i < m->n_param && !s && !t->zero; i++) {
         mti_param *p = &m->params[i];

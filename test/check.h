@@ -52,6 +52,8 @@ bool check_gpu_values(void);
  * (16-bit) within 2e-2 (1 + loss); nothing under the stand-ins. */
 void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const float *l_gpu,
                         const float *l_cpu);
+/* Whether two files hold the same bytes (false also when one cannot be read). */
+bool check_same_file(const char *a, const char *b);
 /* A token batch of n rows of T tokens below V into tok and tg (n * T
  * each), different for each step. */
 void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step);

@@ -177,6 +177,21 @@ void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const 
                   "step %d: gpu %.6f cpu %.6f", i, (double)l_gpu[i], (double)l_cpu[i]);
 }
 
+bool check_same_file(const char *a, const char *b)
+{
+    FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
+    bool same = f && g;
+    unsigned char x[4096], y[4096];
+    while (same) {
+        const size_t n = fread(x, 1, sizeof x, f), k = fread(y, 1, sizeof y, g);
+        same = n == k && memcmp(x, y, n) == 0;
+        if (n < sizeof x) break;
+    }
+    if (f) fclose(f);
+    if (g) fclose(g);
+    return same;
+}
+
 void check_token_batch(mt_batch *b, int32_t *tok, int32_t *tg, int n, int T, int V, int step)
 {
     for (int i = 0; i < n * T; i++) {

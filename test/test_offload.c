@@ -16,6 +16,7 @@
 
 #include "check.h"
 #include "offload.h"
+#include "test_comm.h"
 
 enum { B = 2, T = 16, V = 256, STEPS = 3 };
 
@@ -191,6 +192,158 @@ TEST(offload_disk_equals_resident_each_optimizer)
     }
     mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0); /* nothing left in it */
+}
+
+/* ---- several ranks: each its own part on disk ---- */
+
+enum { ZN = 2 }; /* ranks */
+
+typedef struct zrun {
+    mt_trainer_config tc;
+    char save[600];    /* the training-state file saved after the steps */
+    tcomm_world *world;
+    mt_status st[ZN];  /* each rank's, and what failed */
+    char msg[ZN][512];
+    float loss[ZN][STEPS], last[ZN]; /* (last: one more step after mt_model_set_params) */
+    float *w[ZN];      /* each rank's weights at the end */
+    size_t nw;
+} zrun;
+
+/* Rank `rank` of a ZeRO run (its own rows each step): STEPS steps, then its
+ * peaks per class and place against its estimate, to the byte. */
+static void zrank(int rank, void *arg)
+{
+    zrun *a = arg;
+    mt_comm *c = tcomm_make(a->world, rank, ZN, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 11;
+    mt_estimate_report e;
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = mt_estimate_model(m, &a->tc, &e);
+    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    int32_t tok[B * T], tg[B * T];
+    for (int k = 0; k < STEPS && !s; k++) {
+        mt_batch b;
+        check_token_batch(&b, tok, tg, B, T, V, k * ZN + rank);
+        s = mt_trainer_step(t, &b, &a->loss[rank][k]);
+    }
+    mt_memory_stats st, disk;
+    if (!s) s = mt_context_memory_stats(ctx, &st);
+    if (!s) s = mt_context_place_stats(ctx, MT_PLACE_DISK, &disk);
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    for (int k = 0; k < MT_MEM_COUNT && !s; k++)
+        if (st.per_class[k].peak_live_bytes != e.class_peak[k] ||
+            disk.per_class[k].peak_live_bytes != e.place_class_peak[MT_PLACE_DISK][k]) {
+            s = MT_ERR_INTERNAL;
+            snprintf(a->msg[rank], sizeof a->msg[rank],
+                     "%s: device peak %llu (estimate %llu), disk %llu (estimate %llu)",
+                     mt_mem_class_name((mt_mem_class)k),
+                     (unsigned long long)st.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.class_peak[k],
+                     (unsigned long long)disk.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.place_class_peak[MT_PLACE_DISK][k]);
+        }
+    if (!s && (st.peak_live_bytes != e.peak || st.peak_reserved_bytes != e.peak_reserved)) {
+        s = MT_ERR_INTERNAL;
+        snprintf(a->msg[rank], sizeof a->msg[rank], "peak %llu (estimate %llu)",
+                 (unsigned long long)st.peak_live_bytes, (unsigned long long)e.peak);
+    }
+    if (!s && a->tc.offload == MT_PLACE_DISK && !disk.per_class[MT_MEM_MASTER].peak_live_bytes &&
+        a->tc.precision != MT_PREC_FP32 && a->tc.master_weights) {
+        s = MT_ERR_INTERNAL;
+        snprintf(a->msg[rank], sizeof a->msg[rank], "no master slice on disk");
+    }
+    if (!s) s = mt_trainer_save(t, a->save, NULL, 0); /* (a collective) */
+    /* new weights through the masters' slices (on disk: their files), and a
+       step from them */
+    const size_t nw = m ? mt_model_num_params(m) : 0;
+    float *w = s ? NULL : malloc(nw * sizeof *w);
+    if (!s && !w) s = MT_ERR_OOM;
+    if (!s) s = mt_model_get_params(m, w, nw);
+    for (size_t k = 0; !s && k < nw; k++) w[k] = w[k] * 0.5f + 0.001f;
+    if (!s) s = mt_model_set_params(m, w, nw);
+    if (!s) {
+        mt_batch b;
+        check_token_batch(&b, tok, tg, B, T, V, STEPS * ZN + rank);
+        s = mt_trainer_step(t, &b, &a->last[rank]);
+    }
+    if (!s) s = mt_model_get_params(m, w, nw);
+    if (s && !a->msg[rank][0]) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    a->nw = nw;
+    a->w[rank] = w;
+    a->st[rank] = s;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void zero_go(zrun *a, const ocase *c, int stage, mt_place place, const char *dir)
+{
+    memset(a, 0, sizeof *a);
+    config(&a->tc, c, place, dir);
+    a->tc.zero_stage = stage;
+    snprintf(a->save, sizeof a->save, "/tmp/mt_offload_%ld_%s.mtt", (long)getpid(),
+             place == MT_PLACE_DISK ? "disk" : "resident");
+    a->world = tcomm_world_new(ZN, 30.0);
+    tcomm_run(ZN, zrank, a);
+    tcomm_world_free(a->world);
+    for (int r = 0; r < ZN; r++)
+        CHECK_MSG(a->st[r] == MT_OK, "%s prec %d, stage %d, %s, rank %d: %s",
+                  mt_optimizer_name(c->opt), (int)c->prec, stage, mt_place_name(place), r,
+                  a->msg[r]);
+}
+
+/* fp16/bf16 masters at ZeRO stages 1 and 2 on 2 ranks: each rank's master
+ * slice goes to disk with its state; the losses, the weights and the
+ * training-state file are the resident run's bits at the same stage (also
+ * after new weights set through the masters' slices and one more step),
+ * and each rank's peaks per class and place equal its estimate. */
+TEST(offload_zero_masters_on_disk)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096; /* shards cut across pieces */
+    static const ocase zc[] = {
+        {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 1.0f},
+        {MT_OPT_ADAMW, MT_PREC_FP16, 1, 1, 0.0f},
+        {MT_OPT_ADAMW8, MT_PREC_BF16, 1, 1, 0.0f},
+        {MT_OPT_ADAFACTOR, MT_PREC_BF16, 1, 0, 0.0f},
+    };
+    for (size_t i = 0; i < sizeof zc / sizeof *zc; i++)
+        for (int stage = 1; stage <= 2; stage++) {
+            if (check_light() && (i + (size_t)stage) % 2) continue;
+            zrun res, off;
+            zero_go(&res, &zc[i], stage, MT_PLACE_DEVICE, NULL);
+            zero_go(&off, &zc[i], stage, MT_PLACE_DISK, dir);
+            CHECK_MSG(check_same_file(res.save, off.save), "%s prec %d, stage %d: the files differ",
+                      mt_optimizer_name(zc[i].opt), (int)zc[i].prec, stage);
+            CHECK(unlink(res.save) == 0 && unlink(off.save) == 0);
+            CHECK(memcmp(res.last, off.last, sizeof res.last) == 0);
+            for (int r = 0; r < ZN && res.nw && off.nw; r++) {
+                CHECK_MSG(memcmp(res.loss[r], off.loss[r], sizeof res.loss[r]) == 0,
+                          "%s prec %d, stage %d, rank %d: losses differ", mt_optimizer_name(zc[i].opt),
+                          (int)zc[i].prec, stage, r);
+                CHECK_MSG(memcmp(res.w[r], off.w[r], res.nw * sizeof(float)) == 0,
+                          "%s prec %d, stage %d, rank %d: weights differ", mt_optimizer_name(zc[i].opt),
+                          (int)zc[i].prec, stage, r);
+            }
+            for (int r = 0; r < ZN; r++) {
+                char p[600];
+                snprintf(p, sizeof p, "%s/memtrain-scratch.rank%d", dir, r);
+                struct stat sb;
+                CHECK(stat(p, &sb) != 0 && errno == ENOENT);
+                free(res.w[r]);
+                free(off.w[r]);
+            }
+        }
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
 }
 
 TEST(offload_places_in_stats_and_estimate)
