@@ -990,7 +990,9 @@ typedef struct mt_trainer_config {
      * H-th step (skipped ones counted) the ranks' weights become their mean
      * (the fp32 masters where there are, the compute copy rounded from
      * them); each rank keeps its own optimizer state. Every rank must use
-     * the same H. Nothing changes on one rank (docs/distributed.md). */
+     * the same H. Nothing changes on one rank (docs/distributed.md). With
+     * offload MT_PLACE_DISK, fp16/bf16 masters or offload_params (what it
+     * averages being on disk) it is MT_ERR_UNSUPPORTED. */
     int local_sgd_every;
     /* ZeRO on a data-parallel run of N > 1 ranks (docs/distributed.md); on
      * one rank every stage is stage 0. 0 (default): every rank holds

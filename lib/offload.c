@@ -619,6 +619,13 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
                         "%s: cfg->offload disk with ZeRO stage %d is not supported (stages 0, 1 "
                         "and 2 are)",
                         fn, c->zero_stage);
+    if (ctx->world > 1 && c->local_sgd_every > 0 &&
+        (c->offload_params || (c->precision != MT_PREC_FP32 && c->master_weights)))
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->local_sgd_every %d averages the %s across the ranks in memory, "
+                        "and cfg->offload disk keeps them on disk: run local SGD with them "
+                        "resident (or without masters)",
+                        fn, c->local_sgd_every, c->offload_params ? "weights" : "fp32 masters");
     if (c->offload_params && ctx->world > 1)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload_params runs on one rank only, for now", fn);

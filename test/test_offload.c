@@ -346,6 +346,35 @@ TEST(offload_zero_masters_on_disk)
     CHECK(rmdir(dir) == 0);
 }
 
+/* Local SGD averages the masters (or the weights) in memory: with them on
+ * disk it is refused, clearly, on every rank alike. */
+TEST(offload_local_sgd_refused)
+{
+    const char *dir = tmp_dir();
+    static const ocase lc[] = {
+        {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f}, /* the masters on disk */
+        {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f}, /* the weights on disk */
+    };
+    for (int k = 0; k < 2; k++) {
+        zrun a;
+        memset(&a, 0, sizeof a);
+        params_too = k;
+        config(&a.tc, &lc[k], MT_PLACE_DISK, dir);
+        params_too = 0;
+        a.tc.local_sgd_every = 2;
+        snprintf(a.save, sizeof a.save, "%s/never.mtt", dir);
+        a.world = tcomm_world_new(ZN, 30.0);
+        tcomm_run(ZN, zrank, &a);
+        tcomm_world_free(a.world);
+        for (int r = 0; r < ZN; r++) {
+            CHECK_EQ(a.st[r], MT_ERR_UNSUPPORTED);
+            CHECK_MSG(strstr(a.msg[r], "local_sgd_every"), "rank %d: %s", r, a.msg[r]);
+            free(a.w[r]);
+        }
+    }
+    CHECK(rmdir(dir) == 0);
+}
+
 TEST(offload_places_in_stats_and_estimate)
 {
     mt_context *ctx = check_cpu_context(1);
