@@ -1105,8 +1105,10 @@ typedef struct mt_trainer_config {
      * mt_model_get_params / set_params, training-state files and the
      * weights after the trainer read and write them on disk; an I/O
      * failure loses them with the state (MT_ERR_IO: load the last
-     * training-state file). One rank, without LoRA (MT_ERR_UNSUPPORTED
-     * otherwise). */
+     * training-state file). One rank, or several at ZeRO stage 0 (each
+     * rank its own param.bin, written once the ranks have agreed on the
+     * weights); without LoRA, at stages 1-3 on several ranks and with
+     * local SGD MT_ERR_UNSUPPORTED. */
     int offload_params; /* 0 or 1 */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
      * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear

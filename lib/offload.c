@@ -626,9 +626,11 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
                         "and cfg->offload disk keeps them on disk: run local SGD with them "
                         "resident (or without masters)",
                         fn, c->local_sgd_every, c->offload_params ? "weights" : "fp32 masters");
-    if (c->offload_params && ctx->world > 1)
+    if (c->offload_params && ctx->world > 1 && c->zero_stage)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload_params runs on one rank only, for now", fn);
+                        "%s: cfg->offload_params on several ranks runs at ZeRO stage 0 only, for "
+                        "now (stage %d gathers the updated weights into memory)",
+                        fn, c->zero_stage);
     if (c->offload_params && (c->lora.rank || m->lora_rank))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload_params with LoRA is not supported (the adapters are "

@@ -980,7 +980,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
            rather than from the fragments of tensors twice their size */
         for (int a = 0; !s && a < ctx->n_inst; a++) (void)mt_allocator_trim(ctx->inst[a]);
     }
-    if (!s && t->off && cfg->offload_params) s = mti_offload_put_params(t->off); /* their home: disk */
+    /* the weights' home: disk (on several ranks once the ranks have agreed on
+       them: their hash reads them where they are) */
+    const bool params_late = ctx->world > 1;
+    if (!s && t->off && cfg->offload_params && !params_late) s = mti_offload_put_params(t->off);
     if (zero == 3) s = mti_zero3_shard(t, s); /* the weights' home: this rank's slices (every rank) */
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
@@ -1011,6 +1014,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
     }
     s = mti_dp_created(t, s);
+    if (!s && t->off && cfg->offload_params && params_late)
+        s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
+                                mti_offload_put_params(t->off));
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         bool attached = t->attached;

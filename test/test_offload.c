@@ -258,6 +258,10 @@ static void zrank(int rank, void *arg)
         s = MT_ERR_INTERNAL;
         snprintf(a->msg[rank], sizeof a->msg[rank], "no master slice on disk");
     }
+    if (!s && a->tc.offload_params && !disk.per_class[MT_MEM_PARAM].peak_live_bytes) {
+        s = MT_ERR_INTERNAL;
+        snprintf(a->msg[rank], sizeof a->msg[rank], "no weights on disk");
+    }
     if (!s) s = mt_trainer_save(t, a->save, NULL, 0); /* (a collective) */
     /* new weights through the masters' slices (on disk: their files), and a
        step from them */
@@ -343,6 +347,58 @@ TEST(offload_zero_masters_on_disk)
             }
         }
     mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* The weights on disk too on 2 ranks at ZeRO stage 0: each rank's own
+ * param.bin, sent there once the ranks agree on the weights; the resident
+ * run's bits (losses, weights, training-state files), each rank's peaks its
+ * estimate's. Stages 1 and 2 are refused. */
+TEST(offload_params_on_two_ranks)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    static const ocase pc[] = {
+        {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 1.0f},
+        {MT_OPT_ADAMW, MT_PREC_BF16, 1, 1, 0.0f},
+        {MT_OPT_SGD, MT_PREC_BF16, 0, 0, 0.0f},
+    };
+    for (size_t i = 0; i < sizeof pc / sizeof *pc; i++) {
+        zrun res, off;
+        zero_go(&res, &pc[i], 0, MT_PLACE_DEVICE, NULL);
+        params_too = 1;
+        zero_go(&off, &pc[i], 0, MT_PLACE_DISK, dir);
+        params_too = 0;
+        CHECK_MSG(check_same_file(res.save, off.save), "%s prec %d: the files differ",
+                  mt_optimizer_name(pc[i].opt), (int)pc[i].prec);
+        CHECK(unlink(res.save) == 0 && unlink(off.save) == 0);
+        CHECK(memcmp(res.last, off.last, sizeof res.last) == 0);
+        for (int r = 0; r < ZN && res.nw && off.nw; r++) {
+            CHECK(memcmp(res.loss[r], off.loss[r], sizeof res.loss[r]) == 0);
+            CHECK_MSG(memcmp(res.w[r], off.w[r], res.nw * sizeof(float)) == 0,
+                      "%s prec %d, rank %d: weights differ", mt_optimizer_name(pc[i].opt),
+                      (int)pc[i].prec, r);
+            free(res.w[r]);
+            free(off.w[r]);
+        }
+    }
+    mti_offload_piece_elems = keep;
+    mt_trainer_config tc;
+    params_too = 1;
+    config(&tc, &pc[0], MT_PLACE_DISK, dir);
+    params_too = 0;
+    tc.zero_stage = 1;
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.world_size = ZN;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64;
+    mt_estimate_report e;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_estimate_gpt(&cc, &g, &tc, &e));
+    CHECK(strstr(mt_last_error(NULL), "ZeRO stage 0 only"));
     CHECK(rmdir(dir) == 0);
 }
 
