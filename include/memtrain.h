@@ -962,7 +962,13 @@ typedef struct mt_trainer_config {
      * gradient clipping or fp16, backward runs twice: the first pass finds
      * the global norm and any non-finite gradient, freeing each gradient at
      * once; the second applies the updates (skipped when the first found an
-     * overflow). Results equal the unfused step. */
+     * overflow). Results equal the unfused step. On several ranks whose
+     * communicator takes calls from any thread (MT_COMM_CAP_THREADS), a
+     * CPU context at ZeRO stage 0 to 2 without offload reduces each
+     * gradient on the communication thread and updates it once that is
+     * done, holding up to about 4 MiB more of whole gradients (the same
+     * bits; docs/distributed.md, "Overlap of communication with
+     * backward"). */
     int fused_step;
     /* Frozen parameters (docs/engine.md, "Frozen parameters"):
      * every parameter whose name matches one of these n_freeze fnmatch(3)

@@ -807,7 +807,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t);
 }
 
-static mt_status zero2_job(void *user, int i, float *g);
+static mt_status held_job(void *user, int i, float *g);
 
 /* ZeRO-1 on the communication thread: a gradient final in backward goes
  * to its slices' owners, each rank's part in place (reduce_grad's
@@ -819,8 +819,9 @@ static mt_status zero1_job(void *user, int i, float *g)
 }
 
 /* The communication thread (comm/overlap.c), for the parameters that
- * train: it sums them (stage 0) or reduce-scatters them (stages 1 and 2);
- * at stage 3 it runs the calls queued (comm/zero3.c), no gradients given. */
+ * train: it sums them (stage 0) or reduce-scatters them (stages 1 and 2),
+ * in a fixed order, or in the order given (stage 2, the fused step); at
+ * stage 3 it runs the calls queued (comm/zero3.c), no gradients given. */
 static mt_status overlap_start(mt_trainer *t)
 {
     const mt_model *m = t->model;
@@ -829,8 +830,8 @@ static mt_status overlap_start(mt_trainer *t)
     if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     for (int i = 0; i < n; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
     mt_status s = mti_overlap_new(t->ctx, n, numel,
-                                  t->zero == 2 ? zero2_job : t->zero ? zero1_job : NULL, t,
-                                  t->zero == 2, &t->ov);
+                                  t->s2 || t->fq ? held_job : t->zero ? zero1_job : NULL, t,
+                                  t->s2 || t->fq, &t->ov);
     free(numel);
     return s;
 }
@@ -1006,9 +1007,15 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s && !mti_local_sgd(t) && (ahead || (!cfg->fused_step && zero < 2)) &&
         mti_overlap_possible(ctx))
         s = overlap_start(t);
-    /* stage 2's reduce-scatters on it (an estimate plans their memory) */
-    if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero == 2 && mti_overlap_planned(ctx)) {
-        t->s2 = 1;
+    /* stage 2's reduce-scatters on it, and the fused step's reductions at
+       stages 0 to 2 (not with the state on disk, whose pieces stream in
+       the update's order as backward makes it); an estimate plans the
+       whole gradients they hold */
+    if (!s && !mti_local_sgd(t) && mti_overlap_planned(ctx) &&
+        ((!cfg->fused_step && zero == 2) ||
+         (cfg->fused_step && zero < 3 && cfg->offload == MT_PLACE_DEVICE))) {
+        t->s2 = !cfg->fused_step;
+        t->fq = cfg->fused_step != 0;
         if (!(t->s2q = malloc((size_t)m->n_param * sizeof *t->s2q + 1)))
             s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
         if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
@@ -1172,13 +1179,24 @@ static mt_status reduce_range(mt_trainer *t, int i, float *g, size_t at, size_t 
     return mti_zero_reduce(t, i, g, at, n, *own_n ? g + *own : NULL, 0);
 }
 
-/* fused, first of two passes: check and measure each gradient, then drop it */
+static mt_status held_give(mt_trainer *t, int i);
+static mt_status held_retire(mt_trainer *t, bool all, mt_status s);
+
+/* fused, first of two passes: check and measure each gradient (reduced),
+ * then drop it; with the thread (t->fq) the reduction goes there and the
+ * rest runs as the gradient is let go */
+static mt_status check_grad(mt_trainer *t, int i)
+{
+    mt_status s = unscale(t, i);
+    return s ? s : sumsq(t, i);
+}
+
 static mt_status check_hook(void *user, int i)
 {
     mt_trainer *t = user;
+    if (t->fq_pass) return held_give(t, i);
     mt_status s = reduce_grad(t, i);
-    if (!s) s = unscale(t, i);
-    if (!s) s = sumsq(t, i);
+    if (!s) s = check_grad(t, i);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     return s;
 }
@@ -1187,7 +1205,10 @@ static mt_status check_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
     size_t own, on;
-    mt_status s = reduce_range(t, i, g, at, n, &own, &on);
+    /* (the table's slices, last: the thread's work done first, so its
+       checks and updates keep their order and the communicator is free) */
+    mt_status s = t->fq_pass ? held_retire(t, true, MT_OK) : MT_OK;
+    if (!s) s = reduce_range(t, i, g, at, n, &own, &on);
     if (!s && on) s = unscale_g(t, g + own, on);
     return s || !on ? s : sumsq_g(t, i, g + own, on);
 }
@@ -1218,33 +1239,44 @@ static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n
     return s ? s : later ? mti_zero3_reduce(t, i, dst) : mti_zero_reduce(t, i, g, at, n, dst, 1);
 }
 
-/* Stage 2 on the communication thread (t->s2): a whole gradient final in
- * this pass goes to the thread, which reduce-scatters it onto the slices
- * (added, as shard_range) while backward goes on; the main thread lets the
- * whole gradients go, oldest first, once more than S2_HELD bytes of them
- * besides the newest are held, waiting for their collectives if it must.
- * Where they are let go depends only on the order backward finishes them
- * and their sizes, never on the thread's timing, so the peaks are the same
- * in every run and in the estimate, which runs this without a thread (the
+/* Whole gradients on the communication thread, given as backward makes
+ * them final and let go in that order: stage 2's (t->s2), which the thread
+ * reduce-scatters onto the slices (added, as shard_range), and the fused
+ * step's (t->fq), which it sums over the ranks (stage 0) or reduce-scatters
+ * in place (stages 1 and 2), reduce_grad's collective on the same values,
+ * while backward goes on. The main thread lets them go, oldest first, once
+ * more than HELD bytes of them besides the newest are held, waiting for
+ * their collectives if it must; the fused step's check or update of a
+ * tensor runs then, on the main thread, in the order the blocking step
+ * runs them, so the flags, norms and weights are its bits. Where they are
+ * let go depends only on the order backward finishes them and their
+ * sizes, never on the thread's timing, so the peaks are the same in every
+ * run and in the estimate, which runs this without a thread (the
  * collectives then run, dry, at once). */
-#define S2_HELD MTI_COMM_STAGE
+#define HELD MTI_COMM_STAGE
 
-static mt_status zero2_job(void *user, int i, float *g)
+static mt_status held_job(void *user, int i, float *g)
 {
     mt_trainer *t = user;
-    return mti_zero_reduce(t, i, g, 0, t->model->params[i].numel, t->gs[i].blk.ptr, 1);
+    const size_t n = t->model->params[i].numel;
+    if (!t->fq) return mti_zero_reduce(t, i, g, 0, n, t->gs[i].blk.ptr, 1);
+    if (!t->zero) return mti_dp_reduce(t, i, g, n);
+    return zero1_job(user, i, g);
 }
 
+static mt_status fused_after(mt_trainer *t, int i);
+
 /* Lets the oldest whole gradients go: all of them, or while more than
- * S2_HELD bytes besides the newest are held. */
-static mt_status s2_retire(mt_trainer *t, bool all)
+ * HELD bytes besides the newest are held; after a failure (s, or one on
+ * the way) only waited for and freed. */
+static mt_status held_retire(mt_trainer *t, bool all, mt_status s)
 {
-    mt_status s = MT_OK;
     while (t->s2_head < t->s2_tail &&
-           (all || (t->s2_tail - t->s2_head > 1 && t->s2_bytes > S2_HELD))) {
+           (all || (t->s2_tail - t->s2_head > 1 && t->s2_bytes > HELD))) {
         const int i = t->s2q[t->s2_head];
         mt_status e = t->ov ? mti_overlap_wait_first(t->ov, t->s2_head + 1) : MT_OK;
         if (!s) s = e;
+        if (!s && t->fq_pass) s = fused_after(t, i);
         t->s2_bytes -= t->model->params[i].numel * sizeof(float);
         mti_tensor_free(t->ctx, &t->E.grad[i]);
         t->s2_head++;
@@ -1253,22 +1285,40 @@ static mt_status s2_retire(mt_trainer *t, bool all)
     return s;
 }
 
-static mt_status s2_give(mt_trainer *t, int i)
+static mt_status held_give(mt_trainer *t, int i)
 {
-    mt_status s = grad_slice(t, i);
-    t->E.uses_left[i] = -1; /* reduced in this pass */
+    mt_status s = t->s2 ? grad_slice(t, i) : MT_OK;
+    if (t->s2) t->E.uses_left[i] = -1; /* reduced in this pass */
     if (s) return s;
     float *g = t->E.grad[i].blk.ptr;
     t->s2q[t->s2_tail++] = i;
     t->s2_bytes += t->model->params[i].numel * sizeof(float);
-    s = t->ov ? mti_overlap_push(t->ov, i, t->model->params[i].name, g) : zero2_job(t, i, g);
-    return s ? s : s2_retire(t, false);
+    s = t->ov ? mti_overlap_push(t->ov, i, t->model->params[i].name, g) : held_job(t, i, g);
+    return s ? s : held_retire(t, false, MT_OK);
+}
+
+/* A backward whose whole gradients go to the thread begins (fq_pass: the
+ * fused step's checks 1, updates 2; 0 stage 2's). */
+static void held_begin(mt_trainer *t, int fq_pass)
+{
+    t->s2_head = t->s2_tail = 0;
+    t->s2_bytes = 0;
+    t->fq_pass = fq_pass;
+    if (t->ov) mti_overlap_begin(t->ov);
+}
+
+/* ... and ended (status s): every one let go, the thread's work done. */
+static mt_status held_end(mt_trainer *t, mt_status s)
+{
+    s = held_retire(t, true, s);
+    t->fq_pass = 0;
+    return s;
 }
 
 static mt_status shard_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    if (t->s2) return s2_give(t, i);
+    if (t->s2) return held_give(t, i);
     const bool later = mti_zero3_later(t); /* (then the gradient goes once it is reduced) */
     mt_status s = shard_range(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, later);
     if (!later) mti_tensor_free(t->ctx, &t->E.grad[i]);
@@ -1281,7 +1331,7 @@ static mt_status shard_slice(void *user, int i, float *g, size_t at, size_t n)
     mt_trainer *t = user;
     /* (on the thread's stage 2: its work done first, so the communicator is
        this thread's; the slice is the engine's, let go on return) */
-    mt_status s = t->s2 ? s2_retire(t, true) : MT_OK;
+    mt_status s = t->s2 ? held_retire(t, true, MT_OK) : MT_OK;
     if (s) return s;
     if (at + n == t->model->params[i].numel) t->E.uses_left[i] = -1;
     return shard_range(t, i, g, at, n, false);
@@ -1325,16 +1375,29 @@ static mt_status halt_if_flagged(mt_trainer *t, int i)
                     t->model->params[i].name);
 }
 
-/* fused: update as soon as the gradient is final, then drop it */
-static mt_status update_hook(void *user, int i)
+/* fused: update as soon as the gradient is final (reduced), then drop it;
+ * with the thread (t->fq) once its reduction there is done */
+static mt_status update_grad(mt_trainer *t, int i)
 {
-    mt_trainer *t = user;
-    mt_status s = reduce_grad(t, i);
-    if (!s) s = unscale(t, i);
+    mt_status s = unscale(t, i);
     if (!s) s = halt_if_flagged(t, i);
     if (!s) s = update_param(t, i, t->clip);
     if (!s) t->touched = 1;
     if (!s) t->updated++;
+    return s;
+}
+
+static mt_status fused_after(mt_trainer *t, int i)
+{
+    return t->fq_pass == 1 ? check_grad(t, i) : update_grad(t, i);
+}
+
+static mt_status update_hook(void *user, int i)
+{
+    mt_trainer *t = user;
+    if (t->fq_pass) return held_give(t, i);
+    mt_status s = reduce_grad(t, i);
+    if (!s) s = update_grad(t, i);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     return s;
 }
@@ -1343,7 +1406,8 @@ static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
 {
     mt_trainer *t = user;
     size_t own, on;
-    mt_status s = reduce_range(t, i, g, at, n, &own, &on);
+    mt_status s = t->fq_pass ? held_retire(t, true, MT_OK) : MT_OK; /* (as check_slice) */
+    if (!s) s = reduce_range(t, i, g, at, n, &own, &on);
     if (!s && on) s = unscale_g(t, g + own, on);
     if (!s) s = halt_if_flagged(t, i);
     if (!s && on) s = update_elems(t, i, g + own, at + own, on, t->clip);
@@ -1454,7 +1518,9 @@ static mt_status fused_pass(mt_trainer *t, int *found)
     E->slice_hook = update_slice;
     t->check_each = 1;
     t->halted = t->touched = 0;
+    if (t->fq) held_begin(t, 2);
     s = mti_engine_backward(E, 0, update_hook, t);
+    if (t->fq) s = held_end(t, s);
     t->check_each = 0;
     if (s && t->halted && !t->touched) {
         mti_clear_error(t->ctx);
@@ -1509,15 +1575,10 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
         mti_engine_arm(E);
         if (!fused && shard) {
             E->slice_hook = shard_slice;
-            t->s2_head = t->s2_tail = 0;
-            t->s2_bytes = 0;
-            if (t->s2 && t->ov) mti_overlap_begin(t->ov);
+            if (t->s2) held_begin(t, 0);
             s = mti_engine_backward(E, 0, shard_hook, t);
             if (!s) s = shard_rest(t);
-            if (t->s2) { /* the thread's work done, whatever happened */
-                mt_status e = s2_retire(t, true);
-                if (!s) s = e;
-            }
+            if (t->s2) s = held_end(t, s); /* the thread's work done, whatever happened */
             MTI_TRY(mti_zero3_settle(t, s)); /* (stage 3's queued reduce-scatters done) */
         } else if (!fused) {
             const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
@@ -1528,13 +1589,17 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
             if (t->flag_grads) MTI_TRY(mti_tensor_zero(ctx, &t->found_inf));
             if (t->cfg.grad_clip > 0.0f) MTI_TRY(mti_tensor_zero(ctx, &t->sumsq));
             E->slice_hook = check_slice;
-            MTI_TRY(mti_engine_backward(E, 1, check_hook, t));
+            if (t->fq) held_begin(t, 1);
+            s = mti_engine_backward(E, 1, check_hook, t);
+            MTI_TRY(t->fq ? held_end(t, s) : s);
             reset_all(ctx, MT_SCOPE_PHASE);
             MTI_TRY(finish_checks(t, found));
             if (!*found) {
                 mti_engine_arm(E);
                 E->slice_hook = update_slice;
-                MTI_TRY(mti_engine_backward(E, 0, update_hook, t));
+                if (t->fq) held_begin(t, 2);
+                s = mti_engine_backward(E, 0, update_hook, t);
+                MTI_TRY(t->fq ? held_end(t, s) : s);
             }
         }
         mti_engine_release(E);

@@ -67,8 +67,12 @@ struct mt_trainer {
     int bare;                /* weights in dt alone, no masters */
     struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
     int overlap_now;         /* this step's gradients go to it as backward makes them */
-    int s2;                  /* ZeRO-2's reduce-scatters on it (trainer.c, s2_give), or
+    int s2;                  /* ZeRO-2's reduce-scatters on it (trainer.c, held_give), or
                                 planned so in an estimate */
+    int fq;                  /* the fused step's reductions on it (trainer.c, held_give),
+                                or planned so in an estimate */
+    int fq_pass;             /* the fused backward running with them: 1 the checks', 2 the
+                                updates' (0: none) */
     int *s2q;                /* the tensors given in this pass, in order */
     int s2_head, s2_tail;    /* let go up to head, given up to tail */
     size_t s2_bytes;         /* whole gradients held, given and not let go */

@@ -56,6 +56,7 @@ run kill 2 "$B/mpi/train_mpi_test" kill
 run killmid 2 "$B/mpi/train_mpi_test" killmid
 run killover 2 "$B/mpi/train_mpi_test" killover
 run killover2 2 "$B/mpi/train_mpi_test" killover2
+run killoverf 2 "$B/mpi/train_mpi_test" killoverf
 run killmid3 2 "$B/mpi/train_mpi_test" killmid3
 MPIRUN="mpirun --oversubscribe --bind-to none"
 
@@ -108,6 +109,8 @@ if [ -x "$B/memtrain" ]; then
     OVERLAP=--overlap tool 2 4 2 1 # stage 1: reduce-scattered on the thread
     OVERLAP=--overlap tool 3 6 2 1
     OVERLAP=--overlap tool 2 4 2 2 # stage 2: reduce-scattered on the thread in backward
+    OVERLAP="--overlap --fused" tool 2 4 4 # the fused step's all-reduces on the thread
+    OVERLAP="--overlap --fused" tool 3 6 6 2
     # local SGD averaging every step: plain SGD, no clipping, equal rows is
     # the data-parallel step (within rounding); the loss shown is the global batch's
     args="train --model gpt --steps 4 --batch 4 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json --optimizer sgd --momentum 0 --clip 0"

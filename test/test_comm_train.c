@@ -300,6 +300,61 @@ TEST(dp_estimate_equals_measured)
     CHECK(strstr(mt_last_error(NULL), "for dry contexts") != NULL);
 }
 
+/* One case at one stage on n ranks, with the communication thread and
+ * without (rows 4 a step, micro-batches of `micro` rows): the same bits,
+ * each rank's accounting its estimate's to the byte (check_est), the same
+ * collectives where they are per tensor either way, and per class the
+ * same peaks but GRAD's, which may be higher where the thread's whole
+ * gradients are held until their collective is done (stage 2, the fused
+ * step; the estimate, made with the communicator, says so too). */
+static void overlap_pair(const dp_case *k, int zero, int n, int micro, bool fused)
+{
+    dp_run run[2];
+    for (int o = 0; o < 2; o++) {
+        dp_run *a = &run[o];
+        *a = (dp_run){.n = n, .rows = 4, .bad_batch_rank = -1, .check_est = 1};
+        case_config(k, &a->tc);
+        a->tc.fused_step = fused;
+        a->tc.max_batch = 4;
+        a->tc.micro_batch = micro;
+        a->tc.zero_stage = zero;
+        a->caps = o ? MT_COMM_CAP_THREADS : 0;
+        a->world = tcomm_world_new(n, 30.0);
+        tcomm_run(n, dp_rank, a);
+        tcomm_world_free(a->world);
+        for (int r = 0; r < n; r++) {
+            CHECK_MSG(a->st[r] == MT_OK, "%s, stage %d, overlap %d, rank %d: %s", k->name, zero, o,
+                      r, a->msg[r]);
+            CHECK_MSG(!a->est_msg[r][0], "%s, stage %d, overlap %d, rank %d: %s", k->name, zero, o,
+                      r, a->est_msg[r]);
+        }
+    }
+    if (run[0].w[0] && run[1].w[0])
+        CHECK_MSG(!memcmp(run[0].w[0], run[1].w[0], run[0].nw * sizeof(float)),
+                  "%s, stage %d, %d ranks: overlap changed the weights", k->name, zero, n);
+    CHECK(!memcmp(run[0].loss, run[1].loss, sizeof run[0].loss));
+    const bool per_tensor = zero || fused; /* (else one collective per bucket) */
+    for (int r = 0; r < n; r++) {
+        const mt_comm_stats *b = &run[0].cs[r], *v = &run[1].cs[r];
+        CHECK(b->collectives > 0 && b->exposed_seconds == b->seconds);
+        CHECK_MSG(v->collectives > 0 && (per_tensor ? v->collectives == b->collectives
+                                                    : v->collectives < b->collectives),
+                  "%s, stage %d: %llu, blocking %llu", k->name, zero,
+                  (unsigned long long)v->collectives, (unsigned long long)b->collectives);
+        CHECK(v->exposed_seconds <= v->seconds + 0.5);
+    }
+    const bool held = zero == 2 || fused;
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < MT_MEM_COUNT; c++)
+            CHECK_MSG(held && c == MT_MEM_GRAD ? run[1].peak[r][c] >= run[0].peak[r][c]
+                                               : run[1].peak[r][c] == run[0].peak[r][c],
+                      "%s, stage %d, rank %d: %s peak %llu, blocking %llu", k->name, zero, r,
+                      mt_mem_class_name((mt_mem_class)c), (unsigned long long)run[1].peak[r][c],
+                      (unsigned long long)run[0].peak[r][c]);
+    free_run(&run[0]);
+    free_run(&run[1]);
+}
+
 /* With a communicator that takes calls from any thread, a step sums its
  * gradients (stage 1: reduce-scatters them to the slices' owners) on a
  * communication thread while backward goes on: the same bits as doing it
@@ -311,58 +366,25 @@ TEST(dp_overlap_equals_blocking)
        bf16, sgd bf16 bare, fp16 */
     static const int pick[] = {0, 1, 3, 4, 5, 6};
     for (int zero = 0; zero <= 2; zero++) /* stage 2: each reduce-scatter in arrival order */
-    for (size_t k = 0; k < sizeof pick / sizeof pick[0]; k++)
-        for (int n = 2; n <= (check_light() ? 2 : 3); n++) {
-            dp_run run[2];
-            for (int o = 0; o < 2; o++) {
-                dp_run *a = &run[o];
-                *a = (dp_run){.n = n, .rows = 4, .bad_batch_rank = -1, .check_est = 1};
-                case_config(&cases[pick[k]], &a->tc);
-                a->tc.max_batch = 4;
-                a->tc.micro_batch = 2; /* accumulation: the last micro-batch's backward gives them */
-                a->tc.zero_stage = zero;
-                a->caps = o ? MT_COMM_CAP_THREADS : 0;
-                a->world = tcomm_world_new(n, 30.0);
-                tcomm_run(n, dp_rank, a);
-                tcomm_world_free(a->world);
-                for (int r = 0; r < n; r++) {
-                    CHECK_MSG(a->st[r] == MT_OK, "%s, stage %d, overlap %d, rank %d: %s",
-                              cases[pick[k]].name, zero, o, r, a->msg[r]);
-                    CHECK_MSG(!a->est_msg[r][0], "%s, stage %d, overlap %d, rank %d: %s",
-                              cases[pick[k]].name, zero, o, r, a->est_msg[r]);
-                }
-            }
-            if (run[0].w[0] && run[1].w[0])
-                CHECK_MSG(!memcmp(run[0].w[0], run[1].w[0], run[0].nw * sizeof(float)),
-                          "%s, stage %d, %d ranks: overlap changed the weights", cases[pick[k]].name,
-                          zero, n);
-            CHECK(!memcmp(run[0].loss, run[1].loss, sizeof run[0].loss));
-            for (int r = 0; r < n; r++) {
-                const mt_comm_stats *b = &run[0].cs[r], *v = &run[1].cs[r];
-                /* blocking: every collective waited for, one per tensor; on
-                   the thread: one per bucket of tensors (stage 1: the same
-                   reduce-scatter per tensor) */
-                CHECK(b->collectives > 0 && b->exposed_seconds == b->seconds);
-                CHECK_MSG(v->collectives > 0 &&
-                              (zero ? v->collectives == b->collectives : v->collectives < b->collectives),
-                          "stage %d: %llu, blocking %llu", zero, (unsigned long long)v->collectives,
-                          (unsigned long long)b->collectives);
-                CHECK(v->exposed_seconds <= v->seconds + 0.5);
-            }
-            /* the same memory, class by class; at stage 2 the thread's whole
-               gradients are held until their collective is done (the
-               estimate, made with the communicator, says so too) */
-            for (int r = 0; r < n; r++)
-                for (int c = 0; c < MT_MEM_COUNT; c++)
-                    CHECK_MSG(zero == 2 && c == MT_MEM_GRAD ? run[1].peak[r][c] >= run[0].peak[r][c]
-                                                           : run[1].peak[r][c] == run[0].peak[r][c],
-                              "stage %d, rank %d: %s peak %llu, blocking %llu", zero, r,
-                              mt_mem_class_name((mt_mem_class)c),
-                              (unsigned long long)run[1].peak[r][c],
-                              (unsigned long long)run[0].peak[r][c]);
-            free_run(&run[0]);
-            free_run(&run[1]);
-        }
+        for (size_t k = 0; k < sizeof pick / sizeof pick[0]; k++)
+            for (int n = 2; n <= (check_light() ? 2 : 3); n++)
+                overlap_pair(&cases[pick[k]], zero, n, 2, false); /* (the last micro-batch's gives them) */
+}
+
+/* The fused step with the thread: each gradient's reduction (stage 0 its
+ * all-reduce, 1 and 2 its reduce-scatter) goes to the thread as backward
+ * makes it final, and its check or update runs on the stepping thread
+ * once that is done, in the blocking fused step's order: its bits, in one
+ * pass and in two (clipping, fp16 loss scaling), the estimate's peaks. */
+TEST(dp_overlap_fused_equals_blocking)
+{
+    /* sgd, adamw clip (two passes), adamw8, adafactor, sgd bf16 bare, fp16
+       clip (two passes, loss scaling), each fused */
+    static const int pick[] = {0, 1, 2, 3, 5, 6};
+    for (int zero = 0; zero <= 2; zero++)
+        for (size_t k = 0; k < sizeof pick / sizeof pick[0]; k++)
+            for (int n = 2; n <= (check_light() ? 2 : 3); n++)
+                overlap_pair(&cases[pick[k]], zero, n, 4, true);
 }
 
 /* Ranks that disagree get an error at create, every one of them. */

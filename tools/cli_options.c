@@ -356,8 +356,8 @@ static const opt table[] = {
     LONG("--comm-timeout", "S", CLI_TRAIN, CLI_ANY, comm_timeout, 1, 86400,
          "under mpirun: seconds a collective waits for the other ranks (300)", NULL),
     FLAG("--overlap", CLI_TRAIN, CLI_ANY, overlap, 1,
-         "under mpirun: sum the gradients (--zero 1, 2: reduce-scatter them) on a thread while "
-         "backward goes on"),
+         "under mpirun: sum the gradients (--zero 1, 2: reduce-scatter them; --fused too) on a "
+         "thread while backward goes on"),
     LONG("--local-sgd", "H", CLI_TRAIN, CLI_ANY, local_sgd, 0, 1 << 24,
          "under mpirun: local SGD, each rank steps alone and the weights are averaged every H "
          "steps (0: off)", NULL),

@@ -62,8 +62,9 @@ typedef enum mt_comm_op {
 #define MT_COMM_CAP_DEVICE 0x1u /* buffers are CUDA device memory; calls run on `stream` */
 #define MT_COMM_CAP_BF16 0x2u   /* reduces MT_COMM_BF16 */
 /* Calls may come from any thread (still one at a time): the library then
- * sums a CPU step's gradients on a thread of its own while backward goes
- * on (docs/distributed.md). The MPI communicator says so when MPI runs at
+ * sums a CPU step's gradients (the fused step's too) on a thread of its
+ * own while backward goes on, and ZeRO-3 gathers the next layers' weights
+ * there (docs/distributed.md). The MPI communicator says so when MPI runs at
  * MPI_THREAD_SERIALIZED or more. */
 #define MT_COMM_CAP_THREADS 0x4u
 

@@ -673,9 +673,10 @@ static mt_status fw_broadcast(void *self, void *buf, size_t count, mt_comm_dtype
 }
 static mt_status fw_barrier(void *self) { return mt_comm_barrier(self); }
 
-/* Stages 0 to 2, each unfused case of zcases, with the communication
- * thread (c takes calls from any thread) and without (a table forwarding
- * to c without saying so): the same bits. */
+/* Stages 0 to 2, each case of zcases (the fused step's too: its
+ * reductions on the thread, each update once its reduction is done), with
+ * the communication thread (c takes calls from any thread) and without (a
+ * table forwarding to c without saying so): the same bits. */
 static void overlap(mt_comm *c)
 {
     const mt_comm_vtable vt = {.abi_version = MT_COMM_ABI_VERSION, .struct_size = sizeof vt,
@@ -686,7 +687,6 @@ static void overlap(mt_comm *c)
     EXPECT(mt_comm_create(&vt, c, rank, size, &plain) == MT_OK);
     int runs = 0;
     for (size_t k = 0; k < sizeof zcases / sizeof zcases[0] && plain; k++) {
-        if (zcases[k].fused) continue; /* (the fused step reduces in its own hooks) */
         for (int stage = 0; stage <= 2; stage++) {
             float loss[2][STEPS];
             float *w[2] = {NULL, NULL};
@@ -711,8 +711,8 @@ static void overlap(mt_comm *c)
     mt_comm_destroy(plain);
     if (all_passed() && rank == 0)
         printf("ok overlap: %d ranks, stages 0 to 2, %d runs with the gradients' collectives on "
-               "the communication thread: the bits of the runs without it, each rank's peaks "
-               "its estimate\n", size, runs);
+               "the communication thread (the fused step's too): the bits of the runs without "
+               "it, each rank's peaks its estimate\n", size, runs);
 }
 
 int main(int argc, char **argv)
@@ -799,6 +799,8 @@ int main(int argc, char **argv)
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = 2, .steps = 200};
         if (!strncmp(mode, "killover", 8)) /* on the thread: MPI serialized, stage 1 or 2 */
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = mode[8] == '2' ? 2 : 1, .steps = 200};
+        if (!strcmp(mode, "killoverf")) /* the fused step's reductions on the thread, stage 0 */
+            hw = (how){.kill = 2, .zc = &zcases[3], .stage = 0, .steps = 200};
         if (!strcmp(mode, "killmid3"))
             hw = (how){.kill = 2, .zc = &zcases[0], .stage = 3, .steps = 200};
         mt_status s = train_how(c, 16, 1, &hw, losses, &w, &nw, msg, sizeof msg);
