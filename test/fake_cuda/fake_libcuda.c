@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include "cuda_driver.h"
 #include "../../kernels/cuda/dequant.cuh"
@@ -83,6 +84,10 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags);
 CUresult cuEventRecord(CUevent event, CUstream stream);
 CUresult cuEventSynchronize(CUevent event);
 CUresult cuEventDestroy_v2(CUevent event);
+CUresult cuEventQuery(CUevent event);
+CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end);
+CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags);
+CUresult cuStreamQuery(CUstream stream);
 CUresult cuModuleLoadData(CUmodule *module, const void *image);
 CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
 CUresult cuModuleUnload(CUmodule module);
@@ -132,6 +137,8 @@ struct CUmod_st {
 struct CUevent_st {
     unsigned magic;
     int recorded;
+    unsigned flags;     /* cuEventCreate's */
+    double recorded_at; /* host seconds of the last record (work runs at once here) */
 };
 struct CUfunc_st {
     unsigned magic;
@@ -187,7 +194,7 @@ static struct {
     size_t log_n;
     size_t n_handles, n_streams, n_modules;
     struct CUfunc_st *funcs;
-    unsigned long long launches, func_loads, syncs, ctx_pushes;
+    unsigned long long launches, func_loads, syncs, ctx_pushes, stream_waits;
     char last_kernel[128];
     /* fault injection */
     char fail_call[64];
@@ -660,6 +667,7 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags)
     struct CUevent_st *e = calloc(1, sizeof *e);
     if (!e) return leave(CUDA_ERROR_OUT_OF_MEMORY);
     e->magic = FAKE_MAGIC_EVENT;
+    e->flags = flags;
     F.n_events++;
     *event = e;
     return leave(CUDA_SUCCESS);
@@ -671,6 +679,9 @@ CUresult cuEventRecord(CUevent event, CUstream stream)
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (!valid_event(event) || !valid_stream(stream)) return leave(CUDA_ERROR_INVALID_HANDLE);
     event->recorded = 1;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    event->recorded_at = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
     fake_log(stream, "rec");
     return leave(CUDA_SUCCESS);
 }
@@ -692,6 +703,55 @@ CUresult cuEventDestroy_v2(CUevent event)
     event->magic = 0;
     free(event);
     F.n_events--;
+    return leave(CUDA_SUCCESS);
+}
+
+/* Work here is done when it is queued, so an event is complete once
+ * recorded, and one never recorded counts as complete (the driver's rule). */
+CUresult cuEventQuery(CUevent event)
+{
+    ENTER("cuEventQuery");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    return leave(CUDA_SUCCESS);
+}
+
+/* The driver's rules: both events recorded, neither made with
+ * CU_EVENT_DISABLE_TIMING (else an invalid handle). */
+CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end)
+{
+    ENTER("cuEventElapsedTime");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!ms) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_event(start) || !valid_event(end)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    if (!start->recorded || !end->recorded || (start->flags & CU_EVENT_DISABLE_TIMING) ||
+        (end->flags & CU_EVENT_DISABLE_TIMING))
+        return leave(CUDA_ERROR_INVALID_HANDLE);
+    *ms = (float)(1e3 * (end->recorded_at - start->recorded_at));
+    return leave(CUDA_SUCCESS);
+}
+
+/* Work queued on the stream after this waits for the event's work; an
+ * event never recorded makes no wait. Flags: 0 (CU_EVENT_WAIT_DEFAULT) or
+ * 1 (CU_EVENT_WAIT_EXTERNAL), anything else is refused. Logged as "wait>"
+ * on the stream, counted as stream_waits. */
+CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags)
+{
+    ENTER("cuStreamWaitEvent");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (flags > 1u) return leave(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_stream(stream) || !valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    F.stream_waits++;
+    fake_log(stream, event->recorded ? "wait>" : "wait0>");
+    return leave(CUDA_SUCCESS);
+}
+
+/* Everything queued is done already. */
+CUresult cuStreamQuery(CUstream stream)
+{
+    ENTER("cuStreamQuery");
+    if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
+    if (!valid_stream(stream)) return leave(CUDA_ERROR_INVALID_HANDLE);
     return leave(CUDA_SUCCESS);
 }
 
@@ -1166,7 +1226,8 @@ CUresult cuGetErrorString(CUresult err, const char **str) { return error_lookup(
  * cuMemCreate handles, "mappings", "reservations", "streams", "modules",
  * "launches", "func_loads", "syncs", "ctx_refs" primary context retains of device 0,
  * "ctx_depth" this thread's context stack depth, "ctx_pushes", "pinned" page-locked
- * host bytes held, "pinned_allocs" their blocks, "events" live events. Unknown: ~0. */
+ * host bytes held, "pinned_allocs" their blocks, "events" live events, "stream_waits"
+ * cuStreamWaitEvent calls. Unknown: ~0. */
 unsigned long long fake_cuda_stat(const char *name)
 {
     unsigned long long v = ~0ull;
@@ -1181,6 +1242,7 @@ unsigned long long fake_cuda_stat(const char *name)
     else if (!strcmp(name, "launches")) v = F.launches;
     else if (!strcmp(name, "func_loads")) v = F.func_loads;
     else if (!strcmp(name, "syncs")) v = F.syncs;
+    else if (!strcmp(name, "stream_waits")) v = F.stream_waits;
     else if (!strcmp(name, "ctx_refs")) v = (unsigned long long)F.ctx[0].refs;
     else if (!strcmp(name, "ctx_depth")) v = (unsigned long long)tls_depth;
     else if (!strcmp(name, "ctx_pushes")) v = F.ctx_pushes;

@@ -3,11 +3,20 @@
  * communicator's loading, bootstrap, collectives, deadline and abort run in
  * the test suite without a GPU. Ranks are threads of one process: the ranks
  * made from one unique id form a clique, and a collective completes when
- * the last rank queues it (the reduction is done then, in rank order). Like
+ * the last rank queues it (the reduction is done then, in rank order); a
+ * rank may queue several before the others queue the first (a rank's k-th
+ * collective meets the others' k-th). Like
  * NCCL, a collective call only queues: completion shows through
  * cuStreamQuery on the calling thread, which this library also exports
  * (with cuMemAlloc_v2 and cuMemFree_v2 over malloc), so pass it as the
- * communicator's CUDA driver as well.
+ * communicator's CUDA driver as well. Each stream is its own queue: a
+ * stream is done when the last collective the thread queued on it is, so
+ * a collective on one stream completes independently of those on another
+ * (as on a GPU, where a stream waits only for its own work).
+ *
+ * For tests: fake_nccl_calls(stream, others) counts the collectives the
+ * calling thread queued on `stream` (others 0) or on every other stream
+ * (others 1).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -30,25 +39,48 @@ typedef struct pend {
     unsigned char *stage; /* a copy of send */
 } pend;
 
+/* One collective: each rank's part, and how many have queued it. */
+typedef struct round {
+    int arrived;
+    pend p[MAXR];
+} round;
+/* Collectives a rank may queue ahead of the slowest (its k-th goes in
+   round k; a round completes when the last rank queues it, and so after
+   every round before it) */
+#define MAXQ 512
+
 typedef struct clique {
     char id[128];
-    int n, joined, live, arrived, aborted, bad;
+    int n, joined, live, aborted, bad;
     uint64_t seq; /* collectives completed */
-    pend p[MAXR];
+    round *r;     /* MAXQ of them, round k at k % MAXQ */
     struct clique *next;
 } clique;
 
 typedef struct fake_comm {
     clique *q;
     int rank;
-    uint64_t waiting; /* completes when q->seq reaches it */
+    uint64_t issued; /* collectives queued */
 } fake_comm;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static clique *cliques;
 static unsigned ids;
-static _Thread_local fake_comm *pending;
+/* per thread: the streams with collectives queued, each with the number
+   its last one completes at; and how many each stream was given */
+#define MAXS 8
+typedef struct on_stream {
+    void *stream;
+    fake_comm *c; /* NULL: a free slot */
+    uint64_t waiting;
+} on_stream;
+static _Thread_local on_stream pending[MAXS];
+static _Thread_local struct {
+    void *stream;
+    unsigned long n;
+} counted[MAXS];
+static _Thread_local int n_counted;
 
 /* exported */
 ncclResult_t ncclGetVersion(int *v);
@@ -65,6 +97,7 @@ ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, fa
 int cuStreamQuery(void *stream);
 int cuMemAlloc_v2(unsigned long long *p, size_t bytes);
 int cuMemFree_v2(unsigned long long p);
+unsigned long fake_nccl_calls(void *stream, int others);
 
 ncclResult_t ncclGetVersion(int *v)
 {
@@ -116,6 +149,7 @@ ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
     while (q && memcmp(q->id, id.internal, 128)) q = q->next;
     if (!q) {
         q = calloc(1, sizeof *q);
+        q->r = calloc(MAXQ, sizeof *q->r);
         memcpy(q->id, id.internal, 128);
         q->n = n;
         q->next = cliques;
@@ -154,11 +188,14 @@ static void leave(fake_comm *c, int abort)
                 *pp = q->next;
                 break;
             }
-        for (int r = 0; r < MAXR; r++) free(q->p[r].stage);
+        for (int k = 0; k < MAXQ; k++)
+            for (int r = 0; r < MAXR; r++) free(q->r[k].p[r].stage);
+        free(q->r);
         free(q);
     }
     pthread_mutex_unlock(&mu);
-    if (pending == c) pending = NULL;
+    for (int k = 0; k < MAXS; k++)
+        if (pending[k].c == c) pending[k].c = NULL;
     free(c);
 }
 
@@ -213,11 +250,11 @@ static void put(unsigned char *p, int t, size_t i, float f)
 }
 
 /* The last rank in: every rank's result, in rank order. */
-static void complete(clique *q)
+static void complete(clique *q, round *rd)
 {
-    const pend *p0 = &q->p[0];
+    const pend *p0 = &rd->p[0];
     for (int r = 1; r < q->n; r++) {
-        const pend *p = &q->p[r];
+        const pend *p = &rd->p[r];
         if (p->kind != p0->kind || p->type != p0->type || p->count != p0->count ||
             p->op != p0->op || p->root != p0->root)
             q->bad = 1;
@@ -225,16 +262,16 @@ static void complete(clique *q)
     if (q->bad) return;
     const size_t es = tsize(p0->type), n = p0->count;
     for (int r = 0; r < q->n; r++) {
-        pend *p = &q->p[r];
+        pend *p = &rd->p[r];
         unsigned char *out = p->recv;
         switch (p0->kind) {
         case K_ALLREDUCE:
         case K_REDUCE_SCATTER: {
             size_t at = p0->kind == K_ALLREDUCE ? 0 : (size_t)r * n;
             for (size_t i = 0; i < n; i++) {
-                float acc = get(q->p[0].stage, p0->type, at + i);
+                float acc = get(rd->p[0].stage, p0->type, at + i);
                 for (int k = 1; k < q->n; k++) {
-                    float v = get(q->p[k].stage, p0->type, at + i);
+                    float v = get(rd->p[k].stage, p0->type, at + i);
                     acc = p0->op == 2 ? (v > acc ? v : acc) : acc + v;
                 }
                 put(out, p0->type, i, acc);
@@ -242,72 +279,109 @@ static void complete(clique *q)
             break;
         }
         case K_ALLGATHER:
-            for (int k = 0; k < q->n; k++) memcpy(out + (size_t)k * n * es, q->p[k].stage, n * es);
+            for (int k = 0; k < q->n; k++) memcpy(out + (size_t)k * n * es, rd->p[k].stage, n * es);
             break;
-        case K_BROADCAST: memcpy(out, q->p[p0->root].stage, n * es); break;
+        case K_BROADCAST: memcpy(out, rd->p[p0->root].stage, n * es); break;
         }
     }
 }
 
+/* The calling thread's slot for stream (a free one if it has none), or
+ * NULL when every slot is taken. */
+static on_stream *slot_of(void *stream)
+{
+    on_stream *free_one = NULL;
+    for (int k = 0; k < MAXS; k++) {
+        if (pending[k].c && pending[k].stream == stream) return &pending[k];
+        if (!pending[k].c && !free_one) free_one = &pending[k];
+    }
+    return free_one;
+}
+
+static void count_on(void *stream)
+{
+    for (int k = 0; k < n_counted; k++)
+        if (counted[k].stream == stream) {
+            counted[k].n++;
+            return;
+        }
+    if (n_counted < MAXS) counted[n_counted].stream = stream, counted[n_counted++].n = 1;
+}
+
+unsigned long fake_nccl_calls(void *stream, int others)
+{
+    unsigned long n = 0;
+    for (int k = 0; k < n_counted; k++)
+        if ((counted[k].stream == stream) != (others != 0)) n += counted[k].n;
+    return n;
+}
+
 static ncclResult_t queue(fake_comm *c, int kind, const void *send, size_t send_elems, void *recv,
-                          size_t count, int type, int op, int root)
+                          size_t count, int type, int op, int root, void *stream)
 {
     if (type != T_U8 && type != T_F32 && type != T_BF16) return INVALID_ARGUMENT;
+    on_stream *slot = slot_of(stream);
+    if (!slot) return SYSTEM_ERROR; /* (more streams at once than the stand-in keeps) */
     pthread_mutex_lock(&mu);
     clique *q = c->q;
     if (q->aborted || q->bad) {
         pthread_mutex_unlock(&mu);
         return q->bad ? INVALID_USAGE : REMOTE_ERROR;
     }
-    pend *p = &q->p[c->rank];
+    const uint64_t k = c->issued;
+    if (k - q->seq >= MAXQ) { /* (further ahead of the others than the stand-in keeps) */
+        pthread_mutex_unlock(&mu);
+        return SYSTEM_ERROR;
+    }
+    round *rd = &q->r[k % MAXQ];
+    pend *p = &rd->p[c->rank];
     free(p->stage);
     *p = (pend){.kind = kind, .type = type, .op = op, .root = root, .count = count, .recv = recv};
     p->stage = malloc(send_elems * tsize(type) + 1);
     memcpy(p->stage, send, send_elems * tsize(type));
-    c->waiting = q->seq + 1;
-    if (++q->arrived == q->n) {
-        complete(q);
-        q->arrived = 0;
+    c->issued++;
+    *slot = (on_stream){.stream = stream, .c = c, .waiting = k + 1};
+    if (++rd->arrived == q->n) {
+        complete(q, rd);
+        rd->arrived = 0;
         q->seq++;
     }
     pthread_mutex_unlock(&mu);
-    pending = c;
+    count_on(stream);
     return OK;
 }
 
 ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st)
 {
-    (void)st;
-    return queue(c, K_ALLREDUCE, s, n, r, n, t, op, 0);
+    return queue(c, K_ALLREDUCE, s, n, r, n, t, op, 0, st);
 }
 
 ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st)
 {
-    (void)st;
-    return queue(c, K_REDUCE_SCATTER, s, n * (size_t)c->q->n, r, n, t, op, 0);
+    return queue(c, K_REDUCE_SCATTER, s, n * (size_t)c->q->n, r, n, t, op, 0, st);
 }
 
 ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int t, fake_comm *c, void *st)
 {
-    (void)st;
-    return queue(c, K_ALLGATHER, s, n, r, n, t, 0, 0);
+    return queue(c, K_ALLGATHER, s, n, r, n, t, 0, 0, st);
 }
 
 ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, fake_comm *c, void *st)
 {
-    (void)st;
-    return queue(c, K_BROADCAST, s, n, r, n, t, 0, root);
+    return queue(c, K_BROADCAST, s, n, r, n, t, 0, root, st);
 }
 
+/* The stream's last collective done (or none queued on it): 0. */
 int cuStreamQuery(void *stream)
 {
-    (void)stream;
-    fake_comm *c = pending;
-    if (!c) return 0;
+    on_stream *slot = NULL;
+    for (int k = 0; k < MAXS && !slot; k++)
+        if (pending[k].c && pending[k].stream == stream) slot = &pending[k];
+    if (!slot) return 0;
     pthread_mutex_lock(&mu);
-    int done = c->q->seq >= c->waiting;
+    int done = slot->c->q->seq >= slot->waiting;
     pthread_mutex_unlock(&mu);
-    if (done) pending = NULL;
+    if (done) slot->c = NULL;
     return done ? 0 : 600; /* CUDA_ERROR_NOT_READY */
 }
 
