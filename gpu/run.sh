@@ -33,8 +33,9 @@
 #   memcheck   compute-sanitizer memcheck over the op suite and each engine
 #              test (when found)
 #   nccl       a one-rank NCCL communicator on a CUDA context: every
-#              collective on device memory, checked, and a few steps of a
-#              tiny GPT (the libnccl.so.2 the library finds: the CUDA
+#              collective on device memory, checked, a few steps of a
+#              tiny GPT, and the all-reduce on the communication stream
+#              (comm_nccl_one_rank*: the libnccl.so.2 the library finds: the CUDA
 #              toolkit's, or PyTorch's nvidia/nccl/lib; skipped when none)
 #   kernels    bench_cuda: GEMM TFLOP/s per dtype; cast, unscale, AdamW and
 #              8-bit AdamW in GB/s against the device's copy bandwidth; the

@@ -195,6 +195,19 @@ mt_status mti_cuda_copy_async(mti_device *d, int side, void *dst, const void *sr
 /* Waits on the host for an event, or for everything on the second stream. */
 mt_status mti_cuda_event_wait(mti_device *d, void *ev);
 mt_status mti_cuda_side_sync(mti_device *d);
+/* A stream of the caller's own (non-blocking, like the device's), for work
+ * beside the kernels that events order against them (NCCL's communication
+ * stream, comm/nccl_overlap.c); freed with its work still ending. */
+mt_status mti_cuda_stream_new(mti_device *d, void **stream);
+void mti_cuda_stream_free(mti_device *d, void *stream);
+/* An event that times (cuEventElapsedTime); free it with mti_cuda_event_free. */
+mt_status mti_cuda_event_new_timed(mti_device *d, void **ev);
+/* Records ev on stream (NULL: the device's stream). */
+mt_status mti_cuda_record(mti_device *d, void *ev, void *stream);
+/* Work queued on stream (NULL: the device's) after the call waits for ev. */
+mt_status mti_cuda_stream_wait(mti_device *d, void *stream, void *ev);
+/* Milliseconds from timed event start to end, both recorded and done. */
+mt_status mti_cuda_elapsed(mti_device *d, void *start, void *end, float *ms);
 
 /* Convenience launchers for the built-in kernels, on the device's stream.
  * y and x are device addresses of n floats. */

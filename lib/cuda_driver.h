@@ -181,6 +181,12 @@ typedef CUresult (*PFN_cuEventCreate)(CUevent *event, unsigned int flags);
 typedef CUresult (*PFN_cuEventRecord)(CUevent event, CUstream stream);
 typedef CUresult (*PFN_cuEventSynchronize)(CUevent event);
 typedef CUresult (*PFN_cuEventDestroy)(CUevent event); /* "_v2" */
+/* Milliseconds between two recorded, completed events, neither made with
+ * CU_EVENT_DISABLE_TIMING. */
+typedef CUresult (*PFN_cuEventElapsedTime)(float *ms, CUevent start, CUevent end);
+/* Work queued on stream after the call waits for the event's work (an
+ * event never recorded: no wait). flags: 0. */
+typedef CUresult (*PFN_cuStreamWaitEvent)(CUstream stream, CUevent event, unsigned int flags);
 
 typedef CUresult (*PFN_cuModuleLoadData)(CUmodule *module, const void *image);
 typedef CUresult (*PFN_cuModuleGetFunction)(CUfunction *fn, CUmodule module, const char *name);

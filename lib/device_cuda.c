@@ -75,6 +75,8 @@ typedef struct cuda_api {
     PFN_cuEventRecord EventRecord;
     PFN_cuEventSynchronize EventSynchronize;
     PFN_cuEventDestroy EventDestroy;
+    PFN_cuEventElapsedTime EventElapsedTime;
+    PFN_cuStreamWaitEvent StreamWaitEvent;
     PFN_cuModuleLoadData ModuleLoadData;
     PFN_cuModuleGetFunction ModuleGetFunction;
     PFN_cuModuleUnload ModuleUnload;
@@ -128,6 +130,8 @@ static const struct {
     SYM(EventRecord, "cuEventRecord"),
     SYM(EventSynchronize, "cuEventSynchronize"),
     SYM(EventDestroy, "cuEventDestroy_v2"),
+    SYM(EventElapsedTime, "cuEventElapsedTime"),
+    SYM(StreamWaitEvent, "cuStreamWaitEvent"),
     SYM(ModuleLoadData, "cuModuleLoadData"),
     SYM(ModuleGetFunction, "cuModuleGetFunction"),
     SYM(ModuleUnload, "cuModuleUnload"),
@@ -1275,17 +1279,23 @@ void mti_cuda_host_free(mti_device *d, void *p)
     }
 }
 
-mt_status mti_cuda_event_new(mti_device *d, void **ev)
+static mt_status event_new(mti_device *d, const char *fn, unsigned flags, void **ev)
 {
     mt_status s;
-    MTI_TRY(need_cuda(d, "mti_cuda_event_new"));
+    *ev = NULL;
+    MTI_TRY(need_cuda(d, fn));
     cuda_dev *c = d->impl;
     MTI_TRY(cuda_enter(d));
     CUevent e = NULL;
-    CUresult r = c->api.EventCreate(&e, CU_EVENT_DISABLE_TIMING);
+    CUresult r = c->api.EventCreate(&e, flags);
     cuda_leave(d);
     *ev = r == CUDA_SUCCESS ? e : NULL;
     return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventCreate");
+}
+
+mt_status mti_cuda_event_new(mti_device *d, void **ev)
+{
+    return event_new(d, "mti_cuda_event_new", CU_EVENT_DISABLE_TIMING, ev);
 }
 
 void mti_cuda_event_free(mti_device *d, void *ev)
@@ -1352,4 +1362,69 @@ mt_status mti_cuda_side_sync(mti_device *d)
     cuda_leave(d);
     return r == CUDA_SUCCESS ? MT_OK
                              : cuda_fail(d, MT_ERR_DEVICE, r, "cuStreamSynchronize (the second stream)");
+}
+
+/* ---- streams of a caller's own, ordered with events ---- */
+
+mt_status mti_cuda_stream_new(mti_device *d, void **stream)
+{
+    mt_status s;
+    *stream = NULL;
+    MTI_TRY(need_cuda(d, "mti_cuda_stream_new"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUstream q = NULL;
+    CUresult r = c->api.StreamCreate(&q, CU_STREAM_NON_BLOCKING);
+    cuda_leave(d);
+    if (r != CUDA_SUCCESS) return cuda_fail(d, MT_ERR_DEVICE, r, "cuStreamCreate");
+    *stream = q;
+    return MT_OK;
+}
+
+void mti_cuda_stream_free(mti_device *d, void *stream)
+{
+    if (!stream || !is_ours(d)) return;
+    cuda_dev *c = d->impl;
+    if (cuda_enter(d) != MT_OK) return;
+    c->api.StreamDestroy(stream); /* (its work, if any, still ends) */
+    cuda_leave(d);
+}
+
+mt_status mti_cuda_event_new_timed(mti_device *d, void **ev)
+{
+    return event_new(d, "mti_cuda_event_new_timed", CU_EVENT_DEFAULT, ev);
+}
+
+mt_status mti_cuda_record(mti_device *d, void *ev, void *stream)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_record"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.EventRecord(ev, stream ? (CUstream)stream : c->stream);
+    cuda_leave(d);
+    return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventRecord");
+}
+
+mt_status mti_cuda_stream_wait(mti_device *d, void *stream, void *ev)
+{
+    mt_status s;
+    MTI_TRY(need_cuda(d, "mti_cuda_stream_wait"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.StreamWaitEvent(stream ? (CUstream)stream : c->stream, ev, 0);
+    cuda_leave(d);
+    return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuStreamWaitEvent");
+}
+
+mt_status mti_cuda_elapsed(mti_device *d, void *start, void *end, float *ms)
+{
+    mt_status s;
+    *ms = 0.0f;
+    MTI_TRY(need_cuda(d, "mti_cuda_elapsed"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.EventElapsedTime(ms, start, end);
+    cuda_leave(d);
+    return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventElapsedTime");
 }

@@ -31,6 +31,7 @@
 
 #include "comm/dp.h"
 #include "comm/local_sgd.h"
+#include "comm/nccl_overlap.h"
 #include "comm/overlap.h"
 #include "plan.h"
 #include "trainer.h"
@@ -771,7 +772,9 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
     mti_overlap_free(t->ov); /* (its queue done) */
+    mti_ncclov_free(t->nov);
     t->ov = NULL; /* (the gathers below run on this thread) */
+    t->nov = NULL;
     if (mti_zero3_unshard(t)) /* (a collective: every rank destroys its trainer) */
         mti_log(t->ctx, MT_LOG_ERROR, "mt_trainer_destroy: the weights could not be gathered "
                 "from the ranks' slices (%s); the model's weights are zeros",
@@ -832,6 +835,17 @@ static mt_status overlap_start(mt_trainer *t)
     mt_status s = mti_overlap_new(t->ctx, n, numel,
                                   t->s2 || t->fq ? held_job : t->zero ? zero1_job : NULL, t,
                                   t->s2 || t->fq, &t->ov);
+    free(numel);
+    return s;
+}
+
+static mt_status ncclov_start(mt_trainer *t)
+{
+    const mt_model *m = t->model;
+    size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
+    if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
+    for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
+    mt_status s = mti_ncclov_new(t->ctx, m->n_param, numel, &t->nov);
     free(numel);
     return s;
 }
@@ -1020,6 +1034,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
             s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
         if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
     }
+    /* on a CUDA context with NCCL, stage 0's sums on a communication stream */
+    if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero == 0 && mti_ncclov_possible(ctx))
+        s = ncclov_start(t);
     s = mti_dp_created(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
@@ -1472,13 +1489,19 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg.s);
 }
 
-/* Overlap (comm/overlap.c): a gradient final in the last micro-batch's
- * backward goes to the communication thread at once. */
+/* Overlap: a gradient final in the last micro-batch's backward goes to
+ * the communication thread (comm/overlap.c) or, on a CUDA context with
+ * NCCL, the communication stream (comm/nccl_overlap.c) at once. */
+static mt_status give(mt_trainer *t, int i, float *g)
+{
+    const char *name = t->model->params[i].name;
+    return t->nov ? mti_ncclov_push(t->nov, i, name, g) : mti_overlap_push(t->ov, i, name, g);
+}
+
 static mt_status give_hook(void *user, int i)
 {
     mt_trainer *t = user;
-    const mti_param *p = &t->model->params[i];
-    return mti_overlap_push(t->ov, i, p->name, t->E.grad[i].blk.ptr);
+    return give(t, i, t->E.grad[i].blk.ptr);
 }
 
 /* After the passes (status s): every tensor not given yet goes to the
@@ -1489,16 +1512,20 @@ static mt_status give_rest(mt_trainer *t, mt_status s)
 {
     const mt_model *m = t->model;
     for (int i = m->n_param - 1; i >= 0; i--) {
-        if (mti_overlap_pushed(t->ov, i)) continue;
+        if (t->nov ? mti_ncclov_pushed(t->nov, i) : mti_overlap_pushed(t->ov, i)) continue;
         const mti_param *p = &m->params[i];
         mti_tensor *g = NULL;
-        if (!s && !p->frozen) s = mti_engine_grad(&t->E, i, &g);
-        mt_status e = mti_overlap_push(t->ov, i, p->name, g ? g->blk.ptr : NULL);
+        /* (NCCL sums device memory: a failed rank's zeros need a buffer too) */
+        if ((!s || t->nov) && !p->frozen) {
+            mt_status e = mti_engine_grad(&t->E, i, &g);
+            if (!s) s = e;
+        }
+        mt_status e = give(t, i, g ? g->blk.ptr : NULL);
         if (!s) s = e;
     }
-    if (!s) return mti_overlap_wait(t->ov);
+    if (!s) return t->nov ? mti_ncclov_wait(t->nov) : mti_overlap_wait(t->ov);
     mti_msg msg = mti_last_msg(t->ctx);
-    (void)mti_overlap_wait(t->ov);
+    (void)(t->nov ? mti_ncclov_wait(t->nov) : mti_overlap_wait(t->ov));
     return mti_fail(t->ctx, s, "%s", msg.s);
 }
 
@@ -1627,8 +1654,9 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     int found = 0;
     double sum = 0.0;
     /* (stage 1: reduce-scattered to the slices' owners; stage 2's go in its hooks) */
-    t->overlap_now = t->ov && !fused && t->zero < 2;
-    if (t->overlap_now) mti_overlap_begin(t->ov);
+    t->overlap_now = (t->ov || t->nov) && !fused && t->zero < 2;
+    if (t->overlap_now && t->nov) mti_ncclov_begin(t->nov);
+    else if (t->overlap_now) mti_overlap_begin(t->ov);
     s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);

@@ -66,6 +66,7 @@ struct mt_trainer {
     int counted;             /* counted in the model's and context's children */
     int bare;                /* weights in dt alone, no masters */
     struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
+    struct mti_ncclov *nov;  /* or NCCL's communication stream (comm/nccl_overlap.c) */
     int overlap_now;         /* this step's gradients go to it as backward makes them */
     int s2;                  /* ZeRO-2's reduce-scatters on it (trainer.c, held_give), or
                                 planned so in an estimate */

@@ -14,6 +14,7 @@
 #include "comm/overlap.h"
 #include "cuda_device.h"
 #include "test_comm.h"
+#include "tnccl.h"
 
 static mt_status no_reduce(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, mt_comm_op o,
                            void *st)
@@ -114,15 +115,6 @@ typedef struct coll_arg {
     int n;
     _Atomic int bad;
 } coll_arg;
-
-#define RANK_EXPECT(c)                                                                          \
-    do {                                                                                        \
-        if (!(c)) {                                                                             \
-            fprintf(stderr, "    rank %d: %s:%d: %s (%s)\n", rank, __FILE__, __LINE__, #c,      \
-                    mt_last_error(NULL));                                                       \
-            a->bad = 1;                                                                         \
-        }                                                                                       \
-    } while (0)
 
 static void collectives_rank(int rank, void *p)
 {
@@ -545,43 +537,10 @@ TEST(comm_nccl_stand_in)
  * communicator (on a GPU the loss must fall). */
 TEST(comm_nccl_one_rank)
 {
-    const char *g = getenv("MT_TEST_GPU");
-    const bool gpu = g && !strcmp(g, "1");
-    if (!gpu && (!fake_nccl() || !check_fake_cuda() || !getenv("MT_FAKE_CUBLASLT"))) {
-        fprintf(stderr, "    (skipped: needs MT_TEST_GPU=1, or MT_FAKE_NCCL, MT_FAKE_CUDA and "
-                        "MT_FAKE_CUBLASLT)\n");
-        return;
-    }
-    mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CUDA;
-    cc.cuda_driver_path = gpu ? NULL : check_fake_cuda();
-    cc.cublaslt_path = gpu ? NULL : getenv("MT_FAKE_CUBLASLT");
-    mt_context *first = NULL;
-    CHECK_OK(mt_context_create(&cc, &first)); /* the primary context, current */
-    if (!first) return;
-    mt_nccl_config nc;
-    mt_nccl_config_init(&nc);
-    nc.timeout_seconds = 60.0;
-    if (!gpu) nc.nccl_path = nc.cuda_driver_path = fake_nccl();
-    mt_nccl_id id;
-    mt_status s = mt_nccl_unique_id(&nc, &id);
-    if (gpu && s == MT_ERR_NO_DEVICE && strstr(mt_last_error(NULL), "cannot load NCCL")) {
-        fprintf(stderr, "    (skipped: %s)\n", mt_last_error(NULL));
-        mt_context_destroy(first);
-        return;
-    }
-    CHECK_MSG(s == MT_OK, "%s", mt_last_error(NULL));
-    mt_comm *c = NULL;
-    if (!s) CHECK_OK(mt_comm_nccl_create(&nc, &id, 0, 1, &c));
-    cc.comm = c;
-    mt_context *ctx = NULL;
-    if (c) CHECK_OK(mt_context_create(&cc, &ctx));
-    if (!ctx) {
-        mt_comm_destroy(c);
-        mt_context_destroy(first);
-        return;
-    }
+    const bool gpu = tnccl_gpu();
+    mt_context *first, *ctx;
+    mt_comm *c;
+    if (!(ctx = tnccl_one_rank(&first, &c))) return;
     mti_device *d = ctx->dev;
     void *stream = mti_comm_stream(ctx);
     enum { N = 1000 };

@@ -8,7 +8,20 @@
 #ifndef MT_TEST_COMM_H
 #define MT_TEST_COMM_H
 
+#include <stdio.h>
+
 #include "memtrain/comm.h"
+
+/* In a rank's function: a failed condition is printed with the rank and
+ * marks the test's argument `a` bad (a->bad), the rank going on. */
+#define RANK_EXPECT(c)                                                                          \
+    do {                                                                                        \
+        if (!(c)) {                                                                             \
+            fprintf(stderr, "    rank %d: %s:%d: %s (%s)\n", rank, __FILE__, __LINE__, #c,      \
+                    mt_last_error(NULL));                                                       \
+            a->bad = 1;                                                                         \
+        }                                                                                       \
+    } while (0)
 
 typedef struct tcomm_world tcomm_world;
 

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "comm/comm.h"
+#include "comm/nccl_overlap.h"
 #include "cuda_device.h"
 
 /* NCCL's C ABI, as far as used here (nccl.h of the 2.x series) */
@@ -416,3 +417,32 @@ mt_status mt_comm_nccl_create_over(const mt_nccl_config *cfg, mt_comm *boot, mt_
     memcpy(id.bytes, msg + 4, sizeof id.bytes);
     return mt_comm_nccl_create(cfg, &id, boot->rank, boot->size, out);
 }
+
+/* ---- for the communication stream (comm/nccl_overlap.c) ---- */
+
+bool mti_nccl_is(const mt_comm *c) { return c && c->vt.destroy == n_destroy; }
+
+mt_status mti_nccl_post_sum(mt_comm *c, float *buf, size_t count, void *stream)
+{
+    nccl_state *st = c->self;
+    if (st->aborted) {
+        snprintf(st->err, sizeof st->err, "ncclAllReduce: the communicator was aborted");
+        return MT_ERR_COMM;
+    }
+    nccl_result r = st->api.AllReduce(buf, buf, count, NCCL_FLOAT32, NCCL_SUM, st->comm, stream);
+    if (r == 0) return MT_OK;
+    abort_comm(st);
+    return fail(st, "ncclAllReduce", r);
+}
+
+mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
+{
+    nccl_state *st = c->self;
+    if (st->aborted) {
+        snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
+        return MT_ERR_COMM;
+    }
+    return wait(st, what, stream);
+}
+
+void mti_nccl_abort(mt_comm *c) { abort_comm(c->self); }

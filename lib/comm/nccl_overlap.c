@@ -1,0 +1,240 @@
+/*
+ * nccl_overlap.c - the gradients' sums on a communication stream, the
+ * overlap of a CUDA context with the NCCL communicator (the CPU path's
+ * thread is comm/overlap.c).
+ *
+ * NCCL queues a collective on a stream and returns; the GPU runs it when
+ * the stream gets to it. So no thread is needed here, only a second
+ * stream: as backward makes a gradient final (written by kernels on the
+ * device's stream), an event is recorded on the device's stream, the
+ * communication stream is made to wait for it (cuStreamWaitEvent), and
+ * the gradient's all-reduce (fp32, sum, in place) is queued there, between
+ * two timing events. Backward goes on queueing kernels on the device's
+ * stream, which the GPU runs beside the collective. When backward ends,
+ * the step waits on the host for the communication stream, polling it up
+ * to the communicator's deadline as a blocking collective does (a rank
+ * that died or stalled: the communicator is aborted, MT_ERR_COMM), and
+ * makes the device's stream wait for it with an event, so the fp16 check,
+ * the norm and the update read the sums.
+ *
+ * The same collectives as the blocking step's, in an order every rank
+ * shares: one all-reduce per tensor in place, as the blocking step makes
+ * after backward (packing small tensors into buckets, as the CPU thread
+ * does, would change how NCCL splits the data into chunks and so the
+ * order it adds the ranks' values in; one per tensor keeps the sums the
+ * blocking step's, bit for bit), queued from the last tensor down, a
+ * tensor once it and every tensor above it are given, whatever order
+ * backward gave them in.
+ *
+ * Memory: nothing is allocated, and every gradient stays where it is
+ * until the update, after the wait (stage 0 keeps whole gradients until
+ * then anyway), so nothing the communication stream still reads is ever
+ * freed or reused: the peaks and the estimate are the blocking step's.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/nccl_overlap.h"
+#include "cuda_device.h"
+
+typedef struct tensor {
+    float *g;
+    const char *name;
+    size_t n;
+    bool given;
+} tensor;
+
+struct mti_ncclov {
+    mt_context *ctx;
+    mt_comm *comm;
+    void *stream;   /* the communication stream */
+    void *ready;    /* recorded on the device's stream when gradients are final */
+    void *done;     /* recorded on the communication stream at the wait */
+    void **timing;  /* 2 per tensor: before and after its collective (timed) */
+    tensor *t;
+    int n;
+    int next;       /* the highest tensor not queued yet; -1: none left */
+    int given;
+    int queued;     /* collectives queued this round */
+    mt_status failed;
+    char msg[MTI_ERR_LEN];
+};
+
+bool mti_ncclov_possible(const mt_context *ctx)
+{
+    const mt_comm *c = ctx->cfg.comm;
+    const char *env = getenv("MT_NCCL_OVERLAP");
+    if (env && !strcmp(env, "0")) return false;
+    return c && c->size > 1 && !ctx->dry && ctx->dev->kind == MT_DEVICE_CUDA && mti_nccl_is(c);
+}
+
+mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov **out)
+{
+    *out = NULL;
+    mti_ncclov *ov = calloc(1, sizeof *ov);
+    tensor *t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
+    void **timing = calloc(2 * (size_t)(n > 0 ? n : 1), sizeof *timing);
+    if (!ov || !t || !timing) {
+        free(ov), free(t), free(timing);
+        return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
+    }
+    ov->ctx = ctx;
+    ov->comm = ctx->cfg.comm;
+    ov->t = t;
+    ov->timing = timing;
+    ov->n = n;
+    ov->next = -1;
+    for (int i = 0; i < n; i++) t[i].n = numel[i];
+    mti_device *d = ctx->dev;
+    mt_status s = mti_cuda_stream_new(d, &ov->stream);
+    if (!s) s = mti_cuda_event_new(d, &ov->ready);
+    if (!s) s = mti_cuda_event_new(d, &ov->done);
+    for (int k = 0; k < 2 * n && !s; k++)
+        if (numel[k / 2]) s = mti_cuda_event_new_timed(d, &timing[k]);
+    if (s) {
+        mti_msg msg = mti_last_msg(ctx);
+        mti_ncclov_free(ov);
+        return mti_fail(ctx, s, "mt_trainer_create: the communication stream: %s", msg.s);
+    }
+    *out = ov;
+    return MT_OK;
+}
+
+void mti_ncclov_free(mti_ncclov *ov)
+{
+    if (!ov) return;
+    mti_device *d = ov->ctx->dev;
+    for (int k = 0; k < 2 * ov->n; k++) mti_cuda_event_free(d, ov->timing[k]);
+    mti_cuda_event_free(d, ov->ready);
+    mti_cuda_event_free(d, ov->done);
+    mti_cuda_stream_free(d, ov->stream);
+    free(ov->timing);
+    free(ov->t);
+    free(ov);
+}
+
+void mti_ncclov_begin(mti_ncclov *ov)
+{
+    for (int i = 0; i < ov->n; i++) ov->t[i].given = false, ov->t[i].g = NULL;
+    ov->next = ov->n - 1;
+    ov->given = 0;
+    ov->queued = 0;
+    ov->failed = MT_OK;
+    ov->msg[0] = 0;
+}
+
+/* The first failure of the round, its message kept for the wait. */
+static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
+{
+    if (ov->failed) return;
+    ov->failed = s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ov->msg, sizeof ov->msg, fmt, ap);
+    va_end(ap);
+}
+
+/* Queues tensor i's sum on the communication stream (it already waits for
+ * the gradients given so far). */
+static void queue(mti_ncclov *ov, int i)
+{
+    tensor *x = &ov->t[i];
+    mti_device *d = ov->ctx->dev;
+    if (!x->n || ov->failed) return;
+    if (!x->g) {
+        /* no buffer to sum: the others' collective cannot be met, so end
+           it for them at once rather than at their deadline */
+        mti_nccl_abort(ov->comm);
+        atomic_store(&ov->comm->broken, 1);
+        failed(ov, MT_ERR_COMM, "the all-reduce of the gradients of %s: no gradient to sum (the "
+               "NCCL communicator was aborted)", x->name ? x->name : "?");
+        return;
+    }
+    mt_status s = mti_cuda_record(d, ov->timing[2 * i], ov->stream);
+    if (s) {
+        failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+        return;
+    }
+    s = mti_cuda_enter(d); /* (NCCL queues on the current context's stream) */
+    if (!s) {
+        s = mti_nccl_post_sum(ov->comm, x->g, x->n, ov->stream);
+        mti_cuda_leave(d);
+        if (s) {
+            atomic_store(&ov->comm->broken, 1);
+            const char *why = ov->comm->vt.last_error ? ov->comm->vt.last_error(ov->comm->self) : "";
+            failed(ov, MT_ERR_COMM, "the all-reduce of the gradients of %s (on the communication "
+                   "stream): %s", x->name, why);
+            return;
+        }
+    }
+    if (!s) s = mti_cuda_record(d, ov->timing[2 * i + 1], ov->stream);
+    if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+    else ov->queued++;
+}
+
+mt_status mti_ncclov_push(mti_ncclov *ov, int i, const char *name, float *g)
+{
+    if (i < 0 || i >= ov->n || ov->t[i].given)
+        return mti_fail(ov->ctx, MT_ERR_INTERNAL, "tensor %d given twice to the communication stream", i);
+    tensor *x = &ov->t[i];
+    x->g = g;
+    x->name = name;
+    x->given = true;
+    ov->given++;
+    if (ov->next != i) return MT_OK; /* (it waits for the tensors above it) */
+    /* the gradients given so far are written: the stream waits for that */
+    mti_device *d = ov->ctx->dev;
+    mt_status s = ov->failed ? MT_OK : mti_cuda_record(d, ov->ready, NULL);
+    if (!s && !ov->failed) s = mti_cuda_stream_wait(d, ov->stream, ov->ready);
+    if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+    while (ov->next >= 0 && ov->t[ov->next].given) queue(ov, ov->next--);
+    return MT_OK;
+}
+
+bool mti_ncclov_pushed(const mti_ncclov *ov, int i) { return ov->t[i].given; }
+
+mt_status mti_ncclov_wait(mti_ncclov *ov)
+{
+    mt_context *ctx = ov->ctx;
+    mti_device *d = ctx->dev;
+    mt_comm *c = ov->comm;
+    if (ov->given != ov->n)
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication stream",
+                        ov->given, ov->n);
+    const char *what = "the all-reduce of the gradients (on the communication stream)";
+    const uint64_t t0 = mti_now_ns();
+    mt_status s = MT_OK;
+    if (ov->queued) {
+        s = mti_cuda_enter(d);
+        if (!s) {
+            s = mti_nccl_wait(c, what, ov->stream);
+            mti_cuda_leave(d);
+            if (s) {
+                atomic_store(&c->broken, 1);
+                const char *why = c->vt.last_error ? c->vt.last_error(c->self) : "";
+                failed(ov, MT_ERR_COMM, "%s: %s", what, why);
+            }
+        }
+    }
+    mti_comm_waited(ctx, mti_now_ns() - t0);
+    if (ov->failed)
+        return mti_fail(ctx, ov->failed, "%s (nccl, rank %d of %d)", ov->msg, c->rank, c->size);
+    /* the sums are there: the device's stream waits for them too */
+    s = mti_cuda_record(d, ov->done, ov->stream);
+    if (!s) s = mti_cuda_stream_wait(d, NULL, ov->done);
+    /* what the collectives took on the stream, waits for backward left out */
+    uint64_t ns = 0;
+    for (int i = 0; i < ov->n && !s; i++) {
+        if (!ov->t[i].n || !ov->t[i].g) continue;
+        float ms = 0.0f;
+        s = mti_cuda_elapsed(d, ov->timing[2 * i], ov->timing[2 * i + 1], &ms);
+        if (!s && ms > 0.0f) ns += (uint64_t)((double)ms * 1e6);
+    }
+    atomic_fetch_add(&ctx->comm_calls, (uint64_t)ov->queued);
+    atomic_fetch_add(&ctx->comm_ns, ns);
+    return s;
+}

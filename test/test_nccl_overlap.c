@@ -1,0 +1,540 @@
+/*
+ * test_nccl_overlap.c - the gradients' sums on NCCL's communication stream
+ * (lib/comm/nccl_overlap.c), over the stand-in driver and the stand-in
+ * libnccl, ranks as threads: the sums and their order, the deadline, a
+ * rank without a gradient, and training against the blocking NCCL step.
+ * On a GPU (MT_TEST_GPU=1), with the real driver: the streams and events
+ * (gpu_engine_stream_events, the bundle's engine group), and one rank of
+ * NCCL on the communication stream with the libnccl.so.2 the library
+ * finds (comm_nccl_one_rank_stream, its nccl group).
+ */
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "check.h"
+#include "comm/comm.h"
+#include "comm/nccl_overlap.h"
+#include "cuda_device.h"
+#include "test_comm.h"
+#include "tnccl.h"
+#include "model.h"
+
+static const char *fake_nccl(void)
+{
+    const char *v = getenv("MT_FAKE_NCCL");
+    return v && *v ? v : NULL;
+}
+
+static bool stand_ins(void)
+{
+    if (fake_nccl() && check_fake_cuda() && getenv("MT_FAKE_CUBLASLT")) return true;
+    fprintf(stderr, "    (skipped: needs MT_FAKE_NCCL, MT_FAKE_CUDA and MT_FAKE_CUBLASLT)\n");
+    return false;
+}
+
+/* fake_nccl_calls of the stand-in libnccl (the process has it loaded) */
+static unsigned long nccl_calls(void *stream, int others)
+{
+    void *lib = dlopen(fake_nccl(), RTLD_NOW | RTLD_LOCAL);
+    void *sym = lib ? dlsym(lib, "fake_nccl_calls") : NULL;
+    unsigned long (*f)(void *, int) = NULL;
+    memcpy(&f, &sym, sizeof sym);
+    unsigned long n = f ? f(stream, others) : ~0ul;
+    if (lib) dlclose(lib);
+    return n;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef struct ov_arg {
+    tcomm_world *w;
+    int n;           /* ranks */
+    double timeout;  /* the NCCL communicator's deadline */
+    int mode;        /* 0 sums, 1 a rank stops, 2 a rank has no gradient */
+    double took[4];  /* each rank's wait, seconds */
+    _Atomic int bad;
+} ov_arg;
+
+/* Rank `rank`'s NCCL communicator over the stand-in and a CUDA context on
+ * it over the stand-in driver (NULL and a bad mark on failure). */
+static mt_context *nccl_context(ov_arg *a, int rank, double timeout, mt_comm **comm)
+{
+    mt_comm *boot = tcomm_make(a->w, rank, a->n, 0), *c = NULL;
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = nc.cuda_driver_path = fake_nccl();
+    nc.timeout_seconds = timeout;
+    RANK_EXPECT(boot && !mt_comm_nccl_create_over(&nc, boot, &c));
+    *comm = c;
+    if (!c) {
+        mt_comm_destroy(boot);
+        return NULL;
+    }
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = check_fake_cuda();
+    cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT");
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    RANK_EXPECT(!mt_context_create(&cc, &ctx));
+    /* every rank's context made before any rank goes on (one that aborts
+       its communicator must not fail another's creation) */
+    RANK_EXPECT(!mt_comm_barrier(boot));
+    mt_comm_destroy(boot);
+    return ctx;
+}
+
+enum { T = 4, LEN = 300 };
+
+/* A rank's communicator, context, stream for T tensors of numel[i] values
+ * and a buffer of T * LEN values. */
+typedef struct rank_kit {
+    mt_comm *c;
+    mt_context *ctx;
+    mti_ncclov *ov;
+    mt_block b;
+} rank_kit;
+
+static bool kit_open(ov_arg *a, int rank, const size_t *numel, rank_kit *k)
+{
+    memset(k, 0, sizeof *k);
+    k->ctx = nccl_context(a, rank, a->timeout, &k->c);
+    if (!k->ctx) {
+        mt_comm_destroy(k->c);
+        return false;
+    }
+    RANK_EXPECT(!mti_ncclov_new(k->ctx, T, numel, &k->ov));
+    mt_alloc_request req = {.bytes = T * LEN * sizeof(float), .mem_class = MT_MEM_GRAD,
+                            .lifetime = MT_LIFE_STEP};
+    RANK_EXPECT(!mt_context_alloc(k->ctx, &req, &k->b));
+    return true;
+}
+
+static void kit_close(rank_kit *k)
+{
+    mti_ncclov_free(k->ov);
+    mt_context_free(k->ctx, &k->b);
+    mt_context_destroy(k->ctx);
+    mt_comm_destroy(k->c);
+}
+
+/* Four tensors of LEN values, rank r's tensor i holding r + i + k/7:
+ * pushed in an order of the rank's own (rank 0 from the first, the others
+ * from the last), so the stream must put them in one order. */
+static void sums_rank(int rank, void *p)
+{
+    ov_arg *a = p;
+    size_t numel[T] = {LEN, LEN, 0, LEN}; /* tensor 2 takes no part (frozen) */
+    rank_kit kit;
+    if (!kit_open(a, rank, numel, &kit)) return;
+    mt_context *ctx = kit.ctx;
+    mti_device *d = ctx->dev;
+    mti_ncclov *ov = kit.ov;
+    mt_block b = kit.b;
+    RANK_EXPECT(mti_ncclov_possible(ctx));
+    float h[T * LEN], blocking[T * LEN];
+    for (int i = 0; i < T; i++)
+        for (int k = 0; k < LEN; k++) h[i * LEN + k] = (float)(rank + i) + (float)k / 7.0f;
+    float *g = b.ptr;
+    /* the blocking collectives' sums, to compare bit for bit */
+    RANK_EXPECT(!d->copy_h2d(d, g, h, sizeof h));
+    for (int i = 0; i < T; i++)
+        if (numel[i])
+            RANK_EXPECT(!mti_comm_all_reduce(ctx, "test", g + i * LEN, g + i * LEN, LEN,
+                                             MT_COMM_F32, MT_COMM_SUM));
+    RANK_EXPECT(!d->copy_d2h(d, blocking, g, sizeof blocking) && !d->sync(d));
+    mt_comm_stats before, after;
+    mt_context_comm_stats(ctx, &before);
+    void *main_stream = mti_cuda_stream(d);
+    const unsigned long side0 = nccl_calls(main_stream, 1);
+    for (int round = 0; round < 2 && ov && !a->bad; round++) {
+        RANK_EXPECT(!d->copy_h2d(d, g, h, sizeof h) && !d->sync(d));
+        mti_ncclov_begin(ov);
+        for (int j = 0; j < T; j++) {
+            const int i = rank == 0 ? j : T - 1 - j;
+            RANK_EXPECT(!mti_ncclov_push(ov, i, "t", numel[i] ? g + i * LEN : NULL));
+            RANK_EXPECT(mti_ncclov_pushed(ov, i));
+        }
+        RANK_EXPECT(!mti_ncclov_wait(ov));
+        float back[T * LEN];
+        RANK_EXPECT(!d->copy_d2h(d, back, g, sizeof back) && !d->sync(d));
+        for (int i = 0; i < T; i++) {
+            const float *want = numel[i] ? blocking + i * LEN : h + i * LEN; /* (untouched) */
+            RANK_EXPECT(!memcmp(back + i * LEN, want, LEN * sizeof(float)));
+        }
+    }
+    /* three collectives a round, all on the communication stream, counted */
+    RANK_EXPECT(nccl_calls(main_stream, 1) - side0 == 6);
+    mt_context_comm_stats(ctx, &after);
+    RANK_EXPECT(after.collectives - before.collectives == 6);
+    RANK_EXPECT(after.exposed_seconds >= before.exposed_seconds);
+    /* pushing a tensor twice is a bug of the caller */
+    mti_ncclov_begin(ov);
+    RANK_EXPECT(!mti_ncclov_push(ov, 2, "t", NULL));
+    RANK_EXPECT(mti_ncclov_push(ov, 2, "t", NULL) == MT_ERR_INTERNAL);
+    RANK_EXPECT(mti_ncclov_wait(ov) == MT_ERR_INTERNAL); /* (not every tensor given) */
+    kit_close(&kit);
+}
+
+/* The last rank stops after its first tensor (mode 1), or gives no
+ * gradient for tensor 1 (mode 2): the others' wait fails with MT_ERR_COMM,
+ * at the deadline (1) or as soon as the stopping rank aborts (2). */
+static void fault_rank(int rank, void *p)
+{
+    ov_arg *a = p;
+    const bool odd = rank == a->n - 1;
+    size_t numel[T] = {LEN, LEN, LEN, LEN};
+    rank_kit kit;
+    if (!kit_open(a, rank, numel, &kit)) return;
+    mt_context *ctx = kit.ctx;
+    mt_comm *c = kit.c;
+    mti_ncclov *ov = kit.ov;
+    mt_block b = kit.b;
+    float *g = b.ptr;
+    if (ov && b.ptr) {
+        mti_ncclov_begin(ov);
+        const double t0 = now_s();
+        for (int i = T - 1; i >= 0; i--) {
+            if (odd && a->mode == 1 && i < T - 1) break; /* it stops */
+            RANK_EXPECT(!mti_ncclov_push(ov, i, "t", odd && i == 1 ? NULL : g + i * LEN));
+        }
+        if (odd && a->mode == 1) {
+            struct timespec nap = {0, (long)(a->timeout * 1.5e9)};
+            nanosleep(&nap, NULL); /* (past the others' deadline) */
+        } else {
+            RANK_EXPECT(mti_ncclov_wait(ov) == MT_ERR_COMM);
+            const char *m = mt_last_error(ctx);
+            if (a->mode == 1) /* (its deadline, or another's abort heard first) */
+                RANK_EXPECT((strstr(m, "not done after") && strstr(m, "aborted")) ||
+                            strstr(m, "remote process exited"));
+            else if (odd)
+                RANK_EXPECT(strstr(m, "no gradient to sum") != NULL);
+            RANK_EXPECT(mt_comm_broken(c));
+            a->took[rank] = now_s() - t0;
+        }
+    }
+    kit_close(&kit);
+}
+
+TEST(nccl_overlap_sums)
+{
+    if (!stand_ins()) return;
+    for (int n = 2; n <= 3; n++) {
+        ov_arg a = {.w = tcomm_world_new(n, 30.0), .n = n, .timeout = 30.0};
+        tcomm_run(n, sums_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK_MSG(!a.bad, "%d ranks", n);
+    }
+}
+
+TEST(nccl_overlap_faults)
+{
+    if (!stand_ins()) return;
+    for (int n = 2; n <= 3; n++) {
+        ov_arg a = {.w = tcomm_world_new(n, 30.0), .n = n, .timeout = 0.4, .mode = 1};
+        tcomm_run(n, fault_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK_MSG(!a.bad, "a rank stops, %d ranks", n);
+        /* the first rank whose deadline passed waited all of it (the others
+           may hear of its abort before their own) */
+        double most = 0.0;
+        for (int r = 0; r < n - 1; r++) {
+            CHECK_MSG(a.took[r] < 5.0, "rank %d waited %g s for a 0.4 s deadline", r, a.took[r]);
+            if (a.took[r] > most) most = a.took[r];
+        }
+        CHECK_MSG(most >= 0.4, "no rank waited its 0.4 s deadline (%g s at most)", most);
+        /* no gradient on one rank: it aborts, and the others hear of it long
+           before their deadline */
+        ov_arg b = {.w = tcomm_world_new(n, 30.0), .n = n, .timeout = 30.0, .mode = 2};
+        tcomm_run(n, fault_rank, &b);
+        tcomm_world_free(b.w);
+        CHECK_MSG(!b.bad, "a rank without a gradient, %d ranks", n);
+        for (int r = 0; r < n; r++)
+            CHECK_MSG(b.took[r] < 5.0, "rank %d waited %g s", r, b.took[r]);
+    }
+}
+
+/* ---- training: the stream against the blocking NCCL step ---- */
+
+enum { STEPS = 3, ROWS = 2, SEQ = 8 };
+
+typedef struct train_out {
+    float loss[STEPS];
+    float *w;
+    size_t nw;
+    uint64_t collectives;
+    unsigned long side_calls;
+    int n_trainable;
+    char msg[256];
+} train_out;
+
+typedef struct tr_arg {
+    tcomm_world *w;
+    int n;
+    int inject; /* a kernel launch fails on one rank in the second step */
+    train_out out[3];
+    _Atomic int bad;
+} tr_arg;
+
+/* A symbol of the stand-in driver (kept loaded: its counters live on). */
+static void *fake_cuda_sym(const char *name)
+{
+    static void *lib;
+    if (!lib) lib = dlopen(check_fake_cuda(), RTLD_NOW | RTLD_LOCAL);
+    return lib ? dlsym(lib, name) : NULL;
+}
+
+static void fail_launch(int skip)
+{
+    void (*f)(const char *, int, int) = NULL;
+    void *sym = fake_cuda_sym("fake_cuda_fail");
+    memcpy(&f, &sym, sizeof sym);
+    if (f) f(skip < 0 ? "" : "cuLaunchKernel", skip < 0 ? 0 : skip, 999);
+}
+
+static unsigned long long stream_waits(void)
+{
+    unsigned long long (*f)(const char *) = NULL;
+    void *sym = fake_cuda_sym("fake_cuda_stat");
+    memcpy(&f, &sym, sizeof sym);
+    return f ? f("stream_waits") : 0;
+}
+
+static void train_rank(int rank, void *p)
+{
+    tr_arg *a = p;
+    train_out *o = &a->out[rank];
+    mt_comm *c = NULL;
+    ov_arg oa = {.w = a->w, .n = a->n};
+    mt_context *ctx = nccl_context(&oa, rank, 30.0, &c);
+    if (oa.bad) a->bad = 1;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = SEQ, g.layers = 2, g.heads = 2, g.channels = 16;
+    g.seed = 3;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = ROWS;
+    tc.grad_clip = 1.0f;
+    tc.lr = 0.05f;
+    tc.micro_batch = 1; /* (the gradients final in the second micro-batch's backward) */
+    const char *freeze[] = {"wpe"};
+    tc.freeze = freeze;
+    tc.n_freeze = 1;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = ctx ? mt_model_gpt_create(ctx, &g, &m) : MT_ERR_NO_DEVICE;
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[ROWS * SEQ], tgt[ROWS * SEQ];
+    for (int i = 0; i < ROWS * SEQ; i++) tok[i] = (i * 7 + rank) % 50, tgt[i] = (i * 3 + rank) % 50;
+    mt_batch b = {.n = ROWS, .tokens = tok, .targets = tgt, .seq_len = SEQ};
+    void *main_stream = ctx ? mti_cuda_stream(ctx->dev) : NULL;
+    const unsigned long side0 = nccl_calls(main_stream, 1);
+    for (int k = 0; k < STEPS && !s; k++) {
+        if (!a->inject || k != 1) {
+            s = mt_trainer_step(t, &b, &o->loss[k]);
+            continue;
+        }
+        /* every rank out of the first step before the launch is set to
+           fail; one rank's pass fails, its gradients still go (as zeros),
+           and every rank's step fails at once (the status exchange), the
+           communicator whole */
+        RANK_EXPECT(!mt_comm_barrier(c));
+        if (rank == 0) fail_launch(3);
+        RANK_EXPECT(!mt_comm_barrier(c));
+        const double t0 = now_s();
+        RANK_EXPECT(mt_trainer_step(t, &b, &o->loss[k]) != MT_OK);
+        RANK_EXPECT(now_s() - t0 < 10.0 && !mt_comm_broken(c));
+        RANK_EXPECT(!mt_comm_barrier(c));
+        if (rank == 0) fail_launch(-1); /* (none left over) */
+        o->loss[k] = 0.0f;
+    }
+    o->side_calls = nccl_calls(main_stream, 1) - side0;
+    if (t) {
+        o->n_trainable = 0;
+        for (int i = 0; i < m->n_param; i++) o->n_trainable += !m->params[i].frozen;
+    }
+    mt_comm_stats cs = {0};
+    if (ctx) mt_context_comm_stats(ctx, &cs);
+    o->collectives = cs.collectives;
+    mt_estimate_report e;
+    if (!s) s = mt_estimate_model(m, &tc, &e);
+    if (!s) {
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        for (int k = 0; k < MT_MEM_COUNT && !s; k++)
+            if (e.class_peak[k] != ms.per_class[k].peak_live_bytes) {
+                snprintf(o->msg, sizeof o->msg, "%s peak %llu, estimate %llu",
+                         mt_mem_class_name((mt_mem_class)k),
+                         (unsigned long long)ms.per_class[k].peak_live_bytes,
+                         (unsigned long long)e.class_peak[k]);
+                s = MT_ERR_INTERNAL;
+            }
+    } else if (!o->msg[0]) {
+        snprintf(o->msg, sizeof o->msg, "%s", ctx ? mt_last_error(ctx) : "no context");
+    }
+    mt_trainer_destroy(t);
+    if (!s) {
+        o->nw = mt_model_num_params(m);
+        o->w = malloc(o->nw * sizeof *o->w);
+        s = o->w ? mt_model_get_params(m, o->w, o->nw) : MT_ERR_OOM;
+    }
+    if (s) a->bad = 1;
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* Stage 0 on 2 and 3 ranks: with the stream (the default) and without it
+ * (MT_NCCL_OVERLAP=0, the blocking step), the same losses and weights bit
+ * for bit, the same number of collectives, each rank's peaks equal to its
+ * estimate; the gradients' sums went on another stream than the
+ * device's, one per trainable tensor and step, only with the stream. */
+TEST(nccl_overlap_train)
+{
+    if (!stand_ins()) return;
+    for (int n = 2; n <= 3; n++) {
+        tr_arg run[2];
+        for (int mode = 0; mode < 2; mode++) {
+            if (mode) setenv("MT_NCCL_OVERLAP", "0", 1);
+            memset(&run[mode], 0, sizeof run[mode]);
+            run[mode].w = tcomm_world_new(n, 30.0);
+            run[mode].n = n;
+            const unsigned long long waits = stream_waits();
+            tcomm_run(n, train_rank, &run[mode]);
+            /* the stream waited for backward's kernels, the device's for it */
+            if (mode) CHECK_EQ(stream_waits(), waits);
+            else CHECK(stream_waits() >= waits + 2ull * STEPS * (unsigned long long)n);
+            tcomm_world_free(run[mode].w);
+            unsetenv("MT_NCCL_OVERLAP");
+            for (int r = 0; r < n; r++)
+                CHECK_MSG(!run[mode].bad, "%d ranks, %s, rank %d: %s", n, mode ? "blocking" : "stream",
+                          r, run[mode].out[r].msg);
+        }
+        for (int r = 0; r < n && !run[0].bad && !run[1].bad; r++) {
+            const train_out *x = &run[0].out[r], *y = &run[1].out[r];
+            CHECK(!memcmp(x->loss, y->loss, sizeof x->loss));
+            CHECK(x->nw == y->nw && x->w && y->w && !memcmp(x->w, y->w, x->nw * sizeof *x->w));
+            CHECK_EQ(x->collectives, y->collectives);
+            CHECK_EQ(x->side_calls, (unsigned long)(STEPS * x->n_trainable));
+            CHECK_EQ(y->side_calls, 0);
+        }
+        for (int mode = 0; mode < 2; mode++)
+            for (int r = 0; r < n; r++) free(run[mode].out[r].w);
+        /* a step that fails on one rank fails on all, at once; the next runs */
+        tr_arg f = {.w = tcomm_world_new(n, 30.0), .n = n, .inject = 1};
+        tcomm_run(n, train_rank, &f);
+        tcomm_world_free(f.w);
+        for (int r = 0; r < n; r++) {
+            CHECK_MSG(!f.bad, "a failing launch, %d ranks, rank %d: %s", n, r, f.out[r].msg);
+            free(f.out[r].w);
+        }
+    }
+}
+
+/* One rank on a GPU (MT_TEST_GPU=1, with the real driver and the
+ * libnccl.so.2 the library finds; the stand-ins otherwise): copies on the
+ * device's stream write two 4 MiB tensors, each given to the
+ * communication stream right after its copy is queued (no host wait
+ * between), whose all-reduce (one rank: the values as they are) must run
+ * after the copy; after the wait the device's stream reads them back, and
+ * they must be the values written; the collectives are counted and timed. */
+TEST(comm_nccl_one_rank_stream)
+{
+    const bool gpu = tnccl_gpu();
+    mt_context *first, *ctx;
+    mt_comm *c;
+    if (!(ctx = tnccl_one_rank(&first, &c))) return;
+    CHECK(!mti_ncclov_possible(ctx)); /* one rank: nothing to sum in a step */
+    enum { N = 1 << 20 };
+    float *h = malloc(N * sizeof *h), *back = malloc(N * sizeof *back);
+    CHECK(h && back);
+    mti_device *d = ctx->dev;
+    mt_alloc_request req = {.bytes = 2 * N * sizeof(float), .mem_class = MT_MEM_GRAD,
+                            .lifetime = MT_LIFE_STEP};
+    mt_block b = {0};
+    size_t numel[2] = {N, N};
+    mti_ncclov *ov = NULL;
+    CHECK_OK(mti_ncclov_new(ctx, 2, numel, &ov));
+    CHECK_OK(mt_context_alloc(ctx, &req, &b));
+    float *g = b.ptr;
+    for (int round = 0; round < 3 && ov && g && h && back; round++) {
+        for (int i = 0; i < N; i++) h[i] = (float)((i + round) % 1013) - 500.0f;
+        mti_ncclov_begin(ov);
+        /* written on the device's stream, queued behind it: no host wait */
+        CHECK_OK(d->copy_h2d(d, g + N, h, N * sizeof *h));
+        CHECK_OK(mti_ncclov_push(ov, 1, "b", g + N));
+        CHECK_OK(d->copy_d2d(d, g, g + N, N * sizeof *h));
+        CHECK_OK(mti_ncclov_push(ov, 0, "a", g));
+        CHECK_MSG(mti_ncclov_wait(ov) == MT_OK, "%s", mt_last_error(ctx));
+        CHECK_OK(d->copy_d2h(d, back, g, N * sizeof *back));
+        CHECK_OK(d->sync(d));
+        CHECK_MSG(!memcmp(back, h, N * sizeof *h), "round %d: the sum differs", round);
+        CHECK_OK(d->copy_d2h(d, back, g + N, N * sizeof *back));
+        CHECK_OK(d->sync(d));
+        CHECK_MSG(!memcmp(back, h, N * sizeof *h), "round %d: the second sum differs", round);
+    }
+    mt_comm_stats cs;
+    CHECK_OK(mt_context_comm_stats(ctx, &cs));
+    CHECK_EQ(cs.collectives, 6);
+    if (gpu) CHECK_MSG(cs.seconds > 0.0, "the collectives took %g s", cs.seconds);
+    mti_ncclov_free(ov);
+    mt_context_free(ctx, &b);
+    free(h);
+    free(back);
+    tnccl_free(ctx, first, c);
+}
+
+/* The device layer's streams and events for it, and the driver's rules
+ * the stand-in keeps (on a GPU with MT_TEST_GPU=1, the real driver's):
+ * a stream waits on an event never recorded without error; elapsed time
+ * needs two recorded timing events. */
+TEST(gpu_engine_stream_events)
+{
+    const bool gpu = tnccl_gpu();
+    if (!gpu && !check_fake_cuda()) {
+        fprintf(stderr, "    (skipped: needs MT_TEST_GPU=1 or MT_FAKE_CUDA)\n");
+        return;
+    }
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = gpu ? NULL : check_fake_cuda();
+    mt_context *ctx = NULL;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    if (!ctx) return;
+    mti_device *d = ctx->dev;
+    void *q = NULL, *a = NULL, *b = NULL, *plain = NULL;
+    CHECK_OK(mti_cuda_stream_new(d, &q));
+    CHECK_OK(mti_cuda_event_new_timed(d, &a));
+    CHECK_OK(mti_cuda_event_new_timed(d, &b));
+    CHECK_OK(mti_cuda_event_new(d, &plain));
+    float ms = -1.0f;
+    CHECK_ST(MT_ERR_DEVICE, mti_cuda_elapsed(d, a, b, &ms)); /* never recorded */
+    CHECK_OK(mti_cuda_stream_wait(d, q, plain));             /* never recorded: no wait */
+    CHECK_OK(mti_cuda_record(d, plain, NULL));
+    CHECK_OK(mti_cuda_stream_wait(d, q, plain));
+    CHECK_OK(mti_cuda_record(d, a, q));
+    CHECK_OK(mti_cuda_record(d, b, q));
+    CHECK_OK(mti_cuda_stream_wait(d, NULL, b));
+    CHECK_OK(d->sync(d));
+    CHECK_OK(mti_cuda_event_wait(d, b));
+    CHECK_OK(mti_cuda_elapsed(d, a, b, &ms));
+    CHECK(ms >= 0.0f && ms < 1000.0f);
+    CHECK_OK(mti_cuda_record(d, plain, q));
+    CHECK_OK(mti_cuda_event_wait(d, plain));
+    CHECK_ST(MT_ERR_DEVICE, mti_cuda_elapsed(d, a, plain, &ms)); /* no timing */
+    mti_cuda_event_free(d, plain);
+    mti_cuda_event_free(d, a);
+    mti_cuda_event_free(d, b);
+    mti_cuda_stream_free(d, q);
+    mt_context_destroy(ctx);
+}
