@@ -173,7 +173,8 @@ struct mt_context {
     bool comm_threads;
     /* the communication thread's queue of collectives (lib/comm/overlap.c:
      * the gradients' collectives, ZeRO-3's gathers), or NULL: a collective
-     * of another thread first waits until the queue is empty */
+     * of another thread first waits until the queue is empty; a list, one
+     * per trainer with a thread, linked through the queues */
     struct mti_overlap *comm_queue;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;

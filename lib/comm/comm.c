@@ -364,7 +364,7 @@ int mti_comm_urgent(void) { return atomic_load(&comm_hurry) > 0; }
 
 mt_status mti_comm_turn(mt_context *ctx, const char *what)
 {
-    return comm_thread || !ctx->comm_queue ? MT_OK : mti_overlap_quiet(ctx->comm_queue, false, what);
+    return comm_thread ? MT_OK : mti_overlaps_quiet(ctx, what);
 }
 
 /* A collective of the context took from t0 until now. */

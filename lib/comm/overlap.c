@@ -90,6 +90,7 @@ struct mti_overlap {
     mt_status failed;  /* the first failure, the entry's number, its message */
     uint64_t failed_at;
     char msg[MTI_ERR_LEN];
+    struct mti_overlap *next_on_ctx; /* the context's other queues (other trainers') */
 };
 
 bool mti_overlap_possible(const mt_context *ctx)
@@ -179,6 +180,15 @@ static void wait_for(mti_overlap *ov, uint64_t upto)
     mti_comm_waited(ov->ctx, mti_now_ns() - t0);
 }
 
+mt_status mti_overlaps_quiet(mt_context *ctx, const char *what)
+{
+    for (mti_overlap *q = ctx->comm_queue; q; q = q->next_on_ctx) {
+        const mt_status s = mti_overlap_quiet(q, false, what);
+        if (s) return s;
+    }
+    return MT_OK;
+}
+
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job work,
                           void *user, bool fifo, mti_overlap **out)
 {
@@ -223,7 +233,8 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
         free(slot), free(bucket), free(low), free(order), free(ring), free(ov);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: cannot start the communication thread");
     }
-    if (!ctx->comm_queue) ctx->comm_queue = ov;
+    ov->next_on_ctx = ctx->comm_queue; /* every trainer's queue is waited for */
+    ctx->comm_queue = ov;
     *out = ov;
     return MT_OK;
 }
@@ -236,7 +247,11 @@ void mti_overlap_free(mti_overlap *ov)
     pthread_cond_signal(&ov->more);
     pthread_mutex_unlock(&ov->mu);
     pthread_join(ov->th, NULL);
-    if (ov->ctx->comm_queue == ov) ov->ctx->comm_queue = NULL;
+    for (mti_overlap **q = &ov->ctx->comm_queue; *q; q = &(*q)->next_on_ctx)
+        if (*q == ov) {
+            *q = ov->next_on_ctx;
+            break;
+        }
     pthread_cond_destroy(&ov->done);
     pthread_cond_destroy(&ov->more);
     pthread_mutex_destroy(&ov->mu);

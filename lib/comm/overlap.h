@@ -39,10 +39,14 @@ typedef mt_status (*mti_overlap_job)(void *user, int i, float *g);
  * every rank gives them in the same order unless its backward fails,
  * which the blocking step cannot survive either), and any number of them
  * may be given in a round. The context's collectives from other threads
- * wait for the queue from now on (ctx->comm_queue) until
+ * wait for the queue from now on (ctx->comm_queue, the context's queues) until
  * mti_overlap_free. */
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job job,
                           void *user, bool fifo, mti_overlap **out);
+/* Waits until every queue of the context (each trainer with a thread has
+ * one) is empty: what a collective of the stepping thread does first. The
+ * first failure found is returned. */
+mt_status mti_overlaps_quiet(mt_context *ctx, const char *what);
 /* Waits for the queue, ends the thread. NULL is accepted. */
 void mti_overlap_free(mti_overlap *ov);
 /* A round of gradients (a step) begins, once the queue is empty: the
