@@ -1085,16 +1085,21 @@ typedef struct mt_trainer_config {
      * training-state files are the resident run's (fp16/bf16 masters: each
      * rank's master slice); stage 3 and CUDA contexts are
      * MT_ERR_UNSUPPORTED.
-     * MT_PLACE_HOST (CUDA contexts of one rank): in page-locked host memory
+     * MT_PLACE_HOST (CUDA contexts): in page-locked host memory
      * (cuMemHostAlloc; place host). Each gradient goes down to the host as
      * backward finishes it (a piece at a time, through a few staging buffers
      * counted at place host: GRAD and PARAM), the CPU op table updates the
      * state and masters there on a thread of the trainer's while the GPU goes
      * on, and the updated weights go back up; the step ends when all of them
      * are up. fp32 weights come down with their gradients (no copy is kept
-     * on the host). Needs master weights in fp16/bf16, and takes every
-     * optimizer but 4-bit AdamW (MT_ERR_UNSUPPORTED); pinned memory refused
-     * is MT_ERR_OOM naming the amount. */
+     * on the host). On several ranks (ZeRO stages 0, 1 and 2; stages 1 and 2
+     * need a device communicator, NCCL) each rank keeps and updates its own
+     * part (at stage 0 all of it, from the summed gradients; at stages 1 and
+     * 2 its shard), and under ZeRO the weights are all-gathered once every
+     * update has landed, at the step's end. Needs master weights in
+     * fp16/bf16, and takes every optimizer but 4-bit AdamW
+     * (MT_ERR_UNSUPPORTED; stage 3 too); pinned memory refused is
+     * MT_ERR_OOM naming the amount. */
     mt_place offload;
     const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
     /* With offload MT_PLACE_DISK (and only then: MT_ERR_INVALID_ARG

@@ -212,6 +212,17 @@ static int sched_backward(const mti_engine *E, unsigned char *h, int *out, int n
     return n;
 }
 
+mt_status (*mti_engine_grad_fill)(mt_context *ctx, int param, size_t at, float *g, size_t n);
+
+/* A gradient just made, before its first contribution: zeros (or the test
+ * hook's values). */
+static mt_status grad_start(mti_engine *E, int i, size_t at, mti_tensor *g)
+{
+    if (mti_engine_grad_fill && !E->ctx->dry)
+        return mti_engine_grad_fill(E->ctx, i, at, g->blk.ptr, (size_t)mti_tensor_numel(g));
+    return mti_tensor_zero(E->ctx, g);
+}
+
 mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
 {
     mti_tensor *g = &E->grad[i];
@@ -219,7 +230,7 @@ mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
         const mti_param *p = &E->m->params[i];
         *g = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
         mt_status s = mti_tensor_alloc(E->ctx, g, MT_MEM_GRAD, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_GRAD, i));
-        if (!s) s = mti_tensor_zero(E->ctx, g);
+        if (!s) s = grad_start(E, i, 0, g);
         if (s) {
             mti_tensor_free(E->ctx, g);
             return s;
@@ -838,7 +849,7 @@ static mt_status tied_slices(mti_engine *E, const mti_layer *ly)
         int r1 = V - r0 < E->tied_rows ? V : r0 + E->tied_rows;
         mti_tensor g = {.dtype = MTI_F32, .ndim = 2, .shape = {r1 - r0, C}};
         s = mti_tensor_alloc(E->ctx, &g, MT_MEM_GRAD, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_GRAD, pi));
-        if (!s) s = mti_tensor_zero(E->ctx, &g);
+        if (!s) s = grad_start(E, pi, (size_t)r0 * C, &g);
         if (!s) s = tied_head_grad(E, g.blk.ptr, r0, r1);
         if (!s)
             s = op->embedding_dw_rows(&E->k, g.blk.ptr, E->d.blk.ptr, E->tokens.blk.ptr, E->B,

@@ -39,6 +39,13 @@ typedef mt_status (*mti_layer_hook)(void *user, int layer, int bwd, int in);
 /* An entry of the schedule: layer * 2 + bwd. */
 #define MTI_SCHED(layer, bwd) ((layer) * 2 + (bwd))
 
+/* Test hook: fills a gradient the engine has just made (n values of
+ * parameter param from element at, in device memory g) instead of zeroing
+ * it, so tests over the stand-in driver, whose kernels compute nothing,
+ * train on gradients they know. Not called in dry contexts; NULL in the
+ * library. */
+extern mt_status (*mti_engine_grad_fill)(mt_context *ctx, int param, size_t at, float *g, size_t n);
+
 typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
 
 typedef struct mti_engine {

@@ -84,11 +84,11 @@ mt_status mti_hostoff_check(mt_context *ctx, const mt_model *m, const mt_trainer
                         "%s: cfg->offload host needs a CUDA context (on a CPU context the "
                         "device's memory is the host's: offload to disk)",
                         fn);
-    if (ctx->world > 1)
+    if (ctx->world > 1 && c->zero_stage >= 3)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload host on a run of %d ranks is not supported yet (one rank "
-                        "only)",
-                        fn, ctx->world);
+                        "%s: cfg->offload host does not combine with cfg->zero_stage 3 (the state "
+                        "of sharded weights stays on the device); use stage 2",
+                        fn);
     if (c->precision != MT_PREC_FP32 && !c->master_weights)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload host needs master weights in fp16/bf16 "
@@ -127,13 +127,16 @@ static mt_status run_update(mti_hostoff *h, host_slot *sl)
                             .pc_dt = t->dt,
                             .scratch = &h->flag};
     void *st[MTI_OPT_SLOTS] = {0};
+    /* the state and the master hold this rank's elements, from its shard's
+       first (all of them at stage 0) */
+    const size_t lo = t->sh[sl->i].lo;
     for (int j = 0; j < MTI_OPT_SLOTS; j++) {
         const mti_opt_state *l = &ps->lay.s[j];
         if (!l->numel) continue;
-        const size_t off = l->per > 0 ? sl->at / (size_t)l->per : 0;
+        const size_t off = l->per > 0 ? (sl->at - lo) / (size_t)l->per : 0;
         st[j] = (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
     }
-    float *w32 = h->masters ? (float *)p->master.blk.ptr + sl->at : sl->w.ptr;
+    float *w32 = h->masters ? (float *)p->master.blk.ptr + (sl->at - p->master_lo) : sl->w.ptr;
     void *pc = h->masters ? sl->w.ptr : NULL;
     mt_status s = MT_OK;
     if (!h->dry) s = mti_cuda_event_wait(h->ctx->dev, sl->down);
@@ -195,13 +198,11 @@ mt_status mti_hostoff_create(mt_trainer *t, mti_hostoff **out)
     pthread_cond_init(&h->work, NULL);
     pthread_cond_init(&h->done, NULL);
     *out = h; /* (destroyed by the trainer on failure) */
-    size_t most = 0; /* elements of the largest piece */
+    size_t most = 0; /* elements of the largest piece (of this rank's elements) */
     const mt_model *m = t->model;
     for (int i = 0; i < m->n_param; i++) {
-        const mti_param *p = &m->params[i];
-        if (p->frozen) continue;
-        size_t n = t->opt->sliceable && mti_offload_piece_elems < p->numel ? mti_offload_piece_elems
-                                                                          : p->numel;
+        const size_t own = t->sh[i].hi - t->sh[i].lo; /* (none: frozen, or another rank's) */
+        size_t n = t->opt->sliceable && mti_offload_piece_elems < own ? mti_offload_piece_elems : own;
         if (n > most) most = n;
     }
     mt_status s = MT_OK;

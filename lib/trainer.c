@@ -343,8 +343,7 @@ static mt_status to_mixed(mt_trainer *t)
         const size_t lo = t->sh[i].lo, nm = t->sh[i].hi - lo;
         mti_tensor master = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)nm}};
         mti_tensor half = like(&p->w, t->dt);
-        if (nm) s = mti_tensor_alloc(ctx, &master, MT_MEM_MASTER, MT_LIFE_PERSISTENT,
-                                     MTI_TAG_PARAM(MTI_TAG_MASTER, i));
+        if (nm) s = home_alloc(t, &master, MT_MEM_MASTER, MTI_TAG_PARAM(MTI_TAG_MASTER, i));
         if (!s && nm) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, (float *)p->w.blk.ptr + lo, nm * 4);
         if (!s) s = mti_tensor_alloc(ctx, &half, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
         if (!s)
@@ -618,6 +617,11 @@ static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
     return t->E.grad[i].blk.ptr ? (float *)t->E.grad[i].blk.ptr + *at : NULL;
 }
 
+/* Whether the weights are gathered from every rank's slice as each is
+ * updated (ZeRO-1/2 with the update on the device); host offload's updates
+ * land later, so its gathers wait for the step's end (gather_hosted). */
+static bool gather_each(const mt_trainer *t) { return t->zero && t->zero < 3 && !t->hoff; }
+
 /* Updates parameter i (this rank's elements) from its gradient times
  * grad_scale; under ZeRO the weights are then gathered from every rank. */
 static mt_status update_param(mt_trainer *t, int i, float grad_scale)
@@ -625,7 +629,20 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
     size_t at, n;
     float *g = own_grad(t, i, &at, &n);
     mt_status s = n ? update_elems(t, i, g, at, n, grad_scale) : MT_OK;
-    if (!s && t->zero && t->zero < 3) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
+    if (!s && gather_each(t)) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
+    return s;
+}
+
+/* Host offload's step end: every queued update done and its weights back
+ * on the device (mti_hostoff_end); on several ranks the ranks agree that
+ * they all got there, and under ZeRO-1/2 every trained tensor is then
+ * gathered from the ranks' slices, in parameter order on every rank. */
+static mt_status gather_hosted(mt_trainer *t, const char *fn)
+{
+    mt_status s = mti_hostoff_end(t->hoff);
+    if (t->world > 1) s = mti_dp_agree_status(t, fn, "the host offload's updates", s);
+    for (int i = 0; i < t->model->n_param && !s && t->zero && t->zero < 3; i++)
+        if (!t->model->params[i].frozen) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
     return s;
 }
 
@@ -1428,7 +1445,7 @@ static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
     if (!s && on) s = unscale_g(t, g + own, on);
     if (!s) s = halt_if_flagged(t, i);
     if (!s && on) s = update_elems(t, i, g + own, at + own, on, t->clip);
-    if (!s && t->zero && t->zero < 3) s = mti_zero_gather(t, i, at, n);
+    if (!s && gather_each(t)) s = mti_zero_gather(t, i, at, n);
     if (!s) t->touched = 1;
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
@@ -1685,7 +1702,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
     }
-    if (t->hoff && (s = mti_hostoff_end(t->hoff))) { /* every update done, weights up */
+    if (t->hoff && (s = gather_hosted(t, fn))) { /* every update done, weights up */
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }

@@ -432,14 +432,12 @@ typedef struct nccl_arg {
     _Atomic int bad;
 } nccl_arg;
 
-static mt_context *cuda_comm_context(mt_comm *c);
-
 /* A CUDA context of a device communicator holds its record buffer, as its
  * estimate says; with a host communicator nothing is in COMM (the host
  * staging is not the device's memory). */
 static void nccl_context(nccl_arg *a, int rank, mt_comm *c)
 {
-    mt_context *ctx = cuda_comm_context(c);
+    mt_context *ctx = tcomm_cuda_context(c);
     RANK_EXPECT(ctx != NULL);
     if (!ctx) return;
     mt_memory_stats ms;
@@ -613,25 +611,11 @@ typedef struct cuda_arg {
     _Atomic int bad;
 } cuda_arg;
 
-/* A context on the stand-in CUDA driver with communicator c (NULL on
- * failure). */
-static mt_context *cuda_comm_context(mt_comm *c)
-{
-    mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CUDA;
-    cc.cuda_driver_path = check_fake_cuda();
-    cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT"); /* for GEMMs (ZeRO's steps) */
-    cc.comm = c;
-    mt_context *ctx = NULL;
-    return mt_context_create(&cc, &ctx) ? NULL : ctx;
-}
-
 static void cuda_rank(int rank, void *p)
 {
     cuda_arg *a = p;
     mt_comm *c = tcomm_make(a->w, rank, 2, 0);
-    mt_context *ctx = cuda_comm_context(c);
+    mt_context *ctx = tcomm_cuda_context(c);
     RANK_EXPECT(ctx != NULL);
     if (!ctx) {
         mt_comm_destroy(c);
@@ -716,7 +700,7 @@ static void zero_cuda_rank(int rank, void *p)
 {
     zc_arg *a = p;
     mt_comm *c = tcomm_make(a->w, rank, 2, a->caps);
-    mt_context *ctx = cuda_comm_context(c);
+    mt_context *ctx = tcomm_cuda_context(c);
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     mt_gpt_spec g;

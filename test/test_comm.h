@@ -33,6 +33,22 @@ void tcomm_world_free(tcomm_world *w);
 mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps);
 /* A CPU context of one kernel thread on communicator c (may be NULL). */
 mt_status tcomm_context(mt_comm *c, mt_context **out);
+/* A CUDA context on the stand-in driver and cuBLASLt (MT_FAKE_CUDA,
+ * MT_FAKE_CUBLASLT) on communicator c (may be NULL); NULL on failure. */
+mt_context *tcomm_cuda_context(mt_comm *c);
+/* Rank `rank` of n's NCCL communicator over the stand-in libnccl
+ * (MT_FAKE_NCCL; bootstrapped over w), or NULL. */
+mt_comm *tcomm_nccl(tcomm_world *w, int rank, int n);
+
+/* Gradients a test knows (the stand-in driver's kernels compute nothing):
+ * set as mti_engine_grad_fill, it fills rank r's gradient element e of
+ * parameter i with tcomm_grad_of(r, i, e), multiples of 2^-10 small enough
+ * that every sum over ranks is exact; on a context of one rank with
+ * tcomm_fill_sum > 1, the sum over that many ranks (what the ranks'
+ * reductions make). */
+extern _Atomic int tcomm_fill_sum;
+float tcomm_grad_of(int r, int i, size_t e);
+mt_status tcomm_fill_grads(mt_context *ctx, int param, size_t at, float *g, size_t n);
 /* Runs fn(rank, arg) on n threads and joins them. */
 void tcomm_run(int n, void (*fn)(int rank, void *arg), void *arg);
 

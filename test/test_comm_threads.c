@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "check.h"
+#include "internal.h"
 #include "test_comm.h"
 
 struct tcomm_world {
@@ -242,6 +243,53 @@ mt_status tcomm_context(mt_comm *c, mt_context **out)
     cc.threads = 1;
     cc.comm = c;
     return mt_context_create(&cc, out);
+}
+
+mt_context *tcomm_cuda_context(mt_comm *c)
+{
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CUDA;
+    cc.cuda_driver_path = check_fake_cuda();
+    cc.cublaslt_path = getenv("MT_FAKE_CUBLASLT"); /* for GEMMs (a trainer's steps) */
+    cc.comm = c;
+    mt_context *ctx = NULL;
+    return mt_context_create(&cc, &ctx) ? NULL : ctx;
+}
+
+mt_comm *tcomm_nccl(tcomm_world *w, int rank, int n)
+{
+    mt_comm *boot = tcomm_make(w, rank, n, 0), *c = NULL;
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = nc.cuda_driver_path = getenv("MT_FAKE_NCCL");
+    nc.timeout_seconds = 30.0;
+    if (boot && mt_comm_nccl_create_over(&nc, boot, &c)) c = NULL;
+    mt_comm_destroy(boot); /* (NCCL does not need it) */
+    return c;
+}
+
+_Atomic int tcomm_fill_sum;
+
+float tcomm_grad_of(int r, int i, size_t e)
+{
+    return (float)((int)((e * 7 + (size_t)i * 13 + (size_t)r * 29) % 41) - 20) / 1024.0f;
+}
+
+mt_status tcomm_fill_grads(mt_context *ctx, int param, size_t at, float *g, size_t n)
+{
+    float *h = malloc(n * sizeof *h + 1);
+    if (!h) return MT_ERR_OOM;
+    const int sum = ctx->world == 1 ? tcomm_fill_sum : 0;
+    for (size_t e = 0; e < n; e++) {
+        float v = 0.0f;
+        for (int r = 0; r < (sum ? sum : 1); r++) v += tcomm_grad_of(sum ? r : ctx->rank, param, at + e);
+        h[e] = v;
+    }
+    mt_status s = ctx->dev->copy_h2d(ctx->dev, g, h, n * sizeof *h);
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    free(h);
+    return s;
 }
 
 typedef struct run_arg {

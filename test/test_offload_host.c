@@ -14,11 +14,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "cuda_device.h"
+#include "engine.h"
 #include "internal.h"
 #include "offload.h"
+#include "test_comm.h"
 
 enum { B = 2, T = 16, V = 256 };
 
@@ -375,10 +378,244 @@ TEST(offload_host_refusals_and_faults)
     standin_close(&s);
 }
 
+/* ---- several ranks over the stand-in NCCL (threads as ranks) ---- */
+
+enum { MAXR = 3, HR_STEPS = 2 };
+
+typedef struct hr_run {
+    tcomm_world *w;
+    int n;    /* ranks; 1: the reference, one context without a communicator */
+    int host; /* the ranks' communicator: the in-process host one, not NCCL */
+    mt_trainer_config tc;
+    const char *dir;         /* where the ranks save their training-state files */
+    unsigned char *wb[MAXR]; /* per rank: every tensor's weights as stored (compute dtype) */
+    float *ms[MAXR];         /* and the fp32 masters it holds, NaN elsewhere */
+    size_t wlen, P;
+    mt_status st[MAXR];
+    char msg[MAXR][400];
+} hr_run;
+
+/* Each tensor's weights and masters as this rank holds them, after its steps. */
+static mt_status hr_take(hr_run *a, int rank, const mt_model *m)
+{
+    mt_context *ctx = m->ctx;
+    size_t len = 0;
+    for (int i = 0; i < m->n_param; i++) len += mti_tensor_bytes(&m->params[i].w);
+    a->wlen = len;
+    a->P = mt_model_num_params(m);
+    a->wb[rank] = malloc(len);
+    a->ms[rank] = malloc(a->P * sizeof(float));
+    if (!a->wb[rank] || !a->ms[rank]) return MT_ERR_OOM;
+    mt_status s = MT_OK;
+    size_t at = 0;
+    for (size_t e = 0; e < a->P; e++) a->ms[rank][e] = NAN;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        const mti_param *p = &m->params[i];
+        const size_t bytes = mti_tensor_bytes(&p->w);
+        s = ctx->dev->copy_d2h(ctx->dev, a->wb[rank] + at, p->w.blk.ptr, bytes);
+        at += bytes;
+        if (!s && p->master.blk.ptr)
+            s = ctx->dev->copy_d2h(ctx->dev, a->ms[rank] + p->offset + p->master_lo,
+                                   p->master.blk.ptr, mti_tensor_bytes(&p->master));
+        if (!s) s = ctx->dev->sync(ctx->dev);
+    }
+    return s;
+}
+
+/* Where the peaks of this rank (device and host, per class) and its
+ * estimate differ, into msg ("" where they agree). */
+static void hr_estimate(mt_context *ctx, const mt_model *m, const mt_trainer_config *tc, char *msg,
+                        size_t cap)
+{
+    mt_estimate_report e;
+    mt_memory_stats dev, host;
+    if (mt_estimate_model((mt_model *)m, tc, &e)) {
+        snprintf(msg, cap, "estimate: %s", mt_last_error(ctx));
+        return;
+    }
+    mt_context_memory_stats(ctx, &dev);
+    mt_context_place_stats(ctx, MT_PLACE_HOST, &host);
+    for (int k = 0; k < MT_MEM_COUNT && !*msg; k++) {
+        if (dev.per_class[k].peak_live_bytes != e.class_peak[k])
+            snprintf(msg, cap, "device %s peak %llu, estimate %llu", mt_mem_class_name(k),
+                     (unsigned long long)dev.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.class_peak[k]);
+        else if (host.per_class[k].peak_live_bytes != e.place_class_peak[MT_PLACE_HOST][k])
+            snprintf(msg, cap, "host %s peak %llu, estimate %llu", mt_mem_class_name(k),
+                     (unsigned long long)host.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.place_class_peak[MT_PLACE_HOST][k]);
+    }
+    if (!*msg && (dev.peak_live_bytes != e.peak || host.peak_live_bytes != e.place_peak[MT_PLACE_HOST]))
+        snprintf(msg, cap, "peaks %llu (device), %llu (host); estimate %llu, %llu",
+                 (unsigned long long)dev.peak_live_bytes, (unsigned long long)host.peak_live_bytes,
+                 (unsigned long long)e.peak, (unsigned long long)e.place_peak[MT_PLACE_HOST]);
+    if (!*msg && !host.per_class[MT_MEM_OPTIM].peak_live_bytes)
+        snprintf(msg, cap, "no optimizer state on the host");
+    if (!*msg && dev.per_class[MT_MEM_OPTIM].peak_live_bytes + dev.per_class[MT_MEM_MASTER].peak_live_bytes)
+        snprintf(msg, cap, "optimizer state or masters on the device");
+}
+
+static void hr_rank(int rank, void *arg)
+{
+    hr_run *a = arg;
+    mt_comm *c = NULL;
+    mt_status s = MT_OK;
+    if (a->n > 1 && a->host) {
+        c = tcomm_make(a->w, rank, a->n, 0);
+    } else if (a->n > 1) {
+        c = tcomm_nccl(a->w, rank, a->n);
+        s = c ? MT_OK : MT_ERR_COMM;
+    }
+    mt_context *ctx = s ? NULL : tcomm_cuda_context(c);
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    if (!s && !ctx) s = MT_ERR_NO_DEVICE;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 11;
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    for (int k = 0; k < HR_STEPS && !s; k++) {
+        check_token_batch(&b, tok, tg, B, T, V, k);
+        s = mt_trainer_step(t, &b, NULL);
+    }
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (!s) s = hr_take(a, rank, m);
+    if (!s) hr_estimate(ctx, m, &a->tc, a->msg[rank], sizeof a->msg[rank]);
+    /* the training state saved (rank 0 writes it under ZeRO), loaded back
+       (every rank keeping its part) and saved again */
+    char path[2][512];
+    const int me = a->tc.zero_stage ? 0 : rank;
+    for (int k = 0; k < 2; k++)
+        snprintf(path[k], sizeof path[k], "%s/%s%d.%d.mtt", a->dir, a->n > 1 ? "ranks" : "one", me, k);
+    if (!s) s = mt_trainer_save(t, path[0], NULL, 0);
+    if (!s) s = mt_trainer_load(t, path[0], NULL, 0, NULL);
+    if (!s) s = mt_trainer_save(t, path[1], NULL, 0);
+    if (s && !a->msg[rank][0]) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    a->st[rank] = s;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void hr_free(hr_run *a)
+{
+    for (int r = 0; r < MAXR; r++) free(a->wb[r]), free(a->ms[r]);
+}
+
+/* A file's bytes (malloc'd) and their count. */
+static unsigned char *read_whole(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    CHECK_MSG(f != NULL, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    rewind(f);
+    unsigned char *b = malloc(*n + 1);
+    CHECK(b != NULL);
+    CHECK(fread(b, 1, *n, f) == *n);
+    fclose(f);
+    return b;
+}
+
+/* n ranks with host offload at tc's stage (over NCCL; host: over a host
+ * communicator) against one rank with host offload on the ranks' summed
+ * gradients: every rank's weights (compute copies) are the reference's bit
+ * for bit, its masters the reference's on the elements it holds, and its
+ * peaks per class and per place its estimate's. */
+static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision prec, int fused,
+                       int clip, int host)
+{
+    char dir[] = "/tmp/mt_hostoff_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    hr_run one = {.n = 1, .dir = dir}, dp = {.n = n, .w = tcomm_world_new(n, 30.0), .host = host, .dir = dir};
+    config(&one.tc, opt, prec, fused, MT_PLACE_HOST);
+    one.tc.grad_clip = clip ? 1.0f : 0.0f;
+    dp.tc = one.tc;
+    dp.tc.zero_stage = stage;
+    one.tc.fused_step = 0;
+    tcomm_fill_sum = n;
+    hr_rank(0, &one);
+    tcomm_fill_sum = 0;
+    tcomm_run(n, hr_rank, &dp);
+    tcomm_world_free(dp.w);
+    const char *name = mt_optimizer_name(opt);
+    CHECK_MSG(one.st[0] == MT_OK && !one.msg[0][0], "%s: one rank: %s", name, one.msg[0]);
+    for (int r = 0; r < n; r++) {
+        CHECK_MSG(dp.st[r] == MT_OK && !dp.msg[r][0], "%s, %d ranks, stage %d, rank %d: %s", name,
+                  n, stage, r, dp.msg[r]);
+        if (dp.st[r] || one.st[0]) continue;
+        CHECK_MSG(dp.wlen == one.wlen && !memcmp(dp.wb[r], one.wb[0], one.wlen),
+                  "%s, %d ranks, stage %d: rank %d's weights differ from one rank's", name, n,
+                  stage, r);
+        size_t held = 0, differ = 0;
+        for (size_t e = 0; e < one.P; e++) {
+            if (isnan(dp.ms[r][e])) continue;
+            held++;
+            differ += memcmp(&dp.ms[r][e], &one.ms[0][e], 4) != 0;
+        }
+        CHECK_MSG(!differ, "%s, %d ranks, stage %d: %zu of rank %d's masters differ", name, n,
+                  stage, differ, r);
+        if (prec != MT_PREC_FP32 && stage) CHECK(held < one.P); /* a slice of them */
+    }
+    /* the files: the reference's, bit for bit (saved, and saved again after
+       a load) */
+    char p[600], q[600];
+    snprintf(p, sizeof p, "%s/one0.0.mtt", dir);
+    size_t n0, n1;
+    unsigned char *f0 = read_whole(p, &n0);
+    for (int r = 0; r < (stage ? 1 : n); r++)
+        for (int k = 0; k < 2; k++) {
+            snprintf(q, sizeof q, "%s/ranks%d.%d.mtt", dir, r, k);
+            unsigned char *f1 = read_whole(q, &n1);
+            CHECK_MSG(n1 == n0 && !memcmp(f0, f1, n0), "%s, %d ranks, stage %d: %s differs from one rank's file",
+                      name, n, stage, q);
+            free(f1);
+            remove(q);
+        }
+    free(f0);
+    remove(p);
+    snprintf(p, sizeof p, "%s/one0.1.mtt", dir);
+    remove(p);
+    CHECK(rmdir(dir) == 0);
+    hr_free(&one);
+    hr_free(&dp);
+}
+
+TEST(offload_host_ranks_nccl)
+{
+    standin s;
+    if (!standin_open(&s) || on_gpu()) return standin_close(&s);
+    if (!getenv("MT_FAKE_NCCL")) {
+        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+        return standin_close(&s);
+    }
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 512; /* pieces cut the tensors and the shards */
+    mti_engine_grad_fill = tcomm_fill_grads;
+    const unsigned long long pinned0 = s.stat("pinned");
+    ranks_case(2, 0, MT_OPT_ADAMW, MT_PREC_FP32, 0, 0, 0);
+    ranks_case(2, 0, MT_OPT_SGD, MT_PREC_BF16, 1, 0, 0);
+    ranks_case(2, 1, MT_OPT_ADAMW, MT_PREC_BF16, 0, 1, 0);
+    ranks_case(2, 1, MT_OPT_ADAFACTOR, MT_PREC_FP32, 0, 0, 0);
+    ranks_case(2, 2, MT_OPT_ADAMW8, MT_PREC_FP16, 0, 0, 0);
+    ranks_case(2, 2, MT_OPT_SGD, MT_PREC_FP32, 1, 1, 0);
+    ranks_case(3, 1, MT_OPT_ADAMW8, MT_PREC_FP32, 1, 0, 0);
+    ranks_case(3, 2, MT_OPT_ADAMW, MT_PREC_BF16, 0, 0, 0);
+    ranks_case(2, 0, MT_OPT_ADAMW, MT_PREC_BF16, 0, 1, 1); /* (MPI's kind: stage 0 only) */
+    mti_engine_grad_fill = NULL;
+    mti_offload_piece_elems = keep;
+    CHECK_EQ(s.stat("pinned"), pinned0); /* every page-locked byte given back */
+    standin_close(&s);
+}
+
 /* ---- on a GPU (MT_TEST_GPU=1; the GPU bundle's engine group) ---- */
 
 /* Four steps of the small GPT; the losses and the weights come back, and
- * the peaks per class and per place equal the estimate. */
+ * the peaks per class, on the device and on the host, equal the estimate. */
 static void gpu_train(mt_context *ctx, mt_optimizer_kind opt, mt_precision prec, int fused,
                       mt_place place, float *loss, float *w)
 {
@@ -388,10 +625,17 @@ static void gpu_train(mt_context *ctx, mt_optimizer_kind opt, mt_precision prec,
     config(&tc, opt, prec, fused, place);
     mt_estimate_report est;
     mt_trainer *t = trained(ctx, m, &tc, &est, 4, loss);
-    mt_memory_stats host;
+    mt_memory_stats host, dev;
     CHECK_OK(mt_context_place_stats(ctx, MT_PLACE_HOST, &host));
-    for (int k = 0; k < MT_MEM_COUNT; k++)
+    CHECK_OK(mt_context_memory_stats(ctx, &dev));
+    for (int k = 0; k < MT_MEM_COUNT; k++) {
         CHECK_EQ(host.per_class[k].peak_live_bytes, est.place_class_peak[MT_PLACE_HOST][k]);
+        CHECK_MSG(dev.per_class[k].peak_live_bytes == est.class_peak[k],
+                  "%s, %s: device %s peak %llu, estimate %llu", mt_optimizer_name(opt),
+                  place == MT_PLACE_HOST ? "host offload" : "resident", mt_mem_class_name(k),
+                  (unsigned long long)dev.per_class[k].peak_live_bytes,
+                  (unsigned long long)est.class_peak[k]);
+    }
     CHECK_OKC(ctx, mt_model_get_params(m, w, mt_model_num_params(m)));
     mt_trainer_destroy(t);
     mt_model_destroy(m);

@@ -266,6 +266,12 @@ expect 1 "--offload host on the CPU" -- "$tool" train --model gpt --steps 1 --of
 grep -q "CUDA context" "$tmp/err" || { echo "FAIL tool: --offload host on the CPU message"; cat "$tmp/err"; fail=1; }
 expect 0 "estimate with host offload" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --json
 grep -q '"host_class_peak": {"PARAM": [1-9][0-9]*, "MASTER": [1-9][0-9]*, "GRAD": [1-9][0-9]*, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: host offload estimate"; cat "$tmp/out"; fail=1; }
+# on one rank of 2 at ZeRO stage 2, the host holds about half the state
+host_optim() { sed -n 's/.*"host_class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/p' "$tmp/out"; }
+one_optim=$(host_optim)
+expect 0 "estimate with host offload, rank 1 of 2 at stage 2" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 2 --json
+two_optim=$(host_optim)
+[ -n "$one_optim" ] && [ -n "$two_optim" ] && [ "$two_optim" -gt 0 ] && [ $((2 * two_optim)) -le $((one_optim + 4096)) ] || { echo "FAIL tool: host offload's state per rank ($two_optim of $one_optim)"; cat "$tmp/out"; fail=1; }
 # auto-fit may put the state on disk when --offload-dir names a place for it
 expect 0 "estimate --autofit --offload-dir" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp"
 grep -q "the optimizer state on disk" "$tmp/out" && grep -q "disk .*MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: autofit offload choice"; cat "$tmp/out"; fail=1; }

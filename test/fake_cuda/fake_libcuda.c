@@ -14,8 +14,9 @@
  * memmove, and the virtual memory calls are mmap(PROT_NONE) for address
  * space, mprotect when access is granted, and madvise(MADV_DONTNEED) when a
  * mapping goes. Launches of the kernels of kernels/cuda that it knows run
- * on the host; others are only counted. It knows mt_fill_f32, mt_axpy_f32
- * and the dequantizing kernels of dequant.cu, whose twins here run that
+ * on the host; others are only counted. It knows mt_fill_f32, mt_axpy_f32,
+ * mt_accumulate_f32 (ZeRO-2 adds the ranks' sums onto its gradient slices
+ * with it) and the dequantizing kernels of dequant.cu, whose twins here run that
  * file's own arithmetic (kernels/cuda/dequant.cuh, plain C as well as
  * CUDA), so the stand-in tests check it bit for bit against lib/quant.c.
  *
@@ -966,6 +967,15 @@ static CUresult run_known(const struct CUfunc_st *f, void **p)
             !dev_range_ok((CUdeviceptr)(uintptr_t)x, n * 4))
             return CUDA_ERROR_ILLEGAL_ADDRESS;
         for (unsigned long long i = 0; i < n; i++) y[i] = a * x[i] + y[i];
+    } else if (strcmp(f->name, "mt_accumulate_f32") == 0) {
+        if (!p) return CUDA_ERROR_INVALID_VALUE;
+        float *y = *(float **)p[0];
+        const float *x = *(const float **)p[1];
+        unsigned long long n = *(const unsigned long long *)p[2];
+        if (n > SIZE_MAX / 4 || !dev_range_ok((CUdeviceptr)(uintptr_t)y, n * 4) ||
+            !dev_range_ok((CUdeviceptr)(uintptr_t)x, n * 4))
+            return CUDA_ERROR_ILLEGAL_ADDRESS;
+        for (unsigned long long i = 0; i < n; i++) y[i] += x[i];
     }
     return CUDA_SUCCESS;
 }
