@@ -1025,7 +1025,8 @@ typedef struct mt_trainer_config {
      * mt_trainer_eval and mt_trainer_logits are collectives (every rank
      * calls them), and mt_trainer_destroy gathers the weights back into the
      * model (a collective: every rank destroys its trainer). Stage 3 runs
-     * on CPU contexts without LoRA, a quantized base or offload
+     * on CPU contexts and on CUDA contexts with a device communicator
+     * (NCCL), without LoRA, a quantized base or offload
      * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"). */
     int zero_stage;
     /* Stage 3's prefetch depth: while a layer computes, the weights of the
@@ -1035,8 +1036,9 @@ typedef struct mt_trainer_config {
      * 0 to 64; 0: each layer's gather runs when the layer starts. The
      * thread needs a CPU context and a communicator that takes calls from
      * any thread (MT_COMM_CAP_THREADS: MPI at MPI_THREAD_SERIALIZED);
-     * without one the gathers run when their buffers are made, with the
-     * same memory. With a depth above 0, backward's reduce-scatters are
+     * without one (and on CUDA contexts, whose NCCL gathers run on the
+     * context's stream) the gathers run when their buffers are made, with
+     * the same memory. With a depth above 0, backward's reduce-scatters are
      * queued on that thread too, each gradient kept until the next layer's
      * are final. Results are the same bits at every depth. */
     int zero3_prefetch;

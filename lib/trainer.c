@@ -890,16 +890,15 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (zero == 3) { /* what the gathers are not built for yet (docs/distributed.md) */
         bool quantized = cfg->base != MT_BASE_FULL;
         for (int i = 0; i < m->n_param; i++) quantized |= m->params[i].qf != 0;
-        const char *why = ctx->dev->kind == MT_DEVICE_CUDA ? "a CUDA context"
-                          : cfg->lora.rank || m->lora_rank ? "LoRA adapters"
+        const char *why = cfg->lora.rank || m->lora_rank ? "LoRA adapters"
                           : quantized                      ? "a quantized base"
                           : cfg->offload                   ? "offload"
                                                            : NULL;
         if (why)
             return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                             "mt_trainer_create: cfg->zero_stage 3 does not combine with %s yet "
-                            "(ZeRO-3 runs on CPU contexts, full-precision bases without "
-                            "adapters, state resident); use stage 2",
+                            "(ZeRO-3 runs on full-precision bases without adapters, state "
+                            "resident); use stage 2",
                             why);
     }
     if (!ctx->ops)
