@@ -84,12 +84,13 @@ mt_status mti_engine_init(mti_engine *E, mt_model *m, mti_dtype dt, const unsign
     E->have = calloc((size_t)L, 1);
     E->redone = calloc((size_t)L, 1);
     E->grad = calloc((size_t)m->n_param, sizeof *E->grad);
+    E->fresh = calloc((size_t)m->n_param, 1);
     E->uses_left = calloc((size_t)m->n_param, sizeof *E->uses_left);
     E->sched = calloc((size_t)L * 3 + 1, sizeof *E->sched);
     E->sched_new = calloc((size_t)L * 3 + 1, sizeof *E->sched_new);
     E->sched_have = calloc((size_t)L + 1, 1);
     if (!E->plan || !E->seg_start || !E->kept || !E->bnd || !E->slot || !E->have || !E->redone ||
-        !E->grad || !E->uses_left || !E->sched || !E->sched_new || !E->sched_have) {
+        !E->grad || !E->fresh || !E->uses_left || !E->sched || !E->sched_new || !E->sched_have) {
         mti_engine_free(E);
         return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
     }
@@ -127,6 +128,7 @@ void mti_engine_free(mti_engine *E)
     free(E->have);
     free(E->redone);
     free(E->grad);
+    free(E->fresh);
     free(E->uses_left);
     free(E->sched);
     free(E->sched_new);
@@ -214,8 +216,8 @@ static int sched_backward(const mti_engine *E, unsigned char *h, int *out, int n
 
 mt_status (*mti_engine_grad_fill)(mt_context *ctx, int param, size_t at, float *g, size_t n);
 
-/* A gradient just made, before its first contribution: zeros (or the test
- * hook's values). */
+/* A gradient just made, before its first contribution, when the test hook
+ * is set: the hook's values, which backward then adds to. */
 static mt_status grad_start(mti_engine *E, int i, size_t at, mti_tensor *g)
 {
     if (mti_engine_grad_fill && !E->ctx->dry)
@@ -223,21 +225,41 @@ static mt_status grad_start(mti_engine *E, int i, size_t at, mti_tensor *g)
     return mti_tensor_zero(E->ctx, g);
 }
 
-mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
+static bool grad_filled(const mti_engine *E) { return mti_engine_grad_fill && !E->ctx->dry; }
+
+/* Parameter i's gradient, made if it is not there: uninitialised and
+ * marked fresh, for an op that writes it whole (see wflags); with the test
+ * hook, filled by it and not fresh. */
+static mt_status grad_make(mti_engine *E, int i, mti_tensor **out)
 {
     mti_tensor *g = &E->grad[i];
     if (!g->blk.ptr) {
         const mti_param *p = &E->m->params[i];
         *g = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
         mt_status s = mti_tensor_alloc(E->ctx, g, MT_MEM_GRAD, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_GRAD, i));
-        if (!s) s = grad_start(E, i, 0, g);
+        if (!s && grad_filled(E)) s = grad_start(E, i, 0, g);
         if (s) {
             mti_tensor_free(E->ctx, g);
             return s;
         }
+        E->fresh[i] = !grad_filled(E);
     }
     *out = g;
     return MT_OK;
+}
+
+/* A fresh gradient (made, nothing written yet) becomes zeros. */
+static mt_status unfresh(mti_engine *E, int i)
+{
+    if (!E->fresh[i]) return MT_OK;
+    E->fresh[i] = 0;
+    return mti_tensor_zero(E->ctx, &E->grad[i]);
+}
+
+mt_status mti_engine_grad(mti_engine *E, int i, mti_tensor **out)
+{
+    mt_status s = grad_make(E, i, out);
+    return s ? s : unfresh(E, i);
 }
 
 /* ---- tensors of a pass ---- */
@@ -251,8 +273,9 @@ static mt_status act(mti_engine *E, mti_tensor *t, mti_dtype dt, int64_t rows, i
 
 static void *P(mti_engine *E, int param) { return E->m->params[param].w.blk.ptr; }
 
-/* The gradient of a parameter (made on its first contribution), or NULL
- * for a frozen one: the ops then skip that weight gradient. */
+/* The gradient of a parameter (made on its first contribution, fresh), or
+ * NULL for a frozen one: the ops then skip that weight gradient. The op
+ * that gets it takes wflags' flag for it, or it is zeroed (zgradp). */
 static mt_status gradp(mti_engine *E, int param, float **out)
 {
     mti_tensor *g;
@@ -260,9 +283,37 @@ static mt_status gradp(mti_engine *E, int param, float **out)
         *out = NULL;
         return MT_OK;
     }
-    mt_status s = mti_engine_grad(E, param, &g);
+    mt_status s = grad_make(E, param, &g);
     if (!s) *out = g->blk.ptr;
     return s;
+}
+
+/* gradp for an op that adds to part of a gradient (an embedding table's
+ * scattered rows): a fresh one is zeroed first. */
+static mt_status zgradp(mti_engine *E, int param, float **out)
+{
+    mt_status s = gradp(E, param, out);
+    return s || !*out ? s : unfresh(E, param);
+}
+
+/* The flag of an op making the gradients ga and gb (of parameters a and b;
+ * either pointer NULL when the op does not make it) whole:
+ * MTI_BWD_SET_DW when every one it makes is fresh (its first contribution
+ * of the step writes it), else 0, after zeroing a fresh one that goes
+ * beside one holding earlier contributions. Either way they are then no
+ * longer fresh. */
+static mt_status wflags(mti_engine *E, int a, const float *ga, int b, const float *gb, int *flag)
+{
+    const bool fa = ga && E->fresh[a], fb = gb && E->fresh[b];
+    *flag = 0;
+    if ((fa || !ga) && (fb || !gb) && (ga || gb)) {
+        if (ga) E->fresh[a] = 0;
+        if (gb) E->fresh[b] = 0;
+        *flag = MTI_BWD_SET_DW;
+        return MT_OK;
+    }
+    mt_status s = fa ? unfresh(E, a) : MT_OK;
+    return s || !fb ? s : unfresh(E, b);
 }
 
 /* ---- a linear map's weight: dense, or quantized (lib/quant.h) ---- */
@@ -291,17 +342,22 @@ static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int 
                              E->dt);
 }
 
-/* matmul_bwd with W parameter wi. A quantized W is frozen (gw NULL): db
- * from dy, then dx through the dequantizing GEMM. */
+/* matmul_bwd with W parameter wi (gw its gradient, gb its bias's, wi + 1,
+ * either NULL when not wanted). A quantized W is frozen (gw NULL): db from
+ * dy, then dx through the dequantizing GEMM. */
 static mt_status lin_bwd(mti_engine *E, int wi, void *dx, float *gw, float *gb, const void *dy,
                          const void *x, int in, int out, int accumulate)
 {
     const mti_param *w = &E->m->params[wi];
     const mti_ops *op = E->ctx->ops;
+    int set;
+    mt_status s = wflags(E, wi, gw, wi + 1, gb, &set);
+    if (s) return s;
     if (!w->qf)
         return op->matmul_bwd(&E->k, dx, gw, gb, dy, x, w->w.blk.ptr, E->N, in, out, E->dt,
-                              accumulate);
-    mt_status s = gb ? op->matmul_bwd(&E->k, NULL, NULL, gb, dy, x, NULL, E->N, in, out, E->dt, 0)
+                              accumulate | set);
+    s = gb ? op->matmul_bwd(&E->k, NULL, NULL, gb, dy, x, NULL, E->N, in, out, E->dt,
+                                      set)
                      : MT_OK;
     if (!s && dx)
         s = op->matmul_dx_q(&E->k, dx, dy, w->w.blk.ptr, w->qf, E->N, in, out, E->dt, accumulate);
@@ -346,18 +402,24 @@ static mt_status lora_bwd(mti_engine *E, int wi, void *dx, const void *dy, const
     const mti_kctx *k = &E->k;
     const int N = E->N, r = E->m->lora_rank, a = w->lora;
     float *ga, *gb;
+    int seta, setb;
     mt_status s;
     MTI_TRY(gradp(E, a, &ga));
     MTI_TRY(gradp(E, a + 1, &gb));
     if (!ga && !gb && !dx) return MT_OK;
+    MTI_TRY(wflags(E, a, ga, -1, NULL, &seta));
+    MTI_TRY(wflags(E, a + 1, gb, -1, NULL, &setb));
     mti_tensor d1 = {0}, d0 = {0};
     s = act(E, &d1, E->dt, N, r, MT_MEM_WORK, MT_LIFE_PHASE, tag + 2);
-    if (!s && gb) s = op->matmul_bwd(k, NULL, gb, NULL, u1->blk.ptr, dy, NULL, N, out, r, E->dt, 0);
+    if (!s && gb)
+        s = op->matmul_bwd(k, NULL, gb, NULL, u1->blk.ptr, dy, NULL, N, out, r, E->dt, setb);
     if (!s) s = op->matmul_fwd(k, d1.blk.ptr, dy, P(E, a + 1), NULL, N, out, r, E->dt);
     if (!s) s = act(E, &d0, E->dt, N, r, MT_MEM_WORK, MT_LIFE_PHASE, tag + 3);
     if (!s) s = op->matmul_fwd(k, d0.blk.ptr, d1.blk.ptr, E->lora_s.blk.ptr, NULL, N, r, r, E->dt);
     mti_tensor_free(E->ctx, &d1);
-    if (!s) s = op->matmul_bwd(k, dx, ga, NULL, d0.blk.ptr, x, P(E, a), N, in, r, E->dt, 1);
+    if (!s)
+        s = op->matmul_bwd(k, dx, ga, NULL, d0.blk.ptr, x, P(E, a), N, in, r, E->dt,
+                           MTI_BWD_ACC_DX | seta);
     mti_tensor_free(E->ctx, &d0);
     return s;
 }
@@ -751,6 +813,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         if (!keep || (sel && !sel_keep[j])) mti_tensor_free(E->ctx, &sl[j]);                   \
     } while (0)
     float *g[12];
+    int set;
     for (int j = 0; j < 12; j++) MTI_TRY(gradp(E, p + j, &g[j]));
     void *d = E->d.blk.ptr;
     mti_tensor t4 = {0}, t1 = {0};
@@ -776,9 +839,11 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     if (!s) DONE(LORA_FC);
     mti_tensor_free(E->ctx, &t4);
     if (!s) DONE(LN2);
+    if (!s) s = wflags(E, p + 6, g[6], p + 7, g[7], &set);
     if (!s)
         s = op->layernorm_bwd(k, d, g[6], g[7], t1.blk.ptr, sl[RES2].blk.ptr, P(E, p + 6),
-                              sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr, N, C, dt, 1);
+                              sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr, N, C, dt,
+                              MTI_BWD_ACC_DX | set);
     if (!s) {
         DONE(RES2);
         DONE(LN2_MEAN);
@@ -812,9 +877,11 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         DONE(QKV);
         DONE(LN1);
     }
+    if (!s) s = wflags(E, p, g[0], p + 1, g[1], &set);
     if (!s)
         s = op->layernorm_bwd(k, d, g[0], g[1], t1.blk.ptr, E->bnd[i].blk.ptr, P(E, p),
-                              sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, N, C, dt, 1);
+                              sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, N, C, dt,
+                              MTI_BWD_ACC_DX | set);
     mti_tensor_free(E->ctx, &t1);
     if (!s) {
         DONE(LN1_MEAN);
@@ -830,9 +897,13 @@ static mt_status tied_head_grad(mti_engine *E, float *g, int r0, int r1)
 {
     const mti_layer *head = &E->m->layers[E->m->n_layers - 1];
     const mti_ops *op = E->ctx->ops;
-    if (!r1)
+    int set;
+    mt_status s;
+    if (!r1) {
+        MTI_TRY(wflags(E, head->tied, g, -1, NULL, &set));
         return op->matmul_bwd(&E->k, NULL, g, NULL, E->tied_dy_ptr, E->tied_x_ptr, NULL, E->N,
-                              head->in, head->out, E->dt, 0);
+                              head->in, head->out, E->dt, set);
+    }
     return op->matmul_dw_rows(&E->k, g, E->tied_dy_ptr, E->tied_x_ptr, E->N, head->in, head->out,
                               r0, r1, E->dt);
 }
@@ -934,33 +1005,39 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     case MT_LAYER_GELU:
         MTI_TRY(op->gelu_bwd(k, E->d.blk.ptr, E->d.blk.ptr, x->blk.ptr, nout, dt));
         break;
-    case MT_LAYER_LAYERNORM:
+    case MT_LAYER_LAYERNORM: {
+        int set;
         MTI_TRY(gradp(E, ly->p0, &gw));
         MTI_TRY(gradp(E, ly->p0 + 1, &gb));
         if (!want_dx && !gw && !gb) break;
+        MTI_TRY(wflags(E, ly->p0, gw, ly->p0 + 1, gb, &set));
         MTI_TRY(op->layernorm_bwd(k, want_dx ? E->d.blk.ptr : NULL, gw, gb, E->d.blk.ptr, x->blk.ptr,
                               P(E, ly->p0), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->in, dt,
-                              0));
+                              set));
         break;
+    }
     case MT_LAYER_EMBEDDING: {
         float *gpos = NULL;
         const bool sliced = E->tied_dy_ptr && E->tied_rows > 0 && E->slice_hook && E->hook;
         if (sliced) {
             gw = NULL; /* made slice by slice at the end */
-        } else {
+        } else if (E->tied_dy_ptr) { /* the head's part first, all of it */
             MTI_TRY(gradp(E, ly->p0, &gw));
-            if (E->tied_dy_ptr) MTI_TRY(tied_head_grad(E, gw, 0, 0)); /* the head's part first */
+            MTI_TRY(tied_head_grad(E, gw, 0, 0));
+        } else { /* the tokens' rows: a fresh table is zeros first */
+            MTI_TRY(zgradp(E, ly->p0, &gw));
         }
-        if (ly->positions) MTI_TRY(gradp(E, ly->p0 + 1, &gpos));
+        if (ly->positions) MTI_TRY(zgradp(E, ly->p0 + 1, &gpos)); /* (rows T.. get nothing) */
         if (!ly->stable) {
             if (gw || gpos)
                 MTI_TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
         } else {
-            int pl = ly->p0 + (ly->positions ? 2 : 1);
+            int pl = ly->p0 + (ly->positions ? 2 : 1), set;
             float *glw, *glb;
             MTI_TRY(gradp(E, pl, &glw));
             MTI_TRY(gradp(E, pl + 1, &glb));
+            MTI_TRY(wflags(E, pl, glw, pl + 1, glb, &set));
             if (gpos)
                 MTI_TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
@@ -968,7 +1045,7 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
             if (table || glw || glb)
                 MTI_TRY(op->layernorm_bwd(k, table ? E->d.blk.ptr : NULL, glw, glb, E->d.blk.ptr,
                                       sl[S_EMB].blk.ptr, P(E, pl), sl[S_MEAN].blk.ptr,
-                                      sl[S_RSTD].blk.ptr, N, ly->out, dt, 0));
+                                      sl[S_RSTD].blk.ptr, N, ly->out, dt, set));
             if (gw)
                 MTI_TRY(op->embedding_bwd(k, gw, NULL, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));
@@ -1046,14 +1123,20 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
         for (int j = 0; j <= ly->np; j++) {
             int pi = j < ly->np ? ly->p0 + j : ly->tied;
             if (pi < 0) continue;
+            /* (every op writes what it was given: a gradient still fresh
+               here would be one no op wrote, which reads zeros) */
+            MTI_TRY(unfresh(E, pi));
             /* (a table gradient made in slices went to the slice hook) */
             if (--E->uses_left[pi] == 0 && hook && E->grad[pi].blk.ptr) MTI_TRY(hook(user, pi));
             const int a = m->params[pi].lora; /* its adapter's, final with it */
-            for (int q = a; j < ly->np && a >= 0 && q <= a + 1; q++)
+            for (int q = a; j < ly->np && a >= 0 && q <= a + 1; q++) {
+                MTI_TRY(unfresh(E, q));
                 if (--E->uses_left[q] == 0 && hook && E->grad[q].blk.ptr) MTI_TRY(hook(user, q));
+            }
         }
     }
     if (E->d.blk.ptr == E->bnd[L].blk.ptr) memset(&E->d, 0, sizeof E->d); /* kept dlogits */
     mti_tensor_free(E->ctx, &E->d);
+    for (int i = 0; i < m->n_param; i++) MTI_TRY(unfresh(E, i)); /* (see above) */
     return MT_OK;
 }

@@ -12,7 +12,9 @@
  * on the same inputs, so its results are bit-identical to the first run.
  *
  * Parameter gradients (fp32, class GRAD) are made on their first
- * contribution and accumulate across micro-batches; after each layer's
+ * contribution, which writes them (MTI_BWD_SET_DW; only a gradient made by
+ * scattering rows, an embedding table's, is zeroed first), and accumulate
+ * across micro-batches; after each layer's
  * backward, every parameter whose last contribution of the pass that was
  * gets reported to the hook (the fused optimizer step uses it).
  */
@@ -67,6 +69,9 @@ typedef struct mti_engine {
     mti_tensor d;          /* the gradient flowing back */
     /* gradients */
     mti_tensor *grad;      /* per parameter */
+    unsigned char *fresh;  /* per parameter: its gradient is made and not yet
+                              written (the op of its first contribution writes
+                              it whole, or it is zeroed; see wflags) */
     int *uses_left;
     mti_tensor lora_s;     /* LoRA's scale, (alpha / r) I (r, r) in dt (PARAM) */
     int train_from;        /* the first layer with a parameter to train: backward

@@ -14,11 +14,14 @@
  *     bf16). Everything is computed and accumulated in fp32 (GEMMs,
  *     reductions, softmax statistics); results are rounded to dt once, to
  *     nearest even.
- *   - Parameter gradients are always fp32 and always accumulated (+=): the
- *     engine zeroes them once per effective batch, so gradient accumulation
- *     over micro-batches is the same code. Gradients of activations are in
- *     dt; `accumulate` says whether an op adds into dx (residual streams) or
- *     overwrites it.
+ *   - Parameter gradients are always fp32 and accumulated (+=), so gradient
+ *     accumulation over micro-batches is the same code; the ops that make a
+ *     gradient whole (matmul_bwd, layernorm_bwd: MTI_BWD_SET_DW) can write
+ *     it instead, which the engine asks for on a gradient's first
+ *     contribution of a step, so a gradient is never zeroed only to be
+ *     added to once. Gradients of activations are in dt; `accumulate` (or
+ *     the flag MTI_BWD_ACC_DX) says whether an op adds into dx (residual
+ *     streams) or overwrites it.
  *   - Saved statistics (layernorm mean and rstd, attention logsumexp) are
  *     fp32.
  *   - On the CPU every reduction runs in a fixed order, so results do not
@@ -184,6 +187,12 @@ typedef struct mti_adafactor_args {
     float grad_scale;
 } mti_adafactor_args;
 
+/* Flags of matmul_bwd and layernorm_bwd (their last argument; 0 and 1 keep
+ * their meaning of a plain `accumulate`). */
+#define MTI_BWD_ACC_DX 1 /* dx += the input gradient (else dx = it) */
+#define MTI_BWD_SET_DW 2 /* the weight's and bias's gradients = the sums (else +=); an
+                            empty sum (no rows) writes zeros */
+
 typedef struct mti_ops mti_ops;
 
 /* Every member after `device` is an op (a function pointer), and both
@@ -225,11 +234,13 @@ struct mti_ops {
     /* y (N,O) = x (N,I) . W (O,I)^T + b (O); all in dt; b may be NULL. */
     mt_status (*matmul_fwd)(const mti_kctx *k, void *y, const void *x, const void *w, const void *b,
                             int n, int in, int out, mti_dtype dt);
-    /* dx (N,I) in dt = (or += with accumulate) dy (N,O) . W; dW (O,I) += dy^T . x;
-     * db (O) += sum over rows of dy; dW and db fp32. dx, dw, db may each be NULL. */
+    /* dx (N,I) in dt = (or += with MTI_BWD_ACC_DX) dy (N,O) . W; dW (O,I) +=
+     * dy^T . x; db (O) += sum over rows of dy (both = with MTI_BWD_SET_DW, the
+     * same bits as += onto zeros); dW and db fp32. dx, dw, db may each be
+     * NULL. */
     mt_status (*matmul_bwd)(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
                             const void *x, const void *w, int n, int in, int out, mti_dtype dt,
-                            int accumulate);
+                            int flags);
     /* Rows [o0, o1) of matmul_bwd's dW (O,I), dw pointing at row o0:
      * dW[o0:o1] += dy[:, o0:o1]^T . x, with the bits matmul_bwd gives those
      * rows when o0 and o1 are multiples of matmul_dw_align(out, in) (or o1 =
@@ -273,12 +284,12 @@ struct mti_ops {
     mt_status (*layernorm_fwd)(const mti_kctx *k, void *out, float *mean, float *rstd,
                                const void *x, const void *w, const void *b, int n, int c,
                                mti_dtype dt);
-    /* dx (N,C) in dt = (or += with accumulate) the input gradient; dw, db (C)
-     * fp32 +=. Uses the saved mean and rstd. dx may alias dout; dx, dw and db
-     * may each be NULL. */
+    /* dx (N,C) in dt = (or += with MTI_BWD_ACC_DX) the input gradient; dw, db
+     * (C) fp32 += (= with MTI_BWD_SET_DW). Uses the saved mean and rstd. dx
+     * may alias dout; dx, dw and db may each be NULL. */
     mt_status (*layernorm_bwd)(const mti_kctx *k, void *dx, float *dw, float *db, const void *dout,
                                const void *x, const void *w, const float *mean, const float *rstd,
-                               int n, int c, mti_dtype dt, int accumulate);
+                               int n, int c, mti_dtype dt, int flags);
 
     /* ---- activations (elementwise over n) ---- */
     /* GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). y may alias x. */

@@ -418,9 +418,11 @@ static void *carve(carver *c, size_t bytes)
 /* out (cols) fp32 += sum over rows of x (rows, cols) in dt, in row order
  * per chunk of MTI_COLSUM_CHUNK rows, chunks in order (reduce.cu). */
 static mt_status colsum(const mti_kctx *k, float *out, const void *x, int rows, long long cols,
-                        mti_dtype dt)
+                        mti_dtype dt, int set)
 {
-    if (rows <= 0 || cols <= 0) return MT_OK;
+    if (cols <= 0) return MT_OK;
+    if (rows <= 0) /* an empty sum: zeros, or nothing to add */
+        return set ? k->dev->memset8(k->dev, out, 0, (size_t)cols * sizeof(float)) : MT_OK;
     int chunk = MTI_COLSUM_CHUNK;
     if (cdiv((size_t)rows, (size_t)chunk) > MTI_GRID_Y_MAX)
         chunk = (int)cdiv((size_t)rows, MTI_GRID_Y_MAX);
@@ -434,11 +436,11 @@ static mt_status colsum(const mti_kctx *k, float *out, const void *x, int rows, 
         part = w.blk.ptr;
     }
     mti_dim3 grid = {(unsigned)cdiv((size_t)cols, 256), (unsigned)nchunks, 1};
-    void *a1[] = {&out, &part, &x, &rows, &cols, &chunk};
+    void *a1[] = {&out, &part, &x, &rows, &cols, &chunk, &set};
     st = launch(k, MTI_CUDA_COLSUM_F32 + dt, grid, 256, a1);
     if (st == MT_OK && part) {
         const float *cpart = part;
-        void *a2[] = {&out, &cpart, &nchunks, &cols};
+        void *a2[] = {&out, &cpart, &nchunks, &cols, &set};
         st = launch(k, MTI_CUDA_COLSUM_FINISH, (mti_dim3){grid.x, 1, 1}, 256, a2);
     }
     mti_work_free(k, &w.blk);
@@ -539,7 +541,7 @@ static mt_status cu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, c
     mt_status st = MT_OK;
     if (dwte && (st = wte_grad(k, dwte, dout, tok, (size_t)B * (size_t)T, C, 0, INT_MAX, dt)))
         return st;
-    if (dwpe) st = colsum(k, dwpe, dout, B, (long long)T * C, dt);
+    if (dwpe) st = colsum(k, dwpe, dout, B, (long long)T * C, dt, 0);
     return st;
 }
 
@@ -790,19 +792,27 @@ static mt_status cu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const 
 /* dx (N,I) = dy (N,O) . W (O,I): column-major dx^T (I,N) = W^T (I,O) . dy^T
  * (O,N), A = W stored (I,O), B = dy stored (O,N); beta 1 accumulates.
  * dW (O,I) += dy^T . x: column-major dW^T (I,O) = x^T (I,N) . dy (N,O),
- * A = x stored (I,N), B = dy stored (O,N) read transposed; D fp32, beta 1.
- * db (O) += column sums of dy (N,O). */
+ * A = x stored (I,N), B = dy stored (O,N) read transposed; D fp32, beta 1
+ * (0 with MTI_BWD_SET_DW). db (O) += (=) column sums of dy (N,O). */
 static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
                                const void *x, const void *w, int n, int in, int out, mti_dtype dt,
-                               int accumulate)
+                               int flags)
 {
     OP_NOTE(k, "matmul_bwd n=%d in=%d out=%d %s", n, in, out, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "matmul_bwd", dt);
     if (n < 0 || in < 0 || out < 0) return bad_arg(k, "matmul_bwd", "negative size");
-    if (n == 0 || (in == 0 && out == 0)) return MT_OK;
+    const int accumulate = flags & MTI_BWD_ACC_DX, set = (flags & MTI_BWD_SET_DW) != 0;
     mt_status st = MT_OK;
+    if (n == 0 && set) { /* no rows: the weight's and bias's sums are zeros */
+        if (dw && in > 0 && out > 0)
+            st = k->dev->memset8(k->dev, dw, 0, (size_t)out * in * sizeof(float));
+        if (st == MT_OK && db && out > 0)
+            st = k->dev->memset8(k->dev, db, 0, (size_t)out * sizeof(float));
+        return st;
+    }
+    if (n == 0 || (in == 0 && out == 0)) return MT_OK;
     if (in > 0 && out > 0 && (dx || dw) && (st = gemm_ready(k)) != MT_OK) return st;
-    if (db && out > 0 && (st = colsum(k, db, dy, n, out, dt)) != MT_OK) return st;
+    if (db && out > 0 && (st = colsum(k, db, dy, n, out, dt, set)) != MT_OK) return st;
     if (in == 0) return MT_OK; /* dx and dW are empty */
     if (out == 0) /* dx = dy . W over an empty sum: 0, or unchanged when accumulating */
         return dx && !accumulate
@@ -819,7 +829,7 @@ static mt_status cu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db
         gemm_key key = {.ta = CUBLAS_OP_N, .tb = CUBLAS_OP_T, .m = in, .n = out, .k = n,
                         .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t,
                         .d_type = CUDA_R_32F};
-        st = gemm(k, key, x, dy, dw, NULL, 1.0f, "matmul_bwd dW");
+        st = gemm(k, key, x, dy, dw, NULL, set ? 0.0f : 1.0f, "matmul_bwd dW");
     }
     return st;
 }
@@ -1049,7 +1059,7 @@ static mt_status cu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, con
  * (layernorm.cu), then the chunks in order. */
 static mt_status ln_param_grads(const mti_kctx *k, float *dw, float *db, const void *dout,
                                 const void *x, const float *mean, const float *rstd, int n, int c,
-                                mti_dtype dt)
+                                mti_dtype dt, int set)
 {
     if (!dw && !db) return MT_OK;
     mt_status st;
@@ -1066,14 +1076,14 @@ static mt_status ln_param_grads(const mti_kctx *k, float *dw, float *db, const v
         pb = carve(&wk, one);
     }
     mti_dim3 grid = {(unsigned)cdiv((size_t)c, 256), (unsigned)nchunks, 1};
-    void *args[] = {&dw, &db, &pw, &pb, &dout, &x, &mean, &rstd, &n, &c, &chunk};
+    void *args[] = {&dw, &db, &pw, &pb, &dout, &x, &mean, &rstd, &n, &c, &chunk, &set};
     st = launch(k, MTI_CUDA_LN_BWD_DWDB_F32 + dt, grid, 256, args);
     long long cols = c;
     for (int i = 0; i < 2 && st == MT_OK && pw; i++) {
         float *o = i ? db : dw;
         const float *part = i ? pb : pw;
         if (!o) continue;
-        void *a2[] = {&o, &part, &nchunks, &cols};
+        void *a2[] = {&o, &part, &nchunks, &cols, &set};
         st = launch(k, MTI_CUDA_COLSUM_FINISH, (mti_dim3){grid.x, 1, 1}, 256, a2);
     }
     mti_work_free(k, &wk.blk);
@@ -1095,14 +1105,21 @@ static mt_status cu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, flo
 static mt_status cu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
                                   const void *dout, const void *x, const void *w,
                                   const float *mean, const float *rstd, int n, int c,
-                                  mti_dtype dt, int accumulate)
+                                  mti_dtype dt, int flags)
 {
     OP_NOTE(k, "layernorm_bwd n=%d c=%d %s", n, c, dt_name(dt));
     if (!dt_ok(dt)) return bad_dt(k, "layernorm_bwd", dt);
     if (!mean || !rstd) return bad_arg(k, "layernorm_bwd", "the saved mean and rstd are needed");
-    if (n <= 0 || c <= 0) return MT_OK;
+    int accumulate = flags & MTI_BWD_ACC_DX;
+    const int set = (flags & MTI_BWD_SET_DW) != 0;
+    mt_status st = MT_OK;
+    if (n <= 0 && c > 0 && set) { /* no rows: the sums are zeros */
+        if (dw) st = k->dev->memset8(k->dev, dw, 0, (size_t)c * sizeof(float));
+        if (st == MT_OK && db) st = k->dev->memset8(k->dev, db, 0, (size_t)c * sizeof(float));
+    }
+    if (st != MT_OK || n <= 0 || c <= 0) return st;
     /* the parameter gradients first, so dx may overwrite dout */
-    mt_status st = ln_param_grads(k, dw, db, dout, x, mean, rstd, n, c, dt);
+    st = ln_param_grads(k, dw, db, dout, x, mean, rstd, n, c, dt, set);
     if (st != MT_OK || !dx) return st;
     void *args[] = {&dx, &dout, &x, &w, &mean, &rstd, &n, &c, &accumulate};
     mti_dim3 grid = {(unsigned)cdiv((size_t)n, MTI_LN_ROWS), 1, 1};

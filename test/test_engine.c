@@ -253,6 +253,23 @@ static uint64_t act_peak(mt_context *ctx)
     return ms.per_class[MT_MEM_ACT].peak_live_bytes;
 }
 
+/* A token model of the builder's layers L (n), vocabulary 61, up to 16
+ * tokens a row. */
+static mt_model *token_model(mt_context *ctx, mt_layer_spec *L, int n, int seed)
+{
+    mt_model_spec sp;
+    mt_model_spec_init(&sp);
+    sp.input = MT_INPUT_TOKENS;
+    sp.vocab = 61;
+    sp.max_seq = 16;
+    sp.n_layers = n;
+    sp.layers = L;
+    sp.seed = seed;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_create(ctx, &sp, &m));
+    return m;
+}
+
 /* A token model from the builder with every layer kind. */
 static mt_model *builder_model(mt_context *ctx, int stable, int blocks)
 {
@@ -266,17 +283,7 @@ static mt_model *builder_model(mt_context *ctx, int stable, int blocks)
     L[n++] = (mt_layer_spec){.kind = MT_LAYER_LINEAR, .units = 32, .no_bias = 1};
     L[n++] = (mt_layer_spec){.kind = MT_LAYER_GELU};
     L[n++] = (mt_layer_spec){.kind = MT_LAYER_LM_HEAD};
-    mt_model_spec sp;
-    mt_model_spec_init(&sp);
-    sp.input = MT_INPUT_TOKENS;
-    sp.vocab = 61;
-    sp.max_seq = 16;
-    sp.n_layers = n;
-    sp.layers = L;
-    sp.seed = 7;
-    mt_model *m;
-    CHECK_OKC(ctx, mt_model_create(ctx, &sp, &m));
-    return m;
+    return token_model(ctx, L, n, 7);
 }
 
 static void recompute_case(mt_precision prec, int builder)
@@ -574,6 +581,81 @@ TEST(accumulation_equals_one_batch)
     free(g1);
     free(tok);
     CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* A token model whose embedding table is not tied to a head: its
+ * gradient is made by scattering the tokens' rows alone. */
+static mt_model *untied_model(mt_context *ctx)
+{
+    mt_layer_spec L[] = {{.kind = MT_LAYER_EMBEDDING, .units = 32, .positions = 1},
+                         {.kind = MT_LAYER_BLOCK, .heads = 2},
+                         {.kind = MT_LAYER_LAYERNORM},
+                         {.kind = MT_LAYER_LINEAR, .units = 61}};
+    return token_model(ctx, L, 4, 9);
+}
+
+/* Gradients are written by their first contribution of a step instead of
+ * zeroed: nothing of an earlier call may survive into the next. A
+ * trainer's gradients of batch y after those of batch x (x has longer
+ * sequences and other tokens, so it reaches positions and table rows y
+ * does not) are the bits of a new trainer's of y alone, whole and in
+ * micro-batches, on a tied table, a stable embedding and an untied table;
+ * the rows y does not reach read zero. */
+TEST(gradients_do_not_survive_a_call)
+{
+    mt_context *ctx = ctx_threads(2);
+    int ntok;
+    int32_t *tok = read_tokens(&ntok);
+    mt_batch x = tiny_batch(tok, 0, 2, 8), y = tiny_batch(tok, 9, 2, 4);
+    bool seen[61] = {false};
+    for (int j = 0; j < 8; j++) seen[y.tokens[j]] = true;
+    for (int kind = 0; kind < 3; kind++) {
+        mt_model *m = kind == 2 ? untied_model(ctx) : builder_model(ctx, kind, 2);
+        size_t np = mt_model_num_params(m);
+        float *g0 = malloc(np * 4), *g1 = malloc(np * 4), l0, l1;
+        mt_trainer_config tc;
+        mt_trainer_config_init(&tc);
+        tc.max_batch = 2;
+        for (int micro = 0; micro <= 1; micro++) {
+            tc.micro_batch = micro;
+            gradients(m, &tc, &y, g0, &l0);
+            mt_trainer *t;
+            CHECK_OK(mt_trainer_create(m, &tc, &t));
+            CHECK_OK(mt_trainer_gradients(t, &x, NULL, g1, np));
+            CHECK_OK(mt_trainer_gradients(t, &y, &l1, g1, np));
+            mt_trainer_destroy(t);
+            CHECK(memcmp(&l0, &l1, 4) == 0);
+            size_t diff = 0;
+            for (size_t j = 0; j < np; j++) diff += memcmp(&g0[j], &g1[j], 4) != 0;
+            CHECK_MSG(diff == 0, "model %d, micro %d: %zu gradient values differ", kind, micro,
+                      diff);
+            /* the positions y does not reach (4..15), and on the untied table
+               the rows of tokens y does not have, are zeros */
+            int tables = 0;
+            for (int i = 0; i < mt_model_num_tensors(m); i++) {
+                mt_param_info pi;
+                CHECK_OK(mt_model_param_info(m, i, &pi));
+                const size_t len = strlen(pi.name);
+                const bool pos = len >= 3 && strcmp(pi.name + len - 3, "pos") == 0;
+                const bool table = kind == 2 && len >= 3 && strcmp(pi.name + len - 3, "tok") == 0;
+                if (!pos && !table) continue;
+                tables++;
+                const size_t C = (size_t)pi.shape[1];
+                for (int64_t r = pos ? 4 : 0; r < pi.shape[0]; r++) {
+                    if (table && r < 61 && seen[r]) continue;
+                    for (size_t c = 0; c < C; c++)
+                        CHECK_MSG(g1[pi.offset + (size_t)r * C + c] == 0.0f,
+                                  "model %d: %s row %lld reads %g", kind, pi.name, (long long)r,
+                                  g1[pi.offset + (size_t)r * C + c]);
+                }
+            }
+            CHECK(tables == (kind == 2 ? 2 : 1));
+        }
+        free(g0), free(g1);
+        CHECK_OK(mt_model_destroy(m));
+    }
+    free(tok);
     CHECK_OK(mt_context_destroy(ctx));
 }
 
@@ -1219,16 +1301,7 @@ TEST(fused_step_builder_models)
                              {.kind = MT_LAYER_LINEAR, .units = 32},
                              {.kind = relu_last ? MT_LAYER_RELU : MT_LAYER_GELU},
                              {.kind = MT_LAYER_LM_HEAD}};
-        mt_model_spec sp;
-        mt_model_spec_init(&sp);
-        sp.input = MT_INPUT_TOKENS;
-        sp.vocab = 61;
-        sp.max_seq = 16;
-        sp.n_layers = 5;
-        sp.layers = L;
-        sp.seed = 3;
-        mt_model *m;
-        CHECK_OKC(ctx, mt_model_create(ctx, &sp, &m));
+        mt_model *m = token_model(ctx, L, 5, 3);
         size_t np = mt_model_num_params(m);
         float *init = malloc(np * 4), *p0 = malloc(np * 4), *p1 = malloc(np * 4), l0[4], l1[4];
         CHECK_OK(mt_model_get_params(m, init, np));

@@ -403,6 +403,28 @@ TEST(ops_matmul)
                 get(t, g2, DB, (size_t)c->out, MTI_F32);
                 CHECK_MSG(memcmp(g2, gdb, (size_t)c->out * 4) == 0, "%s: db changed though NULL", what);
                 free(g2);
+                /* MTI_BWD_SET_DW writes dW and db over what they held: the bits of
+                   adding onto zeros; with no rows, zeros */
+                float *zw = calloc(nw, 4);
+                float *ZW = put(t, zw, nw, MTI_F32), *ZB = put(t, zero, (size_t)c->out, MTI_F32);
+                CHECK_OKC(t->ctx, t->ops->matmul_bwd(&t->k, NULL, ZW, ZB, DY, X, W, c->n, c->in, c->out, dt, 0));
+                CHECK_OKC(t->ctx, t->ops->matmul_bwd(&t->k, NULL, DW, DB, DY, X, W, c->n, c->in, c->out, dt,
+                                                     MTI_BWD_SET_DW));
+                float *sw = malloc(nw * 4), *sb = malloc((size_t)c->out * 4);
+                get(t, gdw, ZW, nw, MTI_F32);
+                get(t, gdb, ZB, (size_t)c->out, MTI_F32);
+                get(t, sw, DW, nw, MTI_F32);
+                get(t, sb, DB, (size_t)c->out, MTI_F32);
+                snprintf(what, sizeof what, "matmul %s %s dW written", t->name, dt_name(dt));
+                expect_same_bits(what, sw, gdw, nw);
+                expect_same_bits(what, sb, gdb, (size_t)c->out);
+                CHECK_OKC(t->ctx, t->ops->matmul_bwd(&t->k, NULL, DW, DB, DY, X, W, 0, c->in, c->out, dt,
+                                                     MTI_BWD_SET_DW));
+                get(t, sw, DW, nw, MTI_F32);
+                get(t, sb, DB, (size_t)c->out, MTI_F32);
+                expect_same_bits("matmul dW written from no rows", sw, zw, nw);
+                expect_same_bits("matmul db written from no rows", sb, zero, (size_t)c->out);
+                free(zw), free(sw), free(sb);
                 free_bufs(t);
                 free(gy), free(gdx), free(gdw), free(gdb);
             }
@@ -701,6 +723,25 @@ TEST(ops_layernorm)
         CHECK_OK(t->ops->layernorm_bwd(&t->k, DO2, DW, DB, DO2, X, W, M, R, n, c, MTI_F32, 0));
         get(t, got, DO2, nx, MTI_F32);
         expect_close("layernorm dx over dout", got, ref.dx, nx, tol_of(MTI_F32));
+        /* MTI_BWD_SET_DW writes dw and db over the sums they hold: the bits
+           of adding onto zeros; with no rows, zeros */
+        float *ZW = dev_buf(t, NULL, (size_t)c * 4), *ZB = dev_buf(t, NULL, (size_t)c * 4);
+        float *zw = malloc((size_t)c * 4), *zb = malloc((size_t)c * 4);
+        float *sw = malloc((size_t)c * 4), *sb = malloc((size_t)c * 4);
+        CHECK_OK(t->ops->layernorm_bwd(&t->k, NULL, ZW, ZB, DO, X, W, M, R, n, c, MTI_F32, 0));
+        CHECK_OK(t->ops->layernorm_bwd(&t->k, NULL, DW, DB, DO, X, W, M, R, n, c, MTI_F32,
+                                       MTI_BWD_SET_DW));
+        get(t, zw, ZW, (size_t)c, MTI_F32), get(t, zb, ZB, (size_t)c, MTI_F32);
+        get(t, sw, DW, (size_t)c, MTI_F32), get(t, sb, DB, (size_t)c, MTI_F32);
+        expect_same_bits("layernorm dw written", sw, zw, (size_t)c);
+        expect_same_bits("layernorm db written", sb, zb, (size_t)c);
+        CHECK_OK(t->ops->layernorm_bwd(&t->k, NULL, DW, DB, DO, X, W, M, R, 0, c, MTI_F32,
+                                       MTI_BWD_SET_DW));
+        get(t, sw, DW, (size_t)c, MTI_F32), get(t, sb, DB, (size_t)c, MTI_F32);
+        memset(zw, 0, (size_t)c * 4);
+        expect_same_bits("layernorm dw written from no rows", sw, zw, (size_t)c);
+        expect_same_bits("layernorm db written from no rows", sb, zw, (size_t)c);
+        free(zw), free(zb), free(sw), free(sb);
         free_bufs(t);
         free(pre), free(got);
     }

@@ -66,7 +66,7 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
                              const void *b, int n, int in, int out, mti_dtype dt);
 mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
                              const void *x, const void *w, int n, int in, int out, mti_dtype dt,
-                             int accumulate);
+                             int flags);
 int mti_cpu_matmul_dw_align(int out, int in);
 /* matmul_fwd and matmul_bwd's dx with W (out,in) quantized (lib/quant.h
  * format qf, an mti_qformat, from a buffer of mti_quant_bytes): each output
@@ -88,7 +88,7 @@ mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float
                                 mti_dtype dt);
 mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
                                 const void *dout, const void *x, const void *w, const float *mean,
-                                const float *rstd, int n, int c, mti_dtype dt, int accumulate);
+                                const float *rstd, int n, int c, mti_dtype dt, int flags);
 
 /* elementwise.c */
 mt_status mti_cpu_gelu_fwd(const mti_kctx *k, void *y, const void *x, size_t n, mti_dtype dt);

@@ -192,7 +192,8 @@ mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float
 /* ---- backward ----
  * With xhat = (x - mean) rstd and g = dout * w (per channel):
  *   dx = rstd (g - mean(g) - xhat mean(g xhat))      over the row's channels
- *   dw += sum over rows of dout xhat,  db += sum over rows of dout        */
+ *   dw += sum over rows of dout xhat,  db += sum over rows of dout
+ * (= with MTI_BWD_SET_DW).                                                */
 
 WIDE_CLONES static void dx_n(float *dx, const float *dout, const float *w, const float *x,
                              size_t n, float mean, float rstd, float ga, float gb, int acc)
@@ -268,11 +269,12 @@ WIDE_CLONES static void params_row_b16(float *sw, float *sb, const uint16_t *g, 
 }
 
 /* dw, db for channels [c0, c0 + m), m <= CHUNK: summed over the n rows in
- * row order, then added to the gradients once. Each element's sum has the
- * same order however the channels are split between threads. */
+ * row order, then added to the gradients once (with set, stored). Each
+ * element's sum has the same order however the channels are split between
+ * threads. */
 static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
                           const float *mean, const float *rstd, size_t n, size_t c, size_t c0,
-                          size_t m, mti_dtype dt)
+                          size_t m, mti_dtype dt, int set)
 {
     float sw[CHUNK], sb[CHUNK], gbuf[CHUNK], xbuf[CHUNK];
     memset(sw, 0, m * sizeof(float));
@@ -287,6 +289,11 @@ static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
         params_row(sw, sb, stage_in(dout, dt, at, m, gbuf), stage_in(x, dt, at, m, xbuf), m,
                    mean[r], rstd[r]);
     }
+    if (set) {
+        if (dw) memcpy(dw + c0, sw, m * sizeof(float));
+        if (db) memcpy(db + c0, sb, m * sizeof(float));
+        return;
+    }
     if (dw)
         for (size_t j = 0; j < m; j++) dw[c0 + j] += sw[j];
     if (db)
@@ -295,15 +302,20 @@ static void ln_bwd_params(float *dw, float *db, const void *dout, const void *x,
 
 mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
                                 const void *dout, const void *x, const void *w, const float *mean,
-                                const float *rstd, int n, int c, mti_dtype dt, int accumulate)
+                                const float *rstd, int n, int c, mti_dtype dt, int flags)
 {
     if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
+    const int accumulate = flags & MTI_BWD_ACC_DX, set = (flags & MTI_BWD_SET_DW) != 0;
     if (!dt_ok(dt))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "layernorm_bwd: dtype %d is not a float",
                         (int)dt);
     if (!mean || !rstd)
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "layernorm_bwd: the forward's mean and rstd are needed");
+    if (n <= 0 && c > 0 && set) { /* no rows: the sums are zeros */
+        if (dw) memset(dw, 0, (size_t)c * sizeof(float));
+        if (db) memset(db, 0, (size_t)c * sizeof(float));
+    }
     if (n <= 0 || c <= 0) return MT_OK;
     size_t nn = (size_t)n, cc = (size_t)c;
     int par = nn * cc > MTI_CPU_PAR_MIN;
@@ -321,7 +333,7 @@ mt_status mti_cpu_layernorm_bwd(const mti_kctx *k, void *dx, float *dw, float *d
             size_t end = min_sz(cc, (it + 1) * span);
             for (size_t c0 = it * span; c0 < end; c0 += CHUNK)
                 ln_bwd_params(dw, db, dout, x, mean, rstd, nn, cc, c0, min_sz(CHUNK, end - c0),
-                              dt);
+                              dt, set);
         }
     }
     if (dx) {

@@ -17,7 +17,7 @@
  * reduction dimension converts the matching panels of both operands to fp32
  * and multiplies them in (fp32 GEMM, accumulating); the tile is rounded to
  * fp16 once, after the last chunk. The weight gradient is fp32: its tiles
- * accumulate in place.
+ * accumulate in place (or, on its first contribution, are written).
  *
  * Workspace, per thread: the largest scratchpad oneDNN asks for among the
  * op's tile shapes, and in the converted fp16 path one tile and two panels,
@@ -288,8 +288,10 @@ static mt_status converted(const mti_kctx *k, const mm_job *j)
             float *acc = (float *)base, *pa = acc + cv.acc, *pb = pa + cv.pa;
             void *sp = cv.scratch ? (void *)(pb + cv.pb) : NULL;
             size_t at = (size_t)(m0 - j->c_row0) * (size_t)j->ldc + (size_t)n0;
-            if (in_place) {
+            if (in_place) { /* (dW: its first contribution starts from zeros) */
                 acc = (float *)j->c + at;
+                for (int i = 0; i < mc && !j->accumulate; i++)
+                    memset(acc + (size_t)i * (size_t)j->ldc, 0, (size_t)nc * sizeof(float));
             } else if (j->accumulate) {
                 load_panel(acc, j->c, j->c_dt, at, (size_t)j->ldc, mc, nc);
             } else if (j->bias) {
@@ -354,10 +356,11 @@ mt_status mti_cpu_matmul_fwd(const mti_kctx *k, void *y, const void *x, const vo
 
 /* ---- backward ---- */
 
-/* db (O) += the column sums of dy (N,O), each column summed over the rows in
- * order, in fp32; threads own chunks of columns. */
+/* db (O) += (with set, =) the column sums of dy (N,O), each column summed
+ * over the rows in order, in fp32; threads own chunks of columns. */
 #define DB_CHUNK 1024
-static void bias_grad(const mti_kctx *k, float *db, const void *dy, int n, int out, mti_dtype dt)
+static void bias_grad(const mti_kctx *k, float *db, const void *dy, int n, int out, mti_dtype dt,
+                      int set)
 {
     int nchunks = ceil_div(out, DB_CHUNK);
 #pragma omp parallel for num_threads(mti_cpu_threads(k)) schedule(static) \
@@ -374,19 +377,25 @@ static void bias_grad(const mti_kctx *k, float *db, const void *dy, int n, int o
 #pragma omp simd
             for (int j = 0; j < len; j++) sum[j] += r[j];
         }
+        if (set) {
+            memcpy(db + j0, sum, (size_t)len * sizeof(float));
+            continue;
+        }
 #pragma omp simd
         for (int j = 0; j < len; j++) db[j0 + j] += sum[j];
     }
 }
 
-/* Rows [o0, o1) of dW (O,I) fp32 += dy^T (O,N) . x (N,I), dw pointing at
- * row o0; o0 and o1 on tile-row boundaries of the plan of the whole dW, so
- * every row is made by the same GEMM call as when dW is made whole. */
+/* Rows [o0, o1) of dW (O,I) fp32 += (with set, =) dy^T (O,N) . x (N,I), dw
+ * pointing at row o0; o0 and o1 on tile-row boundaries of the plan of the
+ * whole dW, so every row is made by the same GEMM call as when dW is made
+ * whole. Writing instead of adding onto zeros leaves the sums' bits as they
+ * are (x + 0 = x; only a sum of -0 keeps its sign) and reads no dW. */
 static mt_status dw_job(const mti_kctx *k, float *dw, const void *dy, const void *x, int n,
-                        int in, int out, int o0, int o1, mti_dtype dt)
+                        int in, int out, int o0, int o1, mti_dtype dt, int set)
 {
     mm_job j = {.p = mm_plan_for(out, in), .K = n, .a = dy, .b = x, .c = dw, .ta = 1,
-                .accumulate = 1, .lda = out, .ldb = in, .ldc = in, .ab_dt = dt,
+                .accumulate = !set, .lda = out, .ldb = in, .ldc = in, .ab_dt = dt,
                 .c_dt = MTI_F32, .c_row0 = o0};
     j.t0 = o0 / j.p.mb * j.p.tn, j.t1 = ceil_div(o1, j.p.mb) * j.p.tn;
     return mm_run(k, &j);
@@ -394,23 +403,30 @@ static mt_status dw_job(const mti_kctx *k, float *dw, const void *dy, const void
 
 mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
                              const void *x, const void *w, int n, int in, int out, mti_dtype dt,
-                             int accumulate)
+                             int flags)
 {
     if (n < 0 || in < 0 || out < 0 || !dtype_ok(dt))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "matmul_bwd: bad shape (%d,%d,%d) or dtype %d", n, in, out, (int)dt);
-    if (n == 0) return MT_OK; /* no rows: dx is empty, dW and db get nothing */
-    if (db && out > 0 && !mti_dry(k)) bias_grad(k, db, dy, n, out, dt);
+    const int set = (flags & MTI_BWD_SET_DW) != 0;
+    if (n == 0) { /* no rows: dx is empty, dW and db get nothing (are zeros when set) */
+        if (set && !mti_dry(k)) {
+            if (dw) memset(dw, 0, (size_t)out * (size_t)in * sizeof(float));
+            if (db) memset(db, 0, (size_t)out * sizeof(float));
+        }
+        return MT_OK;
+    }
+    if (db && out > 0 && !mti_dry(k)) bias_grad(k, db, dy, n, out, dt, set);
     if (in == 0) return MT_OK; /* dx and dW are empty */
     mt_status s = MT_OK;
     if (dx) { /* dx (N,I) = (or +=) dy (N,O) . W (O,I) */
         mm_job j = {.p = mm_plan_for(n, in), .K = out, .a = dy, .b = w, .c = dx,
-                    .accumulate = accumulate, .lda = out, .ldb = in, .ldc = in, .ab_dt = dt,
-                    .c_dt = dt};
+                    .accumulate = flags & MTI_BWD_ACC_DX, .lda = out, .ldb = in, .ldc = in,
+                    .ab_dt = dt, .c_dt = dt};
         j.t1 = j.p.tm * j.p.tn;
         s = mm_run(k, &j);
     }
-    if (!s && dw && out > 0) s = dw_job(k, dw, dy, x, n, in, out, 0, out, dt);
+    if (!s && dw && out > 0) s = dw_job(k, dw, dy, x, n, in, out, 0, out, dt, set);
     return s;
 }
 
@@ -431,7 +447,7 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
                         "or dtype %d",
                         n, in, out, o0, o1, a, (int)dt);
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
-    return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt);
+    return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt, 0);
 }
 
 /* ---- a quantized weight (lib/quant.h): dequantized a tile at a time ---- */

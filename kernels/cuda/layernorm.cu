@@ -142,16 +142,16 @@ MT_EXPORT_DT(mt_ln_bwd_dx, 256, ln_bwd_dx_k,
               const float *rstd, int N, int C, int accumulate),
              (dx, dout, x, w, mean, rstd, N, C, accumulate))
 
-/* dw (C) += sum over rows of dout * xhat, db (C) += sum over rows of dout,
- * fp32, the rows of the block's chunk in order from zero. grid (ceil(C /
- * 256), nchunks), block 256. part_w, part_b: NULL with one chunk (the sums
- * are added to dw, db), else (nchunks, C) partials for mt_colsum_finish.
- * dw or db may be NULL (not wanted). */
+/* dw (C) += sum over rows of dout * xhat, db (C) += sum over rows of dout
+ * (with set, =), fp32, the rows of the block's chunk in order from zero.
+ * grid (ceil(C / 256), nchunks), block 256. part_w, part_b: NULL with one
+ * chunk (the sums go to dw, db), else (nchunks, C) partials for
+ * mt_colsum_finish. dw or db may be NULL (not wanted). */
 template <typename T>
 __device__ __forceinline__ void ln_bwd_dwdb_k(float *dw, float *db, float *part_w, float *part_b,
                                               const void *dout_, const void *x_,
                                               const float *mean, const float *rstd, int N, int C,
-                                              int chunk)
+                                              int chunk, int set)
 {
     const T *dout = (const T *)dout_, *x = (const T *)x_;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -166,8 +166,8 @@ __device__ __forceinline__ void ln_bwd_dwdb_k(float *dw, float *db, float *part_
         ab = __fadd_rn(ab, g);
     }
     if (!part_w) {
-        if (dw) dw[c] = __fadd_rn(dw[c], aw);
-        if (db) db[c] = __fadd_rn(db[c], ab);
+        if (dw) dw[c] = set ? aw : __fadd_rn(dw[c], aw);
+        if (db) db[c] = set ? ab : __fadd_rn(db[c], ab);
     } else {
         part_w[(mt_index)blockIdx.y * C + c] = aw;
         part_b[(mt_index)blockIdx.y * C + c] = ab;
@@ -175,5 +175,5 @@ __device__ __forceinline__ void ln_bwd_dwdb_k(float *dw, float *db, float *part_
 }
 MT_EXPORT_DT(mt_ln_bwd_dwdb, 256, ln_bwd_dwdb_k,
              (float *dw, float *db, float *part_w, float *part_b, const void *dout, const void *x,
-              const float *mean, const float *rstd, int N, int C, int chunk),
-             (dw, db, part_w, part_b, dout, x, mean, rstd, N, C, chunk))
+              const float *mean, const float *rstd, int N, int C, int chunk, int set),
+             (dw, db, part_w, part_b, dout, x, mean, rstd, N, C, chunk, set))

@@ -16,12 +16,12 @@
  * in chunk order and then adds that into the output.
  */
 
-/* out (cols) fp32 += sum over rows of x (rows, cols) in T.
+/* out (cols) fp32 += (with set, =) sum over rows of x (rows, cols) in T.
  * grid (ceil(cols / 256), nchunks), block 256. part: NULL when nchunks is
  * 1, else (nchunks, cols) fp32 partials (mt_colsum_finish completes). */
 template <typename T>
 __device__ __forceinline__ void colsum_k(float *out, float *part, const void *x_, int rows,
-                                         long long cols, int chunk)
+                                         long long cols, int chunk, int set)
 {
     const T *x = (const T *)x_;
     const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -33,22 +33,23 @@ __device__ __forceinline__ void colsum_k(float *out, float *part, const void *x_
     if (part)
         part[(long long)blockIdx.y * cols + c] = acc;
     else
-        out[c] = __fadd_rn(out[c], acc);
+        out[c] = set ? acc : __fadd_rn(out[c], acc);
 }
 MT_EXPORT_DT(mt_colsum, 256, colsum_k,
-             (float *out, float *part, const void *x, int rows, long long cols, int chunk),
-             (out, part, x, rows, cols, chunk))
+             (float *out, float *part, const void *x, int rows, long long cols, int chunk,
+              int set),
+             (out, part, x, rows, cols, chunk, set))
 
-/* out (cols) += sum over k of part (nchunks, cols), k in order.
- * grid ceil(cols / 256), block 256. */
+/* out (cols) += (with set, =) sum over k of part (nchunks, cols), k in
+ * order. grid ceil(cols / 256), block 256. */
 extern "C" __global__ void __launch_bounds__(256)
-    mt_colsum_finish(float *out, const float *part, int nchunks, long long cols)
+    mt_colsum_finish(float *out, const float *part, int nchunks, long long cols, int set)
 {
     const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     float acc = 0.0f;
     for (int k = 0; k < nchunks; k++) acc = __fadd_rn(acc, part[(long long)k * cols + c]);
-    out[c] = __fadd_rn(out[c], acc);
+    out[c] = set ? acc : __fadd_rn(out[c], acc);
 }
 
 /* ---- sum of squares ----
