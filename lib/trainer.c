@@ -1224,6 +1224,13 @@ static mt_status check_grad(mt_trainer *t, int i)
     return s ? s : sumsq(t, i);
 }
 
+/* Unfused on one rank (check_now): each gradient checked (fp16: unscaled)
+ * and measured in the last micro-batch's backward as soon as it is final,
+ * while it is still in cache, instead of in a pass over every gradient
+ * after backward. The step reads the checks before its first update as
+ * before, and each tensor's check and sum of squares are the same bits. */
+static mt_status final_hook(void *user, int i) { return check_grad(user, i); }
+
 static mt_status check_hook(void *user, int i)
 {
     mt_trainer *t = user;
@@ -1625,7 +1632,13 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
             MTI_TRY(mti_zero3_settle(t, s)); /* (stage 3's queued reduce-scatters done) */
         } else if (!fused) {
             const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
-            MTI_TRY(mti_engine_backward(E, 0, t->overlap_now && last ? give_hook : NULL, t));
+            mti_grad_hook hook = !last ? NULL : t->overlap_now ? give_hook : NULL;
+            if (last && t->check_now) {
+                hook = final_hook;
+                if (t->flag_grads) MTI_TRY(mti_tensor_zero(ctx, &t->found_inf));
+                if (t->cfg.grad_clip > 0.0f) MTI_TRY(mti_tensor_zero(ctx, &t->sumsq));
+            }
+            MTI_TRY(mti_engine_backward(E, 0, hook, t));
         } else if (!two_pass) {
             MTI_TRY(fused_pass(t, found));
         } else {
@@ -1673,7 +1686,11 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->overlap_now = (t->ov || t->nov) && !fused && t->zero < 2;
     if (t->overlap_now && t->nov) mti_ncclov_begin(t->nov);
     else if (t->overlap_now) mti_overlap_begin(t->ov);
+    /* (the gradients are final on this rank: no sum over ranks to wait for) */
+    t->check_now = !fused && !t->overlap_now && !t->zero && !mti_dp_on(t);
     s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
+    const bool checked = t->check_now;
+    t->check_now = 0;
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
@@ -1681,12 +1698,12 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
         /* (frozen parameters have no gradient: they take no part) */
         for (int i = 0; i < m->n_param && !s && !t->overlap_now; i++)
             if (!m->params[i].frozen) s = reduce_grad(t, i);
-        if (!s && t->flag_grads) s = mti_tensor_zero(ctx, &t->found_inf);
+        if (!s && t->flag_grads && !checked) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
-        for (int i = 0; i < m->n_param && !s; i++)
+        for (int i = 0; i < m->n_param && !s && !checked; i++)
             if (!m->params[i].frozen) s = unscale(t, i);
-        if (!s && t->cfg.grad_clip > 0.0f) s = mti_tensor_zero(ctx, &t->sumsq);
-        for (int i = 0; i < m->n_param && !s; i++)
+        if (!s && t->cfg.grad_clip > 0.0f && !checked) s = mti_tensor_zero(ctx, &t->sumsq);
+        for (int i = 0; i < m->n_param && !s && !checked; i++)
             if (!m->params[i].frozen) s = sumsq(t, i);
         if (!s) s = finish_checks(t, &found);
         if (s) return step_failed(t, fn, s);
@@ -1742,6 +1759,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     t->inv = mti_scaler_inv(&t->scaler);
     t->updated = 0;
     t->overlap_now = 0; /* the gradients are summed below, blocking */
+    t->check_now = 0;   /* (and unscaled below, unchecked) */
     if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
     s = passes(t, b, false, false, false, targets, &found, &sum); /* every gradient whole */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);

@@ -138,40 +138,61 @@ static void overflow_weights(mt_model *m)
     CHECK_OK(mt_model_set_params(m, p, n));
 }
 
+/* An overflow inside backward after a finite loss: the unfused step (on
+ * one rank its checks run in backward, each gradient as it becomes final)
+ * skips it, without clipping, with clipping (the norm is not finite) and
+ * with the overflow in the first of two micro-batches (the sum is what is
+ * checked); the fused step without clipping stops with an error. */
 TEST(nonfinite_gradient_after_finite_loss)
 {
-    for (int fused = 0; fused < 2; fused++) {
+    for (int mode = 0; mode < 4; mode++) {
+        const int fused = mode == 3, micro = mode == 2, rows = micro ? 2 : 1;
         mt_context *ctx = check_cpu_context(1);
         mt_model *m = mlp(ctx, 1, 1, 2);
         overflow_weights(m);
         mt_trainer_config c;
         mt_trainer_config_init(&c);
-        c.max_batch = 1;
+        c.max_batch = rows;
+        c.micro_batch = micro;
         c.optimizer = MT_OPT_ADAMW;
         c.lr = 1e-3f;
         c.fused_step = fused;
+        c.grad_clip = mode == 1 ? 1.0f : 0.0f;
         mt_trainer *t = NULL;
         CHECK_OK(mt_trainer_create(m, &c, &t));
         const size_t n = mt_model_num_params(m);
-        float x = 1e20f, loss = 0;
-        int32_t y = 1;
-        mt_batch b = {.n = 1, .inputs = &x, .targets = &y};
+        float x[2] = {1e20f, 1.0f}, loss = 0;
+        int32_t y[2] = {1, 1};
+        mt_batch b = {.n = rows, .inputs = x, .targets = y};
         float *g = check_alloc(n * sizeof *g);
         CHECK_OK(mt_trainer_gradients(t, &b, &loss, g, n));
         CHECK(isfinite(loss));
         int nonfinite = 0;
         for (size_t i = 0; i < n; i++) nonfinite += !isfinite(g[i]);
         CHECK(nonfinite > 0); /* the case is what it should be */
+        if (micro) { /* and the second micro-batch's own gradients are finite */
+            mt_batch b1 = {.n = 1, .inputs = x + 1, .targets = y + 1};
+            CHECK_OK(mt_trainer_gradients(t, &b1, &loss, g, n));
+            for (size_t i = 0; i < n; i++) CHECK(isfinite(g[i]));
+        }
         float *before = params(m);
         mt_status s = mt_trainer_step(t, &b, &loss);
         float *after = params(m);
         for (size_t i = 0; i < n; i++) CHECK(isfinite(after[i]));
         mt_loss_scale_state ls;
         CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
-        if (!fused) { /* every gradient is there before the first update: skipped */
+        if (!fused) { /* every gradient is checked before the first update: skipped */
             CHECK_OKC(ctx, s);
-            CHECK_EQ(ls.last_step_skipped, 1);
+            CHECK_MSG(ls.last_step_skipped == 1, "mode %d", mode);
             CHECK(!memcmp(before, after, n * sizeof *after));
+            /* and a finite step after it updates (without clipping: these
+               weights' gradients are near 1e30, whose squares overflow) */
+            mt_batch b1 = {.n = 1, .inputs = x + 1, .targets = y + 1};
+            CHECK_OKC(ctx, mt_trainer_step(t, &b1, &loss));
+            CHECK_OK(mt_trainer_get_loss_scale(t, &ls));
+            CHECK_MSG(ls.last_step_skipped == (mode == 1), "mode %d", mode);
+            after = params(m);
+            CHECK((memcmp(before, after, n * sizeof *after) != 0) == (mode != 1));
         } else { /* the head was updated before the first layer's gradient overflowed */
             CHECK_ST(MT_ERR_INVALID_ARG, s);
             CHECK(strstr(mt_last_error(ctx), "not finite") && strstr(mt_last_error(ctx), "updated"));
