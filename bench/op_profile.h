@@ -75,7 +75,8 @@ PROF(matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void 
                   const void *x, const void *w, int n, int in, int out, mti_dtype dt, int acc),
      (k, dx, dw, db, dy, x, w, n, in, out, dt, acc))
 PROF(matmul_dw_rows, (const mti_kctx *k, float *dw, const void *dy, const void *x, int n, int in,
-                      int out, int o0, int o1, mti_dtype dt), (k, dw, dy, x, n, in, out, o0, o1, dt))
+                      int out, int o0, int o1, mti_dtype dt, int flags),
+     (k, dw, dy, x, n, in, out, o0, o1, dt, flags))
 PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
                     const void *b, int n, int in, int out, mti_dtype dt),
      (k, y, x, wq, qf, b, n, in, out, dt))

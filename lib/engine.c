@@ -892,7 +892,9 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
 }
 
 /* The LM head's part of rows [r0, r1) of the tied table's gradient (r1 0:
- * all of it) into g, from the deferred dlogits and head input. */
+ * all of it) into g, from the deferred dlogits and head input: written over
+ * a slice (it is the slice's first contribution), and over the whole
+ * gradient when that is fresh. */
 static mt_status tied_head_grad(mti_engine *E, float *g, int r0, int r1)
 {
     const mti_layer *head = &E->m->layers[E->m->n_layers - 1];
@@ -905,7 +907,7 @@ static mt_status tied_head_grad(mti_engine *E, float *g, int r0, int r1)
                               head->in, head->out, E->dt, set);
     }
     return op->matmul_dw_rows(&E->k, g, E->tied_dy_ptr, E->tied_x_ptr, E->N, head->in, head->out,
-                              r0, r1, E->dt);
+                              r0, r1, E->dt, grad_filled(E) ? 0 : MTI_BWD_SET_DW);
 }
 
 /* The tied table's gradient, tied_rows rows at a time: the head's part,
@@ -920,8 +922,8 @@ static mt_status tied_slices(mti_engine *E, const mti_layer *ly)
         int r1 = V - r0 < E->tied_rows ? V : r0 + E->tied_rows;
         mti_tensor g = {.dtype = MTI_F32, .ndim = 2, .shape = {r1 - r0, C}};
         s = mti_tensor_alloc(E->ctx, &g, MT_MEM_GRAD, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_GRAD, pi));
-        if (!s) s = grad_start(E, pi, (size_t)r0 * C, &g);
-        if (!s) s = tied_head_grad(E, g.blk.ptr, r0, r1);
+        if (!s && grad_filled(E)) s = grad_start(E, pi, (size_t)r0 * C, &g);
+        if (!s) s = tied_head_grad(E, g.blk.ptr, r0, r1); /* (writes the slice whole) */
         if (!s)
             s = op->embedding_dw_rows(&E->k, g.blk.ptr, E->d.blk.ptr, E->tokens.blk.ptr, E->B,
                                       E->T, C, r0, r1, E->dt);

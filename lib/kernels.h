@@ -242,13 +242,14 @@ struct mti_ops {
                             const void *x, const void *w, int n, int in, int out, mti_dtype dt,
                             int flags);
     /* Rows [o0, o1) of matmul_bwd's dW (O,I), dw pointing at row o0:
-     * dW[o0:o1] += dy[:, o0:o1]^T . x, with the bits matmul_bwd gives those
-     * rows when o0 and o1 are multiples of matmul_dw_align(out, in) (or o1 =
-     * out); other rows are refused. A row-sliced weight gradient (the fused
-     * step's tied table) is made this way. */
+     * dW[o0:o1] += (with MTI_BWD_SET_DW in flags, =) dy[:, o0:o1]^T . x,
+     * with the bits matmul_bwd gives those rows when o0 and o1 are
+     * multiples of matmul_dw_align(out, in) (or o1 = out); other rows are
+     * refused. A row-sliced weight gradient (the fused step's tied table)
+     * is made this way. */
     int (*matmul_dw_align)(int out, int in);
     mt_status (*matmul_dw_rows)(const mti_kctx *k, float *dw, const void *dy, const void *x,
-                                int n, int in, int out, int o0, int o1, mti_dtype dt);
+                                int n, int in, int out, int o0, int o1, mti_dtype dt, int flags);
 
     /* ---- matmul with a quantized, frozen weight ---- */
     /* W (O,I) is a quantized tensor of O*I elements (lib/quant.h): format qf

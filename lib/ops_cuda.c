@@ -851,7 +851,8 @@ static int cu_matmul_dw_align(int out, int in)
 /* Rows [o0, o1) of dW: as matmul_bwd's dW with B = the columns o0.. of dy
  * (ld out) and D = the slice. */
 static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
-                                   int n, int in, int out, int o0, int o1, mti_dtype dt)
+                                   int n, int in, int out, int o0, int o1, mti_dtype dt,
+                                   int flags)
 {
     OP_NOTE(k, "matmul_dw_rows n=%d in=%d out=%d rows [%d,%d) %s", n, in, out, o0, o1,
             dt_name(dt));
@@ -861,6 +862,9 @@ static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy,
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "CUDA matmul_dw_rows: bad size (%d,%d,%d) or rows [%d,%d) (multiples "
                         "of %d, or to the end)", n, in, out, o0, o1, MTI_DW_ROWS_ALIGN);
+    const int set = (flags & MTI_BWD_SET_DW) != 0;
+    if (n == 0 && set && in > 0 && o1 > o0) /* no rows: the sums are zeros */
+        return k->dev->memset8(k->dev, dw, 0, (size_t)(o1 - o0) * in * sizeof(float));
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
     mt_status st = gemm_ready(k);
     if (st != MT_OK) return st;
@@ -869,7 +873,7 @@ static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy,
                     .lda = in, .ldb = out, .ldd = in, .a_type = t, .b_type = t,
                     .d_type = CUDA_R_32F};
     const void *dy0 = (const char *)dy + (size_t)o0 * mti_dtype_size(dt);
-    return gemm(k, key, x, dy0, dw, NULL, 1.0f, "matmul_dw_rows");
+    return gemm(k, key, x, dy0, dw, NULL, set ? 0.0f : 1.0f, "matmul_dw_rows");
 }
 
 /* ---- a quantized frozen weight (lib/quant.h): dequantized a tile at a time ---- */

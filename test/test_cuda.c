@@ -217,10 +217,11 @@ TEST(cuda_standin_tied_slices_are_aligned)
     float *dw = dev_alloc(&c, &bw, O * I * 4);
     int a = c.ops->matmul_dw_align(O, I);
     CHECK(a % 8 == 0);
-    CHECK_OKC(c.ctx, c.ops->matmul_dw_rows(&c.k, dw + a * I, dy, x, N, I, O, a, 2 * a, MTI_BF16));
-    CHECK_OKC(c.ctx, c.ops->matmul_dw_rows(&c.k, dw + a * I, dy, x, N, I, O, a, O, MTI_BF16));
+    CHECK_OKC(c.ctx, c.ops->matmul_dw_rows(&c.k, dw + a * I, dy, x, N, I, O, a, 2 * a, MTI_BF16, 0));
+    CHECK_OKC(c.ctx, c.ops->matmul_dw_rows(&c.k, dw + a * I, dy, x, N, I, O, a, O, MTI_BF16,
+                                                     MTI_BWD_SET_DW));
     CHECK_ST(MT_ERR_INVALID_ARG,
-             c.ops->matmul_dw_rows(&c.k, dw + I, dy, x, N, I, O, 1, a, MTI_BF16));
+             c.ops->matmul_dw_rows(&c.k, dw + I, dy, x, N, I, O, 1, a, MTI_BF16, 0));
     CHECK(strstr(mt_last_error(c.ctx), "multiples of 8"));
     mt_block *all[] = {&bdy, &bx, &bw};
     for (int i = 0; i < 3; i++) CHECK_OKC(c.ctx, mt_context_free(c.ctx, all[i]));

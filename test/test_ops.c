@@ -1436,9 +1436,11 @@ TEST(ops_casts)
 /* ---- row slices of weight gradients ---- */
 
 /* matmul_dw_rows and embedding_dw_rows: slices made at the table's
- * alignment, each starting from 0, are the rows of the whole gradient (the
- * CPU table: the same bits; any table: the CPU's within the GEMM
- * tolerance); rows off the alignment are refused on the CPU. */
+ * alignment, each written by matmul_dw_rows (MTI_BWD_SET_DW, over what
+ * the memory held) and added to by embedding_dw_rows, are the rows of the
+ * whole gradient made from zeros (the CPU table: the same bits; any table:
+ * the CPU's within the GEMM tolerance); rows off the alignment are refused
+ * on the CPU. */
 TEST(ops_weight_gradient_row_slices)
 {
     open_tables();
@@ -1450,6 +1452,7 @@ TEST(ops_weight_gradient_row_slices)
     for (int i = 0; i < B * T; i++) tok[i] = (int32_t)((i * 389) % V);
     tok[5] = tok[17] = 700; /* a repeated token */
     float *whole = malloc((size_t)O * I * 4), *sliced = malloc((size_t)O * I * 4);
+    float *junk = randv((size_t)O * I, 100.0f);
     float *cpu = malloc(2 * (size_t)O * I * 4); /* per dtype */
     for (int ti = 0; ti < n_tabs; ti++) {
         tab *t = &tabs[ti];
@@ -1458,7 +1461,7 @@ TEST(ops_weight_gradient_row_slices)
             void *DY = put(t, dy, (size_t)N * O, dt), *X = put(t, x, (size_t)N * I, dt);
             void *DO = put(t, dout, (size_t)B * T * I, dt);
             int32_t *K = dev_buf(t, tok, sizeof tok);
-            float *GW = dev_buf(t, NULL, (size_t)O * I * 4), *GS = dev_buf(t, NULL, (size_t)O * I * 4);
+            float *GW = dev_buf(t, NULL, (size_t)O * I * 4), *GS = dev_buf(t, junk, (size_t)O * I * 4);
             CHECK_OK(t->ops->matmul_bwd(&t->k, NULL, GW, NULL, DY, X, NULL, N, I, O, dt, 0));
             CHECK_OK(t->ops->embedding_bwd(&t->k, GW, NULL, DO, K, B, T, I, dt));
             get(t, whole, GW, (size_t)O * I, MTI_F32);
@@ -1468,7 +1471,8 @@ TEST(ops_weight_gradient_row_slices)
             for (int r0 = 0; r0 < O; r0 += rows) {
                 int r1 = O - r0 < rows ? O : r0 + rows;
                 float *g = GS + (size_t)r0 * I;
-                CHECK_OK(t->ops->matmul_dw_rows(&t->k, g, DY, X, N, I, O, r0, r1, dt));
+                CHECK_OK(t->ops->matmul_dw_rows(&t->k, g, DY, X, N, I, O, r0, r1, dt,
+                                                MTI_BWD_SET_DW));
                 CHECK_OK(t->ops->embedding_dw_rows(&t->k, g, DO, K, B, T, I, r0, r1, dt));
             }
             get(t, sliced, GS, (size_t)O * I, MTI_F32);
@@ -1478,7 +1482,7 @@ TEST(ops_weight_gradient_row_slices)
                 memcpy(cpu + di * (size_t)O * I, whole, (size_t)O * I * 4);
                 if (a > 1) {
                     CHECK_ST(MT_ERR_INVALID_ARG,
-                             t->ops->matmul_dw_rows(&t->k, GS, DY, X, N, I, O, 1, a, dt));
+                             t->ops->matmul_dw_rows(&t->k, GS, DY, X, N, I, O, 1, a, dt, 0));
                     CHECK(strstr(mt_last_error(t->ctx), "multiples of"));
                 }
             } else {
@@ -1492,7 +1496,7 @@ TEST(ops_weight_gradient_row_slices)
             free_bufs(t);
         }
     }
-    free(dy), free(x), free(dout), free(whole), free(sliced), free(cpu);
+    free(dy), free(x), free(dout), free(whole), free(sliced), free(cpu), free(junk);
     close_tables();
 }
 

@@ -80,7 +80,7 @@ mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const 
 mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
                               int n, int in, int out, mti_dtype dt, int accumulate);
 mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
-                                 int n, int in, int out, int o0, int o1, mti_dtype dt);
+                                 int n, int in, int out, int o0, int o1, mti_dtype dt, int flags);
 
 /* layernorm.c */
 mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float *rstd,

@@ -437,7 +437,7 @@ int mti_cpu_matmul_dw_align(int out, int in)
 }
 
 mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
-                                 int n, int in, int out, int o0, int o1, mti_dtype dt)
+                                 int n, int in, int out, int o0, int o1, mti_dtype dt, int flags)
 {
     int a = mti_cpu_matmul_dw_align(out, in);
     if (n < 0 || in < 0 || out < 0 || !dtype_ok(dt) || o0 < 0 || o1 < o0 || o1 > out ||
@@ -446,8 +446,11 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
                         "matmul_dw_rows: bad shape (%d,%d,%d), rows [%d,%d) (multiples of %d) "
                         "or dtype %d",
                         n, in, out, o0, o1, a, (int)dt);
+    const int set = (flags & MTI_BWD_SET_DW) != 0;
+    if (n == 0 && set && !mti_dry(k)) /* no rows: the sums are zeros */
+        memset(dw, 0, (size_t)(o1 - o0) * (size_t)in * sizeof(float));
     if (n == 0 || in == 0 || o0 == o1) return MT_OK;
-    return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt, 0);
+    return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt, set);
 }
 
 /* ---- a quantized weight (lib/quant.h): dequantized a tile at a time ---- */
