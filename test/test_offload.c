@@ -719,7 +719,9 @@ static void run_ck(mt_place save_at, mt_place load_at, const char *dir, const ch
     CHECK(unlink(file) == 0);
 }
 
-TEST(offload_training_state_files)
+/* Training-state files saved and loaded with the state (and, params: the
+ * weights) on disk or resident, every pairing: the same bits. */
+static void training_state_cases(int params)
 {
     const char *dir = tmp_dir();
     char file[256];
@@ -732,15 +734,19 @@ TEST(offload_training_state_files)
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     float *w[4];
+    params_too = params;
     for (int k = 0; k < 4; k++) {
         w[k] = check_alloc(n * 4);
         run_ck(k & 1 ? MT_PLACE_DISK : MT_PLACE_DEVICE, k & 2 ? MT_PLACE_DISK : MT_PLACE_DEVICE, dir,
                file, w[k]);
     }
+    params_too = 0;
     mti_offload_piece_elems = keep;
     for (int k = 1; k < 4; k++) CHECK_MSG(memcmp(w[0], w[k], n * 4) == 0, "case %d differs", k);
     CHECK(rmdir(dir) == 0);
 }
+
+TEST(offload_training_state_files) { training_state_cases(0); }
 
 /* The trace: the scratch files' bytes are events of the disk place, which
  * the Chrome export shows as their own counter and replay leaves out. */
@@ -1032,27 +1038,4 @@ TEST(offload_params_removed_or_truncated)
 
 /* Training-state files with the weights on disk: the resident run's file,
  * loaded either way, training on to the same bits. */
-TEST(offload_params_training_state_files)
-{
-    const char *dir = tmp_dir();
-    char file[256];
-    snprintf(file, sizeof file, "%s.state", dir);
-    const size_t keep = mti_offload_piece_elems;
-    mti_offload_piece_elems = 4096;
-    mt_context *ctx = check_cpu_context(1);
-    mt_model *m = gpt(ctx);
-    const size_t n = mt_model_num_params(m);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    float *w[4];
-    params_too = 1;
-    for (int k = 0; k < 4; k++) {
-        w[k] = check_alloc(n * 4);
-        run_ck(k & 1 ? MT_PLACE_DISK : MT_PLACE_DEVICE, k & 2 ? MT_PLACE_DISK : MT_PLACE_DEVICE, dir,
-               file, w[k]);
-    }
-    params_too = 0;
-    mti_offload_piece_elems = keep;
-    for (int k = 1; k < 4; k++) CHECK_MSG(memcmp(w[0], w[k], n * 4) == 0, "case %d differs", k);
-    CHECK(rmdir(dir) == 0);
-}
+TEST(offload_params_training_state_files) { training_state_cases(1); }
