@@ -463,7 +463,7 @@ mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out);
  * are the device's; a trainer that offloads state (mt_trainer_config.offload)
  * holds it in page-locked host memory beside a CUDA device, or in scratch
  * files on disk, bringing a piece at a time into buffers on the device for
- * its update (docs/memory.md, "Places"). */
+ * its update (docs/memory.md, "Places and offload"). */
 typedef enum mt_place {
     MT_PLACE_DEVICE = 0, /* the context's device memory, from its allocators (on a CPU
                             context that is host memory): what budgets bound */
@@ -996,9 +996,12 @@ typedef struct mt_trainer_config {
      * H-th step (skipped ones counted) the ranks' weights become their mean
      * (the fp32 masters where there are, the compute copy rounded from
      * them); each rank keeps its own optimizer state. Every rank must use
-     * the same H. Nothing changes on one rank (docs/distributed.md). With
-     * offload MT_PLACE_DISK, fp16/bf16 masters or offload_params (what it
-     * averages being on disk) it is MT_ERR_UNSUPPORTED. */
+     * the same H. Nothing changes on one rank (docs/distributed.md). It
+     * does not combine with zero_stage > 0 (MT_ERR_INVALID_ARG, on one rank
+     * too: local SGD keeps each rank's own state, ZeRO shards one). On
+     * several ranks with offload MT_PLACE_DISK keeping what it averages on
+     * disk (fp16/bf16 masters, or offload_params) it is
+     * MT_ERR_UNSUPPORTED. */
     int local_sgd_every;
     /* ZeRO on a data-parallel run of N > 1 ranks (docs/distributed.md); on
      * one rank every stage is stage 0. 0 (default): every rank holds
@@ -1149,8 +1152,9 @@ void mt_trainer_config_init(mt_trainer_config *c);
  * On a context with a communicator of more than one rank the trainer is
  * data parallel (docs/distributed.md): creation is a collective that
  * checks the ranks' models, settings and weights agree (MT_ERR_COMM on
- * every rank, naming what differs, when not; likewise when any rank fails
- * to create), and each step trains on the union of the ranks' batches. */
+ * every rank, naming what differs, when not; when a rank fails to create,
+ * that rank gets its own status and the others MT_ERR_COMM naming it),
+ * and each step trains on the union of the ranks' batches. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
 /* What mt_trainer_autofit may choose in place of cfg's AdamW (its allow
@@ -1194,7 +1198,8 @@ typedef struct mt_autofit_report {
     double tokens_per_second;     /* max_batch x max_seq / step_seconds */
     int candidates;               /* configurations that fit, of those tried */
     int tried;
-    mt_place offload;             /* MT_PLACE_DISK when only the state on disk fits */
+    mt_place offload;             /* the chosen place of the state: cfg's own when that fits,
+                                     else MT_PLACE_DISK when only the state on disk fits */
     int offload_params;           /* 1 when only the state and the weights on disk fit */
 } mt_autofit_report;
 mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow,

@@ -110,7 +110,9 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     mt_status s = take_config(cfg, &c);
     if (s) return s;
 
-    const bool device_comm = mti_comm_is_device(c.comm);
+    /* a dry context of several ranks without a communicator (an estimate)
+       assumes the kind a run of its device takes: NCCL on CUDA */
+    const bool device_comm = c.comm ? mti_comm_is_device(c.comm) : dry;
 
     mt_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");

@@ -131,6 +131,13 @@ if [ -x "$B/memtrain" ]; then
     reshard
     resume
     ZSAVE=3 ZLOAD=3 reshard # saved at stage 3, resumed by one process and by 3 ranks at stage 3
+    # without --json rank 0 prints the report, ending with every rank's peak
+    # and its communication
+    rep=$(timeout 60 $MPIRUN -np 2 "$B/memtrain" train --model gpt --steps 1 --batch 2 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 2>/dev/null)
+    if [ "$(echo "$rep" | grep -c 'memory report')" = 1 ] && echo "$rep" | tail -n 2 | head -n 1 | grep -q '^2 ranks, peak live MiB per rank: [0-9.]* [0-9.]*$' &&
+        echo "$rep" | tail -n 1 | grep -q '^communication (rank 0): '
+    then echo "ok   mpi memtrain train: the report ends with every rank's peak and rank 0's communication"
+    else echo "FAIL mpi memtrain train: the report's end"; echo "$rep" | tail -n 5; fail=1; fi
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

@@ -5,6 +5,7 @@
  * each optimizer and precision, clipping, fp16 overflow, the fused step;
  * ranks that disagree, and a batch refused on one rank.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,6 +57,7 @@ typedef struct dp_run {
     int channels[MAXN];        /* per rank: the model's width (disagreement tests) */
     float lr[MAXN];
     int local[MAXN];           /* per rank: local_sgd_every, when > 0 */
+    const char *offload_dir[MAXN]; /* per rank: the state on disk there, when set */
     int steps;                 /* 0: STEPS */
     int row0;                  /* one process: the first row of its batches (a rank's alone) */
     int bad_batch_rank;        /* >= 0: that rank's first batch has a bad token */
@@ -80,6 +82,7 @@ static void dp_rank(int rank, void *p)
     mt_trainer_config tc = a->tc;
     if (a->lr[rank] > 0.0f) tc.lr = a->lr[rank];
     if (a->local[rank] > 0) tc.local_sgd_every = a->local[rank];
+    if (a->offload_dir[rank]) tc.offload = MT_PLACE_DISK, tc.offload_dir = a->offload_dir[rank];
     mt_status s = tcomm_context(c, &ctx);
     if (!s) s = mt_model_gpt_create(ctx, &g, &m);
     if (!s) s = mt_trainer_create(m, &tc, &t);
@@ -419,6 +422,15 @@ TEST(dp_ranks_disagree)
     mt_trainer_config_init(&c.tc);
     c.local[1] = 4;
     disagree(&c, "local_sgd_every");
+    /* one rank's state on disk, the other's resident: the offloaded step
+       makes its collectives at other times; the scratch goes with the error */
+    char dir[] = "/tmp/mt-disagree-XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    dp_run d = {0};
+    mt_trainer_config_init(&d.tc);
+    d.offload_dir[1] = dir;
+    disagree(&d, "offload and offload_params");
+    CHECK_MSG(rmdir(dir) == 0, "%s: %s (a scratch directory left behind?)", dir, strerror(errno));
 }
 
 /* bf16 round to nearest even, of a finite value */

@@ -495,6 +495,12 @@ TEST(estimate_refuses_bad_specs)
     CHECK(r.class_peak[MT_MEM_WORK] >= (4u << 20) && cpu.class_peak[MT_MEM_WORK] < (4u << 20));
     CHECK_EQ(r.class_peak[MT_MEM_PARAM], cpu.class_peak[MT_MEM_PARAM]);
     CHECK_EQ(r.peak_reserved % (2u << 20), 0); /* whole granules */
+    CHECK_EQ(r.class_peak[MT_MEM_COMM], 0); /* one rank: no buffers */
+    /* several CUDA ranks without a communicator: NCCL's record buffer */
+    cc.world_size = 3, cc.rank = 1;
+    CHECK_OK(mt_estimate_gpt(&cc, &g, &tc, &r));
+    CHECK_EQ(r.class_peak[MT_MEM_COMM], 3 * 256); /* 256 bytes per rank */
+    cc.world_size = 1, cc.rank = 0;
     /* a limit the run passes: the estimate fails as the run would */
     context_config(&cc, 0);
     for (int c = 0; c < MT_MEM_COUNT; c++) cc.allocators[c].limit_bytes = 64 << 10;

@@ -134,28 +134,28 @@ static int diverged(long step)
     return EXIT_DIVERGED;
 }
 
-/* The end of a run of every rank: each rank's peak, then rank 0 alone
- * writes the files and the report. */
+/* The end of a run of every rank: each rank's peak gathered (every rank
+ * takes part), then rank 0 alone writes the files and the report, and ends
+ * it with every rank's peak and its own communication (not with --json). */
 static int finish_ranks(const cli_opts *o, mt_context *ctx, const mt_estimate_report *est)
 {
-    if (cli_world.size > 1) {
-        uint64_t *peaks = calloc((size_t)cli_world.size, sizeof *peaks);
-        if (!peaks) return cli_lib_fail(NULL, "out of host memory");
-        int rc = cli_ranks_peaks(ctx, peaks);
-        if (!rc && !o->json) {
-            printf("%d ranks, peak live MiB per rank:", cli_world.size);
-            for (int r = 0; r < cli_world.size; r++) printf(" %.2f", (double)peaks[r] / 1048576.0);
-            printf("\n");
-            mt_comm_stats cs;
-            mt_context_comm_stats(ctx, &cs);
-            printf("communication (rank 0): %llu collectives, %.3f s, %.3f s of it exposed (%.0f%%)\n",
-                   (unsigned long long)cs.collectives, cs.seconds, cs.exposed_seconds,
-                   cs.seconds > 0.0 ? 100.0 * cs.exposed_seconds / cs.seconds : 0.0);
-        }
-        free(peaks);
-        if (rc) return rc;
+    if (cli_world.size < 2) return finish_run(o, ctx, est);
+    uint64_t *peaks = calloc((size_t)cli_world.size, sizeof *peaks);
+    if (!peaks) return cli_lib_fail(NULL, "out of host memory");
+    int rc = cli_ranks_peaks(ctx, peaks);
+    if (!rc && cli_world.rank == 0) rc = finish_run(o, ctx, est);
+    if (!rc && cli_world.rank == 0 && !o->json) {
+        printf("%d ranks, peak live MiB per rank:", cli_world.size);
+        for (int r = 0; r < cli_world.size; r++) printf(" %.2f", (double)peaks[r] / 1048576.0);
+        printf("\n");
+        mt_comm_stats cs;
+        mt_context_comm_stats(ctx, &cs);
+        printf("communication (rank 0): %llu collectives, %.3f s, %.3f s of it exposed (%.0f%%)\n",
+               (unsigned long long)cs.collectives, cs.seconds, cs.exposed_seconds,
+               cs.seconds > 0.0 ? 100.0 * cs.exposed_seconds / cs.seconds : 0.0);
     }
-    return cli_world.rank == 0 ? finish_run(o, ctx, est) : 0;
+    free(peaks);
+    return rc;
 }
 
 static int run_mlp(const cli_opts *o, mt_context *ctx)

@@ -100,7 +100,8 @@ typedef struct mt_comm_vtable {
 /* Wraps a table as a communicator of `size` ranks (1 .. 65536) in which
  * this process is `rank`. self is passed to every function and, through
  * destroy, freed by mt_comm_destroy; on failure destroy is not called.
- * MT_ERR_VERSION for another abi_version, MT_ERR_INVALID_ARG for a table
+ * MT_ERR_VERSION for another abi_version or a struct_size other than
+ * sizeof(mt_comm_vtable), MT_ERR_INVALID_ARG for a table
  * missing a function; messages in mt_last_error(NULL). */
 mt_status mt_comm_create(const mt_comm_vtable *vt, void *self, int rank, int size,
                          mt_comm **out);

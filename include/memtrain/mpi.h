@@ -24,9 +24,11 @@ extern "C" {
  *
  * timeout_seconds (> 0) bounds every collective: each runs as a
  * non-blocking MPI collective (MPI_Iallreduce, ...) on the buffers it is
- * given, polled with MPI_Test (yielding for 200 us, then sleeping up to 1 ms
- * between polls; on a thread other than MPI's main one, the library's
- * communication thread, sleeping at most 20 us), and one
+ * given, polled with MPI_Test in bursts of 50 us (a waiter the step waits
+ * on first spins for 5 ms, yielding the core on each test, then sleeps
+ * between bursts, 10 us doubling up to 1 ms; the library's communication
+ * thread while backward computes never spins and sleeps at most 200 us;
+ * docs/distributed.md), and one
  * not complete by then (a rank died or stalled) gives MT_ERR_COMM. MPI
  * cannot cancel a collective, so after a timeout the communicator is broken
  * and the request stays pending in MPI with its buffers: the library gives

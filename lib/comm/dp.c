@@ -57,13 +57,13 @@ static uint64_t model_hash(const mt_model *m)
 /* The trainer's settings, field by field (never the struct's bytes, whose
  * padding may differ), in groups that a message can name. */
 enum { W_MODEL, W_BATCH, W_OPTIM, W_SCHEDULE, W_PRECISION, W_CLIP, W_RECOMPUTE, W_FUSED,
-       W_FREEZE, W_ZERO, W_N };
+       W_FREEZE, W_ZERO, W_OFFLOAD, W_N };
 static const char *const group_names[W_N] = {
     "model (layers and shapes)", "max_batch, micro_batch, max_seq",
     "optimizer settings",        "learning rate, schedule and local_sgd_every",
     "precision and loss scaling", "grad_clip",
     "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA",
-    "zero_stage, zero3_prefetch and zero3_keep"};
+    "zero_stage, zero3_prefetch and zero3_keep", "offload and offload_params"};
 
 static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_t rec[W_N])
 {
@@ -138,6 +138,12 @@ static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_
     H(*h, c->zero_stage);
     H(*h, c->zero3_prefetch);
     H(*h, c->zero3_keep);
+    /* where the state lives decides when a step's collectives are made (the
+       offloaded fused step reduces in its hooks): the same on every rank;
+       the directory is each rank's own */
+    h = &rec[W_OFFLOAD];
+    H(*h, c->offload);
+    H(*h, c->offload_params);
 }
 
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg)
