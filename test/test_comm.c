@@ -197,6 +197,7 @@ TEST(comm_threads_timeout) { CHECK(ranks_pass(2, 0.2, stall_rank)); }
 typedef struct queue_log {
     mt_context *ctx;
     int rank, fail_at; /* the job fails (without a collective) on tensor fail_at */
+    int break_at;      /* and breaks the communicator on tensor break_at */
     int ran[16], n;
     int bad;
 } queue_log;
@@ -217,6 +218,10 @@ static mt_status queue_job(void *user, int i, float *g)
     queue_log *l = user;
     if (g[0] != (float)i) l->bad = 1;
     if (i == l->fail_at) return mti_fail(l->ctx, MT_ERR_INTERNAL, "tensor %d fails on purpose", i);
+    if (i == l->break_at) {
+        atomic_store(&l->ctx->cfg.comm->broken, 1);
+        return mti_fail(l->ctx, MT_ERR_COMM, "tensor %d breaks the communicator on purpose", i);
+    }
     return queue_sum(l, 10 + i);
 }
 
@@ -231,7 +236,7 @@ static void queue_rank(int rank, void *p)
     if (!ctx) return;
     const size_t numel[4] = {1, 1, 1, 1};
     float g[4] = {0, 1, 2, 3};
-    queue_log l = {.ctx = ctx, .rank = rank, .fail_at = -1};
+    queue_log l = {.ctx = ctx, .rank = rank, .fail_at = -1, .break_at = -1};
     mti_overlap *ov = NULL;
     RANK_EXPECT(!mti_overlap_new(ctx, 4, numel, queue_job, &l, false, &ov));
     if (!ov) return;
@@ -254,24 +259,45 @@ static void queue_rank(int rank, void *p)
     const int want[5] = {101, 13, 12, 11, 10};
     RANK_EXPECT(l.n == 5 && !memcmp(l.ran, want, sizeof want));
     RANK_EXPECT(!mti_overlap_done(ov, t1));
-    /* a failure: what was queued after it is dropped (its collectives never
-       made), and so is the stepping thread's next collective, until reset */
+    /* a failure of this rank alone (the communicator whole) is held: what
+       was queued after it still runs, the waits report nothing, the
+       stepping thread's collectives go on, and the status exchange takes
+       it (mti_overlaps_take), once */
     l.n = 0;
     l.fail_at = 2;
     mti_overlap_begin(ov);
     uint64_t t2 = 0;
     for (int i = 3; i >= 0; i--) RANK_EXPECT(!mti_overlap_push(ov, i, "t", &g[i]));
     RANK_EXPECT(!mti_overlap_call(ov, queue_call, &l, 2, &t2));
+    RANK_EXPECT(!mti_overlap_done(ov, t2));
+    RANK_EXPECT(!mti_overlap_wait(ov));
+    v = 1.0f;
+    RANK_EXPECT(!mti_comm_all_reduce(ctx, "the checks", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM) && v == 2.0f);
+    const int held[4] = {13, 11, 10, 102};
+    RANK_EXPECT(l.n == 4 && !memcmp(l.ran, held, sizeof held));
+    RANK_EXPECT(mti_overlaps_take(ctx) == MT_ERR_INTERNAL);
+    RANK_EXPECT(strstr(mt_last_error(ctx), "on the communication thread: tensor 2 fails on purpose"));
+    RANK_EXPECT(!mti_overlaps_take(ctx));
+    /* a failure that breaks the communicator: what was queued after it is
+       dropped (its collectives never made), and so is the stepping
+       thread's next collective, until reset (then they fail at once) */
+    l.n = 0;
+    l.fail_at = -1;
+    l.break_at = 2;
+    mti_overlap_begin(ov);
+    for (int i = 3; i >= 0; i--) RANK_EXPECT(!mti_overlap_push(ov, i, "t", &g[i]));
+    RANK_EXPECT(!mti_overlap_call(ov, queue_call, &l, 2, &t2));
     RANK_EXPECT(mti_overlap_done(ov, t2) == MT_ERR_COMM);
-    RANK_EXPECT(strstr(mt_last_error(ctx), "tensor 2 fails on purpose") != NULL);
-    RANK_EXPECT(mti_overlap_wait(ov) == MT_ERR_INTERNAL);
+    RANK_EXPECT(strstr(mt_last_error(ctx), "tensor 2 breaks the communicator on purpose") != NULL);
+    RANK_EXPECT(mti_overlap_wait(ov) == MT_ERR_COMM);
     RANK_EXPECT(mti_comm_all_reduce(ctx, "the checks", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM) ==
-                MT_ERR_INTERNAL);
+                MT_ERR_COMM);
     RANK_EXPECT(strstr(mt_last_error(ctx), "the checks: an earlier collective") != NULL);
     RANK_EXPECT(l.n == 1 && l.ran[0] == 13);
+    RANK_EXPECT(!mti_overlaps_take(ctx)); /* (nothing held) */
     RANK_EXPECT(!mti_overlap_quiet(ov, true, NULL));
-    v = 1.0f;
-    RANK_EXPECT(!mti_comm_all_reduce(ctx, "after", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM) && v == 2.0f);
+    RANK_EXPECT(mti_comm_all_reduce(ctx, "after", &v, &v, 1, MT_COMM_F32, MT_COMM_SUM) == MT_ERR_COMM);
+    RANK_EXPECT(strstr(mt_last_error(ctx), "broken") != NULL);
     RANK_EXPECT(!l.bad);
     mti_overlap_free(ov);
     RANK_EXPECT(ctx->comm_queue == NULL);
@@ -281,7 +307,8 @@ static void queue_rank(int rank, void *p)
 
 /* Gradients given out of the fixed order and calls queued in between run
  * in one order on every rank; the stepping thread's collectives wait for
- * the queue; a failure drops what follows it until reset. */
+ * the queue; a failure of the rank alone is held for the status exchange,
+ * one that breaks the communicator drops what follows it until reset. */
 TEST(comm_queue_one_order) { CHECK(ranks_pass(2, 10.0, queue_rank)); }
 
 typedef struct ctx_arg {

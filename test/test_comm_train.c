@@ -7,12 +7,14 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "check.h"
+#include "comm/overlap.h"
 #include "kernels.h"
 #include "test_comm.h"
 
@@ -977,3 +979,154 @@ TEST(zero_with_frozen_parameters)
     free_run(&d0);
     free_run(&d2);
 }
+
+/* ---- a failure of one rank alone on the communication thread ---- */
+
+/* It reaches the other ranks as a named failure at the step's status
+ * exchange, at once (overlap.c): the communicator stays whole, nothing was
+ * updated, and the next step runs as if the failed one had never been. */
+
+/* The injection: the thread of rank fault_rank fails the fault_left-th
+ * entry of its queue it runs from when that is set (0: none); entries[r]
+ * counts what rank r's thread ran. */
+static _Atomic int fault_rank = -1;
+static _Atomic long fault_left;
+static _Atomic long entries[2];
+
+static mt_status inject(const mt_context *ctx, uint64_t entry)
+{
+    (void)entry;
+    const int r = ctx->rank;
+    atomic_fetch_add(&entries[r], 1);
+    if (r != atomic_load(&fault_rank)) return MT_OK;
+    return atomic_load(&fault_left) > 0 && atomic_fetch_sub(&fault_left, 1) == 1 ? MT_ERR_OOM
+                                                                                 : MT_OK;
+}
+
+typedef struct fault_run {
+    mt_trainer_config tc;
+    tcomm_world *world;
+    int skip;                  /* the step left out (-1: none), the failing one's place */
+    double at;                 /* where in step 1 rank 1's thread fails: a fraction of its entries
+                                  (< 0: nowhere) */
+    mt_status st[2][STEPS];
+    char msg[2][STEPS][512];
+    int broken[2];
+    float *w[2];
+    size_t nw;
+    _Atomic int bad;
+} fault_run;
+
+static void fault_rank_run(int rank, void *p)
+{
+    fault_run *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 2, MT_COMM_CAP_THREADS);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_gpt_spec g;
+    gpt_spec(&g, 16);
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    if (s) {
+        a->bad = 1;
+        fprintf(stderr, "    rank %d: %s\n", rank, mt_last_error(ctx));
+    }
+    long per_step = 0;
+    for (int step = 0; step < STEPS && !s; step++) {
+        if (step == a->skip) continue;
+        int32_t tok[4 * T], tgt[4 * T];
+        make_rows(step, 2 * rank, 2, tok, tgt);
+        mt_batch b = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = T};
+        const long before = atomic_load(&entries[rank]);
+        if (step == 1 && rank == 1 && a->at >= 0.0) { /* (the queue is empty between steps) */
+            long k = (long)(a->at * (double)per_step) + 1;
+            atomic_store(&fault_left, k > per_step ? per_step : k);
+        }
+        float loss;
+        a->st[rank][step] = mt_trainer_step(t, &b, &loss);
+        snprintf(a->msg[rank][step], sizeof a->msg[rank][step], "%s", mt_last_error(ctx));
+        if (step == 0) per_step = atomic_load(&entries[rank]) - before;
+        if (step == 0 && per_step < 1) a->bad = 1; /* (the thread must carry the step) */
+    }
+    a->broken[rank] = mt_comm_broken(c);
+    mt_trainer_destroy(t); /* (stage 3: the weights back in the model) */
+    t = NULL;
+    a->nw = m ? mt_model_num_params(m) : 0;
+    a->w[rank] = calloc(a->nw + 1, sizeof(float));
+    if (m && mt_model_get_params(m, a->w[rank], a->nw)) a->bad = 1;
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void fault_go(fault_run *a)
+{
+    atomic_store(&entries[0], 0);
+    atomic_store(&entries[1], 0);
+    atomic_store(&fault_left, 0);
+    a->world = tcomm_world_new(2, 60.0); /* (a timeout would break the communicator) */
+    mti_overlap_fault = inject;
+    atomic_store(&fault_rank, 1);
+    tcomm_run(2, fault_rank_run, a);
+    mti_overlap_fault = NULL;
+    atomic_store(&fault_rank, -1);
+    tcomm_world_free(a->world);
+}
+
+static void fault_case(int zero, const dp_case *k)
+{
+    const char *name = k->name;
+    mt_trainer_config tc;
+    case_config(k, &tc);
+    tc.max_batch = 2;
+    tc.micro_batch = k->fused ? 2 : 1; /* (unfused: two micro-batches, the failure held across them) */
+    tc.zero_stage = zero;
+    const bool fused = k->fused;
+    /* the run without the failing step: what the others must equal */
+    fault_run ref = {.tc = tc, .skip = 1, .at = -1.0};
+    fault_go(&ref);
+    CHECK_MSG(!ref.bad && !ref.st[0][0] && !ref.st[1][2], "%s, stage %d: %s", name, zero, ref.msg[0][0]);
+    static const double where[] = {0.0, 0.5, 1.0}; /* the first entry, one midway, the last */
+    for (size_t j = 0; j < sizeof where / sizeof where[0]; j++) {
+        fault_run a = {.tc = tc, .skip = -1, .at = where[j]};
+        fault_go(&a);
+        CHECK_MSG(!a.bad, "%s, stage %d, at %.1f: a rank's run went wrong", name, zero, where[j]);
+        CHECK_MSG(a.st[1][1] == MT_ERR_OOM && strstr(a.msg[1][1], "injected"),
+                  "%s, stage %d, at %.1f, rank 1: %s: %s", name, zero, where[j], mt_status_string(a.st[1][1]),
+                  a.msg[1][1]);
+        /* the other rank hears of it at the exchange, by name, not by its
+           deadline (which would have broken the communicator) */
+        CHECK_MSG(a.st[0][1] == MT_ERR_COMM && strstr(a.msg[0][1], "rank 1 failed (out of memory)"),
+                  "%s, stage %d, at %.1f, rank 0: %s: %s", name, zero, where[j], mt_status_string(a.st[0][1]),
+                  a.msg[0][1]);
+        for (int r = 0; r < 2; r++) {
+            CHECK_MSG(!a.broken[r], "%s, stage %d, at %.1f: rank %d's communicator broke", name, zero, where[j], r);
+            CHECK_MSG(!a.st[r][0] && !a.st[r][2], "%s, stage %d, at %.1f, rank %d: %s / %s", name, zero, where[j],
+                      r, a.msg[r][0], a.msg[r][2]);
+            /* nothing moved in the failed step (the fused step updates as
+               backward goes, before the exchange: only the statuses there) */
+            if (!fused && a.w[r] && ref.w[r])
+                CHECK_MSG(!memcmp(a.w[r], ref.w[r], a.nw * sizeof(float)),
+                          "%s, stage %d, at %.1f, rank %d: the weights differ from the run "
+                          "without the failed step",
+                          name, zero, where[j], r);
+        }
+        free(a.w[0]), free(a.w[1]);
+    }
+    free(ref.w[0]), free(ref.w[1]);
+}
+
+TEST(dp_thread_failure_on_one_rank)
+{
+    for (int zero = 0; zero <= 2; zero++) {
+        fault_case(zero, &cases[1]); /* adamw, clipping */
+        fault_case(zero, &cases[7]); /* adamw, fused */
+    }
+}
+
+/* Stage 3: the gathers ahead of the layers and backward's reduce-scatters
+ * on the thread; the last entry is a reduce-scatter still pending when
+ * backward ends and the schedule is dropped. */
+TEST(zero3_thread_failure_on_one_rank) { fault_case(3, &cases[1]); }

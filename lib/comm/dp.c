@@ -25,6 +25,7 @@
 
 #include "comm/dp.h"
 #include "comm/local_sgd.h"
+#include "comm/overlap.h"
 #include "trainer.h"
 
 bool mti_dp_on(const mt_trainer *t) { return mt_comm_size(t->ctx->cfg.comm) > 1; }
@@ -194,20 +195,28 @@ mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_
 /* One all-gather of (status, value) per rank. Returns own_s when this rank
  * failed (its message stands), MT_ERR_COMM naming the first rank that
  * failed when another did, else MT_OK with *sum the values added in rank
- * order. */
+ * order. A failure the communication thread held (overlap.c) is this
+ * rank's, sent here so that every rank stops at once. */
 static mt_status exchange(mt_trainer *t, const char *fn, const char *what, mt_status own_s,
                           double value, double *sum)
 {
     mt_context *ctx = t->ctx;
     mt_comm *c = ctx->cfg.comm;
     const int n = mt_comm_size(c);
+    char own_msg[MTI_ERR_LEN];
+    snprintf(own_msg, sizeof own_msg, "%s", own_s ? mt_last_error(ctx) : "");
+    const mt_status held = mti_overlaps_take(ctx);
+    if (held && !own_s) {
+        own_s = held;
+        snprintf(own_msg, sizeof own_msg, "%s", mt_last_error(ctx));
+    }
     unsigned char rec[16];
     mti_put_u64(rec, (uint64_t)own_s);
     memcpy(rec + 8, &value, 8);
     unsigned char *all = malloc((size_t)n * sizeof rec);
-    if (!all) return own_s ? own_s : mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
-    char own_msg[MTI_ERR_LEN];
-    snprintf(own_msg, sizeof own_msg, "%s", own_s ? mt_last_error(ctx) : "");
+    if (!all)
+        return own_s ? mti_fail(ctx, own_s, "%s", own_msg)
+                     : mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     char why[128];
     snprintf(why, sizeof why, "%s: exchanging %s", fn, what);
     mt_status s = mti_comm_host_gather(ctx, why, rec, all, sizeof rec);

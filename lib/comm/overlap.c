@@ -29,11 +29,19 @@
  * memtrain/comm.h asks; the table must take calls from any thread
  * (MT_COMM_CAP_THREADS; MPI at MPI_THREAD_SERIALIZED or more).
  *
- * After something queued fails, what is queued after it is dropped (its
- * collectives not made) until a new round begins or the failure is
- * forgotten (mti_overlap_quiet with reset): a broken communicator fails
- * every later collective anyway, and a rank whose order went wrong must
- * not make the collectives the others wait for in another order.
+ * After something queued fails and the communicator is broken, what is
+ * queued after it is dropped (its collectives not made) until a new round
+ * begins or the failure is forgotten (mti_overlap_quiet with reset): a
+ * broken communicator fails every later collective anyway. A failure of
+ * this rank alone, the communicator whole (a copy or an update on the
+ * thread that failed, after its collective), is held instead: what is
+ * queued after it still runs, the waits report nothing, and the stepping
+ * thread goes on as if nothing had failed, so this rank makes every
+ * collective the others make, in their order, up to the step's status
+ * exchange (dp.c), which takes the failure (mti_overlaps_take) and fails
+ * the step on every rank at once, naming this rank. Stopping this rank at
+ * the failure instead would leave the others in a collective it never
+ * makes until their deadline.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -87,11 +95,15 @@ struct mti_overlap {
     entry *ring;
     size_t cap;
     uint64_t queued, finished;
-    mt_status failed;  /* the first failure, the entry's number, its message */
+    mt_status failed;  /* the first failure that broke the communicator, its entry, its message */
     uint64_t failed_at;
     char msg[MTI_ERR_LEN];
+    mt_status held;    /* the first failure of this rank alone (the communicator whole) */
+    char held_msg[MTI_ERR_LEN];
     struct mti_overlap *next_on_ctx; /* the context's other queues (other trainers') */
 };
+
+mt_status (*mti_overlap_fault)(const mt_context *ctx, uint64_t entry);
 
 bool mti_overlap_possible(const mt_context *ctx)
 {
@@ -137,12 +149,20 @@ static void *thread_main(void *p)
             for (int i = e.hi; i >= e.lo; i--) ov->bucket[k++] = ov->slot[i];
         const bool drop = ov->failed != MT_OK;
         pthread_mutex_unlock(&ov->mu);
-        const mt_status s = drop ? MT_OK : e.fn ? e.fn(e.user, e.hi) : run_bucket(ov, ov->bucket, k);
+        mt_status s = drop ? MT_OK : e.fn ? e.fn(e.user, e.hi) : run_bucket(ov, ov->bucket, k);
+        if (!s && !drop && mti_overlap_fault && (s = mti_overlap_fault(ov->ctx, ov->finished + 1)))
+            s = mti_fail(ov->ctx, s, "a failure injected after collective %llu of the queue",
+                         (unsigned long long)(ov->finished + 1));
+        const bool broken = s && mt_comm_broken(ov->ctx->cfg.comm);
         pthread_mutex_lock(&ov->mu);
-        if (s && !ov->failed) {
+        if (broken && !ov->failed) {
             ov->failed = s;
             ov->failed_at = ov->finished + 1;
             snprintf(ov->msg, sizeof ov->msg, "%s", mt_last_error(ov->ctx));
+        } else if (s && !broken && !ov->held) { /* this rank's alone: held for the exchange */
+            ov->held = s;
+            snprintf(ov->held_msg, sizeof ov->held_msg, "on the communication thread: %.900s",
+                     mt_last_error(ov->ctx));
         }
         ov->finished++;
         pthread_cond_broadcast(&ov->done);
@@ -187,6 +207,24 @@ mt_status mti_overlaps_quiet(mt_context *ctx, const char *what)
         if (s) return s;
     }
     return MT_OK;
+}
+
+mt_status mti_overlaps_take(mt_context *ctx)
+{
+    mt_status s = MT_OK;
+    char msg[MTI_ERR_LEN] = "";
+    for (mti_overlap *q = ctx->comm_queue; q; q = q->next_on_ctx) {
+        pthread_mutex_lock(&q->mu);
+        wait_for(q, q->queued);
+        if (q->held && !s) {
+            s = q->held;
+            snprintf(msg, sizeof msg, "%s", q->held_msg);
+        }
+        q->held = MT_OK;
+        q->held_msg[0] = 0;
+        pthread_mutex_unlock(&q->mu);
+    }
+    return s ? mti_fail(ctx, s, "%s", msg) : MT_OK;
 }
 
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job work,

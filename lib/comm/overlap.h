@@ -47,6 +47,19 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
  * one) is empty: what a collective of the stepping thread does first. The
  * first failure found is returned. */
 mt_status mti_overlaps_quiet(mt_context *ctx, const char *what);
+/* Waits until every queue of the context is empty and takes the first
+ * failure of this rank alone that one of them held (MT_OK if none; its
+ * message on ctx), forgetting it: what the step's status exchange sends
+ * the other ranks (dp.c). A failure on the thread whose communicator
+ * stays whole (anything but a failed collective) is held, not reported
+ * by the waits below: what was queued after it still runs, so this rank
+ * makes the collectives the others make until the exchange. */
+mt_status mti_overlaps_take(mt_context *ctx);
+/* Test hook: called by the thread after each entry of a queue that ran
+ * (entries numbered from 1 since the queue was made); a status other than
+ * MT_OK fails that entry after its collectives, as a failure of this rank
+ * alone would. NULL (the default) in the library. */
+extern mt_status (*mti_overlap_fault)(const mt_context *ctx, uint64_t entry);
 /* Waits for the queue, ends the thread. NULL is accepted. */
 void mti_overlap_free(mti_overlap *ov);
 /* A round of gradients (a step) begins, once the queue is empty: the
@@ -65,9 +78,10 @@ mt_status mti_overlap_push(mti_overlap *ov, int i, const char *name, float *g);
 bool mti_overlap_pushed(const mti_overlap *ov, int i);
 /* Waits until the round's collectives and every call queued before this
  * are done (every tensor must have been given, unless fifo: those given):
- * MT_OK, or the first failure (its message on ctx), after which the later
- * ones were dropped. The wait counts as exposed communication time
- * (mt_context_comm_stats). */
+ * MT_OK, or the first failure that broke the communicator (its message on
+ * ctx), after which the later ones were dropped (one of this rank alone is
+ * held for mti_overlaps_take). The wait counts as exposed communication
+ * time (mt_context_comm_stats). */
 mt_status mti_overlap_wait(mti_overlap *ov);
 /* fifo: waits until the first k tensors given this round are done (as
  * exposed time): MT_OK, or the failure of one of them or of something
@@ -79,18 +93,19 @@ mt_status mti_overlap_wait_first(mti_overlap *ov, int k);
  * the same order. */
 typedef mt_status (*mti_overlap_fn)(void *user, int i);
 /* Queues fn(user, i); *ticket names it for mti_overlap_done. Never waits
- * for a collective. After anything queued fails, the later ones are
- * dropped. */
+ * for a collective. After anything queued fails and breaks the
+ * communicator, the later ones are dropped. */
 mt_status mti_overlap_call(mti_overlap *ov, mti_overlap_fn fn, void *user, int i, uint64_t *ticket);
 /* Waits until call `ticket` is done: MT_OK, its failure (its message on
  * ctx), or MT_ERR_COMM when something queued earlier failed (and this one
- * was dropped). The wait counts as exposed communication time. */
+ * was dropped), each only a failure that broke the communicator. The wait
+ * counts as exposed communication time. */
 mt_status mti_overlap_done(mti_overlap *ov, uint64_t ticket);
 /* Waits until the queue is empty (exposed time): MT_OK, or the status of
- * something queued that failed (with `what`, the message "WHAT: an
- * earlier collective on the communication thread failed: ..." on ctx).
- * With reset, a failure is forgotten (MT_OK; what is queued next runs
- * again). */
+ * something queued that failed and broke the communicator (with `what`,
+ * the message "WHAT: an earlier collective on the communication thread
+ * failed: ..." on ctx). With reset, that failure is forgotten (MT_OK;
+ * what is queued next runs again); one held for mti_overlaps_take stays. */
 mt_status mti_overlap_quiet(mti_overlap *ov, bool reset, const char *what);
 
 #endif /* MT_COMM_OVERLAP_H */

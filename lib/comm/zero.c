@@ -127,6 +127,30 @@ static size_t pieces(const mt_trainer *t, int i, size_t at, size_t n, size_t *fr
     return most;
 }
 
+/* Piece r of elements [at, at + n) of parameter i, as pieces() cuts it:
+ * its first element in *from, its length returned (nothing allocated, for
+ * the communication thread). */
+static size_t piece(const mt_trainer *t, int i, size_t at, size_t n, int r, size_t *from)
+{
+    size_t lo, hi;
+    mti_zero_range(t, i, r, &lo, &hi);
+    if (lo < at) lo = at;
+    if (hi > at + n) hi = at + n;
+    *from = lo;
+    return hi > lo ? hi - lo : 0;
+}
+
+/* The longest piece of elements [at, at + n) of parameter i. */
+static size_t longest(const mt_trainer *t, int i, size_t at, size_t n)
+{
+    size_t most = 0, from;
+    for (int r = 0; r < t->world; r++) {
+        const size_t l = piece(t, i, at, n, r, &from);
+        if (l > most) most = l;
+    }
+    return most;
+}
+
 /* ---- gradients to their owners ---- */
 
 /* Elements per rank of the bucket reducing [at, at + n) of parameter i,
@@ -141,10 +165,7 @@ static size_t bucket_k(const mt_trainer *t, size_t most)
 size_t mti_zero_reduce_bytes(const mt_trainer *t, int i, size_t at, size_t n)
 {
     if (t->sh[i].owner >= 0 || mti_comm_stage(t->ctx)) return 0; /* (none: in place, or the staging) */
-    size_t *from = malloc(2 * (size_t)t->world * sizeof *from);
-    if (!from) return BUCKET_BYTES; /* (the reduce then fails for want of host memory) */
-    const size_t most = pieces(t, i, at, n, from, from + t->world);
-    free(from);
+    const size_t most = longest(t, i, at, n);
     return most ? (size_t)t->world * bucket_k(t, most) * 4 : 0;
 }
 
@@ -172,10 +193,9 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
         if (acc) return ctx->ops->accumulate(&k, dst, g, n, MTI_F32);
         return dst == g ? MT_OK : d->copy_d2d(d, dst, g, n * 4);
     }
-    size_t *from = malloc(2 * (size_t)N * sizeof *from);
-    if (!from) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    size_t *len = from + N;
-    const size_t most = pieces(t, i, at, n, from, len);
+    /* (each piece found again where it is needed: nothing allocated on the
+       host, so a rank never fails here alone and skips the collective) */
+    const size_t most = longest(t, i, at, n);
     const size_t K = bucket_k(t, most);
     /* a CPU context packs the pieces straight into its staging buffer,
        which the collective works on anyway (once the communication
@@ -189,9 +209,11 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
     for (size_t o = 0; o < most && !s; o += K) {
         float *b = stage ? stage : bucket ? bucket : bk.blk.ptr;
         for (int r = 0; r < N && !s; r++) {
-            size_t l = len[r] > o ? len[r] - o : 0;
+            size_t from;
+            const size_t len = piece(t, i, at, n, r, &from);
+            size_t l = len > o ? len - o : 0;
             if (l > K) l = K;
-            if (l && g) s = d->copy_d2d(d, b + (size_t)r * K, g + (from[r] - at) + o, l * 4);
+            if (l && g) s = d->copy_d2d(d, b + (size_t)r * K, g + (from - at) + o, l * 4);
             const size_t z = g ? l : 0; /* no gradient: zeros */
             if (!s && z < K) s = d->memset8(d, b + (size_t)r * K + z, 0, (K - z) * 4);
         }
@@ -199,7 +221,9 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
             s = stage ? mti_comm_reduce_scatter_stage(ctx, what, K)
                       : mti_comm_reduce_scatter(ctx, what, b, b + (size_t)me * K, K, MT_COMM_F32,
                                                 MT_COMM_SUM);
-        size_t l = len[me] > o ? len[me] - o : 0;
+        size_t from;
+        const size_t len = piece(t, i, at, n, me, &from);
+        size_t l = len > o ? len - o : 0;
         if (l > K) l = K;
         if (!s && l && dst) {
             if (acc) s = ctx->ops->accumulate(&k, dst + o, b + (size_t)me * K, l, MTI_F32);
@@ -207,7 +231,6 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
         }
     }
     if (made) mti_tensor_free(ctx, &bk);
-    free(from);
     return s;
 }
 

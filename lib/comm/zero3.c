@@ -432,8 +432,13 @@ static void give(mt_trainer *t, int p)
 }
 
 /* The engine's schedule is over or replaced: what was brought in ahead
- * goes, and a failure on the thread is forgotten (it was reported, or
- * belonged to a gather nobody used; a broken communicator fails again). */
+ * goes, and a failure on the thread that broke the communicator is
+ * forgotten (it was reported, or belonged to a gather nobody used; the
+ * broken communicator fails the next collective, at the latest the step's
+ * status exchange). Nothing is lost with it: a reduce-scatter still
+ * pending here (backward failed or its schedule was replaced) that failed
+ * on this rank alone is held by the queue, not by its retire, and the
+ * step's status exchange reports it on every rank (overlap.c). */
 static void drop_all(mt_trainer *t)
 {
     (void)mti_zero3_settle(t, MT_ERR_STATE); /* (a pass that failed part way) */
