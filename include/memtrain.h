@@ -1174,19 +1174,26 @@ void mt_trainer_destroy(mt_trainer *t);
  * for each micro-batch size (accumulating over the rest), and when cfg's
  * optimizer is AdamW for each optimizer state allow permits instead of its
  * 32-bit state (and, when none of
- * those fits and cfg->offload_dir names a directory on a CPU context of
- * one rank, each of them again with the state on disk, cfg->offload =
- * MT_PLACE_DISK; when none fits even so and the model has no LoRA
- * adapters, each again with the weights on disk too, cfg->offload_params
- * = 1; saying so in the log), it finds the
+ * those fits, each of them again with the optimizer state in pinned host
+ * memory, cfg->offload = MT_PLACE_HOST; when none fits so and
+ * cfg->offload_dir names a directory, with the state on disk,
+ * cfg->offload = MT_PLACE_DISK; then with the weights on disk too,
+ * cfg->offload_params = 1; each where the trainer takes it for this
+ * context, world size and configuration (docs/memory.md), saying so in the
+ * log), it finds the
  * cheapest recompute plan that fits (as MT_RECOMPUTE_BUDGET does) and
  * estimates the step time with a cost model (GEMM FLOPs, recompute,
  * micro-batch efficiency, the optimizer update's memory traffic;
  * docs/memory.md); the fastest wins. A configuration whose run would pass
  * an allocator instance's limit_bytes does not fit. cfg gets micro_batch, optimizer (with
  * allow), recompute = MT_RECOMPUTE_BUDGET, offload and offload_params. With the fused step only
- * whole batches are tried (it cannot accumulate). MT_ERR_BUDGET, with the
- * least need, when nothing fits; cfg is then unchanged; MT_ERR_INVALID_ARG
+ * whole batches are tried (it cannot accumulate). On a context of several
+ * ranks (a communicator, or a dry context's world_size) at ZeRO stages 1
+ * to 3, whose ranks need different bytes, every rank is estimated (without
+ * a communicator) and the configuration chosen by the rank that needs the
+ * most: each rank calling it gets the same answer, which fits every rank.
+ * MT_ERR_BUDGET, with the least need (and the last offload refused, if
+ * one was), when nothing fits; cfg is then unchanged; MT_ERR_INVALID_ARG
  * for other bits in allow. */
 typedef struct mt_autofit_report {
     int micro_batch;              /* rows per forward/backward pass */
@@ -1199,7 +1206,8 @@ typedef struct mt_autofit_report {
     int candidates;               /* configurations that fit, of those tried */
     int tried;
     mt_place offload;             /* the chosen place of the state: cfg's own when that fits,
-                                     else MT_PLACE_DISK when only the state on disk fits */
+                                     else MT_PLACE_HOST or MT_PLACE_DISK when only the state
+                                     there fits */
     int offload_params;           /* 1 when only the state and the weights on disk fit */
 } mt_autofit_report;
 mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allow,

@@ -140,9 +140,11 @@ static void place_figures(mt_context *ctx, mt_estimate_report *out)
     }
 }
 
-/* Makes the model and the trainer in a dry context and runs two steps. */
+/* Makes the model and the trainer in a dry context and runs two steps,
+ * planning the communication thread where report_to has one; rank >= 0:
+ * for that rank of report_to's world. */
 static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void *spec,
-                         const mt_trainer_config *tc, mt_context *report_to,
+                         const mt_trainer_config *tc, mt_context *report_to, int rank,
                          mt_estimate_report *out)
 {
     if (!spec || !out)
@@ -162,6 +164,10 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     if (s) {
         return mti_fail(report_to, s, "estimate: %s", mti_last_msg(NULL).s);
     }
+    if (report_to) /* (a dry one too: an estimate within an estimate plans the same) */
+        ctx->comm_threads = report_to->comm_threads;
+    if (rank >= 0 && report_to) /* (nothing the context made depends on its rank) */
+        ctx->rank = ctx->cfg.rank = rank;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     mt_memory_stats st;
@@ -220,19 +226,19 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
 mt_status mt_estimate(const mt_context_config *cc, const mt_model_spec *spec,
                       const mt_trainer_config *tc, mt_estimate_report *out)
 {
-    return dry_run(cc, SPEC_SEQ, spec, tc, NULL, out);
+    return dry_run(cc, SPEC_SEQ, spec, tc, NULL, -1, out);
 }
 
 mt_status mt_estimate_mlp(const mt_context_config *cc, const mt_mlp_spec *spec,
                           const mt_trainer_config *tc, mt_estimate_report *out)
 {
-    return dry_run(cc, SPEC_MLP, spec, tc, NULL, out);
+    return dry_run(cc, SPEC_MLP, spec, tc, NULL, -1, out);
 }
 
 mt_status mt_estimate_gpt(const mt_context_config *cc, const mt_gpt_spec *spec,
                           const mt_trainer_config *tc, mt_estimate_report *out)
 {
-    return dry_run(cc, SPEC_GPT, spec, tc, NULL, out);
+    return dry_run(cc, SPEC_GPT, spec, tc, NULL, -1, out);
 }
 
 mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
@@ -245,6 +251,12 @@ mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
 
 mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
                              mt_estimate_report *out)
+{
+    return mti_estimate_model_rank(m, tc, -1, out);
+}
+
+mt_status mti_estimate_model_rank(const mt_model *m, const mt_trainer_config *tc, int rank,
+                                  mt_estimate_report *out)
 {
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_estimate_model: m is NULL");
     mt_trainer_config with_lora;
@@ -263,7 +275,7 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
     mt_model_spec seq;
     mt_layer_spec *ls = NULL;
     mt_status s = spec_of(m, &kind, &spec, &seq, &ls);
-    if (!s) s = dry_run(&cc, kind, spec, tc, m->ctx, out);
+    if (!s) s = dry_run(&cc, kind, spec, tc, m->ctx, rank, out);
     free(ls);
     return s;
 }

@@ -99,7 +99,12 @@ static void family(const mt_model *m, int r, int q, unsigned char *units)
         units[u] = u < r ? MT_UNIT_RECOMPUTE : u < r + q ? MT_UNIT_SELECTIVE : MT_UNIT_KEEP;
 }
 
-/* The estimate of training m with c and this plan (no budget). */
+/* The estimate of training m with c and this plan (no budget): of the
+ * rank that needs the most. At ZeRO stages 1 to 3 a rank's bytes depend on
+ * its slices (the last ranks' are short, whole tensors have one owner), so
+ * each rank is estimated, without a communicator, and every rank plans for
+ * the worst: the plans (and auto-fit's choices) are the same on every
+ * rank, as the collectives need, and fit on each. */
 static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
                                const unsigned char *units, int seg_len, mt_estimate_report *r)
 {
@@ -108,7 +113,15 @@ static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
     d.recompute_units = units;
     d.recompute_every = seg_len;
     d.memory_budget = 0;
-    return mti_estimate_model(m, &d, r);
+    const int world = m->ctx->world;
+    if (world < 2 || !c->zero_stage) return mti_estimate_model(m, &d, r);
+    mt_status s = MT_OK;
+    for (int q = 0; q < world && !s; q++) {
+        mt_estimate_report e;
+        s = mti_estimate_model_rank(m, &d, q, &e);
+        if (!s && (!q || e.peak_reserved > r->peak_reserved)) *r = e;
+    }
+    return s;
 }
 
 void mti_plan_describe(const mt_model *m, const unsigned char *units, int seg_len, char *buf,
@@ -356,21 +369,27 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     mt_optimizer_kind opts[3];
     const int n_opts = fit_optimizers(m, cfg, allow, opts);
     /* The tiers tried in turn, each only when nothing fitted before it:
-       cfg's own places; then, where a directory is named on a CPU context of
-       one rank, the state on disk; then the weights on disk too (not with
-       LoRA, whose adapters are small: the state alone is offloaded then) */
-    const bool may_offload = cfg->offload_dir && *cfg->offload_dir &&
-                             m->ctx->dev->kind == MT_DEVICE_CPU && m->ctx->world == 1;
+       cfg's own places; then the optimizer state (and masters) in pinned
+       host memory; then, where a directory is named, the state on disk;
+       then the weights on disk too. Whether a tier runs for this model,
+       context (device, world size) and configuration is the trainer's to
+       say (mti_offload_check, read through the estimate's create): a
+       candidate it refuses is skipped, and the last tier's refusal said
+       when nothing fits. */
+    const bool dir = cfg->offload_dir && *cfg->offload_dir;
     struct fit_tier {
         mt_place place;
         int params;
-    } tier[3] = {{cfg->offload, cfg->offload_params}};
+    } tier[4] = {{cfg->offload, cfg->offload_params}};
     int n_tiers = 1;
-    if (may_offload && cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params)
+    if (cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params)
+        tier[n_tiers++] = (struct fit_tier){MT_PLACE_HOST, 0};
+    if (dir && cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params)
         tier[n_tiers++] = (struct fit_tier){MT_PLACE_DISK, 0};
-    if (may_offload && (cfg->offload == MT_PLACE_DEVICE || cfg->offload == MT_PLACE_DISK) &&
-        !cfg->offload_params && !cfg->lora.rank && !m->lora_rank)
+    if (dir && (cfg->offload == MT_PLACE_DEVICE || cfg->offload == MT_PLACE_DISK) &&
+        !cfg->offload_params)
         tier[n_tiers++] = (struct fit_tier){MT_PLACE_DISK, 1};
+    char refused[320] = "";
     mt_trainer_config best = *cfg;
     double best_t = 0;
     uint64_t least = UINT64_MAX;
@@ -393,14 +412,23 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
             search q;
             out->tried++;
             s = search_family(m, &c, c.memory_budget, &q);
+            if (off && s == MT_ERR_UNSUPPORTED) { /* a tier this run does not take */
+                snprintf(refused, sizeof refused, "%s", mt_last_error(m->ctx)); /* (the last tier's) */
+                search_free(&q);
+                s = MT_OK;
+                continue;
+            }
             if (!s && q.found) {
                 out->candidates++;
-                /* offloaded: the state (and weights) read and written once a
-                   step, the weights read once more (forward and backward), at
-                   a nominal 1.5 GB/s (this machine's disk, docs/benchmarks.md) */
+                /* offloaded to disk: the state (and weights) read and
+                   written once a step, the weights read once more (forward
+                   and backward), at a nominal 1.5 GB/s (this machine's disk,
+                   docs/benchmarks.md); to host memory: read and written
+                   once a step by the CPU's update at a nominal 20 GB/s */
                 double t = step_seconds(m, &c, micro, q.fwd, q.cost) +
                            (2.0 * (double)q.est.place_peak[MT_PLACE_DISK] +
-                            (double)q.est.place_class_peak[MT_PLACE_DISK][MT_MEM_PARAM]) / 1.5e9;
+                            (double)q.est.place_class_peak[MT_PLACE_DISK][MT_MEM_PARAM]) / 1.5e9 +
+                           2.0 * (double)q.est.place_peak[MT_PLACE_HOST] / 20e9;
                 if (!best_t || t < best_t) {
                     best_t = t;
                     best = c;
@@ -426,8 +454,9 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                 snprintf(least_how, sizeof least_how, "micro-batches of %d rows%s%s, %s%s", micro,
                          !e ? "" : opts[e] == MT_OPT_ADAMW8 ? " and 8-bit AdamW"
                                                             : " and 4-bit AdamW",
-                         tier[off].params               ? ", the state and the weights on disk"
+                         tier[off].params                   ? ", the state and the weights on disk"
                          : tier[off].place == MT_PLACE_DISK ? ", the state on disk"
+                         : tier[off].place == MT_PLACE_HOST ? ", the state in host memory"
                                                             : "",
                          how,
                          q.over[0] ? " (plans needing less pass an allocator's limit)" : "");
@@ -443,20 +472,25 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     if (!best_t)
         return mti_fail(m->ctx, MT_ERR_BUDGET,
                         "mt_trainer_autofit: nothing fits the memory budget of %llu bytes; the "
-                        "least is %llu bytes (%.1f MiB), with %s",
+                        "least is %llu bytes (%.1f MiB), with %s%s%.320s",
                         (unsigned long long)cfg->memory_budget, (unsigned long long)least,
-                        (double)least / 1048576.0, least_how);
-    if (best.offload != cfg->offload || best.offload_params != cfg->offload_params)
+                        (double)least / 1048576.0, least_how,
+                        refused[0] ? "; not tried, as the trainer refuses it: " : "", refused);
+    const bool masters = cfg->precision != MT_PREC_FP32 && cfg->master_weights;
+    if (best.offload == MT_PLACE_HOST && cfg->offload != MT_PLACE_HOST)
+        mti_log(m->ctx, MT_LOG_INFO,
+                "mt_trainer_autofit: nothing fits %llu bytes with the state on the device; "
+                "with the optimizer state%s in pinned host memory it fits",
+                (unsigned long long)cfg->memory_budget, masters ? " and masters" : "");
+    else if (best.offload != cfg->offload || best.offload_params != cfg->offload_params)
         mti_log(m->ctx, MT_LOG_INFO,
                 "mt_trainer_autofit: nothing fits %llu bytes with %s on the device; with the "
                 "optimizer state%s on disk (in %s) it fits",
                 (unsigned long long)cfg->memory_budget,
                 best.offload_params ? "the weights" : "the state",
-                best.offload_params ? (cfg->precision != MT_PREC_FP32 && cfg->master_weights
-                                           ? ", the masters and the weights"
-                                           : " and the weights")
-                : cfg->precision != MT_PREC_FP32 && cfg->master_weights ? " and masters"
-                                                                        : "",
+                best.offload_params ? (masters ? ", the masters and the weights" : " and the weights")
+                : masters           ? " and masters"
+                                    : "",
                 cfg->offload_dir);
     out->step_seconds = best_t;
     const int T = seq_of(m, cfg);

@@ -49,6 +49,18 @@ mt_comm *tcomm_nccl(tcomm_world *w, int rank, int n);
 extern _Atomic int tcomm_fill_sum;
 float tcomm_grad_of(int r, int i, size_t e);
 mt_status tcomm_fill_grads(mt_context *ctx, int param, size_t at, float *g, size_t n);
+/* Rank `rank` of n on world w: its communicator (caps as tcomm_make), a CPU
+ * context on it and a tiny GPT (vocab 50, 8 tokens, 2 layers of 2 heads,
+ * `channels` wide, seed 7); what was made is kept even on failure, for
+ * tcomm_rank_free. */
+typedef struct tcomm_rank {
+    mt_comm *c;
+    mt_context *ctx;
+    mt_model *m;
+} tcomm_rank;
+mt_status tcomm_gpt_rank(tcomm_world *w, int rank, int n, uint32_t caps, int channels,
+                         tcomm_rank *out);
+void tcomm_rank_free(tcomm_rank *r);
 /* Runs fn(rank, arg) on n threads and joins them. */
 void tcomm_run(int n, void (*fn)(int rank, void *arg), void *arg);
 

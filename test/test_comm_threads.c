@@ -292,6 +292,27 @@ mt_status tcomm_fill_grads(mt_context *ctx, int param, size_t at, float *g, size
     return s;
 }
 
+mt_status tcomm_gpt_rank(tcomm_world *w, int rank, int n, uint32_t caps, int channels,
+                         tcomm_rank *out)
+{
+    *out = (tcomm_rank){tcomm_make(w, rank, n, caps), NULL, NULL};
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = 8, g.layers = 2, g.heads = 2;
+    g.channels = channels;
+    g.seed = 7;
+    mt_status s = out->c ? tcomm_context(out->c, &out->ctx) : MT_ERR_COMM;
+    return s ? s : mt_model_gpt_create(out->ctx, &g, &out->m);
+}
+
+void tcomm_rank_free(tcomm_rank *r)
+{
+    mt_model_destroy(r->m);
+    mt_context_destroy(r->ctx);
+    mt_comm_destroy(r->c);
+    *r = (tcomm_rank){0};
+}
+
 typedef struct run_arg {
     void (*fn)(int, void *);
     void *arg;

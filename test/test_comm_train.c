@@ -1020,18 +1020,13 @@ typedef struct fault_run {
 static void fault_rank_run(int rank, void *p)
 {
     fault_run *a = p;
-    mt_comm *c = tcomm_make(a->world, rank, 2, MT_COMM_CAP_THREADS);
-    mt_context *ctx = NULL;
-    mt_model *m = NULL;
+    tcomm_rank R;
     mt_trainer *t = NULL;
-    mt_gpt_spec g;
-    gpt_spec(&g, 16);
-    mt_status s = tcomm_context(c, &ctx);
-    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
-    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    mt_status s = tcomm_gpt_rank(a->world, rank, 2, MT_COMM_CAP_THREADS, 16, &R);
+    if (!s) s = mt_trainer_create(R.m, &a->tc, &t);
     if (s) {
         a->bad = 1;
-        fprintf(stderr, "    rank %d: %s\n", rank, mt_last_error(ctx));
+        fprintf(stderr, "    rank %d: %s\n", rank, mt_last_error(R.ctx));
     }
     long per_step = 0;
     for (int step = 0; step < STEPS && !s; step++) {
@@ -1046,19 +1041,16 @@ static void fault_rank_run(int rank, void *p)
         }
         float loss;
         a->st[rank][step] = mt_trainer_step(t, &b, &loss);
-        snprintf(a->msg[rank][step], sizeof a->msg[rank][step], "%s", mt_last_error(ctx));
+        snprintf(a->msg[rank][step], sizeof a->msg[rank][step], "%s", mt_last_error(R.ctx));
         if (step == 0) per_step = atomic_load(&entries[rank]) - before;
         if (step == 0 && per_step < 1) a->bad = 1; /* (the thread must carry the step) */
     }
-    a->broken[rank] = mt_comm_broken(c);
+    a->broken[rank] = mt_comm_broken(R.c);
     mt_trainer_destroy(t); /* (stage 3: the weights back in the model) */
-    t = NULL;
-    a->nw = m ? mt_model_num_params(m) : 0;
+    a->nw = R.m ? mt_model_num_params(R.m) : 0;
     a->w[rank] = calloc(a->nw + 1, sizeof(float));
-    if (m && mt_model_get_params(m, a->w[rank], a->nw)) a->bad = 1;
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    if (R.m && mt_model_get_params(R.m, a->w[rank], a->nw)) a->bad = 1;
+    tcomm_rank_free(&R);
 }
 
 static void fault_go(fault_run *a)

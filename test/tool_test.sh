@@ -82,6 +82,26 @@ grep -q '"autofit": {"micro_batch": [0-9]*, "optimizer": "adamw4"' "$tmp/out" ||
 expect 0 "auto-fit choosing 4-bit state, table" -- "$tool" estimate $small --allow-4bit
 grep -q "4-bit AdamW" "$tmp/out" || { echo "FAIL tool: auto-fit 4-bit report"; cat "$tmp/out"; fail=1; }
 expect 2 "--allow-4bit without --autofit" -- "$tool" estimate --allow-4bit
+# auto-fit on several ranks: at ZeRO stage 1 on 2 ranks this model needs
+# 170.8 MiB at the least resident and 156.9 MiB with the state on disk, so
+# 165 MiB takes the disk, the same choice for each rank
+big="--layers 4 --heads 4 --channels 512 --vocab 256 --max-seq 64 --batch 4 --seq 64 --ranks 2 --zero 1 --budget 165 --autofit --json"
+for r in 0 1; do
+    # shellcheck disable=SC2086
+    expect 0 "auto-fit on 2 ranks, rank $r" -- "$tool" estimate $big --rank $r --offload-dir "$tmp"
+    sed 's/.*"autofit": {\([^}]*\)}.*/\1/' "$tmp/out" >"$tmp/fit$r"
+    grep -q '"offload": "disk"' "$tmp/fit$r" || { echo "FAIL tool: auto-fit on 2 ranks, rank $r"; cat "$tmp/out"; fail=1; }
+done
+cmp -s "$tmp/fit0" "$tmp/fit1" || { echo "FAIL tool: auto-fit differs between ranks"; cat "$tmp/fit0" "$tmp/fit1"; fail=1; }
+# shellcheck disable=SC2086
+expect 3 "auto-fit on 2 ranks without the disk" -- "$tool" estimate $big
+# a CUDA run (no GPU needed; 174 MiB at the least resident, 116 MiB with
+# the state in pinned host memory): the state in host memory
+# shellcheck disable=SC2086
+expect 0 "auto-fit on 2 ranks, CUDA" -- "$tool" estimate $big --device cuda --budget 150
+grep -q '"offload": "host"' "$tmp/out" || { echo "FAIL tool: auto-fit to host memory"; cat "$tmp/out"; fail=1; }
+# shellcheck disable=SC2086
+expect 0 "auto-fit on 2 ranks, CUDA, table" -- "$tool" estimate $big --device cuda --budget 150 --rank 1
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
 grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
 # the report's estimate column equals its peak column on every class row

@@ -48,7 +48,9 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
                                                  : "as configured",
                fit->recomputed_units, fit->selective_units, fit->units);
         printf(", \"offload\": \"%s\", \"offload_params\": %s",
-               fit->offload == MT_PLACE_DISK ? "disk" : "none",
+               fit->offload == MT_PLACE_DISK   ? "disk"
+               : fit->offload == MT_PLACE_HOST ? "host"
+                                               : "none",
                fit->offload_params ? "true" : "false");
         cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
         printf("}");
@@ -97,6 +99,7 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
                fit->recomputed_units, fit->units, fit->selective_units,
                fit->offload_params            ? ", the optimizer state and the weights on disk"
                : fit->offload == MT_PLACE_DISK ? ", the optimizer state on disk"
+               : fit->offload == MT_PLACE_HOST ? ", the optimizer state in pinned host memory"
                                                : "",
                fit->tokens_per_second);
     const bool off = e->place_peak[MT_PLACE_HOST] || e->place_peak[MT_PLACE_DISK];
@@ -134,7 +137,7 @@ int cmd_estimate(int argc, char **argv)
         "peak, and what the allocators will reserve. With --budget, whether the run\n"
         "fits; with --autofit, the fastest micro-batch, recompute plan and optimizer\n"
         "state that fit. With --ranks, one rank of a data-parallel run (--zero: its\n"
-        "ZeRO stage).\n";
+        "ZeRO stage); --autofit then chooses what fits every rank, the same on each.\n";
     int rc = cli_parse(CLI_ESTIMATE, head, argc, argv, &o, &help);
     if (rc || help) return rc;
     mt_trainer_config tc;

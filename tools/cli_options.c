@@ -379,7 +379,8 @@ static const opt table[] = {
     {"--offload-dir", "DIR", TE, CLI_ANY, K_STR, OFF(offload_dir), 0, 0, NULL, NULL,
      "the directory --offload disk makes its scratch directory in",
      "with --autofit: auto-fit may put the state on disk there when nothing fits on the "
-     "device, and the weights too when even that does not fit (CPU; nothing is made)"},
+     "device, and the weights too when even that does not fit (where the run takes them; "
+     "nothing is made)"},
     {"--offload-params", NULL, TE, CLI_ANY, K_FLAG, OFF(offload_params), 1, 0, NULL, NULL,
      "with --offload disk: the trained weights in the scratch files too, each layer's read in "
      "just before it runs (the next one's while it runs) and let go after",
@@ -395,7 +396,8 @@ static const opt table[] = {
     FN("--budget", "MIB", CLI_ESTIMATE, CLI_ANY, set_budget, "(MiB > 0)", NULL,
        "a memory budget (MiB, what the allocators reserve)"),
     FLAG("--autofit", CLI_ESTIMATE, CLI_ANY, autofit, 1,
-         "fit micro-batch, recompute and state to --budget"),
+         "fit micro-batch, recompute, state and offload to --budget (with --ranks: what fits "
+         "every rank)"),
     FLAG("--allow-8bit", CLI_ESTIMATE, CLI_ANY, allow8, 1, "let --autofit use 8-bit AdamW state"),
     FLAG("--allow-4bit", CLI_ESTIMATE, CLI_ANY, allow4, 1, "let --autofit use 4-bit AdamW state"),
 };
