@@ -10,6 +10,7 @@
 
 #include "internal.h"
 #include "comm/comm.h"
+#include "comm/nccl_overlap.h"
 #include "kernels.h"
 
 void mt_context_config_init(mt_context_config *cfg)
@@ -128,6 +129,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     ctx->world = c.comm ? mt_comm_size(c.comm) : c.world_size > 1 ? c.world_size : 1;
     ctx->rank = c.comm ? mt_comm_rank(c.comm) : ctx->world > 1 ? c.rank : 0;
     ctx->comm_threads = c.comm && (c.comm->vt.caps & MT_COMM_CAP_THREADS);
+    ctx->comm_nccl = c.comm ? mti_nccl_is(c.comm) : true;
     if (dry) { /* an estimate records and logs nothing */
         c.trace_capacity = 0;
         c.log_fn = NULL;

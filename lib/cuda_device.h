@@ -16,6 +16,7 @@
 #ifndef MT_CUDA_DEVICE_H
 #define MT_CUDA_DEVICE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "device.h"
@@ -206,6 +207,8 @@ mt_status mti_cuda_event_new_timed(mti_device *d, void **ev);
 mt_status mti_cuda_record(mti_device *d, void *ev, void *stream);
 /* Work queued on stream (NULL: the device's) after the call waits for ev. */
 mt_status mti_cuda_stream_wait(mti_device *d, void *stream, void *ev);
+/* Whether ev's work is done (never waits; an event never recorded is). */
+mt_status mti_cuda_event_done(mti_device *d, void *ev, bool *done);
 /* Milliseconds from timed event start to end, both recorded and done. */
 mt_status mti_cuda_elapsed(mti_device *d, void *start, void *end, float *ms);
 

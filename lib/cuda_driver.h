@@ -180,6 +180,8 @@ enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_DISABLE_TIMING = 0x2 };
 typedef CUresult (*PFN_cuEventCreate)(CUevent *event, unsigned int flags);
 typedef CUresult (*PFN_cuEventRecord)(CUevent event, CUstream stream);
 typedef CUresult (*PFN_cuEventSynchronize)(CUevent event);
+/* CUDA_SUCCESS once the event's work is done, 600 (not ready) before. */
+typedef CUresult (*PFN_cuEventQuery)(CUevent event);
 typedef CUresult (*PFN_cuEventDestroy)(CUevent event); /* "_v2" */
 /* Milliseconds between two recorded, completed events, neither made with
  * CU_EVENT_DISABLE_TIMING. */

@@ -74,6 +74,7 @@ typedef struct cuda_api {
     PFN_cuEventCreate EventCreate;
     PFN_cuEventRecord EventRecord;
     PFN_cuEventSynchronize EventSynchronize;
+    PFN_cuEventQuery EventQuery;
     PFN_cuEventDestroy EventDestroy;
     PFN_cuEventElapsedTime EventElapsedTime;
     PFN_cuStreamWaitEvent StreamWaitEvent;
@@ -129,6 +130,7 @@ static const struct {
     SYM(EventCreate, "cuEventCreate"),
     SYM(EventRecord, "cuEventRecord"),
     SYM(EventSynchronize, "cuEventSynchronize"),
+    SYM(EventQuery, "cuEventQuery"),
     SYM(EventDestroy, "cuEventDestroy_v2"),
     SYM(EventElapsedTime, "cuEventElapsedTime"),
     SYM(StreamWaitEvent, "cuStreamWaitEvent"),
@@ -1415,6 +1417,19 @@ mt_status mti_cuda_stream_wait(mti_device *d, void *stream, void *ev)
     CUresult r = c->api.StreamWaitEvent(stream ? (CUstream)stream : c->stream, ev, 0);
     cuda_leave(d);
     return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuStreamWaitEvent");
+}
+
+mt_status mti_cuda_event_done(mti_device *d, void *ev, bool *done)
+{
+    mt_status s;
+    *done = false;
+    MTI_TRY(need_cuda(d, "mti_cuda_event_done"));
+    cuda_dev *c = d->impl;
+    MTI_TRY(cuda_enter(d));
+    CUresult r = c->api.EventQuery(ev);
+    cuda_leave(d);
+    if (r == CUDA_SUCCESS) *done = true;
+    return r == CUDA_SUCCESS || r == 600 ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventQuery");
 }
 
 mt_status mti_cuda_elapsed(mti_device *d, void *start, void *end, float *ms)

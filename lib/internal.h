@@ -176,6 +176,12 @@ struct mt_context {
      * of another thread first waits until the queue is empty; a list, one
      * per trainer with a thread, linked through the queues */
     struct mti_overlap *comm_queue;
+    /* the communicator is NCCL's (or none is named: a CUDA estimate assumes
+     * it), kept by a dry context so that an estimate plans the
+     * communication stream's memory; and the trainers' communication
+     * streams (lib/comm/nccl_overlap.c), a list like comm_queue */
+    bool comm_nccl;
+    struct mti_ncclov *nccl_queue;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */

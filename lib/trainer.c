@@ -817,6 +817,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->sh);
     free(t->gs);
     free(t->s2q);
+    free(t->hb);
     free(t->host_losses);
     free(t->host_rows);
     free(t->units);
@@ -856,13 +857,16 @@ static mt_status overlap_start(mt_trainer *t)
     return s;
 }
 
-static mt_status ncclov_start(mt_trainer *t)
+/* NCCL's communication stream (comm/nccl_overlap.c): the sums in place in
+ * a fixed order (job NULL: stages 0 and 1), or the job's collectives in
+ * the order given (stage 2, the fused step). */
+static mt_status ncclov_start(mt_trainer *t, mti_ncclov_job job, bool fifo)
 {
     const mt_model *m = t->model;
     size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
     if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
-    mt_status s = mti_ncclov_new(t->ctx, m->n_param, numel, &t->nov);
+    mt_status s = mti_ncclov_new(t->ctx, m->n_param, numel, job, t, fifo, &t->nov);
     free(numel);
     return s;
 }
@@ -1041,18 +1045,24 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
        stages 0 to 2 (not with the state on disk, whose pieces stream in
        the update's order as backward makes it); an estimate plans the
        whole gradients they hold */
-    if (!s && !mti_local_sgd(t) && mti_overlap_planned(ctx) &&
+    const bool on_stream = mti_ncclov_planned(ctx) && cfg->offload == MT_PLACE_DEVICE;
+    if (!s && !mti_local_sgd(t) && (mti_overlap_planned(ctx) || on_stream) &&
         ((!cfg->fused_step && zero == 2) ||
          (cfg->fused_step && zero < 3 && cfg->offload == MT_PLACE_DEVICE))) {
         t->s2 = !cfg->fused_step;
         t->fq = cfg->fused_step != 0;
-        if (!(t->s2q = malloc((size_t)m->n_param * sizeof *t->s2q + 1)))
+        t->phased = ctx->dev->kind == MT_DEVICE_CUDA; /* (NCCL's stream) */
+        if (!(t->s2q = malloc((size_t)m->n_param * sizeof *t->s2q + 1)) ||
+            (t->phased && !(t->hb = calloc((size_t)m->n_param + 1, sizeof *t->hb))))
             s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
         if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
+        if (!s && mti_ncclov_possible(ctx)) s = ncclov_start(t, held_job, true);
     }
-    /* on a CUDA context with NCCL, stage 0's sums on a communication stream */
-    if (!s && !cfg->fused_step && !mti_local_sgd(t) && zero == 0 && mti_ncclov_possible(ctx))
-        s = ncclov_start(t);
+    /* on a CUDA context with NCCL, stage 0's sums on a communication stream,
+       and stage 1's (all-reduced: each rank then takes its slice) */
+    if (!s && !cfg->fused_step && !mti_local_sgd(t) && mti_ncclov_possible(ctx) &&
+        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE)))
+        s = ncclov_start(t, NULL, false);
     s = mti_dp_created(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
@@ -1295,13 +1305,22 @@ static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n
  * collectives then run, dry, at once). */
 #define HELD MTI_COMM_STAGE
 
+/* A held gradient's collective (phase MTI_ZR_ALL), or on NCCL's stream
+ * its two halves: the collective queued (MTI_ZR_POST), and once it is
+ * done this rank's sums taken (MTI_ZR_FINISH). */
+static mt_status held_reduce(mt_trainer *t, int i, float *g, int phase)
+{
+    const size_t n = t->model->params[i].numel;
+    void *b = t->phased ? t->hb[i].blk.ptr : NULL;
+    if (!t->fq) return mti_zero_reduce_phase(t, i, g, 0, n, t->gs[i].blk.ptr, 1, b, phase);
+    if (!t->zero) return phase == MTI_ZR_FINISH ? MT_OK : mti_dp_reduce(t, i, g, n);
+    return mti_zero_reduce_phase(t, i, g, 0, n, g ? g + t->sh[i].lo : NULL, 0, b, phase);
+}
+
 static mt_status held_job(void *user, int i, float *g)
 {
     mt_trainer *t = user;
-    const size_t n = t->model->params[i].numel;
-    if (!t->fq) return mti_zero_reduce(t, i, g, 0, n, t->gs[i].blk.ptr, 1);
-    if (!t->zero) return mti_dp_reduce(t, i, g, n);
-    return zero1_job(user, i, g);
+    return held_reduce(t, i, g, t->phased ? MTI_ZR_POST : MTI_ZR_ALL);
 }
 
 static mt_status fused_after(mt_trainer *t, int i);
@@ -1314,10 +1333,15 @@ static mt_status held_retire(mt_trainer *t, bool all, mt_status s)
     while (t->s2_head < t->s2_tail &&
            (all || (t->s2_tail - t->s2_head > 1 && t->s2_bytes > HELD))) {
         const int i = t->s2q[t->s2_head];
-        mt_status e = t->ov ? mti_overlap_wait_first(t->ov, t->s2_head + 1) : MT_OK;
+        mt_status e = t->ov    ? mti_overlap_wait_first(t->ov, t->s2_head + 1)
+                      : t->nov ? mti_ncclov_wait_first(t->nov, t->s2_head + 1)
+                               : MT_OK;
         if (!s) s = e;
+        if (!s && t->phased) s = held_reduce(t, i, t->E.grad[i].blk.ptr, MTI_ZR_FINISH);
         if (!s && t->fq_pass) s = fused_after(t, i);
         t->s2_bytes -= t->model->params[i].numel * sizeof(float);
+        if (t->phased) t->s2_bytes -= mti_tensor_bytes(&t->hb[i]);
+        if (t->phased) mti_tensor_free(t->ctx, &t->hb[i]);
         mti_tensor_free(t->ctx, &t->E.grad[i]);
         t->s2_head++;
         if (s && !all) break;
@@ -1331,9 +1355,15 @@ static mt_status held_give(mt_trainer *t, int i)
     if (t->s2) t->E.uses_left[i] = -1; /* reduced in this pass */
     if (s) return s;
     float *g = t->E.grad[i].blk.ptr;
+    const size_t n = t->model->params[i].numel;
+    /* on NCCL's stream, the bucket its chunks wait in until they are taken */
+    const size_t bb = t->phased ? mti_zero_reduce_bytes_all(t, i, 0, n) : 0;
+    if (bb && (s = mti_comm_buffer(t->ctx, &t->hb[i], bb))) return s;
     t->s2q[t->s2_tail++] = i;
-    t->s2_bytes += t->model->params[i].numel * sizeof(float);
-    s = t->ov ? mti_overlap_push(t->ov, i, t->model->params[i].name, g) : held_job(t, i, g);
+    t->s2_bytes += n * sizeof(float) + (bb ? mti_tensor_bytes(&t->hb[i]) : 0);
+    const char *name = t->model->params[i].name;
+    s = t->ov ? mti_overlap_push(t->ov, i, name, g) : t->nov ? mti_ncclov_push(t->nov, i, name, g)
+                                                             : held_job(t, i, g);
     return s ? s : held_retire(t, false, MT_OK);
 }
 
@@ -1345,6 +1375,7 @@ static void held_begin(mt_trainer *t, int fq_pass)
     t->s2_bytes = 0;
     t->fq_pass = fq_pass;
     if (t->ov) mti_overlap_begin(t->ov);
+    if (t->nov) mti_ncclov_begin(t->nov);
 }
 
 /* ... and ended (status s): every one let go, the thread's work done. */

@@ -78,7 +78,12 @@ struct mt_trainer {
                                 updates' (0: none) */
     int *s2q;                /* the tensors given in this pass, in order */
     int s2_head, s2_tail;    /* let go up to head, given up to tail */
-    size_t s2_bytes;         /* whole gradients held, given and not let go */
+    size_t s2_bytes;         /* whole gradients held, given and not let go (and their
+                                buckets) */
+    int phased;              /* s2 or fq on NCCL's communication stream (or planned so):
+                                each reduce-scatter's chunks packed into a bucket of
+                                its own, kept until its sums are taken (hb) */
+    mti_tensor *hb;          /* per parameter, that bucket (COMM), while held */
     /* ZeRO (cfg.zero_stage on more than one rank; docs/distributed.md) */
     int zero;                /* the stage in force: 0 without sharding */
     int world, rank;         /* the context's (a dry context's planned ones) */

@@ -1,12 +1,14 @@
 /*
- * test_nccl_overlap.c - the gradients' sums on NCCL's communication stream
- * (lib/comm/nccl_overlap.c), over the stand-in driver and the stand-in
- * libnccl, ranks as threads: the sums and their order, the deadline, a
- * rank without a gradient, and training against the blocking NCCL step.
+ * test_nccl_overlap.c - the gradients' collectives on NCCL's communication
+ * stream (lib/comm/nccl_overlap.c), over the stand-in driver and the
+ * stand-in libnccl, ranks as threads: the sums and their order, the
+ * deadline, a rank without a gradient, and training against the blocking
+ * NCCL step at ZeRO stages 0 to 2, with and without the fused step.
  * On a GPU (MT_TEST_GPU=1), with the real driver: the streams and events
  * (gpu_engine_stream_events, the bundle's engine group), and one rank of
  * NCCL on the communication stream with the libnccl.so.2 the library
- * finds (comm_nccl_one_rank_stream, its nccl group).
+ * finds (comm_nccl_one_rank_stream, and comm_nccl_one_rank_zero for the
+ * jobs stage 2 and the fused step queue; its nccl group).
  */
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -19,6 +21,7 @@
 #include "cuda_device.h"
 #include "test_comm.h"
 #include "tnccl.h"
+#include "engine.h"
 #include "model.h"
 
 static const char *fake_nccl(void)
@@ -111,7 +114,7 @@ static bool kit_open(ov_arg *a, int rank, const size_t *numel, rank_kit *k)
         mt_comm_destroy(k->c);
         return false;
     }
-    RANK_EXPECT(!mti_ncclov_new(k->ctx, T, numel, &k->ov));
+    RANK_EXPECT(!mti_ncclov_new(k->ctx, T, numel, NULL, NULL, false, &k->ov));
     mt_alloc_request req = {.bytes = T * LEN * sizeof(float), .mem_class = MT_MEM_GRAD,
                             .lifetime = MT_LIFE_STEP};
     RANK_EXPECT(!mt_context_alloc(k->ctx, &req, &k->b));
@@ -279,6 +282,7 @@ typedef struct train_out {
 typedef struct tr_arg {
     tcomm_world *w;
     int n;
+    int zero, fused; /* the ZeRO stage, the fused step */
     int inject; /* a kernel launch fails on one rank in the second step */
     train_out out[3];
     _Atomic int bad;
@@ -308,34 +312,71 @@ static unsigned long long stream_waits(void)
     return f ? f("stream_waits") : 0;
 }
 
-static void train_rank(int rank, void *p)
+/* A rank of a small GPT over NCCL (the stand-ins) and its trainer: the
+ * tied table, one frozen tensor, clipping; two micro-batches unless fused;
+ * a batch of the rank's own. */
+typedef struct tiny {
+    mt_comm *c;
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+    mt_trainer_config tc;
+    int32_t tok[ROWS * SEQ], tgt[ROWS * SEQ];
+    mt_batch b;
+    bool bad;
+} tiny;
+
+static mt_status tiny_open(tcomm_world *w, int n, int rank, double timeout, int zero, int fused,
+                           tiny *x)
 {
-    tr_arg *a = p;
-    train_out *o = &a->out[rank];
-    mt_comm *c = NULL;
-    ov_arg oa = {.w = a->w, .n = a->n};
-    mt_context *ctx = nccl_context(&oa, rank, 30.0, &c);
-    if (oa.bad) a->bad = 1;
+    static const char *freeze[] = {"wpe"};
+    memset(x, 0, sizeof *x);
+    ov_arg oa = {.w = w, .n = n};
+    x->ctx = nccl_context(&oa, rank, timeout, &x->c);
+    x->bad = oa.bad != 0;
     mt_gpt_spec g;
     mt_gpt_spec_init(&g);
     g.vocab = 50, g.padded_vocab = 64, g.max_seq = SEQ, g.layers = 2, g.heads = 2, g.channels = 16;
     g.seed = 3;
-    mt_trainer_config tc;
-    mt_trainer_config_init(&tc);
-    tc.max_batch = ROWS;
-    tc.grad_clip = 1.0f;
-    tc.lr = 0.05f;
-    tc.micro_batch = 1; /* (the gradients final in the second micro-batch's backward) */
-    const char *freeze[] = {"wpe"};
-    tc.freeze = freeze;
-    tc.n_freeze = 1;
-    mt_model *m = NULL;
-    mt_trainer *t = NULL;
-    mt_status s = ctx ? mt_model_gpt_create(ctx, &g, &m) : MT_ERR_NO_DEVICE;
-    if (!s) s = mt_trainer_create(m, &tc, &t);
-    int32_t tok[ROWS * SEQ], tgt[ROWS * SEQ];
-    for (int i = 0; i < ROWS * SEQ; i++) tok[i] = (i * 7 + rank) % 50, tgt[i] = (i * 3 + rank) % 50;
-    mt_batch b = {.n = ROWS, .tokens = tok, .targets = tgt, .seq_len = SEQ};
+    mt_trainer_config *tc = &x->tc;
+    mt_trainer_config_init(tc);
+    tc->max_batch = ROWS;
+    tc->grad_clip = 1.0f;
+    tc->lr = 0.05f;
+    tc->micro_batch = fused ? ROWS : 1; /* (the gradients final in the second micro-batch's
+                                            backward; the fused step takes no accumulation) */
+    tc->zero_stage = zero;
+    tc->fused_step = fused;
+    tc->freeze = freeze;
+    tc->n_freeze = 1;
+    for (int i = 0; i < ROWS * SEQ; i++)
+        x->tok[i] = (i * 7 + rank) % 50, x->tgt[i] = (i * 3 + rank) % 50;
+    x->b = (mt_batch){.n = ROWS, .tokens = x->tok, .targets = x->tgt, .seq_len = SEQ};
+    mt_status s = x->ctx ? mt_model_gpt_create(x->ctx, &g, &x->m) : MT_ERR_NO_DEVICE;
+    return s ? s : mt_trainer_create(x->m, tc, &x->t);
+}
+
+static void tiny_close(tiny *x)
+{
+    mt_trainer_destroy(x->t);
+    mt_model_destroy(x->m);
+    mt_context_destroy(x->ctx);
+    mt_comm_destroy(x->c);
+}
+
+static void train_rank(int rank, void *p)
+{
+    tr_arg *a = p;
+    train_out *o = &a->out[rank];
+    tiny x;
+    mt_status s = tiny_open(a->w, a->n, rank, 30.0, a->zero, a->fused, &x);
+    if (x.bad) a->bad = 1;
+    mt_comm *c = x.c;
+    mt_context *ctx = x.ctx;
+    mt_model *m = x.m;
+    mt_trainer *t = x.t;
+    mt_trainer_config tc = x.tc;
+    mt_batch b = x.b;
     void *main_stream = ctx ? mti_cuda_stream(ctx->dev) : NULL;
     const unsigned long side0 = nccl_calls(main_stream, 1);
     for (int k = 0; k < STEPS && !s; k++) {
@@ -382,15 +423,37 @@ static void train_rank(int rank, void *p)
         snprintf(o->msg, sizeof o->msg, "%s", ctx ? mt_last_error(ctx) : "no context");
     }
     mt_trainer_destroy(t);
+    x.t = NULL;
     if (!s) {
         o->nw = mt_model_num_params(m);
         o->w = malloc(o->nw * sizeof *o->w);
         s = o->w ? mt_model_get_params(m, o->w, o->nw) : MT_ERR_OOM;
     }
     if (s) a->bad = 1;
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    tiny_close(&x);
+}
+
+/* n ranks training at `zero` (fused: the fused step) with the stream
+ * (run[0]) and without it (run[1], MT_NCCL_OVERLAP=0); waits[mode]: the
+ * streams' waits for events (cuStreamWaitEvent) each made. */
+static void train_modes(int n, int zero, int fused, tr_arg run[2], unsigned long long waits[2])
+{
+    for (int mode = 0; mode < 2; mode++) {
+        if (mode) setenv("MT_NCCL_OVERLAP", "0", 1);
+        memset(&run[mode], 0, sizeof run[mode]);
+        run[mode].w = tcomm_world_new(n, 30.0);
+        run[mode].n = n;
+        run[mode].zero = zero;
+        run[mode].fused = fused;
+        const unsigned long long w0 = stream_waits();
+        tcomm_run(n, train_rank, &run[mode]);
+        waits[mode] = stream_waits() - w0;
+        tcomm_world_free(run[mode].w);
+        unsetenv("MT_NCCL_OVERLAP");
+        for (int r = 0; r < n; r++)
+            CHECK_MSG(!run[mode].bad, "%d ranks, stage %d%s, %s, rank %d: %s", n, zero,
+                      fused ? " fused" : "", mode ? "blocking" : "stream", r, run[mode].out[r].msg);
+    }
 }
 
 /* Stage 0 on 2 and 3 ranks: with the stream (the default) and without it
@@ -403,22 +466,11 @@ TEST(nccl_overlap_train)
     if (!stand_ins()) return;
     for (int n = 2; n <= 3; n++) {
         tr_arg run[2];
-        for (int mode = 0; mode < 2; mode++) {
-            if (mode) setenv("MT_NCCL_OVERLAP", "0", 1);
-            memset(&run[mode], 0, sizeof run[mode]);
-            run[mode].w = tcomm_world_new(n, 30.0);
-            run[mode].n = n;
-            const unsigned long long waits = stream_waits();
-            tcomm_run(n, train_rank, &run[mode]);
-            /* the stream waited for backward's kernels, the device's for it */
-            if (mode) CHECK_EQ(stream_waits(), waits);
-            else CHECK(stream_waits() >= waits + 2ull * STEPS * (unsigned long long)n);
-            tcomm_world_free(run[mode].w);
-            unsetenv("MT_NCCL_OVERLAP");
-            for (int r = 0; r < n; r++)
-                CHECK_MSG(!run[mode].bad, "%d ranks, %s, rank %d: %s", n, mode ? "blocking" : "stream",
-                          r, run[mode].out[r].msg);
-        }
+        unsigned long long waits[2];
+        train_modes(n, 0, 0, run, waits);
+        /* the stream waited for backward's kernels, the device's for it */
+        CHECK(waits[0] >= 2ull * STEPS * (unsigned long long)n);
+        CHECK_EQ(waits[1], 0);
         for (int r = 0; r < n && !run[0].bad && !run[1].bad; r++) {
             const train_out *x = &run[0].out[r], *y = &run[1].out[r];
             CHECK(!memcmp(x->loss, y->loss, sizeof x->loss));
@@ -440,6 +492,140 @@ TEST(nccl_overlap_train)
     }
 }
 
+/* ZeRO stages 1 and 2 and the fused step (stages 0 to 2) on 2 and 3
+ * ranks, with the stream and without it (MT_NCCL_OVERLAP=0), on gradients
+ * the test fills in (tcomm_fill_grads; the stand-in's SGD kernel runs,
+ * MT_FAKE_CUDA_SGD, so
+ * the weights move by their sums): the same weights, bit for bit, the
+ * same number of collectives, each rank's peaks equal to its
+ * estimate (which plans the buckets the stream keeps); with the stream,
+ * collectives went on another stream than the device's (stage 1: the
+ * sums, one per trainable tensor and step; stage 2 and the fused step:
+ * the reduce-scatters and sums, at least one per tensor and step), without
+ * it none did. */
+TEST(nccl_overlap_zero)
+{
+    if (!stand_ins()) return;
+    static const int cases[][2] = {{1, 0}, {2, 0}, {0, 1}, {1, 1}, {2, 1}}; /* stage, fused */
+    mti_engine_grad_fill = tcomm_fill_grads;
+    setenv("MT_FAKE_CUDA_SGD", "1", 1);
+    for (int n = 2; n <= 3; n++)
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            tr_arg run[2];
+            unsigned long long waits[2];
+            train_modes(n, cases[c][0], cases[c][1], run, waits);
+            for (int r = 0; r < n && !run[0].bad && !run[1].bad; r++) {
+                const train_out *x = &run[0].out[r], *y = &run[1].out[r];
+                CHECK_MSG(x->nw == y->nw && x->w && y->w && !memcmp(x->w, y->w, x->nw * sizeof *x->w),
+                          "%d ranks, case %zu: the weights differ", n, c);
+                CHECK_EQ(x->collectives, y->collectives);
+                if (cases[c][0] == 1 && !cases[c][1])
+                    CHECK_EQ(x->side_calls, (unsigned long)(STEPS * x->n_trainable));
+                else
+                    CHECK_MSG(x->side_calls >= (unsigned long)(STEPS * (x->n_trainable - 1)),
+                              "%d ranks, case %zu: %lu on the stream", n, c, x->side_calls);
+                CHECK_EQ(y->side_calls, 0);
+            }
+            for (int mode = 0; mode < 2; mode++)
+                for (int r = 0; r < n; r++) free(run[mode].out[r].w);
+        }
+    unsetenv("MT_FAKE_CUDA_SGD");
+    mti_engine_grad_fill = NULL;
+}
+
+/* ---- a rank that stalls while the others' collectives are on the stream ---- */
+
+static _Atomic int stall_armed; /* the last rank sleeps in its next backward */
+static double stall_for;
+
+static mt_status stalling_fill(mt_context *ctx, int param, size_t at, float *g, size_t n)
+{
+    if (ctx->rank == ctx->world - 1 && param == 3 && atomic_exchange(&stall_armed, 0)) {
+        struct timespec nap = {(time_t)stall_for, (long)((stall_for - (double)(time_t)stall_for) * 1e9)};
+        nanosleep(&nap, NULL); /* (past the others' deadline) */
+    }
+    return tcomm_fill_grads(ctx, param, at, g, n);
+}
+
+typedef struct stall_arg {
+    tcomm_world *w;
+    int n, zero, fused;
+    double took[3];
+    char msg[3][256];
+    _Atomic int bad;
+} stall_arg;
+
+static void stall_rank(int rank, void *p)
+{
+    stall_arg *a = p;
+    tiny x;
+    mt_status s = tiny_open(a->w, a->n, rank, 0.4, a->zero, a->fused, &x);
+    float loss;
+    if (!s) s = mt_trainer_step(x.t, &x.b, &loss);
+    RANK_EXPECT(!s && !x.bad);
+    if (!s) {
+        RANK_EXPECT(!mt_comm_barrier(x.c)); /* (a blocking collective: the stream is idle) */
+        if (rank == 0) atomic_store(&stall_armed, 1);
+        RANK_EXPECT(!mt_comm_barrier(x.c));
+        const double t0 = now_s();
+        s = mt_trainer_step(x.t, &x.b, &loss);
+        a->took[rank] = now_s() - t0;
+        snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(x.ctx));
+        RANK_EXPECT(s != MT_OK);
+        if (rank != a->n - 1) RANK_EXPECT(s == MT_ERR_COMM && mt_comm_broken(x.c));
+    }
+    tiny_close(&x);
+}
+
+/* Stage 2 and the fused step at stage 1 with the stream, 2 and 3 ranks:
+ * the last rank stalls in its second step's backward (1.2 s, past the
+ * 0.4 s deadline) while the others' reduce-scatters are on their streams:
+ * they stop with MT_ERR_COMM, their communicator aborted, well before the
+ * stalled rank wakes plus a margin, and nothing hangs. */
+TEST(nccl_overlap_zero_stall)
+{
+    if (!stand_ins()) return;
+    static const int cases[][2] = {{2, 0}, {1, 1}};
+    stall_for = 1.2;
+    mti_engine_grad_fill = stalling_fill;
+    for (int n = 2; n <= 3; n++)
+        for (int c = 0; c < 2; c++) {
+            stall_arg a = {.w = tcomm_world_new(n, 30.0), .n = n, .zero = cases[c][0],
+                           .fused = cases[c][1]};
+            tcomm_run(n, stall_rank, &a);
+            tcomm_world_free(a.w);
+            atomic_store(&stall_armed, 0);
+            CHECK_MSG(!a.bad, "%d ranks, stage %d%s", n, cases[c][0], cases[c][1] ? " fused" : "");
+            for (int r = 0; r < n - 1; r++) {
+                CHECK_MSG(a.took[r] >= 0.4 && a.took[r] < 5.0, "rank %d took %g s", r, a.took[r]);
+                CHECK_MSG(strstr(a.msg[r], "on the communication stream") &&
+                              (strstr(a.msg[r], "not done after 0.4 s") ||
+                               strstr(a.msg[r], "remote process exited")),
+                          "rank %d: %s", r, a.msg[r]);
+            }
+        }
+    mti_engine_grad_fill = NULL;
+}
+
+enum { N = 1 << 20 };
+
+/* One rank of NCCL on a CUDA context (tnccl_one_rank), two host buffers of
+ * N values and a block of k x N on the device; NULL when the test cannot
+ * run. */
+static mt_context *one_rank_kit(mt_context **first, mt_comm **c, size_t k, float **h, float **back,
+                                mt_block *b)
+{
+    mt_context *ctx = tnccl_one_rank(first, c);
+    if (!ctx) return NULL;
+    *h = malloc(N * sizeof **h);
+    *back = malloc(N * sizeof **back);
+    CHECK(*h && *back);
+    mt_alloc_request req = {.bytes = k * N * sizeof(float), .mem_class = MT_MEM_GRAD,
+                            .lifetime = MT_LIFE_STEP};
+    CHECK_OK(mt_context_alloc(ctx, &req, b));
+    return ctx;
+}
+
 /* One rank on a GPU (MT_TEST_GPU=1, with the real driver and the
  * libnccl.so.2 the library finds; the stand-ins otherwise): copies on the
  * device's stream write two 4 MiB tensors, each given to the
@@ -452,19 +638,14 @@ TEST(comm_nccl_one_rank_stream)
     const bool gpu = tnccl_gpu();
     mt_context *first, *ctx;
     mt_comm *c;
-    if (!(ctx = tnccl_one_rank(&first, &c))) return;
-    CHECK(!mti_ncclov_possible(ctx)); /* one rank: nothing to sum in a step */
-    enum { N = 1 << 20 };
-    float *h = malloc(N * sizeof *h), *back = malloc(N * sizeof *back);
-    CHECK(h && back);
-    mti_device *d = ctx->dev;
-    mt_alloc_request req = {.bytes = 2 * N * sizeof(float), .mem_class = MT_MEM_GRAD,
-                            .lifetime = MT_LIFE_STEP};
+    float *h, *back;
     mt_block b = {0};
+    if (!(ctx = one_rank_kit(&first, &c, 2, &h, &back, &b))) return;
+    CHECK(!mti_ncclov_possible(ctx)); /* one rank: nothing to sum in a step */
+    mti_device *d = ctx->dev;
     size_t numel[2] = {N, N};
     mti_ncclov *ov = NULL;
-    CHECK_OK(mti_ncclov_new(ctx, 2, numel, &ov));
-    CHECK_OK(mt_context_alloc(ctx, &req, &b));
+    CHECK_OK(mti_ncclov_new(ctx, 2, numel, NULL, NULL, false, &ov));
     float *g = b.ptr;
     for (int round = 0; round < 3 && ov && g && h && back; round++) {
         for (int i = 0; i < N; i++) h[i] = (float)((i + round) % 1013) - 500.0f;
@@ -486,6 +667,79 @@ TEST(comm_nccl_one_rank_stream)
     CHECK_OK(mt_context_comm_stats(ctx, &cs));
     CHECK_EQ(cs.collectives, 6);
     if (gpu) CHECK_MSG(cs.seconds > 0.0, "the collectives took %g s", cs.seconds);
+    mti_ncclov_free(ov);
+    mt_context_free(ctx, &b);
+    free(h);
+    free(back);
+    tnccl_free(ctx, first, c);
+}
+
+/* comm_nccl_one_rank_zero's job: tensor i's values packed into its bucket
+ * on the device's stream, then a reduce-scatter of the bucket in place and
+ * an all-reduce of the tensor in place, both queued on the communication
+ * stream (posted, not waited for). */
+typedef struct job_kit {
+    mt_context *ctx;
+    float *bucket[2];
+    size_t n;
+} job_kit;
+
+static mt_status pack_job(void *user, int i, float *g)
+{
+    job_kit *k = user;
+    mti_device *d = k->ctx->dev;
+    mt_status s = d->copy_d2d(d, k->bucket[i], g, k->n * sizeof(float));
+    if (!s) s = mti_comm_reduce_scatter(k->ctx, "test", k->bucket[i], k->bucket[i], k->n, MT_COMM_F32,
+                                        MT_COMM_SUM);
+    if (!s) s = mti_comm_all_reduce(k->ctx, "test", g, g, k->n, MT_COMM_F32, MT_COMM_SUM);
+    return s;
+}
+
+/* The stream's jobs on one rank (on a GPU with MT_TEST_GPU=1, the real
+ * driver and libnccl.so.2; the stand-ins otherwise), as stage 2 and the
+ * fused step use them: each tensor written by a copy on the device's
+ * stream and given at once (no host wait), the job packing it into a
+ * bucket on the device's stream and queueing its collectives behind an
+ * event; the first tensor waited for alone (its event), read back through
+ * the device's stream, then the rest. The values must be the ones written
+ * (one rank: the sums are the values), and every collective counted. */
+TEST(comm_nccl_one_rank_zero)
+{
+    mt_context *first, *ctx;
+    mt_comm *c;
+    float *h, *back;
+    mt_block b = {0};
+    if (!(ctx = one_rank_kit(&first, &c, 4, &h, &back, &b))) return;
+    mti_device *d = ctx->dev;
+    float *g = b.ptr;
+    job_kit k = {.ctx = ctx, .bucket = {g + 2 * N, g + 3 * N}, .n = N};
+    size_t numel[2] = {N, N};
+    mti_ncclov *ov = NULL;
+    mt_comm_stats before, after;
+    CHECK_OK(mt_context_comm_stats(ctx, &before));
+    CHECK_OK(mti_ncclov_new(ctx, 2, numel, pack_job, &k, true, &ov));
+    for (int round = 0; round < 3 && ov && g && h && back; round++) {
+        for (int i = 0; i < N; i++) h[i] = (float)((i * 7 + round) % 1021) - 510.0f;
+        mti_ncclov_begin(ov);
+        CHECK_OK(d->copy_h2d(d, g + N, h, N * sizeof *h));
+        CHECK_OK(mti_ncclov_push(ov, 1, "b", g + N));
+        CHECK_OK(d->copy_d2d(d, g, g + N, N * sizeof *h));
+        CHECK_OK(mti_ncclov_push(ov, 0, "a", g));
+        CHECK_MSG(mti_ncclov_wait_first(ov, 1) == MT_OK, "%s", mt_last_error(ctx));
+        CHECK_OK(d->copy_d2h(d, back, k.bucket[1], N * sizeof *back));
+        CHECK_OK(d->sync(d));
+        CHECK_MSG(!memcmp(back, h, N * sizeof *h), "round %d: the first bucket differs", round);
+        CHECK_MSG(mti_ncclov_wait(ov) == MT_OK, "%s", mt_last_error(ctx));
+        for (int j = 0; j < 3; j++) {
+            const float *src = j == 0 ? g : j == 1 ? g + N : k.bucket[0];
+            CHECK_OK(d->copy_d2h(d, back, src, N * sizeof *back));
+            CHECK_OK(d->sync(d));
+            CHECK_MSG(!memcmp(back, h, N * sizeof *h), "round %d: buffer %d differs", round, j);
+        }
+    }
+    CHECK_OK(mt_context_comm_stats(ctx, &after));
+    CHECK_EQ(after.collectives - before.collectives, 12);
+    CHECK(mti_ncclov_wait_first(ov, 3) == MT_ERR_INTERNAL); /* (two given) */
     mti_ncclov_free(ov);
     mt_context_free(ctx, &b);
     free(h);

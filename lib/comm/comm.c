@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "comm/nccl_overlap.h"
 #include "comm/overlap.h"
 #include "cuda_device.h"
 
@@ -364,7 +365,9 @@ int mti_comm_urgent(void) { return atomic_load(&comm_hurry) > 0; }
 
 mt_status mti_comm_turn(mt_context *ctx, const char *what)
 {
-    return comm_thread ? MT_OK : mti_overlaps_quiet(ctx, what);
+    if (comm_thread) return MT_OK;
+    const mt_status s = mti_overlaps_quiet(ctx, what);
+    return s ? s : mti_ncclovs_quiet(ctx, what);
 }
 
 /* A collective of the context took from t0 until now. */

@@ -58,6 +58,17 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
 mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc,
                              void *bucket);
 size_t mti_zero_reduce_bytes(const mt_trainer *t, int i, size_t at, size_t n);
+/* The same in two phases, for a communication stream whose collectives
+ * are only queued (nccl_overlap.c): MTI_ZR_POST packs every chunk of the
+ * range into the bucket (mti_zero_reduce_bytes_all bytes, a chunk's N x K
+ * for each) and makes each chunk's collective; MTI_ZR_FINISH, once they
+ * are done, takes this rank's sums into dst. A whole-tensor owner's
+ * all-reduce is in place in g, which must then stay until the finish.
+ * MTI_ZR_ALL: both at once, mti_zero_reduce_in. */
+enum { MTI_ZR_ALL, MTI_ZR_POST, MTI_ZR_FINISH };
+mt_status mti_zero_reduce_phase(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst,
+                                int acc, void *bucket, int phase);
+size_t mti_zero_reduce_bytes_all(const mt_trainer *t, int i, size_t at, size_t n);
 /* Elements [at, at + n) of parameter i's weights (PARAM), each held up to
  * date by its owner, to every rank. A collective. */
 mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n);

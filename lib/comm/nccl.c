@@ -205,8 +205,11 @@ static void abort_comm(nccl_state *st)
     st->aborted = 1;
 }
 
-/* Waits for what was queued on the stream, until the deadline. */
-static mt_status wait(nccl_state *st, const char *what, void *stream)
+/* Waits until done(arg) says the work waited for is done, up to the
+ * deadline, with the communicator's asynchronous error checked: the
+ * communicator aborted on a failure or at the deadline. done: 1 done, 0
+ * not yet, -1 (CUDA error *cu) failed. */
+static mt_status wait_until(nccl_state *st, const char *what, int (*done)(void *, int *), void *arg)
 {
     const double deadline = now_s() + st->timeout;
     struct timespec nap = {0, 20000}; /* 20 us, doubling to 1 ms */
@@ -217,11 +220,12 @@ static mt_status wait(nccl_state *st, const char *what, void *stream)
             abort_comm(st);
             return fail(st, what, r ? r : ae);
         }
-        int q = st->api.StreamQuery(stream);
-        if (q == CU_SUCCESS) return MT_OK;
-        if (q != CU_NOT_READY) {
+        int cu = 0;
+        const int q = done(arg, &cu);
+        if (q > 0) return MT_OK;
+        if (q < 0) {
             abort_comm(st);
-            snprintf(st->err, sizeof st->err, "%s: the stream failed (CUDA error %d)", what, q);
+            snprintf(st->err, sizeof st->err, "%s: the stream failed (CUDA error %d)", what, cu);
             return MT_ERR_COMM;
         }
         if (now_s() > deadline) {
@@ -237,6 +241,33 @@ static mt_status wait(nccl_state *st, const char *what, void *stream)
     }
 }
 
+typedef struct stream_of {
+    nccl_state *st;
+    void *stream;
+} stream_of;
+
+static int stream_done(void *arg, int *cu)
+{
+    const stream_of *a = arg;
+    *cu = a->st->api.StreamQuery(a->stream);
+    return *cu == CU_SUCCESS ? 1 : *cu == CU_NOT_READY ? 0 : -1;
+}
+
+/* Waits for what was queued on the stream, until the deadline. */
+static mt_status wait(nccl_state *st, const char *what, void *stream)
+{
+    stream_of a = {st, stream};
+    return wait_until(st, what, stream_done, &a);
+}
+
+/* Posting (mti_nccl_post_begin): this thread's collectives go on `stream`,
+ * each after fence(arg), and are not waited for. */
+static _Thread_local struct {
+    void *stream;
+    void (*fence)(void *);
+    void *arg;
+} post;
+
 static int nccl_type(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? NCCL_FLOAT32 : dt == MT_COMM_BF16 ? NCCL_BF16 : NCCL_UINT8; }
 static int nccl_op(mt_comm_op op) { return op == MT_COMM_MAX ? NCCL_MAX : NCCL_SUM; }
 
@@ -250,7 +281,16 @@ static mt_status issued(nccl_state *st, const char *what, nccl_result r, void *s
         abort_comm(st);
         return fail(st, what, r);
     }
-    return wait(st, what, stream);
+    return post.stream ? MT_OK : wait(st, what, stream);
+}
+
+/* The stream a collective goes on: the posting one (after its fence), or
+ * the one given. */
+static void *on(void *stream)
+{
+    if (!post.stream) return stream;
+    if (post.fence) post.fence(post.arg);
+    return post.stream;
 }
 
 static mt_status n_all_reduce(void *self, const void *send, void *recv, size_t count,
@@ -259,7 +299,7 @@ static mt_status n_all_reduce(void *self, const void *send, void *recv, size_t c
     nccl_state *st = self;
     if (st->aborted) return issued(st, "ncclAllReduce", 0, stream);
     return issued(st, "ncclAllReduce",
-                  st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op), st->comm, stream),
+                  st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op), st->comm, on(stream)),
                   stream);
 }
 
@@ -270,7 +310,7 @@ static mt_status n_reduce_scatter(void *self, const void *send, void *recv, size
     if (st->aborted) return issued(st, "ncclReduceScatter", 0, stream);
     return issued(st, "ncclReduceScatter",
                   st->api.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op), st->comm,
-                                        stream),
+                                        on(stream)),
                   stream);
 }
 
@@ -280,7 +320,7 @@ static mt_status n_all_gather(void *self, const void *send, void *recv, size_t c
     nccl_state *st = self;
     if (st->aborted) return issued(st, "ncclAllGather", 0, stream);
     return issued(st, "ncclAllGather",
-                  st->api.AllGather(send, recv, count, nccl_type(dt), st->comm, stream), stream);
+                  st->api.AllGather(send, recv, count, nccl_type(dt), st->comm, on(stream)), stream);
 }
 
 static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
@@ -289,7 +329,7 @@ static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype 
     nccl_state *st = self;
     if (st->aborted) return issued(st, "ncclBroadcast", 0, stream);
     return issued(st, "ncclBroadcast",
-                  st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm, stream), stream);
+                  st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm, on(stream)), stream);
 }
 
 /* NCCL has no barrier: an all-reduce of one float on the default stream,
@@ -446,3 +486,24 @@ mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
 }
 
 void mti_nccl_abort(mt_comm *c) { abort_comm(c->self); }
+
+void mti_nccl_post_begin(void *stream, void (*fence)(void *), void *arg)
+{
+    post.stream = stream;
+    post.fence = fence;
+    post.arg = arg;
+}
+
+void mti_nccl_post_end(void) { post.stream = NULL; }
+
+bool mti_nccl_posting(void) { return post.stream != NULL; }
+
+mt_status mti_nccl_wait_until(mt_comm *c, const char *what, int (*done)(void *, int *), void *arg)
+{
+    nccl_state *st = c->self;
+    if (st->aborted) {
+        snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
+        return MT_ERR_COMM;
+    }
+    return wait_until(st, what, done, arg);
+}

@@ -44,6 +44,7 @@ typedef struct tensor {
     const char *name;
     size_t n;
     bool given;
+    bool queued;   /* its collectives queued this round */
 } tensor;
 
 struct mti_ncclov {
@@ -57,9 +58,17 @@ struct mti_ncclov {
     int n;
     int next;       /* the highest tensor not queued yet; -1: none left */
     int given;
-    int queued;     /* collectives queued this round */
+    int queued;     /* collectives of the sums queued this round (a job's count themselves) */
+    mti_ncclov_job job; /* NULL: each tensor summed in place */
+    void *user;
+    bool fifo;      /* tensors queued as given */
+    int *order;     /* the round's tensors in the order queued */
+    int n_queued;
+    int waited;     /* the first `waited` of them waited for */
+    bool pending;   /* work queued since the stream was last waited for */
     mt_status failed;
     char msg[MTI_ERR_LEN];
+    struct mti_ncclov *next_on_ctx; /* the context's other streams (other trainers') */
 };
 
 bool mti_ncclov_possible(const mt_context *ctx)
@@ -70,16 +79,30 @@ bool mti_ncclov_possible(const mt_context *ctx)
     return c && c->size > 1 && !ctx->dry && ctx->dev->kind == MT_DEVICE_CUDA && mti_nccl_is(c);
 }
 
-mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov **out)
+bool mti_ncclov_planned(const mt_context *ctx)
+{
+    if (!ctx->dry) return mti_ncclov_possible(ctx);
+    const char *env = getenv("MT_NCCL_OVERLAP");
+    if (env && !strcmp(env, "0")) return false;
+    return ctx->world > 1 && ctx->dev->kind == MT_DEVICE_CUDA && ctx->comm_nccl;
+}
+
+mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov_job job, void *user,
+                         bool fifo, mti_ncclov **out)
 {
     *out = NULL;
     mti_ncclov *ov = calloc(1, sizeof *ov);
     tensor *t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
     void **timing = calloc(2 * (size_t)(n > 0 ? n : 1), sizeof *timing);
-    if (!ov || !t || !timing) {
-        free(ov), free(t), free(timing);
+    int *order = calloc((size_t)(n > 0 ? n : 1), sizeof *order);
+    if (!ov || !t || !timing || !order) {
+        free(ov), free(t), free(timing), free(order);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     }
+    ov->job = job;
+    ov->user = user;
+    ov->fifo = fifo && job;
+    ov->order = order;
     ov->ctx = ctx;
     ov->comm = ctx->cfg.comm;
     ov->t = t;
@@ -98,6 +121,8 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
         mti_ncclov_free(ov);
         return mti_fail(ctx, s, "mt_trainer_create: the communication stream: %s", msg.s);
     }
+    ov->next_on_ctx = ctx->nccl_queue; /* (waited for by the context's other collectives) */
+    ctx->nccl_queue = ov;
     *out = ov;
     return MT_OK;
 }
@@ -105,22 +130,29 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
 void mti_ncclov_free(mti_ncclov *ov)
 {
     if (!ov) return;
+    for (mti_ncclov **q = &ov->ctx->nccl_queue; *q; q = &(*q)->next_on_ctx)
+        if (*q == ov) {
+            *q = ov->next_on_ctx;
+            break;
+        }
     mti_device *d = ov->ctx->dev;
     for (int k = 0; k < 2 * ov->n; k++) mti_cuda_event_free(d, ov->timing[k]);
     mti_cuda_event_free(d, ov->ready);
     mti_cuda_event_free(d, ov->done);
     mti_cuda_stream_free(d, ov->stream);
     free(ov->timing);
+    free(ov->order);
     free(ov->t);
     free(ov);
 }
 
 void mti_ncclov_begin(mti_ncclov *ov)
 {
-    for (int i = 0; i < ov->n; i++) ov->t[i].given = false, ov->t[i].g = NULL;
+    for (int i = 0; i < ov->n; i++) ov->t[i].given = ov->t[i].queued = false, ov->t[i].g = NULL;
     ov->next = ov->n - 1;
     ov->given = 0;
     ov->queued = 0;
+    ov->n_queued = ov->waited = 0;
     ov->failed = MT_OK;
     ov->msg[0] = 0;
 }
@@ -138,14 +170,26 @@ static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
     va_end(ap);
 }
 
-/* Queues tensor i's sum on the communication stream (it already waits for
- * the gradients given so far). */
+/* The fence before each collective a job posts: the communication stream
+ * waits for what the device's stream has queued so far (the job's packing
+ * included). */
+static void fence(void *arg)
+{
+    mti_ncclov *ov = arg;
+    mti_device *d = ov->ctx->dev;
+    mt_status s = ov->failed ? MT_OK : mti_cuda_record(d, ov->ready, NULL);
+    if (!s && !ov->failed) s = mti_cuda_stream_wait(d, ov->stream, ov->ready);
+    if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+}
+
+/* Queues tensor i's sum (or the job's collectives) on the communication
+ * stream (it already waits for the gradients given so far). */
 static void queue(mti_ncclov *ov, int i)
 {
     tensor *x = &ov->t[i];
     mti_device *d = ov->ctx->dev;
     if (!x->n || ov->failed) return;
-    if (!x->g) {
+    if (!x->g && !ov->job) {
         /* no buffer to sum: the others' collective cannot be met, so end
            it for them at once rather than at their deadline */
         mti_nccl_abort(ov->comm);
@@ -160,7 +204,16 @@ static void queue(mti_ncclov *ov, int i)
         return;
     }
     s = mti_cuda_enter(d); /* (NCCL queues on the current context's stream) */
-    if (!s) {
+    if (!s && ov->job) {
+        mti_nccl_post_begin(ov->stream, fence, ov);
+        s = ov->job(ov->user, i, x->g);
+        mti_nccl_post_end();
+        mti_cuda_leave(d);
+        if (s) {
+            failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+            return;
+        }
+    } else if (!s) {
         s = mti_nccl_post_sum(ov->comm, x->g, x->n, ov->stream);
         mti_cuda_leave(d);
         if (s) {
@@ -170,10 +223,17 @@ static void queue(mti_ncclov *ov, int i)
                    "stream): %s", x->name, why);
             return;
         }
+        ov->queued++;
+        atomic_fetch_add(&ov->ctx->comm_calls, 1);
     }
     if (!s) s = mti_cuda_record(d, ov->timing[2 * i + 1], ov->stream);
-    if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
-    else ov->queued++;
+    if (s) {
+        failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+        return;
+    }
+    x->queued = true;
+    ov->order[ov->n_queued++] = i;
+    ov->pending = true;
 }
 
 mt_status mti_ncclov_push(mti_ncclov *ov, int i, const char *name, float *g)
@@ -185,6 +245,10 @@ mt_status mti_ncclov_push(mti_ncclov *ov, int i, const char *name, float *g)
     x->name = name;
     x->given = true;
     ov->given++;
+    if (ov->fifo) { /* (the job fences each collective itself) */
+        queue(ov, i);
+        return MT_OK;
+    }
     if (ov->next != i) return MT_OK; /* (it waits for the tensors above it) */
     /* the gradients given so far are written: the stream waits for that */
     mti_device *d = ov->ctx->dev;
@@ -197,44 +261,99 @@ mt_status mti_ncclov_push(mti_ncclov *ov, int i, const char *name, float *g)
 
 bool mti_ncclov_pushed(const mti_ncclov *ov, int i) { return ov->t[i].given; }
 
-mt_status mti_ncclov_wait(mti_ncclov *ov)
+typedef struct event_of {
+    mti_device *d;
+    void *ev;
+} event_of;
+
+static int event_done(void *arg, int *cu)
+{
+    const event_of *a = arg;
+    bool done = false;
+    *cu = 0;
+    if (mti_cuda_event_done(a->d, a->ev, &done)) return *cu = -1, -1;
+    return done ? 1 : 0;
+}
+
+/* Waits on the host, up to the communicator's deadline, until the first k
+ * tensors queued this round (every one: all the stream holds) are done
+ * (the exposed communication), then makes the device's stream wait for
+ * them too, and adds their time on the stream to the context's. */
+static mt_status settle(mti_ncclov *ov, int k)
 {
     mt_context *ctx = ov->ctx;
     mti_device *d = ctx->dev;
     mt_comm *c = ov->comm;
-    if (ov->given != ov->n)
-        return mti_fail(ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication stream",
-                        ov->given, ov->n);
-    const char *what = "the all-reduce of the gradients (on the communication stream)";
+    const bool all = k >= ov->n_queued;
+    if (all) k = ov->n_queued;
+    const char *what = ov->job ? "the collectives of the gradients (on the communication stream)"
+                               : "the all-reduce of the gradients (on the communication stream)";
     const uint64_t t0 = mti_now_ns();
     mt_status s = MT_OK;
-    if (ov->queued) {
+    if (!ov->failed && ov->pending && k > ov->waited) {
         s = mti_cuda_enter(d);
         if (!s) {
-            s = mti_nccl_wait(c, what, ov->stream);
+            event_of a = {d, k ? ov->timing[2 * ov->order[k - 1] + 1] : NULL};
+            s = all ? mti_nccl_wait(c, what, ov->stream) : mti_nccl_wait_until(c, what, event_done, &a);
             mti_cuda_leave(d);
             if (s) {
                 atomic_store(&c->broken, 1);
-                const char *why = c->vt.last_error ? c->vt.last_error(c->self) : "";
-                failed(ov, MT_ERR_COMM, "%s: %s", what, why);
+                failed(ov, MT_ERR_COMM, "%s", c->vt.last_error ? c->vt.last_error(c->self) : what);
             }
         }
     }
     mti_comm_waited(ctx, mti_now_ns() - t0);
-    if (ov->failed)
+    if (ov->failed) {
+        ov->pending = false; /* (reported here; the next round starts afresh) */
         return mti_fail(ctx, ov->failed, "%s (nccl, rank %d of %d)", ov->msg, c->rank, c->size);
-    /* the sums are there: the device's stream waits for them too */
-    s = mti_cuda_record(d, ov->done, ov->stream);
-    if (!s) s = mti_cuda_stream_wait(d, NULL, ov->done);
+    }
+    if (k <= ov->waited) return MT_OK;
+    /* the results are there: the device's stream waits for them too */
+    if (all) {
+        s = mti_cuda_record(d, ov->done, ov->stream);
+        if (!s) s = mti_cuda_stream_wait(d, NULL, ov->done);
+        ov->pending = false;
+    } else {
+        s = mti_cuda_stream_wait(d, NULL, ov->timing[2 * ov->order[k - 1] + 1]);
+    }
     /* what the collectives took on the stream, waits for backward left out */
     uint64_t ns = 0;
-    for (int i = 0; i < ov->n && !s; i++) {
-        if (!ov->t[i].n || !ov->t[i].g) continue;
+    for (int j = ov->waited; j < k && !s; j++) {
+        const int i = ov->order[j];
         float ms = 0.0f;
         s = mti_cuda_elapsed(d, ov->timing[2 * i], ov->timing[2 * i + 1], &ms);
         if (!s && ms > 0.0f) ns += (uint64_t)((double)ms * 1e6);
     }
-    atomic_fetch_add(&ctx->comm_calls, (uint64_t)ov->queued);
     atomic_fetch_add(&ctx->comm_ns, ns);
+    ov->waited = k;
     return s;
+}
+
+mt_status mti_ncclov_wait(mti_ncclov *ov)
+{
+    if (!ov->fifo && ov->given != ov->n)
+        return mti_fail(ov->ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication stream",
+                        ov->given, ov->n);
+    return settle(ov, ov->n);
+}
+
+mt_status mti_ncclov_wait_first(mti_ncclov *ov, int k)
+{
+    if (!ov->fifo || k < 1 || k > ov->given)
+        return mti_fail(ov->ctx, MT_ERR_INTERNAL, "waiting for %d of the %d tensors given", k, ov->given);
+    return settle(ov, k);
+}
+
+mt_status mti_ncclovs_quiet(mt_context *ctx, const char *what)
+{
+    if (mti_nccl_posting()) return MT_OK; /* (a job's own collectives) */
+    for (mti_ncclov *q = ctx->nccl_queue; q; q = q->next_on_ctx) {
+        if (!q->pending) continue;
+        const mt_status s = settle(q, q->n);
+        if (s && what)
+            return mti_fail(ctx, s, "%s: an earlier collective on the communication stream failed: %.800s",
+                            what, mti_last_msg(ctx).s);
+        if (s) return s;
+    }
+    return MT_OK;
 }

@@ -162,11 +162,24 @@ static size_t bucket_k(const mt_trainer *t, size_t most)
     return K < 1 ? 1 : K;
 }
 
-size_t mti_zero_reduce_bytes(const mt_trainer *t, int i, size_t at, size_t n)
+/* Bytes of the bucket reducing [at, at + n) of parameter i: one chunk of
+ * N x K (every chunk, each its own, when `every`), or 0 (none needed). */
+static size_t bucket_bytes(const mt_trainer *t, int i, size_t at, size_t n, bool every)
 {
     if (t->sh[i].owner >= 0 || mti_comm_stage(t->ctx)) return 0; /* (none: in place, or the staging) */
     const size_t most = longest(t, i, at, n);
-    return most ? (size_t)t->world * bucket_k(t, most) * 4 : 0;
+    const size_t K = bucket_k(t, most), chunks = every ? (most + K - 1) / K : 1;
+    return most ? (size_t)t->world * K * chunks * 4 : 0;
+}
+
+size_t mti_zero_reduce_bytes(const mt_trainer *t, int i, size_t at, size_t n)
+{
+    return bucket_bytes(t, i, at, n, false);
+}
+
+size_t mti_zero_reduce_bytes_all(const mt_trainer *t, int i, size_t at, size_t n)
+{
+    return bucket_bytes(t, i, at, n, true);
 }
 
 mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc)
@@ -177,19 +190,26 @@ mt_status mti_zero_reduce(mt_trainer *t, int i, float *g, size_t at, size_t n, f
 mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst, int acc,
                              void *bucket)
 {
+    return mti_zero_reduce_phase(t, i, g, at, n, dst, acc, bucket, MTI_ZR_ALL);
+}
+
+mt_status mti_zero_reduce_phase(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst,
+                                int acc, void *bucket, int phase)
+{
     mt_context *ctx = t->ctx;
     mti_device *d = ctx->dev;
     const mti_kctx k = {ctx, d};
     const int N = t->world, me = t->rank;
     const mti_shard *sh = &t->sh[i];
+    const bool post = phase != MTI_ZR_FINISH, take = phase != MTI_ZR_POST;
     char what[112];
     snprintf(what, sizeof what, "the reduce-scatter of the gradients of %s", t->model->params[i].name);
     mt_status s = MT_OK;
     if (sh->owner >= 0) { /* a whole-tensor owner: summed in place, the owner takes it */
         float *const none[1] = {NULL};
-        if (live(t)) s = g ? mti_comm_all_reduce(ctx, what, g, g, n, MT_COMM_F32, MT_COMM_SUM)
-                           : mti_comm_all_reduce_pieces(ctx, what, none, &n, 1);
-        if (s || me != sh->owner || !dst || !g) return s;
+        if (live(t) && post) s = g ? mti_comm_all_reduce(ctx, what, g, g, n, MT_COMM_F32, MT_COMM_SUM)
+                                   : mti_comm_all_reduce_pieces(ctx, what, none, &n, 1);
+        if (s || !take || me != sh->owner || !dst || !g) return s;
         if (acc) return ctx->ops->accumulate(&k, dst, g, n, MTI_F32);
         return dst == g ? MT_OK : d->copy_d2d(d, dst, g, n * 4);
     }
@@ -200,15 +220,17 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
     /* a CPU context packs the pieces straight into its staging buffer,
        which the collective works on anyway (once the communication
        thread's queue is done with it); elsewhere through a bucket, the
-       caller's or one made here */
-    float *stage = mti_comm_stage(ctx);
+       caller's or one made here; in phases (a communication stream's),
+       the caller's, a chunk of it for each chunk of the range */
+    float *stage = phase == MTI_ZR_ALL ? mti_comm_stage(ctx) : NULL;
     mti_tensor bk = {0};
     if (most && stage && live(t)) s = mti_comm_turn(ctx, what);
     const bool made = most && !stage && !bucket;
     if (made && !s) s = mti_comm_buffer(ctx, &bk, (size_t)N * K * 4);
     for (size_t o = 0; o < most && !s; o += K) {
         float *b = stage ? stage : bucket ? bucket : bk.blk.ptr;
-        for (int r = 0; r < N && !s; r++) {
+        if (phase != MTI_ZR_ALL) b += o / K * (size_t)N * K;
+        for (int r = 0; r < N && !s && post; r++) {
             size_t from;
             const size_t len = piece(t, i, at, n, r, &from);
             size_t l = len > o ? len - o : 0;
@@ -217,7 +239,7 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
             const size_t z = g ? l : 0; /* no gradient: zeros */
             if (!s && z < K) s = d->memset8(d, b + (size_t)r * K + z, 0, (K - z) * 4);
         }
-        if (!s && live(t))
+        if (!s && live(t) && post)
             s = stage ? mti_comm_reduce_scatter_stage(ctx, what, K)
                       : mti_comm_reduce_scatter(ctx, what, b, b + (size_t)me * K, K, MT_COMM_F32,
                                                 MT_COMM_SUM);
@@ -225,7 +247,7 @@ mt_status mti_zero_reduce_in(mt_trainer *t, int i, float *g, size_t at, size_t n
         const size_t len = piece(t, i, at, n, me, &from);
         size_t l = len > o ? len - o : 0;
         if (l > K) l = K;
-        if (!s && l && dst) {
+        if (!s && l && dst && take) {
             if (acc) s = ctx->ops->accumulate(&k, dst + o, b + (size_t)me * K, l, MTI_F32);
             else s = d->copy_d2d(d, dst + o, b + (size_t)me * K, l * 4);
         }

@@ -16,7 +16,8 @@
  * mapping goes. Launches of the kernels of kernels/cuda that it knows run
  * on the host; others are only counted. It knows mt_fill_f32, mt_axpy_f32,
  * mt_accumulate_f32 (ZeRO-2 adds the ranks' sums onto its gradient slices
- * with it) and the dequantizing kernels of dequant.cu, whose twins here run that
+ * with it), mt_sgd under MT_FAKE_CUDA_SGD (below; the arithmetic of
+ * kernels/cuda/optim.cu) and the dequantizing kernels of dequant.cu, whose twins here run that
  * file's own arithmetic (kernels/cuda/dequant.cuh, plain C as well as
  * CUDA), so the stand-in tests check it bit for bit against lib/quant.c.
  *
@@ -29,6 +30,9 @@
  *   MT_FAKE_CUDA_GRANULARITY  VMM granularity, bytes (default 2 MiB)
  *   MT_FAKE_CUDA_PINNED       page-locked host memory cuMemHostAlloc grants in
  *                             all, bytes (default 64 GiB)
+ *   MT_FAKE_CUDA_SGD          1: mt_sgd runs (on fp32 weights without a compute
+ *                             copy), so tests that fill the gradients in see the
+ *                             weights move by them; else it computes nothing
  *
  * For tests, besides the driver's entry points:
  *   fake_cuda_fail(call, skip, code)  the named entry point returns `code`
@@ -39,10 +43,21 @@
  *                                     (which names the main stream, tagged m:, the
  *                                     others s:), one word each (see fake_log)
  *
+ * NCCL's work on a stream (the stand-in libnccl named by MT_FAKE_NCCL, when
+ * the process has it loaded) completes when every rank has queued it, not
+ * when it is queued: an event recorded on a stream behind a collective of
+ * the calling thread's not yet done is not complete either (cuEventQuery
+ * says CUDA_ERROR_NOT_READY), and cuEventSynchronize and cuStreamWaitEvent
+ * on it block the calling thread until it is (up to 60 s, then
+ * CUDA_ERROR_LAUNCH_TIMEOUT): work here runs when it is queued, so a
+ * stream that waits for an event must see its work done before anything
+ * queued after the wait runs.
+ *
  * Page-locked host memory (cuMemHostAlloc) is reachable from the device at
  * its host address, as under unified addressing: copies may name it as
  * device memory, and cuMemcpyAsync takes any two such addresses.
  */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -140,6 +155,8 @@ struct CUevent_st {
     int recorded;
     unsigned flags;     /* cuEventCreate's */
     double recorded_at; /* host seconds of the last record (work runs at once here) */
+    int marked;         /* behind a collective of the stand-in libnccl, not done when recorded */
+    unsigned long long mark[2];
 };
 struct CUfunc_st {
     unsigned magic;
@@ -183,6 +200,7 @@ static struct {
     int initialized;
     int n_devices;
     int vmm;
+    int sgd; /* MT_FAKE_CUDA_SGD: mt_sgd runs */
     size_t total, used, gran;
     struct CUctx_st ctx[FAKE_MAX_DEVICES];
     VEC(fake_alloc) allocs;
@@ -325,6 +343,7 @@ CUresult cuInit(unsigned int flags)
     F.n_devices = nd > FAKE_MAX_DEVICES ? FAKE_MAX_DEVICES : (int)nd;
     F.total = (size_t)env_ull("MT_FAKE_CUDA_MEM", 4ull << 30);
     F.vmm = env_ull("MT_FAKE_CUDA_NO_VMM", 0) ? 0 : 1;
+    F.sgd = env_ull("MT_FAKE_CUDA_SGD", 0) != 0;
     unsigned long long g = env_ull("MT_FAKE_CUDA_GRANULARITY", 2u << 20);
     F.pinned_max = (size_t)env_ull("MT_FAKE_CUDA_PINNED", 64ull << 30);
     F.gran = (g >= 4096 && !(g & (g - 1))) ? (size_t)g : (2u << 20);
@@ -660,6 +679,33 @@ CUresult cuMemFreeHost(void *ptr)
 
 static int valid_event(CUevent e) { return e && e->magic == FAKE_MAGIC_EVENT; }
 
+/* The stand-in libnccl's marks (see the top), once the process has it. */
+static int (*nccl_mark)(void *stream, unsigned long long mark[2]);
+static int (*nccl_reached)(const unsigned long long mark[2]);
+
+static void nccl_find(void)
+{
+    if (nccl_reached) return;
+    const char *path = getenv("MT_FAKE_NCCL");
+    void *lib = path && *path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    if (!lib) return;
+    void *m = dlsym(lib, "fake_nccl_mark"), *r = dlsym(lib, "fake_nccl_reached");
+    if (!m || !r) return;
+    memcpy(&nccl_mark, &m, sizeof m);
+    memcpy(&nccl_reached, &r, sizeof r); /* (kept loaded: the library never unloads it) */
+}
+
+static int event_done(CUevent e) { return !e->marked || nccl_reached(e->mark); }
+
+/* Blocks until the event's collective is done (called without mu). */
+static CUresult event_await(CUevent e)
+{
+    if (!valid_event(e)) return CUDA_SUCCESS; /* (refused under mu) */
+    struct timespec nap = {0, 50000};
+    for (int k = 0; k < 1200000 && !event_done(e); k++) nanosleep(&nap, NULL);
+    return event_done(e) ? CUDA_SUCCESS : CUDA_ERROR_LAUNCH_TIMEOUT;
+}
+
 CUresult cuEventCreate(CUevent *event, unsigned int flags)
 {
     ENTER("cuEventCreate");
@@ -676,10 +722,12 @@ CUresult cuEventCreate(CUevent *event, unsigned int flags)
 
 CUresult cuEventRecord(CUevent event, CUstream stream)
 {
+    nccl_find();
     ENTER("cuEventRecord");
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (!valid_event(event) || !valid_stream(stream)) return leave(CUDA_ERROR_INVALID_HANDLE);
     event->recorded = 1;
+    event->marked = nccl_mark && nccl_mark(stream, event->mark);
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     event->recorded_at = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -689,9 +737,11 @@ CUresult cuEventRecord(CUevent event, CUstream stream)
 
 CUresult cuEventSynchronize(CUevent event)
 {
+    const CUresult w = event_await(event);
     ENTER("cuEventSynchronize");
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (!valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    if (w) return leave(w);
     fake_log(NULL, event->recorded ? "wait" : "wait0");
     return leave(CUDA_SUCCESS);
 }
@@ -708,13 +758,14 @@ CUresult cuEventDestroy_v2(CUevent event)
 }
 
 /* Work here is done when it is queued, so an event is complete once
- * recorded, and one never recorded counts as complete (the driver's rule). */
+ * recorded (unless behind a collective not done: see the top), and one
+ * never recorded counts as complete (the driver's rule). */
 CUresult cuEventQuery(CUevent event)
 {
     ENTER("cuEventQuery");
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (!valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
-    return leave(CUDA_SUCCESS);
+    return leave(event_done(event) ? CUDA_SUCCESS : (CUresult)600); /* CUDA_ERROR_NOT_READY */
 }
 
 /* The driver's rules: both events recorded, neither made with
@@ -738,10 +789,12 @@ CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end)
  * on the stream, counted as stream_waits. */
 CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags)
 {
+    const CUresult w = event_await(event); /* (what follows on the stream runs at once here) */
     ENTER("cuStreamWaitEvent");
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (flags > 1u) return leave(CUDA_ERROR_INVALID_VALUE);
     if (!valid_stream(stream) || !valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    if (w) return leave(w);
     F.stream_waits++;
     fake_log(stream, event->recorded ? "wait>" : "wait0>");
     return leave(CUDA_SUCCESS);
@@ -967,6 +1020,28 @@ static CUresult run_known(const struct CUfunc_st *f, void **p)
             !dev_range_ok((CUdeviceptr)(uintptr_t)x, n * 4))
             return CUDA_ERROR_ILLEGAL_ADDRESS;
         for (unsigned long long i = 0; i < n; i++) y[i] = a * x[i] + y[i];
+    } else if (F.sgd && strcmp(f->name, "mt_sgd") == 0) { /* (fp32 weights alone: no compute copy) */
+        if (!p) return CUDA_ERROR_INVALID_VALUE;
+        float *w = *(float **)p[0], *m = *(float **)p[2];
+        const float *g = *(const float **)p[1];
+        const void *pc = *(void **)p[3];
+        const unsigned long long n = *(const unsigned long long *)p[5];
+        const float lr = *(const float *)p[6], mom = *(const float *)p[7], damp1 = *(const float *)p[8];
+        const float wd = *(const float *)p[9], scale = *(const float *)p[12];
+        const int nesterov = *(const int *)p[10], first = *(const int *)p[11];
+        if (pc || n > SIZE_MAX / 4 || !dev_range_ok((CUdeviceptr)(uintptr_t)w, n * 4) ||
+            !dev_range_ok((CUdeviceptr)(uintptr_t)g, n * 4) ||
+            (m && !dev_range_ok((CUdeviceptr)(uintptr_t)m, n * 4)))
+            return pc ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS; /* (a compute copy: not run) */
+        for (unsigned long long i = 0; i < n; i++) {
+            float d = g[i] * scale + wd * w[i];
+            if (m) {
+                const float b = first ? d : mom * m[i] + damp1 * d;
+                m[i] = b;
+                d = nesterov ? d + mom * b : b;
+            }
+            w[i] = w[i] - lr * d;
+        }
     } else if (strcmp(f->name, "mt_accumulate_f32") == 0) {
         if (!p) return CUDA_ERROR_INVALID_VALUE;
         float *y = *(float **)p[0];

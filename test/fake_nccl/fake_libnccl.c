@@ -17,6 +17,13 @@
  * For tests: fake_nccl_calls(stream, others) counts the collectives the
  * calling thread queued on `stream` (others 0) or on every other stream
  * (others 1).
+ *
+ * For the stand-in driver (test/fake_cuda/fake_libcuda.c), whose events
+ * must not complete before the collectives queued ahead of them on their
+ * stream: fake_nccl_mark(stream, mark) gives the calling thread's last
+ * collective on `stream` not known done (1; 0: none), and
+ * fake_nccl_reached(mark) whether it is done (or its communicator gone or
+ * aborted, which ends its work, as ncclCommAbort ends NCCL's kernels).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -51,6 +58,7 @@ typedef struct round {
 
 typedef struct clique {
     char id[128];
+    unsigned long long serial; /* names it in marks (fake_nccl_mark) */
     int n, joined, live, aborted, bad;
     uint64_t seq; /* collectives completed */
     round *r;     /* MAXQ of them, round k at k % MAXQ */
@@ -67,6 +75,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static clique *cliques;
 static unsigned ids;
+static unsigned long long serials;
 /* per thread: the streams with collectives queued, each with the number
    its last one completes at; and how many each stream was given */
 #define MAXS 8
@@ -98,6 +107,8 @@ int cuStreamQuery(void *stream);
 int cuMemAlloc_v2(unsigned long long *p, size_t bytes);
 int cuMemFree_v2(unsigned long long p);
 unsigned long fake_nccl_calls(void *stream, int others);
+int fake_nccl_mark(void *stream, unsigned long long mark[2]);
+int fake_nccl_reached(const unsigned long long mark[2]);
 
 ncclResult_t ncclGetVersion(int *v)
 {
@@ -151,6 +162,7 @@ ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
         q = calloc(1, sizeof *q);
         q->r = calloc(MAXQ, sizeof *q->r);
         memcpy(q->id, id.internal, 128);
+        q->serial = ++serials;
         q->n = n;
         q->next = cliques;
         cliques = q;
@@ -397,4 +409,29 @@ int cuMemFree_v2(unsigned long long p)
 {
     free((void *)(uintptr_t)p);
     return 0;
+}
+
+int fake_nccl_mark(void *stream, unsigned long long mark[2])
+{
+    int got = 0;
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < MAXS && !got; k++) {
+        const on_stream *p = &pending[k];
+        if (!p->c || p->stream != stream || p->c->q->seq >= p->waiting) continue;
+        mark[0] = p->c->q->serial;
+        mark[1] = p->waiting;
+        got = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    return got;
+}
+
+int fake_nccl_reached(const unsigned long long mark[2])
+{
+    pthread_mutex_lock(&mu);
+    const clique *q = cliques;
+    while (q && q->serial != mark[0]) q = q->next;
+    const int done = !q || q->aborted || q->bad || q->seq >= mark[1];
+    pthread_mutex_unlock(&mu);
+    return done;
 }
