@@ -863,10 +863,11 @@ static mt_status overlap_start(mt_trainer *t)
 static mt_status ncclov_start(mt_trainer *t, mti_ncclov_job job, bool fifo)
 {
     const mt_model *m = t->model;
-    size_t *numel = malloc((size_t)m->n_param * sizeof *numel + 1);
+    const int n = t->zero == 3 ? 0 : m->n_param; /* (stage 3: calls alone, comm/zero3.c) */
+    size_t *numel = malloc((size_t)n * sizeof *numel + 1);
     if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
-    for (int i = 0; i < m->n_param; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
-    mt_status s = mti_ncclov_new(t->ctx, m->n_param, numel, job, t, fifo, &t->nov);
+    for (int i = 0; i < n; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
+    mt_status s = mti_ncclov_new(t->ctx, n, numel, job, t, fifo, &t->nov);
     free(numel);
     return s;
 }
@@ -1041,6 +1042,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s && !mti_local_sgd(t) && (ahead || (!cfg->fused_step && zero < 2)) &&
         mti_overlap_possible(ctx))
         s = overlap_start(t);
+    if (!s && !mti_local_sgd(t) && ahead && mti_ncclov_possible(ctx)) /* (NCCL's stream) */
+        s = ncclov_start(t, NULL, false);
     /* stage 2's reduce-scatters on it, and the fused step's reductions at
        stages 0 to 2 (not with the state on disk, whose pieces stream in
        the update's order as backward makes it); an estimate plans the

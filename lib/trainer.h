@@ -100,6 +100,8 @@ struct mt_trainer {
     unsigned char *z3_held;  /* stage 3: per entry of the engine's schedule, its
                                 weights are brought in */
     int z3_prefetch;         /* stage 3: entries brought in ahead (cfg.zero3_prefetch) */
+    int z3_stream;           /* stage 3: its queue is NCCL's communication stream (or
+                                planned so), whose reduce-scatters go in two halves */
     int z3_keep_from;        /* stage 3: layers from this one on are kept from
                                 forward to backward (cfg.zero3_keep) */
     struct mti_z3_rs *z3_rs; /* stage 3: per parameter, its reduce-scatter queued

@@ -21,7 +21,9 @@
 #include "internal.h"
 #include "test_comm.h"
 #include "comm/dp.h"
+#include "tnccl.h"
 #include "trainer.h"
+#include "cuda_device.h"
 
 enum { Z3C_MAXN = 3, Z3C_T = 8, Z3C_ROWS = 2, Z3C_STEPS = 2 };
 
@@ -30,8 +32,12 @@ typedef struct z3c_run {
     int n;
     mt_trainer_config tc;
     int layers;
+    int sgd;                       /* the stand-in's SGD runs (MT_FAKE_CUDA_SGD): the weights move */
     mt_status st[Z3C_MAXN];
     char msg[Z3C_MAXN][400];
+    unsigned long side[Z3C_MAXN];  /* collectives on another stream than the device's */
+    float *w1[Z3C_MAXN];           /* with sgd: the weights put back */
+    size_t nw;                     /* (their count) */
 } z3c_run;
 
 /* The engine's params hook, watched: after ZeRO-3's hook brings a layer's
@@ -93,16 +99,19 @@ static void z3c_rank(int rank, void *arg)
     if (!s) s = mt_model_get_params(m, w0, P);
     if (!s) s = mt_trainer_create(m, &a->tc, &t);
     z3c_watch wt = {.t = t, .w0 = w0, .msg = msg, .cap = cap};
-    if (!s) {
+    if (!s && !a->sgd) { /* (the weights stay the model's: the stand-in updates nothing) */
         t->E.params_hook = watched;
         t->E.params_user = &wt;
     }
     int32_t tok[Z3C_ROWS * Z3C_T], tg[Z3C_ROWS * Z3C_T];
     mt_batch b;
+    void *main_stream = ctx ? mti_cuda_stream(ctx->dev) : NULL;
+    const unsigned long side0 = tnccl_calls(main_stream, 1);
     for (int k = 0; k < Z3C_STEPS && !s; k++) {
         check_token_batch(&b, tok, tg, Z3C_ROWS, Z3C_T, 50, k + rank);
         s = mt_trainer_step(t, &b, NULL);
     }
+    a->side[rank] = tnccl_calls(main_stream, 1) - side0;
     if (!s) { /* this rank's estimate of its steps, class by class */
         mt_estimate_report e;
         mt_memory_stats ms;
@@ -128,12 +137,16 @@ static void z3c_rank(int rank, void *arg)
                          (double)gr[p->offset + e], (double)want);
         }
     }
-    if (!s && !*msg && !wt.checked) snprintf(msg, cap, "no layer held weights in");
+    if (!s && !*msg && !wt.checked && !a->sgd) snprintf(msg, cap, "no layer held weights in");
     if (s && !*msg) snprintf(msg, cap, "%s", ctx ? mt_last_error(ctx) : "no context");
     mt_trainer_destroy(t); /* (a collective at stage 3: the weights put back) */
-    if (!s && !*msg && (mt_model_get_params(m, w1, P) || memcmp(w0, w1, P * sizeof *w0)))
+    if (!s && !*msg && mt_model_get_params(m, w1, P)) snprintf(msg, cap, "no weights put back");
+    if (!s && !*msg && !a->sgd && memcmp(w0, w1, P * sizeof *w0))
         snprintf(msg, cap, "the weights put back differ from the model's");
+    if (!s && !*msg && a->sgd && !memcmp(w0, w1, P * sizeof *w0))
+        snprintf(msg, cap, "the weights did not move");
     a->st[rank] = s;
+    if (a->sgd) a->w1[rank] = w1, w1 = NULL, a->nw = P;
     free(w0), free(w1), free(gr);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
@@ -162,24 +175,57 @@ static void z3c_host_rank(int rank, void *arg)
     mt_comm_destroy(c);
 }
 
+/* One case on n ranks, with NCCL's communication stream (mode 0) and
+ * without it (1, MT_NCCL_OVERLAP=0); sgd: the stand-in's SGD runs. */
+static void z3c_go(z3c_run *a, int n, mt_optimizer_kind opt, int fused, int prefetch, int keep,
+                   mt_recompute_policy rc, int mode, int sgd)
+{
+    memset(a, 0, sizeof *a);
+    a->w = tcomm_world_new(n, 30.0);
+    a->n = n;
+    a->layers = 2;
+    a->sgd = sgd;
+    mt_trainer_config_init(&a->tc);
+    a->tc.max_batch = Z3C_ROWS;
+    a->tc.optimizer = opt;
+    a->tc.lr = 0.01f;
+    a->tc.zero_stage = 3;
+    a->tc.fused_step = fused;
+    a->tc.zero3_prefetch = prefetch;
+    a->tc.zero3_keep = keep;
+    a->tc.recompute = rc;
+    if (mode) setenv("MT_NCCL_OVERLAP", "0", 1);
+    if (sgd) setenv("MT_FAKE_CUDA_SGD", "1", 1);
+    tcomm_run(n, z3c_rank, a);
+    unsetenv("MT_NCCL_OVERLAP");
+    unsetenv("MT_FAKE_CUDA_SGD");
+    tcomm_world_free(a->w);
+    for (int r = 0; r < n; r++) {
+        CHECK_MSG(a->st[r] == MT_OK && !a->msg[r][0], "%s, %d ranks, prefetch %d, keep %d, %s%s: rank %d: %s",
+                  mt_optimizer_name(opt), n, prefetch, keep, mode ? "blocking" : "stream",
+                  sgd ? ", SGD run" : "", r, a->msg[r]);
+        /* with prefetch the gathers and reduce-scatters went on the stream */
+        if (mode || !prefetch) CHECK_EQ(a->side[r], 0);
+        else CHECK_MSG(a->side[r] > 0, "rank %d: nothing on the communication stream", r);
+    }
+}
+
 static void z3c_case(int n, mt_optimizer_kind opt, int fused, int prefetch, int keep,
                      mt_recompute_policy rc)
 {
-    z3c_run a = {.w = tcomm_world_new(n, 30.0), .n = n, .layers = 2};
-    mt_trainer_config_init(&a.tc);
-    a.tc.max_batch = Z3C_ROWS;
-    a.tc.optimizer = opt;
-    a.tc.lr = 0.01f;
-    a.tc.zero_stage = 3;
-    a.tc.fused_step = fused;
-    a.tc.zero3_prefetch = prefetch;
-    a.tc.zero3_keep = keep;
-    a.tc.recompute = rc;
-    tcomm_run(n, z3c_rank, &a);
-    tcomm_world_free(a.w);
-    for (int r = 0; r < n; r++)
-        CHECK_MSG(a.st[r] == MT_OK && !a.msg[r][0], "%s, %d ranks, prefetch %d, keep %d: rank %d: %s",
-                  mt_optimizer_name(opt), n, prefetch, keep, r, a.msg[r]);
+    z3c_run a[2];
+    for (int mode = 0; mode < 2; mode++) z3c_go(&a[mode], n, opt, fused, prefetch, keep, rc, mode, 0);
+    if (opt != MT_OPT_SGD) return;
+    /* the stand-in's SGD moves the weights by the reduce-scattered sums:
+       the same weights with the stream and without, bit for bit */
+    for (int mode = 0; mode < 2; mode++) z3c_go(&a[mode], n, opt, fused, prefetch, keep, rc, mode, 1);
+    for (int r = 0; r < n; r++) {
+        CHECK_MSG(a[0].w1[r] && a[1].w1[r], "rank %d: no weights", r);
+        if (a[0].w1[r] && a[1].w1[r] && a[0].nw == a[1].nw)
+            CHECK_MSG(!memcmp(a[0].w1[r], a[1].w1[r], a[0].nw * sizeof(float)), "%d ranks, prefetch %d, rank %d: "
+                      "the weights differ with the stream", n, prefetch, r);
+        free(a[0].w1[r]), free(a[1].w1[r]);
+    }
 }
 
 TEST(zero3_cuda_nccl_stand_in)
@@ -194,6 +240,8 @@ TEST(zero3_cuda_nccl_stand_in)
     z3c_case(2, MT_OPT_ADAFACTOR, 0, 0, -1, MT_RECOMPUTE_NONE);
     z3c_case(3, MT_OPT_ADAMW8, 0, 1, 1, MT_RECOMPUTE_NONE);
     z3c_case(3, MT_OPT_ADAMW, 1, 0, 0, MT_RECOMPUTE_SQRT);
+    z3c_case(3, MT_OPT_SGD, 0, 2, 1, MT_RECOMPUTE_SQRT);
+    z3c_case(3, MT_OPT_SGD, 1, 1, 0, MT_RECOMPUTE_NONE);
     mti_engine_grad_fill = NULL;
     z3c_run h = {.w = tcomm_world_new(2, 30.0), .n = 2};
     mt_trainer_config_init(&h.tc);

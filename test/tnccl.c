@@ -1,6 +1,7 @@
 /*
  * tnccl.c - one rank of NCCL on a CUDA context (tnccl.h).
  */
+#include <dlfcn.h>
 #include <string.h>
 
 #include "tnccl.h"
@@ -53,4 +54,16 @@ void tnccl_free(mt_context *ctx, mt_context *first, mt_comm *c)
     mt_context_destroy(ctx);
     mt_comm_destroy(c);
     mt_context_destroy(first);
+}
+
+unsigned long tnccl_calls(void *stream, int others)
+{
+    const char *fake = getenv("MT_FAKE_NCCL");
+    void *lib = fake && *fake ? dlopen(fake, RTLD_NOW | RTLD_LOCAL) : NULL;
+    void *sym = lib ? dlsym(lib, "fake_nccl_calls") : NULL;
+    unsigned long (*f)(void *, int) = NULL;
+    memcpy(&f, &sym, sizeof sym);
+    unsigned long n = f ? f(stream, others) : ~0ul;
+    if (lib) dlclose(lib);
+    return n;
 }

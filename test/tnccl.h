@@ -19,5 +19,9 @@ bool tnccl_gpu(void);
  * check failed. Free with tnccl_free. */
 mt_context *tnccl_one_rank(mt_context **first, mt_comm **c);
 void tnccl_free(mt_context *ctx, mt_context *first, mt_comm *c);
+/* The collectives the calling thread queued with the stand-in libnccl
+ * (MT_FAKE_NCCL, loaded) on `stream` (others 0) or on every other stream
+ * (others 1): fake_nccl_calls; ~0 without it. */
+unsigned long tnccl_calls(void *stream, int others);
 
 #endif

@@ -1,6 +1,6 @@
 /*
- * nccl_overlap.c - the gradients' sums on a communication stream, the
- * overlap of a CUDA context with the NCCL communicator (the CPU path's
+ * nccl_overlap.c - the gradients' collectives on a communication stream,
+ * the overlap of a CUDA context with the NCCL communicator (the CPU path's
  * thread is comm/overlap.c).
  *
  * NCCL queues a collective on a stream and returns; the GPU runs it when
@@ -26,10 +26,28 @@
  * tensor once it and every tensor above it are given, whatever order
  * backward gave them in.
  *
- * Memory: nothing is allocated, and every gradient stays where it is
- * until the update, after the wait (stage 0 keeps whole gradients until
- * then anyway), so nothing the communication stream still reads is ever
- * freed or reused: the peaks and the estimate are the blocking step's.
+ * Jobs and calls. Instead of the sum, a job (ZeRO-2's reduce-scatter, the
+ * fused step's collective) runs for each tensor as it is given (fifo, in
+ * backward's order), or a call for a caller (ZeRO-3's gathers and
+ * reduce-scatters, zero3.c): it makes its collectives through the usual
+ * mti_comm_* calls while nccl.c posts them (mti_nccl_post_begin): each goes
+ * on the communication stream behind an event of the device's stream (the
+ * fence: the job's packing, and the kernels that may still use memory it
+ * was just given, come first) and is not waited for. The caller waits for
+ * the oldest (mti_ncclov_wait_first, mti_ncclov_done): the host polls the
+ * event recorded after it against the deadline, then the device's stream
+ * waits for the same event, so what follows on the GPU reads the results
+ * and a block may be freed. A collective on the device's stream first
+ * waits for every communication stream of the context (mti_ncclovs_quiet,
+ * from comm.c), so a communicator's work is never on two streams at once.
+ *
+ * Memory: nothing is allocated here. At stages 0 and 1 every gradient
+ * stays where it is until the update, after the wait (whole gradients are
+ * kept until then anyway), so nothing the communication stream still
+ * reads is ever freed or reused: the peaks and the estimate are the
+ * blocking step's. What a job or call uses the caller keeps until it is
+ * waited for, at points that do not depend on timing (the estimate's dry
+ * run keeps the same).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -38,6 +56,9 @@
 
 #include "comm/nccl_overlap.h"
 #include "cuda_device.h"
+
+/* Calls in flight at most: one more first waits for the oldest. */
+#define CALLS 64
 
 typedef struct tensor {
     float *g;
@@ -66,6 +87,11 @@ struct mti_ncclov {
     int n_queued;
     int waited;     /* the first `waited` of them waited for */
     bool pending;   /* work queued since the stream was last waited for */
+    /* calls (mti_ncclov_call): tickets from 1, `issued` of them, the first
+       `reached` waited for; each with a start and an end event (timed) at
+       ticket % CALLS, the first failure's ticket */
+    void *cev[2 * CALLS];
+    uint64_t issued, reached, failed_at;
     mt_status failed;
     char msg[MTI_ERR_LEN];
     struct mti_ncclov *next_on_ctx; /* the context's other streams (other trainers') */
@@ -116,6 +142,7 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
     if (!s) s = mti_cuda_event_new(d, &ov->done);
     for (int k = 0; k < 2 * n && !s; k++)
         if (numel[k / 2]) s = mti_cuda_event_new_timed(d, &timing[k]);
+    for (int k = 0; k < 2 * CALLS && !s && !n; k++) s = mti_cuda_event_new_timed(d, &ov->cev[k]);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         mti_ncclov_free(ov);
@@ -137,6 +164,7 @@ void mti_ncclov_free(mti_ncclov *ov)
         }
     mti_device *d = ov->ctx->dev;
     for (int k = 0; k < 2 * ov->n; k++) mti_cuda_event_free(d, ov->timing[k]);
+    for (int k = 0; k < 2 * CALLS; k++) mti_cuda_event_free(d, ov->cev[k]);
     mti_cuda_event_free(d, ov->ready);
     mti_cuda_event_free(d, ov->done);
     mti_cuda_stream_free(d, ov->stream);
@@ -198,7 +226,8 @@ static void queue(mti_ncclov *ov, int i)
                "NCCL communicator was aborted)", x->name ? x->name : "?");
         return;
     }
-    mt_status s = mti_cuda_record(d, ov->timing[2 * i], ov->stream);
+    if (ov->job) fence(ov); /* (its time on the stream starts after backward's kernels) */
+    mt_status s = ov->failed ? ov->failed : mti_cuda_record(d, ov->timing[2 * i], ov->stream);
     if (s) {
         failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
         return;
@@ -344,12 +373,100 @@ mt_status mti_ncclov_wait_first(mti_ncclov *ov, int k)
     return settle(ov, k);
 }
 
+/* ---- calls ---- */
+
+/* Waits on the host, up to the deadline, for the calls up to ticket upto,
+ * then makes the device's stream wait for them too and counts their time:
+ * MT_OK, or the failure of one of them (its own message) or of an earlier
+ * one ("an earlier collective ... failed"). */
+static mt_status reach(mti_ncclov *ov, uint64_t upto)
+{
+    mt_context *ctx = ov->ctx;
+    mti_device *d = ctx->dev;
+    mt_comm *c = ov->comm;
+    if (upto > ov->issued) upto = ov->issued;
+    const uint64_t t0 = mti_now_ns();
+    const char *what = "a collective on the communication stream";
+    void *end = ov->cev[2 * (upto % CALLS) + 1];
+    mt_status s = MT_OK;
+    if ((!ov->failed || ov->failed_at > upto) && upto > ov->reached) {
+        s = mti_cuda_enter(d);
+        if (!s) {
+            event_of a = {d, end};
+            s = mti_nccl_wait_until(c, what, event_done, &a);
+            mti_cuda_leave(d);
+            if (s) {
+                atomic_store(&c->broken, 1);
+                failed(ov, MT_ERR_COMM, "%s", c->vt.last_error ? c->vt.last_error(c->self) : what);
+                if (!ov->failed_at || ov->failed_at > ov->reached + 1) ov->failed_at = ov->reached + 1;
+            }
+        }
+    }
+    mti_comm_waited(ctx, mti_now_ns() - t0);
+    if (ov->failed && ov->failed_at <= upto) {
+        if (ov->reached < upto) ov->reached = upto; /* (the rest dropped) */
+        return mti_fail(ctx, ov->failed_at == upto ? ov->failed : MT_ERR_COMM,
+                        "%s%s (nccl, rank %d of %d)",
+                        ov->failed_at == upto ? "" : "an earlier collective on the communication "
+                                                     "stream failed: ",
+                        ov->msg, c->rank, c->size);
+    }
+    if (upto <= ov->reached) return MT_OK;
+    s = mti_cuda_stream_wait(d, NULL, end);
+    uint64_t ns = 0;
+    for (uint64_t k = ov->reached + 1; k <= upto && !s; k++) {
+        float ms = 0.0f;
+        s = mti_cuda_elapsed(d, ov->cev[2 * (k % CALLS)], ov->cev[2 * (k % CALLS) + 1], &ms);
+        if (!s && ms > 0.0f) ns += (uint64_t)((double)ms * 1e6);
+    }
+    atomic_fetch_add(&ctx->comm_ns, ns);
+    ov->reached = upto;
+    return s;
+}
+
+mt_status mti_ncclov_call(mti_ncclov *ov, mti_ncclov_fn fn, void *user, int i, uint64_t *ticket)
+{
+    mti_device *d = ov->ctx->dev;
+    *ticket = 0;
+    mt_status s = ov->issued - ov->reached >= CALLS ? reach(ov, ov->issued + 1 - CALLS) : MT_OK;
+    const uint64_t k = ++ov->issued;
+    *ticket = k;
+    if (ov->failed) {
+        if (!ov->failed_at) ov->failed_at = k;
+        return MT_OK; /* (dropped: its wait says so) */
+    }
+    (void)s; /* (a failure there is the ticket's too) */
+    fence(ov);
+    s = ov->failed ? MT_OK : mti_cuda_record(d, ov->cev[2 * (k % CALLS)], ov->stream);
+    if (!s && !ov->failed) s = mti_cuda_enter(d);
+    if (!s && !ov->failed) {
+        mti_nccl_post_begin(ov->stream, fence, ov);
+        s = fn(user, i);
+        mti_nccl_post_end();
+        mti_cuda_leave(d);
+    }
+    if (!s && !ov->failed) s = mti_cuda_record(d, ov->cev[2 * (k % CALLS) + 1], ov->stream);
+    if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+    if (ov->failed && !ov->failed_at) ov->failed_at = k;
+    return MT_OK;
+}
+
+mt_status mti_ncclov_done(mti_ncclov *ov, uint64_t ticket) { return reach(ov, ticket); }
+
+mt_status mti_ncclov_quiet(mti_ncclov *ov, bool reset)
+{
+    mt_status s = reach(ov, ov->issued);
+    if (reset) ov->failed = MT_OK, ov->failed_at = 0, ov->msg[0] = 0, s = MT_OK;
+    return s;
+}
+
 mt_status mti_ncclovs_quiet(mt_context *ctx, const char *what)
 {
     if (mti_nccl_posting()) return MT_OK; /* (a job's own collectives) */
     for (mti_ncclov *q = ctx->nccl_queue; q; q = q->next_on_ctx) {
-        if (!q->pending) continue;
-        const mt_status s = settle(q, q->n);
+        if (!q->pending && q->reached == q->issued) continue;
+        mt_status s = q->pending ? settle(q, q->n) : MT_OK;
+        if (!s) s = reach(q, q->issued);
         if (s && what)
             return mti_fail(ctx, s, "%s: an earlier collective on the communication stream failed: %.800s",
                             what, mti_last_msg(ctx).s);

@@ -57,6 +57,21 @@ bool mti_ncclov_pushed(const mti_ncclov *ov, int i);
 mt_status mti_ncclov_wait(mti_ncclov *ov);
 /* fifo: waits the same way for the first k tensors given this round only. */
 mt_status mti_ncclov_wait_first(mti_ncclov *ov, int k);
+/* A call the stream runs for a caller: fn(user, i) queues its collectives
+ * (the mti_comm_* calls, posted as a job's are), each after the device's
+ * stream's work so far; *ticket names it. Never waits, but for the oldest
+ * call when 64 are in flight. After a failure the later calls are dropped
+ * (their waits fail). */
+typedef mt_status (*mti_ncclov_fn)(void *user, int i);
+mt_status mti_ncclov_call(mti_ncclov *ov, mti_ncclov_fn fn, void *user, int i, uint64_t *ticket);
+/* Waits on the host (the deadline kept, the time exposed) until call
+ * `ticket` and those before it are done, then makes the device's stream
+ * wait for them: MT_OK, its failure, or MT_ERR_COMM when an earlier one
+ * failed. */
+mt_status mti_ncclov_done(mti_ncclov *ov, uint64_t ticket);
+/* Every call done (as mti_ncclov_done); with reset a failure is forgotten
+ * (MT_OK; the next calls run again). */
+mt_status mti_ncclov_quiet(mti_ncclov *ov, bool reset);
 /* Waits for every communication stream of the context (what a collective
  * on the device's stream does first, so the two streams never hold NCCL
  * work of the communicator at once): MT_OK, or the failure of what they

@@ -36,6 +36,13 @@
  * What was brought in ahead and not used (a failed pass, a skipped
  * backward) goes when the engine drops the schedule.
  *
+ * On a CUDA context with NCCL the same queue is NCCL's communication
+ * stream (nccl_overlap.c): each gather queued there behind an event of
+ * the device's stream, which waits for the gather's event before the
+ * layer's kernels (the host polling it first, against the deadline); a
+ * reduce-scatter in two halves, its chunks packed into a bucket of their
+ * own and queued, the sums taken when it is retired.
+ *
  * Every rank runs the same layers in the same order, so the collectives
  * match; a dry context (estimates) allocates the same buffers at the same
  * points (always on the stepping thread) and communicates nothing, and
@@ -47,6 +54,7 @@
 #include <string.h>
 
 #include "comm/dp.h"
+#include "comm/nccl_overlap.h"
 #include "comm/overlap.h"
 #include "trainer.h"
 
@@ -195,6 +203,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     t->z3_rs = calloc((size_t)m->n_param, sizeof *t->z3_rs);
     const int keep = t->cfg.zero3_keep;
     t->z3_prefetch = t->cfg.zero3_prefetch;
+    t->z3_stream = t->z3_prefetch > 0 && mti_ncclov_planned(ctx); /* (NCCL's stream, planned) */
     t->z3_keep_from = keep < 0 || keep > m->n_layers ? 0 : m->n_layers - keep;
     int64_t *all = malloc((size_t)N * 2 * sizeof *all);
     if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && t->z3_rs && all)) { /* (host memory) */
@@ -285,8 +294,27 @@ static mt_status gather_run(void *user, int i)
                               part);
 }
 
-/* Whether gathers go to the communication thread. */
-static bool queued(const mt_trainer *t) { return t->ov && t->z3_prefetch > 0 && live(t); }
+/* Whether gathers go to the communication thread (or NCCL's stream). */
+static bool queued(const mt_trainer *t)
+{
+    return (t->ov || t->nov) && t->z3_prefetch > 0 && live(t);
+}
+
+/* The queue's calls: the thread's, or the stream's. */
+static mt_status q_call(mt_trainer *t, mti_overlap_fn fn, int i, uint64_t *ticket)
+{
+    return t->nov ? mti_ncclov_call(t->nov, fn, t, i, ticket) : mti_overlap_call(t->ov, fn, t, i, ticket);
+}
+
+static mt_status q_done(mt_trainer *t, uint64_t ticket)
+{
+    return t->nov ? mti_ncclov_done(t->nov, ticket) : mti_overlap_done(t->ov, ticket);
+}
+
+static mt_status q_quiet(mt_trainer *t, bool reset)
+{
+    return t->nov ? mti_ncclov_quiet(t->nov, reset) : mti_overlap_quiet(t->ov, reset, NULL);
+}
 
 /* Brings parameter i in (one more holder): its buffer made and its gather
  * run, or queued (then z3_ticket[i] names it until it is waited for). */
@@ -299,7 +327,7 @@ static mt_status gather_in(mt_trainer *t, int i)
     mti_tensor *g = &t->gb[i];
     *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)(gather_elems(t, i) * es)}};
     mt_status s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
-    if (!s) s = queued(t) ? mti_overlap_call(t->ov, gather_run, t, i, &t->z3_ticket[i]) : gather_run(t, i);
+    if (!s) s = queued(t) ? q_call(t, gather_run, i, &t->z3_ticket[i]) : gather_run(t, i);
     if (s) {
         mti_tensor_free(ctx, g);
         t->gref[i]--;
@@ -313,7 +341,7 @@ static mt_status gather_in(mt_trainer *t, int i)
 static mt_status gather_wait(mt_trainer *t, int i)
 {
     if (!t->z3_ticket || !t->z3_ticket[i]) return MT_OK;
-    const mt_status s = mti_overlap_done(t->ov, t->z3_ticket[i]);
+    const mt_status s = q_done(t, t->z3_ticket[i]);
     t->z3_ticket[i] = 0;
     return s;
 }
@@ -323,7 +351,7 @@ static void gather_out(mt_trainer *t, int i)
 {
     if (!t->gref[i] || --t->gref[i]) return;
     if (t->z3_ticket && t->z3_ticket[i]) { /* (never freed under the thread's feet) */
-        (void)mti_overlap_quiet(t->ov, false, NULL);
+        (void)q_quiet(t, false);
         t->z3_ticket[i] = 0;
     }
     memset(&t->model->params[i].w.blk, 0, sizeof(mt_block));
@@ -349,12 +377,14 @@ static int layer_params(const mt_trainer *t, int layer, int bwd, int *idx)
 
 bool mti_zero3_later(const mt_trainer *t) { return t->zero == 3 && t->z3_prefetch > 0 && t->z3_rs; }
 
+/* On NCCL's stream (or planned so: z3_stream) in two halves: the chunks
+ * queued here, the sums taken at the retire. */
 static mt_status reduce_run(void *user, int i)
 {
     mt_trainer *t = user;
     struct mti_z3_rs *r = &t->z3_rs[i];
-    return mti_zero_reduce_in(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, r->dst, 1,
-                              r->bucket.blk.ptr);
+    return mti_zero_reduce_phase(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, r->dst, 1,
+                                 r->bucket.blk.ptr, t->z3_stream ? MTI_ZR_POST : MTI_ZR_ALL);
 }
 
 /* Retires the reduce-scatters queued before schedule entry `before` (all:
@@ -366,10 +396,13 @@ static mt_status retire(mt_trainer *t, int before, mt_status s)
         struct mti_z3_rs *r = &t->z3_rs[i];
         if (!r->pending || r->tag >= before) continue;
         if (r->ticket) {
-            if (!s) s = mti_overlap_done(t->ov, r->ticket);
-            else (void)mti_overlap_quiet(t->ov, false, NULL);
+            if (!s) s = q_done(t, r->ticket);
+            else (void)q_quiet(t, false);
             r->ticket = 0;
         }
+        if (!s && t->z3_stream)
+            s = mti_zero_reduce_phase(t, i, t->E.grad[i].blk.ptr, 0, t->model->params[i].numel, r->dst,
+                                      1, r->bucket.blk.ptr, MTI_ZR_FINISH);
         mti_tensor_free(t->ctx, &r->bucket);
         mti_tensor_free(t->ctx, &t->E.grad[i]);
         r->pending = false;
@@ -382,12 +415,13 @@ mt_status mti_zero3_reduce(mt_trainer *t, int i, float *dst)
     struct mti_z3_rs *r = &t->z3_rs[i];
     mt_status s = retire(t, t->E.at, MT_OK); /* the layer before this one's */
     if (s) return s;
-    const size_t bytes = mti_zero_reduce_bytes(t, i, 0, t->model->params[i].numel);
+    const size_t n = t->model->params[i].numel;
+    const size_t bytes = t->z3_stream ? mti_zero_reduce_bytes_all(t, i, 0, n) : mti_zero_reduce_bytes(t, i, 0, n);
     if (bytes && (s = mti_comm_buffer(t->ctx, &r->bucket, bytes))) return s;
     r->dst = dst;
     r->tag = t->E.at;
     r->pending = true;
-    return queued(t) ? mti_overlap_call(t->ov, reduce_run, t, i, &r->ticket) : reduce_run(t, i);
+    return queued(t) ? q_call(t, reduce_run, i, &r->ticket) : reduce_run(t, i);
 }
 
 mt_status mti_zero3_settle(mt_trainer *t, mt_status s)
@@ -442,7 +476,7 @@ static void give(mt_trainer *t, int p)
 static void drop_all(mt_trainer *t)
 {
     (void)mti_zero3_settle(t, MT_ERR_STATE); /* (a pass that failed part way) */
-    if (queued(t)) (void)mti_overlap_quiet(t->ov, true, NULL);
+    if (queued(t)) (void)q_quiet(t, true);
     for (int p = 0; p < 3 * t->model->n_layers + 1; p++) give(t, p);
 }
 
