@@ -45,6 +45,9 @@ run overlap 3 "$B/mpi/train_mpi_test" overlap
 # ZeRO-3's gathers on a thread ahead of the layers: stage 2's bits
 run zero3 2 "$B/mpi/train_mpi_test" zero3
 run zero3 3 "$B/mpi/train_mpi_test" zero3
+# a failure of rank 1 alone on its communication thread: named at once
+run threadfail 2 "$B/mpi/train_mpi_test" threadfail
+run threadfail 3 "$B/mpi/train_mpi_test" threadfail
 run overflow 2 "$B/mpi/train_mpi_test" overflow
 run overflow 3 "$B/mpi/train_mpi_test" overflow
 run alone 2 "$B/mpi/train_mpi_test" alone

@@ -85,7 +85,8 @@ expect 2 "--allow-4bit without --autofit" -- "$tool" estimate --allow-4bit
 # auto-fit on several ranks: at ZeRO stage 1 on 2 ranks this model needs
 # 170.8 MiB at the least resident and 156.9 MiB with the state on disk, so
 # 165 MiB takes the disk, the same choice for each rank
-big="--layers 4 --heads 4 --channels 512 --vocab 256 --max-seq 64 --batch 4 --seq 64 --ranks 2 --zero 1 --budget 165 --autofit --json"
+table="--layers 4 --heads 4 --channels 512 --vocab 256 --max-seq 64 --batch 4 --seq 64 --ranks 2 --zero 1 --budget 165 --autofit"
+big="$table --json"
 for r in 0 1; do
     # shellcheck disable=SC2086
     expect 0 "auto-fit on 2 ranks, rank $r" -- "$tool" estimate $big --rank $r --offload-dir "$tmp"
@@ -101,7 +102,8 @@ expect 3 "auto-fit on 2 ranks without the disk" -- "$tool" estimate $big
 expect 0 "auto-fit on 2 ranks, CUDA" -- "$tool" estimate $big --device cuda --budget 150
 grep -q '"offload": "host"' "$tmp/out" || { echo "FAIL tool: auto-fit to host memory"; cat "$tmp/out"; fail=1; }
 # shellcheck disable=SC2086
-expect 0 "auto-fit on 2 ranks, CUDA, table" -- "$tool" estimate $big --device cuda --budget 150 --rank 1
+expect 0 "auto-fit on 2 ranks, CUDA, table" -- "$tool" estimate $table --device cuda --budget 150 --rank 1
+grep -q "auto-fit for 150.0 MiB on each of 2 ranks: .*in pinned host memory" "$tmp/out" || { echo "FAIL tool: auto-fit on 2 ranks, table"; cat "$tmp/out"; fail=1; }
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
 grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
 # the report's estimate column equals its peak column on every class row

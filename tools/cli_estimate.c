@@ -3,6 +3,7 @@
  * memory class, before it runs (a dry context), with a budget and
  * auto-fit.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,10 +90,12 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
         printf(", rank %ld of %ld (its rows of a global batch of %ld), ZeRO stage %ld", o->rank,
                o->ranks, o->batch, o->zero);
     printf("\n");
+    char each[48] = ""; /* (several ranks: one answer for all, the heaviest's) */
+    if (o->ranks > 1) snprintf(each, sizeof each, " on each of %ld ranks", o->ranks);
     if (o->autofit)
-        printf("auto-fit for %.1f MiB: micro-batches of %d rows, %s, %d of %d units "
+        printf("auto-fit for %.1f MiB%s: micro-batches of %d rows, %s, %d of %d units "
                "recomputed, %d selective%s (model: %.0f tokens/s)\n",
-               o->budget_mib, fit->micro_batch,
+               o->budget_mib, each, fit->micro_batch,
                fit->optimizer == MT_OPT_ADAMW8   ? "8-bit AdamW"
                : fit->optimizer == MT_OPT_ADAMW4 ? "4-bit AdamW"
                                                  : "the configured optimizer",

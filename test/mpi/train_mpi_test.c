@@ -47,6 +47,14 @@
  *                             rank 0 stops with
  *                             MT_ERR_COMM within the timeout wherever it
  *                             was (the thread's reduce-scatters among them)
+ *   train_mpi_test threadfail (MPI serialized) stages 0 to 3 with the
+ *                             communication thread: rank 1's thread fails
+ *                             after the first collective of its second step
+ *                             (a failure of that rank alone): rank 1 returns
+ *                             its own status, every other rank at once
+ *                             MT_ERR_COMM naming rank 1 (not at the 60 s
+ *                             deadline), the communicator stays whole, and
+ *                             the next step runs on every rank
  *   train_mpi_test overflow   fp16 at stages 0, 1 and 2: rank 1's input
  *                             overflows, so every rank skips the step and
  *                             keeps its weights
@@ -69,6 +77,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -78,6 +87,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/overlap.h" /* (mti_overlap_fault: the test hook) */
 #include "memtrain/mpi.h"
 
 #define T 8
@@ -136,7 +146,20 @@ typedef struct how {
     const char *save;    /* a training-state file saved after the steps */
     const char *load;    /* ... loaded before them */
     int z3set, prefetch, keep; /* z3set: zero3_prefetch and zero3_keep these (else defaults) */
+    int fail;            /* rank 1's communication thread fails in step 1, the run goes on */
+    mt_status fail_st;   /* out: step 1's status, its message, whether the communicator broke */
+    char fail_msg[512];
+    int fail_broken;
 } how;
+
+/* fail: the thread's entries left before one fails (rank 1, step 1) */
+static _Atomic int fail_left;
+
+static mt_status fail_entry(const mt_context *ctx, uint64_t entry)
+{
+    (void)ctx, (void)entry;
+    return atomic_load(&fail_left) > 0 && atomic_fetch_sub(&fail_left, 1) == 1 ? MT_ERR_OOM : MT_OK;
+}
 
 static double now_s(void)
 {
@@ -303,9 +326,16 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
         }
         rows(step, comm || hw->alone ? rank * ROWS : 0, n, tok, tgt);
         mt_batch b = {.n = n, .tokens = tok, .targets = tgt, .seq_len = T};
+        if (hw->fail && step == 1 && rank == 1) atomic_store(&fail_left, 1);
         double t0 = now_s();
         s = mt_trainer_step(t, &b, &loss[step]);
         hw->step_s = now_s() - t0;
+        if (hw->fail && step == 1) { /* (it failed: the next step must run) */
+            hw->fail_st = s;
+            snprintf(hw->fail_msg, sizeof hw->fail_msg, "%s", mt_last_error(ctx));
+            hw->fail_broken = mt_comm_broken(comm);
+            s = MT_OK;
+        }
         if (!s && step == 0 && hw->lone && rank == 0) s = lone_calls(t, &b, hw);
     }
     if (!s && hw->offload && !hw->load && !disk_matches(ctx, m, &tc)) failed = 1;
@@ -715,13 +745,41 @@ static void overlap(mt_comm *c)
                "it, each rank's peaks its estimate\n", size, runs);
 }
 
+/* A failure of rank 1 alone on its communication thread, at stages 0 to 3. */
+static void thread_failure(mt_comm *c)
+{
+    mti_overlap_fault = fail_entry;
+    for (int stage = 0; stage <= 3; stage++) {
+        how hw = {.zc = &zcases[0], .stage = stage, .fail = 1};
+        float loss[STEPS];
+        float *w = NULL;
+        size_t nw = 0;
+        char msg[1024] = "";
+        mt_status s = train_how(c, 16, -1, &hw, loss, &w, &nw, msg, sizeof msg);
+        EXPECT(s == MT_OK); /* (the steps after the failed one) */
+        if (rank == 1) EXPECT(hw.fail_st == MT_ERR_OOM && strstr(hw.fail_msg, "injected"));
+        else EXPECT(hw.fail_st == MT_ERR_COMM && strstr(hw.fail_msg, "rank 1 failed (out of memory)"));
+        EXPECT(!hw.fail_broken);
+        if (failed)
+            fprintf(stderr, "rank %d, stage %d: %s; the failed step: %s: %s\n", rank, stage, msg,
+                    mt_status_string(hw.fail_st), hw.fail_msg);
+        free(w);
+    }
+    mti_overlap_fault = NULL;
+    if (all_passed() && rank == 0)
+        printf("ok threadfail: %d ranks, stages 0 to 3: rank 1's thread failed, every other rank "
+               "stopped that step at once naming it, the communicator whole, the next step ran\n",
+               size);
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "train";
     /* the communication thread's modes (the gradients' collectives, stage
        3's gathers): serialized */
     const bool serialized = !strcmp(mode, "overlap") || !strncmp(mode, "killover", 8) ||
-                            !strcmp(mode, "zero3") || !strcmp(mode, "killmid3");
+                            !strcmp(mode, "zero3") || !strcmp(mode, "killmid3") ||
+                            !strcmp(mode, "threadfail");
     if (serialized) {
         int level = MPI_THREAD_SINGLE;
         MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &level);
@@ -822,6 +880,8 @@ int main(int argc, char **argv)
         zero_stages(c);
     } else if (!strcmp(mode, "zero3")) {
         zero3_prefetch(c);
+    } else if (!strcmp(mode, "threadfail")) {
+        thread_failure(c);
     } else if (!strcmp(mode, "overflow")) {
         overflow(c);
     } else if (!strcmp(mode, "alone")) {
