@@ -469,10 +469,11 @@ static void give(mt_trainer *t, int p)
  * goes, and a failure on the thread that broke the communicator is
  * forgotten (it was reported, or belonged to a gather nobody used; the
  * broken communicator fails the next collective, at the latest the step's
- * status exchange). Nothing is lost with it: a reduce-scatter still
- * pending here (backward failed or its schedule was replaced) that failed
- * on this rank alone is held by the queue, not by its retire, and the
- * step's status exchange reports it on every rank (overlap.c). */
+ * status exchange). Nothing is lost with it on the thread: a
+ * reduce-scatter still pending here (backward failed or its schedule was
+ * replaced) that failed on this rank alone is held by the queue, not by
+ * its retire, and the step's status exchange reports it on every rank
+ * (overlap.c; NCCL's stream says its own, nccl_overlap.c). */
 static void drop_all(mt_trainer *t)
 {
     (void)mti_zero3_settle(t, MT_ERR_STATE); /* (a pass that failed part way) */
