@@ -1121,10 +1121,13 @@ typedef struct mt_trainer_config {
      * mt_model_get_params / set_params, training-state files and the
      * weights after the trainer read and write them on disk; an I/O
      * failure loses them with the state (MT_ERR_IO: load the last
-     * training-state file). One rank, or several at ZeRO stage 0 (each
-     * rank its own param.bin, written once the ranks have agreed on the
-     * weights); without LoRA, at stages 1-3 on several ranks and with
-     * local SGD MT_ERR_UNSUPPORTED. */
+     * training-state file). One rank, or several at ZeRO stages 0, 1 and
+     * 2 (each rank its own param.bin holding the whole weights, written
+     * once the ranks have agreed on them; at stages 1 and 2 the all-gather
+     * of the updated slices reads the rank's own from its pieces and writes
+     * the others' into its file, a bucket of at most 4 MiB at a time);
+     * with LoRA, at stage 3 and with local SGD on several ranks
+     * MT_ERR_UNSUPPORTED. */
     int offload_params; /* 0 or 1 */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
      * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear

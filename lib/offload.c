@@ -195,7 +195,14 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes, uin
             const mti_param *p = &m->params[i];
             off_param *q = &o->pp[i];
             q->lo = t->sh[i].lo, q->hi = t->sh[i].hi; /* (all of it on one rank) */
-            if (p->frozen || q->hi == q->lo) continue; /* no state, or another rank's */
+            if (p->frozen) continue; /* no state; its weights stay in memory */
+            /* every trained weight whole in param.bin, also one whose state
+               another rank holds (ZeRO 1 and 2: the weights are whole on
+               every rank; the gathers write the others' slices here) */
+            q->home = o->params;
+            q->w_off = fo[F_PARAM];
+            if (o->params) fo[F_PARAM] += up((uint64_t)p->numel * wes);
+            if (q->hi == q->lo) continue; /* no state here: another rank's */
             const size_t piece = t->opt->sliceable ? mti_offload_piece_elems : p->numel;
             q->piece = piece < p->numel ? piece : p->numel;
             q->first = np;
@@ -209,9 +216,6 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes, uin
             }
             q->m_off = fo[F_MASTER];
             if (o->masters) fo[F_MASTER] += up(region_bytes(o, i, -1));
-            q->home = o->params;
-            q->w_off = fo[F_PARAM];
-            if (o->params) fo[F_PARAM] += up((uint64_t)p->numel * wes);
             for (int k = 0; k < q->count; k++, np++) {
                 if (pass) o->param_of[np] = i;
                 size_t at, n;
@@ -425,9 +429,12 @@ static void slot_io(mti_offload *o, off_slot *sl, int wr)
         sl->err_file = F_MASTER;
     }
     if (!sl->err && q->home) {
+        /* (the weights' region holds the whole tensor: only its end pads,
+           never into the next rank's elements, which the gathers write) */
+        const int wlast = at + n == o->t->model->params[i].numel;
         const size_t wes = mti_dtype_size(o->t->dt);
         const uint64_t fo = q->w_off + (uint64_t)at * wes;
-        sl->err = move(o, F_PARAM, wr, sl->pw, last && fo % ALIGN == 0 ? up((uint64_t)n * wes) : (uint64_t)n * wes, fo);
+        sl->err = move(o, F_PARAM, wr, sl->pw, wlast && fo % ALIGN == 0 ? up((uint64_t)n * wes) : (uint64_t)n * wes, fo);
         sl->err_file = F_PARAM;
     }
     sl->err_write = wr;
@@ -626,11 +633,6 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
                         "and cfg->offload disk keeps them on disk: run local SGD with them "
                         "resident (or without masters)",
                         fn, c->local_sgd_every, c->offload_params ? "weights" : "fp32 masters");
-    if (c->offload_params && ctx->world > 1 && c->zero_stage)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload_params on several ranks runs at ZeRO stage 0 only, for "
-                        "now (stage %d gathers the updated weights into memory)",
-                        fn, c->zero_stage);
     if (c->offload_params && (c->lora.rank || m->lora_rank))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload_params with LoRA is not supported (the adapters are "
@@ -950,7 +952,7 @@ static mt_status region(mti_offload *o, int i, int what, uint64_t off, size_t n,
 {
     const int l = what >= 2;
     if ((what == 1 && !o->masters) || (what == 0 && !o->pp[i].home) || what < 0 ||
-        what >= 2 + MTI_OPT_SLOTS || !o->pp[i].piece ||
+        what >= 2 + MTI_OPT_SLOTS || (what && !o->pp[i].piece) ||
         off + n > (what ? region_bytes(o, i, what - 2 >= 0 ? what - 2 : -1) : weight_bytes(o, i)))
         return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: no bytes [%llu, +%zu) of tensor %d.%d",
                         (unsigned long long)off, n, i, what);
@@ -1012,6 +1014,50 @@ void *mti_offload_weights(const mti_offload *o, size_t e)
 }
 
 bool mti_offload_has_weights(const mti_offload *o, int i) { return o && o->pp[i].home; }
+
+mt_status mti_offload_weights_io(mti_offload *o, int i, size_t at, size_t n, void *buf, int wr)
+{
+    if (o->failed) return lost(o);
+    const off_param *q = &o->pp[i];
+    const size_t es = mti_dtype_size(o->t->dt);
+    if (!q->home || at + n > o->t->model->params[i].numel)
+        return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: no weights [%zu, +%zu) of tensor %d", at,
+                        n, i);
+    if (o->dry || !n) return MT_OK;
+    int e = file_ok(o, F_PARAM);
+    /* A write is of other ranks' elements, which no piece holds (pieces
+       are cut to this rank's); a layer slot holding them is not read again
+       before the step's end drops it (a weight is gathered after its last
+       use in the step). A read takes each piece of this rank's elements
+       from the slot that holds it, newer than the file while it is dirty,
+       else from the file (a piece leaves its slot only once written). */
+    for (size_t d = 0, len; d < n && !e; d += len) {
+        const size_t x = at + d;
+        len = n - d;
+        const char *from = NULL;
+        if (!wr && q->piece && x >= q->lo && x < q->hi) {
+            const size_t k = x / q->piece, end = (k + 1) * q->piece < q->hi ? (k + 1) * q->piece : q->hi;
+            if (len > end - x) len = end - x;
+            const int p = q->first + (int)(k - q->k0);
+            pthread_mutex_lock(&o->mu);
+            for (int v = 0; v < o->n_slots && !from; v++) {
+                const off_slot *sl = &o->slot[v];
+                if (sl->piece == p && sl->state != S_FREE && sl->state != S_READING) {
+                    size_t pat, pn;
+                    int pi;
+                    piece_range(o, p, &pi, &pat, &pn);
+                    from = sl->pw + (x - pat) * es;
+                }
+            }
+            pthread_mutex_unlock(&o->mu);
+        } else if (!wr && q->piece && x < q->lo && len > q->lo - x) {
+            len = q->lo - x; /* (up to this rank's elements) */
+        }
+        if (from) memcpy((char *)buf + d * es, from, len * es);
+        else e = move(o, F_PARAM, wr, (char *)buf + d * es, len * es, q->w_off + (uint64_t)x * es);
+    }
+    return e ? lose(o, F_PARAM, wr, e) : MT_OK;
+}
 
 /* Starts reading layer `layer`'s weights into layer slot k. */
 static void lay_submit(mti_offload *o, int k, int layer)
@@ -1160,7 +1206,9 @@ void mti_offload_get_params(mti_offload *o)
 
 mt_status mti_offload_param_read(mti_offload *o, int i, size_t at, size_t n, float *dst)
 {
-    if (o->masters) return mti_offload_read(o, i, 1, (uint64_t)at * 4, dst, n * 4);
+    /* (ZeRO 1 and 2: the master file holds this rank's slice; the values
+       are the compute copy's, equal on every rank, as when resident) */
+    if (o->masters && !o->t->zero) return mti_offload_read(o, i, 1, (uint64_t)at * 4, dst, n * 4);
     const mti_dtype dt = o->t->dt;
     const size_t es = mti_dtype_size(dt);
     if (dt == MTI_F32) return mti_offload_read(o, i, 0, (uint64_t)at * 4, dst, n * 4);
@@ -1180,7 +1228,12 @@ mt_status mti_offload_param_read(mti_offload *o, int i, size_t at, size_t n, flo
 mt_status mti_offload_param_write(mti_offload *o, int i, size_t at, size_t n, const float *src)
 {
     mt_status s = MT_OK;
-    if (o->masters) s = mti_offload_write(o, i, 1, (uint64_t)at * 4, src, n * 4);
+    const off_param *q = &o->pp[i];
+    const size_t lo = o->t->zero ? (at > q->lo ? at : q->lo) : at, /* (ZeRO: this rank's slice) */
+        hi = o->t->zero ? (at + n < q->hi ? at + n : q->hi) : at + n;
+    if (o->masters && lo < hi)
+        s = mti_offload_write(o, i, 1, (uint64_t)(lo - (o->t->zero ? q->lo : 0)) * 4, src + (lo - at),
+                              (hi - lo) * 4);
     const mti_dtype dt = o->t->dt;
     const size_t es = mti_dtype_size(dt);
     if (s || dt == MTI_F32) return s ? s : mti_offload_write(o, i, 0, (uint64_t)at * 4, src, n * 4);

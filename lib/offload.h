@@ -81,6 +81,12 @@ mt_status mti_offload_put_params(mti_offload *o);
 void mti_offload_get_params(mti_offload *o);
 /* Whether parameter i's weights live in param.bin (o may be NULL). */
 bool mti_offload_has_weights(const mti_offload *o, int i);
+/* Elements [at, at + n) of parameter i's weights in param.bin (compute
+ * dtype), into buf (wr 0: this rank's newest, from the piece buffers where
+ * they are held) or from buf (wr 1: elements of other ranks' slices, which
+ * no piece holds): the ZeRO-1/2 gather of the updated weights, a bucket at
+ * a time. A dry context moves nothing. */
+mt_status mti_offload_weights_io(mti_offload *o, int i, size_t at, size_t n, void *buf, int wr);
 /* The acquired piece's weights at element e (compute dtype). */
 void *mti_offload_weights(const mti_offload *o, size_t e);
 /* The engine's params hook (mti_layer_hook) with user o. */

@@ -617,10 +617,18 @@ static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
     return t->E.grad[i].blk.ptr ? (float *)t->E.grad[i].blk.ptr + *at : NULL;
 }
 
+/* Whether the unfused step's gathers wait for its end (gather_late): host
+ * offload's updates land later; with the state on disk the ranks first
+ * agree that every piece's update reached its file, so a disk that fails
+ * on one rank fails the step on every rank, none left in a gather. */
+static bool gather_later(const mt_trainer *t)
+{
+    return t->zero && t->zero < 3 && (t->hoff || (t->off && !t->cfg.fused_step));
+}
+
 /* Whether the weights are gathered from every rank's slice as each is
- * updated (ZeRO-1/2 with the update on the device); host offload's updates
- * land later, so its gathers wait for the step's end (gather_hosted). */
-static bool gather_each(const mt_trainer *t) { return t->zero && t->zero < 3 && !t->hoff; }
+ * updated (ZeRO-1/2 with the update on the device, and the fused step). */
+static bool gather_each(const mt_trainer *t) { return t->zero && t->zero < 3 && !gather_later(t); }
 
 /* Updates parameter i (this rank's elements) from its gradient times
  * grad_scale; under ZeRO the weights are then gathered from every rank. */
@@ -633,16 +641,23 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
     return s;
 }
 
-/* Host offload's step end: every queued update done and its weights back
- * on the device (mti_hostoff_end); on several ranks the ranks agree that
- * they all got there, and under ZeRO-1/2 every trained tensor is then
- * gathered from the ranks' slices, in parameter order on every rank. */
-static mt_status gather_hosted(mt_trainer *t, const char *fn)
+/* The offloaded update's step end (s: how the updates went on this rank):
+ * every queued update done and its weights back on the device (host
+ * offload), or every piece written to its files (disk); on several ranks
+ * the ranks agree that they all got there, and under ZeRO-1/2 every
+ * trained tensor is then gathered from the ranks' slices (host offload
+ * always; on disk when the step updated), in parameter order on every
+ * rank. The gathers into weights on disk read and write them there; the
+ * ranks agree on those too. */
+static mt_status gather_late(mt_trainer *t, const char *fn, mt_status s, bool updated)
 {
-    mt_status s = mti_hostoff_end(t->hoff);
-    if (t->world > 1) s = mti_dp_agree_status(t, fn, "the host offload's updates", s);
-    for (int i = 0; i < t->model->n_param && !s && t->zero && t->zero < 3; i++)
-        if (!t->model->params[i].frozen) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
+    const mt_status e = t->hoff ? mti_hostoff_end(t->hoff) : t->off ? mti_offload_end(t->off) : MT_OK;
+    if (!s) s = e;
+    if (t->world > 1)
+        s = mti_dp_agree_status(t, fn, t->hoff ? "the host offload's updates" : "the updates on disk", s);
+    if (s || !t->zero || t->zero > 2 || (!t->hoff && !updated)) return s;
+    s = mti_zero_gather_every(t);
+    if (t->off) s = mti_dp_agree_status(t, fn, "the gathers of the weights on disk", s);
     return s;
 }
 
@@ -1741,18 +1756,20 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             if (!m->params[i].frozen) s = sumsq(t, i);
         if (!s) s = finish_checks(t, &found);
         if (s) return step_failed(t, fn, s);
-        for (int i = 0; i < m->n_param && !found; i++) {
+        for (int i = 0; i < m->n_param && !found && !s; i++) {
             if (m->params[i].frozen) continue;
-            if ((s = update_param(t, i, t->clip))) {
-                if (t->updated) t->opt_steps++; /* some state has moved a step */
-                return step_failed(t, fn, s);
-            }
+            if ((s = update_param(t, i, t->clip))) break;
             t->updated++;
             mti_tensor_free(ctx, &t->E.grad[i]); /* this gradient is done */
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
+        if (s && !gather_later(t)) {
+            if (t->updated) t->opt_steps++; /* some state has moved a step */
+            return step_failed(t, fn, s);
+        }
     }
-    if (t->hoff && (s = gather_hosted(t, fn))) { /* every update done, weights up */
+    /* every update done (weights up, pieces home); the ranks agree, then gather */
+    if ((t->hoff || gather_later(t)) && (s = gather_late(t, fn, s, !fused && !found))) {
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }

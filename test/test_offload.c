@@ -7,6 +7,8 @@
  */
 #include <errno.h>
 #include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,25 +198,64 @@ TEST(offload_disk_equals_resident_each_optimizer)
 
 /* ---- several ranks: each its own part on disk ---- */
 
-enum { ZN = 2 }; /* ranks */
+enum { ZN = 2, ZMAX = 3 }; /* ranks: usually, at most */
 
 typedef struct zrun {
     mt_trainer_config tc;
+    int n;             /* ranks */
     char save[600];    /* the training-state file saved after the steps */
     tcomm_world *world;
-    mt_status st[ZN];  /* each rank's, and what failed */
-    char msg[ZN][512];
-    float loss[ZN][STEPS], last[ZN]; /* (last: one more step after mt_model_set_params) */
-    float *w[ZN];      /* each rank's weights at the end */
+    mt_status st[ZMAX]; /* each rank's, and what failed */
+    char msg[ZMAX][512];
+    float loss[ZMAX][STEPS], last[ZMAX]; /* (last: one more step after mt_model_set_params) */
+    float *w[ZMAX];    /* each rank's weights at the end */
+    float *wa[ZMAX];   /* ... and after its trainer */
     size_t nw;
 } zrun;
+
+/* rank's failure with a message, kept (the first) */
+static void zfail(zrun *a, int rank, mt_status *s, mt_status why, const char *fmt, ...)
+{
+    *s = why;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(a->msg[rank], sizeof a->msg[rank], fmt, ap);
+    va_end(ap);
+}
+
+/* Whether rank's peaks per class and place equal its estimate e, to the byte. */
+static mt_status zpeaks(zrun *a, int rank, mt_context *ctx, const mt_estimate_report *e)
+{
+    mt_memory_stats st, disk;
+    mt_status s = mt_context_memory_stats(ctx, &st);
+    if (!s) s = mt_context_place_stats(ctx, MT_PLACE_DISK, &disk);
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    for (int k = 0; k < MT_MEM_COUNT && !s; k++)
+        if (st.per_class[k].peak_live_bytes != e->class_peak[k] ||
+            disk.per_class[k].peak_live_bytes != e->place_class_peak[MT_PLACE_DISK][k])
+            zfail(a, rank, &s, MT_ERR_INTERNAL, "%s: device peak %llu (estimate %llu), disk %llu (estimate %llu)",
+                  mt_mem_class_name((mt_mem_class)k),
+                  (unsigned long long)st.per_class[k].peak_live_bytes,
+                  (unsigned long long)e->class_peak[k],
+                  (unsigned long long)disk.per_class[k].peak_live_bytes,
+                  (unsigned long long)e->place_class_peak[MT_PLACE_DISK][k]);
+    if (!s && (st.peak_live_bytes != e->peak || st.peak_reserved_bytes != e->peak_reserved))
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "peak %llu (estimate %llu)",
+              (unsigned long long)st.peak_live_bytes, (unsigned long long)e->peak);
+    if (!s && a->tc.offload == MT_PLACE_DISK && !disk.per_class[MT_MEM_MASTER].peak_live_bytes &&
+        a->tc.precision != MT_PREC_FP32 && a->tc.master_weights)
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "no master slice on disk");
+    if (!s && a->tc.offload_params && !disk.per_class[MT_MEM_PARAM].peak_live_bytes)
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "no weights on disk");
+    return s;
+}
 
 /* Rank `rank` of a ZeRO run (its own rows each step): STEPS steps, then its
  * peaks per class and place against its estimate, to the byte. */
 static void zrank(int rank, void *arg)
 {
     zrun *a = arg;
-    mt_comm *c = tcomm_make(a->world, rank, ZN, 0);
+    mt_comm *c = tcomm_make(a->world, rank, a->n, 0);
     mt_context *ctx = NULL;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -229,78 +270,91 @@ static void zrank(int rank, void *arg)
     int32_t tok[B * T], tg[B * T];
     for (int k = 0; k < STEPS && !s; k++) {
         mt_batch b;
-        check_token_batch(&b, tok, tg, B, T, V, k * ZN + rank);
+        check_token_batch(&b, tok, tg, B, T, V, k * a->n + rank);
         s = mt_trainer_step(t, &b, &a->loss[rank][k]);
     }
-    mt_memory_stats st, disk;
-    if (!s) s = mt_context_memory_stats(ctx, &st);
-    if (!s) s = mt_context_place_stats(ctx, MT_PLACE_DISK, &disk);
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
-    for (int k = 0; k < MT_MEM_COUNT && !s; k++)
-        if (st.per_class[k].peak_live_bytes != e.class_peak[k] ||
-            disk.per_class[k].peak_live_bytes != e.place_class_peak[MT_PLACE_DISK][k]) {
-            s = MT_ERR_INTERNAL;
-            snprintf(a->msg[rank], sizeof a->msg[rank],
-                     "%s: device peak %llu (estimate %llu), disk %llu (estimate %llu)",
-                     mt_mem_class_name((mt_mem_class)k),
-                     (unsigned long long)st.per_class[k].peak_live_bytes,
-                     (unsigned long long)e.class_peak[k],
-                     (unsigned long long)disk.per_class[k].peak_live_bytes,
-                     (unsigned long long)e.place_class_peak[MT_PLACE_DISK][k]);
-        }
-    if (!s && (st.peak_live_bytes != e.peak || st.peak_reserved_bytes != e.peak_reserved)) {
-        s = MT_ERR_INTERNAL;
-        snprintf(a->msg[rank], sizeof a->msg[rank], "peak %llu (estimate %llu)",
-                 (unsigned long long)st.peak_live_bytes, (unsigned long long)e.peak);
-    }
-    if (!s && a->tc.offload == MT_PLACE_DISK && !disk.per_class[MT_MEM_MASTER].peak_live_bytes &&
-        a->tc.precision != MT_PREC_FP32 && a->tc.master_weights) {
-        s = MT_ERR_INTERNAL;
-        snprintf(a->msg[rank], sizeof a->msg[rank], "no master slice on disk");
-    }
-    if (!s && a->tc.offload_params && !disk.per_class[MT_MEM_PARAM].peak_live_bytes) {
-        s = MT_ERR_INTERNAL;
-        snprintf(a->msg[rank], sizeof a->msg[rank], "no weights on disk");
-    }
+    if (!s) s = zpeaks(a, rank, ctx, &e);
     if (!s) s = mt_trainer_save(t, a->save, NULL, 0); /* (a collective) */
     /* new weights through the masters' slices (on disk: their files), and a
        step from them */
     const size_t nw = m ? mt_model_num_params(m) : 0;
-    float *w = s ? NULL : malloc(nw * sizeof *w);
-    if (!s && !w) s = MT_ERR_OOM;
+    float *w = s ? NULL : malloc(nw * sizeof *w), *wa = s ? NULL : malloc(nw * sizeof *wa);
+    if (!s && (!w || !wa)) s = MT_ERR_OOM;
     if (!s) s = mt_model_get_params(m, w, nw);
     for (size_t k = 0; !s && k < nw; k++) w[k] = w[k] * 0.5f + 0.001f;
     if (!s) s = mt_model_set_params(m, w, nw);
     if (!s) {
         mt_batch b;
-        check_token_batch(&b, tok, tg, B, T, V, STEPS * ZN + rank);
+        check_token_batch(&b, tok, tg, B, T, V, STEPS * a->n + rank);
         s = mt_trainer_step(t, &b, &a->last[rank]);
     }
     if (!s) s = mt_model_get_params(m, w, nw);
     if (s && !a->msg[rank][0]) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t);
+    if (!s) s = mt_model_get_params(m, wa, nw); /* (the weights back from disk) */
     a->nw = nw;
     a->w[rank] = w;
+    a->wa[rank] = wa;
     a->st[rank] = s;
-    mt_trainer_destroy(t);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     mt_comm_destroy(c);
 }
 
-static void zero_go(zrun *a, const ocase *c, int stage, mt_place place, const char *dir)
+static void zero_go_n(zrun *a, const ocase *c, int stage, mt_place place, const char *dir, int n)
 {
     memset(a, 0, sizeof *a);
     config(&a->tc, c, place, dir);
     a->tc.zero_stage = stage;
+    a->n = n;
     snprintf(a->save, sizeof a->save, "/tmp/mt_offload_%ld_%s.mtt", (long)getpid(),
              place == MT_PLACE_DISK ? "disk" : "resident");
-    a->world = tcomm_world_new(ZN, 30.0);
-    tcomm_run(ZN, zrank, a);
+    a->world = tcomm_world_new(n, 30.0);
+    tcomm_run(n, zrank, a);
     tcomm_world_free(a->world);
-    for (int r = 0; r < ZN; r++)
-        CHECK_MSG(a->st[r] == MT_OK, "%s prec %d, stage %d, %s, rank %d: %s",
-                  mt_optimizer_name(c->opt), (int)c->prec, stage, mt_place_name(place), r,
+    for (int r = 0; r < n; r++)
+        CHECK_MSG(a->st[r] == MT_OK, "%s prec %d, stage %d, %s, %d ranks, rank %d: %s",
+                  mt_optimizer_name(c->opt), (int)c->prec, stage, mt_place_name(place), n, r,
                   a->msg[r]);
+}
+
+/* Runs case c at `stage` on n ranks resident and on disk (the weights too
+ * with params_too): the losses, the weights (while the trainer lives,
+ * after new weights and a step, and after it) and the training-state file
+ * are the resident run's bits; no scratch directory is left. */
+static void zero_compare(const ocase *c, int stage, int n, const char *dir)
+{
+    zrun *res = check_alloc(sizeof *res), *off = check_alloc(sizeof *off);
+    const int params = params_too;
+    params_too = 0;
+    zero_go_n(res, c, stage, MT_PLACE_DEVICE, NULL, n);
+    params_too = params;
+    zero_go_n(off, c, stage, MT_PLACE_DISK, dir, n);
+    for (int r = 0; r < n; r++) {
+        if (res->w[r] && off->w[r]) {
+            CHECK_MSG(memcmp(res->loss[r], off->loss[r], sizeof res->loss[r]) == 0,
+                      "%s prec %d, stage %d, rank %d of %d: losses differ", mt_optimizer_name(c->opt),
+                      (int)c->prec, stage, r, n);
+            CHECK_MSG(memcmp(res->w[r], off->w[r], res->nw * sizeof(float)) == 0,
+                      "%s prec %d, stage %d, rank %d of %d: weights differ", mt_optimizer_name(c->opt),
+                      (int)c->prec, stage, r, n);
+            CHECK_MSG(memcmp(res->wa[r], off->wa[r], res->nw * sizeof(float)) == 0,
+                      "%s prec %d, stage %d, rank %d of %d: weights after the trainer differ",
+                      mt_optimizer_name(c->opt), (int)c->prec, stage, r, n);
+        }
+        char p[600];
+        snprintf(p, sizeof p, "%s/memtrain-scratch.rank%d", dir, r);
+        struct stat sb;
+        CHECK(stat(p, &sb) != 0 && errno == ENOENT);
+        free(res->w[r]), free(off->w[r]), free(res->wa[r]), free(off->wa[r]);
+    }
+    CHECK(memcmp(res->last, off->last, sizeof res->last) == 0);
+    CHECK_MSG(check_same_file(res->save, off->save), "%s prec %d, stage %d, %d ranks: the files differ",
+              mt_optimizer_name(c->opt), (int)c->prec, stage, n);
+    CHECK(unlink(res->save) == 0 && unlink(off->save) == 0);
+    free(res);
+    free(off);
 }
 
 /* fp16/bf16 masters at ZeRO stages 1 and 2 on 2 ranks: each rank's master
@@ -322,39 +376,21 @@ TEST(offload_zero_masters_on_disk)
     for (size_t i = 0; i < sizeof zc / sizeof *zc; i++)
         for (int stage = 1; stage <= 2; stage++) {
             if (check_light() && (i + (size_t)stage) % 2) continue;
-            zrun res, off;
-            zero_go(&res, &zc[i], stage, MT_PLACE_DEVICE, NULL);
-            zero_go(&off, &zc[i], stage, MT_PLACE_DISK, dir);
-            CHECK_MSG(check_same_file(res.save, off.save), "%s prec %d, stage %d: the files differ",
-                      mt_optimizer_name(zc[i].opt), (int)zc[i].prec, stage);
-            CHECK(unlink(res.save) == 0 && unlink(off.save) == 0);
-            CHECK(memcmp(res.last, off.last, sizeof res.last) == 0);
-            for (int r = 0; r < ZN && res.nw && off.nw; r++) {
-                CHECK_MSG(memcmp(res.loss[r], off.loss[r], sizeof res.loss[r]) == 0,
-                          "%s prec %d, stage %d, rank %d: losses differ", mt_optimizer_name(zc[i].opt),
-                          (int)zc[i].prec, stage, r);
-                CHECK_MSG(memcmp(res.w[r], off.w[r], res.nw * sizeof(float)) == 0,
-                          "%s prec %d, stage %d, rank %d: weights differ", mt_optimizer_name(zc[i].opt),
-                          (int)zc[i].prec, stage, r);
-            }
-            for (int r = 0; r < ZN; r++) {
-                char p[600];
-                snprintf(p, sizeof p, "%s/memtrain-scratch.rank%d", dir, r);
-                struct stat sb;
-                CHECK(stat(p, &sb) != 0 && errno == ENOENT);
-                free(res.w[r]);
-                free(off.w[r]);
-            }
+            zero_compare(&zc[i], stage, ZN, dir);
         }
     mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0);
 }
 
-/* The weights on disk too on 2 ranks at ZeRO stage 0: each rank's own
- * param.bin, sent there once the ranks agree on the weights; the resident
- * run's bits (losses, weights, training-state files), each rank's peaks its
- * estimate's. Stages 1 and 2 are refused. */
-TEST(offload_params_on_two_ranks)
+/* The weights on disk too on 2 and 3 ranks at ZeRO stages 0, 1 and 2:
+ * each rank's own param.bin holding the whole weights, sent there once the
+ * ranks agree on them; at stages 1 and 2 the gathers of the updated slices
+ * read each rank's from its pieces and write the others' into its file. The
+ * resident run's bits (losses, weights, training-state files, after new
+ * weights set), each rank's peaks its estimate's. With Adafactor (whole tensors
+ * owned by one rank, broadcast from its file) and on 3 ranks some rank
+ * holds no slice of a tensor, and writes all of it. */
+TEST(offload_params_on_ranks)
 {
     const char *dir = tmp_dir();
     const size_t keep = mti_offload_piece_elems;
@@ -363,42 +399,135 @@ TEST(offload_params_on_two_ranks)
         {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 1.0f},
         {MT_OPT_ADAMW, MT_PREC_BF16, 1, 1, 0.0f},
         {MT_OPT_SGD, MT_PREC_BF16, 0, 0, 0.0f},
+        {MT_OPT_ADAFACTOR, MT_PREC_FP32, 1, 0, 0.0f},
+        {MT_OPT_ADAMW8, MT_PREC_FP16, 1, 0, 0.0f},
+        {MT_OPT_ADAMW, MT_PREC_FP32, 1, 1, 1.0f},
     };
-    for (size_t i = 0; i < sizeof pc / sizeof *pc; i++) {
-        zrun res, off;
-        zero_go(&res, &pc[i], 0, MT_PLACE_DEVICE, NULL);
-        params_too = 1;
-        zero_go(&off, &pc[i], 0, MT_PLACE_DISK, dir);
-        params_too = 0;
-        CHECK_MSG(check_same_file(res.save, off.save), "%s prec %d: the files differ",
-                  mt_optimizer_name(pc[i].opt), (int)pc[i].prec);
-        CHECK(unlink(res.save) == 0 && unlink(off.save) == 0);
-        CHECK(memcmp(res.last, off.last, sizeof res.last) == 0);
-        for (int r = 0; r < ZN && res.nw && off.nw; r++) {
-            CHECK(memcmp(res.loss[r], off.loss[r], sizeof res.loss[r]) == 0);
-            CHECK_MSG(memcmp(res.w[r], off.w[r], res.nw * sizeof(float)) == 0,
-                      "%s prec %d, rank %d: weights differ", mt_optimizer_name(pc[i].opt),
-                      (int)pc[i].prec, r);
-            free(res.w[r]);
-            free(off.w[r]);
-        }
-    }
-    mti_offload_piece_elems = keep;
-    mt_trainer_config tc;
     params_too = 1;
-    config(&tc, &pc[0], MT_PLACE_DISK, dir);
+    for (size_t i = 0; i < sizeof pc / sizeof *pc; i++)
+        for (int stage = 0; stage <= 2; stage++)
+            for (int n = 2; n <= 3; n++) {
+                if ((stage == 0 && (n == 3 || i > 2)) || (check_light() && (i + (size_t)n) % 2))
+                    continue;
+                zero_compare(&pc[i], stage, n, dir);
+            }
     params_too = 0;
-    tc.zero_stage = 1;
-    mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CPU;
-    cc.world_size = ZN;
-    mt_gpt_spec g;
-    mt_gpt_spec_init(&g);
-    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64;
-    mt_estimate_report e;
-    CHECK_ST(MT_ERR_UNSUPPORTED, mt_estimate_gpt(&cc, &g, &tc, &e));
-    CHECK(strstr(mt_last_error(NULL), "ZeRO stage 0 only"));
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* ---- a disk failing on one rank of several ---- */
+
+/* Fails the rf_at-th transfer (write rf_wr) of a file whose path has
+ * rf_path in it (one rank's), with rf_err; counts them in rf_calls. Called
+ * from every rank's threads. */
+static _Atomic int rf_calls, rf_at = -1;
+static int rf_wr, rf_err;
+static char rf_path[64];
+
+static int rank_inject(int write, const char *path, uint64_t off, size_t *n)
+{
+    (void)off, (void)n;
+    if (write != rf_wr || !strstr(path, rf_path)) return 0;
+    const int k = atomic_fetch_add(&rf_calls, 1);
+    return k == atomic_load(&rf_at) ? rf_err : 0;
+}
+
+typedef struct frun {
+    zrun z;
+    int fail_rank, which; /* which: 0 the step's first transfer, 1 its last */
+} frun;
+
+/* Rank `rank`: a step, then the failing rank's rf_at-th transfer of the
+ * next step fails. Every rank's step fails, at once (the failing rank with
+ * MT_ERR_IO naming its file, the others with MT_ERR_COMM naming it, not at
+ * a timeout); after the trainer no scratch file is left and the model's
+ * weights are finite. */
+static void frank(int rank, void *arg)
+{
+    frun *f = arg;
+    zrun *a = &f->z;
+    mt_comm *c = tcomm_make(a->world, rank, a->n, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = (m = gpt(ctx)) ? MT_OK : MT_ERR_OOM;
+    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    check_token_batch(&b, tok, tg, B, T, V, rank);
+    if (rank == f->fail_rank) atomic_store(&rf_calls, 0); /* (the rank's own: counted from here) */
+    if (!s) s = mt_trainer_step(t, &b, &a->loss[rank][0]);
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "step 0: %s", mt_last_error(ctx));
+    if (!s && rank == f->fail_rank) { /* (its transfers in step 0, then the one to fail) */
+        const int per = atomic_exchange(&rf_calls, 0);
+        atomic_store(&rf_at, f->which ? per - 1 : 0);
+    }
+    mt_status fs = s ? s : mt_trainer_step(t, &b, &a->loss[rank][1]);
+    const char *msg = mt_last_error(ctx);
+    char want[600];
+    snprintf(want, sizeof want, "%s/memtrain-scratch.rank%d", a->tc.offload_dir, rank);
+    if (!s && rank == f->fail_rank && (fs != MT_ERR_IO || !strstr(msg, want) || !strstr(msg, strerror(rf_err))))
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "the failing rank: %s: %s", mt_status_string(fs), msg);
+    snprintf(want, sizeof want, "rank %d failed (%s)", f->fail_rank, mt_status_string(MT_ERR_IO));
+    if (!s && rank != f->fail_rank && (fs != MT_ERR_COMM || !strstr(msg, want)))
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "another rank: %s: %s", mt_status_string(fs), msg);
+    mt_trainer_destroy(t);
+    mt_memory_stats disk;
+    if (!s) s = mt_context_place_stats(ctx, MT_PLACE_DISK, &disk);
+    if (!s && disk.live_bytes) zfail(a, rank, &s, MT_ERR_INTERNAL, "%llu bytes left on disk",
+                                     (unsigned long long)disk.live_bytes);
+    const size_t nw = m ? mt_model_num_params(m) : 0;
+    float *w = malloc(nw * sizeof *w + 1);
+    if (!s && !w) s = MT_ERR_OOM;
+    if (!s) s = mt_model_get_params(m, w, nw);
+    for (size_t k = 0; !s && k < nw; k++)
+        if (!(w[k] == w[k] && w[k] - w[k] == 0.0f)) zfail(a, rank, &s, MT_ERR_INTERNAL, "weight %zu is %g", k, w[k]);
+    free(w);
+    a->st[rank] = s;
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* A disk that fails on one rank of 2 at ZeRO stages 1 and 2 with the
+ * weights on disk: a write in the update (a piece going home) and in the
+ * gathers after it (another rank's slice written), disk full or an I/O
+ * error, and at stage 1 a read (a layer's weights in forward): the step
+ * fails on every rank at once, clearly, and nothing is left on disk. */
+TEST(offload_params_fault_on_one_rank)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
+    params_too = 1;
+    for (int stage = 1; stage <= 2; stage++)
+        for (int k = 0; k < 3 - (stage == 2); k++) { /* (stage 2 reduces in backward: a rank
+                                                          failing in forward leaves the others
+                                                          in a reduce-scatter, to its timeout) */
+            frun f;
+            memset(&f, 0, sizeof f);
+            config(&f.z.tc, &c, MT_PLACE_DISK, dir);
+            f.z.tc.zero_stage = stage;
+            f.z.n = ZN;
+            f.fail_rank = 1;
+            f.which = k == 1;
+            rf_wr = k < 2, rf_err = k == 1 ? EIO : ENOSPC;
+            snprintf(rf_path, sizeof rf_path, "memtrain-scratch.rank1/param.bin");
+            atomic_store(&rf_calls, 0);
+            atomic_store(&rf_at, -1);
+            mti_offload_fault = rank_inject;
+            f.z.world = tcomm_world_new(ZN, 60.0);
+            tcomm_run(ZN, frank, &f);
+            tcomm_world_free(f.z.world);
+            mti_offload_fault = NULL;
+            for (int r = 0; r < ZN; r++)
+                CHECK_MSG(f.z.st[r] == MT_OK, "stage %d, fault %d, rank %d: %s", stage, k, r, f.z.msg[r]);
+        }
+    params_too = 0;
+    mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0);
 }
 
@@ -418,6 +547,7 @@ TEST(offload_local_sgd_refused)
         config(&a.tc, &lc[k], MT_PLACE_DISK, dir);
         params_too = 0;
         a.tc.local_sgd_every = 2;
+        a.n = ZN;
         snprintf(a.save, sizeof a.save, "%s/never.mtt", dir);
         a.world = tcomm_world_new(ZN, 30.0);
         tcomm_run(ZN, zrank, &a);

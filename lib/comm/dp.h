@@ -69,9 +69,15 @@ enum { MTI_ZR_ALL, MTI_ZR_POST, MTI_ZR_FINISH };
 mt_status mti_zero_reduce_phase(mt_trainer *t, int i, float *g, size_t at, size_t n, float *dst,
                                 int acc, void *bucket, int phase);
 size_t mti_zero_reduce_bytes_all(const mt_trainer *t, int i, size_t at, size_t n);
-/* Elements [at, at + n) of parameter i's weights (PARAM), each held up to
- * date by its owner, to every rank. A collective. */
+/* Elements [at, at + n) of parameter i's weights (PARAM; in param.bin with
+ * offload_params), each held up to date by its owner, to every rank. A
+ * collective. */
 mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n);
+/* Every trained tensor's weights gathered so, in parameter order. A rank
+ * whose own reads or writes fail (weights on disk) goes on making every
+ * collective, sending zeros, and returns that failure at the end; a failed
+ * collective stops at once. */
+mt_status mti_zero_gather_every(mt_trainer *t);
 /* The ranks' checks of their slices together: *found (this rank's) becomes
  * whether any rank found a non-finite gradient, and *total the sum over
  * ranks and tensors of the n sums of squares (this rank's alone on one

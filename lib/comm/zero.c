@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "comm/dp.h"
+#include "offload.h"
 #include "trainer.h"
 
 /* bytes of a bucket, at most: the staging buffer's, which a CPU context's
@@ -258,7 +259,55 @@ mt_status mti_zero_reduce_phase(mt_trainer *t, int i, float *g, size_t at, size_
 
 /* ---- weights to every rank ---- */
 
-mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n)
+/* Elements [at, at + n) of parameter i's weights into buf (wr 0) or from
+ * it (wr 1): in the model's tensor, or in param.bin where they live on
+ * disk (offload_params, lib/offload.c). */
+static mt_status weights_io(mt_trainer *t, int i, size_t at, size_t n, void *buf, int wr)
+{
+    if (mti_offload_has_weights(t->off, i)) return mti_offload_weights_io(t->off, i, at, n, buf, wr);
+    mti_device *d = t->ctx->dev;
+    const mti_param *p = &t->model->params[i];
+    const size_t es = mti_dtype_size(p->w.dtype);
+    char *w = (char *)p->w.blk.ptr + at * es;
+    return wr ? d->copy_d2d(d, w, buf, n * es) : d->copy_d2d(d, buf, w, n * es);
+}
+
+/* A bucket of `bytes` (COMM) for parameter i's gather: K elements a piece. */
+static size_t gather_k(size_t es, int pieces, size_t most)
+{
+    size_t K = BUCKET_BYTES / es / (size_t)pieces;
+    if (K > most) K = most;
+    return K < 1 ? 1 : K;
+}
+
+/* A whole-tensor owner's weights that live on disk (offload_params): read
+ * by the owner a bucket at a time, broadcast, written by the others. */
+static mt_status broadcast_home(mt_trainer *t, int i, size_t at, size_t n, const char *what,
+                                mt_status *ls)
+{
+    mt_context *ctx = t->ctx;
+    mti_device *d = ctx->dev;
+    const int owner = t->sh[i].owner, me = t->rank;
+    const size_t es = mti_dtype_size(t->model->params[i].w.dtype), K = gather_k(es, 1, n);
+    mti_tensor bk;
+    mt_status s = n ? mti_comm_buffer(ctx, &bk, K * es) : MT_OK;
+    for (size_t o = 0, l; o < n && !s; o += l) {
+        l = n - o < K ? n - o : K;
+        if (me == owner && !*ls) *ls = weights_io(t, i, at + o, l, bk.blk.ptr, 0);
+        if (me == owner && *ls) s = d->memset8(d, bk.blk.ptr, 0, l * es);
+        if (!s && live(t)) s = mti_comm_broadcast(ctx, what, bk.blk.ptr, l * es, MT_COMM_BYTE, owner);
+        if (!s && me != owner && !*ls) *ls = weights_io(t, i, at + o, l, bk.blk.ptr, 1);
+    }
+    if (n) mti_tensor_free(ctx, &bk);
+    return s;
+}
+
+/* The gather of elements [at, at + n) of parameter i. Returns a failure
+ * that stops the collectives (a collective's, or the bucket's memory); a
+ * local one (reading or writing weights on disk) goes into *ls, and the
+ * rank goes on making the collectives, its own part sent as zeros, so the
+ * others are not left waiting in one. */
+static mt_status gather(mt_trainer *t, int i, size_t at, size_t n, mt_status *ls)
 {
     mt_context *ctx = t->ctx;
     mti_device *d = ctx->dev;
@@ -266,39 +315,52 @@ mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n)
     const mti_param *p = &t->model->params[i];
     const mti_shard *sh = &t->sh[i];
     const size_t es = mti_dtype_size(p->w.dtype);
-    char *w = p->w.blk.ptr;
     char what[112];
     snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
-    if (sh->owner >= 0) {
+    if (sh->owner >= 0 && mti_offload_has_weights(t->off, i))
+        return broadcast_home(t, i, at, n, what, ls);
+    if (sh->owner >= 0) { /* the owner's whole tensor, in place */
         if (!live(t)) return MT_OK;
-        return mti_comm_broadcast(ctx, what, w + at * es, n * es, MT_COMM_BYTE, sh->owner);
+        return mti_comm_broadcast(ctx, what, (char *)p->w.blk.ptr + at * es, n * es, MT_COMM_BYTE,
+                                  sh->owner);
     }
     size_t *from = malloc(2 * (size_t)N * sizeof *from);
     if (!from) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     size_t *len = from + N;
-    const size_t most = pieces(t, i, at, n, from, len);
-    size_t K = BUCKET_BYTES / es / (size_t)N;
-    if (K > most) K = most;
-    if (K < 1) K = 1;
-    const size_t kb = K * es;
+    const size_t most = pieces(t, i, at, n, from, len), K = gather_k(es, N, most), kb = K * es;
     mti_tensor bk;
     mt_status s = most ? mti_comm_buffer(ctx, &bk, (size_t)N * kb) : MT_OK;
     for (size_t o = 0; o < most && !s; o += K) {
         char *b = bk.blk.ptr;
         size_t l = len[me] > o ? len[me] - o : 0;
         if (l > K) l = K;
-        if (l) s = d->copy_d2d(d, b + (size_t)me * kb, w + (from[me] + o) * es, l * es);
+        if (l && !*ls) *ls = weights_io(t, i, from[me] + o, l, b + (size_t)me * kb, 0);
+        if (l && *ls) s = d->memset8(d, b + (size_t)me * kb, 0, l * es);
         if (!s && live(t))
             s = mti_comm_all_gather(ctx, what, b + (size_t)me * kb, b, kb, MT_COMM_BYTE);
-        for (int r = 0; r < N && !s; r++) {
+        for (int r = 0; r < N && !s && !*ls; r++) {
             size_t lr = len[r] > o ? len[r] - o : 0;
             if (lr > K) lr = K;
-            if (r != me && lr) s = d->copy_d2d(d, w + (from[r] + o) * es, b + (size_t)r * kb, lr * es);
+            if (r != me && lr) *ls = weights_io(t, i, from[r] + o, lr, b + (size_t)r * kb, 1);
         }
     }
     if (most) mti_tensor_free(ctx, &bk);
     free(from);
     return s;
+}
+
+mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n)
+{
+    mt_status ls = MT_OK, s = gather(t, i, at, n, &ls);
+    return s ? s : ls;
+}
+
+mt_status mti_zero_gather_every(mt_trainer *t)
+{
+    mt_status ls = MT_OK, s = MT_OK;
+    for (int i = 0; i < t->model->n_param && !s; i++)
+        if (!t->model->params[i].frozen) s = gather(t, i, 0, t->model->params[i].numel, &ls);
+    return s ? s : ls;
 }
 
 /* ---- what the ranks' slices say together ---- */

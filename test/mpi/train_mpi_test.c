@@ -66,7 +66,8 @@
  *                             rank holds the mean of what each rank computes
  *                             alone on its rows
  *   train_mpi_test offload    ZeRO stages 0, 1 and 2 with the optimizer state
- *                             on disk (each rank its part's): the resident
+ *                             on disk (each rank its part's; at 1 and 2 also
+ *                             with the weights on disk): the resident
  *                             run's losses, weights and training-state file
  *                             bit for bit; the file loads into an offloaded
  *                             trainer and saves the same bytes again; each
@@ -143,6 +144,7 @@ typedef struct how {
     double step_s;  /* out: the last step's seconds */
     double lone_s;  /* out: the seconds rank 0's lone calls took */
     const char *offload; /* the state on disk in this directory (NULL: resident) */
+    int params;          /* ... and the weights (offload_params) */
     const char *save;    /* a training-state file saved after the steps */
     const char *load;    /* ... loaded before them */
     int z3set, prefetch, keep; /* z3set: zero3_prefetch and zero3_keep these (else defaults) */
@@ -310,6 +312,7 @@ static mt_status train_how(mt_comm *comm, int channels, int stall_rank, how *hw,
         if (hw->z3set) tc.zero3_prefetch = hw->prefetch, tc.zero3_keep = hw->keep;
     }
     if (hw->offload) tc.offload = MT_PLACE_DISK, tc.offload_dir = hw->offload;
+    tc.offload_params = hw->offload && hw->params;
     mt_context *ctx;
     mt_model *m;
     mt_trainer *t;
@@ -637,10 +640,12 @@ static void offload(mt_comm *c)
     snprintf(f0, sizeof f0, "%s/resident.mtt", dir);
     snprintf(f1, sizeof f1, "%s/offloaded.mtt", dir);
     snprintf(f2, sizeof f2, "%s/again.mtt", dir);
-    for (int stage = 0; stage <= 2 && !failed; stage++) {
+    for (int k = 0; k < 5 && !failed; k++) { /* stages 0 to 2, then 1 and 2 with the weights on disk */
+        const int stage = k < 3 ? k : k - 2, params = k >= 3;
         how res = {.zc = &zc, .stage = stage, .save = f0};
-        how off = {.zc = &zc, .stage = stage, .offload = dir, .save = f1};
-        how again = {.zc = &zc, .stage = stage, .offload = dir, .load = f1, .steps = 1, .save = f2};
+        how off = {.zc = &zc, .stage = stage, .offload = dir, .params = params, .save = f1};
+        how again = {.zc = &zc, .stage = stage, .offload = dir, .params = params, .load = f1, .steps = 1,
+                     .save = f2};
         how again_res = {.zc = &zc, .stage = stage, .load = f0, .steps = 1, .save = f0};
         float l0[STEPS], l1[STEPS];
         float *w0 = NULL, *w1 = NULL;
@@ -671,9 +676,9 @@ static void offload(mt_comm *c)
         unlink(f0), unlink(f1), unlink(f2);
         EXPECT(rmdir(dir) == 0); /* no rank's scratch directory is left */
         if (!failed)
-            printf("ok offload: %d ranks, ZeRO 0, 1 and 2 with the state on disk: the resident "
-                   "run's losses, weights and files, bit for bit; each rank's peaks, device "
-                   "and disk, its estimate's\n",
+            printf("ok offload: %d ranks, ZeRO 0, 1 and 2 with the state on disk (1 and 2 with "
+                   "the weights too): the resident run's losses, weights and files, bit for "
+                   "bit; each rank's peaks, device and disk, its estimate's\n",
                    size);
     }
     MPI_Barrier(MPI_COMM_WORLD);
