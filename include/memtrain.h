@@ -1029,7 +1029,9 @@ typedef struct mt_trainer_config {
      * calls them), and mt_trainer_destroy gathers the weights back into the
      * model (a collective: every rank destroys its trainer). Stage 3 runs
      * on CPU contexts and on CUDA contexts with a device communicator
-     * (NCCL), without LoRA, a quantized base or offload
+     * (NCCL), without LoRA, a quantized base, host offload or the weights
+     * on disk (offload_params); with offload MT_PLACE_DISK (CPU contexts)
+     * each rank's state and master slices live in its scratch files
      * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"). */
     int zero_stage;
     /* Stage 3's prefetch depth: while a layer computes, the weights of the
@@ -1085,11 +1087,10 @@ typedef struct mt_trainer_config {
      * removed and the trainer refuses further steps (load a training-state
      * file into a new one). The masters being on disk, mt_model_get_params
      * and set_params read and write them there. On a run of several ranks
-     * (ZeRO stages 0, 1 and 2) each rank keeps its own part (its shard at
-     * stages 1 and 2) in offload_dir/memtrain-scratch.rankR, and
+     * (ZeRO stages 0 to 3) each rank keeps its own part (its shard at
+     * stages 1 to 3) in offload_dir/memtrain-scratch.rankR, and
      * training-state files are the resident run's (fp16/bf16 masters: each
-     * rank's master slice); stage 3 and CUDA contexts are
-     * MT_ERR_UNSUPPORTED.
+     * rank's master slice); CUDA contexts are MT_ERR_UNSUPPORTED.
      * MT_PLACE_HOST (CUDA contexts): in page-locked host memory
      * (cuMemHostAlloc; place host). Each gradient goes down to the host as
      * backward finishes it (a piece at a time, through a few staging buffers

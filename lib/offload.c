@@ -621,10 +621,11 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
     if (ctx->dev->kind != MT_DEVICE_CPU)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload disk is supported on CPU contexts only, for now", fn);
-    if (ctx->world > 1 && c->zero_stage > 2)
+    if (ctx->world > 1 && c->zero_stage > 2 && c->offload_params)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload disk with ZeRO stage %d is not supported (stages 0, 1 "
-                        "and 2 are)",
+                        "%s: cfg->offload_params with ZeRO stage %d is not supported (stages 0, 1 "
+                        "and 2 are; at stage 3 the rank's slice of the weights stays in memory: "
+                        "offload the state alone)",
                         fn, c->zero_stage);
     if (ctx->world > 1 && c->local_sgd_every > 0 &&
         (c->offload_params || (c->precision != MT_PREC_FP32 && c->master_weights)))
