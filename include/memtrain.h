@@ -1029,10 +1029,11 @@ typedef struct mt_trainer_config {
      * calls them), and mt_trainer_destroy gathers the weights back into the
      * model (a collective: every rank destroys its trainer). Stage 3 runs
      * on CPU contexts and on CUDA contexts with a device communicator
-     * (NCCL), without LoRA, a quantized base, host offload or the weights
-     * on disk (offload_params); with offload MT_PLACE_DISK (CPU contexts)
-     * each rank's state and master slices live in its scratch files
-     * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"). */
+     * (NCCL), without LoRA, a quantized base or host offload
+     * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"); with
+     * offload MT_PLACE_DISK (CPU contexts) each rank's state and master
+     * slices live in its scratch files, and with offload_params its slice
+     * of the weights too. */
     int zero_stage;
     /* Stage 3's prefetch depth: while a layer computes, the weights of the
      * next zero3_prefetch layers to run (in forward's order, backward's,
@@ -1122,13 +1123,14 @@ typedef struct mt_trainer_config {
      * mt_model_get_params / set_params, training-state files and the
      * weights after the trainer read and write them on disk; an I/O
      * failure loses them with the state (MT_ERR_IO: load the last
-     * training-state file). One rank, or several at ZeRO stages 0, 1 and
-     * 2 (each rank its own param.bin holding the whole weights, written
-     * once the ranks have agreed on them; at stages 1 and 2 the all-gather
-     * of the updated slices reads the rank's own from its pieces and writes
-     * the others' into its file, a bucket of at most 4 MiB at a time);
-     * with LoRA, at stage 3 and with local SGD on several ranks
-     * MT_ERR_UNSUPPORTED. */
+     * training-state file). One rank, or several at any ZeRO stage (each
+     * rank its own param.bin, written once the ranks have agreed on the
+     * weights: at stages 0 to 2 the whole weights, and at stages 1 and 2
+     * the all-gather of the updated slices reads the rank's own from its
+     * pieces and writes the others' into its file, a bucket of at most 4
+     * MiB at a time; at stage 3 the rank's slice, read into its part of
+     * each layer's gather buffer before the gather, and no layer buffers);
+     * with LoRA, and with local SGD on several ranks, MT_ERR_UNSUPPORTED. */
     int offload_params; /* 0 or 1 */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
      * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear

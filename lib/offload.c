@@ -68,7 +68,10 @@ typedef struct off_param {
     int64_t st0[MTI_OPT_SLOTS];    /* the state element of element lo */
     uint64_t m_off;                /* its master's region in master.bin */
     uint64_t w_off;                /* its weights' region in param.bin (offload_params) */
+    size_t w0, wn;                 /* the region's elements: [w0, w0 + wn) (the whole
+                                      tensor; ZeRO-3: this rank's slice) */
     int home;                      /* its weights live in param.bin */
+    int placed;                    /* ... and have gone there (put_params) */
 } off_param;
 
 typedef struct off_slot {
@@ -201,7 +204,9 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes, uin
                every rank; the gathers write the others' slices here) */
             q->home = o->params;
             q->w_off = fo[F_PARAM];
-            if (o->params) fo[F_PARAM] += up((uint64_t)p->numel * wes);
+            q->w0 = t->zero == 3 ? q->lo : 0; /* (ZeRO-3: the rank's slice, its home) */
+            q->wn = t->zero == 3 ? q->hi - q->lo : p->numel;
+            if (o->params) fo[F_PARAM] += up((uint64_t)q->wn * wes);
             if (q->hi == q->lo) continue; /* no state here: another rank's */
             const size_t piece = t->opt->sliceable ? mti_offload_piece_elems : p->numel;
             q->piece = piece < p->numel ? piece : p->numel;
@@ -429,11 +434,12 @@ static void slot_io(mti_offload *o, off_slot *sl, int wr)
         sl->err_file = F_MASTER;
     }
     if (!sl->err && q->home) {
-        /* (the weights' region holds the whole tensor: only its end pads,
-           never into the next rank's elements, which the gathers write) */
-        const int wlast = at + n == o->t->model->params[i].numel;
+        /* (the weights' region holds the whole tensor, at ZeRO-3 the rank's
+           slice: only its end pads, never into the next rank's elements,
+           which the gathers write) */
+        const int wlast = at + n == q->w0 + q->wn;
         const size_t wes = mti_dtype_size(o->t->dt);
-        const uint64_t fo = q->w_off + (uint64_t)at * wes;
+        const uint64_t fo = q->w_off + (uint64_t)(at - q->w0) * wes;
         sl->err = move(o, F_PARAM, wr, sl->pw, wlast && fo % ALIGN == 0 ? up((uint64_t)n * wes) : (uint64_t)n * wes, fo);
         sl->err_file = F_PARAM;
     }
@@ -454,9 +460,10 @@ static int lay_params(const mti_offload *o, int layer, int *idx)
     return n;
 }
 
+/* The bytes of parameter i's weights in param.bin (ZeRO-3: its slice's). */
 static uint64_t weight_bytes(const mti_offload *o, int i)
 {
-    return (uint64_t)o->t->model->params[i].numel * mti_dtype_size(o->t->dt);
+    return (uint64_t)o->pp[i].wn * mti_dtype_size(o->t->dt);
 }
 
 /* A layer slot's weights read from param.bin (an I/O thread). Returns 0 or an errno. */
@@ -621,12 +628,6 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
     if (ctx->dev->kind != MT_DEVICE_CPU)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload disk is supported on CPU contexts only, for now", fn);
-    if (ctx->world > 1 && c->zero_stage > 2 && c->offload_params)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload_params with ZeRO stage %d is not supported (stages 0, 1 "
-                        "and 2 are; at stage 3 the rank's slice of the weights stays in memory: "
-                        "offload the state alone)",
-                        fn, c->zero_stage);
     if (ctx->world > 1 && c->local_sgd_every > 0 &&
         (c->offload_params || (c->precision != MT_PREC_FP32 && c->master_weights)))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
@@ -693,13 +694,18 @@ static uint64_t lay_bytes(const mti_offload *o, int layer)
     return b;
 }
 
-/* offload_params: the layer slots (PARAM): one as large as the largest
- * layer's weights, the other as the largest layer's without a token table
- * (the blocks': the table's layers, at the two ends, are never next to
- * each other and go in the first); and the first guess of the layers'
- * order: forward up, backward down. */
-static mt_status lay_create(mti_offload *o)
+/* offload_params: the update slots' weights buffers (PARAM); with `layers`
+ * the layer slots (PARAM): one as large as the largest layer's weights, the
+ * other as the largest layer's without a token table (the blocks': the
+ * table's layers, at the two ends, are never next to each other and go in
+ * the first); and the first guess of the layers' order: forward up,
+ * backward down. */
+static mt_status lay_create(mti_offload *o, bool layers)
 {
+    mt_status s = MT_OK;
+    for (int k = 0; k < o->n_slots && !s; k++)
+        s = slot_alloc(o->ctx, &o->slot[k].pwb, &o->slot[k].pw, o->w_bytes, MT_MEM_PARAM, 2 * SLOTS + k);
+    if (s || !layers) return s;
     const mt_model *m = o->t->model;
     const int L = m->n_layers;
     uint64_t most = 0, other = 0;
@@ -717,11 +723,8 @@ static mt_status lay_create(mti_offload *o)
     }
     o->ls[0].cap = most;
     o->ls[1].cap = other ? other : most;
-    mt_status s = MT_OK;
     for (int k = 0; k < LSLOTS && !s; k++)
         s = slot_alloc(o->ctx, &o->ls[k].b, &o->ls[k].p, o->ls[k].cap, MT_MEM_PARAM, 3 * SLOTS + k);
-    for (int k = 0; k < o->n_slots && !s; k++)
-        s = slot_alloc(o->ctx, &o->slot[k].pwb, &o->slot[k].pw, o->w_bytes, MT_MEM_PARAM, 2 * SLOTS + k);
     return s;
 }
 
@@ -1014,14 +1017,14 @@ void *mti_offload_weights(const mti_offload *o, size_t e)
     return o->slot[o->cur].pw + (e - o->cur_at) * mti_dtype_size(o->t->dt);
 }
 
-bool mti_offload_has_weights(const mti_offload *o, int i) { return o && o->pp[i].home; }
+bool mti_offload_has_weights(const mti_offload *o, int i) { return o && o->pp[i].placed; }
 
 mt_status mti_offload_weights_io(mti_offload *o, int i, size_t at, size_t n, void *buf, int wr)
 {
     if (o->failed) return lost(o);
     const off_param *q = &o->pp[i];
     const size_t es = mti_dtype_size(o->t->dt);
-    if (!q->home || at + n > o->t->model->params[i].numel)
+    if (!q->home || at < q->w0 || at + n > q->w0 + q->wn)
         return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: no weights [%zu, +%zu) of tensor %d", at,
                         n, i);
     if (o->dry || !n) return MT_OK;
@@ -1055,7 +1058,7 @@ mt_status mti_offload_weights_io(mti_offload *o, int i, size_t at, size_t n, voi
             len = q->lo - x; /* (up to this rank's elements) */
         }
         if (from) memcpy((char *)buf + d * es, from, len * es);
-        else e = move(o, F_PARAM, wr, (char *)buf + d * es, len * es, q->w_off + (uint64_t)x * es);
+        else e = move(o, F_PARAM, wr, (char *)buf + d * es, len * es, q->w_off + (uint64_t)(x - q->w0) * es);
     }
     return e ? lose(o, F_PARAM, wr, e) : MT_OK;
 }
@@ -1162,16 +1165,20 @@ mt_status mti_offload_put_params(mti_offload *o)
 {
     mt_trainer *t = o->t;
     mt_model *m = t->model;
+    const bool z3 = t->zero == 3; /* (the weights are the rank's slices, t->pw) */
     mt_status s = MT_OK;
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_param *p = &m->params[i];
-        if (!o->pp[i].home || !p->w.blk.ptr) continue;
-        if (p->w.dtype != t->dt)
+        mti_tensor *w = z3 ? &t->pw[i] : &p->w;
+        if (!o->pp[i].home || !w->blk.ptr) continue;
+        if (w->dtype != t->dt)
             return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: %s is not in the compute dtype", p->name);
-        s = mti_offload_write(o, i, 0, 0, p->w.blk.ptr, (size_t)weight_bytes(o, i));
-        if (!s) mti_tensor_free(o->ctx, &p->w); /* (its dtype and shape stay) */
+        s = mti_offload_write(o, i, 0, 0, w->blk.ptr, (size_t)weight_bytes(o, i));
+        if (!s) mti_tensor_free(o->ctx, w); /* (its dtype and shape stay) */
+        o->pp[i].placed = !s;
     }
-    if (!s) s = lay_create(o); /* (once the weights are gone) */
+    if (!s) s = lay_create(o, !z3); /* (once the weights are gone) */
+    if (z3) return s; /* (ZeRO-3's hook gathers each layer, reading the slice here) */
     m->params_home = o;
     t->E.params_hook = mti_offload_layer;
     t->E.params_user = o;
@@ -1185,7 +1192,7 @@ void mti_offload_get_params(mti_offload *o)
     mt_model *m = t->model;
     if (m->params_home == o) m->params_home = NULL;
     if (t->E.params_user == o) t->E.params_hook = NULL, t->E.params_user = NULL;
-    for (int i = 0; i < m->n_param; i++) {
+    for (int i = 0; i < m->n_param && t->zero < 3; i++) { /* (ZeRO-3: its unsharding read them) */
         mti_param *p = &m->params[i];
         if (!o->pp || !o->pp[i].home || p->w.blk.ptr) continue;
         mt_status s = mti_tensor_alloc(o->ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,

@@ -79,7 +79,7 @@ mt_status mti_offload_put_params(mti_offload *o);
 /* The weights back into the model (zeros, and said, where they cannot be
  * read); the hook cleared. NULL is accepted. */
 void mti_offload_get_params(mti_offload *o);
-/* Whether parameter i's weights live in param.bin (o may be NULL). */
+/* Whether parameter i's weights live in param.bin, sent there by put_params (o may be NULL). */
 bool mti_offload_has_weights(const mti_offload *o, int i);
 /* Elements [at, at + n) of parameter i's weights in param.bin (compute
  * dtype), into buf (wr 0: this rank's newest, from the piece buffers where

@@ -620,10 +620,12 @@ static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
 /* Whether the unfused step's gathers wait for its end (gather_late): host
  * offload's updates land later; with the state on disk the ranks first
  * agree that every piece's update reached its file, so a disk that fails
- * on one rank fails the step on every rank, none left in a gather. */
+ * on one rank fails the step on every rank, none left in a gather (at
+ * ZeRO-3, which gathers nothing after the update, the step still fails
+ * everywhere). */
 static bool gather_later(const mt_trainer *t)
 {
-    return t->zero && t->zero < 3 && (t->hoff || (t->off && !t->cfg.fused_step));
+    return t->zero && ((t->hoff && t->zero < 3) || (t->off && !t->cfg.fused_step));
 }
 
 /* Whether the weights are gathered from every rank's slice as each is

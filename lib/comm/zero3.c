@@ -56,6 +56,7 @@
 #include "comm/dp.h"
 #include "comm/nccl_overlap.h"
 #include "comm/overlap.h"
+#include "offload.h"
 #include "trainer.h"
 
 /* Parameter i's reduce-scatter queued in backward: its bucket (COMM) and
@@ -268,6 +269,26 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
                     first, m->params[least].name);
 }
 
+/* Whether parameter i's slice lives on disk (offload_params): then it is
+ * read into the rank's part of the gather buffer before the gather. */
+static bool on_disk(const mt_trainer *t, int i) { return mti_offload_has_weights(t->off, i); }
+
+/* offload_params: this rank's slice of parameter i from its file into its
+ * part of gather buffer g (zeros after it), on the stepping thread before
+ * the gather is queued. A slice that cannot be read is zeros. */
+static mt_status slice_in(mt_trainer *t, int i, const mti_tensor *g)
+{
+    const mti_shard *sh = &t->sh[i];
+    const size_t es = mti_dtype_size(t->model->params[i].w.dtype), n = sh->hi - sh->lo;
+    if (sh->owner >= 0 && t->rank != sh->owner) return MT_OK;
+    const size_t part = sh->owner >= 0 ? n : sh->per;
+    char *at = (char *)g->blk.ptr + (sh->owner >= 0 ? 0 : (size_t)t->rank * part * es);
+    mt_status s = n ? mti_offload_weights_io(t->off, i, sh->lo, n, at, 0) : MT_OK;
+    const size_t z = s ? 0 : n; /* (from here on, zeros) */
+    if (z < part) (void)t->ctx->dev->memset8(t->ctx->dev, at + z * es, 0, (part - z) * es);
+    return s;
+}
+
 /* Fills parameter i's gather buffer from the ranks' slices (on the
  * communication thread when the gathers are queued). */
 static mt_status gather_run(void *user, int i)
@@ -278,20 +299,23 @@ static mt_status gather_run(void *user, int i)
     const mti_shard *sh = &t->sh[i];
     const size_t es = mti_dtype_size(p->w.dtype);
     mti_tensor *g = &t->gb[i];
+    const bool disk = on_disk(t, i); /* (the rank's part is in g already) */
     char what[112];
     snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
     mt_status s = MT_OK;
     if (sh->owner >= 0) {
-        if (t->rank == sh->owner)
+        if (t->rank == sh->owner && !disk)
             s = ctx->dev->copy_d2d(ctx->dev, g->blk.ptr, t->pw[i].blk.ptr, p->numel * es);
         if (!s && live(t))
             s = mti_comm_broadcast(ctx, what, g->blk.ptr, p->numel * es, MT_COMM_BYTE, sh->owner);
         return s;
     }
     const size_t part = sh->per * es;
-    if (live(t)) return mti_comm_all_gather(ctx, what, t->pw[i].blk.ptr, g->blk.ptr, part, MT_COMM_BYTE);
-    return ctx->dev->copy_d2d(ctx->dev, (char *)g->blk.ptr + (size_t)t->rank * part, t->pw[i].blk.ptr,
-                              part);
+    char *mine = (char *)g->blk.ptr + (size_t)t->rank * part;
+    if (live(t))
+        return mti_comm_all_gather(ctx, what, disk ? mine : t->pw[i].blk.ptr, g->blk.ptr, part,
+                                   MT_COMM_BYTE);
+    return disk ? MT_OK : ctx->dev->copy_d2d(ctx->dev, mine, t->pw[i].blk.ptr, part);
 }
 
 /* Whether gathers go to the communication thread (or NCCL's stream). */
@@ -327,7 +351,13 @@ static mt_status gather_in(mt_trainer *t, int i)
     mti_tensor *g = &t->gb[i];
     *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)(gather_elems(t, i) * es)}};
     mt_status s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
-    if (!s) s = queued(t) ? q_call(t, gather_run, i, &t->z3_ticket[i]) : gather_run(t, i);
+    const mt_status ls = !s && on_disk(t, i) ? slice_in(t, i, g) : MT_OK;
+    if (!s && ls) { /* its slice lost: the others are not left waiting in the gather */
+        s = gather_run(t, i); /* (zeros from here, at once, after the queue) */
+        if (!s) s = ls;
+    } else if (!s) {
+        s = queued(t) ? q_call(t, gather_run, i, &t->z3_ticket[i]) : gather_run(t, i);
+    }
     if (s) {
         mti_tensor_free(ctx, g);
         t->gref[i]--;

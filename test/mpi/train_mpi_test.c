@@ -66,7 +66,7 @@
  *                             rank holds the mean of what each rank computes
  *                             alone on its rows
  *   train_mpi_test offload    ZeRO stages 0 to 3 with the optimizer state
- *                             on disk (each rank its part's; at 1 and 2 also
+ *                             on disk (each rank its part's; at 1 to 3 also
  *                             with the weights on disk): the resident
  *                             run's losses, weights and training-state file
  *                             bit for bit; the file loads into an offloaded
@@ -640,8 +640,8 @@ static void offload(mt_comm *c)
     snprintf(f0, sizeof f0, "%s/resident.mtt", dir);
     snprintf(f1, sizeof f1, "%s/offloaded.mtt", dir);
     snprintf(f2, sizeof f2, "%s/again.mtt", dir);
-    for (int k = 0; k < 6 && !failed; k++) { /* stages 0 to 2, 1 and 2 with the weights on disk, 3 */
-        const int stage = k < 3 ? k : k < 5 ? k - 2 : 3, params = k == 3 || k == 4;
+    for (int k = 0; k < 7 && !failed; k++) { /* stages 0 to 3, then 1 to 3 with the weights on disk */
+        const int stage = k < 4 ? k : k - 3, params = k >= 4;
         how res = {.zc = &zc, .stage = stage, .save = f0};
         how off = {.zc = &zc, .stage = stage, .offload = dir, .params = params, .save = f1};
         how again = {.zc = &zc, .stage = stage, .offload = dir, .params = params, .load = f1, .steps = 1,
@@ -676,7 +676,7 @@ static void offload(mt_comm *c)
         unlink(f0), unlink(f1), unlink(f2);
         EXPECT(rmdir(dir) == 0); /* no rank's scratch directory is left */
         if (!failed)
-            printf("ok offload: %d ranks, ZeRO 0 to 3 with the state on disk (1 and 2 with "
+            printf("ok offload: %d ranks, ZeRO 0 to 3 with the state on disk (1 to 3 with "
                    "the weights too): the resident run's losses, weights and files, bit for "
                    "bit; each rank's peaks, device and disk, its estimate's\n",
                    size);
