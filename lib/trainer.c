@@ -632,6 +632,55 @@ static bool gather_later(const mt_trainer *t)
  * updated (ZeRO-1/2 with the update on the device, and the fused step). */
 static bool gather_each(const mt_trainer *t) { return t->zero && t->zero < 3 && !gather_later(t); }
 
+/* ZeRO-1 and 2 on NCCL's stream: the all-gather of an updated tensor's
+ * weights in two halves, this rank's pieces packed into a bucket of the
+ * tensor's size and the chunks' collectives queued on the stream (a call),
+ * the others' pieces taken when it is retired: oldest first once more than
+ * HELD bytes of buckets besides the newest are held, the rest when the
+ * updates end (ag_retire), so the next tensors' updates run beside the
+ * gathers. Where they are retired depends on the sizes alone; an estimate
+ * (no stream) makes each at once and retires it at the same points. */
+static mt_status ag_run(void *user, int i)
+{
+    mt_trainer *t = user;
+    return mti_zero_gather_phase(t, i, 0, t->model->params[i].numel, t->agb[i].blk.ptr, MTI_ZR_POST);
+}
+
+#define HELD MTI_COMM_STAGE
+
+/* Retires the oldest gathers: all, or while more than HELD bytes besides
+ * the newest are held (s: the status so far; after a failure each is only
+ * waited for and its bucket freed). */
+static mt_status ag_retire(mt_trainer *t, bool all, mt_status s)
+{
+    while (t->ag_head < t->ag_tail &&
+           (all || (t->ag_tail - t->ag_head > 1 && t->ag_bytes > HELD))) {
+        const int i = t->agq[t->ag_head++];
+        if (t->agt[i]) {
+            const mt_status e = mti_ncclov_done(t->nov, t->agt[i]);
+            if (!s) s = e;
+            t->agt[i] = 0;
+        }
+        if (!s) s = mti_zero_gather_phase(t, i, 0, t->model->params[i].numel, t->agb[i].blk.ptr,
+                                          MTI_ZR_FINISH);
+        t->ag_bytes -= mti_tensor_bytes(&t->agb[i]);
+        mti_tensor_free(t->ctx, &t->agb[i]);
+    }
+    if (t->ag_head == t->ag_tail) t->ag_head = t->ag_tail = 0;
+    return s;
+}
+
+static mt_status ag_post(mt_trainer *t, int i)
+{
+    const size_t bb = mti_zero_gather_bytes_all(t, i, 0, t->model->params[i].numel);
+    mt_status s = bb ? mti_comm_buffer(t->ctx, &t->agb[i], bb) : MT_OK;
+    if (s) return s;
+    t->agq[t->ag_tail++] = i;
+    t->ag_bytes += mti_tensor_bytes(&t->agb[i]);
+    s = t->nov ? mti_ncclov_call(t->nov, ag_run, t, i, &t->agt[i]) : ag_run(t, i);
+    return s ? s : ag_retire(t, false, MT_OK);
+}
+
 /* Updates parameter i (this rank's elements) from its gradient times
  * grad_scale; under ZeRO the weights are then gathered from every rank. */
 static mt_status update_param(mt_trainer *t, int i, float grad_scale)
@@ -639,7 +688,8 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
     size_t at, n;
     float *g = own_grad(t, i, &at, &n);
     mt_status s = n ? update_elems(t, i, g, at, n, grad_scale) : MT_OK;
-    if (!s && gather_each(t)) s = mti_zero_gather(t, i, 0, t->model->params[i].numel);
+    if (!s && gather_each(t))
+        s = t->ag_on ? ag_post(t, i) : mti_zero_gather(t, i, 0, t->model->params[i].numel);
     return s;
 }
 
@@ -835,6 +885,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->gs);
     free(t->s2q);
     free(t->hb);
+    free(t->agb), free(t->agt), free(t->agq);
     free(t->host_losses);
     free(t->host_rows);
     free(t->units);
@@ -1077,6 +1128,14 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
             s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
         if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
         if (!s && mti_ncclov_possible(ctx)) s = ncclov_start(t, held_job, true);
+    }
+    /* and the all-gathers of the updated weights at stages 1 and 2 */
+    if (!s && on_stream && (zero == 1 || zero == 2) && !mti_local_sgd(t)) {
+        t->ag_on = 1;
+        t->agb = calloc((size_t)m->n_param + 1, sizeof *t->agb);
+        t->agt = calloc((size_t)m->n_param + 1, sizeof *t->agt);
+        t->agq = calloc((size_t)m->n_param + 1, sizeof *t->agq);
+        if (!t->agb || !t->agt || !t->agq) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     }
     /* on a CUDA context with NCCL, stage 0's sums on a communication stream,
        and stage 1's (all-reduced: each rank then takes its slice) */
@@ -1402,6 +1461,7 @@ static void held_begin(mt_trainer *t, int fq_pass)
 static mt_status held_end(mt_trainer *t, mt_status s)
 {
     s = held_retire(t, true, s);
+    if (t->ag_on) s = ag_retire(t, true, s); /* (the fused step's gathers) */
     t->fq_pass = 0;
     return s;
 }
@@ -1549,6 +1609,7 @@ static mt_status finish_checks(mt_trainer *t, int *found)
 static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
     mti_msg msg = mti_last_msg(t->ctx);
+    if (t->ag_on) (void)ag_retire(t, true, s); /* (waited for, their buckets freed) */
     if (t->off) (void)mti_offload_end(t->off); /* what was updated goes home */
     if (t->hoff) (void)mti_hostoff_end(t->hoff); /* the updates queued land */
     mti_engine_release(&t->E);
@@ -1765,6 +1826,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             mti_tensor_free(ctx, &t->E.grad[i]); /* this gradient is done */
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
+        if (!s && t->ag_on) s = ag_retire(t, true, MT_OK); /* every weight gathered */
         if (s && !gather_later(t)) {
             if (t->updated) t->opt_steps++; /* some state has moved a step */
             return step_failed(t, fn, s);

@@ -84,6 +84,14 @@ struct mt_trainer {
                                 each reduce-scatter's chunks packed into a bucket of
                                 its own, kept until its sums are taken (hb) */
     mti_tensor *hb;          /* per parameter, that bucket (COMM), while held */
+    int ag_on;               /* ZeRO-1/2 on NCCL's stream (or planned so): each updated
+                                tensor's all-gather queued there (ag_post), its bucket
+                                kept until it is retired */
+    mti_tensor *agb;         /* per parameter, that bucket (COMM) */
+    uint64_t *agt;           /* per parameter, its call on the stream (0: none) */
+    int *agq;                /* the gathers posted, in order */
+    int ag_head, ag_tail;    /* retired up to head, posted up to tail */
+    size_t ag_bytes;         /* their buckets' bytes, held */
     /* ZeRO (cfg.zero_stage on more than one rank; docs/distributed.md) */
     int zero;                /* the stage in force: 0 without sharding */
     int world, rank;         /* the context's (a dry context's planned ones) */

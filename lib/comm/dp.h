@@ -78,6 +78,13 @@ mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n);
  * collective, sending zeros, and returns that failure at the end; a failed
  * collective stops at once. */
 mt_status mti_zero_gather_every(mt_trainer *t);
+/* The same in two phases (MTI_ZR_POST: this rank's pieces packed into the
+ * bucket, mti_zero_gather_bytes_all bytes, and each chunk's all-gather
+ * made; MTI_ZR_FINISH: the others' pieces into the weights), or both
+ * (MTI_ZR_ALL, through a bucket made here when bucket is NULL). An owner's
+ * broadcast is in place in the weights. */
+mt_status mti_zero_gather_phase(mt_trainer *t, int i, size_t at, size_t n, void *bucket, int phase);
+size_t mti_zero_gather_bytes_all(const mt_trainer *t, int i, size_t at, size_t n);
 /* The ranks' checks of their slices together: *found (this rank's) becomes
  * whether any rank found a non-finite gradient, and *total the sum over
  * ranks and tensors of the n sums of squares (this rank's alone on one

@@ -142,7 +142,7 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
     if (!s) s = mti_cuda_event_new(d, &ov->done);
     for (int k = 0; k < 2 * n && !s; k++)
         if (numel[k / 2]) s = mti_cuda_event_new_timed(d, &timing[k]);
-    for (int k = 0; k < 2 * CALLS && !s && !n; k++) s = mti_cuda_event_new_timed(d, &ov->cev[k]);
+    for (int k = 0; k < 2 * CALLS && !s; k++) s = mti_cuda_event_new_timed(d, &ov->cev[k]);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         mti_ncclov_free(ov);

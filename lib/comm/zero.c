@@ -306,9 +306,13 @@ static mt_status broadcast_home(mt_trainer *t, int i, size_t at, size_t n, const
  * that stops the collectives (a collective's, or the bucket's memory); a
  * local one (reading or writing weights on disk) goes into *ls, and the
  * rank goes on making the collectives, its own part sent as zeros, so the
- * others are not left waiting in one. */
-static mt_status gather(mt_trainer *t, int i, size_t at, size_t n, mt_status *ls)
+ * others are not left waiting in one. In phases (a communication
+ * stream's, mti_zero_gather_phase) through the caller's bucket, each chunk
+ * at its own place. */
+static mt_status gather(mt_trainer *t, int i, size_t at, size_t n, mt_status *ls, void *bucket,
+                        int phase)
 {
+    const bool post = phase != MTI_ZR_FINISH, take = phase != MTI_ZR_POST;
     mt_context *ctx = t->ctx;
     mti_device *d = ctx->dev;
     const int N = t->world, me = t->rank;
@@ -317,10 +321,10 @@ static mt_status gather(mt_trainer *t, int i, size_t at, size_t n, mt_status *ls
     const size_t es = mti_dtype_size(p->w.dtype);
     char what[112];
     snprintf(what, sizeof what, "the all-gather of the weights of %s", p->name);
-    if (sh->owner >= 0 && mti_offload_has_weights(t->off, i))
-        return broadcast_home(t, i, at, n, what, ls);
+    if (sh->owner >= 0 && mti_offload_has_weights(t->off, i)) /* (never in phases: no stream) */
+        return post ? broadcast_home(t, i, at, n, what, ls) : MT_OK;
     if (sh->owner >= 0) { /* the owner's whole tensor, in place */
-        if (!live(t)) return MT_OK;
+        if (!live(t) || !post) return MT_OK;
         return mti_comm_broadcast(ctx, what, (char *)p->w.blk.ptr + at * es, n * es, MT_COMM_BYTE,
                                   sh->owner);
     }
@@ -329,37 +333,53 @@ static mt_status gather(mt_trainer *t, int i, size_t at, size_t n, mt_status *ls
     size_t *len = from + N;
     const size_t most = pieces(t, i, at, n, from, len), K = gather_k(es, N, most), kb = K * es;
     mti_tensor bk;
-    mt_status s = most ? mti_comm_buffer(ctx, &bk, (size_t)N * kb) : MT_OK;
+    const bool made = most && !bucket;
+    mt_status s = made ? mti_comm_buffer(ctx, &bk, (size_t)N * kb) : MT_OK;
     for (size_t o = 0; o < most && !s; o += K) {
-        char *b = bk.blk.ptr;
+        char *b = bucket ? bucket : bk.blk.ptr;
+        if (phase != MTI_ZR_ALL) b += o / K * (size_t)N * kb;
         size_t l = len[me] > o ? len[me] - o : 0;
         if (l > K) l = K;
-        if (l && !*ls) *ls = weights_io(t, i, from[me] + o, l, b + (size_t)me * kb, 0);
-        if (l && *ls) s = d->memset8(d, b + (size_t)me * kb, 0, l * es);
-        if (!s && live(t))
+        if (l && post && !*ls) *ls = weights_io(t, i, from[me] + o, l, b + (size_t)me * kb, 0);
+        if (l && post && *ls) s = d->memset8(d, b + (size_t)me * kb, 0, l * es);
+        if (!s && live(t) && post)
             s = mti_comm_all_gather(ctx, what, b + (size_t)me * kb, b, kb, MT_COMM_BYTE);
-        for (int r = 0; r < N && !s && !*ls; r++) {
+        for (int r = 0; r < N && !s && !*ls && take; r++) {
             size_t lr = len[r] > o ? len[r] - o : 0;
             if (lr > K) lr = K;
             if (r != me && lr) *ls = weights_io(t, i, from[r] + o, lr, b + (size_t)r * kb, 1);
         }
     }
-    if (most) mti_tensor_free(ctx, &bk);
+    if (made) mti_tensor_free(ctx, &bk);
     free(from);
     return s;
 }
 
 mt_status mti_zero_gather(mt_trainer *t, int i, size_t at, size_t n)
 {
-    mt_status ls = MT_OK, s = gather(t, i, at, n, &ls);
+    return mti_zero_gather_phase(t, i, at, n, NULL, MTI_ZR_ALL);
+}
+
+mt_status mti_zero_gather_phase(mt_trainer *t, int i, size_t at, size_t n, void *bucket, int phase)
+{
+    mt_status ls = MT_OK, s = gather(t, i, at, n, &ls, bucket, phase);
     return s ? s : ls;
+}
+
+size_t mti_zero_gather_bytes_all(const mt_trainer *t, int i, size_t at, size_t n)
+{
+    if (t->sh[i].owner >= 0) return 0; /* (a broadcast in place) */
+    const size_t most = longest(t, i, at, n);
+    const size_t es = mti_dtype_size(t->model->params[i].w.dtype), K = gather_k(es, t->world, most);
+    return most ? (size_t)t->world * K * es * ((most + K - 1) / K) : 0;
 }
 
 mt_status mti_zero_gather_every(mt_trainer *t)
 {
     mt_status ls = MT_OK, s = MT_OK;
     for (int i = 0; i < t->model->n_param && !s; i++)
-        if (!t->model->params[i].frozen) s = gather(t, i, 0, t->model->params[i].numel, &ls);
+        if (!t->model->params[i].frozen)
+            s = gather(t, i, 0, t->model->params[i].numel, &ls, NULL, MTI_ZR_ALL);
     return s ? s : ls;
 }
 
