@@ -1435,8 +1435,9 @@ static mt_status held_give(mt_trainer *t, int i)
     if (s) return s;
     float *g = t->E.grad[i].blk.ptr;
     const size_t n = t->model->params[i].numel;
-    /* on NCCL's stream, the bucket its chunks wait in until they are taken */
-    const size_t bb = t->phased ? mti_zero_reduce_bytes_all(t, i, 0, n) : 0;
+    /* on NCCL's stream, the bucket its chunks wait in until they are taken
+       (none at stage 0: the sum is in place) */
+    const size_t bb = t->phased && t->zero ? mti_zero_reduce_bytes_all(t, i, 0, n) : 0;
     if (bb && (s = mti_comm_buffer(t->ctx, &t->hb[i], bb))) return s;
     t->s2q[t->s2_tail++] = i;
     t->s2_bytes += n * sizeof(float) + (bb ? mti_tensor_bytes(&t->hb[i]) : 0);

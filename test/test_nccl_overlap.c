@@ -673,6 +673,7 @@ typedef struct job_kit {
     mt_context *ctx;
     float *bucket[2];
     size_t n;
+    float *base; /* the calls' pieces */
 } job_kit;
 
 static mt_status pack_job(void *user, int i, float *g)
@@ -686,6 +687,15 @@ static mt_status pack_job(void *user, int i, float *g)
     return s;
 }
 
+/* A call (as ZeRO-3's queued gathers and reduce-scatters are made): the
+ * sum of piece j of 1024 values at base, in place. */
+static mt_status sum_call(void *user, int j)
+{
+    job_kit *k = user;
+    float *p = k->base + (size_t)j * 1024;
+    return mti_comm_all_reduce(k->ctx, "test", p, p, 1024, MT_COMM_F32, MT_COMM_SUM);
+}
+
 /* The stream's jobs on one rank (on a GPU with MT_TEST_GPU=1, the real
  * driver and libnccl.so.2; the stand-ins otherwise), as stage 2 and the
  * fused step use them: each tensor written by a copy on the device's
@@ -693,7 +703,8 @@ static mt_status pack_job(void *user, int i, float *g)
  * bucket on the device's stream and queueing its collectives behind an
  * event; the first tensor waited for alone (its event), read back through
  * the device's stream, then the rest. The values must be the ones written
- * (one rank: the sums are the values), and every collective counted. */
+ * (one rank: the sums are the values), and every collective counted. Then
+ * calls (ZeRO-3's kind), more than are kept in flight. */
 TEST(comm_nccl_one_rank_zero)
 {
     mt_context *first, *ctx;
@@ -731,6 +742,24 @@ TEST(comm_nccl_one_rank_zero)
     CHECK_OK(mt_context_comm_stats(ctx, &after));
     CHECK_EQ(after.collectives - before.collectives, 12);
     CHECK(mti_ncclov_wait_first(ov, 3) == MT_ERR_INTERNAL); /* (two given) */
+    /* calls, as ZeRO-3 queues its gathers: 70 of them (more than are kept
+       in flight, so the oldest are waited for on the way), each summing a
+       piece of its own written just before on the device's stream; the
+       last waited for, then the first again (done already) */
+    enum { CALLS_MADE = 70, PIECE = 1024 };
+    uint64_t tk[CALLS_MADE] = {0};
+    k.base = g;
+    for (int j = 0; j < CALLS_MADE && ov && h && back; j++) {
+        for (int e = 0; e < PIECE; e++) h[j * PIECE + e] = (float)(j * 3 + e);
+        CHECK_OK(d->copy_h2d(d, g + j * PIECE, h + j * PIECE, PIECE * sizeof *h));
+        CHECK_OK(mti_ncclov_call(ov, sum_call, &k, j, &tk[j]));
+    }
+    CHECK_MSG(mti_ncclov_done(ov, tk[CALLS_MADE - 1]) == MT_OK, "%s", mt_last_error(ctx));
+    CHECK_OK(mti_ncclov_done(ov, tk[0]));
+    CHECK_OK(d->copy_d2h(d, back, g, CALLS_MADE * PIECE * sizeof *back));
+    CHECK_OK(d->sync(d));
+    CHECK_MSG(!memcmp(back, h, CALLS_MADE * PIECE * sizeof *h), "a call's sum differs");
+    CHECK_OK(mti_ncclov_quiet(ov, false));
     mti_ncclov_free(ov);
     mt_context_free(ctx, &b);
     free(h);
@@ -776,6 +805,9 @@ TEST(gpu_engine_stream_events)
     CHECK(ms >= 0.0f && ms < 1000.0f);
     CHECK_OK(mti_cuda_record(d, plain, q));
     CHECK_OK(mti_cuda_event_wait(d, plain));
+    bool done = false;
+    CHECK_OK(mti_cuda_event_done(d, plain, &done)); /* (waited for: done) */
+    CHECK(done);
     CHECK_ST(MT_ERR_DEVICE, mti_cuda_elapsed(d, a, plain, &ms)); /* no timing */
     mti_cuda_event_free(d, plain);
     mti_cuda_event_free(d, a);
