@@ -148,10 +148,11 @@ TEST(zero_autofit_same_on_every_rank)
     fit_case("adafactor, stage 2", MT_OPT_ADAFACTOR, 2, false);
 }
 
-/* Auto-fit puts the state on disk at ZeRO stages 1 and 2 on 2 ranks when
- * nothing else fits, the same on both. */
+/* Auto-fit puts the state (and the weights) on disk at ZeRO stages 1 to 3
+ * on 2 ranks when nothing else fits, the same on both. */
 TEST(zero_autofit_offload_on_two_ranks)
 {
     fit_case("adamw, stage 1", MT_OPT_ADAMW, 1, true);
     fit_case("adamw, stage 2", MT_OPT_ADAMW, 2, true);
+    fit_case("adamw, stage 3", MT_OPT_ADAMW, 3, true);
 }
