@@ -13,7 +13,9 @@
  *
  * Each step's loss and time go to stderr as they come (a large model's
  * steps take a while); the steps' own peak RSS (VmHWM, reset once the
- * trainer is made, so without the setup's) beside the whole run's.
+ * trainer is made, so without the setup's) beside the whole run's, and the
+ * trainer's end's (reset before mt_trainer_destroy, which gives the model
+ * its weights back whole).
  *
  * (make bench-offload; docs/benchmarks.md, "Disk offload")
  */
@@ -42,7 +44,7 @@ typedef struct opts {
 typedef struct result {
     int ok;
     double step_s, first_loss, last_loss, setup_s, model_s;
-    long rss_kib, setup_rss_kib, step_rss_kib;
+    long rss_kib, setup_rss_kib, step_rss_kib, end_rss_kib;
     uint64_t device_peak, disk_peak, optim_dev, master_dev, param_dev;
     uint64_t dev_class[MT_MEM_COUNT], disk_class[MT_MEM_COUNT];
     char err[256];
@@ -140,7 +142,10 @@ static void run(const opts *o, mt_place place, int params, result *r)
     } else {
         snprintf(r->err, sizeof r->err, "%s: %s", mt_status_string(s), mt_last_error(ctx));
     }
-    mt_trainer_destroy(t);
+    reset_hwm();
+    mt_trainer_destroy(t); /* (the weights back in the model, from disk with --params) */
+    r->end_rss_kib = hwm_kib();
+    if (r->end_rss_kib > r->rss_kib) r->rss_kib = r->end_rss_kib;
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     free(tok), free(tg), free(dt);
@@ -268,9 +273,9 @@ int main(int argc, char **argv)
                r[k].step_s, r[k].rss_kib / 1024.0, r[k].device_peak / 1048576.0,
                r[k].param_dev / 1048576.0, r[k].optim_dev / 1048576.0, r[k].master_dev / 1048576.0,
                r[k].disk_peak / 1048576.0, r[k].last_loss);
-        printf("%-9s setup %.1f s (the model %.1f s); peak RSS of the setup %.1f MiB, of the steps %.1f MiB; loss %.4f -> %.4f\n",
+        printf("%-9s setup %.1f s (the model %.1f s); peak RSS of the setup %.1f MiB, of the steps %.1f MiB, of the trainer's end %.1f MiB; loss %.4f -> %.4f\n",
                "", r[k].setup_s, r[k].model_s, r[k].setup_rss_kib / 1024.0,
-               r[k].step_rss_kib / 1024.0, r[k].first_loss, r[k].last_loss);
+               r[k].step_rss_kib / 1024.0, r[k].end_rss_kib / 1024.0, r[k].first_loss, r[k].last_loss);
         printf("%-9s each class's peak MiB, device / disk:", "");
         for (int c = 0; c < MT_MEM_COUNT; c++)
             if (r[k].dev_class[c] || r[k].disk_class[c])

@@ -143,6 +143,7 @@ struct mti_offload {
 static uint64_t up(uint64_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
 
 static void lay_submit(mti_offload *o, int k, int layer);
+static mt_status drop_slots(mti_offload *o);
 static int lay_victim(mti_offload *o, int keep, int wait, int layer);
 
 /* ---- geometry ---- */
@@ -772,6 +773,28 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
         else o->n_th++;
     }
     return s;
+}
+
+void mti_offload_drain(mti_offload *o)
+{
+    if (!o) return;
+    if (!o->failed) (void)drop_slots(o); /* (a failure is logged by what reads after) */
+    lay_drop(o);
+    for (int s = 0; s < o->n_slots; s++) {
+        off_slot *sl = &o->slot[s];
+        if (sl->stb.ptr) mt_context_free(o->ctx, &sl->stb);
+        if (sl->msb.ptr) mt_context_free(o->ctx, &sl->msb);
+        if (sl->pwb.ptr) mt_context_free(o->ctx, &sl->pwb);
+        memset(&sl->stb, 0, sizeof sl->stb), memset(&sl->msb, 0, sizeof sl->msb);
+        memset(&sl->pwb, 0, sizeof sl->pwb);
+        sl->st = sl->ms = sl->pw = NULL;
+    }
+    for (int k = 0; k < LSLOTS; k++) {
+        if (o->ls[k].b.ptr) mt_context_free(o->ctx, &o->ls[k].b);
+        memset(&o->ls[k].b, 0, sizeof o->ls[k].b);
+        o->ls[k].p = NULL;
+        o->ls[k].cap = 0;
+    }
 }
 
 void mti_offload_destroy(mti_offload *o)

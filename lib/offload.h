@@ -37,6 +37,11 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out);
 /* Writes what is dirty, stops the threads, removes the scratch files and
  * directory, frees the buffers. NULL is accepted. */
 void mti_offload_destroy(mti_offload *o);
+/* The trainer is ending: every piece written, and the piece and layer
+ * buffers freed, so the weights and masters read back whole into the
+ * model never meet them; whole-tensor reads and writes go on. NULL is
+ * accepted. */
+void mti_offload_drain(mti_offload *o);
 
 /* Parameter i's master (t's model, p->master) moves to its file and is freed. */
 mt_status mti_offload_put_master(mti_offload *o, int i);

@@ -855,6 +855,13 @@ void mt_trainer_destroy(mt_trainer *t)
             for (int j = 0; j < MTI_OPT_SLOTS; j++) mti_tensor_free(t->ctx, &t->ps[i].s[j]);
     mti_tensor_free(t->ctx, &t->found_inf);
     mti_tensor_free(t->ctx, &t->sumsq);
+    /* the offload's buffers go before the weights (and masters) come back
+       whole from disk, and with the weights on disk what the allocators
+       keep of the steps' memory goes back too, so that the weights' return
+       does not stack on the steps' high-water mark */
+    mti_offload_drain(t->off);
+    for (int a = 0; t->off && t->cfg.offload_params && a < t->ctx->n_inst; a++)
+        (void)mt_allocator_trim(t->ctx->inst[a]);
     mti_overlap_free(t->ov); /* (its queue done) */
     mti_ncclov_free(t->nov);
     t->ov = NULL; /* (the gathers below run on this thread) */

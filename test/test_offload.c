@@ -926,29 +926,39 @@ static void training_state_cases(int params)
 
 TEST(offload_training_state_files) { training_state_cases(0); }
 
-/* The trace: the scratch files' bytes are events of the disk place, which
- * the Chrome export shows as their own counter and replay leaves out. */
-TEST(offload_trace_has_the_disk)
+/* A context recording its allocation trace from its creation, the small
+ * GPT on it and case c's trainer with the state on disk under dir, after
+ * one step. */
+static void traced_step(const char *dir, const ocase *c, mt_context **ctx, mt_model **m,
+                        mt_trainer **t)
 {
-    const char *dir = tmp_dir();
     mt_context_config cc;
     mt_context_config_init(&cc);
     cc.device = MT_DEVICE_CPU;
     cc.threads = 1;
     cc.trace_capacity = 1 << 16;
-    mt_context *ctx;
-    CHECK_OK(mt_context_create(&cc, &ctx));
-    mt_model *m = gpt(ctx);
+    CHECK_OK(mt_context_create(&cc, ctx));
+    *m = gpt(*ctx);
     mt_trainer_config tc;
-    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
-    config(&tc, &c, MT_PLACE_DISK, dir);
-    mt_trainer *t;
-    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    config(&tc, c, MT_PLACE_DISK, dir);
+    CHECK_OKC(*ctx, mt_trainer_create(*m, &tc, t));
     int32_t tok[B * T], tg[B * T];
     mt_batch b;
     float loss;
     batch(&b, tok, tg, 0);
-    CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss));
+    CHECK_OKC(*ctx, mt_trainer_step(*t, &b, &loss));
+}
+
+/* The trace: the scratch files' bytes are events of the disk place, which
+ * the Chrome export shows as their own counter and replay leaves out. */
+TEST(offload_trace_has_the_disk)
+{
+    const char *dir = tmp_dir();
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
+    traced_step(dir, &c, &ctx, &m, &t);
     mt_trainer_destroy(t);
     const mt_trace_event *ev;
     size_t n;
@@ -1211,6 +1221,49 @@ TEST(offload_params_removed_or_truncated)
         lose_scratch_file(dir, &c, k, "param.bin", true);
     }
     params_too = 0;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* The trainer's end with the weights on disk: the offload's buffers (the
+ * pieces' state and weights, the layer buffers) are freed before the
+ * weights come back into the model whole, so the two never add up: at the
+ * first weight made again, no OPTIM or PARAM is live. */
+TEST(offload_params_end_frees_the_buffers_first)
+{
+    const char *dir = tmp_dir();
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_FP32, 1, 0, 0.0f};
+    params_too = 1;
+    traced_step(dir, &c, &ctx, &m, &t);
+    params_too = 0;
+    const mt_trace_event *ev;
+    size_t n0, n;
+    uint64_t dropped;
+    CHECK_OK(mt_context_trace_events(ctx, &ev, &n0, &dropped));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_context_trace_events(ctx, &ev, &n, &dropped));
+    CHECK_EQ(dropped, 0);
+    int64_t live[MT_MEM_COUNT] = {0};
+    bool seen = false;
+    for (size_t i = 0; i < n && !seen; i++) {
+        if (ev[i].place != MT_PLACE_DEVICE) continue;
+        const int sign = ev[i].op == MT_TRACE_ALLOC ? 1 : ev[i].op == MT_TRACE_FREE ? -1 : 0;
+        if (i >= n0 && sign > 0 && ev[i].mem_class == MT_MEM_PARAM) {
+            seen = true; /* the first weight back in the model */
+            CHECK_EQ(live[MT_MEM_OPTIM], 0);
+            CHECK_EQ(live[MT_MEM_PARAM], 0);
+        }
+        live[ev[i].mem_class] += sign * (int64_t)ev[i].bytes;
+    }
+    CHECK(seen);
+    const size_t np = mt_model_num_params(m);
+    float *w = check_alloc(np * 4);
+    CHECK_OKC(ctx, mt_model_get_params(m, w, np));
+    CHECK(scratch_gone(dir));
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
     CHECK(rmdir(dir) == 0);
 }
 
