@@ -1146,9 +1146,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     /* on a CUDA context with NCCL, stage 0's sums on a communication stream,
        and stage 1's (all-reduced: each rank then takes its slice) */
-    if (!s && !cfg->fused_step && !mti_local_sgd(t) && mti_ncclov_possible(ctx) &&
-        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE)))
-        s = ncclov_start(t, NULL, false);
+    t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && mti_ncclov_planned(ctx) &&
+                       (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE));
+    if (!s && t->sum_on_stream && !ctx->dry) s = ncclov_start(t, NULL, false);
     s = mti_dp_created(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
@@ -1287,9 +1287,12 @@ static mt_status sumsq(mt_trainer *t, int i)
  * 2's unfused step has reduced it into the slices during backward. */
 static mt_status reduce_grad(mt_trainer *t, int i)
 {
+    mti_tensor *g;
+    /* an estimate of sums the stream makes in place: the gradient alone,
+       as the run's give_rest makes it (stage 1's bucket is not made) */
+    if (t->sum_on_stream && t->ctx->dry) return mti_engine_grad(&t->E, i, &g);
     if (!t->zero) return mti_dp_reduce_grad(t, i);
     if (t->zero >= 2 && !t->cfg.fused_step) return MT_OK;
-    mti_tensor *g;
     mt_status s = mti_engine_grad(&t->E, i, &g); /* one the batch did not reach: zeros */
     float *p = g->blk.ptr;
     return s ? s : mti_zero_reduce(t, i, p, 0, t->model->params[i].numel, p + t->sh[i].lo, 0);

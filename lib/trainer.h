@@ -68,6 +68,8 @@ struct mt_trainer {
     struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
     struct mti_ncclov *nov;  /* or NCCL's communication stream (comm/nccl_overlap.c) */
     int overlap_now;         /* this step's gradients go to it as backward makes them */
+    int sum_on_stream;       /* stages 0 and 1: the sums in place on NCCL's stream, or
+                                planned so in an estimate (which then makes no bucket) */
     int check_now;           /* unfused, one rank: each gradient is checked and measured in
                                 the last backward as it becomes final (final_hook) */
     int s2;                  /* ZeRO-2's reduce-scatters on it (trainer.c, held_give), or
