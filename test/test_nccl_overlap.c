@@ -285,13 +285,17 @@ static void *fake_cuda_sym(const char *name)
     return lib ? dlsym(lib, name) : NULL;
 }
 
-static void fail_launch(int skip)
+/* The stand-in driver's entry point `call` fails once (CUDA_ERROR_UNKNOWN)
+ * after `skip` successful calls; skip < 0: no failure armed. */
+static void fake_cuda_fail_at(const char *call, int skip)
 {
     void (*f)(const char *, int, int) = NULL;
     void *sym = fake_cuda_sym("fake_cuda_fail");
     memcpy(&f, &sym, sizeof sym);
-    if (f) f(skip < 0 ? "" : "cuLaunchKernel", skip < 0 ? 0 : skip, 999);
+    if (f) f(skip < 0 ? "" : call, skip < 0 ? 0 : skip, 999);
 }
+
+static void fail_launch(int skip) { fake_cuda_fail_at("cuLaunchKernel", skip); }
 
 static unsigned long long stream_waits(void)
 {
@@ -574,6 +578,8 @@ typedef struct stall_arg {
     tcomm_world *w;
     int n, zero, fused;
     double took[3];
+    mt_status got[3];  /* (nccl_overlap_local_fault) */
+    bool broken[3];
     char msg[3][256];
     _Atomic int bad;
 } stall_arg;
@@ -630,6 +636,55 @@ TEST(nccl_overlap_zero_stall)
             }
         }
     mti_engine_grad_fill = NULL;
+}
+
+/* ---- a local failure beside the stream ---- */
+
+static void local_fault_rank(int rank, void *p)
+{
+    stall_arg *a = p;
+    tiny x;
+    mt_status s = tiny_open(a->w, a->n, rank, 20.0, a->zero, 0, MT_PREC_FP32, &x);
+    float loss;
+    if (!s) s = mt_trainer_step(x.t, &x.b, &loss);
+    RANK_EXPECT(!s && !x.bad);
+    if (!s) {
+        RANK_EXPECT(!mt_comm_barrier(x.c));
+        /* the next wait of a stream for an event (made only by the
+           communication stream's code) fails on one of the ranks */
+        if (rank == 0) fake_cuda_fail_at("cuStreamWaitEvent", 0);
+        RANK_EXPECT(!mt_comm_barrier(x.c));
+        const double t0 = now_s();
+        a->got[rank] = mt_trainer_step(x.t, &x.b, &loss);
+        a->took[rank] = now_s() - t0;
+        a->broken[rank] = mt_comm_broken(x.c);
+        snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(x.ctx));
+    }
+    tiny_close(&x);
+}
+
+/* Stage 0 (the sums) and stage 2 (the reduce-scatters, a job) on the
+ * stream, 2 and 3 ranks: a stream's wait for an event fails on one rank
+ * in the second step's backward, so that rank stops queueing collectives
+ * the others' wait for; the communicator is aborted there at once, before
+ * any buffer is freed, and every rank's step gives MT_ERR_COMM, its
+ * communicator broken, well before the 20 s deadline. */
+TEST(nccl_overlap_local_fault)
+{
+    if (!stand_ins()) return;
+    static const int stages[] = {0, 2};
+    for (int n = 2; n <= 3; n++)
+        for (int c = 0; c < 2; c++) {
+            stall_arg a = {.w = tcomm_world_new(n, 30.0), .n = n, .zero = stages[c]};
+            tcomm_run(n, local_fault_rank, &a);
+            tcomm_world_free(a.w);
+            fake_cuda_fail_at("", -1); /* (none left over) */
+            CHECK_MSG(!a.bad, "%d ranks, stage %d", n, stages[c]);
+            for (int r = 0; r < n; r++)
+                CHECK_MSG(a.got[r] == MT_ERR_COMM && a.broken[r] && a.took[r] < 5.0,
+                          "%d ranks, stage %d, rank %d: status %d after %g s: %s", n, stages[c], r,
+                          (int)a.got[r], a.took[r], a.msg[r]);
+        }
 }
 
 enum { N = 1 << 20 };

@@ -185,17 +185,30 @@ void mti_ncclov_begin(mti_ncclov *ov)
     ov->msg[0] = 0;
 }
 
-/* The first failure of the round, its message kept for the wait. */
+/* The first failure of the round, its message kept for the wait. Whatever
+ * failed (a collective, or here: an event, a fence, a job's packing), the
+ * collectives this rank has queued may still read and write buffers the
+ * caller frees once told, its waits are skipped from now on, and the
+ * others' collectives wait for ones this rank no longer queues: so the
+ * communicator is aborted at once, before anything is freed, which ends
+ * the queued work on every rank (theirs with MT_ERR_COMM well before
+ * their deadline, and none of this rank's later collectives can meet
+ * their stale ones). The round fails with MT_ERR_COMM. */
 static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
 {
     if (ov->failed) return;
-    ov->failed = s;
+    mti_nccl_abort(ov->comm);
+    atomic_store(&ov->comm->broken, 1);
+    ov->failed = MT_ERR_COMM;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ov->msg, sizeof ov->msg, fmt, ap);
+    int k = vsnprintf(ov->msg, sizeof ov->msg, fmt, ap);
     va_end(ap);
+    if (s != MT_ERR_COMM && k >= 0 && (size_t)k < sizeof ov->msg)
+        snprintf(ov->msg + k, sizeof ov->msg - (size_t)k, " (on this rank, beside the communication "
+                 "stream: the NCCL communicator was aborted)");
 }
 
 /* The fence before each collective a job posts: the communication stream
@@ -220,8 +233,6 @@ static void queue(mti_ncclov *ov, int i)
     if (!x->g && !ov->job) {
         /* no buffer to sum: the others' collective cannot be met, so end
            it for them at once rather than at their deadline */
-        mti_nccl_abort(ov->comm);
-        atomic_store(&ov->comm->broken, 1);
         failed(ov, MT_ERR_COMM, "the all-reduce of the gradients of %s: no gradient to sum (the "
                "NCCL communicator was aborted)", x->name ? x->name : "?");
         return;
