@@ -22,8 +22,11 @@
  * Finding a block. Each pool keeps its free blocks in size bins, TLSF-like:
  * exact bins below 64 granules, then 64 bins per power of two. A two-level
  * bitmap finds the next non-empty bin in O(1). Each bin is a treap keyed by
- * (size, address), so the search is exact best fit with the lowest address
- * among equal sizes: the lower bound of the request in its own bin, else
+ * (size, segment, address), so the search is exact best fit, among equal
+ * sizes the block in the segment reserved first, lowest address first
+ * inside a segment (never the address across segments, which the backing
+ * chooses: an estimate's dry device must pick the blocks the real one
+ * does): the lower bound of the request in its own bin, else
  * the smallest block of the next non-empty bin. Bins hold a 1/64 spread of
  * sizes, so the trees are tiny and a search is a few pointer steps. Small
  * blocks freed a moment ago are reused first from quick lists (see
@@ -101,6 +104,7 @@ typedef struct rec rec;
 struct rec {
     uintptr_t addr;   /* first byte of the block; never dereferenced */
     size_t size;      /* bytes the block covers, a multiple of the granule */
+    uint64_t seg_no;  /* its segment's number, in the order they were reserved */
     rec *prev, *next; /* address neighbours in the segment, NULL at its ends;
                          on the unused list `next` links the spare records */
     union {
@@ -154,6 +158,7 @@ typedef struct caching {
     rec *spare;           /* unused records */
     size_t n_spare;
     seg *segs;
+    uint64_t n_seg_made;  /* segments reserved so far: the next one's number */
     size_t pool_bytes[N_POOLS]; /* reserved for each pool (granted bytes) */
     pool pools[N_POOLS];
 } caching;
@@ -173,9 +178,15 @@ static inline size_t bin_of(uint64_t u)
 
 /* Treap order: size, then address; the heap priority is a hash of the
  * address, so the shape is random whatever order blocks come in. */
+/* Equal sizes go by segment (the order they were reserved), then by
+ * address inside the segment: never by address across segments, which the
+ * backing places where it likes, so a dry device (an estimate) picks the
+ * same block as the real one. */
 static inline int key_less(const rec *a, const rec *b)
 {
-    return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+    if (a->size != b->size) return a->size < b->size;
+    if (a->seg_no != b->seg_no) return a->seg_no < b->seg_no;
+    return a->addr < b->addr;
 }
 
 static inline uint32_t prio(const rec *r)
@@ -482,6 +493,7 @@ static mt_status seg_new(caching *s, int pl, size_t rs, size_t align, rec **out)
 
     rec *r = take_rec(s);
     r->addr = (uintptr_t)p;
+    r->seg_no = ++s->n_seg_made;
     r->size = granted & ~(s->gran - 1);
     r->prev = r->next = NULL;
     r->state = REC_FREE;
@@ -511,6 +523,7 @@ static rec *carve(caching *s, rec *b, size_t rs, size_t align)
     if (at != b->addr) {
         rec *n = take_rec(s);
         n->addr = at;
+        n->seg_no = b->seg_no;
         n->size = b->size - (at - b->addr);
         n->pool = b->pool;
         link_after(b, n);
@@ -522,6 +535,7 @@ static rec *carve(caching *s, rec *b, size_t rs, size_t align)
     if (rem && (b->pool == POOL_SMALL || rem > s->split_waste)) {
         rec *t = take_rec(s);
         t->addr = b->addr + rs;
+        t->seg_no = b->seg_no;
         t->size = rem;
         t->state = REC_FREE;
         t->pool = b->pool;
