@@ -1131,7 +1131,7 @@ typedef struct mt_trainer_config {
      * MiB at a time; at stage 3 the rank's slice, read into its part of
      * each layer's gather buffer before the gather, and no layer buffers);
      * with LoRA, and with local SGD on several ranks, MT_ERR_UNSUPPORTED. */
-    int offload_params; /* 0 or 1 */
+    int offload_params; /* 0 or 1 (else MT_ERR_INVALID_ARG) */
     /* A quantized frozen base (mt_base_format; docs/engine.md, "Quantized
      * frozen base"). With MT_BASE_INT8 or MT_BASE_NF4 every frozen linear
      * weight and a frozen token table (frozen by cfg.freeze, or the base

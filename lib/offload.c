@@ -617,6 +617,9 @@ static mt_status settle(mti_offload *o, int s)
 mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
 {
     const char *fn = "mt_trainer_create";
+    if (c->offload_params != 0 && c->offload_params != 1)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->offload_params %d must be 0 or 1", fn,
+                        c->offload_params);
     if (c->offload_params && c->offload != MT_PLACE_DISK)
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "%s: cfg->offload_params needs cfg->offload disk (the weights' file "

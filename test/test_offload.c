@@ -1170,6 +1170,11 @@ TEST(offload_params_refusals_and_estimate)
     CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
     CHECK(strstr(mt_last_error(ctx), "offload_params needs cfg->offload disk"));
     config(&tc, &c, MT_PLACE_DISK, "/tmp");
+    for (int v = -1; v <= 2; v += 3) {
+        tc.offload_params = v;
+        CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+        CHECK(strstr(mt_last_error(ctx), "must be 0 or 1"));
+    }
     tc.offload_params = 1;
     tc.lora.rank = 4;
     CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
