@@ -319,10 +319,14 @@ typedef struct tiny {
     bool bad;
 } tiny;
 
+/* nccl_overlap_frozen: the final norm frozen too (the top of backward's
+ * order), in one micro-batch */
+static int freeze_top;
+
 static mt_status tiny_open(tcomm_world *w, int n, int rank, double timeout, int zero, int fused,
                            mt_precision prec, tiny *x)
 {
-    static const char *freeze[] = {"wpe"};
+    static const char *const freeze1[] = {"wpe"}, *const freeze2[] = {"wpe", "lnf.*"};
     memset(x, 0, sizeof *x);
     ov_arg oa = {.w = w, .n = n};
     x->ctx = nccl_context(&oa, rank, timeout, &x->c);
@@ -338,13 +342,14 @@ static mt_status tiny_open(tcomm_world *w, int n, int rank, double timeout, int 
     tc->max_batch = ROWS;
     tc->grad_clip = 1.0f;
     tc->lr = 0.05f;
-    tc->micro_batch = fused ? ROWS : 1; /* (the gradients final in the second micro-batch's
-                                            backward; the fused step takes no accumulation) */
+    tc->micro_batch = fused || freeze_top ? ROWS : 1; /* (the gradients final in the second
+                                                         micro-batch's backward; the fused step
+                                                         takes no accumulation) */
     tc->zero_stage = zero;
     tc->fused_step = fused;
     tc->precision = prec;
-    tc->freeze = freeze;
-    tc->n_freeze = 1;
+    tc->freeze = freeze_top ? freeze2 : freeze1;
+    tc->n_freeze = freeze_top ? 2 : 1;
     for (int i = 0; i < ROWS * SEQ; i++)
         x->tok[i] = (i * 7 + rank) % 50, x->tgt[i] = (i * 3 + rank) % 50;
     x->b = (mt_batch){.n = ROWS, .tokens = x->tok, .targets = x->tgt, .seq_len = SEQ};
@@ -558,6 +563,63 @@ TEST(nccl_overlap_zero_half)
             for (int mode = 0; mode < 2; mode++)
                 for (int r = 0; r < n; r++) free(run[mode].out[r].w);
         }
+}
+
+/* The calls each rank had queued on its other streams when backward began
+ * (the tied table's gradient, made first, at the head) and when it made
+ * the first layer's first gradient (near its end), in the last step. */
+static unsigned long at_head[3], at_low[3];
+
+static mt_status watching_fill(mt_context *ctx, int param, size_t at, float *g, size_t n)
+{
+    if (ctx->rank < 3 && (param == 0 || param == 2)) {
+        const unsigned long k = tnccl_calls(mti_cuda_stream(ctx->dev), 1);
+        *(param ? &at_low[ctx->rank] : &at_head[ctx->rank]) = k;
+    }
+    return tcomm_fill_grads(ctx, param, at, g, n);
+}
+
+/* Stages 0 and 1 with the top of backward's order frozen (the final norm,
+ * besides wpe) on 2 and 3 ranks, with the stream and without it: the same
+ * weights bit for bit, the same number of collectives, each rank's peaks
+ * its estimate's; with the stream the sums went on it, and the tensors
+ * below the frozen ones were queued during backward (before the first
+ * layer's gradients were made), not held back until it ended. */
+TEST(nccl_overlap_frozen)
+{
+    if (!stand_ins()) return;
+    mti_engine_grad_fill = watching_fill;
+    setenv("MT_FAKE_CUDA_SGD", "1", 1);
+    freeze_top = 1;
+    for (int n = 2; n <= 3; n++)
+        for (int zero = 0; zero <= 1; zero++) {
+            tr_arg run[2];
+            unsigned long long waits[2];
+            train_modes(n, zero, 0, MT_PREC_FP32, run, waits);
+            for (int r = 0; r < n && !run[0].bad && !run[1].bad; r++) {
+                const train_out *x = &run[0].out[r], *y = &run[1].out[r];
+                CHECK_MSG(x->nw == y->nw && x->w && y->w && !memcmp(x->w, y->w, x->nw * sizeof *x->w),
+                          "%d ranks, stage %d: the weights differ", n, zero);
+                CHECK_EQ(x->collectives, y->collectives);
+                CHECK_EQ(x->side_calls, (unsigned long)((zero + 1) * STEPS * x->n_trainable));
+                CHECK_EQ(y->side_calls, 0);
+            }
+            /* (run[1], the blocking step, ran last: run the stream's again for the marks) */
+            tr_arg again = {.w = tcomm_world_new(n, 30.0), .n = n, .zero = zero};
+            tcomm_run(n, train_rank, &again);
+            tcomm_world_free(again.w);
+            for (int r = 0; r < n; r++) {
+                CHECK_MSG(!again.bad && at_low[r] > at_head[r],
+                          "%d ranks, stage %d, rank %d: %lu sums queued before the first layer's "
+                          "gradients", n, zero, r, at_low[r] - at_head[r]);
+                free(again.out[r].w);
+            }
+            for (int mode = 0; mode < 2; mode++)
+                for (int r = 0; r < n; r++) free(run[mode].out[r].w);
+        }
+    freeze_top = 0;
+    unsetenv("MT_FAKE_CUDA_SGD");
+    mti_engine_grad_fill = NULL;
 }
 
 /* ---- a rank that stalls while the others' collectives are on the stream ---- */

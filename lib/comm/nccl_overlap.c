@@ -178,6 +178,7 @@ void mti_ncclov_begin(mti_ncclov *ov)
 {
     for (int i = 0; i < ov->n; i++) ov->t[i].given = ov->t[i].queued = false, ov->t[i].g = NULL;
     ov->next = ov->n - 1;
+    while (ov->next >= 0 && !ov->t[ov->next].n) ov->next--; /* (see mti_ncclov_push) */
     ov->given = 0;
     ov->queued = 0;
     ov->n_queued = ov->waited = 0;
@@ -295,7 +296,9 @@ mt_status mti_ncclov_push(mti_ncclov *ov, int i, const char *name, float *g)
     mt_status s = ov->failed ? MT_OK : mti_cuda_record(d, ov->ready, NULL);
     if (!s && !ov->failed) s = mti_cuda_stream_wait(d, ov->stream, ov->ready);
     if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
-    while (ov->next >= 0 && ov->t[ov->next].given) queue(ov, ov->next--);
+    /* a tensor with nothing to sum (frozen: backward never gives it, the
+       step's end does) holds back none of those below it */
+    while (ov->next >= 0 && (ov->t[ov->next].given || !ov->t[ov->next].n)) queue(ov, ov->next--);
     return MT_OK;
 }
 
