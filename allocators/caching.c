@@ -176,12 +176,11 @@ static inline size_t bin_of(uint64_t u)
     return ((size_t)(fl - SL_LOG + 1) << SL_LOG) | (size_t)((u >> (fl - SL_LOG)) & (SL_COUNT - 1));
 }
 
-/* Treap order: size, then address; the heap priority is a hash of the
- * address, so the shape is random whatever order blocks come in. */
-/* Equal sizes go by segment (the order they were reserved), then by
+/* Treap order: size, then segment (the order they were reserved), then
  * address inside the segment: never by address across segments, which the
  * backing places where it likes, so a dry device (an estimate) picks the
- * same block as the real one. */
+ * same block as the real one. The heap priority is a hash of the address,
+ * so the shape is random whatever order blocks come in. */
 static inline int key_less(const rec *a, const rec *b)
 {
     if (a->size != b->size) return a->size < b->size;

@@ -778,11 +778,9 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
     return s;
 }
 
-void mti_offload_drain(mti_offload *o)
+/* Frees the slots' and the layer slots' buffers (the I/O threads idle). */
+static void free_buffers(mti_offload *o)
 {
-    if (!o) return;
-    if (!o->failed) (void)drop_slots(o); /* (a failure is logged by what reads after) */
-    lay_drop(o);
     for (int s = 0; s < o->n_slots; s++) {
         off_slot *sl = &o->slot[s];
         if (sl->stb.ptr) mt_context_free(o->ctx, &sl->stb);
@@ -800,6 +798,14 @@ void mti_offload_drain(mti_offload *o)
     }
 }
 
+void mti_offload_drain(mti_offload *o)
+{
+    if (!o) return;
+    if (!o->failed) (void)drop_slots(o); /* (a failure is logged by what reads after) */
+    lay_drop(o);
+    free_buffers(o);
+}
+
 void mti_offload_destroy(mti_offload *o)
 {
     if (!o) return;
@@ -810,13 +816,7 @@ void mti_offload_destroy(mti_offload *o)
     pthread_mutex_unlock(&o->mu);
     for (int k = 0; k < o->n_th; k++) pthread_join(o->th[k], NULL);
     remove_files(o);
-    for (int s = 0; s < o->n_slots; s++) {
-        if (o->slot[s].stb.ptr) mt_context_free(o->ctx, &o->slot[s].stb);
-        if (o->slot[s].msb.ptr) mt_context_free(o->ctx, &o->slot[s].msb);
-        if (o->slot[s].pwb.ptr) mt_context_free(o->ctx, &o->slot[s].pwb);
-    }
-    for (int k = 0; k < LSLOTS; k++)
-        if (o->ls[k].b.ptr) mt_context_free(o->ctx, &o->ls[k].b);
+    free_buffers(o);
     free(o->lnext);
     pthread_mutex_destroy(&o->mu);
     pthread_cond_destroy(&o->work);

@@ -918,13 +918,26 @@ static mt_status zero1_job(void *user, int i, float *g)
  * train: it sums them (stage 0) or reduce-scatters them (stages 1 and 2),
  * in a fixed order, or in the order given (stage 2, the fused step); at
  * stage 3 it runs the calls queued (comm/zero3.c), no gradients given. */
-static mt_status overlap_start(mt_trainer *t)
+/* The tensors either takes: each parameter's numel, 0 for a frozen one;
+ * none at stage 3 (calls alone, comm/zero3.c). NULL: out of host memory. */
+static size_t *overlap_numels(const mt_trainer *t, int *n)
 {
     const mt_model *m = t->model;
-    const int n = t->zero == 3 ? 0 : m->n_param;
-    size_t *numel = malloc((size_t)n * sizeof *numel + 1);
-    if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
-    for (int i = 0; i < n; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
+    *n = t->zero == 3 ? 0 : m->n_param;
+    size_t *numel = malloc((size_t)*n * sizeof *numel + 1);
+    if (!numel) {
+        mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
+        return NULL;
+    }
+    for (int i = 0; i < *n; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
+    return numel;
+}
+
+static mt_status overlap_start(mt_trainer *t)
+{
+    int n;
+    size_t *numel = overlap_numels(t, &n);
+    if (!numel) return MT_ERR_OOM;
     mt_status s = mti_overlap_new(t->ctx, n, numel,
                                   t->s2 || t->fq ? held_job : t->zero ? zero1_job : NULL, t,
                                   t->s2 || t->fq, &t->ov);
@@ -935,14 +948,12 @@ static mt_status overlap_start(mt_trainer *t)
 /* NCCL's communication stream (comm/nccl_overlap.c): the sums in place in
  * a fixed order (job NULL: stages 0 and 1), or the job's collectives in
  * the order given (stage 2, the fused step). */
-static mt_status ncclov_start(mt_trainer *t, mti_ncclov_job job, bool fifo)
+static mt_status ncclov_start(mt_trainer *t, mti_ncclov_job job)
 {
-    const mt_model *m = t->model;
-    const int n = t->zero == 3 ? 0 : m->n_param; /* (stage 3: calls alone, comm/zero3.c) */
-    size_t *numel = malloc((size_t)n * sizeof *numel + 1);
-    if (!numel) return mti_fail(t->ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
-    for (int i = 0; i < n; i++) numel[i] = m->params[i].frozen ? 0 : m->params[i].numel;
-    mt_status s = mti_ncclov_new(t->ctx, n, numel, job, t, fifo, &t->nov);
+    int n;
+    size_t *numel = overlap_numels(t, &n);
+    if (!numel) return MT_ERR_OOM;
+    mt_status s = mti_ncclov_new(t->ctx, n, numel, job, t, &t->nov);
     free(numel);
     return s;
 }
@@ -1118,7 +1129,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         mti_overlap_possible(ctx))
         s = overlap_start(t);
     if (!s && !mti_local_sgd(t) && ahead && mti_ncclov_possible(ctx)) /* (NCCL's stream) */
-        s = ncclov_start(t, NULL, false);
+        s = ncclov_start(t, NULL);
     /* stage 2's reduce-scatters on it, and the fused step's reductions at
        stages 0 to 2 (not with the state on disk, whose pieces stream in
        the update's order as backward makes it); an estimate plans the
@@ -1134,7 +1145,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
             (t->phased && !(t->hb = calloc((size_t)m->n_param + 1, sizeof *t->hb))))
             s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
         if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
-        if (!s && mti_ncclov_possible(ctx)) s = ncclov_start(t, held_job, true);
+        if (!s && mti_ncclov_possible(ctx)) s = ncclov_start(t, held_job);
     }
     /* and the all-gathers of the updated weights at stages 1 and 2 */
     if (!s && on_stream && (zero == 1 || zero == 2) && !mti_local_sgd(t)) {
@@ -1148,7 +1159,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
        and stage 1's (all-reduced: each rank then takes its slice) */
     t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && mti_ncclov_planned(ctx) &&
                        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE));
-    if (!s && t->sum_on_stream && !ctx->dry) s = ncclov_start(t, NULL, false);
+    if (!s && t->sum_on_stream && !ctx->dry) s = ncclov_start(t, NULL);
     s = mti_dp_created(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
@@ -1391,8 +1402,7 @@ static mt_status shard_range(mt_trainer *t, int i, float *g, size_t at, size_t n
  * let go depends only on the order backward finishes them and their
  * sizes, never on the thread's timing, so the peaks are the same in every
  * run and in the estimate, which runs this without a thread (the
- * collectives then run, dry, at once). */
-#define HELD MTI_COMM_STAGE
+ * collectives then run, dry, at once). (HELD: above.) */
 
 /* A held gradient's collective (phase MTI_ZR_ALL), or on NCCL's stream
  * its two halves: the collective queued (MTI_ZR_POST), and once it is

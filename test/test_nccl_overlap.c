@@ -102,7 +102,7 @@ static bool kit_open(ov_arg *a, int rank, const size_t *numel, rank_kit *k)
         mt_comm_destroy(k->c);
         return false;
     }
-    RANK_EXPECT(!mti_ncclov_new(k->ctx, T, numel, NULL, NULL, false, &k->ov));
+    RANK_EXPECT(!mti_ncclov_new(k->ctx, T, numel, NULL, NULL, &k->ov));
     mt_alloc_request req = {.bytes = T * LEN * sizeof(float), .mem_class = MT_MEM_GRAD,
                             .lifetime = MT_LIFE_STEP};
     RANK_EXPECT(!mt_context_alloc(k->ctx, &req, &k->b));
@@ -787,7 +787,7 @@ TEST(comm_nccl_one_rank_stream)
     mti_device *d = ctx->dev;
     size_t numel[2] = {N, N};
     mti_ncclov *ov = NULL;
-    CHECK_OK(mti_ncclov_new(ctx, 2, numel, NULL, NULL, false, &ov));
+    CHECK_OK(mti_ncclov_new(ctx, 2, numel, NULL, NULL, &ov));
     float *g = b.ptr;
     for (int round = 0; round < 3 && ov && g && h && back; round++) {
         for (int i = 0; i < N; i++) h[i] = (float)((i + round) % 1013) - 500.0f;
@@ -870,7 +870,7 @@ TEST(comm_nccl_one_rank_zero)
     mti_ncclov *ov = NULL;
     mt_comm_stats before, after;
     CHECK_OK(mt_context_comm_stats(ctx, &before));
-    CHECK_OK(mti_ncclov_new(ctx, 2, numel, pack_job, &k, true, &ov));
+    CHECK_OK(mti_ncclov_new(ctx, 2, numel, pack_job, &k, &ov));
     for (int round = 0; round < 3 && ov && g && h && back; round++) {
         for (int i = 0; i < N; i++) h[i] = (float)((i * 7 + round) % 1021) - 510.0f;
         mti_ncclov_begin(ov);

@@ -49,9 +49,7 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
                                                  : "as configured",
                fit->recomputed_units, fit->selective_units, fit->units);
         printf(", \"offload\": \"%s\", \"offload_params\": %s",
-               fit->offload == MT_PLACE_DISK   ? "disk"
-               : fit->offload == MT_PLACE_HOST ? "host"
-                                               : "none",
+               fit->offload == MT_PLACE_DEVICE ? "none" : mt_place_name(fit->offload),
                fit->offload_params ? "true" : "false");
         cli_json_num(stdout, "model_tokens_per_second", "%.1f", fit->tokens_per_second);
         printf("}");

@@ -477,12 +477,8 @@ mt_status mti_nccl_post_sum(mt_comm *c, float *buf, size_t count, void *stream)
 
 mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
 {
-    nccl_state *st = c->self;
-    if (st->aborted) {
-        snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
-        return MT_ERR_COMM;
-    }
-    return wait(st, what, stream);
+    stream_of a = {c->self, stream};
+    return mti_nccl_wait_until(c, what, stream_done, &a);
 }
 
 void mti_nccl_abort(mt_comm *c) { abort_comm(c->self); }

@@ -65,7 +65,6 @@ typedef struct tensor {
     const char *name;
     size_t n;
     bool given;
-    bool queued;   /* its collectives queued this round */
 } tensor;
 
 struct mti_ncclov {
@@ -79,10 +78,8 @@ struct mti_ncclov {
     int n;
     int next;       /* the highest tensor not queued yet; -1: none left */
     int given;
-    int queued;     /* collectives of the sums queued this round (a job's count themselves) */
     mti_ncclov_job job; /* NULL: each tensor summed in place */
     void *user;
-    bool fifo;      /* tensors queued as given */
     int *order;     /* the round's tensors in the order queued */
     int n_queued;
     int waited;     /* the first `waited` of them waited for */
@@ -114,7 +111,7 @@ bool mti_ncclov_planned(const mt_context *ctx)
 }
 
 mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov_job job, void *user,
-                         bool fifo, mti_ncclov **out)
+                         mti_ncclov **out)
 {
     *out = NULL;
     mti_ncclov *ov = calloc(1, sizeof *ov);
@@ -127,7 +124,6 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
     }
     ov->job = job;
     ov->user = user;
-    ov->fifo = fifo && job;
     ov->order = order;
     ov->ctx = ctx;
     ov->comm = ctx->cfg.comm;
@@ -176,11 +172,10 @@ void mti_ncclov_free(mti_ncclov *ov)
 
 void mti_ncclov_begin(mti_ncclov *ov)
 {
-    for (int i = 0; i < ov->n; i++) ov->t[i].given = ov->t[i].queued = false, ov->t[i].g = NULL;
+    for (int i = 0; i < ov->n; i++) ov->t[i].given = false, ov->t[i].g = NULL;
     ov->next = ov->n - 1;
     while (ov->next >= 0 && !ov->t[ov->next].n) ov->next--; /* (see mti_ncclov_push) */
     ov->given = 0;
-    ov->queued = 0;
     ov->n_queued = ov->waited = 0;
     ov->failed = MT_OK;
     ov->msg[0] = 0;
@@ -258,13 +253,11 @@ static void queue(mti_ncclov *ov, int i)
         s = mti_nccl_post_sum(ov->comm, x->g, x->n, ov->stream);
         mti_cuda_leave(d);
         if (s) {
-            atomic_store(&ov->comm->broken, 1);
             const char *why = ov->comm->vt.last_error ? ov->comm->vt.last_error(ov->comm->self) : "";
             failed(ov, MT_ERR_COMM, "the all-reduce of the gradients of %s (on the communication "
                    "stream): %s", x->name, why);
             return;
         }
-        ov->queued++;
         atomic_fetch_add(&ov->ctx->comm_calls, 1);
     }
     if (!s) s = mti_cuda_record(d, ov->timing[2 * i + 1], ov->stream);
@@ -272,7 +265,6 @@ static void queue(mti_ncclov *ov, int i)
         failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
         return;
     }
-    x->queued = true;
     ov->order[ov->n_queued++] = i;
     ov->pending = true;
 }
@@ -286,16 +278,13 @@ mt_status mti_ncclov_push(mti_ncclov *ov, int i, const char *name, float *g)
     x->name = name;
     x->given = true;
     ov->given++;
-    if (ov->fifo) { /* (the job fences each collective itself) */
+    if (ov->job) { /* (queued as given; the job fences each collective itself) */
         queue(ov, i);
         return MT_OK;
     }
     if (ov->next != i) return MT_OK; /* (it waits for the tensors above it) */
     /* the gradients given so far are written: the stream waits for that */
-    mti_device *d = ov->ctx->dev;
-    mt_status s = ov->failed ? MT_OK : mti_cuda_record(d, ov->ready, NULL);
-    if (!s && !ov->failed) s = mti_cuda_stream_wait(d, ov->stream, ov->ready);
-    if (s) failed(ov, s, "%s", mti_last_msg(ov->ctx).s);
+    fence(ov);
     /* a tensor with nothing to sum (frozen: backward never gives it, the
        step's end does) holds back none of those below it */
     while (ov->next >= 0 && (ov->t[ov->next].given || !ov->t[ov->next].n)) queue(ov, ov->next--);
@@ -340,7 +329,6 @@ static mt_status settle(mti_ncclov *ov, int k)
             s = all ? mti_nccl_wait(c, what, ov->stream) : mti_nccl_wait_until(c, what, event_done, &a);
             mti_cuda_leave(d);
             if (s) {
-                atomic_store(&c->broken, 1);
                 failed(ov, MT_ERR_COMM, "%s", c->vt.last_error ? c->vt.last_error(c->self) : what);
             }
         }
@@ -374,7 +362,7 @@ static mt_status settle(mti_ncclov *ov, int k)
 
 mt_status mti_ncclov_wait(mti_ncclov *ov)
 {
-    if (!ov->fifo && ov->given != ov->n)
+    if (!ov->job && ov->given != ov->n)
         return mti_fail(ov->ctx, MT_ERR_INTERNAL, "%d of %d tensors given to the communication stream",
                         ov->given, ov->n);
     return settle(ov, ov->n);
@@ -382,7 +370,7 @@ mt_status mti_ncclov_wait(mti_ncclov *ov)
 
 mt_status mti_ncclov_wait_first(mti_ncclov *ov, int k)
 {
-    if (!ov->fifo || k < 1 || k > ov->given)
+    if (!ov->job || k < 1 || k > ov->given)
         return mti_fail(ov->ctx, MT_ERR_INTERNAL, "waiting for %d of the %d tensors given", k, ov->given);
     return settle(ov, k);
 }
@@ -410,7 +398,6 @@ static mt_status reach(mti_ncclov *ov, uint64_t upto)
             s = mti_nccl_wait_until(c, what, event_done, &a);
             mti_cuda_leave(d);
             if (s) {
-                atomic_store(&c->broken, 1);
                 failed(ov, MT_ERR_COMM, "%s", c->vt.last_error ? c->vt.last_error(c->self) : what);
                 if (!ov->failed_at || ov->failed_at > ov->reached + 1) ov->failed_at = ov->reached + 1;
             }

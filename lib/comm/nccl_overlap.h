@@ -30,12 +30,12 @@ bool mti_ncclov_planned(const mt_context *ctx);
 typedef mt_status (*mti_ncclov_job)(void *user, int i, float *g);
 /* The stream and its events, for n tensors (0 .. n - 1) of numel[i] fp32
  * values each (0: one that never takes part, a frozen one); job NULL: each
- * summed in place. fifo (with a job): each tensor queued as it is given,
+ * summed in place. With a job: each tensor queued as it is given,
  * in that order (every rank gives them in one order), and any number given
  * in a round. Allocates no device memory. The context's collectives on the
  * device's stream wait for the stream from now on (mti_ncclovs_quiet). */
 mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov_job job, void *user,
-                         bool fifo, mti_ncclov **out);
+                         mti_ncclov **out);
 /* Frees it (NULL: nothing); its stream's work, if any, still ends. */
 void mti_ncclov_free(mti_ncclov *ov);
 /* A new round: no tensor given yet. */

@@ -111,24 +111,7 @@ void mti_zero_range(const mt_trainer *t, int i, int r, size_t *lo, size_t *hi)
     }
 }
 
-/* The pieces of elements [at, at + n) of parameter i that each rank holds:
- * piece r is [from[r], from[r] + len[r]); returns the longest. */
-static size_t pieces(const mt_trainer *t, int i, size_t at, size_t n, size_t *from, size_t *len)
-{
-    size_t most = 0;
-    for (int r = 0; r < t->world; r++) {
-        size_t lo, hi;
-        mti_zero_range(t, i, r, &lo, &hi);
-        if (lo < at) lo = at;
-        if (hi > at + n) hi = at + n;
-        from[r] = lo;
-        len[r] = hi > lo ? hi - lo : 0;
-        if (len[r] > most) most = len[r];
-    }
-    return most;
-}
-
-/* Piece r of elements [at, at + n) of parameter i, as pieces() cuts it:
+/* Piece r of elements [at, at + n) of parameter i, the part rank r holds:
  * its first element in *from, its length returned (nothing allocated, for
  * the communication thread). */
 static size_t piece(const mt_trainer *t, int i, size_t at, size_t n, int r, size_t *from)
@@ -139,6 +122,18 @@ static size_t piece(const mt_trainer *t, int i, size_t at, size_t n, int r, size
     if (hi > at + n) hi = at + n;
     *from = lo;
     return hi > lo ? hi - lo : 0;
+}
+
+/* Every rank's piece: piece r is [from[r], from[r] + len[r]); returns the
+ * longest. */
+static size_t pieces(const mt_trainer *t, int i, size_t at, size_t n, size_t *from, size_t *len)
+{
+    size_t most = 0;
+    for (int r = 0; r < t->world; r++) {
+        len[r] = piece(t, i, at, n, r, &from[r]);
+        if (len[r] > most) most = len[r];
+    }
+    return most;
 }
 
 /* The longest piece of elements [at, at + n) of parameter i. */
@@ -154,11 +149,12 @@ static size_t longest(const mt_trainer *t, int i, size_t at, size_t n)
 
 /* ---- gradients to their owners ---- */
 
-/* Elements per rank of the bucket reducing [at, at + n) of parameter i,
- * whose longest piece is `most`. */
-static size_t bucket_k(const mt_trainer *t, size_t most)
+/* Elements a piece of a bucket of n_pieces pieces of es-byte elements
+ * whose longest piece is `most`: the reduce-scatters' (fp32, a piece per
+ * rank) and the gathers'. */
+static size_t gather_k(size_t es, int n_pieces, size_t most)
 {
-    size_t K = BUCKET_BYTES / 4 / (size_t)t->world;
+    size_t K = BUCKET_BYTES / es / (size_t)n_pieces;
     if (K > most) K = most;
     return K < 1 ? 1 : K;
 }
@@ -169,7 +165,7 @@ static size_t bucket_bytes(const mt_trainer *t, int i, size_t at, size_t n, bool
 {
     if (t->sh[i].owner >= 0 || mti_comm_stage(t->ctx)) return 0; /* (none: in place, or the staging) */
     const size_t most = longest(t, i, at, n);
-    const size_t K = bucket_k(t, most), chunks = every ? (most + K - 1) / K : 1;
+    const size_t K = gather_k(4, t->world, most), chunks = every ? (most + K - 1) / K : 1;
     return most ? (size_t)t->world * K * chunks * 4 : 0;
 }
 
@@ -217,7 +213,7 @@ mt_status mti_zero_reduce_phase(mt_trainer *t, int i, float *g, size_t at, size_
     /* (each piece found again where it is needed: nothing allocated on the
        host, so a rank never fails here alone and skips the collective) */
     const size_t most = longest(t, i, at, n);
-    const size_t K = bucket_k(t, most);
+    const size_t K = gather_k(4, t->world, most);
     /* a CPU context packs the pieces straight into its staging buffer,
        which the collective works on anyway (once the communication
        thread's queue is done with it); elsewhere through a bucket, the
@@ -270,14 +266,6 @@ static mt_status weights_io(mt_trainer *t, int i, size_t at, size_t n, void *buf
     const size_t es = mti_dtype_size(p->w.dtype);
     char *w = (char *)p->w.blk.ptr + at * es;
     return wr ? d->copy_d2d(d, w, buf, n * es) : d->copy_d2d(d, buf, w, n * es);
-}
-
-/* A bucket of `bytes` (COMM) for parameter i's gather: K elements a piece. */
-static size_t gather_k(size_t es, int pieces, size_t most)
-{
-    size_t K = BUCKET_BYTES / es / (size_t)pieces;
-    if (K > most) K = most;
-    return K < 1 ? 1 : K;
 }
 
 /* A whole-tensor owner's weights that live on disk (offload_params): read
