@@ -244,19 +244,13 @@ mt_status mt_estimate_gpt(const mt_context_config *cc, const mt_gpt_spec *spec,
 mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
                             mt_estimate_report *out)
 {
-    mt_status s = mti_estimate_model(m, tc, out);
+    mt_status s = mti_estimate_model(m, tc, -1, out);
     if (!s) mt_context_set_estimate(m->ctx, out);
     return s;
 }
 
-mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
+mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc, int rank,
                              mt_estimate_report *out)
-{
-    return mti_estimate_model_rank(m, tc, -1, out);
-}
-
-mt_status mti_estimate_model_rank(const mt_model *m, const mt_trainer_config *tc, int rank,
-                                  mt_estimate_report *out)
 {
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_estimate_model: m is NULL");
     mt_trainer_config with_lora;

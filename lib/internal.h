@@ -197,14 +197,12 @@ struct mt_context {
  * takes the geometry of `like` when that is a CUDA device (may be NULL). */
 mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device *like,
                                  mt_context **out);
-/* mt_estimate_model without keeping the estimate with the context. */
-mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc,
+/* mt_estimate_model without keeping the estimate with the context, for
+ * rank `rank` of the model's world (its context's world size, and its
+ * communication thread if it has one), without a communicator; -1: the
+ * context's own rank. */
+mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc, int rank,
                              mt_estimate_report *out);
-/* The same for rank `rank` of the model's world (its context's world size,
- * and its communication thread if it has one), without a communicator;
- * -1: the context's own rank. */
-mt_status mti_estimate_model_rank(const mt_model *m, const mt_trainer_config *tc, int rank,
-                                  mt_estimate_report *out);
 
 /* ---- places (place.c) ---- */
 

@@ -1066,18 +1066,16 @@ mt_status mti_offload_weights_io(mti_offload *o, int i, size_t at, size_t n, voi
         len = n - d;
         const char *from = NULL;
         if (!wr && q->piece && x >= q->lo && x < q->hi) {
-            const size_t k = x / q->piece, end = (k + 1) * q->piece < q->hi ? (k + 1) * q->piece : q->hi;
-            if (len > end - x) len = end - x;
+            const size_t k = x / q->piece;
+            size_t pat, pn;
+            grid_piece(q, k, &pat, &pn);
+            if (len > pat + pn - x) len = pat + pn - x;
             const int p = q->first + (int)(k - q->k0);
             pthread_mutex_lock(&o->mu);
             for (int v = 0; v < o->n_slots && !from; v++) {
                 const off_slot *sl = &o->slot[v];
-                if (sl->piece == p && sl->state != S_FREE && sl->state != S_READING) {
-                    size_t pat, pn;
-                    int pi;
-                    piece_range(o, p, &pi, &pat, &pn);
+                if (sl->piece == p && sl->state != S_FREE && sl->state != S_READING)
                     from = sl->pw + (x - pat) * es;
-                }
             }
             pthread_mutex_unlock(&o->mu);
         } else if (!wr && q->piece && x < q->lo && len > q->lo - x) {

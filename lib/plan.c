@@ -114,11 +114,11 @@ static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
     d.recompute_every = seg_len;
     d.memory_budget = 0;
     const int world = m->ctx->world;
-    if (world < 2 || !c->zero_stage) return mti_estimate_model(m, &d, r);
+    if (world < 2 || !c->zero_stage) return mti_estimate_model(m, &d, -1, r);
     mt_status s = MT_OK;
     for (int q = 0; q < world && !s; q++) {
         mt_estimate_report e;
-        s = mti_estimate_model_rank(m, &d, q, &e);
+        s = mti_estimate_model(m, &d, q, &e);
         if (!s && (!q || e.peak_reserved > r->peak_reserved)) *r = e;
     }
     return s;
@@ -397,8 +397,13 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     mt_status s = MT_OK;
     /* micro-batch sizes: for each number of passes, the smallest size that
        gives it (the largest batch first); resident first, then offloaded */
+    /* a tier refused for an optimizer is refused at every micro-batch size
+       (the refusals read the places, stage, precision and optimizer, never
+       the micro-batch): tried once */
+    bool refused_opt[3];
     for (int off = 0; off < n_tiers && !s && !best_t; off++)
     for (int passes = 1; passes <= cfg->max_batch && !s; passes++) {
+        if (passes == 1) memset(refused_opt, 0, sizeof refused_opt);
         int micro = (cfg->max_batch + passes - 1) / passes;
         if (passes > 1 && (cfg->max_batch + micro - 1) / micro != passes) continue;
         if (cfg->fused_step && micro < cfg->max_batch) break;
@@ -411,8 +416,10 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
             c.offload_params = tier[off].params;
             search q;
             out->tried++;
+            if (refused_opt[e]) continue;
             s = search_family(m, &c, c.memory_budget, &q);
             if (off && s == MT_ERR_UNSUPPORTED) { /* a tier this run does not take */
+                refused_opt[e] = true;
                 snprintf(refused, sizeof refused, "%s", mt_last_error(m->ctx)); /* (the last tier's) */
                 search_free(&q);
                 s = MT_OK;
