@@ -1029,11 +1029,13 @@ typedef struct mt_trainer_config {
      * calls them), and mt_trainer_destroy gathers the weights back into the
      * model (a collective: every rank destroys its trainer). Stage 3 runs
      * on CPU contexts and on CUDA contexts with a device communicator
-     * (NCCL), without LoRA, a quantized base or host offload
-     * (MT_ERR_UNSUPPORTED otherwise; docs/distributed.md, "ZeRO-3"); with
-     * offload MT_PLACE_DISK (CPU contexts) each rank's state and master
-     * slices live in its scratch files, and with offload_params its slice
-     * of the weights too. */
+     * (NCCL), without LoRA or a quantized base (MT_ERR_UNSUPPORTED
+     * otherwise; docs/distributed.md, "ZeRO-3"); with offload
+     * MT_PLACE_DISK (CPU contexts) each rank's state and master slices
+     * live in its scratch files, and with offload_params its slice of the
+     * weights too; with offload MT_PLACE_HOST (CUDA contexts) its state and
+     * master slices live in its pinned host memory, updated there by the
+     * CPU, the updated weight slice going back to the device. */
     int zero_stage;
     /* Stage 3's prefetch depth: while a layer computes, the weights of the
      * next zero3_prefetch layers to run (in forward's order, backward's,
@@ -1099,14 +1101,17 @@ typedef struct mt_trainer_config {
      * state and masters there on a thread of the trainer's while the GPU goes
      * on, and the updated weights go back up; the step ends when all of them
      * are up. fp32 weights come down with their gradients (no copy is kept
-     * on the host). On several ranks (ZeRO stages 0, 1 and 2; stages 1 and 2
+     * on the host). On several ranks (ZeRO stages 0 to 3; stages 1 to 3
      * need a device communicator, NCCL) each rank keeps and updates its own
-     * part (at stage 0 all of it, from the summed gradients; at stages 1 and
-     * 2 its shard), and under ZeRO the weights are all-gathered once every
-     * update has landed, at the step's end. Needs master weights in
-     * fp16/bf16, and takes every optimizer but 4-bit AdamW
-     * (MT_ERR_UNSUPPORTED; stage 3 too); pinned memory refused is
-     * MT_ERR_OOM naming the amount. */
+     * part (at stage 0 all of it, from the summed gradients; at stages 1 to
+     * 3 its shard, from its reduce-scattered gradients); at stages 1 and 2
+     * the weights are all-gathered once every update has landed, at the
+     * step's end, and at stage 3 each rank's updated weight slice goes up
+     * into its slice on the device (nothing gathered after the step).
+     * Needs master weights in fp16/bf16, and takes every optimizer but
+     * 4-bit AdamW (MT_ERR_UNSUPPORTED); not with offload_params
+     * (MT_ERR_INVALID_ARG); pinned memory refused is MT_ERR_OOM naming the
+     * amount. */
     mt_place offload;
     const char *offload_dir; /* MT_PLACE_DISK: an existing directory (copied) */
     /* With offload MT_PLACE_DISK (and only then: MT_ERR_INVALID_ARG

@@ -620,6 +620,12 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
     if (c->offload_params != 0 && c->offload_params != 1)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->offload_params %d must be 0 or 1", fn,
                         c->offload_params);
+    if (c->offload_params && c->offload == MT_PLACE_HOST)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: cfg->offload_params does not combine with cfg->offload host: the "
+                        "weights stay on the device (at ZeRO stage 3 each rank's slice, 1/N of "
+                        "them, which each layer's gather reads there); for weights that do not "
+                        "fit, use cfg->offload disk", fn);
     if (c->offload_params && c->offload != MT_PLACE_DISK)
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "%s: cfg->offload_params needs cfg->offload disk (the weights' file "

@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/dp.h"
 #include "cuda_device.h"
 #include "offload.h"
 
@@ -83,11 +84,6 @@ mt_status mti_hostoff_check(mt_context *ctx, const mt_model *m, const mt_trainer
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload host needs a CUDA context (on a CPU context the "
                         "device's memory is the host's: offload to disk)",
-                        fn);
-    if (ctx->world > 1 && c->zero_stage >= 3)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->offload host does not combine with cfg->zero_stage 3 (the state "
-                        "of sharded weights stays on the device); use stage 2",
                         fn);
     if (c->precision != MT_PREC_FP32 && !c->master_weights)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
@@ -142,7 +138,7 @@ static mt_status run_update(mti_hostoff *h, host_slot *sl)
     if (!h->dry) s = mti_cuda_event_wait(h->ctx->dev, sl->down);
     if (!s) s = t->opt->update(&a, st, w32, pc, sl->g.ptr, sl->at, sl->n);
     if (!s && !h->dry)
-        s = mti_cuda_copy_async(h->ctx->dev, 1, (char *)p->w.blk.ptr + sl->at * h->wes, sl->w.ptr,
+        s = mti_cuda_copy_async(h->ctx->dev, 1, mti_zero3_weights(t, sl->i, sl->at), sl->w.ptr,
                                 sl->n * h->wes, sl->up);
     return s;
 }
@@ -286,7 +282,6 @@ static mt_status queue_piece(mti_hostoff *h, int i, const float *g, size_t at, s
                              float grad_scale)
 {
     mt_trainer *t = h->t;
-    const mti_param *p = &t->model->params[i];
     mt_status s = MT_OK;
     const int v = take_slot(h, &s);
     if (v < 0) return s;
@@ -297,7 +292,7 @@ static mt_status queue_piece(mti_hostoff *h, int i, const float *g, size_t at, s
     mti_device *d = h->ctx->dev;
     s = mti_cuda_copy_async(d, 0, sl->g.ptr, g, n * 4, h->masters ? sl->down : NULL);
     if (!s && !h->masters)
-        s = mti_cuda_copy_async(d, 0, sl->w.ptr, (float *)p->w.blk.ptr + at, n * 4, sl->down);
+        s = mti_cuda_copy_async(d, 0, sl->w.ptr, mti_zero3_weights(t, i, at), n * 4, sl->down);
     if (s) return s;
     pthread_mutex_lock(&h->mu);
     sl->state = H_QUEUED;

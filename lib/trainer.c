@@ -983,13 +983,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         for (int i = 0; i < m->n_param; i++) quantized |= m->params[i].qf != 0;
         const char *why = cfg->lora.rank || m->lora_rank ? "LoRA adapters"
                           : quantized                      ? "a quantized base"
-                          : cfg->offload == MT_PLACE_HOST  ? "host offload"
                                                            : NULL;
         if (why)
             return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                             "mt_trainer_create: cfg->zero_stage 3 does not combine with %s yet "
-                            "(ZeRO-3 runs on full-precision bases without adapters, the state "
-                            "resident or on disk); use stage 2",
+                            "(ZeRO-3 runs on full-precision bases without adapters); use stage 2",
                             why);
     }
     if (!ctx->ops)

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "comm/dp.h"
 #include "cuda_device.h"
 #include "engine.h"
 #include "internal.h"
@@ -340,6 +341,12 @@ TEST(offload_host_refusals_and_faults)
     config(&tc, MT_OPT_ADAMW4, MT_PREC_FP32, 0, MT_PLACE_HOST);
     CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
     CHECK(strstr(mt_last_error(ctx), "4-bit"));
+    config(&tc, MT_OPT_ADAMW, MT_PREC_BF16, 0, MT_PLACE_HOST);
+    tc.offload_params = 1; /* (the weights stay on the device, at any stage) */
+    tc.zero_stage = 3;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK_MSG(strstr(mt_last_error(ctx), "does not combine with cfg->offload host"), "%s",
+              mt_last_error(ctx));
     /* a failed copy down: the step fails with the driver's word, the next one runs */
     config(&tc, MT_OPT_ADAMW, MT_PREC_BF16, 0, MT_PLACE_HOST);
     CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
@@ -389,30 +396,38 @@ typedef struct hr_run {
     mt_trainer_config tc;
     const char *dir;         /* where the ranks save their training-state files */
     unsigned char *wb[MAXR]; /* per rank: every tensor's weights as stored (compute dtype) */
+    unsigned char *held[MAXR]; /* and which of those bytes it holds (ZeRO-3: its slices) */
     float *ms[MAXR];         /* and the fp32 masters it holds, NaN elsewhere */
     size_t wlen, P;
     mt_status st[MAXR];
     char msg[MAXR][400];
 } hr_run;
 
-/* Each tensor's weights and masters as this rank holds them, after its steps. */
-static mt_status hr_take(hr_run *a, int rank, const mt_model *m)
+/* Each tensor's weights and masters as this rank holds them, after its
+ * steps (ZeRO-3: the slices of the weights it holds, and those marked). */
+static mt_status hr_take(hr_run *a, int rank, const mt_trainer *t)
 {
+    const mt_model *m = t->model;
     mt_context *ctx = m->ctx;
     size_t len = 0;
     for (int i = 0; i < m->n_param; i++) len += mti_tensor_bytes(&m->params[i].w);
     a->wlen = len;
     a->P = mt_model_num_params(m);
     a->wb[rank] = malloc(len);
+    a->held[rank] = calloc(len, 1);
     a->ms[rank] = malloc(a->P * sizeof(float));
-    if (!a->wb[rank] || !a->ms[rank]) return MT_ERR_OOM;
+    if (!a->wb[rank] || !a->held[rank] || !a->ms[rank]) return MT_ERR_OOM;
     mt_status s = MT_OK;
     size_t at = 0;
     for (size_t e = 0; e < a->P; e++) a->ms[rank][e] = NAN;
     for (int i = 0; i < m->n_param && !s; i++) {
         const mti_param *p = &m->params[i];
-        const size_t bytes = mti_tensor_bytes(&p->w);
-        s = ctx->dev->copy_d2h(ctx->dev, a->wb[rank] + at, p->w.blk.ptr, bytes);
+        const size_t bytes = mti_tensor_bytes(&p->w), es = mti_dtype_size(p->w.dtype);
+        const bool slices = m->params_sharded && !p->frozen;
+        const size_t lo = slices ? t->sh[i].lo : 0, hi = slices ? t->sh[i].hi : p->numel;
+        if (hi > lo) s = ctx->dev->copy_d2h(ctx->dev, a->wb[rank] + at + lo * es,
+                                            mti_zero3_weights(t, i, lo), (hi - lo) * es);
+        memset(a->held[rank] + at + lo * es, 1, (hi - lo) * es);
         at += bytes;
         if (!s && p->master.blk.ptr)
             s = ctx->dev->copy_d2h(ctx->dev, a->ms[rank] + p->offset + p->master_lo,
@@ -482,7 +497,7 @@ static void hr_rank(int rank, void *arg)
         s = mt_trainer_step(t, &b, NULL);
     }
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
-    if (!s) s = hr_take(a, rank, m);
+    if (!s) s = hr_take(a, rank, t);
     if (!s) hr_estimate(ctx, m, &a->tc, a->msg[rank], sizeof a->msg[rank]);
     /* the training state saved (rank 0 writes it under ZeRO), loaded back
        (every rank keeping its part) and saved again */
@@ -503,7 +518,7 @@ static void hr_rank(int rank, void *arg)
 
 static void hr_free(hr_run *a)
 {
-    for (int r = 0; r < MAXR; r++) free(a->wb[r]), free(a->ms[r]);
+    for (int r = 0; r < MAXR; r++) free(a->wb[r]), free(a->held[r]), free(a->ms[r]);
 }
 
 /* A file's bytes (malloc'd) and their count. */
@@ -548,9 +563,11 @@ static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision pre
         CHECK_MSG(dp.st[r] == MT_OK && !dp.msg[r][0], "%s, %d ranks, stage %d, rank %d: %s", name,
                   n, stage, r, dp.msg[r]);
         if (dp.st[r] || one.st[0]) continue;
-        CHECK_MSG(dp.wlen == one.wlen && !memcmp(dp.wb[r], one.wb[0], one.wlen),
-                  "%s, %d ranks, stage %d: rank %d's weights differ from one rank's", name, n,
-                  stage, r);
+        size_t wdiff = dp.wlen == one.wlen ? 0 : 1;
+        for (size_t k = 0; k < one.wlen && !wdiff; k++)
+            wdiff += dp.held[r][k] && dp.wb[r][k] != one.wb[0][k];
+        CHECK_MSG(!wdiff, "%s, %d ranks, stage %d: rank %d's weights differ from one rank's", name,
+                  n, stage, r);
         size_t held = 0, differ = 0;
         for (size_t e = 0; e < one.P; e++) {
             if (isnan(dp.ms[r][e])) continue;
@@ -561,6 +578,17 @@ static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision pre
                   stage, differ, r);
         if (prec != MT_PREC_FP32 && stage) CHECK(held < one.P); /* a slice of them */
     }
+    /* every weight held by some rank (ZeRO-3: by its slice's rank alone) */
+    size_t nobody = 0, all = 0;
+    for (size_t k = 0; k < one.wlen && dp.wlen == one.wlen && !dp.st[0]; k++) {
+        int by = 0;
+        for (int r = 0; r < n; r++) by += dp.st[r] == MT_OK && dp.held[r][k];
+        nobody += by == 0;
+        all += by == n;
+    }
+    CHECK_MSG(!nobody, "%s, %d ranks, stage %d: %zu weight bytes held by no rank", name, n, stage,
+              nobody);
+    if (stage == 3) CHECK_MSG(all < one.wlen, "%s, %d ranks: every rank holds every weight", name, n);
     /* the files: the reference's, bit for bit (saved, and saved again after
        a load) */
     char p[600], q[600];
@@ -605,6 +633,11 @@ TEST(offload_host_ranks_nccl)
     ranks_case(2, 2, MT_OPT_SGD, MT_PREC_FP32, 1, 1, 0);
     ranks_case(3, 1, MT_OPT_ADAMW8, MT_PREC_FP32, 1, 0, 0);
     ranks_case(3, 2, MT_OPT_ADAMW, MT_PREC_BF16, 0, 0, 0);
+    ranks_case(2, 3, MT_OPT_ADAMW, MT_PREC_BF16, 0, 1, 0);
+    ranks_case(2, 3, MT_OPT_SGD, MT_PREC_FP32, 1, 0, 0);
+    ranks_case(2, 3, MT_OPT_ADAFACTOR, MT_PREC_FP32, 0, 0, 0);
+    ranks_case(3, 3, MT_OPT_ADAMW8, MT_PREC_FP16, 0, 0, 0);
+    ranks_case(3, 3, MT_OPT_ADAMW, MT_PREC_FP32, 1, 1, 0);
     ranks_case(2, 0, MT_OPT_ADAMW, MT_PREC_BF16, 0, 1, 1); /* (MPI's kind: stage 0 only) */
     mti_engine_grad_fill = NULL;
     mti_offload_piece_elems = keep;
