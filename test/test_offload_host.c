@@ -6,8 +6,11 @@
  * what is checked is what runs on the host: the accounting per class and
  * per place against the estimate and in the trace, the copies and events in their order,
  * the CPU update's numbers on gradients the test puts on the device (against
- * AdamW's formula), and the failures. With MT_TEST_GPU=1 the contexts are
- * real GPUs and host offload is compared with the resident run.
+ * AdamW's formula), and the failures; on 2 and 3 ranks over the stand-in
+ * NCCL at ZeRO stages 0 to 3 against one rank, training-state files moved
+ * between stages and places, and auto-fit choosing it at stage 3. With
+ * MT_TEST_GPU=1 the contexts are real GPUs and host offload is compared
+ * with the resident run, and files moved between the two.
  */
 #include <dlfcn.h>
 #include <math.h>
@@ -395,6 +398,7 @@ typedef struct hr_run {
     int host; /* the ranks' communicator: the in-process host one, not NCCL */
     mt_trainer_config tc;
     const char *dir;         /* where the ranks save their training-state files */
+    const char *load, *save; /* or: a file loaded (no steps), saved again as save */
     unsigned char *wb[MAXR]; /* per rank: every tensor's weights as stored (compute dtype) */
     unsigned char *held[MAXR]; /* and which of those bytes it holds (ZeRO-3: its slices) */
     float *ms[MAXR];         /* and the fp32 masters it holds, NaN elsewhere */
@@ -470,6 +474,24 @@ static void hr_estimate(mt_context *ctx, const mt_model *m, const mt_trainer_con
         snprintf(msg, cap, "optimizer state or masters on the device");
 }
 
+/* The ranks' GPT (2 layers, `channels` wide) on ctx. */
+static mt_status rank_gpt(mt_context *ctx, int channels, mt_model **m)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = channels, g.seed = 11;
+    return mt_model_gpt_create(ctx, &g, m);
+}
+
+/* Whether the stand-in NCCL is there too (else the test skips, saying so). */
+static bool nccl_open(standin *s)
+{
+    if (!standin_open(s) || on_gpu()) return false;
+    if (getenv("MT_FAKE_NCCL")) return true;
+    fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+    return false;
+}
+
 static void hr_rank(int rank, void *arg)
 {
     hr_run *a = arg;
@@ -485,11 +507,19 @@ static void hr_rank(int rank, void *arg)
     mt_model *m = NULL;
     mt_trainer *t = NULL;
     if (!s && !ctx) s = MT_ERR_NO_DEVICE;
-    mt_gpt_spec g;
-    mt_gpt_spec_init(&g);
-    g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 11;
-    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s) s = rank_gpt(ctx, 64, &m);
     if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    if (a->load) { /* (a collective under ZeRO, as the save) */
+        if (!s) s = mt_trainer_load(t, a->load, NULL, 0, NULL);
+        if (!s) s = mt_trainer_save(t, a->save, NULL, 0);
+        if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+        a->st[rank] = s;
+        mt_trainer_destroy(t);
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+        mt_comm_destroy(c);
+        return;
+    }
     int32_t tok[B * T], tg[B * T];
     mt_batch b;
     for (int k = 0; k < HR_STEPS && !s; k++) {
@@ -536,11 +566,46 @@ static unsigned char *read_whole(const char *path, size_t *n)
     return b;
 }
 
+/* File `from` loaded by n ranks at `stage` with the state at `place` (one
+ * rank: n 1) and saved again as `to` (kept where keep is set): the same
+ * bytes as `want`. */
+static void moved(const hr_run *like, const char *dir, int n, int stage, mt_place place,
+                  const char *from, const char *to, const unsigned char *want, size_t nw, bool keep)
+{
+    char p[600], q[600];
+    snprintf(p, sizeof p, "%s/%s", dir, from);
+    snprintf(q, sizeof q, "%s/%s", dir, to);
+    hr_run a = {.n = n, .dir = dir, .tc = like->tc, .load = p, .save = q};
+    a.tc.zero_stage = stage;
+    a.tc.offload = place;
+    a.tc.fused_step = 0;
+    if (n > 1) {
+        a.w = tcomm_world_new(n, 30.0);
+        tcomm_run(n, hr_rank, &a);
+        tcomm_world_free(a.w);
+    } else {
+        hr_rank(0, &a);
+    }
+    for (int r = 0; r < n; r++)
+        CHECK_MSG(a.st[r] == MT_OK, "%s loaded on %d ranks at stage %d, %s: rank %d: %s", from, n,
+                  stage, mt_place_name(place), r, a.msg[r]);
+    size_t got;
+    unsigned char *f = a.st[0] ? NULL : read_whole(q, &got);
+    CHECK_MSG(!f || (got == nw && !memcmp(f, want, nw)),
+              "%s loaded on %d ranks at stage %d, %s, saved again: differs", from, n, stage,
+              mt_place_name(place));
+    free(f);
+    if (!keep) remove(q);
+}
+
 /* n ranks with host offload at tc's stage (over NCCL; host: over a host
  * communicator) against one rank with host offload on the ranks' summed
  * gradients: every rank's weights (compute copies) are the reference's bit
  * for bit, its masters the reference's on the elements it holds, and its
- * peaks per class and per place its estimate's. */
+ * peaks per class and per place its estimate's. At stage 3 the ranks'
+ * file moves: loaded by one rank with the state on the device, by the
+ * ranks at stage 2 with host offload, and one rank's resident file by the
+ * ranks at stage 3 with host offload, each saves it again unchanged. */
 static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision prec, int fused,
                        int clip, int host)
 {
@@ -595,6 +660,13 @@ static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision pre
     snprintf(p, sizeof p, "%s/one0.0.mtt", dir);
     size_t n0, n1;
     unsigned char *f0 = read_whole(p, &n0);
+    if (stage == 3 && !dp.st[0]) {
+        moved(&dp, dir, 1, 0, MT_PLACE_DEVICE, "ranks0.0.mtt", "resident.mtt", f0, n0, true);
+        moved(&dp, dir, n, 2, MT_PLACE_HOST, "ranks0.0.mtt", "stage2.mtt", f0, n0, false);
+        moved(&dp, dir, n, 3, MT_PLACE_HOST, "resident.mtt", "back.mtt", f0, n0, false);
+        snprintf(q, sizeof q, "%s/resident.mtt", dir);
+        remove(q);
+    }
     for (int r = 0; r < (stage ? 1 : n); r++)
         for (int k = 0; k < 2; k++) {
             snprintf(q, sizeof q, "%s/ranks%d.%d.mtt", dir, r, k);
@@ -616,11 +688,7 @@ static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision pre
 TEST(offload_host_ranks_nccl)
 {
     standin s;
-    if (!standin_open(&s) || on_gpu()) return standin_close(&s);
-    if (!getenv("MT_FAKE_NCCL")) {
-        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
-        return standin_close(&s);
-    }
+    if (!nccl_open(&s)) return standin_close(&s);
     const size_t keep = mti_offload_piece_elems;
     mti_offload_piece_elems = 512; /* pieces cut the tensors and the shards */
     mti_engine_grad_fill = tcomm_fill_grads;
@@ -642,6 +710,78 @@ TEST(offload_host_ranks_nccl)
     mti_engine_grad_fill = NULL;
     mti_offload_piece_elems = keep;
     CHECK_EQ(s.stat("pinned"), pinned0); /* every page-locked byte given back */
+    standin_close(&s);
+}
+
+/* Auto-fit at ZeRO stage 3 on 2 ranks of a CUDA context: at the least
+ * budget anything fits (the state in host memory; resident needs more)
+ * both ranks choose host offload, and each rank's run of it stays within
+ * the budget, the heavier at the estimate auto-fit chose by. */
+typedef struct af_run {
+    tcomm_world *w;
+    mt_autofit_report r[2];
+    uint64_t budget[2], peak[2];
+    mt_status st[2];
+    char msg[2][600];
+} af_run;
+
+static void af_rank(int rank, void *arg)
+{
+    af_run *a = arg;
+    mt_comm *c = tcomm_nccl(a->w, rank, 2);
+    mt_context *ctx = c ? tcomm_cuda_context(c) : NULL;
+    mt_model *m = NULL;
+    /* (128 wide: the state outweighs the allocators' grain) */
+    mt_status s = ctx ? rank_gpt(ctx, 128, &m) : MT_ERR_NO_DEVICE;
+    mt_trainer *t = NULL;
+    mt_trainer_config f;
+    config(&f, MT_OPT_ADAMW, MT_PREC_BF16, 0, MT_PLACE_DEVICE);
+    f.zero_stage = 3;
+    f.max_seq = T;
+    f.memory_budget = 1;
+    unsigned long long least = 0;
+    if (!s && mt_trainer_autofit(m, &f, 0, &a->r[rank]) == MT_ERR_BUDGET) {
+        const char *at = strstr(mt_last_error(ctx), "the least is ");
+        if (at && sscanf(at, "the least is %llu", &least) == 1 && !strstr(at, "host memory"))
+            snprintf(a->msg[rank], sizeof a->msg[rank], "the least is not with host offload: %s", at);
+    }
+    if (!s && !least) s = MT_ERR_INTERNAL;
+    f.memory_budget = a->budget[rank] = least;
+    if (!s) s = mt_trainer_autofit(m, &f, 0, &a->r[rank]);
+    if (!s) s = mt_trainer_create(m, &f, &t);
+    int32_t tok[B * T], tg[B * T];
+    for (int k = 0; k < 2 && !s; k++) {
+        mt_batch b;
+        check_token_batch(&b, tok, tg, B, T, V, k + rank);
+        s = mt_trainer_step(t, &b, NULL);
+    }
+    mt_memory_stats ms;
+    if (!s && !mt_context_memory_stats(ctx, &ms)) a->peak[rank] = ms.peak_reserved_bytes;
+    if (s && !a->msg[rank][0]) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", ctx ? mt_last_error(ctx) : "no context");
+    a->st[rank] = s;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(offload_host_autofit_zero3)
+{
+    standin s;
+    if (!nccl_open(&s)) return standin_close(&s);
+    af_run a = {.w = tcomm_world_new(2, 30.0)};
+    tcomm_run(2, af_rank, &a);
+    tcomm_world_free(a.w);
+    for (int r = 0; r < 2; r++) {
+        CHECK_MSG(a.st[r] == MT_OK && !a.msg[r][0], "rank %d: %s", r, a.msg[r]);
+        CHECK_EQ(a.r[r].offload, MT_PLACE_HOST);
+        CHECK_MSG(a.peak[r] <= a.budget[r], "rank %d: peak %llu, budget %llu", r,
+                  (unsigned long long)a.peak[r], (unsigned long long)a.budget[r]);
+    }
+    CHECK_EQ(a.budget[0], a.budget[1]);
+    CHECK(a.r[0].micro_batch == a.r[1].micro_batch && a.r[0].peak_reserved == a.r[1].peak_reserved);
+    const uint64_t worst = a.peak[0] > a.peak[1] ? a.peak[0] : a.peak[1];
+    CHECK_EQ(worst, a.r[0].peak_reserved);
     standin_close(&s);
 }
 
@@ -708,5 +848,78 @@ TEST(gpu_engine_host_offload_matches_resident)
         CHECK_MSG(worst <= tol, "%s prec %d: weights differ by %g (relative)",
                   mt_optimizer_name(cases[c].opt), (int)cases[c].prec, worst);
     }
+    mt_context_destroy(ctx);
+}
+
+/* A training-state file moves between host offload and the resident run
+ * on a real GPU: saved by a host-offloaded run that asked for ZeRO stage
+ * 3 (on one rank stage 3 shards nothing: the run is stage 0's; several
+ * ranks at stage 3 are offload_host_ranks_nccl's, over the stand-in NCCL,
+ * and need a GPU per rank on real hardware), loaded by a resident trainer
+ * and saved again it is the same file, and loaded back by a host-offloaded
+ * one too; the next step from it gives the same loss and weights on the
+ * device's update as on the CPU's, but for the two tables' rounding. */
+static mt_trainer *moved_trainer(mt_context *ctx, mt_model **m, mt_place place, const char *load,
+                                 const char *save, float *loss, float *w)
+{
+    *m = check_small_gpt(ctx, V, T, 64, 11);
+    mt_trainer_config tc;
+    config(&tc, MT_OPT_ADAMW, MT_PREC_BF16, 0, place);
+    tc.zero_stage = 3;
+    mt_estimate_report est;
+    mt_trainer *t = trained(ctx, *m, &tc, &est, load ? 0 : 2, NULL);
+    if (load) CHECK_OKC(ctx, mt_trainer_load(t, load, NULL, 0, NULL));
+    CHECK_OKC(ctx, mt_trainer_save(t, save, NULL, 0));
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    check_token_batch(&b, tok, tg, B, T, V, 2);
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, loss));
+    CHECK_OKC(ctx, mt_model_get_params(*m, w, mt_model_num_params(*m)));
+    return t;
+}
+
+TEST(gpu_engine_host_offload_checkpoint_moves)
+{
+    mt_context *ctx = check_gpu_context();
+    if (!ctx) return;
+    char dir[] = "/tmp/mt_hostoff_gpu_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    char a[64], b[64], c[64];
+    snprintf(a, sizeof a, "%s/host.mtt", dir);
+    snprintf(b, sizeof b, "%s/resident.mtt", dir);
+    snprintf(c, sizeof c, "%s/back.mtt", dir);
+    mt_model *m = check_small_gpt(ctx, V, T, 64, 11);
+    const size_t P = mt_model_num_params(m);
+    mt_model_destroy(m);
+    float *wh = check_alloc(P * 4), *wr = check_alloc(P * 4), *wb = check_alloc(P * 4), lh, lr, lb;
+    mt_trainer *t = moved_trainer(ctx, &m, MT_PLACE_HOST, NULL, a, &lh, wh);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    /* the host run's state, resumed on the device, and back on the host */
+    t = moved_trainer(ctx, &m, MT_PLACE_DEVICE, a, b, &lr, wr);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    t = moved_trainer(ctx, &m, MT_PLACE_HOST, b, c, &lb, wb);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    CHECK_MSG(check_same_file(a, b), "the host run's file, loaded resident and saved, differs");
+    CHECK_MSG(check_same_file(a, c), "the resident run's file, loaded with host offload and saved, differs");
+    /* the step from the same file on the host */
+    t = moved_trainer(ctx, &m, MT_PLACE_HOST, a, c, &lh, wh);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    if (check_gpu_values()) {
+        CHECK_MSG(fabsf(lh - lr) <= 2e-2f * fabsf(lr) && lb == lh, "loss %g host, %g resident, %g back", lh,
+                  lr, lb);
+        double worst = 0;
+        for (size_t e = 0; e < P; e++) {
+            const double d = fabs(wh[e] - wr[e]) / (fabs(wr[e]) + 1e-2);
+            if (d > worst) worst = d;
+        }
+        CHECK_MSG(worst <= 2e-2, "the step from the file: weights differ by %g (relative)", worst);
+        CHECK(memcmp(wh, wb, P * 4) == 0);
+    }
+    remove(a), remove(b), remove(c);
+    CHECK(rmdir(dir) == 0);
     mt_context_destroy(ctx);
 }

@@ -104,6 +104,11 @@ grep -q '"offload": "host"' "$tmp/out" || { echo "FAIL tool: auto-fit to host me
 # shellcheck disable=SC2086
 expect 0 "auto-fit on 2 ranks, CUDA, table" -- "$tool" estimate $table --device cuda --budget 150 --rank 1
 grep -q "auto-fit for 150.0 MiB on each of 2 ranks: .*in pinned host memory" "$tmp/out" || { echo "FAIL tool: auto-fit on 2 ranks, table"; cat "$tmp/out"; fail=1; }
+# at ZeRO stage 3 (above 170 MiB at the least resident, 150 MiB with the
+# state in pinned host memory): 160 MiB takes host memory
+# shellcheck disable=SC2086
+expect 0 "auto-fit on 2 ranks at stage 3, CUDA" -- "$tool" estimate $big --zero 3 --device cuda --budget 160
+grep -q '"zero": 3,' "$tmp/out" && grep -q '"offload": "host"' "$tmp/out" || { echo "FAIL tool: auto-fit to host memory at stage 3"; cat "$tmp/out"; fail=1; }
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
 grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
 # the report's estimate column equals its peak column on every class row
@@ -294,6 +299,16 @@ one_optim=$(host_optim)
 expect 0 "estimate with host offload, rank 1 of 2 at stage 2" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 2 --json
 two_optim=$(host_optim)
 [ -n "$one_optim" ] && [ -n "$two_optim" ] && [ "$two_optim" -gt 0 ] && [ $((2 * two_optim)) -le $((one_optim + 4096)) ] || { echo "FAIL tool: host offload's state per rank ($two_optim of $one_optim)"; cat "$tmp/out"; fail=1; }
+# and at stage 3: the same state slice on the host, none of it on the device,
+# and the device's weights a slice (PARAM at the peak below stage 2's)
+dev_param() { sed -n 's/.*"at_peak": {"PARAM": \([0-9]*\).*/\1/p' "$tmp/out"; }
+two_param=$(dev_param)
+expect 0 "estimate with host offload, rank 1 of 2 at stage 3" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 3 --json
+three_optim=$(host_optim)
+three_param=$(dev_param)
+grep -q '"class_peak": {[^}]*"MASTER": 0, "GRAD": [0-9]*, "OPTIM": 0,' "$tmp/out" && [ "$three_optim" = "$two_optim" ] && [ -n "$three_param" ] && [ "$three_param" -lt "$two_param" ] || { echo "FAIL tool: host offload at stage 3 ($three_optim, $two_optim; PARAM $three_param, $two_param)"; cat "$tmp/out"; fail=1; }
+expect 1 "--zero 3 --offload host on the CPU" -- "$tool" train --model gpt --steps 1 --zero 3 --offload host
+grep -q "CUDA context" "$tmp/err" || { echo "FAIL tool: --zero 3 --offload host on the CPU message"; cat "$tmp/err"; fail=1; }
 # auto-fit may put the state on disk when --offload-dir names a place for it
 expect 0 "estimate --autofit --offload-dir" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp"
 grep -q "the optimizer state on disk" "$tmp/out" && grep -q "disk .*MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: autofit offload choice"; cat "$tmp/out"; fail=1; }
