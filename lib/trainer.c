@@ -1167,7 +1167,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         bool attached = t->attached;
         mt_trainer_destroy(t);
         if (attached) mti_lora_detach(m); /* the model as it was */
-        return mti_fail(ctx, s, "mt_trainer_create: %s", msg.s);
+        /* (a message the ranks' exchanges made names the call already) */
+        const char *fn = "mt_trainer_create: ";
+        return mti_fail(ctx, s, "%s%s", strncmp(msg.s, fn, strlen(fn)) ? fn : "", msg.s);
     }
     *out = t;
     return MT_OK;

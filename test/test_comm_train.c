@@ -432,6 +432,23 @@ TEST(dp_ranks_disagree)
     mt_trainer_config_init(&d.tc);
     d.offload_dir[1] = dir;
     disagree(&d, "offload and offload_params");
+    /* both on disk, rank 1's directory missing: rank 1 has its own error,
+       rank 0 one naming rank 1, each said once */
+    dp_run e = {.n = 2, .rows = 2, .bad_batch_rank = -1};
+    mt_trainer_config_init(&e.tc);
+    e.tc.max_batch = 2;
+    char missing[sizeof dir + 16];
+    snprintf(missing, sizeof missing, "%s/missing", dir);
+    e.offload_dir[0] = dir;
+    e.offload_dir[1] = missing;
+    e.world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, dp_rank, &e);
+    tcomm_world_free(e.world);
+    CHECK_MSG(e.st[1] == MT_ERR_IO && strstr(e.msg[1], "missing"), "rank 1: %s", e.msg[1]);
+    CHECK_MSG(e.st[0] == MT_ERR_COMM && strstr(e.msg[0], "rank 1 failed (input/output error)") &&
+                  !strstr(e.msg[0], "mt_trainer_create: mt_trainer_create"),
+              "rank 0: %s", e.msg[0]);
+    free_run(&e);
     CHECK_MSG(rmdir(dir) == 0, "%s: %s (a scratch directory left behind?)", dir, strerror(errno));
 }
 
