@@ -1108,8 +1108,8 @@ typedef struct mt_trainer_config {
      * the weights are all-gathered once every update has landed, at the
      * step's end, and at stage 3 each rank's updated weight slice goes up
      * into its slice on the device (nothing gathered after the step).
-     * Needs master weights in fp16/bf16, and takes every optimizer but
-     * 4-bit AdamW (MT_ERR_UNSUPPORTED); not with offload_params
+     * fp32, or fp16/bf16 with master weights (not without them), and every
+     * optimizer but 4-bit AdamW (MT_ERR_UNSUPPORTED); not with offload_params
      * (MT_ERR_INVALID_ARG); pinned memory refused is MT_ERR_OOM naming the
      * amount. */
     mt_place offload;
