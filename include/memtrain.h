@@ -291,7 +291,8 @@ typedef struct mt_context_config {
      * a real context takes both from comm, and world_size > 1 without
      * dry_run is MT_ERR_INVALID_ARG. A dry context made from a
      * configuration with a communicator (mt_estimate_model on a data
-     * parallel model) takes the communicator's. */
+     * parallel model) takes the communicator's; a world_size > 1 and rank
+     * that differ from the communicator's are MT_ERR_INVALID_ARG. */
     int world_size;
     int rank;
 } mt_context_config;

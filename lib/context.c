@@ -61,6 +61,13 @@ static mt_status take_config(const mt_context_config *in, mt_context_config *c)
                         "mt_context_create: cfg->rank %d of cfg->world_size %d (need 0 <= rank < "
                         "world_size <= 65536; 0: one rank)",
                         c->rank, c->world_size);
+    if (c->comm && c->world_size > 1 &&
+        (c->world_size != mt_comm_size(c->comm) || c->rank != mt_comm_rank(c->comm)))
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "mt_context_create: cfg->rank %d of cfg->world_size %d contradicts "
+                        "cfg->comm (rank %d of %d): a context with a communicator takes its "
+                        "world from it (leave world_size 0)",
+                        c->rank, c->world_size, mt_comm_rank(c->comm), mt_comm_size(c->comm));
     if ((unsigned)c->log_level > MT_LOG_DEBUG)
         return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: cfg->log_level %d out of range",
                         (int)c->log_level);

@@ -303,6 +303,25 @@ TEST(dp_estimate_equals_measured)
     mt_context *ctx = NULL;
     CHECK_ST(MT_ERR_INVALID_ARG, mt_context_create(&cc, &ctx));
     CHECK(strstr(mt_last_error(NULL), "for dry contexts") != NULL);
+    /* a world and rank that contradict the communicator's are refused, not
+       one of them silently taken; ones that agree with it are accepted */
+    tcomm_world *w = tcomm_world_new(2, 30.0);
+    mt_comm *c = tcomm_make(w, 0, 2, 0);
+    cc.dry_run = 1;
+    cc.comm = c;
+    cc.world_size = 3;
+    cc.rank = 0;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_context_create(&cc, &ctx));
+    CHECK(strstr(mt_last_error(NULL), "cfg->comm") != NULL);
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_estimate_gpt(&cc, &g, NULL, &e));
+    cc.world_size = 2;
+    cc.rank = 1;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_context_create(&cc, &ctx));
+    cc.rank = 0;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+    tcomm_world_free(w);
 }
 
 /* One case at one stage on n ranks, with the communication thread and
