@@ -379,14 +379,18 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
     mt_context *ctx = t->ctx;
-    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
-    if (!user && user_len)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
-                        user_len);
     saver v = {.t = t, .collective = t->zero != 0, .f = {.fd = -1}};
     if (v.collective && !mti_dp_on(t))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: a dry context's sharded trainer has no state to save", fn);
+    /* path and user are the writer's (rank 0's under ZeRO); a bad one there
+       still takes part in the collectives, so the other ranks hear of it */
+    if (writer(&v) && !path) v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    else if (writer(&v) && !user && user_len)
+        v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
+                        user_len);
+    if (v.ws && !v.collective) return v.ws;
+    if (!writer(&v)) user = NULL, user_len = 0; /* (never written here) */
     int n = list_tensors(t, NULL);
     ck_tensor *ts = malloc((size_t)n * sizeof *ts);
     v.buf = malloc(CK_CHUNK);
@@ -394,12 +398,13 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (ts) list_tensors(t, ts);
     if (ts) layout_of(t, ts, n, &lay);
     counters_of(t, &cnt);
-    if (!ts || !v.buf || lay.oom || cnt.oom) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    const bool oom = !ts || !v.buf || lay.oom || cnt.oom;
+    if (oom) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     mt_status cs = MT_OK;
-    if (!v.ws && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
+    if (!oom && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
     if (v.ws && !v.collective) cs = v.ws; /* alone: nothing to keep in step with */
-    if (!v.ws && !cs) {
+    if (!oom && !cs) {
         uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
         for (int k = 0; k < n; k++) total += ts[k].bytes;
         unsigned char h[CK_HEADER] = {0};
@@ -408,7 +413,7 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
         mti_put_u32(h + 12, (uint32_t)(n + 4));
         mti_put_u64(h + 16, total);
         mti_put_u32(h + 24, mti_crc32(0, h, 24));
-        if (writer(&v)) v.ws = mti_afile_open(ctx, path, &v.f);
+        if (writer(&v) && !v.ws) v.ws = mti_afile_open(ctx, path, &v.f);
         sv_write(&v, h, sizeof h);
         sv_section(&v, SEC_LAYOUT, lay.p, lay.len);
         sv_section(&v, SEC_COUNTERS, cnt.p, cnt.len);
@@ -427,8 +432,12 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     mti_tensor_free(ctx, &v.bk);
     free(ts), free(v.buf), free(lay.p), free(cnt.p);
     if (s) {
-        return mti_fail(ctx, s, "%s: %s (the previous file at %s, if any, is intact)", fn,
-                        mti_last_msg(ctx).s, path);
+        const mti_msg m = mti_last_msg(ctx); /* (an exchange's names the call already) */
+        const bool named = !strncmp(m.s, fn, strlen(fn)) && !strncmp(m.s + strlen(fn), ": ", 2);
+        const char *at = writer(&v) ? path : "rank 0's path";
+        return mti_fail(ctx, s, "%s%s%s%s%s%s", named ? "" : fn, named ? "" : ": ", m.s,
+                        at ? " (the previous file at " : "", at ? at : "",
+                        at ? ", if any, is intact)" : "");
     }
     return MT_OK;
 }
@@ -796,25 +805,28 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     const char *fn = "mt_trainer_load";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_context *ctx = t->ctx;
-    if (!path) return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
-    if (!user && user_cap)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_cap is %zu", fn,
-                        user_cap);
+    /* on several ranks a rank that cannot start still makes the exchanges
+       below, so every rank fails with it at once */
+    mt_status s = MT_OK;
+    if (!path) s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    else if (!user && user_cap)
+        s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_cap is %zu", fn,
+                     user_cap);
     reader r = {.path = path, .ctx = ctx};
-    r.f = fopen(path, "rb");
-    if (!r.f) return mti_fail(ctx, MT_ERR_IO, "%s: cannot open %s: %s", fn, path, strerror(errno));
-    if (fseek(r.f, 0, SEEK_END) == 0) {
+    if (!s && !(r.f = fopen(path, "rb")))
+        s = mti_fail(ctx, MT_ERR_IO, "%s: cannot open %s: %s", fn, path, strerror(errno));
+    if (s && !mti_dp_on(t)) return s;
+    if (r.f && fseek(r.f, 0, SEEK_END) == 0) {
         long end = ftell(r.f);
         r.size = end > 0 ? (uint64_t)end : 0;
     }
-    rewind(r.f);
+    if (r.f) rewind(r.f);
     int n = list_tensors(t, NULL);
     ck_tensor *ts = malloc((size_t)n * sizeof *ts);
     unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];
     bbuf lay = {0};
     if (ts) list_tensors(t, ts), layout_of(t, ts, n, &lay);
-    mt_status s = MT_OK;
-    if (!ts || !buf || lay.oom) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    if (!s && (!ts || !buf || lay.oom)) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     /* first pass: check everything; second: copy it in (each rank its part);
        on several ranks, any rank's failure fails every rank, before any
        rank changes anything */
@@ -832,7 +844,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     }
     s = mti_dp_agree_status(t, fn, "loading the training-state file", s);
     if (!s) counters_set(t, counters);
-    fclose(r.f);
+    if (r.f) fclose(r.f);
     free(ts), free(buf), free(lay.p);
     return s;
 }

@@ -886,6 +886,97 @@ TEST(zero_checkpoint_reshards)
     unlink(a), unlink(a3), unlink(b3), unlink(again);
 }
 
+/* A save or a load that one rank cannot start (a NULL path, a missing or
+ * corrupt file) fails on every rank at once, each naming it, the
+ * communicator whole (the world's 2 s deadline would break it), and the
+ * run goes on; under ZeRO the path is rank 0's alone. */
+typedef struct ck_bad {
+    tcomm_world *w;
+    int stage;
+    const char *good, *missing, *corrupt, *put;
+    mt_status st[2][5];
+    char msg[2][5][400];
+    int broken[2], bad;
+} ck_bad;
+
+static void ck_bad_rank(int rank, void *p)
+{
+    ck_bad *a = p;
+    tcomm_rank R = {0};
+    mt_trainer *t = NULL;
+    mt_status s = tcomm_gpt_rank(a->w, rank, 2, 0, 16, &R);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2;
+    tc.optimizer = MT_OPT_ADAMW;
+    tc.zero_stage = a->stage;
+    if (!s) s = mt_trainer_create(R.m, &tc, &t);
+    int32_t tok[2 * T], tgt[2 * T];
+    make_rows(0, rank * 2, 2, tok, tgt);
+    mt_batch b = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = T};
+    if (!s) s = mt_trainer_step(t, &b, NULL);
+    if (!s) s = mt_trainer_save(t, a->good, NULL, 0);
+    if (s) {
+        a->bad = 1;
+        fprintf(stderr, "    rank %d: %s\n", rank, mt_last_error(R.ctx));
+    } else {
+        const char *load[3] = {rank ? a->missing : a->good, rank ? a->corrupt : a->good,
+                               rank ? NULL : a->good};
+        for (int k = 0; k < 3; k++) {
+            a->st[rank][k] = mt_trainer_load(t, load[k], NULL, 0, NULL);
+            snprintf(a->msg[rank][k], sizeof a->msg[rank][k], "%s", mt_last_error(R.ctx));
+        }
+        /* under ZeRO rank 1's path means nothing; rank 0's does */
+        a->st[rank][3] = a->stage ? mt_trainer_save(t, rank ? NULL : a->put, NULL, 0) : MT_OK;
+        snprintf(a->msg[rank][3], sizeof a->msg[rank][3], "%s", mt_last_error(R.ctx));
+        a->st[rank][4] = a->stage ? mt_trainer_save(t, rank ? a->put : NULL, NULL, 0) : MT_OK;
+        snprintf(a->msg[rank][4], sizeof a->msg[rank][4], "%s", mt_last_error(R.ctx));
+        if (mt_trainer_step(t, &b, NULL)) a->bad = 1;
+        a->broken[rank] = mt_comm_broken(R.c);
+    }
+    mt_trainer_destroy(t);
+    tcomm_rank_free(&R);
+}
+
+TEST(zero_checkpoint_bad_file_on_one_rank)
+{
+    static const char *const names[4] = {"good", "missing", "corrupt", "put"};
+    char path[4][128];
+    for (int i = 0; i < 4; i++)
+        snprintf(path[i], sizeof path[i], "/tmp/mt_test_%ld_ckbad_%s.ckpt", (long)getpid(), names[i]);
+    const char *good = path[0], *missing = path[1], *corrupt = path[2], *put = path[3];
+    FILE *f = fopen(corrupt, "wb");
+    CHECK(f != NULL);
+    if (f) fputs("not a training-state file", f), fclose(f);
+    for (int stage = 0; stage <= 3; stage += 3) {
+        ck_bad a = {.w = tcomm_world_new(2, 2.0), .stage = stage, .good = good,
+                    .missing = missing, .corrupt = corrupt, .put = put};
+        tcomm_run(2, ck_bad_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK(!a.bad);
+        static const mt_status own[3] = {MT_ERR_IO, MT_ERR_FORMAT, MT_ERR_INVALID_ARG};
+        for (int k = 0; k < 3; k++) {
+            const int who = 1, other = 0;
+            char name[32];
+            snprintf(name, sizeof name, "rank %d failed", who);
+            CHECK_MSG(a.st[who][k] == own[k], "stage %d load %d, rank %d: %s", stage, k, who,
+                      a.msg[who][k]);
+            CHECK_MSG(a.st[other][k] == MT_ERR_COMM && strstr(a.msg[other][k], name),
+                      "stage %d load %d, rank %d: %s", stage, k, other, a.msg[other][k]);
+        }
+        if (stage) {
+            CHECK_MSG(a.st[0][3] == MT_OK && a.st[1][3] == MT_OK, "stage %d: %s / %s", stage,
+                      a.msg[0][3], a.msg[1][3]);
+            CHECK_MSG(a.st[0][4] == MT_ERR_INVALID_ARG, "stage %d: %s", stage, a.msg[0][4]);
+            CHECK_MSG(a.st[1][4] == MT_ERR_COMM && strstr(a.msg[1][4], "rank 0 failed") &&
+                          !strstr(a.msg[1][4], "mt_trainer_save: mt_trainer_save"),
+                      "stage %d: %s", stage, a.msg[1][4]);
+        }
+        CHECK_MSG(!a.broken[0] && !a.broken[1], "stage %d: a communicator broke", stage);
+    }
+    unlink(good), unlink(corrupt), unlink(put);
+}
+
 /* Accumulation under ZeRO: stage 1 sums each rank's accumulated gradient
  * once (stage 0's bits on 2 ranks), stage 2 reduces every micro-batch onto
  * the slices (within fp32 rounding); each rank's peaks equal its estimate.
