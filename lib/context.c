@@ -79,6 +79,7 @@ static void context_free(mt_context *ctx)
     mti_comm_free_buffers(ctx);
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_delete(ctx->inst[i]);
     if (ctx->trace) mt_trace_free(ctx->trace);
+    if (ctx->dev) ctx->dev->keep_memory = ctx->comm_kept_bytes != 0; /* (the staging's) */
     if (ctx->dev) ctx->dev->destroy(ctx->dev);
     free((char *)ctx->cfg.cublaslt_path);
     mti_clear_error(ctx);

@@ -55,6 +55,10 @@ struct mti_device {
      * serving memory and copies without ops. */
     mt_status (*op_table)(mti_device *d, const struct mti_ops **out);
 
+    /* Set before destroy when memory of the device may still be written by
+     * a collective that timed out (mt_context.comm_kept): destroy then
+     * leaves the device's memory to the process instead of giving it back. */
+    bool keep_memory;
     void (*destroy)(mti_device *d);
 };
 

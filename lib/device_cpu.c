@@ -165,7 +165,7 @@ static void cpu_destroy(mti_device *d)
     if (c) {
         char name[64];
         snprintf(name, sizeof name, "arena.%u.destroy", c->arena);
-        mallctl(name, NULL, NULL, NULL, 0);
+        if (!d->keep_memory) mallctl(name, NULL, NULL, NULL, 0);
         free(c);
     }
     free(d);

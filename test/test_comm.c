@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -105,6 +106,80 @@ TEST(comm_failure_breaks)
     CHECK(mt_comm_broken(c));
     CHECK_ST(MT_ERR_COMM, mt_comm_all_reduce(c, &x, &x, 1, MT_COMM_F32, MT_COMM_SUM, NULL));
     CHECK(strstr(mt_last_error(NULL), "broken") != NULL);
+    mt_comm_destroy(c);
+}
+
+/* A collective that timed out may still write its buffer when its peer
+ * comes late (MPI cannot cancel one): a context whose communicator broke
+ * keeps the staging buffer's memory past mt_context_destroy
+ * (docs/distributed.md), so the late write lands in memory no one uses,
+ * never in unmapped pages or another owner's. The table here plays two
+ * ranks that agree, then times out an all-gather and remembers its buffer. */
+static _Atomic int late_armed;
+static void *late_buf;
+static size_t late_bytes;
+static mt_status late_gather(void *s, const void *a, void *b, size_t n, mt_comm_dtype d, void *st)
+{
+    (void)s, (void)st;
+    const size_t es = d == MT_COMM_F32 ? 4 : d == MT_COMM_BF16 ? 2 : 1;
+    if (late_armed) {
+        late_buf = b, late_bytes = 2 * n * es;
+        return MT_ERR_COMM;
+    }
+    for (int r = 0; r < 2; r++)
+        if ((char *)b + (size_t)r * n * es != a) memmove((char *)b + (size_t)r * n * es, a, n * es);
+    return MT_OK;
+}
+
+/* A communicator of 2 ranks (this one rank 0) over vt, and a CPU
+ * context's configuration on it. */
+static void table_context_config(const mt_comm_vtable *vt, mt_comm **c, mt_context_config *cc)
+{
+    CHECK_OK(mt_comm_create(vt, NULL, 0, 2, c));
+    mt_context_config_init(cc);
+    cc->device = MT_DEVICE_CPU;
+    cc->threads = 1;
+    cc->comm = *c;
+}
+
+TEST(comm_timed_out_staging_outlives_context)
+{
+    mt_comm_vtable vt = null_table();
+    vt.all_gather = late_gather;
+    mt_comm *c = NULL;
+    mt_context_config cc;
+    table_context_config(&vt, &c, &cc);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_mlp_spec ms;
+    mt_mlp_spec_init(&ms);
+    ms.n_layers = 1, ms.dims[0] = 4, ms.dims[1] = 3;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    CHECK_OK(mt_model_mlp_create(ctx, &ms, &m));
+    CHECK_OK(mt_trainer_create(m, &tc, &t));
+    float x[8] = {0};
+    int32_t y[2] = {0, 1};
+    mt_batch b = {.n = 2, .inputs = x, .targets = y};
+    late_armed = 1;
+    CHECK_ST(MT_ERR_COMM, mt_trainer_step(t, &b, NULL));
+    late_armed = 0;
+    CHECK(mt_comm_broken(c) && late_buf != NULL);
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    CHECK_OK(mt_context_destroy(ctx));
+    /* the late completion: its pages still mapped, then written */
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t lo = (uintptr_t)late_buf & ~(pg - 1);
+    const size_t span = (size_t)((uintptr_t)late_buf + late_bytes - lo);
+    unsigned char vec[64];
+    const bool mapped = span <= 64 * pg && mincore((void *)lo, span, vec) == 0;
+    CHECK_MSG(mapped, "the staging buffer %p was given back while a collective may write it",
+              late_buf);
+    if (mapped) memset(late_buf, 0x5a, late_bytes);
     mt_comm_destroy(c);
 }
 
@@ -370,12 +445,9 @@ TEST(comm_dry_context_ignores_comm)
     mt_comm_vtable vt = null_table();
     vt.barrier = failing_barrier;
     mt_comm *c = NULL;
-    CHECK_OK(mt_comm_create(&vt, NULL, 0, 2, &c));
     mt_context_config cc;
-    mt_context_config_init(&cc);
-    cc.device = MT_DEVICE_CPU;
+    table_context_config(&vt, &c, &cc);
     cc.dry_run = 1;
-    cc.comm = c;
     mt_context *ctx = NULL;
     CHECK_OK(mt_context_create(&cc, &ctx));
     mt_context_destroy(ctx);
