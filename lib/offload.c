@@ -642,9 +642,12 @@ mt_status mti_offload_check(mt_context *ctx, const mt_model *m, const mt_trainer
         (c->offload_params || (c->precision != MT_PREC_FP32 && c->master_weights)))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->local_sgd_every %d averages the %s across the ranks in memory, "
-                        "and cfg->offload disk keeps them on disk: run local SGD with them "
-                        "resident (or without masters)",
-                        fn, c->local_sgd_every, c->offload_params ? "weights" : "fp32 masters");
+                        "and cfg->offload %s keeps them on disk: run local SGD with them "
+                        "resident%s",
+                        fn, c->local_sgd_every, c->offload_params ? "weights" : "fp32 masters",
+                        c->offload_params ? "disk with cfg->offload_params" : "disk",
+                        c->offload_params ? " (the state alone may stay on disk)"
+                                          : " (or without masters)");
     if (c->offload_params && (c->lora.rank || m->lora_rank))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: cfg->offload_params with LoRA is not supported (the adapters are "
