@@ -141,6 +141,25 @@ if [ -x "$B/memtrain" ]; then
         echo "$rep" | tail -n 1 | grep -q '^communication (rank 0): '
     then echo "ok   mpi memtrain train: the report ends with every rank's peak and rank 0's communication"
     else echo "FAIL mpi memtrain train: the report's end"; echo "$rep" | tail -n 5; fail=1; fi
+    # SIGTERM to the ranks (as mpirun passes it on): every rank stops after the
+    # same step, rank 0 saves and alone says so, and the ranks exit with 143
+    sd=$(mktemp -d)
+    timeout 60 $MPIRUN -np 2 "$B/memtrain" train --model gpt --steps 100000 --batch 2 --seq 16 \
+        --layers 1 --channels 32 --heads 2 --threads 1 --json --zero 3 --offload disk \
+        --offload-dir "$sd" --save "$sd/stop.ckpt" >"$sd/out" 2>"$sd/err" &
+    mp=$!
+    n=0
+    while [ "$(cat "$sd/out" 2>/dev/null | grep -c '"step"')" -lt 2 ] && [ $n -lt 300 ]; do sleep 0.1; n=$((n + 1)); done
+    for c in $(pgrep -P "$mp"); do for p in $(pgrep -P "$c"); do kill -TERM "$p"; done; done # (timeout, mpirun, the ranks)
+    wait "$mp"
+    rc=$?
+    if [ $rc = 143 ] && [ "$(grep -c 'stopped (SIGTERM)' "$sd/err")" = 1 ] && [ -s "$sd/stop.ckpt" ] &&
+        [ "$(ls "$sd")" = "err
+out
+stop.ckpt" ]
+    then echo "ok   mpi memtrain train: SIGTERM stops every rank, rank 0 saves and says so once, exit 143, the scratch removed"
+    else echo "FAIL mpi memtrain train: SIGTERM: exit $rc"; cat "$sd/err"; ls "$sd"; fail=1; fi
+    rm -rf "$sd"
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

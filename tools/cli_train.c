@@ -65,8 +65,9 @@ static void catch_stop_signals(void)
 
 static int interrupted(long step)
 {
-    fprintf(stderr, "%s: %s after step %ld\n", cli_prog,
-            stop_signal == SIGINT ? "interrupted (SIGINT)" : "stopped (SIGTERM)", step);
+    if (cli_world.rank == 0) /* (under mpirun every rank stops after the same step) */
+        fprintf(stderr, "%s: %s after step %ld\n", cli_prog,
+                stop_signal == SIGINT ? "interrupted (SIGINT)" : "stopped (SIGTERM)", step);
     return 128 + stop_signal;
 }
 
