@@ -282,14 +282,20 @@ static mt_status make_dir(mti_offload *o, const char *base)
     char name[64]; /* one directory per rank of a run of several */
     if (ctx->world > 1) snprintf(name, sizeof name, "%s.rank%d", DIRNAME, ctx->rank);
     else snprintf(name, sizeof name, "%s", DIRNAME);
-    if (snprintf(o->dir, sizeof o->dir, "%s/%s", base, name) >= (int)sizeof o->dir)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "offload: the directory name '%s' is too long", base);
-    snprintf(o->lock, sizeof o->lock, "%s/lock", o->dir);
     struct stat sb;
     if (stat(base, &sb) != 0)
         return mti_fail(ctx, MT_ERR_IO, "offload: the directory '%s': %s", base, strerror(errno));
     if (!S_ISDIR(sb.st_mode))
         return mti_fail(ctx, MT_ERR_IO, "offload: '%s' is not a directory", base);
+    /* the directory named now, whatever the process's working directory
+       is when the files are removed */
+    char *abs = realpath(base, NULL);
+    if (!abs) return mti_fail(ctx, MT_ERR_IO, "offload: the directory '%s': %s", base, strerror(errno));
+    const bool fits = snprintf(o->dir, sizeof o->dir, "%s/%s", abs, name) < (int)sizeof o->dir;
+    free(abs);
+    if (!fits)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "offload: the directory name '%s' is too long", base);
+    snprintf(o->lock, sizeof o->lock, "%s/lock", o->dir);
     for (int tries = 0; mkdir(o->dir, 0700) != 0; tries++) {
         if (errno != EEXIST || tries)
             return mti_fail(ctx, MT_ERR_IO, "offload: cannot make the scratch directory '%s': %s",

@@ -851,6 +851,21 @@ TEST(offload_scratch_directory_ownership)
     CHECK(strstr(mt_last_error(ctx), "did not make"));
     CHECK(stat(other, &sb) == 0);
     CHECK(unlink(other) == 0 && rmdir(sd) == 0);
+    /* a relative directory is the one it named at create: the process may
+       change its working directory, and the scratch is still removed */
+    char cwd[512];
+    CHECK(getcwd(cwd, sizeof cwd) != NULL);
+    CHECK(chdir(dir) == 0);
+    config(&tc, &c, MT_PLACE_DISK, ".");
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    CHECK(chdir("/") == 0);
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    batch(&b, tok, tg, 0);
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    mt_trainer_destroy(t);
+    CHECK(chdir(cwd) == 0);
+    CHECK(scratch_gone(dir));
     mt_model_destroy(m2);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
