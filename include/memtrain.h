@@ -1027,7 +1027,8 @@ typedef struct mt_trainer_config {
      * the model's trained weights are nowhere whole: mt_model_get_params,
      * mt_model_set_params and mt_model_gpt_save give MT_ERR_UNSUPPORTED,
      * mt_trainer_eval and mt_trainer_logits are collectives (every rank
-     * calls them), and mt_trainer_destroy gathers the weights back into the
+     * calls them, with as many micro-batches; a batch one rank refuses
+     * fails the call on every rank), and mt_trainer_destroy gathers the weights back into the
      * model (a collective: every rank destroys its trainer). Stage 3 runs
      * on CPU contexts and on CUDA contexts with a device communicator
      * (NCCL), without LoRA or a quantized base (MT_ERR_UNSUPPORTED
@@ -1261,7 +1262,10 @@ typedef struct mt_batch {
  * the global batch; the gradients are summed over the ranks before the
  * update, *loss is the global batch's mean, and a failure on any rank
  * (a refused batch included) fails the step on every rank before any
- * update (MT_ERR_COMM on the others). Every rank must call it. */
+ * update (MT_ERR_COMM on the others). Every rank must call it. At ZeRO
+ * stages 2 and 3, which communicate in every micro-batch, every rank's
+ * batch must make as many micro-batches (MT_ERR_INVALID_ARG on every
+ * rank otherwise). */
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
 /* Mean loss and accuracy (argmax == target) of a batch without training.
  * Either output may be NULL. */

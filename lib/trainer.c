@@ -1798,6 +1798,12 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
     return MT_OK;
 }
 
+/* The passes (micro-batches) a checked batch takes. */
+static int passes_of(const mt_trainer *t, const mt_batch *b)
+{
+    return (b->n + t->micro - 1) / t->micro;
+}
+
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
 {
     const char *fn = "mt_trainer_step";
@@ -1805,7 +1811,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     mt_status s = check_batch(t, b, fn);
     if (!s && t->off) s = mti_offload_begin(t->off); /* the files are there */
     double targets = s ? 0.0 : targets_of(t, b);
-    if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
+    if ((s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b)))) return s;
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
     const bool fused = t->cfg.fused_step != 0;
@@ -1896,7 +1902,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     t->updated = 0;
     t->overlap_now = 0; /* the gradients are summed below, blocking */
     t->check_now = 0;   /* (and unscaled below, unchecked) */
-    if ((s = mti_dp_begin(t, fn, s, &targets))) return s;
+    if ((s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b)))) return s;
     s = passes(t, b, false, false, false, targets, &found, &sum); /* every gradient whole */
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
@@ -1965,7 +1971,8 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     const char *fn = "mt_trainer_eval";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
-    if (s) return s;
+    /* (at ZeRO stage 3 a collective: a refused batch fails every rank) */
+    if ((s = mti_dp_agree_forward(t, fn, s, s ? 0 : passes_of(t, b)))) return s;
     mti_engine *E = &t->E;
     const int T = t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1;
     double sum = 0.0;
@@ -2028,21 +2035,27 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
+    mt_status s = MT_OK;
     if (!b || !out)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, b ? "out" : "batch");
-    if (n != (size_t)b->n * (size_t)m->classes)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: n %zu, expected batch->n x classes = %zu", fn,
-                        n, (size_t)b->n * (size_t)m->classes);
+        s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, b ? "out" : "batch");
+    else if (n != (size_t)b->n * (size_t)m->classes)
+        s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: n %zu, expected batch->n x classes = %zu", fn,
+                     n, (size_t)b->n * (size_t)m->classes);
     /* the targets play no part: zeros where the caller gave none */
-    const int T = m->input == MT_INPUT_TOKENS ? b->seq_len : 1;
-    mt_batch bb = *b;
+    const int T = !s && m->input == MT_INPUT_TOKENS ? b->seq_len : 1;
+    mt_batch bb = s ? (mt_batch){0} : *b;
     int32_t *zeros = NULL;
-    if (!bb.targets && b->n > 0 && T > 0) {
+    if (!s && !bb.targets && b->n > 0 && T > 0) {
         zeros = calloc((size_t)b->n * (size_t)T, sizeof *zeros);
-        if (!zeros) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+        if (!zeros) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
         bb.targets = zeros;
     }
-    mt_status s = check_batch(t, &bb, fn);
+    if (!s) s = check_batch(t, &bb, fn);
+    /* (at ZeRO stage 3 a collective: a refused call fails every rank) */
+    if ((s = mti_dp_agree_forward(t, fn, s, s ? 0 : passes_of(t, &bb)))) {
+        free(zeros);
+        return s;
+    }
     mti_tensor f32 = {0};
     if (!s && t->dt != MTI_F32) {
         f32 = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {m->out_width}};

@@ -899,18 +899,27 @@ typedef struct ck_bad {
     int broken[2], bad;
 } ck_bad;
 
+/* Rank `rank` of 2 on w with an AdamW trainer at `stage` (batches of up
+ * to max_batch rows, micro-batches of micro), for the refusal tests. */
+static mt_status refusal_rank(tcomm_world *w, int rank, int stage, int max_batch, int micro,
+                              tcomm_rank *R, mt_trainer **t)
+{
+    mt_status s = tcomm_gpt_rank(w, rank, 2, 0, 16, R);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = max_batch;
+    tc.micro_batch = micro;
+    tc.optimizer = MT_OPT_ADAMW;
+    tc.zero_stage = stage;
+    return s ? s : mt_trainer_create(R->m, &tc, t);
+}
+
 static void ck_bad_rank(int rank, void *p)
 {
     ck_bad *a = p;
     tcomm_rank R = {0};
     mt_trainer *t = NULL;
-    mt_status s = tcomm_gpt_rank(a->w, rank, 2, 0, 16, &R);
-    mt_trainer_config tc;
-    mt_trainer_config_init(&tc);
-    tc.max_batch = 2;
-    tc.optimizer = MT_OPT_ADAMW;
-    tc.zero_stage = a->stage;
-    if (!s) s = mt_trainer_create(R.m, &tc, &t);
+    mt_status s = refusal_rank(a->w, rank, a->stage, 2, 0, &R, &t);
     int32_t tok[2 * T], tgt[2 * T];
     make_rows(0, rank * 2, 2, tok, tgt);
     mt_batch b = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = T};
@@ -975,6 +984,73 @@ TEST(zero_checkpoint_bad_file_on_one_rank)
         CHECK_MSG(!a.broken[0] && !a.broken[1], "stage %d: a communicator broke", stage);
     }
     unlink(good), unlink(corrupt), unlink(put);
+}
+
+/* At ZeRO stages 2 and 3 the ranks communicate in every micro-batch, so
+ * ranks whose rows make different numbers of micro-batches are refused on
+ * every rank before anything runs (not left to mismatch their
+ * collectives); at stage 3 eval and logits are collectives too, and a
+ * batch one rank refuses fails every rank at once. The communicator stays
+ * whole (the world's 2 s deadline would break it) and the run goes on. */
+typedef struct uneven {
+    tcomm_world *w;
+    int stage, bad, broken[2];
+    mt_status st[2][4];
+    char msg[2][4][400];
+} uneven;
+
+static void uneven_rank(int rank, void *p)
+{
+    uneven *a = p;
+    tcomm_rank R = {0};
+    mt_trainer *t = NULL;
+    mt_status s = refusal_rank(a->w, rank, a->stage, 3, 1, &R, &t);
+    int32_t tok[3 * T], tgt[3 * T], bad[3 * T];
+    make_rows(0, rank * 3, 3, tok, tgt);
+    memcpy(bad, tok, sizeof bad);
+    bad[1] = 999;
+    const mt_batch mine = {.n = rank ? 3 : 2, .tokens = tok, .targets = tgt, .seq_len = T};
+    const mt_batch even = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = T};
+    const mt_batch wrong = {.n = 2, .tokens = rank ? bad : tok, .targets = tgt, .seq_len = T};
+    float loss, logits[3 * 64];
+    if (s) {
+        a->bad = 1;
+        return;
+    }
+    a->st[rank][0] = mt_trainer_step(t, &mine, &loss);
+    snprintf(a->msg[rank][0], sizeof a->msg[rank][0], "%s", mt_last_error(R.ctx));
+    a->st[rank][1] = mt_trainer_eval(t, &mine, &loss, NULL);
+    snprintf(a->msg[rank][1], sizeof a->msg[rank][1], "%s", mt_last_error(R.ctx));
+    a->st[rank][2] = mt_trainer_eval(t, &wrong, &loss, NULL);
+    snprintf(a->msg[rank][2], sizeof a->msg[rank][2], "%s", mt_last_error(R.ctx));
+    a->st[rank][3] = mt_trainer_logits(t, &wrong, logits, (size_t)2 * 50); /* (vocab 50) */
+    snprintf(a->msg[rank][3], sizeof a->msg[rank][3], "%s", mt_last_error(R.ctx));
+    if (mt_trainer_step(t, &even, &loss) || mt_trainer_eval(t, &even, &loss, NULL)) a->bad = 1;
+    a->broken[rank] = mt_comm_broken(R.c);
+    mt_trainer_destroy(t);
+    tcomm_rank_free(&R);
+}
+
+TEST(zero_uneven_micro_batches_refused)
+{
+    for (int stage = 2; stage <= 3; stage++) {
+        uneven a = {.w = tcomm_world_new(2, 2.0), .stage = stage};
+        tcomm_run(2, uneven_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK(!a.bad);
+        for (int r = 0; r < 2; r++) {
+            CHECK_MSG(a.st[r][0] == MT_ERR_INVALID_ARG && strstr(a.msg[r][0], "as many"),
+                      "stage %d rank %d: %s", stage, r, a.msg[r][0]);
+            if (stage < 3) continue; /* (eval is each rank's own below stage 3) */
+            CHECK_MSG(a.st[r][1] == MT_ERR_INVALID_ARG && strstr(a.msg[r][1], "as many"),
+                      "stage %d rank %d eval: %s", stage, r, a.msg[r][1]);
+            for (int k = 2; k < 4; k++)
+                CHECK_MSG(a.st[r][k] == (r ? MT_ERR_INVALID_ARG : MT_ERR_COMM) &&
+                              (r || strstr(a.msg[r][k], "rank 1 failed")),
+                          "stage %d rank %d call %d: %s", stage, r, k, a.msg[r][k]);
+        }
+        CHECK_MSG(!a.broken[0] && !a.broken[1], "stage %d: a communicator broke", stage);
+    }
 }
 
 /* Accumulation under ZeRO: stage 1 sums each rank's accumulated gradient

@@ -197,8 +197,20 @@ mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_
  * failed when another did, else MT_OK with *sum the values added in rank
  * order. A failure the communication thread held (overlap.c) is this
  * rank's, sent here so that every rank stops at once. */
+static mt_status exchange_passes(mt_trainer *t, const char *fn, const char *what, mt_status own_s,
+                                 double value, double *sum, int passes);
+
 static mt_status exchange(mt_trainer *t, const char *fn, const char *what, mt_status own_s,
                           double value, double *sum)
+{
+    return exchange_passes(t, fn, what, own_s, value, sum, -1);
+}
+
+/* The same, with this rank's passes over its rows (>= 0: every rank must
+ * make as many, at the stages whose collectives run in every pass; a
+ * difference is MT_ERR_INVALID_ARG on every rank, before anything runs). */
+static mt_status exchange_passes(mt_trainer *t, const char *fn, const char *what, mt_status own_s,
+                                 double value, double *sum, int passes)
 {
     mt_context *ctx = t->ctx;
     mt_comm *c = ctx->cfg.comm;
@@ -210,9 +222,10 @@ static mt_status exchange(mt_trainer *t, const char *fn, const char *what, mt_st
         own_s = held;
         snprintf(own_msg, sizeof own_msg, "%s", mt_last_error(ctx));
     }
-    unsigned char rec[16];
+    unsigned char rec[24];
     mti_put_u64(rec, (uint64_t)own_s);
     memcpy(rec + 8, &value, 8);
+    mti_put_u64(rec + 16, (uint64_t)(int64_t)passes);
     unsigned char *all = malloc((size_t)n * sizeof rec);
     if (!all)
         return own_s ? mti_fail(ctx, own_s, "%s", own_msg)
@@ -236,6 +249,17 @@ static mt_status exchange(mt_trainer *t, const char *fn, const char *what, mt_st
             s = mti_fail(ctx, MT_ERR_COMM, "%s: rank %d failed (%s) at %s, so every rank stops", fn,
                          r, mt_status_string(rs), what);
     }
+    for (int r = 1; r < n && !s && passes >= 0; r++) {
+        const int64_t p0 = (int64_t)mti_get_u64(all + 16);
+        const int64_t pr = (int64_t)mti_get_u64(all + (size_t)r * sizeof rec + 16);
+        if (pr != p0)
+            s = mti_fail(ctx, MT_ERR_INVALID_ARG,
+                         "%s: at ZeRO stage %d the ranks communicate in every micro-batch, so each "
+                         "must make as many: rank %d makes %lld micro-batches of at most %d rows, "
+                         "rank 0 %lld; give the ranks equal rows, or a micro_batch that cuts them "
+                         "into as many (0: one pass)",
+                         fn, t->zero, r, (long long)pr, t->micro, (long long)p0);
+    }
     free(all);
     if (!s && sum) *sum = acc;
     return s;
@@ -258,11 +282,12 @@ mt_status mti_dp_created(mt_trainer *t, mt_status s)
 
 /* With local SGD (local_sgd.c) the ranks still fail a step together, but
  * each keeps its own targets, loss sum and gradients. */
-mt_status mti_dp_begin(mt_trainer *t, const char *fn, mt_status s, double *targets)
+mt_status mti_dp_begin(mt_trainer *t, const char *fn, mt_status s, double *targets, int passes)
 {
     if (!mti_dp_on(t)) return s;
     double all;
-    s = exchange(t, fn, "the batch's checks", s, *targets, &all);
+    s = exchange_passes(t, fn, "the batch's checks", s, *targets, &all,
+                        t->zero >= 2 && !mti_local_sgd(t) ? passes : -1);
     if (!s && !mti_local_sgd(t)) *targets = all;
     return s;
 }
@@ -274,6 +299,12 @@ mt_status mti_dp_end(mt_trainer *t, const char *fn, mt_status s, double *loss_su
     s = exchange(t, fn, "forward and backward", s, *loss_sum, &all);
     if (!s && !mti_local_sgd(t)) *loss_sum = all;
     return s;
+}
+
+mt_status mti_dp_agree_forward(mt_trainer *t, const char *fn, mt_status s, int passes)
+{
+    if (!mti_dp_on(t) || t->zero != 3) return s;
+    return exchange_passes(t, fn, "the batch's checks", s, 0.0, NULL, passes);
 }
 
 mt_status mti_dp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s)

@@ -21,9 +21,14 @@ mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_train
  * rank failed, or when the weights differ. */
 mt_status mti_dp_created(mt_trainer *t, mt_status s);
 /* A step, after its batch checks (status s): fails on every rank when any
- * rank's batch was refused; *targets (this rank's) becomes the global
- * batch's. */
-mt_status mti_dp_begin(mt_trainer *t, const char *fn, mt_status s, double *targets);
+ * rank's batch was refused, or at ZeRO stages 2 and 3 (collectives in every
+ * pass) when the ranks' passes over their rows differ; *targets (this
+ * rank's) becomes the global batch's. */
+mt_status mti_dp_begin(mt_trainer *t, const char *fn, mt_status s, double *targets, int passes);
+/* mt_trainer_eval and _logits at ZeRO stage 3, whose forward gathers the
+ * weights: the same agreement on the batch and the passes (elsewhere they
+ * are local and this does nothing). */
+mt_status mti_dp_agree_forward(mt_trainer *t, const char *fn, mt_status s, int passes);
 /* A step, after forward and backward (status s): fails on every rank when
  * any rank failed; *loss_sum (this rank's) becomes the global batch's. */
 mt_status mti_dp_end(mt_trainer *t, const char *fn, mt_status s, double *loss_sum);
