@@ -162,6 +162,8 @@ mt_status mt_model_gpt_save(const mt_model *m, const char *path)
         return mti_fail(ctx, MT_ERR_STATE,
                         "%s: the model has LoRA adapters: merge them into the weights first "
                         "(mt_model_lora_merge), or save them alone (mt_model_lora_save)", fn);
+    mt_status ws = mti_model_all_whole(m, fn);
+    if (ws) return ws;
     unsigned char hb[HEADER_INTS * 4];
     memset(hb, 0, sizeof hb);
     const int32_t h[8] = {LLMC_MAGIC, LLMC_FP32, m->gpt.max_seq, m->gpt.vocab, m->gpt.layers,

@@ -785,9 +785,21 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     return s;
 }
 
+/* A call on every weight: refused before it touches any while a ZeRO-3
+ * trainer holds some as slices (frozen ones stay whole, and would be
+ * written before the first sharded one refused). */
+mt_status mti_model_all_whole(const mt_model *m, const char *fn)
+{
+    for (int i = 0; i < m->n_param; i++)
+        if (sharded_refused(m, &m->params[i]))
+            return mti_fail(m->ctx, MT_ERR_UNSUPPORTED, "%s: %s", fn, mti_last_msg(m->ctx).s);
+    return MT_OK;
+}
+
 mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n)
 {
     mt_status s = check_copy(m, dst, n, "mt_model_get_params");
+    if (!s) s = mti_model_all_whole(m, "mt_model_get_params");
     for (int i = 0; i < (m ? m->n_param : 0) && !s; i++)
         s = mti_param_read(m, i, 0, m->params[i].numel, dst + m->params[i].offset);
     return s;
@@ -796,6 +808,7 @@ mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n)
 mt_status mt_model_set_params(mt_model *m, const float *src, size_t n)
 {
     mt_status s = check_copy(m, src, n, "mt_model_set_params");
+    if (!s) s = mti_model_all_whole(m, "mt_model_set_params");
     if (s) return s;
     /* check every value first: a NaN or inf would poison training silently */
     for (size_t i = 0; i < n; i++)

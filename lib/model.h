@@ -111,6 +111,9 @@ mt_status mti_model_upload(mt_model *m, const float *src);
  * whatever the weights' storage (fp32, master + compute copy, or 16 bits
  * alone); a write refreshes the compute copy. */
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
+/* MT_ERR_UNSUPPORTED, fn named, while a ZeRO-3 trainer holds any of the
+ * weights as slices: for calls on every weight, before they touch one. */
+mt_status mti_model_all_whole(const mt_model *m, const char *fn);
 mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
 /* Parameter i (fp32 weights) quantized in format qf (lib/quant.h): the
  * quantized bytes are made, then the fp32 tensor goes (PARAM holds one

@@ -1053,6 +1053,68 @@ TEST(zero_uneven_micro_batches_refused)
     }
 }
 
+/* While a ZeRO-3 trainer lives the weights are nowhere whole: reading or
+ * writing them all is refused, naming the call, before anything changes
+ * (a frozen token table stays whole and comes first: it is not written
+ * either). */
+typedef struct z3_whole {
+    tcomm_world *w;
+    mt_status st[2][3];
+    char msg[2][3][400];
+    int changed[2], bad;
+} z3_whole;
+
+static void z3_whole_rank(int rank, void *p)
+{
+    z3_whole *a = p;
+    tcomm_rank R = {0};
+    mt_trainer *t = NULL;
+    mt_status s = tcomm_gpt_rank(a->w, rank, 2, 0, 16, &R);
+    static const char *const freeze[] = {"wte"};
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.freeze = freeze, tc.n_freeze = 1, tc.max_batch = 2, tc.zero_stage = 3;
+    const size_t n = s ? 0 : mt_model_num_params(R.m);
+    float *before = calloc(n + 1, sizeof(float)), *w = calloc(n + 1, sizeof(float));
+    if (!s) s = mt_model_get_params(R.m, before, n);
+    if (!s) s = mt_trainer_create(R.m, &tc, &t);
+    if (s) {
+        a->bad = 1;
+    } else {
+        for (size_t i = 0; i < n; i++) w[i] = before[i] + 1.0f;
+        a->st[rank][0] = mt_model_set_params(R.m, w, n);
+        snprintf(a->msg[rank][0], sizeof a->msg[rank][0], "%s", mt_last_error(R.ctx));
+        a->st[rank][1] = mt_model_get_params(R.m, w, n);
+        snprintf(a->msg[rank][1], sizeof a->msg[rank][1], "%s", mt_last_error(R.ctx));
+        char path[128];
+        snprintf(path, sizeof path, "/tmp/mt_test_%ld_z3whole_%d.bin", (long)getpid(), rank);
+        a->st[rank][2] = mt_model_gpt_save(R.m, path);
+        snprintf(a->msg[rank][2], sizeof a->msg[rank][2], "%s", mt_last_error(R.ctx));
+        mt_trainer_destroy(t);
+        if (mt_model_get_params(R.m, w, n)) a->bad = 1;
+        a->changed[rank] = memcmp(before, w, n * sizeof(float)) != 0;
+    }
+    free(before), free(w);
+    tcomm_rank_free(&R);
+}
+
+TEST(zero3_whole_weights_refused_untouched)
+{
+    z3_whole a = {.w = tcomm_world_new(2, 30.0)};
+    tcomm_run(2, z3_whole_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+    static const char *const fns[3] = {"mt_model_set_params", "mt_model_get_params",
+                                       "mt_model_gpt_save"};
+    for (int r = 0; r < 2; r++) {
+        for (int k = 0; k < 3; k++)
+            CHECK_MSG(a.st[r][k] == MT_ERR_UNSUPPORTED && strstr(a.msg[r][k], fns[k]) &&
+                          strstr(a.msg[r][k], "sharded"),
+                      "rank %d %s: %s", r, fns[k], a.msg[r][k]);
+        CHECK_MSG(!a.changed[r], "rank %d: a refused mt_model_set_params changed weights", r);
+    }
+}
+
 /* Accumulation under ZeRO: stage 1 sums each rank's accumulated gradient
  * once (stage 0's bits on 2 ranks), stage 2 reduces every micro-batch onto
  * the slices (within fp32 rounding); each rank's peaks equal its estimate.
