@@ -20,7 +20,12 @@ extern "C" {
 /* Makes a communicator of the ranks of `comm` (an MPI communicator the
  * application owns: it is duplicated, so the application's own traffic never
  * mixes with the library's, and MPI errors on the duplicate are returned,
- * not fatal). Collective over `comm`: every rank calls it.
+ * not fatal; but Open MPI 4 reports an error met inside a non-blocking
+ * collective, such as ranks that called different collectives
+ * (MPI_ERR_TRUNCATE), through MPI_COMM_WORLD's error handler when the
+ * request is tested, and its default one aborts the job: an application
+ * that wants MT_ERR_COMM there too sets MPI_ERRORS_RETURN on
+ * MPI_COMM_WORLD). Collective over `comm`: every rank calls it.
  *
  * timeout_seconds (> 0) bounds every collective: each runs as a
  * non-blocking MPI collective (MPI_Iallreduce, ...) on the buffers it is
