@@ -272,7 +272,10 @@ typedef struct mt_context_config {
      * CUDA context a device one (NCCL), or a host one through host memory
      * (docs/distributed.md). Creation is a collective: every rank
      * creates its context, and ranks whose device kinds or world sizes
-     * differ get MT_ERR_COMM on every rank. */
+     * differ get MT_ERR_COMM on every rank. A rank failing before that
+     * exchange (a field refused, a device that does not open) returns its
+     * own error at once; the others get MT_ERR_COMM at the communicator's
+     * timeout. */
     mt_comm *comm;
     /* 1: CUDA debug mode. After every kernel launch and every GEMM the
      * context waits for the GPU, so a kernel that faults fails the call that
