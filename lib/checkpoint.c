@@ -553,8 +553,15 @@ static void layout_diff(const unsigned char *file, size_t flen, const bbuf *mine
         "padded vocabulary", "longest sequence", "layers", "parameter tensors"};
     lay_rd f = {file, flen, 0, true}, o = {mine->p, mine->len, 0, true};
     uint32_t fn = 0, on = 0;
+    uint32_t kind = 0;
     for (int i = 0; i < 8; i++) {
         uint32_t a = lr_u32(&f), b = lr_u32(&o);
+        if (i == 0) kind = a;
+        if (f.ok && a != b && i == 6 && kind == 2 && a >= 3 && b >= 3) { /* a GPT: the blocks */
+            snprintf(m, cap, "saved for another model: its transformer blocks (layers) is %u in "
+                     "the file, %u in this model", a - 3, b - 3);
+            return;
+        }
         if (f.ok && a != b) {
             snprintf(m, cap, "saved for another model: its %s is %u in the file, %u in this model",
                      model_fields[i], a, b);

@@ -286,6 +286,22 @@ TEST(checkpoint_refuses_bad_files)
                                              "this model"),
                   "%s", mt_last_error(ctx));
         mt_trainer_destroy(t2);
+        CHECK_OK(mt_model_destroy(m2));
+        /* another depth: named as the GPT's blocks (--layers), not its
+           internal layers (the embedding, the blocks, lnf and the head) */
+        mt_gpt_spec g3;
+        mt_gpt_spec_init(&g3);
+        g3.vocab = V, g3.max_seq = T, g3.layers = 3, g3.heads = 4, g3.channels = 32, g3.seed = 1;
+        CHECK_OKC(c2, mt_model_gpt_create(c2, &g3, &m2));
+        CHECK_OKC(c2, mt_trainer_create(m2, &tc, &t2));
+        CHECK_OKC(c2, mt_trainer_save(t2, bad, NULL, 0));
+        CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_load(t, bad, NULL, 0, NULL));
+        CHECK_MSG(strstr(mt_last_error(ctx), "transformer blocks (layers) is 3 in the file, 2 in "
+                                             "this model"),
+                  "%s", mt_last_error(ctx));
+        mt_trainer_destroy(t2);
+        CHECK_OK(mt_model_destroy(m2));
+        m2 = gpt(c2, 1, 64);
         mt_trainer_config other = tc;
         other.optimizer = MT_OPT_ADAMW;
         CHECK_OKC(c2, mt_trainer_create(m2, &other, &t2));
