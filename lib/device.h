@@ -11,6 +11,8 @@
 #ifndef MT_DEVICE_H
 #define MT_DEVICE_H
 
+#include <stdbool.h>
+
 #include "memtrain.h"
 
 typedef struct mti_device mti_device;
@@ -38,6 +40,22 @@ struct mti_device {
     mt_status (*va_commit)(mti_device *d, void *addr, size_t bytes);
     void (*va_decommit)(mti_device *d, void *addr, size_t bytes);
     void (*va_release)(mti_device *d, void *base, size_t bytes);
+    /* Called (CUDA) before memory goes back to the driver (mem_release,
+     * va_decommit, va_release, and what destroy still holds): waits, up to
+     * a deadline of its own, for work another layer queued on streams of
+     * its own that may still run, and says whether it ended (true: the
+     * memory may go). The communication layer installs it (NCCL's
+     * communication streams, comm/nccl_overlap.c), so the device layer
+     * knows nothing of NCCL. false: the memory is kept (never given back:
+     * freeing it under running work blocks the process in the driver, or
+     * lets the work write into memory handed out again); the hook says
+     * why. NULL: none. */
+    bool (*release_guard)(void *arg);
+    void *release_guard_arg;
+    /* Set once the guard said no (or its layer found work that did not
+     * end): from then on nothing goes back to the driver, destroy
+     * included. */
+    bool release_held;
 
     /* Copies and memset, ordered on the device's stream. */
     mt_status (*copy_h2d)(mti_device *d, void *dst, const void *src, size_t bytes);

@@ -280,7 +280,8 @@ typedef struct cuda_range {
     CUdeviceptr base;
     size_t bytes;
     CUmemGenericAllocationHandle *handle; /* physical memory mapped at the granule */
-    unsigned char *mapped;                /* 1 where handle[i] is mapped */
+    unsigned char *mapped;                /* 1 where handle[i] is mapped; 2 where it is
+                                             decommitted but kept mapped (may_release) */
 } cuda_range;
 
 typedef struct cuda_dev {
@@ -365,6 +366,32 @@ static CUresult cuda_drain(mti_device *d)
                 cuda_describe(&c->api, r, desc, sizeof desc));
     }
     return r;
+}
+
+/* Whether memory may go back to the driver now: the release guard (the
+ * communication layer's: NCCL work on streams of its own) waited for the
+ * work that may still use it, or there is none. cuMemFree and cuMemUnmap
+ * wait for the whole device, so under work that never ends (a collective
+ * whose peer stalled) they would block for good; and a release the driver
+ * made at once would hand the memory out again under that work. A guard
+ * that says no holds every later release too (the work is still running);
+ * `what` and the bytes go in the log. */
+static bool may_release(mti_device *d, const char *what, const void *p, size_t bytes)
+{
+    if (!d->release_held && d->release_guard && !d->release_guard(d->release_guard_arg))
+        d->release_held = true;
+    if (d->release_held && bytes)
+        mti_log(d->ctx, MT_LOG_ERROR,
+                "CUDA %s of %zu bytes at %p: not given back to the driver (work on a "
+                "communication stream that did not end may still use it; kept until the "
+                "process ends)",
+                what, bytes, p);
+    else if (d->release_held)
+        mti_log(d->ctx, MT_LOG_ERROR,
+                "CUDA %s: the device memory still held is not given back to the driver (work "
+                "on a communication stream that did not end may still use it; kept until the "
+                "process ends)", what);
+    return !d->release_held;
 }
 
 /* ---- plain reservations (cuMemAlloc) ---- */
@@ -452,8 +479,7 @@ out:
 static void cuda_release(mti_device *d, void *ptr, size_t granted)
 {
     cuda_dev *c = d->impl;
-    (void)granted;
-    if (!ptr) return;
+    if (!ptr || !may_release(d, "release", ptr, granted)) return;
     pthread_mutex_lock(&c->mu);
     CUdeviceptr raw = aligned_take(c, dptr(ptr));
     pthread_mutex_unlock(&c->mu);
@@ -488,7 +514,7 @@ static CUresult range_unmap(mti_device *d, cuda_range *g, size_t first, size_t n
     cuda_dev *c = d->impl;
     CUresult bad = CUDA_SUCCESS;
     for (size_t i = first; i < first + n; i++) {
-        if (!g->mapped[i]) continue;
+        if (!g->mapped[i] || (g->mapped[i] == 2 && d->release_held)) continue;
         CUdeviceptr a = g->base + (CUdeviceptr)i * d->granularity;
         CUresult r = c->api.MemUnmap(a, d->granularity);
         if (r == CUDA_SUCCESS) r = c->api.MemRelease(g->handle[i]);
@@ -567,7 +593,7 @@ static mt_status cuda_va_commit(mti_device *d, void *addr, size_t bytes)
     }
     size_t first = (size_t)(a - g->base) / gran, n = bytes / gran;
     for (size_t i = first; i < first + n; i++) {
-        if (g->mapped[i]) {
+        if (g->mapped[i] == 1) {
             st = mti_fail(d->ctx, MT_ERR_INVALID_ARG,
                           "CUDA va_commit: granule at %p is already committed",
                           hptr(g->base + (CUdeviceptr)i * gran));
@@ -578,6 +604,10 @@ static mt_status cuda_va_commit(mti_device *d, void *addr, size_t bytes)
     if (st != MT_OK) goto out;
     for (size_t i = first; i < first + n; i++) {
         CUdeviceptr at = g->base + (CUdeviceptr)i * gran;
+        if (g->mapped[i] == 2) { /* kept mapped when decommitted: in use again */
+            g->mapped[i] = 3;
+            continue;
+        }
         CUmemGenericAllocationHandle h = 0;
         CUresult r = c->api.MemCreate(&h, gran, &c->prop, 0);
         if (r != CUDA_SUCCESS) {
@@ -605,6 +635,8 @@ static mt_status cuda_va_commit(mti_device *d, void *addr, size_t bytes)
             st = cuda_fail(d, cuda_mem_status(r), r, "cuMemSetAccess of %zu bytes at %p", bytes,
                            addr);
     }
+    for (size_t i = first; i < first + n; i++) /* (3: kept, reused by this call) */
+        if (g->mapped[i] == 3) g->mapped[i] = st == MT_OK ? 1 : 2;
     if (st != MT_OK) range_unmap(d, g, first, n); /* nothing of this call stays */
     cuda_leave(d);
 out:
@@ -618,11 +650,17 @@ static void cuda_va_decommit(mti_device *d, void *addr, size_t bytes)
     const size_t gran = d->granularity;
     CUdeviceptr a = dptr(addr);
     if (bytes == 0) return;
+    const bool may = may_release(d, "va_decommit", addr, bytes);
     pthread_mutex_lock(&c->mu);
     cuda_range *g = range_find(c, a, bytes);
     if (!g || a % gran || bytes % gran) {
         mti_log(d->ctx, MT_LOG_ERROR, "CUDA va_decommit: [%p, +%zu) is not granule-aligned "
                 "inside a reserved range; nothing done", addr, bytes);
+        goto out;
+    }
+    if (!may) { /* kept mapped, free for the next commit */
+        for (size_t i = (size_t)(a - g->base) / gran; i < (size_t)(a - g->base + bytes) / gran; i++)
+            if (g->mapped[i]) g->mapped[i] = 2;
         goto out;
     }
     if (cuda_enter(d) != MT_OK) goto out;
@@ -644,7 +682,7 @@ static void range_free(mti_device *d, size_t idx)
 {
     cuda_dev *c = d->impl;
     cuda_range *g = &c->ranges[idx];
-    if (cuda_enter(d) == MT_OK) {
+    if (!d->release_held && cuda_enter(d) == MT_OK) { /* (held: the range stays, unknown) */
         cuda_drain(d);
         range_unmap(d, g, 0, g->bytes / d->granularity);
         CUresult r = c->api.MemAddressFree(g->base, g->bytes);
@@ -663,6 +701,7 @@ static void range_free(mti_device *d, size_t idx)
 static void cuda_va_release(mti_device *d, void *base, size_t bytes)
 {
     cuda_dev *c = d->impl;
+    may_release(d, "va_release", base, bytes); /* (range_free keeps it when not) */
     pthread_mutex_lock(&c->mu);
     for (size_t i = 0; i < c->n_ranges; i++) {
         if (c->ranges[i].base == dptr(base)) {
@@ -784,9 +823,11 @@ static void cuda_destroy(mti_device *d)
             /* memory the allocators did not give back: the ranges here; plain
              * reservations go with the primary context when its last user
              * releases it */
+            if (c->n_ranges || c->n_aligned) may_release(d, "destroy", NULL, 0);
             pthread_mutex_lock(&c->mu);
             while (c->n_ranges) range_free(d, c->n_ranges - 1);
-            for (size_t i = 0; i < c->n_aligned; i++) c->api.MemFree(c->aligned[i].raw);
+            for (size_t i = 0; i < c->n_aligned && !d->release_held; i++)
+                c->api.MemFree(c->aligned[i].raw);
             c->n_aligned = 0;
             pthread_mutex_unlock(&c->mu);
             if (c->module) c->api.ModuleUnload(c->module);
@@ -795,7 +836,8 @@ static void cuda_destroy(mti_device *d)
             cuda_leave(d);
         }
         if (c->ops_state && c->ops_state_free) c->ops_state_free(d, c->ops_state);
-        if (c->pctx) c->api.PrimaryCtxRelease(c->dev);
+        /* (held: the primary context stays too; its end would wait for the work) */
+        if (c->pctx && !d->release_held) c->api.PrimaryCtxRelease(c->dev);
         cuda_api_unload(&c->api);
         pthread_mutex_destroy(&c->mu);
         free(c->aligned);

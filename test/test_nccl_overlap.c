@@ -966,3 +966,133 @@ TEST(gpu_engine_stream_events)
     mti_cuda_stream_free(d, q);
     mt_context_destroy(ctx);
 }
+
+/* ---- memory going back to the driver under a collective on the stream ---- */
+
+typedef struct release_arg {
+    tcomm_world *w;
+    int n;
+    bool stuck;         /* the collective outlives the abort (kernels that never exit) */
+    _Atomic int done0;  /* rank 0 is through */
+    double took;        /* rank 0's trim */
+    unsigned long long busy; /* cuMemFree / cuMemUnmap calls made under the collective */
+    long long dropped;  /* device bytes the trim gave back */
+    char msg[512];
+    _Atomic int bad;
+} release_arg;
+
+typedef struct one_call {
+    mt_context *ctx;
+    float *g;
+} one_call;
+
+static mt_status sum_one(void *user, int i)
+{
+    one_call *k = user;
+    (void)i;
+    return mti_comm_all_reduce(k->ctx, "test", k->g, k->g, 1024, MT_COMM_F32, MT_COMM_SUM);
+}
+
+static unsigned long long fake_cuda_count(const char *name)
+{
+    unsigned long long (*f)(const char *) = NULL;
+    void *sym = fake_cuda_sym("fake_cuda_stat");
+    memcpy(&f, &sym, sizeof sym);
+    return f ? f(name) : ~0ull;
+}
+
+static void fake_nccl_stuck_set(int on)
+{
+    void *lib = dlopen(fake_nccl(), RTLD_NOW | RTLD_LOCAL);
+    void *sym = lib ? dlsym(lib, "fake_nccl_stuck") : NULL;
+    void (*f)(int) = NULL;
+    memcpy(&f, &sym, sizeof sym);
+    if (f) f(on);
+    if (lib) dlclose(lib);
+}
+
+/* Rank 0 queues a collective on its communication stream that rank 1
+ * never joins (a stalled peer), then trims its allocator, whose cached
+ * segment goes back to the driver; rank 1 waits until rank 0 is through. */
+static void release_rank(int rank, void *p)
+{
+    release_arg *a = p;
+    mt_comm *c = NULL;
+    mt_context *ctx = nccl_context(&(ov_arg){.w = a->w, .n = a->n}, rank, 0.5, &c);
+    mti_ncclov *ov = NULL;
+    mt_block g = {0}, big = {0};
+    size_t numel[1] = {1024};
+    if (ctx) RANK_EXPECT(!mti_ncclov_new(ctx, 1, numel, NULL, NULL, &ov));
+    mt_alloc_request req = {.bytes = 1024 * sizeof(float), .mem_class = MT_MEM_GRAD,
+                            .lifetime = MT_LIFE_STEP};
+    if (ov) RANK_EXPECT(!mt_context_alloc(ctx, &req, &g));
+    if (rank == 0 && g.ptr) {
+        mt_alloc_request rb = {.bytes = 8u << 20, .mem_class = MT_MEM_ACT,
+                               .lifetime = MT_LIFE_STEP};
+        mt_allocator *al = NULL;
+        RANK_EXPECT(!mt_context_allocator(ctx, MT_MEM_ACT, &al));
+        RANK_EXPECT(!mt_context_alloc(ctx, &rb, &big));
+        RANK_EXPECT(!mt_context_free(ctx, &big)); /* (cached) */
+        one_call k = {ctx, g.ptr};
+        uint64_t tk = 0;
+        RANK_EXPECT(!mti_ncclov_call(ov, sum_one, &k, 0, &tk));
+        if (a->stuck) fake_nccl_stuck_set(1);
+        const unsigned long long busy0 = fake_cuda_count("busy_frees"), used0 = fake_cuda_count("used");
+        const double t0 = now_s();
+        RANK_EXPECT(al && !mt_allocator_trim(al));
+        a->took = now_s() - t0;
+        a->busy = fake_cuda_count("busy_frees") - busy0;
+        a->dropped = (long long)used0 - (long long)fake_cuda_count("used");
+        RANK_EXPECT(mti_ncclov_done(ov, tk) == MT_ERR_COMM);
+        snprintf(a->msg, sizeof a->msg, "%s", mt_last_error(ctx));
+        RANK_EXPECT(mt_comm_broken(c));
+        RANK_EXPECT(ctx->dev->release_held == a->stuck);
+        if (a->stuck) { /* (the test's own clean-up: the work is gone now) */
+            fake_nccl_stuck_set(0);
+            ctx->dev->release_held = false;
+        }
+        atomic_store(&a->done0, 1);
+    } else {
+        for (int k = 0; k < 2000 && !atomic_load(&a->done0); k++) {
+            struct timespec nap = {0, 10 * 1000 * 1000};
+            nanosleep(&nap, NULL);
+        }
+    }
+    if (ctx) mt_context_free(ctx, &g);
+    mti_ncclov_free(ov);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* A segment going back to the driver (a trim) while a collective whose
+ * peer stalled is on the communication stream: cuMemFree and cuMemUnmap
+ * wait for the whole device, so made then they would block for good.
+ * The release first waits for the stream up to the communicator's
+ * deadline (0.5 s): then the communicator is aborted (which ends the
+ * collective), the collective's wait reports MT_ERR_COMM naming the
+ * release, and the memory goes back with nothing in flight. When the
+ * collective outlives the abort (stuck), the memory is kept instead
+ * (never given back while the work may use it). With growable ranges
+ * (cuMemUnmap) and with plain segments (cuMemFree). */
+TEST(nccl_overlap_release_in_flight)
+{
+    if (!stand_ins()) return;
+    for (int k = 0; k < 4; k++) {
+        const int stuck = k % 2, plain = k / 2; /* plain: cuMemAlloc'd segments, no VMM */
+        if (plain) setenv("MT_FAKE_CUDA_NO_VMM", "1", 1);
+        release_arg a = {.w = tcomm_world_new(2, 30.0), .n = 2, .stuck = stuck};
+        tcomm_run(2, release_rank, &a);
+        tcomm_world_free(a.w);
+        unsetenv("MT_FAKE_CUDA_NO_VMM");
+        CHECK_MSG(!a.bad, "stuck %d, plain %d", stuck, plain);
+        CHECK_MSG(a.busy == 0, "stuck %d: %llu releases to the driver under the collective",
+                  stuck, a.busy);
+        CHECK_MSG(a.took >= 0.5 && a.took < 5.0, "stuck %d: the trim took %g s (deadline 0.5 s)",
+                  stuck, a.took);
+        CHECK_MSG(stuck ? a.dropped == 0 : a.dropped > 0, "stuck %d: the trim gave back %lld bytes",
+                  stuck, a.dropped);
+        CHECK_MSG(strstr(a.msg, "before device memory goes back to the driver") &&
+                      strstr(a.msg, "not done after"),
+                  "stuck %d: %s", stuck, a.msg);
+    }
+}

@@ -47,7 +47,10 @@
  * reads is ever freed or reused: the peaks and the estimate are the
  * blocking step's. What a job or call uses the caller keeps until it is
  * waited for, at points that do not depend on timing (the estimate's dry
- * run keeps the same).
+ * run keeps the same). Memory going back to the driver (cuMemFree and
+ * cuMemUnmap wait for the whole device, without a deadline) first waits
+ * for the streams here, against the deadline (the device's release guard,
+ * at the end of this file).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -59,6 +62,9 @@
 
 /* Calls in flight at most: one more first waits for the oldest. */
 #define CALLS 64
+
+static bool release_guard(void *arg);
+static bool stream_idle(mti_ncclov *ov);
 
 typedef struct tensor {
     float *g;
@@ -73,6 +79,7 @@ struct mti_ncclov {
     void *stream;   /* the communication stream */
     void *ready;    /* recorded on the device's stream when gradients are final */
     void *done;     /* recorded on the communication stream at the wait */
+    void *idle;     /* recorded on it before device memory goes back (release_guard) */
     void **timing;  /* 2 per tensor: before and after its collective (timed) */
     tensor *t;
     int n;
@@ -136,6 +143,7 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
     mt_status s = mti_cuda_stream_new(d, &ov->stream);
     if (!s) s = mti_cuda_event_new(d, &ov->ready);
     if (!s) s = mti_cuda_event_new(d, &ov->done);
+    if (!s) s = mti_cuda_event_new(d, &ov->idle);
     for (int k = 0; k < 2 * n && !s; k++)
         if (numel[k / 2]) s = mti_cuda_event_new_timed(d, &timing[k]);
     for (int k = 0; k < 2 * CALLS && !s; k++) s = mti_cuda_event_new_timed(d, &ov->cev[k]);
@@ -146,6 +154,8 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
     }
     ov->next_on_ctx = ctx->nccl_queue; /* (waited for by the context's other collectives) */
     ctx->nccl_queue = ov;
+    d->release_guard = release_guard; /* (and before memory goes back to the driver) */
+    d->release_guard_arg = ctx;
     *out = ov;
     return MT_OK;
 }
@@ -153,16 +163,25 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
 void mti_ncclov_free(mti_ncclov *ov)
 {
     if (!ov) return;
+    mti_device *d = ov->ctx->dev;
+    /* the memory its work may still use goes back to the driver later, so
+       that work ends first (up to the deadline); if it does not, nothing
+       is given back from now on */
+    if (ov->stream && ov->idle && !stream_idle(ov)) d->release_held = true;
     for (mti_ncclov **q = &ov->ctx->nccl_queue; *q; q = &(*q)->next_on_ctx)
         if (*q == ov) {
             *q = ov->next_on_ctx;
             break;
         }
-    mti_device *d = ov->ctx->dev;
+    if (!ov->ctx->nccl_queue && d->release_guard == release_guard) {
+        d->release_guard = NULL;
+        d->release_guard_arg = NULL;
+    }
     for (int k = 0; k < 2 * ov->n; k++) mti_cuda_event_free(d, ov->timing[k]);
     for (int k = 0; k < 2 * CALLS; k++) mti_cuda_event_free(d, ov->cev[k]);
     mti_cuda_event_free(d, ov->ready);
     mti_cuda_event_free(d, ov->done);
+    mti_cuda_event_free(d, ov->idle);
     mti_cuda_stream_free(d, ov->stream);
     free(ov->timing);
     free(ov->order);
@@ -474,4 +493,47 @@ mt_status mti_ncclovs_quiet(mt_context *ctx, const char *what)
         if (s) return s;
     }
     return MT_OK;
+}
+
+/* ---- before device memory goes back to the driver ---- */
+
+/* Whether the work queued on ov's stream so far has ended: an event
+ * recorded behind it, waited for on the host up to the communicator's
+ * deadline (not at all once the communicator is aborted). At the deadline
+ * the round fails as a collective's wait does (MT_ERR_COMM, the
+ * communicator aborted, which ends NCCL's kernels) and the event is asked
+ * once more: false if the work is still there. Nothing queued since the
+ * stream was last waited for, on a communicator never broken: true at
+ * once. */
+static bool stream_idle(mti_ncclov *ov)
+{
+    mt_comm *c = ov->comm;
+    if (!ov->pending && ov->reached == ov->issued && !atomic_load(&c->broken)) return true;
+    mti_device *d = ov->ctx->dev;
+    event_of a = {d, ov->idle};
+    int cu = 0;
+    if (mti_cuda_record(d, ov->idle, ov->stream) != MT_OK) return false; /* (unknown: kept) */
+    if (event_done(&a, &cu) > 0) return true;
+    const char *what = "before device memory goes back to the driver, the collectives on the "
+                       "communication stream";
+    mt_status s = mti_cuda_enter(d);
+    if (!s) {
+        s = mti_nccl_wait_until(c, what, event_done, &a);
+        mti_cuda_leave(d);
+    }
+    if (!s) return true;
+    const char *why = c->vt.last_error ? c->vt.last_error(c->self) : what;
+    mti_log(ov->ctx, MT_LOG_ERROR, "%s (nccl, rank %d of %d)", why, c->rank, c->size);
+    failed(ov, MT_ERR_COMM, "%s", why);
+    return event_done(&a, &cu) > 0;
+}
+
+/* The device's release guard on a context with communication streams:
+ * every stream's work so far ended (each waited for in turn). */
+static bool release_guard(void *arg)
+{
+    mt_context *ctx = arg;
+    bool ok = true;
+    for (mti_ncclov *q = ctx->nccl_queue; q; q = q->next_on_ctx) ok = stream_idle(q) && ok;
+    return ok;
 }

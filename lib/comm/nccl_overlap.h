@@ -36,7 +36,11 @@ typedef mt_status (*mti_ncclov_job)(void *user, int i, float *g);
  * device's stream wait for the stream from now on (mti_ncclovs_quiet). */
 mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov_job job, void *user,
                          mti_ncclov **out);
-/* Frees it (NULL: nothing); its stream's work, if any, still ends. */
+/* Frees it (NULL: nothing), first waiting for its stream's work, if any,
+ * up to the communicator's deadline (then aborted); work that still did
+ * not end holds the device's releases to the driver for good (see
+ * mti_device.release_guard, which mti_ncclov_new installs: every release
+ * to the driver waits the same way for the context's streams). */
 void mti_ncclov_free(mti_ncclov *ov);
 /* A new round: no tensor given yet. */
 void mti_ncclov_begin(mti_ncclov *ov);

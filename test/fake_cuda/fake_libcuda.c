@@ -51,7 +51,11 @@
  * on it block the calling thread until it is (up to 60 s, then
  * CUDA_ERROR_LAUNCH_TIMEOUT): work here runs when it is queued, so a
  * stream that waits for an event must see its work done before anything
- * queued after the wait runs.
+ * queued after the wait runs. On a GPU cuMemFree and cuMemUnmap wait for
+ * the whole device, so under a collective whose peer never comes they
+ * block for good: here such a call (the calling thread has a collective
+ * queued and not done) is counted as busy_frees (fake_cuda_stat) and goes
+ * on, so a test sees it rather than hangs.
  *
  * Page-locked host memory (cuMemHostAlloc) is reachable from the device at
  * its host address, as under unified addressing: copies may name it as
@@ -214,6 +218,7 @@ static struct {
     size_t n_handles, n_streams, n_modules;
     struct CUfunc_st *funcs;
     unsigned long long launches, func_loads, syncs, ctx_pushes, stream_waits;
+    unsigned long long busy_frees; /* cuMemFree / cuMemUnmap under NCCL work not done */
     char last_kernel[128];
     /* fault injection */
     char fail_call[64];
@@ -490,9 +495,22 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
     return leave(CUDA_SUCCESS);
 }
 
+static void nccl_find(void);
+static int (*nccl_busy)(void); /* (the stand-in libnccl's, found by nccl_find) */
+
+/* A call that waits for the whole device on a GPU: counted when the
+ * calling thread's NCCL work is not done (see the top). */
+static int busy_now(void)
+{
+    nccl_find();
+    return nccl_busy && nccl_busy();
+}
+
 CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
+    const int busy = busy_now();
     ENTER("cuMemFree_v2");
+    F.busy_frees += (unsigned long long)busy;
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (dptr == 0) return leave(CUDA_SUCCESS);
     for (size_t i = 0; i < F.allocs.n; i++) {
@@ -690,7 +708,9 @@ static void nccl_find(void)
     void *lib = path && *path ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
     if (!lib) return;
     void *m = dlsym(lib, "fake_nccl_mark"), *r = dlsym(lib, "fake_nccl_reached");
-    if (!m || !r) return;
+    void *b = dlsym(lib, "fake_nccl_busy");
+    if (!m || !r || !b) return;
+    memcpy(&nccl_busy, &b, sizeof b);
     memcpy(&nccl_mark, &m, sizeof m);
     memcpy(&nccl_reached, &r, sizeof r); /* (kept loaded: the library never unloads it) */
 }
@@ -1226,7 +1246,9 @@ static int covered_exactly(CUdeviceptr p, size_t n)
 
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t bytes)
 {
+    const int busy = busy_now();
     ENTER("cuMemUnmap");
+    F.busy_frees += (unsigned long long)busy;
     if (bytes == 0 || !covered_exactly(ptr, bytes)) return leave(CUDA_ERROR_INVALID_VALUE);
     madvise((void *)(uintptr_t)ptr, bytes, MADV_DONTNEED);
     mprotect((void *)(uintptr_t)ptr, bytes, PROT_NONE);
@@ -1312,7 +1334,8 @@ CUresult cuGetErrorString(CUresult err, const char **str) { return error_lookup(
  * "launches", "func_loads", "syncs", "ctx_refs" primary context retains of device 0,
  * "ctx_depth" this thread's context stack depth, "ctx_pushes", "pinned" page-locked
  * host bytes held, "pinned_allocs" their blocks, "events" live events, "stream_waits"
- * cuStreamWaitEvent calls. Unknown: ~0. */
+ * cuStreamWaitEvent calls, "busy_frees" cuMemFree_v2 and cuMemUnmap calls made while the
+ * calling thread's NCCL work was not done (see the top). Unknown: ~0. */
 unsigned long long fake_cuda_stat(const char *name)
 {
     unsigned long long v = ~0ull;
@@ -1328,6 +1351,7 @@ unsigned long long fake_cuda_stat(const char *name)
     else if (!strcmp(name, "func_loads")) v = F.func_loads;
     else if (!strcmp(name, "syncs")) v = F.syncs;
     else if (!strcmp(name, "stream_waits")) v = F.stream_waits;
+    else if (!strcmp(name, "busy_frees")) v = F.busy_frees;
     else if (!strcmp(name, "ctx_refs")) v = (unsigned long long)F.ctx[0].refs;
     else if (!strcmp(name, "ctx_depth")) v = (unsigned long long)tls_depth;
     else if (!strcmp(name, "ctx_pushes")) v = F.ctx_pushes;

@@ -23,7 +23,12 @@
  * stream: fake_nccl_mark(stream, mark) gives the calling thread's last
  * collective on `stream` not known done (1; 0: none), and
  * fake_nccl_reached(mark) whether it is done (or its communicator gone or
- * aborted, which ends its work, as ncclCommAbort ends NCCL's kernels).
+ * aborted, which ends its work, as ncclCommAbort ends NCCL's kernels);
+ * fake_nccl_busy() whether the calling thread has a collective queued and
+ * not done on any stream (the stand-in driver's cuMemFree and cuMemUnmap,
+ * which on a GPU wait for the whole device, count a call made then).
+ * fake_nccl_stuck(1): from then on an aborted communicator's collectives
+ * do not end (kernels that never exit), until fake_nccl_stuck(0).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -76,6 +81,7 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static clique *cliques;
 static unsigned ids;
 static unsigned long long serials;
+static int stuck; /* fake_nccl_stuck */
 /* per thread: the streams with collectives queued, each with the number
    its last one completes at; and how many each stream was given */
 #define MAXS 8
@@ -109,6 +115,8 @@ int cuMemFree_v2(unsigned long long p);
 unsigned long fake_nccl_calls(void *stream, int others);
 int fake_nccl_mark(void *stream, unsigned long long mark[2]);
 int fake_nccl_reached(const unsigned long long mark[2]);
+int fake_nccl_busy(void);
+void fake_nccl_stuck(int on);
 
 ncclResult_t ncclGetVersion(int *v)
 {
@@ -431,7 +439,26 @@ int fake_nccl_reached(const unsigned long long mark[2])
     pthread_mutex_lock(&mu);
     const clique *q = cliques;
     while (q && q->serial != mark[0]) q = q->next;
-    const int done = !q || q->aborted || q->bad || q->seq >= mark[1];
+    const int done = !q || (q->aborted && !stuck) || q->bad || q->seq >= mark[1];
     pthread_mutex_unlock(&mu);
     return done;
+}
+
+int fake_nccl_busy(void)
+{
+    int busy = 0;
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < MAXS && !busy; k++) {
+        const on_stream *p = &pending[k];
+        busy = p->c && p->c->q->seq < p->waiting && !(p->c->q->aborted && !stuck) && !p->c->q->bad;
+    }
+    pthread_mutex_unlock(&mu);
+    return busy;
+}
+
+void fake_nccl_stuck(int on)
+{
+    pthread_mutex_lock(&mu);
+    stuck = on;
+    pthread_mutex_unlock(&mu);
 }
