@@ -918,6 +918,50 @@ TEST(comm_nccl_one_rank_zero)
     tnccl_free(ctx, first, c);
 }
 
+/* Each collective on the communication stream counts once in the
+ * communication time: its time on the stream (its timing events), not
+ * also the host's time queueing it. The stand-in driver's events keep a
+ * clock of their own that each record moves on by 1 ms
+ * (MT_FAKE_CUDA_CLOCK_US), so the time counted is a whole number of
+ * milliseconds unless host time got in. A job's collectives (a
+ * reduce-scatter and an all-reduce per tensor, as stage 2 queues them)
+ * and calls (ZeRO-3's kind), one rank over the stand-ins. */
+TEST(nccl_overlap_time_once)
+{
+    if (!stand_ins()) return;
+    setenv("MT_FAKE_CUDA_CLOCK_US", "1000", 1);
+    mt_context *first, *ctx;
+    mt_comm *c;
+    float *h, *back;
+    mt_block b = {0};
+    ctx = one_rank_kit(&first, &c, 4, &h, &back, &b);
+    unsetenv("MT_FAKE_CUDA_CLOCK_US"); /* (read when a context opens the driver) */
+    if (!ctx) return;
+    float *g = b.ptr;
+    job_kit k = {.ctx = ctx, .bucket = {g + 2 * N, g + 3 * N}, .n = 4096, .base = g};
+    size_t numel[2] = {4096, 4096};
+    mti_ncclov *ov = NULL;
+    CHECK_OK(mti_ncclov_new(ctx, 2, numel, pack_job, &k, &ov));
+    const uint64_t ns0 = atomic_load(&ctx->comm_ns), calls0 = atomic_load(&ctx->comm_calls);
+    mti_ncclov_begin(ov);
+    CHECK_OK(mti_ncclov_push(ov, 1, "b", g + N));
+    CHECK_OK(mti_ncclov_push(ov, 0, "a", g));
+    CHECK_MSG(mti_ncclov_wait(ov) == MT_OK, "%s", mt_last_error(ctx));
+    uint64_t tk = 0;
+    for (int j = 0; j < 3; j++) CHECK_OK(mti_ncclov_call(ov, sum_call, &k, j, &tk));
+    CHECK_MSG(mti_ncclov_done(ov, tk) == MT_OK, "%s", mt_last_error(ctx));
+    const uint64_t ns = atomic_load(&ctx->comm_ns) - ns0;
+    CHECK_EQ(atomic_load(&ctx->comm_calls) - calls0, 7);
+    CHECK_MSG(ns > 0 && ns % 1000000 == 0,
+              "the stream's collectives counted %llu ns: not whole milliseconds of the events' "
+              "clock (the host's time queueing them counted too)", (unsigned long long)ns);
+    mti_ncclov_free(ov);
+    mt_context_free(ctx, &b);
+    free(h);
+    free(back);
+    tnccl_free(ctx, first, c);
+}
+
 /* The device layer's streams and events for it, and the driver's rules
  * the stand-in keeps (on a GPU with MT_TEST_GPU=1, the real driver's):
  * a stream waits on an event never recorded without error; elapsed time

@@ -370,11 +370,15 @@ mt_status mti_comm_turn(mt_context *ctx, const char *what)
     return s ? s : mti_ncclovs_quiet(ctx, what);
 }
 
-/* A collective of the context took from t0 until now. */
+/* A collective of the context took from t0 until now. One posted on a
+ * communication stream (mti_nccl_posting) was only queued: its time is
+ * its time on the stream, counted when it is waited for (nccl_overlap.c),
+ * so only the call counts here. */
 static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
 {
     const uint64_t ns = mti_now_ns() - t0;
     atomic_fetch_add(&ctx->comm_calls, 1);
+    if (mti_nccl_posting()) return s;
     atomic_fetch_add(&ctx->comm_ns, ns);
     if (!comm_thread) atomic_fetch_add(&ctx->comm_wait_ns, ns);
     return s;

@@ -33,6 +33,10 @@
  *   MT_FAKE_CUDA_SGD          1: mt_sgd runs (on fp32 weights without a compute
  *                             copy), so tests that fill the gradients in see the
  *                             weights move by them; else it computes nothing
+ *   MT_FAKE_CUDA_CLOCK_US     N > 0: events keep time on a clock of their own that
+ *                             each cuEventRecord moves on by N microseconds, so
+ *                             elapsed times are whole multiples of N us, whatever
+ *                             the host's timing (default 0: the host's clock)
  *
  * For tests, besides the driver's entry points:
  *   fake_cuda_fail(call, skip, code)  the named entry point returns `code`
@@ -205,6 +209,7 @@ static struct {
     int n_devices;
     int vmm;
     int sgd; /* MT_FAKE_CUDA_SGD: mt_sgd runs */
+    unsigned long long clock_us, clock; /* MT_FAKE_CUDA_CLOCK_US, the events' clock (us) */
     size_t total, used, gran;
     struct CUctx_st ctx[FAKE_MAX_DEVICES];
     VEC(fake_alloc) allocs;
@@ -349,6 +354,7 @@ CUresult cuInit(unsigned int flags)
     F.total = (size_t)env_ull("MT_FAKE_CUDA_MEM", 4ull << 30);
     F.vmm = env_ull("MT_FAKE_CUDA_NO_VMM", 0) ? 0 : 1;
     F.sgd = env_ull("MT_FAKE_CUDA_SGD", 0) != 0;
+    F.clock_us = env_ull("MT_FAKE_CUDA_CLOCK_US", 0);
     unsigned long long g = env_ull("MT_FAKE_CUDA_GRANULARITY", 2u << 20);
     F.pinned_max = (size_t)env_ull("MT_FAKE_CUDA_PINNED", 64ull << 30);
     F.gran = (g >= 4096 && !(g & (g - 1))) ? (size_t)g : (2u << 20);
@@ -751,6 +757,7 @@ CUresult cuEventRecord(CUevent event, CUstream stream)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     event->recorded_at = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    if (F.clock_us) event->recorded_at = 1e-6 * (double)(F.clock += F.clock_us);
     fake_log(stream, "rec");
     return leave(CUDA_SUCCESS);
 }
