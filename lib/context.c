@@ -120,8 +120,11 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     if (s) return s;
 
     /* a dry context of several ranks without a communicator (an estimate)
-       assumes the kind a run of its device takes: NCCL on CUDA */
-    const bool device_comm = c.comm ? mti_comm_is_device(c.comm) : dry;
+       assumes the kind a run of its device takes: NCCL on CUDA; one made
+       for an estimate within an estimate (a budget or auto-fit in a dry
+       trainer) takes the kind the outer dry context kept */
+    const mt_context *outer = dry && !c.comm && like && like->ctx && like->ctx->dry ? like->ctx : NULL;
+    const bool device_comm = c.comm ? mti_comm_is_device(c.comm) : outer ? outer->comm_device : dry;
 
     mt_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");
@@ -136,8 +139,10 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     }
     ctx->world = c.comm ? mt_comm_size(c.comm) : c.world_size > 1 ? c.world_size : 1;
     ctx->rank = c.comm ? mt_comm_rank(c.comm) : ctx->world > 1 ? c.rank : 0;
-    ctx->comm_threads = c.comm && (c.comm->vt.caps & MT_COMM_CAP_THREADS);
-    ctx->comm_nccl = c.comm ? mti_nccl_is(c.comm) : true;
+    ctx->comm_threads = c.comm ? (c.comm->vt.caps & MT_COMM_CAP_THREADS) != 0
+                               : outer && outer->comm_threads;
+    ctx->comm_nccl = c.comm ? mti_nccl_is(c.comm) : outer ? outer->comm_nccl : true;
+    ctx->comm_device = device_comm;
     if (dry) { /* an estimate records and logs nothing */
         c.trace_capacity = 0;
         c.log_fn = NULL;

@@ -164,8 +164,6 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     if (s) {
         return mti_fail(report_to, s, "estimate: %s", mti_last_msg(NULL).s);
     }
-    if (report_to) /* (a dry one too: an estimate within an estimate plans the same) */
-        ctx->comm_threads = report_to->comm_threads;
     if (rank >= 0 && report_to) /* (nothing the context made depends on its rank) */
         ctx->rank = ctx->cfg.rank = rank;
     mt_model *m = NULL;

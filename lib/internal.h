@@ -182,6 +182,10 @@ struct mt_context {
      * streams (lib/comm/nccl_overlap.c), a list like comm_queue */
     bool comm_nccl;
     struct mti_ncclov *nccl_queue;
+    /* the communicator works on device memory (MT_COMM_CAP_DEVICE; none
+     * named in a dry context: assumed, as NCCL is), kept by a dry context
+     * so that an estimate within an estimate plans the same buffers */
+    bool comm_device;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */

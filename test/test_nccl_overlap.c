@@ -1140,3 +1140,56 @@ TEST(nccl_overlap_release_in_flight)
                   "stuck %d: %s", stuck, a.msg);
     }
 }
+
+/* ---- an estimate within an estimate keeps the communicator's kind ---- */
+
+/* A budgeted or auto-fitted trainer in a dry context (itself an estimate)
+ * estimates its model again: that estimate's dry context has no
+ * communicator, and must plan what the outer one's communicator gives,
+ * not assume NCCL. Rank 0 of 2 on a dry CUDA context, with a host
+ * communicator (host staging, no record buffer, no communication stream)
+ * and with a device one that is not NCCL (the record buffer, the blocking
+ * step's buckets), at ZeRO stages 0 to 2: the estimate of the dry
+ * context's model equals, class by class and to the byte, the estimate
+ * made from the configuration with the communicator (the one a run's
+ * mt_estimate_model makes, equal to the run's peaks). */
+TEST(nccl_overlap_nested_estimate)
+{
+    static const uint32_t caps[] = {0, MT_COMM_CAP_DEVICE};
+    for (int k = 0; k < 2; k++)
+        for (int zero = 0; zero <= 2; zero++) {
+            tcomm_world *w = tcomm_world_new(2, 30.0);
+            mt_comm *c = tcomm_make(w, 0, 2, caps[k]);
+            mt_context_config cc;
+            mt_context_config_init(&cc);
+            cc.device = MT_DEVICE_CUDA;
+            cc.dry_run = 1;
+            cc.comm = c; /* (a dry context never calls it) */
+            mt_gpt_spec g;
+            mt_gpt_spec_init(&g);
+            g.vocab = 50, g.padded_vocab = 64, g.max_seq = SEQ, g.layers = 2, g.heads = 2, g.channels = 16;
+            mt_trainer_config tc;
+            mt_trainer_config_init(&tc);
+            tc.max_batch = ROWS;
+            tc.micro_batch = 1;
+            tc.zero_stage = zero;
+            mt_estimate_report direct, nested;
+            CHECK_OK(mt_estimate_gpt(&cc, &g, &tc, &direct));
+            mt_context *dry = NULL;
+            mt_model *m = NULL;
+            CHECK_OK(mt_context_create(&cc, &dry));
+            if (dry) CHECK_OK(mt_model_gpt_create(dry, &g, &m));
+            if (m) CHECK_OK(mt_estimate_model(m, &tc, &nested));
+            for (int j = 0; j < MT_MEM_COUNT && m; j++)
+                CHECK_MSG(nested.class_peak[j] == direct.class_peak[j],
+                          "caps %u, stage %d: %s: %llu bytes estimated within a dry context, %llu "
+                          "from the communicator", caps[k], zero, mt_mem_class_name((mt_mem_class)j),
+                          (unsigned long long)nested.class_peak[j],
+                          (unsigned long long)direct.class_peak[j]);
+            if (m) CHECK_EQ(nested.peak, direct.peak);
+            mt_model_destroy(m);
+            mt_context_destroy(dry);
+            mt_comm_destroy(c);
+            tcomm_world_free(w);
+        }
+}
