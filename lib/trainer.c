@@ -1831,6 +1831,10 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     const bool checked = t->check_now;
     t->check_now = 0;
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
+    /* failed passes whose collectives go on NCCL's stream in backward's
+       hooks stopped part-way through them: the communicator is aborted so
+       the others' queued ones end, rather than meet the status exchange */
+    if (s && t->nov && !t->overlap_now) mti_ncclov_abandon(t->nov);
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     if (!fused && !found) {

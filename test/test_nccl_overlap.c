@@ -639,6 +639,7 @@ static mt_status stalling_fill(mt_context *ctx, int param, size_t at, float *g, 
 typedef struct stall_arg {
     tcomm_world *w;
     int n, zero, fused;
+    bool in_fill;      /* (local_fault_rank) rank 0's failure: its backward's, else a stream wait's */
     double took[3];
     mt_status got[3];  /* (nccl_overlap_local_fault) */
     bool broken[3];
@@ -702,19 +703,30 @@ TEST(nccl_overlap_zero_stall)
 
 /* ---- a local failure beside the stream ---- */
 
+static _Atomic int fail_armed; /* rank 0 fails in its next backward */
+
+static mt_status failing_fill(mt_context *ctx, int param, size_t at, float *g, size_t n)
+{
+    if (ctx->rank == 0 && param == 3 && atomic_exchange(&fail_armed, 0))
+        return mti_fail(ctx, MT_ERR_DEVICE, "an injected failure in backward");
+    return tcomm_fill_grads(ctx, param, at, g, n);
+}
+
 static void local_fault_rank(int rank, void *p)
 {
     stall_arg *a = p;
     tiny x;
-    mt_status s = tiny_open(a->w, a->n, rank, 20.0, a->zero, 0, MT_PREC_FP32, &x);
+    mt_status s = tiny_open(a->w, a->n, rank, 20.0, a->zero, a->fused, MT_PREC_FP32, &x);
     float loss;
     if (!s) s = mt_trainer_step(x.t, &x.b, &loss);
     RANK_EXPECT(!s && !x.bad);
     if (!s) {
         RANK_EXPECT(!mt_comm_barrier(x.c));
         /* the next wait of a stream for an event (made only by the
-           communication stream's code) fails on one of the ranks */
-        if (rank == 0) fake_cuda_fail_at("cuStreamWaitEvent", 0);
+           communication stream's code) fails on one of the ranks, or its
+           next backward */
+        if (rank == 0 && a->in_fill) atomic_store(&fail_armed, 1);
+        else if (rank == 0) fake_cuda_fail_at("cuStreamWaitEvent", 0);
         RANK_EXPECT(!mt_comm_barrier(x.c));
         const double t0 = now_s();
         a->got[rank] = mt_trainer_step(x.t, &x.b, &loss);
@@ -1192,4 +1204,36 @@ TEST(nccl_overlap_nested_estimate)
             mt_comm_destroy(c);
             tcomm_world_free(w);
         }
+}
+
+/* Stage 2, the fused step at stage 1, and stage 3 (with and without the
+ * fused step) with the stream, 2 and 3 ranks: rank 0's second backward
+ * fails part-way (on the host, beside the stream), so it queues no more
+ * of the collectives the others have queued on their streams; its status
+ * exchange must not meet one of those. It aborts its communicator: every
+ * other rank's step gives MT_ERR_COMM at once, well before the 20 s
+ * deadline, and rank 0's its own failure. */
+TEST(nccl_overlap_backward_fault)
+{
+    if (!stand_ins()) return;
+    static const int cases[][2] = {{2, 0}, {1, 1}, {3, 0}, {3, 1}};
+    mti_engine_grad_fill = failing_fill;
+    for (int n = 2; n <= 3; n++)
+        for (int c = 0; c < 4; c++) {
+            stall_arg a = {.w = tcomm_world_new(n, 30.0), .n = n, .zero = cases[c][0],
+                           .fused = cases[c][1], .in_fill = true};
+            tcomm_run(n, local_fault_rank, &a);
+            tcomm_world_free(a.w);
+            atomic_store(&fail_armed, 0);
+            CHECK_MSG(!a.bad, "%d ranks, stage %d%s", n, cases[c][0], cases[c][1] ? " fused" : "");
+            for (int r = 0; r < n; r++)
+                CHECK_MSG(a.took[r] < 5.0 && a.broken[r] &&
+                              (r ? a.got[r] == MT_ERR_COMM
+                                 : a.got[r] == MT_ERR_DEVICE &&
+                                       strstr(a.msg[r], "an injected failure in backward")),
+                          "%d ranks, stage %d%s, rank %d: status %d after %g s%s: %s", n,
+                          cases[c][0], cases[c][1] ? " fused" : "", r, (int)a.got[r], a.took[r],
+                          a.broken[r] ? "" : " (communicator whole)", a.msg[r]);
+        }
+    mti_engine_grad_fill = NULL;
 }

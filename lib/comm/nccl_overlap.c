@@ -480,6 +480,12 @@ mt_status mti_ncclov_quiet(mti_ncclov *ov, bool reset)
     return s;
 }
 
+void mti_ncclov_abandon(mti_ncclov *ov)
+{
+    failed(ov, MT_ERR_COMM, "this rank stopped part-way through its step's collectives on the "
+           "communication stream (the NCCL communicator was aborted)");
+}
+
 mt_status mti_ncclovs_quiet(mt_context *ctx, const char *what)
 {
     if (mti_nccl_posting()) return MT_OK; /* (a job's own collectives) */

@@ -76,6 +76,13 @@ mt_status mti_ncclov_done(mti_ncclov *ov, uint64_t ticket);
 /* Every call done (as mti_ncclov_done); with reset a failure is forgotten
  * (MT_OK; the next calls run again). */
 mt_status mti_ncclov_quiet(mti_ncclov *ov, bool reset);
+/* This rank stops part-way through the collectives every rank queues in
+ * a step (a failure in a pass whose collectives go in backward's hooks:
+ * ZeRO-2, the fused step, ZeRO-3): the communicator is aborted and broken
+ * at once, so the others' collectives queued beyond this rank's end with
+ * MT_ERR_COMM rather than meet its next one (the step's status exchange)
+ * or wait for their deadline. */
+void mti_ncclov_abandon(mti_ncclov *ov);
 /* Waits for every communication stream of the context (what a collective
  * on the device's stream does first, so the two streams never hold NCCL
  * work of the communicator at once): MT_OK, or the failure of what they

@@ -5,7 +5,11 @@
  * made from one unique id form a clique, and a collective completes when
  * the last rank queues it (the reduction is done then, in rank order); a
  * rank may queue several before the others queue the first (a rank's k-th
- * collective meets the others' k-th). Like
+ * collective meets the others' k-th). When the ranks' k-th collectives
+ * differ (kind, type, count, op or root) that one never completes, nor
+ * any after it, and no error is reported: NCCL does not check, its ranks
+ * wait for data that never comes (until the communicator is aborted).
+ * Like
  * NCCL, a collective call only queues: completion shows through
  * cuStreamQuery on the calling thread, which this library also exports
  * (with cuMemAlloc_v2 and cuMemFree_v2 over malloc), so pass it as the
@@ -64,7 +68,7 @@ typedef struct round {
 typedef struct clique {
     char id[128];
     unsigned long long serial; /* names it in marks (fake_nccl_mark) */
-    int n, joined, live, aborted, bad;
+    int n, joined, live, aborted, stalled; /* stalled: ranks' collectives differed */
     uint64_t seq; /* collectives completed */
     round *r;     /* MAXQ of them, round k at k % MAXQ */
     struct clique *next;
@@ -234,7 +238,7 @@ ncclResult_t ncclCommAbort(fake_comm *c)
 ncclResult_t ncclCommGetAsyncError(fake_comm *c, ncclResult_t *e)
 {
     pthread_mutex_lock(&mu);
-    *e = c->q->bad ? INVALID_USAGE : c->q->aborted ? REMOTE_ERROR : OK;
+    *e = c->q->aborted ? REMOTE_ERROR : OK; /* (a stalled clique reports nothing) */
     pthread_mutex_unlock(&mu);
     return OK;
 }
@@ -277,9 +281,9 @@ static void complete(clique *q, round *rd)
         const pend *p = &rd->p[r];
         if (p->kind != p0->kind || p->type != p0->type || p->count != p0->count ||
             p->op != p0->op || p->root != p0->root)
-            q->bad = 1;
+            q->stalled = 1;
     }
-    if (q->bad) return;
+    if (q->stalled) return;
     const size_t es = tsize(p0->type), n = p0->count;
     for (int r = 0; r < q->n; r++) {
         pend *p = &rd->p[r];
@@ -344,9 +348,9 @@ static ncclResult_t queue(fake_comm *c, int kind, const void *send, size_t send_
     if (!slot) return SYSTEM_ERROR; /* (more streams at once than the stand-in keeps) */
     pthread_mutex_lock(&mu);
     clique *q = c->q;
-    if (q->aborted || q->bad) {
+    if (q->aborted) {
         pthread_mutex_unlock(&mu);
-        return q->bad ? INVALID_USAGE : REMOTE_ERROR;
+        return REMOTE_ERROR;
     }
     const uint64_t k = c->issued;
     if (k - q->seq >= MAXQ) { /* (further ahead of the others than the stand-in keeps) */
@@ -361,10 +365,9 @@ static ncclResult_t queue(fake_comm *c, int kind, const void *send, size_t send_
     memcpy(p->stage, send, send_elems * tsize(type));
     c->issued++;
     *slot = (on_stream){.stream = stream, .c = c, .waiting = k + 1};
-    if (++rd->arrived == q->n) {
+    if (++rd->arrived == q->n && !q->stalled) {
         complete(q, rd);
-        rd->arrived = 0;
-        q->seq++;
+        if (!q->stalled) rd->arrived = 0, q->seq++;
     }
     pthread_mutex_unlock(&mu);
     count_on(stream);
@@ -439,7 +442,7 @@ int fake_nccl_reached(const unsigned long long mark[2])
     pthread_mutex_lock(&mu);
     const clique *q = cliques;
     while (q && q->serial != mark[0]) q = q->next;
-    const int done = !q || (q->aborted && !stuck) || q->bad || q->seq >= mark[1];
+    const int done = !q || (q->aborted && !stuck) || q->seq >= mark[1];
     pthread_mutex_unlock(&mu);
     return done;
 }
@@ -450,7 +453,7 @@ int fake_nccl_busy(void)
     pthread_mutex_lock(&mu);
     for (int k = 0; k < MAXS && !busy; k++) {
         const on_stream *p = &pending[k];
-        busy = p->c && p->c->q->seq < p->waiting && !(p->c->q->aborted && !stuck) && !p->c->q->bad;
+        busy = p->c && p->c->q->seq < p->waiting && !(p->c->q->aborted && !stuck);
     }
     pthread_mutex_unlock(&mu);
     return busy;
