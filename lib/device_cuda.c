@@ -380,12 +380,13 @@ static bool may_release(mti_device *d, const char *what, const void *p, size_t b
 {
     if (!d->release_held && d->release_guard && !d->release_guard(d->release_guard_arg))
         d->release_held = true;
-    if (d->release_held && bytes)
+    char size[48] = "";
+    if (bytes) snprintf(size, sizeof size, " of %zu bytes", bytes);
+    if (d->release_held && p)
         mti_log(d->ctx, MT_LOG_ERROR,
-                "CUDA %s of %zu bytes at %p: not given back to the driver (work on a "
-                "communication stream that did not end may still use it; kept until the "
-                "process ends)",
-                what, bytes, p);
+                "CUDA %s%s at %p: not given back to the driver (work on a communication "
+                "stream that did not end may still use it; kept until the process ends)",
+                what, size, p);
     else if (d->release_held)
         mti_log(d->ctx, MT_LOG_ERROR,
                 "CUDA %s: the device memory still held is not given back to the driver (work "
@@ -447,7 +448,7 @@ static mt_status cuda_reserve(mti_device *d, size_t bytes, size_t alignment, voi
     }
     /* Over-allocate by the alignment less what cuMemAlloc guarantees and
      * hand out the aligned address inside; the table remembers what to free. */
-    c->api.MemFree(p);
+    if (may_release(d, "reserve (a misaligned block)", hptr(p), bytes)) c->api.MemFree(p);
     size_t over = bytes + alignment - CUDA_MIN_ALIGN;
     r = c->api.MemAlloc(&p, over);
     if (r != CUDA_SUCCESS) {
@@ -461,7 +462,7 @@ static mt_status cuda_reserve(mti_device *d, size_t bytes, size_t alignment, voi
         int e = aligned_add(c, user, p);
         pthread_mutex_unlock(&c->mu);
         if (e != 0) {
-            c->api.MemFree(p);
+            if (may_release(d, "reserve", hptr(p), over)) c->api.MemFree(p);
             st = mti_fail(d->ctx, MT_ERR_OOM, "CUDA reserve: out of host memory for bookkeeping");
             goto out;
         }
@@ -514,7 +515,11 @@ static CUresult range_unmap(mti_device *d, cuda_range *g, size_t first, size_t n
     cuda_dev *c = d->impl;
     CUresult bad = CUDA_SUCCESS;
     for (size_t i = first; i < first + n; i++) {
-        if (!g->mapped[i] || (g->mapped[i] == 2 && d->release_held)) continue;
+        if (!g->mapped[i]) continue;
+        if (d->release_held) { /* (kept mapped: may_release) */
+            g->mapped[i] = 2;
+            continue;
+        }
         CUdeviceptr a = g->base + (CUdeviceptr)i * d->granularity;
         CUresult r = c->api.MemUnmap(a, d->granularity);
         if (r == CUDA_SUCCESS) r = c->api.MemRelease(g->handle[i]);
@@ -1311,7 +1316,7 @@ mt_status mti_cuda_host_alloc(mti_device *d, size_t bytes, void **out)
 
 void mti_cuda_host_free(mti_device *d, void *p)
 {
-    if (!p || !is_ours(d)) return;
+    if (!p || !is_ours(d) || !may_release(d, "host_free", p, 0)) return;
     cuda_dev *c = d->impl;
     if (cuda_enter(d) != MT_OK) return;
     CUresult r = c->api.MemFreeHost(p);
