@@ -867,7 +867,9 @@ static mt_status sum_call(void *user, int j)
  * event; the first tensor waited for alone (its event), read back through
  * the device's stream, then the rest. The values must be the ones written
  * (one rank: the sums are the values), and every collective counted. Then
- * calls (ZeRO-3's kind), more than are kept in flight. */
+ * calls (ZeRO-3's kind), more than are kept in flight; and a trim that
+ * gives a segment back to the driver right after a call is queued (the
+ * release guard's wait for the stream, with the real driver on a GPU). */
 TEST(comm_nccl_one_rank_zero)
 {
     mt_context *first, *ctx;
@@ -922,6 +924,25 @@ TEST(comm_nccl_one_rank_zero)
     CHECK_OK(d->copy_d2h(d, back, g, CALLS_MADE * PIECE * sizeof *back));
     CHECK_OK(d->sync(d));
     CHECK_MSG(!memcmp(back, h, CALLS_MADE * PIECE * sizeof *h), "a call's sum differs");
+    /* a segment going back to the driver (a trim) right after a call is
+       queued: the release waits for the stream first (the device's release
+       guard), then frees, and the call is done and whole */
+    mt_block big = {0};
+    mt_alloc_request rb = {.bytes = 8u << 20, .mem_class = MT_MEM_ACT, .lifetime = MT_LIFE_STEP};
+    mt_allocator *al = NULL;
+    mt_allocator_stats as0, as1;
+    CHECK_OK(mt_context_allocator(ctx, MT_MEM_ACT, &al));
+    CHECK_OK(mt_context_alloc(ctx, &rb, &big));
+    CHECK_OK(mt_context_free(ctx, &big));
+    CHECK_OK(mt_allocator_get_stats(al, &as0));
+    CHECK_OK(mti_ncclov_call(ov, sum_call, &k, 1, &tk[1]));
+    CHECK_OK(mt_allocator_trim(al));
+    CHECK_OK(mt_allocator_get_stats(al, &as1));
+    CHECK_MSG(as1.reserved_bytes < as0.reserved_bytes, "the trim gave back nothing (%llu bytes "
+              "reserved before, %llu after)", (unsigned long long)as0.reserved_bytes,
+              (unsigned long long)as1.reserved_bytes);
+    CHECK(!ctx->dev->release_held);
+    CHECK_MSG(mti_ncclov_done(ov, tk[1]) == MT_OK, "%s", mt_last_error(ctx));
     CHECK_OK(mti_ncclov_quiet(ov, false));
     mti_ncclov_free(ov);
     mt_context_free(ctx, &b);
