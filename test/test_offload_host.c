@@ -399,9 +399,11 @@ typedef struct hr_run {
     mt_trainer_config tc;
     const char *dir;         /* where the ranks save their training-state files */
     const char *load, *save; /* or: a file loaded (no steps), saved again as save */
+    const char *name;        /* the files' names' start (NULL: "ranks", or "one" on one rank) */
     unsigned char *wb[MAXR]; /* per rank: every tensor's weights as stored (compute dtype) */
     unsigned char *held[MAXR]; /* and which of those bytes it holds (ZeRO-3: its slices) */
     float *ms[MAXR];         /* and the fp32 masters it holds, NaN elsewhere */
+    float *w0[MAXR];         /* and its weights before the trainer (fp32) */
     size_t wlen, P;
     mt_status st[MAXR];
     char msg[MAXR][400];
@@ -468,6 +470,7 @@ static void hr_estimate(mt_context *ctx, const mt_model *m, const mt_trainer_con
         snprintf(msg, cap, "peaks %llu (device), %llu (host); estimate %llu, %llu",
                  (unsigned long long)dev.peak_live_bytes, (unsigned long long)host.peak_live_bytes,
                  (unsigned long long)e.peak, (unsigned long long)e.place_peak[MT_PLACE_HOST]);
+    if (tc->offload != MT_PLACE_HOST) return; /* (a resident run, for comparison) */
     if (!*msg && !host.per_class[MT_MEM_OPTIM].peak_live_bytes)
         snprintf(msg, cap, "no optimizer state on the host");
     if (!*msg && dev.per_class[MT_MEM_OPTIM].peak_live_bytes + dev.per_class[MT_MEM_MASTER].peak_live_bytes)
@@ -508,6 +511,9 @@ static void hr_rank(int rank, void *arg)
     mt_trainer *t = NULL;
     if (!s && !ctx) s = MT_ERR_NO_DEVICE;
     if (!s) s = rank_gpt(ctx, 64, &m);
+    const size_t P = m ? mt_model_num_params(m) : 0;
+    if (!s && !(a->w0[rank] = malloc(P * sizeof(float)))) s = MT_ERR_OOM;
+    if (!s) s = mt_model_get_params(m, a->w0[rank], P);
     if (!s) s = mt_trainer_create(m, &a->tc, &t);
     if (a->load) { /* (a collective under ZeRO, as the save) */
         if (!s) s = mt_trainer_load(t, a->load, NULL, 0, NULL);
@@ -534,7 +540,8 @@ static void hr_rank(int rank, void *arg)
     char path[2][512];
     const int me = a->tc.zero_stage ? 0 : rank;
     for (int k = 0; k < 2; k++)
-        snprintf(path[k], sizeof path[k], "%s/%s%d.%d.mtt", a->dir, a->n > 1 ? "ranks" : "one", me, k);
+        snprintf(path[k], sizeof path[k], "%s/%s%d.%d.mtt", a->dir,
+                 a->name ? a->name : a->n > 1 ? "ranks" : "one", me, k);
     if (!s) s = mt_trainer_save(t, path[0], NULL, 0);
     if (!s) s = mt_trainer_load(t, path[0], NULL, 0, NULL);
     if (!s) s = mt_trainer_save(t, path[1], NULL, 0);
@@ -548,7 +555,7 @@ static void hr_rank(int rank, void *arg)
 
 static void hr_free(hr_run *a)
 {
-    for (int r = 0; r < MAXR; r++) free(a->wb[r]), free(a->held[r]), free(a->ms[r]);
+    for (int r = 0; r < MAXR; r++) free(a->wb[r]), free(a->held[r]), free(a->ms[r]), free(a->w0[r]);
 }
 
 /* A file's bytes (malloc'd) and their count. */
@@ -596,6 +603,7 @@ static void moved(const hr_run *like, const char *dir, int n, int stage, mt_plac
               mt_place_name(place));
     free(f);
     if (!keep) remove(q);
+    hr_free(&a);
 }
 
 /* n ranks with host offload at tc's stage (over NCCL; host: over a host
@@ -685,6 +693,59 @@ static void ranks_case(int n, int stage, mt_optimizer_kind opt, mt_precision pre
     hr_free(&dp);
 }
 
+/* Host offload against the resident run at ZeRO stage 3, bit for bit:
+ * the stand-in's SGD (MT_FAKE_CUDA_SGD) is the CPU table's arithmetic, so
+ * with fp32 SGD with momentum on n ranks the resident run (the device's
+ * update of each slice) and the host-offloaded one (the CPU's) hold the
+ * same weight slices after their steps, each run's peaks are its
+ * estimate's, and their training-state files (the momentum with the
+ * weights) are the same bytes. */
+static void resident_case(int n, int fused)
+{
+    char dir[] = "/tmp/mt_hostoff_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL);
+    hr_run r[2];
+    setenv("MT_FAKE_CUDA_SGD", "1", 1);
+    for (int h = 0; h < 2; h++) {
+        r[h] = (hr_run){.n = n, .w = tcomm_world_new(n, 30.0), .dir = dir, .name = h ? "host" : "res"};
+        config(&r[h].tc, MT_OPT_SGD, MT_PREC_FP32, fused, h ? MT_PLACE_HOST : MT_PLACE_DEVICE);
+        r[h].tc.zero_stage = 3;
+        tcomm_run(n, hr_rank, &r[h]);
+        tcomm_world_free(r[h].w);
+    }
+    unsetenv("MT_FAKE_CUDA_SGD");
+    for (int rk = 0; rk < n; rk++) {
+        for (int h = 0; h < 2; h++)
+            CHECK_MSG(r[h].st[rk] == MT_OK && !r[h].msg[rk][0], "%d ranks, %s, rank %d: %s", n,
+                      h ? "host offload" : "resident", rk, r[h].msg[rk]);
+        size_t differ = r[0].wlen == r[1].wlen ? 0 : 1, held = 0;
+        for (size_t k = 0; k < r[0].wlen && !differ; k++) {
+            differ += r[0].held[rk][k] != r[1].held[rk][k] ||
+                      (r[0].held[rk][k] && r[0].wb[rk][k] != r[1].wb[rk][k]);
+            held += r[0].held[rk][k];
+        }
+        CHECK_MSG(!differ && held, "%d ranks, rank %d: host offload's weight slices differ from the "
+                  "resident run's", n, rk);
+    }
+    char p[600], q[600];
+    snprintf(p, sizeof p, "%s/res0.0.mtt", dir);
+    snprintf(q, sizeof q, "%s/host0.0.mtt", dir);
+    CHECK_MSG(check_same_file(p, q), "%d ranks: host offload's file differs from the resident run's", n);
+    /* and the weights moved (by the gradients the test fills in) */
+    size_t moved_bytes = 0;
+    for (size_t k = 0; !r[1].st[0] && k < r[1].wlen; k++)
+        moved_bytes += r[1].held[0][k] && r[1].wb[0][k] != ((unsigned char *)r[1].w0[0])[k];
+    CHECK_MSG(moved_bytes > 0, "%d ranks: the weights did not move", n);
+    for (int k = 0; k < 2; k++)
+        for (int h = 0; h < 2; h++) {
+            snprintf(q, sizeof q, "%s/%s0.%d.mtt", dir, h ? "host" : "res", k);
+            remove(q);
+        }
+    CHECK(rmdir(dir) == 0);
+    hr_free(&r[0]);
+    hr_free(&r[1]);
+}
+
 TEST(offload_host_ranks_nccl)
 {
     standin s;
@@ -707,6 +768,8 @@ TEST(offload_host_ranks_nccl)
     ranks_case(3, 3, MT_OPT_ADAMW8, MT_PREC_FP16, 0, 0, 0);
     ranks_case(3, 3, MT_OPT_ADAMW, MT_PREC_FP32, 1, 1, 0);
     ranks_case(2, 0, MT_OPT_ADAMW, MT_PREC_BF16, 0, 1, 1); /* (MPI's kind: stage 0 only) */
+    resident_case(2, 0);
+    resident_case(3, 1);
     mti_engine_grad_fill = NULL;
     mti_offload_piece_elems = keep;
     CHECK_EQ(s.stat("pinned"), pinned0); /* every page-locked byte given back */
