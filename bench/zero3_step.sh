@@ -11,7 +11,9 @@
 # communication of the last round, and the load average before and after.
 # Usage: BUILD=build ROUNDS=5 STEPS=6 bench/zero3_step.sh [extra memtrain
 # train options]. LINES (optional) replaces the stage-3 lines: one per
-# line, "name|options".
+# line, "name|options" or "name|options|build", the last running that build
+# directory's memtrain (an A/B of two builds in the same rounds: make
+# BUILD=build-old of the old commit, then "s3old|--zero 3|build-old").
 set -u
 B=${BUILD:-build} ROUNDS=${ROUNDS:-5} STEPS=${STEPS:-6}
 for need in "$B/memtrain" mpirun; do # (make; make deps installs Open MPI)
@@ -57,9 +59,9 @@ while [ $r -le "$ROUNDS" ]; do
     # shellcheck disable=SC2086
     timed "$dir/s0.$r" "$dir/s0.cpu.$r" timeout 900 $MPIRUN "$B/memtrain" $ARGS --zero 0 || { cat "$dir/s0.$r"; exit 1; }
     base=$(ms_of "$dir/s0.$r") basecpu=$(cpu_of "$dir/s0.cpu.$r")
-    echo "$LINES" | while IFS='|' read -r name opts; do
+    echo "$LINES" | while IFS='|' read -r name opts lb; do
         # shellcheck disable=SC2086
-        timed "$dir/$name.$r" "$dir/$name.cpu.$r" timeout 900 $MPIRUN "$B/memtrain" $ARGS $opts || { cat "$dir/$name.$r"; exit 1; }
+        timed "$dir/$name.$r" "$dir/$name.cpu.$r" timeout 900 $MPIRUN "${lb:-$B}/memtrain" $ARGS $opts || { cat "$dir/$name.$r"; exit 1; }
         ms=$(ms_of "$dir/$name.$r")
         echo "$name $r $base $ms $basecpu $(cpu_of "$dir/$name.cpu.$r")" >> "$dir/rows"
     done || exit 1
@@ -69,14 +71,14 @@ load1=$(cut -d' ' -f1-3 /proc/loadavg)
 echo "load average before: $load0; after: $load1"
 echo "| line | options | round | stage 0 ms/step | stage 3 ms/step | ratio | stage 0 CPU s | stage 3 CPU s | CPU ratio |"
 echo "|---|---|---|---|---|---|---|---|---|"
-echo "$LINES" | while IFS='|' read -r name opts; do
+echo "$LINES" | while IFS='|' read -r name opts lb; do
     awk -v n="$name" -v o="$opts" '$1 == n { printf "| %s | `%s` | %d | %.1f | %.1f | %.2fx | %.1f | %.1f | %.2fx |\n", n, o, $2, $3, $4, $4 / $3, $5, $6, ($5 > 0 ? $6 / $5 : 0) }' "$dir/rows"
 done
 echo
 median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) printf "%.2f", v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 echo "| line | median stage 3 / stage 0 ratio | median CPU-time ratio | rank 0's communication (last round) |"
 echo "|---|---|---|---|"
-echo "$LINES" | while IFS='|' read -r name opts; do
+echo "$LINES" | while IFS='|' read -r name opts lb; do
     med=$(awk -v n="$name" '$1 == n { print $4 / $3 }' "$dir/rows" | median)
     cmed=$(awk -v n="$name" '$1 == n && $5 > 0 { print $6 / $5 }' "$dir/rows" | median)
     comm=$(sed -n 's/^communication (rank 0): //p' "$dir/$name.$ROUNDS")

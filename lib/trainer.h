@@ -114,6 +114,8 @@ struct mt_trainer {
                                 planned so), whose reduce-scatters go in two halves */
     int z3_keep_from;        /* stage 3: layers from this one on are kept from
                                 forward to backward (cfg.zero3_keep) */
+    struct mti_z3_group *z3_grp; /* stage 3: per schedule entry, the parameters
+                                  * its one packed gather brings in */
     struct mti_z3_rs *z3_rs; /* stage 3: per parameter, its reduce-scatter queued
                                 in backward (lib/comm/zero3.c) */
     struct mti_offload *off; /* state and masters at home on disk (lib/offload.c), or NULL */

@@ -405,7 +405,10 @@ static void z3_death_rank(int rank, void *p)
  * gather, at the timeout, never hanging; destroy then ends too. */
 TEST(zero3_prefetch_rank_dies)
 {
-    const int at[2] = {6, 40}; /* a gather queued ahead in forward; one in backward */
+    /* a gather queued ahead in forward (layer 1's); one in backward (layer
+       0's, queued behind the reduce-scatters of the layers above): each
+       entry's tensors are one all-gather, after the step's first exchange */
+    const int at[2] = {4, 9};
     for (int k = 0; k < 2; k++) {
         z3_death a = {.world = tcomm_world_new(2, 1.0)};
         a.dying[1].die_at = at[k];

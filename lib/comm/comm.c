@@ -462,18 +462,32 @@ void *mti_comm_stage(const mt_context *ctx)
     return ctx->dev->kind == MT_DEVICE_CPU ? ctx->comm_stage.ptr : NULL;
 }
 
-mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count)
+/* A collective of the staging buffer in place (reduce-scatter: count fp32
+ * values per rank, summed; all-gather: count bytes per rank). */
+static mt_status in_stage(mt_context *ctx, const char *what, coll k, size_t count)
 {
     const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
     mt_comm *c = ctx->cfg.comm;
     char *st = mti_comm_stage(ctx);
-    if (!st || (c->vt.caps & MT_COMM_CAP_DEVICE) || count * (size_t)c->size > MTI_COMM_STAGE / 4)
-        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: %zu values per rank do not fit the staging", what,
-                        count);
-    return timed(ctx, t0, on_ctx(ctx, what, mt_comm_reduce_scatter(c, st, st + (size_t)c->rank * count * 4,
-                                                                   count, MT_COMM_F32, MT_COMM_SUM, NULL)));
+    const size_t es = k == REDUCE_SCATTER ? 4 : 1, mine = (size_t)c->rank * count * es;
+    if (!st || (c->vt.caps & MT_COMM_CAP_DEVICE) || count * (size_t)c->size > MTI_COMM_STAGE / es)
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: %zu %s per rank do not fit the staging", what, count,
+                        k == REDUCE_SCATTER ? "values" : "bytes");
+    return timed(ctx, t0, on_ctx(ctx, what, k == REDUCE_SCATTER
+        ? mt_comm_reduce_scatter(c, st, st + mine, count, MT_COMM_F32, MT_COMM_SUM, NULL)
+        : mt_comm_all_gather(c, st + mine, st, count, MT_COMM_BYTE, NULL)));
+}
+
+mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count)
+{
+    return in_stage(ctx, what, REDUCE_SCATTER, count);
+}
+
+mt_status mti_comm_all_gather_stage(mt_context *ctx, const char *what, size_t bytes)
+{
+    return in_stage(ctx, what, ALL_GATHER, bytes);
 }
 
 mt_status mt_context_comm_stats(const mt_context *ctx, mt_comm_stats *out)

@@ -51,6 +51,11 @@ void *mti_comm_stage(const mt_context *ctx);
  * A thread other than the communication thread calls mti_comm_turn before
  * it packs the buffer. */
 mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count);
+/* The all-gather (bytes) of the staging buffer in place: `bytes` per rank,
+ * this rank's at its own r bytes; afterwards rank r's at r bytes for every
+ * r. ZeRO-3 packs the slices of several tensors into one (zero3.c). The
+ * same turn rule as above. */
+mt_status mti_comm_all_gather_stage(mt_context *ctx, const char *what, size_t bytes);
 /* A collective of a thread other than the communication thread is about
  * to start (or to pack the staging buffer): what the communication
  * thread's queue holds goes first (ctx->comm_queue; exposed time), so the

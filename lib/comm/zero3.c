@@ -71,6 +71,16 @@ struct mti_z3_rs {
     bool pending;
 };
 
+/* Schedule entry p's parameters that its bringing in found not in yet:
+ * gathered together, their slices packed side by side into the staging
+ * buffer (packed below), by one job of the queue (ticket, until waited
+ * for). */
+struct mti_z3_group {
+    int idx[MTI_SLOTS + 2];
+    int n;
+    uint64_t ticket;
+};
+
 static bool live(const mt_trainer *t)
 {
     return t->ctx->cfg.comm && mt_comm_size(t->ctx->cfg.comm) > 1;
@@ -202,12 +212,13 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     t->z3_ticket = calloc((size_t)m->n_param, sizeof *t->z3_ticket);
     t->z3_held = calloc((size_t)m->n_layers * 3 + 1, 1);
     t->z3_rs = calloc((size_t)m->n_param, sizeof *t->z3_rs);
+    t->z3_grp = calloc((size_t)m->n_layers * 3 + 1, sizeof *t->z3_grp);
     const int keep = t->cfg.zero3_keep;
     t->z3_prefetch = t->cfg.zero3_prefetch;
     t->z3_stream = t->z3_prefetch > 0 && mti_ncclov_planned(ctx); /* (NCCL's stream, planned) */
     t->z3_keep_from = keep < 0 || keep > m->n_layers ? 0 : m->n_layers - keep;
     int64_t *all = malloc((size_t)N * 2 * sizeof *all);
-    if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && t->z3_rs && all)) { /* (host memory) */
+    if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && t->z3_rs && t->z3_grp && all)) { /* (host memory) */
         free(all);
         return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     }
@@ -470,11 +481,135 @@ static int entry_params(const mt_trainer *t, int p, int *idx)
     return n;
 }
 
+/* Whether an entry's gathers go packed through the staging buffer: a CPU
+ * context's host communicator, whose collectives run there anyway. A dry
+ * context (no collectives) and NCCL's stream (on the buffers themselves)
+ * gather tensor by tensor. */
+static bool packed(const mt_trainer *t)
+{
+    return live(t) && !t->nov && mti_comm_stage(t->ctx);
+}
+
+/* Rank r's part of sharded parameter i in its gather buffer. */
+static char *part_of(const mt_trainer *t, int i, int r)
+{
+    const size_t part = t->sh[i].per * mti_dtype_size(t->model->params[i].w.dtype);
+    return (char *)t->gb[i].blk.ptr + (size_t)r * part;
+}
+
+/* Entry p's group gathered: the slices of its tensors laid end to end, as
+ * many as fill the staging buffer's part of a rank (a tensor's slice
+ * continuing in the next fill where it does not fit), each fill one
+ * all-gather in place, then every rank's pieces copied to their places in
+ * the gather buffers; a whole-tensor owner's tensor broadcast on its own.
+ * The same bytes as a gather per tensor (so the bits are), in a third or
+ * less of the collectives: GPT-2's block has 4 matrices and 8 vectors, a
+ * collective per vector before. Every rank's group is the same list, so the
+ * fills match. On the communication thread when queued. */
+static mt_status group_run(void *user, int p)
+{
+    mt_trainer *t = user;
+    mt_context *ctx = t->ctx;
+    mti_device *d = ctx->dev;
+    const struct mti_z3_group *grp = &t->z3_grp[p];
+    const int N = t->world, me = t->rank;
+    const size_t K = MTI_COMM_STAGE / (size_t)N; /* bytes of a rank's part of a fill */
+    char *st = mti_comm_stage(ctx), what[160];
+    snprintf(what, sizeof what, "the all-gather of the weights of %s%s%s",
+             t->model->params[grp->idx[0]].name, grp->n > 1 ? " .. " : "",
+             grp->n > 1 ? t->model->params[grp->idx[grp->n - 1]].name : "");
+    mt_status s = mti_comm_turn(ctx, what); /* (the staging is the queue's until then) */
+    int j = 0;
+    size_t o = 0; /* the fill starts at byte o of the slice of idx[j] */
+    while (j < grp->n && !s) {
+        if (t->sh[grp->idx[j]].owner >= 0) {
+            s = gather_run(t, grp->idx[j++]);
+            continue;
+        }
+        /* the fill: F bytes, up to (j1, o1) */
+        size_t F = 0, o1 = o;
+        int j1 = j;
+        while (j1 < grp->n && F < K && t->sh[grp->idx[j1]].owner < 0) {
+            const int i = grp->idx[j1];
+            const size_t part = t->sh[i].per * mti_dtype_size(t->model->params[i].w.dtype);
+            const size_t l = part - o1 < K - F ? part - o1 : K - F;
+            F += l, o1 += l;
+            if (o1 == part) j1++, o1 = 0;
+        }
+        for (int r = -1; r < N && !s; r++) { /* -1: this rank's slices in; then each rank's out */
+            size_t at = 0, oo = o;
+            for (int jj = j; at < F && !s;) {
+                const int i = grp->idx[jj];
+                const size_t part = t->sh[i].per * mti_dtype_size(t->model->params[i].w.dtype);
+                const size_t l = part - oo < F - at ? part - oo : F - at;
+                if (r < 0) {
+                    const char *src = on_disk(t, i) ? part_of(t, i, me) : (const char *)t->pw[i].blk.ptr;
+                    if (l) s = d->copy_d2d(d, st + (size_t)me * F + at, src + oo, l);
+                } else if (l) {
+                    s = d->copy_d2d(d, part_of(t, i, r) + oo, st + (size_t)r * F + at, l);
+                }
+                at += l, oo += l;
+                if (oo == part) jj++, oo = 0;
+            }
+            if (r < 0 && !s && F) s = mti_comm_all_gather_stage(ctx, what, F);
+        }
+        j = j1, o = o1;
+    }
+    return s;
+}
+
+/* Brings in entry p's weights packed (packed above): each parameter one
+ * holder more, those not in yet given their gather buffers and, together,
+ * one job. A slice on disk that cannot be read is zeros: the group is still
+ * gathered, at once, so the other ranks are not left in its collectives,
+ * and the entry fails. */
+static mt_status take_packed(mt_trainer *t, int p, const int *idx, int n)
+{
+    mt_context *ctx = t->ctx;
+    struct mti_z3_group *grp = &t->z3_grp[p];
+    if (grp->ticket) (void)q_done(t, grp->ticket); /* (never rewritten under the thread's feet) */
+    grp->ticket = 0;
+    grp->n = 0;
+    mt_status s = MT_OK, ls = MT_OK;
+    int j = 0;
+    for (; j < n && !s; j++) {
+        const int i = idx[j];
+        if (t->gref[i]++) continue;
+        mti_param *pm = &t->model->params[i];
+        mti_tensor *g = &t->gb[i];
+        *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1,
+                          .shape = {(int64_t)(gather_elems(t, i) * mti_dtype_size(pm->w.dtype))}};
+        s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
+        if (s) {
+            t->gref[i]--;
+            break;
+        }
+        pm->w.blk = g->blk;
+        grp->idx[grp->n++] = i;
+        if (on_disk(t, i)) {
+            const mt_status r = slice_in(t, i, g);
+            if (!ls) ls = r;
+        }
+    }
+    if (!s && grp->n)
+        s = ls || !queued(t) ? group_run(t, p) : q_call(t, group_run, p, &grp->ticket);
+    if (!s) s = ls;
+    if (s) {
+        while (j-- > 0) gather_out(t, idx[j]); /* undo this entry's */
+        grp->ticket = 0;
+        return s;
+    }
+    for (int k = 0; k < grp->n; k++) t->z3_ticket[grp->idx[k]] = grp->ticket;
+    t->z3_held[p] = 1;
+    return MT_OK;
+}
+
 /* Brings in entry p's weights (each parameter one holder more). */
 static mt_status take(mt_trainer *t, int p)
 {
     int idx[MTI_SLOTS + 2];
     const int n = entry_params(t, p, idx);
+    if (packed(t)) return take_packed(t, p, idx, n);
     for (int j = 0; j < n; j++) {
         const mt_status s = gather_in(t, idx[j]);
         if (!s) continue;
@@ -508,7 +643,10 @@ static void drop_all(mt_trainer *t)
 {
     (void)mti_zero3_settle(t, MT_ERR_STATE); /* (a pass that failed part way) */
     if (queued(t)) (void)q_quiet(t, true);
-    for (int p = 0; p < 3 * t->model->n_layers + 1; p++) give(t, p);
+    for (int p = 0; p < 3 * t->model->n_layers + 1; p++) {
+        give(t, p);
+        t->z3_grp[p].ticket = 0; /* (the queue is quiet) */
+    }
 }
 
 mt_status mti_zero3_layer(void *user, int layer, int bwd, int in)
@@ -563,7 +701,9 @@ void mti_zero3_free(mt_trainer *t)
         }
     if (t->z3_rs) (void)mti_zero3_settle(t, MT_ERR_STATE); /* (the pass's end did it) */
     free(t->pw), free(t->gb), free(t->gref), free(t->z3_ticket), free(t->z3_held), free(t->z3_rs);
+    free(t->z3_grp);
     t->z3_rs = NULL;
+    t->z3_grp = NULL;
     t->pw = t->gb = NULL;
     t->gref = NULL;
     t->z3_ticket = NULL;

@@ -52,6 +52,19 @@ static void collectives(mt_comm *c)
     for (size_t i = 0; i < n * size; i++) g[i] = (float)(i / n) + 1.0f;
     EXPECT(!mt_comm_reduce_scatter(c, g, g + (size_t)rank * n, n, MT_COMM_F32, MT_COMM_SUM, NULL));
     for (size_t i = 0; i < n; i += 991) EXPECT(g[(size_t)rank * n + i] == (float)(size * (rank + 1)));
+    /* not in place: the ranks' values added in rank order, ((x0 + x1) + x2)
+       ..., the same bits on every rank (1 + 2^-24 rounds to 1 each time,
+       where 2^-24 + 2^-24 first would not); and the largest */
+    const size_t k = 3000;
+    float *part = malloc(k * size * sizeof *part), *got = malloc(k * sizeof *got);
+    for (size_t i = 0; i < k * size; i++) part[i] = rank == 0 ? 1.0f : 0x1p-24f;
+    EXPECT(!mt_comm_reduce_scatter(c, part, got, k, MT_COMM_F32, MT_COMM_SUM, NULL));
+    for (size_t i = 0; i < k; i++) EXPECT(got[i] == 1.0f);
+    for (size_t i = 0; i < k * size; i++) part[i] = (float)((rank + (int)(i % k)) % size);
+    EXPECT(!mt_comm_reduce_scatter(c, part, got, k, MT_COMM_F32, MT_COMM_MAX, NULL));
+    for (size_t i = 0; i < k; i++) EXPECT(got[i] == (float)(size - 1));
+    free(part);
+    free(got);
     /* all-gather of n per rank, in place */
     for (size_t i = 0; i < n; i++) g[(size_t)rank * n + i] = (float)(rank * 7) + (float)(i % 3);
     EXPECT(!mt_comm_all_gather(c, g + (size_t)rank * n, g, n, MT_COMM_F32, NULL));

@@ -23,6 +23,8 @@ typedef struct mpi_state {
     int rank, size;
     double timeout;
     int broken;           /* a request is still pending on the duplicate */
+    float *scratch;       /* the reduce-scatter's other ranks' parts (kept while broken) */
+    size_t scratch_n;     /* its floats */
     char err[256];
 } mpi_state;
 
@@ -43,13 +45,13 @@ static mt_status mpi_fail(mpi_state *st, const char *what, int rc)
     return MT_ERR_COMM;
 }
 
-/* Tests a request again and again for `burst` seconds (0: once). */
-static int test_for(MPI_Request *req, double burst, int *rc)
+/* Tests n requests again and again for `burst` seconds (0: once). */
+static int test_for(MPI_Request *req, int n, double burst, int *rc)
 {
     const double b0 = burst > 0.0 ? now_s() : 0.0;
     for (;;) {
         int done = 0;
-        *rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+        *rc = MPI_Testall(n, req, &done, MPI_STATUSES_IGNORE);
         if (*rc != MPI_SUCCESS || done) return done;
         if (!(burst > 0.0) || now_s() - b0 >= burst) return 0;
     }
@@ -73,7 +75,7 @@ static int test_for(MPI_Request *req, double burst, int *rc)
  * - the communication thread while backward computes on the rank's core
  *   never spins: it sleeps up to 200 us between bursts, so it takes the core
  *   from the computation only for the bursts. */
-static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *req)
+static mt_status finish_all(mpi_state *st, const char *what, int rc, MPI_Request *req, int n)
 {
     if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
     const double start = now_s(), deadline = start + st->timeout;
@@ -84,7 +86,7 @@ static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *re
     const long cap = urgent ? 1000000 : 200000; /* ns */
     struct timespec nap = {0, 10000};
     for (int first = 1;; first = 0) {
-        const int done = test_for(req, first ? 0.0 : burst, &rc);
+        const int done = test_for(req, n, first ? 0.0 : burst, &rc);
         if (rc != MPI_SUCCESS) return mpi_fail(st, what, rc);
         if (done) return MT_OK;
         const double t = now_s();
@@ -103,6 +105,11 @@ static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *re
         nanosleep(&nap, NULL);
         nap.tv_nsec = nap.tv_nsec * 2 < cap ? nap.tv_nsec * 2 : cap;
     }
+}
+
+static mt_status finish(mpi_state *st, const char *what, int rc, MPI_Request *req)
+{
+    return finish_all(st, what, rc, req, 1);
 }
 
 static mt_status ready(mpi_state *st)
@@ -147,6 +154,73 @@ static mt_status m_all_reduce(void *self, const void *send, void *recv, size_t c
     return s;
 }
 
+/* The fp32 reduce-scatter, rank to rank: each rank sends every other rank
+ * its part of send and receives theirs of its own into the scratch (kept,
+ * so its pages are touched once, not at every call), then adds the ranks'
+ * values in rank order. MPI's nonblocking reduce-scatter (Open MPI's
+ * libnbc) reduces the whole buffer onto rank 0 and scatters it back, into a
+ * temporary buffer it allocates and frees at each call: rank 0 did all the
+ * adding and received the whole buffer, and both ranks faulted in fresh
+ * pages every call, about a quarter of a ZeRO-3 rank's time (docs/
+ * benchmarks.md, table (i)). Every rank receives (N - 1) parts of `count`
+ * into the scratch; the sums are the same in either order on 2 ranks, and
+ * in rank order on more. */
+#define P2P_TAG 0x3e3
+
+static void add_into(float *restrict a, const float *restrict b, size_t n, mt_comm_op op)
+{
+    if (op == MT_COMM_MAX)
+        for (size_t i = 0; i < n; i++) a[i] = b[i] > a[i] ? b[i] : a[i];
+    else
+        for (size_t i = 0; i < n; i++) a[i] += b[i];
+}
+
+static mt_status pairwise_rs(mpi_state *st, const float *send, float *recv, size_t count,
+                             mt_comm_op op)
+{
+    const int N = st->size, me = st->rank;
+    const size_t need = (size_t)(N - 1) * count;
+    if (need > st->scratch_n) {
+        float *g = realloc(st->scratch, need * sizeof *g);
+        if (!g) {
+            snprintf(st->err, sizeof st->err, "out of host memory for %zu bytes of the "
+                     "reduce-scatter's parts", need * sizeof *g);
+            return MT_ERR_OOM;
+        }
+        st->scratch = g, st->scratch_n = need;
+    }
+    MPI_Request stack[16], *req = N <= 8 ? stack : malloc(2 * (size_t)N * sizeof *req);
+    if (!req) {
+        snprintf(st->err, sizeof st->err, "out of host memory");
+        return MT_ERR_OOM;
+    }
+    int k = 0, rc = MPI_SUCCESS;
+    for (int p = 0, j = 0; p < N && rc == MPI_SUCCESS; p++) {
+        if (p == me) continue;
+        rc = MPI_Irecv(st->scratch + (size_t)j++ * count, (int)count, MPI_FLOAT, p, P2P_TAG, st->comm,
+                       &req[k]);
+        if (rc == MPI_SUCCESS) k++;
+    }
+    for (int p = 0; p < N && rc == MPI_SUCCESS; p++) {
+        if (p == me) continue;
+        rc = MPI_Isend(send + (size_t)p * count, (int)count, MPI_FLOAT, p, P2P_TAG, st->comm, &req[k]);
+        if (rc == MPI_SUCCESS) k++;
+    }
+    /* (a request posted before a failure stays pending: the communicator is broken) */
+    mt_status s = rc != MPI_SUCCESS ? mpi_fail(st, "MPI_Isend", rc) : finish_all(st, "the reduce-scatter", rc, req, k);
+    if (req != stack) free(req);
+    if (s) return s;
+    /* acc = part 0, then each next rank's part added onto it: on rank 0 in
+       recv itself, elsewhere in the scratch's part of rank 0 */
+    const float *own = send + (size_t)me * count;
+    float *acc = me == 0 ? recv : st->scratch;
+    if (me == 0 && own != recv) memcpy(recv, own, count * sizeof *recv);
+    for (int r = 1; r < N; r++)
+        add_into(acc, r == me ? own : st->scratch + (size_t)(r < me ? r : r - 1) * count, count, op);
+    if (acc != recv) memcpy(recv, acc, count * sizeof *recv);
+    return MT_OK;
+}
+
 static mt_status m_reduce_scatter(void *self, const void *send, void *recv, size_t count,
                                   mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
@@ -155,6 +229,7 @@ static mt_status m_reduce_scatter(void *self, const void *send, void *recv, size
     mt_status s = ready(st);
     if (s) return s;
     if (count > MAX_COUNT) return too_many(st, count);
+    if (dt == MT_COMM_F32 && st->size > 1) return pairwise_rs(st, send, recv, count, op);
     const size_t es = esize(dt), mine = (size_t)st->rank * count * es;
     MPI_Request req;
     if ((const char *)send + mine == (const char *)recv) {
@@ -221,6 +296,7 @@ static void m_destroy(void *self)
         int fin = 0;
         MPI_Finalized(&fin);
         if (!fin) MPI_Comm_free(&st->comm);
+        free(st->scratch);
     }
     free(st);
 }
