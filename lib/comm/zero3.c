@@ -68,6 +68,7 @@ struct mti_z3_rs {
     float *dst;      /* the rank's shard of the gradient (accumulated into) */
     uint64_t ticket; /* on the thread (0: ran at once, or none) */
     int tag;         /* the engine's schedule entry after the layer that made it */
+    int next;        /* the next parameter of its packed group (-1: the last) */
     bool pending;
 };
 
@@ -211,7 +212,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     t->gref = calloc((size_t)m->n_param, sizeof *t->gref);
     t->z3_ticket = calloc((size_t)m->n_param, sizeof *t->z3_ticket);
     t->z3_held = calloc((size_t)m->n_layers * 3 + 1, 1);
-    t->z3_rs = calloc((size_t)m->n_param, sizeof *t->z3_rs);
+    t->z3_rs = calloc((size_t)m->n_param + 1, sizeof *t->z3_rs); /* (and the group being made) */
     t->z3_grp = calloc((size_t)m->n_layers * 3 + 1, sizeof *t->z3_grp);
     const int keep = t->cfg.zero3_keep;
     t->z3_prefetch = t->cfg.zero3_prefetch;
@@ -335,6 +336,15 @@ static bool queued(const mt_trainer *t)
     return (t->ov || t->nov) && t->z3_prefetch > 0 && live(t);
 }
 
+/* Whether an entry's gathers go packed through the staging buffer: a CPU
+ * context's host communicator, whose collectives run there anyway. A dry
+ * context (no collectives) and NCCL's stream (on the buffers themselves)
+ * gather tensor by tensor. */
+static bool packed(const mt_trainer *t)
+{
+    return live(t) && !t->nov && mti_comm_stage(t->ctx);
+}
+
 /* The queue's calls: the thread's, or the stream's. */
 static mt_status q_call(mt_trainer *t, mti_overlap_fn fn, int i, uint64_t *ticket)
 {
@@ -428,11 +438,106 @@ static mt_status reduce_run(void *user, int i)
                                  r->bucket.blk.ptr, t->z3_stream ? MTI_ZR_POST : MTI_ZR_ALL);
 }
 
+/* A layer's reduce-scatters packed (on a CPU context's host communicator,
+ * with the queue): its gradients are kept in a group (z3_rs[n_param], the
+ * group being made: `next` its first parameter, `dst` unused, `tag` its
+ * entry), linked by `next` in the order they came, and the group goes to
+ * the queue as one job when the next entry starts (or the pass ends):
+ * where the job of each gradient was queued before, ahead of the next
+ * entry's gathers. A whole-tensor owner's gradient (an all-reduce) goes
+ * alone, as before. */
+static bool grouped_rs(const mt_trainer *t) { return packed(t) && queued(t) && !t->z3_stream; }
+
+/* Rank r's elements of parameter i's gradient: [r per, r per + len). */
+static size_t rs_len(const mt_trainer *t, int i, int r)
+{
+    size_t lo, hi;
+    mti_zero_range(t, i, r, &lo, &hi);
+    return hi - lo;
+}
+
+/* The group starting at parameter `first`, reduce-scattered: each rank's
+ * pieces of the group's gradients laid end to end, a slice's `per` each
+ * (zeros past a short last slice), as many as fill the staging buffer's
+ * part of a rank, one reduce-scatter per fill, this rank's sums added onto
+ * its shards. The same sums of the same values as a reduce-scatter per
+ * tensor, so the same bits, in fewer collectives. */
+static mt_status reduce_group(void *user, int first)
+{
+    mt_trainer *t = user;
+    mt_context *ctx = t->ctx;
+    mti_device *d = ctx->dev;
+    const mti_kctx k = {ctx, d};
+    const int N = t->world, me = t->rank;
+    const size_t K = MTI_COMM_STAGE / 4 / (size_t)N; /* values of a rank's part of a fill */
+    float *st = mti_comm_stage(ctx);
+    int last = first;
+    while (t->z3_rs[last].next >= 0) last = t->z3_rs[last].next;
+    char what[160];
+    snprintf(what, sizeof what, "the reduce-scatter of the gradients of %s%s%s",
+             t->model->params[first].name, last != first ? " .. " : "",
+             last != first ? t->model->params[last].name : "");
+    mt_status s = mti_comm_turn(ctx, what); /* (the staging is the queue's until then) */
+    int j = first;
+    size_t o = 0; /* the fill starts at element o of the slices of j */
+    while (j >= 0 && !s) {
+        size_t F = 0, o1 = o;
+        int j1 = j;
+        while (j1 >= 0 && F < K) {
+            const size_t per = t->sh[j1].per, l = per - o1 < K - F ? per - o1 : K - F;
+            F += l, o1 += l;
+            if (o1 == per) j1 = t->z3_rs[j1].next, o1 = 0;
+        }
+        for (int r = 0; r <= N && !s; r++) { /* each rank's pieces in; at N, this rank's sums out */
+            const int q = r < N ? r : me;
+            size_t at = 0, oo = o;
+            for (int i = j; at < F && !s;) {
+                const size_t per = t->sh[i].per, l = per - oo < F - at ? per - oo : F - at;
+                const size_t len = rs_len(t, i, q), v = len > oo ? (len - oo < l ? len - oo : l) : 0;
+                const float *g = t->E.grad[i].blk.ptr;
+                float *b = st + (size_t)q * F + at, *dst = t->z3_rs[i].dst;
+                if (r < N) { /* (no gradient: zeros) */
+                    if (v && g) s = d->copy_d2d(d, b, g + (size_t)q * per + oo, v * 4);
+                    const size_t z = g ? v : 0;
+                    if (!s && z < l) s = d->memset8(d, b + z, 0, (l - z) * 4);
+                } else if (v && dst) {
+                    s = ctx->ops->accumulate(&k, dst + oo, b, v, MTI_F32);
+                }
+                at += l, oo += l;
+                if (oo == per) i = t->z3_rs[i].next, oo = 0;
+            }
+            if (r == N - 1 && !s) s = mti_comm_reduce_scatter_stage(ctx, what, F);
+        }
+        j = j1, o = o1;
+    }
+    return s;
+}
+
+/* The group being made goes to the queue (or, queueing refused, runs at
+ * once, so every rank still makes its collectives in one order). */
+static mt_status flush(mt_trainer *t)
+{
+    struct mti_z3_rs *h = &t->z3_rs[t->model->n_param];
+    if (!h->pending) return MT_OK;
+    h->pending = false;
+    const int first = h->next;
+    const bool one = t->z3_rs[first].next < 0;
+    uint64_t ticket = 0;
+    mt_status s = one ? q_call(t, reduce_run, first, &ticket) : q_call(t, reduce_group, first, &ticket);
+    if (s) s = one ? reduce_run(t, first) : reduce_group(t, first);
+    for (int i = first; i >= 0; i = t->z3_rs[i].next) t->z3_rs[i].ticket = ticket;
+    return s;
+}
+
 /* Retires the reduce-scatters queued before schedule entry `before` (all:
  * INT_MAX): each waited for, its bucket and gradient freed. s: the status
  * so far; a failure of theirs is returned only where s is MT_OK. */
 static mt_status retire(mt_trainer *t, int before, mt_status s)
 {
+    if (t->z3_rs[t->model->n_param].pending && t->z3_rs[t->model->n_param].tag < before) {
+        const mt_status f = flush(t); /* (its collectives made on every rank) */
+        if (!s) s = f;
+    }
     for (int i = t->model->n_param - 1; i >= 0; i--) {
         struct mti_z3_rs *r = &t->z3_rs[i];
         if (!r->pending || r->tag >= before) continue;
@@ -462,6 +567,19 @@ mt_status mti_zero3_reduce(mt_trainer *t, int i, float *dst)
     r->dst = dst;
     r->tag = t->E.at;
     r->pending = true;
+    r->next = -1;
+    struct mti_z3_rs *h = &t->z3_rs[t->model->n_param];
+    if (grouped_rs(t) && t->sh[i].owner < 0) { /* into the group (retire flushed an older one) */
+        if (!h->pending) *h = (struct mti_z3_rs){.next = i, .tag = t->E.at, .pending = true};
+        else {
+            int last = h->next;
+            while (t->z3_rs[last].next >= 0) last = t->z3_rs[last].next;
+            t->z3_rs[last].next = i;
+        }
+        r->ticket = 0;
+        return MT_OK;
+    }
+    if ((s = flush(t))) return s;
     return queued(t) ? q_call(t, reduce_run, i, &r->ticket) : reduce_run(t, i);
 }
 
@@ -479,15 +597,6 @@ static int entry_params(const mt_trainer *t, int p, int *idx)
     for (int j = 0; j < k; j++)
         if (sharded(t, all[j])) idx[n++] = all[j];
     return n;
-}
-
-/* Whether an entry's gathers go packed through the staging buffer: a CPU
- * context's host communicator, whose collectives run there anyway. A dry
- * context (no collectives) and NCCL's stream (on the buffers themselves)
- * gather tensor by tensor. */
-static bool packed(const mt_trainer *t)
-{
-    return live(t) && !t->nov && mti_comm_stage(t->ctx);
 }
 
 /* Rank r's part of sharded parameter i in its gather buffer. */
@@ -658,6 +767,10 @@ mt_status mti_zero3_layer(void *user, int layer, int bwd, int in)
         return MT_OK;
     }
     const int at = E->at;
+    if (in && t->z3_rs && t->z3_rs[t->model->n_param].pending) { /* the entry before's reduce-scatters */
+        const mt_status f = flush(t);
+        if (f) return f;
+    }
     if (!in) {
         if (!bwd && layer >= t->z3_keep_from) /* kept: its next entry holds it from now */
             for (int q = at + 1; q < E->n_sched; q++) {
