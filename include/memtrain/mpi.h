@@ -46,6 +46,12 @@ extern "C" {
  * before the timeout. A call takes at most 2^30 elements per rank for the
  * gathers and scatters.
  *
+ * The fp32 reduce-scatter runs rank to rank (MPI_Irecv and MPI_Isend on the
+ * duplicate): each rank sends every other rank its part and receives their
+ * parts of its own into a buffer the communicator keeps until it is
+ * destroyed ((size - 1) x count floats, grown to the largest call), then
+ * adds the ranks' values in rank order.
+ *
  * MPI has no portable bf16: fp32 and bytes only (no MT_COMM_CAP_BF16). The
  * library calls MPI from the threads that call it; with MPI_THREAD_SINGLE or
  * FUNNELED that must be the thread that initialised MPI. With MPI
