@@ -84,6 +84,20 @@ TEST(comm_table_checks)
     CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_reduce(c, x, x, 4, MT_COMM_F32, (mt_comm_op)7, NULL));
     CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_broadcast(c, x, 4, MT_COMM_F32, 4, NULL));
     CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_gather(c, NULL, x, 1, MT_COMM_F32, NULL));
+    /* buffers overlap only in place (rule 3): rank 1 of 4 */
+    float y[16] = {0};
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_reduce(c, y, y + 1, 4, MT_COMM_F32, MT_COMM_SUM, NULL));
+    CHECK(strstr(mt_last_error(NULL), "overlap") != NULL);
+    CHECK_OK(mt_comm_all_reduce(c, y, y, 4, MT_COMM_F32, MT_COMM_SUM, NULL));
+    CHECK_OK(mt_comm_all_reduce(c, y, y + 4, 4, MT_COMM_F32, MT_COMM_SUM, NULL));
+    CHECK_OK(mt_comm_reduce_scatter(c, y, y + 4, 4, MT_COMM_F32, MT_COMM_SUM, NULL)); /* in place */
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_reduce_scatter(c, y, y, 4, MT_COMM_F32, MT_COMM_SUM, NULL));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_reduce_scatter(c, y, y + 12, 4, MT_COMM_F32, MT_COMM_SUM, NULL));
+    CHECK_OK(mt_comm_all_gather(c, y + 4, y, 4, MT_COMM_F32, NULL)); /* in place */
+    CHECK_OK(mt_comm_all_gather(c, (char *)y + 1, y, 1, MT_COMM_BYTE, NULL)); /* in place, bytes */
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_gather(c, y + 8, y, 4, MT_COMM_F32, NULL));
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_all_gather(c, y, y, 4, MT_COMM_F32, NULL));
+    CHECK_OK(mt_comm_all_gather(c, x, y, 4, MT_COMM_F32, NULL)); /* apart */
     CHECK(!mt_comm_broken(c));
     mt_comm_destroy(c);
     /* NULL: a world of one */

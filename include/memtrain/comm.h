@@ -29,7 +29,8 @@
  *      the table may fail every later call with MT_ERR_COMM; the library
  *      treats the communicator as broken from then on (mt_comm_broken),
  *      and the only way on is to destroy it and make a new one.
- *   3. Buffers may overlap only as the in-place forms below allow.
+ *   3. Buffers may overlap only as the in-place forms below allow (the
+ *      mt_comm_* calls refuse any other overlap: MT_ERR_INVALID_ARG).
  *      A call that failed may still have written any part of recv.
  *   4. Functions return MT_OK or an mt_status, never print or abort; the
  *      optional last_error gives the message of the last failure.

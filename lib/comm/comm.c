@@ -102,6 +102,25 @@ static mt_status check_call(mt_comm *c, const char *fn, const void *a, const voi
     return MT_OK;
 }
 
+/* Bytes per element. */
+static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1; }
+
+/* Rule 3 of the table (memtrain/comm.h): send (sn elements) and recv (rn)
+ * are the same call's in place (inplace) or do not overlap at all. */
+static mt_status check_overlap(const char *fn, const void *send, size_t sn, const void *recv,
+                               size_t rn, mt_comm_dtype dt, bool inplace, const char *form)
+{
+    if (inplace || !sn || !rn) return MT_OK;
+    const size_t es = esize(dt);
+    const uintptr_t s = (uintptr_t)send, r = (uintptr_t)recv;
+    if (s < r + rn * es && r < s + sn * es)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG,
+                        "%s: send (%p, %zu elements) and recv (%p, %zu elements) overlap, but not "
+                        "in place (%s)",
+                        fn, send, sn, recv, rn, form);
+    return MT_OK;
+}
+
 /* After the table's call: a failure breaks the communicator. */
 static mt_status after(mt_comm *c, const char *fn, mt_status s)
 {
@@ -117,6 +136,7 @@ mt_status mt_comm_all_reduce(mt_comm *c, const void *send, void *recv, size_t co
 {
     const char *fn = "mt_comm_all_reduce";
     mt_status s = check_call(c, fn, send, recv, count, dt, 1, op);
+    if (!s) s = check_overlap(fn, send, count, recv, count, dt, send == recv, "send == recv");
     if (s || !count) return s;
     return after(c, fn, c->vt.all_reduce(c->self, send, recv, count, dt, op, stream));
 }
@@ -126,6 +146,10 @@ mt_status mt_comm_reduce_scatter(mt_comm *c, const void *send, void *recv, size_
 {
     const char *fn = "mt_comm_reduce_scatter";
     mt_status s = check_call(c, fn, send, recv, count, dt, 1, op);
+    if (!s)
+        s = check_overlap(fn, send, count * (size_t)c->size, recv, count, dt,
+                          (const char *)recv == (const char *)send + (size_t)c->rank * count * esize(dt),
+                          "recv == send + rank * count");
     if (s || !count) return s;
     return after(c, fn, c->vt.reduce_scatter(c->self, send, recv, count, dt, op, stream));
 }
@@ -135,6 +159,10 @@ mt_status mt_comm_all_gather(mt_comm *c, const void *send, void *recv, size_t co
 {
     const char *fn = "mt_comm_all_gather";
     mt_status s = check_call(c, fn, send, recv, count, dt, 0, MT_COMM_SUM);
+    if (!s)
+        s = check_overlap(fn, send, count, recv, count * (size_t)c->size, dt,
+                          (const char *)send == (const char *)recv + (size_t)c->rank * count * esize(dt),
+                          "send == recv + rank * count");
     if (s || !count) return s;
     return after(c, fn, c->vt.all_gather(c->self, send, recv, count, dt, stream));
 }
@@ -222,7 +250,6 @@ void mti_comm_free_buffers(mt_context *ctx)
 
 typedef enum coll { ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST } coll;
 
-static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1; }
 
 /* Copies between the staging buffer and the context's memory (host memory
  * when `host`): memcpy on the host, the device's copies on CUDA. */
