@@ -1191,8 +1191,9 @@ void mt_trainer_destroy(mt_trainer *t);
  * optimizer is AdamW for each optimizer state allow permits instead of its
  * 32-bit state (and, when none of
  * those fits, each of them again with the optimizer state in pinned host
- * memory, cfg->offload = MT_PLACE_HOST; when none fits so and
- * cfg->offload_dir names a directory, with the state on disk,
+ * memory, cfg->offload = MT_PLACE_HOST, on CUDA contexts; when none fits
+ * so and cfg->offload_dir names a directory that exists and may be
+ * written, with the state on disk,
  * cfg->offload = MT_PLACE_DISK; then with the weights on disk too,
  * cfg->offload_params = 1; each where the trainer takes it for this
  * context, world size and configuration (docs/memory.md), saying so in the
@@ -1209,7 +1210,7 @@ void mt_trainer_destroy(mt_trainer *t);
  * a communicator) and the configuration chosen by the rank that needs the
  * most: each rank calling it gets the same answer, which fits every rank.
  * MT_ERR_BUDGET, with the least need (and the last offload refused, if
- * one was), when nothing fits; cfg is then unchanged; MT_ERR_INVALID_ARG
+ * one was, and why the disk was not tried, if it was not), when nothing fits; cfg is then unchanged; MT_ERR_INVALID_ARG
  * for other bits in allow. */
 typedef struct mt_autofit_report {
     int micro_batch;              /* rows per forward/backward pass */

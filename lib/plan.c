@@ -15,10 +15,13 @@
  * the limit, as the run would): such a plan is skipped like one over the
  * budget.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "model.h"
 #include "optim.h"
@@ -337,6 +340,24 @@ static double step_seconds(const mt_model *m, const mt_trainer_config *c, int mi
  * cfg's own, then 8-bit and 4-bit AdamW state in place of AdamW's where
  * allowed and possible (4-bit needs fp32 masters and the op table's
  * kernel). Returns how many. */
+/* Whether the offload directory can take a run's scratch directory (it
+ * exists, is a directory, and may be written and entered); else why not,
+ * in why. Auto-fit offers the disk only then: its dry runs never touch the
+ * disk, and a fit the run's create would refuse is no fit. */
+static bool dir_usable(const char *dir, char *why, size_t n)
+{
+    struct stat sb;
+    if (stat(dir, &sb) != 0)
+        snprintf(why, n, "the offload directory '%s': %s", dir, strerror(errno));
+    else if (!S_ISDIR(sb.st_mode))
+        snprintf(why, n, "the offload directory '%s' is not a directory", dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        snprintf(why, n, "the offload directory '%s': %s", dir, strerror(errno));
+    else
+        return true;
+    return false;
+}
+
 static int fit_optimizers(const mt_model *m, const mt_trainer_config *cfg, int allow,
                           mt_optimizer_kind out[3])
 {
@@ -376,13 +397,18 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
        say (mti_offload_check, read through the estimate's create): a
        candidate it refuses is skipped, and the last tier's refusal said
        when nothing fits. */
-    const bool dir = cfg->offload_dir && *cfg->offload_dir;
+    char nodir[320] = "";
+    const bool dir = cfg->offload_dir && *cfg->offload_dir &&
+                     dir_usable(cfg->offload_dir, nodir, sizeof nodir);
+    if (!(cfg->offload_dir && *cfg->offload_dir) && !cfg->offload_params)
+        snprintf(nodir, sizeof nodir, "no offload_dir is named");
     struct fit_tier {
         mt_place place;
         int params;
     } tier[4] = {{cfg->offload, cfg->offload_params}};
     int n_tiers = 1;
-    if (cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params)
+    if (cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params &&
+        m->ctx->dev->kind == MT_DEVICE_CUDA) /* (a CPU context's device memory is the host's) */
         tier[n_tiers++] = (struct fit_tier){MT_PLACE_HOST, 0};
     if (dir && cfg->offload == MT_PLACE_DEVICE && !cfg->offload_params)
         tier[n_tiers++] = (struct fit_tier){MT_PLACE_DISK, 0};
@@ -479,10 +505,11 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
     if (!best_t)
         return mti_fail(m->ctx, MT_ERR_BUDGET,
                         "mt_trainer_autofit: nothing fits the memory budget of %llu bytes; the "
-                        "least is %llu bytes (%.1f MiB), with %s%s%.320s",
+                        "least is %llu bytes (%.1f MiB), with %s%s%.320s%s%.320s",
                         (unsigned long long)cfg->memory_budget, (unsigned long long)least,
                         (double)least / 1048576.0, least_how,
-                        refused[0] ? "; not tried, as the trainer refuses it: " : "", refused);
+                        refused[0] ? "; not tried, as the trainer refuses it: " : "", refused,
+                        nodir[0] ? "; the disk not tried: " : "", nodir);
     const bool masters = cfg->precision != MT_PREC_FP32 && cfg->master_weights;
     if (best.offload == MT_PLACE_HOST && cfg->offload != MT_PLACE_HOST)
         mti_log(m->ctx, MT_LOG_INFO,

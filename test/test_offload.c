@@ -1102,6 +1102,21 @@ TEST(offload_autofit_chooses_the_disk)
         without.offload_dir = NULL;
         mt_autofit_report r;
         CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &without, 0, &r));
+        CHECK_MSG(strstr(mt_last_error(ctx), "the disk not tried: no offload_dir") &&
+                      !strstr(mt_last_error(ctx), "host"), /* (a CPU context: no host tier) */
+                  "%s", mt_last_error(ctx));
+        /* a directory the run could not use is no fit: not there, or a file */
+        char bad[600];
+        snprintf(bad, sizeof bad, "%s/not-there", dir);
+        for (int b = 0; b < 2; b++) {
+            if (b) CHECK(fclose(fopen(bad, "w")) == 0);
+            mt_trainer_config nodir = f;
+            nodir.offload_dir = bad;
+            CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &nodir, 0, &r));
+            CHECK_MSG(strstr(mt_last_error(ctx), b ? "is not a directory" : "No such file"), "%s",
+                      mt_last_error(ctx));
+        }
+        CHECK(unlink(bad) == 0);
         if (k) { /* the state on disk, as asked, and no more: nothing fits */
             without.offload = MT_PLACE_DISK;
             CHECK_ST(MT_ERR_BUDGET, mt_trainer_autofit(m, &without, 0, &r));
