@@ -212,7 +212,10 @@ expect 0 "config file" -- "$tool" train --config "$tmp/run.cfg" --steps 3 --thre
 [ "$(grep -c '"step"' "$tmp/out")" = 3 ] || { echo "FAIL tool: config file run"; cat "$tmp/out"; fail=1; }
 printf 'model = gpt\nlayer = 3\n' > "$tmp/bad.cfg"
 expect 2 "unknown key in a config file" -- "$tool" train --config "$tmp/bad.cfg"
-grep -q "'--layer'" "$tmp/err" || { echo "FAIL tool: unknown key message"; cat "$tmp/err"; fail=1; }
+grep -q "bad.cfg:2: unknown option 'layer'" "$tmp/err" || { echo "FAIL tool: unknown key message"; cat "$tmp/err"; fail=1; }
+printf 'model = gpt\nprompt = hi\n' > "$tmp/bad.cfg" # (sample's, not train's)
+expect 2 "another command's key in a config file" -- "$tool" train --config "$tmp/bad.cfg"
+grep -q "bad.cfg:2: unknown option 'prompt'" "$tmp/err" || { echo "FAIL tool: other command's key"; cat "$tmp/err"; fail=1; }
 printf 'model = gpt\njson = perhaps\n' > "$tmp/bad.cfg"
 expect 2 "bad flag value in a config file" -- "$tool" train --config "$tmp/bad.cfg"
 grep -q "bad.cfg:2" "$tmp/err" || { echo "FAIL tool: config line number"; cat "$tmp/err"; fail=1; }

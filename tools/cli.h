@@ -109,6 +109,9 @@ int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o
 void cli_usage(FILE *f, unsigned cmd, const char *head);
 /* Whether --name (without dashes) is a flag, taking no value (config.c). */
 bool cli_is_flag(const char *name);
+/* Whether a command (CLI_TRAIN, ...) takes the option name (without its
+ * leading "--"). */
+bool cli_takes(const char *name, unsigned cmd);
 
 /* The trainer configuration the options give, for the model they name. */
 void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc);

@@ -412,6 +412,12 @@ static const opt *find(const char *name, unsigned cmd)
     return NULL;
 }
 
+bool cli_takes(const char *name, unsigned cmd)
+{
+    char full[80];
+    return snprintf(full, sizeof full, "--%s", name) < (int)sizeof full && find(full, cmd);
+}
+
 bool cli_is_flag(const char *name)
 {
     for (size_t i = 0; i < N_OPTS; i++)

@@ -65,7 +65,8 @@ static bool name_ok(const char *s, size_t n)
     return true;
 }
 
-int cfg_parse(const char *text, size_t n, const char *what, cfg_args *out, char *err, size_t cap)
+int cfg_parse(const char *text, size_t n, const char *what, unsigned cmd, cfg_args *out, char *err,
+              size_t cap)
 {
     memset(out, 0, sizeof *out);
     size_t line_no = 0;
@@ -111,6 +112,10 @@ int cfg_parse(const char *text, size_t n, const char *what, cfg_args *out, char 
         }
         char name[80];
         snprintf(name, sizeof name, "--%.*s", (int)(ke - a), text + a);
+        if (cmd && !cli_takes(name + 2, cmd)) {
+            cfg_args_free(out);
+            return fail(err, cap, "%s:%zu: unknown option '%s'", what, line_no, name + 2);
+        }
         if (cli_is_flag(name + 2)) {
             size_t vn = b - vs;
             const char *v = text + vs;

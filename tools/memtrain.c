@@ -38,7 +38,7 @@ static void usage_main(FILE *f)
 /* Runs cmd with the options of a --config FILE (key = value lines, the same
  * names) first and the command line's after them, so the command line
  * overrides the file. */
-static int with_config(int argc, char **argv, int (*cmd)(int, char **))
+static int with_config(int argc, char **argv, unsigned bits, int (*cmd)(int, char **))
 {
     const char *path = NULL;
     int at = -1;
@@ -81,7 +81,7 @@ static int with_config(int argc, char **argv, int (*cmd)(int, char **))
     fclose(f);
     cfg_args a;
     char err[256];
-    int rc = cfg_parse(text ? text : "", n, path, &a, err, sizeof err);
+    int rc = cfg_parse(text ? text : "", n, path, bits, &a, err, sizeof err);
     free(text);
     if (rc) {
         fprintf(stderr, "%s: %s\n(run 'memtrain --help')\n", cli_prog, err);
@@ -118,10 +118,10 @@ int main(int argc, char **argv)
         usage_main(stdout);
         return 0;
     }
-    if (!strcmp(cmd, "train")) return with_config(argc - 2, argv + 2, cmd_train);
+    if (!strcmp(cmd, "train")) return with_config(argc - 2, argv + 2, CLI_TRAIN, cmd_train);
     if (!strcmp(cmd, "replay")) return cmd_replay(argc - 2, argv + 2);
-    if (!strcmp(cmd, "estimate")) return with_config(argc - 2, argv + 2, cmd_estimate);
-    if (!strcmp(cmd, "sample")) return with_config(argc - 2, argv + 2, cmd_sample);
+    if (!strcmp(cmd, "estimate")) return with_config(argc - 2, argv + 2, CLI_ESTIMATE, cmd_estimate);
+    if (!strcmp(cmd, "sample")) return with_config(argc - 2, argv + 2, CLI_SAMPLE, cmd_sample);
     if (!strcmp(cmd, "report")) return cmd_report(argc - 2, argv + 2);
     return cli_bad_usage("unknown command '%s'", cmd);
 }

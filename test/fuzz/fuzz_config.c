@@ -14,7 +14,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     cfg_args a;
     char err[256];
-    if (cfg_parse((const char *)data, size, "fuzz", &a, err, sizeof err) == 0) {
+    if (cfg_parse((const char *)data, size, "fuzz", 0, &a, err, sizeof err) == 0) {
         /* the first of the options is a name */
         if (a.argc && strncmp(a.argv[0], "--", 2)) __builtin_trap();
         cfg_args_free(&a);
