@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../../tools/cli.h"
 #include "../../tools/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -14,7 +15,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     cfg_args a;
     char err[256];
-    if (cfg_parse((const char *)data, size, "fuzz", 0, &a, err, sizeof err) == 0) {
+    if (cfg_parse((const char *)data, size, "fuzz", (size & 1) ? CLI_TRAIN : 0, &a, err, sizeof err) == 0) {
         /* the first of the options is a name */
         if (a.argc && strncmp(a.argv[0], "--", 2)) __builtin_trap();
         cfg_args_free(&a);
