@@ -780,6 +780,16 @@ static mt_context *one_rank_kit(mt_context **first, mt_comm **c, size_t k, float
     return ctx;
 }
 
+/* What one_rank_kit made, freed. */
+static void kit_free(mt_context *ctx, mt_context *first, mt_comm *c, mt_block *b, float *h,
+                     float *back)
+{
+    mt_context_free(ctx, b);
+    free(h);
+    free(back);
+    tnccl_free(ctx, first, c);
+}
+
 /* One rank on a GPU (MT_TEST_GPU=1, with the real driver and the
  * libnccl.so.2 the library finds; the stand-ins otherwise): copies on the
  * device's stream write two 4 MiB tensors, each given to the
@@ -822,10 +832,7 @@ TEST(comm_nccl_one_rank_stream)
     CHECK_EQ(cs.collectives, 6);
     if (gpu) CHECK_MSG(cs.seconds > 0.0, "the collectives took %g s", cs.seconds);
     mti_ncclov_free(ov);
-    mt_context_free(ctx, &b);
-    free(h);
-    free(back);
-    tnccl_free(ctx, first, c);
+    kit_free(ctx, first, c, &b, h, back);
 }
 
 /* comm_nccl_one_rank_zero's job: tensor i's values packed into its bucket
@@ -945,10 +952,7 @@ TEST(comm_nccl_one_rank_zero)
     CHECK_MSG(mti_ncclov_done(ov, tk[1]) == MT_OK, "%s", mt_last_error(ctx));
     CHECK_OK(mti_ncclov_quiet(ov, false));
     mti_ncclov_free(ov);
-    mt_context_free(ctx, &b);
-    free(h);
-    free(back);
-    tnccl_free(ctx, first, c);
+    kit_free(ctx, first, c, &b, h, back);
 }
 
 /* Each collective on the communication stream counts once in the
@@ -989,10 +993,7 @@ TEST(nccl_overlap_time_once)
               "the stream's collectives counted %llu ns: not whole milliseconds of the events' "
               "clock (the host's time queueing them counted too)", (unsigned long long)ns);
     mti_ncclov_free(ov);
-    mt_context_free(ctx, &b);
-    free(h);
-    free(back);
-    tnccl_free(ctx, first, c);
+    kit_free(ctx, first, c, &b, h, back);
 }
 
 /* The device layer's streams and events for it, and the driver's rules

@@ -363,15 +363,23 @@ static mt_status q_quiet(mt_trainer *t, bool reset)
 
 /* Brings parameter i in (one more holder): its buffer made and its gather
  * run, or queued (then z3_ticket[i] names it until it is waited for). */
+/* Parameter i's gather buffer made (COMM, the whole tensor's bytes, or
+ * N slices' with the padding). */
+static mt_status gather_buf(mt_trainer *t, int i)
+{
+    mti_tensor *g = &t->gb[i];
+    const size_t es = mti_dtype_size(t->model->params[i].w.dtype);
+    *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)(gather_elems(t, i) * es)}};
+    return mti_tensor_alloc(t->ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
+}
+
 static mt_status gather_in(mt_trainer *t, int i)
 {
     if (t->gref[i]++) return MT_OK;
     mt_context *ctx = t->ctx;
     mti_param *p = &t->model->params[i];
-    const size_t es = mti_dtype_size(p->w.dtype);
     mti_tensor *g = &t->gb[i];
-    *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)(gather_elems(t, i) * es)}};
-    mt_status s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
+    mt_status s = gather_buf(t, i);
     const mt_status ls = !s && on_disk(t, i) ? slice_in(t, i, g) : MT_OK;
     if (!s && ls) { /* its slice lost: the others are not left waiting in the gather */
         s = gather_run(t, i); /* (zeros from here, at once, after the queue) */
@@ -674,7 +682,6 @@ static mt_status group_run(void *user, int p)
  * and the entry fails. */
 static mt_status take_packed(mt_trainer *t, int p, const int *idx, int n)
 {
-    mt_context *ctx = t->ctx;
     struct mti_z3_group *grp = &t->z3_grp[p];
     if (grp->ticket) (void)q_done(t, grp->ticket); /* (never rewritten under the thread's feet) */
     grp->ticket = 0;
@@ -684,19 +691,14 @@ static mt_status take_packed(mt_trainer *t, int p, const int *idx, int n)
     for (; j < n && !s; j++) {
         const int i = idx[j];
         if (t->gref[i]++) continue;
-        mti_param *pm = &t->model->params[i];
-        mti_tensor *g = &t->gb[i];
-        *g = (mti_tensor){.dtype = MTI_U8, .ndim = 1,
-                          .shape = {(int64_t)(gather_elems(t, i) * mti_dtype_size(pm->w.dtype))}};
-        s = mti_tensor_alloc(ctx, g, MT_MEM_COMM, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_COMM, i));
-        if (s) {
+        if ((s = gather_buf(t, i))) {
             t->gref[i]--;
             break;
         }
-        pm->w.blk = g->blk;
+        t->model->params[i].w.blk = t->gb[i].blk;
         grp->idx[grp->n++] = i;
         if (on_disk(t, i)) {
-            const mt_status r = slice_in(t, i, g);
+            const mt_status r = slice_in(t, i, &t->gb[i]);
             if (!ls) ls = r;
         }
     }
