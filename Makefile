@@ -2,6 +2,7 @@
 #
 #   make demo    installs missing Debian packages (as root), builds, trains a small model
 #   make test    installs missing Debian packages (as root), builds, runs the test suite
+#   make test-isa  the CPU tests again with the kernels capped at AVX2 and at the baseline
 #
 # Variables: CC (gcc or clang), PREFIX (install), SAN=1 (AddressSanitizer +
 # UndefinedBehaviorSanitizer build in build-san/), NVCC (path to nvcc; empty
@@ -65,7 +66,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: fuzz test-deps all lib test test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-isa test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -252,6 +253,21 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) 
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 	$(GPU_BUNDLE)/memtrain-gpu/run.sh --stand-in $(BUILD)/gpu-standin-results
 	./test/gpu_bundle_test.sh $(GPU_BUNDLE)/memtrain-gpu
+
+# The CPU op, engine, quantized-base, optimizer and estimate tests again
+# with the CPU kernels capped at each class of ISA_CAPS (MT_CPU_ISA; oneDNN
+# capped with them), so a machine with AVX-512 proves the AVX2 and baseline
+# paths too; and the standard QLoRA run of the command at each cap.
+ISA_CAPS ?= avx2 baseline
+ISA_TESTS := test_ops.c test_engine.c test_qbase.c test_quant.c test_estimate.c test_isa.c \
+	test_optim.c test_optim4.c test_golden.c
+test-isa: test-deps
+	@$(MAKE) --no-print-directory $(TEST_BIN) $(TOOL) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
+	@for c in $(ISA_CAPS); do echo "== MT_CPU_ISA=$$c"; \
+	  $(FAKE_ENV) MT_CPU_ISA=$$c $(TEST_BIN) $(ISA_TESTS) || exit 1; \
+	  MT_CPU_ISA=$$c $(TOOL) train --model gpt --layers 2 --lora 8 --base nf4 --precision bf16 \
+	    --steps 4 --every 2 || exit 1; \
+	done
 
 # the long randomized stress (10^6 operations per allocator and seed)
 test-long: deps

@@ -32,8 +32,8 @@
  * Times are medians over batches; in each batch every target runs once, in
  * turns, so whatever else the machine does falls on all of them alike.
  *
- * Usage: bench_kernels [--quick] [--threads N] [--optim] [--ops]
- *        (--optim: (c) alone; --ops: (d) alone)
+ * Usage: bench_kernels [--quick] [--threads N] [--optim] [--ops] [--gemm]
+ *        (--optim: (c) alone; --ops: (d) alone; --gemm: (a) alone)
  */
 #include <math.h>
 #include <omp.h>
@@ -45,12 +45,13 @@
 
 #include "internal.h"
 #include "kernels.h"
+#include "../kernels/cpu/arch.h"
 #include "../kernels/cpu/cpu_ops.h"
 #include "../kernels/cpu/vecmath.h"
 #include "common.h"
 #include "dnnl_direct.h"
 
-static bool quick, optim_only, ops_only;
+static bool quick, optim_only, ops_only, gemm_only;
 static mt_context *ctx;
 static mti_kctx K;
 
@@ -509,7 +510,8 @@ static void plain_adamw(float *p, const float *g, float *m, float *v, size_t n, 
 /* An in-place triad, a = a + s b, threaded in the updates' chunking: its
  * rate (12 bytes per element, read a and b, write a: like the updates, it
  * writes only what it read) is the bandwidth bound. */
-WIDE_CLONES static void triad_n(float *restrict a, const float *restrict b, size_t n, float s)
+MTI_VEC_VOID(triad_n, (float *restrict a, const float *restrict b, size_t n, float s),
+             (a, b, n, s))
 {
 #pragma omp simd
     for (size_t j = 0; j < n; j++) a[j] = a[j] + s * b[j];
@@ -860,9 +862,10 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--quick")) quick = true;
         else if (!strcmp(argv[i], "--optim")) optim_only = true;
         else if (!strcmp(argv[i], "--ops")) ops_only = true;
+        else if (!strcmp(argv[i], "--gemm")) gemm_only = true;
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N] [--optim] [--ops]\n");
+            fprintf(stderr, "usage: bench_kernels [--quick] [--threads N] [--optim] [--ops] [--gemm]\n");
             return 2;
         }
     }
@@ -889,10 +892,10 @@ int main(int argc, char **argv)
     dd_describe(stdout);
     if (!optim_only && !ops_only) {
         gemm_bench();
-        att_bench();
+        if (!gemm_only) att_bench();
     }
-    if (!ops_only) optim_bench();
-    if (!optim_only) step_ops_bench();
+    if (!ops_only && !gemm_only) optim_bench();
+    if (!optim_only && !gemm_only) step_ops_bench();
     mt_context_destroy(ctx);
     return 0;
 }

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "memtrain.h"
+
 typedef struct dd_mm {
     dnnl_primitive_t prim;
     dnnl_memory_desc_t md[4]; /* src, weights, dst, bias */
@@ -42,6 +44,7 @@ static inline void dd_make(dd_mm *m, int M, int N, int K, int ta, int tb, dnnl_d
                     dnnl_data_type_t c, int bias, int accumulate)
 {
     if (!dd_engine) {
+        (void)mt_cpu_isa(); /* MT_CPU_ISA caps oneDNN before its first code */
         dd_check(dnnl_engine_create(&dd_engine, dnnl_cpu, 0), "engine");
         dd_check(dnnl_stream_create(&dd_stream, dd_engine, dnnl_stream_default_flags), "stream");
     }
@@ -87,10 +90,12 @@ static inline void dd_run(const dd_mm *m, const void *a, const void *b, void *c,
 
 static inline void dd_free(dd_mm *m) { dnnl_primitive_destroy(m->prim); }
 
-/* One line: the CPU model, the ISA extensions that matter to the GEMMs, and
- * oneDNN's version and the ISA it runs on. */
+/* One line: the CPU model, the ISA extensions that matter to the GEMMs,
+ * oneDNN's version and the ISA it runs on, and the class of memtrain's
+ * kernels (mt_cpu_isa: the CPU's, capped by MT_CPU_ISA). */
 static inline void dd_describe(FILE *f)
 {
+    const char *ours = mt_cpu_isa(); /* first: it caps oneDNN */
     static const char *isa[] = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile",
                                 "amx_bf16"};
     char line[8192], model[256] = "unknown", flags[8192] = "";
@@ -119,8 +124,10 @@ static inline void dd_describe(FILE *f)
                        : e == dnnl_cpu_isa_avx512_core      ? "avx512_core"
                        : e == dnnl_cpu_isa_avx2_vnni        ? "avx2_vnni"
                        : e == dnnl_cpu_isa_avx2             ? "avx2"
+                       : e == dnnl_cpu_isa_sse41            ? "sse41"
                                                             : "other";
-    fprintf(f, "; oneDNN %d.%d.%d on %s\n", v->major, v->minor, v->patch, name);
+    fprintf(f, "; oneDNN %d.%d.%d on %s; memtrain kernels %s\n", v->major, v->minor, v->patch,
+            name, ours);
 }
 
 #endif /* MT_BENCH_DNNL_DIRECT_H */

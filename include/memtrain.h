@@ -40,6 +40,18 @@ extern "C" {
 /* The library's version string, e.g. "0.1.0". */
 const char *mt_version(void);
 
+/* The class of instructions the CPU kernels use, one of "baseline" (x86-64
+ * with SSE2 only, or the baseline of another architecture such as
+ * aarch64), "avx2" (AVX2 and F16C), "avx512" (AVX-512 F, BW, CD, DQ, VL),
+ * "avx512_bf16" or "amx": the most this CPU and its OS support, capped by
+ * the environment variable MT_CPU_ISA when it names one of these classes
+ * (read once, at the first call into the library that computes or makes
+ * a context; it caps oneDNN's code too). An MT_CPU_ISA that names no
+ * class makes mt_context_create fail with MT_ERR_INVALID_ARG, and its
+ * message lists the classes. docs/kernels.md says what differs in bits
+ * between classes. Never NULL. */
+const char *mt_cpu_isa(void);
+
 /* ------------------------------------------------------------------------ */
 /* Status codes                                                              */
 /* ------------------------------------------------------------------------ */

@@ -118,6 +118,9 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     mt_context_config c;
     mt_status s = take_config(cfg, &c);
     if (s) return s;
+    char isa_msg[320];
+    if (mti_isa_check(isa_msg, sizeof isa_msg))
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: %s", isa_msg);
 
     /* a dry context of several ranks without a communicator (an estimate)
        assumes the kind a run of its device takes: NCCL on CUDA; one made

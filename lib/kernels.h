@@ -408,6 +408,12 @@ struct mti_ops {
  * not depend on the thread count. */
 const mti_ops *mti_cpu_ops(void);
 int mti_cpu_threads(const mti_kctx *k);
+/* The class of CPU instructions the CPU table uses (kernels/cpu/arch.h):
+ * the CPU's, capped by the environment variable MT_CPU_ISA. mti_isa_check:
+ * 0, or -1 with a message in msg when MT_CPU_ISA names no class or could
+ * not cap oneDNN (the first call reads it, and caps oneDNN). */
+int mti_isa_check(char *msg, size_t cap);
+const char *mti_isa_used_name(void);
 
 /* The CUDA table (MT_ERR_UNSUPPORTED when the device has no kernels). */
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out);

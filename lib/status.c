@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "kernels.h"
 
 /* Messages of this thread: of its last failure without a context, and of
  * its last failure on a context (tagged with which). A context also keeps
@@ -19,6 +20,8 @@ static _Thread_local const mt_context *tls_ctx;
 static _Thread_local char tls_ctx_msg[MTI_ERR_LEN];
 
 const char *mt_version(void) { return MT_VERSION_STRING; }
+
+const char *mt_cpu_isa(void) { return mti_isa_used_name(); }
 
 const char *mt_status_string(mt_status s)
 {

@@ -17,7 +17,7 @@
 #include "memtrain.h"
 
 typedef void (*check_fn)(void);
-void check_register(const char *name, check_fn fn);
+void check_register(const char *name, check_fn fn, const char *file);
 void check_fail(const char *file, int line, const char *what);  /* ends the test */
 void check_note(const char *file, int line, const char *what);  /* records and goes on */
 bool check_long(void);  /* MT_TEST_LONG=1: the long variants */
@@ -67,7 +67,7 @@ void check_estimate_matches(mt_context *ctx, const mt_estimate_report *est, cons
 
 #define TEST(name)                                                                          \
     static void name(void);                                                                 \
-    __attribute__((constructor)) static void name##_register(void) { check_register(#name, name); } \
+    __attribute__((constructor)) static void name##_register(void) { check_register(#name, name, __FILE__); } \
     static void name(void)
 
 #define CHECK(c)                                                                            \

@@ -1,7 +1,9 @@
 /*
  * test_main.c - runs the registered tests.
- * Usage: mt_tests [substring ...]          (no argument: every test)
- *        mt_tests --list [substring ...]   the names it would run, one a line
+ * Usage: mt_tests [filter ...]             (no argument: every test)
+ *        mt_tests --list [filter ...]      the names it would run, one a line
+ * A filter is a substring of test names, or a source file's name ending
+ * in .c (test_ops.c: every test of test/test_ops.c).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -16,15 +18,28 @@
 typedef struct test_entry {
     const char *name;
     check_fn fn;
+    const char *file;
 } test_entry;
 static test_entry tests[MAX_TESTS];
 static int n_tests;
 static jmp_buf jump;
 static _Atomic int notes;
 
-void check_register(const char *name, check_fn fn)
+void check_register(const char *name, check_fn fn, const char *file)
 {
-    if (n_tests < MAX_TESTS) tests[n_tests++] = (test_entry){name, fn};
+    if (n_tests < MAX_TESTS) tests[n_tests++] = (test_entry){name, fn, file};
+}
+
+/* A test a filter selects: by a substring of its name, or by its file's
+ * name (a filter ending in .c). */
+static bool selects(const test_entry *t, const char *filter)
+{
+    const size_t n = strlen(filter);
+    if (n > 2 && !strcmp(filter + n - 2, ".c")) {
+        const char *base = strrchr(t->file, '/');
+        return !strcmp(base ? base + 1 : t->file, filter);
+    }
+    return strstr(t->name, filter) != NULL;
 }
 
 void check_fail(const char *file, int line, const char *what)
@@ -250,7 +265,7 @@ int main(int argc, char **argv)
     if (list) argc--, argv++;
     for (int i = 0; i < n_tests; i++) {
         bool want = argc < 2;
-        for (int a = 1; a < argc && !want; a++) want = strstr(tests[i].name, argv[a]) != NULL;
+        for (int a = 1; a < argc && !want; a++) want = selects(&tests[i], argv[a]);
         if (!want) continue;
         if (list) {
             printf("%s\n", tests[i].name);

@@ -15,6 +15,11 @@ expect() { # expect CODE DESCRIPTION -- command...
 }
 expect 0 "version" -- "$tool" --version
 grep -q "^memtrain [0-9]" "$tmp/out" || { echo "FAIL tool: version text"; fail=1; }
+grep -Eq "^CPU kernels: (baseline|avx2|avx512|avx512_bf16|amx)$" "$tmp/out" || { echo "FAIL tool: version's CPU class"; cat "$tmp/out"; fail=1; }
+# MT_CPU_ISA caps the CPU class; a value that names none is refused, listing them
+MT_CPU_ISA=baseline "$tool" --version | grep -q "^CPU kernels: baseline$" || { echo "FAIL tool: MT_CPU_ISA=baseline"; fail=1; }
+expect 1 "unknown CPU class" -- env MT_CPU_ISA=avx3 "$tool" train --steps 1
+grep -q "MT_CPU_ISA='avx3' is not a CPU class; the classes are baseline, avx2, avx512, avx512_bf16 and amx" "$tmp/err" || { echo "FAIL tool: MT_CPU_ISA message"; cat "$tmp/err"; fail=1; }
 expect 0 "help" -- "$tool" --help
 expect 0 "train help" -- "$tool" train --help
 expect 2 "no command" -- "$tool"

@@ -131,6 +131,10 @@ void cli_json_num(FILE *f, const char *key, const char *fmt, double v);
 /* Prints s to f as a JSON string. */
 void cli_json_str(FILE *f, const char *s);
 
+/* The context's device name, and on the CPU the class of instructions its
+ * kernels use (mt_cpu_isa), e.g. "CPU (2 threads), avx2 kernels". */
+const char *cli_device_label(mt_context *ctx);
+
 /* The memory report of a context on f. */
 void cli_print_report(mt_context *ctx, FILE *f);
 

@@ -756,6 +756,15 @@ void cli_json_str(FILE *f, const char *s)
     fputc('"', f);
 }
 
+const char *cli_device_label(mt_context *ctx)
+{
+    static char label[320];
+    const char *name = mt_context_device_name(ctx);
+    if (strncmp(name, "CPU", 3)) return name;
+    snprintf(label, sizeof label, "%s, %s kernels", name, mt_cpu_isa());
+    return label;
+}
+
 void cli_print_report(mt_context *ctx, FILE *f)
 {
     size_t need = 0;

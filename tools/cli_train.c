@@ -188,7 +188,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         for (int i = 0; i < o->n_hidden; i++) printf("-%d", o->hidden[i]);
         printf("-3, %s, %zu parameters) on three spirals, %s, %s, %s, allocator %s\n",
                o->act == MT_ACT_RELU ? "relu" : "gelu", mt_model_num_params(m),
-               mt_context_device_name(ctx), prec_name[o->precision],
+               cli_device_label(ctx), prec_name[o->precision],
                mt_optimizer_name(o->optimizer), o->allocator);
     }
     uint64_t data = (uint64_t)o->seed * 7919u;
@@ -379,7 +379,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
                "T%ld, %s, %s, allocator %s\n",
                g.spec.layers, g.spec.heads, g.spec.channels, g.spec.vocab,
                mt_model_num_params(g.model), o->data ? o->data : "the built-in corpus",
-               g.info.tokens, o->batch, o->seq, mt_context_device_name(ctx),
+               g.info.tokens, o->batch, o->seq, cli_device_label(ctx),
                prec_name[o->precision], o->allocator);
         printf("estimated peak %.2f MiB (allocators reserve %.2f MiB)%s\n",
                (double)g.est.peak / 1048576.0, (double)g.est.peak_reserved / 1048576.0,

@@ -111,7 +111,7 @@ int main(int argc, char **argv)
     }
     const char *cmd = argv[1];
     if (!strcmp(cmd, "--version")) {
-        printf("memtrain %s\n", mt_version());
+        printf("memtrain %s\nCPU kernels: %s\n", mt_version(), mt_cpu_isa());
         return 0;
     }
     if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {

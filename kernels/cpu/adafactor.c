@@ -74,7 +74,8 @@ static inline float lanes_total(float *acc)
 }
 
 /* sum of x (n), in LANES partial sums */
-WIDE_CLONES static float plain_sum(const float *x, size_t n)
+MTI_VEC_FN(float, plain_sum, (const float *x, size_t n),
+           (x, n))
 {
     float acc[LANES];
     memset(acc, 0, sizeof acc);
@@ -87,7 +88,8 @@ WIDE_CLONES static float plain_sum(const float *x, size_t n)
 }
 
 /* sum of u = (g gs)^2 + eps1 over n gradients, in LANES partial sums */
-WIDE_CLONES static float u_sum(const float *g, size_t n, float gs, float eps1)
+MTI_VEC_FN(float, u_sum, (const float *g, size_t n, float gs, float eps1),
+           (g, n, gs, eps1))
 {
     float acc[LANES];
     memset(acc, 0, sizeof acc);
@@ -149,7 +151,8 @@ static void row_means(const af_ctx *c)
 
 /* col[c0 .. c0+w) = b2t col + c2t mean down the column of u: each column
  * summed in row order, ROW_BLOCK rows at a time, the blocks in order. */
-WIDE_CLONES static void col_strip(const af_ctx *c, size_t c0, size_t w)
+MTI_VEC_VOID(col_strip, (const af_ctx *c, size_t c0, size_t w),
+             (c, c0, w))
 {
     float total[STRIP], blk[STRIP];
     memset(total, 0, sizeof total);
@@ -199,7 +202,8 @@ static size_t tile_setup(const af_ctx *c, size_t item, float *cf, size_t *c0, si
 
 /* item: the sum of update^2 over one tile; each column accumulates down
  * the tile's rows, then the columns in a fixed tree */
-WIDE_CLONES static float tile_sumsq(const af_ctx *c, size_t item)
+MTI_VEC_FN(float, tile_sumsq, (const af_ctx *c, size_t item),
+           (c, item))
 {
     float cf[TILE_COLS], acc[TILE_COLS];
     size_t c0, h, w;
@@ -261,7 +265,8 @@ static inline __attribute__((always_inline)) void step_run(float *p, float *m, c
     }
 }
 
-WIDE_CLONES static void tile_apply(const af_ctx *c, size_t item)
+MTI_VEC_VOID(tile_apply, (const af_ctx *c, size_t item),
+             (c, item))
 {
     float cf[TILE_COLS], u[TILE_COLS];
     size_t c0, h, w;
@@ -282,7 +287,8 @@ WIDE_CLONES static void tile_apply(const af_ctx *c, size_t item)
 /* ---- unfactored, per chunk ---- */
 
 /* item: v = b2t v + c2t u over the chunk, and the sum of (rsqrt(v) g)^2 */
-WIDE_CLONES static float chunk_v_sumsq(const af_ctx *c, size_t item)
+MTI_VEC_FN(float, chunk_v_sumsq, (const af_ctx *c, size_t item),
+           (c, item))
 {
     size_t i = item * CHUNK, n = min_sz(CHUNK, c->n - i);
     const float *g = c->g + i;
@@ -310,7 +316,8 @@ WIDE_CLONES static float chunk_v_sumsq(const af_ctx *c, size_t item)
     return lanes_total(acc);
 }
 
-WIDE_CLONES static void chunk_apply(const af_ctx *c, size_t item)
+MTI_VEC_VOID(chunk_apply, (const af_ctx *c, size_t item),
+             (c, item))
 {
     float u[TILE_COLS];
     const float gs = c->gs;

@@ -39,10 +39,9 @@
 /* Queries and keys per block: a (64,64) block of scores is 16 KiB. */
 #define ATT_BLK 64
 
-/* The hot loops are compiled twice, for AVX2 and for the baseline, and the
- * loader picks one. Both do the same multiplies and adds per lane (no FMA:
- * AVX2 alone does not have it), so the bits do not depend on the CPU. */
-#define ATT_CLONES WIDE_CLONES
+/* The hot loops are compiled once per level (arch.h: MTI_VEC_VOID) and
+ * the level in use picks one. Every copy does the same multiplies and adds
+ * per lane (no FMA), so the bits do not depend on the CPU. */
 #if defined(__GNUC__) || defined(__clang__)
 #define ATT_INLINE __attribute__((always_inline)) inline
 #else
@@ -238,8 +237,9 @@ static void fwd_load(const fwd_head *fh, float *row, const void *qkv, const att_
 }
 
 /* One block of queries (qb) of head (b,h): out rows and lse. */
-ATT_CLONES static void fwd_block(void *out, float *lse, const void *qkv, const att_args *a, int b,
-                                 int h, const fwd_head *fh, int qb, float *scr)
+MTI_VEC_VOID(fwd_block, (void *out, float *lse, const void *qkv, const att_args *a, int b, int h,
+                         const fwd_head *fh, int qb, float *scr),
+             (out, lse, qkv, a, b, h, fh, qb, scr))
 {
     const int hs = a->hs, hsp = a->hsp, T = a->T;
     const int i0 = qb * ATT_BLK, nq = mini(ATT_BLK, T - i0), mr = round_up(nq, 4);
@@ -504,7 +504,8 @@ static ATT_INLINE void bwd_acc_dq(const bwd_head *hd, const att_args *a, int qb,
 }
 
 /* Keys of block kb: dK and dV from every query block that sees them, in order. */
-ATT_CLONES static void bwd_dkdv(const bwd_head *hd, const att_args *a, int kb, float *P, float *dS)
+MTI_VEC_VOID(bwd_dkdv, (const bwd_head *hd, const att_args *a, int kb, float *P, float *dS),
+             (hd, a, kb, P, dS))
 {
     for (int qb = kb; qb < a->Tp / ATT_BLK; qb++) {
         int mr = bwd_pds(P, dS, hd, a, qb, kb);
@@ -513,7 +514,8 @@ ATT_CLONES static void bwd_dkdv(const bwd_head *hd, const att_args *a, int kb, f
 }
 
 /* Queries of block qb: dQ from every key block they see, in order. */
-ATT_CLONES static void bwd_dq(const bwd_head *hd, const att_args *a, int qb, float *P, float *dS)
+MTI_VEC_VOID(bwd_dq, (const bwd_head *hd, const att_args *a, int qb, float *P, float *dS),
+             (hd, a, qb, P, dS))
 {
     for (int kb = 0; kb <= qb; kb++) {
         int mr = bwd_pds(P, dS, hd, a, qb, kb);
@@ -525,7 +527,8 @@ ATT_CLONES static void bwd_dq(const bwd_head *hd, const att_args *a, int qb, flo
  * feeding dV, dK and dQ at once. Key blocks outer, query blocks inner: dK and
  * dV still sum over query blocks in order, dQ over key blocks in order, as
  * in the split passes. */
-ATT_CLONES static void bwd_all(const bwd_head *hd, const att_args *a, float *P, float *dS)
+MTI_VEC_VOID(bwd_all, (const bwd_head *hd, const att_args *a, float *P, float *dS),
+             (hd, a, P, dS))
 {
     const int nb = a->Tp / ATT_BLK;
     for (int kb = 0; kb < nb; kb++)

@@ -36,7 +36,8 @@ static inline float tanh_f(float u)
     return copysignf(t, u);
 }
 
-WIDE_CLONES static void gelu_fwd_n(float *y, const float *x, size_t n)
+MTI_VEC_VOID(gelu_fwd_n, (float *y, const float *x, size_t n),
+             (y, x, n))
 {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {
@@ -47,7 +48,8 @@ WIDE_CLONES static void gelu_fwd_n(float *y, const float *x, size_t n)
 }
 
 /* d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 c x^2), t = tanh(u) */
-WIDE_CLONES static void gelu_bwd_n(float *dx, const float *dy, const float *x, size_t n)
+MTI_VEC_VOID(gelu_bwd_n, (float *dx, const float *dy, const float *x, size_t n),
+             (dx, dy, x, n))
 {
 #pragma omp simd
     for (size_t i = 0; i < n; i++) {

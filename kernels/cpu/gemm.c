@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "cpu_ops.h"
 
 #define GEMM_CACHE 512
@@ -46,6 +47,7 @@ static void stream_free(void *s) { dnnl_stream_destroy(s); }
 
 static void gemm_init(void)
 {
+    (void)mti_isa_used(); /* MT_CPU_ISA caps oneDNN before it makes any code */
     if (dnnl_engine_create(&g_engine, dnnl_cpu, 0) != dnnl_success) {
         g_ready = -1;
         return;

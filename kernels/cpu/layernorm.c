@@ -52,7 +52,8 @@ static float lanes_total(float acc[LANES])
  * compiler holds in registers (the caller's arrays might alias the data). */
 
 /* acc += x (n values; chunks other than a row's last are multiples of LANES) */
-WIDE_CLONES static void lanes_sum(float acc[LANES], const float *x, size_t n)
+MTI_VEC_VOID(lanes_sum, (float acc[LANES], const float *x, size_t n),
+             (acc, x, n))
 {
     float s[LANES];
     memcpy(s, acc, sizeof s);
@@ -65,7 +66,8 @@ WIDE_CLONES static void lanes_sum(float acc[LANES], const float *x, size_t n)
 }
 
 /* acc += (x - mean)^2 */
-WIDE_CLONES static void lanes_sqdev(float acc[LANES], const float *x, size_t n, float mean)
+MTI_VEC_VOID(lanes_sqdev, (float acc[LANES], const float *x, size_t n, float mean),
+             (acc, x, n, mean))
 {
     float s[LANES];
     memcpy(s, acc, sizeof s);
@@ -84,8 +86,9 @@ WIDE_CLONES static void lanes_sqdev(float acc[LANES], const float *x, size_t n, 
 }
 
 /* a += dout * w, b += dout * w * xhat, with xhat = (x - mean) * rstd */
-WIDE_CLONES static void lanes_bwd(float a[LANES], float b[LANES], const float *dout,
-                                  const float *w, const float *x, size_t n, float mean, float rstd)
+MTI_VEC_VOID(lanes_bwd, (float a[LANES], float b[LANES], const float *dout, const float *w,
+                         const float *x, size_t n, float mean, float rstd),
+             (a, b, dout, w, x, n, mean, rstd))
 {
     float sa[LANES], sb[LANES];
     memcpy(sa, a, sizeof sa);
@@ -109,8 +112,9 @@ WIDE_CLONES static void lanes_bwd(float a[LANES], float b[LANES], const float *d
 
 /* ---- forward ---- */
 
-WIDE_CLONES static void norm_n(float *y, const float *x, const float *w, const float *b,
-                               size_t n, float mean, float rstd)
+MTI_VEC_VOID(norm_n, (float *y, const float *x, const float *w, const float *b, size_t n,
+                      float mean, float rstd),
+             (y, x, w, b, n, mean, rstd))
 {
 #pragma omp simd
     for (size_t j = 0; j < n; j++) y[j] = (x[j] - mean) * rstd * w[j] + b[j];
@@ -195,8 +199,9 @@ mt_status mti_cpu_layernorm_fwd(const mti_kctx *k, void *out, float *mean, float
  *   dw += sum over rows of dout xhat,  db += sum over rows of dout
  * (= with MTI_BWD_SET_DW).                                                */
 
-WIDE_CLONES static void dx_n(float *dx, const float *dout, const float *w, const float *x,
-                             size_t n, float mean, float rstd, float ga, float gb, int acc)
+MTI_VEC_VOID(dx_n, (float *dx, const float *dout, const float *w, const float *x, size_t n,
+                    float mean, float rstd, float ga, float gb, int acc),
+             (dx, dout, w, x, n, mean, rstd, ga, gb, acc))
 {
     if (acc) {
 #pragma omp simd
@@ -247,8 +252,9 @@ static void ln_bwd_row(void *dx, const void *dout, const void *x, const void *w,
 
 /* sw += g xhat and sb += g over m channels of one row; in bf16 read in
  * place (each value widened exactly: the same bits as staged) */
-WIDE_CLONES static void params_row(float *sw, float *sb, const float *g, const float *x, size_t m,
-                                   float mu, float rs)
+MTI_VEC_VOID(params_row, (float *sw, float *sb, const float *g, const float *x, size_t m, float mu,
+                          float rs),
+             (sw, sb, g, x, m, mu, rs))
 {
 #pragma omp simd
     for (size_t j = 0; j < m; j++) {
@@ -257,8 +263,9 @@ WIDE_CLONES static void params_row(float *sw, float *sb, const float *g, const f
     }
 }
 
-WIDE_CLONES static void params_row_b16(float *sw, float *sb, const uint16_t *g, const uint16_t *x,
-                                       size_t m, float mu, float rs)
+MTI_VEC_VOID(params_row_b16, (float *sw, float *sb, const uint16_t *g, const uint16_t *x, size_t m,
+                              float mu, float rs),
+             (sw, sb, g, x, m, mu, rs))
 {
 #pragma omp simd
     for (size_t j = 0; j < m; j++) {

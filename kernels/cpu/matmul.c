@@ -9,15 +9,21 @@
  * threads, or by us), so letting oneDNN thread the call, or cutting by the
  * thread count, would make results depend on the number of threads.
  *
- * fp32 and bf16 tiles go to oneDNN as they are stored: bf16 inputs run on
- * the CPU's bf16 instructions (AVX512-BF16, AMX) with fp32 accumulation,
- * the bias added in fp32, and the tile rounded to bf16 once. fp16 does the
- * same where oneDNN has an fp16 matmul (AVX512-FP16, AMX-FP16); elsewhere a
- * thread keeps an fp32 accumulator tile, and for each chunk of the
- * reduction dimension converts the matching panels of both operands to fp32
- * and multiplies them in (fp32 GEMM, accumulating); the tile is rounded to
- * fp16 once, after the last chunk. The weight gradient is fp32: its tiles
- * accumulate in place (or, on its first contribution, are written).
+ * fp32 and bf16 tiles go to oneDNN as they are stored where it has a
+ * matmul for them: bf16 inputs run on the CPU's bf16 instructions
+ * (AVX512-BF16, AMX) with fp32 accumulation, the bias added in fp32, and
+ * the tile rounded to bf16 once. fp16 does the same where oneDNN has an
+ * fp16 matmul (AVX512-FP16, AMX-FP16). Elsewhere (bf16 below AVX512-BF16,
+ * or under MT_CPU_ISA's cap; fp16 below AVX512-FP16) a thread keeps an fp32
+ * accumulator tile, and for each chunk of the reduction dimension converts
+ * the matching panels of both operands to fp32 (exact) and multiplies them
+ * in (fp32 GEMM, accumulating); the tile is rounded once, after the last
+ * chunk. Products of bf16 or fp16 values are exact in fp32 either way, so
+ * the two paths differ only in the order of the sums. The weight gradient
+ * is fp32: its tiles accumulate in place (or, on its first contribution,
+ * are written). A quantized weight is dequantized a panel at a time in the
+ * activations' dtype, into the direct path's panel, or widened into the
+ * converted path's fp32 panel.
  *
  * Workspace, per thread: the largest scratchpad oneDNN asks for among the
  * op's tile shapes, and in the converted fp16 path one tile and two panels,
@@ -247,19 +253,45 @@ static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int
     return s;
 }
 
+/* load_panel from a quantized B (lib/quant.h; rows of qld elements): each
+ * value dequantized in the job's dtype (a bf16 job rounds the weight to
+ * bf16, as the direct path's panel does), then widened, exactly. 0, or -1
+ * when the weight cannot be read. */
+static int load_panel_q(float *dst, const mm_job *j, size_t base, int rows, int len)
+{
+    uint16_t st[MM_KC];
+    for (int r = 0; r < rows; r++) {
+        float *d = dst + (size_t)r * (size_t)len;
+        size_t at = base + (size_t)r * (size_t)j->qld;
+        if (j->ab_dt == MTI_F32) {
+            if (mti_dequantize(NULL, j->qf, j->bq, j->qn, at, (size_t)len, d, MTI_F32)) return -1;
+            continue;
+        }
+        for (int c = 0; c < len; c += MM_KC) {
+            int m = mini(MM_KC, len - c);
+            if (mti_dequantize(NULL, j->qf, j->bq, j->qn, at + (size_t)c, (size_t)m, st, j->ab_dt))
+                return -1;
+            mti_cpu_load_f32(d + c, st, j->ab_dt, 0, (size_t)m);
+        }
+    }
+    return 0;
+}
+
 /* acc (mc,nc) += op(A)[m0:m0+mc, :] . op(B)[:, n0:n0+nc] in chunks of
  * MM_KC; pa and pb take each chunk's panels in the operands' stored
  * orientation. 0, or -1 when a GEMM call fails. */
 static int conv_tile(const mm_job *j, const mm_conv *cv, int v, float *acc, int m0, int mc, int n0,
                      int nc, float *pa, float *pb, void *sp)
 {
-    const size_t lda = (size_t)j->lda, ldb = (size_t)j->ldb;
+    const size_t lda = (size_t)j->lda, ldb = (size_t)j->ldb, qld = (size_t)j->qld;
     int bad = 0;
     for (int k0 = 0; k0 < j->K; k0 += MM_KC) {
         int kc = mini(MM_KC, j->K - k0);
         if (!j->ta) load_panel(pa, j->a, j->ab_dt, (size_t)m0 * lda + (size_t)k0, lda, mc, kc);
         else load_panel(pa, j->a, j->ab_dt, (size_t)k0 * lda + (size_t)m0, lda, kc, mc);
-        if (!j->tb) load_panel(pb, j->b, j->ab_dt, (size_t)k0 * ldb + (size_t)n0, ldb, kc, nc);
+        if (j->bq && !j->tb) bad |= load_panel_q(pb, j, (size_t)k0 * qld + (size_t)n0, kc, nc);
+        else if (j->bq) bad |= load_panel_q(pb, j, (size_t)n0 * qld + (size_t)k0, nc, kc);
+        else if (!j->tb) load_panel(pb, j->b, j->ab_dt, (size_t)k0 * ldb + (size_t)n0, ldb, kc, nc);
         else load_panel(pb, j->b, j->ab_dt, (size_t)n0 * ldb + (size_t)k0, ldb, nc, kc);
         const mti_gemm_prim *g = cv->prim[v][kc != mini(MM_KC, j->K)];
         bad |= mti_gemm_run(g, pa, pb, acc, NULL, sp);
@@ -461,11 +493,10 @@ static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int 
     if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name((mti_qformat)qf))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "%s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
-    if ((dt != MTI_F32 && dt != MTI_BF16) || !mti_gemm_supported(dt))
+    if (dt != MTI_F32 && dt != MTI_BF16)
         return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a quantized weight needs fp32 or bf16 activations with a oneDNN "
-                        "matmul for them (dtype %d)",
-                        op, (int)dt);
+                        "%s: a quantized weight needs fp32 or bf16 activations (dtype %d)", op,
+                        (int)dt);
     return MT_OK;
 }
 

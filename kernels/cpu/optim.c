@@ -37,7 +37,8 @@ static int pc_dt_ok(mti_dtype dt) { return dt == MTI_F32 || dt == MTI_F16 || dt 
 
 /* g *= inv; returns 1 if any g was inf or NaN before scaling (exponent all
  * ones), as torch checks the unscaled values */
-WIDE_CLONES static unsigned unscale_n(float *g, size_t n, float inv)
+MTI_VEC_FN(unsigned, unscale_n, (float *g, size_t n, float inv),
+           (g, n, inv))
 {
     unsigned bad = 0;
 #pragma omp simd reduction(| : bad)
@@ -53,7 +54,8 @@ WIDE_CLONES static unsigned unscale_n(float *g, size_t n, float inv)
 
 /* The check alone (inv_scale 1: the scaling would store every value back
  * unchanged, so g is only read). */
-WIDE_CLONES static unsigned check_n(const float *g, size_t n)
+MTI_VEC_FN(unsigned, check_n, (const float *g, size_t n),
+           (g, n))
 {
     unsigned bad = 0;
 #pragma omp simd reduction(| : bad)
@@ -84,7 +86,8 @@ mt_status mti_cpu_unscale_check(const mti_kctx *k, float *g, size_t n, float inv
 
 /* ---- sum of squares ---- */
 
-WIDE_CLONES static float block_sumsq(const float *g, size_t n)
+MTI_VEC_FN(float, block_sumsq, (const float *g, size_t n),
+           (g, n))
 {
     float acc[LANES];
     memset(acc, 0, sizeof acc);
@@ -146,8 +149,9 @@ sgd_momentum_loop(float *p, const float *g, float *m, size_t n, float lr, float 
     }
 }
 
-WIDE_CLONES static void sgd_n(float *p, const float *g, float *m, size_t n, float lr, float mom,
-                              float damp1, float wd, float gs, int nesterov, int first)
+MTI_VEC_VOID(sgd_n, (float *p, const float *g, float *m, size_t n, float lr, float mom, float damp1,
+                     float wd, float gs, int nesterov, int first),
+             (p, g, m, n, lr, mom, damp1, wd, gs, nesterov, first))
 {
     if (!m) {
 #pragma omp simd
@@ -198,9 +202,10 @@ mt_status mti_cpu_sgd(const mti_kctx *k, float *p, const float *g, float *m, voi
  * are correctly rounded like the scalar ones, so every width gives the same
  * bits; vectorised, the loop runs about 3x faster than scalar on 124M
  * elements (bench_kernels (c)). */
-WIDE_CLONES static void adamw_n(float *restrict p, const float *restrict g, float *restrict m,
-                                float *restrict v, size_t n, float b1, float b2, float eps,
-                                float gs, float decay, float step_size, float bc2_sqrt)
+MTI_VEC_VOID(adamw_n, (float *restrict p, const float *restrict g, float *restrict m,
+                       float *restrict v, size_t n, float b1, float b2, float eps, float gs,
+                       float decay, float step_size, float bc2_sqrt),
+             (p, g, m, v, n, b1, b2, eps, gs, decay, step_size, bc2_sqrt))
 {
     float c1 = 1.0f - b1, c2 = 1.0f - b2;
 #pragma omp simd

@@ -78,8 +78,9 @@ typedef struct q4_view {
 
 /* One block [i0, i0 + len) (len <= BLK, i0 a multiple of BLK): m, v and p
  * updated, the block's new absmax of m (and of v for a vector), codes. */
-WIDE_CLONES static void q4_block(const q4_consts *c, const q4_view *w, float *p, const float *g,
-                                 const mti_adamw4_state *st, size_t i0, size_t len)
+MTI_VEC_VOID(q4_block, (const q4_consts *c, const q4_view *w, float *p, const float *g,
+                        const mti_adamw4_state *st, size_t i0, size_t len),
+             (c, w, p, g, st, i0, len))
 {
     float m[BLK], v[BLK], so[BLK], sn[BLK];
     uint8_t cm[BLK + 1], cv[BLK + 1];
@@ -157,10 +158,10 @@ WIDE_CLONES static void q4_block(const q4_consts *c, const q4_view *w, float *p,
 
 /* Pass 1 of a matrix: the maxima of the new v over rows [r0, r1), the
  * columns' into colmax (cols floats, max-accumulated). */
-WIDE_CLONES static void rank1_maxima(const q4_consts *c, const float *g,
-                                     const mti_adamw4_state *st, int64_t r0, int64_t r1,
-                                     int64_t cols, const float *rowmax_old,
-                                     const float *colmax_old, float *rowmax, float *colmax)
+MTI_VEC_VOID(rank1_maxima, (const q4_consts *c, const float *g, const mti_adamw4_state *st,
+                            int64_t r0, int64_t r1, int64_t cols, const float *rowmax_old,
+                            const float *colmax_old, float *rowmax, float *colmax),
+             (c, g, st, r0, r1, cols, rowmax_old, colmax_old, rowmax, colmax))
 {
     const float *code_v = c->code_v;
     const float gs = c->gs, b2 = c->b2, c2 = c->c2;

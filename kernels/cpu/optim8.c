@@ -87,9 +87,9 @@ static inline __attribute__((always_inline)) uint32_t q8_search(const float *bou
  * eight comparisons. The tables are built from the thresholds at first use
  * and checked: should any bucket hold two thresholds the search is used
  * instead, so the codes are always the search's. */
-#define LUT_EMIN 102u                 /* exponent field of 2^-25 */
-#define LUT_MB 7                      /* mantissa bits kept */
-#define LUT_PER_SIGN ((127u - LUT_EMIN) * (1u << LUT_MB) + 1u)
+#define LUT_EMIN MTI_Q8_LUT_EMIN         /* exponent field of 2^-25 (arch.h) */
+#define LUT_MB MTI_Q8_LUT_MB             /* mantissa bits kept */
+#define LUT_PER_SIGN MTI_Q8_LUT_PER_SIGN
 #define LUT_N (2u * LUT_PER_SIGN)
 
 typedef struct q8_lut {
@@ -166,12 +166,30 @@ static void lut_build(q8_lut *l, const float *bound)
     }
 }
 
-/* The vector path (below) in use: 0 none (the portable loops), 1 AVX-512
- * with gathers, 2 AVX-512 with permutes for the lookups (VBMI); the most
- * the CPU and the tables allow, unless the tests or the benchmark chose
- * less. */
+/* The hand-written block of the level in use (arch.h: adamw8_block), for
+ * full blocks: 0 none (the portable loops), 1 with gathers, 2 with
+ * permutes for the lookups (AVX512-VBMI); at most what the CPU and the
+ * tables allow (g_vec_most), and less when the tests or the benchmark
+ * chose less. */
 static int g_vec, g_vec_most;
-static int vec_supported(void);
+static mti_q8_tabs g_tabs;
+
+/* The tables as the hand-written blocks take them, when they can: every
+ * bucket a word, and the signed map's negative codes first (so a code's
+ * sign bit is a comparison of the code). */
+static int vec_tables(void)
+{
+    if (!g_lut[0].ok || !g_lut[1].ok || !g_lut[0].word_ok || !g_lut[1].word_ok) return 0;
+    const float *code = g_tab[1].code;
+    uint32_t negc = 0;
+    while (negc < 256 && (bits_of(code[negc]) >> 31)) negc++;
+    for (uint32_t c = negc; c < 256; c++)
+        if (bits_of(code[c]) >> 31) return 0;
+    g_tabs = (mti_q8_tabs){.code = {g_tab[0].code, g_tab[1].code},
+                           .word = {g_lut[0].word, g_lut[1].word},
+                           .negc = negc};
+    return 1;
+}
 
 static void tables_init(void)
 {
@@ -179,7 +197,7 @@ static void tables_init(void)
         table_init(&g_tab[s], s);
         lut_build(&g_lut[s], g_tab[s].bound);
     }
-    g_vec = g_vec_most = vec_supported();
+    g_vec = g_vec_most = vec_tables() ? mti_arch_q8_init(&g_tabs) : 0;
 }
 
 uint8_t mti_cpu_q8_code(float x, int is_signed, int by_search)
@@ -201,14 +219,8 @@ int mti_cpu_q8_lut_ok(void)
     return g_lut[0].ok && g_lut[1].ok;
 }
 
-/* The step's scalars (made once per call, in double, rounded to fp32). */
-typedef struct adamw8_consts {
-    float b1, b2, c1, c2;   /* betas and 1 - betas */
-    float gs;               /* grad_scale */
-    float step_size;        /* -lr sqrt(1 - b2^t) / (1 - b1^t) */
-    float eps_c2;           /* eps sqrt(1 - b2^t) */
-    float decay;            /* 1 - lr wd */
-} adamw8_consts;
+/* The step's scalars (arch.h). */
+typedef mti_adamw8_consts adamw8_consts;
 
 /* max |x| over n values, NaN left out (as fmaxf): for non-negative floats
  * the bit patterns order as the values, so this is an integer max. */
@@ -266,10 +278,10 @@ quantize(uint8_t *q, const float *x, size_t n, float amax, const q8_table *t,
 }
 
 /* One block of n <= BLK elements. */
-WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint8_t *qv,
-                                     float *amax_m, float *amax_v, size_t n,
-                                     const adamw8_consts *c, const q8_table *tm,
-                                     const q8_table *tv, const q8_lut *lm, const q8_lut *lv)
+MTI_VEC_VOID(adamw8_block, (float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
+                            float *amax_v, size_t n, const adamw8_consts *c, const q8_table *tm,
+                            const q8_table *tv, const q8_lut *lm, const q8_lut *lv),
+             (p, g, qm, qv, amax_m, amax_v, n, c, tm, tv, lm, lv))
 {
     float m[BLK], v[BLK];
     const float am = *amax_m, av = *amax_v;
@@ -296,213 +308,6 @@ WIDE_CLONES static void adamw8_block(float *p, const float *g, uint8_t *qm, uint
     quantize(qm, m, n, nm, tm, lm, 1);
     quantize(qv, v, n, nv, tv, lv, 0);
 }
-
-/* ---- the block in AVX-512, written out ----
- * gcc does not gather for Zen (it loads lane by lane), which made the block
- * above several times its memory's time. This is the same arithmetic, one
- * operation for each of the scalar code's, in its order and without FMA,
- * so the bits are the same: a full block at a time, 16 lanes; the map
- * lookups are gathers: dequantizing from the 1 KiB maps, quantizing one
- * word a value from the bucket tables (q8_lut.word).
- * The signed map's negative codes are its first ones (checked at first
- * use), so a code's sign bit is a comparison of the code. */
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#include <immintrin.h>
-#define Q8_VEC 1
-#define VEC_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
-static uint32_t g_negc; /* the signed map's negative codes: 0 .. g_negc - 1 */
-
-static int perm_supported(void);
-
-static int vec_supported(void)
-{
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
-        return 0;
-    if (!g_lut[0].ok || !g_lut[1].ok || !g_lut[0].word_ok || !g_lut[1].word_ok) return 0;
-    const float *code = g_tab[1].code;
-    uint32_t negc = 0;
-    while (negc < 256 && (bits_of(code[negc]) >> 31)) negc++;
-    for (uint32_t c = negc; c < 256; c++)
-        if (bits_of(code[c]) >> 31) return 0;
-    g_negc = negc;
-    return 1 + perm_supported();
-}
-
-static inline VEC_FN __m512i v32(uint32_t x) { return _mm512_set1_epi32((int)x); }
-
-/* lut_code of 16 values, from the bucket's word */
-static inline VEC_FN __m512i vec_code(const q8_lut *l, __m512 x)
-{
-    const uint32_t lo = LUT_EMIN << 23, hi = 127u << 23;
-    __m512i u = _mm512_castps_si512(x);
-    __m512i mag = _mm512_and_si512(u, v32(0x7FFFFFFFu));
-    mag = _mm512_min_epu32(_mm512_max_epu32(mag, v32(lo)), v32(hi));
-    __m512i mi = _mm512_srli_epi32(_mm512_sub_epi32(mag, v32(lo)), 23 - LUT_MB);
-    __m512i pos = _mm512_add_epi32(v32(LUT_PER_SIGN), mi);
-    __m512i neg = _mm512_sub_epi32(v32(LUT_PER_SIGN - 1u), mi);
-    __mmask16 is_neg = _mm512_movepi32_mask(u);
-    __m512i word = _mm512_i32gather_epi32(_mm512_mask_blend_epi32(is_neg, pos, neg), l->word, 4);
-    __m512i base = _mm512_and_si512(word, v32(0xFFu));
-    /* above the threshold inside: a larger magnitude for a positive x, a
-       smaller one for a negative x */
-    __m512i xl = _mm512_and_si512(mag, v32(0xFFFFu)), tl = _mm512_srli_epi32(word, 16);
-    __mmask16 above = (_mm512_cmpgt_epu32_mask(xl, tl) & ~is_neg) |
-                      (_mm512_cmplt_epu32_mask(xl, tl) & is_neg);
-    above &= _mm512_test_epi32_mask(word, v32(0x100u));
-    base = _mm512_mask_add_epi32(base, above, base, v32(1));
-    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), base);
-}
-
-/* absmax_of's integer maximum, 16 lanes folded into one */
-static inline VEC_FN __m512i vec_absbits(__m512 x)
-{
-    __m512i u = _mm512_and_si512(_mm512_castps_si512(x), v32(0x7FFFFFFFu));
-    return _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(u, v32(0x7F800000u)), u);
-}
-
-/* quantize() of a full block */
-static inline VEC_FN void vec_quantize(uint8_t *q, const float *x, float amax, int is_signed)
-{
-    if (amax == 0.0f) {
-        memset(q, mti_q8_zero_code(is_signed), BLK);
-        return;
-    }
-    const q8_lut *l = &g_lut[is_signed];
-    const __m512 a = _mm512_set1_ps(amax);
-    for (size_t j = 0; j < BLK; j += 16) {
-        __m512 xv = _mm512_loadu_ps(x + j);
-        __m512i c = vec_code(l, _mm512_div_ps(xv, a));
-        if (is_signed) {
-            /* +1 toward a positive value, -1 (255) toward a negative one,
-               where the code's sign bit differs from the value's */
-            __mmask16 cneg = _mm512_cmplt_epu32_mask(c, v32(g_negc));
-            __mmask16 flip = cneg ^ _mm512_movepi32_mask(_mm512_castps_si512(xv));
-            __mmask16 up = _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_GT_OQ);
-            __m512i step = _mm512_mask_blend_epi32(up, v32(255u), v32(1u));
-            c = _mm512_and_si512(_mm512_mask_add_epi32(c, flip, c, step), v32(255u));
-        }
-        _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(c));
-    }
-}
-
-/* ---- the maps' values by permutes (level 2) ----
- * AMD's gathers are slow (on the family-26 EPYC a 16-lane gather takes
- * about as long as 30 permutes), so where the CPU has AVX512-VBMI the
- * dequantizing makes none: a map's 256 codes are four tables of bytes (byte
- * b of each code's bits, four registers each); 64 codes at a time, two
- * two-register byte permutes and a blend on the code's top bit give byte b
- * of each code, and two rounds of unpacking put the four bytes of each code
- * together. The codes are shuffled first so that the unpacking, which works
- * within 128-bit lanes, leaves them in order. The values are the map's
- * (a table read either way). Quantizing keeps its gather from the bucket
- * table: a binary search over the thresholds by permutes, tried instead,
- * was slower (eight dependent levels). */
-#define VBMI_FN __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
-
-typedef struct q8_perm {
-    uint8_t plane[4][256]; /* byte b of each code's bits */
-} q8_perm;
-
-static q8_perm g_perm[2] __attribute__((aligned(64)));
-static uint8_t g_deq_shuf[64] __attribute__((aligned(64)));
-
-static int perm_supported(void)
-{
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512vbmi")) return 0;
-    for (int t = 0; t < 2; t++) {
-        q8_perm *P = &g_perm[t];
-        const float *code = g_tab[t].code;
-        for (int c = 0; c < 256; c++)
-            for (int b = 0; b < 4; b++) P->plane[b][c] = (uint8_t)(bits_of(code[c]) >> (8 * b));
-    }
-    /* output register j, 128-bit lane L, dword p holds code 16 j + 4 L + p
-       after the unpacking when the shuffled codes have it at 16 L + 4 j + p */
-    for (int j = 0; j < 4; j++)
-        for (int L = 0; L < 4; L++)
-            for (int p = 0; p < 4; p++) g_deq_shuf[16 * L + 4 * j + p] = (uint8_t)(16 * j + 4 * L + p);
-    return 1;
-}
-
-/* The map values of n (a multiple of 64) codes into out. */
-static VBMI_FN void perm_dequant(float *out, const uint8_t *q, size_t n, const q8_perm *P)
-{
-    const __m512i shuf = _mm512_load_si512(g_deq_shuf);
-    for (size_t j = 0; j < n; j += 64) {
-        __m512i idx = _mm512_permutexvar_epi8(shuf, _mm512_loadu_si512(q + j));
-        __mmask64 top = _mm512_movepi8_mask(idx);
-        __m512i B[4];
-        for (int b = 0; b < 4; b++) {
-            const __m512i *t = (const __m512i *)P->plane[b];
-            __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(t), idx, _mm512_load_si512(t + 1));
-            __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(t + 2), idx, _mm512_load_si512(t + 3));
-            B[b] = _mm512_mask_blend_epi8(top, lo, hi);
-        }
-        __m512i w01l = _mm512_unpacklo_epi8(B[0], B[1]), w01h = _mm512_unpackhi_epi8(B[0], B[1]);
-        __m512i w23l = _mm512_unpacklo_epi8(B[2], B[3]), w23h = _mm512_unpackhi_epi8(B[2], B[3]);
-        _mm512_store_si512(out + j, _mm512_unpacklo_epi16(w01l, w23l));
-        _mm512_store_si512(out + j + 16, _mm512_unpackhi_epi16(w01l, w23l));
-        _mm512_store_si512(out + j + 32, _mm512_unpacklo_epi16(w01h, w23h));
-        _mm512_store_si512(out + j + 48, _mm512_unpackhi_epi16(w01h, w23h));
-    }
-}
-
-/* adamw8_block of a full block: the codes' map values first (gathers, or
- * permutes at level 2), into two stack arrays */
-static VEC_FN void vec_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
-                             float *amax_v, const adamw8_consts *c, int level)
-{
-    float m[BLK] __attribute__((aligned(64))), v[BLK] __attribute__((aligned(64)));
-    if (level >= 2) {
-        perm_dequant(m, qm, BLK, &g_perm[1]);
-        perm_dequant(v, qv, BLK, &g_perm[0]);
-    } else {
-        const float *cm = g_tab[1].code, *cv = g_tab[0].code;
-        for (size_t j = 0; j < BLK; j += 16) {
-            __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + j)));
-            __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + j)));
-            _mm512_store_ps(m + j, _mm512_i32gather_ps(im, cm, 4));
-            _mm512_store_ps(v + j, _mm512_i32gather_ps(iv, cv, 4));
-        }
-    }
-    const __m512 am = _mm512_set1_ps(*amax_m), av = _mm512_set1_ps(*amax_v);
-    const __m512 b1 = _mm512_set1_ps(c->b1), b2 = _mm512_set1_ps(c->b2);
-    const __m512 c1 = _mm512_set1_ps(c->c1), c2 = _mm512_set1_ps(c->c2);
-    const __m512 gs = _mm512_set1_ps(c->gs), step_size = _mm512_set1_ps(c->step_size);
-    const __m512 eps_c2 = _mm512_set1_ps(c->eps_c2), decay = _mm512_set1_ps(c->decay);
-    __m512i mxm = _mm512_setzero_si512(), mxv = _mm512_setzero_si512();
-    for (size_t j = 0; j < BLK; j += 16) {
-        __m512 gv = _mm512_mul_ps(_mm512_loadu_ps(g + j), gs);
-        __mmask16 keep = _mm512_cmpneq_epi32_mask(
-            _mm512_and_si512(_mm512_castps_si512(gv), v32(0x7F800000u)), v32(0x7F800000u));
-        __m512 mv = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_mul_ps(_mm512_load_ps(m + j), am)),
-                                  _mm512_mul_ps(c1, gv));
-        __m512 vv = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_mul_ps(_mm512_load_ps(v + j), av)),
-                                  _mm512_mul_ps(_mm512_mul_ps(c2, gv), gv));
-        mv = _mm512_maskz_mov_ps(keep, mv);
-        vv = _mm512_maskz_mov_ps(keep, vv);
-        _mm512_store_ps(m + j, mv);
-        _mm512_store_ps(v + j, vv);
-        __m512 pj = _mm512_loadu_ps(p + j);
-        __m512 d = _mm512_div_ps(mv, _mm512_add_ps(_mm512_sqrt_ps(vv), eps_c2));
-        __m512 w = _mm512_mul_ps(_mm512_add_ps(pj, _mm512_mul_ps(step_size, d)), decay);
-        _mm512_storeu_ps(p + j, _mm512_mask_blend_ps(keep, pj, w));
-        mxm = _mm512_max_epu32(mxm, vec_absbits(mv));
-        mxv = _mm512_max_epu32(mxv, vec_absbits(vv));
-    }
-    float nm = float_of((uint32_t)_mm512_reduce_max_epu32(mxm));
-    float nv = float_of((uint32_t)_mm512_reduce_max_epu32(mxv));
-    *amax_m = nm;
-    *amax_v = nv;
-    vec_quantize(qm, m, nm, 1);
-    vec_quantize(qv, v, nv, 0);
-}
-#else
-static int vec_supported(void) { return 0; }
-#endif
 
 int mti_cpu_q8_vector(int on)
 {
@@ -550,12 +355,14 @@ static void update_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, flo
                          size_t b, size_t n, const adamw8_consts *c)
 {
     size_t i = b * BLK, len = block_len(b, n);
-#ifdef Q8_VEC
     if (g_vec && len == BLK) {
-        vec_block(p, g + i, qm + i, qv + i, am + b, av + b, c, g_vec);
-        return;
+        const mti_arch_paths *ap = mti_arch_paths_now();
+        int level = g_vec < ap->q8_levels ? g_vec : ap->q8_levels;
+        if (level) {
+            ap->adamw8_block(p, g + i, qm + i, qv + i, am + b, av + b, c, &g_tabs, level);
+            return;
+        }
     }
-#endif
     adamw8_block(p, g + i, qm + i, qv + i, am + b, av + b, len, c, &g_tab[1], &g_tab[0],
                  &g_lut[1], &g_lut[0]);
 }

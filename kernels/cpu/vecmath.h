@@ -8,18 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* AVX-512 and AVX2 copies of a loop, picked at load time (ifunc: Linux on
- * x86-64 with gcc or clang; elsewhere the plain loop). The kernels use no
- * FMA in any copy (ISO C mode: gcc contracts nothing; clang, which would,
- * gets no copy whose ISA has FMA), so lanes do the same scalar operations
- * at any width and the bits do not depend on the CPU. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#define WIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__linux__) && defined(__clang__)
-#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define WIDE_CLONES
-#endif
+#include "arch.h"
 
 static inline uint32_t bits_of(float f)
 {
@@ -80,6 +69,42 @@ static inline float exp_le0(float x)
     float y = p * float_of((k + 127u) << 23);
     uint32_t keep = 0u - (uint32_t)!(x < -87.0f);
     return float_of(bits_of(y) & keep);
+}
+
+/* fp16 bits -> fp32, exact. Normal numbers move their exponent from bias
+ * 15 to bias 127; inf/NaN keep their payload under an all-ones exponent;
+ * subnormals (m * 2^-24) come out of one exact subtraction:
+ * 2^-14 (1 + m/1024) - 2^-14. */
+static inline float h2f(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7FFFu;
+    uint32_t e = em & 0x7C00u;
+    uint32_t normal = (em << 13) + (112u << 23);
+    uint32_t special = (em << 13) | 0x7F800000u;
+    uint32_t sub = bits_of(float_of((113u << 23) | (em << 13)) - float_of(113u << 23));
+    uint32_t r = sel(e == 0x7C00u, special, normal);
+    r = sel(e == 0, sub, r);
+    return float_of(sign | r);
+}
+
+/* fp32 -> fp16 bits, to nearest even. Normal results: drop 13 mantissa
+ * bits, adding 0xFFF plus the kept lsb so ties go to even (a carry into the
+ * exponent is the right answer, up to inf). Subnormal results: adding 0.5f,
+ * whose ulp is 2^-24 = the fp16 subnormal step, rounds |f| to a multiple of
+ * that step in hardware; the low bits of the sum are then the fp16
+ * mantissa (1024 = the smallest normal, also right). */
+static inline uint16_t f2h(float f)
+{
+    uint32_t u = bits_of(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7FFFFFFFu;
+    uint32_t normal = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - (112u << 10);
+    uint32_t sub = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+    uint32_t r = sel(a < 0x38800000u, sub, normal);
+    r = sel(a >= 0x477FF000u, 0x7C00u, r); /* from 65520 up: inf */
+    r = sel(a > 0x7F800000u, 0x7E00u, r);  /* NaN: the quiet NaN */
+    return (uint16_t)(sign | r);
 }
 
 #endif /* MT_CPU_VECMATH_H */

@@ -39,7 +39,8 @@ static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
 /* acc = max(acc, x) lane by lane. The max skips NaN, but a NaN still
  * reaches the loss through the sum. */
-WIDE_CLONES static void lanes_max(float acc[LANES], const float *x, size_t n)
+MTI_VEC_VOID(lanes_max, (float acc[LANES], const float *x, size_t n),
+             (acc, x, n))
 {
     float s[LANES];
     memcpy(s, acc, sizeof s);
@@ -52,7 +53,8 @@ WIDE_CLONES static void lanes_max(float acc[LANES], const float *x, size_t n)
 }
 
 /* acc += e^(x - mx) */
-WIDE_CLONES static void lanes_expsum(float acc[LANES], const float *x, size_t n, float mx)
+MTI_VEC_VOID(lanes_expsum, (float acc[LANES], const float *x, size_t n, float mx),
+             (acc, x, n, mx))
 {
     float s[LANES];
     memcpy(s, acc, sizeof s);
@@ -65,7 +67,8 @@ WIDE_CLONES static void lanes_expsum(float acc[LANES], const float *x, size_t n,
 }
 
 /* d = softmax * dloss = e^(x - mx) * (dloss / sum) */
-WIDE_CLONES static void softmax_scaled(float *d, const float *x, size_t n, float mx, float scale)
+MTI_VEC_VOID(softmax_scaled, (float *d, const float *x, size_t n, float mx, float scale),
+             (d, x, n, mx, scale))
 {
 #pragma omp simd
     for (size_t j = 0; j < n; j++) d[j] = exp_le0(x[j] - mx) * scale;
