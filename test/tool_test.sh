@@ -75,9 +75,18 @@ expect 3 "impossible auto-fit, JSON" -- "$tool" estimate --budget 100 --autofit 
 grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, ' "$tmp/out" || { echo "FAIL tool: auto-fit budget JSON"; cat "$tmp/out"; fail=1; }
 expect 2 "bad recompute" -- "$tool" estimate --recompute often
 expect 2 "autofit without a budget" -- "$tool" estimate --autofit
-# 4-bit state is its own opt-in: 1.7 MiB is under what 8-bit state needs
-# (1.84 MiB) for this model and over what 4-bit state needs (1.64 MiB)
-small="--layers 2 --heads 4 --channels 64 --vocab 256 --max-seq 64 --batch 4 --seq 64 --budget 1.7 --autofit"
+# 4-bit state is its own opt-in: a budget under the least 8-bit state needs
+# for this model and over the least 4-bit state needs (1.84 and 1.64 MiB
+# here), both from estimates of this run on this CPU
+least() { # least ESTIMATE-OPTIONS...: the least MiB auto-fit can reach, from its JSON
+    "$tool" estimate "$@" --budget 0.001 --json 2>/dev/null | sed -n 's/.*"least": \([0-9]*\).*/\1/p'
+}
+small="--layers 2 --heads 4 --channels 64 --vocab 256 --max-seq 64 --batch 4 --seq 64 --autofit"
+# shellcheck disable=SC2086
+least8=$(least $small --allow-8bit); least4=$(least $small --allow-8bit --allow-4bit)
+mid=$(awk -v a="$least4" -v b="$least8" 'BEGIN { if (a + 0 > 0 && a + 0 < b + 0) printf "%.6f", (a + b) / 2 / 1048576 }')
+[ -n "$mid" ] || { echo "FAIL tool: least with 4-bit state ($least4) not below 8-bit's ($least8)"; fail=1; mid=1.7; }
+small="$small --budget $mid"
 # shellcheck disable=SC2086
 expect 3 "auto-fit, 8-bit state too much" -- "$tool" estimate $small --allow-8bit
 # shellcheck disable=SC2086
