@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../kernels/cpu/arch.h"
 #include "check.h"
 #include "golden.h"
 #include "kernels.h"
@@ -411,10 +412,11 @@ TEST(optim_adamw8_behaviour)
     release();
 }
 
-/* adamw8's AVX-512 paths for full blocks (the map lookups by permutes, and
- * by gathers) give the portable loops' bits: gradients over many scales,
- * non-finite ones, a block of zeros, blocks of tiny moments of both signs,
- * over several steps. */
+/* adamw8's hand-written paths for full blocks (AVX-512: the map lookups by
+ * permutes, and by gathers; AVX2: by gathers) give the portable loops'
+ * bits: gradients over many scales, non-finite ones, a block of zeros,
+ * blocks of tiny moments of both signs, over several steps; each at the
+ * classes the CPU has. */
 TEST(optim_adamw8_vector_same_bits)
 {
     mti_kctx k = setup();
@@ -425,7 +427,15 @@ TEST(optim_adamw8_vector_same_bits)
     mti_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                         .weight_decay = 0.01f, .grad_scale = 1.0f};
     int had = mti_cpu_q8_vector(2);
-    for (int level = 2; level >= 1; level--) {
+    const mti_isa cpu = mti_isa_used();
+    /* (class, level): AVX-512 with permutes, AVX-512 with gathers, AVX2 */
+    static const struct { mti_isa cls; int level; } runs[] = {
+        {MTI_ISA_AVX512, 2}, {MTI_ISA_AVX512, 1}, {MTI_ISA_AVX2, 1}};
+    for (size_t r = 0; r < sizeof runs / sizeof *runs; r++) {
+        const mti_isa want = runs[r].cls;
+        const int level = runs[r].level;
+        if (want > cpu) continue;
+        const mti_isa was = mti_isa_force(want);
         a8_state sv = a8_fresh(p0, n), ss = a8_fresh(p0, n);
         for (int t = 1; t <= 4; t++) {
             make_grads(g, 13, t - 1, n, 0.01f);
@@ -440,9 +450,11 @@ TEST(optim_adamw8_vector_same_bits)
             CHECK_OK(ops->adamw8(&k, sv.p, g, sv.qm, sv.qv, sv.am, sv.av, NULL, MTI_F32, n, &a));
             mti_cpu_q8_vector(0);
             CHECK_OK(ops->adamw8(&k, ss.p, g, ss.qm, ss.qv, ss.am, ss.av, NULL, MTI_F32, n, &a));
-            CHECK_MSG(a8_same(&sv, &ss, n), "adamw8: the vector path (level %d) differs at step %d",
-                      level, t);
+            CHECK_MSG(a8_same(&sv, &ss, n),
+                      "adamw8: the vector path (level %d at %s) differs at step %d", level,
+                      mti_isa_name(want), t);
         }
+        mti_isa_force(was);
     }
     mti_cpu_q8_vector(had);
     if (had < 2) fprintf(stderr, "(adamw8's vector path at level %d on this CPU, of 2)\n", had);

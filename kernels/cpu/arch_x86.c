@@ -381,6 +381,124 @@ static VEC_FN void vec_block(float *p, const float *g, uint8_t *qm, uint8_t *qv,
     vec_quantize(qv, v, nv, 0, t);
 }
 
+/* ---- the same block in AVX2 ----
+ * Eight lanes, the same operations in the same order (no FMA: the target
+ * has none), gathers for the lookups. Magnitudes and bucket words are
+ * below 2^31, so AVX2's signed comparisons and maxima order them as the
+ * unsigned ones above do. */
+#define V2_FN __attribute__((target("avx2")))
+
+static inline V2_FN __m256i w32(uint32_t x) { return _mm256_set1_epi32((int)x); }
+
+/* lut_code of 8 values, from the bucket's word */
+static inline V2_FN __m256i v2_code(const uint32_t *lword, __m256 x)
+{
+    const uint32_t lo = MTI_Q8_LUT_EMIN << 23, hi = 127u << 23;
+    __m256i u = _mm256_castps_si256(x);
+    __m256i mag = _mm256_and_si256(u, w32(0x7FFFFFFFu));
+    mag = _mm256_min_epi32(_mm256_max_epi32(mag, w32(lo)), w32(hi));
+    __m256i mi = _mm256_srli_epi32(_mm256_sub_epi32(mag, w32(lo)), 23 - MTI_Q8_LUT_MB);
+    __m256i pos = _mm256_add_epi32(w32(MTI_Q8_LUT_PER_SIGN), mi);
+    __m256i neg = _mm256_sub_epi32(w32(MTI_Q8_LUT_PER_SIGN - 1u), mi);
+    __m256i is_neg = _mm256_srai_epi32(u, 31);
+    __m256i word = _mm256_i32gather_epi32((const int *)lword, _mm256_blendv_epi8(pos, neg, is_neg), 4);
+    __m256i base = _mm256_and_si256(word, w32(0xFFu));
+    /* above the threshold inside: a larger magnitude for a positive x, a
+       smaller one for a negative x */
+    __m256i xl = _mm256_and_si256(mag, w32(0xFFFFu)), tl = _mm256_srli_epi32(word, 16);
+    __m256i above = _mm256_blendv_epi8(_mm256_cmpgt_epi32(xl, tl), _mm256_cmpgt_epi32(tl, xl), is_neg);
+    above = _mm256_and_si256(above, _mm256_cmpeq_epi32(_mm256_and_si256(word, w32(0x100u)), w32(0x100u)));
+    base = _mm256_sub_epi32(base, above); /* above is all ones: + 1 */
+    __m256i ord = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
+    return _mm256_and_si256(base, ord);
+}
+
+/* absmax_of's integer maximum over 8 lanes, NaN as 0 */
+static inline V2_FN __m256i v2_absbits(__m256 x)
+{
+    __m256i u = _mm256_and_si256(_mm256_castps_si256(x), w32(0x7FFFFFFFu));
+    return _mm256_andnot_si256(_mm256_cmpgt_epi32(u, w32(0x7F800000u)), u);
+}
+
+static inline V2_FN uint32_t v2_max(__m256i m)
+{
+    __m128i a = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    a = _mm_max_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+    a = _mm_max_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(a);
+}
+
+/* quantize() of a full block */
+static inline V2_FN void v2_quantize(uint8_t *q, const float *x, float amax, int is_signed,
+                                     const mti_q8_tabs *t)
+{
+    if (amax == 0.0f) {
+        memset(q, mti_q8_zero_code(is_signed), MTI_Q8_BLOCK);
+        return;
+    }
+    const __m256 a = _mm256_set1_ps(amax);
+    for (size_t j = 0; j < MTI_Q8_BLOCK; j += 8) {
+        __m256 xv = _mm256_loadu_ps(x + j);
+        __m256i c = v2_code(t->word[is_signed], _mm256_div_ps(xv, a));
+        if (is_signed) {
+            /* +1 toward a positive value, -1 (255) toward a negative one,
+               where the code's sign bit differs from the value's */
+            __m256i cneg = _mm256_cmpgt_epi32(w32(t->negc), c);
+            __m256i flip = _mm256_xor_si256(cneg, _mm256_srai_epi32(_mm256_castps_si256(xv), 31));
+            __m256i up = _mm256_castps_si256(_mm256_cmp_ps(xv, _mm256_setzero_ps(), _CMP_GT_OQ));
+            __m256i step = _mm256_blendv_epi8(w32(255u), w32(1u), up);
+            c = _mm256_and_si256(_mm256_add_epi32(c, _mm256_and_si256(step, flip)), w32(255u));
+        }
+        __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        _mm_storel_epi64((__m128i *)(q + j), _mm_packus_epi16(h, h));
+    }
+}
+
+static V2_FN void v2_block(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
+                           float *amax_v, const mti_adamw8_consts *c, const mti_q8_tabs *t)
+{
+    float m[MTI_Q8_BLOCK] __attribute__((aligned(32))), v[MTI_Q8_BLOCK] __attribute__((aligned(32)));
+    const float *cm = t->code[1], *cv = t->code[0];
+    for (size_t j = 0; j < MTI_Q8_BLOCK; j += 8) {
+        __m256i im = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qm + j)));
+        __m256i iv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qv + j)));
+        _mm256_store_ps(m + j, _mm256_i32gather_ps(cm, im, 4));
+        _mm256_store_ps(v + j, _mm256_i32gather_ps(cv, iv, 4));
+    }
+    const __m256 am = _mm256_set1_ps(*amax_m), av = _mm256_set1_ps(*amax_v);
+    const __m256 b1 = _mm256_set1_ps(c->b1), b2 = _mm256_set1_ps(c->b2);
+    const __m256 c1 = _mm256_set1_ps(c->c1), c2 = _mm256_set1_ps(c->c2);
+    const __m256 gs = _mm256_set1_ps(c->gs), step_size = _mm256_set1_ps(c->step_size);
+    const __m256 eps_c2 = _mm256_set1_ps(c->eps_c2), decay = _mm256_set1_ps(c->decay);
+    __m256i mxm = _mm256_setzero_si256(), mxv = _mm256_setzero_si256();
+    for (size_t j = 0; j < MTI_Q8_BLOCK; j += 8) {
+        __m256 gv = _mm256_mul_ps(_mm256_loadu_ps(g + j), gs);
+        __m256 keep = _mm256_castsi256_ps(_mm256_xor_si256(
+            _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(gv), w32(0x7F800000u)),
+                               w32(0x7F800000u)),
+            w32(0xFFFFFFFFu)));
+        __m256 mv = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_mul_ps(_mm256_load_ps(m + j), am)),
+                                  _mm256_mul_ps(c1, gv));
+        __m256 vv = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_mul_ps(_mm256_load_ps(v + j), av)),
+                                  _mm256_mul_ps(_mm256_mul_ps(c2, gv), gv));
+        mv = _mm256_and_ps(keep, mv);
+        vv = _mm256_and_ps(keep, vv);
+        _mm256_store_ps(m + j, mv);
+        _mm256_store_ps(v + j, vv);
+        __m256 pj = _mm256_loadu_ps(p + j);
+        __m256 d = _mm256_div_ps(mv, _mm256_add_ps(_mm256_sqrt_ps(vv), eps_c2));
+        __m256 w = _mm256_mul_ps(_mm256_add_ps(pj, _mm256_mul_ps(step_size, d)), decay);
+        _mm256_storeu_ps(p + j, _mm256_blendv_ps(pj, w, keep));
+        mxm = _mm256_max_epi32(mxm, v2_absbits(mv));
+        mxv = _mm256_max_epi32(mxv, v2_absbits(vv));
+    }
+    float nm = float_of(v2_max(mxm)), nv = float_of(v2_max(mxv));
+    *amax_m = nm;
+    *amax_v = nv;
+    v2_quantize(qm, m, nm, 1, t);
+    v2_quantize(qv, v, nv, 0, t);
+}
+
 /* ---- the paths of each level ---- */
 
 static void q8_block_avx512(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
@@ -390,6 +508,14 @@ static void q8_block_avx512(float *p, const float *g, uint8_t *qm, uint8_t *qv, 
     vec_block(p, g, qm, qv, amax_m, amax_v, c, t, level);
 }
 
+static void q8_block_avx2(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
+                          float *amax_v, const mti_adamw8_consts *c, const mti_q8_tabs *t,
+                          int level)
+{
+    (void)level;
+    v2_block(p, g, qm, qv, amax_m, amax_v, c, t);
+}
+
 static mti_arch_paths g_paths[3];
 static pthread_once_t g_paths_once = PTHREAD_ONCE_INIT;
 
@@ -397,7 +523,8 @@ static void paths_init(void)
 {
     g_paths[1] = (mti_arch_paths){.f32_to_bf16 = f2b_n_avx2,
                                   .f32_to_f16 = f2h_n_f16c,
-                                  .f16_to_f32 = h2f_n_f16c};
+                                  .f16_to_f32 = h2f_n_f16c,
+                                  .adamw8_block = q8_block_avx2};
     g_paths[2] = (mti_arch_paths){.f32_to_bf16 = f2b_n_avx512,
                                   .bf16_to_f32 = b2f_n_avx512,
                                   .f32_to_f16 = f2h_n_f16c,
@@ -414,7 +541,9 @@ const mti_arch_paths *mti_arch_paths_now(void)
 int mti_arch_q8_init(const mti_q8_tabs *t)
 {
     pthread_once(&g_paths_once, paths_init);
-    if (mti_arch_detect() < MTI_ISA_AVX512) return 0;
+    const mti_isa cpu = mti_arch_detect();
+    if (cpu >= MTI_ISA_AVX2) g_paths[1].q8_levels = 1;
+    if (cpu < MTI_ISA_AVX512) return g_paths[1].q8_levels;
     if (g_vbmi) perm_init(t);
     return g_paths[2].q8_levels = 1 + g_vbmi;
 }
