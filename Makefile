@@ -3,6 +3,7 @@
 #   make demo    installs missing Debian packages (as root), builds, trains a small model
 #   make test    installs missing Debian packages (as root), builds, runs the test suite
 #   make test-isa  the CPU tests again with the kernels capped at AVX2 and at the baseline
+#   make test-arm64  aarch64: cross-built, the CPU tests under qemu-user
 #
 # Variables: CC (gcc or clang), PREFIX (install), SAN=1 (AddressSanitizer +
 # UndefinedBehaviorSanitizer build in build-san/), NVCC (path to nvcc; empty
@@ -22,6 +23,19 @@ WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unu
 MT_CFLAGS := -std=c11 $(WARN) -fopenmp -pthread -fno-strict-aliasing -fno-math-errno
 LDLIBS := -ljemalloc -ldnnl -ldl -lm -lpthread
 MT_LDFLAGS := -fopenmp -pthread
+# A cross build (CC for another architecture, e.g. aarch64-linux-gnu-gcc,
+# as `make test-arm64` does): Debian's -dev packages of jemalloc and oneDNN
+# do not install beside the host's, so the target's runtime libraries are
+# linked by name, with the host's headers (the same text); nvcc and mpicc
+# build for the host, so the CUDA kernels and the MPI archive are left out;
+# build-time helpers (bin2c) are built with HOSTCC.
+HOSTCC ?= cc
+ifneq ($(shell $(CC) -dumpmachine 2>/dev/null),$(shell $(HOSTCC) -dumpmachine 2>/dev/null))
+CROSS := 1
+LDLIBS := -l:libjemalloc.so.2 -l:libdnnl.so.2 -ldl -lm -lpthread
+NVCC :=
+MPICC :=
+endif
 ifeq ($(SAN),1)
 SAN_FLAGS := -fsanitize=address,undefined
 MT_CFLAGS += $(SAN_FLAGS) -fno-omit-frame-pointer -fno-sanitize-recover=undefined
@@ -66,7 +80,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: fuzz test-deps all lib test test-isa test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
+.PHONY: fuzz test-deps all lib test test-isa test-arm64 test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -122,7 +136,7 @@ $(BUILD)/cuda/kernels.fatbin: $(CUDA_SRC)
 	$(NVCC) -fatbin -O3 -std=c++17 $(NVCC_GENCODE) -Ikernels/cuda -o $@ kernels/cuda/kernels.cu
 $(BUILD)/bin2c: tools/bin2c.c
 	@mkdir -p $(dir $@)
-	$(CC) -O2 -std=c11 $(WARN) -o $@ $<
+	$(HOSTCC) -O2 -std=c11 $(WARN) -o $@ $<
 $(BUILD)/cuda/cuda_kernels_blob.c: $(BUILD)/cuda/kernels.fatbin $(BUILD)/bin2c
 	$(BUILD)/bin2c mti_cuda_fatbin $< > $@
 $(BUILD)/obj/cuda_kernels_blob.o: $(BUILD)/cuda/cuda_kernels_blob.c
@@ -230,7 +244,7 @@ $(BUILD)/bench/%: $(BUILD)/obj/bench/%.o $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 # the offload I/O benchmark measures io_uring too where liburing is installed
 # (Debian: liburing-dev; the library itself never needs it)
-URING_LIBS := $(shell pkg-config --libs liburing 2>/dev/null)
+URING_LIBS := $(if $(CROSS),,$(shell pkg-config --libs liburing 2>/dev/null))
 $(BUILD)/obj/bench/bench_offload_io.o: MT_CFLAGS += $(if $(URING_LIBS),,-DMT_NO_URING)
 $(BUILD)/bench/bench_offload_io: LDLIBS += $(URING_LIBS)
 
@@ -268,6 +282,32 @@ test-isa: test-deps
 	  MT_CPU_ISA=$$c $(TOOL) train --model gpt --layers 2 --lora 8 --base nf4 --precision bf16 \
 	    --steps 4 --every 2 || exit 1; \
 	done
+
+# aarch64: the library, the tests and the stand-ins cross-built with
+# Debian's aarch64 compiler against the arm64 runtime packages (multiarch),
+# then the op, engine, quantized-base, estimate and golden tests run under
+# qemu-user (8.5 minutes on a 2-core EPYC; docs/kernels.md). qemu finds
+# the arm64 libraries through the host's loader cache (libc6:arm64): no -L,
+# which would mix two builds of glibc. One test is left out: the long
+# training of every optimizer and precision (17 minutes under qemu alone),
+# which the engine tests above cover piece by piece.
+ARM64_CC ?= aarch64-linux-gnu-gcc
+ARM64_BUILD ?= build-arm64
+ARM64_PKGS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libc6:arm64 \
+	libgomp1:arm64 libjemalloc2:arm64 libdnnl2:arm64
+ARM64_TESTS := test_ops.c test_engine.c test_qbase.c test_quant.c test_estimate.c test_isa.c \
+	test_golden.c -every_optimizer_and_precision_learns_text
+test-arm64: deps
+	@if ! dpkg --print-foreign-architectures | grep -qx arm64; then \
+	  if [ "$$(id -u)" = 0 ]; then dpkg --add-architecture arm64 && apt-get update -qq || exit 1; \
+	  else echo "test-arm64 needs the arm64 architecture: sudo dpkg --add-architecture arm64"; exit 1; fi; \
+	fi
+	$(call install_missing,$(ARM64_PKGS))
+	@$(MAKE) --no-print-directory BUILD=$(ARM64_BUILD) CC=$(ARM64_CC) \
+	  $(ARM64_BUILD)/mt_tests $(ARM64_BUILD)/libfakecuda.so $(ARM64_BUILD)/libfakecublaslt.so \
+	  $(ARM64_BUILD)/libfakenccl.so
+	MT_FAKE_CUDA=$(ARM64_BUILD)/libfakecuda.so MT_FAKE_CUBLASLT=$(ARM64_BUILD)/libfakecublaslt.so \
+	  MT_FAKE_NCCL=$(ARM64_BUILD)/libfakenccl.so qemu-aarch64 $(ARM64_BUILD)/mt_tests $(ARM64_TESTS)
 
 # the long randomized stress (10^6 operations per allocator and seed)
 test-long: deps
@@ -389,6 +429,6 @@ uninstall:
 	-rmdir $(DESTDIR)$(PREFIX)/include/memtrain
 
 clean:
-	rm -rf build build-san build-clang
+	rm -rf build build-san build-clang build-arm64
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -19,7 +19,9 @@
 #   cpu   (with --sections cpu; not in the default) the CPU-speed table:
 #         PyTorch fp32 AdamW and bf16 autocast, ours fp32 AdamW, bf16 with
 #         master weights and the lean configuration (bf16 without masters,
-#         8-bit AdamW, fused step, recompute sqrt), ours with --profile;
+#         8-bit AdamW, fused step, recompute sqrt), and fp32 with the lean
+#         recipe (8-bit AdamW, fused step, recompute sqrt: the lean step's
+#         work in fp32), ours with --profile;
 #         each against our fp32 step of the same round, every op family's
 #         share of our steps, and our fp32 step against the step's GEMMs
 #         at oneDNN's fp32 rate. The CPU's model and ISA are printed.
@@ -46,7 +48,9 @@
 # lines, the commands run and the tables are kept in a new folder there.
 #
 # PyTorch comes from the virtualenv $MT_TORCH_VENV (default /work/venv-torch);
-# nothing is installed by this script.
+# nothing is installed by this script. MT_CPU_ISA (avx2, baseline, ...)
+# caps our kernels' CPU class, and PyTorch's side is capped with it
+# (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -111,6 +115,18 @@ if [ ! -s "$CKPT" ]; then
     mv "$CKPT.tmp" "$CKPT"
 fi
 
+# MT_CPU_ISA caps our kernels' CPU class (docs/kernels.md); PyTorch's side
+# is capped alike, through its own switches (ATen's vector kernels, MKL's
+# GEMMs, its oneDNN), so both run as on a CPU of that class
+case "${MT_CPU_ISA:-}" in
+'') TORCH_ENV="" ;;
+baseline) TORCH_ENV="env ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41" ;;
+avx2) TORCH_ENV="env ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2" ;;
+avx512) TORCH_ENV="env ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=AVX512_CORE" ;;
+avx512_bf16) TORCH_ENV="env ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" ;;
+*) TORCH_ENV="" ;;
+esac
+
 RUN="$WORK/run-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$RUN"
 COMMON="--tokens $TOKENS --llmc-checkpoint $CKPT --threads $THREADS"
@@ -125,7 +141,7 @@ ROUND=1  # the round being run
 # never stops the script.
 run() {
     local impl=$1 tag=$2 flags=$3 cmd out="$DIR/$2.$1.r$ROUND"
-    if [ "$impl" = memtrain ]; then cmd="$OURS $flags"; else cmd="$THEIRS $flags"; fi
+    if [ "$impl" = memtrain ]; then cmd="$OURS $flags"; else cmd="$TORCH_ENV $THEIRS $flags"; fi
     echo "$cmd" >> "$RUN/commands.txt"
     # shellcheck disable=SC2086 # the flags are words
     if $cmd > "$out.json" 2> "$out.err"; then
@@ -231,7 +247,9 @@ esac
 case ",$SECTIONS," in *,cpu,*)
     section cpu "CPU speed"
     echo "ISA: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_bf16|avx512_fp16|amx_tile|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')" | tee -a "$RUN/machine.txt" >&2
+    echo "class: MT_CPU_ISA=${MT_CPU_ISA:-unset}; PyTorch: ${TORCH_ENV:-uncapped}" | tee -a "$RUN/machine.txt" >&2
     LEAN="--precision bf16 --no-master --optimizer adamw8 --fused --recompute sqrt"
+    RECIPE="--optimizer adamw8 --fused --recompute sqrt"
     for ROUND in $(seq 1 "$ROUNDS"); do
         gemm gemm_start
         pair 0 cpu_fp32 "fp32 AdamW" "--profile" ""
@@ -239,6 +257,8 @@ case ",$SECTIONS," in *,cpu,*)
             "--precision bf16 --profile" "--bf16"
         row cpu_lean "lean: bf16 without masters + 8-bit AdamW + fused + sqrt" "$LEAN --profile" ""
         run memtrain cpu_lean "$LEAN --profile"
+        row cpu_recipe "fp32 with the lean recipe: 8-bit AdamW + fused + sqrt" "$RECIPE --profile" ""
+        run memtrain cpu_recipe "$RECIPE --profile"
         gemm gemm_end
     done
     report cpu

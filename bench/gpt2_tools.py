@@ -305,7 +305,7 @@ def report_cpu(rundir):
     base_rounds = load_rounds(rundir, "cpu_fp32", "memtrain")
     runs = []  # (label, impl, tag)
     for tag, label, _, torch_flags in rows:
-        if tag != "cpu_lean":
+        if tag in ("cpu_fp32", "cpu_bf16"):
             runs.append(("PyTorch, " + ("fp32 AdamW" if tag == "cpu_fp32" else "bf16 autocast"),
                          "pytorch", tag))
     for tag, label, _, _ in rows:
@@ -324,6 +324,13 @@ def report_cpu(rundir):
                         if ok(r) and ok(o) else "-" for r, o in zip(rs, base_rounds))
         print("| %s | %s | %s | %s | %s | %.4f |" % (label, f1(b["ms_per_step_median"]), per, rat,
                                                      f1(b["peak_rss_mib"]), b["losses"][-1]))
+    lean, recipe = (load_rounds(rundir, t, "memtrain") for t in ("cpu_lean", "cpu_recipe"))
+    if any(ok(a) and ok(b) for a, b in zip(lean, recipe)):
+        print()
+        print("The lean step against fp32 with the lean recipe (the same work in fp32), per "
+              "round: %s." % ", ".join(ratio(a["ms_per_step_median"], b["ms_per_step_median"])
+                                       if ok(a) and ok(b) else "-"
+                                       for a, b in zip(lean, recipe)))
     print()
     print("Our steps by op family (`--profile`, the best round; ms per step and share of the "
           "mean step, whose time is the last row):")

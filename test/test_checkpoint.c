@@ -317,8 +317,8 @@ TEST(checkpoint_refuses_bad_files)
         const char *says[4] = {"AdamW in the file, 8-bit AdamW in this trainer",
                                "fp32 in the file, bf16 in this trainer",
                                "no master weights in the file, master weights in this trainer",
-                               "parameter 1's state 0, fp32, 2048 bytes in the file; parameter 1's "
-                               "state 0, uint8, 512 bytes in this trainer"};
+                               ("parameter 1's state 0, fp32, 2048 bytes in the file; parameter "
+                                "1's state 0, uint8, 512 bytes in this trainer")};
         for (int i = 0; i < 4; i++) {
             CHECK_OKC(c2, mt_trainer_create(m2, &others[i], &t2));
             CHECK_OKC(c2, mt_trainer_save(t2, bad, NULL, 0));

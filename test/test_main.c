@@ -3,7 +3,8 @@
  * Usage: mt_tests [filter ...]             (no argument: every test)
  *        mt_tests --list [filter ...]      the names it would run, one a line
  * A filter is a substring of test names, or a source file's name ending
- * in .c (test_ops.c: every test of test/test_ops.c).
+ * in .c (test_ops.c: every test of test/test_ops.c); a filter that starts
+ * with '-' leaves out the tests it names (-every_optimizer).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -263,9 +264,15 @@ int main(int argc, char **argv)
     double t_all = now_s();
     bool list = argc > 1 && !strcmp(argv[1], "--list");
     if (list) argc--, argv++;
+    int includes = 0;
+    for (int a = 1; a < argc; a++) includes += argv[a][0] != '-';
     for (int i = 0; i < n_tests; i++) {
-        bool want = argc < 2;
-        for (int a = 1; a < argc && !want; a++) want = selects(&tests[i], argv[a]);
+        bool want = includes == 0, out = false;
+        for (int a = 1; a < argc; a++) {
+            if (argv[a][0] == '-') out = out || selects(&tests[i], argv[a] + 1);
+            else want = want || selects(&tests[i], argv[a]);
+        }
+        want = want && !out;
         if (!want) continue;
         if (list) {
             printf("%s\n", tests[i].name);

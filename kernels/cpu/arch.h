@@ -106,6 +106,11 @@ typedef struct mti_arch_paths {
      * there are (0: none; 1: gathers for the lookups; 2: also permutes),
      * and `level` (1 .. q8_levels) picks one. */
     int q8_levels;
+    /* Whether fp32 GEMMs should get an operand stored K-major (the
+     * reduction down its rows) with rows a multiple of 4 KiB apart as a
+     * dense copy (matmul.c): where the GEMM library's kernels read such
+     * rows slowly (cache sets alias). */
+    int gemm_pack_aliased;
     void (*adamw8_block)(float *p, const float *g, uint8_t *qm, uint8_t *qv, float *amax_m,
                          float *amax_v, const mti_adamw8_consts *c, const mti_q8_tabs *t,
                          int level);

@@ -519,12 +519,17 @@ static void q8_block_avx2(float *p, const float *g, uint8_t *qm, uint8_t *qv, fl
 static mti_arch_paths g_paths[3];
 static pthread_once_t g_paths_once = PTHREAD_ONCE_INIT;
 
+/* Below AVX-512, oneDNN 2.6's sgemm (AVX2, SSE4.1) reads a K-major operand
+ * whose rows lie a multiple of 4 KiB apart at half its rate or less; its
+ * AVX-512 kernels do not (docs/benchmarks.md). */
 static void paths_init(void)
 {
+    g_paths[0].gemm_pack_aliased = 1;
     g_paths[1] = (mti_arch_paths){.f32_to_bf16 = f2b_n_avx2,
                                   .f32_to_f16 = f2h_n_f16c,
                                   .f16_to_f32 = h2f_n_f16c,
-                                  .adamw8_block = q8_block_avx2};
+                                  .adamw8_block = q8_block_avx2,
+                                  .gemm_pack_aliased = 1};
     g_paths[2] = (mti_arch_paths){.f32_to_bf16 = f2b_n_avx512,
                                   .bf16_to_f32 = b2f_n_avx512,
                                   .f32_to_f16 = f2h_n_f16c,

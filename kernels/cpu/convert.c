@@ -2,7 +2,7 @@
  * convert.c - casts between fp32, fp16 and bf16, and the fp32 staging
  * loads and stores the other CPU kernels use in their inner loops.
  *
- * The element conversions below restate the scalar definitions of
+ * The element conversions (vecmath.h) restate the scalar definitions of
  * lib/kctx.c without branches (selects instead), so the loops vectorise;
  * they give the same bits for every input (the tests run all 65536 fp16 and
  * bf16 patterns and random fp32 ones). One assumption the scalar code does

@@ -360,16 +360,16 @@ static void empty_k(const mm_job *j)
 }
 
 /* Whether a dense fp32 job goes through panels (the converted path's
- * copies) rather than to oneDNN as stored: below AVX-512, where an operand
- * stored K-major (A transposed, or B not: the reduction runs down its rows)
- * has rows a multiple of 4 KiB apart. oneDNN 2.6's AVX2 and SSE4.1 sgemm
- * reads such an operand down a column of cache sets that alias, and runs at
- * half its rate or less (the weight gradient and the input gradient of
- * GPT-2's MLP, rows of 3072 floats; docs/benchmarks.md); a dense panel
- * costs a copy. Its AVX-512 kernels do not slow down. */
+ * copies) rather than to oneDNN as stored: where the CPU's paths say so
+ * (arch.h: gemm_pack_aliased; x86 below AVX-512) and an operand stored
+ * K-major (A transposed, or B not: the reduction runs down its rows) has
+ * rows a multiple of 4 KiB apart. oneDNN 2.6's AVX2 sgemm reads such an
+ * operand down a column of cache sets that alias, at half its rate or less
+ * (GPT-2's MLP weight and input gradients, rows of 3072 floats;
+ * docs/benchmarks.md); a dense panel costs a copy. */
 static int pack_aliased(const mm_job *j)
 {
-    if (j->ab_dt != MTI_F32 || j->bq || mti_isa_used() >= MTI_ISA_AVX512) return 0;
+    if (j->ab_dt != MTI_F32 || j->bq || !mti_arch_paths_now()->gemm_pack_aliased) return 0;
     const int64_t set = 4096 / 4; /* floats */
     return (j->ta && j->lda % set == 0) || (!j->tb && j->ldb % set == 0);
 }

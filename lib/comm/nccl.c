@@ -122,7 +122,7 @@ static mt_status nccl_load(const char *fn, const mt_nccl_config *c, nccl_api *a,
         void *h = dlopen(cand[i], RTLD_NOW | RTLD_LOCAL);
         if (h && dlsym(h, "ncclGetVersion")) {
             a->lib = h;
-            snprintf(path, cap, "%s", cand[i]);
+            snprintf(path, cap, "%.*s", (int)sizeof cand[i] - 1, cand[i]);
             break;
         }
         if (h) dlclose(h);
