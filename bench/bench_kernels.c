@@ -21,7 +21,7 @@
  *     over the gradients around the update (the non-finite check, the
  *     unscale, the sum of squares of clipping) and the casts of an update
  *     without master weights, against the same bound; 8-bit AdamW also
- *     through its portable loops (the AVX-512 block off), and on bf16
+ *     through its portable loops (the hand-written block off), and on bf16
  *     weights without masters both ways: an fp32 slice and two casts, and
  *     the one-pass adamw8_bf16.
  * (d) The step's other ops: every op of a GPT-2 124M step (B 4, T 64) but
@@ -620,12 +620,12 @@ static void optim_bench(void)
     const mti_ops *ops = ctx->ops;
     static const char *names[N_OPT] = {
         "triad in place (a += s b)", "SGD momentum", "AdamW", "AdamW, bf16 compute copy",
-        "8-bit AdamW", "8-bit AdamW, AVX-512 block with gathers (no permutes)",
-        "8-bit AdamW, portable loops (no AVX-512 block)",
+        "8-bit AdamW", "8-bit AdamW, hand-written block with gathers (no permutes)",
+        "8-bit AdamW, portable loops (no hand-written block)",
         "8-bit AdamW, bf16 weights, no masters, fp32 slices and casts",
         "8-bit AdamW, bf16 weights, no masters, one pass (adamw8_bf16)",
-        "the same, AVX-512 block with gathers (no permutes)",
-        "the same, portable loops (no AVX-512 block)", "4-bit AdamW (rank-1)",
+        "the same, hand-written block with gathers (no permutes)",
+        "the same, portable loops (no hand-written block)", "4-bit AdamW (rank-1)",
         "Adafactor", "AdamW, plain loop", "gradient check (non-finite)", "gradient unscale (fp16)",
         "sum of squares (clipping)", "cast fp32 -> bf16, stochastic rounding"};
     static const double bytes[N_OPT] = {12, 20, 28, 30, 16, 16, 16, 12, 12, 12, 12, 14, 12 * 3 + 8 * 2, 28,
@@ -649,7 +649,7 @@ static void optim_bench(void)
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
                 break;
             case OPT_ADAMW8_GATHER: /* the map lookups as gathers */
-            case OPT_ADAMW8_PORTABLE: { /* the loops gcc vectorises, without the AVX-512 block */
+            case OPT_ADAMW8_PORTABLE: { /* the loops gcc vectorises, without the hand-written block */
                 int was = mti_cpu_q8_vector(o == OPT_ADAMW8_GATHER ? 1 : 0);
                 s = ops->adamw8(&K, p, g, qm, qv, am, av, NULL, MTI_F32, n, &aa);
                 mti_cpu_q8_vector(was);

@@ -163,9 +163,34 @@ int mti_arch_q8_init(const mti_q8_tabs *t);
     static MTI_TARGET_AVX2 void name##_avx2 params { name##_body args; }                      \
     static void name params { MTI_VEC_PICK(name) args; }                                      \
     MTI_VEC_INLINE void name##_body params
+/* MTI_VEC_VOID whose body also takes its level as a first argument, `int
+ * vec_level` (0, 1, 2: a constant in each copy), for code that must be
+ * written differently per level to vectorise well (attention.c). */
+#define MTI_VEC_VOID_L(name, params, args)                                                    \
+    MTI_VEC_INLINE void name##_body(int vec_level, MTI_VEC_LIST params);                      \
+    MTI_VEC_512(static MTI_TARGET_AVX512 void name##_avx512 params {                          \
+        name##_body(2, MTI_VEC_LIST args);                                                    \
+    })                                                                                        \
+    static MTI_TARGET_AVX2 void name##_avx2 params { name##_body(1, MTI_VEC_LIST args); }     \
+    static void name##_base params { name##_body(0, MTI_VEC_LIST args); }                     \
+    static void name params { MTI_VEC_PICK_L(name) args; }                                    \
+    MTI_VEC_INLINE void name##_body(int vec_level, MTI_VEC_LIST params)
+#if defined(__clang__)
+#define MTI_VEC_PICK_L(name) (mti_vec_level() >= 1 ? name##_avx2 : name##_base)
 #else
+#define MTI_VEC_PICK_L(name)                                                                  \
+    (mti_vec_level() >= 2 ? name##_avx512 : mti_vec_level() >= 1 ? name##_avx2 : name##_base)
+#endif
+#else
+#define MTI_VEC_INLINE static inline
 #define MTI_VEC_FN(ret, name, params, args) static ret name params
 #define MTI_VEC_VOID(name, params, args) static void name params
+#define MTI_VEC_VOID_L(name, params, args)                                                    \
+    MTI_VEC_INLINE void name##_body(int vec_level, MTI_VEC_LIST params);                      \
+    static void name params { name##_body(0, MTI_VEC_LIST args); }                            \
+    MTI_VEC_INLINE void name##_body(int vec_level, MTI_VEC_LIST params)
 #endif
+/* (a parenthesised list without its parentheses) */
+#define MTI_VEC_LIST(...) __VA_ARGS__
 
 #endif

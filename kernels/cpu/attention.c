@@ -105,47 +105,89 @@ static ATT_INLINE float att_exp(float x)
 
 /* C (4,16) at c (leading dimension ldc) = (zero ? 0 : C) + sum over k < K of
  * A(i,k) B(k,:), in order of k, one multiply and one add per term; A(i,k) is
- * a[i ra + k ca], row k of B is at b + k ldb. */
+ * a[i ra + k ca], row k of B is at b + k ldb. Each lane does the same
+ * multiply and add however the rows are cut into vectors, so every copy
+ * below gives the same bits. */
 #if defined(__GNUC__) || defined(__clang__)
-/* a row of the (4,16) piece: one register of the AVX-512 copy, two of the
- * AVX2 one, four of the baseline's (the compiler splits the vector); each
- * lane does the same multiply and add whatever the split */
+/* A row of the piece as two 8-float vectors: one register each in the AVX2
+ * and AVX-512 copies. (A 16-float vector, one AVX-512 register, is what gcc
+ * lowers badly for AVX2: through memory and general registers, at a fifth
+ * of this speed; 8-float vectors are as bad for the baseline, whose copy
+ * takes the 16-float form, split into four SSE registers.) Macros, not
+ * functions: a function returning a vector has a different ABI per copy. */
+typedef float v8 __attribute__((vector_size(32)));
 typedef float v16 __attribute__((vector_size(64)));
-/* (macros, not functions: a function returning v16 has a different ABI in
- * the AVX-512, AVX2 and baseline builds) */
-#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
-#define ST16(p, v) memcpy((p), &(v), sizeof(v16))
-#define BC16(x) ((v16){(x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x)})
+#define LDV(v, p) memcpy(&(v), (p), sizeof(v))
+#define STV(p, v) memcpy((p), &(v), sizeof(v))
+#define BC8(x) ((v8){(x), (x), (x), (x), (x), (x), (x), (x)})
+#define BC16(x)                                                                             \
+    ((v16){(x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x)})
 
-static ATT_INLINE void mk4x16(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
-                              const float *b, size_t ldb, int K, int zero)
+static ATT_INLINE void mk4x16_w8(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
+                                 const float *b, size_t ldb, int K, int zero)
+{
+    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, d0 = {0}, d1 = {0}, d2 = {0}, d3 = {0};
+    if (!zero) {
+        LDV(c0, c), LDV(d0, c + 8);
+        LDV(c1, c + ldc), LDV(d1, c + ldc + 8);
+        LDV(c2, c + 2 * ldc), LDV(d2, c + 2 * ldc + 8);
+        LDV(c3, c + 3 * ldc), LDV(d3, c + 3 * ldc + 8);
+    }
+    for (int k = 0; k < K; k++) {
+        const float *ak = a + (size_t)k * ca;
+        const float x0 = ak[0], x1 = ak[ra], x2 = ak[2 * ra], x3 = ak[3 * ra];
+        v8 bk, bl;
+        LDV(bk, b + (size_t)k * ldb);
+        LDV(bl, b + (size_t)k * ldb + 8);
+        c0 += BC8(x0) * bk, d0 += BC8(x0) * bl;
+        c1 += BC8(x1) * bk, d1 += BC8(x1) * bl;
+        c2 += BC8(x2) * bk, d2 += BC8(x2) * bl;
+        c3 += BC8(x3) * bk, d3 += BC8(x3) * bl;
+    }
+    STV(c, c0), STV(c + 8, d0);
+    STV(c + ldc, c1), STV(c + ldc + 8, d1);
+    STV(c + 2 * ldc, c2), STV(c + 2 * ldc + 8, d2);
+    STV(c + 3 * ldc, c3), STV(c + 3 * ldc + 8, d3);
+}
+
+static ATT_INLINE void mk4x16_w16(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
+                                  const float *b, size_t ldb, int K, int zero)
 {
     v16 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
     if (!zero) {
-        LD16(c0, c);
-        LD16(c1, c + ldc);
-        LD16(c2, c + 2 * ldc);
-        LD16(c3, c + 3 * ldc);
+        LDV(c0, c);
+        LDV(c1, c + ldc);
+        LDV(c2, c + 2 * ldc);
+        LDV(c3, c + 3 * ldc);
     }
     for (int k = 0; k < K; k++) {
         const float *ak = a + (size_t)k * ca;
         const float x0 = ak[0], x1 = ak[ra], x2 = ak[2 * ra], x3 = ak[3 * ra];
         v16 bk;
-        LD16(bk, b + (size_t)k * ldb);
+        LDV(bk, b + (size_t)k * ldb);
         c0 += BC16(x0) * bk;
         c1 += BC16(x1) * bk;
         c2 += BC16(x2) * bk;
         c3 += BC16(x3) * bk;
     }
-    ST16(c, c0);
-    ST16(c + ldc, c1);
-    ST16(c + 2 * ldc, c2);
-    ST16(c + 3 * ldc, c3);
+    STV(c, c0);
+    STV(c + ldc, c1);
+    STV(c + 2 * ldc, c2);
+    STV(c + 3 * ldc, c3);
 }
-#else
-static ATT_INLINE void mk4x16(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
+
+/* the piece in the form of the copy's level (a constant in each copy) */
+static ATT_INLINE void mk4x16(int vl, float *c, size_t ldc, const float *a, size_t ra, size_t ca,
                               const float *b, size_t ldb, int K, int zero)
 {
+    if (vl >= 1) mk4x16_w8(c, ldc, a, ra, ca, b, ldb, K, zero);
+    else mk4x16_w16(c, ldc, a, ra, ca, b, ldb, K, zero);
+}
+#else
+static ATT_INLINE void mk4x16(int vl, float *c, size_t ldc, const float *a, size_t ra, size_t ca,
+                              const float *b, size_t ldb, int K, int zero)
+{
+    (void)vl;
     float acc[4][16];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 16; j++) acc[i][j] = zero ? 0.0f : c[(size_t)i * ldc + j];
@@ -159,14 +201,16 @@ static ATT_INLINE void mk4x16(float *c, size_t ldc, const float *a, size_t ra, s
 }
 #endif
 
-/* C (m,n) (+)= A (m,K) B (K,n) by (4,16) pieces; m % 4 == 0, n % 16 == 0. */
-static ATT_INLINE void block_mm(float *c, size_t ldc, const float *a, size_t ra, size_t ca,
-                                const float *b, size_t ldb, int m, int n, int K, int zero)
+/* C (m,n) (+)= A (m,K) B (K,n) by (4,16) pieces; m % 4 == 0, n % 16 == 0;
+ * vl: the level of the copy (arch.h). */
+static ATT_INLINE void block_mm(int vl, float *c, size_t ldc, const float *a, size_t ra,
+                                size_t ca, const float *b, size_t ldb, int m, int n, int K,
+                                int zero)
 {
     for (int i = 0; i < m; i += 4)
         for (int j = 0; j < n; j += 16)
-            mk4x16(c + (size_t)i * ldc + (size_t)j, ldc, a + (size_t)i * ra, ra, ca, b + j, ldb,
-                   K, zero);
+            mk4x16(vl, c + (size_t)i * ldc + (size_t)j, ldc, a + (size_t)i * ra, ra, ca, b + j,
+                   ldb, K, zero);
 }
 
 /* ---- loading a head ---- */
@@ -237,7 +281,7 @@ static void fwd_load(const fwd_head *fh, float *row, const void *qkv, const att_
 }
 
 /* One block of queries (qb) of head (b,h): out rows and lse. */
-MTI_VEC_VOID(fwd_block, (void *out, float *lse, const void *qkv, const att_args *a, int b, int h,
+MTI_VEC_VOID_L(fwd_block, (void *out, float *lse, const void *qkv, const att_args *a, int b, int h,
                          const fwd_head *fh, int qb, float *scr),
              (out, lse, qkv, a, b, h, fh, qb, scr))
 {
@@ -263,7 +307,8 @@ MTI_VEC_VOID(fwd_block, (void *out, float *lse, const void *qkv, const att_args 
 
     for (int kb = 0; kb <= qb; kb++) {
         const int j0 = kb * ATT_BLK, nk = mini(ATT_BLK, T - j0);
-        block_mm(s, ATT_BLK, q, (size_t)hsp, 1, fh->kt + j0, (size_t)a->Tp, mr, ATT_BLK, hs, 1);
+        block_mm(vec_level, s, ATT_BLK, q, (size_t)hsp, 1, fh->kt + j0, (size_t)a->Tp, mr,
+                 ATT_BLK, hs, 1);
         for (int r = 0; r < mr; r++) {
             float *sr = s + (size_t)r * ATT_BLK, *orow = o + (size_t)r * hsp;
             const int nv = r < nq ? mini(nk, i0 + r - j0 + 1) : 0; /* keys j0..t */
@@ -286,8 +331,8 @@ MTI_VEC_VOID(fwd_block, (void *out, float *lse, const void *qkv, const att_args 
             for (int c = nv; c < ATT_BLK; c++) sr[c] = 0.0f;
         }
         /* o += p v, over the keys of the block in order */
-        block_mm(o, (size_t)hsp, s, ATT_BLK, 1, fh->v + (size_t)j0 * hsp, (size_t)hsp, mr, hsp,
-                 nk, 0);
+        block_mm(vec_level, o, (size_t)hsp, s, ATT_BLK, 1, fh->v + (size_t)j0 * hsp, (size_t)hsp,
+                 mr, hsp, nk, 0);
     }
 
     float *lrow = lse + ((size_t)b * (size_t)a->H + (size_t)h) * (size_t)T;
@@ -455,14 +500,15 @@ static void bwd_store(void *dqkv, const bwd_head *hd, float *row, const att_args
  * dS = P (dout v^T - D), zero where a key is after the query or past T. The
  * one place both are computed, so both work splits see the same values.
  * Returns the query rows to use (a multiple of 4). */
-static ATT_INLINE int bwd_pds(float *P, float *dS, const bwd_head *hd, const att_args *a, int qb,
-                              int kb)
+static ATT_INLINE int bwd_pds(int vl, float *P, float *dS, const bwd_head *hd, const att_args *a,
+                              int qb, int kb)
 {
     const int T = a->T, i0 = qb * ATT_BLK, j0 = kb * ATT_BLK;
     const int nq = mini(ATT_BLK, T - i0), mr = round_up(nq, 4), nk = mini(ATT_BLK, T - j0);
     const size_t hsp = (size_t)a->hsp, Tp = (size_t)a->Tp;
-    block_mm(P, ATT_BLK, hd->q + (size_t)i0 * hsp, hsp, 1, hd->kt + j0, Tp, mr, ATT_BLK, a->hs, 1);
-    block_mm(dS, ATT_BLK, hd->dout + (size_t)i0 * hsp, hsp, 1, hd->vt + j0, Tp, mr, ATT_BLK,
+    block_mm(vl, P, ATT_BLK, hd->q + (size_t)i0 * hsp, hsp, 1, hd->kt + j0, Tp, mr, ATT_BLK, a->hs,
+             1);
+    block_mm(vl, dS, ATT_BLK, hd->dout + (size_t)i0 * hsp, hsp, 1, hd->vt + j0, Tp, mr, ATT_BLK,
              a->hs, 1);
     for (int r = 0; r < mr; r++) {
         const int t = i0 + r, nv = r < nq ? mini(nk, t - j0 + 1) : 0;
@@ -482,44 +528,44 @@ static ATT_INLINE int bwd_pds(float *P, float *dS, const bwd_head *hd, const att
 
 /* dV and dK of key block kb += P^T dout and dS^T q of query block qb, the
  * query rows in order. */
-static ATT_INLINE void bwd_acc_dkdv(const bwd_head *hd, const att_args *a, int qb, int kb,
+static ATT_INLINE void bwd_acc_dkdv(int vl, const bwd_head *hd, const att_args *a, int qb, int kb,
                                    const float *P, const float *dS, int mr)
 {
     const int j0 = kb * ATT_BLK, mk = round_up(mini(ATT_BLK, a->T - j0), 4);
     const size_t hsp = (size_t)a->hsp, i0 = (size_t)qb * ATT_BLK;
-    block_mm(hd->dv + (size_t)j0 * hsp, hsp, P, 1, ATT_BLK, hd->dout + i0 * hsp, hsp, mk,
+    block_mm(vl, hd->dv + (size_t)j0 * hsp, hsp, P, 1, ATT_BLK, hd->dout + i0 * hsp, hsp, mk,
              a->hsp, mr, 0);
-    block_mm(hd->dk + (size_t)j0 * hsp, hsp, dS, 1, ATT_BLK, hd->q + i0 * hsp, hsp, mk, a->hsp,
+    block_mm(vl, hd->dk + (size_t)j0 * hsp, hsp, dS, 1, ATT_BLK, hd->q + i0 * hsp, hsp, mk, a->hsp,
              mr, 0);
 }
 
 /* dQ of query block qb += dS k of key block kb, the keys in order. */
-static ATT_INLINE void bwd_acc_dq(const bwd_head *hd, const att_args *a, int qb, int kb,
+static ATT_INLINE void bwd_acc_dq(int vl, const bwd_head *hd, const att_args *a, int qb, int kb,
                                   const float *dS, int mr)
 {
     const int j0 = kb * ATT_BLK, nk = mini(ATT_BLK, a->T - j0);
     const size_t hsp = (size_t)a->hsp, i0 = (size_t)qb * ATT_BLK;
-    block_mm(hd->dq + i0 * hsp, hsp, dS, ATT_BLK, 1, hd->k + (size_t)j0 * hsp, hsp, mr, a->hsp,
+    block_mm(vl, hd->dq + i0 * hsp, hsp, dS, ATT_BLK, 1, hd->k + (size_t)j0 * hsp, hsp, mr, a->hsp,
              nk, 0);
 }
 
 /* Keys of block kb: dK and dV from every query block that sees them, in order. */
-MTI_VEC_VOID(bwd_dkdv, (const bwd_head *hd, const att_args *a, int kb, float *P, float *dS),
+MTI_VEC_VOID_L(bwd_dkdv, (const bwd_head *hd, const att_args *a, int kb, float *P, float *dS),
              (hd, a, kb, P, dS))
 {
     for (int qb = kb; qb < a->Tp / ATT_BLK; qb++) {
-        int mr = bwd_pds(P, dS, hd, a, qb, kb);
-        bwd_acc_dkdv(hd, a, qb, kb, P, dS, mr);
+        int mr = bwd_pds(vec_level, P, dS, hd, a, qb, kb);
+        bwd_acc_dkdv(vec_level, hd, a, qb, kb, P, dS, mr);
     }
 }
 
 /* Queries of block qb: dQ from every key block they see, in order. */
-MTI_VEC_VOID(bwd_dq, (const bwd_head *hd, const att_args *a, int qb, float *P, float *dS),
+MTI_VEC_VOID_L(bwd_dq, (const bwd_head *hd, const att_args *a, int qb, float *P, float *dS),
              (hd, a, qb, P, dS))
 {
     for (int kb = 0; kb <= qb; kb++) {
-        int mr = bwd_pds(P, dS, hd, a, qb, kb);
-        bwd_acc_dq(hd, a, qb, kb, dS, mr);
+        int mr = bwd_pds(vec_level, P, dS, hd, a, qb, kb);
+        bwd_acc_dq(vec_level, hd, a, qb, kb, dS, mr);
     }
 }
 
@@ -527,15 +573,15 @@ MTI_VEC_VOID(bwd_dq, (const bwd_head *hd, const att_args *a, int qb, float *P, f
  * feeding dV, dK and dQ at once. Key blocks outer, query blocks inner: dK and
  * dV still sum over query blocks in order, dQ over key blocks in order, as
  * in the split passes. */
-MTI_VEC_VOID(bwd_all, (const bwd_head *hd, const att_args *a, float *P, float *dS),
+MTI_VEC_VOID_L(bwd_all, (const bwd_head *hd, const att_args *a, float *P, float *dS),
              (hd, a, P, dS))
 {
     const int nb = a->Tp / ATT_BLK;
     for (int kb = 0; kb < nb; kb++)
         for (int qb = kb; qb < nb; qb++) {
-            int mr = bwd_pds(P, dS, hd, a, qb, kb);
-            bwd_acc_dkdv(hd, a, qb, kb, P, dS, mr);
-            bwd_acc_dq(hd, a, qb, kb, dS, mr);
+            int mr = bwd_pds(vec_level, P, dS, hd, a, qb, kb);
+            bwd_acc_dkdv(vec_level, hd, a, qb, kb, P, dS, mr);
+            bwd_acc_dq(vec_level, hd, a, qb, kb, dS, mr);
         }
 }
 
