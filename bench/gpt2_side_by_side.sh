@@ -5,6 +5,7 @@
 #
 #   bench/gpt2_side_by_side.sh [--quick] [--threads N] [--steps N] [--warmup N]
 #                              [--rounds R] [--sections side,ckpt,cpu] [--work DIR]
+#                              [--ours-only]
 #   bench/gpt2_side_by_side.sh --long [--threads N] [--work DIR]
 #
 # Sections (all by default):
@@ -30,6 +31,8 @@
 #         with per-block checkpointing for reference.
 # Shape: GPT-2 124M (V 50257, maxT 1024, L 12, H 12, C 768), B 4, T 64,
 # --steps 5 --warmup 1; --quick: L 4, H 4, C 256 (same vocabulary).
+# --ours-only leaves PyTorch's runs out (more rounds of ours, for the
+# ratios between our own configurations).
 # Every section runs --rounds times (2), each round every run in turn; a
 # table shows each run's best round (the lowest median ms/step: the one the
 # rest of the machine disturbed least) and the ours / PyTorch ratio of each
@@ -61,13 +64,14 @@ BIN=${BENCH_GPT2:-$BUILD/bench/bench_gpt2} # BENCH_GPT2: a bench_gpt2 built else
 TORCH=bench/torch_gpt2.py
 TOOLS=bench/gpt2_tools.py
 
-QUICK=0 LONG=0 THREADS=$(nproc) STEPS='' WARMUP='' ROUNDS=2 SECTIONS=side,ckpt WORK=$BUILD/gpt2-bench
+QUICK=0 LONG=0 OURS_ONLY=0 THREADS=$(nproc) STEPS='' WARMUP='' ROUNDS=2 SECTIONS=side,ckpt WORK=$BUILD/gpt2-bench
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
     --quick) QUICK=1 ;;
     --long) LONG=1 ;;
+    --ours-only) OURS_ONLY=1 ;;
     --threads) THREADS=${2:?--threads N}; shift ;;
     --steps) STEPS=${2:?--steps N}; shift ;;
     --warmup) WARMUP=${2:?--warmup N}; shift ;;
@@ -162,7 +166,9 @@ row() { [ "$ROUND" != 1 ] || (IFS=$'\t'; echo "$*") >> "$DIR/order.txt"; }
 # with I and the round so that neither always runs first.
 pair() {
     row "$2" "$3" "$4" "$5"
-    if [ $((($1 + ROUND) % 2)) = 1 ]; then
+    if [ "$OURS_ONLY" = 1 ]; then
+        run memtrain "$2" "$4"
+    elif [ $((($1 + ROUND) % 2)) = 1 ]; then
         run memtrain "$2" "$4"; run pytorch "$2" "$5"
     else
         run pytorch "$2" "$5"; run memtrain "$2" "$4"
