@@ -41,6 +41,7 @@
 #include "comm/dp.h"
 #include "model.h"
 #include "offload.h"
+#include "optim.h"
 #include "trainer.h"
 
 #define CK_MAGIC "MTTRAIN\0"
@@ -444,10 +445,11 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
 
 /* ---- what differs between a saved layout and this trainer's ---- */
 
+/* An optimizer as messages say it, from the optimizers' table (optim.c). */
 static const char *optimizer_str(uint32_t v)
 {
-    static const char *const names[] = {"?", "SGD", "AdamW", "8-bit AdamW", "Adafactor"};
-    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+    const mti_optim *o = v < 64 ? mti_optim_of((mt_optimizer_kind)v) : NULL;
+    return o ? o->title : "unknown";
 }
 
 static const char *precision_str(uint32_t v)

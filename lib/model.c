@@ -690,7 +690,8 @@ static mt_status dequantize_range(const mt_model *m, const mti_param *p, size_t 
     return mti_cuda_dequantize(&k, p->qf, p->w.blk.ptr, 1, p->numel, 0, 1, at, n, out, n, MTI_F32);
 }
 
-static mt_status quantize_into(mt_context *ctx, int qf, const float *x, size_t n, mti_tensor *q);
+static mt_status quantize_into(mt_context *ctx, const char *name, int qf, const float *x, size_t n,
+                               mti_tensor *q);
 
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
 {
@@ -740,7 +741,7 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
                             "%s is quantized (%s): it is written whole or not at all", p->name,
                             mti_quant_name((mti_qformat)p->qf));
-        return quantize_into(ctx, p->qf, src, n, &p->w);
+        return quantize_into(ctx, p->name, p->qf, src, n, &p->w);
     }
     const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
     mti_tensor *t = master ? &p->master : &p->w;
@@ -815,6 +816,13 @@ mt_status mt_model_set_params(mt_model *m, const float *src, size_t n)
         if (!isfinite(src[i]))
             return mti_fail(m->ctx, MT_ERR_INVALID_ARG,
                             "mt_model_set_params: value %zu is not finite", i);
+    /* and what each quantized weight can hold, before any changes */
+    for (int i = 0; i < m->n_param; i++) {
+        const mti_param *p = &m->params[i];
+        if (p->qf && (s = mti_quant_check(m->ctx, (mti_qformat)p->qf, src + p->offset, p->numel)))
+            return mti_fail(m->ctx, s, "mt_model_set_params: %s: %s", p->name,
+                            mti_last_msg(m->ctx).s);
+    }
     return mti_model_upload(m, src);
 }
 
@@ -858,14 +866,21 @@ static mti_tensor quant_tensor(const mti_param *p, int qf)
 
 /* x (n fp32 values on the host) quantized in format qf into q (a quantized
  * tensor on the context's device): on the CPU straight into it, on a
- * device into a host buffer whose bytes then go up. */
-static mt_status quantize_into(mt_context *ctx, int qf, const float *x, size_t n, mti_tensor *q)
+ * device into a host buffer whose bytes then go up. Values it cannot hold
+ * are refused before q changes, the message naming the tensor. */
+static mt_status quantize_into(mt_context *ctx, const char *name, int qf, const float *x, size_t n,
+                               mti_tensor *q)
 {
-    if (ctx->dev->kind == MT_DEVICE_CPU) return mti_quantize(ctx, (mti_qformat)qf, x, n, q->blk.ptr);
+    mt_status s;
+    if (ctx->dev->kind == MT_DEVICE_CPU) {
+        s = mti_quantize(ctx, (mti_qformat)qf, x, n, q->blk.ptr);
+        return s ? mti_fail(ctx, s, "%s: %s", name, mti_last_msg(ctx).s) : MT_OK;
+    }
     const size_t bytes = mti_quant_bytes((mti_qformat)qf, n);
     void *h = malloc(bytes ? bytes : 1);
     if (!h) return mti_fail(ctx, MT_ERR_OOM, "quantize: out of host memory (%zu bytes)", bytes);
-    mt_status s = mti_quantize(ctx, (mti_qformat)qf, x, n, h);
+    s = mti_quantize(ctx, (mti_qformat)qf, x, n, h);
+    if (s) s = mti_fail(ctx, s, "%s: %s", name, mti_last_msg(ctx).s);
     if (!s) s = mti_tensor_upload(ctx, q, h, bytes);
     if (!s) s = ctx->dev->sync(ctx->dev);
     free(h);
@@ -883,7 +898,7 @@ static mt_status quantize_from(mt_model *m, int i, int qf, const float *x)
     mti_tensor q = quant_tensor(p, qf);
     mt_status s = mti_tensor_alloc(ctx, &q, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                    MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-    if (!s && !ctx->dry) s = quantize_into(ctx, qf, x, p->numel, &q);
+    if (!s && !ctx->dry) s = quantize_into(ctx, p->name, qf, x, p->numel, &q);
     if (s) {
         mti_tensor_free(ctx, &q);
         return s;

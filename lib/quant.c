@@ -6,6 +6,7 @@
  * build does not contract multiply-adds: -std=c11), so the bits are
  * bitsandbytes' (NF4) or the definition's (int8).
  */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <string.h>
@@ -168,7 +169,8 @@ static inline unsigned nf4_code_of(const float *mid, float s)
     return r;
 }
 
-static void nf4_quantize(const float *x, size_t n, const mti_qparts *p, uint8_t *base)
+static void nf4_quantize(const float *x, size_t n, const mti_qparts *p, float offset,
+                         uint8_t *base)
 {
     float mid[15];
     for (int k = 0; k < 15; k++) mid[k] = (nf4[k] + nf4[k + 1]) / 2.0f;
@@ -190,7 +192,6 @@ static void nf4_quantize(const float *x, size_t n, const mti_qparts *p, uint8_t 
         }
     }
     /* double quantization: absmax - offset in blocks of 256 */
-    const float offset = absmax_sum(x, n, p->blocks) / (float)p->blocks;
     memcpy(base + p->offset, &offset, 4);
     pthread_once(&g_lut_once, build_lut);
     for (size_t s = 0; s < p->absmax2_n; s++) {
@@ -223,6 +224,31 @@ static void int8_quantize(const float *x, size_t n, const mti_qparts *p, uint8_t
     }
 }
 
+/* NF4's offset: the float32 mean of the blocks' absolute maxima. */
+static float nf4_offset(const float *x, size_t n, size_t blocks)
+{
+    return absmax_sum(x, n, blocks) / (float)blocks;
+}
+
+mt_status mti_quant_check(mt_context *ctx, mti_qformat f, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                            "quantize %s: element %zu is %g (values must be finite)",
+                            mti_quant_name(f), i, (double)x[i]);
+    /* the offset is a float32 mean, as bitsandbytes takes it: blocks near
+       float32's largest values overflow its sum, and every weight would
+       dequantize to NaN */
+    const size_t blocks = (n + MTI_QF_BLOCK - 1) / MTI_QF_BLOCK;
+    if (f == MTI_QF_NF4 && n && !isfinite(nf4_offset(x, n, blocks)))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "quantize nf4: the mean of its %zu blocks' absolute maxima overflows "
+                        "float32 (values near %g); NF4 cannot hold these values",
+                        blocks, (double)FLT_MAX);
+    return MT_OK;
+}
+
 mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n, void *q)
 {
     mti_qparts p;
@@ -230,17 +256,10 @@ mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n,
     if (s) return mti_fail(ctx, s, "quantize: %s", mti_last_msg(NULL).s);
     if (n && (!x || !q))
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "quantize: %s is NULL", !x ? "x" : "q");
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                            "quantize %s: element %zu is %g (values must be finite)",
-                            mti_quant_name(f), i, (double)x[i]);
+    if ((s = mti_quant_check(ctx, f, x, n))) return s;
     if (n == 0) return MT_OK;
-    if (f == MTI_QF_INT8) {
-        int8_quantize(x, n, &p, q);
-        return MT_OK;
-    }
-    nf4_quantize(x, n, &p, q);
+    if (f == MTI_QF_INT8) int8_quantize(x, n, &p, q);
+    else nf4_quantize(x, n, &p, nf4_offset(x, n, p.blocks), q);
     return MT_OK;
 }
 

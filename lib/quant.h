@@ -83,8 +83,14 @@ size_t mti_quant_bytes(mti_qformat f, size_t n);
 /* The format's name ("int8", "nf4"), or NULL. */
 const char *mti_quant_name(mti_qformat f);
 
+/* Whether format f can hold x (n fp32 values): every value finite, and
+ * for NF4 a finite float32 mean of the blocks' absolute maxima (the
+ * offset of its double quantization). MT_OK, or MT_ERR_INVALID_ARG with a
+ * message ("quantize nf4: ..."; ctx may be NULL). */
+mt_status mti_quant_check(mt_context *ctx, mti_qformat f, const float *x, size_t n);
 /* Quantizes x (n fp32 values) into q (mti_quant_bytes(f, n) bytes). Takes
- * no memory. ctx (may be NULL) receives the message of a failure. */
+ * no memory. Values mti_quant_check refuses are refused before q changes.
+ * ctx (may be NULL) receives the message of a failure. */
 mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n, void *q);
 
 /* Elements [at, at + len) of the quantized tensor q (of n elements) into

@@ -309,17 +309,21 @@ TEST(checkpoint_refuses_bad_files)
         CHECK_OK(mt_model_destroy(m2));
         m2 = gpt(c2, 1, 32);
         /* each setting that differs is named, with both values */
-        mt_trainer_config others[4] = {tc, tc, tc, tc};
+        mt_trainer_config others[6] = {tc, tc, tc, tc, tc, tc};
         others[0].optimizer = MT_OPT_ADAMW;
         others[1].precision = MT_PREC_FP32;
         others[2].master_weights = 0;
         others[3].min_8bit_size = 4096; /* small tensors keep 32-bit state */
-        const char *says[4] = {"AdamW in the file, 8-bit AdamW in this trainer",
+        others[4].optimizer = MT_OPT_ADAMW4; /* every optimizer by its name */
+        others[5].optimizer = MT_OPT_ADAFACTOR;
+        const char *says[6] = {"AdamW in the file, 8-bit AdamW in this trainer",
                                "fp32 in the file, bf16 in this trainer",
                                "no master weights in the file, master weights in this trainer",
                                ("parameter 1's state 0, fp32, 2048 bytes in the file; parameter "
-                                "1's state 0, uint8, 512 bytes in this trainer")};
-        for (int i = 0; i < 4; i++) {
+                                "1's state 0, uint8, 512 bytes in this trainer"),
+                               "4-bit AdamW in the file, 8-bit AdamW in this trainer",
+                               "Adafactor in the file, 8-bit AdamW in this trainer"};
+        for (int i = 0; i < 6; i++) {
             CHECK_OKC(c2, mt_trainer_create(m2, &others[i], &t2));
             CHECK_OKC(c2, mt_trainer_save(t2, bad, NULL, 0));
             CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_load(t, bad, NULL, 0, NULL));

@@ -444,6 +444,33 @@ TEST(qbase_refuses_bad_settings)
     CHECK_OK(mt_context_destroy(ctx));
 }
 
+/* Weights NF4 cannot hold (block maxima whose float32 mean overflows)
+ * are refused, naming the tensor, with the model unchanged: set_params
+ * checks every quantized weight before it writes any. */
+TEST(qbase_nf4_refuses_values_it_cannot_hold)
+{
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = tiny_gpt(ctx, 1, MT_BASE_NF4);
+    const size_t n = mt_model_num_params(m);
+    float *was = check_alloc(n * sizeof *was), *w = check_alloc(n * sizeof *w),
+          *now = check_alloc(n * sizeof *now);
+    CHECK_OK(mt_model_get_params(m, was, n));
+    memcpy(w, was, n * sizeof *w);
+    int big = -1; /* the last quantized weight gets values near float32's largest */
+    for (int i = 0; i < m->n_param; i++)
+        if (m->params[i].qf) big = i;
+    CHECK(big >= 0);
+    const mti_param *p = &m->params[big];
+    for (size_t j = 0; j < p->numel; j++) w[p->offset + j] = j % 2 ? 3e38f : -3e38f;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_model_set_params(m, w, n));
+    CHECK_MSG(strstr(mt_last_error(ctx), p->name) && strstr(mt_last_error(ctx), "overflows"),
+              "%s", mt_last_error(ctx));
+    CHECK_OK(mt_model_get_params(m, now, n));
+    CHECK(memcmp(was, now, n * sizeof *now) == 0);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
 /* The LM head fused with the loss (a frozen head, mti_engine_head_rows):
  * run a block of rows at a time, it gives the whole head's bits. LoRA on
  * an NF4 base (fp32; bf16 with the fused step and clipping, whose two

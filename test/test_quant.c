@@ -176,6 +176,25 @@ TEST(quant_refusals_and_sizes)
             CHECK_MSG(fabsf(out[i] - x[i]) <= (f == MTI_QF_INT8 ? 0.01f : 0.2f) * 70.0f,
                       "%s: %g -> %g", mti_quant_name(f), (double)x[i], (double)out[i]);
     }
+    /* NF4's offset is a float32 mean of the block maxima: nine blocks near
+       3e38 overflow it (every weight would dequantize to NaN), and are
+       refused with q untouched; int8 holds them, and one such block is
+       NF4's to hold too */
+    static float big[9 * 64];
+    for (int i = 0; i < 9 * 64; i++) big[i] = (i % 2 ? -3e38f : 3e38f) * (1.0f - 1e-3f * (float)(i % 5));
+    static uint8_t qb[1024], before[1024];
+    memset(qb, 0xA5, sizeof qb), memcpy(before, qb, sizeof qb);
+    CHECK(mti_quant_bytes(MTI_QF_NF4, 9 * 64) <= sizeof qb);
+    CHECK_EQ(mti_quantize(NULL, MTI_QF_NF4, big, 9 * 64, qb), MT_ERR_INVALID_ARG);
+    CHECK_MSG(strstr(mt_last_error(NULL), "9 blocks' absolute maxima overflows float32"), "%s",
+              mt_last_error(NULL));
+    CHECK(memcmp(qb, before, sizeof qb) == 0);
+    CHECK_EQ(mti_quant_check(NULL, MTI_QF_NF4, big, 9 * 64), MT_ERR_INVALID_ARG);
+    CHECK_OK(mti_quant_check(NULL, MTI_QF_INT8, big, 9 * 64));
+    CHECK_OK(mti_quantize(NULL, MTI_QF_NF4, big, 64, qb));
+    float back[64];
+    CHECK_OK(mti_dequantize(NULL, MTI_QF_NF4, qb, 64, 0, 64, back, MTI_F32));
+    for (int i = 0; i < 64; i++) CHECK_MSG(isfinite(back[i]), "%d: %g", i, (double)back[i]);
     CHECK_EQ(mti_quant_bytes((mti_qformat)9, 10), 0);
     mti_qparts p;
     CHECK_EQ(mti_quant_parts((mti_qformat)9, 10, &p), MT_ERR_INVALID_ARG);
