@@ -970,8 +970,8 @@ static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int 
                         "CUDA %s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
     if (dt != MTI_F32 && dt != MTI_BF16)
         return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                        "CUDA %s: a quantized weight needs fp32 or bf16 activations (dtype %d, %s)",
-                        op, (int)dt, dt_name(dt));
+                        "CUDA %s: a quantized weight computes with fp32 or bf16 activations, not %s "
+                        "(train in fp32 or bf16)", op, dt_name(dt));
     return MT_OK;
 }
 

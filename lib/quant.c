@@ -317,7 +317,7 @@ mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, i
                         V, qf);
     if (dt != MTI_F32 && dt != MTI_BF16)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a quantized table needs fp32 or bf16 activations (dtype %d)", op,
-                        (int)dt);
+                        "%s: a quantized table computes with fp32 or bf16 activations, not %s "
+                        "(train in fp32 or bf16)", op, dt == MTI_F16 ? "fp16" : "this dtype");
     return MT_OK;
 }

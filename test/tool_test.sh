@@ -52,34 +52,38 @@ head -c 100 "$tmp/t.trace" > "$tmp/cut.trace"
 expect 1 "truncated trace" -- "$tool" replay "$tmp/cut.trace"
 grep -q "truncated\|not a memtrain trace" "$tmp/err" || { echo "FAIL tool: truncated trace message"; cat "$tmp/err"; fail=1; }
 expect 1 "missing trace" -- "$tool" replay "$tmp/none.trace"
-# estimates, budgets, auto-fit; the estimate matches the run's own report
+# estimates, budgets, auto-fit; the estimate matches the run's own report.
+# estimate's defaults are train's (the estimate is that run's); these are of
+# GPT-2 124M's shape without clipping unless they say otherwise (a later
+# option overrides an earlier one)
+E="--model gpt --layers 12 --heads 12 --channels 768 --vocab 50257 --max-seq 1024 --batch 4 --clip 0"
 expect 0 "estimate help" -- "$tool" estimate --help
-expect 0 "estimate a GPT-2 124M step" -- "$tool" estimate --json --threads 2
+expect 0 "estimate a GPT-2 124M step" -- "$tool" estimate $E --json --threads 2
 grep -q '"peak": 2005003272' "$tmp/out" || { echo "FAIL tool: estimate of GPT-2 124M fp32 AdamW B4 T64"; cat "$tmp/out"; fail=1; }
 # one rank of 4 at ZeRO stage 2: a quarter of one rank's optimizer state
 # (8 bytes x 124475904 parameters), within a block per tensor
-expect 0 "estimate a rank under ZeRO" -- "$tool" estimate --json --threads 2 --ranks 4 --rank 3 --zero 2 --batch 16
+expect 0 "estimate a rank under ZeRO" -- "$tool" estimate $E --json --threads 2 --ranks 4 --rank 3 --zero 2 --batch 16
 sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
     awk '{ if ($1 < 995807232 / 4 - 4096 || $1 > 995807232 / 4 + 4096) exit 1 }' ||
     { echo "FAIL tool: the OPTIM of a rank of 4 at ZeRO stage 2"; cat "$tmp/out"; fail=1; }
 grep -q '"ranks": 4, "rank": 3, "zero": 2' "$tmp/out" || { echo "FAIL tool: estimate --ranks JSON"; fail=1; }
-expect 2 "estimate: a rank beyond --ranks" -- "$tool" estimate --ranks 2 --rank 2
-expect 0 "auto-fit" -- "$tool" estimate --budget 1500 --autofit --allow-8bit --seq 256 --batch 8
+expect 2 "estimate: a rank beyond --ranks" -- "$tool" estimate $E --ranks 2 --rank 2
+expect 0 "auto-fit" -- "$tool" estimate $E --budget 1500 --autofit --allow-8bit --seq 256 --batch 8
 grep -q "auto-fit for 1500.0 MiB" "$tmp/out" && grep -q "fits" "$tmp/out" || { echo "FAIL tool: auto-fit"; cat "$tmp/out"; fail=1; }
-expect 3 "impossible budget" -- "$tool" estimate --budget 100 --recompute budget
+expect 3 "impossible budget" -- "$tool" estimate $E --budget 100 --recompute budget
 grep -q "the least this model and config can take is" "$tmp/err" || { echo "FAIL tool: budget message"; cat "$tmp/err"; fail=1; }
 # with --json, a budget nothing fits is JSON too: the least the run can take
-expect 3 "impossible budget, JSON" -- "$tool" estimate --budget 100 --recompute budget --json
+expect 3 "impossible budget, JSON" -- "$tool" estimate $E --budget 100 --recompute budget --json
 grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, "error": ".*least.*"}$' "$tmp/out" || { echo "FAIL tool: budget JSON"; cat "$tmp/out"; fail=1; }
-expect 3 "impossible auto-fit, JSON" -- "$tool" estimate --budget 100 --autofit --json
+expect 3 "impossible auto-fit, JSON" -- "$tool" estimate $E --budget 100 --autofit --json
 grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, ' "$tmp/out" || { echo "FAIL tool: auto-fit budget JSON"; cat "$tmp/out"; fail=1; }
-expect 2 "bad recompute" -- "$tool" estimate --recompute often
-expect 2 "autofit without a budget" -- "$tool" estimate --autofit
+expect 2 "bad recompute" -- "$tool" estimate $E --recompute often
+expect 2 "autofit without a budget" -- "$tool" estimate $E --autofit
 # 4-bit state is its own opt-in: a budget under the least 8-bit state needs
 # for this model and over the least 4-bit state needs (1.84 and 1.64 MiB
 # here), both from estimates of this run on this CPU
 least() { # least ESTIMATE-OPTIONS...: the least MiB auto-fit can reach, from its JSON
-    "$tool" estimate "$@" --budget 0.001 --json 2>/dev/null | sed -n 's/.*"least": \([0-9]*\).*/\1/p'
+    "$tool" estimate $E "$@" --budget 0.001 --json 2>/dev/null | sed -n 's/.*"least": \([0-9]*\).*/\1/p'
 }
 small="--layers 2 --heads 4 --channels 64 --vocab 256 --max-seq 64 --batch 4 --seq 64 --autofit"
 # shellcheck disable=SC2086
@@ -88,14 +92,14 @@ mid=$(awk -v a="$least4" -v b="$least8" 'BEGIN { if (a + 0 > 0 && a + 0 < b + 0)
 [ -n "$mid" ] || { echo "FAIL tool: least with 4-bit state ($least4) not below 8-bit's ($least8)"; fail=1; mid=1.7; }
 small="$small --budget $mid"
 # shellcheck disable=SC2086
-expect 3 "auto-fit, 8-bit state too much" -- "$tool" estimate $small --allow-8bit
+expect 3 "auto-fit, 8-bit state too much" -- "$tool" estimate $E $small --allow-8bit
 # shellcheck disable=SC2086
-expect 0 "auto-fit choosing 4-bit state" -- "$tool" estimate $small --allow-8bit --allow-4bit --json
+expect 0 "auto-fit choosing 4-bit state" -- "$tool" estimate $E $small --allow-8bit --allow-4bit --json
 grep -q '"autofit": {"micro_batch": [0-9]*, "optimizer": "adamw4"' "$tmp/out" || { echo "FAIL tool: auto-fit 4-bit"; cat "$tmp/out"; fail=1; }
 # shellcheck disable=SC2086
-expect 0 "auto-fit choosing 4-bit state, table" -- "$tool" estimate $small --allow-4bit
+expect 0 "auto-fit choosing 4-bit state, table" -- "$tool" estimate $E $small --allow-4bit
 grep -q "4-bit AdamW" "$tmp/out" || { echo "FAIL tool: auto-fit 4-bit report"; cat "$tmp/out"; fail=1; }
-expect 2 "--allow-4bit without --autofit" -- "$tool" estimate --allow-4bit
+expect 2 "--allow-4bit without --autofit" -- "$tool" estimate $E --allow-4bit
 # auto-fit on several ranks: at ZeRO stage 1 on 2 ranks this model needs
 # 170.8 MiB at the least resident and 156.9 MiB with the state on disk, so
 # 165 MiB takes the disk, the same choice for each rank
@@ -103,25 +107,25 @@ table="--layers 4 --heads 4 --channels 512 --vocab 256 --max-seq 64 --batch 4 --
 big="$table --json"
 for r in 0 1; do
     # shellcheck disable=SC2086
-    expect 0 "auto-fit on 2 ranks, rank $r" -- "$tool" estimate $big --rank $r --offload-dir "$tmp"
+    expect 0 "auto-fit on 2 ranks, rank $r" -- "$tool" estimate $E $big --rank $r --offload-dir "$tmp"
     sed 's/.*"autofit": {\([^}]*\)}.*/\1/' "$tmp/out" >"$tmp/fit$r"
     grep -q '"offload": "disk"' "$tmp/fit$r" || { echo "FAIL tool: auto-fit on 2 ranks, rank $r"; cat "$tmp/out"; fail=1; }
 done
 cmp -s "$tmp/fit0" "$tmp/fit1" || { echo "FAIL tool: auto-fit differs between ranks"; cat "$tmp/fit0" "$tmp/fit1"; fail=1; }
 # shellcheck disable=SC2086
-expect 3 "auto-fit on 2 ranks without the disk" -- "$tool" estimate $big
+expect 3 "auto-fit on 2 ranks without the disk" -- "$tool" estimate $E $big
 # a CUDA run (no GPU needed; 174 MiB at the least resident, 116 MiB with
 # the state in pinned host memory): the state in host memory
 # shellcheck disable=SC2086
-expect 0 "auto-fit on 2 ranks, CUDA" -- "$tool" estimate $big --device cuda --budget 150
+expect 0 "auto-fit on 2 ranks, CUDA" -- "$tool" estimate $E $big --device cuda --budget 150
 grep -q '"offload": "host"' "$tmp/out" || { echo "FAIL tool: auto-fit to host memory"; cat "$tmp/out"; fail=1; }
 # shellcheck disable=SC2086
-expect 0 "auto-fit on 2 ranks, CUDA, table" -- "$tool" estimate $table --device cuda --budget 150 --rank 1
+expect 0 "auto-fit on 2 ranks, CUDA, table" -- "$tool" estimate $E $table --device cuda --budget 150 --rank 1
 grep -q "auto-fit for 150.0 MiB on each of 2 ranks: .*in pinned host memory" "$tmp/out" || { echo "FAIL tool: auto-fit on 2 ranks, table"; cat "$tmp/out"; fail=1; }
 # at ZeRO stage 3 (above 170 MiB at the least resident, 150 MiB with the
 # state in pinned host memory): 160 MiB takes host memory
 # shellcheck disable=SC2086
-expect 0 "auto-fit on 2 ranks at stage 3, CUDA" -- "$tool" estimate $big --zero 3 --device cuda --budget 160
+expect 0 "auto-fit on 2 ranks at stage 3, CUDA" -- "$tool" estimate $E $big --zero 3 --device cuda --budget 160
 grep -q '"zero": 3,' "$tmp/out" && grep -q '"offload": "host"' "$tmp/out" || { echo "FAIL tool: auto-fit to host memory at stage 3"; cat "$tmp/out"; fail=1; }
 expect 0 "train with plots" -- "$tool" train --steps 5 --every 5 --report --svg "$tmp/m.svg" --chrome "$tmp/m.json"
 grep -q "<svg" "$tmp/m.svg" && grep -q '"traceEvents"' "$tmp/m.json" || { echo "FAIL tool: plots"; fail=1; }
@@ -150,12 +154,12 @@ expect 2 "mlp refuses --seq" -- "$tool" train --seq 32
 grep -q -- "--seq: not for the MLP" "$tmp/err" || { echo "FAIL tool: mlp --seq message"; cat "$tmp/err"; fail=1; }
 expect 2 "mlp refuses selective recompute" -- "$tool" train --recompute selective
 expect 2 "gpt refuses --hidden" -- "$tool" train --model gpt --hidden 8
-expect 2 "estimate of an mlp refuses --layers" -- "$tool" estimate --model mlp --layers 3
+expect 2 "estimate of an mlp refuses --layers" -- "$tool" estimate $E --model mlp --layers 3
 expect 2 "--no-master without bf16" -- "$tool" train --model gpt --no-master
 grep -q -- "--no-master needs --precision bf16" "$tmp/err" || { echo "FAIL tool: --no-master message"; cat "$tmp/err"; fail=1; }
 expect 2 "heads not dividing channels" -- "$tool" train --model gpt --heads 5
 grep -q -- "--heads must divide --channels" "$tmp/err" || { echo "FAIL tool: --heads message"; cat "$tmp/err"; fail=1; }
-expect 2 "estimate: heads not dividing channels" -- "$tool" estimate --heads 7
+expect 2 "estimate: heads not dividing channels" -- "$tool" estimate $E --heads 7
 expect 2 "--fused with micro-batches" -- "$tool" train --model gpt --fused --micro 4
 expect 2 "--micro over --batch" -- "$tool" train --micro 100
 expect 2 "--momentum without sgd" -- "$tool" train --model gpt --momentum 0.5
@@ -189,11 +193,22 @@ tail -n 30 "$tmp/straight" > "$tmp/straight.tail"
 losses "$tmp/straight.tail" > "$tmp/straight.l"
 [ "$(grep -c val_loss "$tmp/resumed.l")" = 3 ] || { echo "FAIL tool: resumed run's validation"; cat "$tmp/resumed.l"; fail=1; }
 cmp -s "$tmp/resumed.l" "$tmp/straight.l" || { echo "FAIL tool: resumed losses differ"; diff "$tmp/resumed.l" "$tmp/straight.l" | head; fail=1; }
+# --save with no step to train still writes the file (the state it starts
+# from), and says so: --steps 0, and a resume already at --steps
+expect 0 "--steps 0 --save" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 0 --threads 2 --save "$tmp/zero.ckpt"
+[ -s "$tmp/zero.ckpt" ] && grep -q "checkpoint written to $tmp/zero.ckpt (no step trained: the state at step 0 of --steps 0)" "$tmp/out" || { echo "FAIL tool: --steps 0 --save"; cat "$tmp/out" "$tmp/err"; fail=1; }
+expect 0 "resumed at --steps, saved" -- "$tool" train --model gpt --steps 30 --schedule constant --threads 2 --resume "$tmp/g.ckpt" --save "$tmp/again.ckpt" --eval-every 10
+[ -s "$tmp/again.ckpt" ] && grep -q "the state at step 30 of --steps 30" "$tmp/out" || { echo "FAIL tool: resumed at --steps, --save"; cat "$tmp/out" "$tmp/err"; fail=1; }
+expect 0 "the saved copy resumes" -- "$tool" train --model gpt --steps 31 --schedule constant --threads 2 --resume "$tmp/again.ckpt" --eval-every 10
 # a run whose loss stops being finite: null in the JSON (never nan or inf),
 # exit 4, and no checkpoint written over the last good one
 expect 4 "gpt diverges" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 30 --optimizer sgd --lr 1e30 --clip 0 --json --threads 2 --save "$tmp/div.ckpt"
 grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged run"; cat "$tmp/out"; fail=1; }
 grep -q "diverged" "$tmp/err" && [ ! -e "$tmp/div.ckpt" ] || { echo "FAIL tool: diverged run's message or checkpoint"; cat "$tmp/err"; fail=1; }
+# the skipped step is on the progress line in every precision, and the
+# library's warning on stderr
+expect 4 "gpt diverges, progress lines" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 30 --optimizer sgd --lr 1e30 --clip 0 --every 1 --threads 2
+grep -q "^step .*  skipped 1$" "$tmp/out" && grep -q "^memtrain: warning: mt_trainer_step: step [0-9]* skipped" "$tmp/err" || { echo "FAIL tool: skipped step not shown"; cat "$tmp/out" "$tmp/err"; fail=1; }
 expect 4 "mlp diverges" -- "$tool" train --steps 30 --lr 1e30 --json
 grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged MLP"; cat "$tmp/out"; fail=1; }
 # Ctrl-C: the run stops after the step in progress, writes its checkpoint
@@ -255,11 +270,11 @@ grep -qi "truncated\|size" "$tmp/err" || { echo "FAIL tool: llm.c message"; cat 
 
 # frozen parameters and LoRA: estimates shrink, a typo is refused, a LoRA run
 # samples from its checkpoint, and its merged export loads as a plain model
-expect 0 "estimate, frozen" -- "$tool" estimate --freeze 'wte,wpe' --freeze 'h.0.*' --json
-expect 0 "estimate, LoRA" -- "$tool" estimate --lora 8 --lora-targets '*.qkv.w,*.fc.w' --json
+expect 0 "estimate, frozen" -- "$tool" estimate $E --freeze 'wte,wpe' --freeze 'h.0.*' --json
+expect 0 "estimate, LoRA" -- "$tool" estimate $E --lora 8 --lora-targets '*.qkv.w,*.fc.w' --json
 # GPT-2 124M: AdamW state for the 663552 adapter parameters alone
 grep -q '"OPTIM": 5308416, "ACT"' "$tmp/out" || { echo "FAIL tool: LoRA estimate"; cat "$tmp/out"; fail=1; }
-expect 1 "freeze pattern matching nothing" -- "$tool" estimate --freeze 'h.99.*'
+expect 1 "freeze pattern matching nothing" -- "$tool" estimate $E --freeze 'h.99.*'
 grep -q "h.99" "$tmp/err" || { echo "FAIL tool: freeze message"; cat "$tmp/err"; fail=1; }
 expect 2 "empty freeze pattern" -- "$tool" train --freeze 'wte,,wpe'
 expect 2 "--lora-targets without --lora" -- "$tool" train --model gpt --lora-targets '*.fc.w'
@@ -277,13 +292,13 @@ expect 2 "--load-lora with --lora" -- "$tool" train --model gpt --lora 4 --load-
 expect 2 "--save-lora without adapters" -- "$tool" train --model gpt --save-lora "$tmp/c.lora"
 # distillation: the merged model above (2 blocks, width 128) teaches a smaller student
 expect 0 "distilled from a teacher" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --layers 1 --channels 32 --teacher "$tmp/m.llmc" --distill-alpha 0.7 --distill-temp 1.5
-expect 0 "estimate with a teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
+expect 0 "estimate with a teacher" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
 expect 2 "--distill-alpha without --teacher" -- "$tool" train --model gpt --distill-alpha 0.5
 # a quantized teacher: its linear weights NF4 as read, so the estimate's PARAM shrinks
 expect 0 "distilled from an NF4 teacher" -- "$tool" train --model gpt --steps 3 --no-report --threads 2 --layers 1 --channels 32 --teacher "$tmp/m.llmc" --teacher-base nf4
-expect 0 "estimate with the fp32 teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
+expect 0 "estimate with the fp32 teacher" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --json
 p32=$(grep -o '"class_peak": {"PARAM": [0-9]*' "$tmp/out" | grep -o '[0-9]*$')
-expect 0 "estimate with an NF4 teacher" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --teacher-base nf4 --json
+expect 0 "estimate with an NF4 teacher" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --vocab 256 --max-seq 64 --teacher "$tmp/m.llmc" --teacher-base nf4 --json
 pq=$(grep -o '"class_peak": {"PARAM": [0-9]*' "$tmp/out" | grep -o '[0-9]*$')
 [ -n "$p32" ] && [ -n "$pq" ] && [ "$pq" -lt "$p32" ] || { echo "FAIL tool: NF4 teacher's PARAM $pq, fp32 $p32"; fail=1; }
 expect 2 "--teacher-base without --teacher" -- "$tool" train --model gpt --teacher-base nf4
@@ -292,56 +307,79 @@ mkdir "$tmp/off"
 expect 0 "train with disk offload" -- "$tool" train --model gpt --steps 3 --threads 2 --layers 1 --channels 32 --optimizer adamw --precision bf16 --offload disk --offload-dir "$tmp/off"
 grep -q "^disk" "$tmp/out" || { echo "FAIL tool: the report has no disk table"; cat "$tmp/out"; fail=1; }
 [ -z "$(ls -A "$tmp/off")" ] || { echo "FAIL tool: scratch left in --offload-dir"; ls -la "$tmp/off"; fail=1; }
-expect 0 "estimate with disk offload" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk --json
+expect 0 "estimate with disk offload" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --offload disk --json
 grep -q '"disk_class_peak": {"PARAM": 0, "MASTER": 0, "GRAD": 0, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: estimate's disk bytes"; cat "$tmp/out"; fail=1; }
-expect 0 "estimate table with disk offload" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk
+expect 0 "estimate table with disk offload" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --offload disk
 grep -q "disk .* MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: estimate table's disk"; cat "$tmp/out"; fail=1; }
 # the weights on disk too: trained and removed; the estimate has PARAM on disk
 expect 0 "train with --offload-params" -- "$tool" train --model gpt --steps 2 --threads 2 --layers 1 --channels 32 --optimizer adamw --precision bf16 --offload disk --offload-dir "$tmp/off" --offload-params
 awk '/^disk/ {d = 1} d && /^PARAM/ {print; exit}' "$tmp/out" | grep -q "^PARAM  *[1-9][0-9.]* [KM]iB" || { echo "FAIL tool: no PARAM on disk in the report"; cat "$tmp/out"; fail=1; }
 [ -z "$(ls -A "$tmp/off")" ] || { echo "FAIL tool: scratch left by --offload-params"; ls -la "$tmp/off"; fail=1; }
-expect 0 "estimate with --offload-params" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --offload disk --offload-params --json
+expect 0 "estimate with --offload-params" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --offload disk --offload-params --json
 grep -q '"disk_class_peak": {"PARAM": [1-9][0-9]*, "MASTER": 0, "GRAD": 0, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: estimate's disk PARAM"; cat "$tmp/out"; fail=1; }
+# the library's warnings reach the user: a scratch directory left by a
+# process that has ended is removed, and the command says so on stderr
+# (and with --json as a {"warning": ...} line)
+for j in "" --json; do
+    dead=$(sh -c 'echo $$')
+    mkdir "$tmp/off/memtrain-scratch"
+    echo "memtrain scratch directory of process $dead" > "$tmp/off/memtrain-scratch/lock"
+    expect 0 "train over a stale scratch directory $j" -- "$tool" train --model gpt --steps 1 --threads 2 --layers 1 --channels 32 --offload disk --offload-dir "$tmp/off" $j
+    grep -q "^memtrain: warning: offload: removed the scratch directory '.*memtrain-scratch' left by process $dead" "$tmp/err" || { echo "FAIL tool: no warning on stderr $j"; cat "$tmp/err"; fail=1; }
+    [ -z "$j" ] || grep -q '^{"warning": "offload: removed the scratch directory' "$tmp/out" || { echo "FAIL tool: no JSON warning line"; head -3 "$tmp/out"; fail=1; }
+    [ -z "$(ls -A "$tmp/off")" ] || { echo "FAIL tool: stale scratch left"; ls -la "$tmp/off"; fail=1; }
+done
 expect 2 "--offload-params without --offload disk" -- "$tool" train --model gpt --offload-params
 grep -q "needs --offload disk" "$tmp/err" || { echo "FAIL tool: --offload-params message"; cat "$tmp/err"; fail=1; }
 expect 2 "--offload disk without a directory" -- "$tool" train --model gpt --offload disk
 expect 2 "--offload-dir without --offload disk" -- "$tool" train --model gpt --offload-dir "$tmp/off"
 expect 1 "--offload host on the CPU" -- "$tool" train --model gpt --steps 1 --offload host
 grep -q "CUDA context" "$tmp/err" || { echo "FAIL tool: --offload host on the CPU message"; cat "$tmp/err"; fail=1; }
-expect 0 "estimate with host offload" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --json
+expect 0 "estimate with host offload" -- "$tool" estimate $E --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --json
 grep -q '"host_class_peak": {"PARAM": [1-9][0-9]*, "MASTER": [1-9][0-9]*, "GRAD": [1-9][0-9]*, "OPTIM": [1-9]' "$tmp/out" || { echo "FAIL tool: host offload estimate"; cat "$tmp/out"; fail=1; }
 # on one rank of 2 at ZeRO stage 2, the host holds about half the state
 host_optim() { sed -n 's/.*"host_class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/p' "$tmp/out"; }
 one_optim=$(host_optim)
-expect 0 "estimate with host offload, rank 1 of 2 at stage 2" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 2 --json
+expect 0 "estimate with host offload, rank 1 of 2 at stage 2" -- "$tool" estimate $E --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 2 --json
 two_optim=$(host_optim)
 [ -n "$one_optim" ] && [ -n "$two_optim" ] && [ "$two_optim" -gt 0 ] && [ $((2 * two_optim)) -le $((one_optim + 4096)) ] || { echo "FAIL tool: host offload's state per rank ($two_optim of $one_optim)"; cat "$tmp/out"; fail=1; }
 # and at stage 3: the same state slice on the host, none of it on the device,
 # and the device's weights a slice (PARAM at the peak below stage 2's)
 dev_param() { sed -n 's/.*"at_peak": {"PARAM": \([0-9]*\).*/\1/p' "$tmp/out"; }
 two_param=$(dev_param)
-expect 0 "estimate with host offload, rank 1 of 2 at stage 3" -- "$tool" estimate --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 3 --json
+expect 0 "estimate with host offload, rank 1 of 2 at stage 3" -- "$tool" estimate $E --device cuda --layers 1 --heads 4 --channels 32 --precision bf16 --offload host --ranks 2 --rank 1 --zero 3 --json
 three_optim=$(host_optim)
 three_param=$(dev_param)
 grep -q '"class_peak": {[^}]*"MASTER": 0, "GRAD": [0-9]*, "OPTIM": 0,' "$tmp/out" && [ "$three_optim" = "$two_optim" ] && [ -n "$three_param" ] && [ "$three_param" -lt "$two_param" ] || { echo "FAIL tool: host offload at stage 3 ($three_optim, $two_optim; PARAM $three_param, $two_param)"; cat "$tmp/out"; fail=1; }
 expect 1 "--zero 3 --offload host on the CPU" -- "$tool" train --model gpt --steps 1 --zero 3 --offload host
 grep -q "CUDA context" "$tmp/err" || { echo "FAIL tool: --zero 3 --offload host on the CPU message"; cat "$tmp/err"; fail=1; }
 # auto-fit may put the state on disk when --offload-dir names a place for it
-expect 0 "estimate --autofit --offload-dir" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp"
+expect 0 "estimate --autofit --offload-dir" -- "$tool" estimate $E --budget 800 --autofit --fused --offload-dir "$tmp"
 grep -q "the optimizer state on disk" "$tmp/out" && grep -q "disk .*MiB (scratch files)" "$tmp/out" || { echo "FAIL tool: autofit offload choice"; cat "$tmp/out"; fail=1; }
-expect 0 "estimate --autofit --offload-dir, json" -- "$tool" estimate --budget 800 --autofit --fused --offload-dir "$tmp" --json
+expect 0 "estimate --autofit --offload-dir, json" -- "$tool" estimate $E --budget 800 --autofit --fused --offload-dir "$tmp" --json
 grep -q '"offload": "disk", "offload_params": false' "$tmp/out" || { echo "FAIL tool: autofit offload json"; cat "$tmp/out"; fail=1; }
 # and the weights too when the state on disk is not enough
-expect 0 "estimate --autofit, the weights on disk" -- "$tool" estimate --budget 700 --autofit --fused --batch 4 --seq 256 --offload-dir "$tmp"
+expect 0 "estimate --autofit, the weights on disk" -- "$tool" estimate $E --budget 700 --autofit --fused --batch 4 --seq 256 --offload-dir "$tmp"
 grep -q "the optimizer state and the weights on disk" "$tmp/out" || { echo "FAIL tool: autofit offload-params choice"; cat "$tmp/out"; fail=1; }
-expect 0 "estimate --autofit, the weights on disk, json" -- "$tool" estimate --budget 700 --autofit --fused --batch 4 --seq 256 --offload-dir "$tmp" --json
+expect 0 "estimate --autofit, the weights on disk, json" -- "$tool" estimate $E --budget 700 --autofit --fused --batch 4 --seq 256 --offload-dir "$tmp" --json
 grep -q '"offload": "disk", "offload_params": true' "$tmp/out" || { echo "FAIL tool: autofit offload-params json"; cat "$tmp/out"; fail=1; }
-expect 2 "estimate --offload-dir without --autofit" -- "$tool" estimate --offload-dir "$tmp"
+expect 2 "estimate --offload-dir without --autofit" -- "$tool" estimate $E --offload-dir "$tmp"
 expect 1 "--offload-dir that is not a directory" -- "$tool" train --model gpt --steps 1 --offload disk --offload-dir "$tmp/nope"
 grep -q "nope" "$tmp/err" || { echo "FAIL tool: offload dir message"; cat "$tmp/err"; fail=1; }
-expect 1 "--distill-alpha outside [0, 1]" -- "$tool" train --model gpt --steps 1 --teacher "$tmp/m.llmc" --distill-alpha 1.5
-grep -q "distill_alpha" "$tmp/err" || { echo "FAIL tool: distillation message"; cat "$tmp/err"; fail=1; }
-expect 1 "a teacher of another vocabulary" -- "$tool" estimate --layers 1 --heads 4 --channels 32 --teacher "$tmp/m.llmc"
+# every number's range is checked at the command line, the message giving it
+range_case() { # range_case COMMAND OPTION VALUE MESSAGE
+    expect 2 "$2 $3" -- "$tool" $1 --model gpt --teacher "$tmp/m.llmc" $2 $3
+    grep -qF "memtrain: bad $2 '$3': $4" "$tmp/err" || { echo "FAIL tool: $2 $3 message"; cat "$tmp/err"; fail=1; }
+}
+range_case train --distill-alpha 1.5 "a number in [0, 1]"
+range_case train --distill-temp 0 "a number > 0"
+range_case estimate --distill-temp -1 "a number > 0"
+range_case train --lora 100000 "an integer from 0 to 4096"
+range_case train --momentum 1 "a number in [0, 1)"
+range_case train --clip -1 "a number >= 0"
+range_case estimate --clip -1 "a number >= 0"
+range_case train --zero 4 "an integer from 0 to 3"
+expect 1 "a teacher of another vocabulary" -- "$tool" estimate $E --layers 1 --heads 4 --channels 32 --teacher "$tmp/m.llmc"
 grep -q "vocabulary" "$tmp/err" || { echo "FAIL tool: teacher vocabulary message"; cat "$tmp/err"; fail=1; }
 head -c 100 "$tmp/a.lora" > "$tmp/cut.lora"
 expect 1 "a truncated adapter file" -- "$tool" train --model gpt --steps 1 --load-lora "$tmp/cut.lora"
@@ -349,7 +387,7 @@ grep -q "truncated" "$tmp/err" || { echo "FAIL tool: adapter file message"; cat 
 
 # a quantized frozen base: the estimate's PARAM shrinks, a run resumes only
 # with its base, its merged export loads, and bad settings are refused
-expect 0 "estimate, LoRA on an NF4 base" -- "$tool" estimate --lora 8 --lora-targets '*.qkv.w,*.fc.w' --base nf4 --json
+expect 0 "estimate, LoRA on an NF4 base" -- "$tool" estimate $E --lora 8 --lora-targets '*.qkv.w,*.fc.w' --base nf4 --json
 # GPT-2 124M: 85M linear weights and the token table in NF4 (204634816 with
 # the table fp32: 154533888 bytes of it become 19929820), the positions,
 # LayerNorms and biases fp32
@@ -364,10 +402,37 @@ expect 0 "it loads as an NF4 base" -- "$tool" train --model gpt --steps 2 --no-r
 expect 0 "mlp with frozen int8 weights" -- "$tool" train --steps 5 --no-report --freeze 'fc0.w' --base int8
 expect 2 "--base of an unknown format" -- "$tool" train --model gpt --lora 4 --base q3
 grep -q "full, int8, nf4" "$tmp/err" || { echo "FAIL tool: --base values"; cat "$tmp/err"; fail=1; }
-expect 2 "--base without frozen weights" -- "$tool" estimate --base nf4
+expect 2 "--base without frozen weights" -- "$tool" estimate $E --base nf4
 expect 2 "--base with fp16" -- "$tool" train --model gpt --lora 4 --base int8 --precision fp16
 expect 1 "--base freezing no linear weight" -- "$tool" train --model gpt --steps 1 --freeze '*.b' --base nf4
 grep -q "none is frozen" "$tmp/err" || { echo "FAIL tool: --base frozen message"; cat "$tmp/err"; fail=1; }
+
+# estimate takes train's options that change memory, with train's
+# defaults: its peak is the run's, to the byte, for the same flags (the
+# run's largest peak of live bytes over its steps)
+head -c 20000 README.md > "$tmp/text.txt"
+same_peak() { # same_peak FLAGS...
+    e=$("$tool" estimate "$@" --threads 2 --json 2>"$tmp/err" | sed -n 's/.*"peak": \([0-9]*\).*/\1/p')
+    r=$("$tool" train "$@" --threads 2 --steps 2 --json 2>>"$tmp/err" | sed -n 's/.*"peak_bytes": \([0-9]*\).*/\1/p' | sort -n | tail -n 1)
+    [ -n "$e" ] && [ "$e" = "$r" ] || { echo "FAIL tool: estimate $e, run $r: $*"; cat "$tmp/err"; fail=1; }
+}
+same_peak
+same_peak --optimizer adamw --activation gelu
+same_peak --momentum 0 --clip 1
+same_peak --model gpt
+same_peak --model gpt --clip 0
+same_peak --model gpt --fused
+same_peak --model gpt --fused --clip 0
+same_peak --model gpt --precision bf16 --fused
+same_peak --model gpt --precision fp16 --micro 2
+same_peak --model gpt --optimizer adamw8 --recompute sqrt
+same_peak --model gpt --precision bf16 --no-master --optimizer adamw8 --fused --recompute sqrt
+same_peak --model gpt --optimizer adafactor --recompute selective --batch 4
+same_peak --model gpt --lora 4 --base nf4 --precision bf16
+same_peak --model gpt --freeze 'h.0.*' --base int8
+same_peak --model gpt --layers 1 --channels 32 --teacher "$tmp/m.llmc" --teacher-base nf4
+same_peak --model gpt --llmc "$tmp/m.llmc" --seq 32
+same_peak --model gpt --data "$tmp/text.txt" --seq 32 --layers 3
 
 # no run left a temporary file beside what it wrote
 if ls "$tmp" | grep '\.tmp\.'; then echo "FAIL tool: temporary files left"; fail=1; fi

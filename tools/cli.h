@@ -40,7 +40,6 @@ typedef struct cli_opts {
     /* the run */
     long steps, batch, seed, every, threads;
     float lr, momentum, wd, clip;
-    int lr_set;
     mt_device_kind device;
     mt_precision precision;
     const char *allocator, *trace, *chrome, *svg;
@@ -186,6 +185,9 @@ typedef struct cli_gpt {
     mt_estimate_report est;
 } cli_gpt;
 int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g);
+/* The GPT's data as train reads it: --data, or the built-in corpus. 0, or
+ * an exit code (the message printed). */
+int cli_data_open(const cli_opts *o, mt_data **out);
 void cli_gpt_close(cli_gpt *g);
 
 #endif /* MT_TOOLS_CLI_H */

@@ -157,12 +157,37 @@ int cmd_estimate(int argc, char **argv)
     mt_model *m = NULL;
     mt_status s;
     if (o.gpt) {
+        /* the GPT train would make: the data's vocabulary (--vocab in its
+           place), --seq positions (--max-seq), or an llm.c file's shape */
+        mt_data_info di = {0};
+        if (!o.vocab || o.llmc) {
+            mt_data *d;
+            if ((rc = cli_data_open(&o, &d))) {
+                mt_context_destroy(ctx);
+                return rc;
+            }
+            mt_data_get_info(d, &di);
+            mt_data_close(d);
+        }
         mt_gpt_spec g;
         mt_gpt_spec_init(&g);
         g.layers = (int)o.layers, g.heads = (int)o.heads, g.channels = (int)o.channels;
-        g.vocab = (int)o.vocab, g.max_seq = (int)o.max_seq;
+        g.vocab = o.vocab ? (int)o.vocab : di.vocab;
+        g.max_seq = o.max_seq ? (int)o.max_seq : (int)o.seq;
         g.base = cli_spec_base(&o);
-        s = mt_model_gpt_create(ctx, &g, &m);
+        if (o.llmc) {
+            s = mt_model_gpt_load_base(ctx, o.llmc, g.base, &m);
+            if (!s) s = mt_model_gpt_get_spec(m, &g);
+            if (!s && (g.vocab < di.vocab || g.max_seq < (int)o.seq)) {
+                fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
+                        "at --seq %ld\n", cli_prog, o.llmc, g.vocab, g.max_seq, di.vocab, o.seq);
+                mt_model_destroy(m);
+                mt_context_destroy(ctx);
+                return EXIT_FAIL;
+            }
+        } else {
+            s = mt_model_gpt_create(ctx, &g, &m);
+        }
     } else {
         mt_mlp_spec ml;
         cli_mlp_spec(&o, &ml);

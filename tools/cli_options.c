@@ -102,17 +102,6 @@ static int set_activation(cli_opts *o, const char *v)
     return 0;
 }
 
-static int set_lr(cli_opts *o, const char *v)
-{
-    o->lr_set = 1;
-    return parse_float(v, &o->lr) || o->lr < 0 ? -1 : 0;
-}
-
-static int set_momentum(cli_opts *o, const char *v)
-{
-    return parse_float(v, &o->momentum) || o->momentum < 0 || o->momentum >= 1 ? -1 : 0;
-}
-
 static int set_device(cli_opts *o, const char *v)
 {
     if (cli_parse_device(v, &o->device)) return -1;
@@ -188,11 +177,6 @@ static int set_offload(cli_opts *o, const char *v)
     return 0;
 }
 
-static int set_temperature(cli_opts *o, const char *v)
-{
-    return parse_float(v, &o->temperature) || o->temperature < 0 ? -1 : 0;
-}
-
 static int set_budget(cli_opts *o, const char *v)
 {
     float b;
@@ -231,7 +215,7 @@ typedef enum opt_kind {
     K_HEAD,  /* no option: a heading line in the usage text */
     K_FLAG,  /* takes no value: sets the int at off to lo */
     K_LONG,  /* the long at off, in lo..hi */
-    K_FLOAT, /* the float at off, >= lo */
+    K_FLOAT, /* the float at off, in lo..hi (open at an end as `open` says) */
     K_STR,   /* the string at off */
     K_FN     /* fn reads it */
 } opt_kind;
@@ -247,27 +231,31 @@ typedef struct opt {
     const char *hint;       /* after "bad --name 'value'" */
     const char *help;       /* the usage line */
     const char *help_est;   /* estimate's usage line, where it differs */
+    unsigned char open;     /* K_FLOAT: OPEN_LO, x > lo; OPEN_HI, x < hi */
 } opt;
+
+enum { OPEN_LO = 1, OPEN_HI = 2 };
+#define NO_MAX HUGE_VAL
 
 #define TS (CLI_TRAIN | CLI_SAMPLE)
 #define ALL (TS | CLI_ESTIMATE)
 #define TE (CLI_TRAIN | CLI_ESTIMATE)
 #define OFF(f) offsetof(cli_opts, f)
-#define FLAG(n, c, m, f, v, h) {n, NULL, c, m, K_FLAG, OFF(f), v, 0, NULL, NULL, h, NULL}
-#define LONG(n, a, c, m, f, lo, hi, h, he) {n, a, c, m, K_LONG, OFF(f), lo, hi, NULL, NULL, h, he}
-#define FLOAT(n, c, m, f, lo, h) {n, "X", c, m, K_FLOAT, OFF(f), lo, 0, NULL, NULL, h, NULL}
-#define STR(n, a, c, m, f, h) {n, a, c, m, K_STR, OFF(f), 0, 0, NULL, NULL, h, NULL}
-#define FN(n, a, c, m, fn, hint, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, hint, h, he}
-#define HEAD(c, h) {NULL, NULL, c, CLI_ANY, K_HEAD, 0, 0, 0, NULL, NULL, h, NULL}
+#define FLAG(n, c, m, f, v, h) {n, NULL, c, m, K_FLAG, OFF(f), v, 0, NULL, NULL, h, NULL, 0}
+#define LONG(n, a, c, m, f, lo, hi, h, he) {n, a, c, m, K_LONG, OFF(f), lo, hi, NULL, NULL, h, he, 0}
+#define FLOAT(n, c, m, f, lo, hi, open, h) \
+    {n, "X", c, m, K_FLOAT, OFF(f), lo, hi, NULL, NULL, h, NULL, open}
+#define STR(n, a, c, m, f, h) {n, a, c, m, K_STR, OFF(f), 0, 0, NULL, NULL, h, NULL, 0}
+#define FN(n, a, c, m, fn, hint, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, hint, h, he, 0}
+#define HEAD(c, h) {NULL, NULL, c, CLI_ANY, K_HEAD, 0, 0, 0, NULL, NULL, h, NULL, 0}
 
 static const opt table[] = {
     FN("--model", "mlp|gpt", ALL, CLI_ANY, set_model, "(mlp, gpt)",
-       "the MLP on spirals, or a GPT on text (mlp)", "(gpt)"),
+       "the MLP on spirals, or a GPT on text (mlp)", NULL),
     LONG("--steps", "N", TS, CLI_ANY, steps, 0, 100000000, "training steps (300)", NULL),
-    LONG("--batch", "N", ALL, CLI_ANY, batch, 1, 1 << 24, "rows per step (mlp 64, gpt 8)",
-         "rows per step (4)"),
-    FN("--lr", "X", TS, CLI_ANY, set_lr, NULL, "learning rate (sgd 0.1, adamw 3e-3)", NULL),
-    FLOAT("--weight-decay", TS, CLI_ANY, wd, 0, "(0)"),
+    LONG("--batch", "N", ALL, CLI_ANY, batch, 1, 1 << 24, "rows per step (mlp 64, gpt 8)", NULL),
+    FLOAT("--lr", TS, CLI_ANY, lr, 0, NO_MAX, 0, "learning rate (sgd 0.1, adamw 3e-3)"),
+    FLOAT("--weight-decay", TS, CLI_ANY, wd, 0, NO_MAX, 0, "(0)"),
     FN("--precision", "P", ALL, CLI_ANY, set_precision, "(fp32, fp16, bf16)",
        "fp32, fp16 (fp32 masters, dynamic loss scaling) or bf16 (fp32)", "fp32|fp16|bf16 (fp32)"),
     LONG("--seed", "N", TS, CLI_ANY, seed, 0, 2147483647, "data order and initial weights (1)",
@@ -286,7 +274,7 @@ static const opt table[] = {
     FLAG("--report", TS, CLI_ANY, report, 1, "the memory report at the end (on, but not with --json)"),
     FLAG("--no-report", TS, CLI_ANY, report, 0, "no memory report"),
     {"--json", NULL, ALL, CLI_ANY, K_FLAG, OFF(json), 1, 0, NULL, NULL,
-     "one JSON object per step instead of progress lines", "one JSON object instead of the table"},
+     "one JSON object per step instead of progress lines", "one JSON object instead of the table", 0},
     FN("--config", "FILE", ALL, CLI_ANY, set_config, NULL,
        "options from FILE, a line 'name = value' each (flags: 1/0); the command line overrides it",
        NULL),
@@ -306,7 +294,7 @@ static const opt table[] = {
        "freeze the parameters whose names match (fnmatch; repeatable, or P,P,...)", NULL),
     LONG("--lora", "R", ALL, CLI_ANY, lora, 0, 4096,
          "LoRA adapters of rank R on the linear weights; the base is frozen (0: none)", NULL),
-    FLOAT("--lora-alpha", ALL, CLI_ANY, lora_alpha, 0,
+    FLOAT("--lora-alpha", ALL, CLI_ANY, lora_alpha, 0, NO_MAX, 0,
           "LoRA's scale is alpha / R (R)"),
     STR("--lora-targets", "PATTERN", ALL, CLI_ANY, lora_targets,
         "the weights LoRA adapts, fnmatch patterns P,P,... (every linear weight)"),
@@ -324,24 +312,27 @@ static const opt table[] = {
         "distil from this llm.c model file (a GPT of the same vocabulary)"),
     FN("--teacher-base", "full|int8|nf4", TE, CLI_GPT, set_teacher_base, "(full, int8, nf4)",
        "the teacher's linear weights quantized as they are read, int8 or NF4 (full)", NULL),
-    FLOAT("--distill-alpha", TE, CLI_GPT, distill_alpha, 0,
+    FLOAT("--distill-alpha", TE, CLI_GPT, distill_alpha, 0, 1, 0,
           "the KL's weight, in [0, 1]; the cross-entropy's is 1 - X (0.5)"),
-    FLOAT("--distill-temp", TE, CLI_GPT, distill_temp, 0, "the distillation temperature, > 0 (2)"),
-    FLOAT("--clip", TS, CLI_ANY, clip, 0, "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
+    FLOAT("--distill-temp", TE, CLI_GPT, distill_temp, 0, NO_MAX, OPEN_LO,
+          "the distillation temperature, > 0 (2)"),
+    FLOAT("--clip", ALL, CLI_ANY, clip, 0, NO_MAX, 0,
+          "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
     FN("--hidden", "N,N,...", ALL, CLI_MLP, set_hidden, "(sizes like 64,64)",
        "hidden layer sizes (64,64; 2 inputs, 3 classes)", NULL),
-    FN("--activation", "relu|gelu", TS, CLI_MLP, set_activation, "(relu or gelu)", "(relu)", NULL),
-    FN("--momentum", "X", TS, CLI_ANY, set_momentum, "(0 <= m < 1)", "SGD momentum (0.9)", NULL),
+    FN("--activation", "relu|gelu", ALL, CLI_MLP, set_activation, "(relu or gelu)", "(relu)", NULL),
+    FLOAT("--momentum", ALL, CLI_ANY, momentum, 0, 1, OPEN_HI, "SGD momentum (0.9)"),
     HEAD(TS, "GPT: byte-level text or an llm.c token file; 10% held out for validation."),
-    STR("--data", "FILE", TS, CLI_GPT, data,
+    STR("--data", "FILE", ALL, CLI_GPT, data,
         "text or llm.c tokens (the built-in corpus: this project's docs)"),
-    LONG("--layers", "N", ALL, CLI_GPT, layers, 1, 1 << 24, "transformer blocks (2)",
-         "transformer blocks (12: GPT-2 124M)"),
-    LONG("--heads", "N", ALL, CLI_GPT, heads, 1, 1 << 24, "attention heads (4)", "(12)"),
-    LONG("--channels", "N", ALL, CLI_GPT, channels, 1, 1 << 24, "embedding width (128)", "(768)"),
-    LONG("--vocab", "N", CLI_ESTIMATE, CLI_GPT, vocab, 1, 1 << 24, NULL, "vocabulary (50257)"),
-    LONG("--max-seq", "N", CLI_ESTIMATE, CLI_GPT, max_seq, 1, 1 << 24, NULL, "positions (1024)"),
+    LONG("--layers", "N", ALL, CLI_GPT, layers, 1, 1 << 24, "transformer blocks (2)", NULL),
+    LONG("--heads", "N", ALL, CLI_GPT, heads, 1, 1 << 24, "attention heads (4)", NULL),
+    LONG("--channels", "N", ALL, CLI_GPT, channels, 1, 1 << 24, "embedding width (128)", NULL),
+    LONG("--vocab", "N", CLI_ESTIMATE, CLI_GPT, vocab, 1, 1 << 24, NULL,
+         "vocabulary (the data's: 256 for text and the built-in corpus; GPT-2's is 50257)"),
+    LONG("--max-seq", "N", CLI_ESTIMATE, CLI_GPT, max_seq, 1, 1 << 24, NULL,
+         "positions (--seq, as train makes them; GPT-2's are 1024)"),
     LONG("--seq", "N", ALL, CLI_GPT, seq, 1, 1 << 24, "tokens per row (64)", NULL),
     FN("--schedule", "cosine|constant", TS, CLI_GPT, set_schedule, "(cosine, constant)",
        "warmup (10% of --steps) and cosine to 0.1 lr, or constant", NULL),
@@ -350,7 +341,7 @@ static const opt table[] = {
     STR("--save", "FILE", TS, CLI_GPT, save, "a training checkpoint at the end (and every --save-every N)"),
     LONG("--save-every", "N", TS, CLI_GPT, save_every, 0, 1 << 24, "a checkpoint every N steps (0: at the end only)", NULL),
     STR("--resume", "FILE", TS, CLI_GPT, resume, "go on from a checkpoint (same model and settings)"),
-    STR("--llmc", "FILE", TS, CLI_GPT, llmc, "start from an llm.c model checkpoint (fp32; its shape)"),
+    STR("--llmc", "FILE", ALL, CLI_GPT, llmc, "start from an llm.c model checkpoint (fp32; its shape)"),
     STR("--export-llmc", "FILE", TS, CLI_GPT, export_llmc,
         "write the trained weights as an llm.c model checkpoint"),
     LONG("--comm-timeout", "S", CLI_TRAIN, CLI_ANY, comm_timeout, 1, 86400,
@@ -358,7 +349,7 @@ static const opt table[] = {
     FLAG("--overlap", CLI_TRAIN, CLI_ANY, overlap, 1,
          "under mpirun: sum the gradients (--zero 1, 2: reduce-scatter them; --fused too) on a "
          "thread while backward goes on"),
-    LONG("--local-sgd", "H", CLI_TRAIN, CLI_ANY, local_sgd, 0, 1 << 24,
+    LONG("--local-sgd", "H", TE, CLI_ANY, local_sgd, 0, 1 << 24,
          "under mpirun: local SGD, each rank steps alone and the weights are averaged every H "
          "steps (0: off)", NULL),
     LONG("--zero", "S", ALL, CLI_ANY, zero, 0, 3,
@@ -380,19 +371,19 @@ static const opt table[] = {
      "the directory --offload disk makes its scratch directory in",
      "with --autofit: auto-fit may put the state on disk there when nothing fits on the "
      "device, and the weights too when even that does not fit (where the run takes them; "
-     "nothing is made)"},
+     "nothing is made)", 0},
     {"--offload-params", NULL, TE, CLI_ANY, K_FLAG, OFF(offload_params), 1, 0, NULL, NULL,
      "with --offload disk: the trained weights in the scratch files too, each layer's read in "
      "just before it runs (the next one's while it runs) and let go after",
-     "with --offload disk: the weights' bytes on disk too"},
+     "with --offload disk: the weights' bytes on disk too", 0},
     LONG("--ranks", "N", CLI_ESTIMATE, CLI_ANY, ranks, 1, 65536, NULL,
          "one rank of N data-parallel ranks; --batch is the global batch (1)"),
     LONG("--rank", "R", CLI_ESTIMATE, CLI_ANY, rank, 0, 65535, NULL, "which rank (0)"),
     HEAD(CLI_SAMPLE, "sample:"),
     STR("--prompt", "TEXT", CLI_SAMPLE, CLI_GPT, prompt, "the start (a newline)"),
     LONG("--length", "N", CLI_SAMPLE, CLI_GPT, length, 0, 1 << 20, "bytes to write (200)", NULL),
-    FN("--temperature", "X", CLI_SAMPLE, CLI_GPT, set_temperature, "(>= 0)",
-       "0: the most likely byte each time (0.8)", NULL),
+    FLOAT("--temperature", CLI_SAMPLE, CLI_GPT, temperature, 0, NO_MAX, 0,
+          "0: the most likely byte each time (0.8)"),
     FN("--budget", "MIB", CLI_ESTIMATE, CLI_ANY, set_budget, "(MiB > 0)", NULL,
        "a memory budget (MiB, what the allocators reserve)"),
     FLAG("--autofit", CLI_ESTIMATE, CLI_ANY, autofit, 1,
@@ -447,8 +438,7 @@ void cli_usage(FILE *f, unsigned cmd, const char *head)
 static void defaults(cli_opts *o, unsigned cmd)
 {
     memset(o, 0, sizeof *o);
-    o->cmd = cmd;
-    o->gpt = cmd == CLI_ESTIMATE;
+    o->cmd = cmd; /* (estimate's defaults are train's: the estimate is that run's) */
     o->hidden[0] = o->hidden[1] = 64, o->n_hidden = 2;
     o->act = MT_ACT_RELU;
     o->steps = 300, o->seed = 1, o->every = 25;
@@ -459,9 +449,8 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->optimizer = MT_OPT_ADAMW;
     o->recompute = MT_RECOMPUTE_NONE, o->recompute_every = 2;
     o->seq = 64;
-    if (cmd == CLI_ESTIMATE) o->layers = 12, o->heads = 12, o->channels = 768;
-    else o->layers = 2, o->heads = 4, o->channels = 128;
-    o->vocab = 50257, o->max_seq = 1024;
+    o->layers = 2, o->heads = 4, o->channels = 128;
+    o->vocab = 0, o->max_seq = 0; /* estimate: the data's vocabulary, --seq positions */
     o->length = 200, o->temperature = 0.8f;
     o->comm_timeout = 300;
     o->ranks = 1;
@@ -488,6 +477,22 @@ static bool given(const cli_opts *o, const char *name)
     return false;
 }
 
+/* What a value of option p must be, for its message: the table's range of
+ * a number, or the hint of a custom option ("(mlp, gpt)"). */
+static void range_text(const opt *p, char *b, size_t cap)
+{
+    if (p->kind == K_LONG) {
+        snprintf(b, cap, "an integer from %.0f to %.0f", p->lo, p->hi);
+    } else if (p->kind == K_FLOAT && p->hi == NO_MAX) {
+        snprintf(b, cap, "a number %s %g", p->open & OPEN_LO ? ">" : ">=", p->lo);
+    } else if (p->kind == K_FLOAT) {
+        snprintf(b, cap, "a number in %c%g, %g%c", p->open & OPEN_LO ? '(' : '[', p->lo, p->hi,
+                 p->open & OPEN_HI ? ')' : ']');
+    } else {
+        snprintf(b, cap, "%s", p->hint ? p->hint : "");
+    }
+}
+
 /* One option's value into o. */
 static int set(const opt *p, cli_opts *o, const char *v)
 {
@@ -502,7 +507,9 @@ static int set(const opt *p, cli_opts *o, const char *v)
         *(long *)field = n;
         return 0;
     case K_FLOAT:
-        if (parse_float(v, &x) || x < p->lo) return -1;
+        if (parse_float(v, &x) || x < p->lo || x > p->hi || ((p->open & OPEN_LO) && x == p->lo) ||
+            ((p->open & OPEN_HI) && x == p->hi))
+            return -1;
         *(float *)field = x;
         return 0;
     case K_FN: return p->fn(o, v);
@@ -587,10 +594,17 @@ static int settle(cli_opts *o)
                 cmd == CLI_ESTIMATE ? "estimate" : cmd == CLI_SAMPLE ? "sample" : "train");
         return EXIT_USAGE;
     }
-    if (!given(o, "--batch")) o->batch = cmd == CLI_ESTIMATE ? 4 : o->gpt ? 8 : 64;
-    if (!given(o, "--optimizer") && cmd != CLI_ESTIMATE && !o->gpt) o->optimizer = MT_OPT_SGD;
+    if (!given(o, "--batch")) o->batch = o->gpt ? 8 : 64;
+    if (!given(o, "--optimizer") && !o->gpt) o->optimizer = MT_OPT_SGD;
+    if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;
     int rc = check_together(o);
     if (rc) return rc;
+    if (o->llmc && (given(o, "--layers") || given(o, "--heads") || given(o, "--channels") ||
+                    given(o, "--vocab") || given(o, "--max-seq")))
+        return cli_bad_usage("%s", "--layers, --heads, --channels, --vocab and --max-seq come "
+                                   "from the --llmc file");
+    if (o->data && given(o, "--vocab"))
+        return cli_bad_usage("%s", "--vocab comes from the --data file");
     if (cmd == CLI_ESTIMATE) {
         if (o->autofit && !o->budget_mib) return cli_bad_usage("%s", "--autofit needs --budget");
         if (o->allow8 && !o->autofit) return cli_bad_usage("%s", "--allow-8bit is for --autofit");
@@ -603,8 +617,6 @@ static int settle(cli_opts *o)
             return cli_bad_usage("%s", "--recompute budget needs --budget");
         return 0;
     }
-    if (o->llmc && (given(o, "--layers") || given(o, "--heads") || given(o, "--channels")))
-        return cli_bad_usage("%s", "--layers, --heads and --channels come from the --llmc file");
     if (o->save_every && !o->save) return cli_bad_usage("%s", "--save-every needs --save");
     if (o->lora && o->load_lora)
         return cli_bad_usage("%s", "--load-lora gives the adapters (rank, alpha, weights): no --lora");
@@ -634,7 +646,6 @@ static int settle(cli_opts *o)
         for (int i = 0; i < 6 && !rc; i++) rc = paths[i] ? check_output(outs[i], paths[i]) : 0;
         if (rc) return rc;
     }
-    if (!given(o, "--clip")) o->clip = o->gpt ? 1.0f : 0.0f;
     if (o->report < 0) o->report = !o->json; /* the memory report unless JSON only is asked for */
     if (cmd == CLI_SAMPLE && (!o->gpt || !o->resume))
         return cli_bad_usage("%s", "sample needs --model gpt and --resume FILE (a checkpoint of it)");
@@ -663,8 +674,10 @@ int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o
             v = argv[++i];
         }
         if (set(p, o, v)) {
+            char range[96];
+            range_text(p, range, sizeof range);
             fprintf(stderr, "%s: bad %s '%s'%s%s\n(run '%s --help')\n", cli_prog, a, v,
-                    p->hint ? " " : "", p->hint ? p->hint : "", cli_prog);
+                    p->kind == K_FN ? " " : ": ", range, cli_prog);
             return EXIT_USAGE;
         }
         o->given[p - table] = 1;
@@ -684,7 +697,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     mt_trainer_config_init(tc);
     tc->max_batch = (int)o->batch;
     tc->optimizer = o->optimizer;
-    tc->lr = o->lr_set ? o->lr : (o->optimizer == MT_OPT_SGD ? 0.1f : 3e-3f);
+    tc->lr = given(o, "--lr") ? o->lr : (o->optimizer == MT_OPT_SGD ? 0.1f : 3e-3f);
     tc->momentum = o->optimizer == MT_OPT_SGD ? o->momentum : 0.0f;
     tc->weight_decay = o->wd;
     tc->precision = o->precision;
@@ -729,9 +742,29 @@ void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec)
     spec->seed = (uint64_t)o->seed;
 }
 
+/* The library's warnings and errors: on stderr ("memtrain: warning: ...",
+ * under mpirun with the rank), and with train --json also as a
+ * {"warning": ...} line on stdout, between the steps' objects. */
+static void cli_log(void *user, mt_log_level level, const char *msg)
+{
+    const cli_opts *o = user;
+    const char *kind = level == MT_LOG_ERROR ? "error" : "warning";
+    if (cli_world.size > 1) fprintf(stderr, "%s: rank %d: %s: %s\n", cli_prog, cli_world.rank, kind, msg);
+    else fprintf(stderr, "%s: %s: %s\n", cli_prog, kind, msg);
+    if (o->json && o->cmd == CLI_TRAIN) {
+        printf("{\"%s\": ", kind);
+        cli_json_str(stdout, msg);
+        printf("}\n");
+        fflush(stdout);
+    }
+}
+
 void cli_context_config(const cli_opts *o, mt_context_config *cc)
 {
     mt_context_config_init(cc);
+    cc->log_fn = cli_log;
+    cc->log_user = (void *)o;
+    cc->log_level = MT_LOG_WARN;
     cc->device = o->device;
     cc->threads = (int)o->threads;
     for (int c = 0; c < MT_MEM_COUNT; c++) cc->allocators[c].vtable = mt_allocator_by_name(o->allocator);

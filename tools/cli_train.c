@@ -135,6 +135,36 @@ static int diverged(long step)
     return EXIT_DIVERGED;
 }
 
+/* Steps in a row skipped for non-finite gradients (their weights did not
+ * move) after which a run stops as diverged (docs/cli.md, exit 4). */
+#define SKIPPED_IN_ROW_STOP 10
+
+/* After a step: counts the steps skipped in a row (*in_row), and when
+ * SKIPPED_IN_ROW_STOP have been, says so and gives EXIT_DIVERGED (else 0).
+ * Under mpirun every rank skips the same steps (their summed gradients are
+ * checked). */
+static int skipped_in_row(const cli_opts *o, const mt_loss_scale_state *ls, long step, int *in_row)
+{
+    *in_row = ls->last_step_skipped ? *in_row + 1 : 0;
+    if (*in_row < SKIPPED_IN_ROW_STOP) return 0;
+    if (cli_world.rank == 0)
+        fprintf(stderr, "%s: step %ld: the last %d steps were skipped, their gradients not finite "
+                "(%llu skipped in all%s): training diverged (a lower --lr, or --clip, may help)\n",
+                cli_prog, step, *in_row, (unsigned long long)ls->steps_skipped,
+                o->precision == MT_PREC_FP16 ? ", even at the loss scale's back-off" : "");
+    return EXIT_DIVERGED;
+}
+
+/* The skipped steps on a progress line: fp16's loss scale and its skipped
+ * steps always, other precisions' skipped steps once there are any. */
+static void print_skipped(const cli_opts *o, const mt_loss_scale_state *ls)
+{
+    if (o->precision == MT_PREC_FP16)
+        printf("  scale %g  skipped %llu", (double)ls->scale, (unsigned long long)ls->steps_skipped);
+    else if (ls->steps_skipped)
+        printf("  skipped %llu", (unsigned long long)ls->steps_skipped);
+}
+
 /* The end of a run of every rank: each rank's peak gathered (every rank
  * takes part), then rank 0 alone writes the files and the report, and ends
  * it with every rank's peak and its own communication (not with --json). */
@@ -193,7 +223,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
     }
     uint64_t data = (uint64_t)o->seed * 7919u;
     double t0 = now_s(), window = 0.0;
-    int in_window = 0;
+    int in_window = 0, skipped = 0;
     for (long step = 1; step <= o->steps; step++) {
         spirals(&data, x, y, (int)o->batch);
         mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
@@ -208,19 +238,17 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         if (o->local_sgd && (rc = cli_ranks_mean(&loss, 1, b.n))) goto done;
         window += loss;
         in_window++;
+        mt_loss_scale_state ls;
+        mt_trainer_get_loss_scale(t, &ls);
         if (o->json) {
             json_step(ctx, t, step, loss, 1e3 * (now_s() - t_step));
             printf("}\n");
         } else if (step == 1 || step % o->every == 0 || step == o->steps) {
             mt_memory_stats ms;
             mt_context_memory_stats(ctx, &ms);
-            mt_loss_scale_state ls;
-            mt_trainer_get_loss_scale(t, &ls);
             printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB", step, window / in_window,
                    1e3 * (now_s() - t0) / (double)step, (double)ms.peak_live_bytes / 1024.0);
-            if (o->precision == MT_PREC_FP16)
-                printf("  scale %g  skipped %llu", (double)ls.scale,
-                       (unsigned long long)ls.steps_skipped);
+            print_skipped(o, &ls);
             printf("\n");
             window = 0.0;
             in_window = 0;
@@ -229,6 +257,7 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
             rc = diverged(step);
             goto done;
         }
+        if ((rc = skipped_in_row(o, &ls, step, &skipped))) goto done;
         if (cli_ranks_any(stop_signal != 0)) { /* under mpirun, every rank */
             rc = interrupted(step);
             goto done;
@@ -299,15 +328,21 @@ void cli_gpt_close(cli_gpt *g)
     memset(g, 0, sizeof *g);
 }
 
-int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
+int cli_data_open(const cli_opts *o, mt_data **out)
 {
-    memset(g, 0, sizeof *g);
     mt_data_config dc;
     mt_data_config_init(&dc);
     if (o->data) dc.path = o->data;
     else dc.bytes = mt_corpus, dc.n_bytes = mt_corpus_size;
     dc.seq_len = (int)o->seq, dc.batch = (int)o->batch, dc.seed = (uint64_t)o->seed;
-    if (mt_data_open(&dc, &g->data)) return cli_lib_fail(NULL, NULL);
+    return mt_data_open(&dc, out) ? cli_lib_fail(NULL, NULL) : 0;
+}
+
+int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
+{
+    memset(g, 0, sizeof *g);
+    int rc = cli_data_open(o, &g->data);
+    if (rc) return rc;
     mt_data_get_info(g->data, &g->info);
     mt_gpt_spec_init(&g->spec);
     g->spec.vocab = g->info.vocab, g->spec.max_seq = (int)o->seq, g->spec.layers = (int)o->layers;
@@ -393,8 +428,9 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
     const double tokens_per_step = (double)o->batch * (double)o->seq;
     const bool live = !o->json && isatty(STDOUT_FILENO) && cli_world.size == 1;
     double window = 0.0, t_window = 0.0;
-    int in_window = 0;
-    for (long step = (long)mt_trainer_steps(t) + 1; step <= o->steps; step++) {
+    int in_window = 0, skipped = 0;
+    const long first = (long)mt_trainer_steps(t) + 1; /* after a resume, its next step */
+    for (long step = first; step <= o->steps; step++) {
         mt_batch b;
         float loss;
         double t0 = now_s(), t_data = 0;
@@ -435,9 +471,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             printf("  %.0f tok/s  %.1f ms/step  mem %.1f / peak %.1f MiB",
                    tokens_per_step * in_window / t_window, 1e3 * t_window / in_window,
                    (double)ms.live_bytes / 1048576.0, (double)ms.peak_live_bytes / 1048576.0);
-            if (o->precision == MT_PREC_FP16)
-                printf("  scale %g  skipped %llu", (double)ls.scale,
-                       (unsigned long long)ls.steps_skipped);
+            print_skipped(o, &ls);
             printf(keep ? "\n" : "\033[K");
             if (keep) window = t_window = 0.0, in_window = 0;
         }
@@ -446,6 +480,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             rc = diverged(step);
             goto done;
         }
+        if ((rc = skipped_in_row(o, &ls, step, &skipped))) goto done;
         /* read once: the save and the stop agree; under mpirun, every rank */
         const bool stopping = cli_ranks_any(stop_signal != 0);
         /* under ZeRO saving is a collective: every rank sends its slices */
@@ -460,7 +495,15 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             goto done;
         }
     }
-    if (o->save && cli_world.rank == 0)
+    /* a run with no step to train (--steps 0, or resumed at --steps) still
+       writes the checkpoint it was asked for: the state it starts from */
+    if (o->save && first > o->steps && (cli_world.rank == 0 || o->zero) &&
+        (rc = save_checkpoint(o, ctx, &g)))
+        goto done;
+    if (o->save && cli_world.rank == 0 && first > o->steps)
+        fprintf(o->json ? stderr : stdout, "checkpoint written to %s (no step trained: the state "
+                "at step %ld of --steps %ld)\n", o->save, first - 1, o->steps);
+    else if (o->save && cli_world.rank == 0)
         fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
     if (o->save_lora && cli_world.rank == 0) {
         if (mt_model_lora_save(g.model, o->save_lora)) {

@@ -511,8 +511,8 @@ static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int 
                         "%s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
     if (dt != MTI_F32 && dt != MTI_BF16)
         return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a quantized weight needs fp32 or bf16 activations (dtype %d)", op,
-                        (int)dt);
+                        "%s: a quantized weight computes with fp32 or bf16 activations, not %s "
+                        "(train in fp32 or bf16)", op, dt == MTI_F16 ? "fp16" : "this dtype");
     return MT_OK;
 }
 
