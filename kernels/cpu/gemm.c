@@ -136,13 +136,19 @@ int mti_gemm_supported(mti_dtype ab_dt)
     int i = ab_dt == MTI_F32 ? 0 : ab_dt == MTI_BF16 ? 1 : 2;
     int v = __atomic_load_n(&known[i], __ATOMIC_RELAXED);
     if (v) return v > 0;
-    /* a small probe: oneDNN picks the ISA at run time, and fp16 needs
-       AVX512-FP16 or AMX-FP16 */
+    /* 16-bit inputs only on the CPU's own 16-bit instructions: oneDNN also
+       makes bf16 matmuls on plain AVX-512 by emulating them, at under half
+       the fp32 rate, where the converted path (fp32 panels) keeps it. Then
+       a small probe: oneDNN picks the ISA at run time, and fp16 needs
+       AVX512-FP16 or AMX-FP16 (of the classes, only AMX CPUs have them) */
+    const mti_isa need = ab_dt == MTI_F32 ? MTI_ISA_BASELINE
+                         : ab_dt == MTI_BF16 ? MTI_ISA_AVX512_BF16 : MTI_ISA_AMX;
     mti_gemm_shape s = {.M = 16, .N = 16, .K = 16, .lda = 16, .ldb = 16, .ldc = 16,
                         .ab_dt = ab_dt, .c_dt = MTI_F32};
     dnnl_primitive_t p = NULL;
     size_t scratch;
-    v = engine_ready() && make_prim(&s, &p, &scratch) == dnnl_success ? 1 : -1;
+    v = mti_isa_used() >= need && engine_ready() && make_prim(&s, &p, &scratch) == dnnl_success
+            ? 1 : -1;
     if (p) dnnl_primitive_destroy(p);
     __atomic_store_n(&known[i], v, __ATOMIC_RELAXED);
     return v > 0;
