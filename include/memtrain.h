@@ -1179,10 +1179,12 @@ void mt_trainer_config_init(mt_trainer_config *c);
  * cfg NULL: the defaults (mt_trainer_config_init).
  * On a context with a communicator of more than one rank the trainer is
  * data parallel (docs/distributed.md): creation is a collective that
- * checks the ranks' models, settings and weights agree (MT_ERR_COMM on
- * every rank, naming what differs, when not; when a rank fails to create,
- * that rank gets its own status and the others MT_ERR_COMM naming it),
- * and each step trains on the union of the ranks' batches. */
+ * checks the ranks' models, settings (a teacher's shape, base format and
+ * distillation settings among them) and weights (and the teacher's) agree
+ * (MT_ERR_COMM on every rank, naming the setting that differs and each
+ * rank's value, when not; when a rank fails to create, that rank gets its
+ * own status and the others MT_ERR_COMM naming it), and each step trains
+ * on the union of the ranks' batches. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
 void mt_trainer_destroy(mt_trainer *t);
 /* What mt_trainer_autofit may choose in place of cfg's AdamW (its allow
@@ -1337,7 +1339,9 @@ mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *use
  * On the CPU, N steps, save, load into a new trainer, M steps give the same
  * bits as N + M steps. On several ranks loading is a collective (every
  * rank loads the same file; a rank whose check fails fails every rank
- * before any state changes), and each rank keeps the part a ZeRO trainer
+ * before any state changes, and so do files whose contents differ from
+ * rank to rank: MT_ERR_COMM on every rank, naming each rank's digest of its
+ * file), and each rank keeps the part a ZeRO trainer
  * holds: a file saved at any world size and stage loads at any other. */
 mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
                           size_t *user_len);

@@ -651,6 +651,8 @@ typedef struct reader {
     const char *path;
     mt_context *ctx;
     uint64_t size, pos;
+    uint64_t digest; /* the file's header and section headers hashed (each holds
+                        its payload's CRC): what the ranks compare */
 } reader;
 
 static mt_status bad_file(reader *r, const char *what)
@@ -679,6 +681,7 @@ static mt_status read_section_header(reader *r, sec *s)
     if (st) return st;
     if (mti_get_u32(h + 24) != mti_crc32(0, h, 24) || mti_get_u32(h + 28))
         return bad_file(r, "corrupt (a section header's CRC does not match)");
+    r->digest = mti_hash(r->digest, h, sizeof h);
     s->kind = mti_get_u32(h), s->index = mti_get_u32(h + 4), s->bytes = mti_get_u64(h + 8);
     s->crc = mti_get_u32(h + 16), s->dtype = mti_get_u32(h + 20);
     if (s->kind != SEC_TENSOR && (s->index || s->dtype))
@@ -751,6 +754,7 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     if (s) return s;
     if (memcmp(h, CK_MAGIC, 8)) return bad_file(r, "not a memtrain training checkpoint");
     if (mti_get_u32(h + 24) != mti_crc32(0, h, 24)) return bad_file(r, "corrupt header");
+    r->digest = mti_hash(MTI_HASH_START, h, sizeof h);
     if (mti_get_u32(h + 28)) return bad_file(r, "corrupt header (bytes 28..31 are not 0)");
     if (mti_get_u32(h + 8) != CK_VERSION) {
         char m[96];
@@ -841,6 +845,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
        rank changes anything */
     if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
     s = mti_dp_agree_status(t, fn, "checking the training-state file", s);
+    if (!s) s = mti_dp_agree_file(t, fn, r.digest); /* every rank loads the same file */
     if (!s) {
         rewind(r.f);
         r.pos = 0;

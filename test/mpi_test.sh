@@ -162,6 +162,64 @@ stop.ckpt" ]
     then echo "ok   mpi memtrain train: SIGTERM stops every rank, rank 0 saves and says so once, exit 143, the scratch removed"
     else echo "FAIL mpi memtrain train: SIGTERM: exit $rc"; cat "$sd/err"; ls "$sd"; fail=1; fi
     rm -rf "$sd"
+    # ranks whose options differ: refused before anything runs (exit 2), rank 0
+    # naming the option and each rank's value; the library names what only
+    # the files show (the teacher's weights, a training-state file)
+    refused() { # WANT_RC PATTERN WHAT, then the mpirun arguments
+        want=$1 pat=$2 what=$3; shift 3
+        got=$(timeout 60 $MPIRUN "$@" 2>&1)
+        rc=$?
+        if [ $rc = "$want" ] && [ "$(echo "$got" | grep -cF -- "$pat")" -ge 1 ] &&
+            { [ "$want" != 2 ] || [ "$(echo "$got" | grep -c 'disagree')" = 1 ]; }
+        then echo "ok   mpi memtrain train: $what: exit $rc, $(echo "$got" | grep -F -- "$pat" | head -1)"
+        else echo "FAIL mpi memtrain train: $what: exit $rc (want $want and '$pat'):"; echo "$got" | grep -v '^{' | head -20; fail=1; fi
+    }
+    ad=$(mktemp -d)
+    mt=$(cd "$B" && pwd)/memtrain
+    small="train --model gpt --batch 4 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json"
+    "$mt" $small --steps 1 --export-llmc "$ad/t1.bin" >/dev/null 2>&1
+    "$mt" $small --steps 1 --seed 2 --export-llmc "$ad/t2.bin" >/dev/null 2>&1
+    "$mt" $small --steps 1 --save "$ad/ck" >/dev/null 2>&1
+    one="$small --steps 2"
+    refused 2 "memtrain: the ranks disagree on --eval-every: rank 0 1, rank 1 2" "--eval-every per rank" \
+        -np 1 "$mt" $one --eval-every 1 : -np 1 "$mt" $one --eval-every 2
+    refused 2 "memtrain: the ranks disagree on --eval-every: rank 0 8, rank 2 16" "--eval-every on rank 2 of 3" \
+        -np 2 "$mt" $one --eval-every 8 : -np 1 "$mt" $one --eval-every 16
+    for z in 0 2; do
+        refused 2 "memtrain: the ranks disagree on --resume: rank 0 $ad/ck, rank 1 (not given)" "--resume on rank 0 alone, --zero $z" \
+            -np 1 "$mt" $one --zero $z --resume "$ad/ck" : -np 1 "$mt" $one --zero $z
+    done
+    refused 2 "memtrain: the ranks disagree on --seed: rank 0 1, rank 1 2" "--seed per rank" \
+        -np 1 "$mt" $one --seed 1 : -np 1 "$mt" $one --seed 2
+    refused 2 "memtrain: the ranks disagree on --teacher: rank 0 $ad/t1.bin, rank 1 (not given)" "a teacher on rank 0 alone" \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" : -np 1 "$mt" $one
+    refused 2 "memtrain: the ranks disagree on --teacher: rank 0 $ad/t1.bin, rank 1 $ad/t2.bin" "--teacher per rank" \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" : -np 1 "$mt" $one --teacher "$ad/t2.bin"
+    refused 2 "memtrain: the ranks disagree on --distill-temp: rank 0 2, rank 1 3" "--distill-temp per rank" \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" --distill-temp 2 : -np 1 "$mt" $one --teacher "$ad/t1.bin" --distill-temp 3
+    refused 2 "memtrain: the ranks disagree on --distill-alpha: rank 0 0.5, rank 1 (not given)" "--distill-alpha on rank 0 alone" \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" --distill-alpha 0.5 : -np 1 "$mt" $one --teacher "$ad/t1.bin"
+    refused 2 "memtrain: the ranks disagree on --teacher-base: rank 0 int8, rank 1 nf4" "--teacher-base per rank" \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" --teacher-base int8 : -np 1 "$mt" $one --teacher "$ad/t1.bin" --teacher-base nf4
+    refused 2 "memtrain: the ranks disagree on --base: rank 0 int8, rank 1 nf4" "--base per rank" \
+        -np 1 "$mt" $one --lora 2 --base int8 : -np 1 "$mt" $one --lora 2 --base nf4
+    # the same paths in each rank's own directory (-wdir), other files
+    mkdir -p "$ad/a" "$ad/b"
+    cp "$ad/t1.bin" "$ad/a/t.bin" && cp "$ad/t2.bin" "$ad/b/t.bin"
+    refused 1 "mt_trainer_create: the ranks disagree on the teacher's weights: rank 0 #" "the same --teacher path, other weights" \
+        -np 1 -wdir "$ad/a" "$mt" $one --teacher t.bin : -np 1 -wdir "$ad/b" "$mt" $one --teacher t.bin
+    head -c 6000 README.md >"$ad/a/d.txt" && head -c 5000 README.md >"$ad/b/d.txt"
+    refused 2 "memtrain: the ranks disagree on the contents of --data: rank 0 6000 bytes #" "the same --data path, other contents" \
+        -np 1 -wdir "$ad/a" "$mt" $one --data d.txt : -np 1 -wdir "$ad/b" "$mt" $one --data d.txt
+    "$mt" $small --steps 1 --save "$ad/a/ck" >/dev/null 2>&1
+    "$mt" $small --steps 1 --seed 2 --save "$ad/b/ck" >/dev/null 2>&1
+    refused 1 "mt_trainer_load: the ranks disagree on the training-state file's contents: rank 0 #" "the same --resume path, other files" \
+        -np 1 -wdir "$ad/a" "$mt" $one --resume ck : -np 1 -wdir "$ad/b" "$mt" $one --resume ck
+    # what may differ: each rank's own scratch directory; and the same teacher trains
+    refused 0 '"step": 2' "--offload-dir per rank, the same --teacher" \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" --offload disk --offload-dir "$ad/a" : \
+        -np 1 "$mt" $one --teacher "$ad/t1.bin" --offload disk --offload-dir "$ad/b"
+    rm -rf "$ad"
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

@@ -438,7 +438,7 @@ TEST(comm_context_agree)
     ctx_arg b = {.w = tcomm_world_new(2, 10.0),
                  .sizes = {2, 3},
                  .want = MT_ERR_COMM,
-                 .msg = "rank 1's field world size differs"};
+                 .msg = "the ranks disagree on the world size: rank 0 2, rank 1 3"};
     tcomm_run(2, context_rank, &b);
     tcomm_world_free(b.w);
     CHECK(!b.bad);

@@ -60,6 +60,9 @@ typedef struct dp_run {
     float lr[MAXN];
     int local[MAXN];           /* per rank: local_sgd_every, when > 0 */
     const char *offload_dir[MAXN]; /* per rank: the state on disk there, when set */
+    const mt_gpt_spec *teacher[MAXN]; /* per rank: a teacher of this spec, when set */
+    uint64_t seed[MAXN];       /* per rank: the model's seed, when set */
+    void (*tweak)(int rank, mt_trainer_config *tc); /* per rank: changes to the config */
     int steps;                 /* 0: STEPS */
     int row0;                  /* one process: the first row of its batches (a rank's alone) */
     int bad_batch_rank;        /* >= 0: that rank's first batch has a bad token */
@@ -81,12 +84,17 @@ static void dp_rank(int rank, void *p)
     mt_trainer *t = NULL;
     mt_gpt_spec g;
     gpt_spec(&g, a->channels[rank] ? a->channels[rank] : 16);
+    if (a->seed[rank]) g.seed = a->seed[rank];
     mt_trainer_config tc = a->tc;
     if (a->lr[rank] > 0.0f) tc.lr = a->lr[rank];
     if (a->local[rank] > 0) tc.local_sgd_every = a->local[rank];
     if (a->offload_dir[rank]) tc.offload = MT_PLACE_DISK, tc.offload_dir = a->offload_dir[rank];
+    if (a->tweak) a->tweak(rank, &tc);
+    mt_model *teacher = NULL;
     mt_status s = tcomm_context(c, &ctx);
     if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    if (!s && a->teacher[rank]) s = mt_model_gpt_create(ctx, a->teacher[rank], &teacher);
+    tc.teacher = teacher;
     if (!s) s = mt_trainer_create(m, &tc, &t);
     int32_t tok[64 * T], tgt[64 * T];
     for (int step = 0; step < (a->steps ? a->steps : STEPS) && !s; step++) {
@@ -128,6 +136,7 @@ static void dp_rank(int rank, void *p)
         if (mt_model_get_params(m, a->w[rank], a->nw)) a->bad = 1;
     }
     mt_trainer_destroy(t);
+    mt_model_destroy(teacher);
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     mt_comm_destroy(c);
@@ -411,20 +420,22 @@ TEST(dp_overlap_fused_equals_blocking)
                 overlap_pair(&cases[pick[k]], zero, n, 4, true);
 }
 
-/* Ranks that disagree get an error at create, every one of them. */
+/* Ranks that disagree get an error at create, every one of them (a->n
+ * ranks, 2 when not set). */
 static void disagree(dp_run *a, const char *want)
 {
-    a->n = 2;
+    const int n = a->n ? a->n : 2;
+    a->n = n;
     a->rows = 2;
     a->bad_batch_rank = -1;
     a->tc.max_batch = 2;
-    a->world = tcomm_world_new(2, 30.0);
-    tcomm_run(2, dp_rank, a);
+    a->world = tcomm_world_new(n, 30.0);
+    tcomm_run(n, dp_rank, a);
     tcomm_world_free(a->world);
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < n; r++) {
         CHECK_MSG(a->st[r] == MT_ERR_COMM, "rank %d: %s: %s", r, mt_status_string(a->st[r]),
                   a->msg[r]);
-        CHECK_MSG(strstr(a->msg[r], want) != NULL, "rank %d: %s", r, a->msg[r]);
+        CHECK_MSG(strstr(a->msg[r], want) != NULL, "rank %d: %s (want %s)", r, a->msg[r], want);
     }
     free_run(a);
 }
@@ -438,11 +449,11 @@ TEST(dp_ranks_disagree)
     dp_run b = {0};
     mt_trainer_config_init(&b.tc);
     b.lr[1] = 0.5f;
-    disagree(&b, "learning rate");
+    disagree(&b, "the ranks disagree on lr: rank 0 0.1, rank 1 0.5 (every rank");
     dp_run c = {0};
     mt_trainer_config_init(&c.tc);
     c.local[1] = 4;
-    disagree(&c, "local_sgd_every");
+    disagree(&c, "local_sgd_every: rank 0 0, rank 1 4");
     /* one rank's state on disk, the other's resident: the offloaded step
        makes its collectives at other times; the scratch goes with the error */
     char dir[] = "/tmp/mt-disagree-XXXXXX";
@@ -450,7 +461,7 @@ TEST(dp_ranks_disagree)
     dp_run d = {0};
     mt_trainer_config_init(&d.tc);
     d.offload_dir[1] = dir;
-    disagree(&d, "offload and offload_params");
+    disagree(&d, "offload: rank 0 device, rank 1 disk");
     /* both on disk, rank 1's directory missing: rank 1 has its own error,
        rank 0 one naming rank 1, each said once */
     dp_run e = {.n = 2, .rows = 2, .bad_batch_rank = -1};
@@ -469,6 +480,179 @@ TEST(dp_ranks_disagree)
               "rank 0: %s", e.msg[0]);
     free_run(&e);
     CHECK_MSG(rmdir(dir) == 0, "%s: %s (a scratch directory left behind?)", dir, strerror(errno));
+}
+
+/* ---- per-rank changes to the config, for the disagreement tests ---- */
+
+static void temp_by_rank(int rank, mt_trainer_config *tc)
+{
+    tc->distill_temp = rank == 1 ? 3.0f : 2.0f;
+}
+
+static void alpha_by_rank(int rank, mt_trainer_config *tc)
+{
+    tc->distill_alpha = rank == 2 ? 0.25f : 0.5f;
+}
+
+static void seed_by_rank(int rank, mt_trainer_config *tc) { tc->lora.seed = (uint64_t)rank + 1; }
+
+static void lora_seed_by_rank(int rank, mt_trainer_config *tc)
+{
+    tc->lora.rank = 2;
+    tc->lora.seed = (uint64_t)rank + 1;
+}
+
+static void base_by_rank(int rank, mt_trainer_config *tc)
+{
+    static const char *const frz[] = {"h.*"};
+    tc->freeze = frz, tc->n_freeze = 1;
+    tc->base = rank ? MT_BASE_NF4 : MT_BASE_INT8;
+}
+
+/* Distillation is part of the ranks' agreement: whether there is a
+ * teacher, its shape, its quantized base and its weights, distill_alpha
+ * and distill_temp; each message names the setting and the ranks' values.
+ * The same teacher on every rank creates. */
+TEST(dp_ranks_disagree_distill)
+{
+    mt_gpt_spec tg, wide, other_seed, nf4, int8;
+    gpt_spec(&tg, 16);
+    gpt_spec(&wide, 24);
+    gpt_spec(&other_seed, 16);
+    other_seed.seed = 8;
+    gpt_spec(&nf4, 16);
+    nf4.base = MT_BASE_NF4;
+    int8 = nf4;
+    int8.base = MT_BASE_INT8;
+    dp_run a = {0};
+    mt_trainer_config_init(&a.tc);
+    a.teacher[1] = &tg; /* one rank alone has a teacher */
+    disagree(&a, "the ranks disagree on teacher: rank 0 none, rank 1 a model");
+    dp_run b = {0};
+    mt_trainer_config_init(&b.tc);
+    b.teacher[0] = b.teacher[1] = &tg;
+    b.tweak = temp_by_rank;
+    disagree(&b, "the ranks disagree on distill_temp: rank 0 2, rank 1 3");
+    dp_run c = {.n = 3};
+    mt_trainer_config_init(&c.tc);
+    c.teacher[0] = c.teacher[1] = c.teacher[2] = &tg;
+    c.tweak = alpha_by_rank; /* rank 2 alone: rank 0's value, then those that differ */
+    disagree(&c, "the ranks disagree on distill_alpha: rank 0 0.5, rank 2 0.25 (");
+    dp_run d = {0};
+    mt_trainer_config_init(&d.tc);
+    d.teacher[0] = &tg, d.teacher[1] = &wide;
+    disagree(&d, "the ranks disagree on the teacher (layers and shapes): rank 0 #");
+    dp_run e = {0};
+    mt_trainer_config_init(&e.tc);
+    e.teacher[0] = &int8, e.teacher[1] = &nf4;
+    disagree(&e, "the ranks disagree on the teacher's quantized base: rank 0 int8");
+    dp_run f = {0};
+    mt_trainer_config_init(&f.tc);
+    f.teacher[0] = &tg, f.teacher[1] = &other_seed; /* the same shape, other weights */
+    disagree(&f, "the ranks disagree on the teacher's weights: rank 0 #");
+    CHECK_MSG(strstr(f.msg[0], "load every rank's teacher from the same file"), "%s", f.msg[0]);
+    /* the same teacher on every rank */
+    dp_run g = {.n = 2, .rows = 2, .bad_batch_rank = -1, .steps = 1};
+    mt_trainer_config_init(&g.tc);
+    g.tc.max_batch = 2;
+    g.teacher[0] = g.teacher[1] = &tg;
+    g.world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, dp_rank, &g);
+    tcomm_world_free(g.world);
+    for (int r = 0; r < 2; r++) CHECK_MSG(g.st[r] == MT_OK, "rank %d: %s", r, g.msg[r]);
+    free_run(&g);
+}
+
+/* A message names the setting that differs, not a group around it: lora
+ * seeds that differ without LoRA are not compared (nothing reads them), and
+ * with LoRA they are named; a base format that differs is named before the
+ * weights it quantizes; weights that differ are named with each rank's
+ * hash, at stage 0 and at stage 3. */
+TEST(dp_ranks_disagree_named)
+{
+    dp_run a = {.n = 2, .rows = 2, .bad_batch_rank = -1, .steps = 1};
+    mt_trainer_config_init(&a.tc);
+    a.tc.max_batch = 2;
+    a.tweak = seed_by_rank;
+    a.world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, dp_rank, &a);
+    tcomm_world_free(a.world);
+    for (int r = 0; r < 2; r++) CHECK_MSG(a.st[r] == MT_OK, "rank %d: %s", r, a.msg[r]);
+    free_run(&a);
+    dp_run b = {0};
+    mt_trainer_config_init(&b.tc);
+    b.tweak = lora_seed_by_rank;
+    disagree(&b, "the ranks disagree on lora.seed: rank 0 1, rank 1 2");
+    dp_run c = {0};
+    mt_trainer_config_init(&c.tc);
+    c.tweak = base_by_rank;
+    disagree(&c, "the ranks disagree on base: rank 0 int8, rank 1 nf4");
+    /* models made from other seeds: the weights, with each rank's hash (at
+       stage 3 compared before they are sharded) */
+    for (int zero = 0; zero <= 3; zero += 3) {
+        dp_run d = {.seed = {7, 8}};
+        mt_trainer_config_init(&d.tc);
+        d.tc.zero_stage = zero;
+        disagree(&d, "the ranks disagree on the weights: rank 0 #");
+        CHECK_MSG(strstr(d.msg[1], ", rank 1 #") && strstr(d.msg[1], "(make every rank's model "
+                  "from the same seed or file)"), "stage %d: %s", zero, d.msg[1]);
+    }
+}
+
+/* Ranks that load different training-state files (of the same layout):
+ * rank 0 saves after steps 1 and 2 (at stage 0 alone); rank 1 loading the
+ * second while rank 0 loads the first fails on every rank before anything
+ * changes, naming the file's contents; the same file then loads. */
+typedef struct load_run {
+    tcomm_world *world;
+    const char *path[2];
+    mt_status st[2][2]; /* per rank: the load of different files, of the same file */
+    char msg[2][512];
+} load_run;
+
+static void load_rank(int rank, void *p)
+{
+    load_run *a = p;
+    tcomm_rank k;
+    mt_trainer *t = NULL;
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2;
+    mt_status s = tcomm_gpt_rank(a->world, rank, 2, 0, 16, &k);
+    if (!s) s = mt_trainer_create(k.m, &tc, &t);
+    int32_t tok[2 * T], tgt[2 * T];
+    for (int step = 0; step < 3 && !s; step++) { /* (each step also waits for rank 0's save) */
+        make_rows(step, rank * 2, 2, tok, tgt);
+        mt_batch b = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = T};
+        float loss;
+        s = mt_trainer_step(t, &b, &loss);
+        if (!s && rank == 0 && step < 2) s = mt_trainer_save(t, a->path[step], NULL, 0);
+    }
+    a->st[rank][0] = s ? s : mt_trainer_load(t, a->path[rank], NULL, 0, NULL);
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(k.ctx));
+    a->st[rank][1] = s ? s : mt_trainer_load(t, a->path[0], NULL, 0, NULL);
+    mt_trainer_destroy(t);
+    tcomm_rank_free(&k);
+}
+
+TEST(dp_ranks_load_different_files)
+{
+    char p0[] = "/tmp/mt-load-a-XXXXXX", p1[] = "/tmp/mt-load-b-XXXXXX";
+    int f0 = mkstemp(p0), f1 = mkstemp(p1);
+    CHECK(f0 >= 0 && f1 >= 0);
+    close(f0), close(f1);
+    load_run a = {.path = {p0, p1}};
+    a.world = tcomm_world_new(2, 30.0);
+    tcomm_run(2, load_rank, &a);
+    tcomm_world_free(a.world);
+    for (int r = 0; r < 2; r++) {
+        CHECK_MSG(a.st[r][0] == MT_ERR_COMM && strstr(a.msg[r], "mt_trainer_load: the ranks "
+                  "disagree on the training-state file's contents: rank 0 #"),
+                  "rank %d: %s: %s", r, mt_status_string(a.st[r][0]), a.msg[r]);
+        CHECK_MSG(a.st[r][1] == MT_OK, "rank %d: the same file: %s", r,
+                  mt_status_string(a.st[r][1]));
+    }
+    unlink(p0), unlink(p1);
 }
 
 /* bf16 round to nearest even, of a finite value */

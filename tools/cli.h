@@ -87,8 +87,10 @@ typedef struct cli_opts {
     mt_place offload;
     const char *offload_dir;
     int offload_params;      /* --offload-params: the weights on disk too */
-    /* which table entries the command line (or --config) gave */
+    /* which table entries the command line (or --config) gave, and the
+       value each was given last, as text (NULL for a flag) */
     unsigned char given[CLI_MAX_OPTIONS];
+    const char *text[CLI_MAX_OPTIONS];
 } cli_opts;
 
 /* Prints "memtrain: <fmt with its arguments>" and a pointer to --help on
@@ -111,6 +113,14 @@ bool cli_is_flag(const char *name);
 /* Whether a command (CLI_TRAIN, ...) takes the option name (without its
  * leading "--"). */
 bool cli_takes(const char *name, unsigned cmd);
+
+/* Entries of the option table, for the ranks' agreement (cli_ranks.c). */
+int cli_option_count(void);
+/* Entry i's name ("--eval-every"), or NULL where it is not an option of
+ * o's command or is each rank's own (--offload-dir); *text: its value as
+ * the command line gave it into buf ("" for a flag; --freeze's patterns
+ * joined by commas), or NULL when it was not given. */
+const char *cli_option_given(const cli_opts *o, int i, const char **text, char *buf, size_t cap);
 
 /* The trainer configuration the options give, for the model they name. */
 void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc);
@@ -142,10 +152,15 @@ typedef struct cli_ranks {
     mt_comm *comm;           /* NULL: a world of one */
     int rank, size;
     int mpi;                 /* MPI was started here */
+    int together;            /* every rank stops with the same exit code (the ranks'
+                                options disagree): MPI ends in order */
 } cli_ranks;
 extern cli_ranks cli_world;
-/* Started by mpirun with more than one rank: MPI, the communicator, and
- * stdout closed on ranks other than 0. 0, or an exit code. */
+/* Started by mpirun with more than one rank: MPI (MPI_ERRORS_RETURN on
+ * MPI_COMM_WORLD), the communicator, the ranks' agreement on every option
+ * (as given; --data's contents too) and stdout closed on ranks other
+ * than 0. 0, or an exit code (EXIT_USAGE on every rank, rank 0 naming the
+ * option and each rank's value, when they disagree). */
 int cli_ranks_open(const cli_opts *o);
 /* MPI's end: MPI_Finalize, or MPI_Abort(rc) after a failure that may be
  * this rank's alone (not a signal's stop or a diverged loss, which every

@@ -681,8 +681,30 @@ int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o
             return EXIT_USAGE;
         }
         o->given[p - table] = 1;
+        o->text[p - table] = v;
     }
     return settle(o);
+}
+
+int cli_option_count(void) { return (int)N_OPTS; }
+
+const char *cli_option_given(const cli_opts *o, int i, const char **text, char *buf, size_t cap)
+{
+    *text = NULL;
+    if (i < 0 || i >= (int)N_OPTS) return NULL;
+    const opt *p = &table[i];
+    /* each rank's own under mpirun: its scratch directory */
+    if (!p->name || !(p->cmds & o->cmd) || !strcmp(p->name, "--offload-dir")) return NULL;
+    if (!o->given[i]) return p->name;
+    *text = p->kind == K_FLAG ? "" : o->text[i];
+    if (p->fn == add_freeze) { /* (repeatable: every pattern) */
+        size_t at = 0;
+        buf[0] = 0;
+        for (int k = 0; k < o->n_freeze && at < cap; k++)
+            at += (size_t)snprintf(buf + at, cap - at, "%s%s", k ? "," : "", o->freeze[k]);
+        *text = buf;
+    }
+    return p->name;
 }
 
 /* ---- what the options give ---- */

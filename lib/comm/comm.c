@@ -1,7 +1,7 @@
 /*
  * comm.c - mt_comm: a communicator table wrapped with argument checks, the
- * broken state after a failure, and the checks that the ranks of a run
- * agree.
+ * broken state after a failure, and the context's check that its ranks
+ * agree on the device kind and world size (the comparison: agree.c).
  *
  * A collective that fails on one rank leaves the others waiting in it until
  * their own timeout; so any failure breaks the communicator, and every later
@@ -17,7 +17,6 @@
 #include "cuda_device.h"
 
 #define MAX_RANKS 65536
-#define MAX_RECORD 256
 
 uint64_t mti_hash(uint64_t h, const void *data, size_t n)
 {
@@ -537,34 +536,10 @@ mt_status mti_comm_attach(mt_context *ctx)
                         "%s: cfg->comm is a device communicator (%s) and the context is on the "
                         "CPU: a CPU context takes a host communicator (MPI)",
                         fn, mt_comm_name(c));
-    static const char *const fields[] = {"device kind", "world size"};
-    const uint64_t rec[2] = {(uint64_t)ctx->dev->kind, (uint64_t)c->size};
-    return mti_comm_agree(ctx, fn, "context", rec, sizeof rec, fields);
-}
-
-mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, const void *record,
-                         size_t len, const char *const *fields)
-{
-    mt_comm *c = ctx->cfg.comm;
-    if (!c || c->size == 1) return MT_OK;
-    if (len > MAX_RECORD || len % 8) return mti_fail(ctx, MT_ERR_INTERNAL, "%s: record of %zu bytes", fn, len);
-    unsigned char *all = malloc((size_t)c->size * len);
-    if (!all) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
-    /* a byte gather on the host, whatever the table: a device table's
-     * record goes through a staging copy (mti_comm_host_gather) */
-    char why[96];
-    snprintf(why, sizeof why, "%s: checking that the ranks agree on the %s", fn, what);
-    mt_status s = mti_comm_host_gather(ctx, why, record, all, len);
-    for (int r = 1; r < c->size && !s; r++) {
-        const unsigned char *a = all, *b = all + (size_t)r * len;
-        if (!memcmp(a, b, len)) continue;
-        size_t w = 0;
-        while (w + 8 <= len && !memcmp(a + w, b + w, 8)) w += 8;
-        s = mti_fail(ctx, MT_ERR_COMM,
-                     "%s: the ranks disagree on the %s: rank %d's %s%s differs from rank 0's (every "
-                     "rank must make the same call)",
-                     fn, what, r, fields ? "field " : "", fields ? fields[w / 8] : "");
-    }
-    free(all);
-    return s;
+    static const char *const kinds[] = {"auto", "cpu", "cuda"};
+    const unsigned kind = (unsigned)ctx->dev->kind;
+    mti_settings l = {.n = 0};
+    mti_set_int(&l, "the world size", c->size); /* (first: see mti_comm_agree) */
+    mti_set_named(&l, "the device kind", kind, kind < 3 ? kinds[kind] : NULL);
+    return mti_comm_agree(ctx, fn, "the context", &l);
 }

@@ -85,13 +85,63 @@ void *mti_comm_stream(const mt_context *ctx);
 mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv,
                                size_t len);
 
-/* Checks that every rank passes an equal record (len bytes, at most 256)
- * for `what` ("model", "trainer configuration"): one all-gather. Ranks
- * that disagree all get MT_ERR_COMM naming the first rank whose record
- * differs from rank 0's, and the field where, from `fields` (a name per
- * 8-byte word of the record; NULL: none). fn names the caller. */
-mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, const void *record,
-                         size_t len, const char *const *fields);
+/* ---- the ranks' agreement on their settings (agree.c) ---- */
+
+/* Bytes of a setting's value as a message shows it (with its NUL). */
+#define MTI_SHOWN 48
+/* A setting every rank must give alike: its name as a message gives it
+ * ("distill_temp", "the model (layers and shapes)"), its value as 8 bytes
+ * compared bit for bit (a number, or a hash of text or a table), that
+ * value as text, and what to do about a difference (NULL: "every rank must
+ * make the same call"). */
+typedef struct mti_setting {
+    const char *name, *hint;
+    uint64_t v;
+    char kind;           /* 'i', 'f', 'd', 'h': a number, float, double or hash, its
+                            text made from v; 's': text of its own (a name, strings) */
+    char shown[MTI_SHOWN];
+} mti_setting;
+/* A list of settings, made with mti_set_*: the first MTI_MAX_SETTINGS
+ * (past them, each one's value is hashed into the last, so a difference is
+ * still found). */
+#define MTI_MAX_SETTINGS 96
+typedef struct mti_settings {
+    mti_setting s[MTI_MAX_SETTINGS];
+    int n;
+} mti_settings;
+/* A number, shown in decimal. */
+void mti_set_int(mti_settings *l, const char *name, int64_t v);
+/* A float or a double, compared bit for bit, shown as the shortest %g
+ * that reads back as it. */
+void mti_set_float(mti_settings *l, const char *name, float v);
+void mti_set_double(mti_settings *l, const char *name, double v);
+/* A hash (of weights, of a table), shown as "#" and its top 8 hex digits. */
+void mti_set_hash(mti_settings *l, const char *name, uint64_t h);
+/* A value of an enumeration, compared as the number v, shown as text (its
+ * name; NULL: the number). */
+void mti_set_named(mti_settings *l, const char *name, int64_t v, const char *text);
+/* n strings (patterns, paths; NULL text or n 0: none), compared as a hash
+ * of them all, shown joined by commas and cut short with "...". */
+void mti_set_texts(mti_settings *l, const char *name, const char *const *text, int n);
+/* One string, or NULL. */
+void mti_set_text(mti_settings *l, const char *name, const char *text);
+/* The hint of the setting added last. */
+void mti_set_hint(mti_settings *l, const char *hint);
+/* h as mti_set_hash shows it. */
+void mti_hash_shown(uint64_t h, char shown[MTI_SHOWN]);
+/* "rank 0 A, rank 2 B" into buf: rank 0's value, then each rank's whose
+ * value differs from rank 0's (up to 8 of them, then "and N more ranks").
+ * Rank r's value is the vlen bytes at vals + r vstride, its text at
+ * shown + r sstride. */
+void mti_ranks_values(char *buf, size_t cap, int n, const unsigned char *vals, size_t vstride,
+                      size_t vlen, const char *shown, size_t sstride);
+/* Checks that every rank gives the same settings l (the same list, in the
+ * same order, on every rank): one all-gather of their values, and a second
+ * of the first differing one's text only when they differ. Ranks that
+ * disagree all get MT_ERR_COMM, "FN: the ranks disagree on NAME: rank 0 A,
+ * rank 1 B (HINT)". `what` names the whole for a failed collective ("the
+ * trainer's settings"). */
+mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, const mti_settings *l);
 
 /* A 64-bit FNV-1a hash, continuing from h (start with MTI_HASH_START). */
 #define MTI_HASH_START 0xcbf29ce484222325ull

@@ -20,6 +20,7 @@
  * each tensor's check or update.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,104 +56,155 @@ static uint64_t model_hash(const mt_model *m)
     return h;
 }
 
-/* The trainer's settings, field by field (never the struct's bytes, whose
- * padding may differ), in groups that a message can name. */
-enum { W_MODEL, W_BATCH, W_OPTIM, W_SCHEDULE, W_PRECISION, W_CLIP, W_RECOMPUTE, W_FUSED,
-       W_FREEZE, W_ZERO, W_OFFLOAD, W_N };
-static const char *const group_names[W_N] = {
-    "model (layers and shapes)", "max_batch, micro_batch, max_seq",
-    "optimizer settings",        "learning rate, schedule and local_sgd_every",
-    "precision and loss scaling", "grad_clip",
-    "recompute and memory_budget", "fused_step", "frozen parameters (freeze) and LoRA",
-    "zero_stage, zero3_prefetch and zero3_keep", "offload and offload_params"};
-
-static void config_record(const mt_model *m, const mt_trainer_config *c, uint64_t rec[W_N])
+/* The formats a model's quantized weights are in: "none", or the format
+ * and how many tensors ("nf4, 8 tensors"), compared as a hash of each
+ * parameter's format (a teacher's: it stays as it was loaded). */
+static void quant_setting(mti_settings *l, const char *name, const mt_model *m)
 {
-    for (int i = 0; i < W_N; i++) rec[i] = MTI_HASH_START;
-    rec[W_MODEL] = model_hash(m);
-    uint64_t *h = &rec[W_BATCH];
-    H(*h, c->struct_size);
-    H(*h, c->max_batch);
-    H(*h, c->micro_batch);
-    H(*h, c->max_seq);
-    h = &rec[W_OPTIM];
-    H(*h, c->optimizer);
-    H(*h, c->momentum);
-    H(*h, c->dampening);
-    H(*h, c->nesterov);
-    H(*h, c->weight_decay);
-    H(*h, c->decay_1d);
-    H(*h, c->beta1);
-    H(*h, c->beta2);
-    H(*h, c->eps);
-    H(*h, c->min_8bit_size);
-    const mt_adafactor_config *af = &c->adafactor;
-    H(*h, af->eps1);
-    H(*h, af->eps2);
-    H(*h, af->clip_threshold);
-    H(*h, af->decay_rate);
-    H(*h, af->beta1);
-    H(*h, af->scale_parameter);
-    H(*h, af->relative_step);
-    H(*h, af->warmup_init);
-    H(*h, c->n_overrides);
+    uint64_t h = MTI_HASH_START;
+    int n = 0, qf = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        H(h, m->params[i].qf);
+        if (m->params[i].qf) n++, qf = m->params[i].qf;
+    }
+    char text[MTI_SHOWN] = "none";
+    const char *f = mt_base_format_name((mt_base_format)qf);
+    if (n) snprintf(text, sizeof text, "%s, %d tensor%s", f ? f : "?", n, n > 1 ? "s" : "");
+    mti_set_named(l, name, (int64_t)h, text);
+}
+
+static const char *name_of(const char *const *names, int n, int v)
+{
+    return v >= 0 && v < n ? names[v] : NULL;
+}
+
+/* A field of mt_trainer_config compared as it is: its name (the field's,
+ * "adafactor.eps1"), where it is, and its type: 'i' int, 'u' uint32_t,
+ * 'U' uint64_t, 'f' float, 'd' double. */
+typedef struct field {
+    const char *name;
+    size_t off;
+    char type;
+} field;
+#define FIELD(type, f) {#f, offsetof(mt_trainer_config, f), type}
+#define N_OF(a) ((int)(sizeof a / sizeof a[0]))
+
+static void set_fields(mti_settings *l, const mt_trainer_config *c, const field *f, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const char *p = (const char *)c + f[i].off;
+        int v;
+        uint32_t u;
+        uint64_t U;
+        float x;
+        double d;
+        switch (f[i].type) {
+        case 'i': memcpy(&v, p, sizeof v), mti_set_int(l, f[i].name, v); break;
+        case 'u': memcpy(&u, p, sizeof u), mti_set_int(l, f[i].name, u); break;
+        case 'U': memcpy(&U, p, sizeof U), mti_set_int(l, f[i].name, (int64_t)U); break;
+        case 'f': memcpy(&x, p, sizeof x), mti_set_float(l, f[i].name, x); break;
+        default: memcpy(&d, p, sizeof d), mti_set_double(l, f[i].name, d); break;
+        }
+    }
+}
+
+/* Compared always: every field a step reads whatever the other settings
+ * (the optimizer's whichever optimizer reads them) */
+static const field always[] = {
+    FIELD('u', struct_size), FIELD('i', max_batch), FIELD('i', micro_batch), FIELD('i', max_seq),
+    FIELD('f', lr), FIELD('f', momentum), FIELD('f', dampening), FIELD('i', nesterov),
+    FIELD('f', weight_decay), FIELD('i', decay_1d), FIELD('f', beta1), FIELD('f', beta2),
+    FIELD('f', eps), FIELD('i', min_8bit_size), FIELD('f', adafactor.eps1),
+    FIELD('f', adafactor.eps2), FIELD('f', adafactor.clip_threshold),
+    FIELD('f', adafactor.decay_rate), FIELD('f', adafactor.beta1),
+    FIELD('i', adafactor.scale_parameter), FIELD('i', adafactor.relative_step),
+    FIELD('i', adafactor.warmup_init), FIELD('i', n_overrides), FIELD('i', local_sgd_every),
+    FIELD('f', grad_clip), FIELD('i', master_weights), FIELD('U', memory_budget),
+    FIELD('i', fused_step), FIELD('i', lora.rank), FIELD('i', zero_stage),
+    FIELD('i', offload_params),
+};
+/* and where they are read */
+static const field cosine[] = {FIELD('i', warmup_steps), FIELD('i', total_steps),
+                               FIELD('f', min_lr_ratio)};
+static const field fp16[] = {FIELD('i', loss_scale.dynamic), FIELD('f', loss_scale.init_scale),
+                             FIELD('d', loss_scale.growth_factor),
+                             FIELD('d', loss_scale.backoff_factor),
+                             FIELD('i', loss_scale.growth_interval)};
+static const field segments[] = {FIELD('i', recompute_every)};
+static const field lora[] = {FIELD('f', lora.alpha), FIELD('U', lora.seed)};
+static const field stage3[] = {FIELD('i', zero3_prefetch), FIELD('i', zero3_keep)};
+static const field distill[] = {FIELD('f', distill_alpha), FIELD('f', distill_temp)};
+
+/* The settings every rank's trainer must give alike, field by field (never
+ * the struct's bytes, whose padding may differ), each named as
+ * mt_trainer_config names it. A field is compared only where the trainer
+ * reads it (LoRA's alpha, seed and targets with lora.rank > 0, the loss
+ * scaling in fp16, the schedule's steps with warmup and cosine, ...), so
+ * a difference that changes nothing is no failure; docs/distributed.md
+ * ("Agreement") lists them, and why the others need not agree. */
+static void config_settings(const mt_model *m, const mt_trainer_config *c, mti_settings *l)
+{
+    static const char *const precisions[] = {"fp32", "fp16", "bf16"};
+    static const char *const schedules[] = {"constant", "warmup_cosine"};
+    static const char *const policies[] = {"none", "every_k", "sqrt", "selective", "custom",
+                                           "budget"};
+    /* the model (its weights, quantized or not, are compared once the
+       trainer has quantized its base: mti_dp_created) */
+    mti_set_hash(l, "the model (layers and shapes)", model_hash(m));
+    mti_set_hint(l, "make every rank's model alike");
+    if (m->lora_rank) mti_set_float(l, "the model's LoRA alpha", m->lora_alpha);
+    mti_set_named(l, "base", c->base, mt_base_format_name(c->base));
+    mti_set_named(l, "optimizer", c->optimizer, mt_optimizer_name(c->optimizer));
+    mti_set_named(l, "precision", c->precision, name_of(precisions, 3, c->precision));
+    mti_set_named(l, "lr_schedule", c->lr_schedule, name_of(schedules, 2, c->lr_schedule));
+    /* the recompute plan (at stage 3 a recomputed layer gathers again) */
+    mti_set_named(l, "recompute", c->recompute, name_of(policies, 6, c->recompute));
+    /* where the state lives decides when a step's collectives are made (the
+       offloaded fused step reduces in its hooks); the directory is each
+       rank's own */
+    mti_set_named(l, "offload", c->offload, mt_place_name(c->offload));
+    set_fields(l, c, always, N_OF(always));
+    if (c->lr_schedule == MT_LR_WARMUP_COSINE) set_fields(l, c, cosine, N_OF(cosine));
+    if (c->precision == MT_PREC_FP16) set_fields(l, c, fp16, N_OF(fp16));
+    if (c->recompute == MT_RECOMPUTE_EVERY_K || c->recompute == MT_RECOMPUTE_CUSTOM)
+        set_fields(l, c, segments, N_OF(segments));
+    if (c->recompute == MT_RECOMPUTE_CUSTOM)
+        mti_set_hash(l, "recompute_units", c->recompute_units
+                     ? mti_hash(MTI_HASH_START, c->recompute_units, (size_t)m->n_units) : 0);
+    if (c->zero_stage == 3) set_fields(l, c, stage3, N_OF(stage3));
+    /* the tables: patterns and overrides by their contents */
+    uint64_t h = MTI_HASH_START;
     for (int i = 0; c->overrides && i < c->n_overrides; i++) {
         const mt_param_override *o = &c->overrides[i];
-        if (o->pattern) *h = mti_hash(*h, o->pattern, strlen(o->pattern) + 1);
-        H(*h, o->state_bits);
-        H(*h, o->weight_decay);
-        H(*h, o->lr_scale);
+        if (o->pattern) h = mti_hash(h, o->pattern, strlen(o->pattern) + 1);
+        H(h, o->state_bits);
+        H(h, o->weight_decay);
+        H(h, o->lr_scale);
     }
-    h = &rec[W_SCHEDULE];
-    H(*h, c->lr);
-    H(*h, c->lr_schedule);
-    H(*h, c->warmup_steps);
-    H(*h, c->total_steps);
-    H(*h, c->min_lr_ratio);
-    H(*h, c->local_sgd_every);
-    h = &rec[W_PRECISION];
-    H(*h, c->precision);
-    H(*h, c->master_weights);
-    const mt_loss_scale_config *ls = &c->loss_scale;
-    H(*h, ls->dynamic);
-    H(*h, ls->init_scale);
-    H(*h, ls->growth_factor);
-    H(*h, ls->backoff_factor);
-    H(*h, ls->growth_interval);
-    rec[W_CLIP] = mti_hash(MTI_HASH_START, &c->grad_clip, sizeof c->grad_clip);
-    h = &rec[W_RECOMPUTE];
-    H(*h, c->recompute);
-    H(*h, c->recompute_every);
-    if (c->recompute == MT_RECOMPUTE_CUSTOM && c->recompute_units)
-        *h = mti_hash(*h, c->recompute_units, (size_t)m->n_units);
-    H(*h, c->memory_budget);
-    rec[W_FUSED] = mti_hash(MTI_HASH_START, &c->fused_step, sizeof c->fused_step);
-    h = &rec[W_FREEZE];
-    H(*h, c->n_freeze);
-    for (int i = 0; c->freeze && i < c->n_freeze; i++)
-        if (c->freeze[i]) *h = mti_hash(*h, c->freeze[i], strlen(c->freeze[i]) + 1);
-    H(*h, c->lora.rank);
-    H(*h, c->lora.alpha);
-    H(*h, c->lora.seed);
-    if (c->lora.targets) *h = mti_hash(*h, c->lora.targets, strlen(c->lora.targets) + 1);
-    h = &rec[W_ZERO];
-    H(*h, c->zero_stage);
-    H(*h, c->zero3_prefetch);
-    H(*h, c->zero3_keep);
-    /* where the state lives decides when a step's collectives are made (the
-       offloaded fused step reduces in its hooks): the same on every rank;
-       the directory is each rank's own */
-    h = &rec[W_OFFLOAD];
-    H(*h, c->offload);
-    H(*h, c->offload_params);
+    if (c->n_overrides) mti_set_hash(l, "overrides", h);
+    mti_set_texts(l, "freeze", c->freeze, c->freeze ? c->n_freeze : 0);
+    if (c->lora.rank > 0) {
+        set_fields(l, c, lora, N_OF(lora));
+        const char *targets = c->lora.targets; /* ("" and NULL: every linear weight) */
+        mti_set_text(l, "lora.targets", targets && *targets ? targets : NULL);
+    }
+    /* distillation: the teacher's weights are compared once the trainer is
+       made (mti_dp_created) */
+    mti_set_named(l, "teacher", c->teacher != NULL, c->teacher ? "a model" : "none");
+    if (c->teacher) {
+        mti_set_hash(l, "the teacher (layers and shapes)", model_hash(c->teacher));
+        mti_set_hint(l, "load every rank's teacher from the same file");
+        quant_setting(l, "the teacher's quantized base", c->teacher);
+        set_fields(l, c, distill, N_OF(distill));
+    }
 }
 
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg)
 {
     if (mt_comm_size(ctx->cfg.comm) < 2) return MT_OK;
-    uint64_t rec[W_N];
-    config_record(m, cfg, rec);
-    return mti_comm_agree(ctx, "mt_trainer_create", "trainer", rec, sizeof rec, group_names);
+    mti_settings l = {.n = 0};
+    config_settings(m, cfg, &l);
+    return mti_comm_agree(ctx, "mt_trainer_create", "the trainer's settings", &l);
 }
 
 /* A hash of the weights as stored: the fp32 masters where every rank
@@ -269,15 +321,30 @@ mt_status mti_dp_created(mt_trainer *t, mt_status s)
 {
     if (!mti_dp_on(t)) return s;
     const char *fn = "mt_trainer_create";
-    uint64_t h = 0;
+    const mt_model *teacher = t->teaching ? t->cfg.teacher : NULL;
+    uint64_t h = 0, th = 0;
     if (!s) s = weights_hash(t->model, &h);
+    if (!s && teacher) s = weights_hash(teacher, &th);
     double ignored;
     mt_status e = exchange(t, fn, "the trainer's creation", s, 0.0, &ignored);
     if (e) return e;
-    uint64_t rec[1] = {h};
-    static const char *const names[] = {"weights (make every rank's model from the same seed or "
-                                        "file)"};
-    return mti_comm_agree(t->ctx, fn, "weights", rec, sizeof rec, names);
+    mti_settings l = {.n = 0};
+    mti_set_hash(&l, "the weights", h);
+    mti_set_hint(&l, "make every rank's model from the same seed or file");
+    if (teacher) {
+        mti_set_hash(&l, "the teacher's weights", th);
+        mti_set_hint(&l, "load every rank's teacher from the same file");
+    }
+    return mti_comm_agree(t->ctx, fn, "the weights", &l);
+}
+
+mt_status mti_dp_agree_file(mt_trainer *t, const char *fn, uint64_t digest)
+{
+    if (!mti_dp_on(t)) return MT_OK;
+    mti_settings l = {.n = 0};
+    mti_set_hash(&l, "the training-state file's contents", digest);
+    mti_set_hint(&l, "every rank loads the same file");
+    return mti_comm_agree(t->ctx, fn, "the training-state file", &l);
 }
 
 /* With local SGD (local_sgd.c) the ranks still fail a step together, but

@@ -14,12 +14,15 @@ typedef struct mt_trainer mt_trainer;
 /* Whether the trainer's context has more than one rank. */
 bool mti_dp_on(const mt_trainer *t);
 /* mt_trainer_create, first: the ranks' models and settings agree (one
- * all-gather). Every rank gets MT_ERR_COMM naming the first setting group
- * that differs. */
+ * all-gather; agree.c). Every rank gets MT_ERR_COMM naming the first
+ * setting that differs and each rank's value. */
 mt_status mti_dp_agree_config(mt_context *ctx, const mt_model *m, const mt_trainer_config *cfg);
 /* mt_trainer_create, last, with its status s: fails on every rank when any
- * rank failed, or when the weights differ. */
+ * rank failed, or when the weights (or the teacher's) differ. */
 mt_status mti_dp_created(mt_trainer *t, mt_status s);
+/* mt_trainer_load, once every rank has checked its file: fails on every
+ * rank (MT_ERR_COMM) when the files' digests differ. */
+mt_status mti_dp_agree_file(mt_trainer *t, const char *fn, uint64_t digest);
 /* A step, after its batch checks (status s): fails on every rank when any
  * rank's batch was refused, or at ZeRO stages 2 and 3 (collectives in every
  * pass) when the ranks' passes over their rows differ; *targets (this

@@ -202,6 +202,20 @@ static mt_status exchange(mt_trainer *t, const char *what, const int64_t rec[2],
     return MT_OK;
 }
 
+/* The ranks' (status, weights hash) pairs in all differ in their hashes. */
+static mt_status weights_differ(mt_trainer *t, const int64_t *all)
+{
+    char *shown = malloc((size_t)t->world * MTI_SHOWN), list[MTI_ERR_LEN / 2];
+    if (!shown) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    for (int r = 0; r < t->world; r++)
+        mti_hash_shown((uint64_t)all[2 * r + 1], shown + (size_t)r * MTI_SHOWN);
+    mti_ranks_values(list, sizeof list, t->world, (const unsigned char *)(all + 1), 2 * sizeof *all,
+                     sizeof *all, shown, MTI_SHOWN);
+    free(shown);
+    return mti_fail(t->ctx, MT_ERR_COMM, "the ranks disagree on the weights: %s (make every rank's "
+                    "model from the same seed or file)", list);
+}
+
 mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
 {
     mt_model *m = t->model;
@@ -237,8 +251,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     }
     if (!c && (s || bad >= 0 || differs >= 0)) c = s ? mti_fail(ctx, s, "%s", own.s)
         : bad >= 0 ? mti_fail(ctx, MT_ERR_COMM, "rank %d failed", bad)
-                   : mti_fail(ctx, MT_ERR_COMM, "rank %d's weights differ from rank 0's (make "
-                              "every rank's model from the same seed or file)", differs);
+                   : weights_differ(t, all);
     if (c) {
         free(all);
         return c;
