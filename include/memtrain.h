@@ -1261,8 +1261,9 @@ typedef struct mt_batch {
  * batch's targets before the update. On a bad batch (size, NULL data, a
  * token or target out of range), or a failure before the update (out of
  * memory, say), the weights, the optimizer state and the loss scaler are
- * unchanged. Only a device failing during the update itself (a CUDA launch)
- * can leave the weights partly updated; the error says so.
+ * unchanged. Only a device failing during the update itself (a CUDA launch),
+ * or the disk holding the state (cfg.offload), can leave the weights partly
+ * updated; the error says so, and how many of the trained tensors were.
  * A step whose loss or any gradient is not finite (an inf or NaN input, an
  * overflow) is skipped, in every precision, with or without clipping, fused
  * or not: the weights and the optimizer state do not move, it returns MT_OK
