@@ -1279,7 +1279,11 @@ typedef struct mt_batch {
  * the global batch; the gradients are summed over the ranks before the
  * update, *loss is the global batch's mean, and a failure on any rank
  * (a refused batch included) fails the step on every rank before any
- * update (MT_ERR_COMM on the others). Every rank must call it. At ZeRO
+ * update (MT_ERR_COMM on the others); with the state on disk, so does a
+ * disk failing on one rank in the update. A collective that fails names
+ * itself, this rank and the step ("in step N": mt_trainer_steps + 1), and
+ * every later call on the broken communicator names that first failure.
+ * Every rank must call it. At ZeRO
  * stages 2 and 3, which communicate in every micro-batch, every rank's
  * batch must make as many micro-batches (MT_ERR_INVALID_ARG on every
  * rank otherwise). */

@@ -1836,10 +1836,9 @@ static int passes_of(const mt_trainer *t, const mt_batch *b)
     return (b->n + t->micro - 1) / t->micro;
 }
 
-mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
+static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
 {
     const char *fn = "mt_trainer_step";
-    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
     if (!s && t->off) s = mti_offload_begin(t->off); /* the files are there */
     double targets = s ? 0.0 : targets_of(t, b);
@@ -1920,6 +1919,16 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     if ((s = mti_local_sgd_after_step(t, fn))) return s;
     if (loss) *loss = (float)mean;
     return MT_OK;
+}
+
+mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
+{
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_step: trainer is NULL");
+    /* a collective that fails in it names the step (lib/comm/comm.c) */
+    atomic_store(&t->ctx->comm_step, t->steps + 1);
+    const mt_status s = step(t, b, loss);
+    atomic_store(&t->ctx->comm_step, 0);
+    return s;
 }
 
 mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
