@@ -74,7 +74,8 @@ FAKE_ENV = MT_FAKE_CUDA=$(FAKE_CUDA) MT_FAKE_CUBLASLT=$(FAKE_CUBLASLT) MT_FAKE_N
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 LIB_MPI := $(BUILD)/libmemtrain_mpi.a
 ifneq ($(strip $(MPICC)),)
-MPI_TARGETS := $(LIB_MPI) $(BUILD)/mpi/comm_mpi_test $(BUILD)/mpi/train_mpi_test
+MPI_TARGETS := $(LIB_MPI) $(BUILD)/mpi/comm_mpi_test $(BUILD)/mpi/train_mpi_test \
+	$(BUILD)/mpi/libmtfault.so
 endif
 EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/examples/plan_memory
 BENCH_SRC := $(wildcard bench/bench_*.c)
@@ -234,7 +235,11 @@ $(FAKE_NCCL): test/fake_nccl/fake_libnccl.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -std=c11 $(WARN) -D_GNU_SOURCE -fPIC -shared -pthread -o $@ $<
 
-# the MPI tests' programs (test/mpi_test.sh runs them under mpirun)
+# the MPI tests' programs (test/mpi_test.sh runs them under mpirun), and a
+# rank's faults the command meets (preloaded: a stall, a failing disk)
+$(BUILD)/mpi/libmtfault.so: test/mpi/fault_shim.c
+	@mkdir -p $(dir $@)
+	$(MPICC) $(CFLAGS) $(WARN) -fPIC -shared -o $@ $< -ldl
 $(BUILD)/mpi/%: test/mpi/%.c $(LIB_MPI) $(LIB)
 	@mkdir -p $(dir $@)
 	$(MPICC) $(CPPFLAGS) $(CFLAGS) $(MT_CFLAGS) -o $@ $< $(LIB_MPI) $(LIB) $(MT_LDFLAGS) $(LDLIBS)

@@ -1263,8 +1263,9 @@ typedef struct mt_batch {
  * batch's targets before the update. On a bad batch (size, NULL data, a
  * token or target out of range), or a failure before the update (out of
  * memory, say), the weights, the optimizer state and the loss scaler are
- * unchanged. Only a device failing during the update itself (a CUDA launch)
- * can leave the weights partly updated; the error says so.
+ * unchanged. Only a device failing during the update itself (a CUDA launch),
+ * or the disk holding the state (cfg.offload), can leave the weights partly
+ * updated; the error says so, and how many of the trained tensors were.
  * A step whose loss or any gradient is not finite (an inf or NaN input, an
  * overflow) is skipped, in every precision, with or without clipping, fused
  * or not: the weights and the optimizer state do not move, it returns MT_OK
@@ -1280,7 +1281,11 @@ typedef struct mt_batch {
  * the global batch; the gradients are summed over the ranks before the
  * update, *loss is the global batch's mean, and a failure on any rank
  * (a refused batch included) fails the step on every rank before any
- * update (MT_ERR_COMM on the others). Every rank must call it. At ZeRO
+ * update (MT_ERR_COMM on the others); with the state on disk, so does a
+ * disk failing on one rank in the update. A collective that fails names
+ * itself, this rank and the step ("in step N": mt_trainer_steps + 1), and
+ * every later call on the broken communicator names that first failure.
+ * Every rank must call it. At ZeRO
  * stages 2 and 3, which communicate in every micro-batch, every rank's
  * batch must make as many micro-batches (MT_ERR_INVALID_ARG on every
  * rank otherwise). */

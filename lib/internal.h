@@ -167,6 +167,10 @@ struct mt_context {
     size_t comm_kept_bytes;
     /* what the context's collectives took (mt_context_comm_stats) */
     _Atomic uint64_t comm_calls, comm_ns, comm_wait_ns;
+    /* the trainer step (counted from 1) the context's collectives belong
+     * to, 0 outside one: the first failure that breaks the communicator
+     * names it (comm.c) */
+    _Atomic uint64_t comm_step;
     /* the communicator takes calls from any thread (MT_COMM_CAP_THREADS),
      * kept by a dry context, which drops the communicator, so that an
      * estimate plans the communication thread's memory (ZeRO-2) */

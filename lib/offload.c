@@ -5,7 +5,7 @@
  * and, in mixed precision, its fp32 master live in two scratch files,
  * optim.bin (OPTIM) and master.bin (MASTER), in a directory of their own,
  * offload_dir/memtrain-scratch, beside a lock file naming the process that
- * owns it. Every tensor has a region of its file starting at a multiple of
+ * owns it (lib/scratch.c). Every tensor has a region of its file starting at a multiple of
  * ALIGN, so pieces can be moved with O_DIRECT.
  *
  * The update is cut into pieces on a fixed grid: PIECE elements of a
@@ -28,7 +28,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +44,6 @@ size_t mti_offload_piece_elems = PIECE;
 #define SLOTS 6      /* piece buffers at most: updated, written back, read ahead */
 #define SLOTS_WHOLE 3 /* with whole-tensor pieces: updated, written back, the next */
 #define THREADS 2
-#define DIRNAME "memtrain-scratch"
 
 int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n) = NULL;
 
@@ -108,10 +106,11 @@ struct mti_offload {
     int params;             /* and the trained weights (offload_params) */
     uint64_t w_bytes;       /* a piece's weights (the update slots' PARAM buffers) */
     int dry;                /* no files: bytes counted, nothing moved */
-    char dir[PATH_MAX], lock[PATH_MAX + 16], path[F_COUNT][PATH_MAX + 16];
+    mti_scratch sc;         /* the directory (lib/scratch.c) */
+    char path[F_COUNT][PATH_MAX + 16];
     int fd[F_COUNT];        /* O_DIRECT where the file system takes it */
     int fdb[F_COUNT];       /* buffered: unaligned transfers */
-    int made_dir, made_lock, made[F_COUNT], counted[F_COUNT];
+    int made[F_COUNT], counted[F_COUNT];
     uint64_t bytes[F_COUNT]; /* each file's size, counted on disk */
     off_param *pp;
     int n_pieces;
@@ -250,84 +249,6 @@ static mt_status plan(mti_offload *o, uint64_t *st_bytes, uint64_t *m_bytes, uin
     return MT_OK;
 }
 
-/* ---- the scratch directory ---- */
-
-/* The process named in a scratch directory's lock file (0: none readable). */
-static long owner_of(const char *lock)
-{
-    FILE *f = fopen(lock, "r");
-    if (!f) return 0;
-    long pid = 0;
-    if (fscanf(f, "memtrain scratch directory of process %ld", &pid) != 1) pid = 0;
-    fclose(f);
-    return pid;
-}
-
-/* Removes what this library puts in a scratch directory, then the directory. */
-static int clean_dir(const char *dir)
-{
-    char p[PATH_MAX + 16];
-    for (int f = 0; f < F_COUNT; f++) {
-        snprintf(p, sizeof p, "%s/%s", dir, file_name[f]);
-        unlink(p);
-    }
-    snprintf(p, sizeof p, "%s/lock", dir);
-    unlink(p);
-    return rmdir(dir);
-}
-
-static mt_status make_dir(mti_offload *o, const char *base)
-{
-    mt_context *ctx = o->ctx;
-    char name[64]; /* one directory per rank of a run of several */
-    if (ctx->world > 1) snprintf(name, sizeof name, "%s.rank%d", DIRNAME, ctx->rank);
-    else snprintf(name, sizeof name, "%s", DIRNAME);
-    struct stat sb;
-    if (stat(base, &sb) != 0)
-        return mti_fail(ctx, MT_ERR_IO, "offload: the directory '%s': %s", base, strerror(errno));
-    if (!S_ISDIR(sb.st_mode))
-        return mti_fail(ctx, MT_ERR_IO, "offload: '%s' is not a directory", base);
-    /* the directory named now, whatever the process's working directory
-       is when the files are removed */
-    char *abs = realpath(base, NULL);
-    if (!abs) return mti_fail(ctx, MT_ERR_IO, "offload: the directory '%s': %s", base, strerror(errno));
-    const bool fits = snprintf(o->dir, sizeof o->dir, "%s/%s", abs, name) < (int)sizeof o->dir;
-    free(abs);
-    if (!fits)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "offload: the directory name '%s' is too long", base);
-    snprintf(o->lock, sizeof o->lock, "%s/lock", o->dir);
-    for (int tries = 0; mkdir(o->dir, 0700) != 0; tries++) {
-        if (errno != EEXIST || tries)
-            return mti_fail(ctx, MT_ERR_IO, "offload: cannot make the scratch directory '%s': %s",
-                            o->dir, strerror(errno));
-        long pid = owner_of(o->lock);
-        if (pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM))
-            return mti_fail(ctx, MT_ERR_IO,
-                            "offload: the scratch directory '%s' belongs to process %ld, which "
-                            "is running; give each trainer a directory of its own",
-                            o->dir, pid);
-        if (clean_dir(o->dir) != 0)
-            return mti_fail(ctx, MT_ERR_IO,
-                            "offload: '%s' was left by %s but holds files memtrain did not make "
-                            "(%s); remove it",
-                            o->dir, pid ? "a process that has ended" : "an unknown process",
-                            strerror(errno));
-        mti_log(ctx, MT_LOG_WARN, "offload: removed the scratch directory '%s' left by %s%ld",
-                o->dir, pid ? "process " : "an unknown process ", pid);
-    }
-    o->made_dir = 1;
-    int fd = open(o->lock, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0)
-        return mti_fail(ctx, MT_ERR_IO, "offload: cannot make '%s': %s", o->lock, strerror(errno));
-    o->made_lock = 1;
-    char line[64];
-    int n = snprintf(line, sizeof line, "memtrain scratch directory of process %ld\n", (long)getpid());
-    int ok = write(fd, line, (size_t)n) == n;
-    close(fd);
-    if (!ok) return mti_fail(ctx, MT_ERR_IO, "offload: cannot write '%s'", o->lock);
-    return MT_OK;
-}
-
 /* Closes and removes the files and the directory, and gives their bytes
  * back (on disk). */
 static void remove_files(mti_offload *o)
@@ -340,15 +261,13 @@ static void remove_files(mti_offload *o)
         if (o->counted[f]) mti_place_sub(o->ctx, MT_PLACE_DISK, file_class[f], o->bytes[f]);
         o->made[f] = o->counted[f] = 0;
     }
-    if (o->made_lock) unlink(o->lock);
-    if (o->made_dir) rmdir(o->dir);
-    o->made_lock = o->made_dir = 0;
+    mti_scratch_remove(&o->sc);
 }
 
 static mt_status make_file(mti_offload *o, int f)
 {
     mt_context *ctx = o->ctx;
-    snprintf(o->path[f], sizeof o->path[f], "%s/%s", o->dir, file_name[f]);
+    snprintf(o->path[f], sizeof o->path[f], "%s/%s", o->sc.dir, file_name[f]);
     int fd = open(o->path[f], O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0600);
     if (fd < 0 && errno == EINVAL) /* no O_DIRECT on this file system */
         fd = open(o->path[f], O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -782,7 +701,7 @@ mt_status mti_offload_create(mt_trainer *t, int masters, mti_offload **out)
         }
         return MT_OK;
     }
-    s = make_dir(o, t->cfg.offload_dir);
+    s = mti_scratch_make(ctx, t->cfg.offload_dir, file_name, F_COUNT, &o->sc);
     for (int f = 0; f < F_COUNT && !s; f++) s = make_file(o, f);
     if (!s) s = write_fresh(o);
     for (int k = 0; k < THREADS && !s; k++) {

@@ -13,9 +13,31 @@
 #ifndef MT_OFFLOAD_H
 #define MT_OFFLOAD_H
 
+#include <limits.h>
+
 #include "trainer.h"
 
 typedef struct mti_offload mti_offload;
+
+/* ---- the scratch directory (lib/scratch.c) ---- */
+
+typedef struct mti_scratch {
+    char dir[PATH_MAX];         /* absolute */
+    char lock[PATH_MAX + 16];   /* dir/lock, naming this process */
+    int made_dir, made_lock;
+} mti_scratch;
+/* Makes this trainer's scratch directory in base (memtrain-scratch, or
+ * memtrain-scratch.rankR on a context of several ranks) and its lock file.
+ * A directory of that name whose owner has ended (a killed run) is removed
+ * first; one whose owner runs, or runs on another host, or that holds files
+ * other than the lock and names[0..n) (the files the library puts there),
+ * is refused (MT_ERR_IO). Then every other scratch directory in base that
+ * no rank of this run makes and whose owner has ended is removed. Each
+ * removal is a warning on ctx's log. */
+mt_status mti_scratch_make(mt_context *ctx, const char *base, const char *const *names, int n,
+                           mti_scratch *sc);
+/* Removes the lock and the directory, once the caller removed its files. */
+void mti_scratch_remove(mti_scratch *sc);
 
 /* Test hook: called before every scratch-file read and write (write 1)
  * with the file's path, offset and length; a nonzero return is the errno

@@ -21,8 +21,10 @@
  *
  * A step that fails before the update (out of memory, say) frees what it
  * took and leaves the weights, the optimizer state and the scaler as they
- * were. A fused step can fail part-way through its updates; the error says
- * how many tensors were updated.
+ * were. A step can fail part-way through its updates (the fused step's,
+ * or with the state on disk), or after all of them (the pieces going home,
+ * another rank failing); the error says which, and how many of the trained
+ * tensors were updated.
  */
 #include <fnmatch.h>
 #include <math.h>
@@ -626,6 +628,18 @@ static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
 static bool gather_later(const mt_trainer *t)
 {
     return t->zero && ((t->hoff && t->zero < 3) || (t->off && !t->cfg.fused_step));
+}
+
+/* Whether the step's end has the ranks agree that every rank's updates
+ * landed (gather_late) before it returns: host offload's updates land late;
+ * with the state on disk on several ranks, at every stage, a disk fails on
+ * one rank alone, and a rank that returned its failure by itself would be
+ * ended (MPI_Abort) with the others still in their next collective, their
+ * scratch files left behind: so a failed update goes to the agreement too,
+ * and the step fails on every rank at once. */
+static bool agree_at_end(const mt_trainer *t)
+{
+    return t->hoff || gather_later(t) || (t->off && t->world > 1);
 }
 
 /* Whether the weights are gathered from every rank's slice as each is
@@ -1627,6 +1641,12 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     return MT_OK;
 }
 
+/* A failed step's end: what it took freed, and its message said once,
+ * prefixed with fn (unless it is already: the ranks' exchanges name the
+ * call), with how far the update went. t->updated counts the tensors
+ * whose update finished on this rank; the step can fail after all of them
+ * (writing the last pieces home, or another rank failing), which is not
+ * part-way. */
 static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
     mti_msg msg = mti_last_msg(t->ctx);
@@ -1637,12 +1657,24 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     mti_engine_free_grads(&t->E);
     free_slices(t);
     reset_all(t->ctx, MT_SCOPE_STEP);
-    if (t->updated)
-        return mti_fail(t->ctx, s,
-                        "%s: %s (the update failed part-way: %s%d of %d weight tensors were "
-                        "updated)",
-                        fn, msg.s, t->hoff ? "at most " : "", t->updated, t->model->n_param);
-    return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, msg.s);
+    const size_t k = strlen(fn);
+    const char *why = msg.s;
+    if (!strncmp(why, fn, k) && !strncmp(why + k, ": ", 2)) why += k + 2;
+    int trained = 0;
+    for (int i = 0; i < t->model->n_param; i++) trained += !t->model->params[i].frozen;
+    if (!t->updated && !t->touched)
+        return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, why);
+    if (!t->updated) /* (the fused step's slices of the tied table) */
+        return mti_fail(t->ctx, s, "%s: %s (the update failed part-way: slices of one weight "
+                        "tensor were updated)", fn, why);
+    if (t->hoff) /* (queued: some may not have landed) */
+        return mti_fail(t->ctx, s, "%s: %s (the update failed part-way: at most %d of the %d "
+                        "trained weight tensors were updated)", fn, why, t->updated, trained);
+    if (t->updated < trained)
+        return mti_fail(t->ctx, s, "%s: %s (the update failed part-way: %d of the %d trained "
+                        "weight tensors were updated)", fn, why, t->updated, trained);
+    return mti_fail(t->ctx, s, "%s: %s (after the update: all %d trained weight tensors were "
+                    "updated%s)", fn, why, trained, t->world > 1 ? " on this rank" : "");
 }
 
 /* Overlap: a gradient final in the last micro-batch's backward goes to
@@ -1804,10 +1836,9 @@ static int passes_of(const mt_trainer *t, const mt_batch *b)
     return (b->n + t->micro - 1) / t->micro;
 }
 
-mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
+static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
 {
     const char *fn = "mt_trainer_step";
-    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
     if (!s && t->off) s = mti_offload_begin(t->off); /* the files are there */
     double targets = s ? 0.0 : targets_of(t, b);
@@ -1818,7 +1849,7 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     t->lr = lr_at(&t->cfg, t->opt_steps);
     t->inv = mti_scaler_inv(&t->scaler);
     t->clip = 1.0f;
-    t->updated = 0;
+    t->updated = t->touched = 0;
     int found = 0;
     double sum = 0.0;
     /* (stage 1: reduce-scattered to the slices' owners; stage 2's go in its hooks) */
@@ -1858,13 +1889,13 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
         if (!s && t->ag_on) s = ag_retire(t, true, MT_OK); /* every weight gathered */
-        if (s && !gather_later(t)) {
+        if (s && !agree_at_end(t)) {
             if (t->updated) t->opt_steps++; /* some state has moved a step */
             return step_failed(t, fn, s);
         }
     }
     /* every update done (weights up, pieces home); the ranks agree, then gather */
-    if ((t->hoff || gather_later(t)) && (s = gather_late(t, fn, s, !fused && !found))) {
+    if (agree_at_end(t) && (s = gather_late(t, fn, s, !fused && !found))) {
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }
@@ -1888,6 +1919,16 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     if ((s = mti_local_sgd_after_step(t, fn))) return s;
     if (loss) *loss = (float)mean;
     return MT_OK;
+}
+
+mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
+{
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_step: trainer is NULL");
+    /* a collective that fails in it names the step (lib/comm/comm.c) */
+    atomic_store(&t->ctx->comm_step, t->steps + 1);
+    const mt_status s = step(t, b, loss);
+    atomic_store(&t->ctx->comm_step, 0);
+    return s;
 }
 
 mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,

@@ -220,6 +220,53 @@ stop.ckpt" ]
         -np 1 "$mt" $one --teacher "$ad/t1.bin" --offload disk --offload-dir "$ad/a" : \
         -np 1 "$mt" $one --teacher "$ad/t1.bin" --offload disk --offload-dir "$ad/b"
     rm -rf "$ad"
+    # faults of one rank the command meets (test/mpi/fault_shim.c, preloaded;
+    # under SAN=1 the sanitizer's runtime then is not the first library)
+    FAULT="-x LD_PRELOAD=$B/mpi/libmtfault.so -x MT_FAULT_RANK=1 -x ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}verify_asan_link_order=0:detect_leaks=0"
+    gargs="train --model gpt --batch 2 --seq 16 --layers 1 --channels 32 --heads 2 --threads 1 --json"
+    # rank 1 stalls in the question after step 2 whether every rank goes on:
+    # rank 0 says so there (the collective, its rank, the timeout, the step)
+    # and ends the job, not a step later with only "the communicator is broken"
+    sd=$(mktemp -d)
+    timeout 60 $MPIRUN -np 2 $FAULT -x MT_STALL_CALL=2 "$B/memtrain" $gargs --steps 5 --comm-timeout 1 >"$sd/out" 2>"$sd/err"
+    rc=$?
+    if [ $rc != 0 ] && [ $rc != 124 ] && [ "$(grep -c '"step"' "$sd/out")" = 2 ] &&
+        grep -q "^memtrain: after step 2, asking the ranks whether to stop: mt_comm_all_reduce (mpi, rank 0 of 2): MPI_Iallreduce timed out, not complete after 1 s: a rank died, stalled" "$sd/err" &&
+        ! grep -q "step 3" "$sd/err"
+    then echo "ok   mpi memtrain train: a rank stalled in the stop question: rank 0 names the collective, its rank, the timeout and the step, and ends the job (exit $rc)"
+    else echo "FAIL mpi memtrain train: a rank stalled in the stop question: exit $rc"; cat "$sd/err"; fail=1; fi
+    rm -rf "$sd"
+    # rank 1's disk fails in step 2 at --zero 0 (no collective after the
+    # update): every rank's step fails at once, and no rank's scratch is left
+    sd=$(mktemp -d)
+    timeout 60 $MPIRUN -np 2 $FAULT -x MT_FAIL_WRITE=80 "$B/memtrain" $gargs --steps 6 --offload disk \
+        --offload-dir "$sd" >"$sd/out" 2>"$sd/err"
+    rc=$?
+    if [ $rc != 0 ] && [ $rc != 124 ] && [ "$(ls "$sd" | grep -c memtrain-scratch)" = 0 ] &&
+        grep -q "^memtrain: step 2: mt_trainer_step: offload: writing '.*/memtrain-scratch.rank1/optim.bin': Input/output error" "$sd/err" &&
+        grep -q "^memtrain: step 2: mt_trainer_step: rank 1 failed (input/output error) at the updates on disk, so every rank stops (after the update: all [0-9]* trained weight tensors were updated on this rank)$" "$sd/err"
+    then echo "ok   mpi memtrain train: a disk failing on rank 1 at --zero 0 fails the step on every rank, every scratch directory removed"
+    else echo "FAIL mpi memtrain train: a disk failing on rank 1 at --zero 0: exit $rc"; cat "$sd/err"; ls "$sd"; fail=1; fi
+    rm -rf "$sd"
+    # rank 1 killed (SIGKILL) with the state on disk: mpirun ends the job, and
+    # nothing could remove the ranks' scratch; the next run in the directory
+    # (one process: other names than the ranks') removes every one of them
+    sd=$(mktemp -d)
+    timeout 60 $MPIRUN -np 2 "$B/memtrain" $gargs --steps 100000 --offload disk --offload-dir "$sd" >"$sd/out" 2>"$sd/err" &
+    mp=$!
+    n=0
+    while [ "$(cat "$sd/out" 2>/dev/null | grep -c '"step"')" -lt 2 ] && [ $n -lt 300 ]; do sleep 0.1; n=$((n + 1)); done
+    for c in $(pgrep -P "$mp"); do for p in $(pgrep -P "$c"); do # (timeout, mpirun, the ranks)
+        if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then kill -KILL "$p"; fi
+    done; done
+    wait "$mp"
+    left=$(ls "$sd" | grep -c '^memtrain-scratch.rank')
+    "$B/memtrain" $gargs --steps 1 --offload disk --offload-dir "$sd" >/dev/null 2>"$sd/err1"
+    rc=$?
+    if [ "$left" -ge 1 ] && [ $rc = 0 ] && [ "$(ls "$sd" | grep -c memtrain-scratch)" = 0 ]
+    then echo "ok   mpi memtrain train: rank 1 killed, $left scratch directories left; the next run in the directory removed them"
+    else echo "FAIL mpi memtrain train: rank 1 killed: $left left, the next run exit $rc"; cat "$sd/err1"; ls "$sd"; fail=1; fi
+    rm -rf "$sd"
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi

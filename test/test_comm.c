@@ -262,6 +262,11 @@ static void stall_rank(int rank, void *p)
         RANK_EXPECT(strstr(mt_last_error(NULL), "did not join") != NULL);
         RANK_EXPECT(mt_comm_broken(c));
         RANK_EXPECT(mt_comm_barrier(c) == MT_ERR_COMM);
+        /* a later call names the first failure: the call, the rank, the table's word */
+        const char *e = mt_last_error(NULL);
+        RANK_EXPECT(strstr(e, "mt_comm_barrier: the communicator is broken by an earlier failure") &&
+                    strstr(e, "mt_comm_all_reduce (") && strstr(e, "rank 0 of 2") &&
+                    strstr(e, "did not join"));
     }
     mt_comm_destroy(c);
 }

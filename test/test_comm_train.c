@@ -775,23 +775,98 @@ TEST(dp_bad_batch_on_one_rank)
     free_run(&a);
 }
 
-/* fp16: gradients that overflow on one rank only skip the step on every
- * rank (the all-reduce carries the inf to all), and the weights stay. */
-static void overflow_rank(int rank, void *p)
+/* Rank `rank` of 2: its communicator, a CPU context, a small MLP (4-8-3)
+ * and a trainer of a->tc; what was made is set even on failure. */
+typedef struct mlp_rank {
+    mt_comm *c;
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+} mlp_rank;
+
+static mt_status mlp_rank_open(dp_run *a, int rank, mlp_rank *r)
 {
-    dp_run *a = p;
-    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
-    mt_context *ctx = NULL;
-    mt_model *m = NULL;
-    mt_trainer *t = NULL;
+    memset(r, 0, sizeof *r);
+    r->c = tcomm_make(a->world, rank, 2, 0);
     mt_mlp_spec ms;
     mt_mlp_spec_init(&ms);
     ms.n_layers = 2;
     ms.dims[0] = 4, ms.dims[1] = 8, ms.dims[2] = 3;
     ms.seed = 3;
-    mt_status s = tcomm_context(c, &ctx);
-    if (!s) s = mt_model_mlp_create(ctx, &ms, &m);
-    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    mt_status s = tcomm_context(r->c, &r->ctx);
+    if (!s) s = mt_model_mlp_create(r->ctx, &ms, &r->m);
+    if (!s) s = mt_trainer_create(r->m, &a->tc, &r->t);
+    return s;
+}
+
+static void mlp_rank_close(mlp_rank *r)
+{
+    mt_trainer_destroy(r->t);
+    mt_model_destroy(r->m);
+    mt_context_destroy(r->ctx);
+    mt_comm_destroy(r->c);
+}
+
+/* A rank that stops after its first step: the other's second step fails at
+ * the 0.2 s timeout, naming the collective, the step and its rank; its
+ * communicator is broken, and the step tried again (still the trainer's
+ * step 2: the failed one was not taken) fails at once, its message naming
+ * that first cause (the timeout, the collective, the rank, the step), not
+ * only that the communicator is broken. */
+static char stop_msg[2][2048]; /* rank 0's messages at step 2, and again */
+
+static void stop_rank(int rank, void *p)
+{
+    dp_run *a = p;
+    mlp_rank r;
+    mt_status s = mlp_rank_open(a, rank, &r);
+    float x[2] = {1, 2};
+    int32_t y[1] = {rank};
+    mt_batch b = {.n = 1, .inputs = x, .targets = y};
+    if (!s) s = mt_trainer_step(r.t, &b, NULL);
+    a->st[rank] = s;
+    if (!s && rank == 1) usleep(600000); /* past the other's deadline */
+    for (int k = 0; !s && rank == 0 && k < 2; k++) { /* step 2, and again */
+        const mt_status e = mt_trainer_step(r.t, &b, NULL);
+        snprintf(stop_msg[k], sizeof stop_msg[k], "%s", mt_last_error(r.ctx));
+        if (e != MT_ERR_COMM) a->bad = 1;
+    }
+    mlp_rank_close(&r);
+}
+
+TEST(dp_broken_communicator_names_first_cause)
+{
+    dp_run a = {.n = 2};
+    mt_trainer_config_init(&a.tc);
+    a.tc.max_batch = 1;
+    a.world = tcomm_world_new(2, 0.2);
+    tcomm_run(2, stop_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK_EQ(a.st[0], MT_OK);
+    CHECK_EQ(a.st[1], MT_OK);
+    CHECK(!a.bad);
+    /* step 2: the timeout itself */
+    CHECK_MSG(strstr(stop_msg[0], "in step 2: ") && strstr(stop_msg[0], "rank 0 of 2") &&
+                  strstr(stop_msg[0], "did not join within 0.2 s"),
+              "%s", stop_msg[0]);
+    CHECK_MSG(!strstr(stop_msg[0], "mt_trainer_step: mt_trainer_step"), "%s", stop_msg[0]);
+    /* again: broken, by what, where and when */
+    const char *first = strstr(stop_msg[1], "broken by an earlier failure");
+    CHECK_MSG(first && strstr(first, "mt_trainer_step: exchanging the batch's checks, in step 2: ") &&
+                  strstr(first, "rank 0 of 2") && strstr(first, "did not join within 0.2 s"),
+              "%s", stop_msg[1]);
+    free_run(&a);
+}
+
+/* fp16: gradients that overflow on one rank only skip the step on every
+ * rank (the all-reduce carries the inf to all), and the weights stay. */
+static void overflow_rank(int rank, void *p)
+{
+    dp_run *a = p;
+    mlp_rank r;
+    mt_status s = mlp_rank_open(a, rank, &r);
+    mt_model *m = r.m;
+    mt_trainer *t = r.t;
     float before[4 * 8 + 8 + 8 * 3 + 3], x[8] = {1, 2, 3, 4, 4, 3, 2, 1};
     int32_t y[2] = {0, 2};
     if (rank == 1) x[5] = 1e30f; /* beyond fp16: inf in forward, NaN gradients */
@@ -806,10 +881,7 @@ static void overflow_rank(int rank, void *p)
     a->w[rank] = calloc(sizeof before / sizeof before[0], sizeof(float));
     if (!s) s = mt_model_get_params(m, a->w[rank], mt_model_num_params(m));
     if (s || memcmp(before, a->w[rank], sizeof before)) a->bad = 1;
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    mlp_rank_close(&r);
 }
 
 static void overflow_case(int stage)

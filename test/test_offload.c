@@ -5,6 +5,7 @@
  * per class and per place, scratch files never outlive their trainer (a
  * failure, a kill), and I/O faults give MT_ERR_IO with nothing else lost.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -84,6 +85,17 @@ static bool scratch_gone(const char *dir)
     snprintf(p, sizeof p, "%s/memtrain-scratch", dir);
     struct stat sb;
     return stat(p, &sb) != 0 && errno == ENOENT;
+}
+
+/* Whether dir holds nothing (no rank's scratch directory left). */
+static bool dir_empty(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) return false;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(d);
+    return n == 0;
 }
 
 /* Trains STEPS steps; the weights (while the trainer lives, and after it)
@@ -514,6 +526,16 @@ static void frank(int rank, void *arg)
     snprintf(want, sizeof want, "rank %d failed (%s)", f->fail_rank, mt_status_string(MT_ERR_IO));
     if (!s && rank != f->fail_rank && (fs != MT_ERR_COMM || !strstr(msg, want)))
         zfail(a, rank, &s, MT_ERR_INTERNAL, "another rank: %s: %s", mt_status_string(fs), msg);
+    /* said once, and how far the update went without contradiction: the
+       other ranks updated everything (or, failed in forward, nothing) */
+    const char *part = strstr(msg, "part-way: ");
+    int done = -1, of = -1;
+    if (part) sscanf(part, "part-way: %d of the %d", &done, &of);
+    if (!s && (strstr(msg, "mt_trainer_step: mt_trainer_step") || (part && !(done < of))))
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "the message: %s", msg);
+    if (!s && rank != f->fail_rank && !strstr(msg, "(after the update: all ") &&
+        !strstr(msg, "(weights and optimizer state unchanged)"))
+        zfail(a, rank, &s, MT_ERR_INTERNAL, "another rank's message: %s", msg);
     mt_trainer_destroy(t);
     mt_memory_stats disk;
     if (!s) s = mt_context_place_stats(ctx, MT_PLACE_DISK, &disk);
@@ -530,6 +552,35 @@ static void frank(int rank, void *arg)
     mt_model_destroy(m);
     mt_context_destroy(ctx);
     mt_comm_destroy(c);
+}
+
+/* frank on 2 ranks at `stage`: rank 1's fault in `file` of its scratch
+ * directory (a write or a read, the step's first transfer or with `last`
+ * its last, failing with err); every rank's checks passed, and nothing is
+ * left in dir. */
+static void rank_fault(const ocase *c, const char *dir, int stage, const char *file, int wr,
+                       int last, int err)
+{
+    frun f;
+    memset(&f, 0, sizeof f);
+    config(&f.z.tc, c, MT_PLACE_DISK, dir);
+    f.z.tc.zero_stage = stage;
+    f.z.n = ZN;
+    f.fail_rank = 1;
+    f.which = last;
+    rf_wr = wr, rf_err = err;
+    snprintf(rf_path, sizeof rf_path, "memtrain-scratch.rank1/%s", file);
+    atomic_store(&rf_calls, 0);
+    atomic_store(&rf_at, -1);
+    mti_offload_fault = rank_inject;
+    f.z.world = tcomm_world_new(ZN, 60.0);
+    tcomm_run(ZN, frank, &f);
+    tcomm_world_free(f.z.world);
+    mti_offload_fault = NULL;
+    for (int r = 0; r < ZN; r++)
+        CHECK_MSG(f.z.st[r] == MT_OK, "stage %d, %s %s, %s, weights on disk %d, rank %d: %s", stage,
+                  file, wr ? "write" : "read", last ? "last" : "first", params_too, r, f.z.msg[r]);
+    CHECK(dir_empty(dir));
 }
 
 /* A disk that fails on one rank of 2 at ZeRO stages 1 to 3 with the
@@ -550,24 +601,31 @@ TEST(offload_params_fault_on_one_rank)
                                                           gathers in forward: a rank failing
                                                           there leaves the others in a
                                                           collective, to its timeout) */
-            frun f;
-            memset(&f, 0, sizeof f);
-            config(&f.z.tc, &c, MT_PLACE_DISK, dir);
-            f.z.tc.zero_stage = stage;
-            f.z.n = ZN;
-            f.fail_rank = 1;
-            f.which = k == 1;
-            rf_wr = k < 2, rf_err = k == 1 ? EIO : ENOSPC;
-            snprintf(rf_path, sizeof rf_path, "memtrain-scratch.rank1/param.bin");
-            atomic_store(&rf_calls, 0);
-            atomic_store(&rf_at, -1);
-            mti_offload_fault = rank_inject;
-            f.z.world = tcomm_world_new(ZN, 60.0);
-            tcomm_run(ZN, frank, &f);
-            tcomm_world_free(f.z.world);
-            mti_offload_fault = NULL;
-            for (int r = 0; r < ZN; r++)
-                CHECK_MSG(f.z.st[r] == MT_OK, "stage %d, fault %d, rank %d: %s", stage, k, r, f.z.msg[r]);
+            rank_fault(&c, dir, stage, "param.bin", k < 2, k == 1, k == 1 ? EIO : ENOSPC);
+        }
+    params_too = 0;
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* The same at ZeRO stage 0, where every rank updates the whole model from
+ * the summed gradients and no collective follows the update: the state on
+ * disk (and the weights), rank 1's first write of the step failing (disk
+ * full), its last (an I/O error: a piece going home at the step's end), or
+ * its first read of the state. The ranks agree at the step's end all the
+ * same: every rank's step fails at once, and no rank's scratch directory is
+ * left (a rank failing alone would be ended by the job, MPI_Abort, with
+ * the others' state left on disk). */
+TEST(offload_fault_on_one_rank_stage0)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    const ocase c = {MT_OPT_ADAMW, MT_PREC_BF16, 1, 0, 0.0f};
+    for (int params = 0; params < 2; params++)
+        for (int k = 0; k < 3; k++) {
+            params_too = params;
+            rank_fault(&c, dir, 0, "optim.bin", k < 2, k == 1, k == 0 ? ENOSPC : EIO);
         }
     params_too = 0;
     mti_offload_piece_elems = keep;

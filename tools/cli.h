@@ -175,9 +175,10 @@ void cli_ranks_batch(mt_trainer_config *tc, int ranks);
 /* The means over the ranks of n (<= 8) values, each rank's weighted by
  * its rows; a collective. 0, or an exit code. */
 int cli_ranks_mean(float *v, int n, int rows);
-/* Whether flag is set on any rank (every rank gets the same answer); a
- * collective. */
-bool cli_ranks_any(bool flag);
+/* *any: whether flag is set on any rank (every rank gets the same answer),
+ * asked after step `step`; a collective. 0, or an exit code once a message
+ * names the failure (the collective's cause, this rank, the step). */
+int cli_ranks_any(bool flag, long step, bool *any);
 /* Every rank's peak live bytes into peaks (cli_world.size of them); a
  * collective. 0, or an exit code. */
 int cli_ranks_peaks(mt_context *ctx, uint64_t *peaks);

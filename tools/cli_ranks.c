@@ -294,11 +294,18 @@ int cli_ranks_mean(float *v, int n, int rows)
     return 0;
 }
 
-bool cli_ranks_any(bool flag)
+int cli_ranks_any(bool flag, long step, bool *any)
 {
-    if (cli_world.size <= 1) return flag;
+    *any = flag;
+    if (cli_world.size <= 1) return 0;
     float f = flag ? 1.0f : 0.0f;
-    /* a failure here shows at the next step's collective */
-    if (mt_comm_all_reduce(cli_world.comm, &f, &f, 1, MT_COMM_F32, MT_COMM_MAX, NULL)) return flag;
-    return f > 0.0f;
+    /* (the library's message names the call, the table's cause, whether it
+       timed out, and this rank; the step is the command's) */
+    if (mt_comm_all_reduce(cli_world.comm, &f, &f, 1, MT_COMM_F32, MT_COMM_MAX, NULL)) {
+        fprintf(stderr, "%s: after step %ld, asking the ranks whether to stop: %s\n", cli_prog, step,
+                mt_last_error(NULL));
+        return EXIT_FAIL;
+    }
+    *any = f > 0.0f;
+    return 0;
 }

@@ -258,7 +258,9 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
             goto done;
         }
         if ((rc = skipped_in_row(o, &ls, step, &skipped))) goto done;
-        if (cli_ranks_any(stop_signal != 0)) { /* under mpirun, every rank */
+        bool stopping;
+        if ((rc = cli_ranks_any(stop_signal != 0, step, &stopping))) goto done;
+        if (stopping) { /* under mpirun, every rank */
             rc = interrupted(step);
             goto done;
         }
@@ -482,7 +484,8 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         }
         if ((rc = skipped_in_row(o, &ls, step, &skipped))) goto done;
         /* read once: the save and the stop agree; under mpirun, every rank */
-        const bool stopping = cli_ranks_any(stop_signal != 0);
+        bool stopping;
+        if ((rc = cli_ranks_any(stop_signal != 0, step, &stopping))) goto done;
         /* under ZeRO saving is a collective: every rank sends its slices */
         if (o->save && (cli_world.rank == 0 || o->zero) &&
             ((o->save_every && step % o->save_every == 0) || step == o->steps || stopping) &&

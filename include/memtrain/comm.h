@@ -113,7 +113,10 @@ void mt_comm_destroy(mt_comm *c);
 int mt_comm_rank(const mt_comm *c);
 int mt_comm_size(const mt_comm *c);
 /* 1 once a call on the communicator has failed with MT_ERR_COMM (see rule
- * 2): every later collective fails at once. */
+ * 2): every later collective fails at once, its message naming that first
+ * failure (the call, this rank, the table's message: a timeout or an error;
+ * for the library's own collectives what they were for and the trainer
+ * step). */
 int mt_comm_broken(const mt_comm *c);
 /* The table's name ("mpi", "nccl", ...). */
 const char *mt_comm_name(const mt_comm *c);

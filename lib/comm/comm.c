@@ -74,6 +74,23 @@ void mt_comm_destroy(mt_comm *c)
 int mt_comm_rank(const mt_comm *c) { return c ? c->rank : 0; }
 int mt_comm_size(const mt_comm *c) { return c ? c->size : 1; }
 int mt_comm_broken(const mt_comm *c) { return c ? atomic_load(&c->broken) : 0; }
+
+void mti_comm_break(mt_comm *c, uint64_t step, const char *why)
+{
+    if (atomic_exchange(&c->broken, 1)) return; /* (the first cause stands) */
+    const unsigned long long at = c->call_step ? c->call_step : step;
+    char where[64] = "";
+    if (at) snprintf(where, sizeof where, "%sin step %llu", c->call_what ? ", " : "", at);
+    snprintf(c->cause, sizeof c->cause, "%s%s%s%s", c->call_what ? c->call_what : "", where,
+             c->call_what || at ? ": " : "", why);
+    atomic_store(&c->cause_set, 1);
+}
+
+const char *mti_comm_cause(const mt_comm *c)
+{
+    if (!c || !atomic_load(&c->broken)) return "";
+    return atomic_load(&c->cause_set) ? c->cause : "an earlier collective failed";
+}
 const char *mt_comm_name(const mt_comm *c) { return c && c->vt.name ? c->vt.name : ""; }
 
 /* Checks a call's arguments; "reduce" says whether it reduces. */
@@ -95,9 +112,8 @@ static mt_status check_call(mt_comm *c, const char *fn, const void *a, const voi
     if (count && (!a || !b)) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: a buffer is NULL", fn);
     if (atomic_load(&c->broken))
         return mti_fail(NULL, MT_ERR_COMM,
-                        "%s: the communicator is broken by an earlier failed collective (make a new "
-                        "one)",
-                        fn);
+                        "%s: the communicator is broken by an earlier failure (make a new one): %s",
+                        fn, mti_comm_cause(c));
     return MT_OK;
 }
 
@@ -120,14 +136,17 @@ static mt_status check_overlap(const char *fn, const void *send, size_t sn, cons
     return MT_OK;
 }
 
-/* After the table's call: a failure breaks the communicator. */
+/* After the table's call: a failure breaks the communicator, and the
+ * first is kept as the cause every later call names. */
 static mt_status after(mt_comm *c, const char *fn, mt_status s)
 {
     if (!s) return MT_OK;
-    atomic_store(&c->broken, 1);
     const char *why = c->vt.last_error ? c->vt.last_error(c->self) : NULL;
-    return mti_fail(NULL, MT_ERR_COMM, "%s (%s, rank %d of %d): %s", fn, mt_comm_name(c), c->rank,
-                    c->size, why && *why ? why : mt_status_string(s));
+    char msg[MTI_ERR_LEN];
+    snprintf(msg, sizeof msg, "%s (%s, rank %d of %d): %s", fn, mt_comm_name(c), c->rank, c->size,
+             why && *why ? why : mt_status_string(s));
+    mti_comm_break(c, 0, msg);
+    return mti_fail(NULL, MT_ERR_COMM, "%s", msg);
 }
 
 mt_status mt_comm_all_reduce(mt_comm *c, const void *send, void *recv, size_t count,
@@ -201,7 +220,26 @@ static mt_status on_ctx(mt_context *ctx, const char *what, mt_status s)
     if (!s) return MT_OK;
     char msg[MTI_ERR_LEN];
     snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
+    const unsigned long long step = atomic_load(&ctx->comm_step);
+    if (step) return mti_fail(ctx, s, "%s, in step %llu: %s", what, step, msg);
     return mti_fail(ctx, s, "%s: %s", what, msg);
+}
+
+/* The communicator's calls until unlabel are for ctx's `what` (a failure
+ * that breaks it keeps them in its cause). */
+static void label(mt_context *ctx, const char *what)
+{
+    mt_comm *c = ctx->cfg.comm;
+    if (!c) return;
+    c->call_what = what;
+    c->call_step = atomic_load(&ctx->comm_step);
+}
+
+static mt_status unlabel(mt_context *ctx, mt_status s)
+{
+    mt_comm *c = ctx->cfg.comm;
+    if (c) c->call_what = NULL, c->call_step = 0;
+    return s;
 }
 
 /* ---- the buffers of a run of several ranks ---- */
@@ -415,7 +453,8 @@ mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *sen
     const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
-    return timed(ctx, t0, comm_all_reduce_run(ctx, what, send, recv, count, dt, op));
+    label(ctx, what);
+    return timed(ctx, t0, unlabel(ctx, comm_all_reduce_run(ctx, what, send, recv, count, dt, op)));
 }
 
 mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
@@ -423,7 +462,9 @@ mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void 
     const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
-    return timed(ctx, t0, comm_reduce_scatter_run(ctx, what, send, recv, count, dt, op));
+    label(ctx, what);
+    return timed(ctx, t0,
+                 unlabel(ctx, comm_reduce_scatter_run(ctx, what, send, recv, count, dt, op)));
 }
 
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt)
@@ -431,7 +472,8 @@ mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *sen
     const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
-    return timed(ctx, t0, comm_all_gather_run(ctx, what, send, recv, count, dt));
+    label(ctx, what);
+    return timed(ctx, t0, unlabel(ctx, comm_all_gather_run(ctx, what, send, recv, count, dt)));
 }
 
 mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count, mt_comm_dtype dt, int root)
@@ -439,7 +481,8 @@ mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_
     const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
-    return timed(ctx, t0, comm_broadcast_run(ctx, what, buf, count, dt, root));
+    label(ctx, what);
+    return timed(ctx, t0, unlabel(ctx, comm_broadcast_run(ctx, what, buf, count, dt, root)));
 }
 
 mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t len)
@@ -447,7 +490,8 @@ mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *se
     const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
-    return timed(ctx, t0, comm_host_gather_run(ctx, what, send, recv, len));
+    label(ctx, what);
+    return timed(ctx, t0, unlabel(ctx, comm_host_gather_run(ctx, what, send, recv, len)));
 }
 
 mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *const *p,
@@ -475,7 +519,9 @@ mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *c
             if (src) memcpy(st + off, src, m * sizeof(float));
             else memset(st + off, 0, m * sizeof(float));
         }
-        s = on_ctx(ctx, what, mt_comm_all_reduce(c, st, st, len, MT_COMM_F32, MT_COMM_SUM, NULL));
+        label(ctx, what);
+        s = on_ctx(ctx, what,
+                   unlabel(ctx, mt_comm_all_reduce(c, st, st, len, MT_COMM_F32, MT_COMM_SUM, NULL)));
         off = 0;
         for (int j = 0; j < k && !s; j++, off += n[j - 1])
             if (p[j]) memcpy(p[j] + (k > 1 ? 0 : at), st + off, (k > 1 ? n[j] : len) * sizeof(float));
@@ -501,9 +547,10 @@ static mt_status in_stage(mt_context *ctx, const char *what, coll k, size_t coun
     if (!st || (c->vt.caps & MT_COMM_CAP_DEVICE) || count * (size_t)c->size > MTI_COMM_STAGE / es)
         return mti_fail(ctx, MT_ERR_INTERNAL, "%s: %zu %s per rank do not fit the staging", what, count,
                         k == REDUCE_SCATTER ? "values" : "bytes");
-    return timed(ctx, t0, on_ctx(ctx, what, k == REDUCE_SCATTER
+    label(ctx, what);
+    return timed(ctx, t0, on_ctx(ctx, what, unlabel(ctx, k == REDUCE_SCATTER
         ? mt_comm_reduce_scatter(c, st, st + mine, count, MT_COMM_F32, MT_COMM_SUM, NULL)
-        : mt_comm_all_gather(c, st + mine, st, count, MT_COMM_BYTE, NULL)));
+        : mt_comm_all_gather(c, st + mine, st, count, MT_COMM_BYTE, NULL))));
 }
 
 mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_t count)

@@ -13,7 +13,24 @@ struct mt_comm {
     void *self;
     int rank, size;
     _Atomic int broken; /* a call failed: every later one fails at once */
+    /* the first failure's message (which call, which rank, the table's
+     * word: a timeout or an error), kept for every later failure to name;
+     * cause_set once it is written */
+    char cause[MTI_ERR_LEN];
+    _Atomic int cause_set;
+    /* what the call in progress is for, set around it by the library's
+     * collectives on behalf of a context (the one thread calling): the
+     * caller's words and its trainer step (0: none), for the cause */
+    const char *call_what;
+    uint64_t call_step;
 };
+
+/* Breaks c: every later call fails at once. The first time, why (with
+ * c's call_what and call_step, or else `step` when not 0) becomes the cause
+ * later failures name. */
+void mti_comm_break(mt_comm *c, uint64_t step, const char *why);
+/* The cause of c's breaking ("" while whole). */
+const char *mti_comm_cause(const mt_comm *c);
 
 /* Collectives on behalf of a context, on the context's memory (device
  * memory on CUDA), with a failure's message (naming `what`, e.g. "the

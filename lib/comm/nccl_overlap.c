@@ -215,7 +215,6 @@ static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
 {
     if (ov->failed) return;
     mti_nccl_abort(ov->comm);
-    atomic_store(&ov->comm->broken, 1);
     ov->failed = MT_ERR_COMM;
     va_list ap;
     va_start(ap, fmt);
@@ -224,6 +223,9 @@ static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
     if (s != MT_ERR_COMM && k >= 0 && (size_t)k < sizeof ov->msg)
         snprintf(ov->msg + k, sizeof ov->msg - (size_t)k, " (on this rank, beside the communication "
                  "stream: the NCCL communicator was aborted)");
+    char why[sizeof ov->msg + 64];
+    snprintf(why, sizeof why, "%s (rank %d of %d)", ov->msg, ov->comm->rank, ov->comm->size);
+    mti_comm_break(ov->comm, atomic_load(&ov->ctx->comm_step), why);
 }
 
 /* The fence before each collective a job posts: the communication stream

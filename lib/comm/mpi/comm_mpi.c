@@ -40,7 +40,7 @@ static mt_status mpi_fail(mpi_state *st, const char *what, int rc)
     char s[MPI_MAX_ERROR_STRING];
     int len = 0;
     if (MPI_Error_string(rc, s, &len) != MPI_SUCCESS) snprintf(s, sizeof s, "MPI error %d", rc);
-    snprintf(st->err, sizeof st->err, "%s: %.200s", what, s);
+    snprintf(st->err, sizeof st->err, "%s failed: %.200s", what, s);
     st->broken = 1;
     return MT_ERR_COMM;
 }
@@ -93,8 +93,8 @@ static mt_status finish_all(mpi_state *st, const char *what, int rc, MPI_Request
         if (t > deadline) {
             st->broken = 1; /* the request, and the staging buffers, stay with MPI */
             snprintf(st->err, sizeof st->err,
-                     "%s not complete after %g s: a rank died, stalled, or did not make the same "
-                     "call; end the job (MPI_Abort)",
+                     "%s timed out, not complete after %g s: a rank died, stalled, or did not "
+                     "make the same call; end the job (MPI_Abort)",
                      what, st->timeout);
             return MT_ERR_COMM;
         }
