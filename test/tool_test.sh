@@ -325,8 +325,8 @@ for j in "" --json; do
     mkdir "$tmp/off/memtrain-scratch"
     echo "memtrain scratch directory of process $dead" > "$tmp/off/memtrain-scratch/lock"
     expect 0 "train over a stale scratch directory $j" -- "$tool" train --model gpt --steps 1 --threads 2 --layers 1 --channels 32 --offload disk --offload-dir "$tmp/off" $j
-    grep -q "^memtrain: warning: offload: removed the scratch directory '.*memtrain-scratch' left by process $dead" "$tmp/err" || { echo "FAIL tool: no warning on stderr $j"; cat "$tmp/err"; fail=1; }
-    [ -z "$j" ] || grep -q '^{"warning": "offload: removed the scratch directory' "$tmp/out" || { echo "FAIL tool: no JSON warning line"; head -3 "$tmp/out"; fail=1; }
+    grep -q "^memtrain: warning: offload: removed the stale scratch directory '.*memtrain-scratch' (its owner, process $dead on this host, has ended)" "$tmp/err" || { echo "FAIL tool: no warning on stderr $j"; cat "$tmp/err"; fail=1; }
+    [ -z "$j" ] || grep -q '^{"warning": "offload: removed the stale scratch directory' "$tmp/out" || { echo "FAIL tool: no JSON warning line"; head -3 "$tmp/out"; fail=1; }
     [ -z "$(ls -A "$tmp/off")" ] || { echo "FAIL tool: stale scratch left"; ls -la "$tmp/off"; fail=1; }
 done
 expect 2 "--offload-params without --offload disk" -- "$tool" train --model gpt --offload-params
