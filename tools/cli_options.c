@@ -764,34 +764,6 @@ void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec)
     spec->seed = (uint64_t)o->seed;
 }
 
-/* The library's warnings and errors: on stderr ("memtrain: warning: ...",
- * under mpirun with the rank), and with train --json also as a
- * {"warning": ...} line on stdout, between the steps' objects. */
-static void cli_log(void *user, mt_log_level level, const char *msg)
-{
-    const cli_opts *o = user;
-    const char *kind = level == MT_LOG_ERROR ? "error" : "warning";
-    if (cli_world.size > 1) fprintf(stderr, "%s: rank %d: %s: %s\n", cli_prog, cli_world.rank, kind, msg);
-    else fprintf(stderr, "%s: %s: %s\n", cli_prog, kind, msg);
-    if (o->json && o->cmd == CLI_TRAIN) {
-        printf("{\"%s\": ", kind);
-        cli_json_str(stdout, msg);
-        printf("}\n");
-        fflush(stdout);
-    }
-}
-
-void cli_context_config(const cli_opts *o, mt_context_config *cc)
-{
-    mt_context_config_init(cc);
-    cc->log_fn = cli_log;
-    cc->log_user = (void *)o;
-    cc->log_level = MT_LOG_WARN;
-    cc->device = o->device;
-    cc->threads = (int)o->threads;
-    for (int c = 0; c < MT_MEM_COUNT; c++) cc->allocators[c].vtable = mt_allocator_by_name(o->allocator);
-}
-
 void cli_json_num(FILE *f, const char *key, const char *fmt, double v)
 {
     fprintf(f, ", \"%s\": ", key);
