@@ -209,6 +209,20 @@ grep -q "diverged" "$tmp/err" && [ ! -e "$tmp/div.ckpt" ] || { echo "FAIL tool: 
 # library's warning on stderr
 expect 4 "gpt diverges, progress lines" -- "$tool" train --model gpt --layers 1 --channels 32 --steps 30 --optimizer sgd --lr 1e30 --clip 0 --every 1 --threads 2
 grep -q "^step .*  skipped 1$" "$tmp/out" && grep -q "^memtrain: warning: mt_trainer_step: step [0-9]* skipped" "$tmp/err" || { echo "FAIL tool: skipped step not shown"; cat "$tmp/out" "$tmp/err"; fail=1; }
+# a run whose every step is skipped with a finite loss (the final
+# LayerNorm's gain at 1e22: the loss near 4e21, the gradients' sum of
+# squares overflows) stops as diverged after 10 in a row, each shown
+"$tool" train --model gpt --layers 1 --channels 32 --steps 0 --threads 2 --no-report --export-llmc "$tmp/gain.llmc" >/dev/null 2>&1
+python3 - "$tmp/gain.llmc" <<'EOF_PY'
+import struct, sys
+b = bytearray(open(sys.argv[1], 'rb').read())
+C = struct.unpack_from('<i', b, 24)[0]          # the header's channels
+for i in range(C):                              # lnf.w: the last C floats but C
+    struct.pack_into('<f', b, len(b) - 8 * C + 4 * i, 1e22)
+open(sys.argv[1], 'wb').write(b)
+EOF_PY
+expect 4 "every step skipped" -- "$tool" train --model gpt --llmc "$tmp/gain.llmc" --steps 30 --every 1 --threads 2 --no-report
+grep -q "^memtrain: step 10: the last 10 steps were skipped" "$tmp/err" && grep -q "^step     10/30  loss [0-9]*\.[0-9]* .* skipped 10$" "$tmp/out" && ! grep -q "^step     11" "$tmp/out" || { echo "FAIL tool: ten skipped steps"; cat "$tmp/out" "$tmp/err"; fail=1; }
 expect 4 "mlp diverges" -- "$tool" train --steps 30 --lr 1e30 --json
 grep -q '"loss": null' "$tmp/out" && ! grep -qi 'nan\|inf' "$tmp/out" || { echo "FAIL tool: JSON of a diverged MLP"; cat "$tmp/out"; fail=1; }
 # Ctrl-C: the run stops after the step in progress, writes its checkpoint
