@@ -178,7 +178,8 @@ fuzz: deps
 
 # ---- the tool, examples, tests, benchmarks ----
 # the built-in corpus of `memtrain train --model gpt`: the project's own text
-CORPUS_SRC := README.md $(sort $(wildcard docs/*.md))
+# (not the dated benchmark log, which would double it)
+CORPUS_SRC := README.md $(sort $(filter-out docs/benchmarks-history.md,$(wildcard docs/*.md)))
 $(BUILD)/corpus/corpus.txt: $(CORPUS_SRC)
 	@mkdir -p $(dir $@)
 	cat $(CORPUS_SRC) > $@
