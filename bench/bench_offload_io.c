@@ -12,7 +12,7 @@
  *
  * Prints GB/s per (pattern, piece size, way, depth): the best of R runs
  * over N MiB (512, 3). Without liburing (its header absent at build time)
- * only the thread pool runs. (make bench-offload-io; docs/benchmarks.md,
+ * only the thread pool runs. (make bench-offload-io; docs/benchmarks-history.md,
  * "Disk offload: io_uring or threads")
  */
 #include <errno.h>

@@ -299,7 +299,7 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
  * FLOPs, recompute adds its forward FLOPs, GEMMs over n rows run at
  * n / (n + half) of the peak rate, and the optimizer update moves its bytes
  * per parameter at the memory bandwidth. The rates are the device's:
- *   CPU: the one this was measured on (docs/benchmarks.md): 200 GFLOP/s
+ *   CPU: the one this was measured on (docs/benchmarks-history.md): 200 GFLOP/s
  *     sgemm (16-bit compute runs through fp32 GEMMs), 40 GB/s, half at 32
  *     rows; the 8-bit update is compute-bound at about 8.8x its 16 bytes.
  *   CUDA: a nominal H100-class GPU (not measured here): 50 TFLOP/s in fp32
@@ -456,7 +456,7 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                 /* offloaded to disk: the state (and weights) read and
                    written once a step, the weights read once more (forward
                    and backward), at a nominal 1.5 GB/s (this machine's disk,
-                   docs/benchmarks.md); to host memory: read and written
+                   docs/benchmarks-history.md); to host memory: read and written
                    once a step by the CPU's update at a nominal 20 GB/s */
                 double t = step_seconds(m, &c, micro, q.fwd, q.cost) +
                            (2.0 * (double)q.est.place_peak[MT_PLACE_DISK] +

@@ -39,7 +39,7 @@
 
 /* Largest tile of an output (rows, columns). About where one GEMM call on a
  * tile runs as fast as on the whole matrix: the packing of both operands is
- * redone per tile (docs/benchmarks.md, GEMM). */
+ * redone per tile (docs/benchmarks-history.md, "GEMM"). */
 #define MM_TILE_M 256
 #define MM_TILE_N 512
 /* Smaller outputs are cut into at least this many tiles, so that more
@@ -366,7 +366,7 @@ static void empty_k(const mm_job *j)
  * rows a multiple of 4 KiB apart. oneDNN 2.6's AVX2 sgemm reads such an
  * operand down a column of cache sets that alias, at half its rate or less
  * (GPT-2's MLP weight and input gradients, rows of 3072 floats;
- * docs/benchmarks.md); a dense panel costs a copy. */
+ * docs/benchmarks.md, "Every CPU class"); a dense panel costs a copy. */
 static int pack_aliased(const mm_job *j)
 {
     if (j->ab_dt != MTI_F32 || j->bq || !mti_arch_paths_now()->gemm_pack_aliased) return 0;

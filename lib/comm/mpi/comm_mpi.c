@@ -62,7 +62,7 @@ static int test_for(MPI_Request *req, int n, double burst, int *rc)
  * Open MPI moves a large message over shared memory a fragment at a time,
  * and only inside MPI calls: a 4 MiB all-reduce of 2 ranks takes about 90
  * tests without single copy, so a waiter that sleeps between single tests
- * turns 0.4 ms of copying into 9 ms (docs/benchmarks.md). So a waiter
+ * turns 0.4 ms of copying into 9 ms (docs/benchmarks-history.md). So a waiter
  * tests in bursts of 50 us, and sleeps between them (10 us doubling to a
  * cap) only once spinning stops paying:
  * - a thread whose collective is exposed (the main thread, or the
@@ -162,7 +162,7 @@ static mt_status m_all_reduce(void *self, const void *send, void *recv, size_t c
  * temporary buffer it allocates and frees at each call: rank 0 did all the
  * adding and received the whole buffer, and both ranks faulted in fresh
  * pages every call, about a quarter of a ZeRO-3 rank's time (docs/
- * benchmarks.md, table (i)). Every rank receives (N - 1) parts of `count`
+ * benchmarks-history.md, table (i)). Every rank receives (N - 1) parts of `count`
  * into the scratch; the sums are the same in either order on 2 ranks, and
  * in rank order on more. */
 #define P2P_TAG 0x3e3
