@@ -820,7 +820,7 @@ static void stop_rank(int rank, void *p)
     dp_run *a = p;
     mlp_rank r;
     mt_status s = mlp_rank_open(a, rank, &r);
-    float x[2] = {1, 2};
+    float x[4] = {1, 2, 3, 4}; /* one row of the MLP's 4 inputs */
     int32_t y[1] = {rank};
     mt_batch b = {.n = 1, .inputs = x, .targets = y};
     if (!s) s = mt_trainer_step(r.t, &b, NULL);

@@ -139,15 +139,22 @@ void mti_ranks_values(char *buf, size_t cap, int n, const unsigned char *vals, s
 mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, const mti_settings *l)
 {
     mt_comm *c = ctx->cfg.comm;
-    if (!c || c->size == 1 || !l->n) return MT_OK;
-    const int n = c->size, k = l->n;
-    unsigned char *mine = malloc((size_t)k * 8), *all = malloc((size_t)n * k * 8);
+    if (!c || c->size == 1) return MT_OK;
+    /* a record of a fixed size on every rank, whatever its list's length (a
+       setting read only under another, as LoRA's under lora.rank, makes the
+       lists of ranks that disagree differ in length): the values, zeros
+       past the list, and its length last. A list puts each setting after
+       the one it depends on, so the first value that differs lies inside
+       every rank's list, named alike on each */
+    const int n = c->size, k = MTI_MAX_SETTINGS + 1, count = MTI_MAX_SETTINGS;
+    unsigned char *mine = calloc((size_t)k, 8), *all = malloc((size_t)n * k * 8);
     char *shown = malloc((size_t)n * MTI_SHOWN);
     if (!mine || !all || !shown) {
         free(mine), free(all), free(shown);
         return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     }
-    for (int j = 0; j < k; j++) mti_put_u64(mine + (size_t)j * 8, l->s[j].v);
+    for (int j = 0; j < l->n; j++) mti_put_u64(mine + (size_t)j * 8, l->s[j].v);
+    mti_put_u64(mine + (size_t)count * 8, (uint64_t)l->n);
     /* a byte gather on the host, whatever the table: a device table's
      * record goes through its record buffer (mti_comm_host_gather) */
     char why[128];
@@ -157,10 +164,15 @@ mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, cons
     for (int j = 0; j < k && !s && first < 0; j++)
         for (int r = 1; r < n && first < 0; r++)
             if (memcmp(all + ((size_t)r * k + j) * 8, all + (size_t)j * 8, 8)) first = j;
+    /* the setting: this rank's entry (each rank's list holds it, named
+       alike, as each setting follows the one it depends on), else (a
+       list that ends before it: never, with lists so made) the lengths */
+    const mti_setting lengths = {.name = "the number of settings", .kind = 'i'};
+    const mti_setting *d = first < 0 ? NULL : first < l->n ? &l->s[first] : &lengths;
+    if (d == &lengths) first = count;
     /* the ranks' values as text: made here from the values of a number or a
        hash, else gathered (the world size, which may differ when a rank's
        communicator is wrong, is a number: nothing more is gathered then) */
-    const mti_setting *d = first >= 0 ? &l->s[first] : NULL;
     if (!s && d && d->kind != 's')
         for (int r = 0; r < n; r++)
             render(d->kind, mti_get_u64(all + ((size_t)r * k + first) * 8),
