@@ -11,7 +11,8 @@ B=${BUILD:-build}
 PREC=${1:-fp32}
 [ $# -gt 0 ] && shift
 [ -x "$B/memtrain" ] || { echo "zero_memory.sh: build $B/memtrain first (make)"; exit 1; }
-ARGS="--model gpt --batch 8 --seq 64 --optimizer adamw --precision $PREC $*"
+# GPT-2 124M (estimate takes train's defaults: the shape is given), no clipping
+ARGS="--model gpt --layers 12 --heads 12 --channels 768 --vocab 50257 --max-seq 1024 --clip 0 --batch 8 --seq 64 --optimizer adamw --precision $PREC $*"
 MIB=1048576
 # Each class's own peak (class_peak), but PARAM as held at the step's
 # peak (step_at_peak): at stage 3 the model is made whole and sharded at
