@@ -224,29 +224,35 @@ static void int8_quantize(const float *x, size_t n, const mti_qparts *p, uint8_t
     }
 }
 
-/* NF4's offset: the float32 mean of the blocks' absolute maxima. */
-static float nf4_offset(const float *x, size_t n, size_t blocks)
-{
-    return absmax_sum(x, n, blocks) / (float)blocks;
-}
-
-mt_status mti_quant_check(mt_context *ctx, mti_qformat f, const float *x, size_t n)
+/* Whether format f can hold x (mti_quant_check), and for NF4 its offset
+ * (the float32 mean of the blocks' absolute maxima) into *offset, so that
+ * quantizing takes it once. */
+static mt_status check_values(mt_context *ctx, mti_qformat f, const float *x, size_t n,
+                              float *offset)
 {
     for (size_t i = 0; i < n; i++)
         if (!isfinite(x[i]))
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
                             "quantize %s: element %zu is %g (values must be finite)",
                             mti_quant_name(f), i, (double)x[i]);
+    if (f != MTI_QF_NF4 || !n) return MT_OK;
     /* the offset is a float32 mean, as bitsandbytes takes it: blocks near
        float32's largest values overflow its sum, and every weight would
        dequantize to NaN */
     const size_t blocks = (n + MTI_QF_BLOCK - 1) / MTI_QF_BLOCK;
-    if (f == MTI_QF_NF4 && n && !isfinite(nf4_offset(x, n, blocks)))
+    *offset = absmax_sum(x, n, blocks) / (float)blocks;
+    if (!isfinite(*offset))
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "quantize nf4: the mean of its %zu blocks' absolute maxima overflows "
                         "float32 (values near %g); NF4 cannot hold these values",
                         blocks, (double)FLT_MAX);
     return MT_OK;
+}
+
+mt_status mti_quant_check(mt_context *ctx, mti_qformat f, const float *x, size_t n)
+{
+    float offset;
+    return check_values(ctx, f, x, n, &offset);
 }
 
 mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n, void *q)
@@ -256,10 +262,11 @@ mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n,
     if (s) return mti_fail(ctx, s, "quantize: %s", mti_last_msg(NULL).s);
     if (n && (!x || !q))
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "quantize: %s is NULL", !x ? "x" : "q");
-    if ((s = mti_quant_check(ctx, f, x, n))) return s;
+    float offset = 0.0f;
+    if ((s = check_values(ctx, f, x, n, &offset))) return s;
     if (n == 0) return MT_OK;
     if (f == MTI_QF_INT8) int8_quantize(x, n, &p, q);
-    else nf4_quantize(x, n, &p, nf4_offset(x, n, p.blocks), q);
+    else nf4_quantize(x, n, &p, offset, q);
     return MT_OK;
 }
 
