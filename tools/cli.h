@@ -201,6 +201,12 @@ typedef struct cli_gpt {
     mt_estimate_report est;
 } cli_gpt;
 int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g);
+/* The GPT of the options on data of vocabulary data_vocab: its weights and
+ * shape (into *spec) from --llmc, which must take the data at --seq, or
+ * made from *spec. 0, or an exit code (the message printed; *out may hold
+ * a model to destroy). */
+int cli_gpt_model(const cli_opts *o, mt_context *ctx, int data_vocab, mt_gpt_spec *spec,
+                  mt_model **out);
 /* The GPT's data as train reads it: --data, or the built-in corpus. 0, or
  * an exit code (the message printed). */
 int cli_data_open(const cli_opts *o, mt_data **out);

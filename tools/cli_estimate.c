@@ -175,19 +175,12 @@ int cmd_estimate(int argc, char **argv)
         g.vocab = o.vocab ? (int)o.vocab : di.vocab;
         g.max_seq = o.max_seq ? (int)o.max_seq : (int)o.seq;
         g.base = cli_spec_base(&o);
-        if (o.llmc) {
-            s = mt_model_gpt_load_base(ctx, o.llmc, g.base, &m);
-            if (!s) s = mt_model_gpt_get_spec(m, &g);
-            if (!s && (g.vocab < di.vocab || g.max_seq < (int)o.seq)) {
-                fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
-                        "at --seq %ld\n", cli_prog, o.llmc, g.vocab, g.max_seq, di.vocab, o.seq);
-                mt_model_destroy(m);
-                mt_context_destroy(ctx);
-                return EXIT_FAIL;
-            }
-        } else {
-            s = mt_model_gpt_create(ctx, &g, &m);
+        if ((rc = cli_gpt_model(&o, ctx, di.vocab, &g, &m))) {
+            mt_model_destroy(m);
+            mt_context_destroy(ctx);
+            return rc;
         }
+        s = MT_OK;
     } else {
         mt_mlp_spec ml;
         cli_mlp_spec(&o, &ml);

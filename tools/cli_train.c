@@ -340,6 +340,25 @@ int cli_data_open(const cli_opts *o, mt_data **out)
     return mt_data_open(&dc, out) ? cli_lib_fail(NULL, NULL) : 0;
 }
 
+int cli_gpt_model(const cli_opts *o, mt_context *ctx, int data_vocab, mt_gpt_spec *spec,
+                  mt_model **out)
+{
+    mt_status s;
+    if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
+        s = mt_model_gpt_load_base(ctx, o->llmc, cli_spec_base(o), out);
+        if (!s) s = mt_model_gpt_get_spec(*out, spec);
+        if (!s && (spec->vocab < data_vocab || spec->max_seq < (int)o->seq)) {
+            fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
+                    "at --seq %ld\n", cli_prog, o->llmc, spec->vocab, spec->max_seq, data_vocab,
+                    o->seq);
+            return EXIT_FAIL;
+        }
+    } else {
+        s = mt_model_gpt_create(ctx, spec, out);
+    }
+    return s ? cli_lib_fail(ctx, NULL) : 0;
+}
+
 int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
 {
     memset(g, 0, sizeof *g);
@@ -354,20 +373,11 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
     mt_trainer_config tc;
     cli_trainer_config(o, &tc);
     cli_ranks_trainer_config(&tc);
-    mt_status made = MT_OK;
-    if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
-        made = mt_model_gpt_load_base(ctx, o->llmc, cli_spec_base(o), &g->model);
-        if (!made) made = mt_model_gpt_get_spec(g->model, &g->spec);
-        if (!made && (g->spec.vocab < g->info.vocab || g->spec.max_seq < (int)o->seq)) {
-            fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
-                    "at --seq %ld\n", cli_prog, o->llmc, g->spec.vocab, g->spec.max_seq,
-                    g->info.vocab, o->seq);
-            cli_gpt_close(g);
-            return EXIT_FAIL;
-        }
-    } else {
-        made = mt_model_gpt_create(ctx, &g->spec, &g->model);
+    if ((rc = cli_gpt_model(o, ctx, g->info.vocab, &g->spec, &g->model))) {
+        cli_gpt_close(g);
+        return rc;
     }
+    mt_status made = MT_OK;
     if (!made && o->load_lora) made = mt_model_lora_load(g->model, o->load_lora);
     if (!made && o->teacher) { /* after the student, as the estimate makes it */
         made = mt_model_gpt_load_base(ctx, o->teacher, o->teacher_base, &g->teacher);
@@ -500,14 +510,17 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
     }
     /* a run with no step to train (--steps 0, or resumed at --steps) still
        writes the checkpoint it was asked for: the state it starts from */
-    if (o->save && first > o->steps && (cli_world.rank == 0 || o->zero) &&
+    const bool untrained = first > o->steps;
+    if (o->save && untrained && (cli_world.rank == 0 || o->zero) &&
         (rc = save_checkpoint(o, ctx, &g)))
         goto done;
-    if (o->save && cli_world.rank == 0 && first > o->steps)
-        fprintf(o->json ? stderr : stdout, "checkpoint written to %s (no step trained: the state "
-                "at step %ld of --steps %ld)\n", o->save, first - 1, o->steps);
-    else if (o->save && cli_world.rank == 0)
-        fprintf(o->json ? stderr : stdout, "checkpoint written to %s\n", o->save);
+    if (o->save && cli_world.rank == 0) {
+        fprintf(o->json ? stderr : stdout, "checkpoint written to %s", o->save);
+        if (untrained)
+            fprintf(o->json ? stderr : stdout, " (no step trained: the state at step %ld of "
+                    "--steps %ld)", first - 1, o->steps);
+        fprintf(o->json ? stderr : stdout, "\n");
+    }
     if (o->save_lora && cli_world.rank == 0) {
         if (mt_model_lora_save(g.model, o->save_lora)) {
             rc = cli_lib_fail(ctx, NULL);
