@@ -17,18 +17,24 @@
  * or under MT_CPU_ISA's cap; fp16 below AVX512-FP16) a thread keeps an fp32
  * accumulator tile, and for each chunk of the reduction dimension converts
  * the matching panels of both operands to fp32 (exact) and multiplies them
- * in (fp32 GEMM, accumulating); the tile is rounded once, after the last
- * chunk. Products of bf16 or fp16 values are exact in fp32 either way, so
- * the two paths differ only in the order of the sums. The weight gradient
- * is fp32: its tiles accumulate in place (or, on its first contribution,
- * are written). A quantized weight is dequantized a panel at a time in the
- * activations' dtype, into the direct path's panel, or widened into the
- * converted path's fp32 panel.
+ * in (fp32 GEMM): the first chunk writes the tile with the bias added (a
+ * tile that adds to C's values starts from them), the others add to it,
+ * and the tile is rounded once, after the last chunk. The chunks are as
+ * long as they can be up to MM_KC, cut by the reduction's length alone
+ * (conv_kc): fewer chunks are fewer passes over the accumulator and fewer
+ * small GEMM calls, which is what the panels cost against oneDNN's own
+ * packing (docs/benchmarks.md, "AVX-512 class"). Products of bf16 or fp16
+ * values are exact in fp32 either way, so the two paths differ only in the
+ * order of the sums. The weight gradient is fp32: its tiles accumulate in
+ * place (or, on its first contribution, are written). A quantized weight is
+ * dequantized a panel at a time in the activations' dtype, into the direct
+ * path's panel, or widened into the converted path's fp32 panel.
  *
  * Workspace, per thread: the largest scratchpad oneDNN asks for among the
- * op's tile shapes, and in the converted fp16 path one tile and two panels,
- * at most (MM_TILE_M * MM_TILE_N + MM_KC * (MM_TILE_M + MM_TILE_N)) floats
- * = 1.25 MiB, whatever the sizes of the matrices.
+ * op's tile shapes, and in the converted path one tile and two panels, at
+ * most (MM_TILE_M * MM_TILE_N + MM_KC * (MM_TILE_M + MM_TILE_N)) floats =
+ * 2.75 MiB, whatever the sizes of the matrices; and once, the bias widened
+ * to fp32.
  */
 #include <omp.h>
 #include <string.h>
@@ -49,11 +55,17 @@
 /* The most bytes of a quantized weight's dequantized panel per thread in
  * matmul_dx_q, unless a tile of 16 columns takes more. */
 #define MM_Q_PANEL ((size_t)4 << 20)
-/* Chunk of the reduction dimension per converted fp16 GEMM (elements). */
-#define MM_KC 256
+/* The longest chunk of the reduction per converted GEMM (elements): the
+ * reduction is cut into equal chunks of at most this, multiples of 16. */
+#define MM_KC 768
+/* Elements per dequantize call when a quantized panel is widened. */
+#define MM_QC 256
 
 static int mini(int a, int b) { return a < b ? a : b; }
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+/* The converted path's chunk of a reduction of K (the last one may be
+ * shorter): by K alone, so every thread count sums the same chunks. */
+static int conv_kc(int K) { return mini(K, (ceil_div(K, ceil_div(K, MM_KC)) + 15) & ~15); }
 static size_t dt_bytes(mti_dtype dt) { return dt == MTI_F32 ? 4 : 2; }
 
 /* ---- tiling ---- */
@@ -216,15 +228,19 @@ static void load_panel(float *dst, const void *src, mti_dtype dt, size_t base, s
                          (size_t)len);
 }
 
-/* The fp32 GEMMs of the converted path: per tile variant, a full chunk of
- * the reduction and the last one (prim[v][0], prim[v][1]). Panels are
- * dense: a chunk's A panel has leading dimension kc (or mc when ta), B's nc
- * (or kc when tb); the accumulator tile nc, or j->ldc when it is C itself
- * (an fp32 C). */
+/* The fp32 GEMMs of the converted path: per tile variant v, prim[v][c]
+ * with c = last + 2 first: a middle chunk of the reduction and the last one
+ * add into the accumulator; when the tile starts from nothing (no C to add
+ * to), the first chunk writes it instead, with the bias (widened to fp32
+ * once, in bias) added. Panels are dense: a chunk's A panel has leading
+ * dimension kc (or mc when ta), B's nc (or kc when tb); the accumulator
+ * tile nc, or j->ldc when it is C itself (an fp32 C). */
 typedef struct mm_conv {
-    mti_gemm_prim *prim[4][2];
-    size_t scratch; /* bytes per thread, aligned */
+    mti_gemm_prim *prim[4][4];
+    int kc, fresh;      /* chunk; whether the first chunk writes the tile */
+    size_t scratch;     /* bytes per thread, aligned */
     size_t acc, pa, pb; /* floats per thread: tile (0 when C is fp32), panels */
+    size_t bias;        /* floats: the widened bias (shared) */
 } mm_conv;
 
 static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int in_place)
@@ -234,23 +250,32 @@ static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int
     mt_status s = MT_OK;
     int mc_of[4], nc_of[4];
     tile_variants(j, mc_of, nc_of);
+    const int kc = conv_kc(j->K), chunks = ceil_div(j->K, kc);
+    cv->kc = kc, cv->fresh = !j->accumulate;
     for (int v = 0; v < 4 && !s; v++) {
         int mc = mc_of[v], nc = nc_of[v];
-        for (int last = 0; last < 2 && !s && mc; last++) {
-            int kc = last ? j->K - (ceil_div(j->K, MM_KC) - 1) * MM_KC : mini(MM_KC, j->K);
-            mti_gemm_shape sh = {.M = mc, .N = nc, .K = kc, .ta = j->ta, .tb = j->tb,
-                                 .lda = j->ta ? mc : kc, .ldb = j->tb ? kc : nc,
+        for (int c = 0; c < 4 && !s && mc; c++) {
+            int last = c & 1, first = c >> 1;
+            /* only the kinds of chunk that run */
+            int runs = first ? cv->fresh && last == (chunks == 1)
+                             : (last ? chunks > 1 || !cv->fresh : chunks > 2 || (chunks == 2 && !cv->fresh));
+            if (!runs) continue;
+            int k_c = last ? j->K - (chunks - 1) * kc : kc;
+            mti_gemm_shape sh = {.M = mc, .N = nc, .K = k_c, .ta = j->ta, .tb = j->tb,
+                                 .lda = j->ta ? mc : k_c, .ldb = j->tb ? k_c : nc,
                                  .ldc = in_place ? j->ldc : nc, .ab_dt = MTI_F32,
-                                 .c_dt = MTI_F32, .accumulate = 1};
-            s = mti_gemm_get(k, &sh, &cv->prim[v][last]);
-            if (!s && mti_gemm_scratch(cv->prim[v][last]) > scratch)
-                scratch = mti_gemm_scratch(cv->prim[v][last]);
+                                 .c_dt = MTI_F32, .bias_dt = MTI_F32,
+                                 .bias = first && j->bias != NULL, .accumulate = !first};
+            s = mti_gemm_get(k, &sh, &cv->prim[v][c]);
+            if (!s && mti_gemm_scratch(cv->prim[v][c]) > scratch)
+                scratch = mti_gemm_scratch(cv->prim[v][c]);
         }
     }
     cv->scratch = mti_align_up(scratch, 64);
     cv->acc = in_place ? 0 : mti_align_up((size_t)p->mb * (size_t)p->nb, 16);
-    cv->pa = mti_align_up((size_t)MM_KC * (size_t)p->mb, 16);
-    cv->pb = mti_align_up((size_t)MM_KC * (size_t)p->nb, 16);
+    cv->pa = mti_align_up((size_t)kc * (size_t)p->mb, 16);
+    cv->pb = mti_align_up((size_t)kc * (size_t)p->nb, 16);
+    cv->bias = cv->fresh && j->bias ? mti_align_up((size_t)p->N, 16) : 0;
     return s;
 }
 
@@ -260,7 +285,7 @@ static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int
  * when the weight cannot be read. */
 static int load_panel_q(float *dst, const mm_job *j, size_t base, int rows, int len)
 {
-    uint16_t st[MM_KC];
+    uint16_t st[MM_QC];
     for (int r = 0; r < rows; r++) {
         float *d = dst + (size_t)r * (size_t)len;
         size_t at = base + (size_t)r * (size_t)j->qld;
@@ -268,8 +293,8 @@ static int load_panel_q(float *dst, const mm_job *j, size_t base, int rows, int 
             if (mti_dequantize(NULL, j->qf, j->bq, j->qn, at, (size_t)len, d, MTI_F32)) return -1;
             continue;
         }
-        for (int c = 0; c < len; c += MM_KC) {
-            int m = mini(MM_KC, len - c);
+        for (int c = 0; c < len; c += MM_QC) {
+            int m = mini(MM_QC, len - c);
             if (mti_dequantize(NULL, j->qf, j->bq, j->qn, at + (size_t)c, (size_t)m, st, j->ab_dt))
                 return -1;
             mti_cpu_load_f32(d + c, st, j->ab_dt, 0, (size_t)m);
@@ -278,24 +303,25 @@ static int load_panel_q(float *dst, const mm_job *j, size_t base, int rows, int 
     return 0;
 }
 
-/* acc (mc,nc) += op(A)[m0:m0+mc, :] . op(B)[:, n0:n0+nc] in chunks of
- * MM_KC; pa and pb take each chunk's panels in the operands' stored
- * orientation. 0, or -1 when a GEMM call fails. */
+/* acc (mc,nc) += (or, fresh, = bias +) op(A)[m0:m0+mc, :] .
+ * op(B)[:, n0:n0+nc] in chunks of cv->kc; pa and pb take each chunk's
+ * panels in the operands' stored orientation. 0, or -1 when a GEMM call
+ * fails. */
 static int conv_tile(const mm_job *j, const mm_conv *cv, int v, float *acc, int m0, int mc, int n0,
-                     int nc, float *pa, float *pb, void *sp)
+                     int nc, float *pa, float *pb, const float *bias, void *sp)
 {
     const size_t lda = (size_t)j->lda, ldb = (size_t)j->ldb, qld = (size_t)j->qld;
     int bad = 0;
-    for (int k0 = 0; k0 < j->K; k0 += MM_KC) {
-        int kc = mini(MM_KC, j->K - k0);
+    for (int k0 = 0; k0 < j->K; k0 += cv->kc) {
+        int kc = mini(cv->kc, j->K - k0), first = k0 == 0 && cv->fresh;
         if (!j->ta) load_panel(pa, j->a, j->ab_dt, (size_t)m0 * lda + (size_t)k0, lda, mc, kc);
         else load_panel(pa, j->a, j->ab_dt, (size_t)k0 * lda + (size_t)m0, lda, kc, mc);
         if (j->bq && !j->tb) bad |= load_panel_q(pb, j, (size_t)k0 * qld + (size_t)n0, kc, nc);
         else if (j->bq) bad |= load_panel_q(pb, j, (size_t)n0 * qld + (size_t)k0, nc, kc);
         else if (!j->tb) load_panel(pb, j->b, j->ab_dt, (size_t)k0 * ldb + (size_t)n0, ldb, kc, nc);
         else load_panel(pb, j->b, j->ab_dt, (size_t)n0 * ldb + (size_t)k0, ldb, nc, kc);
-        const mti_gemm_prim *g = cv->prim[v][kc != mini(MM_KC, j->K)];
-        bad |= mti_gemm_run(g, pa, pb, acc, NULL, sp);
+        const mti_gemm_prim *g = cv->prim[v][(k0 + kc == j->K) + 2 * first];
+        bad |= mti_gemm_run(g, pa, pb, acc, first && bias ? bias + n0 : NULL, sp);
     }
     return bad;
 }
@@ -310,8 +336,10 @@ static mt_status converted(const mti_kctx *k, const mm_job *j)
     int nt = mini(mti_cpu_threads(k), j->t1 - j->t0);
     size_t per = cv.scratch + (cv.acc + cv.pa + cv.pb) * sizeof(float);
     mt_block wk = {0};
-    if (!s) s = mti_work_alloc(k, (size_t)nt * per, &wk);
+    if (!s) s = mti_work_alloc(k, (size_t)nt * per + cv.bias * sizeof(float), &wk);
     if (!s && !mti_dry(k)) {
+        float *bias = cv.bias ? (float *)((char *)wk.ptr + (size_t)nt * per) : NULL;
+        if (bias) mti_cpu_load_f32(bias, j->bias, j->ab_dt, 0, (size_t)p->N);
         int bad = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : bad) if (nt > 1)
         for (int t = j->t0; t < j->t1; t++) {
@@ -321,20 +349,12 @@ static mt_status converted(const mti_kctx *k, const mm_job *j)
             float *acc = (float *)base, *pa = acc + cv.acc, *pb = pa + cv.pa;
             void *sp = cv.scratch ? (void *)(pb + cv.pb) : NULL;
             size_t at = (size_t)(m0 - j->c_row0) * (size_t)j->ldc + (size_t)n0;
-            if (in_place) { /* (dW: its first contribution starts from zeros) */
-                acc = (float *)j->c + at;
-                for (int i = 0; i < mc && !j->accumulate; i++)
-                    memset(acc + (size_t)i * (size_t)j->ldc, 0, (size_t)nc * sizeof(float));
-            } else if (j->accumulate) {
-                load_panel(acc, j->c, j->c_dt, at, (size_t)j->ldc, mc, nc);
-            } else if (j->bias) {
-                mti_cpu_load_f32(acc, j->bias, j->ab_dt, (size_t)n0, (size_t)nc);
-                for (int i = 1; i < mc; i++)
-                    memcpy(acc + (size_t)i * (size_t)nc, acc, (size_t)nc * sizeof(float));
-            } else {
-                memset(acc, 0, (size_t)mc * (size_t)nc * sizeof(float));
-            }
-            bad |= conv_tile(j, &cv, tile_kind(p, mc, nc), acc, m0, mc, n0, nc, pa, pb, sp) != 0;
+            /* dW's tiles are C itself; a tile adds to C's values, or its
+               first chunk writes it (the bias added) */
+            if (in_place) acc = (float *)j->c + at;
+            else if (j->accumulate) load_panel(acc, j->c, j->c_dt, at, (size_t)j->ldc, mc, nc);
+            bad |= conv_tile(j, &cv, tile_kind(p, mc, nc), acc, m0, mc, n0, nc, pa, pb, bias,
+                             sp) != 0;
             for (int i = 0; i < mc && !in_place; i++)
                 mti_cpu_store_f32(j->c, j->c_dt, at + (size_t)i * (size_t)j->ldc,
                                   acc + (size_t)i * (size_t)nc, (size_t)nc);
@@ -343,7 +363,7 @@ static mt_status converted(const mti_kctx *k, const mm_job *j)
     }
     mti_work_free(k, &wk);
     for (int v = 0; v < 4; v++)
-        for (int l = 0; l < 2; l++) mti_gemm_put(cv.prim[v][l]);
+        for (int c = 0; c < 4; c++) mti_gemm_put(cv.prim[v][c]);
     return s;
 }
 
