@@ -33,8 +33,8 @@
 
 #include "comm/dp.h"
 #include "comm/local_sgd.h"
-#include "comm/nccl_overlap.h"
 #include "comm/overlap.h"
+#include "comm/queue.h"
 #include "plan.h"
 #include "trainer.h"
 #include "offload.h"
@@ -671,7 +671,7 @@ static mt_status ag_retire(mt_trainer *t, bool all, mt_status s)
            (all || (t->ag_tail - t->ag_head > 1 && t->ag_bytes > HELD))) {
         const int i = t->agq[t->ag_head++];
         if (t->agt[i]) {
-            const mt_status e = mti_ncclov_done(t->nov, t->agt[i]);
+            const mt_status e = mti_queue_done(t->q, t->agt[i]);
             if (!s) s = e;
             t->agt[i] = 0;
         }
@@ -691,7 +691,7 @@ static mt_status ag_post(mt_trainer *t, int i)
     if (s) return s;
     t->agq[t->ag_tail++] = i;
     t->ag_bytes += mti_tensor_bytes(&t->agb[i]);
-    s = t->nov ? mti_ncclov_call(t->nov, ag_run, t, i, &t->agt[i]) : ag_run(t, i);
+    s = t->q ? mti_queue_call(t->q, ag_run, t, i, &t->agt[i]) : ag_run(t, i);
     return s ? s : ag_retire(t, false, MT_OK);
 }
 
@@ -876,10 +876,8 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_offload_drain(t->off);
     for (int a = 0; t->off && t->cfg.offload_params && a < t->ctx->n_inst; a++)
         (void)mt_allocator_trim(t->ctx->inst[a]);
-    mti_overlap_free(t->ov); /* (its queue done) */
-    mti_ncclov_free(t->nov);
-    t->ov = NULL; /* (the gathers below run on this thread) */
-    t->nov = NULL;
+    mti_queue_free(t->q); /* (its queue done) */
+    t->q = NULL;          /* (the gathers below run on this thread) */
     if (mti_zero3_unshard(t)) /* (a collective: every rank destroys its trainer) */
         mti_log(t->ctx, MT_LOG_ERROR, "mt_trainer_destroy: the weights could not be gathered "
                 "from the ranks' slices (%s); the model's weights are zeros",
@@ -947,27 +945,15 @@ static size_t *overlap_numels(const mt_trainer *t, int *n)
     return numel;
 }
 
-static mt_status overlap_start(mt_trainer *t)
+/* The queue (comm/queue.h): the sums in place in a fixed order (job
+ * NULL), or the job's collectives (ZeRO-1's reduce-scatters; held_job:
+ * stage 2's and the fused step's, in the order given). */
+static mt_status queue_start(mt_trainer *t, mti_queue_job job)
 {
     int n;
     size_t *numel = overlap_numels(t, &n);
     if (!numel) return MT_ERR_OOM;
-    mt_status s = mti_overlap_new(t->ctx, n, numel,
-                                  t->s2 || t->fq ? held_job : t->zero ? zero1_job : NULL, t,
-                                  t->s2 || t->fq, &t->ov);
-    free(numel);
-    return s;
-}
-
-/* NCCL's communication stream (comm/nccl_overlap.c): the sums in place in
- * a fixed order (job NULL: stages 0 and 1), or the job's collectives in
- * the order given (stage 2, the fused step). */
-static mt_status ncclov_start(mt_trainer *t, mti_ncclov_job job)
-{
-    int n;
-    size_t *numel = overlap_numels(t, &n);
-    if (!numel) return MT_ERR_OOM;
-    mt_status s = mti_ncclov_new(t->ctx, n, numel, job, t, &t->nov);
+    mt_status s = mti_queue_new(t->ctx, n, numel, job, t, job == held_job, &t->q);
     free(numel);
     return s;
 }
@@ -1137,17 +1123,16 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
        update, which reduces in its own hooks; stage 3's gathers ahead of
        the layers and its reduce-scatters, with either step */
     const bool ahead = zero == 3 && cfg->zero3_prefetch > 0;
-    if (!s && !mti_local_sgd(t) && (ahead || (!cfg->fused_step && zero < 2)) &&
-        mti_overlap_possible(ctx))
-        s = overlap_start(t);
-    if (!s && !mti_local_sgd(t) && ahead && mti_ncclov_possible(ctx)) /* (NCCL's stream) */
-        s = ncclov_start(t, NULL);
+    const mti_queue_kind can = mti_queue_possible(ctx), plan = mti_queue_planned(ctx);
+    if (!s && !mti_local_sgd(t) && can &&
+        (ahead || (!cfg->fused_step && zero < 2 && can == MTI_QUEUE_THREAD)))
+        s = queue_start(t, zero == 1 ? zero1_job : NULL);
     /* stage 2's reduce-scatters on it, and the fused step's reductions at
        stages 0 to 2 (not with the state on disk, whose pieces stream in
        the update's order as backward makes it); an estimate plans the
        whole gradients they hold */
-    const bool on_stream = mti_ncclov_planned(ctx) && cfg->offload == MT_PLACE_DEVICE;
-    if (!s && !mti_local_sgd(t) && (mti_overlap_planned(ctx) || on_stream) &&
+    const bool on_stream = plan == MTI_QUEUE_STREAM && cfg->offload == MT_PLACE_DEVICE;
+    if (!s && !mti_local_sgd(t) && (plan == MTI_QUEUE_THREAD || on_stream) &&
         ((!cfg->fused_step && zero == 2) ||
          (cfg->fused_step && zero < 3 && cfg->offload == MT_PLACE_DEVICE))) {
         t->s2 = !cfg->fused_step;
@@ -1156,8 +1141,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         if (!(t->s2q = malloc((size_t)m->n_param * sizeof *t->s2q + 1)) ||
             (t->phased && !(t->hb = calloc((size_t)m->n_param + 1, sizeof *t->hb))))
             s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-        if (!s && mti_overlap_possible(ctx)) s = overlap_start(t);
-        if (!s && mti_ncclov_possible(ctx)) s = ncclov_start(t, held_job);
+        if (!s && can) s = queue_start(t, held_job);
     }
     /* and the all-gathers of the updated weights at stages 1 and 2 */
     if (!s && on_stream && (zero == 1 || zero == 2) && !mti_local_sgd(t)) {
@@ -1169,9 +1153,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     /* on a CUDA context with NCCL, stage 0's sums on a communication stream,
        and stage 1's (all-reduced: each rank then takes its slice) */
-    t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && mti_ncclov_planned(ctx) &&
+    t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && plan == MTI_QUEUE_STREAM &&
                        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE));
-    if (!s && t->sum_on_stream && !ctx->dry) s = ncclov_start(t, NULL);
+    if (!s && t->sum_on_stream && can) s = queue_start(t, NULL);
     s = mti_dp_created(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
@@ -1446,9 +1430,7 @@ static mt_status held_retire(mt_trainer *t, bool all, mt_status s)
     while (t->s2_head < t->s2_tail &&
            (all || (t->s2_tail - t->s2_head > 1 && t->s2_bytes > HELD))) {
         const int i = t->s2q[t->s2_head];
-        mt_status e = t->ov    ? mti_overlap_wait_first(t->ov, t->s2_head + 1)
-                      : t->nov ? mti_ncclov_wait_first(t->nov, t->s2_head + 1)
-                               : MT_OK;
+        mt_status e = t->q ? mti_queue_wait_first(t->q, t->s2_head + 1) : MT_OK;
         if (!s) s = e;
         if (!s && t->phased) s = held_reduce(t, i, t->E.grad[i].blk.ptr, MTI_ZR_FINISH);
         if (!s && t->fq_pass) s = fused_after(t, i);
@@ -1476,8 +1458,7 @@ static mt_status held_give(mt_trainer *t, int i)
     t->s2q[t->s2_tail++] = i;
     t->s2_bytes += n * sizeof(float) + (bb ? mti_tensor_bytes(&t->hb[i]) : 0);
     const char *name = t->model->params[i].name;
-    s = t->ov ? mti_overlap_push(t->ov, i, name, g) : t->nov ? mti_ncclov_push(t->nov, i, name, g)
-                                                             : held_job(t, i, g);
+    s = t->q ? mti_queue_push(t->q, i, name, g) : held_job(t, i, g);
     return s ? s : held_retire(t, false, MT_OK);
 }
 
@@ -1488,8 +1469,7 @@ static void held_begin(mt_trainer *t, int fq_pass)
     t->s2_head = t->s2_tail = 0;
     t->s2_bytes = 0;
     t->fq_pass = fq_pass;
-    if (t->ov) mti_overlap_begin(t->ov);
-    if (t->nov) mti_ncclov_begin(t->nov);
+    if (t->q) mti_queue_begin(t->q);
 }
 
 /* ... and ended (status s): every one let go, the thread's work done. */
@@ -1678,12 +1658,11 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 }
 
 /* Overlap: a gradient final in the last micro-batch's backward goes to
- * the communication thread (comm/overlap.c) or, on a CUDA context with
- * NCCL, the communication stream (comm/nccl_overlap.c) at once. */
+ * the queue (comm/queue.h: the communication thread, or on a CUDA context
+ * with NCCL the communication stream) at once. */
 static mt_status give(mt_trainer *t, int i, float *g)
 {
-    const char *name = t->model->params[i].name;
-    return t->nov ? mti_ncclov_push(t->nov, i, name, g) : mti_overlap_push(t->ov, i, name, g);
+    return mti_queue_push(t->q, i, t->model->params[i].name, g);
 }
 
 static mt_status give_hook(void *user, int i)
@@ -1700,20 +1679,21 @@ static mt_status give_rest(mt_trainer *t, mt_status s)
 {
     const mt_model *m = t->model;
     for (int i = m->n_param - 1; i >= 0; i--) {
-        if (t->nov ? mti_ncclov_pushed(t->nov, i) : mti_overlap_pushed(t->ov, i)) continue;
+        if (mti_queue_pushed(t->q, i)) continue;
         const mti_param *p = &m->params[i];
         mti_tensor *g = NULL;
-        /* (NCCL sums device memory: a failed rank's zeros need a buffer too) */
-        if ((!s || t->nov) && !p->frozen) {
+        /* (a queue that reads device memory needs a buffer for a failed
+           rank's zeros too) */
+        if ((!s || (mti_queue_caps(t->q) & MTI_QUEUE_DEVICE)) && !p->frozen) {
             mt_status e = mti_engine_grad(&t->E, i, &g);
             if (!s) s = e;
         }
         mt_status e = give(t, i, g ? g->blk.ptr : NULL);
         if (!s) s = e;
     }
-    if (!s) return t->nov ? mti_ncclov_wait(t->nov) : mti_overlap_wait(t->ov);
+    if (!s) return mti_queue_wait(t->q);
     mti_msg msg = mti_last_msg(t->ctx);
-    (void)(t->nov ? mti_ncclov_wait(t->nov) : mti_overlap_wait(t->ov));
+    (void)mti_queue_wait(t->q);
     return mti_fail(t->ctx, s, "%s", msg.s);
 }
 
@@ -1853,9 +1833,8 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     int found = 0;
     double sum = 0.0;
     /* (stage 1: reduce-scattered to the slices' owners; stage 2's go in its hooks) */
-    t->overlap_now = (t->ov || t->nov) && !fused && t->zero < 2;
-    if (t->overlap_now && t->nov) mti_ncclov_begin(t->nov);
-    else if (t->overlap_now) mti_overlap_begin(t->ov);
+    t->overlap_now = t->q && !fused && t->zero < 2;
+    if (t->overlap_now) mti_queue_begin(t->q);
     /* (the gradients are final on this rank: no sum over ranks to wait for) */
     t->check_now = !fused && !t->overlap_now && !t->zero && !mti_dp_on(t);
     s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
@@ -1865,7 +1844,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     /* failed passes whose collectives go on NCCL's stream in backward's
        hooks stopped part-way through them: the communicator is aborted so
        the others' queued ones end, rather than meet the status exchange */
-    if (s && t->nov && !t->overlap_now) mti_ncclov_abandon(t->nov);
+    if (s && t->q && !t->overlap_now) mti_queue_abandon(t->q);
     if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     if (!fused && !found) {

@@ -65,8 +65,8 @@ struct mt_trainer {
     int updated;             /* tensors updated this step */
     int counted;             /* counted in the model's and context's children */
     int bare;                /* weights in dt alone, no masters */
-    struct mti_overlap *ov;  /* the communication thread (comm/overlap.c), or NULL */
-    struct mti_ncclov *nov;  /* or NCCL's communication stream (comm/nccl_overlap.c) */
+    struct mti_queue *q;     /* the collectives' queue (comm/queue.h): the communication
+                                thread or NCCL's stream, or NULL */
     int overlap_now;         /* this step's gradients go to it as backward makes them */
     int sum_on_stream;       /* stages 0 and 1: the sums in place on NCCL's stream, or
                                 planned so in an estimate (which then makes no bucket) */

@@ -13,7 +13,7 @@
 
 #include "comm/comm.h"
 #include "comm/nccl_overlap.h"
-#include "comm/overlap.h"
+#include "comm/queue.h"
 #include "cuda_device.h"
 
 #define MAX_RANKS 65536
@@ -430,8 +430,7 @@ int mti_comm_urgent(void) { return atomic_load(&comm_hurry) > 0; }
 mt_status mti_comm_turn(mt_context *ctx, const char *what)
 {
     if (comm_thread) return MT_OK;
-    const mt_status s = mti_overlaps_quiet(ctx, what);
-    return s ? s : mti_ncclovs_quiet(ctx, what);
+    return mti_queues_quiet(ctx, what);
 }
 
 /* A collective of the context took from t0 until now. One posted on a

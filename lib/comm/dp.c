@@ -26,7 +26,7 @@
 
 #include "comm/dp.h"
 #include "comm/local_sgd.h"
-#include "comm/overlap.h"
+#include "comm/queue.h"
 #include "trainer.h"
 
 bool mti_dp_on(const mt_trainer *t) { return mt_comm_size(t->ctx->cfg.comm) > 1; }
@@ -269,7 +269,7 @@ static mt_status exchange_passes(mt_trainer *t, const char *fn, const char *what
     const int n = mt_comm_size(c);
     char own_msg[MTI_ERR_LEN];
     snprintf(own_msg, sizeof own_msg, "%s", own_s ? mt_last_error(ctx) : "");
-    const mt_status held = mti_overlaps_take(ctx);
+    const mt_status held = mti_queues_take(ctx);
     if (held && !own_s) {
         own_s = held;
         snprintf(own_msg, sizeof own_msg, "%s", mt_last_error(ctx));

@@ -54,8 +54,7 @@
 #include <string.h>
 
 #include "comm/dp.h"
-#include "comm/nccl_overlap.h"
-#include "comm/overlap.h"
+#include "comm/queue.h"
 #include "offload.h"
 #include "trainer.h"
 
@@ -230,7 +229,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     t->z3_grp = calloc((size_t)m->n_layers * 3 + 1, sizeof *t->z3_grp);
     const int keep = t->cfg.zero3_keep;
     t->z3_prefetch = t->cfg.zero3_prefetch;
-    t->z3_stream = t->z3_prefetch > 0 && mti_ncclov_planned(ctx); /* (NCCL's stream, planned) */
+    t->z3_stream = t->z3_prefetch > 0 && mti_queue_planned(ctx) == MTI_QUEUE_STREAM;
     t->z3_keep_from = keep < 0 || keep > m->n_layers ? 0 : m->n_layers - keep;
     int64_t *all = malloc((size_t)N * 2 * sizeof *all);
     if (!(t->pw && t->gb && t->gref && t->z3_ticket && t->z3_held && t->z3_rs && t->z3_grp && all)) { /* (host memory) */
@@ -346,7 +345,7 @@ static mt_status gather_run(void *user, int i)
 /* Whether gathers go to the communication thread (or NCCL's stream). */
 static bool queued(const mt_trainer *t)
 {
-    return (t->ov || t->nov) && t->z3_prefetch > 0 && live(t);
+    return t->q && t->z3_prefetch > 0 && live(t);
 }
 
 /* Whether an entry's gathers go packed through the staging buffer: a CPU
@@ -355,23 +354,23 @@ static bool queued(const mt_trainer *t)
  * gather tensor by tensor. */
 static bool packed(const mt_trainer *t)
 {
-    return live(t) && !t->nov && mti_comm_stage(t->ctx);
+    return live(t) && mti_comm_stage(t->ctx);
 }
 
 /* The queue's calls: the thread's, or the stream's. */
-static mt_status q_call(mt_trainer *t, mti_overlap_fn fn, int i, uint64_t *ticket)
+static mt_status q_call(mt_trainer *t, mti_queue_fn fn, int i, uint64_t *ticket)
 {
-    return t->nov ? mti_ncclov_call(t->nov, fn, t, i, ticket) : mti_overlap_call(t->ov, fn, t, i, ticket);
+    return mti_queue_call(t->q, fn, t, i, ticket);
 }
 
 static mt_status q_done(mt_trainer *t, uint64_t ticket)
 {
-    return t->nov ? mti_ncclov_done(t->nov, ticket) : mti_overlap_done(t->ov, ticket);
+    return mti_queue_done(t->q, ticket);
 }
 
 static mt_status q_quiet(mt_trainer *t, bool reset)
 {
-    return t->nov ? mti_ncclov_quiet(t->nov, reset) : mti_overlap_quiet(t->ov, reset, NULL);
+    return mti_queue_quiet(t->q, reset);
 }
 
 /* Brings parameter i in (one more holder): its buffer made and its gather
