@@ -156,14 +156,14 @@ static bool refuse_unback(mt_allocator *a, const char *what, const void *p, size
 }
 
 /* Whether [p, p + n) holds memory a collective that timed out may still
- * write (mt_context.comm_kept): such a reservation is never given back to
+ * write (mt_context.kept): such a reservation is never given back to
  * the device, so a late completion writes into memory no one else has. Only
  * after a failure; the leak is the reservation holding the staging. */
 static bool kept(const mt_allocator *a, const void *p, size_t n)
 {
     const mt_context *c = a->ctx;
-    const uintptr_t lo = (uintptr_t)c->comm_kept, q = (uintptr_t)p;
-    return c->comm_kept_bytes && q < lo + c->comm_kept_bytes && lo < q + n;
+    const uintptr_t lo = (uintptr_t)c->kept, q = (uintptr_t)p;
+    return c->kept_bytes && q < lo + c->kept_bytes && lo < q + n;
 }
 
 static void backing_release(void *self, void *ptr, size_t granted)

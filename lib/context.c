@@ -10,7 +10,6 @@
 
 #include "internal.h"
 #include "comm/comm.h"
-#include "comm/nccl_overlap.h"
 #include "kernels.h"
 
 void mt_context_config_init(mt_context_config *cfg)
@@ -78,8 +77,9 @@ static void context_free(mt_context *ctx)
 {
     mti_comm_free_buffers(ctx);
     for (int i = 0; i < ctx->n_inst; i++) mti_allocator_delete(ctx->inst[i]);
+    mti_comm_plan_free(ctx);
     if (ctx->trace) mt_trace_free(ctx->trace);
-    if (ctx->dev) ctx->dev->keep_memory = ctx->comm_kept_bytes != 0; /* (the staging's) */
+    if (ctx->dev) ctx->dev->keep_memory = ctx->kept_bytes != 0; /* (the staging's) */
     if (ctx->dev) ctx->dev->destroy(ctx->dev);
     free((char *)ctx->cfg.cublaslt_path);
     mti_clear_error(ctx);
@@ -122,12 +122,9 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     if (mti_isa_check(isa_msg, sizeof isa_msg))
         return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_create: %s", isa_msg);
 
-    /* a dry context of several ranks without a communicator (an estimate)
-       assumes the kind a run of its device takes: NCCL on CUDA; one made
-       for an estimate within an estimate (a budget or auto-fit in a dry
-       trainer) takes the kind the outer dry context kept */
+    /* an estimate within an estimate (a budget or auto-fit in a dry
+       trainer) plans the communicator the outer dry context kept */
     const mt_context *outer = dry && !c.comm && like && like->ctx && like->ctx->dry ? like->ctx : NULL;
-    const bool device_comm = c.comm ? mti_comm_is_device(c.comm) : outer ? outer->comm_device : dry;
 
     mt_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return mti_fail(NULL, MT_ERR_OOM, "mt_context_create: out of host memory");
@@ -142,10 +139,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
     }
     ctx->world = c.comm ? mt_comm_size(c.comm) : c.world_size > 1 ? c.world_size : 1;
     ctx->rank = c.comm ? mt_comm_rank(c.comm) : ctx->world > 1 ? c.rank : 0;
-    ctx->comm_threads = c.comm ? (c.comm->vt.caps & MT_COMM_CAP_THREADS) != 0
-                               : outer && outer->comm_threads;
-    ctx->comm_nccl = c.comm ? mti_nccl_is(c.comm) : outer ? outer->comm_nccl : true;
-    ctx->comm_device = device_comm;
+    if ((s = mti_comm_plan_new(ctx, c.comm, outer, dry))) return create_failed(ctx, s);
     if (dry) { /* an estimate records and logs nothing */
         c.trace_capacity = 0;
         c.log_fn = NULL;
@@ -199,7 +193,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
         s = mt_context_trace_start(ctx, c.trace_capacity);
         if (s) return create_failed(ctx, s);
     }
-    if ((s = mti_comm_buffers(ctx, device_comm))) return create_failed(ctx, s);
+    if ((s = mti_comm_buffers(ctx))) return create_failed(ctx, s);
     if (c.comm && (s = mti_comm_attach(ctx))) return create_failed(ctx, s);
     mti_log(ctx, MT_LOG_INFO, "context on %s, %d allocator instance(s)", ctx->dev->name,
             ctx->n_inst);

@@ -74,7 +74,7 @@ struct mti_device {
     mt_status (*op_table)(mti_device *d, const struct mti_ops **out);
 
     /* Set before destroy when memory of the device may still be written by
-     * a collective that timed out (mt_context.comm_kept): destroy then
+     * a collective that timed out (mt_context.kept): destroy then
      * leaves the device's memory to the process instead of giving it back. */
     bool keep_memory;
     void (*destroy)(mti_device *d);

@@ -155,41 +155,15 @@ struct mt_context {
     _Atomic int n_children;  /* models, trainers, standalone allocators alive */
     /* all the context's instances together (standalone ones excluded) */
     _Atomic uint64_t live_total, live_peak, reserved_total, reserved_peak;
-    /* communication (lib/comm/comm.c): the buffers a run of several ranks
-     * holds from creation to destroy */
-    mt_block comm_stage;     /* COMM: host staging of a host communicator (CPU context) */
-    mt_block comm_records;   /* COMM: device buffer for the records of a device communicator */
-    void *comm_host_stage;   /* a CUDA context's host staging for a host communicator (the
-                                context's allocators hold device memory: malloc'd) */
-    /* memory a collective that never completed may still write: the
-     * allocators never give back the reservation holding it */
-    const void *comm_kept;
-    size_t comm_kept_bytes;
-    /* what the context's collectives took (mt_context_comm_stats) */
-    _Atomic uint64_t comm_calls, comm_ns, comm_wait_ns;
-    /* the trainer step (counted from 1) the context's collectives belong
-     * to, 0 outside one: the first failure that breaks the communicator
-     * names it (comm.c) */
-    _Atomic uint64_t comm_step;
-    /* the communicator takes calls from any thread (MT_COMM_CAP_THREADS),
-     * kept by a dry context, which drops the communicator, so that an
-     * estimate plans the communication thread's memory (ZeRO-2) */
-    bool comm_threads;
-    /* the communication thread's queue of collectives (lib/comm/overlap.c:
-     * the gradients' collectives, ZeRO-3's gathers), or NULL: a collective
-     * of another thread first waits until the queue is empty; a list, one
-     * per trainer with a thread, linked through the queues */
-    struct mti_overlap *comm_queue;
-    /* the communicator is NCCL's (or none is named: a CUDA estimate assumes
-     * it), kept by a dry context so that an estimate plans the
-     * communication stream's memory; and the trainers' communication
-     * streams (lib/comm/nccl_overlap.c), a list like comm_queue */
-    bool comm_nccl;
-    struct mti_ncclov *nccl_queue;
-    /* the communicator works on device memory (MT_COMM_CAP_DEVICE; none
-     * named in a dry context: assumed, as NCCL is), kept by a dry context
-     * so that an estimate within an estimate plans the same buffers */
-    bool comm_device;
+    /* the communication layer's plan for the context (lib/comm/cplan.h):
+     * its buffers, queues, statistics and the kind of communicator it plans
+     * for; opaque outside lib/comm */
+    struct mti_comm_plan *comm;
+    /* memory a call that never completed (a collective that timed out) may
+     * still write: the allocators never give back the reservation holding
+     * it, and the device keeps its memory at destroy */
+    const void *kept;
+    size_t kept_bytes;
     /* places other than the device (lib/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */

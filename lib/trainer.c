@@ -1904,9 +1904,9 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
 {
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_step: trainer is NULL");
     /* a collective that fails in it names the step (lib/comm/comm.c) */
-    atomic_store(&t->ctx->comm_step, t->steps + 1);
+    mti_comm_step(t->ctx, t->steps + 1);
     const mt_status s = step(t, b, loss);
-    atomic_store(&t->ctx->comm_step, 0);
+    mti_comm_step(t->ctx, 0);
     return s;
 }
 

@@ -12,6 +12,7 @@
 
 #include "check.h"
 #include "comm/comm.h"
+#include "comm/cplan.h"
 #include "comm/overlap.h"
 #include "cuda_device.h"
 #include "test_comm.h"
@@ -334,7 +335,7 @@ static void queue_rank(int rank, void *p)
     mti_overlap *ov = NULL;
     RANK_EXPECT(!mti_overlap_new(ctx, 4, numel, queue_job, &l, false, &ov));
     if (!ov) return;
-    RANK_EXPECT(ctx->comm_queue == ov);
+    RANK_EXPECT(ctx->comm->threads_q == ov);
     /* tensor 2 first: it waits for 3 (the fixed order, last first); a call
        queued meanwhile goes ahead of both; timing differs by rank */
     mti_overlap_begin(ov);
@@ -394,7 +395,7 @@ static void queue_rank(int rank, void *p)
     RANK_EXPECT(strstr(mt_last_error(ctx), "broken") != NULL);
     RANK_EXPECT(!l.bad);
     mti_overlap_free(ov);
-    RANK_EXPECT(ctx->comm_queue == NULL);
+    RANK_EXPECT(ctx->comm->threads_q == NULL);
     mt_context_destroy(ctx);
     mt_comm_destroy(c);
 }

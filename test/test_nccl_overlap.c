@@ -17,6 +17,7 @@
 
 #include "check.h"
 #include "comm/comm.h"
+#include "comm/cplan.h"
 #include "comm/nccl_overlap.h"
 #include "cuda_device.h"
 #include "test_comm.h"
@@ -979,7 +980,7 @@ TEST(nccl_overlap_time_once)
     size_t numel[2] = {4096, 4096};
     mti_ncclov *ov = NULL;
     CHECK_OK(mti_ncclov_new(ctx, 2, numel, pack_job, &k, &ov));
-    const uint64_t ns0 = atomic_load(&ctx->comm_ns), calls0 = atomic_load(&ctx->comm_calls);
+    const uint64_t ns0 = atomic_load(&ctx->comm->ns), calls0 = atomic_load(&ctx->comm->calls);
     mti_ncclov_begin(ov);
     CHECK_OK(mti_ncclov_push(ov, 1, "b", g + N));
     CHECK_OK(mti_ncclov_push(ov, 0, "a", g));
@@ -987,8 +988,8 @@ TEST(nccl_overlap_time_once)
     uint64_t tk = 0;
     for (int j = 0; j < 3; j++) CHECK_OK(mti_ncclov_call(ov, sum_call, &k, j, &tk));
     CHECK_MSG(mti_ncclov_done(ov, tk) == MT_OK, "%s", mt_last_error(ctx));
-    const uint64_t ns = atomic_load(&ctx->comm_ns) - ns0;
-    CHECK_EQ(atomic_load(&ctx->comm_calls) - calls0, 7);
+    const uint64_t ns = atomic_load(&ctx->comm->ns) - ns0;
+    CHECK_EQ(atomic_load(&ctx->comm->calls) - calls0, 7);
     CHECK_MSG(ns > 0 && ns % 1000000 == 0,
               "the stream's collectives counted %llu ns: not whole milliseconds of the events' "
               "clock (the host's time queueing them counted too)", (unsigned long long)ns);

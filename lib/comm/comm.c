@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "comm/cplan.h"
 #include "comm/nccl_overlap.h"
 #include "comm/queue.h"
 #include "cuda_device.h"
@@ -220,7 +221,7 @@ static mt_status on_ctx(mt_context *ctx, const char *what, mt_status s)
     if (!s) return MT_OK;
     char msg[MTI_ERR_LEN];
     snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
-    const unsigned long long step = atomic_load(&ctx->comm_step);
+    const unsigned long long step = atomic_load(&ctx->comm->step);
     if (step) return mti_fail(ctx, s, "%s, in step %llu: %s", what, step, msg);
     return mti_fail(ctx, s, "%s: %s", what, msg);
 }
@@ -232,7 +233,7 @@ static void label(mt_context *ctx, const char *what)
     mt_comm *c = ctx->cfg.comm;
     if (!c) return;
     c->call_what = what;
-    c->call_step = atomic_load(&ctx->comm_step);
+    c->call_step = atomic_load(&ctx->comm->step);
 }
 
 static mt_status unlabel(mt_context *ctx, mt_status s)
@@ -256,31 +257,51 @@ static mt_status comm_block(mt_context *ctx, size_t bytes, int which, mt_block *
     return MT_OK;
 }
 
-mt_status mti_comm_buffers(mt_context *ctx, bool device_comm)
+mt_status mti_comm_plan_new(mt_context *ctx, const mt_comm *c, const mt_context *outer, bool dry)
+{
+    mti_comm_plan *p = calloc(1, sizeof *p);
+    if (!p) return mti_fail(ctx, MT_ERR_OOM, "mt_context_create: out of host memory");
+    p->threads = c ? (c->vt.caps & MT_COMM_CAP_THREADS) != 0 : outer && outer->comm->threads;
+    p->nccl = c ? mti_nccl_is(c) : outer ? outer->comm->nccl : true;
+    p->device = c ? mti_comm_is_device(c) : outer ? outer->comm->device : dry;
+    ctx->comm = p;
+    return MT_OK;
+}
+
+void mti_comm_plan_free(mt_context *ctx)
+{
+    free(ctx->comm);
+    ctx->comm = NULL;
+}
+
+void mti_comm_step(mt_context *ctx, uint64_t step) { atomic_store(&ctx->comm->step, step); }
+
+mt_status mti_comm_buffers(mt_context *ctx)
 {
     if (ctx->world < 2) return MT_OK;
-    if (ctx->dev->kind != MT_DEVICE_CUDA) return comm_block(ctx, MTI_COMM_STAGE, 0, &ctx->comm_stage);
-    if (device_comm)
-        return comm_block(ctx, (size_t)ctx->world * MTI_COMM_RECORD, 1, &ctx->comm_records);
+    if (ctx->dev->kind != MT_DEVICE_CUDA) return comm_block(ctx, MTI_COMM_STAGE, 0, &ctx->comm->stage);
+    if (ctx->comm->device)
+        return comm_block(ctx, (size_t)ctx->world * MTI_COMM_RECORD, 1, &ctx->comm->records);
     if (ctx->dry) return MT_OK; /* the host staging below is outside the accounting */
-    if (!(ctx->comm_host_stage = malloc(MTI_COMM_STAGE)))
+    if (!(ctx->comm->host_stage = malloc(MTI_COMM_STAGE)))
         return mti_fail(ctx, MT_ERR_OOM, "mt_context_create: out of host memory for the staging");
     return MT_OK;
 }
 
 void mti_comm_free_buffers(mt_context *ctx)
 {
+    if (!ctx->comm) return;
     const bool broken = ctx->cfg.comm && mt_comm_broken(ctx->cfg.comm);
-    if (broken && ctx->comm_stage.ptr) { /* a collective may still write it */
-        ctx->comm_kept = ctx->comm_stage.ptr;
-        ctx->comm_kept_bytes = ctx->comm_stage.bytes;
+    if (broken && ctx->comm->stage.ptr) { /* a collective may still write it */
+        ctx->kept = ctx->comm->stage.ptr;
+        ctx->kept_bytes = ctx->comm->stage.bytes;
     }
-    if (ctx->comm_stage.ptr) mt_context_free(ctx, &ctx->comm_stage);
-    if (ctx->comm_records.ptr) mt_context_free(ctx, &ctx->comm_records);
-    if (!broken) free(ctx->comm_host_stage); /* else left to the communicator */
-    memset(&ctx->comm_stage, 0, sizeof ctx->comm_stage);
-    memset(&ctx->comm_records, 0, sizeof ctx->comm_records);
-    ctx->comm_host_stage = NULL;
+    if (ctx->comm->stage.ptr) mt_context_free(ctx, &ctx->comm->stage);
+    if (ctx->comm->records.ptr) mt_context_free(ctx, &ctx->comm->records);
+    if (!broken) free(ctx->comm->host_stage); /* else left to the communicator */
+    memset(&ctx->comm->stage, 0, sizeof ctx->comm->stage);
+    memset(&ctx->comm->records, 0, sizeof ctx->comm->records);
+    ctx->comm->host_stage = NULL;
 }
 
 /* ---- collectives on behalf of a context ---- */
@@ -321,7 +342,7 @@ static mt_status staged(mt_context *ctx, const char *what, coll k, bool host, co
         mt_status s = ctx->dev->copy_d2d(ctx->dev, recv, send, count * es);
         return s ? s : ctx->dev->sync(ctx->dev);
     }
-    unsigned char *st = ctx->comm_stage.ptr ? ctx->comm_stage.ptr : ctx->comm_host_stage;
+    unsigned char *st = ctx->comm->stage.ptr ? ctx->comm->stage.ptr : ctx->comm->host_stage;
     if (!st) return mti_fail(ctx, MT_ERR_INTERNAL, "%s: no staging buffer", what);
     const bool per_rank = k == REDUCE_SCATTER || k == ALL_GATHER;
     const size_t chunk = MTI_COMM_STAGE / es / (per_rank ? R : 1);
@@ -399,7 +420,7 @@ static mt_status comm_host_gather_run(mt_context *ctx, const char *what, const v
     /* a device table: through the record buffer, MTI_COMM_RECORD bytes per
        rank at a time */
     mti_device *d = ctx->dev;
-    unsigned char *buf = ctx->comm_records.ptr;
+    unsigned char *buf = ctx->comm->records.ptr;
     const size_t R = (size_t)c->size, me = (size_t)c->rank;
     mt_status s = buf ? MT_OK : mti_fail(ctx, MT_ERR_INTERNAL, "%s: no record buffer", what);
     for (size_t at = 0; at < len && !s; at += MTI_COMM_RECORD) {
@@ -419,7 +440,7 @@ static _Thread_local bool comm_thread;
 
 void mti_comm_on_thread(void) { comm_thread = true; }
 
-void mti_comm_waited(mt_context *ctx, uint64_t ns) { atomic_fetch_add(&ctx->comm_wait_ns, ns); }
+void mti_comm_waited(mt_context *ctx, uint64_t ns) { atomic_fetch_add(&ctx->comm->wait_ns, ns); }
 
 static _Atomic int comm_hurry;
 
@@ -440,10 +461,10 @@ mt_status mti_comm_turn(mt_context *ctx, const char *what)
 static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
 {
     const uint64_t ns = mti_now_ns() - t0;
-    atomic_fetch_add(&ctx->comm_calls, 1);
+    atomic_fetch_add(&ctx->comm->calls, 1);
     if (mti_nccl_posting()) return s;
-    atomic_fetch_add(&ctx->comm_ns, ns);
-    if (!comm_thread) atomic_fetch_add(&ctx->comm_wait_ns, ns);
+    atomic_fetch_add(&ctx->comm->ns, ns);
+    if (!comm_thread) atomic_fetch_add(&ctx->comm->wait_ns, ns);
     return s;
 }
 
@@ -500,7 +521,7 @@ mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *c
     const uint64_t t0 = mti_now_ns();
     if (q) return timed(ctx, t0, q);
     mt_comm *c = ctx->cfg.comm;
-    float *st = ctx->comm_stage.ptr;
+    float *st = ctx->comm->stage.ptr;
     size_t total = 0;
     for (int j = 0; j < k; j++) total += n[j];
     if (!st || (c->vt.caps & MT_COMM_CAP_DEVICE) || ctx->dev->kind != MT_DEVICE_CPU ||
@@ -530,7 +551,7 @@ mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *c
 
 void *mti_comm_stage(const mt_context *ctx)
 {
-    return ctx->dev->kind == MT_DEVICE_CPU ? ctx->comm_stage.ptr : NULL;
+    return ctx->dev->kind == MT_DEVICE_CPU ? ctx->comm->stage.ptr : NULL;
 }
 
 /* A collective of the staging buffer in place (reduce-scatter: count fp32
@@ -567,9 +588,9 @@ mt_status mt_context_comm_stats(const mt_context *ctx, mt_comm_stats *out)
     if (!ctx || !out)
         return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG, "mt_context_comm_stats: %s is NULL",
                         ctx ? "out" : "ctx");
-    out->collectives = atomic_load(&ctx->comm_calls);
-    out->seconds = 1e-9 * (double)atomic_load(&ctx->comm_ns);
-    out->exposed_seconds = 1e-9 * (double)atomic_load(&ctx->comm_wait_ns);
+    out->collectives = atomic_load(&ctx->comm->calls);
+    out->seconds = 1e-9 * (double)atomic_load(&ctx->comm->ns);
+    out->exposed_seconds = 1e-9 * (double)atomic_load(&ctx->comm->wait_ns);
     return MT_OK;
 }
 

@@ -75,7 +75,7 @@ mt_status mti_comm_reduce_scatter_stage(mt_context *ctx, const char *what, size_
 mt_status mti_comm_all_gather_stage(mt_context *ctx, const char *what, size_t bytes);
 /* A collective of a thread other than the communication thread is about
  * to start (or to pack the staging buffer): what the communication
- * thread's queue holds goes first (ctx->comm_queue; exposed time), so the
+ * thread's queue holds goes first (ctx->comm->threads_q; exposed time), so the
  * two never call the communicator at once and every rank makes the
  * collectives in one order. MT_OK, or the failure of something queued
  * (MT_ERR_COMM and the like, "WHAT: an earlier collective on the
@@ -166,14 +166,25 @@ uint64_t mti_hash(uint64_t h, const void *data, size_t n);
 
 /* Whether c (may be NULL) works on device memory (MT_COMM_CAP_DEVICE). */
 bool mti_comm_is_device(const mt_comm *c);
+/* At context create, first: the context's communication plan (ctx->comm,
+ * comm/cplan.h), for its communicator c; without one, a dry context
+ * (dry: an estimate) plans the kind a run of its device takes (NCCL, on
+ * device memory, on CUDA), or the kind `outer`, the dry context of an
+ * estimate it is made within, planned. */
+mt_status mti_comm_plan_new(mt_context *ctx, const mt_comm *c, const mt_context *outer, bool dry);
+/* At context destroy, last: frees it (none: nothing). */
+void mti_comm_plan_free(mt_context *ctx);
+/* The trainer step (from 1; 0: outside one) the context's collectives
+ * belong to from now on, named by a failure that breaks the communicator. */
+void mti_comm_step(mt_context *ctx, uint64_t step);
 /* At context create, once the allocators are made: the buffers a run of
  * several ranks holds until destroy (dry contexts too, so estimates count
  * them): a CPU context's staging (MTI_COMM_STAGE bytes of COMM), a CUDA
  * context's record buffer for a device communicator (MTI_COMM_RECORD bytes
  * per rank of COMM) or its host staging for a host one (malloc'd). */
-mt_status mti_comm_buffers(mt_context *ctx, bool device_comm);
+mt_status mti_comm_buffers(mt_context *ctx);
 /* At context destroy: frees them, except staging a broken communicator may
- * still hold (kept: see mt_context.comm_kept). */
+ * still hold (kept: see mt_context.kept). */
 void mti_comm_free_buffers(mt_context *ctx);
 /* At context create: checks the communicator fits the device and the ranks
  * agree on the device kind and world size. */

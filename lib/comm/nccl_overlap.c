@@ -57,6 +57,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/cplan.h"
 #include "comm/nccl_overlap.h"
 #include "cuda_device.h"
 
@@ -106,7 +107,7 @@ bool mti_ncclov_possible(const mt_context *ctx)
     const mt_comm *c = ctx->cfg.comm;
     const char *env = getenv("MT_NCCL_OVERLAP");
     if (env && !strcmp(env, "0")) return false;
-    return c && c->size > 1 && !ctx->dry && ctx->dev->kind == MT_DEVICE_CUDA && mti_nccl_is(c);
+    return c && c->size > 1 && !ctx->dry && ctx->dev->kind == MT_DEVICE_CUDA && ctx->comm->nccl;
 }
 
 bool mti_ncclov_planned(const mt_context *ctx)
@@ -114,7 +115,7 @@ bool mti_ncclov_planned(const mt_context *ctx)
     if (!ctx->dry) return mti_ncclov_possible(ctx);
     const char *env = getenv("MT_NCCL_OVERLAP");
     if (env && !strcmp(env, "0")) return false;
-    return ctx->world > 1 && ctx->dev->kind == MT_DEVICE_CUDA && ctx->comm_nccl;
+    return ctx->world > 1 && ctx->dev->kind == MT_DEVICE_CUDA && ctx->comm->nccl;
 }
 
 mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov_job job, void *user,
@@ -152,8 +153,8 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
         mti_ncclov_free(ov);
         return mti_fail(ctx, s, "mt_trainer_create: the communication stream: %s", msg.s);
     }
-    ov->next_on_ctx = ctx->nccl_queue; /* (waited for by the context's other collectives) */
-    ctx->nccl_queue = ov;
+    ov->next_on_ctx = ctx->comm->streams_q; /* (waited for by the context's other collectives) */
+    ctx->comm->streams_q = ov;
     d->release_guard = release_guard; /* (and before memory goes back to the driver) */
     d->release_guard_arg = ctx;
     *out = ov;
@@ -168,12 +169,12 @@ void mti_ncclov_free(mti_ncclov *ov)
        that work ends first (up to the deadline); if it does not, nothing
        is given back from now on */
     if (ov->stream && ov->idle && !stream_idle(ov)) d->release_held = true;
-    for (mti_ncclov **q = &ov->ctx->nccl_queue; *q; q = &(*q)->next_on_ctx)
+    for (mti_ncclov **q = &ov->ctx->comm->streams_q; *q; q = &(*q)->next_on_ctx)
         if (*q == ov) {
             *q = ov->next_on_ctx;
             break;
         }
-    if (!ov->ctx->nccl_queue && d->release_guard == release_guard) {
+    if (!ov->ctx->comm->streams_q && d->release_guard == release_guard) {
         d->release_guard = NULL;
         d->release_guard_arg = NULL;
     }
@@ -225,7 +226,7 @@ static void failed(mti_ncclov *ov, mt_status s, const char *fmt, ...)
                  "stream: the NCCL communicator was aborted)");
     char why[sizeof ov->msg + 64];
     snprintf(why, sizeof why, "%s (rank %d of %d)", ov->msg, ov->comm->rank, ov->comm->size);
-    mti_comm_break(ov->comm, atomic_load(&ov->ctx->comm_step), why);
+    mti_comm_break(ov->comm, atomic_load(&ov->ctx->comm->step), why);
 }
 
 /* The fence before each collective a job posts: the communication stream
@@ -279,7 +280,7 @@ static void queue(mti_ncclov *ov, int i)
                    "stream): %s", x->name, why);
             return;
         }
-        atomic_fetch_add(&ov->ctx->comm_calls, 1);
+        atomic_fetch_add(&ov->ctx->comm->calls, 1);
     }
     if (!s) s = mti_cuda_record(d, ov->timing[2 * i + 1], ov->stream);
     if (s) {
@@ -376,7 +377,7 @@ static mt_status settle(mti_ncclov *ov, int k)
         s = mti_cuda_elapsed(d, ov->timing[2 * i], ov->timing[2 * i + 1], &ms);
         if (!s && ms > 0.0f) ns += (uint64_t)((double)ms * 1e6);
     }
-    atomic_fetch_add(&ctx->comm_ns, ns);
+    atomic_fetch_add(&ctx->comm->ns, ns);
     ov->waited = k;
     return s;
 }
@@ -441,7 +442,7 @@ static mt_status reach(mti_ncclov *ov, uint64_t upto)
         s = mti_cuda_elapsed(d, ov->cev[2 * (k % CALLS)], ov->cev[2 * (k % CALLS) + 1], &ms);
         if (!s && ms > 0.0f) ns += (uint64_t)((double)ms * 1e6);
     }
-    atomic_fetch_add(&ctx->comm_ns, ns);
+    atomic_fetch_add(&ctx->comm->ns, ns);
     ov->reached = upto;
     return s;
 }
@@ -491,7 +492,7 @@ void mti_ncclov_abandon(mti_ncclov *ov)
 mt_status mti_ncclovs_quiet(mt_context *ctx, const char *what)
 {
     if (mti_nccl_posting()) return MT_OK; /* (a job's own collectives) */
-    for (mti_ncclov *q = ctx->nccl_queue; q; q = q->next_on_ctx) {
+    for (mti_ncclov *q = ctx->comm->streams_q; q; q = q->next_on_ctx) {
         if (!q->pending && q->reached == q->issued) continue;
         mt_status s = q->pending ? settle(q, q->n) : MT_OK;
         if (!s) s = reach(q, q->issued);
@@ -542,6 +543,6 @@ static bool release_guard(void *arg)
 {
     mt_context *ctx = arg;
     bool ok = true;
-    for (mti_ncclov *q = ctx->nccl_queue; q; q = q->next_on_ctx) ok = stream_idle(q) && ok;
+    for (mti_ncclov *q = ctx->comm->streams_q; q; q = q->next_on_ctx) ok = stream_idle(q) && ok;
     return ok;
 }

@@ -23,7 +23,7 @@
  * makes them final, so little waiting is lost to it). At stage 2 a
  * gradient is queued as it is given (every rank gives them in one order).
  * A collective the stepping thread makes itself first waits until the
- * queue is empty (mti_overlap_quiet, from comm.c: ctx->comm_queue), so the
+ * queue is empty (mti_overlap_quiet, from comm.c: ctx->comm->threads_q), so the
  * two threads never call the communicator, or use the staging buffer, at
  * once, and the collectives keep one order on every rank, as
  * memtrain/comm.h asks; the table must take calls from any thread
@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/cplan.h"
 #include "comm/overlap.h"
 
 typedef struct job {
@@ -115,7 +116,7 @@ bool mti_overlap_possible(const mt_context *ctx)
 bool mti_overlap_planned(const mt_context *ctx)
 {
     if (!ctx->dry) return mti_overlap_possible(ctx);
-    return ctx->world > 1 && ctx->comm_threads && ctx->dev->kind == MT_DEVICE_CPU;
+    return ctx->world > 1 && ctx->comm->threads && ctx->dev->kind == MT_DEVICE_CPU;
 }
 
 /* Sums a bucket (k tensors, its highest first) in one collective, or gives
@@ -202,7 +203,7 @@ static void wait_for(mti_overlap *ov, uint64_t upto)
 
 mt_status mti_overlaps_quiet(mt_context *ctx, const char *what)
 {
-    for (mti_overlap *q = ctx->comm_queue; q; q = q->next_on_ctx) {
+    for (mti_overlap *q = ctx->comm->threads_q; q; q = q->next_on_ctx) {
         const mt_status s = mti_overlap_quiet(q, false, what);
         if (s) return s;
     }
@@ -213,7 +214,7 @@ mt_status mti_overlaps_take(mt_context *ctx)
 {
     mt_status s = MT_OK;
     char msg[MTI_ERR_LEN] = "";
-    for (mti_overlap *q = ctx->comm_queue; q; q = q->next_on_ctx) {
+    for (mti_overlap *q = ctx->comm->threads_q; q; q = q->next_on_ctx) {
         pthread_mutex_lock(&q->mu);
         wait_for(q, q->queued);
         if (q->held && !s) {
@@ -271,8 +272,8 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
         free(slot), free(bucket), free(low), free(order), free(ring), free(ov);
         return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: cannot start the communication thread");
     }
-    ov->next_on_ctx = ctx->comm_queue; /* every trainer's queue is waited for */
-    ctx->comm_queue = ov;
+    ov->next_on_ctx = ctx->comm->threads_q; /* every trainer's queue is waited for */
+    ctx->comm->threads_q = ov;
     *out = ov;
     return MT_OK;
 }
@@ -285,7 +286,7 @@ void mti_overlap_free(mti_overlap *ov)
     pthread_cond_signal(&ov->more);
     pthread_mutex_unlock(&ov->mu);
     pthread_join(ov->th, NULL);
-    for (mti_overlap **q = &ov->ctx->comm_queue; *q; q = &(*q)->next_on_ctx)
+    for (mti_overlap **q = &ov->ctx->comm->threads_q; *q; q = &(*q)->next_on_ctx)
         if (*q == ov) {
             *q = ov->next_on_ctx;
             break;

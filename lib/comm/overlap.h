@@ -39,7 +39,7 @@ typedef mt_status (*mti_overlap_job)(void *user, int i, float *g);
  * every rank gives them in the same order unless its backward fails,
  * which the blocking step cannot survive either), and any number of them
  * may be given in a round. The context's collectives from other threads
- * wait for the queue from now on (ctx->comm_queue, the context's queues) until
+ * wait for the queue from now on (ctx->comm->threads_q, the context's queues) until
  * mti_overlap_free. */
 mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overlap_job job,
                           void *user, bool fifo, mti_overlap **out);
