@@ -270,6 +270,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) 
 	./test/tool_test.sh $(TOOL)
 	./test/mpi_test.sh $(BUILD)
 	./test/api_doc_test.sh
+	./test/linkgraph.py $(BUILD)
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 	$(GPU_BUNDLE)/memtrain-gpu/run.sh --stand-in $(BUILD)/gpu-standin-results
 	./test/gpu_bundle_test.sh $(GPU_BUNDLE)/memtrain-gpu

@@ -110,6 +110,23 @@ mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device 
     return create(cfg, true, like, out);
 }
 
+/* The op table of the context's device (lib/kernels.h): the CPU's; a
+ * CUDA device's, made for it (a failure: its kernels did not load); or a
+ * dry CUDA context's. Chosen here, above the devices and the tables, so
+ * that neither calls the other. */
+static mt_status op_table(mt_context *ctx, const mti_ops **out)
+{
+    if (ctx->dev->kind != MT_DEVICE_CUDA) {
+        *out = mti_cpu_ops();
+        return MT_OK;
+    }
+    if (ctx->dry) {
+        *out = mti_cuda_dry_ops();
+        return MT_OK;
+    }
+    return mti_cuda_ops(ctx->dev, out);
+}
+
 static mt_status create(const mt_context_config *cfg, bool dry, const mti_device *like,
                         mt_context **out)
 {
@@ -166,7 +183,7 @@ static mt_status create(const mt_context_config *cfg, bool dry, const mti_device
         s = mti_device_cpu_open(ctx, ctx->threads, &ctx->dev);
     if (s) return create_failed(ctx, s);
     /* without kernels the device still serves memory and copies */
-    if (ctx->dev->op_table(ctx->dev, &ctx->ops) != MT_OK) {
+    if (op_table(ctx, &ctx->ops) != MT_OK) {
         ctx->ops = NULL;
         mti_log(ctx, MT_LOG_WARN, "no %s op table: %s", ctx->dev->name, mt_last_error(ctx));
     }
@@ -246,59 +263,7 @@ mt_status mt_context_device_memory(mt_context *ctx, uint64_t *free_bytes, uint64
     return MT_OK;
 }
 
-mt_status mt_context_alloc(mt_context *ctx, const mt_alloc_request *req, mt_block *out)
-{
-    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_alloc: ctx is NULL");
-    if (!req || !out)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_alloc: %s is NULL",
-                        req ? "out" : "req");
-    if ((unsigned)req->mem_class >= MT_MEM_COUNT) {
-        memset(out, 0, sizeof *out);
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_alloc: memory class %d out of range",
-                        (int)req->mem_class);
-    }
-    return mt_alloc(ctx->by_class[req->mem_class], req, out);
-}
-
-mt_status mt_context_free(mt_context *ctx, const mt_block *blk)
-{
-    if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_free: ctx is NULL");
-    if (!blk) return mti_fail(ctx, MT_ERR_INVALID_ARG, "mt_context_free: block is NULL");
-    if (!blk->ptr && blk->bytes == 0) return MT_OK;
-    if ((unsigned)blk->mem_class >= MT_MEM_COUNT)
-        return mti_fail(ctx, MT_ERR_BAD_BLOCK, "mt_context_free: block has memory class %d",
-                        (int)blk->mem_class);
-    return mt_free(ctx->by_class[blk->mem_class], blk);
-}
-
 /* ---- stats and report ---- */
-
-mt_status mt_context_memory_stats(const mt_context *ctx, mt_memory_stats *out)
-{
-    if (!ctx || !out)
-        return mti_fail((mt_context *)ctx, MT_ERR_INVALID_ARG, "mt_context_memory_stats: %s is NULL",
-                        ctx ? "out" : "ctx");
-    memset(out, 0, sizeof *out);
-    for (int i = 0; i < ctx->n_inst; i++) {
-        mt_allocator_stats st;
-        mt_allocator_get_stats(ctx->inst[i], &st);
-        for (int c = 0; c < MT_MEM_COUNT; c++) {
-            mt_class_stats *d = &out->per_class[c];
-            const mt_class_stats *s = &st.per_class[c];
-            d->live_bytes += s->live_bytes;
-            d->peak_live_bytes += s->peak_live_bytes; /* one instance per class: exact */
-            d->n_alloc += s->n_alloc;
-            d->n_free += s->n_free;
-            d->n_oom_failures += s->n_oom_failures;
-        }
-    }
-    out->live_bytes = atomic_load(&ctx->live_total);
-    out->peak_live_bytes = atomic_load(&ctx->live_peak);
-    out->reserved_bytes = atomic_load(&ctx->reserved_total);
-    out->peak_reserved_bytes = atomic_load(&ctx->reserved_peak);
-    out->n_allocators = ctx->n_inst;
-    return MT_OK;
-}
 
 /* peak = total, then raised again to the total should another thread have
  * added in between, so the peak is never below the current value */

@@ -1,6 +1,7 @@
 /*
  * crc32.c - CRC-32 (the IEEE 802.3 polynomial, reflected, as zlib and PNG
- * use), for the sections of every file memtrain writes.
+ * use), for the sections of every file memtrain writes; and the 64-bit
+ * FNV-1a hash the ranks compare settings and weights by.
  */
 #include "internal.h"
 
@@ -23,4 +24,11 @@ uint32_t mti_crc32(uint32_t crc, const void *data, size_t n)
     crc = ~crc;
     while (n--) crc = table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
     return ~crc;
+}
+
+uint64_t mti_hash(uint64_t h, const void *data, size_t n)
+{
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
 }

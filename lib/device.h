@@ -68,11 +68,6 @@ struct mti_device {
      * (host: MemAvailable and MemTotal). */
     mt_status (*mem_info)(mti_device *d, size_t *free_bytes, size_t *total_bytes);
 
-    /* The op table of the device (lib/kernels.h), chosen by the device: a
-     * failure (a CUDA device whose kernels did not load) leaves the device
-     * serving memory and copies without ops. */
-    mt_status (*op_table)(mti_device *d, const struct mti_ops **out);
-
     /* Set before destroy when memory of the device may still be written by
      * a collective that timed out (mt_context.kept): destroy then
      * leaves the device's memory to the process instead of giving it back. */

@@ -178,13 +178,6 @@ static int arena_set_ssize(unsigned arena, const char *what, ssize_t v)
     return mallctl(name, NULL, NULL, &v, sizeof v);
 }
 
-static mt_status cpu_table(mti_device *d, const mti_ops **out)
-{
-    (void)d;
-    *out = mti_cpu_ops();
-    return MT_OK;
-}
-
 mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out)
 {
     mti_device *d = calloc(1, sizeof *d);
@@ -224,7 +217,6 @@ mt_status mti_device_cpu_open(mt_context *ctx, int threads, mti_device **out)
     d->memset8 = cpu_memset8;
     d->sync = cpu_sync;
     d->mem_info = cpu_mem_info;
-    d->op_table = cpu_table;
     d->destroy = cpu_destroy;
     size_t total = 0;
     if (cpu_mem_info(d, NULL, &total) == MT_OK) d->total_bytes = total;

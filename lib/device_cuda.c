@@ -1059,7 +1059,6 @@ mt_status mti_device_cuda_open(mt_context *ctx, const char *driver_path, int ord
     d->memset8 = cuda_memset8;
     d->sync = cuda_sync;
     d->mem_info = cuda_mem_info;
-    d->op_table = mti_cuda_ops;
     mti_log(ctx, MT_LOG_INFO,
             "CUDA device %d: %s, sm_%d%d, %zu MiB, driver %d.%d (\"%s\"), VMM %s (granularity "
             "%zu bytes), kernels %s", ordinal, d->name, c->cc_major, c->cc_minor,

@@ -115,20 +115,6 @@ static void dry_destroy(mti_device *d)
 }
 
 /* The device kind's own table, which stops where the context is dry. */
-static mt_status dry_cpu_table(mti_device *d, const mti_ops **out)
-{
-    (void)d;
-    *out = mti_cpu_ops();
-    return MT_OK;
-}
-
-static mt_status dry_cuda_table(mti_device *d, const mti_ops **out)
-{
-    (void)d;
-    *out = mti_cuda_dry_ops();
-    return MT_OK;
-}
-
 /* A current NVIDIA GPU's geometry, where no device tells it. */
 #define DRY_CUDA_ALIGN 256u
 #define DRY_CUDA_GRAN ((size_t)2 << 20)
@@ -174,7 +160,6 @@ mt_status mti_device_dry_open(mt_context *ctx, mt_device_kind kind, const mti_de
     d->memset8 = dry_memset8;
     d->sync = dry_sync;
     d->mem_info = dry_mem_info;
-    d->op_table = kind == MT_DEVICE_CUDA ? dry_cuda_table : dry_cpu_table;
     d->destroy = dry_destroy;
     *out = d;
     return MT_OK;

@@ -228,6 +228,10 @@ void mti_tensor_free(mt_context *ctx, mti_tensor *t);
 mt_status mti_tensor_upload(mt_context *ctx, mti_tensor *t, const void *src, size_t bytes);
 mt_status mti_tensor_download(mt_context *ctx, const mti_tensor *t, void *dst, size_t bytes);
 mt_status mti_tensor_zero(mt_context *ctx, mti_tensor *t);
+/* Continues the FNV-1a hash *h over t's bytes, read through buf (chunk
+ * bytes of host memory). */
+mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *t, void *buf, size_t chunk,
+                          uint64_t *h);
 
 /* ---- files (fileio.c) ---- */
 
@@ -253,6 +257,9 @@ void mti_afile_abort(mti_afile *f);
 
 /* CRC-32 (IEEE), continuing from crc (start with 0). */
 uint32_t mti_crc32(uint32_t crc, const void *data, size_t n);
+/* A 64-bit FNV-1a hash, continuing from h (start with MTI_HASH_START). */
+#define MTI_HASH_START 0xcbf29ce484222325ull
+uint64_t mti_hash(uint64_t h, const void *data, size_t n);
 
 /* Little-endian field access for file formats. */
 static inline void mti_put_u32(unsigned char *p, uint32_t v)

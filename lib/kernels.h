@@ -407,7 +407,10 @@ struct mti_ops {
  * (OpenMP); the GEMM library runs single-threaded inside it, so results do
  * not depend on the thread count. */
 const mti_ops *mti_cpu_ops(void);
-int mti_cpu_threads(const mti_kctx *k);
+static inline int mti_cpu_threads(const mti_kctx *k)
+{
+    return k && k->ctx && k->ctx->threads > 0 ? k->ctx->threads : 1;
+}
 /* The class of CPU instructions the CPU table uses (kernels/cpu/arch.h):
  * the CPU's, capped by the environment variable MT_CPU_ISA. mti_isa_check:
  * 0, or -1 with a message in msg when MT_CPU_ISA names no class or could

@@ -8,10 +8,10 @@
  * owns it (lib/scratch.c). Every tensor has a region of its file starting at a multiple of
  * ALIGN, so pieces can be moved with O_DIRECT.
  *
- * The update is cut into pieces on a fixed grid: PIECE elements of a
- * parameter whose optimizer updates slices (a multiple of every slice
- * alignment, so each piece's update is the bits of the whole tensor's), the
- * whole tensor otherwise. SLOTS piece buffers on the device (OPTIM for the
+ * The update is cut into pieces on a fixed grid: mti_offload_piece_elems
+ * (2^19) elements of a parameter whose optimizer updates slices (a
+ * multiple of every slice alignment, so each piece's update is the bits of
+ * the whole tensor's), the whole tensor otherwise. SLOTS piece buffers on the device (OPTIM for the
  * state, MASTER for the master; SLOTS_WHOLE of whole tensors) hold the piece
  * being updated, the last one being written back and the next ones being
  * read; two I/O threads move them with pread/pwrite while the update and
@@ -38,9 +38,7 @@
 #include "offload.h"
 
 #define ALIGN 4096u               /* O_DIRECT's offsets, lengths and addresses */
-#define PIECE ((size_t)1 << 19)   /* elements per piece of a sliceable update */
 
-size_t mti_offload_piece_elems = PIECE;
 #define SLOTS 6      /* piece buffers at most: updated, written back, read ahead */
 #define SLOTS_WHOLE 3 /* with whole-tensor pieces: updated, written back, the next */
 #define THREADS 2

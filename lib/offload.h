@@ -45,7 +45,8 @@ void mti_scratch_remove(mti_scratch *sc);
  * NULL (the default) in the library. */
 extern int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n);
 /* Elements per piece of an optimizer that updates slices (a multiple of
- * 256; 2^19 in the library; tests lower it to cut small tensors). */
+ * 256; 2^19 in the library; tests lower it to cut small tensors). Defined
+ * in offload_host.c, which the disk's pieces (offload.c) sit above. */
 extern size_t mti_offload_piece_elems;
 
 /* Checks the offload settings of cfg for a trainer of m (MT_OK when

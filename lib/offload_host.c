@@ -40,10 +40,13 @@
 
 #include "comm/dp.h"
 #include "cuda_device.h"
+#include "home.h"
 #include "offload.h"
 
 #define HSLOTS 4       /* staging slots of pieces */
 #define HSLOTS_WHOLE 2 /* of whole tensors (Adafactor) */
+
+size_t mti_offload_piece_elems = (size_t)1 << 19;
 
 enum { H_FREE, H_QUEUED, H_UP };
 
@@ -138,7 +141,7 @@ static mt_status run_update(mti_hostoff *h, host_slot *sl)
     if (!h->dry) s = mti_cuda_event_wait(h->ctx->dev, sl->down);
     if (!s) s = t->opt->update(&a, st, w32, pc, sl->g.ptr, sl->at, sl->n);
     if (!s && !h->dry)
-        s = mti_cuda_copy_async(h->ctx->dev, 1, mti_zero3_weights(t, sl->i, sl->at), sl->w.ptr,
+        s = mti_cuda_copy_async(h->ctx->dev, 1, mti_home_weights(t, sl->i, sl->at), sl->w.ptr,
                                 sl->n * h->wes, sl->up);
     return s;
 }
@@ -292,7 +295,7 @@ static mt_status queue_piece(mti_hostoff *h, int i, const float *g, size_t at, s
     mti_device *d = h->ctx->dev;
     s = mti_cuda_copy_async(d, 0, sl->g.ptr, g, n * 4, h->masters ? sl->down : NULL);
     if (!s && !h->masters)
-        s = mti_cuda_copy_async(d, 0, sl->w.ptr, mti_zero3_weights(t, i, at), n * 4, sl->down);
+        s = mti_cuda_copy_async(d, 0, sl->w.ptr, mti_home_weights(t, i, at), n * 4, sl->down);
     if (s) return s;
     pthread_mutex_lock(&h->mu);
     sl->state = H_QUEUED;

@@ -70,3 +70,17 @@ mt_status mti_tensor_zero(mt_context *ctx, mti_tensor *t)
 {
     return ctx->dev->memset8(ctx->dev, t->blk.ptr, 0, t->blk.bytes);
 }
+
+mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_t chunk,
+                          uint64_t *h)
+{
+    const size_t bytes = mti_tensor_bytes(w);
+    mt_status s = MT_OK;
+    for (size_t at = 0; at < bytes && !s; at += chunk) {
+        const size_t n = bytes - at < chunk ? bytes - at : chunk;
+        s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
+        if (!s) s = ctx->dev->sync(ctx->dev);
+        if (!s) *h = mti_hash(*h, buf, n);
+    }
+    return s;
+}

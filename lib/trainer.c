@@ -36,6 +36,7 @@
 #include "comm/overlap.h"
 #include "comm/queue.h"
 #include "plan.h"
+#include "home.h"
 #include "trainer.h"
 #include "offload.h"
 
@@ -535,7 +536,7 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, uint16_
 static void *weights_at(const mt_trainer *t, int i, size_t at)
 {
     if (t->off && mti_offload_has_weights(t->off, i)) return mti_offload_weights(t->off, at);
-    return mti_zero3_weights(t, i, at);
+    return mti_home_weights(t, i, at);
 }
 
 /* elements per slice of an update without masters (a multiple of the 8-bit block) */

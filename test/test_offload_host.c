@@ -24,6 +24,7 @@
 #include "cuda_device.h"
 #include "engine.h"
 #include "internal.h"
+#include "home.h"
 #include "offload.h"
 #include "test_comm.h"
 
@@ -432,7 +433,7 @@ static mt_status hr_take(hr_run *a, int rank, const mt_trainer *t)
         const bool slices = m->params_sharded && !p->frozen;
         const size_t lo = slices ? t->sh[i].lo : 0, hi = slices ? t->sh[i].hi : p->numel;
         if (hi > lo) s = ctx->dev->copy_d2h(ctx->dev, a->wb[rank] + at + lo * es,
-                                            mti_zero3_weights(t, i, lo), (hi - lo) * es);
+                                            mti_home_weights(t, i, lo), (hi - lo) * es);
         memset(a->held[rank] + at + lo * es, 1, (hi - lo) * es);
         at += bytes;
         if (!s && p->master.blk.ptr)

@@ -115,8 +115,11 @@ typedef struct mti_arch_paths {
                          float *amax_v, const mti_adamw8_consts *c, const mti_q8_tabs *t,
                          int level);
 } mti_arch_paths;
-/* The paths of our level now (mti_vec_level); never NULL. */
+/* The paths of our level now (mti_vec_level; isa.c); never NULL. */
 const mti_arch_paths *mti_arch_paths_now(void);
+/* The paths of vector level `level` (0 .. 2; arch_*.c, which knows the
+ * level only from its callers: the ISA layer, isa.c, sits above it). */
+const mti_arch_paths *mti_arch_paths_at(int level);
 /* optim8.c's maps, given once (they must put the signed map's negative
  * codes first, and every bucket word must hold: optim8.c checks); returns
  * the adamw8_block variants the CPU has (q8_levels at the top level). */

@@ -19,7 +19,11 @@ const char *mti_arch_onednn_isa(void) { return "its own"; }
 
 static const mti_arch_paths g_none;
 
-const mti_arch_paths *mti_arch_paths_now(void) { return &g_none; }
+const mti_arch_paths *mti_arch_paths_at(int level)
+{
+    (void)level;
+    return &g_none;
+}
 
 int mti_arch_q8_init(const mti_q8_tabs *t)
 {

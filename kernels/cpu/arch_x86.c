@@ -537,10 +537,10 @@ static void paths_init(void)
                                   .adamw8_block = q8_block_avx512};
 }
 
-const mti_arch_paths *mti_arch_paths_now(void)
+const mti_arch_paths *mti_arch_paths_at(int level)
 {
     pthread_once(&g_paths_once, paths_init);
-    return &g_paths[mti_vec_level()];
+    return &g_paths[level];
 }
 
 int mti_arch_q8_init(const mti_q8_tabs *t)

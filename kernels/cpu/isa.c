@@ -99,3 +99,5 @@ int mti_vec_level_init(void)
     pthread_once(&g_once, isa_init);
     return atomic_load_explicit(&mti_vec_level_now, memory_order_relaxed);
 }
+
+const mti_arch_paths *mti_arch_paths_now(void) { return mti_arch_paths_at(mti_vec_level()); }

@@ -9,11 +9,6 @@
 /* The parallelism is ours: OpenMP over tiles, rows, heads, with the
  * context's thread count, so two contexts with different counts can run at
  * once in one process. */
-int mti_cpu_threads(const mti_kctx *k)
-{
-    return k && k->ctx && k->ctx->threads > 0 ? k->ctx->threads : 1;
-}
-
 static const mti_ops cpu_ops = {
     .name = "cpu",
     .device = MT_DEVICE_CPU,

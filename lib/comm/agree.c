@@ -192,3 +192,20 @@ mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, cons
     free(mine), free(all), free(shown);
     return s;
 }
+
+mt_status mti_comm_attach(mt_context *ctx)
+{
+    const char *fn = "mt_context_create";
+    mt_comm *c = ctx->cfg.comm;
+    if ((c->vt.caps & MT_COMM_CAP_DEVICE) && ctx->dev->kind != MT_DEVICE_CUDA)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: cfg->comm is a device communicator (%s) and the context is on the "
+                        "CPU: a CPU context takes a host communicator (MPI)",
+                        fn, mt_comm_name(c));
+    static const char *const kinds[] = {"auto", "cpu", "cuda"};
+    const unsigned kind = (unsigned)ctx->dev->kind;
+    mti_settings l = {.n = 0};
+    mti_set_int(&l, "the world size", c->size); /* (first: see mti_comm_agree) */
+    mti_set_named(&l, "the device kind", kind, kind < 3 ? kinds[kind] : NULL);
+    return mti_comm_agree(ctx, fn, "the context", &l);
+}

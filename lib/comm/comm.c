@@ -13,18 +13,9 @@
 
 #include "comm/comm.h"
 #include "comm/cplan.h"
-#include "comm/nccl_overlap.h"
-#include "comm/queue.h"
 #include "cuda_device.h"
 
 #define MAX_RANKS 65536
-
-uint64_t mti_hash(uint64_t h, const void *data, size_t n)
-{
-    const unsigned char *p = data;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return h;
-}
 
 mt_status mt_comm_create(const mt_comm_vtable *vt, void *self, int rank, int size,
                          mt_comm **out)
@@ -257,23 +248,6 @@ static mt_status comm_block(mt_context *ctx, size_t bytes, int which, mt_block *
     return MT_OK;
 }
 
-mt_status mti_comm_plan_new(mt_context *ctx, const mt_comm *c, const mt_context *outer, bool dry)
-{
-    mti_comm_plan *p = calloc(1, sizeof *p);
-    if (!p) return mti_fail(ctx, MT_ERR_OOM, "mt_context_create: out of host memory");
-    p->threads = c ? (c->vt.caps & MT_COMM_CAP_THREADS) != 0 : outer && outer->comm->threads;
-    p->nccl = c ? mti_nccl_is(c) : outer ? outer->comm->nccl : true;
-    p->device = c ? mti_comm_is_device(c) : outer ? outer->comm->device : dry;
-    ctx->comm = p;
-    return MT_OK;
-}
-
-void mti_comm_plan_free(mt_context *ctx)
-{
-    free(ctx->comm);
-    ctx->comm = NULL;
-}
-
 void mti_comm_step(mt_context *ctx, uint64_t step) { atomic_store(&ctx->comm->step, step); }
 
 mt_status mti_comm_buffers(mt_context *ctx)
@@ -451,18 +425,26 @@ int mti_comm_urgent(void) { return atomic_load(&comm_hurry) > 0; }
 mt_status mti_comm_turn(mt_context *ctx, const char *what)
 {
     if (comm_thread) return MT_OK;
-    return mti_queues_quiet(ctx, what);
+    const mti_comm_plan *p = ctx->comm;
+    mt_status s = p->quiet_threads ? p->quiet_threads(ctx, what) : MT_OK;
+    return s ? s : p->quiet_streams ? p->quiet_streams(ctx, what) : MT_OK;
 }
 
+/* This thread's collectives are posted on a communication stream (nccl.c
+ * says so while it posts), not waited for. */
+static _Thread_local bool comm_posting;
+
+void mti_comm_posting(bool on) { comm_posting = on; }
+
 /* A collective of the context took from t0 until now. One posted on a
- * communication stream (mti_nccl_posting) was only queued: its time is
+ * communication stream (mti_comm_posting) was only queued: its time is
  * its time on the stream, counted when it is waited for (nccl_overlap.c),
  * so only the call counts here. */
 static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
 {
     const uint64_t ns = mti_now_ns() - t0;
     atomic_fetch_add(&ctx->comm->calls, 1);
-    if (mti_nccl_posting()) return s;
+    if (comm_posting) return s;
     atomic_fetch_add(&ctx->comm->ns, ns);
     if (!comm_thread) atomic_fetch_add(&ctx->comm->wait_ns, ns);
     return s;
@@ -592,21 +574,4 @@ mt_status mt_context_comm_stats(const mt_context *ctx, mt_comm_stats *out)
     out->seconds = 1e-9 * (double)atomic_load(&ctx->comm->ns);
     out->exposed_seconds = 1e-9 * (double)atomic_load(&ctx->comm->wait_ns);
     return MT_OK;
-}
-
-mt_status mti_comm_attach(mt_context *ctx)
-{
-    const char *fn = "mt_context_create";
-    mt_comm *c = ctx->cfg.comm;
-    if ((c->vt.caps & MT_COMM_CAP_DEVICE) && ctx->dev->kind != MT_DEVICE_CUDA)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: cfg->comm is a device communicator (%s) and the context is on the "
-                        "CPU: a CPU context takes a host communicator (MPI)",
-                        fn, mt_comm_name(c));
-    static const char *const kinds[] = {"auto", "cpu", "cuda"};
-    const unsigned kind = (unsigned)ctx->dev->kind;
-    mti_settings l = {.n = 0};
-    mti_set_int(&l, "the world size", c->size); /* (first: see mti_comm_agree) */
-    mti_set_named(&l, "the device kind", kind, kind < 3 ? kinds[kind] : NULL);
-    return mti_comm_agree(ctx, fn, "the context", &l);
 }

@@ -160,9 +160,6 @@ void mti_ranks_values(char *buf, size_t cap, int n, const unsigned char *vals, s
  * trainer's settings"). */
 mt_status mti_comm_agree(mt_context *ctx, const char *fn, const char *what, const mti_settings *l);
 
-/* A 64-bit FNV-1a hash, continuing from h (start with MTI_HASH_START). */
-#define MTI_HASH_START 0xcbf29ce484222325ull
-uint64_t mti_hash(uint64_t h, const void *data, size_t n);
 
 /* Whether c (may be NULL) works on device memory (MT_COMM_CAP_DEVICE). */
 bool mti_comm_is_device(const mt_comm *c);
@@ -177,6 +174,10 @@ void mti_comm_plan_free(mt_context *ctx);
 /* The trainer step (from 1; 0: outside one) the context's collectives
  * belong to from now on, named by a failure that breaks the communicator. */
 void mti_comm_step(mt_context *ctx, uint64_t step);
+/* This thread's collectives from now on are posted on a communication
+ * stream and not waited for (on), or are the usual blocking ones: their
+ * time is counted where they are waited for (nccl.c sets it). */
+void mti_comm_posting(bool on);
 /* At context create, once the allocators are made: the buffers a run of
  * several ranks holds until destroy (dry contexts too, so estimates count
  * them): a CPU context's staging (MTI_COMM_STAGE bytes of COMM), a CUDA

@@ -47,6 +47,11 @@ struct mti_comm_plan {
      * stream first waits until they are empty */
     struct mti_overlap *threads_q;
     struct mti_ncclov *streams_q;
+    /* their waits, set by the backend that made the first queue of each
+     * list (mti_overlaps_quiet, mti_ncclovs_quiet), so that comm.c, which
+     * they sit on, reaches them without calling up */
+    mt_status (*quiet_threads)(mt_context *ctx, const char *what);
+    mt_status (*quiet_streams)(mt_context *ctx, const char *what);
 };
 
 #endif /* MT_COMM_CPLAN_H */

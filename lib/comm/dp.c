@@ -230,20 +230,6 @@ static mt_status weights_hash(const mt_model *m, uint64_t *out)
     return s;
 }
 
-mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_t chunk,
-                          uint64_t *h)
-{
-    const size_t bytes = mti_tensor_bytes(w);
-    mt_status s = MT_OK;
-    for (size_t at = 0; at < bytes && !s; at += chunk) {
-        const size_t n = bytes - at < chunk ? bytes - at : chunk;
-        s = ctx->dev->copy_d2h(ctx->dev, buf, (const char *)w->blk.ptr + at, n);
-        if (!s) s = ctx->dev->sync(ctx->dev);
-        if (!s) *h = mti_hash(*h, buf, n);
-    }
-    return s;
-}
-
 /* One all-gather of (status, value) per rank. Returns own_s when this rank
  * failed (its message stands), MT_ERR_COMM naming the first rank that
  * failed when another did, else MT_OK with *sum the values added in rank

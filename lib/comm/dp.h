@@ -103,10 +103,6 @@ mt_status mti_zero_any(mt_trainer *t, int *flag);
 
 /* ---- ZeRO-3 (zero3.c) ---- */
 
-/* Adds tensor w's bytes to the hash *h, read to the host chunk bytes at a
- * time through buf (dp.c). */
-mt_status mti_tensor_hash(mt_context *ctx, const mti_tensor *w, void *buf, size_t chunk,
-                          uint64_t *h);
 /* Stage 3, at create, with the status so far (s), once the weights are
  * in their final dtype: each trained parameter's whole weights become this
  * rank's slice (t->pw), tensor by tensor, and the engine then brings each
@@ -119,9 +115,6 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s);
 /* The engine's params_hook (engine.h): layer's weights in (all-gathered
  * into COMM gather buffers, counted per parameter) or out. A collective. */
 mt_status mti_zero3_layer(void *user, int layer, int bwd, int in);
-/* Where element `at` of parameter i's weights (this rank's) is stored: in
- * the slice at stage 3, else in the whole tensor. */
-void *mti_zero3_weights(const mt_trainer *t, int i, size_t at);
 /* At destroy: the whole weights back in the model (a collective; on
  * failure the weights lost are zeros and the status says so). */
 mt_status mti_zero3_unshard(mt_trainer *t);

@@ -155,6 +155,7 @@ mt_status mti_ncclov_new(mt_context *ctx, int n, const size_t *numel, mti_ncclov
     }
     ov->next_on_ctx = ctx->comm->streams_q; /* (waited for by the context's other collectives) */
     ctx->comm->streams_q = ov;
+    ctx->comm->quiet_streams = mti_ncclovs_quiet;
     d->release_guard = release_guard; /* (and before memory goes back to the driver) */
     d->release_guard_arg = ctx;
     *out = ov;

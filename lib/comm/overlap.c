@@ -274,6 +274,7 @@ mt_status mti_overlap_new(mt_context *ctx, int n, const size_t *numel, mti_overl
     }
     ov->next_on_ctx = ctx->comm->threads_q; /* every trainer's queue is waited for */
     ctx->comm->threads_q = ov;
+    ctx->comm->quiet_threads = mti_overlaps_quiet;
     *out = ov;
     return MT_OK;
 }

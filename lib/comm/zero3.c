@@ -55,6 +55,7 @@
 
 #include "comm/dp.h"
 #include "comm/queue.h"
+#include "home.h"
 #include "offload.h"
 #include "trainer.h"
 
@@ -87,10 +88,7 @@ static bool live(const mt_trainer *t)
 }
 
 /* Whether parameter i's weights are sharded (stage 3, trained). */
-static bool sharded(const mt_trainer *t, int i)
-{
-    return t->zero == 3 && !t->model->params[i].frozen;
-}
+static bool sharded(const mt_trainer *t, int i) { return mti_home_sliced(t, i); }
 
 /* Elements of parameter i's slice tensor on rank r: the padded `per`, or
  * the whole tensor on its owner. */
@@ -106,14 +104,6 @@ static size_t gather_elems(const mt_trainer *t, int i)
 {
     const mti_shard *sh = &t->sh[i];
     return sh->owner >= 0 ? t->model->params[i].numel : sh->per * (size_t)t->world;
-}
-
-void *mti_zero3_weights(const mt_trainer *t, int i, size_t at)
-{
-    const mti_param *p = &t->model->params[i];
-    const size_t es = mti_dtype_size(p->w.dtype);
-    if (!sharded(t, i)) return (char *)p->w.blk.ptr + at * es;
-    return (char *)t->pw[i].blk.ptr + (at - t->sh[i].lo) * es;
 }
 
 static mt_status gather_in(mt_trainer *t, int i);
