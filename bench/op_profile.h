@@ -66,8 +66,8 @@ PROF(embedding_bwd, (const mti_kctx *k, float *dwte, float *dwpe, const void *d,
 PROF(embedding_dw_rows, (const mti_kctx *k, float *dwte, const void *d, const int32_t *t, int B,
                          int T, int C, int v0, int v1, mti_dtype dt),
      (k, dwte, d, t, B, T, C, v0, v1, dt))
-PROF(embedding_fwd_q, (const mti_kctx *k, void *o, const int32_t *t, const void *wq, int qf,
-                       int V, const void *wpe, int B, int T, int C, mti_dtype dt),
+PROF(embedding_fwd_q, (const mti_kctx *k, void *o, const int32_t *t, const void *wq,
+                       mti_qformat qf, int V, const void *wpe, int B, int T, int C, mti_dtype dt),
      (k, o, t, wq, qf, V, wpe, B, T, C, dt))
 PROF(matmul_fwd, (const mti_kctx *k, void *y, const void *x, const void *w, const void *b, int n,
                   int in, int out, mti_dtype dt), (k, y, x, w, b, n, in, out, dt))
@@ -77,11 +77,12 @@ PROF(matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void 
 PROF(matmul_dw_rows, (const mti_kctx *k, float *dw, const void *dy, const void *x, int n, int in,
                       int out, int o0, int o1, mti_dtype dt, int flags),
      (k, dw, dy, x, n, in, out, o0, o1, dt, flags))
-PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
+PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, mti_qformat qf,
                     const void *b, int n, int in, int out, mti_dtype dt),
      (k, y, x, wq, qf, b, n, in, out, dt))
-PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf, int n,
-                   int in, int out, mti_dtype dt, int acc), (k, dx, dy, wq, qf, n, in, out, dt, acc))
+PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, mti_qformat qf,
+                   int n, int in, int out, mti_dtype dt, int acc),
+     (k, dx, dy, wq, qf, n, in, out, dt, acc))
 PROF(layernorm_fwd, (const mti_kctx *k, void *o, float *mean, float *rstd, const void *x,
                      const void *w, const void *b, int n, int c, mti_dtype dt),
      (k, o, mean, rstd, x, w, b, n, c, dt))

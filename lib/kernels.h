@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "internal.h"
+#include "quant.h"
 
 /* What every op gets: the context (errors, workspace) and its device. */
 typedef struct mti_kctx {
@@ -253,7 +254,7 @@ struct mti_ops {
 
     /* ---- matmul with a quantized, frozen weight ---- */
     /* W (O,I) is a quantized tensor of O*I elements (lib/quant.h): format qf
-     * (an mti_qformat: MTI_QF_INT8 or MTI_QF_NF4), one buffer of
+     * (MTI_QF_INT8 or MTI_QF_NF4), one buffer of
      * mti_quant_bytes(qf, O*I) bytes on the table's device laid out as
      * mti_quant_parts says. A quantized weight is frozen, so there is a
      * forward and an input gradient, and no weight gradient. Both give the
@@ -264,11 +265,11 @@ struct mti_ops {
      * the kernels: MT_ERR_UNSUPPORTED); an unknown qf is
      * MT_ERR_INVALID_ARG.
      * y (N,O) = x (N,I) . deq(W)^T + b (O); b may be NULL. */
-    mt_status (*matmul_fwd_q)(const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
-                              const void *b, int n, int in, int out, mti_dtype dt);
+    mt_status (*matmul_fwd_q)(const mti_kctx *k, void *y, const void *x, const void *wq,
+                              mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt);
     /* dx (N,I) = (or += with accumulate) dy (N,O) . deq(W). */
-    mt_status (*matmul_dx_q)(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
-                             int n, int in, int out, mti_dtype dt, int accumulate);
+    mt_status (*matmul_dx_q)(const mti_kctx *k, void *dx, const void *dy, const void *wq,
+                             mti_qformat qf, int n, int in, int out, mti_dtype dt, int accumulate);
     /* embedding_fwd with the token table (V,C) quantized as a (V,C)
      * weight (the frozen table of a quantized base, which is also the tied
      * LM head's W): each looked-up row dequantized in dt as mti_dequantize
@@ -277,7 +278,8 @@ struct mti_ops {
      * dequantized whole (no WORK). dt fp32 or bf16 (else
      * MT_ERR_UNSUPPORTED); an unknown qf is MT_ERR_INVALID_ARG. */
     mt_status (*embedding_fwd_q)(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
-                                 int qf, int V, const void *wpe, int B, int T, int C, mti_dtype dt);
+                                 mti_qformat qf, int V, const void *wpe, int B, int T, int C,
+                                 mti_dtype dt);
 
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
@@ -426,8 +428,8 @@ const mti_ops *mti_cuda_dry_ops(void);
  * lib/quant.h; device memory) into out (rows x cols, leading dimension ld)
  * in dt (fp32, fp16 or bf16), each value mti_dequantize's bits (fp16: its
  * fp32 value rounded to nearest even). Queued on the device's stream. */
-mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t R, size_t I,
-                              size_t r0, size_t rows, size_t c0, size_t cols, void *out,
+mt_status mti_cuda_dequantize(const mti_kctx *k, mti_qformat qf, const void *wq, size_t R,
+                              size_t I, size_t r0, size_t rows, size_t c0, size_t cols, void *out,
                               size_t ld, mti_dtype dt);
 
 /* The 256-entry quantization maps of 8-bit optimizer states, ascending

@@ -62,13 +62,14 @@ static uint64_t model_hash(const mt_model *m)
 static void quant_setting(mti_settings *l, const char *name, const mt_model *m)
 {
     uint64_t h = MTI_HASH_START;
-    int n = 0, qf = 0;
+    int n = 0;
+    mti_qformat qf = MTI_QF_NONE;
     for (int i = 0; i < m->n_param; i++) {
         H(h, m->params[i].qf);
         if (m->params[i].qf) n++, qf = m->params[i].qf;
     }
     char text[MTI_SHOWN] = "none";
-    const char *f = mt_base_format_name((mt_base_format)qf);
+    const char *f = mti_quant_name(qf);
     if (n) snprintf(text, sizeof text, "%s, %d tensor%s", f ? f : "?", n, n > 1 ? "s" : "");
     mti_set_named(l, name, (int64_t)h, text);
 }
