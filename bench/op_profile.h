@@ -21,13 +21,15 @@ enum {
     P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_embedding_fwd_q, P_matmul_fwd, P_matmul_bwd,
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
-    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor, P_COUNT
+    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor,
+    P_dequantize, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
-    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor"};
+    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor",
+    "dequantize"};
 
 /* Op families of the table printed with the profile; each op belongs to one. */
 enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
@@ -39,7 +41,7 @@ static const char *const prof_family_names[F_COUNT] = {
 static const unsigned char prof_family[P_COUNT] = {
     F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
     F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
-    F_OPT, F_OPT, F_OPT, F_OPT};
+    F_OPT, F_OPT, F_OPT, F_OPT, F_CAST};
 
 static const mti_ops *prof_inner;
 static double prof_s[P_COUNT];
@@ -83,6 +85,8 @@ PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, m
 PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, mti_qformat qf,
                    int n, int in, int out, mti_dtype dt, int acc),
      (k, dx, dy, wq, qf, n, in, out, dt, acc))
+PROF(dequantize, (const mti_kctx *k, void *o, const void *wq, mti_qformat qf, size_t n, size_t at,
+                  size_t len, mti_dtype dt), (k, o, wq, qf, n, at, len, dt))
 PROF(layernorm_fwd, (const mti_kctx *k, void *o, float *mean, float *rstd, const void *x,
                      const void *w, const void *b, int n, int c, mti_dtype dt),
      (k, o, mean, rstd, x, w, b, n, c, dt))
@@ -135,7 +139,8 @@ static mti_ops prof_ops = {
     .embedding_dw_rows = prof_embedding_dw_rows, .embedding_fwd_q = prof_embedding_fwd_q, .matmul_fwd = prof_matmul_fwd,
     .matmul_bwd = prof_matmul_bwd, .matmul_dw_align = prof_dw_align,
     .matmul_dw_rows = prof_matmul_dw_rows, .matmul_fwd_q = prof_matmul_fwd_q,
-    .matmul_dx_q = prof_matmul_dx_q, .layernorm_fwd = prof_layernorm_fwd,
+    .matmul_dx_q = prof_matmul_dx_q, .dequantize = prof_dequantize,
+    .layernorm_fwd = prof_layernorm_fwd,
     .layernorm_bwd = prof_layernorm_bwd, .gelu_fwd = prof_gelu_fwd, .gelu_bwd = prof_gelu_bwd,
     .relu_fwd = prof_relu_fwd, .relu_bwd = prof_relu_bwd, .add = prof_add,
     .accumulate = prof_accumulate, .attention_fwd = prof_attention_fwd,

@@ -197,8 +197,9 @@ typedef struct mti_adafactor_args {
 typedef struct mti_ops mti_ops;
 
 /* Every member after `device` is an op (a function pointer), and both
- * tables have every one: test/test_registries.c walks the members and
- * fails on a table that leaves one out. */
+ * tables have every one: each table is made from MTI_OPS (below), so one
+ * that lacks an op does not build, and test/test_registries.c walks the
+ * members of the tables as they are and fails on one left NULL. */
 struct mti_ops {
     const char *name;     /* "cpu", "cuda" */
     mt_device_kind device;
@@ -280,6 +281,13 @@ struct mti_ops {
     mt_status (*embedding_fwd_q)(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
                                  mti_qformat qf, int V, const void *wpe, int B, int T, int C,
                                  mti_dtype dt);
+    /* out (len) in dt = elements [at, at + len) of the quantized tensor wq
+     * (n elements, format qf), as mti_dequantize makes them: any range, on a
+     * block's boundary or not. The model reads a quantized weight back
+     * through it. dt fp32 or bf16; another dt, an unknown qf or a range
+     * outside the tensor is MT_ERR_INVALID_ARG. */
+    mt_status (*dequantize)(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
+                            size_t at, size_t len, mti_dtype dt);
 
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
@@ -403,6 +411,23 @@ struct mti_ops {
                            float *v, float *m, void *pc, mti_dtype pc_dt, int64_t rows,
                            int64_t cols, int factored, const mti_adafactor_args *a);
 };
+
+/* The ops of struct mti_ops, by member name. A table is made from this list,
+ * each op its implementation's name (kernels/cpu/ops.c: mti_cpu_<op>;
+ * lib/ops_cuda.c: cu_<op>), so a table without an op does not build; the
+ * assertion keeps the list the struct's members (a name that is none fails
+ * to build, and a member the list lacks leaves the count short). */
+#define MTI_OPS(X)                                                                                 \
+    X(cast) X(embedding_fwd) X(embedding_bwd) X(embedding_dw_rows) X(matmul_fwd) X(matmul_bwd)     \
+    X(matmul_dw_align) X(matmul_dw_rows) X(matmul_fwd_q) X(matmul_dx_q) X(embedding_fwd_q)         \
+    X(dequantize) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
+    X(relu_bwd) X(add) X(accumulate) X(attention_fwd) X(attention_bwd) X(xent) X(xent_kd)          \
+    X(unscale_check) X(sumsq) X(sgd) X(adamw) X(adamw8) X(adamw8_bf16) X(adamw4) X(adafactor)
+#define MTI_OP_ONE(op) +1
+_Static_assert(sizeof(mti_ops) ==
+                   offsetof(mti_ops, cast) + (0 MTI_OPS(MTI_OP_ONE)) * sizeof(void (*)(void)),
+               "MTI_OPS lists every op of mti_ops");
+#undef MTI_OP_ONE
 
 /* The CPU table, and the CPU thread count of its kernels: the context's
  * (ctx->threads; 1 without a context). The parallelism is the library's own

@@ -678,16 +678,18 @@ static mt_status sharded_refused(const mt_model *m, const mti_param *p)
 }
 
 /* Elements [at, at + n) of quantized parameter p as fp32 into out (memory
- * of the context's device): lib/quant.c on the CPU, on CUDA its
- * dequantizing kernel (the same bits), queued on the stream. */
+ * of the context's device): the op table's dequantize (lib/quant.c's bits
+ * on every device; queued on a device's stream). */
 static mt_status dequantize_range(const mt_model *m, const mti_param *p, size_t at, size_t n,
                                   float *out)
 {
     mt_context *ctx = m->ctx;
-    if (ctx->dev->kind == MT_DEVICE_CPU)
-        return mti_dequantize(ctx, p->qf, p->w.blk.ptr, p->numel, at, n, out, MTI_F32);
+    if (!ctx->ops) /* (a device without kernels still holds the bytes) */
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: %s has no kernels in this build or driver to dequantize it", p->name,
+                        ctx->dev->name);
     const mti_kctx k = {ctx, ctx->dev};
-    return mti_cuda_dequantize(&k, p->qf, p->w.blk.ptr, 1, p->numel, 0, 1, at, n, out, n, MTI_F32);
+    return ctx->ops->dequantize(&k, out, p->w.blk.ptr, p->qf, p->numel, at, n, MTI_F32);
 }
 
 static mt_status quantize_into(mt_context *ctx, const char *name, mti_qformat qf, const float *x,

@@ -961,6 +961,16 @@ static mt_status cu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t 
     return launch(k, MTI_CUDA_EMB_FWD_Q_NF4, ew_grid(n), MTI_DQ_THREADS, args);
 }
 
+/* dequantize: the range as columns [at, at + len) of a (1, n) weight. */
+static mt_status cu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf,
+                               size_t n, size_t at, size_t len, mti_dtype dt)
+{
+    if (dt != MTI_F32 && dt != MTI_BF16) /* (the tile kernels take fp16 too; the op does not) */
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA dequantize: output dtype %s is not fp32 or bf16", dt_name(dt));
+    return mti_cuda_dequantize(k, qf, wq, 1, n, 0, 1, at, len, out, len, dt);
+}
+
 /* The checks of the CPU table's quantized matmuls, in its order. */
 static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, mti_qformat qf, int n,
                          int in, int out, mti_dtype dt)
@@ -1652,41 +1662,10 @@ static mt_status cu_adafactor(const mti_kctx *k, float *p, const float *g, float
 
 /* ---- the table ---- */
 
-static const mti_ops cuda_ops = {
-    .name = "cuda",
-    .device = MT_DEVICE_CUDA,
-    .cast = cu_cast,
-    .embedding_fwd = cu_embedding_fwd,
-    .embedding_fwd_q = cu_embedding_fwd_q,
-    .embedding_bwd = cu_embedding_bwd,
-    .embedding_dw_rows = cu_embedding_dw_rows,
-    .matmul_fwd = cu_matmul_fwd,
-    .matmul_bwd = cu_matmul_bwd,
-    .matmul_dw_align = cu_matmul_dw_align,
-    .matmul_dw_rows = cu_matmul_dw_rows,
-    .matmul_fwd_q = cu_matmul_fwd_q,
-    .matmul_dx_q = cu_matmul_dx_q,
-    .layernorm_fwd = cu_layernorm_fwd,
-    .layernorm_bwd = cu_layernorm_bwd,
-    .gelu_fwd = cu_gelu_fwd,
-    .gelu_bwd = cu_gelu_bwd,
-    .relu_fwd = cu_relu_fwd,
-    .relu_bwd = cu_relu_bwd,
-    .add = cu_add,
-    .accumulate = cu_accumulate,
-    .attention_fwd = cu_attention_fwd,
-    .attention_bwd = cu_attention_bwd,
-    .xent = cu_xent,
-    .xent_kd = cu_xent_kd,
-    .unscale_check = cu_unscale_check,
-    .sumsq = cu_sumsq,
-    .sgd = cu_sgd,
-    .adamw = cu_adamw,
-    .adamw8 = cu_adamw8,
-    .adamw8_bf16 = cu_adamw8_bf16,
-    .adamw4 = cu_adamw4,
-    .adafactor = cu_adafactor,
-};
+/* Every op of MTI_OPS (lib/kernels.h) as cu_<op>. */
+#define CUDA_OP(op) .op = cu_##op,
+static const mti_ops cuda_ops = {.name = "cuda", .device = MT_DEVICE_CUDA, MTI_OPS(CUDA_OP)};
+#undef CUDA_OP
 
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out)
 {

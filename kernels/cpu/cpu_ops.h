@@ -14,6 +14,9 @@
 /* convert.c */
 mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                        mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
+/* The op dequantize: lib/quant.c's dequantizer. */
+mt_status mti_cpu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
+                             size_t at, size_t len, mti_dtype dt);
 /* Loads n values of dt at src (element offset i) into fp32 dst / stores n
  * fp32 values as dt, rounding to nearest even. For the kernels' inner loops. */
 void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);
