@@ -456,12 +456,14 @@ static const char *optimizer_str(uint32_t v)
 static const char *precision_str(uint32_t v)
 {
     static const char *const names[] = {"fp32", "fp16", "bf16"};
+    _Static_assert(sizeof names / sizeof *names == MT_PREC_BF16 + 1, "a name per mt_precision");
     return v < sizeof names / sizeof *names ? names[v] : "unknown";
 }
 
 static const char *dtype_str(uint32_t v)
 {
     static const char *const names[] = {"fp32", "fp16", "bf16", "int32", "uint8"};
+    _Static_assert(sizeof names / sizeof *names == MTI_U8 + 1, "a name per mti_dtype");
     return v < sizeof names / sizeof *names ? names[v] : "unknown";
 }
 
