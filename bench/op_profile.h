@@ -21,13 +21,15 @@ enum {
     P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_embedding_fwd_q, P_matmul_fwd, P_matmul_bwd,
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
-    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor, P_COUNT
+    P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor,
+    P_dequantize, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
-    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor"};
+    "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor",
+    "dequantize"};
 
 /* Op families of the table printed with the profile; each op belongs to one. */
 enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
@@ -39,7 +41,7 @@ static const char *const prof_family_names[F_COUNT] = {
 static const unsigned char prof_family[P_COUNT] = {
     F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
     F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
-    F_OPT, F_OPT, F_OPT, F_OPT};
+    F_OPT, F_OPT, F_OPT, F_OPT, F_CAST};
 
 static const mti_ops *prof_inner;
 static double prof_s[P_COUNT];
@@ -66,8 +68,8 @@ PROF(embedding_bwd, (const mti_kctx *k, float *dwte, float *dwpe, const void *d,
 PROF(embedding_dw_rows, (const mti_kctx *k, float *dwte, const void *d, const int32_t *t, int B,
                          int T, int C, int v0, int v1, mti_dtype dt),
      (k, dwte, d, t, B, T, C, v0, v1, dt))
-PROF(embedding_fwd_q, (const mti_kctx *k, void *o, const int32_t *t, const void *wq, int qf,
-                       int V, const void *wpe, int B, int T, int C, mti_dtype dt),
+PROF(embedding_fwd_q, (const mti_kctx *k, void *o, const int32_t *t, const void *wq,
+                       mti_qformat qf, int V, const void *wpe, int B, int T, int C, mti_dtype dt),
      (k, o, t, wq, qf, V, wpe, B, T, C, dt))
 PROF(matmul_fwd, (const mti_kctx *k, void *y, const void *x, const void *w, const void *b, int n,
                   int in, int out, mti_dtype dt), (k, y, x, w, b, n, in, out, dt))
@@ -77,11 +79,14 @@ PROF(matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void 
 PROF(matmul_dw_rows, (const mti_kctx *k, float *dw, const void *dy, const void *x, int n, int in,
                       int out, int o0, int o1, mti_dtype dt, int flags),
      (k, dw, dy, x, n, in, out, o0, o1, dt, flags))
-PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
+PROF(matmul_fwd_q, (const mti_kctx *k, void *y, const void *x, const void *wq, mti_qformat qf,
                     const void *b, int n, int in, int out, mti_dtype dt),
      (k, y, x, wq, qf, b, n, in, out, dt))
-PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf, int n,
-                   int in, int out, mti_dtype dt, int acc), (k, dx, dy, wq, qf, n, in, out, dt, acc))
+PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, mti_qformat qf,
+                   int n, int in, int out, mti_dtype dt, int acc),
+     (k, dx, dy, wq, qf, n, in, out, dt, acc))
+PROF(dequantize, (const mti_kctx *k, void *o, const void *wq, mti_qformat qf, size_t n, size_t at,
+                  size_t len, mti_dtype dt), (k, o, wq, qf, n, at, len, dt))
 PROF(layernorm_fwd, (const mti_kctx *k, void *o, float *mean, float *rstd, const void *x,
                      const void *w, const void *b, int n, int c, mti_dtype dt),
      (k, o, mean, rstd, x, w, b, n, c, dt))
@@ -134,7 +139,8 @@ static mti_ops prof_ops = {
     .embedding_dw_rows = prof_embedding_dw_rows, .embedding_fwd_q = prof_embedding_fwd_q, .matmul_fwd = prof_matmul_fwd,
     .matmul_bwd = prof_matmul_bwd, .matmul_dw_align = prof_dw_align,
     .matmul_dw_rows = prof_matmul_dw_rows, .matmul_fwd_q = prof_matmul_fwd_q,
-    .matmul_dx_q = prof_matmul_dx_q, .layernorm_fwd = prof_layernorm_fwd,
+    .matmul_dx_q = prof_matmul_dx_q, .dequantize = prof_dequantize,
+    .layernorm_fwd = prof_layernorm_fwd,
     .layernorm_bwd = prof_layernorm_bwd, .gelu_fwd = prof_gelu_fwd, .gelu_bwd = prof_gelu_bwd,
     .relu_fwd = prof_relu_fwd, .relu_bwd = prof_relu_bwd, .add = prof_add,
     .accumulate = prof_accumulate, .attention_fwd = prof_attention_fwd,

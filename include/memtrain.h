@@ -708,7 +708,9 @@ typedef enum mt_base_format {
     MT_BASE_INT8 = 1,
     MT_BASE_NF4 = 2
 } mt_base_format;
-/* "full", "int8", "nf4", or NULL for another value. */
+/* "full", "int8", "nf4", or NULL for another value. The formats are
+ * numbered from 0 (MT_BASE_FULL) without gaps, so f = 0, 1, ... up to the
+ * first NULL names them all. */
 const char *mt_base_format_name(mt_base_format f);
 
 typedef struct mt_gpt_spec {
@@ -794,7 +796,9 @@ typedef enum mt_optimizer_kind {
 } mt_optimizer_kind;
 
 /* An optimizer's name as the memtrain command spells it ("sgd", "adamw",
- * "adamw8", "adafactor", "adamw4"), or NULL for a value that is no optimizer. */
+ * "adamw8", "adafactor", "adamw4"), or NULL for a value that is no optimizer.
+ * The kinds are numbered from 1 without gaps, so kind = 1, 2, ... up to the
+ * first NULL names them all. */
 const char *mt_optimizer_name(mt_optimizer_kind kind);
 /* The optimizer of a name as mt_optimizer_name spells it into *out;
  * MT_ERR_INVALID_ARG, naming those there are, for any other name. */

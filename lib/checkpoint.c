@@ -199,6 +199,7 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
     }
     /* the quantized weights (cfg.base), when there are any: their count,
        then each one's index and format (1 int8, 2 NF4) */
+    _Static_assert(MTI_QF_INT8 == 1 && MTI_QF_NF4 == 2, "the formats' numbers in a file");
     uint32_t nq = 0;
     for (int i = 0; i < m->n_param; i++) nq += m->params[i].qf != 0;
     if (nq) bb_u32(b, nq);
@@ -455,12 +456,14 @@ static const char *optimizer_str(uint32_t v)
 static const char *precision_str(uint32_t v)
 {
     static const char *const names[] = {"fp32", "fp16", "bf16"};
+    _Static_assert(sizeof names / sizeof *names == MT_PREC_BF16 + 1, "a name per mt_precision");
     return v < sizeof names / sizeof *names ? names[v] : "unknown";
 }
 
 static const char *dtype_str(uint32_t v)
 {
     static const char *const names[] = {"fp32", "fp16", "bf16", "int32", "uint8"};
+    _Static_assert(sizeof names / sizeof *names == MTI_U8 + 1, "a name per mti_dtype");
     return v < sizeof names / sizeof *names ? names[v] : "unknown";
 }
 

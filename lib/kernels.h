@@ -39,6 +39,7 @@
 #include <stdint.h>
 
 #include "internal.h"
+#include "quant.h"
 
 /* What every op gets: the context (errors, workspace) and its device. */
 typedef struct mti_kctx {
@@ -196,8 +197,9 @@ typedef struct mti_adafactor_args {
 typedef struct mti_ops mti_ops;
 
 /* Every member after `device` is an op (a function pointer), and both
- * tables have every one: test/test_registries.c walks the members and
- * fails on a table that leaves one out. */
+ * tables have every one: each table is made from MTI_OPS (below), so one
+ * that lacks an op does not build, and test/test_registries.c walks the
+ * members of the tables as they are and fails on one left NULL. */
 struct mti_ops {
     const char *name;     /* "cpu", "cuda" */
     mt_device_kind device;
@@ -253,7 +255,7 @@ struct mti_ops {
 
     /* ---- matmul with a quantized, frozen weight ---- */
     /* W (O,I) is a quantized tensor of O*I elements (lib/quant.h): format qf
-     * (an mti_qformat: MTI_QF_INT8 or MTI_QF_NF4), one buffer of
+     * (MTI_QF_INT8 or MTI_QF_NF4), one buffer of
      * mti_quant_bytes(qf, O*I) bytes on the table's device laid out as
      * mti_quant_parts says. A quantized weight is frozen, so there is a
      * forward and an input gradient, and no weight gradient. Both give the
@@ -264,11 +266,11 @@ struct mti_ops {
      * the kernels: MT_ERR_UNSUPPORTED); an unknown qf is
      * MT_ERR_INVALID_ARG.
      * y (N,O) = x (N,I) . deq(W)^T + b (O); b may be NULL. */
-    mt_status (*matmul_fwd_q)(const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
-                              const void *b, int n, int in, int out, mti_dtype dt);
+    mt_status (*matmul_fwd_q)(const mti_kctx *k, void *y, const void *x, const void *wq,
+                              mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt);
     /* dx (N,I) = (or += with accumulate) dy (N,O) . deq(W). */
-    mt_status (*matmul_dx_q)(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
-                             int n, int in, int out, mti_dtype dt, int accumulate);
+    mt_status (*matmul_dx_q)(const mti_kctx *k, void *dx, const void *dy, const void *wq,
+                             mti_qformat qf, int n, int in, int out, mti_dtype dt, int accumulate);
     /* embedding_fwd with the token table (V,C) quantized as a (V,C)
      * weight (the frozen table of a quantized base, which is also the tied
      * LM head's W): each looked-up row dequantized in dt as mti_dequantize
@@ -277,7 +279,15 @@ struct mti_ops {
      * dequantized whole (no WORK). dt fp32 or bf16 (else
      * MT_ERR_UNSUPPORTED); an unknown qf is MT_ERR_INVALID_ARG. */
     mt_status (*embedding_fwd_q)(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
-                                 int qf, int V, const void *wpe, int B, int T, int C, mti_dtype dt);
+                                 mti_qformat qf, int V, const void *wpe, int B, int T, int C,
+                                 mti_dtype dt);
+    /* out (len) in dt = elements [at, at + len) of the quantized tensor wq
+     * (n elements, format qf), as mti_dequantize makes them: any range, on a
+     * block's boundary or not. The model reads a quantized weight back
+     * through it. dt fp32 or bf16; another dt, an unknown qf or a range
+     * outside the tensor is MT_ERR_INVALID_ARG. */
+    mt_status (*dequantize)(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
+                            size_t at, size_t len, mti_dtype dt);
 
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
@@ -402,6 +412,23 @@ struct mti_ops {
                            int64_t cols, int factored, const mti_adafactor_args *a);
 };
 
+/* The ops of struct mti_ops, by member name. A table is made from this list,
+ * each op its implementation's name (kernels/cpu/ops.c: mti_cpu_<op>;
+ * lib/ops_cuda.c: cu_<op>), so a table without an op does not build; the
+ * assertion keeps the list the struct's members (a name that is none fails
+ * to build, and a member the list lacks leaves the count short). */
+#define MTI_OPS(X)                                                                                 \
+    X(cast) X(embedding_fwd) X(embedding_bwd) X(embedding_dw_rows) X(matmul_fwd) X(matmul_bwd)     \
+    X(matmul_dw_align) X(matmul_dw_rows) X(matmul_fwd_q) X(matmul_dx_q) X(embedding_fwd_q)         \
+    X(dequantize) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
+    X(relu_bwd) X(add) X(accumulate) X(attention_fwd) X(attention_bwd) X(xent) X(xent_kd)          \
+    X(unscale_check) X(sumsq) X(sgd) X(adamw) X(adamw8) X(adamw8_bf16) X(adamw4) X(adafactor)
+#define MTI_OP_ONE(op) +1
+_Static_assert(sizeof(mti_ops) ==
+                   offsetof(mti_ops, cast) + (0 MTI_OPS(MTI_OP_ONE)) * sizeof(void (*)(void)),
+               "MTI_OPS lists every op of mti_ops");
+#undef MTI_OP_ONE
+
 /* The CPU table, and the CPU thread count of its kernels: the context's
  * (ctx->threads; 1 without a context). The parallelism is the library's own
  * (OpenMP); the GEMM library runs single-threaded inside it, so results do
@@ -429,8 +456,8 @@ const mti_ops *mti_cuda_dry_ops(void);
  * lib/quant.h; device memory) into out (rows x cols, leading dimension ld)
  * in dt (fp32, fp16 or bf16), each value mti_dequantize's bits (fp16: its
  * fp32 value rounded to nearest even). Queued on the device's stream. */
-mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t R, size_t I,
-                              size_t r0, size_t rows, size_t c0, size_t cols, void *out,
+mt_status mti_cuda_dequantize(const mti_kctx *k, mti_qformat qf, const void *wq, size_t R,
+                              size_t I, size_t r0, size_t rows, size_t c0, size_t cols, void *out,
                               size_t ld, mti_dtype dt);
 
 /* The 256-entry quantization maps of 8-bit optimizer states, ascending

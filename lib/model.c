@@ -258,12 +258,12 @@ static mt_status draw(mt_model *m, int i, mti_rng *rng, float *host, size_t ch)
     return s;
 }
 
-static mt_status quantize_from(mt_model *m, int i, int qf, const float *x);
+static mt_status quantize_from(mt_model *m, int i, mti_qformat qf, const float *x);
 
 /* Parameter i quantized as it is made on a device context: filled into a
  * host staging buffer of its fp32 values, quantized there, and only the
  * quantized bytes allocated (PARAM) and uploaded. */
-static mt_status fill_quantized(mt_model *m, int i, int qf, mti_fill_fn fill, void *user,
+static mt_status fill_quantized(mt_model *m, int i, mti_qformat qf, mti_fill_fn fill, void *user,
                                 mti_rng *rng, float *host, size_t ch)
 {
     mt_context *ctx = m->ctx;
@@ -294,7 +294,7 @@ static mt_status init_params(mt_model *m, uint64_t seed, const char *fn, mti_fil
     }
     m->n_params = off;
     if (m->kind == MTI_MODEL_GPT) gpt_offsets(m);
-    const int qf = m->kind == MTI_MODEL_GPT ? (int)m->gpt.base : 0;
+    const mti_qformat qf = m->kind == MTI_MODEL_GPT ? mti_qformat_of(m->gpt.base) : MTI_QF_NONE;
     mt_status s = fill ? fill(user, m, -1) : MT_OK;
     if (s) return s;
     float *host = fill ? NULL : malloc(CH * sizeof *host);
@@ -678,20 +678,22 @@ static mt_status sharded_refused(const mt_model *m, const mti_param *p)
 }
 
 /* Elements [at, at + n) of quantized parameter p as fp32 into out (memory
- * of the context's device): lib/quant.c on the CPU, on CUDA its
- * dequantizing kernel (the same bits), queued on the stream. */
+ * of the context's device): the op table's dequantize (lib/quant.c's bits
+ * on every device; queued on a device's stream). */
 static mt_status dequantize_range(const mt_model *m, const mti_param *p, size_t at, size_t n,
                                   float *out)
 {
     mt_context *ctx = m->ctx;
-    if (ctx->dev->kind == MT_DEVICE_CPU)
-        return mti_dequantize(ctx, (mti_qformat)p->qf, p->w.blk.ptr, p->numel, at, n, out, MTI_F32);
+    if (!ctx->ops) /* (a device without kernels still holds the bytes) */
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: %s has no kernels in this build or driver to dequantize it", p->name,
+                        ctx->dev->name);
     const mti_kctx k = {ctx, ctx->dev};
-    return mti_cuda_dequantize(&k, p->qf, p->w.blk.ptr, 1, p->numel, 0, 1, at, n, out, n, MTI_F32);
+    return ctx->ops->dequantize(&k, out, p->w.blk.ptr, p->qf, p->numel, at, n, MTI_F32);
 }
 
-static mt_status quantize_into(mt_context *ctx, const char *name, int qf, const float *x, size_t n,
-                               mti_tensor *q);
+static mt_status quantize_into(mt_context *ctx, const char *name, mti_qformat qf, const float *x,
+                               size_t n, mti_tensor *q);
 
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
 {
@@ -740,7 +742,7 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
         if (at != 0 || n != p->numel)
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
                             "%s is quantized (%s): it is written whole or not at all", p->name,
-                            mti_quant_name((mti_qformat)p->qf));
+                            mti_quant_name(p->qf));
         return quantize_into(ctx, p->name, p->qf, src, n, &p->w);
     }
     const bool master = p->master.blk.ptr != NULL && !m->master_sliced; /* (a frozen weight has none) */
@@ -819,7 +821,7 @@ mt_status mt_model_set_params(mt_model *m, const float *src, size_t n)
     /* and what each quantized weight can hold, before any changes */
     for (int i = 0; i < m->n_param; i++) {
         const mti_param *p = &m->params[i];
-        if (p->qf && (s = mti_quant_check(m->ctx, (mti_qformat)p->qf, src + p->offset, p->numel)))
+        if (p->qf && (s = mti_quant_check(m->ctx, p->qf, src + p->offset, p->numel)))
             return mti_fail(m->ctx, s, "mt_model_set_params: %s: %s", p->name,
                             mti_last_msg(m->ctx).s);
     }
@@ -838,12 +840,7 @@ mt_status mti_model_upload(mt_model *m, const float *src)
 
 const char *mt_base_format_name(mt_base_format f)
 {
-    switch (f) {
-    case MT_BASE_FULL: return "full";
-    case MT_BASE_INT8: return "int8";
-    case MT_BASE_NF4: return "nf4";
-    }
-    return NULL;
+    return f == MT_BASE_FULL ? "full" : mti_quant_name(mti_qformat_of(f));
 }
 
 int mti_param_quantizable(const mt_model *m, int i)
@@ -858,9 +855,9 @@ int mti_param_is_table(const mt_model *m, int i)
 }
 
 /* The quantized tensor of parameter i in format qf: a flat byte tensor. */
-static mti_tensor quant_tensor(const mti_param *p, int qf)
+static mti_tensor quant_tensor(const mti_param *p, mti_qformat qf)
 {
-    size_t bytes = mti_quant_bytes((mti_qformat)qf, p->numel);
+    size_t bytes = mti_quant_bytes(qf, p->numel);
     return (mti_tensor){.dtype = MTI_U8, .ndim = 1, .shape = {(int64_t)bytes}};
 }
 
@@ -868,18 +865,18 @@ static mti_tensor quant_tensor(const mti_param *p, int qf)
  * tensor on the context's device): on the CPU straight into it, on a
  * device into a host buffer whose bytes then go up. Values it cannot hold
  * are refused before q changes, the message naming the tensor. */
-static mt_status quantize_into(mt_context *ctx, const char *name, int qf, const float *x, size_t n,
-                               mti_tensor *q)
+static mt_status quantize_into(mt_context *ctx, const char *name, mti_qformat qf, const float *x,
+                               size_t n, mti_tensor *q)
 {
     mt_status s;
     if (ctx->dev->kind == MT_DEVICE_CPU) {
-        s = mti_quantize(ctx, (mti_qformat)qf, x, n, q->blk.ptr);
+        s = mti_quantize(ctx, qf, x, n, q->blk.ptr);
         return s ? mti_fail(ctx, s, "%s: %s", name, mti_last_msg(ctx).s) : MT_OK;
     }
-    const size_t bytes = mti_quant_bytes((mti_qformat)qf, n);
+    const size_t bytes = mti_quant_bytes(qf, n);
     void *h = malloc(bytes ? bytes : 1);
     if (!h) return mti_fail(ctx, MT_ERR_OOM, "quantize: out of host memory (%zu bytes)", bytes);
-    s = mti_quantize(ctx, (mti_qformat)qf, x, n, h);
+    s = mti_quantize(ctx, qf, x, n, h);
     if (s) s = mti_fail(ctx, s, "%s: %s", name, mti_last_msg(ctx).s);
     if (!s) s = mti_tensor_upload(ctx, q, h, bytes);
     if (!s) s = ctx->dev->sync(ctx->dev);
@@ -891,7 +888,7 @@ static mt_status quantize_into(mt_context *ctx, const char *name, int qf, const 
  * fp32 values; NULL in a dry context): on the CPU quantized straight into
  * PARAM, on a device through a host buffer of the quantized bytes, which
  * then go up. Its old weights (if any) go after. */
-static mt_status quantize_from(mt_model *m, int i, int qf, const float *x)
+static mt_status quantize_from(mt_model *m, int i, mti_qformat qf, const float *x)
 {
     mt_context *ctx = m->ctx;
     mti_param *p = &m->params[i];
@@ -909,12 +906,12 @@ static mt_status quantize_from(mt_model *m, int i, int qf, const float *x)
     return MT_OK;
 }
 
-mt_status mti_param_quantize(mt_model *m, int i, int qf)
+mt_status mti_param_quantize(mt_model *m, int i, mti_qformat qf)
 {
     mt_context *ctx = m->ctx;
     mti_param *p = &m->params[i];
     if (p->qf == qf) return MT_OK;
-    if (p->qf || p->w.dtype != MTI_F32 || !mti_quant_name((mti_qformat)qf))
+    if (p->qf || p->w.dtype != MTI_F32 || !mti_quant_name(qf))
         return mti_fail(ctx, MT_ERR_INTERNAL, "%s: cannot be quantized from its storage", p->name);
     if (ctx->dev->kind == MT_DEVICE_CPU || ctx->dry)
         return quantize_from(m, i, qf, p->w.blk.ptr);
@@ -944,6 +941,6 @@ mt_status mti_param_dequantize(mt_model *m, int i)
     }
     mti_tensor_free(ctx, &p->w);
     p->w = w;
-    p->qf = 0;
+    p->qf = MTI_QF_NONE;
     return MT_OK;
 }

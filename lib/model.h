@@ -9,6 +9,7 @@
 #define MT_MODEL_H
 
 #include "internal.h"
+#include "quant.h"
 
 typedef enum mti_model_kind { MTI_MODEL_SEQ = 0, MTI_MODEL_MLP = 1, MTI_MODEL_GPT = 2 } mti_model_kind;
 
@@ -42,8 +43,8 @@ typedef struct mti_param {
                             attproj, fc, fcproj): LoRA can adapt it */
     int lora;            /* its LoRA adapter's A (B follows), or -1 */
     int adapter_of;      /* an adapter (A or B): the weight it adapts, or -1 */
-    int qf;              /* 0, or the mti_qformat (lib/quant.h) of a quantized
-                            frozen weight: w is then its quantized bytes (MTI_U8,
+    mti_qformat qf;      /* MTI_QF_NONE, or the format of a quantized frozen
+                            weight: w is then its quantized bytes (MTI_U8,
                             mti_quant_bytes(qf, numel)), kept across trainers */
     mti_init init;
     float init_a;
@@ -122,7 +123,7 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
  * and the quantized bytes go up. mti_param_dequantize: back to fp32
  * weights (the dequantized values; on CUDA by the dequantizing kernel,
  * lib/quant.c's bits, into the new fp32 tensor). */
-mt_status mti_param_quantize(mt_model *m, int i, int qf);
+mt_status mti_param_quantize(mt_model *m, int i, mti_qformat qf);
 mt_status mti_param_dequantize(mt_model *m, int i);
 /* Whether parameter i of the model is one a base format quantizes: a linear
  * weight of the base (not an adapter). */

@@ -46,8 +46,11 @@
 int (*mti_offload_fault)(int write, const char *path, uint64_t off, size_t *n) = NULL;
 
 enum { F_OPTIM = 0, F_MASTER = 1, F_PARAM = 2, F_COUNT = 3 };
-static const char *const file_name[F_COUNT] = {"optim.bin", "master.bin", "param.bin"};
-static const mt_mem_class file_class[F_COUNT] = {MT_MEM_OPTIM, MT_MEM_MASTER, MT_MEM_PARAM};
+static const char *const file_name[] = {"optim.bin", "master.bin", "param.bin"};
+static const mt_mem_class file_class[] = {MT_MEM_OPTIM, MT_MEM_MASTER, MT_MEM_PARAM};
+_Static_assert(sizeof file_name / sizeof *file_name == F_COUNT &&
+                   sizeof file_class / sizeof *file_class == F_COUNT,
+               "a name and a class per file");
 #define LSLOTS 2 /* a layer's weights (offload_params): the one running, the next */
 
 /* A slot's life: FREE -> READING -> CLEAN -> (acquired) DIRTY -> WRITING ->

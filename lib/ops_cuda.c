@@ -887,15 +887,15 @@ static mt_status cu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy,
 #define MTI_DQ_ALIGN 8
 #define MTI_DQ_THREADS 256u /* threads per block, dequant.cu */
 
-mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t R, size_t I,
-                              size_t r0, size_t rows, size_t c0, size_t cols, void *out,
+mt_status mti_cuda_dequantize(const mti_kctx *k, mti_qformat qf, const void *wq, size_t R,
+                              size_t I, size_t r0, size_t rows, size_t c0, size_t cols, void *out,
                               size_t ld, mti_dtype dt)
 {
     OP_NOTE(k, "dequantize %s %zu x %zu, rows [%zu,%zu) columns [%zu,%zu) %s",
-            mti_quant_name((mti_qformat)qf) ? mti_quant_name((mti_qformat)qf) : "?", R, I, r0,
-            r0 + rows, c0, c0 + cols, dt_name(dt));
+            mti_quant_name(qf) ? mti_quant_name(qf) : "?", R, I, r0, r0 + rows, c0, c0 + cols,
+            dt_name(dt));
     mti_qparts p;
-    if (!mti_quant_name((mti_qformat)qf) || (I && R > SIZE_MAX / I))
+    if (!mti_quant_name(qf) || (I && R > SIZE_MAX / I))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "CUDA dequantize: format %d (need int8 or nf4) or size %zu x %zu", qf, R,
                         I);
@@ -908,7 +908,7 @@ mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t 
                         r0, r0 + rows, c0, c0 + cols, ld, R, I);
     if (rows == 0 || cols == 0) return MT_OK;
     if (!wq || !out) return bad_arg(k, "dequantize", "NULL weight or output");
-    mti_quant_parts((mti_qformat)qf, R * I, &p);
+    mti_quant_parts(qf, R * I, &p);
     const uint8_t *q = wq;
     mti_dim3 grid = {(unsigned)cdiv(cols, MTI_DQ_THREADS),
                      (unsigned)(rows < MTI_GRID_Y_MAX ? rows : MTI_GRID_Y_MAX), 1};
@@ -934,8 +934,8 @@ mt_status mti_cuda_dequantize(const mti_kctx *k, int qf, const void *wq, size_t 
  * element dequantized as mti_dequantize makes it in dt, then the sum with
  * wpe as embedding_fwd's. */
 static mt_status cu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok,
-                                    const void *wq, int qf, int V, const void *wpe, int B, int T,
-                                    int C, mti_dtype dt)
+                                    const void *wq, mti_qformat qf, int V, const void *wpe, int B,
+                                    int T, int C, mti_dtype dt)
 {
     OP_NOTE(k, "embedding_fwd_q B=%d T=%d C=%d V=%d format %d %s%s", B, T, C, V, qf, dt_name(dt),
             wpe ? "" : " (no positions)");
@@ -943,7 +943,7 @@ static mt_status cu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t 
     if (st) return st;
     if (B == 0 || T == 0 || C == 0) return MT_OK;
     mti_qparts p;
-    mti_quant_parts((mti_qformat)qf, (size_t)V * (size_t)C, &p);
+    mti_quant_parts(qf, (size_t)V * (size_t)C, &p);
     const uint8_t *q = wq;
     int idt = (int)dt;
     unsigned long long n = (unsigned long long)B * T * C;
@@ -961,11 +961,21 @@ static mt_status cu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t 
     return launch(k, MTI_CUDA_EMB_FWD_Q_NF4, ew_grid(n), MTI_DQ_THREADS, args);
 }
 
-/* The checks of the CPU table's quantized matmuls, in its order. */
-static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int qf, int n, int in,
-                         int out, mti_dtype dt)
+/* dequantize: the range as columns [at, at + len) of a (1, n) weight. */
+static mt_status cu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf,
+                               size_t n, size_t at, size_t len, mti_dtype dt)
 {
-    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name((mti_qformat)qf))
+    if (dt != MTI_F32 && dt != MTI_BF16) /* (the tile kernels take fp16 too; the op does not) */
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "CUDA dequantize: output dtype %s is not fp32 or bf16", dt_name(dt));
+    return mti_cuda_dequantize(k, qf, wq, 1, n, 0, 1, at, len, out, len, dt);
+}
+
+/* The checks of the CPU table's quantized matmuls, in its order. */
+static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, mti_qformat qf, int n,
+                         int in, int out, mti_dtype dt)
+{
+    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name(qf))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "CUDA %s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
     if (dt != MTI_F32 && dt != MTI_BF16)
@@ -991,7 +1001,7 @@ static int dq_tile(size_t len, int total)
  * GEMM, as matmul_fwd; several add their products to y set to the bias
  * rows (rounded once all the same: the bias is exact in fp32). */
 static mt_status cu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq,
-                                 int qf, const void *b, int n, int in, int out, mti_dtype dt)
+                                 mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt)
 {
     OP_NOTE(k, "matmul_fwd_q n=%d in=%d out=%d format %d %s", n, in, out, qf, dt_name(dt));
     mt_status st = q_check(k, "matmul_fwd_q", wq, qf, n, in, out, dt);
@@ -1029,7 +1039,7 @@ static mt_status cu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, cons
  * [i0, i0 + t) of dx (ldd I). The whole inner dimension O is in every
  * GEMM, so each output is rounded once, as in matmul_bwd. */
 static mt_status cu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq,
-                                int qf, int n, int in, int out, mti_dtype dt, int accumulate)
+                                mti_qformat qf, int n, int in, int out, mti_dtype dt, int accumulate)
 {
     OP_NOTE(k, "matmul_dx_q n=%d in=%d out=%d format %d %s", n, in, out, qf, dt_name(dt));
     mt_status st = q_check(k, "matmul_dx_q", wq, qf, n, in, out, dt);
@@ -1652,41 +1662,10 @@ static mt_status cu_adafactor(const mti_kctx *k, float *p, const float *g, float
 
 /* ---- the table ---- */
 
-static const mti_ops cuda_ops = {
-    .name = "cuda",
-    .device = MT_DEVICE_CUDA,
-    .cast = cu_cast,
-    .embedding_fwd = cu_embedding_fwd,
-    .embedding_fwd_q = cu_embedding_fwd_q,
-    .embedding_bwd = cu_embedding_bwd,
-    .embedding_dw_rows = cu_embedding_dw_rows,
-    .matmul_fwd = cu_matmul_fwd,
-    .matmul_bwd = cu_matmul_bwd,
-    .matmul_dw_align = cu_matmul_dw_align,
-    .matmul_dw_rows = cu_matmul_dw_rows,
-    .matmul_fwd_q = cu_matmul_fwd_q,
-    .matmul_dx_q = cu_matmul_dx_q,
-    .layernorm_fwd = cu_layernorm_fwd,
-    .layernorm_bwd = cu_layernorm_bwd,
-    .gelu_fwd = cu_gelu_fwd,
-    .gelu_bwd = cu_gelu_bwd,
-    .relu_fwd = cu_relu_fwd,
-    .relu_bwd = cu_relu_bwd,
-    .add = cu_add,
-    .accumulate = cu_accumulate,
-    .attention_fwd = cu_attention_fwd,
-    .attention_bwd = cu_attention_bwd,
-    .xent = cu_xent,
-    .xent_kd = cu_xent_kd,
-    .unscale_check = cu_unscale_check,
-    .sumsq = cu_sumsq,
-    .sgd = cu_sgd,
-    .adamw = cu_adamw,
-    .adamw8 = cu_adamw8,
-    .adamw8_bf16 = cu_adamw8_bf16,
-    .adamw4 = cu_adamw4,
-    .adafactor = cu_adafactor,
-};
+/* Every op of MTI_OPS (lib/kernels.h) as cu_<op>. */
+#define CUDA_OP(op) .op = cu_##op,
+static const mti_ops cuda_ops = {.name = "cuda", .device = MT_DEVICE_CUDA, MTI_OPS(CUDA_OP)};
+#undef CUDA_OP
 
 mt_status mti_cuda_ops(mti_device *d, const mti_ops **out)
 {

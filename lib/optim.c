@@ -7,8 +7,9 @@
 
 #include "optim.h"
 
-/* Indexed by mt_optimizer_kind (which starts at 1). A new optimizer is a
- * file defining its entry, an enum value in memtrain.h and one line here. */
+/* Indexed by mt_optimizer_kind (which starts at 1, without gaps). A new
+ * optimizer is a file defining its entry, an enum value in memtrain.h, one
+ * line here and its kind in the assertion below (the last kind). */
 static const mti_optim *const table[] = {
     [MT_OPT_SGD] = &mti_optim_sgd,
     [MT_OPT_ADAMW] = &mti_optim_adamw,
@@ -17,6 +18,7 @@ static const mti_optim *const table[] = {
     [MT_OPT_ADAMW4] = &mti_optim_adamw4,
 };
 #define N_KINDS ((int)(sizeof table / sizeof table[0]))
+_Static_assert(N_KINDS == MT_OPT_ADAMW4 + 1, "an entry up to the last mt_optimizer_kind");
 
 const mti_optim *mti_optim_of(mt_optimizer_kind kind)
 {

@@ -15,7 +15,8 @@
 
 const char *mt_place_name(mt_place p)
 {
-    static const char *const names[MT_PLACE_COUNT] = {"device", "host", "disk"};
+    static const char *const names[] = {"device", "host", "disk"};
+    _Static_assert(sizeof names / sizeof *names == MT_PLACE_COUNT, "a name per mt_place");
     return (unsigned)p < MT_PLACE_COUNT ? names[p] : "?";
 }
 

@@ -23,38 +23,6 @@ static const float nf4[16] = {
 
 const float *mti_nf4_code(void) { return nf4; }
 
-const char *mti_quant_name(mti_qformat f)
-{
-    return f == MTI_QF_INT8 ? "int8" : f == MTI_QF_NF4 ? "nf4" : NULL;
-}
-
-mt_status mti_quant_parts(mti_qformat f, size_t n, mti_qparts *out)
-{
-    mti_qparts p = {.n = n, .blocks = (n + MTI_QF_BLOCK - 1) / MTI_QF_BLOCK};
-    if (f == MTI_QF_INT8) {
-        p.scale = 0, p.scale_n = p.blocks;
-        p.codes = 4 * p.blocks, p.codes_n = n;
-        p.bytes = p.codes + n;
-    } else if (f == MTI_QF_NF4) {
-        p.absmax2 = 0, p.absmax2_n = (p.blocks + MTI_QF_STAT_BLOCK - 1) / MTI_QF_STAT_BLOCK;
-        p.offset = 4 * p.absmax2_n;
-        p.qabsmax = p.offset + 4;
-        p.codes = p.qabsmax + p.blocks, p.codes_n = (n + 1) / 2;
-        p.bytes = p.codes + p.codes_n;
-    } else {
-        return mti_fail(NULL, MT_ERR_INVALID_ARG, "quantization format %d is not int8 or nf4",
-                        (int)f);
-    }
-    *out = p;
-    return MT_OK;
-}
-
-size_t mti_quant_bytes(mti_qformat f, size_t n)
-{
-    mti_qparts p = {0};
-    return mti_quant_parts(f, n, &p) ? 0 : p.bytes;
-}
-
 /* The absmax of block b of x (n values) as the NF4 quantizer keeps it:
  * max |x| for a full block, at least 1e-38 for a partial last one. */
 static float nf4_absmax(const float *x, size_t n, size_t b)
@@ -159,7 +127,23 @@ static float q8_block(const float *y, size_t n, uint8_t *q)
     return am;
 }
 
+static inline void put(void *out, mti_dtype dt, size_t i, float v)
+{
+    if (dt == MTI_F32) ((float *)out)[i] = v;
+    else ((uint16_t *)out)[i] = mti_f32_to_bf16(v);
+}
+
 /* ---- NF4 ---- */
+
+/* Where the parts of a tensor of p->n elements in p->blocks blocks lie. */
+static void nf4_layout(mti_qparts *p)
+{
+    p->absmax2 = 0, p->absmax2_n = (p->blocks + MTI_QF_STAT_BLOCK - 1) / MTI_QF_STAT_BLOCK;
+    p->offset = 4 * p->absmax2_n;
+    p->qabsmax = p->offset + 4;
+    p->codes = p->qabsmax + p->blocks, p->codes_n = (p->n + 1) / 2;
+    p->bytes = p->codes + p->codes_n;
+}
 
 /* The code of s in [-1, 1]: the count of midpoints strictly below it. */
 static inline unsigned nf4_code_of(const float *mid, float s)
@@ -204,9 +188,52 @@ static void nf4_quantize(const float *x, size_t n, const mti_qparts *p, float of
     }
 }
 
+/* NF4's offset (the float32 mean of the blocks' absolute maxima of x, n >
+ * 0 finite values) into *offset, so that quantizing takes it once; refused
+ * where it overflows. */
+static mt_status nf4_check(mt_context *ctx, const float *x, size_t n, float *offset)
+{
+    /* the offset is a float32 mean, as bitsandbytes takes it: blocks near
+       float32's largest values overflow its sum, and every weight would
+       dequantize to NaN */
+    const size_t blocks = (n + MTI_QF_BLOCK - 1) / MTI_QF_BLOCK;
+    *offset = absmax_sum(x, n, blocks) / (float)blocks;
+    if (!isfinite(*offset))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "quantize nf4: the mean of its %zu blocks' absolute maxima overflows "
+                        "float32 (values near %g); NF4 cannot hold these values",
+                        blocks, (double)FLT_MAX);
+    return MT_OK;
+}
+
+/* Elements [i, stop) of quantized tensor q, all in block i / MTI_QF_BLOCK,
+ * into out[0 .. stop - i) in dt. */
+static void nf4_dequantize(const uint8_t *q, const mti_qparts *p, size_t i, size_t stop,
+                           void *out, mti_dtype dt)
+{
+    const size_t b = i / MTI_QF_BLOCK;
+    float a2, off;
+    memcpy(&a2, q + p->absmax2 + 4 * (b / MTI_QF_STAT_BLOCK), 4);
+    memcpy(&off, q + p->offset, 4);
+    const float am = mti_q8_map(1)[q[p->qabsmax + b]] * a2 + off;
+    const uint8_t *c = q + p->codes;
+    for (size_t j = i; j < stop; j++) {
+        unsigned nib = j & 1 ? c[j / 2] & 15u : c[j / 2] >> 4;
+        put(out, dt, j - i, nf4[nib] * am);
+    }
+}
+
 /* ---- int8 ---- */
 
-static void int8_quantize(const float *x, size_t n, const mti_qparts *p, uint8_t *base)
+static void int8_layout(mti_qparts *p)
+{
+    p->scale = 0, p->scale_n = p->blocks;
+    p->codes = 4 * p->blocks, p->codes_n = p->n;
+    p->bytes = p->codes + p->n;
+}
+
+static void int8_quantize(const float *x, size_t n, const mti_qparts *p, float offset,
+                          uint8_t *base)
 {
     float *scale = (float *)(void *)(base + p->scale);
     int8_t *codes = (int8_t *)(base + p->codes);
@@ -224,9 +251,67 @@ static void int8_quantize(const float *x, size_t n, const mti_qparts *p, uint8_t
     }
 }
 
-/* Whether format f can hold x (mti_quant_check), and for NF4 its offset
- * (the float32 mean of the blocks' absolute maxima) into *offset, so that
- * quantizing takes it once. */
+static void int8_dequantize(const uint8_t *q, const mti_qparts *p, size_t i, size_t stop,
+                            void *out, mti_dtype dt)
+{
+    float sc;
+    memcpy(&sc, q + p->scale + 4 * (i / MTI_QF_BLOCK), 4);
+    const int8_t *c = (const int8_t *)(q + p->codes);
+    for (size_t j = i; j < stop; j++) put(out, dt, j - i, (float)c[j] * sc);
+}
+
+/* ---- the formats ---- */
+
+/* What each format is, indexed by format: its name; where its parts lie
+ * (after n and blocks); what it refuses beyond non-finite values (NULL:
+ * nothing), giving what its quantizer takes once (offset); its quantizer;
+ * and its dequantizer of a range within one block. */
+typedef struct qformat_def {
+    const char *name;
+    void (*layout)(mti_qparts *p);
+    mt_status (*check)(mt_context *ctx, const float *x, size_t n, float *offset);
+    void (*quantize)(const float *x, size_t n, const mti_qparts *p, float offset, uint8_t *q);
+    void (*dequantize)(const uint8_t *q, const mti_qparts *p, size_t i, size_t stop, void *out,
+                       mti_dtype dt);
+} qformat_def;
+
+static const qformat_def formats[] = {
+    [MTI_QF_INT8] = {"int8", int8_layout, NULL, int8_quantize, int8_dequantize},
+    [MTI_QF_NF4] = {"nf4", nf4_layout, nf4_check, nf4_quantize, nf4_dequantize},
+};
+_Static_assert(sizeof formats / sizeof *formats == MTI_QF_COUNT, "one entry per mti_qformat");
+
+/* The entry of format f, or NULL (MTI_QF_NONE, or no format). */
+static const qformat_def *format_of(mti_qformat f)
+{
+    return (unsigned)f < MTI_QF_COUNT && formats[f].name ? &formats[f] : NULL;
+}
+
+const char *mti_quant_name(mti_qformat f)
+{
+    const qformat_def *d = format_of(f);
+    return d ? d->name : NULL;
+}
+
+mt_status mti_quant_parts(mti_qformat f, size_t n, mti_qparts *out)
+{
+    const qformat_def *d = format_of(f);
+    if (!d)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "quantization format %d is not int8 or nf4", f);
+    mti_qparts p = {.n = n, .blocks = (n + MTI_QF_BLOCK - 1) / MTI_QF_BLOCK};
+    d->layout(&p);
+    *out = p;
+    return MT_OK;
+}
+
+size_t mti_quant_bytes(mti_qformat f, size_t n)
+{
+    mti_qparts p = {0};
+    return mti_quant_parts(f, n, &p) ? 0 : p.bytes;
+}
+
+/* Whether format f can hold x (mti_quant_check), and what its quantizer
+ * takes once into *offset. */
 static mt_status check_values(mt_context *ctx, mti_qformat f, const float *x, size_t n,
                               float *offset)
 {
@@ -235,18 +320,8 @@ static mt_status check_values(mt_context *ctx, mti_qformat f, const float *x, si
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
                             "quantize %s: element %zu is %g (values must be finite)",
                             mti_quant_name(f), i, (double)x[i]);
-    if (f != MTI_QF_NF4 || !n) return MT_OK;
-    /* the offset is a float32 mean, as bitsandbytes takes it: blocks near
-       float32's largest values overflow its sum, and every weight would
-       dequantize to NaN */
-    const size_t blocks = (n + MTI_QF_BLOCK - 1) / MTI_QF_BLOCK;
-    *offset = absmax_sum(x, n, blocks) / (float)blocks;
-    if (!isfinite(*offset))
-        return mti_fail(ctx, MT_ERR_INVALID_ARG,
-                        "quantize nf4: the mean of its %zu blocks' absolute maxima overflows "
-                        "float32 (values near %g); NF4 cannot hold these values",
-                        blocks, (double)FLT_MAX);
-    return MT_OK;
+    const qformat_def *d = format_of(f);
+    return d && d->check && n ? d->check(ctx, x, n, offset) : MT_OK;
 }
 
 mt_status mti_quant_check(mt_context *ctx, mti_qformat f, const float *x, size_t n)
@@ -265,15 +340,8 @@ mt_status mti_quantize(mt_context *ctx, mti_qformat f, const float *x, size_t n,
     float offset = 0.0f;
     if ((s = check_values(ctx, f, x, n, &offset))) return s;
     if (n == 0) return MT_OK;
-    if (f == MTI_QF_INT8) int8_quantize(x, n, &p, q);
-    else nf4_quantize(x, n, &p, offset, q);
+    format_of(f)->quantize(x, n, &p, offset, q);
     return MT_OK;
-}
-
-static inline void put(void *out, mti_dtype dt, size_t i, float v)
-{
-    if (dt == MTI_F32) ((float *)out)[i] = v;
-    else ((uint16_t *)out)[i] = mti_f32_to_bf16(v);
 }
 
 mt_status mti_dequantize(mt_context *ctx, mti_qformat f, const void *q, size_t n, size_t at,
@@ -290,35 +358,22 @@ mt_status mti_dequantize(mt_context *ctx, mti_qformat f, const void *q, size_t n
                         "dequantize: elements [%zu, %zu) outside a tensor of %zu", at, at + len, n);
     if (len && (!q || !out))
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "dequantize: %s is NULL", !q ? "q" : "out");
-    const uint8_t *base = q;
+    const qformat_def *d = format_of(f);
+    const size_t es = mti_dtype_size(dt);
     size_t i = at, end = at + len;
     while (i < end) {
         const size_t b = i / MTI_QF_BLOCK;
         const size_t stop = (b + 1) * MTI_QF_BLOCK < end ? (b + 1) * MTI_QF_BLOCK : end;
-        if (f == MTI_QF_INT8) {
-            float sc;
-            memcpy(&sc, base + p.scale + 4 * b, 4);
-            const int8_t *c = (const int8_t *)(base + p.codes);
-            for (; i < stop; i++) put(out, dt, i - at, (float)c[i] * sc);
-        } else {
-            float a2, off;
-            memcpy(&a2, base + p.absmax2 + 4 * (b / MTI_QF_STAT_BLOCK), 4);
-            memcpy(&off, base + p.offset, 4);
-            const float am = mti_q8_map(1)[base[p.qabsmax + b]] * a2 + off;
-            const uint8_t *c = base + p.codes;
-            for (; i < stop; i++) {
-                unsigned nib = i & 1 ? c[i / 2] & 15u : c[i / 2] >> 4;
-                put(out, dt, i - at, nf4[nib] * am);
-            }
-        }
+        d->dequantize(q, &p, i, stop, (char *)out + (i - at) * es, dt);
+        i = stop;
     }
     return MT_OK;
 }
 
-mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, int qf, int V, int B,
-                              int T, int C, mti_dtype dt)
+mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, mti_qformat qf,
+                              int V, int B, int T, int C, mti_dtype dt)
 {
-    if (B < 0 || T < 0 || C < 0 || V < 0 || !wq || !mti_quant_name((mti_qformat)qf))
+    if (B < 0 || T < 0 || C < 0 || V < 0 || !wq || !mti_quant_name(qf))
         return mti_fail(ctx, MT_ERR_INVALID_ARG,
                         "%s: bad shape (B %d, T %d, C %d, V %d), table or format %d", op, B, T, C,
                         V, qf);

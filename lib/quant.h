@@ -53,10 +53,21 @@
 
 #include "internal.h"
 
+/* A quantization format. lib/quant.c keeps one table entry per format
+ * (name, layout, quantizer, dequantizer, check), MTI_QF_COUNT of them. */
 typedef enum mti_qformat {
+    MTI_QF_NONE = 0, /* not quantized (an mti_param's weights as they are) */
     MTI_QF_INT8 = 1, /* int8, one fp32 scale per block of MTI_QF_BLOCK */
-    MTI_QF_NF4 = 2   /* NF4, block MTI_QF_BLOCK, double-quantized absmax */
+    MTI_QF_NF4 = 2,  /* NF4, block MTI_QF_BLOCK, double-quantized absmax */
+    MTI_QF_COUNT     /* one past the last format */
 } mti_qformat;
+
+/* The format of a public base format (MT_BASE_FULL: MTI_QF_NONE): the
+ * same numbers, as these assertions keep them, and every format is one. */
+_Static_assert(MT_BASE_FULL == (int)MTI_QF_NONE && MT_BASE_INT8 == (int)MTI_QF_INT8 &&
+                   MT_BASE_NF4 == (int)MTI_QF_NF4 && MT_BASE_NF4 + 1 == (int)MTI_QF_COUNT,
+               "mt_base_format and mti_qformat number the formats alike");
+static inline mti_qformat mti_qformat_of(mt_base_format b) { return (mti_qformat)b; }
 
 #define MTI_QF_BLOCK 64       /* elements per block, both formats */
 #define MTI_QF_STAT_BLOCK 256 /* NF4: absmaxes per block of the double quantization */
@@ -80,7 +91,7 @@ typedef struct mti_qparts {
 mt_status mti_quant_parts(mti_qformat f, size_t n, mti_qparts *out);
 /* Bytes of a quantized tensor of n elements (0 for an unknown format). */
 size_t mti_quant_bytes(mti_qformat f, size_t n);
-/* The format's name ("int8", "nf4"), or NULL. */
+/* The format's name ("int8", "nf4"), or NULL (MTI_QF_NONE, or no format). */
 const char *mti_quant_name(mti_qformat f);
 
 /* Whether format f can hold x (n fp32 values): every value finite, and
@@ -102,8 +113,8 @@ mt_status mti_dequantize(mt_context *ctx, mti_qformat f, const void *q, size_t n
 /* The argument checks of an op table's embedding_fwd_q (op names it in the
  * message): MT_ERR_INVALID_ARG for a negative size, a NULL table or an
  * unknown format; MT_ERR_UNSUPPORTED for a dt other than fp32 or bf16. */
-mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, int qf, int V, int B,
-                              int T, int C, mti_dtype dt);
+mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, mti_qformat qf,
+                              int V, int B, int T, int C, mti_dtype dt);
 
 /* The 16 NF4 levels, ascending, -1 to 1 with an exact 0 at index 7. */
 const float *mti_nf4_code(void);

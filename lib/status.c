@@ -47,8 +47,9 @@ const char *mt_status_string(mt_status s)
 
 const char *mt_mem_class_name(mt_mem_class c)
 {
-    static const char *const names[MT_MEM_COUNT] = {"PARAM", "MASTER", "GRAD", "OPTIM",
-                                                    "ACT",   "WORK",   "IO",     "COMM"};
+    static const char *const names[] = {"PARAM", "MASTER", "GRAD", "OPTIM",
+                                        "ACT",   "WORK",   "IO",     "COMM"};
+    _Static_assert(sizeof names / sizeof *names == MT_MEM_COUNT, "a name per mt_mem_class");
     return (unsigned)c < MT_MEM_COUNT ? names[c] : "?";
 }
 

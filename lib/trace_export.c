@@ -232,8 +232,9 @@ mt_status mt_trace_export_chrome(mt_context *ctx, const mt_trace *t, const mt_es
 /* ---- SVG ---- */
 
 /* One shade per class, in mt_mem_class order. */
-static const char *const class_color[MT_MEM_COUNT] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#e15759",
-                                                      "#59a14f", "#b07aa1", "#9c755f", "#edc948"};
+static const char *const class_color[] = {"#4e79a7", "#a0cbe8", "#f28e2b", "#e15759",
+                                          "#59a14f", "#b07aa1", "#9c755f", "#edc948"};
+_Static_assert(sizeof class_color / sizeof *class_color == MT_MEM_COUNT, "a shade per class");
 
 #define SVG_W 960
 #define SVG_H 480

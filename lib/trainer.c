@@ -814,12 +814,12 @@ static int base_member(const mt_model *m, int i)
 static mt_status check_base(mt_trainer *t)
 {
     const mt_model *m = t->model;
-    const int qf = (int)t->cfg.base;
+    const mti_qformat qf = mti_qformat_of(t->cfg.base);
     const char *want = mt_base_format_name(t->cfg.base);
     int n = 0;
     for (int i = 0; i < m->n_param; i++) {
         const mti_param *p = &m->params[i];
-        const char *has = p->qf ? mt_base_format_name((mt_base_format)p->qf) : NULL;
+        const char *has = mti_quant_name(p->qf);
         if (p->qf && !qf)
             return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                             "mt_trainer_create: the model's %s is quantized (%s): set cfg->base "
@@ -851,7 +851,7 @@ static mt_status quantize_base(mt_trainer *t)
     mt_status s = MT_OK;
     for (int i = 0; i < m->n_param && !s && t->cfg.base; i++)
         if (m->params[i].frozen && base_member(m, i))
-            s = mti_param_quantize(m, i, (int)t->cfg.base);
+            s = mti_param_quantize(m, i, mti_qformat_of(t->cfg.base));
     return s;
 }
 

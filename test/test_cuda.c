@@ -420,6 +420,42 @@ TEST(cuda_standin_dequantize_matches_quant_c)
     stand_in_close(&s);
 }
 
+/* The table's dequantize over the stand-ins: a range of a flat tensor (a
+ * row of the tile kernel's), lib/quant.c's bits in fp32 and bf16; fp16,
+ * which the tile kernel takes, refused as the CPU table refuses it. */
+TEST(cuda_standin_dequantize_op)
+{
+    stand_in s;
+    if (!stand_in_open(&s)) return;
+    cuda_ctx c;
+    cuda_open(&c);
+    const size_t n = 11 * 4103, at = 4000, len = 300;
+    for (mti_qformat f = MTI_QF_INT8; f <= MTI_QF_NF4; f++) {
+        const size_t qb = mti_quant_bytes(f, n);
+        void *hq = check_alloc(qb);
+        CHECK_OK(mti_quantize(NULL, f, dq_weight(11, 4103), n, hq));
+        mt_block bq, bo;
+        void *fq = dev_alloc(&c, &bq, qb), *o = dev_alloc(&c, &bo, len * 4);
+        CHECK_OK(c.ctx->dev->copy_h2d(c.ctx->dev, fq, hq, qb));
+        for (int d = 0; d < 2; d++) {
+            const mti_dtype dt = d ? MTI_BF16 : MTI_F32;
+            const size_t bytes = len * (d ? 2 : 4);
+            unsigned char *got = check_alloc(bytes), *want = check_alloc(bytes);
+            CHECK_OKC(c.ctx, c.ops->dequantize(&c.k, o, fq, f, n, at, len, dt));
+            CHECK_OK(c.ctx->dev->copy_d2h(c.ctx->dev, got, o, bytes));
+            CHECK_OK(c.ctx->dev->sync(c.ctx->dev));
+            CHECK_OK(mti_dequantize(NULL, f, hq, n, at, len, want, dt));
+            CHECK_MSG(!memcmp(got, want, bytes), "%s dtype %d: not lib/quant.c's bits",
+                      mti_quant_name(f), dt);
+        }
+        CHECK_ST(MT_ERR_INVALID_ARG, c.ops->dequantize(&c.k, o, fq, f, n, at, len, MTI_F16));
+        CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bo));
+        CHECK_OKC(c.ctx, mt_context_free(c.ctx, &bq));
+    }
+    CHECK_OK(mt_context_destroy(c.ctx));
+    stand_in_close(&s);
+}
+
 /* The same on a GPU (MT_TEST_GPU=1; the ops group of the GPU bundle): the
  * kernels themselves, bit for bit. */
 TEST(ops_dequantize_matches_quant_c)

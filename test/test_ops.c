@@ -575,6 +575,55 @@ TEST(ops_embedding_quantized)
     close_tables();
 }
 
+/* ---- dequantize ---- */
+
+/* dequantize on every table, int8 and NF4, fp32 and bf16: ranges whole,
+ * inside a block, across blocks and through the partial last block, with
+ * lib/quant.c's bits; and what it refuses. */
+TEST(ops_dequantize)
+{
+    open_tables();
+    const size_t n = 3 * MTI_QF_STAT_BLOCK * MTI_QF_BLOCK + 37; /* three stat blocks, and some */
+    const size_t ranges[][2] = {{0, n}, {5, 40}, {60, 200}, {n - 100, 100}}; /* at, len */
+    float *w = randv(n, 0.5f);
+    for (mti_qformat f = MTI_QF_INT8; f <= MTI_QF_NF4; f++) {
+        const size_t qb = mti_quant_bytes(f, n);
+        void *q = malloc(qb);
+        CHECK_OK(mti_quantize(NULL, f, w, n, q));
+        for (int d = 0; d < 3; d += 2) {
+            const mti_dtype dt = DTYPES[d];
+            for (size_t r = 0; r < sizeof ranges / sizeof *ranges; r++) {
+                const size_t at = ranges[r][0], len = ranges[r][1], bytes = len * dsize(dt);
+                void *want = malloc(bytes), *got = malloc(bytes);
+                CHECK_OK(mti_dequantize(NULL, f, q, n, at, len, want, dt));
+                for (int ti = 0; ti < n_tabs; ti++) {
+                    tab *t = &tabs[ti];
+                    void *Q = dev_buf(t, q, qb), *O = dev_buf(t, NULL, bytes);
+                    CHECK_OKC(t->ctx, t->ops->dequantize(&t->k, O, Q, f, n, at, len, dt));
+                    dev_get(t, got, O, bytes);
+                    CHECK_MSG(!memcmp(got, want, bytes), "%s dequantize %s %s [%zu, %zu): not "
+                              "lib/quant.c's bits", t->name, mti_quant_name(f), dt_name(dt), at,
+                              at + len);
+                    free_bufs(t);
+                }
+                free(want), free(got);
+            }
+        }
+        for (int ti = 0; ti < n_tabs; ti++) {
+            tab *t = &tabs[ti];
+            void *Q = dev_buf(t, q, qb), *O = dev_buf(t, NULL, 64);
+            CHECK_ST(MT_ERR_INVALID_ARG, t->ops->dequantize(&t->k, O, Q, f, n, n - 4, 8, MTI_F32));
+            CHECK_ST(MT_ERR_INVALID_ARG,
+                     t->ops->dequantize(&t->k, O, Q, MTI_QF_NONE, n, 0, 8, MTI_F32));
+            CHECK_ST(MT_ERR_INVALID_ARG, t->ops->dequantize(&t->k, O, Q, f, n, 0, 8, MTI_F16));
+            free_bufs(t);
+        }
+        free(q);
+    }
+    free(w);
+    close_tables();
+}
+
 /* ---- layernorm ---- */
 
 typedef struct ln_io {

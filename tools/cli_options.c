@@ -124,11 +124,15 @@ static int set_allocator(cli_opts *o, const char *v)
     return 0;
 }
 
+/* The i-th base format's name (NULL past the last), as the library names
+ * them. */
+static const char *base_value(int i) { return i >= 0 ? mt_base_format_name(i) : NULL; }
+
 static int base_named(const char *v, mt_base_format *out)
 {
-    for (int f = MT_BASE_FULL; f <= MT_BASE_NF4; f++)
-        if (!strcmp(v, mt_base_format_name((mt_base_format)f))) {
-            *out = (mt_base_format)f;
+    for (int f = 0; base_value(f); f++)
+        if (!strcmp(v, base_value(f))) {
+            *out = f;
             return 0;
         }
     return -1;
@@ -141,6 +145,23 @@ static int set_teacher_base(cli_opts *o, const char *v) { return base_named(v, &
 static int set_optimizer(cli_opts *o, const char *v)
 {
     return mt_optimizer_by_name(v, &o->optimizer) ? -1 : 0;
+}
+
+/* The i-th optimizer's name as the usage lists them (AdamW's 8- and 4-bit
+ * states beside it), then any other the library has in kind order; NULL
+ * past the last. */
+static const char *optimizer_value(int i)
+{
+    static const mt_optimizer_kind first[] = {MT_OPT_SGD, MT_OPT_ADAMW, MT_OPT_ADAMW8,
+                                              MT_OPT_ADAMW4, MT_OPT_ADAFACTOR};
+    const int n = (int)(sizeof first / sizeof *first);
+    if (i < n) return i >= 0 ? mt_optimizer_name(first[i]) : NULL;
+    for (mt_optimizer_kind k = MT_OPT_SGD; mt_optimizer_name(k); k++) {
+        bool listed = false;
+        for (int j = 0; j < n; j++) listed |= first[j] == k;
+        if (!listed && i-- == n) return mt_optimizer_name(k);
+    }
+    return NULL;
 }
 
 static int set_recompute(cli_opts *o, const char *v)
@@ -232,6 +253,9 @@ typedef struct opt {
     const char *help;       /* the usage line */
     const char *help_est;   /* estimate's usage line, where it differs */
     unsigned char open;     /* K_FLOAT: OPEN_LO, x > lo; OPEN_HI, x < hi */
+    /* K_FN naming an entry of a library table: the i-th name it takes, NULL
+       past the last; its usage argument ("a|b") and hint ("(a, b)") */
+    const char *(*value)(int i);
 } opt;
 
 enum { OPEN_LO = 1, OPEN_HI = 2 };
@@ -241,13 +265,15 @@ enum { OPEN_LO = 1, OPEN_HI = 2 };
 #define ALL (TS | CLI_ESTIMATE)
 #define TE (CLI_TRAIN | CLI_ESTIMATE)
 #define OFF(f) offsetof(cli_opts, f)
-#define FLAG(n, c, m, f, v, h) {n, NULL, c, m, K_FLAG, OFF(f), v, 0, NULL, NULL, h, NULL, 0}
-#define LONG(n, a, c, m, f, lo, hi, h, he) {n, a, c, m, K_LONG, OFF(f), lo, hi, NULL, NULL, h, he, 0}
+#define FLAG(n, c, m, f, v, h) {n, NULL, c, m, K_FLAG, OFF(f), v, 0, NULL, NULL, h, NULL, 0, NULL}
+#define LONG(n, a, c, m, f, lo, hi, h, he) \
+    {n, a, c, m, K_LONG, OFF(f), lo, hi, NULL, NULL, h, he, 0, NULL}
 #define FLOAT(n, c, m, f, lo, hi, open, h) \
-    {n, "X", c, m, K_FLOAT, OFF(f), lo, hi, NULL, NULL, h, NULL, open}
-#define STR(n, a, c, m, f, h) {n, a, c, m, K_STR, OFF(f), 0, 0, NULL, NULL, h, NULL, 0}
-#define FN(n, a, c, m, fn, hint, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, hint, h, he, 0}
-#define HEAD(c, h) {NULL, NULL, c, CLI_ANY, K_HEAD, 0, 0, 0, NULL, NULL, h, NULL, 0}
+    {n, "X", c, m, K_FLOAT, OFF(f), lo, hi, NULL, NULL, h, NULL, open, NULL}
+#define STR(n, a, c, m, f, h) {n, a, c, m, K_STR, OFF(f), 0, 0, NULL, NULL, h, NULL, 0, NULL}
+#define FN(n, a, c, m, fn, hint, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, hint, h, he, 0, NULL}
+#define NAMED(n, c, m, fn, value, h, he) {n, NULL, c, m, K_FN, 0, 0, 0, fn, NULL, h, he, 0, value}
+#define HEAD(c, h) {NULL, NULL, c, CLI_ANY, K_HEAD, 0, 0, 0, NULL, NULL, h, NULL, 0, NULL}
 
 static const opt table[] = {
     FN("--model", "mlp|gpt", ALL, CLI_ANY, set_model, "(mlp, gpt)",
@@ -274,14 +300,15 @@ static const opt table[] = {
     FLAG("--report", TS, CLI_ANY, report, 1, "the memory report at the end (on, but not with --json)"),
     FLAG("--no-report", TS, CLI_ANY, report, 0, "no memory report"),
     {"--json", NULL, ALL, CLI_ANY, K_FLAG, OFF(json), 1, 0, NULL, NULL,
-     "one JSON object per step instead of progress lines", "one JSON object instead of the table", 0},
+     "one JSON object per step instead of progress lines", "one JSON object instead of the table", 0,
+     NULL},
     FN("--config", "FILE", ALL, CLI_ANY, set_config, NULL,
        "options from FILE, a line 'name = value' each (flags: 1/0); the command line overrides it",
        NULL),
     LONG("--micro", "N", ALL, CLI_ANY, micro, 0, 1 << 24,
          "rows per micro-batch, 0 = the whole batch (0)", NULL),
-    FN("--optimizer", "sgd|adamw|adamw8|adamw4|adafactor", ALL, CLI_ANY, set_optimizer,
-       "(sgd, adamw, adamw8, adamw4, adafactor)", "(mlp sgd, gpt adamw)", "(adamw)"),
+    NAMED("--optimizer", ALL, CLI_ANY, set_optimizer, optimizer_value, "(mlp sgd, gpt adamw)",
+          "(adamw)"),
     FLAG("--no-master", ALL, CLI_ANY, no_master, 1, "bf16 weights without fp32 masters"),
     FN("--recompute", "none|selective|sqrt|every:K", TS, CLI_ANY, set_recompute,
        "(none, selective, sqrt, every:K)", "activation recompute (none)", NULL),
@@ -304,14 +331,14 @@ static const opt table[] = {
         "the LoRA adapters alone at the end (with --lora or --load-lora)"),
     STR("--load-lora", "FILE", TS, CLI_GPT, load_lora,
         "start from adapters of --save-lora (their rank and alpha; no --lora)"),
-    FN("--base", "full|int8|nf4", ALL, CLI_ANY, set_base, "(full, int8, nf4)",
-       "store the frozen linear weights and token table quantized, int8 or NF4 (with --lora, "
-       "--load-lora or --freeze; full)",
-       NULL),
+    NAMED("--base", ALL, CLI_ANY, set_base, base_value,
+          "store the frozen linear weights and token table quantized, int8 or NF4 (with --lora, "
+          "--load-lora or --freeze; full)",
+          NULL),
     STR("--teacher", "FILE", TE, CLI_GPT, teacher,
         "distil from this llm.c model file (a GPT of the same vocabulary)"),
-    FN("--teacher-base", "full|int8|nf4", TE, CLI_GPT, set_teacher_base, "(full, int8, nf4)",
-       "the teacher's linear weights quantized as they are read, int8 or NF4 (full)", NULL),
+    NAMED("--teacher-base", TE, CLI_GPT, set_teacher_base, base_value,
+          "the teacher's linear weights quantized as they are read, int8 or NF4 (full)", NULL),
     FLOAT("--distill-alpha", TE, CLI_GPT, distill_alpha, 0, 1, 0,
           "the KL's weight, in [0, 1]; the cross-entropy's is 1 - X (0.5)"),
     FLOAT("--distill-temp", TE, CLI_GPT, distill_temp, 0, NO_MAX, OPEN_LO,
@@ -371,11 +398,11 @@ static const opt table[] = {
      "the directory --offload disk makes its scratch directory in",
      "with --autofit: auto-fit may put the state on disk there when nothing fits on the "
      "device, and the weights too when even that does not fit (where the run takes them; "
-     "nothing is made)", 0},
+     "nothing is made)", 0, NULL},
     {"--offload-params", NULL, TE, CLI_ANY, K_FLAG, OFF(offload_params), 1, 0, NULL, NULL,
      "with --offload disk: the trained weights in the scratch files too, each layer's read in "
      "just before it runs (the next one's while it runs) and let go after",
-     "with --offload disk: the weights' bytes on disk too", 0},
+     "with --offload disk: the weights' bytes on disk too", 0, NULL},
     LONG("--ranks", "N", CLI_ESTIMATE, CLI_ANY, ranks, 1, 65536, NULL,
          "one rank of N data-parallel ranks; --batch is the global batch (1)"),
     LONG("--rank", "R", CLI_ESTIMATE, CLI_ANY, rank, 0, 65535, NULL, "which rank (0)"),
@@ -416,6 +443,16 @@ bool cli_is_flag(const char *name)
     return false;
 }
 
+/* The names an option of a library table takes, joined by sep into b. */
+static const char *join_values(const opt *p, const char *sep, char *b, size_t cap)
+{
+    size_t at = 0;
+    b[0] = 0;
+    for (int i = 0; p->value(i) && at < cap; i++)
+        at += (size_t)snprintf(b + at, cap - at, "%s%s", i ? sep : "", p->value(i));
+    return b;
+}
+
 void cli_usage(FILE *f, unsigned cmd, const char *head)
 {
     fputs(head, f);
@@ -428,8 +465,9 @@ void cli_usage(FILE *f, unsigned cmd, const char *head)
             continue;
         }
         if (!help) help = "";
-        char name[64];
-        snprintf(name, sizeof name, "%s%s%s", p->name, p->arg ? " " : "", p->arg ? p->arg : "");
+        char values[96], name[128];
+        const char *arg = p->value ? join_values(p, "|", values, sizeof values) : p->arg;
+        snprintf(name, sizeof name, "%s%s%s", p->name, arg ? " " : "", arg ? arg : "");
         if (strlen(name) > 22) fprintf(f, "  %s\n  %-22s %s\n", name, "", help);
         else fprintf(f, "  %-22s %s\n", name, help);
     }
@@ -488,6 +526,9 @@ static void range_text(const opt *p, char *b, size_t cap)
     } else if (p->kind == K_FLOAT) {
         snprintf(b, cap, "a number in %c%g, %g%c", p->open & OPEN_LO ? '(' : '[', p->lo, p->hi,
                  p->open & OPEN_HI ? ')' : ']');
+    } else if (p->value) {
+        char values[96];
+        snprintf(b, cap, "(%s)", join_values(p, ", ", values, sizeof values));
     } else {
         snprintf(b, cap, "%s", p->hint ? p->hint : "");
     }

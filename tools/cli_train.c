@@ -21,6 +21,7 @@ static double now_s(void)
 }
 
 static const char *const prec_name[] = {"fp32", "fp16", "bf16"};
+_Static_assert(sizeof prec_name / sizeof *prec_name == MT_PREC_BF16 + 1, "a name per precision");
 
 /* Three spirals: class k's points lie on the arm r -> angle k*2pi/3 + 4r,
  * with noise. Features are the two coordinates. */

@@ -1,6 +1,7 @@
 /*
- * convert.c - casts between fp32, fp16 and bf16, and the fp32 staging
- * loads and stores the other CPU kernels use in their inner loops.
+ * convert.c - casts between fp32, fp16 and bf16, the fp32 staging loads
+ * and stores the other CPU kernels use in their inner loops, and the
+ * dequantize op (lib/quant.c's dequantizer).
  *
  * The element conversions (vecmath.h) restate the scalar definitions of
  * lib/kctx.c without branches (selects instead), so the loops vectorise;
@@ -213,4 +214,11 @@ mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const voi
         cast_range(dst, dst_dt, src, src_dt, i, m, r, seed);
     }
     return MT_OK;
+}
+
+mt_status mti_cpu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
+                             size_t at, size_t len, mti_dtype dt)
+{
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
+    return mti_dequantize(k->ctx, qf, wq, n, at, len, out, dt);
 }

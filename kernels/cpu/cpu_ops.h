@@ -14,6 +14,9 @@
 /* convert.c */
 mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                        mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
+/* The op dequantize: lib/quant.c's dequantizer. */
+mt_status mti_cpu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
+                             size_t at, size_t len, mti_dtype dt);
 /* Loads n values of dt at src (element offset i) into fp32 dst / stores n
  * fp32 values as dt, rounding to nearest even. For the kernels' inner loops. */
 void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);
@@ -53,7 +56,7 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
  * row dequantized in dt a chunk at a time on the stack, then embedding_fwd's
  * sum. */
 mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
-                                  int qf, int V, const void *wpe, int B, int T, int C,
+                                  mti_qformat qf, int V, const void *wpe, int B, int T, int C,
                                   mti_dtype dt);
 mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                 const int32_t *tok, int B, int T, int C, mti_dtype dt);
@@ -69,16 +72,17 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
                              int flags);
 int mti_cpu_matmul_dw_align(int out, int in);
 /* matmul_fwd and matmul_bwd's dx with W (out,in) quantized (lib/quant.h
- * format qf, an mti_qformat, from a buffer of mti_quant_bytes): each output
+ * format qf, from a buffer of mti_quant_bytes): each output
  * tile dequantizes the part of W it reads into a WORK panel of the
  * activations' dtype (fp32 or bf16; fp16 is MT_ERR_UNSUPPORTED) and runs the
  * dense path's GEMM on it, so the results equal, bit for bit, the dense ops
  * on the dequantized W. WORK per thread: one panel of at most the widest
  * tile times the reduction length, plus oneDNN's scratchpad. */
-mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
-                               const void *b, int n, int in, int out, mti_dtype dt);
-mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
-                              int n, int in, int out, mti_dtype dt, int accumulate);
+mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq,
+                               mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt);
+mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq,
+                              mti_qformat qf, int n, int in, int out, mti_dtype dt,
+                              int accumulate);
 mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, const void *x,
                                  int n, int in, int out, int o0, int o1, mti_dtype dt, int flags);
 

@@ -79,7 +79,7 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
  * emb_row's sum with the position row, so the bits are embedding_fwd's on
  * the table mti_dequantize makes in dt. */
 mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
-                                  int qf, int V, const void *wpe, int B, int T, int C,
+                                  mti_qformat qf, int V, const void *wpe, int B, int T, int C,
                                   mti_dtype dt)
 {
     mt_status s = mti_quant_emb_check(k->ctx, "embedding_fwd_q", wq, qf, V, B, T, C, dt);
@@ -99,7 +99,7 @@ mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *t
         for (size_t j = 0; j < c; j += CHUNK) {
             const size_t m = min_sz(CHUNK, c - j);
             /* in range by the checks above: cannot fail */
-            (void)mti_dequantize(NULL, (mti_qformat)qf, wq, n, e0 + j, m, eb, dt);
+            (void)mti_dequantize(NULL, qf, wq, n, e0 + j, m, eb, dt);
             emb_row(out, r * c + j, eb, 0, wpe, t * c + j, m, dt);
         }
     }

@@ -13,8 +13,8 @@
 #include "arch.h"
 #include "kernels.h"
 
-static const char *const g_names[MTI_ISA_COUNT] = {"baseline", "avx2", "avx512", "avx512_bf16",
-                                                   "amx"};
+static const char *const g_names[] = {"baseline", "avx2", "avx512", "avx512_bf16", "amx"};
+_Static_assert(sizeof g_names / sizeof *g_names == MTI_ISA_COUNT, "a name per mti_isa");
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static mti_isa g_detected, g_cap = MTI_ISA_COUNT - 1, g_used;

@@ -523,10 +523,10 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
 
 /* ---- a quantized weight (lib/quant.h): dequantized a tile at a time ---- */
 
-static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int qf, int n, int in,
-                         int out, mti_dtype dt)
+static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, mti_qformat qf, int n,
+                         int in, int out, mti_dtype dt)
 {
-    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name((mti_qformat)qf))
+    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name(qf))
         return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
                         "%s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
     if (dt != MTI_F32 && dt != MTI_BF16)
@@ -536,21 +536,22 @@ static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, int 
     return MT_OK;
 }
 
-mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq, int qf,
-                               const void *b, int n, int in, int out, mti_dtype dt)
+mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq,
+                               mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt)
 {
     mt_status s = q_check(k, "matmul_fwd_q", wq, qf, n, in, out, dt);
     if (s || n == 0 || out == 0) return s;
     /* as mti_cpu_matmul_fwd: a tile of y's columns reads those rows of W */
     mm_job j = {.p = mm_plan_for(n, out), .K = in, .a = x, .bias = b, .c = y, .tb = 1,
                 .lda = in, .ldb = in, .ldc = out, .ab_dt = dt, .c_dt = dt, .bq = wq,
-                .qf = (mti_qformat)qf, .qn = (size_t)in * (size_t)out, .qld = in};
+                .qf = qf, .qn = (size_t)in * (size_t)out, .qld = in};
     j.t1 = j.p.tm * j.p.tn;
     return mm_run(k, &j);
 }
 
-mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq, int qf,
-                              int n, int in, int out, mti_dtype dt, int accumulate)
+mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const void *wq,
+                              mti_qformat qf, int n, int in, int out, mti_dtype dt,
+                              int accumulate)
 {
     mt_status s = q_check(k, "matmul_dx_q", wq, qf, n, in, out, dt);
     if (s || n == 0 || in == 0) return s;
@@ -558,7 +559,7 @@ mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const
      * of W, all its rows, packed with the tile width as leading dimension */
     mm_job j = {.p = mm_plan_for(n, in), .K = out, .a = dy, .c = dx, .accumulate = accumulate,
                 .lda = out, .ldc = in, .ab_dt = dt, .c_dt = dt, .bq = wq,
-                .qf = (mti_qformat)qf, .qn = (size_t)in * (size_t)out, .qld = in};
+                .qf = qf, .qn = (size_t)in * (size_t)out, .qld = in};
     /* a long reduction (the tied LM head's: the vocabulary) would make each
        thread's panel (tile width x out) large: narrower tiles keep it near
        MM_Q_PANEL bytes (each output is still one GEMM over all of out) */

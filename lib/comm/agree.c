@@ -203,9 +203,11 @@ mt_status mti_comm_attach(mt_context *ctx)
                         "CPU: a CPU context takes a host communicator (MPI)",
                         fn, mt_comm_name(c));
     static const char *const kinds[] = {"auto", "cpu", "cuda"};
+    enum { N_KINDS = sizeof kinds / sizeof *kinds };
+    _Static_assert(N_KINDS == MT_DEVICE_CUDA + 1, "a name per mt_device_kind");
     const unsigned kind = (unsigned)ctx->dev->kind;
     mti_settings l = {.n = 0};
     mti_set_int(&l, "the world size", c->size); /* (first: see mti_comm_agree) */
-    mti_set_named(&l, "the device kind", kind, kind < 3 ? kinds[kind] : NULL);
+    mti_set_named(&l, "the device kind", kind, kind < N_KINDS ? kinds[kind] : NULL);
     return mti_comm_agree(ctx, fn, "the context", &l);
 }

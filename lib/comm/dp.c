@@ -62,13 +62,14 @@ static uint64_t model_hash(const mt_model *m)
 static void quant_setting(mti_settings *l, const char *name, const mt_model *m)
 {
     uint64_t h = MTI_HASH_START;
-    int n = 0, qf = 0;
+    int n = 0;
+    mti_qformat qf = MTI_QF_NONE;
     for (int i = 0; i < m->n_param; i++) {
         H(h, m->params[i].qf);
         if (m->params[i].qf) n++, qf = m->params[i].qf;
     }
     char text[MTI_SHOWN] = "none";
-    const char *f = mt_base_format_name((mt_base_format)qf);
+    const char *f = mti_quant_name(qf);
     if (n) snprintf(text, sizeof text, "%s, %d tensor%s", f ? f : "?", n, n > 1 ? "s" : "");
     mti_set_named(l, name, (int64_t)h, text);
 }
@@ -148,6 +149,10 @@ static void config_settings(const mt_model *m, const mt_trainer_config *c, mti_s
     static const char *const schedules[] = {"constant", "warmup_cosine"};
     static const char *const policies[] = {"none", "every_k", "sqrt", "selective", "custom",
                                            "budget"};
+    _Static_assert(N_OF(precisions) == MT_PREC_BF16 + 1 &&
+                       N_OF(schedules) == MT_LR_WARMUP_COSINE + 1 &&
+                       N_OF(policies) == MT_RECOMPUTE_BUDGET + 1,
+                   "a name per precision, schedule and recompute policy");
     /* the model (its weights, quantized or not, are compared once the
        trainer has quantized its base: mti_dp_created) */
     mti_set_hash(l, "the model (layers and shapes)", model_hash(m));
@@ -155,10 +160,12 @@ static void config_settings(const mt_model *m, const mt_trainer_config *c, mti_s
     if (m->lora_rank) mti_set_float(l, "the model's LoRA alpha", m->lora_alpha);
     mti_set_named(l, "base", c->base, mt_base_format_name(c->base));
     mti_set_named(l, "optimizer", c->optimizer, mt_optimizer_name(c->optimizer));
-    mti_set_named(l, "precision", c->precision, name_of(precisions, 3, c->precision));
-    mti_set_named(l, "lr_schedule", c->lr_schedule, name_of(schedules, 2, c->lr_schedule));
+    mti_set_named(l, "precision", c->precision,
+                  name_of(precisions, N_OF(precisions), c->precision));
+    mti_set_named(l, "lr_schedule", c->lr_schedule,
+                  name_of(schedules, N_OF(schedules), c->lr_schedule));
     /* the recompute plan (at stage 3 a recomputed layer gathers again) */
-    mti_set_named(l, "recompute", c->recompute, name_of(policies, 6, c->recompute));
+    mti_set_named(l, "recompute", c->recompute, name_of(policies, N_OF(policies), c->recompute));
     /* where the state lives decides when a step's collectives are made (the
        offloaded fused step reduces in its hooks); the directory is each
        rank's own */
