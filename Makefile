@@ -52,7 +52,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/de
 CUDA_ARCHS ?= 80 90
 CUDA_SRC := $(wildcard kernels/cuda/*.cu kernels/cuda/*.cuh)
 
-LIB_SRC := $(wildcard lib/*.c lib/comm/*.c allocators/*.c kernels/cpu/*.c)
+LIB_SRC := $(wildcard lib/*.c lib/*/*.c allocators/*.c kernels/cpu/*.c kernels/cuda/*.c)
 LIB_OBJ := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 ifneq ($(strip $(NVCC)),)
 ifneq ($(strip $(CUDA_SRC)),)
@@ -222,12 +222,12 @@ $(TEST_BIN): $(TEST_OBJ) $(LIB)
 	$(CC) $(MT_LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # a stand-in CUDA driver over host memory, so the CUDA device layer runs in tests
-$(FAKE_CUDA): test/fake_cuda/fake_libcuda.c lib/cuda_driver.h kernels/cuda/dequant.cuh kernels/cuda/scalar.cuh
+$(FAKE_CUDA): test/fake_cuda/fake_libcuda.c lib/device/cuda_driver.h kernels/cuda/dequant.cuh kernels/cuda/scalar.cuh
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -fPIC -shared -o $@ $< -ldl
 
 # and a stand-in cuBLASLt for it, so the CUDA op table's GEMMs run there too
-$(FAKE_CUBLASLT): test/fake_cuda/fake_cublaslt.c lib/cublaslt_api.h
+$(FAKE_CUBLASLT): test/fake_cuda/fake_cublaslt.c lib/device/cublaslt_api.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -std=c11 $(WARN) -Ilib -fPIC -shared -o $@ $<
 
@@ -270,7 +270,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) 
 	./test/tool_test.sh $(TOOL)
 	./test/mpi_test.sh $(BUILD)
 	./test/api_doc_test.sh
-	./test/linkgraph.py $(BUILD)
+	./test/linkgraph.py $(BUILD) $(LIB_OBJ)
 	BUILD=$(BUILD) SAN_FLAGS="$(SAN_FLAGS)" ./test/install_test.sh
 	$(GPU_BUNDLE)/memtrain-gpu/run.sh --stand-in $(BUILD)/gpu-standin-results
 	./test/gpu_bundle_test.sh $(GPU_BUNDLE)/memtrain-gpu

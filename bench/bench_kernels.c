@@ -44,7 +44,7 @@
 #include <unistd.h>
 
 #include "internal.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "../kernels/cpu/arch.h"
 #include "../kernels/cpu/cpu_ops.h"
 #include "../kernels/cpu/vecmath.h"
@@ -544,7 +544,7 @@ enum { OPT_COPY, OPT_SGD, OPT_ADAMW, OPT_ADAMW_PC, OPT_ADAMW8, OPT_ADAMW8_GATHER
        OPT_ADAMW8_BARE, OPT_ADAMW8_BF16, OPT_ADAMW8_BF16_GATHER, OPT_ADAMW8_BF16_PORTABLE, OPT_ADAMW4,
        OPT_ADAFACTOR, OPT_PLAIN, OPT_CHECK, OPT_UNSCALE, OPT_SUMSQ, OPT_CAST_SR, N_OPT };
 
-/* elements per slice of an update without master weights (lib/trainer.c's
+/* elements per slice of an update without master weights (lib/train/trainer.c's
    BARE_SLICE) */
 #define BARE MTI_SR_PIECE
 

@@ -1,7 +1,7 @@
 /*
  * bench_offload_io.c - the disk offload's two ways of moving pieces,
  * measured side by side: a pool of threads each calling pread/pwrite, as
- * lib/offload.c does (2 threads), against io_uring (liburing) keeping a
+ * lib/train/offload.c does (2 threads), against io_uring (liburing) keeping a
  * queue of requests in flight from one thread. Both use O_DIRECT on one
  * file, at the piece sizes offload moves (4 MiB: a piece of 2^19 elements
  * of AdamW state; 2 MiB: its fp32 master; 1 MiB: its bf16 weights), and

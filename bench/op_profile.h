@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "internal.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "common.h"
 
 enum {
@@ -153,7 +153,7 @@ static mti_ops prof_ops = {
 
 /* Puts the timing table in front of ctx's own (before a model is made).
  * Every member from `cast` on is an op: one this table lacks (an op added
- * to lib/kernels.h and not here) stops the benchmark rather than leaving
+ * to lib/ops/kernels.h and not here) stops the benchmark rather than leaving
  * the trainer to refuse, or the profile to miss it. */
 static inline void prof_install(mt_context *ctx)
 {

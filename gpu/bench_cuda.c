@@ -34,7 +34,7 @@
 #include <string.h>
 
 #include "internal.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "../bench/common.h"
 
 #define BATCHES 5

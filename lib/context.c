@@ -10,7 +10,7 @@
 
 #include "internal.h"
 #include "comm/comm.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 
 void mt_context_config_init(mt_context_config *cfg)
 {
@@ -110,7 +110,7 @@ mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device 
     return create(cfg, true, like, out);
 }
 
-/* The op table of the context's device (lib/kernels.h): the CPU's; a
+/* The op table of the context's device (lib/ops/kernels.h): the CPU's; a
  * CUDA device's, made for it (a failure: its kernels did not load); or a
  * dry CUDA context's. Chosen here, above the devices and the tables, so
  * that neither calls the other. */

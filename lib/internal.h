@@ -12,7 +12,7 @@
 
 #include "memtrain.h"
 #include "memtrain/allocator.h"
-#include "device.h"
+#include "device/device.h"
 
 #define MTI_ERR_LEN 1024
 
@@ -148,7 +148,7 @@ struct mt_context {
                                 planned ones, cfg.world_size and cfg.rank) */
     bool dry;                /* an estimate's context: no memory behind the
                                 blocks, ops that only take their workspace
-                                (lib/estimate.c) */
+                                (lib/engine/estimate.c) */
     uint64_t at_peak[MT_MEM_COUNT]; /* dry: each class's live bytes at live_peak */
     bool has_estimate;       /* the memory report shows it beside the measured figures */
     mt_estimate_report estimate;
@@ -164,7 +164,7 @@ struct mt_context {
      * it, and the device keeps its memory at destroy */
     const void *kept;
     size_t kept_bytes;
-    /* places other than the device (lib/place.c; the device's bytes are the
+    /* places other than the device (lib/memory/place.c; the device's bytes are the
      * allocators'): live bytes per class, peaks, blocks made and removed;
      * changed on the thread that makes and destroys trainers */
     uint64_t place_live[MT_PLACE_COUNT][MT_MEM_COUNT], place_peak[MT_PLACE_COUNT][MT_MEM_COUNT];
@@ -174,7 +174,7 @@ struct mt_context {
     char err[MTI_ERR_LEN];   /* the last failure on the context, of any thread */
 };
 
-/* A dry context (lib/estimate.c): cfg's allocators over a device with no
+/* A dry context (lib/engine/estimate.c): cfg's allocators over a device with no
  * memory behind it and the dry op table of cfg's device kind; a CUDA one
  * takes the geometry of `like` when that is a CUDA device (may be NULL). */
 mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device *like,

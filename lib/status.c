@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "internal.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 
 /* Messages of this thread: of its last failure without a context, and of
  * its last failure on a context (tagged with which). A context also keeps

@@ -17,7 +17,7 @@ if grep -n '\.\./shared' README.md docs/*.md include/memtrain.h include/memtrain
     echo "FAIL docs: the lines above point outside the repository"; docs_fail=1
 fi
 for c in LLMC_MAGIC LLMC_TOKENS_MAGIC; do
-    v=$(grep -ohE "#define $c [0-9]+" lib/*.c | awk '{print $3}')
+    v=$(grep -ohE "#define $c [0-9]+" lib/*.c lib/*/*.c | awk '{print $3}')
     [ -n "$v" ] && grep -q "$v" docs/formats.md ||
         { echo "FAIL docs: $c ($v) is not in docs/formats.md"; docs_fail=1; }
 done

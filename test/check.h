@@ -23,7 +23,7 @@ void check_note(const char *file, int line, const char *what);  /* records and g
 bool check_long(void);  /* MT_TEST_LONG=1: the long variants */
 bool check_light(void); /* MT_TEST_LIGHT=1: shorter stress, for slow runs (valgrind) */
 const char *check_fake_cuda(void); /* path of the stand-in driver, or NULL */
-/* A search list of lib/cuda_search.c (mti_cublaslt_candidates, ...) made
+/* A search list of lib/device/cuda_search.c (mti_cublaslt_candidates, ...) made
  * with PATH led by DIR/venv/bin and CUDA_HOME set to DIR/cuda, both put
  * back after; and where a path is in such a list (-1: not there). */
 size_t check_search_in(const char *dir, size_t (*list)(char (*)[512], size_t), char (*out)[512],

@@ -3,10 +3,11 @@
 symbol which other object defines (nm), and its circles (strongly connected
 components of more than one object).
 
-    test/linkgraph.py BUILD_DIR [--edges]
+    test/linkgraph.py BUILD_DIR [--edges] [OBJECT.o ...]
 
 Prints each circle with the symbols that close it (--edges: every edge
-inside each circle). Exits 1 when a circle is not one of ALLOWED below, or
+inside each circle). The objects are those given (make test gives the
+library's), else every object under BUILD_DIR/obj/{lib,kernels,allocators}. Exits 1 when a circle is not one of ALLOWED below, or
 is larger than its entry: the layers call downwards only, and a new circle
 is a layering mistake to fix, not to list. ALLOWED holds the deliberate
 ones (the estimate runs the trainer dry) and those not broken yet, each
@@ -23,14 +24,14 @@ import sys
 ALLOWED = [
     # the estimate creates a trainer on a dry context, and the trainer asks
     # the estimate for its recompute plan within a budget: deliberate
-    {"lib/estimate", "lib/plan", "lib/trainer"},
+    {"lib/engine/estimate", "lib/engine/plan", "lib/train/trainer"},
 ]
 
 
-def graph(build):
-    objs = []
-    for d in ("lib", "kernels/cpu", "allocators"):
-        objs += glob.glob(os.path.join(build, "obj", d, "**", "*.o"), recursive=True)
+def graph(build, objs):
+    if not objs:
+        for d in ("lib", "kernels", "allocators"):
+            objs += glob.glob(os.path.join(build, "obj", d, "**", "*.o"), recursive=True)
     if not objs:
         sys.exit("linkgraph.py: no objects under %s/obj (build the library first)" % build)
     defs, uses = {}, collections.defaultdict(set)
@@ -98,8 +99,8 @@ def circles(nodes, edges):
 
 def main():
     if len(sys.argv) < 2:
-        sys.exit("usage: linkgraph.py BUILD_DIR [--edges]")
-    nodes, edges = graph(sys.argv[1])
+        sys.exit("usage: linkgraph.py BUILD_DIR [--edges] [OBJECT.o ...]")
+    nodes, edges = graph(sys.argv[1], [a for a in sys.argv[2:] if a.endswith(".o")])
     found = circles(nodes, edges)
     bad = 0
     for c in sorted(found, key=lambda c: (-len(c), sorted(c))):

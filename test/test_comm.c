@@ -14,7 +14,7 @@
 #include "comm/comm.h"
 #include "comm/cplan.h"
 #include "comm/overlap.h"
-#include "cuda_device.h"
+#include "device/cuda_device.h"
 #include "test_comm.h"
 #include "tnccl.h"
 

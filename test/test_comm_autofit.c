@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "offload.h"
+#include "train/offload.h"
 #include "test_comm.h"
 
 #define T 8 /* tokens a row (tcomm_gpt_rank's model) */

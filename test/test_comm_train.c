@@ -15,7 +15,7 @@
 
 #include "check.h"
 #include "comm/overlap.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "test_comm.h"
 
 #define MAXN 3

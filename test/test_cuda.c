@@ -15,11 +15,11 @@
 #include <sys/stat.h>
 
 #include "check.h"
-#include "cuda_device.h"
-#include "cuda_driver.h"
+#include "device/cuda_device.h"
+#include "device/cuda_driver.h"
 #include "internal.h"
-#include "kernels.h"
-#include "quant.h"
+#include "ops/kernels.h"
+#include "quant/quant.h"
 
 /* The refusal rules of the stand-in cuBLASLt (fake_cublaslt.c). */
 enum {
@@ -324,7 +324,7 @@ static float *dq_weight(size_t R, size_t I)
 }
 
 /* Tiles of the (R, I) weight quantized in fq (format f) on the device,
- * dequantized by mti_cuda_dequantize in every dtype, against lib/quant.c's
+ * dequantized by mti_cuda_dequantize in every dtype, against lib/quant/quant.c's
  * dequantizer bit for bit (fp16: its fp32 value rounded to nearest even);
  * the columns between a tile's width and its leading dimension are left
  * alone. */
@@ -368,7 +368,7 @@ static void dq_tiles(cuda_ctx *c, int f, const void *fq, const void *hq, size_t 
             }
             CHECK_MSG(!memcmp(got, want, bytes),
                       "%s tile %zu (rows [%zu,%zu) x columns [%zu,%zu)) dtype %d: not "
-                      "lib/quant.c's bits",
+                      "lib/quant/quant.c's bits",
                       mti_quant_name((mti_qformat)f), t, r0, r0 + rows, c0, c0 + cols, dt);
             CHECK_OKC(c->ctx, mt_context_free(c->ctx, &bo));
         }
@@ -421,7 +421,7 @@ TEST(cuda_standin_dequantize_matches_quant_c)
 }
 
 /* The table's dequantize over the stand-ins: a range of a flat tensor (a
- * row of the tile kernel's), lib/quant.c's bits in fp32 and bf16; fp16,
+ * row of the tile kernel's), lib/quant/quant.c's bits in fp32 and bf16; fp16,
  * which the tile kernel takes, refused as the CPU table refuses it. */
 TEST(cuda_standin_dequantize_op)
 {
@@ -445,7 +445,7 @@ TEST(cuda_standin_dequantize_op)
             CHECK_OK(c.ctx->dev->copy_d2h(c.ctx->dev, got, o, bytes));
             CHECK_OK(c.ctx->dev->sync(c.ctx->dev));
             CHECK_OK(mti_dequantize(NULL, f, hq, n, at, len, want, dt));
-            CHECK_MSG(!memcmp(got, want, bytes), "%s dtype %d: not lib/quant.c's bits",
+            CHECK_MSG(!memcmp(got, want, bytes), "%s dtype %d: not lib/quant/quant.c's bits",
                       mti_quant_name(f), dt);
         }
         CHECK_ST(MT_ERR_INVALID_ARG, c.ops->dequantize(&c.k, o, fq, f, n, at, len, MTI_F16));

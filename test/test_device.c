@@ -17,8 +17,8 @@
 #include <string.h>
 
 #include "check.h"
-#include "cuda_device.h"
-#include "cuda_driver.h"
+#include "device/cuda_device.h"
+#include "device/cuda_driver.h"
 #include "internal.h"
 
 #define STUB_LIBCUDA "/usr/local/cuda/lib64/stubs/libcuda.so"

@@ -11,9 +11,9 @@
 #include <string.h>
 
 #include "check.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "memtrain.h"
-#include "model.h"
+#include "model/model.h"
 
 /* The loss of one row in double, straight from the definition. */
 static double kd_ref(const float *s, const float *t, int tgt, int V, double alpha, double T,

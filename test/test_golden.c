@@ -3,7 +3,7 @@
  *
  * test/golden/gen.py made the files in test/golden/ (MANIFEST.txt names the
  * torch version and lists them); this file needs no Python. The reference
- * follows our kernels' model (lib/kernels.h): inputs are stored in the
+ * follows our kernels' model (lib/ops/kernels.h): inputs are stored in the
  * dtype, torch computed in fp32 from exactly those values, and each output
  * in the dtype was rounded once; the attention backward starts, as our op
  * does, from the forward output as stored in the dtype. The files also hold
@@ -19,8 +19,8 @@
 
 #include "check.h"
 #include "golden.h"
-#include "kernels.h"
-#include "scaler.h"
+#include "ops/kernels.h"
+#include "optim/scaler.h"
 
 /* ------------------------------------------------------------------------ */
 /* Tolerances                                                                */

@@ -1,5 +1,5 @@
 /*
- * test_lora.c - LoRA adapters (cfg.lora; lib/lora.c, engine.c): step 0 is
+ * test_lora.c - LoRA adapters (cfg.lora; lib/model/lora.c, engine.c): step 0 is
  * the base model; only the adapters hold gradients, masters and state;
  * the adapters' gradients against finite differences; merging gives the
  * adapted model's outputs; the adapter file round-trips and refuses bad

@@ -19,11 +19,11 @@
 #include "comm/comm.h"
 #include "comm/cplan.h"
 #include "comm/nccl_overlap.h"
-#include "cuda_device.h"
+#include "device/cuda_device.h"
 #include "test_comm.h"
 #include "tnccl.h"
-#include "engine.h"
-#include "model.h"
+#include "engine/engine.h"
+#include "model/model.h"
 
 static const char *fake_nccl(void)
 {

@@ -1,6 +1,6 @@
 /*
  * test_offload.c - optimizer state and master weights at home on disk
- * (cfg.offload = MT_PLACE_DISK, lib/offload.c): every optimizer and
+ * (cfg.offload = MT_PLACE_DISK, lib/train/offload.c): every optimizer and
  * precision trains to the resident run's bits, the estimate equals the run
  * per class and per place, scratch files never outlive their trainer (a
  * failure, a kill), and I/O faults give MT_ERR_IO with nothing else lost.
@@ -18,7 +18,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "offload.h"
+#include "train/offload.h"
 #include "test_comm.h"
 
 enum { B = 2, T = 16, V = 256, STEPS = 3 };

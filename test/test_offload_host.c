@@ -1,6 +1,6 @@
 /*
  * test_offload_host.c - a CUDA context's optimizer state and masters in
- * page-locked host memory (cfg.offload = MT_PLACE_HOST, lib/offload_host.c),
+ * page-locked host memory (cfg.offload = MT_PLACE_HOST, lib/train/offload_host.c),
  * over the stand-in driver (MT_FAKE_CUDA, MT_FAKE_CUBLASLT; without them
  * these tests check nothing). The stand-in's kernels compute nothing, so
  * what is checked is what runs on the host: the accounting per class and
@@ -20,12 +20,12 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "comm/dp.h"
-#include "cuda_device.h"
-#include "engine.h"
+#include "train/dp.h"
+#include "device/cuda_device.h"
+#include "engine/engine.h"
 #include "internal.h"
-#include "home.h"
-#include "offload.h"
+#include "train/home.h"
+#include "train/offload.h"
 #include "test_comm.h"
 
 enum { B = 2, T = 16, V = 256 };

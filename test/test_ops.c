@@ -29,8 +29,8 @@
 #include <string.h>
 
 #include "check.h"
-#include "kernels.h"
-#include "quant.h"
+#include "ops/kernels.h"
+#include "quant/quant.h"
 
 typedef struct tol {
     double rtol, atol;
@@ -579,7 +579,7 @@ TEST(ops_embedding_quantized)
 
 /* dequantize on every table, int8 and NF4, fp32 and bf16: ranges whole,
  * inside a block, across blocks and through the partial last block, with
- * lib/quant.c's bits; and what it refuses. */
+ * lib/quant/quant.c's bits; and what it refuses. */
 TEST(ops_dequantize)
 {
     open_tables();
@@ -602,7 +602,7 @@ TEST(ops_dequantize)
                     CHECK_OKC(t->ctx, t->ops->dequantize(&t->k, O, Q, f, n, at, len, dt));
                     dev_get(t, got, O, bytes);
                     CHECK_MSG(!memcmp(got, want, bytes), "%s dequantize %s %s [%zu, %zu): not "
-                              "lib/quant.c's bits", t->name, mti_quant_name(f), dt_name(dt), at,
+                              "lib/quant/quant.c's bits", t->name, mti_quant_name(f), dt_name(dt), at,
                               at + len);
                     free_bufs(t);
                 }

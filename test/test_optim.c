@@ -38,7 +38,7 @@
 #include "../kernels/cpu/arch.h"
 #include "check.h"
 #include "golden.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "../kernels/cpu/cpu_ops.h"
 
 #define TOL_CODE_FRAC 0.002 /* codes one off (adamw8 vs its model) */
@@ -463,7 +463,7 @@ TEST(optim_adamw8_vector_same_bits)
 
 /* adamw8_bf16 as its definition: for each MTI_SR_PIECE-aligned piece of
  * the tensor, widen, adamw8, round back stochastically under the piece's
- * seed; the rounding by the scalar definition of lib/kctx.c. */
+ * seed; the rounding by the scalar definition of lib/ops/kctx.c. */
 static void a8_bf16_reference(const mti_kctx *k, uint16_t *w, const float *g, a8_state *s,
                               size_t n, size_t at, uint64_t seed, const mti_adamw_args *a)
 {

@@ -1,6 +1,6 @@
 /*
- * test_optim4.c - the 4-bit AdamW op (lib/kernels.h, adamw4) and its
- * optimizer entry (lib/optim_adamw4.c).
+ * test_optim4.c - the 4-bit AdamW op (lib/ops/kernels.h, adamw4) and its
+ * optimizer entry (lib/optim/optim_adamw4.c).
  *
  *   - golden: test/golden/adamw4.gv (gen_adamw4.py, a numpy model of the
  *     algorithm of Li, Chen, Zhu 2023 as lpmm runs it): the maps, and after
@@ -20,8 +20,8 @@
 
 #include "check.h"
 #include "golden.h"
-#include "kernels.h"
-#include "optim.h"
+#include "ops/kernels.h"
+#include "optim/optim.h"
 
 static gv_file gf;
 

@@ -1,5 +1,5 @@
 /*
- * test_optimizers.c - the optimizer table (lib/optim.h): every kind has a
+ * test_optimizers.c - the optimizer table (lib/optim/optim.h): every kind has a
  * complete entry and a name that maps back to it, and an update of a
  * parameter cut into slices at the table's alignment gives the bits of one
  * update of the whole, state included, for every optimizer that allows
@@ -10,7 +10,7 @@
 
 #include "check.h"
 #include "internal.h"
-#include "optim.h"
+#include "optim/optim.h"
 
 TEST(optimizers_table_complete)
 {

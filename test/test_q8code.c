@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "check.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "../kernels/cpu/cpu_ops.h"
 #include "../kernels/cpu/vecmath.h"
 

@@ -16,9 +16,9 @@
 #include "check.h"
 #include "memtrain.h"
 #include "textfit.h"
-#include "model.h"
-#include "quant.h"
-#include "trainer.h"
+#include "model/model.h"
+#include "quant/quant.h"
+#include "train/trainer.h"
 
 enum { B = 4, T = 8, V = 64 };
 

@@ -1,5 +1,5 @@
 /*
- * test_quant.c - the blockwise weight quantizers (lib/quant.h) against
+ * test_quant.c - the blockwise weight quantizers (lib/quant/quant.h) against
  * test/golden/quant_nf4.gv (made by bitsandbytes itself: quantize_4bit,
  * nf4, blocksize 64, compress_statistics) and quant_int8.gv (a numpy model
  * of the int8 definition); test/golden/gen_quant.py writes both.
@@ -16,8 +16,8 @@
 
 #include "check.h"
 #include "golden.h"
-#include "kernels.h"
-#include "quant.h"
+#include "ops/kernels.h"
+#include "quant/quant.h"
 #include "../kernels/cpu/cpu_ops.h"
 
 static gv_file qfile;

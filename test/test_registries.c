@@ -8,11 +8,11 @@
 #include <string.h>
 
 #include "check.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 
 typedef void (*any_fn)(void);
 
-/* Every member of mti_ops from `cast` on is an op (lib/kernels.h), so a
+/* Every member of mti_ops from `cast` on is an op (lib/ops/kernels.h), so a
  * table that leaves one out has a NULL there. */
 static void table_complete(const mti_ops *t)
 {

@@ -1,6 +1,6 @@
 /*
  * test_scratch.c - the scratch directory of a trainer's state on disk
- * (lib/scratch.c), through mt_trainer_create: directories a killed run
+ * (lib/train/scratch.c), through mt_trainer_create: directories a killed run
  * left are found by the next trainer in offload_dir and removed with a
  * warning, under its own name and under names it does not use (a run of
  * another world size), their owners known to have ended by the process

@@ -17,13 +17,13 @@
 #include <string.h>
 
 #include "check.h"
-#include "engine.h"
+#include "engine/engine.h"
 #include "internal.h"
 #include "test_comm.h"
-#include "comm/dp.h"
+#include "train/dp.h"
 #include "tnccl.h"
-#include "trainer.h"
-#include "cuda_device.h"
+#include "train/trainer.h"
+#include "device/cuda_device.h"
 
 enum { Z3C_MAXN = 3, Z3C_T = 8, Z3C_ROWS = 2, Z3C_STEPS = 2 };
 

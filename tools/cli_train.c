@@ -45,7 +45,7 @@ static void spirals(uint64_t *state, float *x, int32_t *y, int n)
 /* SIGINT (Ctrl-C) or SIGTERM: the run stops after the step in progress and
  * saves its checkpoint (docs/cli.md). The handler goes back to the default
  * action, so a second signal ends the process at once; a checkpoint being
- * written then leaves the previous one (lib/fileio.c). */
+ * written then leaves the previous one (lib/files/fileio.c). */
 static volatile sig_atomic_t stop_signal;
 
 static void on_stop(int sig)

@@ -1,6 +1,6 @@
 /*
  * adafactor.c - Adafactor as HuggingFace transformers' Adafactor (the
- * contract is in lib/kernels.h), on fp32 masters p (rows, cols) and fp32
+ * contract is in lib/ops/kernels.h), on fp32 masters p (rows, cols) and fp32
  * gradients g.
  *
  * No temporaries: the update of an element is a function of its gradient,

@@ -81,7 +81,7 @@ const char *mti_arch_onednn_isa(void);
 
 /* The hand-written paths of the level in use; a NULL entry means the
  * portable loop. The casts convert n elements with the bits of the
- * definitions (lib/kctx.c). */
+ * definitions (lib/ops/kctx.c). */
 /* 8-bit AdamW's step scalars (made once per call, in double, rounded to
  * fp32) and maps, as optim8.c keeps them. */
 typedef struct mti_adamw8_consts {

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "arch.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 #include "vecmath.h"
 
 /* ---- the class ---- */

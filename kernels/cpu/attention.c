@@ -361,7 +361,7 @@ static mt_status check_args(const mti_kctx *k, const char *op, int B, int T, int
 }
 
 /* A pass's workspace: per-head and per-thread scratch in one block. A dry
- * run (lib/estimate.c) takes it and gives it back, and *dry says there is
+ * run (lib/engine/estimate.c) takes it and gives it back, and *dry says there is
  * nothing more to do. */
 static mt_status att_work(const mti_kctx *k, int heads, size_t head_f, int nt, size_t thr_f,
                           mt_block *blk, bool *dry)

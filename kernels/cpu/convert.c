@@ -1,10 +1,10 @@
 /*
  * convert.c - casts between fp32, fp16 and bf16, the fp32 staging loads
  * and stores the other CPU kernels use in their inner loops, and the
- * dequantize op (lib/quant.c's dequantizer).
+ * dequantize op (lib/quant/quant.c's dequantizer).
  *
  * The element conversions (vecmath.h) restate the scalar definitions of
- * lib/kctx.c without branches (selects instead), so the loops vectorise;
+ * lib/ops/kctx.c without branches (selects instead), so the loops vectorise;
  * they give the same bits for every input (the tests run all 65536 fp16 and
  * bf16 patterns and random fp32 ones). One assumption the scalar code does
  * not make: the fp16 subnormal path rounds with one fp32 addition, so it
@@ -111,7 +111,7 @@ void mti_cpu_store_f32(void *dst, mti_dtype dt, size_t i, const float *src, size
     }
 }
 
-/* mti_f32_to_bf16_sr(f, mti_sr_bits(seed, i)) of lib/kctx.c, restated
+/* mti_f32_to_bf16_sr(f, mti_sr_bits(seed, i)) of lib/ops/kctx.c, restated
  * without branches or calls so the loop below vectorises; the same bits
  * for every input (the op suite checks it against the definition). */
 static inline uint16_t f2b_sr(float f, uint64_t seed, uint64_t i)

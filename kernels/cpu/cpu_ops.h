@@ -1,12 +1,12 @@
 /*
  * cpu_ops.h - the functions of the CPU op table, one file per family of
  * ops in this folder; ops.c assembles the table. Semantics are those of the
- * table's entries in lib/kernels.h.
+ * table's entries in lib/ops/kernels.h.
  */
 #ifndef MT_CPU_OPS_H
 #define MT_CPU_OPS_H
 
-#include "kernels.h"
+#include "ops/kernels.h"
 
 /* below this many elements a parallel region costs more than it saves */
 #define MTI_CPU_PAR_MIN 16384
@@ -14,7 +14,7 @@
 /* convert.c */
 mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const void *src,
                        mti_dtype src_dt, size_t n, mti_rounding r, uint64_t seed);
-/* The op dequantize: lib/quant.c's dequantizer. */
+/* The op dequantize: lib/quant/quant.c's dequantizer. */
 mt_status mti_cpu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
                              size_t at, size_t len, mti_dtype dt);
 /* Loads n values of dt at src (element offset i) into fp32 dst / stores n
@@ -52,7 +52,7 @@ void mti_gemm_put(mti_gemm_prim *p);
 /* embedding.c */
 mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok, const void *wte,
                                 const void *wpe, int B, int T, int C, mti_dtype dt);
-/* embedding_fwd from a quantized table (V,C; lib/quant.h format qf): each
+/* embedding_fwd from a quantized table (V,C; lib/quant/quant.h format qf): each
  * row dequantized in dt a chunk at a time on the stack, then embedding_fwd's
  * sum. */
 mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
@@ -71,7 +71,7 @@ mt_status mti_cpu_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db, 
                              const void *x, const void *w, int n, int in, int out, mti_dtype dt,
                              int flags);
 int mti_cpu_matmul_dw_align(int out, int in);
-/* matmul_fwd and matmul_bwd's dx with W (out,in) quantized (lib/quant.h
+/* matmul_fwd and matmul_bwd's dx with W (out,in) quantized (lib/quant/quant.h
  * format qf, from a buffer of mti_quant_bytes): each output
  * tile dequantizes the part of W it reads into a WORK panel of the
  * activations' dtype (fp32 or bf16; fp16 is MT_ERR_UNSUPPORTED) and runs the

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "cpu_ops.h"
-#include "quant.h"
+#include "quant/quant.h"
 
 /* clang warns about every `omp simd` loop it cannot vectorise, which is all
  * of them under the sanitizers' instrumentation */

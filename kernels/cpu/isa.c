@@ -11,7 +11,7 @@
 #include <strings.h>
 
 #include "arch.h"
-#include "kernels.h"
+#include "ops/kernels.h"
 
 static const char *const g_names[] = {"baseline", "avx2", "avx512", "avx512_bf16", "amx"};
 _Static_assert(sizeof g_names / sizeof *g_names == MTI_ISA_COUNT, "a name per mti_isa");

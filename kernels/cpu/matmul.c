@@ -41,7 +41,7 @@
 
 #include "arch.h"
 #include "cpu_ops.h"
-#include "quant.h"
+#include "quant/quant.h"
 
 /* Largest tile of an output (rows, columns). About where one GEMM call on a
  * tile runs as fast as on the whole matrix: the packing of both operands is
@@ -117,7 +117,7 @@ typedef struct mm_job {
     int ta, tb, accumulate;
     int64_t lda, ldb, ldc;
     mti_dtype ab_dt, c_dt;
-    /* a quantized B (lib/quant.h) of qn elements, stored (N,K) when tb or
+    /* a quantized B (lib/quant/quant.h) of qn elements, stored (N,K) when tb or
      * (K,N), with row length qld; each tile dequantizes its panel of B into
      * a per-thread buffer, which the GEMM reads with leading dimension ldb */
     const void *bq;
@@ -279,7 +279,7 @@ static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int
     return s;
 }
 
-/* load_panel from a quantized B (lib/quant.h; rows of qld elements): each
+/* load_panel from a quantized B (lib/quant/quant.h; rows of qld elements): each
  * value dequantized in the job's dtype (a bf16 job rounds the weight to
  * bf16, as the direct path's panel does), then widened, exactly. 0, or -1
  * when the weight cannot be read. */
@@ -521,7 +521,7 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
     return dw_job(k, dw, dy, x, n, in, out, o0, o1, dt, set);
 }
 
-/* ---- a quantized weight (lib/quant.h): dequantized a tile at a time ---- */
+/* ---- a quantized weight (lib/quant/quant.h): dequantized a tile at a time ---- */
 
 static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, mti_qformat qf, int n,
                          int in, int out, mti_dtype dt)

@@ -9,7 +9,7 @@
 /* The parallelism is ours: OpenMP over tiles, rows, heads, with the
  * context's thread count, so two contexts with different counts can run at
  * once in one process. */
-/* Every op of MTI_OPS (lib/kernels.h) as mti_cpu_<op>. */
+/* Every op of MTI_OPS (lib/ops/kernels.h) as mti_cpu_<op>. */
 #define CPU_OP(op) .op = mti_cpu_##op,
 static const mti_ops cpu_ops = {.name = "cpu", .device = MT_DEVICE_CPU, MTI_OPS(CPU_OP)};
 #undef CPU_OP

@@ -1,6 +1,6 @@
 /*
  * optim4.c - 4-bit AdamW (Li, Chen, Zhu 2023; the contract is in
- * lib/kernels.h, the adamw4 op). The moments live as 4-bit codes, two to a
+ * lib/ops/kernels.h, the adamw4 op). The moments live as 4-bit codes, two to a
  * byte: m blockwise (one absmax per MTI_Q4_BLOCK elements) in the signed
  * dynamic-exponent map, v in the linear map without zero, scaled rank-1
  * (a matrix: min of its row's and its column's maximum) or blockwise (a

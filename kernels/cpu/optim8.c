@@ -1,6 +1,6 @@
 /*
  * optim8.c - 8-bit blockwise AdamW (bitsandbytes' AdamW8bit; the contract
- * is in lib/kernels.h). The moments live as one byte per element, a code
+ * is in lib/ops/kernels.h). The moments live as one byte per element, a code
  * into a 256-entry map (mti_q8_map), and one fp32 absmax per block of
  * MTI_Q8_BLOCK elements; each step dequantizes a block, updates it in fp32,
  * and quantizes it again against the block's new absmax.

@@ -33,7 +33,7 @@ static inline uint32_t sel(int c, uint32_t a, uint32_t b)
 }
 
 /* bf16 bits -> fp32 (exact), and fp32 -> bf16 bits to nearest even (NaN
- * stays a quiet NaN): lib/kctx.c's definitions without branches, for the
+ * stays a quiet NaN): lib/ops/kctx.c's definitions without branches, for the
  * loops that read or write bf16 in place of staging it. */
 static inline float b2f(uint16_t h) { return float_of((uint32_t)h << 16); }
 

@@ -1,6 +1,6 @@
 /*
  * adafactor.cu - Adafactor (transformers' Adafactor; the contract is in
- * lib/kernels.h, the CPU version in kernels/cpu/adafactor.c).
+ * lib/ops/kernels.h, the CPU version in kernels/cpu/adafactor.c).
  *
  * The step is a short queue of kernels, none of which stores an update:
  *   mt_af_partials   RMS(p): per-block partial sums of p^2;

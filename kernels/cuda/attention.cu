@@ -1,7 +1,7 @@
 /*
  * attention.cu - causal self-attention that never stores the (T,T) scores.
  *
- * Layout (lib/kernels.h): qkv (B,T,3C), per token the queries of the H
+ * Layout (lib/ops/kernels.h): qkv (B,T,3C), per token the queries of the H
  * heads (head h at h*hs), then the keys, then the values; out (B,T,C);
  * lse (B,H,T) fp32. s(i,j) = (scale q_i) . k_j with scale = 1/sqrt(hs),
  * keys j <= i: as in the CPU table, the queries are scaled (and rounded)

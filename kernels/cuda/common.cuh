@@ -4,7 +4,7 @@
  * hash, warp and block reductions, and the macro that exports a kernel once
  * per storage dtype.
  *
- * The conversions (scalar.cuh) are the ones of lib/kctx.c, bit for bit,
+ * The conversions (scalar.cuh) are the ones of lib/ops/kctx.c, bit for bit,
  * and plain C too, so host code runs them as the kernels do.
  */
 #ifndef MT_CUDA_COMMON_CUH
@@ -27,7 +27,7 @@ enum { MT_DT_F32 = 0, MT_DT_F16 = 1, MT_DT_BF16 = 2 };
 
 #define MT_FULL_MASK 0xffffffffu
 
-/* ---- scalar conversions (lib/kctx.c): scalar.cuh ---- */
+/* ---- scalar conversions (lib/ops/kctx.c): scalar.cuh ---- */
 
 #include "scalar.cuh"
 
@@ -105,7 +105,7 @@ __device__ __forceinline__ float mt_block_max(float v, float *sh)
  * Kernels take dt tensors as void pointers and are written once as a
  * __device__ template over the storage type; MT_EXPORT_DT makes the three
  * extern "C" entry points NAME_f32, NAME_f16 and NAME_bf16 (in that order in
- * lib/cuda_device.h, so the host adds the mti_dtype to the first id).
+ * lib/device/cuda_device.h, so the host adds the mti_dtype to the first id).
  * BOUNDS is the most threads a block of the kernel is launched with. */
 #define MT_EXPORT_DT(NAME, BOUNDS, BODY, PARAMS, ARGS)                                          \
     extern "C" __global__ void __launch_bounds__(BOUNDS) NAME##_f32 PARAMS                      \

@@ -1,11 +1,11 @@
 /*
- * dequant.cu - a tile of a quantized frozen weight (lib/quant.h: int8
+ * dequant.cu - a tile of a quantized frozen weight (lib/quant/quant.h: int8
  * blockwise absmax, NF4 with double-quantized absmax) dequantized into a
- * storage dtype, for the quantized matmuls of lib/ops_cuda.c: the tile is
+ * storage dtype, for the quantized matmuls of kernels/cuda/ops_cuda.c: the tile is
  * rows [r0, r0 + rows) x columns [c0, c0 + cols) of the (R, I) weight,
  * whose elements are quantized in row-major order, written as a (rows,
  * cols) matrix with leading dimension ld. Each value is mti_dequantize's
- * (lib/quant.c) bit for bit: the arithmetic is dequant.cuh's, which the
+ * (lib/quant/quant.c) bit for bit: the arithmetic is dequant.cuh's, which the
  * stand-in driver's host twins run too; fp16 is that fp32 value rounded to
  * nearest even.
  *

@@ -1,9 +1,9 @@
 /*
- * dequant.cuh - one element of a quantized frozen weight (lib/quant.h) as
+ * dequant.cuh - one element of a quantized frozen weight (lib/quant/quant.h) as
  * fp32, and its store in a storage dtype: the arithmetic of dequant.cu's
  * kernels, in plain C as well as CUDA (see scalar.cuh), so the stand-in
  * driver's host twins of those kernels (test/fake_cuda) run this very code
- * and the stand-in tests check it against lib/quant.c bit for bit.
+ * and the stand-in tests check it against lib/quant/quant.c bit for bit.
  *
  * Each value is the one fp32 operation (or two) of mti_dequantize, in its
  * order: on the device explicitly rounded (__fmul_rn, __fadd_rn), so nvcc

@@ -8,13 +8,13 @@
  * #included below as the op table grows, so there is one module to load.
  *
  * Every kernel is extern "C" so the host finds it by its plain name (see
- * lib/cuda_device.h, which lists them), and takes its parameters by value in
+ * lib/device/cuda_device.h, which lists them), and takes its parameters by value in
  * the types the host passes: device pointers, float, int, unsigned long long
  * element counts. Elementwise kernels loop with a grid stride, so any grid
  * covers any n. Kernels over tensors of a storage dtype exist once per dtype
  * (NAME_f32, NAME_f16, NAME_bf16; see MT_EXPORT_DT in common.cuh).
  *
- * The op table (lib/ops_cuda.c) launches them:
+ * The op table (kernels/cuda/ops_cuda.c) launches them:
  *   elementwise.cu  cast, GELU, ReLU, add, accumulate, bias rows
  *   embedding.cu    token + position embedding, forward and backward
  *   layernorm.cu    layer normalisation, forward and backward

@@ -38,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (__any_sync(MT_FULL_MASK, bad) && (threadIdx.x & 31) == 0) *found_inf = 1;
 }
 
-/* SGD as torch.optim.SGD (lib/kernels.h): d = g * grad_scale + wd * p;
+/* SGD as torch.optim.SGD (lib/ops/kernels.h): d = g * grad_scale + wd * p;
  * with a momentum buffer m (NULL when momentum is 0): m = first_step ? d :
  * momentum m + damp1 d (damp1 = 1 - dampening), d = nesterov ? d +
  * momentum m : m; then p = p - lr d. pc NULL when there is no compute copy. */
@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-/* AdamW as torch.optim.AdamW (lib/kernels.h), with the step's scalars made
+/* AdamW as torch.optim.AdamW (lib/ops/kernels.h), with the step's scalars made
  * by the host as torch makes them: step_size = lr / (1 - beta1^t),
  * bc2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr wd. g = g * grad_scale;
  * m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;

@@ -1,5 +1,5 @@
 /*
- * optim4.cu - 4-bit AdamW (the contract is in lib/kernels.h, the adamw4
+ * optim4.cu - 4-bit AdamW (the contract is in lib/ops/kernels.h, the adamw4
  * op; the CPU version in kernels/cpu/optim4.c).
  *
  * mt_adamw4_maxima (matrices only): every new v from the old codes, the old

@@ -1,6 +1,6 @@
 /*
  * optim8.cu - 8-bit blockwise AdamW (bitsandbytes' AdamW8bit; the contract
- * is in lib/kernels.h, the CPU version in kernels/cpu/optim8.c).
+ * is in lib/ops/kernels.h, the CPU version in kernels/cpu/optim8.c).
  *
  * One CUDA block of 256 threads per quantization block of 256 elements
  * (MTI_Q8_BLOCK), one element per thread, grid-stride over the blocks. The

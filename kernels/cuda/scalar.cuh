@@ -1,7 +1,7 @@
 /*
  * scalar.cuh - the conversions between fp32 and fp16/bf16 bits and the
  * stochastic-rounding hash of the kernels of kernels/cuda, bit for bit
- * lib/kctx.c's (the CPU table and the golden vectors follow that file):
+ * lib/ops/kctx.c's (the CPU table and the golden vectors follow that file):
  * round to nearest even, fp16 overflow to inf from 65520 up, NaN kept NaN
  * with kctx's bits (fp16: sign | 0x7E00; bf16: the top half with the quiet
  * bit set), and bf16 stochastic rounding from mt_sr_bits(seed, element

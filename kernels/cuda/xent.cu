@@ -56,7 +56,7 @@ MT_EXPORT_DT(mt_xent, MT_XENT_THREADS, xent_k,
               float dloss),
              (losses, dlogits, logits, targets, V, Vp, dloss))
 
-/* Distillation (lib/kernels.h's xent_kd; the CPU's kd_row in
+/* Distillation (lib/ops/kernels.h's xent_kd; the CPU's kd_row in
  * kernels/cpu/xent.c): student logits s (N,Vp) in T, teacher logits t
  * (N,tVp) fp32, V real columns each; alpha in (0, 1], temp > 0 (the host
  * takes alpha 0 to mt_xent and checks both). One block per row, three

@@ -13,7 +13,7 @@
 
 #include "comm/comm.h"
 #include "comm/cplan.h"
-#include "cuda_device.h"
+#include "device/cuda_device.h"
 
 #define MAX_RANKS 65536
 

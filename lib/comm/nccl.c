@@ -19,7 +19,7 @@
 
 #include "comm/comm.h"
 #include "comm/nccl_overlap.h"
-#include "cuda_device.h"
+#include "device/cuda_device.h"
 
 /* NCCL's C ABI, as far as used here (nccl.h of the 2.x series) */
 typedef int nccl_result;          /* ncclResult_t: 0 success, 7 in progress */

@@ -59,7 +59,7 @@
 
 #include "comm/cplan.h"
 #include "comm/nccl_overlap.h"
-#include "cuda_device.h"
+#include "device/cuda_device.h"
 
 /* Calls in flight at most: one more first waits for the oldest. */
 #define CALLS 64

@@ -6,7 +6,7 @@
  * mt_context_config.cublaslt_path (tests find it through MT_FAKE_CUBLASLT),
  * so the CUDA op table's GEMMs go somewhere where there is no GPU, and a
  * whole training step runs on the CUDA path over the stand-in driver. It
- * exports the entry points lib/cublaslt_api.h declares and checks their use
+ * exports the entry points lib/device/cublaslt_api.h declares and checks their use
  * as cuBLASLt would where that is cheap: descriptors and layouts that exist
  * and agree with the problem (op(A) m x k, op(B) k x n, C and D m x n),
  * leading dimensions at least the rows, the heuristic's workspace limit
@@ -40,7 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cublaslt_api.h"
+#include "device/cublaslt_api.h"
 
 #define LT_MAGIC_HANDLE 0x4c54484eu
 #define LT_MAGIC_DESC 0x4c544445u

@@ -5,7 +5,7 @@
  * cuda_driver_path (tests find it through the environment variable
  * MT_FAKE_CUDA), so the CUDA device layer, and the allocators on "device"
  * memory, run where there is no GPU. It exports every entry point
- * lib/device_cuda.c looks up, and checks their use as a real driver would
+ * lib/device/device_cuda.c looks up, and checks their use as a real driver would
  * where that is cheap: cuInit first, a current context for the calls that
  * need one, copies only inside allocated or mapped-and-accessible memory,
  * unmaps only of whole mappings, handles and streams that exist.
@@ -19,7 +19,7 @@
  * with it), mt_sgd under MT_FAKE_CUDA_SGD (below; the arithmetic of
  * kernels/cuda/optim.cu) and the dequantizing kernels of dequant.cu, whose twins here run that
  * file's own arithmetic (kernels/cuda/dequant.cuh, plain C as well as
- * CUDA), so the stand-in tests check it bit for bit against lib/quant.c.
+ * CUDA), so the stand-in tests check it bit for bit against lib/quant/quant.c.
  *
  * Read at every cuInit, so a test can change them between contexts:
  *   MT_FAKE_CUDA_MEM          total device memory, bytes (default 4 GiB)
@@ -74,7 +74,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#include "cuda_driver.h"
+#include "device/cuda_driver.h"
 #include "../../kernels/cuda/dequant.cuh"
 
 /* ---- the exported entry points (the driver's symbol names) ---- */

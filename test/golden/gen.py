@@ -15,7 +15,7 @@ CPU's vector width: the header records it).
 
 What "reference" means. Our kernels take inputs in a storage dtype (fp32,
 fp16 or bf16), upcast them to fp32, compute in fp32 and round each output
-to the storage dtype once (lib/kernels.h). The reference arrays follow the
+to the storage dtype once (lib/ops/kernels.h). The reference arrays follow the
 same model: inputs are drawn in fp32 and rounded to the dtype; torch then
 computes in fp32 from those rounded values; outputs in the dtype are rounded
 once. One refinement: the attention backward is given the forward's output

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """
 gen_adamw4.py - golden vectors for the 4-bit AdamW op of memtrain's op
-table (lib/kernels.h: adamw4).
+table (lib/ops/kernels.h: adamw4).
 
 Run from the repository root with a Python that has torch and numpy (the
 .gv writer is gen.py's, imported):
@@ -14,7 +14,7 @@ The C side is test/test_optim4.c.
 The reference is an independent numpy model, in fp32 operation by
 operation, of the algorithm of Li, Chen and Zhu, "Memory Efficient
 Optimizers with 4-bit States" (NeurIPS 2023), as its public code (lpmm)
-runs it by default and lib/kernels.h states it. Their code is a CUDA
+runs it by default and lib/ops/kernels.h states it. Their code is a CUDA
 extension and is not run here. The model:
   - the maps: the first moment's is lpmm's dynamic-exponent map of 4 bits
     (create_dynamic_map(signed=True, max_exponent_bits=3, total_bits=4),

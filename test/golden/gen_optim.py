@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """
 gen_optim.py - golden vectors for the 8-bit blockwise AdamW and the
-Adafactor ops of memtrain's op table (lib/kernels.h: adamw8, adafactor).
+Adafactor ops of memtrain's op table (lib/ops/kernels.h: adamw8, adafactor).
 
 Run from the repository root with a Python that has torch, numpy,
 bitsandbytes and transformers (the .gv writer is gen.py's, imported):
@@ -20,7 +20,7 @@ decay before the step, no handling of non-finite gradients, and a
 quantizer that is not nearest near 0 (it returns code 131, 2.1e-5, for
 +-1e-9 against an absmax of 1). So the reference here is an independent
 numpy model, in fp32 operation by operation, of the CUDA kernel as
-lib/kernels.h states it:
+lib/ops/kernels.h states it:
   - the maps are bitsandbytes' own: functional.create_dynamic_map(signed),
     stored as map_signed and map_unsigned (the C maps must equal them);
   - per element g = g gs; m, v dequantized (code value * block absmax);

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """
 gen_quant.py - golden vectors for memtrain's blockwise weight quantizers
-(lib/quant.h): NF4 as bitsandbytes makes it, and int8 blockwise absmax.
+(lib/quant/quant.h): NF4 as bitsandbytes makes it, and int8 blockwise absmax.
 
 Run from the repository root with a Python that has torch, numpy and
 bitsandbytes (the .gv writer is gen.py's, imported):
@@ -29,7 +29,7 @@ offset depends on the order of summation. The one-thread torch is used, as memtr
 one-thread order of summation for the mean.
 
 quant_int8.gv - memtrain's own int8 format has no outside reference; the
-reference is this numpy model of its definition (lib/quant.h): blocks of
+reference is this numpy model of its definition (lib/quant/quant.h): blocks of
 64, scale = absmax / 127 in fp32 (0 for a block of zeros), code =
 round-half-even(x / scale) clamped to [-127, 127], value = code * scale.
 

@@ -1,0 +1,867 @@
+/*
+ * checkpoint.c - training checkpoints: the whole trainer state in one file,
+ * written atomically, read back only once all of it has been checked.
+ *
+ * The format (docs/formats.md), little-endian:
+ *   header, 32 bytes: magic "MTTRAIN\0", u32 version (1), u32 sections,
+ *     u64 payload bytes (all sections, headers included), u32 CRC-32 of
+ *     the first 24 bytes, u32 0;
+ *   (the layout ends with the frozen parameters' indices, if any, LoRA's
+ *   alpha, if any, and the quantized weights' indices and formats, if any);
+ *   sections, each a 32-byte header (u32 kind, u32 index, u64 bytes, u32
+ *     CRC-32 of the payload, u32 dtype, u32 CRC-32 of these first 24 bytes,
+ *     u32 0) and its payload:
+ *     LAYOUT   what the state fits: the model (kind, input, sizes, each
+ *              parameter's name, shape and storage dtype) and the trainer
+ *              (optimizer, precision, masters, each state tensor's dtype
+ *              and size); a trainer loads only a file whose layout is its
+ *              own, byte for byte;
+ *     COUNTERS steps, optimizer steps, skipped steps, the last norm, the
+ *              loss scaler (scale, growth tracker, last skipped);
+ *     TENSOR   one per stored tensor, in layout order: the weights as
+ *              stored (fp32, the 16-bit compute copy, bf16 alone, or the
+ *              bytes of a quantized weight, lib/quant/quant.h), the
+ *              fp32 masters, each optimizer state tensor (8-bit codes and
+ *              absmax included), raw bytes;
+ *     USER     the application's bytes (its data position, its RNG);
+ *     END      empty: the file is whole.
+ *
+ * Loading reads the file twice: first every section is checked (sizes,
+ * order, CRCs, the layout) without touching the trainer; only then is the
+ * state copied in, each section's CRC checked again on the way. A file
+ * that is truncated, corrupt, of another version or for another model or
+ * trainer is refused with the trainer as it was.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "train/dp.h"
+#include "model/model.h"
+#include "train/offload.h"
+#include "optim/optim.h"
+#include "train/trainer.h"
+
+#define CK_MAGIC "MTTRAIN\0"
+#define CK_VERSION 1u
+#define CK_HEADER 32u
+#define CK_SECTION 32u
+#define CK_CHUNK ((size_t)1 << 20)
+
+#define CK_COUNTERS 40u /* bytes of the counters section (counters_of) */
+
+enum { SEC_LAYOUT = 1, SEC_COUNTERS = 2, SEC_TENSOR = 3, SEC_USER = 4, SEC_END = 5 };
+
+/* A growable byte buffer for the small sections. */
+typedef struct bbuf {
+    unsigned char *p;
+    size_t len, cap;
+    bool oom;
+} bbuf;
+
+static void bb_put(bbuf *b, const void *data, size_t n)
+{
+    if (b->oom) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n) cap *= 2;
+        unsigned char *q = realloc(b->p, cap);
+        if (!q) {
+            b->oom = true;
+            return;
+        }
+        b->p = q, b->cap = cap;
+    }
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+}
+static void bb_u32(bbuf *b, uint32_t v)
+{
+    unsigned char x[4];
+    mti_put_u32(x, v);
+    bb_put(b, x, 4);
+}
+static void bb_u64(bbuf *b, uint64_t v)
+{
+    unsigned char x[8];
+    mti_put_u64(x, v);
+    bb_put(b, x, 8);
+}
+
+/* ---- what the state is made of ---- */
+
+/* The stored tensors of a trainer, in file order: whole tensors, whatever
+ * part of them this rank holds under ZeRO (see held). */
+typedef struct ck_tensor {
+    mti_tensor *t; /* this rank's (its part; no memory when it holds none) */
+    int param;     /* its parameter */
+    int what;      /* 0 weights, 1 master, 2.. state s[what - 2] */
+    mti_dtype dtype;
+    uint64_t bytes; /* of the whole tensor */
+} ck_tensor;
+
+static int list_tensors(mt_trainer *t, ck_tensor *out)
+{
+    mt_model *m = t->model;
+    int n = 0;
+    for (int i = 0; i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
+        mti_tensor *w = t->zero == 3 && !p->frozen ? &t->pw[i] : &p->w; /* (ZeRO-3: a slice) */
+        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, mti_tensor_bytes(&p->w)};
+        n++;
+        if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
+            if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, (uint64_t)p->numel * 4};
+            n++;
+        }
+        for (int j = 0; j < 4; j++) {
+            const mti_opt_state *l = &t->ps[i].lay.s[j];
+            if (!l->numel) continue;
+            if (out)
+                out[n] = (ck_tensor){&t->ps[i].s[j], i, 2 + j, l->dtype,
+                                     (uint64_t)l->numel * mti_dtype_size(l->dtype)};
+            n++;
+        }
+    }
+    return n;
+}
+
+/* The bytes [*off, *off + *len) of a stored tensor that rank r holds: the
+ * weights whole on every rank (ZeRO-3: a slice, as a master); under ZeRO a master or state tensor's part
+ * for the rank's elements of the parameter (lib/train/zero.c), else whole. */
+static bool sharded(const mt_trainer *t, const ck_tensor *c)
+{
+    return t->zero && (c->what != 0 || (t->zero == 3 && !t->model->params[c->param].frozen));
+}
+
+static void held(const mt_trainer *t, const ck_tensor *c, int r, uint64_t *off, uint64_t *len)
+{
+    *off = 0;
+    *len = c->bytes;
+    if (!sharded(t, c)) return;
+    size_t lo, hi;
+    mti_zero_range(t, c->param, r, &lo, &hi);
+    const size_t es = mti_dtype_size(c->dtype);
+    if (c->what <= 1) { /* a master's or (ZeRO-3) the weights' slice */
+        *off = lo * es, *len = (hi - lo) * es;
+        return;
+    }
+    const mti_opt_state *l = &t->ps[c->param].lay.s[c->what - 2];
+    if (hi == lo) *len = 0;
+    else if (l->per > 0)
+        *off = lo / (size_t)l->per * es, *len = (uint64_t)mti_optim_state_numel(l, lo, hi - lo) * es;
+}
+
+/* The layout section: the model and the trainer as far as the stored state
+ * depends on them. */
+static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
+{
+    mt_model *m = t->model;
+    bb_u32(b, (uint32_t)m->kind);
+    bb_u32(b, (uint32_t)m->input);
+    bb_u32(b, (uint32_t)m->features);
+    bb_u32(b, (uint32_t)m->vocab);
+    bb_u32(b, (uint32_t)m->padded_vocab);
+    bb_u32(b, (uint32_t)m->max_seq);
+    bb_u32(b, (uint32_t)m->n_layers);
+    bb_u32(b, (uint32_t)m->n_param);
+    for (int i = 0; i < m->n_param; i++) {
+        const mti_param *p = &m->params[i];
+        char name[MTI_NAME_LEN] = {0};
+        snprintf(name, sizeof name, "%s", p->name);
+        bb_put(b, name, sizeof name);
+        bb_u64(b, (uint64_t)p->shape[0]);
+        bb_u64(b, (uint64_t)(p->ndim == 2 ? p->shape[1] : 0));
+        bb_u64(b, p->numel);
+    }
+    bb_u32(b, (uint32_t)t->cfg.optimizer);
+    bb_u32(b, (uint32_t)t->cfg.precision);
+    bb_u32(b, (uint32_t)t->bare);
+    bb_u32(b, (uint32_t)n);
+    for (int k = 0; k < n; k++) {
+        bb_u32(b, (uint32_t)ts[k].param);
+        bb_u32(b, (uint32_t)ts[k].what);
+        bb_u32(b, (uint32_t)ts[k].dtype);
+        bb_u64(b, ts[k].bytes);
+    }
+    /* the frozen parameters, when there are any (so a file without them is
+       as it always was): their count, then their indices */
+    uint32_t nf = 0;
+    for (int i = 0; i < m->n_param; i++) nf += m->params[i].frozen != 0;
+    if (nf) bb_u32(b, nf);
+    for (int i = 0; nf && i < m->n_param; i++)
+        if (m->params[i].frozen) bb_u32(b, (uint32_t)i);
+    if (m->lora_rank) { /* LoRA's alpha (the rank is in the adapters' shapes) */
+        uint32_t a;
+        memcpy(&a, &m->lora_alpha, 4);
+        bb_u32(b, a);
+    }
+    /* the quantized weights (cfg.base), when there are any: their count,
+       then each one's index and format (1 int8, 2 NF4) */
+    _Static_assert(MTI_QF_INT8 == 1 && MTI_QF_NF4 == 2, "the formats' numbers in a file");
+    uint32_t nq = 0;
+    for (int i = 0; i < m->n_param; i++) nq += m->params[i].qf != 0;
+    if (nq) bb_u32(b, nq);
+    for (int i = 0; nq && i < m->n_param; i++)
+        if (m->params[i].qf) bb_u32(b, (uint32_t)i), bb_u32(b, (uint32_t)m->params[i].qf);
+}
+
+static void counters_of(const mt_trainer *t, bbuf *b)
+{
+    bb_u64(b, t->steps);
+    bb_u64(b, t->opt_steps);
+    bb_u64(b, t->steps_skipped);
+    bb_u32(b, (uint32_t)t->last_skipped);
+    uint32_t f;
+    memcpy(&f, &t->last_norm, 4);
+    bb_u32(b, f);
+    memcpy(&f, &t->scaler.scale, 4);
+    bb_u32(b, f);
+    bb_u32(b, (uint32_t)t->scaler.growth_tracker);
+}
+
+/* The inverse of counters_of. */
+static void counters_set(mt_trainer *t, const unsigned char *p)
+{
+    t->steps = mti_get_u64(p);
+    t->opt_steps = mti_get_u64(p + 8);
+    t->steps_skipped = mti_get_u64(p + 16);
+    t->last_skipped = (int)mti_get_u32(p + 24);
+    uint32_t f = mti_get_u32(p + 28);
+    memcpy(&t->last_norm, &f, 4);
+    f = mti_get_u32(p + 32);
+    memcpy(&t->scaler.scale, &f, 4);
+    t->scaler.growth_tracker = (int)mti_get_u32(p + 36);
+}
+
+/* ---- save ---- */
+
+/* A section header, its own CRC included. */
+static void section_header(unsigned char *h, uint32_t kind, uint32_t index, uint64_t n,
+                           uint32_t crc, uint32_t dtype)
+{
+    memset(h, 0, CK_SECTION);
+    mti_put_u32(h, kind);
+    mti_put_u32(h + 4, index);
+    mti_put_u64(h + 8, n);
+    mti_put_u32(h + 16, crc);
+    mti_put_u32(h + 20, dtype);
+    mti_put_u32(h + 24, mti_crc32(0, h, 24));
+}
+
+/* Saving: rank 0 writes the file; under ZeRO the other ranks send it
+ * their parts of the sharded tensors (one broadcast per chunk, in rank
+ * order, so the file is the whole tensor in order). A failure to write
+ * (rank 0's) or to read a part (any rank's) is kept in *ws while every rank
+ * goes on making the same collectives; only a failed collective stops. */
+typedef struct saver {
+    mt_trainer *t;
+    mti_afile f;
+    unsigned char *buf;  /* CK_CHUNK, host */
+    mti_tensor bk;       /* a device communicator's bounce buffer (CK_CHUNK) */
+    bool collective;     /* ZeRO on more than one rank */
+    mt_status ws;        /* this rank's first local failure */
+} saver;
+
+static bool writer(const saver *v) { return v->t->rank == 0 || !v->collective; }
+
+static void sv_write(saver *v, const void *data, size_t n)
+{
+    if (writer(v) && !v->ws && n) v->ws = mti_afile_write(v->t->ctx, &v->f, data, n);
+}
+
+static void sv_section(saver *v, uint32_t kind, const void *data, size_t n)
+{
+    unsigned char h[CK_SECTION];
+    section_header(h, kind, 0, n, mti_crc32(0, data, n), 0);
+    sv_write(v, h, sizeof h);
+    sv_write(v, data, n);
+}
+
+/* Bytes [at, at + n) of rank r's part of an offloaded tensor (at home on
+ * disk, lib/train/offload.c: read there on rank r) into v->buf on the writer.
+ * Returns a communication failure. */
+static mt_status fetch_home(saver *v, const ck_tensor *c, int r, uint64_t at, size_t n)
+{
+    mt_trainer *t = v->t;
+    mt_status ls = MT_OK;
+    if ((!v->collective || t->rank == r) && !v->ws)
+        ls = mti_offload_read(t->off, c->param, c->what, at, v->buf, n);
+    if (ls && !v->ws) v->ws = ls;
+    if (!v->collective || r == 0) return MT_OK; /* (the writer's own) */
+    char what[64];
+    snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", r);
+    return mti_comm_broadcast(t->ctx, what, v->buf, n, MT_COMM_BYTE, r);
+}
+
+/* Bytes [at, at + n) of rank r's part (src: its local memory, on rank r)
+ * into v->buf on the writer. Returns a communication failure. */
+static mt_status fetch(saver *v, int r, const char *src, size_t n)
+{
+    mt_context *ctx = v->t->ctx;
+    mti_device *d = ctx->dev;
+    const bool mine = !v->collective || v->t->rank == r, to_me = writer(v);
+    mt_status ls = MT_OK;
+    if (r == 0 || !v->collective) { /* the writer's own */
+        if (mine) {
+            ls = d->copy_d2h(d, v->buf, src, n);
+            if (!ls) ls = d->sync(d);
+        }
+        if (ls && !v->ws) v->ws = ls;
+        return MT_OK;
+    }
+    char what[64];
+    snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", r);
+    mt_status cs;
+    if (v->bk.blk.ptr) { /* a device communicator: through device memory */
+        if (mine) ls = d->copy_d2d(d, v->bk.blk.ptr, src, n);
+        cs = mti_comm_broadcast(ctx, what, v->bk.blk.ptr, n, MT_COMM_BYTE, r);
+        if (!cs && to_me) ls = d->copy_d2h(d, v->buf, v->bk.blk.ptr, n);
+        if (!cs && to_me && !ls) ls = d->sync(d);
+    } else { /* a host one: host memory, through the context's staging */
+        if (mine) ls = d->copy_d2h(d, v->buf, src, n);
+        if (mine && !ls) ls = d->sync(d);
+        cs = mti_comm_broadcast(ctx, what, v->buf, n, MT_COMM_BYTE, r);
+    }
+    if (ls && !v->ws) v->ws = ls;
+    return cs;
+}
+
+/* A stored tensor as a section: the header goes first without the
+ * payload's CRC, which is written into it once the payload is out. */
+static mt_status write_tensor(saver *v, const ck_tensor *c)
+{
+    mt_trainer *t = v->t;
+    mt_context *ctx = t->ctx;
+    unsigned char h[CK_SECTION];
+    section_header(h, SEC_TENSOR, (uint32_t)c->param, c->bytes, 0, (uint32_t)c->dtype);
+    off_t at_header = -1;
+    if (writer(v) && !v->ws && (at_header = lseek(v->f.fd, 0, SEEK_CUR)) < 0) {
+        v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
+        mti_afile_abort(&v->f);
+    }
+    sv_write(v, h, sizeof h);
+    uint32_t crc = 0;
+    uint64_t done = 0;
+    const int ranks = v->collective && sharded(t, c) ? t->world : 1;
+    for (int r = 0; r < ranks; r++) {
+        uint64_t off, len;
+        if (ranks > 1) held(t, c, r, &off, &len);
+        else off = 0, len = c->bytes;
+        if (len && off != done)
+            return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts out of order");
+        for (uint64_t at = 0; at < len; at += CK_CHUNK) {
+            size_t n = len - at < CK_CHUNK ? (size_t)(len - at) : CK_CHUNK;
+            if (t->off && (c->what || mti_offload_has_weights(t->off, c->param))) {
+                /* at home on disk (lib/train/offload.c): rank r's part */
+                mt_status cs = fetch_home(v, c, r, at, n);
+                if (cs) return cs;
+            } else {
+                mt_status cs = fetch(v, r, (const char *)c->t->blk.ptr + at, n);
+                if (cs) return cs;
+            }
+            if (writer(v) && !v->ws) crc = mti_crc32(crc, v->buf, n);
+            sv_write(v, v->buf, n);
+        }
+        done += len;
+    }
+    if (done != c->bytes) return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts missing");
+    section_header(h, SEC_TENSOR, (uint32_t)c->param, c->bytes, crc, (uint32_t)c->dtype);
+    if (writer(v) && !v->ws && pwrite(v->f.fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
+        v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
+        mti_afile_abort(&v->f);
+    }
+    return MT_OK;
+}
+
+mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *user, size_t user_len)
+{
+    const char *fn = "mt_trainer_save";
+    if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
+    mt_context *ctx = t->ctx;
+    saver v = {.t = t, .collective = t->zero != 0, .f = {.fd = -1}};
+    if (v.collective && !mti_dp_on(t))
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a dry context's sharded trainer has no state to save", fn);
+    /* path and user are the writer's (rank 0's under ZeRO); a bad one there
+       still takes part in the collectives, so the other ranks hear of it */
+    if (writer(&v) && !path) v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    else if (writer(&v) && !user && user_len)
+        v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
+                        user_len);
+    if (v.ws && !v.collective) return v.ws;
+    if (!writer(&v)) user = NULL, user_len = 0; /* (never written here) */
+    int n = list_tensors(t, NULL);
+    ck_tensor *ts = malloc((size_t)n * sizeof *ts);
+    v.buf = malloc(CK_CHUNK);
+    bbuf lay = {0}, cnt = {0};
+    if (ts) list_tensors(t, ts);
+    if (ts) layout_of(t, ts, n, &lay);
+    counters_of(t, &cnt);
+    const bool oom = !ts || !v.buf || lay.oom || cnt.oom;
+    if (oom) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    mt_status cs = MT_OK;
+    if (!oom && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
+        cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
+    if (v.ws && !v.collective) cs = v.ws; /* alone: nothing to keep in step with */
+    if (!oom && !cs) {
+        uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
+        for (int k = 0; k < n; k++) total += ts[k].bytes;
+        unsigned char h[CK_HEADER] = {0};
+        memcpy(h, CK_MAGIC, 8);
+        mti_put_u32(h + 8, CK_VERSION);
+        mti_put_u32(h + 12, (uint32_t)(n + 4));
+        mti_put_u64(h + 16, total);
+        mti_put_u32(h + 24, mti_crc32(0, h, 24));
+        if (writer(&v) && !v.ws) v.ws = mti_afile_open(ctx, path, &v.f);
+        sv_write(&v, h, sizeof h);
+        sv_section(&v, SEC_LAYOUT, lay.p, lay.len);
+        sv_section(&v, SEC_COUNTERS, cnt.p, cnt.len);
+        for (int k = 0; k < n && !cs && (v.collective || !v.ws); k++) cs = write_tensor(&v, &ts[k]);
+        sv_section(&v, SEC_USER, user, user_len);
+        sv_section(&v, SEC_END, NULL, 0);
+    } else if (!cs) {
+        cs = v.ws;
+    }
+    mt_status s = cs ? cs : v.ws;
+    if (!cs && v.collective) /* every rank learns whether every part was read and written */
+        s = mti_dp_agree_status(t, fn, "writing the training-state file", v.ws);
+    if (!s && writer(&v)) s = mti_afile_commit(ctx, &v.f);
+    else if (v.f.fd >= 0) mti_afile_abort(&v.f);
+    if (!cs && v.collective) s = mti_dp_agree_status(t, fn, "putting the training-state file in place", s);
+    mti_tensor_free(ctx, &v.bk);
+    free(ts), free(v.buf), free(lay.p), free(cnt.p);
+    if (s) {
+        const mti_msg m = mti_last_msg(ctx); /* (an exchange's names the call already) */
+        const bool named = !strncmp(m.s, fn, strlen(fn)) && !strncmp(m.s + strlen(fn), ": ", 2);
+        const char *at = writer(&v) ? path : "rank 0's path";
+        return mti_fail(ctx, s, "%s%s%s%s%s%s", named ? "" : fn, named ? "" : ": ", m.s,
+                        at ? " (the previous file at " : "", at ? at : "",
+                        at ? ", if any, is intact)" : "");
+    }
+    return MT_OK;
+}
+
+/* ---- what differs between a saved layout and this trainer's ---- */
+
+/* An optimizer as messages say it, from the optimizers' table (optim.c). */
+static const char *optimizer_str(uint32_t v)
+{
+    const mti_optim *o = v < 64 ? mti_optim_of((mt_optimizer_kind)v) : NULL;
+    return o ? o->title : "unknown";
+}
+
+static const char *precision_str(uint32_t v)
+{
+    static const char *const names[] = {"fp32", "fp16", "bf16"};
+    _Static_assert(sizeof names / sizeof *names == MT_PREC_BF16 + 1, "a name per mt_precision");
+    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+}
+
+static const char *dtype_str(uint32_t v)
+{
+    static const char *const names[] = {"fp32", "fp16", "bf16", "int32", "uint8"};
+    _Static_assert(sizeof names / sizeof *names == MTI_U8 + 1, "a name per mti_dtype");
+    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+}
+
+/* A stored tensor's role (layout_of's `what`). */
+static void role_str(char *b, size_t cap, uint32_t what)
+{
+    if (what == 0) snprintf(b, cap, "weights");
+    else if (what == 1) snprintf(b, cap, "master");
+    else snprintf(b, cap, "state %u", what - 2);
+}
+
+/* A layout section read field by field (layout_of's order); ok is false
+ * once a read would pass its end. */
+typedef struct lay_rd {
+    const unsigned char *p;
+    size_t len, at;
+    bool ok;
+} lay_rd;
+
+static uint32_t lr_u32(lay_rd *r)
+{
+    if (!r->ok || r->len - r->at < 4) return r->ok = false, 0;
+    r->at += 4;
+    return mti_get_u32(r->p + r->at - 4);
+}
+
+static uint64_t lr_u64(lay_rd *r)
+{
+    if (!r->ok || r->len - r->at < 8) return r->ok = false, 0;
+    r->at += 8;
+    return mti_get_u64(r->p + r->at - 8);
+}
+
+/* A parameter's name, shape and elements; name gets MTI_NAME_LEN bytes. */
+static void lr_param(lay_rd *r, char *name, uint64_t *rows, uint64_t *cols, uint64_t *numel)
+{
+    if (!r->ok || r->len - r->at < MTI_NAME_LEN) {
+        r->ok = false;
+        name[0] = 0;
+        return;
+    }
+    memcpy(name, r->p + r->at, MTI_NAME_LEN);
+    name[MTI_NAME_LEN - 1] = 0;
+    r->at += MTI_NAME_LEN;
+    *rows = lr_u64(r), *cols = lr_u64(r), *numel = lr_u64(r);
+}
+
+static void shape_str(char *b, size_t cap, uint64_t rows, uint64_t cols)
+{
+    if (cols) snprintf(b, cap, "(%llu x %llu)", (unsigned long long)rows, (unsigned long long)cols);
+    else snprintf(b, cap, "(%llu)", (unsigned long long)rows);
+}
+
+/* The frozen-parameter lists of two layouts (each reader at its stored
+ * tensors' list, of fk and ok entries): when they differ, says in m the
+ * first parameter frozen in one and not the other (named from this
+ * trainer's layout, mine) and returns true. */
+static bool frozen_diff(lay_rd fs, lay_rd os, uint32_t fk, uint32_t ok, const bbuf *mine,
+                        char *m, size_t cap)
+{
+    fs.at += (size_t)fk * 20, os.at += (size_t)ok * 20;
+    if (fs.at > fs.len || os.at > os.len) return false;
+    uint32_t fnf = fs.at < fs.len ? lr_u32(&fs) : 0, onf = os.at < os.len ? lr_u32(&os) : 0;
+    uint32_t fi = 0, oi = 0, np = mti_get_u32(mine->p + 28);
+    uint32_t fx = fnf ? lr_u32(&fs) : UINT32_MAX, ox = onf ? lr_u32(&os) : UINT32_MAX;
+    while (fs.ok && (fi < fnf || oi < onf)) {
+        if (fx != ox) {
+            uint32_t p = fx < ox ? fx : ox;
+            char name[MTI_NAME_LEN] = "?";
+            if (p < np) snprintf(name, sizeof name, "%s", (const char *)mine->p + 32 +
+                                                            (size_t)p * (MTI_NAME_LEN + 24));
+            snprintf(m, cap, "saved with another frozen set (cfg.freeze, LoRA): parameter %u "
+                     "'%s' is %s in the file, %s in this trainer", p, name,
+                     fx < ox ? "frozen" : "trained", fx < ox ? "trained" : "frozen");
+            return true;
+        }
+        fx = ++fi < fnf ? lr_u32(&fs) : UINT32_MAX;
+        ox = ++oi < onf ? lr_u32(&os) : UINT32_MAX;
+    }
+    return false;
+}
+
+/* Says in m which setting of the saved layout (f) differs from this
+ * trainer's (o), with both values: the model's sizes, the optimizer, the
+ * precision, the master-weight setting, a parameter's name or shape, or a
+ * stored tensor's dtype or size (8-bit or 32-bit optimizer state). */
+static void layout_diff(const unsigned char *file, size_t flen, const bbuf *mine, char *m,
+                        size_t cap)
+{
+    static const char *const model_fields[8] = {
+        "kind (0 layers, 1 MLP, 2 GPT)", "input kind", "features", "vocabulary",
+        "padded vocabulary", "longest sequence", "layers", "parameter tensors"};
+    lay_rd f = {file, flen, 0, true}, o = {mine->p, mine->len, 0, true};
+    uint32_t fn = 0, on = 0;
+    uint32_t kind = 0;
+    for (int i = 0; i < 8; i++) {
+        uint32_t a = lr_u32(&f), b = lr_u32(&o);
+        if (i == 0) kind = a;
+        if (f.ok && a != b && i == 6 && kind == 2 && a >= 3 && b >= 3) { /* a GPT: the blocks */
+            snprintf(m, cap, "saved for another model: its transformer blocks (layers) is %u in "
+                     "the file, %u in this model", a - 3, b - 3);
+            return;
+        }
+        if (f.ok && a != b) {
+            snprintf(m, cap, "saved for another model: its %s is %u in the file, %u in this model",
+                     model_fields[i], a, b);
+            return;
+        }
+        fn = a, on = b;
+    }
+    /* the trainer's settings come after the parameters */
+    lay_rd fs = f, os = o;
+    fs.at += (size_t)fn * (MTI_NAME_LEN + 24);
+    os.at += (size_t)on * (MTI_NAME_LEN + 24);
+    if (fs.at > fs.len) fs.ok = false;
+    uint32_t fo = lr_u32(&fs), oo = lr_u32(&os), fp = lr_u32(&fs), op = lr_u32(&os);
+    uint32_t fb = lr_u32(&fs), ob = lr_u32(&os);
+    if (fs.ok && fo != oo) {
+        snprintf(m, cap, "saved with another optimizer: %s in the file, %s in this trainer",
+                 optimizer_str(fo), optimizer_str(oo));
+        return;
+    }
+    if (fs.ok && fp != op) {
+        snprintf(m, cap, "saved in another precision: %s in the file, %s in this trainer",
+                 precision_str(fp), precision_str(op));
+        return;
+    }
+    if (fs.ok && fb != ob) {
+        snprintf(m, cap, "saved with another master-weight setting: %s in the file, %s in this "
+                 "trainer", fb ? "no master weights" : "master weights",
+                 ob ? "no master weights" : "master weights");
+        return;
+    }
+    char fname[MTI_NAME_LEN], oname[MTI_NAME_LEN], fsh[48], osh[48];
+    for (uint32_t i = 0; i < on && f.ok; i++) {
+        uint64_t fr = 0, fc = 0, fe = 0, orr = 0, oc = 0, oe = 0;
+        lr_param(&f, fname, &fr, &fc, &fe);
+        lr_param(&o, oname, &orr, &oc, &oe);
+        if (!f.ok) break;
+        shape_str(fsh, sizeof fsh, fr, fc);
+        shape_str(osh, sizeof osh, orr, oc);
+        if (strcmp(fname, oname) || fr != orr || fc != oc || fe != oe) {
+            snprintf(m, cap, "saved for another model shape: parameter %u is '%s' %s in the "
+                     "file, '%s' %s in this model", i, fname, fsh, oname, osh);
+            return;
+        }
+    }
+    uint32_t fk = lr_u32(&fs), ok = lr_u32(&os);
+    if (frozen_diff(fs, os, fk, ok, mine, m, cap)) return;
+    for (uint32_t k = 0; k < ok && k < fk && fs.ok; k++) {
+        uint32_t fpar = lr_u32(&fs), opar = lr_u32(&os), frole = lr_u32(&fs), orole = lr_u32(&os);
+        uint32_t fdt = lr_u32(&fs), odt = lr_u32(&os);
+        uint64_t fby = lr_u64(&fs), oby = lr_u64(&os);
+        if (!fs.ok) break;
+        if (fpar == opar && frole == 0 && orole == 0 && (fdt != odt || fby != oby)) {
+            snprintf(m, cap, "saved with other weights' storage: parameter %u's weights are %s, "
+                     "%llu bytes in the file; %s, %llu bytes in this trainer (a quantized base, "
+                     "cfg.base: its weights are uint8 bytes, int8 and NF4 of different sizes)",
+                     fpar, dtype_str(fdt), (unsigned long long)fby, dtype_str(odt),
+                     (unsigned long long)oby);
+            return;
+        }
+        if (fpar != opar || frole != orole || fdt != odt || fby != oby) {
+            char fw[24], ow[24];
+            role_str(fw, sizeof fw, frole);
+            role_str(ow, sizeof ow, orole);
+            snprintf(m, cap, "saved with other optimizer state: stored tensor %u is parameter "
+                     "%u's %s, %s, %llu bytes in the file; parameter %u's %s, %s, %llu bytes "
+                     "in this trainer (8-bit or 32-bit state: min_8bit_size, overrides)",
+                     k, fpar, fw, dtype_str(fdt), (unsigned long long)fby, opar, ow,
+                     dtype_str(odt), (unsigned long long)oby);
+            return;
+        }
+    }
+    if (fs.ok && fk != ok) {
+        snprintf(m, cap, "saved with other optimizer state: %u stored tensors in the file, %u "
+                 "in this trainer", fk, ok);
+        return;
+    }
+    snprintf(m, cap, "saved for another trainer layout (the layout section differs from this "
+             "trainer's)");
+}
+
+/* ---- load ---- */
+
+typedef struct reader {
+    FILE *f;
+    const char *path;
+    mt_context *ctx;
+    uint64_t size, pos;
+    uint64_t digest; /* the file's header and section headers hashed (each holds
+                        its payload's CRC): what the ranks compare */
+} reader;
+
+static mt_status bad_file(reader *r, const char *what)
+{
+    return mti_fail(r->ctx, MT_ERR_FORMAT, "mt_trainer_load: %s: %s (the trainer is unchanged)",
+                    r->path, what);
+}
+
+static mt_status read_exact(reader *r, void *dst, size_t n, const char *what)
+{
+    if (n > r->size - r->pos) return bad_file(r, what);
+    if (n && fread(dst, 1, n, r->f) != n) return bad_file(r, what);
+    r->pos += n;
+    return MT_OK;
+}
+
+typedef struct sec {
+    uint32_t kind, index, crc, dtype;
+    uint64_t bytes;
+} sec;
+
+static mt_status read_section_header(reader *r, sec *s)
+{
+    unsigned char h[CK_SECTION];
+    mt_status st = read_exact(r, h, sizeof h, "truncated (a section header is cut off)");
+    if (st) return st;
+    if (mti_get_u32(h + 24) != mti_crc32(0, h, 24) || mti_get_u32(h + 28))
+        return bad_file(r, "corrupt (a section header's CRC does not match)");
+    r->digest = mti_hash(r->digest, h, sizeof h);
+    s->kind = mti_get_u32(h), s->index = mti_get_u32(h + 4), s->bytes = mti_get_u64(h + 8);
+    s->crc = mti_get_u32(h + 16), s->dtype = mti_get_u32(h + 20);
+    if (s->kind != SEC_TENSOR && (s->index || s->dtype))
+        return bad_file(r, "corrupt (a section other than a tensor has a nonzero index or dtype)");
+    if (s->bytes > r->size - r->pos)
+        return bad_file(r, "truncated (a section is longer than what is left of the file)");
+    return MT_OK;
+}
+
+/* Reads a section's payload in chunks, checking its CRC; each chunk goes
+ * to sink (may be NULL) at its offset. */
+typedef mt_status (*sink_fn)(void *user, uint64_t at, const unsigned char *p, size_t n);
+
+static mt_status read_payload(reader *r, const sec *s, unsigned char *buf, sink_fn sink, void *user)
+{
+    uint32_t crc = 0;
+    for (uint64_t at = 0; at < s->bytes;) {
+        size_t len = s->bytes - at < CK_CHUNK ? (size_t)(s->bytes - at) : CK_CHUNK;
+        mt_status st = read_exact(r, buf, len, "truncated");
+        if (st) return st;
+        crc = mti_crc32(crc, buf, len);
+        if (sink && (st = sink(user, at, buf, len))) return st;
+        at += len;
+    }
+    if (crc != s->crc) return bad_file(r, "corrupt (a section's CRC does not match)");
+    return MT_OK;
+}
+
+/* A section's bytes [off, off + len) into dst (this rank's part of a
+ * stored tensor). */
+typedef struct upload {
+    mt_context *ctx;
+    char *dst;
+    uint64_t off, len;
+    struct mti_offload *off_home; /* or the tensor's home on disk: */
+    int param, what;
+} upload;
+
+static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
+{
+    upload *u = user;
+    mti_device *d = u->ctx->dev;
+    uint64_t lo = at > u->off ? at : u->off, hi = at + n < u->off + u->len ? at + n : u->off + u->len;
+    if (lo < hi && u->off_home)
+        return mti_offload_write(u->off_home, u->param, u->what, lo - u->off, p + (lo - at),
+                                 (size_t)(hi - lo)); /* (the rank's part, from its start) */
+    return lo < hi ? d->copy_h2d(d, u->dst + (lo - u->off), p + (lo - at), (size_t)(hi - lo)) : MT_OK;
+}
+
+typedef struct grab {
+    unsigned char *dst;
+    size_t cap;
+} grab;
+
+static mt_status grab_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
+{
+    grab *g = user;
+    if (at < g->cap) memcpy(g->dst + at, p, n < g->cap - at ? n : (size_t)(g->cap - at));
+    return MT_OK;
+}
+
+/* One pass over the file. check: verify everything, change nothing;
+ * else: copy the state in. */
+static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, const bbuf *lay,
+                      unsigned char *buf, bool check, unsigned char *counters, void *user,
+                      size_t user_cap, size_t *user_len)
+{
+    unsigned char h[CK_HEADER];
+    mt_status s = read_exact(r, h, sizeof h, "too short for a training checkpoint");
+    if (s) return s;
+    if (memcmp(h, CK_MAGIC, 8)) return bad_file(r, "not a memtrain training checkpoint");
+    if (mti_get_u32(h + 24) != mti_crc32(0, h, 24)) return bad_file(r, "corrupt header");
+    r->digest = mti_hash(MTI_HASH_START, h, sizeof h);
+    if (mti_get_u32(h + 28)) return bad_file(r, "corrupt header (bytes 28..31 are not 0)");
+    if (mti_get_u32(h + 8) != CK_VERSION) {
+        char m[96];
+        snprintf(m, sizeof m, "format version %u, this library reads version %u", mti_get_u32(h + 8),
+                 CK_VERSION);
+        return bad_file(r, m);
+    }
+    if (mti_get_u64(h + 16) + CK_HEADER != r->size)
+        return bad_file(r, mti_get_u64(h + 16) + CK_HEADER > r->size ? "truncated"
+                                                              : "longer than its header says");
+    const uint32_t nsec = mti_get_u32(h + 12);
+    sec c;
+    /* layout */
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_LAYOUT) return bad_file(r, "corrupt (no layout section first)");
+    if (c.bytes > ((uint64_t)64 << 20)) return bad_file(r, "corrupt (an absurd layout section)");
+    unsigned char *got = malloc(c.bytes ? (size_t)c.bytes : 1);
+    if (!got) return mti_fail(r->ctx, MT_ERR_OOM, "mt_trainer_load: out of host memory");
+    grab g = {got, (size_t)c.bytes};
+    s = read_payload(r, &c, buf, grab_sink, &g);
+    if (!s && (c.bytes != lay->len || memcmp(got, lay->p, lay->len))) {
+        char m[MTI_ERR_LEN - 128];
+        layout_diff(got, (size_t)c.bytes, lay, m, sizeof m);
+        s = mti_fail(r->ctx, MT_ERR_INVALID_ARG, "mt_trainer_load: %s: %s (the trainer is "
+                     "unchanged)", r->path, m);
+    }
+    free(got);
+    if (s) return s;
+    if (nsec != (uint32_t)n + 4) return bad_file(r, "corrupt (the section count)");
+    /* counters */
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_COUNTERS || c.bytes != CK_COUNTERS) return bad_file(r, "corrupt (counters)");
+    grab gc = {counters, CK_COUNTERS};
+    if ((s = read_payload(r, &c, buf, grab_sink, &gc))) return s;
+    /* tensors */
+    for (int k = 0; k < n; k++) {
+        if ((s = read_section_header(r, &c))) return s;
+        if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
+            c.dtype != (uint32_t)ts[k].dtype || c.bytes != ts[k].bytes)
+            return bad_file(r, "corrupt (a tensor section does not match the layout)");
+        const bool home = ts[k].what || mti_offload_has_weights(t->off, ts[k].param);
+        upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0, home ? t->off : NULL, ts[k].param, ts[k].what};
+        held(t, &ts[k], t->rank, &u.off, &u.len);
+        if ((s = read_payload(r, &c, buf, check ? NULL : upload_sink, &u))) return s;
+    }
+    /* user bytes */
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_USER) return bad_file(r, "corrupt (no user section)");
+    grab gu = {user, user ? user_cap : 0};
+    if ((s = read_payload(r, &c, buf, check ? NULL : grab_sink, &gu))) return s;
+    if (user_len) *user_len = (size_t)c.bytes;
+    if ((s = read_section_header(r, &c))) return s;
+    if (c.kind != SEC_END || c.bytes) return bad_file(r, "corrupt (no end section)");
+    if (r->pos != r->size) return bad_file(r, "corrupt (bytes after the end)");
+    return MT_OK;
+}
+
+mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
+                          size_t *user_len)
+{
+    const char *fn = "mt_trainer_load";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    mt_context *ctx = t->ctx;
+    /* on several ranks a rank that cannot start still makes the exchanges
+       below, so every rank fails with it at once */
+    mt_status s = MT_OK;
+    if (!path) s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    else if (!user && user_cap)
+        s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_cap is %zu", fn,
+                     user_cap);
+    reader r = {.path = path, .ctx = ctx};
+    if (!s && !(r.f = fopen(path, "rb")))
+        s = mti_fail(ctx, MT_ERR_IO, "%s: cannot open %s: %s", fn, path, strerror(errno));
+    if (s && !mti_dp_on(t)) return s;
+    if (r.f && fseek(r.f, 0, SEEK_END) == 0) {
+        long end = ftell(r.f);
+        r.size = end > 0 ? (uint64_t)end : 0;
+    }
+    if (r.f) rewind(r.f);
+    int n = list_tensors(t, NULL);
+    ck_tensor *ts = malloc((size_t)n * sizeof *ts);
+    unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];
+    bbuf lay = {0};
+    if (ts) list_tensors(t, ts), layout_of(t, ts, n, &lay);
+    if (!s && (!ts || !buf || lay.oom)) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    /* first pass: check everything; second: copy it in (each rank its part);
+       on several ranks, any rank's failure fails every rank, before any
+       rank changes anything */
+    if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
+    s = mti_dp_agree_status(t, fn, "checking the training-state file", s);
+    if (!s) s = mti_dp_agree_file(t, fn, r.digest); /* every rank loads the same file */
+    if (!s) {
+        rewind(r.f);
+        r.pos = 0;
+        s = pass(&r, t, ts, n, &lay, buf, false, counters, user, user_cap, user_len);
+        if (s) {
+            s = mti_fail(ctx, s, "%s: %s changed while it was read; the trainer's state is "
+                         "partly loaded: load a good file again before training (%s)",
+                         fn, path, mti_last_msg(ctx).s);
+        }
+    }
+    s = mti_dp_agree_status(t, fn, "loading the training-state file", s);
+    if (!s) counters_set(t, counters);
+    if (r.f) fclose(r.f);
+    free(ts), free(buf), free(lay.p);
+    return s;
+}

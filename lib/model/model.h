@@ -1,0 +1,160 @@
+/*
+ * model.h - models as the engine sees them: a sequence of layers, the
+ * parameter tensors they own, and what each layer keeps for backward.
+ *
+ * Every model (MLP, GPT, or built from a list of layers) is the same
+ * structure; the engine (engine.c) runs any of them forward and backward.
+ */
+#ifndef MT_MODEL_H
+#define MT_MODEL_H
+
+#include "internal.h"
+#include "quant/quant.h"
+
+typedef enum mti_model_kind { MTI_MODEL_SEQ = 0, MTI_MODEL_MLP = 1, MTI_MODEL_GPT = 2 } mti_model_kind;
+
+/* How a parameter is initialised. */
+typedef enum mti_init {
+    MTI_INIT_ZERO = 0,
+    MTI_INIT_ONE,
+    MTI_INIT_UNIFORM,  /* uniform in +-a */
+    MTI_INIT_NORMAL    /* N(0, a) */
+} mti_init;
+
+#define MTI_NAME_LEN 40
+
+typedef struct mti_param {
+    char name[MTI_NAME_LEN];
+    mti_tensor w;        /* PARAM: fp32, or the compute copy in dt while a
+                            mixed-precision trainer holds the masters, or
+                            bf16 alone under a trainer without masters */
+    mti_tensor master;   /* MASTER: fp32, while such a trainer lives; under ZeRO
+                            only elements [master_lo, master_lo + its numel) */
+    size_t master_lo;
+    int ndim;
+    int64_t shape[2];    /* (rows, cols), or (n) */
+    size_t numel;
+    size_t offset;       /* in get/set_params order */
+    int uses;            /* gradient contributions per backward pass (2: tied) */
+    int force32;         /* optimizer state stays 32-bit (StableEmbedding) */
+    int frozen;          /* no gradient, master or optimizer state (set by the
+                            trainer from cfg.freeze, for its lifetime) */
+    int linear;          /* the weight of a linear map (LINEAR, a block's qkv,
+                            attproj, fc, fcproj): LoRA can adapt it */
+    int lora;            /* its LoRA adapter's A (B follows), or -1 */
+    int adapter_of;      /* an adapter (A or B): the weight it adapts, or -1 */
+    mti_qformat qf;      /* MTI_QF_NONE, or the format of a quantized frozen
+                            weight: w is then its quantized bytes (MTI_U8,
+                            mti_quant_bytes(qf, numel)), kept across trainers */
+    mti_init init;
+    float init_a;
+    int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */
+} mti_param;
+
+/* The tensors a layer keeps from forward for backward, by slot. */
+#define MTI_SLOTS 16 /* a block's 12, and its 4 linear maps' LoRA (x A^T) */
+
+typedef struct mti_layer {
+    mt_layer_kind kind;
+    int in, out;         /* features per row in and out */
+    int heads;           /* BLOCK */
+    int p0, np;          /* its parameters: params[p0 .. p0+np) */
+    int tied;            /* LM_HEAD: the parameter index of the table */
+    int positions, stable, bias;
+    int unit;            /* the recompute unit it belongs to */
+    int unit_start;      /* it starts a unit */
+} mti_layer;
+
+struct mt_model {
+    mt_context *ctx;
+    mti_model_kind kind;
+    mt_input_kind input;
+    int features;        /* FEATURES */
+    int vocab, padded_vocab, max_seq; /* TOKENS */
+    int classes;         /* real columns of the logits */
+    int out_width;       /* columns of the logits (padded_vocab for an LM head) */
+    int n_layers;
+    mti_layer *layers;
+    int n_units;
+    int n_param;
+    mti_param *params;
+    size_t n_params;     /* elements in all of them */
+    bool has_master;
+    /* LoRA adapters (lora.c): params[n_base ..] are, per adapted weight,
+       A (rank, in) and B (rank, out); y += (alpha / rank) (x A^T) B */
+    int lora_rank;       /* 0: none */
+    float lora_alpha;
+    uint64_t lora_seed;
+    int n_base;          /* the base's parameter tensors (with adapters) */
+    size_t n_base_params;
+    char *lora_targets;  /* the adapted weights' names, comma-separated */
+    bool master_sliced;  /* the masters are ZeRO slices: the fp32 values read
+                            are the compute copy's */
+    bool params_sharded; /* a ZeRO-3 trainer holds the weights as slices over
+                            the ranks: p->w is whole only while a layer runs */
+    struct mti_offload *master_home; /* the masters live on disk (lib/train/offload.c): the
+                            fp32 values are read and written there */
+    float *fill_host;    /* while a weight quantized as it is made is filled on a
+                            device context: its fp32 values' host staging
+                            (mti_param_fill writes there, not to the device) */
+    struct mti_offload *params_home; /* the trained weights live on disk too
+                            (offload_params): p->w is there only while a layer runs */
+    mt_mlp_spec mlp;     /* MLP */
+    mt_gpt_spec gpt;     /* GPT */
+    _Atomic int n_trainers;
+};
+
+/* model.c */
+/* Uploads all parameters from host fp32 values in get/set_params order
+ * (no checks), refreshing the compute copies. */
+mt_status mti_model_upload(mt_model *m, const float *src);
+/* Elements [at, at + n) of parameter i's fp32 values to / from host memory,
+ * whatever the weights' storage (fp32, master + compute copy, or 16 bits
+ * alone); a write refreshes the compute copy. */
+mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
+/* MT_ERR_UNSUPPORTED, fn named, while a ZeRO-3 trainer holds any of the
+ * weights as slices: for calls on every weight, before they touch one. */
+mt_status mti_model_all_whole(const mt_model *m, const char *fn);
+mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
+/* Parameter i (fp32 weights) quantized in format qf (lib/quant/quant.h): the
+ * quantized bytes are made, then the fp32 tensor goes (PARAM holds one
+ * tensor's fp32 beside the rest at most). On a CUDA context the fp32 comes
+ * down into a host buffer of one tensor, is quantized there by lib/quant/quant.c
+ * and the quantized bytes go up. mti_param_dequantize: back to fp32
+ * weights (the dequantized values; on CUDA by the dequantizing kernel,
+ * lib/quant/quant.c's bits, into the new fp32 tensor). */
+mt_status mti_param_quantize(mt_model *m, int i, mti_qformat qf);
+mt_status mti_param_dequantize(mt_model *m, int i);
+/* Whether parameter i of the model is one a base format quantizes: a linear
+ * weight of the base (not an adapter). */
+int mti_param_quantizable(const mt_model *m, int i);
+/* Whether parameter i is a token model's token table (the EMBEDDING
+ * layer's first parameter, the tied LM head's W). A trainer's cfg.base
+ * quantizes it when it is frozen; a model's spec.base does not (it may
+ * still train). */
+int mti_param_is_table(const mt_model *m, int i);
+/* Builds a GPT model whose parameters `fill` writes (fp32, one at a time,
+ * in parameter order, right after each is allocated; before any, it is
+ * called once with i = -1 and the model's sizes and offsets set, to check
+ * them); spec->base quantizes each linear weight once filled. A fill
+ * writes through mti_param_fill. */
+typedef mt_status (*mti_fill_fn)(void *user, mt_model *m, int i);
+/* Elements [at, at + n) of parameter i's fp32 values from host memory while
+ * the model is made: into its weights, or, for a weight quantized as it is
+ * made on a device context, into the host staging (m->fill_host) from
+ * which it is quantized, so its fp32 never exists in device memory. */
+mt_status mti_param_fill(mt_model *m, int i, size_t at, const float *src, size_t n);
+mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
+                               mti_fill_fn fill, void *user, mt_model **out);
+/* Parameter indices sorted by offset (get/set_params order); malloc'd. */
+int *mti_param_order(const mt_model *m);
+
+/* lora.c */
+/* Adds LoRA adapters to the linear weights cfg->targets names (A drawn,
+ * B zero), or, when the model has adapters, checks cfg against them. */
+mt_status mti_lora_attach(mt_model *m, const mt_lora_config *cfg, const char *fn);
+/* Removes the adapters (no trainer may use the model). */
+void mti_lora_detach(mt_model *m);
+
+
+#endif /* MT_MODEL_H */
