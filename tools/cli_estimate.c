@@ -44,9 +44,9 @@ static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_
         printf(", \"autofit\": {\"micro_batch\": %d, \"optimizer\": \"%s\", "
                "\"recomputed_units\": %d, \"selective_units\": %d, \"units\": %d",
                fit->micro_batch,
-               fit->optimizer == MT_OPT_ADAMW8   ? "adamw8"
-               : fit->optimizer == MT_OPT_ADAMW4 ? "adamw4"
-                                                 : "as configured",
+               fit->optimizer == MT_OPT_ADAMW8 || fit->optimizer == MT_OPT_ADAMW4
+                   ? mt_optimizer_name(fit->optimizer) /* (the library's name) */
+                   : "as configured",
                fit->recomputed_units, fit->selective_units, fit->units);
         printf(", \"offload\": \"%s\", \"offload_params\": %s",
                fit->offload == MT_PLACE_DEVICE ? "none" : mt_place_name(fit->offload),

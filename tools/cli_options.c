@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "memtrain/allocator.h"
 
 const char *const cli_prog = "memtrain";
 
@@ -115,6 +116,14 @@ static int set_precision(cli_opts *o, const char *v)
     else if (!strcmp(v, "bf16")) o->precision = MT_PREC_BF16;
     else return -1;
     return 0;
+}
+
+/* The i-th built-in allocator's name (the library's table); NULL past the
+ * last. */
+static const char *allocator_value(int i)
+{
+    const mt_allocator_vtable *vt = mt_allocator_builtin(i);
+    return vt ? vt->name : NULL;
 }
 
 static int set_allocator(cli_opts *o, const char *v)
@@ -254,7 +263,8 @@ typedef struct opt {
     const char *help_est;   /* estimate's usage line, where it differs */
     unsigned char open;     /* K_FLOAT: OPEN_LO, x > lo; OPEN_HI, x < hi */
     /* K_FN naming an entry of a library table: the i-th name it takes, NULL
-       past the last; its usage argument ("a|b") and hint ("(a, b)") */
+       past the last; its usage argument ("a|b", unless arg names it) and
+       hint ("(a, b)"), and "{names}" in its help ("a|b") */
     const char *(*value)(int i);
 } opt;
 
@@ -273,6 +283,7 @@ enum { OPEN_LO = 1, OPEN_HI = 2 };
 #define STR(n, a, c, m, f, h) {n, a, c, m, K_STR, OFF(f), 0, 0, NULL, NULL, h, NULL, 0, NULL}
 #define FN(n, a, c, m, fn, hint, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, hint, h, he, 0, NULL}
 #define NAMED(n, c, m, fn, value, h, he) {n, NULL, c, m, K_FN, 0, 0, 0, fn, NULL, h, he, 0, value}
+#define NAMED_ARG(n, a, c, m, fn, value, h, he) {n, a, c, m, K_FN, 0, 0, 0, fn, NULL, h, he, 0, value}
 #define HEAD(c, h) {NULL, NULL, c, CLI_ANY, K_HEAD, 0, 0, 0, NULL, NULL, h, NULL, 0, NULL}
 
 static const opt table[] = {
@@ -292,8 +303,8 @@ static const opt table[] = {
     FN("--device", "cpu|cuda", CLI_ESTIMATE, CLI_ANY, set_device, "(cpu, cuda)", NULL,
        "the device the run will use (cpu); cuda needs no GPU"),
     LONG("--threads", "N", ALL, CLI_ANY, threads, 0, 4096, "CPU threads, 0 = all (0)", NULL),
-    FN("--allocator", "NAME", ALL, CLI_ANY, set_allocator, "(caching, arena, pool, checkpoint)",
-       "caching|arena|pool|checkpoint for every class (caching)", NULL),
+    NAMED_ARG("--allocator", "NAME", ALL, CLI_ANY, set_allocator, allocator_value,
+              "{names} for every class (caching)", NULL),
     STR("--trace", "FILE", TS, CLI_ANY, trace, "record every allocation to FILE (replay it later)"),
     STR("--chrome", "FILE", TS, CLI_ANY, chrome, "the run's memory as Chrome trace JSON (Perfetto)"),
     STR("--svg", "FILE", TS, CLI_ANY, svg, "the run's memory by class as an SVG plot, peak and estimate"),
@@ -465,8 +476,14 @@ void cli_usage(FILE *f, unsigned cmd, const char *head)
             continue;
         }
         if (!help) help = "";
-        char values[96], name[128];
-        const char *arg = p->value ? join_values(p, "|", values, sizeof values) : p->arg;
+        char values[96], name[128], text[256];
+        const char *names = p->value ? join_values(p, "|", values, sizeof values) : NULL;
+        const char *at = names ? strstr(help, "{names}") : NULL;
+        if (at) { /* the library's names in the help's words */
+            snprintf(text, sizeof text, "%.*s%s%s", (int)(at - help), help, names, at + 7);
+            help = text;
+        }
+        const char *arg = p->arg ? p->arg : names;
         snprintf(name, sizeof name, "%s%s%s", p->name, arg ? " " : "", arg ? arg : "");
         if (strlen(name) > 22) fprintf(f, "  %s\n  %-22s %s\n", name, "", help);
         else fprintf(f, "  %-22s %s\n", name, help);
