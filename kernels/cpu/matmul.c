@@ -243,6 +243,13 @@ typedef struct mm_conv {
     size_t bias;        /* floats: the widened bias (shared) */
 } mm_conv;
 
+/* The kind of chunk q of a reduction cut into `chunks` (prim's second
+ * index): whether it is the last, and whether it writes the tile. */
+static int chunk_kind(const mm_conv *cv, int q, int chunks)
+{
+    return (q == chunks - 1) + 2 * (q == 0 && cv->fresh);
+}
+
 static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int in_place)
 {
     const mm_plan *p = &j->p;
@@ -254,13 +261,12 @@ static mt_status conv_prims(const mti_kctx *k, const mm_job *j, mm_conv *cv, int
     cv->kc = kc, cv->fresh = !j->accumulate;
     for (int v = 0; v < 4 && !s; v++) {
         int mc = mc_of[v], nc = nc_of[v];
-        for (int c = 0; c < 4 && !s && mc; c++) {
-            int last = c & 1, first = c >> 1;
-            /* only the kinds of chunk that run */
-            int runs = first ? cv->fresh && last == (chunks == 1)
-                             : (last ? chunks > 1 || !cv->fresh : chunks > 2 || (chunks == 2 && !cv->fresh));
-            if (!runs) continue;
-            int k_c = last ? j->K - (chunks - 1) * kc : kc;
+        /* chunks 0, 1 and the last are of every kind that runs */
+        for (int q = 0; q < chunks && q < 3 && !s && mc; q++) {
+            const int c = chunk_kind(cv, q < 2 ? q : chunks - 1, chunks);
+            if (cv->prim[v][c]) continue;
+            const int last = c & 1, first = c >> 1;
+            const int k_c = last ? j->K - (chunks - 1) * kc : kc;
             mti_gemm_shape sh = {.M = mc, .N = nc, .K = k_c, .ta = j->ta, .tb = j->tb,
                                  .lda = j->ta ? mc : k_c, .ldb = j->tb ? k_c : nc,
                                  .ldc = in_place ? j->ldc : nc, .ab_dt = MTI_F32,
@@ -312,16 +318,16 @@ static int conv_tile(const mm_job *j, const mm_conv *cv, int v, float *acc, int 
 {
     const size_t lda = (size_t)j->lda, ldb = (size_t)j->ldb, qld = (size_t)j->qld;
     int bad = 0;
-    for (int k0 = 0; k0 < j->K; k0 += cv->kc) {
-        int kc = mini(cv->kc, j->K - k0), first = k0 == 0 && cv->fresh;
+    const int chunks = ceil_div(j->K, cv->kc);
+    for (int q = 0, k0 = 0; q < chunks; q++, k0 += cv->kc) {
+        const int kc = mini(cv->kc, j->K - k0), c = chunk_kind(cv, q, chunks), first = c >> 1;
         if (!j->ta) load_panel(pa, j->a, j->ab_dt, (size_t)m0 * lda + (size_t)k0, lda, mc, kc);
         else load_panel(pa, j->a, j->ab_dt, (size_t)k0 * lda + (size_t)m0, lda, kc, mc);
         if (j->bq && !j->tb) bad |= load_panel_q(pb, j, (size_t)k0 * qld + (size_t)n0, kc, nc);
         else if (j->bq) bad |= load_panel_q(pb, j, (size_t)n0 * qld + (size_t)k0, nc, kc);
         else if (!j->tb) load_panel(pb, j->b, j->ab_dt, (size_t)k0 * ldb + (size_t)n0, ldb, kc, nc);
         else load_panel(pb, j->b, j->ab_dt, (size_t)n0 * ldb + (size_t)k0, ldb, nc, kc);
-        const mti_gemm_prim *g = cv->prim[v][(k0 + kc == j->K) + 2 * first];
-        bad |= mti_gemm_run(g, pa, pb, acc, first && bias ? bias + n0 : NULL, sp);
+        bad |= mti_gemm_run(cv->prim[v][c], pa, pb, acc, first && bias ? bias + n0 : NULL, sp);
     }
     return bad;
 }

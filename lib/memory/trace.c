@@ -13,13 +13,10 @@
 #include "internal.h"
 #include "memory/trace.h"
 
-mt_status mti_trace_new(mt_context *ctx, size_t capacity, mt_trace **out)
+mt_status mti_trace_alloc(mt_context *ctx, size_t capacity, mt_trace **out)
 {
-    if (capacity == 0 || capacity > TRACE_MAX_FILE / TRACE_EVENT)
-        return mti_fail(ctx, MT_ERR_INVALID_ARG, "trace capacity %zu out of range 1..%zu",
-                        capacity, TRACE_MAX_FILE / TRACE_EVENT);
     mt_trace *t = calloc(1, sizeof *t);
-    mt_trace_event *ev = malloc(capacity * sizeof *ev);
+    mt_trace_event *ev = malloc((capacity ? capacity : 1) * sizeof *ev);
     if (!t || !ev) {
         free(t);
         free(ev);
@@ -27,9 +24,18 @@ mt_status mti_trace_new(mt_context *ctx, size_t capacity, mt_trace **out)
     }
     t->events = ev;
     t->capacity = capacity;
-    t->t0_ns = mti_now_ns();
     *out = t;
     return MT_OK;
+}
+
+mt_status mti_trace_new(mt_context *ctx, size_t capacity, mt_trace **out)
+{
+    if (capacity == 0 || capacity > TRACE_MAX_FILE / TRACE_EVENT)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "trace capacity %zu out of range 1..%zu",
+                        capacity, TRACE_MAX_FILE / TRACE_EVENT);
+    mt_status s = mti_trace_alloc(ctx, capacity, out);
+    if (!s) (*out)->t0_ns = mti_now_ns();
+    return s;
 }
 
 void mti_trace_record(mt_trace *t, const mt_trace_event *ev)

@@ -12,6 +12,8 @@
 #define TRACE_EVENT 48u
 #define TRACE_MAX_FILE ((size_t)1 << 36) /* 64 GiB: far beyond any bounded trace */
 
+/* A trace of room for `capacity` events (at least one slot), none kept yet. */
+mt_status mti_trace_alloc(mt_context *ctx, size_t capacity, mt_trace **out);
 /* The events kept: recorded, at most the capacity. */
 size_t mti_trace_count(const mt_trace *t);
 

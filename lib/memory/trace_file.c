@@ -144,18 +144,10 @@ static mt_status validate(mt_context *ctx, const mt_trace_event *ev, size_t n)
 
 static mt_status trace_make(mt_context *ctx, size_t n, uint64_t dropped, mt_trace **out)
 {
-    mt_trace *t = calloc(1, sizeof *t);
-    mt_trace_event *ev = malloc((n ? n : 1) * sizeof *ev);
-    if (!t || !ev) {
-        free(t);
-        free(ev);
-        return mti_fail(ctx, MT_ERR_OOM, "out of host memory for a trace of %zu events", n);
-    }
-    t->events = ev;
-    t->capacity = n;
-    atomic_store(&t->n, n);
-    atomic_store(&t->dropped, dropped);
-    *out = t;
+    mt_status s = mti_trace_alloc(ctx, n, out);
+    if (s) return s;
+    atomic_store(&(*out)->n, n);
+    atomic_store(&(*out)->dropped, dropped);
     return MT_OK;
 }
 

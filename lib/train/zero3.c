@@ -87,8 +87,6 @@ static bool live(const mt_trainer *t)
     return t->ctx->cfg.comm && mt_comm_size(t->ctx->cfg.comm) > 1;
 }
 
-/* Whether parameter i's weights are sharded (stage 3, trained). */
-static bool sharded(const mt_trainer *t, int i) { return mti_home_sliced(t, i); }
 
 /* Elements of parameter i's slice tensor on rank r: the padded `per`, or
  * the whole tensor on its owner. */
@@ -229,7 +227,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     /* first the ranks agree they all got here with the same weights */
     uint64_t h = MTI_HASH_START;
     for (int i = 0; i < m->n_param && !s; i++)
-        if (sharded(t, i)) s = weights_hash(t, i, &h);
+        if (mti_home_sliced(t, i)) s = weights_hash(t, i, &h);
     int64_t rec[2] = {s ? 1 : 0, (int64_t)h};
     const mti_msg own = mti_last_msg(ctx);
     mt_status c = exchange(t, "exchanging the ranks' statuses and weights", rec, all);
@@ -248,7 +246,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     /* tensor by tensor, so the weights never cost more than whole plus one slice */
     rec[0] = 0;
     while (!s && rec[0] < m->n_param) {
-        if (sharded(t, (int)rec[0])) s = shard_one(t, (int)rec[0]);
+        if (mti_home_sliced(t, (int)rec[0])) s = shard_one(t, (int)rec[0]);
         if (!s) rec[0]++;
     }
     const mti_msg own2 = mti_last_msg(ctx);
@@ -271,7 +269,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
        ranks sharded from the slices, the others from a rank that still
        holds them whole */
     for (int i = 0; i < m->n_param; i++) {
-        if (!sharded(t, i)) continue;
+        if (!mti_home_sliced(t, i)) continue;
         int root = -1;
         for (int r = 0; r < N && root < 0; r++)
             if (all[2 * r] <= i) root = r;
@@ -605,7 +603,7 @@ static int entry_params(const mt_trainer *t, int p, int *idx)
     int all[MTI_SLOTS + 2], n = 0;
     const int k = layer_params(t, e / 2, e % 2, all);
     for (int j = 0; j < k; j++)
-        if (sharded(t, all[j])) idx[n++] = all[j];
+        if (mti_home_sliced(t, all[j])) idx[n++] = all[j];
     return n;
 }
 
@@ -802,7 +800,7 @@ mt_status mti_zero3_unshard(mt_trainer *t)
     if (!t->pw || !m->params_sharded) return MT_OK;
     t->E.params_hook = NULL;
     for (int i = 0; i < m->n_param; i++) {
-        mt_status g = sharded(t, i) ? unshard_one(t, i, -1) : MT_OK;
+        mt_status g = mti_home_sliced(t, i) ? unshard_one(t, i, -1) : MT_OK;
         if (!s) s = g;
     }
     m->params_sharded = false;
