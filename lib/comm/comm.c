@@ -434,7 +434,9 @@ mt_status mti_comm_turn(mt_context *ctx, const char *what)
  * says so while it posts), not waited for. */
 static _Thread_local bool comm_posting;
 
-void mti_comm_posting(bool on) { comm_posting = on; }
+void mti_comm_set_posting(bool on) { comm_posting = on; }
+
+bool mti_comm_posting(void) { return comm_posting; }
 
 /* A collective of the context took from t0 until now. One posted on a
  * communication stream (mti_comm_posting) was only queued: its time is

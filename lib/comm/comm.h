@@ -176,8 +176,10 @@ void mti_comm_plan_free(mt_context *ctx);
 void mti_comm_step(mt_context *ctx, uint64_t step);
 /* This thread's collectives from now on are posted on a communication
  * stream and not waited for (on), or are the usual blocking ones: their
- * time is counted where they are waited for (nccl.c sets it). */
-void mti_comm_posting(bool on);
+ * time is counted where they are waited for (nccl.c sets it, from
+ * mti_nccl_post_begin to mti_nccl_post_end); and whether they are now. */
+void mti_comm_set_posting(bool on);
+bool mti_comm_posting(void);
 /* At context create, once the allocators are made: the buffers a run of
  * several ranks holds until destroy (dry contexts too, so estimates count
  * them): a CPU context's staging (MTI_COMM_STAGE bytes of COMM), a CUDA

@@ -488,16 +488,14 @@ void mti_nccl_post_begin(void *stream, void (*fence)(void *), void *arg)
     post.stream = stream;
     post.fence = fence;
     post.arg = arg;
-    mti_comm_posting(stream != NULL);
+    mti_comm_set_posting(stream != NULL);
 }
 
 void mti_nccl_post_end(void)
 {
     post.stream = NULL;
-    mti_comm_posting(false);
+    mti_comm_set_posting(false);
 }
-
-bool mti_nccl_posting(void) { return post.stream != NULL; }
 
 mt_status mti_nccl_wait_until(mt_comm *c, const char *what, int (*done)(void *, int *), void *arg)
 {

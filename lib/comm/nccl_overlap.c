@@ -492,7 +492,7 @@ void mti_ncclov_abandon(mti_ncclov *ov)
 
 mt_status mti_ncclovs_quiet(mt_context *ctx, const char *what)
 {
-    if (mti_nccl_posting()) return MT_OK; /* (a job's own collectives) */
+    if (mti_comm_posting()) return MT_OK; /* (a job's own collectives) */
     for (mti_ncclov *q = ctx->comm->streams_q; q; q = q->next_on_ctx) {
         if (!q->pending && q->reached == q->issued) continue;
         mt_status s = q->pending ? settle(q, q->n) : MT_OK;

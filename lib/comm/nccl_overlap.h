@@ -98,10 +98,10 @@ mt_status mti_nccl_post_sum(mt_comm *c, float *buf, size_t count, void *stream);
 mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream);
 void mti_nccl_abort(mt_comm *c);
 /* Until mti_nccl_post_end, the calling thread's NCCL collectives go on
- * `stream`, each after fence(arg), and are not waited for (posting). */
+ * `stream`, each after fence(arg), and are not waited for (posting:
+ * mti_comm_posting says so). */
 void mti_nccl_post_begin(void *stream, void (*fence)(void *), void *arg);
 void mti_nccl_post_end(void);
-bool mti_nccl_posting(void);
 /* Waits until done(arg) (1 done, 0 not yet, -1 a CUDA error in *cu), up
  * to the communicator's deadline, as mti_nccl_wait waits for a stream. */
 mt_status mti_nccl_wait_until(mt_comm *c, const char *what, int (*done)(void *, int *), void *arg);
