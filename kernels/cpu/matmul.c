@@ -529,23 +529,10 @@ mt_status mti_cpu_matmul_dw_rows(const mti_kctx *k, float *dw, const void *dy, c
 
 /* ---- a quantized weight (lib/quant/quant.h): dequantized a tile at a time ---- */
 
-static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, mti_qformat qf, int n,
-                         int in, int out, mti_dtype dt)
-{
-    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name(qf))
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
-                        "%s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
-    if (dt != MTI_F32 && dt != MTI_BF16)
-        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a quantized weight computes with fp32 or bf16 activations, not %s "
-                        "(train in fp32 or bf16)", op, dt == MTI_F16 ? "fp16" : "this dtype");
-    return MT_OK;
-}
-
 mt_status mti_cpu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, const void *wq,
                                mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt)
 {
-    mt_status s = q_check(k, "matmul_fwd_q", wq, qf, n, in, out, dt);
+    mt_status s = mti_quant_mm_check(k->ctx, "matmul_fwd_q", wq, qf, n, in, out, dt);
     if (s || n == 0 || out == 0) return s;
     /* as mti_cpu_matmul_fwd: a tile of y's columns reads those rows of W */
     mm_job j = {.p = mm_plan_for(n, out), .K = in, .a = x, .bias = b, .c = y, .tb = 1,
@@ -559,7 +546,7 @@ mt_status mti_cpu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, const
                               mti_qformat qf, int n, int in, int out, mti_dtype dt,
                               int accumulate)
 {
-    mt_status s = q_check(k, "matmul_dx_q", wq, qf, n, in, out, dt);
+    mt_status s = mti_quant_mm_check(k->ctx, "matmul_dx_q", wq, qf, n, in, out, dt);
     if (s || n == 0 || in == 0) return s;
     /* as mti_cpu_matmul_bwd's dx: a tile of dx's columns reads those columns
      * of W, all its rows, packed with the tile width as leading dimension */

@@ -972,19 +972,6 @@ static mt_status cu_dequantize(const mti_kctx *k, void *out, const void *wq, mti
 }
 
 /* The checks of the CPU table's quantized matmuls, in its order. */
-static mt_status q_check(const mti_kctx *k, const char *op, const void *wq, mti_qformat qf, int n,
-                         int in, int out, mti_dtype dt)
-{
-    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name(qf))
-        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
-                        "CUDA %s: bad shape (%d,%d,%d), weight or format %d", op, n, in, out, qf);
-    if (dt != MTI_F32 && dt != MTI_BF16)
-        return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
-                        "CUDA %s: a quantized weight computes with fp32 or bf16 activations, not %s "
-                        "(train in fp32 or bf16)", op, dt_name(dt));
-    return MT_OK;
-}
-
 /* Tile width (rows or columns) of a tile of `len` elements per row or
  * column, and the WORK the tile buffer takes. */
 static int dq_tile(size_t len, int total)
@@ -1004,7 +991,7 @@ static mt_status cu_matmul_fwd_q(const mti_kctx *k, void *y, const void *x, cons
                                  mti_qformat qf, const void *b, int n, int in, int out, mti_dtype dt)
 {
     OP_NOTE(k, "matmul_fwd_q n=%d in=%d out=%d format %d %s", n, in, out, qf, dt_name(dt));
-    mt_status st = q_check(k, "matmul_fwd_q", wq, qf, n, in, out, dt);
+    mt_status st = mti_quant_mm_check(k->ctx, "CUDA matmul_fwd_q", wq, qf, n, in, out, dt);
     if (st || n == 0 || out == 0) return st;
     if (in == 0) return cu_matmul_fwd(k, y, x, NULL, b, n, in, out, dt); /* the bias rows */
     const int tile = dq_tile((size_t)in, out);
@@ -1042,7 +1029,7 @@ static mt_status cu_matmul_dx_q(const mti_kctx *k, void *dx, const void *dy, con
                                 mti_qformat qf, int n, int in, int out, mti_dtype dt, int accumulate)
 {
     OP_NOTE(k, "matmul_dx_q n=%d in=%d out=%d format %d %s", n, in, out, qf, dt_name(dt));
-    mt_status st = q_check(k, "matmul_dx_q", wq, qf, n, in, out, dt);
+    mt_status st = mti_quant_mm_check(k->ctx, "CUDA matmul_dx_q", wq, qf, n, in, out, dt);
     if (st || n == 0 || in == 0) return st;
     const size_t es = mti_dtype_size(dt);
     if (out == 0) /* an empty sum: 0, or dx unchanged when accumulating */

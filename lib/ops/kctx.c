@@ -37,17 +37,6 @@ static float float_of(uint32_t u)
     return f;
 }
 
-/* bf16 keeps the top 16 bits of an fp32: add half an ulp of the kept part,
- * plus one more if the kept part is odd (ties to even), then truncate. NaN
- * is kept a (quiet) NaN; overflow rounds to inf as it should. */
-uint16_t mti_f32_to_bf16(float f)
-{
-    uint32_t u = bits_of(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* Stochastic: add 16 random bits below the kept part, then truncate, so the
  * value rounds up with probability equal to the dropped fraction. */
 uint16_t mti_f32_to_bf16_sr(float f, uint32_t rnd)

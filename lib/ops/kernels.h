@@ -37,6 +37,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "internal.h"
 #include "quant/quant.h"
@@ -477,7 +478,18 @@ const float *mti_q4_map(int is_signed);
 
 /* fp32 -> fp16 / bf16 bits, round to nearest even; fp16/bf16 bits -> fp32. */
 uint16_t mti_f32_to_f16(float f);
-uint16_t mti_f32_to_bf16(float f);
+/* bf16 keeps the top 16 bits of an fp32: add half an ulp of the kept part,
+ * plus one more if the kept part is odd (ties to even), then truncate. NaN
+ * is kept a (quiet) NaN; overflow rounds to inf as it should. Inline: the
+ * dequantizers call it per element. */
+static inline uint16_t mti_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 float mti_f16_to_f32(uint16_t h);
 float mti_bf16_to_f32(uint16_t h);
 /* bf16 with stochastic rounding: `rnd` supplies the 16 random low bits. */

@@ -127,11 +127,19 @@ static float q8_block(const float *y, size_t n, uint8_t *q)
     return am;
 }
 
-static inline void put(void *out, mti_dtype dt, size_t i, float v)
-{
-    if (dt == MTI_F32) ((float *)out)[i] = v;
-    else ((uint16_t *)out)[i] = mti_f32_to_bf16(v);
-}
+/* A block's values v(j) for j in [i, stop) into out[0 .. stop - i) in dt
+ * (fp32, or bf16 rounded to nearest even): the dtype chosen once, outside
+ * the loop, so each loop is a plain one the compiler vectorises. */
+#define PUT_RANGE(out, dt, i, stop, v)                                                        \
+    do {                                                                                   \
+        if ((dt) == MTI_F32) {                                                             \
+            float *o_ = (float *)(out);                                                    \
+            for (size_t j = (i); j < (stop); j++) o_[j - (i)] = (v);                       \
+        } else {                                                                           \
+            uint16_t *o_ = (uint16_t *)(out);                                              \
+            for (size_t j = (i); j < (stop); j++) o_[j - (i)] = mti_f32_to_bf16(v);        \
+        }                                                                                  \
+    } while (0)
 
 /* ---- NF4 ---- */
 
@@ -217,10 +225,7 @@ static void nf4_dequantize(const uint8_t *q, const mti_qparts *p, size_t i, size
     memcpy(&off, q + p->offset, 4);
     const float am = mti_q8_map(1)[q[p->qabsmax + b]] * a2 + off;
     const uint8_t *c = q + p->codes;
-    for (size_t j = i; j < stop; j++) {
-        unsigned nib = j & 1 ? c[j / 2] & 15u : c[j / 2] >> 4;
-        put(out, dt, j - i, nf4[nib] * am);
-    }
+    PUT_RANGE(out, dt, i, stop, nf4[j & 1 ? c[j / 2] & 15u : c[j / 2] >> 4] * am);
 }
 
 /* ---- int8 ---- */
@@ -257,7 +262,7 @@ static void int8_dequantize(const uint8_t *q, const mti_qparts *p, size_t i, siz
     float sc;
     memcpy(&sc, q + p->scale + 4 * (i / MTI_QF_BLOCK), 4);
     const int8_t *c = (const int8_t *)(q + p->codes);
-    for (size_t j = i; j < stop; j++) put(out, dt, j - i, (float)c[j] * sc);
+    PUT_RANGE(out, dt, i, stop, (float)c[j] * sc);
 }
 
 /* ---- the formats ---- */
@@ -380,6 +385,19 @@ mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, m
     if (dt != MTI_F32 && dt != MTI_BF16)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: a quantized table computes with fp32 or bf16 activations, not %s "
+                        "(train in fp32 or bf16)", op, dt == MTI_F16 ? "fp16" : "this dtype");
+    return MT_OK;
+}
+
+mt_status mti_quant_mm_check(mt_context *ctx, const char *op, const void *wq, mti_qformat qf,
+                             int n, int in, int out, mti_dtype dt)
+{
+    if (n < 0 || in < 0 || out < 0 || !wq || !mti_quant_name(qf))
+        return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: bad shape (%d,%d,%d), weight or format %d",
+                        op, n, in, out, qf);
+    if (dt != MTI_F32 && dt != MTI_BF16)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a quantized weight computes with fp32 or bf16 activations, not %s "
                         "(train in fp32 or bf16)", op, dt == MTI_F16 ? "fp16" : "this dtype");
     return MT_OK;
 }

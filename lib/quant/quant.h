@@ -115,6 +115,11 @@ mt_status mti_dequantize(mt_context *ctx, mti_qformat f, const void *q, size_t n
  * unknown format; MT_ERR_UNSUPPORTED for a dt other than fp32 or bf16. */
 mt_status mti_quant_emb_check(mt_context *ctx, const char *op, const void *wq, mti_qformat qf,
                               int V, int B, int T, int C, mti_dtype dt);
+/* The same for matmul_fwd_q and matmul_dx_q (n rows, in -> out): a
+ * negative size, a NULL weight or an unknown format; a dt other than fp32
+ * or bf16. */
+mt_status mti_quant_mm_check(mt_context *ctx, const char *op, const void *wq, mti_qformat qf,
+                             int n, int in, int out, mti_dtype dt);
 
 /* The 16 NF4 levels, ascending, -1 to 1 with an exact 0 at index 7. */
 const float *mti_nf4_code(void);
