@@ -59,6 +59,10 @@ typedef enum mti_tag_kind {
 
 /* ---- errors and logging (status.c) ---- */
 
+/* A precision's name ("fp32", "fp16", "bf16"; mt_precision), NULL for
+ * another value. */
+const char *mti_precision_name(unsigned p);
+
 /* Records a message for `s` on ctx (or on this thread when ctx is NULL),
  * logs it at debug level, and returns s. */
 mt_status mti_fail(mt_context *ctx, mt_status s, const char *fmt, ...) MTI_PRINTF(3, 4);

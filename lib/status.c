@@ -53,6 +53,13 @@ const char *mt_mem_class_name(mt_mem_class c)
     return (unsigned)c < MT_MEM_COUNT ? names[c] : "?";
 }
 
+const char *mti_precision_name(unsigned p)
+{
+    static const char *const names[] = {"fp32", "fp16", "bf16"};
+    _Static_assert(sizeof names / sizeof *names == MT_PREC_BF16 + 1, "a name per mt_precision");
+    return p < sizeof names / sizeof *names ? names[p] : NULL;
+}
+
 const char *mt_last_error(const mt_context *ctx)
 {
     if (!ctx) return tls_noctx;

@@ -87,9 +87,8 @@ typedef struct cli_opts {
     mt_place offload;
     const char *offload_dir;
     int offload_params;      /* --offload-params: the weights on disk too */
-    /* which table entries the command line (or --config) gave, and the
-       value each was given last, as text (NULL for a flag) */
-    unsigned char given[CLI_MAX_OPTIONS];
+    /* the value each table entry the command line (or --config) gave was
+       given last, as text ("" for a flag); NULL: not given */
     const char *text[CLI_MAX_OPTIONS];
 } cli_opts;
 

@@ -431,7 +431,7 @@ static const opt table[] = {
     FLAG("--allow-4bit", CLI_ESTIMATE, CLI_ANY, allow4, 1, "let --autofit use 4-bit AdamW state"),
 };
 #define N_OPTS (sizeof table / sizeof *table)
-_Static_assert(N_OPTS <= CLI_MAX_OPTIONS, "cli_opts.given holds a mark per table entry");
+_Static_assert(N_OPTS <= CLI_MAX_OPTIONS, "cli_opts.text holds a value per table entry");
 
 static const opt *find(const char *name, unsigned cmd)
 {
@@ -521,14 +521,14 @@ static void not_for_model(const cli_opts *o, char *buf, size_t cap)
     size_t at = 0;
     buf[0] = 0;
     for (size_t i = 0; i < N_OPTS && at < cap; i++)
-        if (o->given[i] && !(table[i].models & model))
+        if (o->text[i] && !(table[i].models & model))
             at += (size_t)snprintf(buf + at, cap - at, "%s%s", at ? ", " : "", table[i].name);
 }
 
 static bool given(const cli_opts *o, const char *name)
 {
     for (size_t i = 0; i < N_OPTS; i++)
-        if (table[i].name && o->given[i] && !strcmp(table[i].name, name)) return true;
+        if (table[i].name && o->text[i] && !strcmp(table[i].name, name)) return true;
     return false;
 }
 
@@ -738,8 +738,7 @@ int cli_parse(unsigned cmd, const char *head, int argc, char **argv, cli_opts *o
                     p->kind == K_FN ? " " : ": ", range, cli_prog);
             return EXIT_USAGE;
         }
-        o->given[p - table] = 1;
-        o->text[p - table] = v;
+        o->text[p - table] = v ? v : "";
     }
     return settle(o);
 }
@@ -753,8 +752,8 @@ const char *cli_option_given(const cli_opts *o, int i, const char **text, char *
     const opt *p = &table[i];
     /* each rank's own under mpirun: its scratch directory */
     if (!p->name || !(p->cmds & o->cmd) || !strcmp(p->name, "--offload-dir")) return NULL;
-    if (!o->given[i]) return p->name;
-    *text = p->kind == K_FLAG ? "" : o->text[i];
+    if (!o->text[i]) return p->name;
+    *text = o->text[i];
     if (p->fn == add_freeze) { /* (repeatable: every pattern) */
         size_t at = 0;
         buf[0] = 0;

@@ -114,7 +114,6 @@ static void dry_destroy(mti_device *d)
     free(d);
 }
 
-/* The device kind's own table, which stops where the context is dry. */
 /* A current NVIDIA GPU's geometry, where no device tells it. */
 #define DRY_CUDA_ALIGN 256u
 #define DRY_CUDA_GRAN ((size_t)2 << 20)

@@ -455,9 +455,8 @@ static const char *optimizer_str(uint32_t v)
 
 static const char *precision_str(uint32_t v)
 {
-    static const char *const names[] = {"fp32", "fp16", "bf16"};
-    _Static_assert(sizeof names / sizeof *names == MT_PREC_BF16 + 1, "a name per mt_precision");
-    return v < sizeof names / sizeof *names ? names[v] : "unknown";
+    const char *n = mti_precision_name(v);
+    return n ? n : "unknown";
 }
 
 static const char *dtype_str(uint32_t v)

@@ -145,14 +145,12 @@ static const field distill[] = {FIELD('f', distill_alpha), FIELD('f', distill_te
  * ("Agreement") lists them, and why the others need not agree. */
 static void config_settings(const mt_model *m, const mt_trainer_config *c, mti_settings *l)
 {
-    static const char *const precisions[] = {"fp32", "fp16", "bf16"};
     static const char *const schedules[] = {"constant", "warmup_cosine"};
     static const char *const policies[] = {"none", "every_k", "sqrt", "selective", "custom",
                                            "budget"};
-    _Static_assert(N_OF(precisions) == MT_PREC_BF16 + 1 &&
-                       N_OF(schedules) == MT_LR_WARMUP_COSINE + 1 &&
+    _Static_assert(N_OF(schedules) == MT_LR_WARMUP_COSINE + 1 &&
                        N_OF(policies) == MT_RECOMPUTE_BUDGET + 1,
-                   "a name per precision, schedule and recompute policy");
+                   "a name per schedule and recompute policy");
     /* the model (its weights, quantized or not, are compared once the
        trainer has quantized its base: mti_dp_created) */
     mti_set_hash(l, "the model (layers and shapes)", model_hash(m));
@@ -160,8 +158,7 @@ static void config_settings(const mt_model *m, const mt_trainer_config *c, mti_s
     if (m->lora_rank) mti_set_float(l, "the model's LoRA alpha", m->lora_alpha);
     mti_set_named(l, "base", c->base, mt_base_format_name(c->base));
     mti_set_named(l, "optimizer", c->optimizer, mt_optimizer_name(c->optimizer));
-    mti_set_named(l, "precision", c->precision,
-                  name_of(precisions, N_OF(precisions), c->precision));
+    mti_set_named(l, "precision", c->precision, mti_precision_name(c->precision));
     mti_set_named(l, "lr_schedule", c->lr_schedule,
                   name_of(schedules, N_OF(schedules), c->lr_schedule));
     /* the recompute plan (at stage 3 a recomputed layer gathers again) */
