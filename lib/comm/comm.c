@@ -452,50 +452,61 @@ static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
     return s;
 }
 
+/* A collective of the context begins: the other thread's queue waited
+ * for (its wait counted there), the clock started, and the communicator's
+ * calls labelled with `what`; a failed wait is returned, unlabelled. */
+static mt_status coll_begin(mt_context *ctx, const char *what, uint64_t *t0)
+{
+    const mt_status q = mti_comm_turn(ctx, what);
+    *t0 = mti_now_ns();
+    if (!q) label(ctx, what);
+    return q;
+}
+
+/* ... and ends with status s: unlabelled, timed. */
+static mt_status coll_end(mt_context *ctx, uint64_t t0, mt_status s)
+{
+    return timed(ctx, t0, unlabel(ctx, s));
+}
+
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
-    const uint64_t t0 = mti_now_ns();
-    if (q) return timed(ctx, t0, q);
-    label(ctx, what);
-    return timed(ctx, t0, unlabel(ctx, comm_all_reduce_run(ctx, what, send, recv, count, dt, op)));
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, t0, comm_all_reduce_run(ctx, what, send, recv, count, dt, op));
 }
 
 mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
-    const uint64_t t0 = mti_now_ns();
-    if (q) return timed(ctx, t0, q);
-    label(ctx, what);
-    return timed(ctx, t0,
-                 unlabel(ctx, comm_reduce_scatter_run(ctx, what, send, recv, count, dt, op)));
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, t0, comm_reduce_scatter_run(ctx, what, send, recv, count, dt, op));
 }
 
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt)
 {
-    const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
-    const uint64_t t0 = mti_now_ns();
-    if (q) return timed(ctx, t0, q);
-    label(ctx, what);
-    return timed(ctx, t0, unlabel(ctx, comm_all_gather_run(ctx, what, send, recv, count, dt)));
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, t0, comm_all_gather_run(ctx, what, send, recv, count, dt));
 }
 
 mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count, mt_comm_dtype dt, int root)
 {
-    const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
-    const uint64_t t0 = mti_now_ns();
-    if (q) return timed(ctx, t0, q);
-    label(ctx, what);
-    return timed(ctx, t0, unlabel(ctx, comm_broadcast_run(ctx, what, buf, count, dt, root)));
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, t0, comm_broadcast_run(ctx, what, buf, count, dt, root));
 }
 
 mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t len)
 {
-    const mt_status q = mti_comm_turn(ctx, what); /* (its wait counted there) */
-    const uint64_t t0 = mti_now_ns();
-    if (q) return timed(ctx, t0, q);
-    label(ctx, what);
-    return timed(ctx, t0, unlabel(ctx, comm_host_gather_run(ctx, what, send, recv, len)));
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, t0, comm_host_gather_run(ctx, what, send, recv, len));
 }
 
 mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *const *p,
