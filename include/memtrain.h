@@ -659,6 +659,17 @@ typedef struct mt_model_spec {
     const mt_layer_spec *layers; /* copied */
     mt_init_kind init;
     uint64_t seed;      /* weight init */
+    /* 1: the weights are not made now but where they will live: the first
+     * trainer created on the model (mt_trainer_create) reads or draws each
+     * rank's own elements straight into their home (its ZeRO-3 slices,
+     * param.bin with offload_params), and makes the rest whole; a call that
+     * needs them before (mt_model_get_params reads them from the seed or
+     * file without making them; mt_model_set_params, LoRA, a teacher's use)
+     * makes them whole first. The values are bit-identical to a model made
+     * at once (0), whatever the world size (docs/distributed.md, "Models
+     * created into their home"). Not with a quantized base
+     * (MT_ERR_UNSUPPORTED). */
+    int deferred;
 } mt_model_spec;
 void mt_model_spec_init(mt_model_spec *s);
 
@@ -679,6 +690,7 @@ typedef struct mt_mlp_spec {
     int dims[MT_MLP_MAX_LAYERS + 1];   /* inputs, hidden sizes..., classes */
     mt_activation activation;
     uint64_t seed;                     /* weight init */
+    int deferred;                      /* as mt_model_spec.deferred */
 } mt_mlp_spec;
 void mt_mlp_spec_init(mt_mlp_spec *s);
 
@@ -732,6 +744,7 @@ typedef struct mt_gpt_spec {
      * The token table stays fp32 (it may train): a trainer's cfg.base
      * quantizes it once it is frozen. MT_BASE_FULL (0): fp32, as always. */
     mt_base_format base;
+    int deferred;         /* as mt_model_spec.deferred (with base MT_BASE_FULL) */
 } mt_gpt_spec;
 /* Fills the GPT-2 124M shape. */
 void mt_gpt_spec_init(mt_gpt_spec *s);
@@ -745,6 +758,12 @@ mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out);
  * has base set). MT_BASE_FULL: mt_model_gpt_load. */
 mt_status mt_model_gpt_load_base(mt_context *ctx, const char *path, mt_base_format base,
                                  mt_model **out);
+/* mt_model_gpt_load with the weights deferred (mt_model_spec.deferred): the
+ * header and the file's size are checked now and the file is kept open;
+ * the values are read where they are placed (each rank reading only its
+ * own elements under ZeRO-3), and checked (non-finite: MT_ERR_FORMAT) as
+ * they are read. */
+mt_status mt_model_gpt_load_deferred(mt_context *ctx, const char *path, mt_model **out);
 /* Writes a GPT model as an llm.c model file (fp32), atomically. */
 mt_status mt_model_gpt_save(const mt_model *m, const char *path);
 /* The spec of a GPT model (MT_ERR_INVALID_ARG for another model). */

@@ -30,6 +30,23 @@ static mt_model *gpt_of(mt_context *ctx, int channels, uint64_t seed)
 
 static mt_model *gpt(mt_context *ctx) { return gpt_of(ctx, 64, 11); }
 
+/* The runs with the state on disk made from a deferred model (its weights
+ * straight into their homes), against the resident runs' whole models. */
+static int deferred_as;
+
+static mt_model *gpt_deferred_of(mt_context *ctx, int layers)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = V, g.max_seq = T, g.layers = layers, g.heads = 4, g.channels = 64, g.seed = 11;
+    g.deferred = 1;
+    mt_model *m = NULL;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    return m;
+}
+
+static mt_model *gpt_deferred(mt_context *ctx) { return gpt_deferred_of(ctx, 2); }
+
 typedef struct ocase {
     mt_optimizer_kind opt;
     mt_precision prec;
@@ -105,7 +122,7 @@ static void train(const ocase *c, mt_place place, const char *dir, float *w, flo
                   float *loss, bool check_est)
 {
     mt_context *ctx = check_cpu_context(2);
-    mt_model *m = gpt(ctx);
+    mt_model *m = deferred_as && place == MT_PLACE_DISK ? gpt_deferred(ctx) : gpt(ctx);
     mt_trainer_config tc;
     config(&tc, c, place, dir);
     mt_estimate_report est;
@@ -276,6 +293,7 @@ static void zrank(int rank, void *arg)
     mt_gpt_spec g;
     mt_gpt_spec_init(&g);
     g.vocab = V, g.max_seq = T, g.layers = 2, g.heads = 4, g.channels = 64, g.seed = 11;
+    g.deferred = deferred_as && a->tc.offload == MT_PLACE_DISK;
     mt_estimate_report e;
     mt_status s = tcomm_context(c, &ctx);
     if (!s) s = mt_model_gpt_create(ctx, &g, &m);
@@ -1245,6 +1263,49 @@ TEST(offload_params_equal_resident_each_optimizer)
     freeze_some = 0;
     params_too = 0;
     recompute_as = MT_RECOMPUTE_NONE;
+    mti_offload_piece_elems = keep;
+    CHECK(rmdir(dir) == 0);
+}
+
+/* A deferred model created straight onto disk (offload_params): on one
+ * rank, at ZeRO stages 0 to 2 on 2 ranks, and at ZeRO-3 (each rank's slice
+ * in its param.bin), the resident whole model's bits, with every class's
+ * peak (setup included) its estimate's; on one rank the device's PARAM
+ * never holds the weights whole. */
+TEST(offload_params_deferred_model)
+{
+    const char *dir = tmp_dir();
+    const size_t keep = mti_offload_piece_elems;
+    mti_offload_piece_elems = 4096;
+    params_too = 1;
+    deferred_as = 1;
+    compare(&cases[1], dir);
+    compare(&cases[6], dir);
+    compare(&cases[9], dir);
+    freeze_some = 1;
+    compare(&cases[6], dir);
+    freeze_some = 0;
+    for (int stage = 0; stage <= 3; stage++)
+        zero_compare(&rank_cases[stage % 2], stage, 2, dir);
+    /* the device's PARAM: two layers' buffers and the update's, not the
+       whole weights (fp32 here, 12 blocks) */
+    const ocase c = cases[1];
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = gpt_deferred_of(ctx, 12);
+    mt_trainer_config tc;
+    config(&tc, &c, MT_PLACE_DISK, dir);
+    mt_trainer *t = NULL;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    CHECK_MSG(st.per_class[MT_MEM_PARAM].peak_live_bytes < mt_model_num_params(m) * 4 / 2,
+              "PARAM peak %llu for %zu fp32 weights",
+              (unsigned long long)st.per_class[MT_MEM_PARAM].peak_live_bytes, mt_model_num_params(m));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    deferred_as = 0;
+    params_too = 0;
     mti_offload_piece_elems = keep;
     CHECK(rmdir(dir) == 0);
 }

@@ -51,15 +51,24 @@ static mt_trainer_config z3_config(const z3_case *k)
     return tc;
 }
 
-/* A context (on c, or alone), and a small GPT of `layers` blocks. */
-static mt_status z3_open(mt_comm *c, int layers, mt_context **ctx, mt_model **m)
+/* A context (on c, or alone), and a small GPT of `layers` blocks: made at
+ * once, or deferred (from its seed, or from an llm.c file `from`). */
+static mt_status z3_open_as(mt_comm *c, int layers, int deferred, const char *from,
+                            mt_context **ctx, mt_model **m)
 {
     mt_gpt_spec g;
     mt_gpt_spec_init(&g);
     g.vocab = 50, g.padded_vocab = 64, g.max_seq = Z3_T, g.layers = layers, g.heads = 2;
-    g.channels = 16, g.seed = 7;
+    g.channels = 16, g.seed = 7, g.deferred = deferred;
     mt_status s = tcomm_context(c, ctx);
+    if (!s && from) return deferred ? mt_model_gpt_load_deferred(*ctx, from, m)
+                                    : mt_model_gpt_load(*ctx, from, m);
     return s ? s : mt_model_gpt_create(*ctx, &g, m);
+}
+
+static mt_status z3_open(mt_comm *c, int layers, mt_context **ctx, mt_model **m)
+{
+    return z3_open_as(c, layers, 0, NULL, ctx, m);
 }
 
 /* A run: n ranks of `rows` rows each, or one process (n 1) over `rows`
@@ -70,6 +79,8 @@ typedef struct z3_run {
     uint32_t caps;            /* of the communicators (MT_COMM_CAP_THREADS: prefetch on a thread) */
     uint64_t calls[Z3_MAXN];  /* collectives each rank made */
     const char *load, *save;  /* load before the steps, save after */
+    int deferred;             /* the model deferred (mt_gpt_spec.deferred) ... */
+    const char *from;         /* ... or loaded (deferred or not) from this llm.c file */
     int steps;
     tcomm_world *world;
     float loss[Z3_MAXN][Z3_STEPS];
@@ -92,14 +103,16 @@ static void z3_rows(int step, int r0, int n, int32_t *tok, int32_t *tgt)
 }
 
 /* Every class's peak against the estimate of this rank: "" or where they differ. */
-static void z3_estimate(mt_context *ctx, mt_model *m, const mt_trainer_config *tc, z3_run *a, int rank)
+static void z3_estimate(mt_context *ctx, mt_model *m, const mt_trainer_config *tc,
+                        const mt_estimate_report *pre, z3_run *a, int rank)
 {
     mt_memory_stats ms;
     mt_estimate_report e;
     mt_context_memory_stats(ctx, &ms);
     for (int k = 0; k < MT_MEM_COUNT; k++) a->peak[rank][k] = ms.per_class[k].peak_live_bytes;
     for (int k = 0; k < MT_MEM_COUNT; k++) a->live[rank][k] = ms.per_class[k].live_bytes;
-    if (mt_estimate_model(m, tc, &e)) {
+    if (pre) e = *pre;
+    else if (mt_estimate_model(m, tc, &e)) {
         snprintf(a->msg[rank], sizeof a->msg[rank], "estimate: %s", mt_last_error(ctx));
         a->st[rank] = MT_ERR_INTERNAL;
         return;
@@ -132,7 +145,11 @@ static void z3_rank(int rank, void *p)
     tc.max_batch = a->rows;
     tc.micro_batch = a->micro;
     if (tc.micro_batch) tc.fused_step = 0; /* (the fused step cannot accumulate) */
-    mt_status s = z3_open(c, 2, &ctx, &m);
+    mt_status s = z3_open_as(c, 2, a->deferred, a->from, &ctx, &m);
+    /* a deferred model's setup is estimated while it is unmade */
+    mt_estimate_report pre;
+    if (!s && a->deferred && (s = mt_estimate_model(m, &tc, &pre)))
+        snprintf(a->msg[rank], sizeof a->msg[rank], "estimate: %s", mt_last_error(ctx));
     if (!s) s = mt_trainer_create(m, &tc, &t);
     if (!s && a->load) s = mt_trainer_load(t, a->load, NULL, 0, NULL);
     const int steps = a->steps ? a->steps : Z3_STEPS;
@@ -145,7 +162,7 @@ static void z3_rank(int rank, void *p)
     if (!s && a->save) s = mt_trainer_save(t, a->save, NULL, 0);
     a->st[rank] = s;
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
-    if (!s && !a->load) z3_estimate(ctx, m, &tc, a, rank);
+    if (!s && !a->load) z3_estimate(ctx, m, &tc, a->deferred ? &pre : NULL, a, rank);
     mt_comm_stats cs = {0};
     if (ctx && !mt_context_comm_stats(ctx, &cs)) a->calls[rank] = cs.collectives;
     mt_trainer_destroy(t); /* (stage 3: the weights gathered back, on every rank) */
@@ -231,6 +248,55 @@ TEST(zero3_equals_stage2_and_one_process)
             z3_free(&r0), z3_free(&r2), z3_free(&r3), z3_free(&one);
         }
     }
+}
+
+/* A deferred model (from its seed, or from an llm.c file) created straight
+ * into its slices: the bits of the model made whole first, at every
+ * precision and optimizer; a rank's PARAM never holds more than its slices
+ * (its peak is what it holds between steps), and every class's peak equals
+ * the estimate made while the model was unmade. */
+TEST(zero3_deferred_creation)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/mt_z3_deferred_%d.bin", (int)getpid());
+    {
+        mt_context *ctx = NULL;
+        mt_model *m = NULL;
+        mt_gpt_spec g;
+        CHECK(z3_open(NULL, 2, &ctx, &m) == MT_OK);
+        CHECK(mt_model_gpt_get_spec(m, &g) == MT_OK);
+        float *w = malloc(mt_model_num_params(m) * sizeof *w);
+        for (size_t i = 0; w && i < mt_model_num_params(m); i++) w[i] = sinf((float)i) * 0.05f;
+        CHECK(w && mt_model_set_params(m, w, mt_model_num_params(m)) == MT_OK);
+        CHECK(mt_model_gpt_save(m, path) == MT_OK);
+        free(w);
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+    }
+    for (size_t k = 0; k < sizeof z3_cases / sizeof z3_cases[0]; k++) {
+        const z3_case *c = &z3_cases[k];
+        const mt_trainer_config tc = z3_config(c);
+        for (int n = 2; n <= (check_light() ? 2 : 3); n++)
+            for (int file = 0; file < 2; file++) {
+                z3_run whole = {.tc = tc, .n = n, .rows = 6 / n, .stage = 3};
+                whole.from = file ? path : NULL;
+                z3_run d = whole;
+                d.deferred = 1;
+                z3_go(&whole), z3_go(&d);
+                CHECK_MSG(z3_same(&d, &whole), "%s, %d ranks%s: deferred differs by %g", c->name, n,
+                          file ? ", from a file" : "", z3_rel(&d, &whole));
+                for (int s = 0; s < Z3_STEPS; s++) CHECK(d.loss[0][s] == whole.loss[0][s]);
+                for (int r = 0; r < n; r++) {
+                    CHECK_MSG(d.peak[r][MT_MEM_PARAM] == d.live[r][MT_MEM_PARAM],
+                              "%s, rank %d of %d: PARAM peak %llu, %llu between steps", c->name, r,
+                              n, (unsigned long long)d.peak[r][MT_MEM_PARAM],
+                              (unsigned long long)d.live[r][MT_MEM_PARAM]);
+                    CHECK(d.peak[r][MT_MEM_PARAM] < whole.peak[r][MT_MEM_PARAM]);
+                }
+                z3_free(&whole), z3_free(&d);
+            }
+    }
+    remove(path);
 }
 
 /* Recompute gathers a recomputed layer's weights again: every unit

@@ -127,6 +127,9 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc);
  * whole base is frozen, so every linear weight is quantized as it is made),
  * else full (the trainer quantizes the frozen weights it is given). */
 mt_base_format cli_spec_base(const cli_opts *o);
+/* Whether the model is made straight into the trainer's homes for it
+ * (mt_gpt_spec.deferred): at ZeRO-3 and with the weights on disk. */
+int cli_deferred(const cli_opts *o);
 /* The MLP the options give: 2 inputs, the hidden sizes, 3 classes. */
 void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec);
 /* The context configuration the options give (device, threads, allocators). */

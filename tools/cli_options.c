@@ -771,6 +771,12 @@ mt_base_format cli_spec_base(const cli_opts *o)
     return o->lora || o->load_lora ? o->base : MT_BASE_FULL;
 }
 
+int cli_deferred(const cli_opts *o)
+{
+    return (o->zero == 3 || o->offload_params) && cli_spec_base(o) == MT_BASE_FULL &&
+           !o->lora && !o->load_lora;
+}
+
 void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
 {
     mt_trainer_config_init(tc);
@@ -819,6 +825,7 @@ void cli_mlp_spec(const cli_opts *o, mt_mlp_spec *spec)
     spec->dims[o->n_hidden + 1] = 3;
     spec->activation = o->act;
     spec->seed = (uint64_t)o->seed;
+    spec->deferred = cli_deferred(o);
 }
 
 void cli_json_num(FILE *f, const char *key, const char *fmt, double v)

@@ -346,7 +346,8 @@ int cli_gpt_model(const cli_opts *o, mt_context *ctx, int data_vocab, mt_gpt_spe
 {
     mt_status s;
     if (o->llmc) { /* weights (and the shape) from an llm.c checkpoint */
-        s = mt_model_gpt_load_base(ctx, o->llmc, cli_spec_base(o), out);
+        s = cli_deferred(o) ? mt_model_gpt_load_deferred(ctx, o->llmc, out)
+                            : mt_model_gpt_load_base(ctx, o->llmc, cli_spec_base(o), out);
         if (!s) s = mt_model_gpt_get_spec(*out, spec);
         if (!s && (spec->vocab < data_vocab || spec->max_seq < (int)o->seq)) {
             fprintf(stderr, "%s: %s: vocab %d and max_seq %d cannot take the data (vocab %d) "
@@ -355,6 +356,7 @@ int cli_gpt_model(const cli_opts *o, mt_context *ctx, int data_vocab, mt_gpt_spe
             return EXIT_FAIL;
         }
     } else {
+        spec->deferred = cli_deferred(o);
         s = mt_model_gpt_create(ctx, spec, out);
     }
     return s ? cli_lib_fail(ctx, NULL) : 0;

@@ -56,14 +56,31 @@ static mt_status dry_model(mt_context *ctx, spec_kind kind, const void *spec, mt
     return MT_ERR_INTERNAL;
 }
 
-/* A model's spec: its GPT or MLP spec, or its layers as a sequential spec
- * in *seq (layers in *ls, the caller's to free). */
+/* A model's spec in *sp: its GPT or MLP spec, or its layers as a
+ * sequential spec (layers in *ls, the caller's to free); deferred while
+ * some of its weights are unmade. */
+typedef union any_spec {
+    mt_model_spec seq;
+    mt_mlp_spec mlp;
+    mt_gpt_spec gpt;
+} any_spec;
+
 static mt_status spec_of(const mt_model *m, spec_kind *kind, const void **spec,
-                         mt_model_spec *seq, mt_layer_spec **ls)
+                         any_spec *sp, mt_layer_spec **ls)
 {
     *ls = NULL;
-    if (m->kind == MTI_MODEL_GPT) return *kind = SPEC_GPT, *spec = &m->gpt, MT_OK;
-    if (m->kind == MTI_MODEL_MLP) return *kind = SPEC_MLP, *spec = &m->mlp, MT_OK;
+    const int deferred = mti_model_unmade(m) > 0;
+    if (m->kind == MTI_MODEL_GPT) {
+        sp->gpt = m->gpt;
+        sp->gpt.deferred = deferred;
+        return *kind = SPEC_GPT, *spec = &sp->gpt, MT_OK;
+    }
+    if (m->kind == MTI_MODEL_MLP) {
+        sp->mlp = m->mlp;
+        sp->mlp.deferred = deferred;
+        return *kind = SPEC_MLP, *spec = &sp->mlp, MT_OK;
+    }
+    mt_model_spec *seq = &sp->seq;
     mt_layer_spec *l = calloc((size_t)m->n_layers, sizeof *l);
     if (!l) return mti_fail(m->ctx, MT_ERR_OOM, "estimate: out of host memory");
     for (int i = 0; i < m->n_layers; i++) {
@@ -80,6 +97,7 @@ static mt_status spec_of(const mt_model *m, spec_kind *kind, const void **spec,
     seq->max_seq = m->max_seq;
     seq->n_layers = m->n_layers;
     seq->layers = l;
+    seq->deferred = deferred;
     *ls = l;
     *kind = SPEC_SEQ;
     *spec = seq;
@@ -91,7 +109,7 @@ static mt_status dry_copy(mt_context *ctx, const mt_model *src, mt_model **out)
 {
     spec_kind kind;
     const void *spec;
-    mt_model_spec seq;
+    any_spec seq;
     mt_layer_spec *ls = NULL;
     mt_status s = spec_of(src, &kind, &spec, &seq, &ls);
     if (!s) s = dry_model(ctx, kind, spec, out);
@@ -264,7 +282,7 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc, int
     cc.device = m->ctx->dev->kind; /* and dry_run takes the device's geometry */
     spec_kind kind;
     const void *spec;
-    mt_model_spec seq;
+    any_spec seq;
     mt_layer_spec *ls = NULL;
     mt_status s = spec_of(m, &kind, &spec, &seq, &ls);
     if (!s) s = dry_run(&cc, kind, spec, tc, m->ctx, rank, out);

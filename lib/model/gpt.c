@@ -42,56 +42,31 @@ static mt_status fmt(mt_context *ctx, const char *path, const char *what)
                     path, what);
 }
 
-/* The loader's fill (mti_gpt_build_filled): i = -1 checks the file's size
- * against the model's; then parameter i is read from its place in the
- * file (its get/set_params offset), a chunk at a time. */
-typedef struct loading {
-    FILE *f;
-    const char *path;
-    long long size;
-    float *buf;
-} loading;
-
-static mt_status load_fill(void *user, mt_model *m, int i)
-{
-    loading *l = user;
-    mt_context *ctx = m->ctx;
-    if (i < 0) {
-        uint64_t want = (uint64_t)HEADER_INTS * 4 + 4 * (uint64_t)m->n_params;
-        if ((uint64_t)l->size != want)
-            return mti_fail(ctx, MT_ERR_FORMAT,
-                            "'%s' is %lld bytes; its header says %llu (truncated or not this "
-                            "model)",
-                            l->path, l->size, (unsigned long long)want);
-        return MT_OK;
-    }
-    mti_param *p = &m->params[i];
-    if (fseeko(l->f, (off_t)HEADER_INTS * 4 + (off_t)p->offset * 4, SEEK_SET) != 0)
-        return mti_fail(ctx, MT_ERR_IO, "seeking in '%s' failed", l->path);
-    mt_status s = MT_OK;
-    for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
-        size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
-        if (fread(l->buf, sizeof *l->buf, n, l->f) != n)
-            return mti_fail(ctx, MT_ERR_IO, "reading '%s' failed", l->path);
-        for (size_t k = 0; k < n; k++)
-            if (!isfinite(l->buf[k]))
-                return mti_fail(ctx, MT_ERR_FORMAT, "'%s': %s holds a non-finite value", l->path,
-                                p->name);
-        s = mti_param_fill(m, i, at, l->buf, n);
-    }
-    if (!s) s = ctx->dev->sync(ctx->dev);
-    return s;
-}
+static mt_status load(mt_context *ctx, const char *path, mt_base_format base, bool deferred,
+                      const char *fn, mt_model **out);
 
 mt_status mt_model_gpt_load(mt_context *ctx, const char *path, mt_model **out)
 {
-    return mt_model_gpt_load_base(ctx, path, MT_BASE_FULL, out);
+    return load(ctx, path, MT_BASE_FULL, false, "mt_model_gpt_load", out);
+}
+
+mt_status mt_model_gpt_load_deferred(mt_context *ctx, const char *path, mt_model **out)
+{
+    return load(ctx, path, MT_BASE_FULL, true, "mt_model_gpt_load_deferred", out);
 }
 
 mt_status mt_model_gpt_load_base(mt_context *ctx, const char *path, mt_base_format base,
                                  mt_model **out)
 {
-    const char *fn = base ? "mt_model_gpt_load_base" : "mt_model_gpt_load";
+    return load(ctx, path, base, false, base ? "mt_model_gpt_load_base" : "mt_model_gpt_load",
+                out);
+}
+
+/* The header read and checked; the values are read by the model's source
+ * (model/source.c), at once or, deferred, where they are placed. */
+static mt_status load(mt_context *ctx, const char *path, mt_base_format base, bool deferred,
+                      const char *fn, mt_model **out)
+{
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: ctx is NULL", fn);
     if (!path || !out)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, path ? "out" : "path");
@@ -133,12 +108,11 @@ mt_status mt_model_gpt_load_base(mt_context *ctx, const char *path, mt_base_form
         fclose(f);
         return fmt(ctx, path, "padded vocab smaller than vocab");
     }
-    loading l = {f, path, (long long)sb.st_size, malloc(CHUNK * sizeof(float))};
-    mt_model *m = NULL;
-    mt_status s = l.buf ? mti_gpt_build_filled(ctx, &spec, fn, load_fill, &l, &m)
-                        : mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
-    free(l.buf);
     fclose(f);
+    spec.deferred = deferred;
+    const mti_origin o = {.path = path, .first = HEADER_INTS * 4, .deferred = deferred};
+    mt_model *m = NULL;
+    mt_status s = mti_gpt_build(ctx, &spec, fn, &o, &m);
     if (s == MT_ERR_INVALID_ARG) /* the header's shape */
         return mti_fail(ctx, MT_ERR_FORMAT, "'%s' has an impossible shape: %s", path,
                         mti_last_msg(ctx).s);

@@ -178,6 +178,8 @@ mt_status mti_lora_attach(mt_model *m, const mt_lora_config *c, const char *fn)
     if (!isfinite(c->alpha) || c->alpha < 0.0f)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->lora.alpha %g must be finite and >= 0",
                         fn, (double)c->alpha);
+    mt_status made = mti_model_make(m, NULL); /* (a deferred model: the adapters' base whole) */
+    if (made) return mti_fail(ctx, made, "%s: %s", fn, mti_last_msg(ctx).s);
     const float alpha = c->alpha > 0.0f ? c->alpha : (float)c->rank;
     const int n = m->lora_rank ? m->n_base : m->n_param;
     const int np = c->targets && *c->targets ? count_patterns(c->targets) : 0;

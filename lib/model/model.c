@@ -223,70 +223,75 @@ static mt_status add_layer(builder *b, const mt_layer_spec *ls, const char *pref
 
 static void gpt_offsets(mt_model *m);
 
-mt_status mti_param_fill(mt_model *m, int i, size_t at, const float *src, size_t n)
-{
-    if (m->fill_host) {
-        memcpy(m->fill_host + at, src, n * sizeof(float));
-        return MT_OK;
-    }
-    return m->ctx->dev->copy_h2d(m->ctx->dev, (float *)m->params[i].w.blk.ptr + at, src,
-                                 n * sizeof(float));
-}
-
-/* Parameter i's values drawn from rng as its init says (the rows past
- * init_rows stay 0), through host, onto the device. */
-static mt_status draw(mt_model *m, int i, mti_rng *rng, float *host, size_t ch)
-{
-    const mti_param *p = &m->params[i];
-    size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-    size_t live = (size_t)p->init_rows * cols; /* the rest (padding rows) is 0 */
-    mt_status s = MT_OK;
-    for (size_t at = 0; at < p->numel && !s; at += ch) {
-        size_t n = p->numel - at < ch ? p->numel - at : ch;
-        for (size_t k = 0; k < n; k++) {
-            float v = 0.0f;
-            if (at + k < live) switch (p->init) {
-                case MTI_INIT_ZERO: v = 0.0f; break;
-                case MTI_INIT_ONE: v = 1.0f; break;
-                case MTI_INIT_UNIFORM: v = (2.0f * mti_rng_uniform(rng) - 1.0f) * p->init_a; break;
-                case MTI_INIT_NORMAL: v = (float)(mti_rng_normal(rng) * p->init_a); break;
-                }
-            host[k] = v;
-        }
-        s = mti_param_fill(m, i, at, host, n);
-    }
-    return s;
-}
-
+/* Parameter i allocated (PARAM) and its values read from the model's
+ * source a chunk at a time through host (ch floats) onto the device; a
+ * base's linear weight quantized (qf) once whole. On a device context a
+ * weight quantized as it is made has its fp32 only on the host: read
+ * whole into a host buffer, quantized there, and only the quantized bytes
+ * allocated and uploaded. */
 static mt_status quantize_from(mt_model *m, int i, mti_qformat qf, const float *x);
 
-/* Parameter i quantized as it is made on a device context: filled into a
- * host staging buffer of its fp32 values, quantized there, and only the
- * quantized bytes allocated (PARAM) and uploaded. */
-static mt_status fill_quantized(mt_model *m, int i, mti_qformat qf, mti_fill_fn fill, void *user,
-                                mti_rng *rng, float *host, size_t ch)
+static mt_status make_param(mt_model *m, int i, mti_qformat qf, float *host, size_t ch)
 {
     mt_context *ctx = m->ctx;
-    if (ctx->dry) return quantize_from(m, i, qf, NULL);
-    float *x = malloc(m->params[i].numel * sizeof *x);
-    if (!x) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory (its fp32 staging)",
-                            m->params[i].name);
-    m->fill_host = x;
-    mt_status s = fill ? fill(user, m, i) : draw(m, i, rng, host, ch);
-    m->fill_host = NULL;
-    if (!s) s = quantize_from(m, i, qf, x);
-    free(x);
+    mti_param *p = &m->params[i];
+    if (qf && ctx->dev->kind != MT_DEVICE_CPU) {
+        if (ctx->dry) return quantize_from(m, i, qf, NULL);
+        float *x = malloc(p->numel * sizeof *x);
+        mt_status s = x ? mti_source_read(m, i, 0, p->numel, x)
+                        : mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory (its fp32 staging)",
+                                   p->name);
+        if (!s) s = quantize_from(m, i, qf, x);
+        free(x);
+        return s;
+    }
+    mt_status s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                   MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    for (size_t at = 0; at < p->numel && !s && !ctx->dry; at += ch) {
+        size_t n = p->numel - at < ch ? p->numel - at : ch;
+        s = mti_source_read(m, i, at, n, host);
+        if (!s) s = ctx->dev->copy_h2d(ctx->dev, (float *)p->w.blk.ptr + at, host, n * sizeof *host);
+    }
+    if (!s && !ctx->dry) s = ctx->dev->sync(ctx->dev);
+    if (!s && qf) s = mti_param_quantize(m, i, qf);
+    if (s) mti_tensor_free(ctx, &p->w);
     return s;
 }
 
-/* Allocates and fills every parameter in parameter order: drawn from one
- * generator (fill NULL), or by fill; a GPT spec's base quantizes each
- * linear weight as soon as it is filled. */
-static mt_status init_params(mt_model *m, uint64_t seed, const char *fn, mti_fill_fn fill,
-                             void *user)
+mt_status mti_model_make(mt_model *m, const unsigned char *which)
 {
     mt_context *ctx = m->ctx;
     enum { CH = 1 << 16 };
+    if (!m->src) return MT_OK;
+    const mti_qformat qf = m->kind == MTI_MODEL_GPT ? mti_qformat_of(m->gpt.base) : MTI_QF_NONE;
+    float *host = malloc(CH * sizeof *host);
+    mt_status s = host ? MT_OK : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    int left = 0;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        mti_param *p = &m->params[i];
+        if (!p->unmade) continue;
+        if (which && !which[i]) {
+            left++;
+            continue;
+        }
+        s = make_param(m, i, qf && mti_param_quantizable(m, i) ? qf : MTI_QF_NONE, host, CH);
+        if (!s) p->unmade = 0;
+    }
+    free(host);
+    if (!s && !left) mti_source_free(m); /* (every weight made: the file is closed) */
+    return s;
+}
+
+int mti_model_unmade(const mt_model *m)
+{
+    int n = 0;
+    for (int i = 0; i < m->n_param; i++) n += m->params[i].unmade != 0;
+    return n;
+}
+
+/* The parameters' offsets in get/set_params order and the model's size. */
+static void lay_out(mt_model *m)
+{
     size_t off = 0;
     for (int i = 0; i < m->n_param; i++) {
         m->params[i].offset = off;
@@ -294,27 +299,6 @@ static mt_status init_params(mt_model *m, uint64_t seed, const char *fn, mti_fil
     }
     m->n_params = off;
     if (m->kind == MTI_MODEL_GPT) gpt_offsets(m);
-    const mti_qformat qf = m->kind == MTI_MODEL_GPT ? mti_qformat_of(m->gpt.base) : MTI_QF_NONE;
-    mt_status s = fill ? fill(user, m, -1) : MT_OK;
-    if (s) return s;
-    float *host = fill ? NULL : malloc(CH * sizeof *host);
-    if (!fill && !host) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
-    mti_rng rng;
-    mti_rng_seed(&rng, seed);
-    for (int i = 0; i < m->n_param && !s; i++) {
-        mti_param *p = &m->params[i];
-        const bool q = qf && mti_param_quantizable(m, i);
-        if (q && ctx->dev->kind != MT_DEVICE_CPU) { /* its fp32 only on the host */
-            s = fill_quantized(m, i, qf, fill, user, &rng, host, CH);
-            continue;
-        }
-        s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
-                             MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-        if (!s && !ctx->dry) s = fill ? fill(user, m, i) : draw(m, i, &rng, host, CH);
-        if (!s && q) s = mti_param_quantize(m, i, qf);
-    }
-    free(host);
-    return s;
 }
 
 static void free_model(mt_model *m)
@@ -324,14 +308,17 @@ static void free_model(mt_model *m)
         mti_tensor_free(m->ctx, &m->params[i].w);
         mti_tensor_free(m->ctx, &m->params[i].master);
     }
+    mti_source_free(m);
     free(m->params);
     free(m->layers);
     free(m->lora_targets);
     free(m);
 }
 
-/* The common end of every constructor: last-layer checks, parameters. */
-static mt_status finish(builder *b, uint64_t seed, mti_fill_fn fill, void *user, mt_model **out)
+/* The common end of every constructor: last-layer checks, the weights'
+ * source (o: a seed, or a file of the model's fp32 values), and the parameters made from it now, or (o->deferred) when a
+ * trainer places them or a call needs them (mti_model_make). */
+static mt_status finish(builder *b, const mti_origin *o, mt_model **out)
 {
     mt_model *m = b->m;
     mt_context *ctx = m->ctx;
@@ -346,7 +333,15 @@ static mt_status finish(builder *b, uint64_t seed, mti_fill_fn fill, void *user,
     }
     m->out_width = last->out;
     m->classes = last->kind == MT_LAYER_LM_HEAD ? m->vocab : last->out;
-    mt_status s = init_params(m, seed, b->fn, fill, user);
+    lay_out(m);
+    mt_status s = o->path ? mti_source_file(m, o->path, o->first) : mti_source_seed(m, o->seed);
+    if (!s && o->deferred && m->kind == MTI_MODEL_GPT && m->gpt.base)
+        s = mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                     "a deferred model's base is not quantized as it is made (base %s): make it "
+                     "at once (deferred 0)",
+                     mt_base_format_name(m->gpt.base));
+    for (int i = 0; i < m->n_param; i++) m->params[i].unmade = 1;
+    if (!s && !o->deferred) s = mti_model_make(m, NULL);
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         free_model(m);
@@ -432,7 +427,8 @@ mt_status mt_model_create(mt_context *ctx, const mt_model_spec *spec, mt_model *
         free_model(m);
         return s;
     }
-    return finish(&b, spec->seed, NULL, NULL, out);
+    const mti_origin o = {.seed = spec->seed, .deferred = spec->deferred != 0};
+    return finish(&b, &o, out);
 }
 
 static mt_status check_mlp(mt_context *ctx, const mt_mlp_spec *s)
@@ -489,7 +485,8 @@ mt_status mt_model_mlp_create(mt_context *ctx, const mt_mlp_spec *spec, mt_model
         free_model(b.m);
         return s;
     }
-    return finish(&b, spec->seed, NULL, NULL, out);
+    const mti_origin o = {.seed = spec->seed, .deferred = spec->deferred != 0};
+    return finish(&b, &o, out);
 }
 
 void mt_gpt_spec_init(mt_gpt_spec *s)
@@ -530,8 +527,8 @@ static void gpt_offsets(mt_model *m)
     }
 }
 
-mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
-                               mti_fill_fn fill, void *user, mt_model **out)
+mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
+                        const mti_origin *o, mt_model **out)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: ctx is NULL", fn);
     if (!spec || !out)
@@ -583,12 +580,13 @@ mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const c
         free_model(m);
         return s;
     }
-    return finish(&b, spec->seed, fill, user, out);
+    return finish(&b, o, out);
 }
 
 mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model **out)
 {
-    return mti_gpt_build_filled(ctx, spec, "mt_model_gpt_create", NULL, NULL, out);
+    const mti_origin o = {.seed = spec ? spec->seed : 0, .deferred = spec && spec->deferred};
+    return mti_gpt_build(ctx, spec, "mt_model_gpt_create", &o, out);
 }
 
 mt_status mt_model_gpt_get_spec(const mt_model *m, mt_gpt_spec *out)
@@ -699,6 +697,7 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
+    if (p->unmade) return mti_source_read(m, i, at, n, dst); /* (deferred: not made for it) */
     if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
     if (m->params_home && mti_offload_has_weights(m->params_home, i)) /* on disk */
         return mti_offload_param_read(m->params_home, i, at, n, dst);
@@ -735,6 +734,22 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     mt_context *ctx = m->ctx;
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &m->params[i];
+    if (p->unmade) { /* deferred: made now, from the source unless all of it is written */
+        mt_status s = MT_OK;
+        if (at == 0 && n == p->numel && !p->qf) {
+            s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                 MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+            if (!s) p->unmade = 0;
+        } else {
+            unsigned char *one = calloc((size_t)m->n_param, 1);
+            if (!one) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+            one[i] = 1;
+            s = mti_model_make(m, one);
+            free(one);
+        }
+        if (s) return s;
+        if (!mti_model_unmade(m)) mti_source_free(m);
+    }
     if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
     if (m->params_home && mti_offload_has_weights(m->params_home, i)) /* on disk */
         return mti_offload_param_write(m->params_home, i, at, n, src);

@@ -49,6 +49,9 @@ typedef struct mti_param {
     mti_init init;
     float init_a;
     int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */
+    int unmade;          /* its values are still its source's (a deferred model's, until
+                            mti_model_make or a trainer's homes take them): w has
+                            its dtype and shape and no memory */
 } mti_param;
 
 /* The tensors a layer keeps from forward for backward, by slot. */
@@ -94,9 +97,7 @@ struct mt_model {
                             the ranks: p->w is whole only while a layer runs */
     struct mti_offload *master_home; /* the masters live on disk (lib/train/offload.c): the
                             fp32 values are read and written there */
-    float *fill_host;    /* while a weight quantized as it is made is filled on a
-                            device context: its fp32 values' host staging
-                            (mti_param_fill writes there, not to the device) */
+    struct mti_source *src; /* where the unmade weights' values come from (source.c) */
     struct mti_offload *params_home; /* the trained weights live on disk too
                             (offload_params): p->w is there only while a layer runs */
     mt_mlp_spec mlp;     /* MLP */
@@ -133,19 +134,41 @@ int mti_param_quantizable(const mt_model *m, int i);
  * quantizes it when it is frozen; a model's spec.base does not (it may
  * still train). */
 int mti_param_is_table(const mt_model *m, int i);
-/* Builds a GPT model whose parameters `fill` writes (fp32, one at a time,
- * in parameter order, right after each is allocated; before any, it is
- * called once with i = -1 and the model's sizes and offsets set, to check
- * them); spec->base quantizes each linear weight once filled. A fill
- * writes through mti_param_fill. */
-typedef mt_status (*mti_fill_fn)(void *user, mt_model *m, int i);
-/* Elements [at, at + n) of parameter i's fp32 values from host memory while
- * the model is made: into its weights, or, for a weight quantized as it is
- * made on a device context, into the host staging (m->fill_host) from
- * which it is quantized, so its fp32 never exists in device memory. */
-mt_status mti_param_fill(mt_model *m, int i, size_t at, const float *src, size_t n);
-mt_status mti_gpt_build_filled(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
-                               mti_fill_fn fill, void *user, mt_model **out);
+/* Where a model's weights come from: a seed, or a file of its fp32 values
+ * in get/set_params order from byte `first` (path set); made at once, or
+ * deferred (mt_*_spec.deferred). */
+typedef struct mti_origin {
+    uint64_t seed;
+    const char *path;
+    long long first;
+    bool deferred;
+} mti_origin;
+/* Builds a GPT model whose weights come from o. */
+mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn,
+                        const mti_origin *o, mt_model **out);
+/* The unmade parameters (which: those with which[i] set; NULL: all) made
+ * whole from the source (PARAM), in parameter order; once none is left
+ * unmade the source goes. A parameter that fails stays unmade. */
+mt_status mti_model_make(mt_model *m, const unsigned char *which);
+/* How many parameters are unmade. */
+int mti_model_unmade(const mt_model *m);
+
+/* source.c: the model's m->src. A seed's generator is drawn over the
+ * parameters in parameter order (each value of a NORMAL init takes two of
+ * its outputs, of a UNIFORM one, of a constant or a padding row none); a
+ * file (mti_source_file: opened and its size checked against the model's,
+ * MT_ERR_IO / MT_ERR_FORMAT) holds them as fp32 from byte `first`. */
+mt_status mti_source_seed(mt_model *m, uint64_t seed);
+mt_status mti_source_file(mt_model *m, const char *path, long long first);
+void mti_source_free(mt_model *m);
+/* Elements [at, at + n) of parameter i's initial values into host memory,
+ * whatever was read before (a file's non-finite value: MT_ERR_FORMAT). */
+mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
+/* A hash of what the source makes, for ranks to agree on without reading
+ * it all: a seed's value, or a file's first and last values of each
+ * parameter. */
+mt_status mti_source_recipe(const mt_model *m, uint64_t *h);
+
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */
 int *mti_param_order(const mt_model *m);
 

@@ -226,10 +226,16 @@ static mt_status weights_hash(const mt_model *m, uint64_t *out)
     for (int i = 0; i < m->n_param && !s; i++) {
         const mti_param *p = &m->params[i];
         if (m->params_sharded && !p->frozen) continue; /* (ZeRO-3 hashed them before: zero3.c) */
+        if (p->unmade) continue; /* (a deferred model's: its source, below) */
         const mti_tensor *w = p->master.blk.ptr && !m->master_sliced ? &p->master : &p->w;
         s = mti_tensor_hash(ctx, w, buf, chunk, &h);
     }
     free(buf);
+    if (!s && mti_model_unmade(m)) {
+        uint64_t r = 0;
+        s = mti_source_recipe(m, &r);
+        h = mti_hash(h, &r, sizeof r);
+    }
     *out = h;
     return s;
 }

@@ -1129,6 +1129,11 @@ mt_status mti_offload_put_params(mti_offload *o)
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_param *p = &m->params[i];
         mti_tensor *w = z3 ? &t->pw[i] : &p->w;
+        if (o->pp[i].home && p->unmade) { /* (a deferred model's: read into its file later) */
+            if (z3) mti_tensor_free(o->ctx, w);
+            o->pp[i].placed = 1;
+            continue;
+        }
         if (!o->pp[i].home || !w->blk.ptr) continue;
         if (w->dtype != t->dt)
             return mti_fail(o->ctx, MT_ERR_INTERNAL, "offload: %s is not in the compute dtype", p->name);
@@ -1153,7 +1158,7 @@ void mti_offload_get_params(mti_offload *o)
     if (t->E.params_user == o) t->E.params_hook = NULL, t->E.params_user = NULL;
     for (int i = 0; i < m->n_param && t->zero < 3; i++) { /* (ZeRO-3: its unsharding read them) */
         mti_param *p = &m->params[i];
-        if (!o->pp || !o->pp[i].home || p->w.blk.ptr) continue;
+        if (!o->pp || !o->pp[i].home || p->w.blk.ptr || p->unmade) continue;
         mt_status s = mti_tensor_alloc(o->ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                        MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
         if (!s) s = mti_offload_read(o, i, 0, 0, p->w.blk.ptr, (size_t)weight_bytes(o, i));

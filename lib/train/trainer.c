@@ -36,6 +36,7 @@
 #include "comm/overlap.h"
 #include "comm/queue.h"
 #include "engine/plan.h"
+#include "train/fill.h"
 #include "train/home.h"
 #include "train/trainer.h"
 #include "train/offload.h"
@@ -273,6 +274,10 @@ static mt_status convert_one(mt_trainer *t, int i, mti_dtype to)
     const mti_kctx k = {ctx, ctx->dev};
     mti_param *p = &t->model->params[i];
     if (p->w.dtype == to || p->qf) return MT_OK; /* (quantized: stays so) */
+    if (p->unmade) { /* (its home is made from the source in dtype `to`) */
+        p->w.dtype = to;
+        return MT_OK;
+    }
     mti_tensor w = like(&p->w, to);
     mt_status s = mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                    MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
@@ -305,7 +310,7 @@ static void from_mixed(mt_trainer *t)
     }
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
-        if (!p->master.blk.ptr && t->off && !p->frozen && p->w.dtype != MTI_F32 &&
+        if (!p->master.blk.ptr && t->off && !p->frozen && !p->unmade && p->w.dtype != MTI_F32 &&
             mti_offload_get_master(t->off, i))
             mti_log(ctx, MT_LOG_ERROR, "%s: its master could not be read back; its weights are "
                     "the %s compute copy's", p->name, t->dt == MTI_BF16 ? "bf16" : "fp16");
@@ -346,6 +351,14 @@ static mt_status to_mixed(mt_trainer *t)
         const size_t lo = t->sh[i].lo, nm = t->sh[i].hi - lo;
         mti_tensor master = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)nm}};
         mti_tensor half = like(&p->w, t->dt);
+        if (p->unmade) { /* its homes made from the source: a master slice kept in memory */
+            if (nm && !t->off)
+                s = home_alloc(t, &master, MT_MEM_MASTER, MTI_TAG_PARAM(MTI_TAG_MASTER, i));
+            p->w.dtype = t->dt;
+            p->master = master;
+            p->master_lo = lo;
+            continue;
+        }
         if (nm) s = home_alloc(t, &master, MT_MEM_MASTER, MTI_TAG_PARAM(MTI_TAG_MASTER, i));
         if (!s && nm) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, (float *)p->w.blk.ptr + lo, nm * 4);
         if (!s) s = mti_tensor_alloc(ctx, &half, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
@@ -370,6 +383,10 @@ static mt_status to_mixed(mt_trainer *t)
             continue;
         }
         mti_tensor master = like(&p->w, MTI_F32), half = like(&p->w, t->dt);
+        if (p->unmade) { /* its homes made from the source: the master's is the disk */
+            p->w.dtype = t->dt;
+            continue;
+        }
         s = home_alloc(t, &master, MT_MEM_MASTER, MTI_TAG_PARAM(MTI_TAG_MASTER, i));
         if (!s) s = ctx->dev->copy_d2d(ctx->dev, master.blk.ptr, p->w.blk.ptr, p->numel * 4);
         if (s) {
@@ -949,6 +966,14 @@ static size_t *overlap_numels(const mt_trainer *t, int *n)
 /* The queue (comm/queue.h): the sums in place in a fixed order (job
  * NULL), or the job's collectives (ZeRO-1's reduce-scatters; held_job:
  * stage 2's and the fused step's, in the order given). */
+/* The weights to disk once the ranks have agreed on them, and a deferred
+ * model's read from its source into param.bin. */
+static mt_status put_params_late(mt_trainer *t)
+{
+    mt_status s = mti_offload_put_params(t->off);
+    return s ? s : mti_fill_homes(t);
+}
+
 static mt_status queue_start(mt_trainer *t, mti_queue_job job)
 {
     int n;
@@ -1055,6 +1080,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!host_ok) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     if (!s) s = mark_frozen(t);
     if (!s) s = check_base(t);
+    if (!s) s = mti_fill_plan(t); /* a deferred model: what its homes do not take, made whole */
+    if (!s && cfg->teacher) s = mti_model_make(cfg->teacher, NULL);
     const mt_loss_scale_config *ls = &cfg->loss_scale;
     if (cfg->precision == MT_PREC_FP16)
         mti_scaler_init(&t->scaler, ls->init_scale, ls->growth_factor, ls->backoff_factor,
@@ -1106,6 +1133,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     const bool params_late = ctx->world > 1;
     if (!s && t->off && cfg->offload_params && !params_late) s = mti_offload_put_params(t->off);
     if (zero == 3) s = mti_zero3_shard(t, s); /* the weights' home: this rank's slices (every rank) */
+    const bool fill_late = t->off && cfg->offload_params && params_late;
+    if (!s && !fill_late) s = mti_fill_homes(t); /* a deferred model's, from its source */
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
     if (!s) t->E.head_rows = mti_engine_head_rows(&t->E); /* (a frozen head: fused with the loss) */
@@ -1160,7 +1189,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     s = mti_dp_created(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
-                                mti_offload_put_params(t->off));
+                                put_params_late(t));
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         bool attached = t->attached;
@@ -1170,6 +1199,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         const char *fn = "mt_trainer_create: ";
         return mti_fail(ctx, s, "%s%s", strncmp(msg.s, fn, strlen(fn)) ? fn : "", msg.s);
     }
+    mti_fill_commit(t);
     *out = t;
     return MT_OK;
 }

@@ -115,6 +115,10 @@ static mt_status unshard_one(mt_trainer *t, int i, int root)
     mt_context *ctx = t->ctx;
     mti_param *p = &t->model->params[i];
     mt_status s = MT_OK;
+    if (p->unmade) { /* (a deferred model's: its values stay its source's) */
+        mti_tensor_free(ctx, &t->pw[i]);
+        return MT_OK;
+    }
     if (root >= 0) {
         if (!p->w.blk.ptr)
             s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
@@ -157,7 +161,7 @@ static mt_status shard_one(mt_trainer *t, int i)
         s = mti_tensor_alloc(ctx, &t->pw[i], MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                              MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
         if (!s) s = ctx->dev->memset8(ctx->dev, t->pw[i].blk.ptr, 0, t->pw[i].blk.bytes);
-        if (!s && held) s = ctx->dev->copy_d2d(ctx->dev, t->pw[i].blk.ptr, (char *)p->w.blk.ptr + lo * es, held * es);
+        if (!s && held && !p->unmade) s = ctx->dev->copy_d2d(ctx->dev, t->pw[i].blk.ptr, (char *)p->w.blk.ptr + lo * es, held * es);
         if (!s) s = ctx->dev->sync(ctx->dev);
         if (s) {
             mti_tensor_free(ctx, &t->pw[i]);
@@ -227,7 +231,12 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     /* first the ranks agree they all got here with the same weights */
     uint64_t h = MTI_HASH_START;
     for (int i = 0; i < m->n_param && !s; i++)
-        if (mti_home_sliced(t, i)) s = weights_hash(t, i, &h);
+        if (mti_home_sliced(t, i) && !m->params[i].unmade) s = weights_hash(t, i, &h);
+    if (!s && mti_model_unmade(m)) { /* a deferred model's: what its source makes */
+        uint64_t r = 0;
+        s = ctx->dry ? MT_OK : mti_source_recipe(m, &r);
+        h = mti_hash(h, &r, sizeof r);
+    }
     int64_t rec[2] = {s ? 1 : 0, (int64_t)h};
     const mti_msg own = mti_last_msg(ctx);
     mt_status c = exchange(t, "exchanging the ranks' statuses and weights", rec, all);

@@ -1,0 +1,199 @@
+/*
+ * source.c - where a model's initial weights come from: a seed, whose one
+ * generator is drawn over every parameter in parameter order, or a file of
+ * fp32 values (an llm.c model file, opened by gpt.c) in get/set_params
+ * order. Any elements of any parameter can be read, in any order, with the
+ * values whole-model creation gives them: the generator is moved to a
+ * parameter's first draw from the nearest start it has passed, each value
+ * of a parameter costing a fixed number of the generator's outputs (two
+ * for a normal, one for a uniform, none for a constant or a padding row).
+ * A model made at once reads its source tensor by tensor; a deferred model
+ * (mt_*_spec.deferred) keeps it until its weights are made, where a
+ * trainer's homes read only their own elements.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "model/model.h"
+#include "rng.h"
+
+typedef struct mti_source {
+    uint64_t seed;
+    mti_rng cur;      /* the generator at element ce of parameter ci */
+    int ci;
+    size_t ce;
+    mti_rng *start;   /* start[i]: the generator at parameter i's first element, i < known */
+    int known;
+    FILE *f;          /* a file's values (NULL: the seed's) */
+    char *path;
+    long long first;  /* the file's byte offset of the values */
+} mti_source;
+
+mt_status mti_source_seed(mt_model *m, uint64_t seed)
+{
+    mti_source *s = calloc(1, sizeof *s);
+    if (s) s->start = malloc((size_t)(m->n_param ? m->n_param : 1) * sizeof *s->start);
+    if (!s || !s->start) {
+        free(s);
+        return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
+    }
+    s->seed = seed;
+    mti_rng_seed(&s->cur, seed);
+    s->start[0] = s->cur;
+    s->known = 1;
+    m->src = s;
+    return MT_OK;
+}
+
+mt_status mti_source_file(mt_model *m, const char *path, long long first)
+{
+    mti_source *s = calloc(1, sizeof *s);
+    if (s) s->path = strdup(path);
+    if (!s || !s->path) {
+        free(s);
+        return mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
+    }
+    s->first = first;
+    m->src = s;
+    struct stat sb;
+    if (!(s->f = fopen(path, "rb")))
+        return mti_fail(m->ctx, MT_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    if (fstat(fileno(s->f), &sb) != 0 || !S_ISREG(sb.st_mode))
+        return mti_fail(m->ctx, MT_ERR_IO, "'%s' is not a regular file", path);
+    const uint64_t want = (uint64_t)first + 4 * (uint64_t)m->n_params;
+    if ((uint64_t)sb.st_size != want)
+        return mti_fail(m->ctx, MT_ERR_FORMAT,
+                        "'%s' is %lld bytes; its header says %llu (truncated or not this model)",
+                        path, (long long)sb.st_size, (unsigned long long)want);
+    return MT_OK;
+}
+
+void mti_source_free(mt_model *m)
+{
+    mti_source *s = m->src;
+    if (!s) return;
+    if (s->f) fclose(s->f);
+    free(s->path);
+    free(s->start);
+    free(s);
+    m->src = NULL;
+}
+
+/* The generator's outputs per value of p, and its values that draw. */
+static int per_value(const mti_param *p)
+{
+    return p->init == MTI_INIT_NORMAL ? 2 : p->init == MTI_INIT_UNIFORM ? 1 : 0;
+}
+
+static size_t live_of(const mti_param *p)
+{
+    return (size_t)p->init_rows * (p->ndim == 2 ? (size_t)p->shape[1] : 1);
+}
+
+/* The generator moved past values [from, to) of parameter i. */
+static void skip(mti_source *s, const mti_param *p, size_t from, size_t to)
+{
+    const size_t live = live_of(p);
+    if (from > live) from = live;
+    if (to > live) to = live;
+    const uint64_t outs = to > from ? (uint64_t)(to - from) * (uint64_t)per_value(p) : 0;
+    for (uint64_t k = 0; k < outs; k++) (void)mti_rng_next(&s->cur);
+}
+
+/* The generator at element `at` of parameter i. */
+static void seek(mti_source *s, const mt_model *m, int i, size_t at)
+{
+    if (i < s->ci || (i == s->ci && at < s->ce)) { /* back to the nearest start passed */
+        s->ci = i < s->known ? i : s->known - 1;
+        s->cur = s->start[s->ci];
+        s->ce = 0;
+    }
+    while (s->ci < i) {
+        skip(s, &m->params[s->ci], s->ce, m->params[s->ci].numel);
+        s->ci++;
+        s->ce = 0;
+        if (s->ci == s->known) s->start[s->known++] = s->cur;
+    }
+    skip(s, &m->params[i], s->ce, at);
+    s->ce = at;
+}
+
+static mt_status draw(mti_source *s, const mt_model *m, int i, size_t at, size_t n, float *dst)
+{
+    const mti_param *p = &m->params[i];
+    const size_t live = live_of(p);
+    seek(s, m, i, at);
+    for (size_t k = 0; k < n; k++) {
+        float v = 0.0f;
+        if (at + k < live) switch (p->init) {
+            case MTI_INIT_ZERO: v = 0.0f; break;
+            case MTI_INIT_ONE: v = 1.0f; break;
+            case MTI_INIT_UNIFORM: v = (2.0f * mti_rng_uniform(&s->cur) - 1.0f) * p->init_a; break;
+            case MTI_INIT_NORMAL: v = (float)(mti_rng_normal(&s->cur) * p->init_a); break;
+            }
+        dst[k] = v;
+    }
+    s->ce = at + n;
+    return MT_OK;
+}
+
+static mt_status load(mti_source *s, const mt_model *m, int i, size_t at, size_t n, float *dst)
+{
+    const mti_param *p = &m->params[i];
+    if (fseeko(s->f, (off_t)s->first + (off_t)(p->offset + at) * 4, SEEK_SET) != 0)
+        return mti_fail(m->ctx, MT_ERR_IO, "seeking in '%s' failed: %s", s->path, strerror(errno));
+    if (fread(dst, sizeof *dst, n, s->f) != n)
+        return mti_fail(m->ctx, MT_ERR_IO, "reading '%s' failed (%s)", s->path,
+                        ferror(s->f) ? strerror(errno) : "the file is shorter than it was");
+    for (size_t k = 0; k < n; k++)
+        if (!isfinite(dst[k]))
+            return mti_fail(m->ctx, MT_ERR_FORMAT, "'%s': %s holds a non-finite value", s->path,
+                            p->name);
+    return MT_OK;
+}
+
+mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
+{
+    mti_source *s = m->src;
+    if (!s) return mti_fail(m->ctx, MT_ERR_INTERNAL, "%s: its weights have no source", m->params[i].name);
+    if (at > m->params[i].numel || n > m->params[i].numel - at)
+        return mti_fail(m->ctx, MT_ERR_INTERNAL, "%s: [%zu, +%zu) is outside it", m->params[i].name,
+                        at, n);
+    return s->f ? load(s, m, i, at, n, dst) : draw(s, m, i, at, n, dst);
+}
+
+/* FNV-1a over bytes, continuing h. */
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 0x100000001B3ull;
+    return h;
+}
+
+mt_status mti_source_recipe(const mt_model *m, uint64_t *h)
+{
+    const mti_source *s = m->src;
+    *h = fnv(0xCBF29CE484222325ull, "memtrain-source", 15);
+    if (!s) return MT_OK;
+    if (!s->f) {
+        *h = fnv(*h, &s->seed, sizeof s->seed);
+        return MT_OK;
+    }
+    /* a file: the first and the last values of every parameter (up to
+       RECIPE_VALUES each), which a different file or model differs in */
+    enum { RECIPE_VALUES = 256 };
+    float v[RECIPE_VALUES];
+    for (int i = 0; i < m->n_param; i++) {
+        const size_t numel = m->params[i].numel, n = numel < RECIPE_VALUES ? numel : RECIPE_VALUES;
+        mt_status st = mti_source_read(m, i, 0, n, v);
+        if (!st) *h = fnv(*h, v, n * sizeof *v);
+        if (!st) st = mti_source_read(m, i, numel - n, n, v);
+        if (st) return st;
+        *h = fnv(*h, v, n * sizeof *v);
+    }
+    return MT_OK;
+}
