@@ -7,7 +7,8 @@
  *   bench_offload --dir DIR [--steps N] [--batch B] [--seq T] [--threads N]
  *                 [--precision fp32|bf16] [--optimizer NAME] [--unfused] [--sqrt]
  *                 [--disk-only] (a model the resident run would not fit)
- *                 [--params] (a third run: the weights on disk too, offload_params)
+ *                 [--params] (a third run: the weights on disk too, offload_params,
+ *                 the model created straight there, mt_gpt_spec.deferred)
  *                 [--layers L --heads H --channels C]
  *                 [--lr X] [--repeat] (the same batch every step: the loss falls)
  *
@@ -15,7 +16,8 @@
  * steps take a while); the steps' own peak RSS (VmHWM, reset once the
  * trainer is made, so without the setup's) beside the whole run's, and the
  * trainer's end's (reset before mt_trainer_destroy, which gives the model
- * its weights back whole).
+ * its weights back whole; with the weights on disk the run ends with
+ * mt_trainer_destroy_with_model, which does not).
  *
  * (make bench-offload; docs/benchmarks.md, "Disk offload")
  */
@@ -82,7 +84,9 @@ static void run(const opts *o, mt_place place, int params, result *r)
     mt_trainer *t = NULL;
     const double t_setup = now_s();
     mt_status s = mt_context_create(&cc, &ctx);
-    if (!s) s = mt_model_gpt_create(ctx, &o->spec, &m);
+    mt_gpt_spec spec = o->spec;
+    spec.deferred = params; /* (the weights on disk: made straight there, never whole) */
+    if (!s) s = mt_model_gpt_create(ctx, &spec, &m);
     r->model_s = now_s() - t_setup;
     mt_trainer_config tc;
     mt_trainer_config_init(&tc);
@@ -143,7 +147,10 @@ static void run(const opts *o, mt_place place, int params, result *r)
         snprintf(r->err, sizeof r->err, "%s: %s", mt_status_string(s), mt_last_error(ctx));
     }
     reset_hwm();
-    mt_trainer_destroy(t); /* (the weights back in the model, from disk with --params) */
+    /* the end: the weights back in the model, or with --params (done with
+       both) the trainer and the model freed together, nothing read back */
+    if (params && t) mt_trainer_destroy_with_model(t), m = NULL;
+    else mt_trainer_destroy(t);
     r->end_rss_kib = hwm_kib();
     if (r->end_rss_kib > r->rss_kib) r->rss_kib = r->end_rss_kib;
     mt_model_destroy(m);

@@ -1209,7 +1209,16 @@ void mt_trainer_config_init(mt_trainer_config *c);
  * own status and the others MT_ERR_COMM naming it), and each step trains
  * on the union of the ranks' batches. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
+/* Frees the trainer; the model gets its weights back whole, in fp32 (at
+ * ZeRO-3 gathered from the ranks' slices: a collective; with
+ * offload_params read back from disk). NULL is accepted. */
 void mt_trainer_destroy(mt_trainer *t);
+/* Frees the trainer and then its model, without bringing the trained
+ * weights back whole first: no ZeRO-3 gather (not a collective), nothing
+ * read back from disk. For a program done with both, so that a model
+ * created into its home (mt_model_spec.deferred) is never whole in memory
+ * at the end either. The teacher is not freed. NULL is accepted. */
+void mt_trainer_destroy_with_model(mt_trainer *t);
 /* What mt_trainer_autofit may choose in place of cfg's AdamW (its allow
  * argument: 0, or these or'ed): 8-bit AdamW state (MT_OPT_ADAMW8), 4-bit
  * AdamW state (MT_OPT_ADAMW4; tried only where its weights have fp32

@@ -290,8 +290,8 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
 done:
     free(x);
     free(y);
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
+    if (t) mt_trainer_destroy_with_model(t);
+    else mt_model_destroy(m);
     return rc;
 }
 
@@ -324,8 +324,10 @@ typedef struct run_pos {
 
 void cli_gpt_close(cli_gpt *g)
 {
-    mt_trainer_destroy(g->trainer);
-    mt_model_destroy(g->model);
+    /* done with both: the weights are not brought back whole (a model made
+       into its home is never whole in memory) */
+    if (g->trainer) mt_trainer_destroy_with_model(g->trainer);
+    else mt_model_destroy(g->model);
     mt_model_destroy(g->teacher);
     mt_data_close(g->data);
     memset(g, 0, sizeof *g);

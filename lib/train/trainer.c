@@ -933,6 +933,17 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t);
 }
 
+void mt_trainer_destroy_with_model(mt_trainer *t)
+{
+    if (!t) return;
+    mt_model *m = t->model;
+    /* the trained weights marked unmade: their homes are let go, not
+       brought back (fill.c's rule for a creation that failed) */
+    for (int i = 0; i < m->n_param; i++) m->params[i].unmade |= !m->params[i].frozen;
+    mt_trainer_destroy(t);
+    (void)mt_model_destroy(m);
+}
+
 static mt_status held_job(void *user, int i, float *g);
 
 /* ZeRO-1 on the communication thread: a gradient final in backward goes
