@@ -53,7 +53,7 @@ typedef struct mti_home_ops {
        the step's last word (every piece home); NULL: nothing to do */
     mt_status (*begin)(mt_trainer *t);
     mt_status (*land)(mt_trainer *t);
-    mt_status (*home)(mt_trainer *t);
+    mt_status (*finish)(mt_trainer *t);
     /* at the step's end, whether a gathering share's weights are gathered
        then (updated: the unfused step updated) */
     bool (*late)(const mt_trainer *t, bool updated);
@@ -181,33 +181,21 @@ static mt_status begin_disk(mt_trainer *t) { return mti_offload_begin(t->off); }
 static mt_status land_disk(mt_trainer *t) { return mti_offload_end(t->off); }
 static bool late_disk(const mt_trainer *t, bool updated) { return updated; }
 
+/* what the device's kinds share: kept in memory, updated in place; and
+   the shares that cut the master and state into the ranks' slices */
+#define IN_MEMORY .state_here = true, .locate = locate_memory, .update = update_memory
+#define SLICES .split = true, .reduce = reduce_slice, .reduce_grad = reduce_grad_slice, \
+               .bucket = slice_bucket
+
 static const mti_home_ops kinds[] = {
     [MTI_HOME_RESIDENT] = {.name = "resident",
                            .reduce = reduce_whole,
                            .reduce_grad = mti_dp_reduce_grad,
                            .bucket = no_bucket,
-                           .state_here = true,
-                           .locate = locate_memory,
-                           .update = update_memory},
-    [MTI_HOME_ZERO12] = {.name = "ZeRO-1/2 slice",
-                         .split = true,
-                         .gathers = true,
-                         .grad_sliced = stage2,
-                         .reduce = reduce_slice,
-                         .reduce_grad = reduce_grad_slice,
-                         .bucket = slice_bucket,
-                         .state_here = true,
-                         .locate = locate_memory,
-                         .update = update_memory},
-    [MTI_HOME_ZERO3] = {.name = "ZeRO-3 slice",
-                        .split = true,
-                        .grad_sliced = always,
-                        .reduce = reduce_slice,
-                        .reduce_grad = reduce_grad_slice,
-                        .bucket = slice_bucket,
-                        .state_here = true,
-                        .locate = locate_memory,
-                        .update = update_memory},
+                           IN_MEMORY},
+    [MTI_HOME_ZERO12] = {.name = "ZeRO-1/2 slice", SLICES, .gathers = true, .grad_sliced = stage2,
+                         IN_MEMORY},
+    [MTI_HOME_ZERO3] = {.name = "ZeRO-3 slice", SLICES, .grad_sliced = always, IN_MEMORY},
     [MTI_HOME_HOST] = {.name = "pinned host memory",
                        .state_here = true,
                        .queued = true,
@@ -225,7 +213,7 @@ static const mti_home_ops kinds[] = {
                        .agrees = agrees_disk,
                        .begin = begin_disk,
                        .land = land_disk,
-                       .home = land_disk,
+                       .finish = land_disk,
                        .late = late_disk,
                        .landed = "the updates on disk",
                        .gathered = "the gathers of the weights on disk"},
@@ -351,10 +339,10 @@ mt_status mti_home_end(mt_trainer *t, const char *fn, mt_status s, bool updated)
     return s;
 }
 
-mt_status mti_home_home(mt_trainer *t)
+mt_status mti_home_finish(mt_trainer *t)
 {
     mt_status s = MT_OK;
-    EACH_USED(t, k) if (!s && k->home) s = k->home(t);
+    EACH_USED(t, k) if (!s && k->finish) s = k->finish(t);
     return s;
 }
 

@@ -129,7 +129,7 @@ bool mti_home_agrees(const mt_trainer *t);
  * files. */
 mt_status mti_home_end(mt_trainer *t, const char *fn, mt_status s, bool updated);
 /* The step's last word on the homes: every piece home (its status). */
-mt_status mti_home_home(mt_trainer *t);
+mt_status mti_home_finish(mt_trainer *t);
 /* A failed step's end: what was updated lands or goes home (statuses
  * dropped). */
 void mti_home_abandon(mt_trainer *t);

@@ -1810,7 +1810,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }
-    if ((s = mti_home_home(t))) { /* every piece home */
+    if ((s = mti_home_finish(t))) { /* every piece home */
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }
