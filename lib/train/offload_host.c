@@ -125,16 +125,10 @@ static mt_status run_update(mti_hostoff *h, host_slot *sl)
                             .grad_scale = sl->grad_scale,
                             .pc_dt = t->dt,
                             .scratch = &h->flag};
-    void *st[MTI_OPT_SLOTS] = {0};
     /* the state and the master hold this rank's elements, from its shard's
        first (all of them at stage 0) */
-    const size_t lo = t->sh[sl->i].lo;
-    for (int j = 0; j < MTI_OPT_SLOTS; j++) {
-        const mti_opt_state *l = &ps->lay.s[j];
-        if (!l->numel) continue;
-        const size_t off = l->per > 0 ? (sl->at - lo) / (size_t)l->per : 0;
-        st[j] = (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
-    }
+    void *st[MTI_OPT_SLOTS];
+    mti_home_state_at(t, sl->i, sl->at, st);
     float *w32 = h->masters ? (float *)p->master.blk.ptr + (sl->at - p->master_lo) : sl->w.ptr;
     void *pc = h->masters ? sl->w.ptr : NULL;
     mt_status s = MT_OK;

@@ -484,10 +484,10 @@ static mt_status make_state(mt_trainer *t)
 {
     mt_model *m = t->model;
     mt_status s = MT_OK;
-    for (int i = 0; i < m->n_param && !s && !t->off; i++) { /* (offloaded: on disk) */
+    for (int i = 0; i < m->n_param && !s; i++) {
         pstate *ps = &t->ps[i];
         const size_t lo = t->sh[i].lo, n = t->sh[i].hi - lo;
-        if (!n) continue; /* another rank's */
+        if (!n || !mti_home_state_here(t, i)) continue; /* another rank's, or on disk */
         for (int j = 0; j < MTI_OPT_SLOTS && !s; j++) {
             mti_opt_state l = ps->lay.s[j];
             l.numel = mti_optim_state_numel(&l, lo, n);
@@ -508,14 +508,15 @@ static float lr_at(const mt_trainer_config *c, uint64_t step)
     return (float)(lo + 0.5 * (1.0 + cos(M_PI * r)) * (lr - lo));
 }
 
-/* The optimizer on elements [at, at + n) of parameter i: w32 points at the
- * fp32 values of those elements, pc (or NULL) at the compute copy's, g at
- * their gradients. With w16 (bf16 weights without masters, w32 NULL) the
+/* The optimizer on elements [at, at + n) of parameter i, located at l
+ * (its state; mti_home_locate at `at`): w32 points at the fp32 values of
+ * those elements, pc (or NULL) at the compute copy's, g at their
+ * gradients. With w16 (bf16 weights without masters, w32 NULL) the
  * optimizer's one-pass bf16 update runs where it has one, rounding under
  * `seed`; *done says whether it did. */
-static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, uint16_t *w16,
-                             uint64_t seed, int *done, const float *g, size_t at, size_t n,
-                             float grad_scale)
+static mt_status update_span(mt_trainer *t, int i, const mti_home_loc *l, float *w32, void *pc,
+                             uint16_t *w16, uint64_t seed, int *done, const float *g, size_t at,
+                             size_t n, float grad_scale)
 {
     const mti_kctx k = {t->ctx, t->ctx->dev};
     pstate *ps = &t->ps[i];
@@ -530,30 +531,12 @@ static mt_status update_span(mt_trainer *t, int i, float *w32, void *pc, uint16_
                             .grad_scale = grad_scale,
                             .pc_dt = t->dt,
                             .scratch = (int *)t->found_inf.blk.ptr + 1};
-    void *st[MTI_OPT_SLOTS] = {0};
-    for (int j = 0; j < MTI_OPT_SLOTS; j++) {
-        const mti_opt_state *l = &ps->lay.s[j];
-        if (!l->numel) continue;
-        /* the state holds this rank's elements, from t->sh[i].lo (offloaded:
-           the piece brought in holds them) */
-        size_t off = l->per > 0 ? (at - t->sh[i].lo) / (size_t)l->per : 0;
-        st[j] = t->off ? mti_offload_state(t->off, j, at)
-                       : (char *)ps->s[j].blk.ptr + off * mti_dtype_size(l->dtype);
-    }
     if (w16) {
         *done = 0;
-        return t->opt->update_bf16 ? t->opt->update_bf16(&a, st, w16, g, at, n, seed, done)
+        return t->opt->update_bf16 ? t->opt->update_bf16(&a, l->st, w16, g, at, n, seed, done)
                                    : MT_OK;
     }
-    return t->opt->update(&a, st, w32, pc, g, at, n);
-}
-
-/* Where element `at` of parameter i's weights is for its update: the
- * acquired piece's (offload_params), else the model's (ZeRO-3: the slice). */
-static void *weights_at(const mt_trainer *t, int i, size_t at)
-{
-    if (t->off && mti_offload_has_weights(t->off, i)) return mti_offload_weights(t->off, at);
-    return mti_home_weights(t, i, at);
+    return t->opt->update(&a, l->st, w32, pc, g, at, n);
 }
 
 /* elements per slice of an update without masters (a multiple of the 8-bit block) */
@@ -574,12 +557,12 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
 {
     mt_model *m = t->model;
     mti_param *p = &m->params[i];
+    mti_home_loc l; /* where its weights, master and state are */
+    mti_home_locate(t, i, at, &l);
     if (!t->bare) {
-        float *w32 = !m->has_master ? (float *)weights_at(t, i, at)
-                     : t->off       ? mti_offload_master(t->off, at)
-                                    : (float *)p->master.blk.ptr + (at - p->master_lo);
-        void *pc = m->has_master ? weights_at(t, i, at) : NULL;
-        return update_span(t, i, w32, pc, NULL, 0, NULL, g, at, n, grad_scale);
+        float *w32 = m->has_master ? l.master : l.w;
+        void *pc = m->has_master ? l.w : NULL;
+        return update_span(t, i, &l, w32, pc, NULL, 0, NULL, g, at, n, grad_scale);
     }
     mt_context *ctx = t->ctx;
     const mti_kctx k = {ctx, ctx->dev};
@@ -588,81 +571,23 @@ static mt_status update_piece(mt_trainer *t, int i, const float *g, size_t at, s
     int done = 0;
     mt_status s = MT_OK;
     if (p->w.dtype == MTI_BF16)
-        s = update_span(t, i, NULL, NULL, weights_at(t, i, at), seed0, &done, g, at, n,
-                        grad_scale);
+        s = update_span(t, i, &l, NULL, NULL, l.w, seed0, &done, g, at, n, grad_scale);
     if (s || done) return s;
     mti_tensor sl = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)(n < BARE_SLICE ? n : BARE_SLICE)}};
     s = mti_tensor_alloc(ctx, &sl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG_PARAM(MTI_TAG_TRAINER, 6));
     for (size_t j = 0, len; j < n && !s; j += len) {
         const size_t e = at + j, piece = e - e % BARE_SLICE;
         len = n - j < piece + BARE_SLICE - e ? n - j : piece + BARE_SLICE - e;
-        void *w = weights_at(t, i, e);
+        mti_home_locate(t, i, e, &l);
         uint64_t seed = mti_sr_seed_at(seed0 ^ piece, e - piece);
-        s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
-        if (!s) s = update_span(t, i, sl.blk.ptr, NULL, NULL, 0, NULL, g + j, e, len, grad_scale);
-        if (!s) s = ctx->ops->cast(&k, w, p->w.dtype, sl.blk.ptr, MTI_F32, len,
+        s = ctx->ops->cast(&k, sl.blk.ptr, MTI_F32, l.w, p->w.dtype, len, MTI_ROUND_NEAREST, 0);
+        if (!s) s = update_span(t, i, &l, sl.blk.ptr, NULL, NULL, 0, NULL, g + j, e, len, grad_scale);
+        if (!s) s = ctx->ops->cast(&k, l.w, p->w.dtype, sl.blk.ptr, MTI_F32, len,
                                    MTI_ROUND_STOCHASTIC, seed);
     }
     mti_tensor_free(ctx, &sl);
     return s;
 }
-
-/* The same, for state and masters at home on disk: piece by piece on the
- * offload's grid, each brought in first (its update is the bits of the
- * whole tensor's: the grid is a multiple of every slice alignment). */
-static mt_status update_elems(mt_trainer *t, int i, const float *g, size_t at, size_t n,
-                              float grad_scale)
-{
-    if (t->hoff) return mti_hostoff_update(t->hoff, i, g, at, n, grad_scale); /* queued */
-    if (!t->off) return update_piece(t, i, g, at, n, grad_scale);
-    const size_t piece = mti_offload_piece(t->off, i);
-    mt_status s = MT_OK;
-    for (size_t e = at, len; e < at + n && !s; e += len) {
-        len = (e / piece + 1) * piece - e;
-        if (len > at + n - e) len = at + n - e;
-        s = mti_offload_acquire(t->off, i, e);
-        if (!s) s = update_piece(t, i, g + (e - at), e, len, grad_scale);
-    }
-    return s;
-}
-
-/* The gradient of this rank's elements [*at, *at + *n) of parameter i
- * (all of them without sharding): the slice kept by stage 2's unfused
- * step, else the reduced part of the whole gradient. */
-static float *own_grad(mt_trainer *t, int i, size_t *at, size_t *n)
-{
-    *at = t->sh[i].lo;
-    *n = t->sh[i].hi - t->sh[i].lo;
-    if (t->zero >= 2 && !t->cfg.fused_step) return t->gs[i].blk.ptr;
-    return t->E.grad[i].blk.ptr ? (float *)t->E.grad[i].blk.ptr + *at : NULL;
-}
-
-/* Whether the unfused step's gathers wait for its end (gather_late): host
- * offload's updates land later; with the state on disk the ranks first
- * agree that every piece's update reached its file, so a disk that fails
- * on one rank fails the step on every rank, none left in a gather (at
- * ZeRO-3, which gathers nothing after the update, the step still fails
- * everywhere). */
-static bool gather_later(const mt_trainer *t)
-{
-    return t->zero && ((t->hoff && t->zero < 3) || (t->off && !t->cfg.fused_step));
-}
-
-/* Whether the step's end has the ranks agree that every rank's updates
- * landed (gather_late) before it returns: host offload's updates land late;
- * with the state on disk on several ranks, at every stage, a disk fails on
- * one rank alone, and a rank that returned its failure by itself would be
- * ended (MPI_Abort) with the others still in their next collective, their
- * scratch files left behind: so a failed update goes to the agreement too,
- * and the step fails on every rank at once. */
-static bool agree_at_end(const mt_trainer *t)
-{
-    return t->hoff || gather_later(t) || (t->off && t->world > 1);
-}
-
-/* Whether the weights are gathered from every rank's slice as each is
- * updated (ZeRO-1/2 with the update on the device, and the fused step). */
-static bool gather_each(const mt_trainer *t) { return t->zero && t->zero < 3 && !gather_later(t); }
 
 /* ZeRO-1 and 2 on NCCL's stream: the all-gather of an updated tensor's
  * weights in two halves, this rank's pieces packed into a bucket of the
@@ -718,30 +643,10 @@ static mt_status ag_post(mt_trainer *t, int i)
 static mt_status update_param(mt_trainer *t, int i, float grad_scale)
 {
     size_t at, n;
-    float *g = own_grad(t, i, &at, &n);
-    mt_status s = n ? update_elems(t, i, g, at, n, grad_scale) : MT_OK;
-    if (!s && gather_each(t))
+    float *g = mti_home_own(t, i, &at, &n);
+    mt_status s = n ? mti_home_update(t, i, g, at, n, grad_scale, update_piece) : MT_OK;
+    if (!s && mti_home_gathers_now(t, i))
         s = t->ag_on ? ag_post(t, i) : mti_zero_gather(t, i, 0, t->model->params[i].numel);
-    return s;
-}
-
-/* The offloaded update's step end (s: how the updates went on this rank):
- * every queued update done and its weights back on the device (host
- * offload), or every piece written to its files (disk); on several ranks
- * the ranks agree that they all got there, and under ZeRO-1/2 every
- * trained tensor is then gathered from the ranks' slices (host offload
- * always; on disk when the step updated), in parameter order on every
- * rank. The gathers into weights on disk read and write them there; the
- * ranks agree on those too. */
-static mt_status gather_late(mt_trainer *t, const char *fn, mt_status s, bool updated)
-{
-    const mt_status e = t->hoff ? mti_hostoff_end(t->hoff) : t->off ? mti_offload_end(t->off) : MT_OK;
-    if (!s) s = e;
-    if (t->world > 1)
-        s = mti_dp_agree_status(t, fn, t->hoff ? "the host offload's updates" : "the updates on disk", s);
-    if (s || !t->zero || t->zero > 2 || (!t->hoff && !updated)) return s;
-    s = mti_zero_gather_every(t);
-    if (t->off) s = mti_dp_agree_status(t, fn, "the gathers of the weights on disk", s);
     return s;
 }
 
@@ -755,7 +660,7 @@ static int tied_rows_for(const mt_trainer *t)
 {
     const mt_model *m = t->model;
     const mti_ops *op = t->ctx->ops;
-    if (!(t->cfg.fused_step || t->zero >= 2) || !t->opt->sliceable || !op->matmul_dw_rows ||
+    if (!(t->cfg.fused_step || mti_home_grad_sliced(t)) || !t->opt->sliceable || !op->matmul_dw_rows ||
         !op->embedding_dw_rows || !op->matmul_dw_align || m->n_layers < 1)
         return 0;
     const mti_layer *head = &m->layers[m->n_layers - 1];
@@ -926,6 +831,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->host_losses);
     free(t->host_rows);
     free(t->units);
+    free(t->home);
     if (t->counted) {
         atomic_fetch_sub(&t->model->n_trainers, 1);
         atomic_fetch_sub(&t->ctx->n_children, 1);
@@ -1146,6 +1052,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (zero == 3) s = mti_zero3_shard(t, s); /* the weights' home: this rank's slices (every rank) */
     const bool fill_late = t->off && cfg->offload_params && params_late;
     if (!s && !fill_late) s = mti_fill_homes(t); /* a deferred model's, from its source */
+    if (!s) s = mti_home_choose(t);
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
     if (!s) t->E.head_rows = mti_engine_head_rows(&t->E); /* (a frozen head: fused with the loss) */
@@ -1322,14 +1229,14 @@ static mt_status sumsq_g(mt_trainer *t, int i, const float *g, size_t n)
 static mt_status unscale(mt_trainer *t, int i)
 {
     size_t at, n;
-    float *g = own_grad(t, i, &at, &n);
+    float *g = mti_home_own(t, i, &at, &n);
     return n ? unscale_g(t, g, n) : MT_OK;
 }
 
 static mt_status sumsq(mt_trainer *t, int i)
 {
     size_t at, n;
-    float *g = own_grad(t, i, &at, &n);
+    float *g = mti_home_own(t, i, &at, &n);
     return n ? sumsq_g(t, i, g, n) : MT_OK;
 }
 
@@ -1342,11 +1249,7 @@ static mt_status reduce_grad(mt_trainer *t, int i)
     /* an estimate of sums the stream makes in place: the gradient alone,
        as the run's give_rest makes it (stage 1's bucket is not made) */
     if (t->sum_on_stream && t->ctx->dry) return mti_engine_grad(&t->E, i, &g);
-    if (!t->zero) return mti_dp_reduce_grad(t, i);
-    if (t->zero >= 2 && !t->cfg.fused_step) return MT_OK;
-    mt_status s = mti_engine_grad(&t->E, i, &g); /* one the batch did not reach: zeros */
-    float *p = g->blk.ptr;
-    return s ? s : mti_zero_reduce(t, i, p, 0, t->model->params[i].numel, p + t->sh[i].lo, 0);
+    return mti_home_reduce_grad(t, i);
 }
 
 /* Elements [at, at + n) of parameter i's gradient in g summed over the
@@ -1358,8 +1261,7 @@ static mt_status reduce_range(mt_trainer *t, int i, float *g, size_t at, size_t 
     size_t lo = t->sh[i].lo > at ? t->sh[i].lo : at, hi = t->sh[i].hi < at + n ? t->sh[i].hi : at + n;
     *own = lo - at;
     *own_n = hi > lo ? hi - lo : 0;
-    if (!t->zero) return mti_dp_reduce(t, i, g, n);
-    return mti_zero_reduce(t, i, g, at, n, *own_n ? g + *own : NULL, 0);
+    return mti_home_reduce(t, i, g, at, n, *own_n ? g + *own : NULL, NULL, MTI_ZR_ALL);
 }
 
 static mt_status held_give(mt_trainer *t, int i);
@@ -1452,8 +1354,7 @@ static mt_status held_reduce(mt_trainer *t, int i, float *g, int phase)
     const size_t n = t->model->params[i].numel;
     void *b = t->phased ? t->hb[i].blk.ptr : NULL;
     if (!t->fq) return mti_zero_reduce_phase(t, i, g, 0, n, t->gs[i].blk.ptr, 1, b, phase);
-    if (!t->zero) return phase == MTI_ZR_FINISH ? MT_OK : mti_dp_reduce(t, i, g, n);
-    return mti_zero_reduce_phase(t, i, g, 0, n, g ? g + t->sh[i].lo : NULL, 0, b, phase);
+    return mti_home_reduce(t, i, g, 0, n, g ? g + t->sh[i].lo : NULL, b, phase);
 }
 
 static mt_status held_job(void *user, int i, float *g)
@@ -1495,7 +1396,7 @@ static mt_status held_give(mt_trainer *t, int i)
     const size_t n = t->model->params[i].numel;
     /* on NCCL's stream, the bucket its chunks wait in until they are taken
        (none at stage 0: the sum is in place) */
-    const size_t bb = t->phased && t->zero ? mti_zero_reduce_bytes_all(t, i, 0, n) : 0;
+    const size_t bb = t->phased ? mti_home_bucket(t, i, n) : 0;
     if (bb && (s = mti_comm_buffer(t->ctx, &t->hb[i], bb))) return s;
     t->s2q[t->s2_tail++] = i;
     t->s2_bytes += n * sizeof(float) + (bb ? mti_tensor_bytes(&t->hb[i]) : 0);
@@ -1574,7 +1475,7 @@ static mt_status halt_if_flagged(mt_trainer *t, int i)
     int32_t flag = 0;
     mt_status s = mti_tensor_download(t->ctx, &t->found_inf, &flag, sizeof flag);
     int any = flag != 0;
-    if (!s && t->zero) s = mti_zero_any(t, &any); /* each rank checked its own slice */
+    if (!s && mti_home_split(t)) s = mti_zero_any(t, &any); /* each rank checked its own slice */
     if (s || !any) return s;
     t->halted = 1;
     return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
@@ -1618,8 +1519,8 @@ static mt_status update_slice(void *user, int i, float *g, size_t at, size_t n)
     if (!s) s = reduce_range(t, i, g, at, n, &own, &on);
     if (!s && on) s = unscale_g(t, g + own, on);
     if (!s) s = halt_if_flagged(t, i);
-    if (!s && on) s = update_elems(t, i, g + own, at + own, on, t->clip);
-    if (!s && gather_each(t)) s = mti_zero_gather(t, i, at, n);
+    if (!s && on) s = mti_home_update(t, i, g + own, at + own, on, t->clip, update_piece);
+    if (!s && mti_home_gathers_now(t, i)) s = mti_zero_gather(t, i, at, n);
     if (!s) t->touched = 1;
     if (!s && at + n == t->model->params[i].numel) t->updated++;
     return s;
@@ -1642,14 +1543,15 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     const bool clip = t->cfg.grad_clip > 0.0f;
     /* under ZeRO each rank checked and measured its own slices: every rank
        makes the exchange, whatever it found */
-    const int n = clip && (t->zero || !*found) ? t->model->n_param : 0;
-    if (!n && !t->zero) return MT_OK;
+    const bool split = mti_home_split(t);
+    const int n = clip && (split || !*found) ? t->model->n_param : 0;
+    if (!n && !split) return MT_OK;
     float *h = malloc(((size_t)n + 1) * sizeof *h);
     if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
     s = n ? mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h) : MT_OK;
     double sum = 0.0;
-    if (!s && t->zero) s = mti_zero_checks(t, h, n, found, &sum);
-    for (int i = 0; i < n && !t->zero; i++) sum += h[i];
+    if (!s && split) s = mti_zero_checks(t, h, n, found, &sum);
+    for (int i = 0; i < n && !split; i++) sum += h[i];
     free(h);
     if (s || !clip || *found) return s;
     float norm = (float)sqrt(sum);
@@ -1673,8 +1575,7 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
 {
     mti_msg msg = mti_last_msg(t->ctx);
     if (t->ag_on) (void)ag_retire(t, true, s); /* (waited for, their buckets freed) */
-    if (t->off) (void)mti_offload_end(t->off); /* what was updated goes home */
-    if (t->hoff) (void)mti_hostoff_end(t->hoff); /* the updates queued land */
+    mti_home_abandon(t); /* the updates queued land, what was updated goes home */
     mti_engine_release(&t->E);
     mti_engine_free_grads(&t->E);
     free_slices(t);
@@ -1689,7 +1590,7 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     if (!t->updated) /* (the fused step's slices of the tied table) */
         return mti_fail(t->ctx, s, "%s: %s (the update failed part-way: slices of one weight "
                         "tensor were updated)", fn, why);
-    if (t->hoff) /* (queued: some may not have landed) */
+    if (mti_home_queued(t)) /* (some may not have landed) */
         return mti_fail(t->ctx, s, "%s: %s (the update failed part-way: at most %d of the %d "
                         "trained weight tensors were updated)", fn, why, t->updated, trained);
     if (t->updated < trained)
@@ -1862,7 +1763,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
 {
     const char *fn = "mt_trainer_step";
     mt_status s = check_batch(t, b, fn);
-    if (!s && t->off) s = mti_offload_begin(t->off); /* the files are there */
+    if (!s) s = mti_home_begin(t); /* the homes are there (the files checked) */
     double targets = s ? 0.0 : targets_of(t, b);
     if ((s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b)))) return s;
     mt_context *ctx = t->ctx;
@@ -1875,11 +1776,11 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     int found = 0;
     double sum = 0.0;
     /* (stage 1: reduce-scattered to the slices' owners; stage 2's go in its hooks) */
-    t->overlap_now = t->q && !fused && t->zero < 2;
+    t->overlap_now = t->q && !fused && !mti_home_grad_sliced(t);
     if (t->overlap_now) mti_queue_begin(t->q);
     /* (the gradients are final on this rank: no sum over ranks to wait for) */
-    t->check_now = !fused && !t->overlap_now && !t->zero && !mti_dp_on(t);
-    s = passes(t, b, fused, t->zero >= 2, true, targets, &found, &sum);
+    t->check_now = !fused && !t->overlap_now && !mti_home_split(t) && !mti_dp_on(t);
+    s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
     const bool checked = t->check_now;
     t->check_now = 0;
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
@@ -1910,17 +1811,17 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
             if (t->gs) mti_tensor_free(ctx, &t->gs[i]);
         }
         if (!s && t->ag_on) s = ag_retire(t, true, MT_OK); /* every weight gathered */
-        if (s && !agree_at_end(t)) {
+        if (s && !mti_home_agrees(t)) {
             if (t->updated) t->opt_steps++; /* some state has moved a step */
             return step_failed(t, fn, s);
         }
     }
     /* every update done (weights up, pieces home); the ranks agree, then gather */
-    if (agree_at_end(t) && (s = gather_late(t, fn, s, !fused && !found))) {
+    if (mti_home_agrees(t) && (s = mti_home_end(t, fn, s, !fused && !found))) {
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }
-    if (t->off && (s = mti_offload_end(t->off))) { /* every piece home */
+    if ((s = mti_home_finish(t))) { /* every piece home */
         if (t->updated || t->touched) t->opt_steps++;
         return step_failed(t, fn, s);
     }

@@ -118,6 +118,9 @@ struct mt_trainer {
                                   * its one packed gather brings in */
     struct mti_z3_rs *z3_rs; /* stage 3: per parameter, its reduce-scatter queued
                                 in backward (lib/train/zero3.c) */
+    struct mti_home *home;   /* per parameter, its home on this rank (lib/train/home.h),
+                                chosen at create */
+    unsigned home_used;      /* the kinds and shares of home some parameter has (bits) */
     struct mti_offload *off; /* state and masters at home on disk (lib/train/offload.c), or NULL */
     struct mti_hostoff *hoff; /* ... in page-locked host memory (lib/train/offload_host.c), or NULL */
     char *offload_dir;       /* cfg.offload_dir's copy */
