@@ -224,3 +224,50 @@ TEST(deferred_model_failed_creation_and_destroy_with_model)
     remove(path);
     CHECK(rmdir(dir) == 0);
 }
+
+/* LoRA on a deferred model (adapters added by the trainer, or loaded from a
+ * file before it, then merged): the base made whole first, the bits of the
+ * model made at once. */
+TEST(deferred_model_with_lora)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/mt_deferred_l%d.lora", (int)getpid());
+    float loss[2], *w[2];
+    size_t n = 0;
+    for (int d = 0; d < 2; d++) {
+        mt_context *ctx = check_cpu_context(1);
+        mt_gpt_spec g = spec_of(d);
+        mt_model *m;
+        CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+        mt_trainer_config tc;
+        mt_trainer_config_init(&tc);
+        tc.max_batch = B, tc.lora.rank = 4;
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        int32_t tok[B * T], tg[B * T];
+        mt_batch b;
+        check_token_batch(&b, tok, tg, B, T, V, 0);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[d]));
+        mt_trainer_destroy(t);
+        if (!d) CHECK_OKC(ctx, mt_model_lora_save(m, path));
+        CHECK_OKC(ctx, mt_model_lora_merge(m));
+        w[d] = params_of(ctx, m);
+        n = mt_model_num_params(m);
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+    }
+    CHECK(loss[0] == loss[1]);
+    CHECK(memcmp(w[0], w[1], n * 4) == 0);
+    /* adapters loaded into a deferred model, then merged: the eager model's */
+    mt_context *ctx = check_cpu_context(1);
+    mt_gpt_spec g = spec_of(1);
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_gpt_create(ctx, &g, &m));
+    CHECK_OKC(ctx, mt_model_lora_load(m, path));
+    CHECK_OKC(ctx, mt_model_lora_merge(m));
+    float *wl = params_of(ctx, m);
+    CHECK(memcmp(wl, w[0], n * 4) == 0);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    remove(path);
+}

@@ -115,6 +115,8 @@ static mt_status init_adapters(mt_model *m, uint64_t seed)
 static mt_status add_adapters(mt_model *m, const unsigned char *want, int rank, float alpha,
                               uint64_t seed, const char *fn)
 {
+    mt_status made = mti_model_make(m, NULL); /* (a deferred model: the adapters' base whole) */
+    if (made) return mti_fail(m->ctx, made, "%s: %s", fn, mti_last_msg(m->ctx).s);
     int k = 0;
     for (int i = 0; i < m->n_param; i++) {
         k += want[i];
@@ -178,8 +180,6 @@ mt_status mti_lora_attach(mt_model *m, const mt_lora_config *c, const char *fn)
     if (!isfinite(c->alpha) || c->alpha < 0.0f)
         return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: cfg->lora.alpha %g must be finite and >= 0",
                         fn, (double)c->alpha);
-    mt_status made = mti_model_make(m, NULL); /* (a deferred model: the adapters' base whole) */
-    if (made) return mti_fail(ctx, made, "%s: %s", fn, mti_last_msg(ctx).s);
     const float alpha = c->alpha > 0.0f ? c->alpha : (float)c->rank;
     const int n = m->lora_rank ? m->n_base : m->n_param;
     const int np = c->targets && *c->targets ? count_patterns(c->targets) : 0;
@@ -244,6 +244,7 @@ mt_status mt_model_lora_merge(mt_model *m)
     const char *fn = "mt_model_lora_merge";
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: model is NULL", fn);
     mt_status s = no_trainer(m, fn, true);
+    if (!s) s = mti_model_make(m, NULL); /* (a deferred model's base, whole) */
     if (s) return s;
     const float scale = m->lora_alpha / (float)m->lora_rank;
     const int r = m->lora_rank;
