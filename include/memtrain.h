@@ -668,7 +668,8 @@ typedef struct mt_model_spec {
      * makes them whole first. The values are bit-identical to a model made
      * at once (0), whatever the world size (docs/distributed.md, "Models
      * created into their home"). Not with a quantized base
-     * (MT_ERR_UNSUPPORTED). */
+     * (MT_ERR_UNSUPPORTED). Reading a deferred model's values moves its
+     * source: no two calls on the same model at once, as for every model. */
     int deferred;
 } mt_model_spec;
 void mt_model_spec_init(mt_model_spec *s);

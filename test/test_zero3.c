@@ -600,3 +600,59 @@ TEST(zero3_refusals)
         CHECK_MSG(strstr(a.rmsg[r], "sharded") != NULL, "%s", a.rmsg[r]);
     }
 }
+
+/* Deferred models the ranks would make differently are refused before
+ * anything is placed: the same seed drawn by another init (the recipe
+ * covers how each tensor draws), and one rank deferred beside one made at
+ * once (named as such). */
+typedef struct z3_recipe {
+    tcomm_world *world;
+    int mixed;
+    mt_status st[2];
+    char msg[2][512];
+} z3_recipe;
+
+static void z3_recipe_rank(int rank, void *p)
+{
+    z3_recipe *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    static const mt_layer_spec ls[] = {{.kind = MT_LAYER_EMBEDDING, .units = 16, .positions = 1},
+                                       {.kind = MT_LAYER_BLOCK, .heads = 2},
+                                       {.kind = MT_LAYER_LAYERNORM},
+                                       {.kind = MT_LAYER_LM_HEAD}};
+    mt_model_spec sp;
+    mt_model_spec_init(&sp);
+    sp.input = MT_INPUT_TOKENS, sp.vocab = 40, sp.max_seq = Z3_T, sp.n_layers = 4, sp.layers = ls;
+    sp.seed = 3;
+    sp.init = a->mixed || !rank ? MT_INIT_DEFAULT : MT_INIT_GPT2;
+    sp.deferred = !(a->mixed && rank);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 2, tc.zero_stage = 3;
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = mt_model_create(ctx, &sp, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", ctx ? mt_last_error(ctx) : "");
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(zero3_deferred_recipes_disagree)
+{
+    for (int mixed = 0; mixed < 2; mixed++) {
+        z3_recipe a = {.world = tcomm_world_new(2, 30.0), .mixed = mixed};
+        tcomm_run(2, z3_recipe_rank, &a);
+        tcomm_world_free(a.world);
+        for (int r = 0; r < 2; r++) {
+            CHECK_MSG(a.st[r] == MT_ERR_COMM, "mixed %d, rank %d: %s", mixed, r, a.msg[r]);
+            CHECK_MSG(strstr(a.msg[r], mixed ? "creation" : "weights") != NULL, "rank %d: %s", r,
+                      a.msg[r]);
+        }
+    }
+}

@@ -580,12 +580,14 @@ mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn
         free_model(m);
         return s;
     }
-    return finish(&b, o, out);
+    mti_origin from = *o;
+    if (!from.path) from.seed = spec->seed, from.deferred = spec->deferred != 0;
+    return finish(&b, &from, out);
 }
 
 mt_status mt_model_gpt_create(mt_context *ctx, const mt_gpt_spec *spec, mt_model **out)
 {
-    const mti_origin o = {.seed = spec ? spec->seed : 0, .deferred = spec && spec->deferred};
+    const mti_origin o = {0}; /* (the spec's seed and deferred, read once it is checked) */
     return mti_gpt_build(ctx, spec, "mt_model_gpt_create", &o, out);
 }
 
@@ -597,6 +599,7 @@ mt_status mt_model_gpt_get_spec(const mt_model *m, mt_gpt_spec *out)
     if (m->kind != MTI_MODEL_GPT)
         return mti_fail(m->ctx, MT_ERR_INVALID_ARG, "mt_model_gpt_get_spec: not a GPT model");
     *out = m->gpt;
+    out->deferred = mti_model_unmade(m) > 0; /* (now, not as it was made) */
     return MT_OK;
 }
 

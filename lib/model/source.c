@@ -107,7 +107,8 @@ static void skip(mti_source *s, const mti_param *p, size_t from, size_t to)
 /* The generator at element `at` of parameter i. */
 static void seek(mti_source *s, const mt_model *m, int i, size_t at)
 {
-    if (i < s->ci || (i == s->ci && at < s->ce)) { /* back to the nearest start passed */
+    if (i < s->ci || (i == s->ci && at < s->ce) || (i > s->ci && i < s->known)) {
+        /* to the nearest start passed: parameter i's own, when known */
         s->ci = i < s->known ? i : s->known - 1;
         s->cur = s->start[s->ci];
         s->ce = 0;
@@ -179,8 +180,14 @@ mt_status mti_source_recipe(const mt_model *m, uint64_t *h)
     const mti_source *s = m->src;
     *h = fnv(0xCBF29CE484222325ull, "memtrain-source", 15);
     if (!s) return MT_OK;
-    if (!s->f) {
+    if (!s->f) { /* the seed, and how each parameter draws from it */
         *h = fnv(*h, &s->seed, sizeof s->seed);
+        for (int i = 0; i < m->n_param; i++) {
+            const mti_param *p = &m->params[i];
+            const int64_t how[2] = {(int64_t)p->init, p->init_rows};
+            *h = fnv(*h, how, sizeof how);
+            *h = fnv(*h, &p->init_a, sizeof p->init_a);
+        }
         return MT_OK;
     }
     /* a file: the first and the last values of every parameter (up to

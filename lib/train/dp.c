@@ -167,6 +167,13 @@ static void config_settings(const mt_model *m, const mt_trainer_config *c, mti_s
        offloaded fused step reduces in its hooks); the directory is each
        rank's own */
     mti_set_named(l, "offload", c->offload, mt_place_name(c->offload));
+    /* a deferred model's weights are agreed on by their source where its
+       homes take them from it (fill.c), a whole model's by their values */
+    if (c->zero_stage == 3 || c->offload_params) {
+        const int deferred = mti_model_unmade(m) > 0;
+        mti_set_named(l, "the model's creation", deferred,
+                      deferred ? "deferred (mt_*_spec.deferred)" : "at once");
+    }
     set_fields(l, c, always, N_OF(always));
     if (c->lr_schedule == MT_LR_WARMUP_COSINE) set_fields(l, c, cosine, N_OF(cosine));
     if (c->precision == MT_PREC_FP16) set_fields(l, c, fp16, N_OF(fp16));

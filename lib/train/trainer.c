@@ -315,6 +315,10 @@ static void from_mixed(mt_trainer *t)
             mti_log(ctx, MT_LOG_ERROR, "%s: its master could not be read back; its weights are "
                     "the %s compute copy's", p->name, t->dt == MTI_BF16 ? "bf16" : "fp16");
         if (!p->master.blk.ptr) continue;
+        if (p->unmade) { /* (let go: nothing comes back) */
+            mti_tensor_free(ctx, &p->master);
+            continue;
+        }
         mti_tensor_free(ctx, &p->w);
         mti_tensor w = like(&p->master, MTI_F32);
         if (mti_tensor_alloc(ctx, &w, MT_MEM_PARAM, MT_LIFE_PERSISTENT, MTI_TAG_PARAM(MTI_TAG_WEIGHT, i)) == MT_OK &&
@@ -997,8 +1001,6 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!host_ok) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     if (!s) s = mark_frozen(t);
     if (!s) s = check_base(t);
-    if (!s) s = mti_fill_plan(t); /* a deferred model: what its homes do not take, made whole */
-    if (!s && cfg->teacher) s = mti_model_make(cfg->teacher, NULL);
     const mt_loss_scale_config *ls = &cfg->loss_scale;
     if (cfg->precision == MT_PREC_FP16)
         mti_scaler_init(&t->scaler, ls->init_scale, ls->growth_factor, ls->backoff_factor,
@@ -1014,6 +1016,10 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     else if (!s)
         mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
     t->cfg.recompute_units = t->units;
+    /* a deferred model: what its homes do not take, made whole (once the
+       budget is known to be met) */
+    if (!s) s = mti_fill_plan(t);
+    if (!s && cfg->teacher) s = mti_model_make(cfg->teacher, NULL);
     if (!s) s = mti_engine_init(&t->E, m, t->dt, t->units, t->seg_len);
     if (!s && cfg->teacher) { /* forward only, fp32, keeping nothing (the plan is unread) */
         unsigned char *keep = calloc((size_t)cfg->teacher->n_units, 1);

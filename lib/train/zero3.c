@@ -116,6 +116,9 @@ static mt_status unshard_one(mt_trainer *t, int i, int root)
     mti_param *p = &t->model->params[i];
     mt_status s = MT_OK;
     if (p->unmade) { /* (a deferred model's: its values stay its source's) */
+        t->gref[i] = 0; /* (a layer that failed may have left it in) */
+        mti_tensor_free(ctx, &t->gb[i]);
+        memset(&p->w.blk, 0, sizeof(mt_block));
         mti_tensor_free(ctx, &t->pw[i]);
         return MT_OK;
     }
