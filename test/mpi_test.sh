@@ -27,6 +27,9 @@ run() {
 run collectives 2 "$B/mpi/comm_mpi_test" collectives
 run collectives 3 "$B/mpi/comm_mpi_test" collectives
 run stall 2 "$B/mpi/comm_mpi_test" stall
+run p2p 2 "$B/mpi/comm_mpi_test" p2p
+run p2p 3 "$B/mpi/comm_mpi_test" p2p
+run p2pstall 2 "$B/mpi/comm_mpi_test" p2pstall
 
 run train 2 "$B/mpi/train_mpi_test" train
 run train 3 "$B/mpi/train_mpi_test" train

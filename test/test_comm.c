@@ -4,6 +4,7 @@
  * communicator, and NCCL over the stand-in libnccl (MT_FAKE_NCCL).
  */
 #include <dlfcn.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -283,6 +284,155 @@ static bool ranks_pass(int n, double timeout, void (*fn)(int rank, void *arg))
 }
 
 TEST(comm_threads_timeout) { CHECK(ranks_pass(2, 0.2, stall_rank)); }
+
+/* ---- point to point ---- */
+
+/* A ring of sendrecv (each rank to the next, from the previous, at once),
+ * ordered send/recv pairs, and the refusals, over the in-process world. */
+static void p2p_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    const int n = a->n, next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    mt_comm *c = tcomm_make(a->w, rank, n, 0);
+    RANK_EXPECT(c != NULL && mt_comm_has_p2p(c));
+    float out[5], in[5];
+    for (int i = 0; i < 5; i++) out[i] = (float)(rank * 10 + i);
+    RANK_EXPECT(!mt_comm_sendrecv(c, out, 5, next, in, 5, prev, MT_COMM_F32, NULL));
+    for (int i = 0; i < 5; i++) RANK_EXPECT(in[i] == (float)(prev * 10 + i));
+    /* two sends then two receives per direction: received in order */
+    int32_t x[2] = {rank, 1}, y[2] = {rank, 2}, g1[2], g2[2];
+    RANK_EXPECT(!mt_comm_send(c, x, sizeof x, MT_COMM_BYTE, next, NULL));
+    RANK_EXPECT(!mt_comm_send(c, y, sizeof y, MT_COMM_BYTE, next, NULL));
+    RANK_EXPECT(!mt_comm_recv(c, g1, sizeof g1, MT_COMM_BYTE, prev, NULL));
+    RANK_EXPECT(!mt_comm_recv(c, g2, sizeof g2, MT_COMM_BYTE, prev, NULL));
+    RANK_EXPECT(g1[0] == prev && g1[1] == 1 && g2[0] == prev && g2[1] == 2);
+    /* refused before anything moves */
+    RANK_EXPECT(mt_comm_send(c, out, 1, MT_COMM_F32, rank, NULL) == MT_ERR_INVALID_ARG);
+    RANK_EXPECT(strstr(mt_last_error(NULL), "this rank itself") != NULL);
+    RANK_EXPECT(mt_comm_recv(c, in, 1, MT_COMM_F32, n, NULL) == MT_ERR_INVALID_ARG);
+    RANK_EXPECT(mt_comm_send(c, out, 1, MT_COMM_F32, -1, NULL) == MT_ERR_INVALID_ARG);
+    RANK_EXPECT(mt_comm_sendrecv(c, out, 4, next, out + 2, 4, prev, MT_COMM_F32, NULL) ==
+                MT_ERR_INVALID_ARG);
+    RANK_EXPECT(mt_comm_send(c, NULL, 3, MT_COMM_F32, next, NULL) == MT_ERR_INVALID_ARG);
+    RANK_EXPECT(!mt_comm_send(c, out, 0, MT_COMM_F32, -1, NULL)); /* (nothing) */
+    RANK_EXPECT(!mt_comm_broken(c));
+    RANK_EXPECT(!mt_comm_barrier(c));
+    mt_comm_destroy(c);
+}
+
+/* A rank that never sends: the receive is MT_ERR_COMM at the timeout naming
+ * it, and breaks the communicator; a message of another length too. */
+static void p2p_stall_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    RANK_EXPECT(c != NULL);
+    if (rank == 0) {
+        float x;
+        RANK_EXPECT(mt_comm_recv(c, &x, 1, MT_COMM_F32, 1, NULL) == MT_ERR_COMM);
+        RANK_EXPECT(strstr(mt_last_error(NULL), "mt_comm_recv") &&
+                    strstr(mt_last_error(NULL), "from rank 1"));
+        RANK_EXPECT(mt_comm_broken(c));
+    }
+    mt_comm_destroy(c);
+}
+
+static void p2p_length_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    float v[4] = {0};
+    if (rank == 1) RANK_EXPECT(!mt_comm_send(c, v, 4, MT_COMM_F32, 0, NULL));
+    if (rank == 0) {
+        RANK_EXPECT(mt_comm_recv(c, v, 3, MT_COMM_F32, 1, NULL) == MT_ERR_COMM);
+        RANK_EXPECT(strstr(mt_last_error(NULL), "16 bytes, 12 expected") != NULL);
+    }
+    mt_comm_destroy(c);
+}
+
+/* The NCCL communicator's point to point over the stand-in libnccl: a ring
+ * of sendrecv in one group, and a peer that never sends (its receive
+ * MT_ERR_COMM at the deadline, naming the peer). */
+static double p2p_nccl_timeout;
+
+static mt_comm *p2p_nccl(tcomm_world *w, int rank, int n)
+{
+    mt_comm *boot = tcomm_make(w, rank, n, 0), *c = NULL;
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = nc.cuda_driver_path = getenv("MT_FAKE_NCCL");
+    nc.timeout_seconds = p2p_nccl_timeout;
+    if (boot && mt_comm_nccl_create_over(&nc, boot, &c)) c = NULL;
+    mt_comm_destroy(boot);
+    return c;
+}
+
+static void p2p_nccl_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    const int n = a->n, next = (rank + 1) % n, prev = (rank + n - 1) % n;
+    mt_comm *c = p2p_nccl(a->w, rank, n);
+    RANK_EXPECT(c != NULL && mt_comm_has_p2p(c));
+    if (!c) return;
+    float out[7], in[7];
+    for (int i = 0; i < 7; i++) out[i] = (float)(rank * 100 + i);
+    if (p2p_nccl_timeout > 1.0) {
+        RANK_EXPECT(!mt_comm_sendrecv(c, out, 7, next, in, 7, prev, MT_COMM_F32, NULL));
+        for (int i = 0; i < 7; i++) RANK_EXPECT(in[i] == (float)(prev * 100 + i));
+        uint16_t h[3] = {(uint16_t)rank, 2, 3}, g[3];
+        if (rank == 0) RANK_EXPECT(!mt_comm_send(c, h, 3, MT_COMM_BF16, 1, NULL));
+        if (rank == 1) {
+            RANK_EXPECT(!mt_comm_recv(c, g, 3, MT_COMM_BF16, 0, NULL));
+            RANK_EXPECT(g[0] == 0 && g[2] == 3);
+        }
+        RANK_EXPECT(!mt_comm_barrier(c));
+    } else if (rank == 0) { /* rank 1 sends nothing */
+        RANK_EXPECT(mt_comm_recv(c, in, 7, MT_COMM_F32, 1, NULL) == MT_ERR_COMM);
+        RANK_EXPECT(strstr(mt_last_error(NULL), "ncclRecv from rank 1") != NULL);
+        RANK_EXPECT(mt_comm_broken(c));
+    }
+    mt_comm_destroy(c);
+}
+
+TEST(comm_nccl_point_to_point)
+{
+    const char *fake = getenv("MT_FAKE_NCCL");
+    if (!fake || !*fake) {
+        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    p2p_nccl_timeout = 30.0;
+    for (int n = 2; n <= 3; n++) CHECK_MSG(ranks_pass(n, 30.0, p2p_nccl_rank), "%d ranks", n);
+    p2p_nccl_timeout = 0.3;
+    CHECK(ranks_pass(2, 30.0, p2p_nccl_rank));
+}
+
+TEST(comm_point_to_point)
+{
+    for (int n = 2; n <= 3; n++) CHECK_MSG(ranks_pass(n, 10.0, p2p_rank), "%d ranks", n);
+    CHECK(ranks_pass(2, 0.2, p2p_stall_rank));
+    CHECK(ranks_pass(2, 10.0, p2p_length_rank));
+    /* a version-1 table (without sendrecv) is taken, and has no point to point */
+    mt_comm_vtable vt = null_table();
+    vt.abi_version = 1;
+    vt.struct_size = (uint32_t)offsetof(mt_comm_vtable, sendrecv);
+    vt.sendrecv = (mt_status (*)(void *, const void *, size_t, int, void *, size_t, int,
+                                 mt_comm_dtype, void *))1; /* (past a v1 table's end: unread) */
+    mt_comm *c = NULL;
+    CHECK_OK(mt_comm_create(&vt, NULL, 0, 2, &c));
+    CHECK(!mt_comm_has_p2p(c));
+    float x = 0.0f;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_comm_send(c, &x, 1, MT_COMM_F32, 1, NULL));
+    CHECK(strstr(mt_last_error(NULL), "no point-to-point") != NULL);
+    CHECK(!mt_comm_broken(c));
+    mt_comm_destroy(c);
+    /* a version-2 size with version 1, and the other way round: refused */
+    vt.struct_size = sizeof vt;
+    CHECK_ST(MT_ERR_VERSION, mt_comm_create(&vt, NULL, 0, 2, &c));
+    vt = null_table();
+    vt.struct_size = (uint32_t)offsetof(mt_comm_vtable, sendrecv);
+    CHECK_ST(MT_ERR_VERSION, mt_comm_create(&vt, NULL, 0, 2, &c));
+}
 
 /* ---- contexts on a communicator ---- */
 

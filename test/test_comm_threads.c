@@ -20,7 +20,15 @@ struct tcomm_world {
     uint64_t gen;
     unsigned char **stage; /* each rank's send, copied */
     size_t *stage_bytes;
+    struct tmsg **box;     /* point to point: box[from * n + to], oldest first */
 };
+
+/* A message sent and not yet received (sends are buffered: they never wait). */
+typedef struct tmsg {
+    struct tmsg *next;
+    size_t bytes;
+    unsigned char data[];
+} tmsg;
 
 typedef struct trank {
     tcomm_world *w;
@@ -37,6 +45,7 @@ tcomm_world *tcomm_world_new(int n, double timeout_seconds)
     pthread_cond_init(&w->cv, NULL);
     w->stage = calloc((size_t)n, sizeof *w->stage);
     w->stage_bytes = calloc((size_t)n, sizeof *w->stage_bytes);
+    w->box = calloc((size_t)n * (size_t)n, sizeof *w->box);
     return w;
 }
 
@@ -44,11 +53,26 @@ void tcomm_world_free(tcomm_world *w)
 {
     if (!w) return;
     for (int r = 0; r < w->n; r++) free(w->stage[r]);
+    for (int k = 0; k < w->n * w->n; k++)
+        for (tmsg *m = w->box[k], *nx; m; m = nx) nx = m->next, free(m);
+    free(w->box);
     free(w->stage);
     free(w->stage_bytes);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
     free(w);
+}
+
+/* The world's deadline from now (the lock held by the caller). */
+static struct timespec deadline(const tcomm_world *w)
+{
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    double s = w->timeout;
+    dl.tv_sec += (time_t)s;
+    dl.tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
+    if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+    return dl;
 }
 
 /* Every rank meets here (the lock held); 0, or -1 when the world died. */
@@ -63,12 +87,7 @@ static int meet(trank *t)
         pthread_cond_broadcast(&w->cv);
         return 0;
     }
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    double s = w->timeout;
-    dl.tv_sec += (time_t)s;
-    dl.tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
-    if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+    const struct timespec dl = deadline(w);
     while (w->gen == g && !w->dead) {
         if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT && w->gen == g) {
             w->dead = 1;
@@ -209,6 +228,56 @@ static mt_status t_barrier(void *self)
     return collective(self, "barrier", "", 0, NULL, 0, MT_COMM_BYTE, 0, 0, NULL);
 }
 
+static mt_status t_sendrecv(void *self, const void *send, size_t sn, int to, void *recv, size_t rn,
+                            int from, mt_comm_dtype dt, void *stream)
+{
+    (void)stream;
+    trank *t = self;
+    tcomm_world *w = t->w;
+    const size_t sb = sn * esz(dt), rb = rn * esz(dt);
+    mt_status s = MT_OK;
+    pthread_mutex_lock(&w->mu);
+    if (w->dead) {
+        snprintf(t->err, sizeof t->err, "the world is dead (an earlier call timed out)");
+        s = MT_ERR_COMM;
+    }
+    if (!s && to >= 0) { /* buffered: queued at the end of this pair's box */
+        tmsg *m = malloc(sizeof *m + sb + 1), **end = &w->box[t->rank * w->n + to];
+        if (!m) {
+            snprintf(t->err, sizeof t->err, "out of host memory");
+            s = MT_ERR_OOM;
+        } else {
+            m->next = NULL, m->bytes = sb;
+            memcpy(m->data, send, sb);
+            while (*end) end = &(*end)->next;
+            *end = m;
+            pthread_cond_broadcast(&w->cv);
+        }
+    }
+    if (!s && from >= 0) {
+        tmsg **head = &w->box[from * w->n + t->rank];
+        const struct timespec dl = deadline(w);
+        while (!*head && !w->dead)
+            if (pthread_cond_timedwait(&w->cv, &w->mu, &dl) == ETIMEDOUT && !*head) break;
+        tmsg *m = *head;
+        if (!m) {
+            snprintf(t->err, sizeof t->err, "nothing came from rank %d within %g s%s", from,
+                     w->timeout, w->dead ? " (the world is dead)" : "");
+            s = MT_ERR_COMM;
+        } else if (m->bytes != rb) {
+            snprintf(t->err, sizeof t->err, "rank %d sent %zu bytes, %zu expected", from, m->bytes,
+                     rb);
+            s = MT_ERR_COMM;
+        } else {
+            memcpy(recv, m->data, rb);
+            *head = m->next;
+            free(m);
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    return s;
+}
+
 static const char *t_last_error(void *self) { return ((trank *)self)->err; }
 static void t_destroy(void *self) { free(self); }
 
@@ -226,6 +295,7 @@ mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps)
         .barrier = t_barrier,
         .last_error = t_last_error,
         .destroy = t_destroy,
+        .sendrecv = t_sendrecv,
     };
     trank *t = calloc(1, sizeof *t);
     t->w = w;

@@ -15,7 +15,8 @@
  *     functions (mt_comm_vtable) given to mt_comm_create.
  *
  * The collectives (all-reduce, reduce-scatter, all-gather, broadcast,
- * barrier) take counts in elements of an mt_comm_dtype. A communicator
+ * barrier) and the point-to-point calls (send, receive, both at once; ABI
+ * version 2, optional) take counts in elements of an mt_comm_dtype. A communicator
  * without MT_COMM_CAP_DEVICE works on host memory (the library uses it with
  * CPU contexts); one with it works on device memory of a CUDA context,
  * ordered on the stream it is given (NCCL).
@@ -24,6 +25,9 @@
  *   1. Every rank makes the same calls in the same order, with the same
  *      counts, types and roots: the library never issues a collective on
  *      only some ranks, and an application using the table itself must not.
+ *      Point-to-point calls involve two ranks only: between any two ranks,
+ *      the sends of one to the other are received by the other's receives
+ *      from it in the same order, with the same counts and types.
  *   2. No call blocks for ever: a peer that died or stalled makes the call
  *      return MT_ERR_COMM within the table's timeout. After a call fails
  *      the table may fail every later call with MT_ERR_COMM; the library
@@ -45,8 +49,11 @@
 extern "C" {
 #endif
 
-/* Bumped whenever mt_comm_vtable changes incompatibly. */
-#define MT_COMM_ABI_VERSION 1u
+/* Bumped whenever mt_comm_vtable changes. Version 2 added sendrecv at the
+ * end; a version-1 table (abi_version 1, struct_size up to and without
+ * sendrecv: offsetof(mt_comm_vtable, sendrecv)) is still taken, and has
+ * no point-to-point calls. */
+#define MT_COMM_ABI_VERSION 2u
 
 typedef enum mt_comm_dtype {
     MT_COMM_BYTE = 0, /* raw bytes: all-gather and broadcast only, never reduced */
@@ -96,6 +103,20 @@ typedef struct mt_comm_vtable {
     const char *(*last_error)(void *self);
     /* Frees self (mt_comm_destroy calls it). May be NULL. */
     void (*destroy)(void *self);
+
+    /* ---- ABI version 2 ---- */
+    /* Point to point: sends send_count elements of send to rank `to` and
+     * receives recv_count elements from rank `from` into recv, and returns
+     * once both are done (each may be absent: to or from -1, its count 0).
+     * Both are started before either is waited for, so two ranks may each
+     * send to the other in one call without deadlock. Neither peer is the
+     * caller. A peer that died or stalled makes the call return
+     * MT_ERR_COMM within the timeout (rule 2); a message of another length
+     * than recv_count is MT_ERR_COMM too where the table can tell. NULL: the
+     * table has no point-to-point calls (mt_comm_sendrecv and the layouts
+     * that need them give MT_ERR_UNSUPPORTED). */
+    mt_status (*sendrecv)(void *self, const void *send, size_t send_count, int to, void *recv,
+                          size_t recv_count, int from, mt_comm_dtype dt, void *stream);
 } mt_comm_vtable;
 
 /* Wraps a table as a communicator of `size` ranks (1 .. 65536) in which
@@ -135,6 +156,19 @@ mt_status mt_comm_all_gather(mt_comm *c, const void *send, void *recv, size_t co
 mt_status mt_comm_broadcast(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int root,
                             void *stream);
 mt_status mt_comm_barrier(mt_comm *c);
+/* Point to point (the table's sendrecv; MT_ERR_UNSUPPORTED for a table
+ * without one): count elements of buf to rank `to`, from rank `from` into
+ * buf, or both at once (send and recv must not overlap; to or from -1 for
+ * none). MT_ERR_INVALID_ARG for a peer out of range or the caller itself.
+ * A failure breaks the communicator, as a collective's does. */
+mt_status mt_comm_send(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int to,
+                       void *stream);
+mt_status mt_comm_recv(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int from,
+                       void *stream);
+mt_status mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int to, void *recv,
+                           size_t recv_count, int from, mt_comm_dtype dt, void *stream);
+/* 1 when the communicator's table has point-to-point calls (sendrecv). */
+int mt_comm_has_p2p(const mt_comm *c);
 
 /* What a context's communication took, since its creation. */
 typedef struct mt_comm_stats {

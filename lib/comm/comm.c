@@ -8,6 +8,7 @@
  * call fails at once instead of starting a collective the other ranks may
  * never join.
  */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,12 +25,17 @@ mt_status mt_comm_create(const mt_comm_vtable *vt, void *self, int rank, int siz
     if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: out is NULL", fn);
     *out = NULL;
     if (!vt) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: vt is NULL", fn);
-    if (vt->abi_version != MT_COMM_ABI_VERSION)
-        return mti_fail(NULL, MT_ERR_VERSION, "%s: the table's abi_version is %u; this library speaks %u",
-                        fn, vt->abi_version, MT_COMM_ABI_VERSION);
-    if (vt->struct_size != sizeof *vt)
-        return mti_fail(NULL, MT_ERR_VERSION, "%s: the table's struct_size is %u, expected %zu", fn,
-                        vt->struct_size, sizeof *vt);
+    /* version 1: the table without sendrecv (no point-to-point calls) */
+    const size_t v1 = offsetof(mt_comm_vtable, sendrecv);
+    if (vt->abi_version != MT_COMM_ABI_VERSION && vt->abi_version != 1)
+        return mti_fail(NULL, MT_ERR_VERSION,
+                        "%s: the table's abi_version is %u; this library speaks 1 and %u", fn,
+                        vt->abi_version, MT_COMM_ABI_VERSION);
+    const size_t want = vt->abi_version == 1 ? v1 : sizeof *vt;
+    if (vt->struct_size != want)
+        return mti_fail(NULL, MT_ERR_VERSION,
+                        "%s: the table's struct_size is %u, expected %zu for abi_version %u", fn,
+                        vt->struct_size, want, vt->abi_version);
     if (!vt->all_reduce || !vt->reduce_scatter || !vt->all_gather || !vt->broadcast || !vt->barrier)
         return mti_fail(NULL, MT_ERR_INVALID_ARG,
                         "%s: the table lacks %s (all_reduce, reduce_scatter, all_gather, broadcast "
@@ -48,7 +54,7 @@ mt_status mt_comm_create(const mt_comm_vtable *vt, void *self, int rank, int siz
                         fn, rank, size, MAX_RANKS);
     mt_comm *c = calloc(1, sizeof *c);
     if (!c) return mti_fail(NULL, MT_ERR_OOM, "%s: out of host memory", fn);
-    c->vt = *vt;
+    memcpy(&c->vt, vt, want); /* (a version-1 table: sendrecv stays NULL) */
     c->self = self;
     c->rank = rank;
     c->size = size;
@@ -196,6 +202,59 @@ mt_status mt_comm_barrier(mt_comm *c)
     mt_status s = check_call(c, fn, c, c, 0, MT_COMM_BYTE, 0, MT_COMM_SUM);
     if (s) return s;
     return after(c, fn, c->vt.barrier(c->self));
+}
+
+int mt_comm_has_p2p(const mt_comm *c) { return c && c->vt.sendrecv != NULL; }
+
+/* A point-to-point peer: -1 (none, with no elements), or another rank. */
+static mt_status check_peer(const mt_comm *c, const char *fn, const char *which, int peer,
+                            size_t count)
+{
+    if (peer == -1 && !count) return MT_OK;
+    if (peer < 0 || peer >= c->size)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: %s rank %d out of range 0..%d%s", fn, which,
+                        peer, c->size - 1, peer == -1 ? " (-1 is none, with a count of 0)" : "");
+    if (peer == c->rank)
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: %s rank %d is this rank itself", fn, which,
+                        peer);
+    return MT_OK;
+}
+
+static mt_status p2p(mt_comm *c, const char *fn, const void *send, size_t sn, int to, void *recv,
+                     size_t rn, int from, mt_comm_dtype dt, void *stream)
+{
+    mt_status s = check_call(c, fn, sn ? send : c, rn ? recv : c, sn > rn ? sn : rn, dt, 0,
+                             MT_COMM_SUM);
+    if (!s) s = check_peer(c, fn, "the destination", to, sn);
+    if (!s) s = check_peer(c, fn, "the source", from, rn);
+    if (!s) s = check_overlap(fn, send, sn, recv, rn, dt, false, "never, point to point");
+    if (s) return s;
+    if (!c->vt.sendrecv)
+        return mti_fail(NULL, MT_ERR_UNSUPPORTED,
+                        "%s: the %s communicator has no point-to-point calls (its table has no "
+                        "sendrecv)",
+                        fn, mt_comm_name(c));
+    if (!sn && !rn) return MT_OK;
+    return after(c, fn, c->vt.sendrecv(c->self, sn ? send : NULL, sn, sn ? to : -1, rn ? recv : NULL,
+                                       rn, rn ? from : -1, dt, stream));
+}
+
+mt_status mt_comm_send(mt_comm *c, const void *buf, size_t count, mt_comm_dtype dt, int to,
+                       void *stream)
+{
+    return p2p(c, "mt_comm_send", buf, count, to, NULL, 0, -1, dt, stream);
+}
+
+mt_status mt_comm_recv(mt_comm *c, void *buf, size_t count, mt_comm_dtype dt, int from,
+                       void *stream)
+{
+    return p2p(c, "mt_comm_recv", NULL, 0, -1, buf, count, from, dt, stream);
+}
+
+mt_status mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int to, void *recv,
+                           size_t recv_count, int from, mt_comm_dtype dt, void *stream)
+{
+    return p2p(c, "mt_comm_sendrecv", send, send_count, to, recv, recv_count, from, dt, stream);
 }
 
 /* ---- on behalf of a context ---- */

@@ -42,6 +42,10 @@ typedef struct nccl_api {
     nccl_result (*ReduceScatter)(const void *, void *, size_t, int, int, nccl_comm, void *);
     nccl_result (*AllGather)(const void *, void *, size_t, int, nccl_comm, void *);
     nccl_result (*Broadcast)(const void *, void *, size_t, int, int, nccl_comm, void *);
+    nccl_result (*Send)(const void *, size_t, int, int, nccl_comm, void *);
+    nccl_result (*Recv)(void *, size_t, int, int, nccl_comm, void *);
+    nccl_result (*GroupStart)(void);
+    nccl_result (*GroupEnd)(void);
     /* from the CUDA driver: waiting with a deadline, the barrier's scratch */
     int (*StreamQuery)(void *);
     int (*MemAlloc)(unsigned long long *, size_t);
@@ -165,6 +169,10 @@ static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
     SYM(a->lib, ReduceScatter, "ncclReduceScatter");
     SYM(a->lib, AllGather, "ncclAllGather");
     SYM(a->lib, Broadcast, "ncclBroadcast");
+    SYM(a->lib, Send, "ncclSend"); /* (NCCL 2.7, the least taken) */
+    SYM(a->lib, Recv, "ncclRecv");
+    SYM(a->lib, GroupStart, "ncclGroupStart");
+    SYM(a->lib, GroupEnd, "ncclGroupEnd");
     SYM(a->cuda, StreamQuery, "cuStreamQuery");
     SYM(a->cuda, MemAlloc, "cuMemAlloc_v2");
     SYM(a->cuda, MemFree, "cuMemFree_v2");
@@ -332,6 +340,27 @@ static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype 
                   st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm, on(stream)), stream);
 }
 
+/* Point to point: the send and the receive in one NCCL group (so two ranks
+ * sending to each other do not wait on each other), on the stream like a
+ * collective, and waited for under the deadline. */
+static mt_status n_sendrecv(void *self, const void *send, size_t sn, int to, void *recv, size_t rn,
+                            int from, mt_comm_dtype dt, void *stream)
+{
+    nccl_state *st = self;
+    char what[80];
+    if (to >= 0 && from >= 0)
+        snprintf(what, sizeof what, "ncclSend to rank %d and ncclRecv from rank %d", to, from);
+    else if (to >= 0) snprintf(what, sizeof what, "ncclSend to rank %d", to);
+    else snprintf(what, sizeof what, "ncclRecv from rank %d", from);
+    if (st->aborted) return issued(st, what, 0, stream);
+    void *s = on(stream);
+    nccl_result r = st->api.GroupStart();
+    if (!r && to >= 0) r = st->api.Send(send, sn, nccl_type(dt), to, st->comm, s);
+    if (!r && from >= 0) r = st->api.Recv(recv, rn, nccl_type(dt), from, st->comm, s);
+    const nccl_result e = st->api.GroupEnd(); /* (closes the group whatever happened in it) */
+    return issued(st, what, r ? r : e, stream);
+}
+
 /* NCCL has no barrier: an all-reduce of one float on the default stream,
  * waited for. */
 static mt_status n_barrier(void *self)
@@ -368,6 +397,7 @@ static const mt_comm_vtable nccl_vtable = {
     .barrier = n_barrier,
     .last_error = n_last_error,
     .destroy = n_destroy,
+    .sendrecv = n_sendrecv,
 };
 
 mt_status mt_nccl_unique_id(const mt_nccl_config *cfg, mt_nccl_id *out)

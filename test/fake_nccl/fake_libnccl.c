@@ -33,6 +33,14 @@
  * which on a GPU wait for the whole device, count a call made then).
  * fake_nccl_stuck(1): from then on an aborted communicator's collectives
  * do not end (kernels that never exit), until fake_nccl_stuck(0).
+ *
+ * Point to point (ncclSend, ncclRecv, inside ncclGroupStart/End or not):
+ * a send is copied into the pair's mailbox at once and is done; a receive
+ * takes the oldest message from its peer when it is there, at the call or
+ * later, through cuStreamQuery on its stream (the stream is not done until
+ * it came, or the communicator is aborted). A message of another length is
+ * never taken (NCCL would read or write past it). Marks and fake_nccl_busy
+ * see the collectives only.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -65,8 +73,16 @@ typedef struct round {
    every round before it) */
 #define MAXQ 512
 
+/* A message sent and not received yet. */
+typedef struct p2p_msg {
+    struct p2p_msg *next;
+    size_t bytes;
+    unsigned char data[];
+} p2p_msg;
+
 typedef struct clique {
     char id[128];
+    p2p_msg *box[MAXR * MAXR]; /* [from * MAXR + to], oldest first */
     unsigned long long serial; /* names it in marks (fake_nccl_mark) */
     int n, joined, live, aborted, stalled; /* stalled: ranks' collectives differed */
     uint64_t seq; /* collectives completed */
@@ -101,6 +117,17 @@ static _Thread_local struct {
 } counted[MAXS];
 static _Thread_local int n_counted;
 
+/* Receives not yet matched, per thread: each on a stream. */
+typedef struct p2p_wait {
+    void *stream;
+    fake_comm *c; /* NULL: a free slot */
+    int from;
+    void *buf;
+    size_t bytes;
+} p2p_wait;
+static _Thread_local p2p_wait waits[MAXS];
+
+
 /* exported */
 ncclResult_t ncclGetVersion(int *v);
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id);
@@ -113,6 +140,10 @@ ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int t, int op, fake
 ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int t, int op, fake_comm *c, void *st);
 ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int t, fake_comm *c, void *st);
 ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, fake_comm *c, void *st);
+ncclResult_t ncclSend(const void *s, size_t n, int t, int peer, fake_comm *c, void *stream);
+ncclResult_t ncclRecv(void *r, size_t n, int t, int peer, fake_comm *c, void *stream);
+ncclResult_t ncclGroupStart(void);
+ncclResult_t ncclGroupEnd(void);
 int cuStreamQuery(void *stream);
 int cuMemAlloc_v2(unsigned long long *p, size_t bytes);
 int cuMemFree_v2(unsigned long long p);
@@ -214,12 +245,16 @@ static void leave(fake_comm *c, int abort)
             }
         for (int k = 0; k < MAXQ; k++)
             for (int r = 0; r < MAXR; r++) free(q->r[k].p[r].stage);
+        for (int k = 0; k < MAXR * MAXR; k++)
+            for (p2p_msg *m = q->box[k], *nx; m; m = nx) nx = m->next, free(m);
         free(q->r);
         free(q);
     }
     pthread_mutex_unlock(&mu);
-    for (int k = 0; k < MAXS; k++)
+    for (int k = 0; k < MAXS; k++) {
         if (pending[k].c == c) pending[k].c = NULL;
+        if (waits[k].c == c) waits[k].c = NULL;
+    }
     free(c);
 }
 
@@ -394,9 +429,75 @@ ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int t, int root, fa
     return queue(c, K_BROADCAST, s, n, r, n, t, 0, root, st);
 }
 
-/* The stream's last collective done (or none queued on it): 0. */
+/* Takes w's message if it came (the lock held): 1 done (or aborted), 0 not yet. */
+static int take(p2p_wait *w)
+{
+    clique *q = w->c->q;
+    if (q->aborted) return 1;
+    p2p_msg **head = &q->box[w->from * MAXR + w->c->rank];
+    if (!*head || (*head)->bytes != w->bytes) return 0;
+    p2p_msg *m = *head;
+    memcpy(w->buf, m->data, m->bytes);
+    *head = m->next;
+    free(m);
+    return 1;
+}
+
+ncclResult_t ncclGroupStart(void) { return OK; }
+ncclResult_t ncclGroupEnd(void) { return OK; }
+
+ncclResult_t ncclSend(const void *s, size_t n, int t, int peer, fake_comm *c, void *stream)
+{
+    if (t != T_U8 && t != T_F32 && t != T_BF16) return INVALID_ARGUMENT;
+    if (peer < 0 || peer >= c->q->n || peer == c->rank) return INVALID_ARGUMENT;
+    p2p_msg *m = malloc(sizeof *m + n * tsize(t) + 1);
+    if (!m) return SYSTEM_ERROR;
+    m->next = NULL, m->bytes = n * tsize(t);
+    memcpy(m->data, s, m->bytes);
+    pthread_mutex_lock(&mu);
+    if (c->q->aborted) {
+        pthread_mutex_unlock(&mu);
+        free(m);
+        return REMOTE_ERROR;
+    }
+    p2p_msg **end = &c->q->box[c->rank * MAXR + peer];
+    while (*end) end = &(*end)->next;
+    *end = m;
+    pthread_mutex_unlock(&mu);
+    count_on(stream);
+    return OK;
+}
+
+ncclResult_t ncclRecv(void *r, size_t n, int t, int peer, fake_comm *c, void *stream)
+{
+    if (t != T_U8 && t != T_F32 && t != T_BF16) return INVALID_ARGUMENT;
+    if (peer < 0 || peer >= c->q->n || peer == c->rank) return INVALID_ARGUMENT;
+    p2p_wait *w = NULL;
+    for (int k = 0; k < MAXS && !w; k++)
+        if (!waits[k].c) w = &waits[k];
+    if (!w) return SYSTEM_ERROR; /* (more receives pending than the stand-in keeps) */
+    *w = (p2p_wait){.stream = stream, .c = c, .from = peer, .buf = r, .bytes = n * tsize(t)};
+    pthread_mutex_lock(&mu);
+    if (c->q->aborted) w->c = NULL;
+    else if (take(w)) w->c = NULL;
+    const int aborted = c->q->aborted;
+    pthread_mutex_unlock(&mu);
+    count_on(stream);
+    return aborted ? REMOTE_ERROR : OK;
+}
+
+/* The stream's receives taken and its last collective done (or none queued on it): 0. */
 int cuStreamQuery(void *stream)
 {
+    int waiting = 0;
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < MAXS; k++)
+        if (waits[k].c && waits[k].stream == stream) {
+            if (take(&waits[k])) waits[k].c = NULL;
+            else waiting = 1;
+        }
+    pthread_mutex_unlock(&mu);
+    if (waiting) return 600; /* CUDA_ERROR_NOT_READY */
     on_stream *slot = NULL;
     for (int k = 0; k < MAXS && !slot; k++)
         if (pending[k].c && pending[k].stream == stream) slot = &pending[k];

@@ -5,6 +5,10 @@
  *   comm_mpi_test stall         rank 1 sleeps through a barrier: rank 0 gets MT_ERR_COMM
  *                               at the timeout, then ends the job with MPI_Abort
  *   comm_mpi_test die           rank 1 exits mid-run: no rank hangs
+ *   comm_mpi_test p2p           point to point: a ring of sendrecv, send/recv pairs,
+ *                               bf16 and bytes, a message past the staging size
+ *   comm_mpi_test p2pstall      rank 1 never sends: rank 0's receive from it is
+ *                               MT_ERR_COMM at the timeout, naming rank 1
  *
  * Prints "ok <what>" on rank 0 when it passes; exit status 1 on a failure.
  */
@@ -82,12 +86,55 @@ static void collectives(mt_comm *c)
     free(g);
 }
 
+static void p2p(mt_comm *c)
+{
+    EXPECT(mt_comm_has_p2p(c));
+    const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    /* a ring: each rank sends to the next and receives from the previous at once */
+    const size_t n = (size_t)1200 * 1000; /* (4.8 MB: past any eager size) */
+    float *out = malloc(n * sizeof *out), *in = malloc(n * sizeof *in);
+    for (size_t i = 0; i < n; i++) out[i] = (float)(rank * 1000 + (int)(i % 977));
+    EXPECT(!mt_comm_sendrecv(c, out, n, next, in, n, prev, MT_COMM_F32, NULL));
+    for (size_t i = 0; i < n; i += 101) EXPECT(in[i] == (float)(prev * 1000 + (int)(i % 977)));
+    /* pairs: even ranks send first, odd receive first (rank size-1 of an odd
+       size sits out), in bf16 and bytes, in order */
+    const int peer = rank % 2 ? rank - 1 : rank + 1;
+    if (peer < size) {
+        unsigned short h[5] = {1, 2, 3, 4, (unsigned short)rank}, g[5];
+        char word[16], got[16];
+        snprintf(word, sizeof word, "rank %d", rank);
+        if (rank % 2 == 0) {
+            EXPECT(!mt_comm_send(c, h, 5, MT_COMM_BF16, peer, NULL));
+            EXPECT(!mt_comm_send(c, word, sizeof word, MT_COMM_BYTE, peer, NULL));
+            EXPECT(!mt_comm_recv(c, g, 5, MT_COMM_BF16, peer, NULL));
+            EXPECT(!mt_comm_recv(c, got, sizeof got, MT_COMM_BYTE, peer, NULL));
+        } else {
+            EXPECT(!mt_comm_recv(c, g, 5, MT_COMM_BF16, peer, NULL));
+            EXPECT(!mt_comm_recv(c, got, sizeof got, MT_COMM_BYTE, peer, NULL));
+            EXPECT(!mt_comm_send(c, h, 5, MT_COMM_BF16, peer, NULL));
+            EXPECT(!mt_comm_send(c, word, sizeof word, MT_COMM_BYTE, peer, NULL));
+        }
+        char want[24];
+        snprintf(want, sizeof want, "rank %d", peer);
+        EXPECT(g[4] == (unsigned short)peer && g[0] == 1 && !strncmp(got, want, sizeof got));
+    }
+    /* refused before anything is sent: oneself, out of range, overlap */
+    EXPECT(mt_comm_send(c, out, 1, MT_COMM_F32, rank, NULL) == MT_ERR_INVALID_ARG);
+    EXPECT(mt_comm_recv(c, in, 1, MT_COMM_F32, size, NULL) == MT_ERR_INVALID_ARG);
+    EXPECT(mt_comm_sendrecv(c, out, 4, next, out + 2, 4, prev, MT_COMM_F32, NULL) ==
+           MT_ERR_INVALID_ARG);
+    EXPECT(!mt_comm_broken(c));
+    EXPECT(!mt_comm_barrier(c));
+    free(out);
+    free(in);
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "collectives";
     /* a short deadline where a rank is meant to miss it; elsewhere one that
        a loaded machine (sanitizers, more ranks than cores) never reaches */
-    const double timeout = strcmp(mode, "collectives") ? 1.0 : 60.0;
+    const double timeout = strcmp(mode, "collectives") && strcmp(mode, "p2p") ? 1.0 : 60.0;
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -97,6 +144,25 @@ int main(int argc, char **argv)
     if (!c) MPI_Abort(MPI_COMM_WORLD, 1);
     if (!strcmp(mode, "collectives")) {
         collectives(c);
+    } else if (!strcmp(mode, "p2p")) {
+        p2p(c);
+    } else if (!strcmp(mode, "p2pstall")) {
+        EXPECT(!mt_comm_barrier(c));
+        if (rank == 1) sleep((unsigned)(timeout + 4)); /* never sends */
+        if (rank == 0) {
+            float x = 0.0f;
+            const double t0 = now_s();
+            mt_status s = mt_comm_recv(c, &x, 1, MT_COMM_F32, 1, NULL);
+            const double dt = now_s() - t0;
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
+            EXPECT(s == MT_ERR_COMM && strstr(msg, "rank 1") && dt < timeout + 2.0);
+            EXPECT(mt_comm_broken(c));
+            if (!failed) printf("ok p2pstall: rank 0 got MT_ERR_COMM after %.1f s: %s\n", dt, msg);
+            fflush(stdout);
+            MPI_Abort(MPI_COMM_WORLD, failed ? 1 : 0);
+        }
+        return 1;
     } else if (!strcmp(mode, "stall") || !strcmp(mode, "die")) {
         EXPECT(!mt_comm_barrier(c));
         if (rank == 1) {

@@ -287,6 +287,47 @@ static mt_status m_barrier(void *self)
     return finish(st, "MPI_Ibarrier", rc, &req);
 }
 
+/* Point to point: the send and the receive posted (as bytes, in pieces of
+ * at most MAX_COUNT, on a tag of their own), then waited for together
+ * under the deadline. A message longer than recv_count is MPI's truncation
+ * error. */
+#define SENDRECV_TAG 7407
+
+static mt_status m_sendrecv(void *self, const void *send, size_t sn, int to, void *recv, size_t rn,
+                            int from, mt_comm_dtype dt, void *stream)
+{
+    (void)stream;
+    mpi_state *st = self;
+    mt_status s = ready(st);
+    if (s) return s;
+    const size_t es = dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1;
+    const size_t sb = to >= 0 ? sn * es : 0, rb = from >= 0 ? rn * es : 0;
+    for (size_t sa = 0, ra = 0; !s && (sa < sb || ra < rb);) {
+        MPI_Request req[2];
+        int k = 0, rc = MPI_SUCCESS;
+        const size_t rp = rb - ra < MAX_COUNT ? rb - ra : MAX_COUNT;
+        const size_t sp = sb - sa < MAX_COUNT ? sb - sa : MAX_COUNT;
+        if (rp) {
+            rc = MPI_Irecv((char *)recv + ra, (int)rp, MPI_BYTE, from, SENDRECV_TAG, st->comm, &req[k]);
+            if (rc == MPI_SUCCESS) k++;
+        }
+        if (sp && rc == MPI_SUCCESS) {
+            rc = MPI_Isend((const char *)send + sa, (int)sp, MPI_BYTE, to, SENDRECV_TAG, st->comm,
+                           &req[k]);
+            if (rc == MPI_SUCCESS) k++;
+        }
+        char what[96];
+        if (rp && sp)
+            snprintf(what, sizeof what, "the receive from rank %d and the send to rank %d", from, to);
+        else if (rp) snprintf(what, sizeof what, "the receive from rank %d", from);
+        else snprintf(what, sizeof what, "the send to rank %d", to);
+        s = rc != MPI_SUCCESS ? mpi_fail(st, sp ? "MPI_Isend" : "MPI_Irecv", rc)
+                              : finish_all(st, what, rc, req, k);
+        sa += sp, ra += rp;
+    }
+    return s;
+}
+
 static const char *m_last_error(void *self) { return ((mpi_state *)self)->err; }
 
 static void m_destroy(void *self)
@@ -313,6 +354,7 @@ static const mt_comm_vtable mpi_vtable = {
     .barrier = m_barrier,
     .last_error = m_last_error,
     .destroy = m_destroy,
+    .sendrecv = m_sendrecv,
 };
 
 mt_status mt_comm_mpi_create(MPI_Comm comm, double timeout_seconds, mt_comm **out)
