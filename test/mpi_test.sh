@@ -30,6 +30,9 @@ run stall 2 "$B/mpi/comm_mpi_test" stall
 run p2p 2 "$B/mpi/comm_mpi_test" p2p
 run p2p 3 "$B/mpi/comm_mpi_test" p2p
 run p2pstall 2 "$B/mpi/comm_mpi_test" p2pstall
+run split 3 "$B/mpi/comm_mpi_test" split
+run split 4 "$B/mpi/comm_mpi_test" split
+run splitstall 2 "$B/mpi/comm_mpi_test" splitstall
 
 run train 2 "$B/mpi/train_mpi_test" train
 run train 3 "$B/mpi/train_mpi_test" train

@@ -407,6 +407,54 @@ TEST(comm_nccl_point_to_point)
     CHECK(ranks_pass(2, 30.0, p2p_nccl_rank));
 }
 
+/* Sub-communicators over the in-process world: 4 ranks into 2 by parity,
+ * ranked by a key that reverses them, each summing and exchanging on its
+ * own; a rank with color -1 joins none; a table without split is refused. */
+static void split_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, a->n, 0), *g = NULL, *none = (mt_comm *)1;
+    const int color = rank == a->n - 1 && a->n % 2 ? -1 : rank % 2;
+    RANK_EXPECT(!mt_comm_split(c, color, -rank, &g));
+    if (color < 0) {
+        RANK_EXPECT(g == NULL);
+    } else {
+        const int n = (a->n - (a->n % 2)) / 2; /* (the odd last rank sits out) */
+        RANK_EXPECT(g && mt_comm_size(g) == n);
+        /* ranked by key -rank: the highest rank of the color first */
+        int higher = 0;
+        for (int r = rank + 2; r < a->n - (a->n % 2); r += 2) higher++;
+        RANK_EXPECT(mt_comm_rank(g) == higher);
+        float v = (float)rank;
+        RANK_EXPECT(!mt_comm_all_reduce(g, &v, &v, 1, MT_COMM_F32, MT_COMM_SUM, NULL));
+        float want = 0.0f;
+        for (int r = color; r < a->n - (a->n % 2); r += 2) want += (float)r;
+        RANK_EXPECT(v == want);
+        if (n > 1) { /* a ring inside the group */
+            const int gr = mt_comm_rank(g);
+            int out = rank, in = -1;
+            RANK_EXPECT(!mt_comm_sendrecv(g, &out, 1, (gr + 1) % n, &in, 1, (gr + n - 1) % n,
+                                          MT_COMM_F32, NULL));
+            RANK_EXPECT(in >= 0 && in % 2 == color);
+        }
+    }
+    RANK_EXPECT(mt_comm_split(c, -2, 0, &none) == MT_ERR_INVALID_ARG && none == NULL);
+    RANK_EXPECT(!mt_comm_barrier(c)); /* (the parent goes on) */
+    mt_comm_destroy(c); /* (before the sub-communicator: each on its own) */
+    mt_comm_destroy(g);
+}
+
+TEST(comm_split)
+{
+    for (int n = 3; n <= 4; n++) CHECK_MSG(ranks_pass(n, 10.0, split_rank), "%d ranks", n);
+    mt_comm_vtable vt = null_table();
+    mt_comm *c = NULL, *g = (mt_comm *)1;
+    CHECK_OK(mt_comm_create(&vt, NULL, 0, 2, &c));
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_comm_split(c, 0, 0, &g));
+    CHECK(g == NULL && strstr(mt_last_error(NULL), "no split"));
+    mt_comm_destroy(c);
+}
+
 TEST(comm_point_to_point)
 {
     for (int n = 2; n <= 3; n++) CHECK_MSG(ranks_pass(n, 10.0, p2p_rank), "%d ranks", n);

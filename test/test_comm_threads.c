@@ -21,6 +21,8 @@ struct tcomm_world {
     unsigned char **stage; /* each rank's send, copied */
     size_t *stage_bytes;
     struct tmsg **box;     /* point to point: box[from * n + to], oldest first */
+    struct tcomm_world **sub; /* a split's new worlds, by their first member */
+    int refs;              /* a split's world: its members' communicators left (0: not one) */
 };
 
 /* A message sent and not yet received (sends are buffered: they never wait). */
@@ -46,6 +48,7 @@ tcomm_world *tcomm_world_new(int n, double timeout_seconds)
     w->stage = calloc((size_t)n, sizeof *w->stage);
     w->stage_bytes = calloc((size_t)n, sizeof *w->stage_bytes);
     w->box = calloc((size_t)n * (size_t)n, sizeof *w->box);
+    w->sub = calloc((size_t)n, sizeof *w->sub);
     return w;
 }
 
@@ -56,6 +59,7 @@ void tcomm_world_free(tcomm_world *w)
     for (int k = 0; k < w->n * w->n; k++)
         for (tmsg *m = w->box[k], *nx; m; m = nx) nx = m->next, free(m);
     free(w->box);
+    free(w->sub);
     free(w->stage);
     free(w->stage_bytes);
     pthread_mutex_destroy(&w->mu);
@@ -278,8 +282,66 @@ static mt_status t_sendrecv(void *self, const void *send, size_t sn, int to, voi
     return s;
 }
 
+static void fill_pairs(trank *t, void *recv, size_t count, mt_comm_dtype dt, int op, int root)
+{
+    (void)dt, (void)op, (void)root;
+    for (int r = 0; r < t->w->n; r++)
+        memcpy((char *)recv + (size_t)r * count, t->w->stage[r], count);
+}
+
+/* The ranks' (color, key) gathered; the group's first member makes its
+ * world and leaves it in the parent's sub[first] for the others to take
+ * after a second meeting. */
+static mt_status t_split(void *self, int color, int key, void **out_self, int *out_rank,
+                         int *out_size)
+{
+    trank *t = self;
+    tcomm_world *w = t->w;
+    int mine[2] = {color, key}, *all = calloc(2 * (size_t)w->n, sizeof *all);
+    mt_status s = all ? collective(t, "split", mine, sizeof mine, all, sizeof mine, MT_COMM_BYTE, 0,
+                                   0, fill_pairs)
+                      : MT_ERR_OOM;
+    int first = -1, me = 0, n = 0;
+    for (int r = 0; !s && r < w->n; r++) { /* members by (key, rank): count those before me */
+        if (all[2 * r] != color || color < 0) continue;
+        n++;
+        if (all[2 * r + 1] < key || (all[2 * r + 1] == key && r < t->rank)) me++;
+        if (first < 0 || all[2 * r + 1] < all[2 * first + 1]) first = r;
+    }
+    free(all);
+    if (!s && color >= 0 && me == 0) { /* (the first member by key: first == t->rank) */
+        tcomm_world *nw = tcomm_world_new(n, w->timeout);
+        nw->refs = n;
+        pthread_mutex_lock(&w->mu);
+        w->sub[t->rank] = nw;
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (!s) s = collective(t, "split", "", 0, NULL, 0, MT_COMM_BYTE, 0, 0, NULL);
+    if (s || color < 0) return s;
+    trank *nt = calloc(1, sizeof *nt);
+    pthread_mutex_lock(&w->mu);
+    nt->w = w->sub[first];
+    pthread_mutex_unlock(&w->mu);
+    nt->rank = me;
+    *out_self = nt, *out_rank = me, *out_size = n;
+    return MT_OK;
+}
+
 static const char *t_last_error(void *self) { return ((trank *)self)->err; }
-static void t_destroy(void *self) { free(self); }
+
+static void t_destroy(void *self)
+{
+    trank *t = self;
+    tcomm_world *w = t->w;
+    int last = 0;
+    if (w->refs) {
+        pthread_mutex_lock(&w->mu);
+        last = --w->refs == 0;
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (last) tcomm_world_free(w); /* (a split's world, its last member gone) */
+    free(self);
+}
 
 mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps)
 {
@@ -296,6 +358,7 @@ mt_comm *tcomm_make(tcomm_world *w, int rank, int claimed_size, uint32_t caps)
         .last_error = t_last_error,
         .destroy = t_destroy,
         .sendrecv = t_sendrecv,
+        .split = t_split,
     };
     trank *t = calloc(1, sizeof *t);
     t->w = w;

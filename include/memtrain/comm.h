@@ -117,6 +117,15 @@ typedef struct mt_comm_vtable {
      * that need them give MT_ERR_UNSUPPORTED). */
     mt_status (*sendrecv)(void *self, const void *send, size_t send_count, int to, void *recv,
                           size_t recv_count, int from, mt_comm_dtype dt, void *stream);
+    /* A collective (every rank calls it, rule 1): the ranks with the same
+     * color >= 0 form a new instance of this table, *out_self, in which
+     * this rank is *out_rank of *out_size (ranks ordered by key, then by
+     * their rank here); color -1: this rank joins none (*out_self NULL).
+     * No rank may wait for ever: a rank that never calls it makes the
+     * others MT_ERR_COMM within the timeout (rule 2). NULL: the table
+     * cannot split (mt_comm_split gives MT_ERR_UNSUPPORTED). */
+    mt_status (*split)(void *self, int color, int key, void **out_self, int *out_rank,
+                       int *out_size);
 } mt_comm_vtable;
 
 /* Wraps a table as a communicator of `size` ranks (1 .. 65536) in which
@@ -169,6 +178,14 @@ mt_status mt_comm_sendrecv(mt_comm *c, const void *send, size_t send_count, int 
                            size_t recv_count, int from, mt_comm_dtype dt, void *stream);
 /* 1 when the communicator's table has point-to-point calls (sendrecv). */
 int mt_comm_has_p2p(const mt_comm *c);
+/* Sub-communicators (the table's split; MT_ERR_UNSUPPORTED for a table
+ * without one): a collective over c, every rank calling it; the ranks
+ * whose color (0 .. 2^30) is equal form a new communicator *out, ranked by
+ * key and then by their rank in c; color -1 gives *out NULL. *out uses
+ * c's table and timeout and is destroyed on its own (before c or after).
+ * MT_ERR_INVALID_ARG for a color below -1 or above 2^30; a failure
+ * (MT_ERR_COMM: a rank that never came) breaks c. */
+mt_status mt_comm_split(mt_comm *c, int color, int key, mt_comm **out);
 
 /* What a context's communication took, since its creation. */
 typedef struct mt_comm_stats {

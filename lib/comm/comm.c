@@ -206,6 +206,34 @@ mt_status mt_comm_barrier(mt_comm *c)
 
 int mt_comm_has_p2p(const mt_comm *c) { return c && c->vt.sendrecv != NULL; }
 
+mt_status mt_comm_split(mt_comm *c, int color, int key, mt_comm **out)
+{
+    const char *fn = "mt_comm_split";
+    if (!out) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    mt_status s = check_call(c, fn, c, c, 0, MT_COMM_BYTE, 0, MT_COMM_SUM);
+    if (s) return s;
+    if (color < -1 || color > (1 << 30))
+        return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: color %d out of range -1..2^30", fn, color);
+    if (!c->vt.split)
+        return mti_fail(NULL, MT_ERR_UNSUPPORTED,
+                        "%s: the %s communicator cannot make sub-communicators (its table has no "
+                        "split)",
+                        fn, mt_comm_name(c));
+    void *self = NULL;
+    int rank = 0, size = 0;
+    s = after(c, fn, c->vt.split(c->self, color, key, &self, &rank, &size));
+    if (s || color < 0) return s;
+    if (!self || size < 1 || rank < 0 || rank >= size) {
+        if (self && c->vt.destroy) c->vt.destroy(self);
+        return mti_fail(NULL, MT_ERR_PLUGIN, "%s: the %s table's split gave rank %d of %d%s", fn,
+                        mt_comm_name(c), rank, size, self ? "" : " and no instance");
+    }
+    s = mt_comm_create(&c->vt, self, rank, size, out);
+    if (s && c->vt.destroy) c->vt.destroy(self);
+    return s;
+}
+
 /* A point-to-point peer: -1 (none, with no elements), or another rank. */
 static mt_status check_peer(const mt_comm *c, const char *fn, const char *which, int peer,
                             size_t count)

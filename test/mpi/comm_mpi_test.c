@@ -9,6 +9,9 @@
  *                               bf16 and bytes, a message past the staging size
  *   comm_mpi_test p2pstall      rank 1 never sends: rank 0's receive from it is
  *                               MT_ERR_COMM at the timeout, naming rank 1
+ *   comm_mpi_test split         sub-communicators by parity (an odd last rank in none),
+ *                               ranked by a key, summing and exchanging on their own
+ *   comm_mpi_test splitstall    rank 1 never splits: rank 0 gets MT_ERR_COMM at the timeout
  *
  * Prints "ok <what>" on rank 0 when it passes; exit status 1 on a failure.
  */
@@ -129,12 +132,37 @@ static void p2p(mt_comm *c)
     free(in);
 }
 
+static void split(mt_comm *c)
+{
+    const int color = rank == size - 1 && size % 2 ? -1 : rank % 2, even = size - size % 2;
+    mt_comm *g = NULL;
+    EXPECT(!mt_comm_split(c, color, -rank, &g));
+    if (color < 0) {
+        EXPECT(g == NULL);
+    } else {
+        int higher = 0;
+        for (int r = rank + 2; r < even; r += 2) higher++;
+        EXPECT(g && mt_comm_size(g) == even / 2 && mt_comm_rank(g) == higher);
+        float v = (float)rank, want = 0.0f;
+        for (int r = color; r < even; r += 2) want += (float)r;
+        EXPECT(g && !mt_comm_all_reduce(g, &v, &v, 1, MT_COMM_F32, MT_COMM_SUM, NULL) && v == want);
+        const int n = mt_comm_size(g), gr = mt_comm_rank(g);
+        float out = (float)rank, in = -1.0f;
+        if (n > 1)
+            EXPECT(!mt_comm_sendrecv(g, &out, 1, (gr + 1) % n, &in, 1, (gr + n - 1) % n, MT_COMM_F32,
+                                     NULL) && (int)in % 2 == color);
+    }
+    EXPECT(!mt_comm_barrier(c));
+    mt_comm_destroy(g);
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "collectives";
     /* a short deadline where a rank is meant to miss it; elsewhere one that
        a loaded machine (sanitizers, more ranks than cores) never reaches */
-    const double timeout = strcmp(mode, "collectives") && strcmp(mode, "p2p") ? 1.0 : 60.0;
+    const double timeout =
+        strcmp(mode, "collectives") && strcmp(mode, "p2p") && strcmp(mode, "split") ? 1.0 : 60.0;
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -146,6 +174,24 @@ int main(int argc, char **argv)
         collectives(c);
     } else if (!strcmp(mode, "p2p")) {
         p2p(c);
+    } else if (!strcmp(mode, "split")) {
+        split(c);
+    } else if (!strcmp(mode, "splitstall")) {
+        EXPECT(!mt_comm_barrier(c));
+        if (rank == 1) sleep((unsigned)(timeout + 4)); /* never splits */
+        if (rank == 0) {
+            mt_comm *g = NULL;
+            const double t0 = now_s();
+            mt_status s = mt_comm_split(c, 0, 0, &g);
+            const double dt = now_s() - t0;
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", mt_last_error(NULL));
+            EXPECT(s == MT_ERR_COMM && g == NULL && dt < timeout + 2.0 && strstr(msg, "split"));
+            if (!failed) printf("ok splitstall: rank 0 got MT_ERR_COMM after %.1f s: %s\n", dt, msg);
+            fflush(stdout);
+            MPI_Abort(MPI_COMM_WORLD, failed ? 1 : 0);
+        }
+        return 1;
     } else if (!strcmp(mode, "p2pstall")) {
         EXPECT(!mt_comm_barrier(c));
         if (rank == 1) sleep((unsigned)(timeout + 4)); /* never sends */

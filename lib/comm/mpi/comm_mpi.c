@@ -328,6 +328,49 @@ static mt_status m_sendrecv(void *self, const void *send, size_t sn, int to, voi
     return s;
 }
 
+/* MPI_Comm_split blocks: it is called only once an all-gather under the
+ * deadline has shown that every rank is in this call (rule 2); the new
+ * communicator returns errors and keeps the timeout. */
+static mt_status m_split(void *self, int color, int key, void **out_self, int *out_rank,
+                         int *out_size)
+{
+    mpi_state *st = self;
+    mt_status s = ready(st);
+    if (s) return s;
+    int mine[2] = {color, key}, *all = malloc(2 * (size_t)st->size * sizeof *all);
+    if (!all) {
+        snprintf(st->err, sizeof st->err, "out of host memory");
+        return MT_ERR_OOM;
+    }
+    MPI_Request req;
+    int rc = MPI_Iallgather(mine, 2, MPI_INT, all, 2, MPI_INT, st->comm, &req);
+    s = finish(st, "the split's exchange (MPI_Iallgather)", rc, &req);
+    free(all);
+    if (s) return s;
+    MPI_Comm nc = MPI_COMM_NULL;
+    rc = MPI_Comm_split(st->comm, color < 0 ? MPI_UNDEFINED : color, key, &nc);
+    if (rc != MPI_SUCCESS) return mpi_fail(st, "MPI_Comm_split", rc);
+    if (nc == MPI_COMM_NULL) return MT_OK; /* (color -1: none) */
+    mpi_state *ns = calloc(1, sizeof *ns);
+    if (!ns) {
+        MPI_Comm_free(&nc);
+        snprintf(st->err, sizeof st->err, "out of host memory");
+        return MT_ERR_OOM;
+    }
+    ns->comm = nc;
+    ns->timeout = st->timeout;
+    rc = MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(nc, &ns->rank);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_size(nc, &ns->size);
+    if (rc != MPI_SUCCESS) {
+        MPI_Comm_free(&nc);
+        free(ns);
+        return mpi_fail(st, "MPI_Comm_split's communicator", rc);
+    }
+    *out_self = ns, *out_rank = ns->rank, *out_size = ns->size;
+    return MT_OK;
+}
+
 static const char *m_last_error(void *self) { return ((mpi_state *)self)->err; }
 
 static void m_destroy(void *self)
@@ -355,6 +398,7 @@ static const mt_comm_vtable mpi_vtable = {
     .last_error = m_last_error,
     .destroy = m_destroy,
     .sendrecv = m_sendrecv,
+    .split = m_split,
 };
 
 mt_status mt_comm_mpi_create(MPI_Comm comm, double timeout_seconds, mt_comm **out)
