@@ -394,6 +394,37 @@ static void p2p_nccl_rank(int rank, void *p)
     mt_comm_destroy(c);
 }
 
+/* ncclCommSplit over the stand-in: 4 ranks by parity (and 3, the last in
+ * none), each group summing, exchanging and splitting on its own. */
+static void split_nccl_rank(int rank, void *p)
+{
+    coll_arg *a = p;
+    p2p_nccl_timeout = 30.0;
+    mt_comm *c = p2p_nccl(a->w, rank, a->n), *g = NULL;
+    RANK_EXPECT(c != NULL);
+    if (!c) return;
+    const int even = a->n - a->n % 2, color = rank >= even ? -1 : rank % 2;
+    RANK_EXPECT(!mt_comm_split(c, color, -rank, &g));
+    RANK_EXPECT((g == NULL) == (color < 0));
+    if (g) {
+        int higher = 0;
+        for (int r = rank + 2; r < even; r += 2) higher++;
+        RANK_EXPECT(mt_comm_size(g) == even / 2 && mt_comm_rank(g) == higher);
+        RANK_EXPECT(strcmp(mt_comm_name(g), "nccl") == 0);
+        float v = (float)rank, want = 0.0f;
+        for (int r = color; r < even; r += 2) want += (float)r;
+        RANK_EXPECT(!mt_comm_all_reduce(g, &v, &v, 1, MT_COMM_F32, MT_COMM_SUM, NULL) && v == want);
+        const int n = mt_comm_size(g), gr = mt_comm_rank(g);
+        float out = (float)rank, in = -1.0f;
+        RANK_EXPECT(!mt_comm_sendrecv(g, &out, 1, (gr + 1) % n, &in, 1, (gr + n - 1) % n,
+                                      MT_COMM_F32, NULL));
+        RANK_EXPECT((int)in % 2 == color && (int)in != rank);
+    }
+    RANK_EXPECT(!mt_comm_barrier(c));
+    mt_comm_destroy(g);
+    mt_comm_destroy(c);
+}
+
 TEST(comm_nccl_point_to_point)
 {
     const char *fake = getenv("MT_FAKE_NCCL");
@@ -405,6 +436,16 @@ TEST(comm_nccl_point_to_point)
     for (int n = 2; n <= 3; n++) CHECK_MSG(ranks_pass(n, 30.0, p2p_nccl_rank), "%d ranks", n);
     p2p_nccl_timeout = 0.3;
     CHECK(ranks_pass(2, 30.0, p2p_nccl_rank));
+}
+
+TEST(comm_nccl_split)
+{
+    const char *fake = getenv("MT_FAKE_NCCL");
+    if (!fake || !*fake) {
+        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    for (int n = 4; n <= 5; n++) CHECK_MSG(ranks_pass(n, 30.0, split_nccl_rank), "%d ranks", n);
 }
 
 /* Sub-communicators over the in-process world: 4 ranks into 2 by parity,

@@ -46,10 +46,15 @@ typedef struct nccl_api {
     nccl_result (*Recv)(void *, size_t, int, int, nccl_comm, void *);
     nccl_result (*GroupStart)(void);
     nccl_result (*GroupEnd)(void);
+    /* optional: sub-communicators (NCCL 2.18), NULL where missing */
+    nccl_result (*CommSplit)(nccl_comm, int, int, nccl_comm *, void *);
+    nccl_result (*CommCount)(nccl_comm, int *);
+    nccl_result (*CommUserRank)(nccl_comm, int *);
     /* from the CUDA driver: waiting with a deadline, the barrier's scratch */
     int (*StreamQuery)(void *);
     int (*MemAlloc)(unsigned long long *, size_t);
     int (*MemFree)(unsigned long long);
+    int (*MemcpyHtoD)(unsigned long long, const void *, size_t); /* (the split's; optional) */
 } nccl_api;
 
 typedef struct nccl_state {
@@ -176,6 +181,11 @@ static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
     SYM(a->cuda, StreamQuery, "cuStreamQuery");
     SYM(a->cuda, MemAlloc, "cuMemAlloc_v2");
     SYM(a->cuda, MemFree, "cuMemFree_v2");
+    *(void **)&a->CommSplit = dlsym(a->lib, "ncclCommSplit");
+    *(void **)&a->CommCount = dlsym(a->lib, "ncclCommCount");
+    *(void **)&a->CommUserRank = dlsym(a->lib, "ncclCommUserRank");
+    *(void **)&a->MemcpyHtoD = dlsym(a->cuda, "cuMemcpyHtoD_v2");
+    if (!a->CommCount || !a->CommUserRank || !a->MemcpyHtoD) a->CommSplit = NULL;
     if (missing) {
         api_close(a);
         return mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: %s is missing from %s", fn, missing,
@@ -361,6 +371,62 @@ static mt_status n_sendrecv(void *self, const void *send, size_t sn, int to, voi
     return issued(st, what, r ? r : e, stream);
 }
 
+static void n_destroy(void *self);
+
+/* Sub-communicators through ncclCommSplit, which blocks: first the ranks'
+ * colors and keys all-gathered (in device memory, under the deadline), so
+ * every rank is known to be in the call; the new communicator keeps the
+ * parent's library, timeout and device. */
+static mt_status n_split(void *self, int color, int key, void **out_self, int *out_rank,
+                         int *out_size)
+{
+    nccl_state *st = self;
+    if (st->aborted) return issued(st, "ncclCommSplit", 0, NULL);
+    int n = 0, me = 0;
+    nccl_result r = st->api.CommCount(st->comm, &n);
+    if (!r) r = st->api.CommUserRank(st->comm, &me);
+    if (r) return fail(st, "ncclCommCount", r);
+    unsigned long long buf = 0;
+    if (st->api.MemAlloc(&buf, 8 * (size_t)n) != CU_SUCCESS) {
+        snprintf(st->err, sizeof st->err, "cuMemAlloc of the split's %d bytes failed", 8 * n);
+        return MT_ERR_OOM;
+    }
+    const int mine[2] = {color, key};
+    mt_status s = MT_OK;
+    if (st->api.MemcpyHtoD(buf + 8 * (unsigned long long)me, mine, 8) != CU_SUCCESS) {
+        snprintf(st->err, sizeof st->err, "copying the split's color and key to the device failed");
+        s = MT_ERR_COMM;
+    }
+    void *at = (void *)(uintptr_t)buf;
+    if (!s) s = n_all_gather(self, (char *)at + 8 * me, at, 8, MT_COMM_BYTE, NULL);
+    st->api.MemFree(buf);
+    if (s) return s;
+    nccl_comm nc = NULL;
+    r = st->api.CommSplit(st->comm, color < 0 ? -1 : color, key, &nc, NULL); /* (-1: NCCL_SPLIT_NOCOLOR) */
+    if (r) return fail(st, "ncclCommSplit", r);
+    if (color < 0) return MT_OK;
+    nccl_state *ns = calloc(1, sizeof *ns);
+    if (!ns) {
+        st->api.CommDestroy(nc);
+        snprintf(st->err, sizeof st->err, "out of host memory");
+        return MT_ERR_OOM;
+    }
+    ns->api = st->api;
+    ns->comm = nc;
+    ns->timeout = st->timeout;
+    r = st->api.CommCount(nc, out_size);
+    if (!r) r = st->api.CommUserRank(nc, out_rank);
+    if (r || st->api.MemAlloc(&ns->scratch, 4) != CU_SUCCESS) {
+        ns->scratch = 0;
+        n_destroy(ns);
+        snprintf(st->err, sizeof st->err, "the split's communicator: %s",
+                 r ? st->api.GetErrorString(r) : "cuMemAlloc of the barrier's 4 bytes failed");
+        return MT_ERR_COMM;
+    }
+    *out_self = ns;
+    return MT_OK;
+}
+
 /* NCCL has no barrier: an all-reduce of one float on the default stream,
  * waited for. */
 static mt_status n_barrier(void *self)
@@ -452,7 +518,9 @@ mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, i
                         "device's primary context current on this thread?)",
                         fn, cr);
     }
-    if ((s = mt_comm_create(&nccl_vtable, st, rank, size, out))) n_destroy(st);
+    mt_comm_vtable vt = nccl_vtable;
+    if (st->api.CommSplit) vt.split = n_split; /* (NCCL 2.18 or newer) */
+    if ((s = mt_comm_create(&vt, st, rank, size, out))) n_destroy(st);
     return s;
 }
 

@@ -34,6 +34,9 @@
  * fake_nccl_stuck(1): from then on an aborted communicator's collectives
  * do not end (kernels that never exit), until fake_nccl_stuck(0).
  *
+ * ncclCommSplit: the ranks' colors and keys exchanged by an all-gather
+ * waited for in the call, then each color's ranks in a clique of their own.
+ *
  * Point to point (ncclSend, ncclRecv, inside ncclGroupStart/End or not):
  * a send is copied into the pair's mailbox at once and is done; a receive
  * takes the oldest message from its peer when it is there, at the call or
@@ -94,6 +97,7 @@ typedef struct fake_comm {
     clique *q;
     int rank;
     uint64_t issued; /* collectives queued */
+    unsigned splits; /* ncclCommSplit calls made */
 } fake_comm;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -144,6 +148,10 @@ ncclResult_t ncclSend(const void *s, size_t n, int t, int peer, fake_comm *c, vo
 ncclResult_t ncclRecv(void *r, size_t n, int t, int peer, fake_comm *c, void *stream);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
+ncclResult_t ncclCommSplit(fake_comm *c, int color, int key, fake_comm **out, void *config);
+ncclResult_t ncclCommCount(const fake_comm *c, int *n);
+ncclResult_t ncclCommUserRank(const fake_comm *c, int *r);
+int cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t bytes);
 int cuStreamQuery(void *stream);
 int cuMemAlloc_v2(unsigned long long *p, size_t bytes);
 int cuMemFree_v2(unsigned long long p);
@@ -515,6 +523,61 @@ int cuMemAlloc_v2(unsigned long long *p, size_t bytes)
     if (!m) return 2;
     *p = (unsigned long long)(uintptr_t)m;
     return 0;
+}
+
+int cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t bytes)
+{
+    memcpy((void *)(uintptr_t)dst, src, bytes);
+    return 0;
+}
+
+ncclResult_t ncclCommCount(const fake_comm *c, int *n)
+{
+    *n = c->q->n;
+    return OK;
+}
+
+ncclResult_t ncclCommUserRank(const fake_comm *c, int *r)
+{
+    *r = c->rank;
+    return OK;
+}
+
+/* The ranks' (color, key) all-gathered on a stream of its own (waited for
+ * here, as NCCL's split blocks), then each color's ranks join a clique of
+ * their own, its id made from the parent's serial, the split's number and
+ * the color. */
+ncclResult_t ncclCommSplit(fake_comm *c, int color, int key, fake_comm **out, void *config)
+{
+    (void)config;
+    static char own_stream;
+    const int n = c->q->n, mine[2] = {color, key};
+    int all[2 * MAXR];
+    ncclResult_t r = queue(c, K_ALLGATHER, mine, sizeof mine, all, sizeof mine, T_U8, 0, 0, &own_stream);
+    struct timespec nap = {0, 100000};
+    for (int k = 0; !r && cuStreamQuery(&own_stream) != 0; k++) {
+        if (k > 300000) return SYSTEM_ERROR; /* (about 30 s) */
+        nanosleep(&nap, NULL);
+    }
+    if (r) return r;
+    *out = NULL;
+    const unsigned split = c->splits++;
+    if (color < 0) return OK;
+    int me = 0, size = 0;
+    for (int k = 0; k < n; k++) {
+        if (all[2 * k] != color) continue;
+        size++;
+        me += all[2 * k + 1] < key || (all[2 * k + 1] == key && k < c->rank);
+    }
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    const unsigned marker = 0xffffffffu;
+    memcpy(id.internal, "fakenccl", 8);
+    memcpy(id.internal + 8, &marker, 4);
+    memcpy(id.internal + 12, &c->q->serial, 8);
+    memcpy(id.internal + 20, &split, 4);
+    memcpy(id.internal + 24, &color, 4);
+    return ncclCommInitRank(out, size, id, me);
 }
 
 int cuMemFree_v2(unsigned long long p)
