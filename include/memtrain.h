@@ -1210,9 +1210,10 @@ void mt_trainer_config_init(mt_trainer_config *c);
  * own status and the others MT_ERR_COMM naming it), and each step trains
  * on the union of the ranks' batches. */
 mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_trainer **out);
-/* Frees the trainer; the model gets its weights back whole, in fp32 (at
- * ZeRO-3 gathered from the ranks' slices: a collective; with
- * offload_params read back from disk). NULL is accepted. */
+/* Frees the trainer; the model gets its weights back whole (fp32; a
+ * quantized base stays quantized), at ZeRO-3 gathered from the ranks'
+ * slices (a collective), with offload_params read back from disk. NULL is
+ * accepted. */
 void mt_trainer_destroy(mt_trainer *t);
 /* Frees the trainer and then its model, without bringing the trained
  * weights back whole first: no ZeRO-3 gather (not a collective), nothing

@@ -16,7 +16,8 @@
  *
  * The collectives (all-reduce, reduce-scatter, all-gather, broadcast,
  * barrier) and the point-to-point calls (send, receive, both at once; ABI
- * version 2, optional) take counts in elements of an mt_comm_dtype. A communicator
+ * version 2, optional) take counts in elements of an mt_comm_dtype; a
+ * table may also split into sub-communicators (ABI version 2, optional). A communicator
  * without MT_COMM_CAP_DEVICE works on host memory (the library uses it with
  * CPU contexts); one with it works on device memory of a CUDA context,
  * ordered on the stream it is given (NCCL).
@@ -49,10 +50,10 @@
 extern "C" {
 #endif
 
-/* Bumped whenever mt_comm_vtable changes. Version 2 added sendrecv at the
- * end; a version-1 table (abi_version 1, struct_size up to and without
- * sendrecv: offsetof(mt_comm_vtable, sendrecv)) is still taken, and has
- * no point-to-point calls. */
+/* Bumped whenever mt_comm_vtable changes. Version 2 added sendrecv and
+ * split at the end; a version-1 table (abi_version 1, struct_size up to
+ * and without them: offsetof(mt_comm_vtable, sendrecv)) is still taken,
+ * and has neither point-to-point calls nor sub-communicators. */
 #define MT_COMM_ABI_VERSION 2u
 
 typedef enum mt_comm_dtype {
