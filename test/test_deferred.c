@@ -40,6 +40,14 @@ static uint64_t param_live(mt_context *ctx)
     return st.per_class[MT_MEM_PARAM].live_bytes;
 }
 
+/* Models a (made at once) and b (deferred) have the same values; both go. */
+static void check_same_values(mt_context *ctx, mt_model *a, mt_model *b)
+{
+    const float *wa = params_of(ctx, a), *wb = params_of(ctx, b);
+    CHECK(memcmp(wa, wb, mt_model_num_params(a) * 4) == 0);
+    mt_model_destroy(a), mt_model_destroy(b);
+}
+
 /* A deferred GPT, MLP and layer-list model hold no weights, and read the
  * values of the model made at once, in any order (a tensor read from the
  * middle, then the whole model twice). */
@@ -65,9 +73,7 @@ TEST(deferred_models_read_the_values_made_at_once)
     m1.deferred = 1;
     CHECK_OKC(ctx, mt_model_mlp_create(ctx, &m0, &a));
     CHECK_OKC(ctx, mt_model_mlp_create(ctx, &m1, &b));
-    wa = params_of(ctx, a), wb = params_of(ctx, b);
-    CHECK(memcmp(wa, wb, mt_model_num_params(a) * 4) == 0);
-    mt_model_destroy(a), mt_model_destroy(b);
+    check_same_values(ctx, a, b);
 
     const mt_layer_spec ls[] = {{.kind = MT_LAYER_EMBEDDING, .units = 16, .positions = 1},
                                 {.kind = MT_LAYER_BLOCK, .heads = 2},
@@ -81,9 +87,7 @@ TEST(deferred_models_read_the_values_made_at_once)
     s1.deferred = 1;
     CHECK_OKC(ctx, mt_model_create(ctx, &s0, &a));
     CHECK_OKC(ctx, mt_model_create(ctx, &s1, &b));
-    wa = params_of(ctx, a), wb = params_of(ctx, b);
-    CHECK(memcmp(wa, wb, mt_model_num_params(a) * 4) == 0);
-    mt_model_destroy(a), mt_model_destroy(b);
+    check_same_values(ctx, a, b);
     mt_context_destroy(ctx);
 }
 

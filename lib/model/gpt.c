@@ -9,7 +9,6 @@
  * second copy of the weights in host memory.
  */
 #include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -16,7 +16,6 @@
 #include "model/model.h"
 #include "train/offload.h"
 #include "quant/quant.h"
-#include "rng.h"
 
 #define MAX_DIM (1 << 24)
 
@@ -258,7 +257,10 @@ static mt_status make_param(mt_model *m, int i, mti_qformat qf, float *host, siz
     return s;
 }
 
-mt_status mti_model_make(mt_model *m, const unsigned char *which)
+/* The unmade parameters with which[i] set (which NULL: all), or parameter
+ * `only` alone (>= 0), made from the source; the source goes once none is
+ * left unmade. */
+static mt_status make_where(mt_model *m, const unsigned char *which, int only)
 {
     mt_context *ctx = m->ctx;
     enum { CH = 1 << 16 };
@@ -270,7 +272,7 @@ mt_status mti_model_make(mt_model *m, const unsigned char *which)
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_param *p = &m->params[i];
         if (!p->unmade) continue;
-        if (which && !which[i]) {
+        if ((which && !which[i]) || (only >= 0 && i != only)) {
             left++;
             continue;
         }
@@ -282,12 +284,7 @@ mt_status mti_model_make(mt_model *m, const unsigned char *which)
     return s;
 }
 
-int mti_model_unmade(const mt_model *m)
-{
-    int n = 0;
-    for (int i = 0; i < m->n_param; i++) n += m->params[i].unmade != 0;
-    return n;
-}
+mt_status mti_model_make(mt_model *m, const unsigned char *which) { return make_where(m, which, -1); }
 
 /* The parameters' offsets in get/set_params order and the model's size. */
 static void lay_out(mt_model *m)
@@ -739,19 +736,15 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
     mti_param *p = &m->params[i];
     if (p->unmade) { /* deferred: made now, from the source unless all of it is written */
         mt_status s = MT_OK;
-        if (at == 0 && n == p->numel && !p->qf) {
+        if (at == 0 && n == p->numel) { /* (an unmade weight is never quantized) */
             s = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                                  MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
             if (!s) p->unmade = 0;
+            if (!s && !mti_model_unmade(m)) mti_source_free(m);
         } else {
-            unsigned char *one = calloc((size_t)m->n_param, 1);
-            if (!one) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-            one[i] = 1;
-            s = mti_model_make(m, one);
-            free(one);
+            s = make_where(m, NULL, i);
         }
         if (s) return s;
-        if (!mti_model_unmade(m)) mti_source_free(m);
     }
     if (sharded_refused(m, p)) return MT_ERR_UNSUPPORTED;
     if (m->params_home && mti_offload_has_weights(m->params_home, i)) /* on disk */

@@ -150,7 +150,7 @@ mt_status mti_gpt_build(mt_context *ctx, const mt_gpt_spec *spec, const char *fn
  * whole from the source (PARAM), in parameter order; once none is left
  * unmade the source goes. A parameter that fails stays unmade. */
 mt_status mti_model_make(mt_model *m, const unsigned char *which);
-/* How many parameters are unmade. */
+/* How many parameters are unmade (source.c: what the source still has to make). */
 int mti_model_unmade(const mt_model *m);
 
 /* source.c: the model's m->src. A seed's generator is drawn over the
@@ -164,10 +164,11 @@ void mti_source_free(mt_model *m);
 /* Elements [at, at + n) of parameter i's initial values into host memory,
  * whatever was read before (a file's non-finite value: MT_ERR_FORMAT). */
 mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
-/* A hash of what the source makes, for ranks to agree on without reading
- * it all: a seed's value, or a file's first and last values of each
- * parameter. */
-mt_status mti_source_recipe(const mt_model *m, uint64_t *h);
+/* What the source makes of the unmade parameters, mixed into hash h (none
+ * unmade: h unchanged), for ranks to agree on without reading it all: the
+ * seed and each parameter's init, or a file's first and last values of
+ * each parameter. */
+mt_status mti_source_mix(const mt_model *m, uint64_t *h);
 
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */
 int *mti_param_order(const mt_model *m);

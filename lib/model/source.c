@@ -167,26 +167,24 @@ mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *
     return s->f ? load(s, m, i, at, n, dst) : draw(s, m, i, at, n, dst);
 }
 
-/* FNV-1a over bytes, continuing h. */
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
+int mti_model_unmade(const mt_model *m)
 {
-    const unsigned char *b = p;
-    for (size_t k = 0; k < n; k++) h = (h ^ b[k]) * 0x100000001B3ull;
-    return h;
+    int n = 0;
+    for (int i = 0; i < m->n_param; i++) n += m->params[i].unmade != 0;
+    return n;
 }
 
-mt_status mti_source_recipe(const mt_model *m, uint64_t *h)
+mt_status mti_source_mix(const mt_model *m, uint64_t *h)
 {
     const mti_source *s = m->src;
-    *h = fnv(0xCBF29CE484222325ull, "memtrain-source", 15);
-    if (!s) return MT_OK;
+    if (!s || !mti_model_unmade(m)) return MT_OK;
     if (!s->f) { /* the seed, and how each parameter draws from it */
-        *h = fnv(*h, &s->seed, sizeof s->seed);
+        *h = mti_hash(*h, &s->seed, sizeof s->seed);
         for (int i = 0; i < m->n_param; i++) {
             const mti_param *p = &m->params[i];
             const int64_t how[2] = {(int64_t)p->init, p->init_rows};
-            *h = fnv(*h, how, sizeof how);
-            *h = fnv(*h, &p->init_a, sizeof p->init_a);
+            *h = mti_hash(*h, how, sizeof how);
+            *h = mti_hash(*h, &p->init_a, sizeof p->init_a);
         }
         return MT_OK;
     }
@@ -197,10 +195,10 @@ mt_status mti_source_recipe(const mt_model *m, uint64_t *h)
     for (int i = 0; i < m->n_param; i++) {
         const size_t numel = m->params[i].numel, n = numel < RECIPE_VALUES ? numel : RECIPE_VALUES;
         mt_status st = mti_source_read(m, i, 0, n, v);
-        if (!st) *h = fnv(*h, v, n * sizeof *v);
+        if (!st) *h = mti_hash(*h, v, n * sizeof *v);
         if (!st) st = mti_source_read(m, i, numel - n, n, v);
         if (st) return st;
-        *h = fnv(*h, v, n * sizeof *v);
+        *h = mti_hash(*h, v, n * sizeof *v);
     }
     return MT_OK;
 }

@@ -238,11 +238,7 @@ static mt_status weights_hash(const mt_model *m, uint64_t *out)
         s = mti_tensor_hash(ctx, w, buf, chunk, &h);
     }
     free(buf);
-    if (!s && mti_model_unmade(m)) {
-        uint64_t r = 0;
-        s = mti_source_recipe(m, &r);
-        h = mti_hash(h, &r, sizeof r);
-    }
+    if (!s) s = mti_source_mix(m, &h); /* (a deferred model's: what its source makes) */
     *out = h;
     return s;
 }

@@ -235,11 +235,7 @@ mt_status mti_zero3_shard(mt_trainer *t, mt_status s)
     uint64_t h = MTI_HASH_START;
     for (int i = 0; i < m->n_param && !s; i++)
         if (mti_home_sliced(t, i) && !m->params[i].unmade) s = weights_hash(t, i, &h);
-    if (!s && mti_model_unmade(m)) { /* a deferred model's: what its source makes */
-        uint64_t r = 0;
-        s = ctx->dry ? MT_OK : mti_source_recipe(m, &r);
-        h = mti_hash(h, &r, sizeof r);
-    }
+    if (!s && !ctx->dry) s = mti_source_mix(m, &h); /* a deferred model's: what its source makes */
     int64_t rec[2] = {s ? 1 : 0, (int64_t)h};
     const mti_msg own = mti_last_msg(ctx);
     mt_status c = exchange(t, "exchanging the ranks' statuses and weights", rec, all);

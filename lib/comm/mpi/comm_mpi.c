@@ -121,7 +121,7 @@ static mt_status ready(mpi_state *st)
     return MT_OK;
 }
 
-static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : 1; }
+static size_t esize(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1; }
 static MPI_Datatype mtype(mt_comm_dtype dt) { return dt == MT_COMM_F32 ? MPI_FLOAT : MPI_BYTE; }
 static MPI_Op mop(mt_comm_op op) { return op == MT_COMM_MAX ? MPI_MAX : MPI_SUM; }
 
@@ -300,8 +300,7 @@ static mt_status m_sendrecv(void *self, const void *send, size_t sn, int to, voi
     mpi_state *st = self;
     mt_status s = ready(st);
     if (s) return s;
-    const size_t es = dt == MT_COMM_F32 ? 4 : dt == MT_COMM_BF16 ? 2 : 1;
-    const size_t sb = to >= 0 ? sn * es : 0, rb = from >= 0 ? rn * es : 0;
+    const size_t sb = to >= 0 ? sn * esize(dt) : 0, rb = from >= 0 ? rn * esize(dt) : 0;
     for (size_t sa = 0, ra = 0; !s && (sa < sb || ra < rb);) {
         MPI_Request req[2];
         int k = 0, rc = MPI_SUCCESS;
