@@ -18,16 +18,16 @@
 #include "common.h"
 
 enum {
-    P_cast, P_embedding_fwd, P_embedding_bwd, P_embedding_dw_rows, P_embedding_fwd_q, P_matmul_fwd, P_matmul_bwd,
+    P_cast, P_embedding_fwd, P_embedding_fwd_rows, P_embedding_bwd, P_embedding_dw_rows, P_embedding_fwd_q, P_matmul_fwd, P_matmul_bwd,
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
-    P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd,
+    P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd, P_xent_vp,
     P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor,
     P_dequantize, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
-    "cast", "embedding_fwd", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
+    "cast", "embedding_fwd", "embedding_fwd_rows", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
-    "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd",
+    "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd", "xent_vp",
     "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor",
     "dequantize"};
 
@@ -39,8 +39,8 @@ static const char *const prof_family_names[F_COUNT] = {
     "embedding", "casts (incl. stochastic rounding)", "gradient check, sum of squares",
     "optimizer update"};
 static const unsigned char prof_family[P_COUNT] = {
-    F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN, F_ACT,
-    F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
+    F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN,
+    F_ACT, F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
     F_OPT, F_OPT, F_OPT, F_OPT, F_CAST};
 
 static const mti_ops *prof_inner;
@@ -62,6 +62,9 @@ PROF(cast, (const mti_kctx *k, void *d, mti_dtype dd, const void *s, mti_dtype s
 PROF(embedding_fwd, (const mti_kctx *k, void *o, const int32_t *t, const void *wte,
                      const void *wpe, int B, int T, int C, mti_dtype dt),
      (k, o, t, wte, wpe, B, T, C, dt))
+PROF(embedding_fwd_rows, (const mti_kctx *k, void *o, const int32_t *t, const void *wte, int v0,
+                          int v1, int B, int T, int C, mti_dtype dt),
+     (k, o, t, wte, v0, v1, B, T, C, dt))
 PROF(embedding_bwd, (const mti_kctx *k, float *dwte, float *dwpe, const void *d,
                      const int32_t *t, int B, int T, int C, mti_dtype dt),
      (k, dwte, dwpe, d, t, B, T, C, dt))
@@ -109,6 +112,9 @@ PROF(attention_bwd, (const mti_kctx *k, void *dqkv, const void *d, const void *q
      (k, dqkv, d, qkv, o, lse, B, T, C, H, dt))
 PROF(xent, (const mti_kctx *k, float *l, void *dl, const void *lg, const int32_t *t, int n, int V,
             int Vp, float dloss, mti_dtype dt), (k, l, dl, lg, t, n, V, Vp, dloss, dt))
+PROF(xent_vp, (const mti_kctx *k, int ph, float *st, float *l, void *dl, const void *lg,
+               const int32_t *t, int n, int v0, int Vr, int W, float dloss, mti_dtype dt),
+     (k, ph, st, l, dl, lg, t, n, v0, Vr, W, dloss, dt))
 PROF(xent_kd, (const mti_kctx *k, float *l, void *dl, const void *lg, const float *tl,
                const int32_t *t, int n, int V, int Vp, int tVp, float alpha, float temp,
                float dloss, mti_dtype dt), (k, l, dl, lg, tl, t, n, V, Vp, tVp, alpha, temp, dloss, dt))

@@ -1196,6 +1196,32 @@ typedef struct mt_trainer_config {
      * fp32 of the tensor being quantized comes down into a host buffer,
      * is quantized there and the quantized bytes go up. */
     mt_base_format base;
+    /* Tensor parallel (docs/distributed.md, "Tensor parallel"): T > 1 splits
+     * a GPT model over groups of T neighbouring ranks of the context's
+     * communicator (ranks g T .. g T + T - 1 form tensor group g; the world
+     * must be a multiple of T, and the ranks with the same place in their
+     * groups form a data-parallel group of world / T ranks, whose rows are
+     * summed as in a data-parallel run). Each rank holds and trains 1/T of
+     * every block's heads (qkv split by heads, attproj by its input
+     * columns), of its MLP's columns (fc by output, fcproj by input), and
+     * of the token table's rows (the tied LM head with it: the logits and
+     * the cross-entropy are split by vocabulary and never gathered);
+     * LayerNorms, positions and the biases of attproj and fcproj stay whole
+     * on every rank. Each block's forward sums its two partial outputs over
+     * the group and its backward its two partial input gradients (in fp32;
+     * fp16 and bf16 through an fp32 WORK copy). Every rank of a group must
+     * be given the same batch. T must divide the heads. Results equal one
+     * process's up to the sums' rounding. While the trainer lives the model's
+     * split weights are nowhere whole (mt_model_get_params,
+     * mt_model_set_params and mt_model_gpt_save give MT_ERR_UNSUPPORTED);
+     * mt_trainer_gradients gives the whole gradients (a collective of the
+     * group) and mt_trainer_destroy gathers the weights back (a collective:
+     * every rank destroys its trainer). The context's own collectives run
+     * within the data-parallel group meanwhile. 0 and 1: off. Not yet with
+     * a StableEmbedding, LoRA, a quantized base, a teacher, the fused step,
+     * offload, local SGD, ZeRO on data-parallel groups of more than one rank,
+     * mt_trainer_logits or training-state files (MT_ERR_UNSUPPORTED). */
+    int tensor_parallel;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

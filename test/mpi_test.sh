@@ -43,6 +43,9 @@ run offload 3 "$B/mpi/train_mpi_test" offload
 run disagree 2 "$B/mpi/train_mpi_test" disagree
 run stall 2 "$B/mpi/train_mpi_test" stall
 # ZeRO stages 0-2 with bf16, fp16 (loss scaling) and other optimizers
+run tp 2 "$B/mpi/train_mpi_test" tp
+run tp 3 "$B/mpi/train_mpi_test" tp
+run tp 4 "$B/mpi/train_mpi_test" tp
 run zero 2 "$B/mpi/train_mpi_test" zero
 run zero 3 "$B/mpi/train_mpi_test" zero
 # stages 0 to 2 with the gradients' collectives on a thread during backward
@@ -278,6 +281,22 @@ stop.ckpt" ]
     out2=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" train --model gpt --steps 1 --batch 2 2>&1)
     if echo "$out2" | grep -q "less than the 3 ranks"; then echo "ok   mpi memtrain train: fewer rows than ranks refused"
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi
+fi
+
+# memtrain train --tp: 2 ranks in one tensor group, and 4 as 2 groups of 2, give one
+# process's losses (to 1e-5) on the same global batch
+if [ -x "$B/memtrain" ]; then
+    targs="train --model gpt --batch 4 --seq 16 --layers 2 --channels 48 --heads 6 --threads 1 --steps 3 --json"
+    one=$("$B/memtrain" $targs 2>/dev/null | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
+    for np in 2 4; do
+        tpo=$(timeout 120 $MPIRUN -np $np "$B/memtrain" $targs --tp 2 2>&1)
+        got=$(echo "$tpo" | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
+        if [ -n "$one" ] && awk -v a="$one" -v b="$got" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
+               if (n != m || n == 0) exit 1; for (i = 1; i <= n; i++) { d = x[i] - y[i];
+               if (d < 0) d = -d; if (d > 1e-5 * x[i] + 2e-6) exit 1 } }'
+        then echo "ok   mpi memtrain train --tp 2 on $np ranks: one process's losses $got"
+        else echo "FAIL mpi memtrain train --tp 2 on $np ranks: losses '$got', one process '$one'"; echo "$tpo"; fail=1; fi
+    done
 fi
 
 # a rank that dies: mpirun ends the job (or rank 0 times out first); nothing hangs

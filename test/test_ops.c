@@ -1899,3 +1899,102 @@ TEST(ops_optimizers_8bit_adafactor)
     free(pc), free(pcw);
     close_tables();
 }
+
+/* Tensor parallel's ops: embedding_fwd_rows over shares of the table's rows
+ * adds up to embedding_fwd's rows exactly (one share holds each token), and
+ * xent_vp over column shares of the logits (the group's max and sums made
+ * here by hand) gives xent's losses and dlogits within fp32 rounding, the
+ * padding columns zero; a share with no real column (the last) takes part
+ * with -inf and zeros. Shares of 3 uneven widths, fp32 and bf16. */
+TEST(ops_tensor_parallel)
+{
+    open_tables();
+    const int N = 7, V = 40, Vp = 64, C = 40, B = 1, T = 7, S = 3;
+    const int cut[4] = {0, 21, 42, 64};
+    static const mti_dtype dts[] = {MTI_F32, MTI_BF16};
+    float *logits = randv((size_t)N * Vp, 4.0f), *wte = randv((size_t)Vp * C, 1.0f);
+    int32_t tgt[7] = {0, 20, 21, 39, 38, 30, 7}, tok[7] = {3, 21, 63, 42, 0, 20, 41};
+    float *want_l = malloc(N * 4), *want_d = malloc((size_t)N * Vp * 4);
+    float *got_d = malloc((size_t)N * Vp * 4), *emb = malloc((size_t)N * C * 4);
+    float *sum = malloc((size_t)N * C * 4), *part = malloc((size_t)N * C * 4);
+    float stats[3][3 * 7], loss[3][7];
+    for (int ti = 0; ti < n_tabs; ti++) {
+        tab *t = &tabs[ti];
+        for (size_t di = 0; di < sizeof dts / sizeof *dts; di++) {
+            const mti_dtype dt = dts[di];
+            float *L = dev_buf(t, NULL, N * 4);
+            void *X = put(t, logits, (size_t)N * Vp, dt);
+            int32_t *G = dev_buf(t, tgt, sizeof tgt), *K = dev_buf(t, tok, sizeof tok);
+            CHECK_OK(t->ops->xent(&t->k, L, X, X, G, N, V, Vp, 0.5f, dt));
+            get(t, want_l, L, N, MTI_F32);
+            get(t, want_d, X, (size_t)N * Vp, dt);
+            void *sh[3];
+            float *ST[3], *SL[3];
+            for (int q = 0; q < S; q++) { /* each share's columns, as its own tensor */
+                const int W = cut[q + 1] - cut[q];
+                float *cols = malloc((size_t)N * W * 4);
+                for (int r = 0; r < N; r++) memcpy(cols + r * W, logits + r * Vp + cut[q], W * 4);
+                sh[q] = put(t, cols, (size_t)N * W, dt);
+                free(cols);
+                ST[q] = dev_buf(t, NULL, 3 * N * 4);
+                SL[q] = dev_buf(t, NULL, N * 4);
+            }
+            for (int phase = 0; phase < 3; phase++) {
+                for (int q = 0; q < S; q++) {
+                    const int W = cut[q + 1] - cut[q];
+                    const int Vr = V - cut[q] < 0 ? 0 : V - cut[q] > W ? W : V - cut[q];
+                    if (phase) {
+                        CHECK_OK(t->ctx->dev->copy_h2d(t->ctx->dev, ST[q], stats[0], 3 * N * 4));
+                        CHECK_OK(t->ctx->dev->sync(t->ctx->dev));
+                    }
+                    CHECK_OK(t->ops->xent_vp(&t->k, phase, ST[q], SL[q], sh[q], sh[q], G, N,
+                                             cut[q], Vr, W, 0.5f, dt));
+                    get(t, stats[q], ST[q], 3 * N, MTI_F32);
+                }
+                for (int r = 0; r < (phase < 2 ? N : 0); r++) { /* the group's max, then sums */
+                    for (int q = 1; q < S; q++) {
+                        if (phase == 0) stats[0][r] = fmaxf(stats[0][r], stats[q][r]);
+                        else stats[0][N + r] += stats[q][N + r], stats[0][2 * N + r] += stats[q][2 * N + r];
+                    }
+                    if (phase == 0) CHECK(isinf(stats[2][r]) && stats[2][r] < 0); /* (none real) */
+                }
+            }
+            for (int q = 0; q < S; q++) {
+                const int W = cut[q + 1] - cut[q];
+                float *cols = malloc((size_t)N * W * 4);
+                get(t, cols, sh[q], (size_t)N * W, dt);
+                get(t, loss[q], SL[q], N, MTI_F32);
+                for (int r = 0; r < N; r++) memcpy(got_d + r * Vp + cut[q], cols + r * W, W * 4);
+                free(cols);
+            }
+            const float eps = dt == MTI_F32 ? 1e-5f : 1e-2f;
+            for (int r = 0; r < N; r++)
+                for (int q = 0; q < S; q++)
+                    CHECK_MSG(fabsf(loss[q][r] - want_l[r]) <= 1e-5f * (1.0f + fabsf(want_l[r])),
+                              "%s %d: row %d share %d loss %g, xent %g", t->name, (int)dt, r, q,
+                              (double)loss[q][r], (double)want_l[r]);
+            for (size_t j = 0; j < (size_t)N * Vp; j++)
+                CHECK_MSG(fabsf(got_d[j] - want_d[j]) <= eps * (1e-3f + fabsf(want_d[j])) &&
+                              ((int)(j % Vp) < V || got_d[j] == 0.0f),
+                          "%s %d: dlogits[%zu] %g, xent %g", t->name, (int)dt, j,
+                          (double)got_d[j], (double)want_d[j]);
+            /* the embedding's shares */
+            void *Wt = put(t, wte, (size_t)Vp * C, dt), *E = dev_buf(t, NULL, (size_t)N * C * 4);
+            CHECK_OK(t->ops->embedding_fwd(&t->k, E, K, Wt, NULL, B, T, C, dt));
+            get(t, emb, E, (size_t)N * C, dt);
+            memset(sum, 0, (size_t)N * C * 4);
+            for (int q = 0; q < S; q++) {
+                const size_t off = (size_t)cut[q] * C * dsize(dt);
+                CHECK_OK(t->ops->embedding_fwd_rows(&t->k, E, K, (const char *)Wt + off, cut[q],
+                                                    cut[q + 1], B, T, C, dt));
+                get(t, part, E, (size_t)N * C, dt);
+                for (size_t j = 0; j < (size_t)N * C; j++) sum[j] += part[j];
+            }
+            CHECK_MSG(memcmp(sum, emb, (size_t)N * C * 4) == 0, "%s %d: the shares' sum differs",
+                      t->name, (int)dt);
+            free_bufs(t);
+        }
+    }
+    free(logits), free(wte), free(want_l), free(want_d), free(got_d), free(emb), free(sum), free(part);
+    close_tables();
+}

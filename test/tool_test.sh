@@ -67,6 +67,15 @@ sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
     awk '{ if ($1 < 995807232 / 4 - 4096 || $1 > 995807232 / 4 + 4096) exit 1 }' ||
     { echo "FAIL tool: the OPTIM of a rank of 4 at ZeRO stage 2"; cat "$tmp/out"; fail=1; }
 grep -q '"ranks": 4, "rank": 3, "zero": 2' "$tmp/out" || { echo "FAIL tool: estimate --ranks JSON"; fail=1; }
+# tensor groups of 2: a rank holds about half of the weights, gradients and
+# optimizer state (the LayerNorms, positions and two biases per block whole)
+expect 0 "estimate a rank of a tensor group" -- "$tool" estimate $E --json --threads 2 --ranks 2 --tp 2 --rank 1
+sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
+    awk '{ if ($1 < 995807232 / 2 || $1 > 995807232 / 2 * 1.01) exit 1 }' ||
+    { echo "FAIL tool: the OPTIM of a rank of a tensor group of 2"; cat "$tmp/out"; fail=1; }
+grep -q '"ranks": 2, "rank": 1, "zero": 0, "tp": 2' "$tmp/out" || { echo "FAIL tool: estimate --tp JSON"; fail=1; }
+expect 2 "estimate: --tp not dividing --ranks" -- "$tool" estimate $E --ranks 3 --tp 2
+expect 1 "estimate: --tp not dividing the heads" -- "$tool" estimate $E --ranks 5 --tp 5 --batch 5
 expect 2 "estimate: a rank beyond --ranks" -- "$tool" estimate $E --ranks 2 --rank 2
 expect 0 "auto-fit" -- "$tool" estimate $E --budget 1500 --autofit --allow-8bit --seq 256 --batch 8
 grep -q "auto-fit for 1500.0 MiB" "$tmp/out" && grep -q "fits" "$tmp/out" || { echo "FAIL tool: auto-fit"; cat "$tmp/out"; fail=1; }

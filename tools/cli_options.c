@@ -394,6 +394,10 @@ static const opt table[] = {
          "under mpirun: ZeRO stage, 1 shards masters and optimizer state, 2 gradients too, 3 "
          "weights too (0)",
          "the ZeRO stage of the run (0; with --ranks)"),
+    LONG("--tp", "T", ALL, CLI_GPT, tp, 1, 65536,
+         "under mpirun: tensor parallel, each group of T neighbouring ranks splits the GPT's "
+         "heads, MLP columns and vocabulary, and is given the same rows (1)",
+         "ranks per tensor group of the run (1; with --ranks)"),
     LONG("--zero3-prefetch", "N", TE, CLI_ANY, zero3_prefetch, 0, 64,
          "with --zero 3: the next N layers' weights gathered on a thread while a layer "
          "computes, 0 = when each starts (1)", NULL),
@@ -510,6 +514,7 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->comm_timeout = 300;
     o->ranks = 1;
     o->zero3_prefetch = 1;
+    o->tp = 1;
     o->distill_alpha = 0.5f, o->distill_temp = 2.0f;
 }
 
@@ -631,6 +636,12 @@ static int check_together(const cli_opts *o)
     if (o->base && o->precision == MT_PREC_FP16)
         return cli_bad_usage("--base %s computes in fp32 or bf16: not with --precision fp16",
                              mt_base_format_name(o->base));
+    if (o->tp > 1 && (o->save || o->resume))
+        return cli_bad_usage("--tp %ld does not combine with --save or --resume yet (training-state "
+                             "files of a tensor-parallel run are not written)", o->tp);
+    if (o->tp > 1 && o->ranks > 1 && o->ranks % o->tp)
+        return cli_bad_usage("--tp %ld does not divide --ranks %ld (the ranks form data-parallel "
+                             "groups of tensor groups)", o->tp, o->ranks);
     if (o->rank >= o->ranks)
         return cli_bad_usage("--rank %ld is not a rank of --ranks %ld", o->rank, o->ranks);
     if (o->ranks > o->batch)
@@ -773,7 +784,7 @@ mt_base_format cli_spec_base(const cli_opts *o)
 
 int cli_deferred(const cli_opts *o)
 {
-    return (o->zero == 3 || o->offload_params) && cli_spec_base(o) == MT_BASE_FULL &&
+    return (o->zero == 3 || o->offload_params || o->tp > 1) && cli_spec_base(o) == MT_BASE_FULL &&
            !o->lora && !o->load_lora;
 }
 
@@ -792,6 +803,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->fused_step = o->fused;
     tc->local_sgd_every = (int)o->local_sgd;
     tc->zero_stage = (int)o->zero;
+    tc->tensor_parallel = (int)o->tp;
     tc->zero3_prefetch = (int)o->zero3_prefetch;
     tc->zero3_keep = (int)o->zero3_keep;
     tc->grad_clip = o->clip;

@@ -22,7 +22,7 @@
 #include "memtrain/mpi.h"
 #endif
 
-cli_ranks cli_world = {NULL, 0, 1, 0, 0};
+cli_ranks cli_world = {NULL, 0, 1, 0, 0, 1};
 
 /* The rank count mpirun (Open MPI, or a PMI launcher) gave this process,
  * or 1. */
@@ -208,11 +208,17 @@ int cli_ranks_open(const cli_opts *o)
         return cli_lib_fail(NULL, NULL);
     cli_world.rank = mt_comm_rank(cli_world.comm);
     cli_world.size = mt_comm_size(cli_world.comm);
+    cli_world.tp = (int)o->tp;
     int rc = agree_options(o);
     if (rc) return rc;
-    if (cli_world.size > o->batch) {
-        fprintf(stderr, "%s: --batch %ld is less than the %d ranks (every rank needs a row)\n",
-                cli_prog, o->batch, cli_world.size);
+    const long groups = cli_world.size / (o->tp > 1 ? o->tp : 1);
+    if (groups > o->batch) {
+        if (o->tp > 1)
+            fprintf(stderr, "%s: --batch %ld is less than the %ld data-parallel groups of --tp "
+                    "%ld (every group needs a row)\n", cli_prog, o->batch, groups, o->tp);
+        else
+            fprintf(stderr, "%s: --batch %ld is less than the %d ranks (every rank needs a row)\n",
+                    cli_prog, o->batch, cli_world.size);
         return EXIT_USAGE;
     }
     if (cli_world.rank != 0) { /* rank 0 speaks for the run; errors still go to stderr */
@@ -249,10 +255,13 @@ void cli_ranks_close(int rc)
 
 void cli_ranks_rows(mt_batch *b, int features)
 {
-    if (cli_world.size <= 1) return;
+    /* a tensor group shares its rows: the data-parallel groups split them */
+    const int tp = cli_world.tp > 1 ? cli_world.tp : 1;
+    const int groups = cli_world.size / tp, g = cli_world.rank / tp;
+    if (groups <= 1) return;
     const int T = b->tokens ? b->seq_len : 1;
-    const int r0 = (int)((long)b->n * cli_world.rank / cli_world.size);
-    const int r1 = (int)((long)b->n * (cli_world.rank + 1) / cli_world.size);
+    const int r0 = (int)((long)b->n * g / groups);
+    const int r1 = (int)((long)b->n * (g + 1) / groups);
     if (b->inputs) b->inputs += (size_t)r0 * (size_t)features;
     if (b->tokens) b->tokens += (size_t)r0 * T;
     b->targets += (size_t)r0 * T;
@@ -263,6 +272,7 @@ void cli_ranks_trainer_config(mt_trainer_config *tc) { cli_ranks_batch(tc, cli_w
 
 void cli_ranks_batch(mt_trainer_config *tc, int ranks)
 {
+    if (tc->tensor_parallel > 1) ranks /= tc->tensor_parallel; /* (a group shares its rows) */
     if (ranks <= 1) return;
     const int rows = (tc->max_batch + ranks - 1) / ranks;
     tc->max_batch = rows;

@@ -58,6 +58,9 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
 mt_status mti_cpu_embedding_fwd_q(const mti_kctx *k, void *out, const int32_t *tok, const void *wq,
                                   mti_qformat qf, int V, const void *wpe, int B, int T, int C,
                                   mti_dtype dt);
+mt_status mti_cpu_embedding_fwd_rows(const mti_kctx *k, void *out, const int32_t *tok,
+                                     const void *wte, int v0, int v1, int B, int T, int C,
+                                     mti_dtype dt);
 mt_status mti_cpu_embedding_bwd(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                 const int32_t *tok, int B, int T, int C, mti_dtype dt);
 mt_status mti_cpu_embedding_dw_rows(const mti_kctx *k, float *dwte, const void *dout,
@@ -115,6 +118,9 @@ mt_status mti_cpu_attention_bwd(const mti_kctx *k, void *dqkv, const void *dout,
 /* xent.c */
 mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
                        const int32_t *targets, int n, int V, int Vp, float dloss, mti_dtype dt);
+mt_status mti_cpu_xent_vp(const mti_kctx *k, int phase, float *stats, float *losses,
+                          void *dlogits, const void *logits, const int32_t *targets, int n, int v0,
+                          int Vr, int W, float dloss, mti_dtype dt);
 mt_status mti_cpu_xent_kd(const mti_kctx *k, float *losses, void *dlogits, const void *logits,
                           const float *tlogits, const int32_t *targets, int n, int V, int Vp,
                           int tVp, float alpha, float temp, float dloss, mti_dtype dt);

@@ -74,6 +74,28 @@ mt_status mti_cpu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *tok
     return MT_OK;
 }
 
+mt_status mti_cpu_embedding_fwd_rows(const mti_kctx *k, void *out, const int32_t *tok,
+                                     const void *wte, int v0, int v1, int B, int T, int C,
+                                     mti_dtype dt)
+{
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
+    if (!dt_ok(dt)) return bad_dtype(k, "embedding_fwd_rows", dt);
+    if (v0 < 0 || v1 < v0)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "embedding_fwd_rows: rows [%d,%d)", v0, v1);
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
+    const size_t c = (size_t)C, rows = (size_t)B * (size_t)T, es = mti_dtype_size(dt);
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
+    if (rows * c > MTI_CPU_PAR_MIN)
+    for (size_t r = 0; r < rows; r++) {
+        if (tok[r] >= v0 && tok[r] < v1)
+            memcpy((char *)out + r * c * es, (const char *)wte + (size_t)(tok[r] - v0) * c * es,
+                   c * es);
+        else
+            memset((char *)out + r * c * es, 0, c * es);
+    }
+    return MT_OK;
+}
+
 /* The table quantized (the frozen token table of a quantized base): each
  * row dequantized in dt, CHUNK values at a time into a stack buffer, then
  * emb_row's sum with the position row, so the bits are embedding_fwd's on

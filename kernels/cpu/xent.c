@@ -9,6 +9,8 @@
  * exists at any time. Rows are the unit of the parallel loop.
  */
 #include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "cpu_ops.h"
@@ -88,14 +90,29 @@ static float row_max(const void *x, mti_dtype dt, size_t row, size_t V, float *b
     return mx;
 }
 
-/* One row of Vp columns at element `row`. */
-static float xent_row(void *dlogits, const void *logits, int32_t target, size_t row, size_t V,
-                      size_t Vp, float dloss, mti_dtype dt)
+/* The gradient of a row of Vp columns at element `row` over itself:
+ * e^(x - mx) scale for the first V, dloss off at column `target` (none
+ * when outside [0, V)), padding columns 0. */
+static void grad_row(void *dlogits, const void *logits, int64_t target, size_t row, size_t V,
+                     size_t Vp, float mx, float scale, float dloss, mti_dtype dt)
 {
     float xb[CHUNK], db[CHUNK];
-    float acc[LANES];
-    const float mx = row_max(logits, dt, row, V, xb);
+    for (size_t j = 0; j < Vp; j += CHUNK) {
+        size_t m = min_sz(CHUNK, Vp - j);
+        float *d = dt == MTI_F32 ? (float *)dlogits + row + j : db;
+        /* the real columns of the chunk, then padding columns: 0 */
+        size_t real = j + m <= V ? m : j < V ? V - j : 0;
+        if (real) softmax_scaled(d, stage_in(logits, dt, row + j, real, xb), real, mx, scale);
+        memset(d + real, 0, (m - real) * sizeof(float));
+        if (target >= (int64_t)j && target < (int64_t)(j + real)) d[(size_t)target - j] -= dloss;
+        if (dt != MTI_F32) mti_cpu_store_f32(dlogits, dt, row + j, db, m);
+    }
+}
 
+/* The sum of e^(x - mx) over V columns at element `row`, in LANES partial sums added in a fixed tree. */
+static float row_expsum(const void *logits, mti_dtype dt, size_t row, size_t V, float mx)
+{
+    float xb[CHUNK], acc[LANES];
     memset(acc, 0, sizeof acc);
     for (size_t j = 0; j < V; j += CHUNK) {
         size_t m = min_sz(CHUNK, V - j);
@@ -103,7 +120,16 @@ static float xent_row(void *dlogits, const void *logits, int32_t target, size_t 
     }
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-    float sum = acc[0];
+    return acc[0];
+}
+
+/* One row of Vp columns at element `row`. */
+static float xent_row(void *dlogits, const void *logits, int32_t target, size_t row, size_t V,
+                      size_t Vp, float dloss, mti_dtype dt)
+{
+    float xb[CHUNK];
+    const float mx = row_max(logits, dt, row, V, xb);
+    const float sum = row_expsum(logits, dt, row, V, mx);
 
     /* read before the gradient may overwrite the row */
     float xt;
@@ -111,19 +137,7 @@ static float xent_row(void *dlogits, const void *logits, int32_t target, size_t 
     /* logsumexp - x[target], both relative to the max */
     float loss = logf(sum) - (xt - mx);
 
-    if (dlogits) {
-        float scale = dloss / sum;
-        for (size_t j = 0; j < Vp; j += CHUNK) {
-            size_t m = min_sz(CHUNK, Vp - j);
-            float *d = dt == MTI_F32 ? (float *)dlogits + row + j : db;
-            /* the real columns of the chunk, then padding columns: 0 */
-            size_t real = j + m <= V ? m : j < V ? V - j : 0;
-            if (real) softmax_scaled(d, stage_in(logits, dt, row + j, real, xb), real, mx, scale);
-            memset(d + real, 0, (m - real) * sizeof(float));
-            if ((size_t)target >= j && (size_t)target < j + m) d[(size_t)target - j] -= dloss;
-            if (dt != MTI_F32) mti_cpu_store_f32(dlogits, dt, row + j, db, m);
-        }
-    }
+    if (dlogits) grad_row(dlogits, logits, target, row, V, Vp, mx, dloss / sum, dloss, dt);
     return loss;
 }
 
@@ -142,6 +156,43 @@ mt_status mti_cpu_xent(const mti_kctx *k, float *losses, void *dlogits, const vo
     for (int i = 0; i < n; i++) {
         float l = xent_row(dlogits, logits, targets[i], (size_t)i * vp, (size_t)V, vp, dloss, dt);
         if (losses) losses[i] = l;
+    }
+    return MT_OK;
+}
+
+/* ---- split by vocabulary over a tensor group (lib/ops/kernels.h) ---- */
+
+mt_status mti_cpu_xent_vp(const mti_kctx *k, int phase, float *stats, float *losses,
+                          void *dlogits, const void *logits, const int32_t *targets, int n, int v0,
+                          int Vr, int W, float dloss, mti_dtype dt)
+{
+    if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
+    if (dt != MTI_F32 && dt != MTI_F16 && dt != MTI_BF16)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "xent_vp: dtype %d is not a float", (int)dt);
+    if (phase < 0 || phase > 2 || Vr < 0 || W < Vr || v0 < 0)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG,
+                        "xent_vp: phase %d, %d real columns of %d from column %d", phase, Vr, W, v0);
+    if (n <= 0) return MT_OK;
+    const size_t w = (size_t)W, V = (size_t)Vr, N = (size_t)n;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) \
+    if (N * w > MTI_CPU_PAR_MIN)
+    for (int i = 0; i < n; i++) {
+        const size_t row = (size_t)i * w;
+        const int64_t t = (int64_t)targets[i] - v0; /* the target's column here, if here */
+        const bool here = t >= 0 && t < (int64_t)V;
+        float xb[CHUNK];
+        if (phase == 0) {
+            stats[i] = V ? row_max(logits, dt, row, V, xb) : -INFINITY;
+        } else if (phase == 1) {
+            stats[N + (size_t)i] = V ? row_expsum(logits, dt, row, V, stats[i]) : 0.0f;
+            float xt = 0.0f;
+            if (here) mti_cpu_load_f32(&xt, logits, dt, row + (size_t)t, 1);
+            stats[2 * N + (size_t)i] = xt;
+        } else {
+            const float mx = stats[i], sum = stats[N + (size_t)i];
+            if (losses) losses[i] = logf(sum) - (stats[2 * N + (size_t)i] - mx);
+            if (dlogits) grad_row(dlogits, logits, here ? t : -1, row, V, w, mx, dloss / sum, dloss, dt);
+        }
     }
     return MT_OK;
 }

@@ -60,6 +60,26 @@ MT_EXPORT_DT(mt_emb_fwd, 256, emb_fwd_k,
               mt_index n_out),
              (out, tok, wte, wpe, Tn, C, n_out))
 
+/* embedding_fwd_rows: rows [v0, v1) of the table (wte at row v0), a token
+ * outside them a zero row; no positions. grid-stride over n_out. */
+template <typename T>
+__device__ __forceinline__ void emb_fwd_rows_k(void *out_, const int *tok, const void *wte_,
+                                               int v0, int v1, int C, mt_index n_out)
+{
+    T *out = (T *)out_;
+    const T *wte = (const T *)wte_;
+    MT_FOR_EACH(i, n_out)
+    {
+        mt_index bt = i / (mt_index)C, c = i - bt * (mt_index)C;
+        const int v = tok[bt];
+        const float x = v >= v0 && v < v1 ? mt_ld(wte, (mt_index)(v - v0) * C + c) : 0.0f;
+        mt_st(out, i, x);
+    }
+}
+MT_EXPORT_DT(mt_emb_fwd_rows, 256, emb_fwd_rows_k,
+             (void *out, const int *tok, const void *wte, int v0, int v1, int C, mt_index n_out),
+             (out, tok, wte, v0, v1, C, n_out))
+
 /* Step 1. keys (S) start MT_EMB_EMPTY, counts (S) start 0; S a power of two
  * >= 2n, so probing always ends. slot_of (n) = the slot of each position's
  * token. grid-stride over n. */

@@ -486,6 +486,20 @@ static mt_status cu_embedding_fwd(const mti_kctx *k, void *out, const int32_t *t
     return launch(k, MTI_CUDA_EMB_FWD_F32 + dt, ew_grid(n), MTI_EW_THREADS, args);
 }
 
+static mt_status cu_embedding_fwd_rows(const mti_kctx *k, void *out, const int32_t *tok,
+                                       const void *wte, int v0, int v1, int B, int T, int C,
+                                       mti_dtype dt)
+{
+    OP_NOTE(k, "embedding_fwd_rows B=%d T=%d C=%d rows [%d,%d) %s", B, T, C, v0, v1,
+            dt_name(dt));
+    if (!dt_ok(dt)) return bad_dt(k, "embedding_fwd_rows", dt);
+    if (v0 < 0 || v1 < v0) return bad_arg(k, "embedding_fwd_rows", "bad row range");
+    if (B <= 0 || T <= 0 || C <= 0) return MT_OK;
+    unsigned long long n = (unsigned long long)B * T * C;
+    void *args[] = {&out, &tok, &wte, &v0, &v1, &C, &n};
+    return launch(k, MTI_CUDA_EMB_FWD_ROWS_F32 + dt, ew_grid(n), MTI_EW_THREADS, args);
+}
+
 /* Rows [v0, v1) of dwte (pointing at row v0) through the grouping of
  * embedding.cu (hash, scan, fill, rank, add). */
 static mt_status wte_grad(const mti_kctx *k, float *dwte, const void *dout, const int32_t *tok,
@@ -1308,6 +1322,20 @@ static mt_status cu_xent(const mti_kctx *k, float *losses, void *dlogits, const 
     if (n <= 0) return MT_OK;
     void *args[] = {&losses, &dlogits, &logits, &targets, &V, &Vp, &dloss};
     return launch(k, MTI_CUDA_XENT_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS, args);
+}
+
+static mt_status cu_xent_vp(const mti_kctx *k, int phase, float *stats, float *losses,
+                            void *dlogits, const void *logits, const int32_t *targets, int n,
+                            int v0, int Vr, int W, float dloss, mti_dtype dt)
+{
+    OP_NOTE(k, "xent_vp phase %d n=%d v0=%d Vr=%d W=%d %s", phase, n, v0, Vr, W, dt_name(dt));
+    if (!dt_ok(dt)) return bad_dt(k, "xent_vp", dt);
+    if (phase < 0 || phase > 2 || Vr < 0 || W < Vr || v0 < 0)
+        return bad_arg(k, "xent_vp", "bad phase or size (need 0 <= Vr <= W)");
+    if (n <= 0) return MT_OK;
+    void *args[] = {&phase, &stats, &losses, &dlogits, &logits, &targets, &n, &v0, &Vr, &W, &dloss};
+    return launch(k, MTI_CUDA_XENT_VP_F32 + dt, (mti_dim3){(unsigned)n, 1, 1}, MTI_XENT_THREADS,
+                  args);
 }
 
 /* Distillation (xent.cu's mt_xent_kd): the CPU table's checks in its

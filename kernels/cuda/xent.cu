@@ -56,6 +56,58 @@ MT_EXPORT_DT(mt_xent, MT_XENT_THREADS, xent_k,
               float dloss),
              (losses, dlogits, logits, targets, V, Vp, dloss))
 
+/* The cross-entropy split by vocabulary over a tensor group
+ * (lib/ops/kernels.h's xent_vp): logits (N,W) are the whole's columns [v0,
+ * v0 + W), the first Vr real; stats (3,N). One block per row, xent_k's
+ * reductions and formulas, one phase per launch. */
+template <typename T>
+__device__ __forceinline__ void xent_vp_k(int phase, float *stats, float *losses, void *dlogits_,
+                                          const void *logits_, const int *targets, int n, int v0,
+                                          int Vr, int W, float dloss)
+{
+    __shared__ float sh[32];
+    const T *logits = (const T *)logits_;
+    T *dlogits = (T *)dlogits_;
+    const int row = blockIdx.x, t = threadIdx.x;
+    const mt_index base = (mt_index)row * W;
+    const int target = targets[row] - v0;
+    const bool here = target >= 0 && target < Vr;
+    if (phase == 0) {
+        float mx = -INFINITY;
+        for (int j = t; j < Vr; j += MT_XENT_THREADS) mx = fmaxf(mx, mt_ld(logits, base + j));
+        mx = mt_block_max(mx, sh);
+        if (t == 0) stats[row] = mx;
+        return;
+    }
+    const float mx = stats[row];
+    if (phase == 1) {
+        float s = 0.0f;
+        for (int j = t; j < Vr; j += MT_XENT_THREADS) s += expf(mt_ld(logits, base + j) - mx);
+        s = mt_block_sum(s, sh);
+        if (t == 0) {
+            stats[n + row] = s;
+            stats[2 * n + row] = here ? mt_ld(logits, base + target) : 0.0f;
+        }
+        return;
+    }
+    const float s = stats[n + row];
+    if (t == 0 && losses) losses[row] = logf(s) - (stats[2 * n + row] - mx);
+    if (!dlogits) return;
+    const float scale = dloss / s;
+    for (int j = t; j < W; j += MT_XENT_THREADS) {
+        float d = 0.0f;
+        if (j < Vr) {
+            d = __fmul_rn(expf(mt_ld(logits, base + j) - mx), scale);
+            if (j == target) d = __fsub_rn(d, dloss);
+        }
+        mt_st(dlogits, base + j, d);
+    }
+}
+MT_EXPORT_DT(mt_xent_vp, MT_XENT_THREADS, xent_vp_k,
+             (int phase, float *stats, float *losses, void *dlogits, const void *logits,
+              const int *targets, int n, int v0, int Vr, int W, float dloss),
+             (phase, stats, losses, dlogits, logits, targets, n, v0, Vr, W, dloss))
+
 /* Distillation (lib/ops/kernels.h's xent_kd; the CPU's kd_row in
  * kernels/cpu/xent.c): student logits s (N,Vp) in T, teacher logits t
  * (N,tVp) fp32, V real columns each; alpha in (0, 1], temp > 0 (the host

@@ -306,19 +306,55 @@ static mt_status on_ctx(mt_context *ctx, const char *what, mt_status s)
 
 /* The communicator's calls until unlabel are for ctx's `what` (a failure
  * that breaks it keeps them in its cause). */
-static void label(mt_context *ctx, const char *what)
+static void label_on(mt_context *ctx, mt_comm *c, const char *what)
 {
-    mt_comm *c = ctx->cfg.comm;
     if (!c) return;
     c->call_what = what;
     c->call_step = atomic_load(&ctx->comm->step);
 }
 
-static mt_status unlabel(mt_context *ctx, mt_status s)
+static mt_status unlabel_on(mt_comm *c, mt_status s)
 {
-    mt_comm *c = ctx->cfg.comm;
     if (c) c->call_what = NULL, c->call_step = 0;
     return s;
+}
+
+static void label(mt_context *ctx, const char *what) { label_on(ctx, ctx->cfg.comm, what); }
+
+static mt_status unlabel(mt_context *ctx, mt_status s) { return unlabel_on(ctx->cfg.comm, s); }
+
+/* ---- groups ---- */
+
+void mti_comm_narrow(mt_context *ctx, mt_comm *dp, int world, int rank)
+{
+    mti_comm_plan *p = ctx->comm;
+    if (!p->narrowed) {
+        p->world_comm = ctx->cfg.comm;
+        p->world = ctx->world;
+        p->rank = ctx->rank;
+        p->narrowed = true;
+    }
+    ctx->cfg.comm = dp;
+    ctx->world = world;
+    ctx->rank = rank;
+}
+
+void mti_comm_widen(mt_context *ctx)
+{
+    mti_comm_plan *p = ctx->comm;
+    if (!p->narrowed) return;
+    ctx->cfg.comm = p->world_comm;
+    ctx->world = p->world;
+    ctx->rank = p->rank;
+    p->narrowed = false;
+}
+
+mt_comm *mti_comm_world(const mt_context *ctx, int *world, int *rank)
+{
+    const mti_comm_plan *p = ctx->comm;
+    if (world) *world = p->narrowed ? p->world : ctx->world;
+    if (rank) *rank = p->narrowed ? p->rank : ctx->rank;
+    return p->narrowed ? p->world_comm : ctx->cfg.comm;
 }
 
 /* ---- the buffers of a run of several ranks ---- */
@@ -392,10 +428,10 @@ static mt_status stage_sync(mt_context *ctx, bool host)
 /* One collective of a host communicator through the staging buffer:
  * chunks of the buffer's size (per rank for the gathers and scatters),
  * each copied in, reduced or gathered in place, and copied out. */
-static mt_status staged(mt_context *ctx, const char *what, coll k, bool host, const void *send,
-                        void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op, int root)
+static mt_status staged(mt_context *ctx, mt_comm *c, const char *what, coll k, bool host,
+                        const void *send, void *recv, size_t count, mt_comm_dtype dt,
+                        mt_comm_op op, int root)
 {
-    mt_comm *c = ctx->cfg.comm;
     const size_t es = esize(dt), R = (size_t)c->size, me = (size_t)c->rank;
     if (R == 1) { /* one rank: every collective is a copy (none without buffers) */
         if (send == recv || !count) return MT_OK;
@@ -434,50 +470,46 @@ static mt_status staged(mt_context *ctx, const char *what, coll k, bool host, co
     return s;
 }
 
-static bool device_table(const mt_context *ctx)
-{
-    return ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE;
-}
+static bool device_table(const mt_comm *c) { return c->vt.caps & MT_COMM_CAP_DEVICE; }
 
-static mt_status comm_all_reduce_run(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_all_reduce_run(mt_context *ctx, mt_comm *c, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    if (!device_table(ctx)) return staged(ctx, what, ALL_REDUCE, false, send, recv, count, dt, op, 0);
+    if (!device_table(c)) return staged(ctx, c, what, ALL_REDUCE, false, send, recv, count, dt, op, 0);
     return on_ctx(ctx, what,
-                  mt_comm_all_reduce(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
+                  mt_comm_all_reduce(c, send, recv, count, dt, op, mti_comm_stream(ctx)));
 }
 
-static mt_status comm_reduce_scatter_run(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_reduce_scatter_run(mt_context *ctx, mt_comm *c, const char *what, const void *send, void *recv,
                                   size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    if (!device_table(ctx))
-        return staged(ctx, what, REDUCE_SCATTER, false, send, recv, count, dt, op, 0);
+    if (!device_table(c))
+        return staged(ctx, c, what, REDUCE_SCATTER, false, send, recv, count, dt, op, 0);
     return on_ctx(ctx, what,
-                  mt_comm_reduce_scatter(ctx->cfg.comm, send, recv, count, dt, op, mti_comm_stream(ctx)));
+                  mt_comm_reduce_scatter(c, send, recv, count, dt, op, mti_comm_stream(ctx)));
 }
 
-static mt_status comm_all_gather_run(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_all_gather_run(mt_context *ctx, mt_comm *c, const char *what, const void *send, void *recv,
                               size_t count, mt_comm_dtype dt)
 {
-    if (!device_table(ctx))
-        return staged(ctx, what, ALL_GATHER, false, send, recv, count, dt, MT_COMM_SUM, 0);
+    if (!device_table(c))
+        return staged(ctx, c, what, ALL_GATHER, false, send, recv, count, dt, MT_COMM_SUM, 0);
     return on_ctx(ctx, what,
-                  mt_comm_all_gather(ctx->cfg.comm, send, recv, count, dt, mti_comm_stream(ctx)));
+                  mt_comm_all_gather(c, send, recv, count, dt, mti_comm_stream(ctx)));
 }
 
-static mt_status comm_broadcast_run(mt_context *ctx, const char *what, void *buf, size_t count,
+static mt_status comm_broadcast_run(mt_context *ctx, mt_comm *c, const char *what, void *buf, size_t count,
                              mt_comm_dtype dt, int root)
 {
-    if (!device_table(ctx)) return staged(ctx, what, BROADCAST, false, buf, buf, count, dt, MT_COMM_SUM, root);
+    if (!device_table(c)) return staged(ctx, c, what, BROADCAST, false, buf, buf, count, dt, MT_COMM_SUM, root);
     return on_ctx(ctx, what,
-                  mt_comm_broadcast(ctx->cfg.comm, buf, count, dt, root, mti_comm_stream(ctx)));
+                  mt_comm_broadcast(c, buf, count, dt, root, mti_comm_stream(ctx)));
 }
 
-static mt_status comm_host_gather_run(mt_context *ctx, const char *what, const void *send, void *recv,
+static mt_status comm_host_gather_run(mt_context *ctx, mt_comm *c, const char *what, const void *send, void *recv,
                                size_t len)
 {
-    mt_comm *c = ctx->cfg.comm;
-    if (!device_table(ctx)) return staged(ctx, what, ALL_GATHER, true, send, recv, len, MT_COMM_BYTE, MT_COMM_SUM, 0);
+    if (!device_table(c)) return staged(ctx, c, what, ALL_GATHER, true, send, recv, len, MT_COMM_BYTE, MT_COMM_SUM, 0);
     /* a device table: through the record buffer, MTI_COMM_RECORD bytes per
        rank at a time */
     mti_device *d = ctx->dev;
@@ -542,58 +574,101 @@ static mt_status timed(mt_context *ctx, uint64_t t0, mt_status s)
 /* A collective of the context begins: the other thread's queue waited
  * for (its wait counted there), the clock started, and the communicator's
  * calls labelled with `what`; a failed wait is returned, unlabelled. */
-static mt_status coll_begin(mt_context *ctx, const char *what, uint64_t *t0)
+static mt_status coll_begin(mt_context *ctx, mt_comm *c, const char *what, uint64_t *t0)
 {
     const mt_status q = mti_comm_turn(ctx, what);
     *t0 = mti_now_ns();
-    if (!q) label(ctx, what);
+    if (!q) label_on(ctx, c, what);
     return q;
 }
 
 /* ... and ends with status s: unlabelled, timed. */
-static mt_status coll_end(mt_context *ctx, uint64_t t0, mt_status s)
+static mt_status coll_end(mt_context *ctx, mt_comm *c, uint64_t t0, mt_status s)
 {
-    return timed(ctx, t0, unlabel(ctx, s));
+    return timed(ctx, t0, unlabel_on(c, s));
+}
+
+mt_status mti_comm_group_all_reduce(mt_context *ctx, mt_comm *c, const char *what,
+                                    const void *send, void *recv, size_t count, mt_comm_dtype dt,
+                                    mt_comm_op op)
+{
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, c, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, c, t0, comm_all_reduce_run(ctx, c, what, send, recv, count, dt, op));
+}
+
+mt_status mti_comm_group_host_all_reduce(mt_context *ctx, mt_comm *c, const char *what,
+                                         float *buf, size_t count, mt_comm_op op)
+{
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, c, what, &t0);
+    if (q) return timed(ctx, t0, q);
+    mt_status s;
+    if (!device_table(c)) {
+        s = staged(ctx, c, what, ALL_REDUCE, true, buf, buf, count, MT_COMM_F32, op, 0);
+    } else { /* a device table: through the record buffer */
+        mti_device *d = ctx->dev;
+        unsigned char *rb = ctx->comm->records.ptr;
+        const size_t per = MTI_COMM_RECORD * (size_t)c->size / sizeof(float);
+        s = rb ? MT_OK : mti_fail(ctx, MT_ERR_INTERNAL, "%s: no record buffer", what);
+        for (size_t at = 0; at < count && !s; at += per) {
+            const size_t n = count - at < per ? count - at : per;
+            s = d->copy_h2d(d, rb, buf + at, n * sizeof(float));
+            if (!s)
+                s = on_ctx(ctx, what, mt_comm_all_reduce(c, rb, rb, n, MT_COMM_F32, op,
+                                                         mti_comm_stream(ctx)));
+            if (!s) s = d->copy_d2h(d, buf + at, rb, n * sizeof(float));
+            if (!s) s = d->sync(d);
+        }
+    }
+    return coll_end(ctx, c, t0, s);
+}
+
+mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what, void *buf,
+                                   size_t count, mt_comm_dtype dt, int root)
+{
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, c, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, c, t0, comm_broadcast_run(ctx, c, what, buf, count, dt, root));
 }
 
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    uint64_t t0;
-    const mt_status q = coll_begin(ctx, what, &t0);
-    return q ? timed(ctx, t0, q)
-             : coll_end(ctx, t0, comm_all_reduce_run(ctx, what, send, recv, count, dt, op));
+    return mti_comm_group_all_reduce(ctx, ctx->cfg.comm, what, send, recv, count, dt, op);
 }
 
 mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
+    mt_comm *c = ctx->cfg.comm;
     uint64_t t0;
-    const mt_status q = coll_begin(ctx, what, &t0);
+    const mt_status q = coll_begin(ctx, c, what, &t0);
     return q ? timed(ctx, t0, q)
-             : coll_end(ctx, t0, comm_reduce_scatter_run(ctx, what, send, recv, count, dt, op));
+             : coll_end(ctx, c, t0, comm_reduce_scatter_run(ctx, c, what, send, recv, count, dt, op));
 }
 
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt)
 {
+    mt_comm *c = ctx->cfg.comm;
     uint64_t t0;
-    const mt_status q = coll_begin(ctx, what, &t0);
+    const mt_status q = coll_begin(ctx, c, what, &t0);
     return q ? timed(ctx, t0, q)
-             : coll_end(ctx, t0, comm_all_gather_run(ctx, what, send, recv, count, dt));
+             : coll_end(ctx, c, t0, comm_all_gather_run(ctx, c, what, send, recv, count, dt));
 }
 
 mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count, mt_comm_dtype dt, int root)
 {
-    uint64_t t0;
-    const mt_status q = coll_begin(ctx, what, &t0);
-    return q ? timed(ctx, t0, q)
-             : coll_end(ctx, t0, comm_broadcast_run(ctx, what, buf, count, dt, root));
+    return mti_comm_group_broadcast(ctx, ctx->cfg.comm, what, buf, count, dt, root);
 }
 
 mt_status mti_comm_host_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t len)
 {
+    mt_comm *c = ctx->cfg.comm;
     uint64_t t0;
-    const mt_status q = coll_begin(ctx, what, &t0);
+    const mt_status q = coll_begin(ctx, c, what, &t0);
     return q ? timed(ctx, t0, q)
-             : coll_end(ctx, t0, comm_host_gather_run(ctx, what, send, recv, len));
+             : coll_end(ctx, c, t0, comm_host_gather_run(ctx, c, what, send, recv, len));
 }
 
 mt_status mti_comm_all_reduce_pieces(mt_context *ctx, const char *what, float *const *p,

@@ -52,6 +52,30 @@ mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *sen
                               size_t count, mt_comm_dtype dt);
 mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count,
                              mt_comm_dtype dt, int root);
+/* The same collectives within a group of the context's ranks (a
+ * sub-communicator c of the context's, mt_comm_split: tensor parallel's):
+ * staged through the context's buffers for a host table, on the context's
+ * stream for a device one; the turn rule below holds for them too.
+ * host_all_reduce: count fp32 values of host memory in place, whatever the
+ * table. */
+mt_status mti_comm_group_all_reduce(mt_context *ctx, mt_comm *c, const char *what,
+                                    const void *send, void *recv, size_t count, mt_comm_dtype dt,
+                                    mt_comm_op op);
+mt_status mti_comm_group_host_all_reduce(mt_context *ctx, mt_comm *c, const char *what,
+                                         float *buf, size_t count, mt_comm_op op);
+mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what, void *buf,
+                                   size_t count, mt_comm_dtype dt, int root);
+/* While a trainer splits the ranks into groups (tensor parallel), the
+ * context's own collectives (data parallel, ZeRO, the agreements) run
+ * within its data-parallel group: narrow points ctx->cfg.comm, ctx->world
+ * and ctx->rank at that group (dp: its communicator, NULL for a group of one
+ * or in a dry context; world and rank: its size and this rank's place) and
+ * keeps the world's; widen gives them back. mti_comm_world: the world's communicator,
+ * size and rank whether narrowed or not (an estimate made meanwhile plans
+ * for the world). */
+void mti_comm_narrow(mt_context *ctx, mt_comm *dp, int world, int rank);
+void mti_comm_widen(mt_context *ctx);
+mt_comm *mti_comm_world(const mt_context *ctx, int *world, int *rank);
 /* One all-reduce (sum, fp32, in place) of k pieces of host memory together,
  * through the staging buffer of a CPU context's host communicator: piece j
  * is n[j] values at p[j], or zeros whose sums are dropped when p[j] is NULL.

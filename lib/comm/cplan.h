@@ -30,6 +30,10 @@ struct mti_comm_plan {
      * named in a dry context: assumed, as NCCL is), kept by a dry context
      * so that an estimate within an estimate plans the same buffers */
     bool device;
+    /* narrowed to a data-parallel group (mti_comm_narrow): the world's */
+    bool narrowed;
+    mt_comm *world_comm;
+    int world, rank;
     /* the buffers a run of several ranks holds from creation to destroy */
     mt_block stage;   /* COMM: host staging of a host communicator (CPU context) */
     mt_block records; /* COMM: device buffer for the records of a device communicator */

@@ -48,6 +48,7 @@ typedef struct mti_dim3 {
     MTI_CUDA_DT3(X, MTI_CUDA_ACCUMULATE, "mt_accumulate")                                      \
     MTI_CUDA_DT3(X, MTI_CUDA_BIAS_ROWS, "mt_bias_rows")                                        \
     MTI_CUDA_DT3(X, MTI_CUDA_EMB_FWD, "mt_emb_fwd")                                            \
+    MTI_CUDA_DT3(X, MTI_CUDA_EMB_FWD_ROWS, "mt_emb_fwd_rows")                                  \
     X(MTI_CUDA_EMB_HASH, "mt_emb_hash")                                                        \
     X(MTI_CUDA_EMB_SCAN, "mt_emb_scan")                                                        \
     X(MTI_CUDA_EMB_FILL, "mt_emb_fill")                                                        \
@@ -76,6 +77,7 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_ATTN_TC_BWD_KV_BF16, "mt_attn_tc_bwd_kv_bf16")                                  \
     MTI_CUDA_DT3(X, MTI_CUDA_XENT, "mt_xent")                                                  \
     MTI_CUDA_DT3(X, MTI_CUDA_XENT_KD, "mt_xent_kd")                                            \
+    MTI_CUDA_DT3(X, MTI_CUDA_XENT_VP, "mt_xent_vp")                                            \
     MTI_CUDA_DT3(X, MTI_CUDA_COLSUM, "mt_colsum")                                              \
     X(MTI_CUDA_COLSUM_FINISH, "mt_colsum_finish")                                              \
     X(MTI_CUDA_SUMSQ_BLOCKS, "mt_sumsq_blocks")                                                \

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
+#include "comm/comm.h"
 
 
 enum { LN1, LN1_MEAN, LN1_RSTD, QKV, ATT, LSE, RES2, LN2, LN2_MEAN, LN2_RSTD, FCH, GELU_OUT,
@@ -273,6 +274,47 @@ static mt_status act(mti_engine *E, mti_tensor *t, mti_dtype dt, int64_t rows, i
 
 static void *P(mti_engine *E, int param) { return E->m->params[param].w.blk.ptr; }
 
+/* ---- tensor parallel (model.h, mti_tp): this rank's share of a block's
+   widths, the row-parallel bias, the group's sums ---- */
+
+static int tp_size(const mti_engine *E) { return E->m->tp ? E->m->tp->size : 1; }
+
+/* A row-parallel linear's bias: added by the group's first rank alone,
+ * before the sum. */
+static void *tp_bias(mti_engine *E, int param)
+{
+    return E->m->tp && E->m->tp->rank ? NULL : P(E, param);
+}
+
+/* The logits' columns on this rank (an LM head's vocabulary share). */
+static int out_cols(const mti_engine *E, const mti_layer *ly)
+{
+    return ly->kind == MT_LAYER_LM_HEAD && E->m->tp ? E->m->tp->v1 - E->m->tp->v0 : ly->out;
+}
+
+/* buf (n values in dt) summed over the tensor group, in place: in fp32
+ * (a 16-bit dtype through an fp32 WORK copy, rounded to nearest once). */
+static mt_status tp_sum(mti_engine *E, void *buf, size_t n, uint64_t tag)
+{
+    const mti_tp *tp = E->m->tp;
+    mt_context *ctx = E->ctx;
+    if (!tp || tp->size < 2) return MT_OK;
+    const char *what = "tensor parallel: the sum of a layer's partial outputs";
+    if (E->dt == MTI_F32)
+        return ctx->dry ? MT_OK
+                        : mti_comm_group_all_reduce(ctx, tp->comm, what, buf, buf, n, MT_COMM_F32,
+                                                    MT_COMM_SUM);
+    mti_tensor f;
+    mt_status s = act(E, &f, MTI_F32, (int64_t)n, 0, MT_MEM_WORK, MT_LIFE_PHASE, tag);
+    if (!s) s = ctx->ops->cast(&E->k, f.blk.ptr, MTI_F32, buf, E->dt, n, MTI_ROUND_NEAREST, 0);
+    if (!s && !ctx->dry)
+        s = mti_comm_group_all_reduce(ctx, tp->comm, what, f.blk.ptr, f.blk.ptr, n, MT_COMM_F32,
+                                      MT_COMM_SUM);
+    if (!s) s = ctx->ops->cast(&E->k, buf, E->dt, f.blk.ptr, MTI_F32, n, MTI_ROUND_NEAREST, 0);
+    mti_tensor_free(ctx, &f);
+    return s;
+}
+
 /* The gradient of a parameter (made on its first contribution, fresh), or
  * NULL for a frozen one: the ops then skip that weight gradient. The op
  * that gets it takes wflags' flag for it, or it is zeroed (zgradp). */
@@ -335,6 +377,17 @@ static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int 
 {
     const mti_param *w = &E->m->params[ti];
     const mti_ops *op = E->ctx->ops;
+    const mti_tp *tp = E->m->tp;
+    if (tp) { /* this rank's rows of the table, summed over the group, then the positions */
+        mt_status s = op->embedding_fwd_rows(&E->k, out, E->tokens.blk.ptr, w->w.blk.ptr, tp->v0,
+                                             tp->v1, E->B, E->T, C, E->dt);
+        if (!s) s = tp_sum(E, out, (size_t)E->N * (size_t)C, MTI_TAG(1, 210));
+        const size_t seq = (size_t)E->T * (size_t)C * mti_dtype_size(E->dt);
+        for (int b = 0; wpe && b < E->B && !s; b++)
+            s = op->accumulate(&E->k, (char *)out + (size_t)b * seq, wpe, (size_t)E->T * (size_t)C,
+                               E->dt);
+        return s;
+    }
     if (w->qf)
         return op->embedding_fwd_q(&E->k, out, E->tokens.blk.ptr, w->w.blk.ptr, w->qf,
                                    (int)w->shape[0], wpe, E->B, E->T, C, E->dt);
@@ -431,7 +484,8 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     const mti_layer *ly = &E->m->layers[i];
     const mti_ops *op = E->ctx->ops;
     const mti_kctx *k = &E->k;
-    const int N = E->N, C = ly->in, H = ly->heads, p = ly->p0;
+    const int N = E->N, C = ly->in, p = ly->p0;
+    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E); /* this rank's heads */
     const mti_dtype dt = E->dt;
     mti_tensor *sl = E->slot[i];
     const void *x = E->bnd[i].blk.ptr;
@@ -449,20 +503,21 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     }
     MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, x,
                           P(E, p + 0), P(E, p + 1), N, C, dt));
-    MTI_TRY(act(E, &sl[QKV], dt, N, 3 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, QKV)));
-    MTI_TRY(lin_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 3), C, 3 * C));
+    MTI_TRY(act(E, &sl[QKV], dt, N, 3 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, QKV)));
+    MTI_TRY(lin_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 3), C, 3 * Cl));
     MTI_TRY(lora_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
                      KEEP(LORA_QKV), MTI_TAG(nd, LORA_QKV)));
     DROP(LN1);
-    MTI_TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
+    MTI_TRY(act(E, &sl[ATT], dt, N, Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
     MTI_TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
             MTI_TAG(nd, LSE)));
-    MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
+    MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, Cl, H,
                           dt));
     DROP(QKV);
     DROP(LSE);
     MTI_TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, RES2)));
-    MTI_TRY(lin_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, P(E, p + 5), C, C));
+    MTI_TRY(lin_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, tp_bias(E, p + 5), Cl, C));
+    MTI_TRY(tp_sum(E, sl[RES2].blk.ptr, (size_t)N * C, MTI_TAG(nd, 210)));
     MTI_TRY(lora_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
                      KEEP(LORA_ATTPROJ), MTI_TAG(nd, LORA_ATTPROJ)));
     DROP(ATT);
@@ -474,17 +529,18 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     }
     MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr,
                           sl[RES2].blk.ptr, P(E, p + 6), P(E, p + 7), N, C, dt));
-    MTI_TRY(act(E, &sl[FCH], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, FCH)));
-    MTI_TRY(lin_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 9), C, 4 * C));
+    MTI_TRY(act(E, &sl[FCH], dt, N, 4 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, FCH)));
+    MTI_TRY(lin_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 9), C, 4 * Cl));
     MTI_TRY(lora_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
                      KEEP(LORA_FC), MTI_TAG(nd, LORA_FC)));
     DROP(LN2);
-    MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
-    MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
+    MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
+    MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * Cl, dt));
     DROP(FCH);
     mti_tensor *y = &E->bnd[i + 1];
     MTI_TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-    MTI_TRY(lin_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, P(E, p + 11), 4 * C, C));
+    MTI_TRY(lin_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, tp_bias(E, p + 11), 4 * Cl, C));
+    MTI_TRY(tp_sum(E, y->blk.ptr, (size_t)N * C, MTI_TAG(nd, 211)));
     MTI_TRY(lora_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
                      KEEP(LORA_FCPROJ), MTI_TAG(nd, LORA_FCPROJ)));
     DROP(GELU_OUT);
@@ -572,8 +628,8 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     case MT_LAYER_BLOCK: MTI_TRY(block_fwd(E, i, save)); break;
     case MT_LAYER_LM_HEAD:
         if (E->head_fused) break; /* the loss runs it (head_loss) */
-        MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-        MTI_TRY(lin_fwd(E, ly->tied, y->blk.ptr, x->blk.ptr, NULL, ly->in, ly->out));
+        MTI_TRY(act(E, y, dt, N, out_cols(E, ly), yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+        MTI_TRY(lin_fwd(E, ly->tied, y->blk.ptr, x->blk.ptr, NULL, ly->in, out_cols(E, ly)));
         break;
     }
     E->have[i] = save != MTI_SAVE_NONE;
@@ -683,7 +739,7 @@ int mti_engine_head_rows(const mti_engine *E)
 {
     const mt_model *m = E->m;
     const mti_layer *h = &m->layers[m->n_layers - 1];
-    if (h->kind != MT_LAYER_LM_HEAD || !m->params[h->tied].frozen) return 0;
+    if (h->kind != MT_LAYER_LM_HEAD || !m->params[h->tied].frozen || m->tp) return 0;
     /* a multiple of 8 rows, so every block's rows start 16-byte aligned;
        larger on a GPU, where each block's pass over the whole head weight
        (a quantized one dequantized again) costs more than the memory */
@@ -729,12 +785,40 @@ static mt_status head_loss(mti_engine *E, const float *tl, int tw, float alpha, 
     return s;
 }
 
+/* The cross-entropy of logits split by vocabulary over the tensor group
+ * (never gathered): each row's max over the group, then its sum of
+ * exponentials and its target's logit, then the losses and dlogits in
+ * place (the op's three phases; stats (3, N) fp32 WORK). */
+static mt_status tp_loss(mti_engine *E, float dloss, int want_grad)
+{
+    mt_context *ctx = E->ctx;
+    const mti_tp *tp = E->m->tp;
+    const int N = E->N;
+    void *logits = E->bnd[E->m->n_layers].blk.ptr;
+    mti_tensor st;
+    mt_status s = act(E, &st, MTI_F32, 3 * (int64_t)N, 0, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(0, 4));
+    float *f = st.blk.ptr;
+    const char *what = "tensor parallel: the cross-entropy's sums over the vocabulary";
+    for (int phase = 0; phase < 3 && !s; phase++) {
+        s = ctx->ops->xent_vp(&E->k, phase, f, E->losses.blk.ptr, want_grad ? logits : NULL,
+                              logits, E->targets.blk.ptr, N, tp->v0, tp->classes,
+                              tp->v1 - tp->v0, dloss, E->dt);
+        if (!s && phase < 2 && !ctx->dry && tp->size > 1)
+            s = mti_comm_group_all_reduce(ctx, tp->comm, what, f + (phase ? N : 0),
+                                          f + (phase ? N : 0), (size_t)(phase ? 2 * N : N),
+                                          MT_COMM_F32, phase ? MT_COMM_SUM : MT_COMM_MAX);
+    }
+    mti_tensor_free(ctx, &st);
+    return s;
+}
+
 mt_status mti_engine_loss(mti_engine *E, float dloss, int want_grad)
 {
     mt_model *m = E->m;
     mt_status s;
     MTI_TRY(act(E, &E->losses, MTI_F32, E->N, 0, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(0, 3)));
     if (E->head_fused) return head_loss(E, NULL, 0, 0.0f, 1.0f, dloss);
+    if (m->tp) return tp_loss(E, dloss, want_grad);
     void *logits = E->bnd[m->n_layers].blk.ptr;
     return E->ctx->ops->xent(&E->k, E->losses.blk.ptr, want_grad ? logits : NULL, logits,
                              E->targets.blk.ptr, E->N, m->classes, m->out_width, dloss, E->dt);
@@ -773,7 +857,8 @@ static mt_status block_redo(mti_engine *E, int i)
     const mti_layer *ly = &E->m->layers[i];
     const mti_ops *op = E->ctx->ops;
     const mti_kctx *k = &E->k;
-    const int N = E->N, C = ly->in, H = ly->heads, p = ly->p0;
+    const int N = E->N, C = ly->in, p = ly->p0;
+    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E);
     const mti_dtype dt = E->dt;
     mti_tensor *sl = E->slot[i];
     const uint64_t nd = (uint64_t)i + 2;
@@ -781,16 +866,16 @@ static mt_status block_redo(mti_engine *E, int i)
     MTI_TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
     MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, NULL, NULL, E->bnd[i].blk.ptr, P(E, p), P(E, p + 1),
                           N, C, dt));
-    MTI_TRY(act(E, &sl[ATT], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
+    MTI_TRY(act(E, &sl[ATT], dt, N, Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
     MTI_TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
             MTI_TAG(nd, LSE)));
-    MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, C, H,
+    MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, Cl, H,
                           dt));
     MTI_TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
     MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, NULL, NULL, sl[RES2].blk.ptr, P(E, p + 6),
                           P(E, p + 7), N, C, dt));
-    MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
-    MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt));
+    MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
+    MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * Cl, dt));
     return MT_OK;
 }
 
@@ -799,7 +884,8 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     const mti_layer *ly = &E->m->layers[i];
     const mti_ops *op = E->ctx->ops;
     const mti_kctx *k = &E->k;
-    const int N = E->N, C = ly->in, H = ly->heads, p = ly->p0;
+    const int N = E->N, C = ly->in, p = ly->p0;
+    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E);
     const mti_dtype dt = E->dt;
     mti_tensor *sl = E->slot[i];
     const uint64_t nd = (uint64_t)i + 2;
@@ -818,26 +904,27 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     void *d = E->d.blk.ptr;
     mti_tensor t4 = {0}, t1 = {0};
     /* MLP: fcproj, GELU, fc, ln2 */
-    s = act(E, &t4, dt, N, 4 * C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
+    s = act(E, &t4, dt, N, 4 * Cl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
     if (!s)
-        s = lin_bwd(E, p + 10, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, 4 * C,
+        s = lin_bwd(E, p + 10, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, 4 * Cl,
                         C, 0);
     if (!s)
         s = lora_bwd(E, p + 10, t4.blk.ptr, d, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
                      MTI_TAG(nd, LORA_FCPROJ));
     if (!s) DONE(GELU_OUT);
     if (!s) DONE(LORA_FCPROJ);
-    if (!s) s = op->gelu_bwd(k, t4.blk.ptr, t4.blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * C, dt);
+    if (!s) s = op->gelu_bwd(k, t4.blk.ptr, t4.blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * Cl, dt);
     if (!s) DONE(FCH);
     if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 201));
     if (!s)
         s = lin_bwd(E, p + 8, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, C,
-                        4 * C, 0);
+                        4 * Cl, 0);
     if (!s)
         s = lora_bwd(E, p + 8, t1.blk.ptr, t4.blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
                      MTI_TAG(nd, LORA_FC));
     if (!s) DONE(LORA_FC);
     mti_tensor_free(E->ctx, &t4);
+    if (!s) s = tp_sum(E, t1.blk.ptr, (size_t)N * C, MTI_TAG(nd, 212));
     if (!s) DONE(LN2);
     if (!s) s = wflags(E, p + 6, g[6], p + 7, g[7], &set);
     if (!s)
@@ -851,28 +938,29 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     }
     /* attention: attproj, attention, qkv, ln1 */
     if (!s)
-        s = lin_bwd(E, p + 4, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, C, C, 0);
+        s = lin_bwd(E, p + 4, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, Cl, C, 0);
     if (!s)
         s = lora_bwd(E, p + 4, t1.blk.ptr, d, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
                      MTI_TAG(nd, LORA_ATTPROJ));
     if (!s) DONE(LORA_ATTPROJ);
     mti_tensor t3 = {0};
-    if (!s) s = act(E, &t3, dt, N, 3 * C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 202));
+    if (!s) s = act(E, &t3, dt, N, 3 * Cl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 202));
     if (!s)
         s = op->attention_bwd(k, t3.blk.ptr, t1.blk.ptr, sl[QKV].blk.ptr, sl[ATT].blk.ptr,
-                              sl[LSE].blk.ptr, E->B, E->T, C, H, dt);
+                              sl[LSE].blk.ptr, E->B, E->T, Cl, H, dt);
     if (!s) {
         DONE(ATT);
         DONE(LSE);
     }
     if (!s)
         s = lin_bwd(E, p + 2, t1.blk.ptr, g[2], g[3], t3.blk.ptr, sl[LN1].blk.ptr, C,
-                        3 * C, 0);
+                        3 * Cl, 0);
     if (!s)
         s = lora_bwd(E, p + 2, t1.blk.ptr, t3.blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
                      MTI_TAG(nd, LORA_QKV));
     if (!s) DONE(LORA_QKV);
     mti_tensor_free(E->ctx, &t3);
+    if (!s) s = tp_sum(E, t1.blk.ptr, (size_t)N * C, MTI_TAG(nd, 213));
     if (!s) {
         DONE(QKV);
         DONE(LN1);
@@ -975,8 +1063,11 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         mti_tensor dx = {0};
         if (want_dx) MTI_TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200)));
         s = want_dx || gw || gb || defer
-                ? lin_bwd(E, wi, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, ly->in, ly->out, 0)
+                ? lin_bwd(E, wi, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, ly->in,
+                          out_cols(E, ly), 0)
                 : MT_OK;
+        if (!s && want_dx && ly->kind == MT_LAYER_LM_HEAD) /* (a vocabulary share's part) */
+            s = tp_sum(E, dx.blk.ptr, (size_t)N * (size_t)ly->in, MTI_TAG(nd, 214));
         if (!s && ly->kind == MT_LAYER_LINEAR)
             s = lora_bwd(E, wi, dx.blk.ptr, E->d.blk.ptr, x->blk.ptr, ly->in, ly->out,
                          &sl[LORA_QKV], MTI_TAG(nd, LORA_QKV));
@@ -1030,7 +1121,14 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
             MTI_TRY(zgradp(E, ly->p0, &gw));
         }
         if (ly->positions) MTI_TRY(zgradp(E, ly->p0 + 1, &gpos)); /* (rows T.. get nothing) */
-        if (!ly->stable) {
+        if (!ly->stable && m->tp) { /* this rank's rows of the table */
+            if (gw)
+                MTI_TRY(op->embedding_dw_rows(k, gw, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
+                                              ly->out, m->tp->v0, m->tp->v1, dt));
+            if (gpos)
+                MTI_TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B,
+                                          E->T, ly->out, dt));
+        } else if (!ly->stable) {
             if (gw || gpos)
                 MTI_TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
                                       ly->out, dt));

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
+#include "comm/comm.h"
 #include "ops/kernels.h"
 #include "model/model.h"
 
@@ -278,6 +279,9 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc, int
         tc = &with_lora;
     }
     mt_context_config cc = m->ctx->cfg;
+    /* the world's communicator, also while a tensor-parallel trainer has
+       narrowed the context's to its data-parallel group */
+    cc.comm = mti_comm_world(m->ctx, NULL, NULL);
     cc.threads = m->ctx->threads;
     cc.device = m->ctx->dev->kind; /* and dry_run takes the device's geometry */
     spec_kind kind;

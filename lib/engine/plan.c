@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "optim/optim.h"
 #include "engine/plan.h"
+#include "comm/comm.h"
 
 void mti_plan_of_policy(const mt_model *m, const mt_trainer_config *c, unsigned char *units,
                         int *seg_len)
@@ -116,8 +117,11 @@ static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
     d.recompute_units = units;
     d.recompute_every = seg_len;
     d.memory_budget = 0;
-    const int world = m->ctx->world;
-    if (world < 2 || !c->zero_stage) return mti_estimate_model(m, &d, -1, r);
+    int world;
+    (void)mti_comm_world(m->ctx, &world, NULL);
+    /* (tensor parallel: the vocabulary's shares may differ by a row) */
+    if (world < 2 || (!c->zero_stage && c->tensor_parallel < 2))
+        return mti_estimate_model(m, &d, -1, r);
     mt_status s = MT_OK;
     for (int q = 0; q < world && !s; q++) {
         mt_estimate_report e;

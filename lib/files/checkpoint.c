@@ -381,6 +381,10 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
     mt_context *ctx = t->ctx;
+    if (t->tp.size > 1)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: training-state files of a tensor-parallel trainer are not written "
+                        "yet", fn);
     saver v = {.t = t, .collective = t->zero != 0, .f = {.fd = -1}};
     if (v.collective && !mti_dp_on(t))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
@@ -820,6 +824,10 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     const char *fn = "mt_trainer_load";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_context *ctx = t->ctx;
+    if (t->tp.size > 1)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: training-state files of a tensor-parallel trainer are not read yet",
+                        fn);
     /* on several ranks a rank that cannot start still makes the exchanges
        below, so every rank fails with it at once */
     mt_status s = MT_OK;

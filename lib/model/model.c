@@ -667,6 +667,11 @@ static mt_status stage(mt_model *m, mti_tensor *t, size_t n)
  * whole: refused (the trainer's destroy gathers them back). */
 static mt_status sharded_refused(const mt_model *m, const mti_param *p)
 {
+    if (m->tp && p->tp_split)
+        return mti_fail(m->ctx, MT_ERR_UNSUPPORTED,
+                        "%s: the weights are split over a tensor group by a tensor-parallel "
+                        "trainer (tensor_parallel %d): destroy the trainer on every rank to "
+                        "gather them", p->name, m->tp->size);
     if (!m->params_sharded || p->frozen) return MT_OK;
     return mti_fail(m->ctx, MT_ERR_UNSUPPORTED,
                     "%s: the weights are sharded over the ranks by a ZeRO-3 trainer (zero_stage "

@@ -49,10 +49,66 @@ typedef struct mti_param {
     mti_init init;
     float init_a;
     int64_t init_rows;   /* NORMAL/UNIFORM of only the first init_rows rows (padding stays 0) */
+    unsigned char tp_split; /* mti_tp_split: how tensor parallel splits it (set while
+                            a trainer holds the model split: w, shape and numel
+                            are then this rank's part, whole_* the tensor's) */
+    int64_t whole_shape[2];
+    size_t whole_numel;
     int unmade;          /* its values are still its source's (a deferred model's, until
                             mti_model_make or a trainer's homes take them): w has
                             its dtype and shape and no memory */
 } mti_param;
+
+/* Tensor parallel (lib/train/tp.c): how a parameter of a GPT model is split
+ * over the T ranks of a tensor group. Rank q's part of a (rows, cols)
+ * tensor, its elements in their order:
+ *   ROWS: rows [rows q / T, rows (q + 1) / T) (column-parallel linears, fc,
+ *         and the vocabulary's rows of the token table);
+ *   QKV:  those rows of each third (the heads' q, k and v);
+ *   COLS: columns [cols q / T, cols (q + 1) / T) of every row
+ *         (row-parallel linears, attproj and fcproj).
+ * A 1-D tensor is one column. */
+typedef enum mti_tp_split {
+    MTI_TP_WHOLE = 0, /* replicated: every rank holds it whole */
+    MTI_TP_ROWS,
+    MTI_TP_QKV,
+    MTI_TP_COLS
+} mti_tp_split;
+
+/* A model split over a tensor group (mt_model.tp while a trainer holds it). */
+typedef struct mti_tp {
+    int size, rank;      /* T, and this rank's place in the group */
+    mt_comm *comm;       /* the group (NULL in a dry context) */
+    int v0, v1;          /* the token table's rows (padded vocabulary) on this rank */
+    int classes;         /* of them real (below the model's classes) */
+} mti_tp;
+
+/* The runs of rank q's part of a parameter split `split` of shape (rows,
+ * cols) over T ranks: how many, and run j's first element in the whole and
+ * length. */
+size_t mti_tp_nruns(mti_tp_split split, int64_t rows, int64_t cols, int T);
+void mti_tp_run(mti_tp_split split, int64_t rows, int64_t cols, int T, int q, size_t j,
+                size_t *at, size_t *len);
+/* The shape of rank q's part. */
+void mti_tp_part_shape(mti_tp_split split, int64_t rows, int64_t cols, int T, int q,
+                       int64_t *prow, int64_t *pcol);
+
+/* A parameter's whole size and columns (1 for a 1-D one), split or not. */
+static inline size_t mti_whole_numel(const mti_param *p)
+{
+    return p->tp_split ? p->whole_numel : p->numel;
+}
+static inline int64_t mti_whole_cols(const mti_param *p)
+{
+    return p->tp_split ? p->whole_shape[1] : p->ndim == 2 ? p->shape[1] : 1;
+}
+
+/* Calls fn for each run of elements [at, at + n) of rank q's part of
+ * parameter p (split over T ranks): the run's place in the whole tensor,
+ * its length, and its place in [at, at + n); stops at a failure. */
+mt_status mti_tp_each_run(const mti_param *p, int T, int q, size_t at, size_t n,
+                          mt_status (*fn)(void *user, size_t whole_at, size_t len, size_t off),
+                          void *user);
 
 /* The tensors a layer keeps from forward for backward, by slot. */
 #define MTI_SLOTS 16 /* a block's 12, and its 4 linear maps' LoRA (x A^T) */
@@ -98,6 +154,7 @@ struct mt_model {
     struct mti_offload *master_home; /* the masters live on disk (lib/train/offload.c): the
                             fp32 values are read and written there */
     struct mti_source *src; /* where the unmade weights' values come from (source.c) */
+    mti_tp *tp;          /* split over a tensor group (lib/train/tp.c), or NULL */
     struct mti_offload *params_home; /* the trained weights live on disk too
                             (offload_params): p->w is there only while a layer runs */
     mt_mlp_spec mlp;     /* MLP */

@@ -91,7 +91,7 @@ static int per_value(const mti_param *p)
 
 static size_t live_of(const mti_param *p)
 {
-    return (size_t)p->init_rows * (p->ndim == 2 ? (size_t)p->shape[1] : 1);
+    return (size_t)p->init_rows * (size_t)mti_whole_cols(p);
 }
 
 /* The generator moved past values [from, to) of parameter i. */
@@ -114,7 +114,7 @@ static void seek(mti_source *s, const mt_model *m, int i, size_t at)
         s->ce = 0;
     }
     while (s->ci < i) {
-        skip(s, &m->params[s->ci], s->ce, m->params[s->ci].numel);
+        skip(s, &m->params[s->ci], s->ce, mti_whole_numel(&m->params[s->ci]));
         s->ci++;
         s->ce = 0;
         if (s->ci == s->known) s->start[s->known++] = s->cur;
@@ -157,14 +157,39 @@ static mt_status load(mti_source *s, const mt_model *m, int i, size_t at, size_t
     return MT_OK;
 }
 
-mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
+/* Elements [at, at + n) of the whole parameter i. */
+static mt_status read_whole(const mt_model *m, int i, size_t at, size_t n, float *dst)
 {
     mti_source *s = m->src;
     if (!s) return mti_fail(m->ctx, MT_ERR_INTERNAL, "%s: its weights have no source", m->params[i].name);
-    if (at > m->params[i].numel || n > m->params[i].numel - at)
+    const size_t numel = mti_whole_numel(&m->params[i]);
+    if (at > numel || n > numel - at)
         return mti_fail(m->ctx, MT_ERR_INTERNAL, "%s: [%zu, +%zu) is outside it", m->params[i].name,
                         at, n);
     return s->f ? load(s, m, i, at, n, dst) : draw(s, m, i, at, n, dst);
+}
+
+typedef struct part_read {
+    const mt_model *m;
+    int i;
+    float *dst;
+} part_read;
+
+static mt_status read_run(void *user, size_t whole_at, size_t len, size_t off)
+{
+    const part_read *r = user;
+    return read_whole(r->m, r->i, whole_at, len, r->dst + off);
+}
+
+mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
+{
+    const mti_param *p = &m->params[i];
+    if (!p->tp_split || !m->tp) return read_whole(m, i, at, n, dst);
+    if (at > p->numel || n > p->numel - at)
+        return mti_fail(m->ctx, MT_ERR_INTERNAL, "%s: [%zu, +%zu) is outside this rank's part",
+                        p->name, at, n);
+    part_read r = {m, i, dst};
+    return mti_tp_each_run(p, m->tp->size, m->tp->rank, at, n, read_run, &r);
 }
 
 int mti_model_unmade(const mt_model *m)
@@ -193,10 +218,11 @@ mt_status mti_source_mix(const mt_model *m, uint64_t *h)
     enum { RECIPE_VALUES = 256 };
     float v[RECIPE_VALUES];
     for (int i = 0; i < m->n_param; i++) {
-        const size_t numel = m->params[i].numel, n = numel < RECIPE_VALUES ? numel : RECIPE_VALUES;
-        mt_status st = mti_source_read(m, i, 0, n, v);
+        const size_t numel = mti_whole_numel(&m->params[i]);
+        const size_t n = numel < RECIPE_VALUES ? numel : RECIPE_VALUES;
+        mt_status st = read_whole(m, i, 0, n, v);
         if (!st) *h = mti_hash(*h, v, n * sizeof *v);
-        if (!st) st = mti_source_read(m, i, numel - n, n, v);
+        if (!st) st = read_whole(m, i, numel - n, n, v);
         if (st) return st;
         *h = mti_hash(*h, v, n * sizeof *v);
     }

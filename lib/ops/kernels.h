@@ -226,6 +226,13 @@ struct mti_ops {
      * over B; fp32, in a fixed order (deterministic). Either may be NULL. */
     mt_status (*embedding_bwd)(const mti_kctx *k, float *dwte, float *dwpe, const void *dout,
                                const int32_t *tok, int B, int T, int C, mti_dtype dt);
+    /* embedding_fwd of rows [v0, v1) of a token table (wte pointing at row
+     * v0) without positions: out (B,T,C) row = wte[tok - v0] for a token in
+     * the range, zeros for any other (tensor parallel's share of the
+     * vocabulary; the group's sum is embedding_fwd's table rows). */
+    mt_status (*embedding_fwd_rows)(const mti_kctx *k, void *out, const int32_t *tok,
+                                    const void *wte, int v0, int v1, int B, int T, int C,
+                                    mti_dtype dt);
     /* Rows [v0, v1) of embedding_bwd's dwte, dwte pointing at row v0: the
      * rows of dout whose token is in the range, added as embedding_bwd adds
      * them (the same bits). */
@@ -362,6 +369,24 @@ struct mti_ops {
                          const float *tlogits, const int32_t *targets, int n, int V, int Vp,
                          int tVp, float alpha, float temp, float dloss, mti_dtype dt);
 
+    /* The cross-entropy of logits split by vocabulary over a group of
+     * ranks (tensor parallel; never gathered), in three phases around the
+     * group's all-reduces. logits (N,W) in dt are the whole's columns [v0,
+     * v0 + W), the first Vr of them real; stats (3,N) fp32.
+     *   phase 0: stats[0][r] = the max of row r's real logits here (-inf
+     *            with none); the group takes the max;
+     *   phase 1: with stats[0][r] the group's max m: stats[1][r] = the sum
+     *            of exp(x - m) over the real logits here, stats[2][r] = the
+     *            target's logit if its column is here, else 0; the group
+     *            sums both;
+     *   phase 2: losses (N) = log(stats[1]) - (stats[2] - m) (losses may
+     *            be NULL), and with dlogits (may alias logits) dlogits =
+     *            (exp(x - m) (dloss / stats[1]) - dloss at the target),
+     *            padding columns 0: xent's formulas. */
+    mt_status (*xent_vp)(const mti_kctx *k, int phase, float *stats, float *losses, void *dlogits,
+                         const void *logits, const int32_t *targets, int n, int v0, int Vr, int W,
+                         float dloss, mti_dtype dt);
+
     /* ---- mixed precision ---- */
     /* g (n) fp32 *= inv_scale, and *found_inf (a device int) = 1 if any
      * element of g is inf or NaN (it is never cleared here). With inv_scale
@@ -419,10 +444,10 @@ struct mti_ops {
  * assertion keeps the list the struct's members (a name that is none fails
  * to build, and a member the list lacks leaves the count short). */
 #define MTI_OPS(X)                                                                                 \
-    X(cast) X(embedding_fwd) X(embedding_bwd) X(embedding_dw_rows) X(matmul_fwd) X(matmul_bwd)     \
+    X(cast) X(embedding_fwd) X(embedding_fwd_rows) X(embedding_bwd) X(embedding_dw_rows) X(matmul_fwd) X(matmul_bwd)     \
     X(matmul_dw_align) X(matmul_dw_rows) X(matmul_fwd_q) X(matmul_dx_q) X(embedding_fwd_q)         \
     X(dequantize) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
-    X(relu_bwd) X(add) X(accumulate) X(attention_fwd) X(attention_bwd) X(xent) X(xent_kd)          \
+    X(relu_bwd) X(add) X(accumulate) X(attention_fwd) X(attention_bwd) X(xent) X(xent_kd) X(xent_vp)          \
     X(unscale_check) X(sumsq) X(sgd) X(adamw) X(adamw8) X(adamw8_bf16) X(adamw4) X(adafactor)
 #define MTI_OP_ONE(op) +1
 _Static_assert(sizeof(mti_ops) ==

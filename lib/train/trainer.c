@@ -38,6 +38,8 @@
 #include "engine/plan.h"
 #include "train/fill.h"
 #include "train/home.h"
+#include "train/tp.h"
+#include "comm/comm.h"
 #include "train/trainer.h"
 #include "train/offload.h"
 
@@ -817,6 +819,7 @@ void mt_trainer_destroy(mt_trainer *t)
     mti_offload_destroy(t->off); /* (after the masters came back) */
     free(t->offload_dir);
     (void)weights_to_fp32(t); /* no masters, or frozen weights in 16 bits */
+    mti_tp_end(t); /* (a collective of the tensor group: the parts gathered whole) */
     if (t->froze)
         for (int i = 0; i < t->model->n_param; i++) t->model->params[i].frozen = 0;
     if (t->patterns)
@@ -917,8 +920,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     mt_status s = mti_dp_agree_config(ctx, m, cfg); /* ranks first: they then fail alike */
     if (!s) s = check_config(ctx, m, cfg);
+    if (!s) s = mti_tp_check(ctx, m, cfg);
     if (s) return s;
-    const int zero = ctx->world > 1 ? cfg->zero_stage : 0;
+    /* (tensor parallel: ZeRO within the data-parallel groups) */
+    const int tpn = cfg->tensor_parallel > 1 ? cfg->tensor_parallel : 1;
+    const int zero = ctx->world / tpn > 1 ? cfg->zero_stage : 0;
     if (zero && ctx->dev->kind == MT_DEVICE_CUDA && ctx->cfg.comm &&
         !(ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
@@ -1016,6 +1022,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     else if (!s)
         mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
     t->cfg.recompute_units = t->units;
+    /* tensor parallel: this rank's parts of the split tensors, and the
+       context's collectives within the data-parallel group */
+    if (!s) s = mti_tp_begin(t);
+    t->world = ctx->world;
+    t->rank = ctx->rank;
     /* a deferred model: what its homes do not take, made whole (once the
        budget is known to be met) */
     if (!s) s = mti_fill_plan(t);
@@ -1111,6 +1122,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
                        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE));
     if (!s && t->sum_on_stream && can) s = queue_start(t, NULL);
     s = mti_dp_created(t, s);
+    s = mti_tp_agree(t, s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
                                 put_params_late(t));
@@ -1124,6 +1136,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         return mti_fail(ctx, s, "%s%s", strncmp(msg.s, fn, strlen(fn)) ? fn : "", msg.s);
     }
     mti_fill_commit(t);
+    mti_tp_commit(t);
     *out = t;
     return MT_OK;
 }
@@ -1550,14 +1563,16 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     /* under ZeRO each rank checked and measured its own slices: every rank
        makes the exchange, whatever it found */
     const bool split = mti_home_split(t);
-    const int n = clip && (split || !*found) ? t->model->n_param : 0;
-    if (!n && !split) return MT_OK;
+    const bool tp = t->tp.size > 1; /* every rank of the tensor group exchanges too */
+    const int n = clip && (split || tp || !*found) ? t->model->n_param : 0;
+    if (!n && !split && !tp) return MT_OK;
     float *h = malloc(((size_t)n + 1) * sizeof *h);
     if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
     s = n ? mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h) : MT_OK;
     double sum = 0.0;
     if (!s && split) s = mti_zero_checks(t, h, n, found, &sum);
-    for (int i = 0; i < n && !split; i++) sum += h[i];
+    if (!s && tp) s = mti_tp_checks(t, h, n, found, &sum);
+    for (int i = 0; i < n && !split && !tp; i++) sum += h[i];
     free(h);
     if (s || !clip || *found) return s;
     float norm = (float)sqrt(sum);
@@ -1882,20 +1897,62 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     for (int i = 0; i < m->n_param && !s; i++) {
         mti_tensor *g;
         if (m->params[i].frozen) { /* no gradient: zeros */
-            memset(grads + m->params[i].offset, 0, m->params[i].numel * sizeof(float));
+            memset(grads + m->params[i].offset, 0, mti_whole_numel(&m->params[i]) * sizeof(float));
             continue;
         }
         s = mti_dp_reduce_grad(t, i);
         if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
         if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale_g(t, g->blk.ptr, m->params[i].numel);
-        if (!s) s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
-                                        m->params[i].numel * sizeof(float));
+        if (!s && m->params[i].tp_split) /* the group's parts, whole */
+            s = mti_tp_gather_host(t, i, g->blk.ptr, grads + m->params[i].offset);
+        else if (!s)
+            s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
+                                    m->params[i].numel * sizeof(float));
     }
     if (s) return step_failed(t, fn, s);
     mti_engine_free_grads(&t->E);
     reset_all(t->ctx, MT_SCOPE_STEP);
     if (loss) *loss = (float)mean;
     return MT_OK;
+}
+
+/* Tensor parallel: the argmax of `rows` rows of this rank's share of the
+ * logits (t->host_rows, fp32) over the group: each row's greatest value,
+ * then the least column holding it (the first, as one process finds it). */
+static mt_status tp_right(mt_trainer *t, int rows, const int32_t *targets, int *right)
+{
+    const int W = t->tp.v1 - t->tp.v0;
+    float *v = malloc(2 * (size_t)rows * sizeof *v + 1);
+    if (!v) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    for (int r = 0; r < rows; r++) {
+        const float *row = t->host_rows + (size_t)r * W;
+        int best = -1;
+        for (int j = 0; j < t->tp.classes; j++)
+            if (best < 0 || row[j] > row[best]) best = j;
+        v[r] = best < 0 ? -INFINITY : row[best];
+        v[rows + r] = best < 0 ? -1e30f : -(float)(t->tp.v0 + best); /* (max: the least) */
+    }
+    const char *what = "tensor parallel: the logits' argmax over the group";
+    mt_status s = t->ctx->dry ? MT_OK
+                              : mti_comm_group_host_all_reduce(t->ctx, t->tp_comm, what, v,
+                                                               (size_t)rows, MT_COMM_MAX);
+    for (int r = 0; r < rows && !s; r++) { /* a column holding the greatest, or none */
+        const float *row = t->host_rows + (size_t)r * W;
+        const float mx = v[r];
+        float own = -1e30f;
+        for (int j = 0; j < t->tp.classes; j++)
+            if (row[j] == mx) {
+                own = -(float)(t->tp.v0 + j);
+                break;
+            }
+        v[rows + r] = own;
+    }
+    if (!s && !t->ctx->dry)
+        s = mti_comm_group_host_all_reduce(t->ctx, t->tp_comm, what, v + rows, (size_t)rows,
+                                           MT_COMM_MAX);
+    for (int r = 0; r < rows && !s; r++) *right += (int)-v[rows + r] == targets[r];
+    free(v);
+    return s;
 }
 
 /* Argmax over the real classes of each row of the logits; the rows are
@@ -1907,7 +1964,7 @@ static mt_status count_right(mt_trainer *t, const int32_t *targets, int *right)
     const mti_kctx k = {ctx, ctx->dev};
     mti_engine *E = &t->E;
     const mti_tensor *lg = &E->bnd[m->n_layers];
-    const int W = m->out_width;
+    const int W = t->tp.size > 1 ? t->tp.v1 - t->tp.v0 : m->out_width;
     mt_status s = MT_OK;
     mti_tensor f32 = {0};
     if (t->dt != MTI_F32) {
@@ -1926,6 +1983,10 @@ static mt_status count_right(mt_trainer *t, const int32_t *targets, int *right)
             s = ctx->dev->copy_d2h(ctx->dev, t->host_rows,
                                    (const float *)lg->blk.ptr + (size_t)r0 * W, n * sizeof(float));
             if (!s) s = ctx->dev->sync(ctx->dev);
+        }
+        if (t->tp.size > 1) { /* the group's argmax of each row's shares */
+            if (!s) s = tp_right(t, rows, targets + r0, right);
+            continue;
         }
         for (int r = 0; r < rows && !s; r++) {
             const float *row = t->host_rows + (size_t)r * W;
@@ -2009,6 +2070,10 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
     mt_status s = MT_OK;
+    if (t->tp.size > 1)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a tensor-parallel trainer's logits are split by vocabulary over its "
+                        "group and are not gathered yet", fn);
     if (!b || !out)
         s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, b ? "out" : "batch");
     else if (n != (size_t)b->n * (size_t)m->classes)

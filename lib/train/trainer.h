@@ -118,6 +118,12 @@ struct mt_trainer {
                                   * its one packed gather brings in */
     struct mti_z3_rs *z3_rs; /* stage 3: per parameter, its reduce-scatter queued
                                 in backward (lib/train/zero3.c) */
+    /* tensor parallel (cfg.tensor_parallel > 1; lib/train/tp.c) */
+    mti_tp tp;               /* the split (t->model->tp points here while it holds) */
+    mt_comm *tp_comm;        /* the tensor group's communicator (owned when tp_own) */
+    mt_comm *dp_comm;        /* the data-parallel group's (owned), or NULL */
+    int tp_own;
+    mti_tensor *tp_whole;    /* per parameter, its whole weights until creation commits */
     struct mti_home *home;   /* per parameter, its home on this rank (lib/train/home.h),
                                 chosen at create */
     unsigned home_used;      /* the kinds and shares of home some parameter has (bits) */

@@ -65,6 +65,11 @@
  *   train_mpi_test local      local SGD (every 2 steps): after 2 steps every
  *                             rank holds the mean of what each rank computes
  *                             alone on its rows
+ *   train_mpi_test tp         tensor parallel: a GPT of 6 heads in tensor
+ *                             groups of N ranks (4 ranks: 2 groups of 2),
+ *                             AdamW with clipping in fp32 and bf16, against
+ *                             this process alone over all the rows; each
+ *                             rank's peaks equal its estimate
  *   train_mpi_test offload    ZeRO stages 0 to 3 with the optimizer state
  *                             on disk (each rank its part's; at 1 to 3 also
  *                             with the weights on disk): the resident
@@ -396,6 +401,77 @@ static int all_passed(void)
     MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     failed = bad;
     return !bad;
+}
+
+/* Tensor parallel over MPI: a GPT of 6 heads in tensor groups of `tp`
+ * ranks (size / tp data-parallel groups of ROWS rows each), STEPS steps of
+ * AdamW with clipping, in fp32 and bf16, against this process alone over
+ * all the rows: the losses (fp32 1e-5, bf16 3e-2 relative), the weights
+ * after the trainer equal on every rank, and each rank's peaks its
+ * estimate's. */
+static mt_status tp_run(mt_comm *comm, int tp, mt_precision prec, float *loss, float **w,
+                        size_t *nw, char *msg, size_t cap)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = T, g.layers = 2, g.heads = 6;
+    g.channels = 24, g.seed = 7;
+    const int groups = comm ? size / tp : 1, group = comm ? rank / tp : 0;
+    const int n = comm ? ROWS : ROWS * (size / tp);
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.optimizer = MT_OPT_ADAMW;
+    tc.lr = 0.01f;
+    tc.weight_decay = 0.01f;
+    tc.grad_clip = 1.0f;
+    tc.precision = prec;
+    tc.max_batch = n;
+    tc.tensor_parallel = comm ? tp : 1;
+    (void)groups;
+    mt_context *ctx;
+    mt_model *m;
+    mt_trainer *t;
+    mt_status s = open_trainer(comm, &g, NULL, &tc, &ctx, &m, &t);
+    int32_t tok[ROWS * 8 * T], tgt[ROWS * 8 * T];
+    for (int k = 0; k < STEPS && !s; k++) {
+        rows(k, group * ROWS, n, tok, tgt);
+        mt_batch b = {.n = n, .tokens = tok, .targets = tgt, .seq_len = T};
+        s = mt_trainer_step(t, &b, &loss[k]);
+    }
+    if (!s && comm && !estimate_matches(ctx, m, &tc, msg, cap)) s = MT_ERR_INTERNAL;
+    else if (s) snprintf(msg, cap, "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t); /* (the parts gathered back: every rank) */
+    *nw = m ? mt_model_num_params(m) : 0;
+    *w = malloc(*nw * sizeof **w + 1);
+    if (!s && mt_model_get_params(m, *w, *nw)) s = MT_ERR_INTERNAL;
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    return s;
+}
+
+static void tensor_parallel(mt_comm *c)
+{
+    const int tp = size == 4 ? 2 : size; /* 4 ranks: 2 groups of 2 */
+    const mt_precision precs[2] = {MT_PREC_FP32, MT_PREC_BF16};
+    char msg[1024] = "";
+    for (int k = 0; k < 2; k++) {
+        float loss[STEPS], ref_loss[STEPS];
+        float *w = NULL, *ref = NULL;
+        size_t nw = 0, nref = 0;
+        mt_status s = tp_run(c, tp, precs[k], loss, &w, &nw, msg, sizeof msg);
+        EXPECT(s == MT_OK);
+        if (s) fprintf(stderr, "rank %d: %s\n", rank, msg);
+        EXPECT(tp_run(NULL, tp, precs[k], ref_loss, &ref, &nref, msg, sizeof msg) == MT_OK);
+        const double tol = k ? 3e-2 : 1e-5;
+        for (int j = 0; j < STEPS && !s; j++)
+            EXPECT(fabs(loss[j] - ref_loss[j]) <= tol * fabs(ref_loss[j]));
+        if (w && !s) same_on_every_rank(w, nw);
+        free(w);
+        free(ref);
+    }
+    if (all_passed() && rank == 0)
+        printf("ok tp: %d ranks in tensor groups of %d, fp32 and bf16: one process's losses, "
+               "each rank's peaks its estimate's\n", size, tp);
 }
 
 /* x rounded to the nearest 16-bit value of dtype p (ties to even). */
@@ -881,6 +957,8 @@ int main(int argc, char **argv)
         fflush(stdout);
         usleep(200000); /* for mpirun to forward the line before the abort */
         MPI_Abort(MPI_COMM_WORLD, failed); /* the documented way out */
+    } else if (!strcmp(mode, "tp")) {
+        tensor_parallel(c);
     } else if (!strcmp(mode, "zero")) {
         zero_stages(c);
     } else if (!strcmp(mode, "zero3")) {

@@ -1,0 +1,381 @@
+/*
+ * tp.c - tensor parallel: the groups, the model split into this rank's
+ * parts, the step's checks over a group, and the parts gathered back
+ * (tp.h).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "train/tp.h"
+#include "comm/comm.h"
+
+#define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
+#define NO(...) return mti_fail(ctx, MT_ERR_UNSUPPORTED, __VA_ARGS__)
+
+/* How parameter i of a GPT model is split: a block's qkv (by heads), fc
+ * (by columns of its output) and their biases, attproj and fcproj (by
+ * columns of their input), and the token table (by vocabulary rows, the
+ * tied LM head with it). */
+static mti_tp_split split_of(const mt_model *m, int i)
+{
+    for (int l = 0; l < m->n_layers; l++) {
+        const mti_layer *ly = &m->layers[l];
+        if (i < ly->p0 || i >= ly->p0 + ly->np) continue;
+        const int j = i - ly->p0;
+        if (ly->kind == MT_LAYER_EMBEDDING) return j == 0 ? MTI_TP_ROWS : MTI_TP_WHOLE;
+        if (ly->kind != MT_LAYER_BLOCK) return MTI_TP_WHOLE;
+        switch (j) {
+        case 2:
+        case 3: return MTI_TP_QKV;
+        case 4:
+        case 10: return MTI_TP_COLS;
+        case 8:
+        case 9: return MTI_TP_ROWS;
+        default: return MTI_TP_WHOLE;
+        }
+    }
+    return MTI_TP_WHOLE;
+}
+
+mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
+{
+    const char *fn = "mt_trainer_create";
+    const int T = c->tensor_parallel;
+    if (T < 0 || T > 65536) BAD("%s: cfg->tensor_parallel %d out of range 0..65536", fn, T);
+    if (T <= 1) return MT_OK;
+    int W;
+    (void)mti_comm_world(ctx, &W, NULL);
+    if (W != ctx->world)
+        NO("%s: the context's ranks are split into tensor groups by another trainer; destroy "
+           "it first", fn);
+    if (W % T)
+        BAD("%s: cfg->tensor_parallel %d does not divide the world of %d ranks (the ranks form "
+            "data-parallel groups of tensor groups: N = dp x tp)",
+            fn, T, W);
+    if (m->kind != MTI_MODEL_GPT)
+        NO("%s: cfg->tensor_parallel splits a GPT model's blocks, token table and LM head; "
+           "this model is not a GPT model", fn);
+    if (m->gpt.heads % T)
+        BAD("%s: cfg->tensor_parallel %d does not divide the model's %d heads (each rank "
+            "takes whole heads)", fn, T, m->gpt.heads);
+    if (m->padded_vocab < T)
+        BAD("%s: cfg->tensor_parallel %d is more than the %d rows of the token table", fn, T,
+            m->padded_vocab);
+    bool quantized = c->base != MT_BASE_FULL;
+    for (int i = 0; i < m->n_param; i++) quantized |= m->params[i].qf != 0;
+    const char *why = m->gpt.stable_embedding        ? "a StableEmbedding"
+                      : c->lora.rank || m->lora_rank ? "LoRA adapters"
+                      : quantized                    ? "a quantized base"
+                      : c->teacher                   ? "distillation (cfg->teacher)"
+                      : c->fused_step                ? "the fused step (cfg->fused_step)"
+                      : c->offload                   ? "offload (cfg->offload)"
+                      : c->offload_params            ? "cfg->offload_params"
+                      : c->local_sgd_every           ? "local SGD (cfg->local_sgd_every)"
+                      : c->zero_stage && W / T > 1   ? "ZeRO (cfg->zero_stage) in the "
+                                                       "data-parallel groups"
+                                                     : NULL;
+    if (why)
+        NO("%s: cfg->tensor_parallel %d does not combine with %s yet (docs/distributed.md, "
+           "\"Tensor parallel\")", fn, T, why);
+    return MT_OK;
+}
+
+/* ---- the split ---- */
+
+typedef struct copy_run {
+    mti_device *dev;
+    char *dst;
+    const char *src;
+    size_t es;
+} copy_run;
+
+static mt_status copy_one(void *user, size_t whole_at, size_t len, size_t off)
+{
+    const copy_run *c = user;
+    return c->dev->copy_d2d(c->dev, c->dst + off * c->es, c->src + whole_at * c->es, len * c->es);
+}
+
+/* Parameter i's part made beside its whole (stashed in t->tp_whole). */
+static mt_status split_param(mt_trainer *t, int i, mti_tp_split split)
+{
+    mt_context *ctx = t->ctx;
+    mt_model *m = t->model;
+    mti_param *p = &m->params[i];
+    const int T = t->tp.size, q = t->tp.rank;
+    const int64_t rows = p->shape[0], cols = p->ndim == 2 ? p->shape[1] : 1;
+    int64_t pr, pc;
+    mti_tp_part_shape(split, rows, cols, T, q, &pr, &pc);
+    mti_tensor part = p->w;
+    memset(&part.blk, 0, sizeof part.blk);
+    part.shape[0] = pr;
+    if (p->ndim == 2) part.shape[1] = pc;
+    p->whole_shape[0] = rows;
+    p->whole_shape[1] = cols;
+    p->whole_numel = p->numel;
+    p->tp_split = (unsigned char)split; /* (mti_tp_each_run reads the whole's shape) */
+    mt_status s = MT_OK;
+    if (!p->unmade) {
+        s = mti_tensor_alloc(ctx, &part, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                             MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+        copy_run c = {ctx->dev, part.blk.ptr, p->w.blk.ptr, mti_dtype_size(p->w.dtype)};
+        if (!s && !ctx->dry) s = mti_tp_each_run(p, T, q, 0, (size_t)(pr * pc), copy_one, &c);
+        if (!s && !ctx->dry) s = ctx->dev->sync(ctx->dev);
+        if (s) {
+            mti_tensor_free(ctx, &part);
+            p->tp_split = 0;
+            return mti_fail(ctx, s, "tensor parallel: %s's part: %s", p->name, mti_last_msg(ctx).s);
+        }
+    }
+    t->tp_whole[i] = p->w;
+    p->w = part;
+    p->shape[0] = pr;
+    if (p->ndim == 2) p->shape[1] = pc;
+    p->numel = (size_t)(pr * pc);
+    return MT_OK;
+}
+
+/* Parameter i's whole shape again (its part's memory is the caller's). */
+static void unsplit_shape(mti_param *p)
+{
+    p->shape[0] = p->whole_shape[0];
+    if (p->ndim == 2) p->shape[1] = p->whole_shape[1];
+    p->numel = p->whole_numel;
+    p->w.shape[0] = p->shape[0];
+    if (p->ndim == 2) p->w.shape[1] = p->shape[1];
+    p->tp_split = 0;
+}
+
+mt_status mti_tp_begin(mt_trainer *t)
+{
+    const int T = t->cfg.tensor_parallel;
+    if (T <= 1) return MT_OK;
+    mt_context *ctx = t->ctx;
+    mt_model *m = t->model;
+    const int W = ctx->world, r = ctx->rank, q = r % T, g = r / T;
+    const int PV = m->padded_vocab;
+    t->tp = (mti_tp){.size = T, .rank = q};
+    t->tp.v0 = (int)((int64_t)PV * q / T);
+    t->tp.v1 = (int)((int64_t)PV * (q + 1) / T);
+    const int real = m->classes - t->tp.v0;
+    t->tp.classes = real < 0 ? 0 : real > t->tp.v1 - t->tp.v0 ? t->tp.v1 - t->tp.v0 : real;
+    mt_status s = MT_OK;
+    if (!ctx->dry && W > 1) { /* the groups: neighbours in a tensor group */
+        mt_comm *c = ctx->cfg.comm;
+        if (T == W) {
+            t->tp_comm = c;
+        } else {
+            t->tp_own = 1;
+            s = mt_comm_split(c, g, q, &t->tp_comm);
+            if (!s) s = mt_comm_split(c, q, g, &t->dp_comm);
+            if (s)
+                return mti_fail(ctx, s, "mt_trainer_create: making the tensor and data-parallel "
+                                "groups: %s", mt_last_error(NULL));
+        }
+    }
+    t->tp.comm = t->tp_comm;
+    if (!(t->tp_whole = calloc((size_t)m->n_param, sizeof *t->tp_whole)))
+        return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    m->tp = &t->tp;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        const mti_tp_split split = split_of(m, i);
+        if (split != MTI_TP_WHOLE) s = split_param(t, i, split);
+    }
+    mti_comm_narrow(ctx, t->dp_comm, W / T, g);
+    return s;
+}
+
+mt_status mti_tp_agree(mt_trainer *t, mt_status s)
+{
+    mt_context *ctx = t->ctx;
+    const int T = t->tp.size;
+    if (T < 2 || !t->tp_comm || ctx->dry) return s;
+    char own[MTI_ERR_LEN];
+    snprintf(own, sizeof own, "%s", s ? mt_last_error(ctx) : "");
+    float *v = calloc((size_t)T, sizeof *v);
+    if (!v) return s ? s : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    v[t->tp.rank] = (float)s;
+    mt_status e = mti_comm_group_host_all_reduce(
+        ctx, t->tp_comm, "mt_trainer_create: exchanging the trainer's creation over the tensor group",
+        v, (size_t)T, MT_COMM_SUM);
+    int bad = -1;
+    for (int k = 0; k < T && !e; k++)
+        if (v[k] != 0.0f && k != t->tp.rank && bad < 0) bad = k;
+    const mt_status other = bad >= 0 ? (mt_status)v[bad] : MT_OK;
+    free(v);
+    if (s) return mti_fail(ctx, s, "%s", own);
+    if (e) return e;
+    if (bad >= 0)
+        return mti_fail(ctx, MT_ERR_COMM,
+                        "mt_trainer_create: rank %d of the tensor group failed (%s), so every "
+                        "rank stops", bad, mt_status_string(other));
+    return MT_OK;
+}
+
+void mti_tp_commit(mt_trainer *t)
+{
+    if (!t->tp_whole) return;
+    for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->tp_whole[i]);
+    free(t->tp_whole);
+    t->tp_whole = NULL;
+}
+
+/* ---- gathering the parts ---- */
+
+typedef mt_status (*run_sink)(void *user, size_t whole_at, const float *src, size_t len);
+
+typedef struct sink_run {
+    run_sink fn;
+    void *user;
+    const float *part;
+} sink_run;
+
+static mt_status sink_one(void *user, size_t whole_at, size_t len, size_t off)
+{
+    const sink_run *r = user;
+    return r->fn(r->user, whole_at, r->part + off, len);
+}
+
+/* Every rank's part of split parameter i (fp32), each broadcast by its
+ * owner through a buffer of context memory and handed to fn run by run. */
+static mt_status gather(mt_trainer *t, int i, const float *local, run_sink fn, void *user)
+{
+    mt_context *ctx = t->ctx;
+    const mti_param *p = &t->model->params[i];
+    const int T = t->tp.size, me = t->tp.rank;
+    const mti_tp_split split = (mti_tp_split)p->tp_split;
+    size_t most = 0;
+    for (int q = 0; q < T; q++) {
+        int64_t pr, pc;
+        mti_tp_part_shape(split, p->whole_shape[0], p->whole_shape[1], T, q, &pr, &pc);
+        if ((size_t)(pr * pc) > most) most = (size_t)(pr * pc);
+    }
+    mti_tensor buf = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)most}};
+    float *host = malloc(most * sizeof *host + 1);
+    mt_status s = host ? mti_tensor_alloc(ctx, &buf, MT_MEM_WORK, MT_LIFE_PHASE,
+                                          MTI_TAG_PARAM(MTI_TAG_TRAINER, 6))
+                       : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    char what[96];
+    snprintf(what, sizeof what, "tensor parallel: gathering %s", p->name);
+    for (int q = 0; q < T && !s; q++) {
+        int64_t pr, pc;
+        mti_tp_part_shape(split, p->whole_shape[0], p->whole_shape[1], T, q, &pr, &pc);
+        const size_t n = (size_t)(pr * pc);
+        if (q == me) s = ctx->dev->copy_d2d(ctx->dev, buf.blk.ptr, local, n * sizeof(float));
+        if (!s && T > 1 && t->tp_comm)
+            s = mti_comm_group_broadcast(ctx, t->tp_comm, what, buf.blk.ptr, n, MT_COMM_F32, q);
+        if (!s) s = ctx->dev->copy_d2h(ctx->dev, host, buf.blk.ptr, n * sizeof(float));
+        if (!s) s = ctx->dev->sync(ctx->dev);
+        sink_run r = {fn, user, host};
+        if (!s) s = mti_tp_each_run(p, T, q, 0, n, sink_one, &r);
+    }
+    mti_tensor_free(ctx, &buf);
+    free(host);
+    return s;
+}
+
+static mt_status to_host(void *user, size_t whole_at, const float *src, size_t len)
+{
+    memcpy((float *)user + whole_at, src, len * sizeof *src);
+    return MT_OK;
+}
+
+mt_status mti_tp_gather_host(mt_trainer *t, int i, const float *local, float *whole)
+{
+    return gather(t, i, local, to_host, whole);
+}
+
+typedef struct to_dev {
+    mti_device *dev;
+    float *dst;
+} to_dev;
+
+static mt_status to_device(void *user, size_t whole_at, const float *src, size_t len)
+{
+    const to_dev *d = user;
+    return d->dev->copy_h2d(d->dev, d->dst + whole_at, src, len * sizeof *src);
+}
+
+/* Split parameter i whole again: its part gathered into a whole tensor
+ * (unmade: left unmade; dry: the whole made, nothing exchanged). */
+static mt_status unsplit(mt_trainer *t, int i)
+{
+    mt_context *ctx = t->ctx;
+    mti_param *p = &t->model->params[i];
+    mti_tensor part = p->w;
+    unsplit_shape(p);
+    if (p->unmade) {
+        mti_tensor_free(ctx, &part);
+        memset(&p->w.blk, 0, sizeof p->w.blk);
+        return MT_OK;
+    }
+    mti_tensor whole = p->w; /* (the whole's shape) */
+    memset(&whole.blk, 0, sizeof whole.blk);
+    mt_status s = part.dtype == MTI_F32 ? MT_OK
+                                        : mti_fail(ctx, MT_ERR_INTERNAL, "%s: not fp32", p->name);
+    if (!s)
+        s = mti_tensor_alloc(ctx, &whole, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                             MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    if (!s && !ctx->dry) {
+        p->tp_split = (unsigned char)split_of(t->model, i); /* (gather reads the split) */
+        to_dev d = {ctx->dev, whole.blk.ptr};
+        s = gather(t, i, part.blk.ptr, to_device, &d);
+        if (!s) s = ctx->dev->sync(ctx->dev);
+        p->tp_split = 0;
+    }
+    if (s && whole.blk.ptr) { /* zeros, said in the log */
+        (void)mti_tensor_zero(ctx, &whole);
+        mti_log(ctx, MT_LOG_ERROR, "mt_trainer_destroy: %s could not be gathered from the "
+                "tensor group's parts (%s); its weights are zeros", p->name, mti_last_msg(ctx).s);
+    }
+    mti_tensor_free(ctx, &part);
+    p->w = whole;
+    return s;
+}
+
+void mti_tp_end(mt_trainer *t)
+{
+    if (t->tp.size < 2) return;
+    mt_context *ctx = t->ctx;
+    mt_model *m = t->model;
+    for (int i = 0; i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
+        if (!p->tp_split) continue;
+        if (t->tp_whole) { /* creation failed: the wholes back, nothing exchanged */
+            mti_tensor_free(ctx, &p->w);
+            p->w = t->tp_whole[i];
+            unsplit_shape(p);
+            memset(&t->tp_whole[i], 0, sizeof t->tp_whole[i]);
+        } else {
+            (void)unsplit(t, i);
+        }
+    }
+    free(t->tp_whole);
+    t->tp_whole = NULL;
+    m->tp = NULL;
+    mti_comm_widen(ctx);
+    if (t->tp_own) mt_comm_destroy(t->tp_comm);
+    mt_comm_destroy(t->dp_comm);
+    t->tp_comm = t->dp_comm = NULL;
+    t->tp = (mti_tp){0};
+}
+
+/* ---- the step ---- */
+
+mt_status mti_tp_checks(mt_trainer *t, const float *h, int n, int *found, double *sum)
+{
+    const mt_model *m = t->model;
+    double parts = 0.0, whole = 0.0;
+    for (int i = 0; i < n; i++) {
+        if (m->params[i].tp_split) parts += h[i];
+        else whole += h[i];
+    }
+    float v[2] = {(float)parts, (float)(*found != 0)};
+    mt_status s = MT_OK;
+    if (t->tp_comm && !t->ctx->dry)
+        s = mti_comm_group_host_all_reduce(t->ctx, t->tp_comm,
+                                           "tensor parallel: the gradients' checks over the group",
+                                           v, 2, MT_COMM_SUM);
+    *found = v[1] > 0.0f;
+    *sum = (double)v[0] + whole;
+    return s;
+}

@@ -1,0 +1,489 @@
+/*
+ * test_tp.c - tensor parallel (cfg.tensor_parallel) over the in-process
+ * communicator (threads as ranks): each step's loss, the whole gradients
+ * and (SGD) the weights after training against one process on the same rows,
+ * for 2 and 3 ranks per group (6 heads), every precision, optimizers,
+ * clipping and recompute; data-parallel groups of tensor groups; every
+ * rank's per-class peaks against its estimate; the refusals; a dead rank.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "check.h"
+#include "engine/engine.h"
+#include "test_comm.h"
+
+#define TP_MAXN 4
+#define TP_STEPS 10
+#define TP_T 8
+
+typedef struct tp_case {
+    const char *name;
+    mt_optimizer_kind opt;
+    mt_precision prec;
+    float clip;
+    mt_recompute_policy rec;
+    double tol; /* relative, on the losses and gradients */
+} tp_case;
+
+static const tp_case tp_cases[] = {
+    {"sgd fp32 clip", MT_OPT_SGD, MT_PREC_FP32, 0.5f, MT_RECOMPUTE_NONE, 1e-5},
+    {"adamw fp32 selective", MT_OPT_ADAMW, MT_PREC_FP32, 0.0f, MT_RECOMPUTE_SELECTIVE, 1e-5},
+    {"adamw fp32 every 2", MT_OPT_ADAMW, MT_PREC_FP32, 1.0f, MT_RECOMPUTE_EVERY_K, 1e-5},
+    {"adamw bf16", MT_OPT_ADAMW, MT_PREC_BF16, 1.0f, MT_RECOMPUTE_NONE, 3e-2},
+    {"adamw fp16", MT_OPT_ADAMW, MT_PREC_FP16, 0.0f, MT_RECOMPUTE_NONE, 1e-2},
+};
+
+/* A run: n ranks in groups of tp (n / tp data-parallel groups of `rows`
+ * rows each), or one process (n 1, tp 1) over all the rows. */
+typedef struct tp_run {
+    const tp_case *c;
+    int n, tp, rows, steps;
+    int estimate;              /* check each rank's peaks against its estimate */
+    int deferred;              /* the model deferred (mt_gpt_spec.deferred) */
+    uint64_t param_live[TP_MAXN], param_peak[TP_MAXN]; /* PARAM after the steps, and its peak */
+    tcomm_world *world;
+    float loss[TP_MAXN][TP_STEPS];
+    float *g[TP_MAXN];         /* the whole gradients before the first step */
+    float *w[TP_MAXN];         /* the weights after the trainer */
+    size_t nw;
+    mt_status st[TP_MAXN];
+    char msg[TP_MAXN][512];
+} tp_run;
+
+static void tp_rows(int step, int r0, int n, int32_t *tok, int32_t *tgt)
+{
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < TP_T; j++) {
+            const int row = r0 + r;
+            tok[r * TP_T + j] = (row * 7 + j * 3 + step * 11) % 50;
+            tgt[r * TP_T + j] = (row * 5 + j * 13 + step * 3 + 1) % 50;
+        }
+}
+
+static mt_trainer_config tp_config(const tp_case *c, int tp, int rows)
+{
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.optimizer = c->opt;
+    tc.lr = c->opt == MT_OPT_SGD ? 0.1f : 1e-2f;
+    tc.momentum = c->opt == MT_OPT_SGD ? 0.9f : 0.0f;
+    tc.weight_decay = 0.01f;
+    tc.precision = c->prec;
+    tc.grad_clip = c->clip;
+    tc.recompute = c->rec;
+    tc.recompute_every = 2;
+    tc.max_batch = rows;
+    tc.tensor_parallel = tp;
+    if (c->prec == MT_PREC_FP16) tc.loss_scale.init_scale = 1024.0f;
+    return tc;
+}
+
+static mt_status tp_open(mt_comm *c, int deferred, mt_context **ctx, mt_model **m)
+{
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = TP_T, g.layers = 2, g.heads = 6;
+    g.channels = 24, g.seed = 7, g.deferred = deferred;
+    mt_status s = tcomm_context(c, ctx);
+    return s ? s : mt_model_gpt_create(*ctx, &g, m);
+}
+
+static void tp_peaks(mt_context *ctx, mt_model *m, const mt_trainer_config *tc, tp_run *a, int rank)
+{
+    mt_memory_stats ms;
+    mt_estimate_report e;
+    mt_context_memory_stats(ctx, &ms);
+    a->param_live[rank] = ms.per_class[MT_MEM_PARAM].live_bytes;
+    a->param_peak[rank] = ms.per_class[MT_MEM_PARAM].peak_live_bytes;
+    if (a->deferred) return; /* (estimated after the model is made: not deferred any more) */
+    if (mt_estimate_model(m, tc, &e)) {
+        snprintf(a->msg[rank], sizeof a->msg[rank], "estimate: %s", mt_last_error(ctx));
+        a->st[rank] = MT_ERR_INTERNAL;
+        return;
+    }
+    for (int k = 0; k < MT_MEM_COUNT; k++)
+        if (e.class_peak[k] != ms.per_class[k].peak_live_bytes) {
+            snprintf(a->msg[rank], sizeof a->msg[rank], "%s peak %llu, estimate %llu",
+                     mt_mem_class_name((mt_mem_class)k),
+                     (unsigned long long)ms.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.class_peak[k]);
+            a->st[rank] = MT_ERR_INTERNAL;
+            return;
+        }
+}
+
+static void tp_rank(int rank, void *p)
+{
+    tp_run *a = p;
+    const int tp = a->tp, rows = a->rows, group = rank / (tp ? tp : 1);
+    mt_trainer_config tc = tp_config(a->c, tp, rows);
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = tp_open(c, a->deferred, &ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[32 * TP_T], tgt[32 * TP_T];
+    const size_t nw = m ? mt_model_num_params(m) : 0;
+    if (!s) { /* the whole gradients at the first weights */
+        a->g[rank] = malloc(nw * sizeof(float));
+        tp_rows(0, group * rows, rows, tok, tgt);
+        mt_batch b = {.n = rows, .tokens = tok, .targets = tgt, .seq_len = TP_T};
+        s = mt_trainer_gradients(t, &b, NULL, a->g[rank], nw);
+    }
+    for (int k = 0; k < a->steps && !s; k++) {
+        tp_rows(k, group * rows, rows, tok, tgt);
+        mt_batch b = {.n = rows, .tokens = tok, .targets = tgt, .seq_len = TP_T};
+        s = mt_trainer_step(t, &b, &a->loss[rank][k]);
+    }
+    a->st[rank] = s;
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (!s && (a->estimate || a->deferred)) tp_peaks(ctx, m, &tc, a, rank);
+    mt_trainer_destroy(t); /* (the parts gathered back, on every rank) */
+    if (m && !a->st[rank]) {
+        a->nw = nw;
+        a->w[rank] = malloc(nw * sizeof(float));
+        if (mt_model_get_params(m, a->w[rank], nw)) {
+            a->st[rank] = MT_ERR_INTERNAL;
+            snprintf(a->msg[rank], sizeof a->msg[rank], "get_params: %s", mt_last_error(ctx));
+        }
+    }
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void tp_go(tp_run *a)
+{
+    a->world = a->n > 1 ? tcomm_world_new(a->n, 30.0) : NULL;
+    tcomm_run(a->n, tp_rank, a);
+    tcomm_world_free(a->world);
+}
+
+static void tp_free(tp_run *a)
+{
+    for (int r = 0; r < TP_MAXN; r++) free(a->g[r]), free(a->w[r]);
+    memset(a->g, 0, sizeof a->g);
+    memset(a->w, 0, sizeof a->w);
+}
+
+/* The largest |x - y| relative to (|y| + floor) over n values. */
+static double rel_diff(const float *x, const float *y, size_t n, double floor)
+{
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)x[i] - y[i]) / (fabs(y[i]) + floor);
+        if (!(d <= worst)) worst = d;
+    }
+    return worst;
+}
+
+/* ||x - y|| / ||y|| over n values. */
+static double norm_diff(const float *x, const float *y, size_t n)
+{
+    double d = 0.0, b = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        d += ((double)x[i] - y[i]) * ((double)x[i] - y[i]);
+        b += (double)y[i] * y[i];
+    }
+    return sqrt(d / (b > 0.0 ? b : 1.0));
+}
+
+/* Groups of 2 and 3 ranks (6 heads; with 3 the vocabulary's 64 rows split
+ * 21, 21, 22): every step's loss, the whole gradients and the weights after
+ * training equal one process's on the same rows, to the case's tolerance;
+ * every rank of a group holds the same weights afterwards, bit for bit. */
+TEST(tp_matches_one_process)
+{
+    for (size_t k = 0; k < sizeof tp_cases / sizeof tp_cases[0]; k++) {
+        const tp_case *c = &tp_cases[k];
+        tp_run one = {.c = c, .n = 1, .tp = 1, .rows = 3, .steps = TP_STEPS};
+        tp_go(&one);
+        CHECK_MSG(one.st[0] == MT_OK, "%s: one process: %s", c->name, one.msg[0]);
+        for (int T = 2; T <= 3; T++) {
+            tp_run a = {.c = c, .n = T, .tp = T, .rows = 3, .steps = TP_STEPS, .estimate = 1};
+            tp_go(&a);
+            for (int r = 0; r < T; r++) {
+                CHECK_MSG(a.st[r] == MT_OK, "%s, tp %d, rank %d: %s", c->name, T, r, a.msg[r]);
+                for (int s = 0; s < TP_STEPS; s++)
+                    CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <= c->tol * fabs(one.loss[0][s]),
+                              "%s, tp %d, rank %d, step %d: loss %.9g, one process %.9g", c->name,
+                              T, r, s, (double)a.loss[r][s], (double)one.loss[0][s]);
+                /* fp32: element by element, relative to the largest; 16 bits: as a whole */
+                double big = 0.0;
+                for (size_t i = 0; i < a.nw; i++) big = fmax(big, fabs(one.g[0][i]));
+                const double gd = c->prec == MT_PREC_FP32 ? rel_diff(a.g[r], one.g[0], a.nw, big)
+                                                          : norm_diff(a.g[r], one.g[0], a.nw);
+                CHECK_MSG(gd <= c->tol, "%s, tp %d, rank %d: gradients differ by %.3g",
+                          c->name, T, r, gd);
+                CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
+            }
+            /* (Adam's update of a gradient near zero is its sign: no bound) */
+            const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
+            CHECK_MSG(c->opt != MT_OPT_SGD || wd <= c->tol * 100,
+                      "%s, tp %d: weights differ by %.3g", c->name, T, wd);
+            tp_free(&a);
+        }
+        tp_free(&one);
+    }
+}
+
+/* 4 ranks as 2 data-parallel groups of tensor groups of 2: one process
+ * over both groups' rows (fp32, 1e-5). */
+TEST(tp_with_data_parallel)
+{
+    const tp_case *c = &tp_cases[0];
+    tp_run one = {.c = c, .n = 1, .tp = 1, .rows = 6, .steps = TP_STEPS};
+    tp_go(&one);
+    CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
+    tp_run a = {.c = c, .n = 4, .tp = 2, .rows = 3, .steps = TP_STEPS, .estimate = 1};
+    tp_go(&a);
+    for (int r = 0; r < 4; r++) {
+        CHECK_MSG(a.st[r] == MT_OK, "rank %d: %s", r, a.msg[r]);
+        for (int s = 0; s < TP_STEPS; s++)
+            CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <= 1e-5 * fabs(one.loss[0][s]),
+                      "rank %d, step %d: loss %.9g, one process %.9g", r, s,
+                      (double)a.loss[r][s], (double)one.loss[0][s]);
+        CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
+    }
+    const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
+    CHECK_MSG(wd <= 1e-3, "weights differ by %.3g", wd);
+    tp_free(&a);
+    tp_free(&one);
+}
+
+/* A deferred model: each rank makes only its parts, straight from the
+ * source: the bits of the model made whole and then split, and PARAM's
+ * peak is a rank's share (about half at 2 ranks), not the whole model. */
+TEST(tp_deferred_model)
+{
+    const tp_case *c = &tp_cases[0];
+    tp_run whole = {.c = c, .n = 2, .tp = 2, .rows = 3, .steps = 3, .estimate = 1};
+    tp_go(&whole);
+    tp_run def = {.c = c, .n = 2, .tp = 2, .rows = 3, .steps = 3, .deferred = 1};
+    tp_go(&def);
+    for (int r = 0; r < 2; r++) {
+        CHECK_MSG(whole.st[r] == MT_OK && def.st[r] == MT_OK, "rank %d: %s / %s", r,
+                  whole.msg[r], def.msg[r]);
+        CHECK(memcmp(whole.loss[r], def.loss[r], 3 * sizeof(float)) == 0);
+        CHECK(memcmp(whole.w[r], def.w[r], whole.nw * sizeof(float)) == 0);
+        CHECK(def.param_live[r] == whole.param_live[r]);
+        /* the whole model is 4 nw bytes: a rank holds its parts and the
+           replicated tensors */
+        CHECK_MSG(def.param_peak[r] < whole.nw * 4 * 3 / 4 && whole.param_peak[r] > whole.nw * 4,
+                  "rank %d: PARAM peak %llu deferred, %llu whole (the model is %zu bytes)", r,
+                  (unsigned long long)def.param_peak[r], (unsigned long long)whole.param_peak[r],
+                  whole.nw * 4);
+    }
+    tp_free(&whole);
+    tp_free(&def);
+}
+
+/* What is refused, before anything runs, on every rank alike. */
+typedef struct tp_bad {
+    tcomm_world *world;
+    int n;
+    mt_trainer_config tc;
+    int lora;
+    mt_status st[TP_MAXN];
+    char msg[TP_MAXN][512];
+} tp_bad;
+
+static void tp_bad_rank(int rank, void *p)
+{
+    tp_bad *a = p;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_trainer_config tc = a->tc;
+    mt_status s = tp_open(c, 0, &ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(tp_refusals)
+{
+    struct {
+        int n, tp;
+        unsigned what;
+        mt_status want;
+        const char *says;
+    } cases[] = {
+        {3, 2, 0, MT_ERR_INVALID_ARG, "does not divide the world of 3"},
+        {4, 4, 0, MT_ERR_INVALID_ARG, "does not divide the model's 6 heads"},
+        {2, 2, 1, MT_ERR_UNSUPPORTED, "LoRA"},
+        {2, 2, 2, MT_ERR_UNSUPPORTED, "fused step"},
+        {4, 2, 4, MT_ERR_UNSUPPORTED, "ZeRO"},
+        {2, 2, 8, MT_ERR_UNSUPPORTED, "offload"},
+        {2, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        tp_bad a = {.n = cases[k].n, .tc = tp_config(&tp_cases[0], cases[k].tp, 2)};
+        if (cases[k].what & 1) a.tc.lora.rank = 2;
+        if (cases[k].what & 2) a.tc.fused_step = 1;
+        if (cases[k].what & 4) a.tc.zero_stage = 1;
+        if (cases[k].what & 8) a.tc.offload = MT_PLACE_HOST;
+        a.world = tcomm_world_new(a.n, 30.0);
+        tcomm_run(a.n, tp_bad_rank, &a);
+        tcomm_world_free(a.world);
+        for (int r = 0; r < a.n; r++) {
+            CHECK_MSG(a.st[r] == cases[k].want, "case %zu rank %d: %s: %s", k, r,
+                      mt_status_string(a.st[r]), a.msg[r]);
+            CHECK_MSG(strstr(a.msg[r], cases[k].says) != NULL, "case %zu: %s", k, a.msg[r]);
+        }
+    }
+}
+
+/* A rank of a tensor group that stalls before a step: the others stop
+ * with MT_ERR_COMM within the timeout, naming the sum they waited in, and
+ * every rank's trainer still goes (its weights zeros, said in the log). */
+typedef struct tp_death {
+    tcomm_world *world;
+    mt_status st[2];
+    char msg[2][512];
+    double seconds[2];
+} tp_death;
+
+static void tp_death_rank(int rank, void *p)
+{
+    tp_death *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_trainer_config tc = tp_config(&tp_cases[0], 2, 2);
+    mt_status s = tp_open(c, 0, &ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[2 * TP_T], tgt[2 * TP_T];
+    tp_rows(0, 0, 2, tok, tgt);
+    mt_batch b = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = TP_T};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (!s && rank == 0) s = mt_trainer_step(t, &b, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    a->seconds[rank] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (rank == 1) { /* stalls: never joins the step, and cleans up once the world is dead */
+        struct timespec nap = {1, 500000000};
+        nanosleep(&nap, NULL);
+    }
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(tp_dead_rank)
+{
+    tp_death a = {.world = tcomm_world_new(2, 1.0)};
+    tcomm_run(2, tp_death_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK_MSG(a.st[0] == MT_ERR_COMM, "rank 0: %s: %s", mt_status_string(a.st[0]), a.msg[0]);
+    CHECK_MSG(strstr(a.msg[0], "tensor parallel") != NULL, "%s", a.msg[0]);
+    CHECK_MSG(a.seconds[0] < 1.0 + 3.0, "rank 0 failed after %.2f s", a.seconds[0]);
+}
+
+/* On CUDA contexts (the stand-in driver and cuBLASLt) over the stand-in
+ * NCCL, 2 and 3 ranks, fp32 and bf16, deferred or not: the steps run on
+ * the device (the sums through NCCL on the device's stream), each rank's
+ * per-class peaks equal its estimate, and the weights gathered back after
+ * the trainer are the model's bit for bit (the stand-in's kernels compute
+ * nothing: the update leaves the parts as they were). With a host
+ * communicator the sums are staged through host memory, the same way. */
+typedef struct tpc_run {
+    tcomm_world *w;
+    int n, nccl, deferred;
+    mt_precision prec;
+    mt_status st[TP_MAXN];
+    char msg[TP_MAXN][400];
+} tpc_run;
+
+static void tpc_rank(int rank, void *arg)
+{
+    tpc_run *a = arg;
+    char *msg = a->msg[rank];
+    const size_t cap = sizeof a->msg[rank];
+    mt_comm *c = a->nccl ? tcomm_nccl(a->w, rank, a->n) : tcomm_make(a->w, rank, a->n, 0);
+    mt_context *ctx = c ? tcomm_cuda_context(c) : NULL;
+    mt_model *m = NULL, *w0m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = ctx ? MT_OK : MT_ERR_NO_DEVICE;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = TP_T, g.layers = 2, g.heads = 6;
+    g.channels = 24, g.seed = 7, g.deferred = a->deferred;
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    mt_gpt_spec g0 = g; /* the same weights, made whole, to compare with */
+    g0.deferred = 0;
+    if (!s) s = mt_model_gpt_create(ctx, &g0, &w0m);
+    mt_trainer_config tc = tp_config(&tp_cases[1], a->n, 2);
+    tc.precision = a->prec;
+    mt_estimate_report pre;
+    if (!s && a->deferred) s = mt_estimate_model(m, &tc, &pre);
+    const size_t P = m ? mt_model_num_params(m) : 0;
+    float *w0 = malloc(P * sizeof *w0 + 1), *w1 = malloc(P * sizeof *w1 + 1);
+    if (!s) s = mt_model_get_params(w0m, w0, P);
+    mt_model_destroy(w0m);
+    mt_context_reset_peaks(ctx);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[2 * TP_T], tgt[2 * TP_T];
+    for (int k = 0; k < 2 && !s; k++) {
+        tp_rows(k, 0, 2, tok, tgt);
+        mt_batch b = {.n = 2, .tokens = tok, .targets = tgt, .seq_len = TP_T};
+        s = mt_trainer_step(t, &b, NULL);
+    }
+    if (!s) {
+        mt_estimate_report e;
+        mt_memory_stats ms;
+        if (a->deferred) e = pre;
+        else s = mt_estimate_model(m, &tc, &e);
+        mt_context_memory_stats(ctx, &ms);
+        for (int k = 0; !s && k < MT_MEM_COUNT && !*msg; k++)
+            if (ms.per_class[k].peak_live_bytes != e.class_peak[k])
+                snprintf(msg, cap, "%s peak %llu, estimate %llu", mt_mem_class_name(k),
+                         (unsigned long long)ms.per_class[k].peak_live_bytes,
+                         (unsigned long long)e.class_peak[k]);
+    }
+    if (s && !*msg) snprintf(msg, cap, "%s", ctx ? mt_last_error(ctx) : "no context");
+    mt_trainer_destroy(t); /* (the parts gathered back, on every rank) */
+    if (!s && !*msg && mt_model_get_params(m, w1, P)) snprintf(msg, cap, "no weights put back");
+    if (!s && !*msg && a->prec == MT_PREC_FP32 && memcmp(w0, w1, P * sizeof *w0))
+        snprintf(msg, cap, "the weights gathered back differ from the model's");
+    a->st[rank] = s;
+    free(w0), free(w1);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(tp_cuda_stand_in)
+{
+    if (!check_fake_cuda() || !getenv("MT_FAKE_CUBLASLT") || !getenv("MT_FAKE_NCCL")) {
+        fprintf(stderr, "    (skipped: MT_FAKE_CUDA, MT_FAKE_CUBLASLT or MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    mti_engine_grad_fill = tcomm_fill_grads;
+    const mt_precision precs[2] = {MT_PREC_FP32, MT_PREC_BF16};
+    for (int n = 2; n <= 3; n++)
+        for (int k = 0; k < 4; k++) {
+            tpc_run a = {.n = n, .nccl = k != 3, .deferred = k == 2, .prec = precs[k == 1]};
+            a.w = tcomm_world_new(n, 30.0);
+            tcomm_run(n, tpc_rank, &a);
+            tcomm_world_free(a.w);
+            for (int r = 0; r < n; r++)
+                CHECK_MSG(a.st[r] == MT_OK && !a.msg[r][0], "%d ranks, case %d, rank %d: %s", n,
+                          k, r, a.msg[r]);
+        }
+    mti_engine_grad_fill = NULL;
+}
