@@ -1222,6 +1222,17 @@ typedef struct mt_trainer_config {
      * offload, local SGD, ZeRO on data-parallel groups of more than one rank,
      * mt_trainer_logits or training-state files (MT_ERR_UNSUPPORTED). */
     int tensor_parallel;
+    /* Sequence parallel (0 or 1; with tensor_parallel > 1, else
+     * MT_ERR_INVALID_ARG): outside the blocks' split GEMMs (the residual
+     * stream, the LayerNorms, the embedding's output) each rank of a tensor
+     * group holds 1/T of a micro-batch's rows, rows [N q / T, N (q + 1) / T)
+     * of its N = rows x seq_len, so those activations cost 1/T too. The
+     * blocks' sums become a reduce-scatter (forward) and an all-gather of
+     * the rows a GEMM needs (forward and backward), and the LayerNorms'
+     * gradients are summed over the group. Every micro-batch's N must be a
+     * multiple of T (MT_ERR_INVALID_ARG from the step otherwise).
+     * docs/distributed.md, "Sequence parallel". */
+    int sequence_parallel;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

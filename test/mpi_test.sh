@@ -289,13 +289,14 @@ if [ -x "$B/memtrain" ]; then
     targs="train --model gpt --batch 4 --seq 16 --layers 2 --channels 48 --heads 6 --threads 1 --steps 3 --json"
     one=$("$B/memtrain" $targs 2>/dev/null | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
     for np in 2 4; do
-        tpo=$(timeout 120 $MPIRUN -np $np "$B/memtrain" $targs --tp 2 2>&1)
+        sp=$([ $np = 4 ] && echo --sp)
+        tpo=$(timeout 120 $MPIRUN -np $np "$B/memtrain" $targs --tp 2 $sp 2>&1)
         got=$(echo "$tpo" | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
         if [ -n "$one" ] && awk -v a="$one" -v b="$got" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
                if (n != m || n == 0) exit 1; for (i = 1; i <= n; i++) { d = x[i] - y[i];
                if (d < 0) d = -d; if (d > 1e-5 * x[i] + 2e-6) exit 1 } }'
-        then echo "ok   mpi memtrain train --tp 2 on $np ranks: one process's losses $got"
-        else echo "FAIL mpi memtrain train --tp 2 on $np ranks: losses '$got', one process '$one'"; echo "$tpo"; fail=1; fi
+        then echo "ok   mpi memtrain train --tp 2 $sp on $np ranks: one process's losses $got"
+        else echo "FAIL mpi memtrain train --tp 2 $sp on $np ranks: losses '$got', one process '$one'"; echo "$tpo"; fail=1; fi
     done
 fi
 

@@ -42,9 +42,11 @@ static const tp_case tp_cases[] = {
 typedef struct tp_run {
     const tp_case *c;
     int n, tp, rows, steps;
+    int sp;                    /* sequence parallel */
     int estimate;              /* check each rank's peaks against its estimate */
     int deferred;              /* the model deferred (mt_gpt_spec.deferred) */
     uint64_t param_live[TP_MAXN], param_peak[TP_MAXN]; /* PARAM after the steps, and its peak */
+    uint64_t act_peak[TP_MAXN];
     tcomm_world *world;
     float loss[TP_MAXN][TP_STEPS];
     float *g[TP_MAXN];         /* the whole gradients before the first step */
@@ -99,6 +101,7 @@ static void tp_peaks(mt_context *ctx, mt_model *m, const mt_trainer_config *tc, 
     mt_context_memory_stats(ctx, &ms);
     a->param_live[rank] = ms.per_class[MT_MEM_PARAM].live_bytes;
     a->param_peak[rank] = ms.per_class[MT_MEM_PARAM].peak_live_bytes;
+    a->act_peak[rank] = ms.per_class[MT_MEM_ACT].peak_live_bytes;
     if (a->deferred) return; /* (estimated after the model is made: not deferred any more) */
     if (mt_estimate_model(m, tc, &e)) {
         snprintf(a->msg[rank], sizeof a->msg[rank], "estimate: %s", mt_last_error(ctx));
@@ -121,6 +124,7 @@ static void tp_rank(int rank, void *p)
     tp_run *a = p;
     const int tp = a->tp, rows = a->rows, group = rank / (tp ? tp : 1);
     mt_trainer_config tc = tp_config(a->c, tp, rows);
+    tc.sequence_parallel = a->sp;
     mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
@@ -142,6 +146,11 @@ static void tp_rank(int rank, void *p)
     }
     a->st[rank] = s;
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (!s || a->estimate) { /* (one process: its ACT peak, for comparison) */
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        a->act_peak[rank] = ms.per_class[MT_MEM_ACT].peak_live_bytes;
+    }
     if (!s && (a->estimate || a->deferred)) tp_peaks(ctx, m, &tc, a, rank);
     mt_trainer_destroy(t); /* (the parts gathered back, on every rank) */
     if (m && !a->st[rank]) {
@@ -204,28 +213,37 @@ TEST(tp_matches_one_process)
         tp_run one = {.c = c, .n = 1, .tp = 1, .rows = 3, .steps = TP_STEPS};
         tp_go(&one);
         CHECK_MSG(one.st[0] == MT_OK, "%s: one process: %s", c->name, one.msg[0]);
-        for (int T = 2; T <= 3; T++) {
-            tp_run a = {.c = c, .n = T, .tp = T, .rows = 3, .steps = TP_STEPS, .estimate = 1};
+        for (int T = 2; T <= 3; T++)
+        for (int sp = 0; sp <= 1; sp++) {
+            tp_run a = {.c = c, .n = T, .tp = T, .rows = 3, .steps = TP_STEPS, .estimate = 1,
+                        .sp = sp};
             tp_go(&a);
             for (int r = 0; r < T; r++) {
-                CHECK_MSG(a.st[r] == MT_OK, "%s, tp %d, rank %d: %s", c->name, T, r, a.msg[r]);
+                CHECK_MSG(a.st[r] == MT_OK, "%s, tp %d, sp %d, rank %d: %s", c->name, T, sp, r,
+                          a.msg[r]);
+                /* a rank's activations: about 1/T of the blocks' inner ones, and with
+                   sequence parallel of the residual stream's too */
+                CHECK_MSG(a.act_peak[r] < one.act_peak[0] * (sp ? 0.6 : 0.8),
+                          "%s, tp %d, sp %d: ACT peak %llu of one process's %llu", c->name, T,
+                          sp, (unsigned long long)a.act_peak[r],
+                          (unsigned long long)one.act_peak[0]);
                 for (int s = 0; s < TP_STEPS; s++)
                     CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <= c->tol * fabs(one.loss[0][s]),
-                              "%s, tp %d, rank %d, step %d: loss %.9g, one process %.9g", c->name,
-                              T, r, s, (double)a.loss[r][s], (double)one.loss[0][s]);
+                              "%s, tp %d, sp %d, rank %d, step %d: loss %.9g, one process %.9g",
+                              c->name, T, sp, r, s, (double)a.loss[r][s], (double)one.loss[0][s]);
                 /* fp32: element by element, relative to the largest; 16 bits: as a whole */
                 double big = 0.0;
                 for (size_t i = 0; i < a.nw; i++) big = fmax(big, fabs(one.g[0][i]));
                 const double gd = c->prec == MT_PREC_FP32 ? rel_diff(a.g[r], one.g[0], a.nw, big)
                                                           : norm_diff(a.g[r], one.g[0], a.nw);
-                CHECK_MSG(gd <= c->tol, "%s, tp %d, rank %d: gradients differ by %.3g",
-                          c->name, T, r, gd);
+                CHECK_MSG(gd <= c->tol, "%s, tp %d, sp %d, rank %d: gradients differ by %.3g",
+                          c->name, T, sp, r, gd);
                 CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
             }
             /* (Adam's update of a gradient near zero is its sign: no bound) */
             const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
             CHECK_MSG(c->opt != MT_OPT_SGD || wd <= c->tol * 100,
-                      "%s, tp %d: weights differ by %.3g", c->name, T, wd);
+                      "%s, tp %d, sp %d: weights differ by %.3g", c->name, T, sp, wd);
             tp_free(&a);
         }
         tp_free(&one);
@@ -240,7 +258,8 @@ TEST(tp_with_data_parallel)
     tp_run one = {.c = c, .n = 1, .tp = 1, .rows = 6, .steps = TP_STEPS};
     tp_go(&one);
     CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
-    tp_run a = {.c = c, .n = 4, .tp = 2, .rows = 3, .steps = TP_STEPS, .estimate = 1};
+    for (int sp = 0; sp <= 1; sp++) {
+    tp_run a = {.c = c, .n = 4, .tp = 2, .rows = 3, .steps = TP_STEPS, .estimate = 1, .sp = sp};
     tp_go(&a);
     for (int r = 0; r < 4; r++) {
         CHECK_MSG(a.st[r] == MT_OK, "rank %d: %s", r, a.msg[r]);
@@ -251,8 +270,9 @@ TEST(tp_with_data_parallel)
         CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
     }
     const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
-    CHECK_MSG(wd <= 1e-3, "weights differ by %.3g", wd);
+    CHECK_MSG(wd <= 1e-3, "sp %d: weights differ by %.3g", sp, wd);
     tp_free(&a);
+    }
     tp_free(&one);
 }
 
@@ -326,6 +346,7 @@ TEST(tp_refusals)
         {4, 2, 4, MT_ERR_UNSUPPORTED, "ZeRO"},
         {2, 2, 8, MT_ERR_UNSUPPORTED, "offload"},
         {2, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
+        {2, 1, 16, MT_ERR_INVALID_ARG, "sequence_parallel needs cfg->tensor_parallel > 1"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         tp_bad a = {.n = cases[k].n, .tc = tp_config(&tp_cases[0], cases[k].tp, 2)};
@@ -333,6 +354,7 @@ TEST(tp_refusals)
         if (cases[k].what & 2) a.tc.fused_step = 1;
         if (cases[k].what & 4) a.tc.zero_stage = 1;
         if (cases[k].what & 8) a.tc.offload = MT_PLACE_HOST;
+        if (cases[k].what & 16) a.tc.sequence_parallel = 1;
         a.world = tcomm_world_new(a.n, 30.0);
         tcomm_run(a.n, tp_bad_rank, &a);
         tcomm_world_free(a.world);
@@ -400,10 +422,11 @@ TEST(tp_dead_rank)
  * per-class peaks equal its estimate, and the weights gathered back after
  * the trainer are the model's bit for bit (the stand-in's kernels compute
  * nothing: the update leaves the parts as they were). With a host
- * communicator the sums are staged through host memory, the same way. */
+ * communicator the sums are staged through host memory, the same way.
+ * Sequence parallel too (bf16 over NCCL, fp32 over the host communicator). */
 typedef struct tpc_run {
     tcomm_world *w;
-    int n, nccl, deferred;
+    int n, nccl, deferred, sp;
     mt_precision prec;
     mt_status st[TP_MAXN];
     char msg[TP_MAXN][400];
@@ -429,6 +452,7 @@ static void tpc_rank(int rank, void *arg)
     if (!s) s = mt_model_gpt_create(ctx, &g0, &w0m);
     mt_trainer_config tc = tp_config(&tp_cases[1], a->n, 2);
     tc.precision = a->prec;
+    tc.sequence_parallel = a->sp;
     mt_estimate_report pre;
     if (!s && a->deferred) s = mt_estimate_model(m, &tc, &pre);
     const size_t P = m ? mt_model_num_params(m) : 0;
@@ -476,8 +500,9 @@ TEST(tp_cuda_stand_in)
     mti_engine_grad_fill = tcomm_fill_grads;
     const mt_precision precs[2] = {MT_PREC_FP32, MT_PREC_BF16};
     for (int n = 2; n <= 3; n++)
-        for (int k = 0; k < 4; k++) {
-            tpc_run a = {.n = n, .nccl = k != 3, .deferred = k == 2, .prec = precs[k == 1]};
+        for (int k = 0; k < (n == 2 ? 6 : 4); k++) { /* (sequence parallel: 16 rows over 2) */
+            tpc_run a = {.n = n, .nccl = k != 3 && k != 5, .deferred = k == 2,
+                         .prec = precs[k == 1 || k == 4], .sp = k >= 4};
             a.w = tcomm_world_new(n, 30.0);
             tcomm_run(n, tpc_rank, &a);
             tcomm_world_free(a.w);
@@ -486,4 +511,45 @@ TEST(tp_cuda_stand_in)
                           k, r, a.msg[r]);
         }
     mti_engine_grad_fill = NULL;
+}
+
+/* Sequence parallel with a micro-batch whose rows do not split evenly over
+ * the group: the step is refused on every rank alike (weights unchanged),
+ * and the next, even one runs. */
+static void tp_uneven_rank(int rank, void *p)
+{
+    tp_bad *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 3, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_trainer_config tc = a->tc;
+    mt_status s = tp_open(c, 0, &ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[3 * TP_T], tgt[3 * TP_T];
+    tp_rows(0, 0, 3, tok, tgt);
+    mt_batch b = {.n = 1, .tokens = tok, .targets = tgt, .seq_len = TP_T}; /* 8 rows of 3 */
+    if (!s) s = mt_trainer_step(t, &b, NULL);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    b.n = 3; /* 24 rows */
+    if (s == MT_ERR_INVALID_ARG && mt_trainer_step(t, &b, NULL)) a->st[rank] = MT_ERR_INTERNAL;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(tp_sequence_parallel_uneven_rows)
+{
+    tp_bad a = {.n = 3, .tc = tp_config(&tp_cases[0], 3, 3)};
+    a.tc.sequence_parallel = 1;
+    a.world = tcomm_world_new(3, 30.0);
+    tcomm_run(3, tp_uneven_rank, &a);
+    tcomm_world_free(a.world);
+    for (int r = 0; r < 3; r++) {
+        CHECK_MSG(a.st[r] == MT_ERR_INVALID_ARG, "rank %d: %s: %s", r, mt_status_string(a.st[r]),
+                  a.msg[r]);
+        CHECK_MSG(strstr(a.msg[r], "not a multiple of the tensor group's 3 ranks"), "%s", a.msg[r]);
+    }
 }

@@ -82,6 +82,7 @@ typedef struct cli_opts {
     int overlap;             /* MPI serialized: the gradients summed on a thread */
     long zero;               /* the ZeRO stage (train under mpirun, estimate) */
     long tp;                 /* tensor parallel: ranks per tensor group (1: off) */
+    int sp;                  /* --sp: sequence parallel within the tensor groups */
     long zero3_prefetch, zero3_keep; /* stage 3: layers gathered ahead, kept for backward */
     long ranks, rank;        /* estimate: one rank of a data-parallel run */
     /* where the optimizer state and masters live: --offload, --offload-dir */

@@ -398,6 +398,8 @@ static const opt table[] = {
          "under mpirun: tensor parallel, each group of T neighbouring ranks splits the GPT's "
          "heads, MLP columns and vocabulary, and is given the same rows (1)",
          "ranks per tensor group of the run (1; with --ranks)"),
+    FLAG("--sp", ALL, CLI_GPT, sp, 1,
+         "with --tp: sequence parallel, the residual stream and LayerNorms split by rows too"),
     LONG("--zero3-prefetch", "N", TE, CLI_ANY, zero3_prefetch, 0, 64,
          "with --zero 3: the next N layers' weights gathered on a thread while a layer "
          "computes, 0 = when each starts (1)", NULL),
@@ -636,6 +638,8 @@ static int check_together(const cli_opts *o)
     if (o->base && o->precision == MT_PREC_FP16)
         return cli_bad_usage("--base %s computes in fp32 or bf16: not with --precision fp16",
                              mt_base_format_name(o->base));
+    if (o->sp && o->tp < 2)
+        return cli_bad_usage("%s", "--sp needs --tp T with T > 1 (it splits a tensor group's rows)");
     if (o->tp > 1 && (o->save || o->resume))
         return cli_bad_usage("--tp %ld does not combine with --save or --resume yet (training-state "
                              "files of a tensor-parallel run are not written)", o->tp);
@@ -644,9 +648,10 @@ static int check_together(const cli_opts *o)
                              "groups of tensor groups)", o->tp, o->ranks);
     if (o->rank >= o->ranks)
         return cli_bad_usage("--rank %ld is not a rank of --ranks %ld", o->rank, o->ranks);
-    if (o->ranks > o->batch)
-        return cli_bad_usage("--batch %ld is less than --ranks %ld (every rank needs a row)",
-                             o->batch, o->ranks);
+    if (o->ranks / o->tp > o->batch) /* (a tensor group shares its rows) */
+        return cli_bad_usage("--batch %ld is less than --ranks %ld%s (every %s needs a row)",
+                             o->batch, o->ranks, o->tp > 1 ? " / --tp" : "",
+                             o->tp > 1 ? "data-parallel group" : "rank");
     return 0;
 }
 
@@ -804,6 +809,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->local_sgd_every = (int)o->local_sgd;
     tc->zero_stage = (int)o->zero;
     tc->tensor_parallel = (int)o->tp;
+    tc->sequence_parallel = o->sp;
     tc->zero3_prefetch = (int)o->zero3_prefetch;
     tc->zero3_keep = (int)o->zero3_keep;
     tc->grad_clip = o->clip;

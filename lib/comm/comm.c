@@ -625,6 +625,25 @@ mt_status mti_comm_group_host_all_reduce(mt_context *ctx, mt_comm *c, const char
     return coll_end(ctx, c, t0, s);
 }
 
+mt_status mti_comm_group_reduce_scatter(mt_context *ctx, mt_comm *c, const char *what,
+                                        const void *send, void *recv, size_t count,
+                                        mt_comm_dtype dt, mt_comm_op op)
+{
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, c, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, c, t0, comm_reduce_scatter_run(ctx, c, what, send, recv, count, dt, op));
+}
+
+mt_status mti_comm_group_all_gather(mt_context *ctx, mt_comm *c, const char *what,
+                                    const void *send, void *recv, size_t count, mt_comm_dtype dt)
+{
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, c, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, c, t0, comm_all_gather_run(ctx, c, what, send, recv, count, dt));
+}
+
 mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what, void *buf,
                                    size_t count, mt_comm_dtype dt, int root)
 {
@@ -641,20 +660,12 @@ mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *sen
 
 mt_status mti_comm_reduce_scatter(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
-    mt_comm *c = ctx->cfg.comm;
-    uint64_t t0;
-    const mt_status q = coll_begin(ctx, c, what, &t0);
-    return q ? timed(ctx, t0, q)
-             : coll_end(ctx, c, t0, comm_reduce_scatter_run(ctx, c, what, send, recv, count, dt, op));
+    return mti_comm_group_reduce_scatter(ctx, ctx->cfg.comm, what, send, recv, count, dt, op);
 }
 
 mt_status mti_comm_all_gather(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt)
 {
-    mt_comm *c = ctx->cfg.comm;
-    uint64_t t0;
-    const mt_status q = coll_begin(ctx, c, what, &t0);
-    return q ? timed(ctx, t0, q)
-             : coll_end(ctx, c, t0, comm_all_gather_run(ctx, c, what, send, recv, count, dt));
+    return mti_comm_group_all_gather(ctx, ctx->cfg.comm, what, send, recv, count, dt);
 }
 
 mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_t count, mt_comm_dtype dt, int root)

@@ -61,6 +61,11 @@ mt_status mti_comm_broadcast(mt_context *ctx, const char *what, void *buf, size_
 mt_status mti_comm_group_all_reduce(mt_context *ctx, mt_comm *c, const char *what,
                                     const void *send, void *recv, size_t count, mt_comm_dtype dt,
                                     mt_comm_op op);
+mt_status mti_comm_group_reduce_scatter(mt_context *ctx, mt_comm *c, const char *what,
+                                        const void *send, void *recv, size_t count,
+                                        mt_comm_dtype dt, mt_comm_op op);
+mt_status mti_comm_group_all_gather(mt_context *ctx, mt_comm *c, const char *what,
+                                    const void *send, void *recv, size_t count, mt_comm_dtype dt);
 mt_status mti_comm_group_host_all_reduce(mt_context *ctx, mt_comm *c, const char *what,
                                          float *buf, size_t count, mt_comm_op op);
 mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what, void *buf,

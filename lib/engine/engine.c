@@ -371,6 +371,106 @@ static mt_status lin_fwd(mti_engine *E, int wi, void *y, const void *x, const vo
     return op->matmul_fwd(&E->k, y, x, w->w.blk.ptr, b, E->N, in, out, E->dt);
 }
 
+/* Sequence parallel (mti_tp.sp): outside the blocks' split GEMMs, the
+ * residual stream, the LayerNorms and the sums hold this rank's rows of
+ * the micro-batch alone, rows [R0, R0 + NL) of N. A GEMM over every row
+ * gathers its input's rows first (all_rows); a row-parallel linear's
+ * partial outputs are reduce-scattered into this rank's rows rather than
+ * summed whole (row_par), and a column-parallel one's partial input
+ * gradients likewise (col_dx). */
+static bool sp_on(const mti_engine *E) { return E->m->tp && E->m->tp->sp; }
+
+static int rows_here(const mti_engine *E) { return sp_on(E) ? E->NL : E->N; }
+
+/* local's (NL, cols) rows of every rank gathered into full (N, cols) WORK (in
+ * dt: bytes) */
+static mt_status sp_gather(mti_engine *E, const void *local, int cols, mti_tensor *full,
+                           uint64_t tag)
+{
+    mt_context *ctx = E->ctx;
+    mt_status s = act(E, full, E->dt, E->N, cols, MT_MEM_WORK, MT_LIFE_PHASE, tag);
+    if (s || ctx->dry) return s;
+    const size_t bytes = (size_t)E->NL * (size_t)cols * mti_dtype_size(E->dt);
+    s = mti_comm_group_all_gather(ctx, E->m->tp->comm,
+                                            "sequence parallel: the all-gather of a layer's rows",
+                                            local, full->blk.ptr, bytes, MT_COMM_BYTE);
+    if (s) mti_tensor_free(ctx, full);
+    return s;
+}
+
+/* The input of a GEMM over every row: local itself, or its rows gathered
+ * into *full (the caller frees it). */
+static mt_status all_rows(mti_engine *E, const void *local, int cols, mti_tensor *full,
+                          const void **out, uint64_t tag)
+{
+    *out = local;
+    if (!sp_on(E)) return MT_OK;
+    mt_status s = sp_gather(E, local, cols, full, tag);
+    if (!s) *out = full->blk.ptr;
+    return s;
+}
+
+/* local (NL, cols) in dt = this rank's rows of full (N, cols) summed over
+ * the group, in fp32 (a 16-bit dtype through fp32 WORK copies). */
+static mt_status sp_scatter(mti_engine *E, const void *full, void *local, int cols, uint64_t tag)
+{
+    mt_context *ctx = E->ctx;
+    const mti_tp *tp = E->m->tp;
+    const size_t nl = (size_t)E->NL * (size_t)cols, n = (size_t)E->N * (size_t)cols;
+    const char *what = "sequence parallel: the reduce-scatter of a layer's partial outputs";
+    if (E->dt == MTI_F32)
+        return ctx->dry ? MT_OK
+                        : mti_comm_group_reduce_scatter(ctx, tp->comm, what, full, local, nl,
+                                                        MT_COMM_F32, MT_COMM_SUM);
+    mti_tensor f = {0}, g = {0};
+    mt_status s = act(E, &f, MTI_F32, (int64_t)n, 0, MT_MEM_WORK, MT_LIFE_PHASE, tag);
+    if (!s) s = act(E, &g, MTI_F32, (int64_t)nl, 0, MT_MEM_WORK, MT_LIFE_PHASE, tag + 1);
+    if (!s) s = ctx->ops->cast(&E->k, f.blk.ptr, MTI_F32, full, E->dt, n, MTI_ROUND_NEAREST, 0);
+    if (!s && !ctx->dry)
+        s = mti_comm_group_reduce_scatter(ctx, tp->comm, what, f.blk.ptr, g.blk.ptr, nl,
+                                          MT_COMM_F32, MT_COMM_SUM);
+    if (!s) s = ctx->ops->cast(&E->k, local, E->dt, g.blk.ptr, MTI_F32, nl, MTI_ROUND_NEAREST, 0);
+    mti_tensor_free(ctx, &g);
+    mti_tensor_free(ctx, &f);
+    return s;
+}
+
+/* A row-parallel linear (its bias param wi + 1): y (rows_here, out) = x
+ * W^T + b over the group: summed in place, or made whole in WORK and
+ * reduce-scattered into this rank's rows. */
+static mt_status row_par(mti_engine *E, int wi, void *y, const void *x, int in, int out,
+                         uint64_t tag)
+{
+    void *b = tp_bias(E, wi + 1);
+    mt_status s;
+    if (!sp_on(E)) {
+        MTI_TRY(lin_fwd(E, wi, y, x, b, in, out));
+        return tp_sum(E, y, (size_t)E->N * (size_t)out, tag);
+    }
+    mti_tensor f;
+    MTI_TRY(act(E, &f, E->dt, E->N, out, MT_MEM_WORK, MT_LIFE_PHASE, tag));
+    s = lin_fwd(E, wi, f.blk.ptr, x, b, in, out);
+    if (!s) s = sp_scatter(E, f.blk.ptr, y, out, tag + 1);
+    mti_tensor_free(E->ctx, &f);
+    return s;
+}
+
+/* A column-parallel linear's partial input gradient full (N, cols) over
+ * the group: summed in place (*dx is full), or reduce-scattered into this
+ * rank's rows (*dx made, NL rows, WORK). */
+static mt_status col_dx(mti_engine *E, void *full, int cols, mti_tensor *local, void **dx,
+                        uint64_t tag)
+{
+    mt_status s;
+    if (!sp_on(E)) {
+        *dx = full;
+        return tp_sum(E, full, (size_t)E->N * (size_t)cols, tag);
+    }
+    MTI_TRY(act(E, local, E->dt, E->NL, cols, MT_MEM_WORK, MT_LIFE_PHASE, tag));
+    *dx = local->blk.ptr;
+    return sp_scatter(E, full, local->blk.ptr, cols, tag + 1);
+}
+
 /* embedding_fwd of the token table parameter ti into out: a quantized
  * table through embedding_fwd_q (its rows dequantized as they are read). */
 static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int C)
@@ -379,13 +479,26 @@ static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int 
     const mti_ops *op = E->ctx->ops;
     const mti_tp *tp = E->m->tp;
     if (tp) { /* this rank's rows of the table, summed over the group, then the positions */
-        mt_status s = op->embedding_fwd_rows(&E->k, out, E->tokens.blk.ptr, w->w.blk.ptr, tp->v0,
-                                             tp->v1, E->B, E->T, C, E->dt);
-        if (!s) s = tp_sum(E, out, (size_t)E->N * (size_t)C, MTI_TAG(1, 210));
-        const size_t seq = (size_t)E->T * (size_t)C * mti_dtype_size(E->dt);
-        for (int b = 0; wpe && b < E->B && !s; b++)
-            s = op->accumulate(&E->k, (char *)out + (size_t)b * seq, wpe, (size_t)E->T * (size_t)C,
-                               E->dt);
+        mti_tensor f = {0};
+        void *all = out; /* (sequence parallel: every row, then this rank's) */
+        mt_status s = sp_on(E) ? act(E, &f, E->dt, E->N, C, MT_MEM_WORK, MT_LIFE_PHASE,
+                                     MTI_TAG(1, 209))
+                               : MT_OK;
+        if (f.blk.ptr) all = f.blk.ptr;
+        if (!s)
+            s = op->embedding_fwd_rows(&E->k, all, E->tokens.blk.ptr, w->w.blk.ptr, tp->v0, tp->v1,
+                                       E->B, E->T, C, E->dt);
+        if (!s && f.blk.ptr) s = sp_scatter(E, all, out, C, MTI_TAG(1, 210));
+        else if (!s) s = tp_sum(E, out, (size_t)E->N * (size_t)C, MTI_TAG(1, 210));
+        mti_tensor_free(E->ctx, &f);
+        /* the positions of rows [R0, R0 + NL), a sequence's run at a time */
+        const size_t es = mti_dtype_size(E->dt);
+        for (int r = E->R0; wpe && r < E->R0 + E->NL && !s;) {
+            const int t = r % E->T, n = E->T - t < E->R0 + E->NL - r ? E->T - t : E->R0 + E->NL - r;
+            s = op->accumulate(&E->k, (char *)out + (size_t)(r - E->R0) * C * es,
+                               (const char *)wpe + (size_t)t * C * es, (size_t)n * C, E->dt);
+            r += n;
+        }
         return s;
     }
     if (w->qf)
@@ -486,25 +599,31 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     const mti_kctx *k = &E->k;
     const int N = E->N, C = ly->in, p = ly->p0;
     const int Cl = C / tp_size(E), H = ly->heads / tp_size(E); /* this rank's heads */
+    const int NL = rows_here(E); /* the residual stream's rows */
     const mti_dtype dt = E->dt;
     mti_tensor *sl = E->slot[i];
     const void *x = E->bnd[i].blk.ptr;
     const uint64_t nd = (uint64_t)i + 2;
+    mti_tensor g = {0};
+    const void *in;
     mt_status s;
 #define KEEP(j) (save == MTI_SAVE_ALL || (save == MTI_SAVE_SEL && sel_keep[j]))
 #define DROP(j)                                                                                \
     do {                                                                                       \
         if (!KEEP(j)) mti_tensor_free(E->ctx, &sl[j]);                                         \
     } while (0)
-    MTI_TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
+    MTI_TRY(act(E, &sl[LN1], dt, NL, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
     if (save != MTI_SAVE_NONE) {
-        MTI_TRY(act(E, &sl[LN1_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1_MEAN)));
-        MTI_TRY(act(E, &sl[LN1_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1_RSTD)));
+        MTI_TRY(act(E, &sl[LN1_MEAN], MTI_F32, NL, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1_MEAN)));
+        MTI_TRY(act(E, &sl[LN1_RSTD], MTI_F32, NL, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1_RSTD)));
     }
     MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, x,
-                          P(E, p + 0), P(E, p + 1), N, C, dt));
+                          P(E, p + 0), P(E, p + 1), NL, C, dt));
     MTI_TRY(act(E, &sl[QKV], dt, N, 3 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, QKV)));
-    MTI_TRY(lin_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, P(E, p + 3), C, 3 * Cl));
+    MTI_TRY(all_rows(E, sl[LN1].blk.ptr, C, &g, &in, MTI_TAG(nd, 215)));
+    s = lin_fwd(E, p + 2, sl[QKV].blk.ptr, in, P(E, p + 3), C, 3 * Cl);
+    mti_tensor_free(E->ctx, &g);
+    MTI_TRY(s);
     MTI_TRY(lora_fwd(E, p + 2, sl[QKV].blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
                      KEEP(LORA_QKV), MTI_TAG(nd, LORA_QKV)));
     DROP(LN1);
@@ -515,22 +634,24 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
                           dt));
     DROP(QKV);
     DROP(LSE);
-    MTI_TRY(act(E, &sl[RES2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, RES2)));
-    MTI_TRY(lin_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, tp_bias(E, p + 5), Cl, C));
-    MTI_TRY(tp_sum(E, sl[RES2].blk.ptr, (size_t)N * C, MTI_TAG(nd, 210)));
+    MTI_TRY(act(E, &sl[RES2], dt, NL, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, RES2)));
+    MTI_TRY(row_par(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, Cl, C, MTI_TAG(nd, 210)));
     MTI_TRY(lora_fwd(E, p + 4, sl[RES2].blk.ptr, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
                      KEEP(LORA_ATTPROJ), MTI_TAG(nd, LORA_ATTPROJ)));
     DROP(ATT);
-    MTI_TRY(op->add(k, sl[RES2].blk.ptr, sl[RES2].blk.ptr, x, (size_t)N * C, dt));
-    MTI_TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
+    MTI_TRY(op->add(k, sl[RES2].blk.ptr, sl[RES2].blk.ptr, x, (size_t)NL * C, dt));
+    MTI_TRY(act(E, &sl[LN2], dt, NL, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
     if (save != MTI_SAVE_NONE) {
-        MTI_TRY(act(E, &sl[LN2_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2_MEAN)));
-        MTI_TRY(act(E, &sl[LN2_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2_RSTD)));
+        MTI_TRY(act(E, &sl[LN2_MEAN], MTI_F32, NL, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2_MEAN)));
+        MTI_TRY(act(E, &sl[LN2_RSTD], MTI_F32, NL, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2_RSTD)));
     }
     MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr,
-                          sl[RES2].blk.ptr, P(E, p + 6), P(E, p + 7), N, C, dt));
+                          sl[RES2].blk.ptr, P(E, p + 6), P(E, p + 7), NL, C, dt));
     MTI_TRY(act(E, &sl[FCH], dt, N, 4 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, FCH)));
-    MTI_TRY(lin_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, P(E, p + 9), C, 4 * Cl));
+    MTI_TRY(all_rows(E, sl[LN2].blk.ptr, C, &g, &in, MTI_TAG(nd, 216)));
+    s = lin_fwd(E, p + 8, sl[FCH].blk.ptr, in, P(E, p + 9), C, 4 * Cl);
+    mti_tensor_free(E->ctx, &g);
+    MTI_TRY(s);
     MTI_TRY(lora_fwd(E, p + 8, sl[FCH].blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
                      KEEP(LORA_FC), MTI_TAG(nd, LORA_FC)));
     DROP(LN2);
@@ -538,13 +659,12 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
     MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * Cl, dt));
     DROP(FCH);
     mti_tensor *y = &E->bnd[i + 1];
-    MTI_TRY(act(E, y, dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-    MTI_TRY(lin_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, tp_bias(E, p + 11), 4 * Cl, C));
-    MTI_TRY(tp_sum(E, y->blk.ptr, (size_t)N * C, MTI_TAG(nd, 211)));
+    MTI_TRY(act(E, y, dt, NL, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+    MTI_TRY(row_par(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, 4 * Cl, C, MTI_TAG(nd, 211)));
     MTI_TRY(lora_fwd(E, p + 10, y->blk.ptr, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
                      KEEP(LORA_FCPROJ), MTI_TAG(nd, LORA_FCPROJ)));
     DROP(GELU_OUT);
-    MTI_TRY(op->add(k, y->blk.ptr, y->blk.ptr, sl[RES2].blk.ptr, (size_t)N * C, dt));
+    MTI_TRY(op->add(k, y->blk.ptr, y->blk.ptr, sl[RES2].blk.ptr, (size_t)NL * C, dt));
     DROP(RES2);
 #undef KEEP
 #undef DROP
@@ -590,19 +710,21 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
         MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         MTI_TRY(op->gelu_fwd(k, y->blk.ptr, x->blk.ptr, nout, dt));
         break;
-    case MT_LAYER_LAYERNORM:
-        MTI_TRY(act(E, y, dt, N, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+    case MT_LAYER_LAYERNORM: { /* (sequence parallel: this rank's rows) */
+        const int NL = rows_here(E);
+        MTI_TRY(act(E, y, dt, NL, ly->out, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         if (save != MTI_SAVE_NONE) {
-            MTI_TRY(act(E, &sl[S_MEAN], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_MEAN)));
-            MTI_TRY(act(E, &sl[S_RSTD], MTI_F32, N, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_RSTD)));
+            MTI_TRY(act(E, &sl[S_MEAN], MTI_F32, NL, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_MEAN)));
+            MTI_TRY(act(E, &sl[S_RSTD], MTI_F32, NL, 0, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, S_RSTD)));
         }
         MTI_TRY(op->layernorm_fwd(k, y->blk.ptr, sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, x->blk.ptr,
-                              P(E, ly->p0), P(E, ly->p0 + 1), N, ly->in, dt));
+                              P(E, ly->p0), P(E, ly->p0 + 1), NL, ly->in, dt));
         break;
+    }
     case MT_LAYER_EMBEDDING: {
         const int C = ly->out;
         const void *wpe = ly->positions ? P(E, ly->p0 + 1) : NULL;
-        MTI_TRY(act(E, y, dt, N, C, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
+        MTI_TRY(act(E, y, dt, rows_here(E), C, yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
         if (!ly->stable) {
             MTI_TRY(emb_fwd(E, ly->p0, y->blk.ptr, wpe, C));
             break;
@@ -629,7 +751,12 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     case MT_LAYER_LM_HEAD:
         if (E->head_fused) break; /* the loss runs it (head_loss) */
         MTI_TRY(act(E, y, dt, N, out_cols(E, ly), yc, MT_LIFE_STEP, MTI_TAG(nd, 100)));
-        MTI_TRY(lin_fwd(E, ly->tied, y->blk.ptr, x->blk.ptr, NULL, ly->in, out_cols(E, ly)));
+        mti_tensor g = {0};
+        const void *in;
+        MTI_TRY(all_rows(E, x->blk.ptr, ly->in, &g, &in, MTI_TAG(nd, 215)));
+        s = lin_fwd(E, ly->tied, y->blk.ptr, in, NULL, ly->in, out_cols(E, ly));
+        mti_tensor_free(E->ctx, &g);
+        MTI_TRY(s);
         break;
     }
     E->have[i] = save != MTI_SAVE_NONE;
@@ -704,6 +831,18 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
     E->B = rows;
     E->T = T;
     E->N = rows * T;
+    E->NL = E->N;
+    E->R0 = 0;
+    if (sp_on(E)) { /* this rank's rows of the residual stream */
+        const mti_tp *tp = m->tp;
+        if (E->N % tp->size)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                            "sequence parallel: a micro-batch of %d rows of %d tokens is %d "
+                            "rows, not a multiple of the tensor group's %d ranks",
+                            rows, T, E->N, tp->size);
+        E->NL = E->N / tp->size;
+        E->R0 = tp->rank * E->NL;
+    }
     E->head_fused = !eval && E->head_rows > 0 && !E->params_hook;
     int64_t N = E->N;
     if (m->input == MT_INPUT_TOKENS) {
@@ -858,22 +997,22 @@ static mt_status block_redo(mti_engine *E, int i)
     const mti_ops *op = E->ctx->ops;
     const mti_kctx *k = &E->k;
     const int N = E->N, C = ly->in, p = ly->p0;
-    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E);
+    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E), NL = rows_here(E);
     const mti_dtype dt = E->dt;
     mti_tensor *sl = E->slot[i];
     const uint64_t nd = (uint64_t)i + 2;
     mt_status s;
-    MTI_TRY(act(E, &sl[LN1], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
+    MTI_TRY(act(E, &sl[LN1], dt, NL, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN1)));
     MTI_TRY(op->layernorm_fwd(k, sl[LN1].blk.ptr, NULL, NULL, E->bnd[i].blk.ptr, P(E, p), P(E, p + 1),
-                          N, C, dt));
+                          NL, C, dt));
     MTI_TRY(act(E, &sl[ATT], dt, N, Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, ATT)));
     MTI_TRY(act(E, &sl[LSE], MTI_F32, (int64_t)E->B * H * E->T, 0, MT_MEM_ACT, MT_LIFE_STEP,
             MTI_TAG(nd, LSE)));
     MTI_TRY(op->attention_fwd(k, sl[ATT].blk.ptr, sl[LSE].blk.ptr, sl[QKV].blk.ptr, E->B, E->T, Cl, H,
                           dt));
-    MTI_TRY(act(E, &sl[LN2], dt, N, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
+    MTI_TRY(act(E, &sl[LN2], dt, NL, C, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, LN2)));
     MTI_TRY(op->layernorm_fwd(k, sl[LN2].blk.ptr, NULL, NULL, sl[RES2].blk.ptr, P(E, p + 6),
-                          P(E, p + 7), N, C, dt));
+                          P(E, p + 7), NL, C, dt));
     MTI_TRY(act(E, &sl[GELU_OUT], dt, N, 4 * Cl, MT_MEM_ACT, MT_LIFE_STEP, MTI_TAG(nd, GELU_OUT)));
     MTI_TRY(op->gelu_fwd(k, sl[GELU_OUT].blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * Cl, dt));
     return MT_OK;
@@ -885,7 +1024,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     const mti_ops *op = E->ctx->ops;
     const mti_kctx *k = &E->k;
     const int N = E->N, C = ly->in, p = ly->p0;
-    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E);
+    const int Cl = C / tp_size(E), H = ly->heads / tp_size(E), NL = rows_here(E);
     const mti_dtype dt = E->dt;
     mti_tensor *sl = E->slot[i];
     const uint64_t nd = (uint64_t)i + 2;
@@ -901,47 +1040,57 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     float *g[12];
     int set;
     for (int j = 0; j < 12; j++) MTI_TRY(gradp(E, p + j, &g[j]));
-    void *d = E->d.blk.ptr;
-    mti_tensor t4 = {0}, t1 = {0};
+    void *d = E->d.blk.ptr, *dx = NULL;
+    /* t1: a GEMM's input gradient over every row (N, C); sequence parallel:
+       dl its rows here, dg the gradient flowing back and xg a LayerNorm's
+       output gathered from every rank */
+    mti_tensor t4 = {0}, t1 = {0}, dl = {0}, dg = {0}, xg = {0};
+    const void *dfull = d, *xin = NULL;
     /* MLP: fcproj, GELU, fc, ln2 */
-    s = act(E, &t4, dt, N, 4 * Cl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
+    s = all_rows(E, d, C, &dg, &dfull, MTI_TAG(nd, 203));
+    if (!s) s = act(E, &t4, dt, N, 4 * Cl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
     if (!s)
-        s = lin_bwd(E, p + 10, t4.blk.ptr, g[10], g[11], d, sl[GELU_OUT].blk.ptr, 4 * Cl,
+        s = lin_bwd(E, p + 10, t4.blk.ptr, g[10], g[11], dfull, sl[GELU_OUT].blk.ptr, 4 * Cl,
                         C, 0);
     if (!s)
         s = lora_bwd(E, p + 10, t4.blk.ptr, d, sl[GELU_OUT].blk.ptr, 4 * C, C, &sl[LORA_FCPROJ],
                      MTI_TAG(nd, LORA_FCPROJ));
+    mti_tensor_free(E->ctx, &dg);
     if (!s) DONE(GELU_OUT);
     if (!s) DONE(LORA_FCPROJ);
     if (!s) s = op->gelu_bwd(k, t4.blk.ptr, t4.blk.ptr, sl[FCH].blk.ptr, (size_t)N * 4 * Cl, dt);
     if (!s) DONE(FCH);
     if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 201));
+    if (!s) s = all_rows(E, sl[LN2].blk.ptr, C, &xg, &xin, MTI_TAG(nd, 204));
     if (!s)
-        s = lin_bwd(E, p + 8, t1.blk.ptr, g[8], g[9], t4.blk.ptr, sl[LN2].blk.ptr, C,
-                        4 * Cl, 0);
+        s = lin_bwd(E, p + 8, t1.blk.ptr, g[8], g[9], t4.blk.ptr, xin, C, 4 * Cl, 0);
     if (!s)
         s = lora_bwd(E, p + 8, t1.blk.ptr, t4.blk.ptr, sl[LN2].blk.ptr, C, 4 * C, &sl[LORA_FC],
                      MTI_TAG(nd, LORA_FC));
     if (!s) DONE(LORA_FC);
+    mti_tensor_free(E->ctx, &xg);
     mti_tensor_free(E->ctx, &t4);
-    if (!s) s = tp_sum(E, t1.blk.ptr, (size_t)N * C, MTI_TAG(nd, 212));
+    if (!s) s = col_dx(E, t1.blk.ptr, C, &dl, &dx, MTI_TAG(nd, 212));
     if (!s) DONE(LN2);
     if (!s) s = wflags(E, p + 6, g[6], p + 7, g[7], &set);
     if (!s)
-        s = op->layernorm_bwd(k, d, g[6], g[7], t1.blk.ptr, sl[RES2].blk.ptr, P(E, p + 6),
-                              sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr, N, C, dt,
+        s = op->layernorm_bwd(k, d, g[6], g[7], dx, sl[RES2].blk.ptr, P(E, p + 6),
+                              sl[LN2_MEAN].blk.ptr, sl[LN2_RSTD].blk.ptr, NL, C, dt,
                               MTI_BWD_ACC_DX | set);
+    mti_tensor_free(E->ctx, &dl);
     if (!s) {
         DONE(RES2);
         DONE(LN2_MEAN);
         DONE(LN2_RSTD);
     }
     /* attention: attproj, attention, qkv, ln1 */
+    if (!s) s = all_rows(E, d, C, &dg, &dfull, MTI_TAG(nd, 205));
     if (!s)
-        s = lin_bwd(E, p + 4, t1.blk.ptr, g[4], g[5], d, sl[ATT].blk.ptr, Cl, C, 0);
+        s = lin_bwd(E, p + 4, t1.blk.ptr, g[4], g[5], dfull, sl[ATT].blk.ptr, Cl, C, 0);
     if (!s)
         s = lora_bwd(E, p + 4, t1.blk.ptr, d, sl[ATT].blk.ptr, C, C, &sl[LORA_ATTPROJ],
                      MTI_TAG(nd, LORA_ATTPROJ));
+    mti_tensor_free(E->ctx, &dg);
     if (!s) DONE(LORA_ATTPROJ);
     mti_tensor t3 = {0};
     if (!s) s = act(E, &t3, dt, N, 3 * Cl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 202));
@@ -952,24 +1101,26 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         DONE(ATT);
         DONE(LSE);
     }
+    if (!s) s = all_rows(E, sl[LN1].blk.ptr, C, &xg, &xin, MTI_TAG(nd, 206));
     if (!s)
-        s = lin_bwd(E, p + 2, t1.blk.ptr, g[2], g[3], t3.blk.ptr, sl[LN1].blk.ptr, C,
-                        3 * Cl, 0);
+        s = lin_bwd(E, p + 2, t1.blk.ptr, g[2], g[3], t3.blk.ptr, xin, C, 3 * Cl, 0);
     if (!s)
         s = lora_bwd(E, p + 2, t1.blk.ptr, t3.blk.ptr, sl[LN1].blk.ptr, C, 3 * C, &sl[LORA_QKV],
                      MTI_TAG(nd, LORA_QKV));
     if (!s) DONE(LORA_QKV);
+    mti_tensor_free(E->ctx, &xg);
     mti_tensor_free(E->ctx, &t3);
-    if (!s) s = tp_sum(E, t1.blk.ptr, (size_t)N * C, MTI_TAG(nd, 213));
+    if (!s) s = col_dx(E, t1.blk.ptr, C, &dl, &dx, MTI_TAG(nd, 213));
     if (!s) {
         DONE(QKV);
         DONE(LN1);
     }
     if (!s) s = wflags(E, p, g[0], p + 1, g[1], &set);
     if (!s)
-        s = op->layernorm_bwd(k, d, g[0], g[1], t1.blk.ptr, E->bnd[i].blk.ptr, P(E, p),
-                              sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, N, C, dt,
+        s = op->layernorm_bwd(k, d, g[0], g[1], dx, E->bnd[i].blk.ptr, P(E, p),
+                              sl[LN1_MEAN].blk.ptr, sl[LN1_RSTD].blk.ptr, NL, C, dt,
                               MTI_BWD_ACC_DX | set);
+    mti_tensor_free(E->ctx, &dl);
     mti_tensor_free(E->ctx, &t1);
     if (!s) {
         DONE(LN1_MEAN);
@@ -1060,14 +1211,23 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
                            !m->params[wi].frozen && !(i > 0 && needs_output(&m->layers[i - 1]));
         if (!defer) MTI_TRY(gradp(E, wi, &gw));
         if (ly->kind == MT_LAYER_LINEAR && ly->bias) MTI_TRY(gradp(E, ly->p0 + 1, &gb));
-        mti_tensor dx = {0};
-        if (want_dx) MTI_TRY(act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200)));
-        s = want_dx || gw || gb || defer
-                ? lin_bwd(E, wi, dx.blk.ptr, gw, gb, E->d.blk.ptr, x->blk.ptr, ly->in,
-                          out_cols(E, ly), 0)
-                : MT_OK;
-        if (!s && want_dx && ly->kind == MT_LAYER_LM_HEAD) /* (a vocabulary share's part) */
-            s = tp_sum(E, dx.blk.ptr, (size_t)N * (size_t)ly->in, MTI_TAG(nd, 214));
+        mti_tensor dx = {0}, xg = {0}, dl = {0};
+        const void *xin = x->blk.ptr;
+        void *dxp = NULL;
+        s = MT_OK;
+        /* (an LM head under sequence parallel: its input's rows gathered) */
+        if (ly->kind == MT_LAYER_LM_HEAD) MTI_TRY(all_rows(E, x->blk.ptr, ly->in, &xg, &xin, MTI_TAG(nd, 207)));
+        if (want_dx) s = act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
+        if (!s && (want_dx || gw || gb || defer))
+            s = lin_bwd(E, wi, dx.blk.ptr, gw, gb, E->d.blk.ptr, xin, ly->in, out_cols(E, ly), 0);
+        mti_tensor_free(E->ctx, &xg);
+        if (!s && want_dx && ly->kind == MT_LAYER_LM_HEAD && E->m->tp) { /* (a vocabulary share's part) */
+            s = col_dx(E, dx.blk.ptr, ly->in, &dl, &dxp, MTI_TAG(nd, 214));
+            if (dl.blk.ptr) { /* this rank's rows flow back */
+                mti_tensor_free(E->ctx, &dx);
+                dx = dl;
+            }
+        }
         if (!s && ly->kind == MT_LAYER_LINEAR)
             s = lora_bwd(E, wi, dx.blk.ptr, E->d.blk.ptr, x->blk.ptr, ly->in, ly->out,
                          &sl[LORA_QKV], MTI_TAG(nd, LORA_QKV));
@@ -1105,8 +1265,8 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         if (!want_dx && !gw && !gb) break;
         MTI_TRY(wflags(E, ly->p0, gw, ly->p0 + 1, gb, &set));
         MTI_TRY(op->layernorm_bwd(k, want_dx ? E->d.blk.ptr : NULL, gw, gb, E->d.blk.ptr, x->blk.ptr,
-                              P(E, ly->p0), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, N, ly->in, dt,
-                              set));
+                              P(E, ly->p0), sl[S_MEAN].blk.ptr, sl[S_RSTD].blk.ptr, rows_here(E),
+                              ly->in, dt, set));
         break;
     }
     case MT_LAYER_EMBEDDING: {
@@ -1121,13 +1281,18 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
             MTI_TRY(zgradp(E, ly->p0, &gw));
         }
         if (ly->positions) MTI_TRY(zgradp(E, ly->p0 + 1, &gpos)); /* (rows T.. get nothing) */
-        if (!ly->stable && m->tp) { /* this rank's rows of the table */
-            if (gw)
-                MTI_TRY(op->embedding_dw_rows(k, gw, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,
-                                              ly->out, m->tp->v0, m->tp->v1, dt));
-            if (gpos)
-                MTI_TRY(op->embedding_bwd(k, NULL, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B,
-                                          E->T, ly->out, dt));
+        if (!ly->stable && m->tp) { /* this rank's rows of the table (from every row) */
+            mti_tensor g = {0};
+            const void *dall;
+            MTI_TRY(all_rows(E, E->d.blk.ptr, ly->out, &g, &dall, MTI_TAG(nd, 208)));
+            s = gw ? op->embedding_dw_rows(k, gw, dall, E->tokens.blk.ptr, E->B, E->T, ly->out,
+                                           m->tp->v0, m->tp->v1, dt)
+                   : MT_OK;
+            if (!s && gpos)
+                s = op->embedding_bwd(k, NULL, gpos, dall, E->tokens.blk.ptr, E->B, E->T, ly->out,
+                                      dt);
+            mti_tensor_free(E->ctx, &g);
+            MTI_TRY(s);
         } else if (!ly->stable) {
             if (gw || gpos)
                 MTI_TRY(op->embedding_bwd(k, gw, gpos, E->d.blk.ptr, E->tokens.blk.ptr, E->B, E->T,

@@ -61,6 +61,8 @@ typedef struct mti_engine {
     unsigned char *kept;   /* per boundary: kept through forward (n_layers + 1) */
     /* one pass */
     int B, T, N;           /* sequences (or rows), tokens per sequence (1), rows */
+    int NL, R0;            /* sequence parallel: this rank's rows of the N, from row R0
+                              (else N and 0) */
     mti_tensor *bnd;       /* n_layers + 1 */
     mti_tensor (*slot)[MTI_SLOTS];
     unsigned char *have;   /* per layer: its slots hold what its backward needs */

@@ -81,6 +81,8 @@ typedef struct mti_tp {
     mt_comm *comm;       /* the group (NULL in a dry context) */
     int v0, v1;          /* the token table's rows (padded vocabulary) on this rank */
     int classes;         /* of them real (below the model's classes) */
+    int sp;              /* sequence parallel: outside the split GEMMs each rank holds
+                            its rows of a micro-batch alone (engine.c) */
 } mti_tp;
 
 /* The runs of rank q's part of a parameter split `split` of shape (rows,

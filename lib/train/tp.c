@@ -42,6 +42,11 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
     const char *fn = "mt_trainer_create";
     const int T = c->tensor_parallel;
     if (T < 0 || T > 65536) BAD("%s: cfg->tensor_parallel %d out of range 0..65536", fn, T);
+    if (c->sequence_parallel != 0 && c->sequence_parallel != 1)
+        BAD("%s: cfg->sequence_parallel %d must be 0 or 1", fn, c->sequence_parallel);
+    if (c->sequence_parallel && T <= 1)
+        BAD("%s: cfg->sequence_parallel needs cfg->tensor_parallel > 1 (it splits the rows "
+            "between a tensor group's ranks)", fn);
     if (T <= 1) return MT_OK;
     int W;
     (void)mti_comm_world(ctx, &W, NULL);
@@ -153,7 +158,7 @@ mt_status mti_tp_begin(mt_trainer *t)
     mt_model *m = t->model;
     const int W = ctx->world, r = ctx->rank, q = r % T, g = r / T;
     const int PV = m->padded_vocab;
-    t->tp = (mti_tp){.size = T, .rank = q};
+    t->tp = (mti_tp){.size = T, .rank = q, .sp = t->cfg.sequence_parallel};
     t->tp.v0 = (int)((int64_t)PV * q / T);
     t->tp.v1 = (int)((int64_t)PV * (q + 1) / T);
     const int real = m->classes - t->tp.v0;
@@ -360,6 +365,36 @@ void mti_tp_end(mt_trainer *t)
 }
 
 /* ---- the step ---- */
+
+/* Whether parameter i is a LayerNorm's (a block's ln1 and ln2, or a
+ * LAYERNORM layer's): under sequence parallel each rank's gradient of it
+ * is its rows' part. */
+static bool rows_part(const mt_model *m, int i)
+{
+    for (int l = 0; l < m->n_layers; l++) {
+        const mti_layer *ly = &m->layers[l];
+        if (i < ly->p0 || i >= ly->p0 + ly->np) continue;
+        const int j = i - ly->p0;
+        return ly->kind == MT_LAYER_LAYERNORM ||
+               (ly->kind == MT_LAYER_BLOCK && (j == 0 || j == 1 || j == 6 || j == 7));
+    }
+    return false;
+}
+
+bool mti_tp_partial(const mt_trainer *t) { return t->tp.sp != 0; }
+
+mt_status mti_tp_sum_grad(mt_trainer *t, int i)
+{
+    if (!t->tp.sp || t->model->params[i].frozen || !rows_part(t->model, i)) return MT_OK;
+    mti_tensor *g;
+    mt_status s = mti_engine_grad(&t->E, i, &g); /* (one the batch did not reach: zeros) */
+    if (s || !t->tp_comm || t->ctx->dry) return s;
+    char what[96];
+    snprintf(what, sizeof what, "sequence parallel: the sum of %s's gradient over the group",
+             t->model->params[i].name);
+    return mti_comm_group_all_reduce(t->ctx, t->tp_comm, what, g->blk.ptr, g->blk.ptr,
+                                     t->model->params[i].numel, MT_COMM_F32, MT_COMM_SUM);
+}
 
 mt_status mti_tp_checks(mt_trainer *t, const float *h, int n, int *found, double *sum)
 {

@@ -42,6 +42,12 @@ void mti_tp_end(mt_trainer *t);
  * squares h (n of them, or none) and found; the parts' sums add up over
  * the group, the replicated tensors' count once. */
 mt_status mti_tp_checks(mt_trainer *t, const float *h, int n, int *found, double *sum);
+/* Sequence parallel: whether some gradients are each rank's rows' parts
+ * (they are final only once summed over the group), and parameter i's
+ * summed (a LayerNorm's; others: nothing). Every rank of the group calls
+ * it for every parameter, in order. */
+bool mti_tp_partial(const mt_trainer *t);
+mt_status mti_tp_sum_grad(mt_trainer *t, int i);
 /* The whole fp32 values of split parameter i into host memory (its whole
  * numel), from this rank's part `local` (fp32, context memory): a
  * collective of the group. */

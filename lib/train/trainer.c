@@ -1800,7 +1800,8 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     t->overlap_now = t->q && !fused && !mti_home_grad_sliced(t);
     if (t->overlap_now) mti_queue_begin(t->q);
     /* (the gradients are final on this rank: no sum over ranks to wait for) */
-    t->check_now = !fused && !t->overlap_now && !mti_home_split(t) && !mti_dp_on(t);
+    t->check_now = !fused && !t->overlap_now && !mti_home_split(t) && !mti_dp_on(t) &&
+                   !mti_tp_partial(t);
     s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
     const bool checked = t->check_now;
     t->check_now = 0;
@@ -1815,6 +1816,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
         /* (frozen parameters have no gradient: they take no part) */
         for (int i = 0; i < m->n_param && !s && !t->overlap_now; i++)
             if (!m->params[i].frozen) s = reduce_grad(t, i);
+        for (int i = 0; i < m->n_param && !s; i++) s = mti_tp_sum_grad(t, i); /* (sequence parallel) */
         if (!s && t->flag_grads && !checked) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s && !checked; i++)
@@ -1901,6 +1903,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
             continue;
         }
         s = mti_dp_reduce_grad(t, i);
+        if (!s) s = mti_tp_sum_grad(t, i);
         if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
         if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale_g(t, g->blk.ptr, m->params[i].numel);
         if (!s && m->params[i].tp_split) /* the group's parts, whole */

@@ -67,7 +67,8 @@
  *                             alone on its rows
  *   train_mpi_test tp         tensor parallel: a GPT of 6 heads in tensor
  *                             groups of N ranks (4 ranks: 2 groups of 2),
- *                             AdamW with clipping in fp32 and bf16, against
+ *                             AdamW with clipping in fp32 and bf16 (and fp32
+ *                             with sequence parallel), against
  *                             this process alone over all the rows; each
  *                             rank's peaks equal its estimate
  *   train_mpi_test offload    ZeRO stages 0 to 3 with the optimizer state
@@ -409,7 +410,7 @@ static int all_passed(void)
  * all the rows: the losses (fp32 1e-5, bf16 3e-2 relative), the weights
  * after the trainer equal on every rank, and each rank's peaks its
  * estimate's. */
-static mt_status tp_run(mt_comm *comm, int tp, mt_precision prec, float *loss, float **w,
+static mt_status tp_run(mt_comm *comm, int tp, mt_precision prec, int sp, float *loss, float **w,
                         size_t *nw, char *msg, size_t cap)
 {
     mt_gpt_spec g;
@@ -427,6 +428,7 @@ static mt_status tp_run(mt_comm *comm, int tp, mt_precision prec, float *loss, f
     tc.precision = prec;
     tc.max_batch = n;
     tc.tensor_parallel = comm ? tp : 1;
+    tc.sequence_parallel = comm ? sp : 0;
     (void)groups;
     mt_context *ctx;
     mt_model *m;
@@ -452,17 +454,18 @@ static mt_status tp_run(mt_comm *comm, int tp, mt_precision prec, float *loss, f
 static void tensor_parallel(mt_comm *c)
 {
     const int tp = size == 4 ? 2 : size; /* 4 ranks: 2 groups of 2 */
-    const mt_precision precs[2] = {MT_PREC_FP32, MT_PREC_BF16};
+    const mt_precision precs[3] = {MT_PREC_FP32, MT_PREC_BF16, MT_PREC_FP32};
     char msg[1024] = "";
-    for (int k = 0; k < 2; k++) {
+    /* the last with sequence parallel, where a group's rows split evenly */
+    for (int k = 0; k < ((ROWS * T) % tp ? 2 : 3); k++) {
         float loss[STEPS], ref_loss[STEPS];
         float *w = NULL, *ref = NULL;
         size_t nw = 0, nref = 0;
-        mt_status s = tp_run(c, tp, precs[k], loss, &w, &nw, msg, sizeof msg);
+        mt_status s = tp_run(c, tp, precs[k], k == 2, loss, &w, &nw, msg, sizeof msg);
         EXPECT(s == MT_OK);
         if (s) fprintf(stderr, "rank %d: %s\n", rank, msg);
-        EXPECT(tp_run(NULL, tp, precs[k], ref_loss, &ref, &nref, msg, sizeof msg) == MT_OK);
-        const double tol = k ? 3e-2 : 1e-5;
+        EXPECT(tp_run(NULL, tp, precs[k], 0, ref_loss, &ref, &nref, msg, sizeof msg) == MT_OK);
+        const double tol = k == 1 ? 3e-2 : 1e-5;
         for (int j = 0; j < STEPS && !s; j++)
             EXPECT(fabs(loss[j] - ref_loss[j]) <= tol * fabs(ref_loss[j]));
         if (w && !s) same_on_every_rank(w, nw);
@@ -470,8 +473,9 @@ static void tensor_parallel(mt_comm *c)
         free(ref);
     }
     if (all_passed() && rank == 0)
-        printf("ok tp: %d ranks in tensor groups of %d, fp32 and bf16: one process's losses, "
-               "each rank's peaks its estimate's\n", size, tp);
+        printf("ok tp: %d ranks in tensor groups of %d, fp32 and bf16%s: one process's losses, "
+               "each rank's peaks its estimate's\n", size, tp,
+               (ROWS * T) % tp ? "" : ", and fp32 with sequence parallel");
 }
 
 /* x rounded to the nearest 16-bit value of dtype p (ties to even). */
