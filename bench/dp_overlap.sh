@@ -10,7 +10,9 @@
 # and rank 0's communication (total and exposed, the time the steps waited
 # for it) of the median round; then every round's ms per step.
 # Usage: BUILD=build STEPS=20 ROUNDS=3 bench/dp_overlap.sh [extra memtrain
-# train options]. Prints markdown tables (docs/benchmarks.md).
+# train options]. Prints markdown tables (docs/benchmarks.md). With TP=1,
+# tensor parallel instead: 2 ranks of 1 thread in one tensor group (--tp 2,
+# with and without --sp) against the same one process (make bench-tp).
 set -u
 B=${BUILD:-build}
 STEPS=${STEPS:-20}
@@ -33,8 +35,12 @@ if [ "$OMPI_MCA_btl_vader_single_copy_mechanism" = cma ] &&
     export OMPI_MCA_btl_vader_single_copy_mechanism=none
 fi
 
-# the lines: name, then the command's memtrain options (2 ranks when --zero is there)
-LINES="base|--threads 2
+# the lines: name, then the command's memtrain options (2 ranks when --zero
+# or --tp is there)
+if [ "${TP:-0}" = 1 ]; then LINES="base|--threads 2
+tp|--threads 1 --tp 2
+tpsp|--threads 1 --tp 2 --sp"
+else LINES="base|--threads 2
 s0|--threads 1 --zero 0
 s0o|--threads 1 --zero 0 --overlap
 s1|--threads 1 --zero 1
@@ -42,6 +48,7 @@ s1o|--threads 1 --zero 1 --overlap
 s2|--threads 1 --zero 2
 s2o|--threads 1 --zero 2 --overlap
 s3|--threads 1 --zero 3"
+fi
 label() {
     case $1 in
     base) echo "1 rank x 2 threads" ;;
@@ -52,6 +59,8 @@ label() {
     s2) echo "2 ranks x 1 thread, stage 2" ;;
     s2o) echo "2 ranks x 1 thread, stage 2, reduce-scatter during backward (--overlap)" ;;
     s3) echo "2 ranks x 1 thread, stage 3" ;;
+    tp) echo "2 ranks x 1 thread, one tensor group (--tp 2)" ;;
+    tpsp) echo "2 ranks x 1 thread, one tensor group, sequence parallel (--tp 2 --sp)" ;;
     esac
 }
 
@@ -68,7 +77,7 @@ while [ $r -le "$ROUNDS" ]; do
     echo "$LINES" | while IFS='|' read -r name opts; do
         f="$dir/$name.$r"
         case $opts in
-        *--zero*) cmd="timeout 600 $MPIRUN -np 2 $B/memtrain" ;;
+        *--zero* | *--tp*) cmd="timeout 600 $MPIRUN -np 2 $B/memtrain" ;;
         *) cmd="$B/memtrain" ;;
         esac
         # shellcheck disable=SC2086

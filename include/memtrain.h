@@ -1210,16 +1210,21 @@ typedef struct mt_trainer_config {
      * on every rank. Each block's forward sums its two partial outputs over
      * the group and its backward its two partial input gradients (in fp32;
      * fp16 and bf16 through an fp32 WORK copy). Every rank of a group must
-     * be given the same batch. T must divide the heads. Results equal one
-     * process's up to the sums' rounding. While the trainer lives the model's
+     * be given the same batch. T must divide the heads and be at most the
+     * padded vocabulary. Results equal one process's up to the sums'
+     * rounding (8-bit and 4-bit AdamW quantize their state in blocks of each
+     * rank's part: close, not the same). While the trainer lives the model's
      * split weights are nowhere whole (mt_model_get_params,
-     * mt_model_set_params and mt_model_gpt_save give MT_ERR_UNSUPPORTED);
-     * mt_trainer_gradients gives the whole gradients (a collective of the
-     * group) and mt_trainer_destroy gathers the weights back (a collective:
-     * every rank destroys its trainer). The context's own collectives run
-     * within the data-parallel group meanwhile. 0 and 1: off. Not yet with
-     * a StableEmbedding, LoRA, a quantized base, a teacher, the fused step,
-     * offload, local SGD, ZeRO on data-parallel groups of more than one rank,
+     * mt_model_set_params and mt_model_gpt_save give MT_ERR_UNSUPPORTED;
+     * mt_model_param_info gives the whole tensors' shapes). Every pass is a
+     * collective of the group (mt_trainer_step, mt_trainer_eval,
+     * mt_trainer_gradients, which gives the whole gradients), and
+     * mt_trainer_destroy gathers the weights back (a collective: every rank
+     * destroys its trainer; mt_trainer_destroy_with_model gathers nothing).
+     * The context's own collectives run within the data-parallel group
+     * meanwhile. 0 and 1: off. Not yet with a StableEmbedding, LoRA, a
+     * quantized base, a teacher, Adafactor, the fused step, offload, local
+     * SGD, ZeRO on data-parallel groups of more than one rank,
      * mt_trainer_logits or training-state files (MT_ERR_UNSUPPORTED). */
     int tensor_parallel;
     /* Sequence parallel (0 or 1; with tensor_parallel > 1, else

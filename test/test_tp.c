@@ -54,6 +54,7 @@ typedef struct tp_run {
     size_t nw;
     mt_status st[TP_MAXN];
     char msg[TP_MAXN][512];
+    float eloss[TP_MAXN], eacc[TP_MAXN]; /* mt_trainer_eval after the steps */
 } tp_run;
 
 static void tp_rows(int step, int r0, int n, int32_t *tok, int32_t *tgt)
@@ -152,6 +153,15 @@ static void tp_rank(int rank, void *p)
         a->act_peak[rank] = ms.per_class[MT_MEM_ACT].peak_live_bytes;
     }
     if (!s && (a->estimate || a->deferred)) tp_peaks(ctx, m, &tc, a, rank);
+    if (!s) { /* (a collective of the tensor group; after the steps' peaks) */
+        tp_rows(TP_STEPS, group * rows, rows, tok, tgt);
+        mt_batch b = {.n = rows, .tokens = tok, .targets = tgt, .seq_len = TP_T};
+        s = mt_trainer_eval(t, &b, &a->eloss[rank], &a->eacc[rank]);
+        if (s) {
+            a->st[rank] = s;
+            snprintf(a->msg[rank], sizeof a->msg[rank], "eval: %s", mt_last_error(ctx));
+        }
+    }
     mt_trainer_destroy(t); /* (the parts gathered back, on every rank) */
     if (m && !a->st[rank]) {
         a->nw = nw;
@@ -234,6 +244,11 @@ TEST(tp_matches_one_process)
                 /* fp32: element by element, relative to the largest; 16 bits: as a whole */
                 double big = 0.0;
                 for (size_t i = 0; i < a.nw; i++) big = fmax(big, fabs(one.g[0][i]));
+                CHECK_MSG(fabs(a.eloss[r] - one.eloss[0]) <= c->tol * fabs(one.eloss[0]) &&
+                              (c->prec != MT_PREC_FP32 || a.eacc[r] == one.eacc[0]),
+                          "%s, tp %d, sp %d, rank %d: eval %g, accuracy %g; one process %g, %g",
+                          c->name, T, sp, r, (double)a.eloss[r], (double)a.eacc[r],
+                          (double)one.eloss[0], (double)one.eacc[0]);
                 const double gd = c->prec == MT_PREC_FP32 ? rel_diff(a.g[r], one.g[0], a.nw, big)
                                                           : norm_diff(a.g[r], one.g[0], a.nw);
                 CHECK_MSG(gd <= c->tol, "%s, tp %d, sp %d, rank %d: gradients differ by %.3g",
@@ -347,6 +362,7 @@ TEST(tp_refusals)
         {2, 2, 8, MT_ERR_UNSUPPORTED, "offload"},
         {2, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
         {2, 1, 16, MT_ERR_INVALID_ARG, "sequence_parallel needs cfg->tensor_parallel > 1"},
+        {2, 2, 32, MT_ERR_UNSUPPORTED, "Adafactor"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         tp_bad a = {.n = cases[k].n, .tc = tp_config(&tp_cases[0], cases[k].tp, 2)};
@@ -355,6 +371,7 @@ TEST(tp_refusals)
         if (cases[k].what & 4) a.tc.zero_stage = 1;
         if (cases[k].what & 8) a.tc.offload = MT_PLACE_HOST;
         if (cases[k].what & 16) a.tc.sequence_parallel = 1;
+        if (cases[k].what & 32) a.tc.optimizer = MT_OPT_ADAFACTOR;
         a.world = tcomm_world_new(a.n, 30.0);
         tcomm_run(a.n, tp_bad_rank, &a);
         tcomm_world_free(a.world);
@@ -552,4 +569,115 @@ TEST(tp_sequence_parallel_uneven_rows)
                   a.msg[r]);
         CHECK_MSG(strstr(a.msg[r], "not a multiple of the tensor group's 3 ranks"), "%s", a.msg[r]);
     }
+}
+
+/* A creation that fails on one rank (its optimizer state over an allocator
+ * limit) fails on every rank and gives each rank's model back untouched,
+ * made at once or deferred (the parts made from the source go back to it):
+ * every weight reads back as the model's. */
+typedef struct tp_failed {
+    tcomm_world *world;
+    int deferred;
+    mt_status create[2], after[2];
+    int same[2];
+    char msg[2][512];
+} tp_failed;
+
+static void tp_failed_rank(int rank, void *p)
+{
+    tp_failed *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.comm = c;
+    if (rank == 1) cc.allocators[MT_MEM_OPTIM].limit_bytes = 4096;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL, *w0m = NULL;
+    mt_trainer *t = NULL;
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = TP_T, g.layers = 2, g.heads = 6;
+    g.channels = 24, g.seed = 7, g.deferred = a->deferred;
+    mt_status s = mt_context_create(&cc, &ctx);
+    if (!s) s = mt_model_gpt_create(ctx, &g, &m);
+    mt_gpt_spec g0 = g;
+    g0.deferred = 0;
+    if (!s) s = mt_model_gpt_create(ctx, &g0, &w0m);
+    mt_trainer_config tc = tp_config(&tp_cases[1], 2, 3);
+    a->create[rank] = s ? s : mt_trainer_create(m, &tc, &t);
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    const size_t nw = m ? mt_model_num_params(m) : 0;
+    float *w = malloc(nw * sizeof *w + 1), *w0 = malloc(nw * sizeof *w0 + 1);
+    a->after[rank] = m ? mt_model_get_params(m, w, nw) : MT_ERR_INTERNAL;
+    if (!a->after[rank] && !mt_model_get_params(w0m, w0, nw))
+        a->same[rank] = !memcmp(w, w0, nw * sizeof *w);
+    free(w), free(w0);
+    mt_trainer_destroy(t);
+    mt_model_destroy(w0m);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(tp_failed_creation_gives_the_model_back)
+{
+    for (int d = 0; d <= 1; d++) {
+        tp_failed a = {.deferred = d, .world = tcomm_world_new(2, 30.0)};
+        tcomm_run(2, tp_failed_rank, &a);
+        tcomm_world_free(a.world);
+        for (int r = 0; r < 2; r++) {
+            CHECK_MSG(a.create[r] == (r ? MT_ERR_OOM : MT_ERR_COMM), "deferred %d, rank %d: %s: %s",
+                      d, r, mt_status_string(a.create[r]), a.msg[r]);
+            CHECK_MSG(a.after[r] == MT_OK && a.same[r], "deferred %d, rank %d: the weights after: %s",
+                      d, r, mt_status_string(a.after[r]));
+        }
+    }
+}
+
+/* mt_trainer_destroy_with_model gathers nothing, frozen parts included:
+ * one rank's returns at once while the other has not destroyed its trainer. */
+typedef struct tp_dwm {
+    tcomm_world *world;
+    double seconds;
+    mt_status st[2];
+    mt_context *ctx[2];
+    mt_model *m[2];
+    mt_trainer *t[2];
+} tp_dwm;
+
+static void tp_dwm_rank(int rank, void *p)
+{
+    tp_dwm *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_trainer_config tc = tp_config(&tp_cases[0], 2, 3);
+    const char *frozen[] = {"h.0.*"};
+    tc.freeze = frozen, tc.n_freeze = 1;
+    mt_status s = tp_open(c, 0, &a->ctx[rank], &a->m[rank]);
+    if (!s) s = mt_trainer_create(a->m[rank], &tc, &a->t[rank]);
+    a->st[rank] = s;
+    if (rank == 0) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        mt_trainer_destroy_with_model(a->t[0]);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        a->seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        mt_context_destroy(a->ctx[0]);
+        mt_comm_destroy(c);
+    } else {
+        a->m[1] = (mt_model *)c; /* (its communicator, for the test to destroy after) */
+    }
+}
+
+TEST(tp_destroy_with_model_gathers_nothing)
+{
+    tp_dwm a = {.world = tcomm_world_new(2, 3.0)};
+    tcomm_run(2, tp_dwm_rank, &a);
+    mt_trainer_destroy_with_model(a.t[1]); /* (rank 1's, alone, after) */
+    mt_context_destroy(a.ctx[1]);
+    mt_comm_destroy((mt_comm *)a.m[1]);
+    tcomm_world_free(a.world);
+    CHECK(a.st[0] == MT_OK && a.st[1] == MT_OK);
+    CHECK_MSG(a.seconds < 1.0, "rank 0's destroy_with_model took %.2f s", a.seconds);
 }

@@ -280,7 +280,9 @@ static mt_status make_where(mt_model *m, const unsigned char *which, int only)
         if (!s) p->unmade = 0;
     }
     free(host);
-    if (!s && !left) mti_source_free(m); /* (every weight made: the file is closed) */
+    /* (every weight made: the file is closed; a tensor-parallel split keeps
+       it until creation commits, lib/train/tp.c) */
+    if (!s && !left && !m->tp) mti_source_free(m);
     return s;
 }
 
@@ -631,9 +633,10 @@ mt_status mt_model_param_info(const mt_model *m, int i, mt_param_info *out)
     memset(out, 0, sizeof *out);
     out->name = p->name;
     out->ndim = p->ndim;
-    out->shape[0] = p->shape[0];
-    out->shape[1] = p->ndim == 2 ? p->shape[1] : 0;
-    out->numel = p->numel;
+    /* (split by a tensor-parallel trainer: the whole tensor's) */
+    out->shape[0] = p->tp_split ? p->whole_shape[0] : p->shape[0];
+    out->shape[1] = p->ndim != 2 ? 0 : p->tp_split ? p->whole_shape[1] : p->shape[1];
+    out->numel = mti_whole_numel(p);
     out->offset = p->offset;
     return MT_OK;
 }

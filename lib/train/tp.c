@@ -72,6 +72,8 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
                       : c->lora.rank || m->lora_rank ? "LoRA adapters"
                       : quantized                    ? "a quantized base"
                       : c->teacher                   ? "distillation (cfg->teacher)"
+                      : c->optimizer == MT_OPT_ADAFACTOR
+                          ? "Adafactor (its factored statistics span the whole tensor)"
                       : c->fused_step                ? "the fused step (cfg->fused_step)"
                       : c->offload                   ? "offload (cfg->offload)"
                       : c->offload_params            ? "cfg->offload_params"
@@ -150,20 +152,52 @@ static void unsplit_shape(mti_param *p)
     p->tp_split = 0;
 }
 
-mt_status mti_tp_begin(mt_trainer *t)
+/* Status s agreed over communicator c of n ranks, this one `me` (a
+ * rank's failure fails every rank, naming it). */
+static mt_status agree_on(mt_trainer *t, mt_comm *c, int n, int me, const char *over,
+                          mt_status s)
+{
+    mt_context *ctx = t->ctx;
+    char own[MTI_ERR_LEN], what[128];
+    snprintf(own, sizeof own, "%s", s ? mt_last_error(ctx) : "");
+    float *v = calloc((size_t)n, sizeof *v);
+    if (!v) return s ? s : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    v[me] = (float)s;
+    snprintf(what, sizeof what, "mt_trainer_create: exchanging the trainer's creation over %s",
+             over);
+    mt_status e = mti_comm_group_host_all_reduce(ctx, c, what, v, (size_t)n, MT_COMM_SUM);
+    int bad = -1;
+    for (int k = 0; k < n && !e; k++)
+        if (v[k] != 0.0f && k != me && bad < 0) bad = k;
+    const mt_status other = bad >= 0 ? (mt_status)v[bad] : MT_OK;
+    free(v);
+    if (s) return mti_fail(ctx, s, "%s", own);
+    if (e) return e;
+    if (bad >= 0)
+        return mti_fail(ctx, MT_ERR_COMM,
+                        "mt_trainer_create: rank %d of %s failed (%s), so every rank stops", bad,
+                        over, mt_status_string(other));
+    return MT_OK;
+}
+
+mt_status mti_tp_begin(mt_trainer *t, mt_status s)
 {
     const int T = t->cfg.tensor_parallel;
-    if (T <= 1) return MT_OK;
+    if (T <= 1) return s;
     mt_context *ctx = t->ctx;
     mt_model *m = t->model;
     const int W = ctx->world, r = ctx->rank, q = r % T, g = r / T;
+    /* every rank gets here, failed or not, and they agree before the
+       groups (collectives of the world) are made */
+    if (!ctx->dry && W > 1) s = agree_on(t, ctx->cfg.comm, W, r, "the ranks", s);
+    if (s) return s;
     const int PV = m->padded_vocab;
     t->tp = (mti_tp){.size = T, .rank = q, .sp = t->cfg.sequence_parallel};
+    /* (from here on every rank makes the same calls, failing or not) */
     t->tp.v0 = (int)((int64_t)PV * q / T);
     t->tp.v1 = (int)((int64_t)PV * (q + 1) / T);
     const int real = m->classes - t->tp.v0;
     t->tp.classes = real < 0 ? 0 : real > t->tp.v1 - t->tp.v0 ? t->tp.v1 - t->tp.v0 : real;
-    mt_status s = MT_OK;
     if (!ctx->dry && W > 1) { /* the groups: neighbours in a tensor group */
         mt_comm *c = ctx->cfg.comm;
         if (T == W) {
@@ -191,29 +225,8 @@ mt_status mti_tp_begin(mt_trainer *t)
 
 mt_status mti_tp_agree(mt_trainer *t, mt_status s)
 {
-    mt_context *ctx = t->ctx;
-    const int T = t->tp.size;
-    if (T < 2 || !t->tp_comm || ctx->dry) return s;
-    char own[MTI_ERR_LEN];
-    snprintf(own, sizeof own, "%s", s ? mt_last_error(ctx) : "");
-    float *v = calloc((size_t)T, sizeof *v);
-    if (!v) return s ? s : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    v[t->tp.rank] = (float)s;
-    mt_status e = mti_comm_group_host_all_reduce(
-        ctx, t->tp_comm, "mt_trainer_create: exchanging the trainer's creation over the tensor group",
-        v, (size_t)T, MT_COMM_SUM);
-    int bad = -1;
-    for (int k = 0; k < T && !e; k++)
-        if (v[k] != 0.0f && k != t->tp.rank && bad < 0) bad = k;
-    const mt_status other = bad >= 0 ? (mt_status)v[bad] : MT_OK;
-    free(v);
-    if (s) return mti_fail(ctx, s, "%s", own);
-    if (e) return e;
-    if (bad >= 0)
-        return mti_fail(ctx, MT_ERR_COMM,
-                        "mt_trainer_create: rank %d of the tensor group failed (%s), so every "
-                        "rank stops", bad, mt_status_string(other));
-    return MT_OK;
+    if (t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
+    return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, "the tensor group", s);
 }
 
 void mti_tp_commit(mt_trainer *t)
@@ -222,6 +235,7 @@ void mti_tp_commit(mt_trainer *t)
     for (int i = 0; i < t->model->n_param; i++) mti_tensor_free(t->ctx, &t->tp_whole[i]);
     free(t->tp_whole);
     t->tp_whole = NULL;
+    if (!mti_model_unmade(t->model)) mti_source_free(t->model); /* (kept until now: model.c) */
 }
 
 /* ---- gathering the parts ---- */
@@ -331,6 +345,10 @@ static mt_status unsplit(mt_trainer *t, int i)
         (void)mti_tensor_zero(ctx, &whole);
         mti_log(ctx, MT_LOG_ERROR, "mt_trainer_destroy: %s could not be gathered from the "
                 "tensor group's parts (%s); its weights are zeros", p->name, mti_last_msg(ctx).s);
+    } else if (s) { /* no memory for the whole: the weights are lost, and reads say so */
+        mti_log(ctx, MT_LOG_ERROR, "mt_trainer_destroy: %s could not be made whole (%s); its "
+                "weights are lost", p->name, mti_last_msg(ctx).s);
+        p->unmade = 1;
     }
     mti_tensor_free(ctx, &part);
     p->w = whole;
@@ -349,6 +367,9 @@ void mti_tp_end(mt_trainer *t)
             mti_tensor_free(ctx, &p->w);
             p->w = t->tp_whole[i];
             unsplit_shape(p);
+            /* (a deferred model's part was made from the source, which kept
+               it: the whole is the source's again) */
+            p->unmade = !p->w.blk.ptr;
             memset(&t->tp_whole[i], 0, sizeof t->tp_whole[i]);
         } else {
             (void)unsplit(t, i);

@@ -23,11 +23,12 @@
 /* cfg.tensor_parallel checked against the model, the world and the rest
  * of cfg (MT_ERR_INVALID_ARG, MT_ERR_UNSUPPORTED with the reason). */
 mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c);
-/* The groups made (sub-communicators of the context's) and the model
- * split: each split parameter's part made beside its whole, which stays
- * until mti_tp_commit (a creation that fails gives the wholes back,
- * nothing exchanged). A collective over the world. */
-mt_status mti_tp_begin(mt_trainer *t);
+/* Creation's status s so far agreed over the world (every rank calls it,
+ * failed or not), then the groups made (sub-communicators of the
+ * context's) and the model split: each split parameter's part made beside
+ * its whole, which stays until mti_tp_commit (a creation that fails gives
+ * the wholes back, nothing exchanged). A collective over the world. */
+mt_status mti_tp_begin(mt_trainer *t, mt_status s);
 /* Creation's status agreed over the tensor group (after the
  * data-parallel group's): one rank's failure fails every rank. */
 mt_status mti_tp_agree(mt_trainer *t, mt_status s);

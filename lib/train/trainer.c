@@ -852,7 +852,8 @@ void mt_trainer_destroy_with_model(mt_trainer *t)
     mt_model *m = t->model;
     /* the trained weights marked unmade: their homes are let go, not
        brought back (fill.c's rule for a creation that failed) */
-    for (int i = 0; i < m->n_param; i++) m->params[i].unmade |= !m->params[i].frozen;
+    for (int i = 0; i < m->n_param; i++) /* (tensor parallel's parts too: not gathered) */
+        m->params[i].unmade |= !m->params[i].frozen || m->params[i].tp_split;
     mt_trainer_destroy(t);
     (void)mt_model_destroy(m);
 }
@@ -1024,7 +1025,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->cfg.recompute_units = t->units;
     /* tensor parallel: this rank's parts of the split tensors, and the
        context's collectives within the data-parallel group */
-    if (!s) s = mti_tp_begin(t);
+    s = mti_tp_begin(t, s); /* (every rank: the world agrees first) */
     t->world = ctx->world;
     t->rank = ctx->rank;
     /* a deferred model: what its homes do not take, made whole (once the
