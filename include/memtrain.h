@@ -1224,7 +1224,7 @@ typedef struct mt_trainer_config {
      * The context's own collectives run within the data-parallel group
      * meanwhile. 0 and 1: off. Not yet with a StableEmbedding, LoRA, a
      * quantized base, a teacher, Adafactor, the fused step, offload, local
-     * SGD, ZeRO on data-parallel groups of more than one rank,
+     * SGD, ZeRO stages 2 and 3 on data-parallel groups of more than one rank,
      * mt_trainer_logits or training-state files (MT_ERR_UNSUPPORTED). */
     int tensor_parallel;
     /* Sequence parallel (0 or 1; with tensor_parallel > 1, else

@@ -43,6 +43,7 @@ typedef struct tp_run {
     const tp_case *c;
     int n, tp, rows, steps;
     int sp;                    /* sequence parallel */
+    int zero;                  /* the ZeRO stage */
     int estimate;              /* check each rank's peaks against its estimate */
     int deferred;              /* the model deferred (mt_gpt_spec.deferred) */
     uint64_t param_live[TP_MAXN], param_peak[TP_MAXN]; /* PARAM after the steps, and its peak */
@@ -126,6 +127,7 @@ static void tp_rank(int rank, void *p)
     const int tp = a->tp, rows = a->rows, group = rank / (tp ? tp : 1);
     mt_trainer_config tc = tp_config(a->c, tp, rows);
     tc.sequence_parallel = a->sp;
+    tc.zero_stage = a->zero;
     mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
@@ -265,16 +267,19 @@ TEST(tp_matches_one_process)
     }
 }
 
-/* 4 ranks as 2 data-parallel groups of tensor groups of 2: one process
- * over both groups' rows (fp32, 1e-5). */
+/* 4 ranks as 2 data-parallel groups of tensor groups of 2, with and without
+ * sequence parallel, and at ZeRO stage 1 in the data-parallel groups: one
+ * process over both groups' rows (fp32, 1e-5). */
 TEST(tp_with_data_parallel)
 {
     const tp_case *c = &tp_cases[0];
     tp_run one = {.c = c, .n = 1, .tp = 1, .rows = 6, .steps = TP_STEPS};
     tp_go(&one);
     CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
-    for (int sp = 0; sp <= 1; sp++) {
-    tp_run a = {.c = c, .n = 4, .tp = 2, .rows = 3, .steps = TP_STEPS, .estimate = 1, .sp = sp};
+    for (int k = 0; k < 4; k++) {
+    const int sp = k & 1;
+    tp_run a = {.c = c, .n = 4, .tp = 2, .rows = 3, .steps = TP_STEPS, .estimate = 1, .sp = sp,
+                .zero = k >> 1};
     tp_go(&a);
     for (int r = 0; r < 4; r++) {
         CHECK_MSG(a.st[r] == MT_OK, "rank %d: %s", r, a.msg[r]);
@@ -285,7 +290,7 @@ TEST(tp_with_data_parallel)
         CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
     }
     const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
-    CHECK_MSG(wd <= 1e-3, "sp %d: weights differ by %.3g", sp, wd);
+    CHECK_MSG(wd <= 1e-3, "sp %d, zero %d: weights differ by %.3g", sp, k >> 1, wd);
     tp_free(&a);
     }
     tp_free(&one);
@@ -358,7 +363,7 @@ TEST(tp_refusals)
         {4, 4, 0, MT_ERR_INVALID_ARG, "does not divide the model's 6 heads"},
         {2, 2, 1, MT_ERR_UNSUPPORTED, "LoRA"},
         {2, 2, 2, MT_ERR_UNSUPPORTED, "fused step"},
-        {4, 2, 4, MT_ERR_UNSUPPORTED, "ZeRO"},
+        {4, 2, 4, MT_ERR_UNSUPPORTED, "ZeRO stages 2 and 3"},
         {2, 2, 8, MT_ERR_UNSUPPORTED, "offload"},
         {2, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
         {2, 1, 16, MT_ERR_INVALID_ARG, "sequence_parallel needs cfg->tensor_parallel > 1"},
@@ -368,7 +373,7 @@ TEST(tp_refusals)
         tp_bad a = {.n = cases[k].n, .tc = tp_config(&tp_cases[0], cases[k].tp, 2)};
         if (cases[k].what & 1) a.tc.lora.rank = 2;
         if (cases[k].what & 2) a.tc.fused_step = 1;
-        if (cases[k].what & 4) a.tc.zero_stage = 1;
+        if (cases[k].what & 4) a.tc.zero_stage = 2;
         if (cases[k].what & 8) a.tc.offload = MT_PLACE_HOST;
         if (cases[k].what & 16) a.tc.sequence_parallel = 1;
         if (cases[k].what & 32) a.tc.optimizer = MT_OPT_ADAFACTOR;

@@ -96,8 +96,9 @@ size_t mti_zero_gather_bytes_all(const mt_trainer *t, int i, size_t at, size_t n
 /* The ranks' checks of their slices together: *found (this rank's) becomes
  * whether any rank found a non-finite gradient, and *total the sum over
  * ranks and tensors of the n sums of squares (this rank's alone on one
- * rank or in a dry run). A collective. */
-mt_status mti_zero_checks(mt_trainer *t, const float *sumsq, int n, int *found, double *total);
+ * rank or in a dry run), sumsq[i] then tensor i's over the ranks. A
+ * collective. */
+mt_status mti_zero_checks(mt_trainer *t, float *sumsq, int n, int *found, double *total);
 /* *flag becomes whether it is set on any rank. A collective. */
 mt_status mti_zero_any(mt_trainer *t, int *flag);
 

@@ -1571,7 +1571,7 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
     s = n ? mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h) : MT_OK;
     double sum = 0.0;
-    if (!s && split) s = mti_zero_checks(t, h, n, found, &sum);
+    if (!s && split) s = mti_zero_checks(t, h, n, found, &sum); /* (h: each tensor's) */
     if (!s && tp) s = mti_tp_checks(t, h, n, found, &sum);
     for (int i = 0; i < n && !split && !tp; i++) sum += h[i];
     free(h);

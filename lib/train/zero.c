@@ -373,7 +373,7 @@ mt_status mti_zero_gather_every(mt_trainer *t)
 
 /* ---- what the ranks' slices say together ---- */
 
-mt_status mti_zero_checks(mt_trainer *t, const float *sumsq, int n, int *found, double *total)
+mt_status mti_zero_checks(mt_trainer *t, float *sumsq, int n, int *found, double *total)
 {
     *total = 0.0;
     for (int i = 0; i < n; i++) *total += sumsq[i];
@@ -391,8 +391,12 @@ mt_status mti_zero_checks(mt_trainer *t, const float *sumsq, int n, int *found, 
     if (!s) {
         double sum = 0.0;
         int any = 0;
-        for (int i = 0; i < n; i++)
-            for (int r = 0; r < N; r++) sum += all[(size_t)r * (n + 1) + 1 + i];
+        for (int i = 0; i < n; i++) {
+            double each = 0.0; /* (the tensor's, over the ranks' slices: tensor parallel's sums) */
+            for (int r = 0; r < N; r++) each += all[(size_t)r * (n + 1) + 1 + i];
+            sum += each;
+            sumsq[i] = (float)each;
+        }
         for (int r = 0; r < N; r++) any |= all[(size_t)r * (n + 1)] != 0.0f;
         *found = any;
         *total = sum;
