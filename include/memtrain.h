@@ -1225,7 +1225,11 @@ typedef struct mt_trainer_config {
      * meanwhile. 0 and 1: off. Not yet with a StableEmbedding, LoRA, a
      * quantized base, a teacher, Adafactor, the fused step, offload, local
      * SGD, ZeRO stages 2 and 3 on data-parallel groups of more than one rank,
-     * mt_trainer_logits or training-state files (MT_ERR_UNSUPPORTED). */
+     * or mt_trainer_logits (MT_ERR_UNSUPPORTED). Training-state files hold
+     * the whole tensors and move between layouts (mt_trainer_save: a
+     * collective of the tensor group of data-parallel rank 0, the other
+     * groups' calls doing nothing; not with 8-bit or 4-bit state in blocks
+     * of a part, nor with ZeRO). */
     int tensor_parallel;
     /* Sequence parallel (0 or 1; with tensor_parallel > 1, else
      * MT_ERR_INVALID_ARG): outside the blocks' split GEMMs (the residual
@@ -1406,7 +1410,11 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
  * Under ZeRO (zero_stage >= 1 on several ranks) saving is a collective:
  * every rank calls it, rank 0 writes the same whole file with every rank's
  * slices, and it succeeds on every rank or on none (the previous file then
- * stays intact); path and user are rank 0's. */
+ * stays intact); path and user are rank 0's. Under tensor parallel
+ * (cfg.tensor_parallel) it is a collective of the tensor group of
+ * data-parallel rank 0, whose first rank writes the whole tensors (the
+ * file one process with the same state writes); the other groups' calls
+ * return MT_OK at once. */
 mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
                           size_t user_len);
 /* Restores a saved state into a trainer of the same model (kind, shapes),

@@ -298,6 +298,18 @@ if [ -x "$B/memtrain" ]; then
         then echo "ok   mpi memtrain train --tp 2 $sp on $np ranks: one process's losses $got"
         else echo "FAIL mpi memtrain train --tp 2 $sp on $np ranks: losses '$got', one process '$one'"; echo "$tpo"; fail=1; fi
     done
+    # a checkpoint saved by a tensor group of 2 resumes on one process and on 2 groups of 2
+    # with sequence parallel: the unbroken run's last step
+    ck=$(mktemp)
+    timeout 120 $MPIRUN -np 2 "$B/memtrain" $targs --tp 2 --steps 2 --save "$ck" >/dev/null 2>&1
+    last=$(echo "$one" | cut -d' ' -f3)
+    r1=$("$B/memtrain" $targs --resume "$ck" 2>/dev/null | grep -o '"loss": [0-9.]*' | tail -n 1 | cut -d' ' -f2)
+    r4=$(timeout 120 $MPIRUN -np 4 "$B/memtrain" $targs --tp 2 --sp --resume "$ck" 2>/dev/null |
+         grep -o '"loss": [0-9.]*' | tail -n 1 | cut -d' ' -f2)
+    if [ -n "$last" ] && [ "$r1" = "$last" ] && [ "$r4" = "$last" ]
+    then echo "ok   mpi memtrain train --tp 2 --save: resumed by 1 rank and by 2 groups of 2 with --sp, the unbroken run's last loss $last"
+    else echo "FAIL mpi memtrain train --tp 2 --save: resumed '$r1' (1 rank), '$r4' (4 ranks), unbroken '$last'"; fail=1; fi
+    rm -f "$ck"
 fi
 
 # a rank that dies: mpirun ends the job (or rank 0 times out first); nothing hangs

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "engine/engine.h"
@@ -44,6 +45,7 @@ typedef struct tp_run {
     int n, tp, rows, steps;
     int sp;                    /* sequence parallel */
     int zero;                  /* the ZeRO stage */
+    const char *load, *save;   /* a training-state file loaded before the steps, saved after */
     int estimate;              /* check each rank's peaks against its estimate */
     int deferred;              /* the model deferred (mt_gpt_spec.deferred) */
     uint64_t param_live[TP_MAXN], param_peak[TP_MAXN]; /* PARAM after the steps, and its peak */
@@ -82,6 +84,7 @@ static mt_trainer_config tp_config(const tp_case *c, int tp, int rows)
     tc.recompute_every = 2;
     tc.max_batch = rows;
     tc.tensor_parallel = tp;
+    tc.min_8bit_size = 256; /* (8-bit AdamW: the small tensors' state 8-bit too) */
     if (c->prec == MT_PREC_FP16) tc.loss_scale.init_scale = 1024.0f;
     return tc;
 }
@@ -134,6 +137,7 @@ static void tp_rank(int rank, void *p)
     mt_trainer *t = NULL;
     mt_status s = tp_open(c, a->deferred, &ctx, &m);
     if (!s) s = mt_trainer_create(m, &tc, &t);
+    if (!s && a->load) s = mt_trainer_load(t, a->load, NULL, 0, NULL);
     int32_t tok[32 * TP_T], tgt[32 * TP_T];
     const size_t nw = m ? mt_model_num_params(m) : 0;
     if (!s) { /* the whole gradients at the first weights */
@@ -143,10 +147,11 @@ static void tp_rank(int rank, void *p)
         s = mt_trainer_gradients(t, &b, NULL, a->g[rank], nw);
     }
     for (int k = 0; k < a->steps && !s; k++) {
-        tp_rows(k, group * rows, rows, tok, tgt);
+        tp_rows((int)mt_trainer_steps(t), group * rows, rows, tok, tgt);
         mt_batch b = {.n = rows, .tokens = tok, .targets = tgt, .seq_len = TP_T};
         s = mt_trainer_step(t, &b, &a->loss[rank][k]);
     }
+    if (!s && a->save) s = mt_trainer_save(t, a->save, NULL, 0);
     a->st[rank] = s;
     if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
     if (!s || a->estimate) { /* (one process: its ACT peak, for comparison) */
@@ -685,4 +690,76 @@ TEST(tp_destroy_with_model_gathers_nothing)
     tcomm_world_free(a.world);
     CHECK(a.st[0] == MT_OK && a.st[1] == MT_OK);
     CHECK_MSG(a.seconds < 1.0, "rank 0's destroy_with_model took %.2f s", a.seconds);
+}
+
+/* Whether two files hold the same bytes. */
+static bool same_file(const char *x, const char *y)
+{
+    FILE *a = fopen(x, "rb"), *b = fopen(y, "rb");
+    bool same = a && b;
+    for (int p = 0, q = 0; same && (p = fgetc(a)) != EOF;) same = (q = fgetc(b)) == p;
+    if (same) same = fgetc(b) == EOF;
+    if (a) fclose(a);
+    if (b) fclose(b);
+    return same;
+}
+
+/* Training-state files move between layouts: saved by a tensor group of 2
+ * after 2 steps, loaded by groups of 3 (with sequence parallel) and by one
+ * process, the next 2 steps give the unbroken one process's losses (fp32,
+ * 1e-5); loaded by one process and saved at once, the file is the same
+ * bytes, and so is one process's file loaded by a group of 2 and saved
+ * again. SGD with momentum and AdamW (the state element by element);
+ * 8-bit state in blocks of a part is refused by name. */
+TEST(tp_checkpoints_across_layouts)
+{
+    char f2[128], f1[128], g2[128];
+    snprintf(f2, sizeof f2, "/tmp/mt_test_%ld_tp2.ckpt", (long)getpid());
+    snprintf(f1, sizeof f1, "/tmp/mt_test_%ld_tp1.ckpt", (long)getpid());
+    snprintf(g2, sizeof g2, "/tmp/mt_test_%ld_tpg.ckpt", (long)getpid());
+    for (int k = 0; k < 2; k++) {
+        const tp_case *c = &tp_cases[k]; /* sgd fp32 clip, adamw fp32 selective */
+        tp_run one = {.c = c, .n = 1, .tp = 1, .rows = 3, .steps = 4};
+        tp_go(&one);
+        CHECK_MSG(one.st[0] == MT_OK, "%s: one process: %s", c->name, one.msg[0]);
+        tp_run save = {.c = c, .n = 2, .tp = 2, .rows = 3, .steps = 2, .save = f2};
+        tp_go(&save);
+        CHECK_MSG(save.st[0] == MT_OK && save.st[1] == MT_OK, "%s: save: %s / %s", c->name,
+                  save.msg[0], save.msg[1]);
+        const int layouts[2][3] = {{3, 3, 1}, {1, 1, 0}}; /* n, tp, sp */
+        for (int l = 0; l < 2; l++) {
+            const int n = layouts[l][0];
+            tp_run re = {.c = c, .n = n, .tp = layouts[l][1], .sp = layouts[l][2], .rows = 3,
+                         .steps = 2, .load = f2};
+            tp_go(&re);
+            for (int r = 0; r < n; r++) {
+                CHECK_MSG(re.st[r] == MT_OK, "%s: resumed on %d: rank %d: %s", c->name, n, r,
+                          re.msg[r]);
+                for (int j = 0; j < 2; j++)
+                    CHECK_MSG(fabs(re.loss[r][j] - one.loss[0][2 + j]) <= 1e-5 * fabs(one.loss[0][2 + j]),
+                              "%s: resumed on %d, step %d: %.9g, unbroken %.9g", c->name, n, 3 + j,
+                              (double)re.loss[r][j], (double)one.loss[0][2 + j]);
+            }
+            tp_free(&re);
+        }
+        tp_run again = {.c = c, .n = 1, .tp = 1, .rows = 3, .steps = 0, .load = f2, .save = f1};
+        tp_go(&again);
+        CHECK_MSG(again.st[0] == MT_OK && same_file(f1, f2),
+                  "%s: loaded by one process and saved again: %s", c->name, again.msg[0]);
+        tp_run back = {.c = c, .n = 2, .tp = 2, .rows = 3, .steps = 0, .load = f1, .save = g2};
+        tp_go(&back);
+        CHECK_MSG(back.st[0] == MT_OK && same_file(g2, f1),
+                  "%s: one process's file loaded by a group of 2 and saved again: %s", c->name,
+                  back.msg[0]);
+        tp_free(&one), tp_free(&save), tp_free(&again), tp_free(&back);
+    }
+    static const tp_case q8 = {"adamw8 fp32", MT_OPT_ADAMW8, MT_PREC_FP32, 0.0f,
+                               MT_RECOMPUTE_NONE, 1e-5};
+    tp_run blocks = {.c = &q8, .n = 2, .tp = 2, .rows = 3, .steps = 1, .save = f2};
+    tp_go(&blocks);
+    for (int r = 0; r < 2; r++)
+        CHECK_MSG(blocks.st[r] == MT_ERR_UNSUPPORTED && strstr(blocks.msg[r], "in blocks of"),
+                  "8-bit state: rank %d: %s: %s", r, mt_status_string(blocks.st[r]), blocks.msg[r]);
+    tp_free(&blocks);
+    remove(f2), remove(f1), remove(g2);
 }

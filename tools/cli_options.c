@@ -640,9 +640,6 @@ static int check_together(const cli_opts *o)
                              mt_base_format_name(o->base));
     if (o->sp && o->tp < 2)
         return cli_bad_usage("%s", "--sp needs --tp T with T > 1 (it splits a tensor group's rows)");
-    if (o->tp > 1 && (o->save || o->resume))
-        return cli_bad_usage("--tp %ld does not combine with --save or --resume yet (training-state "
-                             "files of a tensor-parallel run are not written)", o->tp);
     if (o->tp > 1 && o->ranks > 1 && o->ranks % o->tp)
         return cli_bad_usage("--tp %ld does not divide --ranks %ld (the ranks form data-parallel "
                              "groups of tensor groups)", o->tp, o->ranks);

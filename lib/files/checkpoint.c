@@ -43,6 +43,8 @@
 #include "train/offload.h"
 #include "optim/optim.h"
 #include "train/trainer.h"
+#include "train/tp.h"
+#include "comm/comm.h"
 
 #define CK_MAGIC "MTTRAIN\0"
 #define CK_VERSION 1u
@@ -109,18 +111,22 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
         mti_tensor *w = t->zero == 3 && !p->frozen ? &t->pw[i] : &p->w; /* (ZeRO-3: a slice) */
-        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, mti_tensor_bytes(&p->w)};
+        /* (tensor parallel: a part's file holds the whole tensor, element by
+           element, which tp_files_ok has checked every stored tensor is) */
+        const uint64_t whole = mti_whole_numel(p);
+        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, whole * mti_dtype_size(p->w.dtype)};
         n++;
         if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
-            if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, (uint64_t)p->numel * 4};
+            if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, whole * 4};
             n++;
         }
         for (int j = 0; j < 4; j++) {
             const mti_opt_state *l = &t->ps[i].lay.s[j];
             if (!l->numel) continue;
+            const uint64_t numel = p->tp_split ? whole : (uint64_t)l->numel;
             if (out)
                 out[n] = (ck_tensor){&t->ps[i].s[j], i, 2 + j, l->dtype,
-                                     (uint64_t)l->numel * mti_dtype_size(l->dtype)};
+                                     numel * mti_dtype_size(l->dtype)};
             n++;
         }
     }
@@ -171,9 +177,10 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
         char name[MTI_NAME_LEN] = {0};
         snprintf(name, sizeof name, "%s", p->name);
         bb_put(b, name, sizeof name);
-        bb_u64(b, (uint64_t)p->shape[0]);
-        bb_u64(b, (uint64_t)(p->ndim == 2 ? p->shape[1] : 0));
-        bb_u64(b, p->numel);
+        /* (tensor parallel: the whole tensor's, so a file fits every layout) */
+        bb_u64(b, (uint64_t)(p->tp_split ? p->whole_shape[0] : p->shape[0]));
+        bb_u64(b, (uint64_t)(p->ndim != 2 ? 0 : p->tp_split ? p->whole_shape[1] : p->shape[1]));
+        bb_u64(b, mti_whole_numel(p));
     }
     bb_u32(b, (uint32_t)t->cfg.optimizer);
     bb_u32(b, (uint32_t)t->cfg.precision);
@@ -261,10 +268,16 @@ typedef struct saver {
     unsigned char *buf;  /* CK_CHUNK, host */
     mti_tensor bk;       /* a device communicator's bounce buffer (CK_CHUNK) */
     bool collective;     /* ZeRO on more than one rank */
+    bool tp;             /* tensor parallel: a collective of the tensor group, whose
+                            first rank writes the whole tensors */
+    float *whole;        /* tensor parallel: the writer's whole tensor being put together */
     mt_status ws;        /* this rank's first local failure */
 } saver;
 
-static bool writer(const saver *v) { return v->t->rank == 0 || !v->collective; }
+static bool writer(const saver *v)
+{
+    return v->tp ? v->t->tp.rank == 0 : v->t->rank == 0 || !v->collective;
+}
 
 static void sv_write(saver *v, const void *data, size_t n)
 {
@@ -328,6 +341,64 @@ static mt_status fetch(saver *v, int r, const char *src, size_t n)
     return cs;
 }
 
+/* Tensor parallel: the whole of a split parameter's stored tensor put
+ * together in v->whole on the writer, each rank's part broadcast over the
+ * tensor group a chunk at a time and placed run by run. */
+typedef struct place {
+    char *whole;
+    const char *chunk;
+    size_t es, lo, hi; /* the chunk's elements of the part */
+} place;
+
+static mt_status place_run(void *user, size_t whole_at, size_t len, size_t off)
+{
+    const place *p = user;
+    memcpy(p->whole + whole_at * p->es, p->chunk + off * p->es, len * p->es);
+    return MT_OK;
+}
+
+static mt_status gather_split(saver *v, const ck_tensor *c)
+{
+    mt_trainer *t = v->t;
+    mt_context *ctx = t->ctx;
+    mti_device *d = ctx->dev;
+    const mti_param *p = &t->model->params[c->param];
+    const size_t es = mti_dtype_size(c->dtype);
+    const int T = t->tp.size;
+    for (int q = 0; q < T; q++) {
+        int64_t pr, pc;
+        mti_tp_part_shape((mti_tp_split)p->tp_split, p->whole_shape[0], p->whole_shape[1], T, q,
+                          &pr, &pc);
+        const size_t bytes = (size_t)(pr * pc) * es;
+        for (size_t at = 0; at < bytes; at += CK_CHUNK) {
+            const size_t n = bytes - at < CK_CHUNK ? bytes - at : CK_CHUNK;
+            const bool mine = t->tp.rank == q;
+            const char *src = (const char *)c->t->blk.ptr + at;
+            char what[64];
+            snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", q);
+            mt_status ls = MT_OK, cs;
+            if (v->bk.blk.ptr) { /* a device communicator: through device memory */
+                if (mine) ls = d->copy_d2d(d, v->bk.blk.ptr, src, n);
+                cs = mti_comm_group_broadcast(ctx, t->tp_comm, what, v->bk.blk.ptr, n, MT_COMM_BYTE, q);
+                if (!cs && writer(v)) ls = d->copy_d2h(d, v->buf, v->bk.blk.ptr, n);
+            } else {
+                if (mine) ls = d->copy_d2h(d, v->buf, src, n);
+                if (mine && !ls) ls = d->sync(d);
+                cs = T > 1 ? mti_comm_group_broadcast(ctx, t->tp_comm, what, v->buf, n,
+                                                      MT_COMM_BYTE, q)
+                           : MT_OK;
+            }
+            if (!cs && !ls) ls = d->sync(d);
+            if (ls && !v->ws) v->ws = ls;
+            if (cs) return cs;
+            place pl = {(char *)v->whole, (const char *)v->buf, es, at / es, (at + n) / es};
+            if (writer(v) && !v->ws)
+                (void)mti_tp_each_run(p, T, q, pl.lo, pl.hi - pl.lo, place_run, &pl);
+        }
+    }
+    return MT_OK;
+}
+
 /* A stored tensor as a section: the header goes first without the
  * payload's CRC, which is written into it once the payload is out. */
 static mt_status write_tensor(saver *v, const ck_tensor *c)
@@ -344,7 +415,19 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
     sv_write(v, h, sizeof h);
     uint32_t crc = 0;
     uint64_t done = 0;
-    const int ranks = v->collective && sharded(t, c) ? t->world : 1;
+    if (v->tp && t->model->params[c->param].tp_split) { /* the parts, whole */
+        free(v->whole);
+        v->whole = writer(v) ? malloc(c->bytes ? (size_t)c->bytes : 1) : NULL;
+        if (writer(v) && !v->whole && !v->ws) v->ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+        mt_status cs = gather_split(v, c);
+        if (cs) return cs;
+        if (writer(v) && !v->ws) crc = mti_crc32(0, v->whole, (size_t)c->bytes);
+        sv_write(v, v->whole, (size_t)c->bytes);
+        done = c->bytes;
+        free(v->whole);
+        v->whole = NULL;
+    }
+    const int ranks = done ? 0 : v->collective && sharded(t, c) ? t->world : 1;
     for (int r = 0; r < ranks; r++) {
         uint64_t off, len;
         if (ranks > 1) held(t, c, r, &off, &len);
@@ -381,11 +464,14 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
     mt_context *ctx = t->ctx;
-    if (t->tp.size > 1)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: training-state files of a tensor-parallel trainer are not written "
-                        "yet", fn);
-    saver v = {.t = t, .collective = t->zero != 0, .f = {.fd = -1}};
+    if (t->tp.size > 1) {
+        mt_status ts_ok = mti_tp_files_ok(t, fn);
+        if (ts_ok) return ts_ok;
+        /* the tensor group of data-parallel rank 0 writes; the others' calls
+           do nothing (their state is the same) */
+        if (t->rank != 0) return MT_OK;
+    }
+    saver v = {.t = t, .collective = t->zero != 0, .tp = t->tp.size > 1, .f = {.fd = -1}};
     if (v.collective && !mti_dp_on(t))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: a dry context's sharded trainer has no state to save", fn);
@@ -395,7 +481,7 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     else if (writer(&v) && !user && user_len)
         v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
                         user_len);
-    if (v.ws && !v.collective) return v.ws;
+    if (v.ws && !v.collective && !v.tp) return v.ws;
     if (!writer(&v)) user = NULL, user_len = 0; /* (never written here) */
     int n = list_tensors(t, NULL);
     ck_tensor *ts = malloc((size_t)n * sizeof *ts);
@@ -409,7 +495,9 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     mt_status cs = MT_OK;
     if (!oom && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
-    if (v.ws && !v.collective) cs = v.ws; /* alone: nothing to keep in step with */
+    if (!oom && v.tp && t->tp_comm && (t->tp_comm->vt.caps & MT_COMM_CAP_DEVICE))
+        cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
+    if (v.ws && !v.collective && !v.tp) cs = v.ws; /* alone: nothing to keep in step with */
     if (!oom && !cs) {
         uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
         for (int k = 0; k < n; k++) total += ts[k].bytes;
@@ -423,7 +511,8 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
         sv_write(&v, h, sizeof h);
         sv_section(&v, SEC_LAYOUT, lay.p, lay.len);
         sv_section(&v, SEC_COUNTERS, cnt.p, cnt.len);
-        for (int k = 0; k < n && !cs && (v.collective || !v.ws); k++) cs = write_tensor(&v, &ts[k]);
+        for (int k = 0; k < n && !cs && (v.collective || v.tp || !v.ws); k++)
+            cs = write_tensor(&v, &ts[k]);
         sv_section(&v, SEC_USER, user, user_len);
         sv_section(&v, SEC_END, NULL, 0);
     } else if (!cs) {
@@ -432,11 +521,13 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     mt_status s = cs ? cs : v.ws;
     if (!cs && v.collective) /* every rank learns whether every part was read and written */
         s = mti_dp_agree_status(t, fn, "writing the training-state file", v.ws);
+    if (!cs && v.tp) s = mti_tp_agree_status(t, fn, "writing the training-state file", v.ws);
     if (!s && writer(&v)) s = mti_afile_commit(ctx, &v.f);
     else if (v.f.fd >= 0) mti_afile_abort(&v.f);
     if (!cs && v.collective) s = mti_dp_agree_status(t, fn, "putting the training-state file in place", s);
+    if (!cs && v.tp) s = mti_tp_agree_status(t, fn, "putting the training-state file in place", s);
     mti_tensor_free(ctx, &v.bk);
-    free(ts), free(v.buf), free(lay.p), free(cnt.p);
+    free(ts), free(v.buf), free(v.whole), free(lay.p), free(cnt.p);
     if (s) {
         const mti_msg m = mti_last_msg(ctx); /* (an exchange's names the call already) */
         const bool named = !strncmp(m.s, fn, strlen(fn)) && !strncmp(m.s + strlen(fn), ": ", 2);
@@ -737,6 +828,38 @@ static mt_status upload_sink(void *user, uint64_t at, const unsigned char *p, si
     return lo < hi ? d->copy_h2d(d, u->dst + (lo - u->off), p + (lo - at), (size_t)(hi - lo)) : MT_OK;
 }
 
+/* Tensor parallel: the whole tensor's bytes [at, at + n) streaming past,
+ * this rank's part's elements of them into dst (context memory). */
+typedef struct part_up {
+    mt_context *ctx;
+    const mti_param *p;
+    int T, q;
+    char *dst;
+    size_t es;
+    const unsigned char *chunk;
+    size_t c0, c1; /* the chunk's elements of the whole */
+} part_up;
+
+static mt_status part_run(void *user, size_t whole_at, size_t len, size_t off)
+{
+    const part_up *u = user;
+    const size_t lo = whole_at > u->c0 ? whole_at : u->c0;
+    const size_t hi = whole_at + len < u->c1 ? whole_at + len : u->c1;
+    if (lo >= hi) return MT_OK;
+    mti_device *d = u->ctx->dev;
+    return d->copy_h2d(d, u->dst + (off + (lo - whole_at)) * u->es, u->chunk + (lo - u->c0) * u->es,
+                       (hi - lo) * u->es);
+}
+
+static mt_status part_sink(void *user, uint64_t at, const unsigned char *p, size_t n)
+{
+    part_up *u = user;
+    u->chunk = p;
+    u->c0 = (size_t)at / u->es;
+    u->c1 = (size_t)(at + n) / u->es;
+    return mti_tp_each_run(u->p, u->T, u->q, 0, u->p->numel, part_run, u);
+}
+
 typedef struct grab {
     unsigned char *dst;
     size_t cap;
@@ -801,6 +924,13 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
         if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
             c.dtype != (uint32_t)ts[k].dtype || c.bytes != ts[k].bytes)
             return bad_file(r, "corrupt (a tensor section does not match the layout)");
+        const mti_param *p = &t->model->params[ts[k].param];
+        if (p->tp_split) { /* tensor parallel: this rank's part of the whole */
+            part_up pu = {r->ctx, p, t->tp.size, t->tp.rank, ts[k].t->blk.ptr,
+                          mti_dtype_size(ts[k].dtype), NULL, 0, 0};
+            if ((s = read_payload(r, &c, buf, check ? NULL : part_sink, &pu))) return s;
+            continue;
+        }
         const bool home = ts[k].what || mti_offload_has_weights(t->off, ts[k].param);
         upload u = {r->ctx, ts[k].t->blk.ptr, 0, 0, home ? t->off : NULL, ts[k].param, ts[k].what};
         held(t, &ts[k], t->rank, &u.off, &u.len);
@@ -824,13 +954,11 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     const char *fn = "mt_trainer_load";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_context *ctx = t->ctx;
-    if (t->tp.size > 1)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: training-state files of a tensor-parallel trainer are not read yet",
-                        fn);
     /* on several ranks a rank that cannot start still makes the exchanges
-       below, so every rank fails with it at once */
-    mt_status s = MT_OK;
+       below, so every rank fails with it at once (tensor parallel: each
+       rank reads the whole file and takes its parts) */
+    mt_status s = t->tp.size > 1 ? mti_tp_files_ok(t, fn) : MT_OK;
+    if (s) return s; /* (the same on every rank) */
     if (!path) s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
     else if (!user && user_cap)
         s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_cap is %zu", fn,
@@ -838,7 +966,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     reader r = {.path = path, .ctx = ctx};
     if (!s && !(r.f = fopen(path, "rb")))
         s = mti_fail(ctx, MT_ERR_IO, "%s: cannot open %s: %s", fn, path, strerror(errno));
-    if (s && !mti_dp_on(t)) return s;
+    if (s && !mti_dp_on(t) && t->tp.size < 2) return s;
     if (r.f && fseek(r.f, 0, SEEK_END) == 0) {
         long end = ftell(r.f);
         r.size = end > 0 ? (uint64_t)end : 0;
@@ -855,6 +983,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
        rank changes anything */
     if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
     s = mti_dp_agree_status(t, fn, "checking the training-state file", s);
+    s = mti_tp_agree_status(t, fn, "checking the training-state file", s);
     if (!s) s = mti_dp_agree_file(t, fn, r.digest); /* every rank loads the same file */
     if (!s) {
         rewind(r.f);
@@ -867,6 +996,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
         }
     }
     s = mti_dp_agree_status(t, fn, "loading the training-state file", s);
+    s = mti_tp_agree_status(t, fn, "loading the training-state file", s);
     if (!s) counters_set(t, counters);
     if (r.f) fclose(r.f);
     free(ts), free(buf), free(lay.p);

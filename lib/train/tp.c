@@ -153,19 +153,19 @@ static void unsplit_shape(mti_param *p)
     p->tp_split = 0;
 }
 
-/* Status s agreed over communicator c of n ranks, this one `me` (a
- * rank's failure fails every rank, naming it). */
-static mt_status agree_on(mt_trainer *t, mt_comm *c, int n, int me, const char *over,
-                          mt_status s)
+/* Status s agreed over communicator c of n ranks (`over` names them),
+ * this one `me`: a rank's failure fails every rank, naming it; fn and
+ * `about` name the exchange. */
+static mt_status agree_on(mt_trainer *t, mt_comm *c, int n, int me, const char *fn,
+                          const char *about, const char *over, mt_status s)
 {
     mt_context *ctx = t->ctx;
-    char own[MTI_ERR_LEN], what[128];
+    char own[MTI_ERR_LEN], what[192];
     snprintf(own, sizeof own, "%s", s ? mt_last_error(ctx) : "");
     float *v = calloc((size_t)n, sizeof *v);
     if (!v) return s ? s : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     v[me] = (float)s;
-    snprintf(what, sizeof what, "mt_trainer_create: exchanging the trainer's creation over %s",
-             over);
+    snprintf(what, sizeof what, "%s: exchanging %s over %s", fn, about, over);
     mt_status e = mti_comm_group_host_all_reduce(ctx, c, what, v, (size_t)n, MT_COMM_SUM);
     int bad = -1;
     for (int k = 0; k < n && !e; k++)
@@ -175,9 +175,8 @@ static mt_status agree_on(mt_trainer *t, mt_comm *c, int n, int me, const char *
     if (s) return mti_fail(ctx, s, "%s", own);
     if (e) return e;
     if (bad >= 0)
-        return mti_fail(ctx, MT_ERR_COMM,
-                        "mt_trainer_create: rank %d of %s failed (%s), so every rank stops", bad,
-                        over, mt_status_string(other));
+        return mti_fail(ctx, MT_ERR_COMM, "%s: rank %d of %s failed (%s) at %s, so every rank stops",
+                        fn, bad, over, mt_status_string(other), about);
     return MT_OK;
 }
 
@@ -190,7 +189,9 @@ mt_status mti_tp_begin(mt_trainer *t, mt_status s)
     const int W = ctx->world, r = ctx->rank, q = r % T, g = r / T;
     /* every rank gets here, failed or not, and they agree before the
        groups (collectives of the world) are made */
-    if (!ctx->dry && W > 1) s = agree_on(t, ctx->cfg.comm, W, r, "the ranks", s);
+    if (!ctx->dry && W > 1)
+        s = agree_on(t, ctx->cfg.comm, W, r, "mt_trainer_create", "the trainer's creation",
+                     "the ranks", s);
     if (s) return s;
     const int PV = m->padded_vocab;
     t->tp = (mti_tp){.size = T, .rank = q, .sp = t->cfg.sequence_parallel};
@@ -224,10 +225,37 @@ mt_status mti_tp_begin(mt_trainer *t, mt_status s)
     return s;
 }
 
+mt_status mti_tp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s)
+{
+    if (t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
+    return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, fn, what, "the tensor group", s);
+}
+
+mt_status mti_tp_files_ok(const mt_trainer *t, const char *fn)
+{
+    mt_context *ctx = t->ctx;
+    if (t->zero)
+        NO("%s: training-state files of tensor parallel with ZeRO in the data-parallel groups "
+           "are not built yet", fn);
+    for (int i = 0; i < t->model->n_param; i++) {
+        const mti_param *p = &t->model->params[i];
+        for (int j = 0; p->tp_split && j < MTI_OPT_SLOTS; j++) {
+            const mti_opt_state *l = &t->ps[i].lay.s[j];
+            if (l->numel && (l->per != 1 || l->numel != (int64_t)p->numel))
+                NO("%s: %s's optimizer state is kept in blocks of this rank's part (%s): a "
+                   "tensor-parallel training-state file holds element-by-element state alone "
+                   "(SGD, AdamW, or 32-bit state for the split tensors)",
+                   fn, p->name, t->opt->title);
+        }
+    }
+    return MT_OK;
+}
+
 mt_status mti_tp_agree(mt_trainer *t, mt_status s)
 {
     if (t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
-    return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, "the tensor group", s);
+    return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, "mt_trainer_create",
+                    "the trainer's creation", "the tensor group", s);
 }
 
 void mti_tp_commit(mt_trainer *t)

@@ -43,6 +43,13 @@ void mti_tp_end(mt_trainer *t);
  * squares h (n of them, or none) and found; the parts' sums add up over
  * the group, the replicated tensors' count once. */
 mt_status mti_tp_checks(mt_trainer *t, const float *h, int n, int *found, double *sum);
+/* Status s agreed over the tensor group (fn and what name the exchange),
+ * as mti_dp_agree_status over the data-parallel group. */
+mt_status mti_tp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s);
+/* Whether a training-state file can hold the trainer's state whole
+ * (MT_ERR_UNSUPPORTED, naming why, when not): every split tensor's state
+ * element by element, no ZeRO. The same answer on every rank. */
+mt_status mti_tp_files_ok(const mt_trainer *t, const char *fn);
 /* Sequence parallel: whether some gradients are each rank's rows' parts
  * (they are final only once summed over the group), and parameter i's
  * summed (a LayerNorm's; others: nothing). Every rank of the group calls
