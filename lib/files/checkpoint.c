@@ -114,7 +114,9 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
         /* (tensor parallel: a part's file holds the whole tensor, element by
            element, which tp_files_ok has checked every stored tensor is) */
         const uint64_t whole = mti_whole_numel(p);
-        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, whole * mti_dtype_size(p->w.dtype)};
+        const uint64_t wbytes = p->tp_split ? whole * mti_dtype_size(p->w.dtype)
+                                            : mti_tensor_bytes(&p->w); /* (quantized: its bytes) */
+        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, wbytes};
         n++;
         if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
             if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, whole * 4};
