@@ -1313,6 +1313,8 @@ typedef struct mt_autofit_report {
     int seg_len;
     uint64_t peak_reserved;       /* the chosen run's estimate */
     double step_seconds;          /* the cost model's step time (for comparison only) */
+    double comm_seconds;          /* of it, the collectives' (several ranks: nominal link
+                                     rates, docs/memory.md; 0 on one rank) */
     double tokens_per_second;     /* max_batch x max_seq / step_seconds */
     int candidates;               /* configurations that fit, of those tried */
     int tried;

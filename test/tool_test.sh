@@ -74,6 +74,12 @@ sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
     awk '{ if ($1 < 995807232 / 2 || $1 > 995807232 / 2 * 1.01) exit 1 }' ||
     { echo "FAIL tool: the OPTIM of a rank of a tensor group of 2"; cat "$tmp/out"; fail=1; }
 grep -q '"ranks": 2, "rank": 1, "zero": 0, "tp": 2' "$tmp/out" || { echo "FAIL tool: estimate --tp JSON"; fail=1; }
+# --layout auto: every layout of 4 ranks auto-fitted, the chosen one printed and estimated
+expect 0 "estimate: --layout auto" -- "$tool" estimate --model gpt --layers 2 --heads 4 --channels 64 --vocab 512 --seq 64 --batch 8 --ranks 4 --budget 64 --autofit --layout auto
+grep -q "^| 4 | yes | 0 | 1 | " "$tmp/out" && grep -q "^chosen: --tp [124]" "$tmp/out" &&
+    grep -q "^| 2 | no | 1 | 2 | " "$tmp/out" && ! grep -q "^| 2 | no | 2 |" "$tmp/out" ||
+    { echo "FAIL tool: --layout auto's table"; cat "$tmp/out"; fail=1; }
+expect 2 "estimate: --layout auto without --ranks" -- "$tool" estimate --model gpt --budget 64 --autofit --layout auto
 expect 2 "estimate: --tp not dividing --ranks" -- "$tool" estimate $E --ranks 3 --tp 2
 expect 1 "estimate: --tp not dividing the heads" -- "$tool" estimate $E --ranks 5 --tp 5 --batch 5
 expect 2 "estimate: a rank beyond --ranks" -- "$tool" estimate $E --ranks 2 --rank 2

@@ -60,6 +60,7 @@ typedef struct cli_opts {
     /* estimate */
     double budget_mib;
     int autofit, allow8, allow4;
+    int layout;              /* --layout auto: --autofit chooses --tp, --sp and --zero too */
     /* frozen parameters: --freeze patterns, split at commas into freeze_text */
     const char *freeze[CLI_MAX_FREEZE];
     int n_freeze;

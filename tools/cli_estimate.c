@@ -129,6 +129,75 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
                e->peak_reserved <= tc->memory_budget ? "fits" : "does not fit");
 }
 
+/* --layout auto: every layout of --ranks (tensor groups of T dividing the
+ * ranks and the heads, sequence parallel where T divides --seq, ZeRO
+ * stages the layout takes) auto-fitted to the budget; the one of the least
+ * cost-model step time (compute and collectives) goes into *tc and o's
+ * --tp, --sp and --zero. A table of them on stdout (not with --json).
+ * MT_ERR_BUDGET when none fits. */
+static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, int allow,
+                             mt_autofit_report *best)
+{
+    mt_gpt_spec g;
+    mt_model_gpt_get_spec(m, &g);
+    const int N = (int)o->ranks;
+    double best_t = 0;
+    mt_trainer_config chosen = *tc;
+    if (!o->json)
+        printf("| tp | sp | zero | data-parallel groups | fits | micro | recomputed units | "
+               "state | peak MiB a rank | compute s | communication s | step s (model) |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int tp = 1; tp <= N; tp++) {
+        if (N % tp || g.heads % tp) continue;
+        for (int sp = 0; sp <= (tp > 1 && o->seq % tp == 0); sp++)
+            for (int zero = 0; zero <= 3; zero++) {
+                const int dp = N / tp;
+                if ((dp == 1 && zero) || (tp > 1 && dp > 1 && zero >= 2)) continue;
+                mt_trainer_config c = *tc;
+                c.tensor_parallel = tp, c.sequence_parallel = sp, c.zero_stage = zero;
+                c.max_batch = (int)((o->batch + dp - 1) / dp); /* (a group's rows) */
+                if (c.micro_batch > c.max_batch) c.micro_batch = 0;
+                mt_autofit_report f = {0};
+                mt_status s = mt_trainer_autofit(m, &c, allow, &f);
+                if (s && s != MT_ERR_BUDGET) return s;
+                if (!o->json && s)
+                    printf("| %d | %s | %d | %d | no | - | - | - | - | - | - | - |\n", tp,
+                           sp ? "yes" : "no", zero, dp);
+                else if (!o->json)
+                    printf("| %d | %s | %d | %d | yes | %d | %d + %d selective | %s%s | %.1f | "
+                           "%.4g | %.4g | %.4g |\n",
+                           tp, sp ? "yes" : "no", zero, dp, f.micro_batch, f.recomputed_units,
+                           f.selective_units,
+                           f.optimizer == MT_OPT_ADAMW8   ? "8-bit"
+                           : f.optimizer == MT_OPT_ADAMW4 ? "4-bit"
+                                                          : "32-bit",
+                           f.offload_params ? ", weights on disk"
+                           : f.offload == MT_PLACE_DISK ? ", on disk"
+                           : f.offload == MT_PLACE_HOST ? ", in host memory"
+                                                        : "",
+                           (double)f.peak_reserved / 1048576.0, f.step_seconds - f.comm_seconds,
+                           f.comm_seconds, f.step_seconds);
+                if (!s && (!best_t || f.step_seconds < best_t)) {
+                    best_t = f.step_seconds;
+                    chosen = c;
+                    *best = f;
+                }
+            }
+    }
+    if (!best_t) {
+        char m2[160];
+        snprintf(m2, sizeof m2, "no layout of %d ranks fits %.1f MiB a rank", N, o->budget_mib);
+        fprintf(stderr, "%s: %s\n", cli_prog, m2);
+        return MT_ERR_BUDGET;
+    }
+    *tc = chosen;
+    o->tp = chosen.tensor_parallel, o->sp = chosen.sequence_parallel, o->zero = chosen.zero_stage;
+    if (!o->json)
+        printf("chosen: --tp %ld%s --zero %ld (the least step time of the model that fits)\n\n",
+               o->tp, o->sp ? " --sp" : "", o->zero);
+    return MT_OK;
+}
+
 int cmd_estimate(int argc, char **argv)
 {
     cli_opts o;
@@ -191,7 +260,16 @@ int cmd_estimate(int argc, char **argv)
     mt_model *teacher = NULL; /* its shape (a dry context holds no weights) */
     if (!s && o.teacher && !(s = mt_model_gpt_load_base(ctx, o.teacher, o.teacher_base, &teacher))) tc.teacher = teacher;
     mt_autofit_report fit = {0};
-    if (!s && o.autofit) s = mt_trainer_autofit(m, &tc,
+    const int allow = (o.allow8 ? MT_AUTOFIT_ALLOW_8BIT : 0) | (o.allow4 ? MT_AUTOFIT_ALLOW_4BIT : 0);
+    if (!s && o.autofit && o.layout) {
+        s = fit_layouts(&o, m, &tc, allow, &fit);
+        if (s == MT_ERR_BUDGET && !o.json) { /* (said above) */
+            mt_model_destroy(m);
+            mt_model_destroy(teacher);
+            mt_context_destroy(ctx);
+            return EXIT_BUDGET;
+        }
+    } else if (!s && o.autofit) s = mt_trainer_autofit(m, &tc,
                                                    (o.allow8 ? MT_AUTOFIT_ALLOW_8BIT : 0) |
                                                        (o.allow4 ? MT_AUTOFIT_ALLOW_4BIT : 0),
                                                    &fit);

@@ -215,6 +215,13 @@ static int set_budget(cli_opts *o, const char *v)
     return 0;
 }
 
+static int set_layout(cli_opts *o, const char *v)
+{
+    if (strcmp(v, "auto")) return -1;
+    o->layout = 1;
+    return 0;
+}
+
 /* --freeze P[,P...]: each pattern kept (repeatable) */
 static int add_freeze(cli_opts *o, const char *v)
 {
@@ -433,6 +440,8 @@ static const opt table[] = {
     FLAG("--autofit", CLI_ESTIMATE, CLI_ANY, autofit, 1,
          "fit micro-batch, recompute, state and offload to --budget (with --ranks: what fits "
          "every rank)"),
+    FN("--layout", "auto", CLI_ESTIMATE, CLI_GPT, set_layout, "(auto)", NULL,
+       "with --autofit and --ranks: choose --tp, --sp and --zero too, showing every layout tried"),
     FLAG("--allow-8bit", CLI_ESTIMATE, CLI_ANY, allow8, 1, "let --autofit use 8-bit AdamW state"),
     FLAG("--allow-4bit", CLI_ESTIMATE, CLI_ANY, allow4, 1, "let --autofit use 4-bit AdamW state"),
 };
@@ -679,6 +688,8 @@ static int settle(cli_opts *o)
     if (cmd == CLI_ESTIMATE) {
         if (o->autofit && !o->budget_mib) return cli_bad_usage("%s", "--autofit needs --budget");
         if (o->allow8 && !o->autofit) return cli_bad_usage("%s", "--allow-8bit is for --autofit");
+        if (o->layout && (!o->autofit || o->ranks < 2))
+            return cli_bad_usage("%s", "--layout auto is for --autofit with --ranks N > 1");
         if (o->offload_dir && !o->autofit && o->offload != MT_PLACE_DISK)
             return cli_bad_usage("%s", "--offload-dir is for --autofit (or --offload disk)");
         if (o->allow4 && !o->autofit) return cli_bad_usage("%s", "--allow-4bit is for --autofit");

@@ -308,13 +308,17 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
  *     rows; the 8-bit update is compute-bound at about 8.8x its 16 bytes.
  *   CUDA: a nominal H100-class GPU (not measured here): 50 TFLOP/s in fp32
  *     (no TF32), 400 in fp16/bf16, 2.5 TB/s, half at 1024 rows (a GEMM
- *     needs many rows to fill the GPU); the 8-bit update is bandwidth-bound. */
+ *     needs many rows to fill the GPU); the 8-bit update is bandwidth-bound.
+ * On several ranks: tensor parallel divides a rank's GEMMs and update by
+ * T, and the collectives move their bytes (ring algorithms: 2 (n - 1) / n
+ * of the buffer for a sum over n ranks) at a nominal link rate, 10 GB/s
+ * between a CPU's processes (shared memory), 100 GB/s between GPUs. */
 typedef struct fit_rates {
-    double flops, flops16, bw, half, q8;
+    double flops, flops16, bw, half, q8, link;
 } fit_rates;
 
-static const fit_rates fit_cpu = {200e9, 200e9, 40e9, 32, 8.8};
-static const fit_rates fit_cuda = {50e12, 400e12, 2.5e12, 1024, 1.0};
+static const fit_rates fit_cpu = {200e9, 200e9, 40e9, 32, 8.8, 10e9};
+static const fit_rates fit_cuda = {50e12, 400e12, 2.5e12, 1024, 1.0, 100e9};
 
 static double update_bytes(const mt_trainer_config *c, const fit_rates *r)
 {
@@ -331,13 +335,33 @@ static double step_seconds(const mt_model *m, const mt_trainer_config *c, int mi
     const fit_rates *r = m->ctx->dev->kind == MT_DEVICE_CUDA ? &fit_cuda : &fit_cpu;
     const double flops = c->precision == MT_PREC_FP32 ? r->flops : r->flops16;
     const int T = seq_of(m, c);
+    const double tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1;
     double total = 0;
     for (int r0 = 0; r0 < c->max_batch; r0 += micro) {
         int rows = c->max_batch - r0 < micro ? c->max_batch - r0 : micro;
         double tok = (double)rows * T, eff = tok / (tok + r->half);
-        total += (3 * fwd + rec_cost) * tok / (flops * eff);
+        total += (3 * fwd + rec_cost) * tok / (flops * eff) / tp;
     }
-    return total + (double)m->n_params * update_bytes(c, r) / r->bw;
+    return total + (double)m->n_params * update_bytes(c, r) / r->bw / tp +
+           mti_comm_seconds(m, c);
+}
+
+double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c)
+{
+    const fit_rates *r = m->ctx->dev->kind == MT_DEVICE_CUDA ? &fit_cuda : &fit_cpu;
+    int world;
+    (void)mti_comm_world(m->ctx, &world, NULL);
+    const int tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1, dp = world / tp;
+    const double grads = (double)m->n_params / tp * 4.0; /* a rank's fp32 gradients */
+    double bytes = 0.0;
+    if (dp > 1) /* the gradients' sums (ZeRO-3: the weights gathered twice besides) */
+        bytes += (c->zero_stage == 3 ? 3.0 : 2.0) * (dp - 1) / dp * grads;
+    if (tp > 1 && m->kind == MTI_MODEL_GPT) { /* four sums a block, the embedding's and the head's */
+        const double rows = (double)c->max_batch * seq_of(m, c);
+        const double es = c->precision == MT_PREC_FP32 ? 4.0 : 2.0;
+        bytes += (4.0 * m->gpt.layers + 2.0) * rows * m->gpt.channels * es * 2.0 * (tp - 1) / tp;
+    }
+    return bytes / r->link;
 }
 
 /* The optimizers auto-fit tries for cfg (allow: MT_AUTOFIT_ALLOW_* flags):
@@ -531,6 +555,7 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                                     : "",
                 cfg->offload_dir);
     out->step_seconds = best_t;
+    out->comm_seconds = mti_comm_seconds(m, &best);
     const int T = seq_of(m, cfg);
     out->tokens_per_second = (double)cfg->max_batch * T / best_t;
     *cfg = best;
