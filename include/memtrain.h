@@ -1415,8 +1415,9 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
  * stays intact); path and user are rank 0's. Under tensor parallel
  * (cfg.tensor_parallel) it is a collective of the tensor group of
  * data-parallel rank 0, whose first rank writes the whole tensors (the
- * file one process with the same state writes); the other groups' calls
- * return MT_OK at once. */
+ * file one process with the same state writes; SGD and AdamW or 32-bit
+ * state, without ZeRO: MT_ERR_UNSUPPORTED otherwise); the other groups'
+ * calls return MT_OK at once. */
 mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
                           size_t user_len);
 /* Restores a saved state into a trainer of the same model (kind, shapes),
@@ -1432,8 +1433,11 @@ mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *use
  * rank loads the same file; a rank whose check fails fails every rank
  * before any state changes, and so do files whose contents differ from
  * rank to rank: MT_ERR_COMM on every rank, naming each rank's digest of its
- * file), and each rank keeps the part a ZeRO trainer
- * holds: a file saved at any world size and stage loads at any other. */
+ * file; within a tensor group MT_ERR_COMM saying the files differ), and
+ * each rank keeps the part a ZeRO trainer, or a tensor-parallel one
+ * (cfg.tensor_parallel), holds: a file saved at any world size, stage and
+ * tensor-parallel layout loads at any other (tensor parallel: 32-bit
+ * state, no ZeRO). */
 mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
                           size_t *user_len);
 

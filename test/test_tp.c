@@ -763,3 +763,74 @@ TEST(tp_checkpoints_across_layouts)
     tp_free(&blocks);
     remove(f2), remove(f1), remove(g2);
 }
+
+/* Training-state files, what every rank of a group must agree on: 8-bit
+ * AdamW whose threshold falls between the vocabulary's uneven shares (504,
+ * 504 and 528 elements of wte at 3 ranks) chooses from the whole tensor's
+ * size, so every rank refuses the file alike and at once; ranks of a group
+ * that load different files all fail, their weights unchanged. */
+typedef struct tp_agree_run {
+    tcomm_world *world;
+    int n, mode; /* 0: save with 8-bit state; 1: rank r loads f[r] */
+    const char *f[3];
+    mt_status st[3];
+    char msg[3][512];
+    double seconds[3];
+} tp_agree_run;
+
+static void tp_agree_rank(int rank, void *p)
+{
+    tp_agree_run *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, a->n, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_trainer_config tc = tp_config(&tp_cases[0], a->n, 3);
+    mt_param_override ov = {.pattern = "h.*", .state_bits = 32};
+    if (a->mode == 0) {
+        tc.optimizer = MT_OPT_ADAMW8;
+        tc.min_8bit_size = 520;
+        tc.overrides = &ov;
+        tc.n_overrides = 1;
+    }
+    mt_status s = tp_open(c, 0, &ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (!s && a->mode == 0) s = mt_trainer_save(t, a->f[0], NULL, 0);
+    if (!s && a->mode == 1) s = mt_trainer_load(t, a->f[rank], NULL, 0, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    a->seconds[rank] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(tp_checkpoints_agreed_by_the_group)
+{
+    char f[128], g[128];
+    snprintf(f, sizeof f, "/tmp/mt_test_%ld_tpa.ckpt", (long)getpid());
+    snprintf(g, sizeof g, "/tmp/mt_test_%ld_tpb.ckpt", (long)getpid());
+    tp_agree_run a = {.n = 3, .mode = 0, .f = {f}, .world = tcomm_world_new(3, 3.0)};
+    tcomm_run(3, tp_agree_rank, &a);
+    tcomm_world_free(a.world);
+    for (int r = 0; r < 3; r++)
+        CHECK_MSG(a.st[r] == MT_ERR_UNSUPPORTED && a.seconds[r] < 1.0, "8-bit: rank %d: %s after %.2f s: %s",
+                  r, mt_status_string(a.st[r]), a.seconds[r], a.msg[r]);
+    tp_run s2 = {.c = &tp_cases[0], .n = 1, .tp = 1, .rows = 3, .steps = 2, .save = f};
+    tp_go(&s2);
+    tp_run s3 = {.c = &tp_cases[0], .n = 1, .tp = 1, .rows = 3, .steps = 3, .save = g};
+    tp_go(&s3);
+    CHECK(s2.st[0] == MT_OK && s3.st[0] == MT_OK);
+    tp_agree_run b = {.n = 2, .mode = 1, .f = {f, g}, .world = tcomm_world_new(2, 3.0)};
+    tcomm_run(2, tp_agree_rank, &b);
+    tcomm_world_free(b.world);
+    for (int r = 0; r < 2; r++)
+        CHECK_MSG(b.st[r] == MT_ERR_COMM && strstr(b.msg[r], "different training-state files"),
+                  "different files: rank %d: %s: %s", r, mt_status_string(b.st[r]), b.msg[r]);
+    tp_free(&s2), tp_free(&s3);
+    remove(f), remove(g);
+}

@@ -159,10 +159,11 @@ static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, in
                 if (c.micro_batch > c.max_batch) c.micro_batch = 0;
                 mt_autofit_report f = {0};
                 mt_status s = mt_trainer_autofit(m, &c, allow, &f);
-                if (s && s != MT_ERR_BUDGET) return s;
+                const bool refused = s == MT_ERR_UNSUPPORTED || s == MT_ERR_INVALID_ARG;
+                if (s && s != MT_ERR_BUDGET && !refused) return s;
                 if (!o->json && s)
-                    printf("| %d | %s | %d | %d | no | - | - | - | - | - | - | - |\n", tp,
-                           sp ? "yes" : "no", zero, dp);
+                    printf("| %d | %s | %d | %d | %s | - | - | - | - | - | - | - |\n", tp,
+                           sp ? "yes" : "no", zero, dp, refused ? "refused" : "no");
                 else if (!o->json)
                     printf("| %d | %s | %d | %d | yes | %d | %d + %d selective | %s%s | %.1f | "
                            "%.4g | %.4g | %.4g |\n",

@@ -647,6 +647,11 @@ static int check_together(const cli_opts *o)
     if (o->base && o->precision == MT_PREC_FP16)
         return cli_bad_usage("--base %s computes in fp32 or bf16: not with --precision fp16",
                              mt_base_format_name(o->base));
+    if (o->tp > 1 && (o->save || o->resume) &&
+        (o->zero || o->optimizer == MT_OPT_ADAMW8 || o->optimizer == MT_OPT_ADAMW4))
+        return cli_bad_usage("--tp %ld with --save or --resume needs --zero 0 and 32-bit optimizer "
+                             "state (a training-state file of tensor parallel holds each split "
+                             "tensor's state element by element)", o->tp);
     if (o->sp && o->tp < 2)
         return cli_bad_usage("%s", "--sp needs --tp T with T > 1 (it splits a tensor group's rows)");
     if (o->tp > 1 && o->ranks > 1 && o->ranks % o->tp)

@@ -356,10 +356,17 @@ double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c)
     double bytes = 0.0;
     if (dp > 1) /* the gradients' sums (ZeRO-3: the weights gathered twice besides) */
         bytes += (c->zero_stage == 3 ? 3.0 : 2.0) * (dp - 1) / dp * grads;
-    if (tp > 1 && m->kind == MTI_MODEL_GPT) { /* four sums a block, the embedding's and the head's */
-        const double rows = (double)c->max_batch * seq_of(m, c);
-        const double es = c->precision == MT_PREC_FP32 ? 4.0 : 2.0;
-        bytes += (4.0 * m->gpt.layers + 2.0) * rows * m->gpt.channels * es * 2.0 * (tp - 1) / tp;
+    if (tp > 1 && m->kind == MTI_MODEL_GPT) {
+        /* four sums a block, the embedding's and the head's, of a micro-batch's
+           rows x width, in fp32 (all-reduces; sequence parallel: reduce-scatters,
+           half the bytes, and six all-gathers a block of the rows in the
+           compute dtype besides) */
+        const double rows = (double)c->max_batch * seq_of(m, c), C = m->gpt.channels;
+        const double es = c->precision == MT_PREC_FP32 ? 4.0 : 2.0, f = (double)(tp - 1) / tp;
+        const double sums = 4.0 * m->gpt.layers + 2.0;
+        bytes += c->sequence_parallel
+                     ? sums * rows * C * 4.0 * f + 6.0 * m->gpt.layers * rows * C * es * f
+                     : sums * rows * C * 4.0 * 2.0 * f;
     }
     return bytes / r->link;
 }

@@ -499,6 +499,10 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
     if (!oom && v.tp && t->tp_comm && (t->tp_comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
+    if (v.tp) { /* one rank's failure to start fails the group before any part moves */
+        cs = mti_tp_agree_status(t, fn, "preparing the training-state file", cs ? cs : v.ws);
+        if (cs && !v.ws) v.ws = cs;
+    }
     if (v.ws && !v.collective && !v.tp) cs = v.ws; /* alone: nothing to keep in step with */
     if (!oom && !cs) {
         uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
@@ -984,9 +988,12 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
        on several ranks, any rank's failure fails every rank, before any
        rank changes anything */
     if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
+    /* (over the data-parallel group, then the tensor group, whose ranks are
+       one of each data-parallel group: every rank hears of any failure, and
+       of any file that differs, before any rank changes anything) */
     s = mti_dp_agree_status(t, fn, "checking the training-state file", s);
-    s = mti_tp_agree_status(t, fn, "checking the training-state file", s);
     if (!s) s = mti_dp_agree_file(t, fn, r.digest); /* every rank loads the same file */
+    s = mti_tp_agree_file(t, fn, r.digest, s);
     if (!s) {
         rewind(r.f);
         r.pos = 0;

@@ -35,7 +35,7 @@ static int has_ops(const mti_ops *ops) { return ops->adamw4 && ops->adamw; }
 /* Whether parameter p gets 4-bit state. */
 static bool four_bit(const mt_trainer_config *c, const mti_param *p, const mt_param_override *o)
 {
-    bool q = !p->force32 && (int64_t)p->numel >= c->min_8bit_size;
+    bool q = !p->force32 && (int64_t)mti_whole_numel(p) >= c->min_8bit_size; /* (as 8-bit's) */
     if (o && o->state_bits) q = o->state_bits != 32;
     return q;
 }

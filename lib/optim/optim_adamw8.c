@@ -27,7 +27,9 @@ static void layout(const mt_trainer_config *c, const mti_param *p, const mt_para
                    mti_opt_layout *out)
 {
     const int64_t n = (int64_t)p->numel;
-    bool eight = !p->force32 && n >= c->min_8bit_size;
+    /* (the whole tensor's size decides, so that a tensor-parallel part's
+       state is laid out as the whole's on every rank of its group) */
+    bool eight = !p->force32 && (int64_t)mti_whole_numel(p) >= c->min_8bit_size;
     if (o && o->state_bits) eight = o->state_bits == 8;
     if (!eight) {
         mti_adamw_layout32(p, out);

@@ -231,6 +231,28 @@ mt_status mti_tp_agree_status(mt_trainer *t, const char *fn, const char *what, m
     return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, fn, what, "the tensor group", s);
 }
 
+mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s)
+{
+    s = mti_tp_agree_status(t, fn, "checking the training-state file", s);
+    if (s || t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
+    /* the digest in four 16-bit pieces (exact in fp32), and their negatives:
+       the group's maxima of both are its greatest and least pieces */
+    float v[8];
+    for (int k = 0; k < 4; k++) {
+        v[k] = (float)((digest >> (16 * k)) & 0xffff);
+        v[4 + k] = -v[k];
+    }
+    s = mti_comm_group_host_all_reduce(t->ctx, t->tp_comm,
+                                       "mt_trainer_load: exchanging the file's digest over the "
+                                       "tensor group", v, 8, MT_COMM_MAX);
+    for (int k = 0; k < 4 && !s; k++)
+        if (v[k] != -v[4 + k])
+            s = mti_fail(t->ctx, MT_ERR_COMM,
+                         "%s: the ranks of the tensor group loaded different training-state "
+                         "files (every rank of a group loads the same file)", fn);
+    return s;
+}
+
 mt_status mti_tp_files_ok(const mt_trainer *t, const char *fn)
 {
     mt_context *ctx = t->ctx;

@@ -46,6 +46,10 @@ mt_status mti_tp_checks(mt_trainer *t, const float *h, int n, int *found, double
 /* Status s agreed over the tensor group (fn and what name the exchange),
  * as mti_dp_agree_status over the data-parallel group. */
 mt_status mti_tp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s);
+/* Loading: status s (every rank calls it, failed or not) and the file's
+ * digest agreed over the tensor group: one rank's failure, or files that
+ * differ between its ranks, fail every rank of the group. */
+mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s);
 /* Whether a training-state file can hold the trainer's state whole
  * (MT_ERR_UNSUPPORTED, naming why, when not): every split tensor's state
  * element by element, no ZeRO. The same answer on every rank. */

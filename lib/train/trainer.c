@@ -1222,6 +1222,17 @@ static mt_status check_batch(mt_trainer *t, const mt_batch *b, const char *fn)
             return mti_fail(ctx, MT_ERR_INVALID_ARG,
                             "%s: batch->targets[%zu] = %d out of range 0..%d", fn, i,
                             (int)b->targets[i], m->classes - 1);
+    /* sequence parallel: every micro-batch's rows split evenly over the
+       tensor group (the last micro-batch's too) */
+    const int g = t->tp.sp ? t->tp.size : 1;
+    for (int r0 = 0; g > 1 && r0 < b->n; r0 += t->micro) {
+        const int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
+        if (((size_t)rows * T) % (size_t)g)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                            "%s: sequence parallel: a micro-batch of %d rows of %zu tokens is "
+                            "%zu rows, not a multiple of the tensor group's %d ranks", fn, rows,
+                            T, (size_t)rows * T, g);
+    }
     return MT_OK;
 }
 
