@@ -1218,14 +1218,15 @@ typedef struct mt_trainer_config {
      * mt_model_set_params and mt_model_gpt_save give MT_ERR_UNSUPPORTED;
      * mt_model_param_info gives the whole tensors' shapes). Every pass is a
      * collective of the group (mt_trainer_step, mt_trainer_eval,
-     * mt_trainer_gradients, which gives the whole gradients), and
+     * mt_trainer_gradients and mt_trainer_logits, which give the whole
+     * gradients and every column of the logits), and
      * mt_trainer_destroy gathers the weights back (a collective: every rank
      * destroys its trainer; mt_trainer_destroy_with_model gathers nothing).
      * The context's own collectives run within the data-parallel group
      * meanwhile. 0 and 1: off. Not yet with a StableEmbedding, LoRA, a
      * quantized base, a teacher, Adafactor, the fused step, offload, local
-     * SGD, ZeRO stages 2 and 3 on data-parallel groups of more than one rank,
-     * or mt_trainer_logits (MT_ERR_UNSUPPORTED). Training-state files hold
+     * SGD, or ZeRO stages 2 and 3 on data-parallel groups of more than one
+     * rank (MT_ERR_UNSUPPORTED). Training-state files hold
      * the whole tensors and move between layouts (mt_trainer_save: a
      * collective of the tensor group of data-parallel rank 0, the other
      * groups' calls doing nothing; not with 8-bit or 4-bit state in blocks

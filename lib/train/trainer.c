@@ -2065,17 +2065,30 @@ static mt_status logits_row(mt_trainer *t, int pos, float *dst, mti_tensor *f32)
     const mt_model *m = t->model;
     const mti_kctx k = {ctx, ctx->dev};
     const mti_tensor *lg = &t->E.bnd[m->n_layers];
-    const size_t W = (size_t)m->out_width;
-    mt_status s;
-    if (t->dt == MTI_F32) {
-        s = ctx->dev->copy_d2h(ctx->dev, dst, (const float *)lg->blk.ptr + (size_t)pos * W,
-                               (size_t)m->classes * sizeof(float));
-        return s ? s : ctx->dev->sync(ctx->dev);
+    /* tensor parallel: this rank's columns of the vocabulary, put in their
+       place in a row of zeros and summed over the group (exact: each
+       column is one rank's) */
+    const bool tp = t->tp.size > 1;
+    const size_t W = tp ? (size_t)(t->tp.v1 - t->tp.v0) : (size_t)m->out_width;
+    const size_t mine = tp ? (size_t)t->tp.classes : (size_t)m->classes;
+    float *at = tp ? dst + t->tp.v0 : dst;
+    mt_status s = MT_OK;
+    if (tp) memset(dst, 0, (size_t)m->classes * sizeof(float));
+    if (mine && t->dt == MTI_F32) {
+        s = ctx->dev->copy_d2h(ctx->dev, at, (const float *)lg->blk.ptr + (size_t)pos * W,
+                               mine * sizeof(float));
+        if (!s) s = ctx->dev->sync(ctx->dev);
+    } else if (mine) {
+        s = ctx->ops->cast(&k, f32->blk.ptr, MTI_F32,
+                           (const char *)lg->blk.ptr + (size_t)pos * W * mti_dtype_size(t->dt),
+                           t->dt, W, MTI_ROUND_NEAREST, 0);
+        if (!s) s = mti_tensor_download(ctx, f32, at, mine * sizeof(float));
     }
-    s = ctx->ops->cast(&k, f32->blk.ptr, MTI_F32,
-                       (const char *)lg->blk.ptr + (size_t)pos * W * mti_dtype_size(t->dt), t->dt,
-                       W, MTI_ROUND_NEAREST, 0);
-    return s ? s : mti_tensor_download(ctx, f32, dst, (size_t)m->classes * sizeof(float));
+    if (!s && tp && !ctx->dry)
+        s = mti_comm_group_host_all_reduce(ctx, t->tp_comm,
+                                           "tensor parallel: the logits' columns over the group",
+                                           dst, (size_t)m->classes, MT_COMM_SUM);
+    return s;
 }
 
 mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t n)
@@ -2085,10 +2098,6 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
     mt_status s = MT_OK;
-    if (t->tp.size > 1)
-        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a tensor-parallel trainer's logits are split by vocabulary over its "
-                        "group and are not gathered yet", fn);
     if (!b || !out)
         s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: %s is NULL", fn, b ? "out" : "batch");
     else if (n != (size_t)b->n * (size_t)m->classes)
