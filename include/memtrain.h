@@ -1225,8 +1225,8 @@ typedef struct mt_trainer_config {
      * The context's own collectives run within the data-parallel group
      * meanwhile. 0 and 1: off. Not yet with a StableEmbedding, LoRA, a
      * quantized base, a teacher, Adafactor, the fused step, offload, local
-     * SGD, or ZeRO stages 2 and 3 on data-parallel groups of more than one
-     * rank (MT_ERR_UNSUPPORTED). Training-state files hold
+     * SGD, or ZeRO stages 2 and 3 with sequence parallel on data-parallel
+     * groups of more than one rank (MT_ERR_UNSUPPORTED). Training-state files hold
      * the whole tensors and move between layouts (mt_trainer_save: a
      * collective of the tensor group of data-parallel rank 0, the other
      * groups' calls doing nothing; not with 8-bit or 4-bit state in blocks

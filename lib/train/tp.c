@@ -78,9 +78,8 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
                       : c->offload                   ? "offload (cfg->offload)"
                       : c->offload_params            ? "cfg->offload_params"
                       : c->local_sgd_every           ? "local SGD (cfg->local_sgd_every)"
-                      : c->zero_stage >= 2 && W / T > 1 ? "ZeRO stages 2 and 3 "
-                                                          "(cfg->zero_stage) in the "
-                                                          "data-parallel groups"
+                      : c->zero_stage >= 2 && W / T > 1 && c->sequence_parallel
+                          ? "ZeRO stages 2 and 3 (cfg->zero_stage) with sequence parallel"
                                                      : NULL;
     if (why)
         NO("%s: cfg->tensor_parallel %d does not combine with %s yet (docs/distributed.md, "

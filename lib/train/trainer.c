@@ -1043,7 +1043,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
             atomic_fetch_add(&cfg->teacher->n_trainers, 1);
         }
     }
-    t->E.defer_tied = cfg->fused_step != 0 || zero >= 2;
+    /* (tensor parallel: the head's share of the table's gradient is made at
+       once, in the head's backward) */
+    t->E.defer_tied = (cfg->fused_step != 0 || zero >= 2) && t->tp.size < 2;
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s) s = quantize_base(t); /* the frozen linear weights, one tensor at a time */
