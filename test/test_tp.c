@@ -47,6 +47,8 @@ typedef struct tp_run {
     int n, tp, rows, steps;
     int sp;                    /* sequence parallel */
     int zero;                  /* the ZeRO stage */
+    const char *offload_dir;   /* the state on disk there */
+    int params;                /* ... and the weights (offload_params) */
     const char *load, *save;   /* a training-state file loaded before the steps, saved after */
     int estimate;              /* check each rank's peaks against its estimate */
     int deferred;              /* the model deferred (mt_gpt_spec.deferred) */
@@ -135,6 +137,8 @@ static void tp_rank(int rank, void *p)
     mt_trainer_config tc = tp_config(a->c, tp, rows);
     tc.sequence_parallel = a->sp;
     tc.zero_stage = a->zero;
+    if (a->offload_dir) tc.offload = MT_PLACE_DISK, tc.offload_dir = a->offload_dir;
+    tc.offload_params = a->params;
     mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
@@ -851,4 +855,27 @@ TEST(tp_checkpoints_agreed_by_the_group)
                   "different files: rank %d: %s: %s", r, mt_status_string(b.st[r]), b.msg[r]);
     tp_free(&s2), tp_free(&s3);
     remove(f), remove(g);
+}
+
+/* The optimizer state and masters on disk (each rank its parts'), and the
+ * weights too: the resident run's losses and weights bit for bit, with and
+ * without sequence parallel, bf16 with masters; every rank's peaks its
+ * estimate's. */
+TEST(tp_state_on_disk)
+{
+    for (int k = 0; k < 3; k++) {
+        const tp_case *c = &tp_cases[k == 1 ? 3 : 1];
+        tp_run res = {.c = c, .n = 2, .tp = 2, .rows = 3, .steps = 4, .sp = k & 1};
+        tp_go(&res);
+        tp_run disk = {.c = c, .n = 2, .tp = 2, .rows = 3, .steps = 4, .sp = k & 1, .estimate = 1,
+                       .offload_dir = "/tmp", .params = k == 2};
+        tp_go(&disk);
+        for (int r = 0; r < 2; r++) {
+            CHECK_MSG(res.st[r] == MT_OK && disk.st[r] == MT_OK, "%s: rank %d: %s / %s", c->name,
+                      r, res.msg[r], disk.msg[r]);
+            CHECK(memcmp(res.loss[r], disk.loss[r], 4 * sizeof(float)) == 0);
+            CHECK(memcmp(res.w[r], disk.w[r], res.nw * sizeof(float)) == 0);
+        }
+        tp_free(&res), tp_free(&disk);
+    }
 }

@@ -40,6 +40,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include "comm/comm.h"
 #include "train/offload.h"
 
 #define DIRNAME "memtrain-scratch"
@@ -238,7 +239,9 @@ static void clear_others(mt_context *ctx, const char *base, const char *const *n
     char (*found)[64] = NULL;
     size_t k = 0, cap = 0;
     for (struct dirent *e; (e = readdir(d));) {
-        if (!foreign_name(e->d_name, ctx->world) || strlen(e->d_name) >= 64) continue;
+        int world;
+        (void)mti_comm_world(ctx, &world, NULL);
+        if (!foreign_name(e->d_name, world) || strlen(e->d_name) >= 64) continue;
         if (k == cap) {
             char (*more)[64] = realloc(found, (cap = cap ? 2 * cap : 8) * sizeof *found);
             if (!more) break;
@@ -280,8 +283,11 @@ static mt_status write_lock(mti_scratch *sc, mt_context *ctx)
 mt_status mti_scratch_make(mt_context *ctx, const char *base, const char *const *names, int n,
                            mti_scratch *sc)
 {
-    char name[64]; /* one directory per rank of a run of several */
-    if (ctx->world > 1) snprintf(name, sizeof name, "%s.rank%d", DIRNAME, ctx->rank);
+    char name[64]; /* one directory per rank of a run of several (of the world's, also
+                      while tensor parallel narrows the context to a group) */
+    int world, rank;
+    (void)mti_comm_world(ctx, &world, &rank);
+    if (world > 1) snprintf(name, sizeof name, "%s.rank%d", DIRNAME, rank);
     else snprintf(name, sizeof name, "%s", DIRNAME);
     struct stat sb;
     if (stat(base, &sb) != 0)

@@ -76,8 +76,7 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
                           ? "Adafactor (its factored statistics span the whole tensor)"
                       : c->fused_step && c->sequence_parallel
                           ? "the fused step (cfg->fused_step) with sequence parallel"
-                      : c->offload                   ? "offload (cfg->offload)"
-                      : c->offload_params            ? "cfg->offload_params"
+                      : c->offload == MT_PLACE_HOST  ? "host offload (cfg->offload)"
                       : c->local_sgd_every           ? "local SGD (cfg->local_sgd_every)"
                       : c->zero_stage >= 2 && W / T > 1 && c->sequence_parallel
                           ? "ZeRO stages 2 and 3 (cfg->zero_stage) with sequence parallel"
