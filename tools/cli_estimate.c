@@ -152,7 +152,7 @@ static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, in
         for (int sp = 0; sp <= (tp > 1 && o->seq % tp == 0); sp++)
             for (int zero = 0; zero <= 3; zero++) {
                 const int dp = N / tp;
-                if ((dp == 1 && zero) || (sp && dp > 1 && zero >= 2)) continue;
+                if (dp == 1 && zero) continue; /* (the same as stage 0) */
                 mt_trainer_config c = *tc;
                 c.tensor_parallel = tp, c.sequence_parallel = sp, c.zero_stage = zero;
                 c.max_batch = (int)((o->batch + dp - 1) / dp); /* (a group's rows) */

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "train/tp.h"
+#include "train/home.h"
 #include "comm/comm.h"
 
 #define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
@@ -78,8 +79,6 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
                           ? "the fused step (cfg->fused_step) with sequence parallel"
                       : c->offload == MT_PLACE_HOST  ? "host offload (cfg->offload)"
                       : c->local_sgd_every           ? "local SGD (cfg->local_sgd_every)"
-                      : c->zero_stage >= 2 && W / T > 1 && c->sequence_parallel
-                          ? "ZeRO stages 2 and 3 (cfg->zero_stage) with sequence parallel"
                                                      : NULL;
     if (why)
         NO("%s: cfg->tensor_parallel %d does not combine with %s yet (docs/distributed.md, "
@@ -454,17 +453,24 @@ static bool rows_part(const mt_model *m, int i)
 
 bool mti_tp_partial(const mt_trainer *t) { return t->tp.sp != 0; }
 
-mt_status mti_tp_sum_grad(mt_trainer *t, int i)
+mt_status mti_tp_sum_grad(mt_trainer *t, int i, bool whole)
 {
     if (!t->tp.sp || t->model->params[i].frozen || !rows_part(t->model, i)) return MT_OK;
-    mti_tensor *g;
-    mt_status s = mti_engine_grad(&t->E, i, &g); /* (one the batch did not reach: zeros) */
-    if (s || !t->tp_comm || t->ctx->dry) return s;
+    float *g;
+    size_t at = 0, n = t->model->params[i].numel;
+    if (whole) { /* (one the batch did not reach: zeros) */
+        mti_tensor *gt;
+        mt_status s = mti_engine_grad(&t->E, i, &gt);
+        if (s) return s;
+        g = gt->blk.ptr;
+    } else { /* this rank's elements' (under ZeRO, of its slice) */
+        g = mti_home_own(t, i, &at, &n);
+    }
+    if (!g || !n || !t->tp_comm || t->ctx->dry) return MT_OK;
     char what[96];
     snprintf(what, sizeof what, "sequence parallel: the sum of %s's gradient over the group",
              t->model->params[i].name);
-    return mti_comm_group_all_reduce(t->ctx, t->tp_comm, what, g->blk.ptr, g->blk.ptr,
-                                     t->model->params[i].numel, MT_COMM_F32, MT_COMM_SUM);
+    return mti_comm_group_all_reduce(t->ctx, t->tp_comm, what, g, g, n, MT_COMM_F32, MT_COMM_SUM);
 }
 
 mt_status mti_tp_checks(mt_trainer *t, const float *h, int n, int *found, double *sum)

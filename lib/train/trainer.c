@@ -1830,7 +1830,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
         /* (frozen parameters have no gradient: they take no part) */
         for (int i = 0; i < m->n_param && !s && !t->overlap_now; i++)
             if (!m->params[i].frozen) s = reduce_grad(t, i);
-        for (int i = 0; i < m->n_param && !s; i++) s = mti_tp_sum_grad(t, i); /* (sequence parallel) */
+        for (int i = 0; i < m->n_param && !s; i++) s = mti_tp_sum_grad(t, i, false); /* (sequence parallel) */
         if (!s && t->flag_grads && !checked) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s && !checked; i++)
@@ -1917,7 +1917,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
             continue;
         }
         s = mti_dp_reduce_grad(t, i);
-        if (!s) s = mti_tp_sum_grad(t, i);
+        if (!s) s = mti_tp_sum_grad(t, i, true);
         if (!s) s = mti_engine_grad(&t->E, i, &g); /* a parameter the batch did not reach: zero */
         if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale_g(t, g->blk.ptr, m->params[i].numel);
         if (!s && m->params[i].tp_split) /* the group's parts, whole */
