@@ -1224,8 +1224,8 @@ typedef struct mt_trainer_config {
      * destroys its trainer; mt_trainer_destroy_with_model gathers nothing).
      * The context's own collectives run within the data-parallel group
      * meanwhile. 0 and 1: off. Not yet with a StableEmbedding, LoRA, a
-     * quantized base, a teacher, Adafactor, host offload, local SGD, or the
-     * fused step with sequence parallel (MT_ERR_UNSUPPORTED).
+     * quantized base, a teacher, Adafactor, host offload or local SGD
+     * (MT_ERR_UNSUPPORTED).
      * Training-state files hold the whole tensors and move between layouts
      * (mt_trainer_save: a
      * collective of the tensor group of data-parallel rank 0, the other

@@ -38,6 +38,7 @@ static const tp_case tp_cases[] = {
     {"adamw bf16", MT_OPT_ADAMW, MT_PREC_BF16, 1.0f, MT_RECOMPUTE_NONE, 3e-2, 0},
     {"adamw fp16", MT_OPT_ADAMW, MT_PREC_FP16, 0.0f, MT_RECOMPUTE_NONE, 1e-2, 0},
     {"adamw fp32 fused clip", MT_OPT_ADAMW, MT_PREC_FP32, 1.0f, MT_RECOMPUTE_NONE, 1e-5, 1},
+    {"sgd bf16 fused", MT_OPT_SGD, MT_PREC_BF16, 0.0f, MT_RECOMPUTE_SELECTIVE, 3e-2, 1},
 };
 
 /* A run: n ranks in groups of tp (n / tp data-parallel groups of `rows`
@@ -244,7 +245,7 @@ TEST(tp_matches_one_process)
         tp_go(&one);
         CHECK_MSG(one.st[0] == MT_OK, "%s: one process: %s", c->name, one.msg[0]);
         for (int T = 2; T <= 3; T++)
-        for (int sp = 0; sp <= !c->fused; sp++) {
+        for (int sp = 0; sp <= 1; sp++) {
             tp_run a = {.c = c, .n = T, .tp = T, .rows = 3, .steps = TP_STEPS, .estimate = 1,
                         .sp = sp};
             tp_go(&a);
@@ -389,7 +390,6 @@ TEST(tp_refusals)
         {3, 2, 0, MT_ERR_INVALID_ARG, "does not divide the world of 3"},
         {4, 4, 0, MT_ERR_INVALID_ARG, "does not divide the model's 6 heads"},
         {2, 2, 1, MT_ERR_UNSUPPORTED, "LoRA"},
-        {2, 2, 2, MT_ERR_UNSUPPORTED, "fused step"},
         {2, 2, 8, MT_ERR_UNSUPPORTED, "offload"},
         {2, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
         {2, 1, 16, MT_ERR_INVALID_ARG, "sequence_parallel needs cfg->tensor_parallel > 1"},
@@ -398,7 +398,6 @@ TEST(tp_refusals)
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         tp_bad a = {.n = cases[k].n, .tc = tp_config(&tp_cases[0], cases[k].tp, 2)};
         if (cases[k].what & 1) a.tc.lora.rank = 2;
-        if (cases[k].what & 2) a.tc.fused_step = 1, a.tc.sequence_parallel = 1;
         if (cases[k].what & 8) a.tc.offload = MT_PLACE_HOST;
         if (cases[k].what & 16) a.tc.sequence_parallel = 1;
         if (cases[k].what & 32) a.tc.optimizer = MT_OPT_ADAFACTOR;

@@ -75,8 +75,6 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
                       : c->teacher                   ? "distillation (cfg->teacher)"
                       : c->optimizer == MT_OPT_ADAFACTOR
                           ? "Adafactor (its factored statistics span the whole tensor)"
-                      : c->fused_step && c->sequence_parallel
-                          ? "the fused step (cfg->fused_step) with sequence parallel"
                       : c->offload == MT_PLACE_HOST  ? "host offload (cfg->offload)"
                       : c->local_sgd_every           ? "local SGD (cfg->local_sgd_every)"
                                                      : NULL;

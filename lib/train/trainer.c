@@ -1319,8 +1319,12 @@ static mt_status final_hook(void *user, int i) { return check_grad(user, i); }
 static mt_status check_hook(void *user, int i)
 {
     mt_trainer *t = user;
+    /* (sequence parallel: a LayerNorm's gradient summed over the tensor
+       group first; the same in each pass) */
+    mt_status s = mti_tp_sum_grad(t, i, true);
+    if (s) return s;
     if (t->fq_pass) return held_give(t, i);
-    mt_status s = reduce_grad(t, i);
+    s = reduce_grad(t, i);
     if (!s) s = check_grad(t, i);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     return s;
@@ -1537,8 +1541,10 @@ static mt_status fused_after(mt_trainer *t, int i)
 static mt_status update_hook(void *user, int i)
 {
     mt_trainer *t = user;
+    mt_status s = mti_tp_sum_grad(t, i, true); /* (as in check_hook) */
+    if (s) return s;
     if (t->fq_pass) return held_give(t, i);
-    mt_status s = reduce_grad(t, i);
+    s = reduce_grad(t, i);
     if (!s) s = update_grad(t, i);
     mti_tensor_free(t->ctx, &t->E.grad[i]);
     return s;
@@ -1716,7 +1722,10 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
     mt_context *ctx = t->ctx;
     mti_engine *E = &t->E;
     const float dloss = (float)((double)t->scaler.scale / targets);
-    const bool two_pass = t->cfg.precision == MT_PREC_FP16 || t->cfg.grad_clip > 0.0f;
+    /* (tensor parallel: a non-finite gradient in one rank's part must skip
+       every rank's update, which the checks' pass agrees on first) */
+    const bool two_pass = t->cfg.precision == MT_PREC_FP16 || t->cfg.grad_clip > 0.0f ||
+                          t->tp.size > 1;
     double sum = 0.0;
     mt_status s;
     *found = 0;
