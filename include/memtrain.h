@@ -999,7 +999,7 @@ typedef struct mt_trainer_config {
      * gradient freed, as soon as its gradient is final in backward, so the
      * gradients of the whole model never exist at once. Cannot combine with
      * accumulation (micro_batch < max_batch: MT_ERR_INVALID_ARG). With
-     * gradient clipping or fp16, backward runs twice: the first pass finds
+     * gradient clipping, fp16 or tensor_parallel, backward runs twice: the first pass finds
      * the global norm and any non-finite gradient, freeing each gradient at
      * once; the second applies the updates (skipped when the first found an
      * overflow). Results equal the unfused step. On several ranks whose
