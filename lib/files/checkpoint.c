@@ -310,15 +310,18 @@ static mt_status fetch_home(saver *v, const ck_tensor *c, int r, uint64_t at, si
     return mti_comm_broadcast(t->ctx, what, v->buf, n, MT_COMM_BYTE, r);
 }
 
-/* Bytes [at, at + n) of rank r's part (src: its local memory, on rank r)
- * into v->buf on the writer. Returns a communication failure. */
+/* Bytes [at, at + n) of rank r's part (src: its local memory, on rank r;
+ * under tensor parallel, rank r of the tensor group) into v->buf on the
+ * writer. Returns a communication failure. */
 static mt_status fetch(saver *v, int r, const char *src, size_t n)
 {
     mt_context *ctx = v->t->ctx;
     mti_device *d = ctx->dev;
-    const bool mine = !v->collective || v->t->rank == r, to_me = writer(v);
+    const bool many = v->collective || v->tp;
+    const int me = v->tp ? v->t->tp.rank : v->t->rank;
+    const bool mine = !many || me == r, to_me = writer(v);
     mt_status ls = MT_OK;
-    if (r == 0 || !v->collective) { /* the writer's own */
+    if (r == 0 || !many) { /* the writer's own */
         if (mine) {
             ls = d->copy_d2h(d, v->buf, src, n);
             if (!ls) ls = d->sync(d);
@@ -329,15 +332,17 @@ static mt_status fetch(saver *v, int r, const char *src, size_t n)
     char what[64];
     snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", r);
     mt_status cs;
+    /* (the tensor group's communicator under tensor parallel, else the context's) */
+    mt_comm *c = v->tp ? v->t->tp_comm : ctx->cfg.comm;
     if (v->bk.blk.ptr) { /* a device communicator: through device memory */
         if (mine) ls = d->copy_d2d(d, v->bk.blk.ptr, src, n);
-        cs = mti_comm_broadcast(ctx, what, v->bk.blk.ptr, n, MT_COMM_BYTE, r);
+        cs = mti_comm_group_broadcast(ctx, c, what, v->bk.blk.ptr, n, MT_COMM_BYTE, r);
         if (!cs && to_me) ls = d->copy_d2h(d, v->buf, v->bk.blk.ptr, n);
         if (!cs && to_me && !ls) ls = d->sync(d);
     } else { /* a host one: host memory, through the context's staging */
         if (mine) ls = d->copy_d2h(d, v->buf, src, n);
         if (mine && !ls) ls = d->sync(d);
-        cs = mti_comm_broadcast(ctx, what, v->buf, n, MT_COMM_BYTE, r);
+        cs = mti_comm_group_broadcast(ctx, c, what, v->buf, n, MT_COMM_BYTE, r);
     }
     if (ls && !v->ws) v->ws = ls;
     return cs;
@@ -362,8 +367,6 @@ static mt_status place_run(void *user, size_t whole_at, size_t len, size_t off)
 static mt_status gather_split(saver *v, const ck_tensor *c)
 {
     mt_trainer *t = v->t;
-    mt_context *ctx = t->ctx;
-    mti_device *d = ctx->dev;
     const mti_param *p = &t->model->params[c->param];
     const size_t es = mti_dtype_size(c->dtype);
     const int T = t->tp.size;
@@ -374,24 +377,7 @@ static mt_status gather_split(saver *v, const ck_tensor *c)
         const size_t bytes = (size_t)(pr * pc) * es;
         for (size_t at = 0; at < bytes; at += CK_CHUNK) {
             const size_t n = bytes - at < CK_CHUNK ? bytes - at : CK_CHUNK;
-            const bool mine = t->tp.rank == q;
-            const char *src = (const char *)c->t->blk.ptr + at;
-            char what[64];
-            snprintf(what, sizeof what, "mt_trainer_save: sending rank %d's part", q);
-            mt_status ls = MT_OK, cs;
-            if (v->bk.blk.ptr) { /* a device communicator: through device memory */
-                if (mine) ls = d->copy_d2d(d, v->bk.blk.ptr, src, n);
-                cs = mti_comm_group_broadcast(ctx, t->tp_comm, what, v->bk.blk.ptr, n, MT_COMM_BYTE, q);
-                if (!cs && writer(v)) ls = d->copy_d2h(d, v->buf, v->bk.blk.ptr, n);
-            } else {
-                if (mine) ls = d->copy_d2h(d, v->buf, src, n);
-                if (mine && !ls) ls = d->sync(d);
-                cs = T > 1 ? mti_comm_group_broadcast(ctx, t->tp_comm, what, v->buf, n,
-                                                      MT_COMM_BYTE, q)
-                           : MT_OK;
-            }
-            if (!cs && !ls) ls = d->sync(d);
-            if (ls && !v->ws) v->ws = ls;
+            mt_status cs = fetch(v, q, (const char *)c->t->blk.ptr + at, n);
             if (cs) return cs;
             place pl = {(char *)v->whole, (const char *)v->buf, es, at / es, (at + n) / es};
             if (writer(v) && !v->ws)

@@ -13,29 +13,40 @@
 #define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
 #define NO(...) return mti_fail(ctx, MT_ERR_UNSUPPORTED, __VA_ARGS__)
 
+/* The layer owning parameter i (its *j-th), or NULL (an adapter's): the
+ * layers' parameters follow one another, so a binary search. */
+static const mti_layer *owner(const mt_model *m, int i, int *j)
+{
+    int lo = 0, hi = m->n_layers - 1;
+    while (lo <= hi) {
+        const int mid = (lo + hi) / 2;
+        const mti_layer *ly = &m->layers[mid];
+        if (i < ly->p0) hi = mid - 1;
+        else if (i >= ly->p0 + ly->np) lo = mid + 1;
+        else return *j = i - ly->p0, ly;
+    }
+    return NULL;
+}
+
 /* How parameter i of a GPT model is split: a block's qkv (by heads), fc
  * (by columns of its output) and their biases, attproj and fcproj (by
  * columns of their input), and the token table (by vocabulary rows, the
  * tied LM head with it). */
 static mti_tp_split split_of(const mt_model *m, int i)
 {
-    for (int l = 0; l < m->n_layers; l++) {
-        const mti_layer *ly = &m->layers[l];
-        if (i < ly->p0 || i >= ly->p0 + ly->np) continue;
-        const int j = i - ly->p0;
-        if (ly->kind == MT_LAYER_EMBEDDING) return j == 0 ? MTI_TP_ROWS : MTI_TP_WHOLE;
-        if (ly->kind != MT_LAYER_BLOCK) return MTI_TP_WHOLE;
-        switch (j) {
-        case 2:
-        case 3: return MTI_TP_QKV;
-        case 4:
-        case 10: return MTI_TP_COLS;
-        case 8:
-        case 9: return MTI_TP_ROWS;
-        default: return MTI_TP_WHOLE;
-        }
+    int j;
+    const mti_layer *ly = owner(m, i, &j);
+    if (ly && ly->kind == MT_LAYER_EMBEDDING) return j == 0 ? MTI_TP_ROWS : MTI_TP_WHOLE;
+    if (!ly || ly->kind != MT_LAYER_BLOCK) return MTI_TP_WHOLE;
+    switch (j) {
+    case 2:
+    case 3: return MTI_TP_QKV;
+    case 4:
+    case 10: return MTI_TP_COLS;
+    case 8:
+    case 9: return MTI_TP_ROWS;
+    default: return MTI_TP_WHOLE;
     }
-    return MTI_TP_WHOLE;
 }
 
 mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c)
@@ -368,6 +379,7 @@ static mt_status unsplit(mt_trainer *t, int i)
     mt_context *ctx = t->ctx;
     mti_param *p = &t->model->params[i];
     mti_tensor part = p->w;
+    const unsigned char split = p->tp_split;
     unsplit_shape(p);
     if (p->unmade) {
         mti_tensor_free(ctx, &part);
@@ -382,7 +394,7 @@ static mt_status unsplit(mt_trainer *t, int i)
         s = mti_tensor_alloc(ctx, &whole, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
                              MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
     if (!s && !ctx->dry) {
-        p->tp_split = (unsigned char)split_of(t->model, i); /* (gather reads the split) */
+        p->tp_split = split; /* (gather reads the split) */
         to_dev d = {ctx->dev, whole.blk.ptr};
         s = gather(t, i, part.blk.ptr, to_device, &d);
         if (!s) s = ctx->dev->sync(ctx->dev);
@@ -439,17 +451,11 @@ void mti_tp_end(mt_trainer *t)
  * is its rows' part. */
 static bool rows_part(const mt_model *m, int i)
 {
-    for (int l = 0; l < m->n_layers; l++) {
-        const mti_layer *ly = &m->layers[l];
-        if (i < ly->p0 || i >= ly->p0 + ly->np) continue;
-        const int j = i - ly->p0;
-        return ly->kind == MT_LAYER_LAYERNORM ||
-               (ly->kind == MT_LAYER_BLOCK && (j == 0 || j == 1 || j == 6 || j == 7));
-    }
-    return false;
+    int j;
+    const mti_layer *ly = owner(m, i, &j);
+    return ly && (ly->kind == MT_LAYER_LAYERNORM ||
+                  (ly->kind == MT_LAYER_BLOCK && (j == 0 || j == 1 || j == 6 || j == 7)));
 }
-
-bool mti_tp_partial(const mt_trainer *t) { return t->tp.sp != 0; }
 
 mt_status mti_tp_sum_grad(mt_trainer *t, int i, bool whole)
 {

@@ -54,13 +54,12 @@ mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_s
  * (MT_ERR_UNSUPPORTED, naming why, when not): every split tensor's state
  * element by element, no ZeRO. The same answer on every rank. */
 mt_status mti_tp_files_ok(const mt_trainer *t, const char *fn);
-/* Sequence parallel: whether some gradients are each rank's rows' parts
- * (they are final only once summed over the group), and parameter i's
+/* Sequence parallel (t->tp.sp: some gradients are each rank's rows'
+ * parts, final only once summed over the group): parameter i's gradient
  * summed (a LayerNorm's; others: nothing): whole, or this rank's own
  * elements (mti_home_own: under ZeRO its slice, once reduced over the
  * data-parallel group). Every rank of the group calls it for every
  * parameter, in order. */
-bool mti_tp_partial(const mt_trainer *t);
 mt_status mti_tp_sum_grad(mt_trainer *t, int i, bool whole);
 /* The whole fp32 values of split parameter i into host memory (its whole
  * numel), from this rank's part `local` (fp32, context memory): a

@@ -1824,7 +1824,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     if (t->overlap_now) mti_queue_begin(t->q);
     /* (the gradients are final on this rank: no sum over ranks to wait for) */
     t->check_now = !fused && !t->overlap_now && !mti_home_split(t) && !mti_dp_on(t) &&
-                   !mti_tp_partial(t);
+                   !t->tp.sp; /* (sequence parallel: some are rows' parts until summed) */
     s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
     const bool checked = t->check_now;
     t->check_now = 0;
@@ -1950,13 +1950,12 @@ static mt_status tp_right(mt_trainer *t, int rows, const int32_t *targets, int *
     const int W = t->tp.v1 - t->tp.v0;
     float *v = malloc(2 * (size_t)rows * sizeof *v + 1);
     if (!v) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < rows; r++) { /* this rank's greatest */
         const float *row = t->host_rows + (size_t)r * W;
         int best = -1;
         for (int j = 0; j < t->tp.classes; j++)
             if (best < 0 || row[j] > row[best]) best = j;
         v[r] = best < 0 ? -INFINITY : row[best];
-        v[rows + r] = best < 0 ? -1e30f : -(float)(t->tp.v0 + best); /* (max: the least) */
     }
     const char *what = "tensor parallel: the logits' argmax over the group";
     mt_status s = t->ctx->dry ? MT_OK
@@ -1965,7 +1964,7 @@ static mt_status tp_right(mt_trainer *t, int rows, const int32_t *targets, int *
     for (int r = 0; r < rows && !s; r++) { /* a column holding the greatest, or none */
         const float *row = t->host_rows + (size_t)r * W;
         const float mx = v[r];
-        float own = -1e30f;
+        float own = -1e30f; /* (negated: the group's max is the least column) */
         for (int j = 0; j < t->tp.classes; j++)
             if (row[j] == mx) {
                 own = -(float)(t->tp.v0 + j);
