@@ -1243,6 +1243,37 @@ typedef struct mt_trainer_config {
      * multiple of T (MT_ERR_INVALID_ARG from the step otherwise).
      * docs/distributed.md, "Sequence parallel". */
     int sequence_parallel;
+    /* Pipeline parallel (0, 1: off; P > 1): the model's layers cut into P
+     * stages of whole recompute units (mt_model_num_units), balanced by
+     * each unit's estimated compute (not by count), the embedding on the
+     * first stage and the LM head and loss on the last. The world's ranks
+     * form a grid: rank r is place r % T of its tensor group (T =
+     * tensor_parallel, or 1), stage (r / T) % P of its pipeline group, and
+     * data-parallel rank r / (T P); the world must be a multiple of T P
+     * (MT_ERR_INVALID_ARG), and P at most the model's units. Each rank holds
+     * its stage's weights, gradients, optimizer state and activations
+     * alone. A step runs the batch's micro-batches (micro_batch rows each)
+     * on the one-forward-one-backward schedule (1F1B): stage s holds at
+     * most P - s micro-batches' activations whatever the number of
+     * micro-batches. Activations and their gradients go between
+     * neighbouring stages with the communicator's point-to-point calls
+     * (mt_comm_has_p2p; MT_ERR_UNSUPPORTED without). A tied token table
+     * (GPT) lives on the first stage and as a copy on the last (the LM
+     * head's); their gradients are summed between the two before the
+     * update, so the two stay equal. Every step, eval and destroy is a
+     * collective of the pipeline group; every rank of a pipeline group is
+     * given the same batch. The step's loss (its norm, its checks) is the
+     * whole model's on every rank. Combines with tensor_parallel,
+     * sequence_parallel and ZeRO stage 1 in the data-parallel groups.
+     * While the trainer lives the other stages' weights are not on this
+     * rank (mt_model_get_params, mt_model_set_params, mt_model_gpt_save,
+     * mt_trainer_gradients, mt_trainer_logits and training-state files
+     * give MT_ERR_UNSUPPORTED); mt_trainer_destroy sends every weight to
+     * every rank of the pipeline group. Not yet with the fused step, ZeRO
+     * stages 2 and 3, offload, LoRA, a quantized base, a teacher, local
+     * SGD or a recompute plan chosen by a memory budget (MT_ERR_UNSUPPORTED).
+     * docs/distributed.md, "Pipeline parallel". */
+    int pipeline_parallel;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 

@@ -653,6 +653,45 @@ mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what
              : coll_end(ctx, c, t0, comm_broadcast_run(ctx, c, what, buf, count, dt, root));
 }
 
+/* Point to point for a context (host tables: through the staging buffer,
+ * half for the bytes going out and half for those coming in, the same
+ * chunks on both peers, so each chunk is one message of each direction). */
+static mt_status comm_sendrecv_run(mt_context *ctx, mt_comm *c, const char *what,
+                                   const void *send, size_t sn, int to, void *recv, size_t rn,
+                                   int from)
+{
+    if (device_table(c))
+        return on_ctx(ctx, what, mt_comm_sendrecv(c, send, sn, to, recv, rn, from, MT_COMM_BYTE,
+                                                  mti_comm_stream(ctx)));
+    unsigned char *st = ctx->comm->stage.ptr ? ctx->comm->stage.ptr : ctx->comm->host_stage;
+    if (!st) return mti_fail(ctx, MT_ERR_INTERNAL, "%s: no staging buffer", what);
+    const size_t chunk = MTI_COMM_STAGE / 2;
+    unsigned char *out = st, *in = st + chunk;
+    mt_status s = MT_OK;
+    for (size_t at = 0; (at < sn || at < rn) && !s; at += chunk) {
+        const size_t a = at < sn ? (sn - at < chunk ? sn - at : chunk) : 0;
+        const size_t b = at < rn ? (rn - at < chunk ? rn - at : chunk) : 0;
+        if (a) s = stage_in(ctx, false, out, (const char *)send + at, a);
+        if (!s && a) s = stage_sync(ctx, false);
+        if (!s) s = on_ctx(ctx, what, mt_comm_sendrecv(c, out, a, a ? to : -1, in, b, b ? from : -1,
+                                                       MT_COMM_BYTE, NULL));
+        if (!s && b) s = stage_out(ctx, false, (char *)recv + at, in, b);
+        if (!s && b) s = stage_sync(ctx, false);
+    }
+    return s;
+}
+
+mt_status mti_comm_group_sendrecv(mt_context *ctx, mt_comm *c, const char *what, const void *send,
+                                  size_t send_bytes, int to, void *recv, size_t recv_bytes,
+                                  int from)
+{
+    uint64_t t0;
+    const mt_status q = coll_begin(ctx, c, what, &t0);
+    return q ? timed(ctx, t0, q)
+             : coll_end(ctx, c, t0, comm_sendrecv_run(ctx, c, what, send, send_bytes, to, recv,
+                                                      recv_bytes, from));
+}
+
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)
 {
     return mti_comm_group_all_reduce(ctx, ctx->cfg.comm, what, send, recv, count, dt, op);

@@ -169,6 +169,60 @@ void mti_engine_release(mti_engine *E)
     E->tied_dy_ptr = E->tied_x_ptr = NULL;
 }
 
+mt_status mti_pass_init(mti_engine *E, mti_pass *p)
+{
+    const int L = E->m->n_layers;
+    memset(p, 0, sizeof *p);
+    p->bnd = calloc((size_t)L + 1, sizeof *p->bnd);
+    p->slot = calloc((size_t)L, sizeof *p->slot);
+    p->have = calloc((size_t)L, 1);
+    p->redone = calloc((size_t)L, 1);
+    if (p->bnd && p->slot && p->have && p->redone) return MT_OK;
+    mti_pass_free(E, p);
+    return mti_fail(E->ctx, MT_ERR_OOM, "out of host memory");
+}
+
+static void swap_bytes(void *a, void *b, size_t n)
+{
+    unsigned char t[sizeof(mti_tensor)];
+    memcpy(t, a, n);
+    memcpy(a, b, n);
+    memcpy(b, t, n);
+}
+#define SWAP(a, b) swap_bytes(&(a), &(b), sizeof(a) + 0 * sizeof(char[sizeof(a) == sizeof(b) ? 1 : -1]))
+
+void mti_pass_swap(mti_engine *E, mti_pass *p)
+{
+    SWAP(E->B, p->B);
+    SWAP(E->T, p->T);
+    SWAP(E->N, p->N);
+    SWAP(E->NL, p->NL);
+    SWAP(E->R0, p->R0);
+    SWAP(E->head_fused, p->head_fused);
+    SWAP(E->bnd, p->bnd);
+    SWAP(E->slot, p->slot);
+    SWAP(E->have, p->have);
+    SWAP(E->redone, p->redone);
+    SWAP(E->tokens, p->tokens);
+    SWAP(E->targets, p->targets);
+    SWAP(E->losses, p->losses);
+    SWAP(E->d, p->d);
+}
+
+void mti_pass_free(mti_engine *E, mti_pass *p)
+{
+    if (E && p->bnd && p->slot && p->have && p->redone) {
+        mti_pass_swap(E, p);
+        mti_engine_release(E);
+        mti_pass_swap(E, p);
+    }
+    free(p->bnd);
+    free(p->slot);
+    free(p->have);
+    free(p->redone);
+    memset(p, 0, sizeof *p);
+}
+
 void mti_engine_free_grads(mti_engine *E)
 {
     for (int i = 0; i < E->m->n_param; i++) mti_tensor_free(E->ctx, &E->grad[i]);
@@ -199,7 +253,8 @@ void mti_engine_arm(mti_engine *E)
 {
     mt_model *m = E->m;
     for (int i = 0; i < m->n_param; i++) E->uses_left[i] = m->params[i].uses;
-    E->train_from = first_trained(m);
+    /* (a stage's first layer passes the gradient of its input back) */
+    E->train_from = E->stage_in ? 0 : first_trained(m);
 }
 
 /* The hook's calls of a backward whose layers hold what their backward
@@ -684,7 +739,7 @@ static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
     const mti_dtype dt = E->dt;
     const bool last = i == m->n_layers - 1;
     mti_tensor *x = &E->bnd[i], *y = &E->bnd[i + 1], *sl = E->slot[i];
-    const mt_mem_class yc = last ? MT_MEM_IO : MT_MEM_ACT;
+    const mt_mem_class yc = last && !E->stage_out ? MT_MEM_IO : MT_MEM_ACT;
     const uint64_t nd = (uint64_t)i + 2;
     const size_t nout = (size_t)N * (size_t)ly->out;
     mt_status s;
@@ -843,9 +898,12 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
         E->NL = E->N / tp->size;
         E->R0 = tp->rank * E->NL;
     }
-    E->head_fused = !eval && E->head_rows > 0 && !E->params_hook;
+    E->head_fused = !eval && E->head_rows > 0 && !E->params_hook && !E->stage_out;
     int64_t N = E->N;
-    if (m->input == MT_INPUT_TOKENS) {
+    if (E->stage_in) { /* the input is the stage's before (the caller's, in bnd[0]) */
+        if (!E->bnd[0].blk.ptr && !ctx->dry)
+            return mti_fail(ctx, MT_ERR_INTERNAL, "pipeline stage: no input");
+    } else if (m->input == MT_INPUT_TOKENS) {
         MTI_TRY(upload_i32(E, &E->tokens, b->tokens + (size_t)r0 * T, N, MTI_TAG(0, 0)));
     } else {
         mti_tensor *x = &E->bnd[0];
@@ -862,7 +920,8 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
             if (s) return s;
         }
     }
-    MTI_TRY(upload_i32(E, &E->targets, b->targets + (size_t)r0 * T, N, MTI_TAG(0, 1)));
+    if (!E->stage_out) /* (the loss's, on the last stage) */
+        MTI_TRY(upload_i32(E, &E->targets, b->targets + (size_t)r0 * T, N, MTI_TAG(0, 1)));
     sched_forward(E, eval);
     if (!eval) return run_forward(E, 0, m->n_layers, 0);
     /* eval: nothing is kept */
@@ -1185,7 +1244,7 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
     const size_t nout = (size_t)N * (size_t)ly->out;
     /* no input gradient for the first layer backward reaches (the model's
        first, or the first with something to train) */
-    const bool want_dx = i > E->train_from;
+    const bool want_dx = i > E->train_from || E->stage_in;
     mt_status s;
     float *gw = NULL, *gb = NULL;
     if (ly->kind == MT_LAYER_LM_HEAD && E->head_fused) {
@@ -1354,9 +1413,12 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
     const int L = m->n_layers;
     E->hook = hook;
     E->user = user;
-    /* d flows back from the dlogits, which live in the logits' block */
-    E->d = E->bnd[L];
-    if (!keep) memset(&E->bnd[L], 0, sizeof E->bnd[L]);
+    /* d flows back from the dlogits, which live in the logits' block (a
+       stage's: from the gradient of its output, given in d) */
+    if (!E->stage_out) {
+        E->d = E->bnd[L];
+        if (!keep) memset(&E->bnd[L], 0, sizeof E->bnd[L]);
+    }
     if (E->params_hook) { /* the schedule's rest, or this backward's own */
         memcpy(E->sched_have, E->have, (size_t)L);
         const int n = sched_backward(E, E->sched_have, E->sched_new, 0);
@@ -1401,7 +1463,7 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
         }
     }
     if (E->d.blk.ptr == E->bnd[L].blk.ptr) memset(&E->d, 0, sizeof E->d); /* kept dlogits */
-    mti_tensor_free(E->ctx, &E->d);
+    if (!E->stage_in) mti_tensor_free(E->ctx, &E->d); /* (a stage's goes back: the caller's) */
     for (int i = 0; i < m->n_param; i++) MTI_TRY(unfresh(E, i)); /* (see above) */
     return MT_OK;
 }

@@ -117,7 +117,33 @@ typedef struct mti_engine {
     unsigned char *sched_have;  /* scratch: have[] as it will be (n_layers) */
     mti_grad_hook hook;            /* backward's, for its duration */
     void *user;
+    /* Pipeline parallel (lib/train/pp.c): the model is one stage's layers.
+     * stage_in: its first layer's input comes from the stage before: the
+     * caller puts it in bnd[0] ((N, in) in dt, ACT) before forward, which
+     * then uploads no inputs or tokens, and backward leaves d(input) in d
+     * for the caller to take. stage_out: its last layer's output goes to
+     * the stage after: it stays in bnd[n_layers] (ACT), there is no loss
+     * (no targets uploaded), and the caller puts d(output) in d before
+     * backward. */
+    int stage_in, stage_out;
 } mti_engine;
+
+/* One micro-batch's pass (what forward leaves for its backward), held
+ * aside while other micro-batches run (pipeline parallel's 1F1B). */
+typedef struct mti_pass {
+    int B, T, N, NL, R0, head_fused;
+    mti_tensor *bnd;
+    mti_tensor (*slot)[MTI_SLOTS];
+    unsigned char *have, *redone;
+    mti_tensor tokens, targets, losses, d;
+} mti_pass;
+
+/* An empty pass for E's model (host memory). */
+mt_status mti_pass_init(mti_engine *E, mti_pass *p);
+/* Exchanges the engine's pass with p (nothing copied). */
+void mti_pass_swap(mti_engine *E, mti_pass *p);
+/* Frees p's tensors (E NULL: it holds none) and arrays. */
+void mti_pass_free(mti_engine *E, mti_pass *p);
 
 /* modes: per recompute unit, MT_UNIT_KEEP, _SELECTIVE or _RECOMPUTE (the
  * last unit, which holds the logits, never _RECOMPUTE); runs of recomputed

@@ -65,7 +65,7 @@ static int seq_of(const mt_model *m, const mt_trainer_config *c)
  * GEMM's 2 m n k; elementwise work counted once per element), and what
  * selective recompute repeats of a block (its LayerNorms, GELU and the
  * attention's forward). Only their ratios matter. */
-static void unit_costs(const mt_model *m, int T, double *full, double *sel)
+void mti_unit_costs(const mt_model *m, int T, double *full, double *sel)
 {
     memset(full, 0, (size_t)m->n_units * sizeof *full);
     memset(sel, 0, (size_t)m->n_units * sizeof *sel);
@@ -210,7 +210,7 @@ static mt_status search_family(const mt_model *m, const mt_trainer_config *c, ui
     if (!q->units || !q->least_units || !full || !sel || !try)
         s = mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
     if (!s) {
-        unit_costs(m, T, full, sel);
+        mti_unit_costs(m, T, full, sel);
         for (int u = 0; u < U; u++) q->fwd += full[u];
     }
     for (int r = 0; r < U && !s; r++) {

@@ -126,6 +126,25 @@ typedef struct mti_layer {
     int unit_start;      /* it starts a unit */
 } mti_layer;
 
+/* A model cut into pipeline stages (mt_model.pp while a trainer holds it;
+ * lib/train/pp.c). The model's layers and parameters are then this rank's
+ * stage's: whole layers [l0, l1) of the model and their parameters (the
+ * model's from q0), and on the last stage of a model whose LM head is tied
+ * to the token table, a copy of the table as its last parameter (tied).
+ * The whole model's arrays wait here until the trainer goes. */
+typedef struct mti_pp {
+    int size, rank;      /* P, and this rank's stage */
+    mt_comm *comm;       /* the pipeline group: stage s is its rank s (NULL when dry) */
+    int l0, l1, u0, q0;  /* the stage's first and end layer, its first unit and parameter */
+    int table;           /* the whole model's token table tied to the head, or -1 */
+    int tied;            /* last stage: the stage's copy of it, or -1 */
+    int *starts;         /* per stage, the whole model's parameter it starts from */
+    int n_layers, n_units, n_param, n_base; /* the whole model's */
+    size_t n_params, n_base_params;
+    mti_layer *layers;
+    mti_param *params;
+} mti_pp;
+
 struct mt_model {
     mt_context *ctx;
     mti_model_kind kind;
@@ -157,6 +176,7 @@ struct mt_model {
                             fp32 values are read and written there */
     struct mti_source *src; /* where the unmade weights' values come from (source.c) */
     mti_tp *tp;          /* split over a tensor group (lib/train/tp.c), or NULL */
+    mti_pp *pp;          /* cut into pipeline stages (lib/train/pp.c), or NULL */
     struct mti_offload *params_home; /* the trained weights live on disk too
                             (offload_params): p->w is there only while a layer runs */
     mt_mlp_spec mlp;     /* MLP */

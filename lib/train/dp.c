@@ -122,7 +122,7 @@ static const field always[] = {
     FIELD('i', adafactor.warmup_init), FIELD('i', n_overrides), FIELD('i', local_sgd_every),
     FIELD('f', grad_clip), FIELD('i', master_weights), FIELD('U', memory_budget),
     FIELD('i', fused_step), FIELD('i', lora.rank), FIELD('i', zero_stage),
-    FIELD('i', offload_params), FIELD('i', tensor_parallel), FIELD('i', sequence_parallel),
+    FIELD('i', offload_params), FIELD('i', tensor_parallel), FIELD('i', sequence_parallel), FIELD('i', pipeline_parallel),
 };
 /* and where they are read */
 static const field cosine[] = {FIELD('i', warmup_steps), FIELD('i', total_steps),

@@ -34,6 +34,7 @@ static const mti_layer *owner(const mt_model *m, int i, int *j)
  * tied LM head with it). */
 static mti_tp_split split_of(const mt_model *m, int i)
 {
+    if (m->pp && i == m->pp->tied) return MTI_TP_ROWS; /* (the last stage's copy of the table) */
     int j;
     const mti_layer *ly = owner(m, i, &j);
     if (ly && ly->kind == MT_LAYER_EMBEDDING) return j == 0 ? MTI_TP_ROWS : MTI_TP_WHOLE;
@@ -163,7 +164,7 @@ static void unsplit_shape(mti_param *p)
 /* Status s agreed over communicator c of n ranks (`over` names them),
  * this one `me`: a rank's failure fails every rank, naming it; fn and
  * `about` name the exchange. */
-static mt_status agree_on(mt_trainer *t, mt_comm *c, int n, int me, const char *fn,
+mt_status mti_group_agree(mt_trainer *t, mt_comm *c, int n, int me, const char *fn,
                           const char *about, const char *over, mt_status s)
 {
     mt_context *ctx = t->ctx;
@@ -194,10 +195,13 @@ mt_status mti_tp_begin(mt_trainer *t, mt_status s)
     mt_context *ctx = t->ctx;
     mt_model *m = t->model;
     const int W = ctx->world, r = ctx->rank, q = r % T, g = r / T;
+    /* (pipeline parallel: the grid's stage and data-parallel rank) */
+    const int P = t->pp.size > 1 ? t->pp.size : 1, st = g % P, d = g / P;
     /* every rank gets here, failed or not, and they agree before the
-       groups (collectives of the world) are made */
-    if (!ctx->dry && W > 1)
-        s = agree_on(t, ctx->cfg.comm, W, r, "mt_trainer_create", "the trainer's creation",
+       groups (collectives of the world) are made (pipeline parallel's
+       start has) */
+    if (!ctx->dry && W > 1 && P == 1)
+        s = mti_group_agree(t, ctx->cfg.comm, W, r, "mt_trainer_create", "the trainer's creation",
                      "the ranks", s);
     if (s) return s;
     const int PV = m->padded_vocab;
@@ -214,7 +218,7 @@ mt_status mti_tp_begin(mt_trainer *t, mt_status s)
         } else {
             t->tp_own = 1;
             s = mt_comm_split(c, g, q, &t->tp_comm);
-            if (!s) s = mt_comm_split(c, q, g, &t->dp_comm);
+            if (!s) s = mt_comm_split(c, st * T + q, d, &t->dp_comm);
             if (s)
                 return mti_fail(ctx, s, "mt_trainer_create: making the tensor and data-parallel "
                                 "groups: %s", mt_last_error(NULL));
@@ -228,14 +232,14 @@ mt_status mti_tp_begin(mt_trainer *t, mt_status s)
         const mti_tp_split split = split_of(m, i);
         if (split != MTI_TP_WHOLE) s = split_param(t, i, split);
     }
-    mti_comm_narrow(ctx, t->dp_comm, W / T, g);
+    mti_comm_narrow(ctx, t->dp_comm, W / (T * P), d);
     return s;
 }
 
 mt_status mti_tp_agree_status(mt_trainer *t, const char *fn, const char *what, mt_status s)
 {
     if (t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
-    return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, fn, what, "the tensor group", s);
+    return mti_group_agree(t, t->tp_comm, t->tp.size, t->tp.rank, fn, what, "the tensor group", s);
 }
 
 mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s)
@@ -283,7 +287,7 @@ mt_status mti_tp_files_ok(const mt_trainer *t, const char *fn)
 mt_status mti_tp_agree(mt_trainer *t, mt_status s)
 {
     if (t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
-    return agree_on(t, t->tp_comm, t->tp.size, t->tp.rank, "mt_trainer_create",
+    return mti_group_agree(t, t->tp_comm, t->tp.size, t->tp.rank, "mt_trainer_create",
                     "the trainer's creation", "the tensor group", s);
 }
 

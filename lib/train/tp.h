@@ -29,6 +29,11 @@ mt_status mti_tp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
  * its whole, which stays until mti_tp_commit (a creation that fails gives
  * the wholes back, nothing exchanged). A collective over the world. */
 mt_status mti_tp_begin(mt_trainer *t, mt_status s);
+/* Status s agreed over communicator c of n ranks (`over` names them),
+ * this one `me` (every rank calls it, failed or not): a rank's failure
+ * fails every rank, naming it; fn and `about` name the exchange. */
+mt_status mti_group_agree(mt_trainer *t, mt_comm *c, int n, int me, const char *fn,
+                          const char *about, const char *over, mt_status s);
 /* Creation's status agreed over the tensor group (after the
  * data-parallel group's): one rank's failure fails every rank. */
 mt_status mti_tp_agree(mt_trainer *t, mt_status s);

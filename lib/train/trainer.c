@@ -39,6 +39,7 @@
 #include "train/fill.h"
 #include "train/home.h"
 #include "train/tp.h"
+#include "train/pp.h"
 #include "comm/comm.h"
 #include "train/trainer.h"
 #include "train/offload.h"
@@ -820,6 +821,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->offload_dir);
     (void)weights_to_fp32(t); /* no masters, or frozen weights in 16 bits */
     mti_tp_end(t); /* (a collective of the tensor group: the parts gathered whole) */
+    mti_pp_end(t); /* (a collective of the pipeline group: every stage's weights to every rank) */
     if (t->froze)
         for (int i = 0; i < t->model->n_param; i++) t->model->params[i].frozen = 0;
     if (t->patterns)
@@ -854,6 +856,7 @@ void mt_trainer_destroy_with_model(mt_trainer *t)
        brought back (fill.c's rule for a creation that failed) */
     for (int i = 0; i < m->n_param; i++) /* (tensor parallel's parts too: not gathered) */
         m->params[i].unmade |= !m->params[i].frozen || m->params[i].tp_split;
+    t->pp_discard = 1; /* (nor pipeline parallel's stages) */
     mt_trainer_destroy(t);
     (void)mt_model_destroy(m);
 }
@@ -922,9 +925,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     mt_status s = mti_dp_agree_config(ctx, m, cfg); /* ranks first: they then fail alike */
     if (!s) s = check_config(ctx, m, cfg);
     if (!s) s = mti_tp_check(ctx, m, cfg);
+    if (!s) s = mti_pp_check(ctx, m, cfg);
     if (s) return s;
-    /* (tensor parallel: ZeRO within the data-parallel groups) */
-    const int tpn = cfg->tensor_parallel > 1 ? cfg->tensor_parallel : 1;
+    /* (tensor and pipeline parallel: ZeRO within the data-parallel groups) */
+    const int tpn = (cfg->tensor_parallel > 1 ? cfg->tensor_parallel : 1) *
+                    (cfg->pipeline_parallel > 1 ? cfg->pipeline_parallel : 1);
     const int zero = ctx->world / tpn > 1 ? cfg->zero_stage : 0;
     if (zero && ctx->dev->kind == MT_DEVICE_CUDA && ctx->cfg.comm &&
         !(ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
@@ -1023,9 +1028,11 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     else if (!s)
         mti_plan_of_policy(m, cfg, t->units, &t->seg_len);
     t->cfg.recompute_units = t->units;
-    /* tensor parallel: this rank's parts of the split tensors, and the
-       context's collectives within the data-parallel group */
-    s = mti_tp_begin(t, s); /* (every rank: the world agrees first) */
+    /* pipeline parallel: the model becomes this rank's stage; tensor
+       parallel: this rank's parts of the split tensors; the context's
+       collectives within the data-parallel group */
+    s = mti_pp_begin(t, s); /* (every rank: the world agrees first) */
+    s = mti_tp_begin(t, s);
     t->world = ctx->world;
     t->rank = ctx->rank;
     /* a deferred model: what its homes do not take, made whole (once the
@@ -1033,6 +1040,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s) s = mti_fill_plan(t);
     if (!s && cfg->teacher) s = mti_model_make(cfg->teacher, NULL);
     if (!s) s = mti_engine_init(&t->E, m, t->dt, t->units, t->seg_len);
+    t->E.stage_in = t->pp.size > 1 && t->pp.rank > 0; /* (pipeline parallel: a stage) */
+    t->E.stage_out = t->pp.size > 1 && t->pp.rank < t->pp.size - 1;
     if (!s && cfg->teacher) { /* forward only, fp32, keeping nothing (the plan is unread) */
         unsigned char *keep = calloc((size_t)cfg->teacher->n_units, 1);
         s = keep ? mti_engine_init(&t->TE, cfg->teacher, MTI_F32, keep, 1)
@@ -1092,7 +1101,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
        the layers and its reduce-scatters, with either step */
     const bool ahead = zero == 3 && cfg->zero3_prefetch > 0;
     const mti_queue_kind can = mti_queue_possible(ctx), plan = mti_queue_planned(ctx);
-    if (!s && !mti_local_sgd(t) && can &&
+    const bool pp = t->pp.size > 1; /* (pipeline parallel sums after its schedule) */
+    if (!s && !mti_local_sgd(t) && can && !pp &&
         (ahead || (!cfg->fused_step && zero < 2 && can == MTI_QUEUE_THREAD)))
         s = queue_start(t, zero == 1 ? zero1_job : NULL);
     /* stage 2's reduce-scatters on it, and the fused step's reductions at
@@ -1112,7 +1122,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         if (!s && can) s = queue_start(t, held_job);
     }
     /* and the all-gathers of the updated weights at stages 1 and 2 */
-    if (!s && on_stream && (zero == 1 || zero == 2) && !mti_local_sgd(t)) {
+    if (!s && on_stream && (zero == 1 || zero == 2) && !mti_local_sgd(t) && !pp) {
         t->ag_on = 1;
         t->agb = calloc((size_t)m->n_param + 1, sizeof *t->agb);
         t->agt = calloc((size_t)m->n_param + 1, sizeof *t->agt);
@@ -1121,11 +1131,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     /* on a CUDA context with NCCL, stage 0's sums on a communication stream,
        and stage 1's (all-reduced: each rank then takes its slice) */
-    t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && plan == MTI_QUEUE_STREAM &&
+    t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && plan == MTI_QUEUE_STREAM && !pp &&
                        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE));
     if (!s && t->sum_on_stream && can) s = queue_start(t, NULL);
     s = mti_dp_created(t, s);
     s = mti_tp_agree(t, s);
+    s = mti_pp_agree(t, "mt_trainer_create", "the trainer's creation", s);
     if (!s && t->off && cfg->offload_params && params_late)
         s = mti_dp_agree_status(t, "mt_trainer_create", "sending the weights to disk",
                                 put_params_late(t));
@@ -1140,6 +1151,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     mti_fill_commit(t);
     mti_tp_commit(t);
+    mti_pp_commit(t);
     *out = t;
     return MT_OK;
 }
@@ -1583,17 +1595,20 @@ static mt_status finish_checks(mt_trainer *t, int *found)
     /* under ZeRO each rank checked and measured its own slices: every rank
        makes the exchange, whatever it found */
     const bool split = mti_home_split(t);
-    const bool tp = t->tp.size > 1; /* every rank of the tensor group exchanges too */
-    const int n = clip && (split || tp || !*found) ? t->model->n_param : 0;
-    if (!n && !split && !tp) return MT_OK;
+    /* every rank of the tensor and pipeline groups exchanges too */
+    const bool tp = t->tp.size > 1, pp = t->pp.size > 1;
+    const int n = clip && (split || tp || pp || !*found) ? t->model->n_param : 0;
+    if (!n && !split && !tp && !pp) return MT_OK;
     float *h = malloc(((size_t)n + 1) * sizeof *h);
     if (!h) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
     s = n ? mti_tensor_download(t->ctx, &t->sumsq, h, (size_t)n * sizeof *h) : MT_OK;
+    if (n && pp && t->pp.tied >= 0) h[t->pp.tied] = 0.0f; /* (the first stage counts the table) */
     double sum = 0.0;
     if (!s && split) s = mti_zero_checks(t, h, n, found, &sum); /* (h: each tensor's) */
     if (!s && tp) s = mti_tp_checks(t, h, n, found, &sum);
     for (int i = 0; i < n && !split && !tp; i++) sum += h[i];
     free(h);
+    if (!s && pp) s = mti_pp_checks(t, found, &sum);
     if (s || !clip || *found) return s;
     float norm = (float)sqrt(sum);
     t->last_norm = norm;
@@ -1810,9 +1825,11 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     if (!s) s = mti_home_begin(t); /* the homes are there (the files checked) */
     double targets = s ? 0.0 : targets_of(t, b);
     if ((s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b)))) return s;
+    /* (pipeline parallel: every stage runs the batch, or none) */
+    if ((s = mti_pp_agree(t, fn, "the batch's checks", s))) return s;
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
-    const bool fused = t->cfg.fused_step != 0;
+    const bool fused = t->cfg.fused_step != 0, pp = t->pp.size > 1;
     t->lr = lr_at(&t->cfg, t->opt_steps);
     t->inv = mti_scaler_inv(&t->scaler);
     t->clip = 1.0f;
@@ -1820,12 +1837,16 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     int found = 0;
     double sum = 0.0;
     /* (stage 1: reduce-scattered to the slices' owners; stage 2's go in its hooks) */
-    t->overlap_now = t->q && !fused && !mti_home_grad_sliced(t);
+    t->overlap_now = t->q && !fused && !mti_home_grad_sliced(t) && !pp;
     if (t->overlap_now) mti_queue_begin(t->q);
     /* (the gradients are final on this rank: no sum over ranks to wait for) */
     t->check_now = !fused && !t->overlap_now && !mti_home_split(t) && !mti_dp_on(t) &&
-                   !t->tp.sp; /* (sequence parallel: some are rows' parts until summed) */
-    s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
+                   !t->tp.sp && /* (sequence parallel: some are rows' parts until summed) */
+                   !pp;         /* (pipeline parallel: the tied table's are halves) */
+    if (pp) /* (the stages' schedule; the checks find a non-finite loss's gradients) */
+        s = mti_pp_passes(t, b, (float)((double)t->scaler.scale / targets), &sum);
+    else
+        s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
     const bool checked = t->check_now;
     t->check_now = 0;
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
@@ -1833,13 +1854,15 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
        hooks stopped part-way through them: the communicator is aborted so
        the others' queued ones end, rather than meet the status exchange */
     if (s && t->q && !t->overlap_now) mti_queue_abandon(t->q);
-    if ((s = mti_dp_end(t, fn, s, &sum))) return step_failed(t, fn, s);
+    s = mti_dp_end(t, fn, s, &sum);
+    if ((s = mti_pp_loss(t, s, &sum))) return step_failed(t, fn, s);
     const double mean = sum / targets;
     if (!fused && !found) {
         /* (frozen parameters have no gradient: they take no part) */
         for (int i = 0; i < m->n_param && !s && !t->overlap_now; i++)
             if (!m->params[i].frozen) s = reduce_grad(t, i);
         for (int i = 0; i < m->n_param && !s; i++) s = mti_tp_sum_grad(t, i, false); /* (sequence parallel) */
+        if (!s) s = mti_pp_tie(t); /* (pipeline parallel: the tied table's halves) */
         if (!s && t->flag_grads && !checked) s = mti_tensor_zero(ctx, &t->found_inf);
         if (s) return step_failed(t, fn, s);
         for (int i = 0; i < m->n_param && !s && !checked; i++)
@@ -1899,11 +1922,21 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss)
     return s;
 }
 
+/* What a pipeline-parallel trainer cannot give: every tensor of the model
+ * (each rank holds its stage's). */
+static mt_status pp_refused(mt_trainer *t, const char *fn)
+{
+    return mti_fail(t->ctx, MT_ERR_UNSUPPORTED,
+                    "%s: the model is cut into %d pipeline stages (pipeline_parallel), each "
+                    "rank holding its stage's tensors alone", fn, t->pp.size);
+}
+
 mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, float *grads,
                                size_t n)
 {
     const char *fn = "mt_trainer_gradients";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    if (t->pp.size > 1) return pp_refused(t, fn);
     mt_status s = check_batch(t, b, fn);
     mt_model *m = t->model;
     if (!s && (!grads || n != m->n_params))
@@ -1982,7 +2015,7 @@ static mt_status tp_right(mt_trainer *t, int rows, const int32_t *targets, int *
 
 /* Argmax over the real classes of each row of the logits; the rows are
  * brought to the host ROWS_CHUNK at a time, as fp32. */
-static mt_status count_right(mt_trainer *t, const int32_t *targets, int *right)
+mt_status mti_count_right(mt_trainer *t, const int32_t *targets, int *right)
 {
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
@@ -2037,13 +2070,17 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     double sum = 0.0;
     int right = 0;
     t->updated = 0;
-    for (int r0 = 0; r0 < b->n && !s; r0 += t->micro) {
+    if (t->pp.size > 1) { /* (every stage, or none) */
+        s = mti_pp_agree(t, fn, "the batch's checks", s);
+        if (!s) s = mti_pp_eval(t, b, accuracy != NULL, &sum, &right);
+    }
+    for (int r0 = 0; r0 < b->n && !s && t->pp.size < 2; r0 += t->micro) {
         int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
         double part = 0.0;
         s = mti_engine_forward(E, b, r0, rows, 1); /* eval: keeps nothing */
         if (!s) s = mti_engine_loss(E, 0.0f, 0);
         if (!s) s = mti_engine_loss_sum(E, t->host_losses, &part);
-        if (!s && accuracy) s = count_right(t, b->targets + (size_t)r0 * T, &right);
+        if (!s && accuracy) s = mti_count_right(t, b->targets + (size_t)r0 * T, &right);
         sum += part;
         mti_engine_release(E);
         reset_all(t->ctx, MT_SCOPE_STEP);
@@ -2105,6 +2142,7 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
 {
     const char *fn = "mt_trainer_logits";
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    if (t->pp.size > 1) return pp_refused(t, fn);
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
     mt_status s = MT_OK;

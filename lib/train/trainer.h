@@ -124,6 +124,12 @@ struct mt_trainer {
     mt_comm *dp_comm;        /* the data-parallel group's (owned), or NULL */
     int tp_own;
     mti_tensor *tp_whole;    /* per parameter, its whole weights until creation commits */
+    /* pipeline parallel (cfg.pipeline_parallel > 1; lib/train/pp.c) */
+    mti_pp pp;               /* the stages (t->model->pp points here while it holds) */
+    int pp_made;             /* the model is the stage's view */
+    int pp_committed;        /* creation succeeded: the other stages' weights are gone */
+    int pp_discard;          /* destroy brings nothing back (destroy_with_model) */
+    mti_pass *pp_pass;       /* P passes held aside by the schedule */
     struct mti_home *home;   /* per parameter, its home on this rank (lib/train/home.h),
                                 chosen at create */
     unsigned home_used;      /* the kinds and shares of home some parameter has (bits) */
@@ -133,5 +139,9 @@ struct mt_trainer {
     unsigned char *units;    /* the recompute plan: a mode per unit */
     int seg_len;             /* and the segment length */
 };
+
+/* Eval's right answers among the pass's rows (their targets), added to
+ * *right (trainer.c). */
+mt_status mti_count_right(mt_trainer *t, const int32_t *targets, int *right);
 
 #endif /* MT_TRAINER_H */

@@ -1,0 +1,471 @@
+/*
+ * test_pp.c - pipeline parallel (cfg.pipeline_parallel) over the
+ * in-process communicator (threads as ranks): each step's loss and the
+ * weights after training against one process accumulating the same
+ * micro-batches (an MLP, untied: bit for bit; a GPT, whose tied table's
+ * two halves are summed in another order: to 1e-5 in fp32), for 2 and 3
+ * stages; grids with tensor and data parallel and ZeRO-1; each rank's
+ * per-class peaks against its estimate; stage 0's activations bounded by
+ * the stages, not the micro-batches; the refusals; a dead rank.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "check.h"
+#include "test_comm.h"
+
+#define PP_MAXN 8
+#define PP_STEPS 6
+#define PP_T 8
+
+typedef struct pp_run {
+    int n, tp, pp, sp, zero;
+    int mlp;                   /* an MLP (else a GPT of 4 blocks) */
+    int rows, micro, steps;    /* rows per data-parallel group, per micro-batch */
+    mt_optimizer_kind opt;
+    mt_precision prec;
+    float clip;
+    mt_recompute_policy rec;
+    int deferred, estimate;
+    tcomm_world *world;
+    float loss[PP_MAXN][PP_STEPS];
+    float eloss[PP_MAXN], eacc[PP_MAXN];
+    float *w[PP_MAXN];
+    size_t nw;
+    uint64_t act_peak[PP_MAXN];
+    mt_status st[PP_MAXN];
+    char msg[PP_MAXN][512];
+} pp_run;
+
+/* Row `row` of step `step`: tokens and targets (GPT), or features and a
+ * class (MLP). */
+static void pp_rows(const pp_run *a, int step, int r0, int n, int32_t *tok, int32_t *tgt,
+                    float *x)
+{
+    for (int r = 0; r < n; r++) {
+        const int row = r0 + r;
+        if (a->mlp) {
+            for (int j = 0; j < 6; j++) x[r * 6 + j] = (float)((row * 7 + j * 3 + step * 5) % 11) / 7.0f - 0.7f;
+            tgt[r] = (row * 3 + step) % 5;
+            continue;
+        }
+        for (int j = 0; j < PP_T; j++) {
+            tok[r * PP_T + j] = (row * 7 + j * 3 + step * 11) % 50;
+            tgt[r * PP_T + j] = (row * 5 + j * 13 + step * 3 + 1) % 50;
+        }
+    }
+}
+
+static mt_trainer_config pp_config(const pp_run *a)
+{
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.optimizer = a->opt;
+    tc.lr = a->opt == MT_OPT_SGD ? 0.1f : 1e-2f;
+    tc.momentum = a->opt == MT_OPT_SGD ? 0.9f : 0.0f;
+    tc.weight_decay = 0.01f;
+    tc.precision = a->prec;
+    tc.grad_clip = a->clip;
+    tc.recompute = a->rec;
+    tc.recompute_every = 2;
+    tc.max_batch = a->rows;
+    tc.micro_batch = a->micro;
+    tc.tensor_parallel = a->tp;
+    tc.sequence_parallel = a->sp;
+    tc.pipeline_parallel = a->pp;
+    tc.zero_stage = a->zero;
+    if (a->prec == MT_PREC_FP16) tc.loss_scale.init_scale = 1024.0f;
+    return tc;
+}
+
+static mt_status pp_model(const pp_run *a, mt_context *ctx, mt_model **m)
+{
+    if (a->mlp) {
+        mt_mlp_spec s;
+        mt_mlp_spec_init(&s);
+        s.n_layers = 4;
+        s.dims[0] = 6, s.dims[1] = 16, s.dims[2] = 12, s.dims[3] = 16, s.dims[4] = 5;
+        s.seed = 3, s.deferred = a->deferred;
+        return mt_model_mlp_create(ctx, &s, m);
+    }
+    mt_gpt_spec g;
+    mt_gpt_spec_init(&g);
+    g.vocab = 50, g.padded_vocab = 64, g.max_seq = PP_T, g.layers = 4, g.heads = 6;
+    g.channels = 24, g.seed = 7, g.deferred = a->deferred;
+    return mt_model_gpt_create(ctx, &g, m);
+}
+
+static void pp_check_estimate(pp_run *a, int rank, mt_context *ctx, mt_model *m,
+                              const mt_trainer_config *tc)
+{
+    mt_memory_stats ms;
+    mt_estimate_report e;
+    mt_context_memory_stats(ctx, &ms);
+    if (mt_estimate_model(m, tc, &e)) {
+        snprintf(a->msg[rank], sizeof a->msg[rank], "estimate: %s", mt_last_error(ctx));
+        a->st[rank] = MT_ERR_INTERNAL;
+        return;
+    }
+    for (int k = 0; k < MT_MEM_COUNT; k++)
+        if (e.class_peak[k] != ms.per_class[k].peak_live_bytes) {
+            snprintf(a->msg[rank], sizeof a->msg[rank], "%s peak %llu, estimate %llu",
+                     mt_mem_class_name((mt_mem_class)k),
+                     (unsigned long long)ms.per_class[k].peak_live_bytes,
+                     (unsigned long long)e.class_peak[k]);
+            a->st[rank] = MT_ERR_INTERNAL;
+            return;
+        }
+}
+
+static void pp_rank(int rank, void *p)
+{
+    pp_run *a = p;
+    const int per = (a->tp > 1 ? a->tp : 1) * (a->pp > 1 ? a->pp : 1);
+    const int d = rank / per, rows = a->rows;
+    mt_trainer_config tc = pp_config(a);
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = pp_model(a, ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[32 * PP_T], tgt[32 * PP_T];
+    float x[32 * 6];
+    for (int k = 0; k < a->steps && !s; k++) {
+        pp_rows(a, k, d * rows, rows, tok, tgt, x);
+        mt_batch b = {.n = rows, .tokens = a->mlp ? NULL : tok, .inputs = a->mlp ? x : NULL,
+                      .targets = tgt, .seq_len = a->mlp ? 0 : PP_T};
+        s = mt_trainer_step(t, &b, &a->loss[rank][k]);
+    }
+    a->st[rank] = s;
+    if (s) snprintf(a->msg[rank], sizeof a->msg[rank], "%s", mt_last_error(ctx));
+    if (!s) {
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        a->act_peak[rank] = ms.per_class[MT_MEM_ACT].peak_live_bytes;
+    }
+    /* (a deferred model is made whole by the end: its estimate is another model's) */
+    if (!s && a->estimate && !a->deferred) pp_check_estimate(a, rank, ctx, m, &tc);
+    if (!s) { /* (a collective of the pipeline group) */
+        pp_rows(a, PP_STEPS, d * rows, rows, tok, tgt, x);
+        mt_batch b = {.n = rows, .tokens = a->mlp ? NULL : tok, .inputs = a->mlp ? x : NULL,
+                      .targets = tgt, .seq_len = a->mlp ? 0 : PP_T};
+        s = mt_trainer_eval(t, &b, &a->eloss[rank], &a->eacc[rank]);
+        if (s) {
+            a->st[rank] = s;
+            snprintf(a->msg[rank], sizeof a->msg[rank], "eval: %s", mt_last_error(ctx));
+        }
+    }
+    mt_trainer_destroy(t); /* (every stage's weights to every rank) */
+    if (m && !a->st[rank]) {
+        a->nw = mt_model_num_params(m);
+        a->w[rank] = malloc(a->nw * sizeof(float));
+        if (mt_model_get_params(m, a->w[rank], a->nw)) {
+            a->st[rank] = MT_ERR_INTERNAL;
+            snprintf(a->msg[rank], sizeof a->msg[rank], "get_params: %s", mt_last_error(ctx));
+        }
+    }
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+static void pp_go(pp_run *a)
+{
+    a->world = a->n > 1 ? tcomm_world_new(a->n, 30.0) : NULL;
+    tcomm_run(a->n, pp_rank, a);
+    tcomm_world_free(a->world);
+}
+
+static void pp_free(pp_run *a)
+{
+    for (int r = 0; r < PP_MAXN; r++) free(a->w[r]);
+    memset(a->w, 0, sizeof a->w);
+}
+
+static double rel_diff(const float *x, const float *y, size_t n, double floor)
+{
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)x[i] - y[i]) / (fabs(y[i]) + floor);
+        if (!(d <= worst)) worst = d;
+    }
+    return worst;
+}
+
+/* One process over the same rows and micro-batches as a's data-parallel
+ * groups together. */
+static pp_run pp_one(const pp_run *a)
+{
+    const int per = (a->tp > 1 ? a->tp : 1) * (a->pp > 1 ? a->pp : 1);
+    pp_run one = *a;
+    one.n = 1, one.tp = 0, one.pp = 0, one.sp = 0, one.zero = 0, one.estimate = 0;
+    one.rows = a->rows * (a->n / per);
+    memset(one.w, 0, sizeof one.w);
+    pp_go(&one);
+    return one;
+}
+
+/* An MLP (no tied tensors): 2 and 3 stages, 4 micro-batches, fp32 AdamW
+ * with clipping and SGD, every recompute policy: every step's loss and
+ * every weight after training equal one process's bit for bit, on every
+ * rank; eval too; each rank's peaks its estimate's. */
+TEST(pp_mlp_bit_for_bit)
+{
+    const struct {
+        mt_optimizer_kind opt;
+        float clip;
+        mt_recompute_policy rec;
+        mt_precision prec;
+    } cases[] = {
+        {MT_OPT_ADAMW, 1.0f, MT_RECOMPUTE_NONE, MT_PREC_FP32},
+        {MT_OPT_SGD, 0.0f, MT_RECOMPUTE_EVERY_K, MT_PREC_FP32},
+        {MT_OPT_ADAMW, 0.5f, MT_RECOMPUTE_NONE, MT_PREC_BF16},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        for (int P = 2; P <= 3; P++) {
+            pp_run a = {.n = P, .pp = P, .mlp = 1, .rows = 8, .micro = 2, .steps = PP_STEPS,
+                        .opt = cases[k].opt, .clip = cases[k].clip, .rec = cases[k].rec,
+                        .prec = cases[k].prec, .estimate = 1};
+            pp_go(&a);
+            pp_run one = pp_one(&a);
+            CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
+            for (int r = 0; r < P; r++) {
+                CHECK_MSG(a.st[r] == MT_OK, "case %zu, pp %d, rank %d: %s", k, P, r, a.msg[r]);
+                if (a.st[r]) continue;
+                CHECK_MSG(memcmp(a.loss[r], one.loss[0], sizeof a.loss[r]) == 0,
+                          "case %zu, pp %d, rank %d: losses %.9g .. %.9g, one process %.9g .. "
+                          "%.9g", k, P, r, (double)a.loss[r][0], (double)a.loss[r][PP_STEPS - 1],
+                          (double)one.loss[0][0], (double)one.loss[0][PP_STEPS - 1]);
+                CHECK_MSG(a.eloss[r] == one.eloss[0] && a.eacc[r] == one.eacc[0],
+                          "case %zu, pp %d, rank %d: eval %.9g %.9g, one process %.9g %.9g", k,
+                          P, r, (double)a.eloss[r], (double)a.eacc[r], (double)one.eloss[0],
+                          (double)one.eacc[0]);
+                CHECK_MSG(a.nw == one.nw && memcmp(a.w[r], one.w[0], a.nw * sizeof(float)) == 0,
+                          "case %zu, pp %d, rank %d: weights differ by %.3g", k, P, r,
+                          rel_diff(a.w[r], one.w[0], a.nw, 1e-3));
+            }
+            pp_free(&a);
+            pp_free(&one);
+        }
+}
+
+/* A GPT (its token table tied to the LM head: the first stage's and the
+ * last's halves of its gradient summed): 2 and 3 stages, 4 micro-batches;
+ * the first step's loss bit for bit, every step's to the case's tolerance,
+ * the weights after training too (SGD), every rank holding the same
+ * weights afterwards; each rank's peaks its estimate's. */
+TEST(pp_gpt_matches_one_process)
+{
+    const struct {
+        mt_optimizer_kind opt;
+        mt_precision prec;
+        float clip;
+        mt_recompute_policy rec;
+        double tol;
+    } cases[] = {
+        {MT_OPT_SGD, MT_PREC_FP32, 0.5f, MT_RECOMPUTE_NONE, 1e-5},
+        {MT_OPT_ADAMW, MT_PREC_FP32, 1.0f, MT_RECOMPUTE_SELECTIVE, 1e-5},
+        {MT_OPT_ADAMW, MT_PREC_BF16, 0.0f, MT_RECOMPUTE_EVERY_K, 3e-2},
+        {MT_OPT_ADAMW, MT_PREC_FP16, 0.0f, MT_RECOMPUTE_NONE, 1e-2},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        for (int P = 2; P <= 3; P++) {
+            pp_run a = {.n = P, .pp = P, .rows = 4, .micro = 1, .steps = PP_STEPS,
+                        .opt = cases[k].opt, .prec = cases[k].prec, .clip = cases[k].clip,
+                        .rec = cases[k].rec, .estimate = 1, .deferred = k == 1};
+            pp_go(&a);
+            pp_run one = pp_one(&a);
+            CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
+            for (int r = 0; r < P; r++) {
+                CHECK_MSG(a.st[r] == MT_OK, "case %zu, pp %d, rank %d: %s", k, P, r, a.msg[r]);
+                if (a.st[r]) continue;
+                CHECK_MSG(a.loss[r][0] == one.loss[0][0], "case %zu, pp %d: loss %.9g, %.9g", k,
+                          P, (double)a.loss[r][0], (double)one.loss[0][0]);
+                for (int s = 1; s < PP_STEPS; s++)
+                    CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <=
+                                  cases[k].tol * fabs(one.loss[0][s]),
+                              "case %zu, pp %d, rank %d, step %d: loss %.9g, one process %.9g", k,
+                              P, r, s, (double)a.loss[r][s], (double)one.loss[0][s]);
+                CHECK_MSG(fabs(a.eloss[r] - one.eloss[0]) <= cases[k].tol * fabs(one.eloss[0]),
+                          "case %zu, pp %d: eval %.9g, one process %.9g", k, P,
+                          (double)a.eloss[r], (double)one.eloss[0]);
+                CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
+            }
+            if (!a.st[0] && cases[k].opt == MT_OPT_SGD) {
+                const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
+                CHECK_MSG(wd <= 1e-4, "case %zu, pp %d: weights differ by %.3g", k, P, wd);
+            }
+            pp_free(&a);
+            pp_free(&one);
+        }
+}
+
+/* Grids: tp 2 x pp 2 (with and without sequence parallel), and 8 ranks as
+ * dp 2 x tp 2 x pp 2 with ZeRO-1: fp32 losses one process's over both
+ * data-parallel groups' rows to 1e-5, every rank's peaks its estimate's. */
+TEST(pp_grids)
+{
+    const struct {
+        int n, tp, pp, sp, zero;
+    } grids[] = {{4, 2, 2, 0, 0}, {4, 2, 2, 1, 0}, {8, 2, 2, 0, 1}, {4, 1, 2, 0, 1}};
+    for (size_t k = 0; k < sizeof grids / sizeof grids[0]; k++) {
+        pp_run a = {.n = grids[k].n, .tp = grids[k].tp, .pp = grids[k].pp, .sp = grids[k].sp,
+                    .zero = grids[k].zero, .rows = 4, .micro = 2, .steps = PP_STEPS,
+                    .opt = MT_OPT_ADAMW, .prec = MT_PREC_FP32, .clip = 1.0f, .estimate = 1};
+        pp_go(&a);
+        pp_run one = pp_one(&a);
+        CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
+        for (int r = 0; r < a.n; r++) {
+            CHECK_MSG(a.st[r] == MT_OK, "grid %zu, rank %d: %s", k, r, a.msg[r]);
+            if (a.st[r]) continue;
+            for (int s = 0; s < PP_STEPS; s++)
+                CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <= 1e-5 * fabs(one.loss[0][s]),
+                          "grid %zu, rank %d, step %d: loss %.9g, one process %.9g", k, r, s,
+                          (double)a.loss[r][s], (double)one.loss[0][s]);
+            CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
+        }
+        pp_free(&a);
+        pp_free(&one);
+    }
+}
+
+/* 1F1B: stage 0 of 4 holds at most 4 micro-batches' activations, so its
+ * ACT peak is the same at 4 and 8 micro-batches; the last stage holds one
+ * at a time, less than stage 0. */
+TEST(pp_activations_bounded_by_stages)
+{
+    uint64_t peak[2][4];
+    for (int k = 0; k < 2; k++) {
+        pp_run a = {.n = 4, .pp = 4, .rows = k ? 8 : 4, .micro = 1, .steps = 1,
+                    .opt = MT_OPT_SGD, .prec = MT_PREC_FP32};
+        pp_go(&a);
+        for (int r = 0; r < 4; r++) {
+            CHECK_MSG(a.st[r] == MT_OK, "rank %d: %s", r, a.msg[r]);
+            peak[k][r] = a.act_peak[r];
+        }
+        pp_free(&a);
+    }
+    CHECK_MSG(peak[0][0] == peak[1][0], "stage 0: ACT peak %llu at 4 micro-batches, %llu at 8",
+              (unsigned long long)peak[0][0], (unsigned long long)peak[1][0]);
+    CHECK_MSG(peak[1][3] < peak[1][0], "ACT peaks: last stage %llu, first %llu",
+              (unsigned long long)peak[1][3], (unsigned long long)peak[1][0]);
+}
+
+typedef struct pp_bad {
+    tcomm_world *world;
+    int n;
+    mt_trainer_config tc;
+    mt_status st[PP_MAXN];
+    char msg[PP_MAXN][512];
+} pp_bad;
+
+static void pp_bad_rank(int rank, void *p)
+{
+    pp_bad *a = p;
+    mt_comm *c = tcomm_make(a->world, rank, a->n, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    pp_run spec = {0};
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = pp_model(&spec, ctx, &m);
+    if (!s) s = mt_trainer_create(m, &a->tc, &t);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", s ? mt_last_error(ctx) : "");
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* An impossible grid or combination is refused on every rank before
+ * anything runs, with the reason. */
+TEST(pp_refusals)
+{
+    struct {
+        int n, tp, pp;
+        unsigned what;
+        mt_status want;
+        const char *says;
+    } cases[] = {
+        {3, 1, 2, 0, MT_ERR_INVALID_ARG, "not a multiple of tensor_parallel 1 x pipeline_parallel 2"},
+        {4, 2, 3, 0, MT_ERR_INVALID_ARG, "not a multiple"},
+        {6, 1, 6, 0, MT_ERR_INVALID_ARG, "more than the model's 5 units"},
+        {2, 1, 2, 1, MT_ERR_UNSUPPORTED, "fused step"},
+        {4, 1, 2, 2, MT_ERR_UNSUPPORTED, "ZeRO stages 2 and 3"},
+        {2, 1, 2, 4, MT_ERR_UNSUPPORTED, "LoRA"},
+        {2, 1, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        pp_run r = {.rows = 4, .micro = 1, .opt = MT_OPT_SGD, .tp = cases[k].tp, .pp = cases[k].pp};
+        pp_bad a = {.n = cases[k].n, .tc = pp_config(&r)};
+        if (cases[k].what & 1) a.tc.fused_step = 1, a.tc.micro_batch = 0;
+        if (cases[k].what & 2) a.tc.zero_stage = 2;
+        if (cases[k].what & 4) a.tc.lora.rank = 2;
+        a.world = tcomm_world_new(a.n, 30.0);
+        tcomm_run(a.n, pp_bad_rank, &a);
+        tcomm_world_free(a.world);
+        for (int q = 0; q < a.n; q++) {
+            CHECK_MSG(a.st[q] == cases[k].want, "case %zu rank %d: %s: %s", k, q,
+                      mt_status_string(a.st[q]), a.msg[q]);
+            CHECK_MSG(strstr(a.msg[q], cases[k].says) != NULL, "case %zu: %s", k, a.msg[q]);
+        }
+    }
+}
+
+/* A stage that stalls before a step: its neighbour stops with
+ * MT_ERR_COMM within the timeout, naming what it waited for, and every
+ * rank's trainer still goes. */
+typedef struct pp_death {
+    tcomm_world *world;
+    mt_status st[2];
+    char msg[2][512];
+    double seconds[2];
+} pp_death;
+
+static void pp_death_rank(int rank, void *p)
+{
+    pp_death *a = p;
+    pp_run spec = {.rows = 4, .micro = 1, .pp = 2, .opt = MT_OPT_SGD};
+    mt_trainer_config tc = pp_config(&spec);
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = tcomm_context(c, &ctx);
+    if (!s) s = pp_model(&spec, ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[4 * PP_T], tgt[4 * PP_T];
+    pp_rows(&spec, 0, 0, 4, tok, tgt, NULL);
+    mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (!s && rank == 1) { /* stalls past the timeout, then steps too late */
+        struct timespec nap = {2, 500000000};
+        nanosleep(&nap, NULL);
+    }
+    if (!s) s = mt_trainer_step(t, &b, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    a->seconds[rank] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", s ? mt_last_error(ctx) : "");
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_dead_rank)
+{
+    pp_death a = {.world = tcomm_world_new(2, 1.0)};
+    tcomm_run(2, pp_death_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK_MSG(a.st[0] == MT_ERR_COMM, "rank 0: %s: %s", mt_status_string(a.st[0]), a.msg[0]);
+    CHECK_MSG(strstr(a.msg[0], "pipeline") != NULL, "%s", a.msg[0]);
+    CHECK_MSG(a.seconds[0] < 1.0 + 3.0, "rank 0 failed after %.2f s", a.seconds[0]);
+}
