@@ -312,6 +312,34 @@ if [ -x "$B/memtrain" ]; then
     rm -f "$ck"
 fi
 
+# memtrain train --pp: 2 and 3 stages, tp 2 x pp 2, and 8 ranks as dp 2 x tp 2 x pp 2 with
+# ZeRO-1, in micro-batches of one row, give one process's losses (to 1e-5) on the same
+# global batch; and an MLP's 2 stages give its losses exactly
+if [ -x "$B/memtrain" ]; then
+    pargs="train --model gpt --batch 4 --micro 1 --seq 16 --layers 2 --channels 48 --heads 6 --threads 1 --steps 3 --json"
+    one=$("$B/memtrain" $pargs 2>/dev/null | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
+    for grid in "2 --pp 2" "3 --pp 3" "4 --pp 2 --tp 2" "8 --pp 2 --tp 2 --zero 1"; do
+        np=${grid%% *}; flags=${grid#* }
+        ppo=$(timeout 180 $MPIRUN -np $np "$B/memtrain" $pargs $flags 2>&1)
+        got=$(echo "$ppo" | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
+        if [ -n "$one" ] && awk -v a="$one" -v b="$got" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
+               if (n != m || n == 0) exit 1; for (i = 1; i <= n; i++) { d = x[i] - y[i];
+               if (d < 0) d = -d; if (d > 1e-5 * x[i] + 2e-6) exit 1 } }'
+        then echo "ok   mpi memtrain train $flags on $np ranks: one process's losses $got"
+        else echo "FAIL mpi memtrain train $flags on $np ranks: losses '$got', one process '$one'"; echo "$ppo"; fail=1; fi
+    done
+    margs="train --model mlp --batch 8 --micro 2 --threads 1 --steps 4 --json"
+    mone=$("$B/memtrain" $margs 2>/dev/null | grep -o '"loss": [0-9.]*' | tr '\n' ' ')
+    mgot=$(timeout 120 $MPIRUN -np 2 "$B/memtrain" $margs --pp 2 2>/dev/null | grep -o '"loss": [0-9.]*' | tr '\n' ' ')
+    if [ -n "$mone" ] && [ "$mone" = "$mgot" ]
+    then echo "ok   mpi memtrain train --model mlp --pp 2: one process's losses exactly"
+    else echo "FAIL mpi memtrain train --model mlp --pp 2: '$mgot', one process '$mone'"; fail=1; fi
+    bad=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" $pargs --pp 2 2>&1)
+    if echo "$bad" | grep -q "not a multiple of tensor_parallel 1 x pipeline_parallel 2"
+    then echo "ok   mpi memtrain train --pp 2 on 3 ranks: refused, the grid named"
+    else echo "FAIL mpi memtrain train --pp 2 on 3 ranks: $bad"; fail=1; fi
+fi
+
 # a rank that dies: mpirun ends the job (or rank 0 times out first); nothing hangs
 timeout 60 $MPIRUN -np 2 "$B/mpi/comm_mpi_test" die >"$out" 2>&1
 rc=$?

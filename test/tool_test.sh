@@ -74,6 +74,20 @@ sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
     awk '{ if ($1 < 995807232 / 2 || $1 > 995807232 / 2 * 1.01) exit 1 }' ||
     { echo "FAIL tool: the OPTIM of a rank of a tensor group of 2"; cat "$tmp/out"; fail=1; }
 grep -q '"ranks": 2, "rank": 1, "zero": 0, "tp": 2' "$tmp/out" || { echo "FAIL tool: estimate --tp JSON"; fail=1; }
+# pipeline stages of 4, in micro-batches of one row: each rank holds its stage's weights
+# and state (about a quarter, the last stage the table's copy too), and stage 0 holds up
+# to 4 micro-batches' activations where the last holds one
+for r in 0 3; do
+    expect 0 "estimate stage $r of 4" -- "$tool" estimate $E --json --threads 2 --ranks 4 --pp 4 --rank $r --micro 1
+    sed 's/.*"class_peak": {[^}]*"OPTIM": \([0-9]*\).*/\1/' "$tmp/out" |
+        awk '{ if ($1 < 995807232 / 4 * 0.5 || $1 > 995807232 / 4 * 2.2) exit 1 }' ||
+        { echo "FAIL tool: the OPTIM of pipeline stage $r of 4"; cat "$tmp/out"; fail=1; }
+    grep -q '"tp": 1, "sp": false, "pp": 4' "$tmp/out" || { echo "FAIL tool: estimate --pp JSON"; fail=1; }
+    sed 's/.*"class_peak": {[^}]*"ACT": \([0-9]*\).*/\1/' "$tmp/out" >"$tmp/act$r"
+done
+[ "$(cat "$tmp/act0")" -gt "$(cat "$tmp/act3")" ] ||
+    { echo "FAIL tool: stage 0's ACT $(cat "$tmp/act0") not above stage 3's $(cat "$tmp/act3")"; fail=1; }
+expect 2 "estimate: --ranks not a multiple of --tp x --pp" -- "$tool" estimate $E --ranks 6 --tp 2 --pp 2
 # --layout auto: every layout of 4 ranks auto-fitted, the chosen one printed and estimated
 expect 0 "estimate: --layout auto" -- "$tool" estimate --model gpt --layers 2 --heads 4 --channels 64 --vocab 512 --seq 64 --batch 8 --ranks 4 --budget 64 --autofit --layout auto
 grep -q "^| 4 | yes | 0 | 1 | " "$tmp/out" && grep -q "^chosen: --tp [124]" "$tmp/out" &&

@@ -84,6 +84,7 @@ typedef struct cli_opts {
     long zero;               /* the ZeRO stage (train under mpirun, estimate) */
     long tp;                 /* tensor parallel: ranks per tensor group (1: off) */
     int sp;                  /* --sp: sequence parallel within the tensor groups */
+    long pp;                 /* pipeline parallel: stages per pipeline group (1: off) */
     long zero3_prefetch, zero3_keep; /* stage 3: layers gathered ahead, kept for backward */
     long ranks, rank;        /* estimate: one rank of a data-parallel run */
     /* where the optimizer state and masters live: --offload, --offload-dir */
@@ -160,6 +161,7 @@ typedef struct cli_ranks {
     int together;            /* every rank stops with the same exit code (the ranks'
                                 options disagree): MPI ends in order */
     int tp;                  /* ranks per tensor group (--tp): a group shares its rows */
+    int pp;                  /* stages per pipeline group (--pp): a group shares its rows too */
 } cli_ranks;
 extern cli_ranks cli_world;
 /* Started by mpirun with more than one rank: MPI (MPI_ERRORS_RETURN on

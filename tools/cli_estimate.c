@@ -22,8 +22,8 @@ static void json_classes(const char *key, const uint64_t *v)
 static void print_json(const cli_opts *o, const mt_trainer_config *tc, const mt_estimate_report *e,
                        const mt_autofit_report *fit)
 {
-    printf("{\"ranks\": %ld, \"rank\": %ld, \"zero\": %ld, \"tp\": %ld, \"sp\": %s, ", o->ranks,
-           o->rank, o->zero, o->tp, o->sp ? "true" : "false");
+    printf("{\"ranks\": %ld, \"rank\": %ld, \"zero\": %ld, \"tp\": %ld, \"sp\": %s, \"pp\": %ld, ",
+           o->ranks, o->rank, o->zero, o->tp, o->sp ? "true" : "false", o->pp);
     printf("\"params\": %zu, \"peak\": %llu, \"peak_reserved\": %llu, \"step_peak\": %llu, "
            "\"setup_peak\": %llu",
            e->n_params, (unsigned long long)e->peak, (unsigned long long)e->peak_reserved,
@@ -89,6 +89,8 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
         printf(", rank %ld of %ld (its rows of a global batch of %ld), ZeRO stage %ld", o->rank,
                o->ranks, o->batch, o->zero);
     if (o->tp > 1) printf(", tensor groups of %ld%s", o->tp, o->sp ? " with sequence parallel" : "");
+    if (o->pp > 1)
+        printf(", pipeline stage %ld of %ld", o->rank / (o->tp > 1 ? o->tp : 1) % o->pp, o->pp);
     printf("\n");
     char each[48] = ""; /* (several ranks: one answer for all, the heaviest's) */
     if (o->ranks > 1) snprintf(each, sizeof each, " on each of %ld ranks", o->ranks);

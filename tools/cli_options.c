@@ -407,6 +407,10 @@ static const opt table[] = {
          "ranks per tensor group of the run (1; with --ranks)"),
     FLAG("--sp", ALL, CLI_GPT, sp, 1,
          "with --tp: sequence parallel, the residual stream and LayerNorms split by rows too"),
+    LONG("--pp", "P", ALL, CLI_ANY, pp, 1, 65536,
+         "under mpirun: pipeline parallel, the layers cut into P stages balanced by compute, "
+         "the micro-batches (--micro) run one forward one backward (1F1B) (1)",
+         "pipeline stages of the run (1; with --ranks: each rank's peak is its stage's)"),
     LONG("--zero3-prefetch", "N", TE, CLI_ANY, zero3_prefetch, 0, 64,
          "with --zero 3: the next N layers' weights gathered on a thread while a layer "
          "computes, 0 = when each starts (1)", NULL),
@@ -526,6 +530,7 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->ranks = 1;
     o->zero3_prefetch = 1;
     o->tp = 1;
+    o->pp = 1;
     o->distill_alpha = 0.5f, o->distill_temp = 2.0f;
 }
 
@@ -652,17 +657,24 @@ static int check_together(const cli_opts *o)
         return cli_bad_usage("--tp %ld with --save or --resume needs --zero 0 and 32-bit optimizer "
                              "state (a training-state file of tensor parallel holds each split "
                              "tensor's state element by element)", o->tp);
+    if (o->pp > 1 && (o->save || o->resume || o->load_lora || o->save_lora))
+        return cli_bad_usage("--pp %ld does not combine with --save, --resume or LoRA yet "
+                             "(docs/distributed.md, \"Pipeline parallel\")", o->pp);
     if (o->sp && o->tp < 2)
         return cli_bad_usage("%s", "--sp needs --tp T with T > 1 (it splits a tensor group's rows)");
     if (o->tp > 1 && o->ranks > 1 && o->ranks % o->tp)
         return cli_bad_usage("--tp %ld does not divide --ranks %ld (the ranks form data-parallel "
                              "groups of tensor groups)", o->tp, o->ranks);
+    if (o->pp > 1 && o->ranks > 1 && o->ranks % (o->tp * o->pp))
+        return cli_bad_usage("--ranks %ld is not a multiple of --tp %ld x --pp %ld (the ranks "
+                             "form a grid: dp x tp x pp)", o->ranks, o->tp, o->pp);
     if (o->rank >= o->ranks)
         return cli_bad_usage("--rank %ld is not a rank of --ranks %ld", o->rank, o->ranks);
-    if (o->ranks / o->tp > o->batch) /* (a tensor group shares its rows) */
-        return cli_bad_usage("--batch %ld is less than --ranks %ld%s (every %s needs a row)",
+    if (o->ranks / (o->tp * o->pp) > o->batch) /* (a tensor or pipeline group shares its rows) */
+        return cli_bad_usage("--batch %ld is less than --ranks %ld%s%s (every %s needs a row)",
                              o->batch, o->ranks, o->tp > 1 ? " / --tp" : "",
-                             o->tp > 1 ? "data-parallel group" : "rank");
+                             o->pp > 1 ? " / --pp" : "",
+                             o->tp > 1 || o->pp > 1 ? "data-parallel group" : "rank");
     return 0;
 }
 
@@ -802,7 +814,8 @@ mt_base_format cli_spec_base(const cli_opts *o)
 
 int cli_deferred(const cli_opts *o)
 {
-    return (o->zero == 3 || o->offload_params || o->tp > 1) && cli_spec_base(o) == MT_BASE_FULL &&
+    return (o->zero == 3 || o->offload_params || o->tp > 1 || o->pp > 1) &&
+           cli_spec_base(o) == MT_BASE_FULL &&
            !o->lora && !o->load_lora;
 }
 
@@ -823,6 +836,7 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->zero_stage = (int)o->zero;
     tc->tensor_parallel = (int)o->tp;
     tc->sequence_parallel = o->sp;
+    tc->pipeline_parallel = (int)o->pp;
     tc->zero3_prefetch = (int)o->zero3_prefetch;
     tc->zero3_keep = (int)o->zero3_keep;
     tc->grad_clip = o->clip;

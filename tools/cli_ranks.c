@@ -22,7 +22,7 @@
 #include "memtrain/mpi.h"
 #endif
 
-cli_ranks cli_world = {NULL, 0, 1, 0, 0, 1};
+cli_ranks cli_world = {NULL, 0, 1, 0, 0, 1, 1};
 
 /* The rank count mpirun (Open MPI, or a PMI launcher) gave this process,
  * or 1. */
@@ -209,13 +209,15 @@ int cli_ranks_open(const cli_opts *o)
     cli_world.rank = mt_comm_rank(cli_world.comm);
     cli_world.size = mt_comm_size(cli_world.comm);
     cli_world.tp = (int)o->tp;
+    cli_world.pp = (int)o->pp;
     int rc = agree_options(o);
     if (rc) return rc;
-    const long groups = cli_world.size / (o->tp > 1 ? o->tp : 1);
+    const long groups = cli_world.size / (o->tp > 1 ? o->tp : 1) / (o->pp > 1 ? o->pp : 1);
     if (groups > o->batch) {
-        if (o->tp > 1)
+        if (o->tp > 1 || o->pp > 1)
             fprintf(stderr, "%s: --batch %ld is less than the %ld data-parallel groups of --tp "
-                    "%ld (every group needs a row)\n", cli_prog, o->batch, groups, o->tp);
+                    "%ld x --pp %ld (every group needs a row)\n", cli_prog, o->batch, groups,
+                    o->tp, o->pp);
         else
             fprintf(stderr, "%s: --batch %ld is less than the %d ranks (every rank needs a row)\n",
                     cli_prog, o->batch, cli_world.size);
@@ -255,8 +257,9 @@ void cli_ranks_close(int rc)
 
 void cli_ranks_rows(mt_batch *b, int features)
 {
-    /* a tensor group shares its rows: the data-parallel groups split them */
-    const int tp = cli_world.tp > 1 ? cli_world.tp : 1;
+    /* a tensor (and pipeline) group shares its rows: the data-parallel
+       groups split them */
+    const int tp = (cli_world.tp > 1 ? cli_world.tp : 1) * (cli_world.pp > 1 ? cli_world.pp : 1);
     const int groups = cli_world.size / tp, g = cli_world.rank / tp;
     if (groups <= 1) return;
     const int T = b->tokens ? b->seq_len : 1;
@@ -273,6 +276,7 @@ void cli_ranks_trainer_config(mt_trainer_config *tc) { cli_ranks_batch(tc, cli_w
 void cli_ranks_batch(mt_trainer_config *tc, int ranks)
 {
     if (tc->tensor_parallel > 1) ranks /= tc->tensor_parallel; /* (a group shares its rows) */
+    if (tc->pipeline_parallel > 1) ranks /= tc->pipeline_parallel;
     if (ranks <= 1) return;
     const int rows = (tc->max_batch + ranks - 1) / ranks;
     tc->max_batch = rows;

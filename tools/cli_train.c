@@ -436,8 +436,14 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         printf("estimated peak %.2f MiB (allocators reserve %.2f MiB)%s\n",
                (double)g.est.peak / 1048576.0, (double)g.est.peak_reserved / 1048576.0,
                o->resume ? "; resumed" : "");
-        const long groups = cli_world.size / o->tp;
-        if (cli_world.size > 1 && o->tp > 1)
+        const long groups = cli_world.size / o->tp / o->pp;
+        if (cli_world.size > 1 && o->pp > 1)
+            printf("%ld data-parallel groups of pipelines of %ld stages (tensor groups of %ld) "
+                   "(%s), ZeRO stage %ld: each pipeline trains on about %ld of the %ld rows of a "
+                   "step in micro-batches of %ld; the estimate is rank 0's (stage 0's)\n",
+                   groups, o->pp, o->tp, mt_comm_name(cli_world.comm), o->zero,
+                   (o->batch + groups - 1) / groups, o->batch, o->micro ? o->micro : o->batch);
+        else if (cli_world.size > 1 && o->tp > 1)
             printf("%ld data-parallel groups of tensor groups of %ld ranks (%s), ZeRO stage %ld: "
                    "each group trains on about %ld of the %ld rows of a step; the estimate is "
                    "rank 0's\n",
@@ -549,8 +555,9 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         }
         fprintf(o->json ? stderr : stdout, "LoRA adapters merged into the weights\n");
     }
-    if (o->export_llmc && (cli_world.rank == 0 || o->zero == 3 || o->tp > 1)) {
-        /* the weights back in fp32 (ZeRO-3 and tensor parallel: gathered, every rank) */
+    if (o->export_llmc && (cli_world.rank == 0 || o->zero == 3 || o->tp > 1 || o->pp > 1)) {
+        /* the weights back in fp32 (ZeRO-3, tensor and pipeline parallel: gathered, every
+           rank) */
         mt_trainer_destroy(g.trainer);
         g.trainer = NULL;
     }

@@ -589,17 +589,24 @@ mt_status mti_pp_tie(mt_trainer *t)
     size_t at, n;
     float *g = mti_home_own(t, i, &at, &n);
     if (!g || !n) return MT_OK;
-    mti_tensor other = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)n}};
+    /* in pieces of the staging's size: no table-sized buffer */
+    const size_t piece = MTI_COMM_STAGE / 2 / sizeof(float), m = n < piece ? n : piece;
+    mti_tensor other = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)m}};
     mt_status s = mti_tensor_alloc(ctx, &other, MT_MEM_WORK, MT_LIFE_PHASE,
                                    MTI_TAG_PARAM(MTI_TAG_TRAINER, 22));
-    const mti_tensor mine = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)n},
-                             .blk = {.ptr = g}};
     const int peer = first ? pp->size - 1 : 0;
-    if (!s) s = exchange(t, "pipeline parallel: the tied token table's gradient between the first "
-                         "and last stages", &mine, peer, &other, peer);
     const mti_kctx k = {ctx, ctx->dev};
-    /* (mine + theirs on one, theirs + mine on the other: the same bits) */
-    if (!s) s = ctx->ops->add(&k, g, g, other.blk.ptr, n, MTI_F32);
+    for (size_t a = 0; a < n && !s; a += m) {
+        const size_t len = n - a < m ? n - a : m;
+        const mti_tensor mine = {.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)len},
+                                 .blk = {.ptr = g + a}};
+        other.shape[0] = (int64_t)len;
+        s = exchange(t, "pipeline parallel: the tied token table's gradient between the first "
+                     "and last stages", &mine, peer, &other, peer);
+        /* (mine + theirs on one, theirs + mine on the other: the same bits) */
+        if (!s) s = ctx->ops->add(&k, g + a, g + a, other.blk.ptr, len, MTI_F32);
+    }
+    other.shape[0] = (int64_t)m;
     mti_tensor_free(ctx, &other);
     return s;
 }
