@@ -81,7 +81,7 @@ EXAMPLES := $(BUILD)/examples/embed $(BUILD)/examples/custom_allocator $(BUILD)/
 BENCH_SRC := $(wildcard bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
-.PHONY: bench-tp fuzz test-deps all lib test test-isa test-arm64 test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
+.PHONY: bench-tp bench-pp fuzz test-deps all lib test test-isa test-arm64 test-long test-gpu gpu-bundle gpu-bundle-dir demo bench bench-gpt2 bench-offload bench-offload-io bench-dp install uninstall clean deps valgrind check-tests
 .DEFAULT_GOAL := all
 .SECONDARY: # keep intermediate objects (examples, benchmarks) between runs
 
@@ -421,6 +421,10 @@ bench-dp: deps
 bench-tp: deps
 	@$(MAKE) --no-print-directory $(TOOL)
 	BUILD=$(BUILD) TP=1 ./bench/dp_overlap.sh $(TP_ARGS)
+
+bench-pp: deps
+	@$(MAKE) --no-print-directory $(TOOL)
+	BUILD=$(BUILD) PP=1 ./bench/dp_overlap.sh $(PP_ARGS)
 
 # ---- install ----
 install: $(LIB) $(TOOL) $(MPI_TARGETS)

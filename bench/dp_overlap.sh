@@ -12,7 +12,12 @@
 # Usage: BUILD=build STEPS=20 ROUNDS=3 bench/dp_overlap.sh [extra memtrain
 # train options]. Prints markdown tables (docs/benchmarks.md). With TP=1,
 # tensor parallel instead: 2 ranks of 1 thread in one tensor group (--tp 2,
-# with and without --sp) against the same one process (make bench-tp).
+# with and without --sp) against the same one process (make bench-tp). With
+# PP=1, pipeline parallel: 2 stages of 1 thread each (--pp 2) against one
+# process of 2 threads, both in micro-batches of 1 and 2 rows (8 and 4
+# micro-batches), with the bubble: the time rank 0 (stage 0) waited for the
+# other stage per step, against the 1F1B schedule's (P-1)/(M+P-1) (make
+# bench-pp).
 set -u
 B=${BUILD:-build}
 STEPS=${STEPS:-20}
@@ -37,7 +42,11 @@ fi
 
 # the lines: name, then the command's memtrain options (2 ranks when --zero
 # or --tp is there)
-if [ "${TP:-0}" = 1 ]; then LINES="base|--threads 2
+if [ "${PP:-0}" = 1 ]; then LINES="base8|--threads 2 --micro 1
+pp8|--threads 1 --pp 2 --micro 1
+base4|--threads 2 --micro 2
+pp4|--threads 1 --pp 2 --micro 2"
+elif [ "${TP:-0}" = 1 ]; then LINES="base|--threads 2
 tp|--threads 1 --tp 2
 tpsp|--threads 1 --tp 2 --sp"
 else LINES="base|--threads 2
@@ -52,6 +61,10 @@ fi
 label() {
     case $1 in
     base) echo "1 rank x 2 threads" ;;
+    base8) echo "1 rank x 2 threads, 8 micro-batches" ;;
+    base4) echo "1 rank x 2 threads, 4 micro-batches" ;;
+    pp8) echo "2 ranks x 1 thread, 2 pipeline stages (--pp 2), 8 micro-batches" ;;
+    pp4) echo "2 ranks x 1 thread, 2 pipeline stages (--pp 2), 4 micro-batches" ;;
     s0) echo "2 ranks x 1 thread, stage 0, all-reduce after backward" ;;
     s0o) echo "2 ranks x 1 thread, stage 0, all-reduce during backward (--overlap)" ;;
     s1) echo "2 ranks x 1 thread, stage 1" ;;
@@ -77,7 +90,7 @@ while [ $r -le "$ROUNDS" ]; do
     echo "$LINES" | while IFS='|' read -r name opts; do
         f="$dir/$name.$r"
         case $opts in
-        *--zero* | *--tp*) cmd="timeout 600 $MPIRUN -np 2 $B/memtrain" ;;
+        *--zero* | *--tp* | *--pp*) cmd="timeout 600 $MPIRUN -np 2 $B/memtrain" ;;
         *) cmd="$B/memtrain" ;;
         esac
         # shellcheck disable=SC2086
@@ -93,17 +106,28 @@ echo "| run | ms/step | / 1 rank x 2 threads | collectives (rank 0) | communicat
 echo "|---|---|---|---|---|---|---|"
 echo "$LINES" | while IFS='|' read -r name opts; do
     ms=$(for r in $(seq "$ROUNDS"); do cat "$dir/$name.$r.ms"; done | median)
+    ref=base
+    case $name in pp*) ref=base${name#pp} ;; base?) ref=$name ;; esac
     ratio=$(for r in $(seq "$ROUNDS"); do
-        awk -v a="$(cat "$dir/$name.$r.ms")" -v b="$(cat "$dir/base.$r.ms")" 'BEGIN { printf "%.3f\n", a / b }'
+        awk -v a="$(cat "$dir/$name.$r.ms")" -v b="$(cat "$dir/$ref.$r.ms")" 'BEGIN { printf "%.3f\n", a / b }'
     done | median)
     # the communication of the round whose ms/step is nearest the median
     near=$(for r in $(seq "$ROUNDS"); do
         awk -v r="$r" -v a="$(cat "$dir/$name.$r.ms")" -v m="$ms" 'BEGIN { d = a - m; print (d < 0 ? -d : d), r }'
     done | sort -g | head -n 1 | cut -d' ' -f2)
     comm=$(comm_of "$dir/$name.$near")
-    [ "$name" = base ] && ratio=1
+    [ "$name" = "$ref" ] && ratio=1
     echo "| $(label "$name") | $ms | ${ratio}x | ${comm:-- | - | - | -} |"
+    # the bubble: stage 0's waiting per step (its exposed communication over the
+    # steps, the exchanges' transfers included) over the step
+    case $name in pp*)
+        M=${name#pp}
+        exp=$(echo "$comm" | cut -d'|' -f3)
+        awk -v e="$exp" -v ms="$ms" -v n="$STEPS" -v m="$M" 'BEGIN {
+            printf "%s\n", sprintf("bubble at %d micro-batches: stage 0 waited %.1f%% of its steps; 1F1B'"'"'s (P-1)/(M+P-1) = %.1f%%", m, 100 * e / (n * ms / 1000), 100 / (m + 1)) }' >> "$dir/bubbles" ;;
+    esac
 done
+[ -f "$dir/bubbles" ] && { echo; sed 's/^/- /' "$dir/bubbles"; }
 echo
 printf "| run |"; for r in $(seq "$ROUNDS"); do printf " round %s ms/step |" "$r"; done; echo
 printf "|---|"; for r in $(seq "$ROUNDS"); do printf -- "---|"; done; echo

@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "check.h"
+#include "engine/engine.h"
 #include "test_comm.h"
 
 #define PP_MAXN 8
@@ -468,4 +469,132 @@ TEST(pp_dead_rank)
     CHECK_MSG(a.st[0] == MT_ERR_COMM, "rank 0: %s: %s", mt_status_string(a.st[0]), a.msg[0]);
     CHECK_MSG(strstr(a.msg[0], "pipeline") != NULL, "%s", a.msg[0]);
     CHECK_MSG(a.seconds[0] < 1.0 + 3.0, "rank 0 failed after %.2f s", a.seconds[0]);
+}
+
+/* On CUDA contexts (the stand-in driver and cuBLASLt) over the stand-in
+ * NCCL (its send and receive on the device's stream) and over a host
+ * communicator (staged through host memory): 2 stages, fp32 and bf16, 4
+ * micro-batches, on gradients the test fills in; each rank's per-class
+ * peaks equal its estimate, and the weights brought back to every rank
+ * after the trainer are the same on both. */
+typedef struct ppc_run {
+    tcomm_world *w;
+    int nccl;
+    mt_precision prec;
+    float *wt[2];
+    size_t nw;
+    char msg[2][400];
+} ppc_run;
+
+static void ppc_rank(int rank, void *arg)
+{
+    ppc_run *a = arg;
+    char *msg = a->msg[rank];
+    const size_t cap = sizeof a->msg[rank];
+    mt_comm *c = a->nccl ? tcomm_nccl(a->w, rank, 2) : tcomm_make(a->w, rank, 2, 0);
+    mt_context *ctx = c ? tcomm_cuda_context(c) : NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = ctx ? MT_OK : MT_ERR_NO_DEVICE;
+    pp_run spec = {.pp = 2, .rows = 4, .micro = 1, .opt = MT_OPT_ADAMW, .prec = a->prec,
+                   .clip = 1.0f};
+    mt_trainer_config tc = pp_config(&spec);
+    if (!s) s = pp_model(&spec, ctx, &m);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[4 * PP_T], tgt[4 * PP_T];
+    for (int k = 0; k < 2 && !s; k++) {
+        pp_rows(&spec, k, 0, 4, tok, tgt, NULL);
+        mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
+        s = mt_trainer_step(t, &b, NULL);
+    }
+    if (!s) {
+        mt_estimate_report e;
+        mt_memory_stats ms;
+        s = mt_estimate_model(m, &tc, &e);
+        mt_context_memory_stats(ctx, &ms);
+        for (int k = 0; !s && k < MT_MEM_COUNT && !*msg; k++)
+            if (ms.per_class[k].peak_live_bytes != e.class_peak[k])
+                snprintf(msg, cap, "%s peak %llu, estimate %llu", mt_mem_class_name(k),
+                         (unsigned long long)ms.per_class[k].peak_live_bytes,
+                         (unsigned long long)e.class_peak[k]);
+    }
+    if (s && !*msg) snprintf(msg, cap, "%s", ctx ? mt_last_error(ctx) : "no context");
+    mt_trainer_destroy(t);
+    if (!s && !*msg) {
+        a->nw = mt_model_num_params(m);
+        a->wt[rank] = malloc(a->nw * sizeof(float));
+        if (mt_model_get_params(m, a->wt[rank], a->nw))
+            snprintf(msg, cap, "get_params: %s", mt_last_error(ctx));
+    }
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_cuda_stand_in)
+{
+    if (!check_fake_cuda() || !getenv("MT_FAKE_CUBLASLT") || !getenv("MT_FAKE_NCCL")) {
+        fprintf(stderr, "    (skipped: MT_FAKE_CUDA, MT_FAKE_CUBLASLT or MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    mti_engine_grad_fill = tcomm_fill_grads;
+    for (int k = 0; k < 3; k++) {
+        ppc_run a = {.nccl = k != 2, .prec = k == 1 ? MT_PREC_BF16 : MT_PREC_FP32};
+        a.w = tcomm_world_new(2, 30.0);
+        tcomm_run(2, ppc_rank, &a);
+        tcomm_world_free(a.w);
+        for (int r = 0; r < 2; r++)
+            CHECK_MSG(!a.msg[r][0], "case %d, rank %d: %s", k, r, a.msg[r]);
+        CHECK(a.wt[0] && a.wt[1] && memcmp(a.wt[0], a.wt[1], a.nw * sizeof(float)) == 0);
+        free(a.wt[0]), free(a.wt[1]);
+    }
+    mti_engine_grad_fill = NULL;
+}
+
+/* While the trainer lives: the model's size and tensors are the whole
+ * model's, and the calls that need every tensor are refused by name. */
+typedef struct pp_calls {
+    tcomm_world *world;
+    int bad;
+} pp_calls;
+
+static void pp_calls_rank(int rank, void *p)
+{
+    pp_calls *a = p;
+    pp_run spec = {.pp = 2, .rows = 4, .micro = 1, .opt = MT_OPT_SGD};
+    mt_trainer_config tc = pp_config(&spec);
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    RANK_EXPECT(!tcomm_context(c, &ctx) && !pp_model(&spec, ctx, &m));
+    const size_t n = mt_model_num_params(m);
+    const int k = mt_model_num_tensors(m);
+    RANK_EXPECT(!mt_trainer_create(m, &tc, &t));
+    RANK_EXPECT(mt_model_num_params(m) == n && mt_model_num_tensors(m) == k);
+    mt_param_info pi;
+    RANK_EXPECT(!mt_model_param_info(m, k - 1, &pi) && !strcmp(pi.name, "lnf.b"));
+    float *w = malloc(n * sizeof *w);
+    RANK_EXPECT(mt_model_get_params(m, w, n) == MT_ERR_UNSUPPORTED &&
+                strstr(mt_last_error(ctx), "pipeline stages"));
+    RANK_EXPECT(mt_trainer_save(t, "/nonexistent/x", NULL, 0) == MT_ERR_UNSUPPORTED);
+    int32_t tok[4 * PP_T], tgt[4 * PP_T];
+    pp_rows(&spec, 0, 0, 4, tok, tgt, NULL);
+    mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
+    RANK_EXPECT(mt_trainer_gradients(t, &b, NULL, w, n) == MT_ERR_UNSUPPORTED);
+    RANK_EXPECT(!mt_trainer_step(t, &b, NULL)); /* (the refusals left the trainer whole) */
+    mt_trainer_destroy(t);
+    RANK_EXPECT(!mt_model_get_params(m, w, n));
+    free(w);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_model_calls)
+{
+    pp_calls a = {.world = tcomm_world_new(2, 30.0)};
+    tcomm_run(2, pp_calls_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK(!a.bad);
 }

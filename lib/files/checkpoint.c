@@ -44,6 +44,7 @@
 #include "optim/optim.h"
 #include "train/trainer.h"
 #include "train/tp.h"
+#include "train/pp.h"
 #include "comm/comm.h"
 
 #define CK_MAGIC "MTTRAIN\0"
@@ -452,6 +453,7 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
     mt_context *ctx = t->ctx;
+    if (t->pp.size > 1) return mti_pp_files_refused(t, fn);
     if (t->tp.size > 1) {
         mt_status ts_ok = mti_tp_files_ok(t, fn);
         if (ts_ok) return ts_ok;
@@ -949,7 +951,9 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     /* on several ranks a rank that cannot start still makes the exchanges
        below, so every rank fails with it at once (tensor parallel: each
        rank reads the whole file and takes its parts) */
-    mt_status s = t->tp.size > 1 ? mti_tp_files_ok(t, fn) : MT_OK;
+    mt_status s = t->pp.size > 1 ? mti_pp_files_refused(t, fn)
+                  : t->tp.size > 1 ? mti_tp_files_ok(t, fn)
+                                   : MT_OK;
     if (s) return s; /* (the same on every rank) */
     if (!path) s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
     else if (!user && user_cap)

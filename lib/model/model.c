@@ -615,21 +615,24 @@ mt_status mt_model_destroy(mt_model *m)
     return MT_OK;
 }
 
-size_t mt_model_num_params(const mt_model *m) { return m ? m->n_params : 0; }
+/* (a pipeline-parallel trainer's stage stands in for the model meanwhile:
+   the whole model's answers) */
+size_t mt_model_num_params(const mt_model *m) { return m ? m->pp ? m->pp->n_params : m->n_params : 0; }
 
-int mt_model_num_tensors(const mt_model *m) { return m ? m->n_param : 0; }
+int mt_model_num_tensors(const mt_model *m) { return m ? m->pp ? m->pp->n_param : m->n_param : 0; }
 
-int mt_model_num_units(const mt_model *m) { return m ? m->n_units : 0; }
+int mt_model_num_units(const mt_model *m) { return m ? m->pp ? m->pp->n_units : m->n_units : 0; }
 
 mt_status mt_model_param_info(const mt_model *m, int i, mt_param_info *out)
 {
     if (!m || !out)
         return mti_fail(m ? m->ctx : NULL, MT_ERR_INVALID_ARG, "mt_model_param_info: %s is NULL",
                         m ? "out" : "model");
-    if (i < 0 || i >= m->n_param)
+    const int n = mt_model_num_tensors(m);
+    if (i < 0 || i >= n)
         return mti_fail(m->ctx, MT_ERR_INVALID_ARG,
-                        "mt_model_param_info: index %d out of range 0..%d", i, m->n_param - 1);
-    const mti_param *p = &m->params[i];
+                        "mt_model_param_info: index %d out of range 0..%d", i, n - 1);
+    const mti_param *p = m->pp ? &m->pp->params[i] : &m->params[i];
     memset(out, 0, sizeof *out);
     out->name = p->name;
     out->ndim = p->ndim;
@@ -645,6 +648,7 @@ static mt_status check_copy(const mt_model *m, const void *p, size_t n, const ch
 {
     if (!m) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: model is NULL", fn);
     if (!p) return mti_fail(m->ctx, MT_ERR_INVALID_ARG, "%s: buffer is NULL", fn);
+    if (m->pp) return mti_model_all_whole(m, fn); /* (the stage's alone are here) */
     if (n != m->n_params)
         return mti_fail(m->ctx, MT_ERR_INVALID_ARG, "%s: n is %zu but the model has %zu parameters",
                         fn, n, m->n_params);
@@ -812,6 +816,11 @@ mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *
  * written before the first sharded one refused). */
 mt_status mti_model_all_whole(const mt_model *m, const char *fn)
 {
+    if (m->pp)
+        return mti_fail(m->ctx, MT_ERR_UNSUPPORTED,
+                        "%s: the model is cut into %d pipeline stages by a pipeline-parallel "
+                        "trainer (pipeline_parallel), each rank holding its stage's weights: "
+                        "destroy the trainer on every rank to bring them back", fn, m->pp->size);
     for (int i = 0; i < m->n_param; i++)
         if (sharded_refused(m, &m->params[i]))
             return mti_fail(m->ctx, MT_ERR_UNSUPPORTED, "%s: %s", fn, mti_last_msg(m->ctx).s);

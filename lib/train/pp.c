@@ -211,6 +211,14 @@ mt_status mti_pp_begin(mt_trainer *t, mt_status s)
     return s;
 }
 
+mt_status mti_pp_files_refused(const mt_trainer *t, const char *fn)
+{
+    return mti_fail(t->ctx, MT_ERR_UNSUPPORTED,
+                    "%s: training-state files of a model cut into %d pipeline stages "
+                    "(pipeline_parallel) are not built yet (docs/distributed.md, \"Pipeline "
+                    "parallel\")", fn, t->pp.size);
+}
+
 mt_status mti_pp_agree(mt_trainer *t, const char *fn, const char *what, mt_status s)
 {
     if (t->pp.size < 2 || !t->pp.comm || t->ctx->dry) return s;

@@ -55,4 +55,8 @@ mt_status mti_pp_tie(mt_trainer *t);
  * left out by the caller) and found, summed. */
 mt_status mti_pp_checks(mt_trainer *t, int *found, double *sum);
 
+/* Training-state files are not built for stages yet: MT_ERR_UNSUPPORTED,
+ * fn named (the same on every rank). */
+mt_status mti_pp_files_refused(const mt_trainer *t, const char *fn);
+
 #endif /* MT_PP_H */
