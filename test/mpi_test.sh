@@ -328,6 +328,19 @@ if [ -x "$B/memtrain" ]; then
         then echo "ok   mpi memtrain train $flags on $np ranks: one process's losses $got"
         else echo "FAIL mpi memtrain train $flags on $np ranks: losses '$got', one process '$one'"; echo "$ppo"; fail=1; fi
     done
+    # a checkpoint saved by tp 2 x pp 2 resumes on one process and on 3 stages: the
+    # unbroken run's last loss
+    ck=$(mktemp)
+    timeout 180 $MPIRUN -np 4 "$B/memtrain" $pargs --pp 2 --tp 2 --steps 2 --save "$ck" >/dev/null 2>&1
+    last=$(echo "$one" | cut -d' ' -f3)
+    r1=$("$B/memtrain" $pargs --resume "$ck" 2>/dev/null | grep -o '"loss": [0-9.]*' | tail -n 1 | cut -d' ' -f2)
+    r3=$(timeout 180 $MPIRUN -np 3 "$B/memtrain" $pargs --pp 3 --resume "$ck" 2>/dev/null |
+         grep -o '"loss": [0-9.]*' | tail -n 1 | cut -d' ' -f2)
+    if [ -n "$last" ] && awk -v a="$last" -v b="$r1" -v c="$r3" 'BEGIN { if (b == "" || c == "") exit 1;
+           d = a - b; e = a - c; if (d < 0) d = -d; if (e < 0) e = -e; exit !(d <= 1e-5 * a + 2e-6 && e <= 1e-5 * a + 2e-6) }'
+    then echo "ok   mpi memtrain train --tp 2 --pp 2 --save: resumed by 1 rank and by 3 stages, the unbroken run's last loss $last"
+    else echo "FAIL mpi memtrain train --tp 2 --pp 2 --save: resumed '$r1' (1 rank), '$r3' (3 stages), unbroken '$last'"; fail=1; fi
+    rm -f "$ck"
     margs="train --model mlp --batch 8 --micro 2 --threads 1 --steps 4 --json"
     mone=$("$B/memtrain" $margs 2>/dev/null | grep -o '"loss": [0-9.]*' | tr '\n' ' ')
     mgot=$(timeout 120 $MPIRUN -np 2 "$B/memtrain" $margs --pp 2 2>/dev/null | grep -o '"loss": [0-9.]*' | tr '\n' ' ')

@@ -515,7 +515,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         bool stopping;
         if ((rc = cli_ranks_any(stop_signal != 0, step, &stopping))) goto done;
         /* under ZeRO saving is a collective: every rank sends its slices */
-        if (o->save && (cli_world.rank == 0 || o->zero || o->tp > 1) &&
+        if (o->save && (cli_world.rank == 0 || o->zero || o->tp > 1 || o->pp > 1) &&
             ((o->save_every && step % o->save_every == 0) || step == o->steps || stopping) &&
             (rc = save_checkpoint(o, ctx, &g)))
             goto done;
@@ -529,7 +529,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
     /* a run with no step to train (--steps 0, or resumed at --steps) still
        writes the checkpoint it was asked for: the state it starts from */
     const bool untrained = first > o->steps;
-    if (o->save && untrained && (cli_world.rank == 0 || o->zero || o->tp > 1) &&
+    if (o->save && untrained && (cli_world.rank == 0 || o->zero || o->tp > 1 || o->pp > 1) &&
         (rc = save_checkpoint(o, ctx, &g)))
         goto done;
     if (o->save && cli_world.rank == 0) {

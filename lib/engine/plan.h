@@ -20,10 +20,6 @@ mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigne
  * context (its world, cfg's tensor_parallel and zero_stage; 0 on one
  * rank): nominal link rates, for comparing layouts (plan.c). */
 double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c);
-/* Forward FLOPs of each of the model's units per row of a micro-batch of T
- * tokens (full), and what selective recompute repeats of each (sel):
- * m->n_units values each. Only their ratios mean anything. */
-void mti_unit_costs(const mt_model *m, int T, double *full, double *sel);
 /* A plan in words, for messages. */
 void mti_plan_describe(const mt_model *m, const unsigned char *units, int seg_len, char *buf,
                        size_t cap);

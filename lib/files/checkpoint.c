@@ -99,7 +99,9 @@ static void bb_u64(bbuf *b, uint64_t v)
  * part of them this rank holds under ZeRO (see held). */
 typedef struct ck_tensor {
     mti_tensor *t; /* this rank's (its part; no memory when it holds none) */
-    int param;     /* its parameter */
+    int param;     /* its parameter (pipeline parallel: in this rank's stage, or -1) */
+    int wparam;    /* ... in the whole model (the file's) */
+    int stage;     /* pipeline parallel: the stage holding it (else 0) */
     int what;      /* 0 weights, 1 master, 2.. state s[what - 2] */
     mti_dtype dtype;
     uint64_t bytes; /* of the whole tensor */
@@ -108,19 +110,23 @@ typedef struct ck_tensor {
 static int list_tensors(mt_trainer *t, ck_tensor *out)
 {
     mt_model *m = t->model;
+    const mti_pp *pp = &t->pp;
     int n = 0;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
+        /* (pipeline parallel: the whole model's index; the last stage's copy
+           of the table stands for the table) */
+        const int wi = pp->size < 2 ? i : i == pp->tied ? pp->table : pp->q0 + i;
         mti_tensor *w = t->zero == 3 && !p->frozen ? &t->pw[i] : &p->w; /* (ZeRO-3: a slice) */
         /* (tensor parallel: a part's file holds the whole tensor, element by
            element, which tp_files_ok has checked every stored tensor is) */
         const uint64_t whole = mti_whole_numel(p);
         const uint64_t wbytes = p->tp_split ? whole * mti_dtype_size(p->w.dtype)
                                             : mti_tensor_bytes(&p->w); /* (quantized: its bytes) */
-        if (out) out[n] = (ck_tensor){w, i, 0, p->w.dtype, wbytes};
+        if (out) out[n] = (ck_tensor){w, i, wi, pp->rank, 0, p->w.dtype, wbytes};
         n++;
         if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
-            if (out) out[n] = (ck_tensor){&p->master, i, 1, MTI_F32, whole * 4};
+            if (out) out[n] = (ck_tensor){&p->master, i, wi, pp->rank, 1, MTI_F32, whole * 4};
             n++;
         }
         for (int j = 0; j < 4; j++) {
@@ -128,7 +134,7 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
             if (!l->numel) continue;
             const uint64_t numel = p->tp_split ? whole : (uint64_t)l->numel;
             if (out)
-                out[n] = (ck_tensor){&t->ps[i].s[j], i, 2 + j, l->dtype,
+                out[n] = (ck_tensor){&t->ps[i].s[j], i, wi, pp->rank, 2 + j, l->dtype,
                                      numel * mti_dtype_size(l->dtype)};
             n++;
         }
@@ -167,16 +173,20 @@ static void held(const mt_trainer *t, const ck_tensor *c, int r, uint64_t *off, 
 static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
 {
     mt_model *m = t->model;
+    /* (pipeline parallel: the whole model's, so a file fits every layout) */
+    const bool pp = t->pp.size > 1;
+    const mti_param *params = pp ? t->pp.params : m->params;
+    const int n_param = pp ? t->pp.n_param : m->n_param;
     bb_u32(b, (uint32_t)m->kind);
     bb_u32(b, (uint32_t)m->input);
     bb_u32(b, (uint32_t)m->features);
     bb_u32(b, (uint32_t)m->vocab);
     bb_u32(b, (uint32_t)m->padded_vocab);
     bb_u32(b, (uint32_t)m->max_seq);
-    bb_u32(b, (uint32_t)m->n_layers);
-    bb_u32(b, (uint32_t)m->n_param);
-    for (int i = 0; i < m->n_param; i++) {
-        const mti_param *p = &m->params[i];
+    bb_u32(b, (uint32_t)(pp ? t->pp.n_layers : m->n_layers));
+    bb_u32(b, (uint32_t)n_param);
+    for (int i = 0; i < n_param; i++) {
+        const mti_param *p = &params[i];
         char name[MTI_NAME_LEN] = {0};
         snprintf(name, sizeof name, "%s", p->name);
         bb_put(b, name, sizeof name);
@@ -190,7 +200,7 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
     bb_u32(b, (uint32_t)t->bare);
     bb_u32(b, (uint32_t)n);
     for (int k = 0; k < n; k++) {
-        bb_u32(b, (uint32_t)ts[k].param);
+        bb_u32(b, (uint32_t)ts[k].wparam);
         bb_u32(b, (uint32_t)ts[k].what);
         bb_u32(b, (uint32_t)ts[k].dtype);
         bb_u64(b, ts[k].bytes);
@@ -198,10 +208,10 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
     /* the frozen parameters, when there are any (so a file without them is
        as it always was): their count, then their indices */
     uint32_t nf = 0;
-    for (int i = 0; i < m->n_param; i++) nf += m->params[i].frozen != 0;
+    for (int i = 0; i < n_param; i++) nf += params[i].frozen != 0;
     if (nf) bb_u32(b, nf);
-    for (int i = 0; nf && i < m->n_param; i++)
-        if (m->params[i].frozen) bb_u32(b, (uint32_t)i);
+    for (int i = 0; nf && i < n_param; i++)
+        if (params[i].frozen) bb_u32(b, (uint32_t)i);
     if (m->lora_rank) { /* LoRA's alpha (the rank is in the adapters' shapes) */
         uint32_t a;
         memcpy(&a, &m->lora_alpha, 4);
@@ -211,10 +221,72 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
        then each one's index and format (1 int8, 2 NF4) */
     _Static_assert(MTI_QF_INT8 == 1 && MTI_QF_NF4 == 2, "the formats' numbers in a file");
     uint32_t nq = 0;
-    for (int i = 0; i < m->n_param; i++) nq += m->params[i].qf != 0;
+    for (int i = 0; i < n_param; i++) nq += params[i].qf != 0;
     if (nq) bb_u32(b, nq);
-    for (int i = 0; nq && i < m->n_param; i++)
-        if (m->params[i].qf) bb_u32(b, (uint32_t)i), bb_u32(b, (uint32_t)m->params[i].qf);
+    for (int i = 0; nq && i < n_param; i++)
+        if (params[i].qf) bb_u32(b, (uint32_t)i), bb_u32(b, (uint32_t)params[i].qf);
+}
+
+/* Pipeline parallel: the whole model's stored tensors in file order, every
+ * stage's list (mine: this rank's n, its stage's) put together over the
+ * pipeline group, each stage's tied copy left out (the first stage's table
+ * is the one stored). This stage's entries keep their tensors; the
+ * others' have none (param -1), except on the last stage the table's,
+ * which point at its copy's (loading fills both). A collective of the
+ * group. */
+static mt_status whole_list(mt_trainer *t, const ck_tensor *mine, int n, ck_tensor **out,
+                            int *nout)
+{
+    mt_context *ctx = t->ctx;
+    const mti_pp *pp = &t->pp;
+    const int P = pp->size;
+    *out = NULL;
+    *nout = 0;
+    float *cnt = calloc((size_t)P, sizeof *cnt);
+    if (!cnt) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    for (int k = 0; k < n; k++) cnt[pp->rank] += mine[k].param != pp->tied;
+    mt_status s = pp->comm ? mti_comm_group_host_all_reduce(
+                                 ctx, pp->comm, "pipeline parallel: the stages' stored tensors",
+                                 cnt, (size_t)P, MT_COMM_SUM)
+                           : MT_OK;
+    int total = 0, before = 0;
+    for (int q = 0; q < P; q++) total += (int)cnt[q], before += q < pp->rank ? (int)cnt[q] : 0;
+    enum { F = 6 }; /* whole index, role, dtype, bytes in three 16-bit pieces: exact in fp32 */
+    float *e = s ? NULL : calloc((size_t)total * F + 1, sizeof *e);
+    ck_tensor *w = s ? NULL : calloc((size_t)total + 1, sizeof *w);
+    if (!s && (!e || !w)) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    for (int k = 0, j = before; !s && k < n; k++) {
+        if (mine[k].param == pp->tied) continue;
+        float *f = e + (size_t)j++ * F;
+        f[0] = (float)mine[k].wparam, f[1] = (float)mine[k].what, f[2] = (float)mine[k].dtype;
+        for (int b = 0; b < 3; b++) f[3 + b] = (float)((mine[k].bytes >> (16 * b)) & 0xffff);
+    }
+    if (!s && pp->comm)
+        s = mti_comm_group_host_all_reduce(ctx, pp->comm,
+                                           "pipeline parallel: the stages' stored tensors", e,
+                                           (size_t)total * F, MT_COMM_SUM);
+    for (int j = 0, st = 0, end = (int)cnt[0]; !s && j < total; j++) {
+        while (j >= end && st + 1 < P) end += (int)cnt[++st];
+        const float *f = e + (size_t)j * F;
+        ck_tensor *c = &w[j];
+        *c = (ck_tensor){NULL, -1, (int)f[0], st, (int)f[1], (mti_dtype)(int)f[2], 0};
+        for (int b = 0; b < 3; b++) c->bytes |= (uint64_t)f[3 + b] << (16 * b);
+        for (int k = 0; k < n; k++) /* (this stage's, or the last stage's copy of the table) */
+            if (mine[k].wparam == c->wparam && mine[k].what == c->what &&
+                (st == pp->rank || mine[k].param == pp->tied)) {
+                c->t = mine[k].t, c->param = mine[k].param;
+                break;
+            }
+    }
+    free(cnt);
+    free(e);
+    if (s) {
+        free(w);
+        return s;
+    }
+    *out = w;
+    *nout = total;
+    return MT_OK;
 }
 
 static void counters_of(const mt_trainer *t, bbuf *b)
@@ -274,17 +346,72 @@ typedef struct saver {
     bool tp;             /* tensor parallel: a collective of the tensor group, whose
                             first rank writes the whole tensors */
     float *whole;        /* tensor parallel: the writer's whole tensor being put together */
+    bool pp;             /* pipeline parallel: a collective of the pipeline group too; each
+                            stage's writer sends its tensors' sections to the first stage's,
+                            which writes the file */
+    mt_status cs;        /* a failed exchange of those */
     mt_status ws;        /* this rank's first local failure */
 } saver;
 
+/* The rank holding the bytes to write (pipeline parallel: its stage's). */
 static bool writer(const saver *v)
 {
     return v->tp ? v->t->tp.rank == 0 : v->t->rank == 0 || !v->collective;
 }
 
+/* The rank writing the file. */
+static bool file_writer(const saver *v) { return writer(v) && (!v->pp || v->t->pp.rank == 0); }
+
 static void sv_write(saver *v, const void *data, size_t n)
 {
-    if (writer(v) && !v->ws && n) v->ws = mti_afile_write(v->t->ctx, &v->f, data, n);
+    if (file_writer(v) && !v->ws && n) v->ws = mti_afile_write(v->t->ctx, &v->f, data, n);
+}
+
+/* A tensor section's bytes: written, or (a later stage's writer) sent to
+ * the first stage's in pieces of CK_CHUNK, whatever this rank's failures
+ * (the exchanges stay paired). */
+static void emit(saver *v, const void *data, size_t n)
+{
+    if (!v->pp || v->t->pp.rank == 0 || !writer(v)) return sv_write(v, data, n);
+    for (size_t at = 0; at < n && !v->cs; at += CK_CHUNK) {
+        const size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
+        v->cs = mti_comm_group_sendrecv(v->t->ctx, v->t->pp.comm,
+                                        "mt_trainer_save: a stage's tensors to the first stage",
+                                        data ? (const char *)data + at : (const char *)v->buf,
+                                        len, 0, NULL, 0, -1);
+    }
+}
+
+/* The first stage's writer: a later stage's tensor section (emit's pieces:
+ * the header, the payload, the header with the payload's CRC) into the
+ * file. */
+static mt_status relay_tensor(saver *v, const ck_tensor *c)
+{
+    mt_trainer *t = v->t;
+    mt_context *ctx = t->ctx;
+    const char *what = "mt_trainer_save: a stage's tensors to the first stage";
+    unsigned char h[CK_SECTION];
+    off_t at_header = -1;
+    if (!v->ws && (at_header = lseek(v->f.fd, 0, SEEK_CUR)) < 0) {
+        v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
+        mti_afile_abort(&v->f);
+    }
+    mt_status cs = mti_comm_group_sendrecv(ctx, t->pp.comm, what, NULL, 0, -1, h, sizeof h, c->stage);
+    if (!cs) sv_write(v, h, sizeof h);
+    for (uint64_t at = 0; at < c->bytes && !cs; at += CK_CHUNK) {
+        const size_t n = c->bytes - at < CK_CHUNK ? (size_t)(c->bytes - at) : CK_CHUNK;
+        cs = mti_comm_group_sendrecv(ctx, t->pp.comm, what, NULL, 0, -1, v->buf, n, c->stage);
+        if (!cs) sv_write(v, v->buf, n);
+    }
+    if (!cs) cs = mti_comm_group_sendrecv(ctx, t->pp.comm, what, NULL, 0, -1, h, sizeof h, c->stage);
+    if (!cs && !v->ws && (mti_get_u32(h + 4) != (uint32_t)c->wparam ||
+                          mti_get_u64(h + 8) != c->bytes))
+        v->ws = mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: a stage's tensor out of order");
+    if (!cs && !v->ws && pwrite(v->f.fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
+        v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
+        mti_afile_abort(&v->f);
+    }
+    return cs;
 }
 
 static void sv_section(saver *v, uint32_t kind, const void *data, size_t n)
@@ -395,13 +522,13 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
     mt_trainer *t = v->t;
     mt_context *ctx = t->ctx;
     unsigned char h[CK_SECTION];
-    section_header(h, SEC_TENSOR, (uint32_t)c->param, c->bytes, 0, (uint32_t)c->dtype);
+    section_header(h, SEC_TENSOR, (uint32_t)c->wparam, c->bytes, 0, (uint32_t)c->dtype);
     off_t at_header = -1;
-    if (writer(v) && !v->ws && (at_header = lseek(v->f.fd, 0, SEEK_CUR)) < 0) {
+    if (file_writer(v) && !v->ws && (at_header = lseek(v->f.fd, 0, SEEK_CUR)) < 0) {
         v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
         mti_afile_abort(&v->f);
     }
-    sv_write(v, h, sizeof h);
+    emit(v, h, sizeof h);
     uint32_t crc = 0;
     uint64_t done = 0;
     if (v->tp && t->model->params[c->param].tp_split) { /* the parts, whole */
@@ -411,7 +538,7 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
         mt_status cs = gather_split(v, c);
         if (cs) return cs;
         if (writer(v) && !v->ws) crc = mti_crc32(0, v->whole, (size_t)c->bytes);
-        sv_write(v, v->whole, (size_t)c->bytes);
+        emit(v, v->whole, (size_t)c->bytes);
         done = c->bytes;
         free(v->whole);
         v->whole = NULL;
@@ -434,17 +561,18 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
                 if (cs) return cs;
             }
             if (writer(v) && !v->ws) crc = mti_crc32(crc, v->buf, n);
-            sv_write(v, v->buf, n);
+            emit(v, v->buf, n);
         }
         done += len;
     }
     if (done != c->bytes) return mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: parts missing");
-    section_header(h, SEC_TENSOR, (uint32_t)c->param, c->bytes, crc, (uint32_t)c->dtype);
-    if (writer(v) && !v->ws && pwrite(v->f.fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
+    section_header(h, SEC_TENSOR, (uint32_t)c->wparam, c->bytes, crc, (uint32_t)c->dtype);
+    if (file_writer(v) && !v->ws && pwrite(v->f.fd, h, sizeof h, at_header) != (ssize_t)sizeof h) {
         v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
         mti_afile_abort(&v->f);
     }
-    return MT_OK;
+    if (v->pp && t->pp.rank != 0) emit(v, h, sizeof h); /* (the CRC: after the payload) */
+    return v->cs;
 }
 
 mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *user, size_t user_len)
@@ -453,36 +581,40 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!tc) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_trainer *t = (mt_trainer *)tc; /* read only: the list points into it */
     mt_context *ctx = t->ctx;
-    if (t->pp.size > 1) return mti_pp_files_refused(t, fn);
-    if (t->tp.size > 1) {
-        mt_status ts_ok = mti_tp_files_ok(t, fn);
+    if (t->tp.size > 1 || t->pp.size > 1) {
+        mt_status ts_ok = t->pp.size > 1 ? mti_pp_files_ok(t, fn) : MT_OK;
+        if (!ts_ok && t->tp.size > 1) ts_ok = mti_tp_files_ok(t, fn);
         if (ts_ok) return ts_ok;
-        /* the tensor group of data-parallel rank 0 writes; the others' calls
-           do nothing (their state is the same) */
+        /* the tensor (and pipeline) groups of data-parallel rank 0 write; the
+           others' calls do nothing (their state is the same) */
         if (t->rank != 0) return MT_OK;
     }
-    saver v = {.t = t, .collective = t->zero != 0, .tp = t->tp.size > 1, .f = {.fd = -1}};
+    saver v = {.t = t, .collective = t->zero != 0, .tp = t->tp.size > 1, .pp = t->pp.size > 1,
+               .f = {.fd = -1}};
     if (v.collective && !mti_dp_on(t))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
                         "%s: a dry context's sharded trainer has no state to save", fn);
     /* path and user are the writer's (rank 0's under ZeRO); a bad one there
        still takes part in the collectives, so the other ranks hear of it */
-    if (writer(&v) && !path) v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
-    else if (writer(&v) && !user && user_len)
+    if (file_writer(&v) && !path) v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
+    else if (file_writer(&v) && !user && user_len)
         v.ws = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: user is NULL but user_len is %zu", fn,
                         user_len);
-    if (v.ws && !v.collective && !v.tp) return v.ws;
-    if (!writer(&v)) user = NULL, user_len = 0; /* (never written here) */
-    int n = list_tensors(t, NULL);
-    ck_tensor *ts = malloc((size_t)n * sizeof *ts);
+    if (v.ws && !v.collective && !v.tp && !v.pp) return v.ws;
+    if (!file_writer(&v)) user = NULL, user_len = 0; /* (never written here) */
+    int n = list_tensors(t, NULL), nw = n;
+    ck_tensor *ts = malloc((size_t)n * sizeof *ts + 1), *ws = ts;
     v.buf = malloc(CK_CHUNK);
     bbuf lay = {0}, cnt = {0};
-    if (ts) list_tensors(t, ts);
-    if (ts) layout_of(t, ts, n, &lay);
-    counters_of(t, &cnt);
-    const bool oom = !ts || !v.buf || lay.oom || cnt.oom;
-    if (oom) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     mt_status cs = MT_OK;
+    if (ts) list_tensors(t, ts);
+    /* (pipeline parallel: the whole model's list, from every stage) */
+    if (ts && v.pp) cs = whole_list(t, ts, n, &ws, &nw);
+    if (ws) layout_of(t, ws, nw, &lay);
+    counters_of(t, &cnt);
+    bool oom = !ts || !ws || !v.buf || lay.oom || cnt.oom;
+    if (oom && !v.ws && !cs) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    if (cs) oom = true;
     if (!oom && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
     if (!oom && v.tp && t->tp_comm && (t->tp_comm->vt.caps & MT_COMM_CAP_DEVICE))
@@ -491,22 +623,31 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
         cs = mti_tp_agree_status(t, fn, "preparing the training-state file", cs ? cs : v.ws);
         if (cs && !v.ws) v.ws = cs;
     }
-    if (v.ws && !v.collective && !v.tp) cs = v.ws; /* alone: nothing to keep in step with */
+    if (v.pp) { /* ... and the pipeline group */
+        cs = mti_pp_agree(t, fn, "preparing the training-state file", cs ? cs : v.ws);
+        if (cs && !v.ws) v.ws = cs;
+    }
+    if (v.ws && !v.collective && !v.tp && !v.pp) cs = v.ws; /* alone: nothing to keep in step with */
     if (!oom && !cs) {
-        uint64_t total = CK_SECTION * (uint64_t)(n + 4) + lay.len + cnt.len + user_len;
-        for (int k = 0; k < n; k++) total += ts[k].bytes;
+        uint64_t total = CK_SECTION * (uint64_t)(nw + 4) + lay.len + cnt.len + user_len;
+        for (int k = 0; k < nw; k++) total += ws[k].bytes;
         unsigned char h[CK_HEADER] = {0};
         memcpy(h, CK_MAGIC, 8);
         mti_put_u32(h + 8, CK_VERSION);
-        mti_put_u32(h + 12, (uint32_t)(n + 4));
+        mti_put_u32(h + 12, (uint32_t)(nw + 4));
         mti_put_u64(h + 16, total);
         mti_put_u32(h + 24, mti_crc32(0, h, 24));
-        if (writer(&v) && !v.ws) v.ws = mti_afile_open(ctx, path, &v.f);
+        if (file_writer(&v) && !v.ws) v.ws = mti_afile_open(ctx, path, &v.f);
         sv_write(&v, h, sizeof h);
         sv_section(&v, SEC_LAYOUT, lay.p, lay.len);
         sv_section(&v, SEC_COUNTERS, cnt.p, cnt.len);
-        for (int k = 0; k < n && !cs && (v.collective || v.tp || !v.ws); k++)
-            cs = write_tensor(&v, &ts[k]);
+        /* (pipeline parallel: each stage its own tensors, the copy of the table
+           left out; the first stage's writer then puts the others' in, in
+           stage order) */
+        for (int k = 0; k < n && !cs && (v.collective || v.tp || v.pp || !v.ws); k++)
+            if (!v.pp || ts[k].param != t->pp.tied) cs = write_tensor(&v, &ts[k]);
+        for (int k = 0; k < nw && !cs && v.pp && file_writer(&v); k++)
+            if (ws[k].stage != 0) cs = relay_tensor(&v, &ws[k]);
         sv_section(&v, SEC_USER, user, user_len);
         sv_section(&v, SEC_END, NULL, 0);
     } else if (!cs) {
@@ -516,16 +657,19 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!cs && v.collective) /* every rank learns whether every part was read and written */
         s = mti_dp_agree_status(t, fn, "writing the training-state file", v.ws);
     if (!cs && v.tp) s = mti_tp_agree_status(t, fn, "writing the training-state file", v.ws);
-    if (!s && writer(&v)) s = mti_afile_commit(ctx, &v.f);
+    if (!cs && v.pp) s = mti_pp_agree(t, fn, "writing the training-state file", s);
+    if (!s && file_writer(&v)) s = mti_afile_commit(ctx, &v.f);
     else if (v.f.fd >= 0) mti_afile_abort(&v.f);
     if (!cs && v.collective) s = mti_dp_agree_status(t, fn, "putting the training-state file in place", s);
     if (!cs && v.tp) s = mti_tp_agree_status(t, fn, "putting the training-state file in place", s);
+    if (!cs && v.pp) s = mti_pp_agree(t, fn, "putting the training-state file in place", s);
     mti_tensor_free(ctx, &v.bk);
+    if (ws != ts) free(ws);
     free(ts), free(v.buf), free(v.whole), free(lay.p), free(cnt.p);
     if (s) {
         const mti_msg m = mti_last_msg(ctx); /* (an exchange's names the call already) */
         const bool named = !strncmp(m.s, fn, strlen(fn)) && !strncmp(m.s + strlen(fn), ": ", 2);
-        const char *at = writer(&v) ? path : "rank 0's path";
+        const char *at = file_writer(&v) ? path : "rank 0's path";
         return mti_fail(ctx, s, "%s%s%s%s%s%s", named ? "" : fn, named ? "" : ": ", m.s,
                         at ? " (the previous file at " : "", at ? at : "",
                         at ? ", if any, is intact)" : "");
@@ -915,9 +1059,13 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     /* tensors */
     for (int k = 0; k < n; k++) {
         if ((s = read_section_header(r, &c))) return s;
-        if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].param ||
+        if (c.kind != SEC_TENSOR || c.index != (uint32_t)ts[k].wparam ||
             c.dtype != (uint32_t)ts[k].dtype || c.bytes != ts[k].bytes)
             return bad_file(r, "corrupt (a tensor section does not match the layout)");
+        if (ts[k].param < 0) { /* (pipeline parallel: another stage's) */
+            if ((s = read_payload(r, &c, buf, NULL, NULL))) return s;
+            continue;
+        }
         const mti_param *p = &t->model->params[ts[k].param];
         if (p->tp_split) { /* tensor parallel: this rank's part of the whole */
             part_up pu = {r->ctx, p, t->tp.size, t->tp.rank, ts[k].t->blk.ptr,
@@ -951,9 +1099,8 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     /* on several ranks a rank that cannot start still makes the exchanges
        below, so every rank fails with it at once (tensor parallel: each
        rank reads the whole file and takes its parts) */
-    mt_status s = t->pp.size > 1 ? mti_pp_files_refused(t, fn)
-                  : t->tp.size > 1 ? mti_tp_files_ok(t, fn)
-                                   : MT_OK;
+    mt_status s = t->pp.size > 1 ? mti_pp_files_ok(t, fn) : MT_OK;
+    if (!s && t->tp.size > 1) s = mti_tp_files_ok(t, fn);
     if (s) return s; /* (the same on every rank) */
     if (!path) s = mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: path is NULL", fn);
     else if (!user && user_cap)
@@ -962,32 +1109,40 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     reader r = {.path = path, .ctx = ctx};
     if (!s && !(r.f = fopen(path, "rb")))
         s = mti_fail(ctx, MT_ERR_IO, "%s: cannot open %s: %s", fn, path, strerror(errno));
-    if (s && !mti_dp_on(t) && t->tp.size < 2) return s;
+    if (s && !mti_dp_on(t) && t->tp.size < 2 && t->pp.size < 2) return s;
     if (r.f && fseek(r.f, 0, SEEK_END) == 0) {
         long end = ftell(r.f);
         r.size = end > 0 ? (uint64_t)end : 0;
     }
     if (r.f) rewind(r.f);
-    int n = list_tensors(t, NULL);
-    ck_tensor *ts = malloc((size_t)n * sizeof *ts);
+    int n = list_tensors(t, NULL), nw = n;
+    ck_tensor *ts = malloc((size_t)n * sizeof *ts + 1), *ws = ts;
     unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];
     bbuf lay = {0};
-    if (ts) list_tensors(t, ts), layout_of(t, ts, n, &lay);
-    if (!s && (!ts || !buf || lay.oom)) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    if (ts) list_tensors(t, ts);
+    /* (pipeline parallel: the whole model's list, from every stage; a
+       collective of the group, made whatever happened before) */
+    if (ts && t->pp.size > 1) {
+        mt_status e = whole_list(t, ts, n, &ws, &nw);
+        if (!s) s = e;
+    }
+    if (ws) layout_of(t, ws, nw, &lay);
+    if (!s && (!ts || !ws || !buf || lay.oom)) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     /* first pass: check everything; second: copy it in (each rank its part);
        on several ranks, any rank's failure fails every rank, before any
        rank changes anything */
-    if (!s) s = pass(&r, t, ts, n, &lay, buf, true, counters, NULL, 0, NULL);
+    if (!s) s = pass(&r, t, ws, nw, &lay, buf, true, counters, NULL, 0, NULL);
     /* (over the data-parallel group, then the tensor group, whose ranks are
        one of each data-parallel group: every rank hears of any failure, and
        of any file that differs, before any rank changes anything) */
     s = mti_dp_agree_status(t, fn, "checking the training-state file", s);
     if (!s) s = mti_dp_agree_file(t, fn, r.digest); /* every rank loads the same file */
     s = mti_tp_agree_file(t, fn, r.digest, s);
+    s = mti_pp_agree_file(t, fn, r.digest, s);
     if (!s) {
         rewind(r.f);
         r.pos = 0;
-        s = pass(&r, t, ts, n, &lay, buf, false, counters, user, user_cap, user_len);
+        s = pass(&r, t, ws, nw, &lay, buf, false, counters, user, user_cap, user_len);
         if (s) {
             s = mti_fail(ctx, s, "%s: %s changed while it was read; the trainer's state is "
                          "partly loaded: load a good file again before training (%s)",
@@ -996,8 +1151,10 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     }
     s = mti_dp_agree_status(t, fn, "loading the training-state file", s);
     s = mti_tp_agree_status(t, fn, "loading the training-state file", s);
+    s = mti_pp_agree(t, fn, "loading the training-state file", s);
     if (!s) counters_set(t, counters);
     if (r.f) fclose(r.f);
+    if (ws != ts) free(ws);
     free(ts), free(buf), free(lay.p);
     return s;
 }

@@ -249,6 +249,11 @@ mt_status mti_source_read(const mt_model *m, int i, size_t at, size_t n, float *
  * each parameter. */
 mt_status mti_source_mix(const mt_model *m, uint64_t *h);
 
+/* cost.c: forward FLOPs of each of the model's units per row of a
+ * micro-batch of T tokens (full), and what selective recompute repeats of
+ * each (sel): m->n_units values each. Only their ratios mean anything. */
+void mti_unit_costs(const mt_model *m, int T, double *full, double *sel);
+
 /* Parameter indices sorted by offset (get/set_params order); malloc'd. */
 int *mti_param_order(const mt_model *m);
 

@@ -11,7 +11,6 @@
 #include "train/tp.h"
 #include "train/home.h"
 #include "comm/comm.h"
-#include "engine/plan.h"
 
 #define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
 #define NO(...) return mti_fail(ctx, MT_ERR_UNSUPPORTED, __VA_ARGS__)
@@ -211,12 +210,19 @@ mt_status mti_pp_begin(mt_trainer *t, mt_status s)
     return s;
 }
 
-mt_status mti_pp_files_refused(const mt_trainer *t, const char *fn)
+mt_status mti_pp_files_ok(const mt_trainer *t, const char *fn)
 {
+    if (!t->zero) return MT_OK;
     return mti_fail(t->ctx, MT_ERR_UNSUPPORTED,
-                    "%s: training-state files of a model cut into %d pipeline stages "
-                    "(pipeline_parallel) are not built yet (docs/distributed.md, \"Pipeline "
-                    "parallel\")", fn, t->pp.size);
+                    "%s: training-state files of pipeline parallel with ZeRO in the "
+                    "data-parallel groups are not built yet", fn);
+}
+
+mt_status mti_pp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s)
+{
+    if (t->pp.size < 2) return s;
+    return mti_group_agree_file(t, t->pp.comm, t->pp.size, t->pp.rank, "the pipeline group", fn,
+                                digest, s);
 }
 
 mt_status mti_pp_agree(mt_trainer *t, const char *fn, const char *what, mt_status s)
@@ -360,7 +366,8 @@ typedef struct sched {
     mt_trainer *t;
     const mt_batch *b;
     int M, K, T;
-    bool first, last, train, want_right;
+    bool first, last, train;
+    mti_right_fn count; /* eval's accuracy, or NULL */
     float dloss;
     double sum;
     int right;
@@ -397,8 +404,8 @@ static mt_status forward(sched *c, int i)
     double part = 0.0;
     if (!s && c->last) s = mti_engine_loss(E, c->dloss, c->train);
     if (!s && c->last) s = mti_engine_loss_sum(E, t->host_losses, &part);
-    if (!s && c->last && c->want_right)
-        s = mti_count_right(t, c->b->targets + (size_t)i * t->micro * c->T, &c->right);
+    if (!s && c->last && c->count)
+        s = c->count(t, c->b->targets + (size_t)i * t->micro * c->T, &c->right);
     c->sum += part;
     mti_pass_swap(E, p);
     return s;
@@ -538,12 +545,12 @@ mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, double *s
     return s;
 }
 
-mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, bool want_right, double *sum, int *right)
+mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, mti_right_fn count, double *sum, int *right)
 {
     sched c;
     mt_status s = sched_init(&c, t, b, false);
     if (s) return s;
-    c.want_right = want_right;
+    c.count = count;
     for (int i = 0; i < c.M && !s; i++) {
         s = recv_forward(&c, i);
         if (!s) s = forward(&c, i);
@@ -553,7 +560,7 @@ mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, bool want_right, double 
     }
     sched_free(&c);
     s = mti_pp_loss(t, s, &c.sum);
-    if (!s && want_right && t->pp.comm && !t->ctx->dry) {
+    if (!s && count && t->pp.comm && !t->ctx->dry) {
         float v = (float)c.right;
         s = mti_comm_group_host_all_reduce(t->ctx, t->pp.comm,
                                            "pipeline parallel: eval's right answers over the "

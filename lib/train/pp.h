@@ -42,9 +42,11 @@ void mti_pp_end(mt_trainer *t);
  * schedule, the loss gradient scaled by dloss; *sum gets the sum of the
  * losses (the last stage's; 0 on the others). */
 mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, double *sum);
-/* Eval's forward passes (nothing kept): *sum and *right (accuracy, when
- * want_right) summed over the group, the same on every stage. */
-mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, bool want_right, double *sum, int *right);
+/* Eval's forward passes (nothing kept): *sum and *right (accuracy: count
+ * adds a pass's right answers on the last stage, or NULL) summed over the
+ * group, the same on every stage. */
+typedef mt_status (*mti_right_fn)(mt_trainer *t, const int32_t *targets, int *right);
+mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, mti_right_fn count, double *sum, int *right);
 /* After the passes, status s agreed over the group and the loss sum
  * summed over it. */
 mt_status mti_pp_loss(mt_trainer *t, mt_status s, double *sum);
@@ -55,8 +57,11 @@ mt_status mti_pp_tie(mt_trainer *t);
  * left out by the caller) and found, summed. */
 mt_status mti_pp_checks(mt_trainer *t, int *found, double *sum);
 
-/* Training-state files are not built for stages yet: MT_ERR_UNSUPPORTED,
- * fn named (the same on every rank). */
-mt_status mti_pp_files_refused(const mt_trainer *t, const char *fn);
+/* Whether a training-state file can hold the trainer's state whole
+ * (MT_ERR_UNSUPPORTED, naming why, when not: ZeRO in the data-parallel
+ * groups). The same answer on every rank. */
+mt_status mti_pp_files_ok(const mt_trainer *t, const char *fn);
+/* Loading: status s and the file's digest agreed over the pipeline group. */
+mt_status mti_pp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s);
 
 #endif /* MT_PP_H */

@@ -242,10 +242,12 @@ mt_status mti_tp_agree_status(mt_trainer *t, const char *fn, const char *what, m
     return mti_group_agree(t, t->tp_comm, t->tp.size, t->tp.rank, fn, what, "the tensor group", s);
 }
 
-mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s)
+mt_status mti_group_agree_file(mt_trainer *t, mt_comm *c, int n, int me, const char *over,
+                               const char *fn, uint64_t digest, mt_status s)
 {
-    s = mti_tp_agree_status(t, fn, "checking the training-state file", s);
-    if (s || t->tp.size < 2 || !t->tp_comm || t->ctx->dry) return s;
+    if (n < 2 || !c || t->ctx->dry) return s;
+    s = mti_group_agree(t, c, n, me, fn, "checking the training-state file", over, s);
+    if (s) return s;
     /* the digest in four 16-bit pieces (exact in fp32), and their negatives:
        the group's maxima of both are its greatest and least pieces */
     float v[8];
@@ -253,15 +255,21 @@ mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_s
         v[k] = (float)((digest >> (16 * k)) & 0xffff);
         v[4 + k] = -v[k];
     }
-    s = mti_comm_group_host_all_reduce(t->ctx, t->tp_comm,
-                                       "mt_trainer_load: exchanging the file's digest over the "
-                                       "tensor group", v, 8, MT_COMM_MAX);
+    char what[96];
+    snprintf(what, sizeof what, "mt_trainer_load: exchanging the file's digest over %s", over);
+    s = mti_comm_group_host_all_reduce(t->ctx, c, what, v, 8, MT_COMM_MAX);
     for (int k = 0; k < 4 && !s; k++)
         if (v[k] != -v[4 + k])
             s = mti_fail(t->ctx, MT_ERR_COMM,
-                         "%s: the ranks of the tensor group loaded different training-state "
-                         "files (every rank of a group loads the same file)", fn);
+                         "%s: the ranks of %s loaded different training-state files (every "
+                         "rank of a group loads the same file)", fn, over);
     return s;
+}
+
+mt_status mti_tp_agree_file(mt_trainer *t, const char *fn, uint64_t digest, mt_status s)
+{
+    return mti_group_agree_file(t, t->tp_comm, t->tp.size, t->tp.rank, "the tensor group", fn,
+                                digest, s);
 }
 
 mt_status mti_tp_files_ok(const mt_trainer *t, const char *fn)

@@ -34,6 +34,10 @@ mt_status mti_tp_begin(mt_trainer *t, mt_status s);
  * fails every rank, naming it; fn and `about` name the exchange. */
 mt_status mti_group_agree(mt_trainer *t, mt_comm *c, int n, int me, const char *fn,
                           const char *about, const char *over, mt_status s);
+/* Loading: status s (every rank calls it) and the file's digest agreed
+ * over communicator c of n ranks (`over` names them), this one me. */
+mt_status mti_group_agree_file(mt_trainer *t, mt_comm *c, int n, int me, const char *over,
+                               const char *fn, uint64_t digest, mt_status s);
 /* Creation's status agreed over the tensor group (after the
  * data-parallel group's): one rank's failure fails every rank. */
 mt_status mti_tp_agree(mt_trainer *t, mt_status s);

@@ -2015,7 +2015,7 @@ static mt_status tp_right(mt_trainer *t, int rows, const int32_t *targets, int *
 
 /* Argmax over the real classes of each row of the logits; the rows are
  * brought to the host ROWS_CHUNK at a time, as fp32. */
-mt_status mti_count_right(mt_trainer *t, const int32_t *targets, int *right)
+static mt_status count_right(mt_trainer *t, const int32_t *targets, int *right)
 {
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
@@ -2072,7 +2072,7 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     t->updated = 0;
     if (t->pp.size > 1) { /* (every stage, or none) */
         s = mti_pp_agree(t, fn, "the batch's checks", s);
-        if (!s) s = mti_pp_eval(t, b, accuracy != NULL, &sum, &right);
+        if (!s) s = mti_pp_eval(t, b, accuracy ? count_right : NULL, &sum, &right);
     }
     for (int r0 = 0; r0 < b->n && !s && t->pp.size < 2; r0 += t->micro) {
         int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
@@ -2080,7 +2080,7 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
         s = mti_engine_forward(E, b, r0, rows, 1); /* eval: keeps nothing */
         if (!s) s = mti_engine_loss(E, 0.0f, 0);
         if (!s) s = mti_engine_loss_sum(E, t->host_losses, &part);
-        if (!s && accuracy) s = mti_count_right(t, b->targets + (size_t)r0 * T, &right);
+        if (!s && accuracy) s = count_right(t, b->targets + (size_t)r0 * T, &right);
         sum += part;
         mti_engine_release(E);
         reset_all(t->ctx, MT_SCOPE_STEP);

@@ -140,8 +140,4 @@ struct mt_trainer {
     int seg_len;             /* and the segment length */
 };
 
-/* Eval's right answers among the pass's rows (their targets), added to
- * *right (trainer.c). */
-mt_status mti_count_right(mt_trainer *t, const int32_t *targets, int *right);
-
 #endif /* MT_TRAINER_H */
