@@ -1267,11 +1267,17 @@ typedef struct mt_trainer_config {
      * sequence_parallel and ZeRO stage 1 in the data-parallel groups.
      * While the trainer lives the other stages' weights are not on this
      * rank (mt_model_get_params, mt_model_set_params, mt_model_gpt_save,
-     * mt_trainer_gradients, mt_trainer_logits and training-state files
-     * give MT_ERR_UNSUPPORTED); mt_trainer_destroy sends every weight to
-     * every rank of the pipeline group. Not yet with the fused step, ZeRO
-     * stages 2 and 3, offload, LoRA, a quantized base, a teacher, local
-     * SGD or a recompute plan chosen by a memory budget (MT_ERR_UNSUPPORTED).
+     * mt_trainer_gradients and mt_trainer_logits give MT_ERR_UNSUPPORTED;
+     * mt_model_num_params, _num_tensors, _num_units and _param_info
+     * answer for the whole model); mt_trainer_destroy sends every weight to
+     * every rank of the pipeline group. Training-state files hold the
+     * whole model's state, as one process writes it, and load under any
+     * layout (mt_trainer_save: a collective of the pipeline and tensor
+     * groups of data-parallel rank 0, the first stage's first rank writing,
+     * the other data-parallel ranks' calls doing nothing; not with ZeRO).
+     * Not yet with the fused step, ZeRO stages 2 and 3, offload, LoRA, a
+     * quantized base, a teacher, local SGD or a recompute plan chosen by a
+     * memory budget (MT_ERR_UNSUPPORTED).
      * docs/distributed.md, "Pipeline parallel". */
     int pipeline_parallel;
 } mt_trainer_config;
