@@ -1264,7 +1264,8 @@ typedef struct mt_trainer_config {
      * collective of the pipeline group; every rank of a pipeline group is
      * given the same batch. The step's loss (its norm, its checks) is the
      * whole model's on every rank. Combines with tensor_parallel,
-     * sequence_parallel and ZeRO stage 1 in the data-parallel groups.
+     * sequence_parallel and ZeRO stages 1 and 2 in the data-parallel groups
+     * (with an optimizer that updates slices: not Adafactor).
      * While the trainer lives the other stages' weights are not on this
      * rank (mt_model_get_params, mt_model_set_params, mt_model_gpt_save,
      * mt_trainer_gradients and mt_trainer_logits give MT_ERR_UNSUPPORTED;
@@ -1275,7 +1276,7 @@ typedef struct mt_trainer_config {
      * layout (mt_trainer_save: a collective of the pipeline and tensor
      * groups of data-parallel rank 0, the first stage's first rank writing,
      * the other data-parallel ranks' calls doing nothing; not with ZeRO).
-     * Not yet with the fused step, ZeRO stages 2 and 3, offload, LoRA, a
+     * Not yet with the fused step, ZeRO stage 3, offload, LoRA, a
      * quantized base, a teacher, local SGD or a recompute plan chosen by a
      * memory budget (MT_ERR_UNSUPPORTED).
      * docs/distributed.md, "Pipeline parallel". */

@@ -309,14 +309,17 @@ TEST(pp_gpt_matches_one_process)
         }
 }
 
-/* Grids: tp 2 x pp 2 (with and without sequence parallel), and 8 ranks as
- * dp 2 x tp 2 x pp 2 with ZeRO-1: fp32 losses one process's over both
- * data-parallel groups' rows to 1e-5, every rank's peaks its estimate's. */
+/* Grids: tp 2 x pp 2 (with and without sequence parallel), pp 2 over 2
+ * data-parallel groups at ZeRO-1 and ZeRO-2, and 8 ranks as dp 2 x tp 2 x
+ * pp 2 with ZeRO-1 and (with sequence parallel) ZeRO-2: fp32 losses one
+ * process's over both data-parallel groups' rows to 1e-5, every rank's
+ * peaks its estimate's. */
 TEST(pp_grids)
 {
     const struct {
         int n, tp, pp, sp, zero;
-    } grids[] = {{4, 2, 2, 0, 0}, {4, 2, 2, 1, 0}, {8, 2, 2, 0, 1}, {4, 1, 2, 0, 1}};
+    } grids[] = {{4, 2, 2, 0, 0}, {4, 2, 2, 1, 0}, {8, 2, 2, 0, 1}, {4, 1, 2, 0, 1},
+                 {4, 1, 2, 0, 2}, {8, 2, 2, 1, 2}};
     for (size_t k = 0; k < sizeof grids / sizeof grids[0]; k++) {
         pp_run a = {.n = grids[k].n, .tp = grids[k].tp, .pp = grids[k].pp, .sp = grids[k].sp,
                     .zero = grids[k].zero, .rows = 4, .micro = 2, .steps = PP_STEPS,
@@ -401,7 +404,8 @@ TEST(pp_refusals)
         {4, 2, 3, 0, MT_ERR_INVALID_ARG, "not a multiple"},
         {6, 1, 6, 0, MT_ERR_INVALID_ARG, "more than the model's 5 units"},
         {2, 1, 2, 1, MT_ERR_UNSUPPORTED, "fused step"},
-        {4, 1, 2, 2, MT_ERR_UNSUPPORTED, "ZeRO stages 2 and 3"},
+        {4, 1, 2, 2, MT_ERR_UNSUPPORTED, "ZeRO stage 3"},
+        {4, 1, 2, 8, MT_ERR_UNSUPPORTED, "updates slices"},
         {2, 1, 2, 4, MT_ERR_UNSUPPORTED, "LoRA"},
         {2, 1, -1, 0, MT_ERR_INVALID_ARG, "out of range"},
     };
@@ -409,7 +413,8 @@ TEST(pp_refusals)
         pp_run r = {.rows = 4, .micro = 1, .opt = MT_OPT_SGD, .tp = cases[k].tp, .pp = cases[k].pp};
         pp_bad a = {.n = cases[k].n, .tc = pp_config(&r)};
         if (cases[k].what & 1) a.tc.fused_step = 1, a.tc.micro_batch = 0;
-        if (cases[k].what & 2) a.tc.zero_stage = 2;
+        if (cases[k].what & 2) a.tc.zero_stage = 3;
+        if (cases[k].what & 8) a.tc.zero_stage = 1, a.tc.optimizer = MT_OPT_ADAFACTOR;
         if (cases[k].what & 4) a.tc.lora.rank = 2;
         a.world = tcomm_world_new(a.n, 30.0);
         tcomm_run(a.n, pp_bad_rank, &a);

@@ -11,6 +11,7 @@
 #include "train/tp.h"
 #include "train/home.h"
 #include "comm/comm.h"
+#include "optim/optim.h"
 
 #define BAD(...) return mti_fail(ctx, MT_ERR_INVALID_ARG, __VA_ARGS__)
 #define NO(...) return mti_fail(ctx, MT_ERR_UNSUPPORTED, __VA_ARGS__)
@@ -42,7 +43,7 @@ mt_status mti_pp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
     for (int i = 0; i < m->n_param; i++) quantized |= m->params[i].qf != 0;
     const int zero = W / (T * P) > 1 ? c->zero_stage : 0;
     const char *why = c->fused_step                   ? "the fused step (cfg->fused_step)"
-                      : zero >= 2                     ? "ZeRO stages 2 and 3"
+                      : zero == 3                     ? "ZeRO stage 3"
                       : c->lora.rank || m->lora_rank  ? "LoRA adapters"
                       : quantized                     ? "a quantized base"
                       : c->teacher                    ? "distillation (cfg->teacher)"
@@ -55,6 +56,11 @@ mt_status mti_pp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
     if (why)
         NO("%s: cfg->pipeline_parallel %d does not combine with %s yet (docs/distributed.md, "
            "\"Pipeline parallel\")", fn_create, P, why);
+    if (zero && !mti_optim_of(c->optimizer)->sliceable)
+        NO("%s: cfg->pipeline_parallel %d with ZeRO needs an optimizer that updates slices of a "
+           "tensor (%s keeps whole tensors on one rank each, which the first and last stages' "
+           "copies of the token table would not share)", fn_create, P,
+           mti_optim_of(c->optimizer)->title);
     return MT_OK;
 }
 
@@ -368,6 +374,7 @@ typedef struct sched {
     int M, K, T;
     bool first, last, train;
     mti_right_fn count; /* eval's accuracy, or NULL */
+    mti_bwd_fn bwd;     /* a micro-batch's backward */
     float dloss;
     double sum;
     int right;
@@ -439,7 +446,7 @@ static mt_status send_forward(sched *c, int i, int j)
 /* Backward of micro-batch j (its output gradient in dy, or the loss's);
  * its input gradient then to the stage before (and, with i >= 0,
  * micro-batch i's input from it); the pass is let go. */
-static mt_status backward(sched *c, int j, int i, mti_grad_hook hook)
+static mt_status backward(sched *c, int j, int i)
 {
     mt_trainer *t = c->t;
     mti_engine *E = &t->E;
@@ -450,7 +457,7 @@ static mt_status backward(sched *c, int j, int i, mti_grad_hook hook)
         memset(&c->dy, 0, sizeof c->dy);
     }
     mti_engine_arm(E);
-    mt_status s = mti_engine_backward(E, 0, hook, t);
+    mt_status s = c->bwd(t, j == c->M - 1);
     mti_tensor dx = {0};
     if (!c->first) { /* (the engine left it) */
         dx = E->d;
@@ -506,12 +513,13 @@ static mt_status sched_init(sched *c, mt_trainer *t, const mt_batch *b, bool tra
     return s;
 }
 
-mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, double *sum)
+mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, mti_bwd_fn bwd, double *sum)
 {
     sched c;
     mt_status s = sched_init(&c, t, b, true);
     if (s) return s;
     c.dloss = dloss;
+    c.bwd = bwd;
     const int P = t->pp.size, st = t->pp.rank, M = c.M;
     const int warm = P - st - 1 < M ? P - st - 1 : M;
     /* warm-up: forwards alone */
@@ -528,8 +536,7 @@ mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, double *s
         s = forward(&c, i);
         reset_phase(t->ctx);
         if (!s) s = send_forward(&c, i, j);
-        /* (the gradients are final in the last backward: no hook needs them) */
-        if (!s) s = backward(&c, j, i + 1 < M ? i + 1 : -1, NULL);
+        if (!s) s = backward(&c, j, i + 1 < M ? i + 1 : -1);
     }
     /* cool-down: backwards alone */
     for (int j = M - warm; j < M && !s; j++) {
@@ -538,7 +545,7 @@ mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, double *s
                          t->model->layers[t->model->n_layers - 1].out, MT_MEM_WORK, MT_LIFE_PHASE, 21);
         if (!s) s = exchange(t, "pipeline parallel: a gradient from the stage after", NULL, -1, &c.dy,
                              st + 1);
-        if (!s) s = backward(&c, j, -1, NULL);
+        if (!s) s = backward(&c, j, -1);
     }
     sched_free(&c);
     *sum = c.sum;

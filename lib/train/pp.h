@@ -39,9 +39,11 @@ void mti_pp_commit(mt_trainer *t);
  * is sent and the trained weights are left unmade), the groups freed. */
 void mti_pp_end(mt_trainer *t);
 /* The step's forward and backward passes of every micro-batch on the 1F1B
- * schedule, the loss gradient scaled by dloss; *sum gets the sum of the
- * losses (the last stage's; 0 on the others). */
-mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, double *sum);
+ * schedule, the loss gradient scaled by dloss, each backward by bwd (the
+ * engine armed and its pass in place; last: the step's last micro-batch);
+ * *sum gets the sum of the losses (the last stage's; 0 on the others). */
+typedef mt_status (*mti_bwd_fn)(mt_trainer *t, bool last);
+mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, mti_bwd_fn bwd, double *sum);
 /* Eval's forward passes (nothing kept): *sum and *right (accuracy: count
  * adds a pass's right answers on the last stage, or NULL) summed over the
  * group, the same on every stage. */

@@ -1054,7 +1054,8 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     }
     /* (tensor parallel: the head's share of the table's gradient is made at
        once, in the head's backward) */
-    t->E.defer_tied = (cfg->fused_step != 0 || zero >= 2) && t->tp.size < 2;
+    t->E.defer_tied = (cfg->fused_step != 0 || zero >= 2) && t->tp.size < 2 &&
+                      t->pp.size < 2; /* (pipeline parallel: the head and table on two stages) */
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s) s = quantize_base(t); /* the frozen linear weights, one tensor at a time */
@@ -1724,6 +1725,38 @@ static mt_status fused_pass(mt_trainer *t, int *found)
     return s;
 }
 
+/* One micro-batch's backward, unfused (the engine armed): at ZeRO-2 each
+ * gradient reduce-scattered into its slice as soon as it is final (in the
+ * stage's hooks); else accumulated, with last (its gradients are final in
+ * it) going to the overlap's queue or the checks as they become final. */
+static mt_status micro_backward(mt_trainer *t, bool shard, bool last)
+{
+    mti_engine *E = &t->E;
+    mt_status s;
+    if (shard) {
+        E->slice_hook = shard_slice;
+        if (t->s2) held_begin(t, 0);
+        s = mti_engine_backward(E, 0, shard_hook, t);
+        if (!s) s = shard_rest(t);
+        if (t->s2) s = held_end(t, s); /* the thread's work done, whatever happened */
+        return mti_zero3_settle(t, s); /* (stage 3's queued reduce-scatters done) */
+    }
+    mti_grad_hook hook = !last ? NULL : t->overlap_now ? give_hook : NULL;
+    if (last && t->check_now) {
+        hook = final_hook;
+        if (t->flag_grads) MTI_TRY(mti_tensor_zero(t->ctx, &t->found_inf));
+        if (t->cfg.grad_clip > 0.0f) MTI_TRY(mti_tensor_zero(t->ctx, &t->sumsq));
+    }
+    return mti_engine_backward(E, 0, hook, t);
+}
+
+/* The step's: into ZeRO-2's slices where they are (pipeline parallel's
+ * schedule calls it). */
+static mt_status step_backward(mt_trainer *t, bool last)
+{
+    return micro_backward(t, mti_home_grad_sliced(t), last);
+}
+
 /* Forward and backward of every micro-batch; gradients accumulate (with
  * shard set, in stage 2's slices, each reduce-scattered in backward as
  * soon as it is final). With fused set, the update runs in backward. The loss gradient is scaled by
@@ -1770,22 +1803,8 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
             break;
         }
         mti_engine_arm(E);
-        if (!fused && shard) {
-            E->slice_hook = shard_slice;
-            if (t->s2) held_begin(t, 0);
-            s = mti_engine_backward(E, 0, shard_hook, t);
-            if (!s) s = shard_rest(t);
-            if (t->s2) s = held_end(t, s); /* the thread's work done, whatever happened */
-            MTI_TRY(mti_zero3_settle(t, s)); /* (stage 3's queued reduce-scatters done) */
-        } else if (!fused) {
-            const bool last = r0 + rows >= b->n; /* its gradients are final in backward */
-            mti_grad_hook hook = !last ? NULL : t->overlap_now ? give_hook : NULL;
-            if (last && t->check_now) {
-                hook = final_hook;
-                if (t->flag_grads) MTI_TRY(mti_tensor_zero(ctx, &t->found_inf));
-                if (t->cfg.grad_clip > 0.0f) MTI_TRY(mti_tensor_zero(ctx, &t->sumsq));
-            }
-            MTI_TRY(mti_engine_backward(E, 0, hook, t));
+        if (!fused) {
+            MTI_TRY(micro_backward(t, shard, r0 + rows >= b->n));
         } else if (!two_pass) {
             MTI_TRY(fused_pass(t, found));
         } else {
@@ -1844,7 +1863,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
                    !t->tp.sp && /* (sequence parallel: some are rows' parts until summed) */
                    !pp;         /* (pipeline parallel: the tied table's are halves) */
     if (pp) /* (the stages' schedule; the checks find a non-finite loss's gradients) */
-        s = mti_pp_passes(t, b, (float)((double)t->scaler.scale / targets), &sum);
+        s = mti_pp_passes(t, b, (float)((double)t->scaler.scale / targets), step_backward, &sum);
     else
         s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
     const bool checked = t->check_now;
