@@ -312,13 +312,13 @@ if [ -x "$B/memtrain" ]; then
     rm -f "$ck"
 fi
 
-# memtrain train --pp: 2 and 3 stages, tp 2 x pp 2, and 8 ranks as dp 2 x tp 2 x pp 2 with
+# memtrain train --pp: 2 and 3 stages, tp 2 x pp 2, pp 2 over 2 groups at ZeRO-2, and 8 ranks as dp 2 x tp 2 x pp 2 with
 # ZeRO-1, in micro-batches of one row, give one process's losses (to 1e-5) on the same
 # global batch; and an MLP's 2 stages give its losses exactly
 if [ -x "$B/memtrain" ]; then
     pargs="train --model gpt --batch 4 --micro 1 --seq 16 --layers 2 --channels 48 --heads 6 --threads 1 --steps 3 --json"
     one=$("$B/memtrain" $pargs 2>/dev/null | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
-    for grid in "2 --pp 2" "3 --pp 3" "4 --pp 2 --tp 2" "8 --pp 2 --tp 2 --zero 1"; do
+    for grid in "2 --pp 2" "3 --pp 3" "4 --pp 2 --tp 2" "8 --pp 2 --tp 2 --zero 1" "4 --pp 2 --zero 2"; do
         np=${grid%% *}; flags=${grid#* }
         ppo=$(timeout 180 $MPIRUN -np $np "$B/memtrain" $pargs $flags 2>&1)
         got=$(echo "$ppo" | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
