@@ -31,6 +31,7 @@ typedef struct pp_run {
     float clip;
     mt_recompute_policy rec;
     int deferred, estimate;
+    int threads;               /* the communicator takes calls from any thread (a comm thread) */
     const char *load, *save;   /* a training-state file loaded before the steps, saved after */
     tcomm_world *world;
     float loss[PP_MAXN][PP_STEPS];
@@ -128,7 +129,8 @@ static void pp_rank(int rank, void *p)
     const int per = (a->tp > 1 ? a->tp : 1) * (a->pp > 1 ? a->pp : 1);
     const int d = rank / per, rows = a->rows;
     mt_trainer_config tc = pp_config(a);
-    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, 0) : NULL;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->world, rank, a->n, a->threads ? MT_COMM_CAP_THREADS : 0)
+                          : NULL;
     mt_context *ctx = NULL;
     mt_model *m = NULL;
     mt_trainer *t = NULL;
@@ -311,18 +313,22 @@ TEST(pp_gpt_matches_one_process)
 
 /* Grids: tp 2 x pp 2 (with and without sequence parallel), pp 2 over 2
  * data-parallel groups at ZeRO-1 and ZeRO-2, and 8 ranks as dp 2 x tp 2 x
- * pp 2 with ZeRO-1 and (with sequence parallel) ZeRO-2: fp32 losses one
- * process's over both data-parallel groups' rows to 1e-5, every rank's
- * peaks its estimate's. */
+ * pp 2 with ZeRO-1 and (with sequence parallel, a deferred model) ZeRO-2,
+ * with and without a communicator that takes calls from any thread (the
+ * sums on the communication thread): fp32 losses one process's over both
+ * data-parallel groups' rows to 1e-5, every rank's peaks its estimate's
+ * (but the deferred model's). */
 TEST(pp_grids)
 {
     const struct {
-        int n, tp, pp, sp, zero;
-    } grids[] = {{4, 2, 2, 0, 0}, {4, 2, 2, 1, 0}, {8, 2, 2, 0, 1}, {4, 1, 2, 0, 1},
-                 {4, 1, 2, 0, 2}, {8, 2, 2, 1, 2}};
+        int n, tp, pp, sp, zero, threads;
+    } grids[] = {{4, 2, 2, 0, 0, 0}, {4, 2, 2, 1, 0, 0}, {8, 2, 2, 0, 1, 0}, {4, 1, 2, 0, 1, 0},
+                 {4, 1, 2, 0, 2, 0}, {8, 2, 2, 1, 2, 0}, {4, 1, 2, 0, 2, 1}, {4, 1, 2, 0, 1, 1},
+                 {8, 2, 2, 0, 2, 1}};
     for (size_t k = 0; k < sizeof grids / sizeof grids[0]; k++) {
         pp_run a = {.n = grids[k].n, .tp = grids[k].tp, .pp = grids[k].pp, .sp = grids[k].sp,
-                    .zero = grids[k].zero, .rows = 4, .micro = 2, .steps = PP_STEPS,
+                    .zero = grids[k].zero, .threads = grids[k].threads, .rows = 4, .micro = 2,
+                    .deferred = k == 5, .steps = PP_STEPS,
                     .opt = MT_OPT_ADAMW, .prec = MT_PREC_FP32, .clip = 1.0f, .estimate = 1};
         pp_go(&a);
         pp_run one = pp_one(&a);
