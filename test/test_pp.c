@@ -686,3 +686,82 @@ TEST(pp_files_move_between_layouts)
     remove(f1);
     remove(f2);
 }
+
+/* A recompute plan chosen by a memory budget: each rank plans its own
+ * stage (its units of the plan), so with a budget below the heaviest
+ * stage's peak without recompute that stage recomputes and every rank
+ * stays within the budget, with one process's losses (recompute runs the
+ * same ops) to 1e-5. */
+typedef struct pp_budget {
+    tcomm_world *world;
+    uint64_t budget;
+    uint64_t peak[2], reserved[2];
+    int recomputed[2];
+    float loss[2][PP_STEPS];
+    int bad;
+} pp_budget;
+
+static void pp_budget_rank(int rank, void *p)
+{
+    pp_budget *a = p;
+    pp_run spec = {.pp = 2, .rows = 4, .micro = 1, .opt = MT_OPT_ADAMW, .clip = 1.0f};
+    mt_trainer_config tc = pp_config(&spec);
+    mt_comm *c = tcomm_make(a->world, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    RANK_EXPECT(!tcomm_context(c, &ctx) && !pp_model(&spec, ctx, &m));
+    mt_estimate_report e;
+    if (!a->budget) { /* (the first run: each stage's peak without recompute) */
+        RANK_EXPECT(!mt_estimate_model(m, &tc, &e));
+        a->peak[rank] = e.peak_reserved;
+    } else {
+        tc.memory_budget = a->budget;
+        tc.recompute = MT_RECOMPUTE_BUDGET;
+        RANK_EXPECT(!mt_trainer_create(m, &tc, &t));
+        unsigned char units[16];
+        int seg = 0;
+        RANK_EXPECT(t && !mt_trainer_recompute_plan(t, units, 16, &seg));
+        for (int u = 0; t && u < mt_model_num_units(m); u++) a->recomputed[rank] += units[u] != 0;
+        int32_t tok[4 * PP_T], tgt[4 * PP_T];
+        for (int k = 0; k < PP_STEPS && t; k++) {
+            pp_rows(&spec, k, 0, 4, tok, tgt, NULL);
+            mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
+            RANK_EXPECT(!mt_trainer_step(t, &b, &a->loss[rank][k]));
+        }
+        mt_memory_stats ms;
+        mt_context_memory_stats(ctx, &ms);
+        a->reserved[rank] = ms.peak_reserved_bytes;
+    }
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_recompute_budget)
+{
+    pp_budget a = {.world = tcomm_world_new(2, 30.0)};
+    tcomm_run(2, pp_budget_rank, &a);
+    tcomm_world_free(a.world);
+    CHECK(!a.bad);
+    const int heavy = a.peak[0] >= a.peak[1] ? 0 : 1;
+    pp_budget b = {.world = tcomm_world_new(2, 30.0), .budget = a.peak[heavy] - 4096};
+    tcomm_run(2, pp_budget_rank, &b);
+    tcomm_world_free(b.world);
+    CHECK(!b.bad);
+    pp_run one = {.n = 1, .rows = 4, .micro = 1, .steps = PP_STEPS, .opt = MT_OPT_ADAMW,
+                  .clip = 1.0f};
+    pp_go(&one);
+    CHECK_MSG(b.recomputed[heavy] > 0, "stage %d recomputes nothing under %llu bytes", heavy,
+              (unsigned long long)b.budget);
+    for (int r = 0; r < 2; r++) {
+        CHECK_MSG(b.reserved[r] <= b.budget, "rank %d reserved %llu, budget %llu", r,
+                  (unsigned long long)b.reserved[r], (unsigned long long)b.budget);
+        for (int k = 0; k < PP_STEPS; k++)
+            CHECK_MSG(fabs(b.loss[r][k] - one.loss[0][k]) <= 1e-5 * fabs(one.loss[0][k]),
+                      "rank %d step %d: loss %.9g, one process %.9g", r, k, (double)b.loss[r][k],
+                      (double)one.loss[0][k]);
+    }
+    pp_free(&one);
+}

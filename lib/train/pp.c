@@ -49,10 +49,7 @@ mt_status mti_pp_check(mt_context *ctx, const mt_model *m, const mt_trainer_conf
                       : c->teacher                    ? "distillation (cfg->teacher)"
                       : c->offload != MT_PLACE_DEVICE ? "offload (cfg->offload)"
                       : c->local_sgd_every            ? "local SGD (cfg->local_sgd_every)"
-                      : c->memory_budget || c->recompute == MT_RECOMPUTE_BUDGET
-                          ? "a recompute plan chosen by a memory budget (choose the policy; "
-                            "memtrain estimate gives each stage's peak)"
-                          : NULL;
+                                                      : NULL;
     if (why)
         NO("%s: cfg->pipeline_parallel %d does not combine with %s yet (docs/distributed.md, "
            "\"Pipeline parallel\")", fn_create, P, why);
