@@ -1367,7 +1367,9 @@ mt_status mt_trainer_autofit(const mt_model *m, mt_trainer_config *cfg, int allo
                              mt_autofit_report *out);
 
 /* The recompute plan in use: n (>= mt_model_num_units) unit modes into
- * units, and the segment length into *seg_len (either may be NULL). */
+ * units, and the segment length into *seg_len (either may be NULL). Under
+ * pipeline parallel each stage has its own plan: this rank's stage's
+ * units at their places, the other stages' given as MT_UNIT_KEEP. */
 mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, int n,
                                     int *seg_len);
 

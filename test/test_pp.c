@@ -16,6 +16,7 @@
 
 #include "check.h"
 #include "engine/engine.h"
+#include "model/model.h"
 #include "test_comm.h"
 
 #define PP_MAXN 8
@@ -489,8 +490,9 @@ TEST(pp_dead_rank)
  * NCCL (its send and receive on the device's stream) and over a host
  * communicator (staged through host memory): 2 stages, fp32 and bf16, 4
  * micro-batches, on gradients the test fills in; each rank's per-class
- * peaks equal its estimate, and the weights brought back to every rank
- * after the trainer are the same on both. */
+ * peaks equal its estimate, a training-state file is saved and loaded, and
+ * the weights brought back to every rank after the trainer are the same
+ * on both. */
 typedef struct ppc_run {
     tcomm_world *w;
     int nccl;
@@ -532,6 +534,12 @@ static void ppc_rank(int rank, void *arg)
                          (unsigned long long)ms.per_class[k].peak_live_bytes,
                          (unsigned long long)e.class_peak[k]);
     }
+    /* (a training-state file: the stages' sections through device memory) */
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/mt_pp_cuda_%d.ck", a->nccl);
+    if (!s && !*msg) s = mt_trainer_save(t, path, NULL, 0);
+    if (!s && !*msg) s = mt_trainer_load(t, path, NULL, 0, NULL);
+    if (rank == 0) remove(path);
     if (s && !*msg) snprintf(msg, cap, "%s", ctx ? mt_last_error(ctx) : "no context");
     mt_trainer_destroy(t);
     if (!s && !*msg) {
@@ -723,6 +731,7 @@ static void pp_budget_rank(int rank, void *p)
         int seg = 0;
         RANK_EXPECT(t && !mt_trainer_recompute_plan(t, units, 16, &seg));
         for (int u = 0; t && u < mt_model_num_units(m); u++) a->recomputed[rank] += units[u] != 0;
+        RANK_EXPECT(mt_model_num_units(m) == 5); /* (the whole model's: 4 blocks and the embedding) */
         int32_t tok[4 * PP_T], tgt[4 * PP_T];
         for (int k = 0; k < PP_STEPS && t; k++) {
             pp_rows(&spec, k, 0, 4, tok, tgt, NULL);
@@ -764,4 +773,209 @@ TEST(pp_recompute_budget)
                       (double)one.loss[0][k]);
     }
     pp_free(&one);
+}
+
+/* Fewer micro-batches than stages, and a last micro-batch of fewer rows:
+ * an MLP's losses, eval and weights one process's bit for bit, each rank's
+ * peaks its estimate's. */
+TEST(pp_ragged_micro_batches)
+{
+    const struct {
+        int P, rows, micro;
+    } cs[] = {{4, 3, 2}, {3, 1, 1}, {4, 5, 2}, {2, 5, 2}, {4, 1, 1}, {3, 7, 3}};
+    for (size_t k = 0; k < sizeof cs / sizeof cs[0]; k++) {
+        pp_run a = {.n = cs[k].P, .pp = cs[k].P, .mlp = 1, .rows = cs[k].rows,
+                    .micro = cs[k].micro, .steps = PP_STEPS, .opt = MT_OPT_ADAMW, .clip = 1.0f,
+                    .estimate = 1};
+        pp_go(&a);
+        pp_run one = pp_one(&a);
+        CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
+        for (int r = 0; r < a.n; r++) {
+            CHECK_MSG(a.st[r] == MT_OK, "case %zu rank %d: %s", k, r, a.msg[r]);
+            if (a.st[r]) continue;
+            CHECK_MSG(memcmp(a.loss[r], one.loss[0], sizeof a.loss[r]) == 0 &&
+                          a.eloss[r] == one.eloss[0] && a.eacc[r] == one.eacc[0] &&
+                          memcmp(a.w[r], one.w[0], a.nw * sizeof(float)) == 0,
+                      "case %zu rank %d: loss %.9g, one process %.9g", k, r,
+                      (double)a.loss[r][PP_STEPS - 1], (double)one.loss[0][PP_STEPS - 1]);
+        }
+        pp_free(&a);
+        pp_free(&one);
+    }
+}
+
+/* A rank that fails alone: its batch refused (a target out of range), in a
+ * step and in eval, or its stage's weights without room at create. Every
+ * rank of the group stops at once (well within the timeout), the others
+ * naming the failed rank, and the trainers still go. */
+typedef struct pp_alone {
+    tcomm_world *w;
+    int what;       /* 0 a step's batch, 1 eval's, 2 creation */
+    mt_status st[2];
+    double sec[2];
+    char msg[2][400];
+} pp_alone;
+
+static void pp_alone_rank(int rank, void *p)
+{
+    pp_alone *a = p;
+    pp_run spec = {.pp = 2, .rows = 4, .micro = 1, .opt = MT_OPT_SGD, .deferred = 1};
+    mt_trainer_config tc = pp_config(&spec);
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.comm = c;
+    if (a->what == 2 && rank == 1) /* (room for the model's source, not for its stage) */
+        cc.allocators[MT_MEM_PARAM] = (mt_allocator_config){.limit_bytes = 4096, .group = 1};
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_status s = mt_context_create(&cc, &ctx);
+    if (!s) s = pp_model(&spec, ctx, &m);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (!s) s = mt_trainer_create(m, &tc, &t);
+    int32_t tok[4 * PP_T], tgt[4 * PP_T];
+    pp_rows(&spec, 0, 0, 4, tok, tgt, NULL);
+    if (rank == 1) tgt[3] = 1000; /* (out of the vocabulary) */
+    mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
+    float l, acc;
+    if (!s) s = a->what ? mt_trainer_eval(t, &b, &l, &acc) : mt_trainer_step(t, &b, &l);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    a->sec[rank] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    a->st[rank] = s;
+    snprintf(a->msg[rank], sizeof a->msg[rank], "%s", s ? mt_last_error(ctx) : "");
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_one_rank_fails_alone)
+{
+    for (int what = 0; what < 3; what++) {
+        pp_alone a = {.w = tcomm_world_new(2, 3.0), .what = what};
+        tcomm_run(2, pp_alone_rank, &a);
+        tcomm_world_free(a.w);
+        const mt_status want = what == 2 ? MT_ERR_OOM : MT_ERR_INVALID_ARG;
+        CHECK_MSG(a.st[1] == want, "case %d, rank 1: %s: %s", what, mt_status_string(a.st[1]),
+                  a.msg[1]);
+        CHECK_MSG(a.st[0] == MT_ERR_COMM && strstr(a.msg[0], "rank 1"), "case %d, rank 0: %s: %s",
+                  what, mt_status_string(a.st[0]), a.msg[0]);
+        CHECK_MSG(a.sec[0] < 1.5 && a.sec[1] < 1.5, "case %d: %.2f s and %.2f s (the timeout: 3 s)",
+                  what, a.sec[0], a.sec[1]);
+    }
+}
+
+/* A layer stack's estimate while a pipeline-parallel trainer holds it is
+ * the whole model's. */
+typedef struct pp_seq {
+    tcomm_world *w;
+    int bad;
+    size_t whole[2], est[2];
+} pp_seq;
+
+static void pp_seq_rank(int rank, void *p)
+{
+    pp_seq *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_layer_spec ls[] = {{.kind = MT_LAYER_LINEAR, .units = 16}, {.kind = MT_LAYER_RELU},
+                          {.kind = MT_LAYER_LINEAR, .units = 12}, {.kind = MT_LAYER_RELU},
+                          {.kind = MT_LAYER_LINEAR, .units = 5}};
+    mt_model_spec ms;
+    mt_model_spec_init(&ms);
+    ms.input = MT_INPUT_FEATURES, ms.features = 6, ms.n_layers = 5, ms.layers = ls;
+    pp_run spec = {.pp = 2, .rows = 4, .micro = 1, .opt = MT_OPT_SGD, .mlp = 1};
+    mt_trainer_config tc = pp_config(&spec);
+    mt_estimate_report e;
+    RANK_EXPECT(!tcomm_context(c, &ctx) && !mt_model_create(ctx, &ms, &m));
+    RANK_EXPECT(!mt_trainer_create(m, &tc, &t));
+    a->whole[rank] = mt_model_num_params(m);
+    RANK_EXPECT(!mt_estimate_model(m, &tc, &e));
+    a->est[rank] = e.n_params;
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_layer_stack_estimate)
+{
+    pp_seq a = {.w = tcomm_world_new(2, 30.0)};
+    tcomm_run(2, pp_seq_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+    for (int r = 0; r < 2; r++)
+        CHECK_MSG(a.est[r] == a.whole[r] && a.whole[r] == 6 * 16 + 16 + 16 * 12 + 12 + 12 * 5 + 5,
+                  "rank %d: estimate of %zu parameters, the model %zu", r, a.est[r], a.whole[r]);
+}
+
+/* At destroy a rank without room for the other stages' weights: no
+ * broadcast is made (the ranks' calls stay paired), each rank keeps its own
+ * stage's weights, the others' are lost (reads refused), said in the log;
+ * nothing crashes or waits. */
+typedef struct pp_room {
+    tcomm_world *w;
+    int bad;
+    mt_status get[2];
+    int lost[2];
+} pp_room;
+
+static void pp_room_rank(int rank, void *p)
+{
+    pp_room *a = p;
+    mt_comm *c = tcomm_make(a->w, rank, 2, 0);
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU;
+    cc.threads = 1;
+    cc.comm = c;
+    if (rank == 1) /* (its stage's weights, about 1.05 MB; not the whole model's 2.1) */
+        cc.allocators[MT_MEM_PARAM] = (mt_allocator_config){.limit_bytes = 3 << 19, .group = 1};
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_mlp_spec sp;
+    mt_mlp_spec_init(&sp);
+    sp.n_layers = 4;
+    sp.dims[0] = 6, sp.dims[1] = 512, sp.dims[2] = 512, sp.dims[3] = 512, sp.dims[4] = 5;
+    sp.seed = 3, sp.deferred = 1;
+    pp_run spec = {.pp = 2, .rows = 4, .micro = 1, .opt = MT_OPT_SGD, .mlp = 1};
+    mt_trainer_config tc = pp_config(&spec);
+    RANK_EXPECT(!mt_context_create(&cc, &ctx) && !mt_model_mlp_create(ctx, &sp, &m));
+    RANK_EXPECT(!mt_trainer_create(m, &tc, &t));
+    float x[4 * 6];
+    int32_t tgt[4];
+    pp_rows(&spec, 0, 0, 4, NULL, tgt, x);
+    mt_batch b = {.n = 4, .inputs = x, .targets = tgt};
+    RANK_EXPECT(!mt_trainer_step(t, &b, NULL));
+    mt_trainer_destroy(t);
+    const size_t n = mt_model_num_params(m);
+    float *w = malloc(n * sizeof *w);
+    a->get[rank] = mt_model_get_params(m, w, n);
+    mt_param_info pi;
+    for (int i = 0; i < mt_model_num_tensors(m); i++) {
+        mt_model_param_info(m, i, &pi);
+        a->lost[rank] += mti_param_read(m, i, 0, 1, w) != MT_OK;
+    }
+    free(w);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_destroy_without_room)
+{
+    pp_room a = {.w = tcomm_world_new(2, 3.0)};
+    tcomm_run(2, pp_room_rank, &a);
+    tcomm_world_free(a.w);
+    CHECK(!a.bad);
+    for (int r = 0; r < 2; r++)
+        CHECK_MSG(a.get[r] != MT_OK && a.lost[r] == 4, "rank %d: get_params %s, %d tensors lost",
+                  r, mt_status_string(a.get[r]), a.lost[r]);
 }

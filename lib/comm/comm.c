@@ -658,8 +658,10 @@ mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what
  * chunks on both peers, so each chunk is one message of each direction). */
 static mt_status comm_sendrecv_run(mt_context *ctx, mt_comm *c, const char *what,
                                    const void *send, size_t sn, int to, void *recv, size_t rn,
-                                   int from)
+                                   int from, bool host)
 {
+    if (device_table(c) && host)
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: host memory for a device communicator", what);
     if (device_table(c))
         return on_ctx(ctx, what, mt_comm_sendrecv(c, send, sn, to, recv, rn, from, MT_COMM_BYTE,
                                                   mti_comm_stream(ctx)));
@@ -671,25 +673,25 @@ static mt_status comm_sendrecv_run(mt_context *ctx, mt_comm *c, const char *what
     for (size_t at = 0; (at < sn || at < rn) && !s; at += chunk) {
         const size_t a = at < sn ? (sn - at < chunk ? sn - at : chunk) : 0;
         const size_t b = at < rn ? (rn - at < chunk ? rn - at : chunk) : 0;
-        if (a) s = stage_in(ctx, false, out, (const char *)send + at, a);
-        if (!s && a) s = stage_sync(ctx, false);
+        if (a) s = stage_in(ctx, host, out, (const char *)send + at, a);
+        if (!s && a) s = stage_sync(ctx, host);
         if (!s) s = on_ctx(ctx, what, mt_comm_sendrecv(c, out, a, a ? to : -1, in, b, b ? from : -1,
                                                        MT_COMM_BYTE, NULL));
-        if (!s && b) s = stage_out(ctx, false, (char *)recv + at, in, b);
-        if (!s && b) s = stage_sync(ctx, false);
+        if (!s && b) s = stage_out(ctx, host, (char *)recv + at, in, b);
+        if (!s && b) s = stage_sync(ctx, host);
     }
     return s;
 }
 
 mt_status mti_comm_group_sendrecv(mt_context *ctx, mt_comm *c, const char *what, const void *send,
                                   size_t send_bytes, int to, void *recv, size_t recv_bytes,
-                                  int from)
+                                  int from, bool host)
 {
     uint64_t t0;
     const mt_status q = coll_begin(ctx, c, what, &t0);
     return q ? timed(ctx, t0, q)
              : coll_end(ctx, c, t0, comm_sendrecv_run(ctx, c, what, send, send_bytes, to, recv,
-                                                      recv_bytes, from));
+                                                      recv_bytes, from, host));
 }
 
 mt_status mti_comm_all_reduce(mt_context *ctx, const char *what, const void *send, void *recv, size_t count, mt_comm_dtype dt, mt_comm_op op)

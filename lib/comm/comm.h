@@ -71,12 +71,14 @@ mt_status mti_comm_group_host_all_reduce(mt_context *ctx, mt_comm *c, const char
 mt_status mti_comm_group_broadcast(mt_context *ctx, mt_comm *c, const char *what, void *buf,
                                    size_t count, mt_comm_dtype dt, int root);
 /* Point to point within group c (pipeline parallel's): send_bytes bytes of
- * send to rank `to` and recv_bytes bytes from rank `from` into recv (the
- * context's memory), both at once (either absent: to or from -1, its
- * bytes 0); through the staging buffer for a host table. */
+ * send to rank `to` and recv_bytes bytes from rank `from` into recv, both
+ * at once (either absent: to or from -1, its bytes 0); through the staging
+ * buffer for a host table. The buffers are the context's memory, or with
+ * host set host memory (a host table's only: a device table's caller
+ * bounces them through device memory itself). */
 mt_status mti_comm_group_sendrecv(mt_context *ctx, mt_comm *c, const char *what, const void *send,
                                   size_t send_bytes, int to, void *recv, size_t recv_bytes,
-                                  int from);
+                                  int from, bool host);
 /* While a trainer splits the ranks into groups (tensor parallel), the
  * context's own collectives (data parallel, ZeRO, the agreements) run
  * within its data-parallel group: narrow points ctx->cfg.comm, ctx->world

@@ -82,10 +82,13 @@ static mt_status spec_of(const mt_model *m, spec_kind *kind, const void **spec,
         return *kind = SPEC_MLP, *spec = &sp->mlp, MT_OK;
     }
     mt_model_spec *seq = &sp->seq;
-    mt_layer_spec *l = calloc((size_t)m->n_layers, sizeof *l);
+    /* (a pipeline-parallel trainer's stage stands in for the model: the whole's layers) */
+    const int L = m->pp ? m->pp->n_layers : m->n_layers;
+    const mti_layer *layers = m->pp ? m->pp->layers : m->layers;
+    mt_layer_spec *l = calloc((size_t)L, sizeof *l);
     if (!l) return mti_fail(m->ctx, MT_ERR_OOM, "estimate: out of host memory");
-    for (int i = 0; i < m->n_layers; i++) {
-        const mti_layer *ly = &m->layers[i];
+    for (int i = 0; i < L; i++) {
+        const mti_layer *ly = &layers[i];
         l[i] = (mt_layer_spec){.kind = ly->kind, .units = ly->out, .no_bias = !ly->bias,
                                .heads = ly->heads, .positions = ly->positions,
                                .stable = ly->stable};
@@ -96,7 +99,7 @@ static mt_status spec_of(const mt_model *m, spec_kind *kind, const void **spec,
     seq->vocab = m->vocab;
     seq->padded_vocab = m->padded_vocab;
     seq->max_seq = m->max_seq;
-    seq->n_layers = m->n_layers;
+    seq->n_layers = L;
     seq->layers = l;
     seq->deferred = deferred;
     *ls = l;
@@ -206,7 +209,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
         for (int k = 0; k < MT_MEM_COUNT; k++) out->class_peak[k] = st.per_class[k].peak_live_bytes;
         out->peak_reserved = st.peak_reserved_bytes;
         out->between_steps = st.live_bytes;
-        out->n_params = m->n_params;
+        out->n_params = mt_model_num_params(m); /* (the whole model's, a stage's trainer or not) */
         place_figures(ctx, out);
         /* the steps' own peak from here */
         mt_context_reset_peaks(ctx);

@@ -228,58 +228,70 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
 }
 
 /* Pipeline parallel: the whole model's stored tensors in file order, every
- * stage's list (mine: this rank's n, its stage's) put together over the
- * pipeline group, each stage's tied copy left out (the first stage's table
- * is the one stored). This stage's entries keep their tensors; the
- * others' have none (param -1), except on the last stage the table's,
- * which point at its copy's (loading fills both). A collective of the
- * group. */
+ * stage's list (mine: this rank's n, its stage's; NULL when it could not be
+ * made) put together over the pipeline group, each stage's tied copy left
+ * out (the first stage's table is the one stored). This stage's entries
+ * keep their tensors; the others' have none (param -1), except on the last
+ * stage the table's, which point at its copy's (loading fills both). A
+ * collective of the group, whose calls are the same on every rank whatever
+ * fails on one (host memory), which then fails every rank. */
 static mt_status whole_list(mt_trainer *t, const ck_tensor *mine, int n, ck_tensor **out,
                             int *nout)
 {
     mt_context *ctx = t->ctx;
     const mti_pp *pp = &t->pp;
     const int P = pp->size;
+    const char *what = "pipeline parallel: the stages' stored tensors";
+    enum { F = 6, CH = 170 }; /* whole index, role, dtype, bytes in three 16-bit pieces:
+                                 exact in fp32; CH entries an exchange */
     *out = NULL;
     *nout = 0;
-    float *cnt = calloc((size_t)P, sizeof *cnt);
-    if (!cnt) return mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    for (int k = 0; k < n; k++) cnt[pp->rank] += mine[k].param != pp->tied;
-    mt_status s = pp->comm ? mti_comm_group_host_all_reduce(
-                                 ctx, pp->comm, "pipeline parallel: the stages' stored tensors",
-                                 cnt, (size_t)P, MT_COMM_SUM)
+    float cnt[P + 1], e[CH * F];
+    memset(cnt, 0, sizeof cnt);
+    for (int k = 0; mine && k < n; k++) cnt[pp->rank] += mine[k].param != pp->tied;
+    cnt[P] = !mine;
+    mt_status s = pp->comm ? mti_comm_group_host_all_reduce(ctx, pp->comm, what, cnt,
+                                                            (size_t)P + 1, MT_COMM_SUM)
                            : MT_OK;
+    if (s) return s;
     int total = 0, before = 0;
     for (int q = 0; q < P; q++) total += (int)cnt[q], before += q < pp->rank ? (int)cnt[q] : 0;
-    enum { F = 6 }; /* whole index, role, dtype, bytes in three 16-bit pieces: exact in fp32 */
-    float *e = s ? NULL : calloc((size_t)total * F + 1, sizeof *e);
-    ck_tensor *w = s ? NULL : calloc((size_t)total + 1, sizeof *w);
-    if (!s && (!e || !w)) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-    for (int k = 0, j = before; !s && k < n; k++) {
-        if (mine[k].param == pp->tied) continue;
-        float *f = e + (size_t)j++ * F;
-        f[0] = (float)mine[k].wparam, f[1] = (float)mine[k].what, f[2] = (float)mine[k].dtype;
-        for (int b = 0; b < 3; b++) f[3 + b] = (float)((mine[k].bytes >> (16 * b)) & 0xffff);
+    ck_tensor *w = calloc((size_t)total + 1, sizeof *w);
+    bool failed = cnt[P] > 0 || !w;
+    int next = 0; /* (this rank's entries, in order) */
+    for (int j0 = 0; j0 < total && !s; j0 += CH) {
+        const int m = total - j0 < CH ? total - j0 : CH;
+        memset(e, 0, sizeof e);
+        for (int j = j0; mine && j < j0 + m; j++) {
+            if (j < before || j >= before + (int)cnt[pp->rank]) continue;
+            while (mine[next].param == pp->tied) next++;
+            const ck_tensor *c = &mine[next++];
+            float *f = e + (size_t)(j - j0) * F;
+            f[0] = (float)c->wparam, f[1] = (float)c->what, f[2] = (float)c->dtype;
+            for (int q = 0; q < 3; q++) f[3 + q] = (float)((c->bytes >> (16 * q)) & 0xffff);
+        }
+        if (pp->comm) s = mti_comm_group_host_all_reduce(ctx, pp->comm, what, e, (size_t)m * F, MT_COMM_SUM);
+        for (int j = j0, st = 0, end = (int)cnt[0]; !s && w && j < j0 + m; j++) {
+            while (j >= end && st + 1 < P) end += (int)cnt[++st];
+            const float *f = e + (size_t)(j - j0) * F;
+            ck_tensor *c = &w[j];
+            *c = (ck_tensor){NULL, -1, (int)f[0], st, (int)f[1], (mti_dtype)(int)f[2], 0};
+            for (int q = 0; q < 3; q++) c->bytes |= (uint64_t)f[3 + q] << (16 * q);
+            for (int k = 0; mine && k < n; k++) /* (this stage's, or the last stage's copy of the table) */
+                if (mine[k].wparam == c->wparam && mine[k].what == c->what &&
+                    (st == pp->rank || mine[k].param == pp->tied)) {
+                    c->t = mine[k].t, c->param = mine[k].param;
+                    break;
+                }
+        }
     }
+    /* (a rank without its list or room for the whole one fails every rank) */
+    float bad = failed;
     if (!s && pp->comm)
-        s = mti_comm_group_host_all_reduce(ctx, pp->comm,
-                                           "pipeline parallel: the stages' stored tensors", e,
-                                           (size_t)total * F, MT_COMM_SUM);
-    for (int j = 0, st = 0, end = (int)cnt[0]; !s && j < total; j++) {
-        while (j >= end && st + 1 < P) end += (int)cnt[++st];
-        const float *f = e + (size_t)j * F;
-        ck_tensor *c = &w[j];
-        *c = (ck_tensor){NULL, -1, (int)f[0], st, (int)f[1], (mti_dtype)(int)f[2], 0};
-        for (int b = 0; b < 3; b++) c->bytes |= (uint64_t)f[3 + b] << (16 * b);
-        for (int k = 0; k < n; k++) /* (this stage's, or the last stage's copy of the table) */
-            if (mine[k].wparam == c->wparam && mine[k].what == c->what &&
-                (st == pp->rank || mine[k].param == pp->tied)) {
-                c->t = mine[k].t, c->param = mine[k].param;
-                break;
-            }
-    }
-    free(cnt);
-    free(e);
+        s = mti_comm_group_host_all_reduce(ctx, pp->comm, what, &bad, 1, MT_COMM_SUM);
+    if (!s && bad > 0.0f)
+        s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory on %s", what,
+                     failed ? "this rank" : "a rank of the pipeline group");
     if (s) {
         free(w);
         return s;
@@ -367,6 +379,30 @@ static void sv_write(saver *v, const void *data, size_t n)
     if (file_writer(v) && !v->ws && n) v->ws = mti_afile_write(v->t->ctx, &v->f, data, n);
 }
 
+/* n bytes (at most CK_CHUNK) of host memory between the stages' writers:
+ * sent to the first stage (send), or received from stage `from` (recv);
+ * through the device bounce buffer for a device communicator. */
+static mt_status pp_move(saver *v, const void *send, void *recv, size_t n, int from)
+{
+    mt_context *ctx = v->t->ctx;
+    mti_device *d = ctx->dev;
+    const char *what = "mt_trainer_save: a stage's tensors to the first stage";
+    mt_comm *c = v->t->pp.comm;
+    if (!v->bk.blk.ptr)
+        return mti_comm_group_sendrecv(ctx, c, what, send, send ? n : 0, send ? 0 : -1, recv,
+                                       recv ? n : 0, recv ? from : -1, true);
+    mt_status s = MT_OK, ls = MT_OK;
+    if (send) ls = d->copy_h2d(d, v->bk.blk.ptr, send, n);
+    if (send && !ls) ls = d->sync(d);
+    if (ls && !v->ws) v->ws = ls; /* (what went is then the bounce buffer's: the files agree after) */
+    s = mti_comm_group_sendrecv(ctx, c, what, send ? v->bk.blk.ptr : NULL, send ? n : 0,
+                                send ? 0 : -1, recv ? v->bk.blk.ptr : NULL, recv ? n : 0,
+                                recv ? from : -1, false);
+    if (!s && recv) s = d->copy_d2h(d, recv, v->bk.blk.ptr, n);
+    if (!s && recv) s = d->sync(d);
+    return s;
+}
+
 /* A tensor section's bytes: written, or (a later stage's writer) sent to
  * the first stage's in pieces of CK_CHUNK, whatever this rank's failures
  * (the exchanges stay paired). */
@@ -375,10 +411,7 @@ static void emit(saver *v, const void *data, size_t n)
     if (!v->pp || v->t->pp.rank == 0 || !writer(v)) return sv_write(v, data, n);
     for (size_t at = 0; at < n && !v->cs; at += CK_CHUNK) {
         const size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
-        v->cs = mti_comm_group_sendrecv(v->t->ctx, v->t->pp.comm,
-                                        "mt_trainer_save: a stage's tensors to the first stage",
-                                        data ? (const char *)data + at : (const char *)v->buf,
-                                        len, 0, NULL, 0, -1);
+        v->cs = pp_move(v, data ? (const char *)data + at : (const char *)v->buf, NULL, len, 0);
     }
 }
 
@@ -389,21 +422,20 @@ static mt_status relay_tensor(saver *v, const ck_tensor *c)
 {
     mt_trainer *t = v->t;
     mt_context *ctx = t->ctx;
-    const char *what = "mt_trainer_save: a stage's tensors to the first stage";
     unsigned char h[CK_SECTION];
     off_t at_header = -1;
     if (!v->ws && (at_header = lseek(v->f.fd, 0, SEEK_CUR)) < 0) {
         v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
         mti_afile_abort(&v->f);
     }
-    mt_status cs = mti_comm_group_sendrecv(ctx, t->pp.comm, what, NULL, 0, -1, h, sizeof h, c->stage);
+    mt_status cs = pp_move(v, NULL, h, sizeof h, c->stage);
     if (!cs) sv_write(v, h, sizeof h);
     for (uint64_t at = 0; at < c->bytes && !cs; at += CK_CHUNK) {
         const size_t n = c->bytes - at < CK_CHUNK ? (size_t)(c->bytes - at) : CK_CHUNK;
-        cs = mti_comm_group_sendrecv(ctx, t->pp.comm, what, NULL, 0, -1, v->buf, n, c->stage);
+        cs = pp_move(v, NULL, v->buf, n, c->stage);
         if (!cs) sv_write(v, v->buf, n);
     }
-    if (!cs) cs = mti_comm_group_sendrecv(ctx, t->pp.comm, what, NULL, 0, -1, h, sizeof h, c->stage);
+    if (!cs) cs = pp_move(v, NULL, h, sizeof h, c->stage);
     if (!cs && !v->ws && (mti_get_u32(h + 4) != (uint32_t)c->wparam ||
                           mti_get_u64(h + 8) != c->bytes))
         v->ws = mti_fail(ctx, MT_ERR_INTERNAL, "mt_trainer_save: a stage's tensor out of order");
@@ -609,7 +641,7 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     mt_status cs = MT_OK;
     if (ts) list_tensors(t, ts);
     /* (pipeline parallel: the whole model's list, from every stage) */
-    if (ts && v.pp) cs = whole_list(t, ts, n, &ws, &nw);
+    if (v.pp) cs = whole_list(t, ts, n, &ws, &nw);
     if (ws) layout_of(t, ws, nw, &lay);
     counters_of(t, &cnt);
     bool oom = !ts || !ws || !v.buf || lay.oom || cnt.oom;
@@ -617,7 +649,10 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (cs) oom = true;
     if (!oom && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
-    if (!oom && v.tp && t->tp_comm && (t->tp_comm->vt.caps & MT_COMM_CAP_DEVICE))
+    if (!oom && !v.bk.blk.ptr && v.tp && t->tp_comm && (t->tp_comm->vt.caps & MT_COMM_CAP_DEVICE))
+        cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
+    if (!oom && !cs && !v.bk.blk.ptr && v.pp && t->pp.comm &&
+        (t->pp.comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
     if (v.tp) { /* one rank's failure to start fails the group before any part moves */
         cs = mti_tp_agree_status(t, fn, "preparing the training-state file", cs ? cs : v.ws);
@@ -1122,7 +1157,7 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     if (ts) list_tensors(t, ts);
     /* (pipeline parallel: the whole model's list, from every stage; a
        collective of the group, made whatever happened before) */
-    if (ts && t->pp.size > 1) {
+    if (t->pp.size > 1) {
         mt_status e = whole_list(t, ts, n, &ws, &nw);
         if (!s) s = e;
     }

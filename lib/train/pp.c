@@ -4,6 +4,7 @@
  * the tied table's gradient between the first and last stages, and the
  * model whole again at the end (pp.h).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -207,9 +208,15 @@ mt_status mti_pp_begin(mt_trainer *t, mt_status s)
     }
     free(start);
     free(which);
-    if (!s && T == 1) mti_comm_narrow(ctx, t->dp_comm, W / P, d);
     if (!s && !(t->pp_pass = calloc((size_t)P, sizeof *t->pp_pass)))
         s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    /* every rank's stage made, or none: the world agrees again, so what
+       follows (the context narrowed, tensor parallel's groups) is the same
+       on every rank */
+    if (!ctx->dry && W > 1)
+        s = mti_group_agree(t, ctx->cfg.comm, W, r, fn_create, "the pipeline stages", "the ranks",
+                            s);
+    if (!s && T == 1) mti_comm_narrow(ctx, t->dp_comm, W / P, d);
     return s;
 }
 
@@ -232,6 +239,26 @@ mt_status mti_pp_agree(mt_trainer *t, const char *fn, const char *what, mt_statu
 {
     if (t->pp.size < 2 || !t->pp.comm || t->ctx->dry) return s;
     return mti_group_agree(t, t->pp.comm, t->pp.size, t->pp.rank, fn, what, "the pipeline group", s);
+}
+
+mt_status mti_pp_agree_batch(mt_trainer *t, const char *fn, const mt_batch *b, mt_status s)
+{
+    if (t->pp.size < 2) return s;
+    s = mti_pp_agree(t, fn, "the batch's checks", s);
+    if (s || !t->pp.comm || t->ctx->dry) return s;
+    /* (checked: rows and tokens are small, exact in fp32) */
+    const float n = (float)b->n, T = t->model->input == MT_INPUT_TOKENS ? (float)b->seq_len : 1.0f;
+    float v[4] = {n, -n, T, -T};
+    s = mti_comm_group_host_all_reduce(t->ctx, t->pp.comm,
+                                       "pipeline parallel: the batch's shape over the group", v, 4,
+                                       MT_COMM_MAX);
+    if (!s && (v[0] != -v[1] || v[2] != -v[3]))
+        s = mti_fail(t->ctx, MT_ERR_INVALID_ARG,
+                     "%s: the ranks of the pipeline group were given batches of different shapes "
+                     "(%g to %g rows, %g to %g tokens each; every rank of a pipeline group is "
+                     "given the same batch)", fn, (double)-v[1], (double)v[0], (double)-v[3],
+                     (double)v[2]);
+    return s;
 }
 
 void mti_pp_commit(mt_trainer *t)
@@ -285,35 +312,45 @@ void mti_pp_end(mt_trainer *t)
         free(vp);
         m->pp = NULL;
     }
-    /* every stage's weights to every rank of the group (a failure sends
-       zeros, so the ranks' calls stay paired) */
+    /* every stage's weights to every rank of the group: first every rank
+       makes room for the others' (fp32), and the group agrees that all did,
+       then each tensor is broadcast from its stage; where any rank has no
+       room, none is sent and the others' stages' weights are lost there
+       (said in the log), so the ranks' calls stay paired */
     const bool send = t->pp_committed && !t->pp_discard;
     mt_status s = MT_OK;
     for (int i = 0; send && i < m->n_param; i++) {
         mti_param *p = &m->params[i];
+        if (p->w.blk.ptr) continue; /* (this stage's) */
+        p->w = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
+        mt_status e = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
+                                       MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+        if (!e && stage_of(pp, i) == pp->rank) e = mti_tensor_zero(ctx, &p->w); /* (its own, lost) */
+        if (!s) s = e;
+    }
+    if (send && pp->comm && !ctx->dry) {
+        float bad = s != MT_OK;
+        mt_status e = mti_comm_group_host_all_reduce(
+            ctx, pp->comm, "pipeline parallel: room for every stage's weights", &bad, 1, MT_COMM_SUM);
+        if (!s && (e || bad > 0.0f))
+            s = e ? e : mti_fail(ctx, MT_ERR_OOM, "a rank of the pipeline group has no room for "
+                                 "the whole model's weights");
+    }
+    for (int i = 0; send && i < m->n_param; i++) {
+        mti_param *p = &m->params[i];
         const int owner = stage_of(pp, i);
-        const bool lost = !p->w.blk.ptr; /* (another stage's, or this one's that failed) */
-        if (lost) {
-            p->w = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
-            mt_status e = mti_tensor_alloc(ctx, &p->w, MT_MEM_PARAM, MT_LIFE_PERSISTENT,
-                                           MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
-            if (!s) s = e;
-        }
         char what[96];
         snprintf(what, sizeof what, "pipeline parallel: %s to every stage", p->name);
-        if (p->w.blk.ptr && (owner != pp->rank ? s != MT_OK : lost)) (void)mti_tensor_zero(ctx, &p->w);
-        if (pp->comm && !ctx->dry) {
-            mt_status e = p->w.blk.ptr ? mti_comm_group_broadcast(ctx, pp->comm, what, p->w.blk.ptr,
-                                                                  p->numel, MT_COMM_F32, owner)
-                                       : MT_ERR_OOM;
-            if (!s) s = e;
-        }
+        if (!s && pp->comm && !ctx->dry)
+            s = mti_comm_group_broadcast(ctx, pp->comm, what, p->w.blk.ptr, p->numel, MT_COMM_F32,
+                                         owner);
+        if (s && owner != pp->rank) mti_tensor_free(ctx, &p->w); /* (not come: lost) */
         p->unmade = !p->w.blk.ptr;
     }
     if (s)
         mti_log(ctx, MT_LOG_ERROR, "mt_trainer_destroy: the pipeline stages' weights could not be "
-                "brought to every rank (%s); some of the model's weights are zeros or lost",
-                mti_last_msg(ctx).s);
+                "brought to every rank (%s); the other stages' weights are lost on this rank "
+                "(unmade: calls that read them fail)", mti_last_msg(ctx).s);
     if (t->pp_discard)
         for (int i = 0; i < m->n_param; i++)
             if (!m->params[i].w.blk.ptr) m->params[i].unmade = 1;
@@ -354,7 +391,8 @@ static mt_status exchange(mt_trainer *t, const char *what, const mti_tensor *out
     const size_t ob = out ? mti_tensor_bytes(out) : 0, ib = in ? mti_tensor_bytes(in) : 0;
     if (!ob && !ib) return MT_OK;
     return mti_comm_group_sendrecv(ctx, t->pp.comm, what, ob ? out->blk.ptr : NULL, ob,
-                                   ob ? to : -1, ib ? in->blk.ptr : NULL, ib, ib ? from : -1);
+                                   ob ? to : -1, ib ? in->blk.ptr : NULL, ib, ib ? from : -1,
+                                   false);
 }
 
 /* A tensor of a boundary: `cols` features of the boundary's rows in dt. */
@@ -549,6 +587,20 @@ mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, mti_bwd_f
     return s;
 }
 
+/* A double as three fp32 pieces whose sum over a group where the other
+ * ranks give zeros is exact (72 bits of significand); a non-finite one as
+ * itself and zeros. */
+static void split3(double x, float *v)
+{
+    v[0] = (float)x, v[1] = v[2] = 0.0f;
+    if (!isfinite(v[0])) return;
+    x -= (double)v[0];
+    v[1] = (float)x;
+    v[2] = (float)(x - (double)v[1]);
+}
+
+static double join3(const float *v) { return ((double)v[0] + (double)v[1]) + (double)v[2]; }
+
 mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, mti_right_fn count, double *sum, int *right)
 {
     sched c;
@@ -565,11 +617,12 @@ mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, mti_right_fn count, doub
     sched_free(&c);
     s = mti_pp_loss(t, s, &c.sum);
     if (!s && count && t->pp.comm && !t->ctx->dry) {
-        float v = (float)c.right;
+        float v[3];
+        split3((double)c.right, v);
         s = mti_comm_group_host_all_reduce(t->ctx, t->pp.comm,
                                            "pipeline parallel: eval's right answers over the "
-                                           "group", &v, 1, MT_COMM_SUM);
-        c.right = (int)v;
+                                           "group", v, 3, MT_COMM_SUM);
+        c.right = (int)join3(v);
     }
     *sum = c.sum;
     *right = c.right;
@@ -584,15 +637,11 @@ mt_status mti_pp_loss(mt_trainer *t, mt_status s, double *sum)
     /* the last stage's sum (the others' are 0) in three fp32 pieces, whose
        sum over the group is exact, so every stage has its bits */
     float v[3];
-    double r = *sum;
-    for (int k = 0; k < 3; k++) {
-        v[k] = (float)r;
-        r -= (double)v[k];
-    }
+    split3(*sum, v);
     s = mti_comm_group_host_all_reduce(t->ctx, t->pp.comm,
                                        "pipeline parallel: the loss to every stage", v, 3,
                                        MT_COMM_SUM);
-    if (!s) *sum = ((double)v[0] + (double)v[1]) + (double)v[2];
+    if (!s) *sum = join3(v);
     return s;
 }
 
@@ -634,15 +683,11 @@ mt_status mti_pp_checks(mt_trainer *t, int *found, double *sum)
 {
     if (t->pp.size < 2 || !t->pp.comm || t->ctx->dry) return MT_OK;
     float v[4] = {0, 0, 0, (float)(*found != 0)};
-    double r = *sum;
-    for (int k = 0; k < 3; k++) {
-        v[k] = (float)r;
-        r -= (double)v[k];
-    }
+    split3(*sum, v);
     mt_status s = mti_comm_group_host_all_reduce(t->ctx, t->pp.comm,
                                                  "pipeline parallel: the gradients' checks over "
                                                  "the group", v, 4, MT_COMM_SUM);
     *found = v[3] > 0.0f;
-    *sum = ((double)v[0] + (double)v[1]) + (double)v[2];
+    *sum = join3(v);
     return s;
 }

@@ -31,6 +31,11 @@ mt_status mti_pp_begin(mt_trainer *t, mt_status s);
 /* Status s agreed over the pipeline group (fn and what name it): one
  * rank's failure fails every rank of the group, naming it. */
 mt_status mti_pp_agree(mt_trainer *t, const char *fn, const char *what, mt_status s);
+/* A batch's checks (status s) agreed over the pipeline group, and then
+ * its shape (rows, tokens per row): every rank of a group is given the
+ * same batch (MT_ERR_INVALID_ARG on every rank otherwise), so every stage
+ * runs it, or none. */
+mt_status mti_pp_agree_batch(mt_trainer *t, const char *fn, const mt_batch *b, mt_status s);
 /* Creation succeeded: the other stages' weights go from this rank. */
 void mti_pp_commit(mt_trainer *t);
 /* At destroy (after tensor parallel's end), the whole model again: this

@@ -1843,9 +1843,9 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     mt_status s = check_batch(t, b, fn);
     if (!s) s = mti_home_begin(t); /* the homes are there (the files checked) */
     double targets = s ? 0.0 : targets_of(t, b);
-    if ((s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b)))) return s;
+    s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b));
     /* (pipeline parallel: every stage runs the batch, or none) */
-    if ((s = mti_pp_agree(t, fn, "the batch's checks", s))) return s;
+    if ((s = mti_pp_agree_batch(t, fn, b, s))) return s;
     mt_context *ctx = t->ctx;
     const mt_model *m = t->model;
     const bool fused = t->cfg.fused_step != 0, pp = t->pp.size > 1;
@@ -2083,16 +2083,14 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
     mt_status s = check_batch(t, b, fn);
     /* (at ZeRO stage 3 a collective: a refused batch fails every rank) */
-    if ((s = mti_dp_agree_forward(t, fn, s, s ? 0 : passes_of(t, b)))) return s;
+    s = mti_dp_agree_forward(t, fn, s, s ? 0 : passes_of(t, b));
+    if ((s = mti_pp_agree_batch(t, fn, b, s))) return s; /* (pipeline parallel) */
     mti_engine *E = &t->E;
     const int T = t->model->input == MT_INPUT_TOKENS ? b->seq_len : 1;
     double sum = 0.0;
     int right = 0;
     t->updated = 0;
-    if (t->pp.size > 1) { /* (every stage, or none) */
-        s = mti_pp_agree(t, fn, "the batch's checks", s);
-        if (!s) s = mti_pp_eval(t, b, accuracy ? count_right : NULL, &sum, &right);
-    }
+    if (t->pp.size > 1) s = mti_pp_eval(t, b, accuracy ? count_right : NULL, &sum, &right);
     for (int r0 = 0; r0 < b->n && !s && t->pp.size < 2; r0 += t->micro) {
         int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
         double part = 0.0;
@@ -2115,11 +2113,14 @@ mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, i
                                     int *seg_len)
 {
     if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_trainer_recompute_plan: t is NULL");
-    const int U = t->model->n_units;
+    const int U = mt_model_num_units(t->model); /* (the whole model's) */
     if (units && n < U)
         return mti_fail(t->ctx, MT_ERR_INVALID_ARG,
                         "mt_trainer_recompute_plan: n %d is less than the model's %d units", n, U);
-    if (units) memcpy(units, t->units, (size_t)U);
+    /* (pipeline parallel: this stage's at their places) */
+    const int u0 = t->pp.size > 1 ? t->pp.u0 : 0;
+    if (units) memset(units, MT_UNIT_KEEP, (size_t)U);
+    if (units) memcpy(units + u0, t->units, (size_t)t->model->n_units);
     if (seg_len) *seg_len = t->seg_len;
     return MT_OK;
 }
