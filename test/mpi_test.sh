@@ -347,6 +347,17 @@ if [ -x "$B/memtrain" ]; then
     if [ -n "$mone" ] && [ "$mone" = "$mgot" ]
     then echo "ok   mpi memtrain train --model mlp --pp 2: one process's losses exactly"
     else echo "FAIL mpi memtrain train --model mlp --pp 2: '$mgot', one process '$mone'"; fail=1; fi
+    # stage 1 stalls in its 5th send (a gradient back to stage 0, in step 2): stage 0
+    # stops with MT_ERR_COMM at its 1 s deadline, naming the exchange, and the job ends
+    sd=$(mktemp -d)
+    timeout 60 $MPIRUN -np 2 -x LD_PRELOAD=$B/mpi/libmtfault.so -x MT_FAULT_RANK=1 -x MT_STALL_SEND=5 \
+        -x ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}verify_asan_link_order=0:detect_leaks=0 \
+        "$B/memtrain" $pargs --pp 2 --steps 5 --comm-timeout 1 >"$sd/out" 2>"$sd/err"
+    rc=$?
+    if [ $rc != 0 ] && [ $rc != 124 ] && grep -q "pipeline parallel: .*timed out" "$sd/err"
+    then echo "ok   mpi memtrain train --pp 2: a stage stalled in a send: the other stopped at its deadline naming the exchange (exit $rc)"
+    else echo "FAIL mpi memtrain train --pp 2: a stage stalled in a send: exit $rc"; cat "$sd/err"; fail=1; fi
+    rm -rf "$sd"
     bad=$(timeout 60 $MPIRUN -np 3 "$B/memtrain" $pargs --pp 2 2>&1)
     if echo "$bad" | grep -q "not a multiple of tensor_parallel 1 x pipeline_parallel 2"
     then echo "ok   mpi memtrain train --pp 2 on 3 ranks: refused, the grid named"

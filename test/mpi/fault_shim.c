@@ -8,7 +8,10 @@
  *     MT_STALL_S seconds (10), through MPI's profiling interface, so the
  *     other ranks meet their deadline in that collective and in no other;
  *   MT_FAIL_WRITE=K: the K-th write to a scratch file (a path holding
- *     "memtrain-scratch") fails with EIO, as a failing disk's would.
+ *     "memtrain-scratch") fails with EIO, as a failing disk's would;
+ *   MT_STALL_SEND=K: the K-th point-to-point send of bytes (pipeline
+ *     parallel's exchanges between stages) first sleeps MT_STALL_S seconds
+ *     (10), so its peer meets its deadline waiting for it.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -37,6 +40,18 @@ int MPI_Iallreduce(const void *send, void *recv, int count, MPI_Datatype dt, MPI
         sleep(s ? (unsigned)atoi(s) : 10u);
     }
     return PMPI_Iallreduce(send, recv, count, dt, op, comm, req);
+}
+
+int MPI_Isend(const void *buf, int count, MPI_Datatype dt, int to, int tag, MPI_Comm comm,
+              MPI_Request *req)
+{
+    static int calls;
+    const int at = on_this_rank("MT_STALL_SEND");
+    if (at && dt == MPI_BYTE && ++calls == at) {
+        const char *s = getenv("MT_STALL_S");
+        sleep(s ? (unsigned)atoi(s) : 10u);
+    }
+    return PMPI_Isend(buf, count, dt, to, tag, comm, req);
 }
 
 ssize_t pwrite(int fd, const void *buf, size_t n, off_t off)
