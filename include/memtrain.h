@@ -1276,8 +1276,9 @@ typedef struct mt_trainer_config {
      * layout (mt_trainer_save: a collective of the pipeline and tensor
      * groups of data-parallel rank 0, the first stage's first rank writing,
      * the other data-parallel ranks' calls doing nothing; not with ZeRO).
-     * A memory budget is each rank's (its stage's peak), and a recompute
-     * plan it chooses (MT_RECOMPUTE_BUDGET) is each stage's own.
+     * A memory budget holds for every rank: a recompute plan it chooses
+     * (MT_RECOMPUTE_BUDGET) fits the heaviest stage, each stage running its
+     * units of it.
      * Not yet with the fused step, ZeRO stage 3, offload, LoRA, a
      * quantized base, a teacher or local SGD (MT_ERR_UNSUPPORTED).
      * docs/distributed.md, "Pipeline parallel". */

@@ -88,10 +88,12 @@ done
 [ "$(cat "$tmp/act0")" -gt "$(cat "$tmp/act3")" ] ||
     { echo "FAIL tool: stage 0's ACT $(cat "$tmp/act0") not above stage 3's $(cat "$tmp/act3")"; fail=1; }
 expect 2 "estimate: --ranks not a multiple of --tp x --pp" -- "$tool" estimate $E --ranks 6 --tp 2 --pp 2
-# --layout auto: every layout of 4 ranks auto-fitted, the chosen one printed and estimated
+# --layout auto: every layout of 4 ranks (tensor and pipeline groups) auto-fitted, the chosen
+# one printed and estimated
 expect 0 "estimate: --layout auto" -- "$tool" estimate --model gpt --layers 2 --heads 4 --channels 64 --vocab 512 --seq 64 --batch 8 --ranks 4 --budget 64 --autofit --layout auto
-grep -q "^| 4 | yes | 0 | 1 | " "$tmp/out" && grep -q "^chosen: --tp [124]" "$tmp/out" &&
-    grep -q "^| 2 | no | 3 | 2 | " "$tmp/out" && grep -q "^| 2 | yes | 3 | 2 | " "$tmp/out" ||
+grep -q "^| 4 | 1 | yes | 0 | 1 | " "$tmp/out" && grep -q "^chosen: --tp [124] --pp [124]" "$tmp/out" &&
+    grep -q "^| 2 | 1 | no | 3 | 2 | " "$tmp/out" && grep -q "^| 2 | 1 | yes | 3 | 2 | " "$tmp/out" &&
+    grep -q "^| 1 | 2 | no | 2 | 2 | yes | " "$tmp/out" && grep -q "^| 2 | 2 | yes | 0 | 1 | yes | " "$tmp/out" ||
     { echo "FAIL tool: --layout auto's table"; cat "$tmp/out"; fail=1; }
 expect 2 "estimate: --layout auto without --ranks" -- "$tool" estimate --model gpt --budget 64 --autofit --layout auto
 expect 2 "estimate: --tp not dividing --ranks" -- "$tool" estimate $E --ranks 3 --tp 2

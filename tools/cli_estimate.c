@@ -132,11 +132,13 @@ static void print_table(const cli_opts *o, const mt_trainer_config *tc, const mt
 }
 
 /* --layout auto: every layout of --ranks (tensor groups of T dividing the
- * ranks and the heads, sequence parallel where T divides --seq, ZeRO
- * stages the layout takes) auto-fitted to the budget; the one of the least
- * cost-model step time (compute and collectives) goes into *tc and o's
- * --tp, --sp and --zero. A table of them on stdout (not with --json).
- * MT_ERR_BUDGET when none fits. */
+ * ranks and the heads, pipelines of P stages dividing the rest, at most the
+ * model's units, sequence parallel where T divides --seq, ZeRO stages the
+ * layout takes) auto-fitted to the budget (every rank's: the stages differ);
+ * the one of the least cost-model step time (compute, 1F1B's bubble and the
+ * collectives and exchanges) goes into *tc and o's --tp, --pp, --sp and
+ * --zero. A table of them on stdout (not with --json). MT_ERR_BUDGET when
+ * none fits. */
 static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, int allow,
                              mt_autofit_report *best)
 {
@@ -146,17 +148,20 @@ static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, in
     double best_t = 0;
     mt_trainer_config chosen = *tc;
     if (!o->json)
-        printf("| tp | sp | zero | data-parallel groups | fits | micro | recomputed units | "
+        printf("| tp | pp | sp | zero | data-parallel groups | fits | micro | recomputed units | "
                "state | peak MiB a rank | compute s | communication s | step s (model) |\n"
-               "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int tp = 1; tp <= N; tp++) {
         if (N % tp || g.heads % tp) continue;
+        for (int pp = 1; pp <= N / tp; pp++) {
+        if ((N / tp) % pp || pp > mt_model_num_units(m)) continue;
         for (int sp = 0; sp <= (tp > 1 && o->seq % tp == 0); sp++)
-            for (int zero = 0; zero <= 3; zero++) {
-                const int dp = N / tp;
+            for (int zero = 0; zero <= (pp > 1 ? 2 : 3); zero++) {
+                const int dp = N / tp / pp;
                 if (dp == 1 && zero) continue; /* (the same as stage 0) */
                 mt_trainer_config c = *tc;
                 c.tensor_parallel = tp, c.sequence_parallel = sp, c.zero_stage = zero;
+                c.pipeline_parallel = pp;
                 c.max_batch = (int)((o->batch + dp - 1) / dp); /* (a group's rows) */
                 if (c.micro_batch > c.max_batch) c.micro_batch = 0;
                 mt_autofit_report f = {0};
@@ -164,12 +169,12 @@ static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, in
                 const bool refused = s == MT_ERR_UNSUPPORTED || s == MT_ERR_INVALID_ARG;
                 if (s && s != MT_ERR_BUDGET && !refused) return s;
                 if (!o->json && s)
-                    printf("| %d | %s | %d | %d | %s | - | - | - | - | - | - | - |\n", tp,
+                    printf("| %d | %d | %s | %d | %d | %s | - | - | - | - | - | - | - |\n", tp, pp,
                            sp ? "yes" : "no", zero, dp, refused ? "refused" : "no");
                 else if (!o->json)
-                    printf("| %d | %s | %d | %d | yes | %d | %d + %d selective | %s%s | %.1f | "
+                    printf("| %d | %d | %s | %d | %d | yes | %d | %d + %d selective | %s%s | %.1f | "
                            "%.4g | %.4g | %.4g |\n",
-                           tp, sp ? "yes" : "no", zero, dp, f.micro_batch, f.recomputed_units,
+                           tp, pp, sp ? "yes" : "no", zero, dp, f.micro_batch, f.recomputed_units,
                            f.selective_units,
                            f.optimizer == MT_OPT_ADAMW8   ? "8-bit"
                            : f.optimizer == MT_OPT_ADAMW4 ? "4-bit"
@@ -186,6 +191,7 @@ static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, in
                     *best = f;
                 }
             }
+        }
     }
     if (!best_t) {
         char m2[160];
@@ -195,9 +201,10 @@ static mt_status fit_layouts(cli_opts *o, mt_model *m, mt_trainer_config *tc, in
     }
     *tc = chosen;
     o->tp = chosen.tensor_parallel, o->sp = chosen.sequence_parallel, o->zero = chosen.zero_stage;
+    o->pp = chosen.pipeline_parallel > 1 ? chosen.pipeline_parallel : 1;
     if (!o->json)
-        printf("chosen: --tp %ld%s --zero %ld (the least step time of the model that fits)\n\n",
-               o->tp, o->sp ? " --sp" : "", o->zero);
+        printf("chosen: --tp %ld --pp %ld%s --zero %ld (the least step time of the model that "
+               "fits)\n\n", o->tp, o->pp, o->sp ? " --sp" : "", o->zero);
     return MT_OK;
 }
 

@@ -92,8 +92,9 @@ static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
     d.memory_budget = 0;
     int world;
     (void)mti_comm_world(m->ctx, &world, NULL);
-    /* (tensor parallel: the vocabulary's shares may differ by a row) */
-    if (world < 2 || (!c->zero_stage && c->tensor_parallel < 2))
+    /* (tensor parallel: the vocabulary's shares may differ by a row;
+       pipeline parallel: the stages differ) */
+    if (world < 2 || (!c->zero_stage && c->tensor_parallel < 2 && c->pipeline_parallel < 2))
         return mti_estimate_model(m, &d, -1, r);
     mt_status s = MT_OK;
     for (int q = 0; q < world && !s; q++) {
@@ -309,13 +310,17 @@ static double step_seconds(const mt_model *m, const mt_trainer_config *c, int mi
     const double flops = c->precision == MT_PREC_FP32 ? r->flops : r->flops16;
     const int T = seq_of(m, c);
     const double tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1;
-    double total = 0;
-    for (int r0 = 0; r0 < c->max_batch; r0 += micro) {
+    /* (pipeline parallel: a stage's share, P of them, and 1F1B's bubble,
+       (M + P - 1) / M of the micro-batches' time) */
+    const double pp = c->pipeline_parallel > 1 ? c->pipeline_parallel : 1;
+    double total = 0, M = 0;
+    for (int r0 = 0; r0 < c->max_batch; r0 += micro, M++) {
         int rows = c->max_batch - r0 < micro ? c->max_batch - r0 : micro;
         double tok = (double)rows * T, eff = tok / (tok + r->half);
-        total += (3 * fwd + rec_cost) * tok / (flops * eff) / tp;
+        total += (3 * fwd + rec_cost) * tok / (flops * eff) / tp / pp;
     }
-    return total + (double)m->n_params * update_bytes(c, r) / r->bw / tp +
+    if (pp > 1 && M > 0) total *= (M + pp - 1) / M;
+    return total + (double)m->n_params * update_bytes(c, r) / r->bw / tp / pp +
            mti_comm_seconds(m, c);
 }
 
@@ -324,9 +329,21 @@ double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c)
     const fit_rates *r = m->ctx->dev->kind == MT_DEVICE_CUDA ? &fit_cuda : &fit_cpu;
     int world;
     (void)mti_comm_world(m->ctx, &world, NULL);
-    const int tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1, dp = world / tp;
-    const double grads = (double)m->n_params / tp * 4.0; /* a rank's fp32 gradients */
+    const int pp = c->pipeline_parallel > 1 ? c->pipeline_parallel : 1;
+    const int tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1, dp = world / tp / pp;
+    const double grads = (double)m->n_params / tp / pp * 4.0; /* a rank's fp32 gradients */
     double bytes = 0.0;
+    if (pp > 1) {
+        /* a middle stage's exchanges: every row's activation in and out, its
+           gradient back and forth, in the compute dtype (a stage's width: the
+           blocks' or the MLP's widest); the tied table's gradient once */
+        const double rows = (double)c->max_batch * seq_of(m, c), es = c->precision == MT_PREC_FP32 ? 4.0 : 2.0;
+        double W = 0;
+        for (int i = 0; i < m->n_layers; i++) W = m->layers[i].out > W ? m->layers[i].out : W;
+        if (m->kind == MTI_MODEL_GPT) W = m->gpt.channels;
+        bytes += 2.0 * rows * W * es / (c->sequence_parallel ? tp : 1);
+        if (m->kind == MTI_MODEL_GPT) bytes += (double)m->padded_vocab * m->gpt.channels * 4.0 / tp;
+    }
     if (dp > 1) /* the gradients' sums (ZeRO-3: the weights gathered twice besides) */
         bytes += (c->zero_stage == 3 ? 3.0 : 2.0) * (dp - 1) / dp * grads;
     if (tp > 1 && m->kind == MTI_MODEL_GPT) {

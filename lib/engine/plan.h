@@ -17,7 +17,7 @@ void mti_plan_of_policy(const mt_model *m, const mt_trainer_config *c, unsigned 
 mt_status mti_plan_budget(const mt_model *m, const mt_trainer_config *c, unsigned char *units,
                           int *seg_len, mt_estimate_report *chosen);
 /* The cost model's seconds of a step's communication on the model's
- * context (its world, cfg's tensor_parallel and zero_stage; 0 on one
+ * context (its world, cfg's tensor_parallel, pipeline_parallel and zero_stage; 0 on one
  * rank): nominal link rates, for comparing layouts (plan.c). */
 double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c);
 /* A plan in words, for messages. */
