@@ -1275,7 +1275,9 @@ typedef struct mt_trainer_config {
      * whole model's state, as one process writes it, and load under any
      * layout (mt_trainer_save: a collective of the pipeline and tensor
      * groups of data-parallel rank 0, the first stage's first rank writing,
-     * the other data-parallel ranks' calls doing nothing; not with ZeRO).
+     * the other data-parallel ranks' calls doing nothing, but under ZeRO,
+     * where every rank sends its slices; not with ZeRO and tensor_parallel
+     * together).
      * A memory budget holds for every rank: a recompute plan it chooses
      * (MT_RECOMPUTE_BUDGET) fits the heaviest stage, each stage running its
      * units of it.

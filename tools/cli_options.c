@@ -657,9 +657,10 @@ static int check_together(const cli_opts *o)
         return cli_bad_usage("--tp %ld with --save or --resume needs --zero 0 and 32-bit optimizer "
                              "state (a training-state file of tensor parallel holds each split "
                              "tensor's state element by element)", o->tp);
-    if (o->pp > 1 && (o->save || o->resume) && o->zero)
-        return cli_bad_usage("--pp %ld with --save or --resume needs --zero 0 (a training-state "
-                             "file of pipeline parallel is put together from the stages)", o->pp);
+    if (o->pp > 1 && o->tp > 1 && (o->save || o->resume) && o->zero)
+        return cli_bad_usage("--pp %ld --tp %ld with --save or --resume needs --zero 0 (a "
+                             "training-state file of pipeline and tensor parallel is put "
+                             "together from whole parts)", o->pp, o->tp);
     if (o->sp && o->tp < 2)
         return cli_bad_usage("%s", "--sp needs --tp T with T > 1 (it splits a tensor group's rows)");
     if (o->tp > 1 && o->ranks > 1 && o->ranks % o->tp)

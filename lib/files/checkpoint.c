@@ -362,6 +362,8 @@ typedef struct saver {
                             stage's writer sends its tensors' sections to the first stage's,
                             which writes the file */
     mt_status cs;        /* a failed exchange of those */
+    unsigned char *pend; /* a later stage's writer: payload bytes not sent yet (CK_CHUNK) */
+    size_t pend_n;
     mt_status ws;        /* this rank's first local failure */
 } saver;
 
@@ -403,16 +405,39 @@ static mt_status pp_move(saver *v, const void *send, void *recv, size_t n, int f
     return s;
 }
 
-/* A tensor section's bytes: written, or (a later stage's writer) sent to
- * the first stage's in pieces of CK_CHUNK, whatever this rank's failures
- * (the exchanges stay paired). */
+/* Whether this rank sends its tensors' sections to the first stage's writer. */
+static bool sender(const saver *v) { return v->pp && v->t->pp.rank != 0 && writer(v); }
+
+/* A tensor section's payload bytes: written, or (a sender) sent to the
+ * first stage's writer in pieces of CK_CHUNK of the payload, whatever the
+ * pieces it is given and whatever this rank's failures (the exchanges stay
+ * paired; emit_flush sends the last piece). */
 static void emit(saver *v, const void *data, size_t n)
 {
-    if (!v->pp || v->t->pp.rank == 0 || !writer(v)) return sv_write(v, data, n);
-    for (size_t at = 0; at < n && !v->cs; at += CK_CHUNK) {
-        const size_t len = n - at < CK_CHUNK ? n - at : CK_CHUNK;
-        v->cs = pp_move(v, data ? (const char *)data + at : (const char *)v->buf, NULL, len, 0);
+    if (!sender(v)) return sv_write(v, data, n);
+    if (!v->pend && !v->cs && !(v->pend = malloc(CK_CHUNK)))
+        v->cs = mti_fail(v->t->ctx, MT_ERR_OOM, "out of host memory");
+    for (size_t at = 0; at < n && !v->cs;) {
+        const size_t len = n - at < CK_CHUNK - v->pend_n ? n - at : CK_CHUNK - v->pend_n;
+        if (data) memcpy(v->pend + v->pend_n, (const char *)data + at, len);
+        else memset(v->pend + v->pend_n, 0, len);
+        v->pend_n += len, at += len;
+        if (v->pend_n == CK_CHUNK) v->cs = pp_move(v, v->pend, NULL, CK_CHUNK, 0), v->pend_n = 0;
     }
+}
+
+static void emit_flush(saver *v)
+{
+    if (sender(v) && v->pend_n && !v->cs) v->cs = pp_move(v, v->pend, NULL, v->pend_n, 0);
+    v->pend_n = 0;
+}
+
+/* A section header of a tensor: written, or (a sender) sent alone. */
+static void emit_header(saver *v, const unsigned char *h)
+{
+    if (!sender(v)) return sv_write(v, h, CK_SECTION);
+    emit_flush(v);
+    if (!v->cs) v->cs = pp_move(v, h, NULL, CK_SECTION, 0);
 }
 
 /* The first stage's writer: a later stage's tensor section (emit's pieces:
@@ -560,7 +585,7 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
         v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
         mti_afile_abort(&v->f);
     }
-    emit(v, h, sizeof h);
+    emit_header(v, h);
     uint32_t crc = 0;
     uint64_t done = 0;
     if (v->tp && t->model->params[c->param].tp_split) { /* the parts, whole */
@@ -603,7 +628,7 @@ static mt_status write_tensor(saver *v, const ck_tensor *c)
         v->ws = mti_fail(ctx, MT_ERR_IO, "writing '%s': %s", v->f.path, strerror(errno));
         mti_afile_abort(&v->f);
     }
-    if (v->pp && t->pp.rank != 0) emit(v, h, sizeof h); /* (the CRC: after the payload) */
+    if (sender(v)) emit_header(v, h); /* (the CRC: after the payload) */
     return v->cs;
 }
 
@@ -618,8 +643,9 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
         if (!ts_ok && t->tp.size > 1) ts_ok = mti_tp_files_ok(t, fn);
         if (ts_ok) return ts_ok;
         /* the tensor (and pipeline) groups of data-parallel rank 0 write; the
-           others' calls do nothing (their state is the same) */
-        if (t->rank != 0) return MT_OK;
+           others' calls do nothing (their state is the same), but under ZeRO
+           (pipeline parallel's), where they send their slices */
+        if (t->rank != 0 && !t->zero) return MT_OK;
     }
     saver v = {.t = t, .collective = t->zero != 0, .tp = t->tp.size > 1, .pp = t->pp.size > 1,
                .f = {.fd = -1}};
@@ -700,7 +726,7 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!cs && v.pp) s = mti_pp_agree(t, fn, "putting the training-state file in place", s);
     mti_tensor_free(ctx, &v.bk);
     if (ws != ts) free(ws);
-    free(ts), free(v.buf), free(v.whole), free(lay.p), free(cnt.p);
+    free(ts), free(v.buf), free(v.whole), free(v.pend), free(lay.p), free(cnt.p);
     if (s) {
         const mti_msg m = mti_last_msg(ctx); /* (an exchange's names the call already) */
         const bool named = !strncmp(m.s, fn, strlen(fn)) && !strncmp(m.s + strlen(fn), ": ", 2);

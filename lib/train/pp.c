@@ -222,9 +222,9 @@ mt_status mti_pp_begin(mt_trainer *t, mt_status s)
 
 mt_status mti_pp_files_ok(const mt_trainer *t, const char *fn)
 {
-    if (!t->zero) return MT_OK;
+    if (!t->zero || t->tp.size < 2) return MT_OK;
     return mti_fail(t->ctx, MT_ERR_UNSUPPORTED,
-                    "%s: training-state files of pipeline parallel with ZeRO in the "
+                    "%s: training-state files of pipeline and tensor parallel with ZeRO in the "
                     "data-parallel groups are not built yet", fn);
 }
 
