@@ -1462,7 +1462,12 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
  * data-parallel rank 0, whose first rank writes the whole tensors (the
  * file one process with the same state writes; SGD and AdamW or 32-bit
  * state, without ZeRO: MT_ERR_UNSUPPORTED otherwise); the other groups'
- * calls return MT_OK at once. */
+ * calls return MT_OK at once. Under pipeline parallel
+ * (cfg.pipeline_parallel) it is a collective of the pipeline (and tensor)
+ * groups of data-parallel rank 0, of every rank under ZeRO, and the first
+ * stage's first rank writes the file one process with the same state
+ * writes, each later stage's sections sent to it (not with ZeRO and
+ * tensor_parallel together: MT_ERR_UNSUPPORTED). */
 mt_status mt_trainer_save(const mt_trainer *t, const char *path, const void *user,
                           size_t user_len);
 /* Restores a saved state into a trainer of the same model (kind, shapes),

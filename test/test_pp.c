@@ -626,10 +626,10 @@ TEST(pp_model_calls)
  * one process's file byte for byte (an MLP, whose runs are the same bits),
  * and it resumes on one process, on 3 stages and on 2 stages again with the
  * unbroken run's losses bit for bit; a file saved by 2 stages over 2
- * data-parallel groups at ZeRO-1 resumes on 2 stages over 2 groups at
- * ZeRO-2, and one process's file there at ZeRO-1 (their sums over the
- * groups in another order: to 1e-5); a GPT's files (from tp 2 x pp 2 among
- * them) likewise to 1e-5. */
+ * data-parallel groups at ZeRO-2 (MLP) or ZeRO-1 (GPT) resumes on one
+ * process and on 2 stages over 2 groups at ZeRO-2, and one process's file
+ * there at ZeRO-1 (their sums over the groups in another order: to 1e-5);
+ * a GPT's files (from tp 2 x pp 2 among them) likewise to 1e-5. */
 static int pp_same_file(const char *a, const char *b)
 {
     FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
@@ -671,10 +671,12 @@ TEST(pp_files_move_between_layouts)
             int n, tp, pp, zero, dp;
             const char *from;
         } rs[] = {{1, 0, 0, 0, 1, f1}, {3, 0, 3, 0, 1, f1}, {2, 0, 2, 0, 1, f2},
-                  {4, 2, 2, 0, 1, f2}, {4, 0, 2, 1, 2, f1}, {4, 0, 2, 2, 2, f3}};
-        /* (a third file: saved by 2 stages over 2 data-parallel groups at ZeRO-1) */
+                  {4, 2, 2, 0, 1, f2}, {4, 0, 2, 1, 2, f1}, {4, 0, 2, 2, 2, f3},
+                  {1, 0, 0, 0, 1, f3}};
+        /* (a third file: saved by 2 stages over 2 data-parallel groups, at
+           ZeRO-2 for the MLP and ZeRO-1 for the GPT) */
         pp_run z = base;
-        z.n = 4, z.pp = 2, z.zero = 1, z.rows /= 2, z.steps = PP_STEPS / 2, z.save = f3;
+        z.n = 4, z.pp = 2, z.zero = mlp ? 2 : 1, z.rows /= 2, z.steps = PP_STEPS / 2, z.save = f3;
         pp_go(&z);
         for (int r = 0; r < z.n; r++)
             CHECK_MSG(z.st[r] == MT_OK, "mlp %d, ZeRO-1 saving rank %d: %s", mlp, r, z.msg[r]);
@@ -992,4 +994,65 @@ TEST(pp_destroy_without_room)
     for (int r = 0; r < 2; r++)
         CHECK_MSG(a.get[r] != MT_OK && a.lost[r] == 4, "rank %d: get_params %s, %d tensors lost",
                   r, mt_status_string(a.get[r]), a.lost[r]);
+}
+
+/* A training-state file whose tensors take several of the stages' 1 MiB
+ * pieces (a weight of 1.2 MiB), saved by 2 stages and by 2 stages over 2
+ * data-parallel groups at ZeRO-1 (each stage's slices in other pieces than
+ * the file's), is one process's file byte for byte, and loads on one
+ * process. */
+typedef struct pp_big {
+    tcomm_world *w;
+    int n, pp, zero, bad;
+    const char *path, *load;
+} pp_big;
+
+static void pp_big_rank(int rank, void *p)
+{
+    pp_big *a = p;
+    mt_comm *c = a->n > 1 ? tcomm_make(a->w, rank, a->n, 0) : NULL;
+    mt_context *ctx = NULL;
+    mt_model *m = NULL;
+    mt_trainer *t = NULL;
+    mt_mlp_spec sp;
+    mt_mlp_spec_init(&sp);
+    sp.n_layers = 3;
+    sp.dims[0] = 6, sp.dims[1] = 560, sp.dims[2] = 560, sp.dims[3] = 5;
+    sp.seed = 3;
+    pp_run spec = {.pp = a->pp, .zero = a->zero, .rows = 4 / (a->n / (a->pp ? a->pp : 1)),
+                   .micro = 1, .opt = MT_OPT_SGD, .mlp = 1};
+    mt_trainer_config tc = pp_config(&spec);
+    RANK_EXPECT(!tcomm_context(c, &ctx) && !mt_model_mlp_create(ctx, &sp, &m));
+    RANK_EXPECT(!mt_trainer_create(m, &tc, &t));
+    if (a->load) RANK_EXPECT(!mt_trainer_load(t, a->load, NULL, 0, NULL));
+    else RANK_EXPECT(!mt_trainer_save(t, a->path, NULL, 0));
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+TEST(pp_files_of_many_pieces)
+{
+    char f[3][32];
+    for (int k = 0; k < 3; k++) {
+        snprintf(f[k], sizeof f[k], "/tmp/mt_pp_big%d_XXXXXX", k);
+        CHECK(mkstemp(f[k]) >= 0);
+    }
+    const struct {
+        int n, pp, zero;
+    } runs[3] = {{1, 0, 0}, {2, 2, 0}, {4, 2, 1}};
+    for (int k = 0; k < 3; k++) {
+        pp_big a = {.w = runs[k].n > 1 ? tcomm_world_new(runs[k].n, 30.0) : NULL, .n = runs[k].n,
+                    .pp = runs[k].pp, .zero = runs[k].zero, .path = f[k]};
+        tcomm_run(a.n, pp_big_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK_MSG(!a.bad, "run %d", k);
+    }
+    CHECK_MSG(pp_same_file(f[1], f[0]), "2 stages' file is not one process's");
+    CHECK_MSG(pp_same_file(f[2], f[0]), "2 stages over 2 groups at ZeRO-1: not one process's file");
+    pp_big b = {.n = 1, .load = f[2]};
+    tcomm_run(1, pp_big_rank, &b);
+    CHECK(!b.bad);
+    for (int k = 0; k < 3; k++) remove(f[k]);
 }

@@ -445,7 +445,8 @@ static const opt table[] = {
          "fit micro-batch, recompute, state and offload to --budget (with --ranks: what fits "
          "every rank)"),
     FN("--layout", "auto", CLI_ESTIMATE, CLI_GPT, set_layout, "(auto)", NULL,
-       "with --autofit and --ranks: choose --tp, --sp and --zero too, showing every layout tried"),
+       "with --autofit and --ranks: choose --tp, --pp, --sp and --zero too, showing every layout "
+       "tried"),
     FLAG("--allow-8bit", CLI_ESTIMATE, CLI_ANY, allow8, 1, "let --autofit use 8-bit AdamW state"),
     FLAG("--allow-4bit", CLI_ESTIMATE, CLI_ANY, allow4, 1, "let --autofit use 4-bit AdamW state"),
 };

@@ -96,8 +96,13 @@ static mt_status plan_estimate(const mt_model *m, const mt_trainer_config *c,
        pipeline parallel: the stages differ) */
     if (world < 2 || (!c->zero_stage && c->tensor_parallel < 2 && c->pipeline_parallel < 2))
         return mti_estimate_model(m, &d, -1, r);
+    /* (without ZeRO the data-parallel groups' ranks hold alike: the first
+       group's ranks, one per stage and place in a tensor group, say it all) */
+    const int tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1;
+    const int pp = c->pipeline_parallel > 1 ? c->pipeline_parallel : 1;
+    const int n = c->zero_stage ? world : tp * pp < world ? tp * pp : world;
     mt_status s = MT_OK;
-    for (int q = 0; q < world && !s; q++) {
+    for (int q = 0; q < n && !s; q++) {
         mt_estimate_report e;
         s = mti_estimate_model(m, &d, q, &e);
         if (!s && (!q || e.peak_reserved > r->peak_reserved)) *r = e;
@@ -342,7 +347,9 @@ double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c)
         for (int i = 0; i < m->n_layers; i++) W = m->layers[i].out > W ? m->layers[i].out : W;
         if (m->kind == MTI_MODEL_GPT) W = m->gpt.channels;
         bytes += 2.0 * rows * W * es / (c->sequence_parallel ? tp : 1);
-        if (m->kind == MTI_MODEL_GPT) bytes += (double)m->padded_vocab * m->gpt.channels * 4.0 / tp;
+        if (m->kind == MTI_MODEL_GPT) /* (under ZeRO each rank's slice) */
+            bytes += (double)m->padded_vocab * m->gpt.channels * 4.0 / tp /
+                     (c->zero_stage && dp > 1 ? dp : 1);
     }
     if (dp > 1) /* the gradients' sums (ZeRO-3: the weights gathered twice besides) */
         bytes += (c->zero_stage == 3 ? 3.0 : 2.0) * (dp - 1) / dp * grads;
@@ -353,9 +360,10 @@ double mti_comm_seconds(const mt_model *m, const mt_trainer_config *c)
            compute dtype besides) */
         const double rows = (double)c->max_batch * seq_of(m, c), C = m->gpt.channels;
         const double es = c->precision == MT_PREC_FP32 ? 4.0 : 2.0, f = (double)(tp - 1) / tp;
-        const double sums = 4.0 * m->gpt.layers + 2.0;
+        /* (pipeline parallel: a stage's blocks) */
+        const double sums = 4.0 * m->gpt.layers / pp + 2.0;
         bytes += c->sequence_parallel
-                     ? sums * rows * C * 4.0 * f + 6.0 * m->gpt.layers * rows * C * es * f
+                     ? sums * rows * C * 4.0 * f + 6.0 * m->gpt.layers / pp * rows * C * es * f
                      : sums * rows * C * 4.0 * 2.0 * f;
     }
     return bytes / r->link;

@@ -400,8 +400,9 @@ static mt_status pp_move(saver *v, const void *send, void *recv, size_t n, int f
     s = mti_comm_group_sendrecv(ctx, c, what, send ? v->bk.blk.ptr : NULL, send ? n : 0,
                                 send ? 0 : -1, recv ? v->bk.blk.ptr : NULL, recv ? n : 0,
                                 recv ? from : -1, false);
-    if (!s && recv) s = d->copy_d2h(d, recv, v->bk.blk.ptr, n);
-    if (!s && recv) s = d->sync(d);
+    if (!s && recv) ls = d->copy_d2h(d, recv, v->bk.blk.ptr, n);
+    if (!s && recv && !ls) ls = d->sync(d);
+    if (ls && !v->ws) v->ws = ls; /* (a local failure: the exchanges go on, paired) */
     return s;
 }
 
@@ -415,8 +416,6 @@ static bool sender(const saver *v) { return v->pp && v->t->pp.rank != 0 && write
 static void emit(saver *v, const void *data, size_t n)
 {
     if (!sender(v)) return sv_write(v, data, n);
-    if (!v->pend && !v->cs && !(v->pend = malloc(CK_CHUNK)))
-        v->cs = mti_fail(v->t->ctx, MT_ERR_OOM, "out of host memory");
     for (size_t at = 0; at < n && !v->cs;) {
         const size_t len = n - at < CK_CHUNK - v->pend_n ? n - at : CK_CHUNK - v->pend_n;
         if (data) memcpy(v->pend + v->pend_n, (const char *)data + at, len);
@@ -670,7 +669,8 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (v.pp) cs = whole_list(t, ts, n, &ws, &nw);
     if (ws) layout_of(t, ws, nw, &lay);
     counters_of(t, &cnt);
-    bool oom = !ts || !ws || !v.buf || lay.oom || cnt.oom;
+    if (v.pp) v.pend = malloc(CK_CHUNK); /* (a sender's pieces: before any exchange) */
+    bool oom = !ts || !ws || !v.buf || (v.pp && !v.pend) || lay.oom || cnt.oom;
     if (oom && !v.ws && !cs) v.ws = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     if (cs) oom = true;
     if (!oom && v.collective && (ctx->cfg.comm->vt.caps & MT_COMM_CAP_DEVICE))
@@ -680,6 +680,13 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
     if (!oom && !cs && !v.bk.blk.ptr && v.pp && t->pp.comm &&
         (t->pp.comm->vt.caps & MT_COMM_CAP_DEVICE))
         cs = mti_comm_buffer(ctx, &v.bk, CK_CHUNK);
+    if (v.collective) { /* a rank that cannot start (host memory, the bounce buffer) fails
+                           every rank before any part moves */
+        const mt_status st = mti_dp_agree_status(t, fn, "preparing the training-state file",
+                                                 cs ? cs : oom ? (v.ws ? v.ws : MT_ERR_OOM) : MT_OK);
+        if (st && !cs) cs = st;
+        if (st && !v.ws) v.ws = st;
+    }
     if (v.tp) { /* one rank's failure to start fails the group before any part moves */
         cs = mti_tp_agree_status(t, fn, "preparing the training-state file", cs ? cs : v.ws);
         if (cs && !v.ws) v.ws = cs;

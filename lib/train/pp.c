@@ -173,13 +173,13 @@ mt_status mti_pp_begin(mt_trainer *t, mt_status s)
         mt_comm *c = ctx->cfg.comm;
         s = mt_comm_split(c, d * T + q, st, &t->pp.comm);
         if (!s && T == 1) s = mt_comm_split(c, st, d, &t->dp_comm);
-        if (s)
-            return mti_fail(ctx, s, "%s: making the pipeline and data-parallel groups: %s",
-                            fn_create, mt_last_error(NULL));
+        if (s) /* (the world agrees below, whatever failed here) */
+            s = mti_fail(ctx, s, "%s: making the pipeline and data-parallel groups: %s",
+                         fn_create, mt_last_error(NULL));
     }
     int *start = malloc((size_t)(P + 1) * sizeof *start);
     unsigned char *which = calloc((size_t)m->n_param + 1, 1);
-    if (!start || !which) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+    if (!s && (!start || !which)) s = mti_fail(ctx, MT_ERR_OOM, "out of host memory");
     const int Tq = m->input == MT_INPUT_TOKENS ? (t->cfg.max_seq ? t->cfg.max_seq : m->max_seq) : 1;
     if (!s) s = cut_units(ctx, m, P, Tq, start);
     int l0 = 0, l1 = m->n_layers;
