@@ -1271,7 +1271,10 @@ typedef struct mt_trainer_config {
      * mt_trainer_gradients and mt_trainer_logits give MT_ERR_UNSUPPORTED;
      * mt_model_num_params, _num_tensors, _num_units and _param_info
      * answer for the whole model); mt_trainer_destroy sends every weight to
-     * every rank of the pipeline group. Training-state files hold the
+     * every rank of the pipeline group (a collective; where one rank has no
+     * room for them none is sent, each rank keeps its stage's and the
+     * others' are lost there, said in the log; mt_trainer_destroy_with_model
+     * sends nothing). Training-state files hold the
      * whole model's state, as one process writes it, and load under any
      * layout (mt_trainer_save: a collective of the pipeline and tensor
      * groups of data-parallel rank 0, the first stage's first rank writing,
