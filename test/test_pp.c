@@ -316,21 +316,33 @@ TEST(pp_gpt_matches_one_process)
  * data-parallel groups at ZeRO-1 and ZeRO-2, and 8 ranks as dp 2 x tp 2 x
  * pp 2 with ZeRO-1 and (with sequence parallel, a deferred model) ZeRO-2,
  * with and without a communicator that takes calls from any thread (the
- * sums on the communication thread): fp32 losses one process's over both
- * data-parallel groups' rows to 1e-5, every rank's peaks its estimate's
+ * sums on the communication thread), and bf16 at ZeRO-1 and 8-bit AdamW at
+ * ZeRO-2: losses one process's over both data-parallel groups' rows (fp32
+ * to 1e-5, bf16 3e-2, 8-bit state 1e-3), every rank's peaks its estimate's
  * (but the deferred model's). */
 TEST(pp_grids)
 {
     const struct {
         int n, tp, pp, sp, zero, threads;
-    } grids[] = {{4, 2, 2, 0, 0, 0}, {4, 2, 2, 1, 0, 0}, {8, 2, 2, 0, 1, 0}, {4, 1, 2, 0, 1, 0},
-                 {4, 1, 2, 0, 2, 0}, {8, 2, 2, 1, 2, 0}, {4, 1, 2, 0, 2, 1}, {4, 1, 2, 0, 1, 1},
-                 {8, 2, 2, 0, 2, 1}};
+        mt_precision prec;
+        mt_optimizer_kind opt;
+        double tol;
+    } grids[] = {{4, 2, 2, 0, 0, 0, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {4, 2, 2, 1, 0, 0, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {8, 2, 2, 0, 1, 0, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {4, 1, 2, 0, 1, 0, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {4, 1, 2, 0, 2, 0, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {8, 2, 2, 1, 2, 0, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {4, 1, 2, 0, 2, 1, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {4, 1, 2, 0, 1, 1, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {8, 2, 2, 0, 2, 1, MT_PREC_FP32, MT_OPT_ADAMW, 1e-5},
+                 {4, 1, 2, 0, 1, 0, MT_PREC_BF16, MT_OPT_ADAMW, 3e-2},
+                 {4, 1, 2, 0, 2, 0, MT_PREC_FP32, MT_OPT_ADAMW8, 1e-3}};
     for (size_t k = 0; k < sizeof grids / sizeof grids[0]; k++) {
         pp_run a = {.n = grids[k].n, .tp = grids[k].tp, .pp = grids[k].pp, .sp = grids[k].sp,
                     .zero = grids[k].zero, .threads = grids[k].threads, .rows = 4, .micro = 2,
                     .deferred = k == 5, .steps = PP_STEPS,
-                    .opt = MT_OPT_ADAMW, .prec = MT_PREC_FP32, .clip = 1.0f, .estimate = 1};
+                    .opt = grids[k].opt, .prec = grids[k].prec, .clip = 1.0f, .estimate = 1};
         pp_go(&a);
         pp_run one = pp_one(&a);
         CHECK_MSG(one.st[0] == MT_OK, "one process: %s", one.msg[0]);
@@ -338,7 +350,7 @@ TEST(pp_grids)
             CHECK_MSG(a.st[r] == MT_OK, "grid %zu, rank %d: %s", k, r, a.msg[r]);
             if (a.st[r]) continue;
             for (int s = 0; s < PP_STEPS; s++)
-                CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <= 1e-5 * fabs(one.loss[0][s]),
+                CHECK_MSG(fabs(a.loss[r][s] - one.loss[0][s]) <= grids[k].tol * fabs(one.loss[0][s]),
                           "grid %zu, rank %d, step %d: loss %.9g, one process %.9g", k, r, s,
                           (double)a.loss[r][s], (double)one.loss[0][s]);
             CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
