@@ -190,6 +190,10 @@ mt_status mti_context_create_dry(const mt_context_config *cfg, const mti_device 
 mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc, int rank,
                              mt_estimate_report *out);
 
+/* Every allocator instance of the context reset at scope (memory.c): what
+ * lives at most that long goes. */
+void mti_context_reset(mt_context *ctx, mt_scope scope);
+
 /* ---- places (place.c) ---- */
 
 /* Counts bytes of class c held at place p (not the device's, which the

@@ -52,6 +52,9 @@ bool check_gpu_values(void);
  * (16-bit) within 2e-2 (1 + loss); nothing under the stand-ins. */
 void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const float *l_gpu,
                         const float *l_cpu);
+/* The largest |x - y| relative to (|y| + floor) over n values (a NaN:
+ * itself). */
+double check_rel_diff(const float *x, const float *y, size_t n, double floor);
 /* Whether two files hold the same bytes (false also when one cannot be read). */
 bool check_same_file(const char *a, const char *b);
 /* A token batch of n rows of T tokens below V into tok and tg (n * T

@@ -283,6 +283,13 @@ stop.ckpt" ]
     else echo "FAIL mpi memtrain train: fewer rows than ranks: $out2"; fail=1; fi
 fi
 
+# whether two lists of losses (space-separated) are as many and each within 1e-5
+near_losses() {
+    awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
+        if (n != m || n == 0) exit 1; for (i = 1; i <= n; i++) { d = x[i] - y[i];
+        if (d < 0) d = -d; if (d > 1e-5 * x[i] + 2e-6) exit 1 } }'
+}
+
 # memtrain train --tp: 2 ranks in one tensor group, and 4 as 2 groups of 2, give one
 # process's losses (to 1e-5) on the same global batch
 if [ -x "$B/memtrain" ]; then
@@ -292,9 +299,7 @@ if [ -x "$B/memtrain" ]; then
         sp=$([ $np = 4 ] && echo --sp)
         tpo=$(timeout 120 $MPIRUN -np $np "$B/memtrain" $targs --tp 2 $sp 2>&1)
         got=$(echo "$tpo" | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
-        if [ -n "$one" ] && awk -v a="$one" -v b="$got" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
-               if (n != m || n == 0) exit 1; for (i = 1; i <= n; i++) { d = x[i] - y[i];
-               if (d < 0) d = -d; if (d > 1e-5 * x[i] + 2e-6) exit 1 } }'
+        if [ -n "$one" ] && near_losses "$one" "$got"
         then echo "ok   mpi memtrain train --tp 2 $sp on $np ranks: one process's losses $got"
         else echo "FAIL mpi memtrain train --tp 2 $sp on $np ranks: losses '$got', one process '$one'"; echo "$tpo"; fail=1; fi
     done
@@ -322,9 +327,7 @@ if [ -x "$B/memtrain" ]; then
         np=${grid%% *}; flags=${grid#* }
         ppo=$(timeout 180 $MPIRUN -np $np "$B/memtrain" $pargs $flags 2>&1)
         got=$(echo "$ppo" | grep -o '"loss": [0-9.]*' | cut -d' ' -f2 | tr '\n' ' ')
-        if [ -n "$one" ] && awk -v a="$one" -v b="$got" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
-               if (n != m || n == 0) exit 1; for (i = 1; i <= n; i++) { d = x[i] - y[i];
-               if (d < 0) d = -d; if (d > 1e-5 * x[i] + 2e-6) exit 1 } }'
+        if [ -n "$one" ] && near_losses "$one" "$got"
         then echo "ok   mpi memtrain train $flags on $np ranks: one process's losses $got"
         else echo "FAIL mpi memtrain train $flags on $np ranks: losses '$got', one process '$one'"; echo "$ppo"; fail=1; fi
     done

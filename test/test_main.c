@@ -193,6 +193,16 @@ void check_gpu_near_cpu(const float *g_gpu, const float *g_cpu, size_t n, const 
                   "step %d: gpu %.6f cpu %.6f", i, (double)l_gpu[i], (double)l_cpu[i]);
 }
 
+double check_rel_diff(const float *x, const float *y, size_t n, double floor)
+{
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)x[i] - y[i]) / (fabs(y[i]) + floor);
+        if (!(d <= worst)) worst = d;
+    }
+    return worst;
+}
+
 bool check_same_file(const char *a, const char *b)
 {
     FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");

@@ -102,6 +102,23 @@ static mt_status pp_model(const pp_run *a, mt_context *ctx, mt_model **m)
     return mt_model_gpt_create(ctx, &g, m);
 }
 
+/* A rank's trainer, model, context and communicator, each if made, gone. */
+static void pp_close(mt_trainer *t, mt_model *m, mt_context *ctx, mt_comm *c)
+{
+    mt_trainer_destroy(t);
+    mt_model_destroy(m);
+    mt_context_destroy(ctx);
+    mt_comm_destroy(c);
+}
+
+/* Seconds since t0 (CLOCK_MONOTONIC). */
+static double pp_since(const struct timespec *t0)
+{
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
 static void pp_check_estimate(pp_run *a, int rank, mt_context *ctx, mt_model *m,
                               const mt_trainer_config *tc)
 {
@@ -194,16 +211,6 @@ static void pp_free(pp_run *a)
     memset(a->w, 0, sizeof a->w);
 }
 
-static double rel_diff(const float *x, const float *y, size_t n, double floor)
-{
-    double worst = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double d = fabs((double)x[i] - y[i]) / (fabs(y[i]) + floor);
-        if (!(d <= worst)) worst = d;
-    }
-    return worst;
-}
-
 /* One process over the same rows and micro-batches as a's data-parallel
  * groups together. */
 static pp_run pp_one(const pp_run *a)
@@ -254,7 +261,7 @@ TEST(pp_mlp_bit_for_bit)
                           (double)one.eacc[0]);
                 CHECK_MSG(a.nw == one.nw && memcmp(a.w[r], one.w[0], a.nw * sizeof(float)) == 0,
                           "case %zu, pp %d, rank %d: weights differ by %.3g", k, P, r,
-                          rel_diff(a.w[r], one.w[0], a.nw, 1e-3));
+                          check_rel_diff(a.w[r], one.w[0], a.nw, 1e-3));
             }
             pp_free(&a);
             pp_free(&one);
@@ -304,7 +311,7 @@ TEST(pp_gpt_matches_one_process)
                 CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
             }
             if (!a.st[0] && cases[k].opt == MT_OPT_SGD) {
-                const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
+                const double wd = check_rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
                 CHECK_MSG(wd <= 1e-4, "case %zu, pp %d: weights differ by %.3g", k, P, wd);
             }
             pp_free(&a);
@@ -403,10 +410,7 @@ static void pp_bad_rank(int rank, void *p)
     if (!s) s = mt_trainer_create(m, &a->tc, &t);
     a->st[rank] = s;
     snprintf(a->msg[rank], sizeof a->msg[rank], "%s", s ? mt_last_error(ctx) : "");
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(t, m, ctx, c);
 }
 
 /* An impossible grid or combination is refused on every rank before
@@ -471,21 +475,17 @@ static void pp_death_rank(int rank, void *p)
     int32_t tok[4 * PP_T], tgt[4 * PP_T];
     pp_rows(&spec, 0, 0, 4, tok, tgt, NULL);
     mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
-    struct timespec t0, t1;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (!s && rank == 1) { /* stalls past the timeout, then steps too late */
         struct timespec nap = {2, 500000000};
         nanosleep(&nap, NULL);
     }
     if (!s) s = mt_trainer_step(t, &b, NULL);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    a->seconds[rank] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    a->seconds[rank] = pp_since(&t0);
     a->st[rank] = s;
     snprintf(a->msg[rank], sizeof a->msg[rank], "%s", s ? mt_last_error(ctx) : "");
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(t, m, ctx, c);
 }
 
 TEST(pp_dead_rank)
@@ -642,19 +642,6 @@ TEST(pp_model_calls)
  * process and on 2 stages over 2 groups at ZeRO-2, and one process's file
  * there at ZeRO-1 (their sums over the groups in another order: to 1e-5);
  * a GPT's files (from tp 2 x pp 2 among them) likewise to 1e-5. */
-static int pp_same_file(const char *a, const char *b)
-{
-    FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
-    int same = f && g, x = 0, y = 0;
-    while (same && x != EOF) {
-        x = fgetc(f), y = fgetc(g);
-        same = x == y;
-    }
-    if (f) fclose(f);
-    if (g) fclose(g);
-    return same;
-}
-
 TEST(pp_files_move_between_layouts)
 {
     char f1[] = "/tmp/mt_pp_ck1_XXXXXX", f2[] = "/tmp/mt_pp_ck2_XXXXXX", f3[] = "/tmp/mt_pp_ck3_XXXXXX";
@@ -677,7 +664,7 @@ TEST(pp_files_move_between_layouts)
         one.n = 1, one.steps = PP_STEPS / 2, one.save = f2;
         pp_go(&one);
         CHECK_MSG(one.st[0] == MT_OK, "one process saving: %s", one.msg[0]);
-        if (mlp) CHECK_MSG(pp_same_file(f1, f2), "the 2 stages' file is not one process's");
+        if (mlp) CHECK_MSG(check_same_file(f1, f2), "the 2 stages' file is not one process's");
         /* the second half, resumed under other layouts */
         const struct {
             int n, tp, pp, zero, dp;
@@ -770,10 +757,7 @@ static void pp_budget_rank(int rank, void *p)
         mt_context_memory_stats(ctx, &ms);
         a->reserved[rank] = ms.peak_reserved_bytes;
     }
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(t, m, ctx, c);
 }
 
 TEST(pp_recompute_budget)
@@ -862,7 +846,7 @@ static void pp_alone_rank(int rank, void *p)
     mt_trainer *t = NULL;
     mt_status s = mt_context_create(&cc, &ctx);
     if (!s) s = pp_model(&spec, ctx, &m);
-    struct timespec t0, t1;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (!s) s = mt_trainer_create(m, &tc, &t);
     int32_t tok[4 * PP_T], tgt[4 * PP_T];
@@ -871,14 +855,10 @@ static void pp_alone_rank(int rank, void *p)
     mt_batch b = {.n = 4, .tokens = tok, .targets = tgt, .seq_len = PP_T};
     float l, acc;
     if (!s) s = a->what ? mt_trainer_eval(t, &b, &l, &acc) : mt_trainer_step(t, &b, &l);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    a->sec[rank] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    a->sec[rank] = pp_since(&t0);
     a->st[rank] = s;
     snprintf(a->msg[rank], sizeof a->msg[rank], "%s", s ? mt_last_error(ctx) : "");
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(t, m, ctx, c);
 }
 
 TEST(pp_one_rank_fails_alone)
@@ -926,10 +906,7 @@ static void pp_seq_rank(int rank, void *p)
     a->whole[rank] = mt_model_num_params(m);
     RANK_EXPECT(!mt_estimate_model(m, &tc, &e));
     a->est[rank] = e.n_params;
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(t, m, ctx, c);
 }
 
 TEST(pp_layer_stack_estimate)
@@ -1038,10 +1015,7 @@ static void pp_big_rank(int rank, void *p)
     RANK_EXPECT(!mt_trainer_create(m, &tc, &t));
     if (a->load) RANK_EXPECT(!mt_trainer_load(t, a->load, NULL, 0, NULL));
     else RANK_EXPECT(!mt_trainer_save(t, a->path, NULL, 0));
-    mt_trainer_destroy(t);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(t, m, ctx, c);
 }
 
 TEST(pp_files_of_many_pieces)
@@ -1061,8 +1035,8 @@ TEST(pp_files_of_many_pieces)
         tcomm_world_free(a.w);
         CHECK_MSG(!a.bad, "run %d", k);
     }
-    CHECK_MSG(pp_same_file(f[1], f[0]), "2 stages' file is not one process's");
-    CHECK_MSG(pp_same_file(f[2], f[0]), "2 stages over 2 groups at ZeRO-1: not one process's file");
+    CHECK_MSG(check_same_file(f[1], f[0]), "2 stages' file is not one process's");
+    CHECK_MSG(check_same_file(f[2], f[0]), "2 stages over 2 groups at ZeRO-1: not one process's file");
     pp_big b = {.n = 1, .load = f[2]};
     tcomm_run(1, pp_big_rank, &b);
     CHECK(!b.bad);

@@ -211,17 +211,6 @@ static void tp_free(tp_run *a)
     memset(a->w, 0, sizeof a->w);
 }
 
-/* The largest |x - y| relative to (|y| + floor) over n values. */
-static double rel_diff(const float *x, const float *y, size_t n, double floor)
-{
-    double worst = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double d = fabs((double)x[i] - y[i]) / (fabs(y[i]) + floor);
-        if (!(d <= worst)) worst = d;
-    }
-    return worst;
-}
-
 /* ||x - y|| / ||y|| over n values. */
 static double norm_diff(const float *x, const float *y, size_t n)
 {
@@ -278,14 +267,14 @@ TEST(tp_matches_one_process)
                               c->name, T, sp, r, ld);
                 }
                 if (a.g[r] && one.g[0]) /* (not with the fused step) */
-                    gd = c->prec == MT_PREC_FP32 ? rel_diff(a.g[r], one.g[0], a.nw, big)
+                    gd = c->prec == MT_PREC_FP32 ? check_rel_diff(a.g[r], one.g[0], a.nw, big)
                                                  : norm_diff(a.g[r], one.g[0], a.nw);
                 CHECK_MSG(gd <= c->tol, "%s, tp %d, sp %d, rank %d: gradients differ by %.3g",
                           c->name, T, sp, r, gd);
                 CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
             }
             /* (Adam's update of a gradient near zero is its sign: no bound) */
-            const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
+            const double wd = check_rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
             CHECK_MSG(c->opt != MT_OPT_SGD || wd <= c->tol * 100,
                       "%s, tp %d, sp %d: weights differ by %.3g", c->name, T, sp, wd);
             tp_free(&a);
@@ -317,7 +306,7 @@ TEST(tp_with_data_parallel)
                       (double)a.loss[r][s], (double)one.loss[0][s]);
         CHECK(memcmp(a.w[r], a.w[0], a.nw * sizeof(float)) == 0);
     }
-    const double wd = rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
+    const double wd = check_rel_diff(a.w[0], one.w[0], a.nw, 1e-2);
     CHECK_MSG(wd <= 1e-3, "sp %d, zero %d: weights differ by %.3g", sp, zero, wd);
     tp_free(&a);
     }

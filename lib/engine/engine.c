@@ -178,7 +178,7 @@ mt_status mti_pass_init(mti_engine *E, mti_pass *p)
     p->have = calloc((size_t)L, 1);
     p->redone = calloc((size_t)L, 1);
     if (p->bnd && p->slot && p->have && p->redone) return MT_OK;
-    mti_pass_free(E, p);
+    mti_pass_free(p);
     return mti_fail(E->ctx, MT_ERR_OOM, "out of host memory");
 }
 
@@ -209,13 +209,8 @@ void mti_pass_swap(mti_engine *E, mti_pass *p)
     SWAP(E->d, p->d);
 }
 
-void mti_pass_free(mti_engine *E, mti_pass *p)
+void mti_pass_free(mti_pass *p)
 {
-    if (E && p->bnd && p->slot && p->have && p->redone) {
-        mti_pass_swap(E, p);
-        mti_engine_release(E);
-        mti_pass_swap(E, p);
-    }
     free(p->bnd);
     free(p->slot);
     free(p->have);
@@ -728,6 +723,11 @@ static mt_status block_fwd(mti_engine *E, int i, mti_save save)
 
 /* Whether layer i's backward needs its output (boundary i+1). */
 static bool needs_output(const mti_layer *ly) { return ly->kind == MT_LAYER_RELU; }
+
+bool mti_engine_keeps_output(const mti_engine *E)
+{
+    return needs_output(&E->m->layers[E->m->n_layers - 1]);
+}
 
 static mt_status layer_fwd(mti_engine *E, int i, mti_save save)
 {

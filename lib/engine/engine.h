@@ -142,8 +142,9 @@ typedef struct mti_pass {
 mt_status mti_pass_init(mti_engine *E, mti_pass *p);
 /* Exchanges the engine's pass with p (nothing copied). */
 void mti_pass_swap(mti_engine *E, mti_pass *p);
-/* Frees p's tensors (E NULL: it holds none) and arrays. */
-void mti_pass_free(mti_engine *E, mti_pass *p);
+/* Frees p's arrays (its tensors let go before: mti_engine_release with
+ * the pass swapped in). */
+void mti_pass_free(mti_pass *p);
 
 /* modes: per recompute unit, MT_UNIT_KEEP, _SELECTIVE or _RECOMPUTE (the
  * last unit, which holds the logits, never _RECOMPUTE); runs of recomputed
@@ -178,6 +179,9 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
 #define MTI_HEAD_BLOCK ((size_t)16 << 20)
 #define MTI_HEAD_BLOCK_GPU ((size_t)256 << 20)
 int mti_engine_head_rows(const mti_engine *E);
+/* Whether the last layer's backward reads its output (a stage's output
+ * stays for it after it is sent). */
+bool mti_engine_keeps_output(const mti_engine *E);
 /* Frees every tensor of the pass (not the gradients). */
 void mti_engine_release(mti_engine *E);
 /* Frees the gradients. */

@@ -23,6 +23,11 @@ mt_status mt_context_alloc(mt_context *ctx, const mt_alloc_request *req, mt_bloc
     return mt_alloc(ctx->by_class[req->mem_class], req, out);
 }
 
+void mti_context_reset(mt_context *ctx, mt_scope scope)
+{
+    for (int i = 0; i < ctx->n_inst; i++) mt_allocator_reset(ctx->inst[i], scope);
+}
+
 mt_status mt_context_free(mt_context *ctx, const mt_block *blk)
 {
     if (!ctx) return mti_fail(NULL, MT_ERR_INVALID_ARG, "mt_context_free: ctx is NULL");

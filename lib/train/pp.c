@@ -288,8 +288,8 @@ void mti_pp_end(mt_trainer *t)
     mt_context *ctx = t->ctx;
     mt_model *m = t->model;
     mti_pp *pp = &t->pp;
-    /* (each step's schedule let its passes go: the engine is gone already) */
-    for (int k = 0; k < pp->size && t->pp_pass; k++) mti_pass_free(NULL, &t->pp_pass[k]);
+    /* (each step's schedule let its passes' tensors go) */
+    for (int k = 0; k < pp->size && t->pp_pass; k++) mti_pass_free(&t->pp_pass[k]);
     free(t->pp_pass);
     t->pp_pass = NULL;
     if (t->pp_made) { /* the stage's weights back into the whole model */
@@ -367,19 +367,6 @@ void mti_pp_end(mt_trainer *t)
 
 /* ---- the schedule ---- */
 
-static void reset_phase(mt_context *ctx)
-{
-    for (int i = 0; i < ctx->n_inst; i++) mt_allocator_reset(ctx->inst[i], MT_SCOPE_PHASE);
-}
-
-/* The rows of a stage boundary of a micro-batch of `rows` (of T tokens):
- * under sequence parallel, this rank's share. */
-static int64_t boundary_rows(const mt_trainer *t, int rows, int T)
-{
-    const int64_t N = (int64_t)rows * T;
-    return t->tp.sp ? N / t->tp.size : N;
-}
-
 /* One exchange with the neighbours: `out` (bytes) to the stage after
  * (fwd) or before, and `in` (bytes) from the stage before (fwd) or after,
  * either absent. */
@@ -393,14 +380,6 @@ static mt_status exchange(mt_trainer *t, const char *what, const mti_tensor *out
     return mti_comm_group_sendrecv(ctx, t->pp.comm, what, ob ? out->blk.ptr : NULL, ob,
                                    ob ? to : -1, ib ? in->blk.ptr : NULL, ib, ib ? from : -1,
                                    false);
-}
-
-/* A tensor of a boundary: `cols` features of the boundary's rows in dt. */
-static mt_status boundary(mt_trainer *t, mti_tensor *x, int64_t rows, int cols, mt_mem_class c,
-                          mt_lifetime life, int tag)
-{
-    *x = (mti_tensor){.dtype = t->dt, .ndim = 2, .shape = {rows, cols}};
-    return mti_tensor_alloc(t->ctx, x, c, life, MTI_TAG_PARAM(MTI_TAG_TRAINER, tag));
 }
 
 typedef struct sched {
@@ -423,12 +402,29 @@ static int rows_of(const sched *c, int i)
     return c->b->n - r0 < c->t->micro ? c->b->n - r0 : c->t->micro;
 }
 
+/* A stage boundary's tensor for micro-batch i, in dt: its rows (under
+ * sequence parallel this rank's share) of the stage's input (in: x, ACT,
+ * kept through its backward) or of the gradient of its output (dy, WORK,
+ * used up by its backward). */
+static mt_status boundary(sched *c, int i, bool in)
+{
+    mt_trainer *t = c->t;
+    const mt_model *m = t->model;
+    const int64_t N = (int64_t)rows_of(c, i) * c->T;
+    mti_tensor *x = in ? &c->x : &c->dy;
+    *x = (mti_tensor){.dtype = t->dt, .ndim = 2,
+                      .shape = {t->tp.sp ? N / t->tp.size : N,
+                                in ? m->layers[0].in : m->layers[m->n_layers - 1].out}};
+    return mti_tensor_alloc(t->ctx, x, in ? MT_MEM_ACT : MT_MEM_WORK,
+                            in ? MT_LIFE_STEP : MT_LIFE_PHASE,
+                            MTI_TAG_PARAM(MTI_TAG_TRAINER, in ? 20 : 21));
+}
+
 static mt_status recv_forward(sched *c, int i)
 {
     mt_trainer *t = c->t;
     if (c->first) return MT_OK;
-    mt_status s = boundary(t, &c->x, boundary_rows(t, rows_of(c, i), c->T), t->model->layers[0].in,
-                           MT_MEM_ACT, MT_LIFE_STEP, 20);
+    mt_status s = boundary(c, i, true);
     return s ? s : exchange(t, "pipeline parallel: an activation from the stage before", NULL, -1,
                             &c->x, t->pp.rank - 1);
 }
@@ -459,22 +455,16 @@ static mt_status forward(sched *c, int i)
 static mt_status send_forward(sched *c, int i, int j)
 {
     mt_trainer *t = c->t;
-    mti_engine *E = &t->E;
-    const mt_model *m = t->model;
     if (c->last) return MT_OK;
     mti_pass *p = &t->pp_pass[i % c->K];
-    mt_status s = MT_OK;
-    if (j >= 0)
-        s = boundary(t, &c->dy, boundary_rows(t, rows_of(c, j), c->T), m->layers[m->n_layers - 1].out,
-                     MT_MEM_WORK, MT_LIFE_PHASE, 21);
-    mti_tensor *y = &p->bnd[m->n_layers];
+    mt_status s = j >= 0 ? boundary(c, j, false) : MT_OK;
+    mti_tensor *y = &p->bnd[t->model->n_layers];
     if (!s)
         s = exchange(t, j >= 0 ? "pipeline parallel: an activation to the stage after and a "
                                  "gradient from it"
                                : "pipeline parallel: an activation to the stage after",
                      y, t->pp.rank + 1, j >= 0 ? &c->dy : NULL, t->pp.rank + 1);
-    if (m->layers[m->n_layers - 1].kind != MT_LAYER_RELU || !c->train) mti_tensor_free(t->ctx, y);
-    (void)E;
+    if (!c->train || !mti_engine_keeps_output(&t->E)) mti_tensor_free(t->ctx, y);
     return s;
 }
 
@@ -500,16 +490,14 @@ static mt_status backward(sched *c, int j, int i)
     }
     mti_engine_release(E);
     mti_pass_swap(E, p);
-    if (!s && i >= 0 && !c->first)
-        s = boundary(t, &c->x, boundary_rows(t, rows_of(c, i), c->T), t->model->layers[0].in,
-                     MT_MEM_ACT, MT_LIFE_STEP, 20);
+    if (!s && i >= 0 && !c->first) s = boundary(c, i, true);
     if (!s && !c->first)
         s = exchange(t, i >= 0 ? "pipeline parallel: a gradient to the stage before and an "
                                  "activation from it"
                                : "pipeline parallel: a gradient to the stage before",
                      &dx, t->pp.rank - 1, i >= 0 ? &c->x : NULL, t->pp.rank - 1);
     mti_tensor_free(t->ctx, &dx);
-    reset_phase(t->ctx);
+    mti_context_reset(t->ctx, MT_SCOPE_PHASE);
     return s;
 }
 
@@ -561,7 +549,7 @@ mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, mti_bwd_f
     for (int i = 0; i < warm && !s; i++) {
         s = recv_forward(&c, i);
         if (!s) s = forward(&c, i);
-        reset_phase(t->ctx);
+        mti_context_reset(t->ctx, MT_SCOPE_PHASE);
         if (!s) s = send_forward(&c, i, -1);
     }
     if (!s && warm < M) s = recv_forward(&c, warm);
@@ -569,15 +557,13 @@ mt_status mti_pp_passes(mt_trainer *t, const mt_batch *b, float dloss, mti_bwd_f
     for (int j = 0; j < M - warm && !s; j++) {
         const int i = warm + j;
         s = forward(&c, i);
-        reset_phase(t->ctx);
+        mti_context_reset(t->ctx, MT_SCOPE_PHASE);
         if (!s) s = send_forward(&c, i, j);
         if (!s) s = backward(&c, j, i + 1 < M ? i + 1 : -1);
     }
     /* cool-down: backwards alone */
     for (int j = M - warm; j < M && !s; j++) {
-        if (!c.last)
-            s = boundary(t, &c.dy, boundary_rows(t, rows_of(&c, j), c.T),
-                         t->model->layers[t->model->n_layers - 1].out, MT_MEM_WORK, MT_LIFE_PHASE, 21);
+        if (!c.last) s = boundary(&c, j, false);
         if (!s) s = exchange(t, "pipeline parallel: a gradient from the stage after", NULL, -1, &c.dy,
                              st + 1);
         if (!s) s = backward(&c, j, -1);
@@ -612,7 +598,7 @@ mt_status mti_pp_eval(mt_trainer *t, const mt_batch *b, mti_right_fn count, doub
         if (!s) s = forward(&c, i);
         if (!s) s = send_forward(&c, i, -1);
         sched_free(&c);
-        for (int k = 0; k < t->ctx->n_inst; k++) mt_allocator_reset(t->ctx->inst[k], MT_SCOPE_STEP);
+        mti_context_reset(t->ctx, MT_SCOPE_STEP);
     }
     sched_free(&c);
     s = mti_pp_loss(t, s, &c.sum);

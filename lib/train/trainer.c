@@ -1202,11 +1202,6 @@ mt_status mt_trainer_set_loss_scale(mt_trainer *t, const mt_loss_scale_state *in
 
 /* ---- the step ---- */
 
-static void reset_all(mt_context *ctx, mt_scope scope)
-{
-    for (int i = 0; i < ctx->n_inst; i++) mt_allocator_reset(ctx->inst[i], scope);
-}
-
 static mt_status check_batch(mt_trainer *t, const mt_batch *b, const char *fn)
 {
     mt_context *ctx = t->ctx;
@@ -1636,7 +1631,7 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     mti_engine_release(&t->E);
     mti_engine_free_grads(&t->E);
     free_slices(t);
-    reset_all(t->ctx, MT_SCOPE_STEP);
+    mti_context_reset(t->ctx, MT_SCOPE_STEP);
     const size_t k = strlen(fn);
     const char *why = msg.s;
     if (!strncmp(why, fn, k) && !strncmp(why + k, ": ", 2)) why += k + 2;
@@ -1795,11 +1790,11 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
         }
         MTI_TRY(mti_engine_loss_sum(E, t->host_losses, &part));
         sum += part;
-        reset_all(ctx, MT_SCOPE_PHASE); /* end of forward */
+        mti_context_reset(ctx, MT_SCOPE_PHASE); /* end of forward */
         if (skip && !mti_dp_on(t) && !isfinite(part)) { /* no backward, no update */
             *found = 2;
             mti_engine_release(E);
-            reset_all(ctx, MT_SCOPE_PHASE);
+            mti_context_reset(ctx, MT_SCOPE_PHASE);
             break;
         }
         mti_engine_arm(E);
@@ -1814,7 +1809,7 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
             if (t->fq) held_begin(t, 1);
             s = mti_engine_backward(E, 1, check_hook, t);
             MTI_TRY(t->fq ? held_end(t, s) : s);
-            reset_all(ctx, MT_SCOPE_PHASE);
+            mti_context_reset(ctx, MT_SCOPE_PHASE);
             MTI_TRY(finish_checks(t, found));
             if (!*found) {
                 mti_engine_arm(E);
@@ -1825,7 +1820,7 @@ static mt_status passes(mt_trainer *t, const mt_batch *b, bool fused, bool shard
             }
         }
         mti_engine_release(E);
-        reset_all(ctx, MT_SCOPE_PHASE); /* end of backward */
+        mti_context_reset(ctx, MT_SCOPE_PHASE); /* end of backward */
     }
     *sum_out = sum;
     return MT_OK;
@@ -1924,7 +1919,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     t->last_skipped = found != 0;
     mti_engine_free_grads(&t->E);
     free_slices(t);
-    reset_all(ctx, MT_SCOPE_STEP);
+    mti_context_reset(ctx, MT_SCOPE_STEP);
     t->steps++;
     if ((s = mti_local_sgd_after_step(t, fn))) return s;
     if (loss) *loss = (float)mean;
@@ -1989,7 +1984,7 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
     }
     if (s) return step_failed(t, fn, s);
     mti_engine_free_grads(&t->E);
-    reset_all(t->ctx, MT_SCOPE_STEP);
+    mti_context_reset(t->ctx, MT_SCOPE_STEP);
     if (loss) *loss = (float)mean;
     return MT_OK;
 }
@@ -2100,7 +2095,7 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
         if (!s && accuracy) s = count_right(t, b->targets + (size_t)r0 * T, &right);
         sum += part;
         mti_engine_release(E);
-        reset_all(t->ctx, MT_SCOPE_STEP);
+        mti_context_reset(t->ctx, MT_SCOPE_STEP);
     }
     if (s) return step_failed(t, fn, s);
     double targets = (double)b->n * T;
@@ -2199,7 +2194,7 @@ mt_status mt_trainer_logits(mt_trainer *t, const mt_batch *b, float *out, size_t
         for (int r = 0; r < rows && !s; r++)
             s = logits_row(t, r * T + T - 1, out + (size_t)(r0 + r) * m->classes, &f32);
         mti_engine_release(E);
-        reset_all(ctx, MT_SCOPE_STEP);
+        mti_context_reset(ctx, MT_SCOPE_STEP);
     }
     mti_tensor_free(ctx, &f32);
     free(zeros);
