@@ -1,0 +1,354 @@
+/*
+ * test_sparse.c - pruning masks and pruned storage (lib/sparse/sparse.h):
+ * the masks against torch.nn.utils.prune, the Wanda paper's code and
+ * ASP's N:M (test/golden/sparse.gv, written by test/golden/gen_sparse.py),
+ * the storage formats' round trips, and the schedules against their
+ * formulas.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "golden.h"
+#include "sparse/sparse.h"
+
+static gv_file sfile;
+
+static void load_sparse(void)
+{
+    static int have;
+    if (have) return;
+    char path[512], err[512];
+    snprintf(path, sizeof path, "%s/sparse.gv", gv_dir());
+    CHECK_MSG(gv_load(path, &sfile, err, sizeof err), "%s", err);
+    have = 1;
+}
+
+static const gv_array *arr(const char *name, gv_dtype dt)
+{
+    const gv_array *a = gv_find(&sfile, name);
+    CHECK_MSG(a != NULL, "golden array '%s' missing", name);
+    CHECK_MSG(a->dtype == dt, "golden array '%s' is %s", name, gv_dtype_name(a->dtype));
+    return a;
+}
+
+static float *abs_of(const gv_array *w)
+{
+    float *s = malloc(w->numel * sizeof *s);
+    CHECK(s != NULL);
+    for (size_t i = 0; i < w->numel; i++) s[i] = fabsf(((const float *)w->data)[i]);
+    return s;
+}
+
+static uint64_t *all_kept(size_t n)
+{
+    uint64_t *k = malloc(mti_sp_words(n) * 8);
+    CHECK(k != NULL);
+    memset(k, 0xff, mti_sp_words(n) * 8);
+    return k;
+}
+
+/* keep (n bits) equals the golden uint8 mask `name`. */
+static void same_mask(const char *name, const uint64_t *keep, size_t n)
+{
+    const gv_array *g = arr(name, GV_U8);
+    CHECK_EQ(g->numel, n);
+    const uint8_t *m = g->data;
+    for (size_t e = 0; e < n; e++)
+        CHECK_MSG((int)(keep[e / 64] >> (e % 64) & 1) == m[e], "%s: element %zu is %s in torch's",
+                  name, e, m[e] ? "kept" : "pruned");
+}
+
+TEST(sparse_magnitude_l1_unstructured_golden)
+{
+    load_sparse();
+    static const struct {
+        const char *w;
+        double a;
+        const char *mask;
+    } cases[] = {{"l1_a.w", 0.5, "l1_a.mask_0.5"},   {"l1_a.w", 0.9, "l1_a.mask_0.9"},
+                 {"l1_a.w", 0.3, "l1_a.mask_0.3"},   {"l1_a.w", 0.75, "l1_a.mask_0.75"},
+                 {"l1_b.w", 0.25, "l1_b.mask_0.25"}, {"l1_b.w", 0.35, "l1_b.mask_0.35"},
+                 {"l1_b.w", 0.05, "l1_b.mask_0.05"}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const gv_array *w = arr(cases[c].w, GV_F32);
+        float *score = abs_of(w);
+        uint64_t *keep = all_kept(w->numel);
+        mti_sp_seg seg = {score, w->numel, keep};
+        CHECK_OK(mti_sp_prune_smallest(NULL, &seg, 1, mti_sp_count(cases[c].a, w->numel)));
+        same_mask(cases[c].mask, keep, w->numel);
+        free(score);
+        free(keep);
+    }
+    /* round(amount n) is half to even: 0.25 of 10 prunes 2, 0.35 of 10 prunes 4 */
+    CHECK_EQ(mti_sp_count(0.25, 10), 2);
+    CHECK_EQ(mti_sp_count(0.35, 10), 4);
+}
+
+TEST(sparse_magnitude_global_unstructured_golden)
+{
+    load_sparse();
+    const double amounts[] = {0.6, 0.25};
+    for (int a = 0; a < 2; a++) {
+        mti_sp_seg seg[3];
+        size_t total = 0;
+        for (int i = 0; i < 3; i++) {
+            char name[64];
+            snprintf(name, sizeof name, "glob.w%d", i);
+            const gv_array *w = arr(name, GV_F32);
+            seg[i] = (mti_sp_seg){abs_of(w), w->numel, all_kept(w->numel)};
+            total += w->numel;
+        }
+        CHECK_OK(mti_sp_prune_smallest(NULL, seg, 3, mti_sp_count(amounts[a], total)));
+        for (int i = 0; i < 3; i++) {
+            char name[64];
+            snprintf(name, sizeof name, "glob.mask_%g_%d", amounts[a], i);
+            same_mask(name, seg[i].keep, seg[i].n);
+            free((void *)seg[i].score);
+            free(seg[i].keep);
+        }
+    }
+}
+
+/* Wanda's scores from the weights and the calibration batches: |w|
+ * sqrt(sum over the batches' tokens of x^2) (the paper divides by the
+ * batches, which no row's order depends on). */
+static float *wanda_scores(const gv_array *w)
+{
+    const int64_t rows = w->dims[0], cols = w->dims[1];
+    double *sq = calloc((size_t)cols, sizeof *sq);
+    CHECK(sq != NULL);
+    for (int b = 0; b < 3; b++) {
+        char name[32];
+        snprintf(name, sizeof name, "wanda.x%d", b);
+        const gv_array *x = arr(name, GV_F32);
+        CHECK_EQ(x->dims[1], cols);
+        const float *xv = x->data;
+        for (int64_t t = 0; t < x->dims[0]; t++)
+            for (int64_t j = 0; j < cols; j++) sq[j] += (double)xv[t * cols + j] * xv[t * cols + j];
+    }
+    float *s = malloc(w->numel * sizeof *s);
+    CHECK(s != NULL);
+    const float *wv = w->data, *ref = arr("wanda.score", GV_F32)->data;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) {
+            s[r * cols + j] = fabsf(wv[r * cols + j]) * sqrtf((float)sq[j]);
+            /* the reference's scale differs by sqrt(3): the same order */
+            const double rel = fabs(s[r * cols + j] / sqrt(3.0) - ref[r * cols + j]) / ref[r * cols + j];
+            CHECK_MSG(rel < 1e-5, "wanda score (%lld, %lld): %g vs %g", (long long)r, (long long)j,
+                      s[r * cols + j] / sqrt(3.0), (double)ref[r * cols + j]);
+        }
+    free(sq);
+    return s;
+}
+
+TEST(sparse_wanda_golden)
+{
+    load_sparse();
+    const gv_array *w = arr("wanda.w", GV_F32);
+    const int64_t rows = w->dims[0], cols = w->dims[1];
+    float *score = wanda_scores(w);
+    const double ratios[] = {0.5, 0.7};
+    for (int i = 0; i < 2; i++) {
+        uint64_t *keep = all_kept(w->numel);
+        CHECK_OK(mti_sp_prune_rows(NULL, score, rows, cols, (size_t)(cols * ratios[i]), keep));
+        char name[32];
+        snprintf(name, sizeof name, "wanda.mask_%g", ratios[i]);
+        same_mask(name, keep, w->numel);
+        free(keep);
+    }
+    /* the paper's N:M on Wanda's scores */
+    const int nm[2][2] = {{2, 4}, {4, 8}};
+    for (int i = 0; i < 2; i++) {
+        uint64_t *keep = all_kept(w->numel);
+        CHECK_OK(mti_sp_prune_nm(NULL, score, w->numel, nm[i][0], nm[i][1], keep));
+        char name[32];
+        snprintf(name, sizeof name, "wanda.nm_%d_%d", nm[i][0], nm[i][1]);
+        same_mask(name, keep, w->numel);
+        free(keep);
+    }
+    /* magnitude alone chooses otherwise (the calibration matters) */
+    float *mag = abs_of(w);
+    uint64_t *a = all_kept(w->numel), *b = all_kept(w->numel);
+    CHECK_OK(mti_sp_prune_rows(NULL, mag, rows, cols, (size_t)cols / 2, a));
+    CHECK_OK(mti_sp_prune_rows(NULL, score, rows, cols, (size_t)cols / 2, b));
+    CHECK(memcmp(a, b, mti_sp_words(w->numel) * 8) != 0);
+    free(a);
+    free(b);
+    free(mag);
+    free(score);
+}
+
+TEST(sparse_nm_asp_golden)
+{
+    load_sparse();
+    const int nm[4][2] = {{2, 4}, {1, 4}, {3, 8}, {5, 16}};
+    for (int i = 0; i < 4; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "nm_%d_%d.w", nm[i][0], nm[i][1]);
+        const gv_array *w = arr(name, GV_F32);
+        float *score = abs_of(w);
+        uint64_t *keep = all_kept(w->numel);
+        CHECK_OK(mti_sp_prune_nm(NULL, score, w->numel, nm[i][0], nm[i][1], keep));
+        snprintf(name, sizeof name, "nm_%d_%d.mask", nm[i][0], nm[i][1]);
+        same_mask(name, keep, w->numel);
+        CHECK_EQ(mti_sp_kept(keep, w->numel), w->numel / (size_t)nm[i][1] * (size_t)nm[i][0]);
+        free(score);
+        free(keep);
+    }
+}
+
+/* A mask of n bits keeping each element with probability p (a fixed LCG). */
+static uint64_t *random_mask(size_t n, double p, uint64_t seed)
+{
+    uint64_t *k = calloc(mti_sp_words(n) + 1, 8);
+    CHECK(k != NULL);
+    for (size_t e = 0; e < n; e++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        if ((double)(seed >> 11) / 9007199254740992.0 < p) k[e / 64] |= (uint64_t)1 << (e % 64);
+    }
+    return k;
+}
+
+/* Every range of a tensor expands and compresses back to the same values,
+ * in both formats, at several densities and sizes (spans cut anywhere). */
+TEST(sparse_storage_round_trips)
+{
+    const size_t sizes[] = {1, 63, 64, 65, 1000, 1024, 1025, 5000};
+    const double dens[] = {0.0, 0.1, 0.5, 0.97, 1.0};
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++)
+        for (size_t di = 0; di < sizeof dens / sizeof dens[0]; di++) {
+            const size_t n = sizes[si];
+            uint64_t *keep = random_mask(n, dens[di], si * 31 + di), *back = calloc(mti_sp_words(n) + 1, 8);
+            const size_t nnz = mti_sp_kept(keep, n);
+            mti_sp_layout L;
+            CHECK_OK(mti_sp_layout_of(NULL, MTI_SP_BITMAP, n, nnz, 0, 0, &L));
+            CHECK_EQ(L.bytes % 8, 0);
+            void *meta = malloc(L.bytes);
+            float *vals = malloc((nnz + 1) * 4), *dense = malloc(n * 4), *v2 = calloc(nnz + 1, 4);
+            CHECK(meta && vals && dense && v2 && back);
+            for (size_t i = 0; i < nnz; i++) vals[i] = (float)i + 1.0f;
+            CHECK_OK(mti_sp_encode(&L, keep, meta));
+            mti_sp_decode(&L, meta, back);
+            CHECK_EQ(mti_sp_kept(back, n), nnz);
+            CHECK(memcmp(back, keep, (n / 64) * 8) == 0);
+            /* whole, then in pieces of 37 */
+            mti_sp_expand(&L, meta, vals, 4, 0, n, dense);
+            size_t r = 0;
+            for (size_t e = 0; e < n; e++) {
+                const int kept = (int)(keep[e / 64] >> (e % 64) & 1);
+                CHECK_MSG(dense[e] == (kept ? (float)++r : 0.0f), "n %zu element %zu", n, e);
+                CHECK_EQ(mti_sp_rank(&L, meta, e), r - (size_t)kept);
+            }
+            for (size_t at = 0; at < n; at += 37) {
+                const size_t len = n - at < 37 ? n - at : 37;
+                float piece[37];
+                mti_sp_expand(&L, meta, vals, 4, at, len, piece);
+                CHECK(memcmp(piece, dense + at, len * 4) == 0);
+                mti_sp_compress(&L, meta, piece, 4, at, len, v2, 0);
+            }
+            CHECK(memcmp(v2, vals, nnz * 4) == 0);
+            mti_sp_compress(&L, meta, dense, 4, 0, n, v2, 1); /* added: twice */
+            for (size_t i = 0; i < nnz; i++) CHECK_EQ(v2[i], 2.0f * vals[i]);
+            free(meta), free(vals), free(dense), free(v2), free(keep), free(back);
+        }
+    /* N:M: every pattern of 2:4 and 3:8, and 5:16 */
+    const int nm[3][2] = {{2, 4}, {3, 8}, {5, 16}};
+    for (int i = 0; i < 3; i++) {
+        const int N = nm[i][0], M = nm[i][1];
+        const size_t n = (size_t)M * 40;
+        float *score = malloc(n * 4), *dense = malloc(n * 4);
+        uint64_t *keep = calloc(mti_sp_words(n), 8), *back = calloc(mti_sp_words(n), 8);
+        uint64_t seed = 7;
+        for (size_t e = 0; e < n; e++) {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            score[e] = (float)(seed >> 40);
+        }
+        CHECK_OK(mti_sp_prune_nm(NULL, score, n, N, M, keep));
+        mti_sp_layout L;
+        const size_t nnz = n / (size_t)M * (size_t)N;
+        CHECK_OK(mti_sp_layout_of(NULL, MTI_SP_NM, n, nnz, N, M, &L));
+        CHECK_EQ(L.bytes, (nnz * (size_t)L.bits + 63) / 64 * 8);
+        void *meta = malloc(L.bytes);
+        CHECK_OK(mti_sp_encode(&L, keep, meta));
+        mti_sp_decode(&L, meta, back);
+        CHECK(memcmp(back, keep, mti_sp_words(n) * 8) == 0);
+        float *vals = malloc(nnz * 4), *v2 = calloc(nnz, 4);
+        for (size_t k = 0; k < nnz; k++) vals[k] = (float)k + 1.0f;
+        mti_sp_expand(&L, meta, vals, 4, 0, n, dense);
+        size_t r = 0;
+        for (size_t e = 0; e < n; e++) {
+            const int kept = (int)(keep[e / 64] >> (e % 64) & 1);
+            CHECK_EQ(dense[e], kept ? (float)++r : 0.0f);
+        }
+        for (size_t at = 0; at < n; at += 5) {
+            const size_t len = n - at < 5 ? n - at : 5;
+            mti_sp_compress(&L, meta, dense + at, 4, at, len, v2, 0);
+        }
+        CHECK(memcmp(v2, vals, nnz * 4) == 0);
+        /* a mask that is not N:M is refused */
+        keep[0] ^= 1;
+        CHECK_ST(MT_ERR_INVALID_ARG, mti_sp_encode(&L, keep, meta));
+        free(score), free(dense), free(keep), free(back), free(meta), free(vals), free(v2);
+    }
+    mti_sp_layout L;
+    CHECK_OK(mti_sp_layout_of(NULL, MTI_SP_NM, 12, 6, 2, 4, &L));
+    CHECK_ST(MT_ERR_INVALID_ARG, mti_sp_layout_of(NULL, MTI_SP_NM, 10, 5, 2, 4, &L)); /* 4 does not divide 10 */
+    CHECK_ST(MT_ERR_INVALID_ARG, mti_sp_layout_of(NULL, MTI_SP_NM, 16, 16, 4, 4, &L)); /* N = M */
+    CHECK_ST(MT_ERR_INVALID_ARG, mti_sp_layout_of(NULL, MTI_SP_NM, 34, 17, 1, 17, &L)); /* M > 16 */
+}
+
+/* Gradual pruning keeps what was pruned: each step prunes only more, and
+ * ends with exactly the count asked for. Ties go to the earlier element. */
+TEST(sparse_prune_keeps_pruned_and_ties)
+{
+    const size_t n = 3000;
+    float *score = malloc(n * 4);
+    for (size_t e = 0; e < n; e++) score[e] = (float)((e * 7919) % 1000); /* many ties */
+    uint64_t *keep = all_kept(n), *prev = all_kept(n);
+    mti_sp_seg seg = {score, n, keep};
+    for (int t = 0; t <= 10; t++) {
+        const size_t k = mti_sp_count(mti_sp_gradual(0.8, 0, 10, t), n);
+        memcpy(prev, keep, mti_sp_words(n) * 8);
+        CHECK_OK(mti_sp_prune_smallest(NULL, &seg, 1, k));
+        CHECK_EQ(n - mti_sp_kept(keep, n), k);
+        for (size_t w = 0; w < mti_sp_words(n); w++) CHECK((keep[w] & ~prev[w]) == 0);
+    }
+    /* the pruned are the smallest: every pruned score <= every kept one, and
+       among equal scores at the edge the earlier went first */
+    float kmin = INFINITY, pmax = -1.0f;
+    for (size_t e = 0; e < n; e++) {
+        const int kept = (int)(keep[e / 64] >> (e % 64) & 1);
+        if (kept) kmin = fminf(kmin, score[e]);
+        else pmax = fmaxf(pmax, score[e]);
+    }
+    CHECK(pmax <= kmin);
+    int seen_kept_edge = 0;
+    for (size_t e = 0; e < n; e++)
+        if (score[e] == kmin) {
+            const int kept = (int)(keep[e / 64] >> (e % 64) & 1);
+            if (kept) seen_kept_edge = 1;
+            else CHECK_MSG(!seen_kept_edge || kmin != pmax, "a later equal score went first");
+        }
+    /* bad scores are refused */
+    score[5] = -1.0f;
+    CHECK_ST(MT_ERR_INVALID_ARG, mti_sp_prune_smallest(NULL, &seg, 1, 10));
+    score[5] = NAN;
+    CHECK_ST(MT_ERR_INVALID_ARG, mti_sp_prune_smallest(NULL, &seg, 1, 10));
+    free(score), free(keep), free(prev);
+}
+
+/* The schedules equal their formulas. */
+TEST(sparse_schedules)
+{
+    const double sf = 0.9;
+    for (int64_t t = 0; t < 120; t++) {
+        double want = t < 20 ? 0.0 : t >= 100 ? sf : sf * (1.0 - pow(1.0 - (t - 20) / 80.0, 3));
+        CHECK(fabs(mti_sp_gradual(sf, 20, 100, t) - want) < 1e-15);
+    }
+    CHECK_EQ(mti_sp_gradual(0.5, 7, 7, 7), 0.5);
+    CHECK(fabs(mti_sp_rigl_frac(0.3, 0, 100) - 0.3) < 1e-15);
+    CHECK(fabs(mti_sp_rigl_frac(0.3, 50, 100) - 0.15) < 1e-15);
+    CHECK_EQ(mti_sp_rigl_frac(0.3, 100, 100), 0.0);
+}
