@@ -22,26 +22,26 @@ enum {
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd, P_xent_vp,
     P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor,
-    P_dequantize, P_COUNT
+    P_dequantize, P_sparse_expand, P_sparse_compress, P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_fwd_rows", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd", "xent_vp",
     "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor",
-    "dequantize"};
+    "dequantize", "sparse_expand", "sparse_compress"};
 
 /* Op families of the table printed with the profile; each op belongs to one. */
 enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
 static const char *const prof_family_names[F_COUNT] = {
     "GEMM (matmul fwd, bwd, dW rows, quantized)", "attention (fwd, bwd)", "layernorm (fwd, bwd)",
     "GELU / ReLU (fwd, bwd)", "residual add, accumulate", "cross-entropy",
-    "embedding", "casts (incl. stochastic rounding)", "gradient check, sum of squares",
+    "embedding", "casts (incl. stochastic rounding, pruned tensors)", "gradient check, sum of squares",
     "optimizer update"};
 static const unsigned char prof_family[P_COUNT] = {
     F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN,
     F_ACT, F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
-    F_OPT, F_OPT, F_OPT, F_OPT, F_CAST};
+    F_OPT, F_OPT, F_OPT, F_OPT, F_CAST, F_CAST, F_CAST};
 
 static const mti_ops *prof_inner;
 static double prof_s[P_COUNT];
@@ -90,6 +90,12 @@ PROF(matmul_dx_q, (const mti_kctx *k, void *dx, const void *dy, const void *wq, 
      (k, dx, dy, wq, qf, n, in, out, dt, acc))
 PROF(dequantize, (const mti_kctx *k, void *o, const void *wq, mti_qformat qf, size_t n, size_t at,
                   size_t len, mti_dtype dt), (k, o, wq, qf, n, at, len, dt))
+PROF(sparse_expand, (const mti_kctx *k, void *d, const void *v, const void *meta,
+                     const mti_sp_layout *L, size_t at, size_t len, mti_dtype dt),
+     (k, d, v, meta, L, at, len, dt))
+PROF(sparse_compress, (const mti_kctx *k, void *v, const void *d, const void *meta,
+                       const mti_sp_layout *L, size_t at, size_t len, mti_dtype dt, int add),
+     (k, v, d, meta, L, at, len, dt, add))
 PROF(layernorm_fwd, (const mti_kctx *k, void *o, float *mean, float *rstd, const void *x,
                      const void *w, const void *b, int n, int c, mti_dtype dt),
      (k, o, mean, rstd, x, w, b, n, c, dt))

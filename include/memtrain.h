@@ -796,6 +796,13 @@ typedef struct mt_param_info {
 } mt_param_info;
 int mt_model_num_tensors(const mt_model *m);
 mt_status mt_model_param_info(const mt_model *m, int i, mt_param_info *out);
+/* Parameter i's mask: keep[e] = 1 where dense element e is kept, 0 where
+ * it is pruned (n must be its mt_param_info.numel; every 1 for a
+ * parameter that is not pruned). */
+mt_status mt_model_param_mask(const mt_model *m, int i, unsigned char *keep, size_t n);
+/* The pruned parameters' pruned elements and all their elements (both 0
+ * when none is pruned): the sparsity is pruned / total. */
+mt_status mt_model_sparsity(const mt_model *m, uint64_t *pruned, uint64_t *total);
 
 /* ------------------------------------------------------------------------ */
 /* Training                                                                  */
@@ -947,6 +954,69 @@ typedef struct mt_adafactor_config {
     int relative_step;     /* 1: the step size comes from the step count and lr is unused */
     int warmup_init;       /* 0 */
 } mt_adafactor_config;
+
+/* Pruning and sparse training (docs/engine.md, "Pruning and sparse
+ * training"). A pruned weight is stored compressed: its kept values alone
+ * and a mask (a bitmap, about 1.03 bits per element, or for N:M the kept
+ * values' places, ceil(log2 M) bits each: 2:4 takes 2 bits per kept
+ * value), in PARAM; its master, gradient and optimizer state hold the kept
+ * entries alone, so every class shrinks with the sparsity. Compute expands
+ * the weight into a dense tile (WORK, one tensor at a time) for its GEMMs
+ * and keeps only the kept entries of its gradient. Pruned weights are
+ * exactly 0 and stay so (weight decay included). The pruning is the
+ * model's from then on: after the trainer, mt_model_get_params reads the
+ * zeros, mt_model_set_params writes the kept places alone, and
+ * mt_model_gpt_save writes the dense model with its zeros. */
+typedef enum mt_prune_method {
+    MT_PRUNE_NONE = 0,
+    MT_PRUNE_MAGNITUDE = 1, /* the smallest |w| (torch.nn.utils.prune.l1_unstructured, or
+                               global_unstructured with MT_PRUNE_GLOBAL) */
+    MT_PRUNE_WANDA = 2      /* Wanda: the smallest |w| * ||x|| within each output row,
+                               ||x|| the input feature's norm over calibration batches
+                               (mt_trainer_calibrate) */
+} mt_prune_method;
+typedef enum mt_prune_scope {
+    MT_PRUNE_TENSOR = 0, /* each tensor loses its own fraction */
+    MT_PRUNE_GLOBAL = 1  /* the fraction of all the targets together (magnitude only) */
+} mt_prune_scope;
+typedef enum mt_prune_schedule {
+    MT_PRUNE_ONESHOT = 0, /* once, after `at` steps */
+    MT_PRUNE_GRADUAL = 1  /* Zhu & Gupta: after `start` steps and every `every` steps
+                             until `end`, to s_t = sparsity (1 - (1 - (t - start) /
+                             (end - start))^3) at step t, sparsity from end on; what
+                             was pruned stays pruned */
+} mt_prune_schedule;
+typedef struct mt_prune_config {
+    mt_prune_method method;   /* MT_PRUNE_NONE (default): no pruning, nothing else read */
+    double sparsity;          /* the fraction of each target's weights pruned, in [0, 1):
+                                 rint(sparsity n) of a tensor's n (half to even, as
+                                 torch's round); Wanda: floor(sparsity cols) of each row.
+                                 Unread with N:M */
+    int nm_n, nm_m;           /* N:M (both 0: unstructured): in each group of M
+                                 consecutive weights of a row the N with the largest
+                                 scores kept, 0 < N < M <= 16, M dividing every target's
+                                 row (its input features) */
+    mt_prune_scope scope;     /* MT_PRUNE_TENSOR (default) */
+    const char *targets;      /* comma-separated fnmatch(3) patterns over the parameters'
+                                 names (copied); NULL or "": every linear weight (LINEAR
+                                 layers', each block's qkv, attproj, fc and fcproj: not
+                                 embeddings, LayerNorms or biases). A pattern matching
+                                 nothing, or a match that is not a linear weight, is
+                                 MT_ERR_INVALID_ARG */
+    int calib;                /* Wanda: the calibration batches a prune needs gathered
+                                 (mt_trainer_calibrate) since the last one, >= 1 */
+    mt_prune_schedule schedule; /* MT_PRUNE_ONESHOT (default) */
+    int64_t at;               /* ONESHOT: the steps taken before the prune (0: at create
+                                 for magnitude, before the first step's forward for
+                                 Wanda, which needs its calibration first) */
+    int64_t start, end, every; /* GRADUAL: 0 <= start <= end, every >= 1 */
+} mt_prune_config;
+/* Prunes the model now, once, by magnitude or N:M (c->method
+ * MT_PRUNE_MAGNITUDE; the schedule and calib are unread): its targets
+ * become pruned weights (mt_trainer_config.prune says how they are
+ * stored and trained). MT_ERR_STATE while a trainer uses the model; the
+ * model's other refusals as a trainer's. */
+mt_status mt_model_prune(mt_model *m, const mt_prune_config *c);
 
 typedef struct mt_trainer_config {
     uint32_t struct_size;
@@ -1288,6 +1358,23 @@ typedef struct mt_trainer_config {
      * quantized base, a teacher or local SGD (MT_ERR_UNSUPPORTED).
      * docs/distributed.md, "Pipeline parallel". */
     int pipeline_parallel;
+    /* Pruning (mt_prune_config; method MT_PRUNE_NONE: none). The chosen
+     * weights are pruned as the schedule says, at create (a one-shot
+     * magnitude prune at step 0: the state is made for the kept entries
+     * alone) or at the start of a step (the weights, masters and optimizer
+     * state of each target rebuilt for its new mask, one tensor at a time).
+     * The masks are the model's: a model pruned before keeps its masks, and
+     * further pruning only removes. Every optimizer but Adafactor and 4-bit
+     * AdamW (which factor or block the dense rows; MT_ERR_UNSUPPORTED); a
+     * prune after steps were taken needs state that follows the weights
+     * element by element (SGD, AdamW; not 8-bit AdamW). Data parallel and
+     * local SGD work (every rank chooses the same masks); ZeRO on several
+     * ranks, offload, tensor and pipeline parallel, a quantized base and a
+     * pruned weight that is quantized are MT_ERR_UNSUPPORTED. The estimate
+     * counts the kept entries (exactly, but for MT_PRUNE_GLOBAL, whose
+     * tensors' shares depend on the weights: each tensor is estimated at
+     * the global fraction). */
+    mt_prune_config prune;
 } mt_trainer_config;
 void mt_trainer_config_init(mt_trainer_config *c);
 
@@ -1423,6 +1510,18 @@ mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
 /* Mean loss and accuracy (argmax == target) of a batch without training.
  * Either output may be NULL. */
 mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *accuracy);
+/* Wanda's calibration (cfg.prune.method MT_PRUNE_WANDA; MT_ERR_STATE
+ * otherwise): a forward of b (no loss, nothing kept) whose linear maps'
+ * inputs are squared and summed per input feature, over every batch
+ * given since the last prune. A Wanda prune takes those sums as its
+ * ||x||^2 and needs cfg.prune.calib batches (mt_trainer_step fails with
+ * MT_ERR_STATE at a prune that lacks them, changing nothing). One rank
+ * (a data-parallel Wanda is MT_ERR_UNSUPPORTED at create). */
+mt_status mt_trainer_calibrate(mt_trainer *t, const mt_batch *b);
+/* The steps taken before the next prune (-1: none is left), and with calib
+ * the calibration batches it still needs. */
+mt_status mt_trainer_prune_next(const mt_trainer *t, int64_t *step, int *calib);
+
 /* Steps taken so far (skipped ones included). */
 uint64_t mt_trainer_steps(const mt_trainer *t);
 /* The learning rate the next step will use. */

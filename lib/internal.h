@@ -51,6 +51,7 @@ typedef enum mti_tag_kind {
     MTI_TAG_MASTER = 1,  /* MASTER: its fp32 master */
     MTI_TAG_GRAD = 2,    /* GRAD: its gradient */
     MTI_TAG_STATE = 3,   /* OPTIM: optimizer state slot j is MTI_TAG_STATE + j (3..6) */
+    MTI_TAG_MASK = 7,    /* PARAM: a pruned weight's mask (lib/sparse/sparse.h) */
     MTI_TAG_TRAINER = 8, /* the trainer's tensors (the tensor says which) */
     MTI_TAG_STAGE = 9,   /* a model's staging tensor for host reads and writes */
     MTI_TAG_COMM = 10    /* COMM: communication buffers (lib/comm/; the tensor says which) */

@@ -234,7 +234,7 @@ TEST(sparse_storage_round_trips)
             CHECK_EQ(mti_sp_kept(back, n), nnz);
             CHECK(memcmp(back, keep, (n / 64) * 8) == 0);
             /* whole, then in pieces of 37 */
-            mti_sp_expand(&L, meta, vals, 4, 0, n, dense);
+            mti_sp_expand(&L, meta, vals, 0, 4, 0, n, dense);
             size_t r = 0;
             for (size_t e = 0; e < n; e++) {
                 const int kept = (int)(keep[e / 64] >> (e % 64) & 1);
@@ -244,12 +244,12 @@ TEST(sparse_storage_round_trips)
             for (size_t at = 0; at < n; at += 37) {
                 const size_t len = n - at < 37 ? n - at : 37;
                 float piece[37];
-                mti_sp_expand(&L, meta, vals, 4, at, len, piece);
+                mti_sp_expand(&L, meta, vals, 0, 4, at, len, piece);
                 CHECK(memcmp(piece, dense + at, len * 4) == 0);
-                mti_sp_compress(&L, meta, piece, 4, at, len, v2, 0);
+                mti_sp_compress(&L, meta, piece, 4, at, len, v2, 0, 0);
             }
             CHECK(memcmp(v2, vals, nnz * 4) == 0);
-            mti_sp_compress(&L, meta, dense, 4, 0, n, v2, 1); /* added: twice */
+            mti_sp_compress(&L, meta, dense, 4, 0, n, v2, 0, 1); /* added: twice */
             for (size_t i = 0; i < nnz; i++) CHECK_EQ(v2[i], 2.0f * vals[i]);
             free(meta), free(vals), free(dense), free(v2), free(keep), free(back);
         }
@@ -276,7 +276,7 @@ TEST(sparse_storage_round_trips)
         CHECK(memcmp(back, keep, mti_sp_words(n) * 8) == 0);
         float *vals = malloc(nnz * 4), *v2 = calloc(nnz, 4);
         for (size_t k = 0; k < nnz; k++) vals[k] = (float)k + 1.0f;
-        mti_sp_expand(&L, meta, vals, 4, 0, n, dense);
+        mti_sp_expand(&L, meta, vals, 0, 4, 0, n, dense);
         size_t r = 0;
         for (size_t e = 0; e < n; e++) {
             const int kept = (int)(keep[e / 64] >> (e % 64) & 1);
@@ -284,7 +284,7 @@ TEST(sparse_storage_round_trips)
         }
         for (size_t at = 0; at < n; at += 5) {
             const size_t len = n - at < 5 ? n - at : 5;
-            mti_sp_compress(&L, meta, dense + at, 4, at, len, v2, 0);
+            mti_sp_compress(&L, meta, dense + at, 4, at, len, v2, 0, 0);
         }
         CHECK(memcmp(v2, vals, nnz * 4) == 0);
         /* a mask that is not N:M is refused */
@@ -351,4 +351,145 @@ TEST(sparse_schedules)
     CHECK(fabs(mti_sp_rigl_frac(0.3, 0, 100) - 0.3) < 1e-15);
     CHECK(fabs(mti_sp_rigl_frac(0.3, 50, 100) - 0.15) < 1e-15);
     CHECK_EQ(mti_sp_rigl_frac(0.3, 100, 100), 0.0);
+}
+
+/* ---- pruned models and their training ---- */
+
+#include "memtrain.h"
+
+enum { GB = 4, GT = 8, GV = 64, GC = 32 };
+
+static void prune_cfg(mt_trainer_config *tc, mt_optimizer_kind opt, double sparsity)
+{
+    mt_trainer_config_init(tc);
+    tc->max_batch = GB, tc->max_seq = GT;
+    tc->optimizer = opt, tc->lr = 1e-2f, tc->weight_decay = 0.1f;
+    if (opt == MT_OPT_SGD) tc->momentum = 0.9f;
+    tc->prune.method = MT_PRUNE_MAGNITUDE;
+    tc->prune.sparsity = sparsity;
+}
+
+/* Whether parameter name is a linear weight of check_small_gpt's model. */
+static bool linear_w(const char *name)
+{
+    const size_t l = strlen(name);
+    return l > 2 && !strcmp(name + l - 2, ".w") &&
+           (strstr(name, ".qkv.") || strstr(name, ".attproj.") || strstr(name, ".fc.") ||
+            strstr(name, ".fcproj."));
+}
+
+/* Each target's mask is the smallest |w| of its weights before, by
+ * magnitude (rint(s n) pruned); pruned weights stay exactly 0 through
+ * training, with weight decay; kept ones move; the rest stays dense. */
+TEST(sparse_train_magnitude_pruned_stay_zero)
+{
+    const mt_optimizer_kind opts[] = {MT_OPT_ADAMW, MT_OPT_SGD, MT_OPT_ADAMW8};
+    for (int oi = 0; oi < 3; oi++) {
+        mt_context *ctx = check_cpu_context(2);
+        mt_model *m = check_small_gpt(ctx, GV, GT, GC, 5);
+        const size_t n = mt_model_num_params(m);
+        float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+        CHECK_OK(mt_model_get_params(m, w0, n));
+        mt_trainer_config tc;
+        prune_cfg(&tc, opts[oi], 0.6);
+        tc.min_8bit_size = 64;
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        uint64_t pruned, total, want_p = 0, want_t = 0;
+        CHECK_OK(mt_model_sparsity(m, &pruned, &total));
+        for (int i = 0; i < mt_model_num_tensors(m); i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(m, i, &pi));
+            unsigned char *keep = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
+            float *score = check_alloc(pi.numel * 4);
+            uint64_t *bits = all_kept(pi.numel);
+            for (size_t e = 0; e < pi.numel; e++) score[e] = fabsf(w0[pi.offset + e]);
+            if (linear_w(pi.name)) {
+                mti_sp_seg seg = {score, pi.numel, bits};
+                CHECK_OK(mti_sp_prune_smallest(NULL, &seg, 1, mti_sp_count(0.6, pi.numel)));
+                want_p += mti_sp_count(0.6, pi.numel), want_t += pi.numel;
+            }
+            for (size_t e = 0; e < pi.numel; e++)
+                CHECK_MSG(keep[e] == (bits[e / 64] >> (e % 64) & 1), "%s element %zu", pi.name, e);
+            free(bits);
+        }
+        CHECK_EQ(pruned, want_p);
+        CHECK_EQ(total, want_t);
+        check_token_steps(ctx, t, GB, GT, GV, 0, 4);
+        CHECK_OK(mt_model_get_params(m, w1, n));
+        size_t moved = 0, kept = 0;
+        for (int i = 0; i < mt_model_num_tensors(m); i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(m, i, &pi));
+            unsigned char *keep = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
+            for (size_t e = 0; e < pi.numel; e++) {
+                const float a = w0[pi.offset + e], b = w1[pi.offset + e];
+                if (!keep[e]) CHECK_MSG(b == 0.0f && !signbit(b), "%s[%zu] = %g", pi.name, e, b);
+                else if (linear_w(pi.name)) kept++, moved += a != b;
+            }
+        }
+        CHECK_MSG(moved == kept, "optimizer %d: %zu of %zu kept weights moved", oi, moved, kept);
+        mt_trainer_destroy(t);
+        /* the model keeps its masks: get_params reads zeros there after the trainer */
+        CHECK_OK(mt_model_get_params(m, w0, n));
+        CHECK(memcmp(w0, w1, n * 4) == 0);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+}
+
+/* A pruned model's gradients are the dense model's with the pruned
+ * weights set to 0, bit for bit at the kept places, and 0 at the pruned
+ * ones (fp32 and bf16; N:M and unstructured). */
+TEST(sparse_gradients_equal_dense_with_zeros)
+{
+    const mt_precision precs[] = {MT_PREC_FP32, MT_PREC_BF16};
+    for (int pi_ = 0; pi_ < 2; pi_++)
+        for (int nm = 0; nm < 2; nm++) {
+            mt_context *ctx = check_cpu_context(2);
+            mt_model *a = check_small_gpt(ctx, GV, GT, GC, 9), *b = check_small_gpt(ctx, GV, GT, GC, 9);
+            mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = 0.5};
+            if (nm) pc.nm_n = 2, pc.nm_m = 4;
+            CHECK_OKC(ctx, mt_model_prune(a, &pc));
+            const size_t n = mt_model_num_params(a);
+            float *w = check_alloc(n * 4), *ga = check_alloc(n * 4), *gb = check_alloc(n * 4);
+            CHECK_OK(mt_model_get_params(a, w, n));
+            CHECK_OK(mt_model_set_params(b, w, n));
+            mt_trainer_config tc;
+            prune_cfg(&tc, MT_OPT_ADAMW, 0);
+            tc.prune.method = MT_PRUNE_NONE;
+            tc.precision = precs[pi_];
+            mt_trainer *ta, *tb;
+            CHECK_OKC(ctx, mt_trainer_create(a, &tc, &ta));
+            CHECK_OKC(ctx, mt_trainer_create(b, &tc, &tb));
+            int32_t tok[GB * GT], tg[GB * GT];
+            mt_batch bt;
+            check_token_batch(&bt, tok, tg, GB, GT, GV, 0);
+            float la, lb;
+            CHECK_OKC(ctx, mt_trainer_gradients(ta, &bt, &la, ga, n));
+            CHECK_OKC(ctx, mt_trainer_gradients(tb, &bt, &lb, gb, n));
+            CHECK_EQ(la, lb);
+            for (int i = 0; i < mt_model_num_tensors(a); i++) {
+                mt_param_info pi;
+                CHECK_OK(mt_model_param_info(a, i, &pi));
+                unsigned char *keep = check_alloc(pi.numel);
+                CHECK_OK(mt_model_param_mask(a, i, keep, pi.numel));
+                size_t nk = 0;
+                for (size_t e = 0; e < pi.numel; e++) {
+                    nk += keep[e];
+                    const float x = ga[pi.offset + e], y = keep[e] ? gb[pi.offset + e] : 0.0f;
+                    CHECK_MSG(memcmp(&x, &y, 4) == 0, "prec %d nm %d %s[%zu]: %g vs %g", pi_, nm,
+                              pi.name, e, x, y);
+                }
+                if (linear_w(pi.name)) CHECK_EQ(nk, pi.numel / 2);
+                else CHECK_EQ(nk, pi.numel);
+            }
+            mt_trainer_destroy(ta);
+            mt_trainer_destroy(tb);
+            CHECK_OK(mt_model_destroy(a));
+            CHECK_OK(mt_model_destroy(b));
+            CHECK_OK(mt_context_destroy(ctx));
+        }
 }

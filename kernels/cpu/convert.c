@@ -222,3 +222,51 @@ mt_status mti_cpu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_q
     if (mti_dry(k)) return MT_OK; /* an estimate: nothing to compute */
     return mti_dequantize(k->ctx, qf, wq, n, at, len, out, dt);
 }
+
+/* ---- a pruned tensor: spans of MTI_SP_SPAN elements in parallel (each
+   finds its first value by the tensor's prefix counts) ---- */
+
+static mt_status sparse_args(const mti_kctx *k, const char *op, const mti_sp_layout *L, size_t at,
+                             size_t len, mti_dtype dt, int add)
+{
+    if (at > L->dense || len > L->dense - at)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: elements [%zu, %zu) of a tensor of %zu", op,
+                        at, at + len, L->dense);
+    if (L->fmt != MTI_SP_BITMAP && L->fmt != MTI_SP_NM)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: unknown format %d", op, L->fmt);
+    if (add && dt != MTI_F32)
+        return mti_fail(k->ctx, MT_ERR_INVALID_ARG, "%s: adds in fp32 only (dtype %d)", op,
+                        (int)dt);
+    return MT_OK;
+}
+
+mt_status mti_cpu_sparse_expand(const mti_kctx *k, void *dense, const void *vals, const void *meta,
+                                const mti_sp_layout *L, size_t at, size_t len, mti_dtype dt)
+{
+    mt_status s;
+    MTI_TRY(sparse_args(k, "sparse_expand", L, at, len, dt, 0));
+    if (mti_dry(k)) return MT_OK;
+    const size_t es = mti_dtype_size(dt), spans = (len + MTI_SP_SPAN - 1) / MTI_SP_SPAN;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (len > MTI_CPU_PAR_MIN)
+    for (size_t c = 0; c < spans; c++) {
+        const size_t a = at + c * MTI_SP_SPAN, n = at + len - a < MTI_SP_SPAN ? at + len - a : MTI_SP_SPAN;
+        mti_sp_expand(L, meta, vals, 0, es, a, n, (char *)dense + (a - at) * es);
+    }
+    return MT_OK;
+}
+
+mt_status mti_cpu_sparse_compress(const mti_kctx *k, void *vals, const void *dense,
+                                  const void *meta, const mti_sp_layout *L, size_t at, size_t len,
+                                  mti_dtype dt, int add)
+{
+    mt_status s;
+    MTI_TRY(sparse_args(k, "sparse_compress", L, at, len, dt, add));
+    if (mti_dry(k)) return MT_OK;
+    const size_t es = mti_dtype_size(dt), spans = (len + MTI_SP_SPAN - 1) / MTI_SP_SPAN;
+#pragma omp parallel for schedule(static) num_threads(mti_cpu_threads(k)) if (len > MTI_CPU_PAR_MIN)
+    for (size_t c = 0; c < spans; c++) {
+        const size_t a = at + c * MTI_SP_SPAN, n = at + len - a < MTI_SP_SPAN ? at + len - a : MTI_SP_SPAN;
+        mti_sp_compress(L, meta, (const char *)dense + (a - at) * es, es, a, n, vals, 0, add);
+    }
+    return MT_OK;
+}

@@ -17,6 +17,11 @@ mt_status mti_cpu_cast(const mti_kctx *k, void *dst, mti_dtype dst_dt, const voi
 /* The op dequantize: lib/quant/quant.c's dequantizer. */
 mt_status mti_cpu_dequantize(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
                              size_t at, size_t len, mti_dtype dt);
+mt_status mti_cpu_sparse_expand(const mti_kctx *k, void *dense, const void *vals, const void *meta,
+                                const mti_sp_layout *L, size_t at, size_t len, mti_dtype dt);
+mt_status mti_cpu_sparse_compress(const mti_kctx *k, void *vals, const void *dense,
+                                  const void *meta, const mti_sp_layout *L, size_t at, size_t len,
+                                  mti_dtype dt, int add);
 /* Loads n values of dt at src (element offset i) into fp32 dst / stores n
  * fp32 values as dt, rounding to nearest even. For the kernels' inner loops. */
 void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);

@@ -27,6 +27,7 @@
  *   optim4.cu       4-bit AdamW
  *   adafactor.cu    Adafactor
  *   dequant.cu      tiles of int8 / NF4 quantized weights, for the quantized matmuls
+ *   sparse.cu       pruned tensors expanded and gathered back
  * GEMMs go through cuBLASLt from the host, not through kernels here.
  */
 
@@ -60,3 +61,4 @@ extern "C" __global__ void mt_axpy_f32(float *y, float a, const float *x, mt_ind
 #include "optim4.cu"
 #include "adafactor.cu"
 #include "dequant.cu"
+#include "sparse.cu"

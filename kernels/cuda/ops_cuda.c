@@ -985,6 +985,45 @@ static mt_status cu_dequantize(const mti_kctx *k, void *out, const void *wq, mti
     return mti_cuda_dequantize(k, qf, wq, 1, n, 0, 1, at, len, out, len, dt);
 }
 
+/* ---- a pruned tensor (lib/sparse/sparse.h; kernels/cuda/sparse.cu) ---- */
+
+/* sparse.cu's mt_sp_desc, as its kernels take it by value. */
+typedef struct sp_desc {
+    int fmt, n, m, bits;
+    unsigned long long pre, dense, at, len;
+} sp_desc;
+
+static mt_status sp_launch(const mti_kctx *k, const char *op, int id, void *out, const void *in,
+                           const void *meta, const mti_sp_layout *L, size_t at, size_t len,
+                           mti_dtype dt, int add)
+{
+    OP_NOTE(k, "%s %zu of %zu from %zu %s%s", op, len, L->dense, at, dt_name(dt), add ? " add" : "");
+    if (!dt_ok(dt)) return bad_dt(k, op, dt);
+    if (at > L->dense || len > L->dense - at || (L->fmt != MTI_SP_BITMAP && L->fmt != MTI_SP_NM))
+        return bad_arg(k, op, "a range outside the tensor, or an unknown format");
+    if (add && dt != MTI_F32) return bad_arg(k, op, "adds in fp32 only");
+    if (len == 0) return MT_OK;
+    sp_desc d = {(int)L->fmt, L->n, L->m, L->bits, L->pre, L->dense, at, len};
+    int es = (int)mti_dtype_size(dt);
+    void *args[] = {&out, (void *)&in, (void *)&meta, &d, &es, &add};
+    return launch(k, id, ew_grid(len), MTI_EW_THREADS, args);
+}
+
+static mt_status cu_sparse_expand(const mti_kctx *k, void *dense, const void *vals,
+                                  const void *meta, const mti_sp_layout *L, size_t at, size_t len,
+                                  mti_dtype dt)
+{
+    return sp_launch(k, "sparse_expand", MTI_CUDA_SP_EXPAND, dense, vals, meta, L, at, len, dt, 0);
+}
+
+static mt_status cu_sparse_compress(const mti_kctx *k, void *vals, const void *dense,
+                                    const void *meta, const mti_sp_layout *L, size_t at, size_t len,
+                                    mti_dtype dt, int add)
+{
+    return sp_launch(k, "sparse_compress", MTI_CUDA_SP_COMPRESS, vals, dense, meta, L, at, len, dt,
+                     add);
+}
+
 /* The checks of the CPU table's quantized matmuls, in its order. */
 /* Tile width (rows or columns) of a tile of `len` elements per row or
  * column, and the WORK the tile buffer takes. */

@@ -97,6 +97,8 @@ typedef struct mti_dim3 {
     X(MTI_CUDA_AF_APPLY, "mt_af_apply")                                                        \
     X(MTI_CUDA_DEQUANT_INT8, "mt_dequant_int8")                                                \
     X(MTI_CUDA_DEQUANT_NF4, "mt_dequant_nf4")                                                  \
+    X(MTI_CUDA_SP_EXPAND, "mt_sp_expand") /* (void *dense, vals, meta, mt_sp_desc, int es) */ \
+    X(MTI_CUDA_SP_COMPRESS, "mt_sp_compress") /* (vals, dense, meta, mt_sp_desc, es, int add) */ \
     X(MTI_CUDA_EMB_FWD_Q_INT8, "mt_emb_fwd_q_int8")                                            \
     X(MTI_CUDA_EMB_FWD_Q_NF4, "mt_emb_fwd_q_nf4")
 

@@ -287,6 +287,7 @@ static mt_status grad_make(mti_engine *E, int i, mti_tensor **out)
     if (!g->blk.ptr) {
         const mti_param *p = &E->m->params[i];
         *g = (mti_tensor){.dtype = MTI_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
+        if (p->sp) *g = (mti_tensor){.dtype = MTI_F32, .ndim = 1, .shape = {(int64_t)p->numel}};
         mt_status s = mti_tensor_alloc(E->ctx, g, MT_MEM_GRAD, MT_LIFE_STEP, MTI_TAG_PARAM(MTI_TAG_GRAD, i));
         if (!s && grad_filled(E)) s = grad_start(E, i, 0, g);
         if (s) {
@@ -410,14 +411,39 @@ static mt_status wflags(mti_engine *E, int a, const float *ga, int b, const floa
 
 /* ---- a linear map's weight: dense, or quantized (lib/quant/quant.h) ---- */
 
+/* A pruned W (lib/sparse/sparse.h) brought in dense for a GEMM: its kept
+ * values expanded into *d (WORK, in its dtype), freed by the caller. */
+static mt_status sparse_in(mti_engine *E, int wi, mti_tensor *d)
+{
+    const mti_param *w = &E->m->params[wi];
+    mt_status s = act(E, d, w->w.dtype, (int64_t)w->sp->L.dense, 0, MT_MEM_WORK, MT_LIFE_PHASE,
+                      MTI_TAG_PARAM(MTI_TAG_WEIGHT, wi));
+    if (!s)
+        s = E->ctx->ops->sparse_expand(&E->k, d->blk.ptr, w->w.blk.ptr, w->sp->meta.blk.ptr,
+                                       &w->sp->L, 0, w->sp->L.dense, w->w.dtype);
+    if (s) mti_tensor_free(E->ctx, d);
+    return s;
+}
+
 /* y (N, out) = x W^T + b with W parameter wi: a quantized W through the
- * dequantizing GEMM. */
+ * dequantizing GEMM, a pruned one through its dense form. */
 static mt_status lin_fwd(mti_engine *E, int wi, void *y, const void *x, const void *b, int in,
                          int out)
 {
     const mti_param *w = &E->m->params[wi];
     const mti_ops *op = E->ctx->ops;
+    if (E->calib && !E->ctx->dry) {
+        mt_status s = E->calib(E->calib_user, wi, x, E->N, in, E->dt);
+        if (s) return s;
+    }
     if (w->qf) return op->matmul_fwd_q(&E->k, y, x, w->w.blk.ptr, w->qf, b, E->N, in, out, E->dt);
+    if (w->sp) {
+        mti_tensor d;
+        mt_status s = sparse_in(E, wi, &d);
+        if (!s) s = op->matmul_fwd(&E->k, y, x, d.blk.ptr, b, E->N, in, out, E->dt);
+        mti_tensor_free(E->ctx, &d);
+        return s;
+    }
     return op->matmul_fwd(&E->k, y, x, w->w.blk.ptr, b, E->N, in, out, E->dt);
 }
 
@@ -558,6 +584,34 @@ static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int 
                              E->dt);
 }
 
+/* matmul_bwd of a pruned W (parameter wi): the GEMMs on its dense form,
+ * the weight gradient made dense (WORK, fp32) and its kept elements
+ * written into gw (set: its first contribution) or added to it; the
+ * pruned ones' gradient is never kept. */
+static mt_status sparse_bwd(mti_engine *E, int wi, void *dx, float *gw, float *gb, const void *dy,
+                            const void *x, int in, int out, int accumulate, int set)
+{
+    const mti_param *w = &E->m->params[wi];
+    const mti_ops *op = E->ctx->ops;
+    mti_tensor d = {0}, g = {0};
+    mt_status s = dx ? sparse_in(E, wi, &d) : MT_OK;
+    if (!s && gw)
+        s = act(E, &g, MTI_F32, (int64_t)w->sp->L.dense, 0, MT_MEM_WORK, MT_LIFE_PHASE,
+                MTI_TAG_PARAM(MTI_TAG_GRAD, wi));
+    /* the dense gradient is written whole: where the bias's accumulates,
+       it starts from zeros */
+    if (!s && gw && gb && !set) s = mti_tensor_zero(E->ctx, &g);
+    if (!s)
+        s = op->matmul_bwd(&E->k, dx, g.blk.ptr, gb, dy, x, d.blk.ptr, E->N, in, out, E->dt,
+                           accumulate | (gw && !gb ? MTI_BWD_SET_DW : set));
+    if (!s && gw)
+        s = op->sparse_compress(&E->k, gw, g.blk.ptr, w->sp->meta.blk.ptr, &w->sp->L, 0,
+                                w->sp->L.dense, MTI_F32, !set);
+    mti_tensor_free(E->ctx, &g);
+    mti_tensor_free(E->ctx, &d);
+    return s;
+}
+
 /* matmul_bwd with W parameter wi (gw its gradient, gb its bias's, wi + 1,
  * either NULL when not wanted). A quantized W is frozen (gw NULL): db from
  * dy, then dx through the dequantizing GEMM. */
@@ -569,6 +623,7 @@ static mt_status lin_bwd(mti_engine *E, int wi, void *dx, float *gw, float *gb, 
     int set;
     mt_status s = wflags(E, wi, gw, wi + 1, gb, &set);
     if (s) return s;
+    if (w->sp) return sparse_bwd(E, wi, dx, gw, gb, dy, x, in, out, accumulate, set);
     if (!w->qf)
         return op->matmul_bwd(&E->k, dx, gw, gb, dy, x, w->w.blk.ptr, E->N, in, out, E->dt,
                               accumulate | set);

@@ -48,6 +48,11 @@ typedef mt_status (*mti_layer_hook)(void *user, int layer, int bwd, int in);
  * library. */
 extern mt_status (*mti_engine_grad_fill)(mt_context *ctx, int param, size_t at, float *g, size_t n);
 
+/* Calibration (Wanda, lib/train/sparsity.c): x (n rows of `in` in dt,
+ * device memory), the input of parameter param's GEMM in a forward. */
+typedef mt_status (*mti_calib_hook)(void *user, int param, const void *x, int n, int in,
+                                    mti_dtype dt);
+
 typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
 
 typedef struct mti_engine {
@@ -126,6 +131,10 @@ typedef struct mti_engine {
      * (no targets uploaded), and the caller puts d(output) in d before
      * backward. */
     int stage_in, stage_out;
+    /* With calib set, every linear map's forward hands its input to it
+     * first (not in dry contexts). */
+    mti_calib_hook calib;
+    void *calib_user;
 } mti_engine;
 
 /* One micro-batch's pass (what forward leaves for its backward), held

@@ -154,8 +154,9 @@ mt_status mt_model_gpt_save(const mt_model *m, const char *path)
     if (!s) s = mti_afile_write(ctx, &af, hb, sizeof hb);
     for (int oi = 0; oi < m->n_param && !s; oi++) {
         const mti_param *p = &m->params[ord[oi]];
-        for (size_t at = 0; at < p->numel && !s; at += CHUNK) {
-            size_t n = p->numel - at < CHUNK ? p->numel - at : CHUNK;
+        const size_t numel = mti_param_dense(p); /* (a pruned one's zeros written) */
+        for (size_t at = 0; at < numel && !s; at += CHUNK) {
+            size_t n = numel - at < CHUNK ? numel - at : CHUNK;
             s = mti_param_read(m, ord[oi], at, n, buf);
             if (!s) s = mti_afile_write(ctx, &af, buf, n * sizeof(float));
         }

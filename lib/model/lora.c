@@ -27,9 +27,7 @@
 #define LORA_HEADER 32u
 #define LORA_ENTRY (MTI_NAME_LEN + 16) /* name, in, out */
 
-/* Whether name matches one of the comma-separated patterns (NULL or "":
- * all); with hits, counts each pattern's matches. */
-static bool targeted(const char *targets, const char *name, int *hits)
+bool mti_name_targeted(const char *targets, const char *name, int *hits)
 {
     if (!targets || !*targets) return true;
     bool any = false;
@@ -191,7 +189,7 @@ mt_status mti_lora_attach(mt_model *m, const mt_lora_config *c, const char *fn)
     }
     int k = 0;
     for (int i = 0; i < n; i++)
-        if (m->params[i].linear && targeted(c->targets, m->params[i].name, hits)) want[i] = 1, k++;
+        if (m->params[i].linear && mti_name_targeted(c->targets, m->params[i].name, hits)) want[i] = 1, k++;
     mt_status s = MT_OK;
     for (int j = 0; j < np && !s; j++)
         if (!hits[j]) {

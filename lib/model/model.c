@@ -306,6 +306,7 @@ static void free_model(mt_model *m)
     for (int i = 0; i < m->n_param; i++) {
         mti_tensor_free(m->ctx, &m->params[i].w);
         mti_tensor_free(m->ctx, &m->params[i].master);
+        mti_param_sparse_free(m->ctx, &m->params[i]);
     }
     mti_source_free(m);
     free(m->params);
@@ -705,7 +706,49 @@ static mt_status dequantize_range(const mt_model *m, const mti_param *p, size_t 
 static mt_status quantize_into(mt_context *ctx, const char *name, mti_qformat qf, const float *x,
                                size_t n, mti_tensor *q);
 
+static mt_status stored_read(const mt_model *m, int i, size_t at, size_t n, float *dst);
+static mt_status stored_write(mt_model *m, int i, size_t at, size_t n, const float *src);
+
+/* Dense elements [at, at + n) of a pruned parameter to or from host memory:
+ * the kept values among them read or written (a write's values at pruned
+ * places are dropped: the mask holds). */
+static mt_status sparse_rw(const mt_model *m, int i, size_t at, size_t n, float *buf, bool write)
+{
+    const mti_param *p = &m->params[i];
+    const void *meta;
+    void *owned;
+    mt_status s = mti_param_meta_host(m, p, &meta, &owned);
+    if (s || !meta) return s;
+    const size_t r0 = mti_sp_rank(&p->sp->L, meta, at), r1 = mti_sp_rank(&p->sp->L, meta, at + n);
+    float *v = malloc((r1 - r0 ? r1 - r0 : 1) * sizeof *v);
+    if (!v) s = mti_fail(m->ctx, MT_ERR_OOM, "%s: out of host memory", p->name);
+    if (!s && !write) {
+        s = stored_read(m, i, r0, r1 - r0, v);
+        if (!s) mti_sp_expand(&p->sp->L, meta, v, r0, sizeof *v, at, n, buf);
+    } else if (!s) {
+        mti_sp_compress(&p->sp->L, meta, buf, sizeof *v, at, n, v, r0, 0);
+        s = stored_write((mt_model *)m, i, r0, r1 - r0, v);
+    }
+    free(v);
+    free(owned);
+    return s;
+}
+
 mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
+{
+    if (m->params[i].sp) return sparse_rw(m, i, at, n, dst, false);
+    return stored_read(m, i, at, n, dst);
+}
+
+mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src)
+{
+    if (m->params[i].sp) return sparse_rw(m, i, at, n, (float *)src, true);
+    return stored_write(m, i, at, n, src);
+}
+
+/* Elements [at, at + n) of what parameter i stores (a pruned one's kept
+ * values). */
+static mt_status stored_read(const mt_model *m, int i, size_t at, size_t n, float *dst)
 {
     mt_context *ctx = m->ctx;
     const mti_param *p = &m->params[i];
@@ -741,7 +784,7 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
     return s;
 }
 
-mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src)
+static mt_status stored_write(mt_model *m, int i, size_t at, size_t n, const float *src)
 {
     mt_context *ctx = m->ctx;
     const mti_kctx k = {ctx, ctx->dev};
@@ -832,7 +875,7 @@ mt_status mt_model_get_params(const mt_model *m, float *dst, size_t n)
     mt_status s = check_copy(m, dst, n, "mt_model_get_params");
     if (!s) s = mti_model_all_whole(m, "mt_model_get_params");
     for (int i = 0; i < (m ? m->n_param : 0) && !s; i++)
-        s = mti_param_read(m, i, 0, m->params[i].numel, dst + m->params[i].offset);
+        s = mti_param_read(m, i, 0, mti_param_dense(&m->params[i]), dst + m->params[i].offset);
     return s;
 }
 
@@ -860,7 +903,7 @@ mt_status mti_model_upload(mt_model *m, const float *src)
 {
     mt_status s = MT_OK;
     for (int i = 0; i < m->n_param && !s; i++)
-        s = mti_param_write(m, i, 0, m->params[i].numel, src + m->params[i].offset);
+        s = mti_param_write(m, i, 0, mti_param_dense(&m->params[i]), src + m->params[i].offset);
     return s ? s : m->ctx->dev->sync(m->ctx->dev);
 }
 

@@ -10,6 +10,7 @@
 
 #include "internal.h"
 #include "quant/quant.h"
+#include "sparse/sparse.h"
 
 typedef enum mti_model_kind { MTI_MODEL_SEQ = 0, MTI_MODEL_MLP = 1, MTI_MODEL_GPT = 2 } mti_model_kind;
 
@@ -22,6 +23,13 @@ typedef enum mti_init {
 } mti_init;
 
 #define MTI_NAME_LEN 40
+
+/* A pruned parameter (lib/sparse/prune.c): its weights (and master) hold
+ * the kept values alone, meta says where they are. */
+typedef struct mti_psparse {
+    mti_sp_layout L;
+    mti_tensor meta;     /* PARAM: L.bytes of description, device memory */
+} mti_psparse;
 
 typedef struct mti_param {
     char name[MTI_NAME_LEN];
@@ -54,6 +62,10 @@ typedef struct mti_param {
                             are then this rank's part, whole_* the tensor's) */
     int64_t whole_shape[2];
     size_t whole_numel;
+    mti_psparse *sp;     /* pruned (NULL: dense): w and master hold its sp->L.nnz kept
+                            values in element order, numel is that count (what the
+                            trainer stores, updates and saves), shape stays the
+                            dense one, and the dense elements are sp->L.dense */
     int unmade;          /* its values are still its source's (a deferred model's, until
                             mti_model_make or a trainer's homes take them): w has
                             its dtype and shape and no memory */
@@ -98,8 +110,10 @@ void mti_tp_part_shape(mti_tp_split split, int64_t rows, int64_t cols, int T, in
 /* A parameter's whole size and columns (1 for a 1-D one), split or not. */
 static inline size_t mti_whole_numel(const mti_param *p)
 {
-    return p->tp_split ? p->whole_numel : p->numel;
+    return p->sp ? p->sp->L.dense : p->tp_split ? p->whole_numel : p->numel;
 }
+/* Its dense elements on this rank (a pruned one's, all of them; else numel). */
+static inline size_t mti_param_dense(const mti_param *p) { return p->sp ? p->sp->L.dense : p->numel; }
 static inline int64_t mti_whole_cols(const mti_param *p)
 {
     return p->tp_split ? p->whole_shape[1] : p->ndim == 2 ? p->shape[1] : 1;
@@ -196,6 +210,56 @@ mt_status mti_param_read(const mt_model *m, int i, size_t at, size_t n, float *d
  * weights as slices: for calls on every weight, before they touch one. */
 mt_status mti_model_all_whole(const mt_model *m, const char *fn);
 mt_status mti_param_write(mt_model *m, int i, size_t at, size_t n, const float *src);
+
+/* lora.c: whether name matches one of the comma-separated fnmatch(3)
+ * patterns (NULL or "": every name); with hits, counts each pattern's
+ * matches. */
+bool mti_name_targeted(const char *targets, const char *name, int *hits);
+
+/* lib/sparse/prune.c: parameter i pruned in place to the mask keep (its
+ * dense elements' bits; NULL in a dry context), which keeps nnz of them,
+ * stored in format fmt (n:mm for MTI_SP_NM): its weights and master
+ * become the kept values alone. A pruned parameter is pruned again the
+ * same way. Not for a quantized, unmade, split or offloaded one
+ * (MT_ERR_UNSUPPORTED). On failure it is as it was. */
+typedef mt_status (*mti_prune_hook)(void *user, int i, const mti_psparse *old,
+                                    const mti_psparse *nw);
+mt_status mti_param_prune(mt_model *m, int i, const uint64_t *keep, size_t nnz, mti_sp_format fmt,
+                          int n, int mm, mti_prune_hook hook, void *user);
+/* hook, where given, is called once the parameter's new tensors are made
+ * (old: its description until now, NULL when dense; nw: the new one): the
+ * trainer's state rebuilt alike (mti_sp_relay), kept only when it
+ * succeeds. */
+/* t (a value tensor of a parameter described by old, or dense with NULL)
+ * gathered by nw into *out (nw's kept count, t's dtype, class and
+ * lifetime; a dense WORK tensor between them when old is not NULL):
+ * what old did not keep is 0. */
+mt_status mti_sp_relay(mt_context *ctx, const mti_tensor *t, const mti_psparse *old,
+                       const mti_psparse *nw, uint64_t tag, mti_tensor *out);
+/* The targets of prune config c (tg[i] = 1), after checking c against the
+ * model: MT_ERR_INVALID_ARG or MT_ERR_UNSUPPORTED naming fn. */
+mt_status mti_prune_check(mt_context *ctx, const mt_model *m, const mt_prune_config *c,
+                          const char *fn, unsigned char *tg);
+/* Each target's new mask (keep[i], made here; NULL when dry) and its kept
+ * count (nnz[i]) at sparsity sfrac, pruning on from its mask now; norms[i]
+ * (Wanda): per input column, the sum of squares of the calibration's
+ * inputs. */
+mt_status mti_prune_masks(const mt_model *m, const mt_prune_config *c, double sfrac,
+                          const unsigned char *tg, float *const *norms, uint64_t **keep, size_t *nnz);
+/* The targets pruned to those masks (one unchanged is left). */
+mt_status mti_prune_apply(mt_model *m, const mt_prune_config *c, const unsigned char *tg,
+                          uint64_t *const *keep, const size_t *nnz, mti_prune_hook hook, void *user);
+void mti_prune_free_masks(const mt_model *m, uint64_t **keep);
+/* Its mask (mti_param_dense bits; every bit set for a dense one). */
+mt_status mti_param_keep(const mt_model *m, int i, uint64_t *keep);
+/* Its description in host memory: the device's own on a CPU context (owned
+ * NULL), else a copy to free (owned). NULL for a dense one or when dry. */
+mt_status mti_param_meta_host(const mt_model *m, const mti_param *p, const void **meta,
+                              void **owned);
+void mti_param_sparse_free(mt_context *ctx, mti_param *p);
+/* t (fp32, one value per kept element of pruned parameter i: its
+ * gradient) into dst as its dense elements (zeros where pruned). */
+mt_status mti_param_dense_host(const mt_model *m, int i, const mti_tensor *t, float *dst);
 /* Parameter i (fp32 weights) quantized in format qf (lib/quant/quant.h): the
  * quantized bytes are made, then the fp32 tensor goes (PARAM holds one
  * tensor's fp32 beside the rest at most). On a CUDA context the fp32 comes

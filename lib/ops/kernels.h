@@ -41,6 +41,7 @@
 
 #include "internal.h"
 #include "quant/quant.h"
+#include "sparse/sparse.h"
 
 /* What every op gets: the context (errors, workspace) and its device. */
 typedef struct mti_kctx {
@@ -297,6 +298,19 @@ struct mti_ops {
     mt_status (*dequantize)(const mti_kctx *k, void *out, const void *wq, mti_qformat qf, size_t n,
                             size_t at, size_t len, mti_dtype dt);
 
+    /* ---- a pruned tensor (lib/sparse/sparse.h) ----
+     * vals: its kept values (dt), meta: its description (L->bytes, device
+     * memory), L: its layout (host). Any range [at, at + len) of its
+     * L->dense elements. */
+    /* dense (len, dt) = elements [at, at + len), zeros where pruned. */
+    mt_status (*sparse_expand)(const mti_kctx *k, void *dense, const void *vals, const void *meta,
+                               const mti_sp_layout *L, size_t at, size_t len, mti_dtype dt);
+    /* The kept elements among dense (len, dt: elements [at, at + len)) into
+     * their values; with add (fp32 only) added to them. */
+    mt_status (*sparse_compress)(const mti_kctx *k, void *vals, const void *dense,
+                                 const void *meta, const mti_sp_layout *L, size_t at, size_t len,
+                                 mti_dtype dt, int add);
+
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
      * (either may be NULL when not needed); x, w, b, out in dt. */
@@ -446,7 +460,7 @@ struct mti_ops {
 #define MTI_OPS(X)                                                                                 \
     X(cast) X(embedding_fwd) X(embedding_fwd_rows) X(embedding_bwd) X(embedding_dw_rows) X(matmul_fwd) X(matmul_bwd)     \
     X(matmul_dw_align) X(matmul_dw_rows) X(matmul_fwd_q) X(matmul_dx_q) X(embedding_fwd_q)         \
-    X(dequantize) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
+    X(dequantize) X(sparse_expand) X(sparse_compress) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
     X(relu_bwd) X(add) X(accumulate) X(attention_fwd) X(attention_bwd) X(xent) X(xent_kd) X(xent_vp)          \
     X(unscale_check) X(sumsq) X(sgd) X(adamw) X(adamw8) X(adamw8_bf16) X(adamw4) X(adafactor)
 #define MTI_OP_ONE(op) +1

@@ -177,27 +177,27 @@ size_t mti_sp_rank(const mti_sp_layout *L, const void *meta, size_t e)
         }                                                                                         \
     } while (0)
 
-void mti_sp_expand(const mti_sp_layout *L, const void *meta, const void *vals, size_t es,
-                   size_t at, size_t len, void *dense)
+void mti_sp_expand(const mti_sp_layout *L, const void *meta, const void *vals, size_t vbase,
+                   size_t es, size_t at, size_t len, void *dense)
 {
     char *d = dense;
     const char *v = vals;
     memset(d, 0, len * es);
-    SP_EACH_KEPT(L, meta, at, len, memcpy(d + (ke - at) * es, v + kv * es, es));
+    SP_EACH_KEPT(L, meta, at, len, memcpy(d + (ke - at) * es, v + (kv - vbase) * es, es));
 }
 
 void mti_sp_compress(const mti_sp_layout *L, const void *meta, const void *dense, size_t es,
-                     size_t at, size_t len, void *vals, int add)
+                     size_t at, size_t len, void *vals, size_t vbase, int add)
 {
     const char *d = dense;
     char *v = vals;
     if (add) {
         const float *df = dense;
         float *vf = vals;
-        SP_EACH_KEPT(L, meta, at, len, vf[kv] += df[ke - at]);
+        SP_EACH_KEPT(L, meta, at, len, vf[kv - vbase] += df[ke - at]);
         return;
     }
-    SP_EACH_KEPT(L, meta, at, len, memcpy(v + kv * es, d + (ke - at) * es, es));
+    SP_EACH_KEPT(L, meta, at, len, memcpy(v + (kv - vbase) * es, d + (ke - at) * es, es));
 }
 
 /* ---- choosing masks ---- */

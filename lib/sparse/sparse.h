@@ -79,13 +79,13 @@ void mti_sp_decode(const mti_sp_layout *L, const void *meta, uint64_t *keep);
 size_t mti_sp_rank(const mti_sp_layout *L, const void *meta, size_t e);
 
 /* Host forms of the ops sparse_expand and sparse_compress (es-byte
- * values): dense elements [at, at + len) made from vals (zeros where
- * pruned); and the kept ones among them gathered into vals (from the value
- * of the first kept element at or after at), added to fp32 ones with add. */
-void mti_sp_expand(const mti_sp_layout *L, const void *meta, const void *vals, size_t es,
-                   size_t at, size_t len, void *dense);
+ * values; vals holds the values from index vbase on): dense elements [at,
+ * at + len) made from vals (zeros where pruned); and the kept ones among
+ * them gathered into vals, added to fp32 ones with add. */
+void mti_sp_expand(const mti_sp_layout *L, const void *meta, const void *vals, size_t vbase,
+                   size_t es, size_t at, size_t len, void *dense);
 void mti_sp_compress(const mti_sp_layout *L, const void *meta, const void *dense, size_t es,
-                     size_t at, size_t len, void *vals, int add);
+                     size_t at, size_t len, void *vals, size_t vbase, int add);
 
 /* ---- choosing masks ---- */
 

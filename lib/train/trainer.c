@@ -42,6 +42,7 @@
 #include "train/pp.h"
 #include "comm/comm.h"
 #include "train/trainer.h"
+#include "train/sparsity.h"
 #include "train/offload.h"
 
 
@@ -840,6 +841,7 @@ void mt_trainer_destroy(mt_trainer *t)
     free(t->host_losses);
     free(t->host_rows);
     free(t->units);
+    mti_sparsity_free(t);
     free(t->home);
     if (t->counted) {
         atomic_fetch_sub(&t->model->n_trainers, 1);
@@ -961,6 +963,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         return mti_fail(ctx, MT_ERR_STATE,
                         "mt_trainer_create: the model already has a trainer; destroy it first");
     if ((s = mti_offload_check(ctx, m, cfg))) return s;
+    if ((s = mti_sparsity_check(ctx, m, cfg, zero))) return s;
     mt_trainer *t = calloc(1, sizeof *t);
     if (!t) return mti_fail(ctx, MT_ERR_OOM, "mt_trainer_create: out of host memory");
     t->model = m;
@@ -1056,6 +1059,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
        once, in the head's backward) */
     t->E.defer_tied = (cfg->fused_step != 0 || zero >= 2) && t->tp.size < 2 &&
                       t->pp.size < 2; /* (pipeline parallel: the head and table on two stages) */
+    if (!s) s = mti_sparsity_create(t); /* (a prune at create: before the state is planned) */
     if (!s) s = plan_state(t);
     if (!s) s = weights_to_fp32(t); /* left in 16 bits by an earlier trainer's failed end */
     if (!s) s = quantize_base(t); /* the frozen linear weights, one tensor at a time */
@@ -1836,6 +1840,7 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
 {
     const char *fn = "mt_trainer_step";
     mt_status s = check_batch(t, b, fn);
+    if (!s) s = mti_sparsity_step(t, fn); /* (a prune due now: before the passes) */
     if (!s) s = mti_home_begin(t); /* the homes are there (the files checked) */
     double targets = s ? 0.0 : targets_of(t, b);
     s = mti_dp_begin(t, fn, s, &targets, s ? 0 : passes_of(t, b));
@@ -1978,6 +1983,8 @@ mt_status mt_trainer_gradients(mt_trainer *t, const mt_batch *b, float *loss, fl
         if (!s && t->cfg.precision == MT_PREC_FP16) s = unscale_g(t, g->blk.ptr, m->params[i].numel);
         if (!s && m->params[i].tp_split) /* the group's parts, whole */
             s = mti_tp_gather_host(t, i, g->blk.ptr, grads + m->params[i].offset);
+        else if (!s && m->params[i].sp) /* pruned: zeros at the pruned places */
+            s = mti_param_dense_host(m, i, g, grads + m->params[i].offset);
         else if (!s)
             s = mti_tensor_download(t->ctx, g, grads + m->params[i].offset,
                                     m->params[i].numel * sizeof(float));
@@ -2102,6 +2109,24 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     if (loss) *loss = (float)(sum / targets);
     if (accuracy) *accuracy = (float)((double)right / targets);
     return MT_OK;
+}
+
+mt_status mti_trainer_forward_each(mt_trainer *t, const mt_batch *b, const char *fn,
+                                   mti_calib_hook hook, void *user)
+{
+    mt_status s = check_batch(t, b, fn);
+    if (s) return s;
+    mti_engine *E = &t->E;
+    E->calib = hook;
+    E->calib_user = user;
+    for (int r0 = 0; r0 < b->n && !s; r0 += t->micro) {
+        int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
+        s = mti_engine_forward(E, b, r0, rows, 1); /* eval: keeps nothing */
+        mti_engine_release(E);
+        mti_context_reset(t->ctx, MT_SCOPE_STEP);
+    }
+    E->calib = NULL;
+    return s;
 }
 
 mt_status mt_trainer_recompute_plan(const mt_trainer *t, unsigned char *units, int n,

@@ -136,6 +136,7 @@ struct mt_trainer {
     struct mti_offload *off; /* state and masters at home on disk (lib/train/offload.c), or NULL */
     struct mti_hostoff *hoff; /* ... in page-locked host memory (lib/train/offload_host.c), or NULL */
     char *offload_dir;       /* cfg.offload_dir's copy */
+    struct mti_sparsity *sparsity; /* cfg.prune's (lib/train/sparsity.c), or NULL */
     unsigned char *units;    /* the recompute plan: a mode per unit */
     int seg_len;             /* and the segment length */
 };

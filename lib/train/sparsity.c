@@ -1,0 +1,258 @@
+/*
+ * sparsity.c - the trainer's pruning (mt_trainer_config.prune): when each
+ * prune happens, Wanda's calibration, and each target's optimizer state
+ * rebuilt for its new mask beside its weights (lib/sparse/prune.c).
+ *
+ * A prune at create (a one-shot magnitude prune at step 0) comes before
+ * the optimizer state is planned, so the state is made for the kept
+ * entries alone; a prune at a step's start rebuilds the state of each
+ * target through mti_param_prune's hook, one tensor at a time, each slot
+ * gathered by the new mask from its old one (an entry the old mask did not
+ * keep starts at 0). The step's gradients are gone by then.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "train/sparsity.h"
+#include "train/trainer.h"
+
+struct mti_sparsity {
+    unsigned char *tg;   /* per parameter: a target */
+    char *targets;       /* cfg.prune.targets' copy */
+    float **norms;       /* Wanda: per target, its input columns' sums of squares (host) */
+    int calibrated;      /* batches gathered into them since the last prune */
+    int64_t done_at;     /* the step whose prune is done (-1: none) */
+};
+
+mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c,
+                             int zero)
+{
+    const mt_prune_config *p = &c->prune;
+    if (p->method == MT_PRUNE_NONE) return MT_OK;
+    const char *fn = "mt_trainer_create";
+    unsigned char *tg = calloc((size_t)m->n_param + 1, 1);
+    if (!tg) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
+    mt_status s = mti_prune_check(ctx, m, p, fn, tg);
+    free(tg);
+    if (s) return s;
+    const char *why = c->optimizer == MT_OPT_ADAFACTOR ? "Adafactor (it factors a weight's dense rows and columns)"
+                      : c->optimizer == MT_OPT_ADAMW4  ? "4-bit AdamW (its state is blocked over a weight's dense rows)"
+                      : zero                           ? "ZeRO on several ranks"
+                      : c->offload != MT_PLACE_DEVICE  ? "offload"
+                      : c->tensor_parallel > 1         ? "tensor parallel"
+                      : c->pipeline_parallel > 1       ? "pipeline parallel"
+                      : c->base != MT_BASE_FULL        ? "a quantized base"
+                      : p->method == MT_PRUNE_WANDA && ctx->world > 1
+                          ? "Wanda on several ranks (each rank's calibration is its own)"
+                          : NULL;
+    if (why)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: pruning (cfg->prune) does not combine with %s",
+                        fn, why);
+    const bool later = p->schedule == MT_PRUNE_GRADUAL ||
+                       (p->schedule == MT_PRUNE_ONESHOT && (p->at > 0 || p->method == MT_PRUNE_WANDA));
+    if (later && c->optimizer == MT_OPT_ADAMW8)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                        "%s: a prune after create does not combine with 8-bit AdamW (its state is "
+                        "quantized in blocks of the kept entries); prune at step 0 by magnitude, "
+                        "or use AdamW or SGD", fn);
+    return MT_OK;
+}
+
+void mti_sparsity_free(mt_trainer *t)
+{
+    mti_sparsity *sp = t->sparsity;
+    if (!sp) return;
+    for (int i = 0; sp->norms && i < t->model->n_param; i++) free(sp->norms[i]);
+    free(sp->norms);
+    free(sp->tg);
+    free(sp->targets);
+    free(sp);
+    t->sparsity = NULL;
+}
+
+/* Whether a prune is due after `step` steps, and to which sparsity. */
+static bool due(const mt_prune_config *c, int64_t step, double *frac)
+{
+    if (c->schedule == MT_PRUNE_ONESHOT) {
+        *frac = c->sparsity;
+        return step == c->at;
+    }
+    if (step < c->start || step > c->end) return false;
+    *frac = mti_sp_gradual(c->sparsity, c->start, c->end, step);
+    return (step - c->start) % c->every == 0 || step == c->end;
+}
+
+/* The first step from `from` on whose prune is due and not done. */
+static int64_t next_due(const mt_prune_config *c, int64_t from, int64_t done)
+{
+    for (int tries = 0; tries < 2; tries++, from++) {
+        int64_t k;
+        if (c->schedule == MT_PRUNE_ONESHOT) k = c->at >= from ? c->at : -1;
+        else if (from > c->end) k = -1;
+        else if (from <= c->start) k = c->start;
+        else k = c->start + (from - c->start + c->every - 1) / c->every * c->every;
+        if (k > c->end && c->schedule == MT_PRUNE_GRADUAL) k = c->end;
+        if (k < 0 || k != done) return k;
+        from = k;
+    }
+    return -1;
+}
+
+/* mti_param_prune's hook: parameter i's optimizer state gathered by its
+ * new mask (every slot follows its elements one by one: checked at create). */
+static mt_status state_hook(void *user, int i, const mti_psparse *old, const mti_psparse *nw)
+{
+    mt_trainer *t = user;
+    pstate *ps = &t->ps[i];
+    mti_tensor nt[MTI_OPT_SLOTS];
+    memset(nt, 0, sizeof nt);
+    mt_status s = MT_OK;
+    for (int j = 0; j < MTI_OPT_SLOTS && !s; j++) {
+        if (!ps->s[j].blk.ptr) continue;
+        if (ps->lay.s[j].per != 1)
+            s = mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "prune: %s's optimizer state slot %d is not "
+                         "elementwise", t->model->params[i].name, j);
+        if (!s) s = mti_sp_relay(t->ctx, &ps->s[j], old, nw, MTI_TAG_PARAM(MTI_TAG_STATE + j, i), &nt[j]);
+    }
+    if (!s) s = t->ctx->dev->sync(t->ctx->dev);
+    for (int j = 0; j < MTI_OPT_SLOTS; j++) {
+        if (s) {
+            mti_tensor_free(t->ctx, &nt[j]);
+            continue;
+        }
+        if (ps->lay.s[j].numel) ps->lay.s[j].numel = (int64_t)nw->L.nnz;
+        if (!nt[j].blk.ptr) continue;
+        mti_tensor_free(t->ctx, &ps->s[j]);
+        ps->s[j] = nt[j];
+    }
+    return s;
+}
+
+/* Prunes the targets to sparsity frac (the state rebuilt once it exists). */
+static mt_status prune_now(mt_trainer *t, double frac, bool state)
+{
+    mt_model *m = t->model;
+    mti_sparsity *sp = t->sparsity;
+    const mt_prune_config *c = &t->cfg.prune;
+    uint64_t **keep = calloc((size_t)m->n_param, sizeof *keep);
+    size_t *nnz = calloc((size_t)m->n_param, sizeof *nnz);
+    mt_status s = keep && nnz ? MT_OK : mti_fail(t->ctx, MT_ERR_OOM, "prune: out of host memory");
+    if (!s) s = mti_prune_masks(m, c, frac, sp->tg, sp->norms, keep, nnz);
+    if (!s) s = mti_prune_apply(m, c, sp->tg, keep, nnz, state ? state_hook : NULL, t);
+    for (int i = 0; !s && i < m->n_param; i++) /* this rank's elements: all of them */
+        if (sp->tg[i]) t->sh[i].hi = t->sh[i].lo + m->params[i].numel;
+    if (keep) mti_prune_free_masks(m, keep);
+    free(keep);
+    free(nnz);
+    return s;
+}
+
+mt_status mti_sparsity_create(mt_trainer *t)
+{
+    const mt_prune_config *c = &t->cfg.prune;
+    mt_model *m = t->model;
+    if (c->method == MT_PRUNE_NONE) return MT_OK;
+    mti_sparsity *sp = t->sparsity = calloc(1, sizeof *sp);
+    if (sp) {
+        sp->done_at = -1;
+        sp->tg = calloc((size_t)m->n_param + 1, 1);
+        sp->targets = c->targets ? strdup(c->targets) : NULL;
+    }
+    if (!sp || !sp->tg || (c->targets && !sp->targets))
+        return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    t->cfg.prune.targets = sp->targets;
+    mt_status s = mti_prune_check(t->ctx, m, c, "mt_trainer_create", sp->tg);
+    if (!s && c->method == MT_PRUNE_WANDA) {
+        if (!(sp->norms = calloc((size_t)m->n_param, sizeof *sp->norms)))
+            return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+        for (int i = 0; i < m->n_param; i++)
+            if (sp->tg[i] && !(sp->norms[i] = calloc((size_t)m->params[i].shape[1], sizeof(float))))
+                return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    }
+    double frac;
+    if (!s && c->method == MT_PRUNE_MAGNITUDE && due(c, 0, &frac)) { /* before the state is planned */
+        s = prune_now(t, frac, false);
+        sp->done_at = 0;
+    }
+    return s;
+}
+
+mt_status mti_sparsity_step(mt_trainer *t, const char *fn)
+{
+    mti_sparsity *sp = t->sparsity;
+    const mt_prune_config *c = &t->cfg.prune;
+    double frac;
+    const int64_t step = (int64_t)t->steps;
+    if (!sp || sp->done_at == step || !due(c, step, &frac)) return MT_OK;
+    if (c->method == MT_PRUNE_WANDA && sp->calibrated < c->calib)
+        return mti_fail(t->ctx, MT_ERR_STATE,
+                        "%s: Wanda's prune after %lld steps needs %d calibration batches "
+                        "(mt_trainer_calibrate) since the last prune, and has %d", fn,
+                        (long long)step, c->calib, sp->calibrated);
+    mti_engine_free_grads(&t->E); /* (none should be left between steps) */
+    mt_status s = prune_now(t, frac, true);
+    if (s) return s;
+    sp->done_at = step;
+    if (sp->norms) { /* the next prune calibrates afresh */
+        for (int i = 0; i < t->model->n_param; i++)
+            if (sp->norms[i]) memset(sp->norms[i], 0, (size_t)t->model->params[i].shape[1] * sizeof(float));
+        sp->calibrated = 0;
+    }
+    return MT_OK;
+}
+
+/* The engine's calibration hook: x (n rows of `in` in dt, device memory),
+ * the input of parameter wi's GEMM, squared and summed per column into its
+ * norms. */
+static mt_status calib_hook(void *user, int wi, const void *x, int n, int in, mti_dtype dt)
+{
+    mt_trainer *t = user;
+    mti_sparsity *sp = t->sparsity;
+    if (!sp->norms[wi] || t->ctx->dry) return MT_OK;
+    const size_t es = mti_dtype_size(dt), bytes = (size_t)n * (size_t)in * es;
+    unsigned char *h = malloc(bytes ? bytes : 1);
+    double *acc = calloc((size_t)in, sizeof *acc);
+    mt_status s = h && acc ? MT_OK : mti_fail(t->ctx, MT_ERR_OOM, "calibrate: out of host memory");
+    if (!s) s = t->ctx->dev->copy_d2h(t->ctx->dev, h, x, bytes);
+    if (!s) s = t->ctx->dev->sync(t->ctx->dev);
+    for (int r = 0; !s && r < n; r++)
+        for (int j = 0; j < in; j++) {
+            const size_t e = (size_t)r * (size_t)in + (size_t)j;
+            uint16_t u;
+            float v;
+            if (dt == MTI_F32) memcpy(&v, h + e * 4, 4);
+            else memcpy(&u, h + e * 2, 2), v = dt == MTI_BF16 ? mti_bf16_to_f32(u) : mti_f16_to_f32(u);
+            acc[j] += (double)v * v;
+        }
+    for (int j = 0; !s && j < in; j++) sp->norms[wi][j] += (float)acc[j];
+    free(h);
+    free(acc);
+    return s;
+}
+
+mt_status mt_trainer_calibrate(mt_trainer *t, const mt_batch *b)
+{
+    const char *fn = "mt_trainer_calibrate";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    if (!t->sparsity || !t->sparsity->norms)
+        return mti_fail(t->ctx, MT_ERR_STATE, "%s: the trainer does not prune by Wanda "
+                        "(cfg.prune.method)", fn);
+    mt_status s = mti_trainer_forward_each(t, b, fn, calib_hook, t);
+    if (!s) t->sparsity->calibrated++;
+    return s;
+}
+
+mt_status mt_trainer_prune_next(const mt_trainer *t, int64_t *step, int *calib)
+{
+    if (!t || !step) return mti_fail(t ? t->ctx : NULL, MT_ERR_INVALID_ARG, "mt_trainer_prune_next: a NULL argument");
+    *step = -1;
+    if (calib) *calib = 0;
+    const mti_sparsity *sp = t->sparsity;
+    if (!sp) return MT_OK;
+    const mt_prune_config *c = &t->cfg.prune;
+    *step = next_due(c, (int64_t)t->steps, sp->done_at);
+    if (calib && *step >= 0 && c->method == MT_PRUNE_WANDA)
+        *calib = c->calib > sp->calibrated ? c->calib - sp->calibrated : 0;
+    return MT_OK;
+}

@@ -1,0 +1,28 @@
+/*
+ * sparsity.h - the trainer's pruning (lib/train/sparsity.c; the storage and
+ * the masks in lib/sparse/).
+ */
+#ifndef MT_TRAIN_SPARSITY_H
+#define MT_TRAIN_SPARSITY_H
+
+#include "internal.h"
+#include "engine/engine.h"
+
+typedef struct mti_sparsity mti_sparsity;
+
+/* The combinations cfg.prune refuses (zero: the ZeRO stage in force). */
+mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c,
+                             int zero);
+/* At create, before the optimizer state is planned: the prune of step 0
+ * where it is due then (magnitude). */
+mt_status mti_sparsity_create(mt_trainer *t);
+/* At a step's start: the prune due after the steps taken, if any. */
+mt_status mti_sparsity_step(mt_trainer *t, const char *fn);
+void mti_sparsity_free(mt_trainer *t);
+
+/* trainer.c: forward (eval) over b's micro-batches with the engine's
+ * calibration hook set. */
+mt_status mti_trainer_forward_each(mt_trainer *t, const mt_batch *b, const char *fn,
+                                   mti_calib_hook hook, void *user);
+
+#endif /* MT_TRAIN_SPARSITY_H */
