@@ -1017,6 +1017,10 @@ typedef struct mt_prune_config {
  * stored and trained). MT_ERR_STATE while a trainer uses the model; the
  * model's other refusals as a trainer's. */
 mt_status mt_model_prune(mt_model *m, const mt_prune_config *c);
+/* Whether c suits the model (its targets, N:M against their rows, the
+ * settings' ranges), as a trainer would check it: MT_OK, or
+ * MT_ERR_INVALID_ARG / MT_ERR_UNSUPPORTED with the message. */
+mt_status mt_prune_check(const mt_model *m, const mt_prune_config *c);
 
 typedef struct mt_trainer_config {
     uint32_t struct_size;

@@ -493,3 +493,232 @@ TEST(sparse_gradients_equal_dense_with_zeros)
             CHECK_OK(mt_context_destroy(ctx));
         }
 }
+
+/* The estimate of a pruning run equals the run, to the byte, at 50%, 90%
+ * and 2:4 (fp32 and bf16 with masters); and the pruned tensors' classes
+ * shrink as the storage says. */
+TEST(sparse_estimate_equals_run)
+{
+    static const struct {
+        double s;
+        int n, m;
+        mt_precision prec;
+    } cases[] = {{0.5, 0, 0, MT_PREC_FP32}, {0.9, 0, 0, MT_PREC_FP32}, {0, 2, 4, MT_PREC_FP32},
+                 {0.5, 0, 0, MT_PREC_BF16}, {0, 2, 4, MT_PREC_BF16}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        mt_context *ctx = check_cpu_context(2);
+        mt_model *m = check_small_gpt(ctx, GV, GT, 64, 3);
+        mt_trainer_config tc;
+        prune_cfg(&tc, MT_OPT_ADAMW, cases[c].s);
+        tc.prune.nm_n = cases[c].n, tc.prune.nm_m = cases[c].m;
+        tc.precision = cases[c].prec;
+        mt_estimate_report est;
+        CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        check_token_steps(ctx, t, GB, GT, GV, 0, 2);
+        char what[64];
+        snprintf(what, sizeof what, "case %zu", c);
+        check_estimate_matches(ctx, &est, what);
+        mt_trainer_destroy(t);
+        CHECK_OK(mt_model_destroy(m));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+}
+
+/* A gradual prune: at every step the pruned count of each target is
+ * rint(s_t n) of Zhu & Gupta's schedule (held between prunes), what was
+ * pruned stays pruned, and the weights there stay 0 while AdamW's state
+ * is rebuilt at each prune. */
+TEST(sparse_gradual_follows_the_schedule)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *m = check_small_gpt(ctx, GV, GT, GC, 11);
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.8);
+    tc.prune.schedule = MT_PRUNE_GRADUAL;
+    tc.prune.start = 2, tc.prune.end = 9, tc.prune.every = 3; /* prunes after 2, 5, 8 and 9 steps */
+    tc.prune.targets = "h.*.fc.w,h.1.qkv.w";
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    const size_t n = mt_model_num_params(m);
+    float *w = check_alloc(n * 4);
+    unsigned char *prev[16] = {0};
+    double held = 0.0;
+    for (int step = 0; step < 12; step++) {
+        int64_t next;
+        CHECK_OK(mt_trainer_prune_next(t, &next, NULL));
+        const int64_t want_next = step <= 2 ? 2 : step <= 5 ? 5 : step <= 8 ? 8 : step <= 9 ? 9 : -1;
+        CHECK_MSG(next == want_next, "after %d steps the next prune is %lld", step, (long long)next);
+        check_token_steps(ctx, t, GB, GT, GV, step, step + 1);
+        if (step == 2 || step == 5 || step == 8 || step == 9) held = mti_sp_gradual(0.8, 2, 9, step);
+        CHECK_OK(mt_model_get_params(m, w, n));
+        int k = 0;
+        for (int i = 0; i < mt_model_num_tensors(m); i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(m, i, &pi));
+            unsigned char *keep = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
+            const bool target = strstr(pi.name, ".fc.w") || !strcmp(pi.name, "h.1.qkv.w");
+            size_t pruned = 0;
+            for (size_t e = 0; e < pi.numel; e++) {
+                pruned += !keep[e];
+                if (!keep[e]) CHECK_EQ(w[pi.offset + e], 0.0f);
+                if (target && prev[k]) CHECK_MSG(keep[e] <= prev[k][e], "%s regrew %zu", pi.name, e);
+            }
+            if (!target) {
+                CHECK_EQ(pruned, 0);
+                continue;
+            }
+            CHECK_MSG(pruned == mti_sp_count(held, pi.numel), "after %d steps %s: %zu pruned, want %zu",
+                      step + 1, pi.name, pruned, mti_sp_count(held, pi.numel));
+            prev[k++] = keep;
+        }
+    }
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* Wanda through a trainer: the prune waits for its calibration (a step
+ * without it fails and changes nothing); then each row of each target
+ * loses floor(s cols) weights, the first layer's exactly those of the
+ * smallest |w| ||x|| over the calibration batches' features (its input). */
+TEST(sparse_wanda_calibrates_then_prunes)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_mlp_spec sp;
+    mt_mlp_spec_init(&sp);
+    sp.n_layers = 3;
+    sp.dims[0] = 12, sp.dims[1] = 16, sp.dims[2] = 20, sp.dims[3] = 4;
+    sp.seed = 3;
+    mt_model *m;
+    CHECK_OKC(ctx, mt_model_mlp_create(ctx, &sp, &m));
+    const size_t n = mt_model_num_params(m);
+    float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+    CHECK_OK(mt_model_get_params(m, w0, n));
+    mt_trainer_config tc;
+    mt_trainer_config_init(&tc);
+    tc.max_batch = 8, tc.optimizer = MT_OPT_ADAMW, tc.lr = 1e-2f;
+    tc.prune.method = MT_PRUNE_WANDA, tc.prune.sparsity = 0.5, tc.prune.calib = 2;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    int64_t next;
+    int need;
+    CHECK_OK(mt_trainer_prune_next(t, &next, &need));
+    CHECK_EQ(next, 0);
+    CHECK_EQ(need, 2);
+    float x[8 * 12], feat[12] = {0};
+    int32_t y[8];
+    for (int i = 0; i < 8 * 12; i++) x[i] = (float)((i * 37) % 29) / 7.0f - 2.0f;
+    for (int i = 0; i < 8; i++) y[i] = i % 4;
+    /* the columns' scales differ widely, so the activations matter */
+    for (int i = 0; i < 8 * 12; i++) x[i] *= (float)(1 + (i % 12) * (i % 12));
+    mt_batch b = {.n = 8, .inputs = x, .targets = y};
+    CHECK_ST(MT_ERR_STATE, mt_trainer_step(t, &b, NULL));
+    CHECK_OK(mt_model_get_params(m, w1, n));
+    CHECK(memcmp(w0, w1, n * 4) == 0);
+    CHECK_OKC(ctx, mt_trainer_calibrate(t, &b));
+    CHECK_ST(MT_ERR_STATE, mt_trainer_step(t, &b, NULL));
+    CHECK_OKC(ctx, mt_trainer_calibrate(t, &b));
+    CHECK_OK(mt_trainer_prune_next(t, &next, &need));
+    CHECK_EQ(need, 0);
+    /* the first layer's scores, as the paper's: |w| sqrt(sum of x^2) */
+    for (int r = 0; r < 8; r++)
+        for (int j = 0; j < 12; j++) feat[j] += 2.0f * x[r * 12 + j] * x[r * 12 + j];
+    mt_param_info p0;
+    CHECK_OK(mt_model_param_info(m, 0, &p0));
+    float *score = check_alloc(p0.numel * 4);
+    for (size_t e = 0; e < p0.numel; e++) score[e] = fabsf(w0[e]) * sqrtf(feat[e % 12]);
+    uint64_t *bits = all_kept(p0.numel);
+    CHECK_OK(mti_sp_prune_rows(NULL, score, 16, 12, 6, bits));
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    CHECK_OK(mt_trainer_prune_next(t, &next, NULL));
+    CHECK_EQ(next, -1);
+    for (int i = 0; i < mt_model_num_tensors(m); i++) {
+        mt_param_info pi;
+        CHECK_OK(mt_model_param_info(m, i, &pi));
+        unsigned char *keep = check_alloc(pi.numel);
+        CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
+        if (pi.ndim != 2) continue;
+        for (int64_t r = 0; r < pi.shape[0]; r++) {
+            int64_t pr = 0;
+            for (int64_t j = 0; j < pi.shape[1]; j++) pr += !keep[r * pi.shape[1] + j];
+            CHECK_EQ(pr, pi.shape[1] / 2);
+        }
+        if (i == 0)
+            for (size_t e = 0; e < pi.numel; e++)
+                CHECK_MSG(keep[e] == (bits[e / 64] >> (e % 64) & 1), "first layer element %zu", e);
+    }
+    free(bits);
+    /* magnitude alone would have chosen otherwise here */
+    uint64_t *mag = all_kept(p0.numel);
+    for (size_t e = 0; e < p0.numel; e++) score[e] = fabsf(w0[e]);
+    CHECK_OK(mti_sp_prune_rows(NULL, score, 16, 12, 6, mag));
+    unsigned char *keep0 = check_alloc(p0.numel);
+    CHECK_OK(mt_model_param_mask(m, 0, keep0, p0.numel));
+    size_t differ = 0;
+    for (size_t e = 0; e < p0.numel; e++) differ += keep0[e] != (mag[e / 64] >> (e % 64) & 1);
+    CHECK(differ > 0);
+    free(mag);
+    /* calibrating a trainer that does not prune by Wanda is refused */
+    mt_trainer_destroy(t);
+    tc.prune.method = MT_PRUNE_NONE;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    CHECK_ST(MT_ERR_STATE, mt_trainer_calibrate(t, &b));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* Bad settings are refused at create, naming the setting. */
+TEST(sparse_refusals)
+{
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = check_small_gpt(ctx, GV, GT, GC, 5);
+    static const struct {
+        double s;
+        int n, mm;
+        int scope, method;
+        const char *targets;
+        mt_optimizer_kind opt;
+        mt_status want;
+        const char *says;
+    } cases[] = {
+        {1.0, 0, 0, 0, 1, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "outside [0, 1)"},
+        {-0.1, 0, 0, 0, 1, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "outside [0, 1)"},
+        {0.5, 4, 4, 0, 1, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "0 < N < M"},
+        {0.5, 2, 17, 0, 1, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "0 < N < M"},
+        {0.5, 2, 3, 0, 1, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "to divide the rows"},
+        {0.5, 0, 0, 0, 1, "wte", MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "not a linear weight"},
+        {0.5, 0, 0, 0, 1, "nothing*", MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "matches no parameter"},
+        {0.5, 0, 0, 1, 2, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "scope global"},
+        {0.5, 0, 0, 0, 7, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "prune.method"},
+        {0.5, 0, 0, 0, 1, NULL, MT_OPT_ADAFACTOR, MT_ERR_UNSUPPORTED, "Adafactor"},
+        {0.5, 0, 0, 0, 1, NULL, MT_OPT_ADAMW4, MT_ERR_UNSUPPORTED, "4-bit AdamW"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        mt_trainer_config tc;
+        prune_cfg(&tc, cases[c].opt, cases[c].s);
+        tc.prune.nm_n = cases[c].n, tc.prune.nm_m = cases[c].mm;
+        tc.prune.scope = (mt_prune_scope)cases[c].scope;
+        tc.prune.method = (mt_prune_method)cases[c].method;
+        tc.prune.targets = cases[c].targets;
+        tc.prune.calib = 1;
+        mt_trainer *t;
+        CHECK_ST(cases[c].want, mt_trainer_create(m, &tc, &t));
+        CHECK_MSG(strstr(mt_last_error(ctx), cases[c].says), "case %zu: %s", c, mt_last_error(ctx));
+    }
+    /* a prune after steps needs elementwise state */
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAMW8, 0.5);
+    tc.prune.at = 3;
+    mt_trainer *t;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    /* nothing changed: the model is still dense */
+    uint64_t pruned, total;
+    CHECK_OK(mt_model_sparsity(m, &pruned, &total));
+    CHECK_EQ(total, 0);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}

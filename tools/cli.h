@@ -25,7 +25,7 @@ enum { CLI_TRAIN = 1u, CLI_SAMPLE = 2u, CLI_ESTIMATE = 4u };
 /* The models an option means something for (train and sample), as a mask. */
 enum { CLI_MLP = 1u, CLI_GPT = 2u, CLI_ANY = 3u };
 
-#define CLI_MAX_OPTIONS 80
+#define CLI_MAX_OPTIONS 112
 #define CLI_MAX_FREEZE 64
 
 /* Every option of train, sample and estimate; each command reads the
@@ -77,7 +77,11 @@ typedef struct cli_opts {
     const char *teacher;
     mt_base_format teacher_base; /* --teacher-base: its linear weights quantized as read */
     float distill_alpha, distill_temp;
+    /* pruning: --prune and its settings (the library's mt_prune_config) */
+    mt_prune_config prune;
+    long calib, prune_at, prune_start, prune_end, prune_every;
     /* train under mpirun */
+
     long comm_timeout;       /* seconds a collective may wait for the other ranks */
     long local_sgd;          /* local SGD: average the weights every this many steps */
     int overlap;             /* MPI serialized: the gradients summed on a thread */
@@ -116,6 +120,10 @@ bool cli_is_flag(const char *name);
 /* Whether a command (CLI_TRAIN, ...) takes the option name (without its
  * leading "--"). */
 bool cli_takes(const char *name, unsigned cmd);
+
+/* --prune's settings against the model made: 0, or an exit code (a value
+ * that does not fit it, such as --nm M not dividing a row: EXIT_USAGE). */
+int cli_prune_check(const cli_opts *o, mt_context *ctx, const mt_model *m);
 
 /* Entries of the option table, for the ranks' agreement (cli_ranks.c). */
 int cli_option_count(void);

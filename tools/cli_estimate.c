@@ -267,6 +267,11 @@ int cmd_estimate(int argc, char **argv)
         cli_mlp_spec(&o, &ml);
         s = mt_model_mlp_create(ctx, &ml, &m);
     }
+    if (!s && (rc = cli_prune_check(&o, ctx, m))) {
+        mt_model_destroy(m);
+        mt_context_destroy(ctx);
+        return rc;
+    }
     mt_model *teacher = NULL; /* its shape (a dry context holds no weights) */
     if (!s && o.teacher && !(s = mt_model_gpt_load_base(ctx, o.teacher, o.teacher_base, &teacher))) tc.teacher = teacher;
     mt_autofit_report fit = {0};

@@ -239,6 +239,52 @@ static int add_freeze(cli_opts *o, const char *v)
     return 0;
 }
 
+static int set_prune(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "magnitude")) o->prune.method = MT_PRUNE_MAGNITUDE;
+    else if (!strcmp(v, "wanda")) o->prune.method = MT_PRUNE_WANDA;
+    else return -1;
+    return 0;
+}
+
+static int set_sparsity(cli_opts *o, const char *v)
+{
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end || !(x >= 0.0 && x < 1.0)) return -1;
+    o->prune.sparsity = x; /* (a double: rint(x n) as Python's round(x * n)) */
+    return 0;
+}
+
+static int set_nm(cli_opts *o, const char *v)
+{
+    long n, m;
+    char a[32];
+    const char *colon = strchr(v, ':');
+    if (!colon || (size_t)(colon - v) >= sizeof a) return -1;
+    snprintf(a, sizeof a, "%.*s", (int)(colon - v), v);
+    if (cli_parse_long(a, 1, 15, &n) || cli_parse_long(colon + 1, 2, 16, &m) || n >= m) return -1;
+    o->prune.nm_n = (int)n, o->prune.nm_m = (int)m;
+    return 0;
+}
+
+static int set_prune_scope(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "tensor")) o->prune.scope = MT_PRUNE_TENSOR;
+    else if (!strcmp(v, "global")) o->prune.scope = MT_PRUNE_GLOBAL;
+    else return -1;
+    return 0;
+}
+
+static int set_prune_schedule(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "oneshot")) o->prune.schedule = MT_PRUNE_ONESHOT;
+    else if (!strcmp(v, "gradual")) o->prune.schedule = MT_PRUNE_GRADUAL;
+    else return -1;
+    return 0;
+}
+
 /* --config is read before the options (memtrain.c); one inside a
  * configuration file is refused */
 static int set_config(cli_opts *o, const char *v)
@@ -361,6 +407,34 @@ static const opt table[] = {
           "the KL's weight, in [0, 1]; the cross-entropy's is 1 - X (0.5)"),
     FLOAT("--distill-temp", TE, CLI_GPT, distill_temp, 0, NO_MAX, OPEN_LO,
           "the distillation temperature, > 0 (2)"),
+    FN("--prune", "magnitude|wanda", ALL, CLI_ANY, set_prune, "(magnitude, wanda)",
+       "prune the linear weights: the smallest |w|, or Wanda's |w| ||x|| within each row; "
+       "pruned weights are stored compressed in every class (none)", NULL),
+    FN("--sparsity", "S", ALL, CLI_ANY, set_sparsity, "(a fraction in [0, 1))",
+       "with --prune: the fraction of each target's weights pruned (0.5)", NULL),
+    FN("--nm", "N:M", ALL, CLI_ANY, set_nm, "(N:M with 0 < N < M <= 16, like 2:4)",
+       "with --prune: N of each M consecutive weights of a row kept (in place of --sparsity)",
+       NULL),
+    FN("--prune-scope", "tensor|global", ALL, CLI_ANY, set_prune_scope, "(tensor, global)",
+       "with --prune magnitude: each tensor its fraction, or all targets together (tensor)",
+       NULL),
+    LONG("--calib", "N", ALL, CLI_ANY, calib, 1, 1 << 20,
+         "with --prune wanda: calibration batches before each prune, taken from the training "
+         "data (4)", NULL),
+    STR("--prune-targets", "PATTERN", ALL, CLI_ANY, prune.targets,
+        "with --prune: the weights pruned, fnmatch patterns P,P,... (every linear weight)"),
+    LONG("--prune-at", "S", ALL, CLI_ANY, prune_at, 0, 1 << 30,
+         "with --prune: a one-shot prune after S steps, 0 = before training (0)", NULL),
+    FN("--prune-schedule", "oneshot|gradual", ALL, CLI_ANY, set_prune_schedule,
+       "(oneshot, gradual)",
+       "with --prune: once (--prune-at), or gradual: Zhu & Gupta's cubic ramp to --sparsity "
+       "from --prune-start to --prune-end, a prune every --prune-every steps (oneshot)", NULL),
+    LONG("--prune-start", "A", ALL, CLI_ANY, prune_start, 0, 1 << 30,
+         "gradual: the first prune's step (0)", NULL),
+    LONG("--prune-end", "B", ALL, CLI_ANY, prune_end, 0, 1 << 30,
+         "gradual: the step --sparsity is reached (half of --steps)", NULL),
+    LONG("--prune-every", "K", ALL, CLI_ANY, prune_every, 1, 1 << 30,
+         "gradual: steps between prunes (a tenth of the ramp)", NULL),
     FLOAT("--clip", ALL, CLI_ANY, clip, 0, NO_MAX, 0,
           "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
@@ -533,6 +607,8 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->tp = 1;
     o->pp = 1;
     o->distill_alpha = 0.5f, o->distill_temp = 2.0f;
+    o->prune.sparsity = 0.5;
+    o->calib = 4;
 }
 
 /* The options given that mean nothing for the model: "--a, --b" into buf
@@ -646,6 +722,30 @@ static int check_together(const cli_opts *o)
     if (o->zero && o->local_sgd)
         return cli_bad_usage("%s", "--zero does not combine with --local-sgd (local SGD keeps each "
                                    "rank's own optimizer state)");
+    static const char *const prune_opts[] = {"--sparsity",      "--nm",         "--prune-scope",
+                                             "--calib",         "--prune-targets", "--prune-at",
+                                             "--prune-schedule", "--prune-start", "--prune-end",
+                                             "--prune-every"};
+    for (size_t i = 0; i < sizeof prune_opts / sizeof *prune_opts; i++)
+        if (!o->prune.method && given(o, prune_opts[i]))
+            return cli_bad_usage("%s needs --prune magnitude|wanda", prune_opts[i]);
+    if (given(o, "--calib") && o->prune.method != MT_PRUNE_WANDA)
+        return cli_bad_usage("%s", "--calib is for --prune wanda");
+    if (o->prune.nm_m && given(o, "--sparsity"))
+        return cli_bad_usage("%s", "--nm N:M sets the sparsity (1 - N/M): not with --sparsity");
+    if (o->prune.schedule == MT_PRUNE_GRADUAL && o->prune.nm_m)
+        return cli_bad_usage("%s", "--nm prunes once (--prune-schedule oneshot)");
+    if (o->prune.schedule == MT_PRUNE_GRADUAL && given(o, "--prune-at"))
+        return cli_bad_usage("%s", "--prune-at is the one-shot prune's step: not with "
+                                   "--prune-schedule gradual");
+    if (o->prune.schedule != MT_PRUNE_GRADUAL &&
+        (given(o, "--prune-start") || given(o, "--prune-end") || given(o, "--prune-every")))
+        return cli_bad_usage("%s", "--prune-start, --prune-end and --prune-every are for "
+                                   "--prune-schedule gradual");
+    if (o->prune.schedule == MT_PRUNE_GRADUAL && given(o, "--prune-end") &&
+        o->prune_end < o->prune_start)
+        return cli_bad_usage("--prune-end %ld is before --prune-start %ld", o->prune_end,
+                             o->prune_start);
     if (o->base && !o->lora && !o->load_lora && !o->n_freeze)
         return cli_bad_usage("--base %s quantizes frozen weights: it needs --lora R, --load-lora "
                              "FILE or --freeze PATTERN",
@@ -856,6 +956,18 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
     tc->offload = o->offload;
     tc->offload_dir = o->offload_dir;
     tc->offload_params = o->offload_params;
+    tc->prune = o->prune;
+    if (o->prune.method) {
+        tc->prune.calib = (int)o->calib;
+        tc->prune.at = o->prune_at;
+        tc->prune.start = o->prune_start;
+        tc->prune.end = given(o, "--prune-end") ? o->prune_end
+                        : o->prune_start > o->steps / 2 ? o->prune_start
+                                                        : o->steps / 2;
+        const long ramp = tc->prune.end - o->prune_start;
+        tc->prune.every = given(o, "--prune-every") ? o->prune_every : ramp / 10 > 1 ? ramp / 10 : 1;
+    }
+    tc->offload_params = o->offload_params;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;
     tc->lr_schedule = o->constant_lr ? MT_LR_CONSTANT : MT_LR_WARMUP_COSINE;
     tc->warmup_steps = (int)(o->steps / 10 > 0 ? o->steps / 10 : 1);
@@ -912,4 +1024,18 @@ void cli_print_report(mt_context *ctx, FILE *f)
     mt_memory_report(ctx, buf, need + 1, NULL);
     fputs(buf, f);
     free(buf);
+}
+
+int cli_prune_check(const cli_opts *o, mt_context *ctx, const mt_model *m)
+{
+    if (!o->prune.method) return 0;
+    mt_trainer_config tc;
+    cli_trainer_config(o, &tc);
+    const mt_status s = mt_prune_check(m, &tc.prune);
+    if (s == MT_ERR_INVALID_ARG) { /* a value that does not fit the model: bad usage */
+        const char *msg = mt_last_error(ctx);
+        const char *fn = "mt_prune_check: ";
+        return cli_bad_usage("%s", strncmp(msg, fn, strlen(fn)) ? msg : msg + strlen(fn));
+    }
+    return s ? cli_lib_fail(ctx, NULL) : 0;
 }

@@ -111,7 +111,61 @@ static int finish_run(const cli_opts *o, mt_context *ctx, const mt_estimate_repo
 
 /* The members of a step's JSON object that both models write, the object
  * left open for more. */
-static void json_step(mt_context *ctx, const mt_trainer *t, long step, float loss, double ms)
+/* The fraction of the pruned tensors' weights that are pruned (0: none). */
+static double sparsity_of(const mt_model *m)
+{
+    uint64_t pruned = 0, total = 0;
+    mt_model_sparsity(m, &pruned, &total);
+    return total ? (double)pruned / (double)total : 0.0;
+}
+
+/* Before a step: Wanda's calibration, where the prune that comes with the
+ * step needs it, on the next batches of the training data (next: one
+ * batch, as the steps read them). 0, or an exit code. */
+static int calibrate_if_due(mt_context *ctx, mt_trainer *t, int (*next)(void *u, mt_batch *b),
+                            void *u)
+{
+    int64_t at;
+    int need = 0;
+    if (mt_trainer_prune_next(t, &at, &need) || at != (int64_t)mt_trainer_steps(t)) return 0;
+    for (; need > 0; need--) {
+        mt_batch b;
+        if (next(u, &b) || mt_trainer_calibrate(t, &b)) {
+            fprintf(stderr, "%s: calibrating for the prune after step %lld: %s\n", cli_prog,
+                    (long long)at, mt_last_error(ctx)[0] ? mt_last_error(ctx) : mt_last_error(NULL));
+            return EXIT_FAIL;
+        }
+    }
+    return 0;
+}
+
+/* The MLP's next batch of spirals, for the calibration (cli_ranks_rows: this rank's rows). */
+typedef struct mlp_feed {
+    uint64_t *data;
+    float *x;
+    int32_t *y;
+    int n;
+} mlp_feed;
+
+static int mlp_next(void *u, mt_batch *b)
+{
+    mlp_feed *f = u;
+    spirals(f->data, f->x, f->y, f->n);
+    *b = (mt_batch){.n = f->n, .inputs = f->x, .targets = f->y};
+    cli_ranks_rows(b, 2);
+    return 0;
+}
+
+/* The GPT's next training batch (this rank's rows). */
+static int gpt_next(void *u, mt_batch *b)
+{
+    if (mt_data_next(u, MT_DATA_TRAIN, b)) return -1;
+    cli_ranks_rows(b, 0);
+    return 0;
+}
+
+static void json_step(mt_context *ctx, const mt_model *m, const mt_trainer *t, long step,
+                      float loss, double ms)
 {
     mt_memory_stats st;
     mt_context_memory_stats(ctx, &st);
@@ -125,6 +179,7 @@ static void json_step(mt_context *ctx, const mt_trainer *t, long step, float los
            (unsigned long long)st.peak_live_bytes);
     cli_json_num(stdout, "loss_scale", "%g", ls.scale);
     printf(", \"skipped\": %llu", (unsigned long long)ls.steps_skipped);
+    cli_json_num(stdout, "sparsity", "%.6f", sparsity_of(m));
 }
 
 /* A step's loss that is not a number or infinite: the run stops there,
@@ -209,8 +264,8 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         goto done;
     }
     /* the estimate first: the report sets it beside the measured figures */
-    if (mt_model_mlp_create(ctx, &spec, &m) || mt_estimate_model(m, &tc, &est) ||
-        mt_trainer_create(m, &tc, &t)) {
+    if (!mt_model_mlp_create(ctx, &spec, &m) && (rc = cli_prune_check(o, ctx, m))) goto done;
+    if (!m || mt_estimate_model(m, &tc, &est) || mt_trainer_create(m, &tc, &t)) {
         rc = cli_lib_fail(ctx, NULL);
         goto done;
     }
@@ -226,6 +281,8 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
     double t0 = now_s(), window = 0.0;
     int in_window = 0, skipped = 0;
     for (long step = 1; step <= o->steps; step++) {
+        mlp_feed feed = {&data, x, y, (int)o->batch};
+        if ((rc = calibrate_if_due(ctx, t, mlp_next, &feed))) goto done;
         spirals(&data, x, y, (int)o->batch);
         mt_batch b = {.n = (int)o->batch, .inputs = x, .targets = y};
         cli_ranks_rows(&b, 2);
@@ -242,13 +299,14 @@ static int run_mlp(const cli_opts *o, mt_context *ctx)
         mt_loss_scale_state ls;
         mt_trainer_get_loss_scale(t, &ls);
         if (o->json) {
-            json_step(ctx, t, step, loss, 1e3 * (now_s() - t_step));
+            json_step(ctx, m, t, step, loss, 1e3 * (now_s() - t_step));
             printf("}\n");
         } else if (step == 1 || step % o->every == 0 || step == o->steps) {
             mt_memory_stats ms;
             mt_context_memory_stats(ctx, &ms);
             printf("step %6ld  loss %.4f  %.3f ms/step  peak %.1f KiB", step, window / in_window,
                    1e3 * (now_s() - t0) / (double)step, (double)ms.peak_live_bytes / 1024.0);
+            if (o->prune.method) printf("  sparsity %.3f", sparsity_of(m));
             print_skipped(o, &ls);
             printf("\n");
             window = 0.0;
@@ -378,7 +436,8 @@ int cli_gpt_open(const cli_opts *o, mt_context *ctx, cli_gpt *g)
     mt_trainer_config tc;
     cli_trainer_config(o, &tc);
     cli_ranks_trainer_config(&tc);
-    if ((rc = cli_gpt_model(o, ctx, g->info.vocab, &g->spec, &g->model))) {
+    if ((rc = cli_gpt_model(o, ctx, g->info.vocab, &g->spec, &g->model)) ||
+        (rc = cli_prune_check(o, ctx, g->model))) {
         cli_gpt_close(g);
         return rc;
     }
@@ -464,6 +523,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         mt_batch b;
         float loss;
         double t0 = now_s(), t_data = 0;
+        if ((rc = calibrate_if_due(ctx, t, gpt_next, g.data))) goto done;
         mt_status ds = mt_data_next(g.data, MT_DATA_TRAIN, &b);
         t_data = now_s() - t0;
         if (!ds) cli_ranks_rows(&b, 0);
@@ -486,7 +546,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
         mt_loss_scale_state ls;
         mt_trainer_get_loss_scale(t, &ls);
         if (o->json) {
-            json_step(ctx, t, step, loss, 1e3 * dt);
+            json_step(ctx, g.model, t, step, loss, 1e3 * dt);
             cli_json_num(stdout, "data_ms", "%.4f", 1e3 * t_data);
             cli_json_num(stdout, "tokens_per_s", "%.1f", tokens_per_step / dt);
             if (eval) cli_json_num(stdout, "val_loss", "%.6f", vl);
@@ -501,6 +561,7 @@ static int run_gpt(const cli_opts *o, mt_context *ctx)
             printf("  %.0f tok/s  %.1f ms/step  mem %.1f / peak %.1f MiB",
                    tokens_per_step * in_window / t_window, 1e3 * t_window / in_window,
                    (double)ms.live_bytes / 1048576.0, (double)ms.peak_live_bytes / 1048576.0);
+            if (o->prune.method) printf("  sparsity %.3f", sparsity_of(g.model));
             print_skipped(o, &ls);
             printf(keep ? "\n" : "\033[K");
             if (keep) window = t_window = 0.0, in_window = 0;

@@ -373,6 +373,16 @@ mt_status mt_model_prune(mt_model *m, const mt_prune_config *c)
     return s;
 }
 
+mt_status mt_prune_check(const mt_model *m, const mt_prune_config *c)
+{
+    if (!m || !c) return mti_fail(m ? m->ctx : NULL, MT_ERR_INVALID_ARG, "mt_prune_check: model or config is NULL");
+    unsigned char *tg = calloc((size_t)m->n_param + 1, 1);
+    if (!tg) return mti_fail(m->ctx, MT_ERR_OOM, "mt_prune_check: out of host memory");
+    mt_status s = mti_prune_check(m->ctx, m, c, "mt_prune_check", tg);
+    free(tg);
+    return s;
+}
+
 mt_status mt_model_param_mask(const mt_model *m, int i, unsigned char *keep, size_t n)
 {
     if (!m || !keep || i < 0 || i >= mt_model_num_tensors(m))
