@@ -8,9 +8,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "golden.h"
+#include "internal.h"
 #include "sparse/sparse.h"
 
 static gv_file sfile;
@@ -719,6 +721,133 @@ TEST(sparse_refusals)
     uint64_t pruned, total;
     CHECK_OK(mt_model_sparsity(m, &pruned, &total));
     CHECK_EQ(total, 0);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
+/* The first mask section of the training-state file at path gets one
+ * more kept bit (its payload's and header's CRCs made good again); loading
+ * it must fail and leave the trainer and model as they were. */
+static void damaged_mask_refused(mt_context *ctx, mt_trainer *t, const char *path, mt_model *m,
+                                 const float *w, size_t n)
+{
+    FILE *f = fopen(path, "r+b");
+    CHECK(f != NULL);
+    fseek(f, 0, SEEK_END);
+    const long size = ftell(f);
+    unsigned char *buf = check_alloc((size_t)size);
+    rewind(f);
+    CHECK_EQ(fread(buf, 1, (size_t)size, f), (size_t)size);
+    size_t at = 32; /* sections after the file's header */
+    bool done = false;
+    while (at + 32 <= (size_t)size && !done) {
+        unsigned char *h = buf + at;
+        const uint64_t bytes = mti_get_u64(h + 8);
+        if (mti_get_u32(h) == 3 && mti_get_u32(h + 20) == 4 /* a tensor of uint8: the mask */) {
+            unsigned char *p = h + 32;
+            for (uint64_t i = 0; i < bytes && !done; i++)
+                if (p[i] != 0xff) p[i] |= (unsigned char)(p[i] + 1) & (unsigned char)~p[i], done = true;
+            mti_put_u32(h + 16, mti_crc32(0, p, (size_t)bytes));
+            mti_put_u32(h + 24, mti_crc32(0, h, 24));
+        }
+        at += 32 + (size_t)bytes;
+    }
+    CHECK(done);
+    rewind(f);
+    CHECK_EQ(fwrite(buf, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    const uint64_t steps = mt_trainer_steps(t);
+    CHECK_ST(MT_ERR_FORMAT, mt_trainer_load(t, path, NULL, 0, NULL));
+    CHECK_MSG(strstr(mt_last_error(ctx), "mask"), "%s", mt_last_error(ctx));
+    CHECK_EQ(mt_trainer_steps(t), steps);
+    float *now = check_alloc(n * 4);
+    CHECK_OK(mt_model_get_params(m, now, n));
+    CHECK(memcmp(now, w, n * 4) == 0);
+}
+
+/* Training-state files hold the masks: resuming is bit-identical, after a
+ * one-shot prune, between the prunes of a gradual schedule (the fresh
+ * trainer takes the file's sparser masks), and in a trainer that does not
+ * prune at all. */
+TEST(sparse_resume_bit_identical)
+{
+    for (int kind = 0; kind < 3; kind++) {
+        char path[] = "/tmp/mt_sparse_ckXXXXXX";
+        int fd = mkstemp(path);
+        CHECK(fd >= 0);
+        close(fd);
+        mt_trainer_config tc;
+        prune_cfg(&tc, kind == 1 ? MT_OPT_SGD : MT_OPT_ADAMW, 0.7);
+        if (kind == 1) {
+            tc.prune.schedule = MT_PRUNE_GRADUAL;
+            tc.prune.start = 1, tc.prune.end = 7, tc.prune.every = 2;
+        }
+        if (kind == 2) tc.prune.nm_n = 1, tc.prune.nm_m = 4;
+        mt_context *ctx = check_cpu_context(2);
+        mt_model *a = check_small_gpt(ctx, GV, GT, GC, 21), *b = check_small_gpt(ctx, GV, GT, GC, 21);
+        const size_t n = mt_model_num_params(a);
+        float *wa = check_alloc(n * 4), *wb = check_alloc(n * 4);
+        mt_trainer *ta, *tb;
+        CHECK_OKC(ctx, mt_trainer_create(a, &tc, &ta));
+        check_token_steps(ctx, ta, GB, GT, GV, 0, 4);
+        CHECK_OKC(ctx, mt_trainer_save(ta, path, NULL, 0));
+        check_token_steps(ctx, ta, GB, GT, GV, 4, 9);
+        CHECK_OK(mt_model_get_params(a, wa, n));
+        mt_trainer_config tb_cfg = tc;
+        if (kind == 2) tb_cfg.prune.method = MT_PRUNE_NONE; /* the masks come from the file */
+        CHECK_OKC(ctx, mt_trainer_create(b, &tb_cfg, &tb));
+        CHECK_OKC(ctx, mt_trainer_load(tb, path, NULL, 0, NULL));
+        CHECK_EQ(mt_trainer_steps(tb), 4);
+        check_token_steps(ctx, tb, GB, GT, GV, 4, 9);
+        CHECK_OK(mt_model_get_params(b, wb, n));
+        CHECK_MSG(memcmp(wa, wb, n * 4) == 0, "kind %d: the resumed run differs", kind);
+        uint64_t pa, ta_, pb, tb_;
+        CHECK_OK(mt_model_sparsity(a, &pa, &ta_));
+        CHECK_OK(mt_model_sparsity(b, &pb, &tb_));
+        CHECK(pa == pb && ta_ == tb_ && pa > 0);
+        for (int i = 0; i < mt_model_num_tensors(a); i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(a, i, &pi));
+            unsigned char *ka = check_alloc(pi.numel), *kb = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(a, i, ka, pi.numel));
+            CHECK_OK(mt_model_param_mask(b, i, kb, pi.numel));
+            CHECK(memcmp(ka, kb, pi.numel) == 0);
+        }
+        /* a file whose mask is damaged (its CRCs made good) is refused, the trainer as it was */
+        if (kind == 0) damaged_mask_refused(ctx, tb, path, b, wb, n);
+        mt_trainer_destroy(tb);
+        unlink(path);
+        mt_trainer_destroy(ta);
+        CHECK_OK(mt_model_destroy(a));
+        CHECK_OK(mt_model_destroy(b));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+}
+
+/* An llm.c export of a pruned model is the dense model with its zeros. */
+TEST(sparse_export_llmc_dense_zeros)
+{
+    char path[] = "/tmp/mt_sparse_llmcXXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    close(fd);
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = check_small_gpt(ctx, GV, GT, GC, 4);
+    mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .nm_n = 2, .nm_m = 4};
+    CHECK_OKC(ctx, mt_model_prune(m, &pc));
+    CHECK_OKC(ctx, mt_model_gpt_save(m, path));
+    mt_model *back;
+    CHECK_OKC(ctx, mt_model_gpt_load(ctx, path, &back));
+    const size_t n = mt_model_num_params(m);
+    float *a = check_alloc(n * 4), *b = check_alloc(n * 4);
+    CHECK_OK(mt_model_get_params(m, a, n));
+    CHECK_OK(mt_model_get_params(back, b, n));
+    CHECK(memcmp(a, b, n * 4) == 0);
+    size_t zeros = 0;
+    for (size_t i = 0; i < n; i++) zeros += b[i] == 0.0f;
+    CHECK(zeros * 4 > n); /* half of the linear weights, most of the model */
+    unlink(path);
+    CHECK_OK(mt_model_destroy(back));
     CHECK_OK(mt_model_destroy(m));
     CHECK_OK(mt_context_destroy(ctx));
 }

@@ -45,6 +45,7 @@
 #include "train/trainer.h"
 #include "train/tp.h"
 #include "train/pp.h"
+#include "train/sparsity.h"
 #include "comm/comm.h"
 
 #define CK_MAGIC "MTTRAIN\0"
@@ -102,18 +103,51 @@ typedef struct ck_tensor {
     int param;     /* its parameter (pipeline parallel: in this rank's stage, or -1) */
     int wparam;    /* ... in the whole model (the file's) */
     int stage;     /* pipeline parallel: the stage holding it (else 0) */
-    int what;      /* 0 weights, 1 master, 2.. state s[what - 2] */
+    int what;      /* 0 weights, 1 master, 2.. state s[what - 2], CK_MASK a pruned
+                      weight's mask (sp its layout) */
     mti_dtype dtype;
     uint64_t bytes; /* of the whole tensor */
+    mti_sp_layout sp;
 } ck_tensor;
 
-static int list_tensors(mt_trainer *t, ck_tensor *out)
+#define CK_MASK 6
+#define CK_SPARSE_MAGIC 0x53525053u /* "SPRS": the layout's pruned-weights tail */
+
+/* The stored tensors, in file order; over (NULL, or per parameter: fmt 0
+ * for none) gives a pruned layout a parameter will take from a file in
+ * place of its own. */
+static int list_tensors(mt_trainer *t, ck_tensor *out, const mti_sp_layout *over)
 {
     mt_model *m = t->model;
     const mti_pp *pp = &t->pp;
     int n = 0;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
+        const mti_sp_layout *L = over && over[i].fmt ? &over[i] : p->sp ? &p->sp->L : NULL;
+        if (L) { /* a pruned weight: its mask first, then its kept values' tensors */
+            if (out)
+                out[n] = (ck_tensor){p->sp ? &p->sp->meta : NULL, i, i, pp->rank, CK_MASK, MTI_U8,
+                                     L->bytes, *L};
+            n++;
+            const uint64_t nnz = L->nnz;
+            mti_opt_layout lay = t->ps[i].lay;
+            if (!p->frozen && over && over[i].fmt) mti_trainer_layout_for(t, i, L->nnz, &lay);
+            if (out) out[n] = (ck_tensor){&p->w, i, i, pp->rank, 0, p->w.dtype, nnz * mti_dtype_size(p->w.dtype), {0}};
+            n++;
+            if (m->has_master && !p->frozen) {
+                if (out) out[n] = (ck_tensor){&p->master, i, i, pp->rank, 1, MTI_F32, nnz * 4, {0}};
+                n++;
+            }
+            for (int j = 0; j < 4 && !p->frozen; j++) {
+                const mti_opt_state *l = &lay.s[j];
+                if (!l->numel) continue;
+                if (out)
+                    out[n] = (ck_tensor){&t->ps[i].s[j], i, i, pp->rank, 2 + j, l->dtype,
+                                         (uint64_t)l->numel * mti_dtype_size(l->dtype), {0}};
+                n++;
+            }
+            continue;
+        }
         /* (pipeline parallel: the whole model's index; the last stage's copy
            of the table stands for the table) */
         const int wi = pp->size < 2 ? i : i == pp->tied ? pp->table : pp->q0 + i;
@@ -123,10 +157,10 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
         const uint64_t whole = mti_whole_numel(p);
         const uint64_t wbytes = p->tp_split ? whole * mti_dtype_size(p->w.dtype)
                                             : mti_tensor_bytes(&p->w); /* (quantized: its bytes) */
-        if (out) out[n] = (ck_tensor){w, i, wi, pp->rank, 0, p->w.dtype, wbytes};
+        if (out) out[n] = (ck_tensor){w, i, wi, pp->rank, 0, p->w.dtype, wbytes, {0}};
         n++;
         if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
-            if (out) out[n] = (ck_tensor){&p->master, i, wi, pp->rank, 1, MTI_F32, whole * 4};
+            if (out) out[n] = (ck_tensor){&p->master, i, wi, pp->rank, 1, MTI_F32, whole * 4, {0}};
             n++;
         }
         for (int j = 0; j < 4; j++) {
@@ -135,7 +169,7 @@ static int list_tensors(mt_trainer *t, ck_tensor *out)
             const uint64_t numel = p->tp_split ? whole : (uint64_t)l->numel;
             if (out)
                 out[n] = (ck_tensor){&t->ps[i].s[j], i, wi, pp->rank, 2 + j, l->dtype,
-                                     numel * mti_dtype_size(l->dtype)};
+                                     numel * mti_dtype_size(l->dtype), {0}};
             n++;
         }
     }
@@ -225,6 +259,43 @@ static void layout_of(mt_trainer *t, const ck_tensor *ts, int n, bbuf *b)
     if (nq) bb_u32(b, nq);
     for (int i = 0; nq && i < n_param; i++)
         if (params[i].qf) bb_u32(b, (uint32_t)i), bb_u32(b, (uint32_t)params[i].qf);
+    /* the pruned weights, when there are any: each one's index, format,
+       N:M, dense and kept elements, then their count and the tail's magic
+       (read from the end: sparse_tail) */
+    uint32_t ns = 0;
+    for (int k = 0; k < n; k++) {
+        if (ts[k].what != CK_MASK) continue;
+        const mti_sp_layout *L = &ts[k].sp;
+        bb_u32(b, (uint32_t)ts[k].wparam), bb_u32(b, (uint32_t)L->fmt);
+        bb_u32(b, (uint32_t)L->n), bb_u32(b, (uint32_t)L->m);
+        bb_u64(b, L->dense), bb_u64(b, L->nnz);
+        ns++;
+    }
+    if (ns) bb_u32(b, ns), bb_u32(b, CK_SPARSE_MAGIC);
+}
+
+/* The pruned layouts a file's layout section (lay, len bytes) names, into
+ * over (per parameter of t's model; fmt 0 where it names none, or names
+ * what does not fit the model: the layouts then differ, and say so). */
+static void sparse_tail(const mt_trainer *t, const unsigned char *lay, size_t len,
+                        mti_sp_layout *over)
+{
+    const mt_model *m = t->model;
+    memset(over, 0, (size_t)m->n_param * sizeof *over);
+    if (len < 8 || mti_get_u32(lay + len - 4) != CK_SPARSE_MAGIC) return;
+    const uint32_t ns = mti_get_u32(lay + len - 8);
+    if ((uint64_t)ns * 32 > len - 8) return;
+    const unsigned char *e = lay + len - 8 - (size_t)ns * 32;
+    for (uint32_t k = 0; k < ns; k++, e += 32) {
+        const uint32_t i = mti_get_u32(e);
+        if (i >= (uint32_t)m->n_param || mti_get_u64(e + 16) != mti_param_dense(&m->params[i]))
+            continue;
+        mti_sp_layout L;
+        if (!mti_sp_layout_of(NULL, (mti_sp_format)mti_get_u32(e + 4), mti_get_u64(e + 16),
+                              mti_get_u64(e + 24), (int)mti_get_u32(e + 8),
+                              (int)mti_get_u32(e + 12), &L))
+            over[i] = L;
+    }
 }
 
 /* Pipeline parallel: the whole model's stored tensors in file order, every
@@ -275,7 +346,7 @@ static mt_status whole_list(mt_trainer *t, const ck_tensor *mine, int n, ck_tens
             while (j >= end && st + 1 < P) end += (int)cnt[++st];
             const float *f = e + (size_t)(j - j0) * F;
             ck_tensor *c = &w[j];
-            *c = (ck_tensor){NULL, -1, (int)f[0], st, (int)f[1], (mti_dtype)(int)f[2], 0};
+            *c = (ck_tensor){NULL, -1, (int)f[0], st, (int)f[1], (mti_dtype)(int)f[2], 0, {0}};
             for (int q = 0; q < 3; q++) c->bytes |= (uint64_t)f[3 + q] << (16 * q);
             for (int k = 0; mine && k < n; k++) /* (this stage's, or the last stage's copy of the table) */
                 if (mine[k].wparam == c->wparam && mine[k].what == c->what &&
@@ -659,12 +730,12 @@ mt_status mt_trainer_save(const mt_trainer *tc, const char *path, const void *us
                         user_len);
     if (v.ws && !v.collective && !v.tp && !v.pp) return v.ws;
     if (!file_writer(&v)) user = NULL, user_len = 0; /* (never written here) */
-    int n = list_tensors(t, NULL), nw = n;
+    int n = list_tensors(t, NULL, NULL), nw = n;
     ck_tensor *ts = malloc((size_t)n * sizeof *ts + 1), *ws = ts;
     v.buf = malloc(CK_CHUNK);
     bbuf lay = {0}, cnt = {0};
     mt_status cs = MT_OK;
-    if (ts) list_tensors(t, ts);
+    if (ts) list_tensors(t, ts, NULL);
     /* (pipeline parallel: the whole model's list, from every stage) */
     if (v.pp) cs = whole_list(t, ts, n, &ws, &nw);
     if (ws) layout_of(t, ws, nw, &lay);
@@ -772,6 +843,7 @@ static void role_str(char *b, size_t cap, uint32_t what)
 {
     if (what == 0) snprintf(b, cap, "weights");
     else if (what == 1) snprintf(b, cap, "master");
+    else if (what == CK_MASK) snprintf(b, cap, "mask");
     else snprintf(b, cap, "state %u", what - 2);
 }
 
@@ -1134,6 +1206,24 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
             if ((s = read_payload(r, &c, buf, NULL, NULL))) return s;
             continue;
         }
+        if (ts[k].what == CK_MASK) { /* a pruned weight's mask: checked, then taken */
+            unsigned char *meta = malloc((size_t)c.bytes + 8);
+            uint64_t *keep = malloc(mti_sp_words(ts[k].sp.dense) * 8 + 8);
+            unsigned char *again = malloc((size_t)c.bytes + 8);
+            grab gm = {meta, (size_t)c.bytes};
+            s = meta && keep && again ? read_payload(r, &c, buf, grab_sink, &gm)
+                                      : mti_fail(r->ctx, MT_ERR_OOM, "mt_trainer_load: out of host memory");
+            if (!s) {
+                mti_sp_decode(&ts[k].sp, meta, keep);
+                if (mti_sp_encode(&ts[k].sp, keep, again) || memcmp(again, meta, (size_t)c.bytes))
+                    s = bad_file(r, "corrupt (a pruned weight's mask does not keep what its "
+                                    "layout says)");
+            }
+            if (!s && !check) s = mti_sparsity_adopt(t, ts[k].param, &ts[k].sp, meta);
+            free(meta), free(keep), free(again);
+            if (s) return s;
+            continue;
+        }
         const mti_param *p = &t->model->params[ts[k].param];
         if (p->tp_split) { /* tensor parallel: this rank's part of the whole */
             part_up pu = {r->ctx, p, t->tp.size, t->tp.rank, ts[k].t->blk.ptr,
@@ -1156,6 +1246,27 @@ static mt_status pass(reader *r, mt_trainer *t, const ck_tensor *ts, int n, cons
     if (c.kind != SEC_END || c.bytes) return bad_file(r, "corrupt (no end section)");
     if (r->pos != r->size) return bad_file(r, "corrupt (bytes after the end)");
     return MT_OK;
+}
+
+/* The pruned layouts the file's layout section names (sparse_tail), read
+ * ahead of the passes; a file that cannot be read that far names none
+ * (the check pass then says what is wrong). */
+static void file_masks(reader *r, const mt_trainer *t, mti_sp_layout *over)
+{
+    unsigned char h[CK_HEADER];
+    sec c;
+    unsigned char *buf = malloc(CK_CHUNK);
+    if (buf && !read_exact(r, h, sizeof h, "") && !read_section_header(r, &c) &&
+        c.kind == SEC_LAYOUT && c.bytes <= ((uint64_t)64 << 20)) {
+        unsigned char *got = malloc(c.bytes ? (size_t)c.bytes : 1);
+        grab g = {got, (size_t)c.bytes};
+        if (got && !read_payload(r, &c, buf, grab_sink, &g)) sparse_tail(t, got, (size_t)c.bytes, over);
+        free(got);
+    }
+    free(buf);
+    rewind(r->f);
+    r->pos = 0;
+    mti_clear_error(r->ctx);
 }
 
 mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t user_cap,
@@ -1183,11 +1294,15 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
         r.size = end > 0 ? (uint64_t)end : 0;
     }
     if (r.f) rewind(r.f);
-    int n = list_tensors(t, NULL), nw = n;
+    /* the pruned weights take the file's masks: the list as it will be */
+    mti_sp_layout *over = calloc((size_t)t->model->n_param + 1, sizeof *over);
+    if (over && r.f && !s) file_masks(&r, t, over);
+    int n = list_tensors(t, NULL, over), nw = n;
     ck_tensor *ts = malloc((size_t)n * sizeof *ts + 1), *ws = ts;
     unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];
     bbuf lay = {0};
-    if (ts) list_tensors(t, ts);
+    if (ts) list_tensors(t, ts, over);
+    if (!over && !s) s = mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     /* (pipeline parallel: the whole model's list, from every stage; a
        collective of the group, made whatever happened before) */
     if (t->pp.size > 1) {
@@ -1223,6 +1338,6 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     if (!s) counters_set(t, counters);
     if (r.f) fclose(r.f);
     if (ws != ts) free(ws);
-    free(ts), free(buf), free(lay.p);
+    free(ts), free(buf), free(lay.p), free(over);
     return s;
 }

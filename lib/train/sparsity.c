@@ -148,6 +148,24 @@ static mt_status prune_now(mt_trainer *t, double frac, bool state)
     return s;
 }
 
+mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const void *meta)
+{
+    mt_model *m = t->model;
+    mti_param *p = &m->params[i];
+    const mti_sp_layout *now = p->sp ? &p->sp->L : NULL;
+    if (!now || now->fmt != L->fmt || now->nnz != L->nnz || now->n != L->n || now->m != L->m) {
+        uint64_t *keep = malloc(mti_sp_words(L->dense) * 8 + 8);
+        if (!keep) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+        mti_sp_decode(L, meta, keep);
+        mt_status s = mti_param_prune(m, i, keep, L->nnz, L->fmt, L->n, L->m,
+                                      p->frozen ? NULL : state_hook, t);
+        free(keep);
+        if (s) return s;
+        t->sh[i].hi = t->sh[i].lo + p->numel;
+    }
+    return mti_tensor_upload(t->ctx, &p->sp->meta, meta, L->bytes);
+}
+
 mt_status mti_sparsity_create(mt_trainer *t)
 {
     const mt_prune_config *c = &t->cfg.prune;

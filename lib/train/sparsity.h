@@ -7,6 +7,7 @@
 
 #include "internal.h"
 #include "engine/engine.h"
+#include "optim/optim.h"
 
 typedef struct mti_sparsity mti_sparsity;
 
@@ -19,6 +20,17 @@ mt_status mti_sparsity_create(mt_trainer *t);
 /* At a step's start: the prune due after the steps taken, if any. */
 mt_status mti_sparsity_step(mt_trainer *t, const char *fn);
 void mti_sparsity_free(mt_trainer *t);
+
+/* Parameter i takes the mask of a training-state file (its layout L and
+ * description meta, host memory, checked): its description is replaced,
+ * and where its kept count or format differs it is pruned to it first,
+ * its weights, masters and state rebuilt (their values come next from
+ * the file). */
+mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const void *meta);
+
+/* trainer.c: the optimizer state's layout of parameter i were it to hold
+ * numel elements. */
+void mti_trainer_layout_for(const mt_trainer *t, int i, size_t numel, mti_opt_layout *out);
 
 /* trainer.c: forward (eval) over b's micro-batches with the engine's
  * calibration hook set. */

@@ -448,6 +448,13 @@ static const mt_param_override *override_of(const mt_trainer *t, const char *nam
     return NULL;
 }
 
+void mti_trainer_layout_for(const mt_trainer *t, int i, size_t numel, mti_opt_layout *out)
+{
+    mti_param p = t->model->params[i];
+    p.numel = numel;
+    t->opt->layout(&t->cfg, &p, override_of(t, p.name), out);
+}
+
 /* A persistent tensor of the state or the masters: on the device, or in
  * page-locked host memory with host offload. */
 static mt_status home_alloc(mt_trainer *t, mti_tensor *x, mt_mem_class c, uint64_t tag)
