@@ -986,6 +986,10 @@ typedef enum mt_prune_schedule {
                              (end - start))^3) at step t, sparsity from end on; what
                              was pruned stays pruned */
 } mt_prune_schedule;
+typedef enum mt_regrow {
+    MT_REGROW_NONE = 0,
+    MT_REGROW_RIGL = 1
+} mt_regrow;
 typedef struct mt_prune_config {
     mt_prune_method method;   /* MT_PRUNE_NONE (default): no pruning, nothing else read */
     double sparsity;          /* the fraction of each target's weights pruned, in [0, 1):
@@ -1010,6 +1014,23 @@ typedef struct mt_prune_config {
                                  for magnitude, before the first step's forward for
                                  Wanda, which needs its calibration first) */
     int64_t start, end, every; /* GRADUAL: 0 <= start <= end, every >= 1 */
+    /* Dynamic sparsity: RigL (Evci et al. 2020), on unstructured masks once
+     * pruned (MT_REGROW_NONE: the masks only change by pruning). After t
+     * steps, for t > 0 a multiple of regrow_every and below regrow_end
+     * (and no prune due then), the step updates the masks instead of the
+     * weights: in each target, floor(f_t kept) kept weights of the
+     * smallest |w| are dropped, f_t = regrow_frac / 2 (1 + cos(pi t /
+     * regrow_end)), and as many of the largest |dense gradient| of the
+     * step's batch among the weights then pruned are grown, at 0 with
+     * zeroed optimizer state (one dropped and grown again is reset too):
+     * the kept count stays. The dense gradient exists one tensor at a time
+     * (the GEMM's tile), only in those steps. One rank, one micro-batch per
+     * step, the unfused step and elementwise state (SGD, AdamW);
+     * MT_ERR_UNSUPPORTED otherwise. */
+    mt_regrow regrow;
+    int64_t regrow_every;     /* >= 1 */
+    double regrow_frac;       /* in (0, 1] */
+    int64_t regrow_end;       /* >= 1 */
 } mt_prune_config;
 /* Prunes the model now, once, by magnitude or N:M (c->method
  * MT_PRUNE_MAGNITUDE; the schedule and calib are unread): its targets

@@ -851,3 +851,101 @@ TEST(sparse_export_llmc_dense_zeros)
     CHECK_OK(mt_model_destroy(m));
     CHECK_OK(mt_context_destroy(ctx));
 }
+
+/* RigL: in its steps the masks change and the weights do not: each target
+ * drops floor(f_t kept) of its smallest |w| and grows as many of the
+ * largest |dense gradient| (the dense model's with zeros, computed apart
+ * here), at 0; its kept count stays; other steps train as usual. */
+TEST(sparse_rigl_drops_and_grows)
+{
+    mt_context *ctx = check_cpu_context(2);
+    mt_model *a = check_small_gpt(ctx, GV, GT, GC, 17), *b = check_small_gpt(ctx, GV, GT, GC, 17);
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.5);
+    tc.prune.regrow = MT_REGROW_RIGL;
+    tc.prune.regrow_every = 2, tc.prune.regrow_frac = 0.4, tc.prune.regrow_end = 5;
+    mt_trainer *ta;
+    CHECK_OKC(ctx, mt_trainer_create(a, &tc, &ta));
+    const size_t n = mt_model_num_params(a);
+    float *w = check_alloc(n * 4), *g = check_alloc(n * 4), *w2 = check_alloc(n * 4);
+    uint64_t p0, t0;
+    CHECK_OK(mt_model_sparsity(a, &p0, &t0));
+    int regrew = 0;
+    for (int step = 0; step < 7; step++) {
+        const bool rigl = step == 2 || step == 4; /* after 2 and 4 steps; 6 is past the end */
+        int32_t tok[GB * GT], tg[GB * GT];
+        mt_batch bt;
+        check_token_batch(&bt, tok, tg, GB, GT, GV, step);
+        CHECK_OK(mt_model_get_params(a, w, n));
+        if (rigl) { /* the dense gradient, from a dense model with the zeros */
+            mt_trainer_config dc;
+            prune_cfg(&dc, MT_OPT_ADAMW, 0);
+            dc.prune.method = MT_PRUNE_NONE;
+            mt_trainer *tb;
+            CHECK_OK(mt_model_set_params(b, w, n));
+            CHECK_OKC(ctx, mt_trainer_create(b, &dc, &tb));
+            float lb;
+            CHECK_OKC(ctx, mt_trainer_gradients(tb, &bt, &lb, g, n));
+            mt_trainer_destroy(tb);
+        }
+        const uint64_t opt_before = mt_trainer_steps(ta);
+        unsigned char *before[32];
+        for (int i = 0; i < mt_model_num_tensors(a) && i < 32; i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(a, i, &pi));
+            before[i] = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(a, i, before[i], pi.numel));
+        }
+        CHECK_OKC(ctx, mt_trainer_step(ta, &bt, NULL));
+        CHECK_EQ(mt_trainer_steps(ta), opt_before + 1);
+        CHECK_OK(mt_model_get_params(a, w2, n));
+        uint64_t pr, tt;
+        CHECK_OK(mt_model_sparsity(a, &pr, &tt));
+        CHECK(pr == p0 && tt == t0); /* the counts stay */
+        for (int i = 0; i < mt_model_num_tensors(a) && i < 32; i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(a, i, &pi));
+            if (!linear_w(pi.name)) {
+                if (rigl) CHECK(memcmp(w + pi.offset, w2 + pi.offset, pi.numel * 4) == 0);
+                continue;
+            }
+            unsigned char *now = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(a, i, now, pi.numel));
+            size_t changed = 0;
+            for (size_t e = 0; e < pi.numel; e++) changed += now[e] != before[i][e];
+            if (!rigl) {
+                CHECK_EQ(changed, 0);
+                continue;
+            }
+            /* what RigL should have chosen */
+            float *sw = check_alloc(pi.numel * 4), *sg = check_alloc(pi.numel * 4);
+            uint64_t *keep = calloc(mti_sp_words(pi.numel) + 1, 8);
+            size_t kept = 0;
+            for (size_t e = 0; e < pi.numel; e++) {
+                sw[e] = fabsf(w[pi.offset + e]), sg[e] = fabsf(g[pi.offset + e]);
+                if (before[i][e]) keep[e / 64] |= (uint64_t)1 << (e % 64), kept++;
+            }
+            const size_t k = (size_t)floor(mti_sp_rigl_frac(0.4, step, 5) * (double)kept);
+            mti_sp_seg seg = {sw, pi.numel, keep};
+            CHECK_OK(mti_sp_prune_smallest(NULL, &seg, 1, (pi.numel - kept) + k));
+            unsigned char *dropped = check_alloc(pi.numel);
+            for (size_t e = 0; e < pi.numel; e++) dropped[e] = !(keep[e / 64] >> (e % 64) & 1);
+            CHECK_OK(mti_sp_grow(NULL, sg, pi.numel, keep, k));
+            CHECK(k > 0 && changed > 0 && changed <= 2 * k);
+            for (size_t e = 0; e < pi.numel; e++) {
+                const int want = (int)(keep[e / 64] >> (e % 64) & 1);
+                CHECK_MSG(now[e] == want, "step %d %s[%zu]: %d, RigL's %d", step, pi.name, e, now[e], want);
+                const float x = w2[pi.offset + e];
+                if (!now[e] || dropped[e]) CHECK_MSG(x == 0.0f, "%s[%zu] = %g", pi.name, e, x); /* grown at 0 */
+                else CHECK_EQ(x, w[pi.offset + e]); /* no update in a RigL step */
+            }
+            free(keep);
+            regrew++;
+        }
+    }
+    CHECK(regrew == 16);
+    mt_trainer_destroy(ta);
+    CHECK_OK(mt_model_destroy(a));
+    CHECK_OK(mt_model_destroy(b));
+    CHECK_OK(mt_context_destroy(ctx));
+}

@@ -79,7 +79,7 @@ typedef struct cli_opts {
     float distill_alpha, distill_temp;
     /* pruning: --prune and its settings (the library's mt_prune_config) */
     mt_prune_config prune;
-    long calib, prune_at, prune_start, prune_end, prune_every;
+    long calib, prune_at, prune_start, prune_end, prune_every, regrow_every, regrow_end;
     /* train under mpirun */
 
     long comm_timeout;       /* seconds a collective may wait for the other ranks */

@@ -285,6 +285,24 @@ static int set_prune_schedule(cli_opts *o, const char *v)
     return 0;
 }
 
+static int set_regrow(cli_opts *o, const char *v)
+{
+    if (!strcmp(v, "rigl")) o->prune.regrow = MT_REGROW_RIGL;
+    else if (!strcmp(v, "none")) o->prune.regrow = MT_REGROW_NONE;
+    else return -1;
+    return 0;
+}
+
+static int set_regrow_frac(cli_opts *o, const char *v)
+{
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end || !(x > 0.0 && x <= 1.0)) return -1;
+    o->prune.regrow_frac = x;
+    return 0;
+}
+
 /* --config is read before the options (memtrain.c); one inside a
  * configuration file is refused */
 static int set_config(cli_opts *o, const char *v)
@@ -435,6 +453,16 @@ static const opt table[] = {
          "gradual: the step --sparsity is reached (half of --steps)", NULL),
     LONG("--prune-every", "K", ALL, CLI_ANY, prune_every, 1, 1 << 30,
          "gradual: steps between prunes (a tenth of the ramp)", NULL),
+    FN("--regrow", "rigl|none", ALL, CLI_ANY, set_regrow, "(rigl, none)",
+       "with --prune (unstructured): RigL, every --regrow-every steps the masks change instead "
+       "of the weights, the smallest |w| dropped and the largest |gradient| grown at 0 (none)",
+       NULL),
+    LONG("--regrow-every", "K", ALL, CLI_ANY, regrow_every, 1, 1 << 30,
+         "RigL: steps between mask updates (100)", NULL),
+    FN("--regrow-frac", "F", ALL, CLI_ANY, set_regrow_frac, "(a fraction in (0, 1])",
+       "RigL: the drop fraction at the start, cosine-annealed to 0 at --regrow-end (0.3)", NULL),
+    LONG("--regrow-end", "T", ALL, CLI_ANY, regrow_end, 1, 1 << 30,
+         "RigL: no mask update from this step on (3/4 of --steps)", NULL),
     FLOAT("--clip", ALL, CLI_ANY, clip, 0, NO_MAX, 0,
           "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
@@ -609,6 +637,8 @@ static void defaults(cli_opts *o, unsigned cmd)
     o->distill_alpha = 0.5f, o->distill_temp = 2.0f;
     o->prune.sparsity = 0.5;
     o->calib = 4;
+    o->regrow_every = 100;
+    o->prune.regrow_frac = 0.3;
 }
 
 /* The options given that mean nothing for the model: "--a, --b" into buf
@@ -725,7 +755,8 @@ static int check_together(const cli_opts *o)
     static const char *const prune_opts[] = {"--sparsity",      "--nm",         "--prune-scope",
                                              "--calib",         "--prune-targets", "--prune-at",
                                              "--prune-schedule", "--prune-start", "--prune-end",
-                                             "--prune-every"};
+                                             "--prune-every", "--regrow", "--regrow-every",
+                                             "--regrow-frac", "--regrow-end"};
     for (size_t i = 0; i < sizeof prune_opts / sizeof *prune_opts; i++)
         if (!o->prune.method && given(o, prune_opts[i]))
             return cli_bad_usage("%s needs --prune magnitude|wanda", prune_opts[i]);
@@ -733,6 +764,12 @@ static int check_together(const cli_opts *o)
         return cli_bad_usage("%s", "--calib is for --prune wanda");
     if (o->prune.nm_m && given(o, "--sparsity"))
         return cli_bad_usage("%s", "--nm N:M sets the sparsity (1 - N/M): not with --sparsity");
+    if (!o->prune.regrow &&
+        (given(o, "--regrow-every") || given(o, "--regrow-frac") || given(o, "--regrow-end")))
+        return cli_bad_usage("%s", "--regrow-every, --regrow-frac and --regrow-end are for "
+                                   "--regrow rigl");
+    if (o->prune.regrow && o->prune.nm_m)
+        return cli_bad_usage("%s", "--regrow rigl changes unstructured masks: not with --nm");
     if (o->prune.schedule == MT_PRUNE_GRADUAL && o->prune.nm_m)
         return cli_bad_usage("%s", "--nm prunes once (--prune-schedule oneshot)");
     if (o->prune.schedule == MT_PRUNE_GRADUAL && given(o, "--prune-at"))
@@ -966,6 +1003,9 @@ void cli_trainer_config(const cli_opts *o, mt_trainer_config *tc)
                                                         : o->steps / 2;
         const long ramp = tc->prune.end - o->prune_start;
         tc->prune.every = given(o, "--prune-every") ? o->prune_every : ramp / 10 > 1 ? ramp / 10 : 1;
+        tc->prune.regrow_every = o->regrow_every;
+        tc->prune.regrow_end = given(o, "--regrow-end") ? o->regrow_end
+                               : o->steps * 3 / 4 > 1 ? o->steps * 3 / 4 : 1;
     }
     tc->offload_params = o->offload_params;
     if (o->cmd == CLI_ESTIMATE || !o->gpt) return;

@@ -604,6 +604,7 @@ static mt_status sparse_bwd(mti_engine *E, int wi, void *dx, float *gw, float *g
     if (!s)
         s = op->matmul_bwd(&E->k, dx, g.blk.ptr, gb, dy, x, d.blk.ptr, E->N, in, out, E->dt,
                            accumulate | (gw && !gb ? MTI_BWD_SET_DW : set));
+    if (!s && gw && E->grow && !E->ctx->dry) s = E->grow(E->grow_user, wi, g.blk.ptr, w->sp->L.dense);
     if (!s && gw)
         s = op->sparse_compress(&E->k, gw, g.blk.ptr, w->sp->meta.blk.ptr, &w->sp->L, 0,
                                 w->sp->L.dense, MTI_F32, !set);

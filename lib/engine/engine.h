@@ -53,6 +53,10 @@ extern mt_status (*mti_engine_grad_fill)(mt_context *ctx, int param, size_t at, 
 typedef mt_status (*mti_calib_hook)(void *user, int param, const void *x, int n, int in,
                                     mti_dtype dt);
 
+/* RigL (lib/train/sparsity.c): the dense gradient g (n fp32, device
+ * memory) of pruned parameter param, made by this backward. */
+typedef mt_status (*mti_grow_hook)(void *user, int param, const float *g, size_t n);
+
 typedef enum mti_save { MTI_SAVE_NONE = 0, MTI_SAVE_ALL = 1, MTI_SAVE_SEL = 2 } mti_save;
 
 typedef struct mti_engine {
@@ -135,6 +139,10 @@ typedef struct mti_engine {
      * first (not in dry contexts). */
     mti_calib_hook calib;
     void *calib_user;
+    /* With grow set, every pruned weight's backward hands its dense weight
+     * gradient to it (not in dry contexts). */
+    mti_grow_hook grow;
+    void *grow_user;
 } mti_engine;
 
 /* One micro-batch's pass (what forward leaves for its backward), held

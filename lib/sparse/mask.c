@@ -234,8 +234,14 @@ static mt_status check_scores(mt_context *ctx, const seg *s, int ns)
 
 static inline int kept_in(const seg *s, size_t e) { return bit_get(s->keep, s->bit0 + e); }
 
-/* The k smallest kept scores over s pruned (see the file's comment). */
-static void select_k(seg *s, int ns, size_t k)
+/* The k smallest kept scores over s pruned (see the file's comment); with
+ * largest, the k largest (each key taken as its complement). */
+static void select_kx(seg *s, int ns, size_t k, bool largest);
+static void select_k(seg *s, int ns, size_t k) { select_kx(s, ns, k, false); }
+
+static inline uint32_t key_in(float x, bool largest) { return largest ? ~key_of(x) : key_of(x); }
+
+static void select_kx(seg *s, int ns, size_t k, bool largest)
 {
     size_t pruned = 0;
     for (int i = 0; i < ns; i++)
@@ -250,7 +256,7 @@ static void select_k(seg *s, int ns, size_t k)
         memset(hist, 0, nb * sizeof hist[0]);
         for (int i = 0; i < ns; i++)
             for (size_t e = 0; e < s[i].n; e++) {
-                const uint32_t key = key_of(s[i].score[e]);
+                const uint32_t key = key_in(s[i].score[e], largest);
                 if ((key & known) == prefix && kept_in(&s[i], e)) hist[(key >> shift[p]) & (nb - 1)]++;
             }
         uint32_t b = 0;
@@ -262,7 +268,7 @@ static void select_k(seg *s, int ns, size_t k)
     for (int i = 0; i < ns; i++)
         for (size_t e = 0; e < s[i].n; e++) {
             if (!kept_in(&s[i], e)) continue;
-            const uint32_t key = key_of(s[i].score[e]);
+            const uint32_t key = key_in(s[i].score[e], largest);
             if (key < prefix || (key == prefix && need && need--)) bit_clr(s[i].keep, s[i].bit0 + e);
         }
 }
@@ -280,6 +286,27 @@ mt_status mti_sp_prune_smallest(mt_context *ctx, mti_sp_seg *segs, int nseg, siz
     if (!st) select_k(s, nseg, k < total ? k : total);
     free(s);
     return st;
+}
+
+mt_status mti_sp_grow(mt_context *ctx, const float *score, size_t n, uint64_t *keep, size_t k)
+{
+    const size_t words = mti_sp_words(n);
+    uint64_t *cand = calloc(words + 1, 8);
+    if (!cand) return mti_fail(ctx, MT_ERR_OOM, "grow: out of host memory");
+    for (size_t w = 0; w < words; w++) cand[w] = ~keep[w];
+    if (n & 63) cand[words - 1] &= ((uint64_t)1 << (n & 63)) - 1;
+    seg one = {score, n, 0, cand};
+    mt_status s = check_scores(ctx, &one, 1);
+    size_t c = mti_sp_kept(cand, n); /* the candidates; all of them pruned: "grown" */
+    if (!s) {
+        /* select_kx prunes what it picks beyond what the mask prunes: count
+           the kept (the grown) as pruned already */
+        select_kx(&one, 1, (n - c) + (k < c ? k : c), true);
+        for (size_t w = 0; w < words; w++) keep[w] |= ~keep[w] & ~cand[w];
+        if (n & 63) keep[words - 1] &= ((uint64_t)1 << (n & 63)) - 1;
+    }
+    free(cand);
+    return s;
 }
 
 mt_status mti_sp_prune_rows(mt_context *ctx, const float *score, int64_t rows, int64_t cols,

@@ -106,6 +106,9 @@ size_t mti_sp_count(double s, size_t n);
  * MT_ERR_INVALID_ARG for a score that is negative or not finite (ctx's
  * message names the segment's element), MT_ERR_OOM. */
 mt_status mti_sp_prune_smallest(mt_context *ctx, mti_sp_seg *segs, int nseg, size_t k);
+/* RigL's growth: the k largest scores among the elements keep prunes
+ * become kept (all of them when there are fewer; ties: the earlier). */
+mt_status mti_sp_grow(mt_context *ctx, const float *score, size_t n, uint64_t *keep, size_t k);
 /* Per row of a (rows, cols) tensor: the k smallest of each row pruned. */
 mt_status mti_sp_prune_rows(mt_context *ctx, const float *score, int64_t rows, int64_t cols,
                             size_t k, uint64_t *keep);

@@ -23,6 +23,10 @@ struct mti_sparsity {
     float **norms;       /* Wanda: per target, its input columns' sums of squares (host) */
     int calibrated;      /* batches gathered into them since the last prune */
     int64_t done_at;     /* the step whose prune is done (-1: none) */
+    /* RigL's step: per target, the mask after the drop and the new one
+       (host, made by grow_hook), and whether every target's was made */
+    uint64_t **drop, **grown;
+    int regrow_bad;
 };
 
 mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c,
@@ -49,6 +53,27 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
     if (why)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: pruning (cfg->prune) does not combine with %s",
                         fn, why);
+    if (p->regrow != MT_REGROW_NONE) {
+        if (p->regrow != MT_REGROW_RIGL)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: prune.regrow %d is not none (0) or rigl (1)",
+                            fn, (int)p->regrow);
+        if (p->regrow_every < 1 || !(p->regrow_frac > 0.0 && p->regrow_frac <= 1.0) ||
+            p->regrow_end < 1)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: RigL needs regrow_every >= 1 (%lld), "
+                            "regrow_frac in (0, 1] (%g) and regrow_end >= 1 (%lld)", fn,
+                            (long long)p->regrow_every, p->regrow_frac, (long long)p->regrow_end);
+        if (p->nm_m)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: RigL changes unstructured masks, not N:M", fn);
+        const int micro = c->micro_batch ? c->micro_batch : c->max_batch;
+        const char *no = ctx->world > 1                  ? "several ranks"
+                         : micro < c->max_batch          ? "gradient accumulation (micro_batch below max_batch)"
+                         : c->fused_step                 ? "the fused step"
+                         : c->optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW (its state is quantized in blocks of the kept entries)"
+                                                         : NULL;
+        if (no)
+            return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: RigL does not combine with %s yet (it "
+                            "takes the dense gradient of the step's one pass)", fn, no);
+    }
     const bool later = p->schedule == MT_PRUNE_GRADUAL ||
                        (p->schedule == MT_PRUNE_ONESHOT && (p->at > 0 || p->method == MT_PRUNE_WANDA));
     if (later && c->optimizer == MT_OPT_ADAMW8)
@@ -65,6 +90,9 @@ void mti_sparsity_free(mt_trainer *t)
     if (!sp) return;
     for (int i = 0; sp->norms && i < t->model->n_param; i++) free(sp->norms[i]);
     free(sp->norms);
+    for (int i = 0; sp->drop && i < t->model->n_param; i++) free(sp->drop[i]), free(sp->grown[i]);
+    free(sp->drop);
+    free(sp->grown);
     free(sp->tg);
     free(sp->targets);
     free(sp);
@@ -258,6 +286,95 @@ mt_status mt_trainer_calibrate(mt_trainer *t, const mt_batch *b)
                         "(cfg.prune.method)", fn);
     mt_status s = mti_trainer_forward_each(t, b, fn, calib_hook, t);
     if (!s) t->sparsity->calibrated++;
+    return s;
+}
+
+/* ---- RigL ---- */
+
+static bool regrow_due(const mt_prune_config *c, int64_t step)
+{
+    double f;
+    return c->regrow == MT_REGROW_RIGL && step > 0 && step % c->regrow_every == 0 &&
+           step < c->regrow_end && !due(c, step, &f);
+}
+
+/* The engine's hook in a RigL step: target i's new masks from its dense
+ * gradient g (device) and its weights. */
+static mt_status grow_hook(void *user, int i, const float *g, size_t n)
+{
+    mt_trainer *t = user;
+    mti_sparsity *sp = t->sparsity;
+    const mt_model *m = t->model;
+    const mti_param *p = &m->params[i];
+    if (!sp->tg[i] || !p->sp || p->sp->L.fmt != MTI_SP_BITMAP) return MT_OK;
+    const double f = mti_sp_rigl_frac(t->cfg.prune.regrow_frac, (int64_t)t->steps,
+                                      t->cfg.prune.regrow_end);
+    const size_t kept = p->sp->L.nnz, k = (size_t)floor(f * (double)kept), words = mti_sp_words(n);
+    float *gh = malloc(n * sizeof *gh), *w = malloc(n * sizeof *w);
+    uint64_t *drop = malloc(words * 8 + 8), *grown = malloc(words * 8 + 8);
+    mt_status s = gh && w && drop && grown ? MT_OK : mti_fail(t->ctx, MT_ERR_OOM, "RigL: out of host memory");
+    if (!s) s = t->ctx->dev->copy_d2h(t->ctx->dev, gh, g, n * sizeof *gh);
+    if (!s) s = t->ctx->dev->sync(t->ctx->dev);
+    if (!s) s = mti_param_read(m, i, 0, n, w);
+    if (!s) s = mti_param_keep(m, i, drop);
+    bool finite = true;
+    for (size_t e = 0; !s && e < n; e++) {
+        finite &= isfinite(gh[e]) != 0;
+        gh[e] = fabsf(gh[e]), w[e] = fabsf(w[e]);
+    }
+    if (!s && !finite) sp->regrow_bad = 1; /* (an overflow: the masks stay) */
+    if (!s && finite) {
+        mti_sp_seg seg = {w, n, drop};
+        s = mti_sp_prune_smallest(t->ctx, &seg, 1, (n - kept) + k); /* the drop */
+    }
+    if (!s && finite) {
+        memcpy(grown, drop, words * 8);
+        s = mti_sp_grow(t->ctx, gh, n, grown, k);
+    }
+    free(gh), free(w);
+    if (s || !finite) {
+        free(drop), free(grown);
+        return s;
+    }
+    free(sp->drop[i]), free(sp->grown[i]);
+    sp->drop[i] = drop, sp->grown[i] = grown;
+    return MT_OK;
+}
+
+bool mti_sparsity_regrow_begin(mt_trainer *t)
+{
+    mti_sparsity *sp = t->sparsity;
+    if (!sp || !regrow_due(&t->cfg.prune, (int64_t)t->steps)) return false;
+    const int np = t->model->n_param;
+    if (!sp->drop) {
+        sp->drop = calloc((size_t)np, sizeof *sp->drop);
+        sp->grown = calloc((size_t)np, sizeof *sp->grown);
+    }
+    sp->regrow_bad = !sp->drop || !sp->grown;
+    t->E.grow = grow_hook;
+    t->E.grow_user = t;
+    return true;
+}
+
+mt_status mti_sparsity_regrow_end(mt_trainer *t, bool apply)
+{
+    mti_sparsity *sp = t->sparsity;
+    mt_model *m = t->model;
+    t->E.grow = NULL;
+    mt_status s = MT_OK;
+    mti_engine_free_grads(&t->E); /* (the step's sparse gradients are not used) */
+    for (int i = 0; i < m->n_param; i++) {
+        if (!sp->drop || !sp->drop[i]) continue;
+        if (apply && !sp->regrow_bad && !s) { /* drop (their values 0), then grow (from 0) */
+            const mti_sp_layout *L = &m->params[i].sp->L;
+            const size_t nd = mti_sp_kept(sp->drop[i], L->dense), ng = mti_sp_kept(sp->grown[i], L->dense);
+            s = mti_param_prune(m, i, sp->drop[i], nd, MTI_SP_BITMAP, 0, 0, state_hook, t);
+            if (!s) s = mti_param_prune(m, i, sp->grown[i], ng, MTI_SP_BITMAP, 0, 0, state_hook, t);
+            if (!s) t->sh[i].hi = t->sh[i].lo + m->params[i].numel;
+        }
+        free(sp->drop[i]), free(sp->grown[i]);
+        sp->drop[i] = sp->grown[i] = NULL;
+    }
     return s;
 }
 

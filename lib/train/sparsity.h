@@ -20,6 +20,11 @@ mt_status mti_sparsity_create(mt_trainer *t);
 /* At a step's start: the prune due after the steps taken, if any. */
 mt_status mti_sparsity_step(mt_trainer *t, const char *fn);
 void mti_sparsity_free(mt_trainer *t);
+/* RigL: whether this step updates the masks instead of the weights (its
+ * backward then hands each target's dense gradient to the trainer); and
+ * after its passes, the masks changed (apply: the passes went well). */
+bool mti_sparsity_regrow_begin(mt_trainer *t);
+mt_status mti_sparsity_regrow_end(mt_trainer *t, bool apply);
 
 /* Parameter i takes the mask of a training-state file (its layout L and
  * description meta, host memory, checked): its description is replaced,

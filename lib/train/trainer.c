@@ -1869,10 +1869,20 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     t->check_now = !fused && !t->overlap_now && !mti_home_split(t) && !mti_dp_on(t) &&
                    !t->tp.sp && /* (sequence parallel: some are rows' parts until summed) */
                    !pp;         /* (pipeline parallel: the tied table's are halves) */
+    const bool regrow = !s && mti_sparsity_regrow_begin(t); /* (RigL: the masks, not the weights) */
     if (pp) /* (the stages' schedule; the checks find a non-finite loss's gradients) */
         s = mti_pp_passes(t, b, (float)((double)t->scaler.scale / targets), step_backward, &sum);
     else
         s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
+    if (regrow) { /* one rank, unfused: nothing to sum, no update */
+        s = mti_sparsity_regrow_end(t, !s && !found);
+        if (s) return step_failed(t, fn, s);
+        mti_context_reset(ctx, MT_SCOPE_STEP);
+        t->steps++;
+        t->last_skipped = 0;
+        if (loss) *loss = (float)(sum / targets);
+        return MT_OK;
+    }
     const bool checked = t->check_now;
     t->check_now = 0;
     if (t->overlap_now) s = give_rest(t, s); /* the gradients are summed */
