@@ -248,10 +248,7 @@ mt_status mti_sparsity_step(mt_trainer *t, const char *fn)
     return MT_OK;
 }
 
-/* The engine's calibration hook: x (n rows of `in` in dt, device memory),
- * the input of parameter wi's GEMM, squared and summed per column into its
- * norms. */
-static mt_status calib_hook(void *user, int wi, const void *x, int n, int in, mti_dtype dt)
+mt_status mti_sparsity_calib(void *user, int wi, const void *x, int n, int in, mti_dtype dt)
 {
     mt_trainer *t = user;
     mti_sparsity *sp = t->sparsity;
@@ -277,17 +274,9 @@ static mt_status calib_hook(void *user, int wi, const void *x, int n, int in, mt
     return s;
 }
 
-mt_status mt_trainer_calibrate(mt_trainer *t, const mt_batch *b)
-{
-    const char *fn = "mt_trainer_calibrate";
-    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
-    if (!t->sparsity || !t->sparsity->norms)
-        return mti_fail(t->ctx, MT_ERR_STATE, "%s: the trainer does not prune by Wanda "
-                        "(cfg.prune.method)", fn);
-    mt_status s = mti_trainer_forward_each(t, b, fn, calib_hook, t);
-    if (!s) t->sparsity->calibrated++;
-    return s;
-}
+bool mti_sparsity_wanda(const mt_trainer *t) { return t->sparsity && t->sparsity->norms; }
+
+void mti_sparsity_calibrated(mt_trainer *t) { t->sparsity->calibrated++; }
 
 /* ---- RigL ---- */
 

@@ -37,9 +37,12 @@ mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const
  * numel elements. */
 void mti_trainer_layout_for(const mt_trainer *t, int i, size_t numel, mti_opt_layout *out);
 
-/* trainer.c: forward (eval) over b's micro-batches with the engine's
- * calibration hook set. */
-mt_status mti_trainer_forward_each(mt_trainer *t, const mt_batch *b, const char *fn,
-                                   mti_calib_hook hook, void *user);
+/* Wanda's calibration (mt_trainer_calibrate, trainer.c): whether the
+ * trainer prunes by Wanda; the engine's hook (user: the trainer), the
+ * input x (n rows of `in` in dt, device memory) of parameter wi's GEMM
+ * squared and summed per column into its norms; and one batch done. */
+bool mti_sparsity_wanda(const mt_trainer *t);
+mt_status mti_sparsity_calib(void *user, int wi, const void *x, int n, int in, mti_dtype dt);
+void mti_sparsity_calibrated(mt_trainer *t);
 
 #endif /* MT_TRAIN_SPARSITY_H */

@@ -2128,21 +2128,26 @@ mt_status mt_trainer_eval(mt_trainer *t, const mt_batch *b, float *loss, float *
     return MT_OK;
 }
 
-mt_status mti_trainer_forward_each(mt_trainer *t, const mt_batch *b, const char *fn,
-                                   mti_calib_hook hook, void *user)
+mt_status mt_trainer_calibrate(mt_trainer *t, const mt_batch *b)
 {
+    const char *fn = "mt_trainer_calibrate";
+    if (!t) return mti_fail(NULL, MT_ERR_INVALID_ARG, "%s: trainer is NULL", fn);
+    if (!mti_sparsity_wanda(t))
+        return mti_fail(t->ctx, MT_ERR_STATE, "%s: the trainer does not prune by Wanda "
+                        "(cfg.prune.method)", fn);
     mt_status s = check_batch(t, b, fn);
     if (s) return s;
-    mti_engine *E = &t->E;
-    E->calib = hook;
-    E->calib_user = user;
+    mti_engine *E = &t->E; /* forward only (eval: nothing kept), each linear map's input summed */
+    E->calib = mti_sparsity_calib;
+    E->calib_user = t;
     for (int r0 = 0; r0 < b->n && !s; r0 += t->micro) {
         int rows = b->n - r0 < t->micro ? b->n - r0 : t->micro;
-        s = mti_engine_forward(E, b, r0, rows, 1); /* eval: keeps nothing */
+        s = mti_engine_forward(E, b, r0, rows, 1);
         mti_engine_release(E);
         mti_context_reset(t->ctx, MT_SCOPE_STEP);
     }
     E->calib = NULL;
+    if (!s) mti_sparsity_calibrated(t);
     return s;
 }
 
