@@ -478,6 +478,25 @@ same_peak --model gpt --freeze 'h.0.*' --base int8
 same_peak --model gpt --layers 1 --channels 32 --teacher "$tmp/m.llmc" --teacher-base nf4
 same_peak --model gpt --llmc "$tmp/m.llmc" --seq 32
 same_peak --model gpt --data "$tmp/text.txt" --seq 32 --layers 3
+same_peak --model gpt --prune magnitude --sparsity 0.9
+same_peak --model gpt --prune magnitude --nm 2:4 --precision bf16
+same_peak --prune magnitude --prune-scope tensor --optimizer adamw
+
+# pruning: bad values are usage errors; the JSON lines say the sparsity
+expect 2 "--sparsity 1" -- "$tool" train --model gpt --steps 1 --prune magnitude --sparsity 1
+expect 2 "--nm 4:4" -- "$tool" train --model gpt --steps 1 --prune magnitude --nm 4:4
+expect 2 "--nm M not dividing a row" -- "$tool" train --steps 1 --prune magnitude --nm 2:4
+expect 2 "--sparsity without --prune" -- "$tool" estimate --sparsity 0.5
+expect 2 "--prune-targets matching an embedding" -- "$tool" train --model gpt --steps 1 --prune wanda --prune-targets wte
+expect 2 "--regrow with --nm" -- "$tool" train --model gpt --steps 1 --prune magnitude --nm 2:4 --regrow rigl
+expect 0 "gradual pruning with RigL" -- "$tool" train --model gpt --steps 12 --json --prune magnitude --sparsity 0.8 --prune-schedule gradual --prune-start 2 --prune-end 6 --prune-every 2 --regrow rigl --regrow-every 4
+if ! grep -q '"step": 12,.*"sparsity": 0.8' "$tmp/out"; then
+    echo "FAIL tool: the last step's sparsity is not 0.8"; tail -n 2 "$tmp/out"; fail=1
+fi
+expect 0 "Wanda after 3 steps" -- "$tool" train --model gpt --steps 5 --json --prune wanda --prune-at 3 --calib 2
+if ! grep -q '"step": 3,.*"sparsity": 0.000000' "$tmp/out" || ! grep -q '"step": 4,.*"sparsity": 0.500000' "$tmp/out"; then
+    echo "FAIL tool: Wanda's prune is not after step 3"; cat "$tmp/out"; fail=1
+fi
 
 # no run left a temporary file beside what it wrote
 if ls "$tmp" | grep '\.tmp\.'; then echo "FAIL tool: temporary files left"; fail=1; fi
