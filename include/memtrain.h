@@ -930,7 +930,9 @@ mt_status mt_model_lora_get(const mt_model *m, mt_lora_config *out);
 /* Merges the adapters into the weights they adapt, W += (alpha / rank)
  * B^T A (in fp32, on the host, a row at a time), and removes them: the
  * model is its base shape again (mt_model_gpt_save exports it). MT_ERR_STATE
- * while a trainer uses the model, or when it has no adapters. */
+ * while a trainer uses the model, or when it has no adapters;
+ * MT_ERR_UNSUPPORTED when an adapted weight is pruned (the merged weight
+ * would not keep its zeros). */
 mt_status mt_model_lora_merge(mt_model *m);
 /* Writes the adapters alone (rank, alpha, each adapted weight's name and
  * shape, A and B in fp32; docs/formats.md), CRC-checked, atomically. */
@@ -1392,10 +1394,13 @@ typedef struct mt_trainer_config {
      * further pruning only removes. Every optimizer but Adafactor and 4-bit
      * AdamW (which factor or block the dense rows; MT_ERR_UNSUPPORTED); a
      * prune after steps were taken needs state that follows the weights
-     * element by element (SGD, AdamW; not 8-bit AdamW). Data parallel and
+     * element by element (SGD, AdamW; not 8-bit AdamW), and no gradients
+     * summed on the communication thread or stream. Data parallel and
      * local SGD work (every rank chooses the same masks); ZeRO on several
      * ranks, offload, tensor and pipeline parallel, a quantized base and a
-     * pruned weight that is quantized are MT_ERR_UNSUPPORTED. The estimate
+     * pruned weight that is quantized are MT_ERR_UNSUPPORTED, also for a
+     * trainer that does not prune a model pruned before. A creation that
+     * fails after its prune gives the model back as it was. The estimate
      * counts the kept entries (exactly, but for MT_PRUNE_GLOBAL, whose
      * tensors' shares depend on the weights: each tensor is estimated at
      * the global fraction). */
@@ -1530,7 +1535,9 @@ typedef struct mt_batch {
  * Every rank must call it. At ZeRO
  * stages 2 and 3, which communicate in every micro-batch, every rank's
  * batch must make as many micro-batches (MT_ERR_INVALID_ARG on every
- * rank otherwise). */
+ * rank otherwise). With pruning (cfg.prune) a prune due at the step is
+ * made first, before its passes, and stays made when the step then fails
+ * or is skipped: the step's weights and state are the pruned ones. */
 mt_status mt_trainer_step(mt_trainer *t, const mt_batch *b, float *loss);
 /* Mean loss and accuracy (argmax == target) of a batch without training.
  * Either output may be NULL. */

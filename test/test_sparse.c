@@ -371,6 +371,21 @@ static void prune_cfg(mt_trainer_config *tc, mt_optimizer_kind opt, double spars
     tc->prune.sparsity = sparsity;
 }
 
+/* A CPU context of 2 threads and a small GPT on it (seed). */
+static mt_model *setup(mt_context **ctx, uint64_t seed)
+{
+    *ctx = check_cpu_context(2);
+    return check_small_gpt(*ctx, GV, GT, GC, seed);
+}
+
+/* The trainer, the model and the context freed. */
+static void teardown(mt_context *ctx, mt_trainer *t, mt_model *m)
+{
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
 /* Whether parameter name is a linear weight of check_small_gpt's model. */
 static bool linear_w(const char *name)
 {
@@ -534,8 +549,8 @@ TEST(sparse_estimate_equals_run)
  * is rebuilt at each prune. */
 TEST(sparse_gradual_follows_the_schedule)
 {
-    mt_context *ctx = check_cpu_context(2);
-    mt_model *m = check_small_gpt(ctx, GV, GT, GC, 11);
+    mt_context *ctx;
+    mt_model *m = setup(&ctx, 11);
     mt_trainer_config tc;
     prune_cfg(&tc, MT_OPT_ADAMW, 0.8);
     tc.prune.schedule = MT_PRUNE_GRADUAL;
@@ -577,9 +592,7 @@ TEST(sparse_gradual_follows_the_schedule)
             prev[k++] = keep;
         }
     }
-    mt_trainer_destroy(t);
-    CHECK_OK(mt_model_destroy(m));
-    CHECK_OK(mt_context_destroy(ctx));
+    teardown(ctx, t, m);
 }
 
 /* Wanda through a trainer: the prune waits for its calibration (a step
@@ -668,9 +681,7 @@ TEST(sparse_wanda_calibrates_then_prunes)
     tc.prune.method = MT_PRUNE_NONE;
     CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
     CHECK_ST(MT_ERR_STATE, mt_trainer_calibrate(t, &b));
-    mt_trainer_destroy(t);
-    CHECK_OK(mt_model_destroy(m));
-    CHECK_OK(mt_context_destroy(ctx));
+    teardown(ctx, t, m);
 }
 
 /* Bad settings are refused at create, naming the setting. */
@@ -1111,4 +1122,136 @@ TEST(gpu_engine_sparse_matches_cpu)
     }
     CHECK_OK(mt_context_destroy(ctx[0]));
     CHECK_OK(mt_context_destroy(ctx[1]));
+}
+
+/* What a model pruned before (by mt_model_prune or an earlier trainer)
+ * refuses in a trainer that does not prune, its estimate (the kept counts,
+ * to the byte), a merge of adapters over it, and a file whose masks a
+ * trainer cannot take; Wanda's estimate plans its prune without its
+ * calibration. */
+TEST(sparse_pruned_model_later)
+{
+    mt_context *ctx;
+    mt_model *m = setup(&ctx, 23);
+    mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = 0.9};
+    CHECK_OKC(ctx, mt_model_prune(m, &pc));
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAFACTOR, 0);
+    tc.prune.method = MT_PRUNE_NONE;
+    mt_trainer *t;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "the model is pruned"));
+    tc.optimizer = MT_OPT_ADAMW;
+    tc.base = MT_BASE_NF4, tc.lora.rank = 4;
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    tc.base = MT_BASE_FULL;
+    /* the estimate of the pruned model is its run */
+    mt_estimate_report est;
+    CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
+    mt_context_reset_peaks(ctx);
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    check_token_steps(ctx, t, GB, GT, GV, 0, 2);
+    mt_memory_stats st;
+    CHECK_OK(mt_context_memory_stats(ctx, &st));
+    CHECK_MSG(st.per_class[MT_MEM_OPTIM].peak_live_bytes == est.class_peak[MT_MEM_OPTIM],
+              "OPTIM %llu measured, %llu estimated",
+              (unsigned long long)st.per_class[MT_MEM_OPTIM].peak_live_bytes,
+              (unsigned long long)est.class_peak[MT_MEM_OPTIM]);
+    CHECK_EQ(st.per_class[MT_MEM_GRAD].peak_live_bytes, est.class_peak[MT_MEM_GRAD]);
+    mt_trainer_destroy(t);
+    /* the adapters are not merged into a pruned weight */
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_trainer_destroy(t);
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_model_lora_merge(m));
+    CHECK(strstr(mt_last_error(ctx), "is pruned"));
+    /* a file of a pruned 8-bit AdamW run is refused by a dense 8-bit trainer,
+       which stays as it was */
+    char path[] = "/tmp/mt_sparse_ck8XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0);
+    close(fd);
+    mt_model *a = check_small_gpt(ctx, GV, GT, GC, 24), *b = check_small_gpt(ctx, GV, GT, GC, 24);
+    mt_trainer_config t8;
+    prune_cfg(&t8, MT_OPT_ADAMW8, 0.5);
+    t8.min_8bit_size = 64;
+    CHECK_OKC(ctx, mt_trainer_create(a, &t8, &t));
+    check_token_steps(ctx, t, GB, GT, GV, 0, 1);
+    CHECK_OKC(ctx, mt_trainer_save(t, path, NULL, 0));
+    mt_trainer_destroy(t);
+    t8.prune.method = MT_PRUNE_NONE;
+    CHECK_OKC(ctx, mt_trainer_create(b, &t8, &t));
+    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_load(t, path, NULL, 0, NULL));
+    CHECK(strstr(mt_last_error(ctx), "trainer is unchanged"));
+    uint64_t pr, tt;
+    CHECK_OK(mt_model_sparsity(b, &pr, &tt));
+    CHECK_EQ(tt, 0);
+    CHECK_EQ(mt_trainer_steps(t), 0);
+    mt_trainer_destroy(t);
+    unlink(path);
+    /* Wanda at step 0: the estimate plans the prune, and equals the run */
+    mt_context *c2 = check_cpu_context(2);
+    mt_model *w = check_small_gpt(c2, GV, GT, GC, 25);
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.5);
+    tc.prune.method = MT_PRUNE_WANDA, tc.prune.calib = 1;
+    CHECK_OKC(c2, mt_estimate_model(w, &tc, &est));
+    CHECK_OKC(c2, mt_trainer_create(w, &tc, &t));
+    int32_t tok[GB * GT], tg[GB * GT];
+    mt_batch bt;
+    check_token_batch(&bt, tok, tg, GB, GT, GV, 0);
+    CHECK_OKC(c2, mt_trainer_calibrate(t, &bt));
+    check_token_steps(c2, t, GB, GT, GV, 0, 2);
+    check_estimate_matches(c2, &est, "Wanda at step 0");
+    teardown(c2, t, w);
+    CHECK_OK(mt_model_destroy(a));
+    CHECK_OK(mt_model_destroy(b));
+    teardown(ctx, NULL, m);
+}
+
+/* RigL's steps wait for the first prune: before it, steps train. */
+TEST(sparse_rigl_waits_for_the_prune)
+{
+    mt_context *ctx;
+    mt_model *m = setup(&ctx, 27);
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.5);
+    tc.prune.at = 5;
+    tc.prune.regrow = MT_REGROW_RIGL;
+    tc.prune.regrow_every = 2, tc.prune.regrow_frac = 0.3, tc.prune.regrow_end = 20;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    const size_t n = mt_model_num_params(m);
+    float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+    check_token_steps(ctx, t, GB, GT, GV, 0, 2);
+    CHECK_OK(mt_model_get_params(m, w0, n));
+    check_token_steps(ctx, t, GB, GT, GV, 2, 3); /* after 2 steps: no mask yet, so an update */
+    CHECK_OK(mt_model_get_params(m, w1, n));
+    CHECK(memcmp(w0, w1, n * 4) != 0);
+    teardown(ctx, t, m);
+}
+
+/* A creation that fails after its prune gives the model back as it was:
+ * dense, every value as before. */
+TEST(sparse_failed_create_gives_the_model_back)
+{
+    mt_context_config cc;
+    mt_context_config_init(&cc);
+    cc.device = MT_DEVICE_CPU, cc.threads = 1;
+    cc.allocators[MT_MEM_OPTIM].limit_bytes = 4096, cc.allocators[MT_MEM_OPTIM].group = 7;
+    mt_context *ctx;
+    CHECK_OK(mt_context_create(&cc, &ctx));
+    mt_model *m = check_small_gpt(ctx, GV, GT, GC, 29);
+    const size_t n = mt_model_num_params(m);
+    float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+    CHECK_OK(mt_model_get_params(m, w0, n));
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.5);
+    mt_trainer *t;
+    CHECK_ST(MT_ERR_OOM, mt_trainer_create(m, &tc, &t));
+    uint64_t pr, tt;
+    CHECK_OK(mt_model_sparsity(m, &pr, &tt));
+    CHECK_EQ(tt, 0);
+    CHECK_OK(mt_model_get_params(m, w1, n));
+    CHECK(memcmp(w0, w1, n * 4) == 0);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
 }

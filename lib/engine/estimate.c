@@ -142,7 +142,16 @@ static mt_status dry_steps(mt_trainer *t, const mt_model *m, const mt_trainer_co
     if (m->input == MT_INPUT_TOKENS) b.tokens = ids, b.seq_len = T;
     else b.inputs = x;
     mt_status s = MT_OK;
-    for (int i = 0; i < steps && !s; i++) s = mt_trainer_step(t, &b, NULL);
+    for (int i = 0; i < steps && !s; i++) {
+        /* Wanda's calibration before a prune due at this step, as a run
+           makes it (its forwards' blocks shape the allocators' reserve) */
+        int64_t at;
+        int need = 0;
+        s = mt_trainer_prune_next(t, &at, &need);
+        for (; !s && at == (int64_t)mt_trainer_steps(t) && need > 0; need--)
+            s = mt_trainer_calibrate(t, &b);
+        if (!s) s = mt_trainer_step(t, &b, NULL);
+    }
     free(ids), free(x);
     return s;
 }
@@ -164,10 +173,11 @@ static void place_figures(mt_context *ctx, mt_estimate_report *out)
 
 /* Makes the model and the trainer in a dry context and runs two steps,
  * planning the communication thread where report_to has one; rank >= 0:
- * for that rank of report_to's world. */
+ * for that rank of report_to's world; src (or NULL): the model estimated,
+ * whose pruned weights the dry model takes (their kept counts). */
 static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void *spec,
                          const mt_trainer_config *tc, mt_context *report_to, int rank,
-                         mt_estimate_report *out)
+                         const mt_model *src, mt_estimate_report *out)
 {
     if (!spec || !out)
         return mti_fail(report_to, MT_ERR_INVALID_ARG, "estimate: %s is NULL",
@@ -194,6 +204,10 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     mt_model *teacher = NULL;
     mt_trainer_config with_teacher;
     s = dry_model(ctx, kind, spec, &m);
+    for (int i = 0; !s && src && i < src->n_param && i < m->n_param; i++) {
+        const mti_psparse *sp = src->params[i].sp;
+        if (sp) s = mti_param_prune(m, i, NULL, sp->L.nnz, sp->L.fmt, sp->L.n, sp->L.m, NULL, NULL);
+    }
     if (!s && tc->teacher) { /* its stand-in, made after the student as a run makes it */
         s = dry_copy(ctx, tc->teacher, &teacher);
         with_teacher = *tc;
@@ -246,19 +260,19 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
 mt_status mt_estimate(const mt_context_config *cc, const mt_model_spec *spec,
                       const mt_trainer_config *tc, mt_estimate_report *out)
 {
-    return dry_run(cc, SPEC_SEQ, spec, tc, NULL, -1, out);
+    return dry_run(cc, SPEC_SEQ, spec, tc, NULL, -1, NULL, out);
 }
 
 mt_status mt_estimate_mlp(const mt_context_config *cc, const mt_mlp_spec *spec,
                           const mt_trainer_config *tc, mt_estimate_report *out)
 {
-    return dry_run(cc, SPEC_MLP, spec, tc, NULL, -1, out);
+    return dry_run(cc, SPEC_MLP, spec, tc, NULL, -1, NULL, out);
 }
 
 mt_status mt_estimate_gpt(const mt_context_config *cc, const mt_gpt_spec *spec,
                           const mt_trainer_config *tc, mt_estimate_report *out)
 {
-    return dry_run(cc, SPEC_GPT, spec, tc, NULL, -1, out);
+    return dry_run(cc, SPEC_GPT, spec, tc, NULL, -1, NULL, out);
 }
 
 mt_status mt_estimate_model(const mt_model *m, const mt_trainer_config *tc,
@@ -292,7 +306,7 @@ mt_status mti_estimate_model(const mt_model *m, const mt_trainer_config *tc, int
     any_spec seq;
     mt_layer_spec *ls = NULL;
     mt_status s = spec_of(m, &kind, &spec, &seq, &ls);
-    if (!s) s = dry_run(&cc, kind, spec, tc, m->ctx, rank, out);
+    if (!s) s = dry_run(&cc, kind, spec, tc, m->ctx, rank, m->pp ? NULL : m, out);
     free(ls);
     return s;
 }

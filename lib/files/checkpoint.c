@@ -181,7 +181,8 @@ static int list_tensors(mt_trainer *t, ck_tensor *out, const mti_sp_layout *over
  * for the rank's elements of the parameter (lib/train/zero.c), else whole. */
 static bool sharded(const mt_trainer *t, const ck_tensor *c)
 {
-    return t->zero && (c->what != 0 || (t->zero == 3 && !t->model->params[c->param].frozen));
+    return t->zero && c->what != CK_MASK &&
+           (c->what != 0 || (t->zero == 3 && !t->model->params[c->param].frozen));
 }
 
 static void held(const mt_trainer *t, const ck_tensor *c, int r, uint64_t *off, uint64_t *len)
@@ -1297,6 +1298,8 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     /* the pruned weights take the file's masks: the list as it will be */
     mti_sp_layout *over = calloc((size_t)t->model->n_param + 1, sizeof *over);
     if (over && r.f && !s) file_masks(&r, t, over);
+    for (int i = 0; over && !s && i < t->model->n_param; i++)
+        if (over[i].fmt) s = mti_sparsity_can_adopt(t, i, &over[i], fn);
     int n = list_tensors(t, NULL, over), nw = n;
     ck_tensor *ts = malloc((size_t)n * sizeof *ts + 1), *ws = ts;
     unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];

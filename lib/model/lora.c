@@ -244,6 +244,11 @@ mt_status mt_model_lora_merge(mt_model *m)
     mt_status s = no_trainer(m, fn, true);
     if (!s) s = mti_model_make(m, NULL); /* (a deferred model's base, whole) */
     if (s) return s;
+    for (int i = 0; i < m->n_base; i++) /* (a pruned weight keeps its zeros: B A has none) */
+        if (m->params[i].lora >= 0 && m->params[i].sp)
+            return mti_fail(m->ctx, MT_ERR_UNSUPPORTED, "%s: %s is pruned: its merged weight "
+                            "would not keep the zeros (save the adapters with "
+                            "mt_model_lora_save instead)", fn, m->params[i].name);
     const float scale = m->lora_alpha / (float)m->lora_rank;
     const int r = m->lora_rank;
     for (int i = 0; i < m->n_base && !s; i++) {

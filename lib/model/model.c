@@ -982,6 +982,9 @@ mt_status mti_param_quantize(mt_model *m, int i, mti_qformat qf)
     mt_context *ctx = m->ctx;
     mti_param *p = &m->params[i];
     if (p->qf == qf) return MT_OK;
+    if (p->sp)
+        return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s is pruned: a pruned weight is not quantized",
+                        p->name);
     if (p->qf || p->w.dtype != MTI_F32 || !mti_quant_name(qf))
         return mti_fail(ctx, MT_ERR_INTERNAL, "%s: cannot be quantized from its storage", p->name);
     if (ctx->dev->kind == MT_DEVICE_CPU || ctx->dry)

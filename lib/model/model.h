@@ -257,6 +257,9 @@ mt_status mti_param_keep(const mt_model *m, int i, uint64_t *keep);
 mt_status mti_param_meta_host(const mt_model *m, const mti_param *p, const void **meta,
                               void **owned);
 void mti_param_sparse_free(mt_context *ctx, mti_param *p);
+/* A pruned parameter (without a master) dense again, its pruned elements
+ * 0 (what undoes a trainer's prune when its creation fails). */
+mt_status mti_param_unprune(mt_model *m, int i);
 /* t (fp32, one value per kept element of pruned parameter i: its
  * gradient) into dst as its dense elements (zeros where pruned). */
 mt_status mti_param_dense_host(const mt_model *m, int i, const mti_tensor *t, float *dst);

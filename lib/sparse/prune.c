@@ -71,9 +71,10 @@ mt_status mti_prune_check(mt_context *ctx, const mt_model *m, const mt_prune_con
         if (p->qf)
             return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: %s is quantized (%s): a quantized weight "
                             "is not pruned", fn, p->name, mti_quant_name(p->qf));
-        if (p->sp && nm_on(c) != (p->sp->L.fmt == MTI_SP_NM))
+        if (p->sp && (nm_on(c) != (p->sp->L.fmt == MTI_SP_NM) ||
+                      (nm_on(c) && (p->sp->L.n != c->nm_n || p->sp->L.m != c->nm_m))))
             PBAD("%s: %s is pruned %s already", fn, p->name,
-                 p->sp->L.fmt == MTI_SP_NM ? "N:M" : "unstructured");
+                 p->sp->L.fmt == MTI_SP_NM ? "in another N:M pattern" : "unstructured");
         tg[i] = 1;
         any = 1;
     }

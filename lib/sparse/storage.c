@@ -157,3 +157,30 @@ mt_status mti_param_prune(mt_model *m, int i, const uint64_t *keep, size_t nnz, 
     return MT_OK;
 }
 
+
+mt_status mti_param_unprune(mt_model *m, int i)
+{
+    mt_context *ctx = m->ctx;
+    const mti_kctx k = {ctx, ctx->dev};
+    mti_param *p = &m->params[i];
+    if (!p->sp) return MT_OK;
+    if (p->master.blk.ptr)
+        return mti_fail(ctx, MT_ERR_INTERNAL, "%s: made dense again while it has a master", p->name);
+    const mti_sp_layout *L = &p->sp->L;
+    mti_tensor w = {.dtype = p->w.dtype, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]}};
+    mt_status s = mti_tensor_alloc(ctx, &w, p->w.blk.mem_class, p->w.blk.lifetime,
+                                   MTI_TAG_PARAM(MTI_TAG_WEIGHT, i));
+    if (!s)
+        s = ctx->ops->sparse_expand(&k, w.blk.ptr, p->w.blk.ptr, p->sp->meta.blk.ptr, L, 0,
+                                    L->dense, p->w.dtype);
+    if (!s) s = ctx->dev->sync(ctx->dev);
+    if (s) {
+        mti_tensor_free(ctx, &w);
+        return s;
+    }
+    p->numel = L->dense;
+    mti_tensor_free(ctx, &p->w);
+    p->w = w;
+    mti_param_sparse_free(ctx, p);
+    return MT_OK;
+}

@@ -27,29 +27,123 @@ struct mti_sparsity {
        (host, made by grow_hook), and whether every target's was made */
     uint64_t **drop, **grown;
     int regrow_bad;
+    mti_prune_undo *undo; /* a prune at create, undone if the creation fails */
 };
+
+/* What a prune at create changed: each target's dense values before it
+ * (host), and its mask then (NULL: dense). */
+struct mti_prune_undo {
+    int n;
+    float **vals;
+    uint64_t **keep;
+    mti_sp_layout *L;
+};
+
+void mti_prune_undo_free(mti_prune_undo *u)
+{
+    if (!u) return;
+    for (int i = 0; i < u->n; i++) free(u->vals[i]), free(u->keep[i]);
+    free(u->vals), free(u->keep), free(u->L), free(u);
+}
+
+/* The targets' values and masks, before a prune at create. */
+static mt_status undo_save(mt_trainer *t)
+{
+    const mt_model *m = t->model;
+    mti_sparsity *sp = t->sparsity;
+    if (t->ctx->dry) return MT_OK;
+    mti_prune_undo *u = sp->undo = calloc(1, sizeof *u);
+    if (u) {
+        u->n = m->n_param;
+        u->vals = calloc((size_t)m->n_param, sizeof *u->vals);
+        u->keep = calloc((size_t)m->n_param, sizeof *u->keep);
+        u->L = calloc((size_t)m->n_param, sizeof *u->L);
+    }
+    if (!u || !u->vals || !u->keep || !u->L) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    mt_status s = MT_OK;
+    for (int i = 0; i < m->n_param && !s; i++) {
+        if (!sp->tg[i]) continue;
+        const mti_param *p = &m->params[i];
+        const size_t n = mti_param_dense(p);
+        if (!(u->vals[i] = malloc(n * sizeof(float))))
+            return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+        s = mti_param_read(m, i, 0, n, u->vals[i]);
+        if (!s && p->sp) {
+            u->L[i] = p->sp->L;
+            if (!(u->keep[i] = malloc(mti_sp_words(n) * 8 + 8)))
+                return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+            s = mti_param_keep(m, i, u->keep[i]);
+        }
+    }
+    return s;
+}
+
+mti_prune_undo *mti_sparsity_take_undo(mt_trainer *t)
+{
+    mti_prune_undo *u = t->sparsity ? t->sparsity->undo : NULL;
+    if (t->sparsity) t->sparsity->undo = NULL;
+    return u;
+}
+
+void mti_prune_undo_apply(mt_model *m, mti_prune_undo *u)
+{
+    for (int i = 0; u && i < u->n && i < m->n_param; i++) {
+        if (!u->vals[i]) continue;
+        mti_param *p = &m->params[i];
+        const size_t n = mti_param_dense(p);
+        mt_status s = u->keep[i] ? mti_param_prune(m, i, u->keep[i], u->L[i].nnz, u->L[i].fmt,
+                                                   u->L[i].n, u->L[i].m, NULL, NULL)
+                                 : mti_param_unprune(m, i);
+        if (!s) s = mti_param_write(m, i, 0, n, u->vals[i]);
+        if (s)
+            mti_log(m->ctx, MT_LOG_WARN, "mt_trainer_create: %s could not be given back as it "
+                    "was before the failed creation pruned it: %s", p->name, mti_last_msg(m->ctx).s);
+    }
+    mti_prune_undo_free(u);
+}
+
+/* What a trainer of a pruned model (or one that prunes) cannot do yet, or
+ * NULL. */
+static const char *combo_refused(const mt_context *ctx, const mt_trainer_config *c, int zero)
+{
+    const mt_prune_config *p = &c->prune;
+    return c->optimizer == MT_OPT_ADAFACTOR ? "Adafactor (it factors a weight's dense rows and columns)"
+           : c->optimizer == MT_OPT_ADAMW4  ? "4-bit AdamW (its state is blocked over a weight's dense rows)"
+           : zero                           ? "ZeRO on several ranks"
+           : c->offload != MT_PLACE_DEVICE  ? "offload"
+           : c->tensor_parallel > 1         ? "tensor parallel"
+           : c->pipeline_parallel > 1       ? "pipeline parallel"
+           : c->base != MT_BASE_FULL        ? "a quantized base"
+           : p->method == MT_PRUNE_WANDA && ctx->world > 1
+               ? "Wanda on several ranks (each rank's calibration is its own)"
+               : NULL;
+}
+
+static bool model_pruned(const mt_model *m)
+{
+    for (int i = 0; i < m->n_param; i++)
+        if (m->params[i].sp) return true;
+    return false;
+}
 
 mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_trainer_config *c,
                              int zero)
 {
     const mt_prune_config *p = &c->prune;
-    if (p->method == MT_PRUNE_NONE) return MT_OK;
     const char *fn = "mt_trainer_create";
+    if (p->method == MT_PRUNE_NONE) { /* a model pruned before: what its trainer cannot do */
+        const char *why = model_pruned(m) ? combo_refused(ctx, c, zero) : NULL;
+        if (why)
+            return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: the model is pruned: its trainer does "
+                            "not combine with %s yet", fn, why);
+        return MT_OK;
+    }
     unsigned char *tg = calloc((size_t)m->n_param + 1, 1);
     if (!tg) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory", fn);
     mt_status s = mti_prune_check(ctx, m, p, fn, tg);
     free(tg);
     if (s) return s;
-    const char *why = c->optimizer == MT_OPT_ADAFACTOR ? "Adafactor (it factors a weight's dense rows and columns)"
-                      : c->optimizer == MT_OPT_ADAMW4  ? "4-bit AdamW (its state is blocked over a weight's dense rows)"
-                      : zero                           ? "ZeRO on several ranks"
-                      : c->offload != MT_PLACE_DEVICE  ? "offload"
-                      : c->tensor_parallel > 1         ? "tensor parallel"
-                      : c->pipeline_parallel > 1       ? "pipeline parallel"
-                      : c->base != MT_BASE_FULL        ? "a quantized base"
-                      : p->method == MT_PRUNE_WANDA && ctx->world > 1
-                          ? "Wanda on several ranks (each rank's calibration is its own)"
-                          : NULL;
+    const char *why = combo_refused(ctx, c, zero);
     if (why)
         return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: pruning (cfg->prune) does not combine with %s",
                         fn, why);
@@ -84,15 +178,27 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
     return MT_OK;
 }
 
+bool mti_sparsity_changes_later(const mt_trainer *t)
+{
+    const mt_prune_config *p = &t->cfg.prune;
+    if (!t->sparsity) return false;
+    return p->schedule == MT_PRUNE_GRADUAL || p->at > 0 || p->method == MT_PRUNE_WANDA ||
+           p->regrow != MT_REGROW_NONE;
+}
+
 void mti_sparsity_free(mt_trainer *t)
 {
     mti_sparsity *sp = t->sparsity;
     if (!sp) return;
     for (int i = 0; sp->norms && i < t->model->n_param; i++) free(sp->norms[i]);
     free(sp->norms);
-    for (int i = 0; sp->drop && i < t->model->n_param; i++) free(sp->drop[i]), free(sp->grown[i]);
+    for (int i = 0; i < t->model->n_param; i++) {
+        if (sp->drop) free(sp->drop[i]);
+        if (sp->grown) free(sp->grown[i]);
+    }
     free(sp->drop);
     free(sp->grown);
+    mti_prune_undo_free(sp->undo);
     free(sp->tg);
     free(sp->targets);
     free(sp);
@@ -154,6 +260,7 @@ static mt_status state_hook(void *user, int i, const mti_psparse *old, const mti
         mti_tensor_free(t->ctx, &ps->s[j]);
         ps->s[j] = nt[j];
     }
+    if (!s) t->sh[i].hi = t->sh[i].lo + nw->L.nnz; /* this rank's elements: all of them */
     return s;
 }
 
@@ -168,12 +275,40 @@ static mt_status prune_now(mt_trainer *t, double frac, bool state)
     mt_status s = keep && nnz ? MT_OK : mti_fail(t->ctx, MT_ERR_OOM, "prune: out of host memory");
     if (!s) s = mti_prune_masks(m, c, frac, sp->tg, sp->norms, keep, nnz);
     if (!s) s = mti_prune_apply(m, c, sp->tg, keep, nnz, state ? state_hook : NULL, t);
-    for (int i = 0; !s && i < m->n_param; i++) /* this rank's elements: all of them */
+    for (int i = 0; !s && !state && i < m->n_param; i++) /* (at create: no state yet) */
         if (sp->tg[i]) t->sh[i].hi = t->sh[i].lo + m->params[i].numel;
     if (keep) mti_prune_free_masks(m, keep);
     free(keep);
     free(nnz);
     return s;
+}
+
+mt_status mti_sparsity_can_adopt(const mt_trainer *t, int i, const mti_sp_layout *L,
+                                 const char *fn)
+{
+    const mti_param *p = &t->model->params[i];
+    if (!p->linear || p->qf || p->adapter_of >= 0)
+        return mti_fail(t->ctx, MT_ERR_FORMAT, "%s: the file prunes %s, which is not a linear "
+                        "weight that can be pruned (a corrupt file)", fn, p->name);
+    const mti_sp_layout *now = p->sp ? &p->sp->L : NULL;
+    if (now && now->fmt == L->fmt && now->nnz == L->nnz && now->n == L->n && now->m == L->m)
+        return MT_OK; /* (only the mask's bits are taken) */
+    const char *why = t->zero                               ? "ZeRO on several ranks"
+                      : t->off || t->hoff                   ? "offload"
+                      : t->tp.size > 1 || t->pp.size > 1    ? "tensor or pipeline parallel"
+                      : t->cfg.optimizer == MT_OPT_ADAFACTOR ? "Adafactor"
+                      : t->cfg.optimizer == MT_OPT_ADAMW4   ? "4-bit AdamW"
+                      : t->q || t->s2 || t->fq || t->ag_on  ? "the gradients summed on the communication thread or stream"
+                                                            : NULL;
+    for (int j = 0; !why && !p->frozen && j < MTI_OPT_SLOTS; j++)
+        if (t->ps[i].lay.s[j].numel && t->ps[i].lay.s[j].per != 1)
+            why = "optimizer state in blocks (8-bit AdamW)";
+    if (why)
+        return mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "%s: the file's %s keeps %zu of %zu elements, "
+                        "the trainer's %zu: taking the file's mask does not combine with %s (the "
+                        "trainer is unchanged)", fn, p->name, L->nnz, L->dense,
+                        now ? now->nnz : mti_param_dense(p), why);
+    return MT_OK;
 }
 
 mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const void *meta)
@@ -185,11 +320,9 @@ mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const
         uint64_t *keep = malloc(mti_sp_words(L->dense) * 8 + 8);
         if (!keep) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
         mti_sp_decode(L, meta, keep);
-        mt_status s = mti_param_prune(m, i, keep, L->nnz, L->fmt, L->n, L->m,
-                                      p->frozen ? NULL : state_hook, t);
+        mt_status s = mti_param_prune(m, i, keep, L->nnz, L->fmt, L->n, L->m, state_hook, t);
         free(keep);
         if (s) return s;
-        t->sh[i].hi = t->sh[i].lo + p->numel;
     }
     return mti_tensor_upload(t->ctx, &p->sp->meta, meta, L->bytes);
 }
@@ -218,7 +351,8 @@ mt_status mti_sparsity_create(mt_trainer *t)
     }
     double frac;
     if (!s && c->method == MT_PRUNE_MAGNITUDE && due(c, 0, &frac)) { /* before the state is planned */
-        s = prune_now(t, frac, false);
+        s = undo_save(t); /* (the model as it was, should the creation fail) */
+        if (!s) s = prune_now(t, frac, false);
         sp->done_at = 0;
     }
     return s;
@@ -231,7 +365,8 @@ mt_status mti_sparsity_step(mt_trainer *t, const char *fn)
     double frac;
     const int64_t step = (int64_t)t->steps;
     if (!sp || sp->done_at == step || !due(c, step, &frac)) return MT_OK;
-    if (c->method == MT_PRUNE_WANDA && sp->calibrated < c->calib)
+    if (c->method == MT_PRUNE_WANDA && sp->calibrated < c->calib && !t->ctx->dry) /* (an
+        estimate plans the prune without values) */
         return mti_fail(t->ctx, MT_ERR_STATE,
                         "%s: Wanda's prune after %lld steps needs %d calibration batches "
                         "(mt_trainer_calibrate) since the last prune, and has %d", fn,
@@ -334,12 +469,15 @@ bool mti_sparsity_regrow_begin(mt_trainer *t)
 {
     mti_sparsity *sp = t->sparsity;
     if (!sp || !regrow_due(&t->cfg.prune, (int64_t)t->steps)) return false;
-    const int np = t->model->n_param;
-    if (!sp->drop) {
-        sp->drop = calloc((size_t)np, sizeof *sp->drop);
-        sp->grown = calloc((size_t)np, sizeof *sp->grown);
-    }
-    sp->regrow_bad = !sp->drop || !sp->grown;
+    const mt_model *m = t->model;
+    bool pruned = false; /* (before the first prune there is no mask to change) */
+    for (int i = 0; i < m->n_param; i++) pruned |= sp->tg[i] && m->params[i].sp != NULL;
+    if (!pruned) return false;
+    const int np = m->n_param;
+    if (!sp->drop) sp->drop = calloc((size_t)np, sizeof *sp->drop);
+    if (!sp->grown) sp->grown = calloc((size_t)np, sizeof *sp->grown);
+    if (!sp->drop || !sp->grown) return false; /* (no host memory: an ordinary step) */
+    sp->regrow_bad = 0;
     t->E.grow = grow_hook;
     t->E.grow_user = t;
     return true;
@@ -353,13 +491,12 @@ mt_status mti_sparsity_regrow_end(mt_trainer *t, bool apply)
     mt_status s = MT_OK;
     mti_engine_free_grads(&t->E); /* (the step's sparse gradients are not used) */
     for (int i = 0; i < m->n_param; i++) {
-        if (!sp->drop || !sp->drop[i]) continue;
+        if (!sp->grown || !sp->drop[i]) continue;
         if (apply && !sp->regrow_bad && !s) { /* drop (their values 0), then grow (from 0) */
             const mti_sp_layout *L = &m->params[i].sp->L;
             const size_t nd = mti_sp_kept(sp->drop[i], L->dense), ng = mti_sp_kept(sp->grown[i], L->dense);
             s = mti_param_prune(m, i, sp->drop[i], nd, MTI_SP_BITMAP, 0, 0, state_hook, t);
             if (!s) s = mti_param_prune(m, i, sp->grown[i], ng, MTI_SP_BITMAP, 0, 0, state_hook, t);
-            if (!s) t->sh[i].hi = t->sh[i].lo + m->params[i].numel;
         }
         free(sp->drop[i]), free(sp->grown[i]);
         sp->drop[i] = sp->grown[i] = NULL;

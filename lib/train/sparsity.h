@@ -20,6 +20,16 @@ mt_status mti_sparsity_create(mt_trainer *t);
 /* At a step's start: the prune due after the steps taken, if any. */
 mt_status mti_sparsity_step(mt_trainer *t, const char *fn);
 void mti_sparsity_free(mt_trainer *t);
+/* A prune at create undone when the creation fails: what it changed,
+ * taken from the trainer before it goes (NULL: nothing), then given back
+ * to the model (and freed). */
+typedef struct mti_prune_undo mti_prune_undo;
+mti_prune_undo *mti_sparsity_take_undo(mt_trainer *t);
+void mti_prune_undo_apply(mt_model *m, mti_prune_undo *u);
+void mti_prune_undo_free(mti_prune_undo *u);
+/* Whether the masks change after create (a prune at a step, RigL): the
+ * gradients' sizes then change between steps. */
+bool mti_sparsity_changes_later(const mt_trainer *t);
 /* RigL: whether this step updates the masks instead of the weights (its
  * backward then hands each target's dense gradient to the trainer); and
  * after its passes, the masks changed (apply: the passes went well). */
@@ -32,6 +42,12 @@ mt_status mti_sparsity_regrow_end(mt_trainer *t, bool apply);
  * its weights, masters and state rebuilt (their values come next from
  * the file). */
 mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const void *meta);
+/* Whether it can take that mask (checked before a file changes anything):
+ * a linear weight, and where its kept count or format changes, a trainer
+ * that can rebuild it (one rank's whole tensors, elementwise state, no
+ * queues). MT_ERR_FORMAT or MT_ERR_UNSUPPORTED naming fn otherwise. */
+mt_status mti_sparsity_can_adopt(const mt_trainer *t, int i, const mti_sp_layout *L,
+                                 const char *fn);
 
 /* trainer.c: the optimizer state's layout of parameter i were it to hold
  * numel elements. */

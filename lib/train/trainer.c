@@ -1146,6 +1146,12 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     t->sum_on_stream = !cfg->fused_step && !mti_local_sgd(t) && plan == MTI_QUEUE_STREAM && !pp &&
                        (zero == 0 || (zero == 1 && cfg->offload == MT_PLACE_DEVICE));
     if (!s && t->sum_on_stream && can) s = queue_start(t, NULL);
+    /* (the queues' buckets are sized for each gradient at create) */
+    if (!s && mti_sparsity_changes_later(t) && (t->q || t->s2 || t->fq || t->ag_on))
+        s = mti_fail(ctx, MT_ERR_UNSUPPORTED,
+                     "mt_trainer_create: a prune after create (cfg->prune) does not combine "
+                     "with the gradients summed on the communication thread or stream yet (their "
+                     "sizes are fixed at create); prune at step 0 by magnitude");
     s = mti_dp_created(t, s);
     s = mti_tp_agree(t, s);
     s = mti_pp_agree(t, "mt_trainer_create", "the trainer's creation", s);
@@ -1155,7 +1161,9 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (s) {
         mti_msg msg = mti_last_msg(ctx);
         bool attached = t->attached;
+        mti_prune_undo *undo = mti_sparsity_take_undo(t); /* (a prune at create, undone) */
         mt_trainer_destroy(t);
+        mti_prune_undo_apply(m, undo);
         if (attached) mti_lora_detach(m); /* the model as it was */
         /* (a message the ranks' exchanges made names the call already) */
         const char *fn = "mt_trainer_create: ";
@@ -1164,6 +1172,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     mti_fill_commit(t);
     mti_tp_commit(t);
     mti_pp_commit(t);
+    mti_prune_undo_free(mti_sparsity_take_undo(t));
     *out = t;
     return MT_OK;
 }
@@ -1875,7 +1884,8 @@ static mt_status step(mt_trainer *t, const mt_batch *b, float *loss)
     else
         s = passes(t, b, fused, mti_home_grad_sliced(t), true, targets, &found, &sum);
     if (regrow) { /* one rank, unfused: nothing to sum, no update */
-        s = mti_sparsity_regrow_end(t, !s && !found);
+        const mt_status e = mti_sparsity_regrow_end(t, !s && !found);
+        if (!s) s = e;
         if (s) return step_failed(t, fn, s);
         mti_context_reset(ctx, MT_SCOPE_STEP);
         t->steps++;
