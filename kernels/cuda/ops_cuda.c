@@ -1005,7 +1005,7 @@ static mt_status sp_launch(const mti_kctx *k, const char *op, int id, void *out,
     if (len == 0) return MT_OK;
     sp_desc d = {(int)L->fmt, L->n, L->m, L->bits, L->pre, L->dense, at, len};
     int es = (int)mti_dtype_size(dt);
-    void *args[] = {&out, (void *)&in, (void *)&meta, &d, &es, &add};
+    void *args[] = {&out, (void *)&in, (void *)&meta, &d, &es, &add}; /* (expand: no add) */
     return launch(k, id, ew_grid(len), MTI_EW_THREADS, args);
 }
 
