@@ -1400,7 +1400,8 @@ typedef struct mt_trainer_config {
      * ranks, offload, tensor and pipeline parallel, a quantized base and a
      * pruned weight that is quantized are MT_ERR_UNSUPPORTED, also for a
      * trainer that does not prune a model pruned before. A creation that
-     * fails after its prune gives the model back as it was. The estimate
+     * fails after its prune gives the model back as it was (the values a
+     * prune at create removes are kept in host memory until it succeeds). The estimate
      * counts the kept entries (exactly, but for MT_PRUNE_GLOBAL, whose
      * tensors' shares depend on the weights: each tensor is estimated at
      * the global fraction). */

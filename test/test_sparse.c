@@ -1252,6 +1252,18 @@ TEST(sparse_failed_create_gives_the_model_back)
     CHECK_EQ(tt, 0);
     CHECK_OK(mt_model_get_params(m, w1, n));
     CHECK(memcmp(w0, w1, n * 4) == 0);
+    /* and a model pruned before, pruned further: its masks and values as before */
+    mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = 0.3};
+    CHECK_OKC(ctx, mt_model_prune(m, &pc));
+    uint64_t p0, t0;
+    CHECK_OK(mt_model_sparsity(m, &p0, &t0));
+    CHECK_OK(mt_model_get_params(m, w0, n));
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.6);
+    CHECK_ST(MT_ERR_OOM, mt_trainer_create(m, &tc, &t));
+    CHECK_OK(mt_model_sparsity(m, &pr, &tt));
+    CHECK(pr == p0 && tt == t0);
+    CHECK_OK(mt_model_get_params(m, w1, n));
+    CHECK(memcmp(w0, w1, n * 4) == 0);
     CHECK_OK(mt_model_destroy(m));
     CHECK_OK(mt_context_destroy(ctx));
 }

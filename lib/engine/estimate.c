@@ -108,6 +108,18 @@ static mt_status spec_of(const mt_model *m, spec_kind *kind, const void **spec,
     return MT_OK;
 }
 
+/* src's pruned weights pruned alike in m (a dry model of its shape): their
+ * kept counts and formats. */
+static mt_status dry_prune_like(mt_model *m, const mt_model *src)
+{
+    mt_status s = MT_OK;
+    for (int i = 0; !s && src && i < src->n_param && i < m->n_param; i++) {
+        const mti_psparse *sp = src->params[i].sp;
+        if (sp) s = mti_param_prune(m, i, NULL, sp->L.nnz, sp->L.fmt, sp->L.n, sp->L.m, NULL, NULL);
+    }
+    return s;
+}
+
 /* A model of src's shape in the dry context (a teacher's stand-in). */
 static mt_status dry_copy(mt_context *ctx, const mt_model *src, mt_model **out)
 {
@@ -122,6 +134,7 @@ static mt_status dry_copy(mt_context *ctx, const mt_model *src, mt_model **out)
        quantized them while it was a student) */
     for (int i = 0; !s && i < src->n_param; i++)
         if (src->params[i].qf) s = mti_param_quantize(*out, i, src->params[i].qf);
+    if (!s) s = dry_prune_like(*out, src); /* (a pruned teacher) */
     return s;
 }
 
@@ -204,10 +217,7 @@ static mt_status dry_run(const mt_context_config *cc, spec_kind kind, const void
     mt_model *teacher = NULL;
     mt_trainer_config with_teacher;
     s = dry_model(ctx, kind, spec, &m);
-    for (int i = 0; !s && src && i < src->n_param && i < m->n_param; i++) {
-        const mti_psparse *sp = src->params[i].sp;
-        if (sp) s = mti_param_prune(m, i, NULL, sp->L.nnz, sp->L.fmt, sp->L.n, sp->L.m, NULL, NULL);
-    }
+    if (!s) s = dry_prune_like(m, src);
     if (!s && tc->teacher) { /* its stand-in, made after the student as a run makes it */
         s = dry_copy(ctx, tc->teacher, &teacher);
         with_teacher = *tc;

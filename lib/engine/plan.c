@@ -399,8 +399,10 @@ static int fit_optimizers(const mt_model *m, const mt_trainer_config *cfg, int a
     if (cfg->optimizer != MT_OPT_ADAMW) return n;
     if (allow & MT_AUTOFIT_ALLOW_8BIT) out[n++] = MT_OPT_ADAMW8;
     const mti_optim *o4 = mti_optim_of(MT_OPT_ADAMW4);
+    bool pruned = cfg->prune.method != MT_PRUNE_NONE; /* (4-bit state blocks dense rows) */
+    for (int i = 0; i < m->n_param; i++) pruned |= m->params[i].sp != NULL;
     if ((allow & MT_AUTOFIT_ALLOW_4BIT) && o4->has_ops(m->ctx->ops) &&
-        (cfg->master_weights || !o4->needs_masters))
+        (cfg->master_weights || !o4->needs_masters) && !pruned)
         out[n++] = MT_OPT_ADAMW4;
     return n;
 }

@@ -1298,8 +1298,12 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
     /* the pruned weights take the file's masks: the list as it will be */
     mti_sp_layout *over = calloc((size_t)t->model->n_param + 1, sizeof *over);
     if (over && r.f && !s) file_masks(&r, t, over);
-    for (int i = 0; over && !s && i < t->model->n_param; i++)
+    for (int i = 0; over && !s && i < t->model->n_param; i++) {
+        const mti_param *p = &t->model->params[i];
+        if (over[i].fmt && (!p->linear || p->qf || p->adapter_of >= 0))
+            over[i].fmt = 0; /* (not a weight this trainer could prune: the layouts differ) */
         if (over[i].fmt) s = mti_sparsity_can_adopt(t, i, &over[i], fn);
+    }
     int n = list_tensors(t, NULL, over), nw = n;
     ck_tensor *ts = malloc((size_t)n * sizeof *ts + 1), *ws = ts;
     unsigned char *buf = malloc(CK_CHUNK), counters[CK_COUNTERS];
@@ -1330,7 +1334,8 @@ mt_status mt_trainer_load(mt_trainer *t, const char *path, void *user, size_t us
         r.pos = 0;
         s = pass(&r, t, ws, nw, &lay, buf, false, counters, user, user_cap, user_len);
         if (s) {
-            s = mti_fail(ctx, s, "%s: %s changed while it was read; the trainer's state is "
+            s = mti_fail(ctx, s, "%s: loading %s failed part-way (the file changed while it "
+                         "was read, or memory ran out taking its masks); the trainer's state is "
                          "partly loaded: load a good file again before training (%s)",
                          fn, path, mti_last_msg(ctx).s);
         }

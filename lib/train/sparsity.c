@@ -28,54 +28,79 @@ struct mti_sparsity {
     uint64_t **drop, **grown;
     int regrow_bad;
     mti_prune_undo *undo; /* a prune at create, undone if the creation fails */
+    int64_t stepped_at;   /* the step that made a prune at its start (-1: none) */
 };
 
 /* What a prune at create changed: each target's dense values before it
  * (host), and its mask then (NULL: dense). */
 struct mti_prune_undo {
     int n;
-    float **vals;
-    uint64_t **keep;
-    mti_sp_layout *L;
+    float **vals;        /* per target, the values the prune removes, in element order */
+    uint64_t **keep;     /* ... its mask before (NULL: dense) */
+    uint64_t **next;     /* ... and the prune's */
+    mti_sp_layout *L;    /* ... its layout before (a pruned one's) */
 };
 
 void mti_prune_undo_free(mti_prune_undo *u)
 {
     if (!u) return;
-    for (int i = 0; i < u->n; i++) free(u->vals[i]), free(u->keep[i]);
-    free(u->vals), free(u->keep), free(u->L), free(u);
+    for (int i = 0; i < u->n; i++) free(u->vals[i]), free(u->keep[i]), free(u->next[i]);
+    free(u->vals), free(u->keep), free(u->next), free(u->L), free(u);
 }
 
-/* The targets' values and masks, before a prune at create. */
-static mt_status undo_save(mt_trainer *t)
+/* What a prune at create to the masks next (per target) removes: the
+ * values of the elements it prunes that were kept (host; the pruned
+ * fraction of the targets' values, until the creation succeeds), the masks
+ * before and after. Nothing is kept when it fails (nothing was pruned). */
+static mt_status undo_save(mt_trainer *t, uint64_t *const *next)
 {
     const mt_model *m = t->model;
     mti_sparsity *sp = t->sparsity;
     if (t->ctx->dry) return MT_OK;
-    mti_prune_undo *u = sp->undo = calloc(1, sizeof *u);
+    mti_prune_undo *u = calloc(1, sizeof *u);
     if (u) {
         u->n = m->n_param;
         u->vals = calloc((size_t)m->n_param, sizeof *u->vals);
         u->keep = calloc((size_t)m->n_param, sizeof *u->keep);
+        u->next = calloc((size_t)m->n_param, sizeof *u->next);
         u->L = calloc((size_t)m->n_param, sizeof *u->L);
     }
-    if (!u || !u->vals || !u->keep || !u->L) return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
-    mt_status s = MT_OK;
+    mt_status s = u && u->vals && u->keep && u->next && u->L
+                      ? MT_OK
+                      : mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+    float *x = NULL;
     for (int i = 0; i < m->n_param && !s; i++) {
-        if (!sp->tg[i]) continue;
+        if (!sp->tg[i] || !next[i]) continue;
         const mti_param *p = &m->params[i];
-        const size_t n = mti_param_dense(p);
-        if (!(u->vals[i] = malloc(n * sizeof(float))))
-            return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
-        s = mti_param_read(m, i, 0, n, u->vals[i]);
-        if (!s && p->sp) {
-            u->L[i] = p->sp->L;
-            if (!(u->keep[i] = malloc(mti_sp_words(n) * 8 + 8)))
-                return mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
-            s = mti_param_keep(m, i, u->keep[i]);
+        const size_t n = mti_param_dense(p), w = mti_sp_words(n) * 8 + 8;
+        u->keep[i] = malloc(w), u->next[i] = malloc(w);
+        free(x);
+        x = malloc(n * sizeof *x);
+        if (!u->keep[i] || !u->next[i] || !x) {
+            s = mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+            break;
         }
+        memcpy(u->next[i], next[i], mti_sp_words(n) * 8);
+        s = mti_param_keep(m, i, u->keep[i]);
+        if (!s) s = mti_param_read(m, i, 0, n, x);
+        size_t gone = 0;
+        for (size_t e = 0; !s && e < n; e++)
+            gone += (u->keep[i][e / 64] >> (e % 64) & 1) && !(next[i][e / 64] >> (e % 64) & 1);
+        if (!s && !(u->vals[i] = malloc((gone ? gone : 1) * sizeof(float))))
+            s = mti_fail(t->ctx, MT_ERR_OOM, "out of host memory");
+        for (size_t e = 0, k = 0; !s && e < n; e++)
+            if ((u->keep[i][e / 64] >> (e % 64) & 1) && !(next[i][e / 64] >> (e % 64) & 1))
+                u->vals[i][k++] = x[e];
+        if (p->sp) u->L[i] = p->sp->L;
+        else free(u->keep[i]), u->keep[i] = NULL;
     }
-    return s;
+    free(x);
+    if (s) {
+        mti_prune_undo_free(u);
+        return s;
+    }
+    sp->undo = u;
+    return MT_OK;
 }
 
 mti_prune_undo *mti_sparsity_take_undo(mt_trainer *t)
@@ -91,10 +116,19 @@ void mti_prune_undo_apply(mt_model *m, mti_prune_undo *u)
         if (!u->vals[i]) continue;
         mti_param *p = &m->params[i];
         const size_t n = mti_param_dense(p);
-        mt_status s = u->keep[i] ? mti_param_prune(m, i, u->keep[i], u->L[i].nnz, u->L[i].fmt,
-                                                   u->L[i].n, u->L[i].m, NULL, NULL)
-                                 : mti_param_unprune(m, i);
-        if (!s) s = mti_param_write(m, i, 0, n, u->vals[i]);
+        float *x = malloc(n * sizeof *x);
+        mt_status s = x ? MT_OK : mti_fail(m->ctx, MT_ERR_OOM, "out of host memory");
+        /* the mask before (its pruned elements' values come back below) */
+        if (!s) s = u->keep[i] ? mti_param_prune(m, i, u->keep[i], u->L[i].nnz, u->L[i].fmt,
+                                                 u->L[i].n, u->L[i].m, NULL, NULL)
+                               : mti_param_unprune(m, i);
+        if (!s) s = mti_param_read(m, i, 0, n, x);
+        for (size_t e = 0, k = 0; !s && e < n; e++) {
+            const bool kept = !u->keep[i] || (u->keep[i][e / 64] >> (e % 64) & 1);
+            if (kept && !(u->next[i][e / 64] >> (e % 64) & 1)) x[e] = u->vals[i][k++];
+        }
+        if (!s) s = mti_param_write(m, i, 0, n, x);
+        free(x);
         if (s)
             mti_log(m->ctx, MT_LOG_WARN, "mt_trainer_create: %s could not be given back as it "
                     "was before the failed creation pruned it: %s", p->name, mti_last_msg(m->ctx).s);
@@ -176,6 +210,11 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
                         "quantized in blocks of the kept entries); prune at step 0 by magnitude, "
                         "or use AdamW or SGD", fn);
     return MT_OK;
+}
+
+bool mti_sparsity_pruned_now(const mt_trainer *t)
+{
+    return t->sparsity && t->sparsity->stepped_at == (int64_t)t->steps;
 }
 
 bool mti_sparsity_changes_later(const mt_trainer *t)
@@ -274,6 +313,7 @@ static mt_status prune_now(mt_trainer *t, double frac, bool state)
     size_t *nnz = calloc((size_t)m->n_param, sizeof *nnz);
     mt_status s = keep && nnz ? MT_OK : mti_fail(t->ctx, MT_ERR_OOM, "prune: out of host memory");
     if (!s) s = mti_prune_masks(m, c, frac, sp->tg, sp->norms, keep, nnz);
+    if (!s && !state) s = undo_save(t, keep); /* (at create: the model as it was, should it fail) */
     if (!s) s = mti_prune_apply(m, c, sp->tg, keep, nnz, state ? state_hook : NULL, t);
     for (int i = 0; !s && !state && i < m->n_param; i++) /* (at create: no state yet) */
         if (sp->tg[i]) t->sh[i].hi = t->sh[i].lo + m->params[i].numel;
@@ -287,9 +327,6 @@ mt_status mti_sparsity_can_adopt(const mt_trainer *t, int i, const mti_sp_layout
                                  const char *fn)
 {
     const mti_param *p = &t->model->params[i];
-    if (!p->linear || p->qf || p->adapter_of >= 0)
-        return mti_fail(t->ctx, MT_ERR_FORMAT, "%s: the file prunes %s, which is not a linear "
-                        "weight that can be pruned (a corrupt file)", fn, p->name);
     const mti_sp_layout *now = p->sp ? &p->sp->L : NULL;
     if (now && now->fmt == L->fmt && now->nnz == L->nnz && now->n == L->n && now->m == L->m)
         return MT_OK; /* (only the mask's bits are taken) */
@@ -335,6 +372,7 @@ mt_status mti_sparsity_create(mt_trainer *t)
     mti_sparsity *sp = t->sparsity = calloc(1, sizeof *sp);
     if (sp) {
         sp->done_at = -1;
+        sp->stepped_at = -1;
         sp->tg = calloc((size_t)m->n_param + 1, 1);
         sp->targets = c->targets ? strdup(c->targets) : NULL;
     }
@@ -351,8 +389,7 @@ mt_status mti_sparsity_create(mt_trainer *t)
     }
     double frac;
     if (!s && c->method == MT_PRUNE_MAGNITUDE && due(c, 0, &frac)) { /* before the state is planned */
-        s = undo_save(t); /* (the model as it was, should the creation fail) */
-        if (!s) s = prune_now(t, frac, false);
+        s = prune_now(t, frac, false);
         sp->done_at = 0;
     }
     return s;
@@ -372,6 +409,7 @@ mt_status mti_sparsity_step(mt_trainer *t, const char *fn)
                         "(mt_trainer_calibrate) since the last prune, and has %d", fn,
                         (long long)step, c->calib, sp->calibrated);
     mti_engine_free_grads(&t->E); /* (none should be left between steps) */
+    sp->stepped_at = step; /* (made, or partly made, from here on) */
     mt_status s = prune_now(t, frac, true);
     if (s) return s;
     sp->done_at = step;

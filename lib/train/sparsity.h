@@ -30,6 +30,8 @@ void mti_prune_undo_free(mti_prune_undo *u);
 /* Whether the masks change after create (a prune at a step, RigL): the
  * gradients' sizes then change between steps. */
 bool mti_sparsity_changes_later(const mt_trainer *t);
+/* Whether the step being taken made a prune at its start. */
+bool mti_sparsity_pruned_now(const mt_trainer *t);
 /* RigL: whether this step updates the masks instead of the weights (its
  * backward then hands each target's dense gradient to the trainer); and
  * after its passes, the masks changed (apply: the passes went well). */

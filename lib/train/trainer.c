@@ -1658,7 +1658,9 @@ static mt_status step_failed(mt_trainer *t, const char *fn, mt_status s)
     int trained = 0;
     for (int i = 0; i < t->model->n_param; i++) trained += !t->model->params[i].frozen;
     if (!t->updated && !t->touched)
-        return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged)", fn, why);
+        return mti_fail(t->ctx, s, "%s: %s (weights and optimizer state unchanged%s)", fn, why,
+                        mti_sparsity_pruned_now(t) ? " but for the prune made at the step's start"
+                                                   : "");
     if (!t->updated) /* (the fused step's slices of the tied table) */
         return mti_fail(t->ctx, s, "%s: %s (the update failed part-way: slices of one weight "
                         "tensor were updated)", fn, why);
