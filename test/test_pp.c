@@ -111,6 +111,16 @@ static void pp_close(mt_trainer *t, mt_model *m, mt_context *ctx, mt_comm *c)
     mt_comm_destroy(c);
 }
 
+/* fn(rank, arg) on n threads, the ranks of a world of their own (*w
+ * while they run: a collective waits timeout seconds at most). */
+static void pp_each_rank(int n, double timeout, void (*fn)(int rank, void *arg), void *arg,
+                         tcomm_world **w)
+{
+    *w = tcomm_world_new(n, timeout);
+    tcomm_run(n, fn, arg);
+    tcomm_world_free(*w);
+}
+
 /* Seconds since t0 (CLOCK_MONOTONIC). */
 static double pp_since(const struct timespec *t0)
 {
@@ -193,9 +203,7 @@ static void pp_rank(int rank, void *p)
             snprintf(a->msg[rank], sizeof a->msg[rank], "get_params: %s", mt_last_error(ctx));
         }
     }
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(NULL, m, ctx, c);
 }
 
 static void pp_go(pp_run *a)
@@ -490,9 +498,8 @@ static void pp_death_rank(int rank, void *p)
 
 TEST(pp_dead_rank)
 {
-    pp_death a = {.world = tcomm_world_new(2, 1.0)};
-    tcomm_run(2, pp_death_rank, &a);
-    tcomm_world_free(a.world);
+    pp_death a = {0};
+    pp_each_rank(2, 1.0, pp_death_rank, &a, &a.world);
     CHECK_MSG(a.st[0] == MT_ERR_COMM, "rank 0: %s: %s", mt_status_string(a.st[0]), a.msg[0]);
     CHECK_MSG(strstr(a.msg[0], "pipeline") != NULL, "%s", a.msg[0]);
     CHECK_MSG(a.seconds[0] < 1.0 + 3.0, "rank 0 failed after %.2f s", a.seconds[0]);
@@ -560,9 +567,7 @@ static void ppc_rank(int rank, void *arg)
         if (mt_model_get_params(m, a->wt[rank], a->nw))
             snprintf(msg, cap, "get_params: %s", mt_last_error(ctx));
     }
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(NULL, m, ctx, c);
 }
 
 TEST(pp_cuda_stand_in)
@@ -621,16 +626,13 @@ static void pp_calls_rank(int rank, void *p)
     mt_trainer_destroy(t);
     RANK_EXPECT(!mt_model_get_params(m, w, n));
     free(w);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(NULL, m, ctx, c);
 }
 
 TEST(pp_model_calls)
 {
-    pp_calls a = {.world = tcomm_world_new(2, 30.0)};
-    tcomm_run(2, pp_calls_rank, &a);
-    tcomm_world_free(a.world);
+    pp_calls a = {0};
+    pp_each_rank(2, 30.0, pp_calls_rank, &a, &a.world);
     CHECK(!a.bad);
 }
 
@@ -762,14 +764,12 @@ static void pp_budget_rank(int rank, void *p)
 
 TEST(pp_recompute_budget)
 {
-    pp_budget a = {.world = tcomm_world_new(2, 30.0)};
-    tcomm_run(2, pp_budget_rank, &a);
-    tcomm_world_free(a.world);
+    pp_budget a = {0};
+    pp_each_rank(2, 30.0, pp_budget_rank, &a, &a.world);
     CHECK(!a.bad);
     const int heavy = a.peak[0] >= a.peak[1] ? 0 : 1;
-    pp_budget b = {.world = tcomm_world_new(2, 30.0), .budget = a.peak[heavy] - 4096};
-    tcomm_run(2, pp_budget_rank, &b);
-    tcomm_world_free(b.world);
+    pp_budget b = {.budget = a.peak[heavy] - 4096};
+    pp_each_rank(2, 30.0, pp_budget_rank, &b, &b.world);
     CHECK(!b.bad);
     pp_run one = {.n = 1, .rows = 4, .micro = 1, .steps = PP_STEPS, .opt = MT_OPT_ADAMW,
                   .clip = 1.0f};
@@ -864,9 +864,8 @@ static void pp_alone_rank(int rank, void *p)
 TEST(pp_one_rank_fails_alone)
 {
     for (int what = 0; what < 3; what++) {
-        pp_alone a = {.w = tcomm_world_new(2, 3.0), .what = what};
-        tcomm_run(2, pp_alone_rank, &a);
-        tcomm_world_free(a.w);
+        pp_alone a = {.what = what};
+        pp_each_rank(2, 3.0, pp_alone_rank, &a, &a.w);
         const mt_status want = what == 2 ? MT_ERR_OOM : MT_ERR_INVALID_ARG;
         CHECK_MSG(a.st[1] == want, "case %d, rank 1: %s: %s", what, mt_status_string(a.st[1]),
                   a.msg[1]);
@@ -911,9 +910,8 @@ static void pp_seq_rank(int rank, void *p)
 
 TEST(pp_layer_stack_estimate)
 {
-    pp_seq a = {.w = tcomm_world_new(2, 30.0)};
-    tcomm_run(2, pp_seq_rank, &a);
-    tcomm_world_free(a.w);
+    pp_seq a = {0};
+    pp_each_rank(2, 30.0, pp_seq_rank, &a, &a.w);
     CHECK(!a.bad);
     for (int r = 0; r < 2; r++)
         CHECK_MSG(a.est[r] == a.whole[r] && a.whole[r] == 6 * 16 + 16 + 16 * 12 + 12 + 12 * 5 + 5,
@@ -969,16 +967,13 @@ static void pp_room_rank(int rank, void *p)
         a->lost[rank] += mti_param_read(m, i, 0, 1, w) != MT_OK;
     }
     free(w);
-    mt_model_destroy(m);
-    mt_context_destroy(ctx);
-    mt_comm_destroy(c);
+    pp_close(NULL, m, ctx, c);
 }
 
 TEST(pp_destroy_without_room)
 {
-    pp_room a = {.w = tcomm_world_new(2, 3.0)};
-    tcomm_run(2, pp_room_rank, &a);
-    tcomm_world_free(a.w);
+    pp_room a = {0};
+    pp_each_rank(2, 3.0, pp_room_rank, &a, &a.w);
     CHECK(!a.bad);
     for (int r = 0; r < 2; r++)
         CHECK_MSG(a.get[r] != MT_OK && a.lost[r] == 4, "rank %d: get_params %s, %d tensors lost",

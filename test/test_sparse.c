@@ -378,6 +378,22 @@ static mt_model *setup(mt_context **ctx, uint64_t seed)
     return check_small_gpt(*ctx, GV, GT, GC, seed);
 }
 
+/* A context and two small GPTs on it of the same seed (*b the second). */
+static mt_model *setup_pair(mt_context **ctx, uint64_t seed, mt_model **b)
+{
+    mt_model *a = setup(ctx, seed);
+    *b = check_small_gpt(*ctx, GV, GT, GC, seed);
+    return a;
+}
+
+/* Two models and their context freed. */
+static void teardown_pair(mt_context *ctx, mt_model *a, mt_model *b)
+{
+    CHECK_OK(mt_model_destroy(b));
+    CHECK_OK(mt_model_destroy(a));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
 /* The trainer, the model and the context freed. */
 static void teardown(mt_context *ctx, mt_trainer *t, mt_model *m)
 {
@@ -465,8 +481,8 @@ TEST(sparse_gradients_equal_dense_with_zeros)
     const mt_precision precs[] = {MT_PREC_FP32, MT_PREC_BF16};
     for (int pi_ = 0; pi_ < 2; pi_++)
         for (int nm = 0; nm < 2; nm++) {
-            mt_context *ctx = check_cpu_context(2);
-            mt_model *a = check_small_gpt(ctx, GV, GT, GC, 9), *b = check_small_gpt(ctx, GV, GT, GC, 9);
+            mt_context *ctx;
+            mt_model *b, *a = setup_pair(&ctx, 9, &b);
             mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = 0.5};
             if (nm) pc.nm_n = 2, pc.nm_m = 4;
             CHECK_OKC(ctx, mt_model_prune(a, &pc));
@@ -505,9 +521,7 @@ TEST(sparse_gradients_equal_dense_with_zeros)
             }
             mt_trainer_destroy(ta);
             mt_trainer_destroy(tb);
-            CHECK_OK(mt_model_destroy(a));
-            CHECK_OK(mt_model_destroy(b));
-            CHECK_OK(mt_context_destroy(ctx));
+            teardown_pair(ctx, a, b);
         }
 }
 
@@ -794,8 +808,8 @@ TEST(sparse_resume_bit_identical)
             tc.prune.start = 1, tc.prune.end = 7, tc.prune.every = 2;
         }
         if (kind == 2) tc.prune.nm_n = 1, tc.prune.nm_m = 4;
-        mt_context *ctx = check_cpu_context(2);
-        mt_model *a = check_small_gpt(ctx, GV, GT, GC, 21), *b = check_small_gpt(ctx, GV, GT, GC, 21);
+        mt_context *ctx;
+        mt_model *b, *a = setup_pair(&ctx, 21, &b);
         const size_t n = mt_model_num_params(a);
         float *wa = check_alloc(n * 4), *wb = check_alloc(n * 4);
         mt_trainer *ta, *tb;
@@ -829,9 +843,7 @@ TEST(sparse_resume_bit_identical)
         mt_trainer_destroy(tb);
         unlink(path);
         mt_trainer_destroy(ta);
-        CHECK_OK(mt_model_destroy(a));
-        CHECK_OK(mt_model_destroy(b));
-        CHECK_OK(mt_context_destroy(ctx));
+        teardown_pair(ctx, a, b);
     }
 }
 
@@ -869,8 +881,8 @@ TEST(sparse_export_llmc_dense_zeros)
  * here), at 0; its kept count stays; other steps train as usual. */
 TEST(sparse_rigl_drops_and_grows)
 {
-    mt_context *ctx = check_cpu_context(2);
-    mt_model *a = check_small_gpt(ctx, GV, GT, GC, 17), *b = check_small_gpt(ctx, GV, GT, GC, 17);
+    mt_context *ctx;
+    mt_model *b, *a = setup_pair(&ctx, 17, &b);
     mt_trainer_config tc;
     prune_cfg(&tc, MT_OPT_ADAMW, 0.5);
     tc.prune.regrow = MT_REGROW_RIGL;
@@ -956,9 +968,7 @@ TEST(sparse_rigl_drops_and_grows)
     }
     CHECK(regrew == 16);
     mt_trainer_destroy(ta);
-    CHECK_OK(mt_model_destroy(a));
-    CHECK_OK(mt_model_destroy(b));
-    CHECK_OK(mt_context_destroy(ctx));
+    teardown_pair(ctx, a, b);
 }
 
 /* LoRA on a pruned frozen base: the base stays pruned and frozen, only the
@@ -966,8 +976,8 @@ TEST(sparse_rigl_drops_and_grows)
  * zeros. */
 TEST(sparse_lora_on_pruned_base)
 {
-    mt_context *ctx = check_cpu_context(2);
-    mt_model *a = check_small_gpt(ctx, GV, GT, GC, 8), *b = check_small_gpt(ctx, GV, GT, GC, 8);
+    mt_context *ctx;
+    mt_model *b, *a = setup_pair(&ctx, 8, &b);
     mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = 0.6};
     CHECK_OKC(ctx, mt_model_prune(a, &pc));
     const size_t n = mt_model_num_params(a);
@@ -1001,9 +1011,7 @@ TEST(sparse_lora_on_pruned_base)
     uint64_t pr, tt;
     CHECK_OK(mt_model_sparsity(a, &pr, &tt));
     CHECK(pr > 0 && pr < tt);
-    CHECK_OK(mt_model_destroy(a));
-    CHECK_OK(mt_model_destroy(b));
-    CHECK_OK(mt_context_destroy(ctx));
+    teardown_pair(ctx, a, b);
 }
 
 #include "test_comm.h"

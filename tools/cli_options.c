@@ -198,13 +198,36 @@ static int set_schedule(cli_opts *o, const char *v)
     return 0;
 }
 
+/* v's place in names (n of them; a NULL one names nothing), or -1: the
+ * names list an enum's values in order. */
+static int name_in(const char *v, const char *const *names, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (names[i] && !strcmp(v, names[i])) return i;
+    return -1;
+}
+#define NAMES_N(a) ((int)(sizeof(a) / sizeof *(a)))
+
+/* A number in [lo, hi] (each end open where said) into *out: 0, or -1. */
+static int parse_fraction(const char *v, double lo, bool lo_open, double hi, bool hi_open,
+                          double *out)
+{
+    char *end;
+    errno = 0;
+    const double x = strtod(v, &end);
+    if (errno || end == v || *end || !(lo_open ? x > lo : x >= lo) || !(hi_open ? x < hi : x <= hi))
+        return -1;
+    *out = x; /* (a double: rint(x n) as Python's round(x * n)) */
+    return 0;
+}
+
 static int set_offload(cli_opts *o, const char *v)
 {
-    if (!strcmp(v, "none")) o->offload = MT_PLACE_DEVICE;
-    else if (!strcmp(v, "host")) o->offload = MT_PLACE_HOST;
-    else if (!strcmp(v, "disk")) o->offload = MT_PLACE_DISK;
-    else return -1;
-    return 0;
+    static const char *const names[] = {[MT_PLACE_DEVICE] = "none", [MT_PLACE_HOST] = "host",
+                                        [MT_PLACE_DISK] = "disk"};
+    const int i = name_in(v, names, NAMES_N(names));
+    if (i >= 0) o->offload = i;
+    return i < 0 ? -1 : 0;
 }
 
 static int set_budget(cli_opts *o, const char *v)
@@ -241,20 +264,16 @@ static int add_freeze(cli_opts *o, const char *v)
 
 static int set_prune(cli_opts *o, const char *v)
 {
-    if (!strcmp(v, "magnitude")) o->prune.method = MT_PRUNE_MAGNITUDE;
-    else if (!strcmp(v, "wanda")) o->prune.method = MT_PRUNE_WANDA;
-    else return -1;
-    return 0;
+    static const char *const names[] = {[MT_PRUNE_MAGNITUDE] = "magnitude",
+                                        [MT_PRUNE_WANDA] = "wanda"};
+    const int i = name_in(v, names, NAMES_N(names));
+    if (i >= 0) o->prune.method = i;
+    return i < 0 ? -1 : 0;
 }
 
 static int set_sparsity(cli_opts *o, const char *v)
 {
-    char *end;
-    errno = 0;
-    double x = strtod(v, &end);
-    if (errno || end == v || *end || !(x >= 0.0 && x < 1.0)) return -1;
-    o->prune.sparsity = x; /* (a double: rint(x n) as Python's round(x * n)) */
-    return 0;
+    return parse_fraction(v, 0.0, false, 1.0, true, &o->prune.sparsity);
 }
 
 static int set_nm(cli_opts *o, const char *v)
@@ -271,36 +290,32 @@ static int set_nm(cli_opts *o, const char *v)
 
 static int set_prune_scope(cli_opts *o, const char *v)
 {
-    if (!strcmp(v, "tensor")) o->prune.scope = MT_PRUNE_TENSOR;
-    else if (!strcmp(v, "global")) o->prune.scope = MT_PRUNE_GLOBAL;
-    else return -1;
-    return 0;
+    static const char *const names[] = {[MT_PRUNE_TENSOR] = "tensor", [MT_PRUNE_GLOBAL] = "global"};
+    const int i = name_in(v, names, NAMES_N(names));
+    if (i >= 0) o->prune.scope = i;
+    return i < 0 ? -1 : 0;
 }
 
 static int set_prune_schedule(cli_opts *o, const char *v)
 {
-    if (!strcmp(v, "oneshot")) o->prune.schedule = MT_PRUNE_ONESHOT;
-    else if (!strcmp(v, "gradual")) o->prune.schedule = MT_PRUNE_GRADUAL;
-    else return -1;
-    return 0;
+    static const char *const names[] = {[MT_PRUNE_ONESHOT] = "oneshot",
+                                        [MT_PRUNE_GRADUAL] = "gradual"};
+    const int i = name_in(v, names, NAMES_N(names));
+    if (i >= 0) o->prune.schedule = i;
+    return i < 0 ? -1 : 0;
 }
 
 static int set_regrow(cli_opts *o, const char *v)
 {
-    if (!strcmp(v, "rigl")) o->prune.regrow = MT_REGROW_RIGL;
-    else if (!strcmp(v, "none")) o->prune.regrow = MT_REGROW_NONE;
-    else return -1;
-    return 0;
+    static const char *const names[] = {[MT_REGROW_NONE] = "none", [MT_REGROW_RIGL] = "rigl"};
+    const int i = name_in(v, names, NAMES_N(names));
+    if (i >= 0) o->prune.regrow = i;
+    return i < 0 ? -1 : 0;
 }
 
 static int set_regrow_frac(cli_opts *o, const char *v)
 {
-    char *end;
-    errno = 0;
-    double x = strtod(v, &end);
-    if (errno || end == v || *end || !(x > 0.0 && x <= 1.0)) return -1;
-    o->prune.regrow_frac = x;
-    return 0;
+    return parse_fraction(v, 0.0, true, 1.0, false, &o->prune.regrow_frac);
 }
 
 /* --config is read before the options (memtrain.c); one inside a

@@ -123,48 +123,32 @@ static int list_tensors(mt_trainer *t, ck_tensor *out, const mti_sp_layout *over
     int n = 0;
     for (int i = 0; i < m->n_param; i++) {
         mti_param *p = &m->params[i];
-        const mti_sp_layout *L = over && over[i].fmt ? &over[i] : p->sp ? &p->sp->L : NULL;
-        if (L) { /* a pruned weight: its mask first, then its kept values' tensors */
-            if (out)
-                out[n] = (ck_tensor){p->sp ? &p->sp->meta : NULL, i, i, pp->rank, CK_MASK, MTI_U8,
-                                     L->bytes, *L};
-            n++;
-            const uint64_t nnz = L->nnz;
-            mti_opt_layout lay = t->ps[i].lay;
-            if (!p->frozen && over && over[i].fmt) mti_trainer_layout_for(t, i, L->nnz, &lay);
-            if (out) out[n] = (ck_tensor){&p->w, i, i, pp->rank, 0, p->w.dtype, nnz * mti_dtype_size(p->w.dtype), {0}};
-            n++;
-            if (m->has_master && !p->frozen) {
-                if (out) out[n] = (ck_tensor){&p->master, i, i, pp->rank, 1, MTI_F32, nnz * 4, {0}};
-                n++;
-            }
-            for (int j = 0; j < 4 && !p->frozen; j++) {
-                const mti_opt_state *l = &lay.s[j];
-                if (!l->numel) continue;
-                if (out)
-                    out[n] = (ck_tensor){&t->ps[i].s[j], i, i, pp->rank, 2 + j, l->dtype,
-                                         (uint64_t)l->numel * mti_dtype_size(l->dtype), {0}};
-                n++;
-            }
-            continue;
-        }
         /* (pipeline parallel: the whole model's index; the last stage's copy
            of the table stands for the table) */
         const int wi = pp->size < 2 ? i : i == pp->tied ? pp->table : pp->q0 + i;
         mti_tensor *w = t->zero == 3 && !p->frozen ? &t->pw[i] : &p->w; /* (ZeRO-3: a slice) */
-        /* (tensor parallel: a part's file holds the whole tensor, element by
-           element, which tp_files_ok has checked every stored tensor is) */
-        const uint64_t whole = mti_whole_numel(p);
-        const uint64_t wbytes = p->tp_split ? whole * mti_dtype_size(p->w.dtype)
-                                            : mti_tensor_bytes(&p->w); /* (quantized: its bytes) */
+        /* a pruned weight (as the file's mask will make it): its mask first */
+        const mti_sp_layout *L = over && over[i].fmt ? &over[i] : p->sp ? &p->sp->L : NULL;
+        if (L && out)
+            out[n] = (ck_tensor){p->sp ? &p->sp->meta : NULL, i, wi, pp->rank, CK_MASK, MTI_U8,
+                                 L->bytes, *L};
+        n += L != NULL;
+        /* the elements stored: a pruned weight's kept ones; (tensor parallel)
+           a part's whole tensor, element by element, which tp_files_ok has
+           checked every stored tensor is */
+        const uint64_t whole = L ? L->nnz : mti_whole_numel(p);
+        const uint64_t wbytes = L || p->tp_split ? whole * mti_dtype_size(p->w.dtype)
+                                                 : mti_tensor_bytes(&p->w); /* (quantized: its bytes) */
         if (out) out[n] = (ck_tensor){w, i, wi, pp->rank, 0, p->w.dtype, wbytes, {0}};
         n++;
         if (m->has_master && !p->frozen) { /* (a frozen weight has none) */
             if (out) out[n] = (ck_tensor){&p->master, i, wi, pp->rank, 1, MTI_F32, whole * 4, {0}};
             n++;
         }
+        mti_opt_layout lay = t->ps[i].lay;
+        if (!p->frozen && over && over[i].fmt) mti_trainer_layout_for(t, i, L->nnz, &lay);
         for (int j = 0; j < 4; j++) {
-            const mti_opt_state *l = &t->ps[i].lay.s[j];
+            const mti_opt_state *l = &lay.s[j];
             if (!l->numel) continue;
             const uint64_t numel = p->tp_split ? whole : (uint64_t)l->numel;
             if (out)

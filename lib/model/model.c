@@ -715,10 +715,9 @@ static mt_status stored_write(mt_model *m, int i, size_t at, size_t n, const flo
 static mt_status sparse_rw(const mt_model *m, int i, size_t at, size_t n, float *buf, bool write)
 {
     const mti_param *p = &m->params[i];
-    const void *meta;
-    void *owned;
-    mt_status s = mti_param_meta_host(m, p, &meta, &owned);
-    if (s || !meta) return s;
+    const void *meta = mti_param_meta_host(m, p);
+    mt_status s = MT_OK;
+    if (!meta) return s;
     const size_t r0 = mti_sp_rank(&p->sp->L, meta, at), r1 = mti_sp_rank(&p->sp->L, meta, at + n);
     float *v = malloc((r1 - r0 ? r1 - r0 : 1) * sizeof *v);
     if (!v) s = mti_fail(m->ctx, MT_ERR_OOM, "%s: out of host memory", p->name);
@@ -730,7 +729,6 @@ static mt_status sparse_rw(const mt_model *m, int i, size_t at, size_t n, float 
         s = stored_write((mt_model *)m, i, r0, r1 - r0, v);
     }
     free(v);
-    free(owned);
     return s;
 }
 

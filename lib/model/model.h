@@ -29,6 +29,8 @@ typedef enum mti_init {
 typedef struct mti_psparse {
     mti_sp_layout L;
     mti_tensor meta;     /* PARAM: L.bytes of description, device memory */
+    void *host;          /* its copy in host memory, for the host's reads (a device whose
+                            memory is not the host's; NULL on a CPU or dry context) */
 } mti_psparse;
 
 typedef struct mti_param {
@@ -252,10 +254,9 @@ mt_status mti_prune_apply(mt_model *m, const mt_prune_config *c, const unsigned 
 void mti_prune_free_masks(const mt_model *m, uint64_t **keep);
 /* Its mask (mti_param_dense bits; every bit set for a dense one). */
 mt_status mti_param_keep(const mt_model *m, int i, uint64_t *keep);
-/* Its description in host memory: the device's own on a CPU context (owned
- * NULL), else a copy to free (owned). NULL for a dense one or when dry. */
-mt_status mti_param_meta_host(const mt_model *m, const mti_param *p, const void **meta,
-                              void **owned);
+/* Its description in host memory: the device's own on a CPU context, else
+ * the host copy kept beside it. NULL for a dense one or when dry. */
+const void *mti_param_meta_host(const mt_model *m, const mti_param *p);
 void mti_param_sparse_free(mt_context *ctx, mti_param *p);
 /* A pruned parameter (without a master) dense again, its pruned elements
  * 0 (what undoes a trainer's prune when its creation fails). */

@@ -23,30 +23,16 @@ void mti_param_sparse_free(mt_context *ctx, mti_param *p)
 {
     if (!p->sp) return;
     mti_tensor_free(ctx, &p->sp->meta);
+    free(p->sp->host);
     free(p->sp);
     p->sp = NULL;
 }
 
-mt_status mti_param_meta_host(const mt_model *m, const mti_param *p, const void **meta,
-                              void **owned)
+const void *mti_param_meta_host(const mt_model *m, const mti_param *p)
 {
-    mt_context *ctx = m->ctx;
-    *owned = NULL;
-    *meta = NULL;
-    if (!p->sp || ctx->dry) return MT_OK;
-    if (ctx->dev->kind == MT_DEVICE_CPU) { /* (a CPU device's memory is the host's) */
-        *meta = p->sp->meta.blk.ptr;
-        return MT_OK;
-    }
-    void *h = malloc(p->sp->L.bytes ? p->sp->L.bytes : 1);
-    if (!h) return mti_fail(ctx, MT_ERR_OOM, "%s: out of host memory for its mask", p->name);
-    mt_status s = mti_tensor_download(ctx, &p->sp->meta, h, p->sp->L.bytes);
-    if (s) {
-        free(h);
-        return s;
-    }
-    *meta = *owned = h;
-    return MT_OK;
+    if (!p->sp || m->ctx->dry) return NULL;
+    /* (a CPU device's memory is the host's) */
+    return m->ctx->dev->kind == MT_DEVICE_CPU ? p->sp->meta.blk.ptr : p->sp->host;
 }
 
 mt_status mti_param_keep(const mt_model *m, int i, uint64_t *keep)
@@ -57,25 +43,19 @@ mt_status mti_param_keep(const mt_model *m, int i, uint64_t *keep)
         memset(keep, 0xff, mti_sp_words(dense) * 8);
         return MT_OK;
     }
-    const void *meta;
-    void *owned;
-    mt_status s = mti_param_meta_host(m, p, &meta, &owned);
-    if (!s && meta) mti_sp_decode(&p->sp->L, meta, keep);
-    free(owned);
-    return s;
+    const void *meta = mti_param_meta_host(m, p);
+    if (meta) mti_sp_decode(&p->sp->L, meta, keep);
+    return MT_OK;
 }
 
 mt_status mti_param_dense_host(const mt_model *m, int i, const mti_tensor *t, float *dst)
 {
     const mti_param *p = &m->params[i];
-    const void *meta = NULL;
-    void *owned = NULL;
+    const void *meta = mti_param_meta_host(m, p);
     float *v = malloc((p->numel ? p->numel : 1) * sizeof *v);
-    mt_status s = v ? mti_param_meta_host(m, p, &meta, &owned)
-                    : mti_fail(m->ctx, MT_ERR_OOM, "%s: out of host memory", p->name);
+    mt_status s = v ? MT_OK : mti_fail(m->ctx, MT_ERR_OOM, "%s: out of host memory", p->name);
     if (!s && meta) s = mti_tensor_download(m->ctx, t, v, p->numel * sizeof *v);
     if (!s && meta) mti_sp_expand(&p->sp->L, meta, v, 0, sizeof *v, 0, p->sp->L.dense, dst);
-    free(owned);
     free(v);
     return s;
 }
@@ -130,6 +110,7 @@ mt_status mti_param_prune(mt_model *m, int i, const uint64_t *keep, size_t nnz, 
             s = mti_fail(ctx, MT_ERR_INVALID_ARG, "prune: %s: the mask does not keep %zu elements%s",
                          p->name, nnz, fmt == MTI_SP_NM ? " in an N:M pattern" : "");
         if (!s) s = mti_tensor_upload(ctx, &sp->meta, h, sp->L.bytes);
+        if (!s && ctx->dev->kind != MT_DEVICE_CPU) sp->host = h, h = NULL; /* (kept for the host) */
         free(h);
     }
     mti_tensor w = {0}, master = {0};
@@ -142,6 +123,7 @@ mt_status mti_param_prune(mt_model *m, int i, const uint64_t *keep, size_t nnz, 
         mti_tensor_free(ctx, &w);
         mti_tensor_free(ctx, &master);
         mti_tensor_free(ctx, &sp->meta);
+        free(sp->host);
         free(sp);
         return s;
     }

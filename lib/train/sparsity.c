@@ -361,7 +361,9 @@ mt_status mti_sparsity_adopt(mt_trainer *t, int i, const mti_sp_layout *L, const
         free(keep);
         if (s) return s;
     }
-    return mti_tensor_upload(t->ctx, &p->sp->meta, meta, L->bytes);
+    mt_status s = mti_tensor_upload(t->ctx, &p->sp->meta, meta, L->bytes);
+    if (!s && p->sp->host) memcpy(p->sp->host, meta, L->bytes); /* (the host's copy alike) */
+    return s;
 }
 
 mt_status mti_sparsity_create(mt_trainer *t)
