@@ -19,16 +19,14 @@
  *     prune and after more steps of sparse training, beside the dense model
  *     trained as many steps more; and the whole run's peak against dense.
  *
- * (d) Sparse kernels against the dense tile, for one GPT-2 MLP weight (O
- *     3072 x I 768) and N = 512 rows, fp32, on the context's threads: the
- *     dense path (expand the pruned weight into its tile, then the op
- *     table's GEMMs: forward, and backward's dx and dW, then gather dW's
- *     kept entries) against CSR kernels written for the layout (forward and
- *     dx as SpMM over the rows of W or of W^T, each kept entry an axpy of a
- *     row of N; dW's kept entries alone as dot products of N, an SDDMM),
- *     the activations transposed in and out; at 50%, 75% and 90%
- *     unstructured and at 2:4 (N:M: the same kernels, each group's places
- *     read from the packed indices). The median of a few runs each.
+ * (d) The sparse GEMMs against the dense tile, for one GPT-2 MLP weight (O
+ *     3072 x I 768) and N = 512 and 4096 rows, fp32, on the context's
+ *     threads: the dense path (expand the pruned weight into its tile, then
+ *     the op table's GEMMs: forward, and backward's dx and dW, then gather
+ *     dW's kept entries) against the op table's sparse GEMMs
+ *     (sparse_matmul_fwd / _bwd: kernels/cpu/sparse_mm.c), at 50% to 98%
+ *     unstructured and at 2:4 and 1:16, with the choice the library makes
+ *     (sparse_matmul_choice). The median of a few runs each.
  *
  * Usage: bench_sparse [--quick] [--threads N] [--quality] [--data FILE]
  *                     [--dense-steps N] [--sparse-steps N] [--kernels]
@@ -324,154 +322,88 @@ static void section_quality(void)
 
 /* (d) */
 
-/* A CSR matrix (rows x cols): row r's entries [ptr[r], ptr[r + 1]). */
-typedef struct csr {
-    int rows, cols;
-    int *ptr, *idx;
-    float *val;
-} csr;
-
-static void csr_free(csr *c) { free(c->ptr), free(c->idx), free(c->val); }
-
-/* outT (rows, N) = A (rows x K, CSR) . inT (K, N): each kept entry an axpy
- * of a row of N (parallel over A's rows). */
-static void spmm(const csr *a, const float *inT, float *outT, int N)
-{
-#pragma omp parallel for schedule(dynamic, 16)
-    for (int r = 0; r < a->rows; r++) {
-        float *o = outT + (size_t)r * N;
-        memset(o, 0, (size_t)N * sizeof *o);
-        for (int e = a->ptr[r]; e < a->ptr[r + 1]; e++) {
-            const float w = a->val[e];
-            const float *x = inT + (size_t)a->idx[e] * N;
-#pragma omp simd
-            for (int n = 0; n < N; n++) o[n] += w * x[n];
-        }
-    }
-}
-
-/* dW's kept entries: g[e] = dyT[row] . xT[idx[e]] (length N). */
-static void sddmm(const csr *a, const float *dyT, const float *xT, float *g, int N)
-{
-#pragma omp parallel for schedule(dynamic, 16)
-    for (int r = 0; r < a->rows; r++)
-        for (int e = a->ptr[r]; e < a->ptr[r + 1]; e++) {
-            const float *p = dyT + (size_t)r * N, *q = xT + (size_t)a->idx[e] * N;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int n = 0; n < N; n++) acc += p[n] * q[n];
-            g[e] = acc;
-        }
-}
-
-static void transpose(const float *in, float *out, int rows, int cols)
-{
-#pragma omp parallel for schedule(static)
-    for (int c0 = 0; c0 < cols; c0 += 32)
-        for (int r = 0; r < rows; r++)
-            for (int c = c0; c < c0 + 32 && c < cols; c++) out[(size_t)c * rows + r] = in[(size_t)r * cols + c];
-}
-
 static void section_kernels(void)
 {
-    const int O = 3072, I = 768, N = 512, reps = quick ? 3 : 7;
+    const int O = 3072, I = 768, reps = quick ? 3 : 7;
+    const int Ns[] = {512, 4096, 512};
+    const mti_dtype dts[] = {MTI_F32, MTI_F32, MTI_BF16};
     mt_context *ctx = context();
     const mti_kctx k = {ctx, ctx->dev};
     const mti_ops *op = mti_cpu_ops();
-    const size_t nw = (size_t)O * I;
-    float *x = malloc((size_t)N * I * 4), *dy = malloc((size_t)N * O * 4), *w = malloc(nw * 4);
-    float *y = malloc((size_t)N * O * 4), *dx = malloc((size_t)N * I * 4), *dw = malloc(nw * 4);
-    float *xT = malloc((size_t)N * I * 4), *dyT = malloc((size_t)N * O * 4);
-    float *yT = malloc((size_t)N * O * 4), *dxT = malloc((size_t)N * I * 4);
+    const size_t nw = (size_t)O * I, nmax = 4096;
+    float *x = malloc(nmax * I * 4), *dy = malloc(nmax * O * 4), *w = malloc(nw * 4);
+    float *y = malloc(nmax * O * 4), *dx = malloc(nmax * I * 4), *dw = malloc(nw * 4);
     uint64_t seed = 11;
-    for (size_t i = 0; i < (size_t)N * I; i++) seed = seed * 6364136223846793005ull + 1, x[i] = (float)(seed >> 40) / 16777216.0f - 0.5f;
-    for (size_t i = 0; i < (size_t)N * O; i++) seed = seed * 6364136223846793005ull + 1, dy[i] = (float)(seed >> 40) / 16777216.0f - 0.5f;
-    printf("(d) sparse kernels against the dense tile: W %d x %d, N %d, fp32, %d threads, median of %d "
-           "(ms: forward, dx, dW; sum)\n", O, I, N, omp_get_max_threads(), reps);
+    for (size_t i = 0; i < nmax * I; i++) seed = seed * 6364136223846793005ull + 1, x[i] = (float)(seed >> 40) / 16777216.0f - 0.5f;
+    for (size_t i = 0; i < nmax * O; i++) seed = seed * 6364136223846793005ull + 1, dy[i] = (float)(seed >> 40) / 16777216.0f - 0.5f;
+    uint16_t *xb = malloc(nmax * I * 2), *dyb = malloc(nmax * O * 2);
+    for (size_t i = 0; i < nmax * I; i++) xb[i] = mti_f32_to_bf16(x[i]);
+    for (size_t i = 0; i < nmax * O; i++) dyb[i] = mti_f32_to_bf16(dy[i]);
+    printf("(d) sparse GEMMs against the dense tile: W %d x %d, %d threads, median of %d "
+           "(ms: forward, backward = dx + dW; sum; the library's choice)\n", O, I, ctx->threads, reps);
     static const struct {
         const char *name;
         double keep;
         int n, m;
-    } cases[] = {{"50%", 0.5, 0, 0}, {"75%", 0.25, 0, 0}, {"90%", 0.1, 0, 0}, {"95%", 0.05, 0, 0},
-                 {"98%", 0.02, 0, 0}, {"2:4", 0.5, 2, 4}};
-    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        /* the mask, its CSR (W) and CSC (W^T), and the pruned tensor */
-        uint64_t *keep = calloc(mti_sp_words(nw) + 1, 8);
-        float *score = malloc(nw * 4);
-        for (size_t i = 0; i < nw; i++) seed = seed * 6364136223846793005ull + 1, score[i] = (float)(seed >> 40);
-        if (cases[c].m) TRY(ctx, "nm", mti_sp_prune_nm(ctx, score, nw, cases[c].n, cases[c].m, keep));
-        else {
-            memset(keep, 0xff, mti_sp_words(nw) * 8);
-            mti_sp_seg sg = {score, nw, keep};
-            TRY(ctx, "mask", mti_sp_prune_smallest(ctx, &sg, 1, mti_sp_count(1.0 - cases[c].keep, nw)));
-        }
-        const size_t nnz = mti_sp_kept(keep, nw);
-        mti_sp_layout L;
-        TRY(ctx, "layout", mti_sp_layout_of(ctx, cases[c].m ? MTI_SP_NM : MTI_SP_BITMAP, nw, nnz,
-                                               cases[c].n, cases[c].m, &L));
-        void *meta = malloc(L.bytes);
-        TRY(ctx, "encode", mti_sp_encode(&L, keep, meta));
-        float *vals = malloc(nnz * 4), *gv = malloc(nnz * 4);
-        for (size_t i = 0; i < nnz; i++) vals[i] = 0.01f * (float)(i % 97) - 0.5f;
-        csr a = {O, I, calloc((size_t)O + 1, 4), malloc(nnz * 4), malloc(nnz * 4)};
-        csr t = {I, O, calloc((size_t)I + 1, 4), malloc(nnz * 4), malloc(nnz * 4)};
-        size_t v = 0;
-        for (int r = 0; r < O; r++) {
-            for (int i = 0; i < I; i++) {
-                const size_t e = (size_t)r * I + (size_t)i;
-                if (!(keep[e / 64] >> (e % 64) & 1)) continue;
-                a.idx[v] = i, a.val[v] = vals[v], v++;
-                t.ptr[i + 1]++;
+    } cases[] = {{"50%", 0.5, 0, 0}, {"75%", 0.25, 0, 0}, {"80%", 0.2, 0, 0}, {"85%", 0.15, 0, 0},
+                 {"90%", 0.1, 0, 0}, {"95%", 0.05, 0, 0}, {"98%", 0.02, 0, 0}, {"2:4", 0.5, 2, 4},
+                 {"1:16", 1.0 / 16, 1, 16}};
+    for (size_t ni = 0; ni < sizeof Ns / sizeof Ns[0]; ni++)
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            const int N = Ns[ni];
+            const mti_dtype dt = dts[ni];
+            const void *xi = dt == MTI_F32 ? (const void *)x : xb, *dyi = dt == MTI_F32 ? (const void *)dy : dyb;
+            /* the mask and the pruned tensor */
+            uint64_t *keep = calloc(mti_sp_words(nw) + 1, 8);
+            float *score = malloc(nw * 4);
+            for (size_t i = 0; i < nw; i++) seed = seed * 6364136223846793005ull + 1, score[i] = (float)(seed >> 40);
+            if (cases[c].m) TRY(ctx, "nm", mti_sp_prune_nm(ctx, score, nw, cases[c].n, cases[c].m, keep));
+            else {
+                memset(keep, 0xff, mti_sp_words(nw) * 8);
+                mti_sp_seg sg = {score, nw, keep};
+                TRY(ctx, "mask", mti_sp_prune_smallest(ctx, &sg, 1, mti_sp_count(1.0 - cases[c].keep, nw)));
             }
-            a.ptr[r + 1] = (int)v;
-        }
-        for (int i = 0; i < I; i++) t.ptr[i + 1] += t.ptr[i];
-        int *fill = calloc((size_t)I, 4);
-        for (int r = 0; r < O; r++)
-            for (int e = a.ptr[r]; e < a.ptr[r + 1]; e++) {
-                const int i = a.idx[e], at = t.ptr[i] + fill[i]++;
-                t.idx[at] = r, t.val[at] = a.val[e];
+            const size_t nnz = mti_sp_kept(keep, nw);
+            mti_sp_layout L;
+            TRY(ctx, "layout", mti_sp_layout_of(ctx, cases[c].m ? MTI_SP_NM : MTI_SP_BITMAP, nw, nnz,
+                                                   cases[c].n, cases[c].m, &L));
+            void *meta = malloc(L.bytes);
+            TRY(ctx, "encode", mti_sp_encode(&L, keep, meta));
+            float *vals = malloc(nnz * 4), *gv = malloc(nnz * 4);
+            for (size_t i = 0; i < nnz; i++) vals[i] = 0.01f * (float)(i % 97) - 0.5f;
+            if (dt == MTI_BF16) /* (the values as bf16, in place) */
+                for (size_t i = 0; i < nnz; i++) ((uint16_t *)vals)[i] = mti_f32_to_bf16(vals[i]);
+            double td[2][16], ts[2][16];
+            for (int rep = 0; rep < reps; rep++) {
+                /* dense: the tile, then the GEMMs, then dW's kept entries */
+                double t0 = now_s();
+                TRY(ctx, "expand", op->sparse_expand(&k, w, vals, meta, &L, 0, nw, dt));
+                TRY(ctx, "fwd", op->matmul_fwd(&k, y, xi, w, NULL, N, I, O, dt));
+                td[0][rep] = now_s() - t0;
+                t0 = now_s();
+                TRY(ctx, "expand", op->sparse_expand(&k, w, vals, meta, &L, 0, nw, dt));
+                TRY(ctx, "bwd", op->matmul_bwd(&k, dx, dw, NULL, dyi, xi, w, N, I, O, dt, MTI_BWD_SET_DW));
+                TRY(ctx, "compress", op->sparse_compress(&k, gv, dw, meta, &L, 0, nw, MTI_F32, 0));
+                td[1][rep] = now_s() - t0;
+                /* sparse: the op table's sparse GEMMs */
+                t0 = now_s();
+                TRY(ctx, "sfwd", op->sparse_matmul_fwd(&k, y, xi, vals, meta, &L, NULL, N, I, O, dt));
+                ts[0][rep] = now_s() - t0;
+                t0 = now_s();
+                TRY(ctx, "sbwd", op->sparse_matmul_bwd(&k, dx, gv, NULL, dyi, xi, vals, meta, &L, N, I, O,
+                                                       dt, MTI_BWD_SET_DW));
+                ts[1][rep] = now_s() - t0;
             }
-        free(fill);
-        double td[3][16], ts[3][16];
-        for (int rep = 0; rep < reps; rep++) {
-            /* dense: the tile, then the GEMMs, then dW's kept entries */
-            double t0 = now_s();
-            TRY(ctx, "expand", op->sparse_expand(&k, w, vals, meta, &L, 0, nw, MTI_F32));
-            TRY(ctx, "fwd", op->matmul_fwd(&k, y, x, w, NULL, N, I, O, MTI_F32));
-            td[0][rep] = now_s() - t0;
-            t0 = now_s();
-            TRY(ctx, "expand", op->sparse_expand(&k, w, vals, meta, &L, 0, nw, MTI_F32));
-            TRY(ctx, "dx", op->matmul_bwd(&k, dx, NULL, NULL, dy, x, w, N, I, O, MTI_F32, 0));
-            td[1][rep] = now_s() - t0;
-            t0 = now_s();
-            TRY(ctx, "dw", op->matmul_bwd(&k, NULL, dw, NULL, dy, x, NULL, N, I, O, MTI_F32, MTI_BWD_SET_DW));
-            TRY(ctx, "compress", op->sparse_compress(&k, gv, dw, meta, &L, 0, nw, MTI_F32, 0));
-            td[2][rep] = now_s() - t0;
-            /* sparse: the activations transposed in, the kernels, transposed out */
-            t0 = now_s();
-            transpose(x, xT, N, I);
-            spmm(&a, xT, yT, N);
-            transpose(yT, y, O, N);
-            ts[0][rep] = now_s() - t0;
-            t0 = now_s();
-            transpose(dy, dyT, N, O);
-            spmm(&t, dyT, dxT, N);
-            transpose(dxT, dx, I, N);
-            ts[1][rep] = now_s() - t0;
-            t0 = now_s();
-            sddmm(&a, dyT, xT, gv, N);
-            ts[2][rep] = now_s() - t0;
+            double d[2], sp[2];
+            for (int j = 0; j < 2; j++) d[j] = 1e3 * median(td[j], reps), sp[j] = 1e3 * median(ts[j], reps);
+            const int pick = op->sparse_matmul_choice(&k, &L, N, I, O, dt);
+            printf("%s N %4d %-4s dense tile %7.2f %7.2f = %7.2f   sparse %7.2f %7.2f = %7.2f   %.2fx  %s\n",
+                   dt == MTI_F32 ? "fp32" : "bf16", N,
+                   cases[c].name, d[0], d[1], d[0] + d[1], sp[0], sp[1], sp[0] + sp[1],
+                   (sp[0] + sp[1]) / (d[0] + d[1]), pick == MTI_SPMM_FASTER ? "sparse" : "dense");
+            free(keep), free(score), free(meta), free(vals), free(gv);
         }
-        double d[3], sp[3];
-        for (int j = 0; j < 3; j++) d[j] = 1e3 * median(td[j], reps), sp[j] = 1e3 * median(ts[j], reps);
-        printf("%-4s dense tile %7.2f %7.2f %7.2f = %7.2f   CSR %7.2f %7.2f %7.2f = %7.2f   %.2fx\n",
-               cases[c].name, d[0], d[1], d[2], d[0] + d[1] + d[2], sp[0], sp[1], sp[2],
-               sp[0] + sp[1] + sp[2], (sp[0] + sp[1] + sp[2]) / (d[0] + d[1] + d[2]));
-        csr_free(&a), csr_free(&t);
-        free(keep), free(score), free(meta), free(vals), free(gv);
-    }
-    free(x), free(dy), free(w), free(y), free(dx), free(dw), free(xT), free(dyT), free(yT), free(dxT);
+    free(x), free(dy), free(w), free(y), free(dx), free(dw), free(xb), free(dyb);
     mt_context_destroy(ctx);
 }
 

@@ -22,26 +22,27 @@ enum {
     P_matmul_dw_rows, P_matmul_fwd_q, P_matmul_dx_q, P_layernorm_fwd, P_layernorm_bwd, P_gelu_fwd, P_gelu_bwd, P_relu_fwd,
     P_relu_bwd, P_add, P_accumulate, P_attention_fwd, P_attention_bwd, P_xent, P_xent_kd, P_xent_vp,
     P_unscale_check, P_sumsq, P_sgd, P_adamw, P_adamw8, P_adamw8_bf16, P_adamw4, P_adafactor,
-    P_dequantize, P_sparse_expand, P_sparse_compress, P_COUNT
+    P_dequantize, P_sparse_expand, P_sparse_compress, P_sparse_matmul_fwd, P_sparse_matmul_bwd,
+    P_COUNT
 };
 static const char *const prof_names[P_COUNT] = {
     "cast", "embedding_fwd", "embedding_fwd_rows", "embedding_bwd", "embedding_dw_rows", "embedding_fwd_q", "matmul_fwd", "matmul_bwd",
     "matmul_dw_rows", "matmul_fwd_q", "matmul_dx_q", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "relu_fwd",
     "relu_bwd", "add", "accumulate", "attention_fwd", "attention_bwd", "xent", "xent_kd", "xent_vp",
     "unscale_check", "sumsq", "sgd", "adamw", "adamw8", "adamw8_bf16", "adamw4", "adafactor",
-    "dequantize", "sparse_expand", "sparse_compress"};
+    "dequantize", "sparse_expand", "sparse_compress", "sparse_matmul_fwd", "sparse_matmul_bwd"};
 
 /* Op families of the table printed with the profile; each op belongs to one. */
 enum { F_GEMM, F_ATTN, F_LN, F_ACT, F_ADD, F_XENT, F_EMB, F_CAST, F_CHECK, F_OPT, F_COUNT };
 static const char *const prof_family_names[F_COUNT] = {
-    "GEMM (matmul fwd, bwd, dW rows, quantized)", "attention (fwd, bwd)", "layernorm (fwd, bwd)",
+    "GEMM (matmul fwd, bwd, dW rows, quantized, sparse)", "attention (fwd, bwd)", "layernorm (fwd, bwd)",
     "GELU / ReLU (fwd, bwd)", "residual add, accumulate", "cross-entropy",
     "embedding", "casts (incl. stochastic rounding, pruned tensors)", "gradient check, sum of squares",
     "optimizer update"};
 static const unsigned char prof_family[P_COUNT] = {
     F_CAST, F_EMB, F_EMB, F_EMB, F_EMB, F_EMB, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_GEMM, F_LN, F_LN,
     F_ACT, F_ACT, F_ACT, F_ACT, F_ADD, F_ADD, F_ATTN, F_ATTN, F_XENT, F_XENT, F_XENT, F_CHECK, F_CHECK, F_OPT, F_OPT,
-    F_OPT, F_OPT, F_OPT, F_OPT, F_CAST, F_CAST, F_CAST};
+    F_OPT, F_OPT, F_OPT, F_OPT, F_CAST, F_CAST, F_CAST, F_GEMM, F_GEMM};
 
 static const mti_ops *prof_inner;
 static double prof_s[P_COUNT];
@@ -142,8 +143,20 @@ PROF(adamw4, (const mti_kctx *k, float *p, const float *g, const mti_adamw4_stat
 PROF(adafactor, (const mti_kctx *k, float *p, const float *g, float *row, float *col, float *v,
                  float *m, void *pc, mti_dtype pd, int64_t rows, int64_t cols, int f,
                  const mti_adafactor_args *a), (k, p, g, row, col, v, m, pc, pd, rows, cols, f, a))
+PROF(sparse_matmul_fwd, (const mti_kctx *k, void *y, const void *x, const void *v,
+                         const void *meta, const mti_sp_layout *L, const void *b, int n, int in,
+                         int out, mti_dtype dt), (k, y, x, v, meta, L, b, n, in, out, dt))
+PROF(sparse_matmul_bwd, (const mti_kctx *k, void *dx, float *dw, float *db, const void *dy,
+                         const void *x, const void *v, const void *meta, const mti_sp_layout *L,
+                         int n, int in, int out, mti_dtype dt, int flags),
+     (k, dx, dw, db, dy, x, v, meta, L, n, in, out, dt, flags))
 
 static int prof_matmul_dw_align(int out, int in) { return prof_inner->matmul_dw_align(out, in); }
+static int prof_sparse_matmul_choice(const mti_kctx *k, const mti_sp_layout *L, int n, int in,
+                                     int out, mti_dtype dt)
+{
+    return prof_inner->sparse_matmul_choice(k, L, n, in, out, dt);
+}
 
 /* Made from lib/ops/kernels.h's list of the ops, as the CPU and CUDA tables
  * are: an op added there and not timed here does not compile. */

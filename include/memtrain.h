@@ -992,8 +992,23 @@ typedef enum mt_regrow {
     MT_REGROW_NONE = 0,
     MT_REGROW_RIGL = 1
 } mt_regrow;
+/* How a pruned weight's GEMMs run: on a dense tile (the kept values
+ * expanded one tensor at a time into WORK, then the dense GEMMs, the bits
+ * of the dense model with zeros), or from the kept values alone (sparse
+ * GEMMs: the work of the kept values only, the sums in another order;
+ * the CPU has them, CUDA uses the dense tile). */
+typedef enum mt_sparse_kernel {
+    MT_SPARSE_KERNEL_AUTO = 0,  /* per weight, the faster: sparse on the CPU where at most
+                                   7% of W is kept (docs/benchmarks.md); the dense tile in a
+                                   trainer that regrows (RigL's steps take the dense
+                                   gradient) */
+    MT_SPARSE_KERNEL_DENSE = 1, /* always the dense tile */
+    MT_SPARSE_KERNEL_SPARSE = 2 /* the sparse GEMMs wherever the device has them (not with
+                                   RigL: MT_ERR_INVALID_ARG) */
+} mt_sparse_kernel;
 typedef struct mt_prune_config {
-    mt_prune_method method;   /* MT_PRUNE_NONE (default): no pruning, nothing else read */
+    mt_prune_method method;   /* MT_PRUNE_NONE (default): no pruning, nothing else read
+                                 but kernel */
     double sparsity;          /* the fraction of each target's weights pruned, in [0, 1):
                                  rint(sparsity n) of a tensor's n (half to even, as
                                  torch's round); Wanda: floor(sparsity cols) of each row.
@@ -1033,6 +1048,8 @@ typedef struct mt_prune_config {
     int64_t regrow_every;     /* >= 1 */
     double regrow_frac;       /* in (0, 1] */
     int64_t regrow_end;       /* >= 1 */
+    mt_sparse_kernel kernel;  /* the GEMMs of every pruned weight the trainer trains or
+                                 runs, pruned by it or before: MT_SPARSE_KERNEL_AUTO */
 } mt_prune_config;
 /* Prunes the model now, once, by magnitude or N:M (c->method
  * MT_PRUNE_MAGNITUDE; the schedule and calib are unread): its targets

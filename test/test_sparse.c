@@ -355,6 +355,243 @@ TEST(sparse_schedules)
     CHECK_EQ(mti_sp_rigl_frac(0.3, 100, 100), 0.0);
 }
 
+/* ---- the sparse GEMMs (the op table's sparse_matmul_*) ---- */
+
+#include "ops/kernels.h"
+
+/* One case of the sparse GEMMs: W (out, in) kept with probability p
+ * (nm_m: n:m of each group, by scores), inputs in dt. */
+typedef struct spmm_case {
+    int n, in, out;
+    double p;
+    int nm_n, nm_m;
+    mti_dtype dt;
+} spmm_case;
+
+/* A pruned W, its layout and description (host), and its dense fp32 form. */
+typedef struct spmm_w {
+    mti_sp_layout L;
+    void *meta, *vals; /* vals in dt */
+    float *dense;      /* what the values are in dt, zeros where pruned */
+} spmm_w;
+
+static float spmm_rnd(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((*s >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+}
+
+/* n values in dt (uniform in [-0.5, 0.5)), and their fp32 reading. */
+static void *spmm_fill(size_t n, mti_dtype dt, uint64_t *seed, float *as_f32)
+{
+    void *v = check_alloc(n * 4 + 4);
+    for (size_t i = 0; i < n; i++) {
+        float f = spmm_rnd(seed);
+        if (dt == MTI_BF16) {
+            ((uint16_t *)v)[i] = mti_f32_to_bf16(f);
+            f = mti_bf16_to_f32(((uint16_t *)v)[i]);
+        } else ((float *)v)[i] = f;
+        as_f32[i] = f;
+    }
+    return v;
+}
+
+static void spmm_w_make(const spmm_case *c, uint64_t seed, spmm_w *w)
+{
+    const size_t nw = (size_t)c->in * (size_t)c->out;
+    uint64_t *keep;
+    if (c->nm_m) {
+        float *score = check_alloc(nw * 4);
+        for (size_t e = 0; e < nw; e++) score[e] = spmm_rnd(&seed) + 1.0f;
+        keep = check_alloc((mti_sp_words(nw) + 1) * 8);
+        CHECK_OK(mti_sp_prune_nm(NULL, score, nw, c->nm_n, c->nm_m, keep));
+    } else {
+        uint64_t *r = random_mask(nw, c->p, seed);
+        keep = check_copy(r, (mti_sp_words(nw) + 1) * 8);
+        free(r);
+    }
+    const size_t nnz = mti_sp_kept(keep, nw);
+    CHECK_OK(mti_sp_layout_of(NULL, c->nm_m ? MTI_SP_NM : MTI_SP_BITMAP, nw, nnz, c->nm_n, c->nm_m,
+                              &w->L));
+    w->meta = check_alloc(w->L.bytes + 8);
+    CHECK_OK(mti_sp_encode(&w->L, keep, w->meta));
+    float *kv = check_alloc(nnz * 4 + 4);
+    w->vals = spmm_fill(nnz, c->dt, &seed, kv);
+    w->dense = check_alloc(nw * 4 + 4);
+    mti_sp_expand(&w->L, w->meta, kv, 0, 4, 0, nw, w->dense);
+}
+
+/* got (n values in dt) against ref within tol of each one's scale. */
+static void spmm_close(const char *what, const spmm_case *c, const void *got, mti_dtype dt,
+                       const double *ref, const double *scale, size_t n)
+{
+    const double tol = dt == MTI_BF16 ? 1.0 / 128 : 1e-5;
+    for (size_t i = 0; i < n; i++) {
+        const double g = dt == MTI_BF16 ? mti_bf16_to_f32(((const uint16_t *)got)[i])
+                                        : ((const float *)got)[i];
+        CHECK_MSG(fabs(g - ref[i]) <= tol * scale[i] + 1e-30, "%s (n %d in %d out %d p %g %d:%d dt %d)[%zu]: %.9g vs %.9g",
+                  what, c->n, c->in, c->out, c->p, c->nm_n, c->nm_m, (int)c->dt, i, g, ref[i]);
+    }
+}
+
+/* y = x W^T + b, dx = dy W (+ dx before), dW's kept elements and db (+
+ * theirs before, or set) equal sums in double over the dense W to the
+ * rounding of their dtype; the same bits on 1, 2 and 3 threads. */
+TEST(sparse_matmul_ops_match_dense_sums)
+{
+    const spmm_case cases[] = {
+        {37, 70, 33, 0.05, 0, 0, MTI_F32},   {300, 96, 48, 0.08, 0, 0, MTI_F32},
+        {1, 40, 24, 0.5, 0, 0, MTI_F32},     {64, 130, 20, 0.0, 0, 0, MTI_F32},
+        {16, 65, 17, 1.0, 0, 0, MTI_F32},    {260, 64, 40, 0.1, 0, 0, MTI_BF16},
+        {50, 64, 20, 0.0, 1, 8, MTI_F32},    {40, 48, 30, 0.0, 2, 4, MTI_BF16},
+        {0, 32, 16, 0.2, 0, 0, MTI_F32}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const spmm_case *c = &cases[ci];
+        const size_t N = (size_t)c->n, I = (size_t)c->in, O = (size_t)c->out, es = c->dt == MTI_BF16 ? 2 : 4;
+        uint64_t seed = 100 + ci;
+        spmm_w w;
+        spmm_w_make(c, seed, &w);
+        float *xf = check_alloc(N * I * 4 + 4), *dyf = check_alloc(N * O * 4 + 4);
+        float *bf = check_alloc(O * 4), *dx0f = check_alloc(N * I * 4 + 4);
+        void *x = spmm_fill(N * I, c->dt, &seed, xf), *dy = spmm_fill(N * O, c->dt, &seed, dyf);
+        void *b = spmm_fill(O, c->dt, &seed, bf), *dx0 = spmm_fill(N * I, c->dt, &seed, dx0f);
+        const size_t nnz = w.L.nnz;
+        float *dw0 = check_alloc(nnz * 4 + 4), *db0 = check_alloc(O * 4);
+        for (size_t e = 0; e < nnz; e++) dw0[e] = spmm_rnd(&seed);
+        for (size_t o = 0; o < O; o++) db0[o] = spmm_rnd(&seed);
+        /* the sums in double, and the sums of their terms' magnitudes */
+        double *y = check_alloc((N * O + 1) * 8), *ys = check_alloc((N * O + 1) * 8), *dx = check_alloc((N * I + 1) * 8),
+               *dxs = check_alloc((N * I + 1) * 8), *dwd = check_alloc((I * O) * 8), *dws = check_alloc((I * O) * 8),
+               *db = check_alloc((O) * 8), *dbs = check_alloc((O) * 8);
+        for (size_t n = 0; n < N; n++)
+            for (size_t o = 0; o < O; o++) {
+                y[n * O + o] = bf[o], ys[n * O + o] = fabs(bf[o]);
+                for (size_t i = 0; i < I; i++) {
+                    const double wv = w.dense[o * I + i];
+                    y[n * O + o] += wv * xf[n * I + i], ys[n * O + o] += fabs(wv * xf[n * I + i]);
+                    dx[n * I + i] += wv * dyf[n * O + o], dxs[n * I + i] += fabs(wv * dyf[n * O + o]);
+                    dwd[o * I + i] += (double)dyf[n * O + o] * xf[n * I + i];
+                    dws[o * I + i] += fabs((double)dyf[n * O + o] * xf[n * I + i]);
+                }
+                db[o] += dyf[n * O + o], dbs[o] += fabs(dyf[n * O + o]);
+            }
+        for (size_t e = 0; e < N * I; e++) dx[e] += dx0f[e], dxs[e] += fabs(dx0f[e]);
+        /* dW's kept elements: the expansion's order is the values' */
+        double *dwk = check_alloc((nnz + 1) * 8), *dwks = check_alloc((nnz + 1) * 8), *dwk_add = check_alloc((nnz + 1) * 8);
+        double *dwks_add = check_alloc((nnz + 1) * 8), *dbs_add = check_alloc((O) * 8);
+        for (size_t e = 0, k = 0; e < I * O; e++)
+            if (mti_sp_rank(&w.L, w.meta, e + 1) > k) dwk[k] = dwd[e], dwks[k] = dws[e] + 1e-30, k++;
+        for (size_t k = 0; k < nnz; k++)
+            dwk_add[k] = dwk[k] + dw0[k], dwks_add[k] = dwks[k] + fabs(dw0[k]);
+        double *db_add = check_alloc((O) * 8);
+        for (size_t o = 0; o < O; o++)
+            db_add[o] = db[o] + db0[o], dbs[o] += 1e-30, dbs_add[o] = dbs[o] + fabs(db0[o]);
+        unsigned char *first_y = NULL, *first_dx = NULL, *first_dw = NULL;
+        for (int threads = 1; threads <= 3; threads++) {
+            mt_context *ctx = check_cpu_context(threads);
+            const mti_ops *op = mti_cpu_ops();
+            const mti_kctx k = {ctx, ctx->dev};
+            void *yo = check_alloc(N * O * es + 4), *dxo = check_alloc(N * I * es + 4);
+            float *dwo = check_alloc(nnz * 4 + 4), *dbo = check_alloc(O * 4);
+            CHECK_OKC(ctx, op->sparse_matmul_fwd(&k, yo, x, w.vals, w.meta, &w.L, b, c->n, c->in,
+                                                 c->out, c->dt));
+            spmm_close("y", c, yo, c->dt, y, ys, N * O);
+            /* set: dW and db written, dx added to */
+            memcpy(dxo, dx0, N * I * es);
+            memset(dwo, 0x7f, nnz * 4), memset(dbo, 0x7f, O * 4);
+            CHECK_OKC(ctx, op->sparse_matmul_bwd(&k, dxo, dwo, dbo, dy, x, w.vals, w.meta, &w.L, c->n,
+                                                 c->in, c->out, c->dt,
+                                                 MTI_BWD_ACC_DX | MTI_BWD_SET_DW));
+            spmm_close("dx", c, dxo, c->dt, dx, dxs, N * I);
+            spmm_close("dW", c, dwo, MTI_F32, dwk, dwks, nnz);
+            spmm_close("db", c, dbo, MTI_F32, db, dbs, O);
+            if (threads == 1) {
+                first_y = check_alloc(N * O * es + 1), first_dx = check_alloc(N * I * es + 1);
+                first_dw = check_alloc(nnz * 4 + 1);
+                memcpy(first_y, yo, N * O * es), memcpy(first_dx, dxo, N * I * es);
+                memcpy(first_dw, dwo, nnz * 4);
+            } else {
+                CHECK_MSG(memcmp(first_y, yo, N * O * es) == 0, "case %zu: y differs on %d threads", ci, threads);
+                CHECK_MSG(memcmp(first_dx, dxo, N * I * es) == 0, "case %zu: dx on %d threads", ci, threads);
+                CHECK_MSG(memcmp(first_dw, dwo, nnz * 4) == 0, "case %zu: dW on %d threads", ci, threads);
+            }
+            /* added: dW and db onto theirs; dx alone (written) */
+            memcpy(dwo, dw0, nnz * 4), memcpy(dbo, db0, O * 4);
+            CHECK_OKC(ctx, op->sparse_matmul_bwd(&k, dxo, dwo, dbo, dy, x, w.vals, w.meta, &w.L, c->n,
+                                                 c->in, c->out, c->dt, 0));
+            for (size_t e = 0; e < N * I; e++) dx[e] -= dx0f[e];
+            spmm_close("dx written", c, dxo, c->dt, dx, dxs, N * I);
+            for (size_t e = 0; e < N * I; e++) dx[e] += dx0f[e];
+            spmm_close("dW added", c, dwo, MTI_F32, dwk_add, dwks_add, nnz);
+            spmm_close("db added", c, dbo, MTI_F32, db_add, dbs_add, O);
+            /* dW alone, db alone */
+            CHECK_OKC(ctx, op->sparse_matmul_bwd(&k, NULL, dwo, NULL, dy, x, w.vals, w.meta, &w.L,
+                                                 c->n, c->in, c->out, c->dt, MTI_BWD_SET_DW));
+            spmm_close("dW alone", c, dwo, MTI_F32, dwk, dwks, nnz);
+            CHECK_OKC(ctx, op->sparse_matmul_bwd(&k, NULL, NULL, dbo, dy, NULL, w.vals, w.meta, &w.L,
+                                                 c->n, c->in, c->out, c->dt, MTI_BWD_SET_DW));
+            spmm_close("db alone", c, dbo, MTI_F32, db, dbs, O);
+            /* a W of another shape is refused */
+            CHECK_ST(MT_ERR_INVALID_ARG, op->sparse_matmul_fwd(&k, yo, x, w.vals, w.meta, &w.L, b, c->n,
+                                                               c->in + 1, c->out, c->dt));
+            CHECK_OK(mt_context_destroy(ctx));
+        }
+    }
+}
+
+/* The sparse backward is the forward's gradient: L = sum(y * r) in double
+ * for a fixed r, central differences in the kept values and the inputs
+ * against dW and dx (fp32). */
+TEST(sparse_matmul_bwd_finite_differences)
+{
+    const spmm_case c = {9, 40, 12, 0.3, 0, 0, MTI_F32};
+    const size_t N = 9, I = 40, O = 12;
+    mt_context *ctx = check_cpu_context(2);
+    const mti_ops *op = mti_cpu_ops();
+    const mti_kctx k = {ctx, ctx->dev};
+    uint64_t seed = 77;
+    spmm_w w;
+    spmm_w_make(&c, seed, &w);
+    float *xf = check_alloc(N * I * 4), *rf = check_alloc(N * O * 4), *y = check_alloc(N * O * 4);
+    float *x = spmm_fill(N * I, MTI_F32, &seed, xf), *r = spmm_fill(N * O, MTI_F32, &seed, rf);
+    float *dx = check_alloc(N * I * 4), *dw = check_alloc(w.L.nnz * 4);
+    CHECK_OKC(ctx, op->sparse_matmul_bwd(&k, dx, dw, NULL, r, x, w.vals, w.meta, &w.L, (int)N,
+                                         (int)I, (int)O, MTI_F32, MTI_BWD_SET_DW));
+    const float h = 1e-2f;
+#define SPMM_LOSS(out)                                                                            \
+    do {                                                                                          \
+        CHECK_OKC(ctx, op->sparse_matmul_fwd(&k, y, x, w.vals, w.meta, &w.L, NULL, (int)N, (int)I, \
+                                             (int)O, MTI_F32));                                   \
+        out = 0;                                                                                  \
+        for (size_t j_ = 0; j_ < N * O; j_++) out += (double)y[j_] * r[j_];                         \
+    } while (0)
+    float *v = w.vals;
+    for (size_t e = 0; e < w.L.nnz; e += 7) {
+        const float keep = v[e];
+        double lp, lm;
+        v[e] = keep + h;
+        SPMM_LOSS(lp);
+        v[e] = keep - h;
+        SPMM_LOSS(lm);
+        v[e] = keep;
+        const double fd = (lp - lm) / (2.0 * (double)h);
+        CHECK_MSG(fabs(fd - dw[e]) <= 1e-3 * (1.0 + fabs(fd)), "dW[%zu]: %g vs %g", e, dw[e], fd);
+    }
+    for (size_t e = 0; e < N * I; e += 11) {
+        const float keep = x[e];
+        double lp, lm;
+        x[e] = keep + h;
+        SPMM_LOSS(lp);
+        x[e] = keep - h;
+        SPMM_LOSS(lm);
+        x[e] = keep;
+        const double fd = (lp - lm) / (2.0 * (double)h);
+        CHECK_MSG(fabs(fd - dx[e]) <= 1e-3 * (1.0 + fabs(fd)), "dx[%zu]: %g vs %g", e, dx[e], fd);
+    }
+#undef SPMM_LOSS
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
 /* ---- pruned models and their training ---- */
 
 #include "memtrain.h"
@@ -523,6 +760,106 @@ TEST(sparse_gradients_equal_dense_with_zeros)
             mt_trainer_destroy(tb);
             teardown_pair(ctx, a, b);
         }
+}
+
+/* A pruned weight's GEMMs: auto takes the sparse GEMMs at 95% and the
+ * dense tile at 50% (the same bits as the forced choice), the two agree to
+ * rounding, training through the sparse GEMMs keeps the pruned weights at
+ * 0 and moves the kept ones, its estimate equals the run, and a kernel
+ * choice that is out of range or sparse with RigL is refused. */
+TEST(sparse_kernel_choice)
+{
+    const double sps[] = {0.95, 0.5};
+    for (int si = 0; si < 2; si++) {
+        mt_context *ctx;
+        mt_model *a = setup(&ctx, 21);
+        mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = sps[si]};
+        CHECK_OKC(ctx, mt_model_prune(a, &pc));
+        const size_t n = mt_model_num_params(a);
+        float *g[3], l[3];
+        int32_t tok[GB * GT], tg[GB * GT];
+        mt_batch bt;
+        check_token_batch(&bt, tok, tg, GB, GT, GV, 0);
+        const mt_sparse_kernel ks[3] = {MT_SPARSE_KERNEL_AUTO, MT_SPARSE_KERNEL_DENSE,
+                                        MT_SPARSE_KERNEL_SPARSE};
+        for (int ki = 0; ki < 3; ki++) {
+            mt_trainer_config tc;
+            prune_cfg(&tc, MT_OPT_ADAMW, 0);
+            tc.prune.method = MT_PRUNE_NONE;
+            tc.prune.kernel = ks[ki];
+            mt_trainer *t;
+            CHECK_OKC(ctx, mt_trainer_create(a, &tc, &t));
+            g[ki] = check_alloc(n * 4);
+            CHECK_OKC(ctx, mt_trainer_gradients(t, &bt, &l[ki], g[ki], n));
+            mt_trainer_destroy(t);
+        }
+        const int same = si == 0 ? 2 : 1; /* auto's choice */
+        CHECK_MSG(memcmp(g[0], g[same], n * 4) == 0 && l[0] == l[same], "sparsity %g: auto is not %s",
+                  sps[si], same == 2 ? "sparse" : "dense");
+        CHECK(memcmp(g[1], g[2], n * 4) != 0); /* (the sums in another order) */
+        CHECK(fabsf(l[1] - l[2]) <= 1e-5f * fabsf(l[1]));
+        double num = 0, den = 0;
+        for (size_t e = 0; e < n; e++)
+            num += ((double)g[1][e] - g[2][e]) * ((double)g[1][e] - g[2][e]), den += (double)g[1][e] * g[1][e];
+        CHECK_MSG(sqrt(num / den) < 1e-5, "sparsity %g: dense and sparse gradients differ by %g",
+                  sps[si], sqrt(num / den));
+        /* training through the sparse GEMMs, and its estimate */
+        for (int prec = 0; prec < 2; prec++) {
+            mt_trainer_config tc;
+            prune_cfg(&tc, MT_OPT_ADAMW, 0);
+            tc.prune.method = MT_PRUNE_NONE;
+            tc.prune.kernel = MT_SPARSE_KERNEL_SPARSE;
+            tc.precision = prec ? MT_PREC_BF16 : MT_PREC_FP32;
+            mt_context *c2; /* (its own context: the estimate is of its peak) */
+            mt_model *b = setup(&c2, 21);
+            CHECK_OKC(c2, mt_model_prune(b, &pc));
+            float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4);
+            CHECK_OK(mt_model_get_params(b, w0, n));
+            mt_estimate_report est;
+            CHECK_OKC(c2, mt_estimate_model(b, &tc, &est));
+            mt_trainer *t;
+            CHECK_OKC(c2, mt_trainer_create(b, &tc, &t));
+            check_token_steps(c2, t, GB, GT, GV, 0, 2);
+            check_estimate_matches(c2, &est, prec ? "sparse GEMMs, bf16" : "sparse GEMMs, fp32");
+            mt_trainer_destroy(t);
+            CHECK_OK(mt_model_get_params(b, w1, n));
+            for (int i = 0; i < mt_model_num_tensors(b); i++) {
+                mt_param_info pi;
+                CHECK_OK(mt_model_param_info(b, i, &pi));
+                if (!linear_w(pi.name)) continue;
+                unsigned char *keep = check_alloc(pi.numel);
+                CHECK_OK(mt_model_param_mask(b, i, keep, pi.numel));
+                size_t moved = 0, kept = 0;
+                for (size_t e = 0; e < pi.numel; e++) {
+                    if (!keep[e]) CHECK_EQ(w1[pi.offset + e], 0.0f);
+                    else kept++, moved += w1[pi.offset + e] != w0[pi.offset + e];
+                }
+                CHECK_EQ(moved, kept);
+            }
+            CHECK_OK(mt_model_destroy(b));
+            CHECK_OK(mt_context_destroy(c2));
+        }
+        CHECK_OK(mt_model_destroy(a));
+        CHECK_OK(mt_context_destroy(ctx));
+    }
+    /* refusals */
+    mt_context *ctx;
+    mt_model *m = setup(&ctx, 5);
+    mt_trainer_config tc;
+    prune_cfg(&tc, MT_OPT_ADAMW, 0.9);
+    mt_trainer *t;
+    tc.prune.kernel = (mt_sparse_kernel)3;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    tc.prune.kernel = MT_SPARSE_KERNEL_SPARSE;
+    tc.prune.regrow = MT_REGROW_RIGL, tc.prune.regrow_every = 2, tc.prune.regrow_frac = 0.3;
+    tc.prune.regrow_end = 10;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "kernel") != NULL);
+    tc.prune.kernel = MT_SPARSE_KERNEL_AUTO; /* (RigL: the dense tile) */
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
 }
 
 /* The estimate of a pruning run equals the run, to the byte, at 50%, 90%

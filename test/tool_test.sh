@@ -481,6 +481,8 @@ same_peak --model gpt --data "$tmp/text.txt" --seq 32 --layers 3
 same_peak --model gpt --prune magnitude --sparsity 0.9
 same_peak --model gpt --prune magnitude --nm 2:4 --precision bf16
 same_peak --prune magnitude --prune-scope tensor --optimizer adamw
+same_peak --model gpt --prune magnitude --sparsity 0.95 --precision bf16
+same_peak --model gpt --prune magnitude --sparsity 0.5 --sparse-kernel sparse
 
 # pruning: bad values are usage errors; the JSON lines say the sparsity
 expect 2 "--sparsity 1" -- "$tool" train --model gpt --steps 1 --prune magnitude --sparsity 1
@@ -488,6 +490,8 @@ expect 2 "--nm 4:4" -- "$tool" train --model gpt --steps 1 --prune magnitude --n
 expect 2 "--nm M not dividing a row" -- "$tool" train --steps 1 --prune magnitude --nm 2:4
 expect 2 "--sparsity without --prune" -- "$tool" estimate --sparsity 0.5
 expect 2 "--prune-targets matching an embedding" -- "$tool" train --model gpt --steps 1 --prune wanda --prune-targets wte
+expect 2 "--sparse-kernel foo" -- "$tool" train --model gpt --steps 1 --prune magnitude --sparse-kernel foo
+expect 2 "--sparse-kernel sparse with --regrow" -- "$tool" train --model gpt --steps 1 --prune magnitude --sparsity 0.9 --regrow rigl --sparse-kernel sparse
 expect 2 "--regrow with --nm" -- "$tool" train --model gpt --steps 1 --prune magnitude --nm 2:4 --regrow rigl
 expect 0 "gradual pruning with RigL" -- "$tool" train --model gpt --steps 12 --json --prune magnitude --sparsity 0.8 --prune-schedule gradual --prune-start 2 --prune-end 6 --prune-every 2 --regrow rigl --regrow-every 4
 if ! grep -q '"step": 12,.*"sparsity": 0.8' "$tmp/out"; then

@@ -313,6 +313,16 @@ static int set_regrow(cli_opts *o, const char *v)
     return i < 0 ? -1 : 0;
 }
 
+static int set_sparse_kernel(cli_opts *o, const char *v)
+{
+    static const char *const names[] = {[MT_SPARSE_KERNEL_AUTO] = "auto",
+                                        [MT_SPARSE_KERNEL_DENSE] = "dense",
+                                        [MT_SPARSE_KERNEL_SPARSE] = "sparse"};
+    const int i = name_in(v, names, NAMES_N(names));
+    if (i >= 0) o->prune.kernel = i;
+    return i < 0 ? -1 : 0;
+}
+
 static int set_regrow_frac(cli_opts *o, const char *v)
 {
     return parse_fraction(v, 0.0, true, 1.0, false, &o->prune.regrow_frac);
@@ -478,6 +488,10 @@ static const opt table[] = {
        "RigL: the drop fraction at the start, cosine-annealed to 0 at --regrow-end (0.3)", NULL),
     LONG("--regrow-end", "T", ALL, CLI_ANY, regrow_end, 1, 1 << 30,
          "RigL: no mask update from this step on (3/4 of --steps)", NULL),
+    FN("--sparse-kernel", "auto|dense|sparse", ALL, CLI_ANY, set_sparse_kernel,
+       "(auto, dense, sparse)",
+       "a pruned weight's GEMMs: the faster per weight, the dense tile, or the sparse GEMMs "
+       "from the kept values (CPU; not with --regrow) (auto)", NULL),
     FLOAT("--clip", ALL, CLI_ANY, clip, 0, NO_MAX, 0,
           "global gradient-norm clipping, 0 = none (gpt 1, mlp 0)"),
     HEAD(TS, "MLP: three interleaved spirals in the plane, 3 classes, made from the seed."),
@@ -785,6 +799,9 @@ static int check_together(const cli_opts *o)
                                    "--regrow rigl");
     if (o->prune.regrow && o->prune.nm_m)
         return cli_bad_usage("%s", "--regrow rigl changes unstructured masks: not with --nm");
+    if (o->prune.regrow && o->prune.kernel == MT_SPARSE_KERNEL_SPARSE)
+        return cli_bad_usage("%s", "--regrow rigl takes the dense gradient from the dense tile: "
+                                   "not with --sparse-kernel sparse");
     if (o->prune.schedule == MT_PRUNE_GRADUAL && o->prune.nm_m)
         return cli_bad_usage("%s", "--nm prunes once (--prune-schedule oneshot)");
     if (o->prune.schedule == MT_PRUNE_GRADUAL && given(o, "--prune-at"))

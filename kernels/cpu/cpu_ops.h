@@ -22,6 +22,16 @@ mt_status mti_cpu_sparse_expand(const mti_kctx *k, void *dense, const void *vals
 mt_status mti_cpu_sparse_compress(const mti_kctx *k, void *vals, const void *dense,
                                   const void *meta, const mti_sp_layout *L, size_t at, size_t len,
                                   mti_dtype dt, int add);
+/* sparse_mm.c */
+int mti_cpu_sparse_matmul_choice(const mti_kctx *k, const mti_sp_layout *L, int n, int in, int out,
+                                 mti_dtype dt);
+mt_status mti_cpu_sparse_matmul_fwd(const mti_kctx *k, void *y, const void *x, const void *vals,
+                                    const void *meta, const mti_sp_layout *L, const void *b, int n,
+                                    int in, int out, mti_dtype dt);
+mt_status mti_cpu_sparse_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
+                                    const void *dy, const void *x, const void *vals,
+                                    const void *meta, const mti_sp_layout *L, int n, int in,
+                                    int out, mti_dtype dt, int flags);
 /* Loads n values of dt at src (element offset i) into fp32 dst / stores n
  * fp32 values as dt, rounding to nearest even. For the kernels' inner loops. */
 void mti_cpu_load_f32(float *dst, const void *src, mti_dtype dt, size_t i, size_t n);

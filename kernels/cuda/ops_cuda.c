@@ -1024,6 +1024,36 @@ static mt_status cu_sparse_compress(const mti_kctx *k, void *vals, const void *d
                      add);
 }
 
+/* No sparse GEMMs on CUDA: a pruned W's GEMMs run on its dense tile
+   (cuSPARSELt's 2:4 would go here). */
+static int cu_sparse_matmul_choice(const mti_kctx *k, const mti_sp_layout *L, int n, int in,
+                                   int out, mti_dtype dt)
+{
+    (void)k, (void)L, (void)n, (void)in, (void)out, (void)dt;
+    return MTI_SPMM_NONE;
+}
+
+static mt_status cu_sparse_matmul_fwd(const mti_kctx *k, void *y, const void *x, const void *vals,
+                                      const void *meta, const mti_sp_layout *L, const void *b,
+                                      int n, int in, int out, mti_dtype dt)
+{
+    (void)y, (void)x, (void)vals, (void)meta, (void)L, (void)b, (void)n, (void)in, (void)out,
+        (void)dt;
+    return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                    "sparse_matmul_fwd: no sparse GEMM on CUDA (the dense tile is used)");
+}
+
+static mt_status cu_sparse_matmul_bwd(const mti_kctx *k, void *dx, float *dw, float *db,
+                                      const void *dy, const void *x, const void *vals,
+                                      const void *meta, const mti_sp_layout *L, int n, int in,
+                                      int out, mti_dtype dt, int flags)
+{
+    (void)dx, (void)dw, (void)db, (void)dy, (void)x, (void)vals, (void)meta, (void)L, (void)n,
+        (void)in, (void)out, (void)dt, (void)flags;
+    return mti_fail(k->ctx, MT_ERR_UNSUPPORTED,
+                    "sparse_matmul_bwd: no sparse GEMM on CUDA (the dense tile is used)");
+}
+
 /* The checks of the CPU table's quantized matmuls, in its order. */
 /* Tile width (rows or columns) of a tile of `len` elements per row or
  * column, and the WORK the tile buffer takes. */

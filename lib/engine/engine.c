@@ -425,8 +425,19 @@ static mt_status sparse_in(mti_engine *E, int wi, mti_tensor *d)
     return s;
 }
 
+/* Whether the GEMMs of the pruned W parameter wi run from its kept values
+ * (the op table's sparse GEMMs) rather than on its dense tile. */
+static bool sparse_direct(const mti_engine *E, int wi, int in, int out)
+{
+    const mti_param *w = &E->m->params[wi];
+    if (E->sp_kernel == MT_SPARSE_KERNEL_DENSE || E->grow || w->w.dtype != E->dt) return false;
+    const int c = E->ctx->ops->sparse_matmul_choice(&E->k, &w->sp->L, E->N, in, out, E->dt);
+    return c == MTI_SPMM_FASTER || (c == MTI_SPMM_SLOWER && E->sp_kernel == MT_SPARSE_KERNEL_SPARSE);
+}
+
 /* y (N, out) = x W^T + b with W parameter wi: a quantized W through the
- * dequantizing GEMM, a pruned one through its dense form. */
+ * dequantizing GEMM, a pruned one through the sparse GEMMs or its dense
+ * form. */
 static mt_status lin_fwd(mti_engine *E, int wi, void *y, const void *x, const void *b, int in,
                          int out)
 {
@@ -437,6 +448,9 @@ static mt_status lin_fwd(mti_engine *E, int wi, void *y, const void *x, const vo
         if (s) return s;
     }
     if (w->qf) return op->matmul_fwd_q(&E->k, y, x, w->w.blk.ptr, w->qf, b, E->N, in, out, E->dt);
+    if (w->sp && sparse_direct(E, wi, in, out))
+        return op->sparse_matmul_fwd(&E->k, y, x, w->w.blk.ptr, w->sp->meta.blk.ptr, &w->sp->L, b,
+                                     E->N, in, out, E->dt);
     if (w->sp) {
         mti_tensor d;
         mt_status s = sparse_in(E, wi, &d);
@@ -584,15 +598,18 @@ static mt_status emb_fwd(mti_engine *E, int ti, void *out, const void *wpe, int 
                              E->dt);
 }
 
-/* matmul_bwd of a pruned W (parameter wi): the GEMMs on its dense form,
- * the weight gradient made dense (WORK, fp32) and its kept elements
- * written into gw (set: its first contribution) or added to it; the
- * pruned ones' gradient is never kept. */
+/* matmul_bwd of a pruned W (parameter wi): the sparse GEMMs, or the GEMMs
+ * on its dense form, the weight gradient made dense (WORK, fp32) and its
+ * kept elements written into gw (set: its first contribution) or added to
+ * it; the pruned ones' gradient is never kept. */
 static mt_status sparse_bwd(mti_engine *E, int wi, void *dx, float *gw, float *gb, const void *dy,
                             const void *x, int in, int out, int accumulate, int set)
 {
     const mti_param *w = &E->m->params[wi];
     const mti_ops *op = E->ctx->ops;
+    if (sparse_direct(E, wi, in, out))
+        return op->sparse_matmul_bwd(&E->k, dx, gw, gb, dy, x, w->w.blk.ptr, w->sp->meta.blk.ptr,
+                                     &w->sp->L, E->N, in, out, E->dt, accumulate | set);
     mti_tensor d = {0}, g = {0};
     mt_status s = dx ? sparse_in(E, wi, &d) : MT_OK;
     if (!s && gw)

@@ -143,6 +143,10 @@ typedef struct mti_engine {
      * gradient to it (not in dry contexts). */
     mti_grow_hook grow;
     void *grow_user;
+    /* A pruned weight's GEMMs (mt_sparse_kernel): MT_SPARSE_KERNEL_AUTO
+     * takes the op table's sparse GEMMs where it expects them faster,
+     * SPARSE wherever it has them, DENSE never; never while grow is set. */
+    int sp_kernel;
 } mti_engine;
 
 /* One micro-batch's pass (what forward leaves for its backward), held

@@ -196,6 +196,11 @@ typedef struct mti_adafactor_args {
 #define MTI_BWD_SET_DW 2 /* the weight's and bias's gradients = the sums (else +=); an
                             empty sum (no rows) writes zeros */
 
+/* sparse_matmul_choice's answers */
+#define MTI_SPMM_NONE 0
+#define MTI_SPMM_SLOWER 1
+#define MTI_SPMM_FASTER 2
+
 typedef struct mti_ops mti_ops;
 
 /* Every member after `device` is an op (a function pointer), and both
@@ -310,6 +315,28 @@ struct mti_ops {
     mt_status (*sparse_compress)(const mti_kctx *k, void *vals, const void *dense,
                                  const void *meta, const mti_sp_layout *L, size_t at, size_t len,
                                  mti_dtype dt, int add);
+    /* The GEMMs of a linear map whose W (out, in) is pruned, from its kept
+     * values (vals in dt, meta, L as above; L->dense = out * in), without a
+     * dense tile. sparse_matmul_choice: MTI_SPMM_NONE where the table has
+     * no such GEMMs (the two others then fail with MT_ERR_UNSUPPORTED),
+     * else MTI_SPMM_FASTER where they are expected to beat the dense tile
+     * (expand, matmul_fwd / matmul_bwd, compress) for this shape, density
+     * and dtype, MTI_SPMM_SLOWER where not. Their results are the dense
+     * tile's but for the order of the sums (fixed by the shapes and the
+     * mask, not by the thread count). */
+    int (*sparse_matmul_choice)(const mti_kctx *k, const mti_sp_layout *L, int n, int in, int out,
+                                mti_dtype dt);
+    /* y (N,out) = x W^T + b, as matmul_fwd (b may be NULL). */
+    mt_status (*sparse_matmul_fwd)(const mti_kctx *k, void *y, const void *x, const void *vals,
+                                   const void *meta, const mti_sp_layout *L, const void *b, int n,
+                                   int in, int out, mti_dtype dt);
+    /* matmul_bwd's dx, dW and db (each NULL when not wanted; flags as
+     * matmul_bwd's), dW as its kept elements alone: dw holds L->nnz fp32
+     * values in the kept values' order; the pruned ones are never made. */
+    mt_status (*sparse_matmul_bwd)(const mti_kctx *k, void *dx, float *dw, float *db,
+                                   const void *dy, const void *x, const void *vals,
+                                   const void *meta, const mti_sp_layout *L, int n, int in,
+                                   int out, mti_dtype dt, int flags);
 
     /* ---- layernorm, eps 1e-5 ---- */
     /* out (N,C) = (x - mean) * rstd * w + b, per row; mean, rstd (N) saved
@@ -460,7 +487,7 @@ struct mti_ops {
 #define MTI_OPS(X)                                                                                 \
     X(cast) X(embedding_fwd) X(embedding_fwd_rows) X(embedding_bwd) X(embedding_dw_rows) X(matmul_fwd) X(matmul_bwd)     \
     X(matmul_dw_align) X(matmul_dw_rows) X(matmul_fwd_q) X(matmul_dx_q) X(embedding_fwd_q)         \
-    X(dequantize) X(sparse_expand) X(sparse_compress) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
+    X(dequantize) X(sparse_expand) X(sparse_compress) X(sparse_matmul_choice) X(sparse_matmul_fwd) X(sparse_matmul_bwd) X(layernorm_fwd) X(layernorm_bwd) X(gelu_fwd) X(gelu_bwd) X(relu_fwd)            \
     X(relu_bwd) X(add) X(accumulate) X(attention_fwd) X(attention_bwd) X(xent) X(xent_kd) X(xent_vp)          \
     X(unscale_check) X(sumsq) X(sgd) X(adamw) X(adamw8) X(adamw8_bf16) X(adamw4) X(adafactor)
 #define MTI_OP_ONE(op) +1

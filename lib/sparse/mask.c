@@ -186,6 +186,16 @@ void mti_sp_expand(const mti_sp_layout *L, const void *meta, const void *vals, s
     SP_EACH_KEPT(L, meta, at, len, memcpy(d + (ke - at) * es, v + (kv - vbase) * es, es));
 }
 
+void mti_sp_csr_rows(const mti_sp_layout *L, const void *meta, size_t cols, size_t r0, size_t r1,
+                     size_t *ptr, int32_t *idx)
+{
+    for (size_t r = r0; r < r1; r++) {
+        const size_t at = r * cols;
+        ptr[r] = mti_sp_rank(L, meta, at);
+        SP_EACH_KEPT(L, meta, at, cols, idx[kv] = (int32_t)(ke - at));
+    }
+}
+
 void mti_sp_compress(const mti_sp_layout *L, const void *meta, const void *dense, size_t es,
                      size_t at, size_t len, void *vals, size_t vbase, int add)
 {

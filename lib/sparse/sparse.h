@@ -87,6 +87,12 @@ void mti_sp_expand(const mti_sp_layout *L, const void *meta, const void *vals, s
 void mti_sp_compress(const mti_sp_layout *L, const void *meta, const void *dense, size_t es,
                      size_t at, size_t len, void *vals, size_t vbase, int add);
 
+/* CSR's index of rows [r0, r1) of a pruned (rows, cols) tensor: ptr[r] =
+ * the kept elements before row r, and idx[k] = the column of kept value k
+ * for the values of those rows (ptr and idx are the whole tensor's). */
+void mti_sp_csr_rows(const mti_sp_layout *L, const void *meta, size_t cols, size_t r0, size_t r1,
+                     size_t *ptr, int32_t *idx);
+
 /* ---- choosing masks ---- */
 
 /* One tensor's scores in a choice: n values, and its mask (keep, n bits),

@@ -165,6 +165,10 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
 {
     const mt_prune_config *p = &c->prune;
     const char *fn = "mt_trainer_create";
+    if ((unsigned)p->kernel > MT_SPARSE_KERNEL_SPARSE)
+        return mti_fail(ctx, MT_ERR_INVALID_ARG,
+                        "%s: prune.kernel %d is not auto (0), dense (1) or sparse (2)", fn,
+                        (int)p->kernel);
     if (p->method == MT_PRUNE_NONE) { /* a model pruned before: what its trainer cannot do */
         const char *why = model_pruned(m) ? combo_refused(ctx, c, zero) : NULL;
         if (why)
@@ -192,6 +196,10 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
                             (long long)p->regrow_every, p->regrow_frac, (long long)p->regrow_end);
         if (p->nm_m)
             return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: RigL changes unstructured masks, not N:M", fn);
+        if (p->kernel == MT_SPARSE_KERNEL_SPARSE)
+            return mti_fail(ctx, MT_ERR_INVALID_ARG, "%s: RigL takes the dense gradient of its "
+                            "regrowth steps from the dense tile: prune.kernel sparse does not "
+                            "combine with it (auto uses the dense tile)", fn);
         const int micro = c->micro_batch ? c->micro_batch : c->max_batch;
         const char *no = ctx->world > 1                  ? "several ranks"
                          : micro < c->max_batch          ? "gradient accumulation (micro_batch below max_batch)"
@@ -210,6 +218,13 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
                         "quantized in blocks of the kept entries); prune at step 0 by magnitude, "
                         "or use AdamW or SGD", fn);
     return MT_OK;
+}
+
+int mti_sparsity_kernel(const mt_trainer_config *c)
+{
+    const mt_prune_config *p = &c->prune;
+    return p->method != MT_PRUNE_NONE && p->regrow != MT_REGROW_NONE ? MT_SPARSE_KERNEL_DENSE
+                                                                    : (int)p->kernel;
 }
 
 bool mti_sparsity_pruned_now(const mt_trainer *t)

@@ -32,6 +32,9 @@ void mti_prune_undo_free(mti_prune_undo *u);
 bool mti_sparsity_changes_later(const mt_trainer *t);
 /* Whether the step being taken made a prune at its start. */
 bool mti_sparsity_pruned_now(const mt_trainer *t);
+/* The engine's sp_kernel for c (mt_sparse_kernel): c->prune.kernel, or
+ * the dense tile when the trainer regrows. */
+int mti_sparsity_kernel(const mt_trainer_config *c);
 /* RigL: whether this step updates the masks instead of the weights (its
  * backward then hands each target's dense gradient to the trainer); and
  * after its passes, the masks changed (apply: the passes went well). */

@@ -1050,12 +1050,14 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s) s = mti_fill_plan(t);
     if (!s && cfg->teacher) s = mti_model_make(cfg->teacher, NULL);
     if (!s) s = mti_engine_init(&t->E, m, t->dt, t->units, t->seg_len);
+    t->E.sp_kernel = mti_sparsity_kernel(cfg); /* (a pruned weight's GEMMs) */
     t->E.stage_in = t->pp.size > 1 && t->pp.rank > 0; /* (pipeline parallel: a stage) */
     t->E.stage_out = t->pp.size > 1 && t->pp.rank < t->pp.size - 1;
     if (!s && cfg->teacher) { /* forward only, fp32, keeping nothing (the plan is unread) */
         unsigned char *keep = calloc((size_t)cfg->teacher->n_units, 1);
         s = keep ? mti_engine_init(&t->TE, cfg->teacher, MTI_F32, keep, 1)
                  : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
+        t->TE.sp_kernel = mti_sparsity_kernel(cfg);
         free(keep);
         if (!s) {
             t->teaching = 1;
