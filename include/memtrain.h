@@ -998,10 +998,11 @@ typedef enum mt_regrow {
  * GEMMs: the work of the kept values only, the sums in another order;
  * the CPU has them, CUDA uses the dense tile). */
 typedef enum mt_sparse_kernel {
-    MT_SPARSE_KERNEL_AUTO = 0,  /* per weight, the faster: sparse on the CPU where at most
-                                   7% of W is kept (docs/benchmarks.md); the dense tile in a
-                                   trainer that regrows (RigL's steps take the dense
-                                   gradient) */
+    MT_SPARSE_KERNEL_AUTO = 0,  /* per weight, the faster: the sparse GEMMs on the CPU where
+                                   at most 15% of W is kept (7% for bf16 or fp16 on a CPU with
+                                   its own instructions for them: AVX512-BF16, AMX); the
+                                   dense tile in a trainer that regrows (RigL's steps take
+                                   the dense gradient) */
     MT_SPARSE_KERNEL_DENSE = 1, /* always the dense tile */
     MT_SPARSE_KERNEL_SPARSE = 2 /* the sparse GEMMs wherever the device has them (not with
                                    RigL: MT_ERR_INVALID_ARG) */

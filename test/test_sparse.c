@@ -862,8 +862,8 @@ TEST(sparse_kernel_choice)
     CHECK_OK(mt_context_destroy(ctx));
 }
 
-/* The estimate of a pruning run equals the run, to the byte, at 50%, 90%
- * and 2:4 (fp32 and bf16 with masters); and the pruned tensors' classes
+/* The estimate of a pruning run equals the run, to the byte, at 50%, 90%,
+ * 95% and 2:4 (fp32 and bf16 with masters); and the pruned tensors' classes
  * shrink as the storage says. */
 TEST(sparse_estimate_equals_run)
 {
@@ -872,7 +872,8 @@ TEST(sparse_estimate_equals_run)
         int n, m;
         mt_precision prec;
     } cases[] = {{0.5, 0, 0, MT_PREC_FP32}, {0.9, 0, 0, MT_PREC_FP32}, {0, 2, 4, MT_PREC_FP32},
-                 {0.5, 0, 0, MT_PREC_BF16}, {0, 2, 4, MT_PREC_BF16}};
+                 {0.5, 0, 0, MT_PREC_BF16}, {0, 2, 4, MT_PREC_BF16}, {0.95, 0, 0, MT_PREC_FP32},
+                 {0.95, 0, 0, MT_PREC_BF16}}; /* (90% and 95%: the sparse GEMMs) */
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         mt_context *ctx = check_cpu_context(2);
         mt_model *m = check_small_gpt(ctx, GV, GT, 64, 3);
