@@ -1409,10 +1409,12 @@ typedef struct mt_trainer_config {
      * alone) or at the start of a step (the weights, masters and optimizer
      * state of each target rebuilt for its new mask, one tensor at a time).
      * The masks are the model's: a model pruned before keeps its masks, and
-     * further pruning only removes. Every optimizer but Adafactor and 4-bit
-     * AdamW (which factor or block the dense rows; MT_ERR_UNSUPPORTED); a
-     * prune after steps were taken needs state that follows the weights
-     * element by element (SGD, AdamW; not 8-bit AdamW), and no gradients
+     * further pruning only removes. Every optimizer: 4-bit AdamW
+     * normalises a pruned weight's second moment in blocks, as a vector's;
+     * Adafactor factors it over the dense rows and columns, updating the
+     * dense matrix with zeros at the pruned places; a prune after steps
+     * were taken needs state that follows the weights element by element
+     * (SGD, AdamW, Adafactor; not 8-bit or 4-bit AdamW), and no gradients
      * summed on the communication thread or stream. Data parallel and
      * local SGD work (every rank chooses the same masks); ZeRO on several
      * ranks, offload, tensor and pipeline parallel, a quantized base and a

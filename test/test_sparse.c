@@ -653,8 +653,9 @@ static bool linear_w(const char *name)
  * training, with weight decay; kept ones move; the rest stays dense. */
 TEST(sparse_train_magnitude_pruned_stay_zero)
 {
-    const mt_optimizer_kind opts[] = {MT_OPT_ADAMW, MT_OPT_SGD, MT_OPT_ADAMW8};
-    for (int oi = 0; oi < 3; oi++) {
+    const mt_optimizer_kind opts[] = {MT_OPT_ADAMW, MT_OPT_SGD, MT_OPT_ADAMW8, MT_OPT_ADAMW4,
+                                      MT_OPT_ADAFACTOR};
+    for (int oi = 0; oi < 5; oi++) {
         mt_context *ctx = check_cpu_context(2);
         mt_model *m = check_small_gpt(ctx, GV, GT, GC, 5);
         const size_t n = mt_model_num_params(m);
@@ -663,6 +664,8 @@ TEST(sparse_train_magnitude_pruned_stay_zero)
         mt_trainer_config tc;
         prune_cfg(&tc, opts[oi], 0.6);
         tc.min_8bit_size = 64;
+        mt_estimate_report est;
+        CHECK_OKC(ctx, mt_estimate_model(m, &tc, &est));
         mt_trainer *t;
         CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
         uint64_t pruned, total, want_p = 0, want_t = 0;
@@ -687,6 +690,9 @@ TEST(sparse_train_magnitude_pruned_stay_zero)
         CHECK_EQ(pruned, want_p);
         CHECK_EQ(total, want_t);
         check_token_steps(ctx, t, GB, GT, GV, 0, 4);
+        char what[32];
+        snprintf(what, sizeof what, "optimizer %d", oi);
+        check_estimate_matches(ctx, &est, what);
         CHECK_OK(mt_model_get_params(m, w1, n));
         size_t moved = 0, kept = 0;
         for (int i = 0; i < mt_model_num_tensors(m); i++) {
@@ -707,6 +713,66 @@ TEST(sparse_train_magnitude_pruned_stay_zero)
         CHECK(memcmp(w0, w1, n * 4) == 0);
         CHECK_OK(mt_model_destroy(m));
         CHECK_OK(mt_context_destroy(ctx));
+    }
+}
+
+/* Adafactor on a pruned matrix is Adafactor of the dense matrix with zeros
+ * at the pruned places and a zero gradient there (the op, whose numerics
+ * test_golden checks against transformers, on dense tiles): the same bits
+ * after a step, with and without a first moment; the pruned weights stay
+ * 0 and the factored statistics keep the dense rows and columns. */
+TEST(sparse_adafactor_is_the_dense_update_with_zeros)
+{
+    for (int b1 = 0; b1 < 2; b1++) {
+        mt_context *ctx;
+        mt_model *m = setup(&ctx, 31);
+        mt_trainer_config tc;
+        prune_cfg(&tc, MT_OPT_ADAFACTOR, 0.75);
+        tc.adafactor.relative_step = 0, tc.adafactor.scale_parameter = 0;
+        tc.adafactor.beta1 = b1 ? 0.9f : 0.0f;
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        const size_t n = mt_model_num_params(m);
+        float *w0 = check_alloc(n * 4), *w1 = check_alloc(n * 4), *g = check_alloc(n * 4);
+        CHECK_OK(mt_model_get_params(m, w0, n));
+        int32_t tok[GB * GT], tg[GB * GT];
+        mt_batch bt;
+        check_token_batch(&bt, tok, tg, GB, GT, GV, 0);
+        float l;
+        CHECK_OKC(ctx, mt_trainer_gradients(t, &bt, &l, g, n));
+        CHECK_OKC(ctx, mt_trainer_step(t, &bt, &l));
+        CHECK_OK(mt_model_get_params(m, w1, n));
+        const mti_ops *op = mti_cpu_ops();
+        const mti_kctx k = {ctx, ctx->dev};
+        int pruned_seen = 0;
+        for (int i = 0; i < mt_model_num_tensors(m); i++) {
+            mt_param_info pi;
+            CHECK_OK(mt_model_param_info(m, i, &pi));
+            if (!linear_w(pi.name)) continue;
+            pruned_seen++;
+            const int64_t rows = pi.shape[0], cols = pi.shape[1];
+            float *p = check_copy(w0 + pi.offset, pi.numel * 4);
+            float *row = check_alloc((size_t)rows * 4), *col = check_alloc((size_t)cols * 4);
+            float *mom = b1 ? check_alloc(pi.numel * 4) : NULL;
+            const mti_adafactor_args a = {.lr = tc.lr, .eps1 = tc.adafactor.eps1,
+                                          .eps2 = tc.adafactor.eps2,
+                                          .clip_threshold = tc.adafactor.clip_threshold,
+                                          .decay_rate = tc.adafactor.decay_rate,
+                                          .beta1 = tc.adafactor.beta1,
+                                          .weight_decay = tc.weight_decay, .step = 1,
+                                          .grad_scale = 1.0f};
+            CHECK_OKC(ctx, op->adafactor(&k, p, g + pi.offset, row, col, NULL, mom, NULL, MTI_F32,
+                                         rows, cols, 1, &a));
+            unsigned char *keep = check_alloc(pi.numel);
+            CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
+            for (size_t e = 0; e < pi.numel; e++) {
+                if (!keep[e]) CHECK_EQ(g[pi.offset + e], 0.0f);
+                CHECK_MSG(memcmp(&p[e], &w1[pi.offset + e], 4) == 0, "beta1 %d %s[%zu]: %g vs %g",
+                          b1, pi.name, e, w1[pi.offset + e], p[e]);
+            }
+        }
+        CHECK(pruned_seen > 0);
+        teardown(ctx, t, m);
     }
 }
 
@@ -898,53 +964,57 @@ TEST(sparse_estimate_equals_run)
 /* A gradual prune: at every step the pruned count of each target is
  * rint(s_t n) of Zhu & Gupta's schedule (held between prunes), what was
  * pruned stays pruned, and the weights there stay 0 while AdamW's state
- * is rebuilt at each prune. */
+ * (Adafactor's first moment, its factored statistics kept) is rebuilt at
+ * each prune. */
 TEST(sparse_gradual_follows_the_schedule)
 {
-    mt_context *ctx;
-    mt_model *m = setup(&ctx, 11);
-    mt_trainer_config tc;
-    prune_cfg(&tc, MT_OPT_ADAMW, 0.8);
-    tc.prune.schedule = MT_PRUNE_GRADUAL;
-    tc.prune.start = 2, tc.prune.end = 9, tc.prune.every = 3; /* prunes after 2, 5, 8 and 9 steps */
-    tc.prune.targets = "h.*.fc.w,h.1.qkv.w";
-    mt_trainer *t;
-    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
-    const size_t n = mt_model_num_params(m);
-    float *w = check_alloc(n * 4);
-    unsigned char *prev[16] = {0};
-    double held = 0.0;
-    for (int step = 0; step < 12; step++) {
-        int64_t next;
-        CHECK_OK(mt_trainer_prune_next(t, &next, NULL));
-        const int64_t want_next = step <= 2 ? 2 : step <= 5 ? 5 : step <= 8 ? 8 : step <= 9 ? 9 : -1;
-        CHECK_MSG(next == want_next, "after %d steps the next prune is %lld", step, (long long)next);
-        check_token_steps(ctx, t, GB, GT, GV, step, step + 1);
-        if (step == 2 || step == 5 || step == 8 || step == 9) held = mti_sp_gradual(0.8, 2, 9, step);
-        CHECK_OK(mt_model_get_params(m, w, n));
-        int k = 0;
-        for (int i = 0; i < mt_model_num_tensors(m); i++) {
-            mt_param_info pi;
-            CHECK_OK(mt_model_param_info(m, i, &pi));
-            unsigned char *keep = check_alloc(pi.numel);
-            CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
-            const bool target = strstr(pi.name, ".fc.w") || !strcmp(pi.name, "h.1.qkv.w");
-            size_t pruned = 0;
-            for (size_t e = 0; e < pi.numel; e++) {
-                pruned += !keep[e];
-                if (!keep[e]) CHECK_EQ(w[pi.offset + e], 0.0f);
-                if (target && prev[k]) CHECK_MSG(keep[e] <= prev[k][e], "%s regrew %zu", pi.name, e);
+    for (int oi = 0; oi < 2; oi++) { /* AdamW, Adafactor */
+        mt_context *ctx;
+        mt_model *m = setup(&ctx, 11);
+        mt_trainer_config tc;
+        prune_cfg(&tc, oi ? MT_OPT_ADAFACTOR : MT_OPT_ADAMW, 0.8);
+        tc.adafactor.beta1 = 0.9f; /* (Adafactor: a first moment, relaid per prune) */
+        tc.prune.schedule = MT_PRUNE_GRADUAL;
+        tc.prune.start = 2, tc.prune.end = 9, tc.prune.every = 3; /* prunes after 2, 5, 8 and 9 steps */
+        tc.prune.targets = "h.*.fc.w,h.1.qkv.w";
+        mt_trainer *t;
+        CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+        const size_t n = mt_model_num_params(m);
+        float *w = check_alloc(n * 4);
+        unsigned char *prev[16] = {0};
+        double held = 0.0;
+        for (int step = 0; step < 12; step++) {
+            int64_t next;
+            CHECK_OK(mt_trainer_prune_next(t, &next, NULL));
+            const int64_t want_next = step <= 2 ? 2 : step <= 5 ? 5 : step <= 8 ? 8 : step <= 9 ? 9 : -1;
+            CHECK_MSG(next == want_next, "after %d steps the next prune is %lld", step, (long long)next);
+            check_token_steps(ctx, t, GB, GT, GV, step, step + 1);
+            if (step == 2 || step == 5 || step == 8 || step == 9) held = mti_sp_gradual(0.8, 2, 9, step);
+            CHECK_OK(mt_model_get_params(m, w, n));
+            int k = 0;
+            for (int i = 0; i < mt_model_num_tensors(m); i++) {
+                mt_param_info pi;
+                CHECK_OK(mt_model_param_info(m, i, &pi));
+                unsigned char *keep = check_alloc(pi.numel);
+                CHECK_OK(mt_model_param_mask(m, i, keep, pi.numel));
+                const bool target = strstr(pi.name, ".fc.w") || !strcmp(pi.name, "h.1.qkv.w");
+                size_t pruned = 0;
+                for (size_t e = 0; e < pi.numel; e++) {
+                    pruned += !keep[e];
+                    if (!keep[e]) CHECK_EQ(w[pi.offset + e], 0.0f);
+                    if (target && prev[k]) CHECK_MSG(keep[e] <= prev[k][e], "%s regrew %zu", pi.name, e);
+                }
+                if (!target) {
+                    CHECK_EQ(pruned, 0);
+                    continue;
+                }
+                CHECK_MSG(pruned == mti_sp_count(held, pi.numel), "after %d steps %s: %zu pruned, want %zu",
+                          step + 1, pi.name, pruned, mti_sp_count(held, pi.numel));
+                prev[k++] = keep;
             }
-            if (!target) {
-                CHECK_EQ(pruned, 0);
-                continue;
-            }
-            CHECK_MSG(pruned == mti_sp_count(held, pi.numel), "after %d steps %s: %zu pruned, want %zu",
-                      step + 1, pi.name, pruned, mti_sp_count(held, pi.numel));
-            prev[k++] = keep;
         }
+        teardown(ctx, t, m);
     }
-    teardown(ctx, t, m);
 }
 
 /* Wanda through a trainer: the prune waits for its calibration (a step
@@ -1059,8 +1129,6 @@ TEST(sparse_refusals)
         {0.5, 0, 0, 0, 1, "nothing*", MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "matches no parameter"},
         {0.5, 0, 0, 1, 2, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "scope global"},
         {0.5, 0, 0, 0, 7, NULL, MT_OPT_ADAMW, MT_ERR_INVALID_ARG, "prune.method"},
-        {0.5, 0, 0, 0, 1, NULL, MT_OPT_ADAFACTOR, MT_ERR_UNSUPPORTED, "Adafactor"},
-        {0.5, 0, 0, 0, 1, NULL, MT_OPT_ADAMW4, MT_ERR_UNSUPPORTED, "4-bit AdamW"},
     };
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         mt_trainer_config tc;
@@ -1076,10 +1144,13 @@ TEST(sparse_refusals)
     }
     /* a prune after steps needs elementwise state */
     mt_trainer_config tc;
-    prune_cfg(&tc, MT_OPT_ADAMW8, 0.5);
-    tc.prune.at = 3;
     mt_trainer *t;
-    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    for (int q = 0; q < 2; q++) {
+        prune_cfg(&tc, q ? MT_OPT_ADAMW4 : MT_OPT_ADAMW8, 0.5);
+        tc.prune.at = 3;
+        CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+        CHECK(strstr(mt_last_error(ctx), q ? "4-bit" : "8-bit") != NULL);
+    }
     /* nothing changed: the model is still dense */
     uint64_t pruned, total;
     CHECK_OK(mt_model_sparsity(m, &pruned, &total));
@@ -1134,14 +1205,17 @@ static void damaged_mask_refused(mt_context *ctx, mt_trainer *t, const char *pat
  * prune at all. */
 TEST(sparse_resume_bit_identical)
 {
-    for (int kind = 0; kind < 3; kind++) {
+    /* AdamW; SGD gradual; 1:4; Adafactor gradual; 4-bit AdamW */
+    for (int kind = 0; kind < 5; kind++) {
         char path[] = "/tmp/mt_sparse_ckXXXXXX";
         int fd = mkstemp(path);
         CHECK(fd >= 0);
         close(fd);
         mt_trainer_config tc;
-        prune_cfg(&tc, kind == 1 ? MT_OPT_SGD : MT_OPT_ADAMW, 0.7);
-        if (kind == 1) {
+        prune_cfg(&tc, kind == 1 ? MT_OPT_SGD : kind == 3 ? MT_OPT_ADAFACTOR
+                       : kind == 4 ? MT_OPT_ADAMW4 : MT_OPT_ADAMW, 0.7);
+        tc.adafactor.beta1 = 0.9f, tc.min_8bit_size = 64;
+        if (kind == 1 || kind == 3) {
             tc.prune.schedule = MT_PRUNE_GRADUAL;
             tc.prune.start = 1, tc.prune.end = 7, tc.prune.every = 2;
         }
@@ -1482,14 +1556,12 @@ TEST(sparse_pruned_model_later)
     mt_prune_config pc = {.method = MT_PRUNE_MAGNITUDE, .sparsity = 0.9};
     CHECK_OKC(ctx, mt_model_prune(m, &pc));
     mt_trainer_config tc;
-    prune_cfg(&tc, MT_OPT_ADAFACTOR, 0);
+    prune_cfg(&tc, MT_OPT_ADAMW, 0);
     tc.prune.method = MT_PRUNE_NONE;
     mt_trainer *t;
-    CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
-    CHECK(strstr(mt_last_error(ctx), "the model is pruned"));
-    tc.optimizer = MT_OPT_ADAMW;
     tc.base = MT_BASE_NF4, tc.lora.rank = 4;
     CHECK_ST(MT_ERR_UNSUPPORTED, mt_trainer_create(m, &tc, &t));
+    CHECK(strstr(mt_last_error(ctx), "the model is pruned"));
     tc.base = MT_BASE_FULL;
     /* the estimate of the pruned model is its run */
     mt_estimate_report est;

@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "optim/optim.h"
 #include "engine/plan.h"
+#include "sparse/sparse.h"
 #include "comm/comm.h"
 
 void mti_plan_of_policy(const mt_model *m, const mt_trainer_config *c, unsigned char *units,
@@ -397,12 +398,14 @@ static int fit_optimizers(const mt_model *m, const mt_trainer_config *cfg, int a
     int n = 0;
     out[n++] = cfg->optimizer;
     if (cfg->optimizer != MT_OPT_ADAMW) return n;
+    /* (blockwise state does not follow masks that change after create) */
+    if (mti_prune_later(&cfg->prune) ||
+        (cfg->prune.method != MT_PRUNE_NONE && cfg->prune.regrow != MT_REGROW_NONE))
+        return n;
     if (allow & MT_AUTOFIT_ALLOW_8BIT) out[n++] = MT_OPT_ADAMW8;
     const mti_optim *o4 = mti_optim_of(MT_OPT_ADAMW4);
-    bool pruned = cfg->prune.method != MT_PRUNE_NONE; /* (4-bit state blocks dense rows) */
-    for (int i = 0; i < m->n_param; i++) pruned |= m->params[i].sp != NULL;
     if ((allow & MT_AUTOFIT_ALLOW_4BIT) && o4->has_ops(m->ctx->ops) &&
-        (cfg->master_weights || !o4->needs_masters) && !pruned)
+        (cfg->master_weights || !o4->needs_masters))
         out[n++] = MT_OPT_ADAMW4;
     return n;
 }

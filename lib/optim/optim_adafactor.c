@@ -4,6 +4,15 @@
  * and column sums (rows + cols floats), other tensors' in full; the first
  * moment (one float per element) when beta1 > 0. The update needs the
  * whole tensor (RMS, factored statistics) in fp32.
+ *
+ * A pruned matrix (lib/sparse/sparse.h) keeps its factored statistics over
+ * its dense rows and columns and its first moment for the kept entries
+ * alone, and is updated as the dense matrix with zeros at the pruned
+ * places: its weights, gradient and first moment expanded into dense fp32
+ * WORK tiles (and the compute copy's, in its dtype), the update, the kept
+ * values gathered back. A pruned place's gradient is 0, so its update is 0
+ * and it stays 0; the RMS and the statistics count it as the dense
+ * matrix's zero.
  */
 #include <math.h>
 
@@ -52,6 +61,37 @@ static void layout(const mt_trainer_config *c, const mti_param *p, const mt_para
     if (c->adafactor.beta1 > 0.0f) out->s[3] = (mti_opt_state){MTI_F32, n, 1, 0};
 }
 
+/* The update of a pruned matrix through dense tiles (above). */
+static mt_status update_pruned(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], float *w32,
+                               void *pc, const float *g, const mti_adafactor_args *args)
+{
+    const mti_param *p = a->p;
+    const mti_kctx *k = a->k;
+    const mti_ops *op = a->ops;
+    const mti_sp_layout *L = &p->sp->L;
+    const void *meta = p->sp->meta.blk.ptr;
+    const size_t d = L->dense, tile = mti_align_up(d * sizeof(float), 64);
+    const bool m1 = a->layout->s[3].numel > 0;
+    const size_t pcb = pc ? mti_align_up(d * mti_dtype_size(a->pc_dt), 64) : 0;
+    mt_block blk = {0};
+    mt_status s = mti_work_alloc(k, (m1 ? 3 : 2) * tile + pcb, &blk);
+    if (s) return s;
+    char *b = blk.ptr;
+    float *P = (float *)b, *G = (float *)(b + tile), *M = m1 ? (float *)(b + 2 * tile) : NULL;
+    void *PC = pc ? b + (m1 ? 3 : 2) * tile : NULL;
+    s = op->sparse_expand(k, P, w32, meta, L, 0, d, MTI_F32);
+    if (!s) s = op->sparse_expand(k, G, g, meta, L, 0, d, MTI_F32);
+    if (!s && m1) s = op->sparse_expand(k, M, st[3], meta, L, 0, d, MTI_F32);
+    if (!s)
+        s = op->adafactor(k, P, G, st[0], st[1], NULL, M, PC, a->pc_dt, p->shape[0], p->shape[1], 1,
+                          args);
+    if (!s) s = op->sparse_compress(k, w32, P, meta, L, 0, d, MTI_F32, 0);
+    if (!s && m1) s = op->sparse_compress(k, st[3], M, meta, L, 0, d, MTI_F32, 0);
+    if (!s && pc) s = op->sparse_compress(k, pc, PC, meta, L, 0, d, a->pc_dt, 0);
+    mti_work_free(k, &blk);
+    return s;
+}
+
 static mt_status update(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], float *w32,
                         void *pc, const float *g, size_t at, size_t n)
 {
@@ -70,6 +110,7 @@ static mt_status update(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], fl
                                .warmup_init = af->warmup_init,
                                .step = a->step,
                                .grad_scale = a->grad_scale};
+    if (p->sp) return update_pruned(a, st, w32, pc, g, &args);
     const int factored = p->ndim == 2;
     const int64_t rows = factored ? p->shape[0] : 1;
     const int64_t cols = factored ? p->shape[1] : (int64_t)p->numel;

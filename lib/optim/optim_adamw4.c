@@ -3,7 +3,8 @@
  * Optimizers with 4-bit States" (NeurIPS 2023), in its public code's
  * default configuration (kernels.h, the adamw4 op): m in blocks of 128 with
  * the dynamic-exponent map, v normalised rank-1 (matrices) or in blocks of
- * 128 (vectors) with the linear map that has no zero. About 1.03 bytes per
+ * 128 (vectors, and a pruned matrix's kept entries, which have no rows and
+ * columns) with the linear map that has no zero. About 1.03 bytes per
  * parameter.
  *
  * As in that code, tensors under min_8bit_size elements (4096), those the
@@ -40,6 +41,11 @@ static bool four_bit(const mt_trainer_config *c, const mti_param *p, const mt_pa
     return q;
 }
 
+/* Whether p's v is normalised rank-1: a matrix, not pruned (a pruned
+ * weight's state is a vector of its kept entries, normalised in blocks as
+ * any vector's). */
+static bool rank1(const mti_param *p) { return p->ndim == 2 && !p->sp; }
+
 static void layout(const mt_trainer_config *c, const mti_param *p, const mt_param_override *o,
                    mti_opt_layout *out)
 {
@@ -53,7 +59,7 @@ static void layout(const mt_trainer_config *c, const mti_param *p, const mt_para
     out->s[0] = (mti_opt_state){MTI_U8, bytes, 2, (uint8_t)(MTI_Q4_ZERO | MTI_Q4_ZERO << 4)};
     out->s[1] = (mti_opt_state){MTI_F32, nb, MTI_Q4_BLOCK, 0};
     out->s[2] = (mti_opt_state){MTI_U8, bytes, 2, 0};
-    if (p->ndim == 2)
+    if (rank1(p))
         out->s[3] = (mti_opt_state){MTI_F32, p->shape[0] + p->shape[1], 0, 0};
     else
         out->s[3] = (mti_opt_state){MTI_F32, nb, MTI_Q4_BLOCK, 0};
@@ -71,9 +77,9 @@ static mt_status update(const mti_opt_step *a, void *const st[MTI_OPT_SLOTS], fl
     mti_adamw_args args = mti_adamw_args_of(a, a->weight_decay);
     if (a->layout->bits != 4) return a->ops->adamw(a->k, w32, g, st[0], st[1], pc, a->pc_dt, n, &args);
     const mti_adamw4_state s4 = {.qm = st[0], .absmax_m = st[1], .qv = st[2], .scale_v = st[3]};
-    const int rank1 = p->ndim == 2;
-    const int64_t rows = rank1 ? p->shape[0] : 1, cols = rank1 ? p->shape[1] : (int64_t)p->numel;
-    return a->ops->adamw4(a->k, w32, g, &s4, pc, a->pc_dt, rows, cols, rank1, &args);
+    const int r1 = rank1(p);
+    const int64_t rows = r1 ? p->shape[0] : 1, cols = r1 ? p->shape[1] : (int64_t)p->numel;
+    return a->ops->adamw4(a->k, w32, g, &s4, pc, a->pc_dt, rows, cols, r1, &args);
 }
 
 const mti_optim mti_optim_adamw4 = {

@@ -17,6 +17,14 @@
 
 static bool nm_on(const mt_prune_config *c) { return c->nm_m > 0; }
 
+/* (sparse.h) */
+bool mti_prune_later(const mt_prune_config *p)
+{
+    return p->method != MT_PRUNE_NONE &&
+           (p->schedule == MT_PRUNE_GRADUAL ||
+            (p->schedule == MT_PRUNE_ONESHOT && (p->at > 0 || p->method == MT_PRUNE_WANDA)));
+}
+
 mt_status mti_prune_check(mt_context *ctx, const mt_model *m, const mt_prune_config *c,
                           const char *fn, unsigned char *tg)
 {

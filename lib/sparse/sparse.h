@@ -127,6 +127,10 @@ size_t mti_sp_kept(const uint64_t *keep, size_t n);
 
 /* ---- when ---- */
 
+/* Whether p prunes after create (at a step, gradually, or by Wanda, which
+ * waits for its calibration); RigL aside. */
+bool mti_prune_later(const mt_prune_config *p);
+
 /* Zhu & Gupta's gradual schedule: the sparsity at step t of pruning from
  * step a to b toward sf, s_t = sf (1 - (1 - (t - a) / (b - a))^3) (0
  * before a, sf from b on). */

@@ -141,9 +141,7 @@ void mti_prune_undo_apply(mt_model *m, mti_prune_undo *u)
 static const char *combo_refused(const mt_context *ctx, const mt_trainer_config *c, int zero)
 {
     const mt_prune_config *p = &c->prune;
-    return c->optimizer == MT_OPT_ADAFACTOR ? "Adafactor (it factors a weight's dense rows and columns)"
-           : c->optimizer == MT_OPT_ADAMW4  ? "4-bit AdamW (its state is blocked over a weight's dense rows)"
-           : zero                           ? "ZeRO on several ranks"
+    return zero                           ? "ZeRO on several ranks"
            : c->offload != MT_PLACE_DEVICE  ? "offload"
            : c->tensor_parallel > 1         ? "tensor parallel"
            : c->pipeline_parallel > 1       ? "pipeline parallel"
@@ -205,18 +203,17 @@ mt_status mti_sparsity_check(mt_context *ctx, const mt_model *m, const mt_traine
                          : micro < c->max_batch          ? "gradient accumulation (micro_batch below max_batch)"
                          : c->fused_step                 ? "the fused step"
                          : c->optimizer == MT_OPT_ADAMW8 ? "8-bit AdamW (its state is quantized in blocks of the kept entries)"
+                         : c->optimizer == MT_OPT_ADAMW4 ? "4-bit AdamW (its state is quantized in blocks of the kept entries)"
                                                          : NULL;
         if (no)
             return mti_fail(ctx, MT_ERR_UNSUPPORTED, "%s: RigL does not combine with %s yet (it "
                             "takes the dense gradient of the step's one pass)", fn, no);
     }
-    const bool later = p->schedule == MT_PRUNE_GRADUAL ||
-                       (p->schedule == MT_PRUNE_ONESHOT && (p->at > 0 || p->method == MT_PRUNE_WANDA));
-    if (later && c->optimizer == MT_OPT_ADAMW8)
+    if (mti_prune_later(p) && (c->optimizer == MT_OPT_ADAMW8 || c->optimizer == MT_OPT_ADAMW4))
         return mti_fail(ctx, MT_ERR_UNSUPPORTED,
-                        "%s: a prune after create does not combine with 8-bit AdamW (its state is "
+                        "%s: a prune after create does not combine with %d-bit AdamW (its state is "
                         "quantized in blocks of the kept entries); prune at step 0 by magnitude, "
-                        "or use AdamW or SGD", fn);
+                        "or use AdamW or SGD", fn, c->optimizer == MT_OPT_ADAMW8 ? 8 : 4);
     return MT_OK;
 }
 
@@ -297,7 +294,8 @@ static mt_status state_hook(void *user, int i, const mti_psparse *old, const mti
     memset(nt, 0, sizeof nt);
     mt_status s = MT_OK;
     for (int j = 0; j < MTI_OPT_SLOTS && !s; j++) {
-        if (!ps->s[j].blk.ptr) continue;
+        if (!ps->s[j].blk.ptr || ps->lay.s[j].per == 0) continue; /* (whole-tensor statistics
+                                                                     of the dense shape stay) */
         if (ps->lay.s[j].per != 1)
             s = mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "prune: %s's optimizer state slot %d is not "
                          "elementwise", t->model->params[i].name, j);
@@ -309,7 +307,7 @@ static mt_status state_hook(void *user, int i, const mti_psparse *old, const mti
             mti_tensor_free(t->ctx, &nt[j]);
             continue;
         }
-        if (ps->lay.s[j].numel) ps->lay.s[j].numel = (int64_t)nw->L.nnz;
+        if (ps->lay.s[j].numel && ps->lay.s[j].per == 1) ps->lay.s[j].numel = (int64_t)nw->L.nnz;
         if (!nt[j].blk.ptr) continue;
         mti_tensor_free(t->ctx, &ps->s[j]);
         ps->s[j] = nt[j];
@@ -348,13 +346,11 @@ mt_status mti_sparsity_can_adopt(const mt_trainer *t, int i, const mti_sp_layout
     const char *why = t->zero                               ? "ZeRO on several ranks"
                       : t->off || t->hoff                   ? "offload"
                       : t->tp.size > 1 || t->pp.size > 1    ? "tensor or pipeline parallel"
-                      : t->cfg.optimizer == MT_OPT_ADAFACTOR ? "Adafactor"
-                      : t->cfg.optimizer == MT_OPT_ADAMW4   ? "4-bit AdamW"
                       : t->q || t->s2 || t->fq || t->ag_on  ? "the gradients summed on the communication thread or stream"
                                                             : NULL;
     for (int j = 0; !why && !p->frozen && j < MTI_OPT_SLOTS; j++)
-        if (t->ps[i].lay.s[j].numel && t->ps[i].lay.s[j].per != 1)
-            why = "optimizer state in blocks (8-bit AdamW)";
+        if (t->ps[i].lay.s[j].numel && t->ps[i].lay.s[j].per > 1)
+            why = "optimizer state in blocks (8-bit or 4-bit AdamW)";
     if (why)
         return mti_fail(t->ctx, MT_ERR_UNSUPPORTED, "%s: the file's %s keeps %zu of %zu elements, "
                         "the trainer's %zu: taking the file's mask does not combine with %s (the "
