@@ -10,7 +10,8 @@
  * the transpose (CSC: the row of each kept value and its value in fp32,
  * 8 bytes per kept value, 8 per column).
  *
- * The activations go SPMM_NB rows at a time through fp32 panels, transposed
+ * The activations go SPMM_NB rows at a time (fewer when there are fewer,
+ * rounded up to 16) through fp32 panels, transposed
  * so that the panel's row c holds column c of those rows (a lane per row):
  *   forward  yT[r] = sum over kept (r, i) of w * xT[i], plus the bias;
  *   dx       dxT[i] = sum over kept (r, i) of w * dyT[r] (the CSC's rows);
@@ -27,8 +28,10 @@
  * high sparsity. sparse_matmul_choice says where (SPMM_DENSITY, measured
  * in docs/benchmarks.md, "Sparse kernels against the dense tile").
  *
- * WORK: the index, and the panels, (in + out) * SPMM_NB floats, whatever
- * the thread count.
+ * WORK: the index (above; and the kept values widened to fp32 for a 16-bit
+ * dtype, 4 bytes each), the panels, (in + out) * min(N, SPMM_NB) floats
+ * (N rounded up to 16), the bias in fp32, and per thread 2 KiB for the
+ * transposes.
  */
 #include <omp.h>
 #include <string.h>
@@ -55,20 +58,20 @@ static size_t round16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 /* For rows r in [r0, r1) of a product: outT[r] = sum over e in [ptr[r],
  * ptr[r + 1]) of val[e] inT[idx[e]] (+ bias[r]), lanes lanes (a multiple
- * of 16; panels SPMM_NB apart). */
+ * of 16; the panels' rows ld floats apart). */
 MTI_VEC_VOID(spmm_rows,
              (float *outT, const float *inT, const size_t *ptr, const int32_t *idx,
-              const float *val, size_t r0, size_t r1, size_t lanes, const float *bias),
-             (outT, inT, ptr, idx, val, r0, r1, lanes, bias))
+              const float *val, size_t r0, size_t r1, size_t lanes, size_t ld, const float *bias),
+             (outT, inT, ptr, idx, val, r0, r1, lanes, ld, bias))
 {
     for (size_t r = r0; r < r1; r++) {
-        float *o = outT + r * SPMM_NB;
+        float *o = outT + r * ld;
         const float b = bias ? bias[r] : 0.0f;
         size_t l0 = 0;
         for (; l0 + SPMM_LANES <= lanes; l0 += SPMM_LANES) {
             float acc[SPMM_LANES] = {0};
             for (size_t e = ptr[r]; e < ptr[r + 1]; e++) {
-                const float w = val[e], *p = inT + (size_t)idx[e] * SPMM_NB + l0;
+                const float w = val[e], *p = inT + (size_t)idx[e] * ld + l0;
                 for (int l = 0; l < SPMM_LANES; l++) acc[l] += w * p[l];
             }
             for (int l = 0; l < SPMM_LANES; l++) o[l0 + l] = acc[l] + b;
@@ -76,7 +79,7 @@ MTI_VEC_VOID(spmm_rows,
         for (; l0 < lanes; l0 += 16) {
             float acc[16] = {0};
             for (size_t e = ptr[r]; e < ptr[r + 1]; e++) {
-                const float w = val[e], *p = inT + (size_t)idx[e] * SPMM_NB + l0;
+                const float w = val[e], *p = inT + (size_t)idx[e] * ld + l0;
                 for (int l = 0; l < 16; l++) acc[l] += w * p[l];
             }
             for (int l = 0; l < 16; l++) o[l0 + l] = acc[l] + b;
@@ -97,14 +100,14 @@ static inline float sum16(float *a)
  * with db, db[r] (the same). */
 MTI_VEC_VOID(sddmm_rows,
              (float *dw, float *db, const float *dyT, const float *xT, const size_t *ptr,
-              const int32_t *idx, size_t r0, size_t r1, size_t lanes, int add),
-             (dw, db, dyT, xT, ptr, idx, r0, r1, lanes, add))
+              const int32_t *idx, size_t r0, size_t r1, size_t lanes, size_t ld, int add),
+             (dw, db, dyT, xT, ptr, idx, r0, r1, lanes, ld, add))
 {
     for (size_t r = r0; r < r1; r++) {
-        const float *p = dyT + r * SPMM_NB;
+        const float *p = dyT + r * ld;
         if (dw)
             for (size_t e = ptr[r]; e < ptr[r + 1]; e++) {
-                const float *q = xT + (size_t)idx[e] * SPMM_NB;
+                const float *q = xT + (size_t)idx[e] * ld;
                 float a[16] = {0};
                 for (size_t j = 0; j < lanes; j += 16)
                     for (int l = 0; l < 16; l++) a[l] += p[j + (size_t)l] * q[j + (size_t)l];
@@ -124,27 +127,27 @@ MTI_VEC_VOID(sddmm_rows,
 /* ---- panels ---- */
 
 /* Columns [c0, c1) of rows [n0, n0 + nb) of a (., cols) matrix in dt into
- * the panel (row c, lane j: element (n0 + j, c)), lanes nb .. round16(nb)
- * zero; tmp holds SPMM_COLS floats. */
-static void panel_in(float *panel, const void *a, mti_dtype dt, size_t cols, size_t n0, size_t nb,
-                     size_t c0, size_t c1, float *tmp)
+ * the panel (row c, ld floats long; lane j: element (n0 + j, c)), lanes
+ * nb .. round16(nb) zero; tmp holds SPMM_COLS floats. */
+static void panel_in(float *panel, size_t ld, const void *a, mti_dtype dt, size_t cols, size_t n0,
+                     size_t nb, size_t c0, size_t c1, float *tmp)
 {
     for (size_t j = 0; j < nb; j++) {
         mti_cpu_load_f32(tmp, a, dt, (n0 + j) * cols + c0, c1 - c0);
-        for (size_t c = c0; c < c1; c++) panel[c * SPMM_NB + j] = tmp[c - c0];
+        for (size_t c = c0; c < c1; c++) panel[c * ld + j] = tmp[c - c0];
     }
     for (size_t c = c0; c < c1; c++)
-        for (size_t j = nb; j < round16(nb); j++) panel[c * SPMM_NB + j] = 0.0f;
+        for (size_t j = nb; j < round16(nb); j++) panel[c * ld + j] = 0.0f;
 }
 
 /* The panel's lanes back into rows [n0, n0 + nb) of a (., cols) matrix in
  * dt, columns [c0, c1); with add, added to the values there. */
-static void panel_out(void *a, mti_dtype dt, size_t cols, const float *panel, size_t n0, size_t nb,
-                      size_t c0, size_t c1, int add, float *tmp, float *old)
+static void panel_out(void *a, mti_dtype dt, size_t cols, const float *panel, size_t ld, size_t n0,
+                      size_t nb, size_t c0, size_t c1, int add, float *tmp, float *old)
 {
     for (size_t j = 0; j < nb; j++) {
         const size_t at = (n0 + j) * cols + c0;
-        for (size_t c = c0; c < c1; c++) tmp[c - c0] = panel[c * SPMM_NB + j];
+        for (size_t c = c0; c < c1; c++) tmp[c - c0] = panel[c * ld + j];
         if (add) {
             mti_cpu_load_f32(old, a, dt, at, c1 - c0);
             for (size_t c = 0; c < c1 - c0; c++) tmp[c] = old[c] + tmp[c];
@@ -165,28 +168,32 @@ typedef struct spmm_ix {
 } spmm_ix;
 
 /* The WORK of an op: the index (with csc, the transpose too), the panels
- * (in + out lanes of SPMM_NB), a fp32 bias, and per thread two rows of
- * SPMM_COLS for the transposes; its parts' places. */
+ * ((in + out) rows of ld lanes: the activations' rows up to SPMM_NB,
+ * rounded up to 16), a fp32 bias, and per thread two rows of SPMM_COLS for
+ * the transposes; its parts' places. */
 typedef struct spmm_work {
     mt_block blk;
     spmm_ix ix;
-    float *xp, *yp; /* the panels: (in) and (out) rows of SPMM_NB */
+    size_t ld;      /* lanes per panel row */
+    float *xp, *yp; /* the panels: (in) and (out) rows of ld */
     float *bias;
     float *tmp;     /* per thread: 2 * SPMM_COLS */
 } spmm_work;
 
-static mt_status spmm_work_alloc(const mti_kctx *k, const mti_sp_layout *L, size_t in, size_t out,
-                                 mti_dtype dt, int csc, int bias, int nt, spmm_work *w)
+static mt_status spmm_work_alloc(const mti_kctx *k, const mti_sp_layout *L, size_t n, size_t in,
+                                 size_t out, mti_dtype dt, int csc, int bias, int nt, spmm_work *w)
 {
+    const size_t ld = n < SPMM_NB ? round16(n ? n : 1) : SPMM_NB;
     size_t off[9], o = 0, nnz = L->nnz;
     const size_t sz[9] = {(out + 1) * sizeof(size_t), nnz * sizeof(int32_t),
                           dt == MTI_F32 ? 0 : nnz * sizeof(float),
                           csc ? (in + 1) * sizeof(size_t) : 0, csc ? nnz * sizeof(int32_t) : 0,
-                          csc ? nnz * sizeof(float) : 0, (in + out) * SPMM_NB * sizeof(float),
+                          csc ? nnz * sizeof(float) : 0, (in + out) * ld * sizeof(float),
                           bias ? out * sizeof(float) : 0,
                           (size_t)nt * 2 * SPMM_COLS * sizeof(float)};
     for (int i = 0; i < 9; i++) off[i] = o, o += mti_align_up(sz[i], 64);
     memset(w, 0, sizeof *w);
+    w->ld = ld;
     mt_status s = mti_work_alloc(k, o, &w->blk);
     if (s || mti_dry(k)) return s;
     char *b = w->blk.ptr;
@@ -199,7 +206,7 @@ static mt_status spmm_work_alloc(const mti_kctx *k, const mti_sp_layout *L, size
         w->ix.cval = (float *)(b + off[5]);
     }
     w->xp = (float *)(b + off[6]);
-    w->yp = w->xp + in * SPMM_NB;
+    w->yp = w->xp + in * ld;
     w->bias = bias ? (float *)(b + off[7]) : NULL;
     w->tmp = (float *)(b + off[8]);
     return MT_OK;
@@ -281,13 +288,14 @@ mt_status mti_cpu_sparse_matmul_fwd(const mti_kctx *k, void *y, const void *x, c
     const size_t I = (size_t)in, O = (size_t)out, N = (size_t)n;
     const int nt = threads_for(k, O);
     spmm_work w;
-    s = spmm_work_alloc(k, L, I, O, dt, 0, b != NULL, nt, &w);
+    s = spmm_work_alloc(k, L, N, I, O, dt, 0, b != NULL, nt, &w);
     if (s || mti_dry(k)) {
         mti_work_free(k, &w.blk);
         return s;
     }
     spmm_ix *ix = &w.ix;
     const float *val = ix->val ? ix->val : vals;
+    const size_t ld = w.ld;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *tmp = w.tmp + (size_t)omp_get_thread_num() * 2 * SPMM_COLS;
@@ -296,19 +304,20 @@ mt_status mti_cpu_sparse_matmul_fwd(const mti_kctx *k, void *y, const void *x, c
 #pragma omp single
             mti_cpu_load_f32(w.bias, b, dt, 0, O);
         }
-        for (size_t n0 = 0; n0 < N; n0 += SPMM_NB) {
-            const size_t nb = N - n0 < SPMM_NB ? N - n0 : SPMM_NB;
+        for (size_t n0 = 0; n0 < N; n0 += ld) {
+            const size_t nb = N - n0 < ld ? N - n0 : ld;
 #pragma omp for schedule(static)
             for (size_t c0 = 0; c0 < I; c0 += SPMM_COLS)
-                panel_in(w.xp, x, dt, I, n0, nb, c0, c0 + SPMM_COLS < I ? c0 + SPMM_COLS : I, tmp);
+                panel_in(w.xp, ld, x, dt, I, n0, nb, c0, c0 + SPMM_COLS < I ? c0 + SPMM_COLS : I,
+                         tmp);
 #pragma omp for schedule(dynamic, 1)
             for (size_t r0 = 0; r0 < O; r0 += SPMM_ROWS)
                 spmm_rows(w.yp, w.xp, ix->ptr, ix->idx, val, r0,
-                          r0 + SPMM_ROWS < O ? r0 + SPMM_ROWS : O, round16(nb), w.bias);
+                          r0 + SPMM_ROWS < O ? r0 + SPMM_ROWS : O, round16(nb), ld, w.bias);
 #pragma omp for schedule(static)
             for (size_t c0 = 0; c0 < O; c0 += SPMM_COLS)
-                panel_out(y, dt, O, w.yp, n0, nb, c0, c0 + SPMM_COLS < O ? c0 + SPMM_COLS : O, 0,
-                          tmp, tmp + SPMM_COLS);
+                panel_out(y, dt, O, w.yp, ld, n0, nb, c0, c0 + SPMM_COLS < O ? c0 + SPMM_COLS : O,
+                          0, tmp, tmp + SPMM_COLS);
         }
     }
     mti_work_free(k, &w.blk);
@@ -326,13 +335,14 @@ mt_status mti_cpu_sparse_matmul_bwd(const mti_kctx *k, void *dx, float *dw, floa
     const int acc_dx = flags & MTI_BWD_ACC_DX, set = (flags & MTI_BWD_SET_DW) != 0;
     const int nt = threads_for(k, I > O ? I : O);
     spmm_work w;
-    s = spmm_work_alloc(k, L, I, O, dt, dx != NULL, 0, nt, &w);
+    s = spmm_work_alloc(k, L, N, I, O, dt, dx != NULL, 0, nt, &w);
     if (s || mti_dry(k) || (!dx && !dw && !db)) {
         mti_work_free(k, &w.blk);
         return s;
     }
     spmm_ix *ix = &w.ix;
     const float *val = ix->val ? ix->val : vals;
+    const size_t ld = w.ld;
     if (N == 0 && set) { /* an empty sum */
         if (dw) memset(dw, 0, L->nnz * sizeof *dw);
         if (db) memset(db, 0, O * sizeof *db);
@@ -345,34 +355,36 @@ mt_status mti_cpu_sparse_matmul_bwd(const mti_kctx *k, void *dx, float *dw, floa
 #pragma omp single
             build_csc(ix, val, L->nnz, I, O);
         }
-        for (size_t n0 = 0; n0 < N; n0 += SPMM_NB) {
-            const size_t nb = N - n0 < SPMM_NB ? N - n0 : SPMM_NB;
+        for (size_t n0 = 0; n0 < N; n0 += ld) {
+            const size_t nb = N - n0 < ld ? N - n0 : ld;
             const int add = !set || n0 > 0;
 #pragma omp for schedule(static)
             for (size_t c0 = 0; c0 < O; c0 += SPMM_COLS)
-                panel_in(w.yp, dy, dt, O, n0, nb, c0, c0 + SPMM_COLS < O ? c0 + SPMM_COLS : O, tmp);
+                panel_in(w.yp, ld, dy, dt, O, n0, nb, c0, c0 + SPMM_COLS < O ? c0 + SPMM_COLS : O,
+                         tmp);
             if (dw) {
 #pragma omp for schedule(static)
                 for (size_t c0 = 0; c0 < I; c0 += SPMM_COLS)
-                    panel_in(w.xp, x, dt, I, n0, nb, c0, c0 + SPMM_COLS < I ? c0 + SPMM_COLS : I,
-                             tmp);
+                    panel_in(w.xp, ld, x, dt, I, n0, nb, c0,
+                             c0 + SPMM_COLS < I ? c0 + SPMM_COLS : I, tmp);
             }
             if (dw || db) {
 #pragma omp for schedule(dynamic, 1)
                 for (size_t r0 = 0; r0 < O; r0 += SPMM_ROWS)
                     sddmm_rows(dw, db, w.yp, w.xp, ix->ptr, ix->idx, r0,
-                               r0 + SPMM_ROWS < O ? r0 + SPMM_ROWS : O, round16(nb), add);
+                               r0 + SPMM_ROWS < O ? r0 + SPMM_ROWS : O, round16(nb), ld, add);
             }
             if (dx) {
                 /* (the x panel is read above until the barrier: dxT goes in its place) */
 #pragma omp for schedule(dynamic, 1)
                 for (size_t i0 = 0; i0 < I; i0 += SPMM_ROWS)
                     spmm_rows(w.xp, w.yp, ix->cptr, ix->crow, ix->cval, i0,
-                              i0 + SPMM_ROWS < I ? i0 + SPMM_ROWS : I, round16(nb), NULL);
+                              i0 + SPMM_ROWS < I ? i0 + SPMM_ROWS : I, round16(nb), ld, NULL);
 #pragma omp for schedule(static)
                 for (size_t c0 = 0; c0 < I; c0 += SPMM_COLS)
-                    panel_out(dx, dt, I, w.xp, n0, nb, c0, c0 + SPMM_COLS < I ? c0 + SPMM_COLS : I,
-                              acc_dx, tmp, tmp + SPMM_COLS);
+                    panel_out(dx, dt, I, w.xp, ld, n0, nb, c0,
+                              c0 + SPMM_COLS < I ? c0 + SPMM_COLS : I, acc_dx, tmp,
+                              tmp + SPMM_COLS);
             }
         }
     }

@@ -323,7 +323,8 @@ struct mti_ops {
      * (expand, matmul_fwd / matmul_bwd, compress) for this shape, density
      * and dtype, MTI_SPMM_SLOWER where not. Their results are the dense
      * tile's but for the order of the sums (fixed by the shapes and the
-     * mask, not by the thread count). */
+     * mask, not by the thread count), and for non-finite inputs, which
+     * never meet a pruned place (the tile's 0 x inf). */
     int (*sparse_matmul_choice)(const mti_kctx *k, const mti_sp_layout *L, int n, int in, int out,
                                 mti_dtype dt);
     /* y (N,out) = x W^T + b, as matmul_fwd (b may be NULL). */

@@ -1057,7 +1057,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
         unsigned char *keep = calloc((size_t)cfg->teacher->n_units, 1);
         s = keep ? mti_engine_init(&t->TE, cfg->teacher, MTI_F32, keep, 1)
                  : mti_fail(ctx, MT_ERR_OOM, "out of host memory");
-        t->TE.sp_kernel = mti_sparsity_kernel(cfg);
+        t->TE.sp_kernel = (int)cfg->prune.kernel; /* (the teacher never regrows) */
         free(keep);
         if (!s) {
             t->teaching = 1;
