@@ -362,6 +362,7 @@ static mt_comm *p2p_nccl(tcomm_world *w, int rank, int n)
     mt_nccl_config_init(&nc);
     nc.nccl_path = nc.cuda_driver_path = getenv("MT_FAKE_NCCL");
     nc.timeout_seconds = p2p_nccl_timeout;
+    nc.device_ordinal = rank; /* (one GPU per rank) */
     if (boot && mt_comm_nccl_create_over(&nc, boot, &c)) c = NULL;
     mt_comm_destroy(boot);
     return c;
@@ -829,6 +830,7 @@ static void nccl_rank(int rank, void *p)
     nc.nccl_path = fake_nccl();
     nc.cuda_driver_path = fake_nccl();
     nc.timeout_seconds = a->timeout;
+    nc.device_ordinal = rank; /* (one GPU per rank) */
     RANK_EXPECT(boot && !mt_comm_nccl_create_over(&nc, boot, &c));
     mt_comm_destroy(boot); /* the NCCL communicator does not need it */
     if (!c) return;
@@ -883,6 +885,89 @@ TEST(comm_nccl_stand_in)
     tcomm_run(2, nccl_rank, &a);
     tcomm_world_free(a.w);
     CHECK(!a.bad);
+}
+
+/* A stand-in libnccl's function (NULL without one). */
+static void *fake_nccl_fn(const char *name)
+{
+    void *lib = fake_nccl() ? dlopen(fake_nccl(), RTLD_NOW | RTLD_LOCAL) : NULL; /* (kept) */
+    return lib ? dlsym(lib, name) : NULL;
+}
+
+typedef struct ordinal_arg {
+    tcomm_world *w;
+    int ord[2];   /* each rank's device_ordinal */
+    mt_status want;
+    _Atomic int bad;
+} ordinal_arg;
+
+static void ordinal_rank(int rank, void *p)
+{
+    ordinal_arg *a = p;
+    int (*init_device)(void) = (int (*)(void))fake_nccl_fn("fake_nccl_init_device");
+    mt_comm *boot = tcomm_make(a->w, rank, 2, 0), *c = NULL;
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = nc.cuda_driver_path = fake_nccl();
+    nc.timeout_seconds = 10.0;
+    nc.device_ordinal = a->ord[rank];
+    const mt_status s = boot ? mt_comm_nccl_create_over(&nc, boot, &c) : MT_ERR_COMM;
+    mt_comm_destroy(boot);
+    RANK_EXPECT(s == a->want);
+    if (s) {
+        RANK_EXPECT(strstr(mt_last_error(NULL), a->want == MT_ERR_INVALID_ARG ? "no such CUDA device"
+                                                                            : "ncclCommInitRank"));
+        return;
+    }
+    /* the communicator is on the ordinal's device, and calls from a thread
+       with no context current (this one) run with it current */
+    RANK_EXPECT(init_device && init_device() == a->ord[rank]);
+    float v[2] = {(float)rank, 1.0f};
+    RANK_EXPECT(!mt_comm_all_reduce(c, v, v, 2, MT_COMM_F32, MT_COMM_SUM, NULL));
+    RANK_EXPECT(v[0] == 1.0f && v[1] == 2.0f);
+    RANK_EXPECT(!mt_comm_barrier(c));
+    mt_comm *sub = NULL;
+    RANK_EXPECT(!mt_comm_split(c, 0, rank, &sub) && sub);
+    if (sub) RANK_EXPECT(!mt_comm_barrier(sub));
+    mt_comm_destroy(sub);
+    mt_comm_destroy(c);
+}
+
+/* mt_nccl_config.device_ordinal chooses the rank's GPU: NCCL is set up and
+ * called with that device's primary context current on the calling thread
+ * (the stand-in refuses a call made otherwise), whatever the thread had
+ * current; two ranks on one device fail to start, as NCCL refuses
+ * duplicate GPUs; an ordinal with no device is MT_ERR_INVALID_ARG. */
+TEST(comm_nccl_device_ordinal)
+{
+    if (!fake_nccl()) {
+        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    unsigned long (*wrong)(void) = (unsigned long (*)(void))fake_nccl_fn("fake_nccl_wrong_device");
+    CHECK(wrong != NULL);
+    const unsigned long before = wrong();
+    const struct {
+        int a, b;
+        mt_status want;
+    } cases[] = {{1, 0, MT_OK}, {3, 5, MT_OK}, {2, 2, MT_ERR_COMM}};
+    for (int i = 0; i < 3; i++) {
+        ordinal_arg a = {.w = tcomm_world_new(2, 10.0), .ord = {cases[i].a, cases[i].b},
+                         .want = cases[i].want};
+        tcomm_run(2, ordinal_rank, &a);
+        tcomm_world_free(a.w);
+        CHECK_MSG(!a.bad, "ordinals %d and %d", cases[i].a, cases[i].b);
+    }
+    CHECK_EQ(wrong(), before);
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = nc.cuda_driver_path = fake_nccl();
+    nc.device_ordinal = 99;
+    mt_nccl_id id;
+    CHECK_OK(mt_nccl_unique_id(&nc, &id));
+    mt_comm *c = NULL;
+    CHECK_ST(MT_ERR_INVALID_ARG, mt_comm_nccl_create(&nc, &id, 0, 1, &c));
+    CHECK(strstr(mt_last_error(NULL), "device_ordinal 99") != NULL);
 }
 
 /* One rank of NCCL on a CUDA context, the GPU bundle's smoke test (group

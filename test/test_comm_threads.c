@@ -397,6 +397,7 @@ mt_comm *tcomm_nccl(tcomm_world *w, int rank, int n)
     mt_nccl_config_init(&nc);
     nc.nccl_path = nc.cuda_driver_path = getenv("MT_FAKE_NCCL");
     nc.timeout_seconds = 30.0;
+    nc.device_ordinal = rank; /* (one GPU per rank) */
     if (boot && mt_comm_nccl_create_over(&nc, boot, &c)) c = NULL;
     mt_comm_destroy(boot); /* (NCCL does not need it) */
     return c;

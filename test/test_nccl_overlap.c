@@ -63,6 +63,7 @@ static mt_context *nccl_context(ov_arg *a, int rank, double timeout, mt_comm **c
     mt_nccl_config_init(&nc);
     nc.nccl_path = nc.cuda_driver_path = fake_nccl();
     nc.timeout_seconds = timeout;
+    nc.device_ordinal = rank; /* (one GPU per rank) */
     RANK_EXPECT(boot && !mt_comm_nccl_create_over(&nc, boot, &c));
     *comm = c;
     if (!c) {

@@ -220,7 +220,9 @@ typedef struct mt_nccl_config {
     const char *cuda_driver_path; /* NULL: "libcuda.so.1"; used to poll streams */
     double timeout_seconds;  /* a collective not done by then aborts the NCCL
                                 communicator and gives MT_ERR_COMM (600) */
-    int device_ordinal;      /* the CUDA device of this rank (0); one rank per GPU */
+    int device_ordinal;      /* the CUDA device of this rank (0); one rank per GPU: its
+                                primary context is made current around every NCCL call
+                                (docs/distributed.md); no such device: MT_ERR_INVALID_ARG */
 } mt_nccl_config;
 void mt_nccl_config_init(mt_nccl_config *cfg);
 
@@ -230,9 +232,11 @@ void mt_nccl_config_init(mt_nccl_config *cfg);
 mt_status mt_nccl_unique_id(const mt_nccl_config *cfg, mt_nccl_id *out);
 /* Makes this process's rank of a NCCL communicator of `size` ranks from a
  * unique id every rank was given (ncclCommInitRank; blocks until every rank
- * has joined). The calling thread must have the device's primary context
- * current (as a CUDA mt_context's creating thread has). Collectives take
- * device memory and a CUstream, and bf16 is reduced natively. */
+ * has joined), on the CUDA device cfg->device_ordinal names, whose primary
+ * context the communicator makes current around each of its calls (any
+ * thread may call; what it had current is restored). Collectives take
+ * device memory and a CUstream on that device, and bf16 is reduced
+ * natively. */
 mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, int rank, int size,
                               mt_comm **out);
 /* The same, bootstrapped through another communicator (host memory; e.g.

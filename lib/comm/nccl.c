@@ -55,11 +55,20 @@ typedef struct nccl_api {
     int (*MemAlloc)(unsigned long long *, size_t);
     int (*MemFree)(unsigned long long);
     int (*MemcpyHtoD)(unsigned long long, const void *, size_t); /* (the split's; optional) */
+    /* the rank's device: its primary context made current around each call */
+    int (*Init)(unsigned);
+    int (*DeviceGet)(int *, int);
+    int (*CtxRetain)(void **, int);
+    int (*CtxRelease)(int);
+    int (*CtxPush)(void *);
+    int (*CtxPop)(void **);
 } nccl_api;
 
 typedef struct nccl_state {
     nccl_api api;
     nccl_comm comm;
+    int dev;   /* the CUDA device (mt_nccl_config.device_ordinal) */
+    void *ctx; /* its primary context, retained (NULL: none yet) */
     double timeout;
     unsigned long long scratch; /* 4 device bytes the barrier reduces */
     int aborted;
@@ -181,6 +190,12 @@ static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
     SYM(a->cuda, StreamQuery, "cuStreamQuery");
     SYM(a->cuda, MemAlloc, "cuMemAlloc_v2");
     SYM(a->cuda, MemFree, "cuMemFree_v2");
+    SYM(a->cuda, Init, "cuInit");
+    SYM(a->cuda, DeviceGet, "cuDeviceGet");
+    SYM(a->cuda, CtxRetain, "cuDevicePrimaryCtxRetain");
+    SYM(a->cuda, CtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    SYM(a->cuda, CtxPush, "cuCtxPushCurrent_v2");
+    SYM(a->cuda, CtxPop, "cuCtxPopCurrent_v2");
     *(void **)&a->CommSplit = dlsym(a->lib, "ncclCommSplit");
     *(void **)&a->CommCount = dlsym(a->lib, "ncclCommCount");
     *(void **)&a->CommUserRank = dlsym(a->lib, "ncclCommUserRank");
@@ -205,6 +220,23 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Every call into NCCL or the driver for a communicator, on whatever thread
+ * makes it (the creating one, the communication thread, the update
+ * thread), runs with its device's primary context current: pushed on
+ * entry, popped on the way out. NCCL takes the device of a communicator at
+ * ncclCommInitRank from the current context (device 0 where there is
+ * none), and its calls expect it current. */
+static void dev_in(const nccl_state *st)
+{
+    if (st->ctx) st->api.CtxPush(st->ctx);
+}
+
+static void dev_out(const nccl_state *st)
+{
+    void *prev;
+    if (st->ctx) st->api.CtxPop(&prev);
 }
 
 static mt_status fail(nccl_state *st, const char *what, nccl_result r)
@@ -315,39 +347,60 @@ static mt_status n_all_reduce(void *self, const void *send, void *recv, size_t c
                               mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
     nccl_state *st = self;
-    if (st->aborted) return issued(st, "ncclAllReduce", 0, stream);
-    return issued(st, "ncclAllReduce",
-                  st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op), st->comm, on(stream)),
-                  stream);
+    dev_in(st);
+    const mt_status s =
+        st->aborted ? issued(st, "ncclAllReduce", 0, stream)
+                    : issued(st, "ncclAllReduce",
+                             st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op),
+                                               st->comm, on(stream)),
+                             stream);
+    dev_out(st);
+    return s;
 }
 
 static mt_status n_reduce_scatter(void *self, const void *send, void *recv, size_t count,
                                   mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
     nccl_state *st = self;
-    if (st->aborted) return issued(st, "ncclReduceScatter", 0, stream);
-    return issued(st, "ncclReduceScatter",
-                  st->api.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op), st->comm,
-                                        on(stream)),
-                  stream);
+    dev_in(st);
+    const mt_status s =
+        st->aborted ? issued(st, "ncclReduceScatter", 0, stream)
+                    : issued(st, "ncclReduceScatter",
+                             st->api.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op),
+                                                   st->comm, on(stream)),
+                             stream);
+    dev_out(st);
+    return s;
 }
 
 static mt_status n_all_gather(void *self, const void *send, void *recv, size_t count,
                               mt_comm_dtype dt, void *stream)
 {
     nccl_state *st = self;
-    if (st->aborted) return issued(st, "ncclAllGather", 0, stream);
-    return issued(st, "ncclAllGather",
-                  st->api.AllGather(send, recv, count, nccl_type(dt), st->comm, on(stream)), stream);
+    dev_in(st);
+    const mt_status s =
+        st->aborted ? issued(st, "ncclAllGather", 0, stream)
+                    : issued(st, "ncclAllGather",
+                             st->api.AllGather(send, recv, count, nccl_type(dt), st->comm,
+                                               on(stream)),
+                             stream);
+    dev_out(st);
+    return s;
 }
 
 static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
                              void *stream)
 {
     nccl_state *st = self;
-    if (st->aborted) return issued(st, "ncclBroadcast", 0, stream);
-    return issued(st, "ncclBroadcast",
-                  st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm, on(stream)), stream);
+    dev_in(st);
+    const mt_status s =
+        st->aborted ? issued(st, "ncclBroadcast", 0, stream)
+                    : issued(st, "ncclBroadcast",
+                             st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm,
+                                               on(stream)),
+                             stream);
+    dev_out(st);
+    return s;
 }
 
 /* Point to point: the send and the receive in one NCCL group (so two ranks
@@ -363,12 +416,15 @@ static mt_status n_sendrecv(void *self, const void *send, size_t sn, int to, voi
     else if (to >= 0) snprintf(what, sizeof what, "ncclSend to rank %d", to);
     else snprintf(what, sizeof what, "ncclRecv from rank %d", from);
     if (st->aborted) return issued(st, what, 0, stream);
+    dev_in(st);
     void *s = on(stream);
     nccl_result r = st->api.GroupStart();
     if (!r && to >= 0) r = st->api.Send(send, sn, nccl_type(dt), to, st->comm, s);
     if (!r && from >= 0) r = st->api.Recv(recv, rn, nccl_type(dt), from, st->comm, s);
     const nccl_result e = st->api.GroupEnd(); /* (closes the group whatever happened in it) */
-    return issued(st, what, r ? r : e, stream);
+    const mt_status out = issued(st, what, r ? r : e, stream);
+    dev_out(st);
+    return out;
 }
 
 static void n_destroy(void *self);
@@ -377,10 +433,10 @@ static void n_destroy(void *self);
  * colors and keys all-gathered (in device memory, under the deadline), so
  * every rank is known to be in the call; the new communicator keeps the
  * parent's library, timeout and device. */
-static mt_status n_split(void *self, int color, int key, void **out_self, int *out_rank,
+static mt_status split_in(nccl_state *st, int color, int key, void **out_self, int *out_rank,
                          int *out_size)
 {
-    nccl_state *st = self;
+    void *self = st;
     if (st->aborted) return issued(st, "ncclCommSplit", 0, NULL);
     int n = 0, me = 0;
     nccl_result r = st->api.CommCount(st->comm, &n);
@@ -414,6 +470,8 @@ static mt_status n_split(void *self, int color, int key, void **out_self, int *o
     ns->api = st->api;
     ns->comm = nc;
     ns->timeout = st->timeout;
+    ns->dev = st->dev;
+    if (st->ctx && st->api.CtxRetain(&ns->ctx, st->dev) != CU_SUCCESS) ns->ctx = NULL;
     r = st->api.CommCount(nc, out_size);
     if (!r) r = st->api.CommUserRank(nc, out_rank);
     if (r || st->api.MemAlloc(&ns->scratch, 4) != CU_SUCCESS) {
@@ -427,6 +485,16 @@ static mt_status n_split(void *self, int color, int key, void **out_self, int *o
     return MT_OK;
 }
 
+static mt_status n_split(void *self, int color, int key, void **out_self, int *out_rank,
+                         int *out_size)
+{
+    nccl_state *st = self;
+    dev_in(st);
+    const mt_status s = split_in(st, color, key, out_self, out_rank, out_size);
+    dev_out(st);
+    return s;
+}
+
 /* NCCL has no barrier: an all-reduce of one float on the default stream,
  * waited for. */
 static mt_status n_barrier(void *self)
@@ -438,15 +506,17 @@ static mt_status n_barrier(void *self)
 
 static const char *n_last_error(void *self) { return ((nccl_state *)self)->err; }
 
+/* The communicator goes before its memory: cuMemFree waits for the whole
+ * device, which work queued behind a dead peer would never leave (an
+ * aborted communicator has ended its work and freed itself). */
 static void n_destroy(void *self)
 {
     nccl_state *st = self;
+    dev_in(st);
+    if (!st->aborted && st->comm) st->api.CommDestroy(st->comm);
     if (st->scratch) st->api.MemFree(st->scratch);
-    if (st->aborted) {
-        /* nothing left: abort freed it */
-    } else {
-        st->api.CommDestroy(st->comm);
-    }
+    dev_out(st);
+    if (st->ctx) st->api.CtxRelease(st->dev);
     api_close(&st->api);
     free(st);
 }
@@ -501,22 +571,44 @@ mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, i
         free(st);
         return s;
     }
-    nccl_result r = st->api.CommInitRank(&st->comm, size, *id, rank);
-    if (r != 0) {
-        s = mti_fail(NULL, MT_ERR_COMM, "%s: ncclCommInitRank (rank %d of %d): %s", fn, rank, size,
-                     st->api.GetErrorString(r));
-        api_close(&st->api);
-        free(st);
-        return s;
+    /* the rank's device, current around NCCL's setup (and each call after) */
+    int cr = st->api.Init(0);
+    if (cr != CU_SUCCESS) s = mti_fail(NULL, MT_ERR_NO_DEVICE, "%s: cuInit failed (CUDA error %d)", fn, cr);
+    if (!s && (cr = st->api.DeviceGet(&st->dev, c.device_ordinal)) != CU_SUCCESS)
+        s = mti_fail(NULL, MT_ERR_INVALID_ARG,
+                     "%s: cfg->device_ordinal %d: no such CUDA device (CUDA error %d)", fn,
+                     c.device_ordinal, cr);
+    if (!s && (cr = st->api.CtxRetain(&st->ctx, st->dev)) != CU_SUCCESS) {
+        st->ctx = NULL;
+        s = mti_fail(NULL, MT_ERR_DEVICE,
+                     "%s: the primary context of CUDA device %d could not be retained (CUDA "
+                     "error %d)", fn, c.device_ordinal, cr);
     }
-    int cr = st->api.MemAlloc(&st->scratch, 4);
-    if (cr != CU_SUCCESS) {
-        st->scratch = 0;
+    nccl_result r = 0;
+    if (!s) {
+        dev_in(st);
+        r = st->api.CommInitRank(&st->comm, size, *id, rank);
+        dev_out(st);
+    }
+    if (!s && r != 0) {
+        st->comm = NULL;
+        s = mti_fail(NULL, MT_ERR_COMM, "%s: ncclCommInitRank (rank %d of %d, CUDA device %d): %s",
+                     fn, rank, size, c.device_ordinal, st->api.GetErrorString(r));
+    }
+    if (!s) {
+        dev_in(st);
+        cr = st->api.MemAlloc(&st->scratch, 4);
+        dev_out(st);
+        if (cr != CU_SUCCESS) {
+            st->scratch = 0;
+            s = mti_fail(NULL, MT_ERR_DEVICE,
+                         "%s: cuMemAlloc of the barrier's 4 bytes on CUDA device %d failed (CUDA "
+                         "error %d)", fn, c.device_ordinal, cr);
+        }
+    }
+    if (s) {
         n_destroy(st);
-        return mti_fail(NULL, MT_ERR_DEVICE,
-                        "%s: cuMemAlloc of the barrier's 4 bytes failed (CUDA error %d; is the "
-                        "device's primary context current on this thread?)",
-                        fn, cr);
+        return s;
     }
     mt_comm_vtable vt = nccl_vtable;
     if (st->api.CommSplit) vt.split = n_split; /* (NCCL 2.18 or newer) */
@@ -567,10 +659,11 @@ mt_status mti_nccl_post_sum(mt_comm *c, float *buf, size_t count, void *stream)
         snprintf(st->err, sizeof st->err, "ncclAllReduce: the communicator was aborted");
         return MT_ERR_COMM;
     }
+    dev_in(st);
     nccl_result r = st->api.AllReduce(buf, buf, count, NCCL_FLOAT32, NCCL_SUM, st->comm, stream);
-    if (r == 0) return MT_OK;
-    abort_comm(st);
-    return fail(st, "ncclAllReduce", r);
+    if (r) abort_comm(st);
+    dev_out(st);
+    return r ? fail(st, "ncclAllReduce", r) : MT_OK;
 }
 
 mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
@@ -579,7 +672,13 @@ mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
     return mti_nccl_wait_until(c, what, stream_done, &a);
 }
 
-void mti_nccl_abort(mt_comm *c) { abort_comm(c->self); }
+void mti_nccl_abort(mt_comm *c)
+{
+    nccl_state *st = c->self;
+    dev_in(st);
+    abort_comm(st);
+    dev_out(st);
+}
 
 void mti_nccl_post_begin(void *stream, void (*fence)(void *), void *arg)
 {
@@ -602,5 +701,8 @@ mt_status mti_nccl_wait_until(mt_comm *c, const char *what, int (*done)(void *, 
         snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
         return MT_ERR_COMM;
     }
-    return wait_until(st, what, done, arg);
+    dev_in(st);
+    const mt_status s = wait_until(st, what, done, arg);
+    dev_out(st);
+    return s;
 }

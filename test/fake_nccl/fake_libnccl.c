@@ -34,6 +34,20 @@
  * fake_nccl_stuck(1): from then on an aborted communicator's collectives
  * do not end (kernels that never exit), until fake_nccl_stuck(0).
  *
+ * Devices, as the CUDA driver this library also is to the communicator:
+ * MT_FAKE_NCCL_DEVICES of them (8), cuDeviceGet, each one's primary context
+ * (cuDevicePrimaryCtxRetain, _Release_v2) and a stack of current contexts
+ * per thread (cuCtxPushCurrent_v2, cuCtxPopCurrent_v2). Stricter than
+ * NCCL, which takes device 0 when no context is current:
+ * ncclCommInitRank needs a current context and takes its device; two
+ * ranks of one clique on one device fail to start, every rank of it (NCCL:
+ * "duplicate GPU"); a call on a communicator made while its device's
+ * context is not the current one fails with ncclInvalidUsage (destroy and
+ * abort go on), and so does cuMemAlloc_v2 with no context current. For
+ * tests: fake_nccl_wrong_device() counts those calls, and
+ * fake_nccl_init_device() gives the device of the calling thread's last
+ * ncclCommInitRank that succeeded (-1: none).
+ *
  * ncclCommSplit: the ranks' colors and keys exchanged by an all-gather
  * waited for in the call, then each color's ranks in a clique of their own.
  *
@@ -85,6 +99,7 @@ typedef struct p2p_msg {
 
 typedef struct clique {
     char id[128];
+    int dev[MAXR]; /* each rank's device */
     p2p_msg *box[MAXR * MAXR]; /* [from * MAXR + to], oldest first */
     unsigned long long serial; /* names it in marks (fake_nccl_mark) */
     int n, joined, live, aborted, stalled; /* stalled: ranks' collectives differed */
@@ -96,6 +111,7 @@ typedef struct clique {
 typedef struct fake_comm {
     clique *q;
     int rank;
+    int dev; /* its device */
     uint64_t issued; /* collectives queued */
     unsigned splits; /* ncclCommSplit calls made */
 } fake_comm;
@@ -160,6 +176,109 @@ int fake_nccl_mark(void *stream, unsigned long long mark[2]);
 int fake_nccl_reached(const unsigned long long mark[2]);
 int fake_nccl_busy(void);
 void fake_nccl_stuck(int on);
+int cuInit(unsigned flags);
+int cuDeviceGet(int *dev, int ordinal);
+int cuDevicePrimaryCtxRetain(void **ctx, int dev);
+int cuDevicePrimaryCtxRelease_v2(int dev);
+int cuCtxPushCurrent_v2(void *ctx);
+int cuCtxPopCurrent_v2(void **ctx);
+unsigned long fake_nccl_wrong_device(void);
+int fake_nccl_init_device(void);
+
+/* ---- devices and contexts ---- */
+
+#define MAXD 64
+#define CTX_DEPTH 16
+enum { CU_INVALID_DEVICE = 101, CU_INVALID_CONTEXT = 201, CU_UNKNOWN = 999 };
+typedef struct fake_ctx {
+    int dev, refs;
+} fake_ctx;
+static fake_ctx devices[MAXD];
+static _Thread_local fake_ctx *cur[CTX_DEPTH];
+static _Thread_local int depth;
+static _Thread_local int init_device = -1;
+static unsigned long wrong_device;
+
+static int n_devices(void)
+{
+    const char *v = getenv("MT_FAKE_NCCL_DEVICES");
+    const int n = v && *v ? atoi(v) : 8;
+    return n < 0 ? 0 : n > MAXD ? MAXD : n;
+}
+
+/* The device of the current context, or -1. */
+static int cur_dev(void) { return depth ? cur[depth - 1]->dev : -1; }
+
+/* Whether c's device is current; a call made otherwise is counted. */
+static int on_device(const fake_comm *c)
+{
+    if (cur_dev() == c->dev) return 1;
+    pthread_mutex_lock(&mu);
+    wrong_device++;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+int cuInit(unsigned flags)
+{
+    (void)flags;
+    return 0;
+}
+
+int cuDeviceGet(int *dev, int ordinal)
+{
+    if (ordinal < 0 || ordinal >= n_devices()) return CU_INVALID_DEVICE;
+    *dev = ordinal;
+    return 0;
+}
+
+int cuDevicePrimaryCtxRetain(void **ctx, int dev)
+{
+    if (dev < 0 || dev >= n_devices()) return CU_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    devices[dev].dev = dev;
+    devices[dev].refs++;
+    pthread_mutex_unlock(&mu);
+    *ctx = &devices[dev];
+    return 0;
+}
+
+int cuDevicePrimaryCtxRelease_v2(int dev)
+{
+    if (dev < 0 || dev >= n_devices()) return CU_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    const int ok = devices[dev].refs > 0;
+    if (ok) devices[dev].refs--;
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : CU_INVALID_CONTEXT;
+}
+
+int cuCtxPushCurrent_v2(void *ctx)
+{
+    fake_ctx *x = ctx;
+    if (!x || x < devices || x >= devices + MAXD || x->refs <= 0) return CU_INVALID_CONTEXT;
+    if (depth == CTX_DEPTH) return CU_UNKNOWN;
+    cur[depth++] = x;
+    return 0;
+}
+
+int cuCtxPopCurrent_v2(void **ctx)
+{
+    if (!depth) return CU_INVALID_CONTEXT;
+    fake_ctx *x = cur[--depth];
+    if (ctx) *ctx = x;
+    return 0;
+}
+
+unsigned long fake_nccl_wrong_device(void)
+{
+    pthread_mutex_lock(&mu);
+    const unsigned long n = wrong_device;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+int fake_nccl_init_device(void) { return init_device; }
 
 ncclResult_t ncclGetVersion(int *v)
 {
@@ -202,10 +321,14 @@ const char *ncclGetErrorString(ncclResult_t r)
     return "unknown result (stand-in)";
 }
 
+static void leave(fake_comm *c, int abort);
+
 ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
 {
     if (n < 1 || n > MAXR || rank < 0 || rank >= n || memcmp(id.internal, "fakenccl", 8))
         return INVALID_ARGUMENT;
+    const int dev = cur_dev();
+    if (dev < 0) return INVALID_USAGE; /* (NCCL would take device 0) */
     pthread_mutex_lock(&mu);
     clique *q = cliques;
     while (q && memcmp(q->id, id.internal, 128)) q = q->next;
@@ -222,6 +345,7 @@ ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
         pthread_mutex_unlock(&mu);
         return INVALID_USAGE;
     }
+    q->dev[rank] = dev;
     q->joined++;
     q->live++;
     pthread_cond_broadcast(&cv);
@@ -231,11 +355,19 @@ ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
     while (q->joined < q->n)
         if (pthread_cond_timedwait(&cv, &mu, &dl)) break;
     int ok = q->joined >= q->n;
+    for (int r = 0; ok && r < n; r++) /* one device per rank, as NCCL wants */
+        for (int r2 = r + 1; ok && r2 < n; r2++) ok = q->dev[r] != q->dev[r2];
     pthread_mutex_unlock(&mu);
-    if (!ok) return SYSTEM_ERROR;
     fake_comm *c = calloc(1, sizeof *c);
     c->q = q;
     c->rank = rank;
+    c->dev = dev;
+    if (!ok) {
+        const int joined = q->joined >= q->n;
+        leave(c, 0);
+        return joined ? INVALID_USAGE : SYSTEM_ERROR;
+    }
+    init_device = dev;
     *out = c;
     return OK;
 }
@@ -268,18 +400,21 @@ static void leave(fake_comm *c, int abort)
 
 ncclResult_t ncclCommDestroy(fake_comm *c)
 {
+    on_device(c);
     leave(c, 0);
     return OK;
 }
 
 ncclResult_t ncclCommAbort(fake_comm *c)
 {
+    on_device(c);
     leave(c, 1);
     return OK;
 }
 
 ncclResult_t ncclCommGetAsyncError(fake_comm *c, ncclResult_t *e)
 {
+    if (!on_device(c)) return INVALID_USAGE;
     pthread_mutex_lock(&mu);
     *e = c->q->aborted ? REMOTE_ERROR : OK; /* (a stalled clique reports nothing) */
     pthread_mutex_unlock(&mu);
@@ -387,6 +522,7 @@ static ncclResult_t queue(fake_comm *c, int kind, const void *send, size_t send_
                           size_t count, int type, int op, int root, void *stream)
 {
     if (type != T_U8 && type != T_F32 && type != T_BF16) return INVALID_ARGUMENT;
+    if (!on_device(c)) return INVALID_USAGE;
     on_stream *slot = slot_of(stream);
     if (!slot) return SYSTEM_ERROR; /* (more streams at once than the stand-in keeps) */
     pthread_mutex_lock(&mu);
@@ -457,6 +593,7 @@ ncclResult_t ncclGroupEnd(void) { return OK; }
 ncclResult_t ncclSend(const void *s, size_t n, int t, int peer, fake_comm *c, void *stream)
 {
     if (t != T_U8 && t != T_F32 && t != T_BF16) return INVALID_ARGUMENT;
+    if (!on_device(c)) return INVALID_USAGE;
     if (peer < 0 || peer >= c->q->n || peer == c->rank) return INVALID_ARGUMENT;
     p2p_msg *m = malloc(sizeof *m + n * tsize(t) + 1);
     if (!m) return SYSTEM_ERROR;
@@ -479,6 +616,7 @@ ncclResult_t ncclSend(const void *s, size_t n, int t, int peer, fake_comm *c, vo
 ncclResult_t ncclRecv(void *r, size_t n, int t, int peer, fake_comm *c, void *stream)
 {
     if (t != T_U8 && t != T_F32 && t != T_BF16) return INVALID_ARGUMENT;
+    if (!on_device(c)) return INVALID_USAGE;
     if (peer < 0 || peer >= c->q->n || peer == c->rank) return INVALID_ARGUMENT;
     p2p_wait *w = NULL;
     for (int k = 0; k < MAXS && !w; k++)
@@ -519,6 +657,7 @@ int cuStreamQuery(void *stream)
 
 int cuMemAlloc_v2(unsigned long long *p, size_t bytes)
 {
+    if (!depth) return CU_INVALID_CONTEXT;
     void *m = calloc(1, bytes);
     if (!m) return 2;
     *p = (unsigned long long)(uintptr_t)m;
