@@ -970,6 +970,35 @@ TEST(comm_nccl_device_ordinal)
     CHECK(strstr(mt_last_error(NULL), "device_ordinal 99") != NULL);
 }
 
+/* NCCL's setup runs under the deadline (non-blocking, polled): a rank
+ * whose peer never joins gets MT_ERR_COMM after the timeout, not a hang,
+ * and the half-made communicator is aborted. */
+TEST(comm_nccl_init_deadline)
+{
+    if (!fake_nccl()) {
+        fprintf(stderr, "    (skipped: MT_FAKE_NCCL is not set)\n");
+        return;
+    }
+    mt_nccl_config nc;
+    mt_nccl_config_init(&nc);
+    nc.nccl_path = nc.cuda_driver_path = fake_nccl();
+    nc.timeout_seconds = 0.3;
+    mt_nccl_id id;
+    CHECK_OK(mt_nccl_unique_id(&nc, &id));
+    mt_comm *c = NULL;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    CHECK_ST(MT_ERR_COMM, mt_comm_nccl_create(&nc, &id, 0, 2, &c)); /* (rank 1 never comes) */
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    CHECK(c == NULL);
+    CHECK_MSG(strstr(mt_last_error(NULL), "ncclCommInitRank") &&
+                  strstr(mt_last_error(NULL), "aborted"),
+              "%s", mt_last_error(NULL));
+    const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    CHECK_MSG(s < 20.0, "the setup took %g s against a 0.3 s deadline", s); /* (the stand-in's own
+                                                                             wait is 30 s) */
+}
+
 /* One rank of NCCL on a CUDA context, the GPU bundle's smoke test (group
  * nccl of gpu/run.sh): on a GPU (MT_TEST_GPU=1) the real driver and the
  * libnccl.so.2 the library finds itself (mti_nccl_candidates), else the

@@ -11,6 +11,7 @@
  * communicator is broken; every rank should end its run.
  */
 #include <dlfcn.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +28,19 @@ typedef struct nccl_comm_s *nccl_comm;
 enum { NCCL_UINT8 = 1, NCCL_FLOAT32 = 7, NCCL_BF16 = 9 };
 enum { NCCL_SUM = 0, NCCL_MAX = 2 };
 enum { NCCL_IN_PROGRESS = 7 };
+
+/* ncclConfig_t as NCCL 2.14 laid it out; its size and version tell a newer
+ * NCCL which fields there are (the others keep their defaults). Used for
+ * one setting: blocking 0, so that ncclCommInitRankConfig returns at once
+ * and the setup is polled against the deadline. */
+typedef struct nccl_config {
+    size_t size;
+    unsigned int magic, version;
+    int blocking, cga_cluster_size, min_ctas, max_ctas;
+    const char *net_name;
+} nccl_config;
+#define NCCL_CONFIG_MAGIC 0xcafebeefu
+#define NCCL_CONFIG_V2_14 21400u
 enum { CU_SUCCESS = 0, CU_NOT_READY = 600 };
 
 typedef struct nccl_api {
@@ -34,6 +48,8 @@ typedef struct nccl_api {
     nccl_result (*GetVersion)(int *);
     nccl_result (*GetUniqueId)(mt_nccl_id *);
     nccl_result (*CommInitRank)(nccl_comm *, int, mt_nccl_id, int);
+    /* optional (NCCL 2.14): the non-blocking setup under the deadline */
+    nccl_result (*CommInitRankConfig)(nccl_comm *, int, mt_nccl_id, int, nccl_config *);
     nccl_result (*CommDestroy)(nccl_comm);
     nccl_result (*CommAbort)(nccl_comm);
     nccl_result (*CommGetAsyncError)(nccl_comm, nccl_result *);
@@ -197,6 +213,7 @@ static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
     SYM(a->cuda, CtxPush, "cuCtxPushCurrent_v2");
     SYM(a->cuda, CtxPop, "cuCtxPopCurrent_v2");
     *(void **)&a->CommSplit = dlsym(a->lib, "ncclCommSplit");
+    *(void **)&a->CommInitRankConfig = dlsym(a->lib, "ncclCommInitRankConfig");
     *(void **)&a->CommCount = dlsym(a->lib, "ncclCommCount");
     *(void **)&a->CommUserRank = dlsym(a->lib, "ncclCommUserRank");
     *(void **)&a->MemcpyHtoD = dlsym(a->cuda, "cuMemcpyHtoD_v2");
@@ -291,6 +308,23 @@ static mt_status wait_until(nccl_state *st, const char *what, int (*done)(void *
     }
 }
 
+/* A non-blocking communicator's state is ready (its setup done, or a call
+ * enqueued). */
+static int comm_ready(void *arg, int *cu)
+{
+    nccl_state *st = arg;
+    nccl_result ae = 0;
+    *cu = 0;
+    return st->api.CommGetAsyncError(st->comm, &ae) == 0 && ae == 0;
+}
+
+/* Waits, under the deadline, until a call that returned ncclInProgress is
+ * enqueued (before anything is ordered after it on its stream). */
+static mt_status enqueued(nccl_state *st, const char *what)
+{
+    return wait_until(st, what, comm_ready, st);
+}
+
 typedef struct stream_of {
     nccl_state *st;
     void *stream;
@@ -326,6 +360,11 @@ static mt_status issued(nccl_state *st, const char *what, nccl_result r, void *s
     if (st->aborted) {
         snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
         return MT_ERR_COMM;
+    }
+    if (r == NCCL_IN_PROGRESS) { /* (non-blocking: still being enqueued) */
+        const mt_status s = enqueued(st, what);
+        if (s) return s;
+        r = 0;
     }
     if (r != 0) {
         abort_comm(st);
@@ -472,13 +511,19 @@ static mt_status split_in(nccl_state *st, int color, int key, void **out_self, i
     ns->timeout = st->timeout;
     ns->dev = st->dev;
     if (st->ctx && st->api.CtxRetain(&ns->ctx, st->dev) != CU_SUCCESS) ns->ctx = NULL;
-    r = st->api.CommCount(nc, out_size);
-    if (!r) r = st->api.CommUserRank(nc, out_rank);
-    if (r || st->api.MemAlloc(&ns->scratch, 4) != CU_SUCCESS) {
+    mt_status ws = MT_OK;
+    if (st->api.CommInitRankConfig) { /* (a non-blocking parent's child is non-blocking) */
+        ws = enqueued(ns, "ncclCommSplit's new communicator");
+        if (ws) snprintf(st->err, sizeof st->err, "%s", ns->err);
+    }
+    if (!ws) r = st->api.CommCount(nc, out_size);
+    if (!ws && !r) r = st->api.CommUserRank(nc, out_rank);
+    if (ws || r || st->api.MemAlloc(&ns->scratch, 4) != CU_SUCCESS) {
         ns->scratch = 0;
         n_destroy(ns);
-        snprintf(st->err, sizeof st->err, "the split's communicator: %s",
-                 r ? st->api.GetErrorString(r) : "cuMemAlloc of the barrier's 4 bytes failed");
+        if (!ws)
+            snprintf(st->err, sizeof st->err, "the split's communicator: %s",
+                     r ? st->api.GetErrorString(r) : "cuMemAlloc of the barrier's 4 bytes failed");
         return MT_ERR_COMM;
     }
     *out_self = ns;
@@ -587,7 +632,19 @@ mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, i
     nccl_result r = 0;
     if (!s) {
         dev_in(st);
-        r = st->api.CommInitRank(&st->comm, size, *id, rank);
+        if (st->api.CommInitRankConfig) { /* non-blocking, polled against the deadline */
+            nccl_config nc = {sizeof nc, NCCL_CONFIG_MAGIC, NCCL_CONFIG_V2_14, 0, INT_MIN,
+                              INT_MIN, INT_MIN, NULL};
+            r = st->api.CommInitRankConfig(&st->comm, size, *id, rank, &nc);
+            if ((r == 0 || r == NCCL_IN_PROGRESS) && st->comm) {
+                r = 0;
+                if (enqueued(st, "ncclCommInitRank"))
+                    s = mti_fail(NULL, MT_ERR_COMM, "%s: rank %d of %d, CUDA device %d: %s", fn,
+                                 rank, size, c.device_ordinal, st->err);
+            }
+        } else {
+            r = st->api.CommInitRank(&st->comm, size, *id, rank);
+        }
         dev_out(st);
     }
     if (!s && r != 0) {
@@ -661,9 +718,11 @@ mt_status mti_nccl_post_sum(mt_comm *c, float *buf, size_t count, void *stream)
     }
     dev_in(st);
     nccl_result r = st->api.AllReduce(buf, buf, count, NCCL_FLOAT32, NCCL_SUM, st->comm, stream);
+    mt_status s = MT_OK;
+    if (r == NCCL_IN_PROGRESS) s = enqueued(st, "ncclAllReduce"), r = 0;
     if (r) abort_comm(st);
     dev_out(st);
-    return r ? fail(st, "ncclAllReduce", r) : MT_OK;
+    return r ? fail(st, "ncclAllReduce", r) : s;
 }
 
 mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
