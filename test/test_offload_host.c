@@ -264,8 +264,9 @@ TEST(offload_host_update_numbers)
 }
 
 /* Each piece: its gradient down on the main stream with an event, the
- * update thread waiting for that event, the weights up on the second
- * stream with an event; the step's end waits for the second stream. */
+ * update thread waiting for that event (a blocking-sync one), the weights
+ * up on the second stream with an event; the step's end waits for the
+ * second stream. */
 TEST(offload_host_copy_sequence)
 {
     standin s;
@@ -281,7 +282,10 @@ TEST(offload_host_copy_sequence)
     mt_batch b;
     check_token_batch(&b, tok, tg, B, T, V, 0);
     s.log(1, mti_cuda_stream(ctx->dev));
+    const unsigned long long spins = s.stat("spin_syncs");
     CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    /* the update thread's waits sleep (blocking-sync events), not spin */
+    CHECK_EQ(s.stat("spin_syncs"), spins);
     const char *log = s.log(0, NULL);
     /* two threads write the log, so their words interleave: count each
      * thread's words on their own rather than as adjacent runs */
@@ -365,6 +369,18 @@ TEST(offload_host_refusals_and_faults)
     CHECK_ST(MT_ERR_DEVICE, mt_trainer_step(t, &b, NULL));
     CHECK_MSG(strstr(mt_last_error(ctx), "host offload") || strstr(mt_last_error(ctx), "cuEventRecord"),
               "%s", mt_last_error(ctx));
+    CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
+    mt_trainer_destroy(t);
+    /* fp32: a piece's second copy down (its weights) fails after its first
+       (the gradient) was queued: that one is waited for before the step
+       fails, so no copy into the slot's pinned memory is left */
+    config(&tc, MT_OPT_ADAMW, MT_PREC_FP32, 0, MT_PLACE_HOST);
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    s.log(1, mti_cuda_stream(ctx->dev));
+    s.fail("cuMemcpyAsync", 1, 700);
+    CHECK_ST(MT_ERR_DEVICE, mt_trainer_step(t, &b, NULL));
+    const char *log = s.log(0, NULL), *down = strstr(log, "m:D>H ");
+    CHECK_MSG(down && strstr(down, "m:sync"), "no wait after the failed copy: %.400s", log);
     CHECK_OKC(ctx, mt_trainer_step(t, &b, NULL));
     /* the masters in host memory through the model's parameters */
     const size_t P = mt_model_num_params(m);

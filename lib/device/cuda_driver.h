@@ -174,9 +174,10 @@ typedef CUresult (*PFN_cuMemcpyAsync)(CUdeviceptr dst, CUdeviceptr src, size_t b
 typedef CUresult (*PFN_cuMemHostAlloc)(void **ptr, size_t bytes, unsigned int flags);
 typedef CUresult (*PFN_cuMemFreeHost)(void *ptr);
 
-/* Events: recorded on a stream, waited for by the host. flags: 0 or
- * CU_EVENT_DISABLE_TIMING. */
-enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_DISABLE_TIMING = 0x2 };
+/* Events: recorded on a stream, waited for by the host. flags: 0, or
+ * CU_EVENT_DISABLE_TIMING, and CU_EVENT_BLOCKING_SYNC (a host thread
+ * waiting in cuEventSynchronize sleeps instead of spinning). */
+enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_BLOCKING_SYNC = 0x1, CU_EVENT_DISABLE_TIMING = 0x2 };
 typedef CUresult (*PFN_cuEventCreate)(CUevent *event, unsigned int flags);
 typedef CUresult (*PFN_cuEventRecord)(CUevent event, CUstream stream);
 typedef CUresult (*PFN_cuEventSynchronize)(CUevent event);

@@ -1341,9 +1341,12 @@ static mt_status event_new(mti_device *d, const char *fn, unsigned flags, void *
     return r == CUDA_SUCCESS ? MT_OK : cuda_fail(d, MT_ERR_DEVICE, r, "cuEventCreate");
 }
 
+/* Blocking sync: a thread that waits for the event (cuEventSynchronize:
+ * the update thread, the step's end) sleeps rather than spinning on a core
+ * the CPU's own work (the host update) wants. */
 mt_status mti_cuda_event_new(mti_device *d, void **ev)
 {
-    return event_new(d, "mti_cuda_event_new", CU_EVENT_DISABLE_TIMING, ev);
+    return event_new(d, "mti_cuda_event_new", CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC, ev);
 }
 
 void mti_cuda_event_free(mti_device *d, void *ev)

@@ -29,7 +29,11 @@
  * update is done and every upload has landed, before anything reads the
  * weights again. A gradient queued down may be freed by the caller at
  * once: the device's memory is reused only by work queued after the copy
- * on the same stream.
+ * on the same stream. Every copy into a slot's page-locked memory is
+ * waited for before the slot is taken again or freed, also after a
+ * failure: a job skipped because an earlier one failed waits for its
+ * copies down, a piece whose second copy fails waits for its first, and
+ * the slots are freed only after the device's streams are drained.
  *
  * A dry context counts the same bytes (the state, the masters, the slots)
  * at place host and moves nothing, so the estimate is exact per place.
@@ -154,6 +158,8 @@ static void *update_thread(void *arg)
         const int failed = h->err != MT_OK;
         pthread_mutex_unlock(&h->mu);
         mt_status s = failed ? MT_OK : run_update(h, &h->slot[v]);
+        if (failed && !h->dry) /* (skipped: its copies down still land in the slot) */
+            (void)mti_cuda_event_wait(h->ctx->dev, h->slot[v].down);
         mti_msg msg = s ? mti_last_msg(h->ctx) : (mti_msg){0};
         pthread_mutex_lock(&h->mu);
         if (s && !h->err) {
@@ -225,6 +231,7 @@ void mti_hostoff_destroy(mti_hostoff *h)
     pthread_cond_broadcast(&h->work);
     pthread_mutex_unlock(&h->mu);
     if (h->started) pthread_join(h->th, NULL);
+    if (!h->dry) (void)h->ctx->dev->sync(h->ctx->dev); /* (no copy still into a slot) */
     for (int k = 0; k < h->n_slots; k++) {
         host_slot *sl = &h->slot[k];
         mti_host_block_free(h->ctx, &sl->g);
@@ -288,8 +295,10 @@ static mt_status queue_piece(mti_hostoff *h, int i, const float *g, size_t at, s
                       .step = (int64_t)t->opt_steps + 1};
     mti_device *d = h->ctx->dev;
     s = mti_cuda_copy_async(d, 0, sl->g.ptr, g, n * 4, h->masters ? sl->down : NULL);
-    if (!s && !h->masters)
+    if (!s && !h->masters) {
         s = mti_cuda_copy_async(d, 0, sl->w.ptr, mti_home_weights(t, i, at), n * 4, sl->down);
+        if (s) (void)d->sync(d); /* (the gradient's copy, queued, lands before the slot is reused) */
+    }
     if (s) return s;
     pthread_mutex_lock(&h->mu);
     sl->state = H_QUEUED;

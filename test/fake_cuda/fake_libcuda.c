@@ -224,6 +224,7 @@ static struct {
     struct CUfunc_st *funcs;
     unsigned long long launches, func_loads, syncs, ctx_pushes, stream_waits;
     unsigned long long busy_frees; /* cuMemFree / cuMemUnmap under NCCL work not done */
+    unsigned long long spin_syncs; /* cuEventSynchronize on an event without blocking sync */
     char last_kernel[128];
     /* fault injection */
     char fail_call[64];
@@ -768,6 +769,7 @@ CUresult cuEventSynchronize(CUevent event)
     ENTER("cuEventSynchronize");
     if (!have_ctx()) return leave(CUDA_ERROR_INVALID_CONTEXT);
     if (!valid_event(event)) return leave(CUDA_ERROR_INVALID_HANDLE);
+    if (!(event->flags & CU_EVENT_BLOCKING_SYNC)) F.spin_syncs++;
     if (w) return leave(w);
     fake_log(NULL, event->recorded ? "wait" : "wait0");
     return leave(CUDA_SUCCESS);
@@ -1359,6 +1361,7 @@ unsigned long long fake_cuda_stat(const char *name)
     else if (!strcmp(name, "syncs")) v = F.syncs;
     else if (!strcmp(name, "stream_waits")) v = F.stream_waits;
     else if (!strcmp(name, "busy_frees")) v = F.busy_frees;
+    else if (!strcmp(name, "spin_syncs")) v = F.spin_syncs;
     else if (!strcmp(name, "ctx_refs")) v = (unsigned long long)F.ctx[0].refs;
     else if (!strcmp(name, "ctx_depth")) v = (unsigned long long)tls_depth;
     else if (!strcmp(name, "ctx_pushes")) v = F.ctx_pushes;
