@@ -527,6 +527,72 @@ TEST(qbase_fused_head_same_bits)
     }
 }
 
+/* A trained LM head (the tied table trained) fused with the loss: its
+ * logits never exist whole (at most a block of them), and its weight
+ * gradient is each block's part added in order, which the unfused head
+ * (the whole logits kept) also sums by, so the two give the same bits:
+ * fp32 AdamW; bf16 with three micro-batches and clipping; distillation
+ * from a teacher; blocks of 5 rows (the last partial) and the default (one
+ * block here), losses, weights after three steps and gradients. The fused
+ * step defers the head's dlogits and keeps them (no fused head). */
+TEST(trained_head_fused_same_bits)
+{
+    for (int c = 0; c < 3; c++)
+        for (int blocks = 0; blocks < 2; blocks++) {
+            mt_context *ctx = check_cpu_context(2);
+            mt_model *m[2], *te = c == 2 ? tiny_gpt(ctx, 8, MT_BASE_FULL) : NULL;
+            float *w[2], *gr[2], loss[2][3];
+            size_t n = 0;
+            for (int k = 0; k < 2; k++) {
+                m[k] = tiny_gpt(ctx, 5, MT_BASE_FULL);
+                mt_trainer_config tc;
+                lora_config(&tc, 0, MT_BASE_FULL);
+                if (c == 1) tc.precision = MT_PREC_BF16, tc.micro_batch = 1, tc.grad_clip = 0.5f;
+                if (c == 2) tc.teacher = te, tc.distill_alpha = 0.6f;
+                mt_trainer *t;
+                CHECK_OKC(ctx, mt_trainer_create(m[k], &tc, &t));
+                CHECK(t->E.head_rows > 0);
+                if (blocks) t->E.head_rows = 5;
+                t->E.head_unfused = k; /* (k 1: the whole logits, the same dW blocks) */
+                int32_t tok[B * T], tg[B * T];
+                mt_batch b;
+                for (int st = 0; st < 3; st++) {
+                    check_token_batch(&b, tok, tg, B, T, V, st);
+                    CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[k][st]));
+                }
+                n = mt_model_num_params(m[k]);
+                w[k] = check_alloc(n * 4);
+                gr[k] = check_alloc(n * 4);
+                check_token_batch(&b, tok, tg, B, T, V, 7);
+                CHECK_OKC(ctx, mt_trainer_gradients(t, &b, NULL, gr[k], n));
+                CHECK_OK(mt_model_get_params(m[k], w[k], n));
+                mt_trainer_destroy(t);
+            }
+            CHECK_MSG(!memcmp(loss[1], loss[0], sizeof loss[0]),
+                      "case %d blocks %d: losses %.9g %.9g %.9g, unfused %.9g %.9g %.9g", c, blocks,
+                      (double)loss[0][0], (double)loss[0][1], (double)loss[0][2],
+                      (double)loss[1][0], (double)loss[1][1], (double)loss[1][2]);
+            CHECK_MSG(!memcmp(w[1], w[0], n * 4), "case %d blocks %d: the weights differ", c, blocks);
+            CHECK_MSG(!memcmp(gr[1], gr[0], n * 4), "case %d blocks %d: the gradients differ", c,
+                      blocks);
+            for (int k = 0; k < 2; k++) CHECK_OK(mt_model_destroy(m[k]));
+            CHECK_OK(mt_model_destroy(te));
+            CHECK_OK(mt_context_destroy(ctx));
+        }
+    /* the fused step: the head's dlogits deferred to the embedding, unfused */
+    mt_context *ctx = check_cpu_context(1);
+    mt_model *m = tiny_gpt(ctx, 5, MT_BASE_FULL);
+    mt_trainer_config tc;
+    lora_config(&tc, 0, MT_BASE_FULL);
+    tc.fused_step = 1;
+    mt_trainer *t;
+    CHECK_OKC(ctx, mt_trainer_create(m, &tc, &t));
+    CHECK_EQ(t->E.head_rows, 0);
+    mt_trainer_destroy(t);
+    CHECK_OK(mt_model_destroy(m));
+    CHECK_OK(mt_context_destroy(ctx));
+}
+
 /* ---- CUDA contexts ---- */
 
 /* A CUDA context over the stand-in driver and cuBLASLt (NULL where the

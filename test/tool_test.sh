@@ -59,7 +59,7 @@ expect 1 "missing trace" -- "$tool" replay "$tmp/none.trace"
 E="--model gpt --layers 12 --heads 12 --channels 768 --vocab 50257 --max-seq 1024 --batch 4 --clip 0"
 expect 0 "estimate help" -- "$tool" estimate --help
 expect 0 "estimate a GPT-2 124M step" -- "$tool" estimate $E --json --threads 2
-grep -q '"peak": 2005003272' "$tmp/out" || { echo "FAIL tool: estimate of GPT-2 124M fp32 AdamW B4 T64"; cat "$tmp/out"; fail=1; }
+grep -q '"peak": 1996332040' "$tmp/out" || { echo "FAIL tool: estimate of GPT-2 124M fp32 AdamW B4 T64"; cat "$tmp/out"; fail=1; }
 # one rank of 4 at ZeRO stage 2: a quarter of one rank's optimizer state
 # (8 bytes x 124475904 parameters), within a block per tensor
 expect 0 "estimate a rank under ZeRO" -- "$tool" estimate $E --json --threads 2 --ranks 4 --rank 3 --zero 2 --batch 16
@@ -111,16 +111,17 @@ grep -q '^{"budget": 104857600, "fits": false, "least": 2[0-9]*, ' "$tmp/out" ||
 expect 2 "bad recompute" -- "$tool" estimate $E --recompute often
 expect 2 "autofit without a budget" -- "$tool" estimate $E --autofit
 # 4-bit state is its own opt-in: a budget under the least 8-bit state needs
-# for this model and over the least 4-bit state needs (1.84 and 1.64 MiB
-# here), both from estimates of this run on this CPU
+# for this model and over the least 4-bit state needs (19.0 and 17.0 MiB
+# here), both from estimates of this run on this CPU (a model whose state
+# outweighs the allocators' rounding of the reserve)
 least() { # least ESTIMATE-OPTIONS...: the least MiB auto-fit can reach, from its JSON
     "$tool" estimate $E "$@" --budget 0.001 --json 2>/dev/null | sed -n 's/.*"least": \([0-9]*\).*/\1/p'
 }
-small="--layers 2 --heads 4 --channels 64 --vocab 256 --max-seq 64 --batch 4 --seq 64 --autofit"
+small="--layers 2 --heads 4 --channels 256 --vocab 256 --max-seq 64 --batch 4 --seq 64 --autofit"
 # shellcheck disable=SC2086
 least8=$(least $small --allow-8bit); least4=$(least $small --allow-8bit --allow-4bit)
 mid=$(awk -v a="$least4" -v b="$least8" 'BEGIN { if (a + 0 > 0 && a + 0 < b + 0) printf "%.6f", (a + b) / 2 / 1048576 }')
-[ -n "$mid" ] || { echo "FAIL tool: least with 4-bit state ($least4) not below 8-bit's ($least8)"; fail=1; mid=1.7; }
+[ -n "$mid" ] || { echo "FAIL tool: least with 4-bit state ($least4) not below 8-bit's ($least8)"; fail=1; mid=18; }
 small="$small --budget $mid"
 # shellcheck disable=SC2086
 expect 3 "auto-fit, 8-bit state too much" -- "$tool" estimate $E $small --allow-8bit

@@ -971,7 +971,7 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
         E->NL = E->N / tp->size;
         E->R0 = tp->rank * E->NL;
     }
-    E->head_fused = !eval && E->head_rows > 0 && !E->params_hook && !E->stage_out;
+    E->head_fused = !eval && E->head_rows > 0 && !E->head_unfused && !E->params_hook && !E->stage_out;
     int64_t N = E->N;
     if (E->stage_in) { /* the input is the stage's before (the caller's, in bnd[0]) */
         if (!E->bnd[0].blk.ptr && !ctx->dry)
@@ -1006,24 +1006,60 @@ mt_status mti_engine_forward(mti_engine *E, const mt_batch *b, int r0, int rows,
     return MT_OK;
 }
 
-int mti_engine_head_rows(const mti_engine *E)
+/* The rows of a block of the LM head (last layer h): a multiple of 8, so
+ * every block's rows start 16-byte aligned; larger on a GPU, where each
+ * block's pass over the whole head weight (a quantized one dequantized
+ * again) costs more than the memory. */
+static int head_block(const mti_engine *E, const mti_layer *h)
 {
-    const mt_model *m = E->m;
-    const mti_layer *h = &m->layers[m->n_layers - 1];
-    if (h->kind != MT_LAYER_LM_HEAD || !m->params[h->tied].frozen || m->tp) return 0;
-    /* a multiple of 8 rows, so every block's rows start 16-byte aligned;
-       larger on a GPU, where each block's pass over the whole head weight
-       (a quantized one dequantized again) costs more than the memory */
     const size_t block = mt_context_device(E->ctx) == MT_DEVICE_CUDA ? MTI_HEAD_BLOCK_GPU : MTI_HEAD_BLOCK;
     const size_t r = (block / ((size_t)h->out * mti_dtype_size(E->dt)) + 7) / 8 * 8;
     return r > (1 << 24) ? 1 << 24 : (int)r;
 }
 
+int mti_engine_head_rows(const mti_engine *E)
+{
+    const mt_model *m = E->m;
+    const mti_layer *h = &m->layers[m->n_layers - 1];
+    if (h->kind != MT_LAYER_LM_HEAD || m->tp) return 0;
+    /* a trained head's weight gradient is made block by block with the
+       loss, unless its dlogits wait for the embedding (defer_tied) */
+    if (!m->params[h->tied].frozen && E->defer_tied) return 0;
+    return head_block(E, h);
+}
+
+/* The LM head's weight gradient g (its W (out, in) the tied table; rows
+ * [r0, r1) of it, r1 0: all) from dy (N, out) and x (N, in): summed over
+ * blocks of the head's rows in order (head_rows, or the shape's block when
+ * the head is not fused), the first block's written with flag set (0:
+ * added), the others added. The head fused with the loss adds each
+ * block's part as the loss makes it, in the same blocks, so the fused and
+ * the unfused head make the same bits. */
+static mt_status head_dw(mti_engine *E, float *g, const void *dy, const void *x, int in, int out,
+                         int r0, int r1, int set)
+{
+    const mti_ops *op = E->ctx->ops;
+    const int N = E->N, hb = E->head_rows > 0 ? E->head_rows : head_block(E, &E->m->layers[E->m->n_layers - 1]);
+    const size_t es = mti_dtype_size(E->dt);
+    mt_status s = MT_OK;
+    for (int b0 = 0; (b0 < N || (N == 0 && b0 == 0)) && !s; b0 += hb) { /* (no rows: one empty sum) */
+        const int n = N - b0 < hb ? N - b0 : hb, fl = b0 == 0 ? set : 0;
+        const void *dyb = (const char *)dy + (size_t)b0 * (size_t)out * es;
+        const void *xb = (const char *)x + (size_t)b0 * (size_t)in * es;
+        s = r1 ? op->matmul_dw_rows(&E->k, g, dyb, xb, n, in, out, r0, r1, E->dt, fl)
+               : op->matmul_bwd(&E->k, NULL, g, NULL, dyb, xb, NULL, n, in, out, E->dt, fl);
+        if (N == 0) break;
+    }
+    return s;
+}
+
 /* The LM head fused with the loss (head_rows): per block of rows, the
  * logits (IO), the losses and dlogits in their place (xent, or xent_kd
- * against the teacher's logits tl, which has tw columns), and the head's
- * input gradient of those rows into the last boundary, then the block
- * goes. */
+ * against the teacher's logits tl, which has tw columns), the head's input
+ * gradient of those rows into the last boundary and, for a trained head,
+ * the block's part of its weight gradient added (the first block's
+ * written when the gradient is fresh: wflags through lin_bwd), then the
+ * block goes. */
 static mt_status head_loss(mti_engine *E, const float *tl, int tw, float alpha, float temp,
                            float dloss)
 {
@@ -1033,7 +1069,9 @@ static mt_status head_loss(mti_engine *E, const float *tl, int tw, float alpha, 
     const mti_ops *op = E->ctx->ops;
     const size_t es = mti_dtype_size(E->dt);
     const char *x = E->bnd[L - 1].blk.ptr;
-    mt_status s = act(E, &E->bnd[L], E->dt, N, C, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(L + 1, 100));
+    float *gw = NULL; /* a trained head's weight gradient: each block's part added (head_dw) */
+    mt_status s = gradp(E, wi, &gw);
+    if (!s) s = act(E, &E->bnd[L], E->dt, N, C, MT_MEM_IO, MT_LIFE_STEP, MTI_TAG(L + 1, 100));
     for (int r0 = 0; r0 < N && !s; r0 += E->head_rows) {
         const int n = N - r0 < E->head_rows ? N - r0 : E->head_rows;
         mti_tensor y;
@@ -1048,7 +1086,7 @@ static mt_status head_loss(mti_engine *E, const float *tl, int tw, float alpha, 
             s = op->xent(&E->k, (float *)E->losses.blk.ptr + r0, y.blk.ptr, y.blk.ptr,
                          (const int32_t *)E->targets.blk.ptr + r0, n, m->classes, W, dloss, E->dt);
         if (!s)
-            s = lin_bwd(E, wi, (char *)E->bnd[L].blk.ptr + (size_t)r0 * C * es, NULL, NULL,
+            s = lin_bwd(E, wi, (char *)E->bnd[L].blk.ptr + (size_t)r0 * C * es, gw, NULL,
                         y.blk.ptr, x + (size_t)r0 * C * es, C, W, 0);
         E->N = N;
         mti_tensor_free(E->ctx, &y);
@@ -1150,6 +1188,14 @@ static mt_status block_redo(mti_engine *E, int i)
     return MT_OK;
 }
 
+/* The gradients of a block's parameters p + a and p + a + 1 (a weight and
+ * its bias, or a LayerNorm's pair) into g[a], g[a + 1]. */
+static mt_status grad_pair(mti_engine *E, int p, float **g, int a)
+{
+    mt_status s = gradp(E, p + a, &g[a]);
+    return s ? s : gradp(E, p + a + 1, &g[a + 1]);
+}
+
 static mt_status block_bwd(mti_engine *E, int i, bool keep)
 {
     const mti_layer *ly = &E->m->layers[i];
@@ -1169,9 +1215,10 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     do {                                                                                       \
         if (!keep || (sel && !sel_keep[j])) mti_tensor_free(E->ctx, &sl[j]);                   \
     } while (0)
-    float *g[12];
+    /* each weight's gradient made when its GEMM or LayerNorm comes (not all
+       at the block's start: the later ones are not there at the MLP's peak) */
+    float *g[12] = {NULL};
     int set;
-    for (int j = 0; j < 12; j++) MTI_TRY(gradp(E, p + j, &g[j]));
     void *d = E->d.blk.ptr, *dx = NULL;
     /* t1: a GEMM's input gradient over every row (N, C); sequence parallel:
        dl its rows here, dg the gradient flowing back and xg a LayerNorm's
@@ -1181,6 +1228,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     /* MLP: fcproj, GELU, fc, ln2 */
     s = all_rows(E, d, C, &dg, &dfull, MTI_TAG(nd, 203));
     if (!s) s = act(E, &t4, dt, N, 4 * Cl, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
+    if (!s) s = grad_pair(E, p, g, 10);
     if (!s)
         s = lin_bwd(E, p + 10, t4.blk.ptr, g[10], g[11], dfull, sl[GELU_OUT].blk.ptr, 4 * Cl,
                         C, 0);
@@ -1194,6 +1242,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     if (!s) DONE(FCH);
     if (!s) s = act(E, &t1, dt, N, C, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 201));
     if (!s) s = all_rows(E, sl[LN2].blk.ptr, C, &xg, &xin, MTI_TAG(nd, 204));
+    if (!s) s = grad_pair(E, p, g, 8);
     if (!s)
         s = lin_bwd(E, p + 8, t1.blk.ptr, g[8], g[9], t4.blk.ptr, xin, C, 4 * Cl, 0);
     if (!s)
@@ -1204,6 +1253,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     mti_tensor_free(E->ctx, &t4);
     if (!s) s = col_dx(E, t1.blk.ptr, C, &dl, &dx, MTI_TAG(nd, 212));
     if (!s) DONE(LN2);
+    if (!s) s = grad_pair(E, p, g, 6);
     if (!s) s = wflags(E, p + 6, g[6], p + 7, g[7], &set);
     if (!s)
         s = op->layernorm_bwd(k, d, g[6], g[7], dx, sl[RES2].blk.ptr, P(E, p + 6),
@@ -1217,6 +1267,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
     }
     /* attention: attproj, attention, qkv, ln1 */
     if (!s) s = all_rows(E, d, C, &dg, &dfull, MTI_TAG(nd, 205));
+    if (!s) s = grad_pair(E, p, g, 4);
     if (!s)
         s = lin_bwd(E, p + 4, t1.blk.ptr, g[4], g[5], dfull, sl[ATT].blk.ptr, Cl, C, 0);
     if (!s)
@@ -1234,6 +1285,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         DONE(LSE);
     }
     if (!s) s = all_rows(E, sl[LN1].blk.ptr, C, &xg, &xin, MTI_TAG(nd, 206));
+    if (!s) s = grad_pair(E, p, g, 2);
     if (!s)
         s = lin_bwd(E, p + 2, t1.blk.ptr, g[2], g[3], t3.blk.ptr, xin, C, 3 * Cl, 0);
     if (!s)
@@ -1247,6 +1299,7 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
         DONE(QKV);
         DONE(LN1);
     }
+    if (!s) s = grad_pair(E, p, g, 0);
     if (!s) s = wflags(E, p, g[0], p + 1, g[1], &set);
     if (!s)
         s = op->layernorm_bwd(k, d, g[0], g[1], dx, E->bnd[i].blk.ptr, P(E, p),
@@ -1269,16 +1322,14 @@ static mt_status block_bwd(mti_engine *E, int i, bool keep)
 static mt_status tied_head_grad(mti_engine *E, float *g, int r0, int r1)
 {
     const mti_layer *head = &E->m->layers[E->m->n_layers - 1];
-    const mti_ops *op = E->ctx->ops;
     int set;
     mt_status s;
     if (!r1) {
         MTI_TRY(wflags(E, head->tied, g, -1, NULL, &set));
-        return op->matmul_bwd(&E->k, NULL, g, NULL, E->tied_dy_ptr, E->tied_x_ptr, NULL, E->N,
-                              head->in, head->out, E->dt, set);
+        return head_dw(E, g, E->tied_dy_ptr, E->tied_x_ptr, head->in, head->out, 0, 0, set);
     }
-    return op->matmul_dw_rows(&E->k, g, E->tied_dy_ptr, E->tied_x_ptr, E->N, head->in, head->out,
-                              r0, r1, E->dt, grad_filled(E) ? 0 : MTI_BWD_SET_DW);
+    return head_dw(E, g, E->tied_dy_ptr, E->tied_x_ptr, head->in, head->out, r0, r1,
+                   grad_filled(E) ? 0 : MTI_BWD_SET_DW);
 }
 
 /* The tied table's gradient, tied_rows rows at a time: the head's part,
@@ -1350,7 +1401,14 @@ static mt_status layer_bwd(mti_engine *E, int i, bool keep)
         /* (an LM head under sequence parallel: its input's rows gathered) */
         if (ly->kind == MT_LAYER_LM_HEAD) MTI_TRY(all_rows(E, x->blk.ptr, ly->in, &xg, &xin, MTI_TAG(nd, 207)));
         if (want_dx) s = act(E, &dx, dt, N, ly->in, MT_MEM_WORK, MT_LIFE_PHASE, MTI_TAG(nd, 200));
-        if (!s && (want_dx || gw || gb || defer))
+        if (!s && ly->kind == MT_LAYER_LM_HEAD && gw) { /* the weight's part in the head's blocks */
+            int set;
+            if (want_dx)
+                s = lin_bwd(E, wi, dx.blk.ptr, NULL, NULL, E->d.blk.ptr, xin, ly->in,
+                            out_cols(E, ly), 0);
+            if (!s) s = wflags(E, wi, gw, -1, NULL, &set);
+            if (!s) s = head_dw(E, gw, E->d.blk.ptr, xin, ly->in, out_cols(E, ly), 0, 0, set);
+        } else if (!s && (want_dx || gw || gb || defer))
             s = lin_bwd(E, wi, dx.blk.ptr, gw, gb, E->d.blk.ptr, xin, ly->in, out_cols(E, ly), 0);
         mti_tensor_free(E->ctx, &xg);
         if (!s && want_dx && ly->kind == MT_LAYER_LM_HEAD && E->m->tp) { /* (a vocabulary share's part) */

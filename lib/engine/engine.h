@@ -108,9 +108,13 @@ typedef struct mti_engine {
      * computed, the head's input gradient for its rows made from them, and
      * the block freed, so the (N, out_width) logits never exist whole; the
      * last boundary then holds the head's input gradient (N, in) in place
-     * of the dlogits. The same ops on the same rows as the whole head: the
-     * same bits. Not with a params_hook (the weights must be resident). */
+     * of the dlogits, and a trained head's weight gradient has each block's
+     * part (made at the loss, before backward). The same ops on the same
+     * rows as the whole head: the same bits. Not with a params_hook (the
+     * weights must be resident). */
     int head_rows;
+    int head_unfused;              /* (tests) the head not fused, its weight gradient still
+                                      summed over head_rows blocks */
     int head_fused;                /* this pass's forward left the head to the loss */
     mti_slice_hook slice_hook;
     mti_layer_hook params_hook;    /* where the weights come from (NULL: resident) */
@@ -195,8 +199,11 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
 /* The rows of the LM head's blocks fused with the loss (head_rows): about
  * MTI_HEAD_BLOCK bytes of logits (MTI_HEAD_BLOCK_GPU on a CUDA context),
  * the rows rounded up to a multiple of 8 (so every block's rows start
- * 16-byte aligned), for a model whose last layer is an LM head with a
- * frozen (tied) weight; 0 otherwise. */
+ * 16-byte aligned), for a model whose last layer is an LM head (not split
+ * by tensor parallel) with a frozen weight, or a trained one whose dlogits
+ * are not deferred (defer_tied, set first); 0 otherwise. A trained head's
+ * weight gradient is summed over the same blocks fused or not, so the two
+ * make the same bits. */
 #define MTI_HEAD_BLOCK ((size_t)16 << 20)
 #define MTI_HEAD_BLOCK_GPU ((size_t)256 << 20)
 int mti_engine_head_rows(const mti_engine *E);
