@@ -904,7 +904,7 @@ typedef struct ordinal_arg {
 static void ordinal_rank(int rank, void *p)
 {
     ordinal_arg *a = p;
-    int (*init_device)(void) = (int (*)(void))fake_nccl_fn("fake_nccl_init_device");
+    int (*init_device)(int) = (int (*)(int))fake_nccl_fn("fake_nccl_init_device");
     mt_comm *boot = tcomm_make(a->w, rank, 2, 0), *c = NULL;
     mt_nccl_config nc;
     mt_nccl_config_init(&nc);
@@ -921,7 +921,7 @@ static void ordinal_rank(int rank, void *p)
     }
     /* the communicator is on the ordinal's device, and calls from a thread
        with no context current (this one) run with it current */
-    RANK_EXPECT(init_device && init_device() == a->ord[rank]);
+    RANK_EXPECT(init_device && init_device(rank) == a->ord[rank]);
     float v[2] = {(float)rank, 1.0f};
     RANK_EXPECT(!mt_comm_all_reduce(c, v, v, 2, MT_COMM_F32, MT_COMM_SUM, NULL));
     RANK_EXPECT(v[0] == 1.0f && v[1] == 2.0f);

@@ -232,10 +232,9 @@ void mt_nccl_config_init(mt_nccl_config *cfg);
 mt_status mt_nccl_unique_id(const mt_nccl_config *cfg, mt_nccl_id *out);
 /* Makes this process's rank of a NCCL communicator of `size` ranks from a
  * unique id every rank was given (ncclCommInitRank; blocks until every rank
- * has joined: with NCCL 2.14 or newer the setup is non-blocking and polled,
- * and a rank missing after cfg->timeout_seconds makes it MT_ERR_COMM with
- * the half-made communicator aborted; older NCCL waits without a
- * deadline), on the CUDA device cfg->device_ordinal names, whose primary
+ * has joined, or cfg->timeout_seconds pass: then MT_ERR_COMM, and what NCCL
+ * makes of the setup later is aborted), on the CUDA device
+ * cfg->device_ordinal names, whose primary
  * context the communicator makes current around each of its calls (any
  * thread may call; what it had current is restored). Collectives take
  * device memory and a CUstream on that device, and bf16 is reduced

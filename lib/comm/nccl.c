@@ -11,7 +11,6 @@
  * communicator is broken; every rank should end its run.
  */
 #include <dlfcn.h>
-#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,19 +27,6 @@ typedef struct nccl_comm_s *nccl_comm;
 enum { NCCL_UINT8 = 1, NCCL_FLOAT32 = 7, NCCL_BF16 = 9 };
 enum { NCCL_SUM = 0, NCCL_MAX = 2 };
 enum { NCCL_IN_PROGRESS = 7 };
-
-/* ncclConfig_t as NCCL 2.14 laid it out; its size and version tell a newer
- * NCCL which fields there are (the others keep their defaults). Used for
- * one setting: blocking 0, so that ncclCommInitRankConfig returns at once
- * and the setup is polled against the deadline. */
-typedef struct nccl_config {
-    size_t size;
-    unsigned int magic, version;
-    int blocking, cga_cluster_size, min_ctas, max_ctas;
-    const char *net_name;
-} nccl_config;
-#define NCCL_CONFIG_MAGIC 0xcafebeefu
-#define NCCL_CONFIG_V2_14 21400u
 enum { CU_SUCCESS = 0, CU_NOT_READY = 600 };
 
 typedef struct nccl_api {
@@ -48,8 +34,6 @@ typedef struct nccl_api {
     nccl_result (*GetVersion)(int *);
     nccl_result (*GetUniqueId)(mt_nccl_id *);
     nccl_result (*CommInitRank)(nccl_comm *, int, mt_nccl_id, int);
-    /* optional (NCCL 2.14): the non-blocking setup under the deadline */
-    nccl_result (*CommInitRankConfig)(nccl_comm *, int, mt_nccl_id, int, nccl_config *);
     nccl_result (*CommDestroy)(nccl_comm);
     nccl_result (*CommAbort)(nccl_comm);
     nccl_result (*CommGetAsyncError)(nccl_comm, nccl_result *);
@@ -213,7 +197,6 @@ static mt_status api_open(const char *fn, const mt_nccl_config *c, nccl_api *a)
     SYM(a->cuda, CtxPush, "cuCtxPushCurrent_v2");
     SYM(a->cuda, CtxPop, "cuCtxPopCurrent_v2");
     *(void **)&a->CommSplit = dlsym(a->lib, "ncclCommSplit");
-    *(void **)&a->CommInitRankConfig = dlsym(a->lib, "ncclCommInitRankConfig");
     *(void **)&a->CommCount = dlsym(a->lib, "ncclCommCount");
     *(void **)&a->CommUserRank = dlsym(a->lib, "ncclCommUserRank");
     *(void **)&a->MemcpyHtoD = dlsym(a->cuda, "cuMemcpyHtoD_v2");
@@ -245,15 +228,16 @@ static double now_s(void)
  * entry, popped on the way out. NCCL takes the device of a communicator at
  * ncclCommInitRank from the current context (device 0 where there is
  * none), and its calls expect it current. */
-static void dev_in(const nccl_state *st)
+static int dev_in(const nccl_state *st)
 {
-    if (st->ctx) st->api.CtxPush(st->ctx);
+    return st->ctx && st->api.CtxPush(st->ctx) == CU_SUCCESS;
 }
 
-static void dev_out(const nccl_state *st)
+/* (pushed: dev_in's answer; nothing is popped that was not pushed) */
+static void dev_out(const nccl_state *st, int pushed)
 {
     void *prev;
-    if (st->ctx) st->api.CtxPop(&prev);
+    if (pushed) st->api.CtxPop(&prev);
 }
 
 static mt_status fail(nccl_state *st, const char *what, nccl_result r)
@@ -308,23 +292,6 @@ static mt_status wait_until(nccl_state *st, const char *what, int (*done)(void *
     }
 }
 
-/* A non-blocking communicator's state is ready (its setup done, or a call
- * enqueued). */
-static int comm_ready(void *arg, int *cu)
-{
-    nccl_state *st = arg;
-    nccl_result ae = 0;
-    *cu = 0;
-    return st->api.CommGetAsyncError(st->comm, &ae) == 0 && ae == 0;
-}
-
-/* Waits, under the deadline, until a call that returned ncclInProgress is
- * enqueued (before anything is ordered after it on its stream). */
-static mt_status enqueued(nccl_state *st, const char *what)
-{
-    return wait_until(st, what, comm_ready, st);
-}
-
 typedef struct stream_of {
     nccl_state *st;
     void *stream;
@@ -361,11 +328,6 @@ static mt_status issued(nccl_state *st, const char *what, nccl_result r, void *s
         snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
         return MT_ERR_COMM;
     }
-    if (r == NCCL_IN_PROGRESS) { /* (non-blocking: still being enqueued) */
-        const mt_status s = enqueued(st, what);
-        if (s) return s;
-        r = 0;
-    }
     if (r != 0) {
         abort_comm(st);
         return fail(st, what, r);
@@ -386,14 +348,14 @@ static mt_status n_all_reduce(void *self, const void *send, void *recv, size_t c
                               mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
     nccl_state *st = self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     const mt_status s =
         st->aborted ? issued(st, "ncclAllReduce", 0, stream)
                     : issued(st, "ncclAllReduce",
                              st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op),
                                                st->comm, on(stream)),
                              stream);
-    dev_out(st);
+    dev_out(st, in_);
     return s;
 }
 
@@ -401,14 +363,14 @@ static mt_status n_reduce_scatter(void *self, const void *send, void *recv, size
                                   mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
     nccl_state *st = self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     const mt_status s =
         st->aborted ? issued(st, "ncclReduceScatter", 0, stream)
                     : issued(st, "ncclReduceScatter",
                              st->api.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op),
                                                    st->comm, on(stream)),
                              stream);
-    dev_out(st);
+    dev_out(st, in_);
     return s;
 }
 
@@ -416,14 +378,14 @@ static mt_status n_all_gather(void *self, const void *send, void *recv, size_t c
                               mt_comm_dtype dt, void *stream)
 {
     nccl_state *st = self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     const mt_status s =
         st->aborted ? issued(st, "ncclAllGather", 0, stream)
                     : issued(st, "ncclAllGather",
                              st->api.AllGather(send, recv, count, nccl_type(dt), st->comm,
                                                on(stream)),
                              stream);
-    dev_out(st);
+    dev_out(st, in_);
     return s;
 }
 
@@ -431,14 +393,14 @@ static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype 
                              void *stream)
 {
     nccl_state *st = self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     const mt_status s =
         st->aborted ? issued(st, "ncclBroadcast", 0, stream)
                     : issued(st, "ncclBroadcast",
                              st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm,
                                                on(stream)),
                              stream);
-    dev_out(st);
+    dev_out(st, in_);
     return s;
 }
 
@@ -455,14 +417,14 @@ static mt_status n_sendrecv(void *self, const void *send, size_t sn, int to, voi
     else if (to >= 0) snprintf(what, sizeof what, "ncclSend to rank %d", to);
     else snprintf(what, sizeof what, "ncclRecv from rank %d", from);
     if (st->aborted) return issued(st, what, 0, stream);
-    dev_in(st);
+    const int in_ = dev_in(st);
     void *s = on(stream);
     nccl_result r = st->api.GroupStart();
     if (!r && to >= 0) r = st->api.Send(send, sn, nccl_type(dt), to, st->comm, s);
     if (!r && from >= 0) r = st->api.Recv(recv, rn, nccl_type(dt), from, st->comm, s);
     const nccl_result e = st->api.GroupEnd(); /* (closes the group whatever happened in it) */
     const mt_status out = issued(st, what, r ? r : e, stream);
-    dev_out(st);
+    dev_out(st, in_);
     return out;
 }
 
@@ -510,20 +472,16 @@ static mt_status split_in(nccl_state *st, int color, int key, void **out_self, i
     ns->comm = nc;
     ns->timeout = st->timeout;
     ns->dev = st->dev;
-    if (st->ctx && st->api.CtxRetain(&ns->ctx, st->dev) != CU_SUCCESS) ns->ctx = NULL;
-    mt_status ws = MT_OK;
-    if (st->api.CommInitRankConfig) { /* (a non-blocking parent's child is non-blocking) */
-        ws = enqueued(ns, "ncclCommSplit's new communicator");
-        if (ws) snprintf(st->err, sizeof st->err, "%s", ns->err);
-    }
-    if (!ws) r = st->api.CommCount(nc, out_size);
-    if (!ws && !r) r = st->api.CommUserRank(nc, out_rank);
-    if (ws || r || st->api.MemAlloc(&ns->scratch, 4) != CU_SUCCESS) {
+    const int cr = st->ctx ? st->api.CtxRetain(&ns->ctx, st->dev) : CU_SUCCESS;
+    if (cr != CU_SUCCESS) ns->ctx = NULL;
+    r = cr == CU_SUCCESS ? st->api.CommCount(nc, out_size) : 0;
+    if (!r && cr == CU_SUCCESS) r = st->api.CommUserRank(nc, out_rank);
+    if (cr != CU_SUCCESS || r || st->api.MemAlloc(&ns->scratch, 4) != CU_SUCCESS) {
         ns->scratch = 0;
         n_destroy(ns);
-        if (!ws)
-            snprintf(st->err, sizeof st->err, "the split's communicator: %s",
-                     r ? st->api.GetErrorString(r) : "cuMemAlloc of the barrier's 4 bytes failed");
+        snprintf(st->err, sizeof st->err, "the split's communicator: %s",
+                 cr != CU_SUCCESS ? "its device's context could not be retained"
+                 : r ? st->api.GetErrorString(r) : "cuMemAlloc of the barrier's 4 bytes failed");
         return MT_ERR_COMM;
     }
     *out_self = ns;
@@ -534,9 +492,9 @@ static mt_status n_split(void *self, int color, int key, void **out_self, int *o
                          int *out_size)
 {
     nccl_state *st = self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     const mt_status s = split_in(st, color, key, out_self, out_rank, out_size);
-    dev_out(st);
+    dev_out(st, in_);
     return s;
 }
 
@@ -557,10 +515,10 @@ static const char *n_last_error(void *self) { return ((nccl_state *)self)->err; 
 static void n_destroy(void *self)
 {
     nccl_state *st = self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     if (!st->aborted && st->comm) st->api.CommDestroy(st->comm);
     if (st->scratch) st->api.MemFree(st->scratch);
-    dev_out(st);
+    dev_out(st, in_);
     if (st->ctx) st->api.CtxRelease(st->dev);
     api_close(&st->api);
     free(st);
@@ -597,6 +555,89 @@ mt_status mt_nccl_unique_id(const mt_nccl_config *cfg, mt_nccl_id *out)
     return s;
 }
 
+/* ncclCommInitRank on a thread of its own, with the device current there,
+ * so that the caller can stop waiting at the deadline: a rank that never
+ * joins leaves the others' setup blocked in NCCL, and a blocking setup has
+ * no handle to abort until it returns. At the deadline the caller gives the
+ * job up (abandoned); the thread, whenever NCCL lets it go, aborts what it
+ * made and frees the job. Its own retain of the context keeps the device's
+ * context alive for it. */
+typedef struct init_job {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done, abandoned;
+    nccl_api api; /* (the loaded functions; the libraries are never unloaded) */
+    void *ctx;
+    int dev, size, rank;
+    mt_nccl_id id;
+    nccl_result r;
+    nccl_comm comm;
+} init_job;
+
+static void init_job_free(init_job *j)
+{
+    if (j->ctx) j->api.CtxRelease(j->dev);
+    pthread_mutex_destroy(&j->mu);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+}
+
+static void *init_thread(void *arg)
+{
+    init_job *j = arg;
+    void *prev;
+    const int pushed = j->ctx && j->api.CtxPush(j->ctx) == CU_SUCCESS;
+    nccl_comm comm = NULL;
+    const nccl_result r = j->api.CommInitRank(&comm, j->size, j->id, j->rank);
+    pthread_mutex_lock(&j->mu);
+    const int abandoned = j->abandoned;
+    j->r = r, j->comm = comm, j->done = 1;
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (abandoned && r == 0 && comm) j->api.CommAbort(comm); /* (nobody takes it) */
+    if (pushed) j->api.CtxPop(&prev);
+    if (abandoned) init_job_free(j);
+    return NULL;
+}
+
+/* The setup under st's deadline: 0 with st->comm made, NCCL's error, -1
+ * when the deadline passed first (the job given up), -2 when no job could
+ * start (host memory, a thread). */
+static nccl_result init_under_deadline(nccl_state *st, const mt_nccl_id *id, int rank, int size)
+{
+    init_job *j = calloc(1, sizeof *j);
+    if (!j) return -2;
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    j->api = st->api, j->dev = st->dev, j->size = size, j->rank = rank, j->id = *id;
+    if (st->ctx && st->api.CtxRetain(&j->ctx, st->dev) != CU_SUCCESS) j->ctx = NULL;
+    pthread_t th;
+    if (pthread_create(&th, NULL, init_thread, j)) {
+        init_job_free(j);
+        return -2;
+    }
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    const double t = (double)dl.tv_sec + 1e-9 * (double)dl.tv_nsec + st->timeout;
+    dl.tv_sec = (time_t)t;
+    dl.tv_nsec = (long)((t - (double)dl.tv_sec) * 1e9);
+    pthread_mutex_lock(&j->mu);
+    while (!j->done)
+        if (pthread_cond_timedwait(&j->cv, &j->mu, &dl)) break;
+    const int done = j->done;
+    if (!done) j->abandoned = 1;
+    pthread_mutex_unlock(&j->mu);
+    if (!done) {
+        pthread_detach(th);
+        return -1;
+    }
+    pthread_join(th, NULL);
+    const nccl_result r = j->r;
+    st->comm = j->comm;
+    init_job_free(j);
+    return r;
+}
+
 mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, int rank, int size,
                               mt_comm **out)
 {
@@ -630,32 +671,31 @@ mt_status mt_comm_nccl_create(const mt_nccl_config *cfg, const mt_nccl_id *id, i
                      "error %d)", fn, c.device_ordinal, cr);
     }
     nccl_result r = 0;
-    if (!s) {
-        dev_in(st);
-        if (st->api.CommInitRankConfig) { /* non-blocking, polled against the deadline */
-            nccl_config nc = {sizeof nc, NCCL_CONFIG_MAGIC, NCCL_CONFIG_V2_14, 0, INT_MIN,
-                              INT_MIN, INT_MIN, NULL};
-            r = st->api.CommInitRankConfig(&st->comm, size, *id, rank, &nc);
-            if ((r == 0 || r == NCCL_IN_PROGRESS) && st->comm) {
-                r = 0;
-                if (enqueued(st, "ncclCommInitRank"))
-                    s = mti_fail(NULL, MT_ERR_COMM, "%s: rank %d of %d, CUDA device %d: %s", fn,
-                                 rank, size, c.device_ordinal, st->err);
-            }
-        } else {
-            r = st->api.CommInitRank(&st->comm, size, *id, rank);
+    if (!s) r = init_under_deadline(st, id, rank, size);
+    if (!s && r == -2) {
+        st->comm = NULL;
+        s = mti_fail(NULL, MT_ERR_OOM, "%s: out of host memory (or threads) for NCCL's setup", fn);
+    } else if (!s && r < 0) {
+        st->comm = NULL;
+        s = mti_fail(NULL, MT_ERR_COMM,
+                     "%s: ncclCommInitRank (rank %d of %d, CUDA device %d): not every rank joined "
+                     "within %g s (a rank died, stalled or was never started); this rank gave the "
+                     "setup up, and what NCCL makes of it later is aborted",
+                     fn, rank, size, c.device_ordinal, st->timeout);
+    } else if (!s && r != 0) {
+        if (st->comm) { /* (a half-made one, if NCCL left it) */
+            const int in_ = dev_in(st);
+            st->api.CommAbort(st->comm);
+            dev_out(st, in_);
         }
-        dev_out(st);
-    }
-    if (!s && r != 0) {
         st->comm = NULL;
         s = mti_fail(NULL, MT_ERR_COMM, "%s: ncclCommInitRank (rank %d of %d, CUDA device %d): %s",
                      fn, rank, size, c.device_ordinal, st->api.GetErrorString(r));
     }
     if (!s) {
-        dev_in(st);
+        const int in_ = dev_in(st);
         cr = st->api.MemAlloc(&st->scratch, 4);
-        dev_out(st);
+        dev_out(st, in_);
         if (cr != CU_SUCCESS) {
             st->scratch = 0;
             s = mti_fail(NULL, MT_ERR_DEVICE,
@@ -716,13 +756,11 @@ mt_status mti_nccl_post_sum(mt_comm *c, float *buf, size_t count, void *stream)
         snprintf(st->err, sizeof st->err, "ncclAllReduce: the communicator was aborted");
         return MT_ERR_COMM;
     }
-    dev_in(st);
+    const int in_ = dev_in(st);
     nccl_result r = st->api.AllReduce(buf, buf, count, NCCL_FLOAT32, NCCL_SUM, st->comm, stream);
-    mt_status s = MT_OK;
-    if (r == NCCL_IN_PROGRESS) s = enqueued(st, "ncclAllReduce"), r = 0;
     if (r) abort_comm(st);
-    dev_out(st);
-    return r ? fail(st, "ncclAllReduce", r) : s;
+    dev_out(st, in_);
+    return r ? fail(st, "ncclAllReduce", r) : MT_OK;
 }
 
 mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
@@ -734,9 +772,9 @@ mt_status mti_nccl_wait(mt_comm *c, const char *what, void *stream)
 void mti_nccl_abort(mt_comm *c)
 {
     nccl_state *st = c->self;
-    dev_in(st);
+    const int in_ = dev_in(st);
     abort_comm(st);
-    dev_out(st);
+    dev_out(st, in_);
 }
 
 void mti_nccl_post_begin(void *stream, void (*fence)(void *), void *arg)
@@ -760,8 +798,8 @@ mt_status mti_nccl_wait_until(mt_comm *c, const char *what, int (*done)(void *, 
         snprintf(st->err, sizeof st->err, "%s: the communicator was aborted", what);
         return MT_ERR_COMM;
     }
-    dev_in(st);
+    const int in_ = dev_in(st);
     const mt_status s = wait_until(st, what, done, arg);
-    dev_out(st);
+    dev_out(st, in_);
     return s;
 }

@@ -160,6 +160,8 @@ static void *update_thread(void *arg)
         mt_status s = failed ? MT_OK : run_update(h, &h->slot[v]);
         if (failed && !h->dry) /* (skipped: its copies down still land in the slot) */
             (void)mti_cuda_event_wait(h->ctx->dev, h->slot[v].down);
+        if (s && !h->dry) /* (its upload may be queued without its event: it reads the slot) */
+            (void)mti_cuda_side_sync(h->ctx->dev);
         mti_msg msg = s ? mti_last_msg(h->ctx) : (mti_msg){0};
         pthread_mutex_lock(&h->mu);
         if (s && !h->err) {

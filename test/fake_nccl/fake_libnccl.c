@@ -45,15 +45,8 @@
  * context is not the current one fails with ncclInvalidUsage (destroy and
  * abort go on), and so does cuMemAlloc_v2 with no context current. For
  * tests: fake_nccl_wrong_device() counts those calls, and
- * fake_nccl_init_device() gives the device of the calling thread's last
- * ncclCommInitRank that succeeded (-1: none).
- *
- * ncclCommInitRankConfig with blocking 0 (the config's head as NCCL 2.14
- * lays it out: size, magic 0xcafebeef, version, blocking) returns
- * ncclInProgress at once; a thread waits for the clique, and
- * ncclCommGetAsyncError says ncclInProgress until every rank joined (then
- * success, or the setup's failure); aborting or destroying it meanwhile
- * ends the wait. A collective on it before then is ncclInvalidUsage.
+ * fake_nccl_init_device(rank) gives the device of the last communicator
+ * set up for that rank (of any clique; -1: none).
  *
  * ncclCommSplit: the ranks' colors and keys exchanged by an all-gather
  * waited for in the call, then each color's ranks in a clique of their own.
@@ -119,11 +112,6 @@ typedef struct fake_comm {
     clique *q;
     int rank;
     int dev; /* its device */
-    /* a non-blocking setup (ncclCommInitRankConfig, blocking 0): its thread
-       waits for the clique; joining until it is done, then init_err */
-    int joining, cancel, has_thread;
-    int init_err;
-    pthread_t th;
     uint64_t issued; /* collectives queued */
     unsigned splits; /* ncclCommSplit calls made */
 } fake_comm;
@@ -164,7 +152,6 @@ static _Thread_local p2p_wait waits[MAXS];
 ncclResult_t ncclGetVersion(int *v);
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id);
 ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank);
-ncclResult_t ncclCommInitRankConfig(fake_comm **out, int n, ncclUniqueId id, int rank, void *config);
 ncclResult_t ncclCommDestroy(fake_comm *c);
 ncclResult_t ncclCommAbort(fake_comm *c);
 ncclResult_t ncclCommGetAsyncError(fake_comm *c, ncclResult_t *e);
@@ -196,7 +183,7 @@ int cuDevicePrimaryCtxRelease_v2(int dev);
 int cuCtxPushCurrent_v2(void *ctx);
 int cuCtxPopCurrent_v2(void **ctx);
 unsigned long fake_nccl_wrong_device(void);
-int fake_nccl_init_device(void);
+int fake_nccl_init_device(int rank);
 
 /* ---- devices and contexts ---- */
 
@@ -209,7 +196,7 @@ typedef struct fake_ctx {
 static fake_ctx devices[MAXD];
 static _Thread_local fake_ctx *cur[CTX_DEPTH];
 static _Thread_local int depth;
-static _Thread_local int init_device = -1;
+static int init_device[MAXR] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 static unsigned long wrong_device;
 
 static int n_devices(void)
@@ -291,7 +278,13 @@ unsigned long fake_nccl_wrong_device(void)
     return n;
 }
 
-int fake_nccl_init_device(void) { return init_device; }
+int fake_nccl_init_device(int rank)
+{
+    pthread_mutex_lock(&mu);
+    const int d = rank >= 0 && rank < MAXR ? init_device[rank] : -1;
+    pthread_mutex_unlock(&mu);
+    return d;
+}
 
 ncclResult_t ncclGetVersion(int *v)
 {
@@ -336,20 +329,12 @@ const char *ncclGetErrorString(ncclResult_t r)
 
 static void leave(fake_comm *c, int abort);
 
-/* Rank `rank` of the clique of id joins it on the current device: the new
- * communicator, not set up yet (NULL, *err set: refused). */
-static fake_comm *join(int n, ncclUniqueId id, int rank, ncclResult_t *err)
+ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
 {
-    *err = OK;
-    if (n < 1 || n > MAXR || rank < 0 || rank >= n || memcmp(id.internal, "fakenccl", 8)) {
-        *err = INVALID_ARGUMENT;
-        return NULL;
-    }
+    if (n < 1 || n > MAXR || rank < 0 || rank >= n || memcmp(id.internal, "fakenccl", 8))
+        return INVALID_ARGUMENT;
     const int dev = cur_dev();
-    if (dev < 0) { /* (NCCL would take device 0) */
-        *err = INVALID_USAGE;
-        return NULL;
-    }
+    if (dev < 0) return INVALID_USAGE; /* (NCCL would take device 0) */
     pthread_mutex_lock(&mu);
     clique *q = cliques;
     while (q && memcmp(q->id, id.internal, 128)) q = q->next;
@@ -364,102 +349,39 @@ static fake_comm *join(int n, ncclUniqueId id, int rank, ncclResult_t *err)
     }
     if (q->n != n) {
         pthread_mutex_unlock(&mu);
-        *err = INVALID_USAGE;
-        return NULL;
+        return INVALID_USAGE;
     }
     q->dev[rank] = dev;
     q->joined++;
     q->live++;
     pthread_cond_broadcast(&cv);
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += 30;
+    while (q->joined < q->n)
+        if (pthread_cond_timedwait(&cv, &mu, &dl)) break;
+    int ok = q->joined >= q->n;
+    for (int r = 0; ok && r < n; r++) /* one device per rank, as NCCL wants */
+        for (int r2 = r + 1; ok && r2 < n; r2++) ok = q->dev[r] != q->dev[r2];
     pthread_mutex_unlock(&mu);
     fake_comm *c = calloc(1, sizeof *c);
     c->q = q;
     c->rank = rank;
     c->dev = dev;
-    return c;
-}
-
-/* Waits until every rank of c's clique joined (30 s at most, or until the
- * setup is cancelled): OK, or the setup's failure (two ranks on one
- * device: INVALID_USAGE). */
-static ncclResult_t setup(fake_comm *c)
-{
-    clique *q = c->q;
-    pthread_mutex_lock(&mu);
-    struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += 30;
-    while (q->joined < q->n && !c->cancel)
-        if (pthread_cond_timedwait(&cv, &mu, &dl)) break;
-    int ok = q->joined >= q->n;
-    const int joined = ok;
-    for (int r = 0; ok && r < q->n; r++) /* one device per rank, as NCCL wants */
-        for (int r2 = r + 1; ok && r2 < q->n; r2++) ok = q->dev[r] != q->dev[r2];
-    pthread_mutex_unlock(&mu);
-    return ok ? OK : joined ? INVALID_USAGE : SYSTEM_ERROR;
-}
-
-ncclResult_t ncclCommInitRank(fake_comm **out, int n, ncclUniqueId id, int rank)
-{
-    ncclResult_t r;
-    fake_comm *c = join(n, id, rank, &r);
-    if (!c) return r;
-    if ((r = setup(c))) {
+    if (!ok) {
+        const int joined = q->joined >= q->n;
         leave(c, 0);
-        return r;
+        return joined ? INVALID_USAGE : SYSTEM_ERROR;
     }
-    init_device = c->dev;
+    pthread_mutex_lock(&mu);
+    init_device[rank] = dev;
+    pthread_mutex_unlock(&mu);
     *out = c;
     return OK;
 }
 
-static void *setup_thread(void *arg)
-{
-    fake_comm *c = arg;
-    const ncclResult_t r = setup(c);
-    pthread_mutex_lock(&mu);
-    c->init_err = r;
-    c->joining = 0;
-    pthread_mutex_unlock(&mu);
-    return NULL;
-}
-
-/* ncclConfig_t's head: size, magic, version, then blocking */
-typedef struct fake_config {
-    size_t size;
-    unsigned int magic, version;
-    int blocking;
-} fake_config;
-
-ncclResult_t ncclCommInitRankConfig(fake_comm **out, int n, ncclUniqueId id, int rank, void *config)
-{
-    const fake_config *f = config;
-    if (f && (f->magic != 0xcafebeefu || f->size < sizeof *f)) return INVALID_ARGUMENT;
-    if (!f || f->blocking != 0) return ncclCommInitRank(out, n, id, rank);
-    ncclResult_t r;
-    fake_comm *c = join(n, id, rank, &r);
-    if (!c) return r;
-    c->joining = 1;
-    if (pthread_create(&c->th, NULL, setup_thread, c)) {
-        leave(c, 0);
-        return SYSTEM_ERROR;
-    }
-    c->has_thread = 1;
-    init_device = c->dev; /* (where it will be) */
-    *out = c;
-    return 7; /* ncclInProgress */
-}
-
 static void leave(fake_comm *c, int abort)
 {
-    if (c->has_thread) { /* a setup still waiting ends first */
-        pthread_mutex_lock(&mu);
-        c->cancel = 1;
-        pthread_cond_broadcast(&cv);
-        pthread_mutex_unlock(&mu);
-        pthread_join(c->th, NULL);
-        c->has_thread = 0;
-    }
     pthread_mutex_lock(&mu);
     clique *q = c->q;
     if (abort) q->aborted = 1;
@@ -502,8 +424,7 @@ ncclResult_t ncclCommGetAsyncError(fake_comm *c, ncclResult_t *e)
 {
     if (!on_device(c)) return INVALID_USAGE;
     pthread_mutex_lock(&mu);
-    *e = c->joining ? 7 /* ncclInProgress */ : c->init_err ? c->init_err
-         : c->q->aborted ? REMOTE_ERROR : OK; /* (a stalled clique reports nothing) */
+    *e = c->q->aborted ? REMOTE_ERROR : OK; /* (a stalled clique reports nothing) */
     pthread_mutex_unlock(&mu);
     return OK;
 }
@@ -609,7 +530,7 @@ static ncclResult_t queue(fake_comm *c, int kind, const void *send, size_t send_
                           size_t count, int type, int op, int root, void *stream)
 {
     if (type != T_U8 && type != T_F32 && type != T_BF16) return INVALID_ARGUMENT;
-    if (!on_device(c) || c->joining || c->init_err) return INVALID_USAGE;
+    if (!on_device(c)) return INVALID_USAGE;
     on_stream *slot = slot_of(stream);
     if (!slot) return SYSTEM_ERROR; /* (more streams at once than the stand-in keeps) */
     pthread_mutex_lock(&mu);
