@@ -281,7 +281,7 @@ check-tests: $(TEST_BIN) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL) $(EXAMPLES) 
 # paths too; and the standard QLoRA run of the command at each cap.
 ISA_CAPS ?= avx2 baseline
 ISA_TESTS := test_ops.c test_engine.c test_qbase.c test_quant.c test_estimate.c test_isa.c \
-	test_optim.c test_optim4.c test_golden.c test_sparse.c
+	test_optim.c test_optim4.c test_golden.c test_sparse.c test_sparse_mm.c
 test-isa: test-deps
 	@$(MAKE) --no-print-directory $(TEST_BIN) $(TOOL) $(FAKE_CUDA) $(FAKE_CUBLASLT) $(FAKE_NCCL)
 	@for c in $(ISA_CAPS); do echo "== MT_CPU_ISA=$$c"; \
@@ -303,7 +303,7 @@ ARM64_BUILD ?= build-arm64
 ARM64_PKGS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user libc6:arm64 \
 	libgomp1:arm64 libjemalloc2:arm64 libdnnl2:arm64
 ARM64_TESTS := test_ops.c test_engine.c test_qbase.c test_quant.c test_estimate.c test_isa.c \
-	test_golden.c test_sparse.c -every_optimizer_and_precision_learns_text
+	test_golden.c test_sparse.c test_sparse_mm.c -every_optimizer_and_precision_learns_text
 test-arm64: deps
 	@if ! dpkg --print-foreign-architectures | grep -qx arm64; then \
 	  if [ "$$(id -u)" = 0 ]; then dpkg --add-architecture arm64 && apt-get update -qq || exit 1; \

@@ -471,6 +471,28 @@ TEST(qbase_nf4_refuses_values_it_cannot_hold)
     CHECK_OK(mt_context_destroy(ctx));
 }
 
+/* Three steps of t (the losses into loss), then its gradients of a fourth
+ * batch and the model's weights (*w, *gr); the trainer goes. The count of
+ * parameters. */
+static size_t head_run(mt_context *ctx, mt_trainer *t, mt_model *m, float loss[3], float **w,
+                       float **gr)
+{
+    int32_t tok[B * T], tg[B * T];
+    mt_batch b;
+    for (int st = 0; st < 3; st++) {
+        check_token_batch(&b, tok, tg, B, T, V, st);
+        CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[st]));
+    }
+    const size_t n = mt_model_num_params(m);
+    *w = check_alloc(n * 4);
+    *gr = check_alloc(n * 4);
+    check_token_batch(&b, tok, tg, B, T, V, 7);
+    CHECK_OKC(ctx, mt_trainer_gradients(t, &b, NULL, *gr, n));
+    CHECK_OK(mt_model_get_params(m, *w, n));
+    mt_trainer_destroy(t);
+    return n;
+}
+
 /* The LM head fused with the loss (a frozen head, mti_engine_head_rows):
  * run a block of rows at a time, it gives the whole head's bits. LoRA on
  * an NF4 base (fp32; bf16 with the fused step and clipping, whose two
@@ -498,19 +520,7 @@ TEST(qbase_fused_head_same_bits)
             CHECK_OKC(ctx, mt_trainer_create(m[k], &tc, &t));
             CHECK(t->E.head_rows > 0);
             if (k < 2) t->E.head_rows = k ? 5 : 0; /* unfused; blocks of 5 rows */
-            int32_t tok[B * T], tg[B * T];
-            mt_batch b;
-            for (int st = 0; st < 3; st++) {
-                check_token_batch(&b, tok, tg, B, T, V, st);
-                CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[k][st]));
-            }
-            n = mt_model_num_params(m[k]);
-            w[k] = check_alloc(n * 4);
-            gr[k] = check_alloc(n * 4);
-            check_token_batch(&b, tok, tg, B, T, V, 7);
-            CHECK_OKC(ctx, mt_trainer_gradients(t, &b, NULL, gr[k], n));
-            CHECK_OK(mt_model_get_params(m[k], w[k], n));
-            mt_trainer_destroy(t);
+            n = head_run(ctx, t, m[k], loss[k], &w[k], &gr[k]);
             if (k) {
                 CHECK_MSG(!memcmp(loss[k], loss[0], sizeof loss[0]),
                           "case %d, blocks %d: losses %.9g %.9g %.9g, unfused %.9g %.9g %.9g", c, k,
@@ -554,19 +564,7 @@ TEST(trained_head_fused_same_bits)
                 CHECK(t->E.head_rows > 0);
                 if (blocks) t->E.head_rows = 5;
                 t->E.head_unfused = k; /* (k 1: the whole logits, the same dW blocks) */
-                int32_t tok[B * T], tg[B * T];
-                mt_batch b;
-                for (int st = 0; st < 3; st++) {
-                    check_token_batch(&b, tok, tg, B, T, V, st);
-                    CHECK_OKC(ctx, mt_trainer_step(t, &b, &loss[k][st]));
-                }
-                n = mt_model_num_params(m[k]);
-                w[k] = check_alloc(n * 4);
-                gr[k] = check_alloc(n * 4);
-                check_token_batch(&b, tok, tg, B, T, V, 7);
-                CHECK_OKC(ctx, mt_trainer_gradients(t, &b, NULL, gr[k], n));
-                CHECK_OK(mt_model_get_params(m[k], w[k], n));
-                mt_trainer_destroy(t);
+                n = head_run(ctx, t, m[k], loss[k], &w[k], &gr[k]);
             }
             CHECK_MSG(!memcmp(loss[1], loss[0], sizeof loss[0]),
                       "case %d blocks %d: losses %.9g %.9g %.9g, unfused %.9g %.9g %.9g", c, blocks,

@@ -344,64 +344,58 @@ static void *on(void *stream)
     return post.stream;
 }
 
+enum { C_ALL_REDUCE, C_REDUCE_SCATTER, C_ALL_GATHER, C_BROADCAST };
+
+/* One collective (kind: send, recv, count, type; op for the reductions,
+ * root for the broadcast, recv its buffer) queued with the device current,
+ * then issued. */
+static mt_status collective(nccl_state *st, int kind, const void *send, void *recv, size_t count,
+                            mt_comm_dtype dt, int op_or_root, void *stream)
+{
+    static const char *const what[] = {"ncclAllReduce", "ncclReduceScatter", "ncclAllGather",
+                                       "ncclBroadcast"};
+    if (st->aborted) return issued(st, what[kind], 0, stream);
+    const int in_ = dev_in(st);
+    void *q = on(stream);
+    const int t = nccl_type(dt);
+    nccl_result r;
+    switch (kind) {
+    case C_ALL_REDUCE:
+        r = st->api.AllReduce(send, recv, count, t, nccl_op(op_or_root), st->comm, q);
+        break;
+    case C_REDUCE_SCATTER:
+        r = st->api.ReduceScatter(send, recv, count, t, nccl_op(op_or_root), st->comm, q);
+        break;
+    case C_ALL_GATHER: r = st->api.AllGather(send, recv, count, t, st->comm, q); break;
+    default: r = st->api.Broadcast(recv, recv, count, t, op_or_root, st->comm, q); break;
+    }
+    const mt_status s = issued(st, what[kind], r, stream);
+    dev_out(st, in_);
+    return s;
+}
+
 static mt_status n_all_reduce(void *self, const void *send, void *recv, size_t count,
                               mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
-    nccl_state *st = self;
-    const int in_ = dev_in(st);
-    const mt_status s =
-        st->aborted ? issued(st, "ncclAllReduce", 0, stream)
-                    : issued(st, "ncclAllReduce",
-                             st->api.AllReduce(send, recv, count, nccl_type(dt), nccl_op(op),
-                                               st->comm, on(stream)),
-                             stream);
-    dev_out(st, in_);
-    return s;
+    return collective(self, C_ALL_REDUCE, send, recv, count, dt, (int)op, stream);
 }
 
 static mt_status n_reduce_scatter(void *self, const void *send, void *recv, size_t count,
                                   mt_comm_dtype dt, mt_comm_op op, void *stream)
 {
-    nccl_state *st = self;
-    const int in_ = dev_in(st);
-    const mt_status s =
-        st->aborted ? issued(st, "ncclReduceScatter", 0, stream)
-                    : issued(st, "ncclReduceScatter",
-                             st->api.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op),
-                                                   st->comm, on(stream)),
-                             stream);
-    dev_out(st, in_);
-    return s;
+    return collective(self, C_REDUCE_SCATTER, send, recv, count, dt, (int)op, stream);
 }
 
 static mt_status n_all_gather(void *self, const void *send, void *recv, size_t count,
                               mt_comm_dtype dt, void *stream)
 {
-    nccl_state *st = self;
-    const int in_ = dev_in(st);
-    const mt_status s =
-        st->aborted ? issued(st, "ncclAllGather", 0, stream)
-                    : issued(st, "ncclAllGather",
-                             st->api.AllGather(send, recv, count, nccl_type(dt), st->comm,
-                                               on(stream)),
-                             stream);
-    dev_out(st, in_);
-    return s;
+    return collective(self, C_ALL_GATHER, send, recv, count, dt, 0, stream);
 }
 
 static mt_status n_broadcast(void *self, void *buf, size_t count, mt_comm_dtype dt, int root,
                              void *stream)
 {
-    nccl_state *st = self;
-    const int in_ = dev_in(st);
-    const mt_status s =
-        st->aborted ? issued(st, "ncclBroadcast", 0, stream)
-                    : issued(st, "ncclBroadcast",
-                             st->api.Broadcast(buf, buf, count, nccl_type(dt), root, st->comm,
-                                               on(stream)),
-                             stream);
-    dev_out(st, in_);
-    return s;
+    return collective(self, C_BROADCAST, buf, buf, count, dt, root, stream);
 }
 
 /* Point to point: the send and the receive in one NCCL group (so two ranks

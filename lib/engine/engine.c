@@ -1023,8 +1023,9 @@ int mti_engine_head_rows(const mti_engine *E)
     const mti_layer *h = &m->layers[m->n_layers - 1];
     if (h->kind != MT_LAYER_LM_HEAD || m->tp) return 0;
     /* a trained head's weight gradient is made block by block with the
-       loss, unless its dlogits wait for the embedding (defer_tied) */
-    if (!m->params[h->tied].frozen && E->defer_tied) return 0;
+       loss, unless its dlogits wait for the embedding (defer_tied) or the
+       model is a pipeline's stage (stage_in, stage_out: set first) */
+    if (!m->params[h->tied].frozen && (E->defer_tied || E->stage_in || E->stage_out)) return 0;
     return head_block(E, h);
 }
 
@@ -1042,13 +1043,12 @@ static mt_status head_dw(mti_engine *E, float *g, const void *dy, const void *x,
     const int N = E->N, hb = E->head_rows > 0 ? E->head_rows : head_block(E, &E->m->layers[E->m->n_layers - 1]);
     const size_t es = mti_dtype_size(E->dt);
     mt_status s = MT_OK;
-    for (int b0 = 0; (b0 < N || (N == 0 && b0 == 0)) && !s; b0 += hb) { /* (no rows: one empty sum) */
+    for (int b0 = 0; (b0 == 0 || b0 < N) && !s; b0 += hb) { /* (no rows: one empty sum) */
         const int n = N - b0 < hb ? N - b0 : hb, fl = b0 == 0 ? set : 0;
         const void *dyb = (const char *)dy + (size_t)b0 * (size_t)out * es;
         const void *xb = (const char *)x + (size_t)b0 * (size_t)in * es;
         s = r1 ? op->matmul_dw_rows(&E->k, g, dyb, xb, n, in, out, r0, r1, E->dt, fl)
                : op->matmul_bwd(&E->k, NULL, g, NULL, dyb, xb, NULL, n, in, out, E->dt, fl);
-        if (N == 0) break;
     }
     return s;
 }

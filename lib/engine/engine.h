@@ -201,7 +201,8 @@ mt_status mti_engine_backward(mti_engine *E, int keep, mti_grad_hook hook, void 
  * the rows rounded up to a multiple of 8 (so every block's rows start
  * 16-byte aligned), for a model whose last layer is an LM head (not split
  * by tensor parallel) with a frozen weight, or a trained one whose dlogits
- * are not deferred (defer_tied, set first); 0 otherwise. A trained head's
+ * are not deferred and not a pipeline stage's (defer_tied, stage_in and
+ * stage_out set first); 0 otherwise. A trained head's
  * weight gradient is summed over the same blocks fused or not, so the two
  * make the same bits. */
 #define MTI_HEAD_BLOCK ((size_t)16 << 20)

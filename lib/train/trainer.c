@@ -665,13 +665,6 @@ static mt_status update_param(mt_trainer *t, int i, float grad_scale)
     return s;
 }
 
-/* Whether the model's LM head, if it has one, is frozen. */
-static bool head_frozen(const mt_model *m)
-{
-    const mti_layer *h = m->n_layers > 0 ? &m->layers[m->n_layers - 1] : NULL;
-    return !h || h->kind != MT_LAYER_LM_HEAD || h->tied < 0 || m->params[h->tied].frozen;
-}
-
 /* Rows per slice of the tied table's gradient in the fused step (0: made
  * whole). Slices start on the op table's dW tile rows, and at multiples of
  * the 8-bit block (8-bit state), of BARE_SLICE (no masters) and of the
@@ -1105,9 +1098,7 @@ mt_status mt_trainer_create(mt_model *m, const mt_trainer_config *cfg, mt_traine
     if (!s) s = mti_home_choose(t);
     if (!s) s = make_state(t);
     if (!s) t->E.tied_rows = tied_rows_for(t);
-    /* the LM head fused with the loss: a frozen one, or a trained one on one
-       stage (pipeline parallel keeps a trained head's logits) */
-    if (!s) t->E.head_rows = t->pp.size > 1 && !head_frozen(m) ? 0 : mti_engine_head_rows(&t->E);
+    if (!s) t->E.head_rows = mti_engine_head_rows(&t->E); /* (the LM head fused with the loss) */
     t->flag_grads = cfg->precision == MT_PREC_FP16 || !(cfg->grad_clip > 0.0f);
     if (!s) {
         t->found_inf = (mti_tensor){.dtype = MTI_I32, .ndim = 1, .shape = {2}};
